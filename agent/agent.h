@@ -1,0 +1,41 @@
+// Agent: one per node. Registers with the coordinator, heartbeats, starts the workers it is
+// assigned, captures their output into per-rank log files and forwards the lines, reports every
+// exit, and kills whole process groups on stop. Workers reach the coordinator's rendezvous store
+// only through the agent's local RendezvousService proxy.
+//
+// Threads: the connect thread reads the coordinator's command stream; the heartbeat thread beats;
+// the supervisor thread alone spawns, reads output, reaps and kills; the sender thread sends
+// reports and log batches in the order the supervisor produced them.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include "agent/process_spawner.h"
+#include "common/status.h"
+
+namespace ltrain::agent {
+
+struct AgentOptions {
+  std::string coordinator;          // HOST:PORT
+  std::string node_id;              // default: the host name
+  std::string work_dir;             // per-job recipes and per-rank logs
+  std::string worker_binary;        // default: ltrain-worker beside this executable
+  std::string bind_address = "127.0.0.1";  // where this node's workers listen for collectives
+  double heartbeat_interval_s = 1.0;
+  double stop_grace_s = 3.0;        // SIGTERM, then SIGKILL after this long
+};
+
+class Agent {
+ public:
+  static StatusOr<std::unique_ptr<Agent>> Start(AgentOptions options,
+                                                std::unique_ptr<ProcessSpawner> spawner = nullptr);
+  virtual ~Agent() = default;
+  virtual void Wait() = 0;      // until Shutdown
+  virtual void Shutdown() = 0;  // kills every worker, then returns
+};
+
+// ltrain-worker beside the running executable, or $LTRAIN_WORKER_BIN.
+std::string DefaultWorkerBinary();
+
+}  // namespace ltrain::agent

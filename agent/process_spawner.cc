@@ -1,0 +1,85 @@
+#include "agent/process_spawner.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <map>
+
+extern char** environ;
+
+namespace ltrain::agent {
+
+StatusOr<SpawnedProcess> RealProcessSpawner::Spawn(const SpawnSpec& spec) {
+  // Everything the child needs is built before fork: only async-signal-safe calls after it.
+  std::map<std::string, std::string> merged;
+  for (char** e = environ; *e; ++e) {
+    std::string entry(*e);
+    size_t eq = entry.find('=');
+    if (eq != std::string::npos) merged[entry.substr(0, eq)] = entry;
+  }
+  for (const auto& entry : spec.env) merged[entry.substr(0, entry.find('='))] = entry;
+  std::vector<std::string> env_strings;
+  for (auto& [key, entry] : merged) env_strings.push_back(entry);
+  std::vector<char*> envp;
+  for (auto& s : env_strings) envp.push_back(s.data());
+  envp.push_back(nullptr);
+  std::vector<std::string> arg_strings{spec.binary};
+  arg_strings.insert(arg_strings.end(), spec.args.begin(), spec.args.end());
+  std::vector<char*> argv;
+  for (auto& s : arg_strings) argv.push_back(s.data());
+  argv.push_back(nullptr);
+
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return Internal(std::string("pipe: ") + std::strerror(errno));
+  pid_t parent = getpid();
+  pid_t pid = fork();
+  if (pid < 0) {
+    int error = errno;
+    close(fds[0]);
+    close(fds[1]);
+    return Internal(std::string("fork: ") + std::strerror(error));
+  }
+  if (pid == 0) {
+    setpgid(0, 0);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    if (getppid() != parent) _exit(127);  // the agent died before prctl took effect
+    dup2(fds[1], STDOUT_FILENO);
+    dup2(fds[1], STDERR_FILENO);
+    int devnull = open("/dev/null", O_RDONLY);
+    if (devnull >= 0) dup2(devnull, STDIN_FILENO);
+    if (!spec.working_dir.empty() && chdir(spec.working_dir.c_str()) != 0) _exit(126);
+    // Every other descriptor is close-on-exec or closed here.
+    close_range(3, ~0U, 0);
+    execve(argv[0], argv.data(), envp.data());
+    const char message[] = "ltrain-agent: cannot execute the worker binary\n";
+    ssize_t ignored = write(STDERR_FILENO, message, sizeof(message) - 1);
+    (void)ignored;
+    _exit(127);
+  }
+  setpgid(pid, pid);  // also from the parent, so KillGroup works even before the child ran
+  close(fds[1]);
+  fcntl(fds[0], F_SETFL, fcntl(fds[0], F_GETFL) | O_NONBLOCK);
+  return SpawnedProcess{pid, fds[0]};
+}
+
+void RealProcessSpawner::KillGroup(pid_t pid, int signal) {
+  if (pid > 0 && killpg(pid, signal) != 0 && errno == ESRCH) kill(pid, signal);
+}
+
+std::optional<ProcessExit> RealProcessSpawner::TryReap() {
+  int status = 0;
+  pid_t pid = waitpid(-1, &status, WNOHANG);
+  if (pid <= 0) return std::nullopt;
+  ProcessExit exit;
+  exit.pid = pid;
+  if (WIFSIGNALED(status)) exit.signal = WTERMSIG(status);
+  else exit.exit_code = WEXITSTATUS(status);
+  return exit;
+}
+
+}  // namespace ltrain::agent

@@ -1,0 +1,593 @@
+// ltrain: the command line. Parses flags, wires the libraries, maps outcomes to exit codes.
+//
+// Exit codes: 0 success (job SUCCEEDED); 1 the job FAILED; 2 invalid input (flags, recipe, data);
+// 3 the coordinator could not be reached or answered an error; 4 the job was STOPPED.
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <thread>
+
+#include <CLI/CLI.hpp>
+#include <google/protobuf/util/json_util.h>
+#include <grpcpp/grpcpp.h>
+
+#include "agent/agent.h"
+#include "common/logging.h"
+#include "common/recipe.h"
+#include "common/signal_name.h"
+#include "common/token_data.h"
+#include "launcher/coordinator_server.h"
+#include "launcher/state_store.h"
+#include "ltrain/v1/ltrain.grpc.pb.h"
+
+namespace fs = std::filesystem;
+using namespace ltrain;
+
+namespace {
+
+constexpr int kExitOk = 0;
+constexpr int kExitFailed = 1;
+constexpr int kExitInvalid = 2;
+constexpr int kExitUnavailable = 3;
+constexpr int kExitStopped = 4;
+
+std::string LtrainHome() {
+  if (const char* env = getenv("LTRAIN_HOME"); env && *env) return env;
+  const char* home = getenv("HOME");
+  return (fs::path(home ? home : "/tmp") / ".ltrain").string();
+}
+
+std::string Absolute(const std::string& path) {
+  if (path.empty()) return path;
+  std::error_code ec;
+  fs::path absolute = fs::absolute(path, ec);
+  return ec ? path : absolute.lexically_normal().string();
+}
+
+std::chrono::system_clock::time_point Deadline(double seconds) {
+  return std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+}
+
+std::string ToJson(const google::protobuf::Message& message) {
+  google::protobuf::util::JsonPrintOptions options;
+  options.add_whitespace = true;
+  options.always_print_primitive_fields = true;
+  options.preserve_proto_field_names = true;
+  std::string out;
+  (void)google::protobuf::util::MessageToJsonString(message, &out, options);
+  return out;
+}
+
+std::string StateName(v1::JobState state) { return launcher::JobStateName(state); }
+
+int ExitCodeFor(v1::JobState state) {
+  switch (state) {
+    case v1::JOB_STATE_SUCCEEDED: return kExitOk;
+    case v1::JOB_STATE_STOPPED: return kExitStopped;
+    default: return kExitFailed;
+  }
+}
+
+std::string Age(int64_t unix_ms) {
+  int64_t seconds = (std::chrono::duration_cast<std::chrono::milliseconds>(
+                         std::chrono::system_clock::now().time_since_epoch()).count() - unix_ms) / 1000;
+  if (seconds < 120) return std::to_string(seconds) + "s ago";
+  if (seconds < 7200) return std::to_string(seconds / 60) + "m ago";
+  if (seconds < 172800) return std::to_string(seconds / 3600) + "h ago";
+  return std::to_string(seconds / 86400) + "d ago";
+}
+
+std::string FirstLine(const std::string& text, size_t max) {
+  std::string line = text.substr(0, text.find('\n'));
+  return line.size() > max ? line.substr(0, max - 3) + "..." : line;
+}
+
+// --- printing jobs ---------------------------------------------------------------------------
+
+void PrintJobTable(const std::vector<v1::Job>& jobs) {
+  if (jobs.empty()) {
+    std::printf("no jobs yet; start one with `ltrain launch RECIPE`\n");
+    return;
+  }
+  std::printf("%-28s %-10s %5s %8s %10s %-9s  %s\n", "JOB", "STATE", "RANKS", "STEP", "LOSS", "CREATED", "CAUSE");
+  for (const auto& job : jobs) {
+    char loss[32] = "-";
+    if (job.last_step() > 0) std::snprintf(loss, sizeof(loss), "%.4f", job.last_loss());
+    std::printf("%-28s %-10s %5d %8lld %10s %-9s  %s\n", job.id().c_str(), StateName(job.state()).c_str(),
+                job.world_size(), static_cast<long long>(job.last_step()), loss, Age(job.created_unix_ms()).c_str(),
+                FirstLine(job.cause(), 60).c_str());
+  }
+}
+
+void PrintJobDetail(const v1::Job& job) {
+  std::printf("job:        %s\n", job.id().c_str());
+  std::printf("state:      %s\n", StateName(job.state()).c_str());
+  std::printf("created:    %s\n", Age(job.created_unix_ms()).c_str());
+  std::printf("generation: %d\n", job.generation());
+  std::printf("step:       %lld\n", static_cast<long long>(job.last_step()));
+  if (job.last_step() > 0) std::printf("loss:       %.4f\n", job.last_loss());
+  if (!job.cause().empty()) std::printf("cause:      %s\n", job.cause().c_str());
+  if (job.ranks_size() > 0) {
+    std::printf("\n%5s %-14s %8s %-8s %5s  %s\n", "RANK", "NODE", "PID", "STATE", "EXIT", "LOG");
+    for (const auto& rank : job.ranks()) {
+      std::string exit = rank.signal() ? SignalName(rank.signal()) : std::to_string(rank.exit_code());
+      if (rank.state() == "running") exit = "-";
+      std::printf("%5d %-14s %8lld %-8s %5s  %s\n", rank.rank(), rank.node_id().c_str(),
+                  static_cast<long long>(rank.pid()), rank.state().c_str(), exit.c_str(), rank.log_path().c_str());
+    }
+  }
+}
+
+}  // namespace
+
+namespace {
+
+// --- talking to a coordinator ----------------------------------------------------------------
+
+struct Client {
+  explicit Client(const std::string& address)
+      : address(address),
+        stub(v1::JobService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))) {}
+  std::string address;
+  std::unique_ptr<v1::JobService::Stub> stub;
+
+  int Unreachable(const grpc::Status& status) const {
+    std::fprintf(stderr,
+                 "ltrain: cannot reach the coordinator at %s: %s\n"
+                 "        is `ltrain coordinator` running there? Check --coordinator HOST:PORT.\n",
+                 address.c_str(), status.error_message().c_str());
+    return kExitUnavailable;
+  }
+};
+
+int ReplyError(const v1::Status& status) {
+  std::fprintf(stderr, "ltrain: %s\n", status.message().c_str());
+  return status.code() == static_cast<int>(StatusCode::kInvalidArgument) ? kExitInvalid : kExitUnavailable;
+}
+
+// Streams a job's events and log lines until it ends; returns the exit code for its final state.
+int FollowJob(Client& client, const std::string& job_id, bool quiet) {
+  int64_t after = 0;
+  for (int attempt = 0;; ++attempt) {
+    grpc::ClientContext context;
+    v1::WatchJobRequest request;
+    request.set_job_id(job_id);
+    request.set_after_seq(after);
+    request.set_logs(true);
+    auto reader = client.stub->WatchJob(&context, request);
+    v1::Event event;
+    v1::JobState final_state = v1::JOB_STATE_UNSPECIFIED;
+    while (reader->Read(&event)) {
+      after = event.seq();
+      if (event.kind() == "log") {
+        if (!quiet) std::printf("[rank %d] %s\n", event.rank(), event.message().c_str());
+      } else if (event.kind() != "rank_started" || !quiet) {
+        std::printf("ltrain: %s\n", event.message().c_str());
+      }
+      std::fflush(stdout);
+      if (event.kind() == "state" && launcher::IsFinal(event.state())) final_state = event.state();
+    }
+    grpc::Status status = reader->Finish();
+    if (status.ok()) {
+      if (final_state == v1::JOB_STATE_UNSPECIFIED) {
+        grpc::ClientContext get_context;
+        get_context.set_deadline(Deadline(5));
+        v1::GetJobRequest get;
+        get.set_job_id(job_id);
+        v1::GetJobReply reply;
+        if (client.stub->GetJob(&get_context, get, &reply).ok() && reply.status().code() == 0) {
+          final_state = reply.job().state();
+        }
+      }
+      return ExitCodeFor(final_state);
+    }
+    if (status.error_code() == grpc::StatusCode::NOT_FOUND) {
+      std::fprintf(stderr, "ltrain: %s\n", status.error_message().c_str());
+      return kExitInvalid;
+    }
+    if (attempt >= 30) return client.Unreachable(status);
+    std::this_thread::sleep_for(std::chrono::seconds(1));  // the coordinator may be restarting
+  }
+}
+
+// --- launch ------------------------------------------------------------------------------------
+
+struct LaunchArgs {
+  std::string recipe;
+  std::vector<std::string> sets;
+  std::string coordinator;
+  bool detach = false;
+  bool quiet = false;
+  bool verbose = false;
+};
+
+// Blocks SIGINT/SIGTERM in every thread; a dedicated thread turns the first one into a stop.
+class InterruptWatcher {
+ public:
+  InterruptWatcher() {
+    sigemptyset(&set_);
+    sigaddset(&set_, SIGINT);
+    sigaddset(&set_, SIGTERM);
+    sigaddset(&set_, SIGUSR2);  // only ever sent by the destructor, to end the thread
+    pthread_sigmask(SIG_BLOCK, &set_, nullptr);
+  }
+  void Start(std::function<void(int)> on_signal) {
+    thread_ = std::thread([this, on_signal] {
+      int signal = 0;
+      while (sigwait(&set_, &signal) == 0 && signal != SIGUSR2) on_signal(signal);
+    });
+  }
+  ~InterruptWatcher() {
+    if (thread_.joinable()) {
+      pthread_kill(thread_.native_handle(), SIGUSR2);
+      thread_.join();
+    }
+  }
+
+ private:
+  sigset_t set_;
+  std::thread thread_;
+};
+
+int Launch(const LaunchArgs& args) {
+  RecipeParseResult parsed = LoadRecipeFile(args.recipe, args.sets);
+  if (!parsed.ok()) {
+    std::fprintf(stderr, "%s", parsed.ErrorText().c_str());
+    return kExitInvalid;
+  }
+  Recipe recipe = parsed.recipe;
+  recipe.data.path = Absolute(recipe.data.path);
+  recipe.checkpoint.dir = Absolute(recipe.checkpoint.dir);
+  recipe.checkpoint.resume_from = Absolute(recipe.checkpoint.resume_from);
+  bool standalone = args.coordinator.empty();
+  if (standalone && !fs::exists(fs::path(recipe.data.path) / "train.bin")) {
+    std::fprintf(stderr,
+                 "%s: data.path %s holds no prepared data (train.bin)\n"
+                 "    prepare it with: ltrain data prepare --input TEXT_FILE... --output %s\n",
+                 args.recipe.c_str(), recipe.data.path.c_str(), recipe.data.path.c_str());
+    return kExitInvalid;
+  }
+
+  InterruptWatcher interrupts;  // before any thread starts, so every thread inherits the mask
+  if (!args.verbose) SetLogLevel(LogLevel::kWarning);
+  std::unique_ptr<launcher::CoordinatorServer> coordinator;
+  std::unique_ptr<agent::Agent> local_agent;
+  std::string address = args.coordinator;
+  std::string home = LtrainHome();
+  if (standalone) {
+    launcher::CoordinatorServerOptions options;
+    options.state_dir = home;
+    StatusOr<std::unique_ptr<launcher::CoordinatorServer>> started = launcher::CoordinatorServer::Start(options);
+    if (!started.ok()) {
+      std::fprintf(stderr, "ltrain: %s\n", started.status().message().c_str());
+      return kExitUnavailable;
+    }
+    coordinator = std::move(started).value();
+    address = coordinator->address();
+    agent::AgentOptions agent_options;
+    agent_options.coordinator = address;
+    agent_options.node_id = "local";
+    agent_options.work_dir = (fs::path(home) / "agent-local").string();
+    StatusOr<std::unique_ptr<agent::Agent>> agent_started = agent::Agent::Start(agent_options);
+    if (!agent_started.ok()) {
+      std::fprintf(stderr, "ltrain: %s\n", agent_started.status().message().c_str());
+      return kExitUnavailable;
+    }
+    local_agent = std::move(agent_started).value();
+  }
+
+  Client client(address);
+  v1::SubmitJobRequest submit;
+  submit.set_recipe_yaml(RecipeToYaml(recipe));
+  submit.set_source_name(args.recipe);
+  v1::SubmitJobReply reply;
+  grpc::ClientContext context;
+  context.set_deadline(Deadline(10));
+  grpc::Status status = client.stub->SubmitJob(&context, submit, &reply);
+  if (!status.ok()) return client.Unreachable(status);
+  if (reply.status().code() != 0) return ReplyError(reply.status());
+  const std::string job_id = reply.job().id();
+  std::printf("ltrain: job %s submitted to %s%s\n", job_id.c_str(), standalone ? "the local coordinator at " : "",
+              address.c_str());
+  std::fflush(stdout);
+  fs::path address_file = fs::path(home) / "run" / (job_id + ".addr");
+  if (standalone) {
+    std::error_code ec;
+    fs::create_directories(address_file.parent_path(), ec);
+    std::ofstream(address_file) << address << "\n";
+  }
+  if (args.detach && !standalone) {
+    std::printf("%s\n", job_id.c_str());
+    return kExitOk;
+  }
+  bool interrupted = false;
+  interrupts.Start([&](int signal) {
+    if (interrupted) std::_Exit(130);  // a second interrupt: leave now; the workers die with us
+    interrupted = true;
+    std::fprintf(stderr, "\nltrain: %s received; stopping job %s\n", signal == SIGINT ? "interrupt" : "SIGTERM",
+                 job_id.c_str());
+    Client stopper(address);
+    v1::StopJobRequest stop;
+    stop.set_job_id(job_id);
+    stop.set_reason(std::string("stopped by ") + (signal == SIGINT ? "interrupt" : "SIGTERM") + " of ltrain launch");
+    v1::StopJobReply stop_reply;
+    grpc::ClientContext stop_context;
+    stop_context.set_deadline(Deadline(5));
+    stopper.stub->StopJob(&stop_context, stop, &stop_reply);
+  });
+  int code = FollowJob(client, job_id, args.quiet);
+  if (standalone) {
+    local_agent->Shutdown();
+    coordinator->Shutdown();
+    std::error_code ec;
+    fs::remove(address_file, ec);
+  }
+  return code;
+}
+
+// --- status / stop -----------------------------------------------------------------------------
+
+int ShowStatus(const std::string& job_id, const std::string& coordinator_address, const std::string& output, int limit) {
+  bool json = output == "json";
+  if (!coordinator_address.empty()) {
+    Client client(coordinator_address);
+    grpc::ClientContext context;
+    context.set_deadline(Deadline(3));
+    if (job_id.empty()) {
+      v1::ListJobsRequest request;
+      request.set_limit(limit);
+      v1::ListJobsReply reply;
+      grpc::Status status = client.stub->ListJobs(&context, request, &reply);
+      if (!status.ok()) return client.Unreachable(status);
+      if (reply.status().code() != 0) return ReplyError(reply.status());
+      if (json) std::printf("%s\n", ToJson(reply).c_str());
+      else PrintJobTable({reply.jobs().begin(), reply.jobs().end()});
+      return kExitOk;
+    }
+    v1::GetJobRequest request;
+    request.set_job_id(job_id);
+    v1::GetJobReply reply;
+    grpc::Status status = client.stub->GetJob(&context, request, &reply);
+    if (!status.ok()) return client.Unreachable(status);
+    if (reply.status().code() != 0) return ReplyError(reply.status());
+    if (json) std::printf("%s\n", ToJson(reply.job()).c_str());
+    else PrintJobDetail(reply.job());
+    return kExitOk;
+  }
+  // Standalone: the state of the local coordinators under $LTRAIN_HOME.
+  std::string home = LtrainHome();
+  if (!fs::exists(fs::path(home) / "state.db")) {
+    if (json) std::printf("{\n \"jobs\": []\n}\n");
+    else std::printf("no jobs yet under %s; start one with `ltrain launch RECIPE`\n", home.c_str());
+    return job_id.empty() ? kExitOk : kExitInvalid;
+  }
+  StatusOr<std::unique_ptr<launcher::StateStore>> store = launcher::OpenStateStore(home);
+  if (!store.ok()) {
+    std::fprintf(stderr, "ltrain: %s\n", store.status().message().c_str());
+    return kExitUnavailable;
+  }
+  if (job_id.empty()) {
+    StatusOr<std::vector<v1::Job>> jobs = (*store)->ListJobs(limit);
+    if (!jobs.ok()) {
+      std::fprintf(stderr, "ltrain: %s\n", jobs.status().message().c_str());
+      return kExitUnavailable;
+    }
+    if (json) {
+      v1::ListJobsReply reply;
+      for (auto& job : *jobs) *reply.add_jobs() = job;
+      std::printf("%s\n", ToJson(reply).c_str());
+    } else {
+      PrintJobTable(*jobs);
+    }
+    return kExitOk;
+  }
+  StatusOr<v1::Job> job = (*store)->GetJob(job_id);
+  if (!job.ok()) {
+    std::fprintf(stderr, "ltrain: %s\n", job.status().message().c_str());
+    return kExitInvalid;
+  }
+  if (json) std::printf("%s\n", ToJson(*job).c_str());
+  else PrintJobDetail(*job);
+  return kExitOk;
+}
+
+int Stop(const std::string& job_id, std::string coordinator_address) {
+  if (coordinator_address.empty()) {
+    std::ifstream in(fs::path(LtrainHome()) / "run" / (job_id + ".addr"));
+    if (!(in >> coordinator_address)) {
+      std::fprintf(stderr,
+                   "ltrain: no running local launch of job %s under %s; for a cluster job pass --coordinator HOST:PORT\n",
+                   job_id.c_str(), LtrainHome().c_str());
+      return kExitInvalid;
+    }
+  }
+  Client client(coordinator_address);
+  grpc::ClientContext context;
+  context.set_deadline(Deadline(5));
+  v1::StopJobRequest request;
+  request.set_job_id(job_id);
+  request.set_reason("stopped by `ltrain stop`");
+  v1::StopJobReply reply;
+  grpc::Status status = client.stub->StopJob(&context, request, &reply);
+  if (!status.ok()) return client.Unreachable(status);
+  if (reply.status().code() != 0) return ReplyError(reply.status());
+  std::printf("job %s: %s\n", job_id.c_str(), StateName(reply.job().state()).c_str());
+  return kExitOk;
+}
+
+// --- daemons -----------------------------------------------------------------------------------
+
+int RunCoordinator(const std::string& listen, std::string state_dir, const std::string& port_file,
+                   double node_timeout_s) {
+  if (state_dir.empty()) state_dir = LtrainHome();
+  InterruptWatcher interrupts;
+  launcher::CoordinatorServerOptions options;
+  options.listen_address = listen;
+  options.state_dir = state_dir;
+  options.node_timeout_ms = static_cast<int64_t>(node_timeout_s * 1000);
+  StatusOr<std::unique_ptr<launcher::CoordinatorServer>> server = launcher::CoordinatorServer::Start(options);
+  if (!server.ok()) {
+    std::fprintf(stderr, "ltrain coordinator: %s\n", server.status().message().c_str());
+    return kExitUnavailable;
+  }
+  LTRAIN_LOG(kInfo, "coordinator") << "listening on " << (*server)->address() << ", state in " << state_dir;
+  if (!port_file.empty()) {
+    std::ofstream tmp(port_file + ".tmp");
+    tmp << (*server)->port() << "\n";
+    tmp.close();
+    fs::rename(port_file + ".tmp", port_file);
+  }
+  launcher::CoordinatorServer* raw = server->get();
+  interrupts.Start([raw](int) { raw->Shutdown(); });
+  raw->Wait();
+  raw->Shutdown();
+  return kExitOk;
+}
+
+int RunAgent(agent::AgentOptions options) {
+  InterruptWatcher interrupts;
+  if (options.work_dir.empty()) {
+    options.work_dir = (fs::path(LtrainHome()) / ("agent-" + (options.node_id.empty() ? "node" : options.node_id))).string();
+  }
+  StatusOr<std::unique_ptr<agent::Agent>> started = agent::Agent::Start(options);
+  if (!started.ok()) {
+    std::fprintf(stderr, "ltrain agent: %s\n", started.status().message().c_str());
+    return started.status().code() == StatusCode::kInvalidArgument ? kExitInvalid : kExitUnavailable;
+  }
+  agent::Agent* raw = started->get();
+  interrupts.Start([raw](int) { raw->Shutdown(); });
+  raw->Wait();
+  return kExitOk;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{
+      "ltrain: launch and keep alive distributed LLM training jobs.\n\n"
+      "Standalone: `ltrain launch RECIPE` starts a coordinator and an agent on loopback itself.\n"
+      "Cluster: `ltrain coordinator` on one host, `ltrain agent --coordinator HOST:PORT` on every node,\n"
+      "then `ltrain launch --coordinator HOST:PORT RECIPE`.\n\n"
+      "State lives under $LTRAIN_HOME (default ~/.ltrain).\n"
+      "Exit codes: 0 success, 1 job failed, 2 invalid input, 3 coordinator unreachable or error, 4 job stopped.",
+      "ltrain"};
+  app.set_version_flag("--version", std::string("ltrain ") + LTRAIN_VERSION);
+  app.require_subcommand(1);
+  std::string log_level = "info";
+  app.add_option("--log-level", log_level, "debug, info, warning or error")->capture_default_str();
+
+  // launch
+  LaunchArgs launch;
+  CLI::App* launch_cmd = app.add_subcommand("launch", "Run a training job and stream its logs until it ends");
+  launch_cmd->add_option("recipe", launch.recipe, "Recipe YAML file")->required();
+  launch_cmd->add_option("--set", launch.sets, "Override a recipe field, e.g. --set training.steps=200 (repeatable)")
+      ->expected(1)->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  launch_cmd->add_option("--coordinator", launch.coordinator,
+                         "HOST:PORT of a running coordinator; without it ltrain starts one and a local agent");
+  launch_cmd->add_flag("--detach", launch.detach, "With --coordinator: print the job id and return at once");
+  launch_cmd->add_flag("-q,--quiet", launch.quiet, "Print job events only, not the workers' log lines");
+  launch_cmd->add_flag("-v,--verbose", launch.verbose, "Also print the embedded coordinator's and agent's logs");
+
+  // validate
+  std::string validate_recipe;
+  std::vector<std::string> validate_sets;
+  CLI::App* validate_cmd = app.add_subcommand("validate", "Check a recipe; print it resolved, or every error (exit 2)");
+  validate_cmd->add_option("recipe", validate_recipe, "Recipe YAML file")->required();
+  validate_cmd->add_option("--set", validate_sets, "Override a recipe field (repeatable)")
+      ->expected(1)->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+
+  // data prepare
+  CLI::App* data_cmd = app.add_subcommand("data", "Prepare training data");
+  data_cmd->require_subcommand(1);
+  std::vector<std::string> data_inputs;
+  std::string data_output, tokenizer = "byte";
+  double val_fraction = 0.05;
+  CLI::App* prepare_cmd = data_cmd->add_subcommand(
+      "prepare", "Tokenize text files into train.bin and val.bin (header: magic, version, vocab, count)");
+  prepare_cmd->add_option("--input", data_inputs, "Text file(s), concatenated in order")->required()
+      ->expected(1, -1)->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  prepare_cmd->add_option("--output", data_output, "Directory to write train.bin and val.bin into")->required();
+  prepare_cmd->add_option("--val-fraction", val_fraction, "Share of the tokens kept for validation (the tail)")
+      ->check(CLI::Range(0.0, 0.5))->capture_default_str();
+  prepare_cmd->add_option("--tokenizer", tokenizer, "Tokenizer; byte (vocab 256)")
+      ->check(CLI::IsMember({"byte"}))->capture_default_str();
+
+  // status / stop
+  std::string status_job, status_coordinator, status_output = "table";
+  int status_limit = 50;
+  CLI::App* status_cmd = app.add_subcommand("status", "Show one job, or list the jobs (newest first)");
+  status_cmd->add_option("job", status_job, "Job id; omit to list jobs");
+  status_cmd->add_option("--coordinator", status_coordinator, "HOST:PORT; without it, the local state in $LTRAIN_HOME");
+  status_cmd->add_option("-o,--output", status_output, "table or json")->check(CLI::IsMember({"table", "json"}));
+  status_cmd->add_option("--limit", status_limit, "Jobs to list")->capture_default_str();
+  std::string stop_job, stop_coordinator;
+  CLI::App* stop_cmd = app.add_subcommand("stop", "Stop a job: its workers get SIGTERM, then SIGKILL");
+  stop_cmd->add_option("job", stop_job, "Job id")->required();
+  stop_cmd->add_option("--coordinator", stop_coordinator, "HOST:PORT; without it, the local launch running the job");
+
+  // coordinator
+  std::string listen = "127.0.0.1:7070", state_dir, port_file;
+  double node_timeout_s = 3.0;
+  CLI::App* coordinator_cmd = app.add_subcommand("coordinator", "Run the coordinator daemon");
+  coordinator_cmd->add_option("--listen", listen, "HOST:PORT to serve on; port 0 picks a free one")->capture_default_str();
+  coordinator_cmd->add_option("--state-dir", state_dir, "Directory of state.db and default checkpoints ($LTRAIN_HOME)");
+  coordinator_cmd->add_option("--port-file", port_file, "Write the chosen port here once listening");
+  coordinator_cmd->add_option("--node-timeout", node_timeout_s, "Seconds without heartbeat before a node is lost")
+      ->capture_default_str();
+
+  // agent
+  agent::AgentOptions agent_options;
+  CLI::App* agent_cmd = app.add_subcommand("agent", "Run the node agent that starts and supervises workers");
+  agent_cmd->add_option("--coordinator", agent_options.coordinator, "HOST:PORT of the coordinator")->required();
+  agent_cmd->add_option("--node-id", agent_options.node_id, "Name of this node (default: host name)");
+  agent_cmd->add_option("--work-dir", agent_options.work_dir, "Per-job recipes and per-rank logs");
+  agent_cmd->add_option("--worker-binary", agent_options.worker_binary, "ltrain-worker to start (default: beside ltrain)");
+  agent_cmd->add_option("--bind-address", agent_options.bind_address, "Address this node's workers use for collectives")
+      ->capture_default_str();
+  agent_cmd->add_option("--heartbeat-interval", agent_options.heartbeat_interval_s, "Seconds between heartbeats")
+      ->capture_default_str();
+
+  CLI11_PARSE(app, argc, argv);
+  LogLevel level;
+  if (!ParseLogLevel(log_level, &level)) {
+    std::fprintf(stderr, "ltrain: --log-level %s is not one of debug, info, warning, error\n", log_level.c_str());
+    return kExitInvalid;
+  }
+  SetLogLevel(level);
+
+  if (*launch_cmd) return Launch(launch);
+  if (*validate_cmd) {
+    RecipeParseResult parsed = LoadRecipeFile(validate_recipe, validate_sets);
+    if (!parsed.ok()) {
+      std::fprintf(stderr, "%s", parsed.ErrorText().c_str());
+      std::fprintf(stderr, "%zu error(s) in %s\n", parsed.errors.size(), validate_recipe.c_str());
+      return kExitInvalid;
+    }
+    std::printf("%s", RecipeToYaml(parsed.recipe).c_str());
+    return kExitOk;
+  }
+  if (*prepare_cmd) {
+    std::printf("tokenizing %zu file(s) with the %s tokenizer...\n", data_inputs.size(), tokenizer.c_str());
+    std::fflush(stdout);
+    StatusOr<PrepareStats> stats = PrepareTokenData(data_inputs, data_output, val_fraction, tokenizer);
+    if (!stats.ok()) {
+      std::fprintf(stderr, "ltrain data prepare: %s\n", stats.status().message().c_str());
+      return kExitInvalid;
+    }
+    std::printf("wrote %s (%lld tokens) and %s (%lld tokens), vocab %d\n", stats->train_path.c_str(),
+                static_cast<long long>(stats->train_tokens), stats->val_path.c_str(),
+                static_cast<long long>(stats->val_tokens), stats->vocab);
+    return kExitOk;
+  }
+  if (*status_cmd) return ShowStatus(status_job, status_coordinator, status_output, status_limit);
+  if (*stop_cmd) return Stop(stop_job, stop_coordinator);
+  if (*coordinator_cmd) return RunCoordinator(listen, state_dir, port_file, node_timeout_s);
+  if (*agent_cmd) return RunAgent(agent_options);
+  return kExitInvalid;
+}

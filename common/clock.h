@@ -1,0 +1,42 @@
+// Time as every timeout, heartbeat and backoff reads it. Tests drive FakeClock by hand.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+
+namespace ltrain {
+
+class Clock {
+ public:
+  virtual ~Clock() = default;
+  // Monotonic milliseconds, for durations.
+  virtual int64_t SteadyMs() const = 0;
+  // Wall-clock milliseconds since the Unix epoch, for records users read.
+  virtual int64_t UnixMs() const = 0;
+};
+
+class RealClock : public Clock {
+ public:
+  int64_t SteadyMs() const override {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(
+               std::chrono::steady_clock::now().time_since_epoch()).count();
+  }
+  int64_t UnixMs() const override {
+    return std::chrono::duration_cast<std::chrono::milliseconds>(
+               std::chrono::system_clock::now().time_since_epoch()).count();
+  }
+};
+
+class FakeClock : public Clock {
+ public:
+  explicit FakeClock(int64_t start_ms = 1'000'000) : now_ms_(start_ms) {}
+  int64_t SteadyMs() const override { return now_ms_; }
+  int64_t UnixMs() const override { return now_ms_; }
+  void AdvanceMs(int64_t ms) { now_ms_ += ms; }
+
+ private:
+  std::atomic<int64_t> now_ms_;
+};
+
+}  // namespace ltrain

@@ -1,0 +1,42 @@
+// One logging family for every process: level, UTC time, component context ("coordinator",
+// "agent node-1"), written to stderr one whole line at a time.
+#pragma once
+
+#include <sstream>
+#include <string>
+
+namespace ltrain {
+
+enum class LogLevel { kDebug = 0, kInfo = 1, kWarning = 2, kError = 3 };
+
+void SetLogLevel(LogLevel level);
+LogLevel GetLogLevel();
+// Parses debug|info|warning|error; false when the name is unknown.
+bool ParseLogLevel(const std::string& name, LogLevel* level);
+
+class LogMessage {
+ public:
+  LogMessage(LogLevel level, const char* component);
+  ~LogMessage();
+  std::ostringstream& stream() { return stream_; }
+
+ private:
+  LogLevel level_;
+  const char* component_;
+  std::ostringstream stream_;
+};
+
+}  // namespace ltrain
+
+namespace ltrain {
+// Lets the macro below be one expression, so it is safe inside an unbraced if.
+struct LogVoidify {
+  void operator&(std::ostream&) {}
+};
+}  // namespace ltrain
+
+// LTRAIN_LOG(kInfo, "coordinator") << "job " << id << " placed";
+#define LTRAIN_LOG(level, component)                                   \
+  (::ltrain::LogLevel::level < ::ltrain::GetLogLevel())                \
+      ? (void)0                                                        \
+      : ::ltrain::LogVoidify() & ::ltrain::LogMessage(::ltrain::LogLevel::level, component).stream()

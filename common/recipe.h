@@ -1,0 +1,112 @@
+// Recipe: the YAML description of a training job, parsed into plain structs and validated before
+// anything starts. The same parser reads the user's file, the resolved copy stored with the job,
+// and the copy a worker receives.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace ltrain {
+
+struct ModelSpec {
+  int layers = 2;
+  int d_model = 128;
+  int heads = 4;
+  int seq_len = 64;
+  int vocab = 256;
+};
+
+struct DataSpec {
+  std::string path;              // a directory written by `ltrain data prepare`
+  std::string tokenizer = "byte";
+};
+
+struct TrainingSpec {
+  int64_t steps = 100;
+  int micro_batch = 8;
+  int global_batch = 16;         // sequences per optimizer step, across all data-parallel ranks
+  double lr = 1e-3;              // peak learning rate
+  double min_lr = 1e-4;          // floor of the cosine decay
+  int64_t warmup_steps = 10;
+  std::string lr_schedule = "cosine";  // cosine | constant
+  double weight_decay = 0.1;
+  double grad_clip = 1.0;        // max global gradient norm; 0 turns clipping off
+  uint64_t seed = 1337;
+  int64_t log_every = 10;
+};
+
+struct ParallelSpec {
+  int nodes = 1;
+  int nproc_per_node = 1;
+  int tp = 1;
+  int pp = 1;
+  int zero = 0;
+  std::string device = "cpu";    // cpu (Gloo) | cuda (NCCL)
+
+  int world_size() const { return nodes * nproc_per_node; }
+  int dp() const { return world_size() / (tp * pp); }
+};
+
+struct CheckpointSpec {
+  std::string dir;               // empty: $LTRAIN_HOME/checkpoints/<job>
+  int64_t every = 0;             // steps between checkpoints; 0 writes only the final one
+  int keep = 2;
+  std::string resume_from;       // a checkpoint directory to start from; empty starts fresh
+};
+
+struct FaultSpec {
+  int max_restarts = 0;
+  double heartbeat_interval_s = 1.0;
+  int heartbeat_misses = 3;
+  double hang_timeout_s = 60.0;
+};
+
+struct Recipe {
+  std::string name;
+  ModelSpec model;
+  DataSpec data;
+  TrainingSpec training;
+  ParallelSpec parallel;
+  CheckpointSpec checkpoint;
+  FaultSpec fault;
+
+  // Micro-batches each data-parallel rank accumulates per optimizer step.
+  int accumulation_steps() const {
+    return training.global_batch / (training.micro_batch * parallel.dp());
+  }
+};
+
+// One problem found in a recipe, located in its source. line/column are 1-based; 0 when the value
+// came from a --set override rather than the file.
+struct RecipeError {
+  std::string file;
+  int line = 0;
+  int column = 0;
+  std::string message;
+
+  std::string ToString() const;  // "file:line:col: message"
+};
+
+struct RecipeParseResult {
+  Recipe recipe;
+  std::vector<RecipeError> errors;
+  bool ok() const { return errors.empty(); }
+  std::string ErrorText() const;  // every error, one per line
+};
+
+// Parses YAML text. `source_name` names the file in errors. `overrides` are "dotted.key=value"
+// strings applied on top of the file before validation, as `--set` gives them.
+RecipeParseResult ParseRecipe(const std::string& yaml_text, const std::string& source_name,
+                              const std::vector<std::string>& overrides = {});
+
+// Reads and parses a file; a missing file is one error naming it.
+RecipeParseResult LoadRecipeFile(const std::string& path,
+                                 const std::vector<std::string>& overrides = {});
+
+// The resolved recipe as YAML, every field present; ParseRecipe of it gives the same Recipe.
+std::string RecipeToYaml(const Recipe& recipe);
+
+}  // namespace ltrain

@@ -1,0 +1,198 @@
+#include "launcher/coordinator_server.h"
+
+#include <filesystem>
+
+#include <grpcpp/health_check_service_interface.h>
+
+#include "common/logging.h"
+#include "ltrain/v1/ltrain.grpc.pb.h"
+
+namespace ltrain::launcher {
+namespace {
+
+void SetStatus(v1::Status* out, const Status& status) {
+  out->set_code(static_cast<int32_t>(status.code()));
+  out->set_message(status.message());
+}
+
+class JobServiceImpl final : public v1::JobService::Service {
+ public:
+  explicit JobServiceImpl(Coordinator* coordinator) : coordinator_(coordinator) {}
+
+  grpc::Status SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest* request, v1::SubmitJobReply* reply) override {
+    StatusOr<v1::Job> job = coordinator_->Submit(request->recipe_yaml(), request->source_name());
+    SetStatus(reply->mutable_status(), job.status());
+    if (job.ok()) *reply->mutable_job() = *job;
+    return grpc::Status::OK;
+  }
+
+  grpc::Status GetJob(grpc::ServerContext*, const v1::GetJobRequest* request, v1::GetJobReply* reply) override {
+    StatusOr<v1::Job> job = coordinator_->GetJob(request->job_id());
+    SetStatus(reply->mutable_status(), job.status());
+    if (job.ok()) *reply->mutable_job() = *job;
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ListJobs(grpc::ServerContext*, const v1::ListJobsRequest* request, v1::ListJobsReply* reply) override {
+    StatusOr<std::vector<v1::Job>> jobs = coordinator_->ListJobs(request->limit());
+    SetStatus(reply->mutable_status(), jobs.status());
+    if (jobs.ok()) {
+      for (auto& job : *jobs) *reply->add_jobs() = std::move(job);
+    }
+    return grpc::Status::OK;
+  }
+
+  grpc::Status StopJob(grpc::ServerContext*, const v1::StopJobRequest* request, v1::StopJobReply* reply) override {
+    StatusOr<v1::Job> job = coordinator_->Stop(request->job_id(), request->reason());
+    SetStatus(reply->mutable_status(), job.status());
+    if (job.ok()) *reply->mutable_job() = *job;
+    return grpc::Status::OK;
+  }
+
+  grpc::Status WatchJob(grpc::ServerContext* context, const v1::WatchJobRequest* request,
+                        grpc::ServerWriter<v1::Event>* writer) override {
+    int64_t after = request->after_seq();
+    while (!context->IsCancelled() && !coordinator_->shutting_down()) {
+      bool finished = false;
+      StatusOr<std::vector<v1::Event>> events =
+          coordinator_->WaitEvents(request->job_id(), after, request->logs(), 250, &finished);
+      if (!events.ok()) return grpc::Status(grpc::StatusCode::NOT_FOUND, events.status().message());
+      for (const auto& event : *events) {
+        if (!writer->Write(event)) return grpc::Status::CANCELLED;
+        after = std::max(after, event.seq());
+      }
+      if (finished) return grpc::Status::OK;
+    }
+    return grpc::Status(grpc::StatusCode::UNAVAILABLE, "coordinator is shutting down");
+  }
+
+ private:
+  Coordinator* coordinator_;
+};
+
+class AgentServiceImpl final : public v1::AgentService::Service {
+ public:
+  explicit AgentServiceImpl(Coordinator* coordinator) : coordinator_(coordinator) {}
+
+  grpc::Status Connect(grpc::ServerContext* context, const v1::RegisterRequest* request,
+                       grpc::ServerWriter<v1::Command>* writer) override {
+    if (request->node_id().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "node_id is empty");
+    int64_t token = coordinator_->NodeConnected(request->node_id(), request->facts());
+    // An empty first message tells the agent it is registered.
+    bool alive = writer->Write(v1::Command());
+    while (alive && !context->IsCancelled() && !coordinator_->shutting_down()) {
+      std::optional<v1::Command> command = coordinator_->WaitCommand(request->node_id(), 250);
+      if (command && !writer->Write(*command)) alive = false;
+    }
+    coordinator_->NodeDisconnected(request->node_id(), token);
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* request, v1::HeartbeatReply* reply) override {
+    SetStatus(reply->mutable_status(), coordinator_->Heartbeat(request->node_id()));
+    return grpc::Status::OK;
+  }
+
+  grpc::Status ReportWorkerState(grpc::ServerContext*, const v1::WorkerStateReport* request,
+                                 v1::WorkerStateReply* reply) override {
+    SetStatus(reply->mutable_status(), coordinator_->ReportWorkerState(*request));
+    return grpc::Status::OK;
+  }
+
+  grpc::Status PushLogs(grpc::ServerContext*, const v1::PushLogsRequest* request, v1::PushLogsReply*) override {
+    coordinator_->PushLogs(*request);
+    return grpc::Status::OK;
+  }
+
+ private:
+  Coordinator* coordinator_;
+};
+
+class RendezvousServiceImpl final : public v1::RendezvousService::Service {
+ public:
+  explicit RendezvousServiceImpl(Coordinator* coordinator) : coordinator_(coordinator) {}
+
+  grpc::Status Set(grpc::ServerContext*, const v1::KvSetRequest* request, v1::KvSetReply*) override {
+    coordinator_->KvSet(request->key(), request->value());
+    return grpc::Status::OK;
+  }
+
+  grpc::Status Get(grpc::ServerContext*, const v1::KvGetRequest* request, v1::KvGetReply* reply) override {
+    std::vector<std::string> keys(request->keys().begin(), request->keys().end());
+    std::optional<std::vector<std::string>> values = coordinator_->KvGet(keys, request->timeout_ms());
+    if (!values) {
+      SetStatus(reply->mutable_status(),
+                Status(StatusCode::kDeadlineExceeded, "rendezvous keys not published within " +
+                                                          std::to_string(request->timeout_ms()) + " ms"));
+      return grpc::Status::OK;
+    }
+    for (auto& value : *values) reply->add_values(std::move(value));
+    return grpc::Status::OK;
+  }
+
+ private:
+  Coordinator* coordinator_;
+};
+
+}  // namespace
+
+StatusOr<std::unique_ptr<StateStore>> OpenStateStore(const std::string& state_dir) {
+  std::error_code ec;
+  std::filesystem::create_directories(state_dir, ec);
+  if (ec) return Unavailable("cannot create the state directory " + state_dir + ": " + ec.message());
+  StatusOr<std::unique_ptr<SqliteStateStore>> store =
+      SqliteStateStore::Open((std::filesystem::path(state_dir) / "state.db").string());
+  if (!store.ok()) return store.status();
+  return std::unique_ptr<StateStore>(std::move(store).value());
+}
+
+StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const CoordinatorServerOptions& options) {
+  std::unique_ptr<CoordinatorServer> server(new CoordinatorServer());
+  StatusOr<std::unique_ptr<StateStore>> store = OpenStateStore(options.state_dir);
+  if (!store.ok()) return store.status();
+  server->store_ = std::move(store).value();
+  CoordinatorOptions coordinator_options;
+  coordinator_options.state_dir = options.state_dir;
+  coordinator_options.node_timeout_ms = options.node_timeout_ms;
+  server->coordinator_ = std::make_unique<Coordinator>(server->store_.get(), &server->clock_, coordinator_options);
+  server->job_service_ = std::make_unique<JobServiceImpl>(server->coordinator_.get());
+  server->agent_service_ = std::make_unique<AgentServiceImpl>(server->coordinator_.get());
+  server->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(server->coordinator_.get());
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(), &server->port_);
+  builder.RegisterService(server->job_service_.get());
+  builder.RegisterService(server->agent_service_.get());
+  builder.RegisterService(server->rendezvous_service_.get());
+  server->server_ = builder.BuildAndStart();
+  if (!server->server_ || server->port_ == 0) {
+    return Unavailable("cannot listen on " + options.listen_address +
+                       "; is the port in use? Pick another with --listen HOST:PORT");
+  }
+  server->host_ = options.listen_address.substr(0, options.listen_address.rfind(':'));
+  if (server->host_ == "0.0.0.0" || server->host_ == "[::]") server->host_ = "127.0.0.1";
+  CoordinatorServer* raw = server.get();
+  server->monitor_ = std::thread([raw] {
+    while (!raw->stopping_) {
+      raw->coordinator_->CheckNodes();
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  });
+  return server;
+}
+
+std::string CoordinatorServer::address() const { return host_ + ":" + std::to_string(port_); }
+
+void CoordinatorServer::Wait() { server_->Wait(); }
+
+void CoordinatorServer::Shutdown() {
+  if (stopping_.exchange(true)) return;
+  coordinator_->Shutdown();
+  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+  if (monitor_.joinable()) monitor_.join();
+}
+
+CoordinatorServer::~CoordinatorServer() { Shutdown(); }
+
+}  // namespace ltrain::launcher

@@ -1,0 +1,53 @@
+// The coordinator's gRPC server: JobService, AgentService and RendezvousService over one
+// Coordinator, plus grpc.health.v1. Owns a monitor thread that checks node heartbeats.
+#pragma once
+
+#include <atomic>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+
+#include "common/clock.h"
+#include "common/status.h"
+#include "launcher/coordinator.h"
+#include "launcher/state_store.h"
+
+namespace ltrain::launcher {
+
+struct CoordinatorServerOptions {
+  std::string listen_address = "127.0.0.1:0";  // port 0 picks a free port
+  std::string state_dir;                        // holds state.db and default checkpoints
+  int64_t node_timeout_ms = 3000;
+};
+
+class CoordinatorServer {
+ public:
+  static StatusOr<std::unique_ptr<CoordinatorServer>> Start(const CoordinatorServerOptions& options);
+  ~CoordinatorServer();
+
+  int port() const { return port_; }
+  std::string address() const;  // host:port clients dial
+  Coordinator& coordinator() { return *coordinator_; }
+  void Wait();                    // until Shutdown from another thread
+  void Shutdown();
+
+ private:
+  CoordinatorServer() = default;
+
+  RealClock clock_;
+  std::unique_ptr<StateStore> store_;
+  std::unique_ptr<Coordinator> coordinator_;
+  std::unique_ptr<grpc::Service> job_service_, agent_service_, rendezvous_service_;
+  std::unique_ptr<grpc::Server> server_;
+  std::string host_;
+  int port_ = 0;
+  std::atomic<bool> stopping_{false};
+  std::thread monitor_;
+};
+
+// Opens the SQLite state under `state_dir` (created if needed).
+StatusOr<std::unique_ptr<StateStore>> OpenStateStore(const std::string& state_dir);
+
+}  // namespace ltrain::launcher

@@ -1,0 +1,290 @@
+#include "launcher/state_store.h"
+
+#include <sqlite3.h>
+
+#include <functional>
+
+namespace ltrain::launcher {
+namespace {
+
+constexpr const char* kSchema = R"sql(
+CREATE TABLE IF NOT EXISTS jobs (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  id TEXT UNIQUE,
+  name TEXT NOT NULL,
+  state INTEGER NOT NULL,
+  recipe TEXT NOT NULL,
+  world_size INTEGER NOT NULL,
+  generation INTEGER NOT NULL DEFAULT 0,
+  cause TEXT NOT NULL DEFAULT '',
+  created_ms INTEGER NOT NULL,
+  updated_ms INTEGER NOT NULL,
+  last_step INTEGER NOT NULL DEFAULT 0,
+  last_loss REAL NOT NULL DEFAULT 0
+);
+CREATE TABLE IF NOT EXISTS ranks (
+  job_id TEXT NOT NULL,
+  rank INTEGER NOT NULL,
+  node_id TEXT NOT NULL,
+  local_rank INTEGER NOT NULL,
+  pid INTEGER NOT NULL,
+  state TEXT NOT NULL,
+  exit_code INTEGER NOT NULL,
+  signal INTEGER NOT NULL,
+  log_path TEXT NOT NULL,
+  PRIMARY KEY (job_id, rank)
+);
+CREATE TABLE IF NOT EXISTS nodes (
+  id TEXT PRIMARY KEY,
+  hostname TEXT NOT NULL,
+  address TEXT NOT NULL,
+  gpus INTEGER NOT NULL,
+  cpus INTEGER NOT NULL,
+  seen_ms INTEGER NOT NULL
+);
+CREATE TABLE IF NOT EXISTS events (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  job_id TEXT NOT NULL,
+  unix_ms INTEGER NOT NULL,
+  kind TEXT NOT NULL,
+  message TEXT NOT NULL,
+  rank INTEGER NOT NULL,
+  state INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS events_by_job ON events(job_id, seq);
+)sql";
+
+// A prepared statement that finalizes itself.
+class Statement {
+ public:
+  Statement(sqlite3* db, const char* sql) { rc_ = sqlite3_prepare_v2(db, sql, -1, &stmt_, nullptr); }
+  ~Statement() { sqlite3_finalize(stmt_); }
+  bool ok() const { return rc_ == SQLITE_OK; }
+  Statement& Bind(int i, const std::string& v) {
+    sqlite3_bind_text(stmt_, i, v.c_str(), static_cast<int>(v.size()), SQLITE_TRANSIENT);
+    return *this;
+  }
+  Statement& Bind(int i, int64_t v) {
+    sqlite3_bind_int64(stmt_, i, v);
+    return *this;
+  }
+  Statement& Bind(int i, double v) {
+    sqlite3_bind_double(stmt_, i, v);
+    return *this;
+  }
+  int Step() { return sqlite3_step(stmt_); }
+  std::string Text(int i) {
+    const unsigned char* t = sqlite3_column_text(stmt_, i);
+    return t ? reinterpret_cast<const char*>(t) : "";
+  }
+  int64_t Int(int i) { return sqlite3_column_int64(stmt_, i); }
+  double Real(int i) { return sqlite3_column_double(stmt_, i); }
+
+ private:
+  sqlite3_stmt* stmt_ = nullptr;
+  int rc_;
+};
+
+Status SqlError(sqlite3* db, const std::string& what) {
+  return Internal("state store: " + what + ": " + sqlite3_errmsg(db));
+}
+
+constexpr const char* kJobColumns =
+    "id, name, state, recipe, world_size, generation, cause, created_ms, updated_ms, last_step, last_loss";
+
+v1::Job ReadJob(Statement& s) {
+  v1::Job job;
+  job.set_id(s.Text(0));
+  job.set_name(s.Text(1));
+  job.set_state(static_cast<v1::JobState>(s.Int(2)));
+  job.set_recipe_yaml(s.Text(3));
+  job.set_world_size(static_cast<int32_t>(s.Int(4)));
+  job.set_generation(static_cast<int32_t>(s.Int(5)));
+  job.set_cause(s.Text(6));
+  job.set_created_unix_ms(s.Int(7));
+  job.set_updated_unix_ms(s.Int(8));
+  job.set_last_step(s.Int(9));
+  job.set_last_loss(s.Real(10));
+  return job;
+}
+
+}  // namespace
+
+const char* JobStateName(v1::JobState state) {
+  switch (state) {
+    case v1::JOB_STATE_PENDING: return "PENDING";
+    case v1::JOB_STATE_RUNNING: return "RUNNING";
+    case v1::JOB_STATE_SUCCEEDED: return "SUCCEEDED";
+    case v1::JOB_STATE_FAILED: return "FAILED";
+    case v1::JOB_STATE_STOPPED: return "STOPPED";
+    default: return "UNKNOWN";
+  }
+}
+
+bool IsFinal(v1::JobState state) {
+  return state == v1::JOB_STATE_SUCCEEDED || state == v1::JOB_STATE_FAILED || state == v1::JOB_STATE_STOPPED;
+}
+
+StatusOr<std::unique_ptr<SqliteStateStore>> SqliteStateStore::Open(const std::string& path) {
+  sqlite3* db = nullptr;
+  if (sqlite3_open_v2(path.c_str(), &db, SQLITE_OPEN_READWRITE | SQLITE_OPEN_CREATE | SQLITE_OPEN_FULLMUTEX,
+                      nullptr) != SQLITE_OK) {
+    std::string message = db ? sqlite3_errmsg(db) : "out of memory";
+    sqlite3_close(db);
+    return Unavailable("cannot open the state database " + path + ": " + message);
+  }
+  // Several standalone launches may share one state directory: wait for each other's writes.
+  sqlite3_busy_timeout(db, 10000);
+  std::unique_ptr<SqliteStateStore> store(new SqliteStateStore(db));
+  if (path != ":memory:") {
+    Status wal = store->Exec("PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;");
+    if (!wal.ok()) return wal;
+  }
+  Status schema = store->Exec(kSchema);
+  if (!schema.ok()) return schema;
+  return store;
+}
+
+SqliteStateStore::~SqliteStateStore() { sqlite3_close(db_); }
+
+Status SqliteStateStore::Exec(const std::string& sql) {
+  char* error = nullptr;
+  if (sqlite3_exec(db_, sql.c_str(), nullptr, nullptr, &error) != SQLITE_OK) {
+    std::string message = error ? error : "unknown error";
+    sqlite3_free(error);
+    return Internal("state store: " + message);
+  }
+  return Status::Ok();
+}
+
+StatusOr<v1::Job> SqliteStateStore::CreateJob(const std::string& name, const std::string& recipe_yaml,
+                                              int world_size, int64_t now_ms) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Status begin = Exec("BEGIN IMMEDIATE");
+  if (!begin.ok()) return begin;
+  Statement insert(db_,
+                   "INSERT INTO jobs (name, state, recipe, world_size, created_ms, updated_ms) VALUES (?, ?, ?, ?, ?, ?)");
+  insert.Bind(1, name).Bind(2, int64_t{v1::JOB_STATE_PENDING}).Bind(3, recipe_yaml).Bind(4, int64_t{world_size});
+  insert.Bind(5, now_ms).Bind(6, now_ms);
+  if (insert.Step() != SQLITE_DONE) {
+    Status error = SqlError(db_, "insert job");
+    (void)Exec("ROLLBACK");
+    return error;
+  }
+  int64_t seq = sqlite3_last_insert_rowid(db_);
+  std::string id = name + "-" + std::to_string(seq);
+  Statement name_it(db_, "UPDATE jobs SET id = ? WHERE seq = ?");
+  name_it.Bind(1, id).Bind(2, seq);
+  if (name_it.Step() != SQLITE_DONE) {
+    Status error = SqlError(db_, "name job");
+    (void)Exec("ROLLBACK");
+    return error;
+  }
+  Status commit = Exec("COMMIT");
+  if (!commit.ok()) return commit;
+  v1::Job job;
+  job.set_id(id);
+  job.set_name(name);
+  job.set_state(v1::JOB_STATE_PENDING);
+  job.set_recipe_yaml(recipe_yaml);
+  job.set_world_size(world_size);
+  job.set_created_unix_ms(now_ms);
+  job.set_updated_unix_ms(now_ms);
+  return job;
+}
+
+Status SqliteStateStore::UpdateJob(const v1::Job& job) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Statement s(db_,
+              "UPDATE jobs SET state = ?, generation = ?, cause = ?, updated_ms = ?, last_step = ?, last_loss = ? "
+              "WHERE id = ?");
+  s.Bind(1, int64_t{job.state()}).Bind(2, int64_t{job.generation()}).Bind(3, job.cause());
+  s.Bind(4, job.updated_unix_ms()).Bind(5, job.last_step()).Bind(6, job.last_loss()).Bind(7, job.id());
+  if (s.Step() != SQLITE_DONE) return SqlError(db_, "update job " + job.id());
+  return Status::Ok();
+}
+
+StatusOr<v1::Job> SqliteStateStore::GetJob(const std::string& job_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Statement s(db_, (std::string("SELECT ") + kJobColumns + " FROM jobs WHERE id = ?").c_str());
+  s.Bind(1, job_id);
+  if (s.Step() != SQLITE_ROW) return NotFound("no job '" + job_id + "'; `ltrain status` lists the jobs");
+  v1::Job job = ReadJob(s);
+  Statement r(db_,
+              "SELECT rank, node_id, local_rank, pid, state, exit_code, signal, log_path FROM ranks "
+              "WHERE job_id = ? ORDER BY rank");
+  r.Bind(1, job_id);
+  while (r.Step() == SQLITE_ROW) {
+    v1::RankInfo* rank = job.add_ranks();
+    rank->set_rank(static_cast<int32_t>(r.Int(0)));
+    rank->set_node_id(r.Text(1));
+    rank->set_local_rank(static_cast<int32_t>(r.Int(2)));
+    rank->set_pid(r.Int(3));
+    rank->set_state(r.Text(4));
+    rank->set_exit_code(static_cast<int32_t>(r.Int(5)));
+    rank->set_signal(static_cast<int32_t>(r.Int(6)));
+    rank->set_log_path(r.Text(7));
+  }
+  return job;
+}
+
+StatusOr<std::vector<v1::Job>> SqliteStateStore::ListJobs(int limit) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Statement s(db_, (std::string("SELECT ") + kJobColumns + " FROM jobs ORDER BY seq DESC LIMIT ?").c_str());
+  s.Bind(1, int64_t{limit > 0 ? limit : 1000000});
+  std::vector<v1::Job> jobs;
+  while (s.Step() == SQLITE_ROW) jobs.push_back(ReadJob(s));
+  return jobs;
+}
+
+Status SqliteStateStore::UpsertRank(const std::string& job_id, const v1::RankInfo& rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Statement s(db_,
+              "INSERT OR REPLACE INTO ranks (job_id, rank, node_id, local_rank, pid, state, exit_code, signal, log_path) "
+              "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)");
+  s.Bind(1, job_id).Bind(2, int64_t{rank.rank()}).Bind(3, rank.node_id()).Bind(4, int64_t{rank.local_rank()});
+  s.Bind(5, rank.pid()).Bind(6, rank.state()).Bind(7, int64_t{rank.exit_code()}).Bind(8, int64_t{rank.signal()});
+  s.Bind(9, rank.log_path());
+  if (s.Step() != SQLITE_DONE) return SqlError(db_, "record rank");
+  return Status::Ok();
+}
+
+Status SqliteStateStore::UpsertNode(const std::string& node_id, const v1::NodeFacts& facts, int64_t now_ms) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Statement s(db_, "INSERT OR REPLACE INTO nodes (id, hostname, address, gpus, cpus, seen_ms) VALUES (?, ?, ?, ?, ?, ?)");
+  s.Bind(1, node_id).Bind(2, facts.hostname()).Bind(3, facts.address()).Bind(4, int64_t{facts.gpus()});
+  s.Bind(5, int64_t{facts.cpus()}).Bind(6, now_ms);
+  if (s.Step() != SQLITE_DONE) return SqlError(db_, "record node");
+  return Status::Ok();
+}
+
+StatusOr<int64_t> SqliteStateStore::AppendEvent(const v1::Event& event) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Statement s(db_, "INSERT INTO events (job_id, unix_ms, kind, message, rank, state) VALUES (?, ?, ?, ?, ?, ?)");
+  s.Bind(1, event.job_id()).Bind(2, event.unix_ms()).Bind(3, event.kind()).Bind(4, event.message());
+  s.Bind(5, int64_t{event.rank()}).Bind(6, int64_t{event.state()});
+  if (s.Step() != SQLITE_DONE) return SqlError(db_, "append event");
+  return static_cast<int64_t>(sqlite3_last_insert_rowid(db_));
+}
+
+StatusOr<std::vector<v1::Event>> SqliteStateStore::EventsAfter(const std::string& job_id, int64_t after_seq) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Statement s(db_,
+              "SELECT seq, job_id, unix_ms, kind, message, rank, state FROM events WHERE job_id = ? AND seq > ? "
+              "ORDER BY seq");
+  s.Bind(1, job_id).Bind(2, after_seq);
+  std::vector<v1::Event> events;
+  while (s.Step() == SQLITE_ROW) {
+    v1::Event& e = events.emplace_back();
+    e.set_seq(s.Int(0));
+    e.set_job_id(s.Text(1));
+    e.set_unix_ms(s.Int(2));
+    e.set_kind(s.Text(3));
+    e.set_message(s.Text(4));
+    e.set_rank(static_cast<int32_t>(s.Int(5)));
+    e.set_state(static_cast<v1::JobState>(s.Int(6)));
+  }
+  return events;
+}
+
+}  // namespace ltrain::launcher

@@ -1,0 +1,60 @@
+// The coordinator's persistence: jobs, their ranks, nodes and events. The SQLite store is the
+// embedded default; a job's spec and history survive the coordinator. Thread-safe: every method may
+// be called from any gRPC handler thread.
+#pragma once
+
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "ltrain/v1/ltrain.pb.h"
+
+struct sqlite3;
+
+namespace ltrain::launcher {
+
+class StateStore {
+ public:
+  virtual ~StateStore() = default;
+  // Creates a job; its id is "<name>-<n>" with n unique in this store.
+  virtual StatusOr<v1::Job> CreateJob(const std::string& name, const std::string& recipe_yaml, int world_size,
+                                      int64_t now_ms) = 0;
+  virtual Status UpdateJob(const v1::Job& job) = 0;  // state, cause, generation, progress
+  virtual StatusOr<v1::Job> GetJob(const std::string& job_id) = 0;  // with its ranks
+  virtual StatusOr<std::vector<v1::Job>> ListJobs(int limit) = 0;   // newest first, without ranks
+  virtual Status UpsertRank(const std::string& job_id, const v1::RankInfo& rank) = 0;
+  virtual Status UpsertNode(const std::string& node_id, const v1::NodeFacts& facts, int64_t now_ms) = 0;
+  virtual StatusOr<int64_t> AppendEvent(const v1::Event& event) = 0;  // returns its seq
+  virtual StatusOr<std::vector<v1::Event>> EventsAfter(const std::string& job_id, int64_t after_seq) = 0;
+};
+
+class SqliteStateStore : public StateStore {
+ public:
+  // Opens (creating if needed) the database at `path`; ":memory:" for tests.
+  static StatusOr<std::unique_ptr<SqliteStateStore>> Open(const std::string& path);
+  ~SqliteStateStore() override;
+
+  StatusOr<v1::Job> CreateJob(const std::string& name, const std::string& recipe_yaml, int world_size,
+                              int64_t now_ms) override;
+  Status UpdateJob(const v1::Job& job) override;
+  StatusOr<v1::Job> GetJob(const std::string& job_id) override;
+  StatusOr<std::vector<v1::Job>> ListJobs(int limit) override;
+  Status UpsertRank(const std::string& job_id, const v1::RankInfo& rank) override;
+  Status UpsertNode(const std::string& node_id, const v1::NodeFacts& facts, int64_t now_ms) override;
+  StatusOr<int64_t> AppendEvent(const v1::Event& event) override;
+  StatusOr<std::vector<v1::Event>> EventsAfter(const std::string& job_id, int64_t after_seq) override;
+
+ private:
+  explicit SqliteStateStore(sqlite3* db) : db_(db) {}
+  Status Exec(const std::string& sql);
+
+  std::mutex mu_;
+  sqlite3* db_;
+};
+
+const char* JobStateName(v1::JobState state);  // "RUNNING", ...
+bool IsFinal(v1::JobState state);
+
+}  // namespace ltrain::launcher

@@ -1,0 +1,105 @@
+#include "common/recipe.h"
+
+#include <gtest/gtest.h>
+
+namespace ltrain {
+namespace {
+
+constexpr const char* kGood = R"(name: tiny
+model: {layers: 2, d_model: 64, heads: 4, seq_len: 32, vocab: 256}
+data: {path: /tmp/data}
+training: {steps: 20, micro_batch: 4, global_batch: 8}
+parallel: {nodes: 1, nproc_per_node: 2}
+)";
+
+TEST(RecipeTest, ParsesAndFillsDefaults) {
+  RecipeParseResult result = ParseRecipe(kGood, "tiny.yaml");
+  ASSERT_TRUE(result.ok()) << result.ErrorText();
+  EXPECT_EQ(result.recipe.name, "tiny");
+  EXPECT_EQ(result.recipe.model.d_model, 64);
+  EXPECT_EQ(result.recipe.parallel.world_size(), 2);
+  EXPECT_EQ(result.recipe.accumulation_steps(), 1);
+  EXPECT_EQ(result.recipe.training.lr_schedule, "cosine");
+}
+
+TEST(RecipeTest, YamlRoundTripGivesTheSameRecipe) {
+  RecipeParseResult first = ParseRecipe(kGood, "tiny.yaml", {"training.lr=0.00031", "checkpoint.every=5"});
+  ASSERT_TRUE(first.ok()) << first.ErrorText();
+  std::string yaml = RecipeToYaml(first.recipe);
+  RecipeParseResult second = ParseRecipe(yaml, "resolved.yaml");
+  ASSERT_TRUE(second.ok()) << second.ErrorText() << yaml;
+  EXPECT_EQ(RecipeToYaml(second.recipe), yaml);
+  EXPECT_DOUBLE_EQ(second.recipe.training.lr, 0.00031);
+  EXPECT_EQ(second.recipe.checkpoint.every, 5);
+}
+
+TEST(RecipeTest, OverrideSetsNestedFields) {
+  RecipeParseResult result = ParseRecipe(kGood, "tiny.yaml", {"training.steps=7", "parallel.nproc_per_node=1"});
+  ASSERT_TRUE(result.ok()) << result.ErrorText();
+  EXPECT_EQ(result.recipe.training.steps, 7);
+  EXPECT_EQ(result.recipe.accumulation_steps(), 2);
+}
+
+struct BadCase {
+  const char* what;
+  std::string yaml;
+  int line;
+  int column;
+  const char* expected;
+};
+
+class MalformedRecipeTest : public ::testing::TestWithParam<BadCase> {};
+
+TEST_P(MalformedRecipeTest, NamesFileLineColumnAndProblem) {
+  const BadCase& c = GetParam();
+  RecipeParseResult result = ParseRecipe(c.yaml, "bad.yaml");
+  ASSERT_FALSE(result.ok()) << c.what;
+  const RecipeError& error = result.errors.front();
+  EXPECT_EQ(error.file, "bad.yaml");
+  EXPECT_EQ(error.line, c.line) << error.ToString();
+  EXPECT_EQ(error.column, c.column) << error.ToString();
+  EXPECT_NE(error.message.find(c.expected), std::string::npos) << error.ToString();
+  EXPECT_EQ(error.ToString().rfind("bad.yaml:" + std::to_string(c.line) + ":" + std::to_string(c.column) + ": ", 0), 0u);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, MalformedRecipeTest,
+    ::testing::Values(
+        BadCase{"syntax", "model: {layers: 2\ndata: [\n", 2, 5, "YAML syntax error"},
+        BadCase{"unknown key", "data: {path: /d}\ntraining:\n  stepz: 3\n", 3, 3, "did you mean 'training.steps'"},
+        BadCase{"wrong type", "data: {path: /d}\ntraining:\n  steps: many\n", 3, 10, "must be an integer, got 'many'"},
+        BadCase{"out of range", "data: {path: /d}\nparallel:\n  zero: 4\n", 3, 9, "out of range"},
+        BadCase{"global batch", "data: {path: /d}\ntraining: {micro_batch: 4, global_batch: 10}\nparallel: {nproc_per_node: 2}\n",
+                2, 42, "not a multiple of micro_batch*dp"},
+        BadCase{"heads", "data: {path: /d}\nmodel:\n  d_model: 100\n  heads: 3\n", 4, 10, "does not divide model.d_model=100"},
+        BadCase{"tp heads", "data: {path: /d}\nmodel: {heads: 4}\nparallel: {nproc_per_node: 3, tp: 3}\n", 3, 35, "does not divide model.heads"},
+        BadCase{"not a map", "data: {path: /d}\nmodel: 7\n", 2, 8, "must be a mapping"}));
+
+TEST(RecipeTest, ReportsEveryErrorNotJustTheFirst) {
+  RecipeParseResult result = ParseRecipe("data: {path: /d}\nmodel: {layerz: 1, heads: x}\nfoo: 1\n", "r.yaml");
+  EXPECT_EQ(result.errors.size(), 3u) << result.ErrorText();
+}
+
+TEST(RecipeTest, MissingDataPathExplainsTheFix) {
+  RecipeParseResult result = ParseRecipe("name: x\n", "r.yaml");
+  ASSERT_EQ(result.errors.size(), 1u);
+  EXPECT_NE(result.errors[0].message.find("ltrain data prepare"), std::string::npos);
+}
+
+TEST(RecipeTest, BadOverrideIsNamedByItsKey) {
+  RecipeParseResult result = ParseRecipe(kGood, "tiny.yaml", {"training.steps=abc"});
+  ASSERT_EQ(result.errors.size(), 1u);
+  EXPECT_EQ(result.errors[0].ToString(), "--set training.steps: training.steps must be an integer, got 'abc'");
+  RecipeParseResult unknown = ParseRecipe(kGood, "tiny.yaml", {"training.stepz=3"});
+  ASSERT_EQ(unknown.errors.size(), 1u);
+  EXPECT_NE(unknown.errors[0].message.find("did you mean"), std::string::npos);
+}
+
+TEST(RecipeTest, MissingFileIsOneClearError) {
+  RecipeParseResult result = LoadRecipeFile("/nonexistent/recipe.yaml");
+  ASSERT_EQ(result.errors.size(), 1u);
+  EXPECT_NE(result.errors[0].ToString().find("/nonexistent/recipe.yaml: cannot read"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace ltrain
