@@ -1,0 +1,125 @@
+// The ltrain binary as a user runs it: exit codes and messages of validate, status and data prepare.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+
+#include "tests/support/subprocess.h"
+
+namespace ltrain::testing {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Malformed {
+  const char* name;
+  const char* yaml;
+  const char* location;  // expected "file:line:col" suffix after the directory
+  const char* message;
+};
+
+class MalformedRecipeCliTest : public ::testing::TestWithParam<Malformed> {};
+
+TEST_P(MalformedRecipeCliTest, ValidateExitsTwoNamingFileLineAndColumn) {
+  const Malformed& c = GetParam();
+  TempDir dir;
+  std::string path = dir.Write(std::string(c.name) + ".yaml", c.yaml);
+  ProcessResult result = RunProcess({LtrainBinary(), "validate", path});
+  EXPECT_EQ(result.exit_code, 2) << result.output;
+  EXPECT_NE(result.output.find(path + ":" + c.location + ": "), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find(c.message), std::string::npos) << result.output;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Recipes, MalformedRecipeCliTest,
+    ::testing::Values(
+        Malformed{"syntax", "name: x\nmodel: {layers: 2\ndata: {path: /d}\n", "3:5", "YAML syntax error"},
+        Malformed{"unknown_key", "data: {path: /d}\nmodel:\n  layer: 2\n", "3:3", "did you mean 'model.layers'"},
+        Malformed{"wrong_type", "data: {path: /d}\ntraining:\n  lr: fast\n", "3:7", "must be a number, got 'fast'"},
+        Malformed{"out_of_range", "data: {path: /d}\ntraining:\n  micro_batch: 0\n", "3:16", "out of range"},
+        Malformed{"global_batch", "data: {path: /d}\ntraining:\n  micro_batch: 4\n  global_batch: 12\nparallel:\n  nproc_per_node: 2\n",
+                  "4:17", "global_batch=12 is not a multiple of micro_batch*dp=4*2=8"},
+        Malformed{"heads", "data: {path: /d}\nmodel:\n  d_model: 96\n  heads: 5\n", "4:10", "model.heads=5 does not divide model.d_model=96"},
+        Malformed{"pp_layers", "data: {path: /d}\nmodel: {layers: 2}\nparallel:\n  nproc_per_node: 4\n  pp: 4\n", "5:7",
+                  "parallel.pp=4 is larger than model.layers=2"}),
+    [](const ::testing::TestParamInfo<Malformed>& info) { return std::string(info.param.name); });
+
+TEST(CliTest, ValidatePrintsTheResolvedRecipeWithOverrides) {
+  TempDir dir;
+  std::string path = dir.Write("ok.yaml", "name: ok\ndata: {path: /d}\n");
+  ProcessResult result = RunProcess({LtrainBinary(), "validate", path, "--set", "training.steps=42", "--set", "model.layers=3"});
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("steps: 42"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("layers: 3"), std::string::npos) << result.output;
+}
+
+TEST(CliTest, BadOverrideIsNamed) {
+  TempDir dir;
+  std::string path = dir.Write("ok.yaml", "name: ok\ndata: {path: /d}\n");
+  ProcessResult result = RunProcess({LtrainBinary(), "validate", path, "--set", "training.step=42"});
+  EXPECT_EQ(result.exit_code, 2);
+  EXPECT_NE(result.output.find("--set training.step: unknown key 'training.step'; did you mean 'training.steps'?"),
+            std::string::npos)
+      << result.output;
+}
+
+TEST(CliTest, EveryShippedRecipeValidates) {
+  int checked = 0;
+  for (const auto& entry : fs::directory_iterator(fs::path(SourceDir()) / "recipes")) {
+    if (entry.path().extension() != ".yaml") continue;
+    ProcessResult result = RunProcess({LtrainBinary(), "validate", entry.path().string()});
+    EXPECT_EQ(result.exit_code, 0) << entry.path() << "\n" << result.output;
+    ++checked;
+  }
+  EXPECT_GT(checked, 0);
+}
+
+TEST(CliTest, StatusAgainstNoCoordinatorFailsFastAndSaysWhy) {
+  ProcessResult result = RunProcess({LtrainBinary(), "status", "--coordinator", "127.0.0.1:1"}, {}, std::chrono::seconds(10));
+  EXPECT_FALSE(result.timed_out);
+  EXPECT_LT(result.seconds, 5.0);
+  EXPECT_EQ(result.exit_code, 3) << result.output;
+  EXPECT_NE(result.output.find("cannot reach the coordinator at 127.0.0.1:1"), std::string::npos) << result.output;
+}
+
+TEST(CliTest, StatusOfAnEmptyHomeSaysSo) {
+  TempDir home;
+  ProcessResult result = RunProcess({LtrainBinary(), "status"}, {{"LTRAIN_HOME", home.path()}});
+  EXPECT_EQ(result.exit_code, 0);
+  EXPECT_NE(result.output.find("no jobs yet"), std::string::npos) << result.output;
+}
+
+TEST(CliTest, LaunchWithoutPreparedDataExplainsTheFix) {
+  TempDir dir;
+  std::string path = dir.Write("r.yaml", "name: r\ndata: {path: " + dir.Join("nodata") + "}\n");
+  ProcessResult result = RunProcess({LtrainBinary(), "launch", path}, {{"LTRAIN_HOME", dir.Join("home")}});
+  EXPECT_EQ(result.exit_code, 2);
+  EXPECT_NE(result.output.find("ltrain data prepare --input"), std::string::npos) << result.output;
+}
+
+TEST(CliTest, DataPrepareWritesTrainAndValidationFiles) {
+  TempDir dir;
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += "to be or not to be, that is the question.\n";
+  std::string input = dir.Write("in.txt", text);
+  ProcessResult result = RunProcess({LtrainBinary(), "data", "prepare", "--input", input, "--output", dir.Join("out"),
+                              "--val-fraction", "0.1"});
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_TRUE(fs::exists(dir.Join("out/train.bin")));
+  EXPECT_TRUE(fs::exists(dir.Join("out/val.bin")));
+  ProcessResult missing = RunProcess({LtrainBinary(), "data", "prepare", "--input", dir.Join("absent.txt"), "--output",
+                               dir.Join("out2")});
+  EXPECT_EQ(missing.exit_code, 2);
+  EXPECT_NE(missing.output.find("absent.txt"), std::string::npos) << missing.output;
+}
+
+TEST(CliTest, HelpAndVersion) {
+  ProcessResult help = RunProcess({LtrainBinary(), "--help"});
+  EXPECT_EQ(help.exit_code, 0);
+  EXPECT_NE(help.output.find("launch"), std::string::npos);
+  ProcessResult version = RunProcess({LtrainBinary(), "--version"});
+  EXPECT_EQ(version.exit_code, 0);
+  EXPECT_NE(version.output.find("ltrain 0."), std::string::npos);
+}
+
+}  // namespace
+}  // namespace ltrain::testing
