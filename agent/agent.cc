@@ -103,10 +103,12 @@ class AgentImpl : public Agent {
     cv_.wait(lock, [this] { return stopped_; });
   }
 
-  void Shutdown() override {
+  // Callers from several threads all return once every worker is gone and every thread joined.
+  void Shutdown() override { std::call_once(shutdown_once_, [this] { ShutdownOnce(); }); }
+
+  void ShutdownOnce() {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (stopping_) return;
       stopping_ = true;
       if (stream_context_) stream_context_->TryCancel();
       cv_.notify_all();
@@ -120,7 +122,7 @@ class AgentImpl : public Agent {
       out_cv_.notify_all();
     }
     if (sender_.joinable()) sender_.join();
-    proxy_server_->Shutdown(Deadline(1));
+    if (proxy_server_) proxy_server_->Shutdown(Deadline(1));
     std::lock_guard<std::mutex> lock(mu_);
     stopped_ = true;
     cv_.notify_all();
@@ -426,6 +428,7 @@ class AgentImpl : public Agent {
   std::unique_ptr<grpc::Server> proxy_server_;
   int proxy_port_ = 0;
 
+  std::once_flag shutdown_once_;
   std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;

@@ -10,6 +10,7 @@ packages=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libyaml-cpp-dev libcli11-dev libsqlite3-dev
   libtorch-dev libgloo-dev
+  libopenblas0-pthread   # an optimised BLAS for LibTorch on CPU: about 10x the reference BLAS
 )
 if [[ "${1:-}" == "--tests" ]]; then
   packages+=(libgtest-dev libgmock-dev)

@@ -291,6 +291,8 @@ Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {
   if (report.log_tail_size() > 0) {
     cause += "; last lines of its log (" + report.log_path() + "):";
     for (const auto& line : report.log_tail()) cause += "\n    " + line;
+  } else if (!report.log_path().empty()) {
+    cause += "; its log " + report.log_path() + " is empty";
   }
   FinishLocked(job, v1::JOB_STATE_FAILED, cause);
   return Status::Ok();

@@ -187,10 +187,13 @@ std::string CoordinatorServer::address() const { return host_ + ":" + std::to_st
 void CoordinatorServer::Wait() { server_->Wait(); }
 
 void CoordinatorServer::Shutdown() {
-  if (stopping_.exchange(true)) return;
-  coordinator_->Shutdown();
-  server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
-  if (monitor_.joinable()) monitor_.join();
+  // Callers from several threads all return once the server has stopped.
+  std::call_once(shutdown_once_, [this] {
+    stopping_ = true;
+    coordinator_->Shutdown();
+    server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
+    if (monitor_.joinable()) monitor_.join();
+  });
 }
 
 CoordinatorServer::~CoordinatorServer() { Shutdown(); }

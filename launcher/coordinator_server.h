@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -44,6 +45,7 @@ class CoordinatorServer {
   std::string host_;
   int port_ = 0;
   std::atomic<bool> stopping_{false};
+  std::once_flag shutdown_once_;
   std::thread monitor_;
 };
 

@@ -1,0 +1,248 @@
+#include "common/token_data.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+
+namespace ltrain {
+namespace {
+
+std::string ErrnoText() { return std::strerror(errno); }
+
+void AppendLe(std::string& out, uint64_t value, int bytes) {
+  for (int i = 0; i < bytes; ++i) out.push_back(static_cast<char>((value >> (8 * i)) & 0xff));
+}
+
+uint64_t ReadLe(const unsigned char* p, int bytes) {
+  uint64_t value = 0;
+  for (int i = 0; i < bytes; ++i) value |= static_cast<uint64_t>(p[i]) << (8 * i);
+  return value;
+}
+
+Status WriteAll(int fd, const char* data, size_t n, const std::string& path) {
+  while (n > 0) {
+    ssize_t w = ::write(fd, data, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return Internal("writing " + path + ": " + ErrnoText());
+    }
+    data += w;
+    n -= static_cast<size_t>(w);
+  }
+  return Status::Ok();
+}
+
+Status FsyncDir(const std::string& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY);
+  if (fd < 0) return Internal("opening directory " + dir + ": " + ErrnoText());
+  ::fsync(fd);
+  ::close(fd);
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status WriteTokenFile(const std::string& path, const std::vector<uint16_t>& tokens, uint32_t vocab) {
+  std::string header(kTokenMagic, sizeof(kTokenMagic));
+  AppendLe(header, kTokenFormatVersion, 4);
+  AppendLe(header, vocab, 4);
+  AppendLe(header, tokens.size(), 8);
+  AppendLe(header, sizeof(uint16_t), 4);
+
+  std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return InvalidArgument("cannot write " + tmp + ": " + ErrnoText());
+  Status s = WriteAll(fd, header.data(), header.size(), tmp);
+  if (s.ok()) {
+    // Tokens are stored little-endian; this host is little-endian (x86-64, aarch64).
+    s = WriteAll(fd, reinterpret_cast<const char*>(tokens.data()), tokens.size() * sizeof(uint16_t), tmp);
+  }
+  if (s.ok() && ::fsync(fd) != 0) s = Internal("fsync " + tmp + ": " + ErrnoText());
+  ::close(fd);
+  if (s.ok() && ::rename(tmp.c_str(), path.c_str()) != 0) {
+    s = Internal("renaming " + tmp + " to " + path + ": " + ErrnoText());
+  }
+  if (!s.ok()) {
+    ::unlink(tmp.c_str());
+    return s;
+  }
+  std::string dir = std::filesystem::path(path).parent_path().string();
+  return FsyncDir(dir.empty() ? "." : dir);
+}
+
+StatusOr<PrepareStats> PrepareTokenData(const std::vector<std::string>& inputs,
+                                        const std::string& output_dir, double val_fraction,
+                                        const std::string& tokenizer) {
+  if (tokenizer != "byte") {
+    return InvalidArgument("tokenizer '" + tokenizer + "' is not supported; use 'byte'");
+  }
+  if (!(val_fraction >= 0.0 && val_fraction < 1.0)) {
+    return InvalidArgument("val_fraction=" + std::to_string(val_fraction) + " must be in [0, 1)");
+  }
+  if (inputs.empty()) return InvalidArgument("no input files given");
+
+  std::vector<uint16_t> tokens;
+  for (const std::string& input : inputs) {
+    std::ifstream in(input, std::ios::binary);
+    if (!in) return NotFound("cannot read input " + input + ": " + ErrnoText());
+    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+    if (in.bad()) return Internal("reading input " + input + " failed");
+    if (bytes.empty()) return InvalidArgument("input " + input + " is empty");
+    tokens.reserve(tokens.size() + bytes.size());
+    for (char c : bytes) tokens.push_back(static_cast<unsigned char>(c));
+  }
+
+  std::error_code ec;
+  std::filesystem::create_directories(output_dir, ec);
+  if (ec) return InvalidArgument("cannot create output directory " + output_dir + ": " + ec.message());
+
+  const int64_t total = static_cast<int64_t>(tokens.size());
+  const int64_t val_count = static_cast<int64_t>(static_cast<double>(total) * val_fraction);
+  const int64_t train_count = total - val_count;
+  PrepareStats stats;
+  stats.vocab = 256;
+  stats.train_tokens = train_count;
+  stats.val_tokens = val_count;
+  stats.train_path = (std::filesystem::path(output_dir) / "train.bin").string();
+  stats.val_path = (std::filesystem::path(output_dir) / "val.bin").string();
+
+  std::vector<uint16_t> val(tokens.begin() + train_count, tokens.end());
+  tokens.resize(train_count);
+  if (Status s = WriteTokenFile(stats.train_path, tokens, stats.vocab); !s.ok()) return s;
+  if (Status s = WriteTokenFile(stats.val_path, val, stats.vocab); !s.ok()) return s;
+  return stats;
+}
+
+StatusOr<TokenDataset> TokenDataset::Open(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) {
+    return NotFound("cannot open token file " + path + ": " + ErrnoText() +
+                    " (create it with `ltrain data prepare`)");
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    ::close(fd);
+    return Internal("stat " + path + ": " + ErrnoText());
+  }
+  const size_t file_bytes = static_cast<size_t>(st.st_size);
+  if (file_bytes < kTokenHeaderBytes) {
+    ::close(fd);
+    return DataLoss("token file " + path + " is " + std::to_string(file_bytes) +
+                    " bytes, shorter than its " + std::to_string(kTokenHeaderBytes) + "-byte header");
+  }
+  void* map = ::mmap(nullptr, file_bytes, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (map == MAP_FAILED) return Internal("mmap " + path + ": " + ErrnoText());
+
+  TokenDataset ds;
+  ds.path_ = path;
+  ds.map_ = map;
+  ds.map_bytes_ = file_bytes;
+  const auto* p = static_cast<const unsigned char*>(map);
+  if (std::memcmp(p, kTokenMagic, sizeof(kTokenMagic)) != 0) {
+    return DataLoss("token file " + path + " has a bad magic (expected LTRNTOK1): not a token file");
+  }
+  const uint64_t version = ReadLe(p + 8, 4);
+  const uint64_t vocab = ReadLe(p + 12, 4);
+  const uint64_t count = ReadLe(p + 16, 8);
+  const uint64_t bytes_per_token = ReadLe(p + 24, 4);
+  if (version != kTokenFormatVersion) {
+    return DataLoss("token file " + path + " has format version " + std::to_string(version) +
+                    ", this build reads version " + std::to_string(kTokenFormatVersion));
+  }
+  if (bytes_per_token != sizeof(uint16_t)) {
+    return DataLoss("token file " + path + " has " + std::to_string(bytes_per_token) +
+                    " bytes per token; only 2 (uint16) is supported");
+  }
+  if (vocab == 0 || vocab > 65536) {
+    return DataLoss("token file " + path + " has vocab " + std::to_string(vocab) +
+                    ", outside [1, 65536]");
+  }
+  const uint64_t expected = kTokenHeaderBytes + count * bytes_per_token;
+  if (expected != file_bytes) {
+    return DataLoss("token file " + path + " header says " + std::to_string(count) + " tokens (" +
+                    std::to_string(expected) + " bytes) but the file is " +
+                    std::to_string(file_bytes) + " bytes: truncated or corrupt");
+  }
+  ds.tokens_ = reinterpret_cast<const uint16_t*>(p + kTokenHeaderBytes);
+  ds.size_ = static_cast<int64_t>(count);
+  ds.vocab_ = static_cast<int>(vocab);
+  return ds;
+}
+
+TokenDataset::TokenDataset(TokenDataset&& other) noexcept { *this = std::move(other); }
+
+TokenDataset& TokenDataset::operator=(TokenDataset&& other) noexcept {
+  if (this != &other) {
+    Release();
+    path_ = std::move(other.path_);
+    map_ = std::exchange(other.map_, nullptr);
+    map_bytes_ = std::exchange(other.map_bytes_, 0);
+    tokens_ = std::exchange(other.tokens_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+    vocab_ = std::exchange(other.vocab_, 0);
+  }
+  return *this;
+}
+
+TokenDataset::~TokenDataset() { Release(); }
+
+void TokenDataset::Release() {
+  if (map_ != nullptr) ::munmap(map_, map_bytes_);
+  map_ = nullptr;
+  tokens_ = nullptr;
+}
+
+uint64_t SplitMix64(uint64_t x) {
+  uint64_t z = x + 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  return z ^ (z >> 31);
+}
+
+int64_t SampleIndex(const BatchSlice& slice, int j) {
+  return slice.position0 + slice.step * slice.global_batch +
+         static_cast<int64_t>(slice.micro_step * slice.dp + slice.dp_rank) * slice.micro_batch + j;
+}
+
+TokenSampler::TokenSampler(const TokenDataset* dataset, uint64_t seed, int seq_len)
+    : dataset_(dataset), seed_mix_(SplitMix64(seed)), seq_len_(seq_len) {}
+
+Status TokenSampler::Check() const {
+  if (seq_len_ < 1) return InvalidArgument("seq_len=" + std::to_string(seq_len_) + " must be >= 1");
+  if (dataset_->size() < seq_len_ + 2) {
+    return InvalidArgument("token file " + dataset_->path() + " has " +
+                           std::to_string(dataset_->size()) + " tokens, fewer than seq_len+2=" +
+                           std::to_string(seq_len_ + 2) + "; use more data or a shorter model.seq_len");
+  }
+  return Status::Ok();
+}
+
+int64_t TokenSampler::WindowStart(int64_t sample_index) const {
+  const uint64_t span = static_cast<uint64_t>(dataset_->size() - seq_len_ - 1);
+  // Adding i * golden-ratio before mixing walks splitmix64's own stream from the seed's state.
+  const uint64_t h = SplitMix64(seed_mix_ + static_cast<uint64_t>(sample_index) * 0x9e3779b97f4a7c15ULL);
+  return static_cast<int64_t>(h % span);
+}
+
+void TokenSampler::Fill(const BatchSlice& slice, int64_t* inputs, int64_t* targets) const {
+  const uint16_t* tokens = dataset_->tokens();
+  for (int j = 0; j < slice.micro_batch; ++j) {
+    const int64_t start = WindowStart(SampleIndex(slice, j));
+    int64_t* in = inputs + static_cast<int64_t>(j) * seq_len_;
+    int64_t* tg = targets + static_cast<int64_t>(j) * seq_len_;
+    for (int t = 0; t < seq_len_; ++t) {
+      in[t] = tokens[start + t];
+      tg[t] = tokens[start + t + 1];
+    }
+  }
+}
+
+}  // namespace ltrain

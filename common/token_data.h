@@ -1,0 +1,116 @@
+// Token data: the on-disk format that `ltrain data prepare` writes and the worker reads, and the
+// deterministic sampler that maps a global sample counter (the "data position") to token windows.
+//
+// File layout (little-endian), one file per split (train.bin, val.bin):
+//   offset  0  char[8]   magic "LTRNTOK1"
+//   offset  8  uint32    format version (kTokenFormatVersion)
+//   offset 12  uint32    vocabulary size
+//   offset 16  uint64    token count
+//   offset 24  uint32    bytes per token (2: uint16 tokens)
+//   offset 28  tokens
+// No LibTorch here: the CLI links this.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+
+namespace ltrain {
+
+inline constexpr char kTokenMagic[8] = {'L', 'T', 'R', 'N', 'T', 'O', 'K', '1'};
+inline constexpr uint32_t kTokenFormatVersion = 1;
+inline constexpr size_t kTokenHeaderBytes = 28;
+
+struct PrepareStats {
+  int64_t train_tokens = 0;
+  int64_t val_tokens = 0;
+  int vocab = 0;
+  std::string train_path;
+  std::string val_path;
+};
+
+// Tokenizes `inputs` (concatenated in order) and writes output_dir/train.bin and output_dir/val.bin;
+// val.bin holds the last `val_fraction` of the tokens. Each file is written to a temporary name,
+// fsynced and renamed, so a reader never sees a torn file. Only tokenizer "byte" (vocab 256) exists.
+StatusOr<PrepareStats> PrepareTokenData(const std::vector<std::string>& inputs,
+                                        const std::string& output_dir, double val_fraction,
+                                        const std::string& tokenizer);
+
+// Writes one token file atomically (temp name, fsync, rename). Exposed for tests and tools.
+Status WriteTokenFile(const std::string& path, const std::vector<uint16_t>& tokens, uint32_t vocab);
+
+// A read-only, memory-mapped token file. Movable, not copyable.
+class TokenDataset {
+ public:
+  static StatusOr<TokenDataset> Open(const std::string& path);
+
+  TokenDataset(TokenDataset&& other) noexcept;
+  TokenDataset& operator=(TokenDataset&& other) noexcept;
+  TokenDataset(const TokenDataset&) = delete;
+  TokenDataset& operator=(const TokenDataset&) = delete;
+  ~TokenDataset();
+
+  int64_t size() const { return size_; }
+  int vocab() const { return vocab_; }
+  const std::string& path() const { return path_; }
+  uint16_t token(int64_t i) const { return tokens_[i]; }
+  const uint16_t* tokens() const { return tokens_; }
+
+ private:
+  TokenDataset() = default;
+  void Release();
+
+  std::string path_;
+  void* map_ = nullptr;
+  size_t map_bytes_ = 0;
+  const uint16_t* tokens_ = nullptr;
+  int64_t size_ = 0;
+  int vocab_ = 0;
+};
+
+// splitmix64: a counter-based mixer, so any sample index is reachable without replaying the ones
+// before it (resuming at data position P costs nothing).
+uint64_t SplitMix64(uint64_t x);
+
+// Where one micro-batch sits in the global batch of one optimizer step.
+struct BatchSlice {
+  int64_t position0 = 0;   // data position (sample index) at optimizer step 0 of this count
+  int64_t step = 0;        // optimizer step, 0-based, counted from position0
+  int global_batch = 1;    // G: sequences per optimizer step across all data-parallel ranks
+  int dp_rank = 0;
+  int dp = 1;
+  int micro_step = 0;      // a in [0, A)
+  int micro_batch = 1;     // b
+};
+
+// Sample index of sequence j of the slice: position0 + step*G + (a*dp + r)*b + j. Ranks get disjoint
+// indices, and dp ranks x A micro-steps cover [position0 + step*G, position0 + (step+1)*G) whatever
+// the layout.
+int64_t SampleIndex(const BatchSlice& slice, int j);
+
+// Deterministic map from sample index to token window.
+class TokenSampler {
+ public:
+  TokenSampler(const TokenDataset* dataset, uint64_t seed, int seq_len);
+
+  // Fails when the dataset is too short for one window of seq_len + 1 tokens.
+  Status Check() const;
+
+  // hash(seed, i) % (size - seq_len - 1).
+  int64_t WindowStart(int64_t sample_index) const;
+
+  // Fills micro_batch * seq_len int64 inputs and targets (targets = inputs shifted by one token).
+  void Fill(const BatchSlice& slice, int64_t* inputs, int64_t* targets) const;
+
+  int seq_len() const { return seq_len_; }
+
+ private:
+  const TokenDataset* dataset_;
+  uint64_t seed_mix_;
+  int seq_len_;
+};
+
+}  // namespace ltrain

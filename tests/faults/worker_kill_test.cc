@@ -1,0 +1,90 @@
+// Faults with real signals: a worker killed mid-run fails the job fast, names the rank and the
+// signal, and leaves no process behind.
+#include <gtest/gtest.h>
+#include <google/protobuf/util/json_util.h>
+#include <signal.h>
+
+#include <filesystem>
+
+#include "ltrain/v1/ltrain.pb.h"
+#include "tests/support/subprocess.h"
+
+namespace ltrain::testing {
+namespace {
+
+class WorkerKillTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string text = TinyShakespeare();
+    if (text.empty()) GTEST_SKIP() << "../shared/data/tinyshakespeare.txt is not beside the checkout";
+    ASSERT_EQ(RunProcess({LtrainBinary(), "data", "prepare", "--input", text, "--output", dir_.Join("data")}).exit_code, 0);
+    recipe_ = dir_.Write("long.yaml", "name: long\nmodel: {layers: 2, d_model: 64, heads: 4, seq_len: 32}\n"
+                                      "data: {path: " + dir_.Join("data") + "}\n"
+                                      "training: {steps: 100000, micro_batch: 4, global_batch: 8, log_every: 1}\n"
+                                      "parallel: {nproc_per_node: 2}\n");
+  }
+
+  std::map<std::string, std::string> Env() const { return {{"LTRAIN_HOME", dir_.Join("home")}}; }
+
+  v1::Job Status(const std::string& job_id) {
+    ProcessResult result = RunProcess({LtrainBinary(), "status", job_id, "--output", "json"}, Env());
+    v1::Job job;
+    EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(result.output, &job).ok()) << result.output;
+    return job;
+  }
+
+  TempDir dir_;
+  std::string recipe_;
+};
+
+TEST_F(WorkerKillTest, SigkilledWorkerFailsTheJobWithinFiveSeconds) {
+  Subprocess launch({LtrainBinary(), "launch", recipe_}, Env());
+  ASSERT_TRUE(launch.WaitForOutput("[rank 0] step 3/", std::chrono::seconds(60))) << launch.Output();
+  v1::Job running = Status("long-1");
+  ASSERT_EQ(running.state(), v1::JOB_STATE_RUNNING);
+  ASSERT_EQ(running.ranks_size(), 2);
+  std::vector<pid_t> pids;
+  for (const auto& rank : running.ranks()) pids.push_back(static_cast<pid_t>(rank.pid()));
+  for (pid_t pid : pids) ASSERT_TRUE(ProcessAlive(pid)) << pid;
+
+  auto killed_at = std::chrono::steady_clock::now();
+  ASSERT_EQ(kill(pids[1], SIGKILL), 0);
+  ProcessResult result = launch.Wait(std::chrono::seconds(30));
+  double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed_at).count();
+
+  EXPECT_FALSE(result.timed_out);
+  EXPECT_LT(seconds, 5.0);
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_NE(result.output.find("rank 1 on local was killed by signal SIGKILL"), std::string::npos) << result.output;
+  v1::Job failed = Status("long-1");
+  EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(failed.cause().find("rank 1 on local was killed by signal SIGKILL"), std::string::npos) << failed.cause();
+  EXPECT_NE(failed.cause().find("last lines of its log"), std::string::npos) << failed.cause();
+  for (pid_t pid : pids) EXPECT_FALSE(ProcessAlive(pid)) << "worker " << pid << " survived";
+}
+
+TEST_F(WorkerKillTest, StopKillsEveryWorkerAndRecordsStopped) {
+  Subprocess launch({LtrainBinary(), "launch", recipe_}, Env());
+  ASSERT_TRUE(launch.WaitForOutput("[rank 0] step 2/", std::chrono::seconds(60))) << launch.Output();
+  v1::Job running = Status("long-1");
+  ProcessResult stop = RunProcess({LtrainBinary(), "stop", "long-1"}, Env());
+  EXPECT_EQ(stop.exit_code, 0) << stop.output;
+  ProcessResult result = launch.Wait(std::chrono::seconds(30));
+  EXPECT_EQ(result.exit_code, 4) << result.output;
+  EXPECT_EQ(Status("long-1").state(), v1::JOB_STATE_STOPPED);
+  for (const auto& rank : running.ranks()) EXPECT_FALSE(ProcessAlive(static_cast<pid_t>(rank.pid())));
+}
+
+TEST_F(WorkerKillTest, InterruptedLaunchStopsTheJob) {
+  Subprocess launch({LtrainBinary(), "launch", recipe_}, Env());
+  ASSERT_TRUE(launch.WaitForOutput("[rank 0] step 2/", std::chrono::seconds(60))) << launch.Output();
+  v1::Job running = Status("long-1");
+  launch.Signal(SIGINT);
+  ProcessResult result = launch.Wait(std::chrono::seconds(30));
+  EXPECT_EQ(result.exit_code, 4) << result.output;
+  EXPECT_EQ(Status("long-1").state(), v1::JOB_STATE_STOPPED);
+  for (const auto& rank : running.ranks()) EXPECT_FALSE(ProcessAlive(static_cast<pid_t>(rank.pid())));
+}
+
+}  // namespace
+}  // namespace ltrain::testing

@@ -1,0 +1,147 @@
+// Real training through the whole control plane: ltrain launch -> coordinator -> agent -> workers.
+#include <gtest/gtest.h>
+#include <google/protobuf/util/json_util.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <signal.h>
+#include <thread>
+
+#include "ltrain/v1/ltrain.pb.h"
+#include "tests/support/subprocess.h"
+
+namespace ltrain::testing {
+namespace {
+
+namespace fs = std::filesystem;
+
+// A small GPT on tinyshakespeare; every test overrides what it studies.
+constexpr const char* kRecipe = R"(name: tiny
+model: {layers: 2, d_model: 64, heads: 4, seq_len: 32, vocab: 256}
+data: {path: DATA}
+training: {steps: 20, micro_batch: 4, global_batch: 8, lr: 3.0e-3, min_lr: 3.0e-4, warmup_steps: 5, log_every: 1, seed: 7}
+parallel: {nodes: 1, nproc_per_node: 2}
+)";
+
+class TrainingTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string text = TinyShakespeare();
+    if (text.empty()) GTEST_SKIP() << "../shared/data/tinyshakespeare.txt is not beside the checkout";
+    ProcessResult prepared =
+        RunProcess({LtrainBinary(), "data", "prepare", "--input", text, "--output", dir_.Join("data")});
+    ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
+    std::string recipe = kRecipe;
+    recipe.replace(recipe.find("DATA"), 4, dir_.Join("data"));
+    recipe_ = dir_.Write("tiny.yaml", recipe);
+  }
+
+  std::map<std::string, std::string> Env() const { return {{"LTRAIN_HOME", dir_.Join("home")}}; }
+
+  ProcessResult Launch(const std::vector<std::string>& sets, std::map<std::string, std::string> extra_env = {}) {
+    std::vector<std::string> argv = {LtrainBinary(), "launch", recipe_};
+    for (const auto& set : sets) {
+      argv.push_back("--set");
+      argv.push_back(set);
+    }
+    std::map<std::string, std::string> env = Env();
+    env.insert(extra_env.begin(), extra_env.end());
+    return RunProcess(argv, env, std::chrono::seconds(240));
+  }
+
+  v1::Job Status(const std::string& job_id) {
+    ProcessResult result = RunProcess({LtrainBinary(), "status", job_id, "--output", "json"}, Env());
+    EXPECT_EQ(result.exit_code, 0) << result.output;
+    v1::Job job;
+    EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(result.output, &job).ok()) << result.output;
+    return job;
+  }
+
+  TempDir dir_;
+  std::string recipe_;
+};
+
+TEST_F(TrainingTest, TwoWorkersLearnAndTheJobSucceeds) {
+  ProcessResult result = Launch({"training.steps=60", "training.log_every=10", "checkpoint.every=30"});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  std::vector<double> losses = ParseLosses(result.output);
+  ASSERT_GE(losses.size(), 3u) << result.output;
+  EXPECT_LT(losses.back(), losses.front() - 1.0) << result.output;
+  EXPECT_NE(result.output.find("[rank 1]"), std::string::npos) << "lines of every rank are streamed";
+  v1::Job job = Status("tiny-1");
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(job.last_step(), 60);
+  ASSERT_EQ(job.ranks_size(), 2);
+  for (const auto& rank : job.ranks()) {
+    EXPECT_EQ(rank.exit_code(), 0);
+    EXPECT_TRUE(fs::exists(rank.log_path())) << rank.log_path();
+  }
+  fs::path checkpoints = fs::path(dir_.Join("home")) / "checkpoints" / "tiny-1";
+  EXPECT_TRUE(fs::exists(checkpoints / "step-60")) << "the final checkpoint";
+  EXPECT_TRUE(fs::exists(checkpoints / "step-30"));
+}
+
+// 2 workers with micro-batch b against 1 worker accumulating 2 micro-batches of b over the same
+// samples: the losses agree to 1e-5 relative for 20 steps. One CPU thread per rank in both runs, so
+// that kernels sum in the same order.
+TEST_F(TrainingTest, DataParallelEqualsOneProcessAccumulating) {
+  ProcessResult two = Launch({"parallel.nproc_per_node=2", "training.micro_batch=4", "training.global_batch=8"},
+                             {{"OMP_NUM_THREADS", "1"}});
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  ProcessResult one = Launch({"parallel.nproc_per_node=1", "training.micro_batch=4", "training.global_batch=8"},
+                             {{"OMP_NUM_THREADS", "1"}});
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  EXPECT_NE(one.output.find("accumulation 2"), std::string::npos) << one.output;
+  std::vector<double> a = ParseLosses(two.output);
+  std::vector<double> b = ParseLosses(one.output);
+  ASSERT_EQ(a.size(), 20u) << two.output;
+  ASSERT_EQ(b.size(), 20u) << one.output;
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_NEAR(a[i], b[i], 1e-5 * std::abs(b[i])) << "step " << i + 1;
+  }
+  EXPECT_LT(a.back(), a.front());
+}
+
+TEST_F(TrainingTest, ResumingFromACheckpointContinuesTheSameRun) {
+  ProcessResult full = Launch({"training.steps=12", "checkpoint.every=6", "checkpoint.keep=3"});
+  ASSERT_EQ(full.exit_code, 0) << full.output;
+  std::string step6 = (fs::path(dir_.Join("home")) / "checkpoints" / "tiny-1" / "step-6").string();
+  ASSERT_TRUE(fs::exists(step6));
+  ProcessResult resumed = Launch({"training.steps=12", "checkpoint.resume_from=" + step6});
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  std::vector<double> a = ParseLosses(full.output);
+  std::vector<double> b = ParseLosses(resumed.output);
+  ASSERT_EQ(a.size(), 12u);
+  ASSERT_EQ(b.size(), 6u) << resumed.output;
+  for (size_t i = 0; i < b.size(); ++i) EXPECT_NEAR(b[i], a[6 + i], 1e-5 * std::abs(a[6 + i])) << "step " << 7 + i;
+}
+
+TEST_F(TrainingTest, SeparateCoordinatorAndAgentProcessesRunAJob) {
+  std::string port_file = dir_.Join("port");
+  Subprocess coordinator({LtrainBinary(), "coordinator", "--listen", "127.0.0.1:0", "--port-file", port_file,
+                          "--state-dir", dir_.Join("coord")});
+  for (int i = 0; i < 500 && !fs::exists(port_file); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_TRUE(fs::exists(port_file)) << coordinator.Output();
+  std::ifstream in(port_file);
+  int port = 0;
+  in >> port;
+  std::string address = "127.0.0.1:" + std::to_string(port);
+  Subprocess agent({LtrainBinary(), "agent", "--coordinator", address, "--node-id", "n1", "--work-dir",
+                    dir_.Join("agent")});
+  ProcessResult launched = RunProcess({LtrainBinary(), "launch", "--coordinator", address, recipe_, "--set",
+                                       "training.steps=5"},
+                                      Env(), std::chrono::seconds(120));
+  EXPECT_EQ(launched.exit_code, 0) << launched.output << "\n--- coordinator\n" << coordinator.Output()
+                                   << "\n--- agent\n" << agent.Output();
+  ProcessResult status = RunProcess({LtrainBinary(), "status", "--coordinator", address, "--output", "json"}, Env());
+  EXPECT_EQ(status.exit_code, 0);
+  EXPECT_NE(status.output.find("JOB_STATE_SUCCEEDED"), std::string::npos) << status.output;
+  agent.Signal(SIGTERM);
+  EXPECT_EQ(agent.Wait(std::chrono::seconds(10)).exit_code, 0);
+  coordinator.Signal(SIGTERM);
+  EXPECT_EQ(coordinator.Wait(std::chrono::seconds(10)).exit_code, 0);
+}
+
+}  // namespace
+}  // namespace ltrain::testing

@@ -1,0 +1,70 @@
+#include "worker/gpt_model.h"
+
+#include <cmath>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <torch/nn.h>
+
+namespace ltrain::worker {
+namespace {
+
+GptConfig Tiny() { return GptConfig{/*layers=*/2, /*d_model=*/32, /*heads=*/4, /*seq_len=*/16, /*vocab=*/256}; }
+
+TEST(GptModelTest, InitialLossIsNearLnVocab) {
+  torch::manual_seed(1);
+  Gpt model(Tiny());
+  torch::Tensor idx = torch::randint(0, 256, {4, 16}, torch::kLong);
+  torch::Tensor targets = torch::randint(0, 256, {4, 16}, torch::kLong);
+  torch::Tensor loss = model->forward(idx, targets);
+  EXPECT_EQ(loss.scalar_type(), torch::kFloat);
+  const double value = loss.item<double>();
+  EXPECT_TRUE(std::isfinite(value));
+  EXPECT_NEAR(value, std::log(256.0), 0.1);
+}
+
+TEST(GptModelTest, ParametersMatchThePythonModel) {
+  torch::manual_seed(1);
+  Gpt model(Tiny());
+  // wte 256*32, wpe 16*32, per block: 2 LN (2*2*32) + qkv 32*96+96 + proj 32*32+32 + fc 32*128+128
+  // + fc2 128*32+32; lnf 2*32. The head is tied: no parameter of its own.
+  const int64_t block = 4 * 32 + (32 * 96 + 96) + (32 * 32 + 32) + (32 * 128 + 128) + (128 * 32 + 32);
+  EXPECT_EQ(model->NumParameters(), 256 * 32 + 16 * 32 + 2 * block + 2 * 32);
+  std::vector<std::string> names;
+  for (const auto& p : model->named_parameters()) names.push_back(p.key());
+  ASSERT_FALSE(names.empty());
+  EXPECT_EQ(names.front(), "wte.weight");
+  EXPECT_EQ(names[1], "wpe.weight");
+  EXPECT_EQ(names[2], "blocks.0.ln1.weight");
+  EXPECT_EQ(names.back(), "lnf.bias");
+
+  auto params = model->named_parameters();
+  const double residual_std = 0.02 / std::sqrt(4.0);
+  EXPECT_NEAR(params["blocks.0.fc2.weight"].std().item<double>(), residual_std, residual_std * 0.1);
+  EXPECT_NEAR(params["blocks.1.proj.weight"].std().item<double>(), residual_std, residual_std * 0.15);
+  EXPECT_NEAR(params["blocks.0.fc.weight"].std().item<double>(), 0.02, 0.002);
+  EXPECT_NEAR(params["wte.weight"].std().item<double>(), 0.02, 0.002);
+  EXPECT_EQ(params["blocks.0.qkv.bias"].abs().max().item<double>(), 0.0);
+  EXPECT_EQ(params["lnf.weight"].min().item<double>(), 1.0);
+}
+
+TEST(GptModelTest, SameSeedSameModelAndAttentionIsCausal) {
+  torch::manual_seed(7);
+  Gpt a(Tiny());
+  torch::manual_seed(7);
+  Gpt b(Tiny());
+  auto pa = a->parameters(), pb = b->parameters();
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(torch::equal(pa[i], pb[i]));
+
+  // Changing a later token must not change earlier logits.
+  torch::NoGradGuard no_grad;
+  torch::Tensor idx = torch::randint(0, 256, {1, 16}, torch::kLong);
+  torch::Tensor changed = idx.clone();
+  changed[0][10] = (changed[0][10].item<int64_t>() + 1) % 256;
+  torch::Tensor la = a->Logits(idx), lb = a->Logits(changed);
+  EXPECT_TRUE(torch::allclose(la.narrow(1, 0, 10), lb.narrow(1, 0, 10)));
+  EXPECT_FALSE(torch::allclose(la.narrow(1, 10, 1), lb.narrow(1, 10, 1)));
+}
+
+}  // namespace
+}  // namespace ltrain::worker

@@ -1,0 +1,189 @@
+#include "common/token_data.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+namespace ltrain {
+namespace {
+
+namespace fs = std::filesystem;
+
+class TokenDataTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() /
+           ("ltrain_token_test_" + std::to_string(::getpid()) + "_" +
+            ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::string WriteText(const std::string& name, const std::string& text) {
+    std::string path = (dir_ / name).string();
+    std::ofstream(path, std::ios::binary) << text;
+    return path;
+  }
+
+  fs::path dir_;
+};
+
+TEST_F(TokenDataTest, PrepareRoundTripsBytesAndSplitsValAtTheEnd) {
+  std::string a = WriteText("a.txt", "hello ");
+  std::string b = WriteText("b.txt", "world!\xff");
+  StatusOr<PrepareStats> stats = PrepareTokenData({a, b}, (dir_ / "out").string(), 0.25, "byte");
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+  EXPECT_EQ(stats->vocab, 256);
+  EXPECT_EQ(stats->train_tokens + stats->val_tokens, 13);
+  EXPECT_EQ(stats->val_tokens, 3);  // floor(13 * 0.25)
+
+  StatusOr<TokenDataset> train = TokenDataset::Open(stats->train_path);
+  ASSERT_TRUE(train.ok()) << train.status().ToString();
+  StatusOr<TokenDataset> val = TokenDataset::Open(stats->val_path);
+  ASSERT_TRUE(val.ok()) << val.status().ToString();
+  EXPECT_EQ(train->vocab(), 256);
+  std::string all = "hello world!\xff";
+  std::string got;
+  for (int64_t i = 0; i < train->size(); ++i) got.push_back(static_cast<char>(train->token(i)));
+  for (int64_t i = 0; i < val->size(); ++i) got.push_back(static_cast<char>(val->token(i)));
+  EXPECT_EQ(got, all);
+  EXPECT_EQ(val->token(2), 0xff);
+  // No temporary files are left behind.
+  for (const auto& e : fs::directory_iterator(dir_ / "out")) {
+    EXPECT_EQ(e.path().extension(), ".bin") << e.path();
+  }
+}
+
+TEST_F(TokenDataTest, PrepareErrorsNameTheFile) {
+  StatusOr<PrepareStats> missing = PrepareTokenData({(dir_ / "nope.txt").string()}, (dir_ / "o").string(), 0.1, "byte");
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("nope.txt"), std::string::npos);
+
+  std::string empty = WriteText("empty.txt", "");
+  StatusOr<PrepareStats> e = PrepareTokenData({empty}, (dir_ / "o").string(), 0.1, "byte");
+  ASSERT_FALSE(e.ok());
+  EXPECT_NE(e.status().message().find("empty.txt"), std::string::npos);
+  EXPECT_NE(e.status().message().find("empty"), std::string::npos);
+
+  std::string ok = WriteText("ok.txt", "abc");
+  EXPECT_FALSE(PrepareTokenData({ok}, (dir_ / "o").string(), 0.1, "bpe").ok());
+  EXPECT_FALSE(PrepareTokenData({ok}, (dir_ / "o").string(), 1.0, "byte").ok());
+
+  // A regular file where the output directory should be.
+  std::string blocker = WriteText("blocker", "x");
+  StatusOr<PrepareStats> unwritable = PrepareTokenData({ok}, blocker + "/sub", 0.1, "byte");
+  ASSERT_FALSE(unwritable.ok());
+  EXPECT_NE(unwritable.status().message().find("blocker"), std::string::npos);
+}
+
+TEST_F(TokenDataTest, OpenRejectsBadHeaders) {
+  const std::string path = (dir_ / "t.bin").string();
+  ASSERT_TRUE(WriteTokenFile(path, {1, 2, 3, 4}, 256).ok());
+  std::string good;
+  {
+    std::ifstream in(path, std::ios::binary);
+    good.assign(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+  ASSERT_EQ(good.size(), kTokenHeaderBytes + 8);
+  ASSERT_TRUE(TokenDataset::Open(path).ok());
+
+  auto expect_error = [&](std::string bytes, const std::string& needle) {
+    std::string p = (dir_ / "bad.bin").string();
+    std::ofstream(p, std::ios::binary | std::ios::trunc) << bytes;
+    StatusOr<TokenDataset> ds = TokenDataset::Open(p);
+    ASSERT_FALSE(ds.ok()) << needle;
+    EXPECT_NE(ds.status().message().find("bad.bin"), std::string::npos) << ds.status().message();
+    EXPECT_NE(ds.status().message().find(needle), std::string::npos) << ds.status().message();
+  };
+  std::string bad_magic = good;
+  bad_magic[0] = 'X';
+  expect_error(bad_magic, "magic");
+  std::string bad_version = good;
+  bad_version[8] = 7;
+  expect_error(bad_version, "version 7");
+  expect_error(good.substr(0, good.size() - 2), "truncated");
+  expect_error(good.substr(0, 10), "header");
+  std::string bad_width = good;
+  bad_width[24] = 4;
+  expect_error(bad_width, "bytes per token");
+
+  StatusOr<TokenDataset> missing = TokenDataset::Open((dir_ / "missing.bin").string());
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.status().message().find("missing.bin"), std::string::npos);
+}
+
+// Sample indices of one optimizer step for a layout, in the order each rank would see them.
+std::vector<int64_t> StepIndices(int64_t position0, int64_t step, int global_batch, int dp, int micro_batch) {
+  const int accumulation = global_batch / (dp * micro_batch);
+  std::vector<int64_t> out;
+  for (int r = 0; r < dp; ++r) {
+    for (int a = 0; a < accumulation; ++a) {
+      BatchSlice s{position0, step, global_batch, r, dp, a, micro_batch};
+      for (int j = 0; j < micro_batch; ++j) out.push_back(SampleIndex(s, j));
+    }
+  }
+  return out;
+}
+
+TEST(SamplerTest, RanksAreDisjointAndLayoutsCoverTheSameSamples) {
+  for (int64_t step : {0, 1, 7}) {
+    std::vector<int64_t> dp2 = StepIndices(100, step, 16, 2, 8);        // 2 ranks x 1 micro-step
+    std::vector<int64_t> accum2 = StepIndices(100, step, 16, 1, 8);     // 1 rank x 2 micro-steps
+    std::vector<int64_t> dp4 = StepIndices(100, step, 16, 4, 2);        // 4 ranks x 2 micro-steps
+    std::set<int64_t> a(dp2.begin(), dp2.end()), b(accum2.begin(), accum2.end()), c(dp4.begin(), dp4.end());
+    EXPECT_EQ(a.size(), dp2.size()) << "duplicate sample across ranks";
+    EXPECT_EQ(c.size(), dp4.size());
+    EXPECT_EQ(a, b);
+    EXPECT_EQ(a, c);
+    EXPECT_EQ(*a.begin(), 100 + step * 16);
+    EXPECT_EQ(*a.rbegin(), 100 + step * 16 + 15);
+    // Rank r's micro-batch a of dp2 is exactly micro-step r of accum2.
+    EXPECT_EQ(std::vector<int64_t>(dp2.begin() + 8, dp2.end()), std::vector<int64_t>(accum2.begin() + 8, accum2.end()));
+  }
+}
+
+TEST_F(TokenDataTest, SamplerFillsShiftedWindowsDeterministically) {
+  std::vector<uint16_t> tokens(1000);
+  for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>(i % 251);
+  const std::string path = (dir_ / "s.bin").string();
+  ASSERT_TRUE(WriteTokenFile(path, tokens, 256).ok());
+  StatusOr<TokenDataset> ds = TokenDataset::Open(path);
+  ASSERT_TRUE(ds.ok());
+  TokenSampler sampler(&*ds, 42, 16);
+  ASSERT_TRUE(sampler.Check().ok());
+  std::vector<int64_t> in(4 * 16), tg(4 * 16);
+  BatchSlice slice{0, 3, 8, 1, 2, 0, 4};
+  sampler.Fill(slice, in.data(), tg.data());
+  std::set<int64_t> starts;
+  for (int j = 0; j < 4; ++j) {
+    const int64_t start = sampler.WindowStart(SampleIndex(slice, j));
+    EXPECT_GE(start, 0);
+    EXPECT_LT(start, 1000 - 16 - 1);
+    starts.insert(start);
+    for (int t = 0; t < 16; ++t) {
+      EXPECT_EQ(in[j * 16 + t], tokens[start + t]);
+      EXPECT_EQ(tg[j * 16 + t], tokens[start + t + 1]);
+    }
+  }
+  EXPECT_GT(starts.size(), 1u);
+  // Same seed, same windows; another seed, other windows.
+  TokenSampler same(&*ds, 42, 16), other(&*ds, 43, 16);
+  EXPECT_EQ(same.WindowStart(12345), sampler.WindowStart(12345));
+  int differ = 0;
+  for (int i = 0; i < 16; ++i) differ += other.WindowStart(i) != sampler.WindowStart(i);
+  EXPECT_GT(differ, 8);
+
+  TokenSampler too_long(&*ds, 42, 999);
+  EXPECT_FALSE(too_long.Check().ok());
+}
+
+}  // namespace
+}  // namespace ltrain

@@ -1,0 +1,132 @@
+#include "worker/trainer.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <gtest/gtest.h>
+#include <torch/nn.h>
+
+#include "worker/checkpoint.h"
+
+namespace ltrain::worker {
+namespace {
+
+namespace fs = std::filesystem;
+
+class TrainerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("ltrain_trainer_test_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(dir_);
+    fs::create_directories(dir_ / "data");
+    std::vector<uint16_t> tokens(4000);
+    for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>((i * 7 + i / 13) % 64);
+    ASSERT_TRUE(WriteTokenFile((dir_ / "data" / "train.bin").string(), tokens, 256).ok());
+
+    recipe_.name = "tiny";
+    recipe_.model = ModelSpec{1, 16, 2, 8, 256};
+    recipe_.data.path = (dir_ / "data").string();
+    recipe_.training.steps = 6;
+    recipe_.training.micro_batch = 2;
+    recipe_.training.global_batch = 4;
+    recipe_.training.warmup_steps = 2;
+    recipe_.training.lr = 1e-2;
+    recipe_.checkpoint.every = 3;
+    recipe_.checkpoint.keep = 0;
+    options_.print_progress = false;
+    options_.checkpoint_dir = (dir_ / "ckpt").string();
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  fs::path dir_;
+  Recipe recipe_;
+  TrainerOptions options_;
+};
+
+TEST_F(TrainerTest, PlanLayoutChecksParallelismAndBatch) {
+  Recipe r = recipe_;
+  r.parallel.tp = 2;
+  StatusOr<Layout> tp = PlanLayout(r, 2);
+  ASSERT_FALSE(tp.ok());
+  EXPECT_NE(tp.status().message().find("parallel.tp>1 is not supported by this worker yet"), std::string::npos);
+  r = recipe_;
+  r.training.global_batch = 6;
+  EXPECT_FALSE(PlanLayout(r, 2).ok());  // 6 is not a multiple of 2*2
+  StatusOr<Layout> ok = PlanLayout(recipe_, 1);
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ(ok->accumulation, 2);
+}
+
+TEST_F(TrainerTest, ResumedRunEndsWithTheSameParametersAsAnUninterruptedOne) {
+  FakeCommunicator comm;
+  auto full = Trainer::Create(recipe_, options_, &comm);
+  ASSERT_TRUE(full.ok()) << full.status().ToString();
+  double first_loss = 0, last_loss = 0;
+  for (int i = 0; i < 6; ++i) {
+    StatusOr<double> loss = (*full)->Step();
+    ASSERT_TRUE(loss.ok()) << loss.status().ToString();
+    if (i == 0) first_loss = *loss;
+    last_loss = *loss;
+    if ((*full)->step() == 3) {
+      ASSERT_TRUE((*full)->Save().ok());
+    }
+  }
+  EXPECT_LT(last_loss, first_loss);
+  ASSERT_TRUE(fs::exists(dir_ / "ckpt" / "step-3" / "meta.yaml"));
+  std::ifstream latest(dir_ / "ckpt" / "latest");
+  std::string name;
+  std::getline(latest, name);
+  EXPECT_EQ(name, "step-3");
+
+  Recipe resumed_recipe = recipe_;
+  resumed_recipe.checkpoint.resume_from = (dir_ / "ckpt").string();  // a checkpoint dir: its latest
+  TrainerOptions resumed_options = options_;
+  resumed_options.checkpoint_dir = (dir_ / "ckpt2").string();
+  FakeCommunicator comm2;
+  auto resumed = Trainer::Create(resumed_recipe, resumed_options, &comm2);
+  ASSERT_TRUE(resumed.ok()) << resumed.status().ToString();
+  EXPECT_EQ((*resumed)->step(), 3);
+  EXPECT_EQ((*resumed)->data_position(), 3 * 4);
+  ASSERT_TRUE((*resumed)->Run().ok());
+  EXPECT_EQ((*resumed)->step(), 6);
+
+  auto a = (*full)->model()->parameters(), b = (*resumed)->model()->parameters();
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << "parameter " << i;
+  EXPECT_TRUE(fs::exists(dir_ / "ckpt2" / "step-6" / "optimizer.pt"));
+}
+
+TEST_F(TrainerTest, CorruptCheckpointIsRejected) {
+  FakeCommunicator comm;
+  auto t = Trainer::Create(recipe_, options_, &comm);
+  ASSERT_TRUE(t.ok());
+  ASSERT_TRUE((*t)->Step().ok());
+  ASSERT_TRUE((*t)->Save().ok());
+  {
+    std::fstream f(dir_ / "ckpt" / "step-1" / "model.pt", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(100);
+    const char original = static_cast<char>(f.get());
+    f.seekp(100);
+    f.put(static_cast<char>(original ^ 0xff));
+  }
+  Recipe r = recipe_;
+  r.checkpoint.resume_from = (dir_ / "ckpt" / "step-1").string();
+  FakeCommunicator comm2;
+  auto bad = Trainer::Create(r, options_, &comm2);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.status().message().find("corrupt"), std::string::npos) << bad.status().message();
+}
+
+TEST_F(TrainerTest, CollectiveFailureSurfacesAsStatus) {
+  FakeCommunicator comm;
+  comm.FailAt(0, Unavailable("peer rank 1 died"));  // the initial parameter broadcast
+  auto t = Trainer::Create(recipe_, options_, &comm);
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().message(), "peer rank 1 died");
+}
+
+}  // namespace
+}  // namespace ltrain::worker

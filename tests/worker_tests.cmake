@@ -1,0 +1,18 @@
+# Tests of the worker runtime and the token data format (included from tests/CMakeLists.txt).
+ltrain_add_test(token_data_test unit
+  SOURCES unit/token_data_test.cc
+  LIBS ltrain::common)
+
+ltrain_add_test(worker_unit_test unit
+  SOURCES unit/lr_schedule_test.cc unit/gpt_model_test.cc unit/gloo_communicator_test.cc
+          unit/trainer_test.cc
+  LIBS ltrain::worker)
+target_precompile_headers(worker_unit_test PRIVATE ${PROJECT_SOURCE_DIR}/worker/torch_pch.h)
+
+# Runs the ltrain-worker binary (1 rank vs 2 Gloo ranks); about a second.
+ltrain_add_test(worker_layout_equivalence_test unit
+  SOURCES unit/worker_layout_equivalence_test.cc
+  LIBS ltrain::common)
+add_dependencies(worker_layout_equivalence_test ltrain-worker)
+target_compile_definitions(worker_layout_equivalence_test PRIVATE
+  LTRAIN_WORKER_BIN="$<TARGET_FILE:ltrain-worker>")

@@ -1,0 +1,243 @@
+#include "worker/run_worker.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <thread>
+
+#include <unistd.h>
+
+#include <dlfcn.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include "common/recipe.h"
+#include "worker/communicator.h"
+#include "worker/gloo_communicator.h"
+#include "worker/rendezvous_store.h"
+#include "worker/trainer.h"
+#ifdef LTRAIN_WITH_NCCL
+#include "worker/nccl_communicator.h"
+#endif
+
+namespace ltrain::worker {
+namespace {
+
+std::string Env(const char* name, const std::string& fallback = "") {
+  const char* v = std::getenv(name);
+  return (v != nullptr && *v != '\0') ? std::string(v) : fallback;
+}
+
+Status EnvInt(const char* name, int* out) {
+  std::string v = Env(name);
+  if (v.empty()) return Status::Ok();
+  try {
+    size_t used = 0;
+    int parsed = std::stoi(v, &used);
+    if (used != v.size()) throw std::invalid_argument(v);
+    *out = parsed;
+  } catch (const std::exception&) {
+    return InvalidArgument(std::string(name) + "='" + v + "' is not an integer");
+  }
+  return Status::Ok();
+}
+
+// Collective timeout: long enough for a slow checkpoint on rank 0, short enough that a dead peer
+// surfaces as an error rather than a silent hang.
+std::chrono::milliseconds CollectiveTimeout() {
+  int seconds = 300;
+  if (!EnvInt("LTRAIN_COLLECTIVE_TIMEOUT_S", &seconds).ok() || seconds <= 0) seconds = 300;
+  return std::chrono::seconds(seconds);
+}
+
+// LibTorch's set_num_threads sizes its OpenMP pool but not OpenBLAS's own pthread pool, which
+// otherwise takes every core and oversubscribes a node running several ranks. Looked up at run
+// time because which BLAS libblas.so.3 resolves to is the host's choice.
+void SetBlasThreads(int threads) {
+  using SetThreadsFn = void (*)(int);
+  if (auto fn = reinterpret_cast<SetThreadsFn>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) fn(threads);
+}
+
+std::string DefaultCheckpointDir(const WorkerEnv& env, const Recipe& recipe) {
+  std::string home = Env("LTRAIN_HOME");
+  if (home.empty()) home = Env("HOME", ".") + "/.ltrain";
+  std::string job = !env.job_id.empty() ? env.job_id : (!recipe.name.empty() ? recipe.name : "manual");
+  return home + "/checkpoints/" + job;
+}
+
+StatusOr<std::unique_ptr<Communicator>> MakeCommunicator(const WorkerEnv& env, const Recipe& recipe) {
+  if (env.world_size == 1) return std::unique_ptr<Communicator>(std::make_unique<SelfCommunicator>());
+  if (env.rdzv.empty()) {
+    return InvalidArgument("LTRAIN_WORLD_SIZE=" + std::to_string(env.world_size) +
+                           " needs a rendezvous address in LTRAIN_RDZV (grpc://HOST:PORT or file:///DIR)");
+  }
+  StatusOr<std::shared_ptr<gloo::rendezvous::Store>> store = ConnectRendezvousStore(env.rdzv, env.rdzv_scope);
+  if (!store.ok()) return store.status();
+  if (recipe.parallel.device == "cuda") {
+#ifdef LTRAIN_WITH_NCCL
+    auto nccl = NcclCommunicator::Create(**store, env.rank, env.world_size, env.local_rank);
+    if (!nccl.ok()) return nccl.status();
+    return std::unique_ptr<Communicator>(std::move(nccl).value());
+#else
+    return InvalidArgument("parallel.device=cuda needs a worker built against LibTorch with CUDA and NCCL");
+#endif
+  }
+  auto gloo = GlooCommunicator::Create(**store, env.rank, env.world_size, env.bind_addr, CollectiveTimeout());
+  if (!gloo.ok()) return gloo.status();
+  return std::unique_ptr<Communicator>(std::move(gloo).value());
+}
+
+Status Run(const WorkerEnv& env) {
+  if (env.recipe_file.empty()) return InvalidArgument("no recipe: pass --recipe FILE or set LTRAIN_RECIPE_FILE");
+  if (env.world_size < 1 || env.rank < 0 || env.rank >= env.world_size) {
+    return InvalidArgument("LTRAIN_RANK=" + std::to_string(env.rank) + " is outside LTRAIN_WORLD_SIZE=" +
+                           std::to_string(env.world_size));
+  }
+  RecipeParseResult parsed = LoadRecipeFile(env.recipe_file, env.overrides);
+  if (!parsed.ok()) return InvalidArgument(parsed.ErrorText());
+  Recipe recipe = parsed.recipe;
+
+  // OMP_NUM_THREADS wins, as users of torchrun expect; otherwise the node's cores are shared out.
+  const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+  int threads = std::max(1, static_cast<int>(hw) / std::max(1, env.local_world_size));
+  if (const char* omp = std::getenv("OMP_NUM_THREADS"); omp && std::atoi(omp) > 0) threads = std::atoi(omp);
+  at::set_num_threads(threads);
+  SetBlasThreads(threads);
+
+  TrainerOptions options;
+  options.rank = env.rank;
+  options.local_rank = env.local_rank;
+  options.generation = env.generation;
+  options.job_id = env.job_id;
+  options.checkpoint_dir = !env.checkpoint_dir.empty()     ? env.checkpoint_dir
+                           : !recipe.checkpoint.dir.empty() ? recipe.checkpoint.dir
+                                                            : DefaultCheckpointDir(env, recipe);
+  // A restarted generation continues from the job's newest committed checkpoint instead of
+  // starting over (and overwriting it).
+  std::error_code ec;
+  if (recipe.checkpoint.resume_from.empty() && env.generation > 0 &&
+      std::filesystem::exists(std::filesystem::path(options.checkpoint_dir) / "latest", ec)) {
+    recipe.checkpoint.resume_from = options.checkpoint_dir;
+  }
+
+  auto connect_start = std::chrono::steady_clock::now();
+  StatusOr<std::unique_ptr<Communicator>> comm = MakeCommunicator(env, recipe);
+  if (!comm.ok()) return comm.status();
+  // Every rank says it is up: the first line of each rank's log, and proof of the rendezvous.
+  std::printf("rank %d/%d up: pid %d, %d CPU thread(s), connected to %d peer(s) in %.0f ms\n", env.rank,
+              env.world_size, static_cast<int>(getpid()), threads, env.world_size - 1,
+              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - connect_start).count());
+  std::fflush(stdout);
+  StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(recipe, options, comm->get());
+  if (!trainer.ok()) return trainer.status();
+  return (*trainer)->Run();
+}
+
+}  // namespace
+
+std::string WorkerUsage() {
+  return R"(ltrain-worker: one training rank (started by an ltrain agent, or by hand).
+
+Usage: ltrain-worker [--recipe FILE] [--set key=value]... [--help]
+
+  --recipe FILE      the recipe YAML (default: $LTRAIN_RECIPE_FILE)
+  --set key=value    override a recipe field, e.g. --set training.steps=20 (repeatable)
+  --help             this text
+
+Environment (set by the agent; flags win over it):
+  LTRAIN_JOB_ID            job id (names the default checkpoint directory)
+  LTRAIN_RANK              this process's rank, 0-based (default 0)
+  LTRAIN_WORLD_SIZE        number of ranks (default 1; 1 needs no rendezvous)
+  LTRAIN_LOCAL_RANK        rank on this node (picks the GPU)
+  LTRAIN_LOCAL_WORLD_SIZE  ranks on this node (CPU threads = cores / this, unless OMP_NUM_THREADS is set)
+  LTRAIN_GENERATION        restart count; >0 resumes from the newest checkpoint
+  LTRAIN_RECIPE_FILE       path of the resolved recipe YAML
+  LTRAIN_RDZV              rendezvous address: grpc://HOST:PORT (agent) or file:///DIR (by hand)
+  LTRAIN_RDZV_SCOPE        key prefix of this job generation in the rendezvous store
+  LTRAIN_CHECKPOINT_DIR    overrides checkpoint.dir
+  LTRAIN_BIND_ADDR         address Gloo listens on (default 127.0.0.1)
+  LTRAIN_COLLECTIVE_TIMEOUT_S  seconds before a stuck collective fails (default 300)
+
+By hand, two ranks on one machine:
+  LTRAIN_WORLD_SIZE=2 LTRAIN_RANK=0 LTRAIN_RDZV=file:///tmp/rdzv LTRAIN_RDZV_SCOPE=t1 ltrain-worker --recipe r.yaml &
+  LTRAIN_WORLD_SIZE=2 LTRAIN_RANK=1 LTRAIN_RDZV=file:///tmp/rdzv LTRAIN_RDZV_SCOPE=t1 ltrain-worker --recipe r.yaml
+(use a fresh scope or directory per run: stale keys from an old run would be read back).
+
+Rank 0 prints "step S/N loss L lr R tok/s T step_ms M" lines and writes checkpoints to
+<checkpoint_dir>/step-<N>/ (model.pt, optimizer.pt, meta.yaml) with <checkpoint_dir>/latest.
+Exit code: 0 done, 1 failed (reason on stderr), 2 bad usage.
+)";
+}
+
+StatusOr<WorkerEnv> ParseWorkerEnv(int argc, char** argv) {
+  WorkerEnv env;
+  env.job_id = Env("LTRAIN_JOB_ID");
+  for (auto [name, field] : {std::pair{"LTRAIN_RANK", &env.rank}, {"LTRAIN_WORLD_SIZE", &env.world_size},
+                             {"LTRAIN_LOCAL_RANK", &env.local_rank},
+                             {"LTRAIN_LOCAL_WORLD_SIZE", &env.local_world_size},
+                             {"LTRAIN_GENERATION", &env.generation}}) {
+    if (Status s = EnvInt(name, field); !s.ok()) return s;
+  }
+  env.recipe_file = Env("LTRAIN_RECIPE_FILE");
+  env.rdzv = Env("LTRAIN_RDZV");
+  env.rdzv_scope = Env("LTRAIN_RDZV_SCOPE", env.job_id.empty() ? "manual" : env.job_id);
+  env.checkpoint_dir = Env("LTRAIN_CHECKPOINT_DIR");
+  env.bind_addr = Env("LTRAIN_BIND_ADDR", "127.0.0.1");
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    auto value = [&](const std::string& flag) -> StatusOr<std::string> {
+      if (arg.size() > flag.size() && arg.compare(0, flag.size() + 1, flag + "=") == 0) {
+        return arg.substr(flag.size() + 1);
+      }
+      if (i + 1 >= argc) return InvalidArgument(flag + " needs a value");
+      return std::string(argv[++i]);
+    };
+    if (arg == "--help" || arg == "-h") {
+      env.help = true;
+    } else if (arg == "--recipe" || arg.rfind("--recipe=", 0) == 0) {
+      StatusOr<std::string> v = value("--recipe");
+      if (!v.ok()) return v.status();
+      env.recipe_file = *v;
+    } else if (arg == "--set" || arg.rfind("--set=", 0) == 0) {
+      StatusOr<std::string> v = value("--set");
+      if (!v.ok()) return v.status();
+      if (v->find('=') == std::string::npos) return InvalidArgument("--set " + *v + ": expected key=value");
+      env.overrides.push_back(*v);
+    } else {
+      return InvalidArgument("unknown argument '" + arg + "' (see --help)");
+    }
+  }
+  return env;
+}
+
+int RunWorker(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress lines reach the agent as they happen
+  StatusOr<WorkerEnv> env = ParseWorkerEnv(argc, argv);
+  if (!env.ok()) {
+    std::fprintf(stderr, "ltrain-worker: %s\n", env.status().message().c_str());
+    return 2;
+  }
+  if (env->help) {
+    std::fputs(WorkerUsage().c_str(), stdout);
+    return 0;
+  }
+  Status status;
+  try {
+    status = Run(*env);
+  } catch (const c10::Error& e) {
+    status = Internal(std::string("LibTorch error: ") + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    status = Internal(std::string("unexpected error: ") + e.what());
+  }
+  std::fflush(stdout);
+  if (!status.ok()) {
+    std::fprintf(stderr, "ltrain-worker: rank %d: error: %s\n", env->rank, status.message().c_str());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace ltrain::worker
