@@ -177,6 +177,48 @@ class RecipeReader {
     out = node.Scalar();
   }
 
+  void ReadBool(const YAML::Node& section, const std::string& prefix, const std::string& key, bool& out) {
+    if (!section.IsDefined()) return;
+    YAML::Node node = section[key];
+    if (!node.IsDefined()) return;
+    std::string path = prefix + "." + key;
+    const std::string text = node.IsScalar() ? node.Scalar() : "";
+    if (text == "true" || text == "yes" || text == "on") {
+      out = true;
+    } else if (text == "false" || text == "no" || text == "off") {
+      out = false;
+    } else {
+      Error(node, path, path + " must be true or false, got '" + text + "'");
+    }
+  }
+
+  void ReadIntList(const YAML::Node& section, const std::string& prefix, const std::string& key,
+                   std::vector<int>& out, int64_t min, int64_t max) {
+    if (!section.IsDefined()) return;
+    YAML::Node node = section[key];
+    if (!node.IsDefined() || node.IsNull()) return;
+    std::string path = prefix + "." + key;
+    if (!node.IsSequence()) {
+      Error(node, path, path + " must be a list of integers, e.g. [3, 3, 2]");
+      return;
+    }
+    std::vector<int> values;
+    for (size_t i = 0; i < node.size(); ++i) {
+      int value = 0;
+      YAML::Node holder(YAML::NodeType::Map);
+      holder[key] = node[i];
+      size_t before = errors_.size();
+      ReadInt(holder, prefix, key, value, min, max);
+      if (errors_.size() != before) {
+        errors_.back().line = node[i].Mark().line + 1;
+        errors_.back().column = node[i].Mark().column + 1;
+        return;
+      }
+      values.push_back(value);
+    }
+    out = values;
+  }
+
   // Location of `prefix.key` for cross-field errors (the key's value if present, else its section).
   void ErrorOn(const YAML::Node& root, const std::string& prefix, const std::string& key,
                const std::string& message) {
@@ -310,17 +352,44 @@ RecipeParseResult ParseRecipe(const std::string& yaml_text, const std::string& s
   }
   YAML::Node parallel = reader.Section(root, "parallel");
   if (parallel.IsDefined()) {
-    reader.CheckKeys(parallel, "parallel", {"nodes", "nproc_per_node", "tp", "pp", "zero", "device"});
-    reader.ReadInt(parallel, "parallel", "nodes", r.parallel.nodes, 1, 100000);
+    reader.CheckKeys(parallel, "parallel",
+                     {"nodes", "nproc_per_node", "tp", "pp", "zero", "sequence_parallel", "pp_schedule",
+                      "virtual_stages", "pp_split", "bucket_mb", "activation_checkpointing", "precision", "device"});
+    YAML::Node nodes = parallel["nodes"];
+    if (nodes.IsDefined() && nodes.IsMap()) {
+      reader.CheckKeys(nodes, "parallel.nodes", {"min", "max"});
+      r.parallel.nodes_min = 1;
+      r.parallel.nodes_max = 1;
+      reader.ReadInt(nodes, "parallel.nodes", "min", r.parallel.nodes_min, 1, 100000);
+      reader.ReadInt(nodes, "parallel.nodes", "max", r.parallel.nodes_max, 1, 100000);
+      if (!nodes["max"].IsDefined()) r.parallel.nodes_max = r.parallel.nodes_min;
+      if (r.parallel.nodes_min > r.parallel.nodes_max) {
+        reader.Error(nodes, "parallel.nodes", "parallel.nodes: min=" + std::to_string(r.parallel.nodes_min) +
+                                                  " is larger than max=" + std::to_string(r.parallel.nodes_max));
+      }
+      r.parallel.nodes = r.parallel.nodes_max;
+    } else {
+      reader.ReadInt(parallel, "parallel", "nodes", r.parallel.nodes, 1, 100000);
+      r.parallel.nodes_min = r.parallel.nodes_max = r.parallel.nodes;
+    }
     reader.ReadInt(parallel, "parallel", "nproc_per_node", r.parallel.nproc_per_node, 1, 1024);
     reader.ReadInt(parallel, "parallel", "tp", r.parallel.tp, 1, 1024);
     reader.ReadInt(parallel, "parallel", "pp", r.parallel.pp, 1, 1024);
     reader.ReadInt(parallel, "parallel", "zero", r.parallel.zero, 0, 3);
+    reader.ReadBool(parallel, "parallel", "sequence_parallel", r.parallel.sequence_parallel);
+    reader.ReadString(parallel, "parallel", "pp_schedule", r.parallel.pp_schedule, {"gpipe", "1f1b", "interleaved"});
+    reader.ReadInt(parallel, "parallel", "virtual_stages", r.parallel.virtual_stages, 1, 1024);
+    reader.ReadIntList(parallel, "parallel", "pp_split", r.parallel.pp_split, 1, 1024);
+    reader.ReadDouble(parallel, "parallel", "bucket_mb", r.parallel.bucket_mb, 0.001, 1e6);
+    reader.ReadString(parallel, "parallel", "activation_checkpointing", r.parallel.activation_checkpointing,
+                      {"none", "full", "selective"});
+    reader.ReadString(parallel, "parallel", "precision", r.parallel.precision, {"auto", "fp32", "bf16"});
     reader.ReadString(parallel, "parallel", "device", r.parallel.device, {"cpu", "cuda"});
   }
   YAML::Node checkpoint = reader.Section(root, "checkpoint");
   if (checkpoint.IsDefined()) {
-    reader.CheckKeys(checkpoint, "checkpoint", {"dir", "every", "keep", "resume_from"});
+    reader.CheckKeys(checkpoint, "checkpoint", {"dir", "every", "keep", "resume_from", "async"});
+    reader.ReadBool(checkpoint, "checkpoint", "async", r.checkpoint.async);
     reader.ReadString(checkpoint, "checkpoint", "dir", r.checkpoint.dir);
     reader.ReadInt(checkpoint, "checkpoint", "every", r.checkpoint.every, 0, kMaxInt64);
     reader.ReadInt(checkpoint, "checkpoint", "keep", r.checkpoint.keep, 1, 1000000);
@@ -328,8 +397,13 @@ RecipeParseResult ParseRecipe(const std::string& yaml_text, const std::string& s
   }
   YAML::Node fault = reader.Section(root, "fault");
   if (fault.IsDefined()) {
-    reader.CheckKeys(fault, "fault", {"max_restarts", "heartbeat_interval_s", "heartbeat_misses", "hang_timeout_s"});
+    reader.CheckKeys(fault, "fault",
+                     {"max_restarts", "restart_backoff_s", "restart_backoff_max_s", "heartbeat_interval_s",
+                      "heartbeat_misses", "hang_timeout_s", "collective_timeout_s"});
     reader.ReadInt(fault, "fault", "max_restarts", r.fault.max_restarts, 0, 1000000);
+    reader.ReadDouble(fault, "fault", "restart_backoff_s", r.fault.restart_backoff_s, 0, 3600);
+    reader.ReadDouble(fault, "fault", "restart_backoff_max_s", r.fault.restart_backoff_max_s, 0, 86400);
+    reader.ReadDouble(fault, "fault", "collective_timeout_s", r.fault.collective_timeout_s, 0.1, 86400);
     reader.ReadDouble(fault, "fault", "heartbeat_interval_s", r.fault.heartbeat_interval_s, 0.01, 3600);
     reader.ReadInt(fault, "fault", "heartbeat_misses", r.fault.heartbeat_misses, 1, 1000);
     reader.ReadDouble(fault, "fault", "hang_timeout_s", r.fault.hang_timeout_s, 0.1, 86400);
@@ -361,11 +435,64 @@ RecipeParseResult ParseRecipe(const std::string& yaml_text, const std::string& s
       reader.ErrorOn(root, "parallel", "tp",
                      "parallel.tp=" + std::to_string(p.tp) + " does not divide model.heads=" + std::to_string(r.model.heads));
     }
+    if (p.tp > 1 && (4 * r.model.d_model) % p.tp != 0) {
+      reader.ErrorOn(root, "parallel", "tp",
+                     "parallel.tp=" + std::to_string(p.tp) + " does not divide the MLP width 4*d_model=" +
+                         std::to_string(4 * r.model.d_model));
+    }
+    if (p.tp > 1 && r.model.vocab % p.tp != 0) {
+      reader.ErrorOn(root, "parallel", "tp",
+                     "parallel.tp=" + std::to_string(p.tp) + " does not divide model.vocab=" + std::to_string(r.model.vocab) +
+                         " (the embedding is split by vocabulary); pad vocab to a multiple of tp");
+    }
+    if (p.tp > 1 && p.nproc_per_node % p.tp != 0) {
+      reader.ErrorOn(root, "parallel", "tp",
+                     "parallel.tp=" + std::to_string(p.tp) + " must divide nproc_per_node=" +
+                         std::to_string(p.nproc_per_node) + ": a tensor-parallel group stays within one node");
+    }
+    if (p.sequence_parallel && p.tp == 1) {
+      reader.ErrorOn(root, "parallel", "sequence_parallel", "parallel.sequence_parallel needs parallel.tp > 1");
+    }
+    if (p.sequence_parallel && r.model.seq_len % p.tp != 0) {
+      reader.ErrorOn(root, "parallel", "sequence_parallel",
+                     "parallel.sequence_parallel splits the sequence: model.seq_len=" + std::to_string(r.model.seq_len) +
+                         " is not a multiple of tp=" + std::to_string(p.tp));
+    }
+    int stages = p.pp * p.virtual_stages;
     if (p.pp > r.model.layers) {
       reader.ErrorOn(root, "parallel", "pp",
                      "parallel.pp=" + std::to_string(p.pp) + " is larger than model.layers=" + std::to_string(r.model.layers));
+    } else if (stages > r.model.layers) {
+      reader.ErrorOn(root, "parallel", "virtual_stages",
+                     "pp*virtual_stages=" + std::to_string(stages) + " stages is more than model.layers=" +
+                         std::to_string(r.model.layers));
+    }
+    if (p.pp_schedule == "interleaved" && p.virtual_stages < 2) {
+      reader.ErrorOn(root, "parallel", "virtual_stages",
+                     "parallel.pp_schedule=interleaved needs parallel.virtual_stages >= 2");
+    }
+    if (p.pp_schedule != "interleaved" && p.virtual_stages != 1) {
+      reader.ErrorOn(root, "parallel", "virtual_stages",
+                     "parallel.virtual_stages > 1 needs parallel.pp_schedule: interleaved");
+    }
+    if (!p.pp_split.empty()) {
+      int sum = 0;
+      for (int layers : p.pp_split) sum += layers;
+      if (static_cast<int>(p.pp_split.size()) != stages || sum != r.model.layers) {
+        reader.ErrorOn(root, "parallel", "pp_split",
+                       "parallel.pp_split needs " + std::to_string(stages) + " entries (pp*virtual_stages) summing to model.layers=" +
+                           std::to_string(r.model.layers) + "; it has " + std::to_string(p.pp_split.size()) +
+                           " summing to " + std::to_string(sum));
+      }
     }
     int64_t per_step = static_cast<int64_t>(r.training.micro_batch) * p.dp();
+    if (r.training.global_batch % per_step == 0 && p.pp_schedule == "interleaved" && p.pp > 1 &&
+        (r.training.global_batch / per_step) % p.pp != 0) {
+      reader.ErrorOn(root, "training", "global_batch",
+                     "interleaved 1F1B needs the micro-batches per step (global_batch/(micro_batch*dp)=" +
+                         std::to_string(r.training.global_batch / per_step) + ") to be a multiple of pp=" +
+                         std::to_string(p.pp));
+    }
     if (r.training.global_batch % per_step != 0) {
       int64_t lower = std::max<int64_t>(per_step, r.training.global_batch / per_step * per_step);
       reader.ErrorOn(root, "training", "global_batch",
@@ -420,22 +547,39 @@ std::string RecipeToYaml(const Recipe& r) {
       << YAML::Key << "seed" << YAML::Value << r.training.seed
       << YAML::Key << "log_every" << YAML::Value << r.training.log_every << YAML::EndMap;
   out << YAML::Key << "parallel" << YAML::Value << YAML::BeginMap
-      << YAML::Key << "nodes" << YAML::Value << r.parallel.nodes
-      << YAML::Key << "nproc_per_node" << YAML::Value << r.parallel.nproc_per_node
+      << YAML::Key << "nodes" << YAML::Value;
+  if (r.parallel.nodes_min == r.parallel.nodes_max) {
+    out << r.parallel.nodes;
+  } else {
+    out << YAML::Flow << YAML::BeginMap << YAML::Key << "min" << YAML::Value << r.parallel.nodes_min
+        << YAML::Key << "max" << YAML::Value << r.parallel.nodes_max << YAML::EndMap;
+  }
+  out << YAML::Key << "nproc_per_node" << YAML::Value << r.parallel.nproc_per_node
       << YAML::Key << "tp" << YAML::Value << r.parallel.tp
       << YAML::Key << "pp" << YAML::Value << r.parallel.pp
       << YAML::Key << "zero" << YAML::Value << r.parallel.zero
+      << YAML::Key << "sequence_parallel" << YAML::Value << r.parallel.sequence_parallel
+      << YAML::Key << "pp_schedule" << YAML::Value << r.parallel.pp_schedule
+      << YAML::Key << "virtual_stages" << YAML::Value << r.parallel.virtual_stages
+      << YAML::Key << "pp_split" << YAML::Value << YAML::Flow << r.parallel.pp_split
+      << YAML::Key << "bucket_mb" << YAML::Value << r.parallel.bucket_mb
+      << YAML::Key << "activation_checkpointing" << YAML::Value << r.parallel.activation_checkpointing
+      << YAML::Key << "precision" << YAML::Value << r.parallel.precision
       << YAML::Key << "device" << YAML::Value << r.parallel.device << YAML::EndMap;
   out << YAML::Key << "checkpoint" << YAML::Value << YAML::BeginMap
       << YAML::Key << "dir" << YAML::Value << r.checkpoint.dir
       << YAML::Key << "every" << YAML::Value << r.checkpoint.every
       << YAML::Key << "keep" << YAML::Value << r.checkpoint.keep
-      << YAML::Key << "resume_from" << YAML::Value << r.checkpoint.resume_from << YAML::EndMap;
+      << YAML::Key << "resume_from" << YAML::Value << r.checkpoint.resume_from
+      << YAML::Key << "async" << YAML::Value << r.checkpoint.async << YAML::EndMap;
   out << YAML::Key << "fault" << YAML::Value << YAML::BeginMap
       << YAML::Key << "max_restarts" << YAML::Value << r.fault.max_restarts
+      << YAML::Key << "restart_backoff_s" << YAML::Value << r.fault.restart_backoff_s
+      << YAML::Key << "restart_backoff_max_s" << YAML::Value << r.fault.restart_backoff_max_s
       << YAML::Key << "heartbeat_interval_s" << YAML::Value << r.fault.heartbeat_interval_s
       << YAML::Key << "heartbeat_misses" << YAML::Value << r.fault.heartbeat_misses
-      << YAML::Key << "hang_timeout_s" << YAML::Value << r.fault.hang_timeout_s << YAML::EndMap;
+      << YAML::Key << "hang_timeout_s" << YAML::Value << r.fault.hang_timeout_s
+      << YAML::Key << "collective_timeout_s" << YAML::Value << r.fault.collective_timeout_s << YAML::EndMap;
   out << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
 }

@@ -39,11 +39,20 @@ struct TrainingSpec {
 };
 
 struct ParallelSpec {
-  int nodes = 1;
+  int nodes = 1;                 // nodes the job runs on now (`nodes: N`, or the max of `nodes: {min, max}`)
+  int nodes_min = 1;             // elastic floor: the job goes on while at least this many remain
+  int nodes_max = 1;
   int nproc_per_node = 1;
-  int tp = 1;
-  int pp = 1;
-  int zero = 0;
+  int tp = 1;                    // tensor parallel degree (innermost, within a node)
+  int pp = 1;                    // pipeline stages (outermost)
+  int zero = 0;                  // 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded over dp
+  bool sequence_parallel = false;
+  std::string pp_schedule = "1f1b";     // gpipe | 1f1b | interleaved
+  int virtual_stages = 1;               // model chunks per pipeline rank (interleaved 1F1B)
+  std::vector<int> pp_split;            // layers per (virtual) stage; empty = balanced
+  double bucket_mb = 25.0;              // data-parallel gradient bucket size
+  std::string activation_checkpointing = "none";  // none | full | selective
+  std::string precision = "auto";       // auto (bf16 on cuda, fp32 on cpu) | fp32 | bf16
   std::string device = "cpu";    // cpu (Gloo) | cuda (NCCL)
 
   int world_size() const { return nodes * nproc_per_node; }
@@ -55,13 +64,17 @@ struct CheckpointSpec {
   int64_t every = 0;             // steps between checkpoints; 0 writes only the final one
   int keep = 2;
   std::string resume_from;       // a checkpoint directory to start from; empty starts fresh
+  bool async = true;             // snapshot to host memory, write in the background
 };
 
 struct FaultSpec {
   int max_restarts = 0;
+  double restart_backoff_s = 1.0;       // first delay; doubles per restart up to restart_backoff_max_s
+  double restart_backoff_max_s = 30.0;
   double heartbeat_interval_s = 1.0;
   int heartbeat_misses = 3;
-  double hang_timeout_s = 60.0;
+  double hang_timeout_s = 60.0;         // no progress this long: the rank is hung
+  double collective_timeout_s = 300.0;  // a collective that takes longer is aborted
 };
 
 struct Recipe {

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include "common/clock.h"
+#include "common/logging.h"
 #include "launcher/state_store.h"
 
 namespace ltrain::launcher {
@@ -17,6 +18,7 @@ parallel: {nodes: 2, nproc_per_node: 2}
 class CoordinatorTest : public ::testing::Test {
  protected:
   void SetUp() override {
+    SetLogLevel(LogLevel::kWarning);
     store_ = std::move(SqliteStateStore::Open(":memory:")).value();
     CoordinatorOptions options;
     options.state_dir = "/state";

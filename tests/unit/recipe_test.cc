@@ -73,7 +73,35 @@ INSTANTIATE_TEST_SUITE_P(
                 2, 42, "not a multiple of micro_batch*dp"},
         BadCase{"heads", "data: {path: /d}\nmodel:\n  d_model: 100\n  heads: 3\n", 4, 10, "does not divide model.d_model=100"},
         BadCase{"tp heads", "data: {path: /d}\nmodel: {heads: 4}\nparallel: {nproc_per_node: 3, tp: 3}\n", 3, 35, "does not divide model.heads"},
-        BadCase{"not a map", "data: {path: /d}\nmodel: 7\n", 2, 8, "must be a mapping"}));
+        BadCase{"not a map", "data: {path: /d}\nmodel: 7\n", 2, 8, "must be a mapping"},
+        BadCase{"tp vocab", "data: {path: /d}\nmodel: {vocab: 257, heads: 4}\nparallel: {nproc_per_node: 2, tp: 2}\n", 3, 35,
+                "does not divide model.vocab=257"},
+        BadCase{"interleaved", "data: {path: /d}\nparallel:\n  nproc_per_node: 2\n  pp: 2\n  pp_schedule: interleaved\n", 3, 3,
+                "needs parallel.virtual_stages >= 2"},
+        BadCase{"pp_split", "data: {path: /d}\nmodel: {layers: 4}\nparallel:\n  nproc_per_node: 2\n  pp: 2\n  pp_split: [1, 2]\n",
+                6, 13, "summing to model.layers=4"},
+        BadCase{"pp_split type", "data: {path: /d}\nparallel:\n  pp_split: [1, x]\n", 3, 17, "must be an integer"},
+        BadCase{"elastic", "data: {path: /d}\nparallel:\n  nodes: {min: 3, max: 2}\n", 3, 10, "min=3 is larger than max=2"},
+        BadCase{"sp", "data: {path: /d}\nparallel:\n  sequence_parallel: yes\n", 3, 22, "needs parallel.tp > 1"}));
+
+TEST(RecipeTest, ElasticNodesAndLayoutKeysRoundTrip) {
+  RecipeParseResult result = ParseRecipe(
+      "data: {path: /d}\nmodel: {layers: 4}\ntraining: {micro_batch: 1, global_batch: 4}\n"
+      "parallel: {nodes: {min: 1, max: 2}, nproc_per_node: 2, pp: 2, pp_schedule: interleaved, virtual_stages: 2,"
+      " pp_split: [1, 1, 1, 1], activation_checkpointing: selective}\n",
+      "r.yaml");
+  ASSERT_TRUE(result.ok()) << result.ErrorText();
+  EXPECT_EQ(result.recipe.parallel.nodes, 2);
+  EXPECT_EQ(result.recipe.parallel.nodes_min, 1);
+  EXPECT_EQ(result.recipe.parallel.world_size(), 4);
+  std::string yaml = RecipeToYaml(result.recipe);
+  RecipeParseResult again = ParseRecipe(yaml, "resolved.yaml");
+  ASSERT_TRUE(again.ok()) << again.ErrorText() << yaml;
+  EXPECT_EQ(again.recipe.parallel.pp_split, (std::vector<int>{1, 1, 1, 1}));
+  EXPECT_EQ(again.recipe.parallel.nodes_min, 1);
+  EXPECT_EQ(again.recipe.parallel.activation_checkpointing, "selective");
+  EXPECT_EQ(RecipeToYaml(again.recipe), yaml);
+}
 
 TEST(RecipeTest, ReportsEveryErrorNotJustTheFirst) {
   RecipeParseResult result = ParseRecipe("data: {path: /d}\nmodel: {layerz: 1, heads: x}\nfoo: 1\n", "r.yaml");

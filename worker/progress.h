@@ -1,0 +1,61 @@
+// What this rank is doing, for hang detection and diagnosis: the step and phase it is in, and a ring
+// of its last collectives (op, group, sequence number, bytes, start, end). The training thread writes
+// it; the progress reporter thread reads snapshots and sends them to the agent. Thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <deque>
+#include <mutex>
+#include <string>
+
+namespace ltrain::worker {
+
+struct CollectiveRecord {
+  uint64_t seq = 0;        // per-rank sequence number of collectives, 1-based
+  std::string op;          // all_reduce, broadcast, all_gather, reduce_scatter, send, recv, barrier
+  std::string group;       // "world", "dp 0", "tp 1", "pp 0", ...
+  int64_t bytes = 0;
+  int64_t start_unix_ms = 0;
+  int64_t end_unix_ms = 0; // 0 while in flight
+};
+
+struct ProgressSnapshot {
+  int64_t step = 0;        // the step being worked on (1-based; 0 before the first)
+  std::string phase;       // startup, data, forward, backward, optimizer, checkpoint, done
+  int64_t updated_unix_ms = 0;
+  std::deque<CollectiveRecord> collectives;  // oldest first
+};
+
+class Progress {
+ public:
+  static constexpr size_t kRingSize = 64;
+
+  // The process-wide instance the communicators and the trainer report to.
+  static Progress& Global();
+
+  void SetPhase(int64_t step, const std::string& phase);
+  // Returns the collective's sequence number, for EndCollective.
+  uint64_t BeginCollective(const std::string& op, const std::string& group, int64_t bytes);
+  void EndCollective(uint64_t seq);
+  ProgressSnapshot Snapshot() const;
+
+ private:
+  mutable std::mutex mu_;
+  ProgressSnapshot state_;
+  uint64_t next_seq_ = 1;
+};
+
+// Marks a collective in flight for its scope.
+class ScopedCollective {
+ public:
+  ScopedCollective(const std::string& op, const std::string& group, int64_t bytes)
+      : seq_(Progress::Global().BeginCollective(op, group, bytes)) {}
+  ~ScopedCollective() { Progress::Global().EndCollective(seq_); }
+  ScopedCollective(const ScopedCollective&) = delete;
+  ScopedCollective& operator=(const ScopedCollective&) = delete;
+
+ private:
+  uint64_t seq_;
+};
+
+}  // namespace ltrain::worker
