@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <mutex>
 #include <thread>
 #include <variant>
@@ -55,6 +56,59 @@ class RendezvousProxy final : public v1::RendezvousService::Service {
   std::unique_ptr<v1::RendezvousService::Stub> stub_;
 };
 
+// Receives the progress reports of this node's workers.
+class ProgressSink final : public v1::WorkerService::Service {
+ public:
+  struct Entry {
+    v1::RankProgress report;
+    int64_t received_ms = 0;  // steady
+    int64_t changed_ms = 0;   // steady: when step, phase or the newest collective last changed
+  };
+
+  grpc::Status ReportProgress(grpc::ServerContext*, const v1::RankProgress* request, v1::ProgressAck*) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    int64_t now = clock_.SteadyMs();
+    Entry& entry = entries_[{request->job_id(), request->rank()}];
+    bool changed = entry.received_ms == 0 || entry.report.generation() != request->generation() ||
+                   entry.report.step() != request->step() || entry.report.phase() != request->phase() ||
+                   Newest(entry.report) != Newest(*request);
+    entry.report = *request;
+    entry.received_ms = now;
+    if (changed) entry.changed_ms = now;
+    return grpc::Status::OK;
+  }
+
+  // The latest report of each live rank, with idle_ms and silent_ms from this node's clock.
+  std::vector<v1::RankProgress> Collect(const std::set<std::pair<std::string, int>>& live) {
+    std::lock_guard<std::mutex> lock(mu_);
+    int64_t now = clock_.SteadyMs();
+    std::vector<v1::RankProgress> out;
+    for (auto it = entries_.begin(); it != entries_.end();) {
+      if (!live.count(it->first)) {
+        it = entries_.erase(it);
+        continue;
+      }
+      v1::RankProgress report = it->second.report;
+      report.set_idle_ms(now - it->second.changed_ms);
+      report.set_silent_ms(now - it->second.received_ms);
+      out.push_back(std::move(report));
+      ++it;
+    }
+    return out;
+  }
+
+ private:
+  static std::pair<uint64_t, int64_t> Newest(const v1::RankProgress& report) {
+    if (report.collectives_size() == 0) return {0, 0};
+    const auto& last = *report.collectives().rbegin();
+    return {last.seq(), last.end_unix_ms()};
+  }
+
+  RealClock clock_;
+  std::mutex mu_;
+  std::map<std::pair<std::string, int>, Entry> entries_;
+};
+
 struct Worker {
   std::string job_id;
   int generation = 0;
@@ -89,6 +143,7 @@ class AgentImpl : public Agent {
     grpc::ServerBuilder builder;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &proxy_port_);
     builder.RegisterService(proxy_.get());
+    builder.RegisterService(&progress_);
     proxy_server_ = builder.BuildAndStart();
     if (!proxy_server_ || proxy_port_ == 0) return Unavailable("cannot start the workers' rendezvous proxy");
     supervisor_ = std::thread([this] { SuperviseLoop(); });
@@ -148,7 +203,14 @@ class AgentImpl : public Agent {
     for (int i = 0; i < 64; ++i) gpus += fs::exists("/dev/nvidia" + std::to_string(i)) ? 1 : 0;
     request.mutable_facts()->set_gpus(gpus);
     bool warned = false;
+    RealClock clock;
+    int64_t lost_since = -1;
     while (!Stopping()) {
+      request.clear_running();
+      {
+        std::lock_guard<std::mutex> lock(live_mu_);
+        for (const auto& w : live_) *request.add_running() = w;
+      }
       auto context = std::make_shared<grpc::ClientContext>();
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -162,6 +224,7 @@ class AgentImpl : public Agent {
         if (!registered) {
           registered = true;
           warned = false;
+          lost_since = -1;
           LTRAIN_LOG(kInfo, kLog) << "node " << options_.node_id << " registered with " << options_.coordinator;
         }
         if (command.has_start() || command.has_stop()) {
@@ -173,8 +236,18 @@ class AgentImpl : public Agent {
       if (Stopping()) break;
       if (!warned) {
         LTRAIN_LOG(kWarning, kLog) << "lost the coordinator at " << options_.coordinator << " ("
-                                   << status.error_message() << "); reconnecting";
+                                   << status.error_message() << "); reconnecting, workers keep running for up to "
+                                   << options_.coordinator_grace_s << " s";
         warned = true;
+      }
+      if (lost_since < 0) lost_since = clock.SteadyMs();
+      if (clock.SteadyMs() - lost_since > static_cast<int64_t>(options_.coordinator_grace_s * 1000)) {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (!orphan_kill_requested_) {
+          LTRAIN_LOG(kError, kLog) << "the coordinator has been away for more than " << options_.coordinator_grace_s
+                                   << " s: stopping every worker of this node";
+          orphan_kill_requested_ = true;
+        }
       }
       std::unique_lock<std::mutex> lock(mu_);
       cv_.wait_for(lock, std::chrono::milliseconds(500), [this] { return stopping_; });
@@ -192,6 +265,12 @@ class AgentImpl : public Agent {
       }
       v1::HeartbeatRequest request;
       request.set_node_id(options_.node_id);
+      std::set<std::pair<std::string, int>> live;
+      {
+        std::lock_guard<std::mutex> lock(live_mu_);
+        for (const auto& w : live_) live.insert({w.job_id(), w.rank()});
+      }
+      for (auto& report : progress_.Collect(live)) *request.add_progress() = std::move(report);
       v1::HeartbeatReply reply;
       grpc::ClientContext context;
       context.set_deadline(Deadline(options_.heartbeat_interval_s));
@@ -212,8 +291,7 @@ class AgentImpl : public Agent {
         std::unique_lock<std::mutex> lock(out_mu_);
         out_cv_.wait(lock, [this] { return sender_done_ || !outbox_.empty(); });
         if (outbox_.empty()) return;
-        message = std::move(outbox_.front());
-        outbox_.pop_front();
+        message = outbox_.front();  // popped once delivered: reports survive a coordinator restart
       }
       grpc::ClientContext context;
       context.set_deadline(Deadline(10));
@@ -225,11 +303,22 @@ class AgentImpl : public Agent {
         v1::PushLogsReply reply;
         status = agent_stub_->PushLogs(&context, std::get<v1::PushLogsRequest>(message), &reply);
       }
-      if (!status.ok()) LTRAIN_LOG(kWarning, kLog) << "report to the coordinator failed: " << status.error_message();
+      std::unique_lock<std::mutex> lock(out_mu_);
+      if (status.ok() || sender_done_) {
+        outbox_.pop_front();
+        continue;
+      }
+      // The coordinator is away: keep the message and try again shortly, in order.
+      out_cv_.wait_for(lock, std::chrono::milliseconds(500), [this] { return sender_done_; });
     }
   }
 
   void StartJob(const v1::StartJobCommand& start) {
+    for (auto& [pid, worker] : workers_) {
+      if (worker->job_id == start.job_id() && worker->generation < start.generation()) {
+        spawner_->KillGroup(pid, SIGKILL);  // a leftover of an older generation
+      }
+    }
     fs::path dir = fs::path(options_.work_dir) / "jobs" / start.job_id() / ("gen-" + std::to_string(start.generation()));
     std::error_code ec;
     fs::create_directories(dir, ec);
@@ -251,6 +340,7 @@ class AgentImpl : public Agent {
           "LTRAIN_GENERATION=" + std::to_string(start.generation()),
           "LTRAIN_RECIPE_FILE=" + recipe.string(),
           "LTRAIN_RDZV=grpc://127.0.0.1:" + std::to_string(proxy_port_),
+          "LTRAIN_AGENT=127.0.0.1:" + std::to_string(proxy_port_),
           "LTRAIN_RDZV_SCOPE=" + start.rendezvous_scope(),
           "LTRAIN_CHECKPOINT_DIR=" + start.checkpoint_dir(),
           "LTRAIN_BIND_ADDR=" + options_.bind_address,
@@ -280,15 +370,27 @@ class AgentImpl : public Agent {
       report.set_state("running");
       report.set_pid(worker->pid);
       Enqueue(report);
+      v1::RunningWorker live;
+      live.set_job_id(start.job_id());
+      live.set_generation(start.generation());
+      live.set_rank(assignment.rank());
+      live.set_pid(worker->pid);
+      {
+        std::lock_guard<std::mutex> lock(live_mu_);
+        live_.push_back(live);
+      }
       workers_[worker->pid] = std::move(worker);
     }
     LTRAIN_LOG(kInfo, kLog) << "started " << start.workers_size() << " worker(s) of " << start.job_id();
   }
 
-  void StopJob(const std::string& job_id, int64_t now_ms) {
+  // Stops the job's workers of `generation` and older (all of them when generation < 0).
+  void StopJob(const std::string& job_id, int generation, int64_t now_ms) {
     for (auto& [pid, worker] : workers_) {
       if (worker->job_id != job_id || worker->kill_at_ms != 0) continue;
+      if (generation >= 0 && worker->generation > generation) continue;
       spawner_->KillGroup(pid, SIGTERM);
+      spawner_->KillGroup(pid, SIGCONT);  // a stopped (hung) worker acts on SIGTERM only once continued
       worker->kill_at_ms = now_ms + static_cast<int64_t>(options_.stop_grace_s * 1000);
     }
   }
@@ -354,8 +456,19 @@ class AgentImpl : public Agent {
         if (command.has_start()) StartJob(command.start());
         if (command.has_stop()) {
           LTRAIN_LOG(kInfo, kLog) << "stopping " << command.stop().job_id() << ": " << command.stop().reason();
-          StopJob(command.stop().job_id(), now);
+          StopJob(command.stop().job_id(), command.stop().generation(), now);
         }
+      }
+      bool orphaned;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        orphaned = orphan_kill_requested_;
+        orphan_kill_requested_ = false;
+      }
+      if (orphaned) {
+        std::set<std::string> jobs;
+        for (auto& [pid, worker] : workers_) jobs.insert(worker->job_id);
+        for (const auto& job : jobs) StopJob(job, -1, now);
       }
       if (stopping) {
         for (auto& [pid, worker] : workers_) spawner_->KillGroup(pid, SIGKILL);
@@ -379,6 +492,12 @@ class AgentImpl : public Agent {
         auto found = workers_.find(exit->pid);
         if (found == workers_.end()) continue;
         Worker& worker = *found->second;
+        {
+          std::lock_guard<std::mutex> lock(live_mu_);
+          live_.erase(std::remove_if(live_.begin(), live_.end(),
+                                     [&](const v1::RunningWorker& w) { return w.pid() == exit->pid; }),
+                      live_.end());
+        }
         Drain(worker, batches[worker.job_id], true);
         SendBatches(batches);  // the lines go before the exit report
         v1::WorkerStateReport report;
@@ -400,9 +519,10 @@ class AgentImpl : public Agent {
                                                       : "exited with code " + std::to_string(exit->exit_code))
                                      << "; stopping the job's other workers on this node";
           std::string job_id = worker.job_id;
+          int worker_generation = worker.generation;
           if (worker.output_fd >= 0) close(worker.output_fd);
           workers_.erase(found);
-          StopJob(job_id, now);
+          StopJob(job_id, worker_generation, now);
           continue;
         }
         if (worker.output_fd >= 0) close(worker.output_fd);
@@ -435,6 +555,11 @@ class AgentImpl : public Agent {
   bool stopped_ = false;
   std::shared_ptr<grpc::ClientContext> stream_context_;
   std::deque<v1::Command> inbox_;
+  bool orphan_kill_requested_ = false;
+
+  ProgressSink progress_;
+  std::mutex live_mu_;
+  std::vector<v1::RunningWorker> live_;  // workers not yet reaped, for registration and heartbeats
 
   std::mutex out_mu_;
   std::condition_variable out_cv_;

@@ -24,6 +24,7 @@ struct AgentOptions {
   std::string bind_address = "127.0.0.1";  // where this node's workers listen for collectives
   double heartbeat_interval_s = 1.0;
   double stop_grace_s = 3.0;        // SIGTERM, then SIGKILL after this long
+  double coordinator_grace_s = 60.0;  // workers keep running this long while the coordinator is away
 };
 
 class Agent {

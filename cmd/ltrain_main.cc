@@ -263,6 +263,7 @@ int Launch(const LaunchArgs& args) {
   if (standalone) {
     launcher::CoordinatorServerOptions options;
     options.state_dir = home;
+    options.recover = false;  // jobs in a shared $LTRAIN_HOME may belong to other running launches
     StatusOr<std::unique_ptr<launcher::CoordinatorServer>> started = launcher::CoordinatorServer::Start(options);
     if (!started.ok()) {
       std::fprintf(stderr, "ltrain: %s\n", started.status().message().c_str());
@@ -551,6 +552,9 @@ int main(int argc, char** argv) {
   agent_cmd->add_option("--bind-address", agent_options.bind_address, "Address this node's workers use for collectives")
       ->capture_default_str();
   agent_cmd->add_option("--heartbeat-interval", agent_options.heartbeat_interval_s, "Seconds between heartbeats")
+      ->capture_default_str();
+  agent_cmd->add_option("--coordinator-grace", agent_options.coordinator_grace_s,
+                        "Seconds the workers keep running while the coordinator is unreachable")
       ->capture_default_str();
 
   CLI11_PARSE(app, argc, argv);

@@ -7,6 +7,8 @@
 
 #include "common/logging.h"
 #include "common/signal_name.h"
+#include "launcher/hang_diagnosis.h"
+#include "launcher/restart_policy.h"
 
 namespace ltrain::launcher {
 namespace {
@@ -18,10 +20,89 @@ std::string RankRange(int first, int last) {
                        : "ranks " + std::to_string(first) + "-" + std::to_string(last);
 }
 
+std::string Seconds(int64_t ms) {
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.1fs", ms / 1000.0);
+  return text;
+}
+
+RestartPolicy PolicyOf(const Recipe& recipe) {
+  RestartPolicy policy;
+  policy.max_restarts = recipe.fault.max_restarts;
+  policy.initial_backoff_ms = static_cast<int64_t>(recipe.fault.restart_backoff_s * 1000);
+  policy.max_backoff_ms = static_cast<int64_t>(recipe.fault.restart_backoff_max_s * 1000);
+  return policy;
+}
+
 }  // namespace
 
 Coordinator::Coordinator(StateStore* store, const Clock* clock, CoordinatorOptions options)
-    : store_(store), clock_(clock), options_(std::move(options)) {}
+    : store_(store), clock_(clock), options_(std::move(options)) {
+  // Sequence numbers keep growing across coordinator restarts, so a follower that reconnects with
+  // the last number it saw misses nothing new.
+  next_seq_ = std::max<int64_t>(1, clock_->UnixMs() * 1000);
+}
+
+Coordinator::ActiveJob* Coordinator::FindLocked(const std::string& job_id) {
+  auto found = jobs_.find(job_id);
+  return found == jobs_.end() ? nullptr : &found->second;
+}
+
+Status Coordinator::Recover() {
+  StatusOr<std::vector<v1::Job>> jobs = store_->ListJobs(0);
+  if (!jobs.ok()) return jobs.status();
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t now = clock_->SteadyMs();
+  for (const auto& listed : *jobs) {
+    if (IsFinal(listed.state())) continue;
+    StatusOr<v1::Job> stored = store_->GetJob(listed.id());
+    if (!stored.ok()) return stored.status();
+    RecipeParseResult parsed = ParseRecipe(stored->recipe_yaml(), listed.id());
+    ActiveJob& job = jobs_[listed.id()];
+    job.job = *stored;
+    job.job.clear_ranks();
+    if (!parsed.ok()) {
+      FinishLocked(job, v1::JOB_STATE_FAILED, "its stored recipe no longer parses: " + parsed.ErrorText());
+      continue;
+    }
+    job.recipe = parsed.recipe;
+    job.next_generation = stored->generation() + 1;
+    job.committed_at_start = stored->last_committed_step();
+    switch (stored->state()) {
+      case v1::JOB_STATE_PENDING:
+        pending_.push_back(listed.id());
+        break;
+      case v1::JOB_STATE_RESTARTING:
+        job.restart_at_ms = now;
+        break;
+      case v1::JOB_STATE_RUNNING: {
+        for (const auto& rank : stored->ranks()) {
+          if (std::find(job.nodes.begin(), job.nodes.end(), rank.node_id()) == job.nodes.end()) {
+            job.nodes.push_back(rank.node_id());
+          }
+          if (rank.state() == "exited" && rank.exit_code() == 0 && rank.signal() == 0) {
+            job.ranks_exited_ok.insert(rank.rank());
+          }
+        }
+        job.generation_started_ms = now;
+        for (const auto& node_id : job.nodes) {
+          NodeState& node = nodes_[node_id];
+          node.recovered = true;
+          node.recovery_deadline_ms = now + options_.recovery_grace_ms;
+          node.jobs.insert(listed.id());
+        }
+        break;
+      }
+      default:
+        break;
+    }
+    AddEventLocked(job, "recovered",
+                   "coordinator restarted; job " + listed.id() + " taken back in state " +
+                       JobStateName(stored->state()),
+                   -1);
+  }
+  return Status::Ok();
+}
 
 StatusOr<v1::Job> Coordinator::Submit(const std::string& recipe_yaml, const std::string& source_name) {
   RecipeParseResult parsed = ParseRecipe(recipe_yaml, source_name.empty() ? "recipe" : source_name);
@@ -38,63 +119,155 @@ StatusOr<v1::Job> Coordinator::Submit(const std::string& recipe_yaml, const std:
   job.job = *created;
   job.job.set_recipe_yaml(RecipeToYaml(recipe));
   job.recipe = recipe;
+  PersistJobLocked(job);
+  std::string nodes = recipe.parallel.nodes_min == recipe.parallel.nodes_max
+                          ? std::to_string(recipe.parallel.nodes)
+                          : std::to_string(recipe.parallel.nodes_min) + "-" + std::to_string(recipe.parallel.nodes_max);
   AddEventLocked(job, "submitted",
-                 "job " + job.job.id() + " submitted: " + std::to_string(recipe.parallel.world_size()) +
-                     " ranks on " + std::to_string(recipe.parallel.nodes) + " node(s)",
+                 "job " + job.job.id() + " submitted: " + std::to_string(recipe.parallel.nproc_per_node) +
+                     " rank(s) per node on " + nodes + " node(s)",
                  -1);
   pending_.push_back(job.job.id());
   ScheduleLocked();
   return job.job;
 }
 
+std::vector<std::string> Coordinator::FreeNodesLocked() const {
+  std::vector<std::string> free_nodes;
+  for (const auto& [id, node] : nodes_) {
+    if (node.connected && node.jobs.empty()) free_nodes.push_back(id);
+  }
+  return free_nodes;
+}
+
 void Coordinator::ScheduleLocked() {
   for (auto it = pending_.begin(); it != pending_.end();) {
-    auto found = jobs_.find(*it);
-    if (found == jobs_.end() || IsFinal(found->second.job.state())) {
+    ActiveJob* job = FindLocked(*it);
+    if (job == nullptr || job->job.state() != v1::JOB_STATE_PENDING) {
       it = pending_.erase(it);
       continue;
     }
-    ActiveJob& job = found->second;
-    std::vector<std::string> free_nodes;
-    for (auto& [id, node] : nodes_) {
-      if (node.connected && node.jobs.empty()) free_nodes.push_back(id);
-    }
-    int needed = job.recipe.parallel.nodes;
-    if (static_cast<int>(free_nodes.size()) < needed) {
+    std::vector<std::string> free_nodes = FreeNodesLocked();
+    if (static_cast<int>(free_nodes.size()) < job->recipe.parallel.nodes_min) {
       ++it;
       continue;
     }
-    free_nodes.resize(needed);
-    job.nodes = free_nodes;
-    int nproc = job.recipe.parallel.nproc_per_node;
-    std::string placement;
-    for (int i = 0; i < needed; ++i) {
-      NodeState& node = nodes_[free_nodes[i]];
-      node.jobs.insert(job.job.id());
-      v1::Command command;
-      v1::StartJobCommand* start = command.mutable_start();
-      start->set_job_id(job.job.id());
-      start->set_generation(job.job.generation());
-      start->set_recipe_yaml(job.job.recipe_yaml());
-      start->set_world_size(job.recipe.parallel.world_size());
-      start->set_local_world_size(nproc);
-      start->set_rendezvous_scope(job.job.id() + "/" + std::to_string(job.job.generation()) + "/");
-      start->set_checkpoint_dir(job.recipe.checkpoint.dir);
-      for (int local = 0; local < nproc; ++local) {
-        v1::WorkerAssignment* worker = start->add_workers();
-        worker->set_rank(i * nproc + local);
-        worker->set_local_rank(local);
-      }
-      node.commands.push_back(command);
-      placement += (placement.empty() ? "" : ", ") + RankRange(i * nproc, i * nproc + nproc - 1) + " on " +
-                   free_nodes[i] + " (" + node.facts.hostname() + ")";
-    }
-    job.job.set_state(v1::JOB_STATE_RUNNING);
-    PersistJobLocked(job);
-    AddEventLocked(job, "placed", "placed " + placement, -1);
     it = pending_.erase(it);
+    StartGenerationLocked(*job, free_nodes);
   }
   cv_.notify_all();
+}
+
+bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string> nodes) {
+  Recipe recipe = job.recipe;
+  int count = std::min<int>(static_cast<int>(nodes.size()), recipe.parallel.nodes_max);
+  nodes.resize(count);
+  // The generation's recipe says how many nodes it runs on now.
+  recipe.parallel.nodes = recipe.parallel.nodes_min = recipe.parallel.nodes_max = count;
+  // An elastic job keeps its global batch: fewer ranks accumulate more micro-batches.
+  int64_t per_step = static_cast<int64_t>(recipe.training.micro_batch) * recipe.parallel.dp();
+  if (recipe.training.global_batch % per_step != 0) {
+    FinishLocked(job, v1::JOB_STATE_FAILED,
+                 "cannot run on " + std::to_string(count) + " node(s): global_batch=" +
+                     std::to_string(recipe.training.global_batch) + " is not a multiple of micro_batch*dp=" +
+                     std::to_string(per_step));
+    return false;
+  }
+  int generation = job.next_generation++;
+  job.job.set_generation(generation);
+  job.job.set_world_size(recipe.parallel.world_size());
+  job.job.set_nodes_now(count);
+  job.nodes = nodes;
+  job.ranks_exited_ok.clear();
+  job.progress.clear();
+  job.generation_started_ms = clock_->SteadyMs();
+  job.committed_at_start = job.job.last_committed_step();
+  job.waiting_reported = false;
+  Status cleared = store_->ClearRanks(job.job.id());
+  if (!cleared.ok()) LTRAIN_LOG(kError, kLog) << cleared.ToString();
+  std::string recipe_yaml = RecipeToYaml(recipe);
+  int nproc = recipe.parallel.nproc_per_node;
+  std::string placement;
+  for (int i = 0; i < count; ++i) {
+    NodeState& node = nodes_[nodes[i]];
+    node.jobs.insert(job.job.id());
+    v1::Command command;
+    v1::StartJobCommand* start = command.mutable_start();
+    start->set_job_id(job.job.id());
+    start->set_generation(generation);
+    start->set_recipe_yaml(recipe_yaml);
+    start->set_world_size(recipe.parallel.world_size());
+    start->set_local_world_size(nproc);
+    start->set_rendezvous_scope(job.job.id() + "/" + std::to_string(generation) + "/");
+    start->set_checkpoint_dir(recipe.checkpoint.dir);
+    for (int local = 0; local < nproc; ++local) {
+      v1::WorkerAssignment* worker = start->add_workers();
+      worker->set_rank(i * nproc + local);
+      worker->set_local_rank(local);
+      // Recorded at once, so that placement is visible and survives a coordinator restart.
+      v1::RankInfo rank;
+      rank.set_rank(i * nproc + local);
+      rank.set_node_id(nodes[i]);
+      rank.set_local_rank(local);
+      rank.set_state("starting");
+      Status recorded = store_->UpsertRank(job.job.id(), rank);
+      if (!recorded.ok()) LTRAIN_LOG(kError, kLog) << recorded.ToString();
+    }
+    node.commands.push_back(command);
+    placement += (placement.empty() ? "" : ", ") + RankRange(i * nproc, i * nproc + nproc - 1) + " on " + nodes[i] +
+                 " (" + node.facts.hostname() + ")";
+  }
+  job.job.set_state(v1::JOB_STATE_RUNNING);
+  PersistJobLocked(job);
+  std::string resume = generation > 0 && job.job.last_committed_step() > 0
+                           ? ", resuming from the checkpoint of step " + std::to_string(job.job.last_committed_step())
+                           : "";
+  AddEventLocked(job, "placed",
+                 (generation > 0 ? "generation " + std::to_string(generation) + ": " : std::string()) + "placed " +
+                     placement + resume,
+                 -1);
+  cv_.notify_all();
+  return true;
+}
+
+void Coordinator::StopGenerationLocked(ActiveJob& job, const std::string& reason) {
+  for (const auto& node_id : job.nodes) {
+    auto node = nodes_.find(node_id);
+    if (node == nodes_.end()) continue;
+    node->second.jobs.erase(job.job.id());
+    v1::Command command;
+    command.mutable_stop()->set_job_id(job.job.id());
+    command.mutable_stop()->set_reason(reason);
+    command.mutable_stop()->set_generation(job.job.generation());
+    node->second.commands.push_back(command);
+  }
+  job.nodes.clear();
+}
+
+void Coordinator::FailGenerationLocked(ActiveJob& job, const std::string& cause) {
+  if (job.job.state() != v1::JOB_STATE_RUNNING) return;  // only the first failure of a generation counts
+  job.job.set_last_failure(cause);
+  AddEventLocked(job, "failure", cause, -1);
+  std::optional<int64_t> delay = PolicyOf(job.recipe).NextDelayMs(job.job.restarts());
+  if (!delay) {
+    std::string verdict = cause;
+    if (job.job.restarts() > 0) verdict += " (after " + std::to_string(job.job.restarts()) + " restart(s))";
+    FinishLocked(job, v1::JOB_STATE_FAILED, verdict);
+    return;
+  }
+  StopGenerationLocked(job, "generation " + std::to_string(job.job.generation()) + " failed: " + cause);
+  job.job.set_restarts(job.job.restarts() + 1);
+  job.job.set_state(v1::JOB_STATE_RESTARTING);
+  job.restart_at_ms = clock_->SteadyMs() + *delay;
+  PersistJobLocked(job);
+  std::string from = job.job.last_committed_step() > 0
+                         ? "the checkpoint of step " + std::to_string(job.job.last_committed_step())
+                         : "the start (no checkpoint committed yet)";
+  AddEventLocked(job, "restarting",
+                 "restart " + std::to_string(job.job.restarts()) + " of " + std::to_string(job.recipe.fault.max_restarts) +
+                     " in " + Seconds(*delay) + ", from " + from,
+                 -1);
+  ScheduleLocked();
 }
 
 void Coordinator::AddEventLocked(ActiveJob& job, const std::string& kind, const std::string& message, int rank) {
@@ -126,21 +299,17 @@ void Coordinator::PersistJobLocked(ActiveJob& job) {
 
 void Coordinator::FinishLocked(ActiveJob& job, v1::JobState state, const std::string& cause) {
   if (IsFinal(job.job.state())) return;
-  bool was_placed = job.job.state() == v1::JOB_STATE_RUNNING;
+  if (job.job.state() == v1::JOB_STATE_RUNNING && state != v1::JOB_STATE_SUCCEEDED) {
+    StopGenerationLocked(job, cause);
+  }
+  for (const auto& node_id : job.nodes) {
+    auto node = nodes_.find(node_id);
+    if (node != nodes_.end()) node->second.jobs.erase(job.job.id());
+  }
+  job.nodes.clear();
   job.job.set_state(state);
   job.job.set_cause(cause);
   PersistJobLocked(job);
-  for (const auto& node_id : job.nodes) {
-    auto node = nodes_.find(node_id);
-    if (node == nodes_.end()) continue;
-    node->second.jobs.erase(job.job.id());
-    if (was_placed && state != v1::JOB_STATE_SUCCEEDED) {
-      v1::Command command;
-      command.mutable_stop()->set_job_id(job.job.id());
-      command.mutable_stop()->set_reason(cause);
-      node->second.commands.push_back(command);
-    }
-  }
   AddEventLocked(job, "state", std::string("job ") + JobStateName(state) + (cause.empty() ? "" : ": " + cause), -1);
   ScheduleLocked();
 }
@@ -149,58 +318,119 @@ StatusOr<v1::Job> Coordinator::GetJob(const std::string& job_id) {
   StatusOr<v1::Job> job = store_->GetJob(job_id);
   if (!job.ok()) return job;
   std::lock_guard<std::mutex> lock(mu_);
-  auto active = jobs_.find(job_id);
-  if (active != jobs_.end()) {
-    job->set_last_step(active->second.job.last_step());
-    job->set_last_loss(active->second.job.last_loss());
+  ActiveJob* active = FindLocked(job_id);
+  if (active == nullptr) return job;
+  job->set_last_step(active->job.last_step());
+  job->set_last_loss(active->job.last_loss());
+  int64_t now = clock_->SteadyMs();
+  for (auto& rank : *job->mutable_ranks()) {
+    auto progress = active->progress.find(rank.rank());
+    if (progress == active->progress.end()) continue;
+    rank.set_last_step(progress->second.report.step());
+    rank.set_phase(progress->second.report.phase());
+    rank.set_progress_age_ms(progress->second.report.idle_ms() + now - progress->second.received_ms);
+  }
+  for (const auto& node_id : active->nodes) {
+    auto node = nodes_.find(node_id);
+    if (node == nodes_.end()) continue;
+    v1::NodeStatus* status = job->add_nodes();
+    status->set_node_id(node_id);
+    status->set_hostname(node->second.facts.hostname());
+    status->set_connected(node->second.connected);
+    status->set_heartbeat_age_ms(now - node->second.last_heartbeat_ms);
   }
   return job;
 }
 
-StatusOr<std::vector<v1::Job>> Coordinator::ListJobs(int limit) { return store_->ListJobs(limit); }
+StatusOr<std::vector<v1::Job>> Coordinator::ListJobs(int limit) {
+  StatusOr<std::vector<v1::Job>> jobs = store_->ListJobs(limit);
+  if (!jobs.ok()) return jobs;
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& job : *jobs) {
+    if (ActiveJob* active = FindLocked(job.id())) {
+      job.set_last_step(active->job.last_step());
+      job.set_last_loss(active->job.last_loss());
+    }
+  }
+  return jobs;
+}
 
 StatusOr<v1::Job> Coordinator::Stop(const std::string& job_id, const std::string& reason) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto found = jobs_.find(job_id);
-  if (found == jobs_.end()) {
+  ActiveJob* job = FindLocked(job_id);
+  if (job == nullptr) {
     StatusOr<v1::Job> stored = store_->GetJob(job_id);
     if (!stored.ok()) return stored;
     if (IsFinal(stored->state())) return stored;
     return FailedPrecondition("job " + job_id + " is not run by this coordinator");
   }
-  FinishLocked(found->second, v1::JOB_STATE_STOPPED, reason.empty() ? "stopped by the user" : reason);
-  return found->second.job;
+  FinishLocked(*job, v1::JOB_STATE_STOPPED, reason.empty() ? "stopped by the user" : reason);
+  return job->job;
+}
+
+StatusOr<v1::Job> Coordinator::Resume(const std::string& job_id) {
+  StatusOr<v1::Job> stored = store_->GetJob(job_id);
+  if (!stored.ok()) return stored;
+  std::lock_guard<std::mutex> lock(mu_);
+  ActiveJob* job = FindLocked(job_id);
+  v1::JobState state = job ? job->job.state() : stored->state();
+  if (state != v1::JOB_STATE_FAILED && state != v1::JOB_STATE_STOPPED) {
+    return FailedPrecondition("job " + job_id + " is " + JobStateName(state) +
+                              "; only a FAILED or STOPPED job can be resumed");
+  }
+  if (job == nullptr) {
+    RecipeParseResult parsed = ParseRecipe(stored->recipe_yaml(), job_id);
+    if (!parsed.ok()) return InvalidArgument("the stored recipe of " + job_id + " no longer parses: " + parsed.ErrorText());
+    job = &jobs_[job_id];
+    job->job = *stored;
+    job->job.clear_ranks();
+    job->recipe = parsed.recipe;
+  }
+  job->next_generation = job->job.generation() + 1;
+  job->job.set_state(v1::JOB_STATE_PENDING);
+  job->job.set_cause("");
+  PersistJobLocked(*job);
+  AddEventLocked(*job, "resumed",
+                 "job " + job_id + " resumed from " +
+                     (job->job.last_committed_step() > 0
+                          ? "the checkpoint of step " + std::to_string(job->job.last_committed_step())
+                          : std::string("the start (no checkpoint was committed)")),
+                 -1);
+  pending_.push_back(job_id);
+  ScheduleLocked();
+  return job->job;
 }
 
 StatusOr<std::vector<v1::Event>> Coordinator::WaitEvents(const std::string& job_id, int64_t after_seq, bool logs,
                                                          int64_t timeout_ms, bool* finished) {
   std::unique_lock<std::mutex> lock(mu_);
-  auto found = jobs_.find(job_id);
-  if (found == jobs_.end()) {
-    // A job of an earlier coordinator: its stored history, and it is over as far as we know.
+  ActiveJob* job = FindLocked(job_id);
+  if (job == nullptr) {
+    // A job of an earlier coordinator that ended: its stored history.
     lock.unlock();
-    StatusOr<v1::Job> job = store_->GetJob(job_id);
-    if (!job.ok()) return job.status();
+    StatusOr<v1::Job> stored = store_->GetJob(job_id);
+    if (!stored.ok()) return stored.status();
     *finished = true;
     return store_->EventsAfter(job_id, after_seq);
   }
   auto collect = [&]() {
     std::vector<v1::Event> out;
-    for (const auto& event : found->second.events) {
+    for (const auto& event : job->events) {
       if (event.seq() > after_seq && (logs || event.kind() != "log")) out.push_back(event);
     }
     return out;
   };
   std::vector<v1::Event> events = collect();
-  if (events.empty() && !IsFinal(found->second.job.state()) && !shutting_down_) {
+  if (events.empty() && !IsFinal(job->job.state()) && !shutting_down_) {
     cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms));
     events = collect();
   }
-  *finished = IsFinal(found->second.job.state()) && events.empty();
+  *finished = IsFinal(job->job.state()) && events.empty();
   return events;
 }
 
-int64_t Coordinator::NodeConnected(const std::string& node_id, const v1::NodeFacts& facts) {
+int64_t Coordinator::NodeConnected(const std::string& node_id, const v1::NodeFacts& facts,
+                                   const std::vector<v1::RunningWorker>& running) {
   Status stored = store_->UpsertNode(node_id, facts, clock_->UnixMs());
   if (!stored.ok()) LTRAIN_LOG(kError, kLog) << stored.ToString();
   std::lock_guard<std::mutex> lock(mu_);
@@ -211,22 +441,48 @@ int64_t Coordinator::NodeConnected(const std::string& node_id, const v1::NodeFac
   node.last_heartbeat_ms = clock_->SteadyMs();
   LTRAIN_LOG(kInfo, kLog) << "node " << node_id << " (" << facts.hostname() << ", " << facts.cpus() << " CPUs, "
                           << facts.gpus() << " GPUs) connected";
+  if (node.recovered) {
+    // Back after a coordinator restart: its jobs go on only if their workers are still there.
+    node.recovered = false;
+    std::set<std::string> jobs = node.jobs;
+    for (const auto& job_id : jobs) {
+      ActiveJob* job = FindLocked(job_id);
+      if (job == nullptr) continue;
+      int workers = static_cast<int>(std::count_if(running.begin(), running.end(), [&](const v1::RunningWorker& w) {
+        return w.job_id() == job_id && w.generation() == job->job.generation();
+      }));
+      // Workers that exited while we were away have their reports on the way; ranks neither
+      // reported nor running are caught by the hang check.
+      AddEventLocked(*job, "reconnected",
+                     "node " + node_id + " is back with " + std::to_string(workers) + " running worker(s) of the job", -1);
+    }
+  }
   ScheduleLocked();
   return node.token;
+}
+
+void Coordinator::LoseNodeLocked(const std::string& node_id, const std::string& reason) {
+  auto found = nodes_.find(node_id);
+  if (found == nodes_.end()) return;
+  found->second.connected = false;
+  found->second.recovered = false;
+  found->second.commands.clear();
+  std::set<std::string> jobs = found->second.jobs;
+  found->second.jobs.clear();
+  LTRAIN_LOG(kWarning, kLog) << "node " << node_id << " lost: " << reason;
+  for (const auto& job_id : jobs) {
+    ActiveJob* job = FindLocked(job_id);
+    if (job == nullptr) continue;
+    job->nodes.erase(std::remove(job->nodes.begin(), job->nodes.end(), node_id), job->nodes.end());
+    FailGenerationLocked(*job, "node " + node_id + " lost: " + reason);
+  }
 }
 
 void Coordinator::NodeDisconnected(const std::string& node_id, int64_t token) {
   std::lock_guard<std::mutex> lock(mu_);
   auto found = nodes_.find(node_id);
-  if (found == nodes_.end() || found->second.token != token) return;
-  found->second.connected = false;
-  found->second.commands.clear();
-  std::set<std::string> jobs = found->second.jobs;
-  for (const auto& job_id : jobs) {
-    auto job = jobs_.find(job_id);
-    if (job != jobs_.end()) FinishLocked(job->second, v1::JOB_STATE_FAILED, "node " + node_id + " disconnected");
-  }
-  LTRAIN_LOG(kInfo, kLog) << "node " << node_id << " disconnected";
+  if (found == nodes_.end() || found->second.token != token || !found->second.connected) return;
+  LoseNodeLocked(node_id, "its agent's connection closed");
 }
 
 std::optional<v1::Command> Coordinator::WaitCommand(const std::string& node_id, int64_t timeout_ms) {
@@ -243,33 +499,54 @@ std::optional<v1::Command> Coordinator::WaitCommand(const std::string& node_id, 
   return command;
 }
 
-Status Coordinator::Heartbeat(const std::string& node_id) {
+Status Coordinator::Heartbeat(const v1::HeartbeatRequest& request) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto found = nodes_.find(node_id);
-  if (found == nodes_.end()) return NotFound("node " + node_id + " is not registered; reconnect first");
-  found->second.last_heartbeat_ms = clock_->SteadyMs();
+  auto found = nodes_.find(request.node_id());
+  if (found == nodes_.end() || !found->second.connected) {
+    return NotFound("node " + request.node_id() + " is not connected; reconnect first");
+  }
+  int64_t now = clock_->SteadyMs();
+  found->second.last_heartbeat_ms = now;
+  for (const auto& report : request.progress()) {
+    ActiveJob* job = FindLocked(report.job_id());
+    if (job == nullptr || report.generation() != job->job.generation()) continue;
+    Progress& progress = job->progress[report.rank()];
+    progress.report = report;
+    progress.received_ms = now;
+    if (report.committed_step() > job->job.last_committed_step()) {
+      job->job.set_last_committed_step(report.committed_step());
+      job->job.set_last_committed_path(report.committed_path());
+      Status recorded = store_->RecordCheckpoint(job->job.id(), report.committed_step(), job->job.generation(),
+                                                 report.committed_path(), clock_->UnixMs());
+      if (!recorded.ok()) LTRAIN_LOG(kError, kLog) << recorded.ToString();
+      PersistJobLocked(*job);
+      AddEventLocked(*job, "checkpoint",
+                     "checkpoint of step " + std::to_string(report.committed_step()) + " committed: " +
+                         report.committed_path(),
+                     report.rank());
+    }
+  }
   return Status::Ok();
 }
 
 Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ActiveJob* job = FindLocked(report.job_id());
+  if (job == nullptr) return NotFound("job " + report.job_id() + " is not run by this coordinator");
+  if (report.generation() != job->job.generation()) return Status::Ok();  // a stale generation
   v1::RankInfo rank;
   rank.set_rank(report.rank());
   rank.set_node_id(report.node_id());
+  rank.set_local_rank(report.rank() % std::max(1, job->recipe.parallel.nproc_per_node));
   rank.set_pid(report.pid());
   rank.set_state(report.state());
   rank.set_exit_code(report.exit_code());
   rank.set_signal(report.signal());
   rank.set_log_path(report.log_path());
-  std::lock_guard<std::mutex> lock(mu_);
-  auto found = jobs_.find(report.job_id());
-  if (found == jobs_.end()) return NotFound("job " + report.job_id() + " is not run by this coordinator");
-  ActiveJob& job = found->second;
-  if (report.generation() != job.job.generation()) return Status::Ok();  // a stale generation
-  rank.set_local_rank(report.rank() % std::max(1, job.recipe.parallel.nproc_per_node));
-  Status stored = store_->UpsertRank(job.job.id(), rank);
+  Status stored = store_->UpsertRank(job->job.id(), rank);
   if (!stored.ok()) return stored;
   if (report.state() == "running") {
-    AddEventLocked(job, "rank_started",
+    AddEventLocked(*job, "rank_started",
                    "rank " + std::to_string(report.rank()) + " started on " + report.node_id() + " (pid " +
                        std::to_string(report.pid()) + ")",
                    report.rank());
@@ -278,12 +555,12 @@ Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {
   bool clean = report.signal() == 0 && report.exit_code() == 0;
   std::string how = report.signal() != 0 ? "was killed by signal " + SignalName(report.signal())
                                          : "exited with code " + std::to_string(report.exit_code());
-  AddEventLocked(job, "rank_exited", "rank " + std::to_string(report.rank()) + " " + how, report.rank());
-  if (IsFinal(job.job.state())) return Status::Ok();
+  AddEventLocked(*job, "rank_exited", "rank " + std::to_string(report.rank()) + " " + how, report.rank());
+  if (job->job.state() != v1::JOB_STATE_RUNNING) return Status::Ok();
   if (clean) {
-    job.ranks_succeeded.insert(report.rank());
-    if (static_cast<int>(job.ranks_succeeded.size()) == job.recipe.parallel.world_size()) {
-      FinishLocked(job, v1::JOB_STATE_SUCCEEDED, "");
+    job->ranks_exited_ok.insert(report.rank());
+    if (static_cast<int>(job->ranks_exited_ok.size()) == job->job.world_size()) {
+      FinishLocked(*job, v1::JOB_STATE_SUCCEEDED, "");
     }
     return Status::Ok();
   }
@@ -294,24 +571,23 @@ Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {
   } else if (!report.log_path().empty()) {
     cause += "; its log " + report.log_path() + " is empty";
   }
-  FinishLocked(job, v1::JOB_STATE_FAILED, cause);
+  FailGenerationLocked(*job, cause);
   return Status::Ok();
 }
 
 void Coordinator::PushLogs(const v1::PushLogsRequest& request) {
   static const std::regex kProgress(R"(^step (\d+)/\d+ loss ([0-9.eE+-]+|nan|inf))");
   std::lock_guard<std::mutex> lock(mu_);
-  auto found = jobs_.find(request.job_id());
-  if (found == jobs_.end()) return;
-  ActiveJob& job = found->second;
+  ActiveJob* job = FindLocked(request.job_id());
+  if (job == nullptr) return;
   for (const auto& line : request.lines()) {
     std::smatch match;
     if (line.rank() == 0 && std::regex_search(line.text(), match, kProgress)) {
-      job.job.set_last_step(std::stoll(match[1]));
-      job.job.set_last_loss(std::strtod(match[2].str().c_str(), nullptr));
-      PersistJobLocked(job);
+      job->job.set_last_step(std::stoll(match[1]));
+      job->job.set_last_loss(std::strtod(match[2].str().c_str(), nullptr));
+      PersistJobLocked(*job);
     }
-    AddEventLocked(job, "log", line.text(), line.rank());
+    AddEventLocked(*job, "log", line.text(), line.rank());
   }
 }
 
@@ -333,18 +609,82 @@ std::optional<std::vector<std::string>> Coordinator::KvGet(const std::vector<std
   return values;
 }
 
-void Coordinator::CheckNodes() {
+void Coordinator::CheckHangLocked(ActiveJob& job, int64_t now) {
+  int64_t hang_timeout_ms = static_cast<int64_t>(job.recipe.fault.hang_timeout_s * 1000);
+  std::vector<RankActivity> ranks;
+  for (int rank = 0; rank < job.job.world_size(); ++rank) {
+    if (job.ranks_exited_ok.count(rank)) continue;
+    RankActivity activity;
+    activity.rank = rank;
+    auto found = job.progress.find(rank);
+    if (found == job.progress.end()) {
+      activity.idle_ms = activity.silent_ms = now - job.generation_started_ms;
+    } else {
+      const v1::RankProgress& report = found->second.report;
+      int64_t since = now - found->second.received_ms;
+      activity.reported = true;
+      activity.step = report.step();
+      activity.phase = report.phase();
+      activity.idle_ms = report.idle_ms() + since;
+      activity.silent_ms = report.silent_ms() + since;
+      if (report.collectives_size() > 0 && report.collectives().rbegin()->end_unix_ms() == 0) {
+        const v1::CollectiveRecord& collective = *report.collectives().rbegin();
+        activity.in_collective = true;
+        activity.collective_seq = collective.seq();
+        activity.collective_op = collective.op();
+        activity.collective_group = collective.group();
+      }
+    }
+    ranks.push_back(activity);
+  }
+  std::optional<std::string> hang = DiagnoseHang(ranks, hang_timeout_ms);
+  if (hang) FailGenerationLocked(job, "hang: " + *hang);
+}
+
+void Coordinator::Tick() {
   std::lock_guard<std::mutex> lock(mu_);
   int64_t now = clock_->SteadyMs();
+  std::vector<std::pair<std::string, std::string>> lost;
   for (auto& [id, node] : nodes_) {
-    if (!node.connected || now - node.last_heartbeat_ms <= options_.node_timeout_ms) continue;
-    node.connected = false;
-    std::set<std::string> jobs = node.jobs;
-    for (const auto& job_id : jobs) {
-      auto job = jobs_.find(job_id);
-      if (job == jobs_.end()) continue;
-      FinishLocked(job->second, v1::JOB_STATE_FAILED,
-                   "node " + id + " lost: no heartbeat for " + std::to_string((now - node.last_heartbeat_ms) / 1000.0) + " s");
+    if (node.connected && now - node.last_heartbeat_ms > options_.node_timeout_ms) {
+      lost.emplace_back(id, "no heartbeat for " + Seconds(now - node.last_heartbeat_ms));
+    } else if (node.recovered && now > node.recovery_deadline_ms) {
+      lost.emplace_back(id, "it did not come back within " + Seconds(options_.recovery_grace_ms) +
+                                " of the coordinator's restart");
+    }
+  }
+  for (const auto& [id, reason] : lost) LoseNodeLocked(id, reason);
+
+  for (auto& [id, job] : jobs_) {
+    if (job.job.state() == v1::JOB_STATE_RUNNING) {
+      CheckHangLocked(job, now);
+    }
+    if (job.job.state() == v1::JOB_STATE_RESTARTING && now >= job.restart_at_ms) {
+      std::vector<std::string> free_nodes = FreeNodesLocked();
+      if (static_cast<int>(free_nodes.size()) >= job.recipe.parallel.nodes_min) {
+        StartGenerationLocked(job, free_nodes);
+      } else if (!job.waiting_reported) {
+        job.waiting_reported = true;
+        AddEventLocked(job, "waiting",
+                       "waiting for nodes: " + std::to_string(free_nodes.size()) + " free, at least " +
+                           std::to_string(job.recipe.parallel.nodes_min) + " needed",
+                       -1);
+      }
+    }
+    // Elastic growth: a node that joined is taken in at the next checkpoint boundary.
+    if (job.job.state() == v1::JOB_STATE_RUNNING && job.job.nodes_now() < job.recipe.parallel.nodes_max &&
+        job.job.last_committed_step() > job.committed_at_start) {
+      std::vector<std::string> free_nodes = FreeNodesLocked();
+      if (!free_nodes.empty()) {
+        std::vector<std::string> nodes = job.nodes;
+        nodes.insert(nodes.end(), free_nodes.begin(), free_nodes.end());
+        AddEventLocked(job, "grow",
+                       "taking in " + std::to_string(free_nodes.size()) + " node(s) at the checkpoint of step " +
+                           std::to_string(job.job.last_committed_step()),
+                       -1);
+        StopGenerationLocked(job, "the job grows to more nodes");
+        StartGenerationLocked(job, nodes);
+      }
     }
   }
 }

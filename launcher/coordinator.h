@@ -1,10 +1,17 @@
-// Coordinator: the job state machine, placement, rank assignment, rendezvous store and failure
-// policy, as a plain class. The gRPC services in coordinator_server.h are thin adapters over it and
-// call it from their handler threads; every public method is thread-safe (one mutex) and the
-// Wait* methods block their caller on a condition variable, never the others.
+// Coordinator: the job state machine, placement, rank assignment, rendezvous store, failure
+// detection and restart policy, as a plain class. The gRPC services in coordinator_server.h are thin
+// adapters over it and call it from their handler threads; every public method is thread-safe (one
+// mutex) and the Wait* methods block their caller on a condition variable, never the others. Time is
+// read only through the Clock, and Tick() (called periodically by the server, by hand in tests) does
+// every timed transition: lost nodes, hangs, restarts after their backoff, elastic growth.
+//
+// Generations: every (re)start of a job's workers is a new generation with its own rendezvous scope
+// ("JOB/GEN/"); reports from an older generation are ignored. Workers of a generation > 0 resume from
+// the job's newest committed checkpoint.
 //
 // Contract with agents: a node receives StartJobCommand with the global ranks it runs, and
-// StopJobCommand when the job ends for any other reason than its own workers all exiting 0.
+// StopJobCommand (with the generation) when the job's current generation ends for any other reason
+// than its own workers all exiting 0.
 #pragma once
 
 #include <condition_variable>
@@ -25,8 +32,9 @@
 namespace ltrain::launcher {
 
 struct CoordinatorOptions {
-  std::string state_dir;          // default checkpoints go under state_dir/checkpoints/<job>
-  int64_t node_timeout_ms = 3000; // a node whose heartbeats stop this long is lost
+  std::string state_dir;             // default checkpoints go under state_dir/checkpoints/<job>
+  int64_t node_timeout_ms = 3000;    // a node whose heartbeats stop this long is lost
+  int64_t recovery_grace_ms = 15000; // after a coordinator restart, how long agents get to come back
   size_t max_buffered_events = 200000;
 };
 
@@ -34,11 +42,15 @@ class Coordinator {
  public:
   Coordinator(StateStore* store, const Clock* clock, CoordinatorOptions options);
 
+  // Takes back the unfinished jobs of an earlier coordinator on the same state. Call once, first.
+  Status Recover();
+
   // JobService.
   StatusOr<v1::Job> Submit(const std::string& recipe_yaml, const std::string& source_name);
   StatusOr<v1::Job> GetJob(const std::string& job_id);
   StatusOr<std::vector<v1::Job>> ListJobs(int limit);
   StatusOr<v1::Job> Stop(const std::string& job_id, const std::string& reason);
+  StatusOr<v1::Job> Resume(const std::string& job_id);
   // Events of a job after `after_seq` (log lines too when `logs`). Blocks up to `timeout_ms` while
   // there are none and the job is not final. `*finished` is set once the job is final and every
   // event has been returned.
@@ -47,10 +59,11 @@ class Coordinator {
 
   // AgentService. NodeConnected returns a token that NodeDisconnected must present, so that a
   // stale stream closing after the agent reconnected does not mark the node lost.
-  int64_t NodeConnected(const std::string& node_id, const v1::NodeFacts& facts);
+  int64_t NodeConnected(const std::string& node_id, const v1::NodeFacts& facts,
+                        const std::vector<v1::RunningWorker>& running = {});
   void NodeDisconnected(const std::string& node_id, int64_t token);
   std::optional<v1::Command> WaitCommand(const std::string& node_id, int64_t timeout_ms);
-  Status Heartbeat(const std::string& node_id);
+  Status Heartbeat(const v1::HeartbeatRequest& request);
   Status ReportWorkerState(const v1::WorkerStateReport& report);
   void PushLogs(const v1::PushLogsRequest& request);
 
@@ -58,8 +71,8 @@ class Coordinator {
   void KvSet(const std::string& key, const std::string& value);
   std::optional<std::vector<std::string>> KvGet(const std::vector<std::string>& keys, int64_t timeout_ms);
 
-  // Fails the jobs of nodes whose heartbeats stopped. Called periodically by the server.
-  void CheckNodes();
+  // Every timed transition; idempotent, cheap, called every ~200 ms by the server.
+  void Tick();
   // Wakes every waiter; Wait* return at once from now on.
   void Shutdown();
   bool shutting_down() const;
@@ -70,21 +83,40 @@ class Coordinator {
     bool connected = false;
     int64_t token = 0;
     int64_t last_heartbeat_ms = 0;
+    bool recovered = false;        // known from the state of an earlier coordinator, not yet back
+    int64_t recovery_deadline_ms = 0;
     std::deque<v1::Command> commands;
     std::set<std::string> jobs;
   };
+  struct Progress {
+    v1::RankProgress report;
+    int64_t received_ms = 0;       // steady clock
+  };
   struct ActiveJob {
     v1::Job job;
-    Recipe recipe;
-    std::vector<std::string> nodes;
-    std::set<int> ranks_succeeded;
-    std::vector<v1::Event> events;  // in memory, log lines included
+    Recipe recipe;                 // as submitted; each generation may run on fewer nodes
+    int next_generation = 0;
+    std::vector<std::string> nodes;  // of the current generation
+    std::set<int> ranks_exited_ok;
+    std::map<int, Progress> progress;
+    int64_t generation_started_ms = 0;
+    int64_t committed_at_start = 0;  // last committed step when the generation started
+    int64_t restart_at_ms = 0;       // RESTARTING: when to place the next generation
+    bool waiting_reported = false;
+    std::vector<v1::Event> events;   // in memory, log lines included
   };
 
   void ScheduleLocked();
+  bool StartGenerationLocked(ActiveJob& job, std::vector<std::string> nodes);
+  void FailGenerationLocked(ActiveJob& job, const std::string& cause);
+  void StopGenerationLocked(ActiveJob& job, const std::string& reason);
+  void LoseNodeLocked(const std::string& node_id, const std::string& reason);
+  void CheckHangLocked(ActiveJob& job, int64_t now);
   void AddEventLocked(ActiveJob& job, const std::string& kind, const std::string& message, int rank);
   void FinishLocked(ActiveJob& job, v1::JobState state, const std::string& cause);
   void PersistJobLocked(ActiveJob& job);
+  std::vector<std::string> FreeNodesLocked() const;
+  ActiveJob* FindLocked(const std::string& job_id);
 
   StateStore* store_;
   const Clock* clock_;

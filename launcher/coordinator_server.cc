@@ -49,6 +49,13 @@ class JobServiceImpl final : public v1::JobService::Service {
     return grpc::Status::OK;
   }
 
+  grpc::Status ResumeJob(grpc::ServerContext*, const v1::ResumeJobRequest* request, v1::ResumeJobReply* reply) override {
+    StatusOr<v1::Job> job = coordinator_->Resume(request->job_id());
+    SetStatus(reply->mutable_status(), job.status());
+    if (job.ok()) *reply->mutable_job() = *job;
+    return grpc::Status::OK;
+  }
+
   grpc::Status WatchJob(grpc::ServerContext* context, const v1::WatchJobRequest* request,
                         grpc::ServerWriter<v1::Event>* writer) override {
     int64_t after = request->after_seq();
@@ -77,7 +84,8 @@ class AgentServiceImpl final : public v1::AgentService::Service {
   grpc::Status Connect(grpc::ServerContext* context, const v1::RegisterRequest* request,
                        grpc::ServerWriter<v1::Command>* writer) override {
     if (request->node_id().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "node_id is empty");
-    int64_t token = coordinator_->NodeConnected(request->node_id(), request->facts());
+    int64_t token = coordinator_->NodeConnected(request->node_id(), request->facts(),
+                                                {request->running().begin(), request->running().end()});
     // An empty first message tells the agent it is registered.
     bool alive = writer->Write(v1::Command());
     while (alive && !context->IsCancelled() && !coordinator_->shutting_down()) {
@@ -89,7 +97,7 @@ class AgentServiceImpl final : public v1::AgentService::Service {
   }
 
   grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* request, v1::HeartbeatReply* reply) override {
-    SetStatus(reply->mutable_status(), coordinator_->Heartbeat(request->node_id()));
+    SetStatus(reply->mutable_status(), coordinator_->Heartbeat(*request));
     return grpc::Status::OK;
   }
 
@@ -154,7 +162,12 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const Coor
   CoordinatorOptions coordinator_options;
   coordinator_options.state_dir = options.state_dir;
   coordinator_options.node_timeout_ms = options.node_timeout_ms;
+  coordinator_options.recovery_grace_ms = options.recovery_grace_ms;
   server->coordinator_ = std::make_unique<Coordinator>(server->store_.get(), &server->clock_, coordinator_options);
+  if (options.recover) {
+    Status recovered = server->coordinator_->Recover();
+    if (!recovered.ok()) return recovered;
+  }
   server->job_service_ = std::make_unique<JobServiceImpl>(server->coordinator_.get());
   server->agent_service_ = std::make_unique<AgentServiceImpl>(server->coordinator_.get());
   server->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(server->coordinator_.get());
@@ -175,7 +188,7 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const Coor
   CoordinatorServer* raw = server.get();
   server->monitor_ = std::thread([raw] {
     while (!raw->stopping_) {
-      raw->coordinator_->CheckNodes();
+      raw->coordinator_->Tick();
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
   });

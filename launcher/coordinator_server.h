@@ -21,6 +21,10 @@ struct CoordinatorServerOptions {
   std::string listen_address = "127.0.0.1:0";  // port 0 picks a free port
   std::string state_dir;                        // holds state.db and default checkpoints
   int64_t node_timeout_ms = 3000;
+  int64_t recovery_grace_ms = 15000;
+  // Take back the unfinished jobs found in the state directory. A standalone launch does not: the
+  // jobs there may belong to other launches that are still running.
+  bool recover = true;
 };
 
 class CoordinatorServer {

@@ -20,7 +20,20 @@ CREATE TABLE IF NOT EXISTS jobs (
   created_ms INTEGER NOT NULL,
   updated_ms INTEGER NOT NULL,
   last_step INTEGER NOT NULL DEFAULT 0,
-  last_loss REAL NOT NULL DEFAULT 0
+  last_loss REAL NOT NULL DEFAULT 0,
+  restarts INTEGER NOT NULL DEFAULT 0,
+  last_committed_step INTEGER NOT NULL DEFAULT 0,
+  last_committed_path TEXT NOT NULL DEFAULT '',
+  nodes_now INTEGER NOT NULL DEFAULT 0,
+  last_failure TEXT NOT NULL DEFAULT ''
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+  job_id TEXT NOT NULL,
+  step INTEGER NOT NULL,
+  generation INTEGER NOT NULL,
+  path TEXT NOT NULL,
+  unix_ms INTEGER NOT NULL,
+  PRIMARY KEY (job_id, step)
 );
 CREATE TABLE IF NOT EXISTS ranks (
   job_id TEXT NOT NULL,
@@ -90,7 +103,14 @@ Status SqlError(sqlite3* db, const std::string& what) {
 }
 
 constexpr const char* kJobColumns =
-    "id, name, state, recipe, world_size, generation, cause, created_ms, updated_ms, last_step, last_loss";
+    "id, name, state, recipe, world_size, generation, cause, created_ms, updated_ms, last_step, last_loss, "
+    "restarts, last_committed_step, last_committed_path, nodes_now, last_failure";
+
+// Columns added after the first release; a database made before them gets them on open.
+constexpr const char* kAddedJobColumns[] = {
+    "restarts INTEGER NOT NULL DEFAULT 0", "last_committed_step INTEGER NOT NULL DEFAULT 0",
+    "last_committed_path TEXT NOT NULL DEFAULT ''", "nodes_now INTEGER NOT NULL DEFAULT 0",
+    "last_failure TEXT NOT NULL DEFAULT ''"};
 
 v1::Job ReadJob(Statement& s) {
   v1::Job job;
@@ -105,6 +125,11 @@ v1::Job ReadJob(Statement& s) {
   job.set_updated_unix_ms(s.Int(8));
   job.set_last_step(s.Int(9));
   job.set_last_loss(s.Real(10));
+  job.set_restarts(static_cast<int32_t>(s.Int(11)));
+  job.set_last_committed_step(s.Int(12));
+  job.set_last_committed_path(s.Text(13));
+  job.set_nodes_now(static_cast<int32_t>(s.Int(14)));
+  job.set_last_failure(s.Text(15));
   return job;
 }
 
@@ -117,6 +142,7 @@ const char* JobStateName(v1::JobState state) {
     case v1::JOB_STATE_SUCCEEDED: return "SUCCEEDED";
     case v1::JOB_STATE_FAILED: return "FAILED";
     case v1::JOB_STATE_STOPPED: return "STOPPED";
+    case v1::JOB_STATE_RESTARTING: return "RESTARTING";
     default: return "UNKNOWN";
   }
 }
@@ -139,6 +165,9 @@ StatusOr<std::unique_ptr<SqliteStateStore>> SqliteStateStore::Open(const std::st
   if (path != ":memory:") {
     Status wal = store->Exec("PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;");
     if (!wal.ok()) return wal;
+  }
+  for (const char* column : kAddedJobColumns) {
+    (void)store->Exec(std::string("ALTER TABLE jobs ADD COLUMN ") + column);  // fails when present
   }
   Status schema = store->Exec(kSchema);
   if (!schema.ok()) return schema;
@@ -196,10 +225,14 @@ StatusOr<v1::Job> SqliteStateStore::CreateJob(const std::string& name, const std
 Status SqliteStateStore::UpdateJob(const v1::Job& job) {
   std::lock_guard<std::mutex> lock(mu_);
   Statement s(db_,
-              "UPDATE jobs SET state = ?, generation = ?, cause = ?, updated_ms = ?, last_step = ?, last_loss = ? "
-              "WHERE id = ?");
+              "UPDATE jobs SET state = ?, generation = ?, cause = ?, updated_ms = ?, last_step = ?, last_loss = ?, "
+              "restarts = ?, last_committed_step = ?, last_committed_path = ?, nodes_now = ?, last_failure = ?, "
+              "world_size = ? WHERE id = ?");
   s.Bind(1, int64_t{job.state()}).Bind(2, int64_t{job.generation()}).Bind(3, job.cause());
-  s.Bind(4, job.updated_unix_ms()).Bind(5, job.last_step()).Bind(6, job.last_loss()).Bind(7, job.id());
+  s.Bind(4, job.updated_unix_ms()).Bind(5, job.last_step()).Bind(6, job.last_loss());
+  s.Bind(7, int64_t{job.restarts()}).Bind(8, job.last_committed_step()).Bind(9, job.last_committed_path());
+  s.Bind(10, int64_t{job.nodes_now()}).Bind(11, job.last_failure()).Bind(12, int64_t{job.world_size()});
+  s.Bind(13, job.id());
   if (s.Step() != SQLITE_DONE) return SqlError(db_, "update job " + job.id());
   return Status::Ok();
 }
@@ -246,6 +279,23 @@ Status SqliteStateStore::UpsertRank(const std::string& job_id, const v1::RankInf
   s.Bind(5, rank.pid()).Bind(6, rank.state()).Bind(7, int64_t{rank.exit_code()}).Bind(8, int64_t{rank.signal()});
   s.Bind(9, rank.log_path());
   if (s.Step() != SQLITE_DONE) return SqlError(db_, "record rank");
+  return Status::Ok();
+}
+
+Status SqliteStateStore::ClearRanks(const std::string& job_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Statement s(db_, "DELETE FROM ranks WHERE job_id = ?");
+  s.Bind(1, job_id);
+  if (s.Step() != SQLITE_DONE) return SqlError(db_, "clear ranks");
+  return Status::Ok();
+}
+
+Status SqliteStateStore::RecordCheckpoint(const std::string& job_id, int64_t step, int generation,
+                                          const std::string& path, int64_t now_ms) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Statement s(db_, "INSERT OR REPLACE INTO checkpoints (job_id, step, generation, path, unix_ms) VALUES (?, ?, ?, ?, ?)");
+  s.Bind(1, job_id).Bind(2, step).Bind(3, int64_t{generation}).Bind(4, path).Bind(5, now_ms);
+  if (s.Step() != SQLITE_DONE) return SqlError(db_, "record checkpoint");
   return Status::Ok();
 }
 

@@ -25,6 +25,10 @@ class StateStore {
   virtual StatusOr<v1::Job> GetJob(const std::string& job_id) = 0;  // with its ranks
   virtual StatusOr<std::vector<v1::Job>> ListJobs(int limit) = 0;   // newest first, without ranks
   virtual Status UpsertRank(const std::string& job_id, const v1::RankInfo& rank) = 0;
+  virtual Status ClearRanks(const std::string& job_id) = 0;  // a new generation starts
+  // The checkpoint ledger: every commit a job reported.
+  virtual Status RecordCheckpoint(const std::string& job_id, int64_t step, int generation, const std::string& path,
+                                  int64_t now_ms) = 0;
   virtual Status UpsertNode(const std::string& node_id, const v1::NodeFacts& facts, int64_t now_ms) = 0;
   virtual StatusOr<int64_t> AppendEvent(const v1::Event& event) = 0;  // returns its seq
   virtual StatusOr<std::vector<v1::Event>> EventsAfter(const std::string& job_id, int64_t after_seq) = 0;
@@ -42,6 +46,9 @@ class SqliteStateStore : public StateStore {
   StatusOr<v1::Job> GetJob(const std::string& job_id) override;
   StatusOr<std::vector<v1::Job>> ListJobs(int limit) override;
   Status UpsertRank(const std::string& job_id, const v1::RankInfo& rank) override;
+  Status ClearRanks(const std::string& job_id) override;
+  Status RecordCheckpoint(const std::string& job_id, int64_t step, int generation, const std::string& path,
+                          int64_t now_ms) override;
   Status UpsertNode(const std::string& node_id, const v1::NodeFacts& facts, int64_t now_ms) override;
   StatusOr<int64_t> AppendEvent(const v1::Event& event) override;
   StatusOr<std::vector<v1::Event>> EventsAfter(const std::string& job_id, int64_t after_seq) override;

@@ -17,6 +17,8 @@
 #include "common/recipe.h"
 #include "worker/communicator.h"
 #include "worker/gloo_communicator.h"
+#include "worker/progress.h"
+#include "worker/progress_reporter.h"
 #include "worker/rendezvous_store.h"
 #include "worker/trainer.h"
 #ifdef LTRAIN_WITH_NCCL
@@ -123,6 +125,14 @@ Status Run(const WorkerEnv& env) {
     recipe.checkpoint.resume_from = options.checkpoint_dir;
   }
 
+  // Progress goes to the agent (for hang detection) from here on, startup included.
+  Progress::Global().SetPhase(0, "startup");
+  std::unique_ptr<ProgressReporter> reporter;
+  if (const std::string agent = Env("LTRAIN_AGENT"); !agent.empty()) {
+    reporter = std::make_unique<ProgressReporter>(
+        ProgressReporterOptions{agent, env.job_id, env.generation, env.rank, options.checkpoint_dir});
+  }
+
   auto connect_start = std::chrono::steady_clock::now();
   StatusOr<std::unique_ptr<Communicator>> comm = MakeCommunicator(env, recipe);
   if (!comm.ok()) return comm.status();
@@ -133,7 +143,9 @@ Status Run(const WorkerEnv& env) {
   std::fflush(stdout);
   StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(recipe, options, comm->get());
   if (!trainer.ok()) return trainer.status();
-  return (*trainer)->Run();
+  Status done = (*trainer)->Run();
+  Progress::Global().SetPhase((*trainer)->step(), "done");
+  return done;
 }
 
 }  // namespace
@@ -158,6 +170,7 @@ Environment (set by the agent; flags win over it):
   LTRAIN_RDZV              rendezvous address: grpc://HOST:PORT (agent) or file:///DIR (by hand)
   LTRAIN_RDZV_SCOPE        key prefix of this job generation in the rendezvous store
   LTRAIN_CHECKPOINT_DIR    overrides checkpoint.dir
+  LTRAIN_AGENT             HOST:PORT of the agent's WorkerService, where progress reports go
   LTRAIN_BIND_ADDR         address Gloo listens on (default 127.0.0.1)
   LTRAIN_COLLECTIVE_TIMEOUT_S  seconds before a stuck collective fails (default 300)
 

@@ -7,6 +7,7 @@
 #include <torch/nn/utils/clip_grad.h>
 
 #include "worker/checkpoint.h"
+#include "worker/progress.h"
 #include "worker/torch_compat.h"
 
 namespace ltrain::worker {
@@ -193,7 +194,9 @@ StatusOr<double> Trainer::Step() {
     slice.micro_step = a;
     slice.micro_batch = layout_.micro_batch;
     sampler_.Fill(slice, inputs_host_.data_ptr<int64_t>(), targets_host_.data_ptr<int64_t>());
+    Progress::Global().SetPhase(step + 1, "forward");
     torch::Tensor loss = model_->forward(inputs_host_.to(device_), targets_host_.to(device_));
+    Progress::Global().SetPhase(step + 1, "backward");
     (loss / accumulation).backward();
     loss_sum += loss.detach();
   }
@@ -214,6 +217,7 @@ StatusOr<double> Trainer::Step() {
     return Internal("loss became " + std::to_string(loss_value) + " at step " + std::to_string(step + 1) +
                     "; lower training.lr or check the data");
   }
+  Progress::Global().SetPhase(step + 1, "optimizer");
   if (recipe_.training.grad_clip > 0) torch::nn::utils::clip_grad_norm_(params_, recipe_.training.grad_clip);
   optimizer_->step();
   ++step_;
@@ -223,6 +227,7 @@ StatusOr<double> Trainer::Step() {
 
 Status Trainer::Save() {
   if (comm_->rank() != 0 || options_.checkpoint_dir.empty()) return Status::Ok();
+  Progress::Global().SetPhase(step_, "checkpoint");
   const auto start = Clock::now();
   CheckpointMeta meta;
   meta.step = step_;

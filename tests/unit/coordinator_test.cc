@@ -33,6 +33,12 @@ class CoordinatorTest : public ::testing::Test {
     return coordinator_->NodeConnected(node, facts);
   }
 
+  static v1::HeartbeatRequest Beat(const std::string& node) {
+    v1::HeartbeatRequest request;
+    request.set_node_id(node);
+    return request;
+  }
+
   v1::WorkerStateReport Exit(const std::string& job, int rank, int code, int signal = 0) {
     v1::WorkerStateReport report;
     report.set_node_id(rank < 2 ? "a" : "b");
@@ -117,11 +123,11 @@ TEST_F(CoordinatorTest, SilentNodeIsLostAfterTheTimeout) {
   Connect("b");
   std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
   clock_.AdvanceMs(2000);
-  ASSERT_TRUE(coordinator_->Heartbeat("a").ok());
-  coordinator_->CheckNodes();
+  ASSERT_TRUE(coordinator_->Heartbeat(Beat("a")).ok());
+  coordinator_->Tick();
   EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_RUNNING);
   clock_.AdvanceMs(1500);  // b silent for 3.5 s, a for 1.5 s
-  coordinator_->CheckNodes();
+  coordinator_->Tick();
   v1::Job job = *coordinator_->GetJob(id);
   EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
   EXPECT_NE(job.cause().find("node b lost"), std::string::npos) << job.cause();
@@ -182,6 +188,238 @@ TEST_F(CoordinatorTest, EventsCarryLogsAndProgress) {
   EXPECT_DOUBLE_EQ(coordinator_->GetJob(id)->last_loss(), 2.5);
   std::vector<v1::Event> without_logs = *coordinator_->WaitEvents(id, 0, false, 0, &finished);
   EXPECT_EQ(without_logs.size() + 1, events.size());
+}
+
+constexpr const char* kRestartingRecipe = R"(name: unit
+data: {path: /data}
+training: {steps: 5, micro_batch: 1, global_batch: 4}
+parallel: {nodes: {min: 1, max: 2}, nproc_per_node: 2}
+fault: {max_restarts: 2, restart_backoff_s: 1, restart_backoff_max_s: 1.5, hang_timeout_s: 10}
+)";
+
+TEST_F(CoordinatorTest, FailedRankRestartsAsANewGenerationAfterTheBackoff) {
+  Connect("a");
+  Connect("b");
+  std::string id = coordinator_->Submit(kRestartingRecipe, "unit.yaml")->id();
+  coordinator_->WaitCommand("a", 0);
+  coordinator_->WaitCommand("b", 0);
+  ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, 1, 0, 9)).ok());
+  v1::Job job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_RESTARTING);
+  EXPECT_EQ(job.restarts(), 1);
+  EXPECT_NE(job.last_failure().find("rank 1 on a was killed by signal SIGKILL"), std::string::npos);
+  std::optional<v1::Command> stop = coordinator_->WaitCommand("a", 0);
+  ASSERT_TRUE(stop && stop->has_stop());
+  EXPECT_EQ(stop->stop().generation(), 0);
+
+  clock_.AdvanceMs(900);
+  coordinator_->Tick();
+  EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_RESTARTING) << "the backoff is 1 s";
+  clock_.AdvanceMs(200);
+  ASSERT_TRUE(coordinator_->Heartbeat(Beat("a")).ok());
+  ASSERT_TRUE(coordinator_->Heartbeat(Beat("b")).ok());
+  coordinator_->Tick();
+  job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(job.generation(), 1);
+  coordinator_->WaitCommand("b", 0);  // b's stop
+  std::optional<v1::Command> start = coordinator_->WaitCommand("a", 0);
+  ASSERT_TRUE(start && start->has_start());
+  EXPECT_EQ(start->start().generation(), 1);
+  EXPECT_EQ(start->start().rendezvous_scope(), id + "/1/");
+
+  // A report of the old generation changes nothing.
+  v1::WorkerStateReport stale = Exit(id, 2, 0, 15);
+  stale.set_generation(0);
+  ASSERT_TRUE(coordinator_->ReportWorkerState(stale).ok());
+  EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_RUNNING);
+
+  // Generation 1 finishes.
+  for (int rank = 0; rank < 4; ++rank) {
+    v1::WorkerStateReport done = Exit(id, rank, 0);
+    done.set_generation(1);
+    ASSERT_TRUE(coordinator_->ReportWorkerState(done).ok());
+  }
+  EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_SUCCEEDED);
+}
+
+TEST_F(CoordinatorTest, RestartsRunOutThenTheJobFails) {
+  Connect("a");
+  Connect("b");
+  std::string id = coordinator_->Submit(kRestartingRecipe, "unit.yaml")->id();
+  for (int generation = 0; generation < 3; ++generation) {
+    v1::WorkerStateReport crash = Exit(id, 0, 1);
+    crash.set_generation(generation);
+    ASSERT_TRUE(coordinator_->ReportWorkerState(crash).ok());
+    clock_.AdvanceMs(1500);  // 1 s, then 1.5 s (capped)
+    ASSERT_TRUE(coordinator_->Heartbeat(Beat("a")).ok());
+    ASSERT_TRUE(coordinator_->Heartbeat(Beat("b")).ok());
+    coordinator_->Tick();
+  }
+  v1::Job job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(job.restarts(), 2);
+  EXPECT_NE(job.cause().find("after 2 restart(s)"), std::string::npos) << job.cause();
+}
+
+TEST_F(CoordinatorTest, LostNodeShrinksAnElasticJobAndANewNodeJoinsAtTheNextCheckpoint) {
+  Connect("a");
+  Connect("b");
+  std::string id = coordinator_->Submit(kRestartingRecipe, "unit.yaml")->id();
+  EXPECT_EQ(coordinator_->GetJob(id)->world_size(), 4);
+  clock_.AdvanceMs(2000);
+  ASSERT_TRUE(coordinator_->Heartbeat(Beat("a")).ok());
+  clock_.AdvanceMs(1500);
+  coordinator_->Tick();  // b silent for 3.5 s
+  EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_RESTARTING);
+  EXPECT_NE(coordinator_->GetJob(id)->last_failure().find("node b lost"), std::string::npos);
+  clock_.AdvanceMs(1000);
+  ASSERT_TRUE(coordinator_->Heartbeat(Beat("a")).ok());
+  coordinator_->Tick();
+  v1::Job job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(job.nodes_now(), 1);
+  EXPECT_EQ(job.world_size(), 2);
+  while (std::optional<v1::Command> c = coordinator_->WaitCommand("a", 0)) {
+    if (c->has_start() && c->start().generation() == 1) {
+      RecipeParseResult recipe = ParseRecipe(c->start().recipe_yaml(), "gen1");
+      ASSERT_TRUE(recipe.ok()) << recipe.ErrorText();
+      EXPECT_EQ(recipe.recipe.parallel.nodes, 1);
+      EXPECT_EQ(recipe.recipe.training.global_batch, 4) << "the global batch is kept";
+      EXPECT_EQ(recipe.recipe.accumulation_steps(), 2);
+    }
+  }
+
+  Connect("c");  // a new node: taken in only at the next checkpoint
+  coordinator_->Tick();
+  EXPECT_EQ(coordinator_->GetJob(id)->generation(), 1);
+  v1::HeartbeatRequest beat = Beat("a");
+  v1::RankProgress* progress = beat.add_progress();
+  progress->set_job_id(id);
+  progress->set_generation(1);
+  progress->set_rank(0);
+  progress->set_step(3);
+  progress->set_phase("forward");
+  progress->set_committed_step(2);
+  progress->set_committed_path("/ckpt/step-2");
+  ASSERT_TRUE(coordinator_->Heartbeat(beat).ok());
+  coordinator_->Tick();
+  job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.last_committed_step(), 2);
+  EXPECT_EQ(job.generation(), 2);
+  EXPECT_EQ(job.nodes_now(), 2);
+  EXPECT_EQ(job.world_size(), 4);
+  EXPECT_EQ(job.restarts(), 1) << "growing is not a failure";
+}
+
+TEST_F(CoordinatorTest, HangIsDetectedAndNamesTheRankThatIsBehind) {
+  Connect("a");
+  Connect("b");
+  std::string id = coordinator_->Submit(kRestartingRecipe, "unit.yaml")->id();
+  auto beat = [&](const std::string& node, int first_rank, bool rank3_silent) {
+    v1::HeartbeatRequest request = Beat(node);
+    for (int rank = first_rank; rank < first_rank + 2; ++rank) {
+      if (rank == 3 && rank3_silent) continue;
+      v1::RankProgress* p = request.add_progress();
+      p->set_job_id(id);
+      p->set_rank(rank);
+      p->set_step(812);
+      p->set_phase(rank == 3 ? "backward" : "optimizer");
+      p->set_idle_ms(0);
+      if (rank != 3) {
+        v1::CollectiveRecord* c = p->add_collectives();
+        c->set_seq(1234);
+        c->set_op("all_reduce");
+        c->set_group("dp 0");
+      }
+    }
+    ASSERT_TRUE(coordinator_->Heartbeat(request).ok());
+  };
+  beat("a", 0, false);
+  beat("b", 2, false);
+  for (int second = 0; second < 9; ++second) {
+    clock_.AdvanceMs(1000);
+    beat("a", 0, false);
+    beat("b", 2, true);  // rank 3 stopped reporting; the others report, idle in their all-reduce
+    coordinator_->Tick();
+  }
+  EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_RUNNING) << "9 s < hang_timeout 10 s";
+  clock_.AdvanceMs(1000);
+  beat("a", 0, false);
+  beat("b", 2, true);
+  coordinator_->Tick();
+  v1::Job job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_RESTARTING);
+  EXPECT_EQ(job.last_failure(), "hang: rank 3 made no progress for 10s in step 812 (backward); ranks 0-2 wait in "
+                                "all_reduce #1234 of dp 0");
+}
+
+TEST_F(CoordinatorTest, RecoveredCoordinatorTakesBackARunningJob) {
+  Connect("a");
+  Connect("b");
+  std::string id = coordinator_->Submit(kRestartingRecipe, "unit.yaml")->id();
+  for (int rank = 0; rank < 4; ++rank) {
+    v1::WorkerStateReport running;
+    running.set_node_id(rank < 2 ? "a" : "b");
+    running.set_job_id(id);
+    running.set_rank(rank);
+    running.set_state("running");
+    running.set_pid(100 + rank);
+    ASSERT_TRUE(coordinator_->ReportWorkerState(running).ok());
+  }
+  // The coordinator dies; a new one starts on the same state.
+  CoordinatorOptions options;
+  options.state_dir = "/state";
+  options.recovery_grace_ms = 5000;
+  coordinator_ = std::make_unique<Coordinator>(store_.get(), &clock_, options);
+  ASSERT_TRUE(coordinator_->Recover().ok());
+  EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_RUNNING);
+  v1::RunningWorker worker;
+  worker.set_job_id(id);
+  worker.set_generation(0);
+  coordinator_->NodeConnected("a", v1::NodeFacts(), {worker});
+  coordinator_->NodeConnected("b", v1::NodeFacts(), {worker});
+  clock_.AdvanceMs(6000);
+  ASSERT_TRUE(coordinator_->Heartbeat(Beat("a")).ok());
+  ASSERT_TRUE(coordinator_->Heartbeat(Beat("b")).ok());
+  coordinator_->Tick();
+  EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_RUNNING);
+  for (int rank = 0; rank < 4; ++rank) ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, rank, 0)).ok());
+  EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_SUCCEEDED);
+}
+
+TEST_F(CoordinatorTest, RecoveredJobWhoseNodesNeverComeBackRestartsElsewhere) {
+  Connect("a");
+  std::string id = coordinator_->Submit(kRestartingRecipe, "unit.yaml")->id();
+  CoordinatorOptions options;
+  options.state_dir = "/state";
+  options.recovery_grace_ms = 5000;
+  coordinator_ = std::make_unique<Coordinator>(store_.get(), &clock_, options);
+  ASSERT_TRUE(coordinator_->Recover().ok());
+  coordinator_->NodeConnected("z", v1::NodeFacts());
+  for (int i = 0; i < 7; ++i) {
+    clock_.AdvanceMs(1000);
+    ASSERT_TRUE(coordinator_->Heartbeat(Beat("z")).ok());
+    coordinator_->Tick();
+  }
+  v1::Job job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(job.generation(), 1);
+  EXPECT_NE(job.last_failure().find("did not come back"), std::string::npos) << job.last_failure();
+}
+
+TEST_F(CoordinatorTest, ResumeStartsAStoppedJobAsANewGeneration) {
+  Connect("a");
+  Connect("b");
+  std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
+  ASSERT_TRUE(coordinator_->Stop(id, "").ok());
+  EXPECT_FALSE(coordinator_->Resume("nope").ok());
+  StatusOr<v1::Job> resumed = coordinator_->Resume(id);
+  ASSERT_TRUE(resumed.ok()) << resumed.status().ToString();
+  v1::Job job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(job.generation(), 1);
+  EXPECT_FALSE(coordinator_->Resume(id).ok()) << "a running job cannot be resumed";
 }
 
 }  // namespace
