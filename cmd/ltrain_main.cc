@@ -11,7 +11,9 @@
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <functional>
 #include <thread>
+#include <variant>
 
 #include <CLI/CLI.hpp>
 #include <google/protobuf/util/json_util.h>
@@ -106,20 +108,42 @@ void PrintJobTable(const std::vector<v1::Job>& jobs) {
 }
 
 void PrintJobDetail(const v1::Job& job) {
-  std::printf("job:        %s\n", job.id().c_str());
-  std::printf("state:      %s\n", StateName(job.state()).c_str());
-  std::printf("created:    %s\n", Age(job.created_unix_ms()).c_str());
-  std::printf("generation: %d\n", job.generation());
-  std::printf("step:       %lld\n", static_cast<long long>(job.last_step()));
-  if (job.last_step() > 0) std::printf("loss:       %.4f\n", job.last_loss());
-  if (!job.cause().empty()) std::printf("cause:      %s\n", job.cause().c_str());
+  std::printf("job:            %s\n", job.id().c_str());
+  std::printf("state:          %s\n", StateName(job.state()).c_str());
+  std::printf("created:        %s\n", Age(job.created_unix_ms()).c_str());
+  std::printf("generation:     %d (restarts: %d)\n", job.generation(), job.restarts());
+  std::printf("ranks:          %d on %d node(s)\n", job.world_size(), job.nodes_now());
+  std::printf("step:           %lld\n", static_cast<long long>(job.last_step()));
+  if (job.last_step() > 0) std::printf("loss:           %.4f\n", job.last_loss());
+  if (job.last_committed_step() > 0) {
+    std::printf("last committed: step %lld (%s)\n", static_cast<long long>(job.last_committed_step()),
+                job.last_committed_path().c_str());
+  } else {
+    std::printf("last committed: none yet\n");
+  }
+  if (!job.cause().empty()) std::printf("cause:          %s\n", job.cause().c_str());
+  if (!job.last_failure().empty() && job.last_failure() != job.cause()) {
+    std::printf("last failure:   %s\n", job.last_failure().c_str());
+  }
+  if (job.nodes_size() > 0) {
+    std::printf("\n%-14s %-20s %-10s %s\n", "NODE", "HOST", "CONNECTED", "HEARTBEAT");
+    for (const auto& node : job.nodes()) {
+      std::printf("%-14s %-20s %-10s %.1fs ago\n", node.node_id().c_str(), node.hostname().c_str(),
+                  node.connected() ? "yes" : "no", node.heartbeat_age_ms() / 1000.0);
+    }
+  }
   if (job.ranks_size() > 0) {
-    std::printf("\n%5s %-14s %8s %-8s %5s  %s\n", "RANK", "NODE", "PID", "STATE", "EXIT", "LOG");
+    std::printf("\n%5s %-14s %8s %-8s %5s %8s %-11s %9s  %s\n", "RANK", "NODE", "PID", "STATE", "EXIT", "STEP", "PHASE",
+                "PROGRESS", "LOG");
     for (const auto& rank : job.ranks()) {
       std::string exit = rank.signal() ? SignalName(rank.signal()) : std::to_string(rank.exit_code());
-      if (rank.state() == "running") exit = "-";
-      std::printf("%5d %-14s %8lld %-8s %5s  %s\n", rank.rank(), rank.node_id().c_str(),
-                  static_cast<long long>(rank.pid()), rank.state().c_str(), exit.c_str(), rank.log_path().c_str());
+      if (rank.state() == "running" || rank.state() == "starting") exit = "-";
+      char age[32] = "-";
+      if (!rank.phase().empty()) std::snprintf(age, sizeof(age), "%.1fs ago", rank.progress_age_ms() / 1000.0);
+      std::printf("%5d %-14s %8lld %-8s %5s %8lld %-11s %9s  %s\n", rank.rank(), rank.node_id().c_str(),
+                  static_cast<long long>(rank.pid()), rank.state().c_str(), exit.c_str(),
+                  static_cast<long long>(rank.last_step()), rank.phase().empty() ? "-" : rank.phase().c_str(), age,
+                  rank.log_path().c_str());
     }
   }
 }
@@ -235,66 +259,60 @@ class InterruptWatcher {
   std::thread thread_;
 };
 
-int Launch(const LaunchArgs& args) {
-  RecipeParseResult parsed = LoadRecipeFile(args.recipe, args.sets);
-  if (!parsed.ok()) {
-    std::fprintf(stderr, "%s", parsed.ErrorText().c_str());
-    return kExitInvalid;
-  }
-  Recipe recipe = parsed.recipe;
-  recipe.data.path = Absolute(recipe.data.path);
-  recipe.checkpoint.dir = Absolute(recipe.checkpoint.dir);
-  recipe.checkpoint.resume_from = Absolute(recipe.checkpoint.resume_from);
-  bool standalone = args.coordinator.empty();
-  if (standalone && !fs::exists(fs::path(recipe.data.path) / "train.bin")) {
-    std::fprintf(stderr,
-                 "%s: data.path %s holds no prepared data (train.bin)\n"
-                 "    prepare it with: ltrain data prepare --input TEXT_FILE... --output %s\n",
-                 args.recipe.c_str(), recipe.data.path.c_str(), recipe.data.path.c_str());
-    return kExitInvalid;
-  }
-
-  InterruptWatcher interrupts;  // before any thread starts, so every thread inherits the mask
-  if (!args.verbose) SetLogLevel(LogLevel::kWarning);
+// The coordinator and agent a standalone launch runs in its own process, on loopback.
+struct LocalControlPlane {
   std::unique_ptr<launcher::CoordinatorServer> coordinator;
-  std::unique_ptr<agent::Agent> local_agent;
-  std::string address = args.coordinator;
-  std::string home = LtrainHome();
-  if (standalone) {
+  std::unique_ptr<agent::Agent> agent;
+
+  Status Start(const std::string& home) {
     launcher::CoordinatorServerOptions options;
     options.state_dir = home;
     options.recover = false;  // jobs in a shared $LTRAIN_HOME may belong to other running launches
     StatusOr<std::unique_ptr<launcher::CoordinatorServer>> started = launcher::CoordinatorServer::Start(options);
-    if (!started.ok()) {
-      std::fprintf(stderr, "ltrain: %s\n", started.status().message().c_str());
-      return kExitUnavailable;
-    }
+    if (!started.ok()) return started.status();
     coordinator = std::move(started).value();
-    address = coordinator->address();
     agent::AgentOptions agent_options;
-    agent_options.coordinator = address;
+    agent_options.coordinator = coordinator->address();
     agent_options.node_id = "local";
     agent_options.work_dir = (fs::path(home) / "agent-local").string();
     StatusOr<std::unique_ptr<agent::Agent>> agent_started = agent::Agent::Start(agent_options);
-    if (!agent_started.ok()) {
-      std::fprintf(stderr, "ltrain: %s\n", agent_started.status().message().c_str());
-      return kExitUnavailable;
-    }
-    local_agent = std::move(agent_started).value();
+    if (!agent_started.ok()) return agent_started.status();
+    agent = std::move(agent_started).value();
+    return Status::Ok();
   }
 
+  void Shutdown() {
+    if (agent) agent->Shutdown();
+    if (coordinator) coordinator->Shutdown();
+  }
+};
+
+// Starts a job through `begin` (submit or resume, given a client; returns the job id or an exit
+// code), then follows it to its end. Without a coordinator address it runs a local control plane.
+int RunJob(const std::string& coordinator_address, bool detach, bool quiet, bool verbose, const char* verb,
+           const std::function<std::variant<std::string, int>(Client&)>& begin) {
+  InterruptWatcher interrupts;  // before any thread starts, so every thread inherits the mask
+  if (!verbose) SetLogLevel(LogLevel::kWarning);
+  bool standalone = coordinator_address.empty();
+  std::string home = LtrainHome();
+  LocalControlPlane local;
+  std::string address = coordinator_address;
+  if (standalone) {
+    Status started = local.Start(home);
+    if (!started.ok()) {
+      std::fprintf(stderr, "ltrain: %s\n", started.message().c_str());
+      return kExitUnavailable;
+    }
+    address = local.coordinator->address();
+  }
   Client client(address);
-  v1::SubmitJobRequest submit;
-  submit.set_recipe_yaml(RecipeToYaml(recipe));
-  submit.set_source_name(args.recipe);
-  v1::SubmitJobReply reply;
-  grpc::ClientContext context;
-  context.set_deadline(Deadline(10));
-  grpc::Status status = client.stub->SubmitJob(&context, submit, &reply);
-  if (!status.ok()) return client.Unreachable(status);
-  if (reply.status().code() != 0) return ReplyError(reply.status());
-  const std::string job_id = reply.job().id();
-  std::printf("ltrain: job %s submitted to %s%s\n", job_id.c_str(), standalone ? "the local coordinator at " : "",
+  std::variant<std::string, int> begun = begin(client);
+  if (std::holds_alternative<int>(begun)) {
+    local.Shutdown();
+    return std::get<int>(begun);
+  }
+  const std::string job_id = std::get<std::string>(begun);
+  std::printf("ltrain: job %s %s to %s%s\n", job_id.c_str(), verb, standalone ? "the local coordinator at " : "",
               address.c_str());
   std::fflush(stdout);
   fs::path address_file = fs::path(home) / "run" / (job_id + ".addr");
@@ -303,7 +321,7 @@ int Launch(const LaunchArgs& args) {
     fs::create_directories(address_file.parent_path(), ec);
     std::ofstream(address_file) << address << "\n";
   }
-  if (args.detach && !standalone) {
+  if (detach && !standalone) {
     std::printf("%s\n", job_id.c_str());
     return kExitOk;
   }
@@ -316,20 +334,72 @@ int Launch(const LaunchArgs& args) {
     Client stopper(address);
     v1::StopJobRequest stop;
     stop.set_job_id(job_id);
-    stop.set_reason(std::string("stopped by ") + (signal == SIGINT ? "interrupt" : "SIGTERM") + " of ltrain launch");
+    stop.set_reason(std::string("stopped by ") + (signal == SIGINT ? "interrupt" : "SIGTERM") + " of ltrain");
     v1::StopJobReply stop_reply;
     grpc::ClientContext stop_context;
     stop_context.set_deadline(Deadline(5));
     stopper.stub->StopJob(&stop_context, stop, &stop_reply);
   });
-  int code = FollowJob(client, job_id, args.quiet);
+  int code = FollowJob(client, job_id, quiet);
+  local.Shutdown();
   if (standalone) {
-    local_agent->Shutdown();
-    coordinator->Shutdown();
     std::error_code ec;
     fs::remove(address_file, ec);
   }
   return code;
+}
+
+int Launch(const LaunchArgs& args) {
+  RecipeParseResult parsed = LoadRecipeFile(args.recipe, args.sets);
+  if (!parsed.ok()) {
+    std::fprintf(stderr, "%s", parsed.ErrorText().c_str());
+    return kExitInvalid;
+  }
+  Recipe recipe = parsed.recipe;
+  recipe.data.path = Absolute(recipe.data.path);
+  recipe.checkpoint.dir = Absolute(recipe.checkpoint.dir);
+  recipe.checkpoint.resume_from = Absolute(recipe.checkpoint.resume_from);
+  if (args.coordinator.empty() && !fs::exists(fs::path(recipe.data.path) / "train.bin")) {
+    std::fprintf(stderr,
+                 "%s: data.path %s holds no prepared data (train.bin)\n"
+                 "    prepare it with: ltrain data prepare --input TEXT_FILE... --output %s\n",
+                 args.recipe.c_str(), recipe.data.path.c_str(), recipe.data.path.c_str());
+    return kExitInvalid;
+  }
+  return RunJob(args.coordinator, args.detach, args.quiet, args.verbose, "submitted",
+                [&](Client& client) -> std::variant<std::string, int> {
+                  v1::SubmitJobRequest submit;
+                  submit.set_recipe_yaml(RecipeToYaml(recipe));
+                  submit.set_source_name(args.recipe);
+                  v1::SubmitJobReply reply;
+                  grpc::ClientContext context;
+                  context.set_deadline(Deadline(10));
+                  grpc::Status status = client.stub->SubmitJob(&context, submit, &reply);
+                  if (!status.ok()) return client.Unreachable(status);
+                  if (reply.status().code() != 0) return ReplyError(reply.status());
+                  return reply.job().id();
+                });
+}
+
+int Resume(const std::string& job_id, const LaunchArgs& args) {
+  return RunJob(args.coordinator, args.detach, args.quiet, args.verbose, "resumed",
+                [&](Client& client) -> std::variant<std::string, int> {
+                  v1::ResumeJobRequest request;
+                  request.set_job_id(job_id);
+                  v1::ResumeJobReply reply;
+                  grpc::ClientContext context;
+                  context.set_deadline(Deadline(10));
+                  grpc::Status status = client.stub->ResumeJob(&context, request, &reply);
+                  if (!status.ok()) return client.Unreachable(status);
+                  if (reply.status().code() != 0) {
+                    std::fprintf(stderr, "ltrain: %s\n", reply.status().message().c_str());
+                    return reply.status().code() == static_cast<int>(StatusCode::kNotFound) ||
+                                   reply.status().code() == static_cast<int>(StatusCode::kFailedPrecondition)
+                               ? kExitInvalid
+                               : kExitUnavailable;
+                  }
+                  return reply.job().id();
+                });
 }
 
 // --- status / stop -----------------------------------------------------------------------------
@@ -361,8 +431,26 @@ int ShowStatus(const std::string& job_id, const std::string& coordinator_address
     else PrintJobDetail(reply.job());
     return kExitOk;
   }
-  // Standalone: the state of the local coordinators under $LTRAIN_HOME.
+  // Standalone: a job whose launch still runs is asked of that launch's coordinator (live node and
+  // rank progress); otherwise the state under $LTRAIN_HOME is read directly.
   std::string home = LtrainHome();
+  if (!job_id.empty()) {
+    std::ifstream address_file(fs::path(home) / "run" / (job_id + ".addr"));
+    std::string address;
+    if (address_file >> address) {
+      Client client(address);
+      grpc::ClientContext context;
+      context.set_deadline(Deadline(2));
+      v1::GetJobRequest request;
+      request.set_job_id(job_id);
+      v1::GetJobReply reply;
+      if (client.stub->GetJob(&context, request, &reply).ok() && reply.status().code() == 0) {
+        if (json) std::printf("%s\n", ToJson(reply.job()).c_str());
+        else PrintJobDetail(reply.job());
+        return kExitOk;
+      }
+    }
+  }
   if (!fs::exists(fs::path(home) / "state.db")) {
     if (json) std::printf("{\n \"jobs\": []\n}\n");
     else std::printf("no jobs yet under %s; start one with `ltrain launch RECIPE`\n", home.c_str());
@@ -495,6 +583,18 @@ int main(int argc, char** argv) {
   launch_cmd->add_flag("-q,--quiet", launch.quiet, "Print job events only, not the workers' log lines");
   launch_cmd->add_flag("-v,--verbose", launch.verbose, "Also print the embedded coordinator's and agent's logs");
 
+  // resume
+  std::string resume_job;
+  LaunchArgs resume;
+  CLI::App* resume_cmd = app.add_subcommand(
+      "resume", "Start a FAILED or STOPPED job again from its last committed checkpoint, and follow it");
+  resume_cmd->add_option("job", resume_job, "Job id")->required();
+  resume_cmd->add_option("--coordinator", resume.coordinator,
+                         "HOST:PORT of the coordinator that ran it; without it a local one on $LTRAIN_HOME");
+  resume_cmd->add_flag("--detach", resume.detach, "With --coordinator: return once the job is resumed");
+  resume_cmd->add_flag("-q,--quiet", resume.quiet, "Print job events only, not the workers' log lines");
+  resume_cmd->add_flag("-v,--verbose", resume.verbose, "Also print the embedded coordinator's and agent's logs");
+
   // validate
   std::string validate_recipe;
   std::vector<std::string> validate_sets;
@@ -566,6 +666,7 @@ int main(int argc, char** argv) {
   SetLogLevel(level);
 
   if (*launch_cmd) return Launch(launch);
+  if (*resume_cmd) return Resume(resume_job, resume);
   if (*validate_cmd) {
     RecipeParseResult parsed = LoadRecipeFile(validate_recipe, validate_sets);
     if (!parsed.ok()) {

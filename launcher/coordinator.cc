@@ -513,18 +513,7 @@ Status Coordinator::Heartbeat(const v1::HeartbeatRequest& request) {
     Progress& progress = job->progress[report.rank()];
     progress.report = report;
     progress.received_ms = now;
-    if (report.committed_step() > job->job.last_committed_step()) {
-      job->job.set_last_committed_step(report.committed_step());
-      job->job.set_last_committed_path(report.committed_path());
-      Status recorded = store_->RecordCheckpoint(job->job.id(), report.committed_step(), job->job.generation(),
-                                                 report.committed_path(), clock_->UnixMs());
-      if (!recorded.ok()) LTRAIN_LOG(kError, kLog) << recorded.ToString();
-      PersistJobLocked(*job);
-      AddEventLocked(*job, "checkpoint",
-                     "checkpoint of step " + std::to_string(report.committed_step()) + " committed: " +
-                         report.committed_path(),
-                     report.rank());
-    }
+    RecordCommitLocked(*job, report.committed_step(), report.committed_path(), report.rank());
   }
   return Status::Ok();
 }
@@ -575,8 +564,21 @@ Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {
   return Status::Ok();
 }
 
+void Coordinator::RecordCommitLocked(ActiveJob& job, int64_t step, const std::string& path, int rank) {
+  if (step <= job.job.last_committed_step()) return;
+  job.job.set_last_committed_step(step);
+  job.job.set_last_committed_path(path);
+  Status recorded = store_->RecordCheckpoint(job.job.id(), step, job.job.generation(), path, clock_->UnixMs());
+  if (!recorded.ok()) LTRAIN_LOG(kError, kLog) << recorded.ToString();
+  PersistJobLocked(job);
+  AddEventLocked(job, "checkpoint", "checkpoint of step " + std::to_string(step) + " committed: " + path, rank);
+}
+
 void Coordinator::PushLogs(const v1::PushLogsRequest& request) {
   static const std::regex kProgress(R"(^step (\d+)/\d+ loss ([0-9.eE+-]+|nan|inf))");
+  // Rank 0's line after a commit; it arrives before any exit report of that rank, so a failure right
+  // after a checkpoint still knows the checkpoint.
+  static const std::regex kCommitted(R"(^checkpoint step-(\d+) written to (\S+))");
   std::lock_guard<std::mutex> lock(mu_);
   ActiveJob* job = FindLocked(request.job_id());
   if (job == nullptr) return;
@@ -586,6 +588,10 @@ void Coordinator::PushLogs(const v1::PushLogsRequest& request) {
       job->job.set_last_step(std::stoll(match[1]));
       job->job.set_last_loss(std::strtod(match[2].str().c_str(), nullptr));
       PersistJobLocked(*job);
+    } else if (line.rank() == 0 && std::regex_search(line.text(), match, kCommitted)) {
+      int64_t step = std::stoll(match[1]);
+      RecordCommitLocked(*job, step, (std::filesystem::path(match[2].str()) / ("step-" + match[1].str())).string(),
+                         line.rank());
     }
     AddEventLocked(*job, "log", line.text(), line.rank());
   }

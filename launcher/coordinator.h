@@ -112,6 +112,7 @@ class Coordinator {
   void StopGenerationLocked(ActiveJob& job, const std::string& reason);
   void LoseNodeLocked(const std::string& node_id, const std::string& reason);
   void CheckHangLocked(ActiveJob& job, int64_t now);
+  void RecordCommitLocked(ActiveJob& job, int64_t step, const std::string& path, int rank);
   void AddEventLocked(ActiveJob& job, const std::string& kind, const std::string& message, int rank);
   void FinishLocked(ActiveJob& job, v1::JobState state, const std::string& cause);
   void PersistJobLocked(ActiveJob& job);

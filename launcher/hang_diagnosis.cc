@@ -77,9 +77,12 @@ std::optional<std::string> DiagnoseHang(const std::vector<RankActivity>& ranks, 
   }
   for (const auto& [key, waiters] : waiting) {
     const auto& [seq, op, group] = key;
-    message += "; " + DescribeRanks(waiters) + " wait in " + op + " #" + std::to_string(seq) + " of " + group;
+    message += "; " + DescribeRanks(waiters) + (waiters.size() == 1 ? " waits in " : " wait in ") + op + " #" +
+               std::to_string(seq) + " of " + group;
   }
-  if (!elsewhere.empty()) message += "; " + DescribeRanks(elsewhere) + " are outside collectives";
+  if (!elsewhere.empty()) {
+    message += "; " + DescribeRanks(elsewhere) + (elsewhere.size() == 1 ? " is" : " are") + " outside collectives";
+  }
   return message;
 }
 

@@ -59,7 +59,7 @@ TEST(HangDiagnosisTest, RankThatNeverReported) {
   silent.idle_ms = silent.silent_ms = 61000;
   std::optional<std::string> hang = DiagnoseHang({Waiting(0, 1, 1000), silent}, 60000);
   ASSERT_TRUE(hang.has_value());
-  EXPECT_EQ(*hang, "rank 3 made no progress for 61s in step 0 (startup, never reported); rank 0 wait in all_reduce #1 of dp 0");
+  EXPECT_EQ(*hang, "rank 3 made no progress for 61s in step 0 (startup, never reported); rank 0 waits in all_reduce #1 of dp 0");
 }
 
 TEST(HangDiagnosisTest, DescribeRanksFoldsRuns) {

@@ -1,0 +1,255 @@
+// Fault tolerance with real processes and real signals: a killed worker, a hung worker, a lost
+// agent (elastic shrink, then growth), a killed coordinator, and `ltrain resume`.
+#include <gtest/gtest.h>
+#include <google/protobuf/util/json_util.h>
+#include <signal.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+#include <thread>
+
+#include "ltrain/v1/ltrain.pb.h"
+#include "tests/support/subprocess.h"
+
+namespace ltrain::testing {
+namespace {
+
+namespace fs = std::filesystem;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+class RecoveryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string text = TinyShakespeare();
+    if (text.empty()) GTEST_SKIP() << "../shared/data/tinyshakespeare.txt is not beside the checkout";
+    ProcessResult prepared = RunProcess({LtrainBinary(), "data", "prepare", "--input", text, "--output", dir_.Join("data")});
+    ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
+  }
+
+  std::string Recipe(const std::string& name, const std::string& extra) {
+    return dir_.Write(name + ".yaml", "name: " + name +
+                                          "\nmodel: {layers: 2, d_model: 64, heads: 4, seq_len: 32}\n"
+                                          "data: {path: " + dir_.Join("data") + "}\n" + extra);
+  }
+
+  std::map<std::string, std::string> Env(const std::string& home) const {
+    // One thread per rank: kernels then sum in the same order in every run.
+    return {{"LTRAIN_HOME", dir_.Join(home)}, {"OMP_NUM_THREADS", "1"}};
+  }
+
+  v1::Job Status(const std::string& home, const std::string& job_id, const std::string& coordinator = "") {
+    std::vector<std::string> argv = {LtrainBinary(), "status", job_id, "--output", "json"};
+    if (!coordinator.empty()) {
+      argv.push_back("--coordinator");
+      argv.push_back(coordinator);
+    }
+    ProcessResult result = RunProcess(argv, Env(home));
+    v1::Job job;
+    EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(result.output, &job).ok()) << result.output;
+    return job;
+  }
+
+  // Starts `ltrain coordinator` on `port` (0: any) and returns its address.
+  std::string StartCoordinator(std::unique_ptr<Subprocess>& process, int port = 0) {
+    std::string port_file = dir_.Join("coordinator.port");
+    fs::remove(port_file);
+    process = std::make_unique<Subprocess>(
+        std::vector<std::string>{LtrainBinary(), "coordinator", "--listen", "127.0.0.1:" + std::to_string(port),
+                                 "--port-file", port_file, "--state-dir", dir_.Join("coordinator")},
+        Env("home"));
+    for (int i = 0; i < 1000 && !fs::exists(port_file); ++i) std::this_thread::sleep_for(milliseconds(10));
+    std::ifstream in(port_file);
+    int chosen = 0;
+    in >> chosen;
+    EXPECT_GT(chosen, 0) << process->Output();
+    return "127.0.0.1:" + std::to_string(chosen);
+  }
+
+  std::unique_ptr<Subprocess> StartAgent(const std::string& address, const std::string& node) {
+    return std::make_unique<Subprocess>(
+        std::vector<std::string>{LtrainBinary(), "agent", "--coordinator", address, "--node-id", node, "--work-dir",
+                                 dir_.Join("agent-" + node), "--coordinator-grace", "60"},
+        Env("home"));
+  }
+
+  TempDir dir_;
+};
+
+// A worker SIGKILLed at a random step: the failure is seen within a second, the job restarts from
+// its last checkpoint, SUCCEEDS, and ends with exactly the parameters of an uninterrupted run.
+TEST_F(RecoveryTest, KilledWorkerRestartsFromItsCheckpointAndEndsBitIdentical) {
+  std::string recipe = Recipe("tiny", "training: {steps: 40, micro_batch: 4, global_batch: 8, log_every: 1}\n"
+                                      "parallel: {nproc_per_node: 2}\n"
+                                      "checkpoint: {every: 5, keep: 3}\n"
+                                      "fault: {max_restarts: 2, restart_backoff_s: 0.2}\n");
+  ProcessResult reference = RunProcess({LtrainBinary(), "launch", recipe}, Env("reference"), seconds(180));
+  ASSERT_EQ(reference.exit_code, 0) << reference.output;
+
+  std::random_device device;
+  int kill_step = std::uniform_int_distribution<int>(8, 30)(device);
+  SCOPED_TRACE("killing rank 1 after step " + std::to_string(kill_step));
+  Subprocess launch({LtrainBinary(), "launch", recipe}, Env("faulty"));
+  ASSERT_TRUE(launch.WaitForOutput("[rank 0] step " + std::to_string(kill_step) + "/", seconds(60))) << launch.Output();
+  v1::Job running = Status("faulty", "tiny-1");
+  ASSERT_EQ(running.ranks_size(), 2) << running.DebugString();
+  auto killed_at = std::chrono::steady_clock::now();
+  ASSERT_EQ(kill(static_cast<pid_t>(running.ranks(1).pid()), SIGKILL), 0);
+  ASSERT_TRUE(launch.WaitForOutput("rank 1 on local was killed by signal SIGKILL", seconds(10))) << launch.Output();
+  EXPECT_LT(SecondsSince(killed_at), 1.0) << "failure detection";
+  ProcessResult result = launch.Wait(seconds(180));
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("restart 1 of 2"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("generation 1: placed"), std::string::npos) << result.output;
+  v1::Job job = Status("faulty", "tiny-1");
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(job.restarts(), 1);
+  EXPECT_EQ(job.generation(), 1);
+  EXPECT_EQ(job.last_committed_step(), 40);
+  EXPECT_NE(job.last_failure().find("SIGKILL"), std::string::npos);
+
+  std::string a = ReadFile(dir_.Join("reference/checkpoints/tiny-1/step-40/model.pt"));
+  std::string b = ReadFile(dir_.Join("faulty/checkpoints/tiny-1/step-40/model.pt"));
+  ASSERT_FALSE(a.empty());
+  EXPECT_TRUE(a == b) << "final parameters differ from the uninterrupted run";
+}
+
+// A SIGSTOPped worker: within hang_timeout + 2 s the job's events name the stopped rank and what
+// the others wait in, and the job recovers.
+TEST_F(RecoveryTest, HungWorkerIsNamedAndTheJobRecovers) {
+  std::string recipe = Recipe("hang", "training: {steps: 60, micro_batch: 4, global_batch: 8, log_every: 1}\n"
+                                      "parallel: {nproc_per_node: 2}\n"
+                                      "checkpoint: {every: 5}\n"
+                                      "fault: {max_restarts: 1, restart_backoff_s: 0.2, hang_timeout_s: 3}\n");
+  Subprocess launch({LtrainBinary(), "launch", recipe}, Env("home"));
+  ASSERT_TRUE(launch.WaitForOutput("[rank 0] step 12/", seconds(60))) << launch.Output();
+  v1::Job running = Status("home", "hang-1");
+  ASSERT_EQ(running.ranks_size(), 2);
+  pid_t stopped = static_cast<pid_t>(running.ranks(1).pid());
+  auto stopped_at = std::chrono::steady_clock::now();
+  ASSERT_EQ(kill(stopped, SIGSTOP), 0);
+  ASSERT_TRUE(launch.WaitForOutput("hang: rank 1 made no progress", seconds(15))) << launch.Output();
+  EXPECT_LT(SecondsSince(stopped_at), 3.0 + 2.0) << "hang detection";
+  std::string output = launch.Output();
+  EXPECT_NE(output.find("rank 0 waits in all_reduce #"), std::string::npos) << output;
+  ProcessResult result = launch.Wait(seconds(120));
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  v1::Job job = Status("home", "hang-1");
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_NE(job.last_failure().find("hang: rank 1 made no progress"), std::string::npos) << job.last_failure();
+  EXPECT_FALSE(ProcessAlive(stopped));
+}
+
+// Two agents, nodes {min 1, max 2}: one agent is SIGKILLed, the job goes on with one node and the
+// same global batch; a third agent joins at the next checkpoint boundary.
+TEST_F(RecoveryTest, LostAgentShrinksTheJobAndANewAgentJoinsAtACheckpoint) {
+  std::unique_ptr<Subprocess> coordinator;
+  std::string address = StartCoordinator(coordinator);
+  std::unique_ptr<Subprocess> n1 = StartAgent(address, "n1");
+  std::unique_ptr<Subprocess> n2 = StartAgent(address, "n2");
+  std::string recipe = Recipe("elastic", "training: {steps: 400, micro_batch: 4, global_batch: 8, log_every: 1}\n"
+                                         "parallel: {nodes: {min: 1, max: 2}, nproc_per_node: 1}\n"
+                                         "checkpoint: {every: 10, keep: 3}\n"
+                                         "fault: {max_restarts: 3, restart_backoff_s: 0.2}\n");
+  // Both agents must be registered before the job is placed on two nodes.
+  std::this_thread::sleep_for(milliseconds(500));
+  Subprocess launch({LtrainBinary(), "launch", "--coordinator", address, recipe}, Env("home"));
+  ASSERT_TRUE(launch.WaitForOutput("[rank 0] step 15/", seconds(60))) << launch.Output();
+  ASSERT_NE(launch.Output().find("accumulation 1"), std::string::npos) << launch.Output();
+
+  auto killed_at = std::chrono::steady_clock::now();
+  n2->Signal(SIGKILL);
+  ASSERT_TRUE(launch.WaitForOutput("node n2 lost", seconds(10))) << launch.Output();
+  EXPECT_LT(SecondsSince(killed_at), 3 * 1.0 + 1.0) << "loss detection: 3 heartbeats + 1 s";
+  ASSERT_TRUE(launch.WaitForOutput("generation 1: placed rank 0 on n1", seconds(20))) << launch.Output();
+  ASSERT_TRUE(launch.WaitForOutput("accumulation 2 global_batch 8", seconds(30))) << launch.Output();
+
+  std::unique_ptr<Subprocess> n3 = StartAgent(address, "n3");
+  ASSERT_TRUE(launch.WaitForOutput("taking in 1 node(s) at the checkpoint of step", seconds(60))) << launch.Output();
+  ASSERT_TRUE(launch.WaitForOutput("generation 2: placed rank 0 on n1", seconds(20))) << launch.Output();
+  ProcessResult result = launch.Wait(seconds(240));
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  v1::Job job = Status("home", "elastic-1", address);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(job.generation(), 2);
+  EXPECT_EQ(job.nodes_now(), 2);
+  EXPECT_EQ(job.restarts(), 1);
+  EXPECT_NE(job.last_failure().find("node n2 lost"), std::string::npos) << job.last_failure();
+  for (auto* agent : {n1.get(), n3.get()}) agent->Signal(SIGTERM);
+  coordinator->Signal(SIGTERM);
+}
+
+// The coordinator is SIGKILLed mid-run and started again on the same state: the agents keep their
+// workers, reconnect, and the job goes on to SUCCEEDED in the same generation.
+TEST_F(RecoveryTest, KilledCoordinatorComesBackAndTheJobGoesOn) {
+  std::unique_ptr<Subprocess> coordinator;
+  std::string address = StartCoordinator(coordinator);
+  int port = std::stoi(address.substr(address.rfind(':') + 1));
+  std::unique_ptr<Subprocess> agent = StartAgent(address, "n1");
+  std::string recipe = Recipe("durable", "training: {steps: 300, micro_batch: 4, global_batch: 8, log_every: 1}\n"
+                                         "parallel: {nproc_per_node: 2}\n"
+                                         "checkpoint: {every: 50}\n");
+  std::this_thread::sleep_for(milliseconds(300));
+  Subprocess launch({LtrainBinary(), "launch", "--coordinator", address, recipe}, Env("home"));
+  ASSERT_TRUE(launch.WaitForOutput("[rank 0] step 20/", seconds(60))) << launch.Output();
+  v1::Job before = Status("home", "durable-1", address);
+  ASSERT_EQ(before.ranks_size(), 2);
+
+  coordinator->Signal(SIGKILL);
+  coordinator->Wait(seconds(5));
+  std::this_thread::sleep_for(milliseconds(500));
+  std::string again = StartCoordinator(coordinator, port);
+  ASSERT_EQ(again, address);
+  ProcessResult result = launch.Wait(seconds(240));
+  EXPECT_EQ(result.exit_code, 0) << result.output << "\n--- coordinator\n" << coordinator->Output();
+  v1::Job job = Status("home", "durable-1", address);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(job.generation(), 0) << "the workers were never restarted";
+  EXPECT_EQ(job.restarts(), 0);
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(job.ranks(i).pid(), before.ranks(i).pid());
+  agent->Signal(SIGTERM);
+  coordinator->Signal(SIGTERM);
+}
+
+// A job that FAILED (no restarts allowed) is resumed with `ltrain resume` from its last commit.
+TEST_F(RecoveryTest, ResumeContinuesAFailedJobFromItsLastCommit) {
+  std::string recipe = Recipe("again", "training: {steps: 30, micro_batch: 4, global_batch: 8, log_every: 1}\n"
+                                       "parallel: {nproc_per_node: 2}\n"
+                                       "checkpoint: {every: 5}\n");
+  Subprocess launch({LtrainBinary(), "launch", recipe}, Env("home"));
+  ASSERT_TRUE(launch.WaitForOutput("[rank 0] step 12/", seconds(60))) << launch.Output();
+  v1::Job running = Status("home", "again-1");
+  ASSERT_EQ(kill(static_cast<pid_t>(running.ranks(0).pid()), SIGKILL), 0);
+  ProcessResult failed = launch.Wait(seconds(30));
+  ASSERT_EQ(failed.exit_code, 1) << failed.output;
+  int64_t committed = Status("home", "again-1").last_committed_step();
+
+  ProcessResult resumed = RunProcess({LtrainBinary(), "resume", "again-1"}, Env("home"), seconds(120));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from"), std::string::npos) << resumed.output;
+  std::vector<double> losses = ParseLosses(resumed.output);
+  EXPECT_EQ(static_cast<int64_t>(losses.size()), 30 - committed) << resumed.output;
+  v1::Job job = Status("home", "again-1");
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(job.generation(), 1);
+
+  ProcessResult twice = RunProcess({LtrainBinary(), "resume", "again-1"}, Env("home"), seconds(30));
+  EXPECT_EQ(twice.exit_code, 2) << twice.output;
+  EXPECT_NE(twice.output.find("only a FAILED or STOPPED job can be resumed"), std::string::npos) << twice.output;
+}
+
+}  // namespace
+}  // namespace ltrain::testing
