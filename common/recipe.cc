@@ -467,6 +467,14 @@ RecipeParseResult ParseRecipe(const std::string& yaml_text, const std::string& s
                      "pp*virtual_stages=" + std::to_string(stages) + " stages is more than model.layers=" +
                          std::to_string(r.model.layers));
     }
+    if (p.zero == 3 && p.pp > 1) {
+      reader.ErrorOn(root, "parallel", "zero",
+                     "parallel.zero=3 shards parameters across data-parallel ranks and does not combine with pp>1; "
+                     "use zero: 1 with pipeline parallelism");
+    }
+    if (p.pp_schedule == "interleaved" && p.pp == 1) {
+      reader.ErrorOn(root, "parallel", "pp_schedule", "parallel.pp_schedule=interleaved needs parallel.pp > 1");
+    }
     if (p.pp_schedule == "interleaved" && p.virtual_stages < 2) {
       reader.ErrorOn(root, "parallel", "virtual_stages",
                      "parallel.pp_schedule=interleaved needs parallel.virtual_stages >= 2");

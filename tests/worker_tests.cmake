@@ -16,3 +16,17 @@ ltrain_add_test(worker_layout_equivalence_test unit
 add_dependencies(worker_layout_equivalence_test ltrain-worker)
 target_compile_definitions(worker_layout_equivalence_test PRIVATE
   LTRAIN_WORKER_BIN="$<TARGET_FILE:ltrain-worker>")
+
+# Pure planners of the parallel runtime (topology, pipeline schedules, buckets); milliseconds.
+ltrain_add_test(parallel_planner_test unit
+  SOURCES unit/parallel_planner_test.cc
+  LIBS ltrain::worker)
+
+# Every parallel layout against one process, ZeRO memory at dp=4, sharded resume: real
+# ltrain-worker processes (up to 4 at once); about two minutes on 2 cores.
+ltrain_add_test(worker_parallel_layouts_test integration
+  SOURCES unit/worker_parallel_layouts_test.cc
+  LIBS ltrain::common)
+add_dependencies(worker_parallel_layouts_test ltrain-worker)
+target_compile_definitions(worker_parallel_layouts_test PRIVATE
+  LTRAIN_WORKER_BIN="$<TARGET_FILE:ltrain-worker>")

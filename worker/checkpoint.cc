@@ -19,8 +19,6 @@ namespace ltrain::worker {
 namespace fs = std::filesystem;
 namespace {
 
-constexpr const char* kModelFile = "model.pt";
-constexpr const char* kOptimizerFile = "optimizer.pt";
 constexpr const char* kMetaFile = "meta.yaml";
 
 Status FsyncPath(const std::string& path, bool directory) {
@@ -85,30 +83,43 @@ StatusOr<std::string> FileChecksum(const std::string& path) {
   return std::string(hex);
 }
 
-Status SaveCheckpoint(const std::string& dir, const CheckpointMeta& meta, const Recipe& recipe,
-                      const torch::nn::Module& model, const torch::optim::Optimizer& optimizer, int keep) {
-  const std::string name = "step-" + std::to_string(meta.step);
-  const fs::path final_dir = fs::path(dir) / name;
-  const fs::path tmp_dir = fs::path(dir) / (".tmp-" + name);
+std::string PendingCheckpointDir(const std::string& dir, int64_t step) {
+  return (fs::path(dir) / (".tmp-step-" + std::to_string(step))).string();
+}
+
+Status PrepareCheckpoint(const std::string& dir, int64_t step) {
+  const fs::path tmp_dir = PendingCheckpointDir(dir, step);
   std::error_code ec;
   fs::create_directories(dir, ec);
   if (ec) return InvalidArgument("cannot create checkpoint directory " + dir + ": " + ec.message());
   fs::remove_all(tmp_dir, ec);  // left over by a crash mid-write
   fs::create_directories(tmp_dir, ec);
   if (ec) return Internal("cannot create " + tmp_dir.string() + ": " + ec.message());
+  return Status::Ok();
+}
 
-  const std::string model_path = (tmp_dir / kModelFile).string();
-  const std::string optimizer_path = (tmp_dir / kOptimizerFile).string();
-  {
+Status WriteTensorArchive(const std::string& path, const std::vector<std::pair<std::string, torch::Tensor>>& tensors) {
+  try {
     torch::serialize::OutputArchive archive;
-    model.save(archive);
-    archive.save_to(model_path);
+    for (const auto& [key, tensor] : tensors) archive.write(key, tensor.detach().cpu().contiguous());
+    archive.save_to(path);
+  } catch (const c10::Error& e) {
+    return Internal("writing " + path + ": " + e.what_without_backtrace());
   }
-  {
-    torch::serialize::OutputArchive archive;
-    optimizer.save(archive);
-    archive.save_to(optimizer_path);
+  return FsyncPath(path, false);
+}
+
+Status CommitCheckpoint(const std::string& dir, const CheckpointMeta& meta, const Recipe& recipe, int keep) {
+  const std::string name = "step-" + std::to_string(meta.step);
+  const fs::path final_dir = fs::path(dir) / name;
+  const fs::path tmp_dir = PendingCheckpointDir(dir, meta.step);
+  std::error_code ec;
+  std::vector<std::string> files;
+  for (const auto& entry : fs::directory_iterator(tmp_dir, ec)) {
+    if (entry.is_regular_file() && entry.path().filename() != kMetaFile) files.push_back(entry.path().filename().string());
   }
+  if (ec) return Internal("listing " + tmp_dir.string() + ": " + ec.message());
+  std::sort(files.begin(), files.end());
   YAML::Emitter out;
   out << YAML::BeginMap;
   out << YAML::Key << "step" << YAML::Value << meta.step;
@@ -116,10 +127,10 @@ Status SaveCheckpoint(const std::string& dir, const CheckpointMeta& meta, const 
   out << YAML::Key << "world_size" << YAML::Value << meta.world_size;
   out << YAML::Key << "generation" << YAML::Value << meta.generation;
   out << YAML::Key << "job_id" << YAML::Value << meta.job_id;
+  out << YAML::Key << "layout" << YAML::Value << meta.layout;
   out << YAML::Key << "files" << YAML::Value << YAML::BeginMap;
-  for (const char* file : {kModelFile, kOptimizerFile}) {
+  for (const std::string& file : files) {
     const std::string path = (tmp_dir / file).string();
-    if (Status s = FsyncPath(path, false); !s.ok()) return s;
     StatusOr<std::string> sum = FileChecksum(path);
     if (!sum.ok()) return sum.status();
     out << YAML::Key << file << YAML::Value << YAML::BeginMap << YAML::Key << "fnv1a64" << YAML::Value
@@ -171,8 +182,7 @@ StatusOr<std::string> ResolveCheckpoint(const std::string& path) {
                   " is neither a step directory (with meta.yaml) nor a checkpoint directory (with latest)");
 }
 
-StatusOr<CheckpointMeta> LoadCheckpoint(const std::string& step_dir, torch::nn::Module& model,
-                                        torch::optim::Optimizer& optimizer) {
+StatusOr<CheckpointMeta> ReadCheckpointMeta(const std::string& step_dir) {
   const std::string meta_path = (fs::path(step_dir) / kMetaFile).string();
   CheckpointMeta meta;
   YAML::Node root;
@@ -183,31 +193,39 @@ StatusOr<CheckpointMeta> LoadCheckpoint(const std::string& step_dir, torch::nn::
     meta.world_size = root["world_size"].as<int>();
     if (root["generation"]) meta.generation = root["generation"].as<int>();
     if (root["job_id"]) meta.job_id = root["job_id"].as<std::string>();
+    if (root["layout"]) meta.layout = root["layout"].as<std::string>();
+    for (const auto& file : root["files"]) {
+      const std::string name = file.first.as<std::string>();
+      const std::string path = (fs::path(step_dir) / name).string();
+      StatusOr<std::string> sum = FileChecksum(path);
+      if (!sum.ok()) return sum.status();
+      const std::string expected = file.second["fnv1a64"].as<std::string>();
+      if (expected != *sum) {
+        return DataLoss("checkpoint file " + path + " is corrupt: checksum " + *sum + ", meta.yaml says " + expected);
+      }
+    }
   } catch (const std::exception& e) {
     return DataLoss("reading " + meta_path + ": " + e.what());
   }
-  for (const char* file : {kModelFile, kOptimizerFile}) {
-    const std::string path = (fs::path(step_dir) / file).string();
-    StatusOr<std::string> sum = FileChecksum(path);
-    if (!sum.ok()) return sum.status();
-    const YAML::Node expected = root["files"][file]["fnv1a64"];
-    if (expected && expected.as<std::string>() != *sum) {
-      return DataLoss("checkpoint file " + path + " is corrupt: checksum " + *sum + ", meta.yaml says " +
-                      expected.as<std::string>());
-    }
-  }
-  try {
-    torch::serialize::InputArchive model_archive;
-    model_archive.load_from((fs::path(step_dir) / kModelFile).string());
-    model.load(model_archive);
-    torch::serialize::InputArchive optimizer_archive;
-    optimizer_archive.load_from((fs::path(step_dir) / kOptimizerFile).string());
-    optimizer.load(optimizer_archive);
-  } catch (const c10::Error& e) {
-    return DataLoss("loading checkpoint " + step_dir + " (does the model shape match the recipe?): " +
-                    e.what_without_backtrace());
-  }
   return meta;
+}
+
+StatusOr<TensorReader> OpenTensorArchive(const std::string& path) {
+  auto archive = std::make_shared<torch::serialize::InputArchive>();
+  try {
+    archive->load_from(path);
+  } catch (const c10::Error& e) {
+    return DataLoss("loading checkpoint file " + path + ": " + e.what_without_backtrace());
+  }
+  return TensorReader([archive, path](const std::string& key) -> StatusOr<torch::Tensor> {
+    torch::Tensor t;
+    try {
+      if (!archive->try_read(key, t)) return DataLoss(path + " has no tensor " + key + " (saved by another layout?)");
+    } catch (const c10::Error& e) {
+      return DataLoss("reading " + key + " from " + path + ": " + e.what_without_backtrace());
+    }
+    return t;
+  });
 }
 
 }  // namespace ltrain::worker

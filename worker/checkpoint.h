@@ -1,20 +1,26 @@
 // Checkpoints: one directory per committed step.
 //
-//   <dir>/step-<N>/model.pt       model parameters (torch serialize archive)
-//   <dir>/step-<N>/optimizer.pt   AdamW state (torch serialize archive)
-//   <dir>/step-<N>/meta.yaml      step, data_position, world_size, file checksums, resolved recipe
+//   <dir>/step-<N>/model.pt, optimizer.pt        plain data parallelism (zero 0): rank 0's state
+//   <dir>/step-<N>/model-rank-R.pt, optimizer-rank-R.pt
+//                                                  every other layout: per-rank shards (tp/pp slices,
+//                                                  ZeRO shards), written by the ranks that hold them
+//   <dir>/step-<N>/meta.yaml      step, data_position, world_size, layout, every file with its
+//                                 checksum and size, the resolved recipe
 //   <dir>/latest                  "step-<N>\n": the newest committed step
 //
-// A step is written into <dir>/.tmp-step-<N>, every file fsynced, then renamed to step-<N> (the
-// commit); `latest` is replaced by write-temp-and-rename after that, so neither is ever torn. Only
-// rank 0 writes; every rank reads (the directory must be visible to all ranks of a job).
+// Rank 0 prepares <dir>/.tmp-step-<N>; every writing rank writes and fsyncs its files there; rank 0
+// then checksums them, writes meta.yaml, renames the directory to step-<N> (the commit) and replaces
+// `latest` by write-temp-and-rename, so neither is ever torn. The trainer puts barriers between the
+// phases. Every rank reads (the directory must be visible to all ranks of a job).
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
+#include <utility>
+#include <vector>
 
-#include <torch/nn/module.h>
-#include <torch/optim/optimizer.h>
+#include <torch/types.h>
 
 #include "common/recipe.h"
 #include "common/status.h"
@@ -27,20 +33,30 @@ struct CheckpointMeta {
   int world_size = 1;
   int generation = 0;
   std::string job_id;
+  std::string layout;         // "tp=T dp=D pp=P zero=Z chunks=C": a resume needs the same
 };
 
-// Writes and commits step-<meta.step>, updates `latest`, and deletes all but the newest `keep`
-// step directories (keep <= 0 keeps all).
-Status SaveCheckpoint(const std::string& dir, const CheckpointMeta& meta, const Recipe& recipe,
-                      const torch::nn::Module& model, const torch::optim::Optimizer& optimizer, int keep);
+// The temporary directory of step `step` under `dir`.
+std::string PendingCheckpointDir(const std::string& dir, int64_t step);
+// Rank 0: creates a fresh, empty PendingCheckpointDir.
+Status PrepareCheckpoint(const std::string& dir, int64_t step);
+// Writes named tensors as one torch archive at `path` and fsyncs it.
+Status WriteTensorArchive(const std::string& path, const std::vector<std::pair<std::string, torch::Tensor>>& tensors);
+// Rank 0, once every rank wrote its files into the pending directory: checksums them all, writes
+// meta.yaml, commits step-<meta.step>, updates `latest`, and deletes all but the newest `keep` step
+// directories (keep <= 0 keeps all).
+Status CommitCheckpoint(const std::string& dir, const CheckpointMeta& meta, const Recipe& recipe, int keep);
 
 // `path` is a step directory (holds meta.yaml) or a checkpoint directory (holds `latest`); returns
 // the step directory.
 StatusOr<std::string> ResolveCheckpoint(const std::string& path);
 
-// Reads meta.yaml, verifies the checksums, and loads parameters and optimizer state in place.
-StatusOr<CheckpointMeta> LoadCheckpoint(const std::string& step_dir, torch::nn::Module& model,
-                                        torch::optim::Optimizer& optimizer);
+// Reads meta.yaml and verifies the checksum of every file it lists.
+StatusOr<CheckpointMeta> ReadCheckpointMeta(const std::string& step_dir);
+
+using TensorReader = std::function<StatusOr<torch::Tensor>(const std::string& key)>;
+// Opens a torch archive written by WriteTensorArchive; the reader fails for a missing key.
+StatusOr<TensorReader> OpenTensorArchive(const std::string& path);
 
 // FNV-1a 64 of a file's bytes, as hex; what meta.yaml records per file.
 StatusOr<std::string> FileChecksum(const std::string& path);

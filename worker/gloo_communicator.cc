@@ -9,7 +9,10 @@
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
 #include <gloo/rendezvous/context.h>
+#include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
+
+#include "worker/progress.h"
 
 namespace ltrain::worker {
 namespace {
@@ -37,6 +40,11 @@ Status Failed(const char* op, const std::exception& e) {
   return Unavailable(std::string("gloo ") + op + " failed (a peer rank may have died): " + e.what());
 }
 
+int64_t Bytes(const at::Tensor& t) { return static_cast<int64_t>(t.numel()) * t.element_size(); }
+
+// Point-to-point slots live above every collective's slot prefix (gloo/types.h uses 0x01..0x08).
+uint64_t P2pSlot(uint32_t tag) { return (static_cast<uint64_t>(0x70) << 56) | tag; }
+
 }  // namespace
 
 StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(gloo::rendezvous::Store& store,
@@ -54,16 +62,43 @@ StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::Create(gloo::rende
     auto context = std::make_shared<gloo::rendezvous::Context>(rank, size);
     context->setTimeout(timeout);
     context->connectFullMesh(store, device);
-    return std::unique_ptr<GlooCommunicator>(new GlooCommunicator(std::move(context), rank, size));
+    return std::unique_ptr<GlooCommunicator>(new GlooCommunicator(std::move(context), device, rank, size, "world"));
   } catch (const std::exception& e) {
     return Unavailable("gloo: rank " + std::to_string(rank) + " of " + std::to_string(size) +
                        " could not connect (bind address " + (bind_addr.empty() ? std::string("127.0.0.1") : bind_addr) + "): " + e.what());
   }
 }
 
+StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::CreateGroup(const GlooCommunicator& world,
+                                                                           gloo::rendezvous::Store& store,
+                                                                           const Group& group, int group_rank) {
+  const int size = static_cast<int>(group.ranks.size());
+  if (group_rank < 0 || group_rank >= size) {
+    return InvalidArgument("gloo: rank " + std::to_string(group_rank) + " outside group " + group.name);
+  }
+  try {
+    gloo::rendezvous::PrefixStore prefixed("group/" + group.name, store);
+    auto context = std::make_shared<gloo::rendezvous::Context>(group_rank, size);
+    context->setTimeout(world.context_->getTimeout());
+    std::shared_ptr<gloo::transport::Device> device = world.device_;
+    context->connectFullMesh(prefixed, device);
+    return std::unique_ptr<GlooCommunicator>(
+        new GlooCommunicator(std::move(context), world.device_, group_rank, size, group.name));
+  } catch (const std::exception& e) {
+    return Unavailable("gloo: rank " + std::to_string(group_rank) + " of group " + group.name +
+                       " could not connect: " + e.what());
+  }
+}
+
+GlooCommunicator::~GlooCommunicator() {
+  // Sends still in flight reference their host buffers: finish them before both go away.
+  if (!pending_.empty()) (void)WaitSends();
+}
+
 Status GlooCommunicator::AllReduceSum(at::Tensor& tensor) {
   if (!tensor.is_contiguous()) return InvalidArgument("AllReduceSum needs a contiguous tensor");
   if (size_ == 1 || tensor.numel() == 0) return Status::Ok();
+  ScopedCollective progress("all_reduce", group_, Bytes(tensor));
   HostStage stage(tensor);
   gloo::AllreduceOptions opts(context_);
   opts.setTag(next_tag_++);
@@ -101,6 +136,7 @@ Status GlooCommunicator::AllReduceSum(at::Tensor& tensor) {
 Status GlooCommunicator::Broadcast(at::Tensor& tensor, int root) {
   if (root < 0 || root >= size_) return InvalidArgument("broadcast root " + std::to_string(root) + " out of range");
   if (size_ == 1 || tensor.numel() == 0) return Status::Ok();
+  ScopedCollective progress("broadcast", group_, Bytes(tensor));
   HostStage stage(tensor);
   // Byte-wise: broadcast only moves data, so the dtype does not matter.
   auto* bytes = static_cast<uint8_t*>(stage.host.data_ptr());
@@ -129,7 +165,12 @@ Status GlooCommunicator::AllGather(const at::Tensor& input, at::Tensor& output) 
     output.view(-1).copy_(input.reshape(-1));
     return Status::Ok();
   }
+  ScopedCollective progress("all_gather", group_, Bytes(output));
   at::Tensor in = input.to(at::kCPU).contiguous();
+  if (in.is_cpu() && output.is_cpu() && in.data_ptr() >= output.data_ptr() &&
+      static_cast<uint8_t*>(in.data_ptr()) < static_cast<uint8_t*>(output.data_ptr()) + Bytes(output)) {
+    in = in.clone();  // the input is a slice of the output (in-place all-gather)
+  }
   HostStage stage(output);
   const size_t in_bytes = static_cast<size_t>(in.numel()) * in.element_size();
   gloo::AllgatherOptions opts(context_);
@@ -145,8 +186,73 @@ Status GlooCommunicator::AllGather(const at::Tensor& input, at::Tensor& output) 
   return Status::Ok();
 }
 
+Status GlooCommunicator::ReduceScatterSum(const at::Tensor& input, at::Tensor& output) {
+  if (input.numel() != output.numel() * size_ || input.scalar_type() != output.scalar_type()) {
+    return InvalidArgument("ReduceScatterSum input must have " + std::to_string(output.numel() * size_) +
+                           " elements of the output's dtype");
+  }
+  at::Tensor sum = input.reshape(-1).clone();
+  if (Status s = AllReduceSum(sum); !s.ok()) return s;
+  output.view(-1).copy_(sum.narrow(0, static_cast<int64_t>(rank_) * output.numel(), output.numel()));
+  return Status::Ok();
+}
+
+Status GlooCommunicator::Send(const at::Tensor& tensor, int dst, uint32_t tag) {
+  if (dst < 0 || dst >= size_ || dst == rank_) {
+    return InvalidArgument("send to rank " + std::to_string(dst) + " in group " + group_ + " of " + std::to_string(size_));
+  }
+  ScopedCollective progress("send", group_, Bytes(tensor));
+  PendingSend pending;
+  pending.host = tensor.to(at::kCPU).contiguous();
+  if (pending.host.is_same(tensor)) pending.host = tensor.clone();  // the caller may reuse its tensor
+  try {
+    pending.buffer = context_->createUnboundBuffer(pending.host.data_ptr(), static_cast<size_t>(Bytes(pending.host)));
+    pending.buffer->send(dst, P2pSlot(tag));
+  } catch (const std::exception& e) {
+    return Failed("send", e);
+  }
+  pending_.push_back(std::move(pending));
+  return Status::Ok();
+}
+
+Status GlooCommunicator::Recv(at::Tensor& tensor, int src, uint32_t tag) {
+  if (src < 0 || src >= size_ || src == rank_) {
+    return InvalidArgument("receive from rank " + std::to_string(src) + " in group " + group_ + " of " + std::to_string(size_));
+  }
+  if (!tensor.is_contiguous()) return InvalidArgument("Recv needs a contiguous tensor");
+  ScopedCollective progress("recv", group_, Bytes(tensor));
+  HostStage stage(tensor);
+  try {
+    auto buffer = context_->createUnboundBuffer(stage.host.data_ptr(), static_cast<size_t>(Bytes(stage.host)));
+    buffer->recv(src, P2pSlot(tag));
+    if (!buffer->waitRecv(nullptr, context_->getTimeout())) {
+      return Unavailable("gloo recv from rank " + std::to_string(src) + " of group " + group_ + " was aborted");
+    }
+  } catch (const std::exception& e) {
+    return Failed("recv", e);
+  }
+  stage.WriteBack();
+  return Status::Ok();
+}
+
+Status GlooCommunicator::WaitSends() {
+  Status status;
+  for (PendingSend& pending : pending_) {
+    try {
+      if (!pending.buffer->waitSend(nullptr, context_->getTimeout()) && status.ok()) {
+        status = Unavailable("gloo send in group " + group_ + " was aborted");
+      }
+    } catch (const std::exception& e) {
+      if (status.ok()) status = Failed("send", e);
+    }
+  }
+  pending_.clear();
+  return status;
+}
+
 Status GlooCommunicator::Barrier() {
   if (size_ == 1) return Status::Ok();
+  ScopedCollective progress("barrier", group_, 0);
   gloo::BarrierOptions opts(context_);
   opts.setTag(next_tag_++);
   try {

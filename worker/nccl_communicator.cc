@@ -106,6 +106,46 @@ Status NcclCommunicator::AllGather(const at::Tensor& input, at::Tensor& output) 
                "AllGather");
 }
 
+Status NcclCommunicator::ReduceScatterSum(const at::Tensor& input, at::Tensor& output) {
+  if (Status s = CheckTensor(input); !s.ok()) return s;
+  if (Status s = CheckTensor(output); !s.ok()) return s;
+  if (input.numel() != output.numel() * size_ || output.scalar_type() != input.scalar_type()) {
+    return InvalidArgument("ReduceScatterSum input must hold size() * output.numel() elements of the output's dtype");
+  }
+  StatusOr<ncclDataType_t> type = NcclType(input.scalar_type());
+  if (!type.ok()) return type.status();
+  c10::cuda::CUDAGuard guard(input.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(input.device().index()).stream();
+  return Check(ncclReduceScatter(input.data_ptr(), output.data_ptr(), static_cast<size_t>(output.numel()), *type,
+                                 ncclSum, comm_, stream),
+               "ReduceScatter");
+}
+
+Status NcclCommunicator::Send(const at::Tensor& tensor, int dst, uint32_t /*tag*/) {
+  if (Status s = CheckTensor(tensor); !s.ok()) return s;
+  StatusOr<ncclDataType_t> type = NcclType(tensor.scalar_type());
+  if (!type.ok()) return type.status();
+  c10::cuda::CUDAGuard guard(tensor.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
+  pending_.push_back(tensor);
+  return Check(ncclSend(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), *type, dst, comm_, stream), "Send");
+}
+
+Status NcclCommunicator::Recv(at::Tensor& tensor, int src, uint32_t /*tag*/) {
+  if (Status s = CheckTensor(tensor); !s.ok()) return s;
+  StatusOr<ncclDataType_t> type = NcclType(tensor.scalar_type());
+  if (!type.ok()) return type.status();
+  c10::cuda::CUDAGuard guard(tensor.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
+  return Check(ncclRecv(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), *type, src, comm_, stream), "Recv");
+}
+
+Status NcclCommunicator::WaitSends() {
+  if (!pending_.empty()) c10::cuda::getCurrentCUDAStream(device_).synchronize();
+  pending_.clear();
+  return Status::Ok();
+}
+
 Status NcclCommunicator::Barrier() {
   // NCCL has no barrier: all-reduce one element and wait for it.
   at::Tensor one = at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, device_));

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include <gloo/rendezvous/store.h>
 #include <nccl.h>
@@ -28,7 +29,14 @@ class NcclCommunicator : public Communicator {
   Status AllReduceSum(at::Tensor& tensor) override;
   Status Broadcast(at::Tensor& tensor, int root) override;
   Status AllGather(const at::Tensor& input, at::Tensor& output) override;
+  Status ReduceScatterSum(const at::Tensor& input, at::Tensor& output) override;
   Status Barrier() override;
+  // NCCL matches point-to-point messages in posting order per pair of ranks, not by tag: the
+  // pipeline runtime on NCCL must post sends and receives of a pair in the same order (not yet
+  // verified on a GPU host). Send is stream-ordered and returns at once; WaitSends synchronizes.
+  Status Send(const at::Tensor& tensor, int dst, uint32_t tag) override;
+  Status Recv(at::Tensor& tensor, int src, uint32_t tag) override;
+  Status WaitSends() override;
 
  private:
   NcclCommunicator(ncclComm_t comm, int rank, int size, int device)
@@ -38,6 +46,7 @@ class NcclCommunicator : public Communicator {
   int rank_;
   int size_;
   int device_;
+  std::vector<at::Tensor> pending_;  // sent tensors kept alive until WaitSends
 };
 
 }  // namespace ltrain::worker

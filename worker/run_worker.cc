@@ -11,6 +11,8 @@
 
 #include <dlfcn.h>
 
+#include <gloo/rendezvous/prefix_store.h>
+
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
@@ -20,6 +22,7 @@
 #include "worker/progress.h"
 #include "worker/progress_reporter.h"
 #include "worker/rendezvous_store.h"
+#include "worker/topology.h"
 #include "worker/trainer.h"
 #ifdef LTRAIN_WITH_NCCL
 #include "worker/nccl_communicator.h"
@@ -70,26 +73,63 @@ std::string DefaultCheckpointDir(const WorkerEnv& env, const Recipe& recipe) {
   return home + "/checkpoints/" + job;
 }
 
-StatusOr<std::unique_ptr<Communicator>> MakeCommunicator(const WorkerEnv& env, const Recipe& recipe) {
-  if (env.world_size == 1) return std::unique_ptr<Communicator>(std::make_unique<SelfCommunicator>());
+// The world communicator and one per process group of the recipe's layout (tp, dp, pp, embedding),
+// each group connected through its own prefix of the rendezvous store.
+struct Connection {
+  std::shared_ptr<gloo::rendezvous::Store> store;
+  std::unique_ptr<Communicator> world;
+  ProcessGroups groups;
+};
+
+StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe& recipe) {
+  auto conn = std::make_unique<Connection>();
+  StatusOr<Topology> topology = MakeTopology(env.world_size, recipe.parallel.tp, recipe.parallel.pp);
+  if (!topology.ok()) return topology.status();
+  if (env.world_size == 1) {
+    conn->world = std::make_unique<SelfCommunicator>();
+    conn->groups = DataParallelGroups(conn->world.get());
+    return conn;
+  }
   if (env.rdzv.empty()) {
     return InvalidArgument("LTRAIN_WORLD_SIZE=" + std::to_string(env.world_size) +
                            " needs a rendezvous address in LTRAIN_RDZV (grpc://HOST:PORT or file:///DIR)");
   }
   StatusOr<std::shared_ptr<gloo::rendezvous::Store>> store = ConnectRendezvousStore(env.rdzv, env.rdzv_scope);
   if (!store.ok()) return store.status();
+  conn->store = *store;
+  GroupFactory make;
   if (recipe.parallel.device == "cuda") {
 #ifdef LTRAIN_WITH_NCCL
-    auto nccl = NcclCommunicator::Create(**store, env.rank, env.world_size, env.local_rank);
+    auto nccl = NcclCommunicator::Create(*conn->store, env.rank, env.world_size, env.local_rank);
     if (!nccl.ok()) return nccl.status();
-    return std::unique_ptr<Communicator>(std::move(nccl).value());
+    conn->world = std::move(nccl).value();
+    Connection* c = conn.get();
+    const int local_rank = env.local_rank;
+    make = [c, local_rank](const Group& group, int group_rank) -> StatusOr<std::unique_ptr<Communicator>> {
+      gloo::rendezvous::PrefixStore prefixed("group/" + group.name, *c->store);
+      auto comm = NcclCommunicator::Create(prefixed, group_rank, static_cast<int>(group.ranks.size()), local_rank);
+      if (!comm.ok()) return comm.status();
+      return std::unique_ptr<Communicator>(std::move(comm).value());
+    };
 #else
     return InvalidArgument("parallel.device=cuda needs a worker built against LibTorch with CUDA and NCCL");
 #endif
+  } else {
+    auto gloo = GlooCommunicator::Create(*conn->store, env.rank, env.world_size, env.bind_addr, CollectiveTimeout());
+    if (!gloo.ok()) return gloo.status();
+    GlooCommunicator* world = gloo->get();
+    conn->world = std::move(gloo).value();
+    Connection* c = conn.get();
+    make = [c, world](const Group& group, int group_rank) -> StatusOr<std::unique_ptr<Communicator>> {
+      auto comm = GlooCommunicator::CreateGroup(*world, *c->store, group, group_rank);
+      if (!comm.ok()) return comm.status();
+      return std::unique_ptr<Communicator>(std::move(comm).value());
+    };
   }
-  auto gloo = GlooCommunicator::Create(**store, env.rank, env.world_size, env.bind_addr, CollectiveTimeout());
-  if (!gloo.ok()) return gloo.status();
-  return std::unique_ptr<Communicator>(std::move(gloo).value());
+  StatusOr<ProcessGroups> groups = BuildProcessGroups(*topology, env.rank, conn->world.get(), make);
+  if (!groups.ok()) return groups.status();
+  conn->groups = std::move(groups).value();
+  return conn;
 }
 
 Status Run(const WorkerEnv& env) {
@@ -134,16 +174,17 @@ Status Run(const WorkerEnv& env) {
   }
 
   auto connect_start = std::chrono::steady_clock::now();
-  StatusOr<std::unique_ptr<Communicator>> comm = MakeCommunicator(env, recipe);
-  if (!comm.ok()) return comm.status();
+  StatusOr<std::unique_ptr<Connection>> conn = Connect(env, recipe);
+  if (!conn.ok()) return conn.status();
   // Every rank says it is up: the first line of each rank's log, and proof of the rendezvous.
   std::printf("rank %d/%d up: pid %d, %d CPU thread(s), connected to %d peer(s) in %.0f ms\n", env.rank,
               env.world_size, static_cast<int>(getpid()), threads, env.world_size - 1,
               std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - connect_start).count());
   std::fflush(stdout);
-  StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(recipe, options, comm->get());
+  StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(recipe, options, &(*conn)->groups);
   if (!trainer.ok()) return trainer.status();
   Status done = (*trainer)->Run();
+  if (done.ok() && !env.export_params.empty()) done = (*trainer)->ExportParameters(env.export_params);
   Progress::Global().SetPhase((*trainer)->step(), "done");
   return done;
 }
@@ -153,10 +194,13 @@ Status Run(const WorkerEnv& env) {
 std::string WorkerUsage() {
   return R"(ltrain-worker: one training rank (started by an ltrain agent, or by hand).
 
-Usage: ltrain-worker [--recipe FILE] [--set key=value]... [--help]
+Usage: ltrain-worker [--recipe FILE] [--set key=value]... [--export-params FILE] [--help]
 
-  --recipe FILE      the recipe YAML (default: $LTRAIN_RECIPE_FILE)
-  --set key=value    override a recipe field, e.g. --set training.steps=20 (repeatable)
+  --recipe FILE         the recipe YAML (default: $LTRAIN_RECIPE_FILE)
+  --set key=value       override a recipe field, e.g. --set training.steps=20 (repeatable)
+  --export-params FILE  after training, rank 0 gathers every parameter of the full model (from
+                        every tp, pp and ZeRO shard) and writes them to FILE: per parameter, in the
+                        model's order, uint32 name length, name, uint64 count, float32 values
   --help             this text
 
 Environment (set by the agent; flags win over it):
@@ -179,8 +223,11 @@ By hand, two ranks on one machine:
   LTRAIN_WORLD_SIZE=2 LTRAIN_RANK=1 LTRAIN_RDZV=file:///tmp/rdzv LTRAIN_RDZV_SCOPE=t1 ltrain-worker --recipe r.yaml
 (use a fresh scope or directory per run: stale keys from an old run would be read back).
 
-Rank 0 prints "step S/N loss L lr R tok/s T step_ms M" lines and writes checkpoints to
-<checkpoint_dir>/step-<N>/ (model.pt, optimizer.pt, meta.yaml) with <checkpoint_dir>/latest.
+Rank 0 prints "step S/N loss L lr R tok/s T step_ms M" lines; every rank prints once, after its first
+step, "memory rank R: params B bytes, grads B bytes, optimizer B bytes, activations_peak B bytes".
+Checkpoints go to <checkpoint_dir>/step-<N>/ (model.pt and optimizer.pt for plain data parallelism,
+model-rank-R.pt and optimizer-rank-R.pt shards for tp/pp/ZeRO layouts, meta.yaml with checksums)
+with <checkpoint_dir>/latest.
 Exit code: 0 done, 1 failed (reason on stderr), 2 bad usage.
 )";
 }
@@ -214,6 +261,10 @@ StatusOr<WorkerEnv> ParseWorkerEnv(int argc, char** argv) {
       StatusOr<std::string> v = value("--recipe");
       if (!v.ok()) return v.status();
       env.recipe_file = *v;
+    } else if (arg == "--export-params" || arg.rfind("--export-params=", 0) == 0) {
+      StatusOr<std::string> v = value("--export-params");
+      if (!v.ok()) return v.status();
+      env.export_params = *v;
     } else if (arg == "--set" || arg.rfind("--set=", 0) == 0) {
       StatusOr<std::string> v = value("--set");
       if (!v.ok()) return v.status();

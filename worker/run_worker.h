@@ -23,6 +23,7 @@ struct WorkerEnv {
   std::string rdzv_scope;
   std::string checkpoint_dir;          // overrides the recipe's checkpoint.dir when set
   std::string bind_addr = "127.0.0.1";
+  std::string export_params;           // --export-params FILE
   bool help = false;
 };
 

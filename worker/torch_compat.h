@@ -3,11 +3,21 @@
 #pragma once
 
 #include <cmath>
+#include <functional>
 #include <limits>
+#include <memory>
 
+#include <ATen/autocast_mode.h>
+#include <ATen/native/Resize.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/nn/functional.h>
 #include <torch/optim.h>
 #include <torch/version.h>
+#if defined(LTRAIN_WITH_NCCL)
+#include <ATen/native/cuda/Resize.h>
+#endif
 
 namespace ltrain::worker::compat {
 
@@ -32,6 +42,67 @@ inline torch::Tensor CausalAttention(const torch::Tensor& q, const torch::Tensor
 // Clears gradients so that the next backward writes fresh ones. 2.x's zero_grad() sets them to
 // undefined, 1.13's zeroes them; callers treat an undefined gradient as zero either way.
 inline void ZeroGrad(torch::optim::Optimizer& optimizer) { optimizer.zero_grad(); }
+
+// Calls `ready` each time autograd has accumulated a gradient into the leaf `param` (a post-hook on
+// its gradient accumulator, as DDP's reducer does). Returns the accumulator: keep it alive, or
+// autograd makes a new one without the hook.
+inline std::shared_ptr<torch::autograd::Node> AddGradReadyHook(const torch::Tensor& param, std::function<void()> ready) {
+  struct Hook : torch::autograd::FunctionPostHook {
+    explicit Hook(std::function<void()> f) : fn(std::move(f)) {}
+    torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                              const torch::autograd::variable_list& /*inputs*/) override {
+      fn();
+      return outputs;
+    }
+    std::function<void()> fn;
+  };
+  std::shared_ptr<torch::autograd::Node> accumulator = torch::autograd::impl::grad_accumulator(param);
+  accumulator->add_post_hook(std::make_unique<Hook>(std::move(ready)));
+  return accumulator;
+}
+
+// Resizes the storage under `t` in place (0 frees it): every tensor sharing the storage, the
+// views autograd saved for backward included, sees the new memory. What FSDP does to free and
+// re-gather parameters.
+inline void ResizeStorage(const torch::Tensor& t, size_t nbytes) {
+#if defined(LTRAIN_WITH_NCCL)
+  if (t.is_cuda()) {
+    at::native::resize_bytes_cuda(t.storage().unsafeGetStorageImpl(), nbytes);
+    return;
+  }
+#endif
+  at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), nbytes);
+}
+
+// bf16 autocast on CUDA for its scope (parameters stay fp32 masters; matmuls run in bf16; the
+// gradients of fp32 leaves are fp32). Disabled when `enabled` is false.
+class CudaBf16Autocast {
+ public:
+  explicit CudaBf16Autocast(bool enabled) : enabled_(enabled) {
+    if (!enabled_) return;
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+    at::autocast::set_autocast_dtype(at::kCUDA, at::kBFloat16);
+    at::autocast::set_autocast_enabled(at::kCUDA, true);
+#else
+    at::autocast::set_autocast_gpu_dtype(at::kBFloat16);
+    at::autocast::set_enabled(true);
+#endif
+  }
+  ~CudaBf16Autocast() {
+    if (!enabled_) return;
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+    at::autocast::set_autocast_enabled(at::kCUDA, false);
+#else
+    at::autocast::set_enabled(false);
+#endif
+    at::autocast::clear_cache();
+  }
+  CudaBf16Autocast(const CudaBf16Autocast&) = delete;
+  CudaBf16Autocast& operator=(const CudaBf16Autocast&) = delete;
+
+ private:
+  bool enabled_;
+};
 
 // Whether this LibTorch was built with CUDA (the NCCL communicator is compiled only then).
 #if defined(LTRAIN_WITH_NCCL)

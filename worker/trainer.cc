@@ -1,13 +1,22 @@
 #include "worker/trainer.h"
 
+#include <malloc.h>
+
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
 
-#include <torch/nn/utils/clip_grad.h>
+#include <c10/util/Exception.h>
+#include <torch/autograd.h>
 
 #include "worker/checkpoint.h"
+#include "worker/flat_layout.h"
 #include "worker/progress.h"
+#include "worker/topology.h"
 #include "worker/torch_compat.h"
 
 namespace ltrain::worker {
@@ -19,22 +28,59 @@ double MillisSince(Clock::time_point start) {
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
 }
 
+// Bytes the process's heap holds now (every malloc arena plus mmapped blocks).
+int64_t HeapInUse() {
+  struct mallinfo2 info = mallinfo2();
+  return static_cast<int64_t>(info.uordblks + info.hblkhd);
+}
+
+Status Rethrown(const char* what) {
+  try {
+    throw;
+  } catch (const c10::Error& e) {
+    return Internal(std::string(what) + ": LibTorch error: " + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    // Collectives inside autograd (tensor parallelism) report failure by throwing.
+    return Unavailable(std::string(what) + ": " + e.what());
+  }
+}
+
 }  // namespace
 
 StatusOr<Layout> PlanLayout(const Recipe& recipe, int world_size) {
   const ParallelSpec& p = recipe.parallel;
-  if (p.tp > 1) return InvalidArgument("parallel.tp>1 is not supported by this worker yet (tp=" + std::to_string(p.tp) + ")");
-  if (p.pp > 1) return InvalidArgument("parallel.pp>1 is not supported by this worker yet (pp=" + std::to_string(p.pp) + ")");
-  if (p.zero != 0) return InvalidArgument("parallel.zero>0 is not supported by this worker yet (zero=" + std::to_string(p.zero) + ")");
   if (world_size < 1) return InvalidArgument("world size " + std::to_string(world_size) + " must be >= 1");
+  StatusOr<Topology> topology = MakeTopology(world_size, p.tp, p.pp);
+  if (!topology.ok()) return topology.status();
   const ModelSpec& m = recipe.model;
   if (m.heads < 1 || m.d_model % m.heads != 0) {
     return InvalidArgument("model.heads=" + std::to_string(m.heads) + " does not divide model.d_model=" +
                            std::to_string(m.d_model));
   }
+  if (m.heads % p.tp != 0 || m.vocab % p.tp != 0) {
+    return InvalidArgument("parallel.tp=" + std::to_string(p.tp) + " must divide model.heads=" + std::to_string(m.heads) +
+                           " and model.vocab=" + std::to_string(m.vocab));
+  }
+  if (p.sequence_parallel && (p.tp < 2 || m.seq_len % p.tp != 0)) {
+    return InvalidArgument("parallel.sequence_parallel needs parallel.tp > 1 dividing model.seq_len=" +
+                           std::to_string(m.seq_len));
+  }
+  if (p.zero < 0 || p.zero > 3) return InvalidArgument("parallel.zero=" + std::to_string(p.zero) + " is not 0, 1, 2 or 3");
+  if (p.zero == 3 && p.pp > 1) {
+    return InvalidArgument("parallel.zero=3 with parallel.pp>1 is not supported by this worker; use zero 1 or 2 with pipelines");
+  }
+  if (p.activation_checkpointing != "none" && p.activation_checkpointing != "full" &&
+      p.activation_checkpointing != "selective") {
+    return InvalidArgument("parallel.activation_checkpointing=" + p.activation_checkpointing +
+                           " is not one of none, full, selective");
+  }
   Layout layout;
   layout.world_size = world_size;
-  layout.dp = world_size;
+  layout.tp = topology->tp;
+  layout.dp = topology->dp;
+  layout.pp = topology->pp;
+  layout.chunks = p.pp > 1 ? p.virtual_stages : 1;
+  layout.zero = p.zero;
   layout.micro_batch = recipe.training.micro_batch;
   layout.global_batch = recipe.training.global_batch;
   const int per_step = layout.micro_batch * layout.dp;
@@ -45,22 +91,43 @@ StatusOr<Layout> PlanLayout(const Recipe& recipe, int world_size) {
                            std::to_string(per_step) + "; change global_batch or micro_batch");
   }
   layout.accumulation = layout.global_batch / per_step;
+  if (layout.pp > 1) {
+    StatusOr<PipelinePlan> plan = PlanPipeline(p.pp_schedule, layout.pp, layout.chunks, layout.accumulation);
+    if (!plan.ok()) return plan.status();
+  }
+  StatusOr<std::vector<int>> stages = StageLayers(m.layers, layout.pp * layout.chunks, p.pp_split);
+  if (!stages.ok()) return stages.status();
   return layout;
 }
 
-Trainer::Trainer(const Recipe& recipe, const TrainerOptions& options, Communicator* comm, Layout layout,
+Trainer::Trainer(const Recipe& recipe, const TrainerOptions& options, ProcessGroups* groups, Layout layout,
                  TokenDataset data)
     : recipe_(recipe),
       options_(options),
-      comm_(comm),
+      groups_(groups),
       layout_(layout),
       data_(std::move(data)),
       sampler_(&data_, recipe.training.seed, recipe.model.seq_len) {}
 
+Trainer::~Trainer() = default;
+
 StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const Recipe& recipe, const TrainerOptions& options,
                                                    Communicator* comm) {
-  StatusOr<Layout> layout = PlanLayout(recipe, comm->size());
+  auto groups = std::make_unique<ProcessGroups>(DataParallelGroups(comm));
+  StatusOr<std::unique_ptr<Trainer>> trainer = Create(recipe, options, groups.get());
+  if (trainer.ok()) (*trainer)->owned_groups_ = std::move(groups);
+  return trainer;
+}
+
+StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const Recipe& recipe, const TrainerOptions& options,
+                                                   ProcessGroups* groups) {
+  StatusOr<Layout> layout = PlanLayout(recipe, groups->world->size());
   if (!layout.ok()) return layout.status();
+  const Topology& t = groups->topology;
+  if (t.tp != layout->tp || t.pp != layout->pp || t.dp != layout->dp) {
+    return InvalidArgument("process groups (tp " + std::to_string(t.tp) + ", dp " + std::to_string(t.dp) + ", pp " +
+                           std::to_string(t.pp) + ") do not match the recipe's layout");
+  }
   if (recipe.data.path.empty()) return InvalidArgument("data.path is empty: point it at a directory written by `ltrain data prepare`");
   StatusOr<TokenDataset> data = TokenDataset::Open(recipe.data.path + "/train.bin");
   if (!data.ok()) return data.status();
@@ -68,70 +135,140 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const Recipe& recipe, const T
     return InvalidArgument("token file " + data->path() + " has vocab " + std::to_string(data->vocab()) +
                            " but model.vocab=" + std::to_string(recipe.model.vocab) + "; raise model.vocab");
   }
-  std::unique_ptr<Trainer> trainer(new Trainer(recipe, options, comm, *layout, std::move(data).value()));
+  std::unique_ptr<Trainer> trainer(new Trainer(recipe, options, groups, *layout, std::move(data).value()));
   if (Status s = trainer->sampler_.Check(); !s.ok()) return s;
-  if (Status s = trainer->Init(); !s.ok()) return s;
+  Status s;
+  try {
+    s = trainer->Init();
+  } catch (...) {
+    s = Rethrown("initialising the trainer");
+  }
+  if (!s.ok()) return s;
   return trainer;
 }
 
 Status Trainer::Init() {
-  if (recipe_.parallel.device == "cuda") {
+  const ParallelSpec& p = recipe_.parallel;
+  if (p.device == "cuda") {
     if (!compat::kBuiltWithCuda) {
       return InvalidArgument("parallel.device=cuda needs a worker built against LibTorch with CUDA; this one is CPU-only (use device: cpu)");
     }
     device_ = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(options_.local_rank));
-  } else if (recipe_.parallel.device != "cpu") {
-    return InvalidArgument("parallel.device=" + recipe_.parallel.device + " is neither cpu nor cuda");
+  } else if (p.device != "cpu") {
+    return InvalidArgument("parallel.device=" + p.device + " is neither cpu nor cuda");
   }
+  if (p.precision == "bf16" && !device_.is_cuda()) {
+    return InvalidArgument("parallel.precision=bf16 needs parallel.device=cuda; on CPU use precision auto or fp32");
+  }
+  // bf16 compute with fp32 master weights, gradients and reductions: GPU only.
+  bf16_ = device_.is_cuda() && (p.precision == "bf16" || p.precision == "auto");
+  overlap_ = layout_.pp == 1 && !p.sequence_parallel;
 
   const TrainingSpec& t = recipe_.training;
   schedule_ = LrSchedule{t.lr, t.min_lr, t.warmup_steps, t.steps, t.lr_schedule != "constant"};
 
-  // Same seed on every rank gives the same parameters; the broadcast below makes it a guarantee.
+  ModelLayout ml;
+  ml.config = GptConfig{recipe_.model.layers, recipe_.model.d_model, recipe_.model.heads, recipe_.model.seq_len,
+                        recipe_.model.vocab};
+  ml.tp = layout_.tp;
+  ml.tp_rank = groups_->coords.tp;
+  ml.sequence_parallel = p.sequence_parallel;
+  ml.activation_checkpointing = p.activation_checkpointing;
+  ml.pp = layout_.pp;
+  ml.pp_rank = groups_->coords.pp;
+  ml.chunks = layout_.chunks;
+  StatusOr<std::vector<int>> stages = StageLayers(ml.config.layers, ml.pp * ml.chunks, p.pp_split);
+  if (!stages.ok()) return stages.status();
+  ml.stage_layers = *stages;
+  // Same seed on every rank: every rank builds the same full model and keeps its slices.
   torch::manual_seed(t.seed);
-  GptConfig config{recipe_.model.layers, recipe_.model.d_model, recipe_.model.heads, recipe_.model.seq_len,
-                   recipe_.model.vocab};
-  model_ = Gpt(config);
-  model_->to(device_);
-  params_ = model_->parameters();
+  StatusOr<std::unique_ptr<ModelShard>> model = ModelShard::Create(ml, groups_->tp);
+  if (!model.ok()) return model.status();
+  model_ = std::move(model).value();
 
-  // Weight decay only on matrices (and the embeddings); never on biases or LayerNorm gains.
-  std::vector<torch::Tensor> decay, no_decay;
-  for (const auto& p : params_) (p.dim() >= 2 ? decay : no_decay).push_back(p);
-  auto options = torch::optim::AdamWOptions(t.lr).betas({0.9, 0.95}).eps(1e-8);
-  std::vector<torch::optim::OptimizerParamGroup> groups;
-  groups.emplace_back(decay, std::make_unique<torch::optim::AdamWOptions>(
-                                 torch::optim::AdamWOptions(options).weight_decay(t.weight_decay)));
-  groups.emplace_back(no_decay, std::make_unique<torch::optim::AdamWOptions>(
-                                    torch::optim::AdamWOptions(options).weight_decay(0.0)));
-  optimizer_ = std::make_unique<torch::optim::AdamW>(std::move(groups), options);
+  std::vector<ShardParam>& params = model_->params();
+  std::vector<ParamStore::Param> store_params;
+  std::vector<int64_t> numels;
+  for (ShardParam& sp : params) {
+    if (device_.is_cuda()) sp.value = sp.value.detach().to(device_).requires_grad_(true);
+    store_params.push_back(ParamStore::Param{&sp.value, sp.decay, sp.counts_for_norm});
+    numels.push_back(sp.value.numel());
+    param_names_.push_back(sp.name);
+  }
+  // ZeRO-3 gathers parameters block by block: its units are the model's structural units. The
+  // other stages reduce buckets of parallel.bucket_mb.
+  std::vector<std::vector<int>> units;
+  if (layout_.zero == 3) {
+    std::map<int, std::vector<int>> by_unit;
+    for (size_t i = 0; i < params.size(); ++i) by_unit[params[i].unit].push_back(static_cast<int>(i));
+    for (auto it = by_unit.rbegin(); it != by_unit.rend(); ++it) units.push_back(it->second);
+  } else {
+    units = PlanBuckets(numels, 4, p.bucket_mb * 1024.0 * 1024.0);
+  }
+  AdamWConfig adamw;
+  adamw.weight_decay = t.weight_decay;
+  StatusOr<std::unique_ptr<ParamStore>> store = ParamStore::Create(store_params, units, layout_.zero, groups_->dp, adamw);
+  if (!store.ok()) return store.status();
+  store_ = std::move(store).value();
+  if (layout_.zero == 3) {
+    // Structural unit id -> store unit index.
+    std::map<int, int> unit_index;
+    for (size_t u = 0; u < units.size(); ++u) unit_index[params[units[u].front()].unit] = static_cast<int>(u);
+    ParamStore* st = store_.get();
+    UnitHooks hooks;
+    const int last_unit = ml.config.layers + 1;
+    hooks.before_forward = [st, unit_index](int unit) {
+      auto it = unit_index.find(unit);
+      if (it == unit_index.end()) return;
+      if (Status s = st->Gather(it->second); !s.ok()) throw std::runtime_error(s.message());
+      auto next = unit_index.find(unit + 1);
+      if (next != unit_index.end()) st->Prefetch(next->second);
+    };
+    hooks.after_forward = [st, unit_index, last_unit](int unit) {
+      auto it = unit_index.find(unit);
+      // Blocks are released after use; the embedding and head stay until their gradients are ready.
+      if (it != unit_index.end() && unit != 0 && unit != last_unit) st->Release(it->second);
+    };
+    hooks.output = [st, unit_index](int unit, torch::Tensor& out) {
+      auto it = unit_index.find(unit);
+      if (it == unit_index.end() || !out.requires_grad() || unit == 0) return;
+      const int u = it->second;
+      auto prev = unit_index.find(unit - 1);
+      const int before = prev == unit_index.end() ? -1 : prev->second;
+      // Runs when backward reaches this block: gather it, prefetch the one before.
+      out.register_hook([st, u, before](const torch::Tensor& grad) {
+        if (Status s = st->Gather(u); !s.ok()) throw std::runtime_error(s.message());
+        st->Prefetch(before);
+        return grad;
+      });
+    };
+    model_->set_hooks(hooks);
+  }
+  if (Status s = store_->BroadcastParameters(); !s.ok()) return s;
 
-  for (const auto& p : params_) grad_numel_ += p.numel();
-  flat_ = torch::zeros({grad_numel_ + 1}, torch::TensorOptions().dtype(torch::kFloat).device(device_));
-  inputs_host_ = torch::empty({layout_.micro_batch, recipe_.model.seq_len}, torch::kLong);
-  targets_host_ = torch::empty({layout_.micro_batch, recipe_.model.seq_len}, torch::kLong);
-
-  {
-    torch::NoGradGuard no_grad;
-    torch::Tensor params_flat = torch::cat([&] {
-      std::vector<torch::Tensor> views;
-      for (const auto& p : params_) views.push_back(p.detach().reshape(-1));
-      return views;
-    }());
-    if (Status s = comm_->Broadcast(params_flat, 0); !s.ok()) return s;
-    int64_t offset = 0;
-    for (auto& p : params_) {
-      p.view(-1).copy_(params_flat.narrow(0, offset, p.numel()));
-      offset += p.numel();
-    }
+  if (layout_.pp > 1) {
+    StatusOr<PipelinePlan> plan = PlanPipeline(p.pp_schedule, layout_.pp, layout_.chunks, layout_.accumulation);
+    if (!plan.ok()) return plan.status();
+    plan_ = std::move(plan).value();
   }
 
   const std::string& resume = recipe_.checkpoint.resume_from;
   if (!resume.empty()) {
     StatusOr<std::string> step_dir = ResolveCheckpoint(resume);
     if (!step_dir.ok()) return step_dir.status();
-    StatusOr<CheckpointMeta> meta = LoadCheckpoint(*step_dir, *model_, *optimizer_);
+    StatusOr<CheckpointMeta> meta = ReadCheckpointMeta(*step_dir);
     if (!meta.ok()) return meta.status();
+    if (meta->layout != LayoutKey() && !(meta->layout.empty() && layout_.plain())) {
+      return InvalidArgument("checkpoint " + *step_dir + " was saved with layout '" + meta->layout +
+                             "' but this run is '" + LayoutKey() + "'; resuming into another layout (resharding) is not supported yet");
+    }
+    namespace fs = std::filesystem;
+    StatusOr<TensorReader> model_reader = OpenTensorArchive((fs::path(*step_dir) / ModelFile(ModelSourceRank())).string());
+    if (!model_reader.ok()) return model_reader.status();
+    if (Status s = store_->LoadModelState(param_names_, *model_reader); !s.ok()) return s;
+    StatusOr<TensorReader> opt_reader = OpenTensorArchive((fs::path(*step_dir) / OptimizerFile(OptimizerSourceRank())).string());
+    if (!opt_reader.ok()) return opt_reader.status();
+    if (Status s = store_->LoadOptimizerState(*opt_reader); !s.ok()) return s;
     step_ = meta->step;
     data_position_ = meta->data_position;
     if (options_.rank == 0 && options_.print_progress) {
@@ -145,119 +282,335 @@ Status Trainer::Init() {
   return Status::Ok();
 }
 
-void Trainer::PackGrads(const torch::Tensor& extra) {
-  int64_t offset = 0;
-  for (const auto& p : params_) {
-    torch::Tensor slice = flat_.narrow(0, offset, p.numel());
-    const torch::Tensor& g = p.grad();
-    if (g.defined()) {
-      slice.copy_(g.reshape(-1));
-    } else {
-      slice.zero_();
-    }
-    offset += p.numel();
-  }
-  flat_.narrow(0, grad_numel_, 1).copy_(extra.reshape({1}));
+std::vector<torch::Tensor> Trainer::Parameters() const {
+  std::vector<torch::Tensor> out;
+  for (const ShardParam& p : model_->params()) out.push_back(p.value);
+  return out;
 }
 
-void Trainer::UnpackGrads() {
-  int64_t offset = 0;
-  for (auto& p : params_) {
-    torch::Tensor slice = flat_.narrow(0, offset, p.numel()).view_as(p);
-    if (p.grad().defined()) {
-      p.mutable_grad().copy_(slice);
-    } else {
-      p.mutable_grad() = slice.clone();
+void Trainer::FillBatch(int micro_step, torch::Tensor* inputs, torch::Tensor* targets) {
+  BatchSlice slice;
+  slice.position0 = run_start_position_;
+  slice.step = step_ - run_start_step_;
+  slice.global_batch = layout_.global_batch;
+  slice.dp_rank = groups_->coords.dp;
+  slice.dp = layout_.dp;
+  slice.micro_step = micro_step;
+  slice.micro_batch = layout_.micro_batch;
+  // Fresh tensors per micro-batch: autograd keeps the token ids of a forward until its backward.
+  torch::Tensor in = torch::empty({layout_.micro_batch, recipe_.model.seq_len}, torch::kLong);
+  torch::Tensor tg = torch::empty({layout_.micro_batch, recipe_.model.seq_len}, torch::kLong);
+  sampler_.Fill(slice, in.data_ptr<int64_t>(), tg.data_ptr<int64_t>());
+  *inputs = in.to(device_);
+  *targets = tg.to(device_);
+}
+
+void Trainer::SampleActivations() {
+  activations_peak_ = std::max(activations_peak_, HeapInUse() - heap_base_);
+}
+
+Status Trainer::RunPipeline(torch::Tensor& loss_sum) {
+  const int pp_rank = groups_->coords.pp;
+  const int m = layout_.accumulation;
+  Communicator* pp = groups_->pp;
+  struct Slot {
+    torch::Tensor input, output, grad;
+  };
+  std::map<std::pair<int, int>, Slot> slots;
+  const std::vector<int64_t> shape = model_->ActivationShape(layout_.micro_batch);
+  const torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat).device(device_);
+  for (const PipeOp& op : plan_.ops[pp_rank]) {
+    const int vs = VirtualStage(layout_.pp, pp_rank, op.chunk);
+    Slot& slot = slots[{op.microbatch, op.chunk}];
+    switch (op.kind) {
+      case PipeOpKind::kRecvActivation: {
+        torch::Tensor buffer = torch::empty(shape, options);
+        if (Status s = pp->Recv(buffer, op.peer, PipeTag(plan_, false, op.microbatch, vs - 1)); !s.ok()) return s;
+        slot.input = buffer.requires_grad_(true);
+        break;
+      }
+      case PipeOpKind::kForward: {
+        Progress::Global().SetPhase(step_ + 1, "forward");
+        torch::Tensor inputs, targets;
+        if (model_->FirstStage(op.chunk) || model_->LastStage(op.chunk)) FillBatch(op.microbatch, &inputs, &targets);
+        if (!model_->FirstStage(op.chunk)) inputs = slot.input;
+        torch::Tensor out;
+        {
+          compat::CudaBf16Autocast autocast(bf16_);
+          out = model_->Forward(op.chunk, inputs, targets);
+        }
+        if (model_->LastStage(op.chunk)) {
+          loss_sum += out.detach();
+          slot.output = out / m;
+        } else {
+          slot.output = out;
+        }
+        SampleActivations();
+        break;
+      }
+      case PipeOpKind::kSendActivation:
+        if (Status s = pp->Send(slot.output.detach(), op.peer, PipeTag(plan_, false, op.microbatch, vs)); !s.ok()) return s;
+        break;
+      case PipeOpKind::kRecvGrad: {
+        slot.grad = torch::empty(shape, options);
+        if (Status s = pp->Recv(slot.grad, op.peer, PipeTag(plan_, true, op.microbatch, vs + 1)); !s.ok()) return s;
+        break;
+      }
+      case PipeOpKind::kBackward:
+        Progress::Global().SetPhase(step_ + 1, "backward");
+        if (model_->LastStage(op.chunk)) {
+          slot.output.backward();
+        } else {
+          torch::autograd::backward({slot.output}, {slot.grad});
+        }
+        slot.output = torch::Tensor();
+        slot.grad = torch::Tensor();
+        break;
+      case PipeOpKind::kSendGrad:
+        if (Status s = pp->Send(slot.input.grad(), op.peer, PipeTag(plan_, true, op.microbatch, vs)); !s.ok()) return s;
+        slot.input = torch::Tensor();
+        break;
     }
-    offset += p.numel();
   }
+  return pp->WaitSends();
 }
 
 StatusOr<double> Trainer::Step() {
+  try {
+    return StepImpl();
+  } catch (...) {
+    return Rethrown("training step");
+  }
+}
+
+StatusOr<double> Trainer::StepImpl() {
   const int64_t step = step_;
+  Progress::Global().SetPhase(step + 1, "data");
   const double lr = LearningRate(schedule_, step);
-  for (auto& group : optimizer_->param_groups()) {
-    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-  }
-  compat::ZeroGrad(*optimizer_);
-  model_->train();
-
-  const int accumulation = layout_.accumulation;
+  store_->ZeroGrads();
+  heap_base_ = HeapInUse();
+  const int m = layout_.accumulation;
   torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat).device(device_));
-  for (int a = 0; a < accumulation; ++a) {
-    BatchSlice slice;
-    slice.position0 = run_start_position_;
-    slice.step = step - run_start_step_;
-    slice.global_batch = layout_.global_batch;
-    slice.dp_rank = comm_->rank();
-    slice.dp = layout_.dp;
-    slice.micro_step = a;
-    slice.micro_batch = layout_.micro_batch;
-    sampler_.Fill(slice, inputs_host_.data_ptr<int64_t>(), targets_host_.data_ptr<int64_t>());
-    Progress::Global().SetPhase(step + 1, "forward");
-    torch::Tensor loss = model_->forward(inputs_host_.to(device_), targets_host_.to(device_));
-    Progress::Global().SetPhase(step + 1, "backward");
-    (loss / accumulation).backward();
-    loss_sum += loss.detach();
-  }
-  torch::Tensor local_loss = loss_sum / accumulation;
-
-  double loss_value = 0.0;
-  if (comm_->size() > 1) {
-    torch::NoGradGuard no_grad;
-    PackGrads(local_loss);
-    if (Status s = comm_->AllReduceSum(flat_); !s.ok()) return s;
-    flat_.div_(layout_.dp);
-    UnpackGrads();
-    loss_value = flat_[grad_numel_].item<double>();
+  if (layout_.pp == 1) {
+    for (int a = 0; a < m; ++a) {
+      Progress::Global().SetPhase(step + 1, "data");
+      torch::Tensor inputs, targets;
+      FillBatch(a, &inputs, &targets);
+      const bool reduce_now = overlap_ && (layout_.zero >= 2 || a == m - 1);
+      store_->ArmHooks(reduce_now);
+      Progress::Global().SetPhase(step + 1, "forward");
+      torch::Tensor loss;
+      {
+        compat::CudaBf16Autocast autocast(bf16_);
+        loss = model_->Forward(0, inputs, targets);
+      }
+      SampleActivations();
+      Progress::Global().SetPhase(step + 1, "backward");
+      backward_start_ = Clock::now();
+      (loss / m).backward();
+      backward_end_ = Clock::now();
+      loss_sum += loss.detach();
+      if (reduce_now) {
+        if (Status s = store_->FinishBackward(); !s.ok()) return s;
+      }
+    }
   } else {
-    loss_value = local_loss.item<double>();
+    if (Status s = RunPipeline(loss_sum); !s.ok()) return s;
   }
+
+  {
+    torch::NoGradGuard no_grad;
+    std::vector<ShardParam>& params = model_->params();
+    // Sequence parallelism leaves partial gradients of the replicated parameters on each tp rank.
+    if (recipe_.parallel.sequence_parallel) {
+      for (ShardParam& p : params) {
+        if (!p.sp_partial || !p.value.grad().defined()) continue;
+        torch::Tensor g = p.value.mutable_grad();
+        if (Status s = groups_->tp->AllReduceSum(g); !s.ok()) return s;
+      }
+    }
+    // The tied embedding's two copies (first and last stage) get the sum of both gradients.
+    if (groups_->in_embedding_group) {
+      const int tied = model_->TiedEmbeddingParam();
+      torch::Tensor g = params[tied].value.mutable_grad();
+      if (Status s = groups_->embedding->AllReduceSum(g); !s.ok()) return s;
+    }
+  }
+  if (!overlap_) {
+    if (Status s = store_->ReduceAll(); !s.ok()) return s;
+  }
+
+  // Loss: the last stage's micro-batch mean, averaged over dp, then known on every stage.
+  torch::Tensor loss = (loss_sum / m).reshape({1}).to(torch::kFloat).contiguous();
+  if (Status s = store_->DpAllReduce(loss); !s.ok()) return s;
+  loss.div_(layout_.dp);
+  if (layout_.pp > 1) {
+    if (Status s = groups_->pp->Broadcast(loss, layout_.pp - 1); !s.ok()) return s;
+  }
+  const double loss_value = loss.item<double>();
   if (!std::isfinite(loss_value)) {
     return Internal("loss became " + std::to_string(loss_value) + " at step " + std::to_string(step + 1) +
                     "; lower training.lr or check the data");
   }
+
   Progress::Global().SetPhase(step + 1, "optimizer");
-  if (recipe_.training.grad_clip > 0) torch::nn::utils::clip_grad_norm_(params_, recipe_.training.grad_clip);
-  optimizer_->step();
+  double scale = 1.0;
+  if (recipe_.training.grad_clip > 0) {
+    // Global norm over every shard of every group: each element counted once.
+    torch::Tensor sq = torch::full({1}, store_->GradSquareSum(), torch::TensorOptions().dtype(torch::kDouble));
+    if (layout_.zero >= 1) {
+      if (Status s = store_->DpAllReduce(sq); !s.ok()) return s;
+    }
+    if (Status s = groups_->tp->AllReduceSum(sq); !s.ok()) return s;
+    if (Status s = groups_->pp->AllReduceSum(sq); !s.ok()) return s;
+    const double norm = std::sqrt(sq.item<double>());
+    const double coef = recipe_.training.grad_clip / (norm + 1e-6);
+    if (coef < 1) scale = coef;
+  }
+  if (Status s = store_->OptimizerStep(lr, scale, step + 1); !s.ok()) return s;
   ++step_;
   data_position_ += layout_.global_batch;
   return loss_value;
 }
 
+std::string Trainer::LayoutKey() const {
+  if (layout_.plain()) return "tp=1 pp=1 zero=0";
+  return "tp=" + std::to_string(layout_.tp) + " dp=" + std::to_string(layout_.dp) + " pp=" + std::to_string(layout_.pp) +
+         " zero=" + std::to_string(layout_.zero) + " chunks=" + std::to_string(layout_.chunks) +
+         " sp=" + std::to_string(recipe_.parallel.sequence_parallel ? 1 : 0);
+}
+
+std::string Trainer::ModelFile(int rank) const {
+  return layout_.plain() ? "model.pt" : "model-rank-" + std::to_string(rank) + ".pt";
+}
+
+std::string Trainer::OptimizerFile(int rank) const {
+  return layout_.plain() ? "optimizer.pt" : "optimizer-rank-" + std::to_string(rank) + ".pt";
+}
+
+// Ranks whose state equals another's (data-parallel replicas) read that rank's file.
+int Trainer::ModelSourceRank() const {
+  if (layout_.zero == 3) return groups_->rank;
+  RankCoords c = groups_->coords;
+  c.dp = 0;
+  return RankAt(groups_->topology, c);
+}
+
+int Trainer::OptimizerSourceRank() const {
+  if (layout_.zero >= 1) return groups_->rank;
+  RankCoords c = groups_->coords;
+  c.dp = 0;
+  return RankAt(groups_->topology, c);
+}
+
 Status Trainer::Save() {
-  if (comm_->rank() != 0 || options_.checkpoint_dir.empty()) return Status::Ok();
+  if (options_.checkpoint_dir.empty()) return Status::Ok();
   Progress::Global().SetPhase(step_, "checkpoint");
   const auto start = Clock::now();
+  const int rank = groups_->rank;
+  Communicator* world = groups_->world;
+  const std::string& dir = options_.checkpoint_dir;
+  if (rank == 0) {
+    if (Status s = PrepareCheckpoint(dir, step_); !s.ok()) return s;
+  }
+  if (Status s = world->Barrier(); !s.ok()) return s;
+  namespace fs = std::filesystem;
+  const fs::path pending = PendingCheckpointDir(dir, step_);
+  if (ModelSourceRank() == rank) {
+    if (Status s = WriteTensorArchive((pending / ModelFile(rank)).string(), store_->ModelState(param_names_)); !s.ok()) {
+      return s;
+    }
+  }
+  if (OptimizerSourceRank() == rank) {
+    if (Status s = WriteTensorArchive((pending / OptimizerFile(rank)).string(), store_->OptimizerState()); !s.ok()) {
+      return s;
+    }
+  }
+  if (Status s = world->Barrier(); !s.ok()) return s;
+  if (rank != 0) return Status::Ok();
   CheckpointMeta meta;
   meta.step = step_;
   meta.data_position = data_position_;
-  meta.world_size = comm_->size();
+  meta.world_size = layout_.world_size;
   meta.generation = options_.generation;
   meta.job_id = options_.job_id;
-  if (Status s = SaveCheckpoint(options_.checkpoint_dir, meta, recipe_, *model_, *optimizer_,
-                                recipe_.checkpoint.keep);
-      !s.ok()) {
-    return s;
-  }
+  meta.layout = LayoutKey();
+  if (Status s = CommitCheckpoint(dir, meta, recipe_, recipe_.checkpoint.keep); !s.ok()) return s;
   if (options_.print_progress) {
-    std::printf("checkpoint step-%lld written to %s in %.0f ms\n", static_cast<long long>(step_),
-                options_.checkpoint_dir.c_str(), MillisSince(start));
+    std::printf("checkpoint step-%lld written to %s in %.0f ms\n", static_cast<long long>(step_), dir.c_str(),
+                MillisSince(start));
   }
   return Status::Ok();
 }
 
+Status Trainer::ExportParameters(const std::string& path) {
+  torch::NoGradGuard no_grad;
+  const RankCoords c = groups_->coords;
+  for (int u = 0; u < store_->units(); ++u) {
+    if (Status s = store_->Gather(u); !s.ok()) return s;
+  }
+  const bool collector = c.dp == 0 && c.tp == 0;
+  std::map<std::string, torch::Tensor> full;
+  for (const ShardParam& p : model_->params()) {
+    StatusOr<torch::Tensor> t = model_->GatherFull(p);
+    if (!t.ok()) return t.status();
+    if (collector && p.exported) full[p.name] = t->to(torch::kCPU).to(torch::kFloat).contiguous();
+  }
+  for (int u = 0; u < store_->units(); ++u) store_->Release(u);
+  const auto& names = model_->full_params();
+  if (collector && layout_.pp > 1) {
+    Communicator* pp = groups_->pp;
+    for (size_t i = 0; i < names.size(); ++i) {
+      const int owner = model_->PipelineRankOf(names[i].first);
+      const uint32_t tag = static_cast<uint32_t>(i);
+      if (c.pp != 0 && owner == c.pp) {
+        if (Status s = pp->Send(full.at(names[i].first), 0, tag); !s.ok()) return s;
+      } else if (c.pp == 0 && owner != 0) {
+        torch::Tensor t = torch::empty(names[i].second, torch::kFloat);
+        if (Status s = pp->Recv(t, owner, tag); !s.ok()) return s;
+        full[names[i].first] = t;
+      }
+    }
+    if (Status s = pp->WaitSends(); !s.ok()) return s;
+  }
+  if (groups_->rank == 0) {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    for (const auto& [name, shape] : names) {
+      auto it = full.find(name);
+      if (it == full.end()) return Internal("export: parameter " + name + " was not gathered");
+      const uint32_t len = static_cast<uint32_t>(name.size());
+      const uint64_t numel = static_cast<uint64_t>(it->second.numel());
+      out.write(reinterpret_cast<const char*>(&len), sizeof(len));
+      out.write(name.data(), len);
+      out.write(reinterpret_cast<const char*>(&numel), sizeof(numel));
+      out.write(static_cast<const char*>(it->second.data_ptr()), static_cast<std::streamsize>(numel * sizeof(float)));
+    }
+    out.close();
+    if (!out) return Internal("writing exported parameters to " + path + " failed");
+  }
+  return groups_->world->Barrier();
+}
+
 Status Trainer::Run() {
   const TrainingSpec& t = recipe_.training;
-  const bool printer = comm_->rank() == 0 && options_.print_progress;
+  const bool printer = groups_->rank == 0 && options_.print_progress;
   if (printer) {
+    int64_t params = 0;
+    for (const auto& [name, shape] : model_->full_params()) {
+      int64_t n = 1;
+      for (int64_t d : shape) n *= d;
+      params += n;
+    }
     std::printf(
         "model gpt params %lld layers %d d_model %d heads %d seq_len %d vocab %d | layout world %d dp %d "
-        "tp %d pp %d zero %d micro_batch %d accumulation %d global_batch %d device %s backend %s threads %d\n",
-        static_cast<long long>(model_->NumParameters()), recipe_.model.layers, recipe_.model.d_model,
-        recipe_.model.heads, recipe_.model.seq_len, recipe_.model.vocab, layout_.world_size, layout_.dp,
-        layout_.tp, layout_.pp, recipe_.parallel.zero, layout_.micro_batch, layout_.accumulation,
-        layout_.global_batch, recipe_.parallel.device.c_str(), comm_->backend().c_str(),
+        "tp %d pp %d zero %d sp %d schedule %s chunks %d ac %s micro_batch %d accumulation %d global_batch %d "
+        "device %s backend %s threads %d\n",
+        static_cast<long long>(params), recipe_.model.layers, recipe_.model.d_model, recipe_.model.heads,
+        recipe_.model.seq_len, recipe_.model.vocab, layout_.world_size, layout_.dp, layout_.tp, layout_.pp,
+        layout_.zero, recipe_.parallel.sequence_parallel ? 1 : 0,
+        layout_.pp > 1 ? recipe_.parallel.pp_schedule.c_str() : "none", layout_.chunks,
+        recipe_.parallel.activation_checkpointing.c_str(), layout_.micro_batch, layout_.accumulation,
+        layout_.global_batch, recipe_.parallel.device.c_str(), groups_->world->backend().c_str(),
         torch::get_num_threads());
   }
   const double tokens_per_step = static_cast<double>(layout_.global_batch) * recipe_.model.seq_len;
@@ -268,6 +621,17 @@ Status Trainer::Run() {
     if (!loss.ok()) return loss.status();
     const double ms = MillisSince(start);
     const int64_t s = step_;
+    if (!memory_printed_ && options_.print_progress) {
+      // Bytes this rank holds for each; activations_peak is the largest growth of the heap over
+      // the start of the step, sampled after every forward: what autograd saved for backward
+      // (plus, under ZeRO-3, the gathered parameters of the units in use).
+      MemoryBytes mem = store_->Memory();
+      std::printf("memory rank %d: params %lld bytes, grads %lld bytes, optimizer %lld bytes, activations_peak %lld bytes\n",
+                  groups_->rank, static_cast<long long>(mem.params), static_cast<long long>(mem.grads),
+                  static_cast<long long>(mem.optimizer), static_cast<long long>(activations_peak_));
+      std::fflush(stdout);
+      memory_printed_ = true;
+    }
     if (printer && (s == 1 || s == run_start_step_ + 1 || (t.log_every > 0 && s % t.log_every == 0) ||
                     s == t.steps)) {
       std::printf("step %lld/%lld loss %.6f lr %.3e tok/s %.0f step_ms %.1f\n", static_cast<long long>(s),
@@ -278,8 +642,9 @@ Status Trainer::Run() {
       if (Status st = Save(); !st.ok()) return st;
     }
   }
+  Progress::Global().SetPhase(step_, "done");
   // Keeps the ranks together until rank 0's final checkpoint is committed.
-  return comm_->Barrier();
+  return groups_->world->Barrier();
 }
 
 }  // namespace ltrain::worker

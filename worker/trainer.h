@@ -1,37 +1,45 @@
-// Trainer: data-parallel training of the GPT model on one rank.
+// Trainer: trains this rank's share of the GPT model under the recipe's parallel layout (data,
+// tensor, sequence and pipeline parallelism, ZeRO 0-3, activation checkpointing).
 //
-// Runs on the worker's main thread. Every rank of the job builds a Trainer with the same recipe and
-// calls Run(); the ranks then make the same collectives in the same order (a parameter broadcast
-// at start, one fused gradient+loss all-reduce per optimizer step, a barrier at the end), so a rank
-// that fails makes the others fail at their next collective. Only rank 0 prints progress and writes
-// checkpoints.
+// Runs on the worker's main thread; ParamStore adds one reduction thread for the data-parallel
+// group. Every rank of the job builds a Trainer with the same recipe and calls Run(); the ranks then
+// make the same collectives in the same order within each group (a parameter broadcast over dp at
+// start; per step the pipeline schedule's sends and receives, the tensor-parallel collectives inside
+// forward and backward, the data-parallel reductions, the loss and gradient-norm reductions; barriers
+// around checkpoints), so a rank that fails makes its peers fail at their next collective. Rank 0
+// prints progress; every rank prints its memory line once.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
 
-#include <torch/optim/adamw.h>
-
 #include "common/recipe.h"
 #include "common/status.h"
 #include "common/token_data.h"
 #include "worker/communicator.h"
-#include "worker/gpt_model.h"
 #include "worker/lr_schedule.h"
+#include "worker/parallel_model.h"
+#include "worker/param_store.h"
+#include "worker/pipeline_schedule.h"
 
 namespace ltrain::worker {
 
-// How the ranks of a job divide the work. Only data parallelism exists today.
+// How the ranks of a job divide the work.
 struct Layout {
   int world_size = 1;
   int dp = 1;
   int tp = 1;
   int pp = 1;
+  int chunks = 1;         // model chunks per pipeline rank (interleaved 1F1B)
+  int zero = 0;
   int micro_batch = 1;
-  int accumulation = 1;   // micro-batches per rank per optimizer step
+  int accumulation = 1;   // micro-batches per data-parallel rank per optimizer step
   int global_batch = 1;
+  // Plain data parallelism: every rank holds the whole model and the whole optimizer state.
+  bool plain() const { return tp == 1 && pp == 1 && zero == 0; }
 };
 
 // Checks the recipe's parallel and batch settings against the real world size.
@@ -48,48 +56,72 @@ struct TrainerOptions {
 
 class Trainer {
  public:
-  // `comm` must outlive the Trainer; its size() is the world size.
+  // `groups` must outlive the Trainer; its topology must match the recipe's tp and pp.
+  static StatusOr<std::unique_ptr<Trainer>> Create(const Recipe& recipe, const TrainerOptions& options,
+                                                   ProcessGroups* groups);
+  // Plain data parallelism over `comm` (which must outlive the Trainer).
   static StatusOr<std::unique_ptr<Trainer>> Create(const Recipe& recipe, const TrainerOptions& options,
                                                    Communicator* comm);
+  ~Trainer();
 
   // Trains from the current step to recipe.training.steps, checkpointing as configured.
   Status Run();
   // One optimizer step; returns the global-batch mean loss.
   StatusOr<double> Step();
   Status Save();
+  // Rank 0 writes every parameter of the full model, gathered from all ranks, to `path`: for each
+  // parameter in the model's order, uint32 name length, the name, uint64 element count, the
+  // float32 values (little-endian). Every rank must call it.
+  Status ExportParameters(const std::string& path);
 
   int64_t step() const { return step_; }
   int64_t data_position() const { return data_position_; }
   const Layout& layout() const { return layout_; }
-  Gpt& model() { return model_; }
+  // This rank's parameter tensors (its slices), in the full model's order.
+  std::vector<torch::Tensor> Parameters() const;
+  MemoryBytes Memory() const { return store_->Memory(); }
+  int64_t activations_peak_bytes() const { return activations_peak_; }
+  // When the last micro-step's backward started and ended (pp == 1), for overlap checks.
+  std::chrono::steady_clock::time_point backward_start() const { return backward_start_; }
+  std::chrono::steady_clock::time_point backward_end() const { return backward_end_; }
 
  private:
-  Trainer(const Recipe& recipe, const TrainerOptions& options, Communicator* comm, Layout layout,
+  Trainer(const Recipe& recipe, const TrainerOptions& options, ProcessGroups* groups, Layout layout,
           TokenDataset data);
   Status Init();
-  // Copies every gradient (and `extra` at the end) into flat_, or back.
-  void PackGrads(const torch::Tensor& extra);
-  void UnpackGrads();
+  StatusOr<double> StepImpl();
+  void FillBatch(int micro_step, torch::Tensor* inputs, torch::Tensor* targets);
+  Status RunPipeline(torch::Tensor& loss_sum);
+  void SampleActivations();
+  std::string LayoutKey() const;
+  std::string ModelFile(int rank) const;
+  std::string OptimizerFile(int rank) const;
+  int ModelSourceRank() const;
+  int OptimizerSourceRank() const;
 
   Recipe recipe_;
   TrainerOptions options_;
-  Communicator* comm_;
+  std::unique_ptr<ProcessGroups> owned_groups_;
+  ProcessGroups* groups_;
   Layout layout_;
   TokenDataset data_;
   TokenSampler sampler_;
   LrSchedule schedule_;
   torch::Device device_{torch::kCPU};
-  Gpt model_{nullptr};
-  std::unique_ptr<torch::optim::AdamW> optimizer_;
-  std::vector<torch::Tensor> params_;
-  torch::Tensor flat_;            // all gradients + the loss, one all-reduce per step
-  int64_t grad_numel_ = 0;
-  torch::Tensor inputs_host_;     // [micro_batch, seq_len] int64
-  torch::Tensor targets_host_;
+  bool bf16_ = false;
+  bool overlap_ = true;          // reduce buckets from backward hooks (pp == 1, no sequence parallel)
+  std::unique_ptr<ModelShard> model_;
+  std::unique_ptr<ParamStore> store_;
+  std::vector<std::string> param_names_;
+  PipelinePlan plan_;
   int64_t step_ = 0;              // optimizer steps completed
   int64_t data_position_ = 0;     // next sample index
   int64_t run_start_step_ = 0;    // step_ and data_position_ when this process started
   int64_t run_start_position_ = 0;
+  bool memory_printed_ = false;
+  int64_t heap_base_ = 0;
+  int64_t activations_peak_ = 0;
+  std::chrono::steady_clock::time_point backward_start_, backward_end_;
 };
 
 }  // namespace ltrain::worker

@@ -52,6 +52,56 @@ TEST(GlooCommunicatorTest, TwoRanksAllReduceBroadcastAllGatherBarrier) {
   }
 }
 
+// Three ranks; a group of ranks {0, 2} over its own store prefix; point-to-point messages matched by
+// tag whatever order they are sent in; reduce-scatter.
+TEST(GlooCommunicatorTest, GroupsSendRecvAndReduceScatter) {
+  gloo::rendezvous::HashStore store;
+  std::vector<Status> errors(3);
+  std::vector<std::vector<float>> received(3), scattered(3);
+  auto rank_main = [&](int rank) {
+    auto world = GlooCommunicator::Create(store, rank, 3, "127.0.0.1", std::chrono::seconds(20));
+    if (!world.ok()) {
+      errors[rank] = world.status();
+      return;
+    }
+    torch::Tensor in = torch::arange(6, torch::kFloat) * (rank + 1);
+    torch::Tensor out = torch::zeros({2});
+    if (Status s = (*world)->ReduceScatterSum(in, out); !s.ok()) errors[rank] = s;
+    scattered[rank] = std::vector<float>(out.data_ptr<float>(), out.data_ptr<float>() + 2);
+    if (rank == 1) return;
+    Group group{"pair 0", {0, 2}};
+    auto pair = GlooCommunicator::CreateGroup(**world, store, group, group.RankOf(rank));
+    if (!pair.ok()) {
+      errors[rank] = pair.status();
+      return;
+    }
+    if (rank == 0) {
+      // Sent in the opposite order to the one they are received in.
+      if (Status s = (*pair)->Send(torch::full({2}, 7.0f), 1, /*tag=*/8); !s.ok()) errors[rank] = s;
+      if (Status s = (*pair)->Send(torch::full({3}, 5.0f), 1, /*tag=*/3); !s.ok()) errors[rank] = s;
+      if (Status s = (*pair)->WaitSends(); !s.ok()) errors[rank] = s;
+    } else {
+      torch::Tensor a = torch::zeros({3}), b = torch::zeros({2});
+      if (Status s = (*pair)->Recv(a, 0, 3); !s.ok()) errors[rank] = s;
+      if (Status s = (*pair)->Recv(b, 0, 8); !s.ok()) errors[rank] = s;
+      received[rank] = {a[0].item<float>(), a[2].item<float>(), b[1].item<float>()};
+    }
+    torch::Tensor sum = torch::ones({1});
+    if (Status s = (*pair)->AllReduceSum(sum); !s.ok()) errors[rank] = s;
+    if (sum.item<float>() != 2.0f) errors[rank] = Internal("group all-reduce summed over the wrong ranks");
+  };
+  std::thread r0(rank_main, 0), r1(rank_main, 1), r2(rank_main, 2);
+  r0.join();
+  r1.join();
+  r2.join();
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_TRUE(errors[r].ok()) << "rank " << r << ": " << errors[r].ToString();
+    // sum over ranks of arange(6)*(r+1) = 6*arange(6); rank r keeps elements [2r, 2r+2).
+    EXPECT_EQ(scattered[r], (std::vector<float>{12.0f * r, 12.0f * r + 6}));
+  }
+  EXPECT_EQ(received[2], (std::vector<float>{5, 5, 7}));
+}
+
 TEST(GlooCommunicatorTest, RejectsBadRank) {
   gloo::rendezvous::HashStore store;
   EXPECT_FALSE(GlooCommunicator::Create(store, 2, 2, "127.0.0.1", std::chrono::seconds(1)).ok());

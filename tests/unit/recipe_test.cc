@@ -82,6 +82,8 @@ INSTANTIATE_TEST_SUITE_P(
                 6, 13, "summing to model.layers=4"},
         BadCase{"pp_split type", "data: {path: /d}\nparallel:\n  pp_split: [1, x]\n", 3, 17, "must be an integer"},
         BadCase{"elastic", "data: {path: /d}\nparallel:\n  nodes: {min: 3, max: 2}\n", 3, 10, "min=3 is larger than max=2"},
+        BadCase{"zero3 pp", "data: {path: /d}\nmodel: {layers: 4}\nparallel: {nproc_per_node: 2, pp: 2, zero: 3}\n", 3, 44,
+                "does not combine with pp>1"},
         BadCase{"sp", "data: {path: /d}\nparallel:\n  sequence_parallel: yes\n", 3, 22, "needs parallel.tp > 1"}));
 
 TEST(RecipeTest, ElasticNodesAndLayoutKeysRoundTrip) {

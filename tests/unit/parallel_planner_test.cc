@@ -1,0 +1,176 @@
+// Pure planners of the parallel runtime: rank topology, pipeline schedules (simulated), buckets.
+#include <algorithm>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "worker/flat_layout.h"
+#include "worker/pipeline_schedule.h"
+#include "worker/topology.h"
+
+namespace ltrain::worker {
+namespace {
+
+TEST(TopologyTest, CoordinatesRoundTripAndGroupsPartitionTheWorld) {
+  for (int tp : {1, 2, 4}) {
+    for (int pp : {1, 2, 3}) {
+      for (int dp : {1, 2, 3}) {
+        const int world = tp * dp * pp;
+        StatusOr<Topology> t = MakeTopology(world, tp, pp);
+        ASSERT_TRUE(t.ok()) << t.status().ToString();
+        ASSERT_EQ(t->dp, dp);
+        for (int rank = 0; rank < world; ++rank) {
+          RankCoords c = CoordsOf(*t, rank);
+          EXPECT_EQ(c.tp, rank % tp);
+          EXPECT_EQ(c.dp, (rank / tp) % dp);
+          EXPECT_EQ(c.pp, rank / (tp * dp));
+          EXPECT_EQ(RankAt(*t, c), rank);
+        }
+        for (GroupKind kind : {GroupKind::kTensor, GroupKind::kData, GroupKind::kPipeline}) {
+          std::vector<Group> groups = GroupsOf(*t, kind);
+          const int size = kind == GroupKind::kTensor ? tp : kind == GroupKind::kData ? dp : pp;
+          ASSERT_EQ(static_cast<int>(groups.size()), world / size);
+          std::multiset<int> seen;
+          for (const Group& g : groups) {
+            ASSERT_EQ(static_cast<int>(g.ranks.size()), size);
+            for (size_t i = 0; i < g.ranks.size(); ++i) {
+              seen.insert(g.ranks[i]);
+              RankCoords a = CoordsOf(*t, g.ranks[0]), b = CoordsOf(*t, g.ranks[i]);
+              // Members differ only in the group's own coordinate, which is their group rank.
+              if (kind == GroupKind::kTensor) {
+                EXPECT_TRUE(a.dp == b.dp && a.pp == b.pp && b.tp == static_cast<int>(i));
+              }
+              if (kind == GroupKind::kData) {
+                EXPECT_TRUE(a.tp == b.tp && a.pp == b.pp && b.dp == static_cast<int>(i));
+              }
+              if (kind == GroupKind::kPipeline) {
+                EXPECT_TRUE(a.tp == b.tp && a.dp == b.dp && b.pp == static_cast<int>(i));
+              }
+            }
+            EXPECT_EQ(GroupOf(*t, kind, g.ranks.back()).name, g.name);
+          }
+          ASSERT_EQ(static_cast<int>(seen.size()), world);
+          for (int rank = 0; rank < world; ++rank) EXPECT_EQ(seen.count(rank), 1u);
+        }
+        std::vector<Group> emb = GroupsOf(*t, GroupKind::kEmbedding);
+        ASSERT_EQ(emb.size(), pp > 1 ? static_cast<size_t>(tp * dp) : 0u);
+        for (const Group& g : emb) {
+          ASSERT_EQ(g.ranks.size(), 2u);
+          EXPECT_EQ(CoordsOf(*t, g.ranks[0]).pp, 0);
+          EXPECT_EQ(CoordsOf(*t, g.ranks[1]).pp, pp - 1);
+        }
+      }
+    }
+  }
+}
+
+TEST(TopologyTest, TensorParallelIsInnermost) {
+  StatusOr<Topology> t = MakeTopology(8, 2, 2);
+  ASSERT_TRUE(t.ok());
+  EXPECT_EQ(GroupOf(*t, GroupKind::kTensor, 5).ranks, (std::vector<int>{4, 5}));
+  EXPECT_EQ(GroupOf(*t, GroupKind::kData, 5).ranks, (std::vector<int>{5, 7}));
+  EXPECT_EQ(GroupOf(*t, GroupKind::kPipeline, 5).ranks, (std::vector<int>{1, 5}));
+  EXPECT_EQ(GroupOf(*t, GroupKind::kTensor, 5).name, "tp 2");
+  EXPECT_FALSE(MakeTopology(6, 4, 1).ok());
+}
+
+TEST(TopologyTest, StageLayers) {
+  EXPECT_EQ(*StageLayers(4, 2, {}), (std::vector<int>{2, 2}));
+  EXPECT_EQ(*StageLayers(5, 3, {}), (std::vector<int>{2, 2, 1}));
+  EXPECT_EQ(*StageLayers(4, 2, {3, 1}), (std::vector<int>{3, 1}));
+  EXPECT_FALSE(StageLayers(4, 2, {2, 1}).ok());
+  EXPECT_FALSE(StageLayers(4, 2, {4, 0}).ok());
+  EXPECT_FALSE(StageLayers(2, 4, {}).ok());
+}
+
+TEST(PipelineScheduleTest, EverySchedulePassesTheSimulation) {
+  for (const std::string schedule : {"gpipe", "1f1b", "interleaved"}) {
+    for (int pp = 1; pp <= 5; ++pp) {
+      for (int chunks : {1, 2, 3}) {
+        for (int m = 1; m <= 12; ++m) {
+          StatusOr<PipelinePlan> plan = PlanPipeline(schedule, pp, chunks, m);
+          const bool valid = schedule == "interleaved" ? (chunks >= 2 && pp >= 2 && m % pp == 0) : chunks == 1;
+          ASSERT_EQ(plan.ok(), valid) << schedule << " pp " << pp << " chunks " << chunks << " m " << m;
+          if (!valid) continue;
+          PipelineSimulation sim = SimulatePipeline(*plan);
+          ASSERT_TRUE(sim.completed) << schedule << " pp " << pp << " chunks " << chunks << " m " << m << ": " << sim.error;
+          if (schedule == "gpipe") {
+            EXPECT_EQ(sim.max_in_flight, m);
+          }
+          // 1F1B bounds the activations a rank holds by the pipeline depth, not the micro-batches.
+          if (schedule == "1f1b") {
+            EXPECT_LE(sim.max_in_flight, std::min(pp, m));
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(PipelineScheduleTest, OneFOneBOrderOnTheFirstStage) {
+  StatusOr<PipelinePlan> plan = PlanPipeline("1f1b", 2, 1, 3);
+  ASSERT_TRUE(plan.ok());
+  std::vector<std::string> ops;
+  for (const PipeOp& op : plan->ops[0]) ops.push_back(ToString(op));
+  EXPECT_EQ(ops, (std::vector<std::string>{
+                     "F(mb 0, chunk 0)", "send_act(mb 0, chunk 0, peer 1)", "F(mb 1, chunk 0)",
+                     "send_act(mb 1, chunk 0, peer 1)", "recv_grad(mb 0, chunk 0, peer 1)", "B(mb 0, chunk 0)",
+                     "F(mb 2, chunk 0)", "send_act(mb 2, chunk 0, peer 1)", "recv_grad(mb 1, chunk 0, peer 1)",
+                     "B(mb 1, chunk 0)", "recv_grad(mb 2, chunk 0, peer 1)", "B(mb 2, chunk 0)"}));
+}
+
+TEST(PipelineScheduleTest, SimulationCatchesBrokenPlans) {
+  StatusOr<PipelinePlan> plan = PlanPipeline("1f1b", 2, 1, 2);
+  ASSERT_TRUE(plan.ok());
+  PipelinePlan deadlock = *plan;
+  // The first stage waits for micro-batch 0's gradient before sending its activation: a cycle.
+  PipeOp recv_grad = deadlock.ops[0][4];
+  ASSERT_EQ(recv_grad.kind, PipeOpKind::kRecvGrad);
+  deadlock.ops[0].erase(deadlock.ops[0].begin() + 4);
+  deadlock.ops[0].insert(deadlock.ops[0].begin(), recv_grad);
+  PipelineSimulation dead = SimulatePipeline(deadlock);
+  EXPECT_FALSE(dead.completed);
+  EXPECT_NE(dead.error.find("deadlock"), std::string::npos) << dead.error;
+  PipelinePlan missing = *plan;
+  missing.ops[1].pop_back();
+  PipelineSimulation sim = SimulatePipeline(missing);
+  EXPECT_FALSE(sim.completed);
+  PipelinePlan early = *plan;
+  // Backward before forward on the last stage.
+  auto& last = early.ops[1];
+  auto fwd = std::find_if(last.begin(), last.end(), [](const PipeOp& op) { return op.kind == PipeOpKind::kForward; });
+  auto bwd = std::find_if(last.begin(), last.end(), [](const PipeOp& op) { return op.kind == PipeOpKind::kBackward; });
+  std::iter_swap(fwd, bwd);
+  EXPECT_FALSE(SimulatePipeline(early).completed);
+  EXPECT_TRUE(SimulatePipeline(*plan).completed);
+}
+
+TEST(PipelineScheduleTest, TagsAreUniquePerMessage) {
+  StatusOr<PipelinePlan> plan = PlanPipeline("interleaved", 4, 3, 8);
+  ASSERT_TRUE(plan.ok());
+  std::set<uint32_t> tags;
+  for (int grad = 0; grad < 2; ++grad)
+    for (int mb = 0; mb < 8; ++mb)
+      for (int vs = 0; vs < 12; ++vs) EXPECT_TRUE(tags.insert(PipeTag(*plan, grad == 1, mb, vs)).second);
+}
+
+TEST(FlatLayoutTest, BucketsFillFromTheLastParameter) {
+  // 4-byte elements, 100-byte cap.
+  std::vector<std::vector<int>> b = PlanBuckets({10, 10, 30, 5, 20, 20}, 4, 100);
+  EXPECT_EQ(b, (std::vector<std::vector<int>>{{5}, {3, 4}, {2}, {0, 1}}));
+  EXPECT_EQ(PlanBuckets({10, 10}, 4, 1e9), (std::vector<std::vector<int>>{{0, 1}}));
+  UnitLayout u = LayoutUnit({1, 3}, {7, 5, 9, 4}, 4);
+  EXPECT_EQ(u.offsets, (std::vector<int64_t>{0, 5}));
+  EXPECT_EQ(u.numel, 9);
+  EXPECT_EQ(u.padded, 12);
+  EXPECT_EQ(u.shard, 3);
+  Range r = Intersect({3, 6}, {5, 20});
+  EXPECT_EQ(r.begin, 5);
+  EXPECT_EQ(r.size(), 1);
+  EXPECT_EQ(Intersect({0, 3}, {5, 9}).size(), 0);
+}
+
+}  // namespace
+}  // namespace ltrain::worker

@@ -1,0 +1,255 @@
+// Numerics of every parallel layout against the one-process run: real ltrain-worker processes
+// (Gloo over loopback, file:// rendezvous), 20 steps of a small GPT, per-step losses within 1e-4
+// relative and final parameters (gathered by --export-params) within 1e-4 absolute. Also the ZeRO
+// memory report at dp=4 and resuming a sharded layout from its per-rank checkpoint files.
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/token_data.h"
+
+namespace ltrain {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string WorkerBin() {
+  const char* bin_dir = std::getenv("LTRAIN_BIN_DIR");
+  return bin_dir != nullptr ? std::string(bin_dir) + "/ltrain-worker" : LTRAIN_WORKER_BIN;
+}
+
+std::vector<double> Losses(const fs::path& log) {
+  std::ifstream in(log);
+  std::vector<double> out;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("step ", 0) != 0) continue;
+    std::istringstream words(line);
+    std::string word;
+    while (words >> word) {
+      if (word == "loss") {
+        double v = 0;
+        words >> v;
+        out.push_back(v);
+      }
+    }
+  }
+  return out;
+}
+
+std::map<std::string, std::vector<float>> Params(const fs::path& file) {
+  std::map<std::string, std::vector<float>> out;
+  std::ifstream in(file, std::ios::binary);
+  uint32_t len = 0;
+  while (in.read(reinterpret_cast<char*>(&len), sizeof(len))) {
+    std::string name(len, '\0');
+    in.read(name.data(), len);
+    uint64_t n = 0;
+    in.read(reinterpret_cast<char*>(&n), sizeof(n));
+    std::vector<float> values(n);
+    in.read(reinterpret_cast<char*>(values.data()), static_cast<std::streamsize>(n * sizeof(float)));
+    out[name] = std::move(values);
+  }
+  return out;
+}
+
+// "memory rank R: params B bytes, grads B bytes, optimizer B bytes, activations_peak B bytes"
+std::map<std::string, double> MemoryLine(const fs::path& log) {
+  std::ifstream in(log);
+  std::string line;
+  std::map<std::string, double> out;
+  while (std::getline(in, line)) {
+    if (line.rfind("memory rank ", 0) != 0) continue;
+    for (const char* key : {"params", "grads", "optimizer", "activations_peak"}) {
+      size_t at = line.find(std::string(" ") + key + " ");
+      if (at != std::string::npos) out[key] = std::stod(line.substr(at + std::strlen(key) + 2));
+    }
+  }
+  return out;
+}
+
+class ParallelLayoutsTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = fs::temp_directory_path() / ("ltrain_layouts_" + std::to_string(::getpid()));
+    fs::remove_all(dir_);
+    fs::create_directories(dir_ / "data");
+    std::vector<uint16_t> tokens(20000);
+    uint64_t x = 7;
+    for (auto& t : tokens) t = static_cast<uint16_t>(((x = SplitMix64(x)) % 5 == 0) ? 32 : 97 + x % 11);
+    ASSERT_TRUE(WriteTokenFile((dir_ / "data" / "train.bin").string(), tokens, 256).ok());
+    std::ofstream(dir_ / "r.yaml") << "name: layouts\n"
+                                      "model: {layers: 4, d_model: 64, heads: 4, seq_len: 32, vocab: 256}\n"
+                                      "data: {path: " << (dir_ / "data").string() << "}\n"
+                                      "training: {steps: 20, micro_batch: 2, global_batch: 8, lr: 3.0e-3, "
+                                      "min_lr: 3.0e-4, warmup_steps: 4, log_every: 1, grad_clip: 0.5}\n"
+                                      "parallel: {nodes: 1, nproc_per_node: 1}\n";
+  }
+  static void TearDownTestSuite() { fs::remove_all(dir_); }
+
+  // Runs `world` ranks with extra --set flags; returns the run's directory (logs log0.., params.bin).
+  static fs::path Run(const std::string& name, int world, const std::string& sets) {
+    const fs::path run = dir_ / name;
+    fs::remove_all(run);
+    fs::create_directories(run);
+    std::string cmd;
+    for (int r = 0; r < world; ++r) {
+      // OMP_NUM_THREADS=1: every layout sums inside each kernel in the same order.
+      cmd += "OMP_NUM_THREADS=1 LTRAIN_COLLECTIVE_TIMEOUT_S=60 LTRAIN_WORLD_SIZE=" + std::to_string(world) +
+             " LTRAIN_RANK=" + std::to_string(r) + " LTRAIN_RDZV=file://" + (run / "rdzv").string() +
+             " LTRAIN_RDZV_SCOPE=t " + WorkerBin() + " --recipe " + (dir_ / "r.yaml").string() +
+             " --set parallel.nproc_per_node=" + std::to_string(world) + " --set checkpoint.dir=" +
+             (run / "ck").string() + " --export-params " + (run / "params.bin").string() + " " + sets + " > " +
+             (run / ("log" + std::to_string(r))).string() + " 2>&1 & ";
+    }
+    cmd += "for j in $(jobs -p); do wait $j || exit 1; done";
+    const int rc = std::system(("bash -c '" + cmd + "'").c_str());
+    EXPECT_EQ(rc, 0) << name << ": " << std::ifstream(run / "log0").rdbuf();
+    return run;
+  }
+
+  static const fs::path& Reference() {
+    static const fs::path ref = Run("reference", 1, "");
+    return ref;
+  }
+
+  // Losses and final parameters of `world` ranks with `sets` against the one-process run.
+  void ExpectMatchesReference(const std::string& name, int world, const std::string& sets) {
+    const fs::path ref = Reference();
+    const fs::path run = Run(name, world, sets);
+    std::vector<double> a = Losses(ref / "log0"), b = Losses(run / "log0");
+    ASSERT_EQ(a.size(), 20u);
+    ASSERT_EQ(b.size(), 20u) << std::ifstream(run / "log0").rdbuf();
+    double worst = 0;
+    for (size_t i = 0; i < a.size(); ++i) {
+      const double rel = std::abs(a[i] - b[i]) / std::abs(a[i]);
+      worst = std::max(worst, rel);
+      EXPECT_LE(rel, 1e-4) << name << " step " << i + 1 << ": " << a[i] << " vs " << b[i];
+    }
+    EXPECT_LT(a.back(), a.front() - 0.5);  // it trains
+    auto pa = Params(ref / "params.bin"), pb = Params(run / "params.bin");
+    ASSERT_EQ(pa.size(), 4u * 12 + 4);
+    ASSERT_EQ(pb.size(), pa.size());
+    double max_abs = 0;
+    for (const auto& [key, values] : pa) {
+      ASSERT_EQ(pb[key].size(), values.size()) << key;
+      for (size_t i = 0; i < values.size(); ++i) max_abs = std::max(max_abs, static_cast<double>(std::abs(values[i] - pb[key][i])));
+    }
+    EXPECT_LE(max_abs, 1e-4) << name;
+    std::printf("[layout %s] max relative loss difference %.3g, max abs parameter difference %.3g\n", name.c_str(), worst,
+                max_abs);
+  }
+
+  static fs::path dir_;
+};
+
+fs::path ParallelLayoutsTest::dir_;
+
+TEST_F(ParallelLayoutsTest, Dp2) { ExpectMatchesReference("dp2", 2, ""); }
+TEST_F(ParallelLayoutsTest, Dp2Zero1) { ExpectMatchesReference("dp2_zero1", 2, "--set parallel.zero=1"); }
+TEST_F(ParallelLayoutsTest, Dp2Zero2) { ExpectMatchesReference("dp2_zero2", 2, "--set parallel.zero=2"); }
+TEST_F(ParallelLayoutsTest, Dp2Zero3) { ExpectMatchesReference("dp2_zero3", 2, "--set parallel.zero=3"); }
+TEST_F(ParallelLayoutsTest, Tp2) { ExpectMatchesReference("tp2", 2, "--set parallel.tp=2"); }
+TEST_F(ParallelLayoutsTest, Tp2SequenceParallel) {
+  ExpectMatchesReference("tp2_sp", 2, "--set parallel.tp=2 --set parallel.sequence_parallel=true");
+}
+TEST_F(ParallelLayoutsTest, Pp2Gpipe) { ExpectMatchesReference("pp2_gpipe", 2, "--set parallel.pp=2 --set parallel.pp_schedule=gpipe"); }
+TEST_F(ParallelLayoutsTest, Pp2OneFOneB) { ExpectMatchesReference("pp2_1f1b", 2, "--set parallel.pp=2 --set parallel.pp_schedule=1f1b"); }
+TEST_F(ParallelLayoutsTest, Pp2Interleaved) {
+  ExpectMatchesReference("pp2_interleaved", 2,
+                         "--set parallel.pp=2 --set parallel.pp_schedule=interleaved --set parallel.virtual_stages=2");
+}
+TEST_F(ParallelLayoutsTest, Pp4OneFOneB) { ExpectMatchesReference("pp4_1f1b", 4, "--set parallel.pp=4"); }
+TEST_F(ParallelLayoutsTest, Dp2Tp2) { ExpectMatchesReference("dp2_tp2", 4, "--set parallel.tp=2"); }
+TEST_F(ParallelLayoutsTest, Tp2Pp2) { ExpectMatchesReference("tp2_pp2", 4, "--set parallel.tp=2 --set parallel.pp=2"); }
+TEST_F(ParallelLayoutsTest, Dp2Pp2Zero1) { ExpectMatchesReference("dp2_pp2_zero1", 4, "--set parallel.pp=2 --set parallel.zero=1"); }
+TEST_F(ParallelLayoutsTest, Dp2Zero3FullCheckpointing) {
+  ExpectMatchesReference("dp2_zero3_ac_full", 2, "--set parallel.zero=3 --set parallel.activation_checkpointing=full");
+}
+TEST_F(ParallelLayoutsTest, Tp2SequenceParallelSelectiveCheckpointing) {
+  ExpectMatchesReference("tp2_sp_ac_selective", 2,
+                         "--set parallel.tp=2 --set parallel.sequence_parallel=true --set parallel.activation_checkpointing=selective");
+}
+TEST_F(ParallelLayoutsTest, Pp2InterleavedFullCheckpointing) {
+  ExpectMatchesReference("pp2_interleaved_ac_full", 2,
+                         "--set parallel.pp=2 --set parallel.pp_schedule=interleaved --set parallel.virtual_stages=2 "
+                         "--set parallel.activation_checkpointing=full");
+}
+
+// At dp=4, ZeRO stage s divides by 4 what the stages predict: 1 optimizer state, 2 also
+// gradients, 3 also parameters (padding to a multiple of 4 elements stays far inside 5%).
+TEST_F(ParallelLayoutsTest, ZeroStagesShrinkPerRankMemoryAtDp4) {
+  std::vector<std::map<std::string, double>> mem;
+  for (int zero = 0; zero <= 3; ++zero) {
+    const fs::path run = Run("memory_zero" + std::to_string(zero), 4,
+                             "--set training.steps=1 --set parallel.zero=" + std::to_string(zero));
+    for (int r = 0; r < 4; ++r) {
+      std::map<std::string, double> m = MemoryLine(run / ("log" + std::to_string(r)));
+      ASSERT_EQ(m.size(), 4u) << std::ifstream(run / ("log" + std::to_string(r))).rdbuf();
+      if (r == 0) mem.push_back(m);
+    }
+  }
+  auto near = [](double value, double expected) { return std::abs(value - expected) <= 0.05 * expected; };
+  const auto& z0 = mem[0];
+  EXPECT_TRUE(near(mem[1]["optimizer"], z0.at("optimizer") / 4)) << mem[1]["optimizer"];
+  EXPECT_TRUE(near(mem[1]["grads"], z0.at("grads")));
+  EXPECT_TRUE(near(mem[1]["params"], z0.at("params")));
+  EXPECT_TRUE(near(mem[2]["optimizer"], z0.at("optimizer") / 4));
+  EXPECT_TRUE(near(mem[2]["grads"], z0.at("grads") / 4)) << mem[2]["grads"];
+  EXPECT_TRUE(near(mem[2]["params"], z0.at("params")));
+  EXPECT_TRUE(near(mem[3]["optimizer"], z0.at("optimizer") / 4));
+  EXPECT_TRUE(near(mem[3]["grads"], z0.at("grads") / 4));
+  EXPECT_TRUE(near(mem[3]["params"], z0.at("params") / 4)) << mem[3]["params"];
+  const double total0 = z0.at("params") + z0.at("grads") + z0.at("optimizer");
+  const double total3 = mem[3]["params"] + mem[3]["grads"] + mem[3]["optimizer"];
+  EXPECT_TRUE(near(total3, total0 / 4));
+}
+
+// A sharded layout (dp2 x pp2, ZeRO-1) checkpoints per-rank files at step 10 and a second run
+// resumes from them into the same layout, ending where an uninterrupted run ends.
+TEST_F(ParallelLayoutsTest, ShardedCheckpointResumesIntoTheSameLayout) {
+  const std::string layout = "--set parallel.pp=2 --set parallel.zero=1 ";
+  const fs::path full = Run("resume_full", 4, layout);
+  const fs::path first = Run("resume_first", 4, layout + "--set checkpoint.every=10 --set checkpoint.keep=5");
+  const fs::path step10 = first / "ck" / "step-10";
+  ASSERT_TRUE(fs::exists(step10 / "meta.yaml"));
+  for (int r = 0; r < 4; ++r) {
+    EXPECT_TRUE(fs::exists(step10 / ("optimizer-rank-" + std::to_string(r) + ".pt"))) << r;
+  }
+  EXPECT_TRUE(fs::exists(step10 / "model-rank-0.pt"));  // dp rank 0 of each stage holds the model
+  EXPECT_TRUE(fs::exists(step10 / "model-rank-2.pt"));
+  std::ifstream meta(step10 / "meta.yaml");
+  std::string text((std::istreambuf_iterator<char>(meta)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("optimizer-rank-3.pt"), std::string::npos) << text;
+  EXPECT_NE(text.find("fnv1a64"), std::string::npos);
+  const fs::path resumed = Run("resume_second", 4, layout + "--set checkpoint.resume_from=" + step10.string());
+  std::vector<double> a = Losses(full / "log0"), b = Losses(resumed / "log0");
+  ASSERT_EQ(b.size(), 10u) << std::ifstream(resumed / "log0").rdbuf();
+  for (size_t i = 0; i < b.size(); ++i) EXPECT_NEAR(a[10 + i], b[i], 1e-6 * a[10 + i]) << "step " << i + 11;
+  auto pa = Params(full / "params.bin"), pb = Params(resumed / "params.bin");
+  ASSERT_EQ(pa.size(), pb.size());
+  for (const auto& [key, values] : pa) EXPECT_EQ(values, pb[key]) << key;
+  // Another layout is refused until resharding exists.
+  const fs::path other = dir_ / "other";
+  fs::create_directories(other);
+  const std::string cmd = "OMP_NUM_THREADS=1 " + WorkerBin() + " --recipe " + (dir_ / "r.yaml").string() +
+                          " --set checkpoint.dir=" + (other / "ck").string() + " --set checkpoint.resume_from=" +
+                          step10.string() + " > " + (other / "log").string() + " 2>&1";
+  EXPECT_NE(std::system(cmd.c_str()), 0);
+  std::ifstream log(other / "log");
+  std::string err((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
+  EXPECT_NE(err.find("resharding"), std::string::npos) << err;
+}
+
+}  // namespace
+}  // namespace ltrain

@@ -1,0 +1,424 @@
+#include "worker/param_store.h"
+
+#include <cmath>
+#include <exception>
+
+#include <c10/util/Exception.h>
+
+#include "worker/torch_compat.h"
+
+namespace ltrain::worker {
+
+ReductionQueue::ReductionQueue(bool threaded) : threaded_(threaded) {
+  if (threaded_) thread_ = std::thread([this] { Loop(); });
+}
+
+ReductionQueue::~ReductionQueue() {
+  if (!threaded_) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+namespace {
+
+Status RunJob(const std::function<Status()>& job) {
+  try {
+    return job();
+  } catch (const c10::Error& e) {
+    return Internal(std::string("LibTorch error in a data-parallel reduction: ") + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return Internal(std::string("error in a data-parallel reduction: ") + e.what());
+  }
+}
+
+}  // namespace
+
+int64_t ReductionQueue::Enqueue(std::function<Status()> job) {
+  if (!threaded_) {
+    const int64_t id = next_id_++;
+    Status s = RunJob(job);
+    if (!s.ok() && error_.ok()) error_ = s;
+    done_id_ = id;
+    return id;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t id = next_id_++;
+  jobs_.emplace_back(id, std::move(job));
+  cv_.notify_all();
+  return id;
+}
+
+void ReductionQueue::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+    if (jobs_.empty()) return;  // stop_
+    auto [id, job] = std::move(jobs_.front());
+    jobs_.pop_front();
+    const bool skip = !error_.ok();  // after a failure the group is unusable: fail fast
+    lock.unlock();
+    Status s = skip ? Status::Ok() : RunJob(job);
+    lock.lock();
+    if (!s.ok() && error_.ok()) error_ = s;
+    done_id_ = id;
+    cv_.notify_all();
+  }
+}
+
+Status ReductionQueue::Wait(int64_t id) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return done_id_ >= id; });
+  return error_;
+}
+
+Status ReductionQueue::WaitAll() {
+  int64_t last = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    last = next_id_ - 1;
+  }
+  return Wait(last);
+}
+
+ParamStore::ParamStore(std::vector<Param> params, int zero, Communicator* dp, AdamWConfig adamw)
+    : params_(std::move(params)), zero_(zero), dp_(dp), adamw_(adamw) {}
+
+ParamStore::~ParamStore() {
+  // The hooks point at this object: remove them before it goes.
+  for (auto& acc : accumulators_) acc->post_hooks().clear();
+  if (queue_) (void)queue_->WaitAll();
+}
+
+StatusOr<std::unique_ptr<ParamStore>> ParamStore::Create(std::vector<Param> params,
+                                                         const std::vector<std::vector<int>>& units, int zero,
+                                                         Communicator* dp, AdamWConfig adamw) {
+  if (zero < 0 || zero > 3) return InvalidArgument("parallel.zero=" + std::to_string(zero) + " is not 0, 1, 2 or 3");
+  std::unique_ptr<ParamStore> store(new ParamStore(std::move(params), zero, dp, adamw));
+  store->queue_ = std::make_unique<ReductionQueue>(dp->size() > 1);
+  std::vector<int64_t> numels;
+  for (const Param& p : store->params_) numels.push_back(p.value->numel());
+  store->unit_of_.assign(store->params_.size(), -1);
+  torch::NoGradGuard no_grad;
+  for (const std::vector<int>& members : units) {
+    Unit unit;
+    unit.layout = LayoutUnit(members, numels, dp->size());
+    const torch::Tensor& first = *store->params_[members.front()].value;
+    torch::TensorOptions options = first.options().requires_grad(false);
+    unit.full = torch::zeros({unit.layout.padded}, options);
+    for (size_t k = 0; k < members.size(); ++k) {
+      const int i = members[k];
+      if (store->unit_of_[i] != -1) return InvalidArgument("parameter " + std::to_string(i) + " is in two units");
+      store->unit_of_[i] = static_cast<int>(store->units_.size());
+      torch::Tensor& value = *store->params_[i].value;
+      torch::Tensor slot = unit.full.narrow(0, unit.layout.offsets[k], value.numel());
+      slot.copy_(value.detach().reshape(-1));
+      value = slot.view(value.sizes()).detach().requires_grad_(true);
+    }
+    const int64_t state = zero == 0 ? unit.layout.padded : unit.layout.shard;
+    unit.exp_avg = torch::zeros({state}, options);
+    unit.exp_avg_sq = torch::zeros({state}, options);
+    if (zero < 2) {
+      unit.grad_full = torch::zeros({unit.layout.padded}, options);
+      for (size_t k = 0; k < members.size(); ++k) {
+        torch::Tensor& value = *store->params_[members[k]].value;
+        value.mutable_grad() = unit.grad_full.narrow(0, unit.layout.offsets[k], value.numel()).view(value.sizes());
+      }
+    } else {
+      unit.grad_shard = torch::zeros({unit.layout.shard}, options);
+    }
+    if (zero == 3) {
+      Range own = store->Owned(unit);
+      unit.shard = unit.full.narrow(0, own.begin, own.size()).clone();
+    }
+    store->units_.push_back(std::move(unit));
+  }
+  for (size_t i = 0; i < store->params_.size(); ++i) {
+    if (store->unit_of_[i] == -1) return InvalidArgument("parameter " + std::to_string(i) + " is in no unit");
+    ParamStore* self = store.get();
+    const int index = static_cast<int>(i);
+    store->accumulators_.push_back(compat::AddGradReadyHook(*store->params_[i].value, [self, index] { self->OnGradReady(index); }));
+  }
+  if (zero == 3) {
+    for (int u = 0; u < store->units(); ++u) store->Release(u);
+  }
+  return store;
+}
+
+Range ParamStore::Owned(const Unit& unit) const {
+  if (zero_ == 0) return Range{0, unit.layout.padded};
+  const int64_t s = unit.layout.shard;
+  return Range{s * dp_->rank(), s * (dp_->rank() + 1)};
+}
+
+torch::Tensor ParamStore::OwnedGrad(Unit& unit) {
+  if (zero_ >= 2) return unit.grad_shard;
+  Range own = Owned(unit);
+  return unit.grad_full.narrow(0, own.begin, own.size());
+}
+
+torch::Tensor ParamStore::OwnedParam(Unit& unit) {
+  if (zero_ == 3) return unit.shard;
+  Range own = Owned(unit);
+  return unit.full.narrow(0, own.begin, own.size());
+}
+
+Status ParamStore::BroadcastParameters() {
+  if (zero_ == 3) return Status::Ok();
+  torch::NoGradGuard no_grad;
+  for (Unit& unit : units_) {
+    if (Status s = dp_->Broadcast(unit.full, 0); !s.ok()) return s;
+  }
+  return Status::Ok();
+}
+
+void ParamStore::ZeroGrads() {
+  torch::NoGradGuard no_grad;
+  for (Unit& unit : units_) {
+    (zero_ < 2 ? unit.grad_full : unit.grad_shard).zero_();
+    unit.pending = static_cast<int>(unit.layout.params.size());
+    unit.launched = false;
+  }
+}
+
+void ParamStore::ArmHooks(bool armed) {
+  armed_ = armed;
+  for (Unit& unit : units_) {
+    unit.pending = static_cast<int>(unit.layout.params.size());
+    unit.launched = false;
+  }
+}
+
+void ParamStore::OnGradReady(int param) {
+  if (!armed_) return;
+  Unit& unit = units_[unit_of_[param]];
+  if (--unit.pending == 0 && !unit.launched) Launch(unit_of_[param]);
+}
+
+void ParamStore::Launch(int u) {
+  Unit& unit = units_[u];
+  unit.launched = true;
+  const int dp = dp_->size();
+  Communicator* comm = dp_;
+  if (zero_ < 2) {
+    if (dp == 1) return;
+    torch::Tensor grads = unit.grad_full;
+    queue_->Enqueue([comm, grads, dp]() mutable {
+      torch::NoGradGuard no_grad;
+      if (Status s = comm->AllReduceSum(grads); !s.ok()) return s;
+      grads.div_(dp);
+      return Status::Ok();
+    });
+    return;
+  }
+  // zero >= 2: the gradients live in the leaves' own .grad tensors; hand them to the job.
+  std::vector<torch::Tensor> grads;
+  for (int i : unit.layout.params) grads.push_back(params_[i].value->grad());
+  UnitLayout layout = unit.layout;
+  torch::Tensor shard = unit.grad_shard;
+  queue_->Enqueue([comm, grads, layout, shard, dp]() mutable {
+    torch::NoGradGuard no_grad;
+    torch::Tensor flat = torch::zeros({layout.padded}, shard.options());
+    for (size_t k = 0; k < grads.size(); ++k) {
+      if (grads[k].defined()) flat.narrow(0, layout.offsets[k], grads[k].numel()).copy_(grads[k].reshape(-1));
+    }
+    torch::Tensor mine = torch::empty({layout.shard}, shard.options());
+    if (Status s = comm->ReduceScatterSum(flat, mine); !s.ok()) return s;
+    if (dp > 1) mine.div_(dp);
+    shard.add_(mine);
+    return Status::Ok();
+  });
+  // Under zero 3 the unit's full parameters are not needed again in this backward.
+  Release(u);
+}
+
+Status ParamStore::FinishBackward() {
+  if (armed_) {
+    for (int u = 0; u < units(); ++u) {
+      if (!units_[u].launched) Launch(u);
+    }
+  }
+  Status s = queue_->WaitAll();
+  if (armed_ && zero_ >= 2) {
+    for (Param& p : params_) p.value->mutable_grad() = torch::Tensor();
+  }
+  for (Unit& unit : units_) {
+    unit.pending = static_cast<int>(unit.layout.params.size());
+    unit.launched = false;
+  }
+  return s;
+}
+
+Status ParamStore::ReduceAll() {
+  const bool was = armed_;
+  armed_ = true;
+  for (int u = 0; u < units(); ++u) Launch(u);
+  Status s = FinishBackward();
+  armed_ = was;
+  return s;
+}
+
+double ParamStore::GradSquareSum() {
+  torch::NoGradGuard no_grad;
+  double sum = 0;
+  for (Unit& unit : units_) {
+    Range own = Owned(unit);
+    torch::Tensor grad = OwnedGrad(unit);
+    for (size_t k = 0; k < unit.layout.params.size(); ++k) {
+      if (!params_[unit.layout.params[k]].counts_for_norm) continue;
+      const int64_t off = unit.layout.offsets[k];
+      Range seg = Intersect(own, Range{off, off + params_[unit.layout.params[k]].value->numel()});
+      if (seg.size() == 0) continue;
+      sum += grad.narrow(0, seg.begin - own.begin, seg.size()).to(torch::kDouble).square().sum().item<double>();
+    }
+  }
+  return sum;
+}
+
+Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step) {
+  torch::NoGradGuard no_grad;
+  const double b1 = adamw_.beta1, b2 = adamw_.beta2;
+  const double bias1 = 1 - std::pow(b1, static_cast<double>(step));
+  const double bias2 = 1 - std::pow(b2, static_cast<double>(step));
+  for (Unit& unit : units_) {
+    Range own = Owned(unit);
+    torch::Tensor grad = OwnedGrad(unit);
+    torch::Tensor param = OwnedParam(unit);
+    if (grad_scale != 1.0) grad.mul_(grad_scale);
+    for (size_t k = 0; k < unit.layout.params.size(); ++k) {
+      const Param& p = params_[unit.layout.params[k]];
+      const int64_t off = unit.layout.offsets[k];
+      Range seg = Intersect(own, Range{off, off + p.value->numel()});
+      if (seg.size() == 0) continue;
+      const int64_t at = seg.begin - own.begin, n = seg.size();
+      torch::Tensor w = param.narrow(0, at, n), g = grad.narrow(0, at, n);
+      torch::Tensor m = unit.exp_avg.narrow(0, at, n), v = unit.exp_avg_sq.narrow(0, at, n);
+      // torch::optim::AdamW's update, element for element.
+      if (p.decay) w.mul_(1 - lr * adamw_.weight_decay);
+      m.mul_(b1).add_(g, 1 - b1);
+      v.mul_(b2).addcmul_(g, g, 1 - b2);
+      torch::Tensor denom = (v.sqrt() / std::sqrt(bias2)).add_(adamw_.eps);
+      w.addcdiv_(m, denom, -lr / bias1);
+    }
+    if ((zero_ == 1 || zero_ == 2) && dp_->size() > 1) {
+      torch::Tensor mine = param.clone(), full = unit.full;
+      Communicator* comm = dp_;
+      queue_->Enqueue([comm, mine, full]() mutable { return comm->AllGather(mine, full); });
+    }
+  }
+  return queue_->WaitAll();
+}
+
+Status ParamStore::DpAllReduce(torch::Tensor& tensor) {
+  Communicator* comm = dp_;
+  torch::Tensor t = tensor;
+  return queue_->Wait(queue_->Enqueue([comm, t]() mutable { return comm->AllReduceSum(t); }));
+}
+
+Status ParamStore::Gather(int u) {
+  if (zero_ != 3 || u < 0 || u >= units()) return Status::Ok();
+  Unit& unit = units_[u];
+  if (unit.gathered) return Status::Ok();
+  if (unit.gather_job == 0) Prefetch(u);
+  Status s = queue_->Wait(unit.gather_job);
+  unit.gather_job = 0;
+  unit.gathered = true;
+  return s;
+}
+
+void ParamStore::Prefetch(int u) {
+  if (zero_ != 3 || u < 0 || u >= units()) return;
+  Unit& unit = units_[u];
+  if (unit.gathered || unit.gather_job != 0) return;
+  compat::ResizeStorage(unit.full, static_cast<size_t>(unit.layout.padded) * unit.full.element_size());
+  Communicator* comm = dp_;
+  torch::Tensor shard = unit.shard, full = unit.full;
+  unit.gather_job = queue_->Enqueue([comm, shard, full]() mutable { return comm->AllGather(shard, full); });
+}
+
+void ParamStore::Release(int u) {
+  if (zero_ != 3 || u < 0 || u >= units()) return;
+  Unit& unit = units_[u];
+  if (unit.gather_job != 0) {
+    (void)queue_->Wait(unit.gather_job);  // an error resurfaces at the next wait
+    unit.gather_job = 0;
+  }
+  compat::ResizeStorage(unit.full, 0);
+  unit.gathered = false;
+}
+
+MemoryBytes ParamStore::Memory() const {
+  MemoryBytes m;
+  for (const Unit& unit : units_) {
+    const int64_t e = unit.full.element_size();
+    m.params += (zero_ == 3 ? unit.layout.shard : unit.layout.padded) * e;
+    m.grads += (zero_ >= 2 ? unit.layout.shard : unit.layout.padded) * e;
+    m.optimizer += (unit.exp_avg.numel() + unit.exp_avg_sq.numel()) * e;
+  }
+  return m;
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> ParamStore::ModelState(const std::vector<std::string>& names) const {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  if (zero_ == 3) {
+    for (size_t u = 0; u < units_.size(); ++u) out.emplace_back("unit." + std::to_string(u) + ".shard", units_[u].shard.clone());
+  } else {
+    for (size_t i = 0; i < params_.size(); ++i) out.emplace_back(names[i], params_[i].value->detach().clone());
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> ParamStore::OptimizerState() const {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (size_t u = 0; u < units_.size(); ++u) {
+    out.emplace_back("unit." + std::to_string(u) + ".exp_avg", units_[u].exp_avg.clone());
+    out.emplace_back("unit." + std::to_string(u) + ".exp_avg_sq", units_[u].exp_avg_sq.clone());
+  }
+  return out;
+}
+
+namespace {
+
+Status CopyInto(const std::string& key, const StatusOr<torch::Tensor>& loaded, torch::Tensor dst) {
+  if (!loaded.ok()) return loaded.status();
+  if (loaded->numel() != dst.numel()) {
+    return DataLoss("checkpoint tensor " + key + " has " + std::to_string(loaded->numel()) + " elements, expected " +
+                    std::to_string(dst.numel()) + " (was it saved by another layout or model?)");
+  }
+  torch::NoGradGuard no_grad;
+  dst.view(-1).copy_(loaded->reshape(-1));
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status ParamStore::LoadModelState(const std::vector<std::string>& names,
+                                  const std::function<StatusOr<torch::Tensor>(const std::string&)>& read) {
+  if (zero_ == 3) {
+    for (size_t u = 0; u < units_.size(); ++u) {
+      const std::string key = "unit." + std::to_string(u) + ".shard";
+      if (Status s = CopyInto(key, read(key), units_[u].shard); !s.ok()) return s;
+    }
+    return Status::Ok();
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    if (Status s = CopyInto(names[i], read(names[i]), params_[i].value->detach()); !s.ok()) return s;
+  }
+  return Status::Ok();
+}
+
+Status ParamStore::LoadOptimizerState(const std::function<StatusOr<torch::Tensor>(const std::string&)>& read) {
+  for (size_t u = 0; u < units_.size(); ++u) {
+    for (const char* which : {"exp_avg", "exp_avg_sq"}) {
+      const std::string key = "unit." + std::to_string(u) + "." + which;
+      torch::Tensor dst = std::string(which) == "exp_avg" ? units_[u].exp_avg : units_[u].exp_avg_sq;
+      if (Status s = CopyInto(key, read(key), dst); !s.ok()) return s;
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace ltrain::worker

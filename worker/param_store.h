@@ -1,0 +1,168 @@
+// ParamStore: this rank's parameters in flat per-unit buffers, their gradients, the data-parallel
+// gradient reduction, ZeRO sharding and the AdamW optimizer over flat (sharded) state.
+//
+// Units partition the parameters. A unit is the bucket that data parallelism reduces as soon as
+// backward has produced all of its gradients (autograd post-hooks on each parameter's gradient
+// accumulator count them down), and the unit that ZeRO shards: its flat buffer is padded to a
+// multiple of dp and data-parallel rank r owns elements [r*S, (r+1)*S).
+//   zero 0: full parameters, gradients (all-reduced) and optimizer state on every rank.
+//   zero 1: optimizer state only for the owned shard; parameters all-gathered after the update.
+//   zero 2: plus gradients: each unit's gradients are reduce-scattered into a shard-sized buffer
+//           after every micro-step's backward, and the full gradients are dropped.
+//   zero 3: plus parameters: only the shard persists; a unit's full parameters are all-gathered
+//           before use (the next unit prefetched) and their memory released after (forward) and
+//           after their gradients are ready (backward). Units are then the model's blocks.
+//
+// Threads: the training thread calls everything. Data-parallel collectives (reductions, gathers,
+// loss and norm all-reduces) run in order on one reduction thread that owns the dp communicator,
+// so they overlap backward; the hooks that launch them run on the training thread (LibTorch runs
+// CPU backward on the calling thread), so every dp rank queues them in the same order.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <torch/types.h>
+#include <torch/csrc/autograd/function.h>
+
+#include "common/status.h"
+#include "worker/communicator.h"
+#include "worker/flat_layout.h"
+
+namespace ltrain::worker {
+
+// Runs jobs one after another on a thread of its own (or inline when made with threaded=false).
+class ReductionQueue {
+ public:
+  explicit ReductionQueue(bool threaded);
+  ~ReductionQueue();
+  ReductionQueue(const ReductionQueue&) = delete;
+  ReductionQueue& operator=(const ReductionQueue&) = delete;
+
+  int64_t Enqueue(std::function<Status()> job);
+  // Waits for job `id` (and everything queued before it); returns the first error of any job.
+  Status Wait(int64_t id);
+  Status WaitAll();
+
+ private:
+  void Loop();
+
+  bool threaded_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<int64_t, std::function<Status()>>> jobs_;
+  int64_t next_id_ = 1;
+  int64_t done_id_ = 0;
+  Status error_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+struct AdamWConfig {
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+};
+
+struct MemoryBytes {
+  int64_t params = 0;
+  int64_t grads = 0;
+  int64_t optimizer = 0;
+};
+
+class ParamStore {
+ public:
+  struct Param {
+    torch::Tensor* value;  // the model's leaf; the store re-points it into its flat buffer
+    bool decay = false;
+    bool counts_for_norm = true;
+  };
+
+  // `units`: a partition of param indices (each ascending), in the order backward completes them.
+  static StatusOr<std::unique_ptr<ParamStore>> Create(std::vector<Param> params, const std::vector<std::vector<int>>& units,
+                                                      int zero, Communicator* dp, AdamWConfig adamw);
+  ~ParamStore();
+
+  // Every dp rank starts from rank 0's parameters (zero < 3; under zero 3 every rank built the
+  // same model and keeps only its shard).
+  Status BroadcastParameters();
+
+  // Before a step: zero the gradients.
+  void ZeroGrads();
+  // Before a backward: whether hooks reduce each unit as its gradients complete (zero 0/1: the last
+  // micro-step only; zero 2/3: every micro-step). Without hooks call ReduceAll after backward.
+  void ArmHooks(bool armed);
+  // After a backward: waits for the launched reductions (launching any unit not yet launched when
+  // hooks were armed); zero >= 2 then drops the full gradients.
+  Status FinishBackward();
+  // Reduces every unit now (pipeline schedules, sequence parallelism: after all micro-batches).
+  Status ReduceAll();
+
+  // Sum of squares of the gradient elements this rank counts (its shard under zero >= 1).
+  double GradSquareSum();
+  // AdamW on the owned elements with gradients scaled by grad_scale (clipping); zero 1/2 then
+  // all-gather the updated parameters. `step` is 1-based.
+  Status OptimizerStep(double lr, double grad_scale, int64_t step);
+
+  // Sum over dp of a small tensor, on the reduction thread.
+  Status DpAllReduce(torch::Tensor& tensor);
+
+  // zero 3: make unit `u`'s full parameters available (waits for a prefetch), start gathering one
+  // ahead, release one. No-ops below zero 3.
+  Status Gather(int u);
+  void Prefetch(int u);
+  void Release(int u);
+  int zero() const { return zero_; }
+  int units() const { return static_cast<int>(units_.size()); }
+
+  MemoryBytes Memory() const;
+
+  // Checkpoint state: named tensors this rank holds (zero 3: parameter shards; otherwise the full
+  // local parameters) and the optimizer's moments.
+  std::vector<std::pair<std::string, torch::Tensor>> ModelState(const std::vector<std::string>& names) const;
+  std::vector<std::pair<std::string, torch::Tensor>> OptimizerState() const;
+  // Copies loaded tensors back (same keys as the two above).
+  Status LoadModelState(const std::vector<std::string>& names, const std::function<StatusOr<torch::Tensor>(const std::string&)>& read);
+  Status LoadOptimizerState(const std::function<StatusOr<torch::Tensor>(const std::string&)>& read);
+
+ private:
+  struct Unit {
+    UnitLayout layout;
+    torch::Tensor full;        // [padded] parameters (zero 3: storage released when not gathered)
+    torch::Tensor shard;       // zero 3: [shard] persistent parameters
+    torch::Tensor grad_full;   // zero < 2: [padded] gradients; the leaves' .grad are views of it
+    torch::Tensor grad_shard;  // zero >= 2: [shard]
+    torch::Tensor exp_avg, exp_avg_sq;
+    int pending = 0;           // parameters whose gradient is not ready yet in this backward
+    bool launched = false;
+    bool gathered = true;
+    int64_t gather_job = 0;    // zero 3: in-flight gather
+  };
+
+  ParamStore(std::vector<Param> params, int zero, Communicator* dp, AdamWConfig adamw);
+  void OnGradReady(int param);
+  void Launch(int u);
+  Range Owned(const Unit& unit) const;
+  torch::Tensor OwnedGrad(Unit& unit);
+  torch::Tensor OwnedParam(Unit& unit);
+
+  std::vector<Param> params_;
+  std::vector<int> unit_of_;
+  std::vector<Unit> units_;
+  int zero_;
+  Communicator* dp_;
+  AdamWConfig adamw_;
+  bool armed_ = false;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // keeps the hooks alive
+  std::unique_ptr<ReductionQueue> queue_;
+};
+
+}  // namespace ltrain::worker
