@@ -1,5 +1,7 @@
 #include "agent/agent.h"
 
+#include "agent/oom.h"
+
 #include <poll.h>
 #include <signal.h>
 #include <unistd.h>
@@ -120,6 +122,7 @@ struct Worker {
   std::string log_path;
   std::deque<std::string> tail;
   int64_t kill_at_ms = 0;  // when a SIGTERM'd worker gets SIGKILL; 0 when none is due
+  std::optional<int64_t> oom_kills_at_start;  // the cgroup's OOM-kill count when it started
 };
 
 using Outgoing = std::variant<v1::WorkerStateReport, v1::PushLogsRequest>;
@@ -367,6 +370,7 @@ class AgentImpl : public Agent {
       }
       worker->pid = spawned->pid;
       worker->output_fd = spawned->output_fd;
+      worker->oom_kills_at_start = ReadOomKillCount();
       report.set_state("running");
       report.set_pid(worker->pid);
       Enqueue(report);
@@ -511,6 +515,10 @@ class AgentImpl : public Agent {
         report.set_signal(exit->signal);
         report.set_log_path(worker.log_path);
         for (const auto& line : worker.tail) report.add_log_tail(line);
+        if (exit->signal == SIGKILL && worker.kill_at_ms == 0) {
+          std::optional<int64_t> ooms = ReadOomKillCount();
+          if (ooms && worker.oom_kills_at_start && *ooms > *worker.oom_kills_at_start) report.set_oom_killed(true);
+        }
         Enqueue(report);
         bool failed = exit->signal != 0 || exit->exit_code != 0;
         if (failed && worker.kill_at_ms == 0) {

@@ -247,11 +247,17 @@ void Coordinator::StopGenerationLocked(ActiveJob& job, const std::string& reason
 void Coordinator::FailGenerationLocked(ActiveJob& job, const std::string& cause) {
   if (job.job.state() != v1::JOB_STATE_RUNNING) return;  // only the first failure of a generation counts
   job.job.set_last_failure(cause);
-  AddEventLocked(job, "failure", cause, -1);
+  job.failures.push_back("generation " + std::to_string(job.job.generation()) + ": " + cause);
+  AddEventLocked(job, "failure", "generation " + std::to_string(job.job.generation()) + " failed: " + cause, -1);
   std::optional<int64_t> delay = PolicyOf(job.recipe).NextDelayMs(job.job.restarts());
   if (!delay) {
     std::string verdict = cause;
-    if (job.job.restarts() > 0) verdict += " (after " + std::to_string(job.job.restarts()) + " restart(s))";
+    if (job.job.restarts() > 0) {
+      verdict = "failed " + std::to_string(job.failures.size()) + " times, giving up after " +
+                std::to_string(job.job.restarts()) + " restart(s) (fault.max_restarts=" +
+                std::to_string(job.recipe.fault.max_restarts) + "); the causes, oldest first:";
+      for (const auto& failure : job.failures) verdict += "\n  " + failure;
+    }
     FinishLocked(job, v1::JOB_STATE_FAILED, verdict);
     return;
   }
@@ -542,8 +548,9 @@ Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {
     return Status::Ok();
   }
   bool clean = report.signal() == 0 && report.exit_code() == 0;
-  std::string how = report.signal() != 0 ? "was killed by signal " + SignalName(report.signal())
-                                         : "exited with code " + std::to_string(report.exit_code());
+  std::string how = report.oom_killed()      ? "was killed by the kernel's out-of-memory killer (SIGKILL)"
+                    : report.signal() != 0   ? "was killed by signal " + SignalName(report.signal())
+                                             : "exited with code " + std::to_string(report.exit_code());
   AddEventLocked(*job, "rank_exited", "rank " + std::to_string(report.rank()) + " " + how, report.rank());
   if (job->job.state() != v1::JOB_STATE_RUNNING) return Status::Ok();
   if (clean) {
@@ -633,12 +640,15 @@ void Coordinator::CheckHangLocked(ActiveJob& job, int64_t now) {
       activity.phase = report.phase();
       activity.idle_ms = report.idle_ms() + since;
       activity.silent_ms = report.silent_ms() + since;
-      if (report.collectives_size() > 0 && report.collectives().rbegin()->end_unix_ms() == 0) {
-        const v1::CollectiveRecord& collective = *report.collectives().rbegin();
+      // The oldest collective still in flight is the one the rank waits in (a communication
+      // thread may have started later ones).
+      for (const auto& collective : report.collectives()) {
+        if (collective.end_unix_ms() != 0) continue;
         activity.in_collective = true;
         activity.collective_seq = collective.seq();
         activity.collective_op = collective.op();
         activity.collective_group = collective.group();
+        break;
       }
     }
     ranks.push_back(activity);

@@ -103,6 +103,7 @@ class Coordinator {
     int64_t committed_at_start = 0;  // last committed step when the generation started
     int64_t restart_at_ms = 0;       // RESTARTING: when to place the next generation
     bool waiting_reported = false;
+    std::vector<std::string> failures;  // every generation's failure, oldest first
     std::vector<v1::Event> events;   // in memory, log lines included
   };
 

@@ -39,6 +39,12 @@ INSTANTIATE_TEST_SUITE_P(
         Malformed{"global_batch", "data: {path: /d}\ntraining:\n  micro_batch: 4\n  global_batch: 12\nparallel:\n  nproc_per_node: 2\n",
                   "4:17", "global_batch=12 is not a multiple of micro_batch*dp=4*2=8"},
         Malformed{"heads", "data: {path: /d}\nmodel:\n  d_model: 96\n  heads: 5\n", "4:10", "model.heads=5 does not divide model.d_model=96"},
+        Malformed{"tp_heads", "data: {path: /d}\nmodel: {heads: 6, d_model: 96}\nparallel:\n  nproc_per_node: 4\n  tp: 4\n",
+                  "5:7", "parallel.tp=4 does not divide model.heads=6"},
+        Malformed{"tp_vocab", "data: {path: /d}\nmodel: {vocab: 300}\nparallel:\n  nproc_per_node: 8\n  tp: 8\n", "5:7",
+                  "does not divide model.vocab=300"},
+        Malformed{"world_size", "data: {path: /d}\nmodel: {layers: 4}\nparallel:\n  nproc_per_node: 3\n  tp: 1\n  pp: 2\n",
+                  "5:7", "world size 3 (nodes*nproc_per_node) is not a multiple of tp*pp=2"},
         Malformed{"pp_layers", "data: {path: /d}\nmodel: {layers: 2}\nparallel:\n  nproc_per_node: 4\n  pp: 4\n", "5:7",
                   "parallel.pp=4 is larger than model.layers=2"}),
     [](const ::testing::TestParamInfo<Malformed>& info) { return std::string(info.param.name); });

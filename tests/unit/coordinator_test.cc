@@ -259,7 +259,12 @@ TEST_F(CoordinatorTest, RestartsRunOutThenTheJobFails) {
   v1::Job job = *coordinator_->GetJob(id);
   EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
   EXPECT_EQ(job.restarts(), 2);
-  EXPECT_NE(job.cause().find("after 2 restart(s)"), std::string::npos) << job.cause();
+  EXPECT_NE(job.cause().find("failed 3 times, giving up after 2 restart(s)"), std::string::npos) << job.cause();
+  for (int generation = 0; generation < 3; ++generation) {
+    EXPECT_NE(job.cause().find("generation " + std::to_string(generation) + ": rank 0 on a exited with code 1"),
+              std::string::npos)
+        << job.cause();
+  }
 }
 
 TEST_F(CoordinatorTest, LostNodeShrinksAnElasticJobAndANewNodeJoinsAtTheNextCheckpoint) {
