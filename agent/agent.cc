@@ -232,6 +232,11 @@ class AgentImpl : public Agent {
         }
         if (command.has_start() || command.has_stop()) {
           std::lock_guard<std::mutex> lock(mu_);
+          // The node beats as often as its most demanding job asked (kept until the agent restarts).
+          if (command.has_start() && command.start().heartbeat_interval_ms() > 0) {
+            job_heartbeat_ms_ = job_heartbeat_ms_ > 0 ? std::min(job_heartbeat_ms_, command.start().heartbeat_interval_ms())
+                                                      : command.start().heartbeat_interval_ms();
+          }
           inbox_.push_back(command);
         }
       }
@@ -261,10 +266,9 @@ class AgentImpl : public Agent {
     while (true) {
       {
         std::unique_lock<std::mutex> lock(mu_);
-        if (cv_.wait_for(lock, std::chrono::milliseconds(static_cast<int64_t>(options_.heartbeat_interval_s * 1000)),
-                         [this] { return stopping_; })) {
-          return;
-        }
+        int64_t interval_ms = static_cast<int64_t>(options_.heartbeat_interval_s * 1000);
+        if (job_heartbeat_ms_ > 0) interval_ms = std::min(interval_ms, job_heartbeat_ms_);
+        if (cv_.wait_for(lock, std::chrono::milliseconds(interval_ms), [this] { return stopping_; })) return;
       }
       v1::HeartbeatRequest request;
       request.set_node_id(options_.node_id);
@@ -564,6 +568,7 @@ class AgentImpl : public Agent {
   std::shared_ptr<grpc::ClientContext> stream_context_;
   std::deque<v1::Command> inbox_;
   bool orphan_kill_requested_ = false;
+  int64_t job_heartbeat_ms_ = 0;
 
   ProgressSink progress_;
   std::mutex live_mu_;

@@ -200,6 +200,7 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
     start->set_local_world_size(nproc);
     start->set_rendezvous_scope(job.job.id() + "/" + std::to_string(generation) + "/");
     start->set_checkpoint_dir(recipe.checkpoint.dir);
+    start->set_heartbeat_interval_ms(static_cast<int64_t>(recipe.fault.heartbeat_interval_s * 1000));
     for (int local = 0; local < nproc; ++local) {
       v1::WorkerAssignment* worker = start->add_workers();
       worker->set_rank(i * nproc + local);
@@ -662,7 +663,15 @@ void Coordinator::Tick() {
   int64_t now = clock_->SteadyMs();
   std::vector<std::pair<std::string, std::string>> lost;
   for (auto& [id, node] : nodes_) {
-    if (node.connected && now - node.last_heartbeat_ms > options_.node_timeout_ms) {
+    // A node running jobs is lost after the shortest of their heartbeat_interval_s * heartbeat_misses.
+    int64_t timeout_ms = options_.node_timeout_ms;
+    for (const auto& job_id : node.jobs) {
+      if (const ActiveJob* job = FindLocked(job_id)) {
+        timeout_ms = std::min<int64_t>(
+            timeout_ms, static_cast<int64_t>(job->recipe.fault.heartbeat_interval_s * job->recipe.fault.heartbeat_misses * 1000));
+      }
+    }
+    if (node.connected && now - node.last_heartbeat_ms > timeout_ms) {
       lost.emplace_back(id, "no heartbeat for " + Seconds(now - node.last_heartbeat_ms));
     } else if (node.recovered && now > node.recovery_deadline_ms) {
       lost.emplace_back(id, "it did not come back within " + Seconds(options_.recovery_grace_ms) +

@@ -133,6 +133,22 @@ TEST_F(CoordinatorTest, SilentNodeIsLostAfterTheTimeout) {
   EXPECT_NE(job.cause().find("node b lost"), std::string::npos) << job.cause();
 }
 
+TEST_F(CoordinatorTest, JobsHeartbeatSettingsTightenNodeLoss) {
+  Connect("a");
+  Connect("b");
+  std::string recipe = std::string(kRecipe) + "fault: {heartbeat_interval_s: 0.5, heartbeat_misses: 2}\n";
+  std::string id = coordinator_->Submit(recipe, "unit.yaml")->id();
+  std::optional<v1::Command> start = coordinator_->WaitCommand("a", 0);
+  ASSERT_TRUE(start && start->has_start());
+  EXPECT_EQ(start->start().heartbeat_interval_ms(), 500);
+  clock_.AdvanceMs(900);
+  coordinator_->Tick();
+  EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_RUNNING);
+  clock_.AdvanceMs(200);  // 1.1 s > 0.5 s * 2
+  coordinator_->Tick();
+  EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_FAILED);
+}
+
 TEST_F(CoordinatorTest, StaleStreamClosingDoesNotDropAReconnectedNode) {
   int64_t old_token = Connect("a");
   Connect("a");  // the agent reconnected before the old stream noticed
