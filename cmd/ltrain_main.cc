@@ -25,6 +25,7 @@
 #include "common/signal_name.h"
 #include "common/token_data.h"
 #include "launcher/coordinator_server.h"
+#include "launcher/log_view.h"
 #include "launcher/state_store.h"
 #include "ltrain/v1/ltrain.grpc.pb.h"
 
@@ -486,6 +487,136 @@ int ShowStatus(const std::string& job_id, const std::string& coordinator_address
   return kExitOk;
 }
 
+// --- completion ------------------------------------------------------------------------------
+
+std::string BashCompletion(const std::string& commands) {
+  return R"BASH(# bash completion for ltrain: source <(ltrain completion bash)
+_ltrain() {
+  local cur="${COMP_WORDS[COMP_CWORD]}" cmd="${COMP_WORDS[1]}"
+  if [[ $COMP_CWORD -eq 1 ]]; then
+    COMPREPLY=($(compgen -W ")BASH" + commands + R"BASH(--help --version" -- "$cur")); return
+  fi
+  case "$cmd" in
+    launch|validate) COMPREPLY=($(compgen -f -X '!*.yaml' -- "$cur") $(compgen -d -- "$cur") $(compgen -W "--set --help" -- "$cur"));;
+    status|stop|resume|logs)
+      local jobs; jobs=$(ltrain list --output json 2>/dev/null | sed -n 's/.*"id": "\([^"]*\)".*/\1/p')
+      COMPREPLY=($(compgen -W "$jobs --coordinator --output --help" -- "$cur"));;
+    data) COMPREPLY=($(compgen -W "prepare" -- "$cur"));;
+    *) COMPREPLY=($(compgen -f -- "$cur"));;
+  esac
+}
+complete -F _ltrain ltrain
+)BASH";
+}
+
+// --- logs ------------------------------------------------------------------------------------
+
+struct LogsArgs {
+  std::string job_id;
+  std::string coordinator;
+  bool follow = false;
+  int rank = -1;
+  std::string since;
+  int tail = 0;
+  std::string output = "text";
+};
+
+void PrintLogLines(const std::vector<v1::Event>& lines, bool json) {
+  if (json) {
+    for (const auto& line : lines) {
+      google::protobuf::util::JsonPrintOptions options;
+      options.preserve_proto_field_names = true;
+      std::string out;
+      (void)google::protobuf::util::MessageToJsonString(line, &out, options);
+      std::printf("%s\n", out.c_str());
+    }
+    return;
+  }
+  std::vector<launcher::RankLine> ranked;
+  for (const auto& line : lines) ranked.push_back({line.unix_ms(), line.rank(), line.message()});
+  for (const auto& folded : launcher::FoldLogLines(ranked, 2000)) {
+    std::printf("%s %s\n", launcher::RankPrefix(folded.ranks).c_str(), folded.text.c_str());
+  }
+  std::fflush(stdout);
+}
+
+int Logs(const LogsArgs& args) {
+  int64_t now = std::chrono::duration_cast<std::chrono::milliseconds>(
+                    std::chrono::system_clock::now().time_since_epoch()).count();
+  int64_t since = 0;
+  if (!args.since.empty()) {
+    std::optional<int64_t> parsed = launcher::ParseSince(args.since, now);
+    if (!parsed) {
+      std::fprintf(stderr, "ltrain logs: --since %s is neither a duration (90s, 10m, 2h, 1d) nor Unix milliseconds\n",
+                   args.since.c_str());
+      return kExitInvalid;
+    }
+    since = *parsed;
+  }
+  bool json = args.output == "json";
+  std::string address = args.coordinator;
+  if (address.empty()) {
+    std::ifstream address_file(fs::path(LtrainHome()) / "run" / (args.job_id + ".addr"));
+    address_file >> address;  // a local launch still running the job, if any
+  }
+  std::vector<v1::Event> lines;
+  if (!address.empty()) {
+    Client client(address);
+    grpc::ClientContext context;
+    context.set_deadline(Deadline(10));
+    v1::GetLogsRequest request;
+    request.set_job_id(args.job_id);
+    request.set_rank(args.rank);
+    request.set_since_unix_ms(since);
+    request.set_limit(args.tail);
+    v1::GetLogsReply reply;
+    grpc::Status status = client.stub->GetLogs(&context, request, &reply);
+    if (!status.ok()) {
+      if (!args.coordinator.empty()) return client.Unreachable(status);
+      address.clear();  // the local launch ended: read the state directly below
+    } else if (reply.status().code() != 0) {
+      return ReplyError(reply.status());
+    } else {
+      lines.assign(reply.lines().begin(), reply.lines().end());
+    }
+  }
+  if (address.empty()) {
+    StatusOr<std::unique_ptr<launcher::StateStore>> store = launcher::OpenStateStore(LtrainHome());
+    if (!store.ok()) {
+      std::fprintf(stderr, "ltrain: %s\n", store.status().message().c_str());
+      return kExitUnavailable;
+    }
+    if (StatusOr<v1::Job> job = (*store)->GetJob(args.job_id); !job.ok()) {
+      std::fprintf(stderr, "ltrain: %s\n", job.status().message().c_str());
+      return kExitInvalid;
+    }
+    StatusOr<std::vector<v1::Event>> stored = (*store)->Logs(args.job_id, args.rank, since, args.tail);
+    if (!stored.ok()) {
+      std::fprintf(stderr, "ltrain: %s\n", stored.status().message().c_str());
+      return kExitUnavailable;
+    }
+    lines = std::move(stored).value();
+  }
+  PrintLogLines(lines, json);
+  if (!args.follow || address.empty()) return kExitOk;
+  // Follow: new lines as they come, until the job ends.
+  int64_t after = lines.empty() ? 0 : lines.back().seq();
+  Client client(address);
+  grpc::ClientContext context;
+  v1::WatchJobRequest request;
+  request.set_job_id(args.job_id);
+  request.set_after_seq(after);
+  request.set_logs(true);
+  auto reader = client.stub->WatchJob(&context, request);
+  v1::Event event;
+  while (reader->Read(&event)) {
+    if (event.kind() != "log" || (args.rank >= 0 && event.rank() != args.rank)) continue;
+    PrintLogLines({event}, json);
+  }
+  grpc::Status status = reader->Finish();
+  return status.ok() ? kExitOk : client.Unreachable(status);
+}
+
 int Stop(const std::string& job_id, std::string coordinator_address) {
   if (coordinator_address.empty()) {
     std::ifstream in(fs::path(LtrainHome()) / "run" / (job_id + ".addr"));
@@ -619,6 +750,28 @@ int main(int argc, char** argv) {
   prepare_cmd->add_option("--tokenizer", tokenizer, "Tokenizer; byte (vocab 256)")
       ->check(CLI::IsMember({"byte"}))->capture_default_str();
 
+  // list / logs / completion
+  std::string list_coordinator, list_output = "table";
+  int list_limit = 50;
+  CLI::App* list_cmd = app.add_subcommand("list", "List the jobs, newest first");
+  list_cmd->add_option("--coordinator", list_coordinator, "HOST:PORT; without it, the local state in $LTRAIN_HOME");
+  list_cmd->add_option("-o,--output", list_output, "table or json")->check(CLI::IsMember({"table", "json"}));
+  list_cmd->add_option("--limit", list_limit, "Jobs to list")->capture_default_str();
+  LogsArgs logs;
+  CLI::App* logs_cmd = app.add_subcommand(
+      "logs", "Print a job's log lines, rank-prefixed; identical lines of many ranks fold into one [ranks 0-7] line");
+  logs_cmd->add_option("job", logs.job_id, "Job id")->required();
+  logs_cmd->add_flag("-f,--follow", logs.follow, "Keep printing new lines until the job ends");
+  logs_cmd->add_option("--rank", logs.rank, "Only this rank's lines");
+  logs_cmd->add_option("--since", logs.since, "Only lines newer than this: 90s, 10m, 2h, 1d, or Unix milliseconds");
+  logs_cmd->add_option("--tail", logs.tail, "Only the newest N lines");
+  logs_cmd->add_option("--coordinator", logs.coordinator, "HOST:PORT; without it, the local state in $LTRAIN_HOME");
+  logs_cmd->add_option("-o,--output", logs.output, "text or json (one object per line)")
+      ->check(CLI::IsMember({"text", "json"}));
+  std::string completion_shell;
+  CLI::App* completion_cmd = app.add_subcommand("completion", "Print a shell completion script: source <(ltrain completion bash)");
+  completion_cmd->add_option("shell", completion_shell, "bash")->required()->check(CLI::IsMember({"bash"}));
+
   // status / stop
   std::string status_job, status_coordinator, status_output = "table";
   int status_limit = 50;
@@ -688,6 +841,14 @@ int main(int argc, char** argv) {
     std::printf("wrote %s (%lld tokens) and %s (%lld tokens), vocab %d\n", stats->train_path.c_str(),
                 static_cast<long long>(stats->train_tokens), stats->val_path.c_str(),
                 static_cast<long long>(stats->val_tokens), stats->vocab);
+    return kExitOk;
+  }
+  if (*list_cmd) return ShowStatus("", list_coordinator, list_output, list_limit);
+  if (*logs_cmd) return Logs(logs);
+  if (*completion_cmd) {
+    std::string words;
+    for (const CLI::App* sub : app.get_subcommands([](const CLI::App*) { return true; })) words += sub->get_name() + " ";
+    std::printf("%s", BashCompletion(words).c_str());
     return kExitOk;
   }
   if (*status_cmd) return ShowStatus(status_job, status_coordinator, status_output, status_limit);

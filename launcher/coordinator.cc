@@ -590,6 +590,7 @@ void Coordinator::PushLogs(const v1::PushLogsRequest& request) {
   std::lock_guard<std::mutex> lock(mu_);
   ActiveJob* job = FindLocked(request.job_id());
   if (job == nullptr) return;
+  std::vector<v1::Event> stored;
   for (const auto& line : request.lines()) {
     std::smatch match;
     if (line.rank() == 0 && std::regex_search(line.text(), match, kProgress)) {
@@ -602,7 +603,17 @@ void Coordinator::PushLogs(const v1::PushLogsRequest& request) {
                          line.rank());
     }
     AddEventLocked(*job, "log", line.text(), line.rank());
+    stored.push_back(job->events.back());
   }
+  Status appended = store_->AppendLogs(stored);
+  if (!appended.ok()) LTRAIN_LOG(kError, kLog) << appended.ToString();
+}
+
+StatusOr<std::vector<v1::Event>> Coordinator::GetLogs(const std::string& job_id, int rank, int64_t since_unix_ms,
+                                                      int limit) {
+  StatusOr<v1::Job> job = store_->GetJob(job_id);
+  if (!job.ok()) return job.status();
+  return store_->Logs(job_id, rank, since_unix_ms, limit);
 }
 
 void Coordinator::KvSet(const std::string& key, const std::string& value) {

@@ -51,6 +51,7 @@ class Coordinator {
   StatusOr<std::vector<v1::Job>> ListJobs(int limit);
   StatusOr<v1::Job> Stop(const std::string& job_id, const std::string& reason);
   StatusOr<v1::Job> Resume(const std::string& job_id);
+  StatusOr<std::vector<v1::Event>> GetLogs(const std::string& job_id, int rank, int64_t since_unix_ms, int limit);
   // Events of a job after `after_seq` (log lines too when `logs`). Blocks up to `timeout_ms` while
   // there are none and the job is not final. `*finished` is set once the job is final and every
   // event has been returned.

@@ -56,6 +56,16 @@ class JobServiceImpl final : public v1::JobService::Service {
     return grpc::Status::OK;
   }
 
+  grpc::Status GetLogs(grpc::ServerContext*, const v1::GetLogsRequest* request, v1::GetLogsReply* reply) override {
+    StatusOr<std::vector<v1::Event>> lines =
+        coordinator_->GetLogs(request->job_id(), request->rank(), request->since_unix_ms(), request->limit());
+    SetStatus(reply->mutable_status(), lines.status());
+    if (lines.ok()) {
+      for (auto& line : *lines) *reply->add_lines() = std::move(line);
+    }
+    return grpc::Status::OK;
+  }
+
   grpc::Status WatchJob(grpc::ServerContext* context, const v1::WatchJobRequest* request,
                         grpc::ServerWriter<v1::Event>* writer) override {
     int64_t after = request->after_seq();

@@ -65,6 +65,14 @@ CREATE TABLE IF NOT EXISTS events (
   state INTEGER NOT NULL
 );
 CREATE INDEX IF NOT EXISTS events_by_job ON events(job_id, seq);
+CREATE TABLE IF NOT EXISTS logs (
+  seq INTEGER NOT NULL,
+  job_id TEXT NOT NULL,
+  unix_ms INTEGER NOT NULL,
+  rank INTEGER NOT NULL,
+  text TEXT NOT NULL
+);
+CREATE INDEX IF NOT EXISTS logs_by_job ON logs(job_id, unix_ms);
 )sql";
 
 // A prepared statement that finalizes itself.
@@ -86,6 +94,7 @@ class Statement {
     return *this;
   }
   int Step() { return sqlite3_step(stmt_); }
+  sqlite3_stmt* raw() { return stmt_; }
   std::string Text(int i) {
     const unsigned char* t = sqlite3_column_text(stmt_, i);
     return t ? reinterpret_cast<const char*>(t) : "";
@@ -335,6 +344,49 @@ StatusOr<std::vector<v1::Event>> SqliteStateStore::EventsAfter(const std::string
     e.set_state(static_cast<v1::JobState>(s.Int(6)));
   }
   return events;
+}
+
+Status SqliteStateStore::AppendLogs(const std::vector<v1::Event>& lines) {
+  if (lines.empty()) return Status::Ok();
+  std::lock_guard<std::mutex> lock(mu_);
+  Status begin = Exec("BEGIN");
+  if (!begin.ok()) return begin;
+  {
+    Statement s(db_, "INSERT INTO logs (seq, job_id, unix_ms, rank, text) VALUES (?, ?, ?, ?, ?)");
+    for (const auto& line : lines) {
+      sqlite3_reset(s.raw());
+      s.Bind(1, line.seq()).Bind(2, line.job_id()).Bind(3, line.unix_ms()).Bind(4, int64_t{line.rank()});
+      s.Bind(5, line.message());
+      if (s.Step() != SQLITE_DONE) {
+        Status error = SqlError(db_, "append logs");
+        (void)Exec("ROLLBACK");
+        return error;
+      }
+    }
+  }
+  return Exec("COMMIT");
+}
+
+StatusOr<std::vector<v1::Event>> SqliteStateStore::Logs(const std::string& job_id, int rank, int64_t since_unix_ms,
+                                                        int limit) {
+  std::lock_guard<std::mutex> lock(mu_);
+  // The newest `limit` lines, returned oldest first.
+  Statement s(db_,
+              "SELECT seq, unix_ms, rank, text FROM (SELECT rowid AS r, seq, unix_ms, rank, text FROM logs "
+              "WHERE job_id = ? AND (? < 0 OR rank = ?) AND unix_ms >= ? ORDER BY rowid DESC LIMIT ?) ORDER BY r");
+  s.Bind(1, job_id).Bind(2, int64_t{rank}).Bind(3, int64_t{rank}).Bind(4, since_unix_ms);
+  s.Bind(5, int64_t{limit > 0 ? limit : -1});
+  std::vector<v1::Event> lines;
+  while (s.Step() == SQLITE_ROW) {
+    v1::Event& e = lines.emplace_back();
+    e.set_seq(s.Int(0));
+    e.set_job_id(job_id);
+    e.set_unix_ms(s.Int(1));
+    e.set_rank(static_cast<int32_t>(s.Int(2)));
+    e.set_kind("log");
+    e.set_message(s.Text(3));
+  }
+  return lines;
 }
 
 }  // namespace ltrain::launcher

@@ -32,6 +32,10 @@ class StateStore {
   virtual Status UpsertNode(const std::string& node_id, const v1::NodeFacts& facts, int64_t now_ms) = 0;
   virtual StatusOr<int64_t> AppendEvent(const v1::Event& event) = 0;  // returns its seq
   virtual StatusOr<std::vector<v1::Event>> EventsAfter(const std::string& job_id, int64_t after_seq) = 0;
+  // Workers' log lines, kept so that `ltrain logs` works after the job and the coordinator are gone.
+  virtual Status AppendLogs(const std::vector<v1::Event>& lines) = 0;
+  virtual StatusOr<std::vector<v1::Event>> Logs(const std::string& job_id, int rank, int64_t since_unix_ms,
+                                                int limit) = 0;
 };
 
 class SqliteStateStore : public StateStore {
@@ -52,6 +56,8 @@ class SqliteStateStore : public StateStore {
   Status UpsertNode(const std::string& node_id, const v1::NodeFacts& facts, int64_t now_ms) override;
   StatusOr<int64_t> AppendEvent(const v1::Event& event) override;
   StatusOr<std::vector<v1::Event>> EventsAfter(const std::string& job_id, int64_t after_seq) override;
+  Status AppendLogs(const std::vector<v1::Event>& lines) override;
+  StatusOr<std::vector<v1::Event>> Logs(const std::string& job_id, int rank, int64_t since_unix_ms, int limit) override;
 
  private:
   explicit SqliteStateStore(sqlite3* db) : db_(db) {}

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 #include <google/protobuf/util/json_util.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -79,6 +80,22 @@ TEST_F(TrainingTest, TwoWorkersLearnAndTheJobSucceeds) {
   }
   fs::path checkpoints = fs::path(dir_.Join("home")) / "checkpoints" / "tiny-1";
   EXPECT_TRUE(fs::exists(checkpoints / "step-60")) << "the final checkpoint";
+
+  // The logs outlive the launch: every rank's lines, filters, JSON.
+  ProcessResult logs = RunProcess({LtrainBinary(), "logs", "tiny-1"}, Env());
+  EXPECT_EQ(logs.exit_code, 0) << logs.output;
+  EXPECT_NE(logs.output.find("[rank 0] step 60/60 loss "), std::string::npos) << logs.output;
+  EXPECT_NE(logs.output.find("[rank 1] rank 1/2 up"), std::string::npos) << logs.output;
+  ProcessResult rank1 = RunProcess({LtrainBinary(), "logs", "tiny-1", "--rank", "1"}, Env());
+  EXPECT_EQ(rank1.output.find("[rank 0]"), std::string::npos) << rank1.output;
+  EXPECT_NE(rank1.output.find("[rank 1]"), std::string::npos) << rank1.output;
+  ProcessResult tail = RunProcess({LtrainBinary(), "logs", "tiny-1", "--tail", "1", "-o", "json"}, Env());
+  EXPECT_EQ(std::count(tail.output.begin(), tail.output.end(), '\n'), 1) << tail.output;
+  EXPECT_NE(tail.output.find("\"kind\":\"log\""), std::string::npos) << tail.output;
+  ProcessResult list = RunProcess({LtrainBinary(), "list", "-o", "json"}, Env());
+  EXPECT_NE(list.output.find("\"id\": \"tiny-1\""), std::string::npos) << list.output;
+  ProcessResult missing = RunProcess({LtrainBinary(), "logs", "nope-9"}, Env());
+  EXPECT_EQ(missing.exit_code, 2) << missing.output;
   EXPECT_TRUE(fs::exists(checkpoints / "step-30"));
 }
 
