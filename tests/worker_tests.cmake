@@ -30,3 +30,22 @@ ltrain_add_test(worker_parallel_layouts_test integration
 add_dependencies(worker_parallel_layouts_test ltrain-worker)
 target_compile_definitions(worker_parallel_layouts_test PRIVATE
   LTRAIN_WORKER_BIN="$<TARGET_FILE:ltrain-worker>")
+
+# Checkpoints that lose nothing: corrupt newest skipped, injected write failure, async = sync =
+# uninterrupted bit for bit, resharding across dp and ZeRO. Real ltrain-worker processes (1-2 at
+# once); about a minute on 2 cores.
+ltrain_add_test(checkpoint_test integration
+  SOURCES unit/checkpoint_test.cc
+  LIBS ltrain::common)
+add_dependencies(checkpoint_test ltrain-worker)
+target_compile_definitions(checkpoint_test PRIVATE
+  LTRAIN_WORKER_BIN="$<TARGET_FILE:ltrain-worker>")
+
+if(LTRAIN_BUILD_CONTROL_PLANE)
+  # Checkpoint faults through the real `ltrain launch`: a flipped byte in the newest checkpoint, an
+  # injected write failure in the middle of a save.
+  ltrain_add_test(checkpoint_faults_test faults
+    SOURCES faults/checkpoint_faults_test.cc
+    LIBS ltrain_test_support ltrain::proto)
+  add_dependencies(checkpoint_faults_test ltrain ltrain-worker)
+endif()

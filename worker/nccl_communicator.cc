@@ -1,8 +1,12 @@
 #include "worker/nccl_communicator.h"
 
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <vector>
+
+#include <unistd.h>
 
 #include <ATen/ATen.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -41,7 +45,8 @@ Status CheckTensor(const at::Tensor& t) {
 }  // namespace
 
 StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(gloo::rendezvous::Store& store, int rank,
-                                                                      int size, int device_index) {
+                                                                      int size, int device_index,
+                                                                      std::chrono::milliseconds timeout) {
   if (cudaSetDevice(device_index) != cudaSuccess) {
     return Unavailable("cudaSetDevice(" + std::to_string(device_index) + ") failed");
   }
@@ -62,11 +67,70 @@ StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(gloo::rende
   }
   ncclComm_t comm = nullptr;
   if (Status s = Check(ncclCommInitRank(&comm, size, id, rank), "CommInitRank"); !s.ok()) return s;
-  return std::unique_ptr<NcclCommunicator>(new NcclCommunicator(comm, rank, size, device_index));
+  std::unique_ptr<NcclCommunicator> result(new NcclCommunicator(comm, rank, size, device_index, timeout));
+  NcclCommunicator* self = result.get();
+  result->watchdog_ = std::thread([self] { self->Watch(); });
+  return result;
 }
 
 NcclCommunicator::~NcclCommunicator() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  if (watchdog_.joinable()) watchdog_.join();
+  for (InFlight& op : in_flight_) cudaEventDestroy(op.done);
   if (comm_ != nullptr) ncclCommDestroy(comm_);
+}
+
+Status NcclCommunicator::Track(const char* op, cudaStream_t stream) {
+  cudaEvent_t done = nullptr;
+  if (cudaEventCreateWithFlags(&done, cudaEventDisableTiming) != cudaSuccess) {
+    return Unavailable(std::string("nccl ") + op + ": cudaEventCreate failed");
+  }
+  if (cudaEventRecord(done, stream) != cudaSuccess) {
+    cudaEventDestroy(done);
+    return Unavailable(std::string("nccl ") + op + ": cudaEventRecord failed");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  in_flight_.push_back(InFlight{op, next_seq_++, done, std::chrono::steady_clock::now()});
+  return Status::Ok();
+}
+
+void NcclCommunicator::Watch() {
+  cudaSetDevice(device_);
+  while (true) {
+    std::string failure;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_) return;
+      while (!in_flight_.empty() && cudaEventQuery(in_flight_.front().done) == cudaSuccess) {
+        cudaEventDestroy(in_flight_.front().done);
+        in_flight_.pop_front();
+      }
+      const auto now = std::chrono::steady_clock::now();
+      if (!in_flight_.empty() && now - in_flight_.front().start > timeout_) {
+        const InFlight& op = in_flight_.front();
+        failure = "nccl " + op.op + " #" + std::to_string(op.seq) + " on a group of " + std::to_string(size_) +
+                  " ranks (this rank " + std::to_string(rank_) + ") did not finish within " +
+                  std::to_string(timeout_.count() / 1000) +
+                  " s (fault.collective_timeout_s); a peer rank may have died or hung";
+      }
+      ncclResult_t async_error = ncclSuccess;
+      if (failure.empty() && ncclCommGetAsyncError(comm_, &async_error) == ncclSuccess && async_error != ncclSuccess) {
+        failure = std::string("nccl reported an asynchronous error: ") + ncclGetErrorString(async_error);
+      }
+    }
+    if (!failure.empty()) {
+      std::fprintf(stderr, "ltrain-worker: rank %d: error: %s; aborting the communicator\n", rank_, failure.c_str());
+      std::fflush(stderr);
+      std::fflush(stdout);
+      ncclCommAbort(comm_);
+      // The training thread may be blocked inside CUDA or NCCL for good: leave now, with a failure.
+      ::_exit(1);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
 }
 
 Status NcclCommunicator::AllReduceSum(at::Tensor& tensor) {
@@ -75,9 +139,9 @@ Status NcclCommunicator::AllReduceSum(at::Tensor& tensor) {
   if (!type.ok()) return type.status();
   c10::cuda::CUDAGuard guard(tensor.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
-  return Check(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()), *type,
-                             ncclSum, comm_, stream),
-               "AllReduce");
+  if (Status s = Check(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()), *type,
+                             ncclSum, comm_, stream), "AllReduce"); !s.ok()) return s;
+  return Track("AllReduce", stream);
 }
 
 Status NcclCommunicator::Broadcast(at::Tensor& tensor, int root) {
@@ -86,9 +150,9 @@ Status NcclCommunicator::Broadcast(at::Tensor& tensor, int root) {
   if (!type.ok()) return type.status();
   c10::cuda::CUDAGuard guard(tensor.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
-  return Check(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()), *type,
-                             root, comm_, stream),
-               "Broadcast");
+  if (Status s = Check(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()), *type,
+                             root, comm_, stream), "Broadcast"); !s.ok()) return s;
+  return Track("Broadcast", stream);
 }
 
 Status NcclCommunicator::AllGather(const at::Tensor& input, at::Tensor& output) {
@@ -101,9 +165,9 @@ Status NcclCommunicator::AllGather(const at::Tensor& input, at::Tensor& output) 
   if (!type.ok()) return type.status();
   c10::cuda::CUDAGuard guard(input.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(input.device().index()).stream();
-  return Check(ncclAllGather(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()), *type,
-                             comm_, stream),
-               "AllGather");
+  if (Status s = Check(ncclAllGather(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()), *type,
+                             comm_, stream), "AllGather"); !s.ok()) return s;
+  return Track("AllGather", stream);
 }
 
 Status NcclCommunicator::ReduceScatterSum(const at::Tensor& input, at::Tensor& output) {
@@ -116,9 +180,9 @@ Status NcclCommunicator::ReduceScatterSum(const at::Tensor& input, at::Tensor& o
   if (!type.ok()) return type.status();
   c10::cuda::CUDAGuard guard(input.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(input.device().index()).stream();
-  return Check(ncclReduceScatter(input.data_ptr(), output.data_ptr(), static_cast<size_t>(output.numel()), *type,
-                                 ncclSum, comm_, stream),
-               "ReduceScatter");
+  if (Status s = Check(ncclReduceScatter(input.data_ptr(), output.data_ptr(), static_cast<size_t>(output.numel()), *type,
+                                 ncclSum, comm_, stream), "ReduceScatter"); !s.ok()) return s;
+  return Track("ReduceScatter", stream);
 }
 
 Status NcclCommunicator::Send(const at::Tensor& tensor, int dst, uint32_t /*tag*/) {
@@ -128,7 +192,8 @@ Status NcclCommunicator::Send(const at::Tensor& tensor, int dst, uint32_t /*tag*
   c10::cuda::CUDAGuard guard(tensor.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
   pending_.push_back(tensor);
-  return Check(ncclSend(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), *type, dst, comm_, stream), "Send");
+  if (Status s = Check(ncclSend(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), *type, dst, comm_, stream), "Send"); !s.ok()) return s;
+  return Track("Send", stream);
 }
 
 Status NcclCommunicator::Recv(at::Tensor& tensor, int src, uint32_t /*tag*/) {
@@ -137,7 +202,8 @@ Status NcclCommunicator::Recv(at::Tensor& tensor, int src, uint32_t /*tag*/) {
   if (!type.ok()) return type.status();
   c10::cuda::CUDAGuard guard(tensor.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
-  return Check(ncclRecv(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), *type, src, comm_, stream), "Recv");
+  if (Status s = Check(ncclRecv(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), *type, src, comm_, stream), "Recv"); !s.ok()) return s;
+  return Track("Recv", stream);
 }
 
 Status NcclCommunicator::WaitSends() {

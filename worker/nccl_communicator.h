@@ -5,10 +5,24 @@
 // Collectives are enqueued on the current CUDA stream of the tensor's device and return without
 // waiting (stream order keeps the training loop correct); errors of the NCCL calls come back as
 // Status. Every rank calls collectives in the same order.
+//
+// Watchdog: every enqueued operation records a CUDA event; a watchdog thread of the communicator
+// polls them (and ncclCommGetAsyncError). When one has not completed within the collective timeout
+// (fault.collective_timeout_s), or NCCL reports an asynchronous error, it prints which operation
+// waited how long, calls ncclCommAbort (which unblocks the stream) and exits the process with code 1:
+// a peer that vanished makes the rank fail with a clear error instead of hanging forever.
 #pragma once
 
+#include <chrono>
+#include <cstdint>
+#include <deque>
 #include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
 #include <vector>
+
+#include <cuda_runtime.h>
 
 #include <gloo/rendezvous/store.h>
 #include <nccl.h>
@@ -20,7 +34,8 @@ namespace ltrain::worker {
 class NcclCommunicator : public Communicator {
  public:
   static StatusOr<std::unique_ptr<NcclCommunicator>> Create(gloo::rendezvous::Store& store, int rank,
-                                                            int size, int device_index);
+                                                            int size, int device_index,
+                                                            std::chrono::milliseconds timeout);
   ~NcclCommunicator() override;
 
   int rank() const override { return rank_; }
@@ -39,10 +54,26 @@ class NcclCommunicator : public Communicator {
   Status WaitSends() override;
 
  private:
-  NcclCommunicator(ncclComm_t comm, int rank, int size, int device)
-      : comm_(comm), rank_(rank), size_(size), device_(device) {}
+  struct InFlight {
+    std::string op;
+    uint64_t seq = 0;
+    cudaEvent_t done = nullptr;
+    std::chrono::steady_clock::time_point start;
+  };
+
+  NcclCommunicator(ncclComm_t comm, int rank, int size, int device, std::chrono::milliseconds timeout)
+      : comm_(comm), rank_(rank), size_(size), device_(device), timeout_(timeout) {}
+  // After an operation was enqueued on `stream`: hands it to the watchdog.
+  Status Track(const char* op, cudaStream_t stream);
+  void Watch();
 
   ncclComm_t comm_;
+  std::chrono::milliseconds timeout_;
+  std::mutex mu_;
+  std::deque<InFlight> in_flight_;
+  uint64_t next_seq_ = 1;
+  bool stop_ = false;
+  std::thread watchdog_;
   int rank_;
   int size_;
   int device_;

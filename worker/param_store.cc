@@ -361,62 +361,95 @@ MemoryBytes ParamStore::Memory() const {
   return m;
 }
 
-std::vector<std::pair<std::string, torch::Tensor>> ParamStore::ModelState(const std::vector<std::string>& names) const {
-  std::vector<std::pair<std::string, torch::Tensor>> out;
-  if (zero_ == 3) {
-    for (size_t u = 0; u < units_.size(); ++u) out.emplace_back("unit." + std::to_string(u) + ".shard", units_[u].shard.clone());
-  } else {
-    for (size_t i = 0; i < params_.size(); ++i) out.emplace_back(names[i], params_[i].value->detach().clone());
+Range ParamStore::OwnedOfParam(int param) const {
+  const Unit& unit = units_[unit_of_[param]];
+  int64_t off = 0;
+  for (size_t k = 0; k < unit.layout.params.size(); ++k) {
+    if (unit.layout.params[k] == param) off = unit.layout.offsets[k];
   }
-  return out;
-}
-
-std::vector<std::pair<std::string, torch::Tensor>> ParamStore::OptimizerState() const {
-  std::vector<std::pair<std::string, torch::Tensor>> out;
-  for (size_t u = 0; u < units_.size(); ++u) {
-    out.emplace_back("unit." + std::to_string(u) + ".exp_avg", units_[u].exp_avg.clone());
-    out.emplace_back("unit." + std::to_string(u) + ".exp_avg_sq", units_[u].exp_avg_sq.clone());
-  }
-  return out;
+  const int64_t n = params_[param].value->numel();
+  Range seg = Intersect(Owned(unit), Range{off, off + n});
+  if (seg.size() <= 0) return Range{0, 0};
+  return Range{seg.begin - off, seg.end - off};
 }
 
 namespace {
 
-Status CopyInto(const std::string& key, const StatusOr<torch::Tensor>& loaded, torch::Tensor dst) {
-  if (!loaded.ok()) return loaded.status();
-  if (loaded->numel() != dst.numel()) {
-    return DataLoss("checkpoint tensor " + key + " has " + std::to_string(loaded->numel()) + " elements, expected " +
-                    std::to_string(dst.numel()) + " (was it saved by another layout or model?)");
-  }
-  torch::NoGradGuard no_grad;
-  dst.view(-1).copy_(loaded->reshape(-1));
-  return Status::Ok();
-}
+torch::Tensor RangeTensor(Range r) { return torch::tensor(std::vector<int64_t>{r.begin, r.end}, torch::kLong); }
 
 }  // namespace
 
-Status ParamStore::LoadModelState(const std::vector<std::string>& names,
-                                  const std::function<StatusOr<torch::Tensor>(const std::string&)>& read) {
-  if (zero_ == 3) {
-    for (size_t u = 0; u < units_.size(); ++u) {
-      const std::string key = "unit." + std::to_string(u) + ".shard";
-      if (Status s = CopyInto(key, read(key), units_[u].shard); !s.ok()) return s;
-    }
-    return Status::Ok();
-  }
+std::vector<std::pair<std::string, torch::Tensor>> ParamStore::ModelState(const std::vector<std::string>& names) const {
+  torch::NoGradGuard no_grad;
+  std::vector<std::pair<std::string, torch::Tensor>> out;
   for (size_t i = 0; i < params_.size(); ++i) {
-    if (Status s = CopyInto(names[i], read(names[i]), params_[i].value->detach()); !s.ok()) return s;
+    const int64_t n = params_[i].value->numel();
+    if (zero_ < 3) {
+      out.emplace_back("range." + names[i], RangeTensor(Range{0, n}));
+      out.emplace_back("model." + names[i], params_[i].value->detach().reshape(-1).to(torch::kCPU, torch::kFloat, false, true));
+      continue;
+    }
+    const Unit& unit = units_[unit_of_[i]];
+    const Range r = OwnedOfParam(static_cast<int>(i));
+    const Range own = Owned(unit);
+    int64_t off = 0;
+    for (size_t k = 0; k < unit.layout.params.size(); ++k) {
+      if (unit.layout.params[k] == static_cast<int>(i)) off = unit.layout.offsets[k];
+    }
+    out.emplace_back("range." + names[i], RangeTensor(r));
+    out.emplace_back("model." + names[i],
+                     unit.shard.narrow(0, r.size() > 0 ? off + r.begin - own.begin : 0, r.size())
+                         .to(torch::kCPU, torch::kFloat, false, true));
   }
-  return Status::Ok();
+  return out;
 }
 
-Status ParamStore::LoadOptimizerState(const std::function<StatusOr<torch::Tensor>(const std::string&)>& read) {
-  for (size_t u = 0; u < units_.size(); ++u) {
-    for (const char* which : {"exp_avg", "exp_avg_sq"}) {
-      const std::string key = "unit." + std::to_string(u) + "." + which;
-      torch::Tensor dst = std::string(which) == "exp_avg" ? units_[u].exp_avg : units_[u].exp_avg_sq;
-      if (Status s = CopyInto(key, read(key), dst); !s.ok()) return s;
+std::vector<std::pair<std::string, torch::Tensor>> ParamStore::OptimizerState(const std::vector<std::string>& names) const {
+  torch::NoGradGuard no_grad;
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Unit& unit = units_[unit_of_[i]];
+    const Range r = OwnedOfParam(static_cast<int>(i));
+    const Range own = Owned(unit);
+    int64_t off = 0;
+    for (size_t k = 0; k < unit.layout.params.size(); ++k) {
+      if (unit.layout.params[k] == static_cast<int>(i)) off = unit.layout.offsets[k];
     }
+    const int64_t at = r.size() > 0 ? off + r.begin - own.begin : 0;
+    out.emplace_back("range." + names[i], RangeTensor(r));
+    out.emplace_back("exp_avg." + names[i], unit.exp_avg.narrow(0, at, r.size()).to(torch::kCPU, torch::kFloat, false, true));
+    out.emplace_back("exp_avg_sq." + names[i],
+                     unit.exp_avg_sq.narrow(0, at, r.size()).to(torch::kCPU, torch::kFloat, false, true));
+  }
+  return out;
+}
+
+Status ParamStore::LoadParamState(int param, const torch::Tensor& value, const torch::Tensor& exp_avg,
+                                  const torch::Tensor& exp_avg_sq) {
+  torch::NoGradGuard no_grad;
+  const int64_t n = params_[param].value->numel();
+  for (const torch::Tensor* t : {&value, &exp_avg, &exp_avg_sq}) {
+    if (t->numel() != n) {
+      return DataLoss("checkpoint state of parameter " + std::to_string(param) + " has " + std::to_string(t->numel()) +
+                      " elements, expected " + std::to_string(n) + " (was it saved by another model?)");
+    }
+  }
+  Unit& unit = units_[unit_of_[param]];
+  const Range r = OwnedOfParam(param);
+  const Range own = Owned(unit);
+  int64_t off = 0;
+  for (size_t k = 0; k < unit.layout.params.size(); ++k) {
+    if (unit.layout.params[k] == param) off = unit.layout.offsets[k];
+  }
+  const int64_t at = off + r.begin - own.begin;
+  if (zero_ < 3) {
+    params_[param].value->detach().view(-1).copy_(value.reshape(-1));
+  } else if (r.size() > 0) {
+    unit.shard.narrow(0, at, r.size()).copy_(value.reshape(-1).narrow(0, r.begin, r.size()));
+  }
+  if (r.size() > 0) {
+    unit.exp_avg.narrow(0, at, r.size()).copy_(exp_avg.reshape(-1).narrow(0, r.begin, r.size()));
+    unit.exp_avg_sq.narrow(0, at, r.size()).copy_(exp_avg_sq.reshape(-1).narrow(0, r.begin, r.size()));
   }
   return Status::Ok();
 }

@@ -125,13 +125,17 @@ class ParamStore {
 
   MemoryBytes Memory() const;
 
-  // Checkpoint state: named tensors this rank holds (zero 3: parameter shards; otherwise the full
-  // local parameters) and the optimizer's moments.
+  // Checkpoint state by parameter (`names` in the store's parameter order): for each parameter the
+  // range of its flattened elements this rank holds ("range.<name>", int64 [begin, end); under ZeRO-3
+  // and for ZeRO-1/2 moments the owned shard, otherwise all of it) and those elements
+  // ("model.<name>"; "exp_avg.<name>" and "exp_avg_sq.<name>"). Copies, safe to keep while training
+  // goes on. Every key is present, with an empty range where this rank holds none of a parameter.
   std::vector<std::pair<std::string, torch::Tensor>> ModelState(const std::vector<std::string>& names) const;
-  std::vector<std::pair<std::string, torch::Tensor>> OptimizerState() const;
-  // Copies loaded tensors back (same keys as the two above).
-  Status LoadModelState(const std::vector<std::string>& names, const std::function<StatusOr<torch::Tensor>(const std::string&)>& read);
-  Status LoadOptimizerState(const std::function<StatusOr<torch::Tensor>(const std::string&)>& read);
+  std::vector<std::pair<std::string, torch::Tensor>> OptimizerState(const std::vector<std::string>& names) const;
+  // Loads parameter `param` from its full flattened value and moments (any layout's checkpoint,
+  // reassembled): keeps the part this rank holds.
+  Status LoadParamState(int param, const torch::Tensor& value, const torch::Tensor& exp_avg, const torch::Tensor& exp_avg_sq);
+  int64_t ParamNumel(int param) const { return params_[param].value->numel(); }
 
  private:
   struct Unit {
@@ -151,6 +155,8 @@ class ParamStore {
   void OnGradReady(int param);
   void Launch(int u);
   Range Owned(const Unit& unit) const;
+  // The elements of parameter `param` (relative to the parameter) that Owned() covers.
+  Range OwnedOfParam(int param) const;
   torch::Tensor OwnedGrad(Unit& unit);
   torch::Tensor OwnedParam(Unit& unit);
 

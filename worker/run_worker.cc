@@ -17,6 +17,7 @@
 #include <c10/util/Exception.h>
 
 #include "common/recipe.h"
+#include "worker/checkpoint.h"
 #include "worker/communicator.h"
 #include "worker/gloo_communicator.h"
 #include "worker/progress.h"
@@ -50,12 +51,13 @@ Status EnvInt(const char* name, int* out) {
   return Status::Ok();
 }
 
-// Collective timeout: long enough for a slow checkpoint on rank 0, short enough that a dead peer
-// surfaces as an error rather than a silent hang.
-std::chrono::milliseconds CollectiveTimeout() {
-  int seconds = 300;
-  if (!EnvInt("LTRAIN_COLLECTIVE_TIMEOUT_S", &seconds).ok() || seconds <= 0) seconds = 300;
-  return std::chrono::seconds(seconds);
+// Collective timeout: fault.collective_timeout_s of the recipe (LTRAIN_COLLECTIVE_TIMEOUT_S wins):
+// long enough for a slow step, short enough that a vanished peer fails the collective instead of
+// hanging it forever.
+std::chrono::milliseconds CollectiveTimeout(const Recipe& recipe) {
+  int seconds = 0;
+  if (EnvInt("LTRAIN_COLLECTIVE_TIMEOUT_S", &seconds).ok() && seconds > 0) return std::chrono::seconds(seconds);
+  return std::chrono::milliseconds(static_cast<int64_t>(recipe.fault.collective_timeout_s * 1000.0));
 }
 
 // LibTorch's set_num_threads sizes its OpenMP pool but not OpenBLAS's own pthread pool, which
@@ -100,14 +102,16 @@ StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe
   GroupFactory make;
   if (recipe.parallel.device == "cuda") {
 #ifdef LTRAIN_WITH_NCCL
-    auto nccl = NcclCommunicator::Create(*conn->store, env.rank, env.world_size, env.local_rank);
+    const std::chrono::milliseconds timeout = CollectiveTimeout(recipe);
+    auto nccl = NcclCommunicator::Create(*conn->store, env.rank, env.world_size, env.local_rank, timeout);
     if (!nccl.ok()) return nccl.status();
     conn->world = std::move(nccl).value();
     Connection* c = conn.get();
     const int local_rank = env.local_rank;
-    make = [c, local_rank](const Group& group, int group_rank) -> StatusOr<std::unique_ptr<Communicator>> {
+    make = [c, local_rank, timeout](const Group& group, int group_rank) -> StatusOr<std::unique_ptr<Communicator>> {
       gloo::rendezvous::PrefixStore prefixed("group/" + group.name, *c->store);
-      auto comm = NcclCommunicator::Create(prefixed, group_rank, static_cast<int>(group.ranks.size()), local_rank);
+      auto comm = NcclCommunicator::Create(prefixed, group_rank, static_cast<int>(group.ranks.size()), local_rank,
+                                           timeout);
       if (!comm.ok()) return comm.status();
       return std::unique_ptr<Communicator>(std::move(comm).value());
     };
@@ -115,7 +119,7 @@ StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe
     return InvalidArgument("parallel.device=cuda needs a worker built against LibTorch with CUDA and NCCL");
 #endif
   } else {
-    auto gloo = GlooCommunicator::Create(*conn->store, env.rank, env.world_size, env.bind_addr, CollectiveTimeout());
+    auto gloo = GlooCommunicator::Create(*conn->store, env.rank, env.world_size, env.bind_addr, CollectiveTimeout(recipe));
     if (!gloo.ok()) return gloo.status();
     GlooCommunicator* world = gloo->get();
     conn->world = std::move(gloo).value();
@@ -154,6 +158,10 @@ Status Run(const WorkerEnv& env) {
   options.local_rank = env.local_rank;
   options.generation = env.generation;
   options.job_id = env.job_id;
+  options.collective_timeout = CollectiveTimeout(recipe);
+  StatusOr<CheckpointWriteFault> fault = CheckpointWriteFault::FromEnv();
+  if (!fault.ok()) return fault.status();
+  options.checkpoint_write_fault = *fault;
   options.checkpoint_dir = !env.checkpoint_dir.empty()     ? env.checkpoint_dir
                            : !recipe.checkpoint.dir.empty() ? recipe.checkpoint.dir
                                                             : DefaultCheckpointDir(env, recipe);
@@ -181,6 +189,12 @@ Status Run(const WorkerEnv& env) {
               env.world_size, static_cast<int>(getpid()), threads, env.world_size - 1,
               std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - connect_start).count());
   std::fflush(stdout);
+  // Ranks tell rank 0 their checkpoint files are durable through the checkpoint directory itself.
+  std::unique_ptr<CheckpointCommitBoard> board;
+  if (env.world_size > 1) {
+    board = std::make_unique<FileCommitBoard>(options.checkpoint_dir);
+    options.commit_board = board.get();
+  }
   StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(recipe, options, &(*conn)->groups);
   if (!trainer.ok()) return trainer.status();
   Status done = (*trainer)->Run();
@@ -216,7 +230,16 @@ Environment (set by the agent; flags win over it):
   LTRAIN_CHECKPOINT_DIR    overrides checkpoint.dir
   LTRAIN_AGENT             HOST:PORT of the agent's WorkerService, where progress reports go
   LTRAIN_BIND_ADDR         address Gloo listens on (default 127.0.0.1)
-  LTRAIN_COLLECTIVE_TIMEOUT_S  seconds before a stuck collective fails (default 300)
+  LTRAIN_COLLECTIVE_TIMEOUT_S  seconds before a stuck collective fails (default: the recipe's
+                           fault.collective_timeout_s)
+
+Fault injection (for testing recovery; never set in production):
+  LTRAIN_FAULT_CHECKPOINT_WRITE=STEP[:RANK]
+                           the save of step STEP fails while writing a file of rank RANK (every
+                           rank when absent), after half of its bytes reached the disk: the step is
+                           not committed, `latest` keeps naming the previous one, rank 0 prints
+                           "checkpoint step-STEP failed: ...; step-M stays the newest committed",
+                           and training goes on
 
 By hand, two ranks on one machine:
   LTRAIN_WORLD_SIZE=2 LTRAIN_RANK=0 LTRAIN_RDZV=file:///tmp/rdzv LTRAIN_RDZV_SCOPE=t1 ltrain-worker --recipe r.yaml &
@@ -226,8 +249,13 @@ By hand, two ranks on one machine:
 Rank 0 prints "step S/N loss L lr R tok/s T step_ms M" lines; every rank prints once, after its first
 step, "memory rank R: params B bytes, grads B bytes, optimizer B bytes, activations_peak B bytes".
 Checkpoints go to <checkpoint_dir>/step-<N>/ (model.pt and optimizer.pt for plain data parallelism,
-model-rank-R.pt and optimizer-rank-R.pt shards for tp/pp/ZeRO layouts, meta.yaml with checksums)
-with <checkpoint_dir>/latest.
+model-rank-R.pt and optimizer-rank-R.pt shards for tp/pp/ZeRO layouts, meta.yaml: the manifest with
+step, generation, layout, data position, RNG state, recipe, and every file's checksum and size)
+with <checkpoint_dir>/latest. With checkpoint.async (the default) the files are written by a
+background thread from a snapshot in host memory while training goes on; rank 0 prints
+"checkpoint step-N written to DIR in X ms" when step N is committed. A resume (checkpoint.resume_from,
+or a restarted generation) takes the newest checkpoint whose checksums verify, saying why it skipped
+any newer one; it may use another data-parallel degree or ZeRO stage (same tp and pp).
 Exit code: 0 done, 1 failed (reason on stderr), 2 bad usage.
 )";
 }

@@ -10,10 +10,12 @@
 #include <fstream>
 #include <map>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
 
 #include "worker/checkpoint.h"
+#include "worker/checkpoint_writer.h"
 #include "worker/flat_layout.h"
 #include "worker/progress.h"
 #include "worker/topology.h"
@@ -32,6 +34,48 @@ double MillisSince(Clock::time_point start) {
 int64_t HeapInUse() {
   struct mallinfo2 info = mallinfo2();
   return static_cast<int64_t>(info.uordblks + info.hblkhd);
+}
+
+std::string RngStateHex() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  torch::Tensor state;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    state = gen.get_state().contiguous();
+  }
+  static const char* kHex = "0123456789abcdef";
+  const uint8_t* bytes = state.data_ptr<uint8_t>();
+  std::string out;
+  out.reserve(static_cast<size_t>(state.numel()) * 2);
+  for (int64_t i = 0; i < state.numel(); ++i) {
+    out.push_back(kHex[bytes[i] >> 4]);
+    out.push_back(kHex[bytes[i] & 15]);
+  }
+  return out;
+}
+
+Status RestoreRngState(const std::string& hex) {
+  if (hex.empty() || hex.size() % 2 != 0) return DataLoss("checkpoint rng_state is malformed");
+  torch::Tensor state = torch::empty({static_cast<int64_t>(hex.size() / 2)}, torch::kByte);
+  uint8_t* bytes = state.data_ptr<uint8_t>();
+  auto nibble = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  for (size_t i = 0; i < hex.size(); i += 2) {
+    const int hi = nibble(hex[i]), lo = nibble(hex[i + 1]);
+    if (hi < 0 || lo < 0) return DataLoss("checkpoint rng_state is not hex");
+    bytes[i / 2] = static_cast<uint8_t>(hi * 16 + lo);
+  }
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  try {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
+  } catch (const c10::Error& e) {
+    return DataLoss(std::string("checkpoint rng_state does not fit this LibTorch: ") + e.what_without_backtrace());
+  }
+  return Status::Ok();
 }
 
 Status Rethrown(const char* what) {
@@ -149,6 +193,9 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const Recipe& recipe, const T
 
 Status Trainer::Init() {
   const ParallelSpec& p = recipe_.parallel;
+  // Saves a previous run left half-written are never read: rank 0 removes them before any rank
+  // can start a save of this run (every save follows collectives with rank 0).
+  if (options_.rank == 0 && !options_.checkpoint_dir.empty()) RemovePendingCheckpoints(options_.checkpoint_dir, -1);
   if (p.device == "cuda") {
     if (!compat::kBuiltWithCuda) {
       return InvalidArgument("parallel.device=cuda needs a worker built against LibTorch with CUDA; this one is CPU-only (use device: cpu)");
@@ -252,34 +299,143 @@ Status Trainer::Init() {
     plan_ = std::move(plan).value();
   }
 
-  const std::string& resume = recipe_.checkpoint.resume_from;
-  if (!resume.empty()) {
-    StatusOr<std::string> step_dir = ResolveCheckpoint(resume);
-    if (!step_dir.ok()) return step_dir.status();
-    StatusOr<CheckpointMeta> meta = ReadCheckpointMeta(*step_dir);
-    if (!meta.ok()) return meta.status();
-    if (meta->layout != LayoutKey() && !(meta->layout.empty() && layout_.plain())) {
-      return InvalidArgument("checkpoint " + *step_dir + " was saved with layout '" + meta->layout +
-                             "' but this run is '" + LayoutKey() + "'; resuming into another layout (resharding) is not supported yet");
-    }
-    namespace fs = std::filesystem;
-    StatusOr<TensorReader> model_reader = OpenTensorArchive((fs::path(*step_dir) / ModelFile(ModelSourceRank())).string());
-    if (!model_reader.ok()) return model_reader.status();
-    if (Status s = store_->LoadModelState(param_names_, *model_reader); !s.ok()) return s;
-    StatusOr<TensorReader> opt_reader = OpenTensorArchive((fs::path(*step_dir) / OptimizerFile(OptimizerSourceRank())).string());
-    if (!opt_reader.ok()) return opt_reader.status();
-    if (Status s = store_->LoadOptimizerState(*opt_reader); !s.ok()) return s;
-    step_ = meta->step;
-    data_position_ = meta->data_position;
-    if (options_.rank == 0 && options_.print_progress) {
-      std::printf("resumed from %s at step %lld data_position %lld (saved by world size %d)\n",
-                  step_dir->c_str(), static_cast<long long>(step_), static_cast<long long>(data_position_),
-                  meta->world_size);
-    }
+  if (!recipe_.checkpoint.resume_from.empty()) {
+    if (Status s = Resume(recipe_.checkpoint.resume_from); !s.ok()) return s;
   }
   run_start_step_ = step_;
   run_start_position_ = data_position_;
+
+  if (!options_.checkpoint_dir.empty()) {
+    CheckpointWriterOptions w;
+    w.dir = options_.checkpoint_dir;
+    w.rank = groups_->rank;
+    w.world_size = layout_.world_size;
+    w.recipe = recipe_;
+    w.print = options_.print_progress;
+    w.fault = options_.checkpoint_write_fault;
+    w.commit_timeout = options_.collective_timeout;
+    w.board = options_.commit_board;
+    if (w.board == nullptr && layout_.world_size == 1) {
+      local_board_ = std::make_unique<LocalCommitBoard>();
+      w.board = local_board_.get();
+    }
+    w.async = recipe_.checkpoint.async && w.board != nullptr;
+    writer_ = std::make_unique<CheckpointWriter>(std::move(w));
+  }
   return Status::Ok();
+}
+
+// Rank 0 picks the checkpoint (verifying checksums, skipping corrupt ones) and tells the others
+// which step, so every rank loads the same one.
+Status Trainer::Resume(const std::string& path) {
+  namespace fs = std::filesystem;
+  const int rank = groups_->rank;
+  StatusOr<ResumeChoice> choice = NotFound("");
+  int64_t chosen = -1;
+  if (rank == 0) {
+    choice = ChooseResumeCheckpoint(path);
+    if (choice.ok()) {
+      chosen = choice->meta.step;
+      for (const std::string& why : choice->skipped) {
+        std::printf("%s; resuming from %s\n", why.c_str(), fs::path(choice->step_dir).filename().c_str());
+      }
+      std::fflush(stdout);
+    }
+  }
+  if (layout_.world_size > 1) {
+    torch::Tensor t = torch::full({1}, chosen, torch::TensorOptions().dtype(torch::kLong).device(device_));
+    if (Status s = groups_->world->Broadcast(t, 0); !s.ok()) return s;
+    chosen = t.to(torch::kCPU).item<int64_t>();
+  }
+  if (rank == 0 && !choice.ok()) return choice.status();
+  if (chosen < 0) return Unavailable("rank 0 found no checkpoint to resume from in " + path + " (see its log)");
+  std::string step_dir;
+  if (rank == 0) {
+    step_dir = choice->step_dir;
+  } else {
+    std::error_code ec;
+    const bool is_step = fs::exists(fs::path(path) / "meta.yaml", ec) || fs::path(path).filename().string().rfind("step-", 0) == 0;
+    step_dir = is_step ? path : (fs::path(path) / ("step-" + std::to_string(chosen))).string();
+  }
+  StatusOr<CheckpointMeta> meta = rank == 0 ? StatusOr<CheckpointMeta>(choice->meta) : ReadCheckpointMeta(step_dir, false);
+  if (!meta.ok()) return DataLoss("checkpoint " + step_dir + ": " + meta.status().message());
+  if (meta->step != chosen) return DataLoss("checkpoint " + step_dir + " holds step " + std::to_string(meta->step) + ", rank 0 chose " + std::to_string(chosen));
+  if (Status s = LoadCheckpoint(step_dir, *meta); !s.ok()) return s;
+  step_ = meta->step;
+  data_position_ = meta->data_position;
+  if (rank == 0 && options_.print_progress) {
+    std::printf("resumed from %s at step %lld data_position %lld (saved by world size %d, %s)\n", step_dir.c_str(),
+                static_cast<long long>(step_), static_cast<long long>(data_position_), meta->world_size,
+                meta->layout.c_str());
+  }
+  return Status::Ok();
+}
+
+// Reassembles every parameter's full value and moments from the shards of the ranks that saved
+// this rank's tp/pp slice (any data-parallel degree, any ZeRO stage), then keeps this rank's part.
+Status Trainer::LoadCheckpoint(const std::string& step_dir, const CheckpointMeta& meta) {
+  namespace fs = std::filesystem;
+  if (meta.tp != layout_.tp || meta.pp != layout_.pp || meta.chunks != layout_.chunks) {
+    return InvalidArgument("checkpoint " + step_dir + " was saved with layout '" + meta.layout + "' but this run is '" +
+                           LayoutKey() + "'; resharding to another tp, pp or virtual_stages is not supported (the "
+                           "data-parallel degree and the ZeRO stage may differ)");
+  }
+  StatusOr<Topology> saved = MakeTopology(meta.world_size, meta.tp, meta.pp);
+  if (!saved.ok() || saved->dp != meta.dp || meta.zero < 0 || meta.zero > 3) {
+    return DataLoss("checkpoint " + step_dir + " has an inconsistent topology: world " + std::to_string(meta.world_size) +
+                    ", " + meta.layout);
+  }
+  const bool saved_plain = meta.tp == 1 && meta.pp == 1 && meta.zero == 0;
+  std::vector<TensorReader> model_readers, optimizer_readers;
+  for (int d = 0; d < meta.dp; ++d) {
+    RankCoords c = groups_->coords;
+    c.dp = d;
+    const int r = RankAt(*saved, c);
+    const std::string suffix = saved_plain ? ".pt" : "-rank-" + std::to_string(r) + ".pt";
+    if (d == 0 || meta.zero == 3) {
+      StatusOr<TensorReader> reader = OpenTensorArchive((fs::path(step_dir) / ("model" + suffix)).string());
+      if (!reader.ok()) return reader.status();
+      model_readers.push_back(*reader);
+    }
+    if (d == 0 || meta.zero >= 1) {
+      StatusOr<TensorReader> reader = OpenTensorArchive((fs::path(step_dir) / ("optimizer" + suffix)).string());
+      if (!reader.ok()) return reader.status();
+      optimizer_readers.push_back(*reader);
+    }
+  }
+  torch::NoGradGuard no_grad;
+  auto assemble = [&](const std::vector<TensorReader>& readers, const std::string& prefix, const std::string& name,
+                      torch::Tensor& into) -> Status {
+    int64_t covered = 0;
+    for (const TensorReader& read : readers) {
+      StatusOr<torch::Tensor> range = read("range." + name);
+      if (!range.ok()) return range.status();
+      StatusOr<torch::Tensor> values = read(prefix + name);
+      if (!values.ok()) return values.status();
+      const int64_t b = (*range)[0].item<int64_t>(), e = (*range)[1].item<int64_t>();
+      if (b < 0 || e < b || e > into.numel() || values->numel() != e - b) {
+        return DataLoss("checkpoint " + step_dir + ": " + prefix + name + " holds range [" + std::to_string(b) + ", " +
+                        std::to_string(e) + ") with " + std::to_string(values->numel()) + " values; the parameter has " +
+                        std::to_string(into.numel()) + " (saved by another model?)");
+      }
+      if (e > b) into.narrow(0, b, e - b).copy_(values->reshape(-1).to(torch::kFloat));
+      covered += e - b;
+    }
+    if (covered != into.numel()) {
+      return DataLoss("checkpoint " + step_dir + ": the shards of " + prefix + name + " cover " + std::to_string(covered) +
+                      " of " + std::to_string(into.numel()) + " elements");
+    }
+    return Status::Ok();
+  };
+  for (size_t i = 0; i < param_names_.size(); ++i) {
+    const int64_t n = store_->ParamNumel(static_cast<int>(i));
+    torch::Tensor value = torch::zeros({n}), m = torch::zeros({n}), v = torch::zeros({n});
+    if (Status s = assemble(model_readers, "model.", param_names_[i], value); !s.ok()) return s;
+    if (Status s = assemble(optimizer_readers, "exp_avg.", param_names_[i], m); !s.ok()) return s;
+    if (Status s = assemble(optimizer_readers, "exp_avg_sq.", param_names_[i], v); !s.ok()) return s;
+    if (Status s = store_->LoadParamState(static_cast<int>(i), value, m, v); !s.ok()) return s;
+  }
+  return RestoreRngState(meta.rng_state);
 }
 
 std::vector<torch::Tensor> Trainer::Parameters() const {
@@ -503,44 +659,76 @@ int Trainer::OptimizerSourceRank() const {
   return RankAt(groups_->topology, c);
 }
 
-Status Trainer::Save() {
-  if (options_.checkpoint_dir.empty()) return Status::Ok();
+Status Trainer::StartSave() {
+  if (!writer_) return Status::Ok();
   Progress::Global().SetPhase(step_, "checkpoint");
   const auto start = Clock::now();
   const int rank = groups_->rank;
-  Communicator* world = groups_->world;
-  const std::string& dir = options_.checkpoint_dir;
+  ++checkpoint_saves_;
+  CheckpointSnapshot snapshot;
+  snapshot.step = step_;
+  snapshot.start = start;
+  if (ModelSourceRank() == rank) snapshot.files.emplace_back(ModelFile(rank), store_->ModelState(param_names_));
+  if (OptimizerSourceRank() == rank) snapshot.files.emplace_back(OptimizerFile(rank), store_->OptimizerState(param_names_));
   if (rank == 0) {
-    if (Status s = PrepareCheckpoint(dir, step_); !s.ok()) return s;
+    CheckpointMeta& meta = snapshot.meta;
+    meta.step = step_;
+    meta.data_position = data_position_;
+    meta.world_size = layout_.world_size;
+    meta.generation = options_.generation;
+    meta.job_id = options_.job_id;
+    meta.layout = LayoutKey();
+    meta.tp = layout_.tp;
+    meta.dp = layout_.dp;
+    meta.pp = layout_.pp;
+    meta.zero = layout_.zero;
+    meta.chunks = layout_.chunks;
+    meta.rng_state = RngStateHex();
   }
-  if (Status s = world->Barrier(); !s.ok()) return s;
-  namespace fs = std::filesystem;
-  const fs::path pending = PendingCheckpointDir(dir, step_);
-  if (ModelSourceRank() == rank) {
-    if (Status s = WriteTensorArchive((pending / ModelFile(rank)).string(), store_->ModelState(param_names_)); !s.ok()) {
-      return s;
+  if (writer_->async()) {
+    writer_->Submit(std::move(snapshot));  // waits for the previous save, if still in flight
+    checkpoint_blocked_ms_ += MillisSince(start);
+    return Status::Ok();
+  }
+  const std::string error = writer_->WriteFiles(snapshot);
+  if (!error.empty() && rank != 0) {
+    std::fprintf(stderr, "ltrain-worker: checkpoint step-%lld: %s\n", static_cast<long long>(step_), error.c_str());
+  }
+  last_save_ = error.empty() ? Status::Ok() : Internal(error);
+  std::vector<std::string> errors;
+  if (options_.commit_board != nullptr) {
+    // Every rank's word, with its reason, through the commit board (on this thread).
+    if (Status s = options_.commit_board->Announce(step_, rank, error); !s.ok()) return s;
+    if (rank == 0) {
+      StatusOr<std::vector<std::string>> words =
+          options_.commit_board->Collect(step_, layout_.world_size, options_.collective_timeout, nullptr);
+      if (!words.ok()) return words.status();
+      for (const std::string& w : *words) {
+        if (!w.empty()) errors.push_back(w);
+      }
     }
+  } else {
+    torch::Tensor failed = torch::full({1}, error.empty() ? 0.0f : 1.0f, torch::TensorOptions().dtype(torch::kFloat).device(device_));
+    if (Status s = groups_->world->AllReduceSum(failed); !s.ok()) return s;
+    const int failed_ranks = static_cast<int>(failed.to(torch::kCPU).item<float>() + 0.5f);
+    if (!error.empty()) errors.push_back(error);
+    const int others = failed_ranks - (error.empty() ? 0 : 1);
+    if (others > 0) errors.push_back(std::to_string(others) + " other rank(s) could not write their files (see their logs)");
   }
-  if (OptimizerSourceRank() == rank) {
-    if (Status s = WriteTensorArchive((pending / OptimizerFile(rank)).string(), store_->OptimizerState()); !s.ok()) {
-      return s;
-    }
-  }
-  if (Status s = world->Barrier(); !s.ok()) return s;
-  if (rank != 0) return Status::Ok();
-  CheckpointMeta meta;
-  meta.step = step_;
-  meta.data_position = data_position_;
-  meta.world_size = layout_.world_size;
-  meta.generation = options_.generation;
-  meta.job_id = options_.job_id;
-  meta.layout = LayoutKey();
-  if (Status s = CommitCheckpoint(dir, meta, recipe_, recipe_.checkpoint.keep); !s.ok()) return s;
-  if (options_.print_progress) {
-    std::printf("checkpoint step-%lld written to %s in %.0f ms\n", static_cast<long long>(step_), dir.c_str(),
-                MillisSince(start));
-  }
+  if (rank == 0) last_save_ = writer_->Conclude(snapshot, errors);
+  checkpoint_blocked_ms_ += MillisSince(start);
   return Status::Ok();
+}
+
+Status Trainer::Save() {
+  if (!writer_) return Status::Ok();
+  if (Status s = StartSave(); !s.ok()) return s;
+  if (!writer_->async()) return last_save_;
+  Progress::Global().SetPhase(step_, "checkpoint");
+  const auto start = Clock::now();
+  Status s = writer_->Wait();
+  checkpoint_blocked_ms_ += MillisSince(start);
+  return s;
 }
 
 Status Trainer::ExportParameters(const std::string& path) {
@@ -639,7 +827,20 @@ Status Trainer::Run() {
     }
     const bool periodic = recipe_.checkpoint.every > 0 && s % recipe_.checkpoint.every == 0;
     if (periodic || s == t.steps) {
-      if (Status st = Save(); !st.ok()) return st;
+      if (Status st = StartSave(); !st.ok()) return st;
+    }
+  }
+  if (writer_) {
+    // The final save must be committed before the job may count as done.
+    Progress::Global().SetPhase(step_, "checkpoint");
+    const auto start = Clock::now();
+    Status last = writer_->async() ? writer_->Wait() : last_save_;
+    checkpoint_blocked_ms_ += MillisSince(start);
+    if (!last.ok()) return Internal("the final checkpoint was not saved: " + last.message());
+    if (printer && checkpoint_saves_ > 0) {
+      std::printf("checkpoint: the training thread was blocked %.1f ms in %d %s save(s) (%.1f ms per save)\n",
+                  checkpoint_blocked_ms_, checkpoint_saves_, writer_->async() ? "async" : "sync",
+                  checkpoint_blocked_ms_ / checkpoint_saves_);
     }
   }
   Progress::Global().SetPhase(step_, "done");

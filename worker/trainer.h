@@ -19,6 +19,7 @@
 #include "common/recipe.h"
 #include "common/status.h"
 #include "common/token_data.h"
+#include "worker/checkpoint.h"
 #include "worker/communicator.h"
 #include "worker/lr_schedule.h"
 #include "worker/parallel_model.h"
@@ -52,7 +53,16 @@ struct TrainerOptions {
   std::string job_id;
   std::string checkpoint_dir;   // resolved: env override, recipe, or default; empty disables saving
   bool print_progress = true;   // rank 0 prints; tests may silence it
+  // Where ranks say their checkpoint files are durable (a FileCommitBoard over the checkpoint dir). Async
+  // saves (checkpoint.async) need it when the world has more than one rank; without it they are
+  // synchronous. Must outlive the Trainer.
+  CheckpointCommitBoard* commit_board = nullptr;
+  CheckpointWriteFault checkpoint_write_fault;            // LTRAIN_FAULT_CHECKPOINT_WRITE
+  std::chrono::milliseconds collective_timeout{300000};   // also bounds rank 0's wait for peers' files
 };
+
+class CheckpointWriter;
+class LocalCommitBoard;
 
 class Trainer {
  public:
@@ -68,6 +78,7 @@ class Trainer {
   Status Run();
   // One optimizer step; returns the global-batch mean loss.
   StatusOr<double> Step();
+  // Saves the current step and waits until it is committed (or failed: the returned error).
   Status Save();
   // Rank 0 writes every parameter of the full model, gathered from all ranks, to `path`: for each
   // parameter in the model's order, uint32 name length, the name, uint64 element count, the
@@ -81,6 +92,9 @@ class Trainer {
   std::vector<torch::Tensor> Parameters() const;
   MemoryBytes Memory() const { return store_->Memory(); }
   int64_t activations_peak_bytes() const { return activations_peak_; }
+  // Milliseconds the training thread spent blocked in checkpoint saves so far (snapshot, waiting
+  // for the previous save; with synchronous saves the whole write).
+  double checkpoint_blocked_ms() const { return checkpoint_blocked_ms_; }
   // When the last micro-step's backward started and ended (pp == 1), for overlap checks.
   std::chrono::steady_clock::time_point backward_start() const { return backward_start_; }
   std::chrono::steady_clock::time_point backward_end() const { return backward_end_; }
@@ -98,6 +112,11 @@ class Trainer {
   std::string OptimizerFile(int rank) const;
   int ModelSourceRank() const;
   int OptimizerSourceRank() const;
+  // Snapshots this step and starts its save (async) or writes and commits it (sync). A failed save
+  // is reported, not returned: only errors that break the job (a failed collective) are.
+  Status StartSave();
+  Status Resume(const std::string& path);
+  Status LoadCheckpoint(const std::string& step_dir, const CheckpointMeta& meta);
 
   Recipe recipe_;
   TrainerOptions options_;
@@ -122,6 +141,11 @@ class Trainer {
   int64_t heap_base_ = 0;
   int64_t activations_peak_ = 0;
   std::chrono::steady_clock::time_point backward_start_, backward_end_;
+  double checkpoint_blocked_ms_ = 0;
+  int checkpoint_saves_ = 0;
+  Status last_save_;                               // sync saves: the outcome of the last one
+  std::unique_ptr<LocalCommitBoard> local_board_;  // a world of one rank
+  std::unique_ptr<CheckpointWriter> writer_;       // last: goes (and joins) first
 };
 
 }  // namespace ltrain::worker

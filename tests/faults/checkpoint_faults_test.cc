@@ -1,0 +1,117 @@
+// Checkpoint faults through the real `ltrain launch` (local agent, 2 worker processes): a flipped
+// byte in the newest checkpoint makes a resume take the previous one and say why; a write failure
+// injected in the middle of a save commits nothing, keeps the previous step the newest committed,
+// and the job still succeeds.
+#include <gtest/gtest.h>
+#include <google/protobuf/util/json_util.h>
+
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
+
+#include "ltrain/v1/ltrain.pb.h"
+#include "tests/support/subprocess.h"
+
+namespace ltrain::testing {
+namespace {
+
+namespace fs = std::filesystem;
+using std::chrono::seconds;
+
+std::string Latest(const std::string& ck) {
+  std::ifstream in(ck + "/latest");
+  std::string name;
+  std::getline(in, name);
+  return name;
+}
+
+class CheckpointFaultsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string text = TinyShakespeare();
+    if (text.empty()) GTEST_SKIP() << "../shared/data/tinyshakespeare.txt is not beside the checkout";
+    ProcessResult prepared = RunProcess({LtrainBinary(), "data", "prepare", "--input", text, "--output", dir_.Join("data")});
+    ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
+  }
+
+  std::string Recipe(const std::string& name, const std::string& extra) {
+    return dir_.Write(name + ".yaml", "name: " + name +
+                                          "\nmodel: {layers: 2, d_model: 64, heads: 4, seq_len: 32}\n"
+                                          "data: {path: " + dir_.Join("data") + "}\n"
+                                          "parallel: {nproc_per_node: 2}\n" + extra);
+  }
+
+  std::map<std::string, std::string> Env() const {
+    return {{"LTRAIN_HOME", dir_.Join("home")}, {"OMP_NUM_THREADS", "1"}};
+  }
+
+  v1::Job Status(const std::string& job_id) {
+    ProcessResult result = RunProcess({LtrainBinary(), "status", job_id, "--output", "json"}, Env());
+    v1::Job job;
+    EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(result.output, &job).ok()) << result.output;
+    return job;
+  }
+
+  TempDir dir_;
+};
+
+// A job runs to step 20 (checkpoints every 5); one byte of step-20's model file is flipped; a new
+// job resuming from that checkpoint directory starts from step 15 and its output says why.
+TEST_F(CheckpointFaultsTest, FlippedByteInNewestCheckpointResumesFromThePreviousOne) {
+  std::string first = Recipe("first", "training: {steps: 20, micro_batch: 4, global_batch: 8, log_every: 5}\n"
+                                      "checkpoint: {every: 5, keep: 5}\n");
+  ProcessResult ran = RunProcess({LtrainBinary(), "launch", first}, Env(), seconds(180));
+  ASSERT_EQ(ran.exit_code, 0) << ran.output;
+  const std::string ck = dir_.Join("home/checkpoints/first-1");
+  ASSERT_EQ(Latest(ck), "step-20") << ran.output;
+  {
+    std::fstream f(ck + "/step-20/model.pt", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(1000);
+    const char original = static_cast<char>(f.get());
+    f.seekp(1000);
+    f.put(static_cast<char>(original ^ 0x01));
+  }
+
+  std::string second = Recipe("second", "training: {steps: 25, micro_batch: 4, global_batch: 8, log_every: 5}\n"
+                                        "checkpoint: {every: 5, resume_from: " + ck + "}\n");
+  ProcessResult resumed = RunProcess({LtrainBinary(), "launch", second}, Env(), seconds(180));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_TRUE(std::regex_search(
+      resumed.output, std::regex(R"(checkpoint step-20 is corrupt \(model\.pt checksum mismatch: expected [0-9a-f]+, got [0-9a-f]+\); resuming from step-15)")))
+      << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from " + ck + "/step-15 at step 15"), std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find("step 25/25"), std::string::npos) << resumed.output;
+}
+
+// LTRAIN_FAULT_CHECKPOINT_WRITE=10 in the launch's environment: both ranks' writes of step 10 fail
+// half-way. Step 10 is never committed, step 5 stays the newest until step 15 commits, nothing
+// half-written is left, and the job SUCCEEDS without a restart.
+TEST_F(CheckpointFaultsTest, InjectedWriteFailureKeepsThePreviousCheckpointAndTheJobSucceeds) {
+  std::string recipe = Recipe("wfail", "training: {steps: 20, micro_batch: 4, global_batch: 8, log_every: 5}\n"
+                                       "checkpoint: {every: 5, keep: 10}\n"
+                                       "fault: {max_restarts: 1, restart_backoff_s: 0.2}\n");
+  std::map<std::string, std::string> env = Env();
+  env["LTRAIN_FAULT_CHECKPOINT_WRITE"] = "10";
+  ProcessResult ran = RunProcess({LtrainBinary(), "launch", recipe}, env, seconds(180));
+  ASSERT_EQ(ran.exit_code, 0) << ran.output;
+  EXPECT_TRUE(std::regex_search(
+      ran.output, std::regex(R"(checkpoint step-10 failed: rank 0: writing \S+: injected failure after \d+ of \d+ bytes \(LTRAIN_FAULT_CHECKPOINT_WRITE\).*; step-5 stays the newest committed)")))
+      << ran.output;
+  EXPECT_EQ(ran.output.find("checkpoint step-10 written"), std::string::npos) << ran.output;
+  const std::string ck = dir_.Join("home/checkpoints/wfail-1");
+  EXPECT_FALSE(fs::exists(ck + "/step-10"));
+  EXPECT_TRUE(fs::exists(ck + "/step-5/meta.yaml"));
+  EXPECT_TRUE(fs::exists(ck + "/step-15/meta.yaml"));
+  EXPECT_EQ(Latest(ck), "step-20");
+  for (const auto& e : fs::directory_iterator(ck)) {
+    EXPECT_NE(e.path().filename().string().rfind(".tmp-", 0), 0u) << e.path();
+  }
+  v1::Job job = Status("wfail-1");
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(job.restarts(), 0);
+  EXPECT_EQ(job.last_committed_step(), 20);
+}
+
+}  // namespace
+}  // namespace ltrain::testing
