@@ -115,8 +115,19 @@ void PrintJobDetail(const v1::Job& job) {
   std::printf("created:        %s\n", Age(job.created_unix_ms()).c_str());
   std::printf("generation:     %d (restarts: %d)\n", job.generation(), job.restarts());
   std::printf("ranks:          %d on %d node(s)\n", job.world_size(), job.nodes_now());
-  std::printf("step:           %lld\n", static_cast<long long>(job.last_step()));
+  if (job.total_steps() > 0) {
+    std::printf("step:           %lld/%lld\n", static_cast<long long>(job.last_step()),
+                static_cast<long long>(job.total_steps()));
+  } else {
+    std::printf("step:           %lld\n", static_cast<long long>(job.last_step()));
+  }
   if (job.last_step() > 0) std::printf("loss:           %.4f\n", job.last_loss());
+  if (job.tokens_per_s() > 0) std::printf("tokens/s:       %.0f\n", job.tokens_per_s());
+  if (job.eta_s() > 0) {
+    int64_t eta = static_cast<int64_t>(job.eta_s());
+    std::printf("eta:            %lldh%02lldm%02llds\n", static_cast<long long>(eta / 3600),
+                static_cast<long long>(eta / 60 % 60), static_cast<long long>(eta % 60));
+  }
   if (job.last_committed_step() > 0) {
     std::printf("last committed: step %lld (%s)\n", static_cast<long long>(job.last_committed_step()),
                 job.last_committed_path().c_str());
