@@ -133,7 +133,7 @@ class AgentImpl : public Agent {
       : options_(std::move(options)), spawner_(std::move(spawner)) {}
 
   Status Init() {
-    channel_ = grpc::CreateChannel(options_.coordinator, grpc::InsecureChannelCredentials());
+    channel_ = MakeChannel(options_.coordinator, options_.security);
     agent_stub_ = v1::AgentService::NewStub(channel_);
     std::error_code ec;
     fs::create_directories(options_.work_dir, ec);

@@ -13,6 +13,7 @@
 
 #include "agent/process_spawner.h"
 #include "common/status.h"
+#include "common/transport_security.h"
 
 namespace ltrain::agent {
 
@@ -25,6 +26,7 @@ struct AgentOptions {
   double heartbeat_interval_s = 1.0;
   double stop_grace_s = 3.0;        // SIGTERM, then SIGKILL after this long
   double coordinator_grace_s = 60.0;  // workers keep running this long while the coordinator is away
+  SecurityMaterial security;        // how to reach the coordinator (TLS, client certificate, token)
 };
 
 class Agent {

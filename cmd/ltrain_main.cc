@@ -23,6 +23,7 @@
 #include "common/logging.h"
 #include "common/recipe.h"
 #include "common/signal_name.h"
+#include "common/transport_security.h"
 #include "common/token_data.h"
 #include "launcher/coordinator_server.h"
 #include "launcher/log_view.h"
@@ -114,8 +115,19 @@ void PrintJobDetail(const v1::Job& job) {
   std::printf("created:        %s\n", Age(job.created_unix_ms()).c_str());
   std::printf("generation:     %d (restarts: %d)\n", job.generation(), job.restarts());
   std::printf("ranks:          %d on %d node(s)\n", job.world_size(), job.nodes_now());
-  std::printf("step:           %lld\n", static_cast<long long>(job.last_step()));
+  if (job.total_steps() > 0) {
+    std::printf("step:           %lld/%lld\n", static_cast<long long>(job.last_step()),
+                static_cast<long long>(job.total_steps()));
+  } else {
+    std::printf("step:           %lld\n", static_cast<long long>(job.last_step()));
+  }
   if (job.last_step() > 0) std::printf("loss:           %.4f\n", job.last_loss());
+  if (job.tokens_per_s() > 0) std::printf("tokens/s:       %.0f\n", job.tokens_per_s());
+  if (job.eta_s() > 0) {
+    int64_t eta = static_cast<int64_t>(job.eta_s());
+    std::printf("eta:            %lldh%02lldm%02llds\n", static_cast<long long>(eta / 3600),
+                static_cast<long long>(eta / 60 % 60), static_cast<long long>(eta % 60));
+  }
   if (job.last_committed_step() > 0) {
     std::printf("last committed: step %lld (%s)\n", static_cast<long long>(job.last_committed_step()),
                 job.last_committed_path().c_str());
@@ -155,14 +167,21 @@ namespace {
 
 // --- talking to a coordinator ----------------------------------------------------------------
 
+// How this process reaches coordinators: TLS and token from the global flags and the environment.
+SecurityMaterial g_security;
+
 struct Client {
   explicit Client(const std::string& address)
-      : address(address),
-        stub(v1::JobService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()))) {}
+      : address(address), stub(v1::JobService::NewStub(MakeChannel(address, g_security))) {}
   std::string address;
   std::unique_ptr<v1::JobService::Stub> stub;
 
   int Unreachable(const grpc::Status& status) const {
+    if (status.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
+      std::fprintf(stderr, "ltrain: the coordinator at %s refused the request: %s\n", address.c_str(),
+                   status.error_message().c_str());
+      return kExitUnavailable;
+    }
     std::fprintf(stderr,
                  "ltrain: cannot reach the coordinator at %s: %s\n"
                  "        is `ltrain coordinator` running there? Check --coordinator HOST:PORT.\n",
@@ -651,6 +670,12 @@ int RunCoordinator(const std::string& listen, std::string state_dir, const std::
   options.listen_address = listen;
   options.state_dir = state_dir;
   options.node_timeout_ms = static_cast<int64_t>(node_timeout_s * 1000);
+  options.security = g_security;
+  if (options.listen_address.rfind("127.", 0) != 0 && options.listen_address.rfind("localhost", 0) != 0 &&
+      (g_security.cert_pem.empty() || g_security.token.empty())) {
+    LTRAIN_LOG(kWarning, "coordinator") << "listening on " << listen
+                                        << " without TLS and a token: anyone who reaches it can drive it; see --init-tls";
+  }
   StatusOr<std::unique_ptr<launcher::CoordinatorServer>> server = launcher::CoordinatorServer::Start(options);
   if (!server.ok()) {
     std::fprintf(stderr, "ltrain coordinator: %s\n", server.status().message().c_str());
@@ -701,6 +726,15 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   std::string log_level = "info";
   app.add_option("--log-level", log_level, "debug, info, warning or error")->capture_default_str();
+  app.fallthrough();  // the options below may also follow the subcommand
+  SecurityOptions security;
+  app.add_option("--tls-ca", security.tls_ca,
+                 "PEM of the CA that signed the coordinator's certificate: use TLS ($LTRAIN_TLS_CA)");
+  app.add_option("--tls-cert", security.tls_cert,
+                 "PEM certificate: the coordinator's own, or a client's for mutual TLS ($LTRAIN_TLS_CERT)");
+  app.add_option("--tls-key", security.tls_key, "PEM key of --tls-cert ($LTRAIN_TLS_KEY)");
+  app.add_option("--token-file", security.token_file,
+                 "File holding the bearer token the coordinator requires ($LTRAIN_TOKEN_FILE; $LTRAIN_TOKEN wins)");
 
   // launch
   LaunchArgs launch;
@@ -792,6 +826,14 @@ int main(int argc, char** argv) {
   coordinator_cmd->add_option("--listen", listen, "HOST:PORT to serve on; port 0 picks a free one")->capture_default_str();
   coordinator_cmd->add_option("--state-dir", state_dir, "Directory of state.db and default checkpoints ($LTRAIN_HOME)");
   coordinator_cmd->add_option("--port-file", port_file, "Write the chosen port here once listening");
+  coordinator_cmd->add_option("--tls-client-ca", security.tls_client_ca,
+                              "Require client certificates signed by this CA: mutual TLS ($LTRAIN_TLS_CLIENT_CA)");
+  std::string init_tls;
+  std::vector<std::string> tls_hosts = {"localhost", "127.0.0.1"};
+  coordinator_cmd->add_option("--init-tls", init_tls,
+                              "Write a CA, server and client certificates and a token into DIR, then exit");
+  coordinator_cmd->add_option("--tls-hosts", tls_hosts, "Names and addresses the server certificate is for (--init-tls)")
+      ->capture_default_str();
   coordinator_cmd->add_option("--node-timeout", node_timeout_s, "Seconds without heartbeat before a node is lost")
       ->capture_default_str();
 
@@ -817,6 +859,12 @@ int main(int argc, char** argv) {
     return kExitInvalid;
   }
   SetLogLevel(level);
+  StatusOr<SecurityMaterial> loaded = LoadSecurity(security);
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "ltrain: %s\n", loaded.status().message().c_str());
+    return kExitInvalid;
+  }
+  g_security = *loaded;
 
   if (*launch_cmd) return Launch(launch);
   if (*resume_cmd) return Resume(resume_job, resume);
@@ -853,7 +901,25 @@ int main(int argc, char** argv) {
   }
   if (*status_cmd) return ShowStatus(status_job, status_coordinator, status_output, status_limit);
   if (*stop_cmd) return Stop(stop_job, stop_coordinator);
+  if (*coordinator_cmd && !init_tls.empty()) {
+    Status made = InitTls(init_tls, tls_hosts);
+    if (!made.ok()) {
+      std::fprintf(stderr, "ltrain coordinator --init-tls: %s\n", made.message().c_str());
+      return kExitUnavailable;
+    }
+    std::printf("wrote ca.pem, server.pem/.key, client.pem/.key and token into %s. Start with:\n"
+                "  ltrain coordinator --tls-cert %s/server.pem --tls-key %s/server.key --token-file %s/token "
+                "[--tls-client-ca %s/ca.pem]\n"
+                "and give agents and the CLI: --tls-ca %s/ca.pem --token-file %s/token "
+                "[--tls-cert %s/client.pem --tls-key %s/client.key]\n",
+                init_tls.c_str(), init_tls.c_str(), init_tls.c_str(), init_tls.c_str(), init_tls.c_str(),
+                init_tls.c_str(), init_tls.c_str(), init_tls.c_str(), init_tls.c_str());
+    return kExitOk;
+  }
   if (*coordinator_cmd) return RunCoordinator(listen, state_dir, port_file, node_timeout_s);
-  if (*agent_cmd) return RunAgent(agent_options);
+  if (*agent_cmd) {
+    agent_options.security = g_security;
+    return RunAgent(agent_options);
+  }
   return kExitInvalid;
 }

@@ -9,7 +9,7 @@ packages=(
   g++ cmake ninja-build ccache pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libyaml-cpp-dev libcli11-dev libsqlite3-dev
-  libtorch-dev libgloo-dev
+  openssl libtorch-dev libgloo-dev
   libopenblas0-pthread   # an optimised BLAS for LibTorch on CPU: about 10x the reference BLAS
 )
 if [[ "${1:-}" == "--tests" ]]; then

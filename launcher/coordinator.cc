@@ -149,6 +149,13 @@ void Coordinator::ScheduleLocked() {
     }
     std::vector<std::string> free_nodes = FreeNodesLocked();
     if (static_cast<int>(free_nodes.size()) < job->recipe.parallel.nodes_min) {
+      if (!job->waiting_reported) {
+        job->waiting_reported = true;
+        AddEventLocked(*job, "waiting",
+                       "waiting for nodes: " + std::to_string(free_nodes.size()) + " free, " +
+                           std::to_string(job->recipe.parallel.nodes_min) + " needed; start `ltrain agent` on more nodes",
+                       -1);
+      }
       ++it;
       continue;
     }
@@ -329,6 +336,9 @@ StatusOr<v1::Job> Coordinator::GetJob(const std::string& job_id) {
   if (active == nullptr) return job;
   job->set_last_step(active->job.last_step());
   job->set_last_loss(active->job.last_loss());
+  job->set_total_steps(active->job.total_steps());
+  job->set_tokens_per_s(active->job.tokens_per_s());
+  job->set_eta_s(IsFinal(active->job.state()) ? 0 : active->job.eta_s());
   int64_t now = clock_->SteadyMs();
   for (auto& rank : *job->mutable_ranks()) {
     auto progress = active->progress.find(rank.rank());
@@ -583,7 +593,8 @@ void Coordinator::RecordCommitLocked(ActiveJob& job, int64_t step, const std::st
 }
 
 void Coordinator::PushLogs(const v1::PushLogsRequest& request) {
-  static const std::regex kProgress(R"(^step (\d+)/\d+ loss ([0-9.eE+-]+|nan|inf))");
+  static const std::regex kProgress(
+      R"(^step (\d+)/(\d+) loss ([0-9.eE+-]+|nan|inf)(?: lr \S+ tok/s ([0-9.]+) step_ms ([0-9.]+))?)");
   // Rank 0's line after a commit; it arrives before any exit report of that rank, so a failure right
   // after a checkpoint still knows the checkpoint.
   static const std::regex kCommitted(R"(^checkpoint step-(\d+) written to (\S+))");
@@ -595,7 +606,13 @@ void Coordinator::PushLogs(const v1::PushLogsRequest& request) {
     std::smatch match;
     if (line.rank() == 0 && std::regex_search(line.text(), match, kProgress)) {
       job->job.set_last_step(std::stoll(match[1]));
-      job->job.set_last_loss(std::strtod(match[2].str().c_str(), nullptr));
+      job->job.set_total_steps(std::stoll(match[2]));
+      job->job.set_last_loss(std::strtod(match[3].str().c_str(), nullptr));
+      if (match[4].matched) {
+        job->job.set_tokens_per_s(std::strtod(match[4].str().c_str(), nullptr));
+        double step_ms = std::strtod(match[5].str().c_str(), nullptr);
+        job->job.set_eta_s((job->job.total_steps() - job->job.last_step()) * step_ms / 1000.0);
+      }
       PersistJobLocked(*job);
     } else if (line.rank() == 0 && std::regex_search(line.text(), match, kCommitted)) {
       int64_t step = std::stoll(match[1]);

@@ -17,23 +17,26 @@ void SetStatus(v1::Status* out, const Status& status) {
 
 class JobServiceImpl final : public v1::JobService::Service {
  public:
-  explicit JobServiceImpl(Coordinator* coordinator) : coordinator_(coordinator) {}
+  JobServiceImpl(Coordinator* coordinator, std::string token) : coordinator_(coordinator), token_(std::move(token)) {}
 
-  grpc::Status SubmitJob(grpc::ServerContext*, const v1::SubmitJobRequest* request, v1::SubmitJobReply* reply) override {
+  grpc::Status SubmitJob(grpc::ServerContext* context, const v1::SubmitJobRequest* request, v1::SubmitJobReply* reply) override {
+    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
     StatusOr<v1::Job> job = coordinator_->Submit(request->recipe_yaml(), request->source_name());
     SetStatus(reply->mutable_status(), job.status());
     if (job.ok()) *reply->mutable_job() = *job;
     return grpc::Status::OK;
   }
 
-  grpc::Status GetJob(grpc::ServerContext*, const v1::GetJobRequest* request, v1::GetJobReply* reply) override {
+  grpc::Status GetJob(grpc::ServerContext* context, const v1::GetJobRequest* request, v1::GetJobReply* reply) override {
+    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
     StatusOr<v1::Job> job = coordinator_->GetJob(request->job_id());
     SetStatus(reply->mutable_status(), job.status());
     if (job.ok()) *reply->mutable_job() = *job;
     return grpc::Status::OK;
   }
 
-  grpc::Status ListJobs(grpc::ServerContext*, const v1::ListJobsRequest* request, v1::ListJobsReply* reply) override {
+  grpc::Status ListJobs(grpc::ServerContext* context, const v1::ListJobsRequest* request, v1::ListJobsReply* reply) override {
+    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
     StatusOr<std::vector<v1::Job>> jobs = coordinator_->ListJobs(request->limit());
     SetStatus(reply->mutable_status(), jobs.status());
     if (jobs.ok()) {
@@ -42,21 +45,24 @@ class JobServiceImpl final : public v1::JobService::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status StopJob(grpc::ServerContext*, const v1::StopJobRequest* request, v1::StopJobReply* reply) override {
+  grpc::Status StopJob(grpc::ServerContext* context, const v1::StopJobRequest* request, v1::StopJobReply* reply) override {
+    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
     StatusOr<v1::Job> job = coordinator_->Stop(request->job_id(), request->reason());
     SetStatus(reply->mutable_status(), job.status());
     if (job.ok()) *reply->mutable_job() = *job;
     return grpc::Status::OK;
   }
 
-  grpc::Status ResumeJob(grpc::ServerContext*, const v1::ResumeJobRequest* request, v1::ResumeJobReply* reply) override {
+  grpc::Status ResumeJob(grpc::ServerContext* context, const v1::ResumeJobRequest* request, v1::ResumeJobReply* reply) override {
+    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
     StatusOr<v1::Job> job = coordinator_->Resume(request->job_id());
     SetStatus(reply->mutable_status(), job.status());
     if (job.ok()) *reply->mutable_job() = *job;
     return grpc::Status::OK;
   }
 
-  grpc::Status GetLogs(grpc::ServerContext*, const v1::GetLogsRequest* request, v1::GetLogsReply* reply) override {
+  grpc::Status GetLogs(grpc::ServerContext* context, const v1::GetLogsRequest* request, v1::GetLogsReply* reply) override {
+    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
     StatusOr<std::vector<v1::Event>> lines =
         coordinator_->GetLogs(request->job_id(), request->rank(), request->since_unix_ms(), request->limit());
     SetStatus(reply->mutable_status(), lines.status());
@@ -68,6 +74,7 @@ class JobServiceImpl final : public v1::JobService::Service {
 
   grpc::Status WatchJob(grpc::ServerContext* context, const v1::WatchJobRequest* request,
                         grpc::ServerWriter<v1::Event>* writer) override {
+    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
     int64_t after = request->after_seq();
     while (!context->IsCancelled() && !coordinator_->shutting_down()) {
       bool finished = false;
@@ -85,14 +92,16 @@ class JobServiceImpl final : public v1::JobService::Service {
 
  private:
   Coordinator* coordinator_;
+  std::string token_;
 };
 
 class AgentServiceImpl final : public v1::AgentService::Service {
  public:
-  explicit AgentServiceImpl(Coordinator* coordinator) : coordinator_(coordinator) {}
+  AgentServiceImpl(Coordinator* coordinator, std::string token) : coordinator_(coordinator), token_(std::move(token)) {}
 
   grpc::Status Connect(grpc::ServerContext* context, const v1::RegisterRequest* request,
                        grpc::ServerWriter<v1::Command>* writer) override {
+    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
     if (request->node_id().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "node_id is empty");
     int64_t token = coordinator_->NodeConnected(request->node_id(), request->facts(),
                                                 {request->running().begin(), request->running().end()});
@@ -106,36 +115,42 @@ class AgentServiceImpl final : public v1::AgentService::Service {
     return grpc::Status::OK;
   }
 
-  grpc::Status Heartbeat(grpc::ServerContext*, const v1::HeartbeatRequest* request, v1::HeartbeatReply* reply) override {
+  grpc::Status Heartbeat(grpc::ServerContext* context, const v1::HeartbeatRequest* request, v1::HeartbeatReply* reply) override {
+    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
     SetStatus(reply->mutable_status(), coordinator_->Heartbeat(*request));
     return grpc::Status::OK;
   }
 
-  grpc::Status ReportWorkerState(grpc::ServerContext*, const v1::WorkerStateReport* request,
+  grpc::Status ReportWorkerState(grpc::ServerContext* context, const v1::WorkerStateReport* request,
                                  v1::WorkerStateReply* reply) override {
+    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
     SetStatus(reply->mutable_status(), coordinator_->ReportWorkerState(*request));
     return grpc::Status::OK;
   }
 
-  grpc::Status PushLogs(grpc::ServerContext*, const v1::PushLogsRequest* request, v1::PushLogsReply*) override {
+  grpc::Status PushLogs(grpc::ServerContext* context, const v1::PushLogsRequest* request, v1::PushLogsReply*) override {
+    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
     coordinator_->PushLogs(*request);
     return grpc::Status::OK;
   }
 
  private:
   Coordinator* coordinator_;
+  std::string token_;
 };
 
 class RendezvousServiceImpl final : public v1::RendezvousService::Service {
  public:
-  explicit RendezvousServiceImpl(Coordinator* coordinator) : coordinator_(coordinator) {}
+  RendezvousServiceImpl(Coordinator* coordinator, std::string token) : coordinator_(coordinator), token_(std::move(token)) {}
 
-  grpc::Status Set(grpc::ServerContext*, const v1::KvSetRequest* request, v1::KvSetReply*) override {
+  grpc::Status Set(grpc::ServerContext* context, const v1::KvSetRequest* request, v1::KvSetReply*) override {
+    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
     coordinator_->KvSet(request->key(), request->value());
     return grpc::Status::OK;
   }
 
-  grpc::Status Get(grpc::ServerContext*, const v1::KvGetRequest* request, v1::KvGetReply* reply) override {
+  grpc::Status Get(grpc::ServerContext* context, const v1::KvGetRequest* request, v1::KvGetReply* reply) override {
+    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
     std::vector<std::string> keys(request->keys().begin(), request->keys().end());
     std::optional<std::vector<std::string>> values = coordinator_->KvGet(keys, request->timeout_ms());
     if (!values) {
@@ -150,6 +165,7 @@ class RendezvousServiceImpl final : public v1::RendezvousService::Service {
 
  private:
   Coordinator* coordinator_;
+  std::string token_;
 };
 
 }  // namespace
@@ -178,13 +194,14 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const Coor
     Status recovered = server->coordinator_->Recover();
     if (!recovered.ok()) return recovered;
   }
-  server->job_service_ = std::make_unique<JobServiceImpl>(server->coordinator_.get());
-  server->agent_service_ = std::make_unique<AgentServiceImpl>(server->coordinator_.get());
-  server->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(server->coordinator_.get());
+  const std::string& token = options.security.token;
+  server->job_service_ = std::make_unique<JobServiceImpl>(server->coordinator_.get(), token);
+  server->agent_service_ = std::make_unique<AgentServiceImpl>(server->coordinator_.get(), token);
+  server->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(server->coordinator_.get(), token);
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
-  builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(), &server->port_);
+  builder.AddListeningPort(options.listen_address, MakeServerCredentials(options.security), &server->port_);
   builder.RegisterService(server->job_service_.get());
   builder.RegisterService(server->agent_service_.get());
   builder.RegisterService(server->rendezvous_service_.get());

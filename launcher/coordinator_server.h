@@ -12,6 +12,7 @@
 
 #include "common/clock.h"
 #include "common/status.h"
+#include "common/transport_security.h"
 #include "launcher/coordinator.h"
 #include "launcher/state_store.h"
 
@@ -25,6 +26,7 @@ struct CoordinatorServerOptions {
   // Take back the unfinished jobs found in the state directory. A standalone launch does not: the
   // jobs there may belong to other launches that are still running.
   bool recover = true;
+  SecurityMaterial security;  // TLS (server certificate, optional client CA) and the bearer token
 };
 
 class CoordinatorServer {

@@ -202,6 +202,9 @@ TEST_F(CoordinatorTest, EventsCarryLogsAndProgress) {
   EXPECT_EQ(events.back().kind(), "log");
   EXPECT_EQ(coordinator_->GetJob(id)->last_step(), 3);
   EXPECT_DOUBLE_EQ(coordinator_->GetJob(id)->last_loss(), 2.5);
+  EXPECT_EQ(coordinator_->GetJob(id)->total_steps(), 5);
+  EXPECT_DOUBLE_EQ(coordinator_->GetJob(id)->tokens_per_s(), 100);
+  EXPECT_DOUBLE_EQ(coordinator_->GetJob(id)->eta_s(), 0.002);
   std::vector<v1::Event> without_logs = *coordinator_->WaitEvents(id, 0, false, 0, &finished);
   EXPECT_EQ(without_logs.size() + 1, events.size());
 }

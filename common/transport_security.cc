@@ -1,0 +1,203 @@
+#include "common/transport_security.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include <grpcpp/support/client_interceptor.h>
+
+namespace ltrain {
+namespace {
+
+StatusOr<std::string> ReadWhole(const std::string& path, const char* what) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return InvalidArgument("cannot read the " + std::string(what) + " file " + path);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+std::string FromEnv(const std::string& current, const char* name) {
+  if (!current.empty()) return current;
+  const char* value = std::getenv(name);
+  return value ? value : "";
+}
+
+std::string Trim(std::string text) {
+  while (!text.empty() && (text.back() == '\n' || text.back() == '\r' || text.back() == ' ')) text.pop_back();
+  return text;
+}
+
+// Adds the bearer token to every call of a channel.
+class TokenInterceptor : public grpc::experimental::Interceptor {
+ public:
+  explicit TokenInterceptor(const std::string& header) : header_(header) {}
+  void Intercept(grpc::experimental::InterceptorBatchMethods* methods) override {
+    if (methods->QueryInterceptionHookPoint(grpc::experimental::InterceptionHookPoints::PRE_SEND_INITIAL_METADATA)) {
+      methods->GetSendInitialMetadata()->insert({"authorization", header_});
+    }
+    methods->Proceed();
+  }
+
+ private:
+  const std::string& header_;
+};
+
+class TokenInterceptorFactory : public grpc::experimental::ClientInterceptorFactoryInterface {
+ public:
+  explicit TokenInterceptorFactory(std::string token) : header_("Bearer " + std::move(token)) {}
+  grpc::experimental::Interceptor* CreateClientInterceptor(grpc::experimental::ClientRpcInfo*) override {
+    return new TokenInterceptor(header_);
+  }
+
+ private:
+  std::string header_;
+};
+
+Status Run(const std::vector<std::string>& argv) {
+  std::vector<char*> args;
+  std::vector<std::string> copy = argv;
+  for (auto& a : copy) args.push_back(a.data());
+  args.push_back(nullptr);
+  pid_t pid = fork();
+  if (pid == 0) {
+    int devnull = open("/dev/null", O_WRONLY);
+    if (devnull >= 0) {
+      dup2(devnull, STDOUT_FILENO);
+      dup2(devnull, STDERR_FILENO);
+    }
+    execvp(args[0], args.data());
+    _exit(127);
+  }
+  int status = 0;
+  waitpid(pid, &status, 0);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    return Internal("`" + argv[0] + " " + argv[1] + "` failed (is openssl installed?)");
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+StatusOr<SecurityMaterial> LoadSecurity(SecurityOptions options) {
+  options.tls_ca = FromEnv(options.tls_ca, "LTRAIN_TLS_CA");
+  options.tls_cert = FromEnv(options.tls_cert, "LTRAIN_TLS_CERT");
+  options.tls_key = FromEnv(options.tls_key, "LTRAIN_TLS_KEY");
+  options.tls_client_ca = FromEnv(options.tls_client_ca, "LTRAIN_TLS_CLIENT_CA");
+  options.token_file = FromEnv(options.token_file, "LTRAIN_TOKEN_FILE");
+  SecurityMaterial material;
+  auto read = [](const std::string& path, const char* what, std::string* out) -> Status {
+    if (path.empty()) return Status::Ok();
+    StatusOr<std::string> text = ReadWhole(path, what);
+    if (!text.ok()) return text.status();
+    *out = std::move(text).value();
+    return Status::Ok();
+  };
+  for (auto [path, what, out] : {std::tuple{&options.tls_ca, "TLS CA", &material.ca_pem},
+                                 std::tuple{&options.tls_cert, "TLS certificate", &material.cert_pem},
+                                 std::tuple{&options.tls_key, "TLS key", &material.key_pem},
+                                 std::tuple{&options.tls_client_ca, "TLS client CA", &material.client_ca_pem},
+                                 std::tuple{&options.token_file, "token", &material.token}}) {
+    if (Status s = read(*path, what, out); !s.ok()) return s;
+  }
+  if (material.cert_pem.empty() != material.key_pem.empty()) {
+    return InvalidArgument("a TLS certificate needs its key and a key its certificate: pass both --tls-cert and --tls-key");
+  }
+  material.token = Trim(material.token);
+  if (const char* token = std::getenv("LTRAIN_TOKEN"); token && *token) material.token = token;
+  return material;
+}
+
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const SecurityMaterial& security) {
+  std::shared_ptr<grpc::ChannelCredentials> credentials;
+  if (!security.ca_pem.empty()) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = security.ca_pem;
+    ssl.pem_cert_chain = security.cert_pem;
+    ssl.pem_private_key = security.key_pem;
+    credentials = grpc::SslCredentials(ssl);
+  } else {
+    credentials = grpc::InsecureChannelCredentials();
+  }
+  grpc::ChannelArguments args;
+  if (security.token.empty()) return grpc::CreateCustomChannel(target, credentials, args);
+  std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> interceptors;
+  interceptors.push_back(std::make_unique<TokenInterceptorFactory>(security.token));
+  return grpc::experimental::CreateCustomChannelWithInterceptors(target, credentials, args, std::move(interceptors));
+}
+
+std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(const SecurityMaterial& security) {
+  if (security.cert_pem.empty()) return grpc::InsecureServerCredentials();
+  grpc::SslServerCredentialsOptions ssl(security.client_ca_pem.empty()
+                                            ? GRPC_SSL_DONT_REQUEST_CLIENT_CERTIFICATE
+                                            : GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+  ssl.pem_root_certs = security.client_ca_pem;
+  ssl.pem_key_cert_pairs.push_back({security.key_pem, security.cert_pem});
+  return grpc::SslServerCredentials(ssl);
+}
+
+grpc::Status CheckBearerToken(const grpc::ServerContext& context, const std::string& token) {
+  if (token.empty()) return grpc::Status::OK;
+  const std::string expected = "Bearer " + token;
+  auto found = context.client_metadata().find("authorization");
+  bool match = false;
+  if (found != context.client_metadata().end() && found->second.size() == expected.size()) {
+    unsigned char diff = 0;
+    for (size_t i = 0; i < expected.size(); ++i) diff |= static_cast<unsigned char>(found->second.data()[i] ^ expected[i]);
+    match = diff == 0;
+  }
+  if (match) return grpc::Status::OK;
+  return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                      found == context.client_metadata().end()
+                          ? "this coordinator requires a bearer token: pass --token-file FILE or set LTRAIN_TOKEN"
+                          : "the bearer token was not accepted: check --token-file or LTRAIN_TOKEN");
+}
+
+Status InitTls(const std::string& dir, const std::vector<std::string>& hosts) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return InvalidArgument("cannot create " + dir + ": " + ec.message());
+  auto path = [&](const char* name) { return (fs::path(dir) / name).string(); };
+  std::string san = "subjectAltName=";
+  for (size_t i = 0; i < hosts.size(); ++i) {
+    bool ip = hosts[i].find_first_not_of("0123456789.") == std::string::npos || hosts[i].find(':') != std::string::npos;
+    san += (i ? "," : "") + std::string(ip ? "IP:" : "DNS:") + hosts[i];
+  }
+  const std::vector<std::vector<std::string>> steps = {
+      {"openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "825",
+       "-subj", "/CN=ltrain CA", "-keyout", path("ca.key"), "-out", path("ca.pem")},
+      {"openssl", "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-subj",
+       "/CN=ltrain coordinator", "-keyout", path("server.key"), "-out", path("server.csr")},
+      {"openssl", "x509", "-req", "-in", path("server.csr"), "-CA", path("ca.pem"), "-CAkey", path("ca.key"),
+       "-CAcreateserial", "-days", "825", "-extfile", path("server.ext"), "-out", path("server.pem")},
+      {"openssl", "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-subj",
+       "/CN=ltrain client", "-keyout", path("client.key"), "-out", path("client.csr")},
+      {"openssl", "x509", "-req", "-in", path("client.csr"), "-CA", path("ca.pem"), "-CAkey", path("ca.key"),
+       "-CAcreateserial", "-days", "825", "-out", path("client.pem")},
+  };
+  std::ofstream(path("server.ext")) << san << "\n";
+  for (const auto& step : steps) {
+    if (Status s = Run(step); !s.ok()) return s;
+  }
+  std::random_device random;
+  std::string token;
+  const char* hex = "0123456789abcdef";
+  for (int i = 0; i < 40; ++i) token += hex[random() % 16];
+  {
+    std::ofstream out(path("token"));
+    out << token << "\n";
+  }
+  for (const char* secret : {"ca.key", "server.key", "client.key", "token"}) chmod(path(secret).c_str(), 0600);
+  for (const char* scratch : {"server.csr", "client.csr", "server.ext", "ca.srl"}) fs::remove(path(scratch), ec);
+  return Status::Ok();
+}
+
+}  // namespace ltrain

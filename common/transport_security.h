@@ -1,0 +1,48 @@
+// TLS and bearer tokens for every gRPC channel between the CLI, the agents and the coordinator.
+// Servers take a certificate (and, for mutual TLS, the CA that signs client certificates); clients
+// take the CA that signs the server's certificate (and their own certificate for mutual TLS). A
+// bearer token, read from a file or the environment, rides on every call as "authorization:
+// Bearer ..."; it is never logged. Without any of these, channels are plaintext, which is meant for
+// loopback only.
+#pragma once
+
+#include <memory>
+#include <string>
+
+#include <grpcpp/grpcpp.h>
+
+#include "common/status.h"
+
+namespace ltrain {
+
+struct SecurityOptions {
+  std::string tls_ca;         // client: PEM file of the CA that signed the server; empty: plaintext
+  std::string tls_cert;       // server: its certificate; client: its own, for mutual TLS
+  std::string tls_key;
+  std::string tls_client_ca;  // server: require client certificates signed by this CA (mutual TLS)
+  std::string token_file;     // the bearer token's file; LTRAIN_TOKEN overrides, LTRAIN_TOKEN_FILE stands in
+};
+
+// The security material, read from its files. Errors name the file.
+struct SecurityMaterial {
+  std::string ca_pem, cert_pem, key_pem, client_ca_pem;
+  std::string token;
+  bool tls() const { return !ca_pem.empty() || !cert_pem.empty(); }
+};
+
+// Fills empty options from LTRAIN_TLS_CA, LTRAIN_TLS_CERT, LTRAIN_TLS_KEY, LTRAIN_TLS_CLIENT_CA and
+// LTRAIN_TOKEN_FILE, reads every file, and takes LTRAIN_TOKEN as the token when set.
+StatusOr<SecurityMaterial> LoadSecurity(SecurityOptions options);
+
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const SecurityMaterial& security);
+std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(const SecurityMaterial& security);
+
+// For server handlers: OK when no token is configured or the call carries it; UNAUTHENTICATED
+// otherwise (compared in constant time).
+grpc::Status CheckBearerToken(const grpc::ServerContext& context, const std::string& token);
+
+// Writes a CA, a server certificate for `hosts` (host names and IP addresses), a client
+// certificate and a random token into `dir`, with openssl, for a first try of TLS.
+Status InitTls(const std::string& dir, const std::vector<std::string>& hosts);
+
+}  // namespace ltrain

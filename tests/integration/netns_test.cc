@@ -1,0 +1,120 @@
+// Several hosts on one machine: network namespaces joined by veth pairs to a bridge, the
+// coordinator in one, an agent in each of two others. A data-parallel job trains across them; then
+// one host's link is cut, the node loss is detected, and the job goes on with the host that is left.
+#include <gtest/gtest.h>
+#include <google/protobuf/util/json_util.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include "ltrain/v1/ltrain.pb.h"
+#include "tests/support/subprocess.h"
+
+namespace ltrain::testing {
+namespace {
+
+namespace fs = std::filesystem;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+// Test-owned addresses, inside namespaces this test makes and removes.
+constexpr const char* kSubnet = "10.213.77.";
+
+class NetnsTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (geteuid() != 0) GTEST_SKIP() << "network namespaces need root";
+    if (RunProcess({"/usr/sbin/ip", "netns", "list"}).exit_code != 0) GTEST_SKIP() << "ip netns is not available";
+    text_ = TinyShakespeare();
+    if (text_.empty()) GTEST_SKIP() << "../shared/data/tinyshakespeare.txt is not beside the checkout";
+    tag_ = std::to_string(getpid() % 100000);
+    hub_ = "lthub" + tag_;
+    ASSERT_TRUE(Ip({"netns", "add", hub_}));
+    ASSERT_TRUE(Ip({"-n", hub_, "link", "add", "br0", "type", "bridge"}));
+    ASSERT_TRUE(Ip({"-n", hub_, "link", "set", "br0", "up"}));
+    for (int host = 1; host <= 3; ++host) ASSERT_TRUE(AddHost(host));
+  }
+
+  void TearDown() override {
+    processes_.clear();  // kills their process groups
+    for (int host = 1; host <= 3; ++host) Ip({"netns", "del", Host(host)});
+    if (!hub_.empty()) Ip({"netns", "del", hub_});
+  }
+
+  static bool Ip(const std::vector<std::string>& args) {
+    std::vector<std::string> argv = {"/usr/sbin/ip"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    return RunProcess(argv, {}, seconds(10)).exit_code == 0;
+  }
+
+  std::string Host(int host) const { return "lth" + std::to_string(host) + "-" + tag_; }
+  std::string Address(int host) const { return kSubnet + std::to_string(host); }
+  std::string HubSide(int host) const { return "v" + std::to_string(host) + "h"; }
+
+  bool AddHost(int host) {
+    std::string ns = Host(host);
+    std::string inside = "v" + std::to_string(host) + "n";
+    return Ip({"netns", "add", ns}) && Ip({"-n", ns, "link", "set", "lo", "up"}) &&
+           Ip({"-n", hub_, "link", "add", HubSide(host), "type", "veth", "peer", "name", inside, "netns", ns}) &&
+           Ip({"-n", hub_, "link", "set", HubSide(host), "master", "br0"}) &&
+           Ip({"-n", hub_, "link", "set", HubSide(host), "up"}) &&
+           Ip({"-n", ns, "addr", "add", Address(host) + "/24", "dev", inside}) &&
+           Ip({"-n", ns, "link", "set", inside, "up"});
+  }
+
+  Subprocess* In(int host, std::vector<std::string> argv) {
+    argv.insert(argv.begin(), {"/usr/sbin/ip", "netns", "exec", Host(host)});
+    processes_.push_back(std::make_unique<Subprocess>(argv, std::map<std::string, std::string>{
+                                                                {"LTRAIN_HOME", dir_.Join("home")},
+                                                                {"OMP_NUM_THREADS", "1"}}));
+    return processes_.back().get();
+  }
+
+  TempDir dir_;
+  std::string text_, tag_, hub_;
+  std::vector<std::unique_ptr<Subprocess>> processes_;
+};
+
+TEST_F(NetnsTest, TrainsAcrossHostsAndSurvivesACutLink) {
+  ASSERT_EQ(RunProcess({LtrainBinary(), "data", "prepare", "--input", text_, "--output", dir_.Join("data")}).exit_code, 0);
+  std::string port_file = dir_.Join("port");
+  Subprocess* coordinator = In(1, {LtrainBinary(), "coordinator", "--listen", Address(1) + ":0", "--port-file", port_file,
+                                   "--state-dir", dir_.Join("state")});
+  for (int i = 0; i < 1000 && !fs::exists(port_file); ++i) std::this_thread::sleep_for(milliseconds(10));
+  std::ifstream in(port_file);
+  int port = 0;
+  in >> port;
+  ASSERT_GT(port, 0) << coordinator->Output();
+  std::string address = Address(1) + ":" + std::to_string(port);
+  Subprocess* agent2 = In(2, {LtrainBinary(), "agent", "--coordinator", address, "--node-id", "host2", "--bind-address",
+                              Address(2), "--work-dir", dir_.Join("agent2")});
+  Subprocess* agent3 = In(3, {LtrainBinary(), "agent", "--coordinator", address, "--node-id", "host3", "--bind-address",
+                              Address(3), "--work-dir", dir_.Join("agent3")});
+  std::string recipe = dir_.Write("net.yaml", "name: net\nmodel: {layers: 2, d_model: 64, heads: 4, seq_len: 32}\n"
+                                              "data: {path: " + dir_.Join("data") + "}\n"
+                                              "training: {steps: 300, micro_batch: 4, global_batch: 8, log_every: 1}\n"
+                                              "parallel: {nodes: {min: 1, max: 2}, nproc_per_node: 1}\n"
+                                              "checkpoint: {every: 10}\n"
+                                              "fault: {max_restarts: 2, restart_backoff_s: 0.2}\n");
+  std::this_thread::sleep_for(milliseconds(500));  // both agents registered
+  Subprocess* launch = In(1, {LtrainBinary(), "launch", "--coordinator", address, recipe});
+  ASSERT_TRUE(launch->WaitForOutput("placed rank 0 on host2", seconds(30))) << launch->Output() << agent2->Output();
+  ASSERT_NE(launch->Output().find("rank 1 on host3"), std::string::npos) << launch->Output();
+  ASSERT_TRUE(launch->WaitForOutput("[rank 0] step 15/", seconds(60))) << launch->Output() << agent3->Output();
+
+  auto cut_at = std::chrono::steady_clock::now();
+  ASSERT_TRUE(Ip({"-n", hub_, "link", "set", HubSide(3), "down"}));
+  ASSERT_TRUE(launch->WaitForOutput("node host3 lost", seconds(15))) << launch->Output();
+  double detect_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - cut_at).count();
+  EXPECT_LT(detect_s, 3.0 + 1.0 + 0.5) << "3 heartbeats + 1 s";
+  ASSERT_TRUE(launch->WaitForOutput("generation 1: placed rank 0 on host2", seconds(30))) << launch->Output();
+  ProcessResult result = launch->Wait(seconds(240));
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("job SUCCEEDED"), std::string::npos) << result.output;
+}
+
+}  // namespace
+}  // namespace ltrain::testing
