@@ -85,6 +85,7 @@ Status Coordinator::Recover() {
           }
         }
         job.generation_started_ms = now;
+        job.generation_nodes = job.nodes;
         for (const auto& node_id : job.nodes) {
           NodeState& node = nodes_[node_id];
           node.recovered = true;
@@ -185,6 +186,7 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
   job.job.set_world_size(recipe.parallel.world_size());
   job.job.set_nodes_now(count);
   job.nodes = nodes;
+  job.generation_nodes = nodes;
   job.ranks_exited_ok.clear();
   job.progress.clear();
   job.generation_started_ms = clock_->SteadyMs();
@@ -484,14 +486,19 @@ void Coordinator::LoseNodeLocked(const std::string& node_id, const std::string& 
   found->second.connected = false;
   found->second.recovered = false;
   found->second.commands.clear();
-  std::set<std::string> jobs = found->second.jobs;
+  std::set<std::string> running = found->second.jobs;
   found->second.jobs.clear();
   LTRAIN_LOG(kWarning, kLog) << "node " << node_id << " lost: " << reason;
-  for (const auto& job_id : jobs) {
-    ActiveJob* job = FindLocked(job_id);
-    if (job == nullptr) continue;
-    job->nodes.erase(std::remove(job->nodes.begin(), job->nodes.end(), node_id), job->nodes.end());
-    FailGenerationLocked(*job, "node " + node_id + " lost: " + reason);
+  for (auto& [job_id, job] : jobs_) {
+    // Told to every unfinished job whose latest generation used the node, also when that
+    // generation already failed for another reason (its workers saw the node go first).
+    bool used = std::find(job.generation_nodes.begin(), job.generation_nodes.end(), node_id) != job.generation_nodes.end();
+    if (!used || IsFinal(job.job.state())) continue;
+    AddEventLocked(job, "node_lost", "node " + node_id + " lost: " + reason, -1);
+    if (running.count(job_id)) {
+      job.nodes.erase(std::remove(job.nodes.begin(), job.nodes.end(), node_id), job.nodes.end());
+      FailGenerationLocked(job, "node " + node_id + " lost: " + reason);
+    }
   }
 }
 

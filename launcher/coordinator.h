@@ -97,7 +97,8 @@ class Coordinator {
     v1::Job job;
     Recipe recipe;                 // as submitted; each generation may run on fewer nodes
     int next_generation = 0;
-    std::vector<std::string> nodes;  // of the current generation
+    std::vector<std::string> nodes;  // of the current generation, while it runs
+    std::vector<std::string> generation_nodes;  // of the latest generation, kept after it ends
     std::set<int> ranks_exited_ok;
     std::map<int, Progress> progress;
     int64_t generation_started_ms = 0;

@@ -187,7 +187,10 @@ TEST_F(RecoveryTest, LostAgentShrinksTheJobAndANewAgentJoinsAtACheckpoint) {
   EXPECT_EQ(job.generation(), 2);
   EXPECT_EQ(job.nodes_now(), 2);
   EXPECT_EQ(job.restarts(), 1);
-  EXPECT_NE(job.last_failure().find("node n2 lost"), std::string::npos) << job.last_failure();
+  // Which is seen first, the lost node or its peer's broken collective, is a race; both restart.
+  EXPECT_TRUE(job.last_failure().find("node n2 lost") != std::string::npos ||
+              job.last_failure().find("rank 0 on n1") != std::string::npos)
+      << job.last_failure();
   for (auto* agent : {n1.get(), n3.get()}) agent->Signal(SIGTERM);
   coordinator->Signal(SIGTERM);
 }
