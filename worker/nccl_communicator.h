@@ -62,7 +62,7 @@ class NcclCommunicator : public Communicator {
   };
 
   NcclCommunicator(ncclComm_t comm, int rank, int size, int device, std::chrono::milliseconds timeout)
-      : comm_(comm), rank_(rank), size_(size), device_(device), timeout_(timeout) {}
+      : comm_(comm), timeout_(timeout), rank_(rank), size_(size), device_(device) {}
   // After an operation was enqueued on `stream`: hands it to the watchdog.
   Status Track(const char* op, cudaStream_t stream);
   void Watch();
