@@ -1,4 +1,32 @@
 // ltrain-worker: one training rank. Everything lives in the worker library; see worker/run_worker.h.
+#include <execinfo.h>
+#include <signal.h>
+#include <string.h>
+#include <unistd.h>
+
 #include "worker/run_worker.h"
 
-int main(int argc, char** argv) { return ltrain::worker::RunWorker(argc, argv); }
+namespace {
+
+// A crash prints where it happened into the rank's log (the agent shows its last lines in the
+// job's failure), then dies of the same signal so that the agent reports it.
+void OnFatalSignal(int signal) {
+  const char* name = sigabbrev_np(signal);
+  const char head[] = "ltrain-worker: fatal signal SIG";
+  ssize_t ignored = write(STDERR_FILENO, head, sizeof(head) - 1);
+  if (name) ignored = write(STDERR_FILENO, name, strlen(name));
+  ignored = write(STDERR_FILENO, "; backtrace:\n", 13);
+  (void)ignored;
+  void* frames[48];
+  int count = backtrace(frames, 48);
+  backtrace_symbols_fd(frames, count, STDERR_FILENO);
+  ::signal(signal, SIG_DFL);
+  raise(signal);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  for (int signal : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) ::signal(signal, OnFatalSignal);
+  return ltrain::worker::RunWorker(argc, argv);
+}

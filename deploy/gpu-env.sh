@@ -10,6 +10,8 @@ fi
 export TORCH_CMAKE=$(python3 -c 'import torch;print(torch.utils.cmake_prefix_path)')
 export NCCL_HOME=$(python3 -c 'import os, nvidia.nccl as n; print(os.path.dirname(n.__file__) if n.__file__ else list(n.__path__)[0])' 2>/dev/null)
 export LTRAIN_GPU_PREFIX="$TORCH_CMAKE;/opt/deps/usr"
+# PyTorch itself (the peer benchmarks) runs with the host's own libraries.
+export LTRAIN_HOST_LD_LIBRARY_PATH=${LTRAIN_HOST_LD_LIBRARY_PATH-${LD_LIBRARY_PATH:-}}
 export LD_LIBRARY_PATH=/opt/deps/usr/lib/x86_64-linux-gnu:/opt/deps/usr/lib:${NCCL_HOME:+$NCCL_HOME/lib:}${LD_LIBRARY_PATH:-}
 export LIBRARY_PATH=/opt/deps/usr/lib/x86_64-linux-gnu:/opt/deps/usr/lib
 export PATH=/opt/deps/usr/bin:$PATH

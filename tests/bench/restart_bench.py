@@ -104,6 +104,9 @@ def main():
     subprocess.run([args.ltrain, "data", "prepare", "--input", *inputs, "--output", data_dir], check=True,
                    capture_output=True)
     env = dict(os.environ)
+    # The peer runs with the host's own libraries, not the ones unpacked for building ltrain.
+    if "LTRAIN_HOST_LD_LIBRARY_PATH" in env:
+        env["LD_LIBRARY_PATH"] = env["LTRAIN_HOST_LD_LIBRARY_PATH"]
     if args.backend == "gloo":
         env["GLOO_SOCKET_IFNAME"] = "lo"
     rows = []
@@ -117,7 +120,7 @@ def main():
         if not l["ok"]:
             print("ltrain output:\n" + l["why"], flush=True)
         if not t["ok"]:
-            print("torchrun output (tail):\n" + t["why"][-800:], flush=True)
+            print("torchrun output (tail):\n" + t["why"][-3000:], flush=True)
     ok_t = [t["restart_s"] for t, _ in rows if t["ok"]]
     ok_l = [l["restart_s"] for _, l in rows if l["ok"]]
     print(f"\nbackend {args.backend}, {args.repeat} tries: torchrun restarted {len(ok_t)}/{args.repeat}, "
