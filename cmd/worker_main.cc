@@ -2,6 +2,7 @@
 #include <execinfo.h>
 #include <signal.h>
 #include <string.h>
+#include <ucontext.h>
 #include <unistd.h>
 
 #include "worker/run_worker.h"
@@ -10,7 +11,7 @@ namespace {
 
 // A crash prints where it happened into the rank's log (the agent shows its last lines in the
 // job's failure), then dies of the same signal so that the agent reports it.
-void OnFatalSignal(int signal) {
+void OnFatalSignal(int signal, siginfo_t*, void* context) {
   const char* name = sigabbrev_np(signal);
   const char head[] = "ltrain-worker: fatal signal SIG";
   ssize_t ignored = write(STDERR_FILENO, head, sizeof(head) - 1);
@@ -20,6 +21,14 @@ void OnFatalSignal(int signal) {
   void* frames[48];
   int count = backtrace(frames, 48);
   backtrace_symbols_fd(frames, count, STDERR_FILENO);
+  // A call through a null pointer leaves nothing to unwind from: the caller's return address is
+  // on top of the stack.
+  const ucontext_t* uc = static_cast<const ucontext_t*>(context);
+  if (uc != nullptr && uc->uc_mcontext.gregs[REG_RIP] == 0) {
+    void* caller = *reinterpret_cast<void* const*>(uc->uc_mcontext.gregs[REG_RSP]);
+    ignored = write(STDERR_FILENO, "called from:\n", 13);
+    backtrace_symbols_fd(&caller, 1, STDERR_FILENO);
+  }
   ::signal(signal, SIG_DFL);
   raise(signal);
 }
@@ -27,6 +36,9 @@ void OnFatalSignal(int signal) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  for (int signal : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) ::signal(signal, OnFatalSignal);
+  struct sigaction action {};
+  action.sa_sigaction = OnFatalSignal;
+  action.sa_flags = SA_SIGINFO;
+  for (int signal : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) sigaction(signal, &action, nullptr);
   return ltrain::worker::RunWorker(argc, argv);
 }
