@@ -1,5 +1,8 @@
 #include "worker/checkpoint.h"
 
+#include <ftw.h>
+#include <sys/stat.h>
+
 #include <fcntl.h>
 #include <unistd.h>
 
@@ -20,6 +23,16 @@
 namespace ltrain::worker {
 namespace fs = std::filesystem;
 namespace {
+
+// std::filesystem::remove_all is not used here: PyTorch's wheels export their own copy of it from
+// libtorch.so, which the dynamic linker then binds our calls to, and that copy crashes (seen on the
+// GPU host). nftw is plain libc.
+int RemoveEntry(const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }
+
+void RemoveTree(const std::filesystem::path& path) {
+  ::nftw(path.c_str(), RemoveEntry, 16, FTW_DEPTH | FTW_PHYS);
+}
+
 
 constexpr const char* kMetaFile = "meta.yaml";
 
@@ -62,7 +75,7 @@ void PruneOld(const std::string& dir, int keep) {
     if (n >= 0 && entry.is_directory()) steps.emplace_back(n, entry.path());
   }
   std::sort(steps.begin(), steps.end());
-  for (size_t i = 0; i + keep < steps.size(); ++i) fs::remove_all(steps[i].second, ec);
+  for (size_t i = 0; i + keep < steps.size(); ++i) RemoveTree(steps[i].second);
 }
 
 }  // namespace
@@ -95,7 +108,7 @@ void RemovePendingCheckpoints(const std::string& dir, int64_t max_step) {
     const std::string name = entry.path().filename().string();
     if (name.rfind(".tmp-", 0) != 0) continue;
     const int64_t n = StepOfName(name.substr(5));
-    if (n >= 0 && (max_step < 0 || n <= max_step)) fs::remove_all(entry.path(), ec);
+    if (n >= 0 && (max_step < 0 || n <= max_step)) RemoveTree(entry.path());
   }
 }
 
@@ -209,7 +222,7 @@ Status CommitCheckpoint(const std::string& dir, const CheckpointMeta& meta, cons
 
   // Commit. A step directory of the same number can exist when a run resumed from an earlier
   // checkpoint passes it again; the new one replaces it.
-  fs::remove_all(final_dir, ec);
+  RemoveTree(final_dir);
   if (::rename(tmp_dir.c_str(), final_dir.c_str()) != 0) {
     return Internal("committing " + final_dir.string() + ": " + std::strerror(errno));
   }
