@@ -1,0 +1,144 @@
+#!/bin/bash
+# Runs one ltrain job over the Slurm allocation it is started in (from an sbatch script):
+#
+#   ltrain-slurm.sh RECIPE [ltrain launch options, e.g. --set training.steps=1000]...
+#
+# On the first node of the allocation (where the batch script runs) it starts `ltrain coordinator`,
+# then one `ltrain agent` per node through srun, then `ltrain launch`, which follows the job; the
+# job's exit code (0 SUCCEEDED, 1 FAILED, 4 STOPPED, ...) is this script's. On the way out it stops
+# the agents and the coordinator.
+#
+# State (the coordinator's SQLite, checkpoints, per-node logs) goes to LTRAIN_SLURM_STATE_DIR, by
+# default $HOME/.ltrain/slurm/$SLURM_JOB_ID: it must be on a filesystem every node shares. A
+# requeued job (scontrol requeue, or a node failure with --requeue) keeps its SLURM_JOB_ID, finds
+# the ltrain job recorded there and resumes it from its last committed checkpoint.
+#
+# A SIGTERM to this script (the warning of --signal=B:TERM@SECONDS before the time limit, or
+# `scancel --batch --signal=TERM`) stops the job: its workers get SIGTERM, it ends STOPPED with its
+# last commit intact, and every process ends. A plain scancel signals every process of the job at
+# once: all still end and the last commit is kept, but the agents go first, so the job is FAILED.
+#
+# Environment: LTRAIN_BIN (default: ltrain on PATH), LTRAIN_SLURM_STATE_DIR, LTRAIN_SLURM_PORT
+# (default 0: any free port), LTRAIN_SLURM_REQUEUE_ON_TERM=1 (requeue the Slurm job after a stop on
+# SIGTERM, so a job that reaches its time limit continues in a new allocation).
+set -euo pipefail
+
+ltrain=${LTRAIN_BIN:-ltrain}
+
+# Address of a Slurm node: its NodeAddr (the node name unless slurm.conf says otherwise), as an IP.
+node_address() {
+  local addr
+  addr=$(scontrol show node -o "$1" | sed -n 's/.* NodeAddr=\([^ ]*\).*/\1/p')
+  getent hosts "${addr:-$1}" | awk '{ print $1; exit }'
+}
+
+# Internal: the task srun starts on every node.
+if [[ ${1:-} == --agent ]]; then
+  coordinator=$2 state_dir=$3
+  echo "$SLURM_JOB_ID.$SLURM_STEP_ID" >"$state_dir/agents.step"  # for a graceful stop (see cleanup)
+  exec "$ltrain" agent --coordinator "$coordinator" --node-id "$SLURMD_NODENAME" \
+    --bind-address "$(node_address "$SLURMD_NODENAME")" --work-dir "$state_dir/nodes/$SLURMD_NODENAME"
+fi
+
+recipe=${1:?usage: ltrain-slurm.sh RECIPE [ltrain launch options]...}
+shift
+if [[ -z ${SLURM_JOB_ID:-} || -z ${SLURM_JOB_NODELIST:-} ]]; then
+  echo "ltrain-slurm.sh: not inside a Slurm allocation (SLURM_JOB_ID is not set); run it from sbatch or salloc" >&2
+  exit 2
+fi
+state_dir=${LTRAIN_SLURM_STATE_DIR:-$HOME/.ltrain/slurm/$SLURM_JOB_ID}
+mkdir -p "$state_dir"
+log() { echo "ltrain-slurm: $*"; }
+trap 'log "line $LINENO failed: $BASH_COMMAND"' ERR
+
+coordinator_pid='' agents_pid='' launch_pid='' job=''
+await_end() {  # waits up to 10 s for pid to end after `kill -TERM`, then kills it
+  for _ in $(seq 100); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.1; done
+  kill -KILL "$1" 2>/dev/null || true
+}
+cleanup() {
+  # Agents first: SIGTERM through Slurm reaches every agent, which stops its workers (a SIGTERM to
+  # srun itself would make it SIGKILL the step).
+  if [[ -n $agents_pid ]]; then
+    scancel --signal=TERM "$(cat "$state_dir/agents.step" 2>/dev/null)" 2>/dev/null || kill -TERM "$agents_pid" 2>/dev/null || true
+    await_end "$agents_pid"
+  fi
+  if [[ -n $coordinator_pid ]]; then
+    kill -TERM "$coordinator_pid" 2>/dev/null || true
+    await_end "$coordinator_pid"
+  fi
+  wait 2>/dev/null || true
+}
+trap cleanup EXIT
+on_term() {  # the batch shell's SIGTERM: launch (or resume) stops the job and reports it STOPPED
+  log "SIGTERM: stopping job ${job:-(not submitted yet)}"
+  [[ -n $launch_pid ]] && kill -TERM "$launch_pid" 2>/dev/null || true
+  if [[ ${LTRAIN_SLURM_REQUEUE_ON_TERM:-0} == 1 ]]; then scontrol requeue "$SLURM_JOB_ID" || true; fi
+}
+trap on_term TERM INT
+
+# Coordinator on this (the first) node, on a free port unless one is given.
+first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+rm -f "$state_dir/coordinator.port" "$state_dir/agents.step"
+"$ltrain" coordinator --listen "0.0.0.0:${LTRAIN_SLURM_PORT:-0}" --state-dir "$state_dir" \
+  --port-file "$state_dir/coordinator.port" >>"$state_dir/coordinator.log" 2>&1 &
+coordinator_pid=$!
+for _ in $(seq 300); do [[ -s $state_dir/coordinator.port ]] && break; sleep 0.1; done
+[[ -s $state_dir/coordinator.port ]] || { log "the coordinator did not start; see $state_dir/coordinator.log"; exit 3; }
+address=$(node_address "$first"):$(cat "$state_dir/coordinator.port")
+log "Slurm job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): coordinator at $address, state in $state_dir"
+
+# A job recorded by an earlier run of this Slurm job (requeue): finished, or to be resumed.
+if [[ -s $state_dir/job_id ]]; then
+  job=$(cat "$state_dir/job_id")
+  state=$("$ltrain" status "$job" --coordinator "$address" -o json | sed -n 's/.*"state": *"JOB_STATE_\([A-Z]*\)".*/\1/p' | head -n 1)
+  log "job $job was $state"
+  [[ $state == SUCCEEDED ]] && exit 0
+  # Still RUNNING in the record: its workers died with the previous allocation.
+  [[ $state != FAILED && $state != STOPPED ]] && "$ltrain" stop "$job" --coordinator "$address" >/dev/null
+fi
+
+# One agent per node. --kill-on-bad-exit=0: a node's agent that fails is the coordinator's to handle.
+srun --ntasks-per-node=1 --kill-on-bad-exit=0 "${BASH_SOURCE[0]}" --agent "$address" "$state_dir" &
+agents_pid=$!
+
+if [[ -n $job ]]; then
+  "$ltrain" resume "$job" --coordinator "$address" &
+  launch_pid=$!
+else
+  # The allocation's nodes (nproc_per_node stays the recipe's). Checkpoints in the state directory
+  # unless the recipe names a directory: `ltrain resume` by a restarted coordinator does not keep
+  # its default one yet. A --set of the caller comes later and wins.
+  sets=(--set "parallel.nodes=$SLURM_JOB_NUM_NODES")
+  [[ -z $("$ltrain" validate "$recipe" | sed -n '/^checkpoint:/,/^[a-z]/s/^  dir: *"\{0,1\}\([^"]*\).*/\1/p') ]] &&
+    sets+=(--set "checkpoint.dir=$state_dir/checkpoints")
+  "$ltrain" launch --coordinator "$address" "${sets[@]}" "$@" "$recipe" &
+  launch_pid=$!
+  # The job's id, kept for a requeued run: the only job this coordinator has.
+  for _ in $(seq 300); do
+    job=$("$ltrain" status --coordinator "$address" -o json 2>/dev/null | sed -n 's/.*"id": *"\([^"]*\)".*/\1/p' | head -n 1) || true
+    [[ -n $job ]] && { echo "$job" >"$state_dir/job_id"; break; }
+    kill -0 "$launch_pid" 2>/dev/null || break
+    sleep 0.1
+  done
+fi
+
+# A trapped SIGTERM interrupts `wait` (status > 128) while launch goes on to report the stopped job.
+# A plain scancel stops the coordinator too; launch would then retry it for 30 s: end it at once
+# (its second SIGTERM).
+code=''
+while [[ -z $code ]]; do
+  status=0; wait "$launch_pid" || status=$?
+  if (( status > 128 )) && kill -0 "$launch_pid" 2>/dev/null; then
+    while kill -0 "$launch_pid" 2>/dev/null && kill -0 "$coordinator_pid" 2>/dev/null; do sleep 0.2; done
+    kill -TERM "$launch_pid" 2>/dev/null || true
+    continue
+  fi
+  code=$status
+done
+if (( code > 128 )); then  # launch ended just as the signal came: collect its own status
+  status=0; wait "$launch_pid" 2>/dev/null || status=$?
+  (( status != 127 )) && code=$status
+fi
+log "job ${job:-?} ended with exit code $code"
+exit "$code"

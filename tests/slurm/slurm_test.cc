@@ -1,0 +1,373 @@
+// deploy/slurm/ against a real Slurm: munged, slurmctld and two slurmd (fake nodes n1 and n2 on
+// this machine) started by tests/slurm/local_slurm.sh under a temporary folder. The job script is
+// submitted with sbatch -N2 and ends as Slurm ends it: on its own, by scancel, by requeue.
+// Needs root; installs Debian's slurmd, slurmctld, slurm-client and munge when missing, and skips
+// when it cannot.
+#include <gtest/gtest.h>
+#include <google/protobuf/util/json_util.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <thread>
+
+#include "ltrain/v1/ltrain.pb.h"
+#include "tests/support/subprocess.h"
+
+namespace ltrain::testing {
+namespace {
+
+namespace fs = std::filesystem;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
+// The path of `program` on PATH, or "" (Subprocess runs argv[0] as given, without a PATH search).
+std::string Which(const std::string& program) {
+  static std::map<std::string, std::string> known;
+  if (auto it = known.find(program); it != known.end() && !it->second.empty()) return it->second;
+  ProcessResult found = RunProcess({"/bin/sh", "-c", "command -v " + program}, {}, seconds(10));
+  std::string path = found.exit_code == 0 ? found.output : "";
+  while (!path.empty() && path.back() == '\n') path.pop_back();
+  return known[program] = path;
+}
+
+// Pids of live processes whose environment holds `marker` (every process a job script starts
+// inherits the environment sbatch exported).
+std::vector<pid_t> ProcessesWithEnvironment(const std::string& marker) {
+  std::vector<pid_t> found;
+  for (const auto& entry : fs::directory_iterator("/proc")) {
+    std::string name = entry.path().filename();
+    if (name.empty() || !std::all_of(name.begin(), name.end(), ::isdigit)) continue;
+    std::string environ = ReadFile(entry.path() / "environ");
+    pid_t pid = std::stoi(name);
+    if (environ.find(marker) != std::string::npos && pid != getpid() && ProcessAlive(pid)) found.push_back(pid);
+  }
+  return found;
+}
+
+// One Slurm for the test program: started before the first test, stopped after the last, also when
+// a test failed (TearDownTestSuite runs after failed assertions too).
+class SlurmTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (geteuid() != 0) {
+      skip_ = "needs root: slurmd runs as root and munged as the munge user";
+      return;
+    }
+    if (Which("slurmctld").empty() || Which("slurmd").empty() || Which("sbatch").empty() || Which("munged").empty()) {
+      const std::vector<std::string> install = {Which("apt-get"), "install", "-y", "--no-install-recommends",
+                                                "slurmd", "slurmctld", "slurm-client", "munge"};
+      std::map<std::string, std::string> env = {{"DEBIAN_FRONTEND", "noninteractive"}};
+      ProcessResult installed = RunProcess(install, env, seconds(300));
+      if (installed.exit_code != 0) {
+        RunProcess({Which("apt-get"), "update"}, env, seconds(300));
+        installed = RunProcess(install, env, seconds(300));
+      }
+      if (installed.exit_code != 0) {
+        skip_ = "cannot install Slurm and munge: " + installed.output.substr(0, 2000);
+        return;
+      }
+    }
+    cluster_ = new TempDir();
+    // munged runs as the munge user: its folder's parents must let it through.
+    fs::permissions(cluster_->path(), fs::perms::others_exec | fs::perms::group_exec, fs::perm_options::add);
+    ProcessResult started =
+        RunProcess({SourceDir() + "/tests/slurm/local_slurm.sh", "start", cluster_->Join("slurm")}, {}, seconds(60));
+    if (started.exit_code != 0) {
+      failure_ = "local_slurm.sh start failed:\n" + started.output + SlurmLogs();
+      return;
+    }
+    slurm_conf_ = cluster_->Join("slurm/slurm.conf");
+  }
+
+  static void TearDownTestSuite() {
+    if (cluster_ == nullptr) return;
+    if (!slurm_conf_.empty()) {
+      // Jobs left by a failed test end first, so that no step outlives the daemons.
+      RunProcess({Which("scancel"), "--full", "--partition", "test"}, SlurmEnv(), seconds(10));
+      for (int i = 0; i < 100; ++i) {
+        ProcessResult queue = RunProcess({Which("squeue"), "-h"}, SlurmEnv(), seconds(10));
+        if (queue.exit_code != 0 || queue.output.empty()) break;
+        std::this_thread::sleep_for(milliseconds(200));
+      }
+    }
+    ProcessResult stopped =
+        RunProcess({SourceDir() + "/tests/slurm/local_slurm.sh", "stop", cluster_->Join("slurm")}, {}, seconds(60));
+    EXPECT_EQ(stopped.exit_code, 0) << stopped.output;
+    for (const char* pid_file : {"slurm/slurmd-n1.pid", "slurm/slurmd-n2.pid", "slurm/slurmctld.pid",
+                                 "slurm/munge/munged.pid"}) {
+      std::string pid = ReadFile(cluster_->Join(pid_file));
+      if (!pid.empty()) {
+        EXPECT_FALSE(ProcessAlive(std::stoi(pid))) << pid_file << " still runs";
+      }
+    }
+    delete cluster_;
+    cluster_ = nullptr;
+    slurm_conf_.clear();
+  }
+
+  void SetUp() override {
+    if (!skip_.empty()) GTEST_SKIP() << skip_;
+    ASSERT_TRUE(failure_.empty()) << failure_;
+    std::string text = TinyShakespeare();
+    if (text.empty()) GTEST_SKIP() << "../shared/data/tinyshakespeare.txt is not beside the checkout";
+    ProcessResult prepared =
+        RunProcess({LtrainBinary(), "data", "prepare", "--input", text, "--output", dir_.Join("data")});
+    ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
+  }
+
+  static std::map<std::string, std::string> SlurmEnv() { return {{"SLURM_CONF", slurm_conf_}}; }
+
+  static std::string SlurmLogs() {
+    std::string logs;
+    for (const char* log : {"slurm/slurmctld.log", "slurm/slurmd-n1.log", "slurm/slurmd-n2.log"}) {
+      std::string text = ReadFile(cluster_->Join(log));
+      logs += std::string("\n--- ") + log + " (tail)\n" + text.substr(text.size() > 3000 ? text.size() - 3000 : 0);
+    }
+    return logs;
+  }
+
+  std::string Recipe(const std::string& name, const std::string& training) {
+    return dir_.Write(name + ".yaml", "name: " + name +
+                                          "\nmodel: {layers: 2, d_model: 64, heads: 4, seq_len: 32}\n"
+                                          "data: {path: " + dir_.Join("data") + "}\n"
+                                          "training: {" + training + ", micro_batch: 4, global_batch: 8, log_every: 1}\n"
+                                          "parallel: {nproc_per_node: 1}\n"
+                                          "checkpoint: {every: 10, keep: 3}\n");
+  }
+
+  std::string StateDir() const { return dir_.Join("state"); }
+  std::string Marker() const { return "LTRAIN_SLURM_STATE_DIR=" + StateDir(); }
+
+  // sbatch -N2 of the job script; returns the Slurm job id.
+  std::string Submit(const std::string& recipe) {
+    std::vector<std::string> argv = {Which("sbatch"), "--parsable", "-N2", "--chdir", dir_.path(), "--output",
+                                     dir_.Join("slurm-%j.out"),
+                                     "--export=ALL,LTRAIN_BIN=" + LtrainBinary() + ",OMP_NUM_THREADS=1," + Marker(),
+                                     SourceDir() + "/deploy/slurm/ltrain.sbatch", recipe};
+    ProcessResult submitted = RunProcess(argv, SlurmEnv(), seconds(30));
+    EXPECT_EQ(submitted.exit_code, 0) << submitted.output;
+    std::string id = submitted.output.substr(0, submitted.output.find_first_of(";\n"));
+    return id;
+  }
+
+  // A field of `scontrol show job -o ID` ("" once Slurm forgot the job).
+  std::string JobField(const std::string& id, const std::string& field) {
+    ProcessResult shown = RunProcess({Which("scontrol"), "show", "job", "-o", id}, SlurmEnv(), seconds(10));
+    std::smatch match;
+    std::regex pattern("(^| )" + field + "=([^ \n]*)");
+    return std::regex_search(shown.output, match, pattern) ? match[2].str() : "";
+  }
+
+  // Polls until the Slurm job is in a final state; returns it ("" on timeout).
+  std::string WaitForSlurmJobEnd(const std::string& id, seconds timeout) {
+    static const std::set<std::string> kFinal = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT",
+                                                 "NODE_FAIL", "OUT_OF_MEMORY", "PREEMPTED", "BOOT_FAIL",
+                                                 "DEADLINE"};
+    auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < deadline) {
+      std::string state = JobField(id, "JobState");
+      if (kFinal.count(state)) return state;
+      std::this_thread::sleep_for(milliseconds(200));
+    }
+    return "";
+  }
+
+  std::string SlurmOutput(const std::string& id) { return ReadFile(dir_.Join("slurm-" + id + ".out")); }
+
+  // The job the script recorded, read offline from the state directory.
+  std::string LtrainJobId() {
+    std::string id = ReadFile(StateDir() + "/job_id");
+    while (!id.empty() && id.back() == '\n') id.pop_back();
+    return id;
+  }
+  v1::Job LtrainJob(const std::string& job_id) {
+    ProcessResult result = RunProcess({LtrainBinary(), "status", job_id, "--output", "json"},
+                                      {{"LTRAIN_HOME", StateDir()}}, seconds(10));
+    v1::Job job;
+    EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(result.output, &job).ok()) << result.output;
+    return job;
+  }
+
+  // Polls the job record until `predicate` holds.
+  bool WaitForLtrainJob(const std::function<bool(const v1::Job&)>& predicate, seconds timeout) {
+    auto deadline = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < deadline) {
+      std::string job_id = LtrainJobId();
+      if (!job_id.empty() && predicate(LtrainJob(job_id))) return true;
+      std::this_thread::sleep_for(milliseconds(250));
+    }
+    return false;
+  }
+
+  // The checkpoint of the job's last commit is there and `latest` names it.
+  void ExpectLastCommitIntact(const v1::Job& job) {
+    ASSERT_GT(job.last_committed_step(), 0) << job.DebugString();
+    std::string step = "step-" + std::to_string(job.last_committed_step());
+    EXPECT_TRUE(fs::is_directory(job.last_committed_path())) << job.last_committed_path();
+    EXPECT_EQ(fs::path(job.last_committed_path()).filename(), step);
+    std::string latest = ReadFile((fs::path(job.last_committed_path()).parent_path() / "latest").string());
+    EXPECT_EQ(latest, step + "\n");
+  }
+
+  // Waits until the job runs on both nodes and has committed a checkpoint; returns the worker pids.
+  std::vector<pid_t> WaitForCommittedRunningJob() {
+    std::vector<pid_t> workers;
+    bool running = WaitForLtrainJob(
+        [](const v1::Job& job) {
+          return job.state() == v1::JOB_STATE_RUNNING && job.last_committed_step() >= 10 && job.ranks_size() == 2;
+        },
+        seconds(60));
+    if (!running) return workers;
+    v1::Job job = LtrainJob(LtrainJobId());
+    for (const auto& rank : job.ranks()) workers.push_back(static_cast<pid_t>(rank.pid()));
+    return workers;
+  }
+
+  void ExpectNoProcessLeft(seconds timeout) {
+    auto deadline = std::chrono::steady_clock::now() + timeout;
+    std::vector<pid_t> left = ProcessesWithEnvironment(Marker());
+    while (!left.empty() && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(milliseconds(100));
+      left = ProcessesWithEnvironment(Marker());
+    }
+    for (pid_t pid : left) {
+      ADD_FAILURE() << "process " << pid << " of the job still runs: " << ReadFile("/proc/" + std::to_string(pid) + "/cmdline");
+    }
+  }
+
+  TempDir dir_;
+  static inline TempDir* cluster_ = nullptr;
+  static inline std::string slurm_conf_;
+  static inline std::string skip_;
+  static inline std::string failure_;
+};
+
+// sbatch -N2: a coordinator on n1, an agent on each of n1 and n2, one rank on each; the training
+// job SUCCEEDS and the Slurm job COMPLETES with the job's exit code 0.
+TEST_F(SlurmTest, BatchJobTrainsOnBothNodesAndCompletes) {
+  auto started = std::chrono::steady_clock::now();
+  std::string id = Submit(Recipe("slurmtiny", "steps: 30"));
+  ASSERT_FALSE(id.empty());
+  std::string state = WaitForSlurmJobEnd(id, seconds(90));
+  std::string output = SlurmOutput(id);
+  ASSERT_EQ(state, "COMPLETED") << output << SlurmLogs();
+  EXPECT_EQ(JobField(id, "ExitCode"), "0:0");
+  EXPECT_EQ(JobField(id, "NodeList"), "n[1-2]");
+  EXPECT_NE(output.find("ltrain: job SUCCEEDED"), std::string::npos) << output;
+  EXPECT_NE(output.find("[rank 0] step 30/30"), std::string::npos) << output;
+
+  std::string job_id = LtrainJobId();
+  ASSERT_EQ(job_id, "slurmtiny-1") << output;
+  v1::Job job = LtrainJob(job_id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.DebugString();
+  EXPECT_EQ(job.world_size(), 2);
+  EXPECT_EQ(job.last_committed_step(), 30);
+  std::set<std::string> nodes;
+  for (const auto& rank : job.ranks()) nodes.insert(rank.node_id());
+  EXPECT_EQ(nodes, (std::set<std::string>{"n1", "n2"})) << job.DebugString();
+  // Each node's agent wrote its rank's log under its own work directory.
+  EXPECT_TRUE(fs::exists(StateDir() + "/nodes/n1")) << output;
+  EXPECT_TRUE(fs::exists(StateDir() + "/nodes/n2")) << output;
+  ExpectNoProcessLeft(seconds(5));
+  RecordProperty("seconds", std::to_string(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count()));
+}
+
+// The batch shell's SIGTERM (what --signal=B:TERM@300 sends before the time limit, and
+// `scancel --batch --signal=TERM`): the job ends STOPPED with its last commit intact and no process
+// left; `scontrol requeue` runs the script again, which resumes the job from that commit to the end.
+TEST_F(SlurmTest, SigtermStopsTheJobAndRequeueResumesItFromItsLastCommit) {
+  std::string id = Submit(Recipe("slurmstop", "steps: 2000"));
+  ASSERT_FALSE(id.empty());
+  std::vector<pid_t> workers = WaitForCommittedRunningJob();
+  ASSERT_EQ(workers.size(), 2u) << SlurmOutput(id) << SlurmLogs();
+
+  ProcessResult signalled = RunProcess({Which("scancel"), "--batch", "--signal=TERM", id}, SlurmEnv(), seconds(10));
+  ASSERT_EQ(signalled.exit_code, 0) << signalled.output;
+  std::string state = WaitForSlurmJobEnd(id, seconds(60));
+  std::string output = SlurmOutput(id);
+  EXPECT_EQ(state, "FAILED") << output;
+  EXPECT_EQ(JobField(id, "ExitCode"), "4:0") << "ltrain's exit code for a STOPPED job";
+  for (pid_t pid : workers) EXPECT_FALSE(ProcessAlive(pid)) << "worker " << pid << " survived";
+  ExpectNoProcessLeft(seconds(5));
+  v1::Job stopped = LtrainJob(LtrainJobId());
+  EXPECT_EQ(stopped.state(), v1::JOB_STATE_STOPPED) << stopped.DebugString() << "\n" << output;
+  ExpectLastCommitIntact(stopped);
+
+  // Requeued, the job waits for its begin time (two minutes): move that to now once it is pending.
+  // slurmd refuses to launch a job it ended moments ago ("Job 1 already killed, do not launch
+  // batch job"): give it the few seconds a real requeue always has.
+  std::this_thread::sleep_for(seconds(3));
+  ProcessResult requeued = RunProcess({Which("scontrol"), "requeue", id}, SlurmEnv(), seconds(10));
+  ASSERT_EQ(requeued.exit_code, 0) << requeued.output;
+  auto deadline = std::chrono::steady_clock::now() + seconds(30);
+  std::string seen;
+  while (std::chrono::steady_clock::now() < deadline) {
+    seen = JobField(id, "JobState") + " restarts " + JobField(id, "Restarts");
+    if (seen == "RUNNING restarts 1") break;
+    if (seen == "PENDING restarts 1") RunProcess({Which("scontrol"), "update", "jobid=" + id, "StartTime=now"}, SlurmEnv(), seconds(10));
+    std::this_thread::sleep_for(milliseconds(200));
+  }
+  ASSERT_EQ(seen, "RUNNING restarts 1") << SlurmOutput(id) << SlurmLogs();
+  state = WaitForSlurmJobEnd(id, seconds(90));
+  output = SlurmOutput(id);
+  ASSERT_EQ(state, "COMPLETED") << output << SlurmLogs();
+  std::string resumed_from = "resumed from the checkpoint of step " + std::to_string(stopped.last_committed_step());
+  EXPECT_NE(output.find("(restart 1)"), std::string::npos) << output;
+  EXPECT_NE(output.find(resumed_from), std::string::npos) << output;
+  v1::Job job = LtrainJob(LtrainJobId());
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.DebugString();
+  EXPECT_EQ(job.generation(), 1);
+  EXPECT_EQ(job.last_committed_step(), 2000);
+  // Rank 0 of the second generation trained only the steps after the commit.
+  std::ifstream log(StateDir() + "/nodes/n1/jobs/" + LtrainJobId() + "/gen-1/rank-0.log");
+  std::string line;
+  while (std::getline(log, line) && line.rfind("step ", 0) != 0) {
+  }
+  EXPECT_EQ(line.rfind("step " + std::to_string(stopped.last_committed_step() + 1) + "/", 0), 0u) << line;
+  ExpectNoProcessLeft(seconds(5));
+}
+
+// A plain scancel: Slurm sends SIGTERM to every process of the job at once (agents, workers,
+// coordinator, launch) and srun ends the agents' step. Every process ends, the last commit is
+// intact and the record is final, so `ltrain resume` (or a requeue) can go on from it. The record is
+// FAILED ("node n1 lost: its agent's connection closed"): the agents see Slurm's SIGTERM before
+// anyone can stop the job; see deploy/slurm/README.md.
+TEST_F(SlurmTest, ScancelEndsEveryProcessAndKeepsTheLastCommit) {
+  std::string id = Submit(Recipe("slurmcancel", "steps: 1000000"));
+  ASSERT_FALSE(id.empty());
+  std::vector<pid_t> workers = WaitForCommittedRunningJob();
+  ASSERT_EQ(workers.size(), 2u) << SlurmOutput(id) << SlurmLogs();
+
+  auto cancelled_at = std::chrono::steady_clock::now();
+  ProcessResult cancelled = RunProcess({Which("scancel"), id}, SlurmEnv(), seconds(10));
+  ASSERT_EQ(cancelled.exit_code, 0) << cancelled.output;
+  std::string state = WaitForSlurmJobEnd(id, seconds(60));
+  std::string output = SlurmOutput(id);
+  EXPECT_EQ(state, "CANCELLED") << output;
+  // Well before KillWait (30 s), when Slurm would SIGKILL what is left.
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - cancelled_at).count(), 15.0) << output;
+  for (pid_t pid : workers) EXPECT_FALSE(ProcessAlive(pid)) << "worker " << pid << " survived scancel";
+  ExpectNoProcessLeft(seconds(5));
+
+  v1::Job job = LtrainJob(LtrainJobId());
+  EXPECT_TRUE(job.state() == v1::JOB_STATE_STOPPED || job.state() == v1::JOB_STATE_FAILED)
+      << job.DebugString() << "\n" << output;
+  std::printf("ltrain job after scancel: %s (%s)\n", v1::JobState_Name(job.state()).c_str(), job.cause().c_str());
+  ExpectLastCommitIntact(job);
+}
+
+}  // namespace
+}  // namespace ltrain::testing

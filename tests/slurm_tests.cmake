@@ -1,0 +1,15 @@
+# Slurm (included from tests/CMakeLists.txt, after ltrain_test_support is defined).
+
+# The allocation read from a fake environment, and the layout it gives a recipe; milliseconds.
+ltrain_add_test(slurm_unit_test unit
+  SOURCES unit/slurm_test.cc
+  LIBS ltrain::common)
+
+if(LTRAIN_BUILD_CONTROL_PLANE AND LTRAIN_BUILD_WORKER)
+  # deploy/slurm/ against a real Slurm with two fake nodes on this machine (root only; installs
+  # Debian's slurm and munge when missing, skips when it cannot); under a minute.
+  ltrain_add_test(slurm_integration_test integration
+    SOURCES slurm/slurm_test.cc
+    LIBS ltrain_test_support ltrain::proto)
+  add_dependencies(slurm_integration_test ltrain ltrain-worker)
+endif()
