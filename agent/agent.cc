@@ -166,6 +166,16 @@ class AgentImpl : public Agent {
 
   void ShutdownOnce() {
     {
+      // Say goodbye first, so that the coordinator stops this node's jobs rather than failing them.
+      v1::LeaveRequest leave;
+      leave.set_node_id(options_.node_id);
+      leave.set_reason(options_.leave_reason);
+      v1::LeaveReply reply;
+      grpc::ClientContext context;
+      context.set_deadline(Deadline(2));
+      agent_stub_->Leave(&context, leave, &reply);
+    }
+    {
       std::lock_guard<std::mutex> lock(mu_);
       stopping_ = true;
       if (stream_context_) stream_context_->TryCancel();

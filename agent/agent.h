@@ -27,6 +27,7 @@ struct AgentOptions {
   double stop_grace_s = 3.0;        // SIGTERM, then SIGKILL after this long
   double coordinator_grace_s = 60.0;  // workers keep running this long while the coordinator is away
   SecurityMaterial security;        // how to reach the coordinator (TLS, client certificate, token)
+  std::string leave_reason = "its agent was shut down";
 };
 
 class Agent {

@@ -45,6 +45,10 @@ StatusOr<SpawnedProcess> RealProcessSpawner::Spawn(const SpawnSpec& spec) {
     return Internal(std::string("fork: ") + std::strerror(error));
   }
   if (pid == 0) {
+    // The agent blocks SIGINT/SIGTERM for its own signal thread; a worker must receive them.
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
     setpgid(0, 0);
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != parent) _exit(127);  // the agent died before prctl took effect

@@ -23,6 +23,7 @@
 #include "common/logging.h"
 #include "common/recipe.h"
 #include "common/signal_name.h"
+#include "common/slurm.h"
 #include "common/transport_security.h"
 #include "common/token_data.h"
 #include "launcher/coordinator_server.h"
@@ -249,6 +250,7 @@ struct LaunchArgs {
   bool detach = false;
   bool quiet = false;
   bool verbose = false;
+  bool slurm = false;
 };
 
 // Blocks SIGINT/SIGTERM in every thread; a dedicated thread turns the first one into a stop.
@@ -376,6 +378,20 @@ int Launch(const LaunchArgs& args) {
     return kExitInvalid;
   }
   Recipe recipe = parsed.recipe;
+  if (args.slurm) {
+    StatusOr<SlurmAllocation> allocation = ReadSlurmAllocation(EnvironmentVariable, ExpandHostnamesWithScontrol);
+    if (!allocation.ok()) {
+      std::fprintf(stderr, "ltrain launch --slurm: %s\n", allocation.status().message().c_str());
+      return kExitInvalid;
+    }
+    ApplySlurmAllocation(*allocation, &recipe);
+    std::printf("ltrain: %s\n", DescribeSlurmAllocation(*allocation).c_str());
+    RecipeParseResult again = ParseRecipe(RecipeToYaml(recipe), args.recipe + " (with the Slurm allocation)");
+    if (!again.ok()) {
+      std::fprintf(stderr, "%s", again.ErrorText().c_str());
+      return kExitInvalid;
+    }
+  }
   recipe.data.path = Absolute(recipe.data.path);
   recipe.checkpoint.dir = Absolute(recipe.checkpoint.dir);
   recipe.checkpoint.resume_from = Absolute(recipe.checkpoint.resume_from);
@@ -744,6 +760,8 @@ int main(int argc, char** argv) {
       ->expected(1)->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
   launch_cmd->add_option("--coordinator", launch.coordinator,
                          "HOST:PORT of a running coordinator; without it ltrain starts one and a local agent");
+  launch_cmd->add_flag("--slurm", launch.slurm,
+                       "Inside a Slurm allocation: take nodes and processes per node from it (SLURM_JOB_NODELIST, GPUs per node)");
   launch_cmd->add_flag("--detach", launch.detach, "With --coordinator: print the job id and return at once");
   launch_cmd->add_flag("-q,--quiet", launch.quiet, "Print job events only, not the workers' log lines");
   launch_cmd->add_flag("-v,--verbose", launch.verbose, "Also print the embedded coordinator's and agent's logs");
@@ -919,6 +937,7 @@ int main(int argc, char** argv) {
   if (*coordinator_cmd) return RunCoordinator(listen, state_dir, port_file, node_timeout_s);
   if (*agent_cmd) {
     agent_options.security = g_security;
+    agent_options.leave_reason = "its agent was stopped (SIGTERM or SIGINT)";
     return RunAgent(agent_options);
   }
   return kExitInvalid;

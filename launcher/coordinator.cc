@@ -502,8 +502,25 @@ void Coordinator::LoseNodeLocked(const std::string& node_id, const std::string& 
   }
 }
 
+void Coordinator::NodeLeaving(const std::string& node_id, const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto found = nodes_.find(node_id);
+  if (found == nodes_.end() || !found->second.connected) return;
+  std::set<std::string> running = found->second.jobs;
+  for (const auto& job_id : running) {
+    ActiveJob* job = FindLocked(job_id);
+    if (job == nullptr || job->job.state() != v1::JOB_STATE_RUNNING) continue;
+    if (job->job.nodes_now() - 1 >= job->recipe.parallel.nodes_min) continue;  // elastic: shrinks below
+    FinishLocked(*job, v1::JOB_STATE_STOPPED, "node " + node_id + " left: " + reason);
+  }
+  LoseNodeLocked(node_id, "it left: " + reason);
+}
+
 void Coordinator::NodeDisconnected(const std::string& node_id, int64_t token) {
   std::lock_guard<std::mutex> lock(mu_);
+  // Streams close because this coordinator is going away: its jobs stay as they are in the state,
+  // for the next coordinator to take back.
+  if (shutting_down_) return;
   auto found = nodes_.find(node_id);
   if (found == nodes_.end() || found->second.token != token || !found->second.connected) return;
   LoseNodeLocked(node_id, "its agent's connection closed");

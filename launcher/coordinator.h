@@ -63,6 +63,7 @@ class Coordinator {
   int64_t NodeConnected(const std::string& node_id, const v1::NodeFacts& facts,
                         const std::vector<v1::RunningWorker>& running = {});
   void NodeDisconnected(const std::string& node_id, int64_t token);
+  void NodeLeaving(const std::string& node_id, const std::string& reason);
   std::optional<v1::Command> WaitCommand(const std::string& node_id, int64_t timeout_ms);
   Status Heartbeat(const v1::HeartbeatRequest& request);
   Status ReportWorkerState(const v1::WorkerStateReport& report);

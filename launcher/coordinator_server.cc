@@ -128,6 +128,12 @@ class AgentServiceImpl final : public v1::AgentService::Service {
     return grpc::Status::OK;
   }
 
+  grpc::Status Leave(grpc::ServerContext* context, const v1::LeaveRequest* request, v1::LeaveReply*) override {
+    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
+    coordinator_->NodeLeaving(request->node_id(), request->reason());
+    return grpc::Status::OK;
+  }
+
   grpc::Status PushLogs(grpc::ServerContext* context, const v1::PushLogsRequest* request, v1::PushLogsReply*) override {
     if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
     coordinator_->PushLogs(*request);

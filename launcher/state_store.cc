@@ -236,12 +236,12 @@ Status SqliteStateStore::UpdateJob(const v1::Job& job) {
   Statement s(db_,
               "UPDATE jobs SET state = ?, generation = ?, cause = ?, updated_ms = ?, last_step = ?, last_loss = ?, "
               "restarts = ?, last_committed_step = ?, last_committed_path = ?, nodes_now = ?, last_failure = ?, "
-              "world_size = ? WHERE id = ?");
+              "world_size = ?, recipe = ? WHERE id = ?");
   s.Bind(1, int64_t{job.state()}).Bind(2, int64_t{job.generation()}).Bind(3, job.cause());
   s.Bind(4, job.updated_unix_ms()).Bind(5, job.last_step()).Bind(6, job.last_loss());
   s.Bind(7, int64_t{job.restarts()}).Bind(8, job.last_committed_step()).Bind(9, job.last_committed_path());
   s.Bind(10, int64_t{job.nodes_now()}).Bind(11, job.last_failure()).Bind(12, int64_t{job.world_size()});
-  s.Bind(13, job.id());
+  s.Bind(13, job.recipe_yaml()).Bind(14, job.id());
   if (s.Step() != SQLITE_DONE) return SqlError(db_, "update job " + job.id());
   return Status::Ok();
 }

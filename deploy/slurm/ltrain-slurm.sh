@@ -64,7 +64,7 @@ cleanup() {
     await_end "$agents_pid"
   fi
   if [[ -n $coordinator_pid ]]; then
-    kill -TERM "$coordinator_pid" 2>/dev/null || true
+    kill -INT "$coordinator_pid" 2>/dev/null || true
     await_end "$coordinator_pid"
   fi
   wait 2>/dev/null || true
@@ -80,8 +80,11 @@ trap on_term TERM INT
 # Coordinator on this (the first) node, on a free port unless one is given.
 first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 rm -f "$state_dir/coordinator.port" "$state_dir/agents.step"
-"$ltrain" coordinator --listen "0.0.0.0:${LTRAIN_SLURM_PORT:-0}" --state-dir "$state_dir" \
-  --port-file "$state_dir/coordinator.port" >>"$state_dir/coordinator.log" 2>&1 &
+# The coordinator ignores SIGTERM: a plain scancel signals every process at once, and the coordinator
+# must outlive the agents, which tell it they are leaving, so that the job ends STOPPED. This script
+# stops it with SIGINT at the end.
+( trap '' TERM; exec "$ltrain" coordinator --listen "0.0.0.0:${LTRAIN_SLURM_PORT:-0}" --state-dir "$state_dir" \
+  --port-file "$state_dir/coordinator.port" >>"$state_dir/coordinator.log" 2>&1 ) &
 coordinator_pid=$!
 for _ in $(seq 300); do [[ -s $state_dir/coordinator.port ]] && break; sleep 0.1; done
 [[ -s $state_dir/coordinator.port ]] || { log "the coordinator did not start; see $state_dir/coordinator.log"; exit 3; }
@@ -106,10 +109,10 @@ if [[ -n $job ]]; then
   "$ltrain" resume "$job" --coordinator "$address" &
   launch_pid=$!
 else
-  # The allocation's nodes (nproc_per_node stays the recipe's). Checkpoints in the state directory
-  # unless the recipe names a directory: `ltrain resume` by a restarted coordinator does not keep
-  # its default one yet. A --set of the caller comes later and wins.
-  sets=(--set "parallel.nodes=$SLURM_JOB_NUM_NODES")
+  # --slurm takes the nodes (and, for GPU recipes, processes per node) from the allocation.
+  # Checkpoints go to the shared state directory unless the recipe names one; a --set of the
+  # caller comes later and wins.
+  sets=(--slurm)
   [[ -z $("$ltrain" validate "$recipe" | sed -n '/^checkpoint:/,/^[a-z]/s/^  dir: *"\{0,1\}\([^"]*\).*/\1/p') ]] &&
     sets+=(--set "checkpoint.dir=$state_dir/checkpoints")
   "$ltrain" launch --coordinator "$address" "${sets[@]}" "$@" "$recipe" &

@@ -218,8 +218,14 @@ class SlurmTest : public ::testing::Test {
     std::string step = "step-" + std::to_string(job.last_committed_step());
     EXPECT_TRUE(fs::is_directory(job.last_committed_path())) << job.last_committed_path();
     EXPECT_EQ(fs::path(job.last_committed_path()).filename(), step);
+    // A commit can land while the job is being stopped, after the coordinator last heard of one:
+    // `latest` names the recorded step or a newer one, and a resume takes that.
+    EXPECT_GE(LatestStep(job), job.last_committed_step());
+  }
+
+  static int64_t LatestStep(const v1::Job& job) {
     std::string latest = ReadFile((fs::path(job.last_committed_path()).parent_path() / "latest").string());
-    EXPECT_EQ(latest, step + "\n");
+    return latest.rfind("step-", 0) == 0 ? std::stoll(latest.substr(5)) : -1;
   }
 
   // Waits until the job runs on both nodes and has committed a checkpoint; returns the worker pids.
@@ -303,6 +309,7 @@ TEST_F(SlurmTest, SigtermStopsTheJobAndRequeueResumesItFromItsLastCommit) {
   for (pid_t pid : workers) EXPECT_FALSE(ProcessAlive(pid)) << "worker " << pid << " survived";
   ExpectNoProcessLeft(seconds(5));
   v1::Job stopped = LtrainJob(LtrainJobId());
+  const int64_t latest_at_stop = LatestStep(stopped);
   EXPECT_EQ(stopped.state(), v1::JOB_STATE_STOPPED) << stopped.DebugString() << "\n" << output;
   ExpectLastCommitIntact(stopped);
 
@@ -336,15 +343,15 @@ TEST_F(SlurmTest, SigtermStopsTheJobAndRequeueResumesItFromItsLastCommit) {
   std::string line;
   while (std::getline(log, line) && line.rfind("step ", 0) != 0) {
   }
-  EXPECT_EQ(line.rfind("step " + std::to_string(stopped.last_committed_step() + 1) + "/", 0), 0u) << line;
+  EXPECT_EQ(line.rfind("step " + std::to_string(latest_at_stop + 1) + "/", 0), 0u) << line;
   ExpectNoProcessLeft(seconds(5));
 }
 
 // A plain scancel: Slurm sends SIGTERM to every process of the job at once (agents, workers,
 // coordinator, launch) and srun ends the agents' step. Every process ends, the last commit is
-// intact and the record is final, so `ltrain resume` (or a requeue) can go on from it. The record is
-// FAILED ("node n1 lost: its agent's connection closed"): the agents see Slurm's SIGTERM before
-// anyone can stop the job; see deploy/slurm/README.md.
+// intact. The record is STOPPED when the agents' goodbyes reach the coordinator before srun kills
+// them; when srun is faster it stays RUNNING (the coordinator, going down too, does not count its
+// streams closing as lost nodes), which a requeued run stops and resumes from the last commit.
 TEST_F(SlurmTest, ScancelEndsEveryProcessAndKeepsTheLastCommit) {
   std::string id = Submit(Recipe("slurmcancel", "steps: 1000000"));
   ASSERT_FALSE(id.empty());
@@ -363,7 +370,7 @@ TEST_F(SlurmTest, ScancelEndsEveryProcessAndKeepsTheLastCommit) {
   ExpectNoProcessLeft(seconds(5));
 
   v1::Job job = LtrainJob(LtrainJobId());
-  EXPECT_TRUE(job.state() == v1::JOB_STATE_STOPPED || job.state() == v1::JOB_STATE_FAILED)
+  EXPECT_TRUE(job.state() == v1::JOB_STATE_STOPPED || job.state() == v1::JOB_STATE_RUNNING)
       << job.DebugString() << "\n" << output;
   std::printf("ltrain job after scancel: %s (%s)\n", v1::JobState_Name(job.state()).c_str(), job.cause().c_str());
   ExpectLastCommitIntact(job);
