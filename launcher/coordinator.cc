@@ -480,7 +480,7 @@ int64_t Coordinator::NodeConnected(const std::string& node_id, const v1::NodeFac
   return node.token;
 }
 
-void Coordinator::LoseNodeLocked(const std::string& node_id, const std::string& reason) {
+void Coordinator::LoseNodeLocked(const std::string& node_id, const std::string& reason, bool expected) {
   auto found = nodes_.find(node_id);
   if (found == nodes_.end()) return;
   found->second.connected = false;
@@ -488,7 +488,11 @@ void Coordinator::LoseNodeLocked(const std::string& node_id, const std::string& 
   found->second.commands.clear();
   std::set<std::string> running = found->second.jobs;
   found->second.jobs.clear();
-  LTRAIN_LOG(kWarning, kLog) << "node " << node_id << " lost: " << reason;
+  if (expected) {
+    LTRAIN_LOG(kInfo, kLog) << "node " << node_id << " left: " << reason;
+  } else {
+    LTRAIN_LOG(kWarning, kLog) << "node " << node_id << " lost: " << reason;
+  }
   for (auto& [job_id, job] : jobs_) {
     // Told to every unfinished job whose latest generation used the node, also when that
     // generation already failed for another reason (its workers saw the node go first).
@@ -513,7 +517,7 @@ void Coordinator::NodeLeaving(const std::string& node_id, const std::string& rea
     if (job->job.nodes_now() - 1 >= job->recipe.parallel.nodes_min) continue;  // elastic: shrinks below
     FinishLocked(*job, v1::JOB_STATE_STOPPED, "node " + node_id + " left: " + reason);
   }
-  LoseNodeLocked(node_id, "it left: " + reason);
+  LoseNodeLocked(node_id, "it left: " + reason, /*expected=*/true);
 }
 
 void Coordinator::NodeDisconnected(const std::string& node_id, int64_t token) {

@@ -114,7 +114,7 @@ class Coordinator {
   bool StartGenerationLocked(ActiveJob& job, std::vector<std::string> nodes);
   void FailGenerationLocked(ActiveJob& job, const std::string& cause);
   void StopGenerationLocked(ActiveJob& job, const std::string& reason);
-  void LoseNodeLocked(const std::string& node_id, const std::string& reason);
+  void LoseNodeLocked(const std::string& node_id, const std::string& reason, bool expected = false);
   void CheckHangLocked(ActiveJob& job, int64_t now);
   void RecordCommitLocked(ActiveJob& job, int64_t step, const std::string& path, int rank);
   void AddEventLocked(ActiveJob& job, const std::string& kind, const std::string& message, int rank);
