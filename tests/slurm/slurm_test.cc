@@ -26,13 +26,6 @@ namespace fs = std::filesystem;
 using std::chrono::milliseconds;
 using std::chrono::seconds;
 
-std::string ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
-}
-
 // The path of `program` on PATH, or "" (Subprocess runs argv[0] as given, without a PATH search).
 std::string Which(const std::string& program) {
   static std::map<std::string, std::string> known;

@@ -148,6 +148,13 @@ bool ProcessAlive(pid_t pid) {
   return content[close + 2] != 'Z' && content[close + 2] != 'X';
 }
 
+std::string ReadFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  return buffer.str();
+}
+
 std::vector<double> ParseLosses(const std::string& output) {
   static const std::regex kLine(R"(\[rank 0\] step \d+/\d+ loss ([0-9.eE+-]+))");
   std::vector<double> losses;

@@ -66,6 +66,8 @@ std::string SourceDir();
 std::string TinyShakespeare();
 // True while `pid` is a live (non-zombie) process.
 bool ProcessAlive(pid_t pid);
+// A whole file's bytes; empty when it cannot be read.
+std::string ReadFile(const std::string& path);
 // The numbers after "loss " in lines that start with "[rank 0] step ".
 std::vector<double> ParseLosses(const std::string& output);
 
