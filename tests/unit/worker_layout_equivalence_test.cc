@@ -14,29 +14,14 @@
 
 #include "common/token_data.h"
 
+#include "tests/support/worker_log.h"
+
 namespace ltrain {
 namespace {
 
 namespace fs = std::filesystem;
 
-std::vector<double> Losses(const fs::path& log) {
-  std::ifstream in(log);
-  std::vector<double> out;
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("step ", 0) != 0) continue;
-    std::istringstream words(line);
-    std::string word;
-    while (words >> word) {
-      if (word == "loss") {
-        double v = 0;
-        words >> v;
-        out.push_back(v);
-      }
-    }
-  }
-  return out;
-}
+std::vector<double> Losses(const fs::path& log) { return ltrain::testing::WorkerLogLosses(log); }
 
 TEST(WorkerLayoutEquivalenceTest, TwoRanksMatchOneRankAccumulatingTwo) {
   const char* bin_dir = std::getenv("LTRAIN_BIN_DIR");

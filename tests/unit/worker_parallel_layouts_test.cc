@@ -18,6 +18,8 @@
 
 #include "common/token_data.h"
 
+#include "tests/support/worker_log.h"
+
 namespace ltrain {
 namespace {
 
@@ -28,24 +30,7 @@ std::string WorkerBin() {
   return bin_dir != nullptr ? std::string(bin_dir) + "/ltrain-worker" : LTRAIN_WORKER_BIN;
 }
 
-std::vector<double> Losses(const fs::path& log) {
-  std::ifstream in(log);
-  std::vector<double> out;
-  std::string line;
-  while (std::getline(in, line)) {
-    if (line.rfind("step ", 0) != 0) continue;
-    std::istringstream words(line);
-    std::string word;
-    while (words >> word) {
-      if (word == "loss") {
-        double v = 0;
-        words >> v;
-        out.push_back(v);
-      }
-    }
-  }
-  return out;
-}
+std::vector<double> Losses(const fs::path& log) { return ltrain::testing::WorkerLogLosses(log); }
 
 std::map<std::string, std::vector<float>> Params(const fs::path& file) {
   std::map<std::string, std::vector<float>> out;
