@@ -337,7 +337,7 @@ RecipeParseResult ParseRecipe(const std::string& yaml_text, const std::string& s
   if (training.IsDefined()) {
     reader.CheckKeys(training, "training",
                      {"steps", "micro_batch", "global_batch", "lr", "min_lr", "warmup_steps", "lr_schedule",
-                      "weight_decay", "grad_clip", "seed", "log_every"});
+                      "weight_decay", "beta1", "beta2", "grad_clip", "seed", "log_every"});
     reader.ReadInt(training, "training", "steps", r.training.steps, 1, kMaxInt64);
     reader.ReadInt(training, "training", "micro_batch", r.training.micro_batch, 1, kMaxInt);
     reader.ReadInt(training, "training", "global_batch", r.training.global_batch, 1, kMaxInt);
@@ -346,6 +346,8 @@ RecipeParseResult ParseRecipe(const std::string& yaml_text, const std::string& s
     reader.ReadInt(training, "training", "warmup_steps", r.training.warmup_steps, 0, kMaxInt64);
     reader.ReadString(training, "training", "lr_schedule", r.training.lr_schedule, {"cosine", "constant"});
     reader.ReadDouble(training, "training", "weight_decay", r.training.weight_decay, 0.0, 10.0);
+    reader.ReadDouble(training, "training", "beta1", r.training.beta1, 0.0, 0.999999);
+    reader.ReadDouble(training, "training", "beta2", r.training.beta2, 0.0, 0.999999);
     reader.ReadDouble(training, "training", "grad_clip", r.training.grad_clip, 0.0, 1e9);
     reader.ReadInt(training, "training", "seed", r.training.seed, 0, kMaxInt64);
     reader.ReadInt(training, "training", "log_every", r.training.log_every, 1, kMaxInt64);
@@ -388,8 +390,9 @@ RecipeParseResult ParseRecipe(const std::string& yaml_text, const std::string& s
   }
   YAML::Node checkpoint = reader.Section(root, "checkpoint");
   if (checkpoint.IsDefined()) {
-    reader.CheckKeys(checkpoint, "checkpoint", {"dir", "every", "keep", "resume_from", "async"});
+    reader.CheckKeys(checkpoint, "checkpoint", {"dir", "every", "keep", "resume_from", "async", "enabled"});
     reader.ReadBool(checkpoint, "checkpoint", "async", r.checkpoint.async);
+    reader.ReadBool(checkpoint, "checkpoint", "enabled", r.checkpoint.enabled);
     reader.ReadString(checkpoint, "checkpoint", "dir", r.checkpoint.dir);
     reader.ReadInt(checkpoint, "checkpoint", "every", r.checkpoint.every, 0, kMaxInt64);
     reader.ReadInt(checkpoint, "checkpoint", "keep", r.checkpoint.keep, 1, 1000000);
@@ -551,6 +554,8 @@ std::string RecipeToYaml(const Recipe& r) {
       << YAML::Key << "warmup_steps" << YAML::Value << r.training.warmup_steps
       << YAML::Key << "lr_schedule" << YAML::Value << r.training.lr_schedule
       << YAML::Key << "weight_decay" << YAML::Value << r.training.weight_decay
+      << YAML::Key << "beta1" << YAML::Value << r.training.beta1
+      << YAML::Key << "beta2" << YAML::Value << r.training.beta2
       << YAML::Key << "grad_clip" << YAML::Value << r.training.grad_clip
       << YAML::Key << "seed" << YAML::Value << r.training.seed
       << YAML::Key << "log_every" << YAML::Value << r.training.log_every << YAML::EndMap;
@@ -579,7 +584,8 @@ std::string RecipeToYaml(const Recipe& r) {
       << YAML::Key << "every" << YAML::Value << r.checkpoint.every
       << YAML::Key << "keep" << YAML::Value << r.checkpoint.keep
       << YAML::Key << "resume_from" << YAML::Value << r.checkpoint.resume_from
-      << YAML::Key << "async" << YAML::Value << r.checkpoint.async << YAML::EndMap;
+      << YAML::Key << "async" << YAML::Value << r.checkpoint.async
+      << YAML::Key << "enabled" << YAML::Value << r.checkpoint.enabled << YAML::EndMap;
   out << YAML::Key << "fault" << YAML::Value << YAML::BeginMap
       << YAML::Key << "max_restarts" << YAML::Value << r.fault.max_restarts
       << YAML::Key << "restart_backoff_s" << YAML::Value << r.fault.restart_backoff_s

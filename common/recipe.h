@@ -33,6 +33,8 @@ struct TrainingSpec {
   int64_t warmup_steps = 10;
   std::string lr_schedule = "cosine";  // cosine | constant
   double weight_decay = 0.1;
+  double beta1 = 0.9;            // AdamW moment decay rates
+  double beta2 = 0.95;
   double grad_clip = 1.0;        // max global gradient norm; 0 turns clipping off
   uint64_t seed = 1337;
   int64_t log_every = 10;
@@ -65,6 +67,7 @@ struct CheckpointSpec {
   int keep = 2;
   std::string resume_from;       // a checkpoint directory to start from; empty starts fresh
   bool async = true;             // snapshot to host memory, write in the background
+  bool enabled = true;           // false: no checkpoint at all (benchmarks, throw-away runs)
 };
 
 struct FaultSpec {

@@ -154,6 +154,12 @@ struct CheckpointAttention : public torch::autograd::Function<CheckpointAttentio
   }
 };
 
+// at::linear, not the C++ frontend's F::linear: on [b, t, in] inputs the latter runs a matmul and
+// then adds the bias in a separate broadcast kernel; at::linear folds the bias into the GEMM.
+torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+  return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
+}
+
 torch::Tensor Slice(const torch::Tensor& full, TpSplit split, int tp, int r) {
   switch (split) {
     case TpSplit::kReplicated: return full.detach().clone();
@@ -318,18 +324,18 @@ torch::Tensor ModelShard::BlockForward(int layer, const torch::Tensor& x) {
   };
   // Row-parallel output: partial sums combined over tp, then the (replicated) bias.
   auto row_out = [&](const torch::Tensor& in, const torch::Tensor& w, const torch::Tensor& b) {
-    if (tp == 1) return F::linear(in, w, b);
-    torch::Tensor partial = F::linear(in, w);
+    if (tp == 1) return Linear(in, w, b);
+    torch::Tensor partial = Linear(in, w, {});
     return (sp ? ScatterSeq::apply(partial, comm) : ReduceFromTp::apply(partial, comm)) + b;
   };
   torch::Tensor a = enter(torch::layer_norm(x, {c}, P(layer, "ln1.weight"), P(layer, "ln1.bias")));
   const int64_t b = a.size(0), t = a.size(1);
-  std::vector<torch::Tensor> qkv = F::linear(a, P(layer, "qkv.weight"), P(layer, "qkv.bias")).split(c_local, 2);
+  std::vector<torch::Tensor> qkv = Linear(a, P(layer, "qkv.weight"), P(layer, "qkv.bias")).split(c_local, 2);
   for (auto& part : qkv) part = part.view({b, t, heads_local, c_local / heads_local}).transpose(1, 2);
   torch::Tensor y = Attention(qkv[0], qkv[1], qkv[2]).transpose(1, 2).reshape({b, t, c_local});
   torch::Tensor h = x + row_out(y, P(layer, "proj.weight"), P(layer, "proj.bias"));
   torch::Tensor m = enter(torch::layer_norm(h, {c}, P(layer, "ln2.weight"), P(layer, "ln2.bias")));
-  m = torch::gelu(F::linear(m, P(layer, "fc.weight"), P(layer, "fc.bias")), "tanh");
+  m = torch::gelu(Linear(m, P(layer, "fc.weight"), P(layer, "fc.bias")), "tanh");
   return h + row_out(m, P(layer, "fc2.weight"), P(layer, "fc2.bias"));
 }
 
@@ -356,10 +362,12 @@ torch::Tensor ModelShard::HeadLoss(const torch::Tensor& x, const torch::Tensor& 
   const torch::Tensor& wte = params_[head_wte_].value;
   torch::Tensor h = torch::layer_norm(x, {layout_.config.d_model}, params_[lnf_w_].value, params_[lnf_b_].value);
   if (tp > 1) h = layout_.sequence_parallel ? GatherSeq::apply(h, comm) : CopyToTp::apply(h, comm);
-  torch::Tensor logits = F::linear(h, wte).to(torch::kFloat);
+  torch::Tensor logits = Linear(h, wte, {});
   logits = logits.view({-1, logits.size(-1)});
   torch::Tensor target = targets.reshape({-1});
-  if (tp == 1) return F::cross_entropy(logits, target);
+  // fp32 log-probabilities straight from bf16 logits (one read; no fp32 copy of the logits).
+  if (tp == 1) return torch::nll_loss(torch::log_softmax(logits, 1, torch::kFloat), target);
+  logits = logits.to(torch::kFloat);
   // Vocab-parallel cross-entropy (Megatron): every rank holds logits for vocab rows
   // [start, start + rows); the max, the softmax denominator and the target's logit are combined
   // over tp, so the full logits never exist on one rank.

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <exception>
 
+#include <ATen/ops/_foreach_norm.h>
 #include <c10/util/Exception.h>
 
 #include "worker/torch_compat.h"
@@ -263,7 +264,9 @@ Status ParamStore::ReduceAll() {
 
 double ParamStore::GradSquareSum() {
   torch::NoGradGuard no_grad;
-  double sum = 0;
+  // Summed on the device, one value brought back: on CUDA from fp32 norms of every segment (one
+  // kernel, as clip_grad_norm_ does), on the CPU from squares in double.
+  std::vector<torch::Tensor> sums, segments;
   for (Unit& unit : units_) {
     Range own = Owned(unit);
     torch::Tensor grad = OwnedGrad(unit);
@@ -272,10 +275,17 @@ double ParamStore::GradSquareSum() {
       const int64_t off = unit.layout.offsets[k];
       Range seg = Intersect(own, Range{off, off + params_[unit.layout.params[k]].value->numel()});
       if (seg.size() == 0) continue;
-      sum += grad.narrow(0, seg.begin - own.begin, seg.size()).to(torch::kDouble).square().sum().item<double>();
+      torch::Tensor g = grad.narrow(0, seg.begin - own.begin, seg.size());
+      if (g.is_cuda()) {
+        segments.push_back(g);
+      } else {
+        sums.push_back(g.to(torch::kDouble).square().sum());
+      }
     }
   }
-  return sum;
+  if (!segments.empty()) sums.push_back(torch::stack(at::_foreach_norm(segments)).to(torch::kDouble).square().sum());
+  if (sums.empty()) return 0;
+  return torch::stack(sums).sum().item<double>();
 }
 
 Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step) {
@@ -283,28 +293,50 @@ Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step) {
   const double b1 = adamw_.beta1, b2 = adamw_.beta2;
   const double bias1 = 1 - std::pow(b1, static_cast<double>(step));
   const double bias2 = 1 - std::pow(b2, static_cast<double>(step));
+  // The owned segment of every parameter, by weight-decay class: [decays][w, g, m, v].
+  std::vector<torch::Tensor> lists[2][4];
   for (Unit& unit : units_) {
     Range own = Owned(unit);
     torch::Tensor grad = OwnedGrad(unit);
     torch::Tensor param = OwnedParam(unit);
-    if (grad_scale != 1.0) grad.mul_(grad_scale);
     for (size_t k = 0; k < unit.layout.params.size(); ++k) {
       const Param& p = params_[unit.layout.params[k]];
       const int64_t off = unit.layout.offsets[k];
       Range seg = Intersect(own, Range{off, off + p.value->numel()});
       if (seg.size() == 0) continue;
       const int64_t at = seg.begin - own.begin, n = seg.size();
-      torch::Tensor w = param.narrow(0, at, n), g = grad.narrow(0, at, n);
-      torch::Tensor m = unit.exp_avg.narrow(0, at, n), v = unit.exp_avg_sq.narrow(0, at, n);
+      auto& l = lists[p.decay ? 1 : 0];
+      l[0].push_back(param.narrow(0, at, n));
+      l[1].push_back(grad.narrow(0, at, n));
+      l[2].push_back(unit.exp_avg.narrow(0, at, n));
+      l[3].push_back(unit.exp_avg_sq.narrow(0, at, n));
+    }
+  }
+  bool fused = false;
+  for (int decay = 0; decay < 2; ++decay) {
+    auto& l = lists[decay];
+    if (l[0].empty()) continue;
+    // On CUDA: one kernel per class over every segment (clipping folded in as a divisor).
+    const torch::TensorOptions device = torch::TensorOptions().dtype(torch::kFloat).device(l[0][0].device());
+    torch::Tensor divisor;
+    if (grad_scale != 1.0) divisor = torch::full({}, 1.0 / grad_scale, device);
+    fused = compat::FusedAdamW(l[0], l[1], l[2], l[3], torch::full({}, static_cast<double>(step), device), lr, b1, b2,
+                               decay ? adamw_.weight_decay : 0.0, adamw_.eps, divisor);
+    if (fused) continue;
+    for (size_t i = 0; i < l[0].size(); ++i) {
+      torch::Tensor w = l[0][i], g = l[1][i], m = l[2][i], v = l[3][i];
+      if (grad_scale != 1.0) g.mul_(grad_scale);
       // torch::optim::AdamW's update, element for element.
-      if (p.decay) w.mul_(1 - lr * adamw_.weight_decay);
+      if (decay) w.mul_(1 - lr * adamw_.weight_decay);
       m.mul_(b1).add_(g, 1 - b1);
       v.mul_(b2).addcmul_(g, g, 1 - b2);
       torch::Tensor denom = (v.sqrt() / std::sqrt(bias2)).add_(adamw_.eps);
       w.addcdiv_(m, denom, -lr / bias1);
     }
-    if ((zero_ == 1 || zero_ == 2) && dp_->size() > 1) {
-      torch::Tensor mine = param.clone(), full = unit.full;
+  }
+  if ((zero_ == 1 || zero_ == 2) && dp_->size() > 1) {
+    for (Unit& unit : units_) {
+      torch::Tensor mine = OwnedParam(unit).clone(), full = unit.full;
       Communicator* comm = dp_;
       queue_->Enqueue([comm, mine, full]() mutable { return comm->AllGather(mine, full); });
     }

@@ -162,7 +162,18 @@ Status Run(const WorkerEnv& env) {
   StatusOr<CheckpointWriteFault> fault = CheckpointWriteFault::FromEnv();
   if (!fault.ok()) return fault.status();
   options.checkpoint_write_fault = *fault;
-  options.checkpoint_dir = !env.checkpoint_dir.empty()     ? env.checkpoint_dir
+  if (const std::string profile = Env("LTRAIN_PROFILE"); !profile.empty()) {
+    const size_t colon = profile.find(':');
+    char* end = nullptr;
+    const long long step = std::strtoll(profile.c_str(), &end, 10);
+    if (colon == std::string::npos || end != profile.c_str() + colon || step < 1 || colon + 1 == profile.size()) {
+      return InvalidArgument("LTRAIN_PROFILE=" + profile + ": expected STEP:PATH, e.g. LTRAIN_PROFILE=10:/tmp/step10.json");
+    }
+    options.profile_step = step;
+    options.profile_path = profile.substr(colon + 1);
+  }
+  options.checkpoint_dir = !recipe.checkpoint.enabled       ? ""
+                           : !env.checkpoint_dir.empty()     ? env.checkpoint_dir
                            : !recipe.checkpoint.dir.empty() ? recipe.checkpoint.dir
                                                             : DefaultCheckpointDir(env, recipe);
   // A restarted generation continues from the job's newest committed checkpoint instead of
@@ -191,7 +202,7 @@ Status Run(const WorkerEnv& env) {
   std::fflush(stdout);
   // Ranks tell rank 0 their checkpoint files are durable through the checkpoint directory itself.
   std::unique_ptr<CheckpointCommitBoard> board;
-  if (env.world_size > 1) {
+  if (env.world_size > 1 && !options.checkpoint_dir.empty()) {
     board = std::make_unique<FileCommitBoard>(options.checkpoint_dir);
     options.commit_board = board.get();
   }
@@ -233,6 +244,11 @@ Environment (set by the agent; flags win over it):
   LTRAIN_COLLECTIVE_TIMEOUT_S  seconds before a stuck collective fails (default: the recipe's
                            fault.collective_timeout_s)
 
+Profiling:
+  LTRAIN_PROFILE=STEP:PATH rank 0 records step STEP (1-based) with the CUDA profiler (operators and
+                           kernels) and writes a Chrome trace to PATH (open it in Perfetto or
+                           chrome://tracing); CUDA builds only
+
 Fault injection (for testing recovery; never set in production):
   LTRAIN_FAULT_CHECKPOINT_WRITE=STEP[:RANK]
                            the save of step STEP fails while writing a file of rank RANK (every
@@ -246,7 +262,10 @@ By hand, two ranks on one machine:
   LTRAIN_WORLD_SIZE=2 LTRAIN_RANK=1 LTRAIN_RDZV=file:///tmp/rdzv LTRAIN_RDZV_SCOPE=t1 ltrain-worker --recipe r.yaml
 (use a fresh scope or directory per run: stale keys from an old run would be read back).
 
-Rank 0 prints "step S/N loss L lr R tok/s T step_ms M" lines; every rank prints once, after its first
+Rank 0 prints "step S/N loss L lr R tok/s T step_ms M" lines and at the end "throughput: steps A-B
+step_ms M tok/s T tok/s/device D tflops/device F" over the steps after the first three (and not
+after a checkpoint save), with "mfu P% peak_mem_gib G" on CUDA (MFU against 989 TFLOP/s, FLOPs per
+token 6N + 12*L*d*T); every rank prints once, after its first
 step, "memory rank R: params B bytes, grads B bytes, optimizer B bytes, activations_peak B bytes".
 Checkpoints go to <checkpoint_dir>/step-<N>/ (model.pt and optimizer.pt for plain data parallelism,
 model-rank-R.pt and optimizer-rank-R.pt shards for tp/pp/ZeRO layouts, meta.yaml: the manifest with

@@ -6,6 +6,10 @@
 #include <functional>
 #include <limits>
 #include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
 
 #include <ATen/autocast_mode.h>
 #include <ATen/native/Resize.h>
@@ -17,6 +21,15 @@
 #include <torch/version.h>
 #if defined(LTRAIN_WITH_NCCL)
 #include <ATen/native/cuda/Resize.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+#if TORCH_VERSION_MAJOR >= 2
+#include <ATen/ops/_fused_adamw.h>
+#endif
+#if TORCH_VERSION_MAJOR >= 2 && defined(LTRAIN_WITH_NCCL)
+#include <torch/csrc/autograd/profiler_kineto.h>
+#define LTRAIN_HAVE_KINETO 1
 #endif
 
 namespace ltrain::worker::compat {
@@ -102,6 +115,82 @@ class CudaBf16Autocast {
 
  private:
   bool enabled_;
+};
+
+// AdamW over lists of same-device tensors in one fused kernel (PyTorch's fused=True kernel):
+// weight decay, both moments, bias corrections from `step` (a float tensor on the device, read, not
+// advanced) and the update, one pass over memory; gradients are divided by `grad_divisor` on the
+// fly (undefined: not at all). Returns false where the kernel does not exist (LibTorch 1.x, CPU tensors): the caller runs
+// its own update.
+inline bool FusedAdamW(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& grads,
+                       const std::vector<torch::Tensor>& exp_avgs, const std::vector<torch::Tensor>& exp_avg_sqs,
+                       const torch::Tensor& step, double lr, double beta1, double beta2, double weight_decay,
+                       double eps, const torch::Tensor& grad_divisor) {
+#if TORCH_VERSION_MAJOR >= 2
+  if (params.empty() || !params[0].is_cuda()) return params.empty();
+  std::vector<torch::Tensor> steps(params.size(), step);
+  std::optional<torch::Tensor> divisor;
+  if (grad_divisor.defined()) divisor = grad_divisor;
+  at::_fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, /*max_exp_avg_sqs=*/{}, steps, lr, beta1, beta2,
+                    weight_decay, eps, /*amsgrad=*/false, /*maximize=*/false, divisor, /*found_inf=*/std::nullopt);
+  return true;
+#else
+  (void)grads, (void)exp_avgs, (void)exp_avg_sqs, (void)step, (void)lr, (void)beta1, (void)beta2;
+  (void)weight_decay, (void)eps, (void)grad_divisor;
+  return params.empty();
+#endif
+}
+
+// Waits until every kernel queued on `device` has finished (no-op on CPU).
+inline void Synchronize(const torch::Device& device) {
+#if defined(LTRAIN_WITH_NCCL)
+  if (device.is_cuda()) c10::cuda::device_synchronize();
+#endif
+  (void)device;
+}
+
+// Peak bytes the caching allocator handed out on `device` since the start (0 on CPU).
+inline int64_t PeakDeviceBytes(const torch::Device& device) {
+#if defined(LTRAIN_WITH_NCCL)
+  if (device.is_cuda()) {
+    return c10::cuda::CUDACachingAllocator::getDeviceStats(device.index()).allocated_bytes[0].peak;
+  }
+#endif
+  (void)device;
+  return 0;
+}
+
+// Records CPU operators and CUDA kernels between Start() and Stop(), which writes a Chrome trace
+// (chrome://tracing, Perfetto). Only where LibTorch has Kineto and CUDA; elsewhere Start() says why not.
+class StepProfiler {
+ public:
+  // Empty when it started, else why it cannot.
+  std::string Start() {
+#if defined(LTRAIN_HAVE_KINETO)
+    namespace prof = torch::autograd::profiler;
+    const prof::ProfilerConfig config(torch::profiler::impl::ProfilerState::KINETO);
+    const std::set<torch::profiler::impl::ActivityType> activities{torch::profiler::impl::ActivityType::CPU,
+                                                                   torch::profiler::impl::ActivityType::CUDA};
+    prof::prepareProfiler(config, activities);
+    prof::enableProfiler(config, activities);
+    running_ = true;
+    return "";
+#else
+    return "this worker's LibTorch has no CUDA profiler (Kineto)";
+#endif
+  }
+  void Stop(const std::string& path) {
+#if defined(LTRAIN_HAVE_KINETO)
+    if (!running_) return;
+    running_ = false;
+    torch::autograd::profiler::disableProfiler()->save(path);
+#else
+    (void)path;
+#endif
+  }
+
+ private:
+  bool running_ = false;
 };
 
 // Whether this LibTorch was built with CUDA (the NCCL communicator is compiled only then).

@@ -254,6 +254,8 @@ Status Trainer::Init() {
   }
   AdamWConfig adamw;
   adamw.weight_decay = t.weight_decay;
+  adamw.beta1 = t.beta1;
+  adamw.beta2 = t.beta2;
   StatusOr<std::unique_ptr<ParamStore>> store = ParamStore::Create(store_params, units, layout_.zero, groups_->dp, adamw);
   if (!store.ok()) return store.status();
   store_ = std::move(store).value();
@@ -454,11 +456,13 @@ void Trainer::FillBatch(int micro_step, torch::Tensor* inputs, torch::Tensor* ta
   slice.micro_step = micro_step;
   slice.micro_batch = layout_.micro_batch;
   // Fresh tensors per micro-batch: autograd keeps the token ids of a forward until its backward.
-  torch::Tensor in = torch::empty({layout_.micro_batch, recipe_.model.seq_len}, torch::kLong);
-  torch::Tensor tg = torch::empty({layout_.micro_batch, recipe_.model.seq_len}, torch::kLong);
+  // On CUDA from pinned memory, copied without waiting: the GPU keeps working meanwhile.
+  const torch::TensorOptions host = torch::TensorOptions().dtype(torch::kLong).pinned_memory(device_.is_cuda());
+  torch::Tensor in = torch::empty({layout_.micro_batch, recipe_.model.seq_len}, host);
+  torch::Tensor tg = torch::empty({layout_.micro_batch, recipe_.model.seq_len}, host);
   sampler_.Fill(slice, in.data_ptr<int64_t>(), tg.data_ptr<int64_t>());
-  *inputs = in.to(device_);
-  *targets = tg.to(device_);
+  *inputs = in.to(device_, /*non_blocking=*/true);
+  *targets = tg.to(device_, /*non_blocking=*/true);
 }
 
 void Trainer::SampleActivations() {
@@ -779,6 +783,33 @@ Status Trainer::ExportParameters(const std::string& path) {
   return groups_->world->Barrier();
 }
 
+void Trainer::PrintThroughput(int64_t first_step, int64_t steps, double total_ms) const {
+  int64_t params = 0;
+  for (const auto& [name, shape] : model_->full_params()) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    params += n;
+  }
+  const ModelSpec& m = recipe_.model;
+  // Model FLOPs per token: 6N for the matrix products of forward and backward, 12*L*d*T for
+  // attention (PaLM's accounting, the peers' too).
+  const double flops_per_token = 6.0 * static_cast<double>(params) + 12.0 * m.layers * m.d_model * m.seq_len;
+  const double step_ms = total_ms / static_cast<double>(steps);
+  const double tokens = static_cast<double>(layout_.global_batch) * m.seq_len / (step_ms / 1000.0);
+  const double per_device = tokens / layout_.world_size;
+  const double tflops = per_device * flops_per_token / 1e12;
+  std::printf("throughput: steps %lld-%lld step_ms %.1f tok/s %.0f tok/s/device %.0f tflops/device %.1f",
+              static_cast<long long>(first_step), static_cast<long long>(first_step + steps - 1), step_ms, tokens,
+              per_device, tflops);
+  if (device_.is_cuda()) {
+    // MFU against the H100's dense bf16 peak (989 TFLOP/s), as the peers report it.
+    std::printf(" mfu %.1f%% peak_mem_gib %.1f", 100.0 * tflops / 989.0,
+                static_cast<double>(compat::PeakDeviceBytes(device_)) / (1024.0 * 1024.0 * 1024.0));
+  }
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
 Status Trainer::Run() {
   const TrainingSpec& t = recipe_.training;
   const bool printer = groups_->rank == 0 && options_.print_progress;
@@ -802,13 +833,35 @@ Status Trainer::Run() {
         torch::get_num_threads());
   }
   const double tokens_per_step = static_cast<double>(layout_.global_batch) * recipe_.model.seq_len;
+  // Steady-state throughput leaves out the first steps of this process (allocator and autotuning
+  // warm-up) and steps that follow a checkpoint save.
+  const int64_t warmup = std::min<int64_t>(3, (t.steps - run_start_step_) / 2);
+  double timed_ms = 0;
+  int64_t timed_steps = 0, first_timed = 0;
+  bool after_save = false;
   while (step_ < t.steps) {
     const double lr = LearningRate(schedule_, step_);
+    compat::StepProfiler profiler;
+    const bool profiling = printer && options_.profile_step == step_ + 1;
+    if (profiling) {
+      if (std::string why = profiler.Start(); !why.empty()) std::printf("profile: not recorded: %s\n", why.c_str());
+    }
     const auto start = Clock::now();
     StatusOr<double> loss = Step();
     if (!loss.ok()) return loss.status();
     const double ms = MillisSince(start);
     const int64_t s = step_;
+    if (profiling) {
+      compat::Synchronize(device_);
+      profiler.Stop(options_.profile_path);
+      std::printf("profile: step %lld written to %s\n", static_cast<long long>(s), options_.profile_path.c_str());
+    }
+    if (s > run_start_step_ + warmup && !after_save && !profiling) {
+      if (timed_steps == 0) first_timed = s;
+      timed_ms += ms;
+      ++timed_steps;
+    }
+    after_save = false;
     if (!memory_printed_ && options_.print_progress) {
       // Bytes this rank holds for each; activations_peak is the largest growth of the heap over
       // the start of the step, sampled after every forward: what autograd saved for backward
@@ -828,8 +881,10 @@ Status Trainer::Run() {
     const bool periodic = recipe_.checkpoint.every > 0 && s % recipe_.checkpoint.every == 0;
     if (periodic || s == t.steps) {
       if (Status st = StartSave(); !st.ok()) return st;
+      after_save = true;
     }
   }
+  if (printer && timed_steps > 0) PrintThroughput(first_timed, timed_steps, timed_ms);
   if (writer_) {
     // The final save must be committed before the job may count as done.
     Progress::Global().SetPhase(step_, "checkpoint");

@@ -59,6 +59,10 @@ struct TrainerOptions {
   CheckpointCommitBoard* commit_board = nullptr;
   CheckpointWriteFault checkpoint_write_fault;            // LTRAIN_FAULT_CHECKPOINT_WRITE
   std::chrono::milliseconds collective_timeout{300000};   // also bounds rank 0's wait for peers' files
+  // Rank 0 records step `profile_step` (1-based; 0: none) with the CUDA profiler into a Chrome trace
+  // at `profile_path` (LTRAIN_PROFILE=STEP:PATH).
+  int64_t profile_step = 0;
+  std::string profile_path;
 };
 
 class CheckpointWriter;
@@ -108,6 +112,8 @@ class Trainer {
   Status RunPipeline(torch::Tensor& loss_sum);
   void SampleActivations();
   std::string LayoutKey() const;
+  // Rank 0's summary of the timed steps: tokens/s, per device, TFLOP/s, MFU and peak memory on CUDA.
+  void PrintThroughput(int64_t first_step, int64_t steps, double total_ms) const;
   std::string ModelFile(int rank) const;
   std::string OptimizerFile(int rank) const;
   int ModelSourceRank() const;

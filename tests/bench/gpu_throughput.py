@@ -1,0 +1,338 @@
+#!/usr/bin/env python3
+"""Training throughput on GPUs, the ltrain worker against PyTorch, side by side on one host.
+
+Trains the benchmark models of gpt_model.py (GPT-2 architecture, sequence 2048, vocab 50304, bf16) with
+the worker and with the PyTorch peers, in this one run on these cards, and prints for each: tokens/s per
+GPU, TFLOP/s per GPU (6N + 12*L*d*T per token), MFU against 989 TFLOP/s, peak memory, and the ratio of the
+worker to the peer.
+
+    tests/bench/gpu_throughput.py --worker build-gpu/cmd/ltrain-worker --baselines DIR [--suite single]
+
+Suites (--suite, repeatable):
+  single    1 GPU: gpt-124m, gpt-350m, gpt-1.3b; the worker, gpt_baseline.py eager and torch.compile
+  dp        2 GPUs: gpt-1.3b data parallel; the worker on 1 and 2 GPUs, gpt_ddp.py under torchrun
+  layouts   2 GPUs: gpt-1.3b with tp2 and pp2 (1F1B); 4 GPUs (when present): tp2 x dp2
+  learning  1 GPU: gpt-124m on byte tokens of --data for 200 steps, the worker's loss against gpt_baseline.py
+  profile   1 GPU: one gpt-1.3b step of the worker under the CUDA profiler, kernel time by kind
+
+DIR holds gpt_baseline.py, gpt_ddp.py and gpt_model.py. --json FILE writes every figure. Exits 77
+(skipped) without the GPUs a chosen suite needs.
+"""
+import argparse, collections, json, os, re, struct, subprocess, sys, tempfile, time
+
+MODELS = {  # name: layers, d_model, heads, micro_batch (gpt_baseline.py's table)
+    "gpt-124m": (12, 768, 12, 16),
+    "gpt-350m": (24, 1024, 16, 8),
+    "gpt-1.3b": (24, 2048, 16, 8),
+}
+SEQ, VOCAB = 2048, 50304
+
+
+def gpus():
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
+        return out.count("GPU ")
+    except (OSError, subprocess.SubprocessError):
+        return 0
+
+
+def peer_env():
+    env = dict(os.environ)
+    if "LTRAIN_HOST_LD_LIBRARY_PATH" in env:
+        env["LD_LIBRARY_PATH"] = env["LTRAIN_HOST_LD_LIBRARY_PATH"]
+    return env
+
+
+def write_tokens(path, tokens, vocab):
+    """A token file as `ltrain data prepare` writes it (common/token_data.h)."""
+    with open(path, "wb") as f:
+        f.write(b"LTRNTOK1" + struct.pack("<IIQI", 1, vocab, len(tokens) // 2, 2))
+        f.write(tokens)
+
+
+def random_data(root, vocab, count=8_000_000):
+    os.makedirs(root, exist_ok=True)
+    import random
+    rnd = random.Random(0)
+    raw = bytearray(count * 2)
+    for i in range(count):
+        struct.pack_into("<H", raw, 2 * i, rnd.randrange(vocab))
+    write_tokens(os.path.join(root, "train.bin"), bytes(raw), vocab)
+    write_tokens(os.path.join(root, "val.bin"), bytes(raw[: 2 * 100_000]), vocab)
+    return root
+
+
+def byte_data(root, text_file):
+    os.makedirs(root, exist_ok=True)
+    data = open(text_file, "rb").read()
+    raw = b"".join(struct.pack("<H", b) for b in data)
+    write_tokens(os.path.join(root, "train.bin"), raw, 256)
+    write_tokens(os.path.join(root, "val.bin"), raw[: 2 * 10_000], 256)
+    return root
+
+
+def recipe(path, model, data, steps, world, micro_batch=None, vocab=VOCAB, log_every=5, **parallel):
+    layers, d, heads, mb = MODELS[model]
+    mb = micro_batch or mb
+    tp, pp = parallel.get("tp", 1), parallel.get("pp", 1)
+    dp = world // (tp * pp)
+    accumulation = parallel.pop("accumulation", 1)
+    extra = "".join(f", {k}: {v}" for k, v in parallel.items())
+    with open(path, "w") as f:
+        # The peers' optimizer: AdamW lr 3e-4, betas (0.9, 0.999), weight decay 0.01, no clipping,
+        # no schedule.
+        f.write(f"""name: bench
+model: {{layers: {layers}, d_model: {d}, heads: {heads}, seq_len: {SEQ}, vocab: {vocab}}}
+data: {{path: {data}}}
+training: {{steps: {steps}, micro_batch: {mb}, global_batch: {mb * dp * accumulation}, lr: 3.0e-4, min_lr: 3.0e-4,
+  warmup_steps: 0, lr_schedule: constant, weight_decay: 0.01, beta1: 0.9, beta2: 0.999, grad_clip: 0,
+  seed: 0, log_every: {log_every}}}
+parallel: {{nodes: 1, nproc_per_node: {world}, device: cuda, precision: bf16{extra}}}
+checkpoint: {{enabled: false}}
+""")
+    return path
+
+
+def run_worker(worker, recipe_path, world, workdir, extra_env=None, timeout=900):
+    """Starts `world` ranks by hand (file rendezvous) and returns rank 0's output."""
+    rdzv = tempfile.mkdtemp(dir=workdir, prefix="rdzv-")
+    procs = []
+    for rank in range(world):
+        env = dict(os.environ, LTRAIN_RANK=str(rank), LTRAIN_LOCAL_RANK=str(rank), LTRAIN_WORLD_SIZE=str(world),
+                   LTRAIN_LOCAL_WORLD_SIZE=str(world), LTRAIN_RDZV="file://" + rdzv, LTRAIN_RDZV_SCOPE="bench",
+                   LTRAIN_JOB_ID="bench")
+        env.update(extra_env or {})
+        out = open(os.path.join(rdzv, f"rank-{rank}.log"), "w+")
+        procs.append((subprocess.Popen([worker, "--recipe", recipe_path], stdout=out, stderr=subprocess.STDOUT,
+                                       env=env), out))
+    deadline = time.time() + timeout
+    codes = []
+    for p, _ in procs:
+        try:
+            codes.append(p.wait(timeout=max(1, deadline - time.time())))
+        except subprocess.TimeoutExpired:
+            for q, _ in procs:
+                q.kill()
+            codes.append(-9)
+    logs = []
+    for _, out in procs:
+        out.seek(0)
+        logs.append(out.read())
+        out.close()
+    return codes, logs
+
+
+def parse_worker(log):
+    m = re.search(r"throughput: steps (\d+)-(\d+) step_ms ([0-9.]+) tok/s (\d+) tok/s/device (\d+) "
+                  r"tflops/device ([0-9.]+) mfu ([0-9.]+)% peak_mem_gib ([0-9.]+)", log)
+    if not m:
+        return None
+    losses = [float(x) for x in re.findall(r"step \d+/\d+ loss ([0-9.]+)", log)]
+    return {"tok_s_gpu": float(m.group(5)), "tflops_gpu": float(m.group(6)), "mfu": float(m.group(7)),
+            "peak_gib": float(m.group(8)), "step_ms": float(m.group(3)), "last_loss": losses[-1] if losses else None}
+
+
+def parse_peer(out):
+    rows = {}
+    for m in re.finditer(r"pytorch(?:-ddp world=\d+)? (\S+) (eager|compile) .*?tok/s(?:/GPU)?=([0-9,]+) "
+                         r"TFLOP/s(?:/GPU)?=([0-9.]+) .*?peak_mem=([0-9.]+)GiB", out):
+        rows[(m.group(1), m.group(2))] = {"tok_s_gpu": float(m.group(3).replace(",", "")),
+                                           "tflops_gpu": float(m.group(4)), "mfu": float(m.group(4)) / 9.89,
+                                           "peak_gib": float(m.group(5))}
+    return rows
+
+
+def show(label, r):
+    if r is None:
+        print(f"  {label:<34} FAILED", flush=True)
+        return
+    print(f"  {label:<34} {r['tok_s_gpu']:>10,.0f} tok/s/GPU {r['tflops_gpu']:>6.1f} TFLOP/s/GPU "
+          f"MFU {r['mfu']:5.1f}% peak {r['peak_gib']:5.1f} GiB", flush=True)
+
+
+def ratio(a, b):
+    return a["tok_s_gpu"] / b["tok_s_gpu"] if a and b else None
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", required=True)
+    ap.add_argument("--baselines", required=True)
+    ap.add_argument("--suite", action="append", choices=["single", "dp", "layouts", "learning", "profile"])
+    ap.add_argument("--models", default="gpt-124m,gpt-350m,gpt-1.3b")
+    ap.add_argument("--steps", type=int, default=15, help="worker steps (the first 3 are warm-up)")
+    ap.add_argument("--data", help="text file for the learning suite")
+    ap.add_argument("--json", help="write every figure here")
+    ap.add_argument("--no-peer", action="store_true", help="the worker only (for quick iterations; no ratios)")
+    ap.add_argument("--workdir", default=None)
+    a = ap.parse_args()
+    a.baselines = os.path.abspath(a.baselines)
+    a.worker = os.path.abspath(a.worker)
+    suites = a.suite or ["single"]
+    need = max({"single": 1, "dp": 2, "layouts": 2, "learning": 1, "profile": 1}[s] for s in suites)
+    have = gpus()
+    if have < need:
+        print(f"gpu_throughput: skipped, {need} GPU(s) needed, {have} here")
+        return 77
+    work = a.workdir or tempfile.mkdtemp(prefix="ltrain-bench-")
+    os.makedirs(work, exist_ok=True)
+    data = random_data(os.path.join(work, "data-random"), VOCAB)
+    results = {}
+    peer = os.path.join(a.baselines, "gpt_baseline.py")
+
+    def worker_run(key, model, world, **kw):
+        env = kw.pop("env", None)
+        path = recipe(os.path.join(work, key + ".yaml"), model, kw.pop("data", data), kw.pop("steps", a.steps), world, **kw)
+        t0 = time.time()
+        codes, logs = run_worker(a.worker, path, world, work, env)
+        r = parse_worker(logs[0])
+        if any(codes) or r is None:
+            print(f"worker {key}: exit codes {codes}\n" + logs[0][-3000:], flush=True)
+            for i, log in enumerate(logs[1:], 1):
+                if codes[i]:
+                    print(f"rank {i}:\n" + log[-2000:], flush=True)
+            r = None
+        else:
+            r["wall_s"] = round(time.time() - t0, 1)
+        results[key] = r
+        return r, logs
+
+    if "single" in suites:
+        print("== 1 GPU: worker against gpt_baseline.py (eager, torch.compile) ==", flush=True)
+        for model in a.models.split(","):
+            w, _ = worker_run(f"worker-1gpu-{model}", model, 1)
+            if a.no_peer:
+                show(f"{model} ltrain worker", w)
+                continue
+            p = subprocess.run([sys.executable, peer, "--model", model, "--mode", "both"], capture_output=True,
+                               text=True, env=peer_env(), cwd=a.baselines, timeout=1200)
+            rows = parse_peer(p.stdout)
+            if not rows:
+                print(p.stdout[-2000:] + p.stderr[-3000:], flush=True)
+            eager, comp = rows.get((model, "eager")), rows.get((model, "compile"))
+            results[f"pytorch-eager-1gpu-{model}"], results[f"pytorch-compile-1gpu-{model}"] = eager, comp
+            print(f"{model}:", flush=True)
+            show("ltrain worker", w)
+            show("pytorch eager", eager)
+            show("pytorch torch.compile", comp)
+            re_, rc = ratio(w, eager), ratio(w, comp)
+            print(f"  ratio worker/eager {re_:.3f}  worker/compile {rc:.3f}" if re_ and rc else "  ratio: n/a", flush=True)
+            results[f"ratio-1gpu-{model}"] = {"eager": re_, "compile": rc}
+
+    if "dp" in suites:
+        print("== 2 GPUs, data parallel, gpt-1.3b ==", flush=True)
+        one = results.get("worker-1gpu-gpt-1.3b")
+        if one is None:
+            one, _ = worker_run("worker-1gpu-gpt-1.3b", "gpt-1.3b", 1)
+        two, _ = worker_run("worker-dp2-gpt-1.3b", "gpt-1.3b", 2)
+        p = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "2",
+                            os.path.join(a.baselines, "gpt_ddp.py"), "--model", "gpt-1.3b", "--mode", "both"],
+                           capture_output=True, text=True, env=peer_env(), cwd=a.baselines, timeout=1200)
+        rows = parse_peer(p.stdout)
+        if not rows:
+            print(p.stdout[-2000:] + p.stderr[-3000:], flush=True)
+        ddp_e, ddp_c = rows.get(("gpt-1.3b", "eager")), rows.get(("gpt-1.3b", "compile"))
+        results["pytorch-ddp-eager-2gpu-gpt-1.3b"], results["pytorch-ddp-compile-2gpu-gpt-1.3b"] = ddp_e, ddp_c
+        show("ltrain worker, 1 GPU", one)
+        show("ltrain worker, dp2", two)
+        show("pytorch DDP eager", ddp_e)
+        show("pytorch DDP + torch.compile", ddp_c)
+        scaling, rc = ratio(two, one), ratio(two, ddp_c)
+        print(f"  dp2 per-GPU / 1 GPU {scaling:.3f}" if scaling else "  scaling: n/a", flush=True)
+        print(f"  ratio worker dp2 / DDP+compile {rc:.3f}" if rc else "  ratio: n/a", flush=True)
+        results["ratio-dp2-gpt-1.3b"] = {"scaling": scaling, "ddp_compile": rc, "ddp_eager": ratio(two, ddp_e)}
+
+    if "layouts" in suites:
+        print("== gpt-1.3b layouts (no peer) ==", flush=True)
+        show("tp2", worker_run("worker-tp2-gpt-1.3b", "gpt-1.3b", 2, tp=2)[0])
+        show("pp2 1F1B, 8 micro-batches", worker_run("worker-pp2-gpt-1.3b", "gpt-1.3b", 2, pp=2, pp_schedule="1f1b",
+                                                    micro_batch=4, accumulation=8)[0])
+        if have >= 4:
+            show("tp2 x dp2", worker_run("worker-tp2dp2-gpt-1.3b", "gpt-1.3b", 4, tp=2)[0])
+
+    if "learning" in suites:
+        if not a.data:
+            print("learning: --data is needed", flush=True)
+            return 2
+        print("== learning: gpt-124m, byte tokens, 200 steps ==", flush=True)
+        bytes_dir = byte_data(os.path.join(work, "data-bytes"), a.data)
+        w, logs = worker_run("worker-learning-gpt-124m", "gpt-124m", 1, data=bytes_dir, steps=200, vocab=256,
+                             log_every=10)
+        p = subprocess.run([sys.executable, peer, "--model", "gpt-124m", "--data", os.path.abspath(a.data),
+                            "--steps", "200", "--mode", "eager"], capture_output=True, text=True, env=peer_env(),
+                           cwd=a.baselines, timeout=1200)
+        peer_losses = [(int(s), float(l)) for s, l in re.findall(r"step (\d+) loss ([0-9.]+)", p.stdout)]
+        worker_losses = [(int(s), float(l)) for s, l in re.findall(r"step (\d+)/\d+ loss ([0-9.]+)", logs[0])]
+        print("  worker:", " ".join(f"{s}:{l:.3f}" for s, l in worker_losses), flush=True)
+        print("  pytorch:", " ".join(f"{s + 1}:{l:.3f}" for s, l in peer_losses), flush=True)
+        if worker_losses and peer_losses:
+            wl, pl = worker_losses[-1][1], peer_losses[-1][1]
+            print(f"  loss at step 200: worker {wl:.4f} pytorch {pl:.4f} difference {100 * (wl - pl) / pl:+.2f}%",
+                  flush=True)
+            results["learning"] = {"worker": wl, "pytorch": pl, "relative": (wl - pl) / pl}
+        else:
+            print(p.stdout[-2000:] + p.stderr[-2000:], flush=True)
+
+    if "profile" in suites:
+        print("== profile: one gpt-1.3b step of the worker ==", flush=True)
+        trace = os.path.join(work, "worker-step.json")
+        worker_run("worker-profile-gpt-1.3b", "gpt-1.3b", 1, steps=6, env={"LTRAIN_PROFILE": f"5:{trace}"})
+        if os.path.exists(trace):
+            summarize_trace(trace)
+            results["profile_trace"] = trace
+
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+KINDS = [("gemm", r"gemm|cutlass|sm90_xmma|cublas|nvjet|splitK"), ("attention", r"flash|fmha|attention"),
+         ("optimizer", r"adam|multi_tensor|foreach"), ("nccl", r"nccl"), ("layer_norm", r"layer_norm|LayerNorm"),
+         ("softmax/cross-entropy", r"softmax|nll|log_softmax|cross_entropy"), ("gelu", r"gelu|GeluCUDA"),
+         ("copy/cast", r"copy|cast|Memcpy|Memset"), ("reduce", r"reduce"), ("elementwise", r"elementwise|vectorized")]
+
+
+def summarize_trace(path):
+    events = json.load(open(path)).get("traceEvents", [])
+    kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
+    if not kernels:
+        print("  no kernels in the trace", flush=True)
+        return
+    start = min(e["ts"] for e in kernels)
+    end = max(e["ts"] + e["dur"] for e in kernels)
+    busy = sum(e["dur"] for e in kernels)
+    by_kind, by_name = collections.Counter(), collections.Counter()
+    for e in kernels:
+        name = e.get("name", "")
+        by_name[name[:90]] += e["dur"]
+        for kind, pattern in KINDS:
+            if re.search(pattern, name, re.I):
+                by_kind[kind] += e["dur"]
+                break
+        else:
+            by_kind["other"] += e["dur"]
+    span = end - start
+    print(f"  step on the GPU: {span / 1000:.1f} ms from first to last kernel, kernels busy {busy / 1000:.1f} ms "
+          f"({100 * busy / span:.1f}%), {len(kernels)} kernels", flush=True)
+    for kind, us in by_kind.most_common():
+        print(f"  {kind:<24} {us / 1000:8.2f} ms {100 * us / busy:5.1f}%", flush=True)
+    # The operator that launched each kernel (the CPU op with the kernel's External id).
+    op_of = {}
+    for e in events:
+        if e.get("cat") == "cpu_op" and "args" in e and "External id" in e["args"]:
+            op_of.setdefault(e["args"]["External id"], e.get("name", "?"))
+    by_op = collections.Counter()
+    for e in kernels:
+        ext = e.get("args", {}).get("External id")
+        by_op[op_of.get(ext, "?")] += e["dur"]
+    print("  kernel time by launching operator:", flush=True)
+    for name, us in by_op.most_common(15):
+        print(f"    {us / 1000:8.2f} ms  {name}", flush=True)
+    print("  top kernels:", flush=True)
+    for name, us in by_name.most_common(15):
+        print(f"    {us / 1000:8.2f} ms  {name}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
