@@ -385,7 +385,7 @@ RecipeParseResult ParseRecipe(const std::string& yaml_text, const std::string& s
     reader.ReadDouble(parallel, "parallel", "bucket_mb", r.parallel.bucket_mb, 0.001, 1e6);
     reader.ReadString(parallel, "parallel", "activation_checkpointing", r.parallel.activation_checkpointing,
                       {"none", "full", "selective"});
-    reader.ReadString(parallel, "parallel", "precision", r.parallel.precision, {"auto", "fp32", "bf16"});
+    reader.ReadString(parallel, "parallel", "precision", r.parallel.precision, {"auto", "fp32", "bf16", "bf16-autocast"});
     reader.ReadString(parallel, "parallel", "device", r.parallel.device, {"cpu", "cuda"});
   }
   YAML::Node checkpoint = reader.Section(root, "checkpoint");

@@ -54,7 +54,7 @@ struct ParallelSpec {
   std::vector<int> pp_split;            // layers per (virtual) stage; empty = balanced
   double bucket_mb = 25.0;              // data-parallel gradient bucket size
   std::string activation_checkpointing = "none";  // none | full | selective
-  std::string precision = "auto";       // auto (bf16 on cuda, fp32 on cpu) | fp32 | bf16
+  std::string precision = "auto";       // auto (bf16 on cuda, fp32 on cpu) | fp32 | bf16 | bf16-autocast
   std::string device = "cpu";    // cpu (Gloo) | cuda (NCCL)
 
   int world_size() const { return nodes * nproc_per_node; }

@@ -49,3 +49,9 @@ if(LTRAIN_BUILD_CONTROL_PLANE)
     LIBS ltrain_test_support ltrain::proto)
   add_dependencies(checkpoint_faults_test ltrain ltrain-worker)
 endif()
+
+# The worker's CUDA kernels against LibTorch; skips without a GPU (run on the GPU host).
+ltrain_add_test(fused_kernels_test unit
+  SOURCES unit/fused_kernels_test.cc
+  LIBS ltrain::worker)
+target_precompile_headers(fused_kernels_test REUSE_FROM worker_unit_test)

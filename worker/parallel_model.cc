@@ -5,6 +5,7 @@
 #include <torch/autograd.h>
 #include <torch/nn/functional.h>
 
+#include "worker/fused_kernels.h"
 #include "worker/torch_compat.h"
 
 namespace ltrain::worker {
@@ -365,8 +366,12 @@ torch::Tensor ModelShard::HeadLoss(const torch::Tensor& x, const torch::Tensor& 
   torch::Tensor logits = Linear(h, wte, {});
   logits = logits.view({-1, logits.size(-1)});
   torch::Tensor target = targets.reshape({-1});
-  // fp32 log-probabilities straight from bf16 logits (one read; no fp32 copy of the logits).
-  if (tp == 1) return torch::nll_loss(torch::log_softmax(logits, 1, torch::kFloat), target);
+  if (tp == 1) {
+    // bf16 logits on CUDA: our fused kernel (one read forward, one read and write backward).
+    if (FusedCrossEntropyAvailable(logits)) return FusedCrossEntropy(logits, target);
+    // Otherwise fp32 log-probabilities straight from the logits (no fp32 copy of the logits).
+    return torch::nll_loss(torch::log_softmax(logits, 1, torch::kFloat), target);
+  }
   logits = logits.to(torch::kFloat);
   // Vocab-parallel cross-entropy (Megatron): every rank holds logits for vocab rows
   // [start, start + rows); the max, the softmax denominator and the target's logit are combined
@@ -411,9 +416,9 @@ torch::Tensor ModelShard::Forward(int chunk, const torch::Tensor& input, const t
   return HeadLoss(x, targets);
 }
 
-StatusOr<torch::Tensor> ModelShard::GatherFull(const ShardParam& p) {
+StatusOr<torch::Tensor> ModelShard::GatherFull(const ShardParam& p, const torch::Tensor& value) {
   torch::NoGradGuard no_grad;
-  torch::Tensor local = p.value.detach().contiguous();
+  torch::Tensor local = value.detach().contiguous();
   if (p.split == TpSplit::kReplicated || layout_.tp == 1) return local.clone();
   const int n = layout_.tp;
   torch::Tensor out = torch::empty({n * local.numel()}, local.options());

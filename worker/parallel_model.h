@@ -98,8 +98,9 @@ class ModelShard {
   torch::Tensor BlockForward(int layer, const torch::Tensor& x);
   torch::Tensor Attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
 
-  // The full tensor of a parameter, gathered over the tp group (every tp rank must call it).
-  StatusOr<torch::Tensor> GatherFull(const ShardParam& param);
+  // The full tensor of a parameter, gathered over the tp group from every rank's `local` slice of
+  // it (its value, or the optimizer's fp32 master of it); every tp rank must call it.
+  StatusOr<torch::Tensor> GatherFull(const ShardParam& param, const torch::Tensor& local);
 
  private:
   ModelShard(const ModelLayout& layout, Communicator* tp) : layout_(layout), tp_(tp) {}

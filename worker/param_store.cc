@@ -6,6 +6,7 @@
 #include <ATen/ops/_foreach_norm.h>
 #include <c10/util/Exception.h>
 
+#include "worker/fused_kernels.h"
 #include "worker/torch_compat.h"
 
 namespace ltrain::worker {
@@ -96,8 +97,9 @@ ParamStore::~ParamStore() {
 
 StatusOr<std::unique_ptr<ParamStore>> ParamStore::Create(std::vector<Param> params,
                                                          const std::vector<std::vector<int>>& units, int zero,
-                                                         Communicator* dp, AdamWConfig adamw) {
+                                                         Communicator* dp, AdamWConfig adamw, bool bf16_compute) {
   if (zero < 0 || zero > 3) return InvalidArgument("parallel.zero=" + std::to_string(zero) + " is not 0, 1, 2 or 3");
+  if (bf16_compute && zero == 3) return InvalidArgument("bf16 compute copies need parallel.zero < 3");
   std::unique_ptr<ParamStore> store(new ParamStore(std::move(params), zero, dp, adamw));
   store->queue_ = std::make_unique<ReductionQueue>(dp->size() > 1);
   std::vector<int64_t> numels;
@@ -119,11 +121,20 @@ StatusOr<std::unique_ptr<ParamStore>> ParamStore::Create(std::vector<Param> para
       slot.copy_(value.detach().reshape(-1));
       value = slot.view(value.sizes()).detach().requires_grad_(true);
     }
+    torch::TensorOptions grad_options = options;
+    if (bf16_compute) {
+      unit.compute = unit.full.to(torch::kBFloat16);
+      grad_options = unit.compute.options();
+      for (size_t k = 0; k < members.size(); ++k) {
+        torch::Tensor& value = *store->params_[members[k]].value;
+        value = unit.compute.narrow(0, unit.layout.offsets[k], value.numel()).view(value.sizes()).detach().requires_grad_(true);
+      }
+    }
     const int64_t state = zero == 0 ? unit.layout.padded : unit.layout.shard;
     unit.exp_avg = torch::zeros({state}, options);
     unit.exp_avg_sq = torch::zeros({state}, options);
     if (zero < 2) {
-      unit.grad_full = torch::zeros({unit.layout.padded}, options);
+      unit.grad_full = torch::zeros({unit.layout.padded}, grad_options);
       for (size_t k = 0; k < members.size(); ++k) {
         torch::Tensor& value = *store->params_[members[k]].value;
         value.mutable_grad() = unit.grad_full.narrow(0, unit.layout.offsets[k], value.numel()).view(value.sizes());
@@ -173,7 +184,30 @@ Status ParamStore::BroadcastParameters() {
   for (Unit& unit : units_) {
     if (Status s = dp_->Broadcast(unit.full, 0); !s.ok()) return s;
   }
+  RefreshCompute();
   return Status::Ok();
+}
+
+void ParamStore::RefreshCompute() {
+  torch::NoGradGuard no_grad;
+  for (Unit& unit : units_) {
+    if (unit.compute.defined()) unit.compute.copy_(unit.full);
+  }
+}
+
+int64_t ParamStore::OffsetInUnit(int param) const {
+  const Unit& unit = units_[unit_of_[param]];
+  for (size_t k = 0; k < unit.layout.params.size(); ++k) {
+    if (unit.layout.params[k] == param) return unit.layout.offsets[k];
+  }
+  return 0;
+}
+
+torch::Tensor ParamStore::MasterValue(int param) const {
+  const torch::Tensor& value = *params_[param].value;
+  const Unit& unit = units_[unit_of_[param]];
+  if (!unit.compute.defined()) return value.detach();
+  return unit.full.narrow(0, OffsetInUnit(param), value.numel()).view(value.sizes());
 }
 
 void ParamStore::ZeroGrads() {
@@ -262,7 +296,7 @@ Status ParamStore::ReduceAll() {
   return s;
 }
 
-double ParamStore::GradSquareSum() {
+torch::Tensor ParamStore::GradSquareSum() {
   torch::NoGradGuard no_grad;
   // Summed on the device, one value brought back: on CUDA from fp32 norms of every segment (one
   // kernel, as clip_grad_norm_ does), on the CPU from squares in double.
@@ -284,21 +318,49 @@ double ParamStore::GradSquareSum() {
     }
   }
   if (!segments.empty()) sums.push_back(torch::stack(at::_foreach_norm(segments)).to(torch::kDouble).square().sum());
-  if (sums.empty()) return 0;
-  return torch::stack(sums).sum().item<double>();
+  if (sums.empty()) {
+    const torch::Device device = units_.empty() ? torch::Device(torch::kCPU) : units_.front().full.device();
+    return torch::zeros({1}, torch::TensorOptions().dtype(torch::kDouble).device(device));
+  }
+  return torch::stack(sums).sum().reshape({1});
 }
 
-Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step) {
+Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, const torch::Tensor& grad_divisor) {
   torch::NoGradGuard no_grad;
   const double b1 = adamw_.beta1, b2 = adamw_.beta2;
   const double bias1 = 1 - std::pow(b1, static_cast<double>(step));
   const double bias2 = 1 - std::pow(b2, static_cast<double>(step));
+  // bf16 compute copies on CUDA: our kernel, one pass per segment that also writes the bf16 copy
+  // (under zero 1/2 the copy is refreshed after the all-gather instead).
+  const bool own_kernel = !units_.empty() && units_.front().compute.defined() && FusedAdamWAvailable(units_.front().full);
+  torch::Tensor clip_divisor = grad_divisor;
+  if (own_kernel && grad_scale != 1.0) {
+    const torch::TensorOptions f32 = units_.front().full.options();
+    clip_divisor = clip_divisor.defined() ? clip_divisor / grad_scale : torch::full({}, 1.0 / grad_scale, f32);
+  }
   // The owned segment of every parameter, by weight-decay class: [decays][w, g, m, v].
   std::vector<torch::Tensor> lists[2][4];
   for (Unit& unit : units_) {
+    if (own_kernel) {
+      const Range own = Owned(unit);
+      torch::Tensor grad = OwnedGrad(unit), param = OwnedParam(unit);
+      for (size_t k = 0; k < unit.layout.params.size(); ++k) {
+        const Param& p = params_[unit.layout.params[k]];
+        const int64_t off = unit.layout.offsets[k];
+        Range seg = Intersect(own, Range{off, off + p.value->numel()});
+        if (seg.size() == 0) continue;
+        const int64_t at = seg.begin - own.begin, n = seg.size();
+        FusedAdamW(param.narrow(0, at, n), grad.narrow(0, at, n), unit.exp_avg.narrow(0, at, n),
+                   unit.exp_avg_sq.narrow(0, at, n), zero_ == 0 ? unit.compute.narrow(0, at, n) : torch::Tensor(), lr,
+                   b1, b2, adamw_.eps, p.decay ? adamw_.weight_decay : 0.0, step, clip_divisor);
+      }
+      continue;
+    }
     Range own = Owned(unit);
     torch::Tensor grad = OwnedGrad(unit);
     torch::Tensor param = OwnedParam(unit);
+    // bf16 gradients (bf16_compute, zero < 2) meet the fp32 masters as fp32.
+    if (grad.scalar_type() != param.scalar_type()) grad = grad.to(param.scalar_type());
     for (size_t k = 0; k < unit.layout.params.size(); ++k) {
       const Param& p = params_[unit.layout.params[k]];
       const int64_t off = unit.layout.offsets[k];
@@ -318,14 +380,15 @@ Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step) {
     if (l[0].empty()) continue;
     // On CUDA: one kernel per class over every segment (clipping folded in as a divisor).
     const torch::TensorOptions device = torch::TensorOptions().dtype(torch::kFloat).device(l[0][0].device());
-    torch::Tensor divisor;
-    if (grad_scale != 1.0) divisor = torch::full({}, 1.0 / grad_scale, device);
+    torch::Tensor divisor = grad_divisor.defined() ? grad_divisor.reshape({}).to(device) : torch::Tensor();
+    if (grad_scale != 1.0) divisor = divisor.defined() ? divisor / grad_scale : torch::full({}, 1.0 / grad_scale, device);
     fused = compat::FusedAdamW(l[0], l[1], l[2], l[3], torch::full({}, static_cast<double>(step), device), lr, b1, b2,
                                decay ? adamw_.weight_decay : 0.0, adamw_.eps, divisor);
     if (fused) continue;
     for (size_t i = 0; i < l[0].size(); ++i) {
       torch::Tensor w = l[0][i], g = l[1][i], m = l[2][i], v = l[3][i];
       if (grad_scale != 1.0) g.mul_(grad_scale);
+      if (grad_divisor.defined()) g.div_(grad_divisor.reshape({}));
       // torch::optim::AdamW's update, element for element.
       if (decay) w.mul_(1 - lr * adamw_.weight_decay);
       m.mul_(b1).add_(g, 1 - b1);
@@ -341,7 +404,9 @@ Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step) {
       queue_->Enqueue([comm, mine, full]() mutable { return comm->AllGather(mine, full); });
     }
   }
-  return queue_->WaitAll();
+  Status s = queue_->WaitAll();
+  if (s.ok() && !(own_kernel && zero_ == 0)) RefreshCompute();
+  return s;
 }
 
 Status ParamStore::DpAllReduce(torch::Tensor& tensor) {
@@ -387,7 +452,9 @@ MemoryBytes ParamStore::Memory() const {
   for (const Unit& unit : units_) {
     const int64_t e = unit.full.element_size();
     m.params += (zero_ == 3 ? unit.layout.shard : unit.layout.padded) * e;
-    m.grads += (zero_ >= 2 ? unit.layout.shard : unit.layout.padded) * e;
+    if (unit.compute.defined()) m.params += unit.compute.numel() * unit.compute.element_size();
+    const int64_t ge = unit.compute.defined() && zero_ < 2 ? unit.compute.element_size() : e;
+    m.grads += (zero_ >= 2 ? unit.layout.shard : unit.layout.padded) * ge;
     m.optimizer += (unit.exp_avg.numel() + unit.exp_avg_sq.numel()) * e;
   }
   return m;
@@ -418,7 +485,7 @@ std::vector<std::pair<std::string, torch::Tensor>> ParamStore::ModelState(const 
     const int64_t n = params_[i].value->numel();
     if (zero_ < 3) {
       out.emplace_back("range." + names[i], RangeTensor(Range{0, n}));
-      out.emplace_back("model." + names[i], params_[i].value->detach().reshape(-1).to(torch::kCPU, torch::kFloat, false, true));
+      out.emplace_back("model." + names[i], MasterValue(static_cast<int>(i)).reshape(-1).to(torch::kCPU, torch::kFloat, false, true));
       continue;
     }
     const Unit& unit = units_[unit_of_[i]];
@@ -475,7 +542,8 @@ Status ParamStore::LoadParamState(int param, const torch::Tensor& value, const t
   }
   const int64_t at = off + r.begin - own.begin;
   if (zero_ < 3) {
-    params_[param].value->detach().view(-1).copy_(value.reshape(-1));
+    MasterValue(param).view(-1).copy_(value.reshape(-1));
+    if (unit.compute.defined()) params_[param].value->detach().view(-1).copy_(value.reshape(-1));
   } else if (r.size() > 0) {
     unit.shard.narrow(0, at, r.size()).copy_(value.reshape(-1).narrow(0, r.begin, r.size()));
   }

@@ -87,8 +87,12 @@ class ParamStore {
   };
 
   // `units`: a partition of param indices (each ascending), in the order backward completes them.
+  // `bf16_compute` (zero 0-2): the leaves become bf16 copies of fp32 master parameters, their
+  // gradients bf16; the optimizer updates the masters and refreshes the copies (mixed precision
+  // without autocast's casts in every forward and backward).
   static StatusOr<std::unique_ptr<ParamStore>> Create(std::vector<Param> params, const std::vector<std::vector<int>>& units,
-                                                      int zero, Communicator* dp, AdamWConfig adamw);
+                                                      int zero, Communicator* dp, AdamWConfig adamw,
+                                                      bool bf16_compute = false);
   ~ParamStore();
 
   // Every dp rank starts from rank 0's parameters (zero < 3; under zero 3 every rank built the
@@ -107,10 +111,13 @@ class ParamStore {
   Status ReduceAll();
 
   // Sum of squares of the gradient elements this rank counts (its shard under zero >= 1).
-  double GradSquareSum();
+  // A [1] double tensor on the gradients' device (no host synchronization).
+  torch::Tensor GradSquareSum();
   // AdamW on the owned elements with gradients scaled by grad_scale (clipping); zero 1/2 then
   // all-gather the updated parameters. `step` is 1-based.
-  Status OptimizerStep(double lr, double grad_scale, int64_t step);
+  // `grad_divisor` (optional, a float scalar on the device): gradients are divided by it (clipping
+  // computed on the device, without a host synchronization).
+  Status OptimizerStep(double lr, double grad_scale, int64_t step, const torch::Tensor& grad_divisor = {});
 
   // Sum over dp of a small tensor, on the reduction thread.
   Status DpAllReduce(torch::Tensor& tensor);
@@ -136,11 +143,15 @@ class ParamStore {
   // reassembled): keeps the part this rank holds.
   Status LoadParamState(int param, const torch::Tensor& value, const torch::Tensor& exp_avg, const torch::Tensor& exp_avg_sq);
   int64_t ParamNumel(int param) const { return params_[param].value->numel(); }
+  // The fp32 value of parameter `param` as the optimizer holds it (zero 0-2: the master; zero 3:
+  // the leaf, valid while its unit is gathered).
+  torch::Tensor MasterValue(int param) const;
 
  private:
   struct Unit {
     UnitLayout layout;
     torch::Tensor full;        // [padded] parameters (zero 3: storage released when not gathered)
+    torch::Tensor compute;     // bf16_compute: [padded] bf16 copy of `full`, what the leaves view
     torch::Tensor shard;       // zero 3: [shard] persistent parameters
     torch::Tensor grad_full;   // zero < 2: [padded] gradients; the leaves' .grad are views of it
     torch::Tensor grad_shard;  // zero >= 2: [shard]
@@ -153,6 +164,9 @@ class ParamStore {
 
   ParamStore(std::vector<Param> params, int zero, Communicator* dp, AdamWConfig adamw);
   void OnGradReady(int param);
+  // bf16_compute: the leaves' bf16 copies take the masters' values.
+  void RefreshCompute();
+  int64_t OffsetInUnit(int param) const;
   void Launch(int u);
   Range Owned(const Unit& unit) const;
   // The elements of parameter `param` (relative to the parameter) that Owned() covers.

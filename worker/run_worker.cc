@@ -263,9 +263,10 @@ By hand, two ranks on one machine:
 (use a fresh scope or directory per run: stale keys from an old run would be read back).
 
 Rank 0 prints "step S/N loss L lr R tok/s T step_ms M" lines and at the end "throughput: steps A-B
-step_ms M tok/s T tok/s/device D tflops/device F" over the steps after the first three (and not
-after a checkpoint save), with "mfu P% peak_mem_gib G" on CUDA (MFU against 989 TFLOP/s, FLOPs per
-token 6N + 12*L*d*T); every rank prints once, after its first
+step_ms M tok/s T tok/s/device D tflops/device F" over the steps after the first three (less the
+time spent in checkpoint saves), with "mfu P% peak_mem_gib G" on CUDA (MFU against 989 TFLOP/s,
+FLOPs per token 6N + 12*L*d*T); on CUDA a step's line comes after the next step has been queued (the
+host reads each loss one step late, and at checkpoints before saving); every rank prints once, after its first
 step, "memory rank R: params B bytes, grads B bytes, optimizer B bytes, activations_peak B bytes".
 Checkpoints go to <checkpoint_dir>/step-<N>/ (model.pt and optimizer.pt for plain data parallelism,
 model-rank-R.pt and optimizer-rank-R.pt shards for tp/pp/ZeRO layouts, meta.yaml: the manifest with

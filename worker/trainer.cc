@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <optional>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
@@ -204,11 +205,15 @@ Status Trainer::Init() {
   } else if (p.device != "cpu") {
     return InvalidArgument("parallel.device=" + p.device + " is neither cpu nor cuda");
   }
-  if (p.precision == "bf16" && !device_.is_cuda()) {
-    return InvalidArgument("parallel.precision=bf16 needs parallel.device=cuda; on CPU use precision auto or fp32");
+  if (p.precision.rfind("bf16", 0) == 0 && !device_.is_cuda()) {
+    return InvalidArgument("parallel.precision=" + p.precision + " needs parallel.device=cuda; on CPU use precision auto or fp32");
   }
-  // bf16 compute with fp32 master weights, gradients and reductions: GPU only.
-  bf16_ = device_.is_cuda() && (p.precision == "bf16" || p.precision == "auto");
+  // bf16 on the GPU only. "bf16" (and auto): the model computes on bf16 copies of fp32 master
+  // weights, the optimizer works in fp32; ZeRO-3, which gathers the parameters themselves, and
+  // "bf16-autocast" keep fp32 parameters and gradients and cast per operation (PyTorch AMP).
+  bf16_ = device_.is_cuda() && p.precision != "fp32";
+  bf16_params_ = bf16_ && p.precision != "bf16-autocast" && layout_.zero < 3;
+  activation_dtype_ = bf16_params_ ? torch::kBFloat16 : torch::kFloat;
   overlap_ = layout_.pp == 1 && !p.sequence_parallel;
 
   const TrainingSpec& t = recipe_.training;
@@ -256,7 +261,8 @@ Status Trainer::Init() {
   adamw.weight_decay = t.weight_decay;
   adamw.beta1 = t.beta1;
   adamw.beta2 = t.beta2;
-  StatusOr<std::unique_ptr<ParamStore>> store = ParamStore::Create(store_params, units, layout_.zero, groups_->dp, adamw);
+  StatusOr<std::unique_ptr<ParamStore>> store =
+      ParamStore::Create(store_params, units, layout_.zero, groups_->dp, adamw, bf16_params_);
   if (!store.ok()) return store.status();
   store_ = std::move(store).value();
   if (layout_.zero == 3) {
@@ -478,7 +484,7 @@ Status Trainer::RunPipeline(torch::Tensor& loss_sum) {
   };
   std::map<std::pair<int, int>, Slot> slots;
   const std::vector<int64_t> shape = model_->ActivationShape(layout_.micro_batch);
-  const torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat).device(device_);
+  const torch::TensorOptions options = torch::TensorOptions().dtype(activation_dtype_).device(device_);
   for (const PipeOp& op : plan_.ops[pp_rank]) {
     const int vs = VirtualStage(layout_.pp, pp_rank, op.chunk);
     Slot& slot = slots[{op.microbatch, op.chunk}];
@@ -496,7 +502,7 @@ Status Trainer::RunPipeline(torch::Tensor& loss_sum) {
         if (!model_->FirstStage(op.chunk)) inputs = slot.input;
         torch::Tensor out;
         {
-          compat::CudaBf16Autocast autocast(bf16_);
+          compat::CudaBf16Autocast autocast(bf16_ && !bf16_params_);
           out = model_->Forward(op.chunk, inputs, targets);
         }
         if (model_->LastStage(op.chunk)) {
@@ -536,14 +542,26 @@ Status Trainer::RunPipeline(torch::Tensor& loss_sum) {
 }
 
 StatusOr<double> Trainer::Step() {
+  StatusOr<torch::Tensor> loss = StepOnDevice(/*check_loss=*/true);
+  if (!loss.ok()) return loss.status();
+  return loss->item<double>();
+}
+
+StatusOr<torch::Tensor> Trainer::StepOnDevice(bool check_loss) {
   try {
-    return StepImpl();
+    return StepImpl(check_loss);
   } catch (...) {
     return Rethrown("training step");
   }
 }
 
-StatusOr<double> Trainer::StepImpl() {
+Status Trainer::CheckLoss(double value, int64_t step) const {
+  if (std::isfinite(value)) return Status::Ok();
+  return Internal("loss became " + std::to_string(value) + " at step " + std::to_string(step) +
+                  "; lower training.lr or check the data");
+}
+
+StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
   const int64_t step = step_;
   Progress::Global().SetPhase(step + 1, "data");
   const double lr = LearningRate(schedule_, step);
@@ -561,7 +579,7 @@ StatusOr<double> Trainer::StepImpl() {
       Progress::Global().SetPhase(step + 1, "forward");
       torch::Tensor loss;
       {
-        compat::CudaBf16Autocast autocast(bf16_);
+        compat::CudaBf16Autocast autocast(bf16_ && !bf16_params_);
         loss = model_->Forward(0, inputs, targets);
       }
       SampleActivations();
@@ -607,30 +625,36 @@ StatusOr<double> Trainer::StepImpl() {
   if (layout_.pp > 1) {
     if (Status s = groups_->pp->Broadcast(loss, layout_.pp - 1); !s.ok()) return s;
   }
-  const double loss_value = loss.item<double>();
-  if (!std::isfinite(loss_value)) {
-    return Internal("loss became " + std::to_string(loss_value) + " at step " + std::to_string(step + 1) +
-                    "; lower training.lr or check the data");
+  // Without the check (Run on CUDA) the loss stays on the device: the host reads it one step later,
+  // so that it never waits for the GPU inside a step.
+  if (check_loss) {
+    if (Status s = CheckLoss(loss.item<double>(), step + 1); !s.ok()) return s;
   }
 
   Progress::Global().SetPhase(step + 1, "optimizer");
   double scale = 1.0;
-  if (recipe_.training.grad_clip > 0) {
+  torch::Tensor divisor;
+  const double clip = recipe_.training.grad_clip;
+  if (clip > 0) {
     // Global norm over every shard of every group: each element counted once.
-    torch::Tensor sq = torch::full({1}, store_->GradSquareSum(), torch::TensorOptions().dtype(torch::kDouble));
+    torch::Tensor sq = store_->GradSquareSum();
     if (layout_.zero >= 1) {
       if (Status s = store_->DpAllReduce(sq); !s.ok()) return s;
     }
     if (Status s = groups_->tp->AllReduceSum(sq); !s.ok()) return s;
     if (Status s = groups_->pp->AllReduceSum(sq); !s.ok()) return s;
-    const double norm = std::sqrt(sq.item<double>());
-    const double coef = recipe_.training.grad_clip / (norm + 1e-6);
-    if (coef < 1) scale = coef;
+    if (sq.is_cuda()) {
+      // On the device: the gradients are divided by max(1, norm / clip) inside the optimizer.
+      divisor = ((sq.sqrt() + 1e-6) / clip).clamp_min(1.0).to(torch::kFloat);
+    } else {
+      const double coef = clip / (std::sqrt(sq.item<double>()) + 1e-6);
+      if (coef < 1) scale = coef;
+    }
   }
-  if (Status s = store_->OptimizerStep(lr, scale, step + 1); !s.ok()) return s;
+  if (Status s = store_->OptimizerStep(lr, scale, step + 1, divisor); !s.ok()) return s;
   ++step_;
   data_position_ += layout_.global_batch;
-  return loss_value;
+  return loss;
 }
 
 std::string Trainer::LayoutKey() const {
@@ -743,8 +767,9 @@ Status Trainer::ExportParameters(const std::string& path) {
   }
   const bool collector = c.dp == 0 && c.tp == 0;
   std::map<std::string, torch::Tensor> full;
-  for (const ShardParam& p : model_->params()) {
-    StatusOr<torch::Tensor> t = model_->GatherFull(p);
+  for (size_t i = 0; i < model_->params().size(); ++i) {
+    const ShardParam& p = model_->params()[i];
+    StatusOr<torch::Tensor> t = model_->GatherFull(p, store_->MasterValue(static_cast<int>(i)));
     if (!t.ok()) return t.status();
     if (collector && p.exported) full[p.name] = t->to(torch::kCPU).to(torch::kFloat).contiguous();
   }
@@ -833,12 +858,32 @@ Status Trainer::Run() {
         torch::get_num_threads());
   }
   const double tokens_per_step = static_cast<double>(layout_.global_batch) * recipe_.model.seq_len;
-  // Steady-state throughput leaves out the first steps of this process (allocator and autotuning
-  // warm-up) and steps that follow a checkpoint save.
+  // On CUDA the host reads each step's loss one step later (and at every checkpoint, before the
+  // save), so that it never waits for the GPU inside a step; on the CPU there is nothing to overlap.
+  const bool lag = device_.is_cuda();
+  struct Finished {
+    int64_t step = 0;
+    double lr = 0, ms = 0;
+    torch::Tensor loss;
+  };
+  std::optional<Finished> pending;
+  auto settle = [&](const Finished& f) -> Status {
+    const double value = f.loss.item<double>();
+    if (Status st = CheckLoss(value, f.step); !st.ok()) return st;
+    const int64_t s = f.step;
+    if (printer && (s == 1 || s == run_start_step_ + 1 || (t.log_every > 0 && s % t.log_every == 0) || s == t.steps)) {
+      std::printf("step %lld/%lld loss %.6f lr %.3e tok/s %.0f step_ms %.1f\n", static_cast<long long>(s),
+                  static_cast<long long>(t.steps), value, f.lr, tokens_per_step / (f.ms / 1000.0), f.ms);
+    }
+    return Status::Ok();
+  };
+  // Steady-state throughput: the steps after the first few of this process (allocator and
+  // autotuning warm-up), timed from a synchronized start to the last step's loss, less the time
+  // the training thread spent in checkpoint saves.
   const int64_t warmup = std::min<int64_t>(3, (t.steps - run_start_step_) / 2);
-  double timed_ms = 0;
-  int64_t timed_steps = 0, first_timed = 0;
-  bool after_save = false;
+  Clock::time_point window_start = Clock::now();
+  double window_ms = 0, blocked_at_start = checkpoint_blocked_ms_;
+  int64_t window_first = run_start_step_ + 1;
   while (step_ < t.steps) {
     const double lr = LearningRate(schedule_, step_);
     compat::StepProfiler profiler;
@@ -847,21 +892,36 @@ Status Trainer::Run() {
       if (std::string why = profiler.Start(); !why.empty()) std::printf("profile: not recorded: %s\n", why.c_str());
     }
     const auto start = Clock::now();
-    StatusOr<double> loss = Step();
+    StatusOr<torch::Tensor> loss = StepOnDevice(/*check_loss=*/!lag);
     if (!loss.ok()) return loss.status();
-    const double ms = MillisSince(start);
     const int64_t s = step_;
+    if (pending) {
+      if (Status st = settle(*pending); !st.ok()) return st;
+      pending.reset();
+    }
     if (profiling) {
       compat::Synchronize(device_);
       profiler.Stop(options_.profile_path);
       std::printf("profile: step %lld written to %s\n", static_cast<long long>(s), options_.profile_path.c_str());
     }
-    if (s > run_start_step_ + warmup && !after_save && !profiling) {
-      if (timed_steps == 0) first_timed = s;
-      timed_ms += ms;
-      ++timed_steps;
+    const bool periodic = recipe_.checkpoint.every > 0 && s % recipe_.checkpoint.every == 0;
+    const bool save = periodic || s == t.steps;
+    Finished finished{s, lr, 0.0, *loss};
+    if (!lag || save || s == run_start_step_ + warmup) {
+      // The loss is read now: a checkpoint never holds the parameters of a non-finite step.
+      finished.ms = MillisSince(start);
+      if (Status st = settle(finished); !st.ok()) return st;
+    } else {
+      finished.ms = MillisSince(start);
+      pending = finished;
     }
-    after_save = false;
+    if (s == run_start_step_ + warmup) {
+      compat::Synchronize(device_);
+      window_start = Clock::now();
+      blocked_at_start = checkpoint_blocked_ms_;
+      window_first = s + 1;
+    }
+    if (s == t.steps) window_ms = MillisSince(window_start) - (checkpoint_blocked_ms_ - blocked_at_start);
     if (!memory_printed_ && options_.print_progress) {
       // Bytes this rank holds for each; activations_peak is the largest growth of the heap over
       // the start of the step, sampled after every forward: what autograd saved for backward
@@ -873,18 +933,11 @@ Status Trainer::Run() {
       std::fflush(stdout);
       memory_printed_ = true;
     }
-    if (printer && (s == 1 || s == run_start_step_ + 1 || (t.log_every > 0 && s % t.log_every == 0) ||
-                    s == t.steps)) {
-      std::printf("step %lld/%lld loss %.6f lr %.3e tok/s %.0f step_ms %.1f\n", static_cast<long long>(s),
-                  static_cast<long long>(t.steps), *loss, lr, tokens_per_step / (ms / 1000.0), ms);
-    }
-    const bool periodic = recipe_.checkpoint.every > 0 && s % recipe_.checkpoint.every == 0;
-    if (periodic || s == t.steps) {
+    if (save) {
       if (Status st = StartSave(); !st.ok()) return st;
-      after_save = true;
     }
   }
-  if (printer && timed_steps > 0) PrintThroughput(first_timed, timed_steps, timed_ms);
+  if (printer && t.steps >= window_first && window_ms > 0) PrintThroughput(window_first, t.steps - window_first + 1, window_ms);
   if (writer_) {
     // The final save must be committed before the job may count as done.
     Progress::Global().SetPhase(step_, "checkpoint");

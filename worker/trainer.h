@@ -107,7 +107,11 @@ class Trainer {
   Trainer(const Recipe& recipe, const TrainerOptions& options, ProcessGroups* groups, Layout layout,
           TokenDataset data);
   Status Init();
-  StatusOr<double> StepImpl();
+  StatusOr<torch::Tensor> StepImpl(bool check_loss);
+  // One step; the global-batch mean loss as a [1] tensor on the device. `check_loss` reads it
+  // before the optimizer runs and fails the step if it is not finite.
+  StatusOr<torch::Tensor> StepOnDevice(bool check_loss);
+  Status CheckLoss(double value, int64_t step) const;
   void FillBatch(int micro_step, torch::Tensor* inputs, torch::Tensor* targets);
   Status RunPipeline(torch::Tensor& loss_sum);
   void SampleActivations();
@@ -134,6 +138,8 @@ class Trainer {
   LrSchedule schedule_;
   torch::Device device_{torch::kCPU};
   bool bf16_ = false;
+  bool bf16_params_ = false;                       // bf16 copies of fp32 masters (no autocast)
+  torch::ScalarType activation_dtype_ = torch::kFloat;  // what pipeline stages send each other
   bool overlap_ = true;          // reduce buckets from backward hooks (pp == 1, no sequence parallel)
   std::unique_ptr<ModelShard> model_;
   std::unique_ptr<ParamStore> store_;

@@ -71,6 +71,9 @@ def byte_data(root, text_file):
     return root
 
 
+PRECISION = "bf16"
+
+
 def recipe(path, model, data, steps, world, micro_batch=None, vocab=VOCAB, log_every=5, **parallel):
     layers, d, heads, mb = MODELS[model]
     mb = micro_batch or mb
@@ -87,7 +90,7 @@ data: {{path: {data}}}
 training: {{steps: {steps}, micro_batch: {mb}, global_batch: {mb * dp * accumulation}, lr: 3.0e-4, min_lr: 3.0e-4,
   warmup_steps: 0, lr_schedule: constant, weight_decay: 0.01, beta1: 0.9, beta2: 0.999, grad_clip: 0,
   seed: 0, log_every: {log_every}}}
-parallel: {{nodes: 1, nproc_per_node: {world}, device: cuda, precision: bf16{extra}}}
+parallel: {{nodes: 1, nproc_per_node: {world}, device: cuda, precision: {PRECISION}{extra}}}
 checkpoint: {{enabled: false}}
 """)
     return path
@@ -163,10 +166,14 @@ def main():
     ap.add_argument("--steps", type=int, default=15, help="worker steps (the first 3 are warm-up)")
     ap.add_argument("--data", help="text file for the learning suite")
     ap.add_argument("--json", help="write every figure here")
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "bf16-autocast"],
+                    help="the worker's parallel.precision (default bf16)")
     ap.add_argument("--no-peer", action="store_true", help="the worker only (for quick iterations; no ratios)")
     ap.add_argument("--workdir", default=None)
     a = ap.parse_args()
     a.baselines = os.path.abspath(a.baselines)
+    global PRECISION
+    PRECISION = a.precision
     a.worker = os.path.abspath(a.worker)
     suites = a.suite or ["single"]
     need = max({"single": 1, "dp": 2, "layouts": 2, "learning": 1, "profile": 1}[s] for s in suites)
