@@ -67,8 +67,12 @@ class ProgressSink final : public v1::WorkerService::Service {
     int64_t changed_ms = 0;   // steady: when step, phase or the newest collective last changed
   };
 
-  grpc::Status ReportProgress(grpc::ServerContext*, const v1::RankProgress* request, v1::ProgressAck*) override {
+  grpc::Status ReportProgress(grpc::ServerContext*, const v1::RankProgress* request, v1::ProgressAck* ack) override {
     std::lock_guard<std::mutex> lock(mu_);
+    if (auto stop = checkpoint_stops_.find(request->job_id());
+        stop != checkpoint_stops_.end() && request->generation() <= stop->second) {
+      ack->set_checkpoint_and_stop(true);
+    }
     int64_t now = clock_.SteadyMs();
     Entry& entry = entries_[{request->job_id(), request->rank()}];
     bool changed = entry.received_ms == 0 || entry.report.generation() != request->generation() ||
@@ -78,6 +82,14 @@ class ProgressSink final : public v1::WorkerService::Service {
     entry.received_ms = now;
     if (changed) entry.changed_ms = now;
     return grpc::Status::OK;
+  }
+
+  // From now on the job's workers of `generation` and older learn, in the reply to their next
+  // report, that they are to stop after a final checkpoint.
+  void RequestCheckpointStop(const std::string& job_id, int generation) {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto [stop, added] = checkpoint_stops_.emplace(job_id, generation);
+    if (!added) stop->second = std::max(stop->second, generation);
   }
 
   // The latest report of each live rank, with idle_ms and silent_ms from this node's clock.
@@ -109,6 +121,7 @@ class ProgressSink final : public v1::WorkerService::Service {
   RealClock clock_;
   std::mutex mu_;
   std::map<std::pair<std::string, int>, Entry> entries_;
+  std::map<std::string, int> checkpoint_stops_;  // job id -> newest generation to stop after a checkpoint
 };
 
 struct Worker {
@@ -472,7 +485,12 @@ class AgentImpl : public Agent {
       int64_t now = clock.SteadyMs();
       for (const auto& command : commands) {
         if (command.has_start()) StartJob(command.start());
-        if (command.has_stop()) {
+        if (command.has_stop() && command.stop().checkpoint()) {
+          // The workers save and exit on their own; a plain stop follows if they do not.
+          LTRAIN_LOG(kInfo, kLog) << "stopping " << command.stop().job_id()
+                                  << " after a final checkpoint: " << command.stop().reason();
+          progress_.RequestCheckpointStop(command.stop().job_id(), command.stop().generation());
+        } else if (command.has_stop()) {
           LTRAIN_LOG(kInfo, kLog) << "stopping " << command.stop().job_id() << ": " << command.stop().reason();
           StopJob(command.stop().job_id(), command.stop().generation(), now);
         }

@@ -1,7 +1,9 @@
 // Agent: one per node. Registers with the coordinator, heartbeats, starts the workers it is
 // assigned, captures their output into per-rank log files and forwards the lines, reports every
-// exit, and kills whole process groups on stop. Workers reach the coordinator's rendezvous store
-// only through the agent's local RendezvousService proxy.
+// exit, and kills whole process groups on stop. A stop with a final checkpoint kills nothing: the
+// agent tells the job's workers in the replies to their progress reports (WorkerService), and they
+// save and exit on their own. Workers reach the coordinator's rendezvous store only through the
+// agent's local RendezvousService proxy.
 //
 // Threads: the connect thread reads the coordinator's command stream; the heartbeat thread beats;
 // the supervisor thread alone spawns, reads output, reaps and kills; the sender thread sends

@@ -253,13 +253,17 @@ struct LaunchArgs {
   bool slurm = false;
 };
 
-// Blocks SIGINT/SIGTERM in every thread; a dedicated thread turns the first one into a stop.
+// Blocks SIGINT/SIGTERM in every thread; a dedicated thread turns the first one into a stop. A
+// SIGTERM that the parent ignores (`trap '' TERM`, as the Slurm script does for the coordinator) stays
+// ignored: Linux keeps a blocked signal pending even when its action is to ignore it, so sigwait would
+// receive it anyway.
 class InterruptWatcher {
  public:
   InterruptWatcher() {
     sigemptyset(&set_);
     sigaddset(&set_, SIGINT);
-    sigaddset(&set_, SIGTERM);
+    struct sigaction term {};
+    if (sigaction(SIGTERM, nullptr, &term) != 0 || term.sa_handler != SIG_IGN) sigaddset(&set_, SIGTERM);
     sigaddset(&set_, SIGUSR2);  // only ever sent by the destructor, to end the thread
     pthread_sigmask(SIG_BLOCK, &set_, nullptr);
   }
@@ -535,7 +539,9 @@ _ltrain() {
     launch|validate) COMPREPLY=($(compgen -f -X '!*.yaml' -- "$cur") $(compgen -d -- "$cur") $(compgen -W "--set --help" -- "$cur"));;
     status|stop|resume|logs)
       local jobs; jobs=$(ltrain list --output json 2>/dev/null | sed -n 's/.*"id": "\([^"]*\)".*/\1/p')
-      COMPREPLY=($(compgen -W "$jobs --coordinator --output --help" -- "$cur"));;
+      local flags="--coordinator --output --help"
+      [[ $cmd == stop ]] && flags="--coordinator --checkpoint --checkpoint-timeout --help"
+      COMPREPLY=($(compgen -W "$jobs $flags" -- "$cur"));;
     data) COMPREPLY=($(compgen -W "prepare" -- "$cur"));;
     *) COMPREPLY=($(compgen -f -- "$cur"));;
   esac
@@ -652,7 +658,16 @@ int Logs(const LogsArgs& args) {
   return status.ok() ? kExitOk : client.Unreachable(status);
 }
 
-int Stop(const std::string& job_id, std::string coordinator_address) {
+struct StopArgs {
+  std::string job_id;
+  std::string coordinator;
+  bool checkpoint = false;
+  double checkpoint_timeout_s = 60;
+};
+
+int Stop(const StopArgs& args) {
+  const std::string& job_id = args.job_id;
+  std::string coordinator_address = args.coordinator;
   if (coordinator_address.empty()) {
     std::ifstream in(fs::path(LtrainHome()) / "run" / (job_id + ".addr"));
     if (!(in >> coordinator_address)) {
@@ -667,12 +682,50 @@ int Stop(const std::string& job_id, std::string coordinator_address) {
   context.set_deadline(Deadline(5));
   v1::StopJobRequest request;
   request.set_job_id(job_id);
-  request.set_reason("stopped by `ltrain stop`");
+  request.set_reason(args.checkpoint ? "stopped by `ltrain stop --checkpoint`" : "stopped by `ltrain stop`");
+  request.set_checkpoint(args.checkpoint);
+  request.set_checkpoint_timeout_s(args.checkpoint_timeout_s);
   v1::StopJobReply reply;
   grpc::Status status = client.stub->StopJob(&context, request, &reply);
   if (!status.ok()) return client.Unreachable(status);
   if (reply.status().code() != 0) return ReplyError(reply.status());
-  std::printf("job %s: %s\n", job_id.c_str(), StateName(reply.job().state()).c_str());
+  v1::Job job = reply.job();
+  if (!launcher::IsFinal(job.state())) {
+    // A stop with a final checkpoint: the job ends once its ranks have committed it, or as a plain
+    // stop at the coordinator's deadline.
+    std::printf("job %s: stopping after a final checkpoint (a plain stop after %.0f s otherwise)\n", job_id.c_str(),
+                args.checkpoint_timeout_s);
+    std::fflush(stdout);
+    auto give_up = std::chrono::steady_clock::now() +
+                   std::chrono::milliseconds(static_cast<int64_t>(args.checkpoint_timeout_s * 1000) + 30000);
+    while (!launcher::IsFinal(job.state())) {
+      if (std::chrono::steady_clock::now() > give_up) {
+        std::fprintf(stderr, "ltrain: job %s is still %s %.0f s after the stop; see `ltrain status %s`\n", job_id.c_str(),
+                     StateName(job.state()).c_str(), args.checkpoint_timeout_s + 30, job_id.c_str());
+        return kExitUnavailable;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(250));
+      grpc::ClientContext get_context;
+      get_context.set_deadline(Deadline(5));
+      v1::GetJobRequest get;
+      get.set_job_id(job_id);
+      v1::GetJobReply got;
+      if (client.stub->GetJob(&get_context, get, &got).ok() && got.status().code() == 0) {
+        job = got.job();
+      } else if (args.coordinator.empty()) {
+        // A local launch ends with its job and takes its coordinator along: the state remains.
+        StatusOr<std::unique_ptr<launcher::StateStore>> store = launcher::OpenStateStore(LtrainHome());
+        if (!store.ok()) continue;
+        StatusOr<v1::Job> stored = (*store)->GetJob(job_id);
+        if (stored.ok()) job = *stored;
+      }
+    }
+  }
+  if (args.checkpoint) {
+    std::printf("job %s: %s: %s\n", job_id.c_str(), StateName(job.state()).c_str(), job.cause().c_str());
+  } else {
+    std::printf("job %s: %s\n", job_id.c_str(), StateName(job.state()).c_str());
+  }
   return kExitOk;
 }
 
@@ -832,10 +885,21 @@ int main(int argc, char** argv) {
   status_cmd->add_option("--coordinator", status_coordinator, "HOST:PORT; without it, the local state in $LTRAIN_HOME");
   status_cmd->add_option("-o,--output", status_output, "table or json")->check(CLI::IsMember({"table", "json"}));
   status_cmd->add_option("--limit", status_limit, "Jobs to list")->capture_default_str();
-  std::string stop_job, stop_coordinator;
-  CLI::App* stop_cmd = app.add_subcommand("stop", "Stop a job: its workers get SIGTERM, then SIGKILL");
-  stop_cmd->add_option("job", stop_job, "Job id")->required();
-  stop_cmd->add_option("--coordinator", stop_coordinator, "HOST:PORT; without it, the local launch running the job");
+  StopArgs stop;
+  CLI::App* stop_cmd = app.add_subcommand(
+      "stop", "Stop a job: its workers get SIGTERM, then SIGKILL; with --checkpoint they first save a final checkpoint");
+  stop_cmd->add_option("job", stop.job_id, "Job id")->required();
+  stop_cmd->add_option("--coordinator", stop.coordinator, "HOST:PORT; without it, the local launch running the job");
+  CLI::Option* stop_checkpoint = stop_cmd->add_flag(
+      "--checkpoint", stop.checkpoint,
+      "First train on to a step every rank reaches, commit a checkpoint of it, then end (STOPPED with that "
+      "commit); waits until the job has ended");
+  stop_cmd
+      ->add_option("--checkpoint-timeout", stop.checkpoint_timeout_s,
+                   "Seconds the final checkpoint may take before the job is stopped plainly, keeping its last commit")
+      ->check(CLI::PositiveNumber)
+      ->needs(stop_checkpoint)
+      ->capture_default_str();
 
   // coordinator
   std::string listen = "127.0.0.1:7070", state_dir, port_file;
@@ -918,7 +982,7 @@ int main(int argc, char** argv) {
     return kExitOk;
   }
   if (*status_cmd) return ShowStatus(status_job, status_coordinator, status_output, status_limit);
-  if (*stop_cmd) return Stop(stop_job, stop_coordinator);
+  if (*stop_cmd) return Stop(stop);
   if (*coordinator_cmd && !init_tls.empty()) {
     Status made = InitTls(init_tls, tls_hosts);
     if (!made.ok()) {

@@ -192,6 +192,8 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
   job.generation_started_ms = clock_->SteadyMs();
   job.committed_at_start = job.job.last_committed_step();
   job.waiting_reported = false;
+  job.stopping = job.stopped_early = false;
+  job.stop_reason.clear();
   Status cleared = store_->ClearRanks(job.job.id());
   if (!cleared.ok()) LTRAIN_LOG(kError, kLog) << cleared.ToString();
   std::string recipe_yaml = RecipeToYaml(recipe);
@@ -256,6 +258,11 @@ void Coordinator::StopGenerationLocked(ActiveJob& job, const std::string& reason
 
 void Coordinator::FailGenerationLocked(ActiveJob& job, const std::string& cause) {
   if (job.job.state() != v1::JOB_STATE_RUNNING) return;  // only the first failure of a generation counts
+  if (job.stopping) {
+    // A job being stopped is not restarted: it ends STOPPED as a plain stop would have left it.
+    AbandonCheckpointStopLocked(job, cause);
+    return;
+  }
   job.job.set_last_failure(cause);
   job.failures.push_back("generation " + std::to_string(job.job.generation()) + ": " + cause);
   AddEventLocked(job, "failure", "generation " + std::to_string(job.job.generation()) + " failed: " + cause, -1);
@@ -315,7 +322,8 @@ void Coordinator::PersistJobLocked(ActiveJob& job) {
 
 void Coordinator::FinishLocked(ActiveJob& job, v1::JobState state, const std::string& cause) {
   if (IsFinal(job.job.state())) return;
-  if (job.job.state() == v1::JOB_STATE_RUNNING && state != v1::JOB_STATE_SUCCEEDED) {
+  bool all_exited = static_cast<int>(job.ranks_exited_ok.size()) == job.job.world_size();
+  if (job.job.state() == v1::JOB_STATE_RUNNING && state != v1::JOB_STATE_SUCCEEDED && !all_exited) {
     StopGenerationLocked(job, cause);
   }
   for (const auto& node_id : job.nodes) {
@@ -374,7 +382,11 @@ StatusOr<std::vector<v1::Job>> Coordinator::ListJobs(int limit) {
   return jobs;
 }
 
-StatusOr<v1::Job> Coordinator::Stop(const std::string& job_id, const std::string& reason) {
+StatusOr<v1::Job> Coordinator::Stop(const std::string& job_id, const std::string& reason, const StopOptions& options) {
+  if (options.checkpoint && options.checkpoint_timeout_ms <= 0) {
+    return InvalidArgument("the timeout of a stop with a final checkpoint must be positive, not " +
+                           Seconds(options.checkpoint_timeout_ms));
+  }
   std::lock_guard<std::mutex> lock(mu_);
   ActiveJob* job = FindLocked(job_id);
   if (job == nullptr) {
@@ -383,8 +395,41 @@ StatusOr<v1::Job> Coordinator::Stop(const std::string& job_id, const std::string
     if (IsFinal(stored->state())) return stored;
     return FailedPrecondition("job " + job_id + " is not run by this coordinator");
   }
-  FinishLocked(*job, v1::JOB_STATE_STOPPED, reason.empty() ? "stopped by the user" : reason);
+  const std::string why = reason.empty() ? "stopped by the user" : reason;
+  // Only running workers can take a final checkpoint; a pending or restarting job stops at once.
+  if (!options.checkpoint || job->job.state() != v1::JOB_STATE_RUNNING) {
+    FinishLocked(*job, v1::JOB_STATE_STOPPED, why);
+    return job->job;
+  }
+  if (job->stopping) return job->job;
+  job->stopping = true;
+  job->stop_reason = why;
+  job->stop_timeout_ms = options.checkpoint_timeout_ms;
+  job->stop_deadline_ms = clock_->SteadyMs() + options.checkpoint_timeout_ms;
+  job->committed_at_stop = job->job.last_committed_step();
+  for (const auto& node_id : job->nodes) {
+    auto node = nodes_.find(node_id);
+    if (node == nodes_.end()) continue;
+    v1::Command command;
+    v1::StopJobCommand* stop = command.mutable_stop();
+    stop->set_job_id(job_id);
+    stop->set_reason(why);
+    stop->set_generation(job->job.generation());
+    stop->set_checkpoint(true);
+    node->second.commands.push_back(std::move(command));
+  }
+  AddEventLocked(*job, "stopping",
+                 "stopping job " + job_id + " after a final checkpoint at a step every rank reaches (a plain stop " +
+                     "if that takes more than " + Seconds(options.checkpoint_timeout_ms) + "): " + why,
+                 -1);
   return job->job;
+}
+
+void Coordinator::AbandonCheckpointStopLocked(ActiveJob& job, const std::string& why) {
+  std::string kept = job.job.last_committed_step() > 0
+                         ? "the last commit, step " + std::to_string(job.job.last_committed_step()) + ", is kept"
+                         : "no checkpoint was ever committed";
+  FinishLocked(job, v1::JOB_STATE_STOPPED, job.stop_reason + "; no final checkpoint: " + why + "; " + kept);
 }
 
 StatusOr<v1::Job> Coordinator::Resume(const std::string& job_id) {
@@ -595,7 +640,17 @@ Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {
   if (clean) {
     job->ranks_exited_ok.insert(report.rank());
     if (static_cast<int>(job->ranks_exited_ok.size()) == job->job.world_size()) {
-      FinishLocked(*job, v1::JOB_STATE_SUCCEEDED, "");
+      if ((job->stopping || job->stopped_early) && job->job.last_step() < job->recipe.training.steps) {
+        if (job->stop_reason.empty()) job->stop_reason = "stopped after a final checkpoint";
+        std::string how = job->job.last_committed_step() > job->committed_at_stop
+                              ? "; final checkpoint of step " + std::to_string(job->job.last_committed_step()) +
+                                    " committed"
+                              : "; the ranks stopped after step " + std::to_string(job->job.last_step()) +
+                                    " without a new checkpoint";
+        FinishLocked(*job, v1::JOB_STATE_STOPPED, job->stop_reason + how);
+      } else {
+        FinishLocked(*job, v1::JOB_STATE_SUCCEEDED, "");
+      }
     }
     return Status::Ok();
   }
@@ -626,6 +681,9 @@ void Coordinator::PushLogs(const v1::PushLogsRequest& request) {
   // Rank 0's line after a commit; it arrives before any exit report of that rank, so a failure right
   // after a checkpoint still knows the checkpoint.
   static const std::regex kCommitted(R"(^checkpoint step-(\d+) written to (\S+))");
+  // A worker's last line when it ends a stop with a final checkpoint: known even to a coordinator
+  // that restarted after the stop was asked.
+  static const std::regex kStoppedEarly(R"(^rank \d+: stopped after step \d+ of \d+)");
   std::lock_guard<std::mutex> lock(mu_);
   ActiveJob* job = FindLocked(request.job_id());
   if (job == nullptr) return;
@@ -647,6 +705,7 @@ void Coordinator::PushLogs(const v1::PushLogsRequest& request) {
       RecordCommitLocked(*job, step, (std::filesystem::path(match[2].str()) / ("step-" + match[1].str())).string(),
                          line.rank());
     }
+    if (std::regex_search(line.text(), kStoppedEarly)) job->stopped_early = true;
     AddEventLocked(*job, "log", line.text(), line.rank());
     stored.push_back(job->events.back());
   }
@@ -740,6 +799,9 @@ void Coordinator::Tick() {
     if (job.job.state() == v1::JOB_STATE_RUNNING) {
       CheckHangLocked(job, now);
     }
+    if (job.job.state() == v1::JOB_STATE_RUNNING && job.stopping && now >= job.stop_deadline_ms) {
+      AbandonCheckpointStopLocked(job, "the ranks did not commit it within " + Seconds(job.stop_timeout_ms));
+    }
     if (job.job.state() == v1::JOB_STATE_RESTARTING && now >= job.restart_at_ms) {
       std::vector<std::string> free_nodes = FreeNodesLocked();
       if (static_cast<int>(free_nodes.size()) >= job.recipe.parallel.nodes_min) {
@@ -753,7 +815,8 @@ void Coordinator::Tick() {
       }
     }
     // Elastic growth: a node that joined is taken in at the next checkpoint boundary.
-    if (job.job.state() == v1::JOB_STATE_RUNNING && job.job.nodes_now() < job.recipe.parallel.nodes_max &&
+    if (job.job.state() == v1::JOB_STATE_RUNNING && !job.stopping &&
+        job.job.nodes_now() < job.recipe.parallel.nodes_max &&
         job.job.last_committed_step() > job.committed_at_start) {
       std::vector<std::string> free_nodes = FreeNodesLocked();
       if (!free_nodes.empty()) {

@@ -11,7 +11,9 @@
 //
 // Contract with agents: a node receives StartJobCommand with the global ranks it runs, and
 // StopJobCommand (with the generation) when the job's current generation ends for any other reason
-// than its own workers all exiting 0.
+// than its own workers all exiting 0. A stop with a final checkpoint first sends StopJobCommand with
+// `checkpoint` set: the workers agree on a step among themselves, commit a checkpoint of it and exit
+// 0, and the job ends STOPPED; a failure or the stop's timeout turns it into a plain stop.
 #pragma once
 
 #include <condition_variable>
@@ -31,6 +33,12 @@
 
 namespace ltrain::launcher {
 
+// How Stop ends a running job.
+struct StopOptions {
+  bool checkpoint = false;             // first a final checkpoint at a step every rank reaches
+  int64_t checkpoint_timeout_ms = 60000;  // then a plain stop, keeping the last commit
+};
+
 struct CoordinatorOptions {
   std::string state_dir;             // default checkpoints go under state_dir/checkpoints/<job>
   int64_t node_timeout_ms = 3000;    // a node whose heartbeats stop this long is lost
@@ -49,7 +57,9 @@ class Coordinator {
   StatusOr<v1::Job> Submit(const std::string& recipe_yaml, const std::string& source_name);
   StatusOr<v1::Job> GetJob(const std::string& job_id);
   StatusOr<std::vector<v1::Job>> ListJobs(int limit);
-  StatusOr<v1::Job> Stop(const std::string& job_id, const std::string& reason);
+  // A plain stop ends the job STOPPED at once. With options.checkpoint a RUNNING job stays RUNNING
+  // until its workers exit after the final checkpoint (a plain stop meanwhile ends it at once).
+  StatusOr<v1::Job> Stop(const std::string& job_id, const std::string& reason, const StopOptions& options = {});
   StatusOr<v1::Job> Resume(const std::string& job_id);
   StatusOr<std::vector<v1::Event>> GetLogs(const std::string& job_id, int rank, int64_t since_unix_ms, int limit);
   // Events of a job after `after_seq` (log lines too when `logs`). Blocks up to `timeout_ms` while
@@ -107,6 +117,13 @@ class Coordinator {
     int64_t restart_at_ms = 0;       // RESTARTING: when to place the next generation
     bool waiting_reported = false;
     std::vector<std::string> failures;  // every generation's failure, oldest first
+    // A stop with a final checkpoint under way (reset by the next generation).
+    bool stopping = false;
+    std::string stop_reason;
+    int64_t stop_timeout_ms = 0;
+    int64_t stop_deadline_ms = 0;        // then a plain stop
+    int64_t committed_at_stop = 0;       // last committed step when the stop was asked
+    bool stopped_early = false;          // a worker said it stopped after a final checkpoint
     std::vector<v1::Event> events;   // in memory, log lines included
   };
 
@@ -119,6 +136,8 @@ class Coordinator {
   void RecordCommitLocked(ActiveJob& job, int64_t step, const std::string& path, int rank);
   void AddEventLocked(ActiveJob& job, const std::string& kind, const std::string& message, int rank);
   void FinishLocked(ActiveJob& job, v1::JobState state, const std::string& cause);
+  // Ends a stop with a final checkpoint that cannot complete: STOPPED, keeping the last commit.
+  void AbandonCheckpointStopLocked(ActiveJob& job, const std::string& why);
   void PersistJobLocked(ActiveJob& job);
   std::vector<std::string> FreeNodesLocked() const;
   ActiveJob* FindLocked(const std::string& job_id);

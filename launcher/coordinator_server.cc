@@ -47,7 +47,12 @@ class JobServiceImpl final : public v1::JobService::Service {
 
   grpc::Status StopJob(grpc::ServerContext* context, const v1::StopJobRequest* request, v1::StopJobReply* reply) override {
     if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
-    StatusOr<v1::Job> job = coordinator_->Stop(request->job_id(), request->reason());
+    StopOptions options;
+    options.checkpoint = request->checkpoint();
+    if (request->checkpoint_timeout_s() != 0) {
+      options.checkpoint_timeout_ms = static_cast<int64_t>(request->checkpoint_timeout_s() * 1000);
+    }
+    StatusOr<v1::Job> job = coordinator_->Stop(request->job_id(), request->reason(), options);
     SetStatus(reply->mutable_status(), job.status());
     if (job.ok()) *reply->mutable_job() = *job;
     return grpc::Status::OK;

@@ -3,6 +3,12 @@ ltrain_add_test(token_data_test unit
   SOURCES unit/token_data_test.cc
   LIBS ltrain::common)
 
+# The ranks' agreement on the step a stop with a final checkpoint ends after; a fake store,
+# milliseconds.
+ltrain_add_test(checkpoint_stop_test unit
+  SOURCES unit/checkpoint_stop_test.cc
+  LIBS ltrain_worker_rpc)
+
 ltrain_add_test(worker_unit_test unit
   SOURCES unit/lr_schedule_test.cc unit/gpt_model_test.cc unit/gloo_communicator_test.cc
           unit/trainer_test.cc

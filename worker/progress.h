@@ -21,7 +21,7 @@ struct CollectiveRecord {
 
 struct ProgressSnapshot {
   int64_t step = 0;        // the step being worked on (1-based; 0 before the first)
-  std::string phase;       // startup, data, forward, backward, optimizer, checkpoint, done
+  std::string phase;       // startup, data, forward, backward, optimizer, checkpoint, stopping, done
   int64_t updated_unix_ms = 0;
   std::deque<CollectiveRecord> collectives;  // oldest first
 };

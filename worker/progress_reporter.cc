@@ -77,7 +77,8 @@ void ProgressReporter::Loop() {
     v1::ProgressAck ack;
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
-    stub->ReportProgress(&context, report, &ack);
+    grpc::Status status = stub->ReportProgress(&context, report, &ack);
+    if (status.ok() && ack.checkpoint_and_stop() && options_.on_checkpoint_stop) options_.on_checkpoint_stop();
   }
 }
 

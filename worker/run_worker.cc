@@ -18,6 +18,7 @@
 
 #include "common/recipe.h"
 #include "worker/checkpoint.h"
+#include "worker/checkpoint_stop.h"
 #include "worker/communicator.h"
 #include "worker/gloo_communicator.h"
 #include "worker/progress.h"
@@ -184,17 +185,22 @@ Status Run(const WorkerEnv& env) {
     recipe.checkpoint.resume_from = options.checkpoint_dir;
   }
 
+  // `ltrain stop --checkpoint` reaches this rank in the agent's replies to its progress reports.
+  CheckpointStop stop(env.rank, env.world_size);
+  options.stop_after = [&stop](int64_t step) { return stop.After(step); };
   // Progress goes to the agent (for hang detection) from here on, startup included.
   Progress::Global().SetPhase(0, "startup");
   std::unique_ptr<ProgressReporter> reporter;
   if (const std::string agent = Env("LTRAIN_AGENT"); !agent.empty()) {
-    reporter = std::make_unique<ProgressReporter>(
-        ProgressReporterOptions{agent, env.job_id, env.generation, env.rank, options.checkpoint_dir});
+    ProgressReporterOptions reporting{agent, env.job_id, env.generation, env.rank, options.checkpoint_dir};
+    reporting.on_checkpoint_stop = [&stop] { stop.Request(); };
+    reporter = std::make_unique<ProgressReporter>(std::move(reporting));
   }
 
   auto connect_start = std::chrono::steady_clock::now();
   StatusOr<std::unique_ptr<Connection>> conn = Connect(env, recipe);
   if (!conn.ok()) return conn.status();
+  ConnectCheckpointStop(&stop, (*conn)->store);
   // Every rank says it is up: the first line of each rank's log, and proof of the rendezvous.
   std::printf("rank %d/%d up: pid %d, %d CPU thread(s), connected to %d peer(s) in %.0f ms\n", env.rank,
               env.world_size, static_cast<int>(getpid()), threads, env.world_size - 1,
@@ -208,7 +214,13 @@ Status Run(const WorkerEnv& env) {
   }
   StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(recipe, options, &(*conn)->groups);
   if (!trainer.ok()) return trainer.status();
+  stop.Begin((*trainer)->step());
   Status done = (*trainer)->Run();
+  if (done.ok() && stop.stop_step() == (*trainer)->step() && (*trainer)->step() < recipe.training.steps) {
+    std::printf("rank %d: stopped after step %lld of %lld, %s: the job is being stopped (ltrain stop --checkpoint)\n",
+                env.rank, static_cast<long long>((*trainer)->step()), static_cast<long long>(recipe.training.steps),
+                options.checkpoint_dir.empty() ? "saving nothing (checkpoints are off)" : "with its checkpoint committed");
+  }
   if (done.ok() && !env.export_params.empty()) done = (*trainer)->ExportParameters(env.export_params);
   Progress::Global().SetPhase((*trainer)->step(), "done");
   return done;
@@ -276,7 +288,11 @@ background thread from a snapshot in host memory while training goes on; rank 0 
 "checkpoint step-N written to DIR in X ms" when step N is committed. A resume (checkpoint.resume_from,
 or a restarted generation) takes the newest checkpoint whose checksums verify, saying why it skipped
 any newer one; it may use another data-parallel degree or ZeRO stage (same tp and pp).
-Exit code: 0 done, 1 failed (reason on stderr), 2 bad usage.
+When the agent answers a progress report with a stop after a final checkpoint (ltrain stop
+--checkpoint), the ranks agree through the rendezvous store on one step none has passed, train to
+it, save and commit it like a periodic checkpoint, print "rank R: stopped after step S of N, with
+its checkpoint committed: ..." and exit 0.
+Exit code: 0 done (or stopped after a final checkpoint), 1 failed (reason on stderr), 2 bad usage.
 )";
 }
 

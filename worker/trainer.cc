@@ -865,13 +865,15 @@ Status Trainer::Run() {
     int64_t step = 0;
     double lr = 0, ms = 0;
     torch::Tensor loss;
+    bool last = false;  // the run ends after it (a stop with a final checkpoint): always printed
   };
   std::optional<Finished> pending;
   auto settle = [&](const Finished& f) -> Status {
     const double value = f.loss.item<double>();
     if (Status st = CheckLoss(value, f.step); !st.ok()) return st;
     const int64_t s = f.step;
-    if (printer && (s == 1 || s == run_start_step_ + 1 || (t.log_every > 0 && s % t.log_every == 0) || s == t.steps)) {
+    if (printer &&
+        (s == 1 || s == run_start_step_ + 1 || (t.log_every > 0 && s % t.log_every == 0) || s == t.steps || f.last)) {
       std::printf("step %lld/%lld loss %.6f lr %.3e tok/s %.0f step_ms %.1f\n", static_cast<long long>(s),
                   static_cast<long long>(t.steps), value, f.lr, tokens_per_step / (f.ms / 1000.0), f.ms);
     }
@@ -904,9 +906,12 @@ Status Trainer::Run() {
       profiler.Stop(options_.profile_path);
       std::printf("profile: step %lld written to %s\n", static_cast<long long>(s), options_.profile_path.c_str());
     }
+    // A stop with a final checkpoint (TrainerOptions::stop_after) saves this step and ends the run.
+    const StatusOr<bool> stop_here = options_.stop_after ? options_.stop_after(s) : StatusOr<bool>(false);
+    if (!stop_here.ok()) return stop_here.status();
     const bool periodic = recipe_.checkpoint.every > 0 && s % recipe_.checkpoint.every == 0;
-    const bool save = periodic || s == t.steps;
-    Finished finished{s, lr, 0.0, *loss};
+    const bool save = periodic || s == t.steps || *stop_here;
+    Finished finished{s, lr, 0.0, *loss, *stop_here};
     if (!lag || save || s == run_start_step_ + warmup) {
       // The loss is read now: a checkpoint never holds the parameters of a non-finite step.
       finished.ms = MillisSince(start);
@@ -936,6 +941,7 @@ Status Trainer::Run() {
     if (save) {
       if (Status st = StartSave(); !st.ok()) return st;
     }
+    if (*stop_here) break;
   }
   if (printer && t.steps >= window_first && window_ms > 0) PrintThroughput(window_first, t.steps - window_first + 1, window_ms);
   if (writer_) {

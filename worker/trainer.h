@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -63,6 +64,9 @@ struct TrainerOptions {
   // at `profile_path` (LTRAIN_PROFILE=STEP:PATH).
   int64_t profile_step = 0;
   std::string profile_path;
+  // Called after every completed step (`ltrain stop --checkpoint`, see CheckpointStop): true saves
+  // that step like a periodic checkpoint, waits for its commit and ends Run(); an error fails Run().
+  std::function<StatusOr<bool>(int64_t step)> stop_after;
 };
 
 class CheckpointWriter;

@@ -14,13 +14,18 @@
 # the ltrain job recorded there and resumes it from its last committed checkpoint.
 #
 # A SIGTERM to this script (the warning of --signal=B:TERM@SECONDS before the time limit, or
-# `scancel --batch --signal=TERM`) stops the job: its workers get SIGTERM, it ends STOPPED with its
-# last commit intact, and every process ends. A plain scancel signals every process of the job at
-# once: all still end and the last commit is kept, but the agents go first, so the job is FAILED.
+# `scancel --batch --signal=TERM`) stops the job after a final checkpoint (`ltrain stop --checkpoint`):
+# the ranks train on to a step they all reach, commit a checkpoint of it and exit, the job ends
+# STOPPED with that commit, and every process ends. A job that cannot take the final checkpoint within
+# LTRAIN_SLURM_STOP_TIMEOUT seconds is stopped as is, keeping its last commit. A plain scancel signals
+# every process of the job at once: the job ends STOPPED at its last commit (the coordinator ignores
+# SIGTERM and outlives the agents, which say goodbye; `ltrain launch` stops the job on its SIGTERM).
 #
 # Environment: LTRAIN_BIN (default: ltrain on PATH), LTRAIN_SLURM_STATE_DIR, LTRAIN_SLURM_PORT
-# (default 0: any free port), LTRAIN_SLURM_REQUEUE_ON_TERM=1 (requeue the Slurm job after a stop on
-# SIGTERM, so a job that reaches its time limit continues in a new allocation).
+# (default 0: any free port), LTRAIN_SLURM_STOP_TIMEOUT (default 60: seconds the final checkpoint on
+# SIGTERM may take; keep it well below the lead time of --signal), LTRAIN_SLURM_REQUEUE_ON_TERM=1
+# (requeue the Slurm job after a stop on SIGTERM, so a job that reaches its time limit continues in a
+# new allocation).
 set -euo pipefail
 
 ltrain=${LTRAIN_BIN:-ltrain}
@@ -57,6 +62,10 @@ await_end() {  # waits up to 10 s for pid to end after `kill -TERM`, then kills 
   kill -KILL "$1" 2>/dev/null || true
 }
 cleanup() {
+  # To the end whatever comes: a plain scancel's SIGTERM reaches this shell and its `sleep` too, and
+  # the coordinator, which ignores SIGTERM, would outlive the job if the cleanup stopped half-way.
+  set +e
+  trap '' TERM INT
   # Agents first: SIGTERM through Slurm reaches every agent, which stops its workers (a SIGTERM to
   # srun itself would make it SIGKILL the step).
   if [[ -n $agents_pid ]]; then
@@ -70,9 +79,16 @@ cleanup() {
   wait 2>/dev/null || true
 }
 trap cleanup EXIT
-on_term() {  # the batch shell's SIGTERM: launch (or resume) stops the job and reports it STOPPED
-  log "SIGTERM: stopping job ${job:-(not submitted yet)}"
-  [[ -n $launch_pid ]] && kill -TERM "$launch_pid" 2>/dev/null || true
+on_term() {  # the batch shell's SIGTERM: a final checkpoint, then the job ends STOPPED (launch reports it)
+  if [[ -n $job ]]; then
+    log "SIGTERM: stopping job $job after a final checkpoint"
+    # Returns once the job has ended; launch (or resume) then ends with it.
+    "$ltrain" stop "$job" --checkpoint --checkpoint-timeout "${LTRAIN_SLURM_STOP_TIMEOUT:-60}" \
+      --coordinator "$address" || { [[ -n $launch_pid ]] && kill -TERM "$launch_pid" 2>/dev/null; } || true
+  else
+    log "SIGTERM: stopping job (not submitted yet)"
+    [[ -n $launch_pid ]] && kill -TERM "$launch_pid" 2>/dev/null || true
+  fi
   if [[ ${LTRAIN_SLURM_REQUEUE_ON_TERM:-0} == 1 ]]; then scontrol requeue "$SLURM_JOB_ID" || true; fi
 }
 trap on_term TERM INT

@@ -327,5 +327,50 @@ TEST_F(RecoveryTest, ResumeContinuesAFailedJobFromItsLastCommit) {
   EXPECT_NE(twice.output.find("only a FAILED or STOPPED job can be resumed"), std::string::npos) << twice.output;
 }
 
+// `ltrain stop --checkpoint` mid-run: both ranks train on to one step past the last periodic commit,
+// commit a checkpoint of it and exit 0; the job is STOPPED with that commit, and `ltrain resume`
+// trains from the step after it to the end.
+TEST_F(RecoveryTest, StopWithCheckpointCommitsTheStepReachedAndResumeContinuesFromIt) {
+  std::string recipe = Recipe("final", "training: {steps: 1000, micro_batch: 4, global_batch: 8, log_every: 1}\n"
+                                       "parallel: {nproc_per_node: 2}\n"
+                                       "checkpoint: {every: 25}\n");
+  Subprocess launch({LtrainBinary(), "launch", recipe}, Env("home"));
+  ASSERT_TRUE(launch.WaitForOutput("[rank 0] checkpoint step-25 written", seconds(60))) << launch.Output();
+  const int64_t periodic = Status("home", "final-1").last_committed_step();
+  ASSERT_GE(periodic, 25);
+  ProcessResult stop = RunProcess({LtrainBinary(), "stop", "final-1", "--checkpoint"}, Env("home"), seconds(90));
+  ASSERT_EQ(stop.exit_code, 0) << stop.output;
+  ProcessResult stopped = launch.Wait(seconds(30));
+  ASSERT_EQ(stopped.exit_code, 4) << stopped.output;
+
+  v1::Job job = Status("home", "final-1");
+  const int64_t final_step = job.last_committed_step();
+  const std::string step = std::to_string(final_step);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_STOPPED) << job.DebugString();
+  EXPECT_GT(final_step, periodic) << "the final checkpoint is of a later step than the last periodic one";
+  EXPECT_LT(final_step, 1000) << stopped.output;
+  EXPECT_EQ(job.cause(), "stopped by `ltrain stop --checkpoint`; final checkpoint of step " + step + " committed");
+  EXPECT_NE(stop.output.find("job final-1: STOPPED: "), std::string::npos) << stop.output;
+  EXPECT_NE(stopped.output.find("[rank 0] checkpoint step-" + step + " written"), std::string::npos) << stopped.output;
+  for (const char* rank : {"0", "1"}) {
+    std::string line = std::string("[rank ") + rank + "] rank " + rank + ": stopped after step " + step + " of 1000";
+    EXPECT_NE(stopped.output.find(line), std::string::npos) << line << "\n" << stopped.output;
+    EXPECT_NE(stopped.output.find(std::string("ltrain: rank ") + rank + " exited with code 0"), std::string::npos)
+        << stopped.output;
+  }
+  EXPECT_EQ(ReadFile(dir_.Join("home/checkpoints/final-1/latest")).substr(0, 5 + step.size()), "step-" + step);
+
+  ProcessResult resumed = RunProcess({LtrainBinary(), "resume", "final-1"}, Env("home"), seconds(300));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from the checkpoint of step " + step), std::string::npos) << resumed.output;
+  EXPECT_NE(resumed.output.find("[rank 0] step " + std::to_string(final_step + 1) + "/1000 "), std::string::npos)
+      << resumed.output;
+  EXPECT_EQ(static_cast<int64_t>(ParseLosses(resumed.output).size()), 1000 - final_step) << resumed.output;
+  v1::Job done = Status("home", "final-1");
+  EXPECT_EQ(done.state(), v1::JOB_STATE_SUCCEEDED) << done.DebugString();
+  EXPECT_EQ(done.generation(), 1);
+  EXPECT_EQ(done.last_committed_step(), 1000);
+}
+
 }  // namespace
 }  // namespace ltrain::testing

@@ -285,13 +285,17 @@ TEST_F(SlurmTest, BatchJobTrainsOnBothNodesAndCompletes) {
 }
 
 // The batch shell's SIGTERM (what --signal=B:TERM@300 sends before the time limit, and
-// `scancel --batch --signal=TERM`): the job ends STOPPED with its last commit intact and no process
-// left; `scontrol requeue` runs the script again, which resumes the job from that commit to the end.
-TEST_F(SlurmTest, SigtermStopsTheJobAndRequeueResumesItFromItsLastCommit) {
+// `scancel --batch --signal=TERM`): the ranks train on to one step, commit a final checkpoint of it
+// (newer than the last periodic one, every 10 steps) and exit; the job ends STOPPED with that commit
+// and no process left. `scontrol requeue` runs the script again, which resumes the job from that
+// commit to the end.
+TEST_F(SlurmTest, SigtermStopsTheJobAfterAFinalCheckpointAndRequeueResumesItFromThere) {
   std::string id = Submit(Recipe("slurmstop", "steps: 2000"));
   ASSERT_FALSE(id.empty());
   std::vector<pid_t> workers = WaitForCommittedRunningJob();
   ASSERT_EQ(workers.size(), 2u) << SlurmOutput(id) << SlurmLogs();
+  // Every periodic commit so far is at most this step: the signal comes after this status.
+  const int64_t periodic_at_signal = LtrainJob(LtrainJobId()).last_committed_step();
 
   ProcessResult signalled = RunProcess({Which("scancel"), "--batch", "--signal=TERM", id}, SlurmEnv(), seconds(10));
   ASSERT_EQ(signalled.exit_code, 0) << signalled.output;
@@ -305,6 +309,20 @@ TEST_F(SlurmTest, SigtermStopsTheJobAndRequeueResumesItFromItsLastCommit) {
   const int64_t latest_at_stop = LatestStep(stopped);
   EXPECT_EQ(stopped.state(), v1::JOB_STATE_STOPPED) << stopped.DebugString() << "\n" << output;
   ExpectLastCommitIntact(stopped);
+  // The final checkpoint: taken on the signal, of a step after the last periodic commit, by both ranks.
+  const std::string final_step = std::to_string(stopped.last_committed_step());
+  EXPECT_GT(stopped.last_committed_step(), periodic_at_signal) << output;
+  EXPECT_EQ(latest_at_stop, stopped.last_committed_step());
+  EXPECT_NE(stopped.cause().find("final checkpoint of step " + final_step + " committed"), std::string::npos)
+      << stopped.cause();
+  EXPECT_NE(output.find("ltrain-slurm: SIGTERM: stopping job " + LtrainJobId() + " after a final checkpoint"),
+            std::string::npos)
+      << output;
+  EXPECT_NE(output.find("[rank 0] checkpoint step-" + final_step + " written"), std::string::npos) << output;
+  for (const char* rank : {"0", "1"}) {
+    std::string line = std::string("[rank ") + rank + "] rank " + rank + ": stopped after step " + final_step;
+    EXPECT_NE(output.find(line), std::string::npos) << line << "\n" << output;
+  }
 
   // Requeued, the job waits for its begin time (two minutes): move that to now once it is pending.
   // slurmd refuses to launch a job it ended moments ago ("Job 1 already killed, do not launch
@@ -342,10 +360,9 @@ TEST_F(SlurmTest, SigtermStopsTheJobAndRequeueResumesItFromItsLastCommit) {
 
 // A plain scancel: Slurm sends SIGTERM to every process of the job at once (agents, workers,
 // coordinator, launch) and srun ends the agents' step. Every process ends, the last commit is
-// intact. The record is STOPPED when the agents' goodbyes reach the coordinator before srun kills
-// them; when srun is faster it stays RUNNING (the coordinator, going down too, does not count its
-// streams closing as lost nodes), which a requeued run stops and resumes from the last commit.
-TEST_F(SlurmTest, ScancelEndsEveryProcessAndKeepsTheLastCommit) {
+// intact, and the record is STOPPED: the coordinator ignores SIGTERM and outlives the agents, so
+// their goodbyes, or launch's stop on its own SIGTERM, reach it.
+TEST_F(SlurmTest, ScancelEndsEveryProcessKeepsTheLastCommitAndRecordsTheJobStopped) {
   std::string id = Submit(Recipe("slurmcancel", "steps: 1000000"));
   ASSERT_FALSE(id.empty());
   std::vector<pid_t> workers = WaitForCommittedRunningJob();
@@ -363,8 +380,7 @@ TEST_F(SlurmTest, ScancelEndsEveryProcessAndKeepsTheLastCommit) {
   ExpectNoProcessLeft(seconds(5));
 
   v1::Job job = LtrainJob(LtrainJobId());
-  EXPECT_TRUE(job.state() == v1::JOB_STATE_STOPPED || job.state() == v1::JOB_STATE_RUNNING)
-      << job.DebugString() << "\n" << output;
+  EXPECT_EQ(job.state(), v1::JOB_STATE_STOPPED) << job.DebugString() << "\n" << output;
   std::printf("ltrain job after scancel: %s (%s)\n", v1::JobState_Name(job.state()).c_str(), job.cause().c_str());
   ExpectLastCommitIntact(job);
 }

@@ -446,5 +446,156 @@ TEST_F(CoordinatorTest, ResumeStartsAStoppedJobAsANewGeneration) {
   EXPECT_FALSE(coordinator_->Resume(id).ok()) << "a running job cannot be resumed";
 }
 
+// The lines rank 0 prints when it trains a step and when a checkpoint is committed.
+v1::PushLogsRequest RankZeroLines(const std::string& job, const std::vector<std::string>& lines) {
+  v1::PushLogsRequest logs;
+  logs.set_job_id(job);
+  for (const auto& text : lines) {
+    v1::LogLine* line = logs.add_lines();
+    line->set_rank(0);
+    line->set_text(text);
+  }
+  return logs;
+}
+
+TEST_F(CoordinatorTest, StopWithCheckpointAsksTheWorkersThenEndsStoppedWithTheFinalCommit) {
+  Connect("a");
+  Connect("b");
+  std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
+  coordinator_->WaitCommand("a", 0);
+  coordinator_->WaitCommand("b", 0);
+  coordinator_->PushLogs(RankZeroLines(id, {"checkpoint step-2 written to /ck in 3 ms"}));
+  StopOptions checkpoint;
+  checkpoint.checkpoint = true;
+  StatusOr<v1::Job> stopping = coordinator_->Stop(id, "time limit", checkpoint);
+  ASSERT_TRUE(stopping.ok()) << stopping.status().ToString();
+  EXPECT_EQ(stopping->state(), v1::JOB_STATE_RUNNING) << "running until the workers have saved";
+  for (const char* node : {"a", "b"}) {
+    std::optional<v1::Command> stop = coordinator_->WaitCommand(node, 0);
+    ASSERT_TRUE(stop && stop->has_stop()) << node;
+    EXPECT_TRUE(stop->stop().checkpoint()) << node;
+    EXPECT_EQ(stop->stop().generation(), 0);
+  }
+  // Asking again changes nothing and sends nothing.
+  ASSERT_TRUE(coordinator_->Stop(id, "time limit", checkpoint).ok());
+  EXPECT_FALSE(coordinator_->WaitCommand("a", 0).has_value());
+
+  coordinator_->PushLogs(RankZeroLines(id, {"step 3/5 loss 2.500000 lr 1.0e-03 tok/s 100 step_ms 1.0",
+                                            "checkpoint step-3 written to /ck in 3 ms"}));
+  for (int rank = 0; rank < 4; ++rank) {
+    EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_RUNNING);
+    ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, rank, 0)).ok());
+  }
+  v1::Job job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_STOPPED);
+  EXPECT_EQ(job.last_committed_step(), 3);
+  EXPECT_EQ(job.cause(), "time limit; final checkpoint of step 3 committed");
+  EXPECT_FALSE(coordinator_->WaitCommand("a", 0).has_value()) << "nothing left to kill";
+}
+
+TEST_F(CoordinatorTest, StopWithCheckpointThatTakesTooLongBecomesAPlainStop) {
+  Connect("a");
+  Connect("b");
+  std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
+  coordinator_->WaitCommand("a", 0);
+  coordinator_->WaitCommand("b", 0);
+  coordinator_->PushLogs(RankZeroLines(id, {"checkpoint step-2 written to /ck in 3 ms"}));
+  StopOptions checkpoint;
+  checkpoint.checkpoint = true;
+  checkpoint.checkpoint_timeout_ms = 10000;
+  ASSERT_TRUE(coordinator_->Stop(id, "", checkpoint).ok());
+  coordinator_->WaitCommand("a", 0);
+  coordinator_->WaitCommand("b", 0);
+  for (int i = 0; i < 9; ++i) {
+    clock_.AdvanceMs(1000);
+    ASSERT_TRUE(coordinator_->Heartbeat(Beat("a")).ok());
+    ASSERT_TRUE(coordinator_->Heartbeat(Beat("b")).ok());
+    coordinator_->Tick();
+  }
+  EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_RUNNING);
+  clock_.AdvanceMs(1000);
+  ASSERT_TRUE(coordinator_->Heartbeat(Beat("a")).ok());
+  ASSERT_TRUE(coordinator_->Heartbeat(Beat("b")).ok());
+  coordinator_->Tick();
+  v1::Job job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_STOPPED);
+  EXPECT_EQ(job.cause(),
+            "stopped by the user; no final checkpoint: the ranks did not commit it within 10.0s; the last commit, "
+            "step 2, is kept");
+  for (const char* node : {"a", "b"}) {
+    std::optional<v1::Command> stop = coordinator_->WaitCommand(node, 0);
+    ASSERT_TRUE(stop && stop->has_stop()) << node;
+    EXPECT_FALSE(stop->stop().checkpoint()) << node << ": the workers are killed now";
+  }
+}
+
+TEST_F(CoordinatorTest, FailureDuringStopWithCheckpointStopsInsteadOfRestarting) {
+  Connect("a");
+  Connect("b");
+  std::string id = coordinator_->Submit(kRestartingRecipe, "unit.yaml")->id();
+  StopOptions checkpoint;
+  checkpoint.checkpoint = true;
+  ASSERT_TRUE(coordinator_->Stop(id, "", checkpoint).ok());
+  ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, 1, 1)).ok());
+  v1::Job job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_STOPPED);
+  EXPECT_EQ(job.restarts(), 0);
+  EXPECT_NE(job.cause().find("no final checkpoint: rank 1 on a exited with code 1"), std::string::npos) << job.cause();
+  EXPECT_NE(job.cause().find("no checkpoint was ever committed"), std::string::npos) << job.cause();
+}
+
+TEST_F(CoordinatorTest, PlainStopDuringStopWithCheckpointEndsTheJobAtOnce) {
+  Connect("a");
+  Connect("b");
+  std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
+  StopOptions checkpoint;
+  checkpoint.checkpoint = true;
+  ASSERT_TRUE(coordinator_->Stop(id, "", checkpoint).ok());
+  StatusOr<v1::Job> stopped = coordinator_->Stop(id, "interrupt");
+  ASSERT_TRUE(stopped.ok());
+  EXPECT_EQ(stopped->state(), v1::JOB_STATE_STOPPED);
+  EXPECT_EQ(stopped->cause(), "interrupt");
+}
+
+TEST_F(CoordinatorTest, StopWithCheckpointOfAJobNotRunningStopsItAtOnce) {
+  std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
+  StopOptions checkpoint;
+  checkpoint.checkpoint = true;
+  StatusOr<v1::Job> stopped = coordinator_->Stop(id, "", checkpoint);
+  ASSERT_TRUE(stopped.ok());
+  EXPECT_EQ(stopped->state(), v1::JOB_STATE_STOPPED);
+  checkpoint.checkpoint_timeout_ms = 0;
+  StatusOr<v1::Job> rejected = coordinator_->Stop(id, "", checkpoint);
+  ASSERT_FALSE(rejected.ok());
+  EXPECT_EQ(rejected.status().code(), StatusCode::kInvalidArgument);
+}
+
+// The stop was asked of a coordinator that has restarted since: the workers' last lines tell.
+TEST_F(CoordinatorTest, WorkersThatSayTheyStoppedAfterAFinalCheckpointEndTheJobStopped) {
+  Connect("a");
+  Connect("b");
+  std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
+  coordinator_->PushLogs(RankZeroLines(
+      id, {"step 3/5 loss 2.500000 lr 1.0e-03 tok/s 100 step_ms 1.0", "checkpoint step-3 written to /ck in 3 ms",
+           "rank 0: stopped after step 3 of 5, with its checkpoint committed: the job is being stopped"}));
+  for (int rank = 0; rank < 4; ++rank) ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, rank, 0)).ok());
+  v1::Job job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_STOPPED);
+  EXPECT_EQ(job.cause(), "stopped after a final checkpoint; final checkpoint of step 3 committed");
+}
+
+TEST_F(CoordinatorTest, JobThatFinishesItsStepsWhileStoppingWithCheckpointSucceeds) {
+  Connect("a");
+  Connect("b");
+  std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
+  StopOptions checkpoint;
+  checkpoint.checkpoint = true;
+  ASSERT_TRUE(coordinator_->Stop(id, "", checkpoint).ok());
+  coordinator_->PushLogs(RankZeroLines(id, {"step 5/5 loss 2.500000 lr 1.0e-03 tok/s 100 step_ms 1.0",
+                                            "checkpoint step-5 written to /ck in 3 ms"}));
+  for (int rank = 0; rank < 4; ++rank) ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, rank, 0)).ok());
+  EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_SUCCEEDED);
+}
+
 }  // namespace
 }  // namespace ltrain::launcher
