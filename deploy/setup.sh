@@ -2,7 +2,7 @@
 # Installs the Debian 12 packages ltrain needs to build, run and test. Idempotent: it calls apt-get
 # only when a package is missing.
 #   deploy/setup.sh           build and run (compiler, CMake, gRPC, protobuf, yaml-cpp, CLI11, SQLite, LibTorch, Gloo)
-#   deploy/setup.sh --tests   also GoogleTest
+#   deploy/setup.sh --tests   also GoogleTest, and systemd (systemd-analyze checks deploy/systemd)
 set -euo pipefail
 
 packages=(
@@ -13,7 +13,7 @@ packages=(
   libopenblas0-pthread   # an optimised BLAS for LibTorch on CPU: about 10x the reference BLAS
 )
 if [[ "${1:-}" == "--tests" ]]; then
-  packages+=(libgtest-dev libgmock-dev)
+  packages+=(libgtest-dev libgmock-dev systemd)
 fi
 
 missing=()
