@@ -15,8 +15,9 @@ Suites (--suite, repeatable):
   learning  1 GPU: gpt-124m on byte tokens of --data for 200 steps, the worker's loss against gpt_baseline.py
   profile   1 GPU: one gpt-1.3b step of the worker under the CUDA profiler, kernel time by kind
 
-DIR holds gpt_baseline.py, gpt_ddp.py and gpt_model.py. --json FILE writes every figure. Exits 77
-(skipped) without the GPUs a chosen suite needs.
+DIR holds gpt_baseline.py, gpt_ddp.py and gpt_model.py. --json FILE writes every figure (rewritten
+after each one). Every line is flushed as it is printed: send the output to a file, not through a
+pipe that prints only at the end. Exits 77 (skipped) without the GPUs a chosen suite needs.
 """
 import argparse, collections, json, os, re, struct, subprocess, sys, tempfile, time
 
@@ -202,7 +203,14 @@ def main():
         else:
             r["wall_s"] = round(time.time() - t0, 1)
         results[key] = r
+        save()
         return r, logs
+
+    def save():
+        # After every figure, so that a run cut short still leaves what it measured.
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(results, f, indent=1)
 
     if "single" in suites:
         print("== 1 GPU: worker against gpt_baseline.py (eager, torch.compile) ==", flush=True)
@@ -288,9 +296,7 @@ def main():
             summarize_trace(trace)
             results["profile_trace"] = trace
 
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(results, f, indent=1)
+    save()
     return 0
 
 
