@@ -296,26 +296,33 @@ Status ParamStore::ReduceAll() {
   return s;
 }
 
+void ParamStore::ForEachOwned(const Unit& unit,
+                              const std::function<void(const Param&, int64_t at, int64_t n)>& fn) const {
+  const Range own = Owned(unit);
+  for (size_t k = 0; k < unit.layout.params.size(); ++k) {
+    const Param& p = params_[unit.layout.params[k]];
+    const int64_t off = unit.layout.offsets[k];
+    const Range seg = Intersect(own, Range{off, off + p.value->numel()});
+    if (seg.size() > 0) fn(p, seg.begin - own.begin, seg.size());
+  }
+}
+
 torch::Tensor ParamStore::GradSquareSum() {
   torch::NoGradGuard no_grad;
   // Summed on the device, one value brought back: on CUDA from fp32 norms of every segment (one
   // kernel, as clip_grad_norm_ does), on the CPU from squares in double.
   std::vector<torch::Tensor> sums, segments;
   for (Unit& unit : units_) {
-    Range own = Owned(unit);
     torch::Tensor grad = OwnedGrad(unit);
-    for (size_t k = 0; k < unit.layout.params.size(); ++k) {
-      if (!params_[unit.layout.params[k]].counts_for_norm) continue;
-      const int64_t off = unit.layout.offsets[k];
-      Range seg = Intersect(own, Range{off, off + params_[unit.layout.params[k]].value->numel()});
-      if (seg.size() == 0) continue;
-      torch::Tensor g = grad.narrow(0, seg.begin - own.begin, seg.size());
+    ForEachOwned(unit, [&](const Param& p, int64_t at, int64_t n) {
+      if (!p.counts_for_norm) return;
+      torch::Tensor g = grad.narrow(0, at, n);
       if (g.is_cuda()) {
         segments.push_back(g);
       } else {
         sums.push_back(g.to(torch::kDouble).square().sum());
       }
-    }
+    });
   }
   if (!segments.empty()) sums.push_back(torch::stack(at::_foreach_norm(segments)).to(torch::kDouble).square().sum());
   if (sums.empty()) {
@@ -341,38 +348,24 @@ Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, con
   // The owned segment of every parameter, by weight-decay class: [decays][w, g, m, v].
   std::vector<torch::Tensor> lists[2][4];
   for (Unit& unit : units_) {
+    torch::Tensor grad = OwnedGrad(unit), param = OwnedParam(unit);
     if (own_kernel) {
-      const Range own = Owned(unit);
-      torch::Tensor grad = OwnedGrad(unit), param = OwnedParam(unit);
-      for (size_t k = 0; k < unit.layout.params.size(); ++k) {
-        const Param& p = params_[unit.layout.params[k]];
-        const int64_t off = unit.layout.offsets[k];
-        Range seg = Intersect(own, Range{off, off + p.value->numel()});
-        if (seg.size() == 0) continue;
-        const int64_t at = seg.begin - own.begin, n = seg.size();
+      ForEachOwned(unit, [&](const Param& p, int64_t at, int64_t n) {
         FusedAdamW(param.narrow(0, at, n), grad.narrow(0, at, n), unit.exp_avg.narrow(0, at, n),
                    unit.exp_avg_sq.narrow(0, at, n), zero_ == 0 ? unit.compute.narrow(0, at, n) : torch::Tensor(), lr,
                    b1, b2, adamw_.eps, p.decay ? adamw_.weight_decay : 0.0, step, clip_divisor);
-      }
+      });
       continue;
     }
-    Range own = Owned(unit);
-    torch::Tensor grad = OwnedGrad(unit);
-    torch::Tensor param = OwnedParam(unit);
     // bf16 gradients (bf16_compute, zero < 2) meet the fp32 masters as fp32.
     if (grad.scalar_type() != param.scalar_type()) grad = grad.to(param.scalar_type());
-    for (size_t k = 0; k < unit.layout.params.size(); ++k) {
-      const Param& p = params_[unit.layout.params[k]];
-      const int64_t off = unit.layout.offsets[k];
-      Range seg = Intersect(own, Range{off, off + p.value->numel()});
-      if (seg.size() == 0) continue;
-      const int64_t at = seg.begin - own.begin, n = seg.size();
+    ForEachOwned(unit, [&](const Param& p, int64_t at, int64_t n) {
       auto& l = lists[p.decay ? 1 : 0];
       l[0].push_back(param.narrow(0, at, n));
       l[1].push_back(grad.narrow(0, at, n));
       l[2].push_back(unit.exp_avg.narrow(0, at, n));
       l[3].push_back(unit.exp_avg_sq.narrow(0, at, n));
-    }
+    });
   }
   bool fused = false;
   for (int decay = 0; decay < 2; ++decay) {

@@ -167,6 +167,9 @@ class ParamStore {
   // bf16_compute: the leaves' bf16 copies take the masters' values.
   void RefreshCompute();
   int64_t OffsetInUnit(int param) const;
+  // Calls fn(parameter, at, n) for every parameter of `unit` with elements in this rank's owned
+  // range: they are the n elements from `at` on, counted within the owned range.
+  void ForEachOwned(const Unit& unit, const std::function<void(const Param&, int64_t at, int64_t n)>& fn) const;
   void Launch(int u);
   Range Owned(const Unit& unit) const;
   // The elements of parameter `param` (relative to the parameter) that Owned() covers.

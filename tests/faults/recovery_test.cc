@@ -64,10 +64,7 @@ class RecoveryTest : public ::testing::Test {
         std::vector<std::string>{LtrainBinary(), "coordinator", "--listen", "127.0.0.1:" + std::to_string(port),
                                  "--port-file", port_file, "--state-dir", dir_.Join("coordinator")},
         Env("home"));
-    for (int i = 0; i < 1000 && !fs::exists(port_file); ++i) std::this_thread::sleep_for(milliseconds(10));
-    std::ifstream in(port_file);
-    int chosen = 0;
-    in >> chosen;
+    const int chosen = WaitForPortFile(port_file);
     EXPECT_GT(chosen, 0) << process->Output();
     return "127.0.0.1:" + std::to_string(chosen);
   }

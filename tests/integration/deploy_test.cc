@@ -52,10 +52,7 @@ class DeployTest : public ::testing::Test {
     args.insert(args.begin(), LtrainBinary());
     args.insert(args.end(), {"--port-file", port_file});
     Subprocess coordinator(args);
-    for (int i = 0; i < 1000 && !fs::exists(port_file); ++i) std::this_thread::sleep_for(milliseconds(10));
-    std::ifstream in(port_file);
-    int port = 0;
-    in >> port;
+    const int port = WaitForPortFile(port_file);
     ASSERT_GT(port, 0) << coordinator.Output();
     for (std::string& a : agent_args) {
       if (a == coordinator_address) a = "127.0.0.1:" + std::to_string(port);

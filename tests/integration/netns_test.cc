@@ -83,10 +83,7 @@ TEST_F(NetnsTest, TrainsAcrossHostsAndSurvivesACutLink) {
   std::string port_file = dir_.Join("port");
   Subprocess* coordinator = In(1, {LtrainBinary(), "coordinator", "--listen", Address(1) + ":0", "--port-file", port_file,
                                    "--state-dir", dir_.Join("state")});
-  for (int i = 0; i < 1000 && !fs::exists(port_file); ++i) std::this_thread::sleep_for(milliseconds(10));
-  std::ifstream in(port_file);
-  int port = 0;
-  in >> port;
+  const int port = WaitForPortFile(port_file);
   ASSERT_GT(port, 0) << coordinator->Output();
   std::string address = Address(1) + ":" + std::to_string(port);
   Subprocess* agent2 = In(2, {LtrainBinary(), "agent", "--coordinator", address, "--node-id", "host2", "--bind-address",

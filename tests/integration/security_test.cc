@@ -28,10 +28,7 @@ class SecurityTest : public ::testing::Test {
         LtrainBinary(), "coordinator", "--listen", "127.0.0.1:0", "--port-file", port_file, "--state-dir",
         dir_.Join("state"), "--tls-cert", Tls("server.pem"), "--tls-key", Tls("server.key"), "--tls-client-ca",
         Tls("ca.pem"), "--token-file", Tls("token")});
-    for (int i = 0; i < 1000 && !fs::exists(port_file); ++i) std::this_thread::sleep_for(milliseconds(10));
-    std::ifstream in(port_file);
-    int port = 0;
-    in >> port;
+    const int port = WaitForPortFile(port_file);
     ASSERT_GT(port, 0) << coordinator_->Output();
     address_ = "127.0.0.1:" + std::to_string(port);
     recipe_ = dir_.Write("r.yaml", "name: r\ndata: {path: /nonexistent}\ntraining: {steps: 1}\n");

@@ -138,11 +138,8 @@ TEST_F(TrainingTest, SeparateCoordinatorAndAgentProcessesRunAJob) {
   std::string port_file = dir_.Join("port");
   Subprocess coordinator({LtrainBinary(), "coordinator", "--listen", "127.0.0.1:0", "--port-file", port_file,
                           "--state-dir", dir_.Join("coord")});
-  for (int i = 0; i < 500 && !fs::exists(port_file); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  ASSERT_TRUE(fs::exists(port_file)) << coordinator.Output();
-  std::ifstream in(port_file);
-  int port = 0;
-  in >> port;
+  const int port = WaitForPortFile(port_file, std::chrono::seconds(5));
+  ASSERT_GT(port, 0) << coordinator.Output();
   std::string address = "127.0.0.1:" + std::to_string(port);
   Subprocess agent({LtrainBinary(), "agent", "--coordinator", address, "--node-id", "n1", "--work-dir",
                     dir_.Join("agent")});

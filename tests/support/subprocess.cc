@@ -148,6 +148,17 @@ bool ProcessAlive(pid_t pid) {
   return content[close + 2] != 'Z' && content[close + 2] != 'X';
 }
 
+int WaitForPortFile(const std::string& path, std::chrono::milliseconds timeout) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  while (!std::filesystem::exists(path) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  std::ifstream in(path);
+  int port = 0;
+  in >> port;
+  return port;
+}
+
 std::string ReadFile(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   std::stringstream buffer;

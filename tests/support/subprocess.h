@@ -68,6 +68,9 @@ std::string TinyShakespeare();
 bool ProcessAlive(pid_t pid);
 // A whole file's bytes; empty when it cannot be read.
 std::string ReadFile(const std::string& path);
+// The port a daemon started with --port-file PATH wrote there, once the file exists; 0 if it does
+// not appear within `timeout`.
+int WaitForPortFile(const std::string& path, std::chrono::milliseconds timeout = std::chrono::seconds(10));
 // The numbers after "loss " in lines that start with "[rank 0] step ".
 std::vector<double> ParseLosses(const std::string& output);
 
