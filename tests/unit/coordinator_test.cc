@@ -458,13 +458,22 @@ v1::PushLogsRequest RankZeroLines(const std::string& job, const std::vector<std:
   return logs;
 }
 
-TEST_F(CoordinatorTest, StopWithCheckpointAsksTheWorkersThenEndsStoppedWithTheFinalCommit) {
-  Connect("a");
-  Connect("b");
-  std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
-  coordinator_->WaitCommand("a", 0);
-  coordinator_->WaitCommand("b", 0);
-  coordinator_->PushLogs(RankZeroLines(id, {"checkpoint step-2 written to /ck in 3 ms"}));
+// The kRecipe job started on nodes a and b, its checkpoint of step 2 committed; the job's id.
+class CheckpointStopCoordinatorTest : public CoordinatorTest {
+ protected:
+  std::string RunningWithACommitOfStep2() {
+    Connect("a");
+    Connect("b");
+    std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
+    coordinator_->WaitCommand("a", 0);
+    coordinator_->WaitCommand("b", 0);
+    coordinator_->PushLogs(RankZeroLines(id, {"checkpoint step-2 written to /ck in 3 ms"}));
+    return id;
+  }
+};
+
+TEST_F(CheckpointStopCoordinatorTest, StopWithCheckpointAsksTheWorkersThenEndsStoppedWithTheFinalCommit) {
+  std::string id = RunningWithACommitOfStep2();
   StopOptions checkpoint;
   checkpoint.checkpoint = true;
   StatusOr<v1::Job> stopping = coordinator_->Stop(id, "time limit", checkpoint);
@@ -493,13 +502,8 @@ TEST_F(CoordinatorTest, StopWithCheckpointAsksTheWorkersThenEndsStoppedWithTheFi
   EXPECT_FALSE(coordinator_->WaitCommand("a", 0).has_value()) << "nothing left to kill";
 }
 
-TEST_F(CoordinatorTest, StopWithCheckpointThatTakesTooLongBecomesAPlainStop) {
-  Connect("a");
-  Connect("b");
-  std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
-  coordinator_->WaitCommand("a", 0);
-  coordinator_->WaitCommand("b", 0);
-  coordinator_->PushLogs(RankZeroLines(id, {"checkpoint step-2 written to /ck in 3 ms"}));
+TEST_F(CheckpointStopCoordinatorTest, StopWithCheckpointThatTakesTooLongBecomesAPlainStop) {
+  std::string id = RunningWithACommitOfStep2();
   StopOptions checkpoint;
   checkpoint.checkpoint = true;
   checkpoint.checkpoint_timeout_ms = 10000;
