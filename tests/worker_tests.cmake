@@ -11,7 +11,7 @@ ltrain_add_test(checkpoint_stop_test unit
 
 ltrain_add_test(worker_unit_test unit
   SOURCES unit/lr_schedule_test.cc unit/gpt_model_test.cc unit/gloo_communicator_test.cc
-          unit/trainer_test.cc
+          unit/trainer_test.cc unit/param_store_test.cc
   LIBS ltrain::worker)
 target_precompile_headers(worker_unit_test PRIVATE ${PROJECT_SOURCE_DIR}/worker/torch_pch.h)
 

@@ -1,0 +1,91 @@
+// The parameter store's bf16 compute copies (what the worker trains with on GPUs), on the CPU: the
+// leaves are bf16 copies of fp32 masters, the optimizer updates the masters exactly as an fp32
+// store would from the same gradients, checkpoints hold the masters, and a load sets both.
+#include "worker/param_store.h"
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "worker/communicator.h"
+
+namespace ltrain::worker {
+namespace {
+
+struct Leaves {
+  torch::Tensor w, b;
+};
+
+Leaves MakeLeaves() {
+  torch::manual_seed(11);
+  return Leaves{torch::randn({4, 3}).requires_grad_(true), torch::randn({3}).requires_grad_(true)};
+}
+
+std::unique_ptr<ParamStore> MakeStore(Leaves& leaves, int zero, Communicator* dp, bool bf16) {
+  AdamWConfig adamw;
+  adamw.weight_decay = 0.1;
+  std::vector<ParamStore::Param> params = {{&leaves.w, true, true}, {&leaves.b, false, true}};
+  StatusOr<std::unique_ptr<ParamStore>> store = ParamStore::Create(params, {{0, 1}}, zero, dp, adamw, bf16);
+  EXPECT_TRUE(store.ok()) << store.status().ToString();
+  return std::move(store).value();
+}
+
+// Both stores get the same gradients: bf16 values, as the bf16 copies' backward produces them.
+void SetGrads(Leaves& leaves, const torch::Tensor& gw, const torch::Tensor& gb) {
+  torch::NoGradGuard no_grad;
+  leaves.w.mutable_grad().copy_(gw);
+  leaves.b.mutable_grad().copy_(gb);
+}
+
+TEST(ParamStoreTest, Bf16CopiesFollowFp32MastersThatLearnAsAnFp32Store) {
+  for (const int zero : {0, 1}) {
+    FakeCommunicator dp_bf16, dp_fp32;
+    dp_bf16.SimulateSize(zero == 0 ? 1 : 2);
+    dp_fp32.SimulateSize(zero == 0 ? 1 : 2);
+    Leaves bf16 = MakeLeaves(), fp32 = MakeLeaves();
+    std::unique_ptr<ParamStore> store = MakeStore(bf16, zero, &dp_bf16, /*bf16=*/true);
+    std::unique_ptr<ParamStore> reference = MakeStore(fp32, zero, &dp_fp32, /*bf16=*/false);
+    ASSERT_EQ(bf16.w.scalar_type(), torch::kBFloat16);
+    ASSERT_EQ(bf16.w.grad().scalar_type(), torch::kBFloat16);
+    ASSERT_EQ(fp32.w.scalar_type(), torch::kFloat);
+
+    for (int64_t step = 1; step <= 3; ++step) {
+      store->ZeroGrads();
+      reference->ZeroGrads();
+      torch::Tensor gw = torch::randn({4, 3}).to(torch::kBFloat16), gb = torch::randn({3}).to(torch::kBFloat16);
+      SetGrads(bf16, gw, gb);
+      SetGrads(fp32, gw, gb);
+      ASSERT_TRUE(store->OptimizerStep(1e-2, 0.5, step).ok());
+      ASSERT_TRUE(reference->OptimizerStep(1e-2, 0.5, step).ok());
+      EXPECT_TRUE(torch::equal(store->MasterValue(0), fp32.w.detach())) << "zero " << zero << " step " << step;
+      EXPECT_TRUE(torch::equal(store->MasterValue(1), fp32.b.detach())) << "zero " << zero << " step " << step;
+      EXPECT_TRUE(torch::equal(bf16.w.detach(), fp32.w.detach().to(torch::kBFloat16))) << "the copy is refreshed";
+    }
+
+    // A checkpoint holds the masters, not their bf16 roundings.
+    std::vector<std::pair<std::string, torch::Tensor>> state = store->ModelState({"w", "b"});
+    bool found = false;
+    for (const auto& [key, value] : state) {
+      if (key != "model.w") continue;
+      found = true;
+      EXPECT_TRUE(torch::equal(value, fp32.w.detach().reshape(-1)));
+    }
+    EXPECT_TRUE(found);
+    // A load sets the master and its copy.
+    torch::Tensor loaded = torch::randn({12});
+    ASSERT_TRUE(store->LoadParamState(0, loaded, torch::zeros({12}), torch::zeros({12})).ok());
+    EXPECT_TRUE(torch::equal(store->MasterValue(0).reshape(-1), loaded));
+    EXPECT_TRUE(torch::equal(bf16.w.detach().reshape(-1), loaded.to(torch::kBFloat16)));
+  }
+}
+
+TEST(ParamStoreTest, Bf16CopiesAreRefusedUnderZero3) {
+  FakeCommunicator dp;
+  Leaves leaves = MakeLeaves();
+  AdamWConfig adamw;
+  std::vector<ParamStore::Param> params = {{&leaves.w, true, true}, {&leaves.b, false, true}};
+  StatusOr<std::unique_ptr<ParamStore>> store = ParamStore::Create(params, {{0, 1}}, 3, &dp, adamw, true);
+  EXPECT_FALSE(store.ok());
+}
+
+}  // namespace
+}  // namespace ltrain::worker
