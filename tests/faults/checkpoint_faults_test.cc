@@ -3,7 +3,6 @@
 // injected in the middle of a save commits nothing, keeps the previous step the newest committed,
 // and the job still succeeds.
 #include <gtest/gtest.h>
-#include <google/protobuf/util/json_util.h>
 
 #include <filesystem>
 #include <fstream>
@@ -11,6 +10,7 @@
 #include <sstream>
 
 #include "ltrain/v1/ltrain.pb.h"
+#include "tests/support/job_status.h"
 #include "tests/support/subprocess.h"
 
 namespace ltrain::testing {
@@ -46,12 +46,7 @@ class CheckpointFaultsTest : public ::testing::Test {
     return {{"LTRAIN_HOME", dir_.Join("home")}, {"OMP_NUM_THREADS", "1"}};
   }
 
-  v1::Job Status(const std::string& job_id) {
-    ProcessResult result = RunProcess({LtrainBinary(), "status", job_id, "--output", "json"}, Env());
-    v1::Job job;
-    EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(result.output, &job).ok()) << result.output;
-    return job;
-  }
+  v1::Job Status(const std::string& job_id) { return JobStatus(job_id, Env()); }
 
   TempDir dir_;
 };

@@ -1,7 +1,6 @@
 // Fault tolerance with real processes and real signals: a killed worker, a hung worker, a lost
 // agent (elastic shrink, then growth), a killed coordinator, and `ltrain resume`.
 #include <gtest/gtest.h>
-#include <google/protobuf/util/json_util.h>
 #include <signal.h>
 
 #include <filesystem>
@@ -11,6 +10,7 @@
 #include <thread>
 
 #include "ltrain/v1/ltrain.pb.h"
+#include "tests/support/job_status.h"
 #include "tests/support/subprocess.h"
 
 namespace ltrain::testing {
@@ -45,15 +45,9 @@ class RecoveryTest : public ::testing::Test {
   }
 
   v1::Job Status(const std::string& home, const std::string& job_id, const std::string& coordinator = "") {
-    std::vector<std::string> argv = {LtrainBinary(), "status", job_id, "--output", "json"};
-    if (!coordinator.empty()) {
-      argv.push_back("--coordinator");
-      argv.push_back(coordinator);
-    }
-    ProcessResult result = RunProcess(argv, Env(home));
-    v1::Job job;
-    EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(result.output, &job).ok()) << result.output;
-    return job;
+    std::vector<std::string> extra;
+    if (!coordinator.empty()) extra = {"--coordinator", coordinator};
+    return JobStatus(job_id, Env(home), extra);
   }
 
   // Starts `ltrain coordinator` on `port` (0: any) and returns its address.

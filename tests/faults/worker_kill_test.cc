@@ -1,12 +1,12 @@
 // Faults with real signals: a worker killed mid-run fails the job fast, names the rank and the
 // signal, and leaves no process behind.
 #include <gtest/gtest.h>
-#include <google/protobuf/util/json_util.h>
 #include <signal.h>
 
 #include <filesystem>
 
 #include "ltrain/v1/ltrain.pb.h"
+#include "tests/support/job_status.h"
 #include "tests/support/subprocess.h"
 
 namespace ltrain::testing {
@@ -26,12 +26,7 @@ class WorkerKillTest : public ::testing::Test {
 
   std::map<std::string, std::string> Env() const { return {{"LTRAIN_HOME", dir_.Join("home")}}; }
 
-  v1::Job Status(const std::string& job_id) {
-    ProcessResult result = RunProcess({LtrainBinary(), "status", job_id, "--output", "json"}, Env());
-    v1::Job job;
-    EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(result.output, &job).ok()) << result.output;
-    return job;
-  }
+  v1::Job Status(const std::string& job_id) { return JobStatus(job_id, Env()); }
 
   TempDir dir_;
   std::string recipe_;

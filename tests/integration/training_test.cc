@@ -1,6 +1,5 @@
 // Real training through the whole control plane: ltrain launch -> coordinator -> agent -> workers.
 #include <gtest/gtest.h>
-#include <google/protobuf/util/json_util.h>
 
 #include <algorithm>
 #include <cmath>
@@ -10,6 +9,7 @@
 #include <thread>
 
 #include "ltrain/v1/ltrain.pb.h"
+#include "tests/support/job_status.h"
 #include "tests/support/subprocess.h"
 
 namespace ltrain::testing {
@@ -52,10 +52,9 @@ class TrainingTest : public ::testing::Test {
   }
 
   v1::Job Status(const std::string& job_id) {
-    ProcessResult result = RunProcess({LtrainBinary(), "status", job_id, "--output", "json"}, Env());
-    EXPECT_EQ(result.exit_code, 0) << result.output;
-    v1::Job job;
-    EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(result.output, &job).ok()) << result.output;
+    int exit_code = -1;
+    v1::Job job = JobStatus(job_id, Env(), {}, &exit_code);
+    EXPECT_EQ(exit_code, 0) << job.DebugString();
     return job;
   }
 

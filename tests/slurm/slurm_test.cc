@@ -4,7 +4,6 @@
 // Needs root; installs Debian's slurmd, slurmctld, slurm-client and munge when missing, and skips
 // when it cannot.
 #include <gtest/gtest.h>
-#include <google/protobuf/util/json_util.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -17,6 +16,7 @@
 #include <thread>
 
 #include "ltrain/v1/ltrain.pb.h"
+#include "tests/support/job_status.h"
 #include "tests/support/subprocess.h"
 
 namespace ltrain::testing {
@@ -187,11 +187,7 @@ class SlurmTest : public ::testing::Test {
     return id;
   }
   v1::Job LtrainJob(const std::string& job_id) {
-    ProcessResult result = RunProcess({LtrainBinary(), "status", job_id, "--output", "json"},
-                                      {{"LTRAIN_HOME", StateDir()}}, seconds(10));
-    v1::Job job;
-    EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(result.output, &job).ok()) << result.output;
-    return job;
+    return JobStatus(job_id, {{"LTRAIN_HOME", StateDir()}}, {}, nullptr, seconds(10));
   }
 
   // Polls the job record until `predicate` holds.
