@@ -17,7 +17,7 @@
 
 #include <gtest/gtest.h>
 
-#include "common/token_data.h"
+#include "tests/support/synthetic_tokens.h"
 
 namespace ltrain {
 namespace {
@@ -84,10 +84,8 @@ class CheckpointTest : public ::testing::Test {
     dir_ = fs::temp_directory_path() / ("ltrain_checkpoint_" + std::to_string(::getpid()));
     fs::remove_all(dir_);
     fs::create_directories(dir_ / "data");
-    std::vector<uint16_t> tokens(20000);
-    uint64_t x = 11;
-    for (auto& t : tokens) t = static_cast<uint16_t>(((x = SplitMix64(x)) % 5 == 0) ? 32 : 97 + x % 13);
-    ASSERT_TRUE(WriteTokenFile((dir_ / "data" / "train.bin").string(), tokens, 256).ok());
+    ASSERT_TRUE(
+        ltrain::testing::WriteSyntheticTokens((dir_ / "data" / "train.bin").string(), 20000, 11, 5, 13).ok());
     std::ofstream(dir_ / "r.yaml") << "name: ck\n"
                                       "model: {layers: 2, d_model: 32, heads: 2, seq_len: 16, vocab: 256}\n"
                                       "data: {path: " << (dir_ / "data").string() << "}\n"

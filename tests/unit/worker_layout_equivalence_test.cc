@@ -12,7 +12,7 @@
 
 #include <gtest/gtest.h>
 
-#include "common/token_data.h"
+#include "tests/support/synthetic_tokens.h"
 
 #include "tests/support/worker_log.h"
 
@@ -30,10 +30,7 @@ TEST(WorkerLayoutEquivalenceTest, TwoRanksMatchOneRankAccumulatingTwo) {
   const fs::path dir = fs::temp_directory_path() / ("ltrain_equiv_" + std::to_string(::getpid()));
   fs::remove_all(dir);
   fs::create_directories(dir / "data");
-  std::vector<uint16_t> tokens(20000);
-  uint64_t x = 1;
-  for (auto& t : tokens) t = static_cast<uint16_t>(((x = SplitMix64(x)) % 7 == 0) ? 32 : 97 + x % 5);
-  ASSERT_TRUE(WriteTokenFile((dir / "data" / "train.bin").string(), tokens, 256).ok());
+  ASSERT_TRUE(ltrain::testing::WriteSyntheticTokens((dir / "data" / "train.bin").string(), 20000, 1, 7, 5).ok());
   std::ofstream(dir / "r.yaml") << "name: equiv\n"
                                    "model: {layers: 1, d_model: 32, heads: 2, seq_len: 32, vocab: 256}\n"
                                    "data: {path: " << (dir / "data").string() << "}\n"

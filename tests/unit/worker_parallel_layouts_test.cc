@@ -16,7 +16,7 @@
 
 #include <gtest/gtest.h>
 
-#include "common/token_data.h"
+#include "tests/support/synthetic_tokens.h"
 
 #include "tests/support/worker_log.h"
 
@@ -69,10 +69,7 @@ class ParallelLayoutsTest : public ::testing::Test {
     dir_ = fs::temp_directory_path() / ("ltrain_layouts_" + std::to_string(::getpid()));
     fs::remove_all(dir_);
     fs::create_directories(dir_ / "data");
-    std::vector<uint16_t> tokens(20000);
-    uint64_t x = 7;
-    for (auto& t : tokens) t = static_cast<uint16_t>(((x = SplitMix64(x)) % 5 == 0) ? 32 : 97 + x % 11);
-    ASSERT_TRUE(WriteTokenFile((dir_ / "data" / "train.bin").string(), tokens, 256).ok());
+    ASSERT_TRUE(ltrain::testing::WriteSyntheticTokens((dir_ / "data" / "train.bin").string(), 20000, 7, 5, 11).ok());
     std::ofstream(dir_ / "r.yaml") << "name: layouts\n"
                                       "model: {layers: 4, d_model: 64, heads: 4, seq_len: 32, vocab: 256}\n"
                                       "data: {path: " << (dir_ / "data").string() << "}\n"
