@@ -454,15 +454,17 @@ MemoryBytes ParamStore::Memory() const {
 }
 
 Range ParamStore::OwnedOfParam(int param) const {
-  const Unit& unit = units_[unit_of_[param]];
-  int64_t off = 0;
-  for (size_t k = 0; k < unit.layout.params.size(); ++k) {
-    if (unit.layout.params[k] == param) off = unit.layout.offsets[k];
-  }
+  const int64_t off = OffsetInUnit(param);
   const int64_t n = params_[param].value->numel();
-  Range seg = Intersect(Owned(unit), Range{off, off + n});
+  Range seg = Intersect(Owned(units_[unit_of_[param]]), Range{off, off + n});
   if (seg.size() <= 0) return Range{0, 0};
   return Range{seg.begin - off, seg.end - off};
+}
+
+int64_t ParamStore::OwnedAt(int param) const {
+  const Range r = OwnedOfParam(param);
+  if (r.size() == 0) return 0;
+  return OffsetInUnit(param) + r.begin - Owned(units_[unit_of_[param]]).begin;
 }
 
 namespace {
@@ -483,15 +485,9 @@ std::vector<std::pair<std::string, torch::Tensor>> ParamStore::ModelState(const 
     }
     const Unit& unit = units_[unit_of_[i]];
     const Range r = OwnedOfParam(static_cast<int>(i));
-    const Range own = Owned(unit);
-    int64_t off = 0;
-    for (size_t k = 0; k < unit.layout.params.size(); ++k) {
-      if (unit.layout.params[k] == static_cast<int>(i)) off = unit.layout.offsets[k];
-    }
     out.emplace_back("range." + names[i], RangeTensor(r));
-    out.emplace_back("model." + names[i],
-                     unit.shard.narrow(0, r.size() > 0 ? off + r.begin - own.begin : 0, r.size())
-                         .to(torch::kCPU, torch::kFloat, false, true));
+    out.emplace_back("model." + names[i], unit.shard.narrow(0, OwnedAt(static_cast<int>(i)), r.size())
+                                              .to(torch::kCPU, torch::kFloat, false, true));
   }
   return out;
 }
@@ -502,12 +498,7 @@ std::vector<std::pair<std::string, torch::Tensor>> ParamStore::OptimizerState(co
   for (size_t i = 0; i < params_.size(); ++i) {
     const Unit& unit = units_[unit_of_[i]];
     const Range r = OwnedOfParam(static_cast<int>(i));
-    const Range own = Owned(unit);
-    int64_t off = 0;
-    for (size_t k = 0; k < unit.layout.params.size(); ++k) {
-      if (unit.layout.params[k] == static_cast<int>(i)) off = unit.layout.offsets[k];
-    }
-    const int64_t at = r.size() > 0 ? off + r.begin - own.begin : 0;
+    const int64_t at = OwnedAt(static_cast<int>(i));
     out.emplace_back("range." + names[i], RangeTensor(r));
     out.emplace_back("exp_avg." + names[i], unit.exp_avg.narrow(0, at, r.size()).to(torch::kCPU, torch::kFloat, false, true));
     out.emplace_back("exp_avg_sq." + names[i],
@@ -528,12 +519,7 @@ Status ParamStore::LoadParamState(int param, const torch::Tensor& value, const t
   }
   Unit& unit = units_[unit_of_[param]];
   const Range r = OwnedOfParam(param);
-  const Range own = Owned(unit);
-  int64_t off = 0;
-  for (size_t k = 0; k < unit.layout.params.size(); ++k) {
-    if (unit.layout.params[k] == param) off = unit.layout.offsets[k];
-  }
-  const int64_t at = off + r.begin - own.begin;
+  const int64_t at = OwnedAt(param);
   if (zero_ < 3) {
     MasterValue(param).view(-1).copy_(value.reshape(-1));
     if (unit.compute.defined()) params_[param].value->detach().view(-1).copy_(value.reshape(-1));

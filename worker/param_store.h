@@ -174,6 +174,8 @@ class ParamStore {
   Range Owned(const Unit& unit) const;
   // The elements of parameter `param` (relative to the parameter) that Owned() covers.
   Range OwnedOfParam(int param) const;
+  // Where those elements start within the unit's owned range (its shard, moments); 0 when none.
+  int64_t OwnedAt(int param) const;
   torch::Tensor OwnedGrad(Unit& unit);
   torch::Tensor OwnedParam(Unit& unit);
 
