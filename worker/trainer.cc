@@ -808,13 +808,18 @@ Status Trainer::ExportParameters(const std::string& path) {
   return groups_->world->Barrier();
 }
 
-void Trainer::PrintThroughput(int64_t first_step, int64_t steps, double total_ms) const {
+int64_t Trainer::FullModelParameters() const {
   int64_t params = 0;
   for (const auto& [name, shape] : model_->full_params()) {
     int64_t n = 1;
     for (int64_t d : shape) n *= d;
     params += n;
   }
+  return params;
+}
+
+void Trainer::PrintThroughput(int64_t first_step, int64_t steps, double total_ms) const {
+  const int64_t params = FullModelParameters();
   const ModelSpec& m = recipe_.model;
   // Model FLOPs per token: 6N for the matrix products of forward and backward, 12*L*d*T for
   // attention (PaLM's accounting, the peers' too).
@@ -839,12 +844,7 @@ Status Trainer::Run() {
   const TrainingSpec& t = recipe_.training;
   const bool printer = groups_->rank == 0 && options_.print_progress;
   if (printer) {
-    int64_t params = 0;
-    for (const auto& [name, shape] : model_->full_params()) {
-      int64_t n = 1;
-      for (int64_t d : shape) n *= d;
-      params += n;
-    }
+    const int64_t params = FullModelParameters();
     std::printf(
         "model gpt params %lld layers %d d_model %d heads %d seq_len %d vocab %d | layout world %d dp %d "
         "tp %d pp %d zero %d sp %d schedule %s chunks %d ac %s micro_batch %d accumulation %d global_batch %d "
@@ -911,13 +911,11 @@ Status Trainer::Run() {
     if (!stop_here.ok()) return stop_here.status();
     const bool periodic = recipe_.checkpoint.every > 0 && s % recipe_.checkpoint.every == 0;
     const bool save = periodic || s == t.steps || *stop_here;
-    Finished finished{s, lr, 0.0, *loss, *stop_here};
+    Finished finished{s, lr, MillisSince(start), *loss, *stop_here};
     if (!lag || save || s == run_start_step_ + warmup) {
       // The loss is read now: a checkpoint never holds the parameters of a non-finite step.
-      finished.ms = MillisSince(start);
       if (Status st = settle(finished); !st.ok()) return st;
     } else {
-      finished.ms = MillisSince(start);
       pending = finished;
     }
     if (s == run_start_step_ + warmup) {

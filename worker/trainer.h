@@ -120,6 +120,8 @@ class Trainer {
   Status RunPipeline(torch::Tensor& loss_sum);
   void SampleActivations();
   std::string LayoutKey() const;
+  // Parameters of the whole model (every tp and pp part, the tied embedding once).
+  int64_t FullModelParameters() const;
   // Rank 0's summary of the timed steps: tokens/s, per device, TFLOP/s, MFU and peak memory on CUDA.
   void PrintThroughput(int64_t first_step, int64_t steps, double total_ms) const;
   std::string ModelFile(int rank) const;
