@@ -339,12 +339,13 @@ Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, con
   const double bias2 = 1 - std::pow(b2, static_cast<double>(step));
   // bf16 compute copies on CUDA: our kernel, one pass per segment that also writes the bf16 copy
   // (under zero 1/2 the copy is refreshed after the all-gather instead).
-  const bool own_kernel = !units_.empty() && units_.front().compute.defined() && FusedAdamWAvailable(units_.front().full);
-  torch::Tensor clip_divisor = grad_divisor;
-  if (own_kernel && grad_scale != 1.0) {
-    const torch::TensorOptions f32 = units_.front().full.options();
-    clip_divisor = clip_divisor.defined() ? clip_divisor / grad_scale : torch::full({}, 1.0 / grad_scale, f32);
-  }
+  if (units_.empty()) return Status::Ok();
+  const bool own_kernel = units_.front().compute.defined() && FusedAdamWAvailable(units_.front().full);
+  // For the fused kernels: clipping as one device scalar the gradients are divided by (undefined:
+  // none).
+  const torch::TensorOptions f32 = torch::TensorOptions().dtype(torch::kFloat).device(units_.front().full.device());
+  torch::Tensor divisor = grad_divisor.defined() ? grad_divisor.reshape({}).to(f32) : torch::Tensor();
+  if (grad_scale != 1.0) divisor = divisor.defined() ? divisor / grad_scale : torch::full({}, 1.0 / grad_scale, f32);
   // The owned segment of every parameter, by weight-decay class: [decays][w, g, m, v].
   std::vector<torch::Tensor> lists[2][4];
   for (Unit& unit : units_) {
@@ -353,7 +354,7 @@ Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, con
       ForEachOwned(unit, [&](const Param& p, int64_t at, int64_t n) {
         FusedAdamW(param.narrow(0, at, n), grad.narrow(0, at, n), unit.exp_avg.narrow(0, at, n),
                    unit.exp_avg_sq.narrow(0, at, n), zero_ == 0 ? unit.compute.narrow(0, at, n) : torch::Tensor(), lr,
-                   b1, b2, adamw_.eps, p.decay ? adamw_.weight_decay : 0.0, step, clip_divisor);
+                   b1, b2, adamw_.eps, p.decay ? adamw_.weight_decay : 0.0, step, divisor);
       });
       continue;
     }
@@ -367,17 +368,14 @@ Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, con
       l[3].push_back(unit.exp_avg_sq.narrow(0, at, n));
     });
   }
-  bool fused = false;
   for (int decay = 0; decay < 2; ++decay) {
     auto& l = lists[decay];
     if (l[0].empty()) continue;
-    // On CUDA: one kernel per class over every segment (clipping folded in as a divisor).
-    const torch::TensorOptions device = torch::TensorOptions().dtype(torch::kFloat).device(l[0][0].device());
-    torch::Tensor divisor = grad_divisor.defined() ? grad_divisor.reshape({}).to(device) : torch::Tensor();
-    if (grad_scale != 1.0) divisor = divisor.defined() ? divisor / grad_scale : torch::full({}, 1.0 / grad_scale, device);
-    fused = compat::FusedAdamW(l[0], l[1], l[2], l[3], torch::full({}, static_cast<double>(step), device), lr, b1, b2,
-                               decay ? adamw_.weight_decay : 0.0, adamw_.eps, divisor);
-    if (fused) continue;
+    // On CUDA: one kernel per class over every segment.
+    if (compat::FusedAdamW(l[0], l[1], l[2], l[3], torch::full({}, static_cast<double>(step), f32), lr, b1, b2,
+                           decay ? adamw_.weight_decay : 0.0, adamw_.eps, divisor)) {
+      continue;
+    }
     for (size_t i = 0; i < l[0].size(); ++i) {
       torch::Tensor w = l[0][i], g = l[1][i], m = l[2][i], v = l[3][i];
       if (grad_scale != 1.0) g.mul_(grad_scale);
