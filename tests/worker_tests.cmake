@@ -61,3 +61,11 @@ ltrain_add_test(fused_kernels_test unit
   SOURCES unit/fused_kernels_test.cc
   LIBS ltrain::worker)
 target_precompile_headers(fused_kernels_test REUSE_FROM worker_unit_test)
+
+# The linear layers' products with and without cuBLASLt epilogues (a benchmark program, not a test;
+# only where the worker has CUDA kernels).
+if(TARGET ltrain_worker_cuda)
+  add_executable(gemm_epilogues bench/gemm_epilogues.cc)
+  target_link_libraries(gemm_epilogues PRIVATE ltrain::worker)
+  target_compile_options(gemm_epilogues PRIVATE ${LTRAIN_WARNINGS})
+endif()

@@ -1,6 +1,9 @@
 #include "worker/fused_kernels.h"
 
 #include <stdexcept>
+#include <utility>
+#include <string>
+#include <vector>
 
 #include <torch/autograd.h>
 
@@ -10,6 +13,7 @@
 
 #include "worker/cuda/adamw.h"
 #include "worker/cuda/cross_entropy.h"
+#include "worker/cuda/gemm.h"
 #endif
 
 #include <cmath>
@@ -49,7 +53,171 @@ struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunct
   }
 };
 
+cudaStream_t StreamOf(const torch::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+
+// Runs one cuBLASLt product with a workspace from LibTorch's allocator (on the current stream).
+void Gemm(cuda::GemmArgs args, const torch::Tensor& like) {
+  torch::Tensor workspace =
+      torch::empty({static_cast<int64_t>(cuda::kGemmWorkspaceBytes)}, like.options().dtype(torch::kByte));
+  args.workspace = workspace.data_ptr();
+  args.workspace_bytes = cuda::kGemmWorkspaceBytes;
+  if (std::string error = cuda::GemmBf16(args, StreamOf(like)); !error.empty()) throw std::runtime_error(error);
+}
+
+// The three products of a linear layer, on row-major 2-D tensors. y[M, N] = x[M, K] · w[N, K]ᵀ
+// (+ bias[N]; or with kGeluAuxBias y = gelu(aux), aux = x · wᵀ + bias).
+torch::Tensor LinearProduct(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias,
+                            cuda::Epilogue epilogue, const torch::Tensor& aux = {}) {
+  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
+  torch::Tensor y = torch::empty({m, n}, x.options());
+  cuda::GemmArgs g;
+  g.trans_a = true;
+  g.m = n, g.n = m, g.k = k;
+  g.a = w.data_ptr(), g.lda = k;
+  g.b = x.data_ptr(), g.ldb = k;
+  g.d = y.data_ptr(), g.ldd = n;
+  g.epilogue = epilogue;
+  if (bias.defined()) g.bias = bias.data_ptr();
+  if (aux.defined()) g.aux = aux.data_ptr(), g.ld_aux = n;
+  Gemm(g, x);
+  return y;
+}
+
+// dx[M, K] = grad[M, N] · w[N, K]; with kDGelu multiplied by gelu'(aux).
+torch::Tensor InputGradProduct(const torch::Tensor& grad, const torch::Tensor& w, cuda::Epilogue epilogue = cuda::Epilogue::kNone,
+                               const torch::Tensor& aux = {}) {
+  const int64_t m = grad.size(0), n = grad.size(1), k = w.size(1);
+  torch::Tensor dx = torch::empty({m, k}, grad.options());
+  cuda::GemmArgs g;
+  g.m = k, g.n = m, g.k = n;
+  g.a = w.data_ptr(), g.lda = k;
+  g.b = grad.data_ptr(), g.ldb = n;
+  g.d = dx.data_ptr(), g.ldd = k;
+  g.epilogue = epilogue;
+  if (aux.defined()) g.aux = aux.data_ptr(), g.ld_aux = k;
+  Gemm(g, grad);
+  return dx;
+}
+
+// dw[N, K] = grad[M, N]ᵀ · x[M, K], added to `into` when that is defined (then returns undefined).
+torch::Tensor WeightGradProduct(const torch::Tensor& grad, const torch::Tensor& x, const torch::Tensor& into) {
+  const int64_t m = grad.size(0), n = grad.size(1), k = x.size(1);
+  torch::Tensor dw = into.defined() ? into : torch::empty({n, k}, grad.options());
+  cuda::GemmArgs g;
+  if (into.defined()) g.beta = 1.0f;
+  g.trans_b = true;
+  g.m = k, g.n = n, g.k = m;
+  g.a = x.data_ptr(), g.lda = k;
+  g.b = grad.data_ptr(), g.ldb = n;
+  g.d = dw.data_ptr(), g.ldd = k;
+  Gemm(g, grad);
+  return into.defined() ? torch::Tensor() : dw;
+}
+
+// The tensor a weight gradient of `w` can be added to in place: the leaf's own .grad (a view of the
+// parameter store's flat gradient buffer), when it has one of the right kind.
+torch::Tensor AccumulationTarget(const torch::Tensor& w) {
+  const torch::Tensor& grad = w.grad();
+  if (!grad.defined() || grad.scalar_type() != torch::kBFloat16 || !grad.is_contiguous() || grad.sizes() != w.sizes()) {
+    return {};
+  }
+  return grad;
+}
+
+// The weight gradient of a linear layer: added straight into w's .grad when it has one (then the
+// returned gradient is undefined and autograd has nothing to accumulate), else a new tensor. The bias
+// gradient is a column sum: cuBLASLt's BGRADB epilogue costs more than the sum on H100s
+// (tests/bench/gemm_epilogues.cc).
+std::pair<torch::Tensor, torch::Tensor> WeightAndBiasGrads(const torch::Tensor& g, const torch::Tensor& x,
+                                                           const torch::Tensor& w, bool has_bias) {
+  torch::Tensor dw = WeightGradProduct(g, x, AccumulationTarget(w));
+  return {dw, has_bias ? g.sum(0) : torch::Tensor()};
+}
+
+std::vector<int64_t> WithLast(torch::IntArrayRef sizes, int64_t last) {
+  std::vector<int64_t> out = sizes.vec();
+  out.back() = last;
+  return out;
+}
+
+struct LinearFunction : public torch::autograd::Function<LinearFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
+                               const torch::Tensor& b) {
+    c10::cuda::CUDAGuard guard(x.device());
+    torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
+    const bool has_bias = b.numel() > 0;
+    torch::Tensor y = LinearProduct(x2, w, has_bias ? b : torch::Tensor(), has_bias ? cuda::Epilogue::kBias : cuda::Epilogue::kNone);
+    ctx->save_for_backward({x2, w});
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["has_bias"] = has_bias;
+    return y.view(WithLast(x.sizes(), w.size(0)));
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor& x2 = saved[0];
+    const torch::Tensor& w = saved[1];
+    c10::cuda::CUDAGuard guard(x2.device());
+    torch::Tensor g = grads[0].reshape({-1, w.size(0)}).contiguous();
+    auto [dw, db] = WeightAndBiasGrads(g, x2, w, ctx->saved_data["has_bias"].toBool());
+    torch::Tensor dx = InputGradProduct(g, w).view(ctx->saved_data["x_sizes"].toIntVector());
+    return {dx, dw, db};
+  }
+};
+
+// gelu_tanh(x · w1ᵀ + b1) · w2ᵀ (+ b2): the GELU in the first product's epilogue (which keeps its
+// input), its gradient in the epilogue of the second product's input gradient. Saves what the
+// unfused layers would (x, the GELU's input and output).
+struct MlpFunction : public torch::autograd::Function<MlpFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w1,
+                               const torch::Tensor& b1, const torch::Tensor& w2, const torch::Tensor& b2) {
+    c10::cuda::CUDAGuard guard(x.device());
+    torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
+    torch::Tensor pre = torch::empty({x2.size(0), w1.size(0)}, x.options());
+    torch::Tensor h = LinearProduct(x2, w1, b1, cuda::Epilogue::kGeluAuxBias, pre);
+    const bool has_bias2 = b2.numel() > 0;
+    torch::Tensor y = LinearProduct(h, w2, has_bias2 ? b2 : torch::Tensor(), has_bias2 ? cuda::Epilogue::kBias : cuda::Epilogue::kNone);
+    ctx->save_for_backward({x2, w1, pre, h, w2});
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["has_bias2"] = has_bias2;
+    return y.view(WithLast(x.sizes(), w2.size(0)));
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor &x2 = saved[0], &w1 = saved[1], &pre = saved[2], &h = saved[3], &w2 = saved[4];
+    c10::cuda::CUDAGuard guard(x2.device());
+    torch::Tensor g = grads[0].reshape({-1, w2.size(0)}).contiguous();
+    auto [dw2, db2] = WeightAndBiasGrads(g, h, w2, ctx->saved_data["has_bias2"].toBool());
+    torch::Tensor gpre = InputGradProduct(g, w2, cuda::Epilogue::kDGelu, pre);
+    auto [dw1, db1] = WeightAndBiasGrads(gpre, x2, w1, true);
+    torch::Tensor dx = InputGradProduct(gpre, w1).view(ctx->saved_data["x_sizes"].toIntVector());
+    return {dx, dw1, db1, dw2, db2};
+  }
+};
+
+bool Bf16Cuda(const torch::Tensor& t) { return !t.defined() || (t.is_cuda() && t.scalar_type() == torch::kBFloat16); }
+
 }  // namespace
+
+bool FusedLinearAvailable(const torch::Tensor& x, const torch::Tensor& w) {
+  return x.is_cuda() && Bf16Cuda(x) && Bf16Cuda(w) && w.dim() == 2 && w.is_contiguous() && w.size(0) % 8 == 0 &&
+         w.size(1) % 8 == 0;
+}
+
+// LibTorch's custom functions take defined tensors only: an absent bias is an empty one.
+torch::Tensor OrEmpty(const torch::Tensor& t, const torch::Tensor& like) {
+  return t.defined() ? t : torch::empty({0}, like.options());
+}
+
+torch::Tensor FusedLinear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+  return LinearFunction::apply(x, w, OrEmpty(b, w));
+}
+
+torch::Tensor FusedMlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1, const torch::Tensor& w2,
+                       const torch::Tensor& b2) {
+  return MlpFunction::apply(x, w1, b1, w2, OrEmpty(b2, w2));
+}
 
 bool FusedCrossEntropyAvailable(const torch::Tensor& logits) {
   return logits.is_cuda() && logits.scalar_type() == torch::kBFloat16 && logits.dim() == 2;
@@ -86,6 +254,17 @@ void FusedAdamW(const torch::Tensor& param, const torch::Tensor& grad, const tor
 }
 
 #else
+
+bool FusedLinearAvailable(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/) { return false; }
+
+torch::Tensor FusedLinear(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/, const torch::Tensor& /*b*/) {
+  throw std::logic_error("FusedLinear: this worker was built without CUDA kernels");
+}
+
+torch::Tensor FusedMlp(const torch::Tensor& /*x*/, const torch::Tensor& /*w1*/, const torch::Tensor& /*b1*/,
+                       const torch::Tensor& /*w2*/, const torch::Tensor& /*b2*/) {
+  throw std::logic_error("FusedMlp: this worker was built without CUDA kernels");
+}
 
 bool FusedCrossEntropyAvailable(const torch::Tensor& /*logits*/) { return false; }
 

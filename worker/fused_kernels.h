@@ -7,6 +7,20 @@
 
 namespace ltrain::worker {
 
+// Whether FusedLinear and FusedMlp can take input x with weight w: a CUDA build, bf16 CUDA
+// tensors, a contiguous 2-D weight whose sides are multiples of 8.
+bool FusedLinearAvailable(const torch::Tensor& x, const torch::Tensor& w);
+
+// at::linear(x, w, b) (b may be undefined) through cuBLASLt, the bias in the product's epilogue.
+// Backward adds the weight gradient straight into w's .grad where it already has one (bf16, as the
+// parameter store keeps it): no separate gradient tensor and no accumulating add.
+torch::Tensor FusedLinear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b);
+
+// linear(gelu_tanh(linear(x, w1, b1)), w2, b2) (b2 may be undefined) with the GELU and its gradient
+// in the products' epilogues (no separate GELU kernels); weight gradients as FusedLinear's.
+torch::Tensor FusedMlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1, const torch::Tensor& w2,
+                       const torch::Tensor& b2);
+
 // Whether FusedCrossEntropy can take these logits: a CUDA build, bf16 CUDA logits.
 bool FusedCrossEntropyAvailable(const torch::Tensor& logits);
 

@@ -111,6 +111,34 @@ struct ScatterSeq : public torch::autograd::Function<ScatterSeq> {
   }
 };
 
+// The q, k and v heads of the fused projection's output [b, t, 3c] as [b, heads, t, c/heads] views.
+// Backward writes the three gradients into one [b, t, 3c] tensor with one strided copy each; the
+// composite (split, view, transpose) would copy each into [b, t, c] first and then concatenate.
+struct SplitHeads : public torch::autograd::Function<SplitHeads> {
+  static variable_list forward(AutogradContext* /*ctx*/, const torch::Tensor& qkv, int64_t heads) {
+    const int64_t b = qkv.size(0), t = qkv.size(1), c = qkv.size(2) / 3;
+    torch::Tensor parts = qkv.view({b, t, 3, heads, c / heads});
+    return {parts.select(2, 0).transpose(1, 2), parts.select(2, 1).transpose(1, 2), parts.select(2, 2).transpose(1, 2)};
+  }
+  static variable_list backward(AutogradContext* /*ctx*/, variable_list grads) {
+    torch::Tensor any;
+    for (const auto& g : grads) {
+      if (g.defined()) any = g;
+    }
+    const int64_t b = any.size(0), heads = any.size(1), t = any.size(2), d = any.size(3);
+    torch::Tensor out = torch::empty({b, t, 3, heads, d}, any.options());
+    for (int i = 0; i < 3; ++i) {
+      torch::Tensor slot = out.select(2, i);
+      if (grads[i].defined()) {
+        slot.copy_(grads[i].transpose(1, 2));
+      } else {
+        slot.zero_();
+      }
+    }
+    return {out.view({b, t, 3 * heads * d}), torch::Tensor()};
+  }
+};
+
 // Full activation checkpointing: forward without a graph, keep only the block's input; backward
 // recomputes the block with a graph and backpropagates through it (parameter gradients accumulate
 // into the leaves as usual, their hooks included).
@@ -156,9 +184,19 @@ struct CheckpointAttention : public torch::autograd::Function<CheckpointAttentio
 };
 
 // at::linear, not the C++ frontend's F::linear: on [b, t, in] inputs the latter runs a matmul and
-// then adds the bias in a separate broadcast kernel; at::linear folds the bias into the GEMM.
+// then adds the bias in a separate broadcast kernel; at::linear folds the bias into the GEMM. On
+// bf16 CUDA tensors our cuBLASLt linear also folds the bias gradient into the weight gradient's.
 torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  return b.defined() ? at::linear(x, w, b) : at::linear(x, w);
+  if (!b.defined()) return at::linear(x, w);
+  if (FusedLinearAvailable(x, w)) return FusedLinear(x, w, b);
+  return at::linear(x, w, b);
+}
+
+// linear(gelu_tanh(linear(x, w1, b1)), w2, b2), b2 possibly undefined.
+torch::Tensor Mlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1, const torch::Tensor& w2,
+                  const torch::Tensor& b2) {
+  if (FusedLinearAvailable(x, w1) && FusedLinearAvailable(x, w2)) return FusedMlp(x, w1, b1, w2, b2);
+  return Linear(torch::gelu(Linear(x, w1, b1), "tanh"), w2, b2);
 }
 
 torch::Tensor Slice(const torch::Tensor& full, TpSplit split, int tp, int r) {
@@ -324,20 +362,23 @@ torch::Tensor ModelShard::BlockForward(int layer, const torch::Tensor& x) {
     return sp ? GatherSeq::apply(t, comm) : CopyToTp::apply(t, comm);
   };
   // Row-parallel output: partial sums combined over tp, then the (replicated) bias.
+  auto row_reduce = [&](const torch::Tensor& partial, const torch::Tensor& b) {
+    return (sp ? ScatterSeq::apply(partial, comm) : ReduceFromTp::apply(partial, comm)) + b;
+  };
   auto row_out = [&](const torch::Tensor& in, const torch::Tensor& w, const torch::Tensor& b) {
     if (tp == 1) return Linear(in, w, b);
-    torch::Tensor partial = Linear(in, w, {});
-    return (sp ? ScatterSeq::apply(partial, comm) : ReduceFromTp::apply(partial, comm)) + b;
+    return row_reduce(Linear(in, w, {}), b);
   };
   torch::Tensor a = enter(torch::layer_norm(x, {c}, P(layer, "ln1.weight"), P(layer, "ln1.bias")));
   const int64_t b = a.size(0), t = a.size(1);
-  std::vector<torch::Tensor> qkv = Linear(a, P(layer, "qkv.weight"), P(layer, "qkv.bias")).split(c_local, 2);
-  for (auto& part : qkv) part = part.view({b, t, heads_local, c_local / heads_local}).transpose(1, 2);
+  variable_list qkv = SplitHeads::apply(Linear(a, P(layer, "qkv.weight"), P(layer, "qkv.bias")), heads_local);
   torch::Tensor y = Attention(qkv[0], qkv[1], qkv[2]).transpose(1, 2).reshape({b, t, c_local});
   torch::Tensor h = x + row_out(y, P(layer, "proj.weight"), P(layer, "proj.bias"));
   torch::Tensor m = enter(torch::layer_norm(h, {c}, P(layer, "ln2.weight"), P(layer, "ln2.bias")));
-  m = torch::gelu(Linear(m, P(layer, "fc.weight"), P(layer, "fc.bias")), "tanh");
-  return h + row_out(m, P(layer, "fc2.weight"), P(layer, "fc2.bias"));
+  const torch::Tensor &fc_w = P(layer, "fc.weight"), &fc_b = P(layer, "fc.bias");
+  const torch::Tensor &fc2_w = P(layer, "fc2.weight"), &fc2_b = P(layer, "fc2.bias");
+  if (tp == 1) return h + Mlp(m, fc_w, fc_b, fc2_w, fc2_b);
+  return h + row_reduce(Mlp(m, fc_w, fc_b, fc2_w, {}), fc2_b);
 }
 
 torch::Tensor ModelShard::Embed(const torch::Tensor& ids) {

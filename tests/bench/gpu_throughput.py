@@ -340,10 +340,10 @@ def summarize_trace(path):
         ext = e.get("args", {}).get("External id")
         by_op[op_of.get(ext, "?")] += e["dur"]
     print("  kernel time by launching operator:", flush=True)
-    for name, us in by_op.most_common(15):
+    for name, us in by_op.most_common(30):
         print(f"    {us / 1000:8.2f} ms  {name}", flush=True)
     print("  top kernels:", flush=True)
-    for name, us in by_name.most_common(15):
+    for name, us in by_name.most_common(30):
         print(f"    {us / 1000:8.2f} ms  {name}", flush=True)
 
 

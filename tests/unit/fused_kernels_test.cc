@@ -1,5 +1,8 @@
 // The worker's own CUDA kernels against the LibTorch operations they replace. Skips where there is
 // no GPU or the worker was built without CUDA kernels.
+#include <functional>
+#include <vector>
+
 #include <gtest/gtest.h>
 
 #include <torch/cuda.h>
@@ -39,6 +42,119 @@ TEST(FusedKernelsTest, CrossEntropyMatchesLibTorch) {
   CompareCrossEntropy(64, 50304);  // the benchmark vocabulary (vectorized path)
   CompareCrossEntropy(33, 1001);   // a vocabulary that is not a multiple of 8 (scalar path)
   CompareCrossEntropy(5, 256);     // bytes
+}
+
+// Largest |a - b| relative to the largest |b|.
+double RelativeError(const torch::Tensor& a, const torch::Tensor& b) {
+  torch::Tensor x = a.to(torch::kFloat), y = b.to(torch::kFloat);
+  return ((x - y).abs().max() / y.abs().max()).item<double>();
+}
+
+// bf16 CUDA parameters that live at an offset inside one flat buffer, as the parameter store lays
+// them out (so their addresses are not 256-byte aligned).
+std::vector<torch::Tensor> FlatParams(const std::vector<std::vector<int64_t>>& shapes, int64_t offset) {
+  const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  int64_t total = offset;
+  for (const auto& shape : shapes) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    total += n;
+  }
+  torch::Tensor flat = torch::empty({total}, bf16);
+  std::vector<torch::Tensor> out;
+  int64_t at = offset;
+  for (const auto& shape : shapes) {
+    int64_t n = 1;
+    for (int64_t d : shape) n *= d;
+    torch::Tensor p = flat.narrow(0, at, n).view(shape);
+    {
+      torch::NoGradGuard no_grad;
+      p.copy_(torch::randn(shape) * (shape.size() == 1 ? 0.5 : 0.05));
+    }
+    out.push_back(p.detach().requires_grad_(true));
+    at += n;
+  }
+  return out;
+}
+
+// The reference in fp32 from the same bf16 values: output and the gradients of `inputs`.
+std::vector<torch::Tensor> Fp32Reference(const std::vector<torch::Tensor>& inputs,
+                                         const std::function<torch::Tensor(const std::vector<torch::Tensor>&)>& fn,
+                                         const torch::Tensor& grad_out) {
+  std::vector<torch::Tensor> leaves;
+  for (const auto& t : inputs) leaves.push_back(t.defined() ? t.detach().to(torch::kFloat).requires_grad_(true) : t);
+  torch::Tensor y = fn(leaves);
+  y.backward(grad_out.to(torch::kFloat));
+  std::vector<torch::Tensor> out = {y.detach()};
+  for (const auto& t : leaves) out.push_back(t.defined() ? t.grad() : t);
+  return out;
+}
+
+TEST(FusedKernelsTest, LinearMatchesLibTorch) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  torch::manual_seed(11);
+  for (const int64_t offset : {0, 8}) {
+    std::vector<torch::Tensor> wb = FlatParams({{384, 256}, {384}}, offset);
+    if (!FusedLinearAvailable(torch::zeros({1, 256}, bf16), wb[0])) GTEST_SKIP() << "worker built without CUDA kernels";
+    torch::Tensor x = torch::randn({2, 64, 256}, bf16).requires_grad_(true);
+    torch::Tensor grad_out = torch::randn({2, 64, 384}, bf16);
+    std::vector<torch::Tensor> ref = Fp32Reference(
+        {x, wb[0], wb[1]}, [](const std::vector<torch::Tensor>& t) { return at::linear(t[0], t[1], t[2]); }, grad_out);
+
+    // With a gradient already there (as the parameter store keeps them) the new one is added to it.
+    torch::Tensor earlier;
+    if (offset != 0) {
+      earlier = torch::randn({384, 256}, bf16) * ref[2].abs().max().item<double>();
+      wb[0].mutable_grad() = earlier.clone();
+      ref[2] += earlier.to(torch::kFloat);
+    }
+    torch::Tensor y = FusedLinear(x, wb[0], wb[1]);
+    y.backward(grad_out);
+    ASSERT_EQ(y.sizes(), ref[0].sizes());
+    EXPECT_LE(RelativeError(y, ref[0]), 0.02) << "offset " << offset;
+    EXPECT_LE(RelativeError(x.grad(), ref[1]), 0.02);
+    EXPECT_LE(RelativeError(wb[0].grad(), ref[2]), 0.02);
+    EXPECT_LE(RelativeError(wb[1].grad(), ref[3]), 0.02);
+  }
+}
+
+TEST(FusedKernelsTest, MlpMatchesLibTorch) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  torch::manual_seed(12);
+  for (const bool bias2 : {true, false}) {
+    std::vector<torch::Tensor> p = FlatParams({{1024, 256}, {1024}, {256, 1024}, {256}}, bias2 ? 0 : 24);
+    if (!FusedLinearAvailable(torch::zeros({1, 256}, bf16), p[0])) GTEST_SKIP() << "worker built without CUDA kernels";
+    torch::Tensor b2 = bias2 ? p[3] : torch::Tensor();
+    torch::Tensor x = torch::randn({2, 64, 256}, bf16).requires_grad_(true);
+    torch::Tensor grad_out = torch::randn({2, 64, 256}, bf16);
+    std::vector<torch::Tensor> ref = Fp32Reference(
+        {x, p[0], p[1], p[2], b2},
+        [](const std::vector<torch::Tensor>& t) {
+          torch::Tensor h = torch::gelu(at::linear(t[0], t[1], t[2]), "tanh");
+          return t[4].defined() ? at::linear(h, t[3], t[4]) : at::linear(h, t[3]);
+        },
+        grad_out);
+
+    if (!bias2) {
+      p[2].mutable_grad() = torch::ones({256, 1024}, bf16) * ref[4].abs().max().item<double>();
+      ref[4] += p[2].grad().to(torch::kFloat);
+    }
+    torch::Tensor y = FusedMlp(x, p[0], p[1], p[2], b2);
+    y.backward(grad_out);
+    ASSERT_EQ(y.sizes(), ref[0].sizes());
+    EXPECT_LE(RelativeError(y, ref[0]), 0.02) << "bias2 " << bias2;
+    EXPECT_LE(RelativeError(x.grad(), ref[1]), 0.02);
+    EXPECT_LE(RelativeError(p[0].grad(), ref[2]), 0.02);
+    EXPECT_LE(RelativeError(p[1].grad(), ref[3]), 0.02);
+    EXPECT_LE(RelativeError(p[2].grad(), ref[4]), 0.02);
+    if (bias2) {
+      EXPECT_LE(RelativeError(p[3].grad(), ref[5]), 0.02);
+    } else {
+      EXPECT_FALSE(p[3].grad().defined());
+    }
+  }
 }
 
 TEST(FusedKernelsTest, AdamWMatchesTorchOptimAdamW) {

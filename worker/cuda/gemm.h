@@ -1,0 +1,53 @@
+// bf16 matrix products through cuBLASLt with the epilogues the worker's linear layers fuse: the
+// bias add, GELU (tanh approximation) keeping its input, the GELU gradient with the bias gradient,
+// and the bias gradient of a weight-gradient product. Plain CUDA, no LibTorch.
+//
+// cuBLAS conventions: column-major, D[m, n] = op(A)[m, k] · op(B)[k, n]; a row-major [r, c] matrix
+// is a column-major [c, r] one with leading dimension c. fp32 accumulation, bf16 in and out.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+namespace ltrain::worker::cuda {
+
+enum class Epilogue {
+  kNone,
+  kBias,         // D += bias[m] along the columns
+  kGeluAuxBias,  // aux = D + bias; D = gelu(aux)
+  kDGelu,        // D = D * gelu'(aux)
+  kDGeluBGrad,   // D = D * gelu'(aux); bias_grad[m] = sum of D over its columns
+  kBGradB,       // bias_grad[n] = sum of op(B) over k
+};
+
+struct GemmArgs {
+  bool trans_a = false;
+  bool trans_b = false;
+  int64_t m = 0, n = 0, k = 0;
+  const void* a = nullptr;
+  int64_t lda = 0;
+  const void* b = nullptr;
+  int64_t ldb = 0;
+  void* d = nullptr;
+  int64_t ldd = 0;
+  Epilogue epilogue = Epilogue::kNone;
+  const void* bias = nullptr;  // kBias, kGeluAuxBias: bf16 [m]
+  void* bias_grad = nullptr;   // kDGeluBGrad: bf16 [m]; kBGradB: bf16 [n]
+  void* aux = nullptr;         // kGeluAuxBias (written), kDGelu, kDGeluBGrad (read): bf16, laid out like D
+  int64_t ld_aux = 0;
+  // D = product + beta · D (0: D is only written; 1: the product is added to what D holds).
+  float beta = 0.0f;
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+// The workspace a product may use (callers allocate it on the stream they pass).
+constexpr size_t kGemmWorkspaceBytes = size_t{32} << 20;
+
+// Queues the product on `stream` (of the current device). Returns "" or what failed.
+std::string GemmBf16(const GemmArgs& args, cudaStream_t stream);
+
+}  // namespace ltrain::worker::cuda
