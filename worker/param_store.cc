@@ -11,7 +11,8 @@
 
 namespace ltrain::worker {
 
-ReductionQueue::ReductionQueue(bool threaded) : threaded_(threaded) {
+ReductionQueue::ReductionQueue(bool threaded, const torch::Device& device) : threaded_(threaded), device_(device) {
+  if (threaded_ && device.is_cuda()) side_ = std::make_unique<compat::SideStream>(device);
   if (threaded_) thread_ = std::thread([this] { Loop(); });
 }
 
@@ -47,6 +48,16 @@ int64_t ReductionQueue::Enqueue(std::function<Status()> job) {
     done_id_ = id;
     return id;
   }
+  if (side_ && side_->active()) {
+    // Ordered after everything the enqueuing thread's stream holds now (e.g. the backward kernels
+    // that produced the gradients to reduce).
+    compat::StreamMarker ready = compat::StreamMarker::Record(device_);
+    job = [this, ready, job = std::move(job)]() {
+      compat::SideStream::Scope scope(*side_);
+      ready.Block();
+      return job();
+    };
+  }
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t id = next_id_++;
   jobs_.emplace_back(id, std::move(job));
@@ -64,7 +75,13 @@ void ReductionQueue::Loop() {
     const bool skip = !error_.ok();  // after a failure the group is unusable: fail fast
     lock.unlock();
     Status s = skip ? Status::Ok() : RunJob(job);
+    compat::StreamMarker finished;
+    if (side_ && side_->active()) {
+      compat::SideStream::Scope scope(*side_);
+      finished = compat::StreamMarker::Record(device_);
+    }
     lock.lock();
+    if (side_ && side_->active()) finished_[id] = finished;
     if (!s.ok() && error_.ok()) error_ = s;
     done_id_ = id;
     cv_.notify_all();
@@ -74,6 +91,16 @@ void ReductionQueue::Loop() {
 Status ReductionQueue::Wait(int64_t id) {
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [&] { return done_id_ >= id; });
+  // The waiting thread's stream waits for the side stream as it was after job `id` (which covers
+  // every job before it); markers up to it are not needed again.
+  auto after = finished_.upper_bound(id);
+  if (after != finished_.begin()) {
+    compat::StreamMarker finished = std::prev(after)->second;
+    finished_.erase(finished_.begin(), after);
+    lock.unlock();
+    finished.Block();
+    lock.lock();
+  }
   return error_;
 }
 
@@ -101,7 +128,8 @@ StatusOr<std::unique_ptr<ParamStore>> ParamStore::Create(std::vector<Param> para
   if (zero < 0 || zero > 3) return InvalidArgument("parallel.zero=" + std::to_string(zero) + " is not 0, 1, 2 or 3");
   if (bf16_compute && zero == 3) return InvalidArgument("bf16 compute copies need parallel.zero < 3");
   std::unique_ptr<ParamStore> store(new ParamStore(std::move(params), zero, dp, adamw));
-  store->queue_ = std::make_unique<ReductionQueue>(dp->size() > 1);
+  const torch::Device device = store->params_.empty() ? torch::Device(torch::kCPU) : store->params_[0].value->device();
+  store->queue_ = std::make_unique<ReductionQueue>(dp->size() > 1, device);
   std::vector<int64_t> numels;
   for (const Param& p : store->params_) numels.push_back(p.value->numel());
   store->unit_of_.assign(store->params_.size(), -1);

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -35,13 +36,17 @@
 #include "common/status.h"
 #include "worker/communicator.h"
 #include "worker/flat_layout.h"
+#include "worker/torch_compat.h"
 
 namespace ltrain::worker {
 
 // Runs jobs one after another on a thread of its own (or inline when made with threaded=false).
+// On CUDA a threaded queue runs its jobs on a stream of its own, so that collectives overlap the
+// computation: a job's kernels wait for what the enqueuing thread's stream had queued when it
+// enqueued it, and Wait makes the waiting thread's stream wait for the job's kernels.
 class ReductionQueue {
  public:
-  explicit ReductionQueue(bool threaded);
+  ReductionQueue(bool threaded, const torch::Device& device);
   ~ReductionQueue();
   ReductionQueue(const ReductionQueue&) = delete;
   ReductionQueue& operator=(const ReductionQueue&) = delete;
@@ -61,6 +66,10 @@ class ReductionQueue {
   int64_t next_id_ = 1;
   int64_t done_id_ = 0;
   Status error_;
+  torch::Device device_;
+  std::unique_ptr<compat::SideStream> side_;
+  std::map<int64_t, compat::StreamMarker> finished_;  // the side stream after each job
+
   bool stop_ = false;
   std::thread thread_;
 };

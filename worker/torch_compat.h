@@ -20,9 +20,12 @@
 #include <torch/optim.h>
 #include <torch/version.h>
 #if defined(LTRAIN_WITH_NCCL)
+#include <ATen/cuda/CUDAEvent.h>
 #include <ATen/native/cuda/Resize.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
 #endif
 #if TORCH_VERSION_MAJOR >= 2
 #include <ATen/ops/_fused_adamw.h>
@@ -191,6 +194,77 @@ class StepProfiler {
 
  private:
   bool running_ = false;
+};
+
+// A point in a CUDA stream's queue that work on another stream can wait for (what orders a
+// collective on its own stream after the backward kernels that produced its gradients, and the
+// optimizer after the collective). Empty, and every call a no-op, on CPU tensors.
+class StreamMarker {
+ public:
+  // Marks everything queued so far on the current stream of `device`.
+  static StreamMarker Record(const torch::Device& device) {
+    StreamMarker m;
+#if defined(LTRAIN_WITH_NCCL)
+    if (device.is_cuda()) {
+      m.event_ = std::make_shared<at::cuda::CUDAEvent>();
+      m.event_->record(c10::cuda::getCurrentCUDAStream(device.index()));
+    }
+#else
+    (void)device;
+#endif
+    return m;
+  }
+  // The current stream (of the marker's device) waits for the marked work.
+  void Block() const {
+#if defined(LTRAIN_WITH_NCCL)
+    if (event_) event_->block(c10::cuda::getCurrentCUDAStream(event_->device_index()));
+#endif
+  }
+
+ private:
+#if defined(LTRAIN_WITH_NCCL)
+  std::shared_ptr<at::cuda::CUDAEvent> event_;
+#endif
+};
+
+// A CUDA stream of its own (from LibTorch's pool) for collectives that overlap computation;
+// Scope makes it the current stream of the calling thread. No-ops on CPU.
+class SideStream {
+ public:
+  explicit SideStream(const torch::Device& device) {
+#if defined(LTRAIN_WITH_NCCL)
+    if (device.is_cuda()) stream_ = std::make_shared<c10::cuda::CUDAStream>(c10::cuda::getStreamFromPool(false, device.index()));
+#else
+    (void)device;
+#endif
+  }
+  bool active() const {
+#if defined(LTRAIN_WITH_NCCL)
+    return stream_ != nullptr;
+#else
+    return false;
+#endif
+  }
+  class Scope {
+   public:
+    explicit Scope(const SideStream& side) {
+#if defined(LTRAIN_WITH_NCCL)
+      if (side.stream_) guard_.emplace(*side.stream_);
+#else
+      (void)side;
+#endif
+    }
+
+   private:
+#if defined(LTRAIN_WITH_NCCL)
+    std::optional<c10::cuda::CUDAStreamGuard> guard_;
+#endif
+  };
+
+ private:
+#if defined(LTRAIN_WITH_NCCL)
+  std::shared_ptr<c10::cuda::CUDAStream> stream_;
+#endif
 };
 
 // Whether this LibTorch was built with CUDA (the NCCL communicator is compiled only then).
