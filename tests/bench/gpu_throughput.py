@@ -30,6 +30,9 @@ SEQ, VOCAB = 2048, 50304
 
 
 def gpus():
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip()])
     try:
         out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
         return out.count("GPU ")
@@ -133,7 +136,8 @@ def parse_worker(log):
         return None
     losses = [float(x) for x in re.findall(r"step \d+/\d+ loss ([0-9.]+)", log)]
     return {"tok_s_gpu": float(m.group(5)), "tflops_gpu": float(m.group(6)), "mfu": float(m.group(7)),
-            "peak_gib": float(m.group(8)), "step_ms": float(m.group(3)), "last_loss": losses[-1] if losses else None}
+            "peak_gib": float(m.group(8)), "step_ms": float(m.group(3)),
+            "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
 
 
 def parse_peer(out):
@@ -150,8 +154,11 @@ def show(label, r):
     if r is None:
         print(f"  {label:<34} FAILED", flush=True)
         return
+    loss = ""
+    if r.get("first_loss") is not None:
+        loss = f" loss {r['first_loss']:.3f} -> {r['last_loss']:.3f}"
     print(f"  {label:<34} {r['tok_s_gpu']:>10,.0f} tok/s/GPU {r['tflops_gpu']:>6.1f} TFLOP/s/GPU "
-          f"MFU {r['mfu']:5.1f}% peak {r['peak_gib']:5.1f} GiB", flush=True)
+          f"MFU {r['mfu']:5.1f}% peak {r['peak_gib']:5.1f} GiB{loss}", flush=True)
 
 
 def ratio(a, b):
@@ -169,6 +176,8 @@ def main():
     ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--precision", default="bf16", choices=["bf16", "bf16-autocast"],
                     help="the worker's parallel.precision (default bf16)")
+    ap.add_argument("--layouts", default="tp2,pp2,tp2dp2",
+                    help="which of the layouts suite's runs (tp2, pp2 on 2 GPUs; tp2dp2 on 4)")
     ap.add_argument("--no-peer", action="store_true", help="the worker only (for quick iterations; no ratios)")
     ap.add_argument("--workdir", default=None)
     a = ap.parse_args()
@@ -259,10 +268,13 @@ def main():
 
     if "layouts" in suites:
         print("== gpt-1.3b layouts (no peer) ==", flush=True)
-        show("tp2", worker_run("worker-tp2-gpt-1.3b", "gpt-1.3b", 2, tp=2)[0])
-        show("pp2 1F1B, 8 micro-batches", worker_run("worker-pp2-gpt-1.3b", "gpt-1.3b", 2, pp=2, pp_schedule="1f1b",
-                                                    micro_batch=4, accumulation=8)[0])
-        if have >= 4:
+        runs = a.layouts.split(",")
+        if "tp2" in runs:
+            show("tp2", worker_run("worker-tp2-gpt-1.3b", "gpt-1.3b", 2, tp=2)[0])
+        if "pp2" in runs:
+            show("pp2 1F1B, 8 micro-batches", worker_run("worker-pp2-gpt-1.3b", "gpt-1.3b", 2, pp=2, pp_schedule="1f1b",
+                                                        micro_batch=4, accumulation=8)[0])
+        if "tp2dp2" in runs and have >= 4:
             show("tp2 x dp2", worker_run("worker-tp2dp2-gpt-1.3b", "gpt-1.3b", 4, tp=2)[0])
 
     if "learning" in suites:
