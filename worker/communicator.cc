@@ -4,6 +4,12 @@
 
 namespace ltrain::worker {
 
+Status Communicator::AllReduceMean(at::Tensor& tensor) {
+  if (Status s = AllReduceSum(tensor); !s.ok()) return s;
+  if (size() > 1) tensor.div_(size());
+  return Status::Ok();
+}
+
 Status SelfCommunicator::AllReduceSum(at::Tensor& tensor) {
   if (!tensor.is_contiguous()) return InvalidArgument("AllReduceSum needs a contiguous tensor");
   return Status::Ok();

@@ -34,6 +34,9 @@ class Communicator {
 
   // Sum over ranks, in place. The tensor must be contiguous.
   virtual Status AllReduceSum(at::Tensor& tensor) = 0;
+  // Mean over ranks, in place (floating-point tensors): the sum divided by size(); NCCL divides
+  // inside the reduction, with no second pass over the tensor.
+  virtual Status AllReduceMean(at::Tensor& tensor);
   // Copies root's tensor into every rank's tensor, in place.
   virtual Status Broadcast(at::Tensor& tensor, int root) = 0;
   // output (contiguous, size() * input.numel() elements, input's dtype) receives every rank's input

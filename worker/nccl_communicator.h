@@ -42,6 +42,7 @@ class NcclCommunicator : public Communicator {
   int size() const override { return size_; }
   std::string backend() const override { return "nccl"; }
   Status AllReduceSum(at::Tensor& tensor) override;
+  Status AllReduceMean(at::Tensor& tensor) override;
   Status Broadcast(at::Tensor& tensor, int root) override;
   Status AllGather(const at::Tensor& input, at::Tensor& output) override;
   Status ReduceScatterSum(const at::Tensor& input, at::Tensor& output) override;

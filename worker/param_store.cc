@@ -269,11 +269,9 @@ void ParamStore::Launch(int u) {
   if (zero_ < 2) {
     if (dp == 1) return;
     torch::Tensor grads = unit.grad_full;
-    queue_->Enqueue([comm, grads, dp]() mutable {
+    queue_->Enqueue([comm, grads]() mutable {
       torch::NoGradGuard no_grad;
-      if (Status s = comm->AllReduceSum(grads); !s.ok()) return s;
-      grads.div_(dp);
-      return Status::Ok();
+      return comm->AllReduceMean(grads);
     });
     return;
   }

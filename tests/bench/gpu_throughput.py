@@ -142,11 +142,12 @@ def parse_worker(log):
 
 def parse_peer(out):
     rows = {}
+    # gpt_ddp.py prints no peak memory: it is then reported as 0.
     for m in re.finditer(r"pytorch(?:-ddp world=\d+)? (\S+) (eager|compile) .*?tok/s(?:/GPU)?=([0-9,]+) "
-                         r"TFLOP/s(?:/GPU)?=([0-9.]+) .*?peak_mem=([0-9.]+)GiB", out):
+                         r"TFLOP/s(?:/GPU)?=([0-9.]+)(?:.*?peak_mem=([0-9.]+)GiB)?", out):
         rows[(m.group(1), m.group(2))] = {"tok_s_gpu": float(m.group(3).replace(",", "")),
                                            "tflops_gpu": float(m.group(4)), "mfu": float(m.group(4)) / 9.89,
-                                           "peak_gib": float(m.group(5))}
+                                           "peak_gib": float(m.group(5) or 0)}
     return rows
 
 
@@ -178,6 +179,8 @@ def main():
                     help="the worker's parallel.precision (default bf16)")
     ap.add_argument("--layouts", default="tp2,pp2,tp2dp2",
                     help="which of the layouts suite's runs (tp2, pp2 on 2 GPUs; tp2dp2 on 4)")
+    ap.add_argument("--dp-env", action="append",
+                    help="dp suite: one more dp2 run of the worker with these variables (NAME=V[,NAME=V...])")
     ap.add_argument("--no-peer", action="store_true", help="the worker only (for quick iterations; no ratios)")
     ap.add_argument("--workdir", default=None)
     a = ap.parse_args()
@@ -265,6 +268,12 @@ def main():
         print(f"  dp2 per-GPU / 1 GPU {scaling:.3f}" if scaling else "  scaling: n/a", flush=True)
         print(f"  ratio worker dp2 / DDP+compile {rc:.3f}" if rc else "  ratio: n/a", flush=True)
         results["ratio-dp2-gpt-1.3b"] = {"scaling": scaling, "ddp_compile": rc, "ddp_eager": ratio(two, ddp_e)}
+        for variant in a.dp_env or []:
+            env = dict(kv.split("=", 1) for kv in variant.split(","))
+            r, _ = worker_run(f"worker-dp2-gpt-1.3b-{variant}", "gpt-1.3b", 2, env=env)
+            show(f"ltrain worker, dp2, {variant}", r)
+            if r and one:
+                print(f"    dp2 per-GPU / 1 GPU {ratio(r, one):.3f}", flush=True)
 
     if "layouts" in suites:
         print("== gpt-1.3b layouts (no peer) ==", flush=True)
