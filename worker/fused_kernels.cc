@@ -1,5 +1,6 @@
 #include "worker/fused_kernels.h"
 
+#include <cstdlib>
 #include <stdexcept>
 #include <utility>
 #include <string>
@@ -201,7 +202,12 @@ bool Bf16Cuda(const torch::Tensor& t) { return !t.defined() || (t.is_cuda() && t
 }  // namespace
 
 bool FusedLinearAvailable(const torch::Tensor& x, const torch::Tensor& w) {
-  return x.is_cuda() && Bf16Cuda(x) && Bf16Cuda(w) && w.dim() == 2 && w.is_contiguous() && w.size(0) % 8 == 0 &&
+  // LTRAIN_FUSED_LINEAR=0: LibTorch's linear layers (to compare against).
+  static const bool enabled = [] {
+    const char* v = std::getenv("LTRAIN_FUSED_LINEAR");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return enabled && x.is_cuda() && Bf16Cuda(x) && Bf16Cuda(w) && w.dim() == 2 && w.is_contiguous() && w.size(0) % 8 == 0 &&
          w.size(1) % 8 == 0;
 }
 

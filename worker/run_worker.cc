@@ -260,6 +260,8 @@ Profiling:
   LTRAIN_PROFILE=STEP:PATH rank 0 records step STEP (1-based) with the CUDA profiler (operators and
                            kernels) and writes a Chrome trace to PATH (open it in Perfetto or
                            chrome://tracing); CUDA builds only
+  LTRAIN_FUSED_LINEAR=0    LibTorch's linear layers and GELU instead of the worker's cuBLASLt ones
+                           (bf16 on CUDA), to compare speed or numerics
 
 Fault injection (for testing recovery; never set in production):
   LTRAIN_FAULT_CHECKPOINT_WRITE=STEP[:RANK]

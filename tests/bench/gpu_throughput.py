@@ -294,6 +294,10 @@ def main():
         bytes_dir = byte_data(os.path.join(work, "data-bytes"), a.data)
         w, logs = worker_run("worker-learning-gpt-124m", "gpt-124m", 1, data=bytes_dir, steps=200, vocab=256,
                              log_every=10)
+        if a.no_peer:
+            worker_losses = [(int(s), float(l)) for s, l in re.findall(r"step (\d+)/\d+ loss ([0-9.]+)", logs[0])]
+            print("  worker:", " ".join(f"{s}:{l:.3f}" for s, l in worker_losses), flush=True)
+            return 0
         p = subprocess.run([sys.executable, peer, "--model", "gpt-124m", "--data", os.path.abspath(a.data),
                             "--steps", "200", "--mode", "eager"], capture_output=True, text=True, env=peer_env(),
                            cwd=a.baselines, timeout=1200)
