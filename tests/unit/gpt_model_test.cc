@@ -6,6 +6,9 @@
 #include <gtest/gtest.h>
 #include <torch/nn.h>
 
+#include "worker/communicator.h"
+#include "worker/parallel_model.h"
+
 namespace ltrain::worker {
 namespace {
 
@@ -64,6 +67,38 @@ TEST(GptModelTest, SameSeedSameModelAndAttentionIsCausal) {
   torch::Tensor la = a->Logits(idx), lb = a->Logits(changed);
   EXPECT_TRUE(torch::allclose(la.narrow(1, 0, 10), lb.narrow(1, 0, 10)));
   EXPECT_FALSE(torch::allclose(la.narrow(1, 10, 1), lb.narrow(1, 10, 1)));
+}
+
+// The parallel runtime's model on one rank (the functional ModelShard: fused q/k/v head split,
+// MLP) computes what the module does: the same loss and the same gradients.
+TEST(GptModelTest, OneRankShardEqualsTheModule) {
+  ModelLayout layout;
+  layout.config = Tiny();
+  layout.stage_layers = {layout.config.layers};
+  SelfCommunicator self;
+  torch::manual_seed(5);
+  auto shard = ModelShard::Create(layout, &self);
+  ASSERT_TRUE(shard.ok()) << shard.status().message();
+  torch::manual_seed(5);
+  Gpt module(Tiny());
+
+  torch::manual_seed(6);
+  torch::Tensor idx = torch::randint(0, 256, {3, 16}, torch::kLong);
+  torch::Tensor targets = torch::randint(0, 256, {3, 16}, torch::kLong);
+  torch::Tensor loss_shard = (*shard)->Forward(0, idx, targets);
+  torch::Tensor loss_module = module->forward(idx, targets);
+  EXPECT_NEAR(loss_shard.item<double>(), loss_module.item<double>(), 1e-5);
+  loss_shard.backward();
+  loss_module.backward();
+  auto module_params = module->named_parameters();
+  int compared = 0;
+  for (const ShardParam& p : (*shard)->params()) {
+    const torch::Tensor& want = module_params[p.name].grad();
+    ASSERT_TRUE(p.value.grad().defined()) << p.name;
+    EXPECT_TRUE(torch::allclose(p.value.grad(), want, 1e-4, 1e-6)) << p.name;
+    ++compared;
+  }
+  EXPECT_EQ(compared, static_cast<int>(module_params.size()));
 }
 
 }  // namespace
