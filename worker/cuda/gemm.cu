@@ -1,6 +1,7 @@
 #include "worker/cuda/gemm.h"
 
 #include <array>
+#include <cstdlib>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -58,8 +59,18 @@ cublasLtEpilogue_t LtEpilogue(Epilogue e) {
 struct State {
   std::mutex mu;
   std::map<int, cublasLtHandle_t> handles;
-  std::map<std::array<int64_t, 18>, cublasLtMatmulAlgo_t> algos;
+  std::map<std::array<int64_t, 19>, cublasLtMatmulAlgo_t> algos;
 };
+
+// LTRAIN_GEMM_SM_MARGIN=N: the products are planned for N fewer SMs than the device has, leaving
+// them to collectives that run at the same time on another stream (0, the default: all SMs).
+int SmMargin() {
+  static const int margin = [] {
+    const char* v = std::getenv("LTRAIN_GEMM_SM_MARGIN");
+    return v != nullptr ? std::atoi(v) : 0;
+  }();
+  return margin;
+}
 
 State& Shared() {
   static State* state = new State();  // never destroyed: products may run until exit
@@ -106,6 +117,13 @@ std::string GemmBf16(const GemmArgs& g, cudaStream_t stream) {
   if (bias != nullptr) {
     cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias));
   }
+  int32_t sm_target = 0;
+  if (SmMargin() > 0) {
+    int sms = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (sms > SmMargin()) sm_target = sms - SmMargin();
+    cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sm_target, sizeof(sm_target));
+  }
   const bool uses_aux =
       g.epilogue == Epilogue::kGeluAuxBias || g.epilogue == Epilogue::kDGelu || g.epilogue == Epilogue::kDGeluBGrad;
   if (uses_aux) {
@@ -127,7 +145,7 @@ std::string GemmBf16(const GemmArgs& g, cudaStream_t stream) {
   }
 
   const uint32_t align_a = Alignment(g.a), align_b = Alignment(g.b), align_d = Alignment(g.d);
-  const std::array<int64_t, 18> key = {device, g.trans_a, g.trans_b, g.beta != 0.0f, g.m, g.n, g.k, g.lda, g.ldb, g.ldd,
+  const std::array<int64_t, 19> key = {device, sm_target, g.trans_a, g.trans_b, g.beta != 0.0f, g.m, g.n, g.k, g.lda, g.ldb, g.ldd,
                                        static_cast<int64_t>(g.epilogue), g.ld_aux, align_a, align_b, align_d,
                                        Alignment(bias), uses_aux ? Alignment(g.aux) : 0,
                                        static_cast<int64_t>(g.workspace_bytes)};
