@@ -69,17 +69,12 @@ void Gemm(cuda::GemmArgs args, const torch::Tensor& like) {
 // (+ bias[N]; or with kGeluAuxBias y = gelu(aux), aux = x · wᵀ + bias).
 torch::Tensor LinearProduct(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias,
                             cuda::Epilogue epilogue, const torch::Tensor& aux = {}) {
-  const int64_t m = x.size(0), k = x.size(1), n = w.size(0);
-  torch::Tensor y = torch::empty({m, n}, x.options());
-  cuda::GemmArgs g;
-  g.trans_a = true;
-  g.m = n, g.n = m, g.k = k;
-  g.a = w.data_ptr(), g.lda = k;
-  g.b = x.data_ptr(), g.ldb = k;
-  g.d = y.data_ptr(), g.ldd = n;
+  const int64_t rows = x.size(0), in = x.size(1), out = w.size(0);
+  torch::Tensor y = torch::empty({rows, out}, x.options());
+  cuda::GemmArgs g = cuda::LinearForward(x.data_ptr(), w.data_ptr(), y.data_ptr(), rows, in, out);
   g.epilogue = epilogue;
   if (bias.defined()) g.bias = bias.data_ptr();
-  if (aux.defined()) g.aux = aux.data_ptr(), g.ld_aux = n;
+  if (aux.defined()) g.aux = aux.data_ptr(), g.ld_aux = out;
   Gemm(g, x);
   return y;
 }
@@ -87,30 +82,21 @@ torch::Tensor LinearProduct(const torch::Tensor& x, const torch::Tensor& w, cons
 // dx[M, K] = grad[M, N] · w[N, K]; with kDGelu multiplied by gelu'(aux).
 torch::Tensor InputGradProduct(const torch::Tensor& grad, const torch::Tensor& w, cuda::Epilogue epilogue = cuda::Epilogue::kNone,
                                const torch::Tensor& aux = {}) {
-  const int64_t m = grad.size(0), n = grad.size(1), k = w.size(1);
-  torch::Tensor dx = torch::empty({m, k}, grad.options());
-  cuda::GemmArgs g;
-  g.m = k, g.n = m, g.k = n;
-  g.a = w.data_ptr(), g.lda = k;
-  g.b = grad.data_ptr(), g.ldb = n;
-  g.d = dx.data_ptr(), g.ldd = k;
+  const int64_t rows = grad.size(0), out = grad.size(1), in = w.size(1);
+  torch::Tensor dx = torch::empty({rows, in}, grad.options());
+  cuda::GemmArgs g = cuda::LinearInputGrad(grad.data_ptr(), w.data_ptr(), dx.data_ptr(), rows, in, out);
   g.epilogue = epilogue;
-  if (aux.defined()) g.aux = aux.data_ptr(), g.ld_aux = k;
+  if (aux.defined()) g.aux = aux.data_ptr(), g.ld_aux = in;
   Gemm(g, grad);
   return dx;
 }
 
 // dw[N, K] = grad[M, N]ᵀ · x[M, K], added to `into` when that is defined (then returns undefined).
 torch::Tensor WeightGradProduct(const torch::Tensor& grad, const torch::Tensor& x, const torch::Tensor& into) {
-  const int64_t m = grad.size(0), n = grad.size(1), k = x.size(1);
-  torch::Tensor dw = into.defined() ? into : torch::empty({n, k}, grad.options());
-  cuda::GemmArgs g;
+  const int64_t rows = grad.size(0), out = grad.size(1), in = x.size(1);
+  torch::Tensor dw = into.defined() ? into : torch::empty({out, in}, grad.options());
+  cuda::GemmArgs g = cuda::LinearWeightGrad(grad.data_ptr(), x.data_ptr(), dw.data_ptr(), rows, in, out);
   if (into.defined()) g.beta = 1.0f;
-  g.trans_b = true;
-  g.m = k, g.n = n, g.k = m;
-  g.a = x.data_ptr(), g.lda = k;
-  g.b = grad.data_ptr(), g.ldb = n;
-  g.d = dw.data_ptr(), g.ldd = k;
   Gemm(g, grad);
   return into.defined() ? torch::Tensor() : dw;
 }

@@ -133,27 +133,22 @@ void NcclCommunicator::Watch() {
   }
 }
 
-Status NcclCommunicator::AllReduceSum(at::Tensor& tensor) {
+Status NcclCommunicator::AllReduce(at::Tensor& tensor, ncclRedOp_t op) {
   if (Status s = CheckTensor(tensor); !s.ok()) return s;
   StatusOr<ncclDataType_t> type = NcclType(tensor.scalar_type());
   if (!type.ok()) return type.status();
   c10::cuda::CUDAGuard guard(tensor.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
   if (Status s = Check(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()), *type,
-                             ncclSum, comm_, stream), "AllReduce"); !s.ok()) return s;
+                             op, comm_, stream), "AllReduce"); !s.ok()) return s;
   return Track("AllReduce", stream);
 }
 
+Status NcclCommunicator::AllReduceSum(at::Tensor& tensor) { return AllReduce(tensor, ncclSum); }
+
 Status NcclCommunicator::AllReduceMean(at::Tensor& tensor) {
   if (!at::isFloatingType(tensor.scalar_type())) return Communicator::AllReduceMean(tensor);
-  if (Status s = CheckTensor(tensor); !s.ok()) return s;
-  StatusOr<ncclDataType_t> type = NcclType(tensor.scalar_type());
-  if (!type.ok()) return type.status();
-  c10::cuda::CUDAGuard guard(tensor.device());
-  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
-  if (Status s = Check(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()), *type,
-                             ncclAvg, comm_, stream), "AllReduce"); !s.ok()) return s;
-  return Track("AllReduce", stream);
+  return AllReduce(tensor, ncclAvg);
 }
 
 Status NcclCommunicator::Broadcast(at::Tensor& tensor, int root) {

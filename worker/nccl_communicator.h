@@ -64,6 +64,8 @@ class NcclCommunicator : public Communicator {
 
   NcclCommunicator(ncclComm_t comm, int rank, int size, int device, std::chrono::milliseconds timeout)
       : comm_(comm), timeout_(timeout), rank_(rank), size_(size), device_(device) {}
+  // In-place all-reduce with `op` on the current stream.
+  Status AllReduce(at::Tensor& tensor, ncclRedOp_t op);
   // After an operation was enqueued on `stream`: hands it to the watchdog.
   Status Track(const char* op, cudaStream_t stream);
   void Watch();

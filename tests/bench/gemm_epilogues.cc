@@ -41,36 +41,18 @@ void Run(GemmArgs g) {
   }
 }
 
-// y[M, N] = x[M, K] · w[N, K]ᵀ
 GemmArgs Forward(const torch::Tensor& x, const torch::Tensor& w, torch::Tensor& y) {
-  GemmArgs g;
-  g.trans_a = true;
-  g.m = w.size(0), g.n = x.size(0), g.k = x.size(1);
-  g.a = w.data_ptr(), g.lda = g.k;
-  g.b = x.data_ptr(), g.ldb = g.k;
-  g.d = y.data_ptr(), g.ldd = g.m;
-  return g;
+  return ltrain::worker::cuda::LinearForward(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.size(0), x.size(1), w.size(0));
 }
 
-// dx[M, K] = grad[M, N] · w[N, K]
 GemmArgs InputGrad(const torch::Tensor& grad, const torch::Tensor& w, torch::Tensor& dx) {
-  GemmArgs g;
-  g.m = w.size(1), g.n = grad.size(0), g.k = grad.size(1);
-  g.a = w.data_ptr(), g.lda = g.m;
-  g.b = grad.data_ptr(), g.ldb = g.k;
-  g.d = dx.data_ptr(), g.ldd = g.m;
-  return g;
+  return ltrain::worker::cuda::LinearInputGrad(grad.data_ptr(), w.data_ptr(), dx.data_ptr(), grad.size(0), w.size(1),
+                                               w.size(0));
 }
 
-// dw[N, K] = grad[M, N]ᵀ · x[M, K]
 GemmArgs WeightGrad(const torch::Tensor& grad, const torch::Tensor& x, torch::Tensor& dw) {
-  GemmArgs g;
-  g.trans_b = true;
-  g.m = x.size(1), g.n = grad.size(1), g.k = grad.size(0);
-  g.a = x.data_ptr(), g.lda = g.m;
-  g.b = grad.data_ptr(), g.ldb = g.n;
-  g.d = dw.data_ptr(), g.ldd = g.m;
-  return g;
+  return ltrain::worker::cuda::LinearWeightGrad(grad.data_ptr(), x.data_ptr(), dw.data_ptr(), x.size(0), x.size(1),
+                                                grad.size(1));
 }
 
 }  // namespace

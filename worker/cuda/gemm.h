@@ -44,6 +44,39 @@ struct GemmArgs {
   size_t workspace_bytes = 0;
 };
 
+// The three products of a linear layer over row-major x [rows, in], w [out, in]:
+//   forward          y [rows, out] = x · wᵀ
+//   input gradient  dx [rows, in]  = grad [rows, out] · w
+//   weight gradient dw [out, in]   = gradᵀ · x
+inline GemmArgs LinearForward(const void* x, const void* w, void* y, int64_t rows, int64_t in, int64_t out) {
+  GemmArgs g;
+  g.trans_a = true;
+  g.m = out, g.n = rows, g.k = in;
+  g.a = w, g.lda = in;
+  g.b = x, g.ldb = in;
+  g.d = y, g.ldd = out;
+  return g;
+}
+
+inline GemmArgs LinearInputGrad(const void* grad, const void* w, void* dx, int64_t rows, int64_t in, int64_t out) {
+  GemmArgs g;
+  g.m = in, g.n = rows, g.k = out;
+  g.a = w, g.lda = in;
+  g.b = grad, g.ldb = out;
+  g.d = dx, g.ldd = in;
+  return g;
+}
+
+inline GemmArgs LinearWeightGrad(const void* grad, const void* x, void* dw, int64_t rows, int64_t in, int64_t out) {
+  GemmArgs g;
+  g.trans_b = true;
+  g.m = in, g.n = out, g.k = rows;
+  g.a = x, g.lda = in;
+  g.b = grad, g.ldb = out;
+  g.d = dw, g.ldd = in;
+  return g;
+}
+
 // The workspace a product may use (callers allocate it on the stream they pass).
 constexpr size_t kGemmWorkspaceBytes = size_t{32} << 20;
 
