@@ -14,6 +14,9 @@ Suites (--suite, repeatable):
   layouts   2 GPUs: gpt-1.3b with tp2 and pp2 (1F1B); 4 GPUs (when present): tp2 x dp2
   learning  1 GPU: gpt-124m on byte tokens of --data for 200 steps, the worker's loss against gpt_baseline.py
   profile   1 GPU: one gpt-1.3b step of the worker under the CUDA profiler, kernel time by kind
+  large     8 GPUs (4: the same layouts scaled down): a GPT of about 7B (32 layers, d 4096, 32 heads)
+            with tp8, tp4 x dp2, tp2 x pp2 x dp2 (interleaved 1F1B) and dp8 ZeRO-3, 20 steps each; then
+            gpt-1.3b data parallel on every GPU against gpt_ddp.py
 
 DIR holds gpt_baseline.py, gpt_ddp.py and gpt_model.py. --json FILE writes every figure (rewritten
 after each one). Every line is flushed as it is printed: send the output to a file, not through a
@@ -25,6 +28,7 @@ MODELS = {  # name: layers, d_model, heads, micro_batch (gpt_baseline.py's table
     "gpt-124m": (12, 768, 12, 16),
     "gpt-350m": (24, 1024, 16, 8),
     "gpt-1.3b": (24, 2048, 16, 8),
+    "gpt-7b": (32, 4096, 32, 1),  # not in gpt_baseline.py: the worker only (large suite)
 }
 SEQ, VOCAB = 2048, 50304
 
@@ -170,7 +174,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--worker", required=True)
     ap.add_argument("--baselines", required=True)
-    ap.add_argument("--suite", action="append", choices=["single", "dp", "layouts", "learning", "profile"])
+    ap.add_argument("--suite", action="append", choices=["single", "dp", "layouts", "learning", "profile", "large"])
     ap.add_argument("--models", default="gpt-124m,gpt-350m,gpt-1.3b")
     ap.add_argument("--steps", type=int, default=15, help="worker steps (the first 3 are warm-up)")
     ap.add_argument("--data", help="text file for the learning suite")
@@ -189,7 +193,7 @@ def main():
     PRECISION = a.precision
     a.worker = os.path.abspath(a.worker)
     suites = a.suite or ["single"]
-    need = max({"single": 1, "dp": 2, "layouts": 2, "learning": 1, "profile": 1}[s] for s in suites)
+    need = max({"single": 1, "dp": 2, "layouts": 2, "learning": 1, "profile": 1, "large": 4}[s] for s in suites)
     have = gpus()
     if have < need:
         print(f"gpu_throughput: skipped, {need} GPU(s) needed, {have} here")
@@ -246,34 +250,55 @@ def main():
             print(f"  ratio worker/eager {re_:.3f}  worker/compile {rc:.3f}" if re_ and rc else "  ratio: n/a", flush=True)
             results[f"ratio-1gpu-{model}"] = {"eager": re_, "compile": rc}
 
-    if "dp" in suites:
-        print("== 2 GPUs, data parallel, gpt-1.3b ==", flush=True)
+    def data_parallel(n):
+        """gpt-1.3b on n GPUs: the worker on 1 and n GPUs, gpt_ddp.py under torchrun (eager, compile)."""
+        print(f"== {n} GPUs, data parallel, gpt-1.3b ==", flush=True)
         one = results.get("worker-1gpu-gpt-1.3b")
         if one is None:
             one, _ = worker_run("worker-1gpu-gpt-1.3b", "gpt-1.3b", 1)
-        two, _ = worker_run("worker-dp2-gpt-1.3b", "gpt-1.3b", 2)
-        p = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "2",
+        many, _ = worker_run(f"worker-dp{n}-gpt-1.3b", "gpt-1.3b", n)
+        p = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", str(n),
                             os.path.join(a.baselines, "gpt_ddp.py"), "--model", "gpt-1.3b", "--mode", "both"],
                            capture_output=True, text=True, env=peer_env(), cwd=a.baselines, timeout=1200)
         rows = parse_peer(p.stdout)
         if not rows:
             print(p.stdout[-2000:] + p.stderr[-3000:], flush=True)
         ddp_e, ddp_c = rows.get(("gpt-1.3b", "eager")), rows.get(("gpt-1.3b", "compile"))
-        results["pytorch-ddp-eager-2gpu-gpt-1.3b"], results["pytorch-ddp-compile-2gpu-gpt-1.3b"] = ddp_e, ddp_c
+        results[f"pytorch-ddp-eager-{n}gpu-gpt-1.3b"], results[f"pytorch-ddp-compile-{n}gpu-gpt-1.3b"] = ddp_e, ddp_c
         show("ltrain worker, 1 GPU", one)
-        show("ltrain worker, dp2", two)
+        show(f"ltrain worker, dp{n}", many)
         show("pytorch DDP eager", ddp_e)
         show("pytorch DDP + torch.compile", ddp_c)
-        scaling, rc = ratio(two, one), ratio(two, ddp_c)
-        print(f"  dp2 per-GPU / 1 GPU {scaling:.3f}" if scaling else "  scaling: n/a", flush=True)
-        print(f"  ratio worker dp2 / DDP+compile {rc:.3f}" if rc else "  ratio: n/a", flush=True)
-        results["ratio-dp2-gpt-1.3b"] = {"scaling": scaling, "ddp_compile": rc, "ddp_eager": ratio(two, ddp_e)}
+        scaling, rc = ratio(many, one), ratio(many, ddp_c)
+        print(f"  dp{n} per-GPU / 1 GPU {scaling:.3f}" if scaling else "  scaling: n/a", flush=True)
+        print(f"  ratio worker dp{n} / DDP+compile {rc:.3f}" if rc else "  ratio: n/a", flush=True)
+        results[f"ratio-dp{n}-gpt-1.3b"] = {"scaling": scaling, "ddp_compile": rc, "ddp_eager": ratio(many, ddp_e)}
         for variant in a.dp_env or []:
             env = dict(kv.split("=", 1) for kv in variant.split(","))
-            r, _ = worker_run(f"worker-dp2-gpt-1.3b-{variant}", "gpt-1.3b", 2, env=env)
-            show(f"ltrain worker, dp2, {variant}", r)
+            r, _ = worker_run(f"worker-dp{n}-gpt-1.3b-{variant}", "gpt-1.3b", n, env=env)
+            show(f"ltrain worker, dp{n}, {variant}", r)
             if r and one:
-                print(f"    dp2 per-GPU / 1 GPU {ratio(r, one):.3f}", flush=True)
+                print(f"    dp{n} per-GPU / 1 GPU {ratio(r, one):.3f}", flush=True)
+
+    if "dp" in suites:
+        data_parallel(2)
+
+    if "large" in suites:
+        # The GPT of about 7B with 3D layouts on every GPU of the host (8; on a 4-GPU host the same
+        # layouts scaled to 4), 20 steps each, then gpt-1.3b data parallel on all of them.
+        n = 8 if have >= 8 else 4
+        print(f"== {n} GPUs: gpt-7b layouts, 20 steps each ==", flush=True)
+        pipeline = dict(pp=2, pp_schedule="interleaved", virtual_stages=2, accumulation=8)
+        if n == 8:
+            layouts = [("tp8", dict(tp=8)), ("tp4 x dp2", dict(tp=4)), ("tp2 x pp2 x dp2, interleaved", dict(tp=2, **pipeline)),
+                       ("dp8 ZeRO-3", dict(zero=3))]
+        else:
+            layouts = [("tp4", dict(tp=4)), ("tp2 x dp2", dict(tp=2)), ("tp2 x pp2, interleaved", dict(tp=2, **pipeline)),
+                       ("dp4 ZeRO-3", dict(zero=3))]
+        for label, kw in layouts:
+            key = re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")
+            show(f"gpt-7b {label}", worker_run(f"worker-{key}-gpt-7b", "gpt-7b", n, steps=20, **kw)[0])
+        data_parallel(n)
 
     if "layouts" in suites:
         print("== gpt-1.3b layouts (no peer) ==", flush=True)
