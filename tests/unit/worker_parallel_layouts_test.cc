@@ -155,6 +155,17 @@ TEST_F(ParallelLayoutsTest, Pp4OneFOneB) { ExpectMatchesReference("pp4_1f1b", 4,
 TEST_F(ParallelLayoutsTest, Dp2Tp2) { ExpectMatchesReference("dp2_tp2", 4, "--set parallel.tp=2"); }
 TEST_F(ParallelLayoutsTest, Tp2Pp2) { ExpectMatchesReference("tp2_pp2", 4, "--set parallel.tp=2 --set parallel.pp=2"); }
 TEST_F(ParallelLayoutsTest, Dp2Pp2Zero1) { ExpectMatchesReference("dp2_pp2_zero1", 4, "--set parallel.pp=2 --set parallel.zero=1"); }
+// The layouts of an 8-GPU node at 8 ranks: tensor x interleaved pipeline x data, tensor x data,
+// and ZeRO-3 over all 8.
+TEST_F(ParallelLayoutsTest, Tp2Pp2Dp2Interleaved) {
+  ExpectMatchesReference("tp2_pp2_dp2_interleaved", 8,
+                         "--set parallel.tp=2 --set parallel.pp=2 --set parallel.pp_schedule=interleaved "
+                         "--set parallel.virtual_stages=2");
+}
+TEST_F(ParallelLayoutsTest, Tp4Dp2) { ExpectMatchesReference("tp4_dp2", 8, "--set parallel.tp=4"); }
+TEST_F(ParallelLayoutsTest, Dp8Zero3) {
+  ExpectMatchesReference("dp8_zero3", 8, "--set parallel.zero=3 --set training.micro_batch=1");
+}
 TEST_F(ParallelLayoutsTest, Dp2Zero3FullCheckpointing) {
   ExpectMatchesReference("dp2_zero3_ac_full", 2, "--set parallel.zero=3 --set parallel.activation_checkpointing=full");
 }
