@@ -185,6 +185,8 @@ def main():
                     help="which of the layouts suite's runs (tp2, pp2 on 2 GPUs; tp2dp2 on 4)")
     ap.add_argument("--dp-env", action="append",
                     help="dp suite: one more dp2 run of the worker with these variables (NAME=V[,NAME=V...])")
+    ap.add_argument("--run-timeout", type=int, default=900,
+                    help="seconds before a worker run is killed and its ranks' logs printed (default 900)")
     ap.add_argument("--no-peer", action="store_true", help="the worker only (for quick iterations; no ratios)")
     ap.add_argument("--workdir", default=None)
     a = ap.parse_args()
@@ -208,7 +210,7 @@ def main():
         env = kw.pop("env", None)
         path = recipe(os.path.join(work, key + ".yaml"), model, kw.pop("data", data), kw.pop("steps", a.steps), world, **kw)
         t0 = time.time()
-        codes, logs = run_worker(a.worker, path, world, work, env)
+        codes, logs = run_worker(a.worker, path, world, work, env, timeout=a.run_timeout)
         r = parse_worker(logs[0])
         if any(codes) or r is None:
             print(f"worker {key}: exit codes {codes}\n" + logs[0][-3000:], flush=True)
