@@ -21,6 +21,13 @@ torch::Tensor FusedLinear(const torch::Tensor& x, const torch::Tensor& w, const 
 torch::Tensor FusedMlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1, const torch::Tensor& w2,
                        const torch::Tensor& b2);
 
+// Whether FusedLayerNorm can take these: a CUDA build, bf16 CUDA input, bf16 weight and bias, a
+// width that is a multiple of 8, and LTRAIN_FUSED_LAYER_NORM=1 (off by default).
+bool FusedLayerNormAvailable(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b);
+
+// layer_norm over the last dimension (eps 1e-5) with the weight and bias gradients from our kernel.
+torch::Tensor FusedLayerNorm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b);
+
 // Whether FusedCrossEntropy can take these logits: a CUDA build, bf16 CUDA logits.
 bool FusedCrossEntropyAvailable(const torch::Tensor& logits);
 

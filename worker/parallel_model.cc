@@ -192,6 +192,11 @@ torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& w, const torch
   return at::linear(x, w, b);
 }
 
+torch::Tensor LayerNorm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+  if (FusedLayerNormAvailable(x, w, b)) return FusedLayerNorm(x, w, b);
+  return torch::layer_norm(x, {x.size(-1)}, w, b);
+}
+
 // linear(gelu_tanh(linear(x, w1, b1)), w2, b2), b2 possibly undefined.
 torch::Tensor Mlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1, const torch::Tensor& w2,
                   const torch::Tensor& b2) {
@@ -369,12 +374,12 @@ torch::Tensor ModelShard::BlockForward(int layer, const torch::Tensor& x) {
     if (tp == 1) return Linear(in, w, b);
     return row_reduce(Linear(in, w, {}), b);
   };
-  torch::Tensor a = enter(torch::layer_norm(x, {c}, P(layer, "ln1.weight"), P(layer, "ln1.bias")));
+  torch::Tensor a = enter(LayerNorm(x, P(layer, "ln1.weight"), P(layer, "ln1.bias")));
   const int64_t b = a.size(0), t = a.size(1);
   variable_list qkv = SplitHeads::apply(Linear(a, P(layer, "qkv.weight"), P(layer, "qkv.bias")), heads_local);
   torch::Tensor y = Attention(qkv[0], qkv[1], qkv[2]).transpose(1, 2).reshape({b, t, c_local});
   torch::Tensor h = x + row_out(y, P(layer, "proj.weight"), P(layer, "proj.bias"));
-  torch::Tensor m = enter(torch::layer_norm(h, {c}, P(layer, "ln2.weight"), P(layer, "ln2.bias")));
+  torch::Tensor m = enter(LayerNorm(h, P(layer, "ln2.weight"), P(layer, "ln2.bias")));
   const torch::Tensor &fc_w = P(layer, "fc.weight"), &fc_b = P(layer, "fc.bias");
   const torch::Tensor &fc2_w = P(layer, "fc2.weight"), &fc2_b = P(layer, "fc2.bias");
   if (tp == 1) return h + Mlp(m, fc_w, fc_b, fc2_w, fc2_b);
@@ -402,7 +407,7 @@ torch::Tensor ModelShard::HeadLoss(const torch::Tensor& x, const torch::Tensor& 
   const int tp = layout_.tp;
   const int64_t comm = Handle(tp_);
   const torch::Tensor& wte = params_[head_wte_].value;
-  torch::Tensor h = torch::layer_norm(x, {layout_.config.d_model}, params_[lnf_w_].value, params_[lnf_b_].value);
+  torch::Tensor h = LayerNorm(x, params_[lnf_w_].value, params_[lnf_b_].value);
   if (tp > 1) h = layout_.sequence_parallel ? GatherSeq::apply(h, comm) : CopyToTp::apply(h, comm);
   torch::Tensor logits = Linear(h, wte, {});
   logits = logits.view({-1, logits.size(-1)});

@@ -262,6 +262,8 @@ Profiling:
                            chrome://tracing); CUDA builds only
   LTRAIN_FUSED_LINEAR=0    LibTorch's linear layers and GELU instead of the worker's cuBLASLt ones
                            (bf16 on CUDA), to compare speed or numerics
+  LTRAIN_FUSED_LAYER_NORM=1  the layer norms' weight and bias gradients from the worker's own CUDA
+                           kernel (bf16 on CUDA; off by default until measured on the GPU host)
   LTRAIN_DP_OVERLAP=0      all-reduce the data-parallel gradients after backward, not during it
   LTRAIN_GEMM_SM_MARGIN=N  plan the worker's cuBLASLt products for N fewer SMs than the GPU has,
                            leaving them to the data-parallel reductions that overlap backward

@@ -157,6 +157,30 @@ TEST(FusedKernelsTest, MlpMatchesLibTorch) {
   }
 }
 
+TEST(FusedKernelsTest, LayerNormMatchesLibTorch) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  if (!FusedCrossEntropyAvailable(torch::zeros({1, 8}, bf16))) GTEST_SKIP() << "worker built without CUDA kernels";
+  torch::manual_seed(13);
+  // The benchmark's width, and rows that do not fill the last chunk nor the last column block.
+  for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{4096, 2048}, {1001, 776}}) {
+    torch::Tensor w = (1 + 0.1 * torch::randn({cols}, bf16)).detach().requires_grad_(true);
+    torch::Tensor b = (0.1 * torch::randn({cols}, bf16)).detach().requires_grad_(true);
+    torch::Tensor x = (2 * torch::randn({rows, cols}, bf16) + 0.5).requires_grad_(true);
+    torch::Tensor grad_out = torch::randn({rows, cols}, bf16);
+    std::vector<torch::Tensor> ref = Fp32Reference(
+        {x, w, b}, [](const std::vector<torch::Tensor>& t) { return torch::layer_norm(t[0], {t[0].size(-1)}, t[1], t[2]); },
+        grad_out);
+
+    torch::Tensor y = FusedLayerNorm(x, w, b);
+    y.backward(grad_out);
+    EXPECT_LE(RelativeError(y, ref[0]), 0.02) << rows << "x" << cols;
+    EXPECT_LE(RelativeError(x.grad(), ref[1]), 0.02);
+    EXPECT_LE(RelativeError(w.grad(), ref[2]), 0.02);
+    EXPECT_LE(RelativeError(b.grad(), ref[3]), 0.02);
+  }
+}
+
 TEST(FusedKernelsTest, AdamWMatchesTorchOptimAdamW) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   const torch::TensorOptions f32 = torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA);
