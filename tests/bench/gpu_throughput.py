@@ -80,6 +80,7 @@ def byte_data(root, text_file):
 
 
 PRECISION = "bf16"
+SEED = 0
 
 
 def recipe(path, model, data, steps, world, micro_batch=None, vocab=VOCAB, log_every=5, **parallel):
@@ -97,7 +98,7 @@ model: {{layers: {layers}, d_model: {d}, heads: {heads}, seq_len: {SEQ}, vocab: 
 data: {{path: {data}}}
 training: {{steps: {steps}, micro_batch: {mb}, global_batch: {mb * dp * accumulation}, lr: 3.0e-4, min_lr: 3.0e-4,
   warmup_steps: 0, lr_schedule: constant, weight_decay: 0.01, beta1: 0.9, beta2: 0.999, grad_clip: 0,
-  seed: 0, log_every: {log_every}}}
+  seed: {SEED}, log_every: {log_every}}}
 parallel: {{nodes: 1, nproc_per_node: {world}, device: cuda, precision: {PRECISION}{extra}}}
 checkpoint: {{enabled: false}}
 """)
@@ -185,14 +186,15 @@ def main():
                     help="which of the layouts suite's runs (tp2, pp2 on 2 GPUs; tp2dp2 on 4)")
     ap.add_argument("--dp-env", action="append",
                     help="dp suite: one more dp2 run of the worker with these variables (NAME=V[,NAME=V...])")
+    ap.add_argument("--seed", type=int, default=0, help="the worker's training.seed (initialization and data order)")
     ap.add_argument("--run-timeout", type=int, default=900,
                     help="seconds before a worker run is killed and its ranks' logs printed (default 900)")
     ap.add_argument("--no-peer", action="store_true", help="the worker only (for quick iterations; no ratios)")
     ap.add_argument("--workdir", default=None)
     a = ap.parse_args()
     a.baselines = os.path.abspath(a.baselines)
-    global PRECISION
-    PRECISION = a.precision
+    global PRECISION, SEED
+    PRECISION, SEED = a.precision, a.seed
     a.worker = os.path.abspath(a.worker)
     suites = a.suite or ["single"]
     need = max({"single": 1, "dp": 2, "layouts": 2, "learning": 1, "profile": 1, "large": 4}[s] for s in suites)
