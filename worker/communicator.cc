@@ -48,7 +48,7 @@ Status SelfCommunicator::Recv(at::Tensor& /*tensor*/, int src, uint32_t /*tag*/)
 
 Status FakeCommunicator::Next(const char* op, int64_t numel) {
   const int call = static_cast<int>(log_.size());
-  log_.push_back(Call{op, numel, std::chrono::steady_clock::now()});
+  log_.push_back(Call{op, numel, std::chrono::steady_clock::now(), std::this_thread::get_id()});
   if (call == fail_at_) return failure_.ok() ? Unavailable("injected collective failure") : failure_;
   return Status::Ok();
 }

@@ -14,6 +14,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <ATen/core/Tensor.h>
@@ -84,6 +85,7 @@ class FakeCommunicator : public Communicator {
     std::string op;
     int64_t numel = 0;
     std::chrono::steady_clock::time_point start;
+    std::thread::id thread;  // that made the call
   };
 
   int rank() const override { return 0; }

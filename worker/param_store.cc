@@ -124,12 +124,13 @@ ParamStore::~ParamStore() {
 
 StatusOr<std::unique_ptr<ParamStore>> ParamStore::Create(std::vector<Param> params,
                                                          const std::vector<std::vector<int>>& units, int zero,
-                                                         Communicator* dp, AdamWConfig adamw, bool bf16_compute) {
+                                                         Communicator* dp, AdamWConfig adamw, bool bf16_compute,
+                                                         bool exclusive_collectives) {
   if (zero < 0 || zero > 3) return InvalidArgument("parallel.zero=" + std::to_string(zero) + " is not 0, 1, 2 or 3");
   if (bf16_compute && zero == 3) return InvalidArgument("bf16 compute copies need parallel.zero < 3");
   std::unique_ptr<ParamStore> store(new ParamStore(std::move(params), zero, dp, adamw));
   const torch::Device device = store->params_.empty() ? torch::Device(torch::kCPU) : store->params_[0].value->device();
-  store->queue_ = std::make_unique<ReductionQueue>(dp->size() > 1, device);
+  store->queue_ = std::make_unique<ReductionQueue>(dp->size() > 1 && !exclusive_collectives, device);
   std::vector<int64_t> numels;
   for (const Param& p : store->params_) numels.push_back(p.value->numel());
   store->unit_of_.assign(store->params_.size(), -1);

@@ -99,9 +99,14 @@ class ParamStore {
   // `bf16_compute` (zero 0-2): the leaves become bf16 copies of fp32 master parameters, their
   // gradients bf16; the optimizer updates the masters and refreshes the copies (mixed precision
   // without autocast's casts in every forward and backward).
+  // `exclusive_collectives`: other communicators (tensor, pipeline parallel) run collectives while
+  // the data-parallel ones would be in flight, on a GPU. NCCL kernels of two communicators issued
+  // from two threads can then wait on each other across ranks and hang (NCCL's documentation:
+  // concurrent communicators need one issue order on every rank), so the data-parallel collectives
+  // are issued inline, by the thread that asks for them, on its stream, never beside the others.
   static StatusOr<std::unique_ptr<ParamStore>> Create(std::vector<Param> params, const std::vector<std::vector<int>>& units,
                                                       int zero, Communicator* dp, AdamWConfig adamw,
-                                                      bool bf16_compute = false);
+                                                      bool bf16_compute = false, bool exclusive_collectives = false);
   ~ParamStore();
 
   // Every dp rank starts from rank 0's parameters (zero < 3; under zero 3 every rank built the

@@ -265,7 +265,8 @@ Status Trainer::Init() {
   adamw.beta1 = t.beta1;
   adamw.beta2 = t.beta2;
   StatusOr<std::unique_ptr<ParamStore>> store =
-      ParamStore::Create(store_params, units, layout_.zero, groups_->dp, adamw, bf16_params_);
+      ParamStore::Create(store_params, units, layout_.zero, groups_->dp, adamw, bf16_params_,
+                         /*exclusive_collectives=*/device_.is_cuda() && (layout_.tp > 1 || layout_.pp > 1));
   if (!store.ok()) return store.status();
   store_ = std::move(store).value();
   if (layout_.zero == 3) {

@@ -3,6 +3,8 @@
 // store would from the same gradients, checkpoints hold the masters, and a load sets both.
 #include "worker/param_store.h"
 
+#include <thread>
+
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -85,6 +87,34 @@ TEST(ParamStoreTest, Bf16CopiesAreRefusedUnderZero3) {
   std::vector<ParamStore::Param> params = {{&leaves.w, true, true}, {&leaves.b, false, true}};
   StatusOr<std::unique_ptr<ParamStore>> store = ParamStore::Create(params, {{0, 1}}, 3, &dp, adamw, true);
   EXPECT_FALSE(store.ok());
+}
+
+// Where other communicators run collectives while the data-parallel ones would be in flight (tensor
+// or pipeline parallel on GPUs), the data-parallel collectives are issued by the thread that asks
+// for them (here the one running backward, whose hooks launch the reductions), in its order;
+// otherwise by the store's reduction thread.
+TEST(ParamStoreTest, ExclusiveCollectivesAreIssuedByTheCallingThread) {
+  for (const bool exclusive : {true, false}) {
+    FakeCommunicator dp;
+    dp.SimulateSize(2);
+    Leaves leaves = MakeLeaves();
+    std::vector<ParamStore::Param> params = {{&leaves.w, true, true}, {&leaves.b, false, true}};
+    StatusOr<std::unique_ptr<ParamStore>> made =
+        ParamStore::Create(params, {{0, 1}}, /*zero=*/0, &dp, AdamWConfig{}, /*bf16_compute=*/false, exclusive);
+    ASSERT_TRUE(made.ok()) << made.status().ToString();
+    std::unique_ptr<ParamStore> store = std::move(made).value();
+    const int before = dp.calls();
+    store->ZeroGrads();
+    store->ArmHooks(true);
+    (leaves.w.sum() + leaves.b.sum()).backward();
+    ASSERT_TRUE(store->FinishBackward().ok());
+    ASSERT_GT(dp.calls(), before);
+    for (int i = before; i < dp.calls(); ++i) {
+      EXPECT_EQ(dp.log()[i].thread == std::this_thread::get_id(), exclusive) << dp.log()[i].op;
+    }
+    // The mean over two ranks that all hold the same gradient: that gradient.
+    EXPECT_TRUE(torch::allclose(leaves.w.grad(), torch::ones({4, 3})));
+  }
 }
 
 }  // namespace
