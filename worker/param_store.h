@@ -15,8 +15,11 @@
 //
 // Threads: the training thread calls everything. Data-parallel collectives (reductions, gathers,
 // loss and norm all-reduces) run in order on one reduction thread that owns the dp communicator,
-// so they overlap backward; the hooks that launch them run on the training thread (LibTorch runs
-// CPU backward on the calling thread), so every dp rank queues them in the same order.
+// so they overlap backward; the hooks that launch them run on the thread running backward (the
+// training thread on CPU, autograd's device thread on CUDA), so every dp rank queues them in the
+// same order. On CUDA they run on a stream of their own (see ReductionQueue). Where other
+// communicators have collectives in flight at the same time on GPUs (exclusive_collectives), they
+// are issued inline instead, in the asking thread's order and on its stream.
 #pragma once
 
 #include <condition_variable>
