@@ -187,6 +187,8 @@ def main():
     ap.add_argument("--dp-env", action="append",
                     help="dp suite: one more dp2 run of the worker with these variables (NAME=V[,NAME=V...])")
     ap.add_argument("--seed", type=int, default=0, help="the worker's training.seed (initialization and data order)")
+    ap.add_argument("--learning-seeds", default="0",
+                    help="learning suite: the worker's seeds, comma-separated (0 starts where PyTorch does)")
     ap.add_argument("--run-timeout", type=int, default=900,
                     help="seconds before a worker run is killed and its ranks' logs printed (default 900)")
     ap.add_argument("--no-peer", action="store_true", help="the worker only (for quick iterations; no ratios)")
@@ -321,26 +323,30 @@ def main():
             return 2
         print("== learning: gpt-124m, byte tokens, 200 steps ==", flush=True)
         bytes_dir = byte_data(os.path.join(work, "data-bytes"), a.data)
-        w, logs = worker_run("worker-learning-gpt-124m", "gpt-124m", 1, data=bytes_dir, steps=200, vocab=256,
-                             log_every=10)
-        if a.no_peer:
-            worker_losses = [(int(s), float(l)) for s, l in re.findall(r"step (\d+)/\d+ loss ([0-9.]+)", logs[0])]
-            print("  worker:", " ".join(f"{s}:{l:.3f}" for s, l in worker_losses), flush=True)
-            return 0
-        p = subprocess.run([sys.executable, peer, "--model", "gpt-124m", "--data", os.path.abspath(a.data),
-                            "--steps", "200", "--mode", "eager"], capture_output=True, text=True, env=peer_env(),
-                           cwd=a.baselines, timeout=1200)
-        peer_losses = [(int(s), float(l)) for s, l in re.findall(r"step (\d+) loss ([0-9.]+)", p.stdout)]
-        worker_losses = [(int(s), float(l)) for s, l in re.findall(r"step (\d+)/\d+ loss ([0-9.]+)", logs[0])]
-        print("  worker:", " ".join(f"{s}:{l:.3f}" for s, l in worker_losses), flush=True)
-        print("  pytorch:", " ".join(f"{s + 1}:{l:.3f}" for s, l in peer_losses), flush=True)
-        if worker_losses and peer_losses:
-            wl, pl = worker_losses[-1][1], peer_losses[-1][1]
-            print(f"  loss at step 200: worker {wl:.4f} pytorch {pl:.4f} difference {100 * (wl - pl) / pl:+.2f}%",
-                  flush=True)
-            results["learning"] = {"worker": wl, "pytorch": pl, "relative": (wl - pl) / pl}
-        else:
-            print(p.stdout[-2000:] + p.stderr[-2000:], flush=True)
+        loss_re = r"step (\d+)/\d+ loss ([0-9.]+)"
+        curves = {}
+        for seed in [int(x) for x in a.learning_seeds.split(",")]:
+            # Seed 0 starts from the same parameters as gpt_baseline.py; the others show the spread.
+            SEED = seed
+            _, logs = worker_run(f"worker-learning-gpt-124m-seed{seed}", "gpt-124m", 1, data=bytes_dir, steps=200,
+                                 vocab=256, log_every=10)
+            curves[seed] = [(int(st), float(l)) for st, l in re.findall(loss_re, logs[0])]
+            print(f"  worker seed {seed}:", " ".join(f"{st}:{l:.3f}" for st, l in curves[seed]), flush=True)
+        SEED = a.seed
+        if not a.no_peer:
+            p = subprocess.run([sys.executable, peer, "--model", "gpt-124m", "--data", os.path.abspath(a.data),
+                                "--steps", "200", "--mode", "eager"], capture_output=True, text=True, env=peer_env(),
+                               cwd=a.baselines, timeout=1200)
+            peer_losses = [(int(st), float(l)) for st, l in re.findall(r"step (\d+) loss ([0-9.]+)", p.stdout)]
+            print("  pytorch:", " ".join(f"{st + 1}:{l:.3f}" for st, l in peer_losses), flush=True)
+            if not peer_losses:
+                print(p.stdout[-2000:] + p.stderr[-2000:], flush=True)
+            for seed, curve in curves.items():
+                if curve and peer_losses:
+                    wl, pl = curve[-1][1], peer_losses[-1][1]
+                    print(f"  loss at step 200: worker (seed {seed}) {wl:.4f} pytorch {pl:.4f} "
+                          f"difference {100 * (wl - pl) / pl:+.2f}%", flush=True)
+                    results[f"learning-seed{seed}"] = {"worker": wl, "pytorch": pl, "relative": (wl - pl) / pl}
 
     if "profile" in suites:
         print("== profile: one gpt-1.3b step of the worker ==", flush=True)
