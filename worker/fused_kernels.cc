@@ -1,6 +1,5 @@
 #include "worker/fused_kernels.h"
 
-#include <cstdlib>
 #include <stdexcept>
 #include <utility>
 #include <string>
@@ -21,6 +20,13 @@
 #include <cmath>
 
 namespace ltrain::worker {
+namespace {
+
+FusedKernelOptions kernel_options;
+
+}  // namespace
+
+void SetFusedKernelOptions(const FusedKernelOptions& options) { kernel_options = options; }
 
 #if defined(LTRAIN_WITH_CUDA_KERNELS)
 namespace {
@@ -63,6 +69,7 @@ void Gemm(cuda::GemmArgs args, const torch::Tensor& like) {
       torch::empty({static_cast<int64_t>(cuda::kGemmWorkspaceBytes)}, like.options().dtype(torch::kByte));
   args.workspace = workspace.data_ptr();
   args.workspace_bytes = cuda::kGemmWorkspaceBytes;
+  args.sm_margin = kernel_options.gemm_sm_margin;
   if (std::string error = cuda::GemmBf16(args, StreamOf(like)); !error.empty()) throw std::runtime_error(error);
 }
 
@@ -218,12 +225,7 @@ bool Bf16Cuda(const torch::Tensor& t) { return !t.defined() || (t.is_cuda() && t
 }  // namespace
 
 bool FusedLinearAvailable(const torch::Tensor& x, const torch::Tensor& w) {
-  // LTRAIN_FUSED_LINEAR=0: LibTorch's linear layers (to compare against).
-  static const bool enabled = [] {
-    const char* v = std::getenv("LTRAIN_FUSED_LINEAR");
-    return v == nullptr || std::string(v) != "0";
-  }();
-  return enabled && x.is_cuda() && Bf16Cuda(x) && Bf16Cuda(w) && w.dim() == 2 && w.is_contiguous() && w.size(0) % 8 == 0 &&
+  return kernel_options.linear && x.defined() && Bf16Cuda(x) && Bf16Cuda(w) && w.dim() == 2 && w.is_contiguous() && w.size(0) % 8 == 0 &&
          w.size(1) % 8 == 0;
 }
 
@@ -242,13 +244,8 @@ torch::Tensor FusedMlp(const torch::Tensor& x, const torch::Tensor& w1, const to
 }
 
 bool FusedLayerNormAvailable(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  // Off unless LTRAIN_FUSED_LAYER_NORM=1.
-  static const bool enabled = [] {
-    const char* v = std::getenv("LTRAIN_FUSED_LAYER_NORM");
-    return v != nullptr && std::string(v) == "1";
-  }();
-  return enabled && x.is_cuda() && x.scalar_type() == torch::kBFloat16 && w.defined() && b.defined() &&
-         w.scalar_type() == torch::kBFloat16 && b.scalar_type() == torch::kBFloat16 && x.size(-1) % 8 == 0;
+  return kernel_options.layer_norm && x.defined() && w.defined() && b.defined() && Bf16Cuda(x) && Bf16Cuda(w) &&
+         Bf16Cuda(b) && x.size(-1) % 8 == 0;
 }
 
 torch::Tensor FusedLayerNorm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {

@@ -7,8 +7,17 @@
 
 namespace ltrain::worker {
 
+// Which of the worker's own kernels run (see `ltrain-worker --help`). Set once, before training
+// starts; CPU builds ignore it.
+struct FusedKernelOptions {
+  bool linear = true;       // FusedLinear, FusedMlp (LTRAIN_FUSED_LINEAR=0 turns them off)
+  bool layer_norm = false;  // FusedLayerNorm (LTRAIN_FUSED_LAYER_NORM=1 turns it on)
+  int gemm_sm_margin = 0;   // the products are planned for this many fewer SMs (LTRAIN_GEMM_SM_MARGIN)
+};
+void SetFusedKernelOptions(const FusedKernelOptions& options);
+
 // Whether FusedLinear and FusedMlp can take input x with weight w: a CUDA build, bf16 CUDA
-// tensors, a contiguous 2-D weight whose sides are multiples of 8.
+// tensors, a contiguous 2-D weight whose sides are multiples of 8, and options.linear.
 bool FusedLinearAvailable(const torch::Tensor& x, const torch::Tensor& w);
 
 // at::linear(x, w, b) (b may be undefined) through cuBLASLt, the bias in the product's epilogue.
@@ -22,7 +31,7 @@ torch::Tensor FusedMlp(const torch::Tensor& x, const torch::Tensor& w1, const to
                        const torch::Tensor& b2);
 
 // Whether FusedLayerNorm can take these: a CUDA build, bf16 CUDA input, bf16 weight and bias, a
-// width that is a multiple of 8, and LTRAIN_FUSED_LAYER_NORM=1 (off by default).
+// width that is a multiple of 8, and options.layer_norm (off by default).
 bool FusedLayerNormAvailable(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b);
 
 // layer_norm over the last dimension (eps 1e-5) with the weight and bias gradients from our kernel.

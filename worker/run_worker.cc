@@ -20,6 +20,7 @@
 #include "worker/checkpoint.h"
 #include "worker/checkpoint_stop.h"
 #include "worker/communicator.h"
+#include "worker/fused_kernels.h"
 #include "worker/gloo_communicator.h"
 #include "worker/progress.h"
 #include "worker/progress_reporter.h"
@@ -160,6 +161,12 @@ Status Run(const WorkerEnv& env) {
   options.generation = env.generation;
   options.job_id = env.job_id;
   options.collective_timeout = CollectiveTimeout(recipe);
+  options.dp_overlap = Env("LTRAIN_DP_OVERLAP") != "0";
+  FusedKernelOptions kernels;
+  kernels.linear = Env("LTRAIN_FUSED_LINEAR") != "0";
+  kernels.layer_norm = Env("LTRAIN_FUSED_LAYER_NORM") == "1";
+  if (Status s = EnvInt("LTRAIN_GEMM_SM_MARGIN", &kernels.gemm_sm_margin); !s.ok()) return s;
+  SetFusedKernelOptions(kernels);
   StatusOr<CheckpointWriteFault> fault = CheckpointWriteFault::FromEnv();
   if (!fault.ok()) return fault.status();
   options.checkpoint_write_fault = *fault;

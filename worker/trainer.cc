@@ -5,7 +5,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -215,9 +214,7 @@ Status Trainer::Init() {
   bf16_ = device_.is_cuda() && p.precision != "fp32";
   bf16_params_ = bf16_ && p.precision != "bf16-autocast" && layout_.zero < 3;
   activation_dtype_ = bf16_params_ ? torch::kBFloat16 : torch::kFloat;
-  // LTRAIN_DP_OVERLAP=0: reduce the gradients after backward instead of during it.
-  const char* overlap_env = std::getenv("LTRAIN_DP_OVERLAP");
-  overlap_ = layout_.pp == 1 && !p.sequence_parallel && !(overlap_env != nullptr && std::string(overlap_env) == "0");
+  overlap_ = options_.dp_overlap && layout_.pp == 1 && !p.sequence_parallel;
 
   const TrainingSpec& t = recipe_.training;
   schedule_ = LrSchedule{t.lr, t.min_lr, t.warmup_steps, t.steps, t.lr_schedule != "constant"};

@@ -67,6 +67,9 @@ struct TrainerOptions {
   // Called after every completed step (`ltrain stop --checkpoint`, see CheckpointStop): true saves
   // that step like a periodic checkpoint, waits for its commit and ends Run(); an error fails Run().
   std::function<StatusOr<bool>(int64_t step)> stop_after;
+  // Data-parallel gradients reduced during backward, as each bucket completes (false: after it;
+  // LTRAIN_DP_OVERLAP=0).
+  bool dp_overlap = true;
 };
 
 class CheckpointWriter;

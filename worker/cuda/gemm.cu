@@ -1,7 +1,6 @@
 #include "worker/cuda/gemm.h"
 
 #include <array>
-#include <cstdlib>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -62,16 +61,6 @@ struct State {
   std::map<std::array<int64_t, 19>, cublasLtMatmulAlgo_t> algos;
 };
 
-// LTRAIN_GEMM_SM_MARGIN=N: the products are planned for N fewer SMs than the device has, leaving
-// them to collectives that run at the same time on another stream (0, the default: all SMs).
-int SmMargin() {
-  static const int margin = [] {
-    const char* v = std::getenv("LTRAIN_GEMM_SM_MARGIN");
-    return v != nullptr ? std::atoi(v) : 0;
-  }();
-  return margin;
-}
-
 State& Shared() {
   static State* state = new State();  // never destroyed: products may run until exit
   return *state;
@@ -118,10 +107,10 @@ std::string GemmBf16(const GemmArgs& g, cudaStream_t stream) {
     cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias));
   }
   int32_t sm_target = 0;
-  if (SmMargin() > 0) {
+  if (g.sm_margin > 0) {
     int sms = 0;
     cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    if (sms > SmMargin()) sm_target = sms - SmMargin();
+    if (sms > g.sm_margin) sm_target = sms - g.sm_margin;
     cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sm_target, sizeof(sm_target));
   }
   const bool uses_aux =

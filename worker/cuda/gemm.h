@@ -40,6 +40,9 @@ struct GemmArgs {
   int64_t ld_aux = 0;
   // D = product + beta · D (0: D is only written; 1: the product is added to what D holds).
   float beta = 0.0f;
+  // Plan for this many fewer SMs than the device has, leaving them to collectives that run at the
+  // same time on another stream (0: all SMs).
+  int sm_margin = 0;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };
