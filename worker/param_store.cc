@@ -12,7 +12,10 @@
 namespace ltrain::worker {
 
 ReductionQueue::ReductionQueue(bool threaded, const torch::Device& device) : threaded_(threaded), device_(device) {
-  if (threaded_ && device.is_cuda()) side_ = std::make_unique<compat::SideStream>(device);
+  if (threaded_ && device.is_cuda()) {
+    auto side = std::make_unique<compat::SideStream>(device);
+    if (side->active()) side_ = std::move(side);
+  }
   if (threaded_) thread_ = std::thread([this] { Loop(); });
 }
 
@@ -48,7 +51,7 @@ int64_t ReductionQueue::Enqueue(std::function<Status()> job) {
     done_id_ = id;
     return id;
   }
-  if (side_ && side_->active()) {
+  if (side_) {
     // Ordered after everything the enqueuing thread's stream holds now (e.g. the backward kernels
     // that produced the gradients to reduce).
     compat::StreamMarker ready = compat::StreamMarker::Record(device_);
@@ -76,12 +79,12 @@ void ReductionQueue::Loop() {
     lock.unlock();
     Status s = skip ? Status::Ok() : RunJob(job);
     compat::StreamMarker finished;
-    if (side_ && side_->active()) {
+    if (side_) {
       compat::SideStream::Scope scope(*side_);
       finished = compat::StreamMarker::Record(device_);
     }
     lock.lock();
-    if (side_ && side_->active()) finished_[id] = finished;
+    if (side_) finished_[id] = finished;
     if (!s.ok() && error_.ok()) error_ = s;
     done_id_ = id;
     cv_.notify_all();

@@ -70,7 +70,7 @@ class ReductionQueue {
   int64_t done_id_ = 0;
   Status error_;
   torch::Device device_;
-  std::unique_ptr<compat::SideStream> side_;
+  std::unique_ptr<compat::SideStream> side_;  // only where it is a CUDA stream
   std::map<int64_t, compat::StreamMarker> finished_;  // the side stream after each job
 
   bool stop_ = false;
