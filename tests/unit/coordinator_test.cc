@@ -459,8 +459,23 @@ v1::PushLogsRequest RankZeroLines(const std::string& job, const std::vector<std:
 }
 
 // The kRecipe job started on nodes a and b, its checkpoint of step 2 committed; the job's id.
+// `ltrain stop --checkpoint`'s options.
+StopOptions WithCheckpoint() {
+  StopOptions options;
+  options.checkpoint = true;
+  return options;
+}
+
 class CheckpointStopCoordinatorTest : public CoordinatorTest {
  protected:
+  // A job on nodes a and b that has just been asked to stop with a final checkpoint.
+  std::string StoppingWithCheckpoint(const char* recipe) {
+    Connect("a");
+    Connect("b");
+    std::string id = coordinator_->Submit(recipe, "unit.yaml")->id();
+    EXPECT_TRUE(coordinator_->Stop(id, "", WithCheckpoint()).ok());
+    return id;
+  }
   std::string RunningWithACommitOfStep2() {
     Connect("a");
     Connect("b");
@@ -474,8 +489,7 @@ class CheckpointStopCoordinatorTest : public CoordinatorTest {
 
 TEST_F(CheckpointStopCoordinatorTest, StopWithCheckpointAsksTheWorkersThenEndsStoppedWithTheFinalCommit) {
   std::string id = RunningWithACommitOfStep2();
-  StopOptions checkpoint;
-  checkpoint.checkpoint = true;
+  StopOptions checkpoint = WithCheckpoint();
   StatusOr<v1::Job> stopping = coordinator_->Stop(id, "time limit", checkpoint);
   ASSERT_TRUE(stopping.ok()) << stopping.status().ToString();
   EXPECT_EQ(stopping->state(), v1::JOB_STATE_RUNNING) << "running until the workers have saved";
@@ -504,8 +518,7 @@ TEST_F(CheckpointStopCoordinatorTest, StopWithCheckpointAsksTheWorkersThenEndsSt
 
 TEST_F(CheckpointStopCoordinatorTest, StopWithCheckpointThatTakesTooLongBecomesAPlainStop) {
   std::string id = RunningWithACommitOfStep2();
-  StopOptions checkpoint;
-  checkpoint.checkpoint = true;
+  StopOptions checkpoint = WithCheckpoint();
   checkpoint.checkpoint_timeout_ms = 10000;
   ASSERT_TRUE(coordinator_->Stop(id, "", checkpoint).ok());
   coordinator_->WaitCommand("a", 0);
@@ -533,13 +546,8 @@ TEST_F(CheckpointStopCoordinatorTest, StopWithCheckpointThatTakesTooLongBecomesA
   }
 }
 
-TEST_F(CoordinatorTest, FailureDuringStopWithCheckpointStopsInsteadOfRestarting) {
-  Connect("a");
-  Connect("b");
-  std::string id = coordinator_->Submit(kRestartingRecipe, "unit.yaml")->id();
-  StopOptions checkpoint;
-  checkpoint.checkpoint = true;
-  ASSERT_TRUE(coordinator_->Stop(id, "", checkpoint).ok());
+TEST_F(CheckpointStopCoordinatorTest, FailureDuringStopWithCheckpointStopsInsteadOfRestarting) {
+  std::string id = StoppingWithCheckpoint(kRestartingRecipe);
   ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, 1, 1)).ok());
   v1::Job job = *coordinator_->GetJob(id);
   EXPECT_EQ(job.state(), v1::JOB_STATE_STOPPED);
@@ -548,13 +556,8 @@ TEST_F(CoordinatorTest, FailureDuringStopWithCheckpointStopsInsteadOfRestarting)
   EXPECT_NE(job.cause().find("no checkpoint was ever committed"), std::string::npos) << job.cause();
 }
 
-TEST_F(CoordinatorTest, PlainStopDuringStopWithCheckpointEndsTheJobAtOnce) {
-  Connect("a");
-  Connect("b");
-  std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
-  StopOptions checkpoint;
-  checkpoint.checkpoint = true;
-  ASSERT_TRUE(coordinator_->Stop(id, "", checkpoint).ok());
+TEST_F(CheckpointStopCoordinatorTest, PlainStopDuringStopWithCheckpointEndsTheJobAtOnce) {
+  std::string id = StoppingWithCheckpoint(kRecipe);
   StatusOr<v1::Job> stopped = coordinator_->Stop(id, "interrupt");
   ASSERT_TRUE(stopped.ok());
   EXPECT_EQ(stopped->state(), v1::JOB_STATE_STOPPED);
@@ -563,8 +566,7 @@ TEST_F(CoordinatorTest, PlainStopDuringStopWithCheckpointEndsTheJobAtOnce) {
 
 TEST_F(CoordinatorTest, StopWithCheckpointOfAJobNotRunningStopsItAtOnce) {
   std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
-  StopOptions checkpoint;
-  checkpoint.checkpoint = true;
+  StopOptions checkpoint = WithCheckpoint();
   StatusOr<v1::Job> stopped = coordinator_->Stop(id, "", checkpoint);
   ASSERT_TRUE(stopped.ok());
   EXPECT_EQ(stopped->state(), v1::JOB_STATE_STOPPED);
@@ -588,13 +590,8 @@ TEST_F(CoordinatorTest, WorkersThatSayTheyStoppedAfterAFinalCheckpointEndTheJobS
   EXPECT_EQ(job.cause(), "stopped after a final checkpoint; final checkpoint of step 3 committed");
 }
 
-TEST_F(CoordinatorTest, JobThatFinishesItsStepsWhileStoppingWithCheckpointSucceeds) {
-  Connect("a");
-  Connect("b");
-  std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
-  StopOptions checkpoint;
-  checkpoint.checkpoint = true;
-  ASSERT_TRUE(coordinator_->Stop(id, "", checkpoint).ok());
+TEST_F(CheckpointStopCoordinatorTest, JobThatFinishesItsStepsWhileStoppingWithCheckpointSucceeds) {
+  std::string id = StoppingWithCheckpoint(kRecipe);
   coordinator_->PushLogs(RankZeroLines(id, {"step 5/5 loss 2.500000 lr 1.0e-03 tok/s 100 step_ms 1.0",
                                             "checkpoint step-5 written to /ck in 3 ms"}));
   for (int rank = 0; rank < 4; ++rank) ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, rank, 0)).ok());
