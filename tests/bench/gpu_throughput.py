@@ -134,12 +134,15 @@ def run_worker(worker, recipe_path, world, workdir, extra_env=None, timeout=900)
     return codes, logs
 
 
+LOSS_RE = r"step (\d+)/\d+ loss ([0-9.]+)"  # the worker's step lines: step and loss
+
+
 def parse_worker(log):
     m = re.search(r"throughput: steps (\d+)-(\d+) step_ms ([0-9.]+) tok/s (\d+) tok/s/device (\d+) "
                   r"tflops/device ([0-9.]+) mfu ([0-9.]+)% peak_mem_gib ([0-9.]+)", log)
     if not m:
         return None
-    losses = [float(x) for x in re.findall(r"step \d+/\d+ loss ([0-9.]+)", log)]
+    losses = [float(l) for _, l in re.findall(LOSS_RE, log)]
     return {"tok_s_gpu": float(m.group(5)), "tflops_gpu": float(m.group(6)), "mfu": float(m.group(7)),
             "peak_gib": float(m.group(8)), "step_ms": float(m.group(3)),
             "first_loss": losses[0] if losses else None, "last_loss": losses[-1] if losses else None}
@@ -323,14 +326,13 @@ def main():
             return 2
         print("== learning: gpt-124m, byte tokens, 200 steps ==", flush=True)
         bytes_dir = byte_data(os.path.join(work, "data-bytes"), a.data)
-        loss_re = r"step (\d+)/\d+ loss ([0-9.]+)"
         curves = {}
         for seed in [int(x) for x in a.learning_seeds.split(",")]:
             # Seed 0 starts from the same parameters as gpt_baseline.py; the others show the spread.
             SEED = seed
             _, logs = worker_run(f"worker-learning-gpt-124m-seed{seed}", "gpt-124m", 1, data=bytes_dir, steps=200,
                                  vocab=256, log_every=10)
-            curves[seed] = [(int(st), float(l)) for st, l in re.findall(loss_re, logs[0])]
+            curves[seed] = [(int(st), float(l)) for st, l in re.findall(LOSS_RE, logs[0])]
             print(f"  worker seed {seed}:", " ".join(f"{st}:{l:.3f}" for st, l in curves[seed]), flush=True)
         SEED = a.seed
         if not a.no_peer:
