@@ -1,5 +1,6 @@
 #include "worker/fused_kernels.h"
 
+#include <cstdint>
 #include <stdexcept>
 #include <utility>
 #include <string>
@@ -64,26 +65,30 @@ struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunct
 cudaStream_t StreamOf(const torch::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 
 // Runs one cuBLASLt product with a workspace from LibTorch's allocator (on the current stream).
-void Gemm(cuda::GemmArgs args, const torch::Tensor& like) {
+// Backward's products leave options.gemm_sm_margin SMs to the data-parallel reductions that run
+// beside them; forward's take every SM.
+void Gemm(cuda::GemmArgs args, const torch::Tensor& like, bool backward) {
   torch::Tensor workspace =
       torch::empty({static_cast<int64_t>(cuda::kGemmWorkspaceBytes)}, like.options().dtype(torch::kByte));
   args.workspace = workspace.data_ptr();
   args.workspace_bytes = cuda::kGemmWorkspaceBytes;
-  args.sm_margin = kernel_options.gemm_sm_margin;
+  args.sm_margin = backward ? kernel_options.gemm_sm_margin : 0;
   if (std::string error = cuda::GemmBf16(args, StreamOf(like)); !error.empty()) throw std::runtime_error(error);
 }
 
 // The three products of a linear layer, on row-major 2-D tensors. y[M, N] = x[M, K] · w[N, K]ᵀ
-// (+ bias[N]; or with kGeluAuxBias y = gelu(aux), aux = x · wᵀ + bias).
+// (+ bias[N]; or with kGeluAuxBias y = gelu(aux), aux = x · wᵀ + bias), plus `residual` [M, N] when
+// that is defined (read by the product's epilogue: no separate add).
 torch::Tensor LinearProduct(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias,
-                            cuda::Epilogue epilogue, const torch::Tensor& aux = {}) {
+                            cuda::Epilogue epilogue, const torch::Tensor& aux = {}, const torch::Tensor& residual = {}) {
   const int64_t rows = x.size(0), in = x.size(1), out = w.size(0);
   torch::Tensor y = torch::empty({rows, out}, x.options());
   cuda::GemmArgs g = cuda::LinearForward(x.data_ptr(), w.data_ptr(), y.data_ptr(), rows, in, out);
   g.epilogue = epilogue;
   if (bias.defined()) g.bias = bias.data_ptr();
   if (aux.defined()) g.aux = aux.data_ptr(), g.ld_aux = out;
-  Gemm(g, x);
+  if (residual.defined()) g.c = residual.data_ptr(), g.ldc = out, g.beta = 1.0f;
+  Gemm(g, x, false);
   return y;
 }
 
@@ -95,7 +100,7 @@ torch::Tensor InputGradProduct(const torch::Tensor& grad, const torch::Tensor& w
   cuda::GemmArgs g = cuda::LinearInputGrad(grad.data_ptr(), w.data_ptr(), dx.data_ptr(), rows, in, out);
   g.epilogue = epilogue;
   if (aux.defined()) g.aux = aux.data_ptr(), g.ld_aux = in;
-  Gemm(g, grad);
+  Gemm(g, grad, true);
   return dx;
 }
 
@@ -105,7 +110,7 @@ torch::Tensor WeightGradProduct(const torch::Tensor& grad, const torch::Tensor& 
   torch::Tensor dw = into.defined() ? into : torch::empty({out, in}, grad.options());
   cuda::GemmArgs g = cuda::LinearWeightGrad(grad.data_ptr(), x.data_ptr(), dw.data_ptr(), rows, in, out);
   if (into.defined()) g.beta = 1.0f;
-  Gemm(g, grad);
+  Gemm(g, grad, true);
   return into.defined() ? torch::Tensor() : dw;
 }
 
@@ -135,16 +140,25 @@ std::vector<int64_t> WithLast(torch::IntArrayRef sizes, int64_t last) {
   return out;
 }
 
+// The 2-D residual [rows, out] a product adds, or undefined where `residual` is the empty tensor
+// that stands for none.
+torch::Tensor Residual2d(const torch::Tensor& residual, int64_t out) {
+  if (residual.numel() == 0) return {};
+  return residual.reshape({-1, out}).contiguous();
+}
+
 struct LinearFunction : public torch::autograd::Function<LinearFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
-                               const torch::Tensor& b) {
+                               const torch::Tensor& b, const torch::Tensor& residual) {
     c10::cuda::CUDAGuard guard(x.device());
     torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
     const bool has_bias = b.numel() > 0;
-    torch::Tensor y = LinearProduct(x2, w, has_bias ? b : torch::Tensor(), has_bias ? cuda::Epilogue::kBias : cuda::Epilogue::kNone);
+    torch::Tensor y = LinearProduct(x2, w, has_bias ? b : torch::Tensor(), has_bias ? cuda::Epilogue::kBias : cuda::Epilogue::kNone,
+                                    {}, Residual2d(residual, w.size(0)));
     ctx->save_for_backward({x2, w});
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["has_bias"] = has_bias;
+    ctx->saved_data["has_residual"] = residual.numel() > 0;
     return y.view(WithLast(x.sizes(), w.size(0)));
   }
 
@@ -156,7 +170,8 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
     torch::Tensor g = grads[0].reshape({-1, w.size(0)}).contiguous();
     auto [dw, db] = WeightAndBiasGrads(g, x2, w, ctx->saved_data["has_bias"].toBool());
     torch::Tensor dx = InputGradProduct(g, w).view(ctx->saved_data["x_sizes"].toIntVector());
-    return {dx, dw, db};
+    // The residual's gradient is the output's, unchanged.
+    return {dx, dw, db, ctx->saved_data["has_residual"].toBool() ? grads[0] : torch::Tensor()};
   }
 };
 
@@ -165,16 +180,19 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
 // unfused layers would (x, the GELU's input and output).
 struct MlpFunction : public torch::autograd::Function<MlpFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w1,
-                               const torch::Tensor& b1, const torch::Tensor& w2, const torch::Tensor& b2) {
+                               const torch::Tensor& b1, const torch::Tensor& w2, const torch::Tensor& b2,
+                               const torch::Tensor& residual) {
     c10::cuda::CUDAGuard guard(x.device());
     torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
     torch::Tensor pre = torch::empty({x2.size(0), w1.size(0)}, x.options());
     torch::Tensor h = LinearProduct(x2, w1, b1, cuda::Epilogue::kGeluAuxBias, pre);
     const bool has_bias2 = b2.numel() > 0;
-    torch::Tensor y = LinearProduct(h, w2, has_bias2 ? b2 : torch::Tensor(), has_bias2 ? cuda::Epilogue::kBias : cuda::Epilogue::kNone);
+    torch::Tensor y = LinearProduct(h, w2, has_bias2 ? b2 : torch::Tensor(), has_bias2 ? cuda::Epilogue::kBias : cuda::Epilogue::kNone,
+                                    {}, Residual2d(residual, w2.size(0)));
     ctx->save_for_backward({x2, w1, pre, h, w2});
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["has_bias2"] = has_bias2;
+    ctx->saved_data["has_residual"] = residual.numel() > 0;
     return y.view(WithLast(x.sizes(), w2.size(0)));
   }
 
@@ -187,33 +205,49 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
     torch::Tensor gpre = InputGradProduct(g, w2, cuda::Epilogue::kDGelu, pre);
     auto [dw1, db1] = WeightAndBiasGrads(gpre, x2, w1, true);
     torch::Tensor dx = InputGradProduct(gpre, w1).view(ctx->saved_data["x_sizes"].toIntVector());
-    return {dx, dw1, db1, dw2, db2};
+    return {dx, dw1, db1, dw2, db2, ctx->saved_data["has_residual"].toBool() ? grads[0] : torch::Tensor()};
   }
 };
 
-// LibTorch's layer norm forward and input gradient; the weight and bias gradients from our kernel
-// (one read of dy and x, where LibTorch's takes about twice the time on H100s).
+bool Aligned16(const torch::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// LibTorch's layer norm forward; backward from our kernels: the input gradient with the residual
+// branch's gradient added in the same pass (no separate add where the two branches meet), and the
+// weight and bias gradients (one read of dy and x, where LibTorch's kernel takes about twice the
+// time on H100s). The second output is x itself: the residual branch reads x through it, so that
+// its gradient arrives here.
 struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
+  static variable_list forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
                                const torch::Tensor& b, double eps) {
     c10::cuda::CUDAGuard guard(x.device());
     torch::Tensor input = x.contiguous();
     auto [out, mean, rstd] = at::native_layer_norm(input, {input.size(-1)}, w, b, eps);
     ctx->save_for_backward({input, w, b, mean, rstd});
-    return out;
+    return {out, x};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list saved = ctx->get_saved_variables();
     const torch::Tensor &x = saved[0], &w = saved[1], &b = saved[2], &mean = saved[3], &rstd = saved[4];
     c10::cuda::CUDAGuard guard(x.device());
-    torch::Tensor dy = grads[0].contiguous();
     const int64_t cols = x.size(-1), rows = x.numel() / cols;
-    torch::Tensor dx = std::get<0>(at::native_layer_norm_backward(dy, x, {cols}, mean, rstd, w, b, {true, false, false}));
+    torch::Tensor dres = grads[1].defined() ? grads[1].contiguous() : torch::Tensor();
+    if (!grads[0].defined()) return {dres, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    torch::Tensor dy = grads[0].contiguous();
+    torch::Tensor mean_c = mean.contiguous(), rstd_c = rstd.contiguous();
+    torch::Tensor dx;
+    if (Aligned16(dy) && Aligned16(x) && Aligned16(w) && (!dres.defined() || Aligned16(dres))) {
+      dx = torch::empty_like(x);
+      cuda::LayerNormInputGrad(dy.data_ptr(), x.data_ptr(), w.data_ptr(), mean_c.data_ptr<float>(),
+                               rstd_c.data_ptr<float>(), dres.defined() ? dres.data_ptr() : nullptr, rows, cols,
+                               dx.data_ptr(), StreamOf(x));
+    } else {
+      dx = std::get<0>(at::native_layer_norm_backward(dy, x, {cols}, mean, rstd, w, b, {true, false, false}));
+      if (dres.defined()) dx.add_(dres);
+    }
     torch::Tensor dgamma = torch::empty({cols}, w.options()), dbeta = torch::empty({cols}, b.options());
     torch::Tensor partial =
         torch::empty({cuda::LayerNormPartialFloats(rows, cols)}, x.options().dtype(torch::kFloat));
-    torch::Tensor mean_c = mean.contiguous(), rstd_c = rstd.contiguous();
     cuda::LayerNormParamGrads(dy.data_ptr(), x.data_ptr(), mean_c.data_ptr<float>(), rstd_c.data_ptr<float>(), rows,
                               cols, partial.data_ptr<float>(), dgamma.data_ptr(), dbeta.data_ptr(), StreamOf(x));
     return {dx, dgamma, dbeta, torch::Tensor()};
@@ -234,13 +268,14 @@ torch::Tensor OrEmpty(const torch::Tensor& t, const torch::Tensor& like) {
   return t.defined() ? t : torch::empty({0}, like.options());
 }
 
-torch::Tensor FusedLinear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  return LinearFunction::apply(x, w, OrEmpty(b, w));
+torch::Tensor FusedLinear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+                          const torch::Tensor& residual) {
+  return LinearFunction::apply(x, w, OrEmpty(b, w), OrEmpty(residual, x));
 }
 
 torch::Tensor FusedMlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1, const torch::Tensor& w2,
-                       const torch::Tensor& b2) {
-  return MlpFunction::apply(x, w1, b1, w2, OrEmpty(b2, w2));
+                       const torch::Tensor& b2, const torch::Tensor& residual) {
+  return MlpFunction::apply(x, w1, b1, w2, OrEmpty(b2, w2), OrEmpty(residual, x));
 }
 
 bool FusedLayerNormAvailable(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
@@ -248,8 +283,10 @@ bool FusedLayerNormAvailable(const torch::Tensor& x, const torch::Tensor& w, con
          Bf16Cuda(b) && x.size(-1) % 8 == 0;
 }
 
-torch::Tensor FusedLayerNorm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  return LayerNormFunction::apply(x, w, b, 1e-5);
+std::pair<torch::Tensor, torch::Tensor> FusedLayerNorm(const torch::Tensor& x, const torch::Tensor& w,
+                                                       const torch::Tensor& b) {
+  variable_list out = LayerNormFunction::apply(x, w, b, 1e-5);
+  return {out[0], out[1]};
 }
 
 bool FusedCrossEntropyAvailable(const torch::Tensor& logits) {
@@ -261,7 +298,7 @@ torch::Tensor FusedCrossEntropy(const torch::Tensor& logits, const torch::Tensor
 }
 
 bool FusedAdamWAvailable(const torch::Tensor& param) {
-  return param.is_cuda() && param.scalar_type() == torch::kFloat;
+  return kernel_options.adamw && param.is_cuda() && param.scalar_type() == torch::kFloat;
 }
 
 void FusedAdamW(const torch::Tensor& param, const torch::Tensor& grad, const torch::Tensor& exp_avg,
@@ -292,18 +329,20 @@ bool FusedLayerNormAvailable(const torch::Tensor& /*x*/, const torch::Tensor& /*
   return false;
 }
 
-torch::Tensor FusedLayerNorm(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/, const torch::Tensor& /*b*/) {
+std::pair<torch::Tensor, torch::Tensor> FusedLayerNorm(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/,
+                                                       const torch::Tensor& /*b*/) {
   throw std::logic_error("FusedLayerNorm: this worker was built without CUDA kernels");
 }
 
 bool FusedLinearAvailable(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/) { return false; }
 
-torch::Tensor FusedLinear(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/, const torch::Tensor& /*b*/) {
+torch::Tensor FusedLinear(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/, const torch::Tensor& /*b*/,
+                          const torch::Tensor& /*residual*/) {
   throw std::logic_error("FusedLinear: this worker was built without CUDA kernels");
 }
 
 torch::Tensor FusedMlp(const torch::Tensor& /*x*/, const torch::Tensor& /*w1*/, const torch::Tensor& /*b1*/,
-                       const torch::Tensor& /*w2*/, const torch::Tensor& /*b2*/) {
+                       const torch::Tensor& /*w2*/, const torch::Tensor& /*b2*/, const torch::Tensor& /*residual*/) {
   throw std::logic_error("FusedMlp: this worker was built without CUDA kernels");
 }
 

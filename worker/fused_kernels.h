@@ -3,6 +3,8 @@
 // the composite LibTorch operations.
 #pragma once
 
+#include <utility>
+
 #include <torch/types.h>
 
 namespace ltrain::worker {
@@ -11,8 +13,9 @@ namespace ltrain::worker {
 // starts; CPU builds ignore it.
 struct FusedKernelOptions {
   bool linear = true;       // FusedLinear, FusedMlp (LTRAIN_FUSED_LINEAR=0 turns them off)
-  bool layer_norm = false;  // FusedLayerNorm (LTRAIN_FUSED_LAYER_NORM=1 turns it on)
-  int gemm_sm_margin = 0;   // the products are planned for this many fewer SMs (LTRAIN_GEMM_SM_MARGIN)
+  bool layer_norm = true;   // FusedLayerNorm (LTRAIN_FUSED_LAYER_NORM=0 turns it off)
+  bool adamw = true;        // FusedAdamW (LTRAIN_FUSED_ADAMW=0 turns it off)
+  int gemm_sm_margin = 0;   // backward's products are planned for this many fewer SMs (LTRAIN_GEMM_SM_MARGIN)
 };
 void SetFusedKernelOptions(const FusedKernelOptions& options);
 
@@ -20,22 +23,28 @@ void SetFusedKernelOptions(const FusedKernelOptions& options);
 // tensors, a contiguous 2-D weight whose sides are multiples of 8, and options.linear.
 bool FusedLinearAvailable(const torch::Tensor& x, const torch::Tensor& w);
 
-// at::linear(x, w, b) (b may be undefined) through cuBLASLt, the bias in the product's epilogue.
-// Backward adds the weight gradient straight into w's .grad where it already has one (bf16, as the
-// parameter store keeps it): no separate gradient tensor and no accumulating add.
-torch::Tensor FusedLinear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b);
+// residual + at::linear(x, w, b) (b and residual may be undefined) through cuBLASLt, the bias and
+// the residual (shaped like the output) in the product's epilogue: no separate add. Backward adds the
+// weight gradient straight into w's .grad where it already has one (bf16, as the parameter store
+// keeps it): no separate gradient tensor and no accumulating add.
+torch::Tensor FusedLinear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+                          const torch::Tensor& residual = {});
 
-// linear(gelu_tanh(linear(x, w1, b1)), w2, b2) (b2 may be undefined) with the GELU and its gradient
-// in the products' epilogues (no separate GELU kernels); weight gradients as FusedLinear's.
+// residual + linear(gelu_tanh(linear(x, w1, b1)), w2, b2) (b2 and residual may be undefined) with
+// the GELU and its gradient in the products' epilogues (no separate GELU kernels), the residual in
+// the second product's; weight gradients as FusedLinear's.
 torch::Tensor FusedMlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1, const torch::Tensor& w2,
-                       const torch::Tensor& b2);
+                       const torch::Tensor& b2, const torch::Tensor& residual = {});
 
 // Whether FusedLayerNorm can take these: a CUDA build, bf16 CUDA input, bf16 weight and bias, a
-// width that is a multiple of 8, and options.layer_norm (off by default).
+// width that is a multiple of 8, and options.layer_norm.
 bool FusedLayerNormAvailable(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b);
 
-// layer_norm over the last dimension (eps 1e-5) with the weight and bias gradients from our kernel.
-torch::Tensor FusedLayerNorm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b);
+// {layer_norm(x) over the last dimension (eps 1e-5), x}: backward runs our kernels. The second is
+// x itself for the residual branch to read: its gradient is then added to the layer norm's input
+// gradient inside the kernel, not by a separate add where the two branches meet.
+std::pair<torch::Tensor, torch::Tensor> FusedLayerNorm(const torch::Tensor& x, const torch::Tensor& w,
+                                                       const torch::Tensor& b);
 
 // Whether FusedCrossEntropy can take these logits: a CUDA build, bf16 CUDA logits.
 bool FusedCrossEntropyAvailable(const torch::Tensor& logits);
@@ -45,7 +54,8 @@ bool FusedCrossEntropyAvailable(const torch::Tensor& logits);
 // gradient flows to the logits in bf16.
 torch::Tensor FusedCrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets);
 
-// Whether FusedAdamW can update these fp32 master weights: a CUDA build, fp32 CUDA tensors.
+// Whether FusedAdamW can update these fp32 master weights: a CUDA build, fp32 CUDA tensors, and
+// options.adamw.
 bool FusedAdamWAvailable(const torch::Tensor& param);
 
 // One AdamW step (torch.optim.AdamW's update) over `param` (fp32 master weights, updated in place)

@@ -183,25 +183,47 @@ struct CheckpointAttention : public torch::autograd::Function<CheckpointAttentio
   }
 };
 
-// at::linear, not the C++ frontend's F::linear: on [b, t, in] inputs the latter runs a matmul and
-// then adds the bias in a separate broadcast kernel; at::linear folds the bias into the GEMM. On
-// bf16 CUDA tensors our cuBLASLt linear also folds the bias gradient into the weight gradient's.
-torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  if (!b.defined()) return at::linear(x, w);
-  if (FusedLinearAvailable(x, w)) return FusedLinear(x, w, b);
-  return at::linear(x, w, b);
+// Whether a fused product can add `residual` to its output of `sizes` in its epilogue.
+bool FusableResidual(const torch::Tensor& residual, const torch::Tensor& x, c10::IntArrayRef sizes) {
+  return residual.scalar_type() == x.scalar_type() && residual.device() == x.device() && residual.sizes() == sizes;
 }
 
-torch::Tensor LayerNorm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+std::vector<int64_t> OutputSizes(const torch::Tensor& x, const torch::Tensor& w) {
+  std::vector<int64_t> sizes = x.sizes().vec();
+  sizes.back() = w.size(0);
+  return sizes;
+}
+
+// residual + linear(x, w, b); b and residual may be undefined. at::linear, not the C++ frontend's
+// F::linear: on [b, t, in] inputs the latter runs a matmul and then adds the bias in a separate
+// broadcast kernel; at::linear folds the bias into the GEMM. On bf16 CUDA tensors our cuBLASLt
+// linear also adds the residual in the product's epilogue.
+torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+                     const torch::Tensor& residual = {}) {
+  // Products without a bias (the head, tensor parallelism's row-parallel layers) stay LibTorch's.
+  if (b.defined() && FusedLinearAvailable(x, w) &&
+      (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w)))) {
+    return FusedLinear(x, w, b, residual);
+  }
+  torch::Tensor y = b.defined() ? at::linear(x, w, b) : at::linear(x, w);
+  return residual.defined() ? residual + y : y;
+}
+
+// {layer_norm(x), x}: the residual branch reads x through the second, so that with our kernel its
+// gradient is added inside the layer norm's backward.
+std::pair<torch::Tensor, torch::Tensor> LayerNorm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
   if (FusedLayerNormAvailable(x, w, b)) return FusedLayerNorm(x, w, b);
-  return torch::layer_norm(x, {x.size(-1)}, w, b);
+  return {torch::layer_norm(x, {x.size(-1)}, w, b), x};
 }
 
-// linear(gelu_tanh(linear(x, w1, b1)), w2, b2), b2 possibly undefined.
+// residual + linear(gelu_tanh(linear(x, w1, b1)), w2, b2), b2 and residual possibly undefined.
 torch::Tensor Mlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1, const torch::Tensor& w2,
-                  const torch::Tensor& b2) {
-  if (FusedLinearAvailable(x, w1) && FusedLinearAvailable(x, w2)) return FusedMlp(x, w1, b1, w2, b2);
-  return Linear(torch::gelu(Linear(x, w1, b1), "tanh"), w2, b2);
+                  const torch::Tensor& b2, const torch::Tensor& residual = {}) {
+  if (FusedLinearAvailable(x, w1) && FusedLinearAvailable(x, w2) &&
+      (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w2)))) {
+    return FusedMlp(x, w1, b1, w2, b2, residual);
+  }
+  return Linear(torch::gelu(Linear(x, w1, b1), "tanh"), w2, b2, residual);
 }
 
 torch::Tensor Slice(const torch::Tensor& full, TpSplit split, int tp, int r) {
@@ -370,19 +392,22 @@ torch::Tensor ModelShard::BlockForward(int layer, const torch::Tensor& x) {
   auto row_reduce = [&](const torch::Tensor& partial, const torch::Tensor& b) {
     return (sp ? ScatterSeq::apply(partial, comm) : ReduceFromTp::apply(partial, comm)) + b;
   };
-  auto row_out = [&](const torch::Tensor& in, const torch::Tensor& w, const torch::Tensor& b) {
-    if (tp == 1) return Linear(in, w, b);
-    return row_reduce(Linear(in, w, {}), b);
+  // x + the row-parallel output of in · wᵀ + b.
+  auto row_out = [&](const torch::Tensor& x, const torch::Tensor& in, const torch::Tensor& w, const torch::Tensor& b) {
+    if (tp == 1) return Linear(in, w, b, x);
+    return x + row_reduce(Linear(in, w, {}), b);
   };
-  torch::Tensor a = enter(LayerNorm(x, P(layer, "ln1.weight"), P(layer, "ln1.bias")));
+  auto [a_local, x_res] = LayerNorm(x, P(layer, "ln1.weight"), P(layer, "ln1.bias"));
+  torch::Tensor a = enter(a_local);
   const int64_t b = a.size(0), t = a.size(1);
   variable_list qkv = SplitHeads::apply(Linear(a, P(layer, "qkv.weight"), P(layer, "qkv.bias")), heads_local);
   torch::Tensor y = Attention(qkv[0], qkv[1], qkv[2]).transpose(1, 2).reshape({b, t, c_local});
-  torch::Tensor h = x + row_out(y, P(layer, "proj.weight"), P(layer, "proj.bias"));
-  torch::Tensor m = enter(LayerNorm(h, P(layer, "ln2.weight"), P(layer, "ln2.bias")));
+  torch::Tensor h_in = row_out(x_res, y, P(layer, "proj.weight"), P(layer, "proj.bias"));
+  auto [m_local, h] = LayerNorm(h_in, P(layer, "ln2.weight"), P(layer, "ln2.bias"));
+  torch::Tensor m = enter(m_local);
   const torch::Tensor &fc_w = P(layer, "fc.weight"), &fc_b = P(layer, "fc.bias");
   const torch::Tensor &fc2_w = P(layer, "fc2.weight"), &fc2_b = P(layer, "fc2.bias");
-  if (tp == 1) return h + Mlp(m, fc_w, fc_b, fc2_w, fc2_b);
+  if (tp == 1) return Mlp(m, fc_w, fc_b, fc2_w, fc2_b, h);
   return h + row_reduce(Mlp(m, fc_w, fc_b, fc2_w, {}), fc2_b);
 }
 
@@ -407,7 +432,7 @@ torch::Tensor ModelShard::HeadLoss(const torch::Tensor& x, const torch::Tensor& 
   const int tp = layout_.tp;
   const int64_t comm = Handle(tp_);
   const torch::Tensor& wte = params_[head_wte_].value;
-  torch::Tensor h = LayerNorm(x, params_[lnf_w_].value, params_[lnf_b_].value);
+  torch::Tensor h = LayerNorm(x, params_[lnf_w_].value, params_[lnf_b_].value).first;
   if (tp > 1) h = layout_.sequence_parallel ? GatherSeq::apply(h, comm) : CopyToTp::apply(h, comm);
   torch::Tensor logits = Linear(h, wte, {});
   logits = logits.view({-1, logits.size(-1)});

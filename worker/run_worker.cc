@@ -164,7 +164,8 @@ Status Run(const WorkerEnv& env) {
   options.dp_overlap = Env("LTRAIN_DP_OVERLAP") != "0";
   FusedKernelOptions kernels;
   kernels.linear = Env("LTRAIN_FUSED_LINEAR") != "0";
-  kernels.layer_norm = Env("LTRAIN_FUSED_LAYER_NORM") == "1";
+  kernels.layer_norm = Env("LTRAIN_FUSED_LAYER_NORM") != "0";
+  kernels.adamw = Env("LTRAIN_FUSED_ADAMW") != "0";
   if (Status s = EnvInt("LTRAIN_GEMM_SM_MARGIN", &kernels.gemm_sm_margin); !s.ok()) return s;
   SetFusedKernelOptions(kernels);
   StatusOr<CheckpointWriteFault> fault = CheckpointWriteFault::FromEnv();
@@ -269,10 +270,12 @@ Profiling:
                            chrome://tracing); CUDA builds only
   LTRAIN_FUSED_LINEAR=0    LibTorch's linear layers and GELU instead of the worker's cuBLASLt ones
                            (bf16 on CUDA), to compare speed or numerics
-  LTRAIN_FUSED_LAYER_NORM=1  the layer norms' weight and bias gradients from the worker's own CUDA
-                           kernel (bf16 on CUDA; off by default until measured on the GPU host)
+  LTRAIN_FUSED_LAYER_NORM=0  LibTorch's layer norm backward instead of the worker's kernels (which
+                           add the residual branch's gradient in the same pass)
+  LTRAIN_FUSED_ADAMW=0     LibTorch's fused AdamW over fp32 copies of the bf16 gradients instead of
+                           the worker's kernel (which also writes the bf16 weights)
   LTRAIN_DP_OVERLAP=0      all-reduce the data-parallel gradients after backward, not during it
-  LTRAIN_GEMM_SM_MARGIN=N  plan the worker's cuBLASLt products for N fewer SMs than the GPU has,
+  LTRAIN_GEMM_SM_MARGIN=N  plan the cuBLASLt products of backward for N fewer SMs than the GPU has,
                            leaving them to the data-parallel reductions that overlap backward
 
 Fault injection (for testing recovery; never set in production):

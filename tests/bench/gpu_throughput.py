@@ -183,7 +183,7 @@ def main():
     ap.add_argument("--steps", type=int, default=15, help="worker steps (the first 3 are warm-up)")
     ap.add_argument("--data", help="text file for the learning suite")
     ap.add_argument("--json", help="write every figure here")
-    ap.add_argument("--precision", default="bf16", choices=["bf16", "bf16-autocast"],
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "bf16-autocast", "fp32"],
                     help="the worker's parallel.precision (default bf16)")
     ap.add_argument("--layouts", default="tp2,pp2,tp2dp2",
                     help="which of the layouts suite's runs (tp2, pp2 on 2 GPUs; tp2dp2 on 4)")
@@ -266,12 +266,14 @@ def main():
         if one is None:
             one, _ = worker_run("worker-1gpu-gpt-1.3b", "gpt-1.3b", 1)
         many, _ = worker_run(f"worker-dp{n}-gpt-1.3b", "gpt-1.3b", n)
-        p = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", str(n),
-                            os.path.join(a.baselines, "gpt_ddp.py"), "--model", "gpt-1.3b", "--mode", "both"],
-                           capture_output=True, text=True, env=peer_env(), cwd=a.baselines, timeout=1200)
-        rows = parse_peer(p.stdout)
-        if not rows:
-            print(p.stdout[-2000:] + p.stderr[-3000:], flush=True)
+        rows = {}
+        if not a.no_peer:
+            p = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", str(n),
+                                os.path.join(a.baselines, "gpt_ddp.py"), "--model", "gpt-1.3b", "--mode", "both"],
+                               capture_output=True, text=True, env=peer_env(), cwd=a.baselines, timeout=1200)
+            rows = parse_peer(p.stdout)
+            if not rows:
+                print(p.stdout[-2000:] + p.stderr[-3000:], flush=True)
         ddp_e, ddp_c = rows.get(("gpt-1.3b", "eager")), rows.get(("gpt-1.3b", "compile"))
         results[f"pytorch-ddp-eager-{n}gpu-gpt-1.3b"], results[f"pytorch-ddp-compile-{n}gpu-gpt-1.3b"] = ddp_e, ddp_c
         show("ltrain worker, 1 GPU", one)

@@ -1,6 +1,7 @@
 // The worker's own CUDA kernels against the LibTorch operations they replace. Skips where there is
 // no GPU or the worker was built without CUDA kernels.
 #include <functional>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -99,8 +100,15 @@ TEST(FusedKernelsTest, LinearMatchesLibTorch) {
     if (!FusedLinearAvailable(torch::zeros({1, 256}, bf16), wb[0])) GTEST_SKIP() << "worker built without CUDA kernels";
     torch::Tensor x = torch::randn({2, 64, 256}, bf16).requires_grad_(true);
     torch::Tensor grad_out = torch::randn({2, 64, 384}, bf16);
+    // The second case also adds a residual in the product.
+    torch::Tensor residual = offset != 0 ? torch::randn({2, 64, 384}, bf16).requires_grad_(true) : torch::Tensor();
     std::vector<torch::Tensor> ref = Fp32Reference(
-        {x, wb[0], wb[1]}, [](const std::vector<torch::Tensor>& t) { return at::linear(t[0], t[1], t[2]); }, grad_out);
+        {x, wb[0], wb[1], residual},
+        [](const std::vector<torch::Tensor>& t) {
+          torch::Tensor y = at::linear(t[0], t[1], t[2]);
+          return t[3].defined() ? t[3] + y : y;
+        },
+        grad_out);
 
     // With a gradient already there (as the parameter store keeps them) the new one is added to it.
     torch::Tensor earlier;
@@ -109,13 +117,16 @@ TEST(FusedKernelsTest, LinearMatchesLibTorch) {
       wb[0].mutable_grad() = earlier.clone();
       ref[2] += earlier.to(torch::kFloat);
     }
-    torch::Tensor y = FusedLinear(x, wb[0], wb[1]);
+    torch::Tensor y = FusedLinear(x, wb[0], wb[1], residual);
     y.backward(grad_out);
     ASSERT_EQ(y.sizes(), ref[0].sizes());
     EXPECT_LE(RelativeError(y, ref[0]), 0.02) << "offset " << offset;
     EXPECT_LE(RelativeError(x.grad(), ref[1]), 0.02);
     EXPECT_LE(RelativeError(wb[0].grad(), ref[2]), 0.02);
     EXPECT_LE(RelativeError(wb[1].grad(), ref[3]), 0.02);
+    if (residual.defined()) {
+      EXPECT_LE(RelativeError(residual.grad(), ref[4]), 1e-6);
+    }
   }
 }
 
@@ -129,11 +140,14 @@ TEST(FusedKernelsTest, MlpMatchesLibTorch) {
     torch::Tensor b2 = bias2 ? p[3] : torch::Tensor();
     torch::Tensor x = torch::randn({2, 64, 256}, bf16).requires_grad_(true);
     torch::Tensor grad_out = torch::randn({2, 64, 256}, bf16);
+    // With the second bias, also a residual added in the second product.
+    torch::Tensor residual = bias2 ? torch::randn({2, 64, 256}, bf16).requires_grad_(true) : torch::Tensor();
     std::vector<torch::Tensor> ref = Fp32Reference(
-        {x, p[0], p[1], p[2], b2},
+        {x, p[0], p[1], p[2], b2, residual},
         [](const std::vector<torch::Tensor>& t) {
           torch::Tensor h = torch::gelu(at::linear(t[0], t[1], t[2]), "tanh");
-          return t[4].defined() ? at::linear(h, t[3], t[4]) : at::linear(h, t[3]);
+          torch::Tensor y = t[4].defined() ? at::linear(h, t[3], t[4]) : at::linear(h, t[3]);
+          return t[5].defined() ? t[5] + y : y;
         },
         grad_out);
 
@@ -141,7 +155,7 @@ TEST(FusedKernelsTest, MlpMatchesLibTorch) {
       p[2].mutable_grad() = torch::ones({256, 1024}, bf16) * ref[4].abs().max().item<double>();
       ref[4] += p[2].grad().to(torch::kFloat);
     }
-    torch::Tensor y = FusedMlp(x, p[0], p[1], p[2], b2);
+    torch::Tensor y = FusedMlp(x, p[0], p[1], p[2], b2, residual);
     y.backward(grad_out);
     ASSERT_EQ(y.sizes(), ref[0].sizes());
     EXPECT_LE(RelativeError(y, ref[0]), 0.02) << "bias2 " << bias2;
@@ -151,6 +165,7 @@ TEST(FusedKernelsTest, MlpMatchesLibTorch) {
     EXPECT_LE(RelativeError(p[2].grad(), ref[4]), 0.02);
     if (bias2) {
       EXPECT_LE(RelativeError(p[3].grad(), ref[5]), 0.02);
+      EXPECT_LE(RelativeError(residual.grad(), ref[6]), 1e-6);
     } else {
       EXPECT_FALSE(p[3].grad().defined());
     }
@@ -162,20 +177,32 @@ TEST(FusedKernelsTest, LayerNormMatchesLibTorch) {
   const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
   if (!FusedCrossEntropyAvailable(torch::zeros({1, 8}, bf16))) GTEST_SKIP() << "worker built without CUDA kernels";
   torch::manual_seed(13);
-  // The benchmark's width, and rows that do not fill the last chunk nor the last column block.
-  for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{4096, 2048}, {1001, 776}}) {
-    torch::Tensor w = (1 + 0.1 * torch::randn({cols}, bf16)).detach().requires_grad_(true);
-    torch::Tensor b = (0.1 * torch::randn({cols}, bf16)).detach().requires_grad_(true);
+  // The benchmark's width with 16-byte aligned weights (our input-gradient kernel); rows that do not
+  // fill the last chunk nor the last column block, with the weights 8 bytes into a flat buffer as
+  // the parameter store may place them (LibTorch's input gradient and a separate add).
+  for (const auto& [rows, cols, offset] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{{4096, 2048, 0}, {1001, 776, 4}}) {
+    torch::Tensor flat = torch::empty({offset + 2 * cols}, bf16);
+    torch::Tensor w = flat.narrow(0, offset, cols), b = flat.narrow(0, offset + cols, cols);
+    {
+      torch::NoGradGuard no_grad;
+      w.copy_(1 + 0.1 * torch::randn({cols}, bf16));
+      b.copy_(0.1 * torch::randn({cols}, bf16));
+    }
+    w = w.detach().requires_grad_(true);
+    b = b.detach().requires_grad_(true);
     torch::Tensor x = (2 * torch::randn({rows, cols}, bf16) + 0.5).requires_grad_(true);
     torch::Tensor grad_out = torch::randn({rows, cols}, bf16);
+    // The residual branch's gradient, added to the input gradient in the kernel.
+    torch::Tensor grad_res = torch::randn({rows, cols}, bf16);
     std::vector<torch::Tensor> ref = Fp32Reference(
         {x, w, b}, [](const std::vector<torch::Tensor>& t) { return torch::layer_norm(t[0], {t[0].size(-1)}, t[1], t[2]); },
         grad_out);
 
-    torch::Tensor y = FusedLayerNorm(x, w, b);
-    y.backward(grad_out);
+    auto [y, x_res] = FusedLayerNorm(x, w, b);
+    torch::autograd::backward({y, x_res}, {grad_out, grad_res});
     EXPECT_LE(RelativeError(y, ref[0]), 0.02) << rows << "x" << cols;
-    EXPECT_LE(RelativeError(x.grad(), ref[1]), 0.02);
+    EXPECT_LE(RelativeError(x_res, x), 0.0);
+    EXPECT_LE(RelativeError(x.grad(), ref[1] + grad_res.to(torch::kFloat)), 0.02);
     EXPECT_LE(RelativeError(w.grad(), ref[2]), 0.02);
     EXPECT_LE(RelativeError(b.grad(), ref[3]), 0.02);
   }

@@ -58,7 +58,7 @@ cublasLtEpilogue_t LtEpilogue(Epilogue e) {
 struct State {
   std::mutex mu;
   std::map<int, cublasLtHandle_t> handles;
-  std::map<std::array<int64_t, 19>, cublasLtMatmulAlgo_t> algos;
+  std::map<std::array<int64_t, 21>, cublasLtMatmulAlgo_t> algos;
 };
 
 State& Shared() {
@@ -120,7 +120,7 @@ std::string GemmBf16(const GemmArgs& g, cudaStream_t stream) {
     cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &g.ld_aux, sizeof(g.ld_aux));
   }
 
-  Layout la, lb, ld;
+  Layout la, lb, ld, lc;
   const uint64_t a_rows = g.trans_a ? g.k : g.m, a_cols = g.trans_a ? g.m : g.k;
   const uint64_t b_rows = g.trans_b ? g.n : g.k, b_cols = g.trans_b ? g.k : g.n;
   if (cublasStatus_t s = cublasLtMatrixLayoutCreate(&la.l, CUDA_R_16BF, a_rows, a_cols, g.lda); s != CUBLAS_STATUS_SUCCESS) {
@@ -133,10 +133,19 @@ std::string GemmBf16(const GemmArgs& g, cudaStream_t stream) {
     return Failed("layout of D", s);
   }
 
-  const uint32_t align_a = Alignment(g.a), align_b = Alignment(g.b), align_d = Alignment(g.d);
-  const std::array<int64_t, 19> key = {device, sm_target, g.trans_a, g.trans_b, g.beta != 0.0f, g.m, g.n, g.k, g.lda, g.ldb, g.ldd,
-                                       static_cast<int64_t>(g.epilogue), g.ld_aux, align_a, align_b, align_d,
-                                       Alignment(bias), uses_aux ? Alignment(g.aux) : 0,
+  const bool own_c = g.c != nullptr;
+  if (own_c) {
+    if (cublasStatus_t s = cublasLtMatrixLayoutCreate(&lc.l, CUDA_R_16BF, g.m, g.n, g.ldc); s != CUBLAS_STATUS_SUCCESS) {
+      return Failed("layout of C", s);
+    }
+  }
+  const void* c = own_c ? g.c : g.d;
+  cublasLtMatrixLayout_t c_layout = own_c ? lc.l : ld.l;
+
+  const uint32_t align_a = Alignment(g.a), align_b = Alignment(g.b), align_c = Alignment(c), align_d = Alignment(g.d);
+  const std::array<int64_t, 21> key = {device, sm_target, g.trans_a, g.trans_b, g.beta != 0.0f, g.m, g.n, g.k, g.lda, g.ldb, g.ldd,
+                                       own_c ? g.ldc : -1, static_cast<int64_t>(g.epilogue), g.ld_aux, align_a, align_b,
+                                       align_c, align_d, Alignment(bias), uses_aux ? Alignment(g.aux) : 0,
                                        static_cast<int64_t>(g.workspace_bytes)};
   cublasLtMatmulAlgo_t algo;
   bool cached = false;
@@ -155,11 +164,11 @@ std::string GemmBf16(const GemmArgs& g, cudaStream_t stream) {
     cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof(workspace));
     cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a));
     cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b));
-    cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_d, sizeof(align_d));
+    cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c));
     cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d));
     cublasLtMatmulHeuristicResult_t result = {};
     int found = 0;
-    if (cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(handle, desc.d, la.l, lb.l, ld.l, ld.l, pref.p, 1, &result, &found);
+    if (cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(handle, desc.d, la.l, lb.l, c_layout, ld.l, pref.p, 1, &result, &found);
         s != CUBLAS_STATUS_SUCCESS || found == 0) {
       return "cuBLASLt found no algorithm for a " + std::to_string(g.m) + "x" + std::to_string(g.n) + "x" +
              std::to_string(g.k) + " bf16 product with epilogue " + std::to_string(static_cast<int>(epilogue)) +
@@ -171,7 +180,7 @@ std::string GemmBf16(const GemmArgs& g, cudaStream_t stream) {
   }
 
   const float alpha = 1.0f;
-  if (cublasStatus_t s = cublasLtMatmul(handle, desc.d, &alpha, g.a, la.l, g.b, lb.l, &g.beta, g.d, ld.l, g.d, ld.l, &algo,
+  if (cublasStatus_t s = cublasLtMatmul(handle, desc.d, &alpha, g.a, la.l, g.b, lb.l, &g.beta, c, c_layout, g.d, ld.l, &algo,
                                         g.workspace, g.workspace_bytes, stream);
       s != CUBLAS_STATUS_SUCCESS) {
     return Failed("matmul", s);

@@ -38,8 +38,11 @@ struct GemmArgs {
   void* bias_grad = nullptr;   // kDGeluBGrad: bf16 [m]; kBGradB: bf16 [n]
   void* aux = nullptr;         // kGeluAuxBias (written), kDGelu, kDGeluBGrad (read): bf16, laid out like D
   int64_t ld_aux = 0;
-  // D = product + beta · D (0: D is only written; 1: the product is added to what D holds).
+  // D = product + beta · C (+ the epilogue's bias), C laid out like D with leading dimension ldc;
+  // C null: C is D itself (beta 0: D is only written; 1: the product is added to what D holds).
   float beta = 0.0f;
+  const void* c = nullptr;
+  int64_t ldc = 0;
   // Plan for this many fewer SMs than the device has, leaving them to collectives that run at the
   // same time on another stream (0: all SMs).
   int sm_margin = 0;

@@ -1,6 +1,8 @@
-// The layer norm's weight and bias gradients in two passes: blocks of 64 columns by a chunk of rows
-// sum dy · x̂ and dy in fp32 (each warp over every 8th row, then across the warps in shared memory)
-// into per-chunk partials; a second kernel adds the chunks of each column.
+// The layer norm's backward. The input gradient: a block per row, eight columns per thread and
+// 16-byte accesses, the two row means summed in fp32 across the block, the residual gradient added
+// on the way out. The weight and bias gradients in two passes: blocks of 64 columns by a chunk of
+// rows sum dy · x̂ and dy in fp32 (each warp over every 8th row, then across the warps in shared
+// memory) into per-chunk partials; a second kernel adds the chunks of each column.
 #include "worker/cuda/layer_norm.h"
 
 #include <cuda_bf16.h>
@@ -67,9 +69,89 @@ __global__ void AddChunks(const float* partial, int64_t chunks, int64_t cols, __
   }
 }
 
+constexpr int kRowThreads = 256;
+
+struct alignas(16) Bf16x8 {
+  __nv_bfloat162 v[4];
+};
+
+__device__ __forceinline__ void Unpack(const Bf16x8& p, float (&out)[8]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(p.v[i]);
+    out[2 * i] = f.x;
+    out[2 * i + 1] = f.y;
+  }
+}
+
+// Sums a and b over the block (kRowThreads threads); every thread gets both sums.
+__device__ __forceinline__ void BlockSum2(float& a, float& b) {
+  __shared__ float part[2][kRowThreads / 32];
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    a += __shfl_xor_sync(0xffffffffu, a, offset);
+    b += __shfl_xor_sync(0xffffffffu, b, offset);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) part[0][warp] = a, part[1][warp] = b;
+  __syncthreads();
+  a = 0.f, b = 0.f;
+#pragma unroll
+  for (int w = 0; w < kRowThreads / 32; ++w) a += part[0][w], b += part[1][w];
+}
+
+__global__ void InputGrad(const Bf16x8* dy, const Bf16x8* x, const Bf16x8* gamma, const float* mean,
+                          const float* rstd, const Bf16x8* dres, int64_t vecs, Bf16x8* dx) {
+  const int64_t row = blockIdx.x;
+  const float m = mean[row], s = rstd[row];
+  const Bf16x8* dy_row = dy + row * vecs;
+  const Bf16x8* x_row = x + row * vecs;
+  // First pass: Σ dy·γ and Σ dy·γ·x̂ over the row.
+  float sum_g = 0.f, sum_gx = 0.f;
+  for (int64_t v = threadIdx.x; v < vecs; v += kRowThreads) {
+    float d[8], xv[8], g[8];
+    Unpack(dy_row[v], d);
+    Unpack(x_row[v], xv);
+    Unpack(gamma[v], g);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const float wdy = d[i] * g[i];
+      sum_g += wdy;
+      sum_gx += wdy * (xv[i] - m) * s;
+    }
+  }
+  BlockSum2(sum_g, sum_gx);
+  const float cols = static_cast<float>(vecs * 8);
+  const float mean_g = sum_g / cols, mean_gx = sum_gx / cols;
+  // Second pass (the row is in cache): the gradient, plus the residual's.
+  for (int64_t v = threadIdx.x; v < vecs; v += kRowThreads) {
+    float d[8], xv[8], g[8], r[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+    Unpack(dy_row[v], d);
+    Unpack(x_row[v], xv);
+    Unpack(gamma[v], g);
+    if (dres != nullptr) Unpack(dres[row * vecs + v], r);
+    Bf16x8 out;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float a = (d[2 * i] * g[2 * i] - mean_g - (xv[2 * i] - m) * s * mean_gx) * s + r[2 * i];
+      const float b = (d[2 * i + 1] * g[2 * i + 1] - mean_g - (xv[2 * i + 1] - m) * s * mean_gx) * s + r[2 * i + 1];
+      out.v[i] = __floats2bfloat162_rn(a, b);
+    }
+    dx[row * vecs + v] = out;
+  }
+}
+
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 }  // namespace
+
+void LayerNormInputGrad(const void* dy, const void* x, const void* gamma, const float* mean, const float* rstd,
+                        const void* dres, int64_t rows, int64_t cols, void* dx, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return;
+  InputGrad<<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(
+      static_cast<const Bf16x8*>(dy), static_cast<const Bf16x8*>(x), static_cast<const Bf16x8*>(gamma), mean, rstd,
+      static_cast<const Bf16x8*>(dres), cols / 8, static_cast<Bf16x8*>(dx));
+}
 
 int64_t LayerNormRowChunks(int64_t rows, int64_t cols) {
   // About 1024 blocks in all, each chunk at least 8 rows (one per warp).

@@ -1,4 +1,5 @@
-// Launcher of the layer norm's weight and bias gradients (worker/cuda/layer_norm.cu): column sums of
+// Launchers of the layer norm's backward kernels (worker/cuda/layer_norm.cu): the input gradient,
+// with a residual gradient added in the same pass, and the weight and bias gradients, column sums of
 // dy · x̂ and dy over the rows, read once each. Plain CUDA, no LibTorch.
 #pragma once
 
@@ -18,5 +19,11 @@ inline int64_t LayerNormPartialFloats(int64_t rows, int64_t cols) { return Layer
 // bf16, summed in fp32.
 void LayerNormParamGrads(const void* dy, const void* x, const float* mean, const float* rstd, int64_t rows,
                          int64_t cols, float* partial, void* dgamma, void* dbeta, cudaStream_t stream);
+
+// dx = rstd · (dy·γ − mean(dy·γ) − x̂ · mean(dy·γ·x̂)) (+ dres), per row, in bf16 computed in fp32.
+// dy, x, dres (may be null), dx: bf16 [rows, cols], cols a multiple of 8, 16-byte aligned rows;
+// gamma: bf16 [cols]; mean, rstd: fp32 [rows].
+void LayerNormInputGrad(const void* dy, const void* x, const void* gamma, const float* mean, const float* rstd,
+                        const void* dres, int64_t rows, int64_t cols, void* dx, cudaStream_t stream);
 
 }  // namespace ltrain::worker::cuda
