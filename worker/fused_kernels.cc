@@ -13,6 +13,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "worker/cuda/adamw.h"
+#include "worker/cuda/column_sums.h"
 #include "worker/cuda/cross_entropy.h"
 #include "worker/cuda/gemm.h"
 #include "worker/cuda/layer_norm.h"
@@ -124,6 +125,19 @@ torch::Tensor AccumulationTarget(const torch::Tensor& w) {
   return grad;
 }
 
+bool Aligned16(const torch::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// The bias gradient of a product whose output gradient is g [rows, cols] (contiguous): its column
+// sums, from our kernel where the layout allows (one read at the card's bandwidth).
+torch::Tensor BiasGrad(const torch::Tensor& g) {
+  const int64_t rows = g.size(0), cols = g.size(1);
+  if (cols % 8 != 0 || !Aligned16(g)) return g.sum(0);
+  torch::Tensor out = torch::empty({cols}, g.options());
+  torch::Tensor partial = torch::empty({cuda::ColumnSumsPartialFloats(rows, cols)}, g.options().dtype(torch::kFloat));
+  cuda::ColumnSums(g.data_ptr(), rows, cols, partial.data_ptr<float>(), out.data_ptr(), StreamOf(g));
+  return out;
+}
+
 // The weight gradient of a linear layer: added straight into w's .grad when it has one (then the
 // returned gradient is undefined and autograd has nothing to accumulate), else a new tensor. The bias
 // gradient is a column sum: cuBLASLt's BGRADB epilogue costs more than the sum on H100s
@@ -131,7 +145,7 @@ torch::Tensor AccumulationTarget(const torch::Tensor& w) {
 std::pair<torch::Tensor, torch::Tensor> WeightAndBiasGrads(const torch::Tensor& g, const torch::Tensor& x,
                                                            const torch::Tensor& w, bool has_bias) {
   torch::Tensor dw = WeightGradProduct(g, x, AccumulationTarget(w));
-  return {dw, has_bias ? g.sum(0) : torch::Tensor()};
+  return {dw, has_bias ? BiasGrad(g) : torch::Tensor()};
 }
 
 std::vector<int64_t> WithLast(torch::IntArrayRef sizes, int64_t last) {
@@ -209,7 +223,71 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
   }
 };
 
-bool Aligned16(const torch::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+// The q/k/v projection as three products, one per third of the weight, each writing a plane of its
+// own: q, k and v come out as dense [b, t, heads, d] tensors, viewed [b, heads, t, d]. Attention then
+// reads them without copies, allocates its output and its gradients in the same layout (so the
+// output's [b, t, c] view and the gradients' flattening are free), where slices of one [b, t, 3c]
+// product would cost a strided copy of the output forward, of its gradient and of q/k/v's gradients
+// backward.
+struct QkvFunction : public torch::autograd::Function<QkvFunction> {
+  static variable_list forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
+                               const torch::Tensor& b, int64_t heads) {
+    c10::cuda::CUDAGuard guard(x.device());
+    torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
+    const int64_t rows = x2.size(0), in = x2.size(1), c = w.size(0) / 3;
+    const bool has_bias = b.numel() > 0;
+    torch::Tensor planes = torch::empty({3, rows, c}, x.options());
+    for (int64_t i = 0; i < 3; ++i) {
+      cuda::GemmArgs g =
+          cuda::LinearForward(x2.data_ptr(), w.narrow(0, i * c, c).data_ptr(), planes[i].data_ptr(), rows, in, c);
+      if (has_bias) {
+        g.epilogue = cuda::Epilogue::kBias;
+        g.bias = b.narrow(0, i * c, c).data_ptr();
+      }
+      Gemm(g, x2, false);
+    }
+    ctx->save_for_backward({x2, w});
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["has_bias"] = has_bias;
+    const int64_t batch = x.size(0), t = rows / batch;
+    variable_list out;
+    for (int64_t i = 0; i < 3; ++i) out.push_back(planes[i].view({batch, t, heads, c / heads}).transpose(1, 2));
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor &x2 = saved[0], &w = saved[1];
+    c10::cuda::CUDAGuard guard(x2.device());
+    const int64_t rows = x2.size(0), in = x2.size(1), c = w.size(0) / 3;
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    torch::Tensor into = AccumulationTarget(w);
+    torch::Tensor dw = into.defined() ? torch::Tensor() : torch::empty_like(w);
+    torch::Tensor db = has_bias ? torch::empty({3 * c}, x2.options()) : torch::Tensor();
+    torch::Tensor dx = torch::empty({rows, in}, x2.options());
+    bool dx_written = false;
+    for (int64_t i = 0; i < 3; ++i) {
+      torch::Tensor dw_i = (into.defined() ? into : dw).narrow(0, i * c, c);
+      if (!grads[i].defined()) {
+        if (!into.defined()) dw_i.zero_();
+        if (has_bias) db.narrow(0, i * c, c).zero_();
+        continue;
+      }
+      // [b, heads, t, d] back to [rows, c]: a view where attention kept the layout it was given.
+      torch::Tensor g = grads[i].transpose(1, 2).contiguous().view({rows, c});
+      cuda::GemmArgs wg = cuda::LinearWeightGrad(g.data_ptr(), x2.data_ptr(), dw_i.data_ptr(), rows, in, c);
+      if (into.defined()) wg.beta = 1.0f;
+      Gemm(wg, g, true);
+      cuda::GemmArgs ig = cuda::LinearInputGrad(g.data_ptr(), w.narrow(0, i * c, c).data_ptr(), dx.data_ptr(), rows, in, c);
+      if (dx_written) ig.beta = 1.0f;
+      Gemm(ig, g, true);
+      dx_written = true;
+      if (has_bias) db.narrow(0, i * c, c).copy_(BiasGrad(g));
+    }
+    if (!dx_written) dx.zero_();
+    return {dx.view(ctx->saved_data["x_sizes"].toIntVector()), dw, db, torch::Tensor()};
+  }
+};
 
 // LibTorch's layer norm forward; backward from our kernels: the input gradient with the residual
 // branch's gradient added in the same pass (no separate add where the two branches meet), and the
@@ -278,6 +356,10 @@ torch::Tensor FusedMlp(const torch::Tensor& x, const torch::Tensor& w1, const to
   return MlpFunction::apply(x, w1, b1, w2, OrEmpty(b2, w2), OrEmpty(residual, x));
 }
 
+std::vector<torch::Tensor> FusedQkv(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, int64_t heads) {
+  return QkvFunction::apply(x, w, OrEmpty(b, w), heads);
+}
+
 bool FusedLayerNormAvailable(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
   return kernel_options.layer_norm && x.defined() && w.defined() && b.defined() && Bf16Cuda(x) && Bf16Cuda(w) &&
          Bf16Cuda(b) && x.size(-1) % 8 == 0;
@@ -344,6 +426,11 @@ torch::Tensor FusedLinear(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/
 torch::Tensor FusedMlp(const torch::Tensor& /*x*/, const torch::Tensor& /*w1*/, const torch::Tensor& /*b1*/,
                        const torch::Tensor& /*w2*/, const torch::Tensor& /*b2*/, const torch::Tensor& /*residual*/) {
   throw std::logic_error("FusedMlp: this worker was built without CUDA kernels");
+}
+
+std::vector<torch::Tensor> FusedQkv(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/, const torch::Tensor& /*b*/,
+                                    int64_t /*heads*/) {
+  throw std::logic_error("FusedQkv: this worker was built without CUDA kernels");
 }
 
 bool FusedCrossEntropyAvailable(const torch::Tensor& /*logits*/) { return false; }

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <utility>
+#include <vector>
 
 #include <torch/types.h>
 
@@ -35,6 +36,12 @@ torch::Tensor FusedLinear(const torch::Tensor& x, const torch::Tensor& w, const 
 // the second product's; weight gradients as FusedLinear's.
 torch::Tensor FusedMlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1, const torch::Tensor& w2,
                        const torch::Tensor& b2, const torch::Tensor& residual = {});
+
+// The attention's q, k, v [b, heads, t, d] from x [b, t, in] and the stacked weight w [3c, in] (rows
+// q, k, v) with bias b [3c] (may be undefined), as the slices of linear(x, w, b) viewed
+// [b, t, 3, heads, d] would give them, but each a dense tensor of its own (no copies around the
+// attention kernel); weight gradients as FusedLinear's. Takes what FusedLinearAvailable(x, w) does.
+std::vector<torch::Tensor> FusedQkv(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, int64_t heads);
 
 // Whether FusedLayerNorm can take these: a CUDA build, bf16 CUDA input, bf16 weight and bias, a
 // width that is a multiple of 8, and options.layer_norm.

@@ -400,7 +400,9 @@ torch::Tensor ModelShard::BlockForward(int layer, const torch::Tensor& x) {
   auto [a_local, x_res] = LayerNorm(x, P(layer, "ln1.weight"), P(layer, "ln1.bias"));
   torch::Tensor a = enter(a_local);
   const int64_t b = a.size(0), t = a.size(1);
-  variable_list qkv = SplitHeads::apply(Linear(a, P(layer, "qkv.weight"), P(layer, "qkv.bias")), heads_local);
+  const torch::Tensor &qkv_w = P(layer, "qkv.weight"), &qkv_b = P(layer, "qkv.bias");
+  variable_list qkv = FusedLinearAvailable(a, qkv_w) && qkv_b.defined() ? FusedQkv(a, qkv_w, qkv_b, heads_local)
+                                                                        : SplitHeads::apply(Linear(a, qkv_w, qkv_b), heads_local);
   torch::Tensor y = Attention(qkv[0], qkv[1], qkv[2]).transpose(1, 2).reshape({b, t, c_local});
   torch::Tensor h_in = row_out(x_res, y, P(layer, "proj.weight"), P(layer, "proj.bias"));
   auto [m_local, h] = LayerNorm(h_in, P(layer, "ln2.weight"), P(layer, "ln2.bias"));

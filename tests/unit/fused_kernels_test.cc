@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include "worker/fused_kernels.h"
+#include "worker/torch_compat.h"
 
 namespace ltrain::worker {
 namespace {
@@ -98,10 +99,10 @@ TEST(FusedKernelsTest, LinearMatchesLibTorch) {
   for (const int64_t offset : {0, 8}) {
     std::vector<torch::Tensor> wb = FlatParams({{384, 256}, {384}}, offset);
     if (!FusedLinearAvailable(torch::zeros({1, 256}, bf16), wb[0])) GTEST_SKIP() << "worker built without CUDA kernels";
-    torch::Tensor x = torch::randn({2, 64, 256}, bf16).requires_grad_(true);
-    torch::Tensor grad_out = torch::randn({2, 64, 384}, bf16);
+    torch::Tensor x = torch::randn({4, 1024, 256}, bf16).requires_grad_(true);
+    torch::Tensor grad_out = torch::randn({4, 1024, 384}, bf16);
     // The second case also adds a residual in the product.
-    torch::Tensor residual = offset != 0 ? torch::randn({2, 64, 384}, bf16).requires_grad_(true) : torch::Tensor();
+    torch::Tensor residual = offset != 0 ? torch::randn({4, 1024, 384}, bf16).requires_grad_(true) : torch::Tensor();
     std::vector<torch::Tensor> ref = Fp32Reference(
         {x, wb[0], wb[1], residual},
         [](const std::vector<torch::Tensor>& t) {
@@ -172,15 +173,53 @@ TEST(FusedKernelsTest, MlpMatchesLibTorch) {
   }
 }
 
+TEST(FusedKernelsTest, QkvMatchesLibTorch) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  torch::manual_seed(14);
+  const int64_t heads = 4, d = 64, c = heads * d;
+  // Gradients straight from the attention kernel (in the layout it was given), and gradients in
+  // another layout (stacked: contiguous [b, heads, t, d] slices).
+  for (const bool attention : {true, false}) {
+    std::vector<torch::Tensor> wb = FlatParams({{3 * c, 256}, {3 * c}}, attention ? 8 : 0);
+    if (!FusedLinearAvailable(torch::zeros({1, 256}, bf16), wb[0])) GTEST_SKIP() << "worker built without CUDA kernels";
+    torch::Tensor x = torch::randn({2, 128, 256}, bf16).requires_grad_(true);
+    auto split = [&](const torch::Tensor& y) {
+      torch::Tensor parts = y.view({2, 128, 3, heads, d});
+      return std::vector<torch::Tensor>{parts.select(2, 0).transpose(1, 2), parts.select(2, 1).transpose(1, 2),
+                                        parts.select(2, 2).transpose(1, 2)};
+    };
+    auto consume = [&](const std::vector<torch::Tensor>& qkv) {
+      if (!attention) return torch::stack(qkv);
+      return compat::CausalAttention(qkv[0], qkv[1], qkv[2]);
+    };
+    torch::Tensor grad_out = attention ? torch::randn({2, heads, 128, d}, bf16) : torch::randn({3, 2, heads, 128, d}, bf16);
+    std::vector<torch::Tensor> ref = Fp32Reference(
+        {x, wb[0], wb[1]}, [&](const std::vector<torch::Tensor>& t) { return consume(split(at::linear(t[0], t[1], t[2]))); },
+        grad_out);
+    std::vector<torch::Tensor> qkv = FusedQkv(x, wb[0], wb[1], heads);
+    ASSERT_EQ(qkv.size(), 3u);
+    for (const auto& t : qkv) EXPECT_EQ(t.sizes(), (std::vector<int64_t>{2, heads, 128, d}));
+    torch::Tensor y = consume(qkv);
+    y.backward(grad_out);
+    EXPECT_LE(RelativeError(y, ref[0]), 0.02) << "attention " << attention;
+    EXPECT_LE(RelativeError(x.grad(), ref[1]), 0.02);
+    EXPECT_LE(RelativeError(wb[0].grad(), ref[2]), 0.02);
+    EXPECT_LE(RelativeError(wb[1].grad(), ref[3]), 0.02);
+  }
+}
+
 TEST(FusedKernelsTest, LayerNormMatchesLibTorch) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
   if (!FusedCrossEntropyAvailable(torch::zeros({1, 8}, bf16))) GTEST_SKIP() << "worker built without CUDA kernels";
   torch::manual_seed(13);
-  // The benchmark's width with 16-byte aligned weights (our input-gradient kernel); rows that do not
-  // fill the last chunk nor the last column block, with the weights 8 bytes into a flat buffer as
+  // The benchmark's width with 16-byte aligned weights (our input-gradient kernel, the row in
+  // registers), wider rows (two and four vectors a thread, and two passes over the row); rows that do
+  // not fill the last chunk nor the last column block, with the weights 8 bytes into a flat buffer as
   // the parameter store may place them (LibTorch's input gradient and a separate add).
-  for (const auto& [rows, cols, offset] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{{4096, 2048, 0}, {1001, 776, 4}}) {
+  for (const auto& [rows, cols, offset] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+           {4096, 2048, 0}, {64, 4096, 0}, {40, 6144, 0}, {16, 16384, 0}, {1001, 776, 4}}) {
     torch::Tensor flat = torch::empty({offset + 2 * cols}, bf16);
     torch::Tensor w = flat.narrow(0, offset, cols), b = flat.narrow(0, offset + cols, cols);
     {

@@ -1,6 +1,6 @@
 // The layer norm's backward. The input gradient: a block per row, eight columns per thread and
-// 16-byte accesses, the two row means summed in fp32 across the block, the residual gradient added
-// on the way out. The weight and bias gradients in two passes: blocks of 64 columns by a chunk of
+// 16-byte accesses, the row held in registers (up to 8192 columns), the two row means summed in fp32
+// across the block, the residual gradient added on the way out. The weight and bias gradients in two passes: blocks of 64 columns by a chunk of
 // rows sum dy · x̂ and dy in fp32 (each warp over every 8th row, then across the warps in shared
 // memory) into per-chunk partials; a second kernel adds the chunks of each column.
 #include "worker/cuda/layer_norm.h"
@@ -100,44 +100,83 @@ __device__ __forceinline__ void BlockSum2(float& a, float& b) {
   for (int w = 0; w < kRowThreads / 32; ++w) a += part[0][w], b += part[1][w];
 }
 
-__global__ void InputGrad(const Bf16x8* dy, const Bf16x8* x, const Bf16x8* gamma, const float* mean,
-                          const float* rstd, const Bf16x8* dres, int64_t vecs, Bf16x8* dx) {
+__device__ __forceinline__ Bf16x8 InputGradOf(const Bf16x8& dy, const Bf16x8& x, const Bf16x8& gamma,
+                                               const Bf16x8* dres, float m, float s, float mean_g, float mean_gx) {
+  float d[8], xv[8], g[8], r[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  Unpack(dy, d);
+  Unpack(x, xv);
+  Unpack(gamma, g);
+  if (dres != nullptr) Unpack(*dres, r);
+  Bf16x8 out;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float a = (d[2 * i] * g[2 * i] - mean_g - (xv[2 * i] - m) * s * mean_gx) * s + r[2 * i];
+    const float b = (d[2 * i + 1] * g[2 * i + 1] - mean_g - (xv[2 * i + 1] - m) * s * mean_gx) * s + r[2 * i + 1];
+    out.v[i] = __floats2bfloat162_rn(a, b);
+  }
+  return out;
+}
+
+__device__ __forceinline__ void AddRowSums(const Bf16x8& dy, const Bf16x8& x, const Bf16x8& gamma, float m, float s,
+                                           float& sum_g, float& sum_gx) {
+  float d[8], xv[8], g[8];
+  Unpack(dy, d);
+  Unpack(x, xv);
+  Unpack(gamma, g);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const float wdy = d[i] * g[i];
+    sum_g += wdy;
+    sum_gx += wdy * (xv[i] - m) * s;
+  }
+}
+
+// Rows of up to kVecs · kRowThreads vectors: each thread keeps its dy and x in registers between the
+// row sums and the output, so the row is read from memory once.
+template <int kVecs>
+__global__ void InputGradHeld(const Bf16x8* dy, const Bf16x8* x, const Bf16x8* gamma, const float* mean,
+                              const float* rstd, const Bf16x8* dres, int64_t vecs, Bf16x8* dx) {
   const int64_t row = blockIdx.x;
   const float m = mean[row], s = rstd[row];
-  const Bf16x8* dy_row = dy + row * vecs;
-  const Bf16x8* x_row = x + row * vecs;
-  // First pass: Σ dy·γ and Σ dy·γ·x̂ over the row.
+  Bf16x8 dyv[kVecs], xv[kVecs];
   float sum_g = 0.f, sum_gx = 0.f;
-  for (int64_t v = threadIdx.x; v < vecs; v += kRowThreads) {
-    float d[8], xv[8], g[8];
-    Unpack(dy_row[v], d);
-    Unpack(x_row[v], xv);
-    Unpack(gamma[v], g);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const float wdy = d[i] * g[i];
-      sum_g += wdy;
-      sum_gx += wdy * (xv[i] - m) * s;
+  for (int k = 0; k < kVecs; ++k) {
+    const int64_t v = threadIdx.x + static_cast<int64_t>(k) * kRowThreads;
+    if (v < vecs) {
+      dyv[k] = dy[row * vecs + v];
+      xv[k] = x[row * vecs + v];
+      AddRowSums(dyv[k], xv[k], gamma[v], m, s, sum_g, sum_gx);
     }
   }
   BlockSum2(sum_g, sum_gx);
   const float cols = static_cast<float>(vecs * 8);
   const float mean_g = sum_g / cols, mean_gx = sum_gx / cols;
-  // Second pass (the row is in cache): the gradient, plus the residual's.
-  for (int64_t v = threadIdx.x; v < vecs; v += kRowThreads) {
-    float d[8], xv[8], g[8], r[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-    Unpack(dy_row[v], d);
-    Unpack(x_row[v], xv);
-    Unpack(gamma[v], g);
-    if (dres != nullptr) Unpack(dres[row * vecs + v], r);
-    Bf16x8 out;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const float a = (d[2 * i] * g[2 * i] - mean_g - (xv[2 * i] - m) * s * mean_gx) * s + r[2 * i];
-      const float b = (d[2 * i + 1] * g[2 * i + 1] - mean_g - (xv[2 * i + 1] - m) * s * mean_gx) * s + r[2 * i + 1];
-      out.v[i] = __floats2bfloat162_rn(a, b);
+  for (int k = 0; k < kVecs; ++k) {
+    const int64_t v = threadIdx.x + static_cast<int64_t>(k) * kRowThreads;
+    if (v < vecs) {
+      dx[row * vecs + v] = InputGradOf(dyv[k], xv[k], gamma[v], dres != nullptr ? dres + row * vecs + v : nullptr, m, s,
+                                       mean_g, mean_gx);
     }
-    dx[row * vecs + v] = out;
+  }
+}
+
+// Wider rows: two passes over the row (the second mostly from cache).
+__global__ void InputGrad(const Bf16x8* dy, const Bf16x8* x, const Bf16x8* gamma, const float* mean,
+                          const float* rstd, const Bf16x8* dres, int64_t vecs, Bf16x8* dx) {
+  const int64_t row = blockIdx.x;
+  const float m = mean[row], s = rstd[row];
+  float sum_g = 0.f, sum_gx = 0.f;
+  for (int64_t v = threadIdx.x; v < vecs; v += kRowThreads) {
+    AddRowSums(dy[row * vecs + v], x[row * vecs + v], gamma[v], m, s, sum_g, sum_gx);
+  }
+  BlockSum2(sum_g, sum_gx);
+  const float cols = static_cast<float>(vecs * 8);
+  const float mean_g = sum_g / cols, mean_gx = sum_gx / cols;
+  for (int64_t v = threadIdx.x; v < vecs; v += kRowThreads) {
+    dx[row * vecs + v] = InputGradOf(dy[row * vecs + v], x[row * vecs + v], gamma[v],
+                                     dres != nullptr ? dres + row * vecs + v : nullptr, m, s, mean_g, mean_gx);
   }
 }
 
@@ -148,33 +187,22 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 void LayerNormInputGrad(const void* dy, const void* x, const void* gamma, const float* mean, const float* rstd,
                         const void* dres, int64_t rows, int64_t cols, void* dx, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
-  InputGrad<<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(
-      static_cast<const Bf16x8*>(dy), static_cast<const Bf16x8*>(x), static_cast<const Bf16x8*>(gamma), mean, rstd,
-      static_cast<const Bf16x8*>(dres), cols / 8, static_cast<Bf16x8*>(dx));
-}
-
-int64_t LayerNormRowChunks(int64_t rows, int64_t cols) {
-  // About 1024 blocks in all, each chunk at least 8 rows (one per warp).
-  const int64_t col_blocks = CeilDiv(cols, kColsPerBlock);
-  int64_t chunks = CeilDiv(1024, col_blocks);
-  const int64_t most = CeilDiv(rows, kWarps);
-  if (chunks > most) chunks = most;
-  return chunks < 1 ? 1 : chunks;
-}
-
-void LayerNormParamGrads(const void* dy, const void* x, const float* mean, const float* rstd, int64_t rows,
-                         int64_t cols, float* partial, void* dgamma, void* dbeta, cudaStream_t stream) {
-  if (rows <= 0 || cols <= 0) return;
-  const int64_t chunks = LayerNormRowChunks(rows, cols);
-  const int64_t rows_per_chunk = CeilDiv(rows, chunks);
-  const dim3 grid(static_cast<unsigned>(CeilDiv(cols, kColsPerBlock)), static_cast<unsigned>(chunks));
-  const dim3 block(32, kWarps);
-  PartialSums<<<grid, block, 0, stream>>>(static_cast<const __nv_bfloat16*>(dy), static_cast<const __nv_bfloat16*>(x),
-                                          mean, rstd, rows, cols, rows_per_chunk, partial);
-  const int64_t blocks = CeilDiv(cols, 256);
-  AddChunks<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(partial, chunks, cols,
-                                                               static_cast<__nv_bfloat16*>(dgamma),
-                                                               static_cast<__nv_bfloat16*>(dbeta));
+  const auto* dy_v = static_cast<const Bf16x8*>(dy);
+  const auto* x_v = static_cast<const Bf16x8*>(x);
+  const auto* gamma_v = static_cast<const Bf16x8*>(gamma);
+  const auto* dres_v = static_cast<const Bf16x8*>(dres);
+  auto* dx_v = static_cast<Bf16x8*>(dx);
+  const int64_t vecs = cols / 8;
+  const auto blocks = static_cast<unsigned>(rows);
+  if (vecs <= kRowThreads) {
+    InputGradHeld<1><<<blocks, kRowThreads, 0, stream>>>(dy_v, x_v, gamma_v, mean, rstd, dres_v, vecs, dx_v);
+  } else if (vecs <= 2 * kRowThreads) {
+    InputGradHeld<2><<<blocks, kRowThreads, 0, stream>>>(dy_v, x_v, gamma_v, mean, rstd, dres_v, vecs, dx_v);
+  } else if (vecs <= 4 * kRowThreads) {
+    InputGradHeld<4><<<blocks, kRowThreads, 0, stream>>>(dy_v, x_v, gamma_v, mean, rstd, dres_v, vecs, dx_v);
+  } else {
+    InputGrad<<<blocks, kRowThreads, 0, stream>>>(dy_v, x_v, gamma_v, mean, rstd, dres_v, vecs, dx_v);
+  }
 }
 
 }  // namespace ltrain::worker::cuda
