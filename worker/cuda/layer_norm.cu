@@ -205,4 +205,28 @@ void LayerNormInputGrad(const void* dy, const void* x, const void* gamma, const 
   }
 }
 
+int64_t LayerNormRowChunks(int64_t rows, int64_t cols) {
+  // About 1024 blocks in all, each chunk at least 8 rows (one per warp).
+  const int64_t col_blocks = CeilDiv(cols, kColsPerBlock);
+  int64_t chunks = CeilDiv(1024, col_blocks);
+  const int64_t most = CeilDiv(rows, kWarps);
+  if (chunks > most) chunks = most;
+  return chunks < 1 ? 1 : chunks;
+}
+
+void LayerNormParamGrads(const void* dy, const void* x, const float* mean, const float* rstd, int64_t rows,
+                         int64_t cols, float* partial, void* dgamma, void* dbeta, cudaStream_t stream) {
+  if (rows <= 0 || cols <= 0) return;
+  const int64_t chunks = LayerNormRowChunks(rows, cols);
+  const int64_t rows_per_chunk = CeilDiv(rows, chunks);
+  const dim3 grid(static_cast<unsigned>(CeilDiv(cols, kColsPerBlock)), static_cast<unsigned>(chunks));
+  const dim3 block(32, kWarps);
+  PartialSums<<<grid, block, 0, stream>>>(static_cast<const __nv_bfloat16*>(dy), static_cast<const __nv_bfloat16*>(x),
+                                          mean, rstd, rows, cols, rows_per_chunk, partial);
+  const int64_t blocks = CeilDiv(cols, 256);
+  AddChunks<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(partial, chunks, cols,
+                                                               static_cast<__nv_bfloat16*>(dgamma),
+                                                               static_cast<__nv_bfloat16*>(dbeta));
+}
+
 }  // namespace ltrain::worker::cuda
