@@ -189,6 +189,8 @@ def main():
                     help="which of the layouts suite's runs (tp2, pp2 on 2 GPUs; tp2dp2 on 4)")
     ap.add_argument("--dp-env", action="append",
                     help="dp suite: one more dp2 run of the worker with these variables (NAME=V[,NAME=V...])")
+    ap.add_argument("--dp-profile", action="store_true",
+                    help="dp suite: also profile one dp step and show how much of the collectives it hides")
     ap.add_argument("--seed", type=int, default=0, help="the worker's training.seed (initialization and data order)")
     ap.add_argument("--learning-seeds", default="0",
                     help="learning suite: the worker's seeds, comma-separated (0 starts where PyTorch does)")
@@ -284,6 +286,12 @@ def main():
         print(f"  dp{n} per-GPU / 1 GPU {scaling:.3f}" if scaling else "  scaling: n/a", flush=True)
         print(f"  ratio worker dp{n} / DDP+compile {rc:.3f}" if rc else "  ratio: n/a", flush=True)
         results[f"ratio-dp{n}-gpt-1.3b"] = {"scaling": scaling, "ddp_compile": rc, "ddp_eager": ratio(many, ddp_e)}
+        if a.dp_profile:
+            trace = os.path.join(work, f"worker-dp{n}-step.json")
+            worker_run(f"worker-dp{n}-profile-gpt-1.3b", "gpt-1.3b", n, steps=6, env={"LTRAIN_PROFILE": f"5:{trace}"})
+            if os.path.exists(trace):
+                print(f"  profile of one dp{n} step (rank 0):", flush=True)
+                summarize_overlap(trace)
         for variant in a.dp_env or []:
             env = dict(kv.split("=", 1) for kv in variant.split(","))
             r, _ = worker_run(f"worker-dp{n}-gpt-1.3b-{variant}", "gpt-1.3b", n, env=env)
@@ -409,6 +417,65 @@ def summarize_trace(path):
     print("  top kernels:", flush=True)
     for name, us in by_name.most_common(30):
         print(f"    {us / 1000:8.2f} ms  {name}", flush=True)
+
+
+def union(intervals):
+    """Merged [start, end) intervals, sorted."""
+    out = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def summarize_overlap(path):
+    """Data parallel: how much of the collectives' time the computation hides, and how much slower
+    the computation's kernels run while a collective runs beside them."""
+    events = json.load(open(path)).get("traceEvents", [])
+    kernels = [e for e in events if e.get("cat") == "kernel" and "dur" in e]
+    comm = [e for e in kernels if "nccl" in e.get("name", "").lower()]
+    compute = [e for e in kernels if "nccl" not in e.get("name", "").lower()]
+    if not comm or not compute:
+        print("  no collectives or no computation in the trace", flush=True)
+        return
+    comm_u = union((e["ts"], e["ts"] + e["dur"]) for e in comm)
+    compute_u = union((e["ts"], e["ts"] + e["dur"]) for e in compute)
+    start = min(e["ts"] for e in kernels)
+    end = max(e["ts"] + e["dur"] for e in kernels)
+
+    def covered(iv, by):
+        total, j = 0.0, 0
+        for a, b in iv:
+            while j < len(by) and by[j][1] <= a:
+                j += 1
+            k = j
+            while k < len(by) and by[k][0] < b:
+                total += min(b, by[k][1]) - max(a, by[k][0])
+                k += 1
+        return total
+
+    comm_time = sum(b - a for a, b in comm_u)
+    hidden = covered(comm_u, compute_u)
+    idle = (end - start) - sum(b - a for a, b in compute_u)
+    print(f"  step {(end - start) / 1000:.1f} ms; collectives {comm_time / 1000:.1f} ms, of which hidden behind "
+          f"computation {hidden / 1000:.1f} ms, exposed {(comm_time - hidden) / 1000:.1f} ms; the compute stream idle "
+          f"{idle / 1000:.1f} ms", flush=True)
+    # The same kernel, alone and beside a collective.
+    alone, beside = collections.defaultdict(list), collections.defaultdict(list)
+    for e in compute:
+        overlap = covered([(e["ts"], e["ts"] + e["dur"])], comm_u)
+        (beside if overlap > 0.5 * e["dur"] else alone)[e.get("name", "")[:70]].append(e["dur"])
+    slower = []
+    for name, durs in beside.items():
+        if alone.get(name):
+            base = sum(alone[name]) / len(alone[name])
+            slower.append((sum(d - base for d in durs), name, len(durs), base, sum(durs) / len(durs)))
+    slower.sort(reverse=True)
+    print(f"  kernels slowed by the collectives beside them: {sum(x[0] for x in slower) / 1000:.1f} ms in all", flush=True)
+    for extra, name, n, base, mean in slower[:8]:
+        print(f"    {extra / 1000:7.2f} ms  {n:4d} x {base:8.1f} -> {mean:8.1f} us  {name}", flush=True)
 
 
 if __name__ == "__main__":
