@@ -10,6 +10,12 @@ Status Communicator::AllReduceMean(at::Tensor& tensor) {
   return Status::Ok();
 }
 
+Status Communicator::ReduceScatterMean(const at::Tensor& input, at::Tensor& output) {
+  if (Status s = ReduceScatterSum(input, output); !s.ok()) return s;
+  if (size() > 1) output.div_(size());
+  return Status::Ok();
+}
+
 Status SelfCommunicator::AllReduceSum(at::Tensor& tensor) {
   if (!tensor.is_contiguous()) return InvalidArgument("AllReduceSum needs a contiguous tensor");
   return Status::Ok();

@@ -46,6 +46,9 @@ class Communicator {
   // Sums input (contiguous, size() * output.numel() elements) over ranks; output receives this rank's
   // chunk of the sum (chunk r = elements [r*n, (r+1)*n)).
   virtual Status ReduceScatterSum(const at::Tensor& input, at::Tensor& output) = 0;
+  // The same, divided by size() (floating-point tensors); NCCL divides inside the reduction. output
+  // may be this rank's chunk of input itself (in place).
+  virtual Status ReduceScatterMean(const at::Tensor& input, at::Tensor& output);
   virtual Status Barrier() = 0;
 
   // Point to point. Send does not block: the communicator keeps `tensor` alive and the transfer runs

@@ -98,6 +98,13 @@ GlooCommunicator::~GlooCommunicator() {
 Status GlooCommunicator::AllReduceSum(at::Tensor& tensor) {
   if (!tensor.is_contiguous()) return InvalidArgument("AllReduceSum needs a contiguous tensor");
   if (size_ == 1 || tensor.numel() == 0) return Status::Ok();
+  if (tensor.scalar_type() == at::kBFloat16 || tensor.scalar_type() == at::kHalf) {
+    // Summed in fp32 (gloo has no 16-bit float sum here), rounded once at the end.
+    at::Tensor wide = tensor.to(at::kFloat);
+    if (Status s = AllReduceSum(wide); !s.ok()) return s;
+    tensor.copy_(wide);
+    return Status::Ok();
+  }
   ScopedCollective progress("all_reduce", group_, Bytes(tensor));
   HostStage stage(tensor);
   gloo::AllreduceOptions opts(context_);

@@ -177,19 +177,28 @@ Status NcclCommunicator::AllGather(const at::Tensor& input, at::Tensor& output) 
   return Track("AllGather", stream);
 }
 
-Status NcclCommunicator::ReduceScatterSum(const at::Tensor& input, at::Tensor& output) {
+Status NcclCommunicator::ReduceScatter(const at::Tensor& input, at::Tensor& output, ncclRedOp_t op) {
   if (Status s = CheckTensor(input); !s.ok()) return s;
   if (Status s = CheckTensor(output); !s.ok()) return s;
   if (input.numel() != output.numel() * size_ || output.scalar_type() != input.scalar_type()) {
-    return InvalidArgument("ReduceScatterSum input must hold size() * output.numel() elements of the output's dtype");
+    return InvalidArgument("ReduceScatter input must hold size() * output.numel() elements of the output's dtype");
   }
   StatusOr<ncclDataType_t> type = NcclType(input.scalar_type());
   if (!type.ok()) return type.status();
   c10::cuda::CUDAGuard guard(input.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(input.device().index()).stream();
   if (Status s = Check(ncclReduceScatter(input.data_ptr(), output.data_ptr(), static_cast<size_t>(output.numel()), *type,
-                                 ncclSum, comm_, stream), "ReduceScatter"); !s.ok()) return s;
+                                 op, comm_, stream), "ReduceScatter"); !s.ok()) return s;
   return Track("ReduceScatter", stream);
+}
+
+Status NcclCommunicator::ReduceScatterSum(const at::Tensor& input, at::Tensor& output) {
+  return ReduceScatter(input, output, ncclSum);
+}
+
+Status NcclCommunicator::ReduceScatterMean(const at::Tensor& input, at::Tensor& output) {
+  if (!at::isFloatingType(input.scalar_type())) return Communicator::ReduceScatterMean(input, output);
+  return ReduceScatter(input, output, ncclAvg);
 }
 
 Status NcclCommunicator::Send(const at::Tensor& tensor, int dst, uint32_t /*tag*/) {

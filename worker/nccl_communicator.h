@@ -43,6 +43,7 @@ class NcclCommunicator : public Communicator {
   std::string backend() const override { return "nccl"; }
   Status AllReduceSum(at::Tensor& tensor) override;
   Status AllReduceMean(at::Tensor& tensor) override;
+  Status ReduceScatterMean(const at::Tensor& input, at::Tensor& output) override;
   Status Broadcast(at::Tensor& tensor, int root) override;
   Status AllGather(const at::Tensor& input, at::Tensor& output) override;
   Status ReduceScatterSum(const at::Tensor& input, at::Tensor& output) override;
@@ -66,6 +67,7 @@ class NcclCommunicator : public Communicator {
       : comm_(comm), timeout_(timeout), rank_(rank), size_(size), device_(device) {}
   // In-place all-reduce with `op` on the current stream.
   Status AllReduce(at::Tensor& tensor, ncclRedOp_t op);
+  Status ReduceScatter(const at::Tensor& input, at::Tensor& output, ncclRedOp_t op);
   // After an operation was enqueued on `stream`: hands it to the watchdog.
   Status Track(const char* op, cudaStream_t stream);
   void Watch();

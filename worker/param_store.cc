@@ -204,6 +204,28 @@ torch::Tensor ParamStore::OwnedGrad(Unit& unit) {
   return unit.grad_full.narrow(0, own.begin, own.size());
 }
 
+bool ParamStore::sharded_update() const {
+  return (zero_ == 1 || zero_ == 2) && dp_->size() > 1 && !units_.empty() && units_.front().compute.defined();
+}
+
+torch::Tensor ParamStore::OwnedCompute(Unit& unit) {
+  Range own = Owned(unit);
+  return unit.compute.narrow(0, own.begin, own.size());
+}
+
+Status ParamStore::SyncMasters() {
+  if (!masters_stale_) return Status::Ok();
+  torch::NoGradGuard no_grad;
+  for (Unit& unit : units_) {
+    torch::Tensor mine = OwnedParam(unit).clone(), full = unit.full;
+    Communicator* comm = dp_;
+    queue_->Enqueue([comm, mine, full]() mutable { return comm->AllGather(mine, full); });
+  }
+  Status s = queue_->WaitAll();
+  if (s.ok()) masters_stale_ = false;
+  return s;
+}
+
 torch::Tensor ParamStore::OwnedParam(Unit& unit) {
   if (zero_ == 3) return unit.shard;
   Range own = Owned(unit);
@@ -273,6 +295,16 @@ void ParamStore::Launch(int u) {
   if (zero_ < 2) {
     if (dp == 1) return;
     torch::Tensor grads = unit.grad_full;
+    if (sharded_update()) {
+      // Only the owned shard's mean is needed: half an all-reduce's traffic.
+      const Range own = Owned(unit);
+      queue_->Enqueue([comm, grads, own]() mutable {
+        torch::NoGradGuard no_grad;
+        torch::Tensor mine = grads.narrow(0, own.begin, own.size());
+        return comm->ReduceScatterMean(grads, mine);
+      });
+      return;
+    }
     queue_->Enqueue([comm, grads]() mutable {
       torch::NoGradGuard no_grad;
       return comm->AllReduceMean(grads);
@@ -362,7 +394,17 @@ torch::Tensor ParamStore::GradSquareSum() {
   return torch::stack(sums).sum().reshape({1});
 }
 
-Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, const torch::Tensor& grad_divisor) {
+Status ParamStore::AwaitCompute(int u) {
+  if (u < 0 || u >= units()) return Status::Ok();
+  Unit& unit = units_[u];
+  if (unit.compute_job == 0) return Status::Ok();
+  Status s = queue_->Wait(unit.compute_job);
+  unit.compute_job = 0;
+  return s;
+}
+
+Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, const torch::Tensor& grad_divisor,
+                                 bool defer_compute) {
   torch::NoGradGuard no_grad;
   const double b1 = adamw_.beta1, b2 = adamw_.beta2;
   const double bias1 = 1 - std::pow(b1, static_cast<double>(step));
@@ -371,6 +413,7 @@ Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, con
   // (under zero 1/2 the copy is refreshed after the all-gather instead).
   if (units_.empty()) return Status::Ok();
   const bool own_kernel = units_.front().compute.defined() && FusedAdamWAvailable(units_.front().full);
+  const bool sharded = sharded_update();
   // For the fused kernels: clipping as one device scalar the gradients are divided by (undefined:
   // none).
   const torch::TensorOptions f32 = torch::TensorOptions().dtype(torch::kFloat).device(units_.front().full.device());
@@ -381,9 +424,11 @@ Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, con
   for (Unit& unit : units_) {
     torch::Tensor grad = OwnedGrad(unit), param = OwnedParam(unit);
     if (own_kernel) {
+      // The kernel also writes the owned part of the bf16 copies (zero 0: all of them).
+      torch::Tensor copy = zero_ == 0 || sharded ? OwnedCompute(unit) : torch::Tensor();
       ForEachOwned(unit, [&](const Param& p, int64_t at, int64_t n) {
         FusedAdamW(param.narrow(0, at, n), grad.narrow(0, at, n), unit.exp_avg.narrow(0, at, n),
-                   unit.exp_avg_sq.narrow(0, at, n), zero_ == 0 ? unit.compute.narrow(0, at, n) : torch::Tensor(), lr,
+                   unit.exp_avg_sq.narrow(0, at, n), copy.defined() ? copy.narrow(0, at, n) : torch::Tensor(), lr,
                    b1, b2, adamw_.eps, p.decay ? adamw_.weight_decay : 0.0, step, divisor);
       });
       continue;
@@ -417,6 +462,26 @@ Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, con
       torch::Tensor denom = (v.sqrt() / std::sqrt(bias2)).add_(adamw_.eps);
       w.addcdiv_(m, denom, -lr / bias1);
     }
+  }
+  if (sharded) {
+    // The owned part of the copies from the updated masters (our kernel wrote it already), then
+    // every rank's part, in place and in bf16; in forward order (units are in backward's), so that
+    // deferred gathers arrive as the next forward needs them.
+    for (auto it = units_.rbegin(); it != units_.rend(); ++it) {
+      Unit& unit = *it;
+      if (!own_kernel) OwnedCompute(unit).copy_(OwnedParam(unit));
+      const Range own = Owned(unit);
+      torch::Tensor all = unit.compute;
+      Communicator* comm = dp_;
+      unit.compute_job = queue_->Enqueue([comm, all, own]() mutable {
+        torch::NoGradGuard no_grad;
+        return comm->AllGather(all.narrow(0, own.begin, own.size()), all);
+      });
+    }
+    masters_stale_ = true;
+    if (defer_compute) return Status::Ok();
+    for (Unit& unit : units_) unit.compute_job = 0;
+    return queue_->WaitAll();
   }
   if ((zero_ == 1 || zero_ == 2) && dp_->size() > 1) {
     for (Unit& unit : units_) {

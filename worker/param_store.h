@@ -7,6 +7,9 @@
 // multiple of dp and data-parallel rank r owns elements [r*S, (r+1)*S).
 //   zero 0: full parameters, gradients (all-reduced) and optimizer state on every rank.
 //   zero 1: optimizer state only for the owned shard; parameters all-gathered after the update.
+//           With bf16 compute copies the gradients are reduce-scattered (each rank needs only its
+//           shard's), and the update writes the owned part of the copies, which are all-gathered in
+//           bf16: the fp32 masters outside the shard are then stale until SyncMasters.
 //   zero 2: plus gradients: each unit's gradients are reduce-scattered into a shard-sized buffer
 //           after every micro-step's backward, and the full gradients are dropped.
 //   zero 3: plus parameters: only the shard persists; a unit's full parameters are all-gathered
@@ -134,7 +137,24 @@ class ParamStore {
   // all-gather the updated parameters. `step` is 1-based.
   // `grad_divisor` (optional, a float scalar on the device): gradients are divided by it (clipping
   // computed on the device, without a host synchronization).
-  Status OptimizerStep(double lr, double grad_scale, int64_t step, const torch::Tensor& grad_divisor = {});
+  // `defer_compute`: with a sharded update (sharded_update()), the all-gathers of the bf16 copies are
+  // left in flight (issued in forward order) and the caller awaits each unit's before using it
+  // (AwaitCompute), so that they overlap the next forward.
+  Status OptimizerStep(double lr, double grad_scale, int64_t step, const torch::Tensor& grad_divisor = {},
+                       bool defer_compute = false);
+  // zero 1/2, bf16 compute copies, dp > 1: the update writes the owned part of the copies, which are
+  // then all-gathered (in bf16, not the fp32 masters); zero 1 reduce-scatters its gradients.
+  bool sharded_update() const;
+  // The current stream waits for unit `u`'s deferred all-gather of its bf16 copies (a no-op when
+  // none is in flight).
+  Status AwaitCompute(int u);
+  // The unit of the store that holds parameter `param`.
+  int unit_of(int param) const { return unit_of_[param]; }
+
+  // zero 1/2 with bf16 compute copies: all-gathers the fp32 masters, which the optimizer updated only
+  // in this rank's shard. ModelState and MasterValue read the masters: call it (on every dp rank)
+  // before them. A no-op when the masters are current.
+  Status SyncMasters();
 
   // Sum over dp of a small tensor, on the reduction thread.
   Status DpAllReduce(torch::Tensor& tensor);
@@ -177,12 +197,14 @@ class ParamStore {
     bool launched = false;
     bool gathered = true;
     int64_t gather_job = 0;    // zero 3: in-flight gather
+    int64_t compute_job = 0;   // sharded update: the deferred all-gather of the bf16 copies
   };
 
   ParamStore(std::vector<Param> params, int zero, Communicator* dp, AdamWConfig adamw);
   void OnGradReady(int param);
   // bf16_compute: the leaves' bf16 copies take the masters' values.
   void RefreshCompute();
+  torch::Tensor OwnedCompute(Unit& unit);
   int64_t OffsetInUnit(int param) const;
   // Calls fn(parameter, at, n) for every parameter of `unit` with elements in this rank's owned
   // range: they are the n elements from `at` on, counted within the owned range.
@@ -203,6 +225,7 @@ class ParamStore {
   Communicator* dp_;
   AdamWConfig adamw_;
   bool armed_ = false;
+  bool masters_stale_ = false;  // ShardedUpdate: the masters outside the owned shard lag behind
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // keeps the hooks alive
   std::unique_ptr<ReductionQueue> queue_;
 };

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <set>
 #include <optional>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -299,6 +300,23 @@ Status Trainer::Init() {
       });
     };
     model_->set_hooks(hooks);
+  }
+  if (store_->sharded_update()) {
+    // The bf16 copies' all-gathers after each update overlap the next forward: a structural unit
+    // waits for the store units that hold its parameters.
+    std::map<int, std::set<int>> store_units;
+    for (size_t i = 0; i < params.size(); ++i) store_units[params[i].unit].insert(store_->unit_of(static_cast<int>(i)));
+    ParamStore* st = store_.get();
+    UnitHooks hooks;
+    hooks.before_forward = [st, store_units](int unit) {
+      auto it = store_units.find(unit);
+      if (it == store_units.end()) return;
+      for (int u : it->second) {
+        if (Status s = st->AwaitCompute(u); !s.ok()) throw std::runtime_error(s.message());
+      }
+    };
+    model_->set_hooks(hooks);
+    defer_compute_ = true;
   }
   if (Status s = store_->BroadcastParameters(); !s.ok()) return s;
 
@@ -652,7 +670,7 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
       if (coef < 1) scale = coef;
     }
   }
-  if (Status s = store_->OptimizerStep(lr, scale, step + 1, divisor); !s.ok()) return s;
+  if (Status s = store_->OptimizerStep(lr, scale, step + 1, divisor, defer_compute_); !s.ok()) return s;
   ++step_;
   data_position_ += layout_.global_batch;
   return loss;
@@ -690,6 +708,9 @@ int Trainer::OptimizerSourceRank() const {
 
 Status Trainer::StartSave() {
   if (!writer_) return Status::Ok();
+  // The checkpoint holds the fp32 masters, which a sharded update leaves current only in each
+  // rank's shard.
+  if (Status s = store_->SyncMasters(); !s.ok()) return s;
   Progress::Global().SetPhase(step_, "checkpoint");
   const auto start = Clock::now();
   const int rank = groups_->rank;
@@ -762,6 +783,7 @@ Status Trainer::Save() {
 
 Status Trainer::ExportParameters(const std::string& path) {
   torch::NoGradGuard no_grad;
+  if (Status s = store_->SyncMasters(); !s.ok()) return s;
   const RankCoords c = groups_->coords;
   for (int u = 0; u < store_->units(); ++u) {
     if (Status s = store_->Gather(u); !s.ok()) return s;
@@ -942,7 +964,12 @@ Status Trainer::Run() {
     }
     if (*stop_here) break;
   }
+  // The last update's bf16 copies, where their gathers were left to the next forward.
+  for (int u = 0; u < store_->units(); ++u) {
+    if (Status s = store_->AwaitCompute(u); !s.ok()) return s;
+  }
   if (printer && t.steps >= window_first && window_ms > 0) PrintThroughput(window_first, t.steps - window_first + 1, window_ms);
+
   if (writer_) {
     // The final save must be committed before the job may count as done.
     Progress::Global().SetPhase(step_, "checkpoint");

@@ -189,8 +189,11 @@ def main():
                     help="which of the layouts suite's runs (tp2, pp2 on 2 GPUs; tp2dp2 on 4)")
     ap.add_argument("--dp-env", action="append",
                     help="dp suite: one more dp2 run of the worker with these variables (NAME=V[,NAME=V...])")
-    ap.add_argument("--dp-profile", action="store_true",
-                    help="dp suite: also profile one dp step and show how much of the collectives it hides")
+    ap.add_argument("--dp-zero", action="append", type=int, choices=[1, 2, 3],
+                    help="dp suite: one more run of the worker with parallel.zero at this stage")
+    ap.add_argument("--dp-profile", type=int, choices=[0, 1, 2, 3], metavar="ZERO",
+                    help="dp suite: also profile one dp step at this ZeRO stage and show how much of the "
+                         "collectives it hides")
     ap.add_argument("--seed", type=int, default=0, help="the worker's training.seed (initialization and data order)")
     ap.add_argument("--learning-seeds", default="0",
                     help="learning suite: the worker's seeds, comma-separated (0 starts where PyTorch does)")
@@ -286,12 +289,19 @@ def main():
         print(f"  dp{n} per-GPU / 1 GPU {scaling:.3f}" if scaling else "  scaling: n/a", flush=True)
         print(f"  ratio worker dp{n} / DDP+compile {rc:.3f}" if rc else "  ratio: n/a", flush=True)
         results[f"ratio-dp{n}-gpt-1.3b"] = {"scaling": scaling, "ddp_compile": rc, "ddp_eager": ratio(many, ddp_e)}
-        if a.dp_profile:
+        if a.dp_profile is not None:
             trace = os.path.join(work, f"worker-dp{n}-step.json")
-            worker_run(f"worker-dp{n}-profile-gpt-1.3b", "gpt-1.3b", n, steps=6, env={"LTRAIN_PROFILE": f"5:{trace}"})
+            worker_run(f"worker-dp{n}-profile-gpt-1.3b", "gpt-1.3b", n, steps=6, env={"LTRAIN_PROFILE": f"5:{trace}"},
+                       zero=a.dp_profile)
             if os.path.exists(trace):
-                print(f"  profile of one dp{n} step (rank 0):", flush=True)
+                print(f"  profile of one dp{n} ZeRO-{a.dp_profile} step (rank 0):", flush=True)
                 summarize_overlap(trace)
+        for zero in a.dp_zero or []:
+            r, _ = worker_run(f"worker-dp{n}-zero{zero}-gpt-1.3b", "gpt-1.3b", n, zero=zero)
+            show(f"ltrain worker, dp{n}, ZeRO-{zero}", r)
+            if r and one:
+                print(f"    dp{n} per-GPU / 1 GPU {ratio(r, one):.3f}", flush=True)
+                results[f"ratio-dp{n}-zero{zero}-gpt-1.3b"] = {"scaling": ratio(r, one), "ddp_compile": ratio(r, ddp_c)}
         for variant in a.dp_env or []:
             env = dict(kv.split("=", 1) for kv in variant.split(","))
             r, _ = worker_run(f"worker-dp{n}-gpt-1.3b-{variant}", "gpt-1.3b", n, env=env)

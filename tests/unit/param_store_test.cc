@@ -8,7 +8,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <gloo/rendezvous/hash_store.h>
+
 #include "worker/communicator.h"
+#include "worker/gloo_communicator.h"
 
 namespace ltrain::worker {
 namespace {
@@ -58,6 +61,8 @@ TEST(ParamStoreTest, Bf16CopiesFollowFp32MastersThatLearnAsAnFp32Store) {
       SetGrads(fp32, gw, gb);
       ASSERT_TRUE(store->OptimizerStep(1e-2, 0.5, step).ok());
       ASSERT_TRUE(reference->OptimizerStep(1e-2, 0.5, step).ok());
+      // Under zero 1 the masters outside the owned shard are gathered on demand.
+      ASSERT_TRUE(store->SyncMasters().ok());
       EXPECT_TRUE(torch::equal(store->MasterValue(0), fp32.w.detach())) << "zero " << zero << " step " << step;
       EXPECT_TRUE(torch::equal(store->MasterValue(1), fp32.b.detach())) << "zero " << zero << " step " << step;
       EXPECT_TRUE(torch::equal(bf16.w.detach(), fp32.w.detach().to(torch::kBFloat16))) << "the copy is refreshed";
@@ -78,6 +83,70 @@ TEST(ParamStoreTest, Bf16CopiesFollowFp32MastersThatLearnAsAnFp32Store) {
     EXPECT_TRUE(torch::equal(store->MasterValue(0).reshape(-1), loaded));
     EXPECT_TRUE(torch::equal(bf16.w.detach().reshape(-1), loaded.to(torch::kBFloat16)));
   }
+}
+
+// Two real ranks (threads over Gloo): zero 1 with bf16 copies reduce-scatters the gradients, updates
+// its shard of the masters and all-gathers the bf16 copies; it must train exactly as zero 0 does
+// (all-reduce, full update), its masters must match once synchronized, and so must a checkpoint.
+TEST(ParamStoreTest, ShardedZero1UpdateTrainsAsZero0OnTwoRanks) {
+  gloo::rendezvous::HashStore rendezvous_sharded, rendezvous_plain;
+  std::vector<std::string> failures(2);
+  std::vector<torch::Tensor> sharded_w(2), plain_w(2), sharded_masters(2), plain_masters(2), sharded_model(2);
+  // Drawn here: the threads must not share the global generator. Each rank its own gradients.
+  const Leaves start = MakeLeaves();
+  std::vector<std::vector<std::pair<torch::Tensor, torch::Tensor>>> grads(2);
+  for (int rank = 0; rank < 2; ++rank) {
+    for (int step = 0; step < 3; ++step) {
+      grads[rank].emplace_back(torch::randn({4, 3}).to(torch::kBFloat16), torch::randn({3}).to(torch::kBFloat16));
+    }
+  }
+  auto copy_of = [&start]() {
+    return Leaves{start.w.detach().clone().requires_grad_(true), start.b.detach().clone().requires_grad_(true)};
+  };
+  auto rank_main = [&](int rank) {
+    auto comm_sharded = GlooCommunicator::Create(rendezvous_sharded, rank, 2, "127.0.0.1", std::chrono::seconds(20));
+    auto comm_plain = GlooCommunicator::Create(rendezvous_plain, rank, 2, "127.0.0.1", std::chrono::seconds(20));
+    if (!comm_sharded.ok() || !comm_plain.ok()) {
+      failures[rank] = "no communicator";
+      return;
+    }
+    Leaves a = copy_of(), b = copy_of();
+    std::unique_ptr<ParamStore> sharded = MakeStore(a, /*zero=*/1, comm_sharded->get(), /*bf16=*/true);
+    std::unique_ptr<ParamStore> plain = MakeStore(b, /*zero=*/0, comm_plain->get(), /*bf16=*/true);
+    for (int64_t step = 1; step <= 3; ++step) {
+      sharded->ZeroGrads();
+      plain->ZeroGrads();
+      const auto& [gw, gb] = grads[rank][step - 1];
+      SetGrads(a, gw, gb);
+      SetGrads(b, gw, gb);
+      for (ParamStore* s : {sharded.get(), plain.get()}) {
+        if (Status st = s->ReduceAll(); !st.ok()) failures[rank] = st.ToString();
+        // The sharded store leaves its copies' gathers in flight, as the trainer does.
+        if (Status st = s->OptimizerStep(1e-2, 1.0, step, {}, /*defer_compute=*/true); !st.ok()) failures[rank] = st.ToString();
+      }
+    }
+    if (!sharded->sharded_update() || plain->sharded_update()) failures[rank] = "sharded_update() is wrong";
+    if (Status st = sharded->AwaitCompute(0); !st.ok()) failures[rank] = st.ToString();
+    sharded_w[rank] = a.w.detach().clone();
+    plain_w[rank] = b.w.detach().clone();
+    if (Status st = sharded->SyncMasters(); !st.ok()) failures[rank] = st.ToString();
+    sharded_masters[rank] = torch::cat({sharded->MasterValue(0).reshape(-1), sharded->MasterValue(1).reshape(-1)});
+    plain_masters[rank] = torch::cat({plain->MasterValue(0).reshape(-1), plain->MasterValue(1).reshape(-1)});
+    for (const auto& [key, value] : sharded->ModelState({"w", "b"})) {
+      if (key == "model.w") sharded_model[rank] = value;
+    }
+  };
+  std::thread r0(rank_main, 0), r1(rank_main, 1);
+  r0.join();
+  r1.join();
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(failures[r], "") << "rank " << r;
+    EXPECT_TRUE(torch::equal(sharded_w[r], plain_w[r])) << "rank " << r << ": the bf16 copies";
+    EXPECT_TRUE(torch::equal(sharded_masters[r], plain_masters[r])) << "rank " << r << ": the masters";
+    EXPECT_TRUE(torch::equal(sharded_model[r], plain_masters[r].narrow(0, 0, 12))) << "rank " << r << ": the checkpoint";
+  }
+  // The step moved the parameters away from where they started.
+  EXPECT_FALSE(torch::equal(plain_w[0], start.w.detach().to(torch::kBFloat16)));
 }
 
 TEST(ParamStoreTest, Bf16CopiesAreRefusedUnderZero3) {
