@@ -1,6 +1,7 @@
 #include "worker/gloo_communicator.h"
 
 #include <exception>
+#include <memory>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -9,10 +10,10 @@
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
 #include <gloo/rendezvous/context.h>
-#include <gloo/rendezvous/prefix_store.h>
 #include <gloo/transport/tcp/device.h>
 
 #include "worker/progress.h"
+#include "worker/rendezvous_store.h"
 
 namespace ltrain::worker {
 namespace {
@@ -77,11 +78,11 @@ StatusOr<std::unique_ptr<GlooCommunicator>> GlooCommunicator::CreateGroup(const 
     return InvalidArgument("gloo: rank " + std::to_string(group_rank) + " outside group " + group.name);
   }
   try {
-    gloo::rendezvous::PrefixStore prefixed("group/" + group.name, store);
+    std::unique_ptr<gloo::rendezvous::Store> prefixed = PrefixedView("group/" + group.name, store);
     auto context = std::make_shared<gloo::rendezvous::Context>(group_rank, size);
     context->setTimeout(world.context_->getTimeout());
     std::shared_ptr<gloo::transport::Device> device = world.device_;
-    context->connectFullMesh(prefixed, device);
+    context->connectFullMesh(*prefixed, device);
     return std::unique_ptr<GlooCommunicator>(
         new GlooCommunicator(std::move(context), world.device_, group_rank, size, group.name));
   } catch (const std::exception& e) {

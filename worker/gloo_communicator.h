@@ -1,6 +1,6 @@
 // GlooCommunicator: the CPU backend. One gloo full-mesh context over TCP, bound to $LTRAIN_BIND_ADDR
 // (default 127.0.0.1), built through the job's rendezvous store. The world communicator owns the TCP
-// device; a group communicator (tp, dp, pp, embedding) shares it and connects through a PrefixStore
+// device; a group communicator (tp, dp, pp, embedding) shares it and connects through a prefixed view of the store
 // named after the group, so the keys of different groups never collide.
 //
 // Created by the worker's main thread once per generation; every call runs on the calling thread

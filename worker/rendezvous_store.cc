@@ -1,11 +1,17 @@
 #include "worker/rendezvous_store.h"
 
-#include <chrono>
-#include <filesystem>
-#include <stdexcept>
+#include <unistd.h>
 
-#include <gloo/rendezvous/file_store.h>
-#include <gloo/rendezvous/prefix_store.h>
+#include <atomic>
+#include <cctype>
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <stdexcept>
+#include <thread>
+
 #include <grpcpp/grpcpp.h>
 
 #include "ltrain/v1/ltrain.grpc.pb.h"
@@ -62,14 +68,95 @@ class GrpcStore : public gloo::rendezvous::Store {
   std::unique_ptr<v1::RendezvousService::Stub> stub_;
 };
 
-// PrefixStore keeps a reference to its base store; this keeps the base alive with it.
-class ScopedStore : public gloo::rendezvous::PrefixStore {
+// One file per key in a directory every rank sees, written whole and renamed into place, so a
+// reader sees all of a value or none of it. Keys are escaped into file names.
+class DirectoryStore : public gloo::rendezvous::Store {
  public:
-  ScopedStore(const std::string& scope, std::shared_ptr<gloo::rendezvous::Store> base)
-      : PrefixStore(scope, *base), base_(std::move(base)) {}
+  explicit DirectoryStore(std::string dir) : dir_(std::move(dir)) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override {
+    static std::atomic<int> counter{0};
+    const std::string path = PathOf(key);
+    const std::string tmp = dir_ + "/.tmp-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
+    {
+      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+      out.write(data.data(), static_cast<std::streamsize>(data.size()));
+      out.close();
+      if (!out) throw std::runtime_error("rendezvous set " + key + ": cannot write " + tmp);
+    }
+    if (std::rename(tmp.c_str(), path.c_str()) != 0) {
+      std::remove(tmp.c_str());
+      throw std::runtime_error("rendezvous set " + key + ": cannot rename into " + path);
+    }
+  }
+
+  std::vector<char> get(const std::string& key) override {
+    wait({key});
+    std::ifstream in(PathOf(key), std::ios::binary);
+    if (!in) throw std::runtime_error("rendezvous get " + key + ": cannot read " + PathOf(key));
+    return std::vector<char>(std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>());
+  }
+
+  void wait(const std::vector<std::string>& keys) override { wait(keys, kDefaultTimeout); }
+
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    auto pause = std::chrono::milliseconds(1);
+    for (const std::string& key : keys) {
+      std::error_code ec;
+      while (!std::filesystem::exists(PathOf(key), ec)) {
+        if (std::chrono::steady_clock::now() >= deadline) {
+          throw std::runtime_error("rendezvous: no key " + key + " in " + dir_ + " after " +
+                                   std::to_string(timeout.count()) + " ms");
+        }
+        std::this_thread::sleep_for(pause);
+        if (pause < std::chrono::milliseconds(50)) pause *= 2;
+      }
+    }
+  }
 
  private:
-  std::shared_ptr<gloo::rendezvous::Store> base_;
+  std::string PathOf(const std::string& key) const {
+    static const char* kHex = "0123456789abcdef";
+    std::string name;
+    for (const unsigned char c : key) {
+      if (std::isalnum(c) || c == '-' || c == '_' || c == '.') {
+        name += static_cast<char>(c);
+      } else {
+        name += '%';
+        name += kHex[c >> 4];
+        name += kHex[c & 15];
+      }
+    }
+    return dir_ + "/" + name;
+  }
+
+  std::string dir_;
+};
+
+// Every key under `prefix` + "/", in a base store (kept alive by `owner` when that is set).
+class PrefixedStore : public gloo::rendezvous::Store {
+ public:
+  PrefixedStore(std::string prefix, gloo::rendezvous::Store& base, std::shared_ptr<gloo::rendezvous::Store> owner = nullptr)
+      : prefix_(std::move(prefix) + "/"), base_(base), owner_(std::move(owner)) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override { base_.set(prefix_ + key, data); }
+  std::vector<char> get(const std::string& key) override { return base_.get(prefix_ + key); }
+  void wait(const std::vector<std::string>& keys) override { base_.wait(Prefixed(keys)); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    base_.wait(Prefixed(keys), timeout);
+  }
+
+ private:
+  std::vector<std::string> Prefixed(const std::vector<std::string>& keys) const {
+    std::vector<std::string> out;
+    for (const std::string& key : keys) out.push_back(prefix_ + key);
+    return out;
+  }
+
+  std::string prefix_;
+  gloo::rendezvous::Store& base_;
+  std::shared_ptr<gloo::rendezvous::Store> owner_;
 };
 
 }  // namespace
@@ -84,12 +171,17 @@ StatusOr<std::shared_ptr<gloo::rendezvous::Store>> ConnectRendezvousStore(const 
     std::error_code ec;
     std::filesystem::create_directories(dir, ec);
     if (ec) return InvalidArgument("rendezvous directory " + dir + ": " + ec.message());
-    base = std::make_shared<gloo::rendezvous::FileStore>(dir);
+    base = std::make_shared<DirectoryStore>(dir);
   } else {
     return InvalidArgument("rendezvous address '" + address +
                            "' is neither grpc://HOST:PORT nor file:///DIR");
   }
-  return std::shared_ptr<gloo::rendezvous::Store>(std::make_shared<ScopedStore>(scope, std::move(base)));
+  gloo::rendezvous::Store& ref = *base;
+  return std::shared_ptr<gloo::rendezvous::Store>(std::make_shared<PrefixedStore>(scope, ref, std::move(base)));
+}
+
+std::unique_ptr<gloo::rendezvous::Store> PrefixedView(const std::string& prefix, gloo::rendezvous::Store& base) {
+  return std::make_unique<PrefixedStore>(prefix, base);
 }
 
 }  // namespace ltrain::worker

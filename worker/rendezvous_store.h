@@ -7,6 +7,10 @@
 //                     this is what the agent gives every worker it starts.
 //   file:///DIR       a directory on a filesystem every rank sees, for running workers by hand.
 // Every key is prefixed with `scope` (job id and generation), so generations never mix.
+//
+// The stores are classes of ours, never gloo's own FileStore or PrefixStore: a LibTorch that
+// bundles its own Gloo (the CUDA wheels do) exports those classes' methods built against its Gloo
+// headers, and calls between them and objects built against ours can land on the wrong virtual.
 #pragma once
 
 #include <memory>
@@ -20,5 +24,8 @@ namespace ltrain::worker {
 
 StatusOr<std::shared_ptr<gloo::rendezvous::Store>> ConnectRendezvousStore(const std::string& address,
                                                                            const std::string& scope);
+
+// A view of `base` (which must outlive it) with every key under `prefix`: a process group's keys.
+std::unique_ptr<gloo::rendezvous::Store> PrefixedView(const std::string& prefix, gloo::rendezvous::Store& base);
 
 }  // namespace ltrain::worker

@@ -11,7 +11,6 @@
 
 #include <dlfcn.h>
 
-#include <gloo/rendezvous/prefix_store.h>
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -111,8 +110,8 @@ StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe
     Connection* c = conn.get();
     const int local_rank = env.local_rank;
     make = [c, local_rank, timeout](const Group& group, int group_rank) -> StatusOr<std::unique_ptr<Communicator>> {
-      gloo::rendezvous::PrefixStore prefixed("group/" + group.name, *c->store);
-      auto comm = NcclCommunicator::Create(prefixed, group_rank, static_cast<int>(group.ranks.size()), local_rank,
+      std::unique_ptr<gloo::rendezvous::Store> prefixed = PrefixedView("group/" + group.name, *c->store);
+      auto comm = NcclCommunicator::Create(*prefixed, group_rank, static_cast<int>(group.ranks.size()), local_rank,
                                            timeout);
       if (!comm.ok()) return comm.status();
       return std::unique_ptr<Communicator>(std::move(comm).value());
