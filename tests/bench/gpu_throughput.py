@@ -472,6 +472,20 @@ def summarize_overlap(path):
     print(f"  step {(end - start) / 1000:.1f} ms; collectives {comm_time / 1000:.1f} ms, of which hidden behind "
           f"computation {hidden / 1000:.1f} ms, exposed {(comm_time - hidden) / 1000:.1f} ms; the compute stream idle "
           f"{idle / 1000:.1f} ms", flush=True)
+    # Where the computation waits: the longest gaps between its kernels, with their neighbours.
+    ordered = sorted(compute, key=lambda e: e["ts"])
+    gaps, reach, last = [], ordered[0]["ts"] + ordered[0]["dur"], ordered[0]
+    for e in ordered[1:]:
+        if e["ts"] > reach:
+            gaps.append((e["ts"] - reach, reach, last.get("name", "")[:45], e.get("name", "")[:45]))
+        if e["ts"] + e["dur"] >= reach:
+            reach, last = e["ts"] + e["dur"], e
+    gaps.sort(reverse=True)
+    print("  longest waits of the computation (at ms into the step, after -> before):", flush=True)
+    for length, at, before, after in gaps[:10]:
+        busy = covered([(at, at + length)], comm_u)
+        print(f"    {length / 1000:6.2f} ms at {(at - start) / 1000:7.2f}, collectives running {busy / 1000:5.2f} ms: "
+              f"{before} -> {after}", flush=True)
     # The same kernel, alone and beside a collective.
     alone, beside = collections.defaultdict(list), collections.defaultdict(list)
     for e in compute:
