@@ -1,5 +1,11 @@
 #include "worker/gloo_communicator.h"
 
+#include <unistd.h>
+
+#include <filesystem>
+#include <stdexcept>
+#include <string>
+
 #include <chrono>
 #include <thread>
 #include <vector>
@@ -8,8 +14,37 @@
 #include <gtest/gtest.h>
 #include <torch/nn.h>
 
+#include "worker/rendezvous_store.h"
+
 namespace ltrain::worker {
 namespace {
+
+// The file rendezvous: values written whole under escaped names, scopes and group views apart, a
+// missing key an error that names it once the wait times out.
+TEST(RendezvousStoreTest, DirectoryStoreScopesAndPrefixedViews) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("ltrain-rdzv-" + std::to_string(::getpid()));
+  std::filesystem::remove_all(dir);
+  auto a = ConnectRendezvousStore("file://" + dir.string(), "job/1");
+  auto b = ConnectRendezvousStore("file://" + dir.string(), "job/2");
+  ASSERT_TRUE(a.ok() && b.ok());
+  (*a)->set("nccl/id", {'x', '\0', 'y'});
+  EXPECT_EQ((*a)->get("nccl/id"), (std::vector<char>{'x', '\0', 'y'}));
+  std::unique_ptr<gloo::rendezvous::Store> group = PrefixedView("group/tp-0", **a);
+  std::thread writer([&] { group->set("rank/1", {'1'}); });
+  EXPECT_EQ(group->get("rank/1"), std::vector<char>{'1'});
+  writer.join();
+  try {
+    (*b)->wait({"nccl/id"}, std::chrono::milliseconds(5));
+    ADD_FAILURE() << "another scope's key was seen";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("nccl/id"), std::string::npos) << e.what();
+  }
+  for (const auto& entry : std::filesystem::directory_iterator(dir)) {
+    EXPECT_EQ(entry.path().filename().string().find('/'), std::string::npos);
+    EXPECT_NE(entry.path().filename().string().rfind(".tmp-", 0), 0u) << "a temporary file was left";
+  }
+  std::filesystem::remove_all(dir);
+}
 
 // Two ranks as two threads, connected through real Gloo TCP pairs on loopback.
 TEST(GlooCommunicatorTest, TwoRanksAllReduceBroadcastAllGatherBarrier) {
