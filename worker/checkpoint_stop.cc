@@ -126,7 +126,7 @@ std::optional<int64_t> CheckpointStop::stop_step() const {
 
 void ConnectCheckpointStop(CheckpointStop* stop, std::shared_ptr<gloo::rendezvous::Store> store) {
   if (!store) return;
-  // The store's calls throw (gloo's FileStore and our gRPC store alike).
+  // The store's calls throw (the file store and the gRPC store alike).
   stop->Connect(
       [store](const std::string& key, const std::string& value) -> Status {
         try {
