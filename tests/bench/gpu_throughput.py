@@ -189,8 +189,9 @@ def main():
                     help="which of the layouts suite's runs (tp2, pp2 on 2 GPUs; tp2dp2 on 4)")
     ap.add_argument("--dp-env", action="append",
                     help="dp suite: one more dp2 run of the worker with these variables (NAME=V[,NAME=V...])")
-    ap.add_argument("--dp-zero", action="append", type=int, choices=[1, 2, 3],
-                    help="dp suite: one more run of the worker with parallel.zero at this stage")
+    ap.add_argument("--dp-parallel", action="append",
+                    help="dp suite: one more dp run of the worker with these recipe parallel keys "
+                         "(KEY=V[,KEY=V...], e.g. zero=1 or bucket_mb=200)")
     ap.add_argument("--dp-profile", type=int, choices=[0, 1, 2, 3], metavar="ZERO",
                     help="dp suite: also profile one dp step at this ZeRO stage and show how much of the "
                          "collectives it hides")
@@ -267,6 +268,9 @@ def main():
     def data_parallel(n):
         """gpt-1.3b on n GPUs: the worker on 1 and n GPUs, gpt_ddp.py under torchrun (eager, compile)."""
         print(f"== {n} GPUs, data parallel, gpt-1.3b ==", flush=True)
+        shaping = {k: v for k, v in os.environ.items() if k.startswith(("NCCL_", "CUDA_DEVICE_MAX", "TORCH_NCCL"))}
+        print("  environment: " + (" ".join(f"{k}={v}" for k, v in sorted(shaping.items())) or "no NCCL_* variables"),
+              flush=True)
         one = results.get("worker-1gpu-gpt-1.3b")
         if one is None:
             one, _ = worker_run("worker-1gpu-gpt-1.3b", "gpt-1.3b", 1)
@@ -296,12 +300,13 @@ def main():
             if os.path.exists(trace):
                 print(f"  profile of one dp{n} ZeRO-{a.dp_profile} step (rank 0):", flush=True)
                 summarize_overlap(trace)
-        for zero in a.dp_zero or []:
-            r, _ = worker_run(f"worker-dp{n}-zero{zero}-gpt-1.3b", "gpt-1.3b", n, zero=zero)
-            show(f"ltrain worker, dp{n}, ZeRO-{zero}", r)
+        for variant in a.dp_parallel or []:
+            keys = dict(kv.split("=", 1) for kv in variant.split(","))
+            r, _ = worker_run(f"worker-dp{n}-{variant}-gpt-1.3b", "gpt-1.3b", n, **keys)
+            show(f"ltrain worker, dp{n}, {variant}", r)
             if r and one:
                 print(f"    dp{n} per-GPU / 1 GPU {ratio(r, one):.3f}", flush=True)
-                results[f"ratio-dp{n}-zero{zero}-gpt-1.3b"] = {"scaling": ratio(r, one), "ddp_compile": ratio(r, ddp_c)}
+                results[f"ratio-dp{n}-{variant}-gpt-1.3b"] = {"scaling": ratio(r, one), "ddp_compile": ratio(r, ddp_c)}
         for variant in a.dp_env or []:
             env = dict(kv.split("=", 1) for kv in variant.split(","))
             r, _ = worker_run(f"worker-dp{n}-gpt-1.3b-{variant}", "gpt-1.3b", n, env=env)
