@@ -79,6 +79,22 @@ def byte_data(root, text_file):
     return root
 
 
+# Runs gpt_baseline.py (argv[1:]) with its parameter seed and its batch generator's seed moved by k.
+SHIFTED_SEEDS = """
+import runpy, sys, torch
+_manual_seed, _Generator = torch.manual_seed, torch.Generator
+torch.manual_seed = lambda s: _manual_seed(s + {k})
+class _Shifted:
+    def __init__(self, *args, **kwargs):
+        self.args, self.kwargs = args, kwargs
+    def manual_seed(self, s):
+        return _Generator(*self.args, **self.kwargs).manual_seed(s + {k})
+torch.Generator = _Shifted
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
 PRECISION = "bf16"
 SEED = 0
 
@@ -196,6 +212,9 @@ def main():
                     help="dp suite: also profile one dp step at this ZeRO stage and show how much of the "
                          "collectives it hides")
     ap.add_argument("--seed", type=int, default=0, help="the worker's training.seed (initialization and data order)")
+    ap.add_argument("--peer-seeds", default="0",
+                    help="learning suite: gpt_baseline.py also with its seeds moved by these amounts "
+                         "(comma-separated; 0 is the script as it is)")
     ap.add_argument("--learning-seeds", default="0",
                     help="learning suite: the worker's seeds, comma-separated (0 starts where PyTorch does)")
     ap.add_argument("--run-timeout", type=int, default=900,
@@ -366,6 +385,15 @@ def main():
                                cwd=a.baselines, timeout=1200)
             peer_losses = [(int(st), float(l)) for st, l in re.findall(r"step (\d+) loss ([0-9.]+)", p.stdout)]
             print("  pytorch:", " ".join(f"{st + 1}:{l:.3f}" for st, l in peer_losses), flush=True)
+            # The peer's spread: gpt_baseline.py itself, its two seeds (parameters, batches) moved by k.
+            for k in [int(x) for x in a.peer_seeds.split(",") if x and int(x) != 0]:
+                q = subprocess.run([sys.executable, "-c", SHIFTED_SEEDS.format(k=k), peer, "--model", "gpt-124m",
+                                    "--data", os.path.abspath(a.data), "--steps", "200", "--mode", "eager"],
+                                   capture_output=True, text=True, env=peer_env(), cwd=a.baselines, timeout=1200)
+                shifted = [(int(st), float(l)) for st, l in re.findall(r"step (\d+) loss ([0-9.]+)", q.stdout)]
+                print(f"  pytorch, seeds + {k}:", " ".join(f"{st + 1}:{l:.3f}" for st, l in shifted), flush=True)
+                if shifted:
+                    results[f"learning-pytorch-seeds+{k}"] = shifted[-1][1]
             if not peer_losses:
                 print(p.stdout[-2000:] + p.stderr[-2000:], flush=True)
             for seed, curve in curves.items():
