@@ -10,10 +10,17 @@
 #include "worker/torch_compat.h"
 
 namespace ltrain::worker {
+namespace {
+
+bool high_priority_collectives = false;
+
+}  // namespace
+
+void SetCollectiveStreamPriority(bool high) { high_priority_collectives = high; }
 
 ReductionQueue::ReductionQueue(bool threaded, const torch::Device& device) : threaded_(threaded), device_(device) {
   if (threaded_ && device.is_cuda()) {
-    auto side = std::make_unique<compat::SideStream>(device);
+    auto side = std::make_unique<compat::SideStream>(device, high_priority_collectives);
     if (side->active()) side_ = std::move(side);
   }
   if (threaded_) thread_ = std::thread([this] { Loop(); });

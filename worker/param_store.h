@@ -46,6 +46,10 @@
 
 namespace ltrain::worker {
 
+// Whether the reduction queues made from now on run their collectives on a high-priority CUDA stream
+// (LTRAIN_DP_HIGH_PRIORITY=1; set once at start).
+void SetCollectiveStreamPriority(bool high);
+
 // Runs jobs one after another on a thread of its own (or inline when made with threaded=false).
 // On CUDA a threaded queue runs its jobs on a stream of its own, so that collectives overlap the
 // computation: a job's kernels wait for what the enqueuing thread's stream had queued when it

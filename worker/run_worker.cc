@@ -21,6 +21,7 @@
 #include "worker/communicator.h"
 #include "worker/fused_kernels.h"
 #include "worker/gloo_communicator.h"
+#include "worker/param_store.h"
 #include "worker/progress.h"
 #include "worker/progress_reporter.h"
 #include "worker/rendezvous_store.h"
@@ -161,6 +162,7 @@ Status Run(const WorkerEnv& env) {
   options.job_id = env.job_id;
   options.collective_timeout = CollectiveTimeout(recipe);
   options.dp_overlap = Env("LTRAIN_DP_OVERLAP") != "0";
+  SetCollectiveStreamPriority(Env("LTRAIN_DP_HIGH_PRIORITY") == "1");
   FusedKernelOptions kernels;
   kernels.linear = Env("LTRAIN_FUSED_LINEAR") != "0";
   kernels.layer_norm = Env("LTRAIN_FUSED_LAYER_NORM") != "0";
@@ -274,6 +276,7 @@ Profiling:
   LTRAIN_FUSED_ADAMW=0     LibTorch's fused AdamW over fp32 copies of the bf16 gradients instead of
                            the worker's kernel (which also writes the bf16 weights)
   LTRAIN_DP_OVERLAP=0      all-reduce the data-parallel gradients after backward, not during it
+  LTRAIN_DP_HIGH_PRIORITY=1  run the data-parallel collectives on a high-priority CUDA stream
   LTRAIN_GEMM_SM_MARGIN=N  plan the cuBLASLt products of backward for N fewer SMs than the GPU has,
                            leaving them to the data-parallel reductions that overlap backward
 

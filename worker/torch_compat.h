@@ -227,15 +227,19 @@ class StreamMarker {
 #endif
 };
 
-// A CUDA stream of its own (from LibTorch's pool) for collectives that overlap computation;
-// Scope makes it the current stream of the calling thread. No-ops on CPU.
+// A CUDA stream of its own (from LibTorch's pool; `high_priority`: from its high-priority pool, whose
+// kernels the GPU schedules first) for collectives that overlap computation; Scope makes it the
+// current stream of the calling thread. No-ops on CPU.
 class SideStream {
  public:
-  explicit SideStream(const torch::Device& device) {
+  explicit SideStream(const torch::Device& device, bool high_priority = false) {
 #if defined(LTRAIN_WITH_NCCL)
-    if (device.is_cuda()) stream_ = std::make_shared<c10::cuda::CUDAStream>(c10::cuda::getStreamFromPool(false, device.index()));
+    if (device.is_cuda()) {
+      stream_ = std::make_shared<c10::cuda::CUDAStream>(c10::cuda::getStreamFromPool(high_priority, device.index()));
+    }
 #else
     (void)device;
+    (void)high_priority;
 #endif
   }
   bool active() const {
