@@ -416,8 +416,8 @@ Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, con
   const double b1 = adamw_.beta1, b2 = adamw_.beta2;
   const double bias1 = 1 - std::pow(b1, static_cast<double>(step));
   const double bias2 = 1 - std::pow(b2, static_cast<double>(step));
-  // bf16 compute copies on CUDA: our kernel, one pass per segment that also writes the bf16 copy
-  // (under zero 1/2 the copy is refreshed after the all-gather instead).
+  // bf16 compute copies on CUDA: our kernel, one pass per segment that also writes the bf16 copy of
+  // the owned elements (zero 0: all of them; a sharded update then all-gathers the copies).
   if (units_.empty()) return Status::Ok();
   const bool own_kernel = units_.front().compute.defined() && FusedAdamWAvailable(units_.front().full);
   const bool sharded = sharded_update();

@@ -9,8 +9,8 @@
 #include <filesystem>
 #include <fstream>
 #include <map>
-#include <set>
 #include <optional>
+#include <set>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
@@ -969,7 +969,6 @@ Status Trainer::Run() {
     if (Status s = store_->AwaitCompute(u); !s.ok()) return s;
   }
   if (printer && t.steps >= window_first && window_ms > 0) PrintThroughput(window_first, t.steps - window_first + 1, window_ms);
-
   if (writer_) {
     // The final save must be committed before the job may count as done.
     Progress::Global().SetPhase(step_, "checkpoint");
