@@ -5,6 +5,8 @@
 
 #include <cuda_bf16.h>
 
+#include "worker/cuda/bf16x8.cuh"
+
 namespace ltrain::worker::cuda {
 namespace {
 
@@ -13,19 +15,7 @@ constexpr int kColsPerLane = 8;
 constexpr int kColsPerBlock = kLanes * kColsPerLane;
 constexpr int kWarps = 8;
 
-struct alignas(16) Bf16x8 {
-  __nv_bfloat162 v[4];
-};
-
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-int64_t Chunks(int64_t rows, int64_t cols) {
-  // About 1024 blocks in all, each chunk at least 8 rows (one per warp).
-  int64_t chunks = CeilDiv(1024, CeilDiv(cols, kColsPerBlock));
-  const int64_t most = CeilDiv(rows, kWarps);
-  if (chunks > most) chunks = most;
-  return chunks < 1 ? 1 : chunks;
-}
+int64_t Chunks(int64_t rows, int64_t cols) { return RowChunks(rows, CeilDiv(cols, kColsPerBlock), kWarps); }
 
 __global__ void PartialColumnSums(const Bf16x8* x, int64_t rows, int64_t vecs, int64_t rows_per_chunk,
                                   float* partial) {
@@ -36,13 +26,10 @@ __global__ void PartialColumnSums(const Bf16x8* x, int64_t rows, int64_t vecs, i
   if (vec < vecs) {
 #pragma unroll 4
     for (int64_t r = begin + threadIdx.y; r < end; r += kWarps) {
-      const Bf16x8 p = x[r * vecs + vec];
+      float v[kColsPerLane];
+      Unpack(x[r * vecs + vec], v);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float2 f = __bfloat1622float2(p.v[i]);
-        sum[2 * i] += f.x;
-        sum[2 * i + 1] += f.y;
-      }
+      for (int i = 0; i < kColsPerLane; ++i) sum[i] += v[i];
     }
   }
   __shared__ float part[kWarps][kColsPerBlock];

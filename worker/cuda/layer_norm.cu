@@ -1,11 +1,14 @@
 // The layer norm's backward. The input gradient: a block per row, eight columns per thread and
-// 16-byte accesses, the row held in registers (up to 8192 columns), the two row means summed in fp32
-// across the block, the residual gradient added on the way out. The weight and bias gradients in two passes: blocks of 64 columns by a chunk of
-// rows sum dy · x̂ and dy in fp32 (each warp over every 8th row, then across the warps in shared
-// memory) into per-chunk partials; a second kernel adds the chunks of each column.
+// 16-byte accesses, the row held in registers (up to 8192 columns), the two row means summed in
+// fp32 across the block, the residual gradient added on the way out. The weight and bias gradients
+// in two passes: blocks of 64 columns by a chunk of rows sum dy · x̂ and dy in fp32 (each warp over
+// every 8th row, then across the warps in shared memory) into per-chunk partials; a second kernel
+// adds the chunks of each column.
 #include "worker/cuda/layer_norm.h"
 
 #include <cuda_bf16.h>
+
+#include "worker/cuda/bf16x8.cuh"
 
 namespace ltrain::worker::cuda {
 namespace {
@@ -70,19 +73,6 @@ __global__ void AddChunks(const float* partial, int64_t chunks, int64_t cols, __
 }
 
 constexpr int kRowThreads = 256;
-
-struct alignas(16) Bf16x8 {
-  __nv_bfloat162 v[4];
-};
-
-__device__ __forceinline__ void Unpack(const Bf16x8& p, float (&out)[8]) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(p.v[i]);
-    out[2 * i] = f.x;
-    out[2 * i + 1] = f.y;
-  }
-}
 
 // Sums a and b over the block (kRowThreads threads); every thread gets both sums.
 __device__ __forceinline__ void BlockSum2(float& a, float& b) {
@@ -180,8 +170,6 @@ __global__ void InputGrad(const Bf16x8* dy, const Bf16x8* x, const Bf16x8* gamma
   }
 }
 
-int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 }  // namespace
 
 void LayerNormInputGrad(const void* dy, const void* x, const void* gamma, const float* mean, const float* rstd,
@@ -205,14 +193,7 @@ void LayerNormInputGrad(const void* dy, const void* x, const void* gamma, const 
   }
 }
 
-int64_t LayerNormRowChunks(int64_t rows, int64_t cols) {
-  // About 1024 blocks in all, each chunk at least 8 rows (one per warp).
-  const int64_t col_blocks = CeilDiv(cols, kColsPerBlock);
-  int64_t chunks = CeilDiv(1024, col_blocks);
-  const int64_t most = CeilDiv(rows, kWarps);
-  if (chunks > most) chunks = most;
-  return chunks < 1 ? 1 : chunks;
-}
+int64_t LayerNormRowChunks(int64_t rows, int64_t cols) { return RowChunks(rows, CeilDiv(cols, kColsPerBlock), kWarps); }
 
 void LayerNormParamGrads(const void* dy, const void* x, const float* mean, const float* rstd, int64_t rows,
                          int64_t cols, float* partial, void* dgamma, void* dbeta, cudaStream_t stream) {
