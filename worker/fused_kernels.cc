@@ -79,11 +79,13 @@ void Gemm(cuda::GemmArgs args, const torch::Tensor& like, bool backward) {
 
 // The three products of a linear layer, on row-major 2-D tensors. y[M, N] = x[M, K] · w[N, K]ᵀ
 // (+ bias[N]; or with kGeluAuxBias y = gelu(aux), aux = x · wᵀ + bias), plus `residual` [M, N] when
-// that is defined (read by the product's epilogue: no separate add).
+// that is defined (read by the product's epilogue: no separate add); written into `into` when that
+// is defined.
 torch::Tensor LinearProduct(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias,
-                            cuda::Epilogue epilogue, const torch::Tensor& aux = {}, const torch::Tensor& residual = {}) {
+                            cuda::Epilogue epilogue, const torch::Tensor& aux = {}, const torch::Tensor& residual = {},
+                            const torch::Tensor& into = {}) {
   const int64_t rows = x.size(0), in = x.size(1), out = w.size(0);
-  torch::Tensor y = torch::empty({rows, out}, x.options());
+  torch::Tensor y = into.defined() ? into : torch::empty({rows, out}, x.options());
   cuda::GemmArgs g = cuda::LinearForward(x.data_ptr(), w.data_ptr(), y.data_ptr(), rows, in, out);
   g.epilogue = epilogue;
   if (bias.defined()) g.bias = bias.data_ptr();
@@ -93,24 +95,28 @@ torch::Tensor LinearProduct(const torch::Tensor& x, const torch::Tensor& w, cons
   return y;
 }
 
-// dx[M, K] = grad[M, N] · w[N, K]; with kDGelu multiplied by gelu'(aux).
+// dx[M, K] = grad[M, N] · w[N, K]; with kDGelu multiplied by gelu'(aux). Into `into` when that is
+// defined, added to what it holds when `accumulate`.
 torch::Tensor InputGradProduct(const torch::Tensor& grad, const torch::Tensor& w, cuda::Epilogue epilogue = cuda::Epilogue::kNone,
-                               const torch::Tensor& aux = {}) {
+                               const torch::Tensor& aux = {}, const torch::Tensor& into = {}, bool accumulate = false) {
   const int64_t rows = grad.size(0), out = grad.size(1), in = w.size(1);
-  torch::Tensor dx = torch::empty({rows, in}, grad.options());
+  torch::Tensor dx = into.defined() ? into : torch::empty({rows, in}, grad.options());
   cuda::GemmArgs g = cuda::LinearInputGrad(grad.data_ptr(), w.data_ptr(), dx.data_ptr(), rows, in, out);
   g.epilogue = epilogue;
   if (aux.defined()) g.aux = aux.data_ptr(), g.ld_aux = in;
+  if (accumulate) g.beta = 1.0f;
   Gemm(g, grad, true);
   return dx;
 }
 
-// dw[N, K] = grad[M, N]ᵀ · x[M, K], added to `into` when that is defined (then returns undefined).
-torch::Tensor WeightGradProduct(const torch::Tensor& grad, const torch::Tensor& x, const torch::Tensor& into) {
+// dw[N, K] = grad[M, N]ᵀ · x[M, K], into `into` when that is defined (then returns undefined), added
+// to what it holds when `accumulate`.
+torch::Tensor WeightGradProduct(const torch::Tensor& grad, const torch::Tensor& x, const torch::Tensor& into,
+                                bool accumulate = true) {
   const int64_t rows = grad.size(0), out = grad.size(1), in = x.size(1);
   torch::Tensor dw = into.defined() ? into : torch::empty({out, in}, grad.options());
   cuda::GemmArgs g = cuda::LinearWeightGrad(grad.data_ptr(), x.data_ptr(), dw.data_ptr(), rows, in, out);
-  if (into.defined()) g.beta = 1.0f;
+  if (into.defined() && accumulate) g.beta = 1.0f;
   Gemm(g, grad, true);
   return into.defined() ? torch::Tensor() : dw;
 }
@@ -234,17 +240,12 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
                                const torch::Tensor& b, int64_t heads) {
     c10::cuda::CUDAGuard guard(x.device());
     torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
-    const int64_t rows = x2.size(0), in = x2.size(1), c = w.size(0) / 3;
+    const int64_t rows = x2.size(0), c = w.size(0) / 3;
     const bool has_bias = b.numel() > 0;
     torch::Tensor planes = torch::empty({3, rows, c}, x.options());
     for (int64_t i = 0; i < 3; ++i) {
-      cuda::GemmArgs g =
-          cuda::LinearForward(x2.data_ptr(), w.narrow(0, i * c, c).data_ptr(), planes[i].data_ptr(), rows, in, c);
-      if (has_bias) {
-        g.epilogue = cuda::Epilogue::kBias;
-        g.bias = b.narrow(0, i * c, c).data_ptr();
-      }
-      Gemm(g, x2, false);
+      LinearProduct(x2, w.narrow(0, i * c, c), has_bias ? b.narrow(0, i * c, c) : torch::Tensor(),
+                    has_bias ? cuda::Epilogue::kBias : cuda::Epilogue::kNone, {}, {}, planes[i]);
     }
     ctx->save_for_backward({x2, w});
     ctx->saved_data["x_sizes"] = x.sizes().vec();
@@ -275,12 +276,8 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
       }
       // [b, heads, t, d] back to [rows, c]: a view where attention kept the layout it was given.
       torch::Tensor g = grads[i].transpose(1, 2).contiguous().view({rows, c});
-      cuda::GemmArgs wg = cuda::LinearWeightGrad(g.data_ptr(), x2.data_ptr(), dw_i.data_ptr(), rows, in, c);
-      if (into.defined()) wg.beta = 1.0f;
-      Gemm(wg, g, true);
-      cuda::GemmArgs ig = cuda::LinearInputGrad(g.data_ptr(), w.narrow(0, i * c, c).data_ptr(), dx.data_ptr(), rows, in, c);
-      if (dx_written) ig.beta = 1.0f;
-      Gemm(ig, g, true);
+      WeightGradProduct(g, x2, dw_i, /*accumulate=*/into.defined());
+      InputGradProduct(g, w.narrow(0, i * c, c), cuda::Epilogue::kNone, {}, dx, /*accumulate=*/dx_written);
       dx_written = true;
       if (has_bias) db.narrow(0, i * c, c).copy_(BiasGrad(g));
     }

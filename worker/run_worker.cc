@@ -11,7 +11,6 @@
 
 #include <dlfcn.h>
 
-
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
