@@ -319,19 +319,15 @@ def main():
             if os.path.exists(trace):
                 print(f"  profile of one dp{n} ZeRO-{a.dp_profile} step (rank 0):", flush=True)
                 summarize_overlap(trace)
-        for variant in a.dp_parallel or []:
-            keys = dict(kv.split("=", 1) for kv in variant.split(","))
-            r, _ = worker_run(f"worker-dp{n}-{variant}-gpt-1.3b", "gpt-1.3b", n, **keys)
+        # More dp runs of the worker: recipe parallel keys, then environment variables.
+        pairs = lambda variant: dict(kv.split("=", 1) for kv in variant.split(","))
+        variants = [(v, pairs(v)) for v in a.dp_parallel or []] + [(v, {"env": pairs(v)}) for v in a.dp_env or []]
+        for variant, kw in variants:
+            r, _ = worker_run(f"worker-dp{n}-{variant}-gpt-1.3b", "gpt-1.3b", n, **kw)
             show(f"ltrain worker, dp{n}, {variant}", r)
             if r and one:
                 print(f"    dp{n} per-GPU / 1 GPU {ratio(r, one):.3f}", flush=True)
                 results[f"ratio-dp{n}-{variant}-gpt-1.3b"] = {"scaling": ratio(r, one), "ddp_compile": ratio(r, ddp_c)}
-        for variant in a.dp_env or []:
-            env = dict(kv.split("=", 1) for kv in variant.split(","))
-            r, _ = worker_run(f"worker-dp{n}-gpt-1.3b-{variant}", "gpt-1.3b", n, env=env)
-            show(f"ltrain worker, dp{n}, {variant}", r)
-            if r and one:
-                print(f"    dp{n} per-GPU / 1 GPU {ratio(r, one):.3f}", flush=True)
 
     if "dp" in suites:
         data_parallel(2)
