@@ -376,17 +376,19 @@ def main():
             print(f"  worker seed {seed}:", " ".join(f"{st}:{l:.3f}" for st, l in curves[seed]), flush=True)
         SEED = a.seed
         if not a.no_peer:
-            p = subprocess.run([sys.executable, peer, "--model", "gpt-124m", "--data", os.path.abspath(a.data),
-                                "--steps", "200", "--mode", "eager"], capture_output=True, text=True, env=peer_env(),
-                               cwd=a.baselines, timeout=1200)
-            peer_losses = [(int(st), float(l)) for st, l in re.findall(r"step (\d+) loss ([0-9.]+)", p.stdout)]
+            def peer_curve(k):
+                """gpt_baseline.py's loss curve; k != 0: with its two seeds (parameters, batches) moved by k."""
+                shift = [] if k == 0 else ["-c", SHIFTED_SEEDS.format(k=k)]
+                q = subprocess.run([sys.executable, *shift, peer, "--model", "gpt-124m", "--data", os.path.abspath(a.data),
+                                    "--steps", "200", "--mode", "eager"], capture_output=True, text=True, env=peer_env(),
+                                   cwd=a.baselines, timeout=1200)
+                return q, [(int(st), float(l)) for st, l in re.findall(r"step (\d+) loss ([0-9.]+)", q.stdout)]
+
+            p, peer_losses = peer_curve(0)
             print("  pytorch:", " ".join(f"{st + 1}:{l:.3f}" for st, l in peer_losses), flush=True)
-            # The peer's spread: gpt_baseline.py itself, its two seeds (parameters, batches) moved by k.
+            # The peer's spread.
             for k in [int(x) for x in a.peer_seeds.split(",") if x and int(x) != 0]:
-                q = subprocess.run([sys.executable, "-c", SHIFTED_SEEDS.format(k=k), peer, "--model", "gpt-124m",
-                                    "--data", os.path.abspath(a.data), "--steps", "200", "--mode", "eager"],
-                                   capture_output=True, text=True, env=peer_env(), cwd=a.baselines, timeout=1200)
-                shifted = [(int(st), float(l)) for st, l in re.findall(r"step (\d+) loss ([0-9.]+)", q.stdout)]
+                _, shifted = peer_curve(k)
                 print(f"  pytorch, seeds + {k}:", " ".join(f"{st + 1}:{l:.3f}" for st, l in shifted), flush=True)
                 if shifted:
                     results[f"learning-pytorch-seeds+{k}"] = shifted[-1][1]
