@@ -329,9 +329,11 @@ RecipeParseResult ParseRecipe(const std::string& yaml_text, const std::string& s
   }
   YAML::Node data = reader.Section(root, "data");
   if (data.IsDefined()) {
-    reader.CheckKeys(data, "data", {"path", "tokenizer"});
+    reader.CheckKeys(data, "data", {"path", "tokenizer", "sampling", "seed"});
     reader.ReadString(data, "data", "path", r.data.path);
     reader.ReadString(data, "data", "tokenizer", r.data.tokenizer, {"byte"});
+    reader.ReadString(data, "data", "sampling", r.data.sampling, {"hash", "torch"});
+    reader.ReadInt(data, "data", "seed", r.data.seed, 0, kMaxInt64);
   }
   YAML::Node training = reader.Section(root, "training");
   if (training.IsDefined()) {
@@ -544,7 +546,10 @@ std::string RecipeToYaml(const Recipe& r) {
       << YAML::Key << "vocab" << YAML::Value << r.model.vocab << YAML::EndMap;
   out << YAML::Key << "data" << YAML::Value << YAML::BeginMap
       << YAML::Key << "path" << YAML::Value << r.data.path
-      << YAML::Key << "tokenizer" << YAML::Value << r.data.tokenizer << YAML::EndMap;
+      << YAML::Key << "tokenizer" << YAML::Value << r.data.tokenizer
+      << YAML::Key << "sampling" << YAML::Value << r.data.sampling;
+  if (r.data.seed >= 0) out << YAML::Key << "seed" << YAML::Value << r.data.seed;
+  out << YAML::EndMap;
   out << YAML::Key << "training" << YAML::Value << YAML::BeginMap
       << YAML::Key << "steps" << YAML::Value << r.training.steps
       << YAML::Key << "micro_batch" << YAML::Value << r.training.micro_batch

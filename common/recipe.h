@@ -22,6 +22,12 @@ struct ModelSpec {
 struct DataSpec {
   std::string path;              // a directory written by `ltrain data prepare`
   std::string tokenizer = "byte";
+  // How window starts are drawn. "hash": a hash of (seed, sample index), so resuming anywhere costs
+  // nothing. "torch": in order from a PyTorch CPU generator, as torch.randint(0, tokens - seq_len - 1,
+  // (global_batch,), generator=torch.Generator().manual_seed(seed)) each step draws them: the
+  // batches of a PyTorch loop that samples that way, for comparing a run with it batch for batch.
+  std::string sampling = "hash";
+  int64_t seed = -1;             // the sampler's seed; -1: training.seed
 };
 
 struct TrainingSpec {

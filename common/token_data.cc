@@ -212,8 +212,11 @@ int64_t SampleIndex(const BatchSlice& slice, int j) {
          static_cast<int64_t>(slice.micro_step * slice.dp + slice.dp_rank) * slice.micro_batch + j;
 }
 
-TokenSampler::TokenSampler(const TokenDataset* dataset, uint64_t seed, int seq_len)
-    : dataset_(dataset), seed_mix_(SplitMix64(seed)), seq_len_(seq_len) {}
+TokenSampler::TokenSampler(const TokenDataset* dataset, uint64_t seed, int seq_len,
+                           std::unique_ptr<WindowStream> stream)
+    : dataset_(dataset), seed_mix_(SplitMix64(seed)), seq_len_(seq_len), stream_(std::move(stream)) {}
+
+int64_t TokenSampler::span() const { return dataset_->size() - seq_len_ - 1; }
 
 Status TokenSampler::Check() const {
   if (seq_len_ < 1) return InvalidArgument("seq_len=" + std::to_string(seq_len_) + " must be >= 1");
@@ -226,6 +229,7 @@ Status TokenSampler::Check() const {
 }
 
 int64_t TokenSampler::WindowStart(int64_t sample_index) const {
+  if (stream_ != nullptr) return stream_->Start(sample_index);
   const uint64_t span = static_cast<uint64_t>(dataset_->size() - seq_len_ - 1);
   // Adding i * golden-ratio before mixing walks splitmix64's own stream from the seed's state.
   const uint64_t h = SplitMix64(seed_mix_ + static_cast<uint64_t>(sample_index) * 0x9e3779b97f4a7c15ULL);

@@ -13,6 +13,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -91,15 +92,28 @@ struct BatchSlice {
 // the layout.
 int64_t SampleIndex(const BatchSlice& slice, int j);
 
-// Deterministic map from sample index to token window.
+// Window starts drawn one after another from a generator that cannot jump ahead: Start(i) is the
+// start of sample index i, the i-th draw. Asked in increasing order it draws each value once; asking
+// for an earlier index starts the stream over.
+class WindowStream {
+ public:
+  virtual ~WindowStream() = default;
+  virtual int64_t Start(int64_t sample_index) = 0;
+};
+
+// Deterministic map from sample index to token window: hashed (below) or, given a stream, the
+// stream's draws.
 class TokenSampler {
  public:
-  TokenSampler(const TokenDataset* dataset, uint64_t seed, int seq_len);
+  TokenSampler(const TokenDataset* dataset, uint64_t seed, int seq_len, std::unique_ptr<WindowStream> stream = nullptr);
+
+  // The number of distinct window starts: size - seq_len - 1.
+  int64_t span() const;
 
   // Fails when the dataset is too short for one window of seq_len + 1 tokens.
   Status Check() const;
 
-  // hash(seed, i) % (size - seq_len - 1).
+  // hash(seed, i) % span(), or the stream's start for i.
   int64_t WindowStart(int64_t sample_index) const;
 
   // Fills micro_batch * seq_len int64 inputs and targets (targets = inputs shifted by one token).
@@ -111,6 +125,7 @@ class TokenSampler {
   const TokenDataset* dataset_;
   uint64_t seed_mix_;
   int seq_len_;
+  std::unique_ptr<WindowStream> stream_;
 };
 
 }  // namespace ltrain

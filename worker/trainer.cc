@@ -38,6 +38,45 @@ int64_t HeapInUse() {
   return static_cast<int64_t>(info.uordblks + info.hblkhd);
 }
 
+// data.sampling "torch": window starts as a PyTorch loop draws them with torch.randint(0, span, (n,),
+// generator=g), g = torch.Generator().manual_seed(seed). The CPU kernel draws element after element
+// from one Mersenne Twister, so draws made in chunks of any size continue one stream: sample index i
+// gets its i-th value.
+class TorchRandintWindows final : public WindowStream {
+ public:
+  TorchRandintWindows(uint64_t seed, int64_t span) : seed_(seed), span_(span) { Restart(); }
+
+  int64_t Start(int64_t sample_index) override {
+    if (sample_index < base_) Restart();
+    while (sample_index >= base_ + kChunk) {
+      base_ += kChunk;
+      Draw();
+    }
+    return chunk_[static_cast<size_t>(sample_index - base_)];
+  }
+
+ private:
+  static constexpr int64_t kChunk = 4096;
+
+  void Restart() {
+    generator_ = at::make_generator<at::CPUGeneratorImpl>(seed_);
+    base_ = 0;
+    Draw();
+  }
+
+  void Draw() {
+    torch::Tensor t = torch::randint(0, span_, {kChunk}, generator_, torch::kLong);
+    const int64_t* v = t.data_ptr<int64_t>();
+    chunk_.assign(v, v + kChunk);
+  }
+
+  uint64_t seed_;
+  int64_t span_;
+  at::Generator generator_;
+  int64_t base_ = 0;
+  std::vector<int64_t> chunk_;
+};
+
 std::string RngStateHex() {
   at::Generator gen = at::detail::getDefaultCPUGenerator();
   torch::Tensor state;
@@ -92,6 +131,12 @@ Status Rethrown(const char* what) {
 }
 
 }  // namespace
+
+std::unique_ptr<WindowStream> MakeWindowStream(const Recipe& recipe, int64_t span) {
+  if (recipe.data.sampling != "torch" || span < 1) return nullptr;  // TokenSampler::Check reports a short file
+  const int64_t seed = recipe.data.seed >= 0 ? recipe.data.seed : recipe.training.seed;
+  return std::make_unique<TorchRandintWindows>(static_cast<uint64_t>(seed), span);
+}
 
 StatusOr<Layout> PlanLayout(const Recipe& recipe, int world_size) {
   const ParallelSpec& p = recipe.parallel;
@@ -153,7 +198,8 @@ Trainer::Trainer(const Recipe& recipe, const TrainerOptions& options, ProcessGro
       groups_(groups),
       layout_(layout),
       data_(std::move(data)),
-      sampler_(&data_, recipe.training.seed, recipe.model.seq_len) {}
+      sampler_(&data_, recipe.data.seed >= 0 ? recipe.data.seed : recipe.training.seed, recipe.model.seq_len,
+               MakeWindowStream(recipe, data_.size() - recipe.model.seq_len - 1)) {}
 
 Trainer::~Trainer() = default;
 

@@ -47,6 +47,10 @@ struct Layout {
 // Checks the recipe's parallel and batch settings against the real world size.
 StatusOr<Layout> PlanLayout(const Recipe& recipe, int world_size);
 
+// data.sampling "torch": window starts in [0, span) as a PyTorch loop draws them with torch.randint
+// and a generator seeded with the data seed. nullptr for "hash".
+std::unique_ptr<WindowStream> MakeWindowStream(const Recipe& recipe, int64_t span);
+
 struct TrainerOptions {
   int rank = 0;
   int local_rank = 0;            // picks the GPU when parallel.device is cuda

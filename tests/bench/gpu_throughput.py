@@ -99,7 +99,7 @@ PRECISION = "bf16"
 SEED = 0
 
 
-def recipe(path, model, data, steps, world, micro_batch=None, vocab=VOCAB, log_every=5, **parallel):
+def recipe(path, model, data, steps, world, micro_batch=None, vocab=VOCAB, log_every=5, data_keys="", **parallel):
     layers, d, heads, mb = MODELS[model]
     mb = micro_batch or mb
     tp, pp = parallel.get("tp", 1), parallel.get("pp", 1)
@@ -111,7 +111,7 @@ def recipe(path, model, data, steps, world, micro_batch=None, vocab=VOCAB, log_e
         # no schedule.
         f.write(f"""name: bench
 model: {{layers: {layers}, d_model: {d}, heads: {heads}, seq_len: {SEQ}, vocab: {vocab}}}
-data: {{path: {data}}}
+data: {{path: {data}{data_keys}}}
 training: {{steps: {steps}, micro_batch: {mb}, global_batch: {mb * dp * accumulation}, lr: 3.0e-4, min_lr: 3.0e-4,
   warmup_steps: 0, lr_schedule: constant, weight_decay: 0.01, beta1: 0.9, beta2: 0.999, grad_clip: 0,
   seed: {SEED}, log_every: {log_every}}}
@@ -208,15 +208,18 @@ def main():
     ap.add_argument("--dp-parallel", action="append",
                     help="dp suite: one more dp run of the worker with these recipe parallel keys "
                          "(KEY=V[,KEY=V...], e.g. zero=1 or bucket_mb=200)")
-    ap.add_argument("--dp-profile", type=int, choices=[0, 1, 2, 3], metavar="ZERO",
-                    help="dp suite: also profile one dp step at this ZeRO stage and show how much of the "
-                         "collectives it hides")
+    ap.add_argument("--dp-profile", metavar="KEY=V[,KEY=V...]",
+                    help="dp suite: also profile one dp step with these recipe parallel keys (e.g. zero=0 or "
+                         "zero=1,bucket_mb=400) and show how much of the collectives it hides")
     ap.add_argument("--seed", type=int, default=0, help="the worker's training.seed (initialization and data order)")
     ap.add_argument("--peer-seeds", default="0",
                     help="learning suite: gpt_baseline.py also with its seeds moved by these amounts "
                          "(comma-separated; 0 is the script as it is)")
     ap.add_argument("--learning-seeds", default="0",
                     help="learning suite: the worker's seeds, comma-separated (0 starts where PyTorch does)")
+    ap.add_argument("--sampling", default="torch", choices=["torch", "hash"],
+                    help="learning suite: the worker's data.sampling. torch (default): the batches that "
+                         "gpt_baseline.py draws for the same seed; hash: batches of the worker's own")
     ap.add_argument("--run-timeout", type=int, default=900,
                     help="seconds before a worker run is killed and its ranks' logs printed (default 900)")
     ap.add_argument("--no-peer", action="store_true", help="the worker only (for quick iterations; no ratios)")
@@ -306,21 +309,23 @@ def main():
         results[f"pytorch-ddp-eager-{n}gpu-gpt-1.3b"], results[f"pytorch-ddp-compile-{n}gpu-gpt-1.3b"] = ddp_e, ddp_c
         show("ltrain worker, 1 GPU", one)
         show(f"ltrain worker, dp{n}", many)
-        show("pytorch DDP eager", ddp_e)
-        show("pytorch DDP + torch.compile", ddp_c)
+        if not a.no_peer:
+            show("pytorch DDP eager", ddp_e)
+            show("pytorch DDP + torch.compile", ddp_c)
         scaling, rc = ratio(many, one), ratio(many, ddp_c)
         print(f"  dp{n} per-GPU / 1 GPU {scaling:.3f}" if scaling else "  scaling: n/a", flush=True)
-        print(f"  ratio worker dp{n} / DDP+compile {rc:.3f}" if rc else "  ratio: n/a", flush=True)
+        if not a.no_peer:
+            print(f"  ratio worker dp{n} / DDP+compile {rc:.3f}" if rc else "  ratio: n/a", flush=True)
         results[f"ratio-dp{n}-gpt-1.3b"] = {"scaling": scaling, "ddp_compile": rc, "ddp_eager": ratio(many, ddp_e)}
+        pairs = lambda variant: dict(kv.split("=", 1) for kv in variant.split(","))
         if a.dp_profile is not None:
             trace = os.path.join(work, f"worker-dp{n}-step.json")
             worker_run(f"worker-dp{n}-profile-gpt-1.3b", "gpt-1.3b", n, steps=6, env={"LTRAIN_PROFILE": f"5:{trace}"},
-                       zero=a.dp_profile)
+                       **pairs(a.dp_profile))
             if os.path.exists(trace):
-                print(f"  profile of one dp{n} ZeRO-{a.dp_profile} step (rank 0):", flush=True)
+                print(f"  profile of one dp{n} step, {a.dp_profile} (rank 0):", flush=True)
                 summarize_overlap(trace)
         # More dp runs of the worker: recipe parallel keys, then environment variables.
-        pairs = lambda variant: dict(kv.split("=", 1) for kv in variant.split(","))
         variants = [(v, pairs(v)) for v in a.dp_parallel or []] + [(v, {"env": pairs(v)}) for v in a.dp_env or []]
         for variant, kw in variants:
             r, _ = worker_run(f"worker-dp{n}-{variant}-gpt-1.3b", "gpt-1.3b", n, **kw)
@@ -368,10 +373,12 @@ def main():
         bytes_dir = byte_data(os.path.join(work, "data-bytes"), a.data)
         curves = {}
         for seed in [int(x) for x in a.learning_seeds.split(",")]:
-            # Seed 0 starts from the same parameters as gpt_baseline.py; the others show the spread.
+            # Seed k starts from the parameters of gpt_baseline.py with its seeds moved by k (and with
+            # --sampling torch sees its batches: its generator's seed is 1234 + k).
             SEED = seed
+            keys = f", sampling: torch, seed: {1234 + seed}" if a.sampling == "torch" else ""
             _, logs = worker_run(f"worker-learning-gpt-124m-seed{seed}", "gpt-124m", 1, data=bytes_dir, steps=200,
-                                 vocab=256, log_every=10)
+                                 vocab=256, log_every=10, data_keys=keys)
             curves[seed] = [(int(st), float(l)) for st, l in re.findall(LOSS_RE, logs[0])]
             print(f"  worker seed {seed}:", " ".join(f"{st}:{l:.3f}" for st, l in curves[seed]), flush=True)
         SEED = a.seed
@@ -384,22 +391,26 @@ def main():
                                    cwd=a.baselines, timeout=1200)
                 return q, [(int(st), float(l)) for st, l in re.findall(r"step (\d+) loss ([0-9.]+)", q.stdout)]
 
-            p, peer_losses = peer_curve(0)
-            print("  pytorch:", " ".join(f"{st + 1}:{l:.3f}" for st, l in peer_losses), flush=True)
-            # The peer's spread.
-            for k in [int(x) for x in a.peer_seeds.split(",") if x and int(x) != 0]:
-                _, shifted = peer_curve(k)
-                print(f"  pytorch, seeds + {k}:", " ".join(f"{st + 1}:{l:.3f}" for st, l in shifted), flush=True)
-                if shifted:
-                    results[f"learning-pytorch-seeds+{k}"] = shifted[-1][1]
-            if not peer_losses:
-                print(p.stdout[-2000:] + p.stderr[-2000:], flush=True)
+            # Seed 0 is the script as it is; the others move its seeds, to set each worker seed beside the
+            # peer run that starts from the same parameters (and batches), and to show the peer's spread.
+            peer_runs = {}
+            for k in sorted({0} | {int(x) for x in a.peer_seeds.split(",") if x}):
+                q, losses = peer_curve(k)
+                label = "pytorch:" if k == 0 else f"pytorch, seeds + {k}:"
+                print(f"  {label}", " ".join(f"{st + 1}:{l:.3f}" for st, l in losses), flush=True)
+                if not losses:
+                    print(q.stdout[-2000:] + q.stderr[-2000:], flush=True)
+                    continue
+                peer_runs[k] = losses
+                results[f"learning-pytorch-seeds+{k}"] = losses[-1][1]
             for seed, curve in curves.items():
-                if curve and peer_losses:
-                    wl, pl = curve[-1][1], peer_losses[-1][1]
-                    print(f"  loss at step 200: worker (seed {seed}) {wl:.4f} pytorch {pl:.4f} "
+                k = seed if seed in peer_runs else 0
+                if curve and k in peer_runs:
+                    wl, pl = curve[-1][1], peer_runs[k][-1][1]
+                    print(f"  loss at step 200: worker (seed {seed}) {wl:.4f} pytorch (seeds + {k}) {pl:.4f} "
                           f"difference {100 * (wl - pl) / pl:+.2f}%", flush=True)
-                    results[f"learning-seed{seed}"] = {"worker": wl, "pytorch": pl, "relative": (wl - pl) / pl}
+                    results[f"learning-seed{seed}"] = {"worker": wl, "pytorch": pl, "pytorch_seeds_moved_by": k,
+                                                       "relative": (wl - pl) / pl}
 
     if "profile" in suites:
         print("== profile: one gpt-1.3b step of the worker ==", flush=True)
@@ -419,6 +430,19 @@ KINDS = [("gemm", r"gemm|cutlass|sm90_xmma|cublas|nvjet|splitK"), ("attention", 
          ("copy/cast", r"copy|cast|Memcpy|Memset"), ("reduce", r"reduce"), ("elementwise", r"elementwise|vectorized")]
 
 
+def kernel_time_by_kind(kernels):
+    by_kind = collections.Counter()
+    for e in kernels:
+        name = e.get("name", "")
+        for kind, pattern in KINDS:
+            if re.search(pattern, name, re.I):
+                by_kind[kind] += e["dur"]
+                break
+        else:
+            by_kind["other"] += e["dur"]
+    return by_kind
+
+
 def summarize_trace(path):
     events = json.load(open(path)).get("traceEvents", [])
     kernels = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and "dur" in e]
@@ -428,16 +452,9 @@ def summarize_trace(path):
     start = min(e["ts"] for e in kernels)
     end = max(e["ts"] + e["dur"] for e in kernels)
     busy = sum(e["dur"] for e in kernels)
-    by_kind, by_name = collections.Counter(), collections.Counter()
+    by_kind, by_name = kernel_time_by_kind(kernels), collections.Counter()
     for e in kernels:
-        name = e.get("name", "")
-        by_name[name[:90]] += e["dur"]
-        for kind, pattern in KINDS:
-            if re.search(pattern, name, re.I):
-                by_kind[kind] += e["dur"]
-                break
-        else:
-            by_kind["other"] += e["dur"]
+        by_name[e.get("name", "")[:90]] += e["dur"]
     span = end - start
     print(f"  step on the GPU: {span / 1000:.1f} ms from first to last kernel, kernels busy {busy / 1000:.1f} ms "
           f"({100 * busy / span:.1f}%), {len(kernels)} kernels", flush=True)
@@ -503,6 +520,8 @@ def summarize_overlap(path):
     print(f"  step {(end - start) / 1000:.1f} ms; collectives {comm_time / 1000:.1f} ms, of which hidden behind "
           f"computation {hidden / 1000:.1f} ms, exposed {(comm_time - hidden) / 1000:.1f} ms; the compute stream idle "
           f"{idle / 1000:.1f} ms", flush=True)
+    print("  kernel time by kind (collectives included): " + ", ".join(
+        f"{kind} {us / 1000:.2f} ms" for kind, us in kernel_time_by_kind(kernels).most_common()), flush=True)
     # Where the computation waits: the longest gaps between its kernels, with their neighbours.
     ordered = sorted(compute, key=lambda e: e["ts"])
     gaps, reach, last = [], ordered[0]["ts"] + ordered[0]["dur"], ordered[0]

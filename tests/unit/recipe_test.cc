@@ -73,6 +73,7 @@ INSTANTIATE_TEST_SUITE_P(
                 2, 42, "not a multiple of micro_batch*dp"},
         BadCase{"heads", "data: {path: /d}\nmodel:\n  d_model: 100\n  heads: 3\n", 4, 10, "does not divide model.d_model=100"},
         BadCase{"tp heads", "data: {path: /d}\nmodel: {heads: 4}\nparallel: {nproc_per_node: 3, tp: 3}\n", 3, 35, "does not divide model.heads"},
+        BadCase{"sampling", "data: {path: /d, sampling: shuffle}\n", 1, 28, "is not one of: hash, torch"},
         BadCase{"not a map", "data: {path: /d}\nmodel: 7\n", 2, 8, "must be a mapping"},
         BadCase{"tp vocab", "data: {path: /d}\nmodel: {vocab: 257, heads: 4}\nparallel: {nproc_per_node: 2, tp: 2}\n", 3, 35,
                 "does not divide model.vocab=257"},

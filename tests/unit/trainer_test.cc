@@ -67,9 +67,10 @@ TEST_F(TrainerTest, PlanLayoutChecksParallelismAndBatch) {
   EXPECT_EQ(ok->accumulation, 2);
 }
 
-TEST_F(TrainerTest, ResumedRunEndsWithTheSameParametersAsAnUninterruptedOne) {
+// Trains six steps with a save at step 3, resumes another run from it, and expects the same parameters.
+void ExpectResumeMatches(const Recipe& recipe, const TrainerOptions& options, const fs::path& dir_) {
   FakeCommunicator comm;
-  auto full = Trainer::Create(recipe_, options_, &comm);
+  auto full = Trainer::Create(recipe, options, &comm);
   ASSERT_TRUE(full.ok()) << full.status().ToString();
   double first_loss = 0, last_loss = 0;
   for (int i = 0; i < 6; ++i) {
@@ -88,9 +89,9 @@ TEST_F(TrainerTest, ResumedRunEndsWithTheSameParametersAsAnUninterruptedOne) {
   std::getline(latest, name);
   EXPECT_EQ(name, "step-3");
 
-  Recipe resumed_recipe = recipe_;
+  Recipe resumed_recipe = recipe;
   resumed_recipe.checkpoint.resume_from = (dir_ / "ckpt").string();  // a checkpoint dir: its latest
-  TrainerOptions resumed_options = options_;
+  TrainerOptions resumed_options = options;
   resumed_options.checkpoint_dir = (dir_ / "ckpt2").string();
   FakeCommunicator comm2;
   auto resumed = Trainer::Create(resumed_recipe, resumed_options, &comm2);
@@ -104,6 +105,41 @@ TEST_F(TrainerTest, ResumedRunEndsWithTheSameParametersAsAnUninterruptedOne) {
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << "parameter " << i;
   EXPECT_TRUE(fs::exists(dir_ / "ckpt2" / "step-6" / "optimizer.pt"));
+}
+
+TEST_F(TrainerTest, ResumedRunEndsWithTheSameParametersAsAnUninterruptedOne) {
+  ExpectResumeMatches(recipe_, options_, dir_);
+}
+
+TEST_F(TrainerTest, ResumedRunWithTorchSamplingReplaysTheSameBatches) {
+  recipe_.data.sampling = "torch";
+  recipe_.data.seed = 1234;
+  ExpectResumeMatches(recipe_, options_, dir_);
+}
+
+TEST(TorchSamplingTest, DrawsWhatTorchRandintDraws) {
+  // Expected values from PyTorch: g = torch.Generator().manual_seed(1234);
+  // torch.randint(0, 1000, (4,), generator=g), then (3,) more from the same g.
+  Recipe recipe;
+  recipe.data.sampling = "torch";
+  recipe.data.seed = 1234;
+  recipe.training.seed = 99;  // not used: data.seed wins
+  std::unique_ptr<WindowStream> stream = MakeWindowStream(recipe, 1000);
+  ASSERT_NE(stream, nullptr);
+  const std::vector<int64_t> expected = {775, 171, 806, 365, 316, 564, 432};
+  for (size_t i = 0; i < expected.size(); ++i) EXPECT_EQ(stream->Start(static_cast<int64_t>(i)), expected[i]) << i;
+
+  // Past one internal chunk, and back: g seeded 7, torch.randint(0, 123456, (5000,)) has these at
+  // 4095, 4096 and 4999. training.seed is the seed when data.seed is unset.
+  recipe.data.seed = -1;
+  recipe.training.seed = 7;
+  stream = MakeWindowStream(recipe, 123456);
+  EXPECT_EQ(stream->Start(4999), 23861);
+  EXPECT_EQ(stream->Start(4095), 86292);
+  EXPECT_EQ(stream->Start(4096), 108516);
+
+  recipe.data.sampling = "hash";
+  EXPECT_EQ(MakeWindowStream(recipe, 123456), nullptr);
 }
 
 TEST_F(TrainerTest, CorruptCheckpointIsRejected) {
