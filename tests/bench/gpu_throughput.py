@@ -217,6 +217,7 @@ def main():
                          "(comma-separated; 0 is the script as it is)")
     ap.add_argument("--learning-seeds", default="0",
                     help="learning suite: the worker's seeds, comma-separated (0 starts where PyTorch does)")
+    ap.add_argument("--log-every", type=int, default=10, help="learning suite: the worker's loss every this many steps")
     ap.add_argument("--sampling", default="torch", choices=["torch", "hash"],
                     help="learning suite: the worker's data.sampling. torch (default): the batches that "
                          "gpt_baseline.py draws for the same seed; hash: batches of the worker's own")
@@ -331,8 +332,10 @@ def main():
             r, _ = worker_run(f"worker-dp{n}-{variant}-gpt-1.3b", "gpt-1.3b", n, **kw)
             show(f"ltrain worker, dp{n}, {variant}", r)
             if r and one:
-                print(f"    dp{n} per-GPU / 1 GPU {ratio(r, one):.3f}", flush=True)
-                results[f"ratio-dp{n}-{variant}-gpt-1.3b"] = {"scaling": ratio(r, one), "ddp_compile": ratio(r, ddp_c)}
+                vs_ddp = ratio(r, ddp_c)
+                print(f"    dp{n} per-GPU / 1 GPU {ratio(r, one):.3f}" +
+                      (f"  ratio worker dp{n} / DDP+compile {vs_ddp:.3f}" if vs_ddp else ""), flush=True)
+                results[f"ratio-dp{n}-{variant}-gpt-1.3b"] = {"scaling": ratio(r, one), "ddp_compile": vs_ddp}
 
     if "dp" in suites:
         data_parallel(2)
@@ -378,7 +381,7 @@ def main():
             SEED = seed
             keys = f", sampling: torch, seed: {1234 + seed}" if a.sampling == "torch" else ""
             _, logs = worker_run(f"worker-learning-gpt-124m-seed{seed}", "gpt-124m", 1, data=bytes_dir, steps=200,
-                                 vocab=256, log_every=10, data_keys=keys)
+                                 vocab=256, log_every=a.log_every, data_keys=keys)
             curves[seed] = [(int(st), float(l)) for st, l in re.findall(LOSS_RE, logs[0])]
             print(f"  worker seed {seed}:", " ".join(f"{st}:{l:.3f}" for st, l in curves[seed]), flush=True)
         SEED = a.seed
