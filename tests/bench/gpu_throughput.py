@@ -99,7 +99,8 @@ PRECISION = "bf16"
 SEED = 0
 
 
-def recipe(path, model, data, steps, world, micro_batch=None, vocab=VOCAB, log_every=5, data_keys="", **parallel):
+def recipe(path, model, data, steps, world, micro_batch=None, vocab=VOCAB, log_every=5, data_keys="", warmup=0,
+           **parallel):
     layers, d, heads, mb = MODELS[model]
     mb = micro_batch or mb
     tp, pp = parallel.get("tp", 1), parallel.get("pp", 1)
@@ -108,12 +109,12 @@ def recipe(path, model, data, steps, world, micro_batch=None, vocab=VOCAB, log_e
     extra = "".join(f", {k}: {v}" for k, v in parallel.items())
     with open(path, "w") as f:
         # The peers' optimizer: AdamW lr 3e-4, betas (0.9, 0.999), weight decay 0.01, no clipping,
-        # no schedule.
+        # no schedule (warmup: a linear ramp over that many steps first).
         f.write(f"""name: bench
 model: {{layers: {layers}, d_model: {d}, heads: {heads}, seq_len: {SEQ}, vocab: {vocab}}}
 data: {{path: {data}{data_keys}}}
 training: {{steps: {steps}, micro_batch: {mb}, global_batch: {mb * dp * accumulation}, lr: 3.0e-4, min_lr: 3.0e-4,
-  warmup_steps: 0, lr_schedule: constant, weight_decay: 0.01, beta1: 0.9, beta2: 0.999, grad_clip: 0,
+  warmup_steps: {warmup}, lr_schedule: constant, weight_decay: 0.01, beta1: 0.9, beta2: 0.999, grad_clip: 0,
   seed: {SEED}, log_every: {log_every}}}
 parallel: {{nodes: 1, nproc_per_node: {world}, device: cuda, precision: {PRECISION}{extra}}}
 checkpoint: {{enabled: false}}
@@ -345,16 +346,25 @@ def main():
         # layouts scaled to 4), 20 steps each, then gpt-1.3b data parallel on all of them.
         n = 8 if have >= 8 else 4
         print(f"== {n} GPUs: gpt-7b layouts, 20 steps each ==", flush=True)
-        pipeline = dict(pp=2, pp_schedule="interleaved", virtual_stages=2, accumulation=8)
+        # Every layout steps on 8 sequences (micro-batch 1, accumulation filling the rest) after a
+        # 5-step warm-up. At lr 3e-4 from step 0 with one or two sequences a step, tp4 and tp2 x dp2
+        # ended 20 steps above where they began on 4 GPUs, while the layouts stepping on 4 and 8
+        # sequences went down.
+        base = dict(warmup=5)
+        pipeline = dict(pp=2, pp_schedule="interleaved", virtual_stages=2)
+        acc = lambda dp: dict(accumulation=8 // dp)
         if n == 8:
-            layouts = [("tp8", dict(tp=8)), ("tp4 x dp2", dict(tp=4)), ("tp2 x pp2 x dp2, interleaved", dict(tp=2, **pipeline)),
-                       ("dp8 ZeRO-3", dict(zero=3))]
+            layouts = [("tp8", dict(tp=8, **acc(1))), ("tp4 x dp2, ZeRO-1", dict(tp=4, zero=1, **acc(2))),
+                       ("tp2 x pp2 x dp2, interleaved", dict(tp=2, **pipeline, **acc(2))),
+                       ("dp8 ZeRO-3", dict(zero=3, **acc(8)))]
         else:
-            layouts = [("tp4", dict(tp=4)), ("tp2 x dp2", dict(tp=2)), ("tp2 x pp2, interleaved", dict(tp=2, **pipeline)),
-                       ("dp4 ZeRO-3", dict(zero=3))]
+            # tp2 x dp2 holds half of the model's 16 bytes a parameter on each GPU: ZeRO-1 shards the
+            # optimizer's part so that it fits 80 GB.
+            layouts = [("tp4", dict(tp=4, **acc(1))), ("tp2 x dp2, ZeRO-1", dict(tp=2, zero=1, **acc(2))),
+                       ("tp2 x pp2, interleaved", dict(tp=2, **pipeline, **acc(1))), ("dp4 ZeRO-3", dict(zero=3, **acc(4)))]
         for label, kw in layouts:
             key = re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-")
-            show(f"gpt-7b {label}", worker_run(f"worker-{key}-gpt-7b", "gpt-7b", n, steps=20, **kw)[0])
+            show(f"gpt-7b {label}", worker_run(f"worker-{key}-gpt-7b", "gpt-7b", n, steps=20, **base, **kw)[0])
         data_parallel(n)
 
     if "layouts" in suites:
