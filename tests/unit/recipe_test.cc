@@ -33,6 +33,23 @@ TEST(RecipeTest, YamlRoundTripGivesTheSameRecipe) {
   EXPECT_EQ(second.recipe.checkpoint.every, 5);
 }
 
+TEST(RecipeTest, DataSamplingAndSeedRoundTrip) {
+  RecipeParseResult result = ParseRecipe("data: {path: /d, sampling: torch, seed: 1234}\n", "r.yaml");
+  ASSERT_TRUE(result.ok()) << result.ErrorText();
+  EXPECT_EQ(result.recipe.data.sampling, "torch");
+  EXPECT_EQ(result.recipe.data.seed, 1234);
+  RecipeParseResult again = ParseRecipe(RecipeToYaml(result.recipe), "resolved.yaml");
+  ASSERT_TRUE(again.ok()) << again.ErrorText();
+  EXPECT_EQ(again.recipe.data.sampling, "torch");
+  EXPECT_EQ(again.recipe.data.seed, 1234);
+  // Unset, the seed stays unset (the sampler then uses training.seed).
+  RecipeParseResult plain = ParseRecipe(kGood, "tiny.yaml");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain.recipe.data.sampling, "hash");
+  EXPECT_EQ(plain.recipe.data.seed, -1);
+  EXPECT_EQ(RecipeToYaml(plain.recipe).find("seed: -1"), std::string::npos);
+}
+
 TEST(RecipeTest, OverrideSetsNestedFields) {
   RecipeParseResult result = ParseRecipe(kGood, "tiny.yaml", {"training.steps=7", "parallel.nproc_per_node=1"});
   ASSERT_TRUE(result.ok()) << result.ErrorText();
