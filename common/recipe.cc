@@ -320,12 +320,13 @@ RecipeParseResult ParseRecipe(const std::string& yaml_text, const std::string& s
 
   YAML::Node model = reader.Section(root, "model");
   if (model.IsDefined()) {
-    reader.CheckKeys(model, "model", {"layers", "d_model", "heads", "seq_len", "vocab"});
+    reader.CheckKeys(model, "model", {"layers", "d_model", "heads", "seq_len", "vocab", "init"});
     reader.ReadInt(model, "model", "layers", r.model.layers, 1, 1024);
     reader.ReadInt(model, "model", "d_model", r.model.d_model, 1, 1 << 20);
     reader.ReadInt(model, "model", "heads", r.model.heads, 1, 4096);
     reader.ReadInt(model, "model", "seq_len", r.model.seq_len, 1, 1 << 24);
     reader.ReadInt(model, "model", "vocab", r.model.vocab, 2, 1 << 24);
+    reader.ReadString(model, "model", "init", r.model.init, {"auto", "pytorch", "per_parameter"});
   }
   YAML::Node data = reader.Section(root, "data");
   if (data.IsDefined()) {
@@ -543,7 +544,8 @@ std::string RecipeToYaml(const Recipe& r) {
       << YAML::Key << "d_model" << YAML::Value << r.model.d_model
       << YAML::Key << "heads" << YAML::Value << r.model.heads
       << YAML::Key << "seq_len" << YAML::Value << r.model.seq_len
-      << YAML::Key << "vocab" << YAML::Value << r.model.vocab << YAML::EndMap;
+      << YAML::Key << "vocab" << YAML::Value << r.model.vocab
+      << YAML::Key << "init" << YAML::Value << r.model.init << YAML::EndMap;
   out << YAML::Key << "data" << YAML::Value << YAML::BeginMap
       << YAML::Key << "path" << YAML::Value << r.data.path
       << YAML::Key << "tokenizer" << YAML::Value << r.data.tokenizer

@@ -17,6 +17,13 @@ struct ModelSpec {
   int heads = 4;
   int seq_len = 64;
   int vocab = 256;
+  // Where the initial parameters come from. "pytorch": the values gpt_model.GPT gets after
+  // torch.manual_seed(training.seed); every rank builds the whole model on the CPU from PyTorch's
+  // generator, one parameter after another. "per_parameter": each parameter from a generator of its
+  // own (the seed and the parameter's position), drawn whole on the rank's device and sliced there:
+  // seconds for any size, the same values for every layout on the same kind of device. "auto":
+  // pytorch below 2 billion parameters, per_parameter from there.
+  std::string init = "auto";
 };
 
 struct DataSpec {

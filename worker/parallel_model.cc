@@ -1,10 +1,14 @@
 #include "worker/parallel_model.h"
 
+#include <cmath>
+#include <mutex>
 #include <stdexcept>
 
+#include <ATen/Context.h>
 #include <torch/autograd.h>
 #include <torch/nn/functional.h>
 
+#include "common/token_data.h"
 #include "worker/fused_kernels.h"
 #include "worker/torch_compat.h"
 
@@ -255,7 +259,54 @@ TpSplit SplitOf(const std::string& name) {
   return TpSplit::kReplicated;
 }
 
+bool EndsWith(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// The full parameter `index` of the per-parameter initialisation: gpt_model.GPT's distributions
+// (biases 0, layer norm weights 1, the residual projections N(0, 0.02/sqrt(2 layers)), the other
+// matrices N(0, 0.02)), drawn on `device` from its default generator reseeded for this parameter.
+torch::Tensor PerParameterInit(const GptConfig& c, const std::string& name, const std::vector<int64_t>& shape,
+                               uint64_t seed, size_t index, const torch::Device& device) {
+  const torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat).device(device);
+  if (EndsWith(name, "bias")) return torch::zeros(shape, options);
+  if (shape.size() < 2) return torch::ones(shape, options);
+  const double std = EndsWith(name, "proj.weight") || EndsWith(name, "fc2.weight") ? 0.02 / std::sqrt(2.0 * c.layers) : 0.02;
+  at::Generator generator = at::globalContext().defaultGenerator(device);
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_current_seed(SplitMix64(seed ^ SplitMix64(static_cast<uint64_t>(index) + 1)));
+  }
+  return torch::empty(shape, options).normal_(0.0, std, generator);
+}
+
 }  // namespace
+
+std::vector<std::pair<std::string, std::vector<int64_t>>> GptParameterShapes(const GptConfig& c) {
+  const int64_t d = c.d_model;
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out = {{"wte.weight", {c.vocab, d}},
+                                                                   {"wpe.weight", {c.seq_len, d}}};
+  const std::vector<std::vector<int64_t>> block_shapes = {{d}, {d}, {3 * d, d}, {3 * d}, {d, d}, {d},
+                                                          {d}, {d}, {4 * d, d}, {4 * d}, {d, 4 * d}, {d}};
+  for (int layer = 0; layer < c.layers; ++layer) {
+    for (int k = 0; k < kBlockParams; ++k) {
+      out.emplace_back("blocks." + std::to_string(layer) + "." + kBlockNames[k], block_shapes[k]);
+    }
+  }
+  out.emplace_back("lnf.weight", std::vector<int64_t>{d});
+  out.emplace_back("lnf.bias", std::vector<int64_t>{d});
+  return out;
+}
+
+int64_t GptParameterCount(const GptConfig& c) {
+  int64_t n = 0;
+  for (const auto& [name, shape] : GptParameterShapes(c)) {
+    int64_t size = 1;
+    for (int64_t s : shape) size *= s;
+    n += size;
+  }
+  return n;
+}
 
 StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelLayout& layout, Communicator* tp) {
   const GptConfig& c = layout.config;
@@ -281,7 +332,22 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelLayout& layo
   const bool first = layout.pp_rank == 0, last = layout.pp_rank == layout.pp - 1;
 
   torch::NoGradGuard no_grad;
-  Gpt full(c);
+  // The full model's parameters in order, each made when a slice of it is wanted.
+  std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
+  std::vector<torch::Tensor> built;  // PyTorch's initialisation: the whole model, built at once
+  if (layout.per_parameter_init) {
+    shapes = GptParameterShapes(c);
+  } else {
+    Gpt full(c);
+    for (const auto& item : full->named_parameters()) {
+      shapes.emplace_back(item.key(), item.value().sizes().vec());
+      built.push_back(item.value());
+    }
+  }
+  auto full_param = [&](size_t i) {
+    return layout.per_parameter_init ? PerParameterInit(c, shapes[i].first, shapes[i].second, layout.seed, i, layout.device)
+                                     : built[i];
+  };
   shard->block_index_.assign(c.layers, std::vector<int>(kBlockParams, -1));
   auto add = [&](const std::string& name, const torch::Tensor& t, int unit, bool exported) {
     ShardParam p;
@@ -298,27 +364,26 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelLayout& layo
     return static_cast<int>(shard->params_.size()) - 1;
   };
   torch::Tensor wte;
-  for (const auto& item : full->named_parameters()) {
-    const std::string& name = item.key();
-    const torch::Tensor& t = item.value();
-    shard->full_params_.emplace_back(name, t.sizes().vec());
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    const std::string& name = shapes[i].first;
+    shard->full_params_.emplace_back(name, shapes[i].second);
     if (name == "wte.weight") {
-      wte = t;
-      if (first) shard->wte_ = add(name, t, 0, true);
+      if (first || last) wte = full_param(i);
+      if (first) shard->wte_ = add(name, wte, 0, true);
     } else if (name == "wpe.weight") {
-      if (first) shard->wpe_ = add(name, t, 0, true);
+      if (first) shard->wpe_ = add(name, full_param(i), 0, true);
     } else if (name.rfind("blocks.", 0) == 0) {
       const size_t dot = name.find('.', 7);
       const int layer = std::stoi(name.substr(7, dot - 7));
       if (stage_of_layer[layer] % layout.pp != layout.pp_rank) continue;
       const std::string local = name.substr(dot + 1);
       for (int k = 0; k < kBlockParams; ++k) {
-        if (local == kBlockNames[k]) shard->block_index_[layer][k] = add(name, t, 1 + layer, true);
+        if (local == kBlockNames[k]) shard->block_index_[layer][k] = add(name, full_param(i), 1 + layer, true);
       }
     } else if (name == "lnf.weight") {
-      if (last) shard->lnf_w_ = add(name, t, c.layers + 1, true);
+      if (last) shard->lnf_w_ = add(name, full_param(i), c.layers + 1, true);
     } else if (name == "lnf.bias") {
-      if (last) shard->lnf_b_ = add(name, t, c.layers + 1, true);
+      if (last) shard->lnf_b_ = add(name, full_param(i), c.layers + 1, true);
     }
   }
   // The head of the last stage is tied to the embedding: on another rank it gets a copy of its own

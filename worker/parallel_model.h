@@ -2,8 +2,10 @@
 // that one rank holds under tensor and pipeline parallelism, written functionally over plain leaf
 // tensors so that a parameter store can place them in flat buffers and shard them (ZeRO).
 //
-// Every rank builds the full model from the seeded global generator and keeps its slices, so every
-// layout starts from exactly the parameters one process would have.
+// Every rank draws each parameter of the full model and keeps its slice, so every layout starts
+// from exactly the parameters one process would have: with PyTorch's initialisation (the whole model
+// built on the CPU from the seeded global generator, as gpt_model.GPT), or with a generator of its
+// own for each parameter, on the rank's device.
 //   Tensor parallel (Megatron-LM): qkv and fc column-parallel, proj and fc2 row-parallel, the
 //   embedding and the tied head vocab-parallel, cross-entropy computed without ever forming the full
 //   logits. Sequence parallel: LayerNorms, residuals and dropout-free regions work on a 1/tp slice of
@@ -42,7 +44,16 @@ struct ModelLayout {
   int pp_rank = 0;
   int chunks = 1;                 // model chunks per pipeline rank (virtual stages)
   std::vector<int> stage_layers;  // layers per virtual stage (pp * chunks entries)
+  // false: PyTorch's initialisation from the global generator (seed it first). true: each parameter
+  // drawn whole on `device` from the device's generator reseeded with (seed, its position), then sliced.
+  bool per_parameter_init = false;
+  uint64_t seed = 0;
+  torch::Device device = torch::kCPU;
 };
+
+// The full model's parameters in gpt_model.GPT's registration order: name and shape.
+std::vector<std::pair<std::string, std::vector<int64_t>>> GptParameterShapes(const GptConfig& config);
+int64_t GptParameterCount(const GptConfig& config);
 
 enum class TpSplit { kReplicated, kRows, kCols, kQkvRows };
 
@@ -68,7 +79,8 @@ struct UnitHooks {
 
 class ModelShard {
  public:
-  // Seed the global generator first (torch::manual_seed): it builds the full model from it.
+  // Seed the global generator first (torch::manual_seed) unless layout.per_parameter_init: PyTorch's
+  // initialisation builds the full model from it.
   static StatusOr<std::unique_ptr<ModelShard>> Create(const ModelLayout& layout, Communicator* tp);
 
   std::vector<ShardParam>& params() { return params_; }

@@ -28,6 +28,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// model.init "auto": PyTorch's initialisation below this many parameters, per-parameter from here.
+constexpr int64_t kPerParameterInitFrom = 2'000'000'000;
+
 double MillisSince(Clock::time_point start) {
   return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
 }
@@ -279,7 +282,11 @@ Status Trainer::Init() {
   StatusOr<std::vector<int>> stages = StageLayers(ml.config.layers, ml.pp * ml.chunks, p.pp_split);
   if (!stages.ok()) return stages.status();
   ml.stage_layers = *stages;
-  // Same seed on every rank: every rank builds the same full model and keeps its slices.
+  // Same seed on every rank: every rank draws the same full parameters and keeps its slices.
+  ml.per_parameter_init = recipe_.model.init == "per_parameter" ||
+                          (recipe_.model.init == "auto" && GptParameterCount(ml.config) >= kPerParameterInitFrom);
+  ml.seed = static_cast<uint64_t>(t.seed);
+  ml.device = device_;
   torch::manual_seed(t.seed);
   StatusOr<std::unique_ptr<ModelShard>> model = ModelShard::Create(ml, groups_->tp);
   if (!model.ok()) return model.status();

@@ -1,6 +1,7 @@
 #include "worker/gpt_model.h"
 
 #include <cmath>
+#include <map>
 #include <string>
 
 #include <gtest/gtest.h>
@@ -99,6 +100,70 @@ TEST(GptModelTest, OneRankShardEqualsTheModule) {
     ++compared;
   }
   EXPECT_EQ(compared, static_cast<int>(module_params.size()));
+}
+
+// GptParameterShapes lists the module's parameters in its order.
+TEST(GptModelTest, ParameterShapesFollowTheModule) {
+  Gpt module(Tiny());
+  auto shapes = GptParameterShapes(Tiny());
+  auto params = module->named_parameters();
+  ASSERT_EQ(shapes.size(), params.size());
+  int64_t count = 0;
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    EXPECT_EQ(shapes[i].first, params[i].key());
+    EXPECT_EQ(shapes[i].second, params[i].value().sizes().vec()) << shapes[i].first;
+    count += params[i].value().numel();
+  }
+  EXPECT_EQ(GptParameterCount(Tiny()), count);
+}
+
+// Per-parameter initialisation: the distributions of PyTorch's, values of its own, and a tensor-
+// parallel rank's slices are slices of the one-rank parameters.
+TEST(GptModelTest, PerParameterInitSlicesTheSameParameters) {
+  ModelLayout one;
+  one.config = Tiny();
+  one.stage_layers = {one.config.layers};
+  one.per_parameter_init = true;
+  one.seed = 3;
+  SelfCommunicator self;
+  auto full = ModelShard::Create(one, &self);
+  ASSERT_TRUE(full.ok()) << full.status().message();
+  torch::manual_seed(3);
+  auto pytorch = ModelShard::Create([&] { ModelLayout l = one; l.per_parameter_init = false; return l; }(), &self);
+  ASSERT_TRUE(pytorch.ok());
+  std::map<std::string, torch::Tensor> by_name;
+  for (const ShardParam& p : (*full)->params()) by_name[p.name] = p.value;
+  const auto& qkv = by_name.at("blocks.0.qkv.weight");
+  EXPECT_NEAR(qkv.std().item<double>(), 0.02, 0.002);
+  EXPECT_NEAR(by_name.at("blocks.1.fc2.weight").std().item<double>(), 0.02 / std::sqrt(2.0 * Tiny().layers), 0.002);
+  EXPECT_TRUE(torch::equal(by_name.at("blocks.0.ln1.weight"), torch::ones({Tiny().d_model})));
+  EXPECT_TRUE(torch::equal(by_name.at("blocks.0.qkv.bias"), torch::zeros({3 * Tiny().d_model})));
+  EXPECT_FALSE(torch::equal(by_name.at("blocks.0.fc.weight"), by_name.at("blocks.1.fc.weight")));
+  for (const ShardParam& p : (*pytorch)->params()) {
+    if (p.name == "blocks.0.qkv.weight") {
+      EXPECT_FALSE(torch::equal(p.value, qkv));
+    }
+  }
+
+  // Rank 1 of tp 2: the second half of fc's rows (column-parallel) and of fc2's columns.
+  ModelLayout tp = one;
+  tp.tp = 2;
+  tp.tp_rank = 1;
+  FakeCommunicator two;
+  two.SimulateSize(2);
+  auto half = ModelShard::Create(tp, &two);
+  ASSERT_TRUE(half.ok()) << half.status().message();
+  int compared = 0;
+  for (const ShardParam& p : (*half)->params()) {
+    if (p.name == "blocks.1.fc.weight") {
+      EXPECT_TRUE(torch::equal(p.value, by_name.at(p.name).chunk(2, 0)[1])) << p.name;
+      ++compared;
+    } else if (p.name == "blocks.1.fc2.weight") {
+      EXPECT_TRUE(torch::equal(p.value, by_name.at(p.name).chunk(2, 1)[1])) << p.name;
+      ++compared;
+    }
+  }
+  EXPECT_EQ(compared, 2);
 }
 
 }  // namespace

@@ -100,14 +100,18 @@ class ParallelLayoutsTest : public ::testing::Test {
     return run;
   }
 
-  static const fs::path& Reference() {
-    static const fs::path ref = Run("reference", 1, "");
-    return ref;
+  // The one-process run with `sets` (made once for each).
+  static fs::path Reference(const std::string& sets) {
+    static std::map<std::string, fs::path> refs;
+    if (!refs.count(sets)) refs[sets] = Run("reference" + std::to_string(refs.size()), 1, sets);
+    return refs[sets];
   }
 
-  // Losses and final parameters of `world` ranks with `sets` against the one-process run.
-  void ExpectMatchesReference(const std::string& name, int world, const std::string& sets) {
-    const fs::path ref = Reference();
+  // Losses and final parameters of `world` ranks with `sets` against the one-process run with
+  // `reference_sets`.
+  void ExpectMatchesReference(const std::string& name, int world, const std::string& sets,
+                              const std::string& reference_sets = "") {
+    const fs::path ref = Reference(reference_sets);
     const fs::path run = Run(name, world, sets);
     std::vector<double> a = Losses(ref / "log0"), b = Losses(run / "log0");
     ASSERT_EQ(a.size(), 20u);
@@ -151,6 +155,13 @@ TEST_F(ParallelLayoutsTest, Pp2Interleaved) {
   ExpectMatchesReference("pp2_interleaved", 2,
                          "--set parallel.pp=2 --set parallel.pp_schedule=interleaved --set parallel.virtual_stages=2");
 }
+TEST_F(ParallelLayoutsTest, Tp2Pp2WithPerParameterInit) {
+  const std::string init = "--set model.init=per_parameter";
+  ExpectMatchesReference("tp2_pp2_per_parameter", 4, "--set parallel.tp=2 --set parallel.pp=2 " + init, init);
+  // Not PyTorch's initial parameters: the first losses differ from the default run's.
+  EXPECT_NE(Losses(Reference("") / "log0").front(), Losses(Reference(init) / "log0").front());
+}
+
 TEST_F(ParallelLayoutsTest, Pp4OneFOneB) { ExpectMatchesReference("pp4_1f1b", 4, "--set parallel.pp=4"); }
 TEST_F(ParallelLayoutsTest, Dp2Tp2) { ExpectMatchesReference("dp2_tp2", 4, "--set parallel.tp=2"); }
 TEST_F(ParallelLayoutsTest, Tp2Pp2) { ExpectMatchesReference("tp2_pp2", 4, "--set parallel.tp=2 --set parallel.pp=2"); }
