@@ -334,7 +334,8 @@ RecipeParseResult ParseRecipe(const std::string& yaml_text, const std::string& s
     reader.ReadString(data, "data", "path", r.data.path);
     reader.ReadString(data, "data", "tokenizer", r.data.tokenizer, {"byte"});
     reader.ReadString(data, "data", "sampling", r.data.sampling, {"hash", "torch"});
-    reader.ReadInt(data, "data", "seed", r.data.seed, 0, kMaxInt64);
+    // PyTorch's CPU generator keeps 32 bits of its seed.
+    reader.ReadInt(data, "data", "seed", r.data.seed, 0, int64_t{0xffffffff});
   }
   YAML::Node training = reader.Section(root, "training");
   if (training.IsDefined()) {
@@ -544,12 +545,15 @@ std::string RecipeToYaml(const Recipe& r) {
       << YAML::Key << "d_model" << YAML::Value << r.model.d_model
       << YAML::Key << "heads" << YAML::Value << r.model.heads
       << YAML::Key << "seq_len" << YAML::Value << r.model.seq_len
-      << YAML::Key << "vocab" << YAML::Value << r.model.vocab
-      << YAML::Key << "init" << YAML::Value << r.model.init << YAML::EndMap;
+      << YAML::Key << "vocab" << YAML::Value << r.model.vocab;
+  // Keys at their defaults are left out, so that a recipe written here still reads in a binary
+  // that predates them (a node mid-upgrade, a stored job).
+  if (r.model.init != "auto") out << YAML::Key << "init" << YAML::Value << r.model.init;
+  out << YAML::EndMap;
   out << YAML::Key << "data" << YAML::Value << YAML::BeginMap
       << YAML::Key << "path" << YAML::Value << r.data.path
-      << YAML::Key << "tokenizer" << YAML::Value << r.data.tokenizer
-      << YAML::Key << "sampling" << YAML::Value << r.data.sampling;
+      << YAML::Key << "tokenizer" << YAML::Value << r.data.tokenizer;
+  if (r.data.sampling != "hash") out << YAML::Key << "sampling" << YAML::Value << r.data.sampling;
   if (r.data.seed >= 0) out << YAML::Key << "seed" << YAML::Value << r.data.seed;
   out << YAML::EndMap;
   out << YAML::Key << "training" << YAML::Value << YAML::BeginMap
@@ -604,5 +608,7 @@ std::string RecipeToYaml(const Recipe& r) {
   out << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
 }
+
+int64_t DataSeed(const Recipe& recipe) { return recipe.data.seed >= 0 ? recipe.data.seed : recipe.training.seed; }
 
 }  // namespace ltrain

@@ -17,24 +17,21 @@ struct ModelSpec {
   int heads = 4;
   int seq_len = 64;
   int vocab = 256;
-  // Where the initial parameters come from. "pytorch": the values gpt_model.GPT gets after
-  // torch.manual_seed(training.seed); every rank builds the whole model on the CPU from PyTorch's
-  // generator, one parameter after another. "per_parameter": each parameter from a generator of its
-  // own (the seed and the parameter's position), drawn whole on the rank's device and sliced there:
-  // seconds for any size, the same values for every layout on the same kind of device. "auto":
-  // pytorch below 2 billion parameters, per_parameter from there.
+  // auto | pytorch | per_parameter (README). PyTorch's initialisation reproduces gpt_model.GPT's
+  // parameters but makes every rank build the whole model on the CPU from one serial generator, too
+  // slow and too large for billions of parameters; per_parameter lets each rank draw only what it
+  // keeps, on its own device.
   std::string init = "auto";
 };
 
 struct DataSpec {
   std::string path;              // a directory written by `ltrain data prepare`
   std::string tokenizer = "byte";
-  // How window starts are drawn. "hash": a hash of (seed, sample index), so resuming anywhere costs
-  // nothing. "torch": in order from a PyTorch CPU generator, as torch.randint(0, tokens - seq_len - 1,
-  // (global_batch,), generator=torch.Generator().manual_seed(seed)) each step draws them: the
-  // batches of a PyTorch loop that samples that way, for comparing a run with it batch for batch.
+  // hash | torch (README). "hash" lets a resumed run start at any data position for free; "torch"
+  // replays a PyTorch loop's torch.randint draws, so that a run can be compared with one batch for
+  // batch, at the cost of replaying the draws up to the data position on resume.
   std::string sampling = "hash";
-  int64_t seed = -1;             // the sampler's seed; -1: training.seed
+  int64_t seed = -1;             // the sampler's seed; unset (-1): training.seed
 };
 
 struct TrainingSpec {
@@ -107,6 +104,9 @@ struct Recipe {
     return training.global_batch / (training.micro_batch * parallel.dp());
   }
 };
+
+// The data sampler's seed: data.seed when set, training.seed otherwise.
+int64_t DataSeed(const Recipe& recipe);
 
 // One problem found in a recipe, located in its source. line/column are 1-based; 0 when the value
 // came from a --set override rather than the file.

@@ -102,7 +102,7 @@ class WindowStream {
 };
 
 // Deterministic map from sample index to token window: hashed (below) or, given a stream, the
-// stream's draws.
+// stream's draws. With a stream, WindowStart and Fill advance it: one thread at a time.
 class TokenSampler {
  public:
   TokenSampler(const TokenDataset* dataset, uint64_t seed, int seq_len, std::unique_ptr<WindowStream> stream = nullptr);

@@ -1,7 +1,6 @@
 #include "worker/parallel_model.h"
 
 #include <cmath>
-#include <mutex>
 #include <stdexcept>
 
 #include <ATen/Context.h>
@@ -249,35 +248,32 @@ torch::Tensor Slice(const torch::Tensor& full, TpSplit split, int tp, int r) {
   return full;
 }
 
+bool EndsWith(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
 TpSplit SplitOf(const std::string& name) {
-  auto ends = [&](const std::string& suffix) {
-    return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
-  };
+  auto ends = [&](const std::string& suffix) { return EndsWith(name, suffix); };
   if (name == "wte.weight" || ends("fc.weight") || ends("fc.bias")) return TpSplit::kRows;
   if (ends("qkv.weight") || ends("qkv.bias")) return TpSplit::kQkvRows;
   if (ends("proj.weight") || ends("fc2.weight")) return TpSplit::kCols;
   return TpSplit::kReplicated;
 }
 
-bool EndsWith(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 // The full parameter `index` of the per-parameter initialisation: gpt_model.GPT's distributions
 // (biases 0, layer norm weights 1, the residual projections N(0, 0.02/sqrt(2 layers)), the other
-// matrices N(0, 0.02)), drawn on `device` from its default generator reseeded for this parameter.
+// matrices N(0, 0.02)), drawn on `device` by a copy of its default generator seeded for this
+// parameter (a copy: the global generator's state stays as the trainer seeded it).
 torch::Tensor PerParameterInit(const GptConfig& c, const std::string& name, const std::vector<int64_t>& shape,
                                uint64_t seed, size_t index, const torch::Device& device) {
   const torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat).device(device);
   if (EndsWith(name, "bias")) return torch::zeros(shape, options);
   if (shape.size() < 2) return torch::ones(shape, options);
-  const double std = EndsWith(name, "proj.weight") || EndsWith(name, "fc2.weight") ? 0.02 / std::sqrt(2.0 * c.layers) : 0.02;
-  at::Generator generator = at::globalContext().defaultGenerator(device);
-  {
-    std::lock_guard<std::mutex> lock(generator.mutex());
-    generator.set_current_seed(SplitMix64(seed ^ SplitMix64(static_cast<uint64_t>(index) + 1)));
-  }
-  return torch::empty(shape, options).normal_(0.0, std, generator);
+  const bool residual = EndsWith(name, "proj.weight") || EndsWith(name, "fc2.weight");
+  const double stddev = residual ? 0.02 / std::sqrt(2.0 * c.layers) : 0.02;
+  at::Generator generator = at::globalContext().defaultGenerator(device).clone();
+  generator.set_current_seed(SplitMix64(seed ^ SplitMix64(static_cast<uint64_t>(index) + 1)));
+  return torch::empty(shape, options).normal_(0.0, stddev, generator);
 }
 
 }  // namespace
@@ -345,8 +341,8 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelLayout& layo
     }
   }
   auto full_param = [&](size_t i) {
-    return layout.per_parameter_init ? PerParameterInit(c, shapes[i].first, shapes[i].second, layout.seed, i, layout.device)
-                                     : built[i];
+    if (!layout.per_parameter_init) return built[i];
+    return PerParameterInit(c, shapes[i].first, shapes[i].second, layout.seed, i, layout.device);
   };
   shard->block_index_.assign(c.layers, std::vector<int>(kBlockParams, -1));
   auto add = [&](const std::string& name, const torch::Tensor& t, int unit, bool exported) {

@@ -45,7 +45,8 @@ struct ModelLayout {
   int chunks = 1;                 // model chunks per pipeline rank (virtual stages)
   std::vector<int> stage_layers;  // layers per virtual stage (pp * chunks entries)
   // false: PyTorch's initialisation from the global generator (seed it first). true: each parameter
-  // drawn whole on `device` from the device's generator reseeded with (seed, its position), then sliced.
+  // drawn whole on `device` by a copy of the device's generator seeded with (seed, its position),
+  // then sliced, so that no rank builds the whole model.
   bool per_parameter_init = false;
   uint64_t seed = 0;
   torch::Device device = torch::kCPU;

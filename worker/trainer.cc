@@ -137,8 +137,7 @@ Status Rethrown(const char* what) {
 
 std::unique_ptr<WindowStream> MakeWindowStream(const Recipe& recipe, int64_t span) {
   if (recipe.data.sampling != "torch" || span < 1) return nullptr;  // TokenSampler::Check reports a short file
-  const int64_t seed = recipe.data.seed >= 0 ? recipe.data.seed : recipe.training.seed;
-  return std::make_unique<TorchRandintWindows>(static_cast<uint64_t>(seed), span);
+  return std::make_unique<TorchRandintWindows>(static_cast<uint64_t>(DataSeed(recipe)), span);
 }
 
 StatusOr<Layout> PlanLayout(const Recipe& recipe, int world_size) {
@@ -201,7 +200,7 @@ Trainer::Trainer(const Recipe& recipe, const TrainerOptions& options, ProcessGro
       groups_(groups),
       layout_(layout),
       data_(std::move(data)),
-      sampler_(&data_, recipe.data.seed >= 0 ? recipe.data.seed : recipe.training.seed, recipe.model.seq_len,
+      sampler_(&data_, DataSeed(recipe), recipe.model.seq_len,
                MakeWindowStream(recipe, data_.size() - recipe.model.seq_len - 1)) {}
 
 Trainer::~Trainer() = default;
@@ -884,15 +883,7 @@ Status Trainer::ExportParameters(const std::string& path) {
   return groups_->world->Barrier();
 }
 
-int64_t Trainer::FullModelParameters() const {
-  int64_t params = 0;
-  for (const auto& [name, shape] : model_->full_params()) {
-    int64_t n = 1;
-    for (int64_t d : shape) n *= d;
-    params += n;
-  }
-  return params;
-}
+int64_t Trainer::FullModelParameters() const { return GptParameterCount(model_->layout().config); }
 
 void Trainer::PrintThroughput(int64_t first_step, int64_t steps, double total_ms) const {
   const int64_t params = FullModelParameters();
@@ -924,14 +915,15 @@ Status Trainer::Run() {
     std::printf(
         "model gpt params %lld layers %d d_model %d heads %d seq_len %d vocab %d | layout world %d dp %d "
         "tp %d pp %d zero %d sp %d schedule %s chunks %d ac %s micro_batch %d accumulation %d global_batch %d "
-        "device %s backend %s threads %d\n",
+        "device %s backend %s threads %d | init %s sampling %s\n",
         static_cast<long long>(params), recipe_.model.layers, recipe_.model.d_model, recipe_.model.heads,
         recipe_.model.seq_len, recipe_.model.vocab, layout_.world_size, layout_.dp, layout_.tp, layout_.pp,
         layout_.zero, recipe_.parallel.sequence_parallel ? 1 : 0,
         layout_.pp > 1 ? recipe_.parallel.pp_schedule.c_str() : "none", layout_.chunks,
         recipe_.parallel.activation_checkpointing.c_str(), layout_.micro_batch, layout_.accumulation,
         layout_.global_batch, recipe_.parallel.device.c_str(), groups_->world->backend().c_str(),
-        torch::get_num_threads());
+        torch::get_num_threads(), model_->layout().per_parameter_init ? "per_parameter" : "pytorch",
+        recipe_.data.sampling.c_str());
   }
   const double tokens_per_step = static_cast<double>(layout_.global_batch) * recipe_.model.seq_len;
   // On CUDA the host reads each step's loss one step later (and at every checkpoint, before the

@@ -47,7 +47,21 @@ TEST(RecipeTest, DataSamplingAndSeedRoundTrip) {
   ASSERT_TRUE(plain.ok());
   EXPECT_EQ(plain.recipe.data.sampling, "hash");
   EXPECT_EQ(plain.recipe.data.seed, -1);
-  EXPECT_EQ(RecipeToYaml(plain.recipe).find("seed: -1"), std::string::npos);
+  // Keys at their defaults are not written, so that older binaries read the recipe.
+  const std::string yaml = RecipeToYaml(plain.recipe);
+  EXPECT_EQ(yaml.find("seed: -1"), std::string::npos);
+  EXPECT_EQ(yaml.find("sampling"), std::string::npos);
+  EXPECT_EQ(yaml.find("init"), std::string::npos);
+}
+
+TEST(RecipeTest, ModelInitRoundTrips) {
+  RecipeParseResult result = ParseRecipe("data: {path: /d}\nmodel: {init: per_parameter}\n", "r.yaml");
+  ASSERT_TRUE(result.ok()) << result.ErrorText();
+  EXPECT_EQ(result.recipe.model.init, "per_parameter");
+  RecipeParseResult again = ParseRecipe(RecipeToYaml(result.recipe), "resolved.yaml");
+  ASSERT_TRUE(again.ok()) << again.ErrorText();
+  EXPECT_EQ(again.recipe.model.init, "per_parameter");
+  EXPECT_EQ(ParseRecipe(kGood, "tiny.yaml").recipe.model.init, "auto");
 }
 
 TEST(RecipeTest, OverrideSetsNestedFields) {
@@ -91,6 +105,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"heads", "data: {path: /d}\nmodel:\n  d_model: 100\n  heads: 3\n", 4, 10, "does not divide model.d_model=100"},
         BadCase{"tp heads", "data: {path: /d}\nmodel: {heads: 4}\nparallel: {nproc_per_node: 3, tp: 3}\n", 3, 35, "does not divide model.heads"},
         BadCase{"sampling", "data: {path: /d, sampling: shuffle}\n", 1, 28, "is not one of: hash, torch"},
+        BadCase{"data seed", "data: {path: /d, seed: 4294967296}\n", 1, 24, "out of range"},
+        BadCase{"init", "data: {path: /d}\nmodel: {init: random}\n", 2, 15, "is not one of: auto, pytorch, per_parameter"},
         BadCase{"not a map", "data: {path: /d}\nmodel: 7\n", 2, 8, "must be a mapping"},
         BadCase{"tp vocab", "data: {path: /d}\nmodel: {vocab: 257, heads: 4}\nparallel: {nproc_per_node: 2, tp: 2}\n", 3, 35,
                 "does not divide model.vocab=257"},

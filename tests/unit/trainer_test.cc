@@ -68,7 +68,7 @@ TEST_F(TrainerTest, PlanLayoutChecksParallelismAndBatch) {
 }
 
 // Trains six steps with a save at step 3, resumes another run from it, and expects the same parameters.
-void ExpectResumeMatches(const Recipe& recipe, const TrainerOptions& options, const fs::path& dir_) {
+void ExpectResumeMatches(const Recipe& recipe, const TrainerOptions& options, const fs::path& dir) {
   FakeCommunicator comm;
   auto full = Trainer::Create(recipe, options, &comm);
   ASSERT_TRUE(full.ok()) << full.status().ToString();
@@ -83,16 +83,16 @@ void ExpectResumeMatches(const Recipe& recipe, const TrainerOptions& options, co
     }
   }
   EXPECT_LT(last_loss, first_loss);
-  ASSERT_TRUE(fs::exists(dir_ / "ckpt" / "step-3" / "meta.yaml"));
-  std::ifstream latest(dir_ / "ckpt" / "latest");
+  ASSERT_TRUE(fs::exists(dir / "ckpt" / "step-3" / "meta.yaml"));
+  std::ifstream latest(dir / "ckpt" / "latest");
   std::string name;
   std::getline(latest, name);
   EXPECT_EQ(name, "step-3");
 
   Recipe resumed_recipe = recipe;
-  resumed_recipe.checkpoint.resume_from = (dir_ / "ckpt").string();  // a checkpoint dir: its latest
+  resumed_recipe.checkpoint.resume_from = (dir / "ckpt").string();  // a checkpoint dir: its latest
   TrainerOptions resumed_options = options;
-  resumed_options.checkpoint_dir = (dir_ / "ckpt2").string();
+  resumed_options.checkpoint_dir = (dir / "ckpt2").string();
   FakeCommunicator comm2;
   auto resumed = Trainer::Create(resumed_recipe, resumed_options, &comm2);
   ASSERT_TRUE(resumed.ok()) << resumed.status().ToString();
@@ -104,7 +104,7 @@ void ExpectResumeMatches(const Recipe& recipe, const TrainerOptions& options, co
   auto a = (*full)->Parameters(), b = (*resumed)->Parameters();
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i], b[i])) << "parameter " << i;
-  EXPECT_TRUE(fs::exists(dir_ / "ckpt2" / "step-6" / "optimizer.pt"));
+  EXPECT_TRUE(fs::exists(dir / "ckpt2" / "step-6" / "optimizer.pt"));
 }
 
 TEST_F(TrainerTest, ResumedRunEndsWithTheSameParametersAsAnUninterruptedOne) {
@@ -112,9 +112,20 @@ TEST_F(TrainerTest, ResumedRunEndsWithTheSameParametersAsAnUninterruptedOne) {
 }
 
 TEST_F(TrainerTest, ResumedRunWithTorchSamplingReplaysTheSameBatches) {
-  recipe_.data.sampling = "torch";
-  recipe_.data.seed = 1234;
-  ExpectResumeMatches(recipe_, options_, dir_);
+  // The torch draws are not the hash's: the first step's loss differs.
+  FakeCommunicator comm_hash, comm_torch;
+  Recipe torch_recipe = recipe_;
+  torch_recipe.data.sampling = "torch";
+  torch_recipe.data.seed = 1234;
+  auto hashed = Trainer::Create(recipe_, options_, &comm_hash);
+  auto drawn = Trainer::Create(torch_recipe, options_, &comm_torch);
+  ASSERT_TRUE(hashed.ok() && drawn.ok());
+  StatusOr<double> a = (*hashed)->Step(), b = (*drawn)->Step();
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_NE(*a, *b);
+  hashed->reset();
+  drawn->reset();
+  ExpectResumeMatches(torch_recipe, options_, dir_);
 }
 
 TEST(TorchSamplingTest, DrawsWhatTorchRandintDraws) {
