@@ -4,6 +4,7 @@
 #include <charconv>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <cstdlib>
 #include <filesystem>
@@ -535,9 +536,28 @@ RecipeParseResult LoadRecipeFile(const std::string& path, const std::vector<std:
   return ParseRecipe(buffer.str(), path, overrides);
 }
 
+namespace {
+
+// A double written with the fewest significant digits (15 to 17) that read back as the same value:
+// 0.0003 rather than 0.00029999999999999997.
+struct Shortest {
+  double value;
+};
+
+YAML::Emitter& operator<<(YAML::Emitter& out, Shortest n) {
+  int digits = 15;
+  for (; digits < 17; ++digits) {
+    char text[40];
+    std::snprintf(text, sizeof(text), "%.*g", digits, n.value);
+    if (std::strtod(text, nullptr) == n.value) break;
+  }
+  return out << YAML::DoublePrecision(digits) << n.value;
+}
+
+}  // namespace
+
 std::string RecipeToYaml(const Recipe& r) {
   YAML::Emitter out;
-  out.SetDoublePrecision(17);
   out << YAML::BeginMap;
   out << YAML::Key << "name" << YAML::Value << r.name;
   out << YAML::Key << "model" << YAML::Value << YAML::BeginMap
@@ -560,14 +580,14 @@ std::string RecipeToYaml(const Recipe& r) {
       << YAML::Key << "steps" << YAML::Value << r.training.steps
       << YAML::Key << "micro_batch" << YAML::Value << r.training.micro_batch
       << YAML::Key << "global_batch" << YAML::Value << r.training.global_batch
-      << YAML::Key << "lr" << YAML::Value << r.training.lr
-      << YAML::Key << "min_lr" << YAML::Value << r.training.min_lr
+      << YAML::Key << "lr" << YAML::Value << Shortest{r.training.lr}
+      << YAML::Key << "min_lr" << YAML::Value << Shortest{r.training.min_lr}
       << YAML::Key << "warmup_steps" << YAML::Value << r.training.warmup_steps
       << YAML::Key << "lr_schedule" << YAML::Value << r.training.lr_schedule
-      << YAML::Key << "weight_decay" << YAML::Value << r.training.weight_decay
-      << YAML::Key << "beta1" << YAML::Value << r.training.beta1
-      << YAML::Key << "beta2" << YAML::Value << r.training.beta2
-      << YAML::Key << "grad_clip" << YAML::Value << r.training.grad_clip
+      << YAML::Key << "weight_decay" << YAML::Value << Shortest{r.training.weight_decay}
+      << YAML::Key << "beta1" << YAML::Value << Shortest{r.training.beta1}
+      << YAML::Key << "beta2" << YAML::Value << Shortest{r.training.beta2}
+      << YAML::Key << "grad_clip" << YAML::Value << Shortest{r.training.grad_clip}
       << YAML::Key << "seed" << YAML::Value << r.training.seed
       << YAML::Key << "log_every" << YAML::Value << r.training.log_every << YAML::EndMap;
   out << YAML::Key << "parallel" << YAML::Value << YAML::BeginMap
@@ -586,7 +606,7 @@ std::string RecipeToYaml(const Recipe& r) {
       << YAML::Key << "pp_schedule" << YAML::Value << r.parallel.pp_schedule
       << YAML::Key << "virtual_stages" << YAML::Value << r.parallel.virtual_stages
       << YAML::Key << "pp_split" << YAML::Value << YAML::Flow << r.parallel.pp_split
-      << YAML::Key << "bucket_mb" << YAML::Value << r.parallel.bucket_mb
+      << YAML::Key << "bucket_mb" << YAML::Value << Shortest{r.parallel.bucket_mb}
       << YAML::Key << "activation_checkpointing" << YAML::Value << r.parallel.activation_checkpointing
       << YAML::Key << "precision" << YAML::Value << r.parallel.precision
       << YAML::Key << "device" << YAML::Value << r.parallel.device << YAML::EndMap;
@@ -599,12 +619,12 @@ std::string RecipeToYaml(const Recipe& r) {
       << YAML::Key << "enabled" << YAML::Value << r.checkpoint.enabled << YAML::EndMap;
   out << YAML::Key << "fault" << YAML::Value << YAML::BeginMap
       << YAML::Key << "max_restarts" << YAML::Value << r.fault.max_restarts
-      << YAML::Key << "restart_backoff_s" << YAML::Value << r.fault.restart_backoff_s
-      << YAML::Key << "restart_backoff_max_s" << YAML::Value << r.fault.restart_backoff_max_s
-      << YAML::Key << "heartbeat_interval_s" << YAML::Value << r.fault.heartbeat_interval_s
+      << YAML::Key << "restart_backoff_s" << YAML::Value << Shortest{r.fault.restart_backoff_s}
+      << YAML::Key << "restart_backoff_max_s" << YAML::Value << Shortest{r.fault.restart_backoff_max_s}
+      << YAML::Key << "heartbeat_interval_s" << YAML::Value << Shortest{r.fault.heartbeat_interval_s}
       << YAML::Key << "heartbeat_misses" << YAML::Value << r.fault.heartbeat_misses
-      << YAML::Key << "hang_timeout_s" << YAML::Value << r.fault.hang_timeout_s
-      << YAML::Key << "collective_timeout_s" << YAML::Value << r.fault.collective_timeout_s << YAML::EndMap;
+      << YAML::Key << "hang_timeout_s" << YAML::Value << Shortest{r.fault.hang_timeout_s}
+      << YAML::Key << "collective_timeout_s" << YAML::Value << Shortest{r.fault.collective_timeout_s} << YAML::EndMap;
   out << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
 }

@@ -31,6 +31,11 @@ TEST(RecipeTest, YamlRoundTripGivesTheSameRecipe) {
   EXPECT_EQ(RecipeToYaml(second.recipe), yaml);
   EXPECT_DOUBLE_EQ(second.recipe.training.lr, 0.00031);
   EXPECT_EQ(second.recipe.checkpoint.every, 5);
+  // Decimals are written as they were given; a double that needs 17 digits keeps them.
+  EXPECT_NE(yaml.find("lr: 0.00031\n"), std::string::npos) << yaml;
+  RecipeParseResult exact = ParseRecipe(kGood, "tiny.yaml", {"training.lr=0.1234567890123456789"});
+  ASSERT_TRUE(exact.ok());
+  EXPECT_EQ(ParseRecipe(RecipeToYaml(exact.recipe), "resolved.yaml").recipe.training.lr, exact.recipe.training.lr);
 }
 
 TEST(RecipeTest, DataSamplingAndSeedRoundTrip) {
