@@ -275,6 +275,15 @@ StatusOr<CheckpointMeta> ReadCheckpointMeta(const std::string& step_dir, bool ve
     meta.zero = topo["zero"].as<int>();
     meta.chunks = topo["chunks"].as<int>();
     meta.rng_state = root["rng_state"].as<std::string>();
+    if (const YAML::Node recipe = root["recipe"]; recipe && recipe.IsMap()) {
+      const YAML::Node data = recipe["data"], training = recipe["training"];
+      if (data && data["sampling"]) meta.data_sampling = data["sampling"].as<std::string>();
+      if (data && data["seed"]) {
+        meta.data_seed = data["seed"].as<int64_t>();
+      } else if (training && training["seed"]) {
+        meta.data_seed = training["seed"].as<int64_t>();
+      }
+    }
     if (!root["files"] || !root["files"].IsMap() || root["files"].size() == 0) {
       return DataLoss(std::string(kMetaFile) + " lists no files");
     }

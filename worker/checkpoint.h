@@ -54,6 +54,9 @@ struct CheckpointMeta {
   std::string layout;         // "tp=T dp=D pp=P zero=Z chunks=C sp=S", for people
   int tp = 1, dp = 1, pp = 1, zero = 0, chunks = 1;
   std::string rng_state;      // hex of the CPU default generator's state (rank 0's)
+  // The saved run's batch order, from its recipe: data.sampling and the sampler's seed.
+  std::string data_sampling = "hash";
+  int64_t data_seed = -1;
 };
 
 // The temporary directory of step `step` under `dir`.

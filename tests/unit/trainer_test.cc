@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 
@@ -126,6 +127,42 @@ TEST_F(TrainerTest, ResumedRunWithTorchSamplingReplaysTheSameBatches) {
   hashed->reset();
   drawn->reset();
   ExpectResumeMatches(torch_recipe, options_, dir_);
+}
+
+TEST_F(TrainerTest, ResumeSaysWhenTheBatchOrderChanges) {
+  FakeCommunicator comm;
+  auto first = Trainer::Create(recipe_, options_, &comm);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  ASSERT_TRUE((*first)->Step().ok());
+  ASSERT_TRUE((*first)->Save().ok());
+  first->reset();
+
+  auto resume_output = [&](const Recipe& changed) {
+    Recipe r = changed;
+    r.checkpoint.resume_from = (dir_ / "ckpt").string();
+    TrainerOptions o = options_;
+    o.print_progress = true;
+    o.checkpoint_dir = (dir_ / "ckpt2").string();
+    FakeCommunicator c;
+    ::testing::internal::CaptureStdout();
+    auto resumed = Trainer::Create(r, o, &c);
+    std::fflush(stdout);
+    std::string out = ::testing::internal::GetCapturedStdout();
+    EXPECT_TRUE(resumed.ok()) << resumed.status().ToString();
+    return out;
+  };
+  std::string same = resume_output(recipe_);
+  EXPECT_NE(same.find("resumed from"), std::string::npos) << same;
+  EXPECT_EQ(same.find("resume: the saved run drew"), std::string::npos) << same;
+
+  Recipe torch_recipe = recipe_;
+  torch_recipe.data.sampling = "torch";
+  torch_recipe.data.seed = 1234;
+  std::string changed = resume_output(torch_recipe);
+  EXPECT_NE(changed.find("resume: the saved run drew its batches with data.sampling hash, seed " +
+                         std::to_string(recipe_.training.seed) + "; this run draws them with torch, seed 1234"),
+            std::string::npos)
+      << changed;
 }
 
 TEST(TorchSamplingTest, DrawsWhatTorchRandintDraws) {
