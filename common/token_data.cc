@@ -230,7 +230,7 @@ Status TokenSampler::Check() const {
 
 int64_t TokenSampler::WindowStart(int64_t sample_index) const {
   if (stream_ != nullptr) return stream_->Start(sample_index);
-  const uint64_t span = static_cast<uint64_t>(dataset_->size() - seq_len_ - 1);
+  const uint64_t span = static_cast<uint64_t>(this->span());
   // Adding i * golden-ratio before mixing walks splitmix64's own stream from the seed's state.
   const uint64_t h = SplitMix64(seed_mix_ + static_cast<uint64_t>(sample_index) * 0x9e3779b97f4a7c15ULL);
   return static_cast<int64_t>(h % span);

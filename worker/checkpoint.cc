@@ -276,6 +276,7 @@ StatusOr<CheckpointMeta> ReadCheckpointMeta(const std::string& step_dir, bool ve
     meta.chunks = topo["chunks"].as<int>();
     meta.rng_state = root["rng_state"].as<std::string>();
     if (const YAML::Node recipe = root["recipe"]; recipe && recipe.IsMap()) {
+      // Read field by field, not validated: the saved recipe passed validation when the run began.
       const YAML::Node data = recipe["data"], training = recipe["training"];
       if (data && data["sampling"]) meta.data_sampling = data["sampling"].as<std::string>();
       if (data && data["seed"]) {

@@ -54,7 +54,8 @@ struct CheckpointMeta {
   std::string layout;         // "tp=T dp=D pp=P zero=Z chunks=C sp=S", for people
   int tp = 1, dp = 1, pp = 1, zero = 0, chunks = 1;
   std::string rng_state;      // hex of the CPU default generator's state (rank 0's)
-  // The saved run's batch order, from its recipe: data.sampling and the sampler's seed.
+  // The saved run's batch order, from its recipe: data.sampling and the sampler's seed (-1: its
+  // recipe names none).
   std::string data_sampling = "hash";
   int64_t data_seed = -1;
 };

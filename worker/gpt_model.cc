@@ -32,6 +32,16 @@ torch::Tensor BlockImpl::forward(const torch::Tensor& x) {
   return h + fc2_(torch::gelu(fc_(ln2_(h)), "tanh"));
 }
 
+ParamInit GptParamInit(const std::string& name, int64_t dims, int layers) {
+  auto ends_with = [&](const std::string& suffix) {
+    return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
+  if (ends_with("bias")) return {ParamInit::kZeros, 0};
+  if (ends_with("proj.weight") || ends_with("fc2.weight")) return {ParamInit::kNormal, 0.02 / std::sqrt(2.0 * layers)};
+  if (dims >= 2) return {ParamInit::kNormal, 0.02};
+  return {ParamInit::kOnes, 0};
+}
+
 GptImpl::GptImpl(const GptConfig& config) : config_(config) {
   wte_ = register_module("wte", torch::nn::Embedding(config.vocab, config.d_model));
   wpe_ = register_module("wpe", torch::nn::Embedding(config.seq_len, config.d_model));
@@ -45,20 +55,14 @@ GptImpl::GptImpl(const GptConfig& config) : config_(config) {
   }
 
   torch::NoGradGuard no_grad;
-  const double residual_std = 0.02 / std::sqrt(2.0 * config.layers);
-  auto ends_with = [](const std::string& s, const std::string& suffix) {
-    return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-  };
   for (auto& item : named_parameters()) {
-    const std::string& name = item.key();
     torch::Tensor& p = item.value();
-    if (ends_with(name, "bias")) {
+    const ParamInit init = GptParamInit(item.key(), p.dim(), config.layers);
+    if (init.kind == ParamInit::kZeros) {
       torch::nn::init::zeros_(p);
-    } else if (ends_with(name, "proj.weight") || ends_with(name, "fc2.weight")) {
-      torch::nn::init::normal_(p, 0.0, residual_std);
-    } else if (p.dim() >= 2) {
-      torch::nn::init::normal_(p, 0.0, 0.02);
-    }
+    } else if (init.kind == ParamInit::kNormal) {
+      torch::nn::init::normal_(p, 0.0, init.stddev);
+    }  // kOnes: LayerNorm's own initialisation
   }
 }
 

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include <torch/nn/module.h>
 #include <torch/nn/modules/container/modulelist.h>
@@ -37,6 +38,15 @@ class BlockImpl : public torch::nn::Module {
   torch::nn::Linear fc2_{nullptr};
 };
 TORCH_MODULE(Block);
+
+// gpt_model.GPT's initialisation of the parameter `name` of `dims` dimensions: biases 0, the two
+// residual output projections N(0, 0.02/sqrt(2 layers)), the other matrices N(0, 0.02), the rest
+// (layer norm weights) 1.
+struct ParamInit {
+  enum Kind { kZeros, kOnes, kNormal } kind = kOnes;
+  double stddev = 0;
+};
+ParamInit GptParamInit(const std::string& name, int64_t dims, int layers);
 
 class GptImpl : public torch::nn::Module {
  public:

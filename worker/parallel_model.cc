@@ -1,6 +1,5 @@
 #include "worker/parallel_model.h"
 
-#include <cmath>
 #include <stdexcept>
 
 #include <ATen/Context.h>
@@ -248,32 +247,28 @@ torch::Tensor Slice(const torch::Tensor& full, TpSplit split, int tp, int r) {
   return full;
 }
 
-bool EndsWith(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 TpSplit SplitOf(const std::string& name) {
-  auto ends = [&](const std::string& suffix) { return EndsWith(name, suffix); };
+  auto ends = [&](const std::string& suffix) {
+    return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+  };
   if (name == "wte.weight" || ends("fc.weight") || ends("fc.bias")) return TpSplit::kRows;
   if (ends("qkv.weight") || ends("qkv.bias")) return TpSplit::kQkvRows;
   if (ends("proj.weight") || ends("fc2.weight")) return TpSplit::kCols;
   return TpSplit::kReplicated;
 }
 
-// The full parameter `index` of the per-parameter initialisation: gpt_model.GPT's distributions
-// (biases 0, layer norm weights 1, the residual projections N(0, 0.02/sqrt(2 layers)), the other
-// matrices N(0, 0.02)), drawn on `device` by a copy of its default generator seeded for this
-// parameter (a copy: the global generator's state stays as the trainer seeded it).
+// The full parameter `index` of the per-parameter initialisation: gpt_model.GPT's distribution
+// (GptParamInit), drawn on `device` by a copy of its default generator seeded for this parameter
+// (a copy: the global generator's state stays as the trainer seeded it).
 torch::Tensor PerParameterInit(const GptConfig& c, const std::string& name, const std::vector<int64_t>& shape,
                                uint64_t seed, size_t index, const torch::Device& device) {
   const torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat).device(device);
-  if (EndsWith(name, "bias")) return torch::zeros(shape, options);
-  if (shape.size() < 2) return torch::ones(shape, options);
-  const bool residual = EndsWith(name, "proj.weight") || EndsWith(name, "fc2.weight");
-  const double stddev = residual ? 0.02 / std::sqrt(2.0 * c.layers) : 0.02;
+  const ParamInit init = GptParamInit(name, static_cast<int64_t>(shape.size()), c.layers);
+  if (init.kind == ParamInit::kZeros) return torch::zeros(shape, options);
+  if (init.kind == ParamInit::kOnes) return torch::ones(shape, options);
   at::Generator generator = at::globalContext().defaultGenerator(device).clone();
   generator.set_current_seed(SplitMix64(seed ^ SplitMix64(static_cast<uint64_t>(index) + 1)));
-  return torch::empty(shape, options).normal_(0.0, stddev, generator);
+  return torch::empty(shape, options).normal_(0.0, init.stddev, generator);
 }
 
 }  // namespace

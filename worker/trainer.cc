@@ -446,7 +446,7 @@ Status Trainer::Resume(const std::string& path) {
     std::printf("resumed from %s at step %lld data_position %lld (saved by world size %d, %s)\n", step_dir.c_str(),
                 static_cast<long long>(step_), static_cast<long long>(data_position_), meta->world_size,
                 meta->layout.c_str());
-    if (meta->data_sampling != recipe_.data.sampling || meta->data_seed != DataSeed(recipe_)) {
+    if (meta->data_seed >= 0 && (meta->data_sampling != recipe_.data.sampling || meta->data_seed != DataSeed(recipe_))) {
       std::printf("resume: the saved run drew its batches with data.sampling %s, seed %lld; this run draws them with "
                   "%s, seed %lld, so its batches from step %lld on are not the ones the saved run would have seen; "
                   "set data.sampling and data.seed as they were to continue its order\n",
