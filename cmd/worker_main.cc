@@ -1,11 +1,11 @@
-// ltrain-worker: one training rank. Everything lives in the worker library; see worker/run_worker.h.
+// ltrain-worker: one training rank. Everything lives in the worker library; see worker/train/run_worker.h.
 #include <execinfo.h>
 #include <signal.h>
 #include <string.h>
 #include <ucontext.h>
 #include <unistd.h>
 
-#include "worker/run_worker.h"
+#include "worker/train/run_worker.h"
 
 namespace {
 

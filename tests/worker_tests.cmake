@@ -7,13 +7,13 @@ ltrain_add_test(token_data_test unit
 # milliseconds.
 ltrain_add_test(checkpoint_stop_test unit
   SOURCES unit/checkpoint_stop_test.cc
-  LIBS ltrain_worker_rpc)
+  LIBS ltrain::worker_control)
 
 ltrain_add_test(worker_unit_test unit
-  SOURCES unit/lr_schedule_test.cc unit/gpt_model_test.cc unit/gloo_communicator_test.cc
+  SOURCES unit/gpt_model_test.cc unit/gloo_communicator_test.cc
           unit/trainer_test.cc unit/param_store_test.cc
   LIBS ltrain::worker)
-target_precompile_headers(worker_unit_test PRIVATE ${PROJECT_SOURCE_DIR}/worker/torch_pch.h)
+target_precompile_headers(worker_unit_test REUSE_FROM ltrain_worker_comm)
 
 # Runs the ltrain-worker binary (1 rank vs 2 Gloo ranks); about a second.
 ltrain_add_test(worker_layout_equivalence_test unit
@@ -23,10 +23,11 @@ add_dependencies(worker_layout_equivalence_test ltrain-worker)
 target_compile_definitions(worker_layout_equivalence_test PRIVATE
   LTRAIN_WORKER_BIN="$<TARGET_FILE:ltrain-worker>")
 
-# Pure planners of the parallel runtime (topology, pipeline schedules, buckets); milliseconds.
+# Pure planners of the parallel runtime (topology, pipeline schedules, buckets, the lr schedule);
+# milliseconds, linked without LibTorch.
 ltrain_add_test(parallel_planner_test unit
-  SOURCES unit/parallel_planner_test.cc
-  LIBS ltrain::worker)
+  SOURCES unit/parallel_planner_test.cc unit/lr_schedule_test.cc
+  LIBS ltrain::worker_plan)
 
 # Every parallel layout against one process, ZeRO memory at dp=4, sharded resume: real
 # ltrain-worker processes (up to 4 at once); about two minutes on 2 cores.

@@ -12,7 +12,7 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
-#include "worker/cuda/gemm.h"
+#include "worker/model/cuda/gemm.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-#include "worker/checkpoint_stop.h"
+#include "worker/control/checkpoint_stop.h"
 
 #include <gtest/gtest.h>
 

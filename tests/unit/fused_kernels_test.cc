@@ -9,7 +9,7 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
-#include "worker/fused_kernels.h"
+#include "worker/model/fused_kernels.h"
 #include "worker/torch_compat.h"
 
 namespace ltrain::worker {

@@ -1,4 +1,4 @@
-#include "worker/gloo_communicator.h"
+#include "worker/comm/gloo_communicator.h"
 
 #include <unistd.h>
 
@@ -14,7 +14,7 @@
 #include <gtest/gtest.h>
 #include <torch/nn.h>
 
-#include "worker/rendezvous_store.h"
+#include "worker/control/rendezvous_store.h"
 
 namespace ltrain::worker {
 namespace {

@@ -1,4 +1,4 @@
-#include "worker/gpt_model.h"
+#include "worker/model/gpt_model.h"
 
 #include <cmath>
 #include <map>
@@ -7,8 +7,8 @@
 #include <gtest/gtest.h>
 #include <torch/nn.h>
 
-#include "worker/communicator.h"
-#include "worker/parallel_model.h"
+#include "worker/comm/communicator.h"
+#include "worker/model/parallel_model.h"
 
 namespace ltrain::worker {
 namespace {

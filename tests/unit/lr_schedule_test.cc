@@ -1,4 +1,4 @@
-#include "worker/lr_schedule.h"
+#include "worker/plan/lr_schedule.h"
 
 #include <cmath>
 

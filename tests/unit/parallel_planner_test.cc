@@ -6,9 +6,9 @@
 
 #include <gtest/gtest.h>
 
-#include "worker/flat_layout.h"
-#include "worker/pipeline_schedule.h"
-#include "worker/topology.h"
+#include "worker/plan/flat_layout.h"
+#include "worker/plan/pipeline_schedule.h"
+#include "worker/plan/topology.h"
 
 namespace ltrain::worker {
 namespace {

@@ -1,7 +1,7 @@
 // The parameter store's bf16 compute copies (what the worker trains with on GPUs), on the CPU: the
 // leaves are bf16 copies of fp32 masters, the optimizer updates the masters exactly as an fp32
 // store would from the same gradients, checkpoints hold the masters, and a load sets both.
-#include "worker/param_store.h"
+#include "worker/parallel/param_store.h"
 
 #include <thread>
 
@@ -10,8 +10,8 @@
 
 #include <gloo/rendezvous/hash_store.h>
 
-#include "worker/communicator.h"
-#include "worker/gloo_communicator.h"
+#include "worker/comm/communicator.h"
+#include "worker/comm/gloo_communicator.h"
 
 namespace ltrain::worker {
 namespace {

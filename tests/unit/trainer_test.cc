@@ -1,4 +1,4 @@
-#include "worker/trainer.h"
+#include "worker/train/trainer.h"
 
 #include <unistd.h>
 
@@ -9,7 +9,7 @@
 #include <gtest/gtest.h>
 #include <torch/nn.h>
 
-#include "worker/checkpoint.h"
+#include "worker/checkpoint/checkpoint.h"
 
 namespace ltrain::worker {
 namespace {

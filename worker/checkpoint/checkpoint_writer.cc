@@ -1,0 +1,130 @@
+#include "worker/checkpoint/checkpoint_writer.h"
+
+#include <cstdio>
+#include <filesystem>
+
+#include <c10/util/Exception.h>
+
+namespace ltrain::worker {
+namespace fs = std::filesystem;
+
+CheckpointWriter::CheckpointWriter(CheckpointWriterOptions options) : options_(std::move(options)) {
+  if (options_.async) thread_ = std::thread([this] { Loop(); });
+}
+
+CheckpointWriter::~CheckpointWriter() {
+  if (!thread_.joinable()) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cancel_ = true;
+  cv_.notify_all();
+  thread_.join();
+}
+
+void CheckpointWriter::Submit(CheckpointSnapshot snapshot) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return !busy_; });
+  queued_ = std::move(snapshot);
+  busy_ = true;
+  cv_.notify_all();
+}
+
+Status CheckpointWriter::Wait() {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return !busy_; });
+  return last_;
+}
+
+void CheckpointWriter::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [&] { return stop_ || queued_.has_value(); });
+    if (!queued_) return;  // stop_
+    CheckpointSnapshot snapshot = std::move(*queued_);
+    queued_.reset();
+    lock.unlock();
+    Process(std::move(snapshot));
+    lock.lock();
+    busy_ = false;
+    cv_.notify_all();
+  }
+}
+
+void CheckpointWriter::Process(CheckpointSnapshot snapshot) {
+  Status result;
+  const std::string error = WriteFiles(snapshot);
+  if (Status s = options_.board->Announce(snapshot.step, options_.rank, error); !s.ok()) {
+    std::fprintf(stderr, "ltrain-worker: rank %d: %s\n", options_.rank, s.message().c_str());
+  }
+  if (options_.rank == 0) {
+    std::vector<std::string> errors;
+    StatusOr<std::vector<std::string>> words =
+        options_.board->Collect(snapshot.step, options_.world_size, options_.commit_timeout, &cancel_);
+    if (!words.ok()) {
+      errors.push_back(words.status().message());
+    } else {
+      for (const std::string& w : *words) {
+        if (!w.empty()) errors.push_back(w);
+      }
+    }
+    result = Conclude(snapshot, errors);
+  } else if (!error.empty()) {
+    result = Internal(error);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  last_ = result;
+}
+
+std::string CheckpointWriter::WriteFiles(const CheckpointSnapshot& snapshot) {
+  if (snapshot.files.empty()) return "";
+  const fs::path pending = PendingCheckpointDir(options_.dir, snapshot.step);
+  std::error_code ec;
+  fs::create_directories(pending, ec);
+  if (ec) return "rank " + std::to_string(options_.rank) + ": cannot create " + pending.string() + ": " + ec.message();
+  bool first = true;
+  for (const auto& [name, tensors] : snapshot.files) {
+    const bool inject = first && options_.fault.Hits(snapshot.step, options_.rank);
+    first = false;
+    Status s;
+    try {
+      s = WriteTensorArchive((pending / name).string(), tensors, inject);
+    } catch (const std::exception& e) {
+      s = Internal("writing " + (pending / name).string() + ": " + e.what());
+    }
+    if (!s.ok()) return "rank " + std::to_string(options_.rank) + ": " + s.message();
+  }
+  return "";
+}
+
+Status CheckpointWriter::Conclude(const CheckpointSnapshot& snapshot, const std::vector<std::string>& errors) {
+  const std::string& dir = options_.dir;
+  const std::string name = "step-" + std::to_string(snapshot.step);
+  Status result;
+  if (errors.empty()) {
+    result = CommitCheckpoint(dir, snapshot.meta, options_.recipe, options_.recipe.checkpoint.keep);
+  } else {
+    std::string why;
+    for (const std::string& e : errors) why += (why.empty() ? "" : "; ") + e;
+    result = Internal(why);
+  }
+  RemovePendingCheckpoints(dir, snapshot.step);
+  if (options_.print) {
+    if (result.ok()) {
+      const double ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - snapshot.start).count();
+      std::printf("checkpoint %s written to %s in %.0f ms\n", name.c_str(), dir.c_str(), ms);
+    } else {
+      const int64_t latest = LatestCommittedStep(dir);
+      const std::string stays = latest >= 0 ? "step-" + std::to_string(latest) + " stays the newest committed"
+                                            : "no step is committed yet";
+      std::printf("checkpoint %s failed: %s; %s\n", name.c_str(), result.message().c_str(), stays.c_str());
+    }
+    std::fflush(stdout);
+  }
+  if (!result.ok()) return Internal("checkpoint " + name + " failed: " + result.message());
+  return Status::Ok();
+}
+
+}  // namespace ltrain::worker

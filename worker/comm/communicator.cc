@@ -1,0 +1,152 @@
+#include "worker/comm/communicator.h"
+
+#include <ATen/ATen.h>
+
+namespace ltrain::worker {
+
+Status Communicator::AllReduceMean(at::Tensor& tensor) {
+  if (Status s = AllReduceSum(tensor); !s.ok()) return s;
+  if (size() > 1) tensor.div_(size());
+  return Status::Ok();
+}
+
+Status Communicator::ReduceScatterMean(const at::Tensor& input, at::Tensor& output) {
+  if (Status s = ReduceScatterSum(input, output); !s.ok()) return s;
+  if (size() > 1) output.div_(size());
+  return Status::Ok();
+}
+
+Status SelfCommunicator::AllReduceSum(at::Tensor& tensor) {
+  if (!tensor.is_contiguous()) return InvalidArgument("AllReduceSum needs a contiguous tensor");
+  return Status::Ok();
+}
+
+Status SelfCommunicator::Broadcast(at::Tensor& /*tensor*/, int root) {
+  if (root != 0) return InvalidArgument("broadcast root " + std::to_string(root) + " outside a group of 1");
+  return Status::Ok();
+}
+
+Status SelfCommunicator::AllGather(const at::Tensor& input, at::Tensor& output) {
+  if (output.numel() != input.numel()) {
+    return InvalidArgument("AllGather output has " + std::to_string(output.numel()) +
+                           " elements, expected " + std::to_string(input.numel()));
+  }
+  if (!output.is_same(input)) output.view(-1).copy_(input.reshape(-1));
+  return Status::Ok();
+}
+
+Status SelfCommunicator::ReduceScatterSum(const at::Tensor& input, at::Tensor& output) {
+  if (output.numel() != input.numel()) {
+    return InvalidArgument("ReduceScatterSum output has " + std::to_string(output.numel()) +
+                           " elements, expected " + std::to_string(input.numel()));
+  }
+  if (!output.is_same(input)) output.view(-1).copy_(input.reshape(-1));
+  return Status::Ok();
+}
+
+Status SelfCommunicator::Send(const at::Tensor& /*tensor*/, int dst, uint32_t /*tag*/) {
+  return InvalidArgument("send to rank " + std::to_string(dst) + " in a group of 1");
+}
+
+Status SelfCommunicator::Recv(at::Tensor& /*tensor*/, int src, uint32_t /*tag*/) {
+  return InvalidArgument("receive from rank " + std::to_string(src) + " in a group of 1");
+}
+
+Status FakeCommunicator::Next(const char* op, int64_t numel) {
+  const int call = static_cast<int>(log_.size());
+  log_.push_back(Call{op, numel, std::chrono::steady_clock::now(), std::this_thread::get_id()});
+  if (call == fail_at_) return failure_.ok() ? Unavailable("injected collective failure") : failure_;
+  return Status::Ok();
+}
+
+Status FakeCommunicator::AllReduceSum(at::Tensor& tensor) {
+  if (Status s = Next("all_reduce", tensor.numel()); !s.ok()) return s;
+  if (!tensor.is_contiguous()) return InvalidArgument("AllReduceSum needs a contiguous tensor");
+  if (size_ > 1) tensor.mul_(size_);
+  return Status::Ok();
+}
+
+Status FakeCommunicator::Broadcast(at::Tensor& tensor, int root) {
+  if (Status s = Next("broadcast", tensor.numel()); !s.ok()) return s;
+  if (root < 0 || root >= size_) return InvalidArgument("broadcast root " + std::to_string(root) + " out of range");
+  return Status::Ok();
+}
+
+Status FakeCommunicator::AllGather(const at::Tensor& input, at::Tensor& output) {
+  if (Status s = Next("all_gather", output.numel()); !s.ok()) return s;
+  if (output.numel() != input.numel() * size_) return InvalidArgument("AllGather output has the wrong size");
+  at::Tensor in = input.reshape(-1).clone();
+  for (int r = 0; r < size_; ++r) output.view(-1).narrow(0, r * in.numel(), in.numel()).copy_(in);
+  return Status::Ok();
+}
+
+Status FakeCommunicator::ReduceScatterSum(const at::Tensor& input, at::Tensor& output) {
+  if (Status s = Next("reduce_scatter", input.numel()); !s.ok()) return s;
+  if (input.numel() != output.numel() * size_) return InvalidArgument("ReduceScatterSum input has the wrong size");
+  at::Tensor chunk = input.reshape(-1).narrow(0, 0, output.numel()).clone();
+  output.view(-1).copy_(chunk.mul_(size_));
+  return Status::Ok();
+}
+
+Status FakeCommunicator::Barrier() { return Next("barrier", 0); }
+
+Status FakeCommunicator::Send(const at::Tensor& tensor, int dst, uint32_t /*tag*/) {
+  if (Status s = Next("send", tensor.numel()); !s.ok()) return s;
+  return InvalidArgument("fake communicator cannot send to rank " + std::to_string(dst));
+}
+
+Status FakeCommunicator::Recv(at::Tensor& tensor, int src, uint32_t /*tag*/) {
+  if (Status s = Next("recv", tensor.numel()); !s.ok()) return s;
+  return InvalidArgument("fake communicator cannot receive from rank " + std::to_string(src));
+}
+
+ProcessGroups DataParallelGroups(Communicator* world) {
+  ProcessGroups g;
+  g.topology = Topology{1, world->size(), 1};
+  g.rank = world->rank();
+  g.coords = CoordsOf(g.topology, g.rank);
+  g.world = world;
+  g.dp = world;
+  for (Communicator** slot : {&g.tp, &g.pp, &g.embedding}) {
+    g.owned.push_back(std::make_unique<SelfCommunicator>());
+    *slot = g.owned.back().get();
+  }
+  return g;
+}
+
+StatusOr<ProcessGroups> BuildProcessGroups(const Topology& topology, int rank, Communicator* world,
+                                           const GroupFactory& make) {
+  if (topology.world() != world->size()) {
+    return InvalidArgument("topology tp*dp*pp=" + std::to_string(topology.world()) + " but the world has " +
+                           std::to_string(world->size()) + " ranks");
+  }
+  ProcessGroups g;
+  g.topology = topology;
+  g.rank = rank;
+  g.coords = CoordsOf(topology, rank);
+  g.world = world;
+  const std::pair<GroupKind, Communicator**> kinds[] = {{GroupKind::kTensor, &g.tp},
+                                                        {GroupKind::kData, &g.dp},
+                                                        {GroupKind::kPipeline, &g.pp},
+                                                        {GroupKind::kEmbedding, &g.embedding}};
+  for (const auto& [kind, slot] : kinds) {
+    Group group = GroupOf(topology, kind, rank);
+    const int group_rank = group.RankOf(rank);
+    if (kind == GroupKind::kEmbedding) g.in_embedding_group = group_rank >= 0;
+    if (group.ranks.size() == static_cast<size_t>(world->size()) && group_rank == world->rank()) {
+      *slot = world;  // the group is the world: reuse its connections
+      continue;
+    }
+    if (group.ranks.size() <= 1) {
+      g.owned.push_back(std::make_unique<SelfCommunicator>());
+    } else {
+      StatusOr<std::unique_ptr<Communicator>> comm = make(group, group_rank);
+      if (!comm.ok()) return comm.status();
+      g.owned.push_back(std::move(comm).value());
+    }
+    *slot = g.owned.back().get();
+  }
+  return g;
+}
+
+}  // namespace ltrain::worker

@@ -1,0 +1,152 @@
+// Communicator: the collectives and point-to-point transfers the training loop needs, over the ranks
+// of one process group (the world, or a tensor-, data-, pipeline- or embedding-parallel group).
+//
+// Contract across ranks: every rank of the group calls the same collectives, in the same order,
+// with tensors of the same shape and dtype; a rank that skips one hangs the others until the
+// backend's timeout. Calls are blocking (except Send) and a communicator is not thread-safe: one
+// thread at a time uses it (the data-parallel group belongs to the gradient-reduction thread while
+// a step runs, every other group to the training thread). Errors (peer died, timeout) come back as
+// a Status, never as an exception. Ranks are group ranks (0 .. size()-1).
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <ATen/core/Tensor.h>
+
+#include "common/status.h"
+#include "worker/plan/topology.h"
+
+namespace ltrain::worker {
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+  // "gloo", "nccl", "self", "fake": for logs.
+  virtual std::string backend() const = 0;
+
+  // Sum over ranks, in place. The tensor must be contiguous.
+  virtual Status AllReduceSum(at::Tensor& tensor) = 0;
+  // Mean over ranks, in place (floating-point tensors): the sum divided by size(); NCCL divides
+  // inside the reduction, with no second pass over the tensor.
+  virtual Status AllReduceMean(at::Tensor& tensor);
+  // Copies root's tensor into every rank's tensor, in place.
+  virtual Status Broadcast(at::Tensor& tensor, int root) = 0;
+  // output (contiguous, size() * input.numel() elements, input's dtype) receives every rank's input
+  // in rank order.
+  virtual Status AllGather(const at::Tensor& input, at::Tensor& output) = 0;
+  // Sums input (contiguous, size() * output.numel() elements) over ranks; output receives this rank's
+  // chunk of the sum (chunk r = elements [r*n, (r+1)*n)).
+  virtual Status ReduceScatterSum(const at::Tensor& input, at::Tensor& output) = 0;
+  // The same, divided by size() (floating-point tensors); NCCL divides inside the reduction. output
+  // may be this rank's chunk of input itself (in place).
+  virtual Status ReduceScatterMean(const at::Tensor& input, at::Tensor& output);
+  virtual Status Barrier() = 0;
+
+  // Point to point. Send does not block: the communicator keeps `tensor` alive and the transfer runs
+  // in the background until WaitSends(). Recv blocks until `tensor` (contiguous, preallocated with
+  // the sender's shape and dtype) holds the message with the same tag from `src`. Messages between
+  // two ranks are matched by tag, not by order; a tag may be reused once WaitSends() returned.
+  virtual Status Send(const at::Tensor& tensor, int dst, uint32_t tag) = 0;
+  virtual Status Recv(at::Tensor& tensor, int src, uint32_t tag) = 0;
+  virtual Status WaitSends() = 0;
+};
+
+// A group of one: every collective is the identity. What a world-size-1 job uses.
+class SelfCommunicator : public Communicator {
+ public:
+  int rank() const override { return 0; }
+  int size() const override { return 1; }
+  std::string backend() const override { return "self"; }
+  Status AllReduceSum(at::Tensor& tensor) override;
+  Status Broadcast(at::Tensor& tensor, int root) override;
+  Status AllGather(const at::Tensor& input, at::Tensor& output) override;
+  Status ReduceScatterSum(const at::Tensor& input, at::Tensor& output) override;
+  Status Barrier() override { return Status::Ok(); }
+  Status Send(const at::Tensor& tensor, int dst, uint32_t tag) override;
+  Status Recv(at::Tensor& tensor, int src, uint32_t tag) override;
+  Status WaitSends() override { return Status::Ok(); }
+};
+
+// Communicator for tests. By default a group of one that behaves like SelfCommunicator; with
+// SimulateSize(n) it acts as rank 0 of n ranks that all hold identical tensors (all-reduce
+// multiplies by n, all-gather repeats the input, reduce-scatter sums n copies of the first chunk).
+// It counts calls, records each collective's op, element count and start time (for overlap tests),
+// and fails the collective numbered `fail_at` (0-based, over all calls) with `failure`, as a dead
+// peer would. Safe to call from one thread at a time, any thread.
+class FakeCommunicator : public Communicator {
+ public:
+  struct Call {
+    std::string op;
+    int64_t numel = 0;
+    std::chrono::steady_clock::time_point start;
+    std::thread::id thread;  // that made the call
+  };
+
+  int rank() const override { return 0; }
+  int size() const override { return size_; }
+  std::string backend() const override { return "fake"; }
+  Status AllReduceSum(at::Tensor& tensor) override;
+  Status Broadcast(at::Tensor& tensor, int root) override;
+  Status AllGather(const at::Tensor& input, at::Tensor& output) override;
+  Status ReduceScatterSum(const at::Tensor& input, at::Tensor& output) override;
+  Status Barrier() override;
+  Status Send(const at::Tensor& tensor, int dst, uint32_t tag) override;
+  Status Recv(at::Tensor& tensor, int src, uint32_t tag) override;
+  Status WaitSends() override { return Status::Ok(); }
+
+  void SimulateSize(int n) { size_ = n; }
+  void FailAt(int call, Status failure) {
+    fail_at_ = call;
+    failure_ = std::move(failure);
+  }
+  int calls() const { return static_cast<int>(log_.size()); }
+  const std::vector<Call>& log() const { return log_; }
+
+ private:
+  Status Next(const char* op, int64_t numel);
+
+  int size_ = 1;
+  int fail_at_ = -1;
+  Status failure_;
+  std::vector<Call> log_;
+};
+
+// The communicators of one rank: one per group it belongs to. Never null: a group of one is a
+// SelfCommunicator, and `embedding` is a SelfCommunicator on ranks of no embedding group.
+struct ProcessGroups {
+  Topology topology;
+  RankCoords coords;
+  int rank = 0;
+  Communicator* world = nullptr;
+  Communicator* tp = nullptr;
+  Communicator* dp = nullptr;
+  Communicator* pp = nullptr;
+  Communicator* embedding = nullptr;
+  bool in_embedding_group = false;
+  std::vector<std::unique_ptr<Communicator>> owned;
+};
+
+// Every rank in the data-parallel group: what a plain data-parallel job (and the tests' fakes) use.
+// `world` must outlive the result.
+ProcessGroups DataParallelGroups(Communicator* world);
+
+// Makes the communicator of one group: `group.ranks` are global ranks, `group_rank` this rank's
+// position in them. Called for every group this rank belongs to, in the same order on every rank
+// (kind by kind: tp, dp, pp, embedding), so connecting never waits on a group a peer has not reached.
+using GroupFactory = std::function<StatusOr<std::unique_ptr<Communicator>>(const Group& group, int group_rank)>;
+
+// Builds this rank's groups (groups of one become SelfCommunicators without calling `make`).
+// `world` must outlive the result.
+StatusOr<ProcessGroups> BuildProcessGroups(const Topology& topology, int rank, Communicator* world,
+                                           const GroupFactory& make);
+
+}  // namespace ltrain::worker

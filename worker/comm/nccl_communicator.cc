@@ -1,0 +1,239 @@
+#include "worker/comm/nccl_communicator.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <vector>
+
+#include <unistd.h>
+
+#include <ATen/ATen.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+
+namespace ltrain::worker {
+namespace {
+
+constexpr const char* kUniqueIdKey = "nccl_unique_id";
+
+Status Check(ncclResult_t result, const char* what) {
+  if (result == ncclSuccess) return Status::Ok();
+  return Unavailable(std::string("nccl ") + what + " failed: " + ncclGetErrorString(result));
+}
+
+StatusOr<ncclDataType_t> NcclType(at::ScalarType type) {
+  switch (type) {
+    case at::kFloat: return ncclFloat32;
+    case at::kDouble: return ncclFloat64;
+    case at::kHalf: return ncclFloat16;
+    case at::kBFloat16: return ncclBfloat16;
+    case at::kLong: return ncclInt64;
+    case at::kInt: return ncclInt32;
+    case at::kByte: return ncclUint8;
+    default: return InvalidArgument(std::string("nccl: unsupported dtype ") + c10::toString(type));
+  }
+}
+
+Status CheckTensor(const at::Tensor& t) {
+  if (!t.is_cuda()) return InvalidArgument("nccl collectives need CUDA tensors");
+  if (!t.is_contiguous()) return InvalidArgument("nccl collectives need contiguous tensors");
+  return Status::Ok();
+}
+
+}  // namespace
+
+StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(gloo::rendezvous::Store& store, int rank,
+                                                                      int size, int device_index,
+                                                                      std::chrono::milliseconds timeout) {
+  if (cudaSetDevice(device_index) != cudaSuccess) {
+    return Unavailable("cudaSetDevice(" + std::to_string(device_index) + ") failed");
+  }
+  ncclUniqueId id;
+  try {
+    if (rank == 0) {
+      if (Status s = Check(ncclGetUniqueId(&id), "GetUniqueId"); !s.ok()) return s;
+      const char* bytes = reinterpret_cast<const char*>(&id);
+      store.set(kUniqueIdKey, std::vector<char>(bytes, bytes + sizeof(id)));
+    } else {
+      store.wait({kUniqueIdKey});
+      std::vector<char> bytes = store.get(kUniqueIdKey);
+      if (bytes.size() != sizeof(id)) return DataLoss("nccl unique id in the rendezvous store has the wrong size");
+      std::memcpy(&id, bytes.data(), sizeof(id));
+    }
+  } catch (const std::exception& e) {
+    return Unavailable(std::string("nccl: exchanging the unique id through the rendezvous store: ") + e.what());
+  }
+  ncclComm_t comm = nullptr;
+  if (Status s = Check(ncclCommInitRank(&comm, size, id, rank), "CommInitRank"); !s.ok()) return s;
+  std::unique_ptr<NcclCommunicator> result(new NcclCommunicator(comm, rank, size, device_index, timeout));
+  NcclCommunicator* self = result.get();
+  result->watchdog_ = std::thread([self] { self->Watch(); });
+  return result;
+}
+
+NcclCommunicator::~NcclCommunicator() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  if (watchdog_.joinable()) watchdog_.join();
+  for (InFlight& op : in_flight_) cudaEventDestroy(op.done);
+  if (comm_ != nullptr) ncclCommDestroy(comm_);
+}
+
+Status NcclCommunicator::Track(const char* op, cudaStream_t stream) {
+  cudaEvent_t done = nullptr;
+  if (cudaEventCreateWithFlags(&done, cudaEventDisableTiming) != cudaSuccess) {
+    return Unavailable(std::string("nccl ") + op + ": cudaEventCreate failed");
+  }
+  if (cudaEventRecord(done, stream) != cudaSuccess) {
+    cudaEventDestroy(done);
+    return Unavailable(std::string("nccl ") + op + ": cudaEventRecord failed");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  in_flight_.push_back(InFlight{op, next_seq_++, done, std::chrono::steady_clock::now()});
+  return Status::Ok();
+}
+
+void NcclCommunicator::Watch() {
+  cudaSetDevice(device_);
+  while (true) {
+    std::string failure;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stop_) return;
+      while (!in_flight_.empty() && cudaEventQuery(in_flight_.front().done) == cudaSuccess) {
+        cudaEventDestroy(in_flight_.front().done);
+        in_flight_.pop_front();
+      }
+      const auto now = std::chrono::steady_clock::now();
+      if (!in_flight_.empty() && now - in_flight_.front().start > timeout_) {
+        const InFlight& op = in_flight_.front();
+        failure = "nccl " + op.op + " #" + std::to_string(op.seq) + " on a group of " + std::to_string(size_) +
+                  " ranks (this rank " + std::to_string(rank_) + ") did not finish within " +
+                  std::to_string(timeout_.count() / 1000) +
+                  " s (fault.collective_timeout_s); a peer rank may have died or hung";
+      }
+      ncclResult_t async_error = ncclSuccess;
+      if (failure.empty() && ncclCommGetAsyncError(comm_, &async_error) == ncclSuccess && async_error != ncclSuccess) {
+        failure = std::string("nccl reported an asynchronous error: ") + ncclGetErrorString(async_error);
+      }
+    }
+    if (!failure.empty()) {
+      std::fprintf(stderr, "ltrain-worker: rank %d: error: %s; aborting the communicator\n", rank_, failure.c_str());
+      std::fflush(stderr);
+      std::fflush(stdout);
+      ncclCommAbort(comm_);
+      // The training thread may be blocked inside CUDA or NCCL for good: leave now, with a failure.
+      ::_exit(1);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+Status NcclCommunicator::AllReduce(at::Tensor& tensor, ncclRedOp_t op) {
+  if (Status s = CheckTensor(tensor); !s.ok()) return s;
+  StatusOr<ncclDataType_t> type = NcclType(tensor.scalar_type());
+  if (!type.ok()) return type.status();
+  c10::cuda::CUDAGuard guard(tensor.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
+  if (Status s = Check(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()), *type,
+                             op, comm_, stream), "AllReduce"); !s.ok()) return s;
+  return Track("AllReduce", stream);
+}
+
+Status NcclCommunicator::AllReduceSum(at::Tensor& tensor) { return AllReduce(tensor, ncclSum); }
+
+Status NcclCommunicator::AllReduceMean(at::Tensor& tensor) {
+  if (!at::isFloatingType(tensor.scalar_type())) return Communicator::AllReduceMean(tensor);
+  return AllReduce(tensor, ncclAvg);
+}
+
+Status NcclCommunicator::Broadcast(at::Tensor& tensor, int root) {
+  if (Status s = CheckTensor(tensor); !s.ok()) return s;
+  StatusOr<ncclDataType_t> type = NcclType(tensor.scalar_type());
+  if (!type.ok()) return type.status();
+  c10::cuda::CUDAGuard guard(tensor.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
+  if (Status s = Check(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()), *type,
+                             root, comm_, stream), "Broadcast"); !s.ok()) return s;
+  return Track("Broadcast", stream);
+}
+
+Status NcclCommunicator::AllGather(const at::Tensor& input, at::Tensor& output) {
+  if (Status s = CheckTensor(input); !s.ok()) return s;
+  if (Status s = CheckTensor(output); !s.ok()) return s;
+  if (output.numel() != input.numel() * size_ || output.scalar_type() != input.scalar_type()) {
+    return InvalidArgument("AllGather output must hold size() * input.numel() elements of the input's dtype");
+  }
+  StatusOr<ncclDataType_t> type = NcclType(input.scalar_type());
+  if (!type.ok()) return type.status();
+  c10::cuda::CUDAGuard guard(input.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(input.device().index()).stream();
+  if (Status s = Check(ncclAllGather(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()), *type,
+                             comm_, stream), "AllGather"); !s.ok()) return s;
+  return Track("AllGather", stream);
+}
+
+Status NcclCommunicator::ReduceScatter(const at::Tensor& input, at::Tensor& output, ncclRedOp_t op) {
+  if (Status s = CheckTensor(input); !s.ok()) return s;
+  if (Status s = CheckTensor(output); !s.ok()) return s;
+  if (input.numel() != output.numel() * size_ || output.scalar_type() != input.scalar_type()) {
+    return InvalidArgument("ReduceScatter input must hold size() * output.numel() elements of the output's dtype");
+  }
+  StatusOr<ncclDataType_t> type = NcclType(input.scalar_type());
+  if (!type.ok()) return type.status();
+  c10::cuda::CUDAGuard guard(input.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(input.device().index()).stream();
+  if (Status s = Check(ncclReduceScatter(input.data_ptr(), output.data_ptr(), static_cast<size_t>(output.numel()), *type,
+                                 op, comm_, stream), "ReduceScatter"); !s.ok()) return s;
+  return Track("ReduceScatter", stream);
+}
+
+Status NcclCommunicator::ReduceScatterSum(const at::Tensor& input, at::Tensor& output) {
+  return ReduceScatter(input, output, ncclSum);
+}
+
+Status NcclCommunicator::ReduceScatterMean(const at::Tensor& input, at::Tensor& output) {
+  if (!at::isFloatingType(input.scalar_type())) return Communicator::ReduceScatterMean(input, output);
+  return ReduceScatter(input, output, ncclAvg);
+}
+
+Status NcclCommunicator::Send(const at::Tensor& tensor, int dst, uint32_t /*tag*/) {
+  if (Status s = CheckTensor(tensor); !s.ok()) return s;
+  StatusOr<ncclDataType_t> type = NcclType(tensor.scalar_type());
+  if (!type.ok()) return type.status();
+  c10::cuda::CUDAGuard guard(tensor.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
+  pending_.push_back(tensor);
+  if (Status s = Check(ncclSend(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), *type, dst, comm_, stream), "Send"); !s.ok()) return s;
+  return Track("Send", stream);
+}
+
+Status NcclCommunicator::Recv(at::Tensor& tensor, int src, uint32_t /*tag*/) {
+  if (Status s = CheckTensor(tensor); !s.ok()) return s;
+  StatusOr<ncclDataType_t> type = NcclType(tensor.scalar_type());
+  if (!type.ok()) return type.status();
+  c10::cuda::CUDAGuard guard(tensor.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
+  if (Status s = Check(ncclRecv(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), *type, src, comm_, stream), "Recv"); !s.ok()) return s;
+  return Track("Recv", stream);
+}
+
+Status NcclCommunicator::WaitSends() {
+  if (!pending_.empty()) c10::cuda::getCurrentCUDAStream(device_).synchronize();
+  pending_.clear();
+  return Status::Ok();
+}
+
+Status NcclCommunicator::Barrier() {
+  // NCCL has no barrier: all-reduce one element and wait for it.
+  at::Tensor one = at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, device_));
+  if (Status s = AllReduceSum(one); !s.ok()) return s;
+  c10::cuda::getCurrentCUDAStream(device_).synchronize();
+  return Status::Ok();
+}
+
+}  // namespace ltrain::worker

@@ -1,0 +1,88 @@
+// NcclCommunicator: the GPU backend (compiled only when LibTorch has CUDA: LTRAIN_WITH_NCCL).
+//
+// Created on the worker's main thread once per generation: rank 0 makes the ncclUniqueId and
+// publishes it through the job's rendezvous store; every rank then joins with ncclCommInitRank.
+// Collectives are enqueued on the current CUDA stream of the tensor's device and return without
+// waiting (stream order keeps the training loop correct); errors of the NCCL calls come back as
+// Status. Every rank calls collectives in the same order.
+//
+// Watchdog: every enqueued operation records a CUDA event; a watchdog thread of the communicator
+// polls them (and ncclCommGetAsyncError). When one has not completed within the collective timeout
+// (fault.collective_timeout_s), or NCCL reports an asynchronous error, it prints which operation
+// waited how long, calls ncclCommAbort (which unblocks the stream) and exits the process with code 1:
+// a peer that vanished makes the rank fail with a clear error instead of hanging forever.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <cuda_runtime.h>
+
+#include <gloo/rendezvous/store.h>
+#include <nccl.h>
+
+#include "worker/comm/communicator.h"
+
+namespace ltrain::worker {
+
+class NcclCommunicator : public Communicator {
+ public:
+  static StatusOr<std::unique_ptr<NcclCommunicator>> Create(gloo::rendezvous::Store& store, int rank,
+                                                            int size, int device_index,
+                                                            std::chrono::milliseconds timeout);
+  ~NcclCommunicator() override;
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+  std::string backend() const override { return "nccl"; }
+  Status AllReduceSum(at::Tensor& tensor) override;
+  Status AllReduceMean(at::Tensor& tensor) override;
+  Status ReduceScatterMean(const at::Tensor& input, at::Tensor& output) override;
+  Status Broadcast(at::Tensor& tensor, int root) override;
+  Status AllGather(const at::Tensor& input, at::Tensor& output) override;
+  Status ReduceScatterSum(const at::Tensor& input, at::Tensor& output) override;
+  Status Barrier() override;
+  // NCCL matches point-to-point messages in posting order per pair of ranks, not by tag: the
+  // pipeline runtime on NCCL must post sends and receives of a pair in the same order (not yet
+  // verified on a GPU host). Send is stream-ordered and returns at once; WaitSends synchronizes.
+  Status Send(const at::Tensor& tensor, int dst, uint32_t tag) override;
+  Status Recv(at::Tensor& tensor, int src, uint32_t tag) override;
+  Status WaitSends() override;
+
+ private:
+  struct InFlight {
+    std::string op;
+    uint64_t seq = 0;
+    cudaEvent_t done = nullptr;
+    std::chrono::steady_clock::time_point start;
+  };
+
+  NcclCommunicator(ncclComm_t comm, int rank, int size, int device, std::chrono::milliseconds timeout)
+      : comm_(comm), timeout_(timeout), rank_(rank), size_(size), device_(device) {}
+  // In-place all-reduce with `op` on the current stream.
+  Status AllReduce(at::Tensor& tensor, ncclRedOp_t op);
+  Status ReduceScatter(const at::Tensor& input, at::Tensor& output, ncclRedOp_t op);
+  // After an operation was enqueued on `stream`: hands it to the watchdog.
+  Status Track(const char* op, cudaStream_t stream);
+  void Watch();
+
+  ncclComm_t comm_;
+  std::chrono::milliseconds timeout_;
+  std::mutex mu_;
+  std::deque<InFlight> in_flight_;
+  uint64_t next_seq_ = 1;
+  bool stop_ = false;
+  std::thread watchdog_;
+  int rank_;
+  int size_;
+  int device_;
+  std::vector<at::Tensor> pending_;  // sent tensors kept alive until WaitSends
+};
+
+}  // namespace ltrain::worker

@@ -1,0 +1,57 @@
+#include "worker/control/progress.h"
+
+#include <chrono>
+
+namespace ltrain::worker {
+namespace {
+
+int64_t NowUnixMs() {
+  return std::chrono::duration_cast<std::chrono::milliseconds>(
+             std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+}  // namespace
+
+Progress& Progress::Global() {
+  static Progress* progress = new Progress();
+  return *progress;
+}
+
+void Progress::SetPhase(int64_t step, const std::string& phase) {
+  std::lock_guard<std::mutex> lock(mu_);
+  state_.step = step;
+  state_.phase = phase;
+  state_.updated_unix_ms = NowUnixMs();
+}
+
+uint64_t Progress::BeginCollective(const std::string& op, const std::string& group, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  CollectiveRecord record;
+  record.seq = next_seq_++;
+  record.op = op;
+  record.group = group;
+  record.bytes = bytes;
+  record.start_unix_ms = NowUnixMs();
+  state_.collectives.push_back(std::move(record));
+  if (state_.collectives.size() > kRingSize) state_.collectives.pop_front();
+  return next_seq_ - 1;
+}
+
+void Progress::EndCollective(uint64_t seq) {
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t now = NowUnixMs();
+  for (auto it = state_.collectives.rbegin(); it != state_.collectives.rend(); ++it) {
+    if (it->seq == seq) {
+      it->end_unix_ms = now;
+      break;
+    }
+  }
+  state_.updated_unix_ms = now;
+}
+
+ProgressSnapshot Progress::Snapshot() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return state_;
+}
+
+}  // namespace ltrain::worker

@@ -1,0 +1,191 @@
+#include "worker/model/cuda/gemm.h"
+
+#include <array>
+#include <cstdint>
+#include <map>
+#include <mutex>
+
+#include <cublasLt.h>
+
+namespace ltrain::worker::cuda {
+namespace {
+
+std::string Failed(const char* what, cublasStatus_t status) {
+  return std::string("cuBLASLt ") + what + " failed with status " + std::to_string(static_cast<int>(status));
+}
+
+// Owners of cuBLASLt descriptors.
+struct Desc {
+  cublasLtMatmulDesc_t d = nullptr;
+  ~Desc() {
+    if (d) cublasLtMatmulDescDestroy(d);
+  }
+};
+struct Layout {
+  cublasLtMatrixLayout_t l = nullptr;
+  ~Layout() {
+    if (l) cublasLtMatrixLayoutDestroy(l);
+  }
+};
+struct Pref {
+  cublasLtMatmulPreference_t p = nullptr;
+  ~Pref() {
+    if (p) cublasLtMatmulPreferenceDestroy(p);
+  }
+};
+
+// Largest power of two (up to 256) that divides the address.
+uint32_t Alignment(const void* p) {
+  const auto v = reinterpret_cast<uintptr_t>(p);
+  uint32_t a = 256;
+  while (a > 1 && v % a != 0) a /= 2;
+  return a;
+}
+
+cublasLtEpilogue_t LtEpilogue(Epilogue e) {
+  switch (e) {
+    case Epilogue::kNone: return CUBLASLT_EPILOGUE_DEFAULT;
+    case Epilogue::kBias: return CUBLASLT_EPILOGUE_BIAS;
+    case Epilogue::kGeluAuxBias: return CUBLASLT_EPILOGUE_GELU_AUX_BIAS;
+    case Epilogue::kDGelu: return CUBLASLT_EPILOGUE_DGELU;
+    case Epilogue::kDGeluBGrad: return CUBLASLT_EPILOGUE_DGELU_BGRAD;
+    case Epilogue::kBGradB: return CUBLASLT_EPILOGUE_BGRADB;
+  }
+  return CUBLASLT_EPILOGUE_DEFAULT;
+}
+
+// Handles (one per device) and the heuristic's choice per problem, shared by every thread.
+struct State {
+  std::mutex mu;
+  std::map<int, cublasLtHandle_t> handles;
+  std::map<std::array<int64_t, 21>, cublasLtMatmulAlgo_t> algos;
+};
+
+State& Shared() {
+  static State* state = new State();  // never destroyed: products may run until exit
+  return *state;
+}
+
+}  // namespace
+
+std::string GemmBf16(const GemmArgs& g, cudaStream_t stream) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return "cudaGetDevice failed";
+  State& state = Shared();
+  cublasLtHandle_t handle = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(state.mu);
+    auto it = state.handles.find(device);
+    if (it == state.handles.end()) {
+      if (cublasStatus_t s = cublasLtCreate(&handle); s != CUBLAS_STATUS_SUCCESS) return Failed("create", s);
+      state.handles[device] = handle;
+    } else {
+      handle = it->second;
+    }
+  }
+
+  Desc desc;
+  if (cublasStatus_t s = cublasLtMatmulDescCreate(&desc.d, CUBLAS_COMPUTE_32F, CUDA_R_32F); s != CUBLAS_STATUS_SUCCESS) {
+    return Failed("matmul descriptor", s);
+  }
+  const cublasOperation_t op_a = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_b = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasLtEpilogue_t epilogue = LtEpilogue(g.epilogue);
+  cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a));
+  cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b));
+  cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_EPILOGUE, &epilogue, sizeof(epilogue));
+  const void* bias = nullptr;
+  switch (g.epilogue) {
+    case Epilogue::kBias:
+    case Epilogue::kGeluAuxBias: bias = g.bias; break;
+    case Epilogue::kDGeluBGrad:
+    case Epilogue::kBGradB: bias = g.bias_grad; break;
+    case Epilogue::kDGelu:
+    case Epilogue::kNone: break;
+  }
+  if (bias != nullptr) {
+    cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias));
+  }
+  int32_t sm_target = 0;
+  if (g.sm_margin > 0) {
+    int sms = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    if (sms > g.sm_margin) sm_target = sms - g.sm_margin;
+    cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_SM_COUNT_TARGET, &sm_target, sizeof(sm_target));
+  }
+  const bool uses_aux =
+      g.epilogue == Epilogue::kGeluAuxBias || g.epilogue == Epilogue::kDGelu || g.epilogue == Epilogue::kDGeluBGrad;
+  if (uses_aux) {
+    cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux, sizeof(g.aux));
+    cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &g.ld_aux, sizeof(g.ld_aux));
+  }
+
+  Layout la, lb, ld, lc;
+  const uint64_t a_rows = g.trans_a ? g.k : g.m, a_cols = g.trans_a ? g.m : g.k;
+  const uint64_t b_rows = g.trans_b ? g.n : g.k, b_cols = g.trans_b ? g.k : g.n;
+  if (cublasStatus_t s = cublasLtMatrixLayoutCreate(&la.l, CUDA_R_16BF, a_rows, a_cols, g.lda); s != CUBLAS_STATUS_SUCCESS) {
+    return Failed("layout of A", s);
+  }
+  if (cublasStatus_t s = cublasLtMatrixLayoutCreate(&lb.l, CUDA_R_16BF, b_rows, b_cols, g.ldb); s != CUBLAS_STATUS_SUCCESS) {
+    return Failed("layout of B", s);
+  }
+  if (cublasStatus_t s = cublasLtMatrixLayoutCreate(&ld.l, CUDA_R_16BF, g.m, g.n, g.ldd); s != CUBLAS_STATUS_SUCCESS) {
+    return Failed("layout of D", s);
+  }
+
+  const bool own_c = g.c != nullptr;
+  if (own_c) {
+    if (cublasStatus_t s = cublasLtMatrixLayoutCreate(&lc.l, CUDA_R_16BF, g.m, g.n, g.ldc); s != CUBLAS_STATUS_SUCCESS) {
+      return Failed("layout of C", s);
+    }
+  }
+  const void* c = own_c ? g.c : g.d;
+  cublasLtMatrixLayout_t c_layout = own_c ? lc.l : ld.l;
+
+  const uint32_t align_a = Alignment(g.a), align_b = Alignment(g.b), align_c = Alignment(c), align_d = Alignment(g.d);
+  const std::array<int64_t, 21> key = {device, sm_target, g.trans_a, g.trans_b, g.beta != 0.0f, g.m, g.n, g.k, g.lda, g.ldb, g.ldd,
+                                       own_c ? g.ldc : -1, static_cast<int64_t>(g.epilogue), g.ld_aux, align_a, align_b,
+                                       align_c, align_d, Alignment(bias), uses_aux ? Alignment(g.aux) : 0,
+                                       static_cast<int64_t>(g.workspace_bytes)};
+  cublasLtMatmulAlgo_t algo;
+  bool cached = false;
+  {
+    std::lock_guard<std::mutex> lock(state.mu);
+    auto it = state.algos.find(key);
+    if (it != state.algos.end()) {
+      algo = it->second;
+      cached = true;
+    }
+  }
+  if (!cached) {
+    Pref pref;
+    if (cublasStatus_t s = cublasLtMatmulPreferenceCreate(&pref.p); s != CUBLAS_STATUS_SUCCESS) return Failed("preference", s);
+    const uint64_t workspace = g.workspace_bytes;
+    cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof(workspace));
+    cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align_a, sizeof(align_a));
+    cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b));
+    cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c));
+    cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d));
+    cublasLtMatmulHeuristicResult_t result = {};
+    int found = 0;
+    if (cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(handle, desc.d, la.l, lb.l, c_layout, ld.l, pref.p, 1, &result, &found);
+        s != CUBLAS_STATUS_SUCCESS || found == 0) {
+      return "cuBLASLt found no algorithm for a " + std::to_string(g.m) + "x" + std::to_string(g.n) + "x" +
+             std::to_string(g.k) + " bf16 product with epilogue " + std::to_string(static_cast<int>(epilogue)) +
+             " (status " + std::to_string(static_cast<int>(s)) + ")";
+    }
+    algo = result.algo;
+    std::lock_guard<std::mutex> lock(state.mu);
+    state.algos[key] = algo;
+  }
+
+  const float alpha = 1.0f;
+  if (cublasStatus_t s = cublasLtMatmul(handle, desc.d, &alpha, g.a, la.l, g.b, lb.l, &g.beta, c, c_layout, g.d, ld.l, &algo,
+                                        g.workspace, g.workspace_bytes, stream);
+      s != CUBLAS_STATUS_SUCCESS) {
+    return Failed("matmul", s);
+  }
+  return "";
+}
+
+}  // namespace ltrain::worker::cuda

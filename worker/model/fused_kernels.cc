@@ -1,0 +1,450 @@
+#include "worker/model/fused_kernels.h"
+
+#include <cstdint>
+#include <stdexcept>
+#include <utility>
+#include <string>
+#include <vector>
+
+#include <torch/autograd.h>
+
+#if defined(LTRAIN_WITH_CUDA_KERNELS)
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "worker/model/cuda/adamw.h"
+#include "worker/model/cuda/column_sums.h"
+#include "worker/model/cuda/cross_entropy.h"
+#include "worker/model/cuda/gemm.h"
+#include "worker/model/cuda/layer_norm.h"
+#endif
+
+#include <cmath>
+
+namespace ltrain::worker {
+namespace {
+
+FusedKernelOptions kernel_options;
+
+}  // namespace
+
+void SetFusedKernelOptions(const FusedKernelOptions& options) { kernel_options = options; }
+
+#if defined(LTRAIN_WITH_CUDA_KERNELS)
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits, const torch::Tensor& targets) {
+    c10::cuda::CUDAGuard guard(logits.device());
+    torch::Tensor x = logits.contiguous();
+    torch::Tensor t = targets.contiguous().to(torch::kLong);
+    const int64_t rows = x.size(0), vocab = x.size(1);
+    const torch::TensorOptions f32 = x.options().dtype(torch::kFloat);
+    torch::Tensor lse = torch::empty({rows}, f32), losses = torch::empty({rows}, f32);
+    cuda::CrossEntropyForward(x.data_ptr(), t.data_ptr<int64_t>(), rows, vocab, lse.data_ptr<float>(),
+                              losses.data_ptr<float>(), c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+    ctx->save_for_backward({x, t, lse});
+    return losses.mean();
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor& x = saved[0];
+    c10::cuda::CUDAGuard guard(x.device());
+    torch::Tensor g = grads[0].to(torch::kFloat).contiguous();
+    torch::Tensor out = torch::empty_like(x);
+    cuda::CrossEntropyBackward(x.data_ptr(), saved[1].data_ptr<int64_t>(), saved[2].data_ptr<float>(),
+                               g.data_ptr<float>(), x.size(0), x.size(1), out.data_ptr(),
+                               c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
+    return {out, torch::Tensor()};
+  }
+};
+
+cudaStream_t StreamOf(const torch::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+
+// Runs one cuBLASLt product with a workspace from LibTorch's allocator (on the current stream).
+// Backward's products leave options.gemm_sm_margin SMs to the data-parallel reductions that run
+// beside them; forward's take every SM.
+void Gemm(cuda::GemmArgs args, const torch::Tensor& like, bool backward) {
+  torch::Tensor workspace =
+      torch::empty({static_cast<int64_t>(cuda::kGemmWorkspaceBytes)}, like.options().dtype(torch::kByte));
+  args.workspace = workspace.data_ptr();
+  args.workspace_bytes = cuda::kGemmWorkspaceBytes;
+  args.sm_margin = backward ? kernel_options.gemm_sm_margin : 0;
+  if (std::string error = cuda::GemmBf16(args, StreamOf(like)); !error.empty()) throw std::runtime_error(error);
+}
+
+// The three products of a linear layer, on row-major 2-D tensors. y[M, N] = x[M, K] · w[N, K]ᵀ
+// (+ bias[N]; or with kGeluAuxBias y = gelu(aux), aux = x · wᵀ + bias), plus `residual` [M, N] when
+// that is defined (read by the product's epilogue: no separate add); written into `into` when that
+// is defined.
+torch::Tensor LinearProduct(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias,
+                            cuda::Epilogue epilogue, const torch::Tensor& aux = {}, const torch::Tensor& residual = {},
+                            const torch::Tensor& into = {}) {
+  const int64_t rows = x.size(0), in = x.size(1), out = w.size(0);
+  torch::Tensor y = into.defined() ? into : torch::empty({rows, out}, x.options());
+  cuda::GemmArgs g = cuda::LinearForward(x.data_ptr(), w.data_ptr(), y.data_ptr(), rows, in, out);
+  g.epilogue = epilogue;
+  if (bias.defined()) g.bias = bias.data_ptr();
+  if (aux.defined()) g.aux = aux.data_ptr(), g.ld_aux = out;
+  if (residual.defined()) g.c = residual.data_ptr(), g.ldc = out, g.beta = 1.0f;
+  Gemm(g, x, false);
+  return y;
+}
+
+// dx[M, K] = grad[M, N] · w[N, K]; with kDGelu multiplied by gelu'(aux). Into `into` when that is
+// defined, added to what it holds when `accumulate`.
+torch::Tensor InputGradProduct(const torch::Tensor& grad, const torch::Tensor& w, cuda::Epilogue epilogue = cuda::Epilogue::kNone,
+                               const torch::Tensor& aux = {}, const torch::Tensor& into = {}, bool accumulate = false) {
+  const int64_t rows = grad.size(0), out = grad.size(1), in = w.size(1);
+  torch::Tensor dx = into.defined() ? into : torch::empty({rows, in}, grad.options());
+  cuda::GemmArgs g = cuda::LinearInputGrad(grad.data_ptr(), w.data_ptr(), dx.data_ptr(), rows, in, out);
+  g.epilogue = epilogue;
+  if (aux.defined()) g.aux = aux.data_ptr(), g.ld_aux = in;
+  if (accumulate) g.beta = 1.0f;
+  Gemm(g, grad, true);
+  return dx;
+}
+
+// dw[N, K] = grad[M, N]ᵀ · x[M, K], into `into` when that is defined (then returns undefined), added
+// to what it holds when `accumulate`.
+torch::Tensor WeightGradProduct(const torch::Tensor& grad, const torch::Tensor& x, const torch::Tensor& into,
+                                bool accumulate = true) {
+  const int64_t rows = grad.size(0), out = grad.size(1), in = x.size(1);
+  torch::Tensor dw = into.defined() ? into : torch::empty({out, in}, grad.options());
+  cuda::GemmArgs g = cuda::LinearWeightGrad(grad.data_ptr(), x.data_ptr(), dw.data_ptr(), rows, in, out);
+  if (into.defined() && accumulate) g.beta = 1.0f;
+  Gemm(g, grad, true);
+  return into.defined() ? torch::Tensor() : dw;
+}
+
+// The tensor a weight gradient of `w` can be added to in place: the leaf's own .grad (a view of the
+// parameter store's flat gradient buffer), when it has one of the right kind.
+torch::Tensor AccumulationTarget(const torch::Tensor& w) {
+  const torch::Tensor& grad = w.grad();
+  if (!grad.defined() || grad.scalar_type() != torch::kBFloat16 || !grad.is_contiguous() || grad.sizes() != w.sizes()) {
+    return {};
+  }
+  return grad;
+}
+
+bool Aligned16(const torch::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+// The bias gradient of a product whose output gradient is g [rows, cols] (contiguous): its column
+// sums, from our kernel where the layout allows (one read at the card's bandwidth).
+torch::Tensor BiasGrad(const torch::Tensor& g) {
+  const int64_t rows = g.size(0), cols = g.size(1);
+  if (cols % 8 != 0 || !Aligned16(g)) return g.sum(0);
+  torch::Tensor out = torch::empty({cols}, g.options());
+  torch::Tensor partial = torch::empty({cuda::ColumnSumsPartialFloats(rows, cols)}, g.options().dtype(torch::kFloat));
+  cuda::ColumnSums(g.data_ptr(), rows, cols, partial.data_ptr<float>(), out.data_ptr(), StreamOf(g));
+  return out;
+}
+
+// The weight gradient of a linear layer: added straight into w's .grad when it has one (then the
+// returned gradient is undefined and autograd has nothing to accumulate), else a new tensor. The bias
+// gradient is a column sum: cuBLASLt's BGRADB epilogue costs more than the sum on H100s
+// (tests/bench/gemm_epilogues.cc).
+std::pair<torch::Tensor, torch::Tensor> WeightAndBiasGrads(const torch::Tensor& g, const torch::Tensor& x,
+                                                           const torch::Tensor& w, bool has_bias) {
+  torch::Tensor dw = WeightGradProduct(g, x, AccumulationTarget(w));
+  return {dw, has_bias ? BiasGrad(g) : torch::Tensor()};
+}
+
+std::vector<int64_t> WithLast(torch::IntArrayRef sizes, int64_t last) {
+  std::vector<int64_t> out = sizes.vec();
+  out.back() = last;
+  return out;
+}
+
+// The 2-D residual [rows, out] a product adds, or undefined where `residual` is the empty tensor
+// that stands for none.
+torch::Tensor Residual2d(const torch::Tensor& residual, int64_t out) {
+  if (residual.numel() == 0) return {};
+  return residual.reshape({-1, out}).contiguous();
+}
+
+struct LinearFunction : public torch::autograd::Function<LinearFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
+                               const torch::Tensor& b, const torch::Tensor& residual) {
+    c10::cuda::CUDAGuard guard(x.device());
+    torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
+    const bool has_bias = b.numel() > 0;
+    torch::Tensor y = LinearProduct(x2, w, has_bias ? b : torch::Tensor(), has_bias ? cuda::Epilogue::kBias : cuda::Epilogue::kNone,
+                                    {}, Residual2d(residual, w.size(0)));
+    ctx->save_for_backward({x2, w});
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["has_bias"] = has_bias;
+    ctx->saved_data["has_residual"] = residual.numel() > 0;
+    return y.view(WithLast(x.sizes(), w.size(0)));
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor& x2 = saved[0];
+    const torch::Tensor& w = saved[1];
+    c10::cuda::CUDAGuard guard(x2.device());
+    torch::Tensor g = grads[0].reshape({-1, w.size(0)}).contiguous();
+    auto [dw, db] = WeightAndBiasGrads(g, x2, w, ctx->saved_data["has_bias"].toBool());
+    torch::Tensor dx = InputGradProduct(g, w).view(ctx->saved_data["x_sizes"].toIntVector());
+    // The residual's gradient is the output's, unchanged.
+    return {dx, dw, db, ctx->saved_data["has_residual"].toBool() ? grads[0] : torch::Tensor()};
+  }
+};
+
+// gelu_tanh(x · w1ᵀ + b1) · w2ᵀ (+ b2): the GELU in the first product's epilogue (which keeps its
+// input), its gradient in the epilogue of the second product's input gradient. Saves what the
+// unfused layers would (x, the GELU's input and output).
+struct MlpFunction : public torch::autograd::Function<MlpFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w1,
+                               const torch::Tensor& b1, const torch::Tensor& w2, const torch::Tensor& b2,
+                               const torch::Tensor& residual) {
+    c10::cuda::CUDAGuard guard(x.device());
+    torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
+    torch::Tensor pre = torch::empty({x2.size(0), w1.size(0)}, x.options());
+    torch::Tensor h = LinearProduct(x2, w1, b1, cuda::Epilogue::kGeluAuxBias, pre);
+    const bool has_bias2 = b2.numel() > 0;
+    torch::Tensor y = LinearProduct(h, w2, has_bias2 ? b2 : torch::Tensor(), has_bias2 ? cuda::Epilogue::kBias : cuda::Epilogue::kNone,
+                                    {}, Residual2d(residual, w2.size(0)));
+    ctx->save_for_backward({x2, w1, pre, h, w2});
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["has_bias2"] = has_bias2;
+    ctx->saved_data["has_residual"] = residual.numel() > 0;
+    return y.view(WithLast(x.sizes(), w2.size(0)));
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor &x2 = saved[0], &w1 = saved[1], &pre = saved[2], &h = saved[3], &w2 = saved[4];
+    c10::cuda::CUDAGuard guard(x2.device());
+    torch::Tensor g = grads[0].reshape({-1, w2.size(0)}).contiguous();
+    auto [dw2, db2] = WeightAndBiasGrads(g, h, w2, ctx->saved_data["has_bias2"].toBool());
+    torch::Tensor gpre = InputGradProduct(g, w2, cuda::Epilogue::kDGelu, pre);
+    auto [dw1, db1] = WeightAndBiasGrads(gpre, x2, w1, true);
+    torch::Tensor dx = InputGradProduct(gpre, w1).view(ctx->saved_data["x_sizes"].toIntVector());
+    return {dx, dw1, db1, dw2, db2, ctx->saved_data["has_residual"].toBool() ? grads[0] : torch::Tensor()};
+  }
+};
+
+// The q/k/v projection as three products, one per third of the weight, each writing a plane of its
+// own: q, k and v come out as dense [b, t, heads, d] tensors, viewed [b, heads, t, d]. Attention then
+// reads them without copies, allocates its output and its gradients in the same layout (so the
+// output's [b, t, c] view and the gradients' flattening are free), where slices of one [b, t, 3c]
+// product would cost a strided copy of the output forward, of its gradient and of q/k/v's gradients
+// backward.
+struct QkvFunction : public torch::autograd::Function<QkvFunction> {
+  static variable_list forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
+                               const torch::Tensor& b, int64_t heads) {
+    c10::cuda::CUDAGuard guard(x.device());
+    torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
+    const int64_t rows = x2.size(0), c = w.size(0) / 3;
+    const bool has_bias = b.numel() > 0;
+    torch::Tensor planes = torch::empty({3, rows, c}, x.options());
+    for (int64_t i = 0; i < 3; ++i) {
+      LinearProduct(x2, w.narrow(0, i * c, c), has_bias ? b.narrow(0, i * c, c) : torch::Tensor(),
+                    has_bias ? cuda::Epilogue::kBias : cuda::Epilogue::kNone, {}, {}, planes[i]);
+    }
+    ctx->save_for_backward({x2, w});
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    ctx->saved_data["has_bias"] = has_bias;
+    const int64_t batch = x.size(0), t = rows / batch;
+    variable_list out;
+    for (int64_t i = 0; i < 3; ++i) out.push_back(planes[i].view({batch, t, heads, c / heads}).transpose(1, 2));
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor &x2 = saved[0], &w = saved[1];
+    c10::cuda::CUDAGuard guard(x2.device());
+    const int64_t rows = x2.size(0), in = x2.size(1), c = w.size(0) / 3;
+    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    torch::Tensor into = AccumulationTarget(w);
+    torch::Tensor dw = into.defined() ? torch::Tensor() : torch::empty_like(w);
+    torch::Tensor db = has_bias ? torch::empty({3 * c}, x2.options()) : torch::Tensor();
+    torch::Tensor dx = torch::empty({rows, in}, x2.options());
+    bool dx_written = false;
+    for (int64_t i = 0; i < 3; ++i) {
+      torch::Tensor dw_i = (into.defined() ? into : dw).narrow(0, i * c, c);
+      if (!grads[i].defined()) {
+        if (!into.defined()) dw_i.zero_();
+        if (has_bias) db.narrow(0, i * c, c).zero_();
+        continue;
+      }
+      // [b, heads, t, d] back to [rows, c]: a view where attention kept the layout it was given.
+      torch::Tensor g = grads[i].transpose(1, 2).contiguous().view({rows, c});
+      WeightGradProduct(g, x2, dw_i, /*accumulate=*/into.defined());
+      InputGradProduct(g, w.narrow(0, i * c, c), cuda::Epilogue::kNone, {}, dx, /*accumulate=*/dx_written);
+      dx_written = true;
+      if (has_bias) db.narrow(0, i * c, c).copy_(BiasGrad(g));
+    }
+    if (!dx_written) dx.zero_();
+    return {dx.view(ctx->saved_data["x_sizes"].toIntVector()), dw, db, torch::Tensor()};
+  }
+};
+
+// LibTorch's layer norm forward; backward from our kernels: the input gradient with the residual
+// branch's gradient added in the same pass (no separate add where the two branches meet), and the
+// weight and bias gradients (one read of dy and x, where LibTorch's kernel takes about twice the
+// time on H100s). The second output is x itself: the residual branch reads x through it, so that
+// its gradient arrives here.
+struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
+  static variable_list forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
+                               const torch::Tensor& b, double eps) {
+    c10::cuda::CUDAGuard guard(x.device());
+    torch::Tensor input = x.contiguous();
+    auto [out, mean, rstd] = at::native_layer_norm(input, {input.size(-1)}, w, b, eps);
+    ctx->save_for_backward({input, w, b, mean, rstd});
+    return {out, x};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor &x = saved[0], &w = saved[1], &b = saved[2], &mean = saved[3], &rstd = saved[4];
+    c10::cuda::CUDAGuard guard(x.device());
+    const int64_t cols = x.size(-1), rows = x.numel() / cols;
+    torch::Tensor dres = grads[1].defined() ? grads[1].contiguous() : torch::Tensor();
+    if (!grads[0].defined()) return {dres, torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    torch::Tensor dy = grads[0].contiguous();
+    torch::Tensor mean_c = mean.contiguous(), rstd_c = rstd.contiguous();
+    torch::Tensor dx;
+    if (Aligned16(dy) && Aligned16(x) && Aligned16(w) && (!dres.defined() || Aligned16(dres))) {
+      dx = torch::empty_like(x);
+      cuda::LayerNormInputGrad(dy.data_ptr(), x.data_ptr(), w.data_ptr(), mean_c.data_ptr<float>(),
+                               rstd_c.data_ptr<float>(), dres.defined() ? dres.data_ptr() : nullptr, rows, cols,
+                               dx.data_ptr(), StreamOf(x));
+    } else {
+      dx = std::get<0>(at::native_layer_norm_backward(dy, x, {cols}, mean, rstd, w, b, {true, false, false}));
+      if (dres.defined()) dx.add_(dres);
+    }
+    torch::Tensor dgamma = torch::empty({cols}, w.options()), dbeta = torch::empty({cols}, b.options());
+    torch::Tensor partial =
+        torch::empty({cuda::LayerNormPartialFloats(rows, cols)}, x.options().dtype(torch::kFloat));
+    cuda::LayerNormParamGrads(dy.data_ptr(), x.data_ptr(), mean_c.data_ptr<float>(), rstd_c.data_ptr<float>(), rows,
+                              cols, partial.data_ptr<float>(), dgamma.data_ptr(), dbeta.data_ptr(), StreamOf(x));
+    return {dx, dgamma, dbeta, torch::Tensor()};
+  }
+};
+
+bool Bf16Cuda(const torch::Tensor& t) { return !t.defined() || (t.is_cuda() && t.scalar_type() == torch::kBFloat16); }
+
+}  // namespace
+
+bool FusedLinearAvailable(const torch::Tensor& x, const torch::Tensor& w) {
+  return kernel_options.linear && x.defined() && Bf16Cuda(x) && Bf16Cuda(w) && w.dim() == 2 && w.is_contiguous() && w.size(0) % 8 == 0 &&
+         w.size(1) % 8 == 0;
+}
+
+// LibTorch's custom functions take defined tensors only: an absent bias is an empty one.
+torch::Tensor OrEmpty(const torch::Tensor& t, const torch::Tensor& like) {
+  return t.defined() ? t : torch::empty({0}, like.options());
+}
+
+torch::Tensor FusedLinear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+                          const torch::Tensor& residual) {
+  return LinearFunction::apply(x, w, OrEmpty(b, w), OrEmpty(residual, x));
+}
+
+torch::Tensor FusedMlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1, const torch::Tensor& w2,
+                       const torch::Tensor& b2, const torch::Tensor& residual) {
+  return MlpFunction::apply(x, w1, b1, w2, OrEmpty(b2, w2), OrEmpty(residual, x));
+}
+
+std::vector<torch::Tensor> FusedQkv(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, int64_t heads) {
+  return QkvFunction::apply(x, w, OrEmpty(b, w), heads);
+}
+
+bool FusedLayerNormAvailable(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
+  return kernel_options.layer_norm && x.defined() && w.defined() && b.defined() && Bf16Cuda(x) && Bf16Cuda(w) &&
+         Bf16Cuda(b) && x.size(-1) % 8 == 0;
+}
+
+std::pair<torch::Tensor, torch::Tensor> FusedLayerNorm(const torch::Tensor& x, const torch::Tensor& w,
+                                                       const torch::Tensor& b) {
+  variable_list out = LayerNormFunction::apply(x, w, b, 1e-5);
+  return {out[0], out[1]};
+}
+
+bool FusedCrossEntropyAvailable(const torch::Tensor& logits) {
+  return logits.is_cuda() && logits.scalar_type() == torch::kBFloat16 && logits.dim() == 2;
+}
+
+torch::Tensor FusedCrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return CrossEntropyFunction::apply(logits, targets);
+}
+
+bool FusedAdamWAvailable(const torch::Tensor& param) {
+  return kernel_options.adamw && param.is_cuda() && param.scalar_type() == torch::kFloat;
+}
+
+void FusedAdamW(const torch::Tensor& param, const torch::Tensor& grad, const torch::Tensor& exp_avg,
+                const torch::Tensor& exp_avg_sq, const torch::Tensor& param_bf16, double lr, double beta1, double beta2,
+                double eps, double weight_decay, int64_t step, const torch::Tensor& grad_divisor) {
+  c10::cuda::CUDAGuard guard(param.device());
+  cuda::AdamWArgs args;
+  args.beta1 = static_cast<float>(beta1);
+  args.beta2 = static_cast<float>(beta2);
+  args.eps = static_cast<float>(eps);
+  args.decay_factor = static_cast<float>(1.0 - lr * weight_decay);
+  args.step_size = static_cast<float>(lr / (1.0 - std::pow(beta1, static_cast<double>(step))));
+  args.inv_sqrt_bias2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step))));
+  torch::Tensor divisor;
+  if (grad_divisor.defined()) {
+    divisor = grad_divisor.to(torch::kFloat).contiguous();
+    args.grad_divisor = divisor.data_ptr<float>();
+  }
+  cuda::AdamWStep(param.data_ptr<float>(), grad.data_ptr(), grad.scalar_type() == torch::kBFloat16,
+                  exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
+                  param_bf16.defined() ? param_bf16.data_ptr() : nullptr, param.numel(), args,
+                  c10::cuda::getCurrentCUDAStream(param.device().index()).stream());
+}
+
+#else
+
+bool FusedLayerNormAvailable(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/, const torch::Tensor& /*b*/) {
+  return false;
+}
+
+std::pair<torch::Tensor, torch::Tensor> FusedLayerNorm(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/,
+                                                       const torch::Tensor& /*b*/) {
+  throw std::logic_error("FusedLayerNorm: this worker was built without CUDA kernels");
+}
+
+bool FusedLinearAvailable(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/) { return false; }
+
+torch::Tensor FusedLinear(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/, const torch::Tensor& /*b*/,
+                          const torch::Tensor& /*residual*/) {
+  throw std::logic_error("FusedLinear: this worker was built without CUDA kernels");
+}
+
+torch::Tensor FusedMlp(const torch::Tensor& /*x*/, const torch::Tensor& /*w1*/, const torch::Tensor& /*b1*/,
+                       const torch::Tensor& /*w2*/, const torch::Tensor& /*b2*/, const torch::Tensor& /*residual*/) {
+  throw std::logic_error("FusedMlp: this worker was built without CUDA kernels");
+}
+
+std::vector<torch::Tensor> FusedQkv(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/, const torch::Tensor& /*b*/,
+                                    int64_t /*heads*/) {
+  throw std::logic_error("FusedQkv: this worker was built without CUDA kernels");
+}
+
+bool FusedCrossEntropyAvailable(const torch::Tensor& /*logits*/) { return false; }
+
+torch::Tensor FusedCrossEntropy(const torch::Tensor& /*logits*/, const torch::Tensor& /*targets*/) {
+  throw std::logic_error("FusedCrossEntropy: this worker was built without CUDA kernels");
+}
+
+bool FusedAdamWAvailable(const torch::Tensor& /*param*/) { return false; }
+
+void FusedAdamW(const torch::Tensor& /*param*/, const torch::Tensor& /*grad*/, const torch::Tensor& /*exp_avg*/,
+                const torch::Tensor& /*exp_avg_sq*/, const torch::Tensor& /*param_bf16*/, double /*lr*/,
+                double /*beta1*/, double /*beta2*/, double /*eps*/, double /*weight_decay*/, int64_t /*step*/,
+                const torch::Tensor& /*grad_divisor*/) {
+  throw std::logic_error("FusedAdamW: this worker was built without CUDA kernels");
+}
+
+#endif
+
+}  // namespace ltrain::worker

@@ -1,0 +1,636 @@
+#include "worker/parallel/param_store.h"
+
+#include <cmath>
+#include <exception>
+
+#include <ATen/ops/_foreach_norm.h>
+#include <c10/util/Exception.h>
+
+#include "worker/model/fused_kernels.h"
+#include "worker/torch_compat.h"
+
+namespace ltrain::worker {
+namespace {
+
+bool high_priority_collectives = false;
+
+}  // namespace
+
+void SetCollectiveStreamPriority(bool high) { high_priority_collectives = high; }
+
+ReductionQueue::ReductionQueue(bool threaded, const torch::Device& device) : threaded_(threaded), device_(device) {
+  if (threaded_ && device.is_cuda()) {
+    auto side = std::make_unique<compat::SideStream>(device, high_priority_collectives);
+    if (side->active()) side_ = std::move(side);
+  }
+  if (threaded_) thread_ = std::thread([this] { Loop(); });
+}
+
+ReductionQueue::~ReductionQueue() {
+  if (!threaded_) return;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_ = true;
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+namespace {
+
+Status RunJob(const std::function<Status()>& job) {
+  try {
+    return job();
+  } catch (const c10::Error& e) {
+    return Internal(std::string("LibTorch error in a data-parallel reduction: ") + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    return Internal(std::string("error in a data-parallel reduction: ") + e.what());
+  }
+}
+
+}  // namespace
+
+int64_t ReductionQueue::Enqueue(std::function<Status()> job) {
+  if (!threaded_) {
+    const int64_t id = next_id_++;
+    Status s = RunJob(job);
+    if (!s.ok() && error_.ok()) error_ = s;
+    done_id_ = id;
+    return id;
+  }
+  if (side_) {
+    // Ordered after everything the enqueuing thread's stream holds now (e.g. the backward kernels
+    // that produced the gradients to reduce).
+    compat::StreamMarker ready = compat::StreamMarker::Record(device_);
+    job = [this, ready, job = std::move(job)]() {
+      compat::SideStream::Scope scope(*side_);
+      ready.Block();
+      return job();
+    };
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t id = next_id_++;
+  jobs_.emplace_back(id, std::move(job));
+  cv_.notify_all();
+  return id;
+}
+
+void ReductionQueue::Loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (true) {
+    cv_.wait(lock, [&] { return stop_ || !jobs_.empty(); });
+    if (jobs_.empty()) return;  // stop_
+    auto [id, job] = std::move(jobs_.front());
+    jobs_.pop_front();
+    const bool skip = !error_.ok();  // after a failure the group is unusable: fail fast
+    lock.unlock();
+    Status s = skip ? Status::Ok() : RunJob(job);
+    compat::StreamMarker finished;
+    if (side_) {
+      compat::SideStream::Scope scope(*side_);
+      finished = compat::StreamMarker::Record(device_);
+    }
+    lock.lock();
+    if (side_) finished_[id] = finished;
+    if (!s.ok() && error_.ok()) error_ = s;
+    done_id_ = id;
+    cv_.notify_all();
+  }
+}
+
+Status ReductionQueue::Wait(int64_t id) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return done_id_ >= id; });
+  // The waiting thread's stream waits for the side stream as it was after job `id` (which covers
+  // every job before it); markers up to it are not needed again.
+  auto after = finished_.upper_bound(id);
+  if (after != finished_.begin()) {
+    compat::StreamMarker finished = std::prev(after)->second;
+    finished_.erase(finished_.begin(), after);
+    lock.unlock();
+    finished.Block();
+    lock.lock();
+  }
+  return error_;
+}
+
+Status ReductionQueue::WaitAll() {
+  int64_t last = 0;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    last = next_id_ - 1;
+  }
+  return Wait(last);
+}
+
+ParamStore::ParamStore(std::vector<Param> params, int zero, Communicator* dp, AdamWConfig adamw)
+    : params_(std::move(params)), zero_(zero), dp_(dp), adamw_(adamw) {}
+
+ParamStore::~ParamStore() {
+  // The hooks point at this object: remove them before it goes.
+  for (auto& acc : accumulators_) acc->post_hooks().clear();
+  if (queue_) (void)queue_->WaitAll();
+}
+
+StatusOr<std::unique_ptr<ParamStore>> ParamStore::Create(std::vector<Param> params,
+                                                         const std::vector<std::vector<int>>& units, int zero,
+                                                         Communicator* dp, AdamWConfig adamw, bool bf16_compute,
+                                                         bool exclusive_collectives) {
+  if (zero < 0 || zero > 3) return InvalidArgument("parallel.zero=" + std::to_string(zero) + " is not 0, 1, 2 or 3");
+  if (bf16_compute && zero == 3) return InvalidArgument("bf16 compute copies need parallel.zero < 3");
+  std::unique_ptr<ParamStore> store(new ParamStore(std::move(params), zero, dp, adamw));
+  const torch::Device device = store->params_.empty() ? torch::Device(torch::kCPU) : store->params_[0].value->device();
+  store->queue_ = std::make_unique<ReductionQueue>(dp->size() > 1 && !exclusive_collectives, device);
+  std::vector<int64_t> numels;
+  for (const Param& p : store->params_) numels.push_back(p.value->numel());
+  store->unit_of_.assign(store->params_.size(), -1);
+  torch::NoGradGuard no_grad;
+  for (const std::vector<int>& members : units) {
+    Unit unit;
+    unit.layout = LayoutUnit(members, numels, dp->size());
+    const torch::Tensor& first = *store->params_[members.front()].value;
+    torch::TensorOptions options = first.options().requires_grad(false);
+    unit.full = torch::zeros({unit.layout.padded}, options);
+    for (size_t k = 0; k < members.size(); ++k) {
+      const int i = members[k];
+      if (store->unit_of_[i] != -1) return InvalidArgument("parameter " + std::to_string(i) + " is in two units");
+      store->unit_of_[i] = static_cast<int>(store->units_.size());
+      torch::Tensor& value = *store->params_[i].value;
+      torch::Tensor slot = unit.full.narrow(0, unit.layout.offsets[k], value.numel());
+      slot.copy_(value.detach().reshape(-1));
+      value = slot.view(value.sizes()).detach().requires_grad_(true);
+    }
+    torch::TensorOptions grad_options = options;
+    if (bf16_compute) {
+      unit.compute = unit.full.to(torch::kBFloat16);
+      grad_options = unit.compute.options();
+      for (size_t k = 0; k < members.size(); ++k) {
+        torch::Tensor& value = *store->params_[members[k]].value;
+        value = unit.compute.narrow(0, unit.layout.offsets[k], value.numel()).view(value.sizes()).detach().requires_grad_(true);
+      }
+    }
+    const int64_t state = zero == 0 ? unit.layout.padded : unit.layout.shard;
+    unit.exp_avg = torch::zeros({state}, options);
+    unit.exp_avg_sq = torch::zeros({state}, options);
+    if (zero < 2) {
+      unit.grad_full = torch::zeros({unit.layout.padded}, grad_options);
+      for (size_t k = 0; k < members.size(); ++k) {
+        torch::Tensor& value = *store->params_[members[k]].value;
+        value.mutable_grad() = unit.grad_full.narrow(0, unit.layout.offsets[k], value.numel()).view(value.sizes());
+      }
+    } else {
+      unit.grad_shard = torch::zeros({unit.layout.shard}, options);
+    }
+    if (zero == 3) {
+      Range own = store->Owned(unit);
+      unit.shard = unit.full.narrow(0, own.begin, own.size()).clone();
+    }
+    store->units_.push_back(std::move(unit));
+  }
+  for (size_t i = 0; i < store->params_.size(); ++i) {
+    if (store->unit_of_[i] == -1) return InvalidArgument("parameter " + std::to_string(i) + " is in no unit");
+    ParamStore* self = store.get();
+    const int index = static_cast<int>(i);
+    store->accumulators_.push_back(compat::AddGradReadyHook(*store->params_[i].value, [self, index] { self->OnGradReady(index); }));
+  }
+  if (zero == 3) {
+    for (int u = 0; u < store->units(); ++u) store->Release(u);
+  }
+  return store;
+}
+
+Range ParamStore::Owned(const Unit& unit) const {
+  if (zero_ == 0) return Range{0, unit.layout.padded};
+  const int64_t s = unit.layout.shard;
+  return Range{s * dp_->rank(), s * (dp_->rank() + 1)};
+}
+
+torch::Tensor ParamStore::OwnedGrad(Unit& unit) {
+  if (zero_ >= 2) return unit.grad_shard;
+  Range own = Owned(unit);
+  return unit.grad_full.narrow(0, own.begin, own.size());
+}
+
+bool ParamStore::sharded_update() const {
+  return (zero_ == 1 || zero_ == 2) && dp_->size() > 1 && !units_.empty() && units_.front().compute.defined();
+}
+
+torch::Tensor ParamStore::OwnedCompute(Unit& unit) {
+  Range own = Owned(unit);
+  return unit.compute.narrow(0, own.begin, own.size());
+}
+
+Status ParamStore::SyncMasters() {
+  if (!masters_stale_) return Status::Ok();
+  torch::NoGradGuard no_grad;
+  for (Unit& unit : units_) {
+    torch::Tensor mine = OwnedParam(unit).clone(), full = unit.full;
+    Communicator* comm = dp_;
+    queue_->Enqueue([comm, mine, full]() mutable { return comm->AllGather(mine, full); });
+  }
+  Status s = queue_->WaitAll();
+  if (s.ok()) masters_stale_ = false;
+  return s;
+}
+
+torch::Tensor ParamStore::OwnedParam(Unit& unit) {
+  if (zero_ == 3) return unit.shard;
+  Range own = Owned(unit);
+  return unit.full.narrow(0, own.begin, own.size());
+}
+
+Status ParamStore::BroadcastParameters() {
+  if (zero_ == 3) return Status::Ok();
+  torch::NoGradGuard no_grad;
+  for (Unit& unit : units_) {
+    if (Status s = dp_->Broadcast(unit.full, 0); !s.ok()) return s;
+  }
+  RefreshCompute();
+  return Status::Ok();
+}
+
+void ParamStore::RefreshCompute() {
+  torch::NoGradGuard no_grad;
+  for (Unit& unit : units_) {
+    if (unit.compute.defined()) unit.compute.copy_(unit.full);
+  }
+}
+
+int64_t ParamStore::OffsetInUnit(int param) const {
+  const Unit& unit = units_[unit_of_[param]];
+  for (size_t k = 0; k < unit.layout.params.size(); ++k) {
+    if (unit.layout.params[k] == param) return unit.layout.offsets[k];
+  }
+  return 0;
+}
+
+torch::Tensor ParamStore::MasterValue(int param) const {
+  const torch::Tensor& value = *params_[param].value;
+  const Unit& unit = units_[unit_of_[param]];
+  if (!unit.compute.defined()) return value.detach();
+  return unit.full.narrow(0, OffsetInUnit(param), value.numel()).view(value.sizes());
+}
+
+void ParamStore::ZeroGrads() {
+  torch::NoGradGuard no_grad;
+  for (Unit& unit : units_) {
+    (zero_ < 2 ? unit.grad_full : unit.grad_shard).zero_();
+    unit.pending = static_cast<int>(unit.layout.params.size());
+    unit.launched = false;
+  }
+}
+
+void ParamStore::ArmHooks(bool armed) {
+  armed_ = armed;
+  for (Unit& unit : units_) {
+    unit.pending = static_cast<int>(unit.layout.params.size());
+    unit.launched = false;
+  }
+}
+
+void ParamStore::OnGradReady(int param) {
+  if (!armed_) return;
+  Unit& unit = units_[unit_of_[param]];
+  if (--unit.pending == 0 && !unit.launched) Launch(unit_of_[param]);
+}
+
+void ParamStore::Launch(int u) {
+  Unit& unit = units_[u];
+  unit.launched = true;
+  const int dp = dp_->size();
+  Communicator* comm = dp_;
+  if (zero_ < 2) {
+    if (dp == 1) return;
+    torch::Tensor grads = unit.grad_full;
+    if (sharded_update()) {
+      // Only the owned shard's mean is needed: half an all-reduce's traffic.
+      const Range own = Owned(unit);
+      queue_->Enqueue([comm, grads, own]() mutable {
+        torch::NoGradGuard no_grad;
+        torch::Tensor mine = grads.narrow(0, own.begin, own.size());
+        return comm->ReduceScatterMean(grads, mine);
+      });
+      return;
+    }
+    queue_->Enqueue([comm, grads]() mutable {
+      torch::NoGradGuard no_grad;
+      return comm->AllReduceMean(grads);
+    });
+    return;
+  }
+  // zero >= 2: the gradients live in the leaves' own .grad tensors; hand them to the job.
+  std::vector<torch::Tensor> grads;
+  for (int i : unit.layout.params) grads.push_back(params_[i].value->grad());
+  UnitLayout layout = unit.layout;
+  torch::Tensor shard = unit.grad_shard;
+  queue_->Enqueue([comm, grads, layout, shard, dp]() mutable {
+    torch::NoGradGuard no_grad;
+    torch::Tensor flat = torch::zeros({layout.padded}, shard.options());
+    for (size_t k = 0; k < grads.size(); ++k) {
+      if (grads[k].defined()) flat.narrow(0, layout.offsets[k], grads[k].numel()).copy_(grads[k].reshape(-1));
+    }
+    torch::Tensor mine = torch::empty({layout.shard}, shard.options());
+    if (Status s = comm->ReduceScatterSum(flat, mine); !s.ok()) return s;
+    if (dp > 1) mine.div_(dp);
+    shard.add_(mine);
+    return Status::Ok();
+  });
+  // Under zero 3 the unit's full parameters are not needed again in this backward.
+  Release(u);
+}
+
+Status ParamStore::FinishBackward() {
+  if (armed_) {
+    for (int u = 0; u < units(); ++u) {
+      if (!units_[u].launched) Launch(u);
+    }
+  }
+  Status s = queue_->WaitAll();
+  if (armed_ && zero_ >= 2) {
+    for (Param& p : params_) p.value->mutable_grad() = torch::Tensor();
+  }
+  for (Unit& unit : units_) {
+    unit.pending = static_cast<int>(unit.layout.params.size());
+    unit.launched = false;
+  }
+  return s;
+}
+
+Status ParamStore::ReduceAll() {
+  const bool was = armed_;
+  armed_ = true;
+  for (int u = 0; u < units(); ++u) Launch(u);
+  Status s = FinishBackward();
+  armed_ = was;
+  return s;
+}
+
+void ParamStore::ForEachOwned(const Unit& unit,
+                              const std::function<void(const Param&, int64_t at, int64_t n)>& fn) const {
+  const Range own = Owned(unit);
+  for (size_t k = 0; k < unit.layout.params.size(); ++k) {
+    const Param& p = params_[unit.layout.params[k]];
+    const int64_t off = unit.layout.offsets[k];
+    const Range seg = Intersect(own, Range{off, off + p.value->numel()});
+    if (seg.size() > 0) fn(p, seg.begin - own.begin, seg.size());
+  }
+}
+
+torch::Tensor ParamStore::GradSquareSum() {
+  torch::NoGradGuard no_grad;
+  // Summed on the device, one value brought back: on CUDA from fp32 norms of every segment (one
+  // kernel, as clip_grad_norm_ does), on the CPU from squares in double.
+  std::vector<torch::Tensor> sums, segments;
+  for (Unit& unit : units_) {
+    torch::Tensor grad = OwnedGrad(unit);
+    ForEachOwned(unit, [&](const Param& p, int64_t at, int64_t n) {
+      if (!p.counts_for_norm) return;
+      torch::Tensor g = grad.narrow(0, at, n);
+      if (g.is_cuda()) {
+        segments.push_back(g);
+      } else {
+        sums.push_back(g.to(torch::kDouble).square().sum());
+      }
+    });
+  }
+  if (!segments.empty()) sums.push_back(torch::stack(at::_foreach_norm(segments)).to(torch::kDouble).square().sum());
+  if (sums.empty()) {
+    const torch::Device device = units_.empty() ? torch::Device(torch::kCPU) : units_.front().full.device();
+    return torch::zeros({1}, torch::TensorOptions().dtype(torch::kDouble).device(device));
+  }
+  return torch::stack(sums).sum().reshape({1});
+}
+
+Status ParamStore::AwaitCompute(int u) {
+  if (u < 0 || u >= units()) return Status::Ok();
+  Unit& unit = units_[u];
+  if (unit.compute_job == 0) return Status::Ok();
+  Status s = queue_->Wait(unit.compute_job);
+  unit.compute_job = 0;
+  return s;
+}
+
+Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, const torch::Tensor& grad_divisor,
+                                 bool defer_compute) {
+  torch::NoGradGuard no_grad;
+  const double b1 = adamw_.beta1, b2 = adamw_.beta2;
+  const double bias1 = 1 - std::pow(b1, static_cast<double>(step));
+  const double bias2 = 1 - std::pow(b2, static_cast<double>(step));
+  // bf16 compute copies on CUDA: our kernel, one pass per segment that also writes the bf16 copy of
+  // the owned elements (zero 0: all of them; a sharded update then all-gathers the copies).
+  if (units_.empty()) return Status::Ok();
+  const bool own_kernel = units_.front().compute.defined() && FusedAdamWAvailable(units_.front().full);
+  const bool sharded = sharded_update();
+  // For the fused kernels: clipping as one device scalar the gradients are divided by (undefined:
+  // none).
+  const torch::TensorOptions f32 = torch::TensorOptions().dtype(torch::kFloat).device(units_.front().full.device());
+  torch::Tensor divisor = grad_divisor.defined() ? grad_divisor.reshape({}).to(f32) : torch::Tensor();
+  if (grad_scale != 1.0) divisor = divisor.defined() ? divisor / grad_scale : torch::full({}, 1.0 / grad_scale, f32);
+  // The owned segment of every parameter, by weight-decay class: [decays][w, g, m, v].
+  std::vector<torch::Tensor> lists[2][4];
+  for (Unit& unit : units_) {
+    torch::Tensor grad = OwnedGrad(unit), param = OwnedParam(unit);
+    if (own_kernel) {
+      // The kernel also writes the owned part of the bf16 copies (zero 0: all of them).
+      torch::Tensor copy = zero_ == 0 || sharded ? OwnedCompute(unit) : torch::Tensor();
+      ForEachOwned(unit, [&](const Param& p, int64_t at, int64_t n) {
+        FusedAdamW(param.narrow(0, at, n), grad.narrow(0, at, n), unit.exp_avg.narrow(0, at, n),
+                   unit.exp_avg_sq.narrow(0, at, n), copy.defined() ? copy.narrow(0, at, n) : torch::Tensor(), lr,
+                   b1, b2, adamw_.eps, p.decay ? adamw_.weight_decay : 0.0, step, divisor);
+      });
+      continue;
+    }
+    // bf16 gradients (bf16_compute, zero < 2) meet the fp32 masters as fp32.
+    if (grad.scalar_type() != param.scalar_type()) grad = grad.to(param.scalar_type());
+    ForEachOwned(unit, [&](const Param& p, int64_t at, int64_t n) {
+      auto& l = lists[p.decay ? 1 : 0];
+      l[0].push_back(param.narrow(0, at, n));
+      l[1].push_back(grad.narrow(0, at, n));
+      l[2].push_back(unit.exp_avg.narrow(0, at, n));
+      l[3].push_back(unit.exp_avg_sq.narrow(0, at, n));
+    });
+  }
+  for (int decay = 0; decay < 2; ++decay) {
+    auto& l = lists[decay];
+    if (l[0].empty()) continue;
+    // On CUDA: one kernel per class over every segment.
+    if (compat::FusedAdamW(l[0], l[1], l[2], l[3], torch::full({}, static_cast<double>(step), f32), lr, b1, b2,
+                           decay ? adamw_.weight_decay : 0.0, adamw_.eps, divisor)) {
+      continue;
+    }
+    for (size_t i = 0; i < l[0].size(); ++i) {
+      torch::Tensor w = l[0][i], g = l[1][i], m = l[2][i], v = l[3][i];
+      if (grad_scale != 1.0) g.mul_(grad_scale);
+      if (grad_divisor.defined()) g.div_(grad_divisor.reshape({}));
+      // torch::optim::AdamW's update, element for element.
+      if (decay) w.mul_(1 - lr * adamw_.weight_decay);
+      m.mul_(b1).add_(g, 1 - b1);
+      v.mul_(b2).addcmul_(g, g, 1 - b2);
+      torch::Tensor denom = (v.sqrt() / std::sqrt(bias2)).add_(adamw_.eps);
+      w.addcdiv_(m, denom, -lr / bias1);
+    }
+  }
+  if (sharded) {
+    // The owned part of the copies from the updated masters (our kernel wrote it already), then
+    // every rank's part, in place and in bf16; in forward order (units are in backward's), so that
+    // deferred gathers arrive as the next forward needs them.
+    for (auto it = units_.rbegin(); it != units_.rend(); ++it) {
+      Unit& unit = *it;
+      if (!own_kernel) OwnedCompute(unit).copy_(OwnedParam(unit));
+      const Range own = Owned(unit);
+      torch::Tensor all = unit.compute;
+      Communicator* comm = dp_;
+      unit.compute_job = queue_->Enqueue([comm, all, own]() mutable {
+        torch::NoGradGuard no_grad;
+        return comm->AllGather(all.narrow(0, own.begin, own.size()), all);
+      });
+    }
+    masters_stale_ = true;
+    if (defer_compute) return Status::Ok();
+    for (Unit& unit : units_) unit.compute_job = 0;
+    return queue_->WaitAll();
+  }
+  if ((zero_ == 1 || zero_ == 2) && dp_->size() > 1) {
+    for (Unit& unit : units_) {
+      torch::Tensor mine = OwnedParam(unit).clone(), full = unit.full;
+      Communicator* comm = dp_;
+      queue_->Enqueue([comm, mine, full]() mutable { return comm->AllGather(mine, full); });
+    }
+  }
+  Status s = queue_->WaitAll();
+  if (s.ok() && !(own_kernel && zero_ == 0)) RefreshCompute();
+  return s;
+}
+
+Status ParamStore::DpAllReduce(torch::Tensor& tensor) {
+  Communicator* comm = dp_;
+  torch::Tensor t = tensor;
+  return queue_->Wait(queue_->Enqueue([comm, t]() mutable { return comm->AllReduceSum(t); }));
+}
+
+Status ParamStore::Gather(int u) {
+  if (zero_ != 3 || u < 0 || u >= units()) return Status::Ok();
+  Unit& unit = units_[u];
+  if (unit.gathered) return Status::Ok();
+  if (unit.gather_job == 0) Prefetch(u);
+  Status s = queue_->Wait(unit.gather_job);
+  unit.gather_job = 0;
+  unit.gathered = true;
+  return s;
+}
+
+void ParamStore::Prefetch(int u) {
+  if (zero_ != 3 || u < 0 || u >= units()) return;
+  Unit& unit = units_[u];
+  if (unit.gathered || unit.gather_job != 0) return;
+  compat::ResizeStorage(unit.full, static_cast<size_t>(unit.layout.padded) * unit.full.element_size());
+  Communicator* comm = dp_;
+  torch::Tensor shard = unit.shard, full = unit.full;
+  unit.gather_job = queue_->Enqueue([comm, shard, full]() mutable { return comm->AllGather(shard, full); });
+}
+
+void ParamStore::Release(int u) {
+  if (zero_ != 3 || u < 0 || u >= units()) return;
+  Unit& unit = units_[u];
+  if (unit.gather_job != 0) {
+    (void)queue_->Wait(unit.gather_job);  // an error resurfaces at the next wait
+    unit.gather_job = 0;
+  }
+  compat::ResizeStorage(unit.full, 0);
+  unit.gathered = false;
+}
+
+MemoryBytes ParamStore::Memory() const {
+  MemoryBytes m;
+  for (const Unit& unit : units_) {
+    const int64_t e = unit.full.element_size();
+    m.params += (zero_ == 3 ? unit.layout.shard : unit.layout.padded) * e;
+    if (unit.compute.defined()) m.params += unit.compute.numel() * unit.compute.element_size();
+    const int64_t ge = unit.compute.defined() && zero_ < 2 ? unit.compute.element_size() : e;
+    m.grads += (zero_ >= 2 ? unit.layout.shard : unit.layout.padded) * ge;
+    m.optimizer += (unit.exp_avg.numel() + unit.exp_avg_sq.numel()) * e;
+  }
+  return m;
+}
+
+Range ParamStore::OwnedOfParam(int param) const {
+  const int64_t off = OffsetInUnit(param);
+  const int64_t n = params_[param].value->numel();
+  Range seg = Intersect(Owned(units_[unit_of_[param]]), Range{off, off + n});
+  if (seg.size() <= 0) return Range{0, 0};
+  return Range{seg.begin - off, seg.end - off};
+}
+
+int64_t ParamStore::OwnedAt(int param) const {
+  const Range r = OwnedOfParam(param);
+  if (r.size() == 0) return 0;
+  return OffsetInUnit(param) + r.begin - Owned(units_[unit_of_[param]]).begin;
+}
+
+namespace {
+
+torch::Tensor RangeTensor(Range r) { return torch::tensor(std::vector<int64_t>{r.begin, r.end}, torch::kLong); }
+
+}  // namespace
+
+std::vector<std::pair<std::string, torch::Tensor>> ParamStore::ModelState(const std::vector<std::string>& names) const {
+  torch::NoGradGuard no_grad;
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const int64_t n = params_[i].value->numel();
+    if (zero_ < 3) {
+      out.emplace_back("range." + names[i], RangeTensor(Range{0, n}));
+      out.emplace_back("model." + names[i], MasterValue(static_cast<int>(i)).reshape(-1).to(torch::kCPU, torch::kFloat, false, true));
+      continue;
+    }
+    const Unit& unit = units_[unit_of_[i]];
+    const Range r = OwnedOfParam(static_cast<int>(i));
+    out.emplace_back("range." + names[i], RangeTensor(r));
+    out.emplace_back("model." + names[i], unit.shard.narrow(0, OwnedAt(static_cast<int>(i)), r.size())
+                                              .to(torch::kCPU, torch::kFloat, false, true));
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, torch::Tensor>> ParamStore::OptimizerState(const std::vector<std::string>& names) const {
+  torch::NoGradGuard no_grad;
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  for (size_t i = 0; i < params_.size(); ++i) {
+    const Unit& unit = units_[unit_of_[i]];
+    const Range r = OwnedOfParam(static_cast<int>(i));
+    const int64_t at = OwnedAt(static_cast<int>(i));
+    out.emplace_back("range." + names[i], RangeTensor(r));
+    out.emplace_back("exp_avg." + names[i], unit.exp_avg.narrow(0, at, r.size()).to(torch::kCPU, torch::kFloat, false, true));
+    out.emplace_back("exp_avg_sq." + names[i],
+                     unit.exp_avg_sq.narrow(0, at, r.size()).to(torch::kCPU, torch::kFloat, false, true));
+  }
+  return out;
+}
+
+Status ParamStore::LoadParamState(int param, const torch::Tensor& value, const torch::Tensor& exp_avg,
+                                  const torch::Tensor& exp_avg_sq) {
+  torch::NoGradGuard no_grad;
+  const int64_t n = params_[param].value->numel();
+  for (const torch::Tensor* t : {&value, &exp_avg, &exp_avg_sq}) {
+    if (t->numel() != n) {
+      return DataLoss("checkpoint state of parameter " + std::to_string(param) + " has " + std::to_string(t->numel()) +
+                      " elements, expected " + std::to_string(n) + " (was it saved by another model?)");
+    }
+  }
+  Unit& unit = units_[unit_of_[param]];
+  const Range r = OwnedOfParam(param);
+  const int64_t at = OwnedAt(param);
+  if (zero_ < 3) {
+    MasterValue(param).view(-1).copy_(value.reshape(-1));
+    if (unit.compute.defined()) params_[param].value->detach().view(-1).copy_(value.reshape(-1));
+  } else if (r.size() > 0) {
+    unit.shard.narrow(0, at, r.size()).copy_(value.reshape(-1).narrow(0, r.begin, r.size()));
+  }
+  if (r.size() > 0) {
+    unit.exp_avg.narrow(0, at, r.size()).copy_(exp_avg.reshape(-1).narrow(0, r.begin, r.size()));
+    unit.exp_avg_sq.narrow(0, at, r.size()).copy_(exp_avg_sq.reshape(-1).narrow(0, r.begin, r.size()));
+  }
+  return Status::Ok();
+}
+
+}  // namespace ltrain::worker

@@ -1,0 +1,237 @@
+// ParamStore: this rank's parameters in flat per-unit buffers, their gradients, the data-parallel
+// gradient reduction, ZeRO sharding and the AdamW optimizer over flat (sharded) state.
+//
+// Units partition the parameters. A unit is the bucket that data parallelism reduces as soon as
+// backward has produced all of its gradients (autograd post-hooks on each parameter's gradient
+// accumulator count them down), and the unit that ZeRO shards: its flat buffer is padded to a
+// multiple of dp and data-parallel rank r owns elements [r*S, (r+1)*S).
+//   zero 0: full parameters, gradients (all-reduced) and optimizer state on every rank.
+//   zero 1: optimizer state only for the owned shard; parameters all-gathered after the update.
+//           With bf16 compute copies the gradients are reduce-scattered (each rank needs only its
+//           shard's), and the update writes the owned part of the copies, which are all-gathered in
+//           bf16: the fp32 masters outside the shard are then stale until SyncMasters.
+//   zero 2: plus gradients: each unit's gradients are reduce-scattered into a shard-sized buffer
+//           after every micro-step's backward, and the full gradients are dropped.
+//   zero 3: plus parameters: only the shard persists; a unit's full parameters are all-gathered
+//           before use (the next unit prefetched) and their memory released after (forward) and
+//           after their gradients are ready (backward). Units are then the model's blocks.
+//
+// Threads: the training thread calls everything. Data-parallel collectives (reductions, gathers,
+// loss and norm all-reduces) run in order on one reduction thread that owns the dp communicator,
+// so they overlap backward; the hooks that launch them run on the thread running backward (the
+// training thread on CPU, autograd's device thread on CUDA), so every dp rank queues them in the
+// same order. On CUDA they run on a stream of their own (see ReductionQueue). Where other
+// communicators have collectives in flight at the same time on GPUs (exclusive_collectives), they
+// are issued inline instead, in the asking thread's order and on its stream.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <torch/types.h>
+#include <torch/csrc/autograd/function.h>
+
+#include "common/status.h"
+#include "worker/comm/communicator.h"
+#include "worker/plan/flat_layout.h"
+#include "worker/torch_compat.h"
+
+namespace ltrain::worker {
+
+// Whether the reduction queues made from now on run their collectives on a high-priority CUDA stream
+// (LTRAIN_DP_HIGH_PRIORITY=1; set once at start).
+void SetCollectiveStreamPriority(bool high);
+
+// Runs jobs one after another on a thread of its own (or inline when made with threaded=false).
+// On CUDA a threaded queue runs its jobs on a stream of its own, so that collectives overlap the
+// computation: a job's kernels wait for what the enqueuing thread's stream had queued when it
+// enqueued it, and Wait makes the waiting thread's stream wait for the job's kernels.
+class ReductionQueue {
+ public:
+  ReductionQueue(bool threaded, const torch::Device& device);
+  ~ReductionQueue();
+  ReductionQueue(const ReductionQueue&) = delete;
+  ReductionQueue& operator=(const ReductionQueue&) = delete;
+
+  int64_t Enqueue(std::function<Status()> job);
+  // Waits for job `id` (and everything queued before it); returns the first error of any job.
+  Status Wait(int64_t id);
+  Status WaitAll();
+
+ private:
+  void Loop();
+
+  bool threaded_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::pair<int64_t, std::function<Status()>>> jobs_;
+  int64_t next_id_ = 1;
+  int64_t done_id_ = 0;
+  Status error_;
+  torch::Device device_;
+  std::unique_ptr<compat::SideStream> side_;  // only where it is a CUDA stream
+  std::map<int64_t, compat::StreamMarker> finished_;  // the side stream after each job
+
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+struct AdamWConfig {
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+};
+
+struct MemoryBytes {
+  int64_t params = 0;
+  int64_t grads = 0;
+  int64_t optimizer = 0;
+};
+
+class ParamStore {
+ public:
+  struct Param {
+    torch::Tensor* value;  // the model's leaf; the store re-points it into its flat buffer
+    bool decay = false;
+    bool counts_for_norm = true;
+  };
+
+  // `units`: a partition of param indices (each ascending), in the order backward completes them.
+  // `bf16_compute` (zero 0-2): the leaves become bf16 copies of fp32 master parameters, their
+  // gradients bf16; the optimizer updates the masters and refreshes the copies (mixed precision
+  // without autocast's casts in every forward and backward).
+  // `exclusive_collectives`: other communicators (tensor, pipeline parallel) run collectives while
+  // the data-parallel ones would be in flight, on a GPU. NCCL kernels of two communicators issued
+  // from two threads can then wait on each other across ranks and hang (NCCL's documentation:
+  // concurrent communicators need one issue order on every rank), so the data-parallel collectives
+  // are issued inline, by the thread that asks for them, on its stream, never beside the others.
+  static StatusOr<std::unique_ptr<ParamStore>> Create(std::vector<Param> params, const std::vector<std::vector<int>>& units,
+                                                      int zero, Communicator* dp, AdamWConfig adamw,
+                                                      bool bf16_compute = false, bool exclusive_collectives = false);
+  ~ParamStore();
+
+  // Every dp rank starts from rank 0's parameters (zero < 3; under zero 3 every rank built the
+  // same model and keeps only its shard).
+  Status BroadcastParameters();
+
+  // Before a step: zero the gradients.
+  void ZeroGrads();
+  // Before a backward: whether hooks reduce each unit as its gradients complete (zero 0/1: the last
+  // micro-step only; zero 2/3: every micro-step). Without hooks call ReduceAll after backward.
+  void ArmHooks(bool armed);
+  // After a backward: waits for the launched reductions (launching any unit not yet launched when
+  // hooks were armed); zero >= 2 then drops the full gradients.
+  Status FinishBackward();
+  // Reduces every unit now (pipeline schedules, sequence parallelism: after all micro-batches).
+  Status ReduceAll();
+
+  // Sum of squares of the gradient elements this rank counts (its shard under zero >= 1).
+  // A [1] double tensor on the gradients' device (no host synchronization).
+  torch::Tensor GradSquareSum();
+  // AdamW on the owned elements with gradients scaled by grad_scale (clipping); zero 1/2 then
+  // all-gather the updated parameters. `step` is 1-based.
+  // `grad_divisor` (optional, a float scalar on the device): gradients are divided by it (clipping
+  // computed on the device, without a host synchronization).
+  // `defer_compute`: with a sharded update (sharded_update()), the all-gathers of the bf16 copies are
+  // left in flight (issued in forward order) and the caller awaits each unit's before using it
+  // (AwaitCompute), so that they overlap the next forward.
+  Status OptimizerStep(double lr, double grad_scale, int64_t step, const torch::Tensor& grad_divisor = {},
+                       bool defer_compute = false);
+  // zero 1/2, bf16 compute copies, dp > 1: the update writes the owned part of the copies, which are
+  // then all-gathered (in bf16, not the fp32 masters); zero 1 reduce-scatters its gradients.
+  bool sharded_update() const;
+  // The current stream waits for unit `u`'s deferred all-gather of its bf16 copies (a no-op when
+  // none is in flight).
+  Status AwaitCompute(int u);
+  // The unit of the store that holds parameter `param`.
+  int unit_of(int param) const { return unit_of_[param]; }
+
+  // zero 1/2 with bf16 compute copies: all-gathers the fp32 masters, which the optimizer updated only
+  // in this rank's shard. ModelState and MasterValue read the masters: call it (on every dp rank)
+  // before them. A no-op when the masters are current.
+  Status SyncMasters();
+
+  // Sum over dp of a small tensor, on the reduction thread.
+  Status DpAllReduce(torch::Tensor& tensor);
+
+  // zero 3: make unit `u`'s full parameters available (waits for a prefetch), start gathering one
+  // ahead, release one. No-ops below zero 3.
+  Status Gather(int u);
+  void Prefetch(int u);
+  void Release(int u);
+  int zero() const { return zero_; }
+  int units() const { return static_cast<int>(units_.size()); }
+
+  MemoryBytes Memory() const;
+
+  // Checkpoint state by parameter (`names` in the store's parameter order): for each parameter the
+  // range of its flattened elements this rank holds ("range.<name>", int64 [begin, end); under ZeRO-3
+  // and for ZeRO-1/2 moments the owned shard, otherwise all of it) and those elements
+  // ("model.<name>"; "exp_avg.<name>" and "exp_avg_sq.<name>"). Copies, safe to keep while training
+  // goes on. Every key is present, with an empty range where this rank holds none of a parameter.
+  std::vector<std::pair<std::string, torch::Tensor>> ModelState(const std::vector<std::string>& names) const;
+  std::vector<std::pair<std::string, torch::Tensor>> OptimizerState(const std::vector<std::string>& names) const;
+  // Loads parameter `param` from its full flattened value and moments (any layout's checkpoint,
+  // reassembled): keeps the part this rank holds.
+  Status LoadParamState(int param, const torch::Tensor& value, const torch::Tensor& exp_avg, const torch::Tensor& exp_avg_sq);
+  int64_t ParamNumel(int param) const { return params_[param].value->numel(); }
+  // The fp32 value of parameter `param` as the optimizer holds it (zero 0-2: the master; zero 3:
+  // the leaf, valid while its unit is gathered).
+  torch::Tensor MasterValue(int param) const;
+
+ private:
+  struct Unit {
+    UnitLayout layout;
+    torch::Tensor full;        // [padded] parameters (zero 3: storage released when not gathered)
+    torch::Tensor compute;     // bf16_compute: [padded] bf16 copy of `full`, what the leaves view
+    torch::Tensor shard;       // zero 3: [shard] persistent parameters
+    torch::Tensor grad_full;   // zero < 2: [padded] gradients; the leaves' .grad are views of it
+    torch::Tensor grad_shard;  // zero >= 2: [shard]
+    torch::Tensor exp_avg, exp_avg_sq;
+    int pending = 0;           // parameters whose gradient is not ready yet in this backward
+    bool launched = false;
+    bool gathered = true;
+    int64_t gather_job = 0;    // zero 3: in-flight gather
+    int64_t compute_job = 0;   // sharded update: the deferred all-gather of the bf16 copies
+  };
+
+  ParamStore(std::vector<Param> params, int zero, Communicator* dp, AdamWConfig adamw);
+  void OnGradReady(int param);
+  // bf16_compute: the leaves' bf16 copies take the masters' values.
+  void RefreshCompute();
+  torch::Tensor OwnedCompute(Unit& unit);
+  int64_t OffsetInUnit(int param) const;
+  // Calls fn(parameter, at, n) for every parameter of `unit` with elements in this rank's owned
+  // range: they are the n elements from `at` on, counted within the owned range.
+  void ForEachOwned(const Unit& unit, const std::function<void(const Param&, int64_t at, int64_t n)>& fn) const;
+  void Launch(int u);
+  Range Owned(const Unit& unit) const;
+  // The elements of parameter `param` (relative to the parameter) that Owned() covers.
+  Range OwnedOfParam(int param) const;
+  // Where those elements start within the unit's owned range (its shard, moments); 0 when none.
+  int64_t OwnedAt(int param) const;
+  torch::Tensor OwnedGrad(Unit& unit);
+  torch::Tensor OwnedParam(Unit& unit);
+
+  std::vector<Param> params_;
+  std::vector<int> unit_of_;
+  std::vector<Unit> units_;
+  int zero_;
+  Communicator* dp_;
+  AdamWConfig adamw_;
+  bool armed_ = false;
+  bool masters_stale_ = false;  // ShardedUpdate: the masters outside the owned shard lag behind
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // keeps the hooks alive
+  std::unique_ptr<ReductionQueue> queue_;
+};
+
+}  // namespace ltrain::worker

@@ -1,0 +1,30 @@
+// The hooks through which the parameter store follows the model's forward and backward, unit by
+// unit (0 the embedding, 1 + layer for a block, layers + 1 the head). Built once by the trainer on
+// the worker's main thread; they run on that thread (forward, and backward's autograd hooks) and may
+// throw, as autograd expects: a failed gather surfaces from forward or backward as an exception.
+#pragma once
+
+#include <vector>
+
+#include "worker/model/parallel_model.h"
+#include "worker/parallel/param_store.h"
+
+namespace ltrain::worker {
+
+// ZeRO-3's store units: the model's structural units (every parameter of a unit together), the
+// last unit first, as backward reaches them.
+std::vector<std::vector<int>> StructuralUnits(const std::vector<ShardParam>& params);
+
+// ZeRO-3 over store units made by StructuralUnits: a unit's parameters are gathered before its
+// forward (the next unit prefetched), a block's are released after its forward (the embedding and
+// the head stay until their gradients are ready), and gathered again when backward reaches the
+// block's output (the block before it prefetched). `store` must outlive the hooks.
+UnitHooks Zero3GatherHooks(ParamStore* store, const std::vector<ShardParam>& params,
+                           const std::vector<std::vector<int>>& units, int layers);
+
+// A sharded update's bf16 copies are all-gathered during the next forward: each structural unit
+// waits, before its forward, for the store units that hold its parameters. `store` must outlive
+// the hooks.
+UnitHooks AwaitComputeCopiesHooks(ParamStore* store, const std::vector<ShardParam>& params);
+
+}  // namespace ltrain::worker

@@ -1,0 +1,389 @@
+#include "worker/train/run_worker.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <thread>
+
+#include <unistd.h>
+
+#include <dlfcn.h>
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include "common/recipe.h"
+#include "worker/checkpoint/checkpoint.h"
+#include "worker/comm/communicator.h"
+#include "worker/comm/gloo_communicator.h"
+#include "worker/control/checkpoint_stop.h"
+#include "worker/control/progress.h"
+#include "worker/control/progress_reporter.h"
+#include "worker/control/rendezvous_store.h"
+#include "worker/model/fused_kernels.h"
+#include "worker/parallel/param_store.h"
+#include "worker/plan/topology.h"
+#include "worker/train/trainer.h"
+#ifdef LTRAIN_WITH_NCCL
+#include "worker/comm/nccl_communicator.h"
+#endif
+
+namespace ltrain::worker {
+namespace {
+
+std::string Env(const char* name, const std::string& fallback = "") {
+  const char* v = std::getenv(name);
+  return (v != nullptr && *v != '\0') ? std::string(v) : fallback;
+}
+
+Status EnvInt(const char* name, int* out) {
+  std::string v = Env(name);
+  if (v.empty()) return Status::Ok();
+  try {
+    size_t used = 0;
+    int parsed = std::stoi(v, &used);
+    if (used != v.size()) throw std::invalid_argument(v);
+    *out = parsed;
+  } catch (const std::exception&) {
+    return InvalidArgument(std::string(name) + "='" + v + "' is not an integer");
+  }
+  return Status::Ok();
+}
+
+// Collective timeout: fault.collective_timeout_s of the recipe (LTRAIN_COLLECTIVE_TIMEOUT_S wins):
+// long enough for a slow step, short enough that a vanished peer fails the collective instead of
+// hanging it forever.
+std::chrono::milliseconds CollectiveTimeout(const Recipe& recipe) {
+  int seconds = 0;
+  if (EnvInt("LTRAIN_COLLECTIVE_TIMEOUT_S", &seconds).ok() && seconds > 0) return std::chrono::seconds(seconds);
+  return std::chrono::milliseconds(static_cast<int64_t>(recipe.fault.collective_timeout_s * 1000.0));
+}
+
+// LibTorch's set_num_threads sizes its OpenMP pool but not OpenBLAS's own pthread pool, which
+// otherwise takes every core and oversubscribes a node running several ranks. Looked up at run
+// time because which BLAS libblas.so.3 resolves to is the host's choice.
+void SetBlasThreads(int threads) {
+  using SetThreadsFn = void (*)(int);
+  if (auto fn = reinterpret_cast<SetThreadsFn>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) fn(threads);
+}
+
+std::string DefaultCheckpointDir(const WorkerEnv& env, const Recipe& recipe) {
+  std::string home = Env("LTRAIN_HOME");
+  if (home.empty()) home = Env("HOME", ".") + "/.ltrain";
+  std::string job = !env.job_id.empty() ? env.job_id : (!recipe.name.empty() ? recipe.name : "manual");
+  return home + "/checkpoints/" + job;
+}
+
+// The world communicator and one per process group of the recipe's layout (tp, dp, pp, embedding),
+// each group connected through its own prefix of the rendezvous store.
+struct Connection {
+  std::shared_ptr<gloo::rendezvous::Store> store;
+  std::unique_ptr<Communicator> world;
+  ProcessGroups groups;
+};
+
+StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe& recipe) {
+  auto conn = std::make_unique<Connection>();
+  StatusOr<Topology> topology = MakeTopology(env.world_size, recipe.parallel.tp, recipe.parallel.pp);
+  if (!topology.ok()) return topology.status();
+  if (env.world_size == 1) {
+    conn->world = std::make_unique<SelfCommunicator>();
+    conn->groups = DataParallelGroups(conn->world.get());
+    return conn;
+  }
+  if (env.rdzv.empty()) {
+    return InvalidArgument("LTRAIN_WORLD_SIZE=" + std::to_string(env.world_size) +
+                           " needs a rendezvous address in LTRAIN_RDZV (grpc://HOST:PORT or file:///DIR)");
+  }
+  StatusOr<std::shared_ptr<gloo::rendezvous::Store>> store = ConnectRendezvousStore(env.rdzv, env.rdzv_scope);
+  if (!store.ok()) return store.status();
+  conn->store = *store;
+  GroupFactory make;
+  if (recipe.parallel.device == "cuda") {
+#ifdef LTRAIN_WITH_NCCL
+    const std::chrono::milliseconds timeout = CollectiveTimeout(recipe);
+    auto nccl = NcclCommunicator::Create(*conn->store, env.rank, env.world_size, env.local_rank, timeout);
+    if (!nccl.ok()) return nccl.status();
+    conn->world = std::move(nccl).value();
+    Connection* c = conn.get();
+    const int local_rank = env.local_rank;
+    make = [c, local_rank, timeout](const Group& group, int group_rank) -> StatusOr<std::unique_ptr<Communicator>> {
+      std::unique_ptr<gloo::rendezvous::Store> prefixed = PrefixedView("group/" + group.name, *c->store);
+      auto comm = NcclCommunicator::Create(*prefixed, group_rank, static_cast<int>(group.ranks.size()), local_rank,
+                                           timeout);
+      if (!comm.ok()) return comm.status();
+      return std::unique_ptr<Communicator>(std::move(comm).value());
+    };
+#else
+    return InvalidArgument("parallel.device=cuda needs a worker built against LibTorch with CUDA and NCCL");
+#endif
+  } else {
+    auto gloo = GlooCommunicator::Create(*conn->store, env.rank, env.world_size, env.bind_addr, CollectiveTimeout(recipe));
+    if (!gloo.ok()) return gloo.status();
+    GlooCommunicator* world = gloo->get();
+    conn->world = std::move(gloo).value();
+    Connection* c = conn.get();
+    make = [c, world](const Group& group, int group_rank) -> StatusOr<std::unique_ptr<Communicator>> {
+      auto comm = GlooCommunicator::CreateGroup(*world, *c->store, group, group_rank);
+      if (!comm.ok()) return comm.status();
+      return std::unique_ptr<Communicator>(std::move(comm).value());
+    };
+  }
+  StatusOr<ProcessGroups> groups = BuildProcessGroups(*topology, env.rank, conn->world.get(), make);
+  if (!groups.ok()) return groups.status();
+  conn->groups = std::move(groups).value();
+  return conn;
+}
+
+Status Run(const WorkerEnv& env) {
+  if (env.recipe_file.empty()) return InvalidArgument("no recipe: pass --recipe FILE or set LTRAIN_RECIPE_FILE");
+  if (env.world_size < 1 || env.rank < 0 || env.rank >= env.world_size) {
+    return InvalidArgument("LTRAIN_RANK=" + std::to_string(env.rank) + " is outside LTRAIN_WORLD_SIZE=" +
+                           std::to_string(env.world_size));
+  }
+  RecipeParseResult parsed = LoadRecipeFile(env.recipe_file, env.overrides);
+  if (!parsed.ok()) return InvalidArgument(parsed.ErrorText());
+  Recipe recipe = parsed.recipe;
+
+  // OMP_NUM_THREADS wins, as users of torchrun expect; otherwise the node's cores are shared out.
+  const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
+  int threads = std::max(1, static_cast<int>(hw) / std::max(1, env.local_world_size));
+  if (const char* omp = std::getenv("OMP_NUM_THREADS"); omp && std::atoi(omp) > 0) threads = std::atoi(omp);
+  at::set_num_threads(threads);
+  SetBlasThreads(threads);
+
+  TrainerOptions options;
+  options.rank = env.rank;
+  options.local_rank = env.local_rank;
+  options.generation = env.generation;
+  options.job_id = env.job_id;
+  options.collective_timeout = CollectiveTimeout(recipe);
+  options.dp_overlap = Env("LTRAIN_DP_OVERLAP") != "0";
+  SetCollectiveStreamPriority(Env("LTRAIN_DP_HIGH_PRIORITY") == "1");
+  FusedKernelOptions kernels;
+  kernels.linear = Env("LTRAIN_FUSED_LINEAR") != "0";
+  kernels.layer_norm = Env("LTRAIN_FUSED_LAYER_NORM") != "0";
+  kernels.adamw = Env("LTRAIN_FUSED_ADAMW") != "0";
+  if (Status s = EnvInt("LTRAIN_GEMM_SM_MARGIN", &kernels.gemm_sm_margin); !s.ok()) return s;
+  SetFusedKernelOptions(kernels);
+  StatusOr<CheckpointWriteFault> fault = CheckpointWriteFault::FromEnv();
+  if (!fault.ok()) return fault.status();
+  options.checkpoint_write_fault = *fault;
+  if (const std::string profile = Env("LTRAIN_PROFILE"); !profile.empty()) {
+    const size_t colon = profile.find(':');
+    char* end = nullptr;
+    const long long step = std::strtoll(profile.c_str(), &end, 10);
+    if (colon == std::string::npos || end != profile.c_str() + colon || step < 1 || colon + 1 == profile.size()) {
+      return InvalidArgument("LTRAIN_PROFILE=" + profile + ": expected STEP:PATH, e.g. LTRAIN_PROFILE=10:/tmp/step10.json");
+    }
+    options.profile_step = step;
+    options.profile_path = profile.substr(colon + 1);
+  }
+  options.checkpoint_dir = !recipe.checkpoint.enabled       ? ""
+                           : !env.checkpoint_dir.empty()     ? env.checkpoint_dir
+                           : !recipe.checkpoint.dir.empty() ? recipe.checkpoint.dir
+                                                            : DefaultCheckpointDir(env, recipe);
+  // A restarted generation continues from the job's newest committed checkpoint instead of
+  // starting over (and overwriting it).
+  std::error_code ec;
+  if (recipe.checkpoint.resume_from.empty() && env.generation > 0 &&
+      std::filesystem::exists(std::filesystem::path(options.checkpoint_dir) / "latest", ec)) {
+    recipe.checkpoint.resume_from = options.checkpoint_dir;
+  }
+
+  // `ltrain stop --checkpoint` reaches this rank in the agent's replies to its progress reports.
+  CheckpointStop stop(env.rank, env.world_size);
+  options.stop_after = [&stop](int64_t step) { return stop.After(step); };
+  // Progress goes to the agent (for hang detection) from here on, startup included.
+  Progress::Global().SetPhase(0, "startup");
+  std::unique_ptr<ProgressReporter> reporter;
+  if (const std::string agent = Env("LTRAIN_AGENT"); !agent.empty()) {
+    ProgressReporterOptions reporting{agent, env.job_id, env.generation, env.rank, options.checkpoint_dir};
+    reporting.on_checkpoint_stop = [&stop] { stop.Request(); };
+    reporter = std::make_unique<ProgressReporter>(std::move(reporting));
+  }
+
+  auto connect_start = std::chrono::steady_clock::now();
+  StatusOr<std::unique_ptr<Connection>> conn = Connect(env, recipe);
+  if (!conn.ok()) return conn.status();
+  ConnectCheckpointStop(&stop, (*conn)->store);
+  // Every rank says it is up: the first line of each rank's log, and proof of the rendezvous.
+  std::printf("rank %d/%d up: pid %d, %d CPU thread(s), connected to %d peer(s) in %.0f ms\n", env.rank,
+              env.world_size, static_cast<int>(getpid()), threads, env.world_size - 1,
+              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - connect_start).count());
+  std::fflush(stdout);
+  // Ranks tell rank 0 their checkpoint files are durable through the checkpoint directory itself.
+  std::unique_ptr<CheckpointCommitBoard> board;
+  if (env.world_size > 1 && !options.checkpoint_dir.empty()) {
+    board = std::make_unique<FileCommitBoard>(options.checkpoint_dir);
+    options.commit_board = board.get();
+  }
+  StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(recipe, options, &(*conn)->groups);
+  if (!trainer.ok()) return trainer.status();
+  stop.Begin((*trainer)->step());
+  Status done = (*trainer)->Run();
+  if (done.ok() && stop.stop_step() == (*trainer)->step() && (*trainer)->step() < recipe.training.steps) {
+    std::printf("rank %d: stopped after step %lld of %lld, %s: the job is being stopped (ltrain stop --checkpoint)\n",
+                env.rank, static_cast<long long>((*trainer)->step()), static_cast<long long>(recipe.training.steps),
+                options.checkpoint_dir.empty() ? "saving nothing (checkpoints are off)" : "with its checkpoint committed");
+  }
+  if (done.ok() && !env.export_params.empty()) done = (*trainer)->ExportParameters(env.export_params);
+  Progress::Global().SetPhase((*trainer)->step(), "done");
+  return done;
+}
+
+}  // namespace
+
+std::string WorkerUsage() {
+  return R"(ltrain-worker: one training rank (started by an ltrain agent, or by hand).
+
+Usage: ltrain-worker [--recipe FILE] [--set key=value]... [--export-params FILE] [--help]
+
+  --recipe FILE         the recipe YAML (default: $LTRAIN_RECIPE_FILE)
+  --set key=value       override a recipe field, e.g. --set training.steps=20 (repeatable)
+  --export-params FILE  after training, rank 0 gathers every parameter of the full model (from
+                        every tp, pp and ZeRO shard) and writes them to FILE: per parameter, in the
+                        model's order, uint32 name length, name, uint64 count, float32 values
+  --help             this text
+
+Environment (set by the agent; flags win over it):
+  LTRAIN_JOB_ID            job id (names the default checkpoint directory)
+  LTRAIN_RANK              this process's rank, 0-based (default 0)
+  LTRAIN_WORLD_SIZE        number of ranks (default 1; 1 needs no rendezvous)
+  LTRAIN_LOCAL_RANK        rank on this node (picks the GPU)
+  LTRAIN_LOCAL_WORLD_SIZE  ranks on this node (CPU threads = cores / this, unless OMP_NUM_THREADS is set)
+  LTRAIN_GENERATION        restart count; >0 resumes from the newest checkpoint
+  LTRAIN_RECIPE_FILE       path of the resolved recipe YAML
+  LTRAIN_RDZV              rendezvous address: grpc://HOST:PORT (agent) or file:///DIR (by hand)
+  LTRAIN_RDZV_SCOPE        key prefix of this job generation in the rendezvous store
+  LTRAIN_CHECKPOINT_DIR    overrides checkpoint.dir
+  LTRAIN_AGENT             HOST:PORT of the agent's WorkerService, where progress reports go
+  LTRAIN_BIND_ADDR         address Gloo listens on (default 127.0.0.1)
+  LTRAIN_COLLECTIVE_TIMEOUT_S  seconds before a stuck collective fails (default: the recipe's
+                           fault.collective_timeout_s)
+
+Profiling:
+  LTRAIN_PROFILE=STEP:PATH rank 0 records step STEP (1-based) with the CUDA profiler (operators and
+                           kernels) and writes a Chrome trace to PATH (open it in Perfetto or
+                           chrome://tracing); CUDA builds only
+  LTRAIN_FUSED_LINEAR=0    LibTorch's linear layers and GELU instead of the worker's cuBLASLt ones
+                           (bf16 on CUDA), to compare speed or numerics
+  LTRAIN_FUSED_LAYER_NORM=0  LibTorch's layer norm backward instead of the worker's kernels (which
+                           add the residual branch's gradient in the same pass)
+  LTRAIN_FUSED_ADAMW=0     LibTorch's fused AdamW over fp32 copies of the bf16 gradients instead of
+                           the worker's kernel (which also writes the bf16 weights)
+  LTRAIN_DP_OVERLAP=0      all-reduce the data-parallel gradients after backward, not during it
+  LTRAIN_DP_HIGH_PRIORITY=1  run the data-parallel collectives on a high-priority CUDA stream
+  LTRAIN_GEMM_SM_MARGIN=N  plan the cuBLASLt products of backward for N fewer SMs than the GPU has,
+                           leaving them to the data-parallel reductions that overlap backward
+
+Fault injection (for testing recovery; never set in production):
+  LTRAIN_FAULT_CHECKPOINT_WRITE=STEP[:RANK]
+                           the save of step STEP fails while writing a file of rank RANK (every
+                           rank when absent), after half of its bytes reached the disk: the step is
+                           not committed, `latest` keeps naming the previous one, rank 0 prints
+                           "checkpoint step-STEP failed: ...; step-M stays the newest committed",
+                           and training goes on
+
+By hand, two ranks on one machine:
+  LTRAIN_WORLD_SIZE=2 LTRAIN_RANK=0 LTRAIN_RDZV=file:///tmp/rdzv LTRAIN_RDZV_SCOPE=t1 ltrain-worker --recipe r.yaml &
+  LTRAIN_WORLD_SIZE=2 LTRAIN_RANK=1 LTRAIN_RDZV=file:///tmp/rdzv LTRAIN_RDZV_SCOPE=t1 ltrain-worker --recipe r.yaml
+(use a fresh scope or directory per run: stale keys from an old run would be read back).
+
+Rank 0 prints "step S/N loss L lr R tok/s T step_ms M" lines and at the end "throughput: steps A-B
+step_ms M tok/s T tok/s/device D tflops/device F" over the steps after the first three (less the
+time spent in checkpoint saves), with "mfu P% peak_mem_gib G" on CUDA (MFU against 989 TFLOP/s,
+FLOPs per token 6N + 12*L*d*T); on CUDA a step's line comes after the next step has been queued (the
+host reads each loss one step late, and at checkpoints before saving); every rank prints once, after its first
+step, "memory rank R: params B bytes, grads B bytes, optimizer B bytes, activations_peak B bytes".
+Checkpoints go to <checkpoint_dir>/step-<N>/ (model.pt and optimizer.pt for plain data parallelism,
+model-rank-R.pt and optimizer-rank-R.pt shards for tp/pp/ZeRO layouts, meta.yaml: the manifest with
+step, generation, layout, data position, RNG state, recipe, and every file's checksum and size)
+with <checkpoint_dir>/latest. With checkpoint.async (the default) the files are written by a
+background thread from a snapshot in host memory while training goes on; rank 0 prints
+"checkpoint step-N written to DIR in X ms" when step N is committed. A resume (checkpoint.resume_from,
+or a restarted generation) takes the newest checkpoint whose checksums verify, saying why it skipped
+any newer one; it may use another data-parallel degree or ZeRO stage (same tp and pp).
+When the agent answers a progress report with a stop after a final checkpoint (ltrain stop
+--checkpoint), the ranks agree through the rendezvous store on one step none has passed, train to
+it, save and commit it like a periodic checkpoint, print "rank R: stopped after step S of N, with
+its checkpoint committed: ..." and exit 0.
+Exit code: 0 done (or stopped after a final checkpoint), 1 failed (reason on stderr), 2 bad usage.
+)";
+}
+
+StatusOr<WorkerEnv> ParseWorkerEnv(int argc, char** argv) {
+  WorkerEnv env;
+  env.job_id = Env("LTRAIN_JOB_ID");
+  for (auto [name, field] : {std::pair{"LTRAIN_RANK", &env.rank}, {"LTRAIN_WORLD_SIZE", &env.world_size},
+                             {"LTRAIN_LOCAL_RANK", &env.local_rank},
+                             {"LTRAIN_LOCAL_WORLD_SIZE", &env.local_world_size},
+                             {"LTRAIN_GENERATION", &env.generation}}) {
+    if (Status s = EnvInt(name, field); !s.ok()) return s;
+  }
+  env.recipe_file = Env("LTRAIN_RECIPE_FILE");
+  env.rdzv = Env("LTRAIN_RDZV");
+  env.rdzv_scope = Env("LTRAIN_RDZV_SCOPE", env.job_id.empty() ? "manual" : env.job_id);
+  env.checkpoint_dir = Env("LTRAIN_CHECKPOINT_DIR");
+  env.bind_addr = Env("LTRAIN_BIND_ADDR", "127.0.0.1");
+  for (int i = 1; i < argc; ++i) {
+    std::string arg = argv[i];
+    auto value = [&](const std::string& flag) -> StatusOr<std::string> {
+      if (arg.size() > flag.size() && arg.compare(0, flag.size() + 1, flag + "=") == 0) {
+        return arg.substr(flag.size() + 1);
+      }
+      if (i + 1 >= argc) return InvalidArgument(flag + " needs a value");
+      return std::string(argv[++i]);
+    };
+    if (arg == "--help" || arg == "-h") {
+      env.help = true;
+    } else if (arg == "--recipe" || arg.rfind("--recipe=", 0) == 0) {
+      StatusOr<std::string> v = value("--recipe");
+      if (!v.ok()) return v.status();
+      env.recipe_file = *v;
+    } else if (arg == "--export-params" || arg.rfind("--export-params=", 0) == 0) {
+      StatusOr<std::string> v = value("--export-params");
+      if (!v.ok()) return v.status();
+      env.export_params = *v;
+    } else if (arg == "--set" || arg.rfind("--set=", 0) == 0) {
+      StatusOr<std::string> v = value("--set");
+      if (!v.ok()) return v.status();
+      if (v->find('=') == std::string::npos) return InvalidArgument("--set " + *v + ": expected key=value");
+      env.overrides.push_back(*v);
+    } else {
+      return InvalidArgument("unknown argument '" + arg + "' (see --help)");
+    }
+  }
+  return env;
+}
+
+int RunWorker(int argc, char** argv) {
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress lines reach the agent as they happen
+  StatusOr<WorkerEnv> env = ParseWorkerEnv(argc, argv);
+  if (!env.ok()) {
+    std::fprintf(stderr, "ltrain-worker: %s\n", env.status().message().c_str());
+    return 2;
+  }
+  if (env->help) {
+    std::fputs(WorkerUsage().c_str(), stdout);
+    return 0;
+  }
+  Status status;
+  try {
+    status = Run(*env);
+  } catch (const c10::Error& e) {
+    status = Internal(std::string("LibTorch error: ") + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    status = Internal(std::string("unexpected error: ") + e.what());
+  }
+  std::fflush(stdout);
+  if (!status.ok()) {
+    std::fprintf(stderr, "ltrain-worker: rank %d: error: %s\n", env->rank, status.message().c_str());
+    return 1;
+  }
+  return 0;
+}
+
+}  // namespace ltrain::worker

@@ -1,0 +1,991 @@
+#include "worker/train/trainer.h"
+
+#include <malloc.h>
+
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <optional>
+#include <set>
+
+#include <ATen/CPUGeneratorImpl.h>
+#include <c10/util/Exception.h>
+#include <torch/autograd.h>
+
+#include "worker/checkpoint/checkpoint.h"
+#include "worker/checkpoint/checkpoint_writer.h"
+#include "worker/control/progress.h"
+#include "worker/parallel/unit_hooks.h"
+#include "worker/plan/flat_layout.h"
+#include "worker/plan/topology.h"
+#include "worker/torch_compat.h"
+
+namespace ltrain::worker {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// model.init "auto": PyTorch's initialisation below this many parameters, per-parameter from here.
+constexpr int64_t kPerParameterInitFrom = 2'000'000'000;
+
+double MillisSince(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+// Bytes the process's heap holds now (every malloc arena plus mmapped blocks).
+int64_t HeapInUse() {
+  struct mallinfo2 info = mallinfo2();
+  return static_cast<int64_t>(info.uordblks + info.hblkhd);
+}
+
+// data.sampling "torch": window starts as a PyTorch loop draws them with torch.randint(0, span, (n,),
+// generator=g), g = torch.Generator().manual_seed(seed). The CPU kernel draws element after element
+// from one Mersenne Twister, so draws made in chunks of any size continue one stream: sample index i
+// gets its i-th value.
+class TorchRandintWindows final : public WindowStream {
+ public:
+  TorchRandintWindows(uint64_t seed, int64_t span) : seed_(seed), span_(span) { Restart(); }
+
+  int64_t Start(int64_t sample_index) override {
+    if (sample_index < base_) Restart();
+    while (sample_index >= base_ + kChunk) {
+      base_ += kChunk;
+      Draw();
+    }
+    return chunk_[static_cast<size_t>(sample_index - base_)];
+  }
+
+ private:
+  static constexpr int64_t kChunk = 4096;
+
+  void Restart() {
+    generator_ = at::make_generator<at::CPUGeneratorImpl>(seed_);
+    base_ = 0;
+    Draw();
+  }
+
+  void Draw() {
+    torch::Tensor t = torch::randint(0, span_, {kChunk}, generator_, torch::kLong);
+    const int64_t* v = t.data_ptr<int64_t>();
+    chunk_.assign(v, v + kChunk);
+  }
+
+  uint64_t seed_;
+  int64_t span_;
+  at::Generator generator_;
+  int64_t base_ = 0;
+  std::vector<int64_t> chunk_;
+};
+
+std::string RngStateHex() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  torch::Tensor state;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    state = gen.get_state().contiguous();
+  }
+  static const char* kHex = "0123456789abcdef";
+  const uint8_t* bytes = state.data_ptr<uint8_t>();
+  std::string out;
+  out.reserve(static_cast<size_t>(state.numel()) * 2);
+  for (int64_t i = 0; i < state.numel(); ++i) {
+    out.push_back(kHex[bytes[i] >> 4]);
+    out.push_back(kHex[bytes[i] & 15]);
+  }
+  return out;
+}
+
+Status RestoreRngState(const std::string& hex) {
+  if (hex.empty() || hex.size() % 2 != 0) return DataLoss("checkpoint rng_state is malformed");
+  torch::Tensor state = torch::empty({static_cast<int64_t>(hex.size() / 2)}, torch::kByte);
+  uint8_t* bytes = state.data_ptr<uint8_t>();
+  auto nibble = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  for (size_t i = 0; i < hex.size(); i += 2) {
+    const int hi = nibble(hex[i]), lo = nibble(hex[i + 1]);
+    if (hi < 0 || lo < 0) return DataLoss("checkpoint rng_state is not hex");
+    bytes[i / 2] = static_cast<uint8_t>(hi * 16 + lo);
+  }
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  try {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(state);
+  } catch (const c10::Error& e) {
+    return DataLoss(std::string("checkpoint rng_state does not fit this LibTorch: ") + e.what_without_backtrace());
+  }
+  return Status::Ok();
+}
+
+Status Rethrown(const char* what) {
+  try {
+    throw;
+  } catch (const c10::Error& e) {
+    return Internal(std::string(what) + ": LibTorch error: " + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    // Collectives inside autograd (tensor parallelism) report failure by throwing.
+    return Unavailable(std::string(what) + ": " + e.what());
+  }
+}
+
+}  // namespace
+
+std::unique_ptr<WindowStream> MakeWindowStream(const Recipe& recipe, int64_t span) {
+  if (recipe.data.sampling != "torch" || span < 1) return nullptr;  // TokenSampler::Check reports a short file
+  return std::make_unique<TorchRandintWindows>(static_cast<uint64_t>(DataSeed(recipe)), span);
+}
+
+StatusOr<Layout> PlanLayout(const Recipe& recipe, int world_size) {
+  const ParallelSpec& p = recipe.parallel;
+  if (world_size < 1) return InvalidArgument("world size " + std::to_string(world_size) + " must be >= 1");
+  StatusOr<Topology> topology = MakeTopology(world_size, p.tp, p.pp);
+  if (!topology.ok()) return topology.status();
+  const ModelSpec& m = recipe.model;
+  if (m.heads < 1 || m.d_model % m.heads != 0) {
+    return InvalidArgument("model.heads=" + std::to_string(m.heads) + " does not divide model.d_model=" +
+                           std::to_string(m.d_model));
+  }
+  if (m.heads % p.tp != 0 || m.vocab % p.tp != 0) {
+    return InvalidArgument("parallel.tp=" + std::to_string(p.tp) + " must divide model.heads=" + std::to_string(m.heads) +
+                           " and model.vocab=" + std::to_string(m.vocab));
+  }
+  if (p.sequence_parallel && (p.tp < 2 || m.seq_len % p.tp != 0)) {
+    return InvalidArgument("parallel.sequence_parallel needs parallel.tp > 1 dividing model.seq_len=" +
+                           std::to_string(m.seq_len));
+  }
+  if (p.zero < 0 || p.zero > 3) return InvalidArgument("parallel.zero=" + std::to_string(p.zero) + " is not 0, 1, 2 or 3");
+  if (p.zero == 3 && p.pp > 1) {
+    return InvalidArgument("parallel.zero=3 with parallel.pp>1 is not supported by this worker; use zero 1 or 2 with pipelines");
+  }
+  if (p.activation_checkpointing != "none" && p.activation_checkpointing != "full" &&
+      p.activation_checkpointing != "selective") {
+    return InvalidArgument("parallel.activation_checkpointing=" + p.activation_checkpointing +
+                           " is not one of none, full, selective");
+  }
+  Layout layout;
+  layout.world_size = world_size;
+  layout.tp = topology->tp;
+  layout.dp = topology->dp;
+  layout.pp = topology->pp;
+  layout.chunks = p.pp > 1 ? p.virtual_stages : 1;
+  layout.zero = p.zero;
+  layout.micro_batch = recipe.training.micro_batch;
+  layout.global_batch = recipe.training.global_batch;
+  const int per_step = layout.micro_batch * layout.dp;
+  if (layout.micro_batch < 1 || layout.global_batch < per_step || layout.global_batch % per_step != 0) {
+    return InvalidArgument("training.global_batch=" + std::to_string(layout.global_batch) +
+                           " is not a positive multiple of training.micro_batch*dp=" +
+                           std::to_string(layout.micro_batch) + "*" + std::to_string(layout.dp) + "=" +
+                           std::to_string(per_step) + "; change global_batch or micro_batch");
+  }
+  layout.accumulation = layout.global_batch / per_step;
+  if (layout.pp > 1) {
+    StatusOr<PipelinePlan> plan = PlanPipeline(p.pp_schedule, layout.pp, layout.chunks, layout.accumulation);
+    if (!plan.ok()) return plan.status();
+  }
+  StatusOr<std::vector<int>> stages = StageLayers(m.layers, layout.pp * layout.chunks, p.pp_split);
+  if (!stages.ok()) return stages.status();
+  return layout;
+}
+
+Trainer::Trainer(const Recipe& recipe, const TrainerOptions& options, ProcessGroups* groups, Layout layout,
+                 TokenDataset data)
+    : recipe_(recipe),
+      options_(options),
+      groups_(groups),
+      layout_(layout),
+      data_(std::move(data)),
+      sampler_(&data_, DataSeed(recipe), recipe.model.seq_len,
+               MakeWindowStream(recipe, data_.size() - recipe.model.seq_len - 1)) {}
+
+Trainer::~Trainer() = default;
+
+StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const Recipe& recipe, const TrainerOptions& options,
+                                                   Communicator* comm) {
+  auto groups = std::make_unique<ProcessGroups>(DataParallelGroups(comm));
+  StatusOr<std::unique_ptr<Trainer>> trainer = Create(recipe, options, groups.get());
+  if (trainer.ok()) (*trainer)->owned_groups_ = std::move(groups);
+  return trainer;
+}
+
+StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const Recipe& recipe, const TrainerOptions& options,
+                                                   ProcessGroups* groups) {
+  StatusOr<Layout> layout = PlanLayout(recipe, groups->world->size());
+  if (!layout.ok()) return layout.status();
+  const Topology& t = groups->topology;
+  if (t.tp != layout->tp || t.pp != layout->pp || t.dp != layout->dp) {
+    return InvalidArgument("process groups (tp " + std::to_string(t.tp) + ", dp " + std::to_string(t.dp) + ", pp " +
+                           std::to_string(t.pp) + ") do not match the recipe's layout");
+  }
+  if (recipe.data.path.empty()) return InvalidArgument("data.path is empty: point it at a directory written by `ltrain data prepare`");
+  StatusOr<TokenDataset> data = TokenDataset::Open(recipe.data.path + "/train.bin");
+  if (!data.ok()) return data.status();
+  if (data->vocab() > recipe.model.vocab) {
+    return InvalidArgument("token file " + data->path() + " has vocab " + std::to_string(data->vocab()) +
+                           " but model.vocab=" + std::to_string(recipe.model.vocab) + "; raise model.vocab");
+  }
+  std::unique_ptr<Trainer> trainer(new Trainer(recipe, options, groups, *layout, std::move(data).value()));
+  if (Status s = trainer->sampler_.Check(); !s.ok()) return s;
+  Status s;
+  try {
+    s = trainer->Init();
+  } catch (...) {
+    s = Rethrown("initialising the trainer");
+  }
+  if (!s.ok()) return s;
+  return trainer;
+}
+
+Status Trainer::Init() {
+  const ParallelSpec& p = recipe_.parallel;
+  // Saves a previous run left half-written are never read: rank 0 removes them before any rank
+  // can start a save of this run (every save follows collectives with rank 0).
+  if (options_.rank == 0 && !options_.checkpoint_dir.empty()) RemovePendingCheckpoints(options_.checkpoint_dir, -1);
+  if (p.device == "cuda") {
+    if (!compat::kBuiltWithCuda) {
+      return InvalidArgument("parallel.device=cuda needs a worker built against LibTorch with CUDA; this one is CPU-only (use device: cpu)");
+    }
+    device_ = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(options_.local_rank));
+  } else if (p.device != "cpu") {
+    return InvalidArgument("parallel.device=" + p.device + " is neither cpu nor cuda");
+  }
+  if (p.precision.rfind("bf16", 0) == 0 && !device_.is_cuda()) {
+    return InvalidArgument("parallel.precision=" + p.precision + " needs parallel.device=cuda; on CPU use precision auto or fp32");
+  }
+  // bf16 on the GPU only. "bf16" (and auto): the model computes on bf16 copies of fp32 master
+  // weights, the optimizer works in fp32; ZeRO-3, which gathers the parameters themselves, and
+  // "bf16-autocast" keep fp32 parameters and gradients and cast per operation (PyTorch AMP).
+  bf16_ = device_.is_cuda() && p.precision != "fp32";
+  bf16_params_ = bf16_ && p.precision != "bf16-autocast" && layout_.zero < 3;
+  activation_dtype_ = bf16_params_ ? torch::kBFloat16 : torch::kFloat;
+  overlap_ = options_.dp_overlap && layout_.pp == 1 && !p.sequence_parallel;
+
+  const TrainingSpec& t = recipe_.training;
+  schedule_ = LrSchedule{t.lr, t.min_lr, t.warmup_steps, t.steps, t.lr_schedule != "constant"};
+
+  ModelLayout ml;
+  ml.config = GptConfig{recipe_.model.layers, recipe_.model.d_model, recipe_.model.heads, recipe_.model.seq_len,
+                        recipe_.model.vocab};
+  ml.tp = layout_.tp;
+  ml.tp_rank = groups_->coords.tp;
+  ml.sequence_parallel = p.sequence_parallel;
+  ml.activation_checkpointing = p.activation_checkpointing;
+  ml.pp = layout_.pp;
+  ml.pp_rank = groups_->coords.pp;
+  ml.chunks = layout_.chunks;
+  StatusOr<std::vector<int>> stages = StageLayers(ml.config.layers, ml.pp * ml.chunks, p.pp_split);
+  if (!stages.ok()) return stages.status();
+  ml.stage_layers = *stages;
+  // Same seed on every rank: every rank draws the same full parameters and keeps its slices.
+  ml.per_parameter_init = recipe_.model.init == "per_parameter" ||
+                          (recipe_.model.init == "auto" && GptParameterCount(ml.config) >= kPerParameterInitFrom);
+  ml.seed = static_cast<uint64_t>(t.seed);
+  ml.device = device_;
+  torch::manual_seed(t.seed);
+  StatusOr<std::unique_ptr<ModelShard>> model = ModelShard::Create(ml, groups_->tp);
+  if (!model.ok()) return model.status();
+  model_ = std::move(model).value();
+
+  std::vector<ShardParam>& params = model_->params();
+  std::vector<ParamStore::Param> store_params;
+  std::vector<int64_t> numels;
+  for (ShardParam& sp : params) {
+    if (device_.is_cuda()) sp.value = sp.value.detach().to(device_).requires_grad_(true);
+    store_params.push_back(ParamStore::Param{&sp.value, sp.decay, sp.counts_for_norm});
+    numels.push_back(sp.value.numel());
+    param_names_.push_back(sp.name);
+  }
+  // ZeRO-3 gathers parameters block by block: its units are the model's structural units. The
+  // other stages reduce buckets of parallel.bucket_mb.
+  std::vector<std::vector<int>> units = layout_.zero == 3 ? StructuralUnits(params)
+                                                          : PlanBuckets(numels, 4, p.bucket_mb * 1024.0 * 1024.0);
+  AdamWConfig adamw;
+  adamw.weight_decay = t.weight_decay;
+  adamw.beta1 = t.beta1;
+  adamw.beta2 = t.beta2;
+  StatusOr<std::unique_ptr<ParamStore>> store =
+      ParamStore::Create(store_params, units, layout_.zero, groups_->dp, adamw, bf16_params_,
+                         /*exclusive_collectives=*/device_.is_cuda() && (layout_.tp > 1 || layout_.pp > 1));
+  if (!store.ok()) return store.status();
+  store_ = std::move(store).value();
+  if (layout_.zero == 3) model_->set_hooks(Zero3GatherHooks(store_.get(), params, units, ml.config.layers));
+  if (store_->sharded_update()) {
+    model_->set_hooks(AwaitComputeCopiesHooks(store_.get(), params));
+    defer_compute_ = true;
+  }
+  if (Status s = store_->BroadcastParameters(); !s.ok()) return s;
+
+  if (layout_.pp > 1) {
+    StatusOr<PipelinePlan> plan = PlanPipeline(p.pp_schedule, layout_.pp, layout_.chunks, layout_.accumulation);
+    if (!plan.ok()) return plan.status();
+    plan_ = std::move(plan).value();
+  }
+
+  if (!recipe_.checkpoint.resume_from.empty()) {
+    if (Status s = Resume(recipe_.checkpoint.resume_from); !s.ok()) return s;
+  }
+  run_start_step_ = step_;
+  run_start_position_ = data_position_;
+
+  if (!options_.checkpoint_dir.empty()) {
+    CheckpointWriterOptions w;
+    w.dir = options_.checkpoint_dir;
+    w.rank = groups_->rank;
+    w.world_size = layout_.world_size;
+    w.recipe = recipe_;
+    w.print = options_.print_progress;
+    w.fault = options_.checkpoint_write_fault;
+    w.commit_timeout = options_.collective_timeout;
+    w.board = options_.commit_board;
+    if (w.board == nullptr && layout_.world_size == 1) {
+      local_board_ = std::make_unique<LocalCommitBoard>();
+      w.board = local_board_.get();
+    }
+    w.async = recipe_.checkpoint.async && w.board != nullptr;
+    writer_ = std::make_unique<CheckpointWriter>(std::move(w));
+  }
+  return Status::Ok();
+}
+
+// Rank 0 picks the checkpoint (verifying checksums, skipping corrupt ones) and tells the others
+// which step, so every rank loads the same one.
+Status Trainer::Resume(const std::string& path) {
+  namespace fs = std::filesystem;
+  const int rank = groups_->rank;
+  StatusOr<ResumeChoice> choice = NotFound("");
+  int64_t chosen = -1;
+  if (rank == 0) {
+    choice = ChooseResumeCheckpoint(path);
+    if (choice.ok()) {
+      chosen = choice->meta.step;
+      for (const std::string& why : choice->skipped) {
+        std::printf("%s; resuming from %s\n", why.c_str(), fs::path(choice->step_dir).filename().c_str());
+      }
+      std::fflush(stdout);
+    }
+  }
+  if (layout_.world_size > 1) {
+    torch::Tensor t = torch::full({1}, chosen, torch::TensorOptions().dtype(torch::kLong).device(device_));
+    if (Status s = groups_->world->Broadcast(t, 0); !s.ok()) return s;
+    chosen = t.to(torch::kCPU).item<int64_t>();
+  }
+  if (rank == 0 && !choice.ok()) return choice.status();
+  if (chosen < 0) return Unavailable("rank 0 found no checkpoint to resume from in " + path + " (see its log)");
+  std::string step_dir;
+  if (rank == 0) {
+    step_dir = choice->step_dir;
+  } else {
+    std::error_code ec;
+    const bool is_step = fs::exists(fs::path(path) / "meta.yaml", ec) || fs::path(path).filename().string().rfind("step-", 0) == 0;
+    step_dir = is_step ? path : (fs::path(path) / ("step-" + std::to_string(chosen))).string();
+  }
+  StatusOr<CheckpointMeta> meta = rank == 0 ? StatusOr<CheckpointMeta>(choice->meta) : ReadCheckpointMeta(step_dir, false);
+  if (!meta.ok()) return DataLoss("checkpoint " + step_dir + ": " + meta.status().message());
+  if (meta->step != chosen) return DataLoss("checkpoint " + step_dir + " holds step " + std::to_string(meta->step) + ", rank 0 chose " + std::to_string(chosen));
+  if (Status s = LoadCheckpoint(step_dir, *meta); !s.ok()) return s;
+  step_ = meta->step;
+  data_position_ = meta->data_position;
+  if (rank == 0 && options_.print_progress) {
+    std::printf("resumed from %s at step %lld data_position %lld (saved by world size %d, %s)\n", step_dir.c_str(),
+                static_cast<long long>(step_), static_cast<long long>(data_position_), meta->world_size,
+                meta->layout.c_str());
+    if (meta->data_seed >= 0 && (meta->data_sampling != recipe_.data.sampling || meta->data_seed != DataSeed(recipe_))) {
+      std::printf("resume: the saved run drew its batches with data.sampling %s, seed %lld; this run draws them with "
+                  "%s, seed %lld, so its batches from step %lld on are not the ones the saved run would have seen; "
+                  "set data.sampling and data.seed as they were to continue its order\n",
+                  meta->data_sampling.c_str(), static_cast<long long>(meta->data_seed), recipe_.data.sampling.c_str(),
+                  static_cast<long long>(DataSeed(recipe_)), static_cast<long long>(step_ + 1));
+    }
+  }
+  return Status::Ok();
+}
+
+// Reassembles every parameter's full value and moments from the shards of the ranks that saved
+// this rank's tp/pp slice (any data-parallel degree, any ZeRO stage), then keeps this rank's part.
+Status Trainer::LoadCheckpoint(const std::string& step_dir, const CheckpointMeta& meta) {
+  namespace fs = std::filesystem;
+  if (meta.tp != layout_.tp || meta.pp != layout_.pp || meta.chunks != layout_.chunks) {
+    return InvalidArgument("checkpoint " + step_dir + " was saved with layout '" + meta.layout + "' but this run is '" +
+                           LayoutKey() + "'; resharding to another tp, pp or virtual_stages is not supported (the "
+                           "data-parallel degree and the ZeRO stage may differ)");
+  }
+  StatusOr<Topology> saved = MakeTopology(meta.world_size, meta.tp, meta.pp);
+  if (!saved.ok() || saved->dp != meta.dp || meta.zero < 0 || meta.zero > 3) {
+    return DataLoss("checkpoint " + step_dir + " has an inconsistent topology: world " + std::to_string(meta.world_size) +
+                    ", " + meta.layout);
+  }
+  const bool saved_plain = meta.tp == 1 && meta.pp == 1 && meta.zero == 0;
+  std::vector<TensorReader> model_readers, optimizer_readers;
+  for (int d = 0; d < meta.dp; ++d) {
+    RankCoords c = groups_->coords;
+    c.dp = d;
+    const int r = RankAt(*saved, c);
+    const std::string suffix = saved_plain ? ".pt" : "-rank-" + std::to_string(r) + ".pt";
+    if (d == 0 || meta.zero == 3) {
+      StatusOr<TensorReader> reader = OpenTensorArchive((fs::path(step_dir) / ("model" + suffix)).string());
+      if (!reader.ok()) return reader.status();
+      model_readers.push_back(*reader);
+    }
+    if (d == 0 || meta.zero >= 1) {
+      StatusOr<TensorReader> reader = OpenTensorArchive((fs::path(step_dir) / ("optimizer" + suffix)).string());
+      if (!reader.ok()) return reader.status();
+      optimizer_readers.push_back(*reader);
+    }
+  }
+  torch::NoGradGuard no_grad;
+  auto assemble = [&](const std::vector<TensorReader>& readers, const std::string& prefix, const std::string& name,
+                      torch::Tensor& into) -> Status {
+    int64_t covered = 0;
+    for (const TensorReader& read : readers) {
+      StatusOr<torch::Tensor> range = read("range." + name);
+      if (!range.ok()) return range.status();
+      StatusOr<torch::Tensor> values = read(prefix + name);
+      if (!values.ok()) return values.status();
+      const int64_t b = (*range)[0].item<int64_t>(), e = (*range)[1].item<int64_t>();
+      if (b < 0 || e < b || e > into.numel() || values->numel() != e - b) {
+        return DataLoss("checkpoint " + step_dir + ": " + prefix + name + " holds range [" + std::to_string(b) + ", " +
+                        std::to_string(e) + ") with " + std::to_string(values->numel()) + " values; the parameter has " +
+                        std::to_string(into.numel()) + " (saved by another model?)");
+      }
+      if (e > b) into.narrow(0, b, e - b).copy_(values->reshape(-1).to(torch::kFloat));
+      covered += e - b;
+    }
+    if (covered != into.numel()) {
+      return DataLoss("checkpoint " + step_dir + ": the shards of " + prefix + name + " cover " + std::to_string(covered) +
+                      " of " + std::to_string(into.numel()) + " elements");
+    }
+    return Status::Ok();
+  };
+  for (size_t i = 0; i < param_names_.size(); ++i) {
+    const int64_t n = store_->ParamNumel(static_cast<int>(i));
+    torch::Tensor value = torch::zeros({n}), m = torch::zeros({n}), v = torch::zeros({n});
+    if (Status s = assemble(model_readers, "model.", param_names_[i], value); !s.ok()) return s;
+    if (Status s = assemble(optimizer_readers, "exp_avg.", param_names_[i], m); !s.ok()) return s;
+    if (Status s = assemble(optimizer_readers, "exp_avg_sq.", param_names_[i], v); !s.ok()) return s;
+    if (Status s = store_->LoadParamState(static_cast<int>(i), value, m, v); !s.ok()) return s;
+  }
+  return RestoreRngState(meta.rng_state);
+}
+
+std::vector<torch::Tensor> Trainer::Parameters() const {
+  std::vector<torch::Tensor> out;
+  for (const ShardParam& p : model_->params()) out.push_back(p.value);
+  return out;
+}
+
+void Trainer::FillBatch(int micro_step, torch::Tensor* inputs, torch::Tensor* targets) {
+  BatchSlice slice;
+  slice.position0 = run_start_position_;
+  slice.step = step_ - run_start_step_;
+  slice.global_batch = layout_.global_batch;
+  slice.dp_rank = groups_->coords.dp;
+  slice.dp = layout_.dp;
+  slice.micro_step = micro_step;
+  slice.micro_batch = layout_.micro_batch;
+  // Fresh tensors per micro-batch: autograd keeps the token ids of a forward until its backward.
+  // On CUDA from pinned memory, copied without waiting: the GPU keeps working meanwhile.
+  const torch::TensorOptions host = torch::TensorOptions().dtype(torch::kLong).pinned_memory(device_.is_cuda());
+  torch::Tensor in = torch::empty({layout_.micro_batch, recipe_.model.seq_len}, host);
+  torch::Tensor tg = torch::empty({layout_.micro_batch, recipe_.model.seq_len}, host);
+  sampler_.Fill(slice, in.data_ptr<int64_t>(), tg.data_ptr<int64_t>());
+  *inputs = in.to(device_, /*non_blocking=*/true);
+  *targets = tg.to(device_, /*non_blocking=*/true);
+}
+
+void Trainer::SampleActivations() {
+  activations_peak_ = std::max(activations_peak_, HeapInUse() - heap_base_);
+}
+
+Status Trainer::RunPipeline(torch::Tensor& loss_sum) {
+  const int pp_rank = groups_->coords.pp;
+  const int m = layout_.accumulation;
+  Communicator* pp = groups_->pp;
+  struct Slot {
+    torch::Tensor input, output, grad;
+  };
+  std::map<std::pair<int, int>, Slot> slots;
+  const std::vector<int64_t> shape = model_->ActivationShape(layout_.micro_batch);
+  const torch::TensorOptions options = torch::TensorOptions().dtype(activation_dtype_).device(device_);
+  for (const PipeOp& op : plan_.ops[pp_rank]) {
+    const int vs = VirtualStage(layout_.pp, pp_rank, op.chunk);
+    Slot& slot = slots[{op.microbatch, op.chunk}];
+    switch (op.kind) {
+      case PipeOpKind::kRecvActivation: {
+        torch::Tensor buffer = torch::empty(shape, options);
+        if (Status s = pp->Recv(buffer, op.peer, PipeTag(plan_, false, op.microbatch, vs - 1)); !s.ok()) return s;
+        slot.input = buffer.requires_grad_(true);
+        break;
+      }
+      case PipeOpKind::kForward: {
+        Progress::Global().SetPhase(step_ + 1, "forward");
+        torch::Tensor inputs, targets;
+        if (model_->FirstStage(op.chunk) || model_->LastStage(op.chunk)) FillBatch(op.microbatch, &inputs, &targets);
+        if (!model_->FirstStage(op.chunk)) inputs = slot.input;
+        torch::Tensor out;
+        {
+          compat::CudaBf16Autocast autocast(bf16_ && !bf16_params_);
+          out = model_->Forward(op.chunk, inputs, targets);
+        }
+        if (model_->LastStage(op.chunk)) {
+          loss_sum += out.detach();
+          slot.output = out / m;
+        } else {
+          slot.output = out;
+        }
+        SampleActivations();
+        break;
+      }
+      case PipeOpKind::kSendActivation:
+        if (Status s = pp->Send(slot.output.detach(), op.peer, PipeTag(plan_, false, op.microbatch, vs)); !s.ok()) return s;
+        break;
+      case PipeOpKind::kRecvGrad: {
+        slot.grad = torch::empty(shape, options);
+        if (Status s = pp->Recv(slot.grad, op.peer, PipeTag(plan_, true, op.microbatch, vs + 1)); !s.ok()) return s;
+        break;
+      }
+      case PipeOpKind::kBackward:
+        Progress::Global().SetPhase(step_ + 1, "backward");
+        if (model_->LastStage(op.chunk)) {
+          slot.output.backward();
+        } else {
+          torch::autograd::backward({slot.output}, {slot.grad});
+        }
+        slot.output = torch::Tensor();
+        slot.grad = torch::Tensor();
+        break;
+      case PipeOpKind::kSendGrad:
+        if (Status s = pp->Send(slot.input.grad(), op.peer, PipeTag(plan_, true, op.microbatch, vs)); !s.ok()) return s;
+        slot.input = torch::Tensor();
+        break;
+    }
+  }
+  return pp->WaitSends();
+}
+
+StatusOr<double> Trainer::Step() {
+  StatusOr<torch::Tensor> loss = StepOnDevice(/*check_loss=*/true);
+  if (!loss.ok()) return loss.status();
+  return loss->item<double>();
+}
+
+StatusOr<torch::Tensor> Trainer::StepOnDevice(bool check_loss) {
+  try {
+    return StepImpl(check_loss);
+  } catch (...) {
+    return Rethrown("training step");
+  }
+}
+
+Status Trainer::CheckLoss(double value, int64_t step) const {
+  if (std::isfinite(value)) return Status::Ok();
+  return Internal("loss became " + std::to_string(value) + " at step " + std::to_string(step) +
+                  "; lower training.lr or check the data");
+}
+
+StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
+  const int64_t step = step_;
+  Progress::Global().SetPhase(step + 1, "data");
+  const double lr = LearningRate(schedule_, step);
+  store_->ZeroGrads();
+  heap_base_ = HeapInUse();
+  const int m = layout_.accumulation;
+  torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat).device(device_));
+  if (layout_.pp == 1) {
+    for (int a = 0; a < m; ++a) {
+      Progress::Global().SetPhase(step + 1, "data");
+      torch::Tensor inputs, targets;
+      FillBatch(a, &inputs, &targets);
+      const bool reduce_now = overlap_ && (layout_.zero >= 2 || a == m - 1);
+      store_->ArmHooks(reduce_now);
+      Progress::Global().SetPhase(step + 1, "forward");
+      torch::Tensor loss;
+      {
+        compat::CudaBf16Autocast autocast(bf16_ && !bf16_params_);
+        loss = model_->Forward(0, inputs, targets);
+      }
+      SampleActivations();
+      Progress::Global().SetPhase(step + 1, "backward");
+      backward_start_ = Clock::now();
+      (loss / m).backward();
+      backward_end_ = Clock::now();
+      loss_sum += loss.detach();
+      if (reduce_now) {
+        if (Status s = store_->FinishBackward(); !s.ok()) return s;
+      }
+    }
+  } else {
+    if (Status s = RunPipeline(loss_sum); !s.ok()) return s;
+  }
+
+  {
+    torch::NoGradGuard no_grad;
+    std::vector<ShardParam>& params = model_->params();
+    // Sequence parallelism leaves partial gradients of the replicated parameters on each tp rank.
+    if (recipe_.parallel.sequence_parallel) {
+      for (ShardParam& p : params) {
+        if (!p.sp_partial || !p.value.grad().defined()) continue;
+        torch::Tensor g = p.value.mutable_grad();
+        if (Status s = groups_->tp->AllReduceSum(g); !s.ok()) return s;
+      }
+    }
+    // The tied embedding's two copies (first and last stage) get the sum of both gradients.
+    if (groups_->in_embedding_group) {
+      const int tied = model_->TiedEmbeddingParam();
+      torch::Tensor g = params[tied].value.mutable_grad();
+      if (Status s = groups_->embedding->AllReduceSum(g); !s.ok()) return s;
+    }
+  }
+  if (!overlap_) {
+    if (Status s = store_->ReduceAll(); !s.ok()) return s;
+  }
+
+  // Loss: the last stage's micro-batch mean, averaged over dp, then known on every stage.
+  torch::Tensor loss = (loss_sum / m).reshape({1}).to(torch::kFloat).contiguous();
+  if (Status s = store_->DpAllReduce(loss); !s.ok()) return s;
+  loss.div_(layout_.dp);
+  if (layout_.pp > 1) {
+    if (Status s = groups_->pp->Broadcast(loss, layout_.pp - 1); !s.ok()) return s;
+  }
+  // Without the check (Run on CUDA) the loss stays on the device: the host reads it one step later,
+  // so that it never waits for the GPU inside a step.
+  if (check_loss) {
+    if (Status s = CheckLoss(loss.item<double>(), step + 1); !s.ok()) return s;
+  }
+
+  Progress::Global().SetPhase(step + 1, "optimizer");
+  double scale = 1.0;
+  torch::Tensor divisor;
+  const double clip = recipe_.training.grad_clip;
+  if (clip > 0) {
+    // Global norm over every shard of every group: each element counted once.
+    torch::Tensor sq = store_->GradSquareSum();
+    if (layout_.zero >= 1) {
+      if (Status s = store_->DpAllReduce(sq); !s.ok()) return s;
+    }
+    if (Status s = groups_->tp->AllReduceSum(sq); !s.ok()) return s;
+    if (Status s = groups_->pp->AllReduceSum(sq); !s.ok()) return s;
+    if (sq.is_cuda()) {
+      // On the device: the gradients are divided by max(1, norm / clip) inside the optimizer.
+      divisor = ((sq.sqrt() + 1e-6) / clip).clamp_min(1.0).to(torch::kFloat);
+    } else {
+      const double coef = clip / (std::sqrt(sq.item<double>()) + 1e-6);
+      if (coef < 1) scale = coef;
+    }
+  }
+  if (Status s = store_->OptimizerStep(lr, scale, step + 1, divisor, defer_compute_); !s.ok()) return s;
+  ++step_;
+  data_position_ += layout_.global_batch;
+  return loss;
+}
+
+std::string Trainer::LayoutKey() const {
+  if (layout_.plain()) return "tp=1 pp=1 zero=0";
+  return "tp=" + std::to_string(layout_.tp) + " dp=" + std::to_string(layout_.dp) + " pp=" + std::to_string(layout_.pp) +
+         " zero=" + std::to_string(layout_.zero) + " chunks=" + std::to_string(layout_.chunks) +
+         " sp=" + std::to_string(recipe_.parallel.sequence_parallel ? 1 : 0);
+}
+
+std::string Trainer::ModelFile(int rank) const {
+  return layout_.plain() ? "model.pt" : "model-rank-" + std::to_string(rank) + ".pt";
+}
+
+std::string Trainer::OptimizerFile(int rank) const {
+  return layout_.plain() ? "optimizer.pt" : "optimizer-rank-" + std::to_string(rank) + ".pt";
+}
+
+// Ranks whose state equals another's (data-parallel replicas) read that rank's file.
+int Trainer::ModelSourceRank() const {
+  if (layout_.zero == 3) return groups_->rank;
+  RankCoords c = groups_->coords;
+  c.dp = 0;
+  return RankAt(groups_->topology, c);
+}
+
+int Trainer::OptimizerSourceRank() const {
+  if (layout_.zero >= 1) return groups_->rank;
+  RankCoords c = groups_->coords;
+  c.dp = 0;
+  return RankAt(groups_->topology, c);
+}
+
+Status Trainer::StartSave() {
+  if (!writer_) return Status::Ok();
+  // The checkpoint holds the fp32 masters, which a sharded update leaves current only in each
+  // rank's shard.
+  if (Status s = store_->SyncMasters(); !s.ok()) return s;
+  Progress::Global().SetPhase(step_, "checkpoint");
+  const auto start = Clock::now();
+  const int rank = groups_->rank;
+  ++checkpoint_saves_;
+  CheckpointSnapshot snapshot;
+  snapshot.step = step_;
+  snapshot.start = start;
+  if (ModelSourceRank() == rank) snapshot.files.emplace_back(ModelFile(rank), store_->ModelState(param_names_));
+  if (OptimizerSourceRank() == rank) snapshot.files.emplace_back(OptimizerFile(rank), store_->OptimizerState(param_names_));
+  if (rank == 0) {
+    CheckpointMeta& meta = snapshot.meta;
+    meta.step = step_;
+    meta.data_position = data_position_;
+    meta.world_size = layout_.world_size;
+    meta.generation = options_.generation;
+    meta.job_id = options_.job_id;
+    meta.layout = LayoutKey();
+    meta.tp = layout_.tp;
+    meta.dp = layout_.dp;
+    meta.pp = layout_.pp;
+    meta.zero = layout_.zero;
+    meta.chunks = layout_.chunks;
+    meta.rng_state = RngStateHex();
+  }
+  if (writer_->async()) {
+    writer_->Submit(std::move(snapshot));  // waits for the previous save, if still in flight
+    checkpoint_blocked_ms_ += MillisSince(start);
+    return Status::Ok();
+  }
+  const std::string error = writer_->WriteFiles(snapshot);
+  if (!error.empty() && rank != 0) {
+    std::fprintf(stderr, "ltrain-worker: checkpoint step-%lld: %s\n", static_cast<long long>(step_), error.c_str());
+  }
+  last_save_ = error.empty() ? Status::Ok() : Internal(error);
+  std::vector<std::string> errors;
+  if (options_.commit_board != nullptr) {
+    // Every rank's word, with its reason, through the commit board (on this thread).
+    if (Status s = options_.commit_board->Announce(step_, rank, error); !s.ok()) return s;
+    if (rank == 0) {
+      StatusOr<std::vector<std::string>> words =
+          options_.commit_board->Collect(step_, layout_.world_size, options_.collective_timeout, nullptr);
+      if (!words.ok()) return words.status();
+      for (const std::string& w : *words) {
+        if (!w.empty()) errors.push_back(w);
+      }
+    }
+  } else {
+    torch::Tensor failed = torch::full({1}, error.empty() ? 0.0f : 1.0f, torch::TensorOptions().dtype(torch::kFloat).device(device_));
+    if (Status s = groups_->world->AllReduceSum(failed); !s.ok()) return s;
+    const int failed_ranks = static_cast<int>(failed.to(torch::kCPU).item<float>() + 0.5f);
+    if (!error.empty()) errors.push_back(error);
+    const int others = failed_ranks - (error.empty() ? 0 : 1);
+    if (others > 0) errors.push_back(std::to_string(others) + " other rank(s) could not write their files (see their logs)");
+  }
+  if (rank == 0) last_save_ = writer_->Conclude(snapshot, errors);
+  checkpoint_blocked_ms_ += MillisSince(start);
+  return Status::Ok();
+}
+
+Status Trainer::Save() {
+  if (!writer_) return Status::Ok();
+  if (Status s = StartSave(); !s.ok()) return s;
+  if (!writer_->async()) return last_save_;
+  Progress::Global().SetPhase(step_, "checkpoint");
+  const auto start = Clock::now();
+  Status s = writer_->Wait();
+  checkpoint_blocked_ms_ += MillisSince(start);
+  return s;
+}
+
+Status Trainer::ExportParameters(const std::string& path) {
+  torch::NoGradGuard no_grad;
+  if (Status s = store_->SyncMasters(); !s.ok()) return s;
+  const RankCoords c = groups_->coords;
+  for (int u = 0; u < store_->units(); ++u) {
+    if (Status s = store_->Gather(u); !s.ok()) return s;
+  }
+  const bool collector = c.dp == 0 && c.tp == 0;
+  std::map<std::string, torch::Tensor> full;
+  for (size_t i = 0; i < model_->params().size(); ++i) {
+    const ShardParam& p = model_->params()[i];
+    StatusOr<torch::Tensor> t = model_->GatherFull(p, store_->MasterValue(static_cast<int>(i)));
+    if (!t.ok()) return t.status();
+    if (collector && p.exported) full[p.name] = t->to(torch::kCPU).to(torch::kFloat).contiguous();
+  }
+  for (int u = 0; u < store_->units(); ++u) store_->Release(u);
+  const auto& names = model_->full_params();
+  if (collector && layout_.pp > 1) {
+    Communicator* pp = groups_->pp;
+    for (size_t i = 0; i < names.size(); ++i) {
+      const int owner = model_->PipelineRankOf(names[i].first);
+      const uint32_t tag = static_cast<uint32_t>(i);
+      if (c.pp != 0 && owner == c.pp) {
+        if (Status s = pp->Send(full.at(names[i].first), 0, tag); !s.ok()) return s;
+      } else if (c.pp == 0 && owner != 0) {
+        torch::Tensor t = torch::empty(names[i].second, torch::kFloat);
+        if (Status s = pp->Recv(t, owner, tag); !s.ok()) return s;
+        full[names[i].first] = t;
+      }
+    }
+    if (Status s = pp->WaitSends(); !s.ok()) return s;
+  }
+  if (groups_->rank == 0) {
+    std::ofstream out(path, std::ios::binary | std::ios::trunc);
+    for (const auto& [name, shape] : names) {
+      auto it = full.find(name);
+      if (it == full.end()) return Internal("export: parameter " + name + " was not gathered");
+      const uint32_t len = static_cast<uint32_t>(name.size());
+      const uint64_t numel = static_cast<uint64_t>(it->second.numel());
+      out.write(reinterpret_cast<const char*>(&len), sizeof(len));
+      out.write(name.data(), len);
+      out.write(reinterpret_cast<const char*>(&numel), sizeof(numel));
+      out.write(static_cast<const char*>(it->second.data_ptr()), static_cast<std::streamsize>(numel * sizeof(float)));
+    }
+    out.close();
+    if (!out) return Internal("writing exported parameters to " + path + " failed");
+  }
+  return groups_->world->Barrier();
+}
+
+int64_t Trainer::FullModelParameters() const { return GptParameterCount(model_->layout().config); }
+
+void Trainer::PrintThroughput(int64_t first_step, int64_t steps, double total_ms) const {
+  const int64_t params = FullModelParameters();
+  const ModelSpec& m = recipe_.model;
+  // Model FLOPs per token: 6N for the matrix products of forward and backward, 12*L*d*T for
+  // attention (PaLM's accounting, the peers' too).
+  const double flops_per_token = 6.0 * static_cast<double>(params) + 12.0 * m.layers * m.d_model * m.seq_len;
+  const double step_ms = total_ms / static_cast<double>(steps);
+  const double tokens = static_cast<double>(layout_.global_batch) * m.seq_len / (step_ms / 1000.0);
+  const double per_device = tokens / layout_.world_size;
+  const double tflops = per_device * flops_per_token / 1e12;
+  std::printf("throughput: steps %lld-%lld step_ms %.1f tok/s %.0f tok/s/device %.0f tflops/device %.1f",
+              static_cast<long long>(first_step), static_cast<long long>(first_step + steps - 1), step_ms, tokens,
+              per_device, tflops);
+  if (device_.is_cuda()) {
+    // MFU against the H100's dense bf16 peak (989 TFLOP/s), as the peers report it.
+    std::printf(" mfu %.1f%% peak_mem_gib %.1f", 100.0 * tflops / 989.0,
+                static_cast<double>(compat::PeakDeviceBytes(device_)) / (1024.0 * 1024.0 * 1024.0));
+  }
+  std::printf("\n");
+  std::fflush(stdout);
+}
+
+Status Trainer::Run() {
+  const TrainingSpec& t = recipe_.training;
+  const bool printer = groups_->rank == 0 && options_.print_progress;
+  if (printer) {
+    const int64_t params = FullModelParameters();
+    std::printf(
+        "model gpt params %lld layers %d d_model %d heads %d seq_len %d vocab %d | layout world %d dp %d "
+        "tp %d pp %d zero %d sp %d schedule %s chunks %d ac %s micro_batch %d accumulation %d global_batch %d "
+        "device %s backend %s threads %d | init %s sampling %s\n",
+        static_cast<long long>(params), recipe_.model.layers, recipe_.model.d_model, recipe_.model.heads,
+        recipe_.model.seq_len, recipe_.model.vocab, layout_.world_size, layout_.dp, layout_.tp, layout_.pp,
+        layout_.zero, recipe_.parallel.sequence_parallel ? 1 : 0,
+        layout_.pp > 1 ? recipe_.parallel.pp_schedule.c_str() : "none", layout_.chunks,
+        recipe_.parallel.activation_checkpointing.c_str(), layout_.micro_batch, layout_.accumulation,
+        layout_.global_batch, recipe_.parallel.device.c_str(), groups_->world->backend().c_str(),
+        torch::get_num_threads(), model_->layout().per_parameter_init ? "per_parameter" : "pytorch",
+        recipe_.data.sampling.c_str());
+  }
+  const double tokens_per_step = static_cast<double>(layout_.global_batch) * recipe_.model.seq_len;
+  // On CUDA the host reads each step's loss one step later (and at every checkpoint, before the
+  // save), so that it never waits for the GPU inside a step; on the CPU there is nothing to overlap.
+  const bool lag = device_.is_cuda();
+  struct Finished {
+    int64_t step = 0;
+    double lr = 0, ms = 0;
+    torch::Tensor loss;
+    bool last = false;  // the run ends after it (a stop with a final checkpoint): always printed
+  };
+  std::optional<Finished> pending;
+  auto settle = [&](const Finished& f) -> Status {
+    const double value = f.loss.item<double>();
+    if (Status st = CheckLoss(value, f.step); !st.ok()) return st;
+    const int64_t s = f.step;
+    if (printer &&
+        (s == 1 || s == run_start_step_ + 1 || (t.log_every > 0 && s % t.log_every == 0) || s == t.steps || f.last)) {
+      std::printf("step %lld/%lld loss %.6f lr %.3e tok/s %.0f step_ms %.1f\n", static_cast<long long>(s),
+                  static_cast<long long>(t.steps), value, f.lr, tokens_per_step / (f.ms / 1000.0), f.ms);
+    }
+    return Status::Ok();
+  };
+  // Steady-state throughput: the steps after the first few of this process (allocator and
+  // autotuning warm-up), timed from a synchronized start to the last step's loss, less the time
+  // the training thread spent in checkpoint saves.
+  const int64_t warmup = std::min<int64_t>(3, (t.steps - run_start_step_) / 2);
+  Clock::time_point window_start = Clock::now();
+  double window_ms = 0, blocked_at_start = checkpoint_blocked_ms_;
+  int64_t window_first = run_start_step_ + 1;
+  while (step_ < t.steps) {
+    const double lr = LearningRate(schedule_, step_);
+    compat::StepProfiler profiler;
+    const bool profiling = printer && options_.profile_step == step_ + 1;
+    if (profiling) {
+      if (std::string why = profiler.Start(); !why.empty()) std::printf("profile: not recorded: %s\n", why.c_str());
+    }
+    const auto start = Clock::now();
+    StatusOr<torch::Tensor> loss = StepOnDevice(/*check_loss=*/!lag);
+    if (!loss.ok()) return loss.status();
+    const int64_t s = step_;
+    if (pending) {
+      if (Status st = settle(*pending); !st.ok()) return st;
+      pending.reset();
+    }
+    if (profiling) {
+      compat::Synchronize(device_);
+      profiler.Stop(options_.profile_path);
+      std::printf("profile: step %lld written to %s\n", static_cast<long long>(s), options_.profile_path.c_str());
+    }
+    // A stop with a final checkpoint (TrainerOptions::stop_after) saves this step and ends the run.
+    const StatusOr<bool> stop_here = options_.stop_after ? options_.stop_after(s) : StatusOr<bool>(false);
+    if (!stop_here.ok()) return stop_here.status();
+    const bool periodic = recipe_.checkpoint.every > 0 && s % recipe_.checkpoint.every == 0;
+    const bool save = periodic || s == t.steps || *stop_here;
+    Finished finished{s, lr, MillisSince(start), *loss, *stop_here};
+    if (!lag || save || s == run_start_step_ + warmup) {
+      // The loss is read now: a checkpoint never holds the parameters of a non-finite step.
+      if (Status st = settle(finished); !st.ok()) return st;
+    } else {
+      pending = finished;
+    }
+    if (s == run_start_step_ + warmup) {
+      compat::Synchronize(device_);
+      window_start = Clock::now();
+      blocked_at_start = checkpoint_blocked_ms_;
+      window_first = s + 1;
+    }
+    if (s == t.steps) window_ms = MillisSince(window_start) - (checkpoint_blocked_ms_ - blocked_at_start);
+    if (!memory_printed_ && options_.print_progress) {
+      // Bytes this rank holds for each; activations_peak is the largest growth of the heap over
+      // the start of the step, sampled after every forward: what autograd saved for backward
+      // (plus, under ZeRO-3, the gathered parameters of the units in use).
+      MemoryBytes mem = store_->Memory();
+      std::printf("memory rank %d: params %lld bytes, grads %lld bytes, optimizer %lld bytes, activations_peak %lld bytes\n",
+                  groups_->rank, static_cast<long long>(mem.params), static_cast<long long>(mem.grads),
+                  static_cast<long long>(mem.optimizer), static_cast<long long>(activations_peak_));
+      std::fflush(stdout);
+      memory_printed_ = true;
+    }
+    if (save) {
+      if (Status st = StartSave(); !st.ok()) return st;
+    }
+    if (*stop_here) break;
+  }
+  // The last update's bf16 copies, where their gathers were left to the next forward.
+  for (int u = 0; u < store_->units(); ++u) {
+    if (Status s = store_->AwaitCompute(u); !s.ok()) return s;
+  }
+  if (printer && t.steps >= window_first && window_ms > 0) PrintThroughput(window_first, t.steps - window_first + 1, window_ms);
+  if (writer_) {
+    // The final save must be committed before the job may count as done.
+    Progress::Global().SetPhase(step_, "checkpoint");
+    const auto start = Clock::now();
+    Status last = writer_->async() ? writer_->Wait() : last_save_;
+    checkpoint_blocked_ms_ += MillisSince(start);
+    if (!last.ok()) return Internal("the final checkpoint was not saved: " + last.message());
+    if (printer && checkpoint_saves_ > 0) {
+      std::printf("checkpoint: the training thread was blocked %.1f ms in %d %s save(s) (%.1f ms per save)\n",
+                  checkpoint_blocked_ms_, checkpoint_saves_, writer_->async() ? "async" : "sync",
+                  checkpoint_blocked_ms_ / checkpoint_saves_);
+    }
+  }
+  Progress::Global().SetPhase(step_, "done");
+  // Keeps the ranks together until rank 0's final checkpoint is committed.
+  return groups_->world->Barrier();
+}
+
+}  // namespace ltrain::worker

@@ -1,0 +1,177 @@
+// Trainer: trains this rank's share of the GPT model under the recipe's parallel layout (data,
+// tensor, sequence and pipeline parallelism, ZeRO 0-3, activation checkpointing).
+//
+// Runs on the worker's main thread; ParamStore adds one reduction thread for the data-parallel
+// group. Every rank of the job builds a Trainer with the same recipe and calls Run(); the ranks then
+// make the same collectives in the same order within each group (a parameter broadcast over dp at
+// start; per step the pipeline schedule's sends and receives, the tensor-parallel collectives inside
+// forward and backward, the data-parallel reductions, the loss and gradient-norm reductions; barriers
+// around checkpoints), so a rank that fails makes its peers fail at their next collective. Rank 0
+// prints progress; every rank prints its memory line once.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "common/recipe.h"
+#include "common/status.h"
+#include "common/token_data.h"
+#include "worker/checkpoint/checkpoint.h"
+#include "worker/comm/communicator.h"
+#include "worker/model/parallel_model.h"
+#include "worker/parallel/param_store.h"
+#include "worker/plan/lr_schedule.h"
+#include "worker/plan/pipeline_schedule.h"
+
+namespace ltrain::worker {
+
+// How the ranks of a job divide the work.
+struct Layout {
+  int world_size = 1;
+  int dp = 1;
+  int tp = 1;
+  int pp = 1;
+  int chunks = 1;         // model chunks per pipeline rank (interleaved 1F1B)
+  int zero = 0;
+  int micro_batch = 1;
+  int accumulation = 1;   // micro-batches per data-parallel rank per optimizer step
+  int global_batch = 1;
+  // Plain data parallelism: every rank holds the whole model and the whole optimizer state.
+  bool plain() const { return tp == 1 && pp == 1 && zero == 0; }
+};
+
+// Checks the recipe's parallel and batch settings against the real world size.
+StatusOr<Layout> PlanLayout(const Recipe& recipe, int world_size);
+
+// data.sampling "torch": window starts in [0, span) as a PyTorch loop draws them with torch.randint
+// and a generator seeded with the data seed. nullptr for "hash".
+std::unique_ptr<WindowStream> MakeWindowStream(const Recipe& recipe, int64_t span);
+
+struct TrainerOptions {
+  int rank = 0;
+  int local_rank = 0;            // picks the GPU when parallel.device is cuda
+  int generation = 0;
+  std::string job_id;
+  std::string checkpoint_dir;   // resolved: env override, recipe, or default; empty disables saving
+  bool print_progress = true;   // rank 0 prints; tests may silence it
+  // Where ranks say their checkpoint files are durable (a FileCommitBoard over the checkpoint dir). Async
+  // saves (checkpoint.async) need it when the world has more than one rank; without it they are
+  // synchronous. Must outlive the Trainer.
+  CheckpointCommitBoard* commit_board = nullptr;
+  CheckpointWriteFault checkpoint_write_fault;            // LTRAIN_FAULT_CHECKPOINT_WRITE
+  std::chrono::milliseconds collective_timeout{300000};   // also bounds rank 0's wait for peers' files
+  // Rank 0 records step `profile_step` (1-based; 0: none) with the CUDA profiler into a Chrome trace
+  // at `profile_path` (LTRAIN_PROFILE=STEP:PATH).
+  int64_t profile_step = 0;
+  std::string profile_path;
+  // Called after every completed step (`ltrain stop --checkpoint`, see CheckpointStop): true saves
+  // that step like a periodic checkpoint, waits for its commit and ends Run(); an error fails Run().
+  std::function<StatusOr<bool>(int64_t step)> stop_after;
+  // Data-parallel gradients reduced during backward, as each bucket completes (false: after it;
+  // LTRAIN_DP_OVERLAP=0).
+  bool dp_overlap = true;
+};
+
+class CheckpointWriter;
+class LocalCommitBoard;
+
+class Trainer {
+ public:
+  // `groups` must outlive the Trainer; its topology must match the recipe's tp and pp.
+  static StatusOr<std::unique_ptr<Trainer>> Create(const Recipe& recipe, const TrainerOptions& options,
+                                                   ProcessGroups* groups);
+  // Plain data parallelism over `comm` (which must outlive the Trainer).
+  static StatusOr<std::unique_ptr<Trainer>> Create(const Recipe& recipe, const TrainerOptions& options,
+                                                   Communicator* comm);
+  ~Trainer();
+
+  // Trains from the current step to recipe.training.steps, checkpointing as configured.
+  Status Run();
+  // One optimizer step; returns the global-batch mean loss.
+  StatusOr<double> Step();
+  // Saves the current step and waits until it is committed (or failed: the returned error).
+  Status Save();
+  // Rank 0 writes every parameter of the full model, gathered from all ranks, to `path`: for each
+  // parameter in the model's order, uint32 name length, the name, uint64 element count, the
+  // float32 values (little-endian). Every rank must call it.
+  Status ExportParameters(const std::string& path);
+
+  int64_t step() const { return step_; }
+  int64_t data_position() const { return data_position_; }
+  const Layout& layout() const { return layout_; }
+  // This rank's parameter tensors (its slices), in the full model's order.
+  std::vector<torch::Tensor> Parameters() const;
+  MemoryBytes Memory() const { return store_->Memory(); }
+  int64_t activations_peak_bytes() const { return activations_peak_; }
+  // Milliseconds the training thread spent blocked in checkpoint saves so far (snapshot, waiting
+  // for the previous save; with synchronous saves the whole write).
+  double checkpoint_blocked_ms() const { return checkpoint_blocked_ms_; }
+  // When the last micro-step's backward started and ended (pp == 1), for overlap checks.
+  std::chrono::steady_clock::time_point backward_start() const { return backward_start_; }
+  std::chrono::steady_clock::time_point backward_end() const { return backward_end_; }
+
+ private:
+  Trainer(const Recipe& recipe, const TrainerOptions& options, ProcessGroups* groups, Layout layout,
+          TokenDataset data);
+  Status Init();
+  StatusOr<torch::Tensor> StepImpl(bool check_loss);
+  // One step; the global-batch mean loss as a [1] tensor on the device. `check_loss` reads it
+  // before the optimizer runs and fails the step if it is not finite.
+  StatusOr<torch::Tensor> StepOnDevice(bool check_loss);
+  Status CheckLoss(double value, int64_t step) const;
+  void FillBatch(int micro_step, torch::Tensor* inputs, torch::Tensor* targets);
+  Status RunPipeline(torch::Tensor& loss_sum);
+  void SampleActivations();
+  std::string LayoutKey() const;
+  // Parameters of the whole model (every tp and pp part, the tied embedding once).
+  int64_t FullModelParameters() const;
+  // Rank 0's summary of the timed steps: tokens/s, per device, TFLOP/s, MFU and peak memory on CUDA.
+  void PrintThroughput(int64_t first_step, int64_t steps, double total_ms) const;
+  std::string ModelFile(int rank) const;
+  std::string OptimizerFile(int rank) const;
+  int ModelSourceRank() const;
+  int OptimizerSourceRank() const;
+  // Snapshots this step and starts its save (async) or writes and commits it (sync). A failed save
+  // is reported, not returned: only errors that break the job (a failed collective) are.
+  Status StartSave();
+  Status Resume(const std::string& path);
+  Status LoadCheckpoint(const std::string& step_dir, const CheckpointMeta& meta);
+
+  Recipe recipe_;
+  TrainerOptions options_;
+  std::unique_ptr<ProcessGroups> owned_groups_;
+  ProcessGroups* groups_;
+  Layout layout_;
+  TokenDataset data_;
+  TokenSampler sampler_;
+  LrSchedule schedule_;
+  torch::Device device_{torch::kCPU};
+  bool bf16_ = false;
+  bool bf16_params_ = false;                       // bf16 copies of fp32 masters (no autocast)
+  bool defer_compute_ = false;                     // the store's bf16 copies gathered during the next forward
+  torch::ScalarType activation_dtype_ = torch::kFloat;  // what pipeline stages send each other
+  bool overlap_ = true;          // reduce buckets from backward hooks (pp == 1, no sequence parallel)
+  std::unique_ptr<ModelShard> model_;
+  std::unique_ptr<ParamStore> store_;
+  std::vector<std::string> param_names_;
+  PipelinePlan plan_;
+  int64_t step_ = 0;              // optimizer steps completed
+  int64_t data_position_ = 0;     // next sample index
+  int64_t run_start_step_ = 0;    // step_ and data_position_ when this process started
+  int64_t run_start_position_ = 0;
+  bool memory_printed_ = false;
+  int64_t heap_base_ = 0;
+  int64_t activations_peak_ = 0;
+  std::chrono::steady_clock::time_point backward_start_, backward_end_;
+  double checkpoint_blocked_ms_ = 0;
+  int checkpoint_saves_ = 0;
+  Status last_save_;                               // sync saves: the outcome of the last one
+  std::unique_ptr<LocalCommitBoard> local_board_;  // a world of one rank
+  std::unique_ptr<CheckpointWriter> writer_;       // last: goes (and joins) first
+};
+
+}  // namespace ltrain::worker
