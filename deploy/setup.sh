@@ -2,7 +2,9 @@
 # Installs the Debian 12 packages ltrain needs to build, run and test. Idempotent: it calls apt-get
 # only when a package is missing.
 #   deploy/setup.sh           build and run (compiler, CMake, gRPC, protobuf, yaml-cpp, CLI11, SQLite, LibTorch, Gloo)
-#   deploy/setup.sh --tests   also GoogleTest, and systemd (systemd-analyze checks deploy/systemd)
+#   deploy/setup.sh --tests   also what the tests use: GoogleTest, systemd (systemd-analyze checks
+#                             deploy/systemd), iproute2 (network namespaces), Slurm and munge (a real
+#                             Slurm with two fake nodes), Python (the benchmarks)
 set -euo pipefail
 
 packages=(
@@ -11,9 +13,10 @@ packages=(
   libyaml-cpp-dev libcli11-dev libsqlite3-dev
   openssl libtorch-dev libgloo-dev
   libopenblas0-pthread   # an optimised BLAS for LibTorch on CPU: about 10x the reference BLAS
+  base-files             # the licence texts the quickstart trains on
 )
 if [[ "${1:-}" == "--tests" ]]; then
-  packages+=(libgtest-dev libgmock-dev systemd)
+  packages+=(libgtest-dev libgmock-dev systemd iproute2 slurmd slurmctld slurm-client munge python3)
 fi
 
 missing=()

@@ -6,8 +6,8 @@ ltrain_add_test(slurm_unit_test unit
   LIBS ltrain::common)
 
 if(LTRAIN_BUILD_CONTROL_PLANE AND LTRAIN_BUILD_WORKER)
-  # deploy/slurm/ against a real Slurm with two fake nodes on this machine (root only; installs
-  # Debian's slurm and munge when missing, skips when it cannot); under a minute.
+  # deploy/slurm/ against a real Slurm with two fake nodes on this machine (root, and the packages
+  # deploy/setup.sh --tests installs); under a minute.
   ltrain_add_test(slurm_integration_test integration
     SOURCES slurm/slurm_test.cc
     LIBS ltrain_test_support ltrain::proto)

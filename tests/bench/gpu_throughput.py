@@ -235,7 +235,7 @@ def main():
     need = max({"single": 1, "dp": 2, "layouts": 2, "learning": 1, "profile": 1, "large": 4}[s] for s in suites)
     have = gpus()
     if have < need:
-        print(f"gpu_throughput: skipped, {need} GPU(s) needed, {have} here")
+        print(f"skipped: {need} GPU(s) needed, {have} here")
         return 77
     work = a.workdir or tempfile.mkdtemp(prefix="ltrain-bench-")
     os.makedirs(work, exist_ok=True)

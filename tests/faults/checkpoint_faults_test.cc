@@ -29,9 +29,7 @@ std::string Latest(const std::string& ck) {
 class CheckpointFaultsTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    std::string text = TinyShakespeare();
-    if (text.empty()) GTEST_SKIP() << "../shared/data/tinyshakespeare.txt is not beside the checkout";
-    ProcessResult prepared = RunProcess({LtrainBinary(), "data", "prepare", "--input", text, "--output", dir_.Join("data")});
+    ProcessResult prepared = PrepareLicenseData(dir_.Join("data"));
     ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
   }
 

@@ -15,9 +15,8 @@ namespace {
 class WorkerKillTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    std::string text = TinyShakespeare();
-    if (text.empty()) GTEST_SKIP() << "../shared/data/tinyshakespeare.txt is not beside the checkout";
-    ASSERT_EQ(RunProcess({LtrainBinary(), "data", "prepare", "--input", text, "--output", dir_.Join("data")}).exit_code, 0);
+    ProcessResult prepared = PrepareLicenseData(dir_.Join("data"));
+    ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
     recipe_ = dir_.Write("long.yaml", "name: long\nmodel: {layers: 2, d_model: 64, heads: 4, seq_len: 32}\n"
                                       "data: {path: " + dir_.Join("data") + "}\n"
                                       "training: {steps: 100000, micro_batch: 4, global_batch: 8, log_every: 1}\n"

@@ -26,10 +26,10 @@ constexpr const char* kSubnet = "10.213.77.";
 class NetnsTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (geteuid() != 0) GTEST_SKIP() << "network namespaces need root";
-    if (RunProcess({"/usr/sbin/ip", "netns", "list"}).exit_code != 0) GTEST_SKIP() << "ip netns is not available";
-    text_ = TinyShakespeare();
-    if (text_.empty()) GTEST_SKIP() << "../shared/data/tinyshakespeare.txt is not beside the checkout";
+    ASSERT_EQ(geteuid(), 0u) << "network namespaces need root: run the tests as root";
+    ProcessResult netns = RunProcess({"/usr/sbin/ip", "netns", "list"});
+    ASSERT_EQ(netns.exit_code, 0) << "`ip netns` is not available (deploy/setup.sh --tests installs iproute2): "
+                                  << netns.output;
     tag_ = std::to_string(getpid() % 100000);
     hub_ = "lthub" + tag_;
     ASSERT_TRUE(Ip({"netns", "add", hub_}));
@@ -74,12 +74,13 @@ class NetnsTest : public ::testing::Test {
   }
 
   TempDir dir_;
-  std::string text_, tag_, hub_;
+  std::string tag_, hub_;
   std::vector<std::unique_ptr<Subprocess>> processes_;
 };
 
 TEST_F(NetnsTest, TrainsAcrossHostsAndSurvivesACutLink) {
-  ASSERT_EQ(RunProcess({LtrainBinary(), "data", "prepare", "--input", text_, "--output", dir_.Join("data")}).exit_code, 0);
+  ProcessResult prepared = PrepareLicenseData(dir_.Join("data"));
+  ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
   std::string port_file = dir_.Join("port");
   Subprocess* coordinator = In(1, {LtrainBinary(), "coordinator", "--listen", Address(1) + ":0", "--port-file", port_file,
                                    "--state-dir", dir_.Join("state")});

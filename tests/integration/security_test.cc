@@ -148,9 +148,8 @@ TEST_F(SecurityTest, AgentWithAWrongTokenIsNotRegistered) {
 }
 
 TEST_F(SecurityTest, TrainsOverMutualTlsWithAToken) {
-  std::string text = TinyShakespeare();
-  if (text.empty()) GTEST_SKIP() << "../shared/data/tinyshakespeare.txt is not beside the checkout";
-  ASSERT_EQ(RunProcess({LtrainBinary(), "data", "prepare", "--input", text, "--output", dir_.Join("data")}).exit_code, 0);
+  ProcessResult prepared = PrepareLicenseData(dir_.Join("data"));
+  ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
   std::string recipe = dir_.Write("ok.yaml", "name: ok\nmodel: {layers: 1, d_model: 32, heads: 2, seq_len: 16}\n"
                                              "data: {path: " + dir_.Join("data") + "}\n"
                                              "training: {steps: 5, micro_batch: 2, global_batch: 4}\n"

@@ -17,7 +17,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// A small GPT on tinyshakespeare; every test overrides what it studies.
+// A small GPT on the licence texts; every test overrides what it studies.
 constexpr const char* kRecipe = R"(name: tiny
 model: {layers: 2, d_model: 64, heads: 4, seq_len: 32, vocab: 256}
 data: {path: DATA}
@@ -28,10 +28,7 @@ parallel: {nodes: 1, nproc_per_node: 2}
 class TrainingTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    std::string text = TinyShakespeare();
-    if (text.empty()) GTEST_SKIP() << "../shared/data/tinyshakespeare.txt is not beside the checkout";
-    ProcessResult prepared =
-        RunProcess({LtrainBinary(), "data", "prepare", "--input", text, "--output", dir_.Join("data")});
+    ProcessResult prepared = PrepareLicenseData(dir_.Join("data"));
     ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
     std::string recipe = kRecipe;
     recipe.replace(recipe.find("DATA"), 4, dir_.Join("data"));

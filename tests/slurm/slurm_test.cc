@@ -1,8 +1,8 @@
 // deploy/slurm/ against a real Slurm: munged, slurmctld and two slurmd (fake nodes n1 and n2 on
 // this machine) started by tests/slurm/local_slurm.sh under a temporary folder. The job script is
 // submitted with sbatch -N2 and ends as Slurm ends it: on its own, by scancel, by requeue.
-// Needs root; installs Debian's slurmd, slurmctld, slurm-client and munge when missing, and skips
-// when it cannot.
+// Needs root and Debian's slurmd, slurmctld, slurm-client and munge (deploy/setup.sh --tests installs
+// them); fails, naming what is missing, without them.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <unistd.h>
@@ -56,20 +56,12 @@ class SlurmTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
     if (geteuid() != 0) {
-      skip_ = "needs root: slurmd runs as root and munged as the munge user";
+      failure_ = "the Slurm tests need root: slurmd runs as root and munged as the munge user";
       return;
     }
-    if (Which("slurmctld").empty() || Which("slurmd").empty() || Which("sbatch").empty() || Which("munged").empty()) {
-      const std::vector<std::string> install = {Which("apt-get"), "install", "-y", "--no-install-recommends",
-                                                "slurmd", "slurmctld", "slurm-client", "munge"};
-      std::map<std::string, std::string> env = {{"DEBIAN_FRONTEND", "noninteractive"}};
-      ProcessResult installed = RunProcess(install, env, seconds(300));
-      if (installed.exit_code != 0) {
-        RunProcess({Which("apt-get"), "update"}, env, seconds(300));
-        installed = RunProcess(install, env, seconds(300));
-      }
-      if (installed.exit_code != 0) {
-        skip_ = "cannot install Slurm and munge: " + installed.output.substr(0, 2000);
+    for (const char* program : {"slurmctld", "slurmd", "sbatch", "scontrol", "munged"}) {
+      if (Which(program).empty()) {
+        failure_ = std::string(program) + " is not installed: deploy/setup.sh --tests installs Slurm and munge";
         return;
       }
     }
@@ -112,12 +104,8 @@ class SlurmTest : public ::testing::Test {
   }
 
   void SetUp() override {
-    if (!skip_.empty()) GTEST_SKIP() << skip_;
     ASSERT_TRUE(failure_.empty()) << failure_;
-    std::string text = TinyShakespeare();
-    if (text.empty()) GTEST_SKIP() << "../shared/data/tinyshakespeare.txt is not beside the checkout";
-    ProcessResult prepared =
-        RunProcess({LtrainBinary(), "data", "prepare", "--input", text, "--output", dir_.Join("data")});
+    ProcessResult prepared = PrepareLicenseData(dir_.Join("data"));
     ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
   }
 
@@ -246,7 +234,6 @@ class SlurmTest : public ::testing::Test {
   TempDir dir_;
   static inline TempDir* cluster_ = nullptr;
   static inline std::string slurm_conf_;
-  static inline std::string skip_;
   static inline std::string failure_;
 };
 

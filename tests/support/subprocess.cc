@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -134,9 +135,29 @@ std::string LtrainBinary() { return std::string(LTRAIN_BIN_DIR) + "/ltrain"; }
 
 std::string SourceDir() { return LTRAIN_SOURCE_DIR; }
 
-std::string TinyShakespeare() {
-  fs::path path = fs::path(SourceDir()) / ".." / "shared" / "data" / "tinyshakespeare.txt";
-  return fs::exists(path) ? fs::canonical(path).string() : "";
+std::vector<std::string> LicenseTexts() {
+  std::vector<std::string> texts;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator("/usr/share/common-licenses", ec)) {
+    if (entry.is_regular_file() && !entry.is_symlink()) texts.push_back(entry.path().string());
+  }
+  std::sort(texts.begin(), texts.end());
+  return texts;
+}
+
+ProcessResult PrepareLicenseData(const std::string& output) {
+  std::vector<std::string> texts = LicenseTexts();
+  if (texts.empty()) {
+    ProcessResult missing;
+    missing.exit_code = 1;
+    missing.output = "the tests train on the licence texts in /usr/share/common-licenses, and there are none: "
+                     "install Debian's base-files package";
+    return missing;
+  }
+  std::vector<std::string> argv = {LtrainBinary(), "data", "prepare", "--input"};
+  argv.insert(argv.end(), texts.begin(), texts.end());
+  argv.insert(argv.end(), {"--output", output});
+  return RunProcess(argv);
 }
 
 bool ProcessAlive(pid_t pid) {

@@ -62,8 +62,12 @@ class TempDir {
 // Paths of what the build made and what the repository holds.
 std::string LtrainBinary();
 std::string SourceDir();
-// ../shared/data/tinyshakespeare.txt beside the checkout, or "" when absent.
-std::string TinyShakespeare();
+// The licence texts every Debian system has in /usr/share/common-licenses (package base-files, about
+// 290,000 bytes of English), sorted by name: what the tests train on. Empty when the folder is missing.
+std::vector<std::string> LicenseTexts();
+// `ltrain data prepare` of the licence texts into `output`. When the texts are missing, a failed
+// result (exit code 1) whose output says so.
+ProcessResult PrepareLicenseData(const std::string& output);
 // True while `pid` is a live (non-zombie) process.
 bool ProcessAlive(pid_t pid);
 // A whole file's bytes; empty when it cannot be read.
