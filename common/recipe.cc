@@ -1,23 +1,33 @@
 #include "common/recipe.h"
 
 #include <algorithm>
-#include <charconv>
 #include <cerrno>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
-#include <cstring>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
-#include <functional>
-#include <limits>
+#include <map>
 #include <set>
 #include <sstream>
 
 #include <yaml-cpp/yaml.h>
 
+#include "common/layout.h"
+#include "common/recipe_schema.h"
+
 namespace ltrain {
 namespace {
+
+template <typename T>
+inline constexpr bool kIsEnum = std::is_enum_v<T>;
+
+template <typename T>
+struct IsNodesField : std::false_type {};
+template <typename I>
+struct IsNodesField<NodesField<I>> : std::true_type {};
 
 size_t EditDistance(const std::string& a, const std::string& b) {
   std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
@@ -51,30 +61,59 @@ std::string Join(const std::vector<std::string>& items) {
   return out;
 }
 
-// Walks the YAML tree section by section, converting values and collecting every problem with its
-// location. Values set by --set have no location in the file; they are reported by their override.
+// The keys of each section ("" for the top level: `name` and the sections), from the schema.
+std::map<std::string, std::vector<std::string>> KnownKeys() {
+  std::map<std::string, std::vector<std::string>> known;
+  Recipe defaults;
+  VisitRecipeKeys(defaults, [&](const RecipeKey& key, auto&) { known[std::string(key.section)].push_back(std::string(key.name)); });
+  for (std::string_view section : kRecipeSections) known[""].push_back(std::string(section));
+  known["parallel.nodes"] = {"min", "max"};
+  return known;
+}
+
+// A YAML location: 1-based line and column.
+struct Mark {
+  int line = 0;
+  int column = 0;
+};
+
+Mark MarkOf(const YAML::Node& node) {
+  if (!node.IsDefined() || node.Mark().line < 0) return {};
+  return {node.Mark().line + 1, node.Mark().column + 1};
+}
+
+// Walks the YAML tree key by key as the schema lists them, converting values and collecting every
+// problem with its location. Values set by --set have no location in the file; they are reported
+// by their override. Remembers where each key and section was, for the rules between keys.
 class RecipeReader {
  public:
-  RecipeReader(std::string source, std::set<std::string> overridden)
-      : source_(std::move(source)), overridden_(std::move(overridden)) {}
+  RecipeReader(std::string source, std::set<std::string> overridden, YAML::Node root)
+      : source_(std::move(source)), overridden_(std::move(overridden)), root_(std::move(root)) {}
 
-  void Error(const YAML::Node& node, const std::string& path, const std::string& message) {
+  void Error(const std::string& path, Mark mark, const std::string& message) {
     RecipeError error;
     error.message = message;
     if (overridden_.count(path)) {
       error.file = "--set " + path;
     } else {
       error.file = source_;
-      if (node.IsDefined() && node.Mark().line >= 0) {
-        error.line = node.Mark().line + 1;
-        error.column = node.Mark().column + 1;
-      }
+      error.line = mark.line;
+      error.column = mark.column;
     }
     errors_.push_back(std::move(error));
   }
 
-  void ErrorAt(int line, int column, const std::string& message) {
-    errors_.push_back(RecipeError{source_, line, column, message});
+  void Error(const YAML::Node& node, const std::string& path, const std::string& message) {
+    Error(path, MarkOf(node), message);
+  }
+
+  // An error about `path` ("training.global_batch") found after reading: located at the key's value
+  // when the file gives it, else at its section, else at the top.
+  void ErrorOnKey(const std::string& path, const std::string& message) {
+    if (auto it = marks_.find(path); it != marks_.end()) return Error(path, it->second, message);
+    const std::string section = path.substr(0, path.find('.'));
+    if (auto it = marks_.find(section); it != marks_.end()) return Error(path, it->second, message);
+    Error(path, MarkOf(root_), message);
   }
 
   // Reports keys of `map` that are not in `known`.
@@ -94,49 +133,106 @@ class RecipeReader {
     }
   }
 
-  // Returns the child map `key` of `root`, or an undefined node when absent or not a map.
-  YAML::Node Section(const YAML::Node& root, const std::string& key) {
-    YAML::Node node = root[key];
-    if (!node.IsDefined() || node.IsNull()) return YAML::Node(YAML::NodeType::Undefined);
-    if (!node.IsMap()) {
-      Error(node, key, "'" + key + "' must be a mapping of keys to values");
-      return YAML::Node(YAML::NodeType::Undefined);
+  // Checks the sections and their keys against the schema, and remembers where each is.
+  void CheckStructure() {
+    std::map<std::string, std::vector<std::string>> known = KnownKeys();
+    CheckKeys(root_, "", known[""]);
+    for (std::string_view name : kRecipeSections) {
+      const std::string section(name);
+      YAML::Node node = root_[section];
+      if (!node.IsDefined() || node.IsNull()) continue;
+      marks_[section] = MarkOf(node);
+      if (!node.IsMap()) {
+        Error(node, section, "'" + section + "' must be a mapping of keys to values");
+        continue;
+      }
+      CheckKeys(node, section, known[section]);
+      for (auto it = node.begin(); it != node.end(); ++it) marks_[section + "." + it->first.Scalar()] = MarkOf(it->second);
     }
-    return node;
+    YAML::Node nodes = Value("parallel", "nodes");
+    if (nodes.IsDefined() && nodes.IsMap()) CheckKeys(nodes, "parallel.nodes", known["parallel.nodes"]);
   }
 
-  template <typename Int>
-  void ReadInt(const YAML::Node& section, const std::string& prefix, const std::string& key, Int& out,
-               int64_t min, int64_t max) {
-    if (!section.IsDefined()) return;
-    YAML::Node node = section[key];
+  // The value of `section.name` (or of the top-level `name`); undefined when absent or when its
+  // section is not a mapping.
+  YAML::Node Value(std::string_view section, std::string_view name) const {
+    if (section.empty()) return root_[std::string(name)];
+    YAML::Node node = root_[std::string(section)];
+    if (!node.IsDefined() || !node.IsMap()) return YAML::Node(YAML::NodeType::Undefined);
+    return node[std::string(name)];
+  }
+
+  // Reads one key into its field, by the field's type.
+  template <typename Field>
+  void Read(const RecipeKey& key, Field& field) {
+    YAML::Node node = Value(key.section, key.name);
     if (!node.IsDefined()) return;
-    std::string path = prefix + "." + key;
+    const std::string path = key.path();
+    using T = std::remove_cvref_t<Field>;
+    if constexpr (IsNodesField<T>::value) {
+      ReadNodes(key, node, field);
+    } else if constexpr (std::is_same_v<T, bool>) {
+      const std::string text = node.IsScalar() ? node.Scalar() : "";
+      if (text == "true" || text == "yes" || text == "on") {
+        field = true;
+      } else if (text == "false" || text == "no" || text == "off") {
+        field = false;
+      } else {
+        Error(node, path, path + " must be true or false, got '" + text + "'");
+      }
+    } else if constexpr (std::is_integral_v<T>) {
+      int64_t value = 0;
+      if (ReadInt(node, path, key, &value)) field = static_cast<T>(value);
+    } else if constexpr (std::is_floating_point_v<T>) {
+      ReadDouble(node, path, key, field);
+    } else if constexpr (std::is_same_v<T, std::string>) {
+      if (node.IsNull()) {
+        field.clear();
+      } else if (!node.IsScalar()) {
+        Error(node, path, path + " must be a string");
+      } else {
+        field = node.Scalar();
+      }
+    } else if constexpr (kIsEnum<T>) {
+      if (!node.IsScalar()) {
+        Error(node, path, path + " must be one of: " + EnumNameList<T>());
+      } else if (std::optional<T> value = EnumFromName<T>(node.Scalar())) {
+        field = *value;
+      } else {
+        Error(node, path, path + "='" + node.Scalar() + "' is not one of: " + EnumNameList<T>());
+      }
+    } else if constexpr (std::is_same_v<T, std::vector<int>>) {
+      ReadIntList(node, path, key, field);
+    } else {
+      static_assert(sizeof(T) == 0, "a recipe key of a type the reader does not know");
+    }
+  }
+
+  std::vector<RecipeError> TakeErrors() { return std::move(errors_); }
+
+ private:
+  bool ReadInt(const YAML::Node& node, const std::string& path, const RecipeKey& key, int64_t* out) {
     if (!node.IsScalar()) {
       Error(node, path, path + " must be an integer");
-      return;
+      return false;
     }
     const std::string& text = node.Scalar();
     int64_t value = 0;
     auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
     if (ec != std::errc() || end != text.data() + text.size()) {
       Error(node, path, path + " must be an integer, got '" + text + "'");
-      return;
+      return false;
     }
-    if (value < min || value > max) {
-      Error(node, path, path + "=" + text + " is out of range; it must be between " + std::to_string(min) +
-                            " and " + std::to_string(max));
-      return;
+    if (value < key.int_min || value > key.int_max) {
+      Error(node, path, path + "=" + text + " is out of range; it must be between " + std::to_string(key.int_min) +
+                            " and " + std::to_string(key.int_max));
+      return false;
     }
-    out = static_cast<Int>(value);
+    *out = value;
+    return true;
   }
 
-  void ReadDouble(const YAML::Node& section, const std::string& prefix, const std::string& key, double& out,
-                  double min, double max) {
-    if (!section.IsDefined()) return;
-    YAML::Node node = section[key];
-    if (!node.IsDefined()) return;
-    std::string path = prefix + "." + key;
+  void ReadDouble(const YAML::Node& node, const std::string& path, const RecipeKey& key, double& out) {
     if (!node.IsScalar()) {
       Error(node, path, path + " must be a number");
       return;
@@ -148,102 +244,62 @@ class RecipeReader {
       Error(node, path, path + " must be a number, got '" + text + "'");
       return;
     }
-    if (value < min || value > max) {
+    if (value < key.real_min || value > key.real_max) {
       std::ostringstream range;
-      range << path << "=" << text << " is out of range; it must be between " << min << " and " << max;
+      range << path << "=" << text << " is out of range; it must be between " << key.real_min << " and " << key.real_max;
       Error(node, path, range.str());
       return;
     }
     out = value;
   }
 
-  void ReadString(const YAML::Node& section, const std::string& prefix, const std::string& key,
-                  std::string& out, const std::vector<std::string>& allowed = {}) {
-    if (!section.IsDefined()) return;
-    YAML::Node node = section[key];
-    if (!node.IsDefined()) return;
-    std::string path = prefix.empty() ? key : prefix + "." + key;
-    if (node.IsNull()) {
-      out.clear();
-      return;
-    }
-    if (!node.IsScalar()) {
-      Error(node, path, path + " must be a string");
-      return;
-    }
-    if (!allowed.empty() && std::find(allowed.begin(), allowed.end(), node.Scalar()) == allowed.end()) {
-      Error(node, path, path + "='" + node.Scalar() + "' is not one of: " + Join(allowed));
-      return;
-    }
-    out = node.Scalar();
-  }
-
-  void ReadBool(const YAML::Node& section, const std::string& prefix, const std::string& key, bool& out) {
-    if (!section.IsDefined()) return;
-    YAML::Node node = section[key];
-    if (!node.IsDefined()) return;
-    std::string path = prefix + "." + key;
-    const std::string text = node.IsScalar() ? node.Scalar() : "";
-    if (text == "true" || text == "yes" || text == "on") {
-      out = true;
-    } else if (text == "false" || text == "no" || text == "off") {
-      out = false;
-    } else {
-      Error(node, path, path + " must be true or false, got '" + text + "'");
-    }
-  }
-
-  void ReadIntList(const YAML::Node& section, const std::string& prefix, const std::string& key,
-                   std::vector<int>& out, int64_t min, int64_t max) {
-    if (!section.IsDefined()) return;
-    YAML::Node node = section[key];
-    if (!node.IsDefined() || node.IsNull()) return;
-    std::string path = prefix + "." + key;
+  void ReadIntList(const YAML::Node& node, const std::string& path, const RecipeKey& key, std::vector<int>& out) {
+    if (node.IsNull()) return;
     if (!node.IsSequence()) {
       Error(node, path, path + " must be a list of integers, e.g. [3, 3, 2]");
       return;
     }
     std::vector<int> values;
     for (size_t i = 0; i < node.size(); ++i) {
-      int value = 0;
-      YAML::Node holder(YAML::NodeType::Map);
-      holder[key] = node[i];
-      size_t before = errors_.size();
-      ReadInt(holder, prefix, key, value, min, max);
-      if (errors_.size() != before) {
-        errors_.back().line = node[i].Mark().line + 1;
-        errors_.back().column = node[i].Mark().column + 1;
-        return;
-      }
-      values.push_back(value);
+      int64_t value = 0;
+      if (!ReadInt(node[i], path, key, &value)) return;
+      values.push_back(static_cast<int>(value));
     }
     out = values;
   }
 
-  // Location of `prefix.key` for cross-field errors (the key's value if present, else its section).
-  void ErrorOn(const YAML::Node& root, const std::string& prefix, const std::string& key,
-               const std::string& message) {
-    YAML::Node section = root[prefix];
-    YAML::Node node = section.IsDefined() && section.IsMap() ? section[key] : YAML::Node();
-    if (node.IsDefined()) {
-      Error(node, prefix + "." + key, message);
-    } else if (section.IsDefined()) {
-      Error(section, prefix, message);
-    } else {
-      Error(root, prefix, message);
+  template <typename I>
+  void ReadNodes(const RecipeKey& key, const YAML::Node& node, NodesField<I>& nodes) {
+    const std::string path = key.path();
+    if (node.IsMap()) {
+      int64_t min = 1, max = 1;
+      bool ok = true;
+      if (node["min"].IsDefined()) ok = ReadInt(node["min"], path, key, &min) && ok;
+      if (node["max"].IsDefined()) {
+        ok = ReadInt(node["max"], path, key, &max) && ok;
+      } else {
+        max = min;
+      }
+      if (!ok) return;
+      if (min > max) {
+        Error(node, path, "parallel.nodes: min=" + std::to_string(min) + " is larger than max=" + std::to_string(max));
+      }
+      nodes.min = static_cast<int>(min);
+      nodes.max = static_cast<int>(max);
+      nodes.nodes = nodes.max;
+      return;
     }
+    int64_t count = 0;
+    if (!ReadInt(node, path, key, &count)) return;
+    nodes.nodes = nodes.min = nodes.max = static_cast<int>(count);
   }
 
-  std::vector<RecipeError> TakeErrors() { return std::move(errors_); }
-
- private:
   std::string source_;
   std::set<std::string> overridden_;
+  YAML::Node root_;
+  std::map<std::string, Mark> marks_;  // "section" and "section.key" -> where the file has it
   std::vector<RecipeError> errors_;
 };
-
-constexpr int64_t kMaxInt = std::numeric_limits<int32_t>::max();
-constexpr int64_t kMaxInt64 = std::numeric_limits<int64_t>::max();
 
 void ApplyOverride(YAML::Node node, const std::vector<std::string>& parts, size_t i, const YAML::Node& value) {
   if (i + 1 == parts.size()) {
@@ -252,6 +308,78 @@ void ApplyOverride(YAML::Node node, const std::vector<std::string>& parts, size_
   }
   if (!node[parts[i]].IsDefined() || !node[parts[i]].IsMap()) node[parts[i]] = YAML::Node(YAML::NodeType::Map);
   ApplyOverride(node[parts[i]], parts, i + 1, value);
+}
+
+// The rules between keys that are not layout rules (those are CheckLayout's).
+void CheckAcrossKeys(const Recipe& r, RecipeReader& reader) {
+  if (r.name.empty()) reader.ErrorOnKey("name", "name must not be empty");
+  if (r.data.path.empty()) {
+    reader.ErrorOnKey("data.path", "data.path is required: the directory written by `ltrain data prepare --output DIR`");
+  }
+  if (r.model.d_model % r.model.heads != 0) {
+    reader.ErrorOnKey("model.heads", "model.heads=" + std::to_string(r.model.heads) + " does not divide model.d_model=" +
+                                         std::to_string(r.model.d_model) +
+                                         "; choose heads so that d_model/heads is a whole number");
+  }
+  if (r.data.tokenizer == Tokenizer::kByte && r.model.vocab < 256) {
+    reader.ErrorOnKey("model.vocab", "model.vocab=" + std::to_string(r.model.vocab) +
+                                         " is smaller than the byte tokenizer's 256 symbols; set model.vocab: 256");
+  }
+  if (r.training.min_lr > r.training.lr) {
+    reader.ErrorOnKey("training.min_lr", "training.min_lr must not exceed training.lr");
+  }
+  for (const LayoutProblem& problem : CheckLayout(r, r.parallel.world_size())) reader.ErrorOnKey(problem.key, problem.message);
+}
+
+// A double written with the fewest significant digits (15 to 17) that read back as the same value:
+// 0.0003 rather than 0.00029999999999999997.
+struct Shortest {
+  double value;
+};
+
+YAML::Emitter& operator<<(YAML::Emitter& out, Shortest n) {
+  int digits = 15;
+  for (; digits < 17; ++digits) {
+    char text[40];
+    std::snprintf(text, sizeof(text), "%.*g", digits, n.value);
+    if (std::strtod(text, nullptr) == n.value) break;
+  }
+  return out << YAML::DoublePrecision(digits) << n.value;
+}
+
+// Writes one field as a YAML value, by its type.
+template <typename Field>
+void EmitValue(YAML::Emitter& out, const Field& field) {
+  using T = std::remove_cvref_t<Field>;
+  if constexpr (IsNodesField<T>::value) {
+    if (field.min == field.max) {
+      out << field.nodes;
+    } else {
+      out << YAML::Flow << YAML::BeginMap << YAML::Key << "min" << YAML::Value << field.min << YAML::Key << "max"
+          << YAML::Value << field.max << YAML::EndMap;
+    }
+  } else if constexpr (std::is_floating_point_v<T>) {
+    out << Shortest{field};
+  } else if constexpr (kIsEnum<T>) {
+    out << NameOf(field);
+  } else if constexpr (std::is_same_v<T, std::vector<int>>) {
+    out << YAML::Flow << field;
+  } else {
+    out << field;
+  }
+}
+
+template <typename Field>
+std::string ValueText(const Field& field) {
+  YAML::Emitter out;
+  EmitValue(out, field);
+  return out.c_str();
+}
+
+// The text of every key's default, by path.
+const std::map<std::string, std::string>& DefaultTexts() {
+  static const auto* texts = new std::map<std::string, std::string>(RecipeKeyValues(Recipe{}));
+  return *texts;
 }
 
 }  // namespace
@@ -280,9 +408,10 @@ RecipeParseResult ParseRecipe(const std::string& yaml_text, const std::string& s
   }
   if (!root.IsDefined() || root.IsNull()) root = YAML::Node(YAML::NodeType::Map);
   if (!root.IsMap()) {
+    std::string sections = "name";
+    for (std::string_view section : kRecipeSections) sections += ", " + std::string(section);
     result.errors.push_back(RecipeError{source_name, root.Mark().line + 1, root.Mark().column + 1,
-                                        "a recipe is a mapping with keys name, model, data, training, "
-                                        "parallel, checkpoint, fault"});
+                                        "a recipe is a mapping with keys " + sections});
     return result;
   }
 
@@ -312,214 +441,14 @@ RecipeParseResult ParseRecipe(const std::string& yaml_text, const std::string& s
     overridden.insert(key);
   }
 
-  RecipeReader reader(source_name, overridden);
+  // Unknown keys and sections that are not mappings first, then each key's own problems, then the
+  // rules between keys.
+  RecipeReader reader(source_name, overridden, root);
   Recipe& r = result.recipe;
-  reader.CheckKeys(root, "", {"name", "model", "data", "training", "parallel", "checkpoint", "fault"});
-
   r.name = std::filesystem::path(source_name).stem().string();
-  reader.ReadString(root, "", "name", r.name);
-
-  YAML::Node model = reader.Section(root, "model");
-  if (model.IsDefined()) {
-    reader.CheckKeys(model, "model", {"layers", "d_model", "heads", "seq_len", "vocab", "init"});
-    reader.ReadInt(model, "model", "layers", r.model.layers, 1, 1024);
-    reader.ReadInt(model, "model", "d_model", r.model.d_model, 1, 1 << 20);
-    reader.ReadInt(model, "model", "heads", r.model.heads, 1, 4096);
-    reader.ReadInt(model, "model", "seq_len", r.model.seq_len, 1, 1 << 24);
-    reader.ReadInt(model, "model", "vocab", r.model.vocab, 2, 1 << 24);
-    reader.ReadString(model, "model", "init", r.model.init, {"auto", "pytorch", "per_parameter"});
-  }
-  YAML::Node data = reader.Section(root, "data");
-  if (data.IsDefined()) {
-    reader.CheckKeys(data, "data", {"path", "tokenizer", "sampling", "seed"});
-    reader.ReadString(data, "data", "path", r.data.path);
-    reader.ReadString(data, "data", "tokenizer", r.data.tokenizer, {"byte"});
-    reader.ReadString(data, "data", "sampling", r.data.sampling, {"hash", "torch"});
-    // PyTorch's CPU generator keeps 32 bits of its seed.
-    reader.ReadInt(data, "data", "seed", r.data.seed, 0, int64_t{0xffffffff});
-  }
-  YAML::Node training = reader.Section(root, "training");
-  if (training.IsDefined()) {
-    reader.CheckKeys(training, "training",
-                     {"steps", "micro_batch", "global_batch", "lr", "min_lr", "warmup_steps", "lr_schedule",
-                      "weight_decay", "beta1", "beta2", "grad_clip", "seed", "log_every"});
-    reader.ReadInt(training, "training", "steps", r.training.steps, 1, kMaxInt64);
-    reader.ReadInt(training, "training", "micro_batch", r.training.micro_batch, 1, kMaxInt);
-    reader.ReadInt(training, "training", "global_batch", r.training.global_batch, 1, kMaxInt);
-    reader.ReadDouble(training, "training", "lr", r.training.lr, 0.0, 10.0);
-    reader.ReadDouble(training, "training", "min_lr", r.training.min_lr, 0.0, 10.0);
-    reader.ReadInt(training, "training", "warmup_steps", r.training.warmup_steps, 0, kMaxInt64);
-    reader.ReadString(training, "training", "lr_schedule", r.training.lr_schedule, {"cosine", "constant"});
-    reader.ReadDouble(training, "training", "weight_decay", r.training.weight_decay, 0.0, 10.0);
-    reader.ReadDouble(training, "training", "beta1", r.training.beta1, 0.0, 0.999999);
-    reader.ReadDouble(training, "training", "beta2", r.training.beta2, 0.0, 0.999999);
-    reader.ReadDouble(training, "training", "grad_clip", r.training.grad_clip, 0.0, 1e9);
-    reader.ReadInt(training, "training", "seed", r.training.seed, 0, kMaxInt64);
-    reader.ReadInt(training, "training", "log_every", r.training.log_every, 1, kMaxInt64);
-  }
-  YAML::Node parallel = reader.Section(root, "parallel");
-  if (parallel.IsDefined()) {
-    reader.CheckKeys(parallel, "parallel",
-                     {"nodes", "nproc_per_node", "tp", "pp", "zero", "sequence_parallel", "pp_schedule",
-                      "virtual_stages", "pp_split", "bucket_mb", "activation_checkpointing", "precision", "device"});
-    YAML::Node nodes = parallel["nodes"];
-    if (nodes.IsDefined() && nodes.IsMap()) {
-      reader.CheckKeys(nodes, "parallel.nodes", {"min", "max"});
-      r.parallel.nodes_min = 1;
-      r.parallel.nodes_max = 1;
-      reader.ReadInt(nodes, "parallel.nodes", "min", r.parallel.nodes_min, 1, 100000);
-      reader.ReadInt(nodes, "parallel.nodes", "max", r.parallel.nodes_max, 1, 100000);
-      if (!nodes["max"].IsDefined()) r.parallel.nodes_max = r.parallel.nodes_min;
-      if (r.parallel.nodes_min > r.parallel.nodes_max) {
-        reader.Error(nodes, "parallel.nodes", "parallel.nodes: min=" + std::to_string(r.parallel.nodes_min) +
-                                                  " is larger than max=" + std::to_string(r.parallel.nodes_max));
-      }
-      r.parallel.nodes = r.parallel.nodes_max;
-    } else {
-      reader.ReadInt(parallel, "parallel", "nodes", r.parallel.nodes, 1, 100000);
-      r.parallel.nodes_min = r.parallel.nodes_max = r.parallel.nodes;
-    }
-    reader.ReadInt(parallel, "parallel", "nproc_per_node", r.parallel.nproc_per_node, 1, 1024);
-    reader.ReadInt(parallel, "parallel", "tp", r.parallel.tp, 1, 1024);
-    reader.ReadInt(parallel, "parallel", "pp", r.parallel.pp, 1, 1024);
-    reader.ReadInt(parallel, "parallel", "zero", r.parallel.zero, 0, 3);
-    reader.ReadBool(parallel, "parallel", "sequence_parallel", r.parallel.sequence_parallel);
-    reader.ReadString(parallel, "parallel", "pp_schedule", r.parallel.pp_schedule, {"gpipe", "1f1b", "interleaved"});
-    reader.ReadInt(parallel, "parallel", "virtual_stages", r.parallel.virtual_stages, 1, 1024);
-    reader.ReadIntList(parallel, "parallel", "pp_split", r.parallel.pp_split, 1, 1024);
-    reader.ReadDouble(parallel, "parallel", "bucket_mb", r.parallel.bucket_mb, 0.001, 1e6);
-    reader.ReadString(parallel, "parallel", "activation_checkpointing", r.parallel.activation_checkpointing,
-                      {"none", "full", "selective"});
-    reader.ReadString(parallel, "parallel", "precision", r.parallel.precision, {"auto", "fp32", "bf16", "bf16-autocast"});
-    reader.ReadString(parallel, "parallel", "device", r.parallel.device, {"cpu", "cuda"});
-  }
-  YAML::Node checkpoint = reader.Section(root, "checkpoint");
-  if (checkpoint.IsDefined()) {
-    reader.CheckKeys(checkpoint, "checkpoint", {"dir", "every", "keep", "resume_from", "async", "enabled"});
-    reader.ReadBool(checkpoint, "checkpoint", "async", r.checkpoint.async);
-    reader.ReadBool(checkpoint, "checkpoint", "enabled", r.checkpoint.enabled);
-    reader.ReadString(checkpoint, "checkpoint", "dir", r.checkpoint.dir);
-    reader.ReadInt(checkpoint, "checkpoint", "every", r.checkpoint.every, 0, kMaxInt64);
-    reader.ReadInt(checkpoint, "checkpoint", "keep", r.checkpoint.keep, 1, 1000000);
-    reader.ReadString(checkpoint, "checkpoint", "resume_from", r.checkpoint.resume_from);
-  }
-  YAML::Node fault = reader.Section(root, "fault");
-  if (fault.IsDefined()) {
-    reader.CheckKeys(fault, "fault",
-                     {"max_restarts", "restart_backoff_s", "restart_backoff_max_s", "heartbeat_interval_s",
-                      "heartbeat_misses", "hang_timeout_s", "collective_timeout_s"});
-    reader.ReadInt(fault, "fault", "max_restarts", r.fault.max_restarts, 0, 1000000);
-    reader.ReadDouble(fault, "fault", "restart_backoff_s", r.fault.restart_backoff_s, 0, 3600);
-    reader.ReadDouble(fault, "fault", "restart_backoff_max_s", r.fault.restart_backoff_max_s, 0, 86400);
-    reader.ReadDouble(fault, "fault", "collective_timeout_s", r.fault.collective_timeout_s, 0.1, 86400);
-    reader.ReadDouble(fault, "fault", "heartbeat_interval_s", r.fault.heartbeat_interval_s, 0.01, 3600);
-    reader.ReadInt(fault, "fault", "heartbeat_misses", r.fault.heartbeat_misses, 1, 1000);
-    reader.ReadDouble(fault, "fault", "hang_timeout_s", r.fault.hang_timeout_s, 0.1, 86400);
-  }
-
-  // Cross-field rules: only meaningful when the fields themselves parsed.
-  if (r.name.empty()) reader.ErrorOn(root, "name", "", "name must not be empty");
-  if (r.data.path.empty()) {
-    reader.ErrorOn(root, "data", "path",
-                   "data.path is required: the directory written by `ltrain data prepare --output DIR`");
-  }
-  if (r.model.d_model % r.model.heads != 0) {
-    reader.ErrorOn(root, "model", "heads",
-                   "model.heads=" + std::to_string(r.model.heads) + " does not divide model.d_model=" +
-                       std::to_string(r.model.d_model) + "; choose heads so that d_model/heads is a whole number");
-  }
-  if (r.data.tokenizer == "byte" && r.model.vocab < 256) {
-    reader.ErrorOn(root, "model", "vocab",
-                   "model.vocab=" + std::to_string(r.model.vocab) +
-                       " is smaller than the byte tokenizer's 256 symbols; set model.vocab: 256");
-  }
-  const ParallelSpec& p = r.parallel;
-  if (p.world_size() % (p.tp * p.pp) != 0) {
-    reader.ErrorOn(root, "parallel", "tp",
-                   "world size " + std::to_string(p.world_size()) + " (nodes*nproc_per_node) is not a multiple of tp*pp=" +
-                       std::to_string(p.tp * p.pp));
-  } else {
-    if (p.tp > 1 && r.model.heads % p.tp != 0) {
-      reader.ErrorOn(root, "parallel", "tp",
-                     "parallel.tp=" + std::to_string(p.tp) + " does not divide model.heads=" + std::to_string(r.model.heads));
-    }
-    if (p.tp > 1 && (4 * r.model.d_model) % p.tp != 0) {
-      reader.ErrorOn(root, "parallel", "tp",
-                     "parallel.tp=" + std::to_string(p.tp) + " does not divide the MLP width 4*d_model=" +
-                         std::to_string(4 * r.model.d_model));
-    }
-    if (p.tp > 1 && r.model.vocab % p.tp != 0) {
-      reader.ErrorOn(root, "parallel", "tp",
-                     "parallel.tp=" + std::to_string(p.tp) + " does not divide model.vocab=" + std::to_string(r.model.vocab) +
-                         " (the embedding is split by vocabulary); pad vocab to a multiple of tp");
-    }
-    if (p.tp > 1 && p.nproc_per_node % p.tp != 0) {
-      reader.ErrorOn(root, "parallel", "tp",
-                     "parallel.tp=" + std::to_string(p.tp) + " must divide nproc_per_node=" +
-                         std::to_string(p.nproc_per_node) + ": a tensor-parallel group stays within one node");
-    }
-    if (p.sequence_parallel && p.tp == 1) {
-      reader.ErrorOn(root, "parallel", "sequence_parallel", "parallel.sequence_parallel needs parallel.tp > 1");
-    }
-    if (p.sequence_parallel && r.model.seq_len % p.tp != 0) {
-      reader.ErrorOn(root, "parallel", "sequence_parallel",
-                     "parallel.sequence_parallel splits the sequence: model.seq_len=" + std::to_string(r.model.seq_len) +
-                         " is not a multiple of tp=" + std::to_string(p.tp));
-    }
-    int stages = p.pp * p.virtual_stages;
-    if (p.pp > r.model.layers) {
-      reader.ErrorOn(root, "parallel", "pp",
-                     "parallel.pp=" + std::to_string(p.pp) + " is larger than model.layers=" + std::to_string(r.model.layers));
-    } else if (stages > r.model.layers) {
-      reader.ErrorOn(root, "parallel", "virtual_stages",
-                     "pp*virtual_stages=" + std::to_string(stages) + " stages is more than model.layers=" +
-                         std::to_string(r.model.layers));
-    }
-    if (p.zero == 3 && p.pp > 1) {
-      reader.ErrorOn(root, "parallel", "zero",
-                     "parallel.zero=3 shards parameters across data-parallel ranks and does not combine with pp>1; "
-                     "use zero: 1 with pipeline parallelism");
-    }
-    if (p.pp_schedule == "interleaved" && p.pp == 1) {
-      reader.ErrorOn(root, "parallel", "pp_schedule", "parallel.pp_schedule=interleaved needs parallel.pp > 1");
-    }
-    if (p.pp_schedule == "interleaved" && p.virtual_stages < 2) {
-      reader.ErrorOn(root, "parallel", "virtual_stages",
-                     "parallel.pp_schedule=interleaved needs parallel.virtual_stages >= 2");
-    }
-    if (p.pp_schedule != "interleaved" && p.virtual_stages != 1) {
-      reader.ErrorOn(root, "parallel", "virtual_stages",
-                     "parallel.virtual_stages > 1 needs parallel.pp_schedule: interleaved");
-    }
-    if (!p.pp_split.empty()) {
-      int sum = 0;
-      for (int layers : p.pp_split) sum += layers;
-      if (static_cast<int>(p.pp_split.size()) != stages || sum != r.model.layers) {
-        reader.ErrorOn(root, "parallel", "pp_split",
-                       "parallel.pp_split needs " + std::to_string(stages) + " entries (pp*virtual_stages) summing to model.layers=" +
-                           std::to_string(r.model.layers) + "; it has " + std::to_string(p.pp_split.size()) +
-                           " summing to " + std::to_string(sum));
-      }
-    }
-    int64_t per_step = static_cast<int64_t>(r.training.micro_batch) * p.dp();
-    if (r.training.global_batch % per_step == 0 && p.pp_schedule == "interleaved" && p.pp > 1 &&
-        (r.training.global_batch / per_step) % p.pp != 0) {
-      reader.ErrorOn(root, "training", "global_batch",
-                     "interleaved 1F1B needs the micro-batches per step (global_batch/(micro_batch*dp)=" +
-                         std::to_string(r.training.global_batch / per_step) + ") to be a multiple of pp=" +
-                         std::to_string(p.pp));
-    }
-    if (r.training.global_batch % per_step != 0) {
-      int64_t lower = std::max<int64_t>(per_step, r.training.global_batch / per_step * per_step);
-      reader.ErrorOn(root, "training", "global_batch",
-                     "training.global_batch=" + std::to_string(r.training.global_batch) +
-                         " is not a multiple of micro_batch*dp=" + std::to_string(r.training.micro_batch) + "*" +
-                         std::to_string(p.dp()) + "=" + std::to_string(per_step) + "; try " + std::to_string(lower));
-    }
-  }
-  if (r.training.min_lr > r.training.lr) {
-    reader.ErrorOn(root, "training", "min_lr", "training.min_lr must not exceed training.lr");
-  }
+  reader.CheckStructure();
+  VisitRecipeKeys(r, [&](const RecipeKey& key, auto&& field) { reader.Read(key, field); });
+  CheckAcrossKeys(r, reader);
   result.errors = reader.TakeErrors();
   return result;
 }
@@ -536,99 +465,91 @@ RecipeParseResult LoadRecipeFile(const std::string& path, const std::vector<std:
   return ParseRecipe(buffer.str(), path, overrides);
 }
 
-namespace {
-
-// A double written with the fewest significant digits (15 to 17) that read back as the same value:
-// 0.0003 rather than 0.00029999999999999997.
-struct Shortest {
-  double value;
-};
-
-YAML::Emitter& operator<<(YAML::Emitter& out, Shortest n) {
-  int digits = 15;
-  for (; digits < 17; ++digits) {
-    char text[40];
-    std::snprintf(text, sizeof(text), "%.*g", digits, n.value);
-    if (std::strtod(text, nullptr) == n.value) break;
-  }
-  return out << YAML::DoublePrecision(digits) << n.value;
-}
-
-}  // namespace
-
 std::string RecipeToYaml(const Recipe& r) {
+  const std::map<std::string, std::string>& defaults = DefaultTexts();
   YAML::Emitter out;
   out << YAML::BeginMap;
-  out << YAML::Key << "name" << YAML::Value << r.name;
-  out << YAML::Key << "model" << YAML::Value << YAML::BeginMap
-      << YAML::Key << "layers" << YAML::Value << r.model.layers
-      << YAML::Key << "d_model" << YAML::Value << r.model.d_model
-      << YAML::Key << "heads" << YAML::Value << r.model.heads
-      << YAML::Key << "seq_len" << YAML::Value << r.model.seq_len
-      << YAML::Key << "vocab" << YAML::Value << r.model.vocab;
-  // Keys at their defaults are left out, so that a recipe written here still reads in a binary
-  // that predates them (a node mid-upgrade, a stored job).
-  if (r.model.init != "auto") out << YAML::Key << "init" << YAML::Value << r.model.init;
-  out << YAML::EndMap;
-  out << YAML::Key << "data" << YAML::Value << YAML::BeginMap
-      << YAML::Key << "path" << YAML::Value << r.data.path
-      << YAML::Key << "tokenizer" << YAML::Value << r.data.tokenizer;
-  if (r.data.sampling != "hash") out << YAML::Key << "sampling" << YAML::Value << r.data.sampling;
-  if (r.data.seed >= 0) out << YAML::Key << "seed" << YAML::Value << r.data.seed;
-  out << YAML::EndMap;
-  out << YAML::Key << "training" << YAML::Value << YAML::BeginMap
-      << YAML::Key << "steps" << YAML::Value << r.training.steps
-      << YAML::Key << "micro_batch" << YAML::Value << r.training.micro_batch
-      << YAML::Key << "global_batch" << YAML::Value << r.training.global_batch
-      << YAML::Key << "lr" << YAML::Value << Shortest{r.training.lr}
-      << YAML::Key << "min_lr" << YAML::Value << Shortest{r.training.min_lr}
-      << YAML::Key << "warmup_steps" << YAML::Value << r.training.warmup_steps
-      << YAML::Key << "lr_schedule" << YAML::Value << r.training.lr_schedule
-      << YAML::Key << "weight_decay" << YAML::Value << Shortest{r.training.weight_decay}
-      << YAML::Key << "beta1" << YAML::Value << Shortest{r.training.beta1}
-      << YAML::Key << "beta2" << YAML::Value << Shortest{r.training.beta2}
-      << YAML::Key << "grad_clip" << YAML::Value << Shortest{r.training.grad_clip}
-      << YAML::Key << "seed" << YAML::Value << r.training.seed
-      << YAML::Key << "log_every" << YAML::Value << r.training.log_every << YAML::EndMap;
-  out << YAML::Key << "parallel" << YAML::Value << YAML::BeginMap
-      << YAML::Key << "nodes" << YAML::Value;
-  if (r.parallel.nodes_min == r.parallel.nodes_max) {
-    out << r.parallel.nodes;
-  } else {
-    out << YAML::Flow << YAML::BeginMap << YAML::Key << "min" << YAML::Value << r.parallel.nodes_min
-        << YAML::Key << "max" << YAML::Value << r.parallel.nodes_max << YAML::EndMap;
-  }
-  out << YAML::Key << "nproc_per_node" << YAML::Value << r.parallel.nproc_per_node
-      << YAML::Key << "tp" << YAML::Value << r.parallel.tp
-      << YAML::Key << "pp" << YAML::Value << r.parallel.pp
-      << YAML::Key << "zero" << YAML::Value << r.parallel.zero
-      << YAML::Key << "sequence_parallel" << YAML::Value << r.parallel.sequence_parallel
-      << YAML::Key << "pp_schedule" << YAML::Value << r.parallel.pp_schedule
-      << YAML::Key << "virtual_stages" << YAML::Value << r.parallel.virtual_stages
-      << YAML::Key << "pp_split" << YAML::Value << YAML::Flow << r.parallel.pp_split
-      << YAML::Key << "bucket_mb" << YAML::Value << Shortest{r.parallel.bucket_mb}
-      << YAML::Key << "activation_checkpointing" << YAML::Value << r.parallel.activation_checkpointing
-      << YAML::Key << "precision" << YAML::Value << r.parallel.precision
-      << YAML::Key << "device" << YAML::Value << r.parallel.device << YAML::EndMap;
-  out << YAML::Key << "checkpoint" << YAML::Value << YAML::BeginMap
-      << YAML::Key << "dir" << YAML::Value << r.checkpoint.dir
-      << YAML::Key << "every" << YAML::Value << r.checkpoint.every
-      << YAML::Key << "keep" << YAML::Value << r.checkpoint.keep
-      << YAML::Key << "resume_from" << YAML::Value << r.checkpoint.resume_from
-      << YAML::Key << "async" << YAML::Value << r.checkpoint.async
-      << YAML::Key << "enabled" << YAML::Value << r.checkpoint.enabled << YAML::EndMap;
-  out << YAML::Key << "fault" << YAML::Value << YAML::BeginMap
-      << YAML::Key << "max_restarts" << YAML::Value << r.fault.max_restarts
-      << YAML::Key << "restart_backoff_s" << YAML::Value << Shortest{r.fault.restart_backoff_s}
-      << YAML::Key << "restart_backoff_max_s" << YAML::Value << Shortest{r.fault.restart_backoff_max_s}
-      << YAML::Key << "heartbeat_interval_s" << YAML::Value << Shortest{r.fault.heartbeat_interval_s}
-      << YAML::Key << "heartbeat_misses" << YAML::Value << r.fault.heartbeat_misses
-      << YAML::Key << "hang_timeout_s" << YAML::Value << Shortest{r.fault.hang_timeout_s}
-      << YAML::Key << "collective_timeout_s" << YAML::Value << Shortest{r.fault.collective_timeout_s} << YAML::EndMap;
+  std::string_view open_section;
+  VisitRecipeKeys(r, [&](const RecipeKey& key, const auto& field) {
+    if (key.omit_at_default && ValueText(field) == defaults.at(key.path())) return;
+    if (key.section != open_section) {
+      if (!open_section.empty()) out << YAML::EndMap;
+      out << YAML::Key << std::string(key.section) << YAML::Value << YAML::BeginMap;
+      open_section = key.section;
+    }
+    out << YAML::Key << std::string(key.name) << YAML::Value;
+    EmitValue(out, field);
+  });
+  if (!open_section.empty()) out << YAML::EndMap;
   out << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
 }
 
+std::map<std::string, std::string> RecipeKeyValues(const Recipe& recipe) {
+  std::map<std::string, std::string> values;
+  VisitRecipeKeys(recipe, [&](const RecipeKey& key, const auto& field) { values[key.path()] = ValueText(field); });
+  return values;
+}
+
 int64_t DataSeed(const Recipe& recipe) { return recipe.data.seed >= 0 ? recipe.data.seed : recipe.training.seed; }
+
+std::vector<RecipeKeyDoc> DescribeRecipeKeys() {
+  std::vector<RecipeKeyDoc> docs;
+  const Recipe defaults;
+  VisitRecipeKeys(defaults, [&](const RecipeKey& key, const auto& field) {
+    using T = std::remove_cvref_t<decltype(field)>;
+    RecipeKeyDoc doc;
+    doc.path = key.path();
+    doc.help = std::string(key.help);
+    doc.default_text = key.default_text.empty() ? ValueText(field) : std::string(key.default_text);
+    auto int_range = [&] {
+      if (key.int_max >= std::numeric_limits<int32_t>::max()) return "integer >= " + std::to_string(key.int_min);
+      return "integer " + std::to_string(key.int_min) + " to " + std::to_string(key.int_max);
+    };
+    if constexpr (IsNodesField<T>::value) {
+      doc.type = int_range() + ", or {min, max}";
+    } else if constexpr (std::is_same_v<T, bool>) {
+      doc.type = "true or false";
+    } else if constexpr (std::is_integral_v<T>) {
+      doc.type = int_range();
+    } else if constexpr (std::is_floating_point_v<T>) {
+      std::ostringstream range;
+      range << "number " << key.real_min << " to " << key.real_max;
+      doc.type = range.str();
+    } else if constexpr (std::is_same_v<T, std::string>) {
+      doc.type = key.name == "name" ? "text" : "path";
+    } else if constexpr (kIsEnum<T>) {
+      doc.type = "one of " + EnumNameList<T>();
+    } else if constexpr (std::is_same_v<T, std::vector<int>>) {
+      doc.type = "list of integers >= " + std::to_string(key.int_min);
+    }
+    docs.push_back(std::move(doc));
+  });
+  return docs;
+}
+
+std::string RecipeKeysMarkdown() {
+  std::string out = "| key | type | default | meaning |\n| --- | --- | --- | --- |\n";
+  for (const RecipeKeyDoc& doc : DescribeRecipeKeys()) {
+    out += "| `" + doc.path + "` | " + doc.type + " | `" + doc.default_text + "` | " + doc.help + " |\n";
+  }
+  return out;
+}
+
+std::string RecipeKeysText() {
+  std::vector<RecipeKeyDoc> docs = DescribeRecipeKeys();
+  size_t path_width = 0, type_width = 0, default_width = 0;
+  for (const RecipeKeyDoc& doc : docs) {
+    path_width = std::max(path_width, doc.path.size());
+    type_width = std::max(type_width, doc.type.size());
+    default_width = std::max(default_width, doc.default_text.size());
+  }
+  auto pad = [](std::string text, size_t width) { return text + std::string(width - text.size() + 2, ' '); };
+  std::string out = pad("KEY", path_width) + pad("TYPE", type_width) + pad("DEFAULT", default_width) + "MEANING\n";
+  for (const RecipeKeyDoc& doc : docs) {
+    out += pad(doc.path, path_width) + pad(doc.type, type_width) + pad(doc.default_text, default_width) + doc.help + "\n";
+  }
+  return out;
+}
 
 }  // namespace ltrain

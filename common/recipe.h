@@ -1,15 +1,102 @@
 // Recipe: the YAML description of a training job, parsed into plain structs and validated before
 // anything starts. The same parser reads the user's file, the resolved copy stored with the job,
-// and the copy a worker receives.
+// and the copy a worker receives. Every key is declared once, in common/recipe_schema.h; the
+// reader, the writer, `ltrain validate --explain` and the README's table all walk that list.
 #pragma once
 
+#include <array>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
+#include <utility>
 #include <vector>
 
 #include "common/status.h"
 
 namespace ltrain {
+
+// The closed sets of recipe values. EnumNames<E>::kNames gives the names recipes use, in the order
+// `ltrain validate --explain` lists them.
+enum class ModelInit { kAuto, kPytorch, kPerParameter };
+enum class Tokenizer { kByte };
+enum class Sampling { kHash, kTorch };
+enum class LrScheduleKind { kCosine, kConstant };
+enum class PpSchedule { kGpipe, k1F1B, kInterleaved };
+enum class ActivationCheckpointing { kNone, kFull, kSelective };
+enum class Precision { kAuto, kFp32, kBf16, kBf16Autocast };
+enum class Device { kCpu, kCuda };
+
+template <typename E>
+struct EnumNames;
+template <>
+struct EnumNames<ModelInit> {
+  static constexpr std::array<std::pair<ModelInit, std::string_view>, 3> kNames = {
+      {{ModelInit::kAuto, "auto"}, {ModelInit::kPytorch, "pytorch"}, {ModelInit::kPerParameter, "per_parameter"}}};
+};
+template <>
+struct EnumNames<Tokenizer> {
+  static constexpr std::array<std::pair<Tokenizer, std::string_view>, 1> kNames = {{{Tokenizer::kByte, "byte"}}};
+};
+template <>
+struct EnumNames<Sampling> {
+  static constexpr std::array<std::pair<Sampling, std::string_view>, 2> kNames = {
+      {{Sampling::kHash, "hash"}, {Sampling::kTorch, "torch"}}};
+};
+template <>
+struct EnumNames<LrScheduleKind> {
+  static constexpr std::array<std::pair<LrScheduleKind, std::string_view>, 2> kNames = {
+      {{LrScheduleKind::kCosine, "cosine"}, {LrScheduleKind::kConstant, "constant"}}};
+};
+template <>
+struct EnumNames<PpSchedule> {
+  static constexpr std::array<std::pair<PpSchedule, std::string_view>, 3> kNames = {
+      {{PpSchedule::kGpipe, "gpipe"}, {PpSchedule::k1F1B, "1f1b"}, {PpSchedule::kInterleaved, "interleaved"}}};
+};
+template <>
+struct EnumNames<ActivationCheckpointing> {
+  static constexpr std::array<std::pair<ActivationCheckpointing, std::string_view>, 3> kNames = {
+      {{ActivationCheckpointing::kNone, "none"},
+       {ActivationCheckpointing::kFull, "full"},
+       {ActivationCheckpointing::kSelective, "selective"}}};
+};
+template <>
+struct EnumNames<Precision> {
+  static constexpr std::array<std::pair<Precision, std::string_view>, 4> kNames = {
+      {{Precision::kAuto, "auto"}, {Precision::kFp32, "fp32"}, {Precision::kBf16, "bf16"},
+       {Precision::kBf16Autocast, "bf16-autocast"}}};
+};
+template <>
+struct EnumNames<Device> {
+  static constexpr std::array<std::pair<Device, std::string_view>, 2> kNames = {
+      {{Device::kCpu, "cpu"}, {Device::kCuda, "cuda"}}};
+};
+
+// The recipe name of `value` ("1f1b", "bf16-autocast", ...).
+template <typename E>
+std::string NameOf(E value) {
+  for (const auto& [e, name] : EnumNames<E>::kNames) {
+    if (e == value) return std::string(name);
+  }
+  return "?";
+}
+
+// The value a recipe names, or nullopt.
+template <typename E>
+std::optional<E> EnumFromName(std::string_view name) {
+  for (const auto& [e, n] : EnumNames<E>::kNames) {
+    if (n == name) return e;
+  }
+  return std::nullopt;
+}
+
+// Every name of E, comma-separated: "gpipe, 1f1b, interleaved".
+template <typename E>
+std::string EnumNameList() {
+  std::string out;
+  for (const auto& [e, name] : EnumNames<E>::kNames) out += (out.empty() ? "" : ", ") + std::string(name);
+  return out;
+}
 
 struct ModelSpec {
   int layers = 2;
@@ -17,20 +104,19 @@ struct ModelSpec {
   int heads = 4;
   int seq_len = 64;
   int vocab = 256;
-  // auto | pytorch | per_parameter (README). PyTorch's initialisation reproduces gpt_model.GPT's
-  // parameters but makes every rank build the whole model on the CPU from one serial generator, too
-  // slow and too large for billions of parameters; per_parameter lets each rank draw only what it
-  // keeps, on its own device.
-  std::string init = "auto";
+  // PyTorch's initialisation reproduces gpt_model.GPT's parameters but makes every rank build the
+  // whole model on the CPU from one serial generator, too slow and too large for billions of
+  // parameters; per_parameter lets each rank draw only what it keeps, on its own device.
+  ModelInit init = ModelInit::kAuto;
 };
 
 struct DataSpec {
   std::string path;              // a directory written by `ltrain data prepare`
-  std::string tokenizer = "byte";
-  // hash | torch (README). "hash" lets a resumed run start at any data position for free; "torch"
-  // replays a PyTorch loop's torch.randint draws, so that a run can be compared with one batch for
-  // batch, at the cost of replaying the draws up to the data position on resume.
-  std::string sampling = "hash";
+  Tokenizer tokenizer = Tokenizer::kByte;
+  // "hash" lets a resumed run start at any data position for free; "torch" replays a PyTorch loop's
+  // torch.randint draws, so that a run can be compared with one batch for batch, at the cost of
+  // replaying the draws up to the data position on resume.
+  Sampling sampling = Sampling::kHash;
   int64_t seed = -1;             // the sampler's seed; unset (-1): training.seed
 };
 
@@ -41,7 +127,7 @@ struct TrainingSpec {
   double lr = 1e-3;              // peak learning rate
   double min_lr = 1e-4;          // floor of the cosine decay
   int64_t warmup_steps = 10;
-  std::string lr_schedule = "cosine";  // cosine | constant
+  LrScheduleKind lr_schedule = LrScheduleKind::kCosine;
   double weight_decay = 0.1;
   double beta1 = 0.9;            // AdamW moment decay rates
   double beta2 = 0.95;
@@ -50,6 +136,7 @@ struct TrainingSpec {
   int64_t log_every = 10;
 };
 
+// What the user asks for; common/layout.h resolves it, for a world size, into a Layout.
 struct ParallelSpec {
   int nodes = 1;                 // nodes the job runs on now (`nodes: N`, or the max of `nodes: {min, max}`)
   int nodes_min = 1;             // elastic floor: the job goes on while at least this many remain
@@ -59,13 +146,13 @@ struct ParallelSpec {
   int pp = 1;                    // pipeline stages (outermost)
   int zero = 0;                  // 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded over dp
   bool sequence_parallel = false;
-  std::string pp_schedule = "1f1b";     // gpipe | 1f1b | interleaved
-  int virtual_stages = 1;               // model chunks per pipeline rank (interleaved 1F1B)
-  std::vector<int> pp_split;            // layers per (virtual) stage; empty = balanced
-  double bucket_mb = 25.0;              // data-parallel gradient bucket size
-  std::string activation_checkpointing = "none";  // none | full | selective
-  std::string precision = "auto";       // auto (bf16 on cuda, fp32 on cpu) | fp32 | bf16 | bf16-autocast
-  std::string device = "cpu";    // cpu (Gloo) | cuda (NCCL)
+  PpSchedule pp_schedule = PpSchedule::k1F1B;
+  int virtual_stages = 1;        // model chunks per pipeline rank (interleaved 1F1B)
+  std::vector<int> pp_split;     // layers per (virtual) stage; empty = balanced
+  double bucket_mb = 25.0;       // data-parallel gradient bucket size
+  ActivationCheckpointing activation_checkpointing = ActivationCheckpointing::kNone;
+  Precision precision = Precision::kAuto;  // auto: bf16 on cuda, fp32 on cpu
+  Device device = Device::kCpu;  // cpu (Gloo) | cuda (NCCL)
 
   int world_size() const { return nodes * nproc_per_node; }
   int dp() const { return world_size() / (tp * pp); }
@@ -126,8 +213,10 @@ struct RecipeParseResult {
   std::string ErrorText() const;  // every error, one per line
 };
 
-// Parses YAML text. `source_name` names the file in errors. `overrides` are "dotted.key=value"
-// strings applied on top of the file before validation, as `--set` gives them.
+// Parses YAML text and checks it: every key's type and range (common/recipe_schema.h), then the
+// rules between keys, the layout rules of common/layout.h among them (for the recipe's own world
+// size). `source_name` names the file in errors. `overrides` are "dotted.key=value" strings applied
+// on top of the file before validation, as `--set` gives them.
 RecipeParseResult ParseRecipe(const std::string& yaml_text, const std::string& source_name,
                               const std::vector<std::string>& overrides = {});
 
@@ -135,7 +224,8 @@ RecipeParseResult ParseRecipe(const std::string& yaml_text, const std::string& s
 RecipeParseResult LoadRecipeFile(const std::string& path,
                                  const std::vector<std::string>& overrides = {});
 
-// The resolved recipe as YAML, every field present; ParseRecipe of it gives the same Recipe.
+// The resolved recipe as YAML, every key present except the few that older binaries do not know
+// while they hold their defaults (RecipeKey::omit_at_default); ParseRecipe of it gives the same Recipe.
 std::string RecipeToYaml(const Recipe& recipe);
 
 }  // namespace ltrain

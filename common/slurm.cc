@@ -171,7 +171,7 @@ void ApplySlurmAllocation(const SlurmAllocation& allocation, Recipe* recipe) {
   recipe->parallel.nodes = allocation.nodes;
   recipe->parallel.nodes_min = allocation.nodes;
   recipe->parallel.nodes_max = allocation.nodes;
-  if (recipe->parallel.device == "cuda" && allocation.gpus_per_node > 0) {
+  if (recipe->parallel.device == Device::kCuda && allocation.gpus_per_node > 0) {
     recipe->parallel.nproc_per_node = allocation.gpus_per_node;
   }
 }

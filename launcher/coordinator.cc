@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <regex>
 
+#include "common/layout.h"
 #include "common/logging.h"
 #include "common/signal_name.h"
 #include "launcher/hang_diagnosis.h"
@@ -172,13 +173,12 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
   nodes.resize(count);
   // The generation's recipe says how many nodes it runs on now.
   recipe.parallel.nodes = recipe.parallel.nodes_min = recipe.parallel.nodes_max = count;
-  // An elastic job keeps its global batch: fewer ranks accumulate more micro-batches.
-  int64_t per_step = static_cast<int64_t>(recipe.training.micro_batch) * recipe.parallel.dp();
-  if (recipe.training.global_batch % per_step != 0) {
+  // An elastic job keeps its global batch: fewer ranks accumulate more micro-batches, as long as
+  // the layout rules hold for the ranks there are now.
+  std::vector<LayoutProblem> problems = CheckLayout(recipe, recipe.parallel.world_size());
+  if (!problems.empty()) {
     FinishLocked(job, v1::JOB_STATE_FAILED,
-                 "cannot run on " + std::to_string(count) + " node(s): global_batch=" +
-                     std::to_string(recipe.training.global_batch) + " is not a multiple of micro_batch*dp=" +
-                     std::to_string(per_step));
+                 "cannot run on " + std::to_string(count) + " node(s): " + problems.front().message);
     return false;
   }
   int generation = job.next_generation++;

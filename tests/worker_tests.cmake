@@ -3,6 +3,14 @@ ltrain_add_test(token_data_test unit
   SOURCES unit/token_data_test.cc
   LIBS ltrain::common)
 
+if(LTRAIN_BUILD_CONTROL_PLANE)
+  # Every recipe key, at a value other than its default, from the user's recipe through the
+  # coordinator to the worker's loading; milliseconds.
+  ltrain_add_test(recipe_keys_test unit
+    SOURCES unit/recipe_keys_test.cc
+    LIBS ltrain::launcher ltrain::worker_control)
+endif()
+
 # The ranks' agreement on the step a stop with a final checkpoint ends after; a fake store,
 # milliseconds.
 ltrain_add_test(checkpoint_stop_test unit

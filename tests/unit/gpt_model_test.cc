@@ -73,12 +73,12 @@ TEST(GptModelTest, SameSeedSameModelAndAttentionIsCausal) {
 // The parallel runtime's model on one rank (the functional ModelShard: fused q/k/v head split,
 // MLP) computes what the module does: the same loss and the same gradients.
 TEST(GptModelTest, OneRankShardEqualsTheModule) {
-  ModelLayout layout;
-  layout.config = Tiny();
-  layout.stage_layers = {layout.config.layers};
+  ModelShardSpec spec;
+  spec.config = Tiny();
+  spec.layout.stage_layers = {spec.config.layers};
   SelfCommunicator self;
   torch::manual_seed(5);
-  auto shard = ModelShard::Create(layout, &self);
+  auto shard = ModelShard::Create(spec, &self);
   ASSERT_TRUE(shard.ok()) << shard.status().message();
   torch::manual_seed(5);
   Gpt module(Tiny());
@@ -120,16 +120,16 @@ TEST(GptModelTest, ParameterShapesFollowTheModule) {
 // Per-parameter initialisation: the distributions of PyTorch's, values of its own, and a tensor-
 // parallel rank's slices are slices of the one-rank parameters.
 TEST(GptModelTest, PerParameterInitSlicesTheSameParameters) {
-  ModelLayout one;
+  ModelShardSpec one;
   one.config = Tiny();
-  one.stage_layers = {one.config.layers};
+  one.layout.stage_layers = {one.config.layers};
   one.per_parameter_init = true;
   one.seed = 3;
   SelfCommunicator self;
   auto full = ModelShard::Create(one, &self);
   ASSERT_TRUE(full.ok()) << full.status().message();
   torch::manual_seed(3);
-  auto pytorch = ModelShard::Create([&] { ModelLayout l = one; l.per_parameter_init = false; return l; }(), &self);
+  auto pytorch = ModelShard::Create([&] { ModelShardSpec l = one; l.per_parameter_init = false; return l; }(), &self);
   ASSERT_TRUE(pytorch.ok());
   std::map<std::string, torch::Tensor> by_name;
   for (const ShardParam& p : (*full)->params()) by_name[p.name] = p.value;
@@ -149,9 +149,9 @@ TEST(GptModelTest, PerParameterInitSlicesTheSameParameters) {
   EXPECT_EQ(seen, 1);
 
   // Rank 1 of tp 2: the second half of fc's rows (column-parallel) and of fc2's columns.
-  ModelLayout tp = one;
-  tp.tp = 2;
-  tp.tp_rank = 1;
+  ModelShardSpec tp = one;
+  tp.layout.tp = 2;
+  tp.coords.tp = 1;
   FakeCommunicator two;
   two.SimulateSize(2);
   auto half = ModelShard::Create(tp, &two);

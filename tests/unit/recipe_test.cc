@@ -2,6 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <fstream>
+#include <sstream>
+
+#include "common/recipe_schema.h"
+
 namespace ltrain {
 namespace {
 
@@ -19,7 +24,7 @@ TEST(RecipeTest, ParsesAndFillsDefaults) {
   EXPECT_EQ(result.recipe.model.d_model, 64);
   EXPECT_EQ(result.recipe.parallel.world_size(), 2);
   EXPECT_EQ(result.recipe.accumulation_steps(), 1);
-  EXPECT_EQ(result.recipe.training.lr_schedule, "cosine");
+  EXPECT_EQ(result.recipe.training.lr_schedule, LrScheduleKind::kCosine);
 }
 
 TEST(RecipeTest, YamlRoundTripGivesTheSameRecipe) {
@@ -41,16 +46,16 @@ TEST(RecipeTest, YamlRoundTripGivesTheSameRecipe) {
 TEST(RecipeTest, DataSamplingAndSeedRoundTrip) {
   RecipeParseResult result = ParseRecipe("data: {path: /d, sampling: torch, seed: 1234}\n", "r.yaml");
   ASSERT_TRUE(result.ok()) << result.ErrorText();
-  EXPECT_EQ(result.recipe.data.sampling, "torch");
+  EXPECT_EQ(result.recipe.data.sampling, Sampling::kTorch);
   EXPECT_EQ(result.recipe.data.seed, 1234);
   RecipeParseResult again = ParseRecipe(RecipeToYaml(result.recipe), "resolved.yaml");
   ASSERT_TRUE(again.ok()) << again.ErrorText();
-  EXPECT_EQ(again.recipe.data.sampling, "torch");
+  EXPECT_EQ(again.recipe.data.sampling, Sampling::kTorch);
   EXPECT_EQ(again.recipe.data.seed, 1234);
   // Unset, the seed stays unset (the sampler then uses training.seed).
   RecipeParseResult plain = ParseRecipe(kGood, "tiny.yaml");
   ASSERT_TRUE(plain.ok());
-  EXPECT_EQ(plain.recipe.data.sampling, "hash");
+  EXPECT_EQ(plain.recipe.data.sampling, Sampling::kHash);
   EXPECT_EQ(plain.recipe.data.seed, -1);
   // Keys at their defaults are not written, so that older binaries read the recipe.
   const std::string yaml = RecipeToYaml(plain.recipe);
@@ -62,11 +67,11 @@ TEST(RecipeTest, DataSamplingAndSeedRoundTrip) {
 TEST(RecipeTest, ModelInitRoundTrips) {
   RecipeParseResult result = ParseRecipe("data: {path: /d}\nmodel: {init: per_parameter}\n", "r.yaml");
   ASSERT_TRUE(result.ok()) << result.ErrorText();
-  EXPECT_EQ(result.recipe.model.init, "per_parameter");
+  EXPECT_EQ(result.recipe.model.init, ModelInit::kPerParameter);
   RecipeParseResult again = ParseRecipe(RecipeToYaml(result.recipe), "resolved.yaml");
   ASSERT_TRUE(again.ok()) << again.ErrorText();
-  EXPECT_EQ(again.recipe.model.init, "per_parameter");
-  EXPECT_EQ(ParseRecipe(kGood, "tiny.yaml").recipe.model.init, "auto");
+  EXPECT_EQ(again.recipe.model.init, ModelInit::kPerParameter);
+  EXPECT_EQ(ParseRecipe(kGood, "tiny.yaml").recipe.model.init, ModelInit::kAuto);
 }
 
 TEST(RecipeTest, OverrideSetsNestedFields) {
@@ -140,7 +145,7 @@ TEST(RecipeTest, ElasticNodesAndLayoutKeysRoundTrip) {
   ASSERT_TRUE(again.ok()) << again.ErrorText() << yaml;
   EXPECT_EQ(again.recipe.parallel.pp_split, (std::vector<int>{1, 1, 1, 1}));
   EXPECT_EQ(again.recipe.parallel.nodes_min, 1);
-  EXPECT_EQ(again.recipe.parallel.activation_checkpointing, "selective");
+  EXPECT_EQ(again.recipe.parallel.activation_checkpointing, ActivationCheckpointing::kSelective);
   EXPECT_EQ(RecipeToYaml(again.recipe), yaml);
 }
 
@@ -168,6 +173,44 @@ TEST(RecipeTest, MissingFileIsOneClearError) {
   RecipeParseResult result = LoadRecipeFile("/nonexistent/recipe.yaml");
   ASSERT_EQ(result.errors.size(), 1u);
   EXPECT_NE(result.errors[0].ToString().find("/nonexistent/recipe.yaml: cannot read"), std::string::npos);
+}
+
+TEST(RecipeSchemaTest, EveryKeyHasATypeADefaultAndHelp) {
+  std::vector<RecipeKeyDoc> docs = DescribeRecipeKeys();
+  EXPECT_EQ(docs.size(), RecipeKeyValues(Recipe{}).size());
+  for (const RecipeKeyDoc& doc : docs) {
+    EXPECT_FALSE(doc.type.empty()) << doc.path;
+    EXPECT_FALSE(doc.default_text.empty()) << doc.path;
+    EXPECT_FALSE(doc.help.empty()) << doc.path;
+  }
+  const std::string text = RecipeKeysText();
+  EXPECT_NE(text.find("parallel.pp_schedule"), std::string::npos) << text;
+  EXPECT_NE(text.find("one of gpipe, 1f1b, interleaved"), std::string::npos) << text;
+  EXPECT_NE(text.find("integer 0 to 3"), std::string::npos) << text;  // parallel.zero
+}
+
+// The README's table of recipe keys is the schema's, so that the two cannot drift apart.
+TEST(RecipeSchemaTest, TheReadmeTableIsTheSchema) {
+  std::ifstream in(std::string(LTRAIN_SOURCE_DIR) + "/README.md");
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  const std::string readme = buffer.str();
+  const std::string begin = "<!-- recipe keys: `ltrain validate --explain --output markdown` -->\n";
+  const std::string end = "<!-- end of recipe keys -->";
+  const size_t from = readme.find(begin);
+  const size_t to = readme.find(end);
+  ASSERT_NE(from, std::string::npos) << "README.md lacks the line " << begin;
+  ASSERT_NE(to, std::string::npos) << "README.md lacks the line " << end;
+  EXPECT_EQ(readme.substr(from + begin.size(), to - from - begin.size()), RecipeKeysMarkdown())
+      << "README.md's recipe table differs from the schema: replace it with the output of "
+         "`ltrain validate --explain --output markdown`";
+}
+
+TEST(RecipeSchemaTest, EnumNamesRoundTrip) {
+  EXPECT_EQ(NameOf(PpSchedule::k1F1B), "1f1b");
+  EXPECT_EQ(EnumFromName<Precision>("bf16-autocast"), Precision::kBf16Autocast);
+  EXPECT_FALSE(EnumFromName<Device>("tpu").has_value());
+  EXPECT_EQ(EnumNameList<ActivationCheckpointing>(), "none, full, selective");
 }
 
 }  // namespace

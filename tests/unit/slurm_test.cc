@@ -148,7 +148,7 @@ TEST_F(SlurmAllocationTest, CpusPerNode) {
 
 TEST(ApplySlurmAllocationTest, CudaRunsOneProcessPerGpuOnEveryNode) {
   Recipe recipe;
-  recipe.parallel.device = "cuda";
+  recipe.parallel.device = Device::kCuda;
   recipe.parallel.nodes = 1;
   recipe.parallel.nodes_min = 1;
   recipe.parallel.nodes_max = 4;
@@ -169,7 +169,7 @@ TEST(ApplySlurmAllocationTest, CpuOrUnknownGpusKeepTheRecipesProcessesPerNode) {
   EXPECT_EQ(cpu.parallel.nproc_per_node, 3);
 
   Recipe cuda;
-  cuda.parallel.device = "cuda";
+  cuda.parallel.device = Device::kCuda;
   cuda.parallel.nproc_per_node = 2;
   ApplySlurmAllocation(SlurmAllocation{"1", {"a"}, 1, 0, 0}, &cuda);
   EXPECT_EQ(cuda.parallel.nproc_per_node, 2);

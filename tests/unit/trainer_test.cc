@@ -47,27 +47,6 @@ class TrainerTest : public ::testing::Test {
   TrainerOptions options_;
 };
 
-TEST_F(TrainerTest, PlanLayoutChecksParallelismAndBatch) {
-  Recipe r = recipe_;
-  r.parallel.tp = 3;
-  StatusOr<Layout> tp = PlanLayout(r, 2);
-  ASSERT_FALSE(tp.ok());
-  EXPECT_NE(tp.status().message().find("does not divide the world size 2"), std::string::npos) << tp.status().message();
-  r.parallel.tp = 2;
-  r.parallel.pp = 2;
-  r.model.layers = 2;
-  StatusOr<Layout> tp_pp = PlanLayout(r, 8);
-  ASSERT_TRUE(tp_pp.ok()) << tp_pp.status().ToString();
-  EXPECT_EQ(tp_pp->dp, 2);
-  EXPECT_EQ(tp_pp->accumulation, 1);
-  r = recipe_;
-  r.training.global_batch = 6;
-  EXPECT_FALSE(PlanLayout(r, 2).ok());  // 6 is not a multiple of 2*2
-  StatusOr<Layout> ok = PlanLayout(recipe_, 1);
-  ASSERT_TRUE(ok.ok());
-  EXPECT_EQ(ok->accumulation, 2);
-}
-
 // Trains six steps with a save at step 3, resumes another run from it, and expects the same parameters.
 void ExpectResumeMatches(const Recipe& recipe, const TrainerOptions& options, const fs::path& dir) {
   FakeCommunicator comm;
@@ -116,7 +95,7 @@ TEST_F(TrainerTest, ResumedRunWithTorchSamplingReplaysTheSameBatches) {
   // The torch draws are not the hash's: the first step's loss differs.
   FakeCommunicator comm_hash, comm_torch;
   Recipe torch_recipe = recipe_;
-  torch_recipe.data.sampling = "torch";
+  torch_recipe.data.sampling = Sampling::kTorch;
   torch_recipe.data.seed = 1234;
   auto hashed = Trainer::Create(recipe_, options_, &comm_hash);
   auto drawn = Trainer::Create(torch_recipe, options_, &comm_torch);
@@ -156,7 +135,7 @@ TEST_F(TrainerTest, ResumeSaysWhenTheBatchOrderChanges) {
   EXPECT_EQ(same.find("resume: the saved run drew"), std::string::npos) << same;
 
   Recipe torch_recipe = recipe_;
-  torch_recipe.data.sampling = "torch";
+  torch_recipe.data.sampling = Sampling::kTorch;
   torch_recipe.data.seed = 1234;
   std::string changed = resume_output(torch_recipe);
   EXPECT_NE(changed.find("resume: the saved run drew its batches with data.sampling hash, seed " +
@@ -169,7 +148,7 @@ TEST(TorchSamplingTest, DrawsWhatTorchRandintDraws) {
   // Expected values from PyTorch: g = torch.Generator().manual_seed(1234);
   // torch.randint(0, 1000, (4,), generator=g), then (3,) more from the same g.
   Recipe recipe;
-  recipe.data.sampling = "torch";
+  recipe.data.sampling = Sampling::kTorch;
   recipe.data.seed = 1234;
   recipe.training.seed = 99;  // not used: data.seed wins
   std::unique_ptr<WindowStream> stream = MakeWindowStream(recipe, 1000);
@@ -186,7 +165,7 @@ TEST(TorchSamplingTest, DrawsWhatTorchRandintDraws) {
   EXPECT_EQ(stream->Start(4095), 86292);
   EXPECT_EQ(stream->Start(4096), 108516);
 
-  recipe.data.sampling = "hash";
+  recipe.data.sampling = Sampling::kHash;
   EXPECT_EQ(MakeWindowStream(recipe, 123456), nullptr);
 }
 

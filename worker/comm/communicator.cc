@@ -102,9 +102,9 @@ Status FakeCommunicator::Recv(at::Tensor& tensor, int src, uint32_t /*tag*/) {
 
 ProcessGroups DataParallelGroups(Communicator* world) {
   ProcessGroups g;
-  g.topology = Topology{1, world->size(), 1};
+  g.layout = Layout::Grid(1, world->size(), 1);
   g.rank = world->rank();
-  g.coords = CoordsOf(g.topology, g.rank);
+  g.coords = CoordsOf(g.layout, g.rank);
   g.world = world;
   g.dp = world;
   for (Communicator** slot : {&g.tp, &g.pp, &g.embedding}) {
@@ -114,23 +114,23 @@ ProcessGroups DataParallelGroups(Communicator* world) {
   return g;
 }
 
-StatusOr<ProcessGroups> BuildProcessGroups(const Topology& topology, int rank, Communicator* world,
+StatusOr<ProcessGroups> BuildProcessGroups(const Layout& layout, int rank, Communicator* world,
                                            const GroupFactory& make) {
-  if (topology.world() != world->size()) {
-    return InvalidArgument("topology tp*dp*pp=" + std::to_string(topology.world()) + " but the world has " +
-                           std::to_string(world->size()) + " ranks");
+  if (layout.tp * layout.dp * layout.pp != world->size()) {
+    return InvalidArgument("layout tp*dp*pp=" + std::to_string(layout.tp * layout.dp * layout.pp) +
+                           " but the world has " + std::to_string(world->size()) + " ranks");
   }
   ProcessGroups g;
-  g.topology = topology;
+  g.layout = layout;
   g.rank = rank;
-  g.coords = CoordsOf(topology, rank);
+  g.coords = CoordsOf(layout, rank);
   g.world = world;
   const std::pair<GroupKind, Communicator**> kinds[] = {{GroupKind::kTensor, &g.tp},
                                                         {GroupKind::kData, &g.dp},
                                                         {GroupKind::kPipeline, &g.pp},
                                                         {GroupKind::kEmbedding, &g.embedding}};
   for (const auto& [kind, slot] : kinds) {
-    Group group = GroupOf(topology, kind, rank);
+    Group group = GroupOf(layout, kind, rank);
     const int group_rank = group.RankOf(rank);
     if (kind == GroupKind::kEmbedding) g.in_embedding_group = group_rank >= 0;
     if (group.ranks.size() == static_cast<size_t>(world->size()) && group_rank == world->rank()) {

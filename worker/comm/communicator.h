@@ -123,7 +123,7 @@ class FakeCommunicator : public Communicator {
 // The communicators of one rank: one per group it belongs to. Never null: a group of one is a
 // SelfCommunicator, and `embedding` is a SelfCommunicator on ranks of no embedding group.
 struct ProcessGroups {
-  Topology topology;
+  Layout layout;
   RankCoords coords;
   int rank = 0;
   Communicator* world = nullptr;
@@ -146,7 +146,7 @@ using GroupFactory = std::function<StatusOr<std::unique_ptr<Communicator>>(const
 
 // Builds this rank's groups (groups of one become SelfCommunicators without calling `make`).
 // `world` must outlive the result.
-StatusOr<ProcessGroups> BuildProcessGroups(const Topology& topology, int rank, Communicator* world,
+StatusOr<ProcessGroups> BuildProcessGroups(const Layout& layout, int rank, Communicator* world,
                                            const GroupFactory& make);
 
 }  // namespace ltrain::worker

@@ -299,34 +299,34 @@ int64_t GptParameterCount(const GptConfig& c) {
   return n;
 }
 
-StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelLayout& layout, Communicator* tp) {
-  const GptConfig& c = layout.config;
-  if (layout.tp != tp->size()) return InvalidArgument("tp group size differs from parallel.tp");
-  if (c.heads % layout.tp != 0 || c.vocab % layout.tp != 0) {
-    return InvalidArgument("parallel.tp=" + std::to_string(layout.tp) + " must divide model.heads=" +
+StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelShardSpec& spec, Communicator* tp) {
+  const GptConfig& c = spec.config;
+  if (spec.layout.tp != tp->size()) return InvalidArgument("tp group size differs from parallel.tp");
+  if (c.heads % spec.layout.tp != 0 || c.vocab % spec.layout.tp != 0) {
+    return InvalidArgument("parallel.tp=" + std::to_string(spec.layout.tp) + " must divide model.heads=" +
                            std::to_string(c.heads) + " and model.vocab=" + std::to_string(c.vocab));
   }
-  if (layout.sequence_parallel && c.seq_len % layout.tp != 0) {
-    return InvalidArgument("sequence_parallel needs parallel.tp=" + std::to_string(layout.tp) +
+  if (spec.layout.sequence_parallel && c.seq_len % spec.layout.tp != 0) {
+    return InvalidArgument("sequence_parallel needs parallel.tp=" + std::to_string(spec.layout.tp) +
                            " to divide model.seq_len=" + std::to_string(c.seq_len));
   }
-  const int stages = layout.pp * layout.chunks;
-  if (static_cast<int>(layout.stage_layers.size()) != stages) return InvalidArgument("stage_layers needs pp*chunks entries");
-  std::unique_ptr<ModelShard> shard(new ModelShard(layout, tp));
+  const int stages = spec.layout.pp * spec.layout.chunks;
+  if (static_cast<int>(spec.layout.stage_layers.size()) != stages) return InvalidArgument("stage_layers needs pp*chunks entries");
+  std::unique_ptr<ModelShard> shard(new ModelShard(spec, tp));
   // Which virtual stage runs each layer.
   std::vector<int> stage_of_layer;
   for (int s = 0; s < stages; ++s) {
-    for (int i = 0; i < layout.stage_layers[s]; ++i) stage_of_layer.push_back(s);
+    for (int i = 0; i < spec.layout.stage_layers[s]; ++i) stage_of_layer.push_back(s);
   }
   if (static_cast<int>(stage_of_layer.size()) != c.layers) return InvalidArgument("stage_layers must sum to model.layers");
   shard->stage_of_layer_ = stage_of_layer;
-  const bool first = layout.pp_rank == 0, last = layout.pp_rank == layout.pp - 1;
+  const bool first = spec.coords.pp == 0, last = spec.coords.pp == spec.layout.pp - 1;
 
   torch::NoGradGuard no_grad;
   // The full model's parameters in order, each made when a slice of it is wanted.
   std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
   std::vector<torch::Tensor> built;  // PyTorch's initialisation: the whole model, built at once
-  if (layout.per_parameter_init) {
+  if (spec.per_parameter_init) {
     shapes = GptParameterShapes(c);
   } else {
     Gpt full(c);
@@ -336,19 +336,19 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelLayout& layo
     }
   }
   auto full_param = [&](size_t i) {
-    if (!layout.per_parameter_init) return built[i];
-    return PerParameterInit(c, shapes[i].first, shapes[i].second, layout.seed, i, layout.device);
+    if (!spec.per_parameter_init) return built[i];
+    return PerParameterInit(c, shapes[i].first, shapes[i].second, spec.seed, i, spec.device);
   };
   shard->block_index_.assign(c.layers, std::vector<int>(kBlockParams, -1));
   auto add = [&](const std::string& name, const torch::Tensor& t, int unit, bool exported) {
     ShardParam p;
     p.name = name;
     p.full_shape = t.sizes().vec();
-    p.split = layout.tp > 1 ? SplitOf(name) : TpSplit::kReplicated;
-    p.value = Slice(t, p.split, layout.tp, layout.tp_rank).requires_grad_(true);
+    p.split = spec.layout.tp > 1 ? SplitOf(name) : TpSplit::kReplicated;
+    p.value = Slice(t, p.split, spec.layout.tp, spec.coords.tp).requires_grad_(true);
     p.decay = t.dim() >= 2;
-    p.sp_partial = layout.sequence_parallel && p.split == TpSplit::kReplicated;
-    p.counts_for_norm = exported && (p.split != TpSplit::kReplicated || layout.tp_rank == 0);
+    p.sp_partial = spec.layout.sequence_parallel && p.split == TpSplit::kReplicated;
+    p.counts_for_norm = exported && (p.split != TpSplit::kReplicated || spec.coords.tp == 0);
     p.exported = exported;
     p.unit = unit;
     shard->params_.push_back(std::move(p));
@@ -366,7 +366,7 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelLayout& layo
     } else if (name.rfind("blocks.", 0) == 0) {
       const size_t dot = name.find('.', 7);
       const int layer = std::stoi(name.substr(7, dot - 7));
-      if (stage_of_layer[layer] % layout.pp != layout.pp_rank) continue;
+      if (stage_of_layer[layer] % spec.layout.pp != spec.coords.pp) continue;
       const std::string local = name.substr(dot + 1);
       for (int k = 0; k < kBlockParams; ++k) {
         if (local == kBlockNames[k]) shard->block_index_[layer][k] = add(name, full_param(i), 1 + layer, true);
@@ -385,16 +385,16 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelLayout& layo
 }
 
 int ModelShard::TiedEmbeddingParam() const {
-  if (layout_.pp == 1) return -1;
-  if (layout_.pp_rank == 0) return wte_;
-  if (layout_.pp_rank == layout_.pp - 1) return head_wte_;
+  if (spec_.layout.pp == 1) return -1;
+  if (spec_.coords.pp == 0) return wte_;
+  if (spec_.coords.pp == spec_.layout.pp - 1) return head_wte_;
   return -1;
 }
 
 int ModelShard::PipelineRankOf(const std::string& name) const {
   if (name == "wte.weight" || name == "wpe.weight") return 0;
-  if (name.rfind("blocks.", 0) == 0) return stage_of_layer_[std::stoi(name.substr(7, name.find('.', 7) - 7))] % layout_.pp;
-  return layout_.pp - 1;
+  if (name.rfind("blocks.", 0) == 0) return stage_of_layer_[std::stoi(name.substr(7, name.find('.', 7) - 7))] % spec_.layout.pp;
+  return spec_.layout.pp - 1;
 }
 
 const torch::Tensor& ModelShard::P(int layer, const char* name) const {
@@ -406,19 +406,19 @@ const torch::Tensor& ModelShard::P(int layer, const char* name) const {
 
 int ModelShard::FirstLayer(int virtual_stage) const {
   int layer = 0;
-  for (int s = 0; s < virtual_stage; ++s) layer += layout_.stage_layers[s];
+  for (int s = 0; s < virtual_stage; ++s) layer += spec_.layout.stage_layers[s];
   return layer;
 }
 
-bool ModelShard::FirstStage(int chunk) const { return layout_.pp_rank == 0 && chunk == 0; }
+bool ModelShard::FirstStage(int chunk) const { return spec_.coords.pp == 0 && chunk == 0; }
 
 bool ModelShard::LastStage(int chunk) const {
-  return layout_.pp_rank == layout_.pp - 1 && chunk == layout_.chunks - 1;
+  return spec_.coords.pp == spec_.layout.pp - 1 && chunk == spec_.layout.chunks - 1;
 }
 
 std::vector<int64_t> ModelShard::ActivationShape(int micro_batch) const {
-  const int64_t t = layout_.sequence_parallel ? layout_.config.seq_len / layout_.tp : layout_.config.seq_len;
-  return {micro_batch, t, layout_.config.d_model};
+  const int64_t t = spec_.layout.sequence_parallel ? spec_.config.seq_len / spec_.layout.tp : spec_.config.seq_len;
+  return {micro_batch, t, spec_.config.d_model};
 }
 
 void ModelShard::Unit(int unit, bool before) {
@@ -427,19 +427,19 @@ void ModelShard::Unit(int unit, bool before) {
 }
 
 torch::Tensor ModelShard::Attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-  if (layout_.activation_checkpointing == "selective" && torch::GradMode::is_enabled()) {
+  if (spec_.layout.activation_checkpointing == ActivationCheckpointing::kSelective && torch::GradMode::is_enabled()) {
     return CheckpointAttention::apply(q, k, v);
   }
   return compat::CausalAttention(q, k, v);
 }
 
 torch::Tensor ModelShard::BlockForward(int layer, const torch::Tensor& x) {
-  const int tp = layout_.tp;
+  const int tp = spec_.layout.tp;
   const int64_t comm = Handle(tp_);
-  const bool sp = layout_.sequence_parallel;
-  const int64_t c = layout_.config.d_model;
+  const bool sp = spec_.layout.sequence_parallel;
+  const int64_t c = spec_.config.d_model;
   const int64_t c_local = c / tp;
-  const int64_t heads_local = layout_.config.heads / tp;
+  const int64_t heads_local = spec_.config.heads / tp;
   auto enter = [&](const torch::Tensor& t) {
     if (tp == 1) return t;
     return sp ? GatherSeq::apply(t, comm) : CopyToTp::apply(t, comm);
@@ -470,28 +470,28 @@ torch::Tensor ModelShard::BlockForward(int layer, const torch::Tensor& x) {
 }
 
 torch::Tensor ModelShard::Embed(const torch::Tensor& ids) {
-  const int tp = layout_.tp;
+  const int tp = spec_.layout.tp;
   const torch::Tensor& wte = params_[wte_].value;
   const torch::Tensor& wpe = params_[wpe_].value;
   const int64_t t = ids.size(1);
   if (tp == 1) return F::embedding(ids, wte) + wpe.narrow(0, 0, t);
-  const int64_t rows = wte.size(0), start = rows * layout_.tp_rank;
+  const int64_t rows = wte.size(0), start = rows * spec_.coords.tp;
   torch::Tensor outside = (ids < start).logical_or(ids >= start + rows);
   torch::Tensor local = (ids - start).masked_fill(outside, 0);
   torch::Tensor e = F::embedding(local, wte).masked_fill(outside.unsqueeze(-1), 0.0);
-  if (layout_.sequence_parallel) {
+  if (spec_.layout.sequence_parallel) {
     const int64_t t_local = t / tp;
-    return ScatterSeq::apply(e, Handle(tp_)) + wpe.narrow(0, t_local * layout_.tp_rank, t_local);
+    return ScatterSeq::apply(e, Handle(tp_)) + wpe.narrow(0, t_local * spec_.coords.tp, t_local);
   }
   return ReduceFromTp::apply(e, Handle(tp_)) + wpe.narrow(0, 0, t);
 }
 
 torch::Tensor ModelShard::HeadLoss(const torch::Tensor& x, const torch::Tensor& targets) {
-  const int tp = layout_.tp;
+  const int tp = spec_.layout.tp;
   const int64_t comm = Handle(tp_);
   const torch::Tensor& wte = params_[head_wte_].value;
   torch::Tensor h = LayerNorm(x, params_[lnf_w_].value, params_[lnf_b_].value).first;
-  if (tp > 1) h = layout_.sequence_parallel ? GatherSeq::apply(h, comm) : CopyToTp::apply(h, comm);
+  if (tp > 1) h = spec_.layout.sequence_parallel ? GatherSeq::apply(h, comm) : CopyToTp::apply(h, comm);
   torch::Tensor logits = Linear(h, wte, {});
   logits = logits.view({-1, logits.size(-1)});
   torch::Tensor target = targets.reshape({-1});
@@ -505,7 +505,7 @@ torch::Tensor ModelShard::HeadLoss(const torch::Tensor& x, const torch::Tensor& 
   // Vocab-parallel cross-entropy (Megatron): every rank holds logits for vocab rows
   // [start, start + rows); the max, the softmax denominator and the target's logit are combined
   // over tp, so the full logits never exist on one rank.
-  const int64_t rows = wte.size(0), start = rows * layout_.tp_rank;
+  const int64_t rows = wte.size(0), start = rows * spec_.coords.tp;
   torch::Tensor row_max = std::get<0>(logits.detach().max(-1)).contiguous();
   torch::Tensor maxes = torch::empty({tp, row_max.numel()}, row_max.options());
   Check(tp_->AllGather(row_max, maxes));
@@ -519,7 +519,7 @@ torch::Tensor ModelShard::HeadLoss(const torch::Tensor& x, const torch::Tensor& 
 }
 
 torch::Tensor ModelShard::Forward(int chunk, const torch::Tensor& input, const torch::Tensor& targets) {
-  const int vs = chunk * layout_.pp + layout_.pp_rank;
+  const int vs = chunk * spec_.layout.pp + spec_.coords.pp;
   torch::Tensor x;
   if (FirstStage(chunk)) {
     Unit(0, true);
@@ -529,9 +529,9 @@ torch::Tensor ModelShard::Forward(int chunk, const torch::Tensor& input, const t
     x = input;
   }
   const int first = FirstLayer(vs);
-  for (int layer = first; layer < first + layout_.stage_layers[vs]; ++layer) {
+  for (int layer = first; layer < first + spec_.layout.stage_layers[vs]; ++layer) {
     Unit(1 + layer, true);
-    if (layout_.activation_checkpointing == "full" && torch::GradMode::is_enabled()) {
+    if (spec_.layout.activation_checkpointing == ActivationCheckpointing::kFull && torch::GradMode::is_enabled()) {
       x = CheckpointBlock::apply(x, reinterpret_cast<int64_t>(this), static_cast<int64_t>(layer));
     } else {
       x = BlockForward(layer, x);
@@ -540,7 +540,7 @@ torch::Tensor ModelShard::Forward(int chunk, const torch::Tensor& input, const t
     Unit(1 + layer, false);
   }
   if (!LastStage(chunk)) return x;
-  const int head = layout_.config.layers + 1;
+  const int head = spec_.config.layers + 1;
   Unit(head, true);
   return HeadLoss(x, targets);
 }
@@ -548,8 +548,8 @@ torch::Tensor ModelShard::Forward(int chunk, const torch::Tensor& input, const t
 StatusOr<torch::Tensor> ModelShard::GatherFull(const ShardParam& p, const torch::Tensor& value) {
   torch::NoGradGuard no_grad;
   torch::Tensor local = value.detach().contiguous();
-  if (p.split == TpSplit::kReplicated || layout_.tp == 1) return local.clone();
-  const int n = layout_.tp;
+  if (p.split == TpSplit::kReplicated || spec_.layout.tp == 1) return local.clone();
+  const int n = spec_.layout.tp;
   torch::Tensor out = torch::empty({n * local.numel()}, local.options());
   if (Status s = tp_->AllGather(local, out); !s.ok()) return s;
   std::vector<int64_t> shape = local.sizes().vec();

@@ -28,22 +28,19 @@
 
 #include <torch/types.h>
 
+#include "common/layout.h"
 #include "common/status.h"
 #include "worker/comm/communicator.h"
 #include "worker/model/gpt_model.h"
+#include "worker/plan/topology.h"
 
 namespace ltrain::worker {
 
-struct ModelLayout {
+// What one rank's model shard is built from: the model, the job's layout and the rank's place in it.
+struct ModelShardSpec {
   GptConfig config;
-  int tp = 1;
-  int tp_rank = 0;
-  bool sequence_parallel = false;
-  std::string activation_checkpointing = "none";  // none | full | selective
-  int pp = 1;
-  int pp_rank = 0;
-  int chunks = 1;                 // model chunks per pipeline rank (virtual stages)
-  std::vector<int> stage_layers;  // layers per virtual stage (pp * chunks entries)
+  Layout layout;       // tp, pp, chunks, stage_layers, sequence_parallel, activation_checkpointing
+  RankCoords coords;   // this rank's tp and pp coordinates pick its slices and stages
   // false: PyTorch's initialisation from the global generator (seed it first). true: each parameter
   // drawn whole on `device` by a copy of the device's generator seeded with (seed, its position),
   // then sliced, so that no rank builds the whole model.
@@ -80,13 +77,13 @@ struct UnitHooks {
 
 class ModelShard {
  public:
-  // Seed the global generator first (torch::manual_seed) unless layout.per_parameter_init: PyTorch's
+  // Seed the global generator first (torch::manual_seed) unless spec.per_parameter_init: PyTorch's
   // initialisation builds the full model from it.
-  static StatusOr<std::unique_ptr<ModelShard>> Create(const ModelLayout& layout, Communicator* tp);
+  static StatusOr<std::unique_ptr<ModelShard>> Create(const ModelShardSpec& spec, Communicator* tp);
 
   std::vector<ShardParam>& params() { return params_; }
-  const ModelLayout& layout() const { return layout_; }
-  int units() const { return layout_.config.layers + 2; }
+  const ModelShardSpec& spec() const { return spec_; }
+  int units() const { return spec_.config.layers + 2; }
   // Every parameter of the full model, in its order: name and shape.
   const std::vector<std::pair<std::string, std::vector<int64_t>>>& full_params() const { return full_params_; }
 
@@ -116,14 +113,14 @@ class ModelShard {
   StatusOr<torch::Tensor> GatherFull(const ShardParam& param, const torch::Tensor& local);
 
  private:
-  ModelShard(const ModelLayout& layout, Communicator* tp) : layout_(layout), tp_(tp) {}
+  ModelShard(const ModelShardSpec& spec, Communicator* tp) : spec_(spec), tp_(tp) {}
   const torch::Tensor& P(int layer, const char* name) const;
   torch::Tensor Embed(const torch::Tensor& ids);
   torch::Tensor HeadLoss(const torch::Tensor& x, const torch::Tensor& targets);
   int FirstLayer(int virtual_stage) const;
   void Unit(int unit, bool before);
 
-  ModelLayout layout_;
+  ModelShardSpec spec_;
   Communicator* tp_;
   std::vector<ShardParam> params_;
   std::vector<std::pair<std::string, std::vector<int64_t>>> full_params_;

@@ -74,22 +74,20 @@ std::vector<Compute> InterleavedOrder(int pp, int rank, int chunks, int m) {
 
 }  // namespace
 
-StatusOr<PipelinePlan> PlanPipeline(const std::string& schedule, int pp, int chunks, int m) {
+StatusOr<PipelinePlan> PlanPipeline(PpSchedule schedule, int pp, int chunks, int m) {
   if (pp < 1 || chunks < 1 || m < 1) {
     return InvalidArgument("pipeline plan needs pp, chunks and micro-batches >= 1 (got " + std::to_string(pp) +
                            ", " + std::to_string(chunks) + ", " + std::to_string(m) + ")");
   }
-  if (schedule == "interleaved") {
+  if (schedule == PpSchedule::kInterleaved) {
     if (chunks < 2) return InvalidArgument("interleaved 1F1B needs parallel.virtual_stages >= 2");
     if (pp < 2) return InvalidArgument("interleaved 1F1B needs parallel.pp >= 2");
     if (m % pp != 0) {
       return InvalidArgument("interleaved 1F1B needs the micro-batches per step (" + std::to_string(m) +
                              ") to be a multiple of pp=" + std::to_string(pp));
     }
-  } else if (schedule == "gpipe" || schedule == "1f1b") {
-    if (chunks != 1) return InvalidArgument("parallel.virtual_stages > 1 needs pp_schedule: interleaved");
-  } else {
-    return InvalidArgument("parallel.pp_schedule=" + schedule + " is not one of gpipe, 1f1b, interleaved");
+  } else if (chunks != 1) {
+    return InvalidArgument("parallel.virtual_stages > 1 needs pp_schedule: interleaved");
   }
   PipelinePlan plan;
   plan.pp = pp;
@@ -97,9 +95,9 @@ StatusOr<PipelinePlan> PlanPipeline(const std::string& schedule, int pp, int chu
   plan.microbatches = m;
   plan.ops.resize(pp);
   for (int rank = 0; rank < pp; ++rank) {
-    std::vector<Compute> order = schedule == "gpipe"  ? GpipeOrder(m)
-                                 : schedule == "1f1b" ? OneFOneBOrder(pp, rank, m)
-                                                      : InterleavedOrder(pp, rank, chunks, m);
+    std::vector<Compute> order = schedule == PpSchedule::kGpipe  ? GpipeOrder(m)
+                                 : schedule == PpSchedule::k1F1B ? OneFOneBOrder(pp, rank, m)
+                                                                 : InterleavedOrder(pp, rank, chunks, m);
     for (const Compute& c : order) Emit(plan, rank, c, plan.ops[rank]);
   }
   return plan;

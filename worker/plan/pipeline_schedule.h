@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "common/recipe.h"
 #include "common/status.h"
 
 namespace ltrain::worker {
@@ -42,9 +43,9 @@ struct PipelinePlan {
   int virtual_stages() const { return pp * chunks; }
 };
 
-// schedule: gpipe | 1f1b | interleaved. interleaved needs chunks >= 2 and microbatches % pp == 0;
-// gpipe and 1f1b need chunks == 1.
-StatusOr<PipelinePlan> PlanPipeline(const std::string& schedule, int pp, int chunks, int microbatches);
+// interleaved needs chunks >= 2 and microbatches % pp == 0; gpipe and 1f1b need chunks == 1 (a
+// layout that passed CheckLayout meets them).
+StatusOr<PipelinePlan> PlanPipeline(PpSchedule schedule, int pp, int chunks, int microbatches);
 
 // Tag that identifies one message within a step: the same on sender and receiver.
 uint32_t PipeTag(const PipelinePlan& plan, bool gradient, int microbatch, int virtual_stage);

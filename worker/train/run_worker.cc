@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
+#include "common/layout.h"
 #include "common/recipe.h"
 #include "worker/checkpoint/checkpoint.h"
 #include "worker/comm/communicator.h"
@@ -22,6 +23,7 @@
 #include "worker/control/progress.h"
 #include "worker/control/progress_reporter.h"
 #include "worker/control/rendezvous_store.h"
+#include "worker/control/worker_env.h"
 #include "worker/model/fused_kernels.h"
 #include "worker/parallel/param_store.h"
 #include "worker/plan/topology.h"
@@ -33,31 +35,12 @@
 namespace ltrain::worker {
 namespace {
 
-std::string Env(const char* name, const std::string& fallback = "") {
-  const char* v = std::getenv(name);
-  return (v != nullptr && *v != '\0') ? std::string(v) : fallback;
-}
-
-Status EnvInt(const char* name, int* out) {
-  std::string v = Env(name);
-  if (v.empty()) return Status::Ok();
-  try {
-    size_t used = 0;
-    int parsed = std::stoi(v, &used);
-    if (used != v.size()) throw std::invalid_argument(v);
-    *out = parsed;
-  } catch (const std::exception&) {
-    return InvalidArgument(std::string(name) + "='" + v + "' is not an integer");
-  }
-  return Status::Ok();
-}
-
 // Collective timeout: fault.collective_timeout_s of the recipe (LTRAIN_COLLECTIVE_TIMEOUT_S wins):
 // long enough for a slow step, short enough that a vanished peer fails the collective instead of
 // hanging it forever.
 std::chrono::milliseconds CollectiveTimeout(const Recipe& recipe) {
   int seconds = 0;
-  if (EnvInt("LTRAIN_COLLECTIVE_TIMEOUT_S", &seconds).ok() && seconds > 0) return std::chrono::seconds(seconds);
+  if (EnvInt(ProcessEnvironment(), "LTRAIN_COLLECTIVE_TIMEOUT_S", &seconds).ok() && seconds > 0) return std::chrono::seconds(seconds);
   return std::chrono::milliseconds(static_cast<int64_t>(recipe.fault.collective_timeout_s * 1000.0));
 }
 
@@ -70,8 +53,8 @@ void SetBlasThreads(int threads) {
 }
 
 std::string DefaultCheckpointDir(const WorkerEnv& env, const Recipe& recipe) {
-  std::string home = Env("LTRAIN_HOME");
-  if (home.empty()) home = Env("HOME", ".") + "/.ltrain";
+  std::string home = EnvString("LTRAIN_HOME");
+  if (home.empty()) home = EnvString("HOME", ".") + "/.ltrain";
   std::string job = !env.job_id.empty() ? env.job_id : (!recipe.name.empty() ? recipe.name : "manual");
   return home + "/checkpoints/" + job;
 }
@@ -86,8 +69,8 @@ struct Connection {
 
 StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe& recipe) {
   auto conn = std::make_unique<Connection>();
-  StatusOr<Topology> topology = MakeTopology(env.world_size, recipe.parallel.tp, recipe.parallel.pp);
-  if (!topology.ok()) return topology.status();
+  StatusOr<Layout> layout = PlanLayout(recipe, env.world_size);
+  if (!layout.ok()) return layout.status();
   if (env.world_size == 1) {
     conn->world = std::make_unique<SelfCommunicator>();
     conn->groups = DataParallelGroups(conn->world.get());
@@ -101,7 +84,7 @@ StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe
   if (!store.ok()) return store.status();
   conn->store = *store;
   GroupFactory make;
-  if (recipe.parallel.device == "cuda") {
+  if (recipe.parallel.device == Device::kCuda) {
 #ifdef LTRAIN_WITH_NCCL
     const std::chrono::milliseconds timeout = CollectiveTimeout(recipe);
     auto nccl = NcclCommunicator::Create(*conn->store, env.rank, env.world_size, env.local_rank, timeout);
@@ -131,21 +114,20 @@ StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe
       return std::unique_ptr<Communicator>(std::move(comm).value());
     };
   }
-  StatusOr<ProcessGroups> groups = BuildProcessGroups(*topology, env.rank, conn->world.get(), make);
+  StatusOr<ProcessGroups> groups = BuildProcessGroups(*layout, env.rank, conn->world.get(), make);
   if (!groups.ok()) return groups.status();
   conn->groups = std::move(groups).value();
   return conn;
 }
 
 Status Run(const WorkerEnv& env) {
-  if (env.recipe_file.empty()) return InvalidArgument("no recipe: pass --recipe FILE or set LTRAIN_RECIPE_FILE");
   if (env.world_size < 1 || env.rank < 0 || env.rank >= env.world_size) {
     return InvalidArgument("LTRAIN_RANK=" + std::to_string(env.rank) + " is outside LTRAIN_WORLD_SIZE=" +
                            std::to_string(env.world_size));
   }
-  RecipeParseResult parsed = LoadRecipeFile(env.recipe_file, env.overrides);
-  if (!parsed.ok()) return InvalidArgument(parsed.ErrorText());
-  Recipe recipe = parsed.recipe;
+  StatusOr<Recipe> loaded = LoadWorkerRecipe(env);
+  if (!loaded.ok()) return loaded.status();
+  Recipe recipe = std::move(loaded).value();
 
   // OMP_NUM_THREADS wins, as users of torchrun expect; otherwise the node's cores are shared out.
   const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
@@ -160,18 +142,18 @@ Status Run(const WorkerEnv& env) {
   options.generation = env.generation;
   options.job_id = env.job_id;
   options.collective_timeout = CollectiveTimeout(recipe);
-  options.dp_overlap = Env("LTRAIN_DP_OVERLAP") != "0";
-  SetCollectiveStreamPriority(Env("LTRAIN_DP_HIGH_PRIORITY") == "1");
+  options.dp_overlap = EnvString("LTRAIN_DP_OVERLAP") != "0";
+  SetCollectiveStreamPriority(EnvString("LTRAIN_DP_HIGH_PRIORITY") == "1");
   FusedKernelOptions kernels;
-  kernels.linear = Env("LTRAIN_FUSED_LINEAR") != "0";
-  kernels.layer_norm = Env("LTRAIN_FUSED_LAYER_NORM") != "0";
-  kernels.adamw = Env("LTRAIN_FUSED_ADAMW") != "0";
-  if (Status s = EnvInt("LTRAIN_GEMM_SM_MARGIN", &kernels.gemm_sm_margin); !s.ok()) return s;
+  kernels.linear = EnvString("LTRAIN_FUSED_LINEAR") != "0";
+  kernels.layer_norm = EnvString("LTRAIN_FUSED_LAYER_NORM") != "0";
+  kernels.adamw = EnvString("LTRAIN_FUSED_ADAMW") != "0";
+  if (Status s = EnvInt(ProcessEnvironment(), "LTRAIN_GEMM_SM_MARGIN", &kernels.gemm_sm_margin); !s.ok()) return s;
   SetFusedKernelOptions(kernels);
   StatusOr<CheckpointWriteFault> fault = CheckpointWriteFault::FromEnv();
   if (!fault.ok()) return fault.status();
   options.checkpoint_write_fault = *fault;
-  if (const std::string profile = Env("LTRAIN_PROFILE"); !profile.empty()) {
+  if (const std::string profile = EnvString("LTRAIN_PROFILE"); !profile.empty()) {
     const size_t colon = profile.find(':');
     char* end = nullptr;
     const long long step = std::strtoll(profile.c_str(), &end, 10);
@@ -199,7 +181,7 @@ Status Run(const WorkerEnv& env) {
   // Progress goes to the agent (for hang detection) from here on, startup included.
   Progress::Global().SetPhase(0, "startup");
   std::unique_ptr<ProgressReporter> reporter;
-  if (const std::string agent = Env("LTRAIN_AGENT"); !agent.empty()) {
+  if (const std::string& agent = env.agent; !agent.empty()) {
     ProgressReporterOptions reporting{agent, env.job_id, env.generation, env.rank, options.checkpoint_dir};
     reporting.on_checkpoint_stop = [&stop] { stop.Request(); };
     reporter = std::make_unique<ProgressReporter>(std::move(reporting));
@@ -314,54 +296,9 @@ Exit code: 0 done (or stopped after a final checkpoint), 1 failed (reason on std
 )";
 }
 
-StatusOr<WorkerEnv> ParseWorkerEnv(int argc, char** argv) {
-  WorkerEnv env;
-  env.job_id = Env("LTRAIN_JOB_ID");
-  for (auto [name, field] : {std::pair{"LTRAIN_RANK", &env.rank}, {"LTRAIN_WORLD_SIZE", &env.world_size},
-                             {"LTRAIN_LOCAL_RANK", &env.local_rank},
-                             {"LTRAIN_LOCAL_WORLD_SIZE", &env.local_world_size},
-                             {"LTRAIN_GENERATION", &env.generation}}) {
-    if (Status s = EnvInt(name, field); !s.ok()) return s;
-  }
-  env.recipe_file = Env("LTRAIN_RECIPE_FILE");
-  env.rdzv = Env("LTRAIN_RDZV");
-  env.rdzv_scope = Env("LTRAIN_RDZV_SCOPE", env.job_id.empty() ? "manual" : env.job_id);
-  env.checkpoint_dir = Env("LTRAIN_CHECKPOINT_DIR");
-  env.bind_addr = Env("LTRAIN_BIND_ADDR", "127.0.0.1");
-  for (int i = 1; i < argc; ++i) {
-    std::string arg = argv[i];
-    auto value = [&](const std::string& flag) -> StatusOr<std::string> {
-      if (arg.size() > flag.size() && arg.compare(0, flag.size() + 1, flag + "=") == 0) {
-        return arg.substr(flag.size() + 1);
-      }
-      if (i + 1 >= argc) return InvalidArgument(flag + " needs a value");
-      return std::string(argv[++i]);
-    };
-    if (arg == "--help" || arg == "-h") {
-      env.help = true;
-    } else if (arg == "--recipe" || arg.rfind("--recipe=", 0) == 0) {
-      StatusOr<std::string> v = value("--recipe");
-      if (!v.ok()) return v.status();
-      env.recipe_file = *v;
-    } else if (arg == "--export-params" || arg.rfind("--export-params=", 0) == 0) {
-      StatusOr<std::string> v = value("--export-params");
-      if (!v.ok()) return v.status();
-      env.export_params = *v;
-    } else if (arg == "--set" || arg.rfind("--set=", 0) == 0) {
-      StatusOr<std::string> v = value("--set");
-      if (!v.ok()) return v.status();
-      if (v->find('=') == std::string::npos) return InvalidArgument("--set " + *v + ": expected key=value");
-      env.overrides.push_back(*v);
-    } else {
-      return InvalidArgument("unknown argument '" + arg + "' (see --help)");
-    }
-  }
-  return env;
-}
-
 int RunWorker(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress lines reach the agent as they happen
-  StatusOr<WorkerEnv> env = ParseWorkerEnv(argc, argv);
+  StatusOr<WorkerEnv> env = ParseWorkerEnv(ProcessEnvironment(), std::vector<std::string>(argv + 1, argv + argc));
   if (!env.ok()) {
     std::fprintf(stderr, "ltrain-worker: %s\n", env.status().message().c_str());
     return 2;

@@ -137,61 +137,8 @@ Status Rethrown(const char* what) {
 }  // namespace
 
 std::unique_ptr<WindowStream> MakeWindowStream(const Recipe& recipe, int64_t span) {
-  if (recipe.data.sampling != "torch" || span < 1) return nullptr;  // TokenSampler::Check reports a short file
+  if (recipe.data.sampling != Sampling::kTorch || span < 1) return nullptr;  // TokenSampler::Check reports a short file
   return std::make_unique<TorchRandintWindows>(static_cast<uint64_t>(DataSeed(recipe)), span);
-}
-
-StatusOr<Layout> PlanLayout(const Recipe& recipe, int world_size) {
-  const ParallelSpec& p = recipe.parallel;
-  if (world_size < 1) return InvalidArgument("world size " + std::to_string(world_size) + " must be >= 1");
-  StatusOr<Topology> topology = MakeTopology(world_size, p.tp, p.pp);
-  if (!topology.ok()) return topology.status();
-  const ModelSpec& m = recipe.model;
-  if (m.heads < 1 || m.d_model % m.heads != 0) {
-    return InvalidArgument("model.heads=" + std::to_string(m.heads) + " does not divide model.d_model=" +
-                           std::to_string(m.d_model));
-  }
-  if (m.heads % p.tp != 0 || m.vocab % p.tp != 0) {
-    return InvalidArgument("parallel.tp=" + std::to_string(p.tp) + " must divide model.heads=" + std::to_string(m.heads) +
-                           " and model.vocab=" + std::to_string(m.vocab));
-  }
-  if (p.sequence_parallel && (p.tp < 2 || m.seq_len % p.tp != 0)) {
-    return InvalidArgument("parallel.sequence_parallel needs parallel.tp > 1 dividing model.seq_len=" +
-                           std::to_string(m.seq_len));
-  }
-  if (p.zero < 0 || p.zero > 3) return InvalidArgument("parallel.zero=" + std::to_string(p.zero) + " is not 0, 1, 2 or 3");
-  if (p.zero == 3 && p.pp > 1) {
-    return InvalidArgument("parallel.zero=3 with parallel.pp>1 is not supported by this worker; use zero 1 or 2 with pipelines");
-  }
-  if (p.activation_checkpointing != "none" && p.activation_checkpointing != "full" &&
-      p.activation_checkpointing != "selective") {
-    return InvalidArgument("parallel.activation_checkpointing=" + p.activation_checkpointing +
-                           " is not one of none, full, selective");
-  }
-  Layout layout;
-  layout.world_size = world_size;
-  layout.tp = topology->tp;
-  layout.dp = topology->dp;
-  layout.pp = topology->pp;
-  layout.chunks = p.pp > 1 ? p.virtual_stages : 1;
-  layout.zero = p.zero;
-  layout.micro_batch = recipe.training.micro_batch;
-  layout.global_batch = recipe.training.global_batch;
-  const int per_step = layout.micro_batch * layout.dp;
-  if (layout.micro_batch < 1 || layout.global_batch < per_step || layout.global_batch % per_step != 0) {
-    return InvalidArgument("training.global_batch=" + std::to_string(layout.global_batch) +
-                           " is not a positive multiple of training.micro_batch*dp=" +
-                           std::to_string(layout.micro_batch) + "*" + std::to_string(layout.dp) + "=" +
-                           std::to_string(per_step) + "; change global_batch or micro_batch");
-  }
-  layout.accumulation = layout.global_batch / per_step;
-  if (layout.pp > 1) {
-    StatusOr<PipelinePlan> plan = PlanPipeline(p.pp_schedule, layout.pp, layout.chunks, layout.accumulation);
-    if (!plan.ok()) return plan.status();
-  }
-  StatusOr<std::vector<int>> stages = StageLayers(m.layers, layout.pp * layout.chunks, p.pp_split);
-  if (!stages.ok()) return stages.status();
-  return layout;
 }
 
 Trainer::Trainer(const Recipe& recipe, const TrainerOptions& options, ProcessGroups* groups, Layout layout,
@@ -218,7 +165,7 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const Recipe& recipe, const T
                                                    ProcessGroups* groups) {
   StatusOr<Layout> layout = PlanLayout(recipe, groups->world->size());
   if (!layout.ok()) return layout.status();
-  const Topology& t = groups->topology;
+  const Layout& t = groups->layout;
   if (t.tp != layout->tp || t.pp != layout->pp || t.dp != layout->dp) {
     return InvalidArgument("process groups (tp " + std::to_string(t.tp) + ", dp " + std::to_string(t.dp) + ", pp " +
                            std::to_string(t.pp) + ") do not match the recipe's layout");
@@ -247,44 +194,36 @@ Status Trainer::Init() {
   // Saves a previous run left half-written are never read: rank 0 removes them before any rank
   // can start a save of this run (every save follows collectives with rank 0).
   if (options_.rank == 0 && !options_.checkpoint_dir.empty()) RemovePendingCheckpoints(options_.checkpoint_dir, -1);
-  if (p.device == "cuda") {
+  if (p.device == Device::kCuda) {
     if (!compat::kBuiltWithCuda) {
       return InvalidArgument("parallel.device=cuda needs a worker built against LibTorch with CUDA; this one is CPU-only (use device: cpu)");
     }
     device_ = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(options_.local_rank));
-  } else if (p.device != "cpu") {
-    return InvalidArgument("parallel.device=" + p.device + " is neither cpu nor cuda");
   }
-  if (p.precision.rfind("bf16", 0) == 0 && !device_.is_cuda()) {
-    return InvalidArgument("parallel.precision=" + p.precision + " needs parallel.device=cuda; on CPU use precision auto or fp32");
+  const bool bf16_asked = p.precision == Precision::kBf16 || p.precision == Precision::kBf16Autocast;
+  if (bf16_asked && !device_.is_cuda()) {
+    return InvalidArgument("parallel.precision=" + NameOf(p.precision) +
+                           " needs parallel.device=cuda; on CPU use precision auto or fp32");
   }
   // bf16 on the GPU only. "bf16" (and auto): the model computes on bf16 copies of fp32 master
   // weights, the optimizer works in fp32; ZeRO-3, which gathers the parameters themselves, and
   // "bf16-autocast" keep fp32 parameters and gradients and cast per operation (PyTorch AMP).
-  bf16_ = device_.is_cuda() && p.precision != "fp32";
-  bf16_params_ = bf16_ && p.precision != "bf16-autocast" && layout_.zero < 3;
+  bf16_ = device_.is_cuda() && p.precision != Precision::kFp32;
+  bf16_params_ = bf16_ && p.precision != Precision::kBf16Autocast && layout_.zero < 3;
   activation_dtype_ = bf16_params_ ? torch::kBFloat16 : torch::kFloat;
-  overlap_ = options_.dp_overlap && layout_.pp == 1 && !p.sequence_parallel;
+  overlap_ = options_.dp_overlap && layout_.pp == 1 && !layout_.sequence_parallel;
 
   const TrainingSpec& t = recipe_.training;
-  schedule_ = LrSchedule{t.lr, t.min_lr, t.warmup_steps, t.steps, t.lr_schedule != "constant"};
+  schedule_ = LrSchedule{t.lr, t.min_lr, t.warmup_steps, t.steps, t.lr_schedule != LrScheduleKind::kConstant};
 
-  ModelLayout ml;
+  ModelShardSpec ml;
   ml.config = GptConfig{recipe_.model.layers, recipe_.model.d_model, recipe_.model.heads, recipe_.model.seq_len,
                         recipe_.model.vocab};
-  ml.tp = layout_.tp;
-  ml.tp_rank = groups_->coords.tp;
-  ml.sequence_parallel = p.sequence_parallel;
-  ml.activation_checkpointing = p.activation_checkpointing;
-  ml.pp = layout_.pp;
-  ml.pp_rank = groups_->coords.pp;
-  ml.chunks = layout_.chunks;
-  StatusOr<std::vector<int>> stages = StageLayers(ml.config.layers, ml.pp * ml.chunks, p.pp_split);
-  if (!stages.ok()) return stages.status();
-  ml.stage_layers = *stages;
+  ml.layout = layout_;
+  ml.coords = groups_->coords;
   // Same seed on every rank: every rank draws the same full parameters and keeps its slices.
-  ml.per_parameter_init = recipe_.model.init == "per_parameter" ||
-                          (recipe_.model.init == "auto" && GptParameterCount(ml.config) >= kPerParameterInitFrom);
+  ml.per_parameter_init = recipe_.model.init == ModelInit::kPerParameter ||
+                          (recipe_.model.init == ModelInit::kAuto && GptParameterCount(ml.config) >= kPerParameterInitFrom);
   ml.seed = static_cast<uint64_t>(t.seed);
   ml.device = device_;
   torch::manual_seed(t.seed);
@@ -322,7 +261,7 @@ Status Trainer::Init() {
   if (Status s = store_->BroadcastParameters(); !s.ok()) return s;
 
   if (layout_.pp > 1) {
-    StatusOr<PipelinePlan> plan = PlanPipeline(p.pp_schedule, layout_.pp, layout_.chunks, layout_.accumulation);
+    StatusOr<PipelinePlan> plan = PlanPipeline(layout_.pp_schedule, layout_.pp, layout_.chunks, layout_.accumulation);
     if (!plan.ok()) return plan.status();
     plan_ = std::move(plan).value();
   }
@@ -395,11 +334,12 @@ Status Trainer::Resume(const std::string& path) {
     std::printf("resumed from %s at step %lld data_position %lld (saved by world size %d, %s)\n", step_dir.c_str(),
                 static_cast<long long>(step_), static_cast<long long>(data_position_), meta->world_size,
                 meta->layout.c_str());
-    if (meta->data_seed >= 0 && (meta->data_sampling != recipe_.data.sampling || meta->data_seed != DataSeed(recipe_))) {
+    const std::string sampling = NameOf(recipe_.data.sampling);
+    if (meta->data_seed >= 0 && (meta->data_sampling != sampling || meta->data_seed != DataSeed(recipe_))) {
       std::printf("resume: the saved run drew its batches with data.sampling %s, seed %lld; this run draws them with "
                   "%s, seed %lld, so its batches from step %lld on are not the ones the saved run would have seen; "
                   "set data.sampling and data.seed as they were to continue its order\n",
-                  meta->data_sampling.c_str(), static_cast<long long>(meta->data_seed), recipe_.data.sampling.c_str(),
+                  meta->data_sampling.c_str(), static_cast<long long>(meta->data_seed), sampling.c_str(),
                   static_cast<long long>(DataSeed(recipe_)), static_cast<long long>(step_ + 1));
     }
   }
@@ -415,8 +355,8 @@ Status Trainer::LoadCheckpoint(const std::string& step_dir, const CheckpointMeta
                            LayoutKey() + "'; resharding to another tp, pp or virtual_stages is not supported (the "
                            "data-parallel degree and the ZeRO stage may differ)");
   }
-  StatusOr<Topology> saved = MakeTopology(meta.world_size, meta.tp, meta.pp);
-  if (!saved.ok() || saved->dp != meta.dp || meta.zero < 0 || meta.zero > 3) {
+  const Layout saved = Layout::Grid(meta.tp, meta.dp, meta.pp);
+  if (meta.tp < 1 || meta.dp < 1 || meta.pp < 1 || saved.world_size != meta.world_size || meta.zero < 0 || meta.zero > 3) {
     return DataLoss("checkpoint " + step_dir + " has an inconsistent topology: world " + std::to_string(meta.world_size) +
                     ", " + meta.layout);
   }
@@ -425,7 +365,7 @@ Status Trainer::LoadCheckpoint(const std::string& step_dir, const CheckpointMeta
   for (int d = 0; d < meta.dp; ++d) {
     RankCoords c = groups_->coords;
     c.dp = d;
-    const int r = RankAt(*saved, c);
+    const int r = RankAt(saved, c);
     const std::string suffix = saved_plain ? ".pt" : "-rank-" + std::to_string(r) + ".pt";
     if (d == 0 || meta.zero == 3) {
       StatusOr<TensorReader> reader = OpenTensorArchive((fs::path(step_dir) / ("model" + suffix)).string());
@@ -704,14 +644,14 @@ int Trainer::ModelSourceRank() const {
   if (layout_.zero == 3) return groups_->rank;
   RankCoords c = groups_->coords;
   c.dp = 0;
-  return RankAt(groups_->topology, c);
+  return RankAt(groups_->layout, c);
 }
 
 int Trainer::OptimizerSourceRank() const {
   if (layout_.zero >= 1) return groups_->rank;
   RankCoords c = groups_->coords;
   c.dp = 0;
-  return RankAt(groups_->topology, c);
+  return RankAt(groups_->layout, c);
 }
 
 Status Trainer::StartSave() {
@@ -839,7 +779,7 @@ Status Trainer::ExportParameters(const std::string& path) {
   return groups_->world->Barrier();
 }
 
-int64_t Trainer::FullModelParameters() const { return GptParameterCount(model_->layout().config); }
+int64_t Trainer::FullModelParameters() const { return GptParameterCount(model_->spec().config); }
 
 void Trainer::PrintThroughput(int64_t first_step, int64_t steps, double total_ms) const {
   const int64_t params = FullModelParameters();
@@ -874,12 +814,12 @@ Status Trainer::Run() {
         "device %s backend %s threads %d | init %s sampling %s\n",
         static_cast<long long>(params), recipe_.model.layers, recipe_.model.d_model, recipe_.model.heads,
         recipe_.model.seq_len, recipe_.model.vocab, layout_.world_size, layout_.dp, layout_.tp, layout_.pp,
-        layout_.zero, recipe_.parallel.sequence_parallel ? 1 : 0,
-        layout_.pp > 1 ? recipe_.parallel.pp_schedule.c_str() : "none", layout_.chunks,
-        recipe_.parallel.activation_checkpointing.c_str(), layout_.micro_batch, layout_.accumulation,
-        layout_.global_batch, recipe_.parallel.device.c_str(), groups_->world->backend().c_str(),
-        torch::get_num_threads(), model_->layout().per_parameter_init ? "per_parameter" : "pytorch",
-        recipe_.data.sampling.c_str());
+        layout_.zero, layout_.sequence_parallel ? 1 : 0,
+        layout_.pp > 1 ? NameOf(layout_.pp_schedule).c_str() : "none", layout_.chunks,
+        NameOf(layout_.activation_checkpointing).c_str(), layout_.micro_batch, layout_.accumulation,
+        layout_.global_batch, NameOf(recipe_.parallel.device).c_str(), groups_->world->backend().c_str(),
+        torch::get_num_threads(), model_->spec().per_parameter_init ? "per_parameter" : "pytorch",
+        NameOf(recipe_.data.sampling).c_str());
   }
   const double tokens_per_step = static_cast<double>(layout_.global_batch) * recipe_.model.seq_len;
   // On CUDA the host reads each step's loss one step later (and at every checkpoint, before the

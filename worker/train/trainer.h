@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "common/layout.h"
 #include "common/recipe.h"
 #include "common/status.h"
 #include "common/token_data.h"
@@ -28,24 +29,6 @@
 #include "worker/plan/pipeline_schedule.h"
 
 namespace ltrain::worker {
-
-// How the ranks of a job divide the work.
-struct Layout {
-  int world_size = 1;
-  int dp = 1;
-  int tp = 1;
-  int pp = 1;
-  int chunks = 1;         // model chunks per pipeline rank (interleaved 1F1B)
-  int zero = 0;
-  int micro_batch = 1;
-  int accumulation = 1;   // micro-batches per data-parallel rank per optimizer step
-  int global_batch = 1;
-  // Plain data parallelism: every rank holds the whole model and the whole optimizer state.
-  bool plain() const { return tp == 1 && pp == 1 && zero == 0; }
-};
-
-// Checks the recipe's parallel and batch settings against the real world size.
-StatusOr<Layout> PlanLayout(const Recipe& recipe, int world_size);
 
 // data.sampling "torch": window starts in [0, span) as a PyTorch loop draws them with torch.randint
 // and a generator seeded with the data seed. nullptr for "hash".
@@ -81,7 +64,7 @@ class LocalCommitBoard;
 
 class Trainer {
  public:
-  // `groups` must outlive the Trainer; its topology must match the recipe's tp and pp.
+  // `groups` must outlive the Trainer; its layout must match the recipe's tp and pp.
   static StatusOr<std::unique_ptr<Trainer>> Create(const Recipe& recipe, const TrainerOptions& options,
                                                    ProcessGroups* groups);
   // Plain data parallelism over `comm` (which must outlive the Trainer).

@@ -1,0 +1,120 @@
+#include "common/layout.h"
+
+#include <algorithm>
+#include <numeric>
+
+namespace ltrain {
+namespace {
+
+std::string S(int64_t n) { return std::to_string(n); }
+
+}  // namespace
+
+std::vector<LayoutProblem> CheckLayout(const Recipe& recipe, int world_size) {
+  const ParallelSpec& p = recipe.parallel;
+  const ModelSpec& m = recipe.model;
+  std::vector<LayoutProblem> problems;
+  auto problem = [&](const char* key, std::string message) { problems.push_back({key, std::move(message)}); };
+  if (world_size < 1) {
+    problem("parallel.nproc_per_node", "world size " + S(world_size) + " must be at least 1");
+    return problems;
+  }
+  if (world_size % (p.tp * p.pp) != 0) {
+    problem("parallel.tp", "world size " + S(world_size) + " (nodes*nproc_per_node) is not a multiple of tp*pp=" +
+                               S(p.tp * p.pp));
+    return problems;  // the rules below need the data-parallel degree
+  }
+  const int dp = world_size / (p.tp * p.pp);
+  if (p.tp > 1) {
+    if (m.heads % p.tp != 0) problem("parallel.tp", "parallel.tp=" + S(p.tp) + " does not divide model.heads=" + S(m.heads));
+    if ((4 * m.d_model) % p.tp != 0) {
+      problem("parallel.tp", "parallel.tp=" + S(p.tp) + " does not divide the MLP width 4*d_model=" + S(4 * m.d_model));
+    }
+    if (m.vocab % p.tp != 0) {
+      problem("parallel.tp", "parallel.tp=" + S(p.tp) + " does not divide model.vocab=" + S(m.vocab) +
+                                 " (the embedding is split by vocabulary); pad vocab to a multiple of tp");
+    }
+    if (p.nproc_per_node % p.tp != 0) {
+      problem("parallel.tp", "parallel.tp=" + S(p.tp) + " must divide nproc_per_node=" + S(p.nproc_per_node) +
+                                 ": a tensor-parallel group stays within one node");
+    }
+  }
+  if (p.sequence_parallel && p.tp == 1) {
+    problem("parallel.sequence_parallel", "parallel.sequence_parallel needs parallel.tp > 1");
+  } else if (p.sequence_parallel && m.seq_len % p.tp != 0) {
+    problem("parallel.sequence_parallel", "parallel.sequence_parallel splits the sequence: model.seq_len=" +
+                                              S(m.seq_len) + " is not a multiple of tp=" + S(p.tp));
+  }
+  const int stages = p.pp * p.virtual_stages;
+  if (p.pp > m.layers) {
+    problem("parallel.pp", "parallel.pp=" + S(p.pp) + " is larger than model.layers=" + S(m.layers));
+  } else if (stages > m.layers) {
+    problem("parallel.virtual_stages",
+            "pp*virtual_stages=" + S(stages) + " stages is more than model.layers=" + S(m.layers));
+  }
+  if (p.zero == 3 && p.pp > 1) {
+    problem("parallel.zero",
+            "parallel.zero=3 shards parameters across data-parallel ranks and does not combine with pp>1; "
+            "use zero: 1 with pipeline parallelism");
+  }
+  const bool interleaved = p.pp_schedule == PpSchedule::kInterleaved;
+  if (interleaved && p.pp == 1) problem("parallel.pp_schedule", "parallel.pp_schedule=interleaved needs parallel.pp > 1");
+  if (interleaved && p.virtual_stages < 2) {
+    problem("parallel.virtual_stages", "parallel.pp_schedule=interleaved needs parallel.virtual_stages >= 2");
+  }
+  if (!interleaved && p.virtual_stages != 1) {
+    problem("parallel.virtual_stages", "parallel.virtual_stages > 1 needs parallel.pp_schedule: interleaved");
+  }
+  if (!p.pp_split.empty()) {
+    const int sum = std::accumulate(p.pp_split.begin(), p.pp_split.end(), 0);
+    const bool positive = std::all_of(p.pp_split.begin(), p.pp_split.end(), [](int n) { return n >= 1; });
+    if (static_cast<int>(p.pp_split.size()) != stages || sum != m.layers || !positive) {
+      problem("parallel.pp_split", "parallel.pp_split needs " + S(stages) +
+                                       " entries (pp*virtual_stages) of at least 1 summing to model.layers=" +
+                                       S(m.layers) + "; it has " + S(static_cast<int64_t>(p.pp_split.size())) +
+                                       " summing to " + S(sum));
+    }
+  }
+  const int64_t per_step = static_cast<int64_t>(recipe.training.micro_batch) * dp;
+  const int64_t global_batch = recipe.training.global_batch;
+  if (global_batch % per_step != 0) {
+    const int64_t lower = std::max<int64_t>(per_step, global_batch / per_step * per_step);
+    problem("training.global_batch", "training.global_batch=" + S(global_batch) +
+                                         " is not a multiple of micro_batch*dp=" + S(recipe.training.micro_batch) +
+                                         "*" + S(dp) + "=" + S(per_step) + "; try " + S(lower));
+  } else if (interleaved && p.pp > 1 && (global_batch / per_step) % p.pp != 0) {
+    problem("training.global_batch", "interleaved 1F1B needs the micro-batches per step (global_batch/(micro_batch*dp)=" +
+                                         S(global_batch / per_step) + ") to be a multiple of pp=" + S(p.pp));
+  }
+  return problems;
+}
+
+StatusOr<Layout> PlanLayout(const Recipe& recipe, int world_size) {
+  std::vector<LayoutProblem> problems = CheckLayout(recipe, world_size);
+  if (!problems.empty()) return InvalidArgument(problems.front().message);
+  const ParallelSpec& p = recipe.parallel;
+  Layout layout;
+  layout.world_size = world_size;
+  layout.tp = p.tp;
+  layout.pp = p.pp;
+  layout.dp = world_size / (p.tp * p.pp);
+  layout.chunks = p.pp > 1 ? p.virtual_stages : 1;
+  layout.stage_layers = StageLayers(recipe.model.layers, layout.pp * layout.chunks, p.pp_split);
+  layout.zero = p.zero;
+  layout.sequence_parallel = p.sequence_parallel;
+  layout.activation_checkpointing = p.activation_checkpointing;
+  layout.pp_schedule = p.pp_schedule;
+  layout.micro_batch = recipe.training.micro_batch;
+  layout.global_batch = recipe.training.global_batch;
+  layout.accumulation = layout.global_batch / (layout.micro_batch * layout.dp);
+  return layout;
+}
+
+std::vector<int> StageLayers(int layers, int stages, const std::vector<int>& split) {
+  if (!split.empty()) return split;
+  std::vector<int> out(stages, layers / stages);
+  for (int i = 0; i < layers % stages; ++i) ++out[i];
+  return out;
+}
+
+}  // namespace ltrain

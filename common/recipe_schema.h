@@ -1,0 +1,233 @@
+// The recipe schema: every key declared once, with its type (the field's), range, default (the
+// field's initial value in common/recipe.h) and one line of help. The reader, the writer,
+// `ltrain validate --explain` and the README's table all walk VisitRecipeKeys; nothing else lists
+// the keys.
+#pragma once
+
+#include <cstdint>
+#include <limits>
+#include <map>
+#include <string>
+#include <string_view>
+#include <type_traits>
+#include <vector>
+
+#include "common/recipe.h"
+
+namespace ltrain {
+
+struct RecipeKey {
+  std::string_view section;  // "" for the top-level `name`
+  std::string_view name;
+  std::string_view help;     // one line
+  // Integers (and the entries of integer lists): the allowed range.
+  int64_t int_min = std::numeric_limits<int64_t>::min();
+  int64_t int_max = std::numeric_limits<int64_t>::max();
+  // Numbers: the allowed range.
+  double real_min = 0;
+  double real_max = 0;
+  // How the default reads when the field's initial value does not say it ("training.seed").
+  std::string_view default_text = {};
+  // Written only when it differs from its default, so that binaries older than the key still read
+  // the resolved recipes of newer ones (a node mid-upgrade, a stored job).
+  bool omit_at_default = false;
+
+  std::string path() const { return section.empty() ? std::string(name) : std::string(section) + "." + std::string(name); }
+};
+
+// parallel.nodes: a count, or {min, max} for an elastic job (the job runs on max while it can).
+template <typename Int>
+struct NodesField {
+  Int& nodes;
+  Int& min;
+  Int& max;
+};
+
+// The sections of a recipe, in the order the writer emits them.
+inline constexpr std::string_view kRecipeSections[] = {"model", "data", "training", "parallel", "checkpoint", "fault"};
+
+// Calls visit(key, field) for every key, in the order the writer emits them. `field` refers into
+// `r` (const when `r` is) and is one of: int, int64_t, uint64_t, double, bool, std::string, an enum
+// with EnumNames, std::vector<int>, NodesField.
+template <typename R, typename Visitor>
+void VisitRecipeKeys(R& r, Visitor&& visit) {
+  static_assert(std::is_same_v<std::remove_const_t<R>, Recipe>);
+  using Int = std::conditional_t<std::is_const_v<R>, const int, int>;
+  constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+  constexpr int64_t kInt64Max = std::numeric_limits<int64_t>::max();
+
+  visit(RecipeKey{.section = "", .name = "name", .help = "the job's name; job ids are NAME-N",
+                  .default_text = "the recipe file's stem"},
+        r.name);
+
+  visit(RecipeKey{.section = "model", .name = "layers", .help = "transformer blocks", .int_min = 1, .int_max = 1024},
+        r.model.layers);
+  visit(RecipeKey{.section = "model", .name = "d_model", .help = "width of the residual stream",
+                  .int_min = 1, .int_max = 1 << 20},
+        r.model.d_model);
+  visit(RecipeKey{.section = "model", .name = "heads", .help = "attention heads; must divide d_model",
+                  .int_min = 1, .int_max = 4096},
+        r.model.heads);
+  visit(RecipeKey{.section = "model", .name = "seq_len", .help = "tokens per training sequence (the context)",
+                  .int_min = 1, .int_max = 1 << 24},
+        r.model.seq_len);
+  visit(RecipeKey{.section = "model", .name = "vocab", .help = "vocabulary size; at least the tokenizer's symbols",
+                  .int_min = 2, .int_max = 1 << 24},
+        r.model.vocab);
+  visit(RecipeKey{.section = "model", .name = "init",
+                  .help = "initial parameters: pytorch (gpt_model.GPT's, every rank builds the whole model on the "
+                          "CPU), per_parameter (each rank draws what it keeps on its device), auto (per_parameter "
+                          "from 2 billion parameters)",
+                  .omit_at_default = true},
+        r.model.init);
+
+  visit(RecipeKey{.section = "data", .name = "path",
+                  .help = "directory written by `ltrain data prepare` (required; relative to where ltrain runs)",
+                  .default_text = "none: required"},
+        r.data.path);
+  visit(RecipeKey{.section = "data", .name = "tokenizer", .help = "how the data was tokenized"}, r.data.tokenizer);
+  visit(RecipeKey{.section = "data", .name = "sampling",
+                  .help = "hash: each sample's window from a hash of the seed and its index; torch: windows as "
+                          "torch.randint with a seeded generator draws them, a PyTorch loop's batches",
+                  .omit_at_default = true},
+        r.data.sampling);
+  visit(RecipeKey{.section = "data", .name = "seed", .help = "the sampler's seed (PyTorch keeps 32 bits)",
+                  .int_min = 0, .int_max = int64_t{0xffffffff}, .default_text = "training.seed",
+                  .omit_at_default = true},
+        r.data.seed);
+
+  visit(RecipeKey{.section = "training", .name = "steps", .help = "optimizer steps of the whole run",
+                  .int_min = 1, .int_max = kInt64Max},
+        r.training.steps);
+  visit(RecipeKey{.section = "training", .name = "micro_batch", .help = "sequences per forward and backward on a rank",
+                  .int_min = 1, .int_max = kInt32Max},
+        r.training.micro_batch);
+  visit(RecipeKey{.section = "training", .name = "global_batch",
+                  .help = "sequences per optimizer step over all data-parallel ranks; a multiple of micro_batch x dp",
+                  .int_min = 1, .int_max = kInt32Max},
+        r.training.global_batch);
+  visit(RecipeKey{.section = "training", .name = "lr", .help = "peak learning rate", .real_min = 0, .real_max = 10},
+        r.training.lr);
+  visit(RecipeKey{.section = "training", .name = "min_lr", .help = "floor of the cosine decay; at most lr",
+                  .real_min = 0, .real_max = 10},
+        r.training.min_lr);
+  visit(RecipeKey{.section = "training", .name = "warmup_steps", .help = "steps of linear warmup to lr",
+                  .int_min = 0, .int_max = kInt64Max},
+        r.training.warmup_steps);
+  visit(RecipeKey{.section = "training", .name = "lr_schedule", .help = "after warmup: cosine decay to min_lr, or constant"},
+        r.training.lr_schedule);
+  visit(RecipeKey{.section = "training", .name = "weight_decay", .help = "AdamW weight decay (matrices and embeddings only)",
+                  .real_min = 0, .real_max = 10},
+        r.training.weight_decay);
+  visit(RecipeKey{.section = "training", .name = "beta1", .help = "AdamW first-moment decay", .real_min = 0, .real_max = 0.999999},
+        r.training.beta1);
+  visit(RecipeKey{.section = "training", .name = "beta2", .help = "AdamW second-moment decay", .real_min = 0, .real_max = 0.999999},
+        r.training.beta2);
+  visit(RecipeKey{.section = "training", .name = "grad_clip", .help = "largest global gradient norm; 0 turns clipping off",
+                  .real_min = 0, .real_max = 1e9},
+        r.training.grad_clip);
+  visit(RecipeKey{.section = "training", .name = "seed", .help = "seed of the initial parameters and the data",
+                  .int_min = 0, .int_max = kInt64Max},
+        r.training.seed);
+  visit(RecipeKey{.section = "training", .name = "log_every", .help = "rank 0 prints a step line every this many steps",
+                  .int_min = 1, .int_max = kInt64Max},
+        r.training.log_every);
+
+  NodesField<Int> nodes{r.parallel.nodes, r.parallel.nodes_min, r.parallel.nodes_max};
+  visit(RecipeKey{.section = "parallel", .name = "nodes",
+                  .help = "nodes the job runs on, or {min, max} for an elastic job", .int_min = 1, .int_max = 100000},
+        nodes);
+  visit(RecipeKey{.section = "parallel", .name = "nproc_per_node", .help = "ranks (worker processes) per node",
+                  .int_min = 1, .int_max = 1024},
+        r.parallel.nproc_per_node);
+  visit(RecipeKey{.section = "parallel", .name = "tp", .help = "tensor-parallel degree, within a node",
+                  .int_min = 1, .int_max = 1024},
+        r.parallel.tp);
+  visit(RecipeKey{.section = "parallel", .name = "pp", .help = "pipeline stages", .int_min = 1, .int_max = 1024},
+        r.parallel.pp);
+  visit(RecipeKey{.section = "parallel", .name = "zero",
+                  .help = "ZeRO stage over data parallel: 1 shards optimizer state, 2 also gradients, 3 also parameters",
+                  .int_min = 0, .int_max = 3},
+        r.parallel.zero);
+  visit(RecipeKey{.section = "parallel", .name = "sequence_parallel",
+                  .help = "split norms and dropout along the sequence over the tensor-parallel ranks"},
+        r.parallel.sequence_parallel);
+  visit(RecipeKey{.section = "parallel", .name = "pp_schedule", .help = "pipeline schedule"}, r.parallel.pp_schedule);
+  visit(RecipeKey{.section = "parallel", .name = "virtual_stages",
+                  .help = "model chunks per pipeline rank (interleaved 1F1B)", .int_min = 1, .int_max = 1024},
+        r.parallel.virtual_stages);
+  visit(RecipeKey{.section = "parallel", .name = "pp_split",
+                  .help = "layers per (virtual) stage, e.g. [3, 3, 2]", .int_min = 1, .int_max = 1024,
+                  .default_text = "balanced"},
+        r.parallel.pp_split);
+  visit(RecipeKey{.section = "parallel", .name = "bucket_mb",
+                  .help = "data-parallel gradients are reduced in buckets of this many MB during backward",
+                  .real_min = 0.001, .real_max = 1e6},
+        r.parallel.bucket_mb);
+  visit(RecipeKey{.section = "parallel", .name = "activation_checkpointing",
+                  .help = "recompute activations in backward: full blocks, or only attention (selective)"},
+        r.parallel.activation_checkpointing);
+  visit(RecipeKey{.section = "parallel", .name = "precision",
+                  .help = "auto: bf16 on cuda, fp32 on cpu; bf16: bf16 compute copies of fp32 masters; "
+                          "bf16-autocast: fp32 weights cast per operation, as PyTorch AMP"},
+        r.parallel.precision);
+  visit(RecipeKey{.section = "parallel", .name = "device", .help = "cpu (Gloo) or cuda (NCCL)"}, r.parallel.device);
+
+  visit(RecipeKey{.section = "checkpoint", .name = "dir", .help = "where the job's checkpoints go",
+                  .default_text = "$LTRAIN_HOME/checkpoints/JOB"},
+        r.checkpoint.dir);
+  visit(RecipeKey{.section = "checkpoint", .name = "every", .help = "steps between checkpoints; 0 writes only the final one",
+                  .int_min = 0, .int_max = kInt64Max},
+        r.checkpoint.every);
+  visit(RecipeKey{.section = "checkpoint", .name = "keep", .help = "committed checkpoints kept", .int_min = 1, .int_max = 1000000},
+        r.checkpoint.keep);
+  visit(RecipeKey{.section = "checkpoint", .name = "resume_from",
+                  .help = "start from this step-N directory, or the newest commit of this checkpoint directory",
+                  .default_text = "none: start fresh"},
+        r.checkpoint.resume_from);
+  visit(RecipeKey{.section = "checkpoint", .name = "async", .help = "snapshot to host memory and write in the background"},
+        r.checkpoint.async);
+  visit(RecipeKey{.section = "checkpoint", .name = "enabled", .help = "false saves nothing (benchmarks, throw-away runs)"},
+        r.checkpoint.enabled);
+
+  visit(RecipeKey{.section = "fault", .name = "max_restarts", .help = "restarts from the last commit before the job fails",
+                  .int_min = 0, .int_max = 1000000},
+        r.fault.max_restarts);
+  visit(RecipeKey{.section = "fault", .name = "restart_backoff_s", .help = "delay before the first restart; doubles per restart",
+                  .real_min = 0, .real_max = 3600},
+        r.fault.restart_backoff_s);
+  visit(RecipeKey{.section = "fault", .name = "restart_backoff_max_s", .help = "longest delay between restarts",
+                  .real_min = 0, .real_max = 86400},
+        r.fault.restart_backoff_max_s);
+  visit(RecipeKey{.section = "fault", .name = "heartbeat_interval_s", .help = "agents beat at least this often",
+                  .real_min = 0.01, .real_max = 3600},
+        r.fault.heartbeat_interval_s);
+  visit(RecipeKey{.section = "fault", .name = "heartbeat_misses", .help = "missed heartbeats before a node is lost",
+                  .int_min = 1, .int_max = 1000},
+        r.fault.heartbeat_misses);
+  visit(RecipeKey{.section = "fault", .name = "hang_timeout_s", .help = "a rank without progress this long is hung",
+                  .real_min = 0.1, .real_max = 86400},
+        r.fault.hang_timeout_s);
+  visit(RecipeKey{.section = "fault", .name = "collective_timeout_s", .help = "a collective that takes longer is aborted",
+                  .real_min = 0.1, .real_max = 86400},
+        r.fault.collective_timeout_s);
+}
+
+// Every key's value as the writer writes it, by path ("training.lr" -> "0.0003").
+std::map<std::string, std::string> RecipeKeyValues(const Recipe& recipe);
+
+// What `ltrain validate --explain` and the README's table show of one key.
+struct RecipeKeyDoc {
+  std::string path;          // "training.steps"
+  std::string type;          // "integer 1..1024", "one of: cosine, constant"
+  std::string default_text;  // as a recipe writes it
+  std::string help;
+};
+
+std::vector<RecipeKeyDoc> DescribeRecipeKeys();
+
+// Every key as a Markdown table (the README's "Recipe keys"), and as aligned text.
+std::string RecipeKeysMarkdown();
+std::string RecipeKeysText();
+
+}  // namespace ltrain

@@ -1,0 +1,115 @@
+// The layout rules (common/layout.h): one function for every caller, each rule naming its key.
+#include "common/layout.h"
+
+#include <gtest/gtest.h>
+
+#include <functional>
+
+namespace ltrain {
+namespace {
+
+Recipe Base() {
+  Recipe r;
+  r.name = "layout";
+  r.data.path = "/d";
+  r.model.layers = 4;
+  r.model.heads = 4;
+  r.model.d_model = 64;
+  r.model.seq_len = 32;
+  r.training.micro_batch = 2;
+  r.training.global_batch = 8;
+  return r;
+}
+
+std::string Keys(const std::vector<LayoutProblem>& problems) {
+  std::string out;
+  for (const LayoutProblem& p : problems) out += p.key + ": " + p.message + "\n";
+  return out;
+}
+
+TEST(LayoutTest, PlansTheDegreesAndTheAccumulation) {
+  Recipe r = Base();
+  r.parallel.nproc_per_node = 8;
+  r.parallel.tp = 2;
+  r.parallel.pp = 2;
+  StatusOr<Layout> layout = PlanLayout(r, 8);
+  ASSERT_TRUE(layout.ok()) << layout.status().ToString();
+  EXPECT_EQ(layout->dp, 2);
+  EXPECT_EQ(layout->accumulation, 2);
+  EXPECT_EQ(layout->stage_layers, (std::vector<int>{2, 2}));
+  EXPECT_FALSE(layout->plain());
+  StatusOr<Layout> one = PlanLayout(Base(), 1);
+  ASSERT_TRUE(one.ok());
+  EXPECT_EQ(one->accumulation, 4);
+  EXPECT_TRUE(one->plain());
+}
+
+TEST(LayoutTest, EachBrokenRuleNamesItsKey) {
+  struct Case {
+    const char* what;
+    std::function<void(Recipe&)> change;
+    int world;
+    const char* key;
+    const char* message;
+  };
+  const Case cases[] = {
+      {"tp*pp does not divide the world", [](Recipe& r) { r.parallel.tp = 3; }, 2, "parallel.tp",
+       "world size 2 (nodes*nproc_per_node) is not a multiple of tp*pp=3"},
+      {"tp and heads", [](Recipe& r) { r.parallel.tp = 8; r.parallel.nproc_per_node = 8; }, 8, "parallel.tp",
+       "does not divide model.heads=4"},
+      {"tp within a node", [](Recipe& r) { r.parallel.tp = 2; }, 2, "parallel.tp", "must divide nproc_per_node=1"},
+      {"sequence parallel without tp", [](Recipe& r) { r.parallel.sequence_parallel = true; }, 1,
+       "parallel.sequence_parallel", "needs parallel.tp > 1"},
+      {"more stages than layers", [](Recipe& r) { r.parallel.pp = 8; }, 8, "parallel.pp", "larger than model.layers=4"},
+      {"zero 3 with pipelines", [](Recipe& r) { r.parallel.pp = 2; r.parallel.zero = 3; }, 2, "parallel.zero",
+       "does not combine with pp>1"},
+      {"virtual stages without interleaving", [](Recipe& r) { r.parallel.pp = 2; r.parallel.virtual_stages = 2; }, 2,
+       "parallel.virtual_stages", "needs parallel.pp_schedule: interleaved"},
+      {"pp_split sum", [](Recipe& r) { r.parallel.pp = 2; r.parallel.pp_split = {2, 1}; }, 2, "parallel.pp_split",
+       "summing to model.layers=4; it has 2 summing to 3"},
+      {"pp_split entry", [](Recipe& r) { r.parallel.pp = 2; r.parallel.pp_split = {4, 0}; }, 2, "parallel.pp_split",
+       "of at least 1"},
+      {"global batch", [](Recipe& r) { r.training.global_batch = 6; }, 2, "training.global_batch",
+       "is not a multiple of micro_batch*dp=2*2=4; try 4"},
+      {"interleaved micro-batches",
+       [](Recipe& r) {
+         r.parallel.pp = 2;
+         r.parallel.pp_schedule = PpSchedule::kInterleaved;
+         r.parallel.virtual_stages = 2;
+         r.training.global_batch = 6;
+       },
+       2, "training.global_batch", "to be a multiple of pp=2"},
+  };
+  for (const Case& c : cases) {
+    Recipe r = Base();
+    c.change(r);
+    std::vector<LayoutProblem> problems = CheckLayout(r, c.world);
+    ASSERT_FALSE(problems.empty()) << c.what;
+    EXPECT_EQ(problems.front().key, c.key) << c.what << "\n" << Keys(problems);
+    EXPECT_NE(problems.front().message.find(c.message), std::string::npos) << c.what << "\n" << Keys(problems);
+    StatusOr<Layout> planned = PlanLayout(r, c.world);
+    ASSERT_FALSE(planned.ok()) << c.what;
+    EXPECT_EQ(planned.status().message(), problems.front().message);
+  }
+}
+
+// An elastic job keeps its global batch on fewer ranks, as long as it divides.
+TEST(LayoutTest, TheSameRecipeOnAnotherWorldSize) {
+  Recipe r = Base();
+  r.training.micro_batch = 1;
+  r.training.global_batch = 6;
+  EXPECT_TRUE(CheckLayout(r, 3).empty());
+  EXPECT_TRUE(CheckLayout(r, 2).empty());
+  std::vector<LayoutProblem> four = CheckLayout(r, 4);
+  ASSERT_EQ(four.size(), 1u) << Keys(four);
+  EXPECT_EQ(four.front().key, "training.global_batch");
+}
+
+TEST(LayoutTest, StageLayersBalanceOrFollowTheSplit) {
+  EXPECT_EQ(StageLayers(4, 2, {}), (std::vector<int>{2, 2}));
+  EXPECT_EQ(StageLayers(5, 3, {}), (std::vector<int>{2, 2, 1}));
+  EXPECT_EQ(StageLayers(4, 2, {3, 1}), (std::vector<int>{3, 1}));
+}
+
+}  // namespace
+}  // namespace ltrain

@@ -1,0 +1,89 @@
+// Every recipe key reaches the worker. A recipe with every key at a value other than its default
+// goes the way a job's recipe goes: the CLI's resolved YAML, the coordinator's submit and placement,
+// the start command whose recipe the agent writes for its workers, and the worker's own loading
+// (LoadWorkerRecipe). The worker's recipe must hold every value; a key a writer or reader lost
+// would come back at its default.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include <unistd.h>
+
+#include "common/clock.h"
+#include "common/logging.h"
+#include "common/recipe_schema.h"
+#include "launcher/coordinator.h"
+#include "launcher/state_store.h"
+#include "worker/control/worker_env.h"
+
+namespace ltrain {
+namespace {
+
+constexpr const char* kEveryKey = R"(name: every-key
+model: {layers: 8, d_model: 96, heads: 6, seq_len: 48, vocab: 300, init: per_parameter}
+data: {path: /data/every-key, sampling: torch, seed: 4321}
+training: {steps: 77, micro_batch: 2, global_batch: 16, lr: 0.002, min_lr: 0.0002, warmup_steps: 7,
+           lr_schedule: constant, weight_decay: 0.05, beta1: 0.8, beta2: 0.9, grad_clip: 0.5, seed: 99, log_every: 3}
+parallel: {nodes: {min: 1, max: 2}, nproc_per_node: 8, tp: 2, pp: 2, zero: 1, sequence_parallel: true,
+           pp_schedule: interleaved, virtual_stages: 2, pp_split: [3, 2, 2, 1], bucket_mb: 50,
+           activation_checkpointing: selective, precision: bf16, device: cuda}
+checkpoint: {dir: /ckpt/every-key, every: 11, keep: 5, resume_from: /ckpt/old/step-3, async: false, enabled: false}
+fault: {max_restarts: 4, restart_backoff_s: 2.5, restart_backoff_max_s: 45, heartbeat_interval_s: 0.5,
+        heartbeat_misses: 5, hang_timeout_s: 90, collective_timeout_s: 120}
+)";
+
+// Keys that cannot differ from their default: their type has a single value today.
+const std::set<std::string> kSingleValued = {"data.tokenizer"};
+
+TEST(RecipeKeysTest, EveryKeyReachesTheWorkerWithANonDefaultValue) {
+  SetLogLevel(LogLevel::kWarning);
+  RecipeParseResult user = ParseRecipe(kEveryKey, "every-key.yaml");
+  ASSERT_TRUE(user.ok()) << user.ErrorText();
+  const std::map<std::string, std::string> defaults = RecipeKeyValues(Recipe{});
+  const std::map<std::string, std::string> wanted = RecipeKeyValues(user.recipe);
+  for (const auto& [key, value] : wanted) {
+    if (kSingleValued.count(key)) continue;
+    EXPECT_NE(value, defaults.at(key)) << key << " is at its default in this test's recipe: give it another value";
+  }
+
+  // As `ltrain launch` submits it, to a coordinator with one node.
+  FakeClock clock;
+  std::unique_ptr<launcher::StateStore> store = std::move(launcher::SqliteStateStore::Open(":memory:")).value();
+  launcher::CoordinatorOptions options;
+  options.state_dir = "/state";
+  launcher::Coordinator coordinator(store.get(), &clock, options);
+  v1::NodeFacts facts;
+  facts.set_hostname("a.example");
+  coordinator.NodeConnected("a", facts);
+  StatusOr<v1::Job> job = coordinator.Submit(RecipeToYaml(user.recipe), "every-key.yaml");
+  ASSERT_TRUE(job.ok()) << job.status().ToString();
+  std::optional<v1::Command> command = coordinator.WaitCommand("a", 0);
+  ASSERT_TRUE(command && command->has_start());
+
+  // What the agent writes and its worker reads.
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("ltrain-recipe-keys-" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string file = (dir / "recipe.yaml").string();
+  std::ofstream(file) << command->start().recipe_yaml();
+  StatusOr<worker::WorkerEnv> env = worker::ParseWorkerEnv(worker::EnvironmentOf({"LTRAIN_RECIPE_FILE=" + file}), {});
+  ASSERT_TRUE(env.ok()) << env.status().ToString();
+  StatusOr<Recipe> received = worker::LoadWorkerRecipe(*env);
+  std::filesystem::remove_all(dir);
+  ASSERT_TRUE(received.ok()) << received.status().ToString() << "\n" << command->start().recipe_yaml();
+
+  const std::map<std::string, std::string> got = RecipeKeyValues(*received);
+  ASSERT_EQ(got.size(), wanted.size());
+  for (const auto& [key, value] : wanted) {
+    // A generation runs on the nodes it was given: one here.
+    if (key == "parallel.nodes") {
+      EXPECT_EQ(got.at(key), "1");
+      continue;
+    }
+    EXPECT_EQ(got.at(key), value) << key << " did not reach the worker:\n" << command->start().recipe_yaml();
+  }
+}
+
+}  // namespace
+}  // namespace ltrain

@@ -1,0 +1,108 @@
+#include "worker/control/worker_env.h"
+
+#include <cstdlib>
+#include <map>
+#include <stdexcept>
+
+namespace ltrain::worker {
+
+EnvLookup ProcessEnvironment() {
+  return [](const std::string& name) -> std::optional<std::string> {
+    const char* v = std::getenv(name.c_str());
+    if (v == nullptr) return std::nullopt;
+    return std::string(v);
+  };
+}
+
+EnvLookup EnvironmentOf(const std::vector<std::string>& entries) {
+  std::map<std::string, std::string> values;
+  for (const std::string& entry : entries) {
+    const size_t eq = entry.find('=');
+    if (eq != std::string::npos) values[entry.substr(0, eq)] = entry.substr(eq + 1);
+  }
+  return [values](const std::string& name) -> std::optional<std::string> {
+    auto it = values.find(name);
+    if (it == values.end()) return std::nullopt;
+    return it->second;
+  };
+}
+
+namespace {
+
+std::string Get(const EnvLookup& env, const char* name, const std::string& fallback = "") {
+  std::optional<std::string> v = env(name);
+  return v && !v->empty() ? *v : fallback;
+}
+
+}  // namespace
+
+std::string EnvString(const char* name, const std::string& fallback) { return Get(ProcessEnvironment(), name, fallback); }
+
+Status EnvInt(const EnvLookup& env, const char* name, int* out) {
+  std::string v = Get(env, name);
+  if (v.empty()) return Status::Ok();
+  try {
+    size_t used = 0;
+    int parsed = std::stoi(v, &used);
+    if (used != v.size()) throw std::invalid_argument(v);
+    *out = parsed;
+  } catch (const std::exception&) {
+    return InvalidArgument(std::string(name) + "='" + v + "' is not an integer");
+  }
+  return Status::Ok();
+}
+
+StatusOr<WorkerEnv> ParseWorkerEnv(const EnvLookup& environment, const std::vector<std::string>& args) {
+  WorkerEnv env;
+  env.job_id = Get(environment, "LTRAIN_JOB_ID");
+  for (auto [name, field] : {std::pair{"LTRAIN_RANK", &env.rank}, {"LTRAIN_WORLD_SIZE", &env.world_size},
+                             {"LTRAIN_LOCAL_RANK", &env.local_rank},
+                             {"LTRAIN_LOCAL_WORLD_SIZE", &env.local_world_size},
+                             {"LTRAIN_GENERATION", &env.generation}}) {
+    if (Status s = EnvInt(environment, name, field); !s.ok()) return s;
+  }
+  env.recipe_file = Get(environment, "LTRAIN_RECIPE_FILE");
+  env.rdzv = Get(environment, "LTRAIN_RDZV");
+  env.rdzv_scope = Get(environment, "LTRAIN_RDZV_SCOPE", env.job_id.empty() ? "manual" : env.job_id);
+  env.checkpoint_dir = Get(environment, "LTRAIN_CHECKPOINT_DIR");
+  env.agent = Get(environment, "LTRAIN_AGENT");
+  env.bind_addr = Get(environment, "LTRAIN_BIND_ADDR", "127.0.0.1");
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    auto value = [&](const std::string& flag) -> StatusOr<std::string> {
+      if (arg.size() > flag.size() && arg.compare(0, flag.size() + 1, flag + "=") == 0) {
+        return arg.substr(flag.size() + 1);
+      }
+      if (i + 1 >= args.size()) return InvalidArgument(flag + " needs a value");
+      return args[++i];
+    };
+    if (arg == "--help" || arg == "-h") {
+      env.help = true;
+    } else if (arg == "--recipe" || arg.rfind("--recipe=", 0) == 0) {
+      StatusOr<std::string> v = value("--recipe");
+      if (!v.ok()) return v.status();
+      env.recipe_file = *v;
+    } else if (arg == "--export-params" || arg.rfind("--export-params=", 0) == 0) {
+      StatusOr<std::string> v = value("--export-params");
+      if (!v.ok()) return v.status();
+      env.export_params = *v;
+    } else if (arg == "--set" || arg.rfind("--set=", 0) == 0) {
+      StatusOr<std::string> v = value("--set");
+      if (!v.ok()) return v.status();
+      if (v->find('=') == std::string::npos) return InvalidArgument("--set " + *v + ": expected key=value");
+      env.overrides.push_back(*v);
+    } else {
+      return InvalidArgument("unknown argument '" + arg + "' (see --help)");
+    }
+  }
+  return env;
+}
+
+StatusOr<Recipe> LoadWorkerRecipe(const WorkerEnv& env) {
+  if (env.recipe_file.empty()) return InvalidArgument("no recipe: pass --recipe FILE or set LTRAIN_RECIPE_FILE");
+  RecipeParseResult parsed = LoadRecipeFile(env.recipe_file, env.overrides);
+  if (!parsed.ok()) return InvalidArgument(parsed.ErrorText());
+  return parsed.recipe;
+}
+
+}  // namespace ltrain::worker

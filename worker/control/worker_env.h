@@ -1,0 +1,55 @@
+// What an agent tells a worker process: the LTRAIN_* environment (and the flags that override it),
+// and the recipe file it points at. No LibTorch: the agent's tests read a worker's environment and
+// recipe the way the worker does, without starting one.
+#pragma once
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/recipe.h"
+#include "common/status.h"
+
+namespace ltrain::worker {
+
+// The environment an agent gives a worker (see ltrain-worker --help), after flags override it.
+struct WorkerEnv {
+  std::string job_id;
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  int local_world_size = 1;
+  int generation = 0;
+  std::string recipe_file;
+  std::vector<std::string> overrides;  // --set key=value
+  std::string rdzv;                    // grpc://HOST:PORT or file:///DIR
+  std::string rdzv_scope;
+  std::string checkpoint_dir;          // overrides the recipe's checkpoint.dir when set
+  std::string agent;                   // HOST:PORT of the agent's WorkerService (progress reports)
+  std::string bind_addr = "127.0.0.1";
+  std::string export_params;           // --export-params FILE
+  bool help = false;
+};
+
+// A variable's value, or nullopt when unset.
+using EnvLookup = std::function<std::optional<std::string>(const std::string& name)>;
+// This process's environment.
+EnvLookup ProcessEnvironment();
+// "KEY=VALUE" entries, as a spawn passes them.
+EnvLookup EnvironmentOf(const std::vector<std::string>& entries);
+
+// Reads LTRAIN_* from `env`, then applies the flags in `args` (--recipe FILE, --set k=v,
+// --export-params FILE, --help).
+StatusOr<WorkerEnv> ParseWorkerEnv(const EnvLookup& env, const std::vector<std::string>& args);
+
+// The recipe this worker trains: its recipe file with the --set overrides, parsed and checked as
+// every recipe is.
+StatusOr<Recipe> LoadWorkerRecipe(const WorkerEnv& env);
+
+// A variable of this process's environment; `fallback` when unset or empty.
+std::string EnvString(const char* name, const std::string& fallback = "");
+// An integer variable of `env` into `out`; unset leaves `out` alone, a malformed value is an error.
+Status EnvInt(const EnvLookup& env, const char* name, int* out);
+
+}  // namespace ltrain::worker
