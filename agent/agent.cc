@@ -1,17 +1,12 @@
 #include "agent/agent.h"
 
-#include "agent/oom.h"
-
 #include <poll.h>
-#include <signal.h>
 #include <unistd.h>
 
-#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <set>
 #include <mutex>
@@ -20,9 +15,9 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "agent/supervisor.h"
 #include "common/clock.h"
 #include "common/logging.h"
-#include "common/signal_name.h"
 #include "ltrain/v1/ltrain.grpc.pb.h"
 
 namespace ltrain::agent {
@@ -30,7 +25,6 @@ namespace {
 
 namespace fs = std::filesystem;
 constexpr const char* kLog = "agent";
-constexpr size_t kTailLines = 12;
 
 std::chrono::system_clock::time_point Deadline(double seconds) {
   return std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
@@ -124,23 +118,7 @@ class ProgressSink final : public v1::WorkerService::Service {
   std::map<std::string, int> checkpoint_stops_;  // job id -> newest generation to stop after a checkpoint
 };
 
-struct Worker {
-  std::string job_id;
-  int generation = 0;
-  int rank = 0;
-  pid_t pid = -1;
-  int output_fd = -1;
-  std::string partial;
-  std::ofstream log;
-  std::string log_path;
-  std::deque<std::string> tail;
-  int64_t kill_at_ms = 0;  // when a SIGTERM'd worker gets SIGKILL; 0 when none is due
-  std::optional<int64_t> oom_kills_at_start;  // the cgroup's OOM-kill count when it started
-};
-
-using Outgoing = std::variant<v1::WorkerStateReport, v1::PushLogsRequest>;
-
-class AgentImpl : public Agent {
+class AgentImpl : public Agent, private SupervisorOutbox {
  public:
   AgentImpl(AgentOptions options, std::unique_ptr<ProcessSpawner> spawner)
       : options_(std::move(options)), spawner_(std::move(spawner)) {}
@@ -308,7 +286,7 @@ class AgentImpl : public Agent {
     }
   }
 
-  void Enqueue(Outgoing message) {
+  void Enqueue(SupervisorMessage message) {
     std::lock_guard<std::mutex> lock(out_mu_);
     outbox_.push_back(std::move(message));
     out_cv_.notify_all();
@@ -316,7 +294,7 @@ class AgentImpl : public Agent {
 
   void SendLoop() {
     while (true) {
-      Outgoing message;
+      SupervisorMessage message;
       {
         std::unique_lock<std::mutex> lock(out_mu_);
         out_cv_.wait(lock, [this] { return sender_done_ || !outbox_.empty(); });
@@ -343,148 +321,36 @@ class AgentImpl : public Agent {
     }
   }
 
-  void StartJob(const v1::StartJobCommand& start) {
-    for (auto& [pid, worker] : workers_) {
-      if (worker->job_id == start.job_id() && worker->generation < start.generation()) {
-        spawner_->KillGroup(pid, SIGKILL);  // a leftover of an older generation
-      }
-    }
-    fs::path dir = fs::path(options_.work_dir) / "jobs" / start.job_id() / ("gen-" + std::to_string(start.generation()));
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    fs::path recipe = dir / "recipe.yaml";
-    {
-      std::ofstream out(recipe);
-      out << start.recipe_yaml();
-    }
-    for (const auto& assignment : start.workers()) {
-      SpawnSpec spec;
-      spec.binary = options_.worker_binary;
-      spec.working_dir = dir.string();
-      spec.env = {
-          "LTRAIN_JOB_ID=" + start.job_id(),
-          "LTRAIN_RANK=" + std::to_string(assignment.rank()),
-          "LTRAIN_WORLD_SIZE=" + std::to_string(start.world_size()),
-          "LTRAIN_LOCAL_RANK=" + std::to_string(assignment.local_rank()),
-          "LTRAIN_LOCAL_WORLD_SIZE=" + std::to_string(start.local_world_size()),
-          "LTRAIN_GENERATION=" + std::to_string(start.generation()),
-          "LTRAIN_RECIPE_FILE=" + recipe.string(),
-          "LTRAIN_RDZV=grpc://127.0.0.1:" + std::to_string(proxy_port_),
-          "LTRAIN_AGENT=127.0.0.1:" + std::to_string(proxy_port_),
-          "LTRAIN_RDZV_SCOPE=" + start.rendezvous_scope(),
-          "LTRAIN_CHECKPOINT_DIR=" + start.checkpoint_dir(),
-          "LTRAIN_BIND_ADDR=" + options_.bind_address,
-      };
-      auto worker = std::make_unique<Worker>();
-      worker->job_id = start.job_id();
-      worker->generation = start.generation();
-      worker->rank = assignment.rank();
-      worker->log_path = (dir / ("rank-" + std::to_string(assignment.rank()) + ".log")).string();
-      worker->log.open(worker->log_path, std::ios::app);
-      v1::WorkerStateReport report;
-      report.set_node_id(options_.node_id);
-      report.set_job_id(start.job_id());
-      report.set_generation(start.generation());
-      report.set_rank(assignment.rank());
-      report.set_log_path(worker->log_path);
-      StatusOr<SpawnedProcess> spawned = spawner_->Spawn(spec);
-      if (!spawned.ok()) {
-        report.set_state("exited");
-        report.set_exit_code(127);
-        report.add_log_tail("cannot start " + options_.worker_binary + ": " + spawned.status().message());
-        Enqueue(report);
-        continue;
-      }
-      worker->pid = spawned->pid;
-      worker->output_fd = spawned->output_fd;
-      worker->oom_kills_at_start = ReadOomKillCount();
-      report.set_state("running");
-      report.set_pid(worker->pid);
-      Enqueue(report);
-      v1::RunningWorker live;
-      live.set_job_id(start.job_id());
-      live.set_generation(start.generation());
-      live.set_rank(assignment.rank());
-      live.set_pid(worker->pid);
-      {
-        std::lock_guard<std::mutex> lock(live_mu_);
-        live_.push_back(live);
-      }
-      workers_[worker->pid] = std::move(worker);
-    }
-    LTRAIN_LOG(kInfo, kLog) << "started " << start.workers_size() << " worker(s) of " << start.job_id();
-  }
-
-  // Stops the job's workers of `generation` and older (all of them when generation < 0).
-  void StopJob(const std::string& job_id, int generation, int64_t now_ms) {
-    for (auto& [pid, worker] : workers_) {
-      if (worker->job_id != job_id || worker->kill_at_ms != 0) continue;
-      if (generation >= 0 && worker->generation > generation) continue;
-      spawner_->KillGroup(pid, SIGTERM);
-      spawner_->KillGroup(pid, SIGCONT);  // a stopped (hung) worker acts on SIGTERM only once continued
-      worker->kill_at_ms = now_ms + static_cast<int64_t>(options_.stop_grace_s * 1000);
-    }
-  }
-
-  // Reads what the worker wrote; complete lines go to its log file and to the coordinator.
-  void Drain(Worker& worker, v1::PushLogsRequest& batch, bool final_read) {
-    char buffer[65536];
-    while (worker.output_fd >= 0) {
-      ssize_t n = read(worker.output_fd, buffer, sizeof(buffer));
-      if (n <= 0) {
-        if (n == 0 || final_read) {
-          close(worker.output_fd);
-          worker.output_fd = -1;
-        }
-        break;
-      }
-      worker.partial.append(buffer, static_cast<size_t>(n));
-    }
-    size_t start = 0;
-    for (size_t nl; (nl = worker.partial.find('\n', start)) != std::string::npos; start = nl + 1) {
-      AddLine(worker, worker.partial.substr(start, nl - start), batch);
-    }
-    worker.partial.erase(0, start);
-    if (worker.output_fd < 0 && !worker.partial.empty()) {
-      AddLine(worker, worker.partial, batch);
-      worker.partial.clear();
-    }
-  }
-
-  void AddLine(Worker& worker, const std::string& line, v1::PushLogsRequest& batch) {
-    worker.log << line << '\n';
-    worker.tail.push_back(line);
-    if (worker.tail.size() > kTailLines) worker.tail.pop_front();
-    if (batch.job_id().empty()) {
-      batch.set_job_id(worker.job_id);
-      batch.set_node_id(options_.node_id);
-    }
-    v1::LogLine* out = batch.add_lines();
-    out->set_rank(worker.rank);
-    out->set_text(line);
-  }
-
-  void SendBatches(std::map<std::string, v1::PushLogsRequest>& batches) {
-    for (auto& [job, batch] : batches) {
-      if (batch.lines_size() > 0) Enqueue(std::move(batch));
-    }
-    batches.clear();
+  // SupervisorOutbox, on the supervisor thread.
+  void Send(SupervisorMessage message) override { Enqueue(std::move(message)); }
+  void RunningChanged(const std::vector<v1::RunningWorker>& running) override {
+    std::lock_guard<std::mutex> lock(live_mu_);
+    live_ = running;
   }
 
   void SuperviseLoop() {
     RealClock clock;
-    std::map<std::string, v1::PushLogsRequest> batches;
+    SupervisorOptions options;
+    options.node_id = options_.node_id;
+    options.work_dir = options_.work_dir;
+    options.worker_binary = options_.worker_binary;
+    options.bind_address = options_.bind_address;
+    options.agent_address = "127.0.0.1:" + std::to_string(proxy_port_);
+    options.stop_grace_ms = static_cast<int64_t>(options_.stop_grace_s * 1000);
+    Supervisor supervisor(std::move(options), *spawner_, clock, *this);
     while (true) {
       std::deque<v1::Command> commands;
       bool stopping;
+      bool orphaned;
       {
         std::lock_guard<std::mutex> lock(mu_);
         commands.swap(inbox_);
         stopping = stopping_;
+        orphaned = orphan_kill_requested_;
+        orphan_kill_requested_ = false;
       }
-      int64_t now = clock.SteadyMs();
       for (const auto& command : commands) {
-        if (command.has_start()) StartJob(command.start());
+        if (command.has_start()) supervisor.StartJob(command.start());
         if (command.has_stop() && command.stop().checkpoint()) {
           // The workers save and exit on their own; a plain stop follows if they do not.
           LTRAIN_LOG(kInfo, kLog) << "stopping " << command.stop().job_id()
@@ -492,90 +358,20 @@ class AgentImpl : public Agent {
           progress_.RequestCheckpointStop(command.stop().job_id(), command.stop().generation());
         } else if (command.has_stop()) {
           LTRAIN_LOG(kInfo, kLog) << "stopping " << command.stop().job_id() << ": " << command.stop().reason();
-          StopJob(command.stop().job_id(), command.stop().generation(), now);
+          supervisor.StopJob(command.stop().job_id(), command.stop().generation());
         }
       }
-      bool orphaned;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        orphaned = orphan_kill_requested_;
-        orphan_kill_requested_ = false;
-      }
-      if (orphaned) {
-        std::set<std::string> jobs;
-        for (auto& [pid, worker] : workers_) jobs.insert(worker->job_id);
-        for (const auto& job : jobs) StopJob(job, -1, now);
-      }
-      if (stopping) {
-        for (auto& [pid, worker] : workers_) spawner_->KillGroup(pid, SIGKILL);
-      }
+      if (orphaned) supervisor.StopAll();
+      if (stopping) supervisor.KillAll();
       std::vector<pollfd> fds;
-      std::vector<Worker*> polled;
-      for (auto& [pid, worker] : workers_) {
-        if (worker->output_fd < 0) continue;
-        fds.push_back(pollfd{worker->output_fd, POLLIN, 0});
-        polled.push_back(worker.get());
-      }
+      for (int fd : supervisor.OutputFds()) fds.push_back(pollfd{fd, POLLIN, 0});
       if (!fds.empty()) {
         poll(fds.data(), fds.size(), 20);
       } else {
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
-      for (size_t i = 0; i < fds.size(); ++i) {
-        if (fds[i].revents) Drain(*polled[i], batches[polled[i]->job_id], false);
-      }
-      while (std::optional<ProcessExit> exit = spawner_->TryReap()) {
-        auto found = workers_.find(exit->pid);
-        if (found == workers_.end()) continue;
-        Worker& worker = *found->second;
-        {
-          std::lock_guard<std::mutex> lock(live_mu_);
-          live_.erase(std::remove_if(live_.begin(), live_.end(),
-                                     [&](const v1::RunningWorker& w) { return w.pid() == exit->pid; }),
-                      live_.end());
-        }
-        Drain(worker, batches[worker.job_id], true);
-        SendBatches(batches);  // the lines go before the exit report
-        v1::WorkerStateReport report;
-        report.set_node_id(options_.node_id);
-        report.set_job_id(worker.job_id);
-        report.set_generation(worker.generation);
-        report.set_rank(worker.rank);
-        report.set_pid(worker.pid);
-        report.set_state(exit->signal ? "killed" : "exited");
-        report.set_exit_code(exit->exit_code);
-        report.set_signal(exit->signal);
-        report.set_log_path(worker.log_path);
-        for (const auto& line : worker.tail) report.add_log_tail(line);
-        if (exit->signal == SIGKILL && worker.kill_at_ms == 0) {
-          std::optional<int64_t> ooms = ReadOomKillCount();
-          if (ooms && worker.oom_kills_at_start && *ooms > *worker.oom_kills_at_start) report.set_oom_killed(true);
-        }
-        Enqueue(report);
-        bool failed = exit->signal != 0 || exit->exit_code != 0;
-        if (failed && worker.kill_at_ms == 0) {
-          LTRAIN_LOG(kWarning, kLog) << worker.job_id << " rank " << worker.rank << " "
-                                     << (exit->signal ? "was killed by " + SignalName(exit->signal)
-                                                      : "exited with code " + std::to_string(exit->exit_code))
-                                     << "; stopping the job's other workers on this node";
-          std::string job_id = worker.job_id;
-          int worker_generation = worker.generation;
-          if (worker.output_fd >= 0) close(worker.output_fd);
-          workers_.erase(found);
-          StopJob(job_id, worker_generation, now);
-          continue;
-        }
-        if (worker.output_fd >= 0) close(worker.output_fd);
-        workers_.erase(found);
-      }
-      for (auto& [pid, worker] : workers_) {
-        if (worker->kill_at_ms != 0 && now >= worker->kill_at_ms) {
-          spawner_->KillGroup(pid, SIGKILL);
-          worker->kill_at_ms = now + 1000000;  // once
-        }
-      }
-      SendBatches(batches);
-      if (stopping && workers_.empty()) return;
+      supervisor.Poll();
+      if (stopping && supervisor.Idle()) return;
       if (stopping) std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
   }
@@ -604,10 +400,9 @@ class AgentImpl : public Agent {
 
   std::mutex out_mu_;
   std::condition_variable out_cv_;
-  std::deque<Outgoing> outbox_;
+  std::deque<SupervisorMessage> outbox_;
   bool sender_done_ = false;
 
-  std::map<pid_t, std::unique_ptr<Worker>> workers_;  // supervisor thread only
   std::thread supervisor_, sender_, connector_, heartbeat_;
 };
 

@@ -6,8 +6,9 @@
 // agent's local RendezvousService proxy.
 //
 // Threads: the connect thread reads the coordinator's command stream; the heartbeat thread beats;
-// the supervisor thread alone spawns, reads output, reaps and kills; the sender thread sends
-// reports and log batches in the order the supervisor produced them.
+// the supervisor thread owns the Supervisor (agent/supervisor.h), the only code that spawns, reads
+// output, reaps and kills, and waits for the workers' output between its steps; the sender thread
+// sends reports and log batches in the order the supervisor produced them.
 #pragma once
 
 #include <memory>

@@ -1,0 +1,237 @@
+#include "agent/supervisor.h"
+
+#include <signal.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <set>
+
+#include "agent/oom.h"
+#include "common/logging.h"
+#include "common/signal_name.h"
+
+namespace ltrain::agent {
+namespace {
+
+namespace fs = std::filesystem;
+constexpr const char* kLog = "agent";
+
+}  // namespace
+
+Supervisor::Supervisor(SupervisorOptions options, ProcessSpawner& spawner, const Clock& clock,
+                       SupervisorOutbox& outbox)
+    : options_(std::move(options)), spawner_(spawner), clock_(clock), outbox_(outbox) {
+  if (!options_.read_oom_kill_count) options_.read_oom_kill_count = ReadOomKillCount;
+}
+
+Supervisor::~Supervisor() {
+  for (auto& [pid, worker] : workers_) {
+    if (worker->output_fd >= 0) close(worker->output_fd);
+  }
+}
+
+void Supervisor::StartJob(const v1::StartJobCommand& start) {
+  for (auto& [pid, worker] : workers_) {
+    if (worker->job_id == start.job_id() && worker->generation < start.generation()) {
+      spawner_.KillGroup(pid, SIGKILL);  // a leftover of an older generation
+    }
+  }
+  fs::path dir = fs::path(options_.work_dir) / "jobs" / start.job_id() / ("gen-" + std::to_string(start.generation()));
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  fs::path recipe = dir / "recipe.yaml";
+  {
+    std::ofstream out(recipe);
+    out << start.recipe_yaml();
+  }
+  for (const auto& assignment : start.workers()) {
+    SpawnSpec spec;
+    spec.binary = options_.worker_binary;
+    spec.working_dir = dir.string();
+    spec.env = {
+        "LTRAIN_JOB_ID=" + start.job_id(),
+        "LTRAIN_RANK=" + std::to_string(assignment.rank()),
+        "LTRAIN_WORLD_SIZE=" + std::to_string(start.world_size()),
+        "LTRAIN_LOCAL_RANK=" + std::to_string(assignment.local_rank()),
+        "LTRAIN_LOCAL_WORLD_SIZE=" + std::to_string(start.local_world_size()),
+        "LTRAIN_GENERATION=" + std::to_string(start.generation()),
+        "LTRAIN_RECIPE_FILE=" + recipe.string(),
+        "LTRAIN_RDZV=grpc://" + options_.agent_address,
+        "LTRAIN_AGENT=" + options_.agent_address,
+        "LTRAIN_RDZV_SCOPE=" + start.rendezvous_scope(),
+        "LTRAIN_CHECKPOINT_DIR=" + start.checkpoint_dir(),
+        "LTRAIN_BIND_ADDR=" + options_.bind_address,
+    };
+    auto worker = std::make_unique<Worker>();
+    worker->job_id = start.job_id();
+    worker->generation = start.generation();
+    worker->rank = assignment.rank();
+    worker->log_path = (dir / ("rank-" + std::to_string(assignment.rank()) + ".log")).string();
+    worker->log.open(worker->log_path, std::ios::app);
+    v1::WorkerStateReport report;
+    report.set_node_id(options_.node_id);
+    report.set_job_id(start.job_id());
+    report.set_generation(start.generation());
+    report.set_rank(assignment.rank());
+    report.set_log_path(worker->log_path);
+    StatusOr<SpawnedProcess> spawned = spawner_.Spawn(spec);
+    if (!spawned.ok()) {
+      report.set_state("exited");
+      report.set_exit_code(127);
+      report.add_log_tail("cannot start " + options_.worker_binary + ": " + spawned.status().message());
+      outbox_.Send(std::move(report));
+      continue;
+    }
+    worker->pid = spawned->pid;
+    worker->output_fd = spawned->output_fd;
+    worker->oom_kills_at_start = options_.read_oom_kill_count();
+    report.set_state("running");
+    report.set_pid(worker->pid);
+    workers_[worker->pid] = std::move(worker);
+    PublishRunning();
+    outbox_.Send(std::move(report));
+  }
+  LTRAIN_LOG(kInfo, kLog) << "started " << start.workers_size() << " worker(s) of " << start.job_id();
+}
+
+void Supervisor::StopJob(const std::string& job_id, int generation) {
+  int64_t now = clock_.SteadyMs();
+  for (auto& [pid, worker] : workers_) {
+    if (worker->job_id != job_id || worker->kill_at_ms != 0) continue;
+    if (generation >= 0 && worker->generation > generation) continue;
+    spawner_.KillGroup(pid, SIGTERM);
+    spawner_.KillGroup(pid, SIGCONT);  // a stopped (hung) worker acts on SIGTERM only once continued
+    worker->kill_at_ms = now + options_.stop_grace_ms;
+  }
+}
+
+void Supervisor::StopAll() {
+  std::set<std::string> jobs;
+  for (auto& [pid, worker] : workers_) jobs.insert(worker->job_id);
+  for (const auto& job : jobs) StopJob(job, -1);
+}
+
+void Supervisor::KillAll() {
+  for (auto& [pid, worker] : workers_) spawner_.KillGroup(pid, SIGKILL);
+}
+
+void Supervisor::Poll() {
+  int64_t now = clock_.SteadyMs();
+  Batches batches;
+  for (auto& [pid, worker] : workers_) Drain(*worker, batches, false);
+  while (std::optional<ProcessExit> exit = spawner_.TryReap()) Reap(*exit, batches);
+  for (auto& [pid, worker] : workers_) {
+    if (worker->kill_at_ms != 0 && !worker->kill_sent && now >= worker->kill_at_ms) {
+      spawner_.KillGroup(pid, SIGKILL);
+      worker->kill_sent = true;
+    }
+  }
+  SendBatches(batches);
+}
+
+void Supervisor::Reap(const ProcessExit& exit, Batches& batches) {
+  auto found = workers_.find(exit.pid);
+  if (found == workers_.end()) return;
+  std::unique_ptr<Worker> worker = std::move(found->second);
+  workers_.erase(found);
+  PublishRunning();
+  Drain(*worker, batches, true);
+  SendBatches(batches);  // the lines go before the exit report
+  v1::WorkerStateReport report;
+  report.set_node_id(options_.node_id);
+  report.set_job_id(worker->job_id);
+  report.set_generation(worker->generation);
+  report.set_rank(worker->rank);
+  report.set_pid(worker->pid);
+  report.set_state(exit.signal ? "killed" : "exited");
+  report.set_exit_code(exit.exit_code);
+  report.set_signal(exit.signal);
+  report.set_log_path(worker->log_path);
+  for (const auto& line : worker->tail) report.add_log_tail(line);
+  bool stopping = worker->kill_at_ms != 0;
+  if (exit.signal == SIGKILL && !stopping) {
+    std::optional<int64_t> ooms = options_.read_oom_kill_count();
+    if (ooms && worker->oom_kills_at_start && *ooms > *worker->oom_kills_at_start) report.set_oom_killed(true);
+  }
+  if (options_.complete_exit_report) options_.complete_exit_report(report);
+  outbox_.Send(std::move(report));
+  if (worker->output_fd >= 0) close(worker->output_fd);
+  bool failed = exit.signal != 0 || exit.exit_code != 0;
+  if (failed && !stopping) {
+    LTRAIN_LOG(kWarning, kLog) << worker->job_id << " rank " << worker->rank << " "
+                               << (exit.signal ? "was killed by " + SignalName(exit.signal)
+                                               : "exited with code " + std::to_string(exit.exit_code))
+                               << "; stopping the job's other workers on this node";
+    StopJob(worker->job_id, worker->generation);
+  }
+}
+
+// Reads what the worker wrote; complete lines go to its log file and to the coordinator.
+void Supervisor::Drain(Worker& worker, Batches& batches, bool final_read) {
+  char buffer[65536];
+  while (worker.output_fd >= 0) {
+    ssize_t n = read(worker.output_fd, buffer, sizeof(buffer));
+    if (n <= 0) {
+      if (n == 0 || final_read) {
+        close(worker.output_fd);
+        worker.output_fd = -1;
+      }
+      break;
+    }
+    worker.partial.append(buffer, static_cast<size_t>(n));
+  }
+  size_t start = 0;
+  for (size_t nl; (nl = worker.partial.find('\n', start)) != std::string::npos; start = nl + 1) {
+    AddLine(worker, worker.partial.substr(start, nl - start), batches);
+  }
+  worker.partial.erase(0, start);
+  if (worker.output_fd < 0 && !worker.partial.empty()) {
+    AddLine(worker, worker.partial, batches);
+    worker.partial.clear();
+  }
+}
+
+void Supervisor::AddLine(Worker& worker, const std::string& line, Batches& batches) {
+  worker.log << line << '\n';
+  worker.tail.push_back(line);
+  if (worker.tail.size() > kTailLines) worker.tail.pop_front();
+  v1::PushLogsRequest& batch = batches[worker.job_id];
+  if (batch.job_id().empty()) {
+    batch.set_job_id(worker.job_id);
+    batch.set_node_id(options_.node_id);
+  }
+  v1::LogLine* out = batch.add_lines();
+  out->set_rank(worker.rank);
+  out->set_text(line);
+}
+
+void Supervisor::SendBatches(Batches& batches) {
+  for (auto& [job, batch] : batches) {
+    if (batch.lines_size() > 0) outbox_.Send(std::move(batch));
+  }
+  batches.clear();
+}
+
+void Supervisor::PublishRunning() { outbox_.RunningChanged(Running()); }
+
+std::vector<int> Supervisor::OutputFds() const {
+  std::vector<int> fds;
+  for (const auto& [pid, worker] : workers_) {
+    if (worker->output_fd >= 0) fds.push_back(worker->output_fd);
+  }
+  return fds;
+}
+
+std::vector<v1::RunningWorker> Supervisor::Running() const {
+  std::vector<v1::RunningWorker> running;
+  for (const auto& [pid, worker] : workers_) {
+    v1::RunningWorker& w = running.emplace_back();
+    w.set_job_id(worker->job_id);
+    w.set_generation(worker->generation);
+    w.set_rank(worker->rank);
+    w.set_pid(pid);
+  }
+  return running;
+}
+
+}  // namespace ltrain::agent

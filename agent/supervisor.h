@@ -1,0 +1,121 @@
+// Supervisor: the workers of this node, from spawn to reaped exit. It spawns a job generation's
+// workers with their environment, writes each rank's output to its log file and forwards the lines,
+// reports every start and exit (a worker's last lines before its exit report), names OOM kills,
+// stops a job's workers with SIGTERM and SIGKILL after the grace, stops the job's other workers on
+// this node when one fails, and kills leftovers of older generations.
+//
+// Who calls it: one long-lived thread owns it (the agent's supervisor thread) and makes every call,
+// because PR_SET_PDEATHSIG ties each worker to the thread that forked it. It has no thread, no
+// socket and no sleep of its own: the caller waits for output (poll on OutputFds(), or a short
+// sleep) and calls Poll() again. Time comes from the Clock, processes from the ProcessSpawner.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <deque>
+#include <fstream>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "agent/process_spawner.h"
+#include "common/clock.h"
+#include "ltrain/v1/ltrain.pb.h"
+
+namespace ltrain::agent {
+
+// What the supervisor has for the coordinator.
+using SupervisorMessage = std::variant<v1::WorkerStateReport, v1::PushLogsRequest>;
+
+// Where the supervisor's messages go. Called on the supervisor's thread, from inside its calls.
+class SupervisorOutbox {
+ public:
+  virtual ~SupervisorOutbox() = default;
+  // Messages must reach the coordinator in the order they are given here.
+  virtual void Send(SupervisorMessage message) = 0;
+  // The workers not yet reaped, each time that set changes; before the report that tells of it.
+  virtual void RunningChanged(const std::vector<v1::RunningWorker>& running) = 0;
+};
+
+struct SupervisorOptions {
+  std::string node_id;
+  std::string work_dir;       // jobs/<job>/gen-<generation>/ holds the recipe and the per-rank logs
+  std::string worker_binary;
+  std::string bind_address;   // where the workers listen for collectives (LTRAIN_BIND_ADDR)
+  std::string agent_address;  // HOST:PORT of the agent's services for workers (LTRAIN_AGENT, LTRAIN_RDZV)
+  int64_t stop_grace_ms = 3000;  // SIGTERM, then SIGKILL after this long
+  // The cgroup's OOM-kill count, read when a worker starts and when one dies of SIGKILL.
+  std::function<std::optional<int64_t>()> read_oom_kill_count;
+  // Called with each exit report of a reaped worker before it is sent: what the caller knows
+  // about the rank (its last progress, say) goes in here.
+  std::function<void(v1::WorkerStateReport&)> complete_exit_report;
+};
+
+class Supervisor {
+ public:
+  static constexpr size_t kTailLines = 12;  // log lines an exit report carries
+
+  // `spawner`, `clock` and `outbox` must outlive the supervisor. An empty read_oom_kill_count
+  // reads this process's cgroup (ReadOomKillCount).
+  Supervisor(SupervisorOptions options, ProcessSpawner& spawner, const Clock& clock, SupervisorOutbox& outbox);
+  ~Supervisor();  // closes the output of the workers still there; kills nothing (see KillAll)
+  Supervisor(const Supervisor&) = delete;
+  Supervisor& operator=(const Supervisor&) = delete;
+
+  // Kills the job's workers of older generations, writes the recipe and spawns a worker per
+  // assignment; each gets a "running" report, or an "exited" one with code 127 when it cannot start.
+  void StartJob(const v1::StartJobCommand& start);
+  // SIGTERM and SIGCONT to the job's workers of `generation` and older (all when generation < 0)
+  // that are not stopping already; SIGKILL follows in Poll once the grace is over.
+  void StopJob(const std::string& job_id, int generation);
+  // The same for every job: the coordinator has been away too long.
+  void StopAll();
+  // SIGKILL to every worker now (shutdown); Poll reaps them, Idle() says when all are gone.
+  void KillAll();
+
+  // One step: reads the output that is ready, reaps exits (each worker's last lines, then its
+  // report; a failure stops the job's other workers here), SIGKILLs the stopped workers whose grace
+  // is over, and sends the lines read.
+  void Poll();
+
+  bool Idle() const { return workers_.empty(); }
+  // The output descriptors to wait on between calls to Poll.
+  std::vector<int> OutputFds() const;
+  std::vector<v1::RunningWorker> Running() const;
+
+ private:
+  struct Worker {
+    std::string job_id;
+    int generation = 0;
+    int rank = 0;
+    pid_t pid = -1;
+    int output_fd = -1;
+    std::string partial;  // output after the last newline
+    std::ofstream log;
+    std::string log_path;
+    std::deque<std::string> tail;
+    int64_t kill_at_ms = 0;  // when a SIGTERM'd worker gets SIGKILL; 0 when not stopping
+    bool kill_sent = false;  // that SIGKILL went out
+    std::optional<int64_t> oom_kills_at_start;
+  };
+  using Batches = std::map<std::string, v1::PushLogsRequest>;  // job id -> lines
+
+  void Drain(Worker& worker, Batches& batches, bool final_read);
+  void AddLine(Worker& worker, const std::string& line, Batches& batches);
+  void SendBatches(Batches& batches);
+  void Reap(const ProcessExit& exit, Batches& batches);
+  void PublishRunning();
+
+  SupervisorOptions options_;
+  ProcessSpawner& spawner_;
+  const Clock& clock_;
+  SupervisorOutbox& outbox_;
+  std::map<pid_t, std::unique_ptr<Worker>> workers_;
+};
+
+}  // namespace ltrain::agent

@@ -1,0 +1,491 @@
+#include "agent/supervisor.h"
+
+#include <signal.h>
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "agent/fake_process_spawner.h"
+
+namespace ltrain::agent {
+namespace {
+
+namespace fs = std::filesystem;
+using Signal = FakeProcessSpawner::SentSignal;
+
+// Keeps what the supervisor sends, with the number of running workers it had announced by then.
+class RecordingOutbox : public SupervisorOutbox {
+ public:
+  void Send(SupervisorMessage message) override {
+    messages.push_back(std::move(message));
+    running_when_sent.push_back(running.size());
+  }
+  void RunningChanged(const std::vector<v1::RunningWorker>& now_running) override { running = now_running; }
+
+  // One line per message, in order: "logs j1: [0] a | [1] b", "j1 gen 1 rank 0 pid 1000 running".
+  std::vector<std::string> Take() {
+    std::vector<std::string> out;
+    for (const auto& message : messages) {
+      std::ostringstream line;
+      if (const auto* logs = std::get_if<v1::PushLogsRequest>(&message)) {
+        line << "logs " << logs->job_id() << ":";
+        for (int i = 0; i < logs->lines_size(); ++i) {
+          line << (i ? " |" : "") << " [" << logs->lines(i).rank() << "] " << logs->lines(i).text();
+        }
+      } else {
+        const auto& report = std::get<v1::WorkerStateReport>(message);
+        line << report.job_id() << " gen " << report.generation() << " rank " << report.rank() << " pid "
+             << report.pid() << " " << report.state();
+        if (report.state() == "exited") line << " " << report.exit_code();
+        if (report.state() == "killed") line << " signal " << report.signal();
+        if (report.oom_killed()) line << " oom";
+      }
+      out.push_back(line.str());
+    }
+    messages.clear();
+    running_when_sent.clear();
+    return out;
+  }
+
+  std::vector<v1::WorkerStateReport> Reports() const {
+    std::vector<v1::WorkerStateReport> out;
+    for (const auto& message : messages) {
+      if (const auto* report = std::get_if<v1::WorkerStateReport>(&message)) out.push_back(*report);
+    }
+    return out;
+  }
+
+  std::vector<SupervisorMessage> messages;
+  std::vector<size_t> running_when_sent;
+  std::vector<v1::RunningWorker> running;
+};
+
+class SupervisorTest : public ::testing::Test {
+ protected:
+  SupervisorTest() {
+    work_dir_ = ::testing::TempDir() + "/supervisor-" + ::testing::UnitTest::GetInstance()->current_test_info()->name();
+    fs::remove_all(work_dir_);
+    options_.node_id = "node-a";
+    options_.work_dir = work_dir_;
+    options_.worker_binary = "/opt/ltrain/ltrain-worker";
+    options_.bind_address = "10.0.0.7";
+    options_.agent_address = "127.0.0.1:4567";
+    options_.stop_grace_ms = 3000;
+    options_.read_oom_kill_count = [this] { return oom_kills_; };
+  }
+  ~SupervisorTest() override {
+    supervisor_.reset();
+    fs::remove_all(work_dir_);
+  }
+
+  Supervisor& supervisor() {
+    if (!supervisor_) supervisor_ = std::make_unique<Supervisor>(options_, spawner_, clock_, outbox_);
+    return *supervisor_;
+  }
+
+  // A start of `job` generation `generation` with ranks {first_rank, first_rank + 1, ...} here.
+  static v1::StartJobCommand Start(const std::string& job, int generation, int ranks, int first_rank = 0) {
+    v1::StartJobCommand start;
+    start.set_job_id(job);
+    start.set_generation(generation);
+    start.set_recipe_yaml("model:\n  preset: gpt-tiny\n");
+    start.set_world_size(first_rank + ranks);
+    start.set_local_world_size(ranks);
+    start.set_rendezvous_scope(job + "/" + std::to_string(generation) + "/");
+    start.set_checkpoint_dir("/ckpt/" + job);
+    for (int i = 0; i < ranks; ++i) {
+      v1::WorkerAssignment* worker = start.add_workers();
+      worker->set_rank(first_rank + i);
+      worker->set_local_rank(i);
+    }
+    return start;
+  }
+
+  // The pid of the spawn with `rank` of `job` (newest generation first).
+  pid_t Pid(const std::string& job, int rank) const {
+    const auto& spawns = spawner_.spawns();
+    for (auto it = spawns.rbegin(); it != spawns.rend(); ++it) {
+      const auto& env = it->spec.env;
+      if (std::find(env.begin(), env.end(), "LTRAIN_JOB_ID=" + job) != env.end() &&
+          std::find(env.begin(), env.end(), "LTRAIN_RANK=" + std::to_string(rank)) != env.end()) {
+        return it->pid;
+      }
+    }
+    ADD_FAILURE() << "no spawn of " << job << " rank " << rank;
+    return -1;
+  }
+
+  static std::string ReadFile(const std::string& path) {
+    std::ifstream in(path);
+    std::stringstream text;
+    text << in.rdbuf();
+    return text.str();
+  }
+
+  std::string work_dir_;
+  FakeClock clock_;
+  FakeProcessSpawner spawner_;
+  RecordingOutbox outbox_;
+  std::optional<int64_t> oom_kills_ = 0;
+  SupervisorOptions options_;
+  std::unique_ptr<Supervisor> supervisor_;
+};
+
+TEST_F(SupervisorTest, EachWorkerGetsItsEnvironmentAndTheRecipeFile) {
+  supervisor().StartJob(Start("j1", 2, 2, /*first_rank=*/4));
+
+  std::string dir = work_dir_ + "/jobs/j1/gen-2";
+  EXPECT_EQ(ReadFile(dir + "/recipe.yaml"), "model:\n  preset: gpt-tiny\n");
+  ASSERT_EQ(spawner_.spawns().size(), 2u);
+  for (int i = 0; i < 2; ++i) {
+    const SpawnSpec& spec = spawner_.spawns()[i].spec;
+    EXPECT_EQ(spec.binary, "/opt/ltrain/ltrain-worker");
+    EXPECT_TRUE(spec.args.empty());
+    EXPECT_EQ(spec.working_dir, dir);
+    EXPECT_EQ(spec.env, (std::vector<std::string>{
+                            "LTRAIN_JOB_ID=j1",
+                            "LTRAIN_RANK=" + std::to_string(4 + i),
+                            "LTRAIN_WORLD_SIZE=6",
+                            "LTRAIN_LOCAL_RANK=" + std::to_string(i),
+                            "LTRAIN_LOCAL_WORLD_SIZE=2",
+                            "LTRAIN_GENERATION=2",
+                            "LTRAIN_RECIPE_FILE=" + dir + "/recipe.yaml",
+                            "LTRAIN_RDZV=grpc://127.0.0.1:4567",
+                            "LTRAIN_AGENT=127.0.0.1:4567",
+                            "LTRAIN_RDZV_SCOPE=j1/2/",
+                            "LTRAIN_CHECKPOINT_DIR=/ckpt/j1",
+                            "LTRAIN_BIND_ADDR=10.0.0.7",
+                        }));
+  }
+  std::vector<v1::WorkerStateReport> reports = outbox_.Reports();
+  ASSERT_EQ(reports.size(), 2u);
+  EXPECT_EQ(reports[0].node_id(), "node-a");
+  EXPECT_EQ(reports[0].log_path(), dir + "/rank-4.log");
+  EXPECT_EQ(reports[1].log_path(), dir + "/rank-5.log");
+  // Each worker is announced as running before its report goes out.
+  EXPECT_EQ(outbox_.running_when_sent, (std::vector<size_t>{1, 2}));
+  ASSERT_EQ(outbox_.running.size(), 2u);
+  EXPECT_EQ(outbox_.running[1].job_id(), "j1");
+  EXPECT_EQ(outbox_.running[1].generation(), 2);
+  EXPECT_EQ(outbox_.running[1].rank(), 5);
+  EXPECT_EQ(outbox_.running[1].pid(), 1001);
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"j1 gen 2 rank 4 pid 1000 running",
+                                                     "j1 gen 2 rank 5 pid 1001 running"}));
+  EXPECT_EQ(supervisor().OutputFds().size(), 2u);
+}
+
+TEST_F(SupervisorTest, LinesGoToTheCoordinatorAndToTheRanksLogFile) {
+  supervisor().StartJob(Start("j1", 1, 2));
+  outbox_.Take();
+  pid_t rank0 = Pid("j1", 0), rank1 = Pid("j1", 1);
+
+  supervisor().Poll();
+  EXPECT_TRUE(outbox_.Take().empty());
+
+  spawner_.Print(rank0, "step 1 loss 9.1\nstep 2 lo");
+  spawner_.Print(rank1, "step 1 loss 9.2\n");
+  supervisor().Poll();
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"logs j1: [0] step 1 loss 9.1 | [1] step 1 loss 9.2"}));
+
+  spawner_.Print(rank0, "ss 8.7\n");
+  supervisor().Poll();
+  std::vector<SupervisorMessage> messages = outbox_.messages;
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"logs j1: [0] step 2 loss 8.7"}));
+  ASSERT_EQ(messages.size(), 1u);
+  EXPECT_EQ(std::get<v1::PushLogsRequest>(messages[0]).node_id(), "node-a");
+
+  spawner_.Print(rank1, "no newline at the end");
+  spawner_.Exit(rank0, 0);
+  spawner_.Exit(rank1, 0);
+  supervisor().Poll();
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"logs j1: [1] no newline at the end",
+                                                     "j1 gen 1 rank 0 pid 1000 exited 0",
+                                                     "j1 gen 1 rank 1 pid 1001 exited 0"}));
+  EXPECT_TRUE(supervisor().Idle());
+  EXPECT_EQ(ReadFile(work_dir_ + "/jobs/j1/gen-1/rank-0.log"), "step 1 loss 9.1\nstep 2 loss 8.7\n");
+  EXPECT_EQ(ReadFile(work_dir_ + "/jobs/j1/gen-1/rank-1.log"), "step 1 loss 9.2\nno newline at the end\n");
+  EXPECT_TRUE(spawner_.signals().empty());  // exits with code 0 stop nobody
+}
+
+TEST_F(SupervisorTest, AnExitReportFollowsTheWorkersLastLinesAndCarriesTheTail) {
+  std::vector<std::string> completed;
+  options_.complete_exit_report = [&](v1::WorkerStateReport& report) {
+    completed.push_back(report.job_id() + " rank " + std::to_string(report.rank()) + " " + report.state());
+    report.add_log_tail("(last progress: step 14)");
+  };
+  supervisor().StartJob(Start("j1", 1, 1));
+  outbox_.Take();
+  pid_t pid = Pid("j1", 0);
+  std::string printed;
+  for (int i = 0; i < 14; ++i) printed += "line " + std::to_string(i) + "\n";
+  spawner_.Print(pid, printed);
+  spawner_.Exit(pid, 3);  // nothing read yet: the final read must catch all 14 lines first
+  supervisor().Poll();
+
+  ASSERT_EQ(outbox_.messages.size(), 2u);
+  const auto& logs = std::get<v1::PushLogsRequest>(outbox_.messages[0]);
+  ASSERT_EQ(logs.lines_size(), 14);
+  EXPECT_EQ(logs.lines(13).text(), "line 13");
+  const auto& report = std::get<v1::WorkerStateReport>(outbox_.messages[1]);
+  EXPECT_EQ(report.node_id(), "node-a");
+  EXPECT_EQ(report.state(), "exited");
+  EXPECT_EQ(report.exit_code(), 3);
+  EXPECT_EQ(report.signal(), 0);
+  EXPECT_FALSE(report.oom_killed());
+  EXPECT_EQ(report.log_path(), work_dir_ + "/jobs/j1/gen-1/rank-0.log");
+  std::vector<std::string> tail(report.log_tail().begin(), report.log_tail().end());
+  std::vector<std::string> expected;
+  for (int i = 14 - static_cast<int>(Supervisor::kTailLines); i < 14; ++i) expected.push_back("line " + std::to_string(i));
+  expected.push_back("(last progress: step 14)");
+  EXPECT_EQ(tail, expected);
+  EXPECT_EQ(completed, (std::vector<std::string>{"j1 rank 0 exited"}));  // not for "running" reports
+  // The worker is gone from the running set before its exit report goes out.
+  EXPECT_EQ(outbox_.running_when_sent, (std::vector<size_t>{0, 0}));
+  EXPECT_TRUE(outbox_.running.empty());
+  EXPECT_TRUE(supervisor().OutputFds().empty());
+}
+
+TEST_F(SupervisorTest, AFailingWorkerStopsTheJobsOtherWorkersOnThisNode) {
+  supervisor().StartJob(Start("j1", 1, 3));
+  supervisor().StartJob(Start("j2", 1, 1));
+  outbox_.Take();
+  pid_t r0 = Pid("j1", 0), r1 = Pid("j1", 1), r2 = Pid("j1", 2), other = Pid("j2", 0);
+  spawner_.IgnoreSigterm(r2);
+
+  spawner_.Print(r1, "RuntimeError: CUDA error\n");
+  spawner_.Exit(r1, 1);
+  supervisor().Poll();
+  // Rank 0 obeys at once; its SIGTERM death is the stop, not a new failure.
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"logs j1: [1] RuntimeError: CUDA error",
+                                                     "j1 gen 1 rank 1 pid 1001 exited 1",
+                                                     "j1 gen 1 rank 0 pid 1000 killed signal 15"}));
+  EXPECT_EQ(spawner_.signals(), (std::vector<Signal>{{r0, SIGTERM}, {r0, SIGCONT}, {r2, SIGTERM}, {r2, SIGCONT}}));
+
+  // Rank 2 hangs: SIGKILL after the grace. The other job is left alone throughout.
+  clock_.AdvanceMs(3000);
+  supervisor().Poll();
+  supervisor().Poll();
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"j1 gen 1 rank 2 pid 1002 killed signal 9"}));
+  EXPECT_EQ(spawner_.SignalsTo(r2), (std::vector<int>{SIGTERM, SIGCONT, SIGKILL}));
+  EXPECT_TRUE(spawner_.SignalsTo(other).empty());
+  EXPECT_TRUE(spawner_.Alive(other));
+  EXPECT_EQ(supervisor().Running().size(), 1u);
+}
+
+TEST_F(SupervisorTest, AFailureStopsOnlyItsOwnAndOlderGenerations) {
+  supervisor().StartJob(Start("j1", 1, 1));
+  pid_t old_rank0 = Pid("j1", 0);
+  spawner_.IgnoreSigterm(old_rank0);
+  supervisor().StopJob("j1", 1);  // a hung leftover, still in its grace when generation 2 starts
+  supervisor().StartJob(Start("j1", 2, 2, /*first_rank=*/0));
+  outbox_.Take();
+  pid_t new_rank0 = Pid("j1", 0), new_rank1 = Pid("j1", 1);
+  ASSERT_NE(old_rank0, new_rank0);
+  supervisor().Poll();  // the leftover's SIGKILL (from StartJob) is reaped: no stop of generation 2
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"j1 gen 1 rank 0 pid 1000 killed signal 9"}));
+  EXPECT_TRUE(spawner_.SignalsTo(new_rank0).empty());
+
+  spawner_.Die(new_rank1, SIGSEGV);
+  supervisor().Poll();
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"j1 gen 2 rank 1 pid 1002 killed signal 11",
+                                                     "j1 gen 2 rank 0 pid 1001 killed signal 15"}));
+  EXPECT_EQ(spawner_.SignalsTo(new_rank0), (std::vector<int>{SIGTERM, SIGCONT}));
+}
+
+TEST_F(SupervisorTest, AStopSendsSigtermAndSigkillOnlyOnceTheGraceIsOver) {
+  supervisor().StartJob(Start("j1", 1, 1));
+  outbox_.Take();
+  pid_t pid = Pid("j1", 0);
+  spawner_.IgnoreSigterm(pid);  // hung
+
+  supervisor().StopJob("j1", 1);
+  EXPECT_EQ(spawner_.signals(), (std::vector<Signal>{{pid, SIGTERM}, {pid, SIGCONT}}));
+  supervisor().StopJob("j1", 1);  // a second stop does not restart the grace or signal again
+  EXPECT_EQ(spawner_.signals().size(), 2u);
+
+  clock_.AdvanceMs(2999);
+  supervisor().Poll();
+  EXPECT_EQ(spawner_.signals().size(), 2u);
+  EXPECT_TRUE(outbox_.Take().empty());
+
+  clock_.AdvanceMs(1);
+  supervisor().Poll();
+  EXPECT_EQ(spawner_.signals(), (std::vector<Signal>{{pid, SIGTERM}, {pid, SIGCONT}, {pid, SIGKILL}}));
+
+  supervisor().Poll();
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"j1 gen 1 rank 0 pid 1000 killed signal 9"}));
+  clock_.AdvanceMs(10'000'000);
+  supervisor().Poll();
+  EXPECT_EQ(spawner_.signals().size(), 3u);  // SIGKILL once
+  EXPECT_TRUE(supervisor().Idle());
+}
+
+TEST_F(SupervisorTest, AWorkerStuckInTheKernelGetsOneSigkillAndIsReportedWhenItDies) {
+  supervisor().StartJob(Start("j1", 1, 1));
+  outbox_.Take();
+  pid_t pid = Pid("j1", 0);
+  spawner_.MakeUninterruptible(pid);
+  supervisor().StopJob("j1", 1);
+  clock_.AdvanceMs(3000);
+  for (int i = 0; i < 5; ++i) {
+    supervisor().Poll();
+    clock_.AdvanceMs(10'000);
+  }
+  EXPECT_EQ(spawner_.SignalsTo(pid), (std::vector<int>{SIGTERM, SIGCONT, SIGKILL}));
+  EXPECT_TRUE(outbox_.Take().empty());
+  EXPECT_EQ(supervisor().Running().size(), 1u);
+
+  spawner_.Die(pid, SIGKILL);  // the kernel lets go at last
+  supervisor().Poll();
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"j1 gen 1 rank 0 pid 1000 killed signal 9"}));
+  EXPECT_TRUE(supervisor().Idle());
+}
+
+TEST_F(SupervisorTest, AWorkerThatObeysSigtermGetsNoSigkill) {
+  supervisor().StartJob(Start("j1", 1, 1));
+  outbox_.Take();
+  pid_t pid = Pid("j1", 0);
+  supervisor().StopJob("j1", -1);
+  supervisor().Poll();
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"j1 gen 1 rank 0 pid 1000 killed signal 15"}));
+  clock_.AdvanceMs(3000);
+  supervisor().Poll();
+  EXPECT_EQ(spawner_.signals(), (std::vector<Signal>{{pid, SIGTERM}, {pid, SIGCONT}}));
+}
+
+TEST_F(SupervisorTest, AStopLeavesNewerGenerationsAndOtherJobsAlone) {
+  supervisor().StartJob(Start("j1", 3, 1));
+  supervisor().StartJob(Start("j2", 1, 1));
+  supervisor().StopJob("j1", 2);
+  supervisor().StopJob("j3", -1);
+  EXPECT_TRUE(spawner_.signals().empty());
+}
+
+TEST_F(SupervisorTest, ANewerGenerationKillsLeftoversOfOlderOnes) {
+  supervisor().StartJob(Start("j1", 1, 2));
+  supervisor().StartJob(Start("j2", 1, 1));
+  pid_t old0 = Pid("j1", 0), old1 = Pid("j1", 1), other = Pid("j2", 0);
+  outbox_.Take();
+
+  supervisor().StartJob(Start("j1", 2, 1));
+  pid_t new0 = Pid("j1", 0);
+  EXPECT_EQ(spawner_.signals(), (std::vector<Signal>{{old0, SIGKILL}, {old1, SIGKILL}}));
+  supervisor().Poll();
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"j1 gen 2 rank 0 pid 1003 running",
+                                                     "j1 gen 1 rank 0 pid 1000 killed signal 9",
+                                                     "j1 gen 1 rank 1 pid 1001 killed signal 9"}));
+  EXPECT_TRUE(spawner_.Alive(new0));
+  EXPECT_TRUE(spawner_.Alive(other));
+  EXPECT_TRUE(spawner_.SignalsTo(new0).empty());
+  EXPECT_TRUE(spawner_.SignalsTo(other).empty());
+
+  size_t sent = spawner_.signals().size();
+  supervisor().StartJob(Start("j1", 2, 1, /*first_rank=*/1));  // the same generation again: no kill
+  EXPECT_EQ(spawner_.signals().size(), sent);
+}
+
+TEST_F(SupervisorTest, AFailedSpawnIsReportedAsExitCode127WithTheReason) {
+  spawner_.FailNextSpawn(Internal("fork: Resource temporarily unavailable"));
+  supervisor().StartJob(Start("j1", 1, 2));
+
+  ASSERT_EQ(spawner_.spawns().size(), 2u);
+  EXPECT_EQ(spawner_.spawns()[0].pid, -1);
+  std::vector<v1::WorkerStateReport> reports = outbox_.Reports();
+  ASSERT_EQ(reports.size(), 2u);
+  EXPECT_EQ(reports[0].rank(), 0);
+  EXPECT_EQ(reports[0].state(), "exited");
+  EXPECT_EQ(reports[0].exit_code(), 127);
+  EXPECT_EQ(reports[0].pid(), 0);
+  EXPECT_EQ(reports[0].log_path(), work_dir_ + "/jobs/j1/gen-1/rank-0.log");
+  EXPECT_EQ(std::vector<std::string>(reports[0].log_tail().begin(), reports[0].log_tail().end()),
+            (std::vector<std::string>{"cannot start /opt/ltrain/ltrain-worker: fork: Resource temporarily unavailable"}));
+  EXPECT_EQ(reports[1].rank(), 1);
+  EXPECT_EQ(reports[1].state(), "running");
+  ASSERT_EQ(outbox_.running.size(), 1u);
+  EXPECT_EQ(outbox_.running[0].rank(), 1);
+}
+
+TEST_F(SupervisorTest, ASigkillWhileTheOomCounterWentUpIsNamedOom) {
+  oom_kills_ = 5;
+  supervisor().StartJob(Start("j1", 1, 3));
+  outbox_.Take();
+  pid_t r0 = Pid("j1", 0), r1 = Pid("j1", 1), r2 = Pid("j1", 2);
+  oom_kills_ = 6;
+  spawner_.Die(r0, SIGKILL);
+  spawner_.Die(r1, SIGSEGV);  // the counter is up, but only SIGKILL is the OOM killer's
+  supervisor().Poll();
+  // Rank 2 is stopped by the failures, and its death is no OOM kill.
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"j1 gen 1 rank 0 pid 1000 killed signal 9 oom",
+                                                     "j1 gen 1 rank 1 pid 1001 killed signal 11",
+                                                     "j1 gen 1 rank 2 pid 1002 killed signal 15"}));
+  EXPECT_EQ(spawner_.SignalsTo(r2), (std::vector<int>{SIGTERM, SIGCONT}));
+}
+
+TEST_F(SupervisorTest, ASigkillWithTheOomCounterUnchangedOrUnknownIsNoOom) {
+  oom_kills_ = 5;
+  supervisor().StartJob(Start("j1", 1, 1));
+  oom_kills_ = std::nullopt;
+  supervisor().StartJob(Start("j2", 1, 1));
+  outbox_.Take();
+  oom_kills_ = 5;
+  spawner_.Die(Pid("j1", 0), SIGKILL);
+  spawner_.Die(Pid("j2", 0), SIGKILL);
+  supervisor().Poll();
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"j1 gen 1 rank 0 pid 1000 killed signal 9",
+                                                     "j2 gen 1 rank 0 pid 1001 killed signal 9"}));
+}
+
+TEST_F(SupervisorTest, TheSigkillOfAStopIsNoOom) {
+  oom_kills_ = 5;
+  supervisor().StartJob(Start("j1", 1, 1));
+  outbox_.Take();
+  pid_t pid = Pid("j1", 0);
+  spawner_.IgnoreSigterm(pid);
+  supervisor().StopJob("j1", 1);
+  oom_kills_ = 6;  // another process of the cgroup
+  clock_.AdvanceMs(3000);
+  supervisor().Poll();
+  supervisor().Poll();
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"j1 gen 1 rank 0 pid 1000 killed signal 9"}));
+}
+
+TEST_F(SupervisorTest, StopAllStopsEveryJobWithTheGrace) {
+  supervisor().StartJob(Start("j1", 1, 1));
+  supervisor().StartJob(Start("j2", 4, 1));
+  pid_t a = Pid("j1", 0), b = Pid("j2", 0);
+  spawner_.IgnoreSigterm(b);
+  supervisor().StopAll();
+  EXPECT_EQ(spawner_.signals(), (std::vector<Signal>{{a, SIGTERM}, {a, SIGCONT}, {b, SIGTERM}, {b, SIGCONT}}));
+  clock_.AdvanceMs(2999);
+  supervisor().Poll();
+  EXPECT_EQ(spawner_.signals().size(), 4u);
+  EXPECT_FALSE(spawner_.Alive(a));
+  clock_.AdvanceMs(1);
+  supervisor().Poll();
+  EXPECT_EQ(spawner_.SignalsTo(b), (std::vector<int>{SIGTERM, SIGCONT, SIGKILL}));
+  supervisor().Poll();
+  EXPECT_TRUE(supervisor().Idle());
+}
+
+TEST_F(SupervisorTest, ShutdownKillsEveryWorkerAtOnce) {
+  supervisor().StartJob(Start("j1", 1, 2));
+  supervisor().StartJob(Start("j2", 1, 1));
+  outbox_.Take();
+  pid_t a = Pid("j1", 0), b = Pid("j1", 1), c = Pid("j2", 0);
+  spawner_.IgnoreSigterm(a);
+
+  supervisor().KillAll();
+  EXPECT_EQ(spawner_.signals(), (std::vector<Signal>{{a, SIGKILL}, {b, SIGKILL}, {c, SIGKILL}}));
+  supervisor().Poll();
+  EXPECT_TRUE(supervisor().Idle());
+  EXPECT_TRUE(outbox_.running.empty());
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"j1 gen 1 rank 0 pid 1000 killed signal 9",
+                                                     "j1 gen 1 rank 1 pid 1001 killed signal 9",
+                                                     "j2 gen 1 rank 0 pid 1002 killed signal 9"}));
+}
+
+}  // namespace
+}  // namespace ltrain::agent
