@@ -503,7 +503,9 @@ std::vector<RecipeKeyDoc> DescribeRecipeKeys() {
     doc.help = std::string(key.help);
     doc.default_text = key.default_text.empty() ? ValueText(field) : std::string(key.default_text);
     auto int_range = [&] {
-      if (key.int_max >= std::numeric_limits<int32_t>::max()) return "integer >= " + std::to_string(key.int_min);
+      if (key.int_max == std::numeric_limits<int32_t>::max() || key.int_max == std::numeric_limits<int64_t>::max()) {
+        return "integer >= " + std::to_string(key.int_min);
+      }
       return "integer " + std::to_string(key.int_min) + " to " + std::to_string(key.int_max);
     };
     if constexpr (IsNodesField<T>::value) {

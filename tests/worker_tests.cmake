@@ -24,8 +24,8 @@ ltrain_add_test(worker_unit_test unit
 target_precompile_headers(worker_unit_test REUSE_FROM ltrain_worker_comm)
 
 # Runs the ltrain-worker binary (1 rank vs 2 Gloo ranks); about a second.
-ltrain_add_test(worker_layout_equivalence_test unit
-  SOURCES unit/worker_layout_equivalence_test.cc
+ltrain_add_test(worker_layout_equivalence_test integration
+  SOURCES integration/worker_layout_equivalence_test.cc
   LIBS ltrain::common)
 add_dependencies(worker_layout_equivalence_test ltrain-worker)
 target_compile_definitions(worker_layout_equivalence_test PRIVATE
@@ -40,7 +40,7 @@ ltrain_add_test(parallel_planner_test unit
 # Every parallel layout against one process, ZeRO memory at dp=4, sharded resume: real
 # ltrain-worker processes (up to 4 at once); about two minutes on 2 cores.
 ltrain_add_test(worker_parallel_layouts_test integration
-  SOURCES unit/worker_parallel_layouts_test.cc
+  SOURCES integration/worker_parallel_layouts_test.cc
   LIBS ltrain::common)
 add_dependencies(worker_parallel_layouts_test ltrain-worker)
 target_compile_definitions(worker_parallel_layouts_test PRIVATE
@@ -50,7 +50,7 @@ target_compile_definitions(worker_parallel_layouts_test PRIVATE
 # uninterrupted bit for bit, resharding across dp and ZeRO. Real ltrain-worker processes (1-2 at
 # once); about a minute on 2 cores.
 ltrain_add_test(checkpoint_test integration
-  SOURCES unit/checkpoint_test.cc
+  SOURCES integration/checkpoint_test.cc
   LIBS ltrain::common)
 add_dependencies(checkpoint_test ltrain-worker)
 target_compile_definitions(checkpoint_test PRIVATE

@@ -27,13 +27,13 @@
 namespace ltrain::worker {
 namespace {
 
-using Clock = std::chrono::steady_clock;
+using SteadyClock = std::chrono::steady_clock;
 
 // model.init "auto": PyTorch's initialisation below this many parameters, per-parameter from here.
 constexpr int64_t kPerParameterInitFrom = 2'000'000'000;
 
-double MillisSince(Clock::time_point start) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+double MillisSince(SteadyClock::time_point start) {
+  return std::chrono::duration<double, std::milli>(SteadyClock::now() - start).count();
 }
 
 // Bytes the process's heap holds now (every malloc arena plus mmapped blocks).
@@ -551,9 +551,9 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
       }
       SampleActivations();
       Progress::Global().SetPhase(step + 1, "backward");
-      backward_start_ = Clock::now();
+      backward_start_ = SteadyClock::now();
       (loss / m).backward();
-      backward_end_ = Clock::now();
+      backward_end_ = SteadyClock::now();
       loss_sum += loss.detach();
       if (reduce_now) {
         if (Status s = store_->FinishBackward(); !s.ok()) return s;
@@ -660,7 +660,7 @@ Status Trainer::StartSave() {
   // rank's shard.
   if (Status s = store_->SyncMasters(); !s.ok()) return s;
   Progress::Global().SetPhase(step_, "checkpoint");
-  const auto start = Clock::now();
+  const auto start = SteadyClock::now();
   const int rank = groups_->rank;
   ++checkpoint_saves_;
   CheckpointSnapshot snapshot;
@@ -723,7 +723,7 @@ Status Trainer::Save() {
   if (Status s = StartSave(); !s.ok()) return s;
   if (!writer_->async()) return last_save_;
   Progress::Global().SetPhase(step_, "checkpoint");
-  const auto start = Clock::now();
+  const auto start = SteadyClock::now();
   Status s = writer_->Wait();
   checkpoint_blocked_ms_ += MillisSince(start);
   return s;
@@ -847,7 +847,7 @@ Status Trainer::Run() {
   // autotuning warm-up), timed from a synchronized start to the last step's loss, less the time
   // the training thread spent in checkpoint saves.
   const int64_t warmup = std::min<int64_t>(3, (t.steps - run_start_step_) / 2);
-  Clock::time_point window_start = Clock::now();
+  SteadyClock::time_point window_start = SteadyClock::now();
   double window_ms = 0, blocked_at_start = checkpoint_blocked_ms_;
   int64_t window_first = run_start_step_ + 1;
   while (step_ < t.steps) {
@@ -857,7 +857,7 @@ Status Trainer::Run() {
     if (profiling) {
       if (std::string why = profiler.Start(); !why.empty()) std::printf("profile: not recorded: %s\n", why.c_str());
     }
-    const auto start = Clock::now();
+    const auto start = SteadyClock::now();
     StatusOr<torch::Tensor> loss = StepOnDevice(/*check_loss=*/!lag);
     if (!loss.ok()) return loss.status();
     const int64_t s = step_;
@@ -884,7 +884,7 @@ Status Trainer::Run() {
     }
     if (s == run_start_step_ + warmup) {
       compat::Synchronize(device_);
-      window_start = Clock::now();
+      window_start = SteadyClock::now();
       blocked_at_start = checkpoint_blocked_ms_;
       window_first = s + 1;
     }
@@ -913,7 +913,7 @@ Status Trainer::Run() {
   if (writer_) {
     // The final save must be committed before the job may count as done.
     Progress::Global().SetPhase(step_, "checkpoint");
-    const auto start = Clock::now();
+    const auto start = SteadyClock::now();
     Status last = writer_->async() ? writer_->Wait() : last_save_;
     checkpoint_blocked_ms_ += MillisSince(start);
     if (!last.ok()) return Internal("the final checkpoint was not saved: " + last.message());
