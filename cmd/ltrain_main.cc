@@ -20,9 +20,10 @@
 #include <grpcpp/grpcpp.h>
 
 #include "agent/agent.h"
+#include "cmd/job_printer.h"
+#include "common/clock.h"
 #include "common/logging.h"
 #include "common/recipe.h"
-#include "common/signal_name.h"
 #include "common/slurm.h"
 #include "common/transport_security.h"
 #include "common/token_data.h"
@@ -79,88 +80,13 @@ int ExitCodeFor(v1::JobState state) {
   }
 }
 
-std::string Age(int64_t unix_ms) {
-  int64_t seconds = (std::chrono::duration_cast<std::chrono::milliseconds>(
-                         std::chrono::system_clock::now().time_since_epoch()).count() - unix_ms) / 1000;
-  if (seconds < 120) return std::to_string(seconds) + "s ago";
-  if (seconds < 7200) return std::to_string(seconds / 60) + "m ago";
-  if (seconds < 172800) return std::to_string(seconds / 3600) + "h ago";
-  return std::to_string(seconds / 86400) + "d ago";
-}
-
-std::string FirstLine(const std::string& text, size_t max) {
-  std::string line = text.substr(0, text.find('\n'));
-  return line.size() > max ? line.substr(0, max - 3) + "..." : line;
-}
-
-// --- printing jobs ---------------------------------------------------------------------------
+int64_t NowUnixMs() { return RealClock().UnixMs(); }
 
 void PrintJobTable(const std::vector<v1::Job>& jobs) {
-  if (jobs.empty()) {
-    std::printf("no jobs yet; start one with `ltrain launch RECIPE`\n");
-    return;
-  }
-  std::printf("%-28s %-10s %5s %8s %10s %-9s  %s\n", "JOB", "STATE", "RANKS", "STEP", "LOSS", "CREATED", "CAUSE");
-  for (const auto& job : jobs) {
-    char loss[32] = "-";
-    if (job.last_step() > 0) std::snprintf(loss, sizeof(loss), "%.4f", job.last_loss());
-    std::printf("%-28s %-10s %5d %8lld %10s %-9s  %s\n", job.id().c_str(), StateName(job.state()).c_str(),
-                job.world_size(), static_cast<long long>(job.last_step()), loss, Age(job.created_unix_ms()).c_str(),
-                FirstLine(job.cause(), 60).c_str());
-  }
+  std::fputs(cli::FormatJobTable(jobs, NowUnixMs()).c_str(), stdout);
 }
 
-void PrintJobDetail(const v1::Job& job) {
-  std::printf("job:            %s\n", job.id().c_str());
-  std::printf("state:          %s\n", StateName(job.state()).c_str());
-  std::printf("created:        %s\n", Age(job.created_unix_ms()).c_str());
-  std::printf("generation:     %d (restarts: %d)\n", job.generation(), job.restarts());
-  std::printf("ranks:          %d on %d node(s)\n", job.world_size(), job.nodes_now());
-  if (job.total_steps() > 0) {
-    std::printf("step:           %lld/%lld\n", static_cast<long long>(job.last_step()),
-                static_cast<long long>(job.total_steps()));
-  } else {
-    std::printf("step:           %lld\n", static_cast<long long>(job.last_step()));
-  }
-  if (job.last_step() > 0) std::printf("loss:           %.4f\n", job.last_loss());
-  if (job.tokens_per_s() > 0) std::printf("tokens/s:       %.0f\n", job.tokens_per_s());
-  if (job.eta_s() > 0) {
-    int64_t eta = static_cast<int64_t>(job.eta_s());
-    std::printf("eta:            %lldh%02lldm%02llds\n", static_cast<long long>(eta / 3600),
-                static_cast<long long>(eta / 60 % 60), static_cast<long long>(eta % 60));
-  }
-  if (job.last_committed_step() > 0) {
-    std::printf("last committed: step %lld (%s)\n", static_cast<long long>(job.last_committed_step()),
-                job.last_committed_path().c_str());
-  } else {
-    std::printf("last committed: none yet\n");
-  }
-  if (!job.cause().empty()) std::printf("cause:          %s\n", job.cause().c_str());
-  if (!job.last_failure().empty() && job.last_failure() != job.cause()) {
-    std::printf("last failure:   %s\n", job.last_failure().c_str());
-  }
-  if (job.nodes_size() > 0) {
-    std::printf("\n%-14s %-20s %-10s %s\n", "NODE", "HOST", "CONNECTED", "HEARTBEAT");
-    for (const auto& node : job.nodes()) {
-      std::printf("%-14s %-20s %-10s %.1fs ago\n", node.node_id().c_str(), node.hostname().c_str(),
-                  node.connected() ? "yes" : "no", node.heartbeat_age_ms() / 1000.0);
-    }
-  }
-  if (job.ranks_size() > 0) {
-    std::printf("\n%5s %-14s %8s %-8s %5s %8s %-11s %9s  %s\n", "RANK", "NODE", "PID", "STATE", "EXIT", "STEP", "PHASE",
-                "PROGRESS", "LOG");
-    for (const auto& rank : job.ranks()) {
-      std::string exit = rank.signal() ? SignalName(rank.signal()) : std::to_string(rank.exit_code());
-      if (rank.state() == "running" || rank.state() == "starting") exit = "-";
-      char age[32] = "-";
-      if (!rank.phase().empty()) std::snprintf(age, sizeof(age), "%.1fs ago", rank.progress_age_ms() / 1000.0);
-      std::printf("%5d %-14s %8lld %-8s %5s %8lld %-11s %9s  %s\n", rank.rank(), rank.node_id().c_str(),
-                  static_cast<long long>(rank.pid()), rank.state().c_str(), exit.c_str(),
-                  static_cast<long long>(rank.last_step()), rank.phase().empty() ? "-" : rank.phase().c_str(), age,
-                  rank.log_path().c_str());
-    }
-  }
-}
+void PrintJobDetail(const v1::Job& job) { std::fputs(cli::FormatJobDetail(job, NowUnixMs()).c_str(), stdout); }
 
 }  // namespace
 
@@ -210,11 +136,7 @@ int FollowJob(Client& client, const std::string& job_id, bool quiet) {
     v1::JobState final_state = v1::JOB_STATE_UNSPECIFIED;
     while (reader->Read(&event)) {
       after = event.seq();
-      if (event.kind() == "log") {
-        if (!quiet) std::printf("[rank %d] %s\n", event.rank(), event.message().c_str());
-      } else if (event.kind() != "rank_started" || !quiet) {
-        std::printf("ltrain: %s\n", event.message().c_str());
-      }
+      std::fputs(cli::FormatFollowedEvent(event, quiet).c_str(), stdout);
       std::fflush(stdout);
       if (event.kind() == "state" && launcher::IsFinal(event.state())) final_state = event.state();
     }
@@ -563,22 +485,8 @@ struct LogsArgs {
 };
 
 void PrintLogLines(const std::vector<v1::Event>& lines, bool json) {
-  if (json) {
-    for (const auto& line : lines) {
-      google::protobuf::util::JsonPrintOptions options;
-      options.preserve_proto_field_names = true;
-      std::string out;
-      (void)google::protobuf::util::MessageToJsonString(line, &out, options);
-      std::printf("%s\n", out.c_str());
-    }
-    return;
-  }
-  std::vector<launcher::RankLine> ranked;
-  for (const auto& line : lines) ranked.push_back({line.unix_ms(), line.rank(), line.message()});
-  for (const auto& folded : launcher::FoldLogLines(ranked, 2000)) {
-    std::printf("%s %s\n", launcher::RankPrefix(folded.ranks).c_str(), folded.text.c_str());
-  }
-  std::fflush(stdout);
+  std::fputs(cli::FormatLogLines(lines, json ? cli::LogFormat::kJson : cli::LogFormat::kText).c_str(), stdout);
+  if (!json) std::fflush(stdout);
 }
 
 int Logs(const LogsArgs& args) {
