@@ -1,0 +1,56 @@
+// ltrain agent: the node agent that starts and supervises this node's workers.
+#include <cstdio>
+#include <filesystem>
+#include <memory>
+
+#include "agent/agent.h"
+#include "cmd/cli_support.h"
+#include "cmd/commands.h"
+
+namespace ltrain::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+int RunAgent(agent::AgentOptions options) {
+  InterruptWatcher interrupts;
+  if (options.work_dir.empty()) {
+    options.work_dir =
+        (fs::path(LtrainHome()) / ("agent-" + (options.node_id.empty() ? "node" : options.node_id))).string();
+  }
+  StatusOr<std::unique_ptr<agent::Agent>> started = agent::Agent::Start(options);
+  if (!started.ok()) {
+    std::fprintf(stderr, "ltrain agent: %s\n", started.status().message().c_str());
+    return started.status().code() == StatusCode::kInvalidArgument ? kExitInvalid : kExitUnavailable;
+  }
+  agent::Agent* raw = started->get();
+  interrupts.Start([raw](int) { raw->Shutdown(); });
+  raw->Wait();
+  return kExitOk;
+}
+
+}  // namespace
+
+void AddAgentCommand(CLI::App& app, CommandContext& ctx) {
+  auto options = std::make_shared<agent::AgentOptions>();
+  CLI::App* cmd = app.add_subcommand("agent", "Run the node agent that starts and supervises workers");
+  cmd->add_option("--coordinator", options->coordinator, "HOST:PORT of the coordinator")->required();
+  cmd->add_option("--node-id", options->node_id, "Name of this node (default: host name)");
+  cmd->add_option("--work-dir", options->work_dir, "Per-job recipes and per-rank logs");
+  cmd->add_option("--worker-binary", options->worker_binary, "ltrain-worker to start (default: beside ltrain)");
+  cmd->add_option("--bind-address", options->bind_address, "Address this node's workers use for collectives")
+      ->capture_default_str();
+  cmd->add_option("--heartbeat-interval", options->heartbeat_interval_s, "Seconds between heartbeats")
+      ->capture_default_str();
+  cmd->add_option("--coordinator-grace", options->coordinator_grace_s,
+                  "Seconds the workers keep running while the coordinator is unreachable")
+      ->capture_default_str();
+  ctx.Bind(cmd, [options, &ctx] {
+    agent::AgentOptions run = *options;
+    run.security = ctx.security();
+    run.leave_reason = "its agent was stopped (SIGTERM or SIGINT)";
+    return RunAgent(std::move(run));
+  });
+}
+
+}  // namespace ltrain::cli

@@ -1,0 +1,90 @@
+// What several `ltrain` commands share: exit codes, $LTRAIN_HOME and the addresses of local launches,
+// the coordinator client and its error messages, JSON output, and turning SIGINT/SIGTERM into a stop.
+#pragma once
+
+#include <signal.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include <google/protobuf/message.h>
+#include <grpcpp/grpcpp.h>
+
+#include "common/transport_security.h"
+#include "ltrain/v1/ltrain.grpc.pb.h"
+
+namespace ltrain::cli {
+
+// The exit codes of every command, as `ltrain --help` and the README state them.
+constexpr int kExitOk = 0;           // success; the job SUCCEEDED
+constexpr int kExitFailed = 1;       // the job FAILED
+constexpr int kExitInvalid = 2;      // invalid input: flags, recipe, data, an unknown job
+constexpr int kExitUnavailable = 3;  // the coordinator could not be reached or answered an error
+constexpr int kExitStopped = 4;      // the job was STOPPED
+
+// Where state, checkpoints and local agents live: $LTRAIN_HOME, else ~/.ltrain.
+std::string LtrainHome();
+
+// The file through which a standalone launch tells later commands (status, logs, stop) the address of
+// the coordinator it runs in-process, while it runs: $LTRAIN_HOME/run/JOB.addr.
+std::string LocalAddressFile(const std::string& home, const std::string& job_id);
+// The address in that file, or "" when no local launch of the job is running.
+std::string LocalLaunchAddress(const std::string& home, const std::string& job_id);
+
+// `path` made absolute against the working directory, so that daemons started elsewhere read it; ""
+// stays "", and a path that cannot be resolved is returned as given.
+std::string Absolute(const std::string& path);
+
+// An RPC deadline `seconds` from now.
+std::chrono::system_clock::time_point Deadline(double seconds);
+
+// A reply or job as `-o json` prints it: indented, every field, the .proto field names.
+std::string ToJson(const google::protobuf::Message& message);
+
+// kExitOk for SUCCEEDED, kExitStopped for STOPPED, kExitFailed for anything else.
+int ExitCodeFor(v1::JobState state);
+
+// One coordinator's JobService, over TLS and with a token where the global flags ask for them.
+class CoordinatorClient {
+ public:
+  CoordinatorClient(const std::string& address, const SecurityMaterial& security);
+
+  const std::string& address() const { return address_; }
+  v1::JobService::Stub& stub() { return *stub_; }
+
+  // Says on stderr why the RPC did not reach the coordinator (or was refused) and what to check;
+  // returns kExitUnavailable.
+  int Unreachable(const grpc::Status& status) const;
+
+ private:
+  std::string address_;
+  std::unique_ptr<v1::JobService::Stub> stub_;
+};
+
+// Prints a coordinator's error reply; kExitInvalid when it refused the request as invalid, else
+// kExitUnavailable.
+int ReplyError(const v1::Status& status);
+
+// Blocks SIGINT/SIGTERM in every thread; a dedicated thread turns each one into `on_signal`. Construct
+// it before any thread starts, so that every thread inherits the mask. A SIGTERM that the parent
+// ignores (`trap '' TERM`, as the Slurm script does for the coordinator) stays ignored: Linux keeps a
+// blocked signal pending even when its action is to ignore it, so sigwait would receive it anyway.
+class InterruptWatcher {
+ public:
+  InterruptWatcher();
+  ~InterruptWatcher();
+  InterruptWatcher(const InterruptWatcher&) = delete;
+  InterruptWatcher& operator=(const InterruptWatcher&) = delete;
+
+  // `on_signal` runs on the watcher's thread, once per signal, until destruction.
+  void Start(std::function<void(int)> on_signal);
+
+ private:
+  sigset_t set_;
+  std::thread thread_;
+};
+
+}  // namespace ltrain::cli

@@ -1,0 +1,49 @@
+#include "cmd/commands.h"
+
+#include <cstdio>
+
+#include "cmd/cli_support.h"
+#include "common/logging.h"
+
+namespace ltrain::cli {
+
+void CommandContext::AddGlobalOptions(CLI::App& app) {
+  app.add_option("--log-level", log_level_, "debug, info, warning or error")->capture_default_str();
+  app.fallthrough();  // the options below may also follow the subcommand
+  app.add_option("--tls-ca", security_options_.tls_ca,
+                 "PEM of the CA that signed the coordinator's certificate: use TLS ($LTRAIN_TLS_CA)");
+  app.add_option("--tls-cert", security_options_.tls_cert,
+                 "PEM certificate: the coordinator's own, or a client's for mutual TLS ($LTRAIN_TLS_CERT)");
+  app.add_option("--tls-key", security_options_.tls_key, "PEM key of --tls-cert ($LTRAIN_TLS_KEY)");
+  app.add_option("--token-file", security_options_.token_file,
+                 "File holding the bearer token the coordinator requires ($LTRAIN_TOKEN_FILE; $LTRAIN_TOKEN wins)");
+}
+
+int CommandContext::ApplyGlobalOptions() {
+  LogLevel level;
+  if (!ParseLogLevel(log_level_, &level)) {
+    std::fprintf(stderr, "ltrain: --log-level %s is not one of debug, info, warning, error\n", log_level_.c_str());
+    return kExitInvalid;
+  }
+  SetLogLevel(level);
+  StatusOr<SecurityMaterial> loaded = LoadSecurity(security_options_);
+  if (!loaded.ok()) {
+    std::fprintf(stderr, "ltrain: %s\n", loaded.status().message().c_str());
+    return kExitInvalid;
+  }
+  security_ = *loaded;
+  return kExitOk;
+}
+
+void CommandContext::Bind(CLI::App* command, std::function<int()> handler) {
+  handlers_.emplace_back(command, std::move(handler));
+}
+
+int CommandContext::RunSelected() const {
+  for (const auto& [command, handler] : handlers_) {
+    if (command->parsed()) return handler();
+  }
+  return kExitInvalid;
+}
+
+}  // namespace ltrain::cli

@@ -1,0 +1,148 @@
+#include "cmd/job_printer.h"
+
+#include <cstdarg>
+#include <cstdio>
+
+#include <google/protobuf/util/json_util.h>
+
+#include "common/signal_name.h"
+#include "launcher/log_view.h"
+#include "launcher/state_store.h"
+
+namespace ltrain::cli {
+namespace {
+
+// Identical lines of several ranks fold into one when they come within this many ms of each other.
+constexpr int64_t kFoldWindowMs = 2000;
+
+// printf's column formats, kept as the tables have always used them, into a string.
+__attribute__((format(printf, 2, 3))) void Appendf(std::string* out, const char* format, ...) {
+  va_list args;
+  va_start(args, format);
+  va_list again;
+  va_copy(again, args);
+  int size = std::vsnprintf(nullptr, 0, format, args);
+  va_end(args);
+  if (size > 0) {
+    size_t start = out->size();
+    out->resize(start + static_cast<size_t>(size) + 1);
+    std::vsnprintf(out->data() + start, static_cast<size_t>(size) + 1, format, again);
+    out->resize(start + static_cast<size_t>(size));
+  }
+  va_end(again);
+}
+
+}  // namespace
+
+std::string FormatAge(int64_t then_unix_ms, int64_t now_unix_ms) {
+  int64_t seconds = (now_unix_ms - then_unix_ms) / 1000;
+  if (seconds < 120) return std::to_string(seconds) + "s ago";
+  if (seconds < 7200) return std::to_string(seconds / 60) + "m ago";
+  if (seconds < 172800) return std::to_string(seconds / 3600) + "h ago";
+  return std::to_string(seconds / 86400) + "d ago";
+}
+
+std::string FirstLine(const std::string& text, size_t max) {
+  std::string line = text.substr(0, text.find('\n'));
+  return line.size() > max ? line.substr(0, max - 3) + "..." : line;
+}
+
+std::string FormatJobTable(const std::vector<v1::Job>& jobs, int64_t now_unix_ms) {
+  if (jobs.empty()) return "no jobs yet; start one with `ltrain launch RECIPE`\n";
+  std::string out;
+  Appendf(&out, "%-28s %-10s %5s %8s %10s %-9s  %s\n", "JOB", "STATE", "RANKS", "STEP", "LOSS", "CREATED", "CAUSE");
+  for (const auto& job : jobs) {
+    char loss[32] = "-";
+    if (job.last_step() > 0) std::snprintf(loss, sizeof(loss), "%.4f", job.last_loss());
+    Appendf(&out, "%-28s %-10s %5d %8lld %10s %-9s  %s\n", job.id().c_str(), launcher::JobStateName(job.state()),
+            job.world_size(), static_cast<long long>(job.last_step()), loss,
+            FormatAge(job.created_unix_ms(), now_unix_ms).c_str(), FirstLine(job.cause(), 60).c_str());
+  }
+  return out;
+}
+
+std::string FormatJobDetail(const v1::Job& job, int64_t now_unix_ms) {
+  std::string out;
+  Appendf(&out, "job:            %s\n", job.id().c_str());
+  Appendf(&out, "state:          %s\n", launcher::JobStateName(job.state()));
+  Appendf(&out, "created:        %s\n", FormatAge(job.created_unix_ms(), now_unix_ms).c_str());
+  Appendf(&out, "generation:     %d (restarts: %d)\n", job.generation(), job.restarts());
+  Appendf(&out, "ranks:          %d on %d node(s)\n", job.world_size(), job.nodes_now());
+  if (job.total_steps() > 0) {
+    Appendf(&out, "step:           %lld/%lld\n", static_cast<long long>(job.last_step()),
+            static_cast<long long>(job.total_steps()));
+  } else {
+    Appendf(&out, "step:           %lld\n", static_cast<long long>(job.last_step()));
+  }
+  if (job.last_step() > 0) Appendf(&out, "loss:           %.4f\n", job.last_loss());
+  if (job.tokens_per_s() > 0) Appendf(&out, "tokens/s:       %.0f\n", job.tokens_per_s());
+  if (job.eta_s() > 0) {
+    int64_t eta = static_cast<int64_t>(job.eta_s());
+    Appendf(&out, "eta:            %lldh%02lldm%02llds\n", static_cast<long long>(eta / 3600),
+            static_cast<long long>(eta / 60 % 60), static_cast<long long>(eta % 60));
+  }
+  if (job.last_committed_step() > 0) {
+    Appendf(&out, "last committed: step %lld (%s)\n", static_cast<long long>(job.last_committed_step()),
+            job.last_committed_path().c_str());
+  } else {
+    out += "last committed: none yet\n";
+  }
+  if (!job.cause().empty()) Appendf(&out, "cause:          %s\n", job.cause().c_str());
+  if (!job.last_failure().empty() && job.last_failure() != job.cause()) {
+    Appendf(&out, "last failure:   %s\n", job.last_failure().c_str());
+  }
+  if (job.nodes_size() > 0) {
+    Appendf(&out, "\n%-14s %-20s %-10s %s\n", "NODE", "HOST", "CONNECTED", "HEARTBEAT");
+    for (const auto& node : job.nodes()) {
+      Appendf(&out, "%-14s %-20s %-10s %.1fs ago\n", node.node_id().c_str(), node.hostname().c_str(),
+              node.connected() ? "yes" : "no", node.heartbeat_age_ms() / 1000.0);
+    }
+  }
+  if (job.ranks_size() > 0) {
+    Appendf(&out, "\n%5s %-14s %8s %-8s %5s %8s %-11s %9s  %s\n", "RANK", "NODE", "PID", "STATE", "EXIT", "STEP",
+            "PHASE", "PROGRESS", "LOG");
+    for (const auto& rank : job.ranks()) {
+      std::string exit = rank.signal() ? SignalName(rank.signal()) : std::to_string(rank.exit_code());
+      if (rank.state() == "running" || rank.state() == "starting") exit = "-";
+      char age[32] = "-";
+      if (!rank.phase().empty()) std::snprintf(age, sizeof(age), "%.1fs ago", rank.progress_age_ms() / 1000.0);
+      Appendf(&out, "%5d %-14s %8lld %-8s %5s %8lld %-11s %9s  %s\n", rank.rank(), rank.node_id().c_str(),
+              static_cast<long long>(rank.pid()), rank.state().c_str(), exit.c_str(),
+              static_cast<long long>(rank.last_step()), rank.phase().empty() ? "-" : rank.phase().c_str(), age,
+              rank.log_path().c_str());
+    }
+  }
+  return out;
+}
+
+std::string FormatLogLines(const std::vector<v1::Event>& lines, LogFormat format) {
+  std::string out;
+  if (format == LogFormat::kJson) {
+    google::protobuf::util::JsonPrintOptions options;
+    options.preserve_proto_field_names = true;
+    for (const auto& line : lines) {
+      std::string json;
+      (void)google::protobuf::util::MessageToJsonString(line, &json, options);
+      out += json + "\n";
+    }
+    return out;
+  }
+  std::vector<launcher::RankLine> ranked;
+  for (const auto& line : lines) ranked.push_back({line.unix_ms(), line.rank(), line.message()});
+  for (const auto& folded : launcher::FoldLogLines(ranked, kFoldWindowMs)) {
+    Appendf(&out, "%s %s\n", launcher::RankPrefix(folded.ranks).c_str(), folded.text.c_str());
+  }
+  return out;
+}
+
+std::string FormatFollowedEvent(const v1::Event& event, bool quiet) {
+  std::string out;
+  if (event.kind() == "log") {
+    if (!quiet) Appendf(&out, "[rank %d] %s\n", event.rank(), event.message().c_str());
+  } else if (event.kind() != "rank_started" || !quiet) {
+    Appendf(&out, "ltrain: %s\n", event.message().c_str());
+  }
+  return out;
+}
+
+}  // namespace ltrain::cli

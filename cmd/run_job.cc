@@ -1,0 +1,151 @@
+#include "cmd/run_job.h"
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <memory>
+#include <thread>
+
+#include "agent/agent.h"
+#include "cmd/job_printer.h"
+#include "common/logging.h"
+#include "launcher/coordinator_server.h"
+#include "launcher/state_store.h"
+
+namespace ltrain::cli {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The coordinator and agent a standalone launch runs in its own process, on loopback.
+struct LocalControlPlane {
+  std::unique_ptr<launcher::CoordinatorServer> coordinator;
+  std::unique_ptr<agent::Agent> agent;
+
+  Status Start(const std::string& home) {
+    launcher::CoordinatorServerOptions options;
+    options.state_dir = home;
+    options.recover = false;  // jobs in a shared $LTRAIN_HOME may belong to other running launches
+    StatusOr<std::unique_ptr<launcher::CoordinatorServer>> started = launcher::CoordinatorServer::Start(options);
+    if (!started.ok()) return started.status();
+    coordinator = std::move(started).value();
+    agent::AgentOptions agent_options;
+    agent_options.coordinator = coordinator->address();
+    agent_options.node_id = "local";
+    agent_options.work_dir = (fs::path(home) / "agent-local").string();
+    StatusOr<std::unique_ptr<agent::Agent>> agent_started = agent::Agent::Start(agent_options);
+    if (!agent_started.ok()) return agent_started.status();
+    agent = std::move(agent_started).value();
+    return Status::Ok();
+  }
+
+  void Shutdown() {
+    if (agent) agent->Shutdown();
+    if (coordinator) coordinator->Shutdown();
+  }
+};
+
+}  // namespace
+
+int FollowJob(CoordinatorClient& client, const std::string& job_id, bool quiet) {
+  int64_t after = 0;
+  for (int attempt = 0;; ++attempt) {
+    grpc::ClientContext context;
+    v1::WatchJobRequest request;
+    request.set_job_id(job_id);
+    request.set_after_seq(after);
+    request.set_logs(true);
+    auto reader = client.stub().WatchJob(&context, request);
+    v1::Event event;
+    v1::JobState final_state = v1::JOB_STATE_UNSPECIFIED;
+    while (reader->Read(&event)) {
+      after = event.seq();
+      std::fputs(FormatFollowedEvent(event, quiet).c_str(), stdout);
+      std::fflush(stdout);
+      if (event.kind() == "state" && launcher::IsFinal(event.state())) final_state = event.state();
+    }
+    grpc::Status status = reader->Finish();
+    if (status.ok()) {
+      if (final_state == v1::JOB_STATE_UNSPECIFIED) {
+        grpc::ClientContext get_context;
+        get_context.set_deadline(Deadline(5));
+        v1::GetJobRequest get;
+        get.set_job_id(job_id);
+        v1::GetJobReply reply;
+        if (client.stub().GetJob(&get_context, get, &reply).ok() && reply.status().code() == 0) {
+          final_state = reply.job().state();
+        }
+      }
+      return ExitCodeFor(final_state);
+    }
+    if (status.error_code() == grpc::StatusCode::NOT_FOUND) {
+      std::fprintf(stderr, "ltrain: %s\n", status.error_message().c_str());
+      return kExitInvalid;
+    }
+    if (attempt >= 30) return client.Unreachable(status);
+    std::this_thread::sleep_for(std::chrono::seconds(1));  // the coordinator may be restarting
+  }
+}
+
+int RunJob(const RunJobOptions& options, const SecurityMaterial& security,
+           const std::function<std::variant<std::string, int>(CoordinatorClient&)>& begin) {
+  InterruptWatcher interrupts;  // before any thread starts, so every thread inherits the mask
+  if (!options.verbose) SetLogLevel(LogLevel::kWarning);
+  bool standalone = options.coordinator.empty();
+  std::string home = LtrainHome();
+  LocalControlPlane local;
+  std::string address = options.coordinator;
+  if (standalone) {
+    Status started = local.Start(home);
+    if (!started.ok()) {
+      std::fprintf(stderr, "ltrain: %s\n", started.message().c_str());
+      return kExitUnavailable;
+    }
+    address = local.coordinator->address();
+  }
+  CoordinatorClient client(address, security);
+  std::variant<std::string, int> begun = begin(client);
+  if (std::holds_alternative<int>(begun)) {
+    local.Shutdown();
+    return std::get<int>(begun);
+  }
+  const std::string job_id = std::get<std::string>(begun);
+  std::printf("ltrain: job %s %s to %s%s\n", job_id.c_str(), options.verb,
+              standalone ? "the local coordinator at " : "", address.c_str());
+  std::fflush(stdout);
+  fs::path address_file = LocalAddressFile(home, job_id);
+  if (standalone) {
+    std::error_code ec;
+    fs::create_directories(address_file.parent_path(), ec);
+    std::ofstream(address_file) << address << "\n";
+  }
+  if (options.detach && !standalone) {
+    std::printf("%s\n", job_id.c_str());
+    return kExitOk;
+  }
+  bool interrupted = false;
+  interrupts.Start([&](int signal) {
+    if (interrupted) std::_Exit(130);  // a second interrupt: leave now; the workers die with us
+    interrupted = true;
+    std::fprintf(stderr, "\nltrain: %s received; stopping job %s\n", signal == SIGINT ? "interrupt" : "SIGTERM",
+                 job_id.c_str());
+    CoordinatorClient stopper(address, security);
+    v1::StopJobRequest stop;
+    stop.set_job_id(job_id);
+    stop.set_reason(std::string("stopped by ") + (signal == SIGINT ? "interrupt" : "SIGTERM") + " of ltrain");
+    v1::StopJobReply stop_reply;
+    grpc::ClientContext stop_context;
+    stop_context.set_deadline(Deadline(5));
+    stopper.stub().StopJob(&stop_context, stop, &stop_reply);
+  });
+  int code = FollowJob(client, job_id, options.quiet);
+  local.Shutdown();
+  if (standalone) {
+    std::error_code ec;
+    fs::remove(address_file, ec);
+  }
+  return code;
+}
+
+}  // namespace ltrain::cli

@@ -1,0 +1,31 @@
+// Starting a job and following it to its end, as `ltrain launch` and `ltrain resume` do: against a
+// cluster's coordinator, or, without an address, a coordinator and an agent of its own on loopback.
+#pragma once
+
+#include <functional>
+#include <string>
+#include <variant>
+
+#include "cmd/cli_support.h"
+
+namespace ltrain::cli {
+
+struct RunJobOptions {
+  std::string coordinator;  // HOST:PORT; "" runs a local control plane on $LTRAIN_HOME
+  bool detach = false;      // with a coordinator: return once the job has started
+  bool quiet = false;       // job events only, not the workers' log lines
+  bool verbose = false;     // also the embedded coordinator's and agent's logs
+  const char* verb = "submitted";  // "job ID submitted to ..."
+};
+
+// Starts the job through `begin` (a submit or a resume over the given client: the job id, or an exit
+// code after saying why), then prints its events and log lines until it ends. The first SIGINT or
+// SIGTERM stops the job; a second one leaves at once. Returns the exit code of the job's final state.
+int RunJob(const RunJobOptions& options, const SecurityMaterial& security,
+           const std::function<std::variant<std::string, int>(CoordinatorClient&)>& begin);
+
+// Streams a job's events and log lines until it ends, riding out a coordinator restart of up to about
+// 30 s; returns the exit code for its final state.
+int FollowJob(CoordinatorClient& client, const std::string& job_id, bool quiet);
+
+}  // namespace ltrain::cli

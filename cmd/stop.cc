@@ -1,0 +1,106 @@
+// ltrain stop JOB [--checkpoint]: stop a job, with --checkpoint after a final commit.
+#include <cstdio>
+#include <memory>
+#include <thread>
+
+#include "cmd/cli_support.h"
+#include "cmd/commands.h"
+#include "launcher/coordinator_server.h"
+#include "launcher/state_store.h"
+
+namespace ltrain::cli {
+namespace {
+
+struct StopArgs {
+  std::string job_id;
+  std::string coordinator;
+  bool checkpoint = false;
+  double checkpoint_timeout_s = 60;
+};
+
+int Stop(const StopArgs& args, const SecurityMaterial& security) {
+  const std::string& job_id = args.job_id;
+  std::string coordinator_address = args.coordinator;
+  if (coordinator_address.empty()) {
+    coordinator_address = LocalLaunchAddress(LtrainHome(), job_id);
+    if (coordinator_address.empty()) {
+      std::fprintf(stderr,
+                   "ltrain: no running local launch of job %s under %s; for a cluster job pass --coordinator HOST:PORT\n",
+                   job_id.c_str(), LtrainHome().c_str());
+      return kExitInvalid;
+    }
+  }
+  CoordinatorClient client(coordinator_address, security);
+  grpc::ClientContext context;
+  context.set_deadline(Deadline(5));
+  v1::StopJobRequest request;
+  request.set_job_id(job_id);
+  request.set_reason(args.checkpoint ? "stopped by `ltrain stop --checkpoint`" : "stopped by `ltrain stop`");
+  request.set_checkpoint(args.checkpoint);
+  request.set_checkpoint_timeout_s(args.checkpoint_timeout_s);
+  v1::StopJobReply reply;
+  grpc::Status status = client.stub().StopJob(&context, request, &reply);
+  if (!status.ok()) return client.Unreachable(status);
+  if (reply.status().code() != 0) return ReplyError(reply.status());
+  v1::Job job = reply.job();
+  if (!launcher::IsFinal(job.state())) {
+    // A stop with a final checkpoint: the job ends once its ranks have committed it, or as a plain
+    // stop at the coordinator's deadline.
+    std::printf("job %s: stopping after a final checkpoint (a plain stop after %.0f s otherwise)\n", job_id.c_str(),
+                args.checkpoint_timeout_s);
+    std::fflush(stdout);
+    auto give_up = std::chrono::steady_clock::now() +
+                   std::chrono::milliseconds(static_cast<int64_t>(args.checkpoint_timeout_s * 1000) + 30000);
+    while (!launcher::IsFinal(job.state())) {
+      if (std::chrono::steady_clock::now() > give_up) {
+        std::fprintf(stderr, "ltrain: job %s is still %s %.0f s after the stop; see `ltrain status %s`\n",
+                     job_id.c_str(), launcher::JobStateName(job.state()), args.checkpoint_timeout_s + 30,
+                     job_id.c_str());
+        return kExitUnavailable;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(250));
+      grpc::ClientContext get_context;
+      get_context.set_deadline(Deadline(5));
+      v1::GetJobRequest get;
+      get.set_job_id(job_id);
+      v1::GetJobReply got;
+      if (client.stub().GetJob(&get_context, get, &got).ok() && got.status().code() == 0) {
+        job = got.job();
+      } else if (args.coordinator.empty()) {
+        // A local launch ends with its job and takes its coordinator along: the state remains.
+        StatusOr<std::unique_ptr<launcher::StateStore>> store = launcher::OpenStateStore(LtrainHome());
+        if (!store.ok()) continue;
+        StatusOr<v1::Job> stored = (*store)->GetJob(job_id);
+        if (stored.ok()) job = *stored;
+      }
+    }
+  }
+  if (args.checkpoint) {
+    std::printf("job %s: %s: %s\n", job_id.c_str(), launcher::JobStateName(job.state()), job.cause().c_str());
+  } else {
+    std::printf("job %s: %s\n", job_id.c_str(), launcher::JobStateName(job.state()));
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+void AddStopCommand(CLI::App& app, CommandContext& ctx) {
+  auto args = std::make_shared<StopArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "stop", "Stop a job: its workers get SIGTERM, then SIGKILL; with --checkpoint they first save a final checkpoint");
+  cmd->add_option("job", args->job_id, "Job id")->required();
+  cmd->add_option("--coordinator", args->coordinator, "HOST:PORT; without it, the local launch running the job");
+  CLI::Option* checkpoint = cmd->add_flag(
+      "--checkpoint", args->checkpoint,
+      "First train on to a step every rank reaches, commit a checkpoint of it, then end (STOPPED with that "
+      "commit); waits until the job has ended");
+  cmd->add_option("--checkpoint-timeout", args->checkpoint_timeout_s,
+                  "Seconds the final checkpoint may take before the job is stopped plainly, keeping its last commit")
+      ->check(CLI::PositiveNumber)
+      ->needs(checkpoint)
+      ->capture_default_str();
+  ctx.Bind(cmd, [args, &ctx] { return Stop(*args, ctx.security()); });
+}
+
+}  // namespace ltrain::cli

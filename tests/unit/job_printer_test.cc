@@ -1,0 +1,204 @@
+// What `ltrain list`, `ltrain status`, `ltrain logs` and a followed launch print, character for
+// character: the expected texts are those the commands have always printed.
+#include "cmd/job_printer.h"
+
+#include <gtest/gtest.h>
+
+namespace ltrain::cli {
+namespace {
+
+constexpr int64_t kNow = 1'700'000'000'000;
+
+// The cause of a rank that exited, as the coordinator writes it: a summary, then the log's last lines.
+constexpr const char* kExitCause =
+    "rank 0 on local exited with code 3; last lines of its log (/home/u/.ltrain/agent-local/jobs/r-1/gen-0/rank-0.log):\n"
+    "    fake worker starting\n"
+    "    something broke";
+
+v1::Job FailedJob() {
+  v1::Job job;
+  job.set_id("r-1");
+  job.set_state(v1::JOB_STATE_FAILED);
+  job.set_world_size(1);
+  job.set_nodes_now(1);
+  job.set_created_unix_ms(kNow - 400);
+  job.set_cause(kExitCause);
+  job.set_last_failure(kExitCause);
+  v1::RankInfo* rank = job.add_ranks();
+  rank->set_rank(0);
+  rank->set_node_id("local");
+  rank->set_pid(17200);
+  rank->set_state("exited");
+  rank->set_exit_code(3);
+  rank->set_log_path("/home/u/.ltrain/agent-local/jobs/r-1/gen-0/rank-0.log");
+  return job;
+}
+
+v1::Job RunningJob() {
+  v1::Job job;
+  job.set_id("gpt-7");
+  job.set_state(v1::JOB_STATE_RUNNING);
+  job.set_world_size(4);
+  job.set_nodes_now(2);
+  job.set_generation(1);
+  job.set_restarts(1);
+  job.set_created_unix_ms(kNow - 5'000);
+  job.set_last_step(120);
+  job.set_total_steps(1000);
+  job.set_last_loss(3.14159);
+  job.set_tokens_per_s(12345.6);
+  job.set_eta_s(3725.4);
+  job.set_last_committed_step(100);
+  job.set_last_committed_path("/ckpt/gpt-7/step-100");
+  job.set_last_failure("rank 2 on b exited with code 1");
+  v1::NodeStatus* a = job.add_nodes();
+  a->set_node_id("a");
+  a->set_hostname("host-a");
+  a->set_connected(true);
+  a->set_heartbeat_age_ms(300);
+  v1::NodeStatus* b = job.add_nodes();
+  b->set_node_id("b");
+  b->set_hostname("host-b");
+  b->set_connected(false);
+  b->set_heartbeat_age_ms(4000);
+  v1::RankInfo* r0 = job.add_ranks();
+  r0->set_rank(0);
+  r0->set_node_id("a");
+  r0->set_pid(1000);
+  r0->set_state("running");
+  r0->set_last_step(120);
+  r0->set_phase("train");
+  r0->set_progress_age_ms(300);
+  r0->set_log_path("/logs/rank-0.log");
+  v1::RankInfo* r1 = job.add_ranks();
+  r1->set_rank(1);
+  r1->set_node_id("b");
+  r1->set_pid(2000);
+  r1->set_state("killed");
+  r1->set_signal(9);
+  r1->set_last_step(118);
+  r1->set_log_path("/logs/rank-1.log");
+  return job;
+}
+
+v1::Event LogLine(int64_t seq, int64_t unix_ms, int rank, const std::string& text) {
+  v1::Event event;
+  event.set_seq(seq);
+  event.set_job_id("j-1");
+  event.set_unix_ms(unix_ms);
+  event.set_kind("log");
+  event.set_rank(rank);
+  event.set_message(text);
+  return event;
+}
+
+TEST(JobPrinterTest, AgesCountInTheLargestWholeUnit) {
+  EXPECT_EQ(FormatAge(kNow, kNow), "0s ago");
+  EXPECT_EQ(FormatAge(kNow - 5'999, kNow), "5s ago");
+  EXPECT_EQ(FormatAge(kNow - 119'000, kNow), "119s ago");
+  EXPECT_EQ(FormatAge(kNow - 120'000, kNow), "2m ago");
+  EXPECT_EQ(FormatAge(kNow - 7'199'000, kNow), "119m ago");
+  EXPECT_EQ(FormatAge(kNow - 7'200'000, kNow), "2h ago");
+  EXPECT_EQ(FormatAge(kNow - 172'800'000, kNow), "2d ago");
+}
+
+TEST(JobPrinterTest, FirstLineCutsToTheWidthWithAnEllipsis) {
+  EXPECT_EQ(FirstLine("short\nsecond", 60), "short");
+  EXPECT_EQ(FirstLine("abcdefghij", 10), "abcdefghij");
+  EXPECT_EQ(FirstLine("abcdefghijk", 10), "abcdefg...");
+}
+
+TEST(JobPrinterTest, EmptyJobTableSaysHowToStartOne) {
+  EXPECT_EQ(FormatJobTable({}, kNow), "no jobs yet; start one with `ltrain launch RECIPE`\n");
+}
+
+TEST(JobPrinterTest, JobTableHasOneLinePerJobAndCutsTheCauseToOneLine) {
+  v1::Job running = RunningJob();
+  running.set_created_unix_ms(kNow - 3 * 3600 * 1000);
+  EXPECT_EQ(FormatJobTable({running, FailedJob()}, kNow),
+            "JOB                          STATE      RANKS     STEP       LOSS CREATED    CAUSE\n"
+            "gpt-7                        RUNNING        4      120     3.1416 3h ago     \n"
+            "r-1                          FAILED         1        0          - 0s ago     "
+            "rank 0 on local exited with code 3; last lines of its log...\n");
+}
+
+TEST(JobPrinterTest, RunningJobDetailShowsProgressNodesAndRanks) {
+  EXPECT_EQ(FormatJobDetail(RunningJob(), kNow),
+            "job:            gpt-7\n"
+            "state:          RUNNING\n"
+            "created:        5s ago\n"
+            "generation:     1 (restarts: 1)\n"
+            "ranks:          4 on 2 node(s)\n"
+            "step:           120/1000\n"
+            "loss:           3.1416\n"
+            "tokens/s:       12346\n"
+            "eta:            1h02m05s\n"
+            "last committed: step 100 (/ckpt/gpt-7/step-100)\n"
+            "last failure:   rank 2 on b exited with code 1\n"
+            "\n"
+            "NODE           HOST                 CONNECTED  HEARTBEAT\n"
+            "a              host-a               yes        0.3s ago\n"
+            "b              host-b               no         4.0s ago\n"
+            "\n"
+            " RANK NODE                PID STATE     EXIT     STEP PHASE        PROGRESS  LOG\n"
+            "    0 a                  1000 running      -      120 train        0.3s ago  /logs/rank-0.log\n"
+            "    1 b                  2000 killed   SIGKILL      118 -                   -  /logs/rank-1.log\n");
+}
+
+TEST(JobPrinterTest, FailedJobDetailShowsTheWholeCauseOnce) {
+  EXPECT_EQ(FormatJobDetail(FailedJob(), kNow),
+            "job:            r-1\n"
+            "state:          FAILED\n"
+            "created:        0s ago\n"
+            "generation:     0 (restarts: 0)\n"
+            "ranks:          1 on 1 node(s)\n"
+            "step:           0\n"
+            "last committed: none yet\n"
+            "cause:          rank 0 on local exited with code 3; last lines of its log "
+            "(/home/u/.ltrain/agent-local/jobs/r-1/gen-0/rank-0.log):\n"
+            "    fake worker starting\n"
+            "    something broke\n"
+            "\n"
+            " RANK NODE                PID STATE     EXIT     STEP PHASE        PROGRESS  LOG\n"
+            "    0 local             17200 exited       3        0 -                   -  "
+            "/home/u/.ltrain/agent-local/jobs/r-1/gen-0/rank-0.log\n");
+}
+
+TEST(JobPrinterTest, TextLogLinesArePrefixedAndFoldedAcrossRanks) {
+  std::vector<v1::Event> lines;
+  for (int rank = 0; rank < 4; ++rank) lines.push_back(LogLine(rank + 1, 1000 + rank, rank, "NCCL ready"));
+  lines.push_back(LogLine(5, 1010, 1, "step 1/10 loss 5.5"));
+  lines.push_back(LogLine(6, 9000, 2, "NCCL ready"));  // outside the fold window: a line of its own
+  EXPECT_EQ(FormatLogLines(lines, LogFormat::kText),
+            "[ranks 0-3] NCCL ready\n"
+            "[rank 1] step 1/10 loss 5.5\n"
+            "[rank 2] NCCL ready\n");
+  EXPECT_EQ(FormatLogLines({}, LogFormat::kText), "");
+}
+
+TEST(JobPrinterTest, JsonLogLinesAreOneCompactObjectEach) {
+  EXPECT_EQ(FormatLogLines({LogLine(7, 1000, 0, "hello \"world\""), LogLine(8, 1001, 3, "bye")}, LogFormat::kJson),
+            "{\"seq\":\"7\",\"job_id\":\"j-1\",\"unix_ms\":\"1000\",\"kind\":\"log\",\"message\":\"hello \\\"world\\\"\"}\n"
+            "{\"seq\":\"8\",\"job_id\":\"j-1\",\"unix_ms\":\"1001\",\"kind\":\"log\",\"message\":\"bye\",\"rank\":3}\n");
+}
+
+TEST(JobPrinterTest, FollowedEventsShowLogLinesUnlessQuiet) {
+  v1::Event log = LogLine(1, 1000, 2, "step 3 loss 4.2");
+  EXPECT_EQ(FormatFollowedEvent(log, false), "[rank 2] step 3 loss 4.2\n");
+  EXPECT_EQ(FormatFollowedEvent(log, true), "");
+
+  v1::Event started;
+  started.set_kind("rank_started");
+  started.set_message("rank 0 started on local (pid 17200)");
+  EXPECT_EQ(FormatFollowedEvent(started, false), "ltrain: rank 0 started on local (pid 17200)\n");
+  EXPECT_EQ(FormatFollowedEvent(started, true), "");
+
+  v1::Event state;
+  state.set_kind("state");
+  state.set_state(v1::JOB_STATE_FAILED);
+  state.set_message("job FAILED: rank 0 on local exited with code 3");
+  EXPECT_EQ(FormatFollowedEvent(state, true), "ltrain: job FAILED: rank 0 on local exited with code 3\n");
+}
+
+}  // namespace
+}  // namespace ltrain::cli
