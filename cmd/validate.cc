@@ -1,10 +1,13 @@
-// ltrain validate RECIPE: the resolved recipe, or every error in it.
+// ltrain validate RECIPE: the resolved recipe, or every error in it; `--explain`: every recipe key.
 #include <cstdio>
 #include <memory>
+
+#include <google/protobuf/struct.pb.h>
 
 #include "cmd/cli_support.h"
 #include "cmd/commands.h"
 #include "common/recipe.h"
+#include "common/recipe_schema.h"
 
 namespace ltrain::cli {
 namespace {
@@ -12,9 +15,36 @@ namespace {
 struct ValidateArgs {
   std::string recipe;
   std::vector<std::string> sets;
+  bool explain = false;
+  std::string output = "text";
 };
 
+// Every key with its type, default and meaning, as text, a Markdown table (the README's) or JSON.
+int Explain(const std::string& output) {
+  if (output == "markdown") {
+    std::printf("%s", RecipeKeysMarkdown().c_str());
+  } else if (output == "json") {
+    google::protobuf::ListValue keys;
+    for (const RecipeKeyDoc& doc : DescribeRecipeKeys()) {
+      google::protobuf::Struct* key = keys.add_values()->mutable_struct_value();
+      (*key->mutable_fields())["key"].set_string_value(doc.path);
+      (*key->mutable_fields())["type"].set_string_value(doc.type);
+      (*key->mutable_fields())["default"].set_string_value(doc.default_text);
+      (*key->mutable_fields())["help"].set_string_value(doc.help);
+    }
+    std::printf("%s\n", ToJson(keys).c_str());
+  } else {
+    std::printf("%s", RecipeKeysText().c_str());
+  }
+  return kExitOk;
+}
+
 int Validate(const ValidateArgs& args) {
+  if (args.explain) return Explain(args.output);
+  if (args.recipe.empty()) {
+    std::fprintf(stderr, "ltrain validate: give a RECIPE to check, or --explain to list every recipe key\n");
+    return kExitInvalid;
+  }
   RecipeParseResult parsed = LoadRecipeFile(args.recipe, args.sets);
   if (!parsed.ok()) {
     std::fprintf(stderr, "%s", parsed.ErrorText().c_str());
@@ -29,11 +59,15 @@ int Validate(const ValidateArgs& args) {
 
 void AddValidateCommand(CLI::App& app, CommandContext& ctx) {
   auto args = std::make_shared<ValidateArgs>();
-  CLI::App* cmd = app.add_subcommand("validate", "Check a recipe; print it resolved, or every error (exit 2)");
-  cmd->add_option("recipe", args->recipe, "Recipe YAML file")->required();
+  CLI::App* cmd = app.add_subcommand(
+      "validate", "Check a recipe; print it resolved, or every error (exit 2). --explain lists every recipe key");
+  cmd->add_option("recipe", args->recipe, "Recipe YAML file");
   cmd->add_option("--set", args->sets, "Override a recipe field (repeatable)")
       ->expected(1)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  cmd->add_flag("--explain", args->explain, "List every recipe key with its type, default and meaning");
+  cmd->add_option("-o,--output", args->output, "With --explain: text, markdown (the README's table) or json")
+      ->check(CLI::IsMember({"text", "markdown", "json"}));
   ctx.Bind(cmd, [args] { return Validate(*args); });
 }
 

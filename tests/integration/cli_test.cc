@@ -3,6 +3,10 @@
 
 #include <filesystem>
 
+#include <google/protobuf/struct.pb.h>
+#include <google/protobuf/util/json_util.h>
+
+#include "common/recipe_schema.h"
 #include "tests/support/subprocess.h"
 
 namespace ltrain::testing {
@@ -56,6 +60,25 @@ TEST(CliTest, ValidatePrintsTheResolvedRecipeWithOverrides) {
   EXPECT_EQ(result.exit_code, 0) << result.output;
   EXPECT_NE(result.output.find("steps: 42"), std::string::npos) << result.output;
   EXPECT_NE(result.output.find("layers: 3"), std::string::npos) << result.output;
+}
+
+// `validate --explain` lists every key of the schema: as text, as the README's Markdown table, as JSON.
+TEST(CliTest, ValidateExplainListsEveryRecipeKey) {
+  ProcessResult text = RunProcess({LtrainBinary(), "validate", "--explain"});
+  ASSERT_EQ(text.exit_code, 0) << text.output;
+  EXPECT_EQ(text.output, RecipeKeysText());
+  ProcessResult markdown = RunProcess({LtrainBinary(), "validate", "--explain", "--output", "markdown"});
+  ASSERT_EQ(markdown.exit_code, 0) << markdown.output;
+  EXPECT_EQ(markdown.output, RecipeKeysMarkdown());
+  ProcessResult json = RunProcess({LtrainBinary(), "validate", "--explain", "-o", "json"});
+  ASSERT_EQ(json.exit_code, 0) << json.output;
+  google::protobuf::ListValue keys;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json.output, &keys).ok()) << json.output;
+  ASSERT_EQ(static_cast<size_t>(keys.values_size()), DescribeRecipeKeys().size());
+  EXPECT_EQ(keys.values(0).struct_value().fields().at("key").string_value(), "name");
+  ProcessResult nothing = RunProcess({LtrainBinary(), "validate"});
+  EXPECT_EQ(nothing.exit_code, 2) << nothing.output;
+  EXPECT_NE(nothing.output.find("--explain"), std::string::npos) << nothing.output;
 }
 
 TEST(CliTest, BadOverrideIsNamed) {
