@@ -27,16 +27,12 @@ struct LocalControlPlane {
     launcher::CoordinatorServerOptions options;
     options.state_dir = home;
     options.recover = false;  // jobs in a shared $LTRAIN_HOME may belong to other running launches
-    StatusOr<std::unique_ptr<launcher::CoordinatorServer>> started = launcher::CoordinatorServer::Start(options);
-    if (!started.ok()) return started.status();
-    coordinator = std::move(started).value();
+    LTRAIN_ASSIGN_OR_RETURN(coordinator, launcher::CoordinatorServer::Start(options));
     agent::AgentOptions agent_options;
     agent_options.coordinator = coordinator->address();
     agent_options.node_id = "local";
     agent_options.work_dir = (fs::path(home) / "agent-local").string();
-    StatusOr<std::unique_ptr<agent::Agent>> agent_started = agent::Agent::Start(agent_options);
-    if (!agent_started.ok()) return agent_started.status();
-    agent = std::move(agent_started).value();
+    LTRAIN_ASSIGN_OR_RETURN(agent, agent::Agent::Start(agent_options));
     return Status::Ok();
   }
 

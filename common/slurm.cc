@@ -36,9 +36,8 @@ StatusOr<int> ParseGpuCount(const char* name, const std::string& value) {
   int total = 0;
   for (std::string entry : Split(value, ',')) {
     entry = entry.substr(0, entry.find('('));
-    StatusOr<int> count = ParseCount(name, value, entry.substr(entry.rfind(':') + 1));
-    if (!count.ok()) return count.status();
-    total += *count;
+    LTRAIN_ASSIGN_OR_RETURN(int count, ParseCount(name, value, entry.substr(entry.rfind(':') + 1)));
+    total += count;
   }
   return total;
 }
@@ -47,9 +46,8 @@ StatusOr<int> ParseGpuCount(const char* name, const std::string& value) {
 StatusOr<int> ParseCpusPerNode(const char* name, const std::string& value) {
   int fewest = 0;
   for (const std::string& entry : Split(value, ',')) {
-    StatusOr<int> count = ParseCount(name, value, entry.substr(0, entry.find('(')));
-    if (!count.ok()) return count.status();
-    fewest = fewest == 0 ? *count : std::min(fewest, *count);
+    LTRAIN_ASSIGN_OR_RETURN(int count, ParseCount(name, value, entry.substr(0, entry.find('('))));
+    fewest = fewest == 0 ? count : std::min(fewest, count);
   }
   return fewest;
 }
@@ -88,9 +86,8 @@ StatusOr<SlurmAllocation> ReadSlurmAllocation(const GetEnvFunction& getenv,
 
   auto [nodes_name, nodes_value] = FirstSet(getenv, {"SLURM_JOB_NUM_NODES", "SLURM_NNODES"});
   if (nodes_name != nullptr) {
-    StatusOr<int> nodes = ParseCount(nodes_name, nodes_value, nodes_value);
-    if (!nodes.ok()) return nodes.status();
-    if (*nodes != allocation.nodes) {
+    LTRAIN_ASSIGN_OR_RETURN(int nodes, ParseCount(nodes_name, nodes_value, nodes_value));
+    if (nodes != allocation.nodes) {
       return InvalidArgument(std::string(nodes_name) + "=" + nodes_value + " disagrees with " + nodelist_name + "=" +
                              nodelist + ", which names " + std::to_string(allocation.nodes) + " host(s)");
     }
@@ -99,21 +96,18 @@ StatusOr<SlurmAllocation> ReadSlurmAllocation(const GetEnvFunction& getenv,
   // SLURM_GPUS_ON_NODE is what this node was given; SLURM_GPUS_PER_NODE is what --gpus-per-node asked.
   auto [gpus_name, gpus_value] = FirstSet(getenv, {"SLURM_GPUS_ON_NODE", "SLURM_GPUS_PER_NODE"});
   if (gpus_name != nullptr) {
-    StatusOr<int> gpus = ParseGpuCount(gpus_name, gpus_value);
-    if (!gpus.ok()) return gpus.status();
-    allocation.gpus_per_node = *gpus;
+    LTRAIN_ASSIGN_OR_RETURN(int gpus, ParseGpuCount(gpus_name, gpus_value));
+    allocation.gpus_per_node = gpus;
   }
 
   std::string cpus_on_node = getenv("SLURM_CPUS_ON_NODE");
   std::string cpus_per_node = getenv("SLURM_JOB_CPUS_PER_NODE");
   if (!cpus_on_node.empty()) {
-    StatusOr<int> cpus = ParseCount("SLURM_CPUS_ON_NODE", cpus_on_node, cpus_on_node);
-    if (!cpus.ok()) return cpus.status();
-    allocation.cpus_per_node = *cpus;
+    LTRAIN_ASSIGN_OR_RETURN(int cpus, ParseCount("SLURM_CPUS_ON_NODE", cpus_on_node, cpus_on_node));
+    allocation.cpus_per_node = cpus;
   } else if (!cpus_per_node.empty()) {
-    StatusOr<int> cpus = ParseCpusPerNode("SLURM_JOB_CPUS_PER_NODE", cpus_per_node);
-    if (!cpus.ok()) return cpus.status();
-    allocation.cpus_per_node = *cpus;
+    LTRAIN_ASSIGN_OR_RETURN(int cpus, ParseCpusPerNode("SLURM_JOB_CPUS_PER_NODE", cpus_per_node));
+    allocation.cpus_per_node = cpus;
   }
   return allocation;
 }

@@ -68,3 +68,23 @@ class [[nodiscard]] StatusOr {
 };
 
 }  // namespace ltrain
+
+// Returns the Status of `expr` from the calling function (which returns Status or StatusOr) when it
+// is an error.
+#define LTRAIN_RETURN_IF_ERROR(expr)                                  \
+  do {                                                                \
+    if (::ltrain::Status ltrain_status_ = (expr); !ltrain_status_.ok()) { \
+      return ltrain_status_;                                          \
+    }                                                                 \
+  } while (false)
+
+// `lhs` (a declaration such as `auto x` or an existing variable) takes the value of the StatusOr
+// `expr`; its error is returned from the calling function instead.
+#define LTRAIN_ASSIGN_OR_RETURN(lhs, expr) \
+  LTRAIN_ASSIGN_OR_RETURN_IMPL(LTRAIN_STATUS_CONCAT(ltrain_status_or_, __LINE__), lhs, expr)
+#define LTRAIN_ASSIGN_OR_RETURN_IMPL(statusor, lhs, expr) \
+  auto statusor = (expr);                                 \
+  if (!statusor.ok()) return statusor.status();           \
+  lhs = std::move(statusor).value()
+#define LTRAIN_STATUS_CONCAT_INNER(a, b) a##b
+#define LTRAIN_STATUS_CONCAT(a, b) LTRAIN_STATUS_CONCAT_INNER(a, b)

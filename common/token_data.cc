@@ -115,8 +115,8 @@ StatusOr<PrepareStats> PrepareTokenData(const std::vector<std::string>& inputs,
 
   std::vector<uint16_t> val(tokens.begin() + train_count, tokens.end());
   tokens.resize(train_count);
-  if (Status s = WriteTokenFile(stats.train_path, tokens, stats.vocab); !s.ok()) return s;
-  if (Status s = WriteTokenFile(stats.val_path, val, stats.vocab); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(WriteTokenFile(stats.train_path, tokens, stats.vocab));
+  LTRAIN_RETURN_IF_ERROR(WriteTokenFile(stats.val_path, val, stats.vocab));
   return stats;
 }
 

@@ -95,9 +95,8 @@ StatusOr<SecurityMaterial> LoadSecurity(SecurityOptions options) {
   SecurityMaterial material;
   auto read = [](const std::string& path, const char* what, std::string* out) -> Status {
     if (path.empty()) return Status::Ok();
-    StatusOr<std::string> text = ReadWhole(path, what);
-    if (!text.ok()) return text.status();
-    *out = std::move(text).value();
+    LTRAIN_ASSIGN_OR_RETURN(std::string text, ReadWhole(path, what));
+    *out = std::move(text);
     return Status::Ok();
   };
   for (auto [path, what, out] : {std::tuple{&options.tls_ca, "TLS CA", &material.ca_pem},
@@ -105,7 +104,7 @@ StatusOr<SecurityMaterial> LoadSecurity(SecurityOptions options) {
                                  std::tuple{&options.tls_key, "TLS key", &material.key_pem},
                                  std::tuple{&options.tls_client_ca, "TLS client CA", &material.client_ca_pem},
                                  std::tuple{&options.token_file, "token", &material.token}}) {
-    if (Status s = read(*path, what, out); !s.ok()) return s;
+    LTRAIN_RETURN_IF_ERROR(read(*path, what, out));
   }
   if (material.cert_pem.empty() != material.key_pem.empty()) {
     return InvalidArgument("a TLS certificate needs its key and a key its certificate: pass both --tls-cert and --tls-key");
@@ -185,7 +184,7 @@ Status InitTls(const std::string& dir, const std::vector<std::string>& hosts) {
   };
   std::ofstream(path("server.ext")) << san << "\n";
   for (const auto& step : steps) {
-    if (Status s = Run(step); !s.ok()) return s;
+    LTRAIN_RETURN_IF_ERROR(Run(step));
   }
   std::random_device random;
   std::string token;

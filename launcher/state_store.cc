@@ -172,14 +172,12 @@ StatusOr<std::unique_ptr<SqliteStateStore>> SqliteStateStore::Open(const std::st
   sqlite3_busy_timeout(db, 10000);
   std::unique_ptr<SqliteStateStore> store(new SqliteStateStore(db));
   if (path != ":memory:") {
-    Status wal = store->Exec("PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;");
-    if (!wal.ok()) return wal;
+    LTRAIN_RETURN_IF_ERROR(store->Exec("PRAGMA journal_mode=WAL; PRAGMA synchronous=NORMAL;"));
   }
   for (const char* column : kAddedJobColumns) {
     (void)store->Exec(std::string("ALTER TABLE jobs ADD COLUMN ") + column);  // fails when present
   }
-  Status schema = store->Exec(kSchema);
-  if (!schema.ok()) return schema;
+  LTRAIN_RETURN_IF_ERROR(store->Exec(kSchema));
   return store;
 }
 
@@ -198,8 +196,7 @@ Status SqliteStateStore::Exec(const std::string& sql) {
 StatusOr<v1::Job> SqliteStateStore::CreateJob(const std::string& name, const std::string& recipe_yaml,
                                               int world_size, int64_t now_ms) {
   std::lock_guard<std::mutex> lock(mu_);
-  Status begin = Exec("BEGIN IMMEDIATE");
-  if (!begin.ok()) return begin;
+  LTRAIN_RETURN_IF_ERROR(Exec("BEGIN IMMEDIATE"));
   Statement insert(db_,
                    "INSERT INTO jobs (name, state, recipe, world_size, created_ms, updated_ms) VALUES (?, ?, ?, ?, ?, ?)");
   insert.Bind(1, name).Bind(2, int64_t{v1::JOB_STATE_PENDING}).Bind(3, recipe_yaml).Bind(4, int64_t{world_size});
@@ -218,8 +215,7 @@ StatusOr<v1::Job> SqliteStateStore::CreateJob(const std::string& name, const std
     (void)Exec("ROLLBACK");
     return error;
   }
-  Status commit = Exec("COMMIT");
-  if (!commit.ok()) return commit;
+  LTRAIN_RETURN_IF_ERROR(Exec("COMMIT"));
   v1::Job job;
   job.set_id(id);
   job.set_name(name);
@@ -349,8 +345,7 @@ StatusOr<std::vector<v1::Event>> SqliteStateStore::EventsAfter(const std::string
 Status SqliteStateStore::AppendLogs(const std::vector<v1::Event>& lines) {
   if (lines.empty()) return Status::Ok();
   std::lock_guard<std::mutex> lock(mu_);
-  Status begin = Exec("BEGIN");
-  if (!begin.ok()) return begin;
+  LTRAIN_RETURN_IF_ERROR(Exec("BEGIN"));
   {
     Statement s(db_, "INSERT INTO logs (seq, job_id, unix_ms, rank, text) VALUES (?, ?, ?, ?, ?)");
     for (const auto& line : lines) {

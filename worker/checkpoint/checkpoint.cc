@@ -206,19 +206,16 @@ Status CommitCheckpoint(const std::string& dir, const CheckpointMeta& meta, cons
   out << YAML::Key << "files" << YAML::Value << YAML::BeginMap;
   for (const std::string& file : files) {
     const std::string path = (tmp_dir / file).string();
-    StatusOr<std::string> sum = FileChecksum(path);
-    if (!sum.ok()) return sum.status();
+    LTRAIN_ASSIGN_OR_RETURN(std::string sum, FileChecksum(path));
     out << YAML::Key << file << YAML::Value << YAML::BeginMap << YAML::Key << "fnv1a64" << YAML::Value
-        << *sum << YAML::Key << "bytes" << YAML::Value << static_cast<uint64_t>(fs::file_size(path))
+        << sum << YAML::Key << "bytes" << YAML::Value << static_cast<uint64_t>(fs::file_size(path))
         << YAML::EndMap;
   }
   out << YAML::EndMap;
   out << YAML::Key << "recipe" << YAML::Value << YAML::Load(RecipeToYaml(recipe));
   out << YAML::EndMap;
-  if (Status s = WriteFileSynced((tmp_dir / kMetaFile).string(), std::string(out.c_str()) + "\n"); !s.ok()) {
-    return s;
-  }
-  if (Status s = FsyncPath(tmp_dir.string(), true); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(WriteFileSynced((tmp_dir / kMetaFile).string(), std::string(out.c_str()) + "\n"));
+  LTRAIN_RETURN_IF_ERROR(FsyncPath(tmp_dir.string(), true));
 
   // Commit. A step directory of the same number can exist when a run resumed from an earlier
   // checkpoint passes it again; the new one replaces it.
@@ -226,14 +223,14 @@ Status CommitCheckpoint(const std::string& dir, const CheckpointMeta& meta, cons
   if (::rename(tmp_dir.c_str(), final_dir.c_str()) != 0) {
     return Internal("committing " + final_dir.string() + ": " + std::strerror(errno));
   }
-  if (Status s = FsyncPath(dir, true); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(FsyncPath(dir, true));
   const std::string latest_tmp = (fs::path(dir) / ".latest.tmp").string();
-  if (Status s = WriteFileSynced(latest_tmp, name + "\n"); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(WriteFileSynced(latest_tmp, name + "\n"));
   const std::string latest = (fs::path(dir) / "latest").string();
   if (::rename(latest_tmp.c_str(), latest.c_str()) != 0) {
     return Internal("updating " + latest + ": " + std::strerror(errno));
   }
-  if (Status s = FsyncPath(dir, true); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(FsyncPath(dir, true));
   PruneOld(dir, keep);
   return Status::Ok();
 }
@@ -299,10 +296,9 @@ StatusOr<CheckpointMeta> ReadCheckpointMeta(const std::string& step_dir, bool ve
         return DataLoss(name + " size mismatch: expected " + std::to_string(expected_bytes) + " bytes, got " +
                         std::to_string(bytes));
       }
-      StatusOr<std::string> sum = FileChecksum(path);
-      if (!sum.ok()) return sum.status();
+      LTRAIN_ASSIGN_OR_RETURN(std::string sum, FileChecksum(path));
       const std::string expected = file.second["fnv1a64"].as<std::string>();
-      if (expected != *sum) return DataLoss(name + " checksum mismatch: expected " + expected + ", got " + *sum);
+      if (expected != sum) return DataLoss(name + " checksum mismatch: expected " + expected + ", got " + sum);
     }
   } catch (const std::exception& e) {
     return DataLoss(std::string(kMetaFile) + " is incomplete: " + e.what());
@@ -389,7 +385,7 @@ Status FileCommitBoard::Announce(int64_t step, int rank, const std::string& erro
   std::error_code ec;
   fs::create_directories(marker.parent_path(), ec);
   const std::string tmp = marker.string() + ".tmp";
-  if (Status s = WriteFileSynced(tmp, error); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(WriteFileSynced(tmp, error));
   if (::rename(tmp.c_str(), marker.c_str()) != 0) {
     return Internal("announcing checkpoint step-" + std::to_string(step) + ": renaming " + tmp + ": " + std::strerror(errno));
   }

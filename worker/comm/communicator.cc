@@ -5,13 +5,13 @@
 namespace ltrain::worker {
 
 Status Communicator::AllReduceMean(at::Tensor& tensor) {
-  if (Status s = AllReduceSum(tensor); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(AllReduceSum(tensor));
   if (size() > 1) tensor.div_(size());
   return Status::Ok();
 }
 
 Status Communicator::ReduceScatterMean(const at::Tensor& input, at::Tensor& output) {
-  if (Status s = ReduceScatterSum(input, output); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(ReduceScatterSum(input, output));
   if (size() > 1) output.div_(size());
   return Status::Ok();
 }
@@ -60,20 +60,20 @@ Status FakeCommunicator::Next(const char* op, int64_t numel) {
 }
 
 Status FakeCommunicator::AllReduceSum(at::Tensor& tensor) {
-  if (Status s = Next("all_reduce", tensor.numel()); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(Next("all_reduce", tensor.numel()));
   if (!tensor.is_contiguous()) return InvalidArgument("AllReduceSum needs a contiguous tensor");
   if (size_ > 1) tensor.mul_(size_);
   return Status::Ok();
 }
 
 Status FakeCommunicator::Broadcast(at::Tensor& tensor, int root) {
-  if (Status s = Next("broadcast", tensor.numel()); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(Next("broadcast", tensor.numel()));
   if (root < 0 || root >= size_) return InvalidArgument("broadcast root " + std::to_string(root) + " out of range");
   return Status::Ok();
 }
 
 Status FakeCommunicator::AllGather(const at::Tensor& input, at::Tensor& output) {
-  if (Status s = Next("all_gather", output.numel()); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(Next("all_gather", output.numel()));
   if (output.numel() != input.numel() * size_) return InvalidArgument("AllGather output has the wrong size");
   at::Tensor in = input.reshape(-1).clone();
   for (int r = 0; r < size_; ++r) output.view(-1).narrow(0, r * in.numel(), in.numel()).copy_(in);
@@ -81,7 +81,7 @@ Status FakeCommunicator::AllGather(const at::Tensor& input, at::Tensor& output) 
 }
 
 Status FakeCommunicator::ReduceScatterSum(const at::Tensor& input, at::Tensor& output) {
-  if (Status s = Next("reduce_scatter", input.numel()); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(Next("reduce_scatter", input.numel()));
   if (input.numel() != output.numel() * size_) return InvalidArgument("ReduceScatterSum input has the wrong size");
   at::Tensor chunk = input.reshape(-1).narrow(0, 0, output.numel()).clone();
   output.view(-1).copy_(chunk.mul_(size_));
@@ -91,12 +91,12 @@ Status FakeCommunicator::ReduceScatterSum(const at::Tensor& input, at::Tensor& o
 Status FakeCommunicator::Barrier() { return Next("barrier", 0); }
 
 Status FakeCommunicator::Send(const at::Tensor& tensor, int dst, uint32_t /*tag*/) {
-  if (Status s = Next("send", tensor.numel()); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(Next("send", tensor.numel()));
   return InvalidArgument("fake communicator cannot send to rank " + std::to_string(dst));
 }
 
 Status FakeCommunicator::Recv(at::Tensor& tensor, int src, uint32_t /*tag*/) {
-  if (Status s = Next("recv", tensor.numel()); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(Next("recv", tensor.numel()));
   return InvalidArgument("fake communicator cannot receive from rank " + std::to_string(src));
 }
 
@@ -140,9 +140,8 @@ StatusOr<ProcessGroups> BuildProcessGroups(const Layout& layout, int rank, Commu
     if (group.ranks.size() <= 1) {
       g.owned.push_back(std::make_unique<SelfCommunicator>());
     } else {
-      StatusOr<std::unique_ptr<Communicator>> comm = make(group, group_rank);
-      if (!comm.ok()) return comm.status();
-      g.owned.push_back(std::move(comm).value());
+      LTRAIN_ASSIGN_OR_RETURN(std::unique_ptr<Communicator> comm, make(group, group_rank));
+      g.owned.push_back(std::move(comm));
     }
     *slot = g.owned.back().get();
   }

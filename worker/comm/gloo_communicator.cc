@@ -102,7 +102,7 @@ Status GlooCommunicator::AllReduceSum(at::Tensor& tensor) {
   if (tensor.scalar_type() == at::kBFloat16 || tensor.scalar_type() == at::kHalf) {
     // Summed in fp32 (gloo has no 16-bit float sum here), rounded once at the end.
     at::Tensor wide = tensor.to(at::kFloat);
-    if (Status s = AllReduceSum(wide); !s.ok()) return s;
+    LTRAIN_RETURN_IF_ERROR(AllReduceSum(wide));
     tensor.copy_(wide);
     return Status::Ok();
   }
@@ -200,7 +200,7 @@ Status GlooCommunicator::ReduceScatterSum(const at::Tensor& input, at::Tensor& o
                            " elements of the output's dtype");
   }
   at::Tensor sum = input.reshape(-1).clone();
-  if (Status s = AllReduceSum(sum); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(AllReduceSum(sum));
   output.view(-1).copy_(sum.narrow(0, static_cast<int64_t>(rank_) * output.numel(), output.numel()));
   return Status::Ok();
 }

@@ -53,7 +53,7 @@ StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(gloo::rende
   ncclUniqueId id;
   try {
     if (rank == 0) {
-      if (Status s = Check(ncclGetUniqueId(&id), "GetUniqueId"); !s.ok()) return s;
+      LTRAIN_RETURN_IF_ERROR(Check(ncclGetUniqueId(&id), "GetUniqueId"));
       const char* bytes = reinterpret_cast<const char*>(&id);
       store.set(kUniqueIdKey, std::vector<char>(bytes, bytes + sizeof(id)));
     } else {
@@ -66,7 +66,7 @@ StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(gloo::rende
     return Unavailable(std::string("nccl: exchanging the unique id through the rendezvous store: ") + e.what());
   }
   ncclComm_t comm = nullptr;
-  if (Status s = Check(ncclCommInitRank(&comm, size, id, rank), "CommInitRank"); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(Check(ncclCommInitRank(&comm, size, id, rank), "CommInitRank"));
   std::unique_ptr<NcclCommunicator> result(new NcclCommunicator(comm, rank, size, device_index, timeout));
   NcclCommunicator* self = result.get();
   result->watchdog_ = std::thread([self] { self->Watch(); });
@@ -134,13 +134,12 @@ void NcclCommunicator::Watch() {
 }
 
 Status NcclCommunicator::AllReduce(at::Tensor& tensor, ncclRedOp_t op) {
-  if (Status s = CheckTensor(tensor); !s.ok()) return s;
-  StatusOr<ncclDataType_t> type = NcclType(tensor.scalar_type());
-  if (!type.ok()) return type.status();
+  LTRAIN_RETURN_IF_ERROR(CheckTensor(tensor));
+  LTRAIN_ASSIGN_OR_RETURN(ncclDataType_t type, NcclType(tensor.scalar_type()));
   c10::cuda::CUDAGuard guard(tensor.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
-  if (Status s = Check(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()), *type,
-                             op, comm_, stream), "AllReduce"); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(Check(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type,
+                             op, comm_, stream), "AllReduce"));
   return Track("AllReduce", stream);
 }
 
@@ -152,43 +151,40 @@ Status NcclCommunicator::AllReduceMean(at::Tensor& tensor) {
 }
 
 Status NcclCommunicator::Broadcast(at::Tensor& tensor, int root) {
-  if (Status s = CheckTensor(tensor); !s.ok()) return s;
-  StatusOr<ncclDataType_t> type = NcclType(tensor.scalar_type());
-  if (!type.ok()) return type.status();
+  LTRAIN_RETURN_IF_ERROR(CheckTensor(tensor));
+  LTRAIN_ASSIGN_OR_RETURN(ncclDataType_t type, NcclType(tensor.scalar_type()));
   c10::cuda::CUDAGuard guard(tensor.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
-  if (Status s = Check(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()), *type,
-                             root, comm_, stream), "Broadcast"); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(Check(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type,
+                             root, comm_, stream), "Broadcast"));
   return Track("Broadcast", stream);
 }
 
 Status NcclCommunicator::AllGather(const at::Tensor& input, at::Tensor& output) {
-  if (Status s = CheckTensor(input); !s.ok()) return s;
-  if (Status s = CheckTensor(output); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(CheckTensor(input));
+  LTRAIN_RETURN_IF_ERROR(CheckTensor(output));
   if (output.numel() != input.numel() * size_ || output.scalar_type() != input.scalar_type()) {
     return InvalidArgument("AllGather output must hold size() * input.numel() elements of the input's dtype");
   }
-  StatusOr<ncclDataType_t> type = NcclType(input.scalar_type());
-  if (!type.ok()) return type.status();
+  LTRAIN_ASSIGN_OR_RETURN(ncclDataType_t type, NcclType(input.scalar_type()));
   c10::cuda::CUDAGuard guard(input.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(input.device().index()).stream();
-  if (Status s = Check(ncclAllGather(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()), *type,
-                             comm_, stream), "AllGather"); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(Check(ncclAllGather(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()), type,
+                             comm_, stream), "AllGather"));
   return Track("AllGather", stream);
 }
 
 Status NcclCommunicator::ReduceScatter(const at::Tensor& input, at::Tensor& output, ncclRedOp_t op) {
-  if (Status s = CheckTensor(input); !s.ok()) return s;
-  if (Status s = CheckTensor(output); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(CheckTensor(input));
+  LTRAIN_RETURN_IF_ERROR(CheckTensor(output));
   if (input.numel() != output.numel() * size_ || output.scalar_type() != input.scalar_type()) {
     return InvalidArgument("ReduceScatter input must hold size() * output.numel() elements of the output's dtype");
   }
-  StatusOr<ncclDataType_t> type = NcclType(input.scalar_type());
-  if (!type.ok()) return type.status();
+  LTRAIN_ASSIGN_OR_RETURN(ncclDataType_t type, NcclType(input.scalar_type()));
   c10::cuda::CUDAGuard guard(input.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(input.device().index()).stream();
-  if (Status s = Check(ncclReduceScatter(input.data_ptr(), output.data_ptr(), static_cast<size_t>(output.numel()), *type,
-                                 op, comm_, stream), "ReduceScatter"); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(Check(ncclReduceScatter(input.data_ptr(), output.data_ptr(), static_cast<size_t>(output.numel()), type,
+                                 op, comm_, stream), "ReduceScatter"));
   return Track("ReduceScatter", stream);
 }
 
@@ -202,23 +198,21 @@ Status NcclCommunicator::ReduceScatterMean(const at::Tensor& input, at::Tensor& 
 }
 
 Status NcclCommunicator::Send(const at::Tensor& tensor, int dst, uint32_t /*tag*/) {
-  if (Status s = CheckTensor(tensor); !s.ok()) return s;
-  StatusOr<ncclDataType_t> type = NcclType(tensor.scalar_type());
-  if (!type.ok()) return type.status();
+  LTRAIN_RETURN_IF_ERROR(CheckTensor(tensor));
+  LTRAIN_ASSIGN_OR_RETURN(ncclDataType_t type, NcclType(tensor.scalar_type()));
   c10::cuda::CUDAGuard guard(tensor.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
   pending_.push_back(tensor);
-  if (Status s = Check(ncclSend(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), *type, dst, comm_, stream), "Send"); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(Check(ncclSend(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type, dst, comm_, stream), "Send"));
   return Track("Send", stream);
 }
 
 Status NcclCommunicator::Recv(at::Tensor& tensor, int src, uint32_t /*tag*/) {
-  if (Status s = CheckTensor(tensor); !s.ok()) return s;
-  StatusOr<ncclDataType_t> type = NcclType(tensor.scalar_type());
-  if (!type.ok()) return type.status();
+  LTRAIN_RETURN_IF_ERROR(CheckTensor(tensor));
+  LTRAIN_ASSIGN_OR_RETURN(ncclDataType_t type, NcclType(tensor.scalar_type()));
   c10::cuda::CUDAGuard guard(tensor.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
-  if (Status s = Check(ncclRecv(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), *type, src, comm_, stream), "Recv"); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(Check(ncclRecv(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type, src, comm_, stream), "Recv"));
   return Track("Recv", stream);
 }
 
@@ -231,7 +225,7 @@ Status NcclCommunicator::WaitSends() {
 Status NcclCommunicator::Barrier() {
   // NCCL has no barrier: all-reduce one element and wait for it.
   at::Tensor one = at::ones({1}, at::TensorOptions().dtype(at::kFloat).device(at::kCUDA, device_));
-  if (Status s = AllReduceSum(one); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(AllReduceSum(one));
   c10::cuda::getCurrentCUDAStream(device_).synchronize();
   return Status::Ok();
 }

@@ -59,7 +59,7 @@ StatusOr<WorkerEnv> ParseWorkerEnv(const EnvLookup& environment, const std::vect
                              {"LTRAIN_LOCAL_RANK", &env.local_rank},
                              {"LTRAIN_LOCAL_WORLD_SIZE", &env.local_world_size},
                              {"LTRAIN_GENERATION", &env.generation}}) {
-    if (Status s = EnvInt(environment, name, field); !s.ok()) return s;
+    LTRAIN_RETURN_IF_ERROR(EnvInt(environment, name, field));
   }
   env.recipe_file = Get(environment, "LTRAIN_RECIPE_FILE");
   env.rdzv = Get(environment, "LTRAIN_RDZV");
@@ -79,18 +79,15 @@ StatusOr<WorkerEnv> ParseWorkerEnv(const EnvLookup& environment, const std::vect
     if (arg == "--help" || arg == "-h") {
       env.help = true;
     } else if (arg == "--recipe" || arg.rfind("--recipe=", 0) == 0) {
-      StatusOr<std::string> v = value("--recipe");
-      if (!v.ok()) return v.status();
-      env.recipe_file = *v;
+      LTRAIN_ASSIGN_OR_RETURN(std::string v, value("--recipe"));
+      env.recipe_file = v;
     } else if (arg == "--export-params" || arg.rfind("--export-params=", 0) == 0) {
-      StatusOr<std::string> v = value("--export-params");
-      if (!v.ok()) return v.status();
-      env.export_params = *v;
+      LTRAIN_ASSIGN_OR_RETURN(std::string v, value("--export-params"));
+      env.export_params = v;
     } else if (arg == "--set" || arg.rfind("--set=", 0) == 0) {
-      StatusOr<std::string> v = value("--set");
-      if (!v.ok()) return v.status();
-      if (v->find('=') == std::string::npos) return InvalidArgument("--set " + *v + ": expected key=value");
-      env.overrides.push_back(*v);
+      LTRAIN_ASSIGN_OR_RETURN(std::string v, value("--set"));
+      if (v.find('=') == std::string::npos) return InvalidArgument("--set " + v + ": expected key=value");
+      env.overrides.push_back(v);
     } else {
       return InvalidArgument("unknown argument '" + arg + "' (see --help)");
     }

@@ -551,7 +551,7 @@ StatusOr<torch::Tensor> ModelShard::GatherFull(const ShardParam& p, const torch:
   if (p.split == TpSplit::kReplicated || spec_.layout.tp == 1) return local.clone();
   const int n = spec_.layout.tp;
   torch::Tensor out = torch::empty({n * local.numel()}, local.options());
-  if (Status s = tp_->AllGather(local, out); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(tp_->AllGather(local, out));
   std::vector<int64_t> shape = local.sizes().vec();
   std::vector<int64_t> stacked = shape;
   stacked.insert(stacked.begin(), n);

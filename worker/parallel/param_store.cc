@@ -243,7 +243,7 @@ Status ParamStore::BroadcastParameters() {
   if (zero_ == 3) return Status::Ok();
   torch::NoGradGuard no_grad;
   for (Unit& unit : units_) {
-    if (Status s = dp_->Broadcast(unit.full, 0); !s.ok()) return s;
+    LTRAIN_RETURN_IF_ERROR(dp_->Broadcast(unit.full, 0));
   }
   RefreshCompute();
   return Status::Ok();
@@ -330,7 +330,7 @@ void ParamStore::Launch(int u) {
       if (grads[k].defined()) flat.narrow(0, layout.offsets[k], grads[k].numel()).copy_(grads[k].reshape(-1));
     }
     torch::Tensor mine = torch::empty({layout.shard}, shard.options());
-    if (Status s = comm->ReduceScatterSum(flat, mine); !s.ok()) return s;
+    LTRAIN_RETURN_IF_ERROR(comm->ReduceScatterSum(flat, mine));
     if (dp > 1) mine.div_(dp);
     shard.add_(mine);
     return Status::Ok();
