@@ -595,17 +595,46 @@ Status Coordinator::Heartbeat(const v1::HeartbeatRequest& request) {
   if (found == nodes_.end() || !found->second.connected) {
     return NotFound("node " + request.node_id() + " is not connected; reconnect first");
   }
-  int64_t now = clock_->SteadyMs();
-  found->second.last_heartbeat_ms = now;
+  found->second.last_heartbeat_ms = clock_->SteadyMs();
   for (const auto& report : request.progress()) {
-    ActiveJob* job = FindLocked(report.job_id());
-    if (job == nullptr || report.generation() != job->job.generation()) continue;
-    Progress& progress = job->progress[report.rank()];
-    progress.report = report;
-    progress.received_ms = now;
-    RecordCommitLocked(*job, report.committed_step(), report.committed_path(), report.rank());
+    if (ActiveJob* job = FindLocked(report.job_id())) ApplyProgressLocked(*job, report);
   }
   return Status::Ok();
+}
+
+Status Coordinator::ReportProgress(const v1::ProgressReport& request) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& report : request.progress()) {
+    if (ActiveJob* job = FindLocked(report.job_id())) ApplyProgressLocked(*job, report);
+  }
+  return Status::Ok();
+}
+
+void Coordinator::ApplyProgressLocked(ActiveJob& job, const v1::RankProgress& report) {
+  if (report.generation() != job.job.generation()) return;
+  auto [found, added] = job.progress.try_emplace(report.rank());
+  Progress& progress = found->second;
+  // Heartbeats and the ordered reports travel apart: an older report than one already applied
+  // (its news is in the newer one) changes nothing.
+  if (!added && report.seq() < progress.report.seq()) return;
+  progress.report = report;
+  progress.received_ms = clock_->SteadyMs();
+  if (report.stopped_after_checkpoint()) job.stopped_early = true;
+  RecordCommitLocked(job, report.committed_step(), report.committed_path(), report.rank());
+  if (report.rank() != 0 || !report.has_completed()) return;
+  const v1::StepFigures& step = report.completed();
+  const double eta_s = std::max<int64_t>(0, step.total_steps() - step.step()) * step.step_ms() / 1000.0;
+  if (step.step() == job.job.last_step() && step.total_steps() == job.job.total_steps() &&
+      step.loss() == job.job.last_loss() && step.tokens_per_s() == job.job.tokens_per_s() &&
+      eta_s == job.job.eta_s()) {
+    return;  // nothing new since the last report
+  }
+  job.job.set_last_step(step.step());
+  job.job.set_total_steps(step.total_steps());
+  job.job.set_last_loss(step.loss());
+  job.job.set_tokens_per_s(step.tokens_per_s());
+  job.job.set_eta_s(eta_s);
+  PersistJobLocked(job);
 }
 
 Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {
@@ -613,6 +642,9 @@ Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {
   ActiveJob* job = FindLocked(report.job_id());
   if (job == nullptr) return NotFound("job " + report.job_id() + " is not run by this coordinator");
   if (report.generation() != job->job.generation()) return Status::Ok();  // a stale generation
+  // What the rank reported last comes before its exit: a commit, its last step, a stop after a
+  // final checkpoint.
+  if (report.has_progress()) ApplyProgressLocked(*job, report.progress());
   v1::RankInfo rank;
   rank.set_rank(report.rank());
   rank.set_node_id(report.node_id());
