@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
-#include <regex>
 
 #include "common/layout.h"
 #include "common/logging.h"
@@ -708,36 +707,11 @@ void Coordinator::RecordCommitLocked(ActiveJob& job, int64_t step, const std::st
 }
 
 void Coordinator::PushLogs(const v1::PushLogsRequest& request) {
-  static const std::regex kProgress(
-      R"(^step (\d+)/(\d+) loss ([0-9.eE+-]+|nan|inf)(?: lr \S+ tok/s ([0-9.]+) step_ms ([0-9.]+))?)");
-  // Rank 0's line after a commit; it arrives before any exit report of that rank, so a failure right
-  // after a checkpoint still knows the checkpoint.
-  static const std::regex kCommitted(R"(^checkpoint step-(\d+) written to (\S+))");
-  // A worker's last line when it ends a stop with a final checkpoint: known even to a coordinator
-  // that restarted after the stop was asked.
-  static const std::regex kStoppedEarly(R"(^rank \d+: stopped after step \d+ of \d+)");
   std::lock_guard<std::mutex> lock(mu_);
   ActiveJob* job = FindLocked(request.job_id());
   if (job == nullptr) return;
   std::vector<v1::Event> stored;
   for (const auto& line : request.lines()) {
-    std::smatch match;
-    if (line.rank() == 0 && std::regex_search(line.text(), match, kProgress)) {
-      job->job.set_last_step(std::stoll(match[1]));
-      job->job.set_total_steps(std::stoll(match[2]));
-      job->job.set_last_loss(std::strtod(match[3].str().c_str(), nullptr));
-      if (match[4].matched) {
-        job->job.set_tokens_per_s(std::strtod(match[4].str().c_str(), nullptr));
-        double step_ms = std::strtod(match[5].str().c_str(), nullptr);
-        job->job.set_eta_s((job->job.total_steps() - job->job.last_step()) * step_ms / 1000.0);
-      }
-      PersistJobLocked(*job);
-    } else if (line.rank() == 0 && std::regex_search(line.text(), match, kCommitted)) {
-      int64_t step = std::stoll(match[1]);
-      RecordCommitLocked(*job, step, (std::filesystem::path(match[2].str()) / ("step-" + match[1].str())).string(),
-                         line.rank());
-    }
-    if (std::regex_search(line.text(), kStoppedEarly)) job->stopped_early = true;
     AddEventLocked(*job, "log", line.text(), line.rank());
     stored.push_back(job->events.back());
   }

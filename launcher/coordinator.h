@@ -75,9 +75,9 @@ class Coordinator {
   void NodeDisconnected(const std::string& node_id, int64_t token);
   void NodeLeaving(const std::string& node_id, const std::string& reason);
   std::optional<v1::Command> WaitCommand(const std::string& node_id, int64_t timeout_ms);
-  // A job's steps, losses, throughput, commits and stops after a final checkpoint come from its
-  // ranks' typed progress reports (v1::RankProgress), wherever they ride: heartbeats, progress
-  // reports, and exit reports (applied before the exit).
+  // A job's steps, losses, throughput, commits and stops after a final checkpoint come only from
+  // its ranks' typed progress reports (v1::RankProgress), wherever they ride: heartbeats, progress
+  // reports, and exit reports (applied before the exit). Log lines are stored, never read.
   Status Heartbeat(const v1::HeartbeatRequest& request);
   Status ReportProgress(const v1::ProgressReport& request);
   Status ReportWorkerState(const v1::WorkerStateReport& report);

@@ -238,28 +238,40 @@ TEST_F(CoordinatorTest, RendezvousGetReturnsPublishedValuesAndTimesOut) {
   EXPECT_EQ((*values)[1], "addr1");
 }
 
-TEST_F(CoordinatorTest, EventsCarryLogsAndProgress) {
+TEST_F(CoordinatorTest, LogLinesAreStoredAsEventsAndNothingIsLearntFromTheirText) {
   Connect("a");
   Connect("b");
   std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
   v1::PushLogsRequest logs;
   logs.set_job_id(id);
-  v1::LogLine* line = logs.add_lines();
-  line->set_rank(0);
-  line->set_text("step 3/5 loss 2.500000 lr 1.0e-03 tok/s 100 step_ms 1.0");
+  for (const char* text :
+       {"step 3/5 loss 2.500000 lr 1.0e-03 tok/s 100 step_ms 1.0", "checkpoint step-3 written to /ck in 3 ms",
+        "rank 0: stopped after step 3 of 5, with its checkpoint committed: the job is being stopped"}) {
+    v1::LogLine* line = logs.add_lines();
+    line->set_rank(0);
+    line->set_text(text);
+  }
   coordinator_->PushLogs(logs);
   bool finished = false;
   std::vector<v1::Event> events = *coordinator_->WaitEvents(id, 0, true, 0, &finished);
   EXPECT_FALSE(finished);
-  ASSERT_FALSE(events.empty());
+  ASSERT_GE(events.size(), 3u);
   EXPECT_EQ(events.back().kind(), "log");
-  EXPECT_EQ(coordinator_->GetJob(id)->last_step(), 3);
-  EXPECT_DOUBLE_EQ(coordinator_->GetJob(id)->last_loss(), 2.5);
-  EXPECT_EQ(coordinator_->GetJob(id)->total_steps(), 5);
-  EXPECT_DOUBLE_EQ(coordinator_->GetJob(id)->tokens_per_s(), 100);
-  EXPECT_DOUBLE_EQ(coordinator_->GetJob(id)->eta_s(), 0.002);
+  EXPECT_EQ(events.back().rank(), 0);
+  EXPECT_EQ(events[events.size() - 3].message(), "step 3/5 loss 2.500000 lr 1.0e-03 tok/s 100 step_ms 1.0");
   std::vector<v1::Event> without_logs = *coordinator_->WaitEvents(id, 0, false, 0, &finished);
-  EXPECT_EQ(without_logs.size() + 1, events.size());
+  EXPECT_EQ(without_logs.size() + 3, events.size());
+
+  v1::Job job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.last_step(), 0);
+  EXPECT_EQ(job.total_steps(), 0);
+  EXPECT_DOUBLE_EQ(job.last_loss(), 0);
+  EXPECT_DOUBLE_EQ(job.tokens_per_s(), 0);
+  EXPECT_EQ(job.last_committed_step(), 0);
+  EXPECT_TRUE(Events(id, "checkpoint").empty());
+  // Nor does a line saying the ranks stopped after a final checkpoint make the job STOPPED.
+  for (int rank = 0; rank < 4; ++rank) ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, rank, 0)).ok());
+  EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_SUCCEEDED);
 }
 
 TEST_F(CoordinatorTest, StepFiguresComeFromRankZerosProgressInHeartbeats) {
@@ -585,19 +597,6 @@ TEST_F(CoordinatorTest, ResumeStartsAStoppedJobAsANewGeneration) {
   EXPECT_FALSE(coordinator_->Resume(id).ok()) << "a running job cannot be resumed";
 }
 
-// The lines rank 0 prints when it trains a step and when a checkpoint is committed.
-v1::PushLogsRequest RankZeroLines(const std::string& job, const std::vector<std::string>& lines) {
-  v1::PushLogsRequest logs;
-  logs.set_job_id(job);
-  for (const auto& text : lines) {
-    v1::LogLine* line = logs.add_lines();
-    line->set_rank(0);
-    line->set_text(text);
-  }
-  return logs;
-}
-
-// The kRecipe job started on nodes a and b, its checkpoint of step 2 committed; the job's id.
 // `ltrain stop --checkpoint`'s options.
 StopOptions WithCheckpoint() {
   StopOptions options;
@@ -615,13 +614,14 @@ class CheckpointStopCoordinatorTest : public CoordinatorTest {
     EXPECT_TRUE(coordinator_->Stop(id, "", WithCheckpoint()).ok());
     return id;
   }
+  // The kRecipe job started on nodes a and b, its checkpoint of step 2 committed; the job's id.
   std::string RunningWithACommitOfStep2() {
     Connect("a");
     Connect("b");
     std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
     coordinator_->WaitCommand("a", 0);
     coordinator_->WaitCommand("b", 0);
-    coordinator_->PushLogs(RankZeroLines(id, {"checkpoint step-2 written to /ck in 3 ms"}));
+    EXPECT_TRUE(coordinator_->ReportProgress(Urgent("a", Committed(Report(id, 0, 1, 2), 2))).ok());
     return id;
   }
 };
@@ -642,8 +642,7 @@ TEST_F(CheckpointStopCoordinatorTest, StopWithCheckpointAsksTheWorkersThenEndsSt
   ASSERT_TRUE(coordinator_->Stop(id, "time limit", checkpoint).ok());
   EXPECT_FALSE(coordinator_->WaitCommand("a", 0).has_value());
 
-  coordinator_->PushLogs(RankZeroLines(id, {"step 3/5 loss 2.500000 lr 1.0e-03 tok/s 100 step_ms 1.0",
-                                            "checkpoint step-3 written to /ck in 3 ms"}));
+  ASSERT_TRUE(coordinator_->ReportProgress(Urgent("a", Committed(Report(id, 0, 2, 3), 3))).ok());
   for (int rank = 0; rank < 4; ++rank) {
     EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_RUNNING);
     ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, rank, 0)).ok());
@@ -715,20 +714,6 @@ TEST_F(CoordinatorTest, StopWithCheckpointOfAJobNotRunningStopsItAtOnce) {
   EXPECT_EQ(rejected.status().code(), StatusCode::kInvalidArgument);
 }
 
-// The stop was asked of a coordinator that has restarted since: the workers' last lines tell.
-TEST_F(CoordinatorTest, WorkersThatSayTheyStoppedAfterAFinalCheckpointEndTheJobStopped) {
-  Connect("a");
-  Connect("b");
-  std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
-  coordinator_->PushLogs(RankZeroLines(
-      id, {"step 3/5 loss 2.500000 lr 1.0e-03 tok/s 100 step_ms 1.0", "checkpoint step-3 written to /ck in 3 ms",
-           "rank 0: stopped after step 3 of 5, with its checkpoint committed: the job is being stopped"}));
-  for (int rank = 0; rank < 4; ++rank) ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, rank, 0)).ok());
-  v1::Job job = *coordinator_->GetJob(id);
-  EXPECT_EQ(job.state(), v1::JOB_STATE_STOPPED);
-  EXPECT_EQ(job.cause(), "stopped after a final checkpoint; final checkpoint of step 3 committed");
-}
-
 // The stop was asked of a coordinator that has restarted since: the ranks' last reports, in their
 // exit reports, tell.
 TEST_F(CoordinatorTest, RanksThatReportTheyStoppedAfterAFinalCheckpointEndTheJobStopped) {
@@ -766,8 +751,7 @@ TEST_F(CoordinatorTest, AStopAfterAFinalCheckpointReportedAheadOfTheExitsEndsThe
 
 TEST_F(CheckpointStopCoordinatorTest, JobThatFinishesItsStepsWhileStoppingWithCheckpointSucceeds) {
   std::string id = StoppingWithCheckpoint(kRecipe);
-  coordinator_->PushLogs(RankZeroLines(id, {"step 5/5 loss 2.500000 lr 1.0e-03 tok/s 100 step_ms 1.0",
-                                            "checkpoint step-5 written to /ck in 3 ms"}));
+  ASSERT_TRUE(coordinator_->ReportProgress(Urgent("a", Committed(Report(id, 0, 1, 5), 5))).ok());
   for (int rank = 0; rank < 4; ++rank) ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, rank, 0)).ok());
   EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_SUCCEEDED);
 }
