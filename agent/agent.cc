@@ -7,7 +7,9 @@
 #include <condition_variable>
 #include <deque>
 #include <filesystem>
+#include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <mutex>
 #include <thread>
@@ -15,6 +17,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "agent/progress_table.h"
 #include "agent/supervisor.h"
 #include "common/clock.h"
 #include "common/logging.h"
@@ -52,29 +55,23 @@ class RendezvousProxy final : public v1::RendezvousService::Service {
   std::unique_ptr<v1::RendezvousService::Stub> stub_;
 };
 
-// Receives the progress reports of this node's workers.
+// Receives the progress reports of this node's workers into the table, and answers each with
+// whether the job is to stop after a final checkpoint. A report that brings news (see
+// ProgressTable::Record) goes to `news` before the reply: the worker prints only after the reply.
 class ProgressSink final : public v1::WorkerService::Service {
  public:
-  struct Entry {
-    v1::RankProgress report;
-    int64_t received_ms = 0;  // steady
-    int64_t changed_ms = 0;   // steady: when step, phase or the newest collective last changed
-  };
+  ProgressSink(ProgressTable* table, std::function<void(v1::RankProgress)> news)
+      : table_(table), news_(std::move(news)) {}
 
   grpc::Status ReportProgress(grpc::ServerContext*, const v1::RankProgress* request, v1::ProgressAck* ack) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (auto stop = checkpoint_stops_.find(request->job_id());
-        stop != checkpoint_stops_.end() && request->generation() <= stop->second) {
-      ack->set_checkpoint_and_stop(true);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (auto stop = checkpoint_stops_.find(request->job_id());
+          stop != checkpoint_stops_.end() && request->generation() <= stop->second) {
+        ack->set_checkpoint_and_stop(true);
+      }
     }
-    int64_t now = clock_.SteadyMs();
-    Entry& entry = entries_[{request->job_id(), request->rank()}];
-    bool changed = entry.received_ms == 0 || entry.report.generation() != request->generation() ||
-                   entry.report.step() != request->step() || entry.report.phase() != request->phase() ||
-                   Newest(entry.report) != Newest(*request);
-    entry.report = *request;
-    entry.received_ms = now;
-    if (changed) entry.changed_ms = now;
+    if (std::optional<v1::RankProgress> news = table_->Record(*request)) news_(std::move(*news));
     return grpc::Status::OK;
   }
 
@@ -86,37 +83,16 @@ class ProgressSink final : public v1::WorkerService::Service {
     if (!added) stop->second = std::max(stop->second, generation);
   }
 
-  // The latest report of each live rank, with idle_ms and silent_ms from this node's clock.
-  std::vector<v1::RankProgress> Collect(const std::set<std::pair<std::string, int>>& live) {
-    std::lock_guard<std::mutex> lock(mu_);
-    int64_t now = clock_.SteadyMs();
-    std::vector<v1::RankProgress> out;
-    for (auto it = entries_.begin(); it != entries_.end();) {
-      if (!live.count(it->first)) {
-        it = entries_.erase(it);
-        continue;
-      }
-      v1::RankProgress report = it->second.report;
-      report.set_idle_ms(now - it->second.changed_ms);
-      report.set_silent_ms(now - it->second.received_ms);
-      out.push_back(std::move(report));
-      ++it;
-    }
-    return out;
-  }
-
  private:
-  static std::pair<uint64_t, int64_t> Newest(const v1::RankProgress& report) {
-    if (report.collectives_size() == 0) return {0, 0};
-    const auto& last = *report.collectives().rbegin();
-    return {last.seq(), last.end_unix_ms()};
-  }
-
-  RealClock clock_;
+  ProgressTable* table_;
+  std::function<void(v1::RankProgress)> news_;
   std::mutex mu_;
-  std::map<std::pair<std::string, int>, Entry> entries_;
   std::map<std::string, int> checkpoint_stops_;  // job id -> newest generation to stop after a checkpoint
 };
+
+// What the sender thread delivers to the coordinator, in order: the supervisor's messages and the
+// progress that must come before the lines printed after it.
+using OutboxMessage = std::variant<v1::WorkerStateReport, v1::PushLogsRequest, v1::ProgressReport>;
 
 class AgentImpl : public Agent, private SupervisorOutbox {
  public:
@@ -273,12 +249,12 @@ class AgentImpl : public Agent, private SupervisorOutbox {
       }
       v1::HeartbeatRequest request;
       request.set_node_id(options_.node_id);
-      std::set<std::pair<std::string, int>> live;
+      std::set<WorkerKey> live;
       {
         std::lock_guard<std::mutex> lock(live_mu_);
-        for (const auto& w : live_) live.insert({w.job_id(), w.rank()});
+        for (const auto& w : live_) live.insert({w.job_id(), w.generation(), w.rank()});
       }
-      for (auto& report : progress_.Collect(live)) *request.add_progress() = std::move(report);
+      for (auto& report : progress_table_.Collect(live)) *request.add_progress() = std::move(report);
       v1::HeartbeatReply reply;
       grpc::ClientContext context;
       context.set_deadline(Deadline(options_.heartbeat_interval_s));
@@ -286,15 +262,23 @@ class AgentImpl : public Agent, private SupervisorOutbox {
     }
   }
 
-  void Enqueue(SupervisorMessage message) {
+  void Enqueue(OutboxMessage message) {
     std::lock_guard<std::mutex> lock(out_mu_);
     outbox_.push_back(std::move(message));
     out_cv_.notify_all();
   }
 
+  // On a WorkerService handler's thread, before the worker gets its reply.
+  void SendProgressNews(v1::RankProgress report) {
+    v1::ProgressReport message;
+    message.set_node_id(options_.node_id);
+    *message.add_progress() = std::move(report);
+    Enqueue(std::move(message));
+  }
+
   void SendLoop() {
     while (true) {
-      SupervisorMessage message;
+      OutboxMessage message;
       {
         std::unique_lock<std::mutex> lock(out_mu_);
         out_cv_.wait(lock, [this] { return sender_done_ || !outbox_.empty(); });
@@ -307,6 +291,9 @@ class AgentImpl : public Agent, private SupervisorOutbox {
       if (auto* report = std::get_if<v1::WorkerStateReport>(&message)) {
         v1::WorkerStateReply reply;
         status = agent_stub_->ReportWorkerState(&context, *report, &reply);
+      } else if (auto* progress = std::get_if<v1::ProgressReport>(&message)) {
+        v1::ProgressReply reply;
+        status = agent_stub_->ReportProgress(&context, *progress, &reply);
       } else {
         v1::PushLogsReply reply;
         status = agent_stub_->PushLogs(&context, std::get<v1::PushLogsRequest>(message), &reply);
@@ -322,7 +309,9 @@ class AgentImpl : public Agent, private SupervisorOutbox {
   }
 
   // SupervisorOutbox, on the supervisor thread.
-  void Send(SupervisorMessage message) override { Enqueue(std::move(message)); }
+  void Send(SupervisorMessage message) override {
+    std::visit([this](auto&& m) { Enqueue(std::move(m)); }, std::move(message));
+  }
   void RunningChanged(const std::vector<v1::RunningWorker>& running) override {
     std::lock_guard<std::mutex> lock(live_mu_);
     live_ = running;
@@ -337,6 +326,11 @@ class AgentImpl : public Agent, private SupervisorOutbox {
     options.bind_address = options_.bind_address;
     options.agent_address = "127.0.0.1:" + std::to_string(proxy_port_);
     options.stop_grace_ms = static_cast<int64_t>(options_.stop_grace_s * 1000);
+    // The rank's last progress goes with its exit: a commit or a stop reported just before the exit
+    // is applied before it.
+    options.complete_exit_report = [this](v1::WorkerStateReport& report) {
+      progress_table_.CompleteExitReport(report);
+    };
     Supervisor supervisor(std::move(options), *spawner_, clock, *this);
     while (true) {
       std::deque<v1::Command> commands;
@@ -394,13 +388,15 @@ class AgentImpl : public Agent, private SupervisorOutbox {
   bool orphan_kill_requested_ = false;
   int64_t job_heartbeat_ms_ = 0;
 
-  ProgressSink progress_;
+  RealClock clock_;
+  ProgressTable progress_table_{clock_};
+  ProgressSink progress_{&progress_table_, [this](v1::RankProgress report) { SendProgressNews(std::move(report)); }};
   std::mutex live_mu_;
   std::vector<v1::RunningWorker> live_;  // workers not yet reaped, for registration and heartbeats
 
   std::mutex out_mu_;
   std::condition_variable out_cv_;
-  std::deque<SupervisorMessage> outbox_;
+  std::deque<OutboxMessage> outbox_;
   bool sender_done_ = false;
 
   std::thread supervisor_, sender_, connector_, heartbeat_;

@@ -5,10 +5,16 @@
 // save and exit on their own. Workers reach the coordinator's rendezvous store only through the
 // agent's local RendezvousService proxy.
 //
-// Threads: the connect thread reads the coordinator's command stream; the heartbeat thread beats;
-// the supervisor thread owns the Supervisor (agent/supervisor.h), the only code that spawns, reads
-// output, reaps and kills, and waits for the workers' output between its steps; the sender thread
-// sends reports and log batches in the order the supervisor produced them.
+// Threads: the connect thread reads the coordinator's command stream; the heartbeat thread beats,
+// with the latest progress report of each running worker (agent/progress_table.h); the supervisor
+// thread owns the Supervisor (agent/supervisor.h), the only code that spawns, reads output, reaps
+// and kills, and waits for the workers' output between its steps; the sender thread sends exit
+// reports, log batches and urgent progress in the order they were queued.
+//
+// Ordering: a worker's progress report that brings a commit or the stop after a final checkpoint
+// is queued by the WorkerService handler before the worker gets its reply, and the worker prints
+// the line that announces it only after that reply, so the coordinator has the news before the
+// line. Each exit report carries the worker's last progress report.
 #pragma once
 
 #include <memory>

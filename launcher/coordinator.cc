@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
-#include <regex>
 
 #include "common/layout.h"
 #include "common/logging.h"
@@ -595,17 +594,46 @@ Status Coordinator::Heartbeat(const v1::HeartbeatRequest& request) {
   if (found == nodes_.end() || !found->second.connected) {
     return NotFound("node " + request.node_id() + " is not connected; reconnect first");
   }
-  int64_t now = clock_->SteadyMs();
-  found->second.last_heartbeat_ms = now;
+  found->second.last_heartbeat_ms = clock_->SteadyMs();
   for (const auto& report : request.progress()) {
-    ActiveJob* job = FindLocked(report.job_id());
-    if (job == nullptr || report.generation() != job->job.generation()) continue;
-    Progress& progress = job->progress[report.rank()];
-    progress.report = report;
-    progress.received_ms = now;
-    RecordCommitLocked(*job, report.committed_step(), report.committed_path(), report.rank());
+    if (ActiveJob* job = FindLocked(report.job_id())) ApplyProgressLocked(*job, report);
   }
   return Status::Ok();
+}
+
+Status Coordinator::ReportProgress(const v1::ProgressReport& request) {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& report : request.progress()) {
+    if (ActiveJob* job = FindLocked(report.job_id())) ApplyProgressLocked(*job, report);
+  }
+  return Status::Ok();
+}
+
+void Coordinator::ApplyProgressLocked(ActiveJob& job, const v1::RankProgress& report) {
+  if (report.generation() != job.job.generation()) return;
+  auto [found, added] = job.progress.try_emplace(report.rank());
+  Progress& progress = found->second;
+  // Heartbeats and the ordered reports travel apart: an older report than one already applied
+  // (its news is in the newer one) changes nothing.
+  if (!added && report.seq() < progress.report.seq()) return;
+  progress.report = report;
+  progress.received_ms = clock_->SteadyMs();
+  if (report.stopped_after_checkpoint()) job.stopped_early = true;
+  RecordCommitLocked(job, report.committed_step(), report.committed_path(), report.rank());
+  if (report.rank() != 0 || !report.has_completed()) return;
+  const v1::StepFigures& step = report.completed();
+  const double eta_s = std::max<int64_t>(0, step.total_steps() - step.step()) * step.step_ms() / 1000.0;
+  if (step.step() == job.job.last_step() && step.total_steps() == job.job.total_steps() &&
+      step.loss() == job.job.last_loss() && step.tokens_per_s() == job.job.tokens_per_s() &&
+      eta_s == job.job.eta_s()) {
+    return;  // nothing new since the last report
+  }
+  job.job.set_last_step(step.step());
+  job.job.set_total_steps(step.total_steps());
+  job.job.set_last_loss(step.loss());
+  job.job.set_tokens_per_s(step.tokens_per_s());
+  job.job.set_eta_s(eta_s);
+  PersistJobLocked(job);
 }
 
 Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {
@@ -613,6 +641,9 @@ Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {
   ActiveJob* job = FindLocked(report.job_id());
   if (job == nullptr) return NotFound("job " + report.job_id() + " is not run by this coordinator");
   if (report.generation() != job->job.generation()) return Status::Ok();  // a stale generation
+  // What the rank reported last comes before its exit: a commit, its last step, a stop after a
+  // final checkpoint.
+  if (report.has_progress()) ApplyProgressLocked(*job, report.progress());
   v1::RankInfo rank;
   rank.set_rank(report.rank());
   rank.set_node_id(report.node_id());
@@ -676,36 +707,11 @@ void Coordinator::RecordCommitLocked(ActiveJob& job, int64_t step, const std::st
 }
 
 void Coordinator::PushLogs(const v1::PushLogsRequest& request) {
-  static const std::regex kProgress(
-      R"(^step (\d+)/(\d+) loss ([0-9.eE+-]+|nan|inf)(?: lr \S+ tok/s ([0-9.]+) step_ms ([0-9.]+))?)");
-  // Rank 0's line after a commit; it arrives before any exit report of that rank, so a failure right
-  // after a checkpoint still knows the checkpoint.
-  static const std::regex kCommitted(R"(^checkpoint step-(\d+) written to (\S+))");
-  // A worker's last line when it ends a stop with a final checkpoint: known even to a coordinator
-  // that restarted after the stop was asked.
-  static const std::regex kStoppedEarly(R"(^rank \d+: stopped after step \d+ of \d+)");
   std::lock_guard<std::mutex> lock(mu_);
   ActiveJob* job = FindLocked(request.job_id());
   if (job == nullptr) return;
   std::vector<v1::Event> stored;
   for (const auto& line : request.lines()) {
-    std::smatch match;
-    if (line.rank() == 0 && std::regex_search(line.text(), match, kProgress)) {
-      job->job.set_last_step(std::stoll(match[1]));
-      job->job.set_total_steps(std::stoll(match[2]));
-      job->job.set_last_loss(std::strtod(match[3].str().c_str(), nullptr));
-      if (match[4].matched) {
-        job->job.set_tokens_per_s(std::strtod(match[4].str().c_str(), nullptr));
-        double step_ms = std::strtod(match[5].str().c_str(), nullptr);
-        job->job.set_eta_s((job->job.total_steps() - job->job.last_step()) * step_ms / 1000.0);
-      }
-      PersistJobLocked(*job);
-    } else if (line.rank() == 0 && std::regex_search(line.text(), match, kCommitted)) {
-      int64_t step = std::stoll(match[1]);
-      RecordCommitLocked(*job, step, (std::filesystem::path(match[2].str()) / ("step-" + match[1].str())).string(),
-                         line.rank());
-    }
-    if (std::regex_search(line.text(), kStoppedEarly)) job->stopped_early = true;
     AddEventLocked(*job, "log", line.text(), line.rank());
     stored.push_back(job->events.back());
   }

@@ -75,7 +75,11 @@ class Coordinator {
   void NodeDisconnected(const std::string& node_id, int64_t token);
   void NodeLeaving(const std::string& node_id, const std::string& reason);
   std::optional<v1::Command> WaitCommand(const std::string& node_id, int64_t timeout_ms);
+  // A job's steps, losses, throughput, commits and stops after a final checkpoint come only from
+  // its ranks' typed progress reports (v1::RankProgress), wherever they ride: heartbeats, progress
+  // reports, and exit reports (applied before the exit). Log lines are stored, never read.
   Status Heartbeat(const v1::HeartbeatRequest& request);
+  Status ReportProgress(const v1::ProgressReport& request);
   Status ReportWorkerState(const v1::WorkerStateReport& report);
   void PushLogs(const v1::PushLogsRequest& request);
 
@@ -123,7 +127,7 @@ class Coordinator {
     int64_t stop_timeout_ms = 0;
     int64_t stop_deadline_ms = 0;        // then a plain stop
     int64_t committed_at_stop = 0;       // last committed step when the stop was asked
-    bool stopped_early = false;          // a worker said it stopped after a final checkpoint
+    bool stopped_early = false;          // a rank reported it stopped after a final checkpoint
     std::vector<v1::Event> events;   // in memory, log lines included
   };
 
@@ -133,6 +137,10 @@ class Coordinator {
   void StopGenerationLocked(ActiveJob& job, const std::string& reason);
   void LoseNodeLocked(const std::string& node_id, const std::string& reason, bool expected = false);
   void CheckHangLocked(ActiveJob& job, int64_t now);
+  // A rank's report of any generation: one of the current generation that is not older than the
+  // last applied for its rank is kept for hang detection and status, and gives the job rank 0's
+  // step figures, the commit and the stop after a final checkpoint.
+  void ApplyProgressLocked(ActiveJob& job, const v1::RankProgress& report);
   void RecordCommitLocked(ActiveJob& job, int64_t step, const std::string& path, int rank);
   void AddEventLocked(ActiveJob& job, const std::string& kind, const std::string& message, int rank);
   void FinishLocked(ActiveJob& job, v1::JobState state, const std::string& cause);

@@ -133,6 +133,13 @@ class AgentServiceImpl final : public v1::AgentService::Service {
     return grpc::Status::OK;
   }
 
+  grpc::Status ReportProgress(grpc::ServerContext* context, const v1::ProgressReport* request,
+                              v1::ProgressReply* reply) override {
+    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
+    SetStatus(reply->mutable_status(), coordinator_->ReportProgress(*request));
+    return grpc::Status::OK;
+  }
+
   grpc::Status Leave(grpc::ServerContext* context, const v1::LeaveRequest* request, v1::LeaveReply*) override {
     if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
     coordinator_->NodeLeaving(request->node_id(), request->reason());

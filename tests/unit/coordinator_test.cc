@@ -51,6 +51,59 @@ class CoordinatorTest : public ::testing::Test {
     return report;
   }
 
+  // Rank `rank`'s progress report number `seq` (generation 0), in step `completed_step` + 1 after
+  // completing `completed_step` of 5 (none when 0) with loss 2.5 at 100 tokens/s and 1 ms a step.
+  static v1::RankProgress Report(const std::string& job, int rank, int64_t seq, int64_t completed_step = 0) {
+    v1::RankProgress report;
+    report.set_job_id(job);
+    report.set_rank(rank);
+    report.set_seq(seq);
+    report.set_step(completed_step + 1);
+    report.set_phase("forward");
+    if (completed_step > 0) {
+      v1::StepFigures* step = report.mutable_completed();
+      step->set_step(completed_step);
+      step->set_total_steps(5);
+      step->set_loss(2.5);
+      step->set_lr(1e-3);
+      step->set_tokens_per_s(100);
+      step->set_step_ms(1.0);
+    }
+    return report;
+  }
+
+  // `report` after rank 0 committed the checkpoint of `step` in /ck.
+  static v1::RankProgress Committed(v1::RankProgress report, int64_t step) {
+    report.set_committed_step(step);
+    report.set_committed_path("/ck/step-" + std::to_string(step));
+    return report;
+  }
+
+  // What an agent sends at once when a report brings a commit or a stop (AgentService.ReportProgress).
+  static v1::ProgressReport Urgent(const std::string& node, const v1::RankProgress& report) {
+    v1::ProgressReport request;
+    request.set_node_id(node);
+    *request.add_progress() = report;
+    return request;
+  }
+
+  static v1::HeartbeatRequest BeatWith(const std::string& node, const v1::RankProgress& report) {
+    v1::HeartbeatRequest request = Beat(node);
+    *request.add_progress() = report;
+    return request;
+  }
+
+  // The job's events of `kind`, oldest first.
+  std::vector<v1::Event> Events(const std::string& job, const std::string& kind) {
+    bool finished = false;
+    std::vector<v1::Event> events = *coordinator_->WaitEvents(job, 0, true, 0, &finished);
+    std::vector<v1::Event> out;
+    for (auto& event : events) {
+      if (event.kind() == kind) out.push_back(std::move(event));
+    }
+    return out;
+  }
+
   FakeClock clock_;
   std::unique_ptr<StateStore> store_;
   std::unique_ptr<Coordinator> coordinator_;
@@ -185,28 +238,126 @@ TEST_F(CoordinatorTest, RendezvousGetReturnsPublishedValuesAndTimesOut) {
   EXPECT_EQ((*values)[1], "addr1");
 }
 
-TEST_F(CoordinatorTest, EventsCarryLogsAndProgress) {
+TEST_F(CoordinatorTest, LogLinesAreStoredAsEventsAndNothingIsLearntFromTheirText) {
   Connect("a");
   Connect("b");
   std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
   v1::PushLogsRequest logs;
   logs.set_job_id(id);
-  v1::LogLine* line = logs.add_lines();
-  line->set_rank(0);
-  line->set_text("step 3/5 loss 2.500000 lr 1.0e-03 tok/s 100 step_ms 1.0");
+  for (const char* text :
+       {"step 3/5 loss 2.500000 lr 1.0e-03 tok/s 100 step_ms 1.0", "checkpoint step-3 written to /ck in 3 ms",
+        "rank 0: stopped after step 3 of 5, with its checkpoint committed: the job is being stopped"}) {
+    v1::LogLine* line = logs.add_lines();
+    line->set_rank(0);
+    line->set_text(text);
+  }
   coordinator_->PushLogs(logs);
   bool finished = false;
   std::vector<v1::Event> events = *coordinator_->WaitEvents(id, 0, true, 0, &finished);
   EXPECT_FALSE(finished);
-  ASSERT_FALSE(events.empty());
+  ASSERT_GE(events.size(), 3u);
   EXPECT_EQ(events.back().kind(), "log");
+  EXPECT_EQ(events.back().rank(), 0);
+  EXPECT_EQ(events[events.size() - 3].message(), "step 3/5 loss 2.500000 lr 1.0e-03 tok/s 100 step_ms 1.0");
+  std::vector<v1::Event> without_logs = *coordinator_->WaitEvents(id, 0, false, 0, &finished);
+  EXPECT_EQ(without_logs.size() + 3, events.size());
+
+  v1::Job job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.last_step(), 0);
+  EXPECT_EQ(job.total_steps(), 0);
+  EXPECT_DOUBLE_EQ(job.last_loss(), 0);
+  EXPECT_DOUBLE_EQ(job.tokens_per_s(), 0);
+  EXPECT_EQ(job.last_committed_step(), 0);
+  EXPECT_TRUE(Events(id, "checkpoint").empty());
+  // Nor does a line saying the ranks stopped after a final checkpoint make the job STOPPED.
+  for (int rank = 0; rank < 4; ++rank) ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, rank, 0)).ok());
+  EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_SUCCEEDED);
+}
+
+TEST_F(CoordinatorTest, StepFiguresComeFromRankZerosProgressInHeartbeats) {
+  Connect("a");
+  Connect("b");
+  std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
+  ASSERT_TRUE(coordinator_->Heartbeat(BeatWith("a", Report(id, 0, 7, 3))).ok());
+  v1::Job job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.last_step(), 3);
+  EXPECT_EQ(job.total_steps(), 5);
+  EXPECT_DOUBLE_EQ(job.last_loss(), 2.5);
+  EXPECT_DOUBLE_EQ(job.tokens_per_s(), 100);
+  EXPECT_DOUBLE_EQ(job.eta_s(), 0.002);  // 2 steps left at 1 ms
+  ASSERT_EQ(job.ranks_size(), 4);
+  EXPECT_EQ(job.ranks(0).last_step(), 4) << "the step rank 0 works on";
+  EXPECT_EQ(job.ranks(0).phase(), "forward");
+  // Persisted: the stored job has them too.
+  EXPECT_EQ(store_->GetJob(id)->last_step(), 3);
+  EXPECT_DOUBLE_EQ(store_->GetJob(id)->last_loss(), 2.5);
+
+  // Another rank's figures are its own.
+  v1::RankProgress rank2 = Report(id, 2, 9, 4);
+  rank2.mutable_completed()->set_loss(7.0);
+  ASSERT_TRUE(coordinator_->Heartbeat(BeatWith("b", rank2)).ok());
   EXPECT_EQ(coordinator_->GetJob(id)->last_step(), 3);
   EXPECT_DOUBLE_EQ(coordinator_->GetJob(id)->last_loss(), 2.5);
-  EXPECT_EQ(coordinator_->GetJob(id)->total_steps(), 5);
-  EXPECT_DOUBLE_EQ(coordinator_->GetJob(id)->tokens_per_s(), 100);
-  EXPECT_DOUBLE_EQ(coordinator_->GetJob(id)->eta_s(), 0.002);
-  std::vector<v1::Event> without_logs = *coordinator_->WaitEvents(id, 0, false, 0, &finished);
-  EXPECT_EQ(without_logs.size() + 1, events.size());
+
+  // A heartbeat that collected an older report than one already applied changes nothing.
+  ASSERT_TRUE(coordinator_->Heartbeat(BeatWith("a", Report(id, 0, 8, 4))).ok());
+  ASSERT_TRUE(coordinator_->Heartbeat(BeatWith("a", Report(id, 0, 6, 2))).ok());
+  EXPECT_EQ(coordinator_->GetJob(id)->last_step(), 4);
+  EXPECT_EQ(coordinator_->GetJob(id)->ranks(0).last_step(), 5);
+
+  // A report of another generation neither.
+  v1::RankProgress stale = Report(id, 0, 100, 1);
+  stale.set_generation(1);
+  ASSERT_TRUE(coordinator_->Heartbeat(BeatWith("a", stale)).ok());
+  EXPECT_EQ(coordinator_->GetJob(id)->last_step(), 4);
+}
+
+TEST_F(CoordinatorTest, CommitComesFromTheProgressReportSentAheadOfItsLine) {
+  Connect("a");
+  Connect("b");
+  std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
+  ASSERT_TRUE(coordinator_->ReportProgress(Urgent("a", Committed(Report(id, 0, 3, 2), 2))).ok());
+  v1::Job job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.last_committed_step(), 2);
+  EXPECT_EQ(job.last_committed_path(), "/ck/step-2");
+  EXPECT_EQ(job.last_step(), 2);
+  std::vector<v1::Event> commits = Events(id, "checkpoint");
+  ASSERT_EQ(commits.size(), 1u);
+  EXPECT_EQ(commits[0].message(), "checkpoint of step 2 committed: /ck/step-2");
+  EXPECT_EQ(commits[0].rank(), 0);
+
+  // Heartbeats go on carrying the same commit: it is recorded once.
+  ASSERT_TRUE(coordinator_->Heartbeat(BeatWith("a", Committed(Report(id, 0, 4, 3), 2))).ok());
+  EXPECT_EQ(Events(id, "checkpoint").size(), 1u);
+  EXPECT_EQ(coordinator_->GetJob(id)->last_step(), 3);
+}
+
+TEST_F(CoordinatorTest, ExitReportsProgressIsAppliedBeforeTheExit) {
+  Connect("a");
+  Connect("b");
+  std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
+  ASSERT_TRUE(coordinator_->Heartbeat(BeatWith("a", Committed(Report(id, 0, 1, 3), 3))).ok());
+  for (int rank = 1; rank < 4; ++rank) ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, rank, 0)).ok());
+  // Rank 0 completed and committed the last step and exited before any heartbeat told.
+  v1::WorkerStateReport last = Exit(id, 0, 0);
+  *last.mutable_progress() = Committed(Report(id, 0, 9, 5), 5);
+  ASSERT_TRUE(coordinator_->ReportWorkerState(last).ok());
+  v1::Job job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(job.last_step(), 5);
+  EXPECT_EQ(job.last_committed_step(), 5);
+  EXPECT_EQ(job.last_committed_path(), "/ck/step-5");
+  EXPECT_DOUBLE_EQ(job.eta_s(), 0);
+  EXPECT_EQ(store_->GetJob(id)->last_committed_step(), 5);
+
+  // A failing rank's last commit is kept too.
+  std::string other = coordinator_->Submit(kRecipe, "unit.yaml")->id();
+  v1::WorkerStateReport crash = Exit(other, 0, 0, 9);
+  *crash.mutable_progress() = Committed(Report(other, 0, 4, 2), 2);
+  ASSERT_TRUE(coordinator_->ReportWorkerState(crash).ok());
+  job = *coordinator_->GetJob(other);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(job.last_committed_step(), 2);
 }
 
 constexpr const char* kRestartingRecipe = R"(name: unit
@@ -446,19 +597,6 @@ TEST_F(CoordinatorTest, ResumeStartsAStoppedJobAsANewGeneration) {
   EXPECT_FALSE(coordinator_->Resume(id).ok()) << "a running job cannot be resumed";
 }
 
-// The lines rank 0 prints when it trains a step and when a checkpoint is committed.
-v1::PushLogsRequest RankZeroLines(const std::string& job, const std::vector<std::string>& lines) {
-  v1::PushLogsRequest logs;
-  logs.set_job_id(job);
-  for (const auto& text : lines) {
-    v1::LogLine* line = logs.add_lines();
-    line->set_rank(0);
-    line->set_text(text);
-  }
-  return logs;
-}
-
-// The kRecipe job started on nodes a and b, its checkpoint of step 2 committed; the job's id.
 // `ltrain stop --checkpoint`'s options.
 StopOptions WithCheckpoint() {
   StopOptions options;
@@ -476,13 +614,14 @@ class CheckpointStopCoordinatorTest : public CoordinatorTest {
     EXPECT_TRUE(coordinator_->Stop(id, "", WithCheckpoint()).ok());
     return id;
   }
+  // The kRecipe job started on nodes a and b, its checkpoint of step 2 committed; the job's id.
   std::string RunningWithACommitOfStep2() {
     Connect("a");
     Connect("b");
     std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
     coordinator_->WaitCommand("a", 0);
     coordinator_->WaitCommand("b", 0);
-    coordinator_->PushLogs(RankZeroLines(id, {"checkpoint step-2 written to /ck in 3 ms"}));
+    EXPECT_TRUE(coordinator_->ReportProgress(Urgent("a", Committed(Report(id, 0, 1, 2), 2))).ok());
     return id;
   }
 };
@@ -503,8 +642,7 @@ TEST_F(CheckpointStopCoordinatorTest, StopWithCheckpointAsksTheWorkersThenEndsSt
   ASSERT_TRUE(coordinator_->Stop(id, "time limit", checkpoint).ok());
   EXPECT_FALSE(coordinator_->WaitCommand("a", 0).has_value());
 
-  coordinator_->PushLogs(RankZeroLines(id, {"step 3/5 loss 2.500000 lr 1.0e-03 tok/s 100 step_ms 1.0",
-                                            "checkpoint step-3 written to /ck in 3 ms"}));
+  ASSERT_TRUE(coordinator_->ReportProgress(Urgent("a", Committed(Report(id, 0, 2, 3), 3))).ok());
   for (int rank = 0; rank < 4; ++rank) {
     EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_RUNNING);
     ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, rank, 0)).ok());
@@ -576,14 +714,35 @@ TEST_F(CoordinatorTest, StopWithCheckpointOfAJobNotRunningStopsItAtOnce) {
   EXPECT_EQ(rejected.status().code(), StatusCode::kInvalidArgument);
 }
 
-// The stop was asked of a coordinator that has restarted since: the workers' last lines tell.
-TEST_F(CoordinatorTest, WorkersThatSayTheyStoppedAfterAFinalCheckpointEndTheJobStopped) {
+// The stop was asked of a coordinator that has restarted since: the ranks' last reports, in their
+// exit reports, tell.
+TEST_F(CoordinatorTest, RanksThatReportTheyStoppedAfterAFinalCheckpointEndTheJobStopped) {
   Connect("a");
   Connect("b");
   std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
-  coordinator_->PushLogs(RankZeroLines(
-      id, {"step 3/5 loss 2.500000 lr 1.0e-03 tok/s 100 step_ms 1.0", "checkpoint step-3 written to /ck in 3 ms",
-           "rank 0: stopped after step 3 of 5, with its checkpoint committed: the job is being stopped"}));
+  for (int rank = 0; rank < 4; ++rank) {
+    v1::WorkerStateReport exit = Exit(id, rank, 0);
+    v1::RankProgress last = Report(id, rank, 20, 3);
+    if (rank == 0) last = Committed(last, 3);
+    last.set_stopped_after_checkpoint(true);
+    *exit.mutable_progress() = last;
+    ASSERT_TRUE(coordinator_->ReportWorkerState(exit).ok());
+  }
+  v1::Job job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_STOPPED);
+  EXPECT_EQ(job.cause(), "stopped after a final checkpoint; final checkpoint of step 3 committed");
+  EXPECT_EQ(job.last_step(), 3);
+}
+
+// The same news through the ordered progress reports, ahead of the exits.
+TEST_F(CoordinatorTest, AStopAfterAFinalCheckpointReportedAheadOfTheExitsEndsTheJobStopped) {
+  Connect("a");
+  Connect("b");
+  std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
+  v1::RankProgress stopped = Committed(Report(id, 0, 5, 3), 3);
+  stopped.set_stopped_after_checkpoint(true);
+  ASSERT_TRUE(coordinator_->ReportProgress(Urgent("a", stopped)).ok());
+  EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_RUNNING);
   for (int rank = 0; rank < 4; ++rank) ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, rank, 0)).ok());
   v1::Job job = *coordinator_->GetJob(id);
   EXPECT_EQ(job.state(), v1::JOB_STATE_STOPPED);
@@ -592,8 +751,7 @@ TEST_F(CoordinatorTest, WorkersThatSayTheyStoppedAfterAFinalCheckpointEndTheJobS
 
 TEST_F(CheckpointStopCoordinatorTest, JobThatFinishesItsStepsWhileStoppingWithCheckpointSucceeds) {
   std::string id = StoppingWithCheckpoint(kRecipe);
-  coordinator_->PushLogs(RankZeroLines(id, {"step 5/5 loss 2.500000 lr 1.0e-03 tok/s 100 step_ms 1.0",
-                                            "checkpoint step-5 written to /ck in 3 ms"}));
+  ASSERT_TRUE(coordinator_->ReportProgress(Urgent("a", Committed(Report(id, 0, 1, 5), 5))).ok());
   for (int rank = 0; rank < 4; ++rank) ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, rank, 0)).ok());
   EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_SUCCEEDED);
 }

@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "agent/fake_process_spawner.h"
+#include "agent/progress_table.h"
 
 namespace ltrain::agent {
 namespace {
@@ -246,6 +247,48 @@ TEST_F(SupervisorTest, AnExitReportFollowsTheWorkersLastLinesAndCarriesTheTail) 
   EXPECT_EQ(outbox_.running_when_sent, (std::vector<size_t>{0, 0}));
   EXPECT_TRUE(outbox_.running.empty());
   EXPECT_TRUE(supervisor().OutputFds().empty());
+}
+
+// As the agent wires it: a rank that commits and exits at once has its last progress report in its
+// exit report, so the coordinator applies the commit before the exit.
+TEST_F(SupervisorTest, AnExitReportCarriesTheRanksLastProgress) {
+  ProgressTable table(clock_);
+  options_.complete_exit_report = [&](v1::WorkerStateReport& report) { table.CompleteExitReport(report); };
+  supervisor().StartJob(Start("j1", 3, 2));
+  outbox_.Take();
+  pid_t rank0 = Pid("j1", 0), rank1 = Pid("j1", 1);
+  v1::RankProgress last;
+  last.set_job_id("j1");
+  last.set_generation(3);
+  last.set_rank(0);
+  last.set_seq(41);
+  last.set_step(20);
+  last.set_phase("done");
+  last.mutable_completed()->set_step(20);
+  last.set_committed_step(20);
+  last.set_committed_path("/ckpt/j1/step-20");
+  table.Record(last);
+  clock_.AdvanceMs(30);
+
+  spawner_.Print(rank0, "checkpoint step-20 written to /ckpt/j1 in 5 ms\n");
+  spawner_.Exit(rank0, 0);
+  spawner_.Exit(rank1, 0);  // rank 1 never reported
+  supervisor().Poll();
+  std::vector<v1::WorkerStateReport> reports = outbox_.Reports();
+  ASSERT_EQ(reports.size(), 2u);
+  ASSERT_EQ(reports[0].rank(), 0);
+  ASSERT_TRUE(reports[0].has_progress());
+  EXPECT_EQ(reports[0].progress().seq(), 41);
+  EXPECT_EQ(reports[0].progress().completed().step(), 20);
+  EXPECT_EQ(reports[0].progress().committed_step(), 20);
+  EXPECT_EQ(reports[0].progress().committed_path(), "/ckpt/j1/step-20");
+  EXPECT_EQ(reports[0].progress().silent_ms(), 30);
+  EXPECT_EQ(reports[1].rank(), 1);
+  EXPECT_FALSE(reports[1].has_progress());
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"logs j1: [0] checkpoint step-20 written to /ckpt/j1 in 5 ms",
+                                                     "j1 gen 3 rank 0 pid 1000 exited 0",
+                                                     "j1 gen 3 rank 1 pid 1001 exited 0"}));
+  EXPECT_TRUE(table.Collect({{"j1", 3, 0}}).empty()) << "forgotten with the exit";
 }
 
 TEST_F(SupervisorTest, AFailingWorkerStopsTheJobsOtherWorkersOnThisNode) {

@@ -110,6 +110,7 @@ Status CheckpointWriter::Conclude(const CheckpointSnapshot& snapshot, const std:
     result = Internal(why);
   }
   RemovePendingCheckpoints(dir, snapshot.step);
+  if (result.ok() && options_.on_commit) options_.on_commit(snapshot.step, (fs::path(dir) / name).string());
   if (options_.print) {
     if (result.ok()) {
       const double ms =

@@ -8,15 +8,17 @@
 //     training goes on. Wait() blocks until no save is in flight.
 //   sync: the trainer calls WriteFiles on the training thread, agrees with its peers on the outcome
 //     with a collective, and rank 0 calls Conclude.
-// Rank 0 prints "checkpoint step-N written to DIR in X ms" exactly when step N is committed, or
-// "checkpoint step-N failed: WHY; step-M stays the newest committed". A failed save is reported,
-// never fatal: training goes on and the next save may succeed; its pending directory is removed.
+// Rank 0 calls on_commit(N, DIR/step-N) and then prints "checkpoint step-N written to DIR in X ms"
+// exactly when step N is committed, or prints "checkpoint step-N failed: WHY; step-M stays the newest
+// committed". A failed save is reported, never fatal: training goes on and the next save may
+// succeed; its pending directory is removed.
 #pragma once
 
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -51,6 +53,9 @@ struct CheckpointWriterOptions {
   CheckpointWriteFault fault;
   std::chrono::milliseconds commit_timeout{300000};
   CheckpointCommitBoard* board = nullptr;    // async: must outlive the writer
+  // Rank 0: step N is committed at `path`; called before its line is printed, on the thread that
+  // committed it (the writer's own thread for async saves, the training thread for sync ones).
+  std::function<void(int64_t step, const std::string& path)> on_commit;
 };
 
 class CheckpointWriter {

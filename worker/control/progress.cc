@@ -49,6 +49,23 @@ void Progress::EndCollective(uint64_t seq) {
   state_.updated_unix_ms = now;
 }
 
+void Progress::RecordStep(const StepFigures& figures) {
+  std::lock_guard<std::mutex> lock(mu_);
+  state_.completed = figures;
+}
+
+void Progress::RecordCommit(int64_t step, const std::string& path) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (step <= state_.committed_step) return;
+  state_.committed_step = step;
+  state_.committed_path = path;
+}
+
+void Progress::RecordStoppedAfterCheckpoint() {
+  std::lock_guard<std::mutex> lock(mu_);
+  state_.stopped_after_checkpoint = true;
+}
+
 ProgressSnapshot Progress::Snapshot() const {
   std::lock_guard<std::mutex> lock(mu_);
   return state_;

@@ -1,11 +1,15 @@
-// What this rank is doing, for hang detection and diagnosis: the step and phase it is in, and a ring
-// of its last collectives (op, group, sequence number, bytes, start, end). The training thread writes
-// it; the progress reporter thread reads snapshots and sends them to the agent. Thread-safe.
+// What this rank is doing and has done, as the coordinator learns it: the step and phase it is in
+// and a ring of its last collectives (op, group, sequence number, bytes, start, end), for hang
+// detection and diagnosis; the figures of the last step it completed; the newest checkpoint it
+// committed; whether it stopped after a final checkpoint. The training thread writes it (the
+// checkpoint writer's thread records commits); the progress reporter reads snapshots and sends them
+// to the agent. Thread-safe.
 #pragma once
 
 #include <cstdint>
 #include <deque>
 #include <mutex>
+#include <optional>
 #include <string>
 
 namespace ltrain::worker {
@@ -19,11 +23,25 @@ struct CollectiveRecord {
   int64_t end_unix_ms = 0; // 0 while in flight
 };
 
+// A completed training step, with the figures of rank 0's "step N/M ..." line.
+struct StepFigures {
+  int64_t step = 0;        // 1-based
+  int64_t total_steps = 0;
+  double loss = 0;
+  double lr = 0;
+  double tokens_per_s = 0;
+  double step_ms = 0;
+};
+
 struct ProgressSnapshot {
   int64_t step = 0;        // the step being worked on (1-based; 0 before the first)
   std::string phase;       // startup, data, forward, backward, optimizer, checkpoint, stopping, done
   int64_t updated_unix_ms = 0;
   std::deque<CollectiveRecord> collectives;  // oldest first
+  std::optional<StepFigures> completed;      // the last completed step
+  int64_t committed_step = 0;                // 0: none
+  std::string committed_path;
+  bool stopped_after_checkpoint = false;
 };
 
 class Progress {
@@ -37,6 +55,10 @@ class Progress {
   // Returns the collective's sequence number, for EndCollective.
   uint64_t BeginCollective(const std::string& op, const std::string& group, int64_t bytes);
   void EndCollective(uint64_t seq);
+  void RecordStep(const StepFigures& figures);
+  // A checkpoint of `step` is committed at `path` (or this run resumed from it); older ones are ignored.
+  void RecordCommit(int64_t step, const std::string& path);
+  void RecordStoppedAfterCheckpoint();
   ProgressSnapshot Snapshot() const;
 
  private:

@@ -182,9 +182,11 @@ Status Run(const WorkerEnv& env) {
   Progress::Global().SetPhase(0, "startup");
   std::unique_ptr<ProgressReporter> reporter;
   if (const std::string& agent = env.agent; !agent.empty()) {
-    ProgressReporterOptions reporting{agent, env.job_id, env.generation, env.rank, options.checkpoint_dir};
+    ProgressReporterOptions reporting{agent, env.job_id, env.generation, env.rank};
     reporting.on_checkpoint_stop = [&stop] { stop.Request(); };
     reporter = std::make_unique<ProgressReporter>(std::move(reporting));
+    // A commit reaches the coordinator before the line that announces it.
+    options.report_progress = [r = reporter.get()] { r->Flush(); };
   }
 
   auto connect_start = std::chrono::steady_clock::now();
@@ -207,6 +209,8 @@ Status Run(const WorkerEnv& env) {
   stop.Begin((*trainer)->step());
   Status done = (*trainer)->Run();
   if (done.ok() && stop.stop_step() == (*trainer)->step() && (*trainer)->step() < recipe.training.steps) {
+    Progress::Global().RecordStoppedAfterCheckpoint();
+    if (reporter) reporter->Flush();
     std::printf("rank %d: stopped after step %lld of %lld, %s: the job is being stopped (ltrain stop --checkpoint)\n",
                 env.rank, static_cast<long long>((*trainer)->step()), static_cast<long long>(recipe.training.steps),
                 options.checkpoint_dir.empty() ? "saving nothing (checkpoints are off)" : "with its checkpoint committed");

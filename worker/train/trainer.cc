@@ -287,6 +287,10 @@ Status Trainer::Init() {
       w.board = local_board_.get();
     }
     w.async = recipe_.checkpoint.async && w.board != nullptr;
+    w.on_commit = [report = options_.report_progress](int64_t step, const std::string& path) {
+      Progress::Global().RecordCommit(step, path);
+      if (report) report();
+    };
     writer_ = std::make_unique<CheckpointWriter>(std::move(w));
   }
   return Status::Ok();
@@ -330,6 +334,12 @@ Status Trainer::Resume(const std::string& path) {
   if (Status s = LoadCheckpoint(step_dir, *meta); !s.ok()) return s;
   step_ = meta->step;
   data_position_ = meta->data_position;
+  // A checkpoint of this run's own directory is its newest commit until the next one.
+  std::error_code same_ec;
+  if (rank == 0 && !options_.checkpoint_dir.empty() &&
+      fs::equivalent(fs::path(step_dir).parent_path(), options_.checkpoint_dir, same_ec)) {
+    Progress::Global().RecordCommit(step_, step_dir);
+  }
   if (rank == 0 && options_.print_progress) {
     std::printf("resumed from %s at step %lld data_position %lld (saved by world size %d, %s)\n", step_dir.c_str(),
                 static_cast<long long>(step_), static_cast<long long>(data_position_), meta->world_size,
@@ -836,6 +846,8 @@ Status Trainer::Run() {
     const double value = f.loss.item<double>();
     if (Status st = CheckLoss(value, f.step); !st.ok()) return st;
     const int64_t s = f.step;
+    Progress::Global().RecordStep(
+        StepFigures{s, t.steps, value, f.lr, f.ms > 0 ? tokens_per_step / (f.ms / 1000.0) : 0.0, f.ms});
     if (printer &&
         (s == 1 || s == run_start_step_ + 1 || (t.log_every > 0 && s % t.log_every == 0) || s == t.steps || f.last)) {
       std::printf("step %lld/%lld loss %.6f lr %.3e tok/s %.0f step_ms %.1f\n", static_cast<long long>(s),

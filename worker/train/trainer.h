@@ -7,7 +7,9 @@
 // start; per step the pipeline schedule's sends and receives, the tensor-parallel collectives inside
 // forward and backward, the data-parallel reductions, the loss and gradient-norm reductions; barriers
 // around checkpoints), so a rank that fails makes its peers fail at their next collective. Rank 0
-// prints progress; every rank prints its memory line once.
+// prints progress; every rank prints its memory line once. Every rank records its phases and each
+// completed step's figures, and rank 0 its commits, in Progress::Global() (worker/control/progress.h),
+// from which the coordinator learns them.
 #pragma once
 
 #include <chrono>
@@ -57,6 +59,10 @@ struct TrainerOptions {
   // Data-parallel gradients reduced during backward, as each bucket completes (false: after it;
   // LTRAIN_DP_OVERLAP=0).
   bool dp_overlap = true;
+  // Delivers this rank's Progress to its agent before it returns (ProgressReporter::Flush). Rank 0
+  // calls it when a checkpoint is committed, after recording the commit and before printing its
+  // line, on the thread that committed it (see CheckpointWriterOptions::on_commit). Empty: none.
+  std::function<void()> report_progress;
 };
 
 class CheckpointWriter;
