@@ -421,8 +421,7 @@ StatusOr<std::unique_ptr<Agent>> Agent::Start(AgentOptions options, std::unique_
   if (options.worker_binary.empty()) options.worker_binary = DefaultWorkerBinary();
   if (!spawner) spawner = std::make_unique<RealProcessSpawner>();
   auto agent = std::make_unique<AgentImpl>(std::move(options), std::move(spawner));
-  Status status = agent->Init();
-  if (!status.ok()) return status;
+  LTRAIN_RETURN_IF_ERROR(agent->Init());
   return std::unique_ptr<Agent>(std::move(agent));
 }
 

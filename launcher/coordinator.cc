@@ -49,26 +49,24 @@ Coordinator::ActiveJob* Coordinator::FindLocked(const std::string& job_id) {
 }
 
 Status Coordinator::Recover() {
-  StatusOr<std::vector<v1::Job>> jobs = store_->ListJobs(0);
-  if (!jobs.ok()) return jobs.status();
+  LTRAIN_ASSIGN_OR_RETURN(std::vector<v1::Job> jobs, store_->ListJobs(0));
   std::lock_guard<std::mutex> lock(mu_);
   int64_t now = clock_->SteadyMs();
-  for (const auto& listed : *jobs) {
+  for (const auto& listed : jobs) {
     if (IsFinal(listed.state())) continue;
-    StatusOr<v1::Job> stored = store_->GetJob(listed.id());
-    if (!stored.ok()) return stored.status();
-    RecipeParseResult parsed = ParseRecipe(stored->recipe_yaml(), listed.id());
+    LTRAIN_ASSIGN_OR_RETURN(v1::Job stored, store_->GetJob(listed.id()));
+    RecipeParseResult parsed = ParseRecipe(stored.recipe_yaml(), listed.id());
     ActiveJob& job = jobs_[listed.id()];
-    job.job = *stored;
+    job.job = stored;
     job.job.clear_ranks();
     if (!parsed.ok()) {
       FinishLocked(job, v1::JOB_STATE_FAILED, "its stored recipe no longer parses: " + parsed.ErrorText());
       continue;
     }
     job.recipe = parsed.recipe;
-    job.next_generation = stored->generation() + 1;
-    job.committed_at_start = stored->last_committed_step();
-    switch (stored->state()) {
+    job.next_generation = stored.generation() + 1;
+    job.committed_at_start = stored.last_committed_step();
+    switch (stored.state()) {
       case v1::JOB_STATE_PENDING:
         pending_.push_back(listed.id());
         break;
@@ -76,7 +74,7 @@ Status Coordinator::Recover() {
         job.restart_at_ms = now;
         break;
       case v1::JOB_STATE_RUNNING: {
-        for (const auto& rank : stored->ranks()) {
+        for (const auto& rank : stored.ranks()) {
           if (std::find(job.nodes.begin(), job.nodes.end(), rank.node_id()) == job.nodes.end()) {
             job.nodes.push_back(rank.node_id());
           }
@@ -99,7 +97,7 @@ Status Coordinator::Recover() {
     }
     AddEventLocked(job, "recovered",
                    "coordinator restarted; job " + listed.id() + " taken back in state " +
-                       JobStateName(stored->state()),
+                       JobStateName(stored.state()),
                    -1);
   }
   return Status::Ok();
@@ -471,8 +469,7 @@ StatusOr<std::vector<v1::Event>> Coordinator::WaitEvents(const std::string& job_
   if (job == nullptr) {
     // A job of an earlier coordinator that ended: its stored history.
     lock.unlock();
-    StatusOr<v1::Job> stored = store_->GetJob(job_id);
-    if (!stored.ok()) return stored.status();
+    LTRAIN_ASSIGN_OR_RETURN(v1::Job stored, store_->GetJob(job_id));
     *finished = true;
     return store_->EventsAfter(job_id, after_seq);
   }
@@ -653,8 +650,7 @@ Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {
   rank.set_exit_code(report.exit_code());
   rank.set_signal(report.signal());
   rank.set_log_path(report.log_path());
-  Status stored = store_->UpsertRank(job->job.id(), rank);
-  if (!stored.ok()) return stored;
+  LTRAIN_RETURN_IF_ERROR(store_->UpsertRank(job->job.id(), rank));
   if (report.state() == "running") {
     AddEventLocked(*job, "rank_started",
                    "rank " + std::to_string(report.rank()) + " started on " + report.node_id() + " (pid " +
@@ -721,8 +717,7 @@ void Coordinator::PushLogs(const v1::PushLogsRequest& request) {
 
 StatusOr<std::vector<v1::Event>> Coordinator::GetLogs(const std::string& job_id, int rank, int64_t since_unix_ms,
                                                       int limit) {
-  StatusOr<v1::Job> job = store_->GetJob(job_id);
-  if (!job.ok()) return job.status();
+  LTRAIN_ASSIGN_OR_RETURN(v1::Job job, store_->GetJob(job_id));
   return store_->Logs(job_id, rank, since_unix_ms, limit);
 }
 

@@ -200,17 +200,14 @@ StatusOr<std::unique_ptr<StateStore>> OpenStateStore(const std::string& state_di
 
 StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const CoordinatorServerOptions& options) {
   std::unique_ptr<CoordinatorServer> server(new CoordinatorServer());
-  StatusOr<std::unique_ptr<StateStore>> store = OpenStateStore(options.state_dir);
-  if (!store.ok()) return store.status();
-  server->store_ = std::move(store).value();
+  LTRAIN_ASSIGN_OR_RETURN(server->store_, OpenStateStore(options.state_dir));
   CoordinatorOptions coordinator_options;
   coordinator_options.state_dir = options.state_dir;
   coordinator_options.node_timeout_ms = options.node_timeout_ms;
   coordinator_options.recovery_grace_ms = options.recovery_grace_ms;
   server->coordinator_ = std::make_unique<Coordinator>(server->store_.get(), &server->clock_, coordinator_options);
   if (options.recover) {
-    Status recovered = server->coordinator_->Recover();
-    if (!recovered.ok()) return recovered;
+    LTRAIN_RETURN_IF_ERROR(server->coordinator_->Recover());
   }
   const std::string& token = options.security.token;
   server->job_service_ = std::make_unique<JobServiceImpl>(server->coordinator_.get(), token);

@@ -69,8 +69,7 @@ struct Connection {
 
 StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe& recipe) {
   auto conn = std::make_unique<Connection>();
-  StatusOr<Layout> layout = PlanLayout(recipe, env.world_size);
-  if (!layout.ok()) return layout.status();
+  LTRAIN_ASSIGN_OR_RETURN(Layout layout, PlanLayout(recipe, env.world_size));
   if (env.world_size == 1) {
     conn->world = std::make_unique<SelfCommunicator>();
     conn->groups = DataParallelGroups(conn->world.get());
@@ -80,9 +79,8 @@ StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe
     return InvalidArgument("LTRAIN_WORLD_SIZE=" + std::to_string(env.world_size) +
                            " needs a rendezvous address in LTRAIN_RDZV (grpc://HOST:PORT or file:///DIR)");
   }
-  StatusOr<std::shared_ptr<gloo::rendezvous::Store>> store = ConnectRendezvousStore(env.rdzv, env.rdzv_scope);
-  if (!store.ok()) return store.status();
-  conn->store = *store;
+  LTRAIN_ASSIGN_OR_RETURN(std::shared_ptr<gloo::rendezvous::Store> store, ConnectRendezvousStore(env.rdzv, env.rdzv_scope));
+  conn->store = store;
   GroupFactory make;
   if (recipe.parallel.device == Device::kCuda) {
 #ifdef LTRAIN_WITH_NCCL
@@ -114,9 +112,7 @@ StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe
       return std::unique_ptr<Communicator>(std::move(comm).value());
     };
   }
-  StatusOr<ProcessGroups> groups = BuildProcessGroups(*layout, env.rank, conn->world.get(), make);
-  if (!groups.ok()) return groups.status();
-  conn->groups = std::move(groups).value();
+  LTRAIN_ASSIGN_OR_RETURN(conn->groups, BuildProcessGroups(layout, env.rank, conn->world.get(), make));
   return conn;
 }
 
@@ -125,9 +121,7 @@ Status Run(const WorkerEnv& env) {
     return InvalidArgument("LTRAIN_RANK=" + std::to_string(env.rank) + " is outside LTRAIN_WORLD_SIZE=" +
                            std::to_string(env.world_size));
   }
-  StatusOr<Recipe> loaded = LoadWorkerRecipe(env);
-  if (!loaded.ok()) return loaded.status();
-  Recipe recipe = std::move(loaded).value();
+  LTRAIN_ASSIGN_OR_RETURN(Recipe recipe, LoadWorkerRecipe(env));
 
   // OMP_NUM_THREADS wins, as users of torchrun expect; otherwise the node's cores are shared out.
   const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
@@ -148,11 +142,10 @@ Status Run(const WorkerEnv& env) {
   kernels.linear = EnvString("LTRAIN_FUSED_LINEAR") != "0";
   kernels.layer_norm = EnvString("LTRAIN_FUSED_LAYER_NORM") != "0";
   kernels.adamw = EnvString("LTRAIN_FUSED_ADAMW") != "0";
-  if (Status s = EnvInt(ProcessEnvironment(), "LTRAIN_GEMM_SM_MARGIN", &kernels.gemm_sm_margin); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(EnvInt(ProcessEnvironment(), "LTRAIN_GEMM_SM_MARGIN", &kernels.gemm_sm_margin));
   SetFusedKernelOptions(kernels);
-  StatusOr<CheckpointWriteFault> fault = CheckpointWriteFault::FromEnv();
-  if (!fault.ok()) return fault.status();
-  options.checkpoint_write_fault = *fault;
+  LTRAIN_ASSIGN_OR_RETURN(CheckpointWriteFault fault, CheckpointWriteFault::FromEnv());
+  options.checkpoint_write_fault = fault;
   if (const std::string profile = EnvString("LTRAIN_PROFILE"); !profile.empty()) {
     const size_t colon = profile.find(':');
     char* end = nullptr;
@@ -190,9 +183,8 @@ Status Run(const WorkerEnv& env) {
   }
 
   auto connect_start = std::chrono::steady_clock::now();
-  StatusOr<std::unique_ptr<Connection>> conn = Connect(env, recipe);
-  if (!conn.ok()) return conn.status();
-  ConnectCheckpointStop(&stop, (*conn)->store);
+  LTRAIN_ASSIGN_OR_RETURN(std::unique_ptr<Connection> conn, Connect(env, recipe));
+  ConnectCheckpointStop(&stop, conn->store);
   // Every rank says it is up: the first line of each rank's log, and proof of the rendezvous.
   std::printf("rank %d/%d up: pid %d, %d CPU thread(s), connected to %d peer(s) in %.0f ms\n", env.rank,
               env.world_size, static_cast<int>(getpid()), threads, env.world_size - 1,
@@ -204,19 +196,18 @@ Status Run(const WorkerEnv& env) {
     board = std::make_unique<FileCommitBoard>(options.checkpoint_dir);
     options.commit_board = board.get();
   }
-  StatusOr<std::unique_ptr<Trainer>> trainer = Trainer::Create(recipe, options, &(*conn)->groups);
-  if (!trainer.ok()) return trainer.status();
-  stop.Begin((*trainer)->step());
-  Status done = (*trainer)->Run();
-  if (done.ok() && stop.stop_step() == (*trainer)->step() && (*trainer)->step() < recipe.training.steps) {
+  LTRAIN_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(recipe, options, &conn->groups));
+  stop.Begin(trainer->step());
+  Status done = trainer->Run();
+  if (done.ok() && stop.stop_step() == trainer->step() && trainer->step() < recipe.training.steps) {
     Progress::Global().RecordStoppedAfterCheckpoint();
     if (reporter) reporter->Flush();
     std::printf("rank %d: stopped after step %lld of %lld, %s: the job is being stopped (ltrain stop --checkpoint)\n",
-                env.rank, static_cast<long long>((*trainer)->step()), static_cast<long long>(recipe.training.steps),
+                env.rank, static_cast<long long>(trainer->step()), static_cast<long long>(recipe.training.steps),
                 options.checkpoint_dir.empty() ? "saving nothing (checkpoints are off)" : "with its checkpoint committed");
   }
-  if (done.ok() && !env.export_params.empty()) done = (*trainer)->ExportParameters(env.export_params);
-  Progress::Global().SetPhase((*trainer)->step(), "done");
+  if (done.ok() && !env.export_params.empty()) done = trainer->ExportParameters(env.export_params);
+  Progress::Global().SetPhase(trainer->step(), "done");
   return done;
 }
 

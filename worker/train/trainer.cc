@@ -163,22 +163,20 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const Recipe& recipe, const T
 
 StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const Recipe& recipe, const TrainerOptions& options,
                                                    ProcessGroups* groups) {
-  StatusOr<Layout> layout = PlanLayout(recipe, groups->world->size());
-  if (!layout.ok()) return layout.status();
+  LTRAIN_ASSIGN_OR_RETURN(Layout layout, PlanLayout(recipe, groups->world->size()));
   const Layout& t = groups->layout;
-  if (t.tp != layout->tp || t.pp != layout->pp || t.dp != layout->dp) {
+  if (t.tp != layout.tp || t.pp != layout.pp || t.dp != layout.dp) {
     return InvalidArgument("process groups (tp " + std::to_string(t.tp) + ", dp " + std::to_string(t.dp) + ", pp " +
                            std::to_string(t.pp) + ") do not match the recipe's layout");
   }
   if (recipe.data.path.empty()) return InvalidArgument("data.path is empty: point it at a directory written by `ltrain data prepare`");
-  StatusOr<TokenDataset> data = TokenDataset::Open(recipe.data.path + "/train.bin");
-  if (!data.ok()) return data.status();
-  if (data->vocab() > recipe.model.vocab) {
-    return InvalidArgument("token file " + data->path() + " has vocab " + std::to_string(data->vocab()) +
+  LTRAIN_ASSIGN_OR_RETURN(TokenDataset data, TokenDataset::Open(recipe.data.path + "/train.bin"));
+  if (data.vocab() > recipe.model.vocab) {
+    return InvalidArgument("token file " + data.path() + " has vocab " + std::to_string(data.vocab()) +
                            " but model.vocab=" + std::to_string(recipe.model.vocab) + "; raise model.vocab");
   }
-  std::unique_ptr<Trainer> trainer(new Trainer(recipe, options, groups, *layout, std::move(data).value()));
-  if (Status s = trainer->sampler_.Check(); !s.ok()) return s;
+  std::unique_ptr<Trainer> trainer(new Trainer(recipe, options, groups, layout, std::move(data)));
+  LTRAIN_RETURN_IF_ERROR(trainer->sampler_.Check());
   Status s;
   try {
     s = trainer->Init();
@@ -227,9 +225,7 @@ Status Trainer::Init() {
   ml.seed = static_cast<uint64_t>(t.seed);
   ml.device = device_;
   torch::manual_seed(t.seed);
-  StatusOr<std::unique_ptr<ModelShard>> model = ModelShard::Create(ml, groups_->tp);
-  if (!model.ok()) return model.status();
-  model_ = std::move(model).value();
+  LTRAIN_ASSIGN_OR_RETURN(model_, ModelShard::Create(ml, groups_->tp));
 
   std::vector<ShardParam>& params = model_->params();
   std::vector<ParamStore::Param> store_params;
@@ -258,16 +254,14 @@ Status Trainer::Init() {
     model_->set_hooks(AwaitComputeCopiesHooks(store_.get(), params));
     defer_compute_ = true;
   }
-  if (Status s = store_->BroadcastParameters(); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(store_->BroadcastParameters());
 
   if (layout_.pp > 1) {
-    StatusOr<PipelinePlan> plan = PlanPipeline(layout_.pp_schedule, layout_.pp, layout_.chunks, layout_.accumulation);
-    if (!plan.ok()) return plan.status();
-    plan_ = std::move(plan).value();
+    LTRAIN_ASSIGN_OR_RETURN(plan_, PlanPipeline(layout_.pp_schedule, layout_.pp, layout_.chunks, layout_.accumulation));
   }
 
   if (!recipe_.checkpoint.resume_from.empty()) {
-    if (Status s = Resume(recipe_.checkpoint.resume_from); !s.ok()) return s;
+    LTRAIN_RETURN_IF_ERROR(Resume(recipe_.checkpoint.resume_from));
   }
   run_start_step_ = step_;
   run_start_position_ = data_position_;
@@ -315,7 +309,7 @@ Status Trainer::Resume(const std::string& path) {
   }
   if (layout_.world_size > 1) {
     torch::Tensor t = torch::full({1}, chosen, torch::TensorOptions().dtype(torch::kLong).device(device_));
-    if (Status s = groups_->world->Broadcast(t, 0); !s.ok()) return s;
+    LTRAIN_RETURN_IF_ERROR(groups_->world->Broadcast(t, 0));
     chosen = t.to(torch::kCPU).item<int64_t>();
   }
   if (rank == 0 && !choice.ok()) return choice.status();
@@ -331,7 +325,7 @@ Status Trainer::Resume(const std::string& path) {
   StatusOr<CheckpointMeta> meta = rank == 0 ? StatusOr<CheckpointMeta>(choice->meta) : ReadCheckpointMeta(step_dir, false);
   if (!meta.ok()) return DataLoss("checkpoint " + step_dir + ": " + meta.status().message());
   if (meta->step != chosen) return DataLoss("checkpoint " + step_dir + " holds step " + std::to_string(meta->step) + ", rank 0 chose " + std::to_string(chosen));
-  if (Status s = LoadCheckpoint(step_dir, *meta); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(LoadCheckpoint(step_dir, *meta));
   step_ = meta->step;
   data_position_ = meta->data_position;
   // A checkpoint of this run's own directory is its newest commit until the next one.
@@ -378,14 +372,12 @@ Status Trainer::LoadCheckpoint(const std::string& step_dir, const CheckpointMeta
     const int r = RankAt(saved, c);
     const std::string suffix = saved_plain ? ".pt" : "-rank-" + std::to_string(r) + ".pt";
     if (d == 0 || meta.zero == 3) {
-      StatusOr<TensorReader> reader = OpenTensorArchive((fs::path(step_dir) / ("model" + suffix)).string());
-      if (!reader.ok()) return reader.status();
-      model_readers.push_back(*reader);
+      LTRAIN_ASSIGN_OR_RETURN(TensorReader reader, OpenTensorArchive((fs::path(step_dir) / ("model" + suffix)).string()));
+      model_readers.push_back(reader);
     }
     if (d == 0 || meta.zero >= 1) {
-      StatusOr<TensorReader> reader = OpenTensorArchive((fs::path(step_dir) / ("optimizer" + suffix)).string());
-      if (!reader.ok()) return reader.status();
-      optimizer_readers.push_back(*reader);
+      LTRAIN_ASSIGN_OR_RETURN(TensorReader reader, OpenTensorArchive((fs::path(step_dir) / ("optimizer" + suffix)).string()));
+      optimizer_readers.push_back(reader);
     }
   }
   torch::NoGradGuard no_grad;
@@ -393,17 +385,15 @@ Status Trainer::LoadCheckpoint(const std::string& step_dir, const CheckpointMeta
                       torch::Tensor& into) -> Status {
     int64_t covered = 0;
     for (const TensorReader& read : readers) {
-      StatusOr<torch::Tensor> range = read("range." + name);
-      if (!range.ok()) return range.status();
-      StatusOr<torch::Tensor> values = read(prefix + name);
-      if (!values.ok()) return values.status();
-      const int64_t b = (*range)[0].item<int64_t>(), e = (*range)[1].item<int64_t>();
-      if (b < 0 || e < b || e > into.numel() || values->numel() != e - b) {
+      LTRAIN_ASSIGN_OR_RETURN(torch::Tensor range, read("range." + name));
+      LTRAIN_ASSIGN_OR_RETURN(torch::Tensor values, read(prefix + name));
+      const int64_t b = range[0].item<int64_t>(), e = range[1].item<int64_t>();
+      if (b < 0 || e < b || e > into.numel() || values.numel() != e - b) {
         return DataLoss("checkpoint " + step_dir + ": " + prefix + name + " holds range [" + std::to_string(b) + ", " +
-                        std::to_string(e) + ") with " + std::to_string(values->numel()) + " values; the parameter has " +
+                        std::to_string(e) + ") with " + std::to_string(values.numel()) + " values; the parameter has " +
                         std::to_string(into.numel()) + " (saved by another model?)");
       }
-      if (e > b) into.narrow(0, b, e - b).copy_(values->reshape(-1).to(torch::kFloat));
+      if (e > b) into.narrow(0, b, e - b).copy_(values.reshape(-1).to(torch::kFloat));
       covered += e - b;
     }
     if (covered != into.numel()) {
@@ -415,10 +405,10 @@ Status Trainer::LoadCheckpoint(const std::string& step_dir, const CheckpointMeta
   for (size_t i = 0; i < param_names_.size(); ++i) {
     const int64_t n = store_->ParamNumel(static_cast<int>(i));
     torch::Tensor value = torch::zeros({n}), m = torch::zeros({n}), v = torch::zeros({n});
-    if (Status s = assemble(model_readers, "model.", param_names_[i], value); !s.ok()) return s;
-    if (Status s = assemble(optimizer_readers, "exp_avg.", param_names_[i], m); !s.ok()) return s;
-    if (Status s = assemble(optimizer_readers, "exp_avg_sq.", param_names_[i], v); !s.ok()) return s;
-    if (Status s = store_->LoadParamState(static_cast<int>(i), value, m, v); !s.ok()) return s;
+    LTRAIN_RETURN_IF_ERROR(assemble(model_readers, "model.", param_names_[i], value));
+    LTRAIN_RETURN_IF_ERROR(assemble(optimizer_readers, "exp_avg.", param_names_[i], m));
+    LTRAIN_RETURN_IF_ERROR(assemble(optimizer_readers, "exp_avg_sq.", param_names_[i], v));
+    LTRAIN_RETURN_IF_ERROR(store_->LoadParamState(static_cast<int>(i), value, m, v));
   }
   return RestoreRngState(meta.rng_state);
 }
@@ -468,7 +458,7 @@ Status Trainer::RunPipeline(torch::Tensor& loss_sum) {
     switch (op.kind) {
       case PipeOpKind::kRecvActivation: {
         torch::Tensor buffer = torch::empty(shape, options);
-        if (Status s = pp->Recv(buffer, op.peer, PipeTag(plan_, false, op.microbatch, vs - 1)); !s.ok()) return s;
+        LTRAIN_RETURN_IF_ERROR(pp->Recv(buffer, op.peer, PipeTag(plan_, false, op.microbatch, vs - 1)));
         slot.input = buffer.requires_grad_(true);
         break;
       }
@@ -492,11 +482,11 @@ Status Trainer::RunPipeline(torch::Tensor& loss_sum) {
         break;
       }
       case PipeOpKind::kSendActivation:
-        if (Status s = pp->Send(slot.output.detach(), op.peer, PipeTag(plan_, false, op.microbatch, vs)); !s.ok()) return s;
+        LTRAIN_RETURN_IF_ERROR(pp->Send(slot.output.detach(), op.peer, PipeTag(plan_, false, op.microbatch, vs)));
         break;
       case PipeOpKind::kRecvGrad: {
         slot.grad = torch::empty(shape, options);
-        if (Status s = pp->Recv(slot.grad, op.peer, PipeTag(plan_, true, op.microbatch, vs + 1)); !s.ok()) return s;
+        LTRAIN_RETURN_IF_ERROR(pp->Recv(slot.grad, op.peer, PipeTag(plan_, true, op.microbatch, vs + 1)));
         break;
       }
       case PipeOpKind::kBackward:
@@ -510,7 +500,7 @@ Status Trainer::RunPipeline(torch::Tensor& loss_sum) {
         slot.grad = torch::Tensor();
         break;
       case PipeOpKind::kSendGrad:
-        if (Status s = pp->Send(slot.input.grad(), op.peer, PipeTag(plan_, true, op.microbatch, vs)); !s.ok()) return s;
+        LTRAIN_RETURN_IF_ERROR(pp->Send(slot.input.grad(), op.peer, PipeTag(plan_, true, op.microbatch, vs)));
         slot.input = torch::Tensor();
         break;
     }
@@ -519,9 +509,8 @@ Status Trainer::RunPipeline(torch::Tensor& loss_sum) {
 }
 
 StatusOr<double> Trainer::Step() {
-  StatusOr<torch::Tensor> loss = StepOnDevice(/*check_loss=*/true);
-  if (!loss.ok()) return loss.status();
-  return loss->item<double>();
+  LTRAIN_ASSIGN_OR_RETURN(torch::Tensor loss, StepOnDevice(/*check_loss=*/true));
+  return loss.item<double>();
 }
 
 StatusOr<torch::Tensor> Trainer::StepOnDevice(bool check_loss) {
@@ -566,11 +555,11 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
       backward_end_ = SteadyClock::now();
       loss_sum += loss.detach();
       if (reduce_now) {
-        if (Status s = store_->FinishBackward(); !s.ok()) return s;
+        LTRAIN_RETURN_IF_ERROR(store_->FinishBackward());
       }
     }
   } else {
-    if (Status s = RunPipeline(loss_sum); !s.ok()) return s;
+    LTRAIN_RETURN_IF_ERROR(RunPipeline(loss_sum));
   }
 
   {
@@ -581,31 +570,31 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
       for (ShardParam& p : params) {
         if (!p.sp_partial || !p.value.grad().defined()) continue;
         torch::Tensor g = p.value.mutable_grad();
-        if (Status s = groups_->tp->AllReduceSum(g); !s.ok()) return s;
+        LTRAIN_RETURN_IF_ERROR(groups_->tp->AllReduceSum(g));
       }
     }
     // The tied embedding's two copies (first and last stage) get the sum of both gradients.
     if (groups_->in_embedding_group) {
       const int tied = model_->TiedEmbeddingParam();
       torch::Tensor g = params[tied].value.mutable_grad();
-      if (Status s = groups_->embedding->AllReduceSum(g); !s.ok()) return s;
+      LTRAIN_RETURN_IF_ERROR(groups_->embedding->AllReduceSum(g));
     }
   }
   if (!overlap_) {
-    if (Status s = store_->ReduceAll(); !s.ok()) return s;
+    LTRAIN_RETURN_IF_ERROR(store_->ReduceAll());
   }
 
   // Loss: the last stage's micro-batch mean, averaged over dp, then known on every stage.
   torch::Tensor loss = (loss_sum / m).reshape({1}).to(torch::kFloat).contiguous();
-  if (Status s = store_->DpAllReduce(loss); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(store_->DpAllReduce(loss));
   loss.div_(layout_.dp);
   if (layout_.pp > 1) {
-    if (Status s = groups_->pp->Broadcast(loss, layout_.pp - 1); !s.ok()) return s;
+    LTRAIN_RETURN_IF_ERROR(groups_->pp->Broadcast(loss, layout_.pp - 1));
   }
   // Without the check (Run on CUDA) the loss stays on the device: the host reads it one step later,
   // so that it never waits for the GPU inside a step.
   if (check_loss) {
-    if (Status s = CheckLoss(loss.item<double>(), step + 1); !s.ok()) return s;
+    LTRAIN_RETURN_IF_ERROR(CheckLoss(loss.item<double>(), step + 1));
   }
 
   Progress::Global().SetPhase(step + 1, "optimizer");
@@ -616,10 +605,10 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
     // Global norm over every shard of every group: each element counted once.
     torch::Tensor sq = store_->GradSquareSum();
     if (layout_.zero >= 1) {
-      if (Status s = store_->DpAllReduce(sq); !s.ok()) return s;
+      LTRAIN_RETURN_IF_ERROR(store_->DpAllReduce(sq));
     }
-    if (Status s = groups_->tp->AllReduceSum(sq); !s.ok()) return s;
-    if (Status s = groups_->pp->AllReduceSum(sq); !s.ok()) return s;
+    LTRAIN_RETURN_IF_ERROR(groups_->tp->AllReduceSum(sq));
+    LTRAIN_RETURN_IF_ERROR(groups_->pp->AllReduceSum(sq));
     if (sq.is_cuda()) {
       // On the device: the gradients are divided by max(1, norm / clip) inside the optimizer.
       divisor = ((sq.sqrt() + 1e-6) / clip).clamp_min(1.0).to(torch::kFloat);
@@ -628,7 +617,7 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
       if (coef < 1) scale = coef;
     }
   }
-  if (Status s = store_->OptimizerStep(lr, scale, step + 1, divisor, defer_compute_); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(store_->OptimizerStep(lr, scale, step + 1, divisor, defer_compute_));
   ++step_;
   data_position_ += layout_.global_batch;
   return loss;
@@ -668,7 +657,7 @@ Status Trainer::StartSave() {
   if (!writer_) return Status::Ok();
   // The checkpoint holds the fp32 masters, which a sharded update leaves current only in each
   // rank's shard.
-  if (Status s = store_->SyncMasters(); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(store_->SyncMasters());
   Progress::Global().SetPhase(step_, "checkpoint");
   const auto start = SteadyClock::now();
   const int rank = groups_->rank;
@@ -706,7 +695,7 @@ Status Trainer::StartSave() {
   std::vector<std::string> errors;
   if (options_.commit_board != nullptr) {
     // Every rank's word, with its reason, through the commit board (on this thread).
-    if (Status s = options_.commit_board->Announce(step_, rank, error); !s.ok()) return s;
+    LTRAIN_RETURN_IF_ERROR(options_.commit_board->Announce(step_, rank, error));
     if (rank == 0) {
       StatusOr<std::vector<std::string>> words =
           options_.commit_board->Collect(step_, layout_.world_size, options_.collective_timeout, nullptr);
@@ -717,7 +706,7 @@ Status Trainer::StartSave() {
     }
   } else {
     torch::Tensor failed = torch::full({1}, error.empty() ? 0.0f : 1.0f, torch::TensorOptions().dtype(torch::kFloat).device(device_));
-    if (Status s = groups_->world->AllReduceSum(failed); !s.ok()) return s;
+    LTRAIN_RETURN_IF_ERROR(groups_->world->AllReduceSum(failed));
     const int failed_ranks = static_cast<int>(failed.to(torch::kCPU).item<float>() + 0.5f);
     if (!error.empty()) errors.push_back(error);
     const int others = failed_ranks - (error.empty() ? 0 : 1);
@@ -730,7 +719,7 @@ Status Trainer::StartSave() {
 
 Status Trainer::Save() {
   if (!writer_) return Status::Ok();
-  if (Status s = StartSave(); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(StartSave());
   if (!writer_->async()) return last_save_;
   Progress::Global().SetPhase(step_, "checkpoint");
   const auto start = SteadyClock::now();
@@ -741,18 +730,17 @@ Status Trainer::Save() {
 
 Status Trainer::ExportParameters(const std::string& path) {
   torch::NoGradGuard no_grad;
-  if (Status s = store_->SyncMasters(); !s.ok()) return s;
+  LTRAIN_RETURN_IF_ERROR(store_->SyncMasters());
   const RankCoords c = groups_->coords;
   for (int u = 0; u < store_->units(); ++u) {
-    if (Status s = store_->Gather(u); !s.ok()) return s;
+    LTRAIN_RETURN_IF_ERROR(store_->Gather(u));
   }
   const bool collector = c.dp == 0 && c.tp == 0;
   std::map<std::string, torch::Tensor> full;
   for (size_t i = 0; i < model_->params().size(); ++i) {
     const ShardParam& p = model_->params()[i];
-    StatusOr<torch::Tensor> t = model_->GatherFull(p, store_->MasterValue(static_cast<int>(i)));
-    if (!t.ok()) return t.status();
-    if (collector && p.exported) full[p.name] = t->to(torch::kCPU).to(torch::kFloat).contiguous();
+    LTRAIN_ASSIGN_OR_RETURN(torch::Tensor t, model_->GatherFull(p, store_->MasterValue(static_cast<int>(i))));
+    if (collector && p.exported) full[p.name] = t.to(torch::kCPU).to(torch::kFloat).contiguous();
   }
   for (int u = 0; u < store_->units(); ++u) store_->Release(u);
   const auto& names = model_->full_params();
@@ -762,14 +750,14 @@ Status Trainer::ExportParameters(const std::string& path) {
       const int owner = model_->PipelineRankOf(names[i].first);
       const uint32_t tag = static_cast<uint32_t>(i);
       if (c.pp != 0 && owner == c.pp) {
-        if (Status s = pp->Send(full.at(names[i].first), 0, tag); !s.ok()) return s;
+        LTRAIN_RETURN_IF_ERROR(pp->Send(full.at(names[i].first), 0, tag));
       } else if (c.pp == 0 && owner != 0) {
         torch::Tensor t = torch::empty(names[i].second, torch::kFloat);
-        if (Status s = pp->Recv(t, owner, tag); !s.ok()) return s;
+        LTRAIN_RETURN_IF_ERROR(pp->Recv(t, owner, tag));
         full[names[i].first] = t;
       }
     }
-    if (Status s = pp->WaitSends(); !s.ok()) return s;
+    LTRAIN_RETURN_IF_ERROR(pp->WaitSends());
   }
   if (groups_->rank == 0) {
     std::ofstream out(path, std::ios::binary | std::ios::trunc);
@@ -844,7 +832,7 @@ Status Trainer::Run() {
   std::optional<Finished> pending;
   auto settle = [&](const Finished& f) -> Status {
     const double value = f.loss.item<double>();
-    if (Status st = CheckLoss(value, f.step); !st.ok()) return st;
+    LTRAIN_RETURN_IF_ERROR(CheckLoss(value, f.step));
     const int64_t s = f.step;
     Progress::Global().RecordStep(
         StepFigures{s, t.steps, value, f.lr, f.ms > 0 ? tokens_per_step / (f.ms / 1000.0) : 0.0, f.ms});
@@ -870,11 +858,10 @@ Status Trainer::Run() {
       if (std::string why = profiler.Start(); !why.empty()) std::printf("profile: not recorded: %s\n", why.c_str());
     }
     const auto start = SteadyClock::now();
-    StatusOr<torch::Tensor> loss = StepOnDevice(/*check_loss=*/!lag);
-    if (!loss.ok()) return loss.status();
+    LTRAIN_ASSIGN_OR_RETURN(torch::Tensor loss, StepOnDevice(/*check_loss=*/!lag));
     const int64_t s = step_;
     if (pending) {
-      if (Status st = settle(*pending); !st.ok()) return st;
+      LTRAIN_RETURN_IF_ERROR(settle(*pending));
       pending.reset();
     }
     if (profiling) {
@@ -883,14 +870,13 @@ Status Trainer::Run() {
       std::printf("profile: step %lld written to %s\n", static_cast<long long>(s), options_.profile_path.c_str());
     }
     // A stop with a final checkpoint (TrainerOptions::stop_after) saves this step and ends the run.
-    const StatusOr<bool> stop_here = options_.stop_after ? options_.stop_after(s) : StatusOr<bool>(false);
-    if (!stop_here.ok()) return stop_here.status();
+    LTRAIN_ASSIGN_OR_RETURN(bool stop_here, options_.stop_after ? options_.stop_after(s) : StatusOr<bool>(false));
     const bool periodic = recipe_.checkpoint.every > 0 && s % recipe_.checkpoint.every == 0;
-    const bool save = periodic || s == t.steps || *stop_here;
-    Finished finished{s, lr, MillisSince(start), *loss, *stop_here};
+    const bool save = periodic || s == t.steps || stop_here;
+    Finished finished{s, lr, MillisSince(start), loss, stop_here};
     if (!lag || save || s == run_start_step_ + warmup) {
       // The loss is read now: a checkpoint never holds the parameters of a non-finite step.
-      if (Status st = settle(finished); !st.ok()) return st;
+      LTRAIN_RETURN_IF_ERROR(settle(finished));
     } else {
       pending = finished;
     }
@@ -913,13 +899,13 @@ Status Trainer::Run() {
       memory_printed_ = true;
     }
     if (save) {
-      if (Status st = StartSave(); !st.ok()) return st;
+      LTRAIN_RETURN_IF_ERROR(StartSave());
     }
-    if (*stop_here) break;
+    if (stop_here) break;
   }
   // The last update's bf16 copies, where their gathers were left to the next forward.
   for (int u = 0; u < store_->units(); ++u) {
-    if (Status s = store_->AwaitCompute(u); !s.ok()) return s;
+    LTRAIN_RETURN_IF_ERROR(store_->AwaitCompute(u));
   }
   if (printer && t.steps >= window_first && window_ms > 0) PrintThroughput(window_first, t.steps - window_first + 1, window_ms);
   if (writer_) {
