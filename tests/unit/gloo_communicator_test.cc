@@ -14,6 +14,7 @@
 #include <gtest/gtest.h>
 #include <torch/nn.h>
 
+#include "common/files.h"
 #include "worker/control/rendezvous_store.h"
 
 namespace ltrain::worker {
@@ -23,7 +24,7 @@ namespace {
 // missing key an error that names it once the wait times out.
 TEST(RendezvousStoreTest, DirectoryStoreScopesAndPrefixedViews) {
   const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("ltrain-rdzv-" + std::to_string(::getpid()));
-  std::filesystem::remove_all(dir);
+  RemoveTree(dir);
   auto a = ConnectRendezvousStore("file://" + dir.string(), "job/1");
   auto b = ConnectRendezvousStore("file://" + dir.string(), "job/2");
   ASSERT_TRUE(a.ok() && b.ok());
@@ -43,7 +44,7 @@ TEST(RendezvousStoreTest, DirectoryStoreScopesAndPrefixedViews) {
     EXPECT_EQ(entry.path().filename().string().find('/'), std::string::npos);
     EXPECT_NE(entry.path().filename().string().rfind(".tmp-", 0), 0u) << "a temporary file was left";
   }
-  std::filesystem::remove_all(dir);
+  RemoveTree(dir);
 }
 
 // Two ranks as two threads, connected through real Gloo TCP pairs on loopback.

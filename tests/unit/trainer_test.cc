@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 #include <torch/nn.h>
 
+#include "common/files.h"
 #include "worker/checkpoint/checkpoint.h"
 
 namespace ltrain::worker {
@@ -21,7 +22,7 @@ class TrainerTest : public ::testing::Test {
   void SetUp() override {
     dir_ = fs::temp_directory_path() / ("ltrain_trainer_test_" + std::to_string(::getpid()) + "_" +
                                         ::testing::UnitTest::GetInstance()->current_test_info()->name());
-    fs::remove_all(dir_);
+    RemoveTree(dir_);
     fs::create_directories(dir_ / "data");
     std::vector<uint16_t> tokens(4000);
     for (size_t i = 0; i < tokens.size(); ++i) tokens[i] = static_cast<uint16_t>((i * 7 + i / 13) % 64);
@@ -40,7 +41,7 @@ class TrainerTest : public ::testing::Test {
     options_.print_progress = false;
     options_.checkpoint_dir = (dir_ / "ckpt").string();
   }
-  void TearDown() override { fs::remove_all(dir_); }
+  void TearDown() override { RemoveTree(dir_); }
 
   fs::path dir_;
   Recipe recipe_;

@@ -1,6 +1,5 @@
 #include "worker/checkpoint/checkpoint.h"
 
-#include <ftw.h>
 #include <sys/stat.h>
 
 #include <fcntl.h>
@@ -20,19 +19,11 @@
 #include <torch/serialize.h>
 #include <yaml-cpp/yaml.h>
 
+#include "common/files.h"
+
 namespace ltrain::worker {
 namespace fs = std::filesystem;
 namespace {
-
-// std::filesystem::remove_all is not used here: PyTorch's wheels export their own copy of it from
-// libtorch.so, which the dynamic linker then binds our calls to, and that copy crashes (seen on the
-// GPU host). nftw is plain libc.
-int RemoveEntry(const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }
-
-void RemoveTree(const std::filesystem::path& path) {
-  ::nftw(path.c_str(), RemoveEntry, 16, FTW_DEPTH | FTW_PHYS);
-}
-
 
 constexpr const char* kMetaFile = "meta.yaml";
 
