@@ -22,9 +22,6 @@ namespace ltrain {
 namespace {
 
 template <typename T>
-inline constexpr bool kIsEnum = std::is_enum_v<T>;
-
-template <typename T>
 struct IsNodesField : std::false_type {};
 template <typename I>
 struct IsNodesField<NodesField<I>> : std::true_type {};
@@ -193,7 +190,7 @@ class RecipeReader {
       } else {
         field = node.Scalar();
       }
-    } else if constexpr (kIsEnum<T>) {
+    } else if constexpr (std::is_enum_v<T>) {
       if (!node.IsScalar()) {
         Error(node, path, path + " must be one of: " + EnumNameList<T>());
       } else if (std::optional<T> value = EnumFromName<T>(node.Scalar())) {
@@ -360,7 +357,7 @@ void EmitValue(YAML::Emitter& out, const Field& field) {
     }
   } else if constexpr (std::is_floating_point_v<T>) {
     out << Shortest{field};
-  } else if constexpr (kIsEnum<T>) {
+  } else if constexpr (std::is_enum_v<T>) {
     out << NameOf(field);
   } else if constexpr (std::is_same_v<T, std::vector<int>>) {
     out << YAML::Flow << field;
@@ -519,12 +516,13 @@ std::vector<RecipeKeyDoc> DescribeRecipeKeys() {
       range << "number " << key.real_min << " to " << key.real_max;
       doc.type = range.str();
     } else if constexpr (std::is_same_v<T, std::string>) {
-      doc.type = key.name == "name" ? "text" : "path";
-    } else if constexpr (kIsEnum<T>) {
+      doc.type = "text";
+    } else if constexpr (std::is_enum_v<T>) {
       doc.type = "one of " + EnumNameList<T>();
     } else if constexpr (std::is_same_v<T, std::vector<int>>) {
       doc.type = "list of integers >= " + std::to_string(key.int_min);
     }
+    if (!key.type_text.empty()) doc.type = std::string(key.type_text);
     docs.push_back(std::move(doc));
   });
   return docs;

@@ -28,6 +28,8 @@ struct RecipeKey {
   double real_max = 0;
   // How the default reads when the field's initial value does not say it ("training.seed").
   std::string_view default_text = {};
+  // How the type reads when the field's type does not say it ("path" for a string).
+  std::string_view type_text = {};
   // Written only when it differs from its default, so that binaries older than the key still read
   // the resolved recipes of newer ones (a node mid-upgrade, a stored job).
   bool omit_at_default = false;
@@ -83,7 +85,7 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
 
   visit(RecipeKey{.section = "data", .name = "path",
                   .help = "directory written by `ltrain data prepare` (required; relative to where ltrain runs)",
-                  .default_text = "none: required"},
+                  .default_text = "none: required", .type_text = "path"},
         r.data.path);
   visit(RecipeKey{.section = "data", .name = "tokenizer", .help = "how the data was tokenized"}, r.data.tokenizer);
   visit(RecipeKey{.section = "data", .name = "sampling",
@@ -174,7 +176,7 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
   visit(RecipeKey{.section = "parallel", .name = "device", .help = "cpu (Gloo) or cuda (NCCL)"}, r.parallel.device);
 
   visit(RecipeKey{.section = "checkpoint", .name = "dir", .help = "where the job's checkpoints go",
-                  .default_text = "$LTRAIN_HOME/checkpoints/JOB"},
+                  .default_text = "$LTRAIN_HOME/checkpoints/JOB", .type_text = "path"},
         r.checkpoint.dir);
   visit(RecipeKey{.section = "checkpoint", .name = "every", .help = "steps between checkpoints; 0 writes only the final one",
                   .int_min = 0, .int_max = kInt64Max},
@@ -183,7 +185,7 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
         r.checkpoint.keep);
   visit(RecipeKey{.section = "checkpoint", .name = "resume_from",
                   .help = "start from this step-N directory, or the newest commit of this checkpoint directory",
-                  .default_text = "none: start fresh"},
+                  .default_text = "none: start fresh", .type_text = "path"},
         r.checkpoint.resume_from);
   visit(RecipeKey{.section = "checkpoint", .name = "async", .help = "snapshot to host memory and write in the background"},
         r.checkpoint.async);
