@@ -62,6 +62,16 @@ int ExitCodeFor(v1::JobState state) {
 CoordinatorClient::CoordinatorClient(const std::string& address, const SecurityMaterial& security)
     : address_(address), stub_(v1::JobService::NewStub(MakeChannel(address, security))) {}
 
+std::optional<v1::Job> CoordinatorClient::TryGetJob(const std::string& job_id, double timeout_s) {
+  grpc::ClientContext context;
+  context.set_deadline(Deadline(timeout_s));
+  v1::GetJobRequest request;
+  request.set_job_id(job_id);
+  v1::GetJobReply reply;
+  if (!stub_->GetJob(&context, request, &reply).ok() || reply.status().code() != 0) return std::nullopt;
+  return reply.job();
+}
+
 int CoordinatorClient::Unreachable(const grpc::Status& status) const {
   if (status.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
     std::fprintf(stderr, "ltrain: the coordinator at %s refused the request: %s\n", address_.c_str(),

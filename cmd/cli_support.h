@@ -7,6 +7,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -58,6 +59,9 @@ class CoordinatorClient {
   // Says on stderr why the RPC did not reach the coordinator (or was refused) and what to check;
   // returns kExitUnavailable.
   int Unreachable(const grpc::Status& status) const;
+
+  // The job, when the coordinator answers within `timeout_s` and knows it; nullopt otherwise.
+  std::optional<v1::Job> TryGetJob(const std::string& job_id, double timeout_s);
 
  private:
   std::string address_;

@@ -64,14 +64,7 @@ int FollowJob(CoordinatorClient& client, const std::string& job_id, bool quiet) 
     grpc::Status status = reader->Finish();
     if (status.ok()) {
       if (final_state == v1::JOB_STATE_UNSPECIFIED) {
-        grpc::ClientContext get_context;
-        get_context.set_deadline(Deadline(5));
-        v1::GetJobRequest get;
-        get.set_job_id(job_id);
-        v1::GetJobReply reply;
-        if (client.stub().GetJob(&get_context, get, &reply).ok() && reply.status().code() == 0) {
-          final_state = reply.job().state();
-        }
+        if (std::optional<v1::Job> job = client.TryGetJob(job_id, 5)) final_state = job->state();
       }
       return ExitCodeFor(final_state);
     }

@@ -64,13 +64,8 @@ int ShowStatus(const StatusArgs& args, const SecurityMaterial& security) {
   if (!job_id.empty()) {
     if (std::string address = LocalLaunchAddress(home, job_id); !address.empty()) {
       CoordinatorClient client(address, security);
-      grpc::ClientContext context;
-      context.set_deadline(Deadline(2));
-      v1::GetJobRequest request;
-      request.set_job_id(job_id);
-      v1::GetJobReply reply;
-      if (client.stub().GetJob(&context, request, &reply).ok() && reply.status().code() == 0) {
-        PrintJob(reply.job(), json);
+      if (std::optional<v1::Job> job = client.TryGetJob(job_id, 2)) {
+        PrintJob(*job, json);
         return kExitOk;
       }
     }

@@ -59,13 +59,8 @@ int Stop(const StopArgs& args, const SecurityMaterial& security) {
         return kExitUnavailable;
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(250));
-      grpc::ClientContext get_context;
-      get_context.set_deadline(Deadline(5));
-      v1::GetJobRequest get;
-      get.set_job_id(job_id);
-      v1::GetJobReply got;
-      if (client.stub().GetJob(&get_context, get, &got).ok() && got.status().code() == 0) {
-        job = got.job();
+      if (std::optional<v1::Job> got = client.TryGetJob(job_id, 5)) {
+        job = *got;
       } else if (args.coordinator.empty()) {
         // A local launch ends with its job and takes its coordinator along: the state remains.
         StatusOr<std::unique_ptr<launcher::StateStore>> store = launcher::OpenStateStore(LtrainHome());
