@@ -25,7 +25,9 @@ std::optional<v1::RankProgress> ProgressTable::Record(const v1::RankProgress& re
   Entry& entry = it->second;
   if (!added && report.seq() < entry.report.seq()) return std::nullopt;
   bool changed = added || entry.report.step() != report.step() || entry.report.phase() != report.phase() ||
-                 NewestCollective(entry.report) != NewestCollective(report);
+                 NewestCollective(entry.report) != NewestCollective(report) ||
+                 entry.report.work().what() != report.work().what() ||
+                 entry.report.work().done() != report.work().done();
   bool news = report.committed_step() > entry.report.committed_step() ||
               (report.stopped_after_checkpoint() && !entry.report.stopped_after_checkpoint());
   entry.report = report;

@@ -47,7 +47,7 @@ class ProgressTable {
   struct Entry {
     v1::RankProgress report;
     int64_t received_ms = 0;  // steady
-    int64_t changed_ms = 0;   // steady: when step, phase or the newest collective last changed
+    int64_t changed_ms = 0;   // steady: when step, phase, the newest collective or the work last changed
   };
 
   // The report with idle_ms and silent_ms as of `now`.

@@ -54,6 +54,16 @@ void Progress::RecordStep(const StepFigures& figures) {
   state_.completed = figures;
 }
 
+void Progress::SetWork(const std::string& what, int64_t done, int64_t total, const std::string& unit) {
+  std::lock_guard<std::mutex> lock(mu_);
+  state_.work = WorkProgress{what, done, total, unit};
+}
+
+void Progress::EndWork(const std::string& what) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (state_.work.what == what) state_.work = WorkProgress{};
+}
+
 void Progress::RecordCommit(int64_t step, const std::string& path) {
   std::lock_guard<std::mutex> lock(mu_);
   if (step <= state_.committed_step) return;

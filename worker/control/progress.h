@@ -33,6 +33,17 @@ struct StepFigures {
   double step_ms = 0;
 };
 
+// Long work a rank is in the middle of, in countable units, so that start-up, a checkpoint save or
+// a load that moves is never taken for a hang: "building the model" (parameters), "saving
+// checkpoint step-40" (bytes), "loading checkpoint step-40" (bytes), "committing checkpoint
+// step-40" (ranks heard from).
+struct WorkProgress {
+  std::string what;        // empty: none
+  int64_t done = 0;
+  int64_t total = 0;       // 0: unknown
+  std::string unit;        // "bytes", "parameters", "ranks"
+};
+
 struct ProgressSnapshot {
   int64_t step = 0;        // the step being worked on (1-based; 0 before the first)
   std::string phase;       // startup, data, forward, backward, optimizer, checkpoint, stopping, done
@@ -42,6 +53,7 @@ struct ProgressSnapshot {
   int64_t committed_step = 0;                // 0: none
   std::string committed_path;
   bool stopped_after_checkpoint = false;
+  WorkProgress work;
 };
 
 class Progress {
@@ -56,6 +68,10 @@ class Progress {
   uint64_t BeginCollective(const std::string& op, const std::string& group, int64_t bytes);
   void EndCollective(uint64_t seq);
   void RecordStep(const StepFigures& figures);
+  // Long work: SetWork starts or advances it (any thread: the checkpoint writer's reports its bytes),
+  // EndWork(what) ends it unless other work replaced it since.
+  void SetWork(const std::string& what, int64_t done, int64_t total, const std::string& unit);
+  void EndWork(const std::string& what);
   // A checkpoint of `step` is committed at `path` (or this run resumed from it); older ones are ignored.
   void RecordCommit(int64_t step, const std::string& path);
   void RecordStoppedAfterCheckpoint();

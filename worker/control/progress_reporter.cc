@@ -75,6 +75,13 @@ bool ProgressReporter::Send() {
   report.set_committed_step(snapshot.committed_step);
   report.set_committed_path(snapshot.committed_path);
   report.set_stopped_after_checkpoint(snapshot.stopped_after_checkpoint);
+  if (!snapshot.work.what.empty()) {
+    v1::WorkProgress* work = report.mutable_work();
+    work->set_what(snapshot.work.what);
+    work->set_done(snapshot.work.done);
+    work->set_total(snapshot.work.total);
+    work->set_unit(snapshot.work.unit);
+  }
   v1::ProgressAck ack;
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
