@@ -111,6 +111,9 @@ std::string FormatJobDetail(const v1::Job& job, int64_t now_unix_ms) {
               static_cast<long long>(rank.last_step()), rank.phase().empty() ? "-" : rank.phase().c_str(), age,
               rank.log_path().c_str());
     }
+    for (const auto& rank : job.ranks()) {
+      if (!rank.work().empty()) Appendf(&out, "rank %d: %s\n", rank.rank(), rank.work().c_str());
+    }
   }
   return out;
 }

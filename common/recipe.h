@@ -165,6 +165,7 @@ struct CheckpointSpec {
   std::string resume_from;       // a checkpoint directory to start from; empty starts fresh
   bool async = true;             // snapshot to host memory, write in the background
   bool enabled = true;           // false: no checkpoint at all (benchmarks, throw-away runs)
+  double timeout_s = 0;          // a save or load without progress this long is stuck; 0: auto
 };
 
 struct FaultSpec {
@@ -174,6 +175,7 @@ struct FaultSpec {
   double heartbeat_interval_s = 1.0;
   int heartbeat_misses = 3;
   double hang_timeout_s = 60.0;         // no progress this long: the rank is hung
+  double startup_timeout_s = 0;         // a start-up without progress this long is stuck; 0: auto
   double collective_timeout_s = 300.0;  // a collective that takes longer is aborted
 };
 
@@ -191,6 +193,23 @@ struct Recipe {
     return training.global_batch / (training.micro_batch * parallel.dp());
   }
 };
+
+// About how many parameters the model has: embeddings, blocks and final norm (the head shares the
+// token embedding), as GptParameterCount counts them.
+int64_t ApproxParameterCount(const ModelSpec& model);
+
+// The bytes of training state a checkpoint holds: fp32 weights and AdamW's two moments.
+int64_t ApproxCheckpointBytes(const ModelSpec& model);
+
+// How long a rank may make no progress in a long phase before it counts as stuck, and how that
+// figure came about ("checkpoint.timeout_s=30", or "checkpoint.timeout_s auto: 60 s + 1 s per 50 MB
+// of 15.6 GB of state"). An auto limit is never below fault.hang_timeout_s.
+struct PhaseTimeout {
+  double seconds = 0;
+  std::string how;
+};
+PhaseTimeout CheckpointTimeout(const Recipe& recipe);  // checkpoint saves, loads and commits
+PhaseTimeout StartupTimeout(const Recipe& recipe);     // model build, connection, resume load
 
 // The data sampler's seed: data.seed when set, training.seed otherwise.
 int64_t DataSeed(const Recipe& recipe);

@@ -191,6 +191,11 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
         r.checkpoint.async);
   visit(RecipeKey{.section = "checkpoint", .name = "enabled", .help = "false saves nothing (benchmarks, throw-away runs)"},
         r.checkpoint.enabled);
+  visit(RecipeKey{.section = "checkpoint", .name = "timeout_s",
+                  .help = "a save, load or commit without progress this long is stuck (auto: 60 s + 1 s per 50 MB of "
+                          "state, 12 bytes a parameter; at least fault.hang_timeout_s)",
+                  .real_min = 0, .real_max = 604800, .default_text = "0 (auto)", .omit_at_default = true},
+        r.checkpoint.timeout_s);
 
   visit(RecipeKey{.section = "fault", .name = "max_restarts", .help = "restarts from the last commit before the job fails",
                   .int_min = 0, .int_max = 1000000},
@@ -207,9 +212,14 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
   visit(RecipeKey{.section = "fault", .name = "heartbeat_misses", .help = "missed heartbeats before a node is lost",
                   .int_min = 1, .int_max = 1000},
         r.fault.heartbeat_misses);
-  visit(RecipeKey{.section = "fault", .name = "hang_timeout_s", .help = "a rank without progress this long is hung",
+  visit(RecipeKey{.section = "fault", .name = "hang_timeout_s", .help = "a rank without progress this long in a training step is hung",
                   .real_min = 0.1, .real_max = 86400},
         r.fault.hang_timeout_s);
+  visit(RecipeKey{.section = "fault", .name = "startup_timeout_s",
+                  .help = "a start-up (model build, connection, resume load) without progress this long is stuck "
+                          "(auto: 120 s + 1 s per 50 MB of state; at least fault.hang_timeout_s)",
+                  .real_min = 0, .real_max = 604800, .default_text = "0 (auto)", .omit_at_default = true},
+        r.fault.startup_timeout_s);
   visit(RecipeKey{.section = "fault", .name = "collective_timeout_s", .help = "a collective that takes longer is aborted",
                   .real_min = 0.1, .real_max = 86400},
         r.fault.collective_timeout_s);

@@ -353,6 +353,10 @@ StatusOr<v1::Job> Coordinator::GetJob(const std::string& job_id) {
     rank.set_last_step(progress->second.report.step());
     rank.set_phase(progress->second.report.phase());
     rank.set_progress_age_ms(progress->second.report.idle_ms() + now - progress->second.received_ms);
+    if (const v1::RankProgress& report = progress->second.report; report.has_work()) {
+      const v1::WorkProgress& w = report.work();
+      rank.set_work(DescribeWork(WorkActivity{w.what(), w.done(), w.total(), w.unit(), w.waits_for_peers()}));
+    }
   }
   for (const auto& node_id : active->nodes) {
     auto node = nodes_.find(node_id);
@@ -740,7 +744,6 @@ std::optional<std::vector<std::string>> Coordinator::KvGet(const std::vector<std
 }
 
 void Coordinator::CheckHangLocked(ActiveJob& job, int64_t now) {
-  int64_t hang_timeout_ms = static_cast<int64_t>(job.recipe.fault.hang_timeout_s * 1000);
   std::vector<RankActivity> ranks;
   for (int rank = 0; rank < job.job.world_size(); ++rank) {
     if (job.ranks_exited_ok.count(rank)) continue;
@@ -767,11 +770,18 @@ void Coordinator::CheckHangLocked(ActiveJob& job, int64_t now) {
         activity.collective_group = collective.group();
         break;
       }
+      if (report.has_work()) {
+        activity.work.what = report.work().what();
+        activity.work.done = report.work().done();
+        activity.work.total = report.work().total();
+        activity.work.unit = report.work().unit();
+        activity.work.waits_for_peers = report.work().waits_for_peers();
+      }
     }
     ranks.push_back(activity);
   }
-  std::optional<std::string> hang = DiagnoseHang(ranks, hang_timeout_ms);
-  if (hang) FailGenerationLocked(job, "hang: " + *hang);
+  std::optional<std::string> hang = DiagnoseHang(ranks, PhaseLimits::FromRecipe(job.recipe));
+  if (hang) FailGenerationLocked(job, *hang);
 }
 
 void Coordinator::Tick() {

@@ -1,9 +1,83 @@
 #include "launcher/hang_diagnosis.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <map>
 
 namespace ltrain::launcher {
+namespace {
+
+enum class PhaseClass { kStep, kStartup, kCheckpoint };
+
+PhaseClass ClassOf(const RankActivity& r) {
+  if (!r.reported || r.phase == "startup") return PhaseClass::kStartup;
+  if (r.phase == "checkpoint") return PhaseClass::kCheckpoint;
+  return PhaseClass::kStep;
+}
+
+// The phase a rank is judged by. A rank that reported and then fell silent is frozen whole (its
+// reporting thread too), whatever its phase said: a stopped or wedged process, judged as a step.
+PhaseClass JudgedClass(const RankActivity& r) {
+  if (r.reported && r.silent_ms >= kSilentRankMs) return PhaseClass::kStep;
+  return ClassOf(r);
+}
+
+int64_t OwnLimit(const RankActivity& r, const PhaseLimits& limits) {
+  switch (JudgedClass(r)) {
+    case PhaseClass::kStartup:
+      return limits.startup_ms;
+    case PhaseClass::kCheckpoint:
+      return limits.checkpoint_ms;
+    case PhaseClass::kStep:
+      break;
+  }
+  return limits.step_ms;
+}
+
+bool Waiting(const RankActivity& r) { return r.in_collective || r.work.waits_for_peers; }
+
+// "12.0 of 24.0 MB", "3 of 8 ranks", "5 parameter tensors": bytes in the scale of the larger figure.
+std::string Amounts(int64_t done, int64_t total, const std::string& unit) {
+  std::string scale_unit = unit;
+  double scale = 1;
+  if (unit == "bytes") {
+    scale = std::max(done, total) >= 1'000'000'000 ? 1e9 : 1e6;
+    scale_unit = scale == 1e9 ? "GB" : "MB";
+  }
+  char text[96];
+  if (unit == "bytes" && total > 0) {
+    std::snprintf(text, sizeof(text), "%.1f of %.1f", done / scale, total / scale);
+  } else if (unit == "bytes") {
+    std::snprintf(text, sizeof(text), "%.1f", done / scale);
+  } else if (total > 0) {
+    std::snprintf(text, sizeof(text), "%lld of %lld", static_cast<long long>(done), static_cast<long long>(total));
+  } else {
+    std::snprintf(text, sizeof(text), "%lld", static_cast<long long>(done));
+  }
+  return scale_unit.empty() ? text : std::string(text) + " " + scale_unit;
+}
+
+}  // namespace
+
+PhaseLimits PhaseLimits::FromRecipe(const Recipe& recipe) {
+  PhaseLimits limits;
+  char text[64];
+  std::snprintf(text, sizeof(text), "fault.hang_timeout_s=%g", recipe.fault.hang_timeout_s);
+  limits.step_ms = static_cast<int64_t>(recipe.fault.hang_timeout_s * 1000);
+  limits.step_how = text;
+  const PhaseTimeout startup = StartupTimeout(recipe), checkpoint = CheckpointTimeout(recipe);
+  limits.startup_ms = static_cast<int64_t>(startup.seconds * 1000);
+  limits.startup_how = startup.how;
+  limits.checkpoint_ms = static_cast<int64_t>(checkpoint.seconds * 1000);
+  limits.checkpoint_how = checkpoint.how;
+  return limits;
+}
+
+PhaseLimits PhaseLimits::Uniform(int64_t ms) {
+  PhaseLimits limits;
+  limits.step_ms = limits.startup_ms = limits.checkpoint_ms = ms;
+  return limits;
+}
 
 std::string DescribeRanks(std::vector<int> ranks) {
   std::sort(ranks.begin(), ranks.end());
@@ -20,12 +94,21 @@ std::string DescribeRanks(std::vector<int> ranks) {
   return (ranks.size() == 1 ? "rank " : "ranks ") + out;
 }
 
-std::optional<std::string> DiagnoseHang(const std::vector<RankActivity>& ranks, int64_t hang_timeout_ms) {
-  bool hung = std::any_of(ranks.begin(), ranks.end(),
-                          [&](const RankActivity& r) { return r.idle_ms >= hang_timeout_ms; });
-  if (!hung || ranks.empty()) return std::nullopt;
+std::string DescribeWork(const WorkActivity& work) {
+  if (work.what.empty()) return "";
+  return work.what + ", " + Amounts(work.done, work.total, work.unit);
+}
 
-  // The behind ranks: silent ones, else those outside any collective, else those in the collective
+std::optional<std::string> DiagnoseHang(const std::vector<RankActivity>& ranks, const PhaseLimits& limits) {
+  if (ranks.empty()) return std::nullopt;
+  // A rank that waits for its peers may wait as long as the slowest phase any of them is in.
+  int64_t longest = 0;
+  for (const auto& r : ranks) longest = std::max(longest, OwnLimit(r, limits));
+  auto limit_of = [&](const RankActivity& r) { return Waiting(r) ? longest : OwnLimit(r, limits); };
+  bool hung = std::any_of(ranks.begin(), ranks.end(), [&](const RankActivity& r) { return r.idle_ms >= limit_of(r); });
+  if (!hung) return std::nullopt;
+
+  // The behind ranks: silent ones, else those not waiting for peers, else those in the collective
   // with the lowest sequence. A rule that picks every rank says nothing, so the next one is tried.
   auto pick = [&](auto&& is_behind) {
     std::vector<const RankActivity*> picked;
@@ -36,7 +119,7 @@ std::optional<std::string> DiagnoseHang(const std::vector<RankActivity>& ranks, 
     return picked;
   };
   std::vector<const RankActivity*> behind = pick([](const RankActivity& r) { return r.silent_ms >= kSilentRankMs; });
-  if (behind.empty()) behind = pick([](const RankActivity& r) { return !r.in_collective; });
+  if (behind.empty()) behind = pick([](const RankActivity& r) { return !Waiting(r); });
   if (behind.empty()) {
     uint64_t oldest = UINT64_MAX;
     for (const auto& r : ranks) {
@@ -44,15 +127,34 @@ std::optional<std::string> DiagnoseHang(const std::vector<RankActivity>& ranks, 
     }
     behind = pick([&](const RankActivity& r) { return r.in_collective && r.collective_seq == oldest; });
   }
+  // What kind of stall, from the phase of the first rank behind (of any rank when none is).
+  const RankActivity& lead = behind.empty() ? ranks.front() : *behind.front();
+  std::string kind = "hang";
+  std::string limit_how = limits.step_how;
+  if (JudgedClass(lead) == PhaseClass::kStartup) {
+    kind = "stuck start-up";
+    limit_how = limits.startup_how;
+  } else if (JudgedClass(lead) == PhaseClass::kCheckpoint) {
+    kind = "stuck checkpoint save";
+    limit_how = limits.checkpoint_how;
+  }
+  // The phase in parentheses, with the long work the rank was in and its limit when it is not a
+  // training step's.
+  auto phase_text = [&](const RankActivity& r, const std::string& phase) {
+    std::string text = phase;
+    const std::string work = DescribeWork(r.work);
+    if (!work.empty()) text += ": " + work;
+    if (JudgedClass(r) != PhaseClass::kStep) text += "; limit " + limit_how;
+    return text;
+  };
   if (behind.empty()) {
-    const RankActivity& r = ranks.front();
     int64_t idle = 0;
     for (const auto& rank : ranks) idle = std::max(idle, rank.idle_ms);
-    std::string where = r.in_collective ? r.collective_op + " #" + std::to_string(r.collective_seq) + " of " +
-                                              r.collective_group + ", "
-                                        : "";
-    return "all ranks made no progress for " + std::to_string(idle / 1000) + "s (" + where + "step " +
-           std::to_string(r.step) + ", " + (r.reported ? r.phase : "startup") + ")";
+    std::string where = lead.in_collective ? lead.collective_op + " #" + std::to_string(lead.collective_seq) + " of " +
+                                                 lead.collective_group + ", "
+                                           : "";
+    return kind + ": all ranks made no progress for " + std::to_string(idle / 1000) + "s (" + where + "step " +
+           std::to_string(lead.step) + ", " + phase_text(lead, lead.reported ? lead.phase : "startup") + ")";
   }
   std::vector<int> behind_ranks;
   int64_t idle = 0;
@@ -60,17 +162,19 @@ std::optional<std::string> DiagnoseHang(const std::vector<RankActivity>& ranks, 
     behind_ranks.push_back(r->rank);
     idle = std::max(idle, r->idle_ms);
   }
-  const RankActivity& first = *behind.front();
-  std::string message = DescribeRanks(behind_ranks) + " made no progress for " + std::to_string(idle / 1000) +
-                        "s in step " + std::to_string(first.step) + " (" +
-                        (first.reported ? first.phase : "startup, never reported") + ")";
+  std::string message = kind + ": " + DescribeRanks(behind_ranks) + " made no progress for " +
+                        std::to_string(idle / 1000) + "s in step " + std::to_string(lead.step) + " (" +
+                        phase_text(lead, lead.reported ? lead.phase : "startup, never reported") + ")";
   // What the others wait in, grouped by collective.
   std::map<std::tuple<uint64_t, std::string, std::string>, std::vector<int>> waiting;
+  std::map<std::string, std::vector<int>> waiting_for_peers;
   std::vector<int> elsewhere;
   for (const auto& r : ranks) {
     if (std::find(behind.begin(), behind.end(), &r) != behind.end()) continue;
     if (r.in_collective) {
       waiting[{r.collective_seq, r.collective_op, r.collective_group}].push_back(r.rank);
+    } else if (r.work.waits_for_peers) {
+      waiting_for_peers[DescribeWork(r.work)].push_back(r.rank);
     } else {
       elsewhere.push_back(r.rank);
     }
@@ -79,6 +183,9 @@ std::optional<std::string> DiagnoseHang(const std::vector<RankActivity>& ranks, 
     const auto& [seq, op, group] = key;
     message += "; " + DescribeRanks(waiters) + (waiters.size() == 1 ? " waits in " : " wait in ") + op + " #" +
                std::to_string(seq) + " of " + group;
+  }
+  for (const auto& [work, waiters] : waiting_for_peers) {
+    message += "; " + DescribeRanks(waiters) + (waiters.size() == 1 ? " waits for its peers (" : " wait for their peers (") + work + ")";
   }
   if (!elsewhere.empty()) {
     message += "; " + DescribeRanks(elsewhere) + (elsewhere.size() == 1 ? " is" : " are") + " outside collectives";

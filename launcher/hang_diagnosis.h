@@ -6,7 +6,18 @@
 #include <string>
 #include <vector>
 
+#include "common/recipe.h"
+
 namespace ltrain::launcher {
+
+// Long work a rank reported (start-up, a checkpoint save, load or commit).
+struct WorkActivity {
+  std::string what;             // empty: none
+  int64_t done = 0;
+  int64_t total = 0;            // 0: unknown
+  std::string unit;             // "bytes", "parameters", "ranks"
+  bool waits_for_peers = false; // it waits for other ranks (a commit collecting their word)
+};
 
 struct RankActivity {
   int rank = 0;
@@ -20,19 +31,43 @@ struct RankActivity {
   uint64_t collective_seq = 0;
   std::string collective_op;
   std::string collective_group;
+  WorkActivity work;
 };
 
-// Returns a description of the hang when some rank made no progress for `hang_timeout_ms`, naming
-// the rank(s) that are behind and what the others wait in, e.g.
-//   "rank 3 made no progress for 30s in step 812 (backward); ranks 0-2 wait in all_reduce #1234 of dp 0"
-// Ranks that are waiting in a collective for a peer are not the culprits: the behind ranks are those
-// that went silent (stopped reporting), else those outside any collective, else those in the oldest one.
-std::optional<std::string> DiagnoseHang(const std::vector<RankActivity>& ranks, int64_t hang_timeout_ms);
+// How long a rank may make no progress, by what it is doing: a training step (fault.hang_timeout_s),
+// start-up (fault.startup_timeout_s: model build, connection, resume load) or a checkpoint
+// (checkpoint.timeout_s). `*_how` says where each figure came from, for the message.
+struct PhaseLimits {
+  int64_t step_ms = 60000;
+  int64_t startup_ms = 60000;
+  int64_t checkpoint_ms = 60000;
+  std::string step_how = "fault.hang_timeout_s";
+  std::string startup_how = "fault.startup_timeout_s";
+  std::string checkpoint_how = "checkpoint.timeout_s";
+
+  static PhaseLimits FromRecipe(const Recipe& recipe);
+  // Every phase judged by one limit (fault.hang_timeout_s).
+  static PhaseLimits Uniform(int64_t ms);
+};
+
+// Returns a description of the hang when some rank made no progress for its limit: the limit of
+// its phase, or, while it waits for its peers (in a collective, or a commit collecting their word),
+// the largest limit of any rank's phase, so that ranks waiting for a long save or start-up are not
+// taken for hung. It names the rank(s) that are behind and what the others wait in, e.g.
+//   "hang: rank 3 made no progress for 30s in step 812 (backward); ranks 0-2 wait in all_reduce #1234 of dp 0"
+//   "stuck checkpoint save: rank 1 made no progress for 5s in step 20 (checkpoint: saving checkpoint
+//    step-20, 12.0 of 24.0 MB; limit checkpoint.timeout_s=5); rank 0 waits for its peers (...)"
+// Ranks that are waiting for a peer are not the culprits: the behind ranks are those that went
+// silent (stopped reporting), else those not waiting, else those in the oldest collective.
+std::optional<std::string> DiagnoseHang(const std::vector<RankActivity>& ranks, const PhaseLimits& limits);
 
 // A rank silent this long while others report is taken to be stopped or wedged.
 constexpr int64_t kSilentRankMs = 3000;
 
 // "rank 3", "ranks 0-2", "ranks 0-1, 4"
 std::string DescribeRanks(std::vector<int> ranks);
+
+// "saving checkpoint step-20, 12.0 of 24.0 MB"; "" without work.
+std::string DescribeWork(const WorkActivity& work);
 
 }  // namespace ltrain::launcher

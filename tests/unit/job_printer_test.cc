@@ -67,8 +67,9 @@ v1::Job RunningJob() {
   r0->set_pid(1000);
   r0->set_state("running");
   r0->set_last_step(120);
-  r0->set_phase("train");
+  r0->set_phase("checkpoint");
   r0->set_progress_age_ms(300);
+  r0->set_work("saving checkpoint step-120, 8.0 of 15.8 GB");
   r0->set_log_path("/logs/rank-0.log");
   v1::RankInfo* r1 = job.add_ranks();
   r1->set_rank(1);
@@ -141,8 +142,9 @@ TEST(JobPrinterTest, RunningJobDetailShowsProgressNodesAndRanks) {
             "b              host-b               no         4.0s ago\n"
             "\n"
             " RANK NODE                PID STATE     EXIT     STEP PHASE        PROGRESS  LOG\n"
-            "    0 a                  1000 running      -      120 train        0.3s ago  /logs/rank-0.log\n"
-            "    1 b                  2000 killed   SIGKILL      118 -                   -  /logs/rank-1.log\n");
+            "    0 a                  1000 running      -      120 checkpoint   0.3s ago  /logs/rank-0.log\n"
+            "    1 b                  2000 killed   SIGKILL      118 -                   -  /logs/rank-1.log\n"
+            "rank 0: saving checkpoint step-120, 8.0 of 15.8 GB\n");
 }
 
 TEST(JobPrinterTest, FailedJobDetailShowsTheWholeCauseOnce) {

@@ -13,6 +13,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime.h>
 
+#include "worker/control/progress.h"
+
 namespace ltrain::worker {
 namespace {
 
@@ -46,7 +48,8 @@ Status CheckTensor(const at::Tensor& t) {
 
 StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(gloo::rendezvous::Store& store, int rank,
                                                                       int size, int device_index,
-                                                                      std::chrono::milliseconds timeout) {
+                                                                      std::chrono::milliseconds timeout,
+                                                                      std::string group) {
   if (cudaSetDevice(device_index) != cudaSuccess) {
     return Unavailable("cudaSetDevice(" + std::to_string(device_index) + ") failed");
   }
@@ -67,7 +70,7 @@ StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(gloo::rende
   }
   ncclComm_t comm = nullptr;
   LTRAIN_RETURN_IF_ERROR(Check(ncclCommInitRank(&comm, size, id, rank), "CommInitRank"));
-  std::unique_ptr<NcclCommunicator> result(new NcclCommunicator(comm, rank, size, device_index, timeout));
+  std::unique_ptr<NcclCommunicator> result(new NcclCommunicator(comm, rank, size, device_index, timeout, std::move(group)));
   NcclCommunicator* self = result.get();
   result->watchdog_ = std::thread([self] { self->Watch(); });
   return result;
@@ -79,11 +82,14 @@ NcclCommunicator::~NcclCommunicator() {
     stop_ = true;
   }
   if (watchdog_.joinable()) watchdog_.join();
-  for (InFlight& op : in_flight_) cudaEventDestroy(op.done);
+  for (InFlight& op : in_flight_) {
+    cudaEventDestroy(op.done);
+    Progress::Global().EndCollective(op.progress_seq);
+  }
   if (comm_ != nullptr) ncclCommDestroy(comm_);
 }
 
-Status NcclCommunicator::Track(const char* op, cudaStream_t stream) {
+Status NcclCommunicator::Track(const char* op, cudaStream_t stream, int64_t bytes) {
   cudaEvent_t done = nullptr;
   if (cudaEventCreateWithFlags(&done, cudaEventDisableTiming) != cudaSuccess) {
     return Unavailable(std::string("nccl ") + op + ": cudaEventCreate failed");
@@ -93,7 +99,8 @@ Status NcclCommunicator::Track(const char* op, cudaStream_t stream) {
     return Unavailable(std::string("nccl ") + op + ": cudaEventRecord failed");
   }
   std::lock_guard<std::mutex> lock(mu_);
-  in_flight_.push_back(InFlight{op, next_seq_++, done, std::chrono::steady_clock::now()});
+  const uint64_t progress_seq = Progress::Global().BeginCollective(op, group_, bytes);
+  in_flight_.push_back(InFlight{op, next_seq_++, progress_seq, done, std::chrono::steady_clock::now()});
   return Status::Ok();
 }
 
@@ -106,13 +113,14 @@ void NcclCommunicator::Watch() {
       if (stop_) return;
       while (!in_flight_.empty() && cudaEventQuery(in_flight_.front().done) == cudaSuccess) {
         cudaEventDestroy(in_flight_.front().done);
+        Progress::Global().EndCollective(in_flight_.front().progress_seq);
         in_flight_.pop_front();
       }
       const auto now = std::chrono::steady_clock::now();
       if (!in_flight_.empty() && now - in_flight_.front().start > timeout_) {
         const InFlight& op = in_flight_.front();
-        failure = "nccl " + op.op + " #" + std::to_string(op.seq) + " on a group of " + std::to_string(size_) +
-                  " ranks (this rank " + std::to_string(rank_) + ") did not finish within " +
+        failure = "nccl " + op.op + " #" + std::to_string(op.seq) + " of " + group_ + " (a group of " + std::to_string(size_) +
+                  " ranks, this rank " + std::to_string(rank_) + ") did not finish within " +
                   std::to_string(timeout_.count() / 1000) +
                   " s (fault.collective_timeout_s); a peer rank may have died or hung";
       }
@@ -140,7 +148,7 @@ Status NcclCommunicator::AllReduce(at::Tensor& tensor, ncclRedOp_t op) {
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
   LTRAIN_RETURN_IF_ERROR(Check(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type,
                              op, comm_, stream), "AllReduce"));
-  return Track("AllReduce", stream);
+  return Track("all_reduce", stream, tensor.nbytes());
 }
 
 Status NcclCommunicator::AllReduceSum(at::Tensor& tensor) { return AllReduce(tensor, ncclSum); }
@@ -157,7 +165,7 @@ Status NcclCommunicator::Broadcast(at::Tensor& tensor, int root) {
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
   LTRAIN_RETURN_IF_ERROR(Check(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type,
                              root, comm_, stream), "Broadcast"));
-  return Track("Broadcast", stream);
+  return Track("broadcast", stream, tensor.nbytes());
 }
 
 Status NcclCommunicator::AllGather(const at::Tensor& input, at::Tensor& output) {
@@ -171,7 +179,7 @@ Status NcclCommunicator::AllGather(const at::Tensor& input, at::Tensor& output) 
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(input.device().index()).stream();
   LTRAIN_RETURN_IF_ERROR(Check(ncclAllGather(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()), type,
                              comm_, stream), "AllGather"));
-  return Track("AllGather", stream);
+  return Track("all_gather", stream, output.nbytes());
 }
 
 Status NcclCommunicator::ReduceScatter(const at::Tensor& input, at::Tensor& output, ncclRedOp_t op) {
@@ -185,7 +193,7 @@ Status NcclCommunicator::ReduceScatter(const at::Tensor& input, at::Tensor& outp
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(input.device().index()).stream();
   LTRAIN_RETURN_IF_ERROR(Check(ncclReduceScatter(input.data_ptr(), output.data_ptr(), static_cast<size_t>(output.numel()), type,
                                  op, comm_, stream), "ReduceScatter"));
-  return Track("ReduceScatter", stream);
+  return Track("reduce_scatter", stream, input.nbytes());
 }
 
 Status NcclCommunicator::ReduceScatterSum(const at::Tensor& input, at::Tensor& output) {
@@ -204,7 +212,7 @@ Status NcclCommunicator::Send(const at::Tensor& tensor, int dst, uint32_t /*tag*
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
   pending_.push_back(tensor);
   LTRAIN_RETURN_IF_ERROR(Check(ncclSend(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type, dst, comm_, stream), "Send"));
-  return Track("Send", stream);
+  return Track("send", stream, tensor.nbytes());
 }
 
 Status NcclCommunicator::Recv(at::Tensor& tensor, int src, uint32_t /*tag*/) {
@@ -213,7 +221,7 @@ Status NcclCommunicator::Recv(at::Tensor& tensor, int src, uint32_t /*tag*/) {
   c10::cuda::CUDAGuard guard(tensor.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
   LTRAIN_RETURN_IF_ERROR(Check(ncclRecv(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type, src, comm_, stream), "Recv"));
-  return Track("Recv", stream);
+  return Track("recv", stream, tensor.nbytes());
 }
 
 Status NcclCommunicator::WaitSends() {

@@ -11,6 +11,10 @@
 // (fault.collective_timeout_s), or NCCL reports an asynchronous error, it prints which operation
 // waited how long, calls ncclCommAbort (which unblocks the stream) and exits the process with code 1:
 // a peer that vanished makes the rank fail with a clear error instead of hanging forever.
+//
+// Every operation is also reported to Progress::Global() with the group's name, as Gloo's are: it
+// begins when enqueued and ends when the watchdog sees its event complete (within ~100 ms), so a
+// hang report on GPUs names the stuck rank and the collective the others wait in.
 #pragma once
 
 #include <chrono>
@@ -35,7 +39,8 @@ class NcclCommunicator : public Communicator {
  public:
   static StatusOr<std::unique_ptr<NcclCommunicator>> Create(gloo::rendezvous::Store& store, int rank,
                                                             int size, int device_index,
-                                                            std::chrono::milliseconds timeout);
+                                                            std::chrono::milliseconds timeout,
+                                                            std::string group = "world");
   ~NcclCommunicator() override;
 
   int rank() const override { return rank_; }
@@ -59,17 +64,19 @@ class NcclCommunicator : public Communicator {
   struct InFlight {
     std::string op;
     uint64_t seq = 0;
+    uint64_t progress_seq = 0;  // Progress::Global()'s number for it
     cudaEvent_t done = nullptr;
     std::chrono::steady_clock::time_point start;
   };
 
-  NcclCommunicator(ncclComm_t comm, int rank, int size, int device, std::chrono::milliseconds timeout)
-      : comm_(comm), timeout_(timeout), rank_(rank), size_(size), device_(device) {}
+  NcclCommunicator(ncclComm_t comm, int rank, int size, int device, std::chrono::milliseconds timeout,
+                   std::string group)
+      : comm_(comm), timeout_(timeout), rank_(rank), size_(size), device_(device), group_(std::move(group)) {}
   // In-place all-reduce with `op` on the current stream.
   Status AllReduce(at::Tensor& tensor, ncclRedOp_t op);
   Status ReduceScatter(const at::Tensor& input, at::Tensor& output, ncclRedOp_t op);
-  // After an operation was enqueued on `stream`: hands it to the watchdog.
-  Status Track(const char* op, cudaStream_t stream);
+  // After an operation of `bytes` was enqueued on `stream`: hands it to the watchdog.
+  Status Track(const char* op, cudaStream_t stream, int64_t bytes);
   void Watch();
 
   ncclComm_t comm_;
@@ -82,6 +89,7 @@ class NcclCommunicator : public Communicator {
   int rank_;
   int size_;
   int device_;
+  std::string group_;
   std::vector<at::Tensor> pending_;  // sent tensors kept alive until WaitSends
 };
 

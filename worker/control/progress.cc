@@ -54,9 +54,10 @@ void Progress::RecordStep(const StepFigures& figures) {
   state_.completed = figures;
 }
 
-void Progress::SetWork(const std::string& what, int64_t done, int64_t total, const std::string& unit) {
+void Progress::SetWork(const std::string& what, int64_t done, int64_t total, const std::string& unit,
+                       bool waits_for_peers) {
   std::lock_guard<std::mutex> lock(mu_);
-  state_.work = WorkProgress{what, done, total, unit};
+  state_.work = WorkProgress{what, done, total, unit, waits_for_peers};
 }
 
 void Progress::EndWork(const std::string& what) {

@@ -42,6 +42,7 @@ struct WorkProgress {
   int64_t done = 0;
   int64_t total = 0;       // 0: unknown
   std::string unit;        // "bytes", "parameters", "ranks"
+  bool waits_for_peers = false;  // it waits for other ranks (a commit collecting their word)
 };
 
 struct ProgressSnapshot {
@@ -70,7 +71,8 @@ class Progress {
   void RecordStep(const StepFigures& figures);
   // Long work: SetWork starts or advances it (any thread: the checkpoint writer's reports its bytes),
   // EndWork(what) ends it unless other work replaced it since.
-  void SetWork(const std::string& what, int64_t done, int64_t total, const std::string& unit);
+  void SetWork(const std::string& what, int64_t done, int64_t total, const std::string& unit,
+               bool waits_for_peers = false);
   void EndWork(const std::string& what);
   // A checkpoint of `step` is committed at `path` (or this run resumed from it); older ones are ignored.
   void RecordCommit(int64_t step, const std::string& path);

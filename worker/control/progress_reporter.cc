@@ -81,6 +81,7 @@ bool ProgressReporter::Send() {
     work->set_done(snapshot.work.done);
     work->set_total(snapshot.work.total);
     work->set_unit(snapshot.work.unit);
+    work->set_waits_for_peers(snapshot.work.waits_for_peers);
   }
   v1::ProgressAck ack;
   grpc::ClientContext context;

@@ -7,6 +7,7 @@
 #include <torch/nn/functional.h>
 
 #include "common/token_data.h"
+#include "worker/control/progress.h"
 #include "worker/model/fused_kernels.h"
 #include "worker/torch_compat.h"
 
@@ -355,7 +356,11 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelShardSpec& s
     return static_cast<int>(shard->params_.size()) - 1;
   };
   torch::Tensor wte;
+  constexpr const char* kBuilding = "building the model";
   for (size_t i = 0; i < shapes.size(); ++i) {
+    // A large model takes a while on CPU: the count shows the coordinator that start-up moves.
+    Progress::Global().SetWork(kBuilding, static_cast<int64_t>(i), static_cast<int64_t>(shapes.size()),
+                               "parameter tensors");
     const std::string& name = shapes[i].first;
     shard->full_params_.emplace_back(name, shapes[i].second);
     if (name == "wte.weight") {
@@ -377,6 +382,7 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelShardSpec& s
       if (last) shard->lnf_b_ = add(name, full_param(i), c.layers + 1, true);
     }
   }
+  Progress::Global().EndWork(kBuilding);
   // The head of the last stage is tied to the embedding: on another rank it gets a copy of its own
   // (the two copies' gradients are summed over the embedding group, so they stay equal).
   shard->head_wte_ = shard->wte_;

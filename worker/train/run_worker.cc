@@ -93,7 +93,7 @@ StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe
     make = [c, local_rank, timeout](const Group& group, int group_rank) -> StatusOr<std::unique_ptr<Communicator>> {
       std::unique_ptr<gloo::rendezvous::Store> prefixed = PrefixedView("group/" + group.name, *c->store);
       auto comm = NcclCommunicator::Create(*prefixed, group_rank, static_cast<int>(group.ranks.size()), local_rank,
-                                           timeout);
+                                           timeout, group.name);
       if (!comm.ok()) return comm.status();
       return std::unique_ptr<Communicator>(std::move(comm).value());
     };
@@ -114,6 +114,31 @@ StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe
   }
   LTRAIN_ASSIGN_OR_RETURN(conn->groups, BuildProcessGroups(layout, env.rank, conn->world.get(), make));
   return conn;
+}
+
+// LTRAIN_FAULT_STARTUP_STALL=SECONDS[:RANK]: the drill of a slow start-up (see the usage text).
+Status StallStartupIfAsked(int rank) {
+  const char* v = std::getenv("LTRAIN_FAULT_STARTUP_STALL");
+  if (v == nullptr || *v == '\0') return Status::Ok();
+  const std::string text = v;
+  char* end = nullptr;
+  const double seconds = std::strtod(text.c_str(), &end);
+  long stall_rank = -1;
+  if (end != text.c_str() && *end == ':') {
+    char* rank_end = nullptr;
+    stall_rank = std::strtol(end + 1, &rank_end, 10);
+    if (rank_end == end + 1 || *rank_end != '\0') end = nullptr;
+  } else if (end == text.c_str() || *end != '\0') {
+    end = nullptr;
+  }
+  if (end == nullptr || !(seconds >= 0)) {
+    return InvalidArgument("LTRAIN_FAULT_STARTUP_STALL='" + text + "' is not SECONDS or SECONDS:RANK");
+  }
+  if (stall_rank >= 0 && stall_rank != rank) return Status::Ok();
+  std::printf("rank %d: stalling start-up for %.1f s (LTRAIN_FAULT_STARTUP_STALL)\n", rank, seconds);
+  std::fflush(stdout);
+  std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
+  return Status::Ok();
 }
 
 Status Run(const WorkerEnv& env) {
@@ -183,7 +208,10 @@ Status Run(const WorkerEnv& env) {
   }
 
   auto connect_start = std::chrono::steady_clock::now();
+  constexpr const char* kConnecting = "connecting to the job's ranks";
+  Progress::Global().SetWork(kConnecting, 0, env.world_size, "ranks");
   LTRAIN_ASSIGN_OR_RETURN(std::unique_ptr<Connection> conn, Connect(env, recipe));
+  Progress::Global().EndWork(kConnecting);
   ConnectCheckpointStop(&stop, conn->store);
   // Every rank says it is up: the first line of each rank's log, and proof of the rendezvous.
   std::printf("rank %d/%d up: pid %d, %d CPU thread(s), connected to %d peer(s) in %.0f ms\n", env.rank,
@@ -196,6 +224,7 @@ Status Run(const WorkerEnv& env) {
     board = std::make_unique<FileCommitBoard>(options.checkpoint_dir);
     options.commit_board = board.get();
   }
+  LTRAIN_RETURN_IF_ERROR(StallStartupIfAsked(env.rank));
   LTRAIN_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(recipe, options, &conn->groups));
   stop.Begin(trainer->step());
   Status done = trainer->Run();
@@ -263,6 +292,11 @@ Fault injection (for testing recovery; never set in production):
                            not committed, `latest` keeps naming the previous one, rank 0 prints
                            "checkpoint step-STEP failed: ...; step-M stays the newest committed",
                            and training goes on
+  LTRAIN_FAULT_STARTUP_STALL=SECONDS[:RANK]
+                           rank RANK (every rank when absent) stops for SECONDS in its start-up,
+                           after connecting and before building the model, without reporting
+                           progress: a start-up longer than fault.hang_timeout_s is no hang; one
+                           longer than fault.startup_timeout_s is reported as a stuck start-up
 
 By hand, two ranks on one machine:
   LTRAIN_WORLD_SIZE=2 LTRAIN_RANK=0 LTRAIN_RDZV=file:///tmp/rdzv LTRAIN_RDZV_SCOPE=t1 ltrain-worker --recipe r.yaml &

@@ -1,0 +1,68 @@
+// Long phases through the real `ltrain launch` (local agent, 2 worker processes): a start-up longer
+// than fault.hang_timeout_s is no hang; one that makes no progress for fault.startup_timeout_s is
+// reported as a stuck start-up that names the rank and the limit.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <string>
+
+#include "ltrain/v1/ltrain.pb.h"
+#include "tests/support/job_status.h"
+#include "tests/support/subprocess.h"
+
+namespace ltrain::testing {
+namespace {
+
+using std::chrono::seconds;
+
+class LivenessTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ProcessResult prepared = PrepareLicenseData(dir_.Join("data"));
+    ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
+  }
+
+  std::string Recipe(const std::string& name, const std::string& extra) {
+    return dir_.Write(name + ".yaml", "name: " + name +
+                                          "\nmodel: {layers: 2, d_model: 64, heads: 4, seq_len: 32}\n"
+                                          "data: {path: " + dir_.Join("data") + "}\n"
+                                          "training: {steps: 6, micro_batch: 4, global_batch: 8, log_every: 2}\n"
+                                          "parallel: {nproc_per_node: 2}\n" + extra);
+  }
+
+  std::map<std::string, std::string> Env() const {
+    return {{"LTRAIN_HOME", dir_.Join("home")}, {"OMP_NUM_THREADS", "1"}};
+  }
+
+  TempDir dir_;
+};
+
+TEST_F(LivenessTest, StartUpLongerThanTheHangTimeoutIsNoHang) {
+  std::string recipe = Recipe("slowstart", "fault: {hang_timeout_s: 1, max_restarts: 0}\n");
+  std::map<std::string, std::string> env = Env();
+  env["LTRAIN_FAULT_STARTUP_STALL"] = "4:1";
+  ProcessResult ran = RunProcess({LtrainBinary(), "launch", recipe}, env, seconds(120));
+  ASSERT_EQ(ran.exit_code, 0) << ran.output;
+  EXPECT_NE(ran.output.find("rank 1: stalling start-up for 4.0 s"), std::string::npos) << ran.output;
+  v1::Job job = JobStatus("slowstart-1", Env());
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(job.restarts(), 0);
+  EXPECT_EQ(job.last_failure(), "");
+}
+
+TEST_F(LivenessTest, StuckStartUpNamesTheRankAndTheLimit) {
+  std::string recipe = Recipe("stuckstart", "fault: {hang_timeout_s: 1, startup_timeout_s: 3, max_restarts: 0}\n");
+  std::map<std::string, std::string> env = Env();
+  env["LTRAIN_FAULT_STARTUP_STALL"] = "600:1";
+  ProcessResult ran = RunProcess({LtrainBinary(), "launch", recipe}, env, seconds(120));
+  EXPECT_NE(ran.exit_code, 0) << ran.output;
+  v1::Job job = JobStatus("stuckstart-1", Env());
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(job.last_failure().find("stuck start-up: rank 1 made no progress for 3s in step 0 (startup"),
+            std::string::npos)
+      << job.last_failure();
+  EXPECT_NE(job.last_failure().find("limit fault.startup_timeout_s=3)"), std::string::npos) << job.last_failure();
+}
+
+}  // namespace
+}  // namespace ltrain::testing
