@@ -1,0 +1,222 @@
+#!/usr/bin/env python3
+"""Checkpoint save and load, ltrain against the disk and torch.distributed.checkpoint, in one run.
+
+Suites (--suite, default all):
+  save       2 GPUs: the disk's fsync'd write and its read bandwidth (dd), dcp_save.py under torchrun
+             (gpt-1.3b + AdamW, 2 ranks), then `ltrain launch recipes/gpu-node-gpt-1.3b.yaml` on 2 GPUs
+             (data parallel, ZeRO-1) for 60 steps with a checkpoint every 20, and a second launch that
+             resumes from its last checkpoint; prints each save's time and bandwidth, the time training
+             was blocked per async save, the restore time, and their ratios to the disk and to DCP.
+  lost-work  2 GPUs: a gpt-124m-shaped job (12 layers, d 768, vocab 50304) with a checkpoint every 50
+             steps and 2 restarts; rank 1 is killed 30 steps after the save of step 50; the job must
+             resume from step 50 and succeed.
+
+    tests/bench/checkpoint_bench.py --ltrain build/cmd/ltrain --baselines DIR [--dir CHECKPOINT_DISK_DIR]
+
+DIR holds dcp_save.py and gpt_model.py (the peer). --dir is where every checkpoint and dd file goes
+(default: a temporary directory on the disk of the current directory). Exits 77 (skipped) without 2
+GPUs or torchrun.
+"""
+import argparse, json, os, re, shutil, signal, subprocess, sys, tempfile, time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def have_gpus(n):
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
+        return out.count("GPU ") >= n
+    except (OSError, subprocess.SubprocessError):
+        return False
+
+
+def drop_caches():
+    """True when the page cache could be dropped (root on a host that allows it)."""
+    subprocess.run(["sync"])
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def dd_bandwidth(work):
+    """GB/s of an fsync'd 4 GiB write and of reading it back (cache dropped, else O_DIRECT)."""
+    path = os.path.join(work, "dd.bin")
+    p = subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=16M", "count=256", "conv=fsync"],
+                       capture_output=True, text=True)
+    write = parse_dd(p.stderr)
+    dropped = drop_caches()
+    flags = [] if dropped else ["iflag=direct"]
+    p = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=16M", *flags], capture_output=True, text=True)
+    read = parse_dd(p.stderr)
+    os.remove(path)
+    return write, read, "page cache dropped" if dropped else "O_DIRECT (the page cache could not be dropped)"
+
+
+def parse_dd(text):
+    m = re.search(r"(\d+) bytes .* copied, ([0-9.]+) s", text)
+    return int(m.group(1)) / float(m.group(2)) / 1e9 if m else None
+
+
+def peer_env():
+    env = dict(os.environ)
+    # The peer runs with the host's own libraries, not the ones unpacked for building ltrain.
+    if "LTRAIN_HOST_LD_LIBRARY_PATH" in env:
+        env["LD_LIBRARY_PATH"] = env["LTRAIN_HOST_LD_LIBRARY_PATH"]
+    return env
+
+
+def dcp_save(baselines, work):
+    out = os.path.join(work, "dcp")
+    p = subprocess.run(["torchrun", "--standalone", "--nproc_per_node", "2", os.path.join(baselines, "dcp_save.py"),
+                        "--baselines", baselines, "--dir", out], capture_output=True, text=True, env=peer_env(),
+                       timeout=900)
+    shutil.rmtree(out, ignore_errors=True)
+    m = re.search(r"dcp state ([0-9.]+) GB: save ([0-9.]+) s", p.stdout)
+    a = re.search(r"async_save blocked ([0-9.]+) s, total ([0-9.]+) s", p.stdout)
+    if not m:
+        return {"ok": False, "why": (p.stdout + p.stderr)[-3000:]}
+    return {"ok": True, "gb": float(m.group(1)), "save_s": float(m.group(2)),
+            "async_blocked_s": float(a.group(1)) if a else None, "async_total_s": float(a.group(2)) if a else None}
+
+
+def launch(ltrain, args, home, on_line=None, timeout=1800):
+    env = dict(os.environ, LTRAIN_HOME=home)
+    p = subprocess.Popen([ltrain, "launch", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                         env=env, bufsize=1)
+    lines = []
+    deadline = time.time() + timeout
+    for line in p.stdout:
+        lines.append(line)
+        sys.stdout.write("  | " + line)
+        if on_line:
+            on_line(line, env)
+        if time.time() > deadline:
+            p.kill()
+            break
+    p.wait()
+    return p.returncode, "".join(lines)
+
+
+# "checkpoint step-20 written to DIR in 9512 ms (15.8 GB, 1.66 GB/s)"
+SAVE_RE = re.compile(r"checkpoint step-(\d+) written to \S+ in (\d+) ms(?: \(([0-9.]+) GB)?")
+BLOCKED_RE = re.compile(r"checkpoint: the training thread was blocked ([0-9.]+) ms in (\d+) (\w+) save\(s\)")
+# "resumed from DIR/step-60 at step 60 ... in 5.1 s (15.8 GB, 3.1 GB/s)"
+RESUME_RE = re.compile(r"resumed from \S+ at step (\d+).* in ([0-9.]+) s \(([0-9.]+) GB")
+
+
+def save_suite(a, work, data):
+    print("== save: the disk, torch.distributed.checkpoint and ltrain (gpt-1.3b, 2 GPUs) ==", flush=True)
+    write_gbs, read_gbs, read_how = dd_bandwidth(work)
+    print(f"disk: write {write_gbs:.2f} GB/s (dd bs=16M count=256 conv=fsync), read {read_gbs:.2f} GB/s ({read_how})",
+          flush=True)
+    dcp = dcp_save(a.baselines, work)
+    if dcp["ok"]:
+        print(f"dcp: {dcp['gb']:.2f} GB saved in {dcp['save_s']:.1f} s; async_save blocked {dcp['async_blocked_s']} s, "
+              f"total {dcp['async_total_s']} s", flush=True)
+    else:
+        print("dcp failed:\n" + dcp["why"], flush=True)
+    home = os.path.join(work, "home")
+    ck = os.path.join(work, "ltrain-ck")
+    common = [os.path.join(REPO, "recipes", "gpu-node-gpt-1.3b.yaml"), "--set", f"data.path={data}",
+              "--set", "parallel.nproc_per_node=2"]
+    rc, out = launch(a.ltrain, common + ["--set", "training.steps=60", "--set", "checkpoint.every=20",
+                                         "--set", f"checkpoint.dir={ck}"], home)
+    saves = [(int(s), int(ms) / 1000.0, float(gb) if gb else None) for s, ms, gb in SAVE_RE.findall(out)]
+    blocked = BLOCKED_RE.search(out)
+    ok = rc == 0 and len(saves) == 3
+    print(f"ltrain train + save: exit {rc}, {'SUCCEEDED' if rc == 0 else 'FAILED'}", flush=True)
+    cached = drop_caches()
+    rc2, out2 = launch(a.ltrain, common + ["--set", "training.steps=61", "--set", f"checkpoint.resume_from={ck}",
+                                           "--set", f"checkpoint.dir={os.path.join(work, 'ltrain-ck2')}",
+                                           "--set", "checkpoint.enabled=false"], home)
+    resumed = RESUME_RE.search(out2)
+    print("\nresults (one host, one run):")
+    for step, s, gb in saves:
+        gbs = gb / s if gb else None
+        line = f"  ltrain save step-{step}: {s:.1f} s"
+        if gb:
+            line += f", {gb:.1f} GB, {gbs:.2f} GB/s = {gbs / write_gbs:.2f}x the disk's write"
+        if dcp["ok"]:
+            line += f"; {s / dcp['save_s']:.2f}x DCP's save time"
+        print(line)
+    if blocked:
+        per = float(blocked.group(1)) / int(blocked.group(2)) / 1000
+        line = f"  ltrain training blocked per {blocked.group(3)} save: {per:.2f} s"
+        if dcp["ok"] and dcp["async_blocked_s"] is not None:
+            line += f" (DCP async_save: {dcp['async_blocked_s']:.1f} s)"
+        print(line)
+    if resumed:
+        s, gb = float(resumed.group(2)), float(resumed.group(3))
+        print(f"  ltrain restore: {s:.1f} s, {gb:.1f} GB, {gb / s:.2f} GB/s = {gb / s / read_gbs:.2f}x the disk's read "
+              f"({'page cache dropped first' if cached else 'the page cache may still hold the files'})")
+    else:
+        print("  ltrain restore: no 'resumed from' line (exit %d)" % rc2)
+        ok = False
+    return ok and rc2 == 0
+
+
+def lost_work_suite(a, work, data):
+    print("== lost-work: gpt-124m shape, checkpoint every 50, rank 1 killed at step 80 ==", flush=True)
+    home = os.path.join(work, "home-lost")
+    recipe = os.path.join(work, "lost.yaml")
+    with open(recipe, "w") as f:
+        f.write(f"""name: lost
+model: {{layers: 12, d_model: 768, heads: 12, seq_len: 1024, vocab: 50304}}
+data: {{path: {data}}}
+training: {{steps: 120, micro_batch: 8, global_batch: 16, log_every: 10}}
+parallel: {{nodes: 1, nproc_per_node: 2, device: cuda, precision: bf16}}
+checkpoint: {{every: 50, keep: 2, dir: {os.path.join(work, 'lost-ck')}}}
+fault: {{max_restarts: 2, restart_backoff_s: 0}}
+""")
+    state = {"killed": False}
+
+    def on_line(line, env):
+        if not state["killed"] and line.startswith("[rank 0] step 80/"):
+            status = subprocess.run([a.ltrain, "status", "lost-1", "--output", "json"], capture_output=True,
+                                    text=True, env=env)
+            ranks = json.loads(status.stdout).get("ranks", [])
+            os.kill(int(next(r["pid"] for r in ranks if r["rank"] == 1)), signal.SIGKILL)
+            state["killed"] = True
+
+    rc, out = launch(a.ltrain, [recipe], home, on_line)
+    m = re.search(r"resumed from \S+/step-(\d+) at step (\d+)", out)
+    resumed = int(m.group(2)) if m else 0
+    print(f"\nresults: exit {rc}; killed at step 80; resumed from step {resumed} (the save of step 50 "
+          f"{'was' if resumed == 50 else 'was NOT'} the one resumed); lost {80 - resumed} steps")
+    return rc == 0 and state["killed"] and resumed == 50
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ltrain", required=True)
+    ap.add_argument("--baselines", required=True)
+    ap.add_argument("--dir", help="where the checkpoints and the dd file go")
+    ap.add_argument("--suite", default="all", choices=["all", "save", "lost-work"])
+    ap.add_argument("--data", help="a text file to train on (default: the licence texts of /usr/share/common-licenses)")
+    a = ap.parse_args()
+    if not have_gpus(2):
+        print("skipped: fewer than 2 GPUs")
+        return 77
+    if shutil.which("torchrun") is None:
+        print("skipped: torchrun is not installed")
+        return 77
+    work = tempfile.mkdtemp(prefix="ltrain-checkpoint-bench-", dir=a.dir or os.getcwd())
+    data = os.path.join(work, "data")
+    inputs = [a.data] if a.data else sorted(
+        os.path.join("/usr/share/common-licenses", f) for f in os.listdir("/usr/share/common-licenses"))
+    subprocess.run([a.ltrain, "data", "prepare", "--input", *inputs, "--output", data], check=True,
+                   capture_output=True)
+    ok = True
+    if a.suite in ("all", "save"):
+        ok = save_suite(a, work, data) and ok
+    if a.suite in ("all", "lost-work"):
+        ok = lost_work_suite(a, work, data) and ok
+    shutil.rmtree(work, ignore_errors=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
