@@ -59,10 +59,13 @@ TEST_F(CheckpointFaultsTest, FlippedByteInNewestCheckpointResumesFromThePrevious
   const std::string ck = dir_.Join("home/checkpoints/first-1");
   ASSERT_EQ(Latest(ck), "step-20") << ran.output;
   {
-    std::fstream f(ck + "/step-20/model.pt", std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(1000);
+    // A byte of the tensors' data (the end of the file), which only the hash can tell.
+    const std::string file = ck + "/step-20/model-rank-0.safetensors";
+    const auto at = static_cast<std::streamoff>(fs::file_size(file) - 1000);
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(at);
     const char original = static_cast<char>(f.get());
-    f.seekp(1000);
+    f.seekp(at);
     f.put(static_cast<char>(original ^ 0x01));
   }
 
@@ -71,7 +74,7 @@ TEST_F(CheckpointFaultsTest, FlippedByteInNewestCheckpointResumesFromThePrevious
   ProcessResult resumed = RunProcess({LtrainBinary(), "launch", second}, Env(), seconds(180));
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_TRUE(std::regex_search(
-      resumed.output, std::regex(R"(checkpoint step-20 is corrupt \(model\.pt checksum mismatch: expected [0-9a-f]+, got [0-9a-f]+\); resuming from step-15)")))
+      resumed.output, std::regex(R"(checkpoint step-20 is corrupt \(model-rank-0\.safetensors xxh3 mismatch: expected [0-9a-f]{16}, got [0-9a-f]{16}\); resuming from step-15)")))
       << resumed.output;
   EXPECT_NE(resumed.output.find("resumed from " + ck + "/step-15 at step 15"), std::string::npos) << resumed.output;
   EXPECT_NE(resumed.output.find("step 25/25"), std::string::npos) << resumed.output;
