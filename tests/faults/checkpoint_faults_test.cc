@@ -109,5 +109,39 @@ TEST_F(CheckpointFaultsTest, InjectedWriteFailureKeepsThePreviousCheckpointAndTh
   EXPECT_EQ(job.last_committed_step(), 20);
 }
 
+// A second job pointed at the first one's checkpoint directory (checkpoint.dir): `ltrain launch`
+// refuses it before submitting (exit code 2), naming the owner and the fix; nothing of the first
+// job's checkpoints changes. Starting from it with checkpoint.resume_from works.
+TEST_F(CheckpointFaultsTest, ASecondJobInAnotherJobsCheckpointDirectoryIsRefused) {
+  const std::string ck = dir_.Join("shared-ck");
+  std::string first = Recipe("owner", "training: {steps: 5, micro_batch: 4, global_batch: 8, log_every: 5}\n"
+                                      "checkpoint: {every: 5, dir: " + ck + "}\n");
+  ProcessResult ran = RunProcess({LtrainBinary(), "launch", first}, Env(), seconds(180));
+  ASSERT_EQ(ran.exit_code, 0) << ran.output;
+  ASSERT_EQ(Latest(ck), "step-5");
+  const std::string meta = ReadFile(ck + "/step-5/meta.yaml");
+  ASSERT_NE(meta.find("job_id: owner-1"), std::string::npos) << meta;
+
+  std::string second = Recipe("intruder", "training: {steps: 10, micro_batch: 4, global_batch: 8, log_every: 5}\n"
+                                          "checkpoint: {every: 5, dir: " + ck + "}\n"
+                                          "fault: {max_restarts: 2, restart_backoff_s: 0.2}\n");
+  ProcessResult refused = RunProcess({LtrainBinary(), "launch", second}, Env(), seconds(60));
+  EXPECT_EQ(refused.exit_code, 2) << refused.output;
+  EXPECT_NE(refused.output.find("checkpoint directory " + ck + " belongs to job owner-1 (its step-5)"), std::string::npos)
+      << refused.output;
+  EXPECT_NE(refused.output.find("set checkpoint.dir"), std::string::npos) << refused.output;
+  EXPECT_NE(refused.output.find("checkpoint.resume_from=" + ck), std::string::npos) << refused.output;
+  EXPECT_EQ(refused.output.find("submitted"), std::string::npos) << refused.output;
+  EXPECT_EQ(Latest(ck), "step-5");
+  EXPECT_EQ(ReadFile(ck + "/step-5/meta.yaml"), meta);
+
+  std::string reader = Recipe("reader", "training: {steps: 10, micro_batch: 4, global_batch: 8, log_every: 5}\n"
+                                        "checkpoint: {every: 5, resume_from: " + ck + "}\n");
+  ProcessResult resumed = RunProcess({LtrainBinary(), "launch", reader}, Env(), seconds(180));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from " + ck + "/step-5 at step 5"), std::string::npos) << resumed.output;
+  EXPECT_EQ(Latest(ck), "step-5");
+}
+
 }  // namespace
 }  // namespace ltrain::testing

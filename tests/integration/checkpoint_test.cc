@@ -3,6 +3,7 @@
 // injected write failure commits nothing, keeps `latest`, and training goes on; asynchronous saves
 // end bit-identical to synchronous ones and to an uninterrupted run; a checkpoint saved with dp2
 // ZeRO-1 resumes into dp1 ZeRO-0, dp2 ZeRO-2 and dp2 ZeRO-3.
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -305,6 +306,43 @@ TEST_F(CheckpointTest, ARerunWithFewerStepsLeavesLatestValid) {
   EXPECT_NE(resumed.log0.find("resumed from " + (ck / "step-10").string() + " at step 10"), std::string::npos) << resumed.log0;
   EXPECT_EQ(Latest(ck), "step-10");
   EXPECT_TRUE(fs::exists(ck / "step-10" / "meta.yaml"));
+}
+
+// A checkpoint directory belongs to the job that wrote it: a worker of another job refuses it
+// before training (exit code 3: not to be restarted), naming the owner and the fix, and leaves it
+// as it was; the owner itself goes on using it.
+TEST_F(CheckpointTest, AnotherJobsCheckpointDirectoryIsRefused) {
+  RunResult owner = Run("own_first", 1, "own_ck", "--set training.steps=5", "LTRAIN_JOB_ID=owner-1");
+  ASSERT_EQ(owner.rc, 0) << owner.log0;
+  const fs::path ck = Dir() / "own_ck";
+  ASSERT_EQ(Latest(ck), "step-5");
+  const std::string meta = ReadFile(ck / "step-5" / "meta.yaml");
+
+  RunResult other = Run("own_other", 1, "own_ck", "--set training.steps=10", "LTRAIN_JOB_ID=other-1");
+  EXPECT_NE(other.rc, 0);
+  EXPECT_NE(other.log0.find("checkpoint directory " + ck.string() + " belongs to job owner-1 (its step-5)"),
+            std::string::npos)
+      << other.log0;
+  EXPECT_NE(other.log0.find("checkpoint.resume_from=" + ck.string()), std::string::npos) << other.log0;
+  EXPECT_EQ(other.log0.find("step 1/"), std::string::npos) << other.log0;
+  EXPECT_EQ(Latest(ck), "step-5");
+  EXPECT_EQ(ReadFile(ck / "step-5" / "meta.yaml"), meta);
+  const std::string bin = WorkerBin();
+  const int status = std::system(("LTRAIN_JOB_ID=other-1 OMP_NUM_THREADS=1 " + bin + " --recipe " + (Dir() / "r.yaml").string() +
+                                  " --set checkpoint.dir=" + ck.string() + " > /dev/null 2>&1")
+                                     .c_str());
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 3) << status;
+
+  // Reading it is fine: another job starts from it and writes to its own directory.
+  RunResult reader = Run("own_reader", 1, "own_reader_ck", "--set training.steps=10 --set checkpoint.resume_from=" + ck.string(),
+                         "LTRAIN_JOB_ID=other-1");
+  ASSERT_EQ(reader.rc, 0) << reader.log0;
+  EXPECT_NE(reader.log0.find("resumed from " + (ck / "step-5").string() + " at step 5"), std::string::npos) << reader.log0;
+  // And the owner resumes in it.
+  RunResult again = Run("own_again", 1, "own_ck", "--set training.steps=10 --set checkpoint.resume_from=" + ck.string(),
+                        "LTRAIN_JOB_ID=owner-1");
+  ASSERT_EQ(again.rc, 0) << again.log0;
+  EXPECT_EQ(Latest(ck), "step-10");
 }
 
 }  // namespace
