@@ -462,7 +462,15 @@ Status Trainer::ReadShards(const std::string& step_dir, const CheckpointMeta& me
 Status Trainer::ApplyShards(const std::string& step_dir, const CheckpointMeta& meta, const LoadedShards& shards) {
   torch::NoGradGuard no_grad;
   using Files = std::vector<std::pair<std::string, std::map<std::string, torch::Tensor>>>;
-  auto assemble = [&](const Files& files, const std::string& prefix, const std::string& name, torch::Tensor& into) -> Status {
+  // The full flattened `prefix + name` (n elements) from the shards' ranges; a shard that holds all
+  // of it is used as it is, without a copy.
+  auto assemble = [&](const Files& files, const std::string& prefix, const std::string& name,
+                      int64_t n) -> StatusOr<torch::Tensor> {
+    struct Piece {
+      int64_t begin, end;
+      torch::Tensor values;
+    };
+    std::vector<Piece> pieces;
     int64_t covered = 0;
     for (const auto& [file, tensors] : files) {
       auto range_it = tensors.find("range." + name), values_it = tensors.find(prefix + name);
@@ -475,26 +483,28 @@ Status Trainer::ApplyShards(const std::string& step_dir, const CheckpointMeta& m
         return DataLoss("checkpoint " + step_dir + ": " + file + ": range." + name + " is not two int64 values");
       }
       const int64_t b = range.data_ptr<int64_t>()[0], e = range.data_ptr<int64_t>()[1];
-      if (b < 0 || e < b || e > into.numel() || values.numel() != e - b) {
+      if (b < 0 || e < b || e > n || values.numel() != e - b) {
         return DataLoss("checkpoint " + step_dir + ": " + prefix + name + " holds range [" + std::to_string(b) + ", " +
                         std::to_string(e) + ") with " + std::to_string(values.numel()) + " values; the parameter has " +
-                        std::to_string(into.numel()) + " (saved by another model?)");
+                        std::to_string(n) + " (saved by another model?)");
       }
-      if (e > b) into.narrow(0, b, e - b).copy_(values.reshape(-1).to(torch::kFloat));
+      if (e > b) pieces.push_back(Piece{b, e, values.reshape(-1).to(torch::kFloat)});
       covered += e - b;
     }
-    if (covered != into.numel()) {
+    if (covered != n) {
       return DataLoss("checkpoint " + step_dir + ": the shards of " + prefix + name + " cover " + std::to_string(covered) +
-                      " of " + std::to_string(into.numel()) + " elements");
+                      " of " + std::to_string(n) + " elements");
     }
-    return Status::Ok();
+    if (pieces.size() == 1) return pieces[0].values;
+    torch::Tensor full = torch::empty({n});
+    for (const Piece& piece : pieces) full.narrow(0, piece.begin, piece.end - piece.begin).copy_(piece.values);
+    return full;
   };
   for (size_t i = 0; i < param_names_.size(); ++i) {
     const int64_t n = store_->ParamNumel(static_cast<int>(i));
-    torch::Tensor value = torch::zeros({n}), m = torch::zeros({n}), v = torch::zeros({n});
-    LTRAIN_RETURN_IF_ERROR(assemble(shards.model, "model.", param_names_[i], value));
-    LTRAIN_RETURN_IF_ERROR(assemble(shards.optimizer, "exp_avg.", param_names_[i], m));
-    LTRAIN_RETURN_IF_ERROR(assemble(shards.optimizer, "exp_avg_sq.", param_names_[i], v));
+    LTRAIN_ASSIGN_OR_RETURN(torch::Tensor value, assemble(shards.model, "model.", param_names_[i], n));
+    LTRAIN_ASSIGN_OR_RETURN(torch::Tensor m, assemble(shards.optimizer, "exp_avg.", param_names_[i], n));
+    LTRAIN_ASSIGN_OR_RETURN(torch::Tensor v, assemble(shards.optimizer, "exp_avg_sq.", param_names_[i], n));
     LTRAIN_RETURN_IF_ERROR(store_->LoadParamState(static_cast<int>(i), value, m, v));
   }
   return RestoreRngState(meta.rng_state);
