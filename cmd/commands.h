@@ -50,6 +50,7 @@ void AddValidateCommand(CLI::App& app, CommandContext& ctx);
 void AddDataCommand(CLI::App& app, CommandContext& ctx);  // `data prepare`
 void AddListCommand(CLI::App& app, CommandContext& ctx);
 void AddLogsCommand(CLI::App& app, CommandContext& ctx);
+void AddCheckpointCommand(CLI::App& app, CommandContext& ctx);  // `checkpoint inspect`
 // Completes every subcommand of `app` added before the completion script is printed.
 void AddCompletionCommand(CLI::App& app, CommandContext& ctx);
 void AddStatusCommand(CLI::App& app, CommandContext& ctx);

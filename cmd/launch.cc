@@ -6,6 +6,7 @@
 #include "cmd/cli_support.h"
 #include "cmd/commands.h"
 #include "cmd/run_job.h"
+#include "common/checkpoint_manifest.h"
 #include "common/recipe.h"
 #include "common/slurm.h"
 
@@ -46,6 +47,17 @@ int Launch(const LaunchArgs& args, const SecurityMaterial& security) {
   recipe.data.path = Absolute(recipe.data.path);
   recipe.checkpoint.dir = Absolute(recipe.checkpoint.dir);
   recipe.checkpoint.resume_from = Absolute(recipe.checkpoint.resume_from);
+  // A checkpoint directory belongs to the job that wrote it; this new job's workers would refuse
+  // one that holds commits (checked here too where the directory is visible, before submitting).
+  if (recipe.checkpoint.enabled && !recipe.checkpoint.dir.empty()) {
+    std::vector<CommittedStep> steps = ListCommittedSteps(recipe.checkpoint.dir);
+    for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+      if (!it->readable) continue;
+      std::fprintf(stderr, "%s: %s\n", args.recipe.c_str(),
+                   CheckpointOwnershipError(recipe.checkpoint.dir, *it, "this new job").c_str());
+      return kExitInvalid;
+    }
+  }
   if (args.run.coordinator.empty() && !fs::exists(fs::path(recipe.data.path) / "train.bin")) {
     std::fprintf(stderr,
                  "%s: data.path %s holds no prepared data (train.bin)\n"

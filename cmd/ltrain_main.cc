@@ -28,6 +28,7 @@ int main(int argc, char** argv) {
   AddDataCommand(app, ctx);
   AddListCommand(app, ctx);
   AddLogsCommand(app, ctx);
+  AddCheckpointCommand(app, ctx);
   AddCompletionCommand(app, ctx);
   AddStatusCommand(app, ctx);
   AddStopCommand(app, ctx);

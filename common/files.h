@@ -2,6 +2,9 @@
 #pragma once
 
 #include <filesystem>
+#include <string>
+
+#include "common/status.h"
 
 namespace ltrain {
 
@@ -10,5 +13,13 @@ namespace ltrain {
 // of it from libtorch.so, which the dynamic linker then binds our calls to, and that copy crashes
 // (seen on the GPU host). nftw is plain libc.
 void RemoveTree(const std::filesystem::path& path);
+
+// fsync of a file, or of a directory (which makes the names created or renamed in it durable).
+Status FsyncPath(const std::string& path, bool directory);
+
+// Replaces `path` by `text` so that a reader sees the old or the new content, never a torn one:
+// writes a temporary name unique to this process next to it, fsyncs it, renames it over `path`
+// and fsyncs the directory.
+Status WriteFileAtomically(const std::string& path, const std::string& text);
 
 }  // namespace ltrain

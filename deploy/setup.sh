@@ -11,6 +11,7 @@ packages=(
   g++ cmake ninja-build ccache pkg-config
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libyaml-cpp-dev libcli11-dev libsqlite3-dev
+  libxxhash-dev          # XXH3-64, the checksums of checkpoint shards
   openssl libtorch-dev libgloo-dev
   libopenblas0-pthread   # an optimised BLAS for LibTorch on CPU: about 10x the reference BLAS
   base-files             # the licence texts the quickstart trains on

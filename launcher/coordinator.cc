@@ -7,6 +7,7 @@
 #include "common/layout.h"
 #include "common/logging.h"
 #include "common/signal_name.h"
+#include "common/worker_exit.h"
 #include "launcher/hang_diagnosis.h"
 #include "launcher/restart_policy.h"
 
@@ -253,7 +254,7 @@ void Coordinator::StopGenerationLocked(ActiveJob& job, const std::string& reason
   job.nodes.clear();
 }
 
-void Coordinator::FailGenerationLocked(ActiveJob& job, const std::string& cause) {
+void Coordinator::FailGenerationLocked(ActiveJob& job, const std::string& cause, bool restartable) {
   if (job.job.state() != v1::JOB_STATE_RUNNING) return;  // only the first failure of a generation counts
   if (job.stopping) {
     // A job being stopped is not restarted: it ends STOPPED as a plain stop would have left it.
@@ -263,7 +264,8 @@ void Coordinator::FailGenerationLocked(ActiveJob& job, const std::string& cause)
   job.job.set_last_failure(cause);
   job.failures.push_back("generation " + std::to_string(job.job.generation()) + ": " + cause);
   AddEventLocked(job, "failure", "generation " + std::to_string(job.job.generation()) + " failed: " + cause, -1);
-  std::optional<int64_t> delay = PolicyOf(job.recipe).NextDelayMs(job.job.restarts());
+  std::optional<int64_t> delay =
+      restartable ? PolicyOf(job.recipe).NextDelayMs(job.job.restarts()) : std::optional<int64_t>();
   if (!delay) {
     std::string verdict = cause;
     if (job.job.restarts() > 0) {
@@ -692,7 +694,8 @@ Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {
   } else if (!report.log_path().empty()) {
     cause += "; its log " + report.log_path() + " is empty";
   }
-  FailGenerationLocked(*job, cause);
+  // A worker that refused to start (kWorkerExitNoRestart) would refuse again after a restart.
+  FailGenerationLocked(*job, cause, report.signal() != 0 || report.exit_code() != kWorkerExitNoRestart);
   return Status::Ok();
 }
 

@@ -133,7 +133,8 @@ class Coordinator {
 
   void ScheduleLocked();
   bool StartGenerationLocked(ActiveJob& job, std::vector<std::string> nodes);
-  void FailGenerationLocked(ActiveJob& job, const std::string& cause);
+  // `restartable` false: the job fails whatever its restart policy says.
+  void FailGenerationLocked(ActiveJob& job, const std::string& cause, bool restartable = true);
   void StopGenerationLocked(ActiveJob& job, const std::string& reason);
   void LoseNodeLocked(const std::string& node_id, const std::string& reason, bool expected = false);
   void CheckHangLocked(ActiveJob& job, int64_t now);

@@ -59,10 +59,13 @@ TEST_F(CheckpointFaultsTest, FlippedByteInNewestCheckpointResumesFromThePrevious
   const std::string ck = dir_.Join("home/checkpoints/first-1");
   ASSERT_EQ(Latest(ck), "step-20") << ran.output;
   {
-    std::fstream f(ck + "/step-20/model.pt", std::ios::in | std::ios::out | std::ios::binary);
-    f.seekg(1000);
+    // A byte of the tensors' data (the end of the file), which only the hash can tell.
+    const std::string file = ck + "/step-20/model-rank-0.safetensors";
+    const auto at = static_cast<std::streamoff>(fs::file_size(file) - 1000);
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(at);
     const char original = static_cast<char>(f.get());
-    f.seekp(1000);
+    f.seekp(at);
     f.put(static_cast<char>(original ^ 0x01));
   }
 
@@ -71,7 +74,7 @@ TEST_F(CheckpointFaultsTest, FlippedByteInNewestCheckpointResumesFromThePrevious
   ProcessResult resumed = RunProcess({LtrainBinary(), "launch", second}, Env(), seconds(180));
   ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
   EXPECT_TRUE(std::regex_search(
-      resumed.output, std::regex(R"(checkpoint step-20 is corrupt \(model\.pt checksum mismatch: expected [0-9a-f]+, got [0-9a-f]+\); resuming from step-15)")))
+      resumed.output, std::regex(R"(checkpoint step-20 is corrupt \(model-rank-0\.safetensors xxh3 mismatch: expected [0-9a-f]{16}, got [0-9a-f]{16}\); resuming from step-15)")))
       << resumed.output;
   EXPECT_NE(resumed.output.find("resumed from " + ck + "/step-15 at step 15"), std::string::npos) << resumed.output;
   EXPECT_NE(resumed.output.find("step 25/25"), std::string::npos) << resumed.output;
@@ -104,6 +107,40 @@ TEST_F(CheckpointFaultsTest, InjectedWriteFailureKeepsThePreviousCheckpointAndTh
   EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
   EXPECT_EQ(job.restarts(), 0);
   EXPECT_EQ(job.last_committed_step(), 20);
+}
+
+// A second job pointed at the first one's checkpoint directory (checkpoint.dir): `ltrain launch`
+// refuses it before submitting (exit code 2), naming the owner and the fix; nothing of the first
+// job's checkpoints changes. Starting from it with checkpoint.resume_from works.
+TEST_F(CheckpointFaultsTest, ASecondJobInAnotherJobsCheckpointDirectoryIsRefused) {
+  const std::string ck = dir_.Join("shared-ck");
+  std::string first = Recipe("owner", "training: {steps: 5, micro_batch: 4, global_batch: 8, log_every: 5}\n"
+                                      "checkpoint: {every: 5, dir: " + ck + "}\n");
+  ProcessResult ran = RunProcess({LtrainBinary(), "launch", first}, Env(), seconds(180));
+  ASSERT_EQ(ran.exit_code, 0) << ran.output;
+  ASSERT_EQ(Latest(ck), "step-5");
+  const std::string meta = ReadFile(ck + "/step-5/meta.yaml");
+  ASSERT_NE(meta.find("job_id: owner-1"), std::string::npos) << meta;
+
+  std::string second = Recipe("intruder", "training: {steps: 10, micro_batch: 4, global_batch: 8, log_every: 5}\n"
+                                          "checkpoint: {every: 5, dir: " + ck + "}\n"
+                                          "fault: {max_restarts: 2, restart_backoff_s: 0.2}\n");
+  ProcessResult refused = RunProcess({LtrainBinary(), "launch", second}, Env(), seconds(60));
+  EXPECT_EQ(refused.exit_code, 2) << refused.output;
+  EXPECT_NE(refused.output.find("checkpoint directory " + ck + " belongs to job owner-1 (its step-5)"), std::string::npos)
+      << refused.output;
+  EXPECT_NE(refused.output.find("set checkpoint.dir"), std::string::npos) << refused.output;
+  EXPECT_NE(refused.output.find("checkpoint.resume_from=" + ck), std::string::npos) << refused.output;
+  EXPECT_EQ(refused.output.find("submitted"), std::string::npos) << refused.output;
+  EXPECT_EQ(Latest(ck), "step-5");
+  EXPECT_EQ(ReadFile(ck + "/step-5/meta.yaml"), meta);
+
+  std::string reader = Recipe("reader", "training: {steps: 10, micro_batch: 4, global_batch: 8, log_every: 5}\n"
+                                        "checkpoint: {every: 5, resume_from: " + ck + "}\n");
+  ProcessResult resumed = RunProcess({LtrainBinary(), "launch", reader}, Env(), seconds(180));
+  ASSERT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("resumed from " + ck + "/step-5 at step 5"), std::string::npos) << resumed.output;
+  EXPECT_EQ(Latest(ck), "step-5");
 }
 
 }  // namespace

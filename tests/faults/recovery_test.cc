@@ -103,8 +103,8 @@ TEST_F(RecoveryTest, KilledWorkerRestartsFromItsCheckpointAndEndsBitIdentical) {
   EXPECT_EQ(job.last_committed_step(), 40);
   EXPECT_NE(job.last_failure().find("SIGKILL"), std::string::npos);
 
-  std::string a = ReadFile(dir_.Join("reference/checkpoints/tiny-1/step-40/model.pt"));
-  std::string b = ReadFile(dir_.Join("faulty/checkpoints/tiny-1/step-40/model.pt"));
+  std::string a = ReadFile(dir_.Join("reference/checkpoints/tiny-1/step-40/model-rank-0.safetensors"));
+  std::string b = ReadFile(dir_.Join("faulty/checkpoints/tiny-1/step-40/model-rank-0.safetensors"));
   ASSERT_FALSE(a.empty());
   EXPECT_TRUE(a == b) << "final parameters differ from the uninterrupted run";
 }

@@ -3,6 +3,7 @@
 // injected write failure commits nothing, keeps `latest`, and training goes on; asynchronous saves
 // end bit-identical to synchronous ones and to an uninterrupted run; a checkpoint saved with dp2
 // ZeRO-1 resumes into dp1 ZeRO-0, dp2 ZeRO-2 and dp2 ZeRO-3.
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cmath>
@@ -135,13 +136,15 @@ TEST_F(CheckpointTest, CorruptNewestCheckpointIsSkippedWithAReason) {
   ASSERT_EQ(first.rc, 0) << first.log0;
   const fs::path ck = Dir() / "corrupt_ck";
   ASSERT_EQ(Latest(ck), "step-10");
-  FlipByte(ck / "step-10" / "model.pt", 200);
+  // A byte of the tensors' data (the end of the file), which only the hash can tell.
+  FlipByte(ck / "step-10" / "model-rank-0.safetensors",
+           static_cast<std::streamoff>(fs::file_size(ck / "step-10" / "model-rank-0.safetensors") - 200));
 
   RunResult resumed = Run("corrupt_resumed", 1, "corrupt_ck2",
                           "--set training.steps=10 --set checkpoint.resume_from=" + ck.string());
   ASSERT_EQ(resumed.rc, 0) << resumed.log0;
   EXPECT_TRUE(std::regex_search(resumed.log0,
-                                std::regex(R"(checkpoint step-10 is corrupt \(model\.pt checksum mismatch: expected [0-9a-f]{16}, got [0-9a-f]{16}\); resuming from step-5)")))
+                                std::regex(R"(checkpoint step-10 is corrupt \(model-rank-0\.safetensors xxh3 mismatch: expected [0-9a-f]{16}, got [0-9a-f]{16}\); resuming from step-5)")))
       << resumed.log0;
   EXPECT_NE(resumed.log0.find("resumed from " + (ck / "step-5").string() + " at step 5"), std::string::npos) << resumed.log0;
   std::map<int, double> a = Losses(first.log0), b = Losses(resumed.log0);
@@ -152,16 +155,16 @@ TEST_F(CheckpointTest, CorruptNewestCheckpointIsSkippedWithAReason) {
   RunResult explicit_step = Run("corrupt_explicit", 1, "corrupt_ck3",
                                 "--set training.steps=10 --set checkpoint.resume_from=" + (ck / "step-10").string());
   EXPECT_NE(explicit_step.rc, 0);
-  EXPECT_NE(explicit_step.log0.find("step-10 is corrupt (model.pt checksum mismatch"), std::string::npos)
+  EXPECT_NE(explicit_step.log0.find("step-10 is corrupt (model-rank-0.safetensors xxh3 mismatch"), std::string::npos)
       << explicit_step.log0;
 
   // A truncated file (size differs) and a missing meta.yaml are reported as such.
-  fs::resize_file(ck / "step-5" / "optimizer.pt", 100);
+  fs::resize_file(ck / "step-5" / "optimizer-rank-0.safetensors", 100);
   fs::remove(ck / "step-10" / "meta.yaml");
   RunResult none = Run("corrupt_none", 1, "corrupt_ck4", "--set checkpoint.resume_from=" + ck.string());
   EXPECT_NE(none.rc, 0);
   EXPECT_NE(none.log0.find("checkpoint step-10 is corrupt (meta.yaml is missing)"), std::string::npos) << none.log0;
-  EXPECT_NE(none.log0.find("checkpoint step-5 is corrupt (optimizer.pt size mismatch"), std::string::npos) << none.log0;
+  EXPECT_NE(none.log0.find("checkpoint step-5 is corrupt (optimizer-rank-0.safetensors size mismatch"), std::string::npos) << none.log0;
 }
 
 // Rank 1's write of step 10 fails half-way (injected): nothing is committed, rank 0 says which
@@ -176,7 +179,7 @@ TEST_F(CheckpointTest, InjectedWriteFailureCommitsNothingAndTrainingGoesOn) {
                       "LTRAIN_FAULT_CHECKPOINT_WRITE=10:1");
     ASSERT_EQ(r.rc, 0) << r.log0 << r.log1;
     EXPECT_TRUE(std::regex_search(
-        r.log0, std::regex(R"(checkpoint step-10 failed: rank 1: writing \S+/\.tmp-step-10/optimizer-rank-1\.pt: injected failure after \d+ of \d+ bytes \(LTRAIN_FAULT_CHECKPOINT_WRITE\)(; [^;]*)?; step-5 stays the newest committed)")))
+        r.log0, std::regex(R"(checkpoint step-10 failed: rank 1: writing \S+/\.tmp-step-10/optimizer-rank-1\.safetensors: injected failure after \d+ of \d+ bytes \(LTRAIN_FAULT_CHECKPOINT_WRITE\)(; [^;]*)?; step-5 stays the newest committed)")))
         << r.log0;
     EXPECT_EQ(r.log0.find("checkpoint step-10 written"), std::string::npos) << r.log0;
     EXPECT_NE(r.log0.find("checkpoint step-15 written"), std::string::npos) << r.log0;
@@ -228,13 +231,13 @@ TEST_F(CheckpointTest, AsyncSavesAreBitIdenticalToSyncAndToAnUninterruptedRun) {
     const std::string name = "step-" + std::to_string(step);
     EXPECT_NE(async_run.log0.find("checkpoint " + name + " written to"), std::string::npos) << name;
   }
-  for (const char* file : {"model-rank-0.pt", "optimizer-rank-0.pt", "optimizer-rank-1.pt"}) {
+  for (const char* file : {"model-rank-0.safetensors", "optimizer-rank-0.safetensors", "optimizer-rank-1.safetensors"}) {
     EXPECT_TRUE(ReadFile(Dir() / "async_ck" / "step-20" / file) == ReadFile(Dir() / "sync_ck" / "step-20" / file)) << file;
   }
   // The manifest: step, generation, job, layout, data position, RNG state, recipe, files.
   const std::string meta = ReadFile(Dir() / "async_ck" / "step-20" / "meta.yaml");
   for (const char* key : {"step: 20", "generation: 0", "job_id:", "data_position: 160", "topology: {tp: 1, dp: 2, pp: 1, zero: 1",
-                          "rng_state: ", "recipe:", "optimizer-rank-1.pt:", "fnv1a64:", "bytes:"}) {
+                          "rng_state: ", "recipe:", "optimizer-rank-1.safetensors:", "xxh3:", "bytes:", "commit: 10"}) {
     EXPECT_NE(meta.find(key), std::string::npos) << key << "\n" << meta;
   }
   // Only the last `keep` (9) steps stay.
@@ -276,6 +279,70 @@ TEST_F(CheckpointTest, CheckpointReshardsAcrossDataParallelDegreeAndZeroStage) {
   RunResult tp = Run("reshard_tp", 2, "reshard_ck_tp", "--set parallel.tp=2 --set checkpoint.resume_from=" + step10);
   EXPECT_NE(tp.rc, 0);
   EXPECT_NE(tp.log0.find("resharding to another tp, pp or virtual_stages is not supported"), std::string::npos) << tp.log0;
+}
+
+// The same run again in the same directory with fewer steps: the commits of the second run are the
+// newest (pruning goes by commit order, not step number), so `latest` names an existing step; a
+// resume whose `latest` is already past training.steps trains nothing and keeps it.
+TEST_F(CheckpointTest, ARerunWithFewerStepsLeavesLatestValid) {
+  const std::string keep = "--set checkpoint.every=5 --set checkpoint.keep=2 ";
+  RunResult first = Run("rerun_first", 1, "rerun_ck", keep + "--set training.steps=20");
+  ASSERT_EQ(first.rc, 0) << first.log0;
+  const fs::path ck = Dir() / "rerun_ck";
+  ASSERT_EQ(Latest(ck), "step-20");
+  EXPECT_FALSE(fs::exists(ck / "step-10"));
+
+  RunResult again = Run("rerun_again", 1, "rerun_ck", keep + "--set training.steps=10");
+  ASSERT_EQ(again.rc, 0) << again.log0;
+  EXPECT_EQ(Latest(ck), "step-10");
+  EXPECT_TRUE(fs::exists(ck / "step-10" / "meta.yaml"));
+  EXPECT_TRUE(fs::exists(ck / "step-5" / "meta.yaml"));
+  EXPECT_FALSE(fs::exists(ck / "step-15"));  // older commits, although higher steps
+  EXPECT_FALSE(fs::exists(ck / "step-20"));
+  EXPECT_NE(ReadFile(ck / "step-10" / "meta.yaml").find("commit: 6"), std::string::npos) << ReadFile(ck / "step-10" / "meta.yaml");
+
+  RunResult resumed = Run("rerun_resumed", 1, "rerun_ck", keep + "--set training.steps=5 --set checkpoint.resume_from=" + ck.string());
+  ASSERT_EQ(resumed.rc, 0) << resumed.log0;
+  EXPECT_NE(resumed.log0.find("resumed from " + (ck / "step-10").string() + " at step 10"), std::string::npos) << resumed.log0;
+  EXPECT_EQ(Latest(ck), "step-10");
+  EXPECT_TRUE(fs::exists(ck / "step-10" / "meta.yaml"));
+}
+
+// A checkpoint directory belongs to the job that wrote it: a worker of another job refuses it
+// before training (exit code 3: not to be restarted), naming the owner and the fix, and leaves it
+// as it was; the owner itself goes on using it.
+TEST_F(CheckpointTest, AnotherJobsCheckpointDirectoryIsRefused) {
+  RunResult owner = Run("own_first", 1, "own_ck", "--set training.steps=5", "LTRAIN_JOB_ID=owner-1");
+  ASSERT_EQ(owner.rc, 0) << owner.log0;
+  const fs::path ck = Dir() / "own_ck";
+  ASSERT_EQ(Latest(ck), "step-5");
+  const std::string meta = ReadFile(ck / "step-5" / "meta.yaml");
+
+  RunResult other = Run("own_other", 1, "own_ck", "--set training.steps=10", "LTRAIN_JOB_ID=other-1");
+  EXPECT_NE(other.rc, 0);
+  EXPECT_NE(other.log0.find("checkpoint directory " + ck.string() + " belongs to job owner-1 (its step-5)"),
+            std::string::npos)
+      << other.log0;
+  EXPECT_NE(other.log0.find("checkpoint.resume_from=" + ck.string()), std::string::npos) << other.log0;
+  EXPECT_EQ(other.log0.find("step 1/"), std::string::npos) << other.log0;
+  EXPECT_EQ(Latest(ck), "step-5");
+  EXPECT_EQ(ReadFile(ck / "step-5" / "meta.yaml"), meta);
+  const std::string bin = WorkerBin();
+  const int status = std::system(("LTRAIN_JOB_ID=other-1 OMP_NUM_THREADS=1 " + bin + " --recipe " + (Dir() / "r.yaml").string() +
+                                  " --set checkpoint.dir=" + ck.string() + " > /dev/null 2>&1")
+                                     .c_str());
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 3) << status;
+
+  // Reading it is fine: another job starts from it and writes to its own directory.
+  RunResult reader = Run("own_reader", 1, "own_reader_ck", "--set training.steps=10 --set checkpoint.resume_from=" + ck.string(),
+                         "LTRAIN_JOB_ID=other-1");
+  ASSERT_EQ(reader.rc, 0) << reader.log0;
+  EXPECT_NE(reader.log0.find("resumed from " + (ck / "step-5").string() + " at step 5"), std::string::npos) << reader.log0;
+  // And the owner resumes in it.
+  RunResult again = Run("own_again", 1, "own_ck", "--set training.steps=10 --set checkpoint.resume_from=" + ck.string(),
+                        "LTRAIN_JOB_ID=owner-1");
+  ASSERT_EQ(again.rc, 0) << again.log0;
+  EXPECT_EQ(Latest(ck), "step-10");
 }
 
 }  // namespace

@@ -2,11 +2,14 @@
 #include <gtest/gtest.h>
 
 #include <filesystem>
+#include <fstream>
 
 #include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
 
+#include "common/checkpoint_manifest.h"
 #include "common/recipe_schema.h"
+#include "common/safetensors.h"
 #include "tests/support/subprocess.h"
 
 namespace ltrain::testing {
@@ -148,6 +151,68 @@ TEST(CliTest, HelpAndVersion) {
   ProcessResult version = RunProcess({LtrainBinary(), "--version"});
   EXPECT_EQ(version.exit_code, 0);
   EXPECT_NE(version.output.find("ltrain 0."), std::string::npos);
+}
+
+// `ltrain checkpoint inspect`: a committed step written the way the worker writes it (a
+// safetensors shard, meta.yaml, latest), read from its checkpoint directory or its step directory;
+// `--verify` re-hashes and finds a flipped byte; `-o json` for scripts.
+TEST(CliTest, CheckpointInspectShowsTheFilesAndVerifiesThem) {
+  TempDir dir;
+  const std::string step = dir.Join("ck/step-7");
+  fs::create_directories(step);
+  std::vector<float> values(256, 0.25f);
+  StatusOr<std::unique_ptr<SafetensorsWriter>> writer =
+      SafetensorsWriter::Create(step + "/model-rank-0.safetensors", {{"model.w", "F32", {256}, 1024}});
+  ASSERT_TRUE(writer.ok()) << writer.status().message();
+  ASSERT_TRUE((*writer)->Write(values.data(), 1024).ok());
+  StatusOr<FileDigest> digest = (*writer)->Finish();
+  ASSERT_TRUE(digest.ok());
+  CheckpointMeta meta;
+  meta.step = 7;
+  meta.commit = 3;
+  meta.job_id = "tiny-4";
+  meta.layout = "tp=1 pp=1 zero=0";
+  meta.rng_state = "00";
+  meta.files["model-rank-0.safetensors"] = {digest->bytes, digest->xxh3};
+  dir.Write("ck/step-7/meta.yaml", CheckpointMetaYaml(meta, ""));
+  dir.Write("ck/latest", "step-7\n");
+
+  ProcessResult text = RunProcess({LtrainBinary(), "checkpoint", "inspect", dir.Join("ck")});
+  ASSERT_EQ(text.exit_code, 0) << text.output;
+  for (const std::string& want : {std::string("checkpoint ") + step, std::string("step        7 (commit 3, format 3)"),
+                                  std::string("job         tiny-4"), std::string("model-rank-0.safetensors"),
+                                  digest->xxh3, std::string("sizes match")}) {
+    EXPECT_NE(text.output.find(want), std::string::npos) << want << "\n" << text.output;
+  }
+  ProcessResult verified = RunProcess({LtrainBinary(), "checkpoint", "inspect", step, "--verify"});
+  EXPECT_EQ(verified.exit_code, 0) << verified.output;
+  EXPECT_NE(verified.output.find("verifies    yes"), std::string::npos) << verified.output;
+
+  ProcessResult json = RunProcess({LtrainBinary(), "checkpoint", "inspect", step, "-o", "json"});
+  ASSERT_EQ(json.exit_code, 0) << json.output;
+  google::protobuf::Struct parsed;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json.output, &parsed).ok()) << json.output;
+  EXPECT_EQ(parsed.fields().at("step").number_value(), 7);
+  EXPECT_EQ(parsed.fields().at("job_id").string_value(), "tiny-4");
+  EXPECT_EQ(parsed.fields().at("total_bytes").number_value(), static_cast<double>(digest->bytes));
+  const auto& file = parsed.fields().at("files").list_value().values(0).struct_value().fields();
+  EXPECT_EQ(file.at("name").string_value(), "model-rank-0.safetensors");
+  EXPECT_EQ(file.at("xxh3").string_value(), digest->xxh3);
+
+  {
+    std::fstream f(step + "/model-rank-0.safetensors", std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(static_cast<std::streamoff>(digest->bytes - 4));
+    f.put('\x7f');
+  }
+  ProcessResult unverified = RunProcess({LtrainBinary(), "checkpoint", "inspect", dir.Join("ck")});
+  EXPECT_EQ(unverified.exit_code, 0) << unverified.output;  // the size still matches
+  ProcessResult corrupt = RunProcess({LtrainBinary(), "checkpoint", "inspect", dir.Join("ck"), "--verify"});
+  EXPECT_EQ(corrupt.exit_code, 1) << corrupt.output;
+  EXPECT_NE(corrupt.output.find("xxh3 mismatch"), std::string::npos) << corrupt.output;
+  EXPECT_NE(corrupt.output.find("verifies    no"), std::string::npos) << corrupt.output;
+
+  ProcessResult nothing = RunProcess({LtrainBinary(), "checkpoint", "inspect", dir.Join("absent")});
+  EXPECT_EQ(nothing.exit_code, 2) << nothing.output;
 }
 
 }  // namespace

@@ -228,14 +228,14 @@ TEST_F(ParallelLayoutsTest, ShardedCheckpointResumesIntoTheSameLayout) {
   const fs::path step10 = first / "ck" / "step-10";
   ASSERT_TRUE(fs::exists(step10 / "meta.yaml"));
   for (int r = 0; r < 4; ++r) {
-    EXPECT_TRUE(fs::exists(step10 / ("optimizer-rank-" + std::to_string(r) + ".pt"))) << r;
+    EXPECT_TRUE(fs::exists(step10 / ("optimizer-rank-" + std::to_string(r) + ".safetensors"))) << r;
   }
-  EXPECT_TRUE(fs::exists(step10 / "model-rank-0.pt"));  // dp rank 0 of each stage holds the model
-  EXPECT_TRUE(fs::exists(step10 / "model-rank-2.pt"));
+  EXPECT_TRUE(fs::exists(step10 / "model-rank-0.safetensors"));  // dp rank 0 of each stage holds the model
+  EXPECT_TRUE(fs::exists(step10 / "model-rank-2.safetensors"));
   std::ifstream meta(step10 / "meta.yaml");
   std::string text((std::istreambuf_iterator<char>(meta)), std::istreambuf_iterator<char>());
-  EXPECT_NE(text.find("optimizer-rank-3.pt"), std::string::npos) << text;
-  EXPECT_NE(text.find("fnv1a64"), std::string::npos);
+  EXPECT_NE(text.find("optimizer-rank-3.safetensors"), std::string::npos) << text;
+  EXPECT_NE(text.find("xxh3"), std::string::npos);
   const fs::path resumed = Run("resume_second", 4, layout + "--set checkpoint.resume_from=" + step10.string());
   std::vector<double> a = Losses(full / "log0"), b = Losses(resumed / "log0");
   ASSERT_EQ(b.size(), 10u) << std::ifstream(resumed / "log0").rdbuf();

@@ -4,6 +4,7 @@
 
 #include "common/clock.h"
 #include "common/logging.h"
+#include "common/worker_exit.h"
 #include "launcher/state_store.h"
 
 namespace ltrain::launcher {
@@ -435,6 +436,19 @@ TEST_F(CoordinatorTest, RestartsRunOutThenTheJobFails) {
               std::string::npos)
         << job.cause();
   }
+}
+
+// A worker that refused to start (exit code 3: another job's checkpoint directory) fails the job
+// at once, whatever fault.max_restarts says: a restart would be refused again.
+TEST_F(CoordinatorTest, AWorkerThatRefusesToStartFailsTheJobWithoutRestarts) {
+  Connect("a");
+  Connect("b");
+  std::string id = coordinator_->Submit(kRestartingRecipe, "unit.yaml")->id();
+  ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, 0, kWorkerExitNoRestart)).ok());
+  v1::Job job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(job.restarts(), 0);
+  EXPECT_NE(job.cause().find("rank 0 on a exited with code 3"), std::string::npos) << job.cause();
 }
 
 TEST_F(CoordinatorTest, LostNodeShrinksAnElasticJobAndANewNodeJoinsAtTheNextCheckpoint) {

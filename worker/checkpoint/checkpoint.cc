@@ -1,96 +1,64 @@
 #include "worker/checkpoint/checkpoint.h"
 
-#include <sys/stat.h>
-
-#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <thread>
 #include <cerrno>
-#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
+#include <thread>
 #include <vector>
 
-#include <torch/serialize.h>
-#include <yaml-cpp/yaml.h>
-
 #include "common/files.h"
+#include "common/safetensors.h"
 
 namespace ltrain::worker {
 namespace fs = std::filesystem;
 namespace {
 
-constexpr const char* kMetaFile = "meta.yaml";
+constexpr uint64_t kWriteChunk = 64ull << 20;     // one write call
+constexpr uint64_t kProgressEvery = 64ull << 20;  // bytes between progress reports
 
-Status FsyncPath(const std::string& path, bool directory) {
-  int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
-  if (fd < 0) return Internal("opening " + path + " to fsync: " + std::strerror(errno));
-  int rc = ::fsync(fd);
-  ::close(fd);
-  if (rc != 0) return Internal("fsync " + path + ": " + std::strerror(errno));
-  return Status::Ok();
+StatusOr<std::string> DtypeName(torch::ScalarType type) {
+  switch (type) {
+    case torch::kFloat: return std::string("F32");
+    case torch::kBFloat16: return std::string("BF16");
+    case torch::kHalf: return std::string("F16");
+    case torch::kLong: return std::string("I64");
+    case torch::kInt: return std::string("I32");
+    case torch::kByte: return std::string("U8");
+    default: return InvalidArgument(std::string("a checkpoint cannot hold tensors of dtype ") + c10::toString(type));
+  }
 }
 
-Status WriteFileSynced(const std::string& path, const std::string& text) {
-  {
-    std::ofstream out(path, std::ios::binary | std::ios::trunc);
-    out << text;
-    out.close();
-    if (!out) return Internal("writing " + path + " failed");
-  }
-  return FsyncPath(path, false);
+StatusOr<torch::ScalarType> ScalarTypeOf(const std::string& dtype) {
+  if (dtype == "F32") return torch::kFloat;
+  if (dtype == "BF16") return torch::kBFloat16;
+  if (dtype == "F16") return torch::kHalf;
+  if (dtype == "I64") return torch::kLong;
+  if (dtype == "I32") return torch::kInt;
+  if (dtype == "U8") return torch::kByte;
+  return DataLoss("dtype " + dtype + " is not one a checkpoint holds");
 }
 
-// Step number of a "step-<N>" name, or -1.
-int64_t StepOfName(const std::string& name) {
-  if (name.rfind("step-", 0) != 0 || name.size() == 5) return -1;
-  int64_t n = 0;
-  for (size_t i = 5; i < name.size(); ++i) {
-    if (name[i] < '0' || name[i] > '9') return -1;
-    n = n * 10 + (name[i] - '0');
-  }
-  return n;
-}
-
-void PruneOld(const std::string& dir, int keep) {
-  if (keep <= 0) return;
-  std::vector<std::pair<int64_t, fs::path>> steps;
-  std::error_code ec;
-  for (const auto& entry : fs::directory_iterator(dir, ec)) {
-    int64_t n = StepOfName(entry.path().filename().string());
-    if (n >= 0 && entry.is_directory()) steps.emplace_back(n, entry.path());
-  }
-  std::sort(steps.begin(), steps.end());
-  for (size_t i = 0; i + keep < steps.size(); ++i) RemoveTree(steps[i].second);
+// The commit number of the step `latest` names, or -1 where it has none to read.
+int64_t LatestCommitNumber(const std::string& dir) {
+  const int64_t latest = LatestCommittedStep(dir);
+  if (latest < 0) return -1;
+  StatusOr<CheckpointMeta> meta = ReadCheckpointMeta((fs::path(dir) / StepDirName(latest)).string());
+  return meta.ok() ? meta->commit : -1;
 }
 
 }  // namespace
 
-StatusOr<std::string> FileChecksum(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return NotFound("cannot read " + path);
-  uint64_t h = 0xcbf29ce484222325ULL;
-  std::vector<char> buf(1 << 20);
-  while (in) {
-    in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-    const std::streamsize got = in.gcount();
-    for (std::streamsize i = 0; i < got; ++i) {
-      h ^= static_cast<unsigned char>(buf[i]);
-      h *= 0x100000001b3ULL;
-    }
-  }
-  char hex[17];
-  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(h));
-  return std::string(hex);
-}
+std::string ModelShardFile(int rank) { return "model-rank-" + std::to_string(rank) + ".safetensors"; }
+std::string OptimizerShardFile(int rank) { return "optimizer-rank-" + std::to_string(rank) + ".safetensors"; }
 
 std::string PendingCheckpointDir(const std::string& dir, int64_t step) {
-  return (fs::path(dir) / (".tmp-step-" + std::to_string(step))).string();
+  return (fs::path(dir) / (".tmp-" + StepDirName(step))).string();
 }
 
 void RemovePendingCheckpoints(const std::string& dir, int64_t max_step) {
@@ -123,90 +91,104 @@ StatusOr<CheckpointWriteFault> CheckpointWriteFault::FromEnv() {
   return fault;
 }
 
-Status WriteTensorArchive(const std::string& path, const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
-                          bool inject_failure) {
-  std::string bytes;
-  try {
-    torch::serialize::OutputArchive archive;
-    for (const auto& [key, tensor] : tensors) archive.write(key, tensor.detach().cpu().contiguous());
-    archive.save_to([&bytes](const void* data, size_t n) -> size_t {
-      bytes.append(static_cast<const char*>(data), n);
-      return n;
-    });
-  } catch (const c10::Error& e) {
-    return Internal("serializing " + path + ": " + e.what_without_backtrace());
+uint64_t ShardDataBytes(const NamedTensors& tensors) {
+  uint64_t bytes = 0;
+  for (const auto& [name, tensor] : tensors) bytes += tensor.numel() * tensor.element_size();
+  return bytes;
+}
+
+StatusOr<CheckpointFile> WriteShardFile(const std::string& path, const NamedTensors& tensors, bool inject_failure,
+                                        const std::function<void(uint64_t)>& progress) {
+  std::vector<SafetensorsEntry> entries;
+  std::vector<torch::Tensor> host;
+  entries.reserve(tensors.size());
+  host.reserve(tensors.size());
+  for (const auto& [name, tensor] : tensors) {
+    // The snapshot is host memory already; anything else is copied here, off the training thread.
+    torch::Tensor t = tensor.device().is_cpu() && tensor.is_contiguous() ? tensor : tensor.detach().cpu().contiguous();
+    LTRAIN_ASSIGN_OR_RETURN(std::string dtype, DtypeName(t.scalar_type()));
+    entries.push_back(SafetensorsEntry{name, std::move(dtype), t.sizes().vec(), static_cast<uint64_t>(t.nbytes())});
+    host.push_back(std::move(t));
   }
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return Internal("creating " + path + ": " + std::strerror(errno));
-  const size_t limit = inject_failure ? bytes.size() / 2 : bytes.size();
-  size_t done = 0;
-  while (done < limit) {
-    const ssize_t n = ::write(fd, bytes.data() + done, limit - done);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      const int err = errno;
-      ::close(fd);
-      return Internal("writing " + path + ": " + std::strerror(err));
+  const std::map<std::string, std::string> metadata = {{"format", "pt"}};
+  LTRAIN_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsWriter> writer,
+                          SafetensorsWriter::Create(path, std::move(entries), metadata));
+  const uint64_t total = writer->file_bytes();
+  const uint64_t data = ShardDataBytes(tensors);
+  const uint64_t limit = inject_failure ? total / 2 : total;
+  uint64_t reported = 0;
+  for (const torch::Tensor& t : host) {
+    const char* p = static_cast<const char*>(t.data_ptr());
+    uint64_t left = static_cast<uint64_t>(t.nbytes());
+    while (left > 0) {
+      uint64_t n = std::min(left, kWriteChunk);
+      const uint64_t on_disk = total - data + writer->written();
+      if (on_disk + n > limit) {
+        n = on_disk < limit ? limit - on_disk : 0;
+        if (n > 0) LTRAIN_RETURN_IF_ERROR(writer->Write(p, n));
+        writer->Abandon();  // the partial file is really on disk
+        return Internal("writing " + path + ": injected failure after " + std::to_string(on_disk + n) + " of " +
+                        std::to_string(total) + " bytes (LTRAIN_FAULT_CHECKPOINT_WRITE)");
+      }
+      LTRAIN_RETURN_IF_ERROR(writer->Write(p, n));
+      p += n;
+      left -= n;
+      if (progress && writer->written() - reported >= kProgressEvery) {
+        reported = writer->written();
+        progress(reported);
+      }
     }
-    done += static_cast<size_t>(n);
   }
-  if (inject_failure) {
-    (void)::fsync(fd);  // the partial file is really on disk
-    ::close(fd);
-    return Internal("writing " + path + ": injected failure after " + std::to_string(done) + " of " +
-                    std::to_string(bytes.size()) + " bytes (LTRAIN_FAULT_CHECKPOINT_WRITE)");
+  LTRAIN_ASSIGN_OR_RETURN(FileDigest digest, writer->Finish());
+  if (progress) progress(writer->written());
+  return CheckpointFile{digest.bytes, digest.xxh3};
+}
+
+StatusOr<std::map<std::string, torch::Tensor>> ReadShardFile(const std::string& path, const CheckpointFile& expected,
+                                                             const std::function<void(uint64_t)>& progress) {
+  const std::string name = fs::path(path).filename().string();
+  StatusOr<std::unique_ptr<SafetensorsFile>> opened = SafetensorsFile::Open(path);
+  if (!opened.ok()) return DataLoss(opened.status().message());
+  const SafetensorsFile& file = **opened;
+  if (file.file_bytes() != expected.bytes) {
+    return DataLoss(name + " size mismatch: expected " + std::to_string(expected.bytes) + " bytes, got " +
+                    std::to_string(file.file_bytes()));
   }
-  const int rc = ::fsync(fd);
-  const int err = errno;
-  ::close(fd);
-  if (rc != 0) return Internal("fsync " + path + ": " + std::strerror(err));
-  return Status::Ok();
+  std::map<std::string, torch::Tensor> out;
+  for (const SafetensorsEntry& entry : file.tensors()) {
+    StatusOr<torch::ScalarType> type = ScalarTypeOf(entry.dtype);
+    if (!type.ok()) return DataLoss(name + ": tensor " + entry.name + ": " + type.status().message());
+    out[entry.name] = torch::empty(entry.shape, torch::TensorOptions().dtype(*type));
+  }
+  StatusOr<FileDigest> digest = file.ReadAll(
+      [&out](const SafetensorsEntry& entry) -> void* { return out.at(entry.name).data_ptr(); }, progress);
+  if (!digest.ok()) return DataLoss(digest.status().message());
+  if (digest->xxh3 != expected.xxh3) return DataLoss(HashMismatch(name, expected.xxh3, digest->xxh3));
+  return out;
 }
 
 Status CommitCheckpoint(const std::string& dir, const CheckpointMeta& meta, const Recipe& recipe, int keep) {
-  const std::string name = "step-" + std::to_string(meta.step);
+  const std::string name = StepDirName(meta.step);
   const fs::path final_dir = fs::path(dir) / name;
   const fs::path tmp_dir = PendingCheckpointDir(dir, meta.step);
   std::error_code ec;
   if (!fs::is_directory(tmp_dir, ec)) return Internal(tmp_dir.string() + " does not exist: no rank wrote files");
-  std::vector<std::string> files;
+  using Files = std::map<std::string, CheckpointFile>;
+  LTRAIN_ASSIGN_OR_RETURN(Files files, ReadRankManifests(tmp_dir.string()));
+  if (files.empty()) return Internal("no rank listed files of " + name + " in " + tmp_dir.string());
   for (const auto& entry : fs::directory_iterator(tmp_dir, ec)) {
+    // Commit markers (FileCommitBoard) and the ranks' manifests are not part of the checkpoint.
     const std::string file = entry.path().filename().string();
-    if (file.rfind(".rank-", 0) == 0) {
-      fs::remove(entry.path(), ec);  // commit markers (FileCommitBoard) are not part of the checkpoint
-      continue;
-    }
-    if (entry.is_regular_file() && file != kMetaFile) files.push_back(file);
+    if (file.rfind(".rank-", 0) == 0 || IsRankManifestName(file)) fs::remove(entry.path(), ec);
   }
-  if (ec) return Internal("listing " + tmp_dir.string() + ": " + ec.message());
-  std::sort(files.begin(), files.end());
-  YAML::Emitter out;
-  out << YAML::BeginMap;
-  out << YAML::Key << "format" << YAML::Value << kCheckpointFormat;
-  out << YAML::Key << "step" << YAML::Value << meta.step;
-  out << YAML::Key << "generation" << YAML::Value << meta.generation;
-  out << YAML::Key << "job_id" << YAML::Value << meta.job_id;
-  out << YAML::Key << "data_position" << YAML::Value << meta.data_position;
-  out << YAML::Key << "world_size" << YAML::Value << meta.world_size;
-  out << YAML::Key << "layout" << YAML::Value << meta.layout;
-  out << YAML::Key << "topology" << YAML::Value << YAML::Flow << YAML::BeginMap << YAML::Key << "tp" << YAML::Value
-      << meta.tp << YAML::Key << "dp" << YAML::Value << meta.dp << YAML::Key << "pp" << YAML::Value << meta.pp
-      << YAML::Key << "zero" << YAML::Value << meta.zero << YAML::Key << "chunks" << YAML::Value << meta.chunks
-      << YAML::EndMap;
-  out << YAML::Key << "rng_state" << YAML::Value << meta.rng_state;
-  out << YAML::Key << "files" << YAML::Value << YAML::BeginMap;
-  for (const std::string& file : files) {
-    const std::string path = (tmp_dir / file).string();
-    LTRAIN_ASSIGN_OR_RETURN(std::string sum, FileChecksum(path));
-    out << YAML::Key << file << YAML::Value << YAML::BeginMap << YAML::Key << "fnv1a64" << YAML::Value
-        << sum << YAML::Key << "bytes" << YAML::Value << static_cast<uint64_t>(fs::file_size(path))
-        << YAML::EndMap;
-  }
-  out << YAML::EndMap;
-  out << YAML::Key << "recipe" << YAML::Value << YAML::Load(RecipeToYaml(recipe));
-  out << YAML::EndMap;
-  LTRAIN_RETURN_IF_ERROR(WriteFileSynced((tmp_dir / kMetaFile).string(), std::string(out.c_str()) + "\n"));
-  LTRAIN_RETURN_IF_ERROR(FsyncPath(tmp_dir.string(), true));
+  CheckpointMeta committed = meta;
+  committed.files = std::move(files);
+  LTRAIN_RETURN_IF_ERROR(CheckCheckpointFiles(tmp_dir.string(), committed));
+  int64_t newest = LatestCommitNumber(dir);
+  if (newest < 0) newest = NextCommitNumber(ListCommittedSteps(dir)) - 1;
+  committed.commit = newest + 1;
+  LTRAIN_RETURN_IF_ERROR(WriteFileAtomically((tmp_dir / kCheckpointMetaFile).string(),
+                                             CheckpointMetaYaml(committed, RecipeToYaml(recipe))));
 
   // Commit. A step directory of the same number can exist when a run resumed from an earlier
   // checkpoint passes it again; the new one replaces it.
@@ -215,152 +197,83 @@ Status CommitCheckpoint(const std::string& dir, const CheckpointMeta& meta, cons
     return Internal("committing " + final_dir.string() + ": " + std::strerror(errno));
   }
   LTRAIN_RETURN_IF_ERROR(FsyncPath(dir, true));
-  const std::string latest_tmp = (fs::path(dir) / ".latest.tmp").string();
-  LTRAIN_RETURN_IF_ERROR(WriteFileSynced(latest_tmp, name + "\n"));
-  const std::string latest = (fs::path(dir) / "latest").string();
-  if (::rename(latest_tmp.c_str(), latest.c_str()) != 0) {
-    return Internal("updating " + latest + ": " + std::strerror(errno));
+  LTRAIN_RETURN_IF_ERROR(WriteFileAtomically((fs::path(dir) / "latest").string(), name + "\n"));
+  // Only now, with `latest` naming the new step, may older ones go.
+  if (keep > 0) {
+    for (int64_t step : StepsToPrune(ListCommittedSteps(dir), keep, meta.step)) {
+      RemoveTree(fs::path(dir) / StepDirName(step));
+    }
   }
-  LTRAIN_RETURN_IF_ERROR(FsyncPath(dir, true));
-  PruneOld(dir, keep);
   return Status::Ok();
 }
 
-int64_t LatestCommittedStep(const std::string& dir) {
-  std::ifstream in(fs::path(dir) / "latest");
-  std::string name;
-  if (!in || !std::getline(in, name)) return -1;
-  return StepOfName(name);
-}
-
-StatusOr<CheckpointMeta> ReadCheckpointMeta(const std::string& step_dir, bool verify) {
-  const std::string meta_path = (fs::path(step_dir) / kMetaFile).string();
-  std::error_code ec;
-  if (!fs::exists(meta_path, ec)) return DataLoss(std::string(kMetaFile) + " is missing");
-  CheckpointMeta meta;
-  YAML::Node root;
-  try {
-    root = YAML::LoadFile(meta_path);
-  } catch (const std::exception& e) {
-    return DataLoss(std::string(kMetaFile) + " is unparsable: " + e.what());
-  }
-  try {
-    const int format = root["format"] ? root["format"].as<int>() : 1;
-    if (format != kCheckpointFormat) {
-      return DataLoss(std::string(kMetaFile) + " has format " + std::to_string(format) + "; this worker reads format " +
-                      std::to_string(kCheckpointFormat));
-    }
-    meta.step = root["step"].as<int64_t>();
-    meta.data_position = root["data_position"].as<int64_t>();
-    meta.world_size = root["world_size"].as<int>();
-    meta.generation = root["generation"].as<int>();
-    meta.job_id = root["job_id"].as<std::string>();
-    meta.layout = root["layout"].as<std::string>();
-    const YAML::Node topo = root["topology"];
-    meta.tp = topo["tp"].as<int>();
-    meta.dp = topo["dp"].as<int>();
-    meta.pp = topo["pp"].as<int>();
-    meta.zero = topo["zero"].as<int>();
-    meta.chunks = topo["chunks"].as<int>();
-    meta.rng_state = root["rng_state"].as<std::string>();
-    if (const YAML::Node recipe = root["recipe"]; recipe && recipe.IsMap()) {
-      // Read field by field, not validated: the saved recipe passed validation when the run began.
-      const YAML::Node data = recipe["data"], training = recipe["training"];
-      if (data && data["sampling"]) meta.data_sampling = data["sampling"].as<std::string>();
-      if (data && data["seed"]) {
-        meta.data_seed = data["seed"].as<int64_t>();
-      } else if (training && training["seed"]) {
-        meta.data_seed = training["seed"].as<int64_t>();
-      }
-    }
-    if (!root["files"] || !root["files"].IsMap() || root["files"].size() == 0) {
-      return DataLoss(std::string(kMetaFile) + " lists no files");
-    }
-    if (!verify) return meta;
-    for (const auto& file : root["files"]) {
-      const std::string name = file.first.as<std::string>();
-      const std::string path = (fs::path(step_dir) / name).string();
-      if (!fs::exists(path, ec)) return DataLoss(name + " is missing");
-      const uint64_t bytes = fs::file_size(path, ec);
-      const uint64_t expected_bytes = file.second["bytes"].as<uint64_t>();
-      if (bytes != expected_bytes) {
-        return DataLoss(name + " size mismatch: expected " + std::to_string(expected_bytes) + " bytes, got " +
-                        std::to_string(bytes));
-      }
-      LTRAIN_ASSIGN_OR_RETURN(std::string sum, FileChecksum(path));
-      const std::string expected = file.second["fnv1a64"].as<std::string>();
-      if (expected != sum) return DataLoss(name + " checksum mismatch: expected " + expected + ", got " + sum);
-    }
-  } catch (const std::exception& e) {
-    return DataLoss(std::string(kMetaFile) + " is incomplete: " + e.what());
-  }
-  return meta;
-}
-
-StatusOr<ResumeChoice> ChooseResumeCheckpoint(const std::string& path) {
+StatusOr<ResumeChoice> ChooseResumeCheckpoint(const std::string& path, const std::map<int64_t, std::string>& rejected) {
   std::error_code ec;
   const fs::path root(path);
-  const bool step_dir = fs::exists(root / kMetaFile, ec) || StepOfName(root.filename().string()) >= 0;
+  auto check = [](const std::string& step_dir) -> StatusOr<CheckpointMeta> {
+    LTRAIN_ASSIGN_OR_RETURN(CheckpointMeta meta, ReadCheckpointMeta(step_dir));
+    LTRAIN_RETURN_IF_ERROR(CheckCheckpointFiles(step_dir, meta));
+    return meta;
+  };
+  const bool step_dir = fs::exists(root / kCheckpointMetaFile, ec) || StepOfName(root.filename().string()) >= 0;
   if (step_dir) {
-    StatusOr<CheckpointMeta> meta = ReadCheckpointMeta(path, true);
+    StatusOr<CheckpointMeta> meta = check(path);
+    if (!meta.ok() && meta.status().code() == StatusCode::kFailedPrecondition) {
+      return FailedPrecondition("checkpoint " + path + ": " + meta.status().message());
+    }
     if (!meta.ok()) return DataLoss("checkpoint " + path + " is corrupt (" + meta.status().message() + ")");
+    if (auto it = rejected.find(meta->step); it != rejected.end()) {
+      return DataLoss("checkpoint " + path + " is corrupt (" + it->second + ")");
+    }
     return ResumeChoice{path, *meta, {}};
   }
   if (!fs::is_directory(root, ec)) {
     return NotFound("checkpoint.resume_from=" + path + " is neither a step directory nor a checkpoint directory");
   }
-  // latest first, then every older step, newest first.
-  std::vector<int64_t> steps;
-  for (const auto& entry : fs::directory_iterator(root, ec)) {
-    const int64_t n = StepOfName(entry.path().filename().string());
-    if (n >= 0 && entry.is_directory()) steps.push_back(n);
-  }
-  std::sort(steps.rbegin(), steps.rend());
+  // `latest` first, then every older commit, newest first.
+  std::vector<CommittedStep> steps = ListCommittedSteps(path);
+  std::sort(steps.begin(), steps.end(), [](const CommittedStep& a, const CommittedStep& b) {
+    return a.commit != b.commit ? a.commit > b.commit : a.step > b.step;
+  });
   std::vector<int64_t> order;
   const int64_t latest = LatestCommittedStep(path);
   if (latest >= 0) {
     order.push_back(latest);
-    for (int64_t n : steps) {
-      if (n < latest) order.push_back(n);
+    int64_t latest_commit = -1;
+    for (const CommittedStep& s : steps) {
+      if (s.step == latest) latest_commit = s.commit;
+    }
+    for (const CommittedStep& s : steps) {
+      // A step renamed into place whose `latest` update never happened is not committed.
+      if (s.step != latest && (latest_commit < 0 || s.commit < latest_commit)) order.push_back(s.step);
     }
   } else {
-    order = steps;
+    for (const CommittedStep& s : steps) order.push_back(s.step);
   }
   if (order.empty()) return NotFound("checkpoint directory " + path + " holds no committed step (no latest, no step-N)");
   ResumeChoice choice;
   for (int64_t n : order) {
-    const std::string name = "step-" + std::to_string(n);
+    const std::string name = StepDirName(n);
     const std::string dir = (root / name).string();
-    StatusOr<CheckpointMeta> meta = fs::is_directory(dir, ec) ? ReadCheckpointMeta(dir, true)
-                                                               : StatusOr<CheckpointMeta>(DataLoss("the directory is missing"));
+    if (auto it = rejected.find(n); it != rejected.end()) {
+      choice.skipped.push_back("checkpoint " + name + " is corrupt (" + it->second + ")");
+      continue;
+    }
+    StatusOr<CheckpointMeta> meta =
+        fs::is_directory(dir, ec) ? check(dir) : StatusOr<CheckpointMeta>(DataLoss("the directory is missing"));
     if (meta.ok()) {
       choice.step_dir = dir;
       choice.meta = *meta;
       return choice;
     }
+    if (meta.status().code() == StatusCode::kFailedPrecondition) {
+      return FailedPrecondition("checkpoint " + dir + ": " + meta.status().message());
+    }
     choice.skipped.push_back("checkpoint " + name + " is corrupt (" + meta.status().message() + ")");
   }
   std::string why;
-  for (const std::string& s : choice.skipped) why += "; " + s;
-  return DataLoss("no valid checkpoint in " + path + why.substr(1));
-}
-
-StatusOr<TensorReader> OpenTensorArchive(const std::string& path) {
-  auto archive = std::make_shared<torch::serialize::InputArchive>();
-  try {
-    archive->load_from(path);
-  } catch (const c10::Error& e) {
-    return DataLoss("loading checkpoint file " + path + ": " + e.what_without_backtrace());
-  }
-  return TensorReader([archive, path](const std::string& key) -> StatusOr<torch::Tensor> {
-    torch::Tensor t;
-    try {
-      if (!archive->try_read(key, t)) return DataLoss(path + " has no tensor " + key + " (saved by another layout?)");
-    } catch (const c10::Error& e) {
-      return DataLoss("reading " + key + " from " + path + ": " + e.what_without_backtrace());
-    }
-    return t;
-  });
+  for (const std::string& s : choice.skipped) why += (why.empty() ? "" : "; ") + s;
+  return DataLoss("no valid checkpoint in " + path + ": " + why);
 }
 
 namespace {
@@ -375,12 +288,9 @@ Status FileCommitBoard::Announce(int64_t step, int rank, const std::string& erro
   const fs::path marker = Marker(dir_, step, rank, error.empty());
   std::error_code ec;
   fs::create_directories(marker.parent_path(), ec);
-  const std::string tmp = marker.string() + ".tmp";
-  LTRAIN_RETURN_IF_ERROR(WriteFileSynced(tmp, error));
-  if (::rename(tmp.c_str(), marker.c_str()) != 0) {
-    return Internal("announcing checkpoint step-" + std::to_string(step) + ": renaming " + tmp + ": " + std::strerror(errno));
-  }
-  return FsyncPath(marker.parent_path().string(), true);
+  Status written = WriteFileAtomically(marker.string(), error);
+  if (!written.ok()) return Internal("announcing checkpoint step-" + std::to_string(step) + ": " + written.message());
+  return Status::Ok();
 }
 
 StatusOr<std::vector<std::string>> FileCommitBoard::Collect(int64_t step, int world_size,

@@ -1,27 +1,41 @@
-// Checkpoints: one directory per committed step.
+// Checkpoints: one directory per committed step (format 3).
 //
-//   <dir>/step-<N>/model.pt, optimizer.pt        plain data parallelism (zero 0): rank 0's state
-//   <dir>/step-<N>/model-rank-R.pt, optimizer-rank-R.pt
-//                                                  every other layout: per-rank shards (tp/pp slices,
-//                                                  ZeRO shards), written by the ranks that hold them
-//   <dir>/step-<N>/meta.yaml      the manifest: format, step, generation, job id, world size and
-//                                 layout (tp, dp, pp, zero, chunks), data position, the CPU RNG
-//                                 state, the resolved recipe, every file with its checksum and size
-//   <dir>/latest                  "step-<N>\n": the newest committed step
-//   <dir>/.tmp-step-<N>/          a save in progress; never read, removed by rank 0 once the step
-//                                 is committed or failed, and at start
+//   <dir>/step-<N>/model-rank-R.safetensors       rank R's parameters: every rank that holds a distinct
+//                                                  copy (dp rank 0 of each tp/pp position; under ZeRO-3
+//                                                  every rank)
+//   <dir>/step-<N>/optimizer-rank-R.safetensors   rank R's AdamW moments (dp rank 0 of each tp/pp
+//                                                  position; with ZeRO >= 1 every rank)
+//   <dir>/step-<N>/meta.yaml      the manifest (common/checkpoint_manifest.h): format, step, commit
+//                                 number, generation, job id, world size and layout (tp, dp, pp,
+//                                 zero, chunks), data position, the CPU RNG state, the resolved
+//                                 recipe, every file with its size and XXH3-64
+//   <dir>/latest                  "step-<N>\n": the newest commit
+//   <dir>/.tmp-step-<N>/          a save in progress: the ranks' files and their manifests
+//                                 (rank-R.yaml); never read by a resume, removed by rank 0 once the
+//                                 step is committed or failed, and at start
 //
-// Every tensor file holds, per parameter of the writing rank (in its tp/pp slice), the range of the
-// parameter's flattened elements it holds ("range.<name>", int64 [begin, end)) and those elements
-// ("model.<name>", or "exp_avg.<name>" and "exp_avg_sq.<name>"); a loader of another data-parallel
-// degree or ZeRO stage reassembles full tensors from the ranges (same tp and pp only).
+// The shards are safetensors files (common/safetensors.h): a JSON header and raw little-endian
+// tensors; loading one runs no code. Every shard holds, per parameter of the writing rank (in its
+// tp/pp slice), the range of the parameter's flattened elements it holds ("range.<name>", I64
+// [begin, end)) and those elements as F32 ("model.<name>", or "exp_avg.<name>" and
+// "exp_avg_sq.<name>"); a loader of another data-parallel degree or ZeRO stage reassembles full
+// tensors from the ranges (same tp and pp only).
 //
-// Every writing rank writes and fsyncs its files in the pending directory; once every rank's files
-// are durable, rank 0 checksums them, writes meta.yaml, renames the directory to step-<N> (the
-// commit) and replaces `latest` by write-temp-and-rename, so neither is ever torn. The commit needs
-// every rank's word that its files are durable: the trainer gets it with a collective (synchronous
-// saves) or through a CheckpointCommitBoard (asynchronous saves, see checkpoint_writer.h). Every
-// rank reads (the directory must be visible to all ranks of a job).
+// A save: the training thread copies this rank's tensors to host memory (CheckpointSnapshot); the
+// writer streams each tensor's bytes into its file in large writes, hashing them on the way, fsyncs
+// it, and writes the rank's manifest (rank-R.yaml: file, bytes, xxh3) next to it. Once every rank's
+// files are durable, rank 0 reads the ranks' manifests (never the shards), writes meta.yaml,
+// renames the directory to step-<N> (the commit), replaces `latest` (write-temp-and-rename), and
+// then prunes: all but the newest checkpoint.keep commits, by commit number, never the one `latest`
+// names. The commit needs every rank's word that its files are durable: the trainer gets it with a
+// collective (synchronous saves) or through a CheckpointCommitBoard (asynchronous saves, see
+// checkpoint_writer.h).
+//
+// A resume: rank 0 picks the step (ChooseResumeCheckpoint: meta.yaml, and every listed file present
+// with its size); every rank reads the files it needs once, verifying their hashes as it reads
+// (ReadShardFile); the ranks agree on the outcome with a collective, and on a mismatch anywhere
+// all of them move to the next older commit. Every rank reads (the directory must be visible to all
+// ranks of a job). A directory belongs to one job: the job id of its meta.yaml files.
 #pragma once
 
 #include <atomic>
@@ -38,27 +52,17 @@
 
 #include <torch/types.h>
 
+#include "common/checkpoint_manifest.h"
 #include "common/recipe.h"
 #include "common/status.h"
 
 namespace ltrain::worker {
 
-constexpr int kCheckpointFormat = 2;
+using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
 
-struct CheckpointMeta {
-  int64_t step = 0;           // optimizer steps completed
-  int64_t data_position = 0;  // next sample index the loader hands out
-  int world_size = 1;
-  int generation = 0;
-  std::string job_id;
-  std::string layout;         // "tp=T dp=D pp=P zero=Z chunks=C sp=S", for people
-  int tp = 1, dp = 1, pp = 1, zero = 0, chunks = 1;
-  std::string rng_state;      // hex of the CPU default generator's state (rank 0's)
-  // The saved run's batch order, from its recipe: data.sampling and the sampler's seed (-1: its
-  // recipe names none).
-  std::string data_sampling = "hash";
-  int64_t data_seed = -1;
-};
+// The shard file names of rank `rank`.
+std::string ModelShardFile(int rank);
+std::string OptimizerShardFile(int rank);
 
 // The temporary directory of step `step` under `dir`.
 std::string PendingCheckpointDir(const std::string& dir, int64_t step);
@@ -66,8 +70,8 @@ std::string PendingCheckpointDir(const std::string& dir, int64_t step);
 void RemovePendingCheckpoints(const std::string& dir, int64_t max_step);
 
 // Fault injection (LTRAIN_FAULT_CHECKPOINT_WRITE=STEP[:RANK]): the save of step STEP fails while
-// writing a file of rank RANK (every rank when absent), after half of the file's bytes reached the
-// disk, as a full disk or a lost mount would.
+// writing the first file of rank RANK (every rank when absent), after half of the file's bytes
+// reached the disk, as a full disk or a lost mount would.
 struct CheckpointWriteFault {
   int64_t step = -1;
   int rank = -1;
@@ -75,39 +79,37 @@ struct CheckpointWriteFault {
   bool Hits(int64_t at_step, int at_rank) const { return step >= 0 && step == at_step && (rank < 0 || rank == at_rank); }
 };
 
-// Writes named tensors as one torch archive at `path` and fsyncs it; `inject_failure` stops after
-// half of the bytes and fails.
-Status WriteTensorArchive(const std::string& path, const std::vector<std::pair<std::string, torch::Tensor>>& tensors,
-                          bool inject_failure = false);
+// Streams `tensors` (host memory, contiguous) into a safetensors file at `path`, hashing every byte,
+// and fsyncs it. `progress` (optional) gets the bytes written so far every few tens of MB.
+// `inject_failure` stops after half of the file's bytes and fails.
+StatusOr<CheckpointFile> WriteShardFile(const std::string& path, const NamedTensors& tensors, bool inject_failure = false,
+                                        const std::function<void(uint64_t)>& progress = nullptr);
 
-// Rank 0, once every rank wrote its files into the pending directory: checksums them all, writes
-// meta.yaml, commits step-<meta.step>, updates `latest`, and deletes all but the newest `keep` step
-// directories (keep <= 0 keeps all).
+// The bytes WriteShardFile writes for `tensors`, less the header (for progress totals).
+uint64_t ShardDataBytes(const NamedTensors& tensors);
+
+// Reads a shard in one pass into host tensors (name -> tensor), verifying its size and XXH3-64
+// against `expected`. Errors are DataLoss and say what is wrong in a few words
+// ("model-rank-0.safetensors xxh3 mismatch: expected X, got Y").
+StatusOr<std::map<std::string, torch::Tensor>> ReadShardFile(const std::string& path, const CheckpointFile& expected,
+                                                             const std::function<void(uint64_t)>& progress = nullptr);
+
+// Rank 0, once every rank wrote its files and manifest into the pending directory: writes
+// meta.yaml from the ranks' manifests (meta.files and meta.commit are filled here), commits
+// step-<meta.step>, updates `latest`, then prunes to the newest `keep` commits (keep <= 0 keeps all).
 Status CommitCheckpoint(const std::string& dir, const CheckpointMeta& meta, const Recipe& recipe, int keep);
 
-// The step `latest` names in checkpoint directory `dir`, or -1.
-int64_t LatestCommittedStep(const std::string& dir);
-
-// Reads meta.yaml; with `verify`, also checks the size and checksum of every file it lists. Errors
-// say what is wrong in a few words ("model.pt checksum mismatch: expected X, got Y").
-StatusOr<CheckpointMeta> ReadCheckpointMeta(const std::string& step_dir, bool verify = true);
-
-// Where a run resumes. `path` is a step directory (it must verify) or a checkpoint directory: then
-// `latest` and then the older step directories, newest first, until one verifies; `skipped` says
-// why each newer one was passed over ("checkpoint step-40 is corrupt (...)").
+// Where a run resumes. `path` is a step directory or a checkpoint directory: then `latest` and
+// then the other committed steps, newest commit first, skipping any whose meta.yaml is missing,
+// unreadable or lists a missing or short file, and those in `rejected` (step -> why: a rank found
+// a file that does not verify); `skipped` says why each newer one was passed over ("checkpoint
+// step-40 is corrupt (...)"), in order. A meta.yaml of another format fails at once.
 struct ResumeChoice {
   std::string step_dir;
   CheckpointMeta meta;
   std::vector<std::string> skipped;
 };
-StatusOr<ResumeChoice> ChooseResumeCheckpoint(const std::string& path);
-
-using TensorReader = std::function<StatusOr<torch::Tensor>(const std::string& key)>;
-// Opens a torch archive written by WriteTensorArchive; the reader fails for a missing key.
-StatusOr<TensorReader> OpenTensorArchive(const std::string& path);
-
-// FNV-1a 64 of a file's bytes, as hex; what meta.yaml records per file.
-StatusOr<std::string> FileChecksum(const std::string& path);
+StatusOr<ResumeChoice> ChooseResumeCheckpoint(const std::string& path, const std::map<int64_t, std::string>& rejected = {});
 
 // Where the ranks of an asynchronous save say that their files of a step are durable (or why
 // not), and where rank 0's writer thread waits for all of them. Called from writer threads only.

@@ -2,8 +2,11 @@
 
 #include <cstdio>
 #include <filesystem>
+#include <map>
 
 #include <c10/util/Exception.h>
+
+#include "worker/control/progress.h"
 
 namespace ltrain::worker {
 namespace fs = std::filesystem;
@@ -79,23 +82,41 @@ void CheckpointWriter::Process(CheckpointSnapshot snapshot) {
 
 std::string CheckpointWriter::WriteFiles(const CheckpointSnapshot& snapshot) {
   if (snapshot.files.empty()) return "";
+  const std::string who = "rank " + std::to_string(options_.rank) + ": ";
   const fs::path pending = PendingCheckpointDir(options_.dir, snapshot.step);
   std::error_code ec;
   fs::create_directories(pending, ec);
-  if (ec) return "rank " + std::to_string(options_.rank) + ": cannot create " + pending.string() + ": " + ec.message();
+  if (ec) return who + "cannot create " + pending.string() + ": " + ec.message();
+  const std::string work = "saving checkpoint step-" + std::to_string(snapshot.step);
+  int64_t total = 0;
+  for (const auto& [name, tensors] : snapshot.files) total += static_cast<int64_t>(ShardDataBytes(tensors));
+  int64_t before = 0;  // bytes of the files already written
+  Progress::Global().SetWork(work, 0, total, "bytes");
+  std::map<std::string, CheckpointFile> written;
+  Status s;
   bool first = true;
   for (const auto& [name, tensors] : snapshot.files) {
     const bool inject = first && options_.fault.Hits(snapshot.step, options_.rank);
     first = false;
-    Status s;
+    const std::string path = (pending / name).string();
+    StatusOr<CheckpointFile> file = Internal("not written");
     try {
-      s = WriteTensorArchive((pending / name).string(), tensors, inject);
+      file = WriteShardFile(path, tensors, inject, [&](uint64_t done) {
+        Progress::Global().SetWork(work, before + static_cast<int64_t>(done), total, "bytes");
+      });
     } catch (const std::exception& e) {
-      s = Internal("writing " + (pending / name).string() + ": " + e.what());
+      file = Internal("writing " + path + ": " + e.what());
     }
-    if (!s.ok()) return "rank " + std::to_string(options_.rank) + ": " + s.message();
+    if (!file.ok()) {
+      s = file.status();
+      break;
+    }
+    before += static_cast<int64_t>(ShardDataBytes(tensors));
+    written[name] = *file;
   }
-  return "";
+  if (s.ok()) s = WriteRankManifest(pending.string(), options_.rank, written);
+  Progress::Global().EndWork(work);
+  return s.ok() ? "" : who + s.message();
 }
 
 Status CheckpointWriter::Conclude(const CheckpointSnapshot& snapshot, const std::vector<std::string>& errors) {

@@ -3,7 +3,8 @@
 // Called by the trainer's training thread only. The training thread takes the snapshot (copies of
 // this rank's tensors in host memory, and on rank 0 the manifest) and hands it to Submit.
 //   async: Submit waits for the save in flight (at most one per rank), then returns; the writer's
-//     own thread writes and fsyncs the files, announces on the CheckpointCommitBoard that they are
+//     own thread streams the files to disk (reporting its bytes through Progress::SetWork), fsyncs
+//     them, writes the rank's manifest, announces on the CheckpointCommitBoard that they are
 //     durable (or why not), and on rank 0 waits for every rank's word and then commits, while
 //     training goes on. Wait() blocks until no save is in flight.
 //   sync: the trainer calls WriteFiles on the training thread, agrees with its peers on the outcome
@@ -38,7 +39,7 @@ namespace ltrain::worker {
 // One rank's share of one save, in host memory.
 struct CheckpointSnapshot {
   int64_t step = 0;
-  std::vector<std::pair<std::string, std::vector<std::pair<std::string, torch::Tensor>>>> files;  // name, tensors
+  std::vector<std::pair<std::string, NamedTensors>> files;  // file name, its tensors (host memory)
   CheckpointMeta meta;  // rank 0: the manifest
   std::chrono::steady_clock::time_point start;
 };

@@ -571,6 +571,20 @@ namespace {
 
 torch::Tensor RangeTensor(Range r) { return torch::tensor(std::vector<int64_t>{r.begin, r.end}, torch::kLong); }
 
+// A checkpoint snapshot's fp32 host copy of `t` (flattened). On CUDA into pinned memory without
+// waiting: the caller synchronizes once after all copies; on the CPU a plain copy.
+torch::Tensor HostCopy(const torch::Tensor& t) {
+  if (!t.is_cuda()) return t.reshape(-1).to(torch::kCPU, torch::kFloat, false, /*copy=*/true);
+  torch::Tensor host = torch::empty({t.numel()}, torch::TensorOptions().dtype(torch::kFloat).pinned_memory(true));
+  host.copy_(t.reshape(-1), /*non_blocking=*/true);
+  return host;
+}
+
+// The device copies of a snapshot are queued; waits for them once.
+void AwaitHostCopies(const std::vector<std::pair<std::string, torch::Tensor>>& state, const torch::Device& device) {
+  if (device.is_cuda() && !state.empty()) compat::Synchronize(device);
+}
+
 }  // namespace
 
 std::vector<std::pair<std::string, torch::Tensor>> ParamStore::ModelState(const std::vector<std::string>& names) const {
@@ -580,15 +594,15 @@ std::vector<std::pair<std::string, torch::Tensor>> ParamStore::ModelState(const 
     const int64_t n = params_[i].value->numel();
     if (zero_ < 3) {
       out.emplace_back("range." + names[i], RangeTensor(Range{0, n}));
-      out.emplace_back("model." + names[i], MasterValue(static_cast<int>(i)).reshape(-1).to(torch::kCPU, torch::kFloat, false, true));
+      out.emplace_back("model." + names[i], HostCopy(MasterValue(static_cast<int>(i))));
       continue;
     }
     const Unit& unit = units_[unit_of_[i]];
     const Range r = OwnedOfParam(static_cast<int>(i));
     out.emplace_back("range." + names[i], RangeTensor(r));
-    out.emplace_back("model." + names[i], unit.shard.narrow(0, OwnedAt(static_cast<int>(i)), r.size())
-                                              .to(torch::kCPU, torch::kFloat, false, true));
+    out.emplace_back("model." + names[i], HostCopy(unit.shard.narrow(0, OwnedAt(static_cast<int>(i)), r.size())));
   }
+  if (!params_.empty()) AwaitHostCopies(out, params_[0].value->device());
   return out;
 }
 
@@ -600,10 +614,10 @@ std::vector<std::pair<std::string, torch::Tensor>> ParamStore::OptimizerState(co
     const Range r = OwnedOfParam(static_cast<int>(i));
     const int64_t at = OwnedAt(static_cast<int>(i));
     out.emplace_back("range." + names[i], RangeTensor(r));
-    out.emplace_back("exp_avg." + names[i], unit.exp_avg.narrow(0, at, r.size()).to(torch::kCPU, torch::kFloat, false, true));
-    out.emplace_back("exp_avg_sq." + names[i],
-                     unit.exp_avg_sq.narrow(0, at, r.size()).to(torch::kCPU, torch::kFloat, false, true));
+    out.emplace_back("exp_avg." + names[i], HostCopy(unit.exp_avg.narrow(0, at, r.size())));
+    out.emplace_back("exp_avg_sq." + names[i], HostCopy(unit.exp_avg_sq.narrow(0, at, r.size())));
   }
+  if (!params_.empty()) AwaitHostCopies(out, params_[0].value->device());
   return out;
 }
 

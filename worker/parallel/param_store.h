@@ -176,8 +176,9 @@ class ParamStore {
   // Checkpoint state by parameter (`names` in the store's parameter order): for each parameter the
   // range of its flattened elements this rank holds ("range.<name>", int64 [begin, end); under ZeRO-3
   // and for ZeRO-1/2 moments the owned shard, otherwise all of it) and those elements
-  // ("model.<name>"; "exp_avg.<name>" and "exp_avg_sq.<name>"). Copies, safe to keep while training
-  // goes on. Every key is present, with an empty range where this rank holds none of a parameter.
+  // ("model.<name>"; "exp_avg.<name>" and "exp_avg_sq.<name>"), flattened fp32. Host copies (on CUDA
+  // pinned memory, copied without blocking and awaited once), safe to keep while training goes on.
+  // Every key is present, with an empty range where this rank holds none of a parameter.
   std::vector<std::pair<std::string, torch::Tensor>> ModelState(const std::vector<std::string>& names) const;
   std::vector<std::pair<std::string, torch::Tensor>> OptimizerState(const std::vector<std::string>& names) const;
   // Loads parameter `param` from its full flattened value and moments (any layout's checkpoint,

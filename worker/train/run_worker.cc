@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <optional>
 #include <thread>
 
 #include <unistd.h>
@@ -15,7 +16,9 @@
 #include <c10/util/Exception.h>
 
 #include "common/layout.h"
+#include "common/checkpoint_manifest.h"
 #include "common/recipe.h"
+#include "common/worker_exit.h"
 #include "worker/checkpoint/checkpoint.h"
 #include "worker/comm/communicator.h"
 #include "worker/comm/gloo_communicator.h"
@@ -185,6 +188,14 @@ Status Run(const WorkerEnv& env) {
                            : !env.checkpoint_dir.empty()     ? env.checkpoint_dir
                            : !recipe.checkpoint.dir.empty() ? recipe.checkpoint.dir
                                                             : DefaultCheckpointDir(env, recipe);
+  // A checkpoint directory belongs to one job: another job's commits there would be pruned and
+  // mixed with this one's. Every rank looks (the directory is shared), before anything is written.
+  if (!options.checkpoint_dir.empty()) {
+    if (std::optional<CommittedStep> owner = ForeignCheckpoint(options.checkpoint_dir, env.job_id)) {
+      return FailedPrecondition(CheckpointOwnershipError(
+          options.checkpoint_dir, *owner, env.job_id.empty() ? "this run (no job id)" : "job " + env.job_id));
+    }
+  }
   // A restarted generation continues from the job's newest committed checkpoint instead of
   // starting over (and overwriting it).
   std::error_code ec;
@@ -309,19 +320,25 @@ time spent in checkpoint saves), with "mfu P% peak_mem_gib G" on CUDA (MFU again
 FLOPs per token 6N + 12*L*d*T); on CUDA a step's line comes after the next step has been queued (the
 host reads each loss one step late, and at checkpoints before saving); every rank prints once, after its first
 step, "memory rank R: params B bytes, grads B bytes, optimizer B bytes, activations_peak B bytes".
-Checkpoints go to <checkpoint_dir>/step-<N>/ (model.pt and optimizer.pt for plain data parallelism,
-model-rank-R.pt and optimizer-rank-R.pt shards for tp/pp/ZeRO layouts, meta.yaml: the manifest with
-step, generation, layout, data position, RNG state, recipe, and every file's checksum and size)
-with <checkpoint_dir>/latest. With checkpoint.async (the default) the files are written by a
-background thread from a snapshot in host memory while training goes on; rank 0 prints
-"checkpoint step-N written to DIR in X ms" when step N is committed. A resume (checkpoint.resume_from,
-or a restarted generation) takes the newest checkpoint whose checksums verify, saying why it skipped
-any newer one; it may use another data-parallel degree or ZeRO stage (same tp and pp).
+Checkpoints go to <checkpoint_dir>/step-<N>/ (safetensors shards model-rank-R.safetensors and
+optimizer-rank-R.safetensors of the ranks that hold distinct state, and meta.yaml: the manifest with
+step, commit number, generation, job id, layout, data position, RNG state, recipe, and every file's
+size and XXH3-64) with <checkpoint_dir>/latest; all but the newest checkpoint.keep commits are
+pruned after each commit. A checkpoint directory belongs to the job that wrote it: a run whose
+checkpoint directory holds another job's commits refuses to start (exit code 3). With
+checkpoint.async (the default) the files are written by a background thread from a snapshot in host
+memory while training goes on; rank 0 prints "checkpoint step-N written to DIR in X ms" when step N
+is committed. A resume (checkpoint.resume_from, or a restarted generation) takes the newest commit
+whose files verify as the ranks read them, saying why it skipped any newer one, and prints "resumed
+from DIR at step N ..." with the time it took and the rate it read at; it may use another
+data-parallel degree or ZeRO stage (same tp and pp).
 When the agent answers a progress report with a stop after a final checkpoint (ltrain stop
 --checkpoint), the ranks agree through the rendezvous store on one step none has passed, train to
 it, save and commit it like a periodic checkpoint, print "rank R: stopped after step S of N, with
 its checkpoint committed: ..." and exit 0.
-Exit code: 0 done (or stopped after a final checkpoint), 1 failed (reason on stderr), 2 bad usage.
+Exit code: 0 done (or stopped after a final checkpoint), 1 failed (reason on stderr), 2 bad usage,
+3 refused to start and not to be restarted (another job's checkpoint directory, a checkpoint of
+another format).
 )";
 }
 
@@ -330,7 +347,7 @@ int RunWorker(int argc, char** argv) {
   StatusOr<WorkerEnv> env = ParseWorkerEnv(ProcessEnvironment(), std::vector<std::string>(argv + 1, argv + argc));
   if (!env.ok()) {
     std::fprintf(stderr, "ltrain-worker: %s\n", env.status().message().c_str());
-    return 2;
+    return kWorkerExitUsage;
   }
   if (env->help) {
     std::fputs(WorkerUsage().c_str(), stdout);
@@ -347,7 +364,9 @@ int RunWorker(int argc, char** argv) {
   std::fflush(stdout);
   if (!status.ok()) {
     std::fprintf(stderr, "ltrain-worker: rank %d: error: %s\n", env->rank, status.message().c_str());
-    return 1;
+    // A precondition no restart changes (another job's checkpoint directory, a checkpoint of another
+    // format): the job fails at once.
+    return status.code() == StatusCode::kFailedPrecondition ? kWorkerExitNoRestart : kWorkerExitFailed;
   }
   return 0;
 }

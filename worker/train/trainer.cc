@@ -2,6 +2,7 @@
 
 #include <malloc.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -290,44 +291,101 @@ Status Trainer::Init() {
   return Status::Ok();
 }
 
-// Rank 0 picks the checkpoint (verifying checksums, skipping corrupt ones) and tells the others
-// which step, so every rank loads the same one.
+// Rank 0 picks the checkpoint (meta.yaml, files present with their sizes) and tells the others
+// which step; every rank reads and verifies the files it needs; a file that does not verify, on any
+// rank, sends every rank to the next older commit.
 Status Trainer::Resume(const std::string& path) {
   namespace fs = std::filesystem;
   const int rank = groups_->rank;
-  StatusOr<ResumeChoice> choice = NotFound("");
-  int64_t chosen = -1;
-  if (rank == 0) {
-    choice = ChooseResumeCheckpoint(path);
-    if (choice.ok()) {
-      chosen = choice->meta.step;
-      for (const std::string& why : choice->skipped) {
-        std::printf("%s; resuming from %s\n", why.c_str(), fs::path(choice->step_dir).filename().c_str());
+  const int world = layout_.world_size;
+  const auto start = SteadyClock::now();
+  std::map<int64_t, std::string> rejected;  // rank 0: steps some rank could not verify, and why
+  std::set<std::string> printed;
+  std::string step_dir;
+  CheckpointMeta loaded;
+  double bytes = 0;
+  while (true) {
+    StatusOr<ResumeChoice> choice = NotFound("");
+    int64_t chosen = -1;
+    if (rank == 0) {
+      choice = ChooseResumeCheckpoint(path, rejected);
+      if (choice.ok()) {
+        chosen = choice->meta.step;
+        for (const std::string& why : choice->skipped) {
+          if (printed.insert(why).second) {
+            std::printf("%s; resuming from %s\n", why.c_str(), fs::path(choice->step_dir).filename().c_str());
+          }
+        }
+        std::fflush(stdout);
       }
-      std::fflush(stdout);
+    }
+    if (world > 1) {
+      torch::Tensor t = torch::full({1}, chosen, torch::TensorOptions().dtype(torch::kLong).device(device_));
+      LTRAIN_RETURN_IF_ERROR(groups_->world->Broadcast(t, 0));
+      chosen = t.to(torch::kCPU).item<int64_t>();
+    }
+    if (rank == 0 && !choice.ok()) return choice.status();
+    if (chosen < 0) return Unavailable("rank 0 found no checkpoint to resume from in " + path + " (see its log)");
+    if (rank == 0) {
+      step_dir = choice->step_dir;
+    } else {
+      std::error_code ec;
+      const bool is_step = fs::exists(fs::path(path) / kCheckpointMetaFile, ec) || StepOfName(fs::path(path).filename().string()) >= 0;
+      step_dir = is_step ? path : (fs::path(path) / StepDirName(chosen)).string();
+    }
+    StatusOr<CheckpointMeta> meta = rank == 0 ? StatusOr<CheckpointMeta>(choice->meta) : ReadCheckpointMeta(step_dir);
+    Status read = meta.ok() ? Status::Ok() : meta.status();
+    if (read.ok() && meta->step != chosen) {
+      read = DataLoss(step_dir + " holds step " + std::to_string(meta->step) + ", rank 0 chose " + std::to_string(chosen));
+    }
+    LoadedShards shards;
+    if (read.ok()) {
+      try {
+        read = ReadShards(step_dir, *meta, &shards);
+      } catch (...) {
+        read = Rethrown(("reading checkpoint " + step_dir).c_str());
+      }
+    }
+    // Every rank's outcome (0: read and verified; 1: a file does not verify, an older commit may;
+    // 2: anything else) and the bytes it read, summed over the world.
+    const int outcome = read.ok() ? 0 : read.code() == StatusCode::kDataLoss ? 1 : 2;
+    std::vector<int> outcomes(world, outcome);
+    bytes = static_cast<double>(shards.bytes);
+    if (world > 1) {
+      torch::Tensor flags = torch::zeros({world + 1}, torch::kDouble);
+      flags[rank].fill_(outcome);
+      flags[world].fill_(bytes);
+      flags = flags.to(device_);
+      LTRAIN_RETURN_IF_ERROR(groups_->world->AllReduceSum(flags));
+      flags = flags.to(torch::kCPU);
+      for (int r = 0; r < world; ++r) outcomes[r] = static_cast<int>(flags[r].item<double>() + 0.5);
+      bytes = flags[world].item<double>();
+    }
+    const int worst = *std::max_element(outcomes.begin(), outcomes.end());
+    if (worst == 0) {
+      LTRAIN_RETURN_IF_ERROR(ApplyShards(step_dir, *meta, shards));
+      loaded = *meta;
+      break;
+    }
+    std::string failed;
+    for (int r = 0; r < world; ++r) {
+      if (outcomes[r] != 0) failed += (failed.empty() ? "" : ", ") + std::to_string(r);
+    }
+    if (!read.ok() && rank != 0) {
+      std::fprintf(stderr, "ltrain-worker: rank %d: checkpoint %s: %s\n", rank, step_dir.c_str(), read.message().c_str());
+    }
+    if (worst == 2) {
+      if (!read.ok()) return read.code() == StatusCode::kDataLoss ? DataLoss("checkpoint " + step_dir + ": " + read.message()) : read;
+      return Unavailable("rank(s) " + failed + " could not load checkpoint " + step_dir + " (see their logs)");
+    }
+    if (rank == 0) {
+      rejected[chosen] = outcomes[0] != 0 ? read.message()
+                                          : "a file read by rank(s) " + failed + " does not verify: see their logs";
     }
   }
-  if (layout_.world_size > 1) {
-    torch::Tensor t = torch::full({1}, chosen, torch::TensorOptions().dtype(torch::kLong).device(device_));
-    LTRAIN_RETURN_IF_ERROR(groups_->world->Broadcast(t, 0));
-    chosen = t.to(torch::kCPU).item<int64_t>();
-  }
-  if (rank == 0 && !choice.ok()) return choice.status();
-  if (chosen < 0) return Unavailable("rank 0 found no checkpoint to resume from in " + path + " (see its log)");
-  std::string step_dir;
-  if (rank == 0) {
-    step_dir = choice->step_dir;
-  } else {
-    std::error_code ec;
-    const bool is_step = fs::exists(fs::path(path) / "meta.yaml", ec) || fs::path(path).filename().string().rfind("step-", 0) == 0;
-    step_dir = is_step ? path : (fs::path(path) / ("step-" + std::to_string(chosen))).string();
-  }
-  StatusOr<CheckpointMeta> meta = rank == 0 ? StatusOr<CheckpointMeta>(choice->meta) : ReadCheckpointMeta(step_dir, false);
-  if (!meta.ok()) return DataLoss("checkpoint " + step_dir + ": " + meta.status().message());
-  if (meta->step != chosen) return DataLoss("checkpoint " + step_dir + " holds step " + std::to_string(meta->step) + ", rank 0 chose " + std::to_string(chosen));
-  LTRAIN_RETURN_IF_ERROR(LoadCheckpoint(step_dir, *meta));
-  step_ = meta->step;
-  data_position_ = meta->data_position;
+  const double seconds = std::chrono::duration<double>(SteadyClock::now() - start).count();
+  step_ = loaded.step;
+  data_position_ = loaded.data_position;
   // A checkpoint of this run's own directory is its newest commit until the next one.
   std::error_code same_ec;
   if (rank == 0 && !options_.checkpoint_dir.empty() &&
@@ -335,24 +393,24 @@ Status Trainer::Resume(const std::string& path) {
     Progress::Global().RecordCommit(step_, step_dir);
   }
   if (rank == 0 && options_.print_progress) {
-    std::printf("resumed from %s at step %lld data_position %lld (saved by world size %d, %s)\n", step_dir.c_str(),
-                static_cast<long long>(step_), static_cast<long long>(data_position_), meta->world_size,
-                meta->layout.c_str());
+    std::printf("resumed from %s at step %lld data_position %lld (saved by world size %d, %s) in %.1f s "
+                "(%.2f GB read by %d rank(s) at %.2f GB/s)\n",
+                step_dir.c_str(), static_cast<long long>(step_), static_cast<long long>(data_position_),
+                loaded.world_size, loaded.layout.c_str(), seconds, bytes / 1e9, world,
+                seconds > 0 ? bytes / 1e9 / seconds : 0.0);
     const std::string sampling = NameOf(recipe_.data.sampling);
-    if (meta->data_seed >= 0 && (meta->data_sampling != sampling || meta->data_seed != DataSeed(recipe_))) {
+    if (loaded.data_seed >= 0 && (loaded.data_sampling != sampling || loaded.data_seed != DataSeed(recipe_))) {
       std::printf("resume: the saved run drew its batches with data.sampling %s, seed %lld; this run draws them with "
                   "%s, seed %lld, so its batches from step %lld on are not the ones the saved run would have seen; "
                   "set data.sampling and data.seed as they were to continue its order\n",
-                  meta->data_sampling.c_str(), static_cast<long long>(meta->data_seed), sampling.c_str(),
+                  loaded.data_sampling.c_str(), static_cast<long long>(loaded.data_seed), sampling.c_str(),
                   static_cast<long long>(DataSeed(recipe_)), static_cast<long long>(step_ + 1));
     }
   }
   return Status::Ok();
 }
 
-// Reassembles every parameter's full value and moments from the shards of the ranks that saved
-// this rank's tp/pp slice (any data-parallel degree, any ZeRO stage), then keeps this rank's part.
-Status Trainer::LoadCheckpoint(const std::string& step_dir, const CheckpointMeta& meta) {
+Status Trainer::ReadShards(const std::string& step_dir, const CheckpointMeta& meta, LoadedShards* shards) {
   namespace fs = std::filesystem;
   if (meta.tp != layout_.tp || meta.pp != layout_.pp || meta.chunks != layout_.chunks) {
     return InvalidArgument("checkpoint " + step_dir + " was saved with layout '" + meta.layout + "' but this run is '" +
@@ -364,50 +422,89 @@ Status Trainer::LoadCheckpoint(const std::string& step_dir, const CheckpointMeta
     return DataLoss("checkpoint " + step_dir + " has an inconsistent topology: world " + std::to_string(meta.world_size) +
                     ", " + meta.layout);
   }
-  const bool saved_plain = meta.tp == 1 && meta.pp == 1 && meta.zero == 0;
-  std::vector<TensorReader> model_readers, optimizer_readers;
+  // This rank's tp/pp slice, from every data-parallel rank that saved a distinct part of it.
+  std::vector<std::pair<std::string, bool>> files;  // name, is a model file
   for (int d = 0; d < meta.dp; ++d) {
     RankCoords c = groups_->coords;
     c.dp = d;
     const int r = RankAt(saved, c);
-    const std::string suffix = saved_plain ? ".pt" : "-rank-" + std::to_string(r) + ".pt";
-    if (d == 0 || meta.zero == 3) {
-      LTRAIN_ASSIGN_OR_RETURN(TensorReader reader, OpenTensorArchive((fs::path(step_dir) / ("model" + suffix)).string()));
-      model_readers.push_back(reader);
-    }
-    if (d == 0 || meta.zero >= 1) {
-      LTRAIN_ASSIGN_OR_RETURN(TensorReader reader, OpenTensorArchive((fs::path(step_dir) / ("optimizer" + suffix)).string()));
-      optimizer_readers.push_back(reader);
-    }
+    if (d == 0 || meta.zero == 3) files.emplace_back(ModelShardFile(r), true);
+    if (d == 0 || meta.zero >= 1) files.emplace_back(OptimizerShardFile(r), false);
   }
+  int64_t total = 0;
+  for (const auto& [name, is_model] : files) {
+    auto it = meta.files.find(name);
+    if (it == meta.files.end()) return DataLoss(std::string(kCheckpointMetaFile) + " does not list " + name + " (saved by another layout?)");
+    total += static_cast<int64_t>(it->second.bytes);
+  }
+  const std::string work = "loading checkpoint " + StepDirName(meta.step);
+  Progress::Global().SetWork(work, 0, total, "bytes");
+  int64_t before = 0;
+  Status status;
+  for (const auto& [name, is_model] : files) {
+    const CheckpointFile& expected = meta.files.at(name);
+    StatusOr<std::map<std::string, torch::Tensor>> tensors =
+        ReadShardFile((fs::path(step_dir) / name).string(), expected, [&](uint64_t done) {
+          Progress::Global().SetWork(work, before + static_cast<int64_t>(done), total, "bytes");
+        });
+    if (!tensors.ok()) {
+      status = tensors.status();
+      break;
+    }
+    (is_model ? shards->model : shards->optimizer).emplace_back(name, std::move(tensors).value());
+    before += static_cast<int64_t>(expected.bytes);
+    shards->bytes += expected.bytes;
+  }
+  Progress::Global().EndWork(work);
+  return status;
+}
+
+Status Trainer::ApplyShards(const std::string& step_dir, const CheckpointMeta& meta, const LoadedShards& shards) {
   torch::NoGradGuard no_grad;
-  auto assemble = [&](const std::vector<TensorReader>& readers, const std::string& prefix, const std::string& name,
-                      torch::Tensor& into) -> Status {
+  using Files = std::vector<std::pair<std::string, std::map<std::string, torch::Tensor>>>;
+  // The full flattened `prefix + name` (n elements) from the shards' ranges; a shard that holds all
+  // of it is used as it is, without a copy.
+  auto assemble = [&](const Files& files, const std::string& prefix, const std::string& name,
+                      int64_t n) -> StatusOr<torch::Tensor> {
+    struct Piece {
+      int64_t begin, end;
+      torch::Tensor values;
+    };
+    std::vector<Piece> pieces;
     int64_t covered = 0;
-    for (const TensorReader& read : readers) {
-      LTRAIN_ASSIGN_OR_RETURN(torch::Tensor range, read("range." + name));
-      LTRAIN_ASSIGN_OR_RETURN(torch::Tensor values, read(prefix + name));
-      const int64_t b = range[0].item<int64_t>(), e = range[1].item<int64_t>();
-      if (b < 0 || e < b || e > into.numel() || values.numel() != e - b) {
+    for (const auto& [file, tensors] : files) {
+      auto range_it = tensors.find("range." + name), values_it = tensors.find(prefix + name);
+      if (range_it == tensors.end() || values_it == tensors.end()) {
+        return DataLoss("checkpoint " + step_dir + ": " + file + " has no tensor " + prefix + name + " (saved by another model?)");
+      }
+      const torch::Tensor& range = range_it->second;
+      const torch::Tensor& values = values_it->second;
+      if (range.scalar_type() != torch::kLong || range.numel() != 2) {
+        return DataLoss("checkpoint " + step_dir + ": " + file + ": range." + name + " is not two int64 values");
+      }
+      const int64_t b = range.data_ptr<int64_t>()[0], e = range.data_ptr<int64_t>()[1];
+      if (b < 0 || e < b || e > n || values.numel() != e - b) {
         return DataLoss("checkpoint " + step_dir + ": " + prefix + name + " holds range [" + std::to_string(b) + ", " +
                         std::to_string(e) + ") with " + std::to_string(values.numel()) + " values; the parameter has " +
-                        std::to_string(into.numel()) + " (saved by another model?)");
+                        std::to_string(n) + " (saved by another model?)");
       }
-      if (e > b) into.narrow(0, b, e - b).copy_(values.reshape(-1).to(torch::kFloat));
+      if (e > b) pieces.push_back(Piece{b, e, values.reshape(-1).to(torch::kFloat)});
       covered += e - b;
     }
-    if (covered != into.numel()) {
+    if (covered != n) {
       return DataLoss("checkpoint " + step_dir + ": the shards of " + prefix + name + " cover " + std::to_string(covered) +
-                      " of " + std::to_string(into.numel()) + " elements");
+                      " of " + std::to_string(n) + " elements");
     }
-    return Status::Ok();
+    if (pieces.size() == 1) return pieces[0].values;
+    torch::Tensor full = torch::empty({n});
+    for (const Piece& piece : pieces) full.narrow(0, piece.begin, piece.end - piece.begin).copy_(piece.values);
+    return full;
   };
   for (size_t i = 0; i < param_names_.size(); ++i) {
     const int64_t n = store_->ParamNumel(static_cast<int>(i));
-    torch::Tensor value = torch::zeros({n}), m = torch::zeros({n}), v = torch::zeros({n});
-    LTRAIN_RETURN_IF_ERROR(assemble(model_readers, "model.", param_names_[i], value));
-    LTRAIN_RETURN_IF_ERROR(assemble(optimizer_readers, "exp_avg.", param_names_[i], m));
-    LTRAIN_RETURN_IF_ERROR(assemble(optimizer_readers, "exp_avg_sq.", param_names_[i], v));
+    LTRAIN_ASSIGN_OR_RETURN(torch::Tensor value, assemble(shards.model, "model.", param_names_[i], n));
+    LTRAIN_ASSIGN_OR_RETURN(torch::Tensor m, assemble(shards.optimizer, "exp_avg.", param_names_[i], n));
+    LTRAIN_ASSIGN_OR_RETURN(torch::Tensor v, assemble(shards.optimizer, "exp_avg_sq.", param_names_[i], n));
     LTRAIN_RETURN_IF_ERROR(store_->LoadParamState(static_cast<int>(i), value, m, v));
   }
   return RestoreRngState(meta.rng_state);
@@ -630,14 +727,6 @@ std::string Trainer::LayoutKey() const {
          " sp=" + std::to_string(recipe_.parallel.sequence_parallel ? 1 : 0);
 }
 
-std::string Trainer::ModelFile(int rank) const {
-  return layout_.plain() ? "model.pt" : "model-rank-" + std::to_string(rank) + ".pt";
-}
-
-std::string Trainer::OptimizerFile(int rank) const {
-  return layout_.plain() ? "optimizer.pt" : "optimizer-rank-" + std::to_string(rank) + ".pt";
-}
-
 // Ranks whose state equals another's (data-parallel replicas) read that rank's file.
 int Trainer::ModelSourceRank() const {
   if (layout_.zero == 3) return groups_->rank;
@@ -665,8 +754,8 @@ Status Trainer::StartSave() {
   CheckpointSnapshot snapshot;
   snapshot.step = step_;
   snapshot.start = start;
-  if (ModelSourceRank() == rank) snapshot.files.emplace_back(ModelFile(rank), store_->ModelState(param_names_));
-  if (OptimizerSourceRank() == rank) snapshot.files.emplace_back(OptimizerFile(rank), store_->OptimizerState(param_names_));
+  if (ModelSourceRank() == rank) snapshot.files.emplace_back(ModelShardFile(rank), store_->ModelState(param_names_));
+  if (OptimizerSourceRank() == rank) snapshot.files.emplace_back(OptimizerShardFile(rank), store_->OptimizerState(param_names_));
   if (rank == 0) {
     CheckpointMeta& meta = snapshot.meta;
     meta.step = step_;

@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -120,15 +121,26 @@ class Trainer {
   int64_t FullModelParameters() const;
   // Rank 0's summary of the timed steps: tokens/s, per device, TFLOP/s, MFU and peak memory on CUDA.
   void PrintThroughput(int64_t first_step, int64_t steps, double total_ms) const;
-  std::string ModelFile(int rank) const;
-  std::string OptimizerFile(int rank) const;
   int ModelSourceRank() const;
   int OptimizerSourceRank() const;
   // Snapshots this step and starts its save (async) or writes and commits it (sync). A failed save
   // is reported, not returned: only errors that break the job (a failed collective) are.
   Status StartSave();
+  // Rank 0 picks the checkpoint; every rank reads and verifies what it needs; the ranks agree on the
+  // outcome (a collective), and all apply it or all move to the next older commit.
   Status Resume(const std::string& path);
-  Status LoadCheckpoint(const std::string& step_dir, const CheckpointMeta& meta);
+  // The shards of a checkpoint this rank needs, in host memory, verified: per file, its name and
+  // its tensors by key.
+  struct LoadedShards {
+    std::vector<std::pair<std::string, std::map<std::string, torch::Tensor>>> model, optimizer;
+    uint64_t bytes = 0;
+  };
+  // Reads every file of `step_dir` this rank needs once, verifying its hash (DataLoss when one does
+  // not verify; InvalidArgument when the layout cannot be loaded here).
+  Status ReadShards(const std::string& step_dir, const CheckpointMeta& meta, LoadedShards* shards);
+  // Reassembles every parameter's full value and moments from the shards of the ranks that saved
+  // this rank's tp/pp slice (any data-parallel degree, any ZeRO stage), then keeps this rank's part.
+  Status ApplyShards(const std::string& step_dir, const CheckpointMeta& meta, const LoadedShards& shards);
 
   Recipe recipe_;
   TrainerOptions options_;
