@@ -102,7 +102,8 @@ def launch(ltrain, args, home, on_line=None, timeout=1800):
 
 # "checkpoint step-20 written to DIR in 9512 ms (15.8 GB, 1.66 GB/s)"
 SAVE_RE = re.compile(r"checkpoint step-(\d+) written to \S+ in (\d+) ms(?: \(([0-9.]+) GB)?")
-BLOCKED_RE = re.compile(r"checkpoint: the training thread was blocked ([0-9.]+) ms in (\d+) (\w+) save\(s\)")
+BLOCKED_RE = re.compile(r"checkpoint: the training thread was blocked ([0-9.]+) ms in (\d+) (\w+) save\(s\)"
+                        r"[^;\n]*(?:; after the last step it waited ([0-9.]+) ms)?")
 # "resumed from DIR/step-60 at step 60 ... in 5.1 s (15.8 GB, 3.1 GB/s)"
 RESUME_RE = re.compile(r"resumed from \S+ at step (\d+).* in ([0-9.]+) s \(([0-9.]+) GB")
 
@@ -147,6 +148,8 @@ def save_suite(a, work, data):
         line = f"  ltrain training blocked per {blocked.group(3)} save: {per:.2f} s"
         if dcp["ok"] and dcp["async_blocked_s"] is not None:
             line += f" (DCP async_save: {dcp['async_blocked_s']:.1f} s)"
+        if blocked.group(4):
+            line += f"; after the last step it waited {float(blocked.group(4)) / 1000:.1f} s for the last commit"
         print(line)
     if resumed:
         s, gb = float(resumed.group(2)), float(resumed.group(3))

@@ -1,9 +1,11 @@
-// Long phases through the real `ltrain launch` (local agent, 2 worker processes): a start-up longer
-// than fault.hang_timeout_s is no hang; one that makes no progress for fault.startup_timeout_s is
-// reported as a stuck start-up that names the rank and the limit.
+// Long phases through the real `ltrain launch` (local agent, 2 worker processes): a start-up or a
+// checkpoint save longer than fault.hang_timeout_s is no hang; one that makes no progress for
+// fault.startup_timeout_s or checkpoint.timeout_s is reported as a stuck start-up or a stuck save
+// that names the rank and the limit.
 #include <gtest/gtest.h>
 
 #include <map>
+#include <regex>
 #include <string>
 
 #include "ltrain/v1/ltrain.pb.h"
@@ -58,10 +60,42 @@ TEST_F(LivenessTest, StuckStartUpNamesTheRankAndTheLimit) {
   EXPECT_NE(ran.exit_code, 0) << ran.output;
   v1::Job job = JobStatus("stuckstart-1", Env());
   EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
-  EXPECT_NE(job.last_failure().find("stuck start-up: rank 1 made no progress for 3s in step 0 (startup"),
-            std::string::npos)
+  EXPECT_TRUE(std::regex_search(job.last_failure(),
+                                std::regex(R"(^stuck start-up: rank 1 made no progress for [34]s in step 0 \(startup)")))
       << job.last_failure();
   EXPECT_NE(job.last_failure().find("limit fault.startup_timeout_s=3)"), std::string::npos) << job.last_failure();
+}
+
+TEST_F(LivenessTest, SaveLongerThanTheHangTimeoutIsNoHang) {
+  std::string recipe = Recipe("slowsave", "fault: {hang_timeout_s: 1, max_restarts: 0}\n");
+  std::map<std::string, std::string> env = Env();
+  env["LTRAIN_FAULT_CHECKPOINT_STALL"] = "6:4:1";
+  ProcessResult ran = RunProcess({LtrainBinary(), "launch", recipe}, env, seconds(120));
+  ASSERT_EQ(ran.exit_code, 0) << ran.output;
+  EXPECT_NE(ran.output.find("rank 1: stalling the save of step-6 for 4.0 s"), std::string::npos) << ran.output;
+  EXPECT_NE(ran.output.find("checkpoint step-6 written"), std::string::npos) << ran.output;
+  v1::Job job = JobStatus("slowsave-1", Env());
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(job.last_committed_step(), 6);
+  EXPECT_EQ(job.last_failure(), "");
+}
+
+TEST_F(LivenessTest, StuckSaveNamesTheRankAndTheLimit) {
+  std::string recipe = Recipe("stucksave", "checkpoint: {timeout_s: 3}\nfault: {hang_timeout_s: 1, max_restarts: 0}\n");
+  std::map<std::string, std::string> env = Env();
+  env["LTRAIN_FAULT_CHECKPOINT_STALL"] = "6:600:1";
+  ProcessResult ran = RunProcess({LtrainBinary(), "launch", recipe}, env, seconds(120));
+  EXPECT_NE(ran.exit_code, 0) << ran.output;
+  v1::Job job = JobStatus("stucksave-1", Env());
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_TRUE(std::regex_search(job.last_failure(),
+                                std::regex(R"(^stuck checkpoint save: rank 1 made no progress for [34]s in step 6 )"
+                                           R"(\(checkpoint: saving checkpoint step-6, 0\.0 of [0-9.]+ MB; )")))
+      << job.last_failure();
+  EXPECT_NE(job.last_failure().find("limit checkpoint.timeout_s=3); rank 0 waits for its peers (waiting for the "
+                                    "ranks' files of step-6, 1 of 2 ranks)"),
+            std::string::npos)
+      << job.last_failure();
 }
 
 }  // namespace

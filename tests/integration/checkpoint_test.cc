@@ -179,7 +179,7 @@ TEST_F(CheckpointTest, InjectedWriteFailureCommitsNothingAndTrainingGoesOn) {
                       "LTRAIN_FAULT_CHECKPOINT_WRITE=10:1");
     ASSERT_EQ(r.rc, 0) << r.log0 << r.log1;
     EXPECT_TRUE(std::regex_search(
-        r.log0, std::regex(R"(checkpoint step-10 failed: rank 1: writing \S+/\.tmp-step-10/optimizer-rank-1\.safetensors: injected failure after \d+ of \d+ bytes \(LTRAIN_FAULT_CHECKPOINT_WRITE\)(; [^;]*)?; step-5 stays the newest committed)")))
+        r.log0, std::regex(R"(checkpoint step-10 failed: rank 1: writing \S+/\.tmp-step-10/model-rank-1\.safetensors: injected failure after \d+ of \d+ bytes \(LTRAIN_FAULT_CHECKPOINT_WRITE\)(; [^;]*)?; step-5 stays the newest committed)")))
         << r.log0;
     EXPECT_EQ(r.log0.find("checkpoint step-10 written"), std::string::npos) << r.log0;
     EXPECT_NE(r.log0.find("checkpoint step-15 written"), std::string::npos) << r.log0;
@@ -275,10 +275,32 @@ TEST_F(CheckpointTest, CheckpointReshardsAcrossDataParallelDegreeAndZeroStage) {
     ASSERT_EQ(b.size(), 10u) << r.log0;
     for (const auto& [step, loss] : b) EXPECT_NEAR(loss, a.at(step), 1e-5 * a.at(step)) << "step " << step;
   }
-  // Another tensor-parallel degree is refused with a reason.
-  RunResult tp = Run("reshard_tp", 2, "reshard_ck_tp", "--set parallel.tp=2 --set checkpoint.resume_from=" + step10);
-  EXPECT_NE(tp.rc, 0);
-  EXPECT_NE(tp.log0.find("resharding to another tp, pp or virtual_stages is not supported"), std::string::npos) << tp.log0;
+}
+
+// A checkpoint of tp2 x dp2 loads into another split of the model: pp2 x dp2, dp4 under ZeRO-3, and
+// one process; each resumed run's next 10 losses are the uninterrupted run's (fp32, within 1e-5).
+TEST_F(CheckpointTest, CheckpointReshardsAcrossTensorAndPipelineParallelism) {
+  RunResult original = Run("tp_original", 4, "tp_ck", "--set parallel.tp=2 --set checkpoint.every=10");
+  ASSERT_EQ(original.rc, 0) << original.log0 << original.log1;
+  const std::string step10 = (Dir() / "tp_ck" / "step-10").string();
+  const std::map<int, double> a = Losses(original.log0);
+  ASSERT_EQ(a.size(), 20u) << original.log0;
+  struct Target {
+    const char* name;
+    int world;
+    const char* sets;
+  };
+  for (const Target& t : {Target{"pp2_dp2", 4, "--set parallel.pp=2"}, Target{"dp4_zero3", 4, "--set parallel.zero=3"},
+                          Target{"one", 1, ""}}) {
+    SCOPED_TRACE(t.name);
+    RunResult r = Run(std::string("tp_") + t.name, t.world, std::string("tp_ck_") + t.name,
+                      std::string(t.sets) + " --set checkpoint.resume_from=" + step10);
+    ASSERT_EQ(r.rc, 0) << r.log0 << r.log1;
+    EXPECT_NE(r.log0.find("resumed from " + step10 + " at step 10"), std::string::npos) << r.log0;
+    std::map<int, double> b = Losses(r.log0);
+    ASSERT_EQ(b.size(), 10u) << r.log0;
+    for (const auto& [step, loss] : b) EXPECT_NEAR(loss, a.at(step), 1e-5 * a.at(step)) << "step " << step;
+  }
 }
 
 // The same run again in the same directory with fewer steps: the commits of the second run are the

@@ -230,8 +230,10 @@ TEST_F(ParallelLayoutsTest, ShardedCheckpointResumesIntoTheSameLayout) {
   for (int r = 0; r < 4; ++r) {
     EXPECT_TRUE(fs::exists(step10 / ("optimizer-rank-" + std::to_string(r) + ".safetensors"))) << r;
   }
-  EXPECT_TRUE(fs::exists(step10 / "model-rank-0.safetensors"));  // dp rank 0 of each stage holds the model
-  EXPECT_TRUE(fs::exists(step10 / "model-rank-2.safetensors"));
+  for (int r = 0; r < 4; ++r) {
+    // Every rank saves its share of the model: its ZeRO shard of the masters.
+    EXPECT_TRUE(fs::exists(step10 / ("model-rank-" + std::to_string(r) + ".safetensors"))) << r;
+  }
   std::ifstream meta(step10 / "meta.yaml");
   std::string text((std::istreambuf_iterator<char>(meta)), std::istreambuf_iterator<char>());
   EXPECT_NE(text.find("optimizer-rank-3.safetensors"), std::string::npos) << text;
@@ -243,16 +245,6 @@ TEST_F(ParallelLayoutsTest, ShardedCheckpointResumesIntoTheSameLayout) {
   auto pa = Params(full / "params.bin"), pb = Params(resumed / "params.bin");
   ASSERT_EQ(pa.size(), pb.size());
   for (const auto& [key, values] : pa) EXPECT_EQ(values, pb[key]) << key;
-  // Another layout is refused until resharding exists.
-  const fs::path other = dir_ / "other";
-  fs::create_directories(other);
-  const std::string cmd = "OMP_NUM_THREADS=1 " + WorkerBin() + " --recipe " + (dir_ / "r.yaml").string() +
-                          " --set checkpoint.dir=" + (other / "ck").string() + " --set checkpoint.resume_from=" +
-                          step10.string() + " > " + (other / "log").string() + " 2>&1";
-  EXPECT_NE(std::system(cmd.c_str()), 0);
-  std::ifstream log(other / "log");
-  std::string err((std::istreambuf_iterator<char>(log)), std::istreambuf_iterator<char>());
-  EXPECT_NE(err.find("resharding"), std::string::npos) << err;
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 // store would from the same gradients, checkpoints hold the masters, and a load sets both.
 #include "worker/parallel/param_store.h"
 
+#include <map>
 #include <thread>
 
 #include <gtest/gtest.h>
@@ -68,15 +69,13 @@ TEST(ParamStoreTest, Bf16CopiesFollowFp32MastersThatLearnAsAnFp32Store) {
       EXPECT_TRUE(torch::equal(bf16.w.detach(), fp32.w.detach().to(torch::kBFloat16))) << "the copy is refreshed";
     }
 
-    // A checkpoint holds the masters, not their bf16 roundings.
-    std::vector<std::pair<std::string, torch::Tensor>> state = store->ModelState({"w", "b"});
-    bool found = false;
-    for (const auto& [key, value] : state) {
-      if (key != "model.w") continue;
-      found = true;
-      EXPECT_TRUE(torch::equal(value, fp32.w.detach().reshape(-1)));
-    }
-    EXPECT_TRUE(found);
+    // A checkpoint holds the masters (this rank's range of them), not their bf16 roundings.
+    std::map<std::string, torch::Tensor> state;
+    for (const auto& [key, value] : store->ModelState({"w", "b"})) state[key] = value;
+    ASSERT_TRUE(state.count("model.w") && state.count("range.w"));
+    const int64_t begin = state["range.w"][0].item<int64_t>(), end = state["range.w"][1].item<int64_t>();
+    EXPECT_GT(end, begin);
+    EXPECT_TRUE(torch::equal(state["model.w"], fp32.w.detach().reshape(-1).narrow(0, begin, end - begin)));
     // A load sets the master and its copy.
     torch::Tensor loaded = torch::randn({12});
     ASSERT_TRUE(store->LoadParamState(0, loaded, torch::zeros({12}), torch::zeros({12})).ok());
@@ -91,7 +90,8 @@ TEST(ParamStoreTest, Bf16CopiesFollowFp32MastersThatLearnAsAnFp32Store) {
 TEST(ParamStoreTest, ShardedZero1UpdateTrainsAsZero0OnTwoRanks) {
   gloo::rendezvous::HashStore rendezvous_sharded, rendezvous_plain;
   std::vector<std::string> failures(2);
-  std::vector<torch::Tensor> sharded_w(2), plain_w(2), sharded_masters(2), plain_masters(2), sharded_model(2);
+  std::vector<torch::Tensor> sharded_w(2), plain_w(2), sharded_masters(2), plain_masters(2), sharded_model(2),
+      sharded_range(2);
   // Drawn here: the threads must not share the global generator. Each rank its own gradients.
   const Leaves start = MakeLeaves();
   std::vector<std::vector<std::pair<torch::Tensor, torch::Tensor>>> grads(2);
@@ -134,17 +134,23 @@ TEST(ParamStoreTest, ShardedZero1UpdateTrainsAsZero0OnTwoRanks) {
     plain_masters[rank] = torch::cat({plain->MasterValue(0).reshape(-1), plain->MasterValue(1).reshape(-1)});
     for (const auto& [key, value] : sharded->ModelState({"w", "b"})) {
       if (key == "model.w") sharded_model[rank] = value;
+      if (key == "range.w") sharded_range[rank] = value;
     }
   };
   std::thread r0(rank_main, 0), r1(rank_main, 1);
   r0.join();
   r1.join();
+  int64_t saved_elements = 0;
   for (int r = 0; r < 2; ++r) {
     ASSERT_EQ(failures[r], "") << "rank " << r;
     EXPECT_TRUE(torch::equal(sharded_w[r], plain_w[r])) << "rank " << r << ": the bf16 copies";
     EXPECT_TRUE(torch::equal(sharded_masters[r], plain_masters[r])) << "rank " << r << ": the masters";
-    EXPECT_TRUE(torch::equal(sharded_model[r], plain_masters[r].narrow(0, 0, 12))) << "rank " << r << ": the checkpoint";
+    // Each rank saves its shard of the masters; together they cover w (12 elements) once.
+    const int64_t begin = sharded_range[r][0].item<int64_t>(), end = sharded_range[r][1].item<int64_t>();
+    EXPECT_TRUE(torch::equal(sharded_model[r], plain_masters[r].narrow(0, begin, end - begin))) << "rank " << r << ": the checkpoint";
+    saved_elements += end - begin;
   }
+  EXPECT_EQ(saved_elements, 12);
   // The step moved the parameters away from where they started.
   EXPECT_FALSE(torch::equal(plain_w[0], start.w.detach().to(torch::kBFloat16)));
 }

@@ -14,6 +14,7 @@
 
 #include "common/files.h"
 #include "common/safetensors.h"
+#include "worker/control/progress.h"
 
 namespace ltrain::worker {
 namespace fs = std::filesystem;
@@ -74,19 +75,40 @@ void RemovePendingCheckpoints(const std::string& dir, int64_t max_step) {
 StatusOr<CheckpointWriteFault> CheckpointWriteFault::FromEnv() {
   CheckpointWriteFault fault;
   const char* v = std::getenv("LTRAIN_FAULT_CHECKPOINT_WRITE");
-  if (v == nullptr || *v == '\0') return fault;
-  const std::string text = v;
+  const std::string text = v == nullptr ? "" : v;
+  if (!text.empty()) {
+    try {
+      size_t used = 0;
+      fault.step = std::stoll(text, &used);
+      if (used < text.size()) {
+        if (text[used] != ':') throw std::invalid_argument(text);
+        size_t used_rank = 0;
+        fault.rank = std::stoi(text.substr(used + 1), &used_rank);
+        if (used + 1 + used_rank != text.size()) throw std::invalid_argument(text);
+      }
+    } catch (const std::exception&) {
+      return InvalidArgument("LTRAIN_FAULT_CHECKPOINT_WRITE='" + text + "' is not STEP or STEP:RANK");
+    }
+  }
+  const char* stall = std::getenv("LTRAIN_FAULT_CHECKPOINT_STALL");
+  if (stall == nullptr || *stall == '\0') return fault;
+  const std::string stall_text = stall;
   try {
     size_t used = 0;
-    fault.step = std::stoll(text, &used);
-    if (used < text.size()) {
-      if (text[used] != ':') throw std::invalid_argument(text);
+    fault.stall_step = std::stoll(stall_text, &used);
+    if (used >= stall_text.size() || stall_text[used] != ':') throw std::invalid_argument(stall_text);
+    size_t used_seconds = 0;
+    fault.stall_seconds = std::stod(stall_text.substr(used + 1), &used_seconds);
+    used += 1 + used_seconds;
+    if (used < stall_text.size()) {
+      if (stall_text[used] != ':') throw std::invalid_argument(stall_text);
       size_t used_rank = 0;
-      fault.rank = std::stoi(text.substr(used + 1), &used_rank);
-      if (used + 1 + used_rank != text.size()) throw std::invalid_argument(text);
+      fault.stall_rank = std::stoi(stall_text.substr(used + 1), &used_rank);
+      if (used + 1 + used_rank != stall_text.size()) throw std::invalid_argument(stall_text);
     }
+    if (!(fault.stall_seconds >= 0)) throw std::invalid_argument(stall_text);
   } catch (const std::exception&) {
-    return InvalidArgument("LTRAIN_FAULT_CHECKPOINT_WRITE='" + text + "' is not STEP or STEP:RANK");
+    return InvalidArgument("LTRAIN_FAULT_CHECKPOINT_STALL='" + stall_text + "' is not STEP:SECONDS or STEP:SECONDS:RANK");
   }
   return fault;
 }
@@ -167,7 +189,8 @@ StatusOr<std::map<std::string, torch::Tensor>> ReadShardFile(const std::string& 
   return out;
 }
 
-Status CommitCheckpoint(const std::string& dir, const CheckpointMeta& meta, const Recipe& recipe, int keep) {
+Status CommitCheckpoint(const std::string& dir, const CheckpointMeta& meta, const Recipe& recipe, int keep,
+                        uint64_t* bytes) {
   const std::string name = StepDirName(meta.step);
   const fs::path final_dir = fs::path(dir) / name;
   const fs::path tmp_dir = PendingCheckpointDir(dir, meta.step);
@@ -180,6 +203,10 @@ Status CommitCheckpoint(const std::string& dir, const CheckpointMeta& meta, cons
     // Commit markers (FileCommitBoard) and the ranks' manifests are not part of the checkpoint.
     const std::string file = entry.path().filename().string();
     if (file.rfind(".rank-", 0) == 0 || IsRankManifestName(file)) fs::remove(entry.path(), ec);
+  }
+  if (bytes != nullptr) {
+    *bytes = 0;
+    for (const auto& [file, info] : files) *bytes += info.bytes;
   }
   CheckpointMeta committed = meta;
   committed.files = std::move(files);
@@ -300,8 +327,16 @@ StatusOr<std::vector<std::string>> FileCommitBoard::Collect(int64_t step, int wo
   std::vector<std::string> words(world_size);
   std::vector<bool> heard(world_size, false);
   int missing = world_size;
+  // Rank 0 waits for its peers: the coordinator judges it by the slowest of them, not by itself.
+  const std::string work = "waiting for the ranks' files of step-" + std::to_string(step);
+  Progress::Global().SetWork(work, 0, world_size, "ranks", /*waits_for_peers=*/true);
+  struct EndWork {
+    const std::string& work;
+    ~EndWork() { Progress::Global().EndWork(work); }
+  } end_work{work};
   while (true) {
     std::error_code ec;
+    const int missing_before = missing;
     for (int r = 0; r < world_size; ++r) {
       if (heard[r]) continue;
       if (fs::exists(Marker(dir_, step, r, true), ec)) {
@@ -317,6 +352,9 @@ StatusOr<std::vector<std::string>> FileCommitBoard::Collect(int64_t step, int wo
       }
     }
     if (missing == 0) return words;
+    if (missing != missing_before) {
+      Progress::Global().SetWork(work, world_size - missing, world_size, "ranks", /*waits_for_peers=*/true);
+    }
     if (cancel != nullptr && cancel->load()) return Unavailable("checkpoint step-" + std::to_string(step) + " abandoned");
     if (std::chrono::steady_clock::now() >= deadline) {
       std::string who;

@@ -18,8 +18,10 @@
 // tensors; loading one runs no code. Every shard holds, per parameter of the writing rank (in its
 // tp/pp slice), the range of the parameter's flattened elements it holds ("range.<name>", I64
 // [begin, end)) and those elements as F32 ("model.<name>", or "exp_avg.<name>" and
-// "exp_avg_sq.<name>"); a loader of another data-parallel degree or ZeRO stage reassembles full
-// tensors from the ranges (same tp and pp only).
+// "exp_avg_sq.<name>"); a loader of another layout reassembles each tp slice from the ranges of
+// the files that hold it (any data-parallel degree and ZeRO stage), the full parameter from the tp
+// slices (any tp), and takes its own slice; parameters keep their full-model names, so any pipeline
+// split finds them.
 //
 // A save: the training thread copies this rank's tensors to host memory (CheckpointSnapshot); the
 // writer streams each tensor's bytes into its file in large writes, hashing them on the way, fsyncs
@@ -69,14 +71,24 @@ std::string PendingCheckpointDir(const std::string& dir, int64_t step);
 // Removes pending directories of steps <= max_step (every one when max_step < 0).
 void RemovePendingCheckpoints(const std::string& dir, int64_t max_step);
 
-// Fault injection (LTRAIN_FAULT_CHECKPOINT_WRITE=STEP[:RANK]): the save of step STEP fails while
-// writing the first file of rank RANK (every rank when absent), after half of the file's bytes
-// reached the disk, as a full disk or a lost mount would.
+// Fault injection for drills.
+//   LTRAIN_FAULT_CHECKPOINT_WRITE=STEP[:RANK]: the save of step STEP fails while writing the first
+//     file of rank RANK (every rank when absent), after half of the file's bytes reached the disk,
+//     as a full disk or a lost mount would.
+//   LTRAIN_FAULT_CHECKPOINT_STALL=STEP:SECONDS[:RANK]: the save of step STEP on rank RANK (every rank
+//     when absent) stops for SECONDS before its first byte, reporting no progress, as a hung mount
+//     would.
 struct CheckpointWriteFault {
   int64_t step = -1;
   int rank = -1;
+  int64_t stall_step = -1;
+  double stall_seconds = 0;
+  int stall_rank = -1;
   static StatusOr<CheckpointWriteFault> FromEnv();
   bool Hits(int64_t at_step, int at_rank) const { return step >= 0 && step == at_step && (rank < 0 || rank == at_rank); }
+  bool Stalls(int64_t at_step, int at_rank) const {
+    return stall_step >= 0 && stall_step == at_step && (stall_rank < 0 || stall_rank == at_rank);
+  }
 };
 
 // Streams `tensors` (host memory, contiguous) into a safetensors file at `path`, hashing every byte,
@@ -97,7 +109,9 @@ StatusOr<std::map<std::string, torch::Tensor>> ReadShardFile(const std::string& 
 // Rank 0, once every rank wrote its files and manifest into the pending directory: writes
 // meta.yaml from the ranks' manifests (meta.files and meta.commit are filled here), commits
 // step-<meta.step>, updates `latest`, then prunes to the newest `keep` commits (keep <= 0 keeps all).
-Status CommitCheckpoint(const std::string& dir, const CheckpointMeta& meta, const Recipe& recipe, int keep);
+// `*bytes` (optional) gets the committed files' total size.
+Status CommitCheckpoint(const std::string& dir, const CheckpointMeta& meta, const Recipe& recipe, int keep,
+                        uint64_t* bytes = nullptr);
 
 // Where a run resumes. `path` is a step directory or a checkpoint directory: then `latest` and
 // then the other committed steps, newest commit first, skipping any whose meta.yaml is missing,

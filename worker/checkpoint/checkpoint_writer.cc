@@ -92,6 +92,12 @@ std::string CheckpointWriter::WriteFiles(const CheckpointSnapshot& snapshot) {
   for (const auto& [name, tensors] : snapshot.files) total += static_cast<int64_t>(ShardDataBytes(tensors));
   int64_t before = 0;  // bytes of the files already written
   Progress::Global().SetWork(work, 0, total, "bytes");
+  if (options_.fault.Stalls(snapshot.step, options_.rank)) {
+    std::printf("rank %d: stalling the save of step-%lld for %.1f s (LTRAIN_FAULT_CHECKPOINT_STALL)\n", options_.rank,
+                static_cast<long long>(snapshot.step), options_.fault.stall_seconds);
+    std::fflush(stdout);
+    std::this_thread::sleep_for(std::chrono::duration<double>(options_.fault.stall_seconds));
+  }
   std::map<std::string, CheckpointFile> written;
   Status s;
   bool first = true;
@@ -123,8 +129,9 @@ Status CheckpointWriter::Conclude(const CheckpointSnapshot& snapshot, const std:
   const std::string& dir = options_.dir;
   const std::string name = "step-" + std::to_string(snapshot.step);
   Status result;
+  uint64_t bytes = 0;
   if (errors.empty()) {
-    result = CommitCheckpoint(dir, snapshot.meta, options_.recipe, options_.recipe.checkpoint.keep);
+    result = CommitCheckpoint(dir, snapshot.meta, options_.recipe, options_.recipe.checkpoint.keep, &bytes);
   } else {
     std::string why;
     for (const std::string& e : errors) why += (why.empty() ? "" : "; ") + e;
@@ -136,7 +143,8 @@ Status CheckpointWriter::Conclude(const CheckpointSnapshot& snapshot, const std:
     if (result.ok()) {
       const double ms =
           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - snapshot.start).count();
-      std::printf("checkpoint %s written to %s in %.0f ms\n", name.c_str(), dir.c_str(), ms);
+      std::printf("checkpoint %s written to %s in %.0f ms (%.2f GB, %.2f GB/s)\n", name.c_str(), dir.c_str(), ms,
+                  bytes / 1e9, ms > 0 ? bytes / 1e6 / ms : 0.0);
     } else {
       const int64_t latest = LatestCommittedStep(dir);
       const std::string stays = latest >= 0 ? "step-" + std::to_string(latest) + " stays the newest committed"

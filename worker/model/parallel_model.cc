@@ -229,6 +229,22 @@ torch::Tensor Mlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::
   return Linear(torch::gelu(Linear(x, w1, b1), "tanh"), w2, b2, residual);
 }
 
+// The full parameter `index` of the per-parameter initialisation: gpt_model.GPT's distribution
+// (GptParamInit), drawn on `device` by a copy of its default generator seeded for this parameter
+// (a copy: the global generator's state stays as the trainer seeded it).
+torch::Tensor PerParameterInit(const GptConfig& c, const std::string& name, const std::vector<int64_t>& shape,
+                               uint64_t seed, size_t index, const torch::Device& device) {
+  const torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat).device(device);
+  const ParamInit init = GptParamInit(name, static_cast<int64_t>(shape.size()), c.layers);
+  if (init.kind == ParamInit::kZeros) return torch::zeros(shape, options);
+  if (init.kind == ParamInit::kOnes) return torch::ones(shape, options);
+  at::Generator generator = at::globalContext().defaultGenerator(device).clone();
+  generator.set_current_seed(SplitMix64(seed ^ SplitMix64(static_cast<uint64_t>(index) + 1)));
+  return torch::empty(shape, options).normal_(0.0, init.stddev, generator);
+}
+
+}  // namespace
+
 torch::Tensor Slice(const torch::Tensor& full, TpSplit split, int tp, int r) {
   switch (split) {
     case TpSplit::kReplicated: return full.detach().clone();
@@ -258,21 +274,27 @@ TpSplit SplitOf(const std::string& name) {
   return TpSplit::kReplicated;
 }
 
-// The full parameter `index` of the per-parameter initialisation: gpt_model.GPT's distribution
-// (GptParamInit), drawn on `device` by a copy of its default generator seeded for this parameter
-// (a copy: the global generator's state stays as the trainer seeded it).
-torch::Tensor PerParameterInit(const GptConfig& c, const std::string& name, const std::vector<int64_t>& shape,
-                               uint64_t seed, size_t index, const torch::Device& device) {
-  const torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat).device(device);
-  const ParamInit init = GptParamInit(name, static_cast<int64_t>(shape.size()), c.layers);
-  if (init.kind == ParamInit::kZeros) return torch::zeros(shape, options);
-  if (init.kind == ParamInit::kOnes) return torch::ones(shape, options);
-  at::Generator generator = at::globalContext().defaultGenerator(device).clone();
-  generator.set_current_seed(SplitMix64(seed ^ SplitMix64(static_cast<uint64_t>(index) + 1)));
-  return torch::empty(shape, options).normal_(0.0, init.stddev, generator);
+torch::Tensor Unslice(const std::vector<torch::Tensor>& slices, TpSplit split, const std::vector<int64_t>& full_shape) {
+  const int tp = static_cast<int>(slices.size());
+  std::vector<int64_t> local = full_shape;
+  int dim = 0;
+  switch (split) {
+    case TpSplit::kReplicated: return slices[0].reshape(full_shape);
+    case TpSplit::kRows: local[0] /= tp; break;
+    case TpSplit::kCols: local[1] /= tp; dim = 1; break;
+    case TpSplit::kQkvRows: {
+      // Each slice holds its share of q, k and v: [3, c/tp, ...] side by side along the second dim.
+      local.insert(local.begin(), 3);
+      local[1] = full_shape[0] / 3 / tp;
+      dim = 1;
+      break;
+    }
+  }
+  std::vector<torch::Tensor> parts;
+  for (const torch::Tensor& s : slices) parts.push_back(s.reshape(local));
+  return torch::cat(parts, dim).reshape(full_shape);
 }
 
-}  // namespace
 
 std::vector<std::pair<std::string, std::vector<int64_t>>> GptParameterShapes(const GptConfig& c) {
   const int64_t d = c.d_model;

@@ -55,6 +55,13 @@ int64_t GptParameterCount(const GptConfig& config);
 
 enum class TpSplit { kReplicated, kRows, kCols, kQkvRows };
 
+// How full-model parameter `name` is split over the ranks of a tp group larger than one.
+TpSplit SplitOf(const std::string& name);
+// Rank r's slice of full parameter `full` split `split` over `tp` ranks; and the inverse, the full
+// parameter of `full_shape` from every rank's slice in tp order (of any shape with the slice's size).
+torch::Tensor Slice(const torch::Tensor& full, TpSplit split, int tp, int r);
+torch::Tensor Unslice(const std::vector<torch::Tensor>& slices, TpSplit split, const std::vector<int64_t>& full_shape);
+
 struct ShardParam {
   std::string name;                 // the full model's name, e.g. "blocks.3.qkv.weight"
   torch::Tensor value;              // this rank's slice: a leaf that requires grad

@@ -571,15 +571,6 @@ namespace {
 
 torch::Tensor RangeTensor(Range r) { return torch::tensor(std::vector<int64_t>{r.begin, r.end}, torch::kLong); }
 
-// A checkpoint snapshot's fp32 host copy of `t` (flattened). On CUDA into pinned memory without
-// waiting: the caller synchronizes once after all copies; on the CPU a plain copy.
-torch::Tensor HostCopy(const torch::Tensor& t) {
-  if (!t.is_cuda()) return t.reshape(-1).to(torch::kCPU, torch::kFloat, false, /*copy=*/true);
-  torch::Tensor host = torch::empty({t.numel()}, torch::TensorOptions().dtype(torch::kFloat).pinned_memory(true));
-  host.copy_(t.reshape(-1), /*non_blocking=*/true);
-  return host;
-}
-
 // The device copies of a snapshot are queued; waits for them once.
 void AwaitHostCopies(const std::vector<std::pair<std::string, torch::Tensor>>& state, const torch::Device& device) {
   if (device.is_cuda() && !state.empty()) compat::Synchronize(device);
@@ -587,19 +578,55 @@ void AwaitHostCopies(const std::vector<std::pair<std::string, torch::Tensor>>& s
 
 }  // namespace
 
+torch::Tensor ParamStore::HostCopy(const torch::Tensor& t) const {
+  if (!t.is_cuda()) return t.reshape(-1).to(torch::kCPU, torch::kFloat, false, /*copy=*/true);
+  const int64_t n = t.numel();
+  torch::Tensor host;
+  if (snapshot_arena_.defined() && snapshot_used_ + n <= snapshot_arena_.numel()) {
+    host = snapshot_arena_.narrow(0, snapshot_used_, n);
+    snapshot_used_ += n;
+  } else {
+    host = torch::empty({n}, torch::TensorOptions().dtype(torch::kFloat).pinned_memory(true));
+  }
+  host.copy_(t.reshape(-1), /*non_blocking=*/true);
+  return host;
+}
+
+int64_t ParamStore::ReserveSnapshot() {
+  if (params_.empty() || !params_[0].value->is_cuda()) return 0;
+  int64_t numel = 0;
+  for (size_t i = 0; i < params_.size(); ++i) numel += 3 * SaveRangeOfParam(static_cast<int>(i)).size();
+  snapshot_arena_ = torch::empty({numel}, torch::TensorOptions().dtype(torch::kFloat).pinned_memory(true));
+  snapshot_used_ = 0;
+  return numel * 4;
+}
+
+Range ParamStore::SaveRangeOfParam(int param) const {
+  // Under ZeRO the rank's shard (the only copy of the moments, and of the parameters at stage 3);
+  // without it every rank holds everything, and rank d of the dp group saves the d-th of dp equal
+  // parts.
+  if (zero_ >= 1) return OwnedOfParam(param);
+  const int64_t n = params_[param].value->numel();
+  const int64_t d = dp_->rank(), size = dp_->size();
+  return Range{n * d / size, n * (d + 1) / size};
+}
+
+Range ParamStore::LoadRangeOfParam(int param, bool moments) const {
+  if (moments ? zero_ >= 1 : zero_ == 3) return OwnedOfParam(param);
+  return Range{0, params_[param].value->numel()};
+}
+
 std::vector<std::pair<std::string, torch::Tensor>> ParamStore::ModelState(const std::vector<std::string>& names) const {
   torch::NoGradGuard no_grad;
   std::vector<std::pair<std::string, torch::Tensor>> out;
   for (size_t i = 0; i < params_.size(); ++i) {
-    const int64_t n = params_[i].value->numel();
+    const Range r = SaveRangeOfParam(static_cast<int>(i));
+    out.emplace_back("range." + names[i], RangeTensor(r));
     if (zero_ < 3) {
-      out.emplace_back("range." + names[i], RangeTensor(Range{0, n}));
-      out.emplace_back("model." + names[i], HostCopy(MasterValue(static_cast<int>(i))));
+      out.emplace_back("model." + names[i], HostCopy(MasterValue(static_cast<int>(i)).reshape(-1).narrow(0, r.begin, r.size())));
       continue;
     }
     const Unit& unit = units_[unit_of_[i]];
-    const Range r = OwnedOfParam(static_cast<int>(i));
-    out.emplace_back("range." + names[i], RangeTensor(r));
     out.emplace_back("model." + names[i], HostCopy(unit.shard.narrow(0, OwnedAt(static_cast<int>(i)), r.size())));
   }
   if (!params_.empty()) AwaitHostCopies(out, params_[0].value->device());
@@ -611,8 +638,9 @@ std::vector<std::pair<std::string, torch::Tensor>> ParamStore::OptimizerState(co
   std::vector<std::pair<std::string, torch::Tensor>> out;
   for (size_t i = 0; i < params_.size(); ++i) {
     const Unit& unit = units_[unit_of_[i]];
-    const Range r = OwnedOfParam(static_cast<int>(i));
-    const int64_t at = OwnedAt(static_cast<int>(i));
+    const Range r = SaveRangeOfParam(static_cast<int>(i));
+    // The moments of the parameter's elements this rank holds start at OwnedAt in the unit.
+    const int64_t at = OwnedAt(static_cast<int>(i)) + (zero_ >= 1 ? 0 : r.begin);
     out.emplace_back("range." + names[i], RangeTensor(r));
     out.emplace_back("exp_avg." + names[i], HostCopy(unit.exp_avg.narrow(0, at, r.size())));
     out.emplace_back("exp_avg_sq." + names[i], HostCopy(unit.exp_avg_sq.narrow(0, at, r.size())));

@@ -173,14 +173,28 @@ class ParamStore {
 
   MemoryBytes Memory() const;
 
-  // Checkpoint state by parameter (`names` in the store's parameter order): for each parameter the
-  // range of its flattened elements this rank holds ("range.<name>", int64 [begin, end); under ZeRO-3
-  // and for ZeRO-1/2 moments the owned shard, otherwise all of it) and those elements
-  // ("model.<name>"; "exp_avg.<name>" and "exp_avg_sq.<name>"), flattened fp32. Host copies (on CUDA
-  // pinned memory, copied without blocking and awaited once), safe to keep while training goes on.
-  // Every key is present, with an empty range where this rank holds none of a parameter.
+  // Checkpoint state by parameter (`names` in the store's parameter order), this rank's share of it:
+  // for each parameter the range of its flattened elements this rank saves ("range.<name>", int64
+  // [begin, end): SaveRangeOfParam) and those elements ("model.<name>"; "exp_avg.<name>" and
+  // "exp_avg_sq.<name>"), flattened fp32. The ranks of a dp group save disjoint ranges that cover
+  // each parameter once, so a save writes every byte once, spread over the group. Host copies (on
+  // CUDA pinned memory, copied without blocking and awaited once), safe to keep while training goes
+  // on. Every key is present, with an empty range where this rank saves none of a parameter.
   std::vector<std::pair<std::string, torch::Tensor>> ModelState(const std::vector<std::string>& names) const;
   std::vector<std::pair<std::string, torch::Tensor>> OptimizerState(const std::vector<std::string>& names) const;
+  // The part of parameter `param` (flattened) this rank saves: its ZeRO shard, or without ZeRO its
+  // dp rank's part of dp equal parts.
+  Range SaveRangeOfParam(int param) const;
+  // The part of parameter `param` (flattened) this rank needs from a checkpoint: of the value
+  // (`moments` false) all of it unless ZeRO-3 shards it, of the moments its ZeRO shard.
+  Range LoadRangeOfParam(int param, bool moments) const;
+  // Host memory the snapshots copy into, kept from save to save. On CUDA it is pinned, and pinning
+  // gigabytes takes seconds: ReserveSnapshot (at start-up) sizes it for this rank's share
+  // (ModelState and OptimizerState) and returns its bytes; BeginSnapshot starts the next snapshot at
+  // its front, so the previous one must be written by then. Without a reservation (and on the CPU)
+  // every snapshot allocates its own copies.
+  int64_t ReserveSnapshot();
+  void BeginSnapshot() const { snapshot_used_ = 0; }
   // Loads parameter `param` from its full flattened value and moments (any layout's checkpoint,
   // reassembled): keeps the part this rank holds.
   Status LoadParamState(int param, const torch::Tensor& value, const torch::Tensor& exp_avg, const torch::Tensor& exp_avg_sq);
@@ -190,6 +204,10 @@ class ParamStore {
   torch::Tensor MasterValue(int param) const;
 
  private:
+  // A snapshot's fp32 host copy of `t`, flattened: on CUDA queued without waiting (into the
+  // reserved arena while it has room), on the CPU a plain copy.
+  torch::Tensor HostCopy(const torch::Tensor& t) const;
+
   struct Unit {
     UnitLayout layout;
     torch::Tensor full;        // [padded] parameters (zero 3: storage released when not gathered)
@@ -226,6 +244,8 @@ class ParamStore {
   std::vector<Param> params_;
   std::vector<int> unit_of_;
   std::vector<Unit> units_;
+  torch::Tensor snapshot_arena_;          // fp32 [reserved], pinned (ReserveSnapshot)
+  mutable int64_t snapshot_used_ = 0;
   int zero_;
   Communicator* dp_;
   AdamWConfig adamw_;

@@ -303,6 +303,11 @@ Fault injection (for testing recovery; never set in production):
                            not committed, `latest` keeps naming the previous one, rank 0 prints
                            "checkpoint step-STEP failed: ...; step-M stays the newest committed",
                            and training goes on
+  LTRAIN_FAULT_CHECKPOINT_STALL=STEP:SECONDS[:RANK]
+                           the save of step STEP on rank RANK (every rank when absent) stops for
+                           SECONDS before its first byte, reporting no progress: a save longer than
+                           fault.hang_timeout_s is no hang; one longer than checkpoint.timeout_s is
+                           reported as a stuck checkpoint save naming the rank
   LTRAIN_FAULT_STARTUP_STALL=SECONDS[:RANK]
                            rank RANK (every rank when absent) stops for SECONDS in its start-up,
                            after connecting and before building the model, without reporting
@@ -330,8 +335,8 @@ checkpoint.async (the default) the files are written by a background thread from
 memory while training goes on; rank 0 prints "checkpoint step-N written to DIR in X ms" when step N
 is committed. A resume (checkpoint.resume_from, or a restarted generation) takes the newest commit
 whose files verify as the ranks read them, saying why it skipped any newer one, and prints "resumed
-from DIR at step N ..." with the time it took and the rate it read at; it may use another
-data-parallel degree or ZeRO stage (same tp and pp).
+from DIR at step N ..." with the time it took and the rate it read at; it may use any other
+layout: data-parallel degree, ZeRO stage, tp, pp and virtual stages.
 When the agent answers a progress report with a stop after a final checkpoint (ltrain stop
 --checkpoint), the ranks agree through the rendezvous store on one step none has passed, train to
 it, save and commit it like a periodic checkpoint, print "rank R: stopped after step S of N, with

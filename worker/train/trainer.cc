@@ -17,6 +17,7 @@
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
 
+#include "common/safetensors.h"
 #include "worker/checkpoint/checkpoint.h"
 #include "worker/checkpoint/checkpoint_writer.h"
 #include "worker/control/progress.h"
@@ -275,7 +276,10 @@ Status Trainer::Init() {
     w.recipe = recipe_;
     w.print = options_.print_progress;
     w.fault = options_.checkpoint_write_fault;
-    w.commit_timeout = options_.collective_timeout;
+    // A large save of a slow peer may take longer than a collective; a stuck one is the
+    // coordinator's to find (checkpoint.timeout_s).
+    w.commit_timeout = std::max(options_.collective_timeout,
+                                std::chrono::milliseconds(static_cast<int64_t>(CheckpointTimeout(recipe_).seconds * 2000)));
     w.board = options_.commit_board;
     if (w.board == nullptr && layout_.world_size == 1) {
       local_board_ = std::make_unique<LocalCommitBoard>();
@@ -287,6 +291,20 @@ Status Trainer::Init() {
       if (report) report();
     };
     writer_ = std::make_unique<CheckpointWriter>(std::move(w));
+    if (writer_->async() && device_.is_cuda()) {
+      // Pinned host memory for the snapshots, once: pinning gigabytes in the first save would block
+      // training for seconds.
+      constexpr const char* kPinning = "pinning host memory for checkpoint snapshots";
+      Progress::Global().SetWork(kPinning, 0, 0, "bytes");
+      const auto pin_start = SteadyClock::now();
+      const int64_t pinned = store_->ReserveSnapshot();
+      Progress::Global().EndWork(kPinning);
+      if (options_.print_progress && groups_->rank == 0) {
+        std::printf("checkpoint: %.2f GB of pinned host memory for rank 0's snapshots in %.1f s\n", pinned / 1e9,
+                    MillisSince(pin_start) / 1000.0);
+        std::fflush(stdout);
+      }
+    }
   }
   return Status::Ok();
 }
@@ -410,26 +428,62 @@ Status Trainer::Resume(const std::string& path) {
   return Status::Ok();
 }
 
+StatusOr<bool> Trainer::HoldsNeededRanges(const std::string& path, bool moments) const {
+  LTRAIN_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::Open(path));
+  for (size_t i = 0; i < param_names_.size(); ++i) {
+    const SafetensorsEntry* entry = file->Find("range." + param_names_[i]);
+    if (entry == nullptr || entry->bytes != 2 * sizeof(int64_t)) return true;  // the full read says what is wrong
+    int64_t range[2] = {0, 0};
+    LTRAIN_RETURN_IF_ERROR(file->Read(*entry, range));
+    const Range need = store_->LoadRangeOfParam(static_cast<int>(i), moments);
+    if (std::min(range[1], need.end) > std::max(range[0], need.begin)) return true;
+  }
+  return false;
+}
+
 Status Trainer::ReadShards(const std::string& step_dir, const CheckpointMeta& meta, LoadedShards* shards) {
   namespace fs = std::filesystem;
-  if (meta.tp != layout_.tp || meta.pp != layout_.pp || meta.chunks != layout_.chunks) {
-    return InvalidArgument("checkpoint " + step_dir + " was saved with layout '" + meta.layout + "' but this run is '" +
-                           LayoutKey() + "'; resharding to another tp, pp or virtual_stages is not supported (the "
-                           "data-parallel degree and the ZeRO stage may differ)");
-  }
   const Layout saved = Layout::Grid(meta.tp, meta.dp, meta.pp);
   if (meta.tp < 1 || meta.dp < 1 || meta.pp < 1 || saved.world_size != meta.world_size || meta.zero < 0 || meta.zero > 3) {
     return DataLoss("checkpoint " + step_dir + " has an inconsistent topology: world " + std::to_string(meta.world_size) +
                     ", " + meta.layout);
   }
-  // This rank's tp/pp slice, from every data-parallel rank that saved a distinct part of it.
   std::vector<std::pair<std::string, bool>> files;  // name, is a model file
-  for (int d = 0; d < meta.dp; ++d) {
-    RankCoords c = groups_->coords;
-    c.dp = d;
-    const int r = RankAt(saved, c);
-    if (d == 0 || meta.zero == 3) files.emplace_back(ModelShardFile(r), true);
-    if (d == 0 || meta.zero >= 1) files.emplace_back(OptimizerShardFile(r), false);
+  if (SameModelGrid(meta)) {
+    // This rank's tp/pp slice, from every data-parallel rank that saved a distinct part of it.
+    // A file none of whose ranges meets what this rank needs (another rank's ZeRO shard of the
+    // moments) is not read: its header says so.
+    for (int d = 0; d < meta.dp; ++d) {
+      RankCoords c = groups_->coords;
+      c.dp = d;
+      const int r = RankAt(saved, c);
+      for (const bool is_model : {true, false}) {
+        const std::string name = is_model ? ModelShardFile(r) : OptimizerShardFile(r);
+        if (!meta.files.count(name)) continue;
+        LTRAIN_ASSIGN_OR_RETURN(bool needed, HoldsNeededRanges((fs::path(step_dir) / name).string(), !is_model));
+        if (needed) files.emplace_back(name, is_model);
+      }
+    }
+  } else {
+    // Another tp, pp or virtual-stage split: every file that holds a part of one of this rank's
+    // parameters (any tp slice of it, from any pipeline stage), as the files' headers say.
+    const std::set<std::string> mine(param_names_.begin(), param_names_.end());
+    for (int r = 0; r < meta.world_size; ++r) {
+      for (const bool is_model : {true, false}) {
+        const std::string name = is_model ? ModelShardFile(r) : OptimizerShardFile(r);
+        if (!meta.files.count(name)) continue;
+        LTRAIN_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file,
+                                SafetensorsFile::Open((fs::path(step_dir) / name).string()));
+        const bool wanted = std::any_of(file->tensors().begin(), file->tensors().end(), [&](const SafetensorsEntry& e) {
+          return e.name.rfind("range.", 0) == 0 && mine.count(e.name.substr(6)) > 0;
+        });
+        if (wanted) files.emplace_back(name, is_model);
+      }
+    }
+  }
+  for (const auto& [name, is_model] : files) {
+    const int r = std::stoi(name.substr(name.find("-rank-") + 6));
+    shards->saved_rank[name] = r;
   }
   int64_t total = 0;
   for (const auto& [name, is_model] : files) {
@@ -462,10 +516,12 @@ Status Trainer::ReadShards(const std::string& step_dir, const CheckpointMeta& me
 Status Trainer::ApplyShards(const std::string& step_dir, const CheckpointMeta& meta, const LoadedShards& shards) {
   torch::NoGradGuard no_grad;
   using Files = std::vector<std::pair<std::string, std::map<std::string, torch::Tensor>>>;
-  // The full flattened `prefix + name` (n elements) from the shards' ranges; a shard that holds all
-  // of it is used as it is, without a copy.
-  auto assemble = [&](const Files& files, const std::string& prefix, const std::string& name,
-                      int64_t n) -> StatusOr<torch::Tensor> {
+  // The flattened `prefix + name` (n elements) from the shards' ranges, of which `need` must be
+  // covered (the rest, where no shard read holds it, is zeros); a shard that holds all of it is used
+  // as it is, without a copy.
+  auto assemble = [&](const Files& files, const std::string& prefix, const std::string& name, int64_t n,
+                      std::optional<Range> need = std::nullopt) -> StatusOr<torch::Tensor> {
+    const Range wanted = need.value_or(Range{0, n});
     struct Piece {
       int64_t begin, end;
       torch::Tensor values;
@@ -489,23 +545,71 @@ Status Trainer::ApplyShards(const std::string& step_dir, const CheckpointMeta& m
                         std::to_string(n) + " (saved by another model?)");
       }
       if (e > b) pieces.push_back(Piece{b, e, values.reshape(-1).to(torch::kFloat)});
-      covered += e - b;
+      covered += std::max<int64_t>(0, std::min(e, wanted.end) - std::max(b, wanted.begin));
     }
-    if (covered != n) {
+    if (covered != wanted.size()) {
       return DataLoss("checkpoint " + step_dir + ": the shards of " + prefix + name + " cover " + std::to_string(covered) +
-                      " of " + std::to_string(n) + " elements");
+                      " of the " + std::to_string(wanted.size()) + " elements [" + std::to_string(wanted.begin) + ", " +
+                      std::to_string(wanted.end) + ") this rank needs");
     }
-    if (pieces.size() == 1) return pieces[0].values;
-    torch::Tensor full = torch::empty({n});
+    if (pieces.size() == 1 && pieces[0].begin == 0 && pieces[0].end == n) return pieces[0].values;
+    torch::Tensor full = torch::zeros({n});
     for (const Piece& piece : pieces) full.narrow(0, piece.begin, piece.end - piece.begin).copy_(piece.values);
     return full;
   };
-  for (size_t i = 0; i < param_names_.size(); ++i) {
-    const int64_t n = store_->ParamNumel(static_cast<int>(i));
-    LTRAIN_ASSIGN_OR_RETURN(torch::Tensor value, assemble(shards.model, "model.", param_names_[i], n));
-    LTRAIN_ASSIGN_OR_RETURN(torch::Tensor m, assemble(shards.optimizer, "exp_avg.", param_names_[i], n));
-    LTRAIN_ASSIGN_OR_RETURN(torch::Tensor v, assemble(shards.optimizer, "exp_avg_sq.", param_names_[i], n));
-    LTRAIN_RETURN_IF_ERROR(store_->LoadParamState(static_cast<int>(i), value, m, v));
+  if (SameModelGrid(meta)) {
+    for (size_t i = 0; i < param_names_.size(); ++i) {
+      const int64_t n = store_->ParamNumel(static_cast<int>(i));
+      const Range value_need = store_->LoadRangeOfParam(static_cast<int>(i), false);
+      const Range moments_need = store_->LoadRangeOfParam(static_cast<int>(i), true);
+      LTRAIN_ASSIGN_OR_RETURN(torch::Tensor value, assemble(shards.model, "model.", param_names_[i], n, value_need));
+      LTRAIN_ASSIGN_OR_RETURN(torch::Tensor m, assemble(shards.optimizer, "exp_avg.", param_names_[i], n, moments_need));
+      LTRAIN_ASSIGN_OR_RETURN(torch::Tensor v, assemble(shards.optimizer, "exp_avg_sq.", param_names_[i], n, moments_need));
+      LTRAIN_RETURN_IF_ERROR(store_->LoadParamState(static_cast<int>(i), value, m, v));
+    }
+    return RestoreRngState(meta.rng_state);
+  }
+  // Another tp, pp or virtual-stage split. Per parameter: each saved tp slice from the files of its
+  // tp coordinate (of one pipeline stage: the last stage's copy of the tied embedding equals the
+  // first's), the full parameter from the slices, and this rank's slice of it.
+  const Layout saved = Layout::Grid(meta.tp, meta.dp, meta.pp);
+  std::vector<ShardParam>& params = model_->params();
+  auto full_of = [&](const Files& files, const std::string& prefix, const ShardParam& p) -> StatusOr<torch::Tensor> {
+    const TpSplit saved_split = meta.tp > 1 ? SplitOf(p.name) : TpSplit::kReplicated;
+    int64_t full_numel = 1;
+    for (int64_t d : p.full_shape) full_numel *= d;
+    const int slices = saved_split == TpSplit::kReplicated ? 1 : meta.tp;
+    std::vector<torch::Tensor> parts;
+    for (int t = 0; t < slices; ++t) {
+      int stage = -1;
+      Files of_slice;
+      for (const auto& [file, tensors] : files) {
+        const RankCoords c = CoordsOf(saved, shards.saved_rank.at(file));
+        if (c.tp != t || !tensors.count("range." + p.name)) continue;
+        if (stage < 0 || c.pp < stage) {
+          stage = c.pp;
+          of_slice.clear();
+        }
+        if (c.pp == stage) of_slice.emplace_back(file, tensors);
+      }
+      if (of_slice.empty()) {
+        return DataLoss("checkpoint " + step_dir + ": no file holds tp slice " + std::to_string(t) + " of " + prefix +
+                        p.name + " (saved by another model?)");
+      }
+      LTRAIN_ASSIGN_OR_RETURN(torch::Tensor part, assemble(of_slice, prefix, p.name, full_numel / slices));
+      parts.push_back(part);
+    }
+    return Unslice(parts, saved_split, p.full_shape);
+  };
+  for (size_t i = 0; i < params.size(); ++i) {
+    const ShardParam& p = params[i];
+    std::vector<torch::Tensor> state;
+    for (const auto& [files, prefix] : {std::pair<const Files*, const char*>{&shards.model, "model."},
+                                        {&shards.optimizer, "exp_avg."}, {&shards.optimizer, "exp_avg_sq."}}) {
+      LTRAIN_ASSIGN_OR_RETURN(torch::Tensor full, full_of(*files, prefix, p));
+      state.push_back(layout_.tp > 1 ? Slice(full, p.split, layout_.tp, groups_->coords.tp).reshape(-1) : full.reshape(-1));
+    }
+    LTRAIN_RETURN_IF_ERROR(store_->LoadParamState(static_cast<int>(i), state[0], state[1], state[2]));
   }
   return RestoreRngState(meta.rng_state);
 }
@@ -727,35 +831,26 @@ std::string Trainer::LayoutKey() const {
          " sp=" + std::to_string(recipe_.parallel.sequence_parallel ? 1 : 0);
 }
 
-// Ranks whose state equals another's (data-parallel replicas) read that rank's file.
-int Trainer::ModelSourceRank() const {
-  if (layout_.zero == 3) return groups_->rank;
-  RankCoords c = groups_->coords;
-  c.dp = 0;
-  return RankAt(groups_->layout, c);
-}
-
-int Trainer::OptimizerSourceRank() const {
-  if (layout_.zero >= 1) return groups_->rank;
-  RankCoords c = groups_->coords;
-  c.dp = 0;
-  return RankAt(groups_->layout, c);
-}
-
 Status Trainer::StartSave() {
   if (!writer_) return Status::Ok();
+  const auto start = SteadyClock::now();
+  Progress::Global().SetPhase(step_, "checkpoint");
+  // The snapshot reuses the host memory of the previous one: that save must be written first (its
+  // outcome was printed by rank 0, and a failed save is never fatal).
+  if (writer_->async()) (void)writer_->Wait();
+  const auto snapshot_start = SteadyClock::now();
   // The checkpoint holds the fp32 masters, which a sharded update leaves current only in each
   // rank's shard.
   LTRAIN_RETURN_IF_ERROR(store_->SyncMasters());
-  Progress::Global().SetPhase(step_, "checkpoint");
-  const auto start = SteadyClock::now();
   const int rank = groups_->rank;
   ++checkpoint_saves_;
+  store_->BeginSnapshot();
   CheckpointSnapshot snapshot;
   snapshot.step = step_;
-  snapshot.start = start;
-  if (ModelSourceRank() == rank) snapshot.files.emplace_back(ModelShardFile(rank), store_->ModelState(param_names_));
-  if (OptimizerSourceRank() == rank) snapshot.files.emplace_back(OptimizerShardFile(rank), store_->OptimizerState(param_names_));
+  snapshot.start = snapshot_start;
+  // Every rank saves its share: the ranks of a dp group write disjoint parts (ParamStore::ModelState).
+  snapshot.files.emplace_back(ModelShardFile(rank), store_->ModelState(param_names_));
+  snapshot.files.emplace_back(OptimizerShardFile(rank), store_->OptimizerState(param_names_));
   if (rank == 0) {
     CheckpointMeta& meta = snapshot.meta;
     meta.step = step_;
@@ -1000,14 +1095,17 @@ Status Trainer::Run() {
   if (writer_) {
     // The final save must be committed before the job may count as done.
     Progress::Global().SetPhase(step_, "checkpoint");
+    // Training is over: this wait for the last save's commit blocks no step, and is told apart.
     const auto start = SteadyClock::now();
     Status last = writer_->async() ? writer_->Wait() : last_save_;
-    checkpoint_blocked_ms_ += MillisSince(start);
+    const double final_wait_ms = MillisSince(start);
     if (!last.ok()) return Internal("the final checkpoint was not saved: " + last.message());
     if (printer && checkpoint_saves_ > 0) {
-      std::printf("checkpoint: the training thread was blocked %.1f ms in %d %s save(s) (%.1f ms per save)\n",
+      std::printf("checkpoint: the training thread was blocked %.1f ms in %d %s save(s) (%.1f ms per save)",
                   checkpoint_blocked_ms_, checkpoint_saves_, writer_->async() ? "async" : "sync",
                   checkpoint_blocked_ms_ / checkpoint_saves_);
+      if (writer_->async()) std::printf("; after the last step it waited %.1f ms for the last commit", final_wait_ms);
+      std::printf("\n");
     }
   }
   Progress::Global().SetPhase(step_, "done");

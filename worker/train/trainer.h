@@ -121,8 +121,6 @@ class Trainer {
   int64_t FullModelParameters() const;
   // Rank 0's summary of the timed steps: tokens/s, per device, TFLOP/s, MFU and peak memory on CUDA.
   void PrintThroughput(int64_t first_step, int64_t steps, double total_ms) const;
-  int ModelSourceRank() const;
-  int OptimizerSourceRank() const;
   // Snapshots this step and starts its save (async) or writes and commits it (sync). A failed save
   // is reported, not returned: only errors that break the job (a failed collective) are.
   Status StartSave();
@@ -133,13 +131,23 @@ class Trainer {
   // its tensors by key.
   struct LoadedShards {
     std::vector<std::pair<std::string, std::map<std::string, torch::Tensor>>> model, optimizer;
+    std::map<std::string, int> saved_rank;  // file -> the rank of the saved layout that wrote it
     uint64_t bytes = 0;
   };
+  // The checkpoint splits the model as this run does (tp, pp, virtual stages): each rank reads only
+  // the data-parallel shards of its own slice.
+  bool SameModelGrid(const CheckpointMeta& meta) const {
+    return meta.tp == layout_.tp && meta.pp == layout_.pp && meta.chunks == layout_.chunks;
+  }
   // Reads every file of `step_dir` this rank needs once, verifying its hash (DataLoss when one does
   // not verify; InvalidArgument when the layout cannot be loaded here).
   Status ReadShards(const std::string& step_dir, const CheckpointMeta& meta, LoadedShards* shards);
-  // Reassembles every parameter's full value and moments from the shards of the ranks that saved
-  // this rank's tp/pp slice (any data-parallel degree, any ZeRO stage), then keeps this rank's part.
+  // Whether the shard at `path` holds a part of what this rank needs of a parameter's value or (with
+  // `moments`) its moments: reads its header and range tensors only.
+  StatusOr<bool> HoldsNeededRanges(const std::string& path, bool moments) const;
+  // Reassembles every parameter's full value and moments from the shards that hold it (any
+  // data-parallel degree and ZeRO stage; any tp, pp and virtual-stage split), then keeps this
+  // rank's part.
   Status ApplyShards(const std::string& step_dir, const CheckpointMeta& meta, const LoadedShards& shards);
 
   Recipe recipe_;
