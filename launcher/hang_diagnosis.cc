@@ -15,15 +15,18 @@ PhaseClass ClassOf(const RankActivity& r) {
   return PhaseClass::kStep;
 }
 
-// The phase a rank is judged by. A rank that reported and then fell silent is frozen whole (its
-// reporting thread too), whatever its phase said: a stopped or wedged process, judged as a step.
-PhaseClass JudgedClass(const RankActivity& r) {
+// The phase a rank is judged by, `training` when some rank reported a phase past start-up. A rank
+// that reported and then fell silent is frozen whole (its reporting thread too), whatever its phase
+// said: a stopped or wedged process, judged as a step. So is a rank never heard from while others
+// train: training needs every rank, so it is past its start-up too.
+PhaseClass JudgedClass(const RankActivity& r, bool training) {
   if (r.reported && r.silent_ms >= kSilentRankMs) return PhaseClass::kStep;
+  if (!r.reported && training) return PhaseClass::kStep;
   return ClassOf(r);
 }
 
-int64_t OwnLimit(const RankActivity& r, const PhaseLimits& limits) {
-  switch (JudgedClass(r)) {
+int64_t OwnLimit(const RankActivity& r, const PhaseLimits& limits, bool training) {
+  switch (JudgedClass(r, training)) {
     case PhaseClass::kStartup:
       return limits.startup_ms;
     case PhaseClass::kCheckpoint:
@@ -101,10 +104,13 @@ std::string DescribeWork(const WorkActivity& work) {
 
 std::optional<std::string> DiagnoseHang(const std::vector<RankActivity>& ranks, const PhaseLimits& limits) {
   if (ranks.empty()) return std::nullopt;
+  const bool training = std::any_of(ranks.begin(), ranks.end(), [](const RankActivity& r) {
+    return r.reported && r.phase != "startup";
+  });
   // A rank that waits for its peers may wait as long as the slowest phase any of them is in.
   int64_t longest = 0;
-  for (const auto& r : ranks) longest = std::max(longest, OwnLimit(r, limits));
-  auto limit_of = [&](const RankActivity& r) { return Waiting(r) ? longest : OwnLimit(r, limits); };
+  for (const auto& r : ranks) longest = std::max(longest, OwnLimit(r, limits, training));
+  auto limit_of = [&](const RankActivity& r) { return Waiting(r) ? longest : OwnLimit(r, limits, training); };
   bool hung = std::any_of(ranks.begin(), ranks.end(), [&](const RankActivity& r) { return r.idle_ms >= limit_of(r); });
   if (!hung) return std::nullopt;
 
@@ -131,10 +137,10 @@ std::optional<std::string> DiagnoseHang(const std::vector<RankActivity>& ranks, 
   const RankActivity& lead = behind.empty() ? ranks.front() : *behind.front();
   std::string kind = "hang";
   std::string limit_how = limits.step_how;
-  if (JudgedClass(lead) == PhaseClass::kStartup) {
+  if (JudgedClass(lead, training) == PhaseClass::kStartup) {
     kind = "stuck start-up";
     limit_how = limits.startup_how;
-  } else if (JudgedClass(lead) == PhaseClass::kCheckpoint) {
+  } else if (JudgedClass(lead, training) == PhaseClass::kCheckpoint) {
     kind = "stuck checkpoint save";
     limit_how = limits.checkpoint_how;
   }
@@ -144,7 +150,7 @@ std::optional<std::string> DiagnoseHang(const std::vector<RankActivity>& ranks, 
     std::string text = phase;
     const std::string work = DescribeWork(r.work);
     if (!work.empty()) text += ": " + work;
-    if (JudgedClass(r) != PhaseClass::kStep) text += "; limit " + limit_how;
+    if (JudgedClass(r, training) != PhaseClass::kStep) text += "; limit " + limit_how;
     return text;
   };
   if (behind.empty()) {

@@ -7,7 +7,8 @@ Suites (--suite, default all):
              (data parallel, ZeRO-1) for 60 steps with a checkpoint every 20, and a second launch that
              resumes from its last checkpoint; prints each save's time and bandwidth, the time training
              was blocked per async save, the restore time, and their ratios to the disk and to DCP.
-  lost-work  2 GPUs: a gpt-124m-shaped job (12 layers, d 768, vocab 50304) with a checkpoint every 50
+  lost-work  2 GPUs: a gpt-124m-shaped job (12 layers, d 768, vocab 50304, 16 x 2048 tokens per GPU and
+             step, as gpu-host.md's gpt-124m) with a checkpoint every 50
              steps and 2 restarts; rank 1 is killed 30 steps after the save of step 50; the job must
              resume from step 50 and succeed.
 
@@ -104,8 +105,10 @@ def launch(ltrain, args, home, on_line=None, timeout=1800):
 SAVE_RE = re.compile(r"checkpoint step-(\d+) written to \S+ in (\d+) ms(?: \(([0-9.]+) GB)?")
 BLOCKED_RE = re.compile(r"checkpoint: the training thread was blocked ([0-9.]+) ms in (\d+) (\w+) save\(s\)"
                         r"[^;\n]*(?:; after the last step it waited ([0-9.]+) ms)?")
-# "resumed from DIR/step-60 at step 60 ... in 5.1 s (15.8 GB, 3.1 GB/s)"
-RESUME_RE = re.compile(r"resumed from \S+ at step (\d+).* in ([0-9.]+) s \(([0-9.]+) GB")
+# "resumed from DIR/step-60 at step 60 ... in 9.1 s (15.79 GB of the checkpoint, 1.74 GB/s; the ranks read
+# 21.05 GB in 8.2 s on average, then placed it)"
+RESUME_RE = re.compile(r"resumed from \S+ at step (\d+).* in ([0-9.]+) s \(([0-9.]+) GB of the checkpoint"
+                       r"(?:.*the ranks read ([0-9.]+) GB in ([0-9.]+) s)?")
 
 
 def save_suite(a, work, data):
@@ -126,6 +129,8 @@ def save_suite(a, work, data):
     rc, out = launch(a.ltrain, common + ["--set", "training.steps=60", "--set", "checkpoint.every=20",
                                          "--set", f"checkpoint.dir={ck}"], home)
     saves = [(int(s), int(ms) / 1000.0, float(gb) if gb else None) for s, ms, gb in SAVE_RE.findall(out)]
+    write_after, _, _ = dd_bandwidth(work)
+    print(f"disk after the run: write {write_after:.2f} GB/s (the same dd)", flush=True)
     blocked = BLOCKED_RE.search(out)
     ok = rc == 0 and len(saves) == 3
     print(f"ltrain train + save: exit {rc}, {'SUCCEEDED' if rc == 0 else 'FAILED'}", flush=True)
@@ -155,6 +160,9 @@ def save_suite(a, work, data):
         s, gb = float(resumed.group(2)), float(resumed.group(3))
         print(f"  ltrain restore: {s:.1f} s, {gb:.1f} GB, {gb / s:.2f} GB/s = {gb / s / read_gbs:.2f}x the disk's read "
               f"({'page cache dropped first' if cached else 'the page cache may still hold the files'})")
+        if resumed.group(5):
+            print(f"    of which reading: {float(resumed.group(5)):.1f} s on average per rank "
+                  f"({float(resumed.group(4)):.1f} GB read by the ranks)")
     else:
         print("  ltrain restore: no 'resumed from' line (exit %d)" % rc2)
         ok = False
@@ -167,9 +175,9 @@ def lost_work_suite(a, work, data):
     recipe = os.path.join(work, "lost.yaml")
     with open(recipe, "w") as f:
         f.write(f"""name: lost
-model: {{layers: 12, d_model: 768, heads: 12, seq_len: 1024, vocab: 50304}}
+model: {{layers: 12, d_model: 768, heads: 12, seq_len: 2048, vocab: 50304}}
 data: {{path: {data}}}
-training: {{steps: 120, micro_batch: 8, global_batch: 16, log_every: 10}}
+training: {{steps: 120, micro_batch: 16, global_batch: 32, log_every: 10}}
 parallel: {{nodes: 1, nproc_per_node: 2, device: cuda, precision: bf16}}
 checkpoint: {{every: 50, keep: 2, dir: {os.path.join(work, 'lost-ck')}}}
 fault: {{max_restarts: 2, restart_backoff_s: 0}}

@@ -3,6 +3,7 @@
 #include <malloc.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -12,6 +13,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <thread>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
@@ -321,7 +323,7 @@ Status Trainer::Resume(const std::string& path) {
   std::set<std::string> printed;
   std::string step_dir;
   CheckpointMeta loaded;
-  double bytes = 0;
+  double bytes = 0, unique_bytes = 0, read_seconds = 0, place_seconds = 0;
   while (true) {
     StatusOr<ResumeChoice> choice = NotFound("");
     int64_t chosen = -1;
@@ -357,6 +359,7 @@ Status Trainer::Resume(const std::string& path) {
       read = DataLoss(step_dir + " holds step " + std::to_string(meta->step) + ", rank 0 chose " + std::to_string(chosen));
     }
     LoadedShards shards;
+    const auto read_start = SteadyClock::now();
     if (read.ok()) {
       try {
         read = ReadShards(step_dir, *meta, &shards);
@@ -364,24 +367,43 @@ Status Trainer::Resume(const std::string& path) {
         read = Rethrown(("reading checkpoint " + step_dir).c_str());
       }
     }
+    read_seconds = MillisSince(read_start) / 1000.0;
     // Every rank's outcome (0: read and verified; 1: a file does not verify, an older commit may;
     // 2: anything else) and the bytes it read, summed over the world.
+    // Also the slowest rank's read time, and which files any rank read (the checkpoint's bytes that
+    // came from the disk, once however many ranks read them).
     const int outcome = read.ok() ? 0 : read.code() == StatusCode::kDataLoss ? 1 : 2;
     std::vector<int> outcomes(world, outcome);
     bytes = static_cast<double>(shards.bytes);
+    std::vector<std::string> names;
+    if (meta.ok()) {
+      for (const auto& [name, file] : meta->files) names.push_back(name);
+    }
+    const int n_files = static_cast<int>(names.size());
+    torch::Tensor flags = torch::zeros({world + 2 + n_files}, torch::kDouble);
+    flags[rank].fill_(outcome);
+    flags[world].fill_(bytes);
+    flags[world + 1].fill_(read_seconds);
+    for (int f = 0; f < n_files; ++f) {
+      if (shards.read.count(names[f])) flags[world + 2 + f].fill_(1.0);
+    }
     if (world > 1) {
-      torch::Tensor flags = torch::zeros({world + 1}, torch::kDouble);
-      flags[rank].fill_(outcome);
-      flags[world].fill_(bytes);
       flags = flags.to(device_);
       LTRAIN_RETURN_IF_ERROR(groups_->world->AllReduceSum(flags));
       flags = flags.to(torch::kCPU);
       for (int r = 0; r < world; ++r) outcomes[r] = static_cast<int>(flags[r].item<double>() + 0.5);
       bytes = flags[world].item<double>();
+      read_seconds = flags[world + 1].item<double>() / world;
+    }
+    unique_bytes = 0;
+    for (int f = 0; f < n_files; ++f) {
+      if (flags[world + 2 + f].item<double>() > 0.5) unique_bytes += static_cast<double>(meta->files.at(names[f]).bytes);
     }
     const int worst = *std::max_element(outcomes.begin(), outcomes.end());
     if (worst == 0) {
+      const auto place_start = SteadyClock::now();
       LTRAIN_RETURN_IF_ERROR(ApplyShards(step_dir, *meta, shards));
+      place_seconds = MillisSince(place_start) / 1000.0;
       loaded = *meta;
       break;
     }
@@ -412,10 +434,11 @@ Status Trainer::Resume(const std::string& path) {
   }
   if (rank == 0 && options_.print_progress) {
     std::printf("resumed from %s at step %lld data_position %lld (saved by world size %d, %s) in %.1f s "
-                "(%.2f GB read by %d rank(s) at %.2f GB/s)\n",
+                "(%.2f GB of the checkpoint, %.2f GB/s; the ranks read %.2f GB in %.1f s on average, and rank 0 "
+                "placed its part in %.1f s)\n",
                 step_dir.c_str(), static_cast<long long>(step_), static_cast<long long>(data_position_),
-                loaded.world_size, loaded.layout.c_str(), seconds, bytes / 1e9, world,
-                seconds > 0 ? bytes / 1e9 / seconds : 0.0);
+                loaded.world_size, loaded.layout.c_str(), seconds, unique_bytes / 1e9,
+                seconds > 0 ? unique_bytes / 1e9 / seconds : 0.0, bytes / 1e9, read_seconds, place_seconds);
     const std::string sampling = NameOf(recipe_.data.sampling);
     if (loaded.data_seed >= 0 && (loaded.data_sampling != sampling || loaded.data_seed != DataSeed(recipe_))) {
       std::printf("resume: the saved run drew its batches with data.sampling %s, seed %lld; this run draws them with "
@@ -493,32 +516,46 @@ Status Trainer::ReadShards(const std::string& step_dir, const CheckpointMeta& me
   }
   const std::string work = "loading checkpoint " + StepDirName(meta.step);
   Progress::Global().SetWork(work, 0, total, "bytes");
-  int64_t before = 0;
-  Status status;
-  for (const auto& [name, is_model] : files) {
-    const CheckpointFile& expected = meta.files.at(name);
-    StatusOr<std::map<std::string, torch::Tensor>> tensors =
-        ReadShardFile((fs::path(step_dir) / name).string(), expected, [&](uint64_t done) {
-          Progress::Global().SetWork(work, before + static_cast<int64_t>(done), total, "bytes");
+  // A few files at a time: a disk serves parallel reads faster than one stream.
+  using Tensors = std::map<std::string, torch::Tensor>;
+  std::vector<std::optional<StatusOr<Tensors>>> results(files.size());
+  std::vector<std::atomic<int64_t>> done(files.size());
+  std::atomic<size_t> next{0};
+  auto read = [&] {
+    for (size_t k = next++; k < files.size(); k = next++) {
+      const std::string& name = files[k].first;
+      try {
+        results[k] = ReadShardFile((fs::path(step_dir) / name).string(), meta.files.at(name), [&](uint64_t bytes) {
+          done[k] = static_cast<int64_t>(bytes);
+          int64_t sum = 0;
+          for (const auto& d : done) sum += d;
+          Progress::Global().SetWork(work, sum, total, "bytes");
         });
-    if (!tensors.ok()) {
-      status = tensors.status();
-      break;
+      } catch (const std::exception& e) {
+        results[k] = Internal("reading " + name + ": " + e.what());
+      }
     }
-    (is_model ? shards->model : shards->optimizer).emplace_back(name, std::move(tensors).value());
-    before += static_cast<int64_t>(expected.bytes);
-    shards->bytes += expected.bytes;
-  }
+  };
+  std::vector<std::thread> readers;
+  for (size_t t = 0; t < std::min<size_t>(files.size(), 4); ++t) readers.emplace_back(read);
+  for (std::thread& t : readers) t.join();
   Progress::Global().EndWork(work);
-  return status;
+  for (size_t k = 0; k < files.size(); ++k) {
+    if (!results[k]->ok()) return results[k]->status();
+    const auto& [name, is_model] = files[k];
+    (is_model ? shards->model : shards->optimizer).emplace_back(name, std::move(*results[k]).value());
+    shards->bytes += meta.files.at(name).bytes;
+    shards->read.insert(name);
+  }
+  return Status::Ok();
 }
 
 Status Trainer::ApplyShards(const std::string& step_dir, const CheckpointMeta& meta, const LoadedShards& shards) {
   torch::NoGradGuard no_grad;
   using Files = std::vector<std::pair<std::string, std::map<std::string, torch::Tensor>>>;
   // The flattened `prefix + name` (n elements) from the shards' ranges, of which `need` must be
-  // covered (the rest, where no shard read holds it, is zeros); a shard that holds all of it is used
-  // as it is, without a copy.
+  // covered (the rest, where no shard read holds it, is left unset); a shard that holds all of it is
+  // used as it is, without a copy.
   auto assemble = [&](const Files& files, const std::string& prefix, const std::string& name, int64_t n,
                       std::optional<Range> need = std::nullopt) -> StatusOr<torch::Tensor> {
     const Range wanted = need.value_or(Range{0, n});
@@ -553,7 +590,9 @@ Status Trainer::ApplyShards(const std::string& step_dir, const CheckpointMeta& m
                       std::to_string(wanted.end) + ") this rank needs");
     }
     if (pieces.size() == 1 && pieces[0].begin == 0 && pieces[0].end == n) return pieces[0].values;
-    torch::Tensor full = torch::zeros({n});
+    // Uninitialised: LoadParamState reads only the part this rank needs, which the pieces cover
+    // (and untouched pages of a large allocation cost nothing).
+    torch::Tensor full = torch::empty({n});
     for (const Piece& piece : pieces) full.narrow(0, piece.begin, piece.end - piece.begin).copy_(piece.values);
     return full;
   };

@@ -17,6 +17,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -132,6 +133,7 @@ class Trainer {
   struct LoadedShards {
     std::vector<std::pair<std::string, std::map<std::string, torch::Tensor>>> model, optimizer;
     std::map<std::string, int> saved_rank;  // file -> the rank of the saved layout that wrote it
+    std::set<std::string> read;             // the files read
     uint64_t bytes = 0;
   };
   // The checkpoint splits the model as this run does (tp, pp, virtual stages): each rank reads only
