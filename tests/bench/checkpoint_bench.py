@@ -106,9 +106,9 @@ SAVE_RE = re.compile(r"checkpoint step-(\d+) written to \S+ in (\d+) ms(?: \(([0
 BLOCKED_RE = re.compile(r"checkpoint: the training thread was blocked ([0-9.]+) ms in (\d+) (\w+) save\(s\)"
                         r"[^;\n]*(?:; after the last step it waited ([0-9.]+) ms)?")
 # "resumed from DIR/step-60 at step 60 ... in 9.1 s (15.79 GB of the checkpoint, 1.74 GB/s; the ranks read
-# 21.05 GB in 8.2 s on average, then placed it)"
+# 21.05 GB in 8.2 s on average, and rank 0 placed its part in 0.8 s)"
 RESUME_RE = re.compile(r"resumed from \S+ at step (\d+).* in ([0-9.]+) s \(([0-9.]+) GB of the checkpoint"
-                       r"(?:.*the ranks read ([0-9.]+) GB in ([0-9.]+) s)?")
+                       r"(?:.*the ranks read ([0-9.]+) GB in ([0-9.]+) s)?(?:.*placed its part in ([0-9.]+) s)?")
 
 
 def save_suite(a, work, data):
@@ -162,7 +162,8 @@ def save_suite(a, work, data):
               f"({'page cache dropped first' if cached else 'the page cache may still hold the files'})")
         if resumed.group(5):
             print(f"    of which reading: {float(resumed.group(5)):.1f} s on average per rank "
-                  f"({float(resumed.group(4)):.1f} GB read by the ranks)")
+                  f"({float(resumed.group(4)):.1f} GB read by the ranks)"
+                  + (f", placing: {float(resumed.group(6)):.1f} s" if resumed.group(6) else ""))
     else:
         print("  ltrain restore: no 'resumed from' line (exit %d)" % rc2)
         ok = False
