@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <initializer_list>
 #include <map>
 #include <regex>
 #include <sstream>
@@ -79,6 +80,13 @@ struct RunResult {
   std::string log1;
 };
 
+// A layout a checkpoint is resumed into: `world` ranks with `sets`.
+struct ReshardTarget {
+  const char* name;
+  int world;
+  const char* sets;
+};
+
 class CheckpointTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
@@ -122,6 +130,27 @@ class CheckpointTest : public ::testing::Test {
   }
 
   static fs::path Dir() { return dir_; }
+
+  // Runs `world` ranks with `sets` and a checkpoint every 10 steps; resumes its step-10 checkpoint in
+  // each target; each resumed run's 10 losses are the uninterrupted run's (fp32, within 1e-5 relative).
+  static void ExpectReshardedRunsContinueTheLosses(const std::string& prefix, int world, const std::string& sets,
+                                                   std::initializer_list<ReshardTarget> targets) {
+    RunResult original = Run(prefix + "original", world, prefix + "ck", sets + " --set checkpoint.every=10");
+    ASSERT_EQ(original.rc, 0) << original.log0 << original.log1;
+    const std::string step10 = (Dir() / (prefix + "ck") / "step-10").string();
+    const std::map<int, double> a = Losses(original.log0);
+    ASSERT_EQ(a.size(), 20u) << original.log0;
+    for (const ReshardTarget& t : targets) {
+      SCOPED_TRACE(t.name);
+      RunResult r = Run(prefix + t.name, t.world, prefix + "ck_" + t.name,
+                        std::string(t.sets) + " --set checkpoint.resume_from=" + step10);
+      ASSERT_EQ(r.rc, 0) << r.log0 << r.log1;
+      EXPECT_NE(r.log0.find("resumed from " + step10 + " at step 10"), std::string::npos) << r.log0;
+      std::map<int, double> b = Losses(r.log0);
+      ASSERT_EQ(b.size(), 10u) << r.log0;
+      for (const auto& [step, loss] : b) EXPECT_NEAR(loss, a.at(step), 1e-5 * a.at(step)) << "step " << step;
+    }
+  }
 
   static fs::path dir_;
 };
@@ -252,55 +281,19 @@ TEST_F(CheckpointTest, AsyncSavesAreBitIdenticalToSyncAndToAnUninterruptedRun) {
   }
 }
 
-// A checkpoint saved by dp2 ZeRO-1 at step 10 resumes into other data-parallel degrees and ZeRO
-// stages; steps 11-20 have the losses of the uninterrupted dp2 ZeRO-1 run.
+// A checkpoint saved by dp2 ZeRO-1 resumes into other data-parallel degrees and ZeRO stages.
 TEST_F(CheckpointTest, CheckpointReshardsAcrossDataParallelDegreeAndZeroStage) {
-  RunResult original = Run("reshard_original", 2, "reshard_ck", "--set parallel.zero=1 --set checkpoint.every=10");
-  ASSERT_EQ(original.rc, 0) << original.log0;
-  const std::string step10 = (Dir() / "reshard_ck" / "step-10").string();
-  const std::map<int, double> a = Losses(original.log0);
-  struct Target {
-    const char* name;
-    int world;
-    const char* sets;
-  };
-  for (const Target& t : {Target{"dp1_zero0", 1, "--set parallel.zero=0"}, Target{"dp2_zero2", 2, "--set parallel.zero=2"},
-                          Target{"dp2_zero3", 2, "--set parallel.zero=3"}, Target{"dp2_zero0", 2, "--set parallel.zero=0"}}) {
-    SCOPED_TRACE(t.name);
-    RunResult r = Run(std::string("reshard_") + t.name, t.world, std::string("reshard_ck_") + t.name,
-                      std::string(t.sets) + " --set checkpoint.resume_from=" + step10);
-    ASSERT_EQ(r.rc, 0) << r.log0 << r.log1;
-    EXPECT_NE(r.log0.find("resumed from " + step10 + " at step 10"), std::string::npos) << r.log0;
-    std::map<int, double> b = Losses(r.log0);
-    ASSERT_EQ(b.size(), 10u) << r.log0;
-    for (const auto& [step, loss] : b) EXPECT_NEAR(loss, a.at(step), 1e-5 * a.at(step)) << "step " << step;
-  }
+  ExpectReshardedRunsContinueTheLosses("reshard_", 2, "--set parallel.zero=1",
+                                       {{"dp1_zero0", 1, "--set parallel.zero=0"}, {"dp2_zero2", 2, "--set parallel.zero=2"},
+                                        {"dp2_zero3", 2, "--set parallel.zero=3"}, {"dp2_zero0", 2, "--set parallel.zero=0"}});
 }
 
 // A checkpoint of tp2 x dp2 loads into another split of the model: pp2 x dp2, dp4 under ZeRO-3, and
-// one process; each resumed run's next 10 losses are the uninterrupted run's (fp32, within 1e-5).
+// one process.
 TEST_F(CheckpointTest, CheckpointReshardsAcrossTensorAndPipelineParallelism) {
-  RunResult original = Run("tp_original", 4, "tp_ck", "--set parallel.tp=2 --set checkpoint.every=10");
-  ASSERT_EQ(original.rc, 0) << original.log0 << original.log1;
-  const std::string step10 = (Dir() / "tp_ck" / "step-10").string();
-  const std::map<int, double> a = Losses(original.log0);
-  ASSERT_EQ(a.size(), 20u) << original.log0;
-  struct Target {
-    const char* name;
-    int world;
-    const char* sets;
-  };
-  for (const Target& t : {Target{"pp2_dp2", 4, "--set parallel.pp=2"}, Target{"dp4_zero3", 4, "--set parallel.zero=3"},
-                          Target{"one", 1, ""}}) {
-    SCOPED_TRACE(t.name);
-    RunResult r = Run(std::string("tp_") + t.name, t.world, std::string("tp_ck_") + t.name,
-                      std::string(t.sets) + " --set checkpoint.resume_from=" + step10);
-    ASSERT_EQ(r.rc, 0) << r.log0 << r.log1;
-    EXPECT_NE(r.log0.find("resumed from " + step10 + " at step 10"), std::string::npos) << r.log0;
-    std::map<int, double> b = Losses(r.log0);
-    ASSERT_EQ(b.size(), 10u) << r.log0;
-    for (const auto& [step, loss] : b) EXPECT_NEAR(loss, a.at(step), 1e-5 * a.at(step)) << "step " << step;
-  }
+  ExpectReshardedRunsContinueTheLosses("tp_", 4, "--set parallel.tp=2",
+                                       {{"pp2_dp2", 4, "--set parallel.pp=2"}, {"dp4_zero3", 4, "--set parallel.zero=3"},
+                                        {"one", 1, ""}});
 }
 
 // The same run again in the same directory with fewer steps: the commits of the second run are the
