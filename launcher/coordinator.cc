@@ -355,10 +355,7 @@ StatusOr<v1::Job> Coordinator::GetJob(const std::string& job_id) {
     rank.set_last_step(progress->second.report.step());
     rank.set_phase(progress->second.report.phase());
     rank.set_progress_age_ms(progress->second.report.idle_ms() + now - progress->second.received_ms);
-    if (const v1::RankProgress& report = progress->second.report; report.has_work()) {
-      const v1::WorkProgress& w = report.work();
-      rank.set_work(DescribeWork(WorkActivity{w.what(), w.done(), w.total(), w.unit(), w.waits_for_peers()}));
-    }
+    rank.set_work(DescribeWork(progress->second.report.work()));
   }
   for (const auto& node_id : active->nodes) {
     auto node = nodes_.find(node_id);
@@ -773,13 +770,7 @@ void Coordinator::CheckHangLocked(ActiveJob& job, int64_t now) {
         activity.collective_group = collective.group();
         break;
       }
-      if (report.has_work()) {
-        activity.work.what = report.work().what();
-        activity.work.done = report.work().done();
-        activity.work.total = report.work().total();
-        activity.work.unit = report.work().unit();
-        activity.work.waits_for_peers = report.work().waits_for_peers();
-      }
+      activity.work = report.work();
     }
     ranks.push_back(activity);
   }

@@ -37,7 +37,7 @@ int64_t OwnLimit(const RankActivity& r, const PhaseLimits& limits, bool training
   return limits.step_ms;
 }
 
-bool Waiting(const RankActivity& r) { return r.in_collective || r.work.waits_for_peers; }
+bool Waiting(const RankActivity& r) { return r.in_collective || r.work.waits_for_peers(); }
 
 // "12.0 of 24.0 MB", "3 of 8 ranks", "5 parameter tensors": bytes in the scale of the larger figure.
 std::string Amounts(int64_t done, int64_t total, const std::string& unit) {
@@ -97,9 +97,9 @@ std::string DescribeRanks(std::vector<int> ranks) {
   return (ranks.size() == 1 ? "rank " : "ranks ") + out;
 }
 
-std::string DescribeWork(const WorkActivity& work) {
-  if (work.what.empty()) return "";
-  return work.what + ", " + Amounts(work.done, work.total, work.unit);
+std::string DescribeWork(const v1::WorkProgress& work) {
+  if (work.what().empty()) return "";
+  return work.what() + ", " + Amounts(work.done(), work.total(), work.unit());
 }
 
 std::optional<std::string> DiagnoseHang(const std::vector<RankActivity>& ranks, const PhaseLimits& limits) {
@@ -179,7 +179,7 @@ std::optional<std::string> DiagnoseHang(const std::vector<RankActivity>& ranks, 
     if (std::find(behind.begin(), behind.end(), &r) != behind.end()) continue;
     if (r.in_collective) {
       waiting[{r.collective_seq, r.collective_op, r.collective_group}].push_back(r.rank);
-    } else if (r.work.waits_for_peers) {
+    } else if (r.work.waits_for_peers()) {
       waiting_for_peers[DescribeWork(r.work)].push_back(r.rank);
     } else {
       elsewhere.push_back(r.rank);

@@ -7,17 +7,9 @@
 #include <vector>
 
 #include "common/recipe.h"
+#include "ltrain/v1/ltrain.pb.h"
 
 namespace ltrain::launcher {
-
-// Long work a rank reported (start-up, a checkpoint save, load or commit).
-struct WorkActivity {
-  std::string what;             // empty: none
-  int64_t done = 0;
-  int64_t total = 0;            // 0: unknown
-  std::string unit;             // "bytes", "parameters", "ranks"
-  bool waits_for_peers = false; // it waits for other ranks (a commit collecting their word)
-};
 
 struct RankActivity {
   int rank = 0;
@@ -31,7 +23,7 @@ struct RankActivity {
   uint64_t collective_seq = 0;
   std::string collective_op;
   std::string collective_group;
-  WorkActivity work;
+  v1::WorkProgress work;        // the long work it reported (start-up, a checkpoint save, load or commit)
 };
 
 // How long a rank may make no progress, by what it is doing: a training step (fault.hang_timeout_s),
@@ -68,6 +60,6 @@ constexpr int64_t kSilentRankMs = 3000;
 std::string DescribeRanks(std::vector<int> ranks);
 
 // "saving checkpoint step-20, 12.0 of 24.0 MB"; "" without work.
-std::string DescribeWork(const WorkActivity& work);
+std::string DescribeWork(const v1::WorkProgress& work);
 
 }  // namespace ltrain::launcher

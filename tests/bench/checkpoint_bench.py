@@ -25,15 +25,9 @@ GPUs or torchrun.
 """
 import argparse, json, os, re, shutil, signal, subprocess, sys, tempfile, time
 
+from benchlib import gpus, licence_texts, peer_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def have_gpus(n):
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
-        return out.count("GPU ") >= n
-    except (OSError, subprocess.SubprocessError):
-        return False
 
 
 def drop_caches():
@@ -64,14 +58,6 @@ def dd_bandwidth(work):
 def parse_dd(text):
     m = re.search(r"(\d+) bytes .* copied, ([0-9.]+) s", text)
     return int(m.group(1)) / float(m.group(2)) / 1e9 if m else None
-
-
-def peer_env():
-    env = dict(os.environ)
-    # The peer runs with the host's own libraries, not the ones unpacked for building ltrain.
-    if "LTRAIN_HOST_LD_LIBRARY_PATH" in env:
-        env["LD_LIBRARY_PATH"] = env["LTRAIN_HOST_LD_LIBRARY_PATH"]
-    return env
 
 
 def dcp_save(baselines, work):
@@ -269,7 +255,7 @@ def main():
     ap.add_argument("--data", help="a text file to train on (default: the licence texts of /usr/share/common-licenses)")
     a = ap.parse_args()
     need = 0 if a.tiny else 4 if a.suite == "kill-7b" else 2
-    if need and not have_gpus(need):
+    if need and gpus() < need:
         print(f"skipped: fewer than {need} GPUs")
         return 77
     if a.suite in ("all", "save") and shutil.which("torchrun") is None:
@@ -277,8 +263,7 @@ def main():
         return 77
     work = tempfile.mkdtemp(prefix="ltrain-checkpoint-bench-", dir=a.dir or os.getcwd())
     data = os.path.join(work, "data")
-    inputs = [a.data] if a.data else sorted(
-        os.path.join("/usr/share/common-licenses", f) for f in os.listdir("/usr/share/common-licenses"))
+    inputs = [a.data] if a.data else licence_texts()
     subprocess.run([a.ltrain, "data", "prepare", "--input", *inputs, "--output", data], check=True,
                    capture_output=True)
     ok = True

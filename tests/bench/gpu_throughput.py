@@ -24,6 +24,8 @@ pipe that prints only at the end. Exits 77 (skipped) without the GPUs a chosen s
 """
 import argparse, collections, json, os, re, struct, subprocess, sys, tempfile, time
 
+from benchlib import gpus, peer_env
+
 MODELS = {  # name: layers, d_model, heads, micro_batch (gpt_baseline.py's table)
     "gpt-124m": (12, 768, 12, 16),
     "gpt-350m": (24, 1024, 16, 8),
@@ -31,24 +33,6 @@ MODELS = {  # name: layers, d_model, heads, micro_batch (gpt_baseline.py's table
     "gpt-7b": (32, 4096, 32, 1),  # not in gpt_baseline.py: the worker only (large suite)
 }
 SEQ, VOCAB = 2048, 50304
-
-
-def gpus():
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        return len([d for d in visible.split(",") if d.strip()])
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30).stdout
-        return out.count("GPU ")
-    except (OSError, subprocess.SubprocessError):
-        return 0
-
-
-def peer_env():
-    env = dict(os.environ)
-    if "LTRAIN_HOST_LD_LIBRARY_PATH" in env:
-        env["LD_LIBRARY_PATH"] = env["LTRAIN_HOST_LD_LIBRARY_PATH"]
-    return env
 
 
 def write_tokens(path, tokens, vocab):

@@ -11,13 +11,7 @@ DIR holds torchrun_recovery.py (the peer). Exits 77 (skipped) when the backend c
 """
 import argparse, json, os, re, shutil, signal, subprocess, sys, tempfile, time
 
-
-def have_gpus(n):
-    try:
-        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20).stdout
-        return out.count("GPU ") >= n
-    except (OSError, subprocess.SubprocessError):
-        return False
+from benchlib import gpus, licence_texts, peer_env
 
 
 def torchrun_once(baselines, backend, env):
@@ -91,7 +85,7 @@ def main():
     a.add_argument("--repeat", type=int, default=3)
     a.add_argument("--data", help="a text file to train on (default: the licence texts of /usr/share/common-licenses)")
     args = a.parse_args()
-    if args.backend == "nccl" and not have_gpus(2):
+    if args.backend == "nccl" and gpus() < 2:
         print("skipped: fewer than 2 GPUs")
         return 77
     if shutil.which("torchrun") is None:
@@ -99,14 +93,10 @@ def main():
         return 77
     work = tempfile.mkdtemp(prefix="ltrain-restart-bench-")
     data_dir = os.path.join(work, "data")
-    inputs = [args.data] if args.data else sorted(
-        os.path.join("/usr/share/common-licenses", f) for f in os.listdir("/usr/share/common-licenses"))
+    inputs = [args.data] if args.data else licence_texts()
     subprocess.run([args.ltrain, "data", "prepare", "--input", *inputs, "--output", data_dir], check=True,
                    capture_output=True)
-    env = dict(os.environ)
-    # The peer runs with the host's own libraries, not the ones unpacked for building ltrain.
-    if "LTRAIN_HOST_LD_LIBRARY_PATH" in env:
-        env["LD_LIBRARY_PATH"] = env["LTRAIN_HOST_LD_LIBRARY_PATH"]
+    env = peer_env()
     if args.backend == "gloo":
         env["GLOO_SOCKET_IFNAME"] = "lo"
     rows = []

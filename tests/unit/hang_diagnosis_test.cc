@@ -5,6 +5,17 @@
 namespace ltrain::launcher {
 namespace {
 
+v1::WorkProgress Work(const std::string& what, int64_t done, int64_t total, const std::string& unit,
+                      bool waits_for_peers) {
+  v1::WorkProgress work;
+  work.set_what(what);
+  work.set_done(done);
+  work.set_total(total);
+  work.set_unit(unit);
+  work.set_waits_for_peers(waits_for_peers);
+  return work;
+}
+
 RankActivity Waiting(int rank, uint64_t seq, int64_t idle_ms) {
   RankActivity r;
   r.rank = rank;
@@ -79,7 +90,7 @@ RankActivity Saving(int rank, int64_t idle_ms) {
   r.phase = "checkpoint";
   r.reported = true;
   r.idle_ms = idle_ms;
-  r.work = WorkActivity{"saving checkpoint step-20", 12'000'000, 24'000'000, "bytes", false};
+  r.work = Work("saving checkpoint step-20", 12'000'000, 24'000'000, "bytes", false);
   return r;
 }
 
@@ -92,7 +103,7 @@ TEST(HangDiagnosisTest, ASaveLongerThanTheHangTimeoutIsNoHang) {
 
 TEST(HangDiagnosisTest, AStuckSaveNamesTheRankAndItsLimit) {
   RankActivity committing = Saving(0, 31000);
-  committing.work = WorkActivity{"waiting for the ranks' files of step-20", 1, 2, "ranks", true};
+  committing.work = Work("waiting for the ranks' files of step-20", 1, 2, "ranks", true);
   std::optional<std::string> hang = DiagnoseHang({committing, Saving(1, 31000)}, Limits());
   ASSERT_TRUE(hang.has_value());
   EXPECT_EQ(*hang, "stuck checkpoint save: rank 1 made no progress for 31s in step 20 (checkpoint: saving checkpoint "
@@ -106,7 +117,7 @@ TEST(HangDiagnosisTest, AStartUpIsJudgedByItsOwnLimit) {
   building.phase = "startup";
   building.reported = true;
   building.idle_ms = 100000;
-  building.work = WorkActivity{"building the model", 40, 100, "parameters", false};
+  building.work = Work("building the model", 40, 100, "parameters", false);
   RankActivity unreported;
   unreported.rank = 1;
   unreported.idle_ms = unreported.silent_ms = 100000;
