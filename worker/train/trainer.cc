@@ -369,25 +369,15 @@ Status Trainer::Resume(const std::string& path) {
     }
     read_seconds = MillisSince(read_start) / 1000.0;
     // Every rank's outcome (0: read and verified; 1: a file does not verify, an older commit may;
-    // 2: anything else) and the bytes it read, summed over the world.
-    // Also the slowest rank's read time, and which files any rank read (the checkpoint's bytes that
-    // came from the disk, once however many ranks read them).
+    // 2: anything else), the bytes it read and its read time, summed over the world.
     const int outcome = read.ok() ? 0 : read.code() == StatusCode::kDataLoss ? 1 : 2;
     std::vector<int> outcomes(world, outcome);
     bytes = static_cast<double>(shards.bytes);
-    std::vector<std::string> names;
-    if (meta.ok()) {
-      for (const auto& [name, file] : meta->files) names.push_back(name);
-    }
-    const int n_files = static_cast<int>(names.size());
-    torch::Tensor flags = torch::zeros({world + 2 + n_files}, torch::kDouble);
-    flags[rank].fill_(outcome);
-    flags[world].fill_(bytes);
-    flags[world + 1].fill_(read_seconds);
-    for (int f = 0; f < n_files; ++f) {
-      if (shards.read.count(names[f])) flags[world + 2 + f].fill_(1.0);
-    }
     if (world > 1) {
+      torch::Tensor flags = torch::zeros({world + 2}, torch::kDouble);
+      flags[rank].fill_(outcome);
+      flags[world].fill_(bytes);
+      flags[world + 1].fill_(read_seconds);
       flags = flags.to(device_);
       LTRAIN_RETURN_IF_ERROR(groups_->world->AllReduceSum(flags));
       flags = flags.to(torch::kCPU);
@@ -395,12 +385,22 @@ Status Trainer::Resume(const std::string& path) {
       bytes = flags[world].item<double>();
       read_seconds = flags[world + 1].item<double>() / world;
     }
-    unique_bytes = 0;
-    for (int f = 0; f < n_files; ++f) {
-      if (flags[world + 2 + f].item<double>() > 0.5) unique_bytes += static_cast<double>(meta->files.at(names[f]).bytes);
-    }
     const int worst = *std::max_element(outcomes.begin(), outcomes.end());
     if (worst == 0) {
+      // Which files any rank read: the checkpoint's bytes that came from the disk, once however many
+      // ranks read them. Every rank holds the same manifest now, so the flags line up.
+      torch::Tensor read_by_any = torch::zeros({static_cast<int64_t>(meta->files.size())}, torch::kDouble);
+      int64_t f = 0;
+      for (const auto& [name, file] : meta->files) read_by_any[f++].fill_(shards.read.count(name) ? 1.0 : 0.0);
+      if (world > 1) {
+        read_by_any = read_by_any.to(device_);
+        LTRAIN_RETURN_IF_ERROR(groups_->world->AllReduceSum(read_by_any));
+        read_by_any = read_by_any.to(torch::kCPU);
+      }
+      f = 0;
+      for (const auto& [name, file] : meta->files) {
+        if (read_by_any[f++].item<double>() > 0.5) unique_bytes += static_cast<double>(file.bytes);
+      }
       const auto place_start = SteadyClock::now();
       LTRAIN_RETURN_IF_ERROR(ApplyShards(step_dir, *meta, shards));
       place_seconds = MillisSince(place_start) / 1000.0;
@@ -484,7 +484,9 @@ Status Trainer::ReadShards(const std::string& step_dir, const CheckpointMeta& me
         const std::string name = is_model ? ModelShardFile(r) : OptimizerShardFile(r);
         if (!meta.files.count(name)) continue;
         LTRAIN_ASSIGN_OR_RETURN(bool needed, HoldsNeededRanges((fs::path(step_dir) / name).string(), !is_model));
-        if (needed) files.emplace_back(name, is_model);
+        if (!needed) continue;
+        files.emplace_back(name, is_model);
+        shards->saved_rank[name] = r;
       }
     }
   } else {
@@ -500,20 +502,15 @@ Status Trainer::ReadShards(const std::string& step_dir, const CheckpointMeta& me
         const bool wanted = std::any_of(file->tensors().begin(), file->tensors().end(), [&](const SafetensorsEntry& e) {
           return e.name.rfind("range.", 0) == 0 && mine.count(e.name.substr(6)) > 0;
         });
-        if (wanted) files.emplace_back(name, is_model);
+        if (!wanted) continue;
+        files.emplace_back(name, is_model);
+        shards->saved_rank[name] = r;
       }
     }
   }
-  for (const auto& [name, is_model] : files) {
-    const int r = std::stoi(name.substr(name.find("-rank-") + 6));
-    shards->saved_rank[name] = r;
-  }
+  // Only files the manifest lists were taken.
   int64_t total = 0;
-  for (const auto& [name, is_model] : files) {
-    auto it = meta.files.find(name);
-    if (it == meta.files.end()) return DataLoss(std::string(kCheckpointMetaFile) + " does not list " + name + " (saved by another layout?)");
-    total += static_cast<int64_t>(it->second.bytes);
-  }
+  for (const auto& [name, is_model] : files) total += static_cast<int64_t>(meta.files.at(name).bytes);
   const std::string work = "loading checkpoint " + StepDirName(meta.step);
   Progress::Global().SetWork(work, 0, total, "bytes");
   // A few files at a time: a disk serves parallel reads faster than one stream.
