@@ -21,6 +21,7 @@ constexpr size_t kSmallWrite = 1 << 20;             // pieces below this are coa
 constexpr uint64_t kReadChunk = 64ull << 20;        // one read call, and one progress report
 constexpr uint64_t kStagingBytes = 4ull << 20;      // small tensors are read through this
 constexpr uint64_t kWritebackEvery = 32ull << 20;   // bytes written between writeback hints
+constexpr uint64_t kCachedWindow = 512ull << 20;    // written bytes a writer may keep in the page cache
 
 std::string Errno() { return std::strerror(errno); }
 
@@ -181,6 +182,19 @@ Status SafetensorsWriter::WriteFully(const void* data, size_t n) {
                             SYNC_FILE_RANGE_WRITE);
     writeback_from_ = on_disk_;
   }
+  // What was written more than kCachedWindow ago: waits until it is on the disk and drops it from
+  // the page cache. A checkpoint is read back only after a restart, and tens of gigabytes of it kept
+  // in the cache would push out what training reads (its data) and make the next save's writes
+  // reclaim memory first; the writer stays at most the window ahead of the disk.
+  if (writeback_from_ >= dropped_to_ + kCachedWindow + kWritebackEvery) {
+    const uint64_t upto = writeback_from_ - kCachedWindow;
+    const auto offset = static_cast<off_t>(dropped_to_), length = static_cast<off_t>(upto - dropped_to_);
+    if (::sync_file_range(fd_, offset, length,
+                          SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER) == 0) {
+      (void)::posix_fadvise(fd_, offset, length, POSIX_FADV_DONTNEED);
+    }
+    dropped_to_ = upto;
+  }
   return Status::Ok();
 }
 
@@ -216,6 +230,7 @@ StatusOr<FileDigest> SafetensorsWriter::Finish() {
   LTRAIN_RETURN_IF_ERROR(Flush());
   const int rc = ::fsync(fd_);
   const std::string why = Errno();
+  if (rc == 0) (void)::posix_fadvise(fd_, static_cast<off_t>(dropped_to_), 0, POSIX_FADV_DONTNEED);
   ::close(fd_);
   fd_ = -1;
   if (rc != 0) return Internal("fsync " + path_ + ": " + why);

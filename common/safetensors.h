@@ -101,6 +101,7 @@ class SafetensorsWriter {
   uint64_t written_ = 0;
   uint64_t on_disk_ = 0;         // bytes handed to write(2), header included
   uint64_t writeback_from_ = 0;  // where the next writeback hint starts
+  uint64_t dropped_to_ = 0;      // bytes before this are on the disk and out of the page cache
   std::string buffer_;  // coalesces small pieces (the range tensors) into larger writes
   Xxh3 hash_;
 };

@@ -611,8 +611,8 @@ Range ParamStore::SaveRangeOfParam(int param) const {
   return Range{n * d / size, n * (d + 1) / size};
 }
 
-Range ParamStore::LoadRangeOfParam(int param, bool moments) const {
-  if (moments ? zero_ >= 1 : zero_ == 3) return OwnedOfParam(param);
+Range ParamStore::LoadRangeOfParam(int param, bool moments, bool gather_masters) const {
+  if (moments ? zero_ >= 1 : zero_ == 3 || (gather_masters && CanGatherMasters())) return OwnedOfParam(param);
   return Range{0, params_[param].value->numel()};
 }
 
@@ -649,29 +649,46 @@ std::vector<std::pair<std::string, torch::Tensor>> ParamStore::OptimizerState(co
   return out;
 }
 
-Status ParamStore::LoadParamState(int param, const torch::Tensor& value, const torch::Tensor& exp_avg,
-                                  const torch::Tensor& exp_avg_sq) {
+Status ParamStore::LoadParamState(int param, const RangeValues& value, const RangeValues& exp_avg,
+                                  const RangeValues& exp_avg_sq, bool gather_masters) {
   torch::NoGradGuard no_grad;
-  const int64_t n = params_[param].value->numel();
-  for (const torch::Tensor* t : {&value, &exp_avg, &exp_avg_sq}) {
-    if (t->numel() != n) {
-      return DataLoss("checkpoint state of parameter " + std::to_string(param) + " has " + std::to_string(t->numel()) +
-                      " elements, expected " + std::to_string(n) + " (was it saved by another model?)");
+  gather_masters = gather_masters && CanGatherMasters();
+  const Range value_need = LoadRangeOfParam(param, false, gather_masters);
+  const Range moments_need = LoadRangeOfParam(param, true);
+  for (const auto& [t, need] : {std::pair<const RangeValues*, Range>{&value, value_need}, {&exp_avg, moments_need},
+                                {&exp_avg_sq, moments_need}}) {
+    if (need.size() > 0 && (t->begin > need.begin || t->end() < need.end)) {
+      return DataLoss("checkpoint state of parameter " + std::to_string(param) + " holds elements [" +
+                      std::to_string(t->begin) + ", " + std::to_string(t->end()) + "), this rank needs [" +
+                      std::to_string(need.begin) + ", " + std::to_string(need.end) + ") (was it saved by another model?)");
     }
   }
+  // Elements `r` of `t` (covered, as checked above), flattened.
+  auto part = [](const RangeValues& t, Range r) { return t.values.reshape(-1).narrow(0, r.begin - t.begin, r.size()); };
   Unit& unit = units_[unit_of_[param]];
   const Range r = OwnedOfParam(param);
   const int64_t at = OwnedAt(param);
-  if (zero_ < 3) {
-    MasterValue(param).view(-1).copy_(value.reshape(-1));
-    if (unit.compute.defined()) params_[param].value->detach().view(-1).copy_(value.reshape(-1));
+  if (zero_ < 3 && !gather_masters) {
+    const torch::Tensor whole = part(value, value_need);
+    MasterValue(param).view(-1).copy_(whole);
+    if (unit.compute.defined()) params_[param].value->detach().view(-1).copy_(whole);
+  } else if (zero_ < 3) {
+    if (r.size() > 0) MasterValue(param).view(-1).narrow(0, r.begin, r.size()).copy_(part(value, r));
   } else if (r.size() > 0) {
-    unit.shard.narrow(0, at, r.size()).copy_(value.reshape(-1).narrow(0, r.begin, r.size()));
+    unit.shard.narrow(0, at, r.size()).copy_(part(value, r));
   }
   if (r.size() > 0) {
-    unit.exp_avg.narrow(0, at, r.size()).copy_(exp_avg.reshape(-1).narrow(0, r.begin, r.size()));
-    unit.exp_avg_sq.narrow(0, at, r.size()).copy_(exp_avg_sq.reshape(-1).narrow(0, r.begin, r.size()));
+    unit.exp_avg.narrow(0, at, r.size()).copy_(part(exp_avg, r));
+    unit.exp_avg_sq.narrow(0, at, r.size()).copy_(part(exp_avg_sq, r));
   }
+  return Status::Ok();
+}
+
+Status ParamStore::GatherMasters() {
+  if (!CanGatherMasters()) return Status::Ok();
+  masters_stale_ = true;
+  LTRAIN_RETURN_IF_ERROR(SyncMasters());
+  RefreshCompute();
   return Status::Ok();
 }
 

@@ -97,6 +97,15 @@ struct MemoryBytes {
   int64_t optimizer = 0;
 };
 
+// Flattened elements [begin, begin + values.numel()) of a parameter's state, as read from a
+// checkpoint (a whole parameter is begin 0).
+struct RangeValues {
+  RangeValues(torch::Tensor v, int64_t b = 0) : values(std::move(v)), begin(b) {}  // NOLINT: a whole tensor converts
+  torch::Tensor values;
+  int64_t begin = 0;
+  int64_t end() const { return begin + values.numel(); }
+};
+
 class ParamStore {
  public:
   struct Param {
@@ -186,8 +195,14 @@ class ParamStore {
   // dp rank's part of dp equal parts.
   Range SaveRangeOfParam(int param) const;
   // The part of parameter `param` (flattened) this rank needs from a checkpoint: of the value
-  // (`moments` false) all of it unless ZeRO-3 shards it, of the moments its ZeRO shard.
-  Range LoadRangeOfParam(int param, bool moments) const;
+  // (`moments` false) all of it unless ZeRO-3 shards it, of the moments its ZeRO shard. With
+  // `gather_masters` (see CanGatherMasters) only the ZeRO shard of the value too: GatherMasters
+  // fills in the rest from the other dp ranks.
+  Range LoadRangeOfParam(int param, bool moments, bool gather_masters = false) const;
+  // zero 1/2 over more than one dp rank: every rank keeps full fp32 masters but owns a shard of
+  // them, so a checkpoint of the same layout can be loaded shard by shard (each rank reads only its
+  // own file) and the masters all-gathered over dp (GatherMasters).
+  bool CanGatherMasters() const { return (zero_ == 1 || zero_ == 2) && dp_->size() > 1; }
   // Host memory the snapshots copy into, kept from save to save. On CUDA it is pinned, and pinning
   // gigabytes takes seconds: ReserveSnapshot (at start-up) sizes it for this rank's share
   // (ModelState and OptimizerState) and returns its bytes; BeginSnapshot starts the next snapshot at
@@ -195,9 +210,13 @@ class ParamStore {
   // every snapshot allocates its own copies.
   int64_t ReserveSnapshot();
   void BeginSnapshot() const { snapshot_used_ = 0; }
-  // Loads parameter `param` from its full flattened value and moments (any layout's checkpoint,
-  // reassembled): keeps the part this rank holds.
-  Status LoadParamState(int param, const torch::Tensor& value, const torch::Tensor& exp_avg, const torch::Tensor& exp_avg_sq);
+  // Loads parameter `param` from its flattened value and moments (any layout's checkpoint,
+  // reassembled), each covering at least LoadRangeOfParam's range: keeps the part this rank holds.
+  // With `gather_masters` only the owned part of the master is written; GatherMasters, on every
+  // dp rank once every parameter is loaded, completes the masters and their bf16 copies.
+  Status LoadParamState(int param, const RangeValues& value, const RangeValues& exp_avg, const RangeValues& exp_avg_sq,
+                        bool gather_masters = false);
+  Status GatherMasters();
   int64_t ParamNumel(int param) const { return params_[param].value->numel(); }
   // The fp32 value of parameter `param` as the optimizer holds it (zero 0-2: the master; zero 3:
   // the leaf, valid while its unit is gathered).

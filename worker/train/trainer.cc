@@ -451,17 +451,17 @@ Status Trainer::Resume(const std::string& path) {
   return Status::Ok();
 }
 
-StatusOr<bool> Trainer::HoldsNeededRanges(const std::string& path, bool moments) const {
+StatusOr<std::vector<std::optional<Range>>> Trainer::SavedRanges(const std::string& path) const {
   LTRAIN_ASSIGN_OR_RETURN(std::unique_ptr<SafetensorsFile> file, SafetensorsFile::Open(path));
+  std::vector<std::optional<Range>> out(param_names_.size());
   for (size_t i = 0; i < param_names_.size(); ++i) {
     const SafetensorsEntry* entry = file->Find("range." + param_names_[i]);
-    if (entry == nullptr || entry->bytes != 2 * sizeof(int64_t)) return true;  // the full read says what is wrong
+    if (entry == nullptr || entry->bytes != 2 * sizeof(int64_t)) continue;
     int64_t range[2] = {0, 0};
     LTRAIN_RETURN_IF_ERROR(file->Read(*entry, range));
-    const Range need = store_->LoadRangeOfParam(static_cast<int>(i), moments);
-    if (std::min(range[1], need.end) > std::max(range[0], need.begin)) return true;
+    out[i] = Range{range[0], range[1]};
   }
-  return false;
+  return out;
 }
 
 Status Trainer::ReadShards(const std::string& step_dir, const CheckpointMeta& meta, LoadedShards* shards) {
@@ -473,9 +473,14 @@ Status Trainer::ReadShards(const std::string& step_dir, const CheckpointMeta& me
   }
   std::vector<std::pair<std::string, bool>> files;  // name, is a model file
   if (SameModelGrid(meta)) {
+    // The same layout under ZeRO-1/2 (every rank saved its own shard of the masters): the masters
+    // are all-gathered after the load. The choice follows from the manifest alone, so every rank
+    // makes the same one, and it joins the all-gather whatever it read.
+    shards->gather_masters = store_->CanGatherMasters() && meta.zero == layout_.zero && meta.dp == layout_.dp;
     // This rank's tp/pp slice, from every data-parallel rank that saved a distinct part of it.
     // A file none of whose ranges meets what this rank needs (another rank's ZeRO shard of the
-    // moments) is not read: its header says so.
+    // moments; under the all-gather, another rank's shard of the masters) is not read: its header
+    // says so.
     for (int d = 0; d < meta.dp; ++d) {
       RankCoords c = groups_->coords;
       c.dp = d;
@@ -483,7 +488,13 @@ Status Trainer::ReadShards(const std::string& step_dir, const CheckpointMeta& me
       for (const bool is_model : {true, false}) {
         const std::string name = is_model ? ModelShardFile(r) : OptimizerShardFile(r);
         if (!meta.files.count(name)) continue;
-        LTRAIN_ASSIGN_OR_RETURN(bool needed, HoldsNeededRanges((fs::path(step_dir) / name).string(), !is_model));
+        LTRAIN_ASSIGN_OR_RETURN(std::vector<std::optional<Range>> ranges, SavedRanges((fs::path(step_dir) / name).string()));
+        bool needed = false;
+        for (size_t i = 0; i < ranges.size(); ++i) {
+          const Range need = store_->LoadRangeOfParam(static_cast<int>(i), !is_model, shards->gather_masters);
+          // A missing or malformed range: the full read says what is wrong.
+          if (!ranges[i] || std::min(ranges[i]->end, need.end) > std::max(ranges[i]->begin, need.begin)) needed = true;
+        }
         if (!needed) continue;
         files.emplace_back(name, is_model);
         shards->saved_rank[name] = r;
@@ -551,10 +562,10 @@ Status Trainer::ApplyShards(const std::string& step_dir, const CheckpointMeta& m
   torch::NoGradGuard no_grad;
   using Files = std::vector<std::pair<std::string, std::map<std::string, torch::Tensor>>>;
   // The flattened `prefix + name` (n elements) from the shards' ranges, of which `need` must be
-  // covered (the rest, where no shard read holds it, is left unset); a shard that holds all of it is
-  // used as it is, without a copy.
+  // covered: elements [need.begin, need.end). A shard that holds all of them is used as it is,
+  // without a copy.
   auto assemble = [&](const Files& files, const std::string& prefix, const std::string& name, int64_t n,
-                      std::optional<Range> need = std::nullopt) -> StatusOr<torch::Tensor> {
+                      std::optional<Range> need = std::nullopt) -> StatusOr<RangeValues> {
     const Range wanted = need.value_or(Range{0, n});
     struct Piece {
       int64_t begin, end;
@@ -578,31 +589,35 @@ Status Trainer::ApplyShards(const std::string& step_dir, const CheckpointMeta& m
                         std::to_string(e) + ") with " + std::to_string(values.numel()) + " values; the parameter has " +
                         std::to_string(n) + " (saved by another model?)");
       }
-      if (e > b) pieces.push_back(Piece{b, e, values.reshape(-1).to(torch::kFloat)});
-      covered += std::max<int64_t>(0, std::min(e, wanted.end) - std::max(b, wanted.begin));
+      const int64_t overlap = std::min(e, wanted.end) - std::max(b, wanted.begin);
+      if (overlap <= 0) continue;
+      pieces.push_back(Piece{b, e, values.reshape(-1).to(torch::kFloat)});
+      covered += overlap;
     }
     if (covered != wanted.size()) {
       return DataLoss("checkpoint " + step_dir + ": the shards of " + prefix + name + " cover " + std::to_string(covered) +
                       " of the " + std::to_string(wanted.size()) + " elements [" + std::to_string(wanted.begin) + ", " +
                       std::to_string(wanted.end) + ") this rank needs");
     }
-    if (pieces.size() == 1 && pieces[0].begin == 0 && pieces[0].end == n) return pieces[0].values;
-    // Uninitialised: LoadParamState reads only the part this rank needs, which the pieces cover
-    // (and untouched pages of a large allocation cost nothing).
-    torch::Tensor full = torch::empty({n});
-    for (const Piece& piece : pieces) full.narrow(0, piece.begin, piece.end - piece.begin).copy_(piece.values);
-    return full;
+    if (pieces.size() == 1) return RangeValues(pieces[0].values, pieces[0].begin);
+    torch::Tensor part = torch::empty({wanted.size()});
+    for (const Piece& piece : pieces) {
+      const Range r = Intersect(Range{piece.begin, piece.end}, wanted);
+      part.narrow(0, r.begin - wanted.begin, r.size()).copy_(piece.values.narrow(0, r.begin - piece.begin, r.size()));
+    }
+    return RangeValues(part, wanted.begin);
   };
   if (SameModelGrid(meta)) {
     for (size_t i = 0; i < param_names_.size(); ++i) {
       const int64_t n = store_->ParamNumel(static_cast<int>(i));
-      const Range value_need = store_->LoadRangeOfParam(static_cast<int>(i), false);
+      const Range value_need = store_->LoadRangeOfParam(static_cast<int>(i), false, shards.gather_masters);
       const Range moments_need = store_->LoadRangeOfParam(static_cast<int>(i), true);
-      LTRAIN_ASSIGN_OR_RETURN(torch::Tensor value, assemble(shards.model, "model.", param_names_[i], n, value_need));
-      LTRAIN_ASSIGN_OR_RETURN(torch::Tensor m, assemble(shards.optimizer, "exp_avg.", param_names_[i], n, moments_need));
-      LTRAIN_ASSIGN_OR_RETURN(torch::Tensor v, assemble(shards.optimizer, "exp_avg_sq.", param_names_[i], n, moments_need));
-      LTRAIN_RETURN_IF_ERROR(store_->LoadParamState(static_cast<int>(i), value, m, v));
+      LTRAIN_ASSIGN_OR_RETURN(RangeValues value, assemble(shards.model, "model.", param_names_[i], n, value_need));
+      LTRAIN_ASSIGN_OR_RETURN(RangeValues m, assemble(shards.optimizer, "exp_avg.", param_names_[i], n, moments_need));
+      LTRAIN_ASSIGN_OR_RETURN(RangeValues v, assemble(shards.optimizer, "exp_avg_sq.", param_names_[i], n, moments_need));
+      LTRAIN_RETURN_IF_ERROR(store_->LoadParamState(static_cast<int>(i), value, m, v, shards.gather_masters));
     }
+    if (shards.gather_masters) LTRAIN_RETURN_IF_ERROR(store_->GatherMasters());
     return RestoreRngState(meta.rng_state);
   }
   // Another tp, pp or virtual-stage split. Per parameter: each saved tp slice from the files of its
@@ -632,8 +647,8 @@ Status Trainer::ApplyShards(const std::string& step_dir, const CheckpointMeta& m
         return DataLoss("checkpoint " + step_dir + ": no file holds tp slice " + std::to_string(t) + " of " + prefix +
                         p.name + " (saved by another model?)");
       }
-      LTRAIN_ASSIGN_OR_RETURN(torch::Tensor part, assemble(of_slice, prefix, p.name, full_numel / slices));
-      parts.push_back(part);
+      LTRAIN_ASSIGN_OR_RETURN(RangeValues part, assemble(of_slice, prefix, p.name, full_numel / slices));
+      parts.push_back(part.values);  // all of the slice, from element 0
     }
     return Unslice(parts, saved_split, p.full_shape);
   };

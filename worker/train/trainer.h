@@ -135,6 +135,9 @@ class Trainer {
     std::map<std::string, int> saved_rank;  // file -> the rank of the saved layout that wrote it
     std::set<std::string> read;             // the files read
     uint64_t bytes = 0;
+    // Same layout under ZeRO-1/2: every rank loads only its shard of the masters, then they are
+    // all-gathered over dp (ParamStore::GatherMasters).
+    bool gather_masters = false;
   };
   // The checkpoint splits the model as this run does (tp, pp, virtual stages): each rank reads only
   // the data-parallel shards of its own slice.
@@ -144,9 +147,10 @@ class Trainer {
   // Reads every file of `step_dir` this rank needs once, verifying its hash (DataLoss when one does
   // not verify; InvalidArgument when the layout cannot be loaded here).
   Status ReadShards(const std::string& step_dir, const CheckpointMeta& meta, LoadedShards* shards);
-  // Whether the shard at `path` holds a part of what this rank needs of a parameter's value or (with
-  // `moments`) its moments: reads its header and range tensors only.
-  StatusOr<bool> HoldsNeededRanges(const std::string& path, bool moments) const;
+  // The range ("range.<name>") each of this rank's parameters has in the shard at `path`, in the
+  // store's parameter order; nullopt where the shard has none (or not two int64 values: the full
+  // read says what is wrong). Reads its header and range tensors only.
+  StatusOr<std::vector<std::optional<Range>>> SavedRanges(const std::string& path) const;
   // Reassembles every parameter's full value and moments from the shards that hold it (any
   // data-parallel degree and ZeRO stage; any tp, pp and virtual-stage split), then keeps this
   // rank's part.
