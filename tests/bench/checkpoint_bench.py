@@ -95,7 +95,7 @@ def launch(ltrain, args, home, on_line=None, timeout=1800):
 
 
 # "checkpoint step-20 written to DIR in 9512 ms (15.8 GB, 1.66 GB/s)"
-SAVE_RE = re.compile(r"checkpoint step-(\d+) written to \S+ in (\d+) ms(?: \(([0-9.]+) GB)?")
+SAVE_RE = re.compile(r"checkpoint step-(\d+) written to \S+ in (\d+) ms(?: \(([0-9.]+) GB)?(?:[^;\n]*; removed (\S+) in (\d+) ms)?")
 BLOCKED_RE = re.compile(r"checkpoint: the training thread was blocked ([0-9.]+) ms in (\d+) (\w+) save\(s\)"
                         r"[^;\n]*(?:; after the last step it waited ([0-9.]+) ms)?")
 # "resumed from DIR/step-60 at step 60 ... in 9.1 s (15.79 GB of the checkpoint, 1.74 GB/s; the ranks read
@@ -121,7 +121,8 @@ def save_suite(a, work, data):
               "--set", "parallel.nproc_per_node=2"]
     rc, out = launch(a.ltrain, common + ["--set", "training.steps=60", "--set", "checkpoint.every=20",
                                          "--set", f"checkpoint.dir={ck}"], home)
-    saves = [(int(s), int(ms) / 1000.0, float(gb) if gb else None) for s, ms, gb in SAVE_RE.findall(out)]
+    saves = [(int(s), int(ms) / 1000.0, float(gb) if gb else None, removed, int(rms) / 1000.0 if rms else None)
+             for s, ms, gb, removed, rms in SAVE_RE.findall(out)]
     write_after, _, _ = dd_bandwidth(work)
     print(f"disk after the run: write {write_after:.2f} GB/s (the same dd)", flush=True)
     blocked = BLOCKED_RE.search(out)
@@ -133,13 +134,15 @@ def save_suite(a, work, data):
                                            "--set", "checkpoint.enabled=false"], home)
     resumed = RESUME_RE.search(out2)
     print("\nresults (one host, one run):")
-    for step, s, gb in saves:
+    for step, s, gb, removed, removed_s in saves:
         gbs = gb / s if gb else None
         line = f"  ltrain save step-{step}: {s:.1f} s"
         if gb:
             line += f", {gb:.1f} GB, {gbs:.2f} GB/s = {gbs / write_gbs:.2f}x the disk's write"
         if dcp["ok"]:
             line += f"; {s / dcp['save_s']:.2f}x DCP's save time"
+        if removed:
+            line += f" (then removed {removed} in {removed_s:.1f} s)"
         print(line)
     if blocked:
         per = float(blocked.group(1)) / int(blocked.group(2)) / 1000

@@ -166,8 +166,9 @@ StatusOr<CheckpointFile> WriteShardFile(const std::string& path, const NamedTens
   return CheckpointFile{digest.bytes, digest.xxh3};
 }
 
-StatusOr<std::map<std::string, torch::Tensor>> ReadShardFile(const std::string& path, const CheckpointFile& expected,
-                                                             const std::function<void(uint64_t)>& progress) {
+StatusOr<std::map<std::string, torch::Tensor>> ReadShardFile(
+    const std::string& path, const CheckpointFile& expected, const std::function<void(uint64_t)>& progress,
+    const std::function<torch::Tensor(torch::ScalarType, int64_t)>& allocate) {
   const std::string name = fs::path(path).filename().string();
   StatusOr<std::unique_ptr<SafetensorsFile>> opened = SafetensorsFile::Open(path);
   if (!opened.ok()) return DataLoss(opened.status().message());
@@ -180,7 +181,10 @@ StatusOr<std::map<std::string, torch::Tensor>> ReadShardFile(const std::string& 
   for (const SafetensorsEntry& entry : file.tensors()) {
     StatusOr<torch::ScalarType> type = ScalarTypeOf(entry.dtype);
     if (!type.ok()) return DataLoss(name + ": tensor " + entry.name + ": " + type.status().message());
-    out[entry.name] = torch::empty(entry.shape, torch::TensorOptions().dtype(*type));
+    int64_t numel = 1;
+    for (int64_t d : entry.shape) numel *= d;
+    torch::Tensor given = allocate && numel > 0 ? allocate(*type, numel) : torch::Tensor();
+    out[entry.name] = given.defined() ? given.view(entry.shape) : torch::empty(entry.shape, torch::TensorOptions().dtype(*type));
   }
   StatusOr<FileDigest> digest = file.ReadAll(
       [&out](const SafetensorsEntry& entry) -> void* { return out.at(entry.name).data_ptr(); }, progress);
@@ -189,8 +193,7 @@ StatusOr<std::map<std::string, torch::Tensor>> ReadShardFile(const std::string& 
   return out;
 }
 
-Status CommitCheckpoint(const std::string& dir, const CheckpointMeta& meta, const Recipe& recipe, int keep,
-                        uint64_t* bytes) {
+Status CommitCheckpoint(const std::string& dir, const CheckpointMeta& meta, const Recipe& recipe, uint64_t* bytes) {
   const std::string name = StepDirName(meta.step);
   const fs::path final_dir = fs::path(dir) / name;
   const fs::path tmp_dir = PendingCheckpointDir(dir, meta.step);
@@ -224,14 +227,14 @@ Status CommitCheckpoint(const std::string& dir, const CheckpointMeta& meta, cons
     return Internal("committing " + final_dir.string() + ": " + std::strerror(errno));
   }
   LTRAIN_RETURN_IF_ERROR(FsyncPath(dir, true));
-  LTRAIN_RETURN_IF_ERROR(WriteFileAtomically((fs::path(dir) / "latest").string(), name + "\n"));
-  // Only now, with `latest` naming the new step, may older ones go.
-  if (keep > 0) {
-    for (int64_t step : StepsToPrune(ListCommittedSteps(dir), keep, meta.step)) {
-      RemoveTree(fs::path(dir) / StepDirName(step));
-    }
-  }
-  return Status::Ok();
+  return WriteFileAtomically((fs::path(dir) / "latest").string(), name + "\n");
+}
+
+std::vector<int64_t> PruneCheckpoints(const std::string& dir, int keep, int64_t latest) {
+  if (keep <= 0) return {};
+  std::vector<int64_t> pruned = StepsToPrune(ListCommittedSteps(dir), keep, latest);
+  for (int64_t step : pruned) RemoveTree(fs::path(dir) / StepDirName(step));
+  return pruned;
 }
 
 StatusOr<ResumeChoice> ChooseResumeCheckpoint(const std::string& path, const std::map<int64_t, std::string>& rejected) {

@@ -103,15 +103,21 @@ uint64_t ShardDataBytes(const NamedTensors& tensors);
 // Reads a shard in one pass into host tensors (name -> tensor), verifying its size and XXH3-64
 // against `expected`. Errors are DataLoss and say what is wrong in a few words
 // ("model-rank-0.safetensors xxh3 mismatch: expected X, got Y").
-StatusOr<std::map<std::string, torch::Tensor>> ReadShardFile(const std::string& path, const CheckpointFile& expected,
-                                                             const std::function<void(uint64_t)>& progress = nullptr);
+// `allocate` (optional) may give the memory for a tensor of that type and element count (an undefined
+// tensor: a fresh allocation).
+StatusOr<std::map<std::string, torch::Tensor>> ReadShardFile(
+    const std::string& path, const CheckpointFile& expected, const std::function<void(uint64_t)>& progress = nullptr,
+    const std::function<torch::Tensor(torch::ScalarType, int64_t)>& allocate = nullptr);
 
 // Rank 0, once every rank wrote its files and manifest into the pending directory: writes
 // meta.yaml from the ranks' manifests (meta.files and meta.commit are filled here), commits
-// step-<meta.step>, updates `latest`, then prunes to the newest `keep` commits (keep <= 0 keeps all).
-// `*bytes` (optional) gets the committed files' total size.
-Status CommitCheckpoint(const std::string& dir, const CheckpointMeta& meta, const Recipe& recipe, int keep,
+// step-<meta.step> and updates `latest`. `*bytes` (optional) gets the committed files' total size.
+Status CommitCheckpoint(const std::string& dir, const CheckpointMeta& meta, const Recipe& recipe,
                         uint64_t* bytes = nullptr);
+
+// After a commit of step `latest`: removes all but the newest `keep` commits (keep <= 0 keeps all;
+// never `latest`). Returns the steps removed.
+std::vector<int64_t> PruneCheckpoints(const std::string& dir, int keep, int64_t latest);
 
 // Where a run resumes. `path` is a step directory or a checkpoint directory: then `latest` and
 // then the other committed steps, newest commit first, skipping any whose meta.yaml is missing,

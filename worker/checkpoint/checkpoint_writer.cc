@@ -131,20 +131,34 @@ Status CheckpointWriter::Conclude(const CheckpointSnapshot& snapshot, const std:
   Status result;
   uint64_t bytes = 0;
   if (errors.empty()) {
-    result = CommitCheckpoint(dir, snapshot.meta, options_.recipe, options_.recipe.checkpoint.keep, &bytes);
+    result = CommitCheckpoint(dir, snapshot.meta, options_.recipe, &bytes);
   } else {
     std::string why;
     for (const std::string& e : errors) why += (why.empty() ? "" : "; ") + e;
     result = Internal(why);
   }
   RemovePendingCheckpoints(dir, snapshot.step);
+  const auto committed = std::chrono::steady_clock::now();
   if (result.ok() && options_.on_commit) options_.on_commit(snapshot.step, (fs::path(dir) / name).string());
+  // Only now, with `latest` naming the new step, may older ones go; their removal is timed apart
+  // from the save (a filesystem that discards freed blocks can take seconds over it).
+  std::string pruned;
+  if (result.ok()) {
+    const auto prune_start = std::chrono::steady_clock::now();
+    for (int64_t step : PruneCheckpoints(dir, options_.recipe.checkpoint.keep, snapshot.step)) {
+      pruned += (pruned.empty() ? "" : ", ") + StepDirName(step);
+    }
+    if (!pruned.empty()) {
+      const double prune_ms =
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - prune_start).count();
+      pruned = "; removed " + pruned + " in " + std::to_string(static_cast<int64_t>(prune_ms + 0.5)) + " ms";
+    }
+  }
   if (options_.print) {
     if (result.ok()) {
-      const double ms =
-          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - snapshot.start).count();
-      std::printf("checkpoint %s written to %s in %.0f ms (%.2f GB, %.2f GB/s)\n", name.c_str(), dir.c_str(), ms,
-                  bytes / 1e9, ms > 0 ? bytes / 1e6 / ms : 0.0);
+      const double ms = std::chrono::duration<double, std::milli>(committed - snapshot.start).count();
+      std::printf("checkpoint %s written to %s in %.0f ms (%.2f GB, %.2f GB/s)%s\n", name.c_str(), dir.c_str(), ms,
+                  bytes / 1e9, ms > 0 ? bytes / 1e6 / ms : 0.0, pruned.c_str());
     } else {
       const int64_t latest = LatestCommittedStep(dir);
       const std::string stays = latest >= 0 ? "step-" + std::to_string(latest) + " stays the newest committed"

@@ -592,6 +592,13 @@ torch::Tensor ParamStore::HostCopy(const torch::Tensor& t) const {
   return host;
 }
 
+torch::Tensor ParamStore::TakeSnapshotMemory(int64_t numel) const {
+  if (!snapshot_arena_.defined() || snapshot_used_ + numel > snapshot_arena_.numel()) return torch::Tensor();
+  torch::Tensor out = snapshot_arena_.narrow(0, snapshot_used_, numel);
+  snapshot_used_ += numel;
+  return out;
+}
+
 int64_t ParamStore::ReserveSnapshot() {
   if (params_.empty() || !params_[0].value->is_cuda()) return 0;
   int64_t numel = 0;

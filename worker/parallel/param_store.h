@@ -210,6 +210,9 @@ class ParamStore {
   // every snapshot allocates its own copies.
   int64_t ReserveSnapshot();
   void BeginSnapshot() const { snapshot_used_ = 0; }
+  // `numel` fp32 elements of the reserved snapshot memory, after those taken since BeginSnapshot;
+  // an undefined tensor when it has no room (or none is reserved). A resume reads into it.
+  torch::Tensor TakeSnapshotMemory(int64_t numel) const;
   // Loads parameter `param` from its flattened value and moments (any layout's checkpoint,
   // reassembled), each covering at least LoadRangeOfParam's range: keeps the part this rank holds.
   // With `gather_masters` only the owned part of the master is written; GatherMasters, on every

@@ -13,6 +13,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <mutex>
 #include <thread>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -264,12 +265,6 @@ Status Trainer::Init() {
     LTRAIN_ASSIGN_OR_RETURN(plan_, PlanPipeline(layout_.pp_schedule, layout_.pp, layout_.chunks, layout_.accumulation));
   }
 
-  if (!recipe_.checkpoint.resume_from.empty()) {
-    LTRAIN_RETURN_IF_ERROR(Resume(recipe_.checkpoint.resume_from));
-  }
-  run_start_step_ = step_;
-  run_start_position_ = data_position_;
-
   if (!options_.checkpoint_dir.empty()) {
     CheckpointWriterOptions w;
     w.dir = options_.checkpoint_dir;
@@ -308,6 +303,13 @@ Status Trainer::Init() {
       }
     }
   }
+
+  // After the snapshot memory is pinned: a resume reads into it (ReadShards).
+  if (!recipe_.checkpoint.resume_from.empty()) {
+    LTRAIN_RETURN_IF_ERROR(Resume(recipe_.checkpoint.resume_from));
+  }
+  run_start_step_ = step_;
+  run_start_position_ = data_position_;
   return Status::Ok();
 }
 
@@ -524,6 +526,15 @@ Status Trainer::ReadShards(const std::string& step_dir, const CheckpointMeta& me
   for (const auto& [name, is_model] : files) total += static_cast<int64_t>(meta.files.at(name).bytes);
   const std::string work = "loading checkpoint " + StepDirName(meta.step);
   Progress::Global().SetWork(work, 0, total, "bytes");
+  // fp32 tensors go into the snapshot memory while it has room: pinned (on CUDA), so they reach the
+  // device at full speed, and already faulted in, so the reads do not stop to map fresh pages. Its
+  // first use after this is the first save, long after the state is placed.
+  std::mutex pinned_mutex;
+  store_->BeginSnapshot();
+  auto take_pinned = [&](torch::ScalarType type, int64_t numel) {
+    std::lock_guard<std::mutex> lock(pinned_mutex);
+    return type == torch::kFloat ? store_->TakeSnapshotMemory(numel) : torch::Tensor();
+  };
   // A few files at a time: a disk serves parallel reads faster than one stream.
   using Tensors = std::map<std::string, torch::Tensor>;
   std::vector<std::optional<StatusOr<Tensors>>> results(files.size());
@@ -533,12 +544,15 @@ Status Trainer::ReadShards(const std::string& step_dir, const CheckpointMeta& me
     for (size_t k = next++; k < files.size(); k = next++) {
       const std::string& name = files[k].first;
       try {
-        results[k] = ReadShardFile((fs::path(step_dir) / name).string(), meta.files.at(name), [&](uint64_t bytes) {
-          done[k] = static_cast<int64_t>(bytes);
-          int64_t sum = 0;
-          for (const auto& d : done) sum += d;
-          Progress::Global().SetWork(work, sum, total, "bytes");
-        });
+        results[k] = ReadShardFile(
+            (fs::path(step_dir) / name).string(), meta.files.at(name),
+            [&](uint64_t bytes) {
+              done[k] = static_cast<int64_t>(bytes);
+              int64_t sum = 0;
+              for (const auto& d : done) sum += d;
+              Progress::Global().SetWork(work, sum, total, "bytes");
+            },
+            take_pinned);
       } catch (const std::exception& e) {
         results[k] = Internal("reading " + name + ": " + e.what());
       }
