@@ -371,7 +371,8 @@ Status SafetensorsFile::Read(const SafetensorsEntry& entry, void* into) const {
 }
 
 StatusOr<FileDigest> SafetensorsFile::ReadAll(const std::function<void*(const SafetensorsEntry&)>& destination,
-                                              const std::function<void(uint64_t)>& progress) const {
+                                              const std::function<void(uint64_t)>& progress,
+                                              const std::function<void(const SafetensorsEntry&)>& done) const {
   ::posix_fadvise(fd_, 0, 0, POSIX_FADV_SEQUENTIAL);
   Xxh3 hash;
   hash.Update(head_.data(), head_.size());
@@ -416,6 +417,7 @@ StatusOr<FileDigest> SafetensorsFile::ReadAll(const std::function<void*(const Sa
       }
       report(stage_end > at ? stage_end : at);
     }
+    if (done && out != nullptr) done(t);
   }
   report(data_bytes);
   return FileDigest{file_bytes_, hash.Hex()};

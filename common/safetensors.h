@@ -127,9 +127,11 @@ class SafetensorsFile {
   // Reads the whole file once, front to back, hashing every byte: each tensor's bytes go where
   // `destination(entry)` says (entry.bytes of room; nullptr: read and hashed only). `progress`
   // (optional) gets the bytes read so far, once per large read. Returns the file's digest; the
-  // caller compares it with what it expects.
+  // caller compares it with what it expects. `done` (optional) is called once a tensor's bytes are
+  // all in place (before the file's hash is known).
   StatusOr<FileDigest> ReadAll(const std::function<void*(const SafetensorsEntry&)>& destination,
-                               const std::function<void(uint64_t)>& progress = nullptr) const;
+                               const std::function<void(uint64_t)>& progress = nullptr,
+                               const std::function<void(const SafetensorsEntry&)>& done = nullptr) const;
 
  private:
   SafetensorsFile() = default;

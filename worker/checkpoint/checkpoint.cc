@@ -168,7 +168,8 @@ StatusOr<CheckpointFile> WriteShardFile(const std::string& path, const NamedTens
 
 StatusOr<std::map<std::string, torch::Tensor>> ReadShardFile(
     const std::string& path, const CheckpointFile& expected, const std::function<void(uint64_t)>& progress,
-    const std::function<torch::Tensor(torch::ScalarType, int64_t)>& allocate) {
+    const std::function<torch::Tensor(torch::ScalarType, int64_t)>& allocate,
+    const std::function<void(const std::string&, const torch::Tensor&)>& on_tensor) {
   const std::string name = fs::path(path).filename().string();
   StatusOr<std::unique_ptr<SafetensorsFile>> opened = SafetensorsFile::Open(path);
   if (!opened.ok()) return DataLoss(opened.status().message());
@@ -186,8 +187,10 @@ StatusOr<std::map<std::string, torch::Tensor>> ReadShardFile(
     torch::Tensor given = allocate && numel > 0 ? allocate(*type, numel) : torch::Tensor();
     out[entry.name] = given.defined() ? given.view(entry.shape) : torch::empty(entry.shape, torch::TensorOptions().dtype(*type));
   }
+  std::function<void(const SafetensorsEntry&)> done;
+  if (on_tensor) done = [&](const SafetensorsEntry& entry) { on_tensor(entry.name, out.at(entry.name)); };
   StatusOr<FileDigest> digest = file.ReadAll(
-      [&out](const SafetensorsEntry& entry) -> void* { return out.at(entry.name).data_ptr(); }, progress);
+      [&out](const SafetensorsEntry& entry) -> void* { return out.at(entry.name).data_ptr(); }, progress, done);
   if (!digest.ok()) return DataLoss(digest.status().message());
   if (digest->xxh3 != expected.xxh3) return DataLoss(HashMismatch(name, expected.xxh3, digest->xxh3));
   return out;

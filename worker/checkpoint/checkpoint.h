@@ -104,10 +104,13 @@ uint64_t ShardDataBytes(const NamedTensors& tensors);
 // against `expected`. Errors are DataLoss and say what is wrong in a few words
 // ("model-rank-0.safetensors xxh3 mismatch: expected X, got Y").
 // `allocate` (optional) may give the memory for a tensor of that type and element count (an undefined
-// tensor: a fresh allocation).
+// tensor: a fresh allocation). `on_tensor` (optional) gets each tensor as soon as its bytes are read,
+// before the file is verified: what it does with them must be undone or redone if the file turns
+// out not to verify.
 StatusOr<std::map<std::string, torch::Tensor>> ReadShardFile(
     const std::string& path, const CheckpointFile& expected, const std::function<void(uint64_t)>& progress = nullptr,
-    const std::function<torch::Tensor(torch::ScalarType, int64_t)>& allocate = nullptr);
+    const std::function<torch::Tensor(torch::ScalarType, int64_t)>& allocate = nullptr,
+    const std::function<void(const std::string&, const torch::Tensor&)>& on_tensor = nullptr);
 
 // Rank 0, once every rank wrote its files and manifest into the pending directory: writes
 // meta.yaml from the ranks' manifests (meta.files and meta.commit are filled here), commits

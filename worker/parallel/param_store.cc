@@ -658,35 +658,37 @@ std::vector<std::pair<std::string, torch::Tensor>> ParamStore::OptimizerState(co
 
 Status ParamStore::LoadParamState(int param, const RangeValues& value, const RangeValues& exp_avg,
                                   const RangeValues& exp_avg_sq, bool gather_masters) {
+  LTRAIN_RETURN_IF_ERROR(LoadParamPart(param, StatePart::kValue, value, gather_masters));
+  LTRAIN_RETURN_IF_ERROR(LoadParamPart(param, StatePart::kExpAvg, exp_avg));
+  return LoadParamPart(param, StatePart::kExpAvgSq, exp_avg_sq);
+}
+
+Status ParamStore::LoadParamPart(int param, StatePart part, const RangeValues& t, bool gather_masters) {
   torch::NoGradGuard no_grad;
   gather_masters = gather_masters && CanGatherMasters();
-  const Range value_need = LoadRangeOfParam(param, false, gather_masters);
-  const Range moments_need = LoadRangeOfParam(param, true);
-  for (const auto& [t, need] : {std::pair<const RangeValues*, Range>{&value, value_need}, {&exp_avg, moments_need},
-                                {&exp_avg_sq, moments_need}}) {
-    if (need.size() > 0 && (t->begin > need.begin || t->end() < need.end)) {
-      return DataLoss("checkpoint state of parameter " + std::to_string(param) + " holds elements [" +
-                      std::to_string(t->begin) + ", " + std::to_string(t->end()) + "), this rank needs [" +
-                      std::to_string(need.begin) + ", " + std::to_string(need.end) + ") (was it saved by another model?)");
-    }
+  const Range need = LoadRangeOfParam(param, part != StatePart::kValue, gather_masters);
+  if (need.size() > 0 && (t.begin > need.begin || t.end() < need.end)) {
+    return DataLoss("checkpoint state of parameter " + std::to_string(param) + " holds elements [" +
+                    std::to_string(t.begin) + ", " + std::to_string(t.end()) + "), this rank needs [" +
+                    std::to_string(need.begin) + ", " + std::to_string(need.end) + ") (was it saved by another model?)");
   }
   // Elements `r` of `t` (covered, as checked above), flattened.
-  auto part = [](const RangeValues& t, Range r) { return t.values.reshape(-1).narrow(0, r.begin - t.begin, r.size()); };
+  auto elements = [&t](Range r) { return t.values.reshape(-1).narrow(0, r.begin - t.begin, r.size()); };
   Unit& unit = units_[unit_of_[param]];
   const Range r = OwnedOfParam(param);
   const int64_t at = OwnedAt(param);
-  if (zero_ < 3 && !gather_masters) {
-    const torch::Tensor whole = part(value, value_need);
-    MasterValue(param).view(-1).copy_(whole);
-    if (unit.compute.defined()) params_[param].value->detach().view(-1).copy_(whole);
-  } else if (zero_ < 3) {
-    if (r.size() > 0) MasterValue(param).view(-1).narrow(0, r.begin, r.size()).copy_(part(value, r));
+  if (part == StatePart::kValue) {
+    if (zero_ < 3 && !gather_masters) {
+      const torch::Tensor whole = elements(need);
+      MasterValue(param).view(-1).copy_(whole);
+      if (unit.compute.defined()) params_[param].value->detach().view(-1).copy_(whole);
+    } else if (zero_ < 3) {
+      if (r.size() > 0) MasterValue(param).view(-1).narrow(0, r.begin, r.size()).copy_(elements(r));
+    } else if (r.size() > 0) {
+      unit.shard.narrow(0, at, r.size()).copy_(elements(r));
+    }
   } else if (r.size() > 0) {
-    unit.shard.narrow(0, at, r.size()).copy_(part(value, r));
-  }
-  if (r.size() > 0) {
-    unit.exp_avg.narrow(0, at, r.size()).copy_(part(exp_avg, r));
-    unit.exp_avg_sq.narrow(0, at, r.size()).copy_(part(exp_avg_sq, r));
+    (part == StatePart::kExpAvg ? unit.exp_avg : unit.exp_avg_sq).narrow(0, at, r.size()).copy_(elements(r));
   }
   return Status::Ok();
 }

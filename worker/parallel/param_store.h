@@ -219,6 +219,9 @@ class ParamStore {
   // dp rank once every parameter is loaded, completes the masters and their bf16 copies.
   Status LoadParamState(int param, const RangeValues& value, const RangeValues& exp_avg, const RangeValues& exp_avg_sq,
                         bool gather_masters = false);
+  // One of the three parts of LoadParamState, alone (a resume places each as soon as it is read).
+  enum class StatePart { kValue, kExpAvg, kExpAvgSq };
+  Status LoadParamPart(int param, StatePart part, const RangeValues& t, bool gather_masters = false);
   Status GatherMasters();
   int64_t ParamNumel(int param) const { return params_[param].value->numel(); }
   // The fp32 value of parameter `param` as the optimizer holds it (zero 0-2: the master; zero 3:

@@ -6,15 +6,18 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <map>
+#include <mutex>
 #include <optional>
 #include <set>
-#include <mutex>
 #include <thread>
+#include <tuple>
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <c10/util/Exception.h>
@@ -474,6 +477,9 @@ Status Trainer::ReadShards(const std::string& step_dir, const CheckpointMeta& me
                     ", " + meta.layout);
   }
   std::vector<std::pair<std::string, bool>> files;  // name, is a model file
+  // Per file, where each parameter's range starts in it, for the parameters whose part this rank
+  // needs it holds whole: those are placed as soon as they are read.
+  std::map<std::string, std::map<int, int64_t>> whole;
   if (SameModelGrid(meta)) {
     // The same layout under ZeRO-1/2 (every rank saved its own shard of the masters): the masters
     // are all-gathered after the load. The choice follows from the manifest alone, so every rank
@@ -496,6 +502,9 @@ Status Trainer::ReadShards(const std::string& step_dir, const CheckpointMeta& me
           const Range need = store_->LoadRangeOfParam(static_cast<int>(i), !is_model, shards->gather_masters);
           // A missing or malformed range: the full read says what is wrong.
           if (!ranges[i] || std::min(ranges[i]->end, need.end) > std::max(ranges[i]->begin, need.begin)) needed = true;
+          if (ranges[i] && need.size() > 0 && ranges[i]->begin <= need.begin && ranges[i]->end >= need.end) {
+            whole[name][static_cast<int>(i)] = ranges[i]->begin;
+          }
         }
         if (!needed) continue;
         files.emplace_back(name, is_model);
@@ -535,6 +544,66 @@ Status Trainer::ReadShards(const std::string& step_dir, const CheckpointMeta& me
     std::lock_guard<std::mutex> lock(pinned_mutex);
     return type == torch::kFloat ? store_->TakeSnapshotMemory(numel) : torch::Tensor();
   };
+  // The placer: a thread that places each tensor a file holds whole for this rank as soon as it is
+  // read, while the reads go on. Before the files are verified: a file that does not verify sends
+  // every rank to an older commit, which places everything again.
+  std::map<std::string, int> param_index;
+  for (size_t i = 0; i < param_names_.size(); ++i) param_index[param_names_[i]] = static_cast<int>(i);
+  struct Placement {
+    int param;
+    ParamStore::StatePart part = ParamStore::StatePart::kValue;
+    RangeValues values;
+  };
+  std::mutex place_mutex;
+  std::condition_variable place_cv;
+  std::deque<Placement> to_place;
+  bool reads_done = false;
+  Status place_status;
+  auto place_loop = [&] {
+    while (true) {
+      std::unique_lock<std::mutex> lock(place_mutex);
+      place_cv.wait(lock, [&] { return reads_done || !to_place.empty(); });
+      if (to_place.empty()) return;
+      Placement p = std::move(to_place.front());
+      to_place.pop_front();
+      lock.unlock();
+      Status placed;
+      try {
+        placed = store_->LoadParamPart(p.param, p.part, p.values, shards->gather_masters);
+      } catch (...) {
+        placed = Rethrown(("placing " + param_names_[p.param]).c_str());
+      }
+      lock.lock();
+      if (placed.ok()) {
+        shards->placed.insert({p.param, static_cast<int>(p.part)});
+      } else if (place_status.ok()) {
+        place_status = placed;
+      }
+    }
+  };
+  auto on_tensor = [&](const std::string& file, const std::string& key, const torch::Tensor& t) {
+    auto file_it = whole.find(file);
+    if (file_it == whole.end() || t.scalar_type() != torch::kFloat) return;
+    ParamStore::StatePart part = ParamStore::StatePart::kValue;
+    std::string name;
+    for (const auto& [prefix, which] : {std::pair<const char*, ParamStore::StatePart>{"model.", ParamStore::StatePart::kValue},
+                                        {"exp_avg_sq.", ParamStore::StatePart::kExpAvgSq},
+                                        {"exp_avg.", ParamStore::StatePart::kExpAvg}}) {
+      if (key.rfind(prefix, 0) == 0) {
+        part = which;
+        name = key.substr(std::strlen(prefix));
+        break;
+      }
+    }
+    auto param_it = param_index.find(name);
+    if (name.empty() || param_it == param_index.end()) return;
+    auto begin_it = file_it->second.find(param_it->second);
+    if (begin_it == file_it->second.end()) return;
+    std::lock_guard<std::mutex> lock(place_mutex);
+    to_place.push_back(Placement{param_it->second, part, RangeValues(t, begin_it->second)});
+    place_cv.notify_one();
+  };
+  std::thread placer(place_loop);
   // A few files at a time: a disk serves parallel reads faster than one stream.
   using Tensors = std::map<std::string, torch::Tensor>;
   std::vector<std::optional<StatusOr<Tensors>>> results(files.size());
@@ -552,7 +621,7 @@ Status Trainer::ReadShards(const std::string& step_dir, const CheckpointMeta& me
               for (const auto& d : done) sum += d;
               Progress::Global().SetWork(work, sum, total, "bytes");
             },
-            take_pinned);
+            take_pinned, [&](const std::string& key, const torch::Tensor& t) { on_tensor(name, key, t); });
       } catch (const std::exception& e) {
         results[k] = Internal("reading " + name + ": " + e.what());
       }
@@ -561,7 +630,14 @@ Status Trainer::ReadShards(const std::string& step_dir, const CheckpointMeta& me
   std::vector<std::thread> readers;
   for (size_t t = 0; t < std::min<size_t>(files.size(), 4); ++t) readers.emplace_back(read);
   for (std::thread& t : readers) t.join();
+  {
+    std::lock_guard<std::mutex> lock(place_mutex);
+    reads_done = true;
+  }
+  place_cv.notify_one();
+  placer.join();
   Progress::Global().EndWork(work);
+  LTRAIN_RETURN_IF_ERROR(place_status);
   for (size_t k = 0; k < files.size(); ++k) {
     if (!results[k]->ok()) return results[k]->status();
     const auto& [name, is_model] = files[k];
@@ -626,10 +702,15 @@ Status Trainer::ApplyShards(const std::string& step_dir, const CheckpointMeta& m
       const int64_t n = store_->ParamNumel(static_cast<int>(i));
       const Range value_need = store_->LoadRangeOfParam(static_cast<int>(i), false, shards.gather_masters);
       const Range moments_need = store_->LoadRangeOfParam(static_cast<int>(i), true);
-      LTRAIN_ASSIGN_OR_RETURN(RangeValues value, assemble(shards.model, "model.", param_names_[i], n, value_need));
-      LTRAIN_ASSIGN_OR_RETURN(RangeValues m, assemble(shards.optimizer, "exp_avg.", param_names_[i], n, moments_need));
-      LTRAIN_ASSIGN_OR_RETURN(RangeValues v, assemble(shards.optimizer, "exp_avg_sq.", param_names_[i], n, moments_need));
-      LTRAIN_RETURN_IF_ERROR(store_->LoadParamState(static_cast<int>(i), value, m, v, shards.gather_masters));
+      using Part = ParamStore::StatePart;
+      for (const auto& [part, files, prefix, need] :
+           {std::tuple<Part, const Files*, const char*, Range>{Part::kValue, &shards.model, "model.", value_need},
+            {Part::kExpAvg, &shards.optimizer, "exp_avg.", moments_need},
+            {Part::kExpAvgSq, &shards.optimizer, "exp_avg_sq.", moments_need}}) {
+        if (shards.placed.count({static_cast<int>(i), static_cast<int>(part)})) continue;  // as it was read
+        LTRAIN_ASSIGN_OR_RETURN(RangeValues values, assemble(*files, prefix, param_names_[i], n, need));
+        LTRAIN_RETURN_IF_ERROR(store_->LoadParamPart(static_cast<int>(i), part, values, shards.gather_masters));
+      }
     }
     if (shards.gather_masters) LTRAIN_RETURN_IF_ERROR(store_->GatherMasters());
     return RestoreRngState(meta.rng_state);

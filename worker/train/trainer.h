@@ -138,6 +138,8 @@ class Trainer {
     // Same layout under ZeRO-1/2: every rank loads only its shard of the masters, then they are
     // all-gathered over dp (ParamStore::GatherMasters).
     bool gather_masters = false;
+    // (parameter, ParamStore::StatePart) placed while the files were read.
+    std::set<std::pair<int, int>> placed;
   };
   // The checkpoint splits the model as this run does (tp, pp, virtual stages): each rank reads only
   // the data-parallel shards of its own slice.
