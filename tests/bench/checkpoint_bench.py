@@ -5,7 +5,8 @@ Suites (--suite, default all):
   save       2 GPUs: the disk's fsync'd write and its read bandwidth (dd), dcp_save.py under torchrun
              (gpt-1.3b + AdamW, 2 ranks), then `ltrain launch recipes/gpu-node-gpt-1.3b.yaml` on 2 GPUs
              (data parallel, ZeRO-1) for 60 steps with a checkpoint every 20, and a second launch that
-             resumes from its last checkpoint; prints each save's time and bandwidth, the time training
+             resumes from its last checkpoint (saving into another directory, as a resumed job does, so
+             it reads into its pinned snapshot memory); prints each save's time and bandwidth, the time training
              was blocked per async save, the restore time, and their ratios to the disk and to DCP.
   kill-7b    4 GPUs: the large suite's GPT of about 7B (32 layers, d 4096, 32 heads), as dp4 ZeRO-3 and as
              tp2 x pp2 (--layout picks one): an uninterrupted run of 9 steps without checkpoints, and the
@@ -130,8 +131,7 @@ def save_suite(a, work, data):
     print(f"ltrain train + save: exit {rc}, {'SUCCEEDED' if rc == 0 else 'FAILED'}", flush=True)
     cached = drop_caches()
     rc2, out2 = launch(a.ltrain, common + ["--set", "training.steps=61", "--set", f"checkpoint.resume_from={ck}",
-                                           "--set", f"checkpoint.dir={os.path.join(work, 'ltrain-ck2')}",
-                                           "--set", "checkpoint.enabled=false"], home)
+                                           "--set", f"checkpoint.dir={os.path.join(work, 'ltrain-ck2')}"], home)
     resumed = RESUME_RE.search(out2)
     print("\nresults (one host, one run):")
     for step, s, gb, removed, removed_s in saves:
