@@ -134,6 +134,9 @@ struct TrainingSpec {
   double grad_clip = 1.0;        // max global gradient norm; 0 turns clipping off
   uint64_t seed = 1337;
   int64_t log_every = 10;
+  // Deterministic kernels (attention backward, cuBLAS, cuDNN), so that a run and its restart from a
+  // checkpoint compute the same losses bit for bit; slower. The CPU is deterministic anyway.
+  bool deterministic = false;
 };
 
 // What the user asks for; common/layout.h resolves it, for a world size, into a Layout.

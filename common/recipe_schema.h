@@ -134,6 +134,10 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
   visit(RecipeKey{.section = "training", .name = "log_every", .help = "rank 0 prints a step line every this many steps",
                   .int_min = 1, .int_max = kInt64Max},
         r.training.log_every);
+  visit(RecipeKey{.section = "training", .name = "deterministic",
+                  .help = "deterministic GPU kernels: a run and its resume from a checkpoint compute the same losses bit "
+                          "for bit (slower)"},
+        r.training.deterministic);
 
   NodesField<Int> nodes{r.parallel.nodes, r.parallel.nodes_min, r.parallel.nodes_max};
   visit(RecipeKey{.section = "parallel", .name = "nodes",

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <limits>
 #include <memory>
@@ -11,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include <ATen/Context.h>
 #include <ATen/autocast_mode.h>
 #include <ATen/native/Resize.h>
 #include <torch/csrc/autograd/function.h>
@@ -145,6 +147,16 @@ inline bool FusedAdamW(const std::vector<torch::Tensor>& params, const std::vect
 }
 
 // Waits until every kernel queued on `device` has finished (no-op on CPU).
+// Deterministic kernels from here on (call before the first CUDA work): PyTorch's deterministic
+// algorithms (an op without one fails, naming itself), cuDNN's, and the cuBLAS workspace size
+// that makes its reductions reproducible.
+inline void UseDeterministicAlgorithms() {
+  ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+  at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
+  at::globalContext().setDeterministicCuDNN(true);
+  at::globalContext().setBenchmarkCuDNN(false);
+}
+
 inline void Synchronize(const torch::Device& device) {
 #if defined(LTRAIN_WITH_NCCL)
   if (device.is_cuda()) c10::cuda::device_synchronize();

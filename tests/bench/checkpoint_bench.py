@@ -221,7 +221,7 @@ def kill_suite(a, work, data):
                 f.write(f"""name: {name}
 model: {model}
 data: {{path: {data}}}
-training: {{steps: 9, micro_batch: 1, global_batch: 8, log_every: 1, warmup_steps: 2}}
+training: {{steps: 9, micro_batch: 1, global_batch: 8, log_every: 1, warmup_steps: 2, deterministic: true}}
 parallel: {{nodes: 1, nproc_per_node: 4, device: {device}, precision: {precision}, {parallel}}}
 checkpoint: {checkpoint}
 fault: {{max_restarts: 1, restart_backoff_s: 0}}

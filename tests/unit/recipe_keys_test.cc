@@ -25,7 +25,8 @@ constexpr const char* kEveryKey = R"(name: every-key
 model: {layers: 8, d_model: 96, heads: 6, seq_len: 48, vocab: 300, init: per_parameter}
 data: {path: /data/every-key, sampling: torch, seed: 4321}
 training: {steps: 77, micro_batch: 2, global_batch: 32, lr: 0.002, min_lr: 0.0002, warmup_steps: 7,
-           lr_schedule: constant, weight_decay: 0.05, beta1: 0.8, beta2: 0.9, grad_clip: 0.5, seed: 99, log_every: 3}
+           lr_schedule: constant, weight_decay: 0.05, beta1: 0.8, beta2: 0.9, grad_clip: 0.5, seed: 99, log_every: 3,
+           deterministic: true}
 parallel: {nodes: {min: 1, max: 2}, nproc_per_node: 8, tp: 2, pp: 2, zero: 1, sequence_parallel: true,
            pp_schedule: interleaved, virtual_stages: 2, pp_split: [3, 2, 2, 1], bucket_mb: 50,
            activation_checkpointing: selective, precision: bf16, device: cuda}

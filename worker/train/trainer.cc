@@ -206,6 +206,7 @@ Status Trainer::Init() {
     }
     device_ = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(options_.local_rank));
   }
+  if (recipe_.training.deterministic) compat::UseDeterministicAlgorithms();
   const bool bf16_asked = p.precision == Precision::kBf16 || p.precision == Precision::kBf16Autocast;
   if (bf16_asked && !device_.is_cuda()) {
     return InvalidArgument("parallel.precision=" + NameOf(p.precision) +
