@@ -27,7 +27,7 @@ int InitTlsFiles(const std::string& dir, const std::vector<std::string>& hosts) 
   Status made = InitTls(dir, hosts);
   if (!made.ok()) {
     std::fprintf(stderr, "ltrain coordinator --init-tls: %s\n", made.message().c_str());
-    return kExitUnavailable;
+    return made.code() == StatusCode::kFailedPrecondition ? kExitInvalid : kExitUnavailable;
   }
   const char* d = dir.c_str();
   std::printf("wrote ca.pem, server.pem/.key, client.pem/.key and token into %s. Start with:\n"

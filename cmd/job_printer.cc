@@ -5,6 +5,7 @@
 
 #include <google/protobuf/util/json_util.h>
 
+#include "common/logging.h"
 #include "common/signal_name.h"
 #include "launcher/log_view.h"
 #include "launcher/state_store.h"
@@ -133,7 +134,7 @@ std::string FormatLogLines(const std::vector<v1::Event>& lines, LogFormat format
   std::vector<launcher::RankLine> ranked;
   for (const auto& line : lines) ranked.push_back({line.unix_ms(), line.rank(), line.message()});
   for (const auto& folded : launcher::FoldLogLines(ranked, kFoldWindowMs)) {
-    Appendf(&out, "%s %s\n", launcher::RankPrefix(folded.ranks).c_str(), folded.text.c_str());
+    Appendf(&out, "%s %s\n", launcher::RankPrefix(folded.ranks).c_str(), TerminalSafe(folded.text).c_str());
   }
   return out;
 }
@@ -141,9 +142,9 @@ std::string FormatLogLines(const std::vector<v1::Event>& lines, LogFormat format
 std::string FormatFollowedEvent(const v1::Event& event, bool quiet) {
   std::string out;
   if (event.kind() == "log") {
-    if (!quiet) Appendf(&out, "[rank %d] %s\n", event.rank(), event.message().c_str());
+    if (!quiet) Appendf(&out, "[rank %d] %s\n", event.rank(), TerminalSafe(event.message()).c_str());
   } else if (event.kind() != "rank_started" || !quiet) {
-    Appendf(&out, "ltrain: %s\n", event.message().c_str());
+    Appendf(&out, "ltrain: %s\n", TerminalSafe(event.message(), /*keep_newlines=*/true).c_str());
   }
   return out;
 }

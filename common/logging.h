@@ -4,6 +4,7 @@
 
 #include <sstream>
 #include <string>
+#include <string_view>
 
 namespace ltrain {
 
@@ -13,6 +14,12 @@ void SetLogLevel(LogLevel level);
 LogLevel GetLogLevel();
 // Parses debug|info|warning|error; false when the name is unknown.
 bool ParseLogLevel(const std::string& name, LogLevel* level);
+
+// `text` as it may be shown on a terminal: control characters (escape sequences, carriage returns,
+// newlines unless `keep_newlines`; tabs stay), DEL, the C1 controls and bytes that are not UTF-8 are
+// written as \xNN, so that what a worker prints or a recipe holds cannot move the cursor, recolour or
+// forge lines.
+std::string TerminalSafe(std::string_view text, bool keep_newlines = false);
 
 class LogMessage {
  public:

@@ -16,6 +16,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "common/layout.h"
+#include "common/logging.h"
 #include "common/recipe_schema.h"
 
 namespace ltrain {
@@ -307,9 +308,15 @@ void ApplyOverride(YAML::Node node, const std::vector<std::string>& parts, size_
   ApplyOverride(node[parts[i]], parts, i + 1, value);
 }
 
+bool IsJobNameChar(char c) {
+  return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-';
+}
+
 // The rules between keys that are not layout rules (those are CheckLayout's).
 void CheckAcrossKeys(const Recipe& r, RecipeReader& reader) {
-  if (r.name.empty()) reader.ErrorOnKey("name", "name must not be empty");
+  if (std::string problem = JobNameProblem(r.name); !problem.empty()) {
+    reader.ErrorOnKey("name", problem + "; for example name: " + SuggestJobName(r.name));
+  }
   if (r.data.path.empty()) {
     reader.ErrorOnKey("data.path", "data.path is required: the directory written by `ltrain data prepare --output DIR`");
   }
@@ -442,7 +449,7 @@ RecipeParseResult ParseRecipe(const std::string& yaml_text, const std::string& s
   // rules between keys.
   RecipeReader reader(source_name, overridden, root);
   Recipe& r = result.recipe;
-  r.name = std::filesystem::path(source_name).stem().string();
+  r.name = SuggestJobName(std::filesystem::path(source_name).stem().string());
   reader.CheckStructure();
   VisitRecipeKeys(r, [&](const RecipeKey& key, auto&& field) { reader.Read(key, field); });
   CheckAcrossKeys(r, reader);
@@ -584,6 +591,35 @@ std::string RecipeKeysText() {
   for (const RecipeKeyDoc& doc : docs) {
     out += pad(doc.path, path_width) + pad(doc.type, type_width) + pad(doc.default_text, default_width) + doc.help + "\n";
   }
+  return out;
+}
+
+std::string JobNameProblem(std::string_view name) {
+  constexpr size_t kMaxLength = 64;
+  const std::string shown = "\"" + TerminalSafe(name) + "\"";
+  if (name.empty()) return "name must not be empty";
+  if (name.size() > kMaxLength) {
+    return "name " + shown + " has " + std::to_string(name.size()) + " characters, more than " +
+           std::to_string(kMaxLength) + " (it becomes the job id and a directory name)";
+  }
+  if (name == "." || name == "..") return "name " + shown + " is not a usable directory name";
+  if (!std::all_of(name.begin(), name.end(), IsJobNameChar)) {
+    return "name " + shown + " may hold only A-Z a-z 0-9 . _ - (it becomes the job id and a directory name)";
+  }
+  return "";
+}
+
+std::string SuggestJobName(std::string_view name) {
+  std::string out;
+  for (char c : name) {
+    const char kept = IsJobNameChar(c) ? c : '-';
+    if (kept == '-' && !out.empty() && out.back() == '-') continue;
+    out += kept;
+  }
+  while (!out.empty() && (out.front() == '-' || out.front() == '.')) out.erase(out.begin());
+  while (!out.empty() && out.back() == '-') out.pop_back();
+  if (out.size() > 64) out.resize(64);
+  if (out.empty() || out == "." || out == "..") return "job";
   return out;
 }
 

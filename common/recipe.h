@@ -235,6 +235,12 @@ struct RecipeParseResult {
   std::string ErrorText() const;  // every error, one per line
 };
 
+// A job's name becomes its id (NAME-N), a directory name and part of log lines: 1 to 64 of
+// A-Z a-z 0-9 . _ -, and not "." or "..". Returns what is wrong with `name`, empty when nothing is.
+std::string JobNameProblem(std::string_view name);
+// A valid name close to `name` (the characters outside the rule become '-'; "job" when nothing is left).
+std::string SuggestJobName(std::string_view name);
+
 // Parses YAML text and checks it: every key's type and range (common/recipe_schema.h), then the
 // rules between keys, the layout rules of common/layout.h among them (for the recipe's own world
 // size). `source_name` names the file in errors. `overrides` are "dotted.key=value" strings applied

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -165,6 +166,23 @@ Status InitTls(const std::string& dir, const std::vector<std::string>& hosts) {
   fs::create_directories(dir, ec);
   if (ec) return InvalidArgument("cannot create " + dir + ": " + ec.message());
   auto path = [&](const char* name) { return (fs::path(dir) / name).string(); };
+  // Never over files a deployment already uses: clients trust the CA, and a new one would lock them out.
+  std::string present;
+  for (const char* name : {"ca.pem", "ca.key", "server.pem", "server.key", "client.pem", "client.key", "token"}) {
+    if (fs::exists(path(name), ec)) present += (present.empty() ? "" : ", ") + std::string(name);
+  }
+  if (!present.empty()) {
+    return FailedPrecondition(dir + " already holds " + present +
+                              ": --init-tls never overwrites them (clients trust that CA); remove them first or "
+                              "choose another directory");
+  }
+  // Keys and the token are private from the moment they exist: every file is created 0600 (openssl
+  // inherits the mask), and the public certificates are opened up afterwards.
+  const mode_t old_mask = ::umask(077);
+  struct RestoreMask {
+    mode_t mask;
+    ~RestoreMask() { ::umask(mask); }
+  } restore{old_mask};
   std::string san = "subjectAltName=";
   for (size_t i = 0; i < hosts.size(); ++i) {
     bool ip = hosts[i].find_first_not_of("0123456789.") == std::string::npos || hosts[i].find(':') != std::string::npos;
@@ -190,11 +208,13 @@ Status InitTls(const std::string& dir, const std::vector<std::string>& hosts) {
   std::string token;
   const char* hex = "0123456789abcdef";
   for (int i = 0; i < 40; ++i) token += hex[random() % 16];
-  {
-    std::ofstream out(path("token"));
-    out << token << "\n";
-  }
-  for (const char* secret : {"ca.key", "server.key", "client.key", "token"}) chmod(path(secret).c_str(), 0600);
+  const int fd = ::open(path("token").c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+  if (fd < 0) return Internal("creating " + path("token") + ": " + std::strerror(errno));
+  token += "\n";
+  const bool written = ::write(fd, token.data(), token.size()) == static_cast<ssize_t>(token.size());
+  ::close(fd);
+  if (!written) return Internal("writing " + path("token") + ": " + std::strerror(errno));
+  for (const char* certificate : {"ca.pem", "server.pem", "client.pem"}) ::chmod(path(certificate).c_str(), 0644);
   for (const char* scratch : {"server.csr", "client.csr", "server.ext", "ca.srl"}) fs::remove(path(scratch), ec);
   return Status::Ok();
 }

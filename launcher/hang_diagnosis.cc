@@ -111,7 +111,17 @@ std::optional<std::string> DiagnoseHang(const std::vector<RankActivity>& ranks, 
   int64_t longest = 0;
   for (const auto& r : ranks) longest = std::max(longest, OwnLimit(r, limits, training));
   auto limit_of = [&](const RankActivity& r) { return Waiting(r) ? longest : OwnLimit(r, limits, training); };
-  bool hung = std::any_of(ranks.begin(), ranks.end(), [&](const RankActivity& r) { return r.idle_ms >= limit_of(r); });
+  // Nor is a waiting rank stuck while a rank it may wait for still makes progress: its idle time
+  // counts from the latest progress of any rank that is not waiting. Else a rank would be blamed
+  // for a wait that began before its own last progress.
+  std::optional<int64_t> working_idle;
+  for (const auto& r : ranks) {
+    if (!Waiting(r)) working_idle = std::min(working_idle.value_or(r.idle_ms), r.idle_ms);
+  }
+  auto idle_of = [&](const RankActivity& r) {
+    return Waiting(r) && working_idle ? std::min(r.idle_ms, *working_idle) : r.idle_ms;
+  };
+  bool hung = std::any_of(ranks.begin(), ranks.end(), [&](const RankActivity& r) { return idle_of(r) >= limit_of(r); });
   if (!hung) return std::nullopt;
 
   // The behind ranks: silent ones, else those not waiting for peers, else those in the collective

@@ -326,6 +326,17 @@ TEST_F(CheckpointTest, ARerunWithFewerStepsLeavesLatestValid) {
 // A checkpoint directory belongs to the job that wrote it: a worker of another job refuses it
 // before training (exit code 3: not to be restarted), naming the owner and the fix, and leaves it
 // as it was; the owner itself goes on using it.
+// A checkpoint directory may be named like a step (a job named "step" has ids step-1, step-2, ...):
+// every rank must still read it as the directory that holds the steps.
+TEST_F(CheckpointTest, ACheckpointDirectoryNamedLikeAStepResumesOnEveryRank) {
+  RunResult first = Run("stepname", 2, "step-1", "--set training.steps=10");
+  ASSERT_EQ(first.rc, 0) << first.log0 << first.log1;
+  const std::string dir = (Dir() / "step-1").string();
+  RunResult resumed = Run("stepname_resume", 2, "step-1-out", "--set training.steps=12 --set checkpoint.resume_from=" + dir);
+  ASSERT_EQ(resumed.rc, 0) << resumed.log0 << resumed.log1;
+  EXPECT_NE(resumed.log0.find("resumed from " + dir + "/step-10 at step 10"), std::string::npos) << resumed.log0;
+}
+
 TEST_F(CheckpointTest, AnotherJobsCheckpointDirectoryIsRefused) {
   RunResult owner = Run("own_first", 1, "own_ck", "--set training.steps=5", "LTRAIN_JOB_ID=owner-1");
   ASSERT_EQ(owner.rc, 0) << owner.log0;

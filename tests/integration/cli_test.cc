@@ -52,6 +52,7 @@ INSTANTIATE_TEST_SUITE_P(
                   "does not divide model.vocab=300"},
         Malformed{"world_size", "data: {path: /d}\nmodel: {layers: 4}\nparallel:\n  nproc_per_node: 3\n  tp: 1\n  pp: 2\n",
                   "5:7", "world size 3 (nodes*nproc_per_node) is not a multiple of tp*pp=2"},
+        Malformed{"job_name", "name: ../x\ndata: {path: /d}\n", "1:1", "name \"../x\" may hold only A-Z a-z 0-9 . _ -"},
         Malformed{"pp_layers", "data: {path: /d}\nmodel: {layers: 2}\nparallel:\n  nproc_per_node: 4\n  pp: 4\n", "5:7",
                   "parallel.pp=4 is larger than model.layers=2"}),
     [](const ::testing::TestParamInfo<Malformed>& info) { return std::string(info.param.name); });

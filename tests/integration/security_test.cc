@@ -133,6 +133,22 @@ TEST_F(SecurityTest, RejectedRequestsSayWhyAndChangeNothing) {
   EXPECT_EQ(log.find(token), std::string::npos) << "the coordinator never logs the token";
 }
 
+// The keys and the token are private from their creation, and a second --init-tls over the same
+// directory changes nothing: clients already trust that CA.
+TEST_F(SecurityTest, InitTlsWritesPrivateKeysAndNeverOverwrites) {
+  for (const char* secret : {"ca.key", "server.key", "client.key", "token"}) {
+    const auto perms = fs::status(Tls(secret)).permissions();
+    EXPECT_EQ(perms & (fs::perms::group_all | fs::perms::others_all), fs::perms::none) << secret;
+  }
+  EXPECT_NE(fs::status(Tls("ca.pem")).permissions() & fs::perms::others_read, fs::perms::none) << "a certificate is public";
+  const std::string ca = ReadFile(Tls("ca.pem")), token = ReadFile(Tls("token"));
+  ProcessResult again = RunProcess({LtrainBinary(), "coordinator", "--init-tls", dir_.Join("tls")});
+  EXPECT_EQ(again.exit_code, 2) << again.output;
+  EXPECT_NE(again.output.find("never overwrites"), std::string::npos) << again.output;
+  EXPECT_EQ(ReadFile(Tls("ca.pem")), ca);
+  EXPECT_EQ(ReadFile(Tls("token")), token);
+}
+
 TEST_F(SecurityTest, AgentWithAWrongTokenIsNotRegistered) {
   std::string wrong_token = dir_.Write("wrong-token", "nope\n");
   Subprocess agent({LtrainBinary(), "agent", "--coordinator", address_, "--node-id", "intruder", "--tls-ca", Tls("ca.pem"),

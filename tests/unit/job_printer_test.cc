@@ -178,6 +178,19 @@ TEST(JobPrinterTest, TextLogLinesArePrefixedAndFoldedAcrossRanks) {
   EXPECT_EQ(FormatLogLines({}, LogFormat::kText), "");
 }
 
+// What a worker prints reaches the terminal escaped: it cannot recolour, move the cursor or forge
+// a line of its own; a failure's multi-line cause keeps its lines.
+TEST(JobPrinterTest, WorkerOutputAndEventsAreEscapedForTheTerminal) {
+  const std::string forged = "loss 1.0\r\x1b[31mFAKE\nltrain: job SUCCEEDED \xc2\x9b" "2J \xff caf\xc3\xa9\tok";
+  EXPECT_EQ(FormatFollowedEvent(LogLine(1, 1000, 0, forged), false),
+            "[rank 0] loss 1.0\\x0d\\x1b[31mFAKE\\x0altrain: job SUCCEEDED \\xc2\\x9b2J \\xff caf\xc3\xa9\tok\n");
+  EXPECT_EQ(FormatLogLines({LogLine(2, 1000, 1, "\x1b]0;title\x07")}, LogFormat::kText), "[rank 1] \\x1b]0;title\\x07\n");
+  v1::Event failed;
+  failed.set_kind("state");
+  failed.set_message("rank 1 failed; last lines of its log:\n    \x1b[2Kboom");
+  EXPECT_EQ(FormatFollowedEvent(failed, false), "ltrain: rank 1 failed; last lines of its log:\n    \\x1b[2Kboom\n");
+}
+
 TEST(JobPrinterTest, JsonLogLinesAreOneCompactObjectEach) {
   EXPECT_EQ(FormatLogLines({LogLine(7, 1000, 0, "hello \"world\""), LogLine(8, 1001, 3, "bye")}, LogFormat::kJson),
             "{\"seq\":\"7\",\"job_id\":\"j-1\",\"unix_ms\":\"1000\",\"kind\":\"log\",\"message\":\"hello \\\"world\\\"\"}\n"

@@ -27,6 +27,33 @@ TEST(RecipeTest, ParsesAndFillsDefaults) {
   EXPECT_EQ(result.recipe.training.lr_schedule, LrScheduleKind::kCosine);
 }
 
+// The name becomes the job id, a directory name and part of log lines.
+TEST(RecipeTest, JobNamesFollowTheRuleAndABadOneGetsASuggestion) {
+  for (const std::string& good : {std::string("tiny"), std::string("gpt-1.3b_run.2"), std::string("A"), std::string("step"), std::string(64, 'x')}) {
+    EXPECT_EQ(JobNameProblem(good), "") << good;
+  }
+  for (const char* bad : {"", ".", "..", "../x", "/abs", "a b", "new\nline", "esc\x1b[31m", "caf\xc3\xa9"}) {
+    EXPECT_NE(JobNameProblem(bad), "") << bad;
+    EXPECT_EQ(JobNameProblem(SuggestJobName(bad)), "") << bad << " -> " << SuggestJobName(bad);
+  }
+  EXPECT_NE(JobNameProblem(std::string(65, 'x')), "");
+  EXPECT_EQ(SuggestJobName("../../var/x"), "var-x");
+  EXPECT_EQ(SuggestJobName("my run #3"), "my-run-3");
+  EXPECT_EQ(SuggestJobName(".."), "job");
+
+  RecipeParseResult bad = ParseRecipe(std::string(kGood).replace(0, 10, "name: \"../../../../var/x\\n\\e[31mFAKE\""), "r.yaml");
+  ASSERT_FALSE(bad.ok());
+  const std::string text = bad.ErrorText();
+  EXPECT_NE(text.find("r.yaml:1:"), std::string::npos) << text;
+  EXPECT_NE(text.find("may hold only A-Z a-z 0-9 . _ -"), std::string::npos) << text;
+  EXPECT_NE(text.find("for example name: var-x-31mFAKE"), std::string::npos) << text;
+  EXPECT_EQ(text.find('\x1b'), std::string::npos) << "the name is shown escaped";
+  // A recipe file whose stem is not a valid name gets a valid default name.
+  RecipeParseResult stem = ParseRecipe(std::string(kGood).substr(11), "/tmp/my run.yaml");
+  ASSERT_TRUE(stem.ok()) << stem.ErrorText();
+  EXPECT_EQ(stem.recipe.name, "my-run");
+}
+
 TEST(RecipeTest, YamlRoundTripGivesTheSameRecipe) {
   RecipeParseResult first = ParseRecipe(kGood, "tiny.yaml", {"training.lr=0.00031", "checkpoint.every=5"});
   ASSERT_TRUE(first.ok()) << first.ErrorText();

@@ -248,7 +248,13 @@ StatusOr<ResumeChoice> ChooseResumeCheckpoint(const std::string& path, const std
     LTRAIN_RETURN_IF_ERROR(CheckCheckpointFiles(step_dir, meta));
     return meta;
   };
-  const bool step_dir = fs::exists(root / kCheckpointMetaFile, ec) || StepOfName(root.filename().string()) >= 0;
+  // A step directory has its meta.yaml; one without it is still taken for a (corrupt) step directory
+  // when its name says step-N and it holds no steps of its own (a checkpoint directory may be
+  // named step-N too: a job named "step" has ids step-1, step-2, ...).
+  bool step_dir = fs::exists(root / kCheckpointMetaFile, ec);
+  if (!step_dir && StepOfName(root.filename().string()) >= 0) {
+    step_dir = !fs::exists(root / "latest", ec) && ListCommittedSteps(path).empty();
+  }
   if (step_dir) {
     StatusOr<CheckpointMeta> meta = check(path);
     if (!meta.ok() && meta.status().code() == StatusCode::kFailedPrecondition) {

@@ -345,20 +345,19 @@ Status Trainer::Resume(const std::string& path) {
         std::fflush(stdout);
       }
     }
+    // The step, and whether `path` is that step's directory (else it holds it): rank 0's reading of
+    // the directory is the one every rank follows.
+    int64_t path_is_step = choice.ok() && choice->step_dir == path ? 1 : 0;
     if (world > 1) {
-      torch::Tensor t = torch::full({1}, chosen, torch::TensorOptions().dtype(torch::kLong).device(device_));
+      torch::Tensor t = torch::tensor(std::vector<int64_t>{chosen, path_is_step}, torch::kLong).to(device_);
       LTRAIN_RETURN_IF_ERROR(groups_->world->Broadcast(t, 0));
-      chosen = t.to(torch::kCPU).item<int64_t>();
+      t = t.to(torch::kCPU);
+      chosen = t[0].item<int64_t>();
+      path_is_step = t[1].item<int64_t>();
     }
     if (rank == 0 && !choice.ok()) return choice.status();
     if (chosen < 0) return Unavailable("rank 0 found no checkpoint to resume from in " + path + " (see its log)");
-    if (rank == 0) {
-      step_dir = choice->step_dir;
-    } else {
-      std::error_code ec;
-      const bool is_step = fs::exists(fs::path(path) / kCheckpointMetaFile, ec) || StepOfName(fs::path(path).filename().string()) >= 0;
-      step_dir = is_step ? path : (fs::path(path) / StepDirName(chosen)).string();
-    }
+    step_dir = rank == 0 ? choice->step_dir : path_is_step ? path : (fs::path(path) / StepDirName(chosen)).string();
     StatusOr<CheckpointMeta> meta = rank == 0 ? StatusOr<CheckpointMeta>(choice->meta) : ReadCheckpointMeta(step_dir);
     Status read = meta.ok() ? Status::Ok() : meta.status();
     if (read.ok() && meta->step != chosen) {
