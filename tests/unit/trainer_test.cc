@@ -231,6 +231,22 @@ TEST_F(TrainerTest, FirstBucketAllReduceStartsBeforeBackwardEnds) {
   EXPECT_NEAR(*loss, *ref_loss, 1e-6 * *ref_loss);
 }
 
+// A token past model.vocab would index past the embedding table (on a GPU, a device assert): the
+// step fails instead, naming the file and the fix, as a precondition no restart changes.
+TEST_F(TrainerTest, TokenIdOutsideTheVocabularyFailsTheStepNamingTheFile) {
+  std::vector<uint16_t> tokens(4000, 7);
+  for (size_t i = 0; i < tokens.size(); i += 50) tokens[i] = 300;  // declared vocab 256, model.vocab 256
+  ASSERT_TRUE(WriteTokenFile((dir_ / "data" / "train.bin").string(), tokens, 256).ok());
+  FakeCommunicator comm;
+  auto t = Trainer::Create(recipe_, options_, &comm);
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  StatusOr<double> loss = (*t)->Step();
+  ASSERT_FALSE(loss.ok());
+  EXPECT_EQ(loss.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(loss.status().message().find("train.bin holds token id 300, outside model.vocab=256"), std::string::npos)
+      << loss.status().message();
+}
+
 TEST_F(TrainerTest, CollectiveFailureSurfacesAsStatus) {
   FakeCommunicator comm;
   comm.FailAt(0, Unavailable("peer rank 1 died"));  // the initial parameter broadcast

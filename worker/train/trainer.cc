@@ -766,7 +766,7 @@ std::vector<torch::Tensor> Trainer::Parameters() const {
   return out;
 }
 
-void Trainer::FillBatch(int micro_step, torch::Tensor* inputs, torch::Tensor* targets) {
+Status Trainer::FillBatch(int micro_step, torch::Tensor* inputs, torch::Tensor* targets) {
   BatchSlice slice;
   slice.position0 = run_start_position_;
   slice.step = step_ - run_start_step_;
@@ -781,8 +781,25 @@ void Trainer::FillBatch(int micro_step, torch::Tensor* inputs, torch::Tensor* ta
   torch::Tensor in = torch::empty({layout_.micro_batch, recipe_.model.seq_len}, host);
   torch::Tensor tg = torch::empty({layout_.micro_batch, recipe_.model.seq_len}, host);
   sampler_.Fill(slice, in.data_ptr<int64_t>(), tg.data_ptr<int64_t>());
+  // Every token the model sees must be an embedding row: on a GPU an id past the table is a device
+  // assert that kills the process without a word. The file's declared vocab is checked when it
+  // opens; its tokens are checked here, as they are drawn (a whole-file scan would cost every
+  // worker a pass over the data at start-up).
+  const int64_t vocab = recipe_.model.vocab;
+  for (const torch::Tensor* t : {&in, &tg}) {
+    const int64_t* ids = t->data_ptr<int64_t>();
+    for (int64_t i = 0, n = t->numel(); i < n; ++i) {
+      if (ids[i] < 0 || ids[i] >= vocab) {
+        return FailedPrecondition("token file " + data_.path() + " holds token id " + std::to_string(ids[i]) +
+                                  ", outside model.vocab=" + std::to_string(vocab) + " (the file declares vocab " +
+                                  std::to_string(data_.vocab()) +
+                                  "): it is damaged or was not written by `ltrain data prepare`; prepare it again");
+      }
+    }
+  }
   *inputs = in.to(device_, /*non_blocking=*/true);
   *targets = tg.to(device_, /*non_blocking=*/true);
+  return Status::Ok();
 }
 
 void Trainer::SampleActivations() {
@@ -812,7 +829,9 @@ Status Trainer::RunPipeline(torch::Tensor& loss_sum) {
       case PipeOpKind::kForward: {
         Progress::Global().SetPhase(step_ + 1, "forward");
         torch::Tensor inputs, targets;
-        if (model_->FirstStage(op.chunk) || model_->LastStage(op.chunk)) FillBatch(op.microbatch, &inputs, &targets);
+        if (model_->FirstStage(op.chunk) || model_->LastStage(op.chunk)) {
+          LTRAIN_RETURN_IF_ERROR(FillBatch(op.microbatch, &inputs, &targets));
+        }
         if (!model_->FirstStage(op.chunk)) inputs = slot.input;
         torch::Tensor out;
         {
@@ -886,7 +905,7 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
     for (int a = 0; a < m; ++a) {
       Progress::Global().SetPhase(step + 1, "data");
       torch::Tensor inputs, targets;
-      FillBatch(a, &inputs, &targets);
+      LTRAIN_RETURN_IF_ERROR(FillBatch(a, &inputs, &targets));
       const bool reduce_now = overlap_ && (layout_.zero >= 2 || a == m - 1);
       store_->ArmHooks(reduce_now);
       Progress::Global().SetPhase(step + 1, "forward");

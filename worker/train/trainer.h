@@ -114,7 +114,8 @@ class Trainer {
   // before the optimizer runs and fails the step if it is not finite.
   StatusOr<torch::Tensor> StepOnDevice(bool check_loss);
   Status CheckLoss(double value, int64_t step) const;
-  void FillBatch(int micro_step, torch::Tensor* inputs, torch::Tensor* targets);
+  // The micro-batch's token windows; FailedPrecondition when one holds an id outside model.vocab.
+  Status FillBatch(int micro_step, torch::Tensor* inputs, torch::Tensor* targets);
   Status RunPipeline(torch::Tensor& loss_sum);
   void SampleActivations();
   std::string LayoutKey() const;
