@@ -17,8 +17,10 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "agent/outbox.h"
 #include "agent/progress_table.h"
 #include "agent/supervisor.h"
+#include "agent/worker_credentials.h"
 #include "common/clock.h"
 #include "common/logging.h"
 #include "ltrain/v1/ltrain.grpc.pb.h"
@@ -33,19 +35,51 @@ std::chrono::system_clock::time_point Deadline(double seconds) {
   return std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
 }
 
-// Forwards the workers' rendezvous calls to the coordinator.
+// Who calls the agent's loopback services: a worker of one of its jobs, by the secret of that job
+// generation; anyone else is refused.
+grpc::Status Authorize(const grpc::ServerContext& context, const WorkerCredentials& credentials, WorkerGrant* grant) {
+  auto found = context.client_metadata().find("authorization");
+  if (found == context.client_metadata().end()) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        "this agent serves only the workers it started (they hold LTRAIN_AGENT_SECRET_FILE)");
+  }
+  std::optional<WorkerGrant> granted = credentials.Find(std::string_view(found->second.data(), found->second.size()));
+  if (!granted) {
+    return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                        "the secret is none of this agent's current job generations'");
+  }
+  *grant = std::move(*granted);
+  return grpc::Status::OK;
+}
+
+grpc::Status OutsideScope(const WorkerGrant& grant, const std::string& key) {
+  return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                      "key '" + ValidUtf8(key.substr(0, 200)) + "' is outside the rendezvous scope of job " +
+                          grant.job_id + " generation " + std::to_string(grant.generation));
+}
+
+// Forwards the workers' rendezvous calls to the coordinator: each worker only the keys of its own
+// job generation.
 class RendezvousProxy final : public v1::RendezvousService::Service {
  public:
-  explicit RendezvousProxy(std::shared_ptr<grpc::Channel> channel)
-      : stub_(v1::RendezvousService::NewStub(std::move(channel))) {}
+  RendezvousProxy(std::shared_ptr<grpc::Channel> channel, const WorkerCredentials* credentials)
+      : stub_(v1::RendezvousService::NewStub(std::move(channel))), credentials_(credentials) {}
 
-  grpc::Status Set(grpc::ServerContext*, const v1::KvSetRequest* request, v1::KvSetReply* reply) override {
+  grpc::Status Set(grpc::ServerContext* server, const v1::KvSetRequest* request, v1::KvSetReply* reply) override {
+    WorkerGrant grant;
+    if (grpc::Status s = Authorize(*server, *credentials_, &grant); !s.ok()) return s;
+    if (request->key().rfind(grant.rendezvous_scope, 0) != 0) return OutsideScope(grant, request->key());
     grpc::ClientContext context;
     context.set_deadline(Deadline(30));
     return stub_->Set(&context, *request, reply);
   }
 
-  grpc::Status Get(grpc::ServerContext*, const v1::KvGetRequest* request, v1::KvGetReply* reply) override {
+  grpc::Status Get(grpc::ServerContext* server, const v1::KvGetRequest* request, v1::KvGetReply* reply) override {
+    WorkerGrant grant;
+    if (grpc::Status s = Authorize(*server, *credentials_, &grant); !s.ok()) return s;
+    for (const std::string& key : request->keys()) {
+      if (key.rfind(grant.rendezvous_scope, 0) != 0) return OutsideScope(grant, key);
+    }
     grpc::ClientContext context;
     context.set_deadline(Deadline(request->timeout_ms() / 1000.0 + 5));
     return stub_->Get(&context, *request, reply);
@@ -53,6 +87,7 @@ class RendezvousProxy final : public v1::RendezvousService::Service {
 
  private:
   std::unique_ptr<v1::RendezvousService::Stub> stub_;
+  const WorkerCredentials* credentials_;
 };
 
 // Receives the progress reports of this node's workers into the table, and answers each with
@@ -60,10 +95,17 @@ class RendezvousProxy final : public v1::RendezvousService::Service {
 // ProgressTable::Record) goes to `news` before the reply: the worker prints only after the reply.
 class ProgressSink final : public v1::WorkerService::Service {
  public:
-  ProgressSink(ProgressTable* table, std::function<void(v1::RankProgress)> news)
-      : table_(table), news_(std::move(news)) {}
+  ProgressSink(ProgressTable* table, std::function<void(v1::RankProgress)> news, const WorkerCredentials* credentials)
+      : table_(table), news_(std::move(news)), credentials_(credentials) {}
 
-  grpc::Status ReportProgress(grpc::ServerContext*, const v1::RankProgress* request, v1::ProgressAck* ack) override {
+  grpc::Status ReportProgress(grpc::ServerContext* server, const v1::RankProgress* request, v1::ProgressAck* ack) override {
+    WorkerGrant grant;
+    if (grpc::Status s = Authorize(*server, *credentials_, &grant); !s.ok()) return s;
+    if (request->job_id() != grant.job_id || request->generation() != grant.generation) {
+      return grpc::Status(grpc::StatusCode::PERMISSION_DENIED,
+                          "a worker of job " + grant.job_id + " generation " + std::to_string(grant.generation) +
+                              " may report only its own progress");
+    }
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (auto stop = checkpoint_stops_.find(request->job_id());
@@ -86,6 +128,7 @@ class ProgressSink final : public v1::WorkerService::Service {
  private:
   ProgressTable* table_;
   std::function<void(v1::RankProgress)> news_;
+  const WorkerCredentials* credentials_;
   std::mutex mu_;
   std::map<std::string, int> checkpoint_stops_;  // job id -> newest generation to stop after a checkpoint
 };
@@ -109,7 +152,7 @@ class AgentImpl : public Agent, private SupervisorOutbox {
       return FailedPrecondition("worker binary " + options_.worker_binary +
                                 " is not executable; build it or pass --worker-binary");
     }
-    proxy_ = std::make_unique<RendezvousProxy>(channel_);
+    proxy_ = std::make_unique<RendezvousProxy>(channel_, &credentials_);
     grpc::ServerBuilder builder;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &proxy_port_);
     builder.RegisterService(proxy_.get());
@@ -303,8 +346,25 @@ class AgentImpl : public Agent, private SupervisorOutbox {
         outbox_.pop_front();
         continue;
       }
-      // The coordinator is away: keep the message and try again shortly, in order.
-      out_cv_.wait_for(lock, std::chrono::milliseconds(500), [this] { return sender_done_; });
+      if (IsRetryable(status.error_code())) {
+        // The coordinator is away or busy: keep the message and try again shortly, in order.
+        out_cv_.wait_for(lock, std::chrono::milliseconds(500), [this] { return sender_done_; });
+        continue;
+      }
+      // Refused for what it holds: sending it again would be refused again, and every report behind
+      // it would wait for ever. A dropped batch of lines leaves a line saying so in its place.
+      outbox_.pop_front();
+      const std::string why = std::to_string(static_cast<int>(status.error_code())) + ": " + status.error_message();
+      if (const auto* logs = std::get_if<v1::PushLogsRequest>(&message)) {
+        LTRAIN_LOG(kWarning, "agent") << "the coordinator refused " << logs->lines_size() << " log line(s) of job "
+                                      << logs->job_id() << " (" << why << "); dropped";
+        if (std::optional<v1::PushLogsRequest> notice = DroppedLinesNotice(*logs, why)) outbox_.push_front(std::move(*notice));
+      } else if (const auto* report = std::get_if<v1::WorkerStateReport>(&message)) {
+        LTRAIN_LOG(kWarning, "agent") << "the coordinator refused the " << report->state() << " report of job "
+                                      << report->job_id() << " rank " << report->rank() << " (" << why << "); dropped";
+      } else {
+        LTRAIN_LOG(kWarning, "agent") << "the coordinator refused a progress report (" << why << "); dropped";
+      }
     }
   }
 
@@ -328,6 +388,9 @@ class AgentImpl : public Agent, private SupervisorOutbox {
     options.stop_grace_ms = static_cast<int64_t>(options_.stop_grace_s * 1000);
     // The rank's last progress goes with its exit: a commit or a stop reported just before the exit
     // is applied before it.
+    options.issue_worker_secret = [this](const v1::StartJobCommand& start) {
+      return credentials_.Issue(start.job_id(), start.generation(), start.rendezvous_scope());
+    };
     options.complete_exit_report = [this](v1::WorkerStateReport& report) {
       progress_table_.CompleteExitReport(report);
     };
@@ -389,8 +452,10 @@ class AgentImpl : public Agent, private SupervisorOutbox {
   int64_t job_heartbeat_ms_ = 0;
 
   RealClock clock_;
+  WorkerCredentials credentials_;
   ProgressTable progress_table_{clock_};
-  ProgressSink progress_{&progress_table_, [this](v1::RankProgress report) { SendProgressNews(std::move(report)); }};
+  ProgressSink progress_{&progress_table_, [this](v1::RankProgress report) { SendProgressNews(std::move(report)); },
+                         &credentials_};
   std::mutex live_mu_;
   std::vector<v1::RunningWorker> live_;  // workers not yet reaped, for registration and heartbeats
 

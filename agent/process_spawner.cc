@@ -22,6 +22,9 @@ StatusOr<SpawnedProcess> RealProcessSpawner::Spawn(const SpawnSpec& spec) {
     size_t eq = entry.find('=');
     if (eq != std::string::npos) merged[entry.substr(0, eq)] = entry;
   }
+  // The cluster token drives the whole coordinator: a worker runs user code and needs none of it
+  // (it reaches its agent with its job's own secret).
+  merged.erase("LTRAIN_TOKEN");
   for (const auto& entry : spec.env) merged[entry.substr(0, entry.find('='))] = entry;
   std::vector<std::string> env_strings;
   for (auto& [key, entry] : merged) env_strings.push_back(entry);

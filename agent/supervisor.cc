@@ -1,6 +1,8 @@
 #include "agent/supervisor.h"
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -44,6 +46,19 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
     std::ofstream out(recipe);
     out << start.recipe_yaml();
   }
+  // The generation's secret for the agent's services, private to this user from its creation.
+  std::string secret_file;
+  if (const std::string secret = options_.issue_worker_secret ? options_.issue_worker_secret(start) : "";
+      !secret.empty()) {
+    secret_file = (dir / "agent-secret").string();
+    const int fd = ::open(secret_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+    const bool written = fd >= 0 && ::fchmod(fd, 0600) == 0 &&
+                         ::write(fd, secret.data(), secret.size()) == static_cast<ssize_t>(secret.size());
+    if (fd >= 0) ::close(fd);
+    if (!written) {
+      LTRAIN_LOG(kError, "agent") << "cannot write " << secret_file << ": the job's workers cannot reach this agent";
+    }
+  }
   for (const auto& assignment : start.workers()) {
     SpawnSpec spec;
     spec.binary = options_.worker_binary;
@@ -62,6 +77,7 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
         "LTRAIN_CHECKPOINT_DIR=" + start.checkpoint_dir(),
         "LTRAIN_BIND_ADDR=" + options_.bind_address,
     };
+    if (!secret_file.empty()) spec.env.push_back("LTRAIN_AGENT_SECRET_FILE=" + secret_file);
     auto worker = std::make_unique<Worker>();
     worker->job_id = start.job_id();
     worker->generation = start.generation();
@@ -179,6 +195,11 @@ void Supervisor::Drain(Worker& worker, Batches& batches, bool final_read) {
       break;
     }
     worker.partial.append(buffer, static_cast<size_t>(n));
+    // A line that never ends (a progress bar with \r, binary output) is cut into lines of its own.
+    if (worker.partial.size() > kMaxPartialLineBytes && worker.partial.find('\n') == std::string::npos) {
+      AddLine(worker, worker.partial, batches);
+      worker.partial.clear();
+    }
   }
   size_t start = 0;
   for (size_t nl; (nl = worker.partial.find('\n', start)) != std::string::npos; start = nl + 1) {
@@ -193,21 +214,33 @@ void Supervisor::Drain(Worker& worker, Batches& batches, bool final_read) {
 
 void Supervisor::AddLine(Worker& worker, const std::string& line, Batches& batches) {
   worker.log << line << '\n';
-  worker.tail.push_back(line);
-  if (worker.tail.size() > kTailLines) worker.tail.pop_front();
-  v1::PushLogsRequest& batch = batches[worker.job_id];
-  if (batch.job_id().empty()) {
-    batch.set_job_id(worker.job_id);
-    batch.set_node_id(options_.node_id);
+  // What goes to the coordinator: valid UTF-8 (protobuf refuses anything else), and at most
+  // kMaxForwardedLineBytes of it.
+  std::string text = ValidUtf8(line);
+  if (text.size() > kMaxForwardedLineBytes) {
+    const size_t kept = Utf8Prefix(text, kMaxForwardedLineBytes);
+    text = text.substr(0, kept) + " [... " + std::to_string(text.size() - kept) + " more bytes in " + worker.log_path + "]";
   }
-  v1::LogLine* out = batch.add_lines();
+  worker.tail.push_back(text);
+  if (worker.tail.size() > kTailLines) worker.tail.pop_front();
+  Batch& batch = batches[worker.job_id];
+  if (batch.bytes + text.size() > kMaxBatchBytes && batch.request.lines_size() > 0) {
+    outbox_.Send(std::move(batch.request));
+    batch = Batch{};
+  }
+  if (batch.request.job_id().empty()) {
+    batch.request.set_job_id(worker.job_id);
+    batch.request.set_node_id(options_.node_id);
+  }
+  batch.bytes += text.size();
+  v1::LogLine* out = batch.request.add_lines();
   out->set_rank(worker.rank);
-  out->set_text(line);
+  out->set_text(std::move(text));
 }
 
 void Supervisor::SendBatches(Batches& batches) {
   for (auto& [job, batch] : batches) {
-    if (batch.lines_size() > 0) outbox_.Send(std::move(batch));
+    if (batch.request.lines_size() > 0) outbox_.Send(std::move(batch.request));
   }
   batches.clear();
 }

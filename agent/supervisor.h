@@ -54,11 +54,21 @@ struct SupervisorOptions {
   // Called with each exit report of a reaped worker before it is sent: what the caller knows
   // about the rank (its last progress, say) goes in here.
   std::function<void(v1::WorkerStateReport&)> complete_exit_report;
+  // The secret with which the workers of a starting job generation reach the agent's services
+  // (WorkerCredentials::Issue); it goes to them in jobs/<job>/gen-<generation>/agent-secret, 0600,
+  // named by LTRAIN_AGENT_SECRET_FILE. Unset or empty: no secret.
+  std::function<std::string(const v1::StartJobCommand&)> issue_worker_secret;
 };
 
 class Supervisor {
  public:
   static constexpr size_t kTailLines = 12;  // log lines an exit report carries
+  // What one forwarded line may hold (the log file keeps all of it), what one batch of lines sent
+  // to the coordinator may hold, and how long a line without a newline may grow before it is
+  // taken as a line of its own: no output a worker prints can make a message the coordinator refuses.
+  static constexpr size_t kMaxForwardedLineBytes = 16 << 10;
+  static constexpr size_t kMaxBatchBytes = 512 << 10;
+  static constexpr size_t kMaxPartialLineBytes = 1 << 20;
 
   // `spawner`, `clock` and `outbox` must outlive the supervisor. An empty read_oom_kill_count
   // reads this process's cgroup (ReadOomKillCount).
@@ -103,7 +113,11 @@ class Supervisor {
     bool kill_sent = false;  // that SIGKILL went out
     std::optional<int64_t> oom_kills_at_start;
   };
-  using Batches = std::map<std::string, v1::PushLogsRequest>;  // job id -> lines
+  struct Batch {
+    v1::PushLogsRequest request;
+    size_t bytes = 0;  // the lines' text
+  };
+  using Batches = std::map<std::string, Batch>;  // job id -> lines
 
   void Drain(Worker& worker, Batches& batches, bool final_read);
   void AddLine(Worker& worker, const std::string& line, Batches& batches);

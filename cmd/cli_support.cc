@@ -1,5 +1,9 @@
 #include "cmd/cli_support.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
@@ -8,6 +12,8 @@
 #include <google/protobuf/util/json_util.h>
 
 #include "common/status.h"
+#include "launcher/coordinator_server.h"
+#include "launcher/state_store.h"
 
 namespace ltrain::cli {
 
@@ -28,6 +34,91 @@ std::string LocalLaunchAddress(const std::string& home, const std::string& job_i
   std::string address;
   in >> address;
   return address;
+}
+
+namespace {
+
+std::string LaunchLockFile(const std::string& home, const std::string& job_id) {
+  return (fs::path(home) / "run" / (job_id + ".lock")).string();
+}
+
+}  // namespace
+
+int HoldLaunchLock(const std::string& home, const std::string& job_id) {
+  const std::string path = LaunchLockFile(home, job_id);
+  std::error_code ec;
+  fs::create_directories(fs::path(path).parent_path(), ec);
+  // Close-on-exec: a worker that inherited it would keep the lock after the launch died.
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  if (fd < 0) return -1;
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    ::close(fd);
+    return -1;
+  }
+  const std::string pid = std::to_string(::getpid()) + "\n";
+  (void)!::write(fd, pid.data(), pid.size());
+  return fd;
+}
+
+void ReleaseLaunchLock(const std::string& home, const std::string& job_id, int fd) {
+  if (fd < 0) return;
+  std::error_code ec;
+  fs::remove(LaunchLockFile(home, job_id), ec);
+  ::close(fd);
+}
+
+std::vector<std::string> ReconcileDeadLaunches(const std::string& home) {
+  std::vector<std::string> failed;
+  std::error_code ec;
+  const fs::path run = fs::path(home) / "run";
+  if (!fs::is_directory(run, ec)) return failed;
+  std::unique_ptr<launcher::StateStore> store;
+  for (const auto& entry : fs::directory_iterator(run, ec)) {
+    if (entry.path().extension() != ".lock") continue;
+    const std::string job_id = entry.path().stem().string();
+    const int fd = ::open(entry.path().c_str(), O_RDWR | O_CLOEXEC);
+    if (fd < 0) continue;
+    // Still held: the launch runs. Free: it ended without removing its lock file, so it was killed.
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      ::close(fd);
+      continue;
+    }
+    std::string pid;
+    std::ifstream(entry.path()) >> pid;
+    if (!store) {
+      StatusOr<std::unique_ptr<launcher::StateStore>> opened = launcher::OpenStateStore(home);
+      if (!opened.ok()) {
+        ::close(fd);
+        return failed;
+      }
+      store = std::move(opened).value();
+    }
+    StatusOr<v1::Job> job = store->GetJob(job_id);
+    if (job.ok() && !launcher::IsFinal(job->state())) {
+      const std::string cause = "its launch (`ltrain launch`, pid " + (pid.empty() ? std::string("?") : pid) +
+                                ") ended before the job did, killed without a word; its workers died with it. "
+                                "`ltrain resume " + job_id + "` continues from the last checkpoint";
+      job->set_state(v1::JOB_STATE_FAILED);
+      job->set_cause(cause);
+      job->clear_ranks();
+      if (store->UpdateJob(*job).ok()) {
+        v1::Event event;
+        event.set_job_id(job_id);
+        event.set_unix_ms(std::chrono::duration_cast<std::chrono::milliseconds>(
+                              std::chrono::system_clock::now().time_since_epoch()).count());
+        event.set_kind("state");
+        event.set_state(v1::JOB_STATE_FAILED);
+        event.set_rank(-1);
+        event.set_message("job FAILED: " + cause);
+        (void)store->AppendEvent(event);
+        failed.push_back(job_id);
+      }
+    }
+    fs::remove(entry.path(), ec);
+    fs::remove(LocalAddressFile(home, job_id), ec);
+    ::close(fd);
+  }
+  return failed;
 }
 
 std::string Absolute(const std::string& path) {

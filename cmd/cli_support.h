@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <google/protobuf/message.h>
 #include <grpcpp/grpcpp.h>
@@ -34,6 +35,17 @@ std::string LtrainHome();
 std::string LocalAddressFile(const std::string& home, const std::string& job_id);
 // The address in that file, or "" when no local launch of the job is running.
 std::string LocalLaunchAddress(const std::string& home, const std::string& job_id);
+
+// A standalone launch holds an flock on $LTRAIN_HOME/run/JOB.lock (which names its pid) while it
+// runs; the kernel releases it however the process ends. HoldLaunchLock returns the descriptor to
+// keep open (-1 when the file cannot be made: later commands then cannot tell a killed launch);
+// ReleaseLaunchLock removes the file and closes it, at the launch's normal end.
+int HoldLaunchLock(const std::string& home, const std::string& job_id);
+void ReleaseLaunchLock(const std::string& home, const std::string& job_id, int fd);
+// The jobs of standalone launches under `home` that ended (killed) before their job did: each is
+// recorded FAILED, with why, so that status shows it, stop has nothing to stop and resume may take
+// it up. Returns their ids. Jobs of a coordinator daemon are never touched (they have no lock file).
+std::vector<std::string> ReconcileDeadLaunches(const std::string& home);
 
 // `path` made absolute against the working directory, so that daemons started elsewhere read it; ""
 // stays "", and a path that cannot be resolved is returned as given.

@@ -86,6 +86,9 @@ int RunJob(const RunJobOptions& options, const SecurityMaterial& security,
   LocalControlPlane local;
   std::string address = options.coordinator;
   if (standalone) {
+    // A launch killed earlier left its job RUNNING in the state: recorded FAILED first, so that it
+    // can be resumed.
+    (void)ReconcileDeadLaunches(home);
     Status started = local.Start(home);
     if (!started.ok()) {
       std::fprintf(stderr, "ltrain: %s\n", started.message().c_str());
@@ -104,7 +107,9 @@ int RunJob(const RunJobOptions& options, const SecurityMaterial& security,
               standalone ? "the local coordinator at " : "", address.c_str());
   std::fflush(stdout);
   fs::path address_file = LocalAddressFile(home, job_id);
+  int launch_lock = -1;
   if (standalone) {
+    launch_lock = HoldLaunchLock(home, job_id);
     std::error_code ec;
     fs::create_directories(address_file.parent_path(), ec);
     std::ofstream(address_file) << address << "\n";
@@ -133,6 +138,7 @@ int RunJob(const RunJobOptions& options, const SecurityMaterial& security,
   if (standalone) {
     std::error_code ec;
     fs::remove(address_file, ec);
+    ReleaseLaunchLock(home, job_id, launch_lock);
   }
   return code;
 }

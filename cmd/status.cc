@@ -61,6 +61,7 @@ int ShowStatus(const StatusArgs& args, const SecurityMaterial& security) {
   // Standalone: a job whose launch still runs is asked of that launch's coordinator (live node and
   // rank progress); otherwise the state under $LTRAIN_HOME is read directly.
   std::string home = LtrainHome();
+  (void)ReconcileDeadLaunches(home);
   if (!job_id.empty()) {
     if (std::string address = LocalLaunchAddress(home, job_id); !address.empty()) {
       CoordinatorClient client(address, security);

@@ -1,5 +1,6 @@
 // ltrain stop JOB [--checkpoint]: stop a job, with --checkpoint after a final commit.
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 #include <thread>
 
@@ -10,6 +11,8 @@
 
 namespace ltrain::cli {
 namespace {
+
+namespace fs = std::filesystem;
 
 struct StopArgs {
   std::string job_id;
@@ -22,7 +25,23 @@ int Stop(const StopArgs& args, const SecurityMaterial& security) {
   const std::string& job_id = args.job_id;
   std::string coordinator_address = args.coordinator;
   if (coordinator_address.empty()) {
+    // A launch that was killed has left nothing to stop: its job is recorded FAILED, and said so.
+    for (const std::string& failed : ReconcileDeadLaunches(LtrainHome())) {
+      if (failed == job_id) {
+        std::printf("job %s: FAILED: its launch had been killed; nothing left to stop\n", job_id.c_str());
+        return kExitOk;
+      }
+    }
     coordinator_address = LocalLaunchAddress(LtrainHome(), job_id);
+    if (coordinator_address.empty() && fs::exists(fs::path(LtrainHome()) / "state.db")) {
+      // No launch runs it: a job that has ended already has nothing to stop.
+      StatusOr<std::unique_ptr<launcher::StateStore>> store = launcher::OpenStateStore(LtrainHome());
+      StatusOr<v1::Job> stored = store.ok() ? (*store)->GetJob(job_id) : StatusOr<v1::Job>(store.status());
+      if (stored.ok() && launcher::IsFinal(stored->state())) {
+        std::printf("job %s: %s already; nothing to stop\n", job_id.c_str(), launcher::JobStateName(stored->state()));
+        return kExitOk;
+      }
+    }
     if (coordinator_address.empty()) {
       std::fprintf(stderr,
                    "ltrain: no running local launch of job %s under %s; for a cluster job pass --coordinator HOST:PORT\n",

@@ -7,6 +7,23 @@
 
 namespace ltrain {
 
+namespace {
+
+// The length of the valid UTF-8 sequence at text[i] (a lead byte, its continuation bytes, no
+// overlong two-byte form), or 0.
+size_t Utf8SequenceAt(std::string_view text, size_t i) {
+  const auto c = static_cast<unsigned char>(text[i]);
+  if (c < 0x80) return 1;
+  const size_t n = c >= 0xc2 && c <= 0xdf ? 2 : c >= 0xe0 && c <= 0xef ? 3 : c >= 0xf0 && c <= 0xf4 ? 4 : 0;
+  if (n == 0 || i + n > text.size()) return 0;
+  for (size_t k = 1; k < n; ++k) {
+    if ((static_cast<unsigned char>(text[i + k]) & 0xc0) != 0x80) return 0;
+  }
+  return n;
+}
+
+}  // namespace
+
 std::string TerminalSafe(std::string_view text, bool keep_newlines) {
   std::string out;
   out.reserve(text.size());
@@ -27,13 +44,9 @@ std::string TerminalSafe(std::string_view text, bool keep_newlines) {
       ++i;
       continue;
     }
-    // A UTF-8 sequence: its length from the lead byte, continuation bytes 10xxxxxx, no overlong
-    // two-byte forms, and not a C1 control (U+0080..U+009F).
-    const size_t n = c >= 0xc2 && c <= 0xdf ? 2 : c >= 0xe0 && c <= 0xef ? 3 : c >= 0xf0 && c <= 0xf4 ? 4 : 0;
-    bool valid = n > 0 && i + n <= text.size();
-    for (size_t k = 1; valid && k < n; ++k) valid = (static_cast<unsigned char>(text[i + k]) & 0xc0) == 0x80;
-    if (valid && c == 0xc2 && static_cast<unsigned char>(text[i + 1]) < 0xa0) valid = false;
-    if (!valid) {
+    // Not UTF-8, or a C1 control (U+0080..U+009F, which some terminals obey): each byte escaped.
+    const size_t n = Utf8SequenceAt(text, i);
+    if (n == 0 || (c == 0xc2 && static_cast<unsigned char>(text[i + 1]) < 0xa0)) {
       escape(c);
       ++i;
       continue;
@@ -42,6 +55,29 @@ std::string TerminalSafe(std::string_view text, bool keep_newlines) {
     i += n;
   }
   return out;
+}
+
+std::string ValidUtf8(std::string_view text) {
+  std::string out;
+  out.reserve(text.size());
+  for (size_t i = 0; i < text.size();) {
+    const size_t n = Utf8SequenceAt(text, i);
+    if (n == 0) {
+      out += "\xef\xbf\xbd";  // U+FFFD REPLACEMENT CHARACTER
+      ++i;
+      continue;
+    }
+    out.append(text.substr(i, n));
+    i += n;
+  }
+  return out;
+}
+
+size_t Utf8Prefix(std::string_view text, size_t max_bytes) {
+  if (text.size() <= max_bytes) return text.size();
+  size_t end = max_bytes;
+  while (end > 0 && (static_cast<unsigned char>(text[end]) & 0xc0) == 0x80) --end;
+  return end;
 }
 namespace {
 std::atomic<int> g_level{static_cast<int>(LogLevel::kInfo)};

@@ -20,6 +20,12 @@ bool ParseLogLevel(const std::string& name, LogLevel* level);
 // written as \xNN, so that what a worker prints or a recipe holds cannot move the cursor, recolour or
 // forge lines.
 std::string TerminalSafe(std::string_view text, bool keep_newlines = false);
+// `text` with every byte that is not part of a valid UTF-8 sequence replaced by U+FFFD: what a
+// protobuf string field may carry (the receiver refuses a message with invalid UTF-8).
+std::string ValidUtf8(std::string_view text);
+// The length of the longest prefix of `text` of at most `max_bytes` that does not cut a UTF-8
+// sequence (of valid UTF-8 text).
+size_t Utf8Prefix(std::string_view text, size_t max_bytes);
 
 class LogMessage {
  public:

@@ -4,6 +4,7 @@
 #include <signal.h>
 
 #include <filesystem>
+#include <thread>
 
 #include "ltrain/v1/ltrain.pb.h"
 #include "tests/support/job_status.h"
@@ -78,6 +79,33 @@ TEST_F(WorkerKillTest, InterruptedLaunchStopsTheJob) {
   EXPECT_EQ(result.exit_code, 4) << result.output;
   EXPECT_EQ(Status("long-1").state(), v1::JOB_STATE_STOPPED);
   for (const auto& rank : running.ranks()) EXPECT_FALSE(ProcessAlive(static_cast<pid_t>(rank.pid())));
+}
+
+// A standalone launch SIGKILLed mid-run takes its workers along; the next command finds it gone and
+// records the job FAILED, saying why, so that stop has nothing to wait for and resume may take it up.
+TEST_F(WorkerKillTest, KilledLaunchLeavesItsJobFailedForTheNextCommand) {
+  Subprocess launch({LtrainBinary(), "launch", recipe_}, Env());
+  ASSERT_TRUE(launch.WaitForOutput("[rank 0] step 2/", std::chrono::seconds(60))) << launch.Output();
+  v1::Job running = Status("long-1");
+  ASSERT_EQ(running.state(), v1::JOB_STATE_RUNNING);
+  launch.Signal(SIGKILL);
+  launch.Wait(std::chrono::seconds(10));
+
+  v1::Job after = Status("long-1");
+  EXPECT_EQ(after.state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(after.cause().find("its launch (`ltrain launch`, pid " + std::to_string(launch.pid()) + ") ended before"),
+            std::string::npos)
+      << after.cause();
+  for (const auto& rank : running.ranks()) {
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+    while (ProcessAlive(static_cast<pid_t>(rank.pid())) && std::chrono::steady_clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    EXPECT_FALSE(ProcessAlive(static_cast<pid_t>(rank.pid()))) << "rank " << rank.rank();
+  }
+  ProcessResult stop = RunProcess({LtrainBinary(), "stop", "long-1"}, Env(), std::chrono::seconds(30));
+  EXPECT_EQ(stop.exit_code, 0) << stop.output;
+  EXPECT_NE(stop.output.find("job long-1: FAILED"), std::string::npos) << stop.output;
 }
 
 }  // namespace

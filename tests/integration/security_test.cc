@@ -8,7 +8,11 @@
 #include <fstream>
 #include <thread>
 
+#include <grpcpp/grpcpp.h>
+
+#include "ltrain/v1/ltrain.grpc.pb.h"
 #include "ltrain/v1/ltrain.pb.h"
+#include "tests/support/job_status.h"
 #include "tests/support/subprocess.h"
 
 namespace ltrain::testing {
@@ -177,6 +181,88 @@ TEST_F(SecurityTest, TrainsOverMutualTlsWithAToken) {
   EXPECT_EQ(launched.exit_code, 0) << launched.output << "\n--- agent\n" << agent.Output();
   agent.Signal(SIGTERM);
   agent.Wait(seconds(10));
+}
+
+// The agent's loopback services answer only the workers it started, each only about its own job
+// generation: a local user without the generation's secret cannot read or write its rendezvous keys
+// (NCCL ids, Gloo addresses) or forge its progress; with it, nothing of another job.
+TEST(AgentEndpointTest, OnlyAJobsOwnWorkersReachItsKeysAndProgress) {
+  TempDir dir;
+  ASSERT_EQ(PrepareLicenseData(dir.Join("data")).exit_code, 0);
+  const std::string recipe = dir.Write("long.yaml", "name: long\nmodel: {layers: 2, d_model: 64, heads: 4, seq_len: 32}\n"
+                                                    "data: {path: " + dir.Join("data") + "}\n"
+                                                    "training: {steps: 100000, micro_batch: 4, global_batch: 8, log_every: 1}\n"
+                                                    "parallel: {nproc_per_node: 2}\n");
+  const std::map<std::string, std::string> env = {{"LTRAIN_HOME", dir.Join("home")}};
+  Subprocess launch({LtrainBinary(), "launch", recipe}, env);
+  ASSERT_TRUE(launch.WaitForOutput("[rank 0] step 2/", std::chrono::seconds(60))) << launch.Output();
+  v1::Job job = JobStatus("long-1", env);
+  ASSERT_GT(job.ranks_size(), 0);
+  // What the agent gave rank 0: its address, the generation's key scope and the secret's file.
+  std::map<std::string, std::string> worker_env;
+  {
+    std::ifstream in("/proc/" + std::to_string(job.ranks(0).pid()) + "/environ");
+    std::string entry;
+    while (std::getline(in, entry, '\0')) worker_env[entry.substr(0, entry.find('='))] = entry.substr(entry.find('=') + 1);
+  }
+  ASSERT_TRUE(worker_env.count("LTRAIN_AGENT") && worker_env.count("LTRAIN_AGENT_SECRET_FILE")) << "no agent address";
+  EXPECT_FALSE(worker_env.count("LTRAIN_TOKEN")) << "a worker never sees the cluster token";
+  const std::string scope = worker_env["LTRAIN_RDZV_SCOPE"];
+  std::string secret;
+  std::ifstream(worker_env["LTRAIN_AGENT_SECRET_FILE"]) >> secret;
+  ASSERT_FALSE(secret.empty());
+  EXPECT_EQ(fs::status(worker_env["LTRAIN_AGENT_SECRET_FILE"]).permissions() & (fs::perms::group_all | fs::perms::others_all),
+            fs::perms::none);
+
+  auto channel = grpc::CreateChannel(worker_env["LTRAIN_AGENT"], grpc::InsecureChannelCredentials());
+  auto rendezvous = v1::RendezvousService::NewStub(channel);
+  auto workers = v1::WorkerService::NewStub(channel);
+  auto get = [&](const std::string& key, const std::string& bearer) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    if (!bearer.empty()) context.AddMetadata("authorization", "Bearer " + bearer);
+    v1::KvGetRequest request;
+    request.add_keys(key);
+    request.set_timeout_ms(100);
+    v1::KvGetReply reply;
+    return rendezvous->Get(&context, request, &reply).error_code();
+  };
+  auto set = [&](const std::string& key, const std::string& bearer) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    if (!bearer.empty()) context.AddMetadata("authorization", "Bearer " + bearer);
+    v1::KvSetRequest request;
+    request.set_key(key);
+    request.set_value("forged");
+    v1::KvSetReply reply;
+    return rendezvous->Set(&context, request, &reply).error_code();
+  };
+  auto report = [&](const std::string& job_id, const std::string& bearer) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    if (!bearer.empty()) context.AddMetadata("authorization", "Bearer " + bearer);
+    v1::RankProgress progress;
+    progress.set_job_id(job_id);
+    progress.set_generation(0);
+    progress.set_rank(1);
+    progress.set_committed_step(1000000000);
+    v1::ProgressAck ack;
+    return workers->ReportProgress(&context, progress, &ack).error_code();
+  };
+  // No secret, or a wrong one: refused, whatever is asked.
+  EXPECT_EQ(get(scope + "probe", ""), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(set(scope + "probe", ""), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(report("long-1", ""), grpc::StatusCode::UNAUTHENTICATED);
+  EXPECT_EQ(get(scope + "probe", std::string(secret.size(), '0')), grpc::StatusCode::UNAUTHENTICATED);
+  // The secret: only its own generation's keys and progress.
+  EXPECT_EQ(get("other-1/0/nccl", secret), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(set("other-1/0/nccl", secret), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(report("other-1", secret), grpc::StatusCode::PERMISSION_DENIED);
+  EXPECT_EQ(set(scope + "probe", secret), grpc::StatusCode::OK);
+  EXPECT_EQ(get(scope + "probe", secret), grpc::StatusCode::OK);
+  EXPECT_EQ(JobStatus("long-1", env).state(), v1::JOB_STATE_RUNNING) << "the refused calls changed nothing";
+  launch.Signal(SIGINT);
+  launch.Wait(std::chrono::seconds(30));
 }
 
 }  // namespace

@@ -178,6 +178,26 @@ TEST_F(SupervisorTest, EachWorkerGetsItsEnvironmentAndTheRecipeFile) {
   EXPECT_EQ(supervisor().OutputFds().size(), 2u);
 }
 
+// The generation's secret for the agent reaches its workers in a file only this user can read.
+TEST_F(SupervisorTest, WorkersGetTheirGenerationsSecretInAPrivateFile) {
+  std::vector<std::string> issued;
+  options_.issue_worker_secret = [&](const v1::StartJobCommand& start) {
+    issued.push_back(start.job_id() + "/" + std::to_string(start.generation()));
+    return std::string("s3cret-") + start.job_id();
+  };
+  supervisor().StartJob(Start("j1", 2, 2));
+  EXPECT_EQ(issued, (std::vector<std::string>{"j1/2"})) << "one secret per generation, for all its ranks";
+  const std::string file = work_dir_ + "/jobs/j1/gen-2/agent-secret";
+  ASSERT_EQ(spawner_.spawns().size(), 2u);
+  for (const auto& spawn : spawner_.spawns()) {
+    const auto& env = spawn.spec.env;
+    EXPECT_NE(std::find(env.begin(), env.end(), "LTRAIN_AGENT_SECRET_FILE=" + file), env.end());
+    for (const auto& entry : env) EXPECT_EQ(entry.find("s3cret"), std::string::npos) << "not in the environment";
+  }
+  EXPECT_EQ(ReadFile(file), "s3cret-j1");
+  EXPECT_EQ(fs::status(file).permissions() & (fs::perms::group_all | fs::perms::others_all), fs::perms::none);
+}
+
 TEST_F(SupervisorTest, LinesGoToTheCoordinatorAndToTheRanksLogFile) {
   supervisor().StartJob(Start("j1", 1, 2));
   outbox_.Take();
@@ -209,6 +229,52 @@ TEST_F(SupervisorTest, LinesGoToTheCoordinatorAndToTheRanksLogFile) {
   EXPECT_EQ(ReadFile(work_dir_ + "/jobs/j1/gen-1/rank-0.log"), "step 1 loss 9.1\nstep 2 loss 8.7\n");
   EXPECT_EQ(ReadFile(work_dir_ + "/jobs/j1/gen-1/rank-1.log"), "step 1 loss 9.2\nno newline at the end\n");
   EXPECT_TRUE(spawner_.signals().empty());  // exits with code 0 stop nobody
+}
+
+// A 10 MB line without a newline and bytes that are not UTF-8 reach the coordinator as small, valid
+// lines, so the exit report behind them goes out at once; the rank's log file keeps every byte.
+TEST_F(SupervisorTest, AHugeLineAndInvalidUtf8ReachTheCoordinatorSmallAndValid) {
+  supervisor().StartJob(Start("j1", 1, 1));
+  outbox_.Take();
+  const pid_t pid = Pid("j1", 0);
+  spawner_.Print(pid, "bad \xff\xfe bytes \xe2\x82 end\n");
+  const std::string chunk(64 << 10, 'x');
+  constexpr int kChunks = 160;  // 10 MiB, printed as a worker would while the agent reads
+  for (int i = 0; i < kChunks; ++i) {
+    spawner_.Print(pid, chunk);
+    supervisor().Poll();
+  }
+  spawner_.Print(pid, "\nlast words\n");
+  spawner_.Exit(pid, 1);
+  supervisor().Poll();
+
+  size_t lines = 0, forwarded = 0;
+  std::vector<std::string> texts;
+  for (const auto& message : outbox_.messages) {
+    if (const auto* logs = std::get_if<v1::PushLogsRequest>(&message)) {
+      EXPECT_LE(logs->ByteSizeLong(), Supervisor::kMaxBatchBytes + 4096);
+      for (const auto& line : logs->lines()) {
+        ++lines;
+        forwarded += line.text().size();
+        EXPECT_LE(line.text().size(), Supervisor::kMaxForwardedLineBytes + 200);
+        texts.push_back(line.text());
+      }
+    }
+  }
+  ASSERT_FALSE(outbox_.messages.empty());
+  EXPECT_TRUE(std::holds_alternative<v1::WorkerStateReport>(outbox_.messages.back())) << "the exit report is last";
+  EXPECT_LT(forwarded, 400u << 10) << lines << " lines";
+  ASSERT_GE(texts.size(), 3u);
+  EXPECT_EQ(texts.front(), "bad \xef\xbf\xbd\xef\xbf\xbd bytes \xef\xbf\xbd\xef\xbf\xbd end");
+  EXPECT_NE(texts[1].find("more bytes in " + work_dir_ + "/jobs/j1/gen-1/rank-0.log]"), std::string::npos);
+  EXPECT_EQ(texts.back(), "last words");
+  const auto& report = std::get<v1::WorkerStateReport>(outbox_.messages.back());
+  for (const auto& line : report.log_tail()) EXPECT_LE(line.size(), Supervisor::kMaxForwardedLineBytes + 200);
+  // The file has all of it: the bad bytes as they were, the 10 MiB of x (cut into lines of at most
+  // kMaxPartialLineBytes + one read).
+  const std::string file = ReadFile(work_dir_ + "/jobs/j1/gen-1/rank-0.log");
+  EXPECT_EQ(file.rfind("bad \xff\xfe bytes \xe2\x82 end\n", 0), 0u);
+  EXPECT_EQ(static_cast<size_t>(std::count(file.begin(), file.end(), 'x')), chunk.size() * kChunks);
 }
 
 TEST_F(SupervisorTest, AnExitReportFollowsTheWorkersLastLinesAndCarriesTheTail) {

@@ -86,6 +86,7 @@ bool ProgressReporter::Send() {
   v1::ProgressAck ack;
   grpc::ClientContext context;
   context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(1));
+  if (!options_.agent_secret.empty()) context.AddMetadata("authorization", "Bearer " + options_.agent_secret);
   grpc::Status status = connection_->stub->ReportProgress(&context, report, &ack);
   return status.ok() && ack.checkpoint_and_stop();
 }

@@ -28,6 +28,7 @@ struct ProgressReporterOptions {
   int rank = 0;
   std::chrono::milliseconds interval{200};
   std::function<void()> on_checkpoint_stop = nullptr;
+  std::string agent_secret;    // the job generation's secret for the agent (LTRAIN_AGENT_SECRET_FILE)
 };
 
 class ProgressReporter {

@@ -23,9 +23,9 @@ namespace {
 // the thread that builds the communicator.
 class GrpcStore : public gloo::rendezvous::Store {
  public:
-  explicit GrpcStore(const std::string& target)
-      : stub_(v1::RendezvousService::NewStub(
-            grpc::CreateChannel(target, grpc::InsecureChannelCredentials()))) {}
+  GrpcStore(const std::string& target, std::string secret)
+      : stub_(v1::RendezvousService::NewStub(grpc::CreateChannel(target, grpc::InsecureChannelCredentials()))),
+        secret_(std::move(secret)) {}
 
   void set(const std::string& key, const std::vector<char>& data) override {
     v1::KvSetRequest request;
@@ -35,6 +35,7 @@ class GrpcStore : public gloo::rendezvous::Store {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
     context.set_wait_for_ready(true);
+    if (!secret_.empty()) context.AddMetadata("authorization", "Bearer " + secret_);
     grpc::Status status = stub_->Set(&context, request, &reply);
     if (!status.ok()) throw std::runtime_error("rendezvous set " + key + ": " + status.error_message());
   }
@@ -59,6 +60,7 @@ class GrpcStore : public gloo::rendezvous::Store {
     grpc::ClientContext context;
     context.set_deadline(std::chrono::system_clock::now() + timeout + std::chrono::seconds(5));
     context.set_wait_for_ready(true);
+    if (!secret_.empty()) context.AddMetadata("authorization", "Bearer " + secret_);
     grpc::Status status = stub_->Get(&context, request, &reply);
     if (!status.ok()) throw std::runtime_error("rendezvous get: " + status.error_message());
     if (reply.status().code() != 0) throw std::runtime_error("rendezvous get: " + reply.status().message());
@@ -66,6 +68,7 @@ class GrpcStore : public gloo::rendezvous::Store {
   }
 
   std::unique_ptr<v1::RendezvousService::Stub> stub_;
+  std::string secret_;
 };
 
 // One file per key in a directory every rank sees, written whole and renamed into place, so a
@@ -162,10 +165,11 @@ class PrefixedStore : public gloo::rendezvous::Store {
 }  // namespace
 
 StatusOr<std::shared_ptr<gloo::rendezvous::Store>> ConnectRendezvousStore(const std::string& address,
-                                                                           const std::string& scope) {
+                                                                           const std::string& scope,
+                                                                           const std::string& secret) {
   std::shared_ptr<gloo::rendezvous::Store> base;
   if (address.rfind("grpc://", 0) == 0) {
-    base = std::make_shared<GrpcStore>(address.substr(7));
+    base = std::make_shared<GrpcStore>(address.substr(7), secret);
   } else if (address.rfind("file://", 0) == 0) {
     std::string dir = address.substr(7);
     std::error_code ec;

@@ -22,8 +22,11 @@
 
 namespace ltrain::worker {
 
+// `secret` (grpc:// only): the job generation's secret for the agent (LTRAIN_AGENT_SECRET_FILE),
+// sent with every call; the agent refuses calls without it.
 StatusOr<std::shared_ptr<gloo::rendezvous::Store>> ConnectRendezvousStore(const std::string& address,
-                                                                           const std::string& scope);
+                                                                           const std::string& scope,
+                                                                           const std::string& secret = "");
 
 // A view of `base` (which must outlive it) with every key under `prefix`: a process group's keys.
 std::unique_ptr<gloo::rendezvous::Store> PrefixedView(const std::string& prefix, gloo::rendezvous::Store& base);

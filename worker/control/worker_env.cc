@@ -1,6 +1,7 @@
 #include "worker/control/worker_env.h"
 
 #include <cstdlib>
+#include <fstream>
 #include <map>
 #include <stdexcept>
 
@@ -66,6 +67,12 @@ StatusOr<WorkerEnv> ParseWorkerEnv(const EnvLookup& environment, const std::vect
   env.rdzv_scope = Get(environment, "LTRAIN_RDZV_SCOPE", env.job_id.empty() ? "manual" : env.job_id);
   env.checkpoint_dir = Get(environment, "LTRAIN_CHECKPOINT_DIR");
   env.agent = Get(environment, "LTRAIN_AGENT");
+  if (const std::string secret_file = Get(environment, "LTRAIN_AGENT_SECRET_FILE"); !secret_file.empty()) {
+    std::ifstream in(secret_file);
+    if (!(in >> env.agent_secret)) {
+      return InvalidArgument("LTRAIN_AGENT_SECRET_FILE=" + secret_file + " cannot be read: the agent refuses a worker without it");
+    }
+  }
   env.bind_addr = Get(environment, "LTRAIN_BIND_ADDR", "127.0.0.1");
   for (size_t i = 0; i < args.size(); ++i) {
     const std::string& arg = args[i];

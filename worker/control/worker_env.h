@@ -27,6 +27,7 @@ struct WorkerEnv {
   std::string rdzv_scope;
   std::string checkpoint_dir;          // overrides the recipe's checkpoint.dir when set
   std::string agent;                   // HOST:PORT of the agent's WorkerService (progress reports)
+  std::string agent_secret;            // read from LTRAIN_AGENT_SECRET_FILE: what the agent asks of its workers
   std::string bind_addr = "127.0.0.1";
   std::string export_params;           // --export-params FILE
   bool help = false;

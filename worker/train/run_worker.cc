@@ -82,7 +82,7 @@ StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe
     return InvalidArgument("LTRAIN_WORLD_SIZE=" + std::to_string(env.world_size) +
                            " needs a rendezvous address in LTRAIN_RDZV (grpc://HOST:PORT or file:///DIR)");
   }
-  LTRAIN_ASSIGN_OR_RETURN(std::shared_ptr<gloo::rendezvous::Store> store, ConnectRendezvousStore(env.rdzv, env.rdzv_scope));
+  LTRAIN_ASSIGN_OR_RETURN(std::shared_ptr<gloo::rendezvous::Store> store, ConnectRendezvousStore(env.rdzv, env.rdzv_scope, env.agent_secret));
   conn->store = store;
   GroupFactory make;
   if (recipe.parallel.device == Device::kCuda) {
@@ -211,8 +211,13 @@ Status Run(const WorkerEnv& env) {
   Progress::Global().SetPhase(0, "startup");
   std::unique_ptr<ProgressReporter> reporter;
   if (const std::string& agent = env.agent; !agent.empty()) {
-    ProgressReporterOptions reporting{agent, env.job_id, env.generation, env.rank};
+    ProgressReporterOptions reporting;
+    reporting.agent_address = agent;
+    reporting.job_id = env.job_id;
+    reporting.generation = env.generation;
+    reporting.rank = env.rank;
     reporting.on_checkpoint_stop = [&stop] { stop.Request(); };
+    reporting.agent_secret = env.agent_secret;
     reporter = std::make_unique<ProgressReporter>(std::move(reporting));
     // A commit reaches the coordinator before the line that announces it.
     options.report_progress = [r = reporter.get()] { r->Flush(); };
@@ -277,6 +282,8 @@ Environment (set by the agent; flags win over it):
   LTRAIN_RDZV_SCOPE        key prefix of this job generation in the rendezvous store
   LTRAIN_CHECKPOINT_DIR    overrides checkpoint.dir
   LTRAIN_AGENT             HOST:PORT of the agent's WorkerService, where progress reports go
+  LTRAIN_AGENT_SECRET_FILE a 0600 file with this job generation's secret, which the agent asks of
+                           every call (it serves a worker only its own job's keys and progress)
   LTRAIN_BIND_ADDR         address Gloo listens on (default 127.0.0.1)
   LTRAIN_COLLECTIVE_TIMEOUT_S  seconds before a stuck collective fails (default: the recipe's
                            fault.collective_timeout_s)

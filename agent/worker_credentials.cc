@@ -1,0 +1,45 @@
+#include "agent/worker_credentials.h"
+
+#include <random>
+
+namespace ltrain::agent {
+namespace {
+
+bool SameInConstantTime(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
+}
+
+}  // namespace
+
+std::string WorkerCredentials::Issue(const std::string& job_id, int generation, const std::string& rendezvous_scope) {
+  std::random_device random;  // getrandom(2) on Linux
+  static const char kHex[] = "0123456789abcdef";
+  std::string secret;
+  for (int i = 0; i < 8; ++i) {  // 256 bits
+    const unsigned int word = random();
+    for (int k = 0; k < 8; ++k) secret += kHex[(word >> (4 * k)) & 15];
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  auto& [current, grant] = by_job_[job_id];
+  if (!current.empty() && grant.generation > generation) return "";  // an older generation starts late: none
+  current = secret;
+  grant = WorkerGrant{job_id, generation, rendezvous_scope};
+  return secret;
+}
+
+std::optional<WorkerGrant> WorkerCredentials::Find(std::string_view authorization) const {
+  constexpr std::string_view kBearer = "Bearer ";
+  if (authorization.substr(0, kBearer.size()) != kBearer) return std::nullopt;
+  const std::string_view presented = authorization.substr(kBearer.size());
+  std::lock_guard<std::mutex> lock(mu_);
+  std::optional<WorkerGrant> found;
+  for (const auto& [job, entry] : by_job_) {
+    if (SameInConstantTime(entry.first, presented) && !entry.first.empty()) found = entry.second;
+  }
+  return found;
+}
+
+}  // namespace ltrain::agent
