@@ -16,6 +16,16 @@ namespace {
 
 constexpr const char* kLog = "coordinator";
 
+// A worker's line as the coordinator keeps it: valid UTF-8 and at most 16 KiB (the agents send no
+// more; this holds against any client), so that no report can grow the state by megabytes.
+std::string StoredLine(const std::string& text) {
+  constexpr size_t kMaxLineBytes = 16 << 10;
+  std::string line = ValidUtf8(text);
+  if (line.size() <= kMaxLineBytes) return line;
+  const size_t kept = Utf8Prefix(line, kMaxLineBytes);
+  return line.substr(0, kept) + " [... " + std::to_string(line.size() - kept) + " more bytes]";
+}
+
 std::string RankRange(int first, int last) {
   return first == last ? "rank " + std::to_string(first)
                        : "ranks " + std::to_string(first) + "-" + std::to_string(last);
@@ -687,7 +697,7 @@ Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {
   std::string cause = "rank " + std::to_string(report.rank()) + " on " + report.node_id() + " " + how;
   if (report.log_tail_size() > 0) {
     cause += "; last lines of its log (" + report.log_path() + "):";
-    for (const auto& line : report.log_tail()) cause += "\n    " + line;
+    for (const auto& line : report.log_tail()) cause += "\n    " + StoredLine(line);
   } else if (!report.log_path().empty()) {
     cause += "; its log " + report.log_path() + " is empty";
   }
@@ -712,7 +722,7 @@ void Coordinator::PushLogs(const v1::PushLogsRequest& request) {
   if (job == nullptr) return;
   std::vector<v1::Event> stored;
   for (const auto& line : request.lines()) {
-    AddEventLocked(*job, "log", line.text(), line.rank());
+    AddEventLocked(*job, "log", StoredLine(line.text()), line.rank());
     stored.push_back(job->events.back());
   }
   Status appended = store_->AppendLogs(stored);

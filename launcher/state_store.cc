@@ -1,5 +1,7 @@
 #include "launcher/state_store.h"
 
+#include <cmath>
+
 #include <sqlite3.h>
 
 #include <functional>
@@ -90,7 +92,9 @@ class Statement {
     return *this;
   }
   Statement& Bind(int i, double v) {
-    sqlite3_bind_double(stmt_, i, v);
+    // SQLite stores a NaN as NULL, which a NOT NULL column refuses (and the whole row's update with
+    // it): a diverged run's NaN loss is kept as 0.
+    sqlite3_bind_double(stmt_, i, std::isnan(v) ? 0.0 : v);
     return *this;
   }
   int Step() { return sqlite3_step(stmt_); }

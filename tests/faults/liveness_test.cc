@@ -40,12 +40,12 @@ class LivenessTest : public ::testing::Test {
 };
 
 TEST_F(LivenessTest, StartUpLongerThanTheHangTimeoutIsNoHang) {
-  std::string recipe = Recipe("slowstart", "fault: {hang_timeout_s: 1, max_restarts: 0}\n");
+  std::string recipe = Recipe("slowstart", "fault: {hang_timeout_s: 2, max_restarts: 0}\n");
   std::map<std::string, std::string> env = Env();
-  env["LTRAIN_FAULT_STARTUP_STALL"] = "4:1";
+  env["LTRAIN_FAULT_STARTUP_STALL"] = "5:1";
   ProcessResult ran = RunProcess({LtrainBinary(), "launch", recipe}, env, seconds(120));
   ASSERT_EQ(ran.exit_code, 0) << ran.output;
-  EXPECT_NE(ran.output.find("rank 1: stalling start-up for 4.0 s"), std::string::npos) << ran.output;
+  EXPECT_NE(ran.output.find("rank 1: stalling start-up for 5.0 s"), std::string::npos) << ran.output;
   v1::Job job = JobStatus("slowstart-1", Env());
   EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
   EXPECT_EQ(job.restarts(), 0);
@@ -53,7 +53,7 @@ TEST_F(LivenessTest, StartUpLongerThanTheHangTimeoutIsNoHang) {
 }
 
 TEST_F(LivenessTest, StuckStartUpNamesTheRankAndTheLimit) {
-  std::string recipe = Recipe("stuckstart", "fault: {hang_timeout_s: 1, startup_timeout_s: 3, max_restarts: 0}\n");
+  std::string recipe = Recipe("stuckstart", "fault: {hang_timeout_s: 2, startup_timeout_s: 4, max_restarts: 0}\n");
   std::map<std::string, std::string> env = Env();
   env["LTRAIN_FAULT_STARTUP_STALL"] = "600:1";
   ProcessResult ran = RunProcess({LtrainBinary(), "launch", recipe}, env, seconds(120));
@@ -61,18 +61,18 @@ TEST_F(LivenessTest, StuckStartUpNamesTheRankAndTheLimit) {
   v1::Job job = JobStatus("stuckstart-1", Env());
   EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
   EXPECT_TRUE(std::regex_search(job.last_failure(),
-                                std::regex(R"(^stuck start-up: rank 1 made no progress for [34]s in step 0 \(startup)")))
+                                std::regex(R"(^stuck start-up: rank 1 made no progress for [45]s in step 0 \(startup)")))
       << job.last_failure();
-  EXPECT_NE(job.last_failure().find("limit fault.startup_timeout_s=3)"), std::string::npos) << job.last_failure();
+  EXPECT_NE(job.last_failure().find("limit fault.startup_timeout_s=4)"), std::string::npos) << job.last_failure();
 }
 
 TEST_F(LivenessTest, SaveLongerThanTheHangTimeoutIsNoHang) {
-  std::string recipe = Recipe("slowsave", "fault: {hang_timeout_s: 1, max_restarts: 0}\n");
+  std::string recipe = Recipe("slowsave", "fault: {hang_timeout_s: 2, max_restarts: 0}\n");
   std::map<std::string, std::string> env = Env();
-  env["LTRAIN_FAULT_CHECKPOINT_STALL"] = "6:4:1";
+  env["LTRAIN_FAULT_CHECKPOINT_STALL"] = "6:5:1";
   ProcessResult ran = RunProcess({LtrainBinary(), "launch", recipe}, env, seconds(120));
   ASSERT_EQ(ran.exit_code, 0) << ran.output;
-  EXPECT_NE(ran.output.find("rank 1: stalling the save of step-6 for 4.0 s"), std::string::npos) << ran.output;
+  EXPECT_NE(ran.output.find("rank 1: stalling the save of step-6 for 5.0 s"), std::string::npos) << ran.output;
   EXPECT_NE(ran.output.find("checkpoint step-6 written"), std::string::npos) << ran.output;
   v1::Job job = JobStatus("slowsave-1", Env());
   EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
@@ -81,7 +81,7 @@ TEST_F(LivenessTest, SaveLongerThanTheHangTimeoutIsNoHang) {
 }
 
 TEST_F(LivenessTest, StuckSaveNamesTheRankAndTheLimit) {
-  std::string recipe = Recipe("stucksave", "checkpoint: {timeout_s: 3}\nfault: {hang_timeout_s: 1, max_restarts: 0}\n");
+  std::string recipe = Recipe("stucksave", "checkpoint: {timeout_s: 4}\nfault: {hang_timeout_s: 2, max_restarts: 0}\n");
   std::map<std::string, std::string> env = Env();
   env["LTRAIN_FAULT_CHECKPOINT_STALL"] = "6:600:1";
   ProcessResult ran = RunProcess({LtrainBinary(), "launch", recipe}, env, seconds(120));
@@ -89,10 +89,10 @@ TEST_F(LivenessTest, StuckSaveNamesTheRankAndTheLimit) {
   v1::Job job = JobStatus("stucksave-1", Env());
   EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
   EXPECT_TRUE(std::regex_search(job.last_failure(),
-                                std::regex(R"(^stuck checkpoint save: rank 1 made no progress for [34]s in step 6 )"
+                                std::regex(R"(^stuck checkpoint save: rank 1 made no progress for [45]s in step 6 )"
                                            R"(\(checkpoint: saving checkpoint step-6, 0\.0 of [0-9.]+ MB; )")))
       << job.last_failure();
-  EXPECT_NE(job.last_failure().find("limit checkpoint.timeout_s=3); rank 0 waits for its peers (waiting for the "
+  EXPECT_NE(job.last_failure().find("limit checkpoint.timeout_s=4); rank 0 waits for its peers (waiting for the "
                                     "ranks' files of step-6, 1 of 2 ranks)"),
             std::string::npos)
       << job.last_failure();

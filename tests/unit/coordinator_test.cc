@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "common/clock.h"
 #include "common/logging.h"
 #include "common/worker_exit.h"
@@ -768,6 +770,18 @@ TEST_F(CheckpointStopCoordinatorTest, JobThatFinishesItsStepsWhileStoppingWithCh
   ASSERT_TRUE(coordinator_->ReportProgress(Urgent("a", Committed(Report(id, 0, 1, 5), 5))).ok());
   for (int rank = 0; rank < 4; ++rank) ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, rank, 0)).ok());
   EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_SUCCEEDED);
+}
+
+// SQLite keeps a NaN as NULL, which the job row refuses: a diverged run's NaN loss must not make
+// every later update of its record fail.
+TEST(StateStoreTest, AJobWithANanLossIsStillStored) {
+  std::unique_ptr<SqliteStateStore> store = std::move(SqliteStateStore::Open(":memory:")).value();
+  StatusOr<v1::Job> job = store->CreateJob("nan", "name: nan\n", 1, 1000);
+  ASSERT_TRUE(job.ok()) << job.status().ToString();
+  job->set_last_loss(std::numeric_limits<double>::quiet_NaN());
+  job->set_state(v1::JOB_STATE_FAILED);
+  ASSERT_TRUE(store->UpdateJob(*job).ok());
+  EXPECT_EQ(store->GetJob(job->id())->state(), v1::JOB_STATE_FAILED);
 }
 
 }  // namespace
