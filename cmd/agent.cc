@@ -18,6 +18,10 @@ int RunAgent(agent::AgentOptions options) {
     options.work_dir =
         (fs::path(LtrainHome()) / ("agent-" + (options.node_id.empty() ? "node" : options.node_id))).string();
   }
+  if (Status clear = CheckTokenTransport(options.coordinator, options.security); !clear.ok()) {
+    std::fprintf(stderr, "ltrain agent: %s\n", clear.message().c_str());
+    return kExitInvalid;
+  }
   StatusOr<std::unique_ptr<agent::Agent>> started = agent::Agent::Start(options);
   if (!started.ok()) {
     std::fprintf(stderr, "ltrain agent: %s\n", started.status().message().c_str());

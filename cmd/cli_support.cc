@@ -2,10 +2,12 @@
 
 #include <fcntl.h>
 #include <sys/file.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -29,11 +31,25 @@ std::string LocalAddressFile(const std::string& home, const std::string& job_id)
   return (fs::path(home) / "run" / (job_id + ".addr")).string();
 }
 
-std::string LocalLaunchAddress(const std::string& home, const std::string& job_id) {
+Status WriteLocalLaunch(const std::string& home, const std::string& job_id, const LocalLaunch& launch) {
+  const std::string path = LocalAddressFile(home, job_id);
+  std::error_code ec;
+  fs::create_directories(fs::path(path).parent_path(), ec);
+  // 0600 from its creation: it holds the token.
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+  if (fd < 0) return Internal("creating " + path + ": " + std::strerror(errno));
+  const std::string text = launch.address + "\n" + launch.security.token + "\n";
+  const bool written = ::fchmod(fd, 0600) == 0 && ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
+  ::close(fd);
+  return written ? Status::Ok() : Internal("writing " + path);
+}
+
+std::optional<LocalLaunch> FindLocalLaunch(const std::string& home, const std::string& job_id) {
   std::ifstream in(LocalAddressFile(home, job_id));
-  std::string address;
-  in >> address;
-  return address;
+  LocalLaunch launch;
+  if (!(in >> launch.address)) return std::nullopt;
+  in >> launch.security.token;
+  return launch;
 }
 
 namespace {

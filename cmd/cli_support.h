@@ -31,10 +31,16 @@ constexpr int kExitStopped = 4;      // the job was STOPPED
 std::string LtrainHome();
 
 // The file through which a standalone launch tells later commands (status, logs, stop) the address of
-// the coordinator it runs in-process, while it runs: $LTRAIN_HOME/run/JOB.addr.
+// the coordinator it runs in-process, and the token it made for it, while it runs:
+// $LTRAIN_HOME/run/JOB.addr, readable by its owner only.
 std::string LocalAddressFile(const std::string& home, const std::string& job_id);
-// The address in that file, or "" when no local launch of the job is running.
-std::string LocalLaunchAddress(const std::string& home, const std::string& job_id);
+struct LocalLaunch {
+  std::string address;
+  SecurityMaterial security;  // the launch's own token
+};
+Status WriteLocalLaunch(const std::string& home, const std::string& job_id, const LocalLaunch& launch);
+// What that file says, or nullopt when no local launch of the job is running.
+std::optional<LocalLaunch> FindLocalLaunch(const std::string& home, const std::string& job_id);
 
 // A standalone launch holds an flock on $LTRAIN_HOME/run/JOB.lock (which names its pid) while it
 // runs; the kernel releases it however the process ends. HoldLaunchLock returns the descriptor to

@@ -17,6 +17,9 @@ void CommandContext::AddGlobalOptions(CLI::App& app) {
   app.add_option("--tls-key", security_options_.tls_key, "PEM key of --tls-cert ($LTRAIN_TLS_KEY)");
   app.add_option("--token-file", security_options_.token_file,
                  "File holding the bearer token the coordinator requires ($LTRAIN_TOKEN_FILE; $LTRAIN_TOKEN wins)");
+  app.add_flag("--insecure", security_options_.insecure,
+               "Send the token in clear text to a coordinator off this host, without TLS ($LTRAIN_INSECURE=1): only "
+               "on a network you trust");
 }
 
 int CommandContext::ApplyGlobalOptions() {

@@ -42,10 +42,16 @@ int Logs(const LogsArgs& args, const SecurityMaterial& security) {
   }
   LogFormat format = args.output == "json" ? LogFormat::kJson : LogFormat::kText;
   std::string address = args.coordinator;
-  if (address.empty()) address = LocalLaunchAddress(LtrainHome(), args.job_id);  // a local launch still running it
+  SecurityMaterial used = security;
+  if (address.empty()) {
+    if (std::optional<LocalLaunch> launch = FindLocalLaunch(LtrainHome(), args.job_id)) {  // a local launch still running it
+      address = launch->address;
+      used = launch->security;
+    }
+  }
   std::vector<v1::Event> lines;
   if (!address.empty()) {
-    CoordinatorClient client(address, security);
+    CoordinatorClient client(address, used);
     grpc::ClientContext context;
     context.set_deadline(Deadline(10));
     v1::GetLogsRequest request;
@@ -85,7 +91,7 @@ int Logs(const LogsArgs& args, const SecurityMaterial& security) {
   if (!args.follow || address.empty()) return kExitOk;
   // Follow: new lines as they come, until the job ends.
   int64_t after = lines.empty() ? 0 : lines.back().seq();
-  CoordinatorClient client(address, security);
+  CoordinatorClient client(address, used);
   grpc::ClientContext context;
   v1::WatchJobRequest request;
   request.set_job_id(args.job_id);

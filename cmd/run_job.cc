@@ -23,14 +23,21 @@ struct LocalControlPlane {
   std::unique_ptr<launcher::CoordinatorServer> coordinator;
   std::unique_ptr<agent::Agent> agent;
 
+  // The token this launch made for its coordinator: on loopback still, another local user must
+  // not drive it.
+  SecurityMaterial security;
+
   Status Start(const std::string& home) {
+    security.token = NewToken();
     launcher::CoordinatorServerOptions options;
     options.state_dir = home;
+    options.security = security;
     options.recover = false;  // jobs in a shared $LTRAIN_HOME may belong to other running launches
     LTRAIN_ASSIGN_OR_RETURN(coordinator, launcher::CoordinatorServer::Start(options));
     agent::AgentOptions agent_options;
     agent_options.coordinator = coordinator->address();
     agent_options.node_id = "local";
+    agent_options.security = security;
     agent_options.work_dir = (fs::path(home) / "agent-local").string();
     LTRAIN_ASSIGN_OR_RETURN(agent, agent::Agent::Start(agent_options));
     return Status::Ok();
@@ -96,7 +103,8 @@ int RunJob(const RunJobOptions& options, const SecurityMaterial& security,
     }
     address = local.coordinator->address();
   }
-  CoordinatorClient client(address, security);
+  const SecurityMaterial& used = standalone ? local.security : security;
+  CoordinatorClient client(address, used);
   std::variant<std::string, int> begun = begin(client);
   if (std::holds_alternative<int>(begun)) {
     local.Shutdown();
@@ -110,9 +118,10 @@ int RunJob(const RunJobOptions& options, const SecurityMaterial& security,
   int launch_lock = -1;
   if (standalone) {
     launch_lock = HoldLaunchLock(home, job_id);
-    std::error_code ec;
-    fs::create_directories(address_file.parent_path(), ec);
-    std::ofstream(address_file) << address << "\n";
+    if (Status written = WriteLocalLaunch(home, job_id, LocalLaunch{address, local.security}); !written.ok()) {
+      std::fprintf(stderr, "ltrain: %s; `ltrain status/logs/stop %s` will not reach this launch\n",
+                   written.message().c_str(), job_id.c_str());
+    }
   }
   if (options.detach && !standalone) {
     std::printf("%s\n", job_id.c_str());
@@ -124,7 +133,7 @@ int RunJob(const RunJobOptions& options, const SecurityMaterial& security,
     interrupted = true;
     std::fprintf(stderr, "\nltrain: %s received; stopping job %s\n", signal == SIGINT ? "interrupt" : "SIGTERM",
                  job_id.c_str());
-    CoordinatorClient stopper(address, security);
+    CoordinatorClient stopper(address, used);
     v1::StopJobRequest stop;
     stop.set_job_id(job_id);
     stop.set_reason(std::string("stopped by ") + (signal == SIGINT ? "interrupt" : "SIGTERM") + " of ltrain");

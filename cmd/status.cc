@@ -63,8 +63,8 @@ int ShowStatus(const StatusArgs& args, const SecurityMaterial& security) {
   std::string home = LtrainHome();
   (void)ReconcileDeadLaunches(home);
   if (!job_id.empty()) {
-    if (std::string address = LocalLaunchAddress(home, job_id); !address.empty()) {
-      CoordinatorClient client(address, security);
+    if (std::optional<LocalLaunch> launch = FindLocalLaunch(home, job_id)) {
+      CoordinatorClient client(launch->address, launch->security);
       if (std::optional<v1::Job> job = client.TryGetJob(job_id, 2)) {
         PrintJob(*job, json);
         return kExitOk;

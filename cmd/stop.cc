@@ -24,6 +24,7 @@ struct StopArgs {
 int Stop(const StopArgs& args, const SecurityMaterial& security) {
   const std::string& job_id = args.job_id;
   std::string coordinator_address = args.coordinator;
+  SecurityMaterial used = security;
   if (coordinator_address.empty()) {
     // A launch that was killed has left nothing to stop: its job is recorded FAILED, and said so.
     for (const std::string& failed : ReconcileDeadLaunches(LtrainHome())) {
@@ -32,7 +33,10 @@ int Stop(const StopArgs& args, const SecurityMaterial& security) {
         return kExitOk;
       }
     }
-    coordinator_address = LocalLaunchAddress(LtrainHome(), job_id);
+    if (std::optional<LocalLaunch> launch = FindLocalLaunch(LtrainHome(), job_id)) {
+      coordinator_address = launch->address;
+      used = launch->security;
+    }
     if (coordinator_address.empty() && fs::exists(fs::path(LtrainHome()) / "state.db")) {
       // No launch runs it: a job that has ended already has nothing to stop.
       StatusOr<std::unique_ptr<launcher::StateStore>> store = launcher::OpenStateStore(LtrainHome());
@@ -49,7 +53,7 @@ int Stop(const StopArgs& args, const SecurityMaterial& security) {
       return kExitInvalid;
     }
   }
-  CoordinatorClient client(coordinator_address, security);
+  CoordinatorClient client(coordinator_address, used);
   grpc::ClientContext context;
   context.set_deadline(Deadline(5));
   v1::StopJobRequest request;

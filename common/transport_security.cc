@@ -14,6 +14,8 @@
 
 #include <grpcpp/support/client_interceptor.h>
 
+#include "common/logging.h"
+
 namespace ltrain {
 namespace {
 
@@ -112,7 +114,40 @@ StatusOr<SecurityMaterial> LoadSecurity(SecurityOptions options) {
   }
   material.token = Trim(material.token);
   if (const char* token = std::getenv("LTRAIN_TOKEN"); token && *token) material.token = token;
+  const char* insecure = std::getenv("LTRAIN_INSECURE");
+  material.insecure = options.insecure || (insecure != nullptr && std::string(insecure) == "1");
   return material;
+}
+
+namespace {
+
+// "localhost:7070", "127.0.0.1:7070", "[::1]:7070", "unix:/path", "ipv4:127.0.0.1:7070".
+bool IsLoopbackTarget(std::string target) {
+  if (target.rfind("unix:", 0) == 0) return true;
+  for (const char* scheme : {"ipv4:", "ipv6:", "dns:///", "dns:"}) {
+    if (target.rfind(scheme, 0) == 0) target = target.substr(std::strlen(scheme));
+  }
+  std::string host = target;
+  if (!host.empty() && host[0] == '[') {
+    host = host.substr(1, host.find(']') == std::string::npos ? std::string::npos : host.find(']') - 1);
+  } else if (host.find(':') != std::string::npos && host.find(':') == host.rfind(':')) {
+    host = host.substr(0, host.find(':'));
+  }
+  const bool ipv4_loopback =
+      host.rfind("127.", 0) == 0 && host.find_first_not_of("0123456789.") == std::string::npos;
+  return host == "localhost" || host == "::1" || ipv4_loopback;
+}
+
+}  // namespace
+
+Status CheckTokenTransport(const std::string& target, const SecurityMaterial& security) {
+  if (security.token.empty() || !security.ca_pem.empty() || security.insecure || IsLoopbackTarget(target)) {
+    return Status::Ok();
+  }
+  return FailedPrecondition("refusing to send the token to " + target +
+                            " in clear text: anyone on the way could read it; give the CA of the coordinator's "
+                            "certificate (--tls-ca or LTRAIN_TLS_CA) to use TLS, or pass --insecure "
+                            "(LTRAIN_INSECURE=1) on a network you trust");
 }
 
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const SecurityMaterial& security) {
@@ -127,6 +162,10 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const Secu
     credentials = grpc::InsecureChannelCredentials();
   }
   grpc::ChannelArguments args;
+  if (Status clear = CheckTokenTransport(target, security); !clear.ok()) {
+    LTRAIN_LOG(kError, "tls") << clear.message();
+    return grpc::CreateCustomChannel(target, credentials, args);
+  }
   if (security.token.empty()) return grpc::CreateCustomChannel(target, credentials, args);
   std::vector<std::unique_ptr<grpc::experimental::ClientInterceptorFactoryInterface>> interceptors;
   interceptors.push_back(std::make_unique<TokenInterceptorFactory>(security.token));
@@ -158,6 +197,14 @@ grpc::Status CheckBearerToken(const grpc::ServerContext& context, const std::str
                       found == context.client_metadata().end()
                           ? "this coordinator requires a bearer token: pass --token-file FILE or set LTRAIN_TOKEN"
                           : "the bearer token was not accepted: check --token-file or LTRAIN_TOKEN");
+}
+
+std::string NewToken() {
+  std::random_device random;
+  const char* hex = "0123456789abcdef";
+  std::string token;
+  for (int i = 0; i < 40; ++i) token += hex[random() % 16];
+  return token;
 }
 
 Status InitTls(const std::string& dir, const std::vector<std::string>& hosts) {
@@ -204,10 +251,7 @@ Status InitTls(const std::string& dir, const std::vector<std::string>& hosts) {
   for (const auto& step : steps) {
     LTRAIN_RETURN_IF_ERROR(Run(step));
   }
-  std::random_device random;
-  std::string token;
-  const char* hex = "0123456789abcdef";
-  for (int i = 0; i < 40; ++i) token += hex[random() % 16];
+  std::string token = NewToken();
   const int fd = ::open(path("token").c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
   if (fd < 0) return Internal("creating " + path("token") + ": " + std::strerror(errno));
   token += "\n";

@@ -21,12 +21,14 @@ struct SecurityOptions {
   std::string tls_key;
   std::string tls_client_ca;  // server: require client certificates signed by this CA (mutual TLS)
   std::string token_file;     // the bearer token's file; LTRAIN_TOKEN overrides, LTRAIN_TOKEN_FILE stands in
+  bool insecure = false;      // client: send the token in clear text to a non-loopback address (LTRAIN_INSECURE=1)
 };
 
 // The security material, read from its files. Errors name the file.
 struct SecurityMaterial {
   std::string ca_pem, cert_pem, key_pem, client_ca_pem;
   std::string token;
+  bool insecure = false;  // SecurityOptions::insecure
   bool tls() const { return !ca_pem.empty() || !cert_pem.empty(); }
 };
 
@@ -34,7 +36,16 @@ struct SecurityMaterial {
 // LTRAIN_TOKEN_FILE, reads every file, and takes LTRAIN_TOKEN as the token when set.
 StatusOr<SecurityMaterial> LoadSecurity(SecurityOptions options);
 
+// Whether a client may send its token to `target`: always over TLS (a CA given) or to loopback;
+// in clear text elsewhere only with `insecure`, since anyone on the path could read it. The error
+// says what to pass.
+Status CheckTokenTransport(const std::string& target, const SecurityMaterial& security);
+
+// A channel to `target`. A token that CheckTokenTransport refuses is not sent (the refusal is
+// logged, and the server answers UNAUTHENTICATED).
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const SecurityMaterial& security);
+// A new random bearer token: 40 hex digits (160 bits) from the system's random source.
+std::string NewToken();
 std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(const SecurityMaterial& security);
 
 // For server handlers: OK when no token is configured or the call carries it; UNAUTHENTICATED

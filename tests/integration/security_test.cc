@@ -153,6 +153,18 @@ TEST_F(SecurityTest, InitTlsWritesPrivateKeysAndNeverOverwrites) {
   EXPECT_EQ(ReadFile(Tls("token")), token);
 }
 
+// A token never leaves this host in clear text unless asked to.
+TEST(ClearTextTokenTest, AnAgentWithATokenAndNoTlsToAnotherHostIsRefused) {
+  TempDir dir;
+  ProcessResult refused = RunProcess({LtrainBinary(), "agent", "--coordinator", "192.0.2.1:7070"},
+                                     {{"LTRAIN_TOKEN", "secret-token"}, {"LTRAIN_HOME", dir.Join("home")}},
+                                     std::chrono::seconds(20));
+  EXPECT_EQ(refused.exit_code, 2) << refused.output;
+  EXPECT_NE(refused.output.find("refusing to send the token to 192.0.2.1:7070 in clear text"), std::string::npos)
+      << refused.output;
+  EXPECT_EQ(refused.output.find("secret-token"), std::string::npos) << "the token is never printed";
+}
+
 TEST_F(SecurityTest, AgentWithAWrongTokenIsNotRegistered) {
   std::string wrong_token = dir_.Write("wrong-token", "nope\n");
   Subprocess agent({LtrainBinary(), "agent", "--coordinator", address_, "--node-id", "intruder", "--tls-ca", Tls("ca.pem"),
@@ -261,6 +273,25 @@ TEST(AgentEndpointTest, OnlyAJobsOwnWorkersReachItsKeysAndProgress) {
   EXPECT_EQ(set(scope + "probe", secret), grpc::StatusCode::OK);
   EXPECT_EQ(get(scope + "probe", secret), grpc::StatusCode::OK);
   EXPECT_EQ(JobStatus("long-1", env).state(), v1::JOB_STATE_RUNNING) << "the refused calls changed nothing";
+
+  // The launch's own coordinator, on loopback, wants the token the launch made: it is in the
+  // address file, which only this user can read; a caller without it is refused.
+  const std::string address_file = dir.Join("home/run/long-1.addr");
+  EXPECT_EQ(fs::status(address_file).permissions() & (fs::perms::group_all | fs::perms::others_all), fs::perms::none);
+  std::string coordinator, token;
+  std::ifstream(address_file) >> coordinator >> token;
+  ASSERT_EQ(token.size(), 40u) << coordinator;
+  auto jobs = v1::JobService::NewStub(grpc::CreateChannel(coordinator, grpc::InsecureChannelCredentials()));
+  for (const std::string& bearer : {std::string(), std::string(40, 'f')}) {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(5));
+    if (!bearer.empty()) context.AddMetadata("authorization", "Bearer " + bearer);
+    v1::StopJobRequest stop;
+    stop.set_job_id("long-1");
+    v1::StopJobReply reply;
+    EXPECT_EQ(jobs->StopJob(&context, stop, &reply).error_code(), grpc::StatusCode::UNAUTHENTICATED);
+  }
+  EXPECT_EQ(JobStatus("long-1", env).state(), v1::JOB_STATE_RUNNING);
   launch.Signal(SIGINT);
   launch.Wait(std::chrono::seconds(30));
 }
