@@ -218,6 +218,7 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
     start->set_world_size(recipe.parallel.world_size());
     start->set_local_world_size(nproc);
     start->set_rendezvous_scope(job.job.id() + "/" + std::to_string(generation) + "/");
+  FreeKeysLocked(job.job.id(), start->rendezvous_scope());  // older generations' addresses and ids
     start->set_checkpoint_dir(recipe.checkpoint.dir);
     start->set_heartbeat_interval_ms(static_cast<int64_t>(recipe.fault.heartbeat_interval_s * 1000));
     for (int local = 0; local < nproc; ++local) {
@@ -342,6 +343,7 @@ void Coordinator::FinishLocked(ActiveJob& job, v1::JobState state, const std::st
   job.nodes.clear();
   job.job.set_state(state);
   job.job.set_cause(cause);
+  FreeKeysLocked(job.job.id(), "");
   PersistJobLocked(job);
   AddEventLocked(job, "state", std::string("job ") + JobStateName(state) + (cause.empty() ? "" : ": " + cause), -1);
   ScheduleLocked();
@@ -733,6 +735,22 @@ StatusOr<std::vector<v1::Event>> Coordinator::GetLogs(const std::string& job_id,
                                                       int limit) {
   LTRAIN_ASSIGN_OR_RETURN(v1::Job job, store_->GetJob(job_id));
   return store_->Logs(job_id, rank, since_unix_ms, limit);
+}
+
+void Coordinator::FreeKeysLocked(const std::string& job_id, const std::string& keep_scope) {
+  const std::string prefix = job_id + "/";
+  for (auto it = kv_.lower_bound(prefix); it != kv_.end() && it->first.rfind(prefix, 0) == 0;) {
+    if (!keep_scope.empty() && it->first.rfind(keep_scope, 0) == 0) {
+      ++it;
+    } else {
+      it = kv_.erase(it);
+    }
+  }
+}
+
+size_t Coordinator::KvSize() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return kv_.size();
 }
 
 void Coordinator::KvSet(const std::string& key, const std::string& value) {

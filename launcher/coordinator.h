@@ -86,6 +86,8 @@ class Coordinator {
   // RendezvousService.
   void KvSet(const std::string& key, const std::string& value);
   std::optional<std::vector<std::string>> KvGet(const std::vector<std::string>& keys, int64_t timeout_ms);
+  // Keys held: a job's are freed when it ends, an older generation's when a newer one starts.
+  size_t KvSize() const;
 
   // Every timed transition; idempotent, cheap, called every ~200 ms by the server.
   void Tick();
@@ -145,6 +147,8 @@ class Coordinator {
   void RecordCommitLocked(ActiveJob& job, int64_t step, const std::string& path, int rank);
   void AddEventLocked(ActiveJob& job, const std::string& kind, const std::string& message, int rank);
   void FinishLocked(ActiveJob& job, v1::JobState state, const std::string& cause);
+  // Drops the rendezvous keys of `job_id` (JOB/GENERATION/...) except those under `keep_scope`.
+  void FreeKeysLocked(const std::string& job_id, const std::string& keep_scope);
   // Ends a stop with a final checkpoint that cannot complete: STOPPED, keeping the last commit.
   void AbandonCheckpointStopLocked(ActiveJob& job, const std::string& why);
   void PersistJobLocked(ActiveJob& job);

@@ -241,6 +241,20 @@ TEST_F(CoordinatorTest, RendezvousGetReturnsPublishedValuesAndTimesOut) {
   EXPECT_EQ((*values)[1], "addr1");
 }
 
+// A job's rendezvous keys (Gloo addresses, NCCL ids) go with it: no store that grows for ever.
+TEST_F(CoordinatorTest, AJobsRendezvousKeysAreFreedWhenItEnds) {
+  Connect("a");
+  Connect("b");
+  const std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
+  coordinator_->KvSet(id + "/0/rank0", "addr0");
+  coordinator_->KvSet(id + "/0/nccl", "id");
+  coordinator_->KvSet("other-1/0/rank0", "kept");
+  EXPECT_EQ(coordinator_->KvSize(), 3u);
+  ASSERT_TRUE(coordinator_->Stop(id, "test").ok());
+  EXPECT_EQ(coordinator_->KvSize(), 1u) << "only the other job's key is left";
+  EXPECT_TRUE(coordinator_->KvGet({"other-1/0/rank0"}, 0).has_value());
+}
+
 TEST_F(CoordinatorTest, LogLinesAreStoredAsEventsAndNothingIsLearntFromTheirText) {
   Connect("a");
   Connect("b");
