@@ -25,6 +25,7 @@ StatusOr<SpawnedProcess> RealProcessSpawner::Spawn(const SpawnSpec& spec) {
   // The cluster token drives the whole coordinator: a worker runs user code and needs none of it
   // (it reaches its agent with its job's own secret).
   merged.erase("LTRAIN_TOKEN");
+  merged.erase("LTRAIN_TOKEN_FILE");
   for (const auto& entry : spec.env) merged[entry.substr(0, entry.find('='))] = entry;
   std::vector<std::string> env_strings;
   for (auto& [key, entry] : merged) env_strings.push_back(entry);

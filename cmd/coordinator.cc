@@ -47,10 +47,14 @@ int RunCoordinator(const CoordinatorArgs& args, const SecurityMaterial& security
   options.state_dir = state_dir;
   options.node_timeout_ms = static_cast<int64_t>(args.node_timeout_s * 1000);
   options.security = security;
-  if (options.listen_address.rfind("127.", 0) != 0 && options.listen_address.rfind("localhost", 0) != 0 &&
-      (security.cert_pem.empty() || security.token.empty())) {
-    LTRAIN_LOG(kWarning, "coordinator") << "listening on " << args.listen
-                                        << " without TLS and a token: anyone who reaches it can drive it; see --init-tls";
+  if (options.listen_address.rfind("127.", 0) != 0 && options.listen_address.rfind("localhost", 0) != 0) {
+    if (security.token.empty()) {
+      LTRAIN_LOG(kWarning, "coordinator") << "listening on " << args.listen
+                                          << " without a token: anyone who reaches it can drive it; see --init-tls";
+    } else if (security.cert_pem.empty()) {
+      LTRAIN_LOG(kWarning, "coordinator") << "listening on " << args.listen
+                                          << " without TLS: the token travels in clear text; see --init-tls";
+    }
   }
   StatusOr<std::unique_ptr<launcher::CoordinatorServer>> server = launcher::CoordinatorServer::Start(options);
   if (!server.ok()) {

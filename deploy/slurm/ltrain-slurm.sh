@@ -21,6 +21,10 @@
 # every process of the job at once: the job ends STOPPED at its last commit (the coordinator ignores
 # SIGTERM and outlives the agents, which say goodbye; `ltrain launch` stops the job on its SIGTERM).
 #
+# The coordinator requires a token made for each allocation ($LTRAIN_SLURM_STATE_DIR/token, 0600);
+# with LTRAIN_SLURM_TLS=1 it also serves TLS with a CA made for the allocation, else the token travels
+# in clear text on the cluster's network.
+#
 # Environment: LTRAIN_BIN (default: ltrain on PATH), LTRAIN_SLURM_STATE_DIR, LTRAIN_SLURM_PORT
 # (default 0: any free port), LTRAIN_SLURM_STOP_TIMEOUT (default 60: seconds the final checkpoint on
 # SIGTERM may take; keep it well below the lead time of --signal), LTRAIN_SLURM_REQUEUE_ON_TERM=1
@@ -54,6 +58,11 @@ fi
 state_dir=${LTRAIN_SLURM_STATE_DIR:-$HOME/.ltrain/slurm/$SLURM_JOB_ID}
 mkdir -p "$state_dir"
 log() { echo "ltrain-slurm: $*"; }
+# The coordinator listens on every interface: a token of this run (0600, new each allocation) lets
+# only this user's processes drive it. Every ltrain below, the agents srun starts included, reads it
+# from LTRAIN_TOKEN_FILE; the workers never see it (their agents leave it out).
+(umask 077 && head -c 20 /dev/urandom | od -An -tx1 | tr -d ' \n' >"$state_dir/token")
+export LTRAIN_TOKEN_FILE=$state_dir/token
 trap 'log "line $LINENO failed: $BASH_COMMAND"' ERR
 
 coordinator_pid='' agents_pid='' launch_pid='' job=''
@@ -95,16 +104,28 @@ trap on_term TERM INT
 
 # Coordinator on this (the first) node, on a free port unless one is given.
 first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
+coordinator_host=$(node_address "$first")
 rm -f "$state_dir/coordinator.port" "$state_dir/agents.step"
+# The token crosses the cluster's network: in TLS with LTRAIN_SLURM_TLS=1 (a CA and a certificate for
+# this node, made for this allocation), else in clear text, which the clients must be told is meant.
+tls_args=()
+if [[ ${LTRAIN_SLURM_TLS:-0} == 1 ]]; then
+  rm -rf "$state_dir/tls"
+  "$ltrain" coordinator --init-tls "$state_dir/tls" --tls-hosts "$coordinator_host" "$first" localhost 127.0.0.1 >/dev/null
+  tls_args=(--tls-cert "$state_dir/tls/server.pem" --tls-key "$state_dir/tls/server.key")
+  export LTRAIN_TLS_CA=$state_dir/tls/ca.pem
+else
+  export LTRAIN_INSECURE=1
+fi
 # The coordinator ignores SIGTERM: a plain scancel signals every process at once, and the coordinator
 # must outlive the agents, which tell it they are leaving, so that the job ends STOPPED. This script
 # stops it with SIGINT at the end.
 ( trap '' TERM; exec "$ltrain" coordinator --listen "0.0.0.0:${LTRAIN_SLURM_PORT:-0}" --state-dir "$state_dir" \
-  --port-file "$state_dir/coordinator.port" >>"$state_dir/coordinator.log" 2>&1 ) &
+  --port-file "$state_dir/coordinator.port" "${tls_args[@]}" >>"$state_dir/coordinator.log" 2>&1 ) &
 coordinator_pid=$!
 for _ in $(seq 300); do [[ -s $state_dir/coordinator.port ]] && break; sleep 0.1; done
 [[ -s $state_dir/coordinator.port ]] || { log "the coordinator did not start; see $state_dir/coordinator.log"; exit 3; }
-address=$(node_address "$first"):$(cat "$state_dir/coordinator.port")
+address=$coordinator_host:$(cat "$state_dir/coordinator.port")
 log "Slurm job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): coordinator at $address, state in $state_dir"
 
 # A job recorded by an earlier run of this Slurm job (requeue): finished, or to be resumed.

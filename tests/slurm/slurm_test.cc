@@ -133,10 +133,10 @@ class SlurmTest : public ::testing::Test {
   std::string Marker() const { return "LTRAIN_SLURM_STATE_DIR=" + StateDir(); }
 
   // sbatch -N2 of the job script; returns the Slurm job id.
-  std::string Submit(const std::string& recipe) {
+  std::string Submit(const std::string& recipe, const std::string& more_env = "") {
     std::vector<std::string> argv = {Which("sbatch"), "--parsable", "-N2", "--chdir", dir_.path(), "--output",
                                      dir_.Join("slurm-%j.out"),
-                                     "--export=ALL,LTRAIN_BIN=" + LtrainBinary() + ",OMP_NUM_THREADS=1," + Marker(),
+                                     "--export=ALL,LTRAIN_BIN=" + LtrainBinary() + ",OMP_NUM_THREADS=1," + Marker() + more_env,
                                      SourceDir() + "/deploy/slurm/ltrain.sbatch", recipe};
     ProcessResult submitted = RunProcess(argv, SlurmEnv(), seconds(30));
     EXPECT_EQ(submitted.exit_code, 0) << submitted.output;
@@ -263,8 +263,31 @@ TEST_F(SlurmTest, BatchJobTrainsOnBothNodesAndCompletes) {
   // Each node's agent wrote its rank's log under its own work directory.
   EXPECT_TRUE(fs::exists(StateDir() + "/nodes/n1")) << output;
   EXPECT_TRUE(fs::exists(StateDir() + "/nodes/n2")) << output;
+  // The coordinator, on every interface, required the allocation's token, which only this user reads.
+  const std::string token = StateDir() + "/token";
+  ASSERT_TRUE(fs::exists(token)) << output;
+  EXPECT_EQ(fs::status(token).permissions() & (fs::perms::group_all | fs::perms::others_all), fs::perms::none);
+  EXPECT_EQ(ReadFile(token).size(), 40u);
+  EXPECT_EQ(ReadFile(StateDir() + "/coordinator.log").find("anyone who reaches it can drive it"), std::string::npos)
+      << ReadFile(StateDir() + "/coordinator.log");
   ExpectNoProcessLeft(seconds(5));
   RecordProperty("seconds", std::to_string(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count()));
+}
+
+// LTRAIN_SLURM_TLS=1: the coordinator serves TLS with a CA made for the allocation, and the agents on
+// both nodes, the launch and the script's own status calls all reach it through it.
+TEST_F(SlurmTest, WithTlsAskedTheJobRunsOverTlsWithItsToken) {
+  std::string id = Submit(Recipe("slurmtls", "steps: 5"), ",LTRAIN_SLURM_TLS=1");
+  ASSERT_FALSE(id.empty());
+  std::string state = WaitForSlurmJobEnd(id, seconds(90));
+  std::string output = SlurmOutput(id);
+  ASSERT_EQ(state, "COMPLETED") << output << SlurmLogs();
+  EXPECT_NE(output.find("ltrain: job SUCCEEDED"), std::string::npos) << output;
+  EXPECT_TRUE(fs::exists(StateDir() + "/tls/ca.pem")) << output;
+  const std::string log = ReadFile(StateDir() + "/coordinator.log");
+  EXPECT_EQ(log.find("without TLS"), std::string::npos) << log;
+  EXPECT_EQ(log.find("without a token"), std::string::npos) << log;
+  ExpectNoProcessLeft(seconds(5));
 }
 
 // The batch shell's SIGTERM (what --signal=B:TERM@300 sends before the time limit, and
