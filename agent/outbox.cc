@@ -35,7 +35,7 @@ std::optional<v1::PushLogsRequest> DroppedLinesNotice(const v1::PushLogsRequest&
   std::string listed;
   for (int rank : ranks) listed += (listed.empty() ? "" : ", ") + std::to_string(rank);
   constexpr size_t kMaxWhy = 512;
-  const std::string reason = ValidUtf8(why.substr(0, Utf8Prefix(why, kMaxWhy)));
+  const std::string reason = BoundedLine(why, kMaxWhy);
   v1::PushLogsRequest notice;
   notice.set_job_id(dropped.job_id());
   notice.set_node_id(dropped.node_id());

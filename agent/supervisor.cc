@@ -216,11 +216,7 @@ void Supervisor::AddLine(Worker& worker, const std::string& line, Batches& batch
   worker.log << line << '\n';
   // What goes to the coordinator: valid UTF-8 (protobuf refuses anything else), and at most
   // kMaxForwardedLineBytes of it.
-  std::string text = ValidUtf8(line);
-  if (text.size() > kMaxForwardedLineBytes) {
-    const size_t kept = Utf8Prefix(text, kMaxForwardedLineBytes);
-    text = text.substr(0, kept) + " [... " + std::to_string(text.size() - kept) + " more bytes in " + worker.log_path + "]";
-  }
+  std::string text = BoundedLine(line, kMaxForwardedLineBytes, worker.log_path);
   worker.tail.push_back(text);
   if (worker.tail.size() > kTailLines) worker.tail.pop_front();
   Batch& batch = batches[worker.job_id];

@@ -2,17 +2,9 @@
 
 #include <random>
 
+#include "common/transport_security.h"
+
 namespace ltrain::agent {
-namespace {
-
-bool SameInConstantTime(std::string_view a, std::string_view b) {
-  if (a.size() != b.size()) return false;
-  unsigned char diff = 0;
-  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
-  return diff == 0;
-}
-
-}  // namespace
 
 std::string WorkerCredentials::Issue(const std::string& job_id, int generation, const std::string& rendezvous_scope) {
   std::random_device random;  // getrandom(2) on Linux
@@ -37,7 +29,7 @@ std::optional<WorkerGrant> WorkerCredentials::Find(std::string_view authorizatio
   std::lock_guard<std::mutex> lock(mu_);
   std::optional<WorkerGrant> found;
   for (const auto& [job, entry] : by_job_) {
-    if (SameInConstantTime(entry.first, presented) && !entry.first.empty()) found = entry.second;
+    if (SameSecret(entry.first, presented) && !entry.first.empty()) found = entry.second;
   }
   return found;
 }

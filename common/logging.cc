@@ -73,6 +73,14 @@ std::string ValidUtf8(std::string_view text) {
   return out;
 }
 
+std::string BoundedLine(std::string_view text, size_t max_bytes, const std::string& where) {
+  std::string line = ValidUtf8(text);
+  if (line.size() <= max_bytes) return line;
+  const size_t kept = Utf8Prefix(line, max_bytes);
+  return line.substr(0, kept) + " [... " + std::to_string(line.size() - kept) + " more bytes" +
+         (where.empty() ? "" : " in " + where) + "]";
+}
+
 size_t Utf8Prefix(std::string_view text, size_t max_bytes) {
   if (text.size() <= max_bytes) return text.size();
   size_t end = max_bytes;

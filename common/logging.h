@@ -26,6 +26,9 @@ std::string ValidUtf8(std::string_view text);
 // The length of the longest prefix of `text` of at most `max_bytes` that does not cut a UTF-8
 // sequence (of valid UTF-8 text).
 size_t Utf8Prefix(std::string_view text, size_t max_bytes);
+// A line as it may travel and be stored: ValidUtf8(text), and past `max_bytes` cut (never inside a
+// character) with " [... N more bytes]", or " [... N more bytes in WHERE]" where the rest is kept.
+std::string BoundedLine(std::string_view text, size_t max_bytes, const std::string& where = "");
 
 class LogMessage {
  public:

@@ -186,17 +186,21 @@ grpc::Status CheckBearerToken(const grpc::ServerContext& context, const std::str
   if (token.empty()) return grpc::Status::OK;
   const std::string expected = "Bearer " + token;
   auto found = context.client_metadata().find("authorization");
-  bool match = false;
-  if (found != context.client_metadata().end() && found->second.size() == expected.size()) {
-    unsigned char diff = 0;
-    for (size_t i = 0; i < expected.size(); ++i) diff |= static_cast<unsigned char>(found->second.data()[i] ^ expected[i]);
-    match = diff == 0;
+  if (found != context.client_metadata().end() &&
+      SameSecret(std::string_view(found->second.data(), found->second.size()), expected)) {
+    return grpc::Status::OK;
   }
-  if (match) return grpc::Status::OK;
   return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                       found == context.client_metadata().end()
                           ? "this coordinator requires a bearer token: pass --token-file FILE or set LTRAIN_TOKEN"
                           : "the bearer token was not accepted: check --token-file or LTRAIN_TOKEN");
+}
+
+bool SameSecret(std::string_view a, std::string_view b) {
+  if (a.size() != b.size()) return false;
+  unsigned char diff = 0;
+  for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
+  return diff == 0;
 }
 
 std::string NewToken() {

@@ -8,6 +8,7 @@
 
 #include <memory>
 #include <string>
+#include <string_view>
 
 #include <grpcpp/grpcpp.h>
 
@@ -46,6 +47,8 @@ Status CheckTokenTransport(const std::string& target, const SecurityMaterial& se
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const SecurityMaterial& security);
 // A new random bearer token: 40 hex digits (160 bits) from the system's random source.
 std::string NewToken();
+// Whether two secrets are equal, in a time that does not depend on where they differ.
+bool SameSecret(std::string_view a, std::string_view b);
 std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(const SecurityMaterial& security);
 
 // For server handlers: OK when no token is configured or the call carries it; UNAUTHENTICATED

@@ -18,13 +18,7 @@ constexpr const char* kLog = "coordinator";
 
 // A worker's line as the coordinator keeps it: valid UTF-8 and at most 16 KiB (the agents send no
 // more; this holds against any client), so that no report can grow the state by megabytes.
-std::string StoredLine(const std::string& text) {
-  constexpr size_t kMaxLineBytes = 16 << 10;
-  std::string line = ValidUtf8(text);
-  if (line.size() <= kMaxLineBytes) return line;
-  const size_t kept = Utf8Prefix(line, kMaxLineBytes);
-  return line.substr(0, kept) + " [... " + std::to_string(line.size() - kept) + " more bytes]";
-}
+std::string StoredLine(const std::string& text) { return BoundedLine(text, 16 << 10); }
 
 std::string RankRange(int first, int last) {
   return first == last ? "rank " + std::to_string(first)

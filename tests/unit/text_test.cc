@@ -32,5 +32,11 @@ TEST(TextTest, Utf8PrefixNeverCutsASequence) {
   EXPECT_EQ(Utf8Prefix(text, 5), 5u);
 }
 
+TEST(TextTest, BoundedLineIsValidAndCutWithWhereTheRestIs) {
+  EXPECT_EQ(BoundedLine("short \xff", 100), "short \xef\xbf\xbd");
+  EXPECT_EQ(BoundedLine("abcdef", 4), "abcd [... 2 more bytes]");
+  EXPECT_EQ(BoundedLine("ab\xe2\x82\xac" "cd", 4, "/logs/rank-0.log"), "ab [... 5 more bytes in /logs/rank-0.log]");
+}
+
 }  // namespace
 }  // namespace ltrain
