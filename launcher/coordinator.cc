@@ -628,7 +628,9 @@ void Coordinator::ApplyProgressLocked(ActiveJob& job, const v1::RankProgress& re
   RecordCommitLocked(job, report.committed_step(), report.committed_path(), report.rank());
   if (report.rank() != 0 || !report.has_completed()) return;
   const v1::StepFigures& step = report.completed();
-  const double eta_s = std::max<int64_t>(0, step.total_steps() - step.step()) * step.step_ms() / 1000.0;
+  // In doubles: a report's step numbers may be anything, and their difference must not overflow.
+  const double eta_s =
+      std::max(0.0, static_cast<double>(step.total_steps()) - static_cast<double>(step.step())) * step.step_ms() / 1000.0;
   if (step.step() == job.job.last_step() && step.total_steps() == job.job.total_steps() &&
       step.loss() == job.job.last_loss() && step.tokens_per_s() == job.job.tokens_per_s() &&
       eta_s == job.job.eta_s()) {

@@ -69,7 +69,7 @@ std::string Mutate(const std::string& seed, std::mt19937_64& rng) {
         if (!s.empty()) s[pick(s.size())] ^= static_cast<char>(1 << (rng() % 8));
         break;
       case 1: {  // insert structural or odd bytes
-        static const std::string kBytes = std::string(":{}[],&*!|>#'\"\n\t -?%@`\\", 26) + std::string("\0\xff\x80", 3);
+        static const std::string kBytes = std::string(":{}[],&*!|>#'\"\n\t -?%@`\\") + std::string("\0\xff\x80", 3);
         s.insert(pick(s.size() + 1), 1, kBytes[pick(kBytes.size())]);
         break;
       }
