@@ -243,7 +243,7 @@ fault: {{max_restarts: 1, restart_backoff_s: 0}}
 
             rc, out = launch(a.ltrain, [recipe], os.path.join(work, "home-" + name), on_line)
             shutil.rmtree(ck_dir, ignore_errors=True)
-            m = re.search(r"resumed from \S+/step-(\d+) at step (\d+).* in ([0-9.]+) s", out)
+            m = re.search(r"resumed from \S+/step-(\d+) at step (\d+) .*?\) in ([0-9.]+) s", out)
             losses[kind] = state["losses"]
             print(f"{key} {kind}: exit {rc}" + (f"; resumed from step {m.group(2)} in {m.group(3)} s" if m else ""),
                   flush=True)
