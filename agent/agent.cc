@@ -3,7 +3,9 @@
 #include <poll.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <deque>
 #include <filesystem>
@@ -31,8 +33,10 @@ namespace {
 namespace fs = std::filesystem;
 constexpr const char* kLog = "agent";
 
+// `seconds` from now, within [0 s, a day]: a timeout a worker asks for cannot overflow the clock.
 std::chrono::system_clock::time_point Deadline(double seconds) {
-  return std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
+  const double bounded = std::isnan(seconds) ? 0.0 : std::clamp(seconds, 0.0, 86400.0);
+  return std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(bounded * 1000));
 }
 
 // Who calls the agent's loopback services: a worker of one of its jobs, by the secret of that job

@@ -5,12 +5,14 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <set>
 
 #include "agent/oom.h"
 #include "common/logging.h"
 #include "common/signal_name.h"
+#include "common/worker_exit.h"
 
 namespace ltrain::agent {
 namespace {
@@ -18,7 +20,53 @@ namespace {
 namespace fs = std::filesystem;
 constexpr const char* kLog = "agent";
 
+// A job id as the coordinator makes them ("<name>-<n>"), usable as one path component.
+bool UsableJobId(const std::string& id) {
+  if (id.empty() || id.size() > 128 || id == "." || id == "..") return false;
+  return std::all_of(id.begin(), id.end(), [](char c) {
+    return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' ||
+           c == '-';
+  });
+}
+
 }  // namespace
+
+Status CheckStartCommand(const v1::StartJobCommand& start) {
+  if (!UsableJobId(start.job_id())) {
+    return InvalidArgument("the job id is not 1-128 characters of [A-Za-z0-9._-]");
+  }
+  if (start.generation() < 0) return InvalidArgument("generation " + std::to_string(start.generation()) + " is negative");
+  if (start.world_size() < 1 || start.world_size() > (1 << 20)) {
+    return InvalidArgument("world size " + std::to_string(start.world_size()) + " is outside 1-1048576");
+  }
+  if (start.local_world_size() < 1 || start.local_world_size() > 4096 ||
+      start.local_world_size() > start.world_size()) {
+    return InvalidArgument("local world size " + std::to_string(start.local_world_size()) +
+                           " is outside 1-4096 or above the world size");
+  }
+  if (start.workers_size() != start.local_world_size()) {
+    return InvalidArgument(std::to_string(start.workers_size()) + " worker(s) assigned for a local world size of " +
+                           std::to_string(start.local_world_size()));
+  }
+  std::set<int> ranks, local_ranks;
+  for (const auto& worker : start.workers()) {
+    if (worker.rank() < 0 || worker.rank() >= start.world_size() || !ranks.insert(worker.rank()).second) {
+      return InvalidArgument("rank " + std::to_string(worker.rank()) + " is outside the world or assigned twice");
+    }
+    if (worker.local_rank() < 0 || worker.local_rank() >= start.local_world_size() ||
+        !local_ranks.insert(worker.local_rank()).second) {
+      return InvalidArgument("local rank " + std::to_string(worker.local_rank()) +
+                             " is outside the node or assigned twice");
+    }
+  }
+  if (start.rendezvous_scope().rfind(start.job_id() + "/", 0) != 0) {
+    return InvalidArgument("the rendezvous scope is not under the job's id");
+  }
+  for (const std::string* text : {&start.rendezvous_scope(), &start.checkpoint_dir()}) {
+    if (text->find('\0') != std::string::npos) return InvalidArgument("a path or scope holds a NUL byte");
+  }
+  return Status::Ok();
+}
 
 Supervisor::Supervisor(SupervisorOptions options, ProcessSpawner& spawner, const Clock& clock,
                        SupervisorOutbox& outbox)
@@ -33,6 +81,23 @@ Supervisor::~Supervisor() {
 }
 
 void Supervisor::StartJob(const v1::StartJobCommand& start) {
+  if (Status usable = CheckStartCommand(start); !usable.ok()) {
+    LTRAIN_LOG(kError, kLog) << "refused a start command" << (UsableJobId(start.job_id()) ? " of " + start.job_id() : "")
+                             << ": " << usable.message();
+    if (!UsableJobId(start.job_id())) return;
+    for (int i = 0; i < std::min(start.workers_size(), 4096); ++i) {
+      v1::WorkerStateReport report;
+      report.set_node_id(options_.node_id);
+      report.set_job_id(start.job_id());
+      report.set_generation(start.generation());
+      report.set_rank(start.workers(i).rank());
+      report.set_state("exited");
+      report.set_exit_code(kWorkerExitNoRestart);
+      report.add_log_tail("the agent on " + options_.node_id + " refused the start command: " + usable.message());
+      outbox_.Send(std::move(report));
+    }
+    return;
+  }
   for (auto& [pid, worker] : workers_) {
     if (worker->job_id == start.job_id() && worker->generation < start.generation()) {
       spawner_.KillGroup(pid, SIGKILL);  // a leftover of an older generation

@@ -25,6 +25,7 @@
 
 #include "agent/process_spawner.h"
 #include "common/clock.h"
+#include "common/status.h"
 #include "ltrain/v1/ltrain.pb.h"
 
 namespace ltrain::agent {
@@ -60,6 +61,11 @@ struct SupervisorOptions {
   std::function<std::string(const v1::StartJobCommand&)> issue_worker_secret;
 };
 
+// Whether a start command can be carried out as it is: a job id that is a plain file name, ranks
+// within the world and each once, local ranks within the node, a key scope under the job. Any
+// problem is InvalidArgument naming it.
+Status CheckStartCommand(const v1::StartJobCommand& start);
+
 class Supervisor {
  public:
   static constexpr size_t kTailLines = 12;  // log lines an exit report carries
@@ -79,6 +85,8 @@ class Supervisor {
 
   // Kills the job's workers of older generations, writes the recipe and spawns a worker per
   // assignment; each gets a "running" report, or an "exited" one with code 127 when it cannot start.
+  // A command CheckStartCommand refuses starts nothing: each assignment gets an "exited" report
+  // with kWorkerExitNoRestart and the reason (none when the job id itself is unusable).
   void StartJob(const v1::StartJobCommand& start);
   // SIGTERM and SIGCONT to the job's workers of `generation` and older (all when generation < 0)
   // that are not stopping already; SIGKILL follows in Poll once the grace is over.

@@ -19,6 +19,8 @@ struct CoordinatorArgs {
   std::string state_dir;
   std::string port_file;
   double node_timeout_s = 3.0;
+  double retain_days = 30;
+  double state_max_mb = 0;
   std::string init_tls;
   std::vector<std::string> tls_hosts = {"localhost", "127.0.0.1"};
 };
@@ -46,6 +48,8 @@ int RunCoordinator(const CoordinatorArgs& args, const SecurityMaterial& security
   options.listen_address = args.listen;
   options.state_dir = state_dir;
   options.node_timeout_ms = static_cast<int64_t>(args.node_timeout_s * 1000);
+  options.retain_ms = static_cast<int64_t>(args.retain_days * 24 * 3600 * 1000);
+  options.state_max_bytes = static_cast<int64_t>(args.state_max_mb * 1024 * 1024);
   options.security = security;
   if (options.listen_address.rfind("127.", 0) != 0 && options.listen_address.rfind("localhost", 0) != 0) {
     if (security.token.empty()) {
@@ -91,6 +95,15 @@ void AddCoordinatorCommand(CLI::App& app, CommandContext& ctx) {
   cmd->add_option("--tls-hosts", args->tls_hosts, "Names and addresses the server certificate is for (--init-tls)")
       ->capture_default_str();
   cmd->add_option("--node-timeout", args->node_timeout_s, "Seconds without heartbeat before a node is lost")
+      ->capture_default_str();
+  cmd->add_option("--retain-days", args->retain_days,
+                  "Days a finished job's record, events and logs (and any job's log lines) are kept; 0 keeps them")
+      ->check(CLI::NonNegativeNumber)
+      ->capture_default_str();
+  cmd->add_option("--state-max-mb", args->state_max_mb,
+                  "Cap on state.db in MiB (0: none). At the cap the coordinator takes no new jobs, says why, and "
+                  "takes them again once retention has made room")
+      ->check(CLI::NonNegativeNumber)
       ->capture_default_str();
   ctx.Bind(cmd, [args, &ctx] {
     if (!args->init_tls.empty()) return InitTlsFiles(args->init_tls, args->tls_hosts);

@@ -115,7 +115,7 @@ void AddStopCommand(CLI::App& app, CommandContext& ctx) {
       "commit); waits until the job has ended");
   cmd->add_option("--checkpoint-timeout", args->checkpoint_timeout_s,
                   "Seconds the final checkpoint may take before the job is stopped plainly, keeping its last commit")
-      ->check(CLI::PositiveNumber)
+      ->check(CLI::Range(0.001, 604800.0))
       ->needs(checkpoint)
       ->capture_default_str();
   ctx.Bind(cmd, [args, &ctx] { return Stop(*args, ctx.security()); });

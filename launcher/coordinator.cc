@@ -42,7 +42,7 @@ RestartPolicy PolicyOf(const Recipe& recipe) {
 }  // namespace
 
 Coordinator::Coordinator(StateStore* store, const Clock* clock, CoordinatorOptions options)
-    : store_(store), clock_(clock), options_(std::move(options)) {
+    : store_(store), clock_(clock), options_(std::move(options)), writer_(store, clock) {
   // Sequence numbers keep growing across coordinator restarts, so a follower that reconnects with
   // the last number it saw misses nothing new.
   next_seq_ = std::max<int64_t>(1, clock_->UnixMs() * 1000);
@@ -54,12 +54,17 @@ Coordinator::ActiveJob* Coordinator::FindLocked(const std::string& job_id) {
 }
 
 Status Coordinator::Recover() {
-  LTRAIN_ASSIGN_OR_RETURN(std::vector<v1::Job> jobs, store_->ListJobs(0));
-  std::lock_guard<std::mutex> lock(mu_);
-  int64_t now = clock_->SteadyMs();
-  for (const auto& listed : jobs) {
+  LTRAIN_ASSIGN_OR_RETURN(std::vector<v1::Job> listed_jobs, store_->ListJobs(0));
+  std::vector<v1::Job> jobs;  // the unfinished ones, with their ranks
+  for (const auto& listed : listed_jobs) {
     if (IsFinal(listed.state())) continue;
     LTRAIN_ASSIGN_OR_RETURN(v1::Job stored, store_->GetJob(listed.id()));
+    jobs.push_back(std::move(stored));
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  int64_t now = clock_->SteadyMs();
+  for (const auto& stored : jobs) {
+    const v1::Job& listed = stored;
     RecipeParseResult parsed = ParseRecipe(stored.recipe_yaml(), listed.id());
     ActiveJob& job = jobs_[listed.id()];
     job.job = stored;
@@ -112,10 +117,12 @@ StatusOr<v1::Job> Coordinator::Submit(const std::string& recipe_yaml, const std:
   RecipeParseResult parsed = ParseRecipe(recipe_yaml, source_name.empty() ? "recipe" : source_name);
   if (!parsed.ok()) return InvalidArgument(parsed.ErrorText());
   Recipe recipe = parsed.recipe;
-  std::lock_guard<std::mutex> lock(mu_);
+  LTRAIN_RETURN_IF_ERROR(CheckStateWritable());
+  // The id comes from the store: the one write made before the lock, and waited for.
   StatusOr<v1::Job> created =
       store_->CreateJob(recipe.name, RecipeToYaml(recipe), recipe.parallel.world_size(), clock_->UnixMs());
   if (!created.ok()) return created.status();
+  std::lock_guard<std::mutex> lock(mu_);
   if (recipe.checkpoint.dir.empty()) {
     recipe.checkpoint.dir = (std::filesystem::path(options_.state_dir) / "checkpoints" / created->id()).string();
   }
@@ -196,8 +203,8 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
   job.waiting_reported = false;
   job.stopping = job.stopped_early = false;
   job.stop_reason.clear();
-  Status cleared = store_->ClearRanks(job.job.id());
-  if (!cleared.ok()) LTRAIN_LOG(kError, kLog) << cleared.ToString();
+  writer_.Enqueue("clear the ranks of " + job.job.id(),
+                  [id = job.job.id()](StateStore& store) { return store.ClearRanks(id); });
   std::string recipe_yaml = RecipeToYaml(recipe);
   int nproc = recipe.parallel.nproc_per_node;
   std::string placement;
@@ -225,8 +232,8 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
       rank.set_node_id(nodes[i]);
       rank.set_local_rank(local);
       rank.set_state("starting");
-      Status recorded = store_->UpsertRank(job.job.id(), rank);
-      if (!recorded.ok()) LTRAIN_LOG(kError, kLog) << recorded.ToString();
+      writer_.Enqueue("record rank " + std::to_string(rank.rank()) + " of " + job.job.id(),
+                      [id = job.job.id(), rank](StateStore& store) { return store.UpsertRank(id, rank); });
     }
     node.commands.push_back(command);
     placement += (placement.empty() ? "" : ", ") + RankRange(i * nproc, i * nproc + nproc - 1) + " on " + nodes[i] +
@@ -307,8 +314,8 @@ void Coordinator::AddEventLocked(ActiveJob& job, const std::string& kind, const 
   event.set_rank(rank);
   event.set_state(job.job.state());
   if (kind != "log") {
-    StatusOr<int64_t> stored = store_->AppendEvent(event);
-    if (!stored.ok()) LTRAIN_LOG(kError, kLog) << stored.status().ToString();
+    writer_.Enqueue("append an event of " + job.job.id(),
+                    [event](StateStore& store) { return store.AppendEvent(event).status(); });
     LTRAIN_LOG(kInfo, kLog) << job.job.id() << ": " << message;
   }
   job.events.push_back(std::move(event));
@@ -320,9 +327,21 @@ void Coordinator::AddEventLocked(ActiveJob& job, const std::string& kind, const 
 
 void Coordinator::PersistJobLocked(ActiveJob& job) {
   job.job.set_updated_unix_ms(clock_->UnixMs());
-  Status status = store_->UpdateJob(job.job);
-  if (!status.ok()) LTRAIN_LOG(kError, kLog) << status.ToString();
+  writer_.Enqueue("update job " + job.job.id(), [record = job.job](StateStore& store) { return store.UpdateJob(record); });
 }
+
+Status Coordinator::CheckStateWritable() const {
+  std::optional<std::string> failure = writer_.Failure();
+  if (!failure) return Status::Ok();
+  return Unavailable("the coordinator takes no new work while it cannot write its state (" +
+                     (std::filesystem::path(options_.state_dir) / "state.db").string() + "): " + *failure +
+                     "; running jobs go on, and new work is accepted once writes succeed again "
+                     "(free disk space, or fix the file's permissions)");
+}
+
+void Coordinator::FlushState() { writer_.Flush(); }
+
+std::optional<std::string> Coordinator::StateFailure() const { return writer_.Failure(); }
 
 void Coordinator::FinishLocked(ActiveJob& job, v1::JobState state, const std::string& cause) {
   if (IsFinal(job.job.state())) return;
@@ -344,11 +363,20 @@ void Coordinator::FinishLocked(ActiveJob& job, v1::JobState state, const std::st
 }
 
 StatusOr<v1::Job> Coordinator::GetJob(const std::string& job_id) {
+  writer_.Flush();
   StatusOr<v1::Job> job = store_->GetJob(job_id);
   if (!job.ok()) return job;
   std::lock_guard<std::mutex> lock(mu_);
   ActiveJob* active = FindLocked(job_id);
   if (active == nullptr) return job;
+  // The job as it is now, also while the state's writes wait or fail.
+  job->set_state(active->job.state());
+  job->set_cause(active->job.cause());
+  job->set_generation(active->job.generation());
+  job->set_restarts(active->job.restarts());
+  job->set_last_failure(active->job.last_failure());
+  job->set_last_committed_step(active->job.last_committed_step());
+  job->set_last_committed_path(active->job.last_committed_path());
   job->set_last_step(active->job.last_step());
   job->set_last_loss(active->job.last_loss());
   job->set_total_steps(active->job.total_steps());
@@ -376,6 +404,7 @@ StatusOr<v1::Job> Coordinator::GetJob(const std::string& job_id) {
 }
 
 StatusOr<std::vector<v1::Job>> Coordinator::ListJobs(int limit) {
+  writer_.Flush();
   StatusOr<std::vector<v1::Job>> jobs = store_->ListJobs(limit);
   if (!jobs.ok()) return jobs;
   std::lock_guard<std::mutex> lock(mu_);
@@ -393,9 +422,11 @@ StatusOr<v1::Job> Coordinator::Stop(const std::string& job_id, const std::string
     return InvalidArgument("the timeout of a stop with a final checkpoint must be positive, not " +
                            Seconds(options.checkpoint_timeout_ms));
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  std::unique_lock<std::mutex> lock(mu_);
   ActiveJob* job = FindLocked(job_id);
   if (job == nullptr) {
+    lock.unlock();
+    writer_.Flush();
     StatusOr<v1::Job> stored = store_->GetJob(job_id);
     if (!stored.ok()) return stored;
     if (IsFinal(stored->state())) return stored;
@@ -439,6 +470,8 @@ void Coordinator::AbandonCheckpointStopLocked(ActiveJob& job, const std::string&
 }
 
 StatusOr<v1::Job> Coordinator::Resume(const std::string& job_id) {
+  LTRAIN_RETURN_IF_ERROR(CheckStateWritable());
+  writer_.Flush();
   StatusOr<v1::Job> stored = store_->GetJob(job_id);
   if (!stored.ok()) return stored;
   std::lock_guard<std::mutex> lock(mu_);
@@ -478,6 +511,7 @@ StatusOr<std::vector<v1::Event>> Coordinator::WaitEvents(const std::string& job_
   if (job == nullptr) {
     // A job of an earlier coordinator that ended: its stored history.
     lock.unlock();
+    writer_.Flush();
     LTRAIN_ASSIGN_OR_RETURN(v1::Job stored, store_->GetJob(job_id));
     *finished = true;
     return store_->EventsAfter(job_id, after_seq);
@@ -500,8 +534,9 @@ StatusOr<std::vector<v1::Event>> Coordinator::WaitEvents(const std::string& job_
 
 int64_t Coordinator::NodeConnected(const std::string& node_id, const v1::NodeFacts& facts,
                                    const std::vector<v1::RunningWorker>& running) {
-  Status stored = store_->UpsertNode(node_id, facts, clock_->UnixMs());
-  if (!stored.ok()) LTRAIN_LOG(kError, kLog) << stored.ToString();
+  writer_.Enqueue("record node " + node_id, [node_id, facts, now = clock_->UnixMs()](StateStore& store) {
+    return store.UpsertNode(node_id, facts, now);
+  });
   std::lock_guard<std::mutex> lock(mu_);
   NodeState& node = nodes_[node_id];
   node.facts = facts;
@@ -661,7 +696,8 @@ Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {
   rank.set_exit_code(report.exit_code());
   rank.set_signal(report.signal());
   rank.set_log_path(report.log_path());
-  LTRAIN_RETURN_IF_ERROR(store_->UpsertRank(job->job.id(), rank));
+  writer_.Enqueue("record rank " + std::to_string(rank.rank()) + " of " + job->job.id(),
+                  [id = job->job.id(), rank](StateStore& store) { return store.UpsertRank(id, rank); });
   if (report.state() == "running") {
     AddEventLocked(*job, "rank_started",
                    "rank " + std::to_string(report.rank()) + " started on " + report.node_id() + " (pid " +
@@ -708,8 +744,11 @@ void Coordinator::RecordCommitLocked(ActiveJob& job, int64_t step, const std::st
   if (step <= job.job.last_committed_step()) return;
   job.job.set_last_committed_step(step);
   job.job.set_last_committed_path(path);
-  Status recorded = store_->RecordCheckpoint(job.job.id(), step, job.job.generation(), path, clock_->UnixMs());
-  if (!recorded.ok()) LTRAIN_LOG(kError, kLog) << recorded.ToString();
+  writer_.Enqueue("record the checkpoint of step " + std::to_string(step) + " of " + job.job.id(),
+                  [id = job.job.id(), step, generation = job.job.generation(), path,
+                   now = clock_->UnixMs()](StateStore& store) {
+                    return store.RecordCheckpoint(id, step, generation, path, now);
+                  });
   PersistJobLocked(job);
   AddEventLocked(job, "checkpoint", "checkpoint of step " + std::to_string(step) + " committed: " + path, rank);
 }
@@ -723,12 +762,15 @@ void Coordinator::PushLogs(const v1::PushLogsRequest& request) {
     AddEventLocked(*job, "log", StoredLine(line.text()), line.rank());
     stored.push_back(job->events.back());
   }
-  Status appended = store_->AppendLogs(stored);
-  if (!appended.ok()) LTRAIN_LOG(kError, kLog) << appended.ToString();
+  if (stored.empty()) return;
+  writer_.Enqueue("append log lines of " + job->job.id(),
+                  [lines = std::move(stored)](StateStore& store) { return store.AppendLogs(lines); },
+                  /*droppable=*/true);
 }
 
 StatusOr<std::vector<v1::Event>> Coordinator::GetLogs(const std::string& job_id, int rank, int64_t since_unix_ms,
                                                       int limit) {
+  writer_.Flush();
   LTRAIN_ASSIGN_OR_RETURN(v1::Job job, store_->GetJob(job_id));
   return store_->Logs(job_id, rank, since_unix_ms, limit);
 }
@@ -756,6 +798,8 @@ void Coordinator::KvSet(const std::string& key, const std::string& value) {
 }
 
 std::optional<std::vector<std::string>> Coordinator::KvGet(const std::vector<std::string>& keys, int64_t timeout_ms) {
+  // A client's timeout, within [0, a day], so that the clock's arithmetic cannot overflow.
+  timeout_ms = std::clamp<int64_t>(timeout_ms, 0, 86400LL * 1000);
   std::unique_lock<std::mutex> lock(mu_);
   auto all_present = [&] {
     return shutting_down_ ||
@@ -803,7 +847,9 @@ void Coordinator::CheckHangLocked(ActiveJob& job, int64_t now) {
 }
 
 void Coordinator::Tick() {
+  writer_.Retry();
   std::lock_guard<std::mutex> lock(mu_);
+  SweepLocked();
   int64_t now = clock_->SteadyMs();
   std::vector<std::pair<std::string, std::string>> lost;
   for (auto& [id, node] : nodes_) {
@@ -860,6 +906,32 @@ void Coordinator::Tick() {
       }
     }
   }
+}
+
+void Coordinator::SweepLocked() {
+  const int64_t now = clock_->UnixMs();
+  if (now < next_sweep_unix_ms_) return;
+  next_sweep_unix_ms_ = now + 3600 * 1000;
+  for (auto it = jobs_.begin(); it != jobs_.end();) {
+    const v1::Job& job = it->second.job;
+    if (IsFinal(job.state()) && now - job.updated_unix_ms() >= options_.keep_finished_in_memory_ms) {
+      it = jobs_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+  if (options_.retain_ms <= 0) return;
+  const int64_t cutoff = now - options_.retain_ms;
+  const int64_t days = options_.retain_ms / (24 * 3600 * 1000);
+  writer_.Enqueue("remove records older than the retention", [cutoff, days](StateStore& store) -> Status {
+    StatusOr<PruneCounts> removed = store.PruneBefore(cutoff);
+    if (!removed.ok()) return removed.status();
+    if (removed->jobs + removed->events + removed->log_lines > 0) {
+      LTRAIN_LOG(kInfo, kLog) << "retention (" << days << " day(s)): removed " << removed->jobs << " job(s), "
+                              << removed->events << " event(s) and " << removed->log_lines << " log line(s)";
+    }
+    return Status::Ok();
+  });
 }
 
 void Coordinator::Shutdown() {

@@ -9,6 +9,9 @@
 // ("JOB/GEN/"); reports from an older generation are ignored. Workers of a generation > 0 resume from
 // the job's newest committed checkpoint.
 //
+// The store is written through a StateWriter: no handler waits for the disk under the lock, and
+// reads flush the writer first, outside the lock.
+//
 // Contract with agents: a node receives StartJobCommand with the global ranks it runs, and
 // StopJobCommand (with the generation) when the job's current generation ends for any other reason
 // than its own workers all exiting 0. A stop with a final checkpoint first sends StopJobCommand with
@@ -29,6 +32,7 @@
 #include "common/recipe.h"
 #include "common/status.h"
 #include "launcher/state_store.h"
+#include "launcher/state_writer.h"
 #include "ltrain/v1/ltrain.pb.h"
 
 namespace ltrain::launcher {
@@ -44,6 +48,11 @@ struct CoordinatorOptions {
   int64_t node_timeout_ms = 3000;    // a node whose heartbeats stop this long is lost
   int64_t recovery_grace_ms = 15000; // after a coordinator restart, how long agents get to come back
   size_t max_buffered_events = 200000;
+  // Retention: jobs that ended longer ago than this, with their events and logs, and any job's log
+  // lines older than this leave the state (0: kept for ever). Checked at start and hourly.
+  int64_t retain_ms = 30LL * 24 * 3600 * 1000;
+  // A job that ended is dropped from memory this long after (its record stays in the state).
+  int64_t keep_finished_in_memory_ms = 10 * 60 * 1000;
 };
 
 class Coordinator {
@@ -91,6 +100,10 @@ class Coordinator {
 
   // Every timed transition; idempotent, cheap, called every ~200 ms by the server.
   void Tick();
+  // Returns once the state has every write made so far (see StateWriter).
+  void FlushState();
+  // Why the state cannot be written now; while it cannot, Submit and Resume refuse.
+  std::optional<std::string> StateFailure() const;
   // Wakes every waiter; Wait* return at once from now on.
   void Shutdown();
   bool shutting_down() const;
@@ -152,6 +165,11 @@ class Coordinator {
   // Ends a stop with a final checkpoint that cannot complete: STOPPED, keeping the last commit.
   void AbandonCheckpointStopLocked(ActiveJob& job, const std::string& why);
   void PersistJobLocked(ActiveJob& job);
+  // Refuses new work while the state cannot be written.
+  Status CheckStateWritable() const;
+  // Retention: removes old records (off the lock, on the writer's thread) and drops jobs that
+  // ended a while ago from memory.
+  void SweepLocked();
   std::vector<std::string> FreeNodesLocked() const;
   ActiveJob* FindLocked(const std::string& job_id);
 
@@ -168,6 +186,9 @@ class Coordinator {
   std::map<std::string, ActiveJob> jobs_;
   std::vector<std::string> pending_;  // job ids waiting for nodes, oldest first
   std::map<std::string, std::string> kv_;
+  int64_t next_sweep_unix_ms_ = 0;
+  // Last: its destructor applies the writes still queued, which need nothing else of this class.
+  mutable StateWriter writer_;
 };
 
 }  // namespace ltrain::launcher

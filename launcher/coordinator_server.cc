@@ -49,8 +49,14 @@ class JobServiceImpl final : public v1::JobService::Service {
     if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
     StopOptions options;
     options.checkpoint = request->checkpoint();
-    if (request->checkpoint_timeout_s() != 0) {
-      options.checkpoint_timeout_ms = static_cast<int64_t>(request->checkpoint_timeout_s() * 1000);
+    if (const double seconds = request->checkpoint_timeout_s(); seconds != 0) {
+      // Converted only within a week: NaN, infinities and 1e308 are refused, not cast.
+      if (!(seconds > 0 && seconds <= 7 * 86400.0)) {
+        SetStatus(reply->mutable_status(), InvalidArgument("the timeout of a stop with a final checkpoint must be "
+                                                           "positive and at most a week (604800 s)"));
+        return grpc::Status::OK;
+      }
+      options.checkpoint_timeout_ms = static_cast<int64_t>(seconds * 1000);
     }
     StatusOr<v1::Job> job = coordinator_->Stop(request->job_id(), request->reason(), options);
     SetStatus(reply->mutable_status(), job.status());
@@ -188,23 +194,25 @@ class RendezvousServiceImpl final : public v1::RendezvousService::Service {
 
 }  // namespace
 
-StatusOr<std::unique_ptr<StateStore>> OpenStateStore(const std::string& state_dir) {
+StatusOr<std::unique_ptr<StateStore>> OpenStateStore(const std::string& state_dir, int64_t max_bytes) {
   std::error_code ec;
   std::filesystem::create_directories(state_dir, ec);
   if (ec) return Unavailable("cannot create the state directory " + state_dir + ": " + ec.message());
   StatusOr<std::unique_ptr<SqliteStateStore>> store =
       SqliteStateStore::Open((std::filesystem::path(state_dir) / "state.db").string());
   if (!store.ok()) return store.status();
+  if (max_bytes > 0) LTRAIN_RETURN_IF_ERROR((*store)->LimitSize(max_bytes));
   return std::unique_ptr<StateStore>(std::move(store).value());
 }
 
 StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const CoordinatorServerOptions& options) {
   std::unique_ptr<CoordinatorServer> server(new CoordinatorServer());
-  LTRAIN_ASSIGN_OR_RETURN(server->store_, OpenStateStore(options.state_dir));
+  LTRAIN_ASSIGN_OR_RETURN(server->store_, OpenStateStore(options.state_dir, options.state_max_bytes));
   CoordinatorOptions coordinator_options;
   coordinator_options.state_dir = options.state_dir;
   coordinator_options.node_timeout_ms = options.node_timeout_ms;
   coordinator_options.recovery_grace_ms = options.recovery_grace_ms;
+  coordinator_options.retain_ms = options.retain_ms;
   server->coordinator_ = std::make_unique<Coordinator>(server->store_.get(), &server->clock_, coordinator_options);
   if (options.recover) {
     LTRAIN_RETURN_IF_ERROR(server->coordinator_->Recover());

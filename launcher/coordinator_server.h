@@ -23,6 +23,8 @@ struct CoordinatorServerOptions {
   std::string state_dir;                        // holds state.db and default checkpoints
   int64_t node_timeout_ms = 3000;
   int64_t recovery_grace_ms = 15000;
+  int64_t retain_ms = 30LL * 24 * 3600 * 1000;  // see CoordinatorOptions::retain_ms
+  int64_t state_max_bytes = 0;                  // a cap on state.db; 0: none
   // Take back the unfinished jobs found in the state directory. A standalone launch does not: the
   // jobs there may belong to other launches that are still running.
   bool recover = true;
@@ -55,7 +57,7 @@ class CoordinatorServer {
   std::thread monitor_;
 };
 
-// Opens the SQLite state under `state_dir` (created if needed).
-StatusOr<std::unique_ptr<StateStore>> OpenStateStore(const std::string& state_dir);
+// Opens the SQLite state under `state_dir` (created if needed), capped at `max_bytes` when > 0.
+StatusOr<std::unique_ptr<StateStore>> OpenStateStore(const std::string& state_dir, int64_t max_bytes = 0);
 
 }  // namespace ltrain::launcher

@@ -1,5 +1,6 @@
 #include "launcher/state_store.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include <sqlite3.h>
@@ -111,8 +112,27 @@ class Statement {
   int rc_;
 };
 
+// A full disk, an I/O error, a lock held too long by another process or a read-only file may pass:
+// the write is worth trying again (Unavailable). Anything else is the write's own fault (Internal).
+bool Transient(int code) {
+  switch (code & 0xff) {
+    case SQLITE_FULL:
+    case SQLITE_IOERR:
+    case SQLITE_BUSY:
+    case SQLITE_LOCKED:
+    case SQLITE_READONLY:
+    case SQLITE_CANTOPEN:
+    case SQLITE_NOMEM:
+    case SQLITE_PROTOCOL:
+      return true;
+    default:
+      return false;
+  }
+}
+
 Status SqlError(sqlite3* db, const std::string& what) {
-  return Internal("state store: " + what + ": " + sqlite3_errmsg(db));
+  std::string message = "state store: " + what + ": " + sqlite3_errmsg(db);
+  return Transient(sqlite3_errcode(db)) ? Unavailable(std::move(message)) : Internal(std::move(message));
 }
 
 constexpr const char* kJobColumns =
@@ -189,12 +209,62 @@ SqliteStateStore::~SqliteStateStore() { sqlite3_close(db_); }
 
 Status SqliteStateStore::Exec(const std::string& sql) {
   char* error = nullptr;
-  if (sqlite3_exec(db_, sql.c_str(), nullptr, nullptr, &error) != SQLITE_OK) {
-    std::string message = error ? error : "unknown error";
+  int rc = sqlite3_exec(db_, sql.c_str(), nullptr, nullptr, &error);
+  if (rc != SQLITE_OK) {
+    std::string message = "state store: " + std::string(error ? error : sqlite3_errstr(rc));
     sqlite3_free(error);
-    return Internal("state store: " + message);
+    return Transient(rc) ? Unavailable(std::move(message)) : Internal(std::move(message));
   }
   return Status::Ok();
+}
+
+Status SqliteStateStore::LimitSize(int64_t max_bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Statement size(db_, "PRAGMA page_size");
+  if (size.Step() != SQLITE_ROW) return SqlError(db_, "read the page size");
+  const int64_t page = std::max<int64_t>(1, size.Int(0));
+  // SQLite's own ceiling when there is no limit; a limit below the pages in use is raised to them.
+  const int64_t pages = max_bytes > 0 ? std::max<int64_t>(1, max_bytes / page) : 4294967294LL;
+  return Exec("PRAGMA max_page_count = " + std::to_string(pages));
+}
+
+StatusOr<PruneCounts> SqliteStateStore::PruneBefore(int64_t cutoff_unix_ms) {
+  std::lock_guard<std::mutex> lock(mu_);
+  LTRAIN_RETURN_IF_ERROR(Exec("BEGIN IMMEDIATE"));
+  PruneCounts counts;
+  // The jobs that ended before the cutoff, with everything recorded of them; then any job's log
+  // lines older than the cutoff, and nodes not seen since.
+  const std::string ended = "SELECT id FROM jobs WHERE state IN (" + std::to_string(v1::JOB_STATE_SUCCEEDED) + ", " +
+                            std::to_string(v1::JOB_STATE_FAILED) + ", " + std::to_string(v1::JOB_STATE_STOPPED) +
+                            ") AND updated_ms < ?1";
+  const std::pair<const char*, std::string> deletes[] = {
+      {"events", "DELETE FROM events WHERE job_id IN (" + ended + ")"},
+      {"ranks", "DELETE FROM ranks WHERE job_id IN (" + ended + ")"},
+      {"checkpoints", "DELETE FROM checkpoints WHERE job_id IN (" + ended + ")"},
+      {"logs", "DELETE FROM logs WHERE job_id IN (" + ended + ") OR unix_ms < ?1"},
+      {"jobs", "DELETE FROM jobs WHERE id IN (" + ended + ")"},
+      {"nodes", "DELETE FROM nodes WHERE seen_ms < ?1"},
+  };
+  for (const auto& [table, sql] : deletes) {
+    Statement s(db_, sql.c_str());
+    s.Bind(1, cutoff_unix_ms);
+    if (s.Step() != SQLITE_DONE) {
+      Status error = SqlError(db_, std::string("remove old rows of ") + table);
+      (void)Exec("ROLLBACK");
+      return error;
+    }
+    const int64_t removed = sqlite3_changes(db_);
+    const std::string name = table;
+    if (name == "events") counts.events = removed;
+    if (name == "logs") counts.log_lines = removed;
+    if (name == "jobs") counts.jobs = removed;
+  }
+  Status committed = Exec("COMMIT");
+  if (!committed.ok()) {
+    (void)Exec("ROLLBACK");
+    return committed;
+  }
+  return counts;
 }
 
 StatusOr<v1::Job> SqliteStateStore::CreateJob(const std::string& name, const std::string& recipe_yaml,

@@ -15,6 +15,15 @@ struct sqlite3;
 
 namespace ltrain::launcher {
 
+// What PruneBefore removed.
+struct PruneCounts {
+  int64_t jobs = 0;
+  int64_t events = 0;
+  int64_t log_lines = 0;
+};
+
+// Errors: Unavailable when the write may succeed later (a full disk, an I/O error, a lock another
+// process holds too long), anything else when the write itself is refused.
 class StateStore {
  public:
   virtual ~StateStore() = default;
@@ -36,6 +45,10 @@ class StateStore {
   virtual Status AppendLogs(const std::vector<v1::Event>& lines) = 0;
   virtual StatusOr<std::vector<v1::Event>> Logs(const std::string& job_id, int rank, int64_t since_unix_ms,
                                                 int limit) = 0;
+  // Retention: removes the jobs that ended before `cutoff_unix_ms` with their ranks, events,
+  // checkpoint records and logs, every job's log lines older than the cutoff, and nodes not seen
+  // since. Running jobs and their events stay.
+  virtual StatusOr<PruneCounts> PruneBefore(int64_t cutoff_unix_ms) = 0;
 };
 
 class SqliteStateStore : public StateStore {
@@ -58,6 +71,9 @@ class SqliteStateStore : public StateStore {
   StatusOr<std::vector<v1::Event>> EventsAfter(const std::string& job_id, int64_t after_seq) override;
   Status AppendLogs(const std::vector<v1::Event>& lines) override;
   StatusOr<std::vector<v1::Event>> Logs(const std::string& job_id, int rank, int64_t since_unix_ms, int limit) override;
+  StatusOr<PruneCounts> PruneBefore(int64_t cutoff_unix_ms) override;
+  // Caps the database at about `max_bytes` (0: no cap). Writes past it fail as a full disk would.
+  Status LimitSize(int64_t max_bytes);
 
  private:
   explicit SqliteStateStore(sqlite3* db) : db_(db) {}
