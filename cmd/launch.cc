@@ -93,7 +93,8 @@ void AddLaunchCommand(CLI::App& app, CommandContext& ctx) {
                   "HOST:PORT of a running coordinator; without it ltrain starts one and a local agent");
   cmd->add_flag("--slurm", args->slurm,
                 "Inside a Slurm allocation: take nodes and processes per node from it (SLURM_JOB_NODELIST, GPUs per node)");
-  cmd->add_flag("--detach", args->run.detach, "With --coordinator: print the job id and return at once");
+  cmd->add_flag("--detach", args->run.detach,
+                "With --coordinator: print the job id and return at once (refused without --coordinator: exit 2)");
   cmd->add_flag("-q,--quiet", args->run.quiet, "Print job events only, not the workers' log lines");
   cmd->add_flag("-v,--verbose", args->run.verbose, "Also print the embedded coordinator's and agent's logs");
   ctx.Bind(cmd, [args, &ctx] { return Launch(*args, ctx.security()); });

@@ -46,7 +46,8 @@ void AddResumeCommand(CLI::App& app, CommandContext& ctx) {
   cmd->add_option("job", args->job_id, "Job id")->required();
   cmd->add_option("--coordinator", args->run.coordinator,
                   "HOST:PORT of the coordinator that ran it; without it a local one on $LTRAIN_HOME");
-  cmd->add_flag("--detach", args->run.detach, "With --coordinator: return once the job is resumed");
+  cmd->add_flag("--detach", args->run.detach,
+                "With --coordinator: return once the job is resumed (refused without --coordinator: exit 2)");
   cmd->add_flag("-q,--quiet", args->run.quiet, "Print job events only, not the workers' log lines");
   cmd->add_flag("-v,--verbose", args->run.verbose, "Also print the embedded coordinator's and agent's logs");
   ctx.Bind(cmd, [args, &ctx] { return Resume(*args, ctx.security()); });

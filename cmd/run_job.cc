@@ -89,6 +89,15 @@ int RunJob(const RunJobOptions& options, const SecurityMaterial& security,
   InterruptWatcher interrupts;  // before any thread starts, so every thread inherits the mask
   if (!options.verbose) SetLogLevel(LogLevel::kWarning);
   bool standalone = options.coordinator.empty();
+  if (options.detach && standalone) {
+    // A standalone job lives in this command's embedded coordinator and agent: nothing would be
+    // left to run it once the command returned.
+    std::fprintf(stderr,
+                 "ltrain: --detach needs --coordinator HOST:PORT (a coordinator that outlives this command); a "
+                 "standalone job runs as long as this command does. To keep it running after you log out, start it "
+                 "under nohup, tmux or `systemd-run --user`, and follow it with `ltrain status` and `ltrain logs -f`\n");
+    return kExitInvalid;
+  }
   std::string home = LtrainHome();
   LocalControlPlane local;
   std::string address = options.coordinator;

@@ -90,6 +90,11 @@ StatusOr<PrepareStats> PrepareTokenData(const std::vector<std::string>& inputs,
 
   std::vector<uint16_t> tokens;
   for (const std::string& input : inputs) {
+    std::error_code kind_error;
+    if (std::filesystem::is_directory(input, kind_error)) {
+      return InvalidArgument("input " + input + " is a directory; give the text files in it, e.g. --input " + input +
+                             "/*.txt");
+    }
     std::ifstream in(input, std::ios::binary);
     if (!in) return NotFound("cannot read input " + input + ": " + ErrnoText());
     std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -106,6 +111,17 @@ StatusOr<PrepareStats> PrepareTokenData(const std::vector<std::string>& inputs,
   const int64_t total = static_cast<int64_t>(tokens.size());
   const int64_t val_count = static_cast<int64_t>(static_cast<double>(total) * val_fraction);
   const int64_t train_count = total - val_count;
+  if (val_fraction > 0 && val_count == 0) {
+    return InvalidArgument(std::to_string(total) + " bytes of text leave no validation tokens at --val-fraction " +
+                           std::to_string(val_fraction) + ": give more text (at least " +
+                           std::to_string(static_cast<int64_t>(1 / val_fraction) + 1) +
+                           " bytes), or --val-fraction 0");
+  }
+  if (train_count < kMinTrainTokens) {
+    return InvalidArgument("too little text to train on: " + std::to_string(train_count) +
+                           " training tokens, at least " + std::to_string(kMinTrainTokens) +
+                           " are needed (one training sample alone is model.seq_len + 1 tokens)");
+  }
   PrepareStats stats;
   stats.vocab = 256;
   stats.train_tokens = train_count;

@@ -36,6 +36,9 @@ struct PrepareStats {
 // Tokenizes `inputs` (concatenated in order) and writes output_dir/train.bin and output_dir/val.bin;
 // val.bin holds the last `val_fraction` of the tokens. Each file is written to a temporary name,
 // fsynced and renamed, so a reader never sees a torn file. Only tokenizer "byte" (vocab 256) exists.
+// Refused: a directory as input, text that leaves val.bin empty while val_fraction > 0, and fewer than
+// kMinTrainTokens training tokens.
+inline constexpr int64_t kMinTrainTokens = 1024;
 StatusOr<PrepareStats> PrepareTokenData(const std::vector<std::string>& inputs,
                                         const std::string& output_dir, double val_fraction,
                                         const std::string& tokenizer);

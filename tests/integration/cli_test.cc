@@ -145,6 +145,41 @@ TEST(CliTest, DataPrepareWritesTrainAndValidationFiles) {
   EXPECT_NE(missing.output.find("absent.txt"), std::string::npos) << missing.output;
 }
 
+// Standalone, nothing would run the job once the command returned: --detach is refused with the way out.
+TEST(CliTest, DetachWithoutACoordinatorIsRefusedWithTheReason) {
+  TempDir dir;
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += "to be or not to be, that is the question.\n";
+  ASSERT_EQ(RunProcess({LtrainBinary(), "data", "prepare", "--input", dir.Write("in.txt", text), "--output",
+                        dir.Join("data")}).exit_code, 0);
+  std::string recipe = dir.Write("r.yaml", "name: r\ndata: {path: " + dir.Join("data") + "}\n");
+  ProcessResult result = RunProcess({LtrainBinary(), "launch", recipe, "--detach"}, {{"LTRAIN_HOME", dir.Join("home")}},
+                                    std::chrono::seconds(20));
+  EXPECT_EQ(result.exit_code, 2) << result.output;
+  EXPECT_NE(result.output.find("--detach needs --coordinator"), std::string::npos) << result.output;
+  EXPECT_EQ(result.output.find("submitted"), std::string::npos) << "no job may start: " << result.output;
+}
+
+// A directory, too little text for a validation split or for one training sample: refused at once,
+// naming the fix, instead of an abort or a run that fails later.
+TEST(CliTest, DataPrepareRefusesADirectoryAndTooLittleText) {
+  TempDir dir;
+  fs::create_directories(dir.Join("texts"));
+  ProcessResult directory = RunProcess({LtrainBinary(), "data", "prepare", "--input", dir.Join("texts"), "--output",
+                                        dir.Join("out")});
+  EXPECT_EQ(directory.exit_code, 2) << directory.output;
+  EXPECT_NE(directory.output.find("is a directory; give the text files in it"), std::string::npos) << directory.output;
+  ProcessResult tiny = RunProcess({LtrainBinary(), "data", "prepare", "--input", dir.Write("tiny.txt", "eighteen bytes...\n"),
+                                   "--output", dir.Join("out")});
+  EXPECT_EQ(tiny.exit_code, 2) << tiny.output;
+  EXPECT_NE(tiny.output.find("leave no validation tokens"), std::string::npos) << tiny.output;
+  ProcessResult small = RunProcess({LtrainBinary(), "data", "prepare", "--input", dir.Write("small.txt", std::string(600, 'a')),
+                                    "--output", dir.Join("out"), "--val-fraction", "0"});
+  EXPECT_EQ(small.exit_code, 2) << small.output;
+  EXPECT_NE(small.output.find("too little text to train on: 600 training tokens"), std::string::npos) << small.output;
+  EXPECT_FALSE(fs::exists(dir.Join("out/train.bin"))) << "nothing written for a refused corpus";
+}
+
 TEST(CliTest, HelpAndVersion) {
   ProcessResult help = RunProcess({LtrainBinary(), "--help"});
   EXPECT_EQ(help.exit_code, 0);

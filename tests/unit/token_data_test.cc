@@ -37,25 +37,25 @@ class TokenDataTest : public ::testing::Test {
 };
 
 TEST_F(TokenDataTest, PrepareRoundTripsBytesAndSplitsValAtTheEnd) {
-  std::string a = WriteText("a.txt", "hello ");
+  std::string a = WriteText("a.txt", "hello " + std::string(1394, '.'));
   std::string b = WriteText("b.txt", "world!\xff");
   StatusOr<PrepareStats> stats = PrepareTokenData({a, b}, (dir_ / "out").string(), 0.25, "byte");
   ASSERT_TRUE(stats.ok()) << stats.status().ToString();
   EXPECT_EQ(stats->vocab, 256);
-  EXPECT_EQ(stats->train_tokens + stats->val_tokens, 13);
-  EXPECT_EQ(stats->val_tokens, 3);  // floor(13 * 0.25)
+  EXPECT_EQ(stats->train_tokens + stats->val_tokens, 1407);
+  EXPECT_EQ(stats->val_tokens, 351);  // floor(1407 * 0.25)
 
   StatusOr<TokenDataset> train = TokenDataset::Open(stats->train_path);
   ASSERT_TRUE(train.ok()) << train.status().ToString();
   StatusOr<TokenDataset> val = TokenDataset::Open(stats->val_path);
   ASSERT_TRUE(val.ok()) << val.status().ToString();
   EXPECT_EQ(train->vocab(), 256);
-  std::string all = "hello world!\xff";
+  std::string all = "hello " + std::string(1394, '.') + "world!\xff";
   std::string got;
   for (int64_t i = 0; i < train->size(); ++i) got.push_back(static_cast<char>(train->token(i)));
   for (int64_t i = 0; i < val->size(); ++i) got.push_back(static_cast<char>(val->token(i)));
   EXPECT_EQ(got, all);
-  EXPECT_EQ(val->token(2), 0xff);
+  EXPECT_EQ(val->token(350), 0xff);
   // No temporary files are left behind.
   for (const auto& e : fs::directory_iterator(dir_ / "out")) {
     EXPECT_EQ(e.path().extension(), ".bin") << e.path();
@@ -77,9 +77,19 @@ TEST_F(TokenDataTest, PrepareErrorsNameTheFile) {
   EXPECT_FALSE(PrepareTokenData({ok}, (dir_ / "o").string(), 0.1, "bpe").ok());
   EXPECT_FALSE(PrepareTokenData({ok}, (dir_ / "o").string(), 1.0, "byte").ok());
 
+  // A directory, and text too short for a validation split or a training sample.
+  StatusOr<PrepareStats> directory = PrepareTokenData({dir_.string()}, (dir_ / "o").string(), 0.1, "byte");
+  ASSERT_FALSE(directory.ok());
+  EXPECT_NE(directory.status().message().find("is a directory"), std::string::npos);
+  EXPECT_NE(PrepareTokenData({ok}, (dir_ / "o").string(), 0.1, "byte").status().message().find("no validation tokens"),
+            std::string::npos);
+  EXPECT_NE(PrepareTokenData({ok}, (dir_ / "o").string(), 0.0, "byte").status().message().find("too little text"),
+            std::string::npos);
+
   // A regular file where the output directory should be.
   std::string blocker = WriteText("blocker", "x");
-  StatusOr<PrepareStats> unwritable = PrepareTokenData({ok}, blocker + "/sub", 0.1, "byte");
+  StatusOr<PrepareStats> unwritable =
+      PrepareTokenData({WriteText("enough.txt", std::string(2000, 'a'))}, blocker + "/sub", 0.1, "byte");
   ASSERT_FALSE(unwritable.ok());
   EXPECT_NE(unwritable.status().message().find("blocker"), std::string::npos);
 }
