@@ -267,8 +267,13 @@ class AgentImpl : public Agent, private SupervisorOutbox {
       grpc::Status status = reader->Finish();
       if (Stopping()) break;
       if (!warned) {
+        const std::string mismatch = status.error_code() == grpc::StatusCode::UNAVAILABLE
+                                         ? ExplainTransportMismatch(options_.coordinator, options_.security,
+                                                                    status.error_message())
+                                         : "";
         LTRAIN_LOG(kWarning, kLog) << "lost the coordinator at " << options_.coordinator << " ("
-                                   << status.error_message() << "); reconnecting, workers keep running for up to "
+                                   << (mismatch.empty() ? status.error_message() : mismatch)
+                                   << "); reconnecting, workers keep running for up to "
                                    << options_.coordinator_grace_s << " s";
         warned = true;
       }
@@ -399,6 +404,7 @@ class AgentImpl : public Agent, private SupervisorOutbox {
       progress_table_.CompleteExitReport(report);
     };
     Supervisor supervisor(std::move(options), *spawner_, clock, *this);
+    bool shutdown_signalled = false;
     while (true) {
       std::deque<v1::Command> commands;
       bool stopping;
@@ -423,7 +429,12 @@ class AgentImpl : public Agent, private SupervisorOutbox {
         }
       }
       if (orphaned) supervisor.StopAll();
-      if (stopping) supervisor.KillAll();
+      // A shutdown stops the workers as a job stop does: SIGTERM, SIGKILL after the grace (the
+      // workers a stop already signalled keep their deadline).
+      if (stopping && !shutdown_signalled) {
+        supervisor.StopAll();
+        shutdown_signalled = true;
+      }
       std::vector<pollfd> fds;
       for (int fd : supervisor.OutputFds()) fds.push_back(pollfd{fd, POLLIN, 0});
       if (!fds.empty()) {

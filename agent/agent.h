@@ -45,7 +45,7 @@ class Agent {
                                                 std::unique_ptr<ProcessSpawner> spawner = nullptr);
   virtual ~Agent() = default;
   virtual void Wait() = 0;      // until Shutdown
-  virtual void Shutdown() = 0;  // kills every worker, then returns
+  virtual void Shutdown() = 0;  // stops every worker (SIGTERM, SIGKILL after the grace), then returns
 };
 
 // ltrain-worker beside the running executable, or $LTRAIN_WORKER_BIN.

@@ -22,6 +22,29 @@ int RunAgent(agent::AgentOptions options) {
     std::fprintf(stderr, "ltrain agent: %s\n", clear.message().c_str());
     return kExitInvalid;
   }
+  // A coordinator that is down may come later, and the agent waits for it; one that refuses this
+  // agent (TLS on one side only, a certificate or token it does not accept) never will: said now.
+  {
+    auto stub = v1::AgentService::NewStub(MakeChannel(options.coordinator, options.security));
+    grpc::ClientContext context;
+    context.set_deadline(Deadline(5));
+    v1::HeartbeatRequest probe;
+    probe.set_node_id("ltrain-agent-probe");  // no real node: the reply is "not connected"
+    v1::HeartbeatReply reply;
+    const grpc::Status status = stub->Heartbeat(&context, probe, &reply);
+    if (status.error_code() == grpc::StatusCode::UNAUTHENTICATED) {
+      std::fprintf(stderr, "ltrain agent: the coordinator at %s refused this agent: %s\n", options.coordinator.c_str(),
+                   status.error_message().c_str());
+      return kExitInvalid;
+    }
+    if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
+      if (std::string mismatch = ExplainTransportMismatch(options.coordinator, options.security, status.error_message());
+          !mismatch.empty()) {
+        std::fprintf(stderr, "ltrain agent: %s\n", mismatch.c_str());
+        return kExitInvalid;
+      }
+    }
+  }
   StatusOr<std::unique_ptr<agent::Agent>> started = agent::Agent::Start(options);
   if (!started.ok()) {
     std::fprintf(stderr, "ltrain agent: %s\n", started.status().message().c_str());
@@ -38,7 +61,7 @@ int RunAgent(agent::AgentOptions options) {
 void AddAgentCommand(CLI::App& app, CommandContext& ctx) {
   auto options = std::make_shared<agent::AgentOptions>();
   CLI::App* cmd = app.add_subcommand("agent", "Run the node agent that starts and supervises workers");
-  cmd->add_option("--coordinator", options->coordinator, "HOST:PORT of the coordinator")->required();
+  AddCoordinatorOption(cmd, &options->coordinator, "HOST:PORT of the coordinator")->required();
   cmd->add_option("--node-id", options->node_id, "Name of this node (default: host name)");
   cmd->add_option("--work-dir", options->work_dir, "Per-job recipes and per-rank logs");
   cmd->add_option("--worker-binary", options->worker_binary, "ltrain-worker to start (default: beside ltrain)");

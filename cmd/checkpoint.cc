@@ -145,7 +145,7 @@ void AddCheckpointCommand(CLI::App& app, CommandContext& ctx) {
       "inspect", "Step, job, layout and files (sizes, hashes) of a checkpoint, and whether it verifies");
   inspect->add_option("dir", args->dir, "A step directory, or a checkpoint directory (its latest step)")->required();
   inspect->add_flag("--verify", args->verify, "Re-hash every file (reads them all) instead of checking sizes only");
-  inspect->add_option("-o,--output", args->output, "text or json")->check(CLI::IsMember({"text", "json"}));
+  AddOutputOption(inspect, &args->output, "text");
   ctx.Bind(inspect, [args] { return Inspect(*args); });
 }
 

@@ -5,6 +5,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -12,7 +13,9 @@
 #include <fstream>
 
 #include <google/protobuf/util/json_util.h>
+#include <yaml-cpp/yaml.h>
 
+#include "cmd/job_printer.h"
 #include "common/status.h"
 #include "launcher/coordinator_server.h"
 #include "launcher/state_store.h"
@@ -25,6 +28,56 @@ std::string LtrainHome() {
   if (const char* env = getenv("LTRAIN_HOME"); env && *env) return env;
   const char* home = getenv("HOME");
   return (fs::path(home ? home : "/tmp") / ".ltrain").string();
+}
+
+Status LoadClientConfig(const std::string& home) {
+  const fs::path file = fs::path(home) / "config.yaml";
+  std::error_code ec;
+  if (!fs::exists(file, ec)) return Status::Ok();
+  static const std::pair<const char*, const char*> kKeys[] = {
+      {"coordinator", "LTRAIN_COORDINATOR"}, {"tls_ca", "LTRAIN_TLS_CA"},         {"tls_cert", "LTRAIN_TLS_CERT"},
+      {"tls_key", "LTRAIN_TLS_KEY"},         {"token_file", "LTRAIN_TOKEN_FILE"}, {"output", "LTRAIN_OUTPUT"}};
+  std::string known;
+  for (const auto& [key, env] : kKeys) known += (known.empty() ? "" : ", ") + std::string(key);
+  YAML::Node root;
+  try {
+    root = YAML::LoadFile(file.string());
+  } catch (const YAML::Exception& e) {
+    return InvalidArgument(file.string() + ":" + std::to_string(e.mark.line + 1) + ":" +
+                           std::to_string(e.mark.column + 1) + ": " + e.msg);
+  }
+  if (root.IsNull()) return Status::Ok();
+  if (!root.IsMap()) return InvalidArgument(file.string() + ": expected a mapping of " + known);
+  for (const auto& entry : root) {
+    const std::string key = entry.first.Scalar();
+    const std::string where = file.string() + ":" + std::to_string(entry.first.Mark().line + 1) + ": ";
+    const auto* found = std::find_if(std::begin(kKeys), std::end(kKeys),
+                                     [&](const auto& known_key) { return key == known_key.first; });
+    if (found == std::end(kKeys)) return InvalidArgument(where + "unknown key '" + key + "'; the keys are " + known);
+    if (!entry.second.IsScalar()) return InvalidArgument(where + "'" + key + "' must be a single value");
+    std::string value = entry.second.Scalar();
+    if (key == "output" && value != "json" && value != "text" && value != "table") {
+      return InvalidArgument(where + "output must be json or text, not '" + value + "'");
+    }
+    // Files named in the config are relative to it.
+    if (key != "coordinator" && key != "output" && !value.empty() && value.front() != '/') {
+      value = (file.parent_path() / value).string();
+    }
+    setenv(found->second, value.c_str(), /*overwrite=*/0);
+  }
+  return Status::Ok();
+}
+
+CLI::Option* AddCoordinatorOption(CLI::App* command, std::string* coordinator, const std::string& help) {
+  return command->add_option("--coordinator", *coordinator, help)->envname("LTRAIN_COORDINATOR");
+}
+
+CLI::Option* AddOutputOption(CLI::App* command, std::string* output, const std::string& human) {
+  return command->add_option("-o,--output", *output, human + " or json")
+      ->envname("LTRAIN_OUTPUT")
+      ->check(CLI::IsMember({"table", "text", "json"}))
+      ->transform([human](std::string value) { return value == "json" ? value : human; })
+      ->capture_default_str();
 }
 
 std::string LocalAddressFile(const std::string& home, const std::string& job_id) {
@@ -148,15 +201,7 @@ std::chrono::system_clock::time_point Deadline(double seconds) {
   return std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
 }
 
-std::string ToJson(const google::protobuf::Message& message) {
-  google::protobuf::util::JsonPrintOptions options;
-  options.add_whitespace = true;
-  options.always_print_primitive_fields = true;
-  options.preserve_proto_field_names = true;
-  std::string out;
-  (void)google::protobuf::util::MessageToJsonString(message, &out, options);
-  return out;
-}
+std::string ToJson(const google::protobuf::Message& message) { return FormatJson(message, /*pretty=*/true); }
 
 int ExitCodeFor(v1::JobState state) {
   switch (state) {
@@ -167,7 +212,7 @@ int ExitCodeFor(v1::JobState state) {
 }
 
 CoordinatorClient::CoordinatorClient(const std::string& address, const SecurityMaterial& security)
-    : address_(address), stub_(v1::JobService::NewStub(MakeChannel(address, security))) {}
+    : address_(address), security_(security), stub_(v1::JobService::NewStub(MakeChannel(address, security))) {}
 
 std::optional<v1::Job> CoordinatorClient::TryGetJob(const std::string& job_id, double timeout_s) {
   grpc::ClientContext context;
@@ -184,6 +229,12 @@ int CoordinatorClient::Unreachable(const grpc::Status& status) const {
     std::fprintf(stderr, "ltrain: the coordinator at %s refused the request: %s\n", address_.c_str(),
                  status.error_message().c_str());
     return kExitUnavailable;
+  }
+  if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    if (std::string mismatch = ExplainTransportMismatch(address_, security_, status.error_message()); !mismatch.empty()) {
+      std::fprintf(stderr, "ltrain: %s\n", mismatch.c_str());
+      return kExitUnavailable;
+    }
   }
   std::fprintf(stderr,
                "ltrain: cannot reach the coordinator at %s: %s\n"

@@ -12,6 +12,7 @@
 #include <thread>
 #include <vector>
 
+#include <CLI/CLI.hpp>
 #include <google/protobuf/message.h>
 #include <grpcpp/grpcpp.h>
 
@@ -29,6 +30,21 @@ constexpr int kExitStopped = 4;      // the job was STOPPED
 
 // Where state, checkpoints and local agents live: $LTRAIN_HOME, else ~/.ltrain.
 std::string LtrainHome();
+
+// The client settings of $LTRAIN_HOME/config.yaml (all optional):
+//   coordinator: HOST:PORT     tls_ca: FILE     tls_cert: FILE     tls_key: FILE
+//   token_file: FILE           output: json | text
+// Each becomes the default of its environment variable (LTRAIN_COORDINATOR, LTRAIN_TLS_CA,
+// LTRAIN_TLS_CERT, LTRAIN_TLS_KEY, LTRAIN_TOKEN_FILE, LTRAIN_OUTPUT) where that is not set, so that
+// a flag beats the environment, which beats the file. A file that does not parse or has an unknown
+// key is InvalidArgument naming the file, line and key; no file is fine.
+Status LoadClientConfig(const std::string& home);
+
+// --coordinator HOST:PORT, defaulting to $LTRAIN_COORDINATOR (which config.yaml may set).
+CLI::Option* AddCoordinatorOption(CLI::App* command, std::string* coordinator, const std::string& help);
+// -o,--output: `human` (the command's "table" or "text"; either word is taken) or json, defaulting to
+// $LTRAIN_OUTPUT (which config.yaml may set).
+CLI::Option* AddOutputOption(CLI::App* command, std::string* output, const std::string& human);
 
 // The file through which a standalone launch tells later commands (status, logs, stop) the address of
 // the coordinator it runs in-process, and the token it made for it, while it runs:
@@ -60,7 +76,7 @@ std::string Absolute(const std::string& path);
 // An RPC deadline `seconds` from now.
 std::chrono::system_clock::time_point Deadline(double seconds);
 
-// A reply or job as `-o json` prints it: indented, every field, the .proto field names.
+// A reply or job as `-o json` prints it: FormatJson (cmd/job_printer.h), indented.
 std::string ToJson(const google::protobuf::Message& message);
 
 // kExitOk for SUCCEEDED, kExitStopped for STOPPED, kExitFailed for anything else.
@@ -83,6 +99,7 @@ class CoordinatorClient {
 
  private:
   std::string address_;
+  SecurityMaterial security_;
   std::unique_ptr<v1::JobService::Stub> stub_;
 };
 

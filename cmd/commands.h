@@ -57,5 +57,6 @@ void AddStatusCommand(CLI::App& app, CommandContext& ctx);
 void AddStopCommand(CLI::App& app, CommandContext& ctx);
 void AddCoordinatorCommand(CLI::App& app, CommandContext& ctx);
 void AddAgentCommand(CLI::App& app, CommandContext& ctx);
+void AddNodesCommand(CLI::App& app, CommandContext& ctx);
 
 }  // namespace ltrain::cli

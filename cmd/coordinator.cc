@@ -65,7 +65,10 @@ int RunCoordinator(const CoordinatorArgs& args, const SecurityMaterial& security
     std::fprintf(stderr, "ltrain coordinator: %s\n", server.status().message().c_str());
     return kExitUnavailable;
   }
-  LTRAIN_LOG(kInfo, "coordinator") << "listening on " << (*server)->address() << ", state in " << state_dir;
+  // The address it listens on (0.0.0.0 stays 0.0.0.0), with the port it got.
+  const std::string host = args.listen.substr(0, args.listen.rfind(':'));
+  LTRAIN_LOG(kInfo, "coordinator") << "listening on " << host << ":" << (*server)->port() << ", state in "
+                                   << state_dir;
   if (!args.port_file.empty()) {
     // Written aside and renamed, so that whoever waits for the file never reads half a port.
     std::ofstream tmp(args.port_file + ".tmp");

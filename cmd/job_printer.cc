@@ -1,7 +1,10 @@
 #include "cmd/job_printer.h"
 
+#include <cctype>
+#include <cmath>
 #include <cstdarg>
 #include <cstdio>
+#include <cstdlib>
 
 #include <google/protobuf/util/json_util.h>
 
@@ -33,7 +36,145 @@ __attribute__((format(printf, 2, 3))) void Appendf(std::string* out, const char*
   va_end(again);
 }
 
+using google::protobuf::FieldDescriptor;
+using google::protobuf::Message;
+using google::protobuf::Reflection;
+
+void AppendJsonString(std::string* out, const std::string& text) {
+  *out += '"';
+  for (unsigned char c : text) {
+    switch (c) {
+      case '"': *out += "\\\""; break;
+      case '\\': *out += "\\\\"; break;
+      case '\n': *out += "\\n"; break;
+      case '\r': *out += "\\r"; break;
+      case '\t': *out += "\\t"; break;
+      default:
+        if (c < 0x20 || c == 0x7f) {
+          Appendf(out, "\\u%04x", c);
+        } else {
+          *out += static_cast<char>(c);
+        }
+    }
+  }
+  *out += '"';
+}
+
+void AppendJsonNumber(std::string* out, double value) {
+  if (!std::isfinite(value)) {
+    *out += "null";
+    return;
+  }
+  char text[40];
+  std::snprintf(text, sizeof(text), "%.17g", value);
+  // The shortest form that reads back the same, as most tools print it.
+  for (int digits = 1; digits <= 17; ++digits) {
+    char shorter[40];
+    std::snprintf(shorter, sizeof(shorter), "%.*g", digits, value);
+    if (std::strtod(shorter, nullptr) == value) {
+      std::snprintf(text, sizeof(text), "%s", shorter);
+      break;
+    }
+  }
+  *out += text;
+}
+
+// An enum value's name without its type's prefix: JOB_STATE_RUNNING is "RUNNING".
+std::string EnumName(const google::protobuf::EnumValueDescriptor* value) {
+  std::string prefix;
+  for (char c : value->type()->name()) {
+    if (std::isupper(static_cast<unsigned char>(c)) && !prefix.empty()) prefix += '_';
+    prefix += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  }
+  prefix += '_';
+  return value->name().rfind(prefix, 0) == 0 ? value->name().substr(prefix.size()) : value->name();
+}
+
+void AppendJsonMessage(std::string* out, const Message& message, bool pretty, int depth);
+
+void AppendJsonValue(std::string* out, const Message& message, const FieldDescriptor* field, int index, bool pretty,
+                     int depth) {
+  const Reflection* r = message.GetReflection();
+  const bool rep = field->is_repeated();
+  switch (field->cpp_type()) {
+    case FieldDescriptor::CPPTYPE_INT32:
+      *out += std::to_string(rep ? r->GetRepeatedInt32(message, field, index) : r->GetInt32(message, field));
+      break;
+    case FieldDescriptor::CPPTYPE_INT64:
+      *out += std::to_string(rep ? r->GetRepeatedInt64(message, field, index) : r->GetInt64(message, field));
+      break;
+    case FieldDescriptor::CPPTYPE_UINT32:
+      *out += std::to_string(rep ? r->GetRepeatedUInt32(message, field, index) : r->GetUInt32(message, field));
+      break;
+    case FieldDescriptor::CPPTYPE_UINT64:
+      *out += std::to_string(rep ? r->GetRepeatedUInt64(message, field, index) : r->GetUInt64(message, field));
+      break;
+    case FieldDescriptor::CPPTYPE_DOUBLE:
+      AppendJsonNumber(out, rep ? r->GetRepeatedDouble(message, field, index) : r->GetDouble(message, field));
+      break;
+    case FieldDescriptor::CPPTYPE_FLOAT:
+      AppendJsonNumber(out, rep ? r->GetRepeatedFloat(message, field, index) : r->GetFloat(message, field));
+      break;
+    case FieldDescriptor::CPPTYPE_BOOL:
+      *out += (rep ? r->GetRepeatedBool(message, field, index) : r->GetBool(message, field)) ? "true" : "false";
+      break;
+    case FieldDescriptor::CPPTYPE_ENUM:
+      AppendJsonString(out, EnumName(rep ? r->GetRepeatedEnum(message, field, index) : r->GetEnum(message, field)));
+      break;
+    case FieldDescriptor::CPPTYPE_STRING:
+      AppendJsonString(out, rep ? r->GetRepeatedString(message, field, index) : r->GetString(message, field));
+      break;
+    case FieldDescriptor::CPPTYPE_MESSAGE:
+      AppendJsonMessage(out, rep ? r->GetRepeatedMessage(message, field, index) : r->GetMessage(message, field),
+                        pretty, depth + 1);
+      break;
+  }
+}
+
+void AppendJsonMessage(std::string* out, const Message& message, bool pretty, int depth) {
+  const auto* descriptor = message.GetDescriptor();
+  if (descriptor->file()->package() == "google.protobuf") {
+    // Struct, ListValue, Value: already plain JSON values.
+    google::protobuf::util::JsonPrintOptions options;
+    options.add_whitespace = pretty;
+    std::string json;
+    (void)google::protobuf::util::MessageToJsonString(message, &json, options);
+    while (!json.empty() && json.back() == '\n') json.pop_back();
+    *out += json;
+    return;
+  }
+  const std::string indent = pretty ? "\n" + std::string(2 * (depth + 1), ' ') : "";
+  const std::string close = pretty ? "\n" + std::string(2 * depth, ' ') : "";
+  const Reflection* r = message.GetReflection();
+  *out += '{';
+  for (int f = 0; f < descriptor->field_count(); ++f) {
+    const FieldDescriptor* field = descriptor->field(f);
+    if (f > 0) *out += ',';
+    *out += indent;
+    AppendJsonString(out, field->name());
+    *out += pretty ? ": " : ":";
+    if (!field->is_repeated()) {
+      AppendJsonValue(out, message, field, -1, pretty, depth);
+      continue;
+    }
+    const int size = r->FieldSize(message, field);
+    *out += '[';
+    for (int i = 0; i < size; ++i) {
+      if (i > 0) *out += pretty ? ", " : ",";
+      AppendJsonValue(out, message, field, i, pretty, depth + 1);
+    }
+    *out += ']';
+  }
+  *out += close + '}';
+}
+
 }  // namespace
+
+std::string FormatJson(const google::protobuf::Message& message, bool pretty) {
+  std::string out;
+  AppendJsonMessage(&out, message, pretty, 0);
+  return out;
+}
 
 std::string FormatAge(int64_t then_unix_ms, int64_t now_unix_ms) {
   int64_t seconds = (now_unix_ms - then_unix_ms) / 1000;
@@ -58,6 +199,22 @@ std::string FormatJobTable(const std::vector<v1::Job>& jobs, int64_t now_unix_ms
     Appendf(&out, "%-28s %-10s %5d %8lld %10s %-9s  %s\n", job.id().c_str(), launcher::JobStateName(job.state()),
             job.world_size(), static_cast<long long>(job.last_step()), loss,
             FormatAge(job.created_unix_ms(), now_unix_ms).c_str(), FirstLine(job.cause(), 60).c_str());
+  }
+  return out;
+}
+
+std::string FormatNodeTable(const std::vector<v1::NodeStatus>& nodes) {
+  if (nodes.empty()) return "no nodes yet; start `ltrain agent --coordinator HOST:PORT` on each node\n";
+  std::string out;
+  Appendf(&out, "%-20s %-24s %5s %5s %-5s %10s  %s\n", "NODE", "HOST", "CPUS", "GPUS", "STATE", "HEARTBEAT", "JOBS");
+  for (const auto& node : nodes) {
+    char age[32];
+    std::snprintf(age, sizeof(age), "%.1fs ago", static_cast<double>(node.heartbeat_age_ms()) / 1000.0);
+    std::string jobs;
+    for (const auto& job : node.jobs()) jobs += (jobs.empty() ? "" : ",") + job;
+    Appendf(&out, "%-20s %-24s %5d %5d %-5s %10s  %s\n", TerminalSafe(node.node_id()).c_str(),
+            TerminalSafe(node.facts().hostname()).c_str(), node.facts().cpus(), node.facts().gpus(),
+            node.connected() ? "up" : "lost", age, jobs.empty() ? "-" : jobs.c_str());
   }
   return out;
 }
@@ -122,19 +279,15 @@ std::string FormatJobDetail(const v1::Job& job, int64_t now_unix_ms) {
 std::string FormatLogLines(const std::vector<v1::Event>& lines, LogFormat format) {
   std::string out;
   if (format == LogFormat::kJson) {
-    google::protobuf::util::JsonPrintOptions options;
-    options.preserve_proto_field_names = true;
-    for (const auto& line : lines) {
-      std::string json;
-      (void)google::protobuf::util::MessageToJsonString(line, &json, options);
-      out += json + "\n";
-    }
+    for (const auto& line : lines) out += FormatJson(line, /*pretty=*/false) + "\n";
     return out;
   }
   std::vector<launcher::RankLine> ranked;
   for (const auto& line : lines) ranked.push_back({line.unix_ms(), line.rank(), line.message()});
   for (const auto& folded : launcher::FoldLogLines(ranked, kFoldWindowMs)) {
-    Appendf(&out, "%s %s\n", launcher::RankPrefix(folded.ranks).c_str(), TerminalSafe(folded.text).c_str());
+    // The coordinator's own lines (rank -1) mark where a new generation of the job begins.
+    const std::string prefix = folded.ranks == std::vector<int>{-1} ? "----" : launcher::RankPrefix(folded.ranks);
+    Appendf(&out, "%s %s\n", prefix.c_str(), TerminalSafe(folded.text).c_str());
   }
   return out;
 }
@@ -142,7 +295,12 @@ std::string FormatLogLines(const std::vector<v1::Event>& lines, LogFormat format
 std::string FormatFollowedEvent(const v1::Event& event, bool quiet) {
   std::string out;
   if (event.kind() == "log") {
-    if (!quiet) Appendf(&out, "[rank %d] %s\n", event.rank(), TerminalSafe(event.message()).c_str());
+    // Quiet keeps rank 0's step lines (loss, throughput); the coordinator's lines (rank -1) repeat
+    // what its events say.
+    const bool step_line = event.rank() == 0 && event.message().rfind("step ", 0) == 0;
+    if (event.rank() >= 0 && (!quiet || step_line)) {
+      Appendf(&out, "[rank %d] %s\n", event.rank(), TerminalSafe(event.message()).c_str());
+    }
   } else if (event.kind() != "rank_started" || !quiet) {
     Appendf(&out, "ltrain: %s\n", TerminalSafe(event.message(), /*keep_newlines=*/true).c_str());
   }

@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include <google/protobuf/message.h>
+
 #include "ltrain/v1/ltrain.pb.h"
 
 namespace ltrain::cli {
@@ -21,8 +23,16 @@ std::string FirstLine(const std::string& text, size_t max);
 // hint to launch one when there are none.
 std::string FormatJobTable(const std::vector<v1::Job>& jobs, int64_t now_unix_ms);
 
+// `ltrain nodes`: one line per node (id, host, CPUs, GPUs, up or lost, heartbeat age, its jobs).
+std::string FormatNodeTable(const std::vector<v1::NodeStatus>& nodes);
+
 // `ltrain status JOB`: the job's state, progress, last commit and cause, then its nodes and ranks.
 std::string FormatJobDetail(const v1::Job& job, int64_t now_unix_ms);
+
+// A message as `-o json` prints it (docs/json.md): every field present under its .proto name, 64-bit
+// integers as plain numbers, job states by the names the tables use ("RUNNING"), NaN and infinities as
+// null. `pretty` indents by two spaces; otherwise one line.
+std::string FormatJson(const google::protobuf::Message& message, bool pretty);
 
 // `ltrain logs`: text folds identical lines of several ranks into one "[ranks 0-7] text" line; JSON
 // is one compact object per line, for tools.
@@ -30,7 +40,8 @@ enum class LogFormat { kText, kJson };
 std::string FormatLogLines(const std::vector<v1::Event>& lines, LogFormat format);
 
 // A launch or resume following its job: "[rank 3] text" for a worker's log line, "ltrain: message"
-// for a job event. `quiet` leaves out log lines and rank starts: "" when the event is not shown.
+// for a job event. `quiet` leaves out log lines (but rank 0's step lines) and rank starts: "" when
+// the event is not shown. The coordinator's own log lines (rank -1) are never shown: its events say it.
 std::string FormatFollowedEvent(const v1::Event& event, bool quiet);
 
 }  // namespace ltrain::cli

@@ -65,7 +65,7 @@ int Launch(const LaunchArgs& args, const SecurityMaterial& security) {
                  args.recipe.c_str(), recipe.data.path.c_str(), recipe.data.path.c_str());
     return kExitInvalid;
   }
-  return RunJob(args.run, security, [&](CoordinatorClient& client) -> std::variant<std::string, int> {
+  return RunJob(args.run, security, [&](CoordinatorClient& client) -> std::variant<BegunJob, int> {
     v1::SubmitJobRequest submit;
     submit.set_recipe_yaml(RecipeToYaml(recipe));
     submit.set_source_name(args.recipe);
@@ -75,7 +75,7 @@ int Launch(const LaunchArgs& args, const SecurityMaterial& security) {
     grpc::Status status = client.stub().SubmitJob(&context, submit, &reply);
     if (!status.ok()) return client.Unreachable(status);
     if (reply.status().code() != 0) return ReplyError(reply.status());
-    return reply.job().id();
+    return BegunJob{reply.job().id()};
   });
 }
 
@@ -89,13 +89,13 @@ void AddLaunchCommand(CLI::App& app, CommandContext& ctx) {
   cmd->add_option("--set", args->sets, "Override a recipe field, e.g. --set training.steps=200 (repeatable)")
       ->expected(1)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  cmd->add_option("--coordinator", args->run.coordinator,
-                  "HOST:PORT of a running coordinator; without it ltrain starts one and a local agent");
+  AddCoordinatorOption(cmd, &args->run.coordinator,
+                       "HOST:PORT of a running coordinator; without it ltrain starts one and a local agent");
   cmd->add_flag("--slurm", args->slurm,
                 "Inside a Slurm allocation: take nodes and processes per node from it (SLURM_JOB_NODELIST, GPUs per node)");
   cmd->add_flag("--detach", args->run.detach,
                 "With --coordinator: print the job id and return at once (refused without --coordinator: exit 2)");
-  cmd->add_flag("-q,--quiet", args->run.quiet, "Print job events only, not the workers' log lines");
+  cmd->add_flag("-q,--quiet", args->run.quiet, "Print job events and rank 0's step lines only, not the workers' other lines");
   cmd->add_flag("-v,--verbose", args->run.verbose, "Also print the embedded coordinator's and agent's logs");
   ctx.Bind(cmd, [args, &ctx] { return Launch(*args, ctx.security()); });
 }

@@ -118,9 +118,8 @@ void AddLogsCommand(CLI::App& app, CommandContext& ctx) {
   cmd->add_option("--rank", args->rank, "Only this rank's lines");
   cmd->add_option("--since", args->since, "Only lines newer than this: 90s, 10m, 2h, 1d, or Unix milliseconds");
   cmd->add_option("--tail", args->tail, "Only the newest N lines");
-  cmd->add_option("--coordinator", args->coordinator, "HOST:PORT; without it, the local state in $LTRAIN_HOME");
-  cmd->add_option("-o,--output", args->output, "text or json (one object per line)")
-      ->check(CLI::IsMember({"text", "json"}));
+  AddCoordinatorOption(cmd, &args->coordinator, "HOST:PORT; without it, the local state in $LTRAIN_HOME");
+  AddOutputOption(cmd, &args->output, "text");
   ctx.Bind(cmd, [args, &ctx] { return Logs(*args, ctx.security()); });
 }
 

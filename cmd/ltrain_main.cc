@@ -1,5 +1,6 @@
 // ltrain: the command line. Adds the commands (cmd/commands.h), parses, runs the one given; its exit
 // code is the process's (cmd/cli_support.h lists them).
+#include <cstdio>
 #include <string>
 
 #include <CLI/CLI.hpp>
@@ -14,7 +15,9 @@ int main(int argc, char** argv) {
       "Standalone: `ltrain launch RECIPE` starts a coordinator and an agent on loopback itself.\n"
       "Cluster: `ltrain coordinator` on one host, `ltrain agent --coordinator HOST:PORT` on every node,\n"
       "then `ltrain launch --coordinator HOST:PORT RECIPE`.\n\n"
-      "State lives under $LTRAIN_HOME (default ~/.ltrain).\n"
+      "State lives under $LTRAIN_HOME (default ~/.ltrain). Client settings (coordinator, TLS files, token\n"
+      "file, output) come from flags, else $LTRAIN_COORDINATOR, $LTRAIN_TLS_*, $LTRAIN_TOKEN_FILE, $LTRAIN_OUTPUT,\n"
+      "else $LTRAIN_HOME/config.yaml (keys coordinator, tls_ca, tls_cert, tls_key, token_file, output).\n"
       "Exit codes: 0 success, 1 job failed, 2 invalid input, 3 coordinator unreachable or error, 4 job stopped.",
       "ltrain"};
   app.set_version_flag("--version", std::string("ltrain ") + LTRAIN_VERSION);
@@ -31,10 +34,16 @@ int main(int argc, char** argv) {
   AddCheckpointCommand(app, ctx);
   AddCompletionCommand(app, ctx);
   AddStatusCommand(app, ctx);
+  AddNodesCommand(app, ctx);
   AddStopCommand(app, ctx);
   AddCoordinatorCommand(app, ctx);
   AddAgentCommand(app, ctx);
 
+  // $LTRAIN_HOME/config.yaml: defaults for the environment, before the flags are read.
+  if (ltrain::Status loaded = LoadClientConfig(LtrainHome()); !loaded.ok()) {
+    std::fprintf(stderr, "ltrain: %s\n", loaded.message().c_str());
+    return kExitInvalid;
+  }
   CLI11_PARSE(app, argc, argv);
   if (int code = ctx.ApplyGlobalOptions(); code != kExitOk) return code;
   return ctx.RunSelected();

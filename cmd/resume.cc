@@ -16,7 +16,7 @@ struct ResumeArgs {
 };
 
 int Resume(const ResumeArgs& args, const SecurityMaterial& security) {
-  return RunJob(args.run, security, [&](CoordinatorClient& client) -> std::variant<std::string, int> {
+  return RunJob(args.run, security, [&](CoordinatorClient& client) -> std::variant<BegunJob, int> {
     v1::ResumeJobRequest request;
     request.set_job_id(args.job_id);
     v1::ResumeJobReply reply;
@@ -32,7 +32,7 @@ int Resume(const ResumeArgs& args, const SecurityMaterial& security) {
                  ? kExitInvalid
                  : kExitUnavailable;
     }
-    return reply.job().id();
+    return BegunJob{reply.job().id(), reply.after_seq()};
   });
 }
 
@@ -44,11 +44,11 @@ void AddResumeCommand(CLI::App& app, CommandContext& ctx) {
   CLI::App* cmd = app.add_subcommand(
       "resume", "Start a FAILED or STOPPED job again from its last committed checkpoint, and follow it");
   cmd->add_option("job", args->job_id, "Job id")->required();
-  cmd->add_option("--coordinator", args->run.coordinator,
-                  "HOST:PORT of the coordinator that ran it; without it a local one on $LTRAIN_HOME");
+  AddCoordinatorOption(cmd, &args->run.coordinator,
+                       "HOST:PORT of the coordinator that ran it; without it a local one on $LTRAIN_HOME");
   cmd->add_flag("--detach", args->run.detach,
                 "With --coordinator: return once the job is resumed (refused without --coordinator: exit 2)");
-  cmd->add_flag("-q,--quiet", args->run.quiet, "Print job events only, not the workers' log lines");
+  cmd->add_flag("-q,--quiet", args->run.quiet, "Print job events and rank 0's step lines only, not the workers' other lines");
   cmd->add_flag("-v,--verbose", args->run.verbose, "Also print the embedded coordinator's and agent's logs");
   ctx.Bind(cmd, [args, &ctx] { return Resume(*args, ctx.security()); });
 }

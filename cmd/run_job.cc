@@ -40,6 +40,11 @@ struct LocalControlPlane {
     agent_options.security = security;
     agent_options.work_dir = (fs::path(home) / "agent-local").string();
     LTRAIN_ASSIGN_OR_RETURN(agent, agent::Agent::Start(agent_options));
+    // The job is submitted once the local node is there, so that it is placed at once instead of
+    // waiting for nodes.
+    if (!coordinator->coordinator().WaitForNode(agent_options.node_id, 10000)) {
+      return Unavailable("the local agent did not reach the local coordinator within 10 s");
+    }
     return Status::Ok();
   }
 
@@ -51,8 +56,8 @@ struct LocalControlPlane {
 
 }  // namespace
 
-int FollowJob(CoordinatorClient& client, const std::string& job_id, bool quiet) {
-  int64_t after = 0;
+int FollowJob(CoordinatorClient& client, const std::string& job_id, bool quiet, int64_t after_seq) {
+  int64_t after = after_seq;
   for (int attempt = 0;; ++attempt) {
     grpc::ClientContext context;
     v1::WatchJobRequest request;
@@ -85,9 +90,11 @@ int FollowJob(CoordinatorClient& client, const std::string& job_id, bool quiet) 
 }
 
 int RunJob(const RunJobOptions& options, const SecurityMaterial& security,
-           const std::function<std::variant<std::string, int>(CoordinatorClient&)>& begin) {
+           const std::function<std::variant<BegunJob, int>(CoordinatorClient&)>& begin) {
   InterruptWatcher interrupts;  // before any thread starts, so every thread inherits the mask
-  if (!options.verbose) SetLogLevel(LogLevel::kWarning);
+  // The embedded coordinator's and agent's lines are for -v: what a user needs of them comes as the
+  // job's events.
+  if (!options.verbose) SetLogLevel(LogLevel::kError);
   bool standalone = options.coordinator.empty();
   if (options.detach && standalone) {
     // A standalone job lives in this command's embedded coordinator and agent: nothing would be
@@ -114,12 +121,13 @@ int RunJob(const RunJobOptions& options, const SecurityMaterial& security,
   }
   const SecurityMaterial& used = standalone ? local.security : security;
   CoordinatorClient client(address, used);
-  std::variant<std::string, int> begun = begin(client);
+  std::variant<BegunJob, int> begun = begin(client);
   if (std::holds_alternative<int>(begun)) {
     local.Shutdown();
     return std::get<int>(begun);
   }
-  const std::string job_id = std::get<std::string>(begun);
+  const std::string job_id = std::get<BegunJob>(begun).job_id;
+  const int64_t after_seq = std::get<BegunJob>(begun).after_seq;
   std::printf("ltrain: job %s %s to %s%s\n", job_id.c_str(), options.verb,
               standalone ? "the local coordinator at " : "", address.c_str());
   std::fflush(stdout);
@@ -151,7 +159,7 @@ int RunJob(const RunJobOptions& options, const SecurityMaterial& security,
     stop_context.set_deadline(Deadline(5));
     stopper.stub().StopJob(&stop_context, stop, &stop_reply);
   });
-  int code = FollowJob(client, job_id, options.quiet);
+  int code = FollowJob(client, job_id, options.quiet, after_seq);
   local.Shutdown();
   if (standalone) {
     std::error_code ec;

@@ -2,6 +2,7 @@
 // cluster's coordinator, or, without an address, a coordinator and an agent of its own on loopback.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <variant>
@@ -18,14 +19,21 @@ struct RunJobOptions {
   const char* verb = "submitted";  // "job ID submitted to ..."
 };
 
-// Starts the job through `begin` (a submit or a resume over the given client: the job id, or an exit
-// code after saying why), then prints its events and log lines until it ends. The first SIGINT or
-// SIGTERM stops the job; a second one leaves at once. Returns the exit code of the job's final state.
-int RunJob(const RunJobOptions& options, const SecurityMaterial& security,
-           const std::function<std::variant<std::string, int>(CoordinatorClient&)>& begin);
+// A job that a submit or a resume began: its id, and the last event that came before it (a resumed
+// job's earlier history is not printed again).
+struct BegunJob {
+  std::string job_id;
+  int64_t after_seq = 0;
+};
 
-// Streams a job's events and log lines until it ends, riding out a coordinator restart of up to about
-// 30 s; returns the exit code for its final state.
-int FollowJob(CoordinatorClient& client, const std::string& job_id, bool quiet);
+// Starts the job through `begin` (a submit or a resume over the given client, or an exit code after
+// saying why), then prints its events and log lines until it ends. The first SIGINT or SIGTERM stops
+// the job; a second one leaves at once. Returns the exit code of the job's final state.
+int RunJob(const RunJobOptions& options, const SecurityMaterial& security,
+           const std::function<std::variant<BegunJob, int>(CoordinatorClient&)>& begin);
+
+// Streams a job's events and log lines after `after_seq` until it ends, riding out a coordinator
+// restart of up to about 30 s; returns the exit code for its final state.
+int FollowJob(CoordinatorClient& client, const std::string& job_id, bool quiet, int64_t after_seq = 0);
 
 }  // namespace ltrain::cli

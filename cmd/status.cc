@@ -72,9 +72,14 @@ int ShowStatus(const StatusArgs& args, const SecurityMaterial& security) {
     }
   }
   if (!fs::exists(fs::path(home) / "state.db")) {
-    if (json) std::printf("{\n \"jobs\": []\n}\n");
+    if (!job_id.empty()) {
+      std::fprintf(stderr, "ltrain: no job '%s' under %s; `ltrain status` lists the jobs\n", job_id.c_str(),
+                   home.c_str());
+      return kExitInvalid;
+    }
+    if (json) std::printf("%s\n", ToJson(v1::ListJobsReply()).c_str());
     else std::printf("no jobs yet under %s; start one with `ltrain launch RECIPE`\n", home.c_str());
-    return job_id.empty() ? kExitOk : kExitInvalid;
+    return kExitOk;
   }
   StatusOr<std::unique_ptr<launcher::StateStore>> store = launcher::OpenStateStore(home);
   if (!store.ok()) {
@@ -110,8 +115,8 @@ int ShowStatus(const StatusArgs& args, const SecurityMaterial& security) {
 void AddListCommand(CLI::App& app, CommandContext& ctx) {
   auto args = std::make_shared<StatusArgs>();
   CLI::App* cmd = app.add_subcommand("list", "List the jobs, newest first");
-  cmd->add_option("--coordinator", args->coordinator, "HOST:PORT; without it, the local state in $LTRAIN_HOME");
-  cmd->add_option("-o,--output", args->output, "table or json")->check(CLI::IsMember({"table", "json"}));
+  AddCoordinatorOption(cmd, &args->coordinator, "HOST:PORT; without it, the local state in $LTRAIN_HOME");
+  AddOutputOption(cmd, &args->output, "table");
   cmd->add_option("--limit", args->limit, "Jobs to list")->capture_default_str();
   ctx.Bind(cmd, [args, &ctx] { return ShowStatus(*args, ctx.security()); });
 }
@@ -120,8 +125,8 @@ void AddStatusCommand(CLI::App& app, CommandContext& ctx) {
   auto args = std::make_shared<StatusArgs>();
   CLI::App* cmd = app.add_subcommand("status", "Show one job, or list the jobs (newest first)");
   cmd->add_option("job", args->job_id, "Job id; omit to list jobs");
-  cmd->add_option("--coordinator", args->coordinator, "HOST:PORT; without it, the local state in $LTRAIN_HOME");
-  cmd->add_option("-o,--output", args->output, "table or json")->check(CLI::IsMember({"table", "json"}));
+  AddCoordinatorOption(cmd, &args->coordinator, "HOST:PORT; without it, the local state in $LTRAIN_HOME");
+  AddOutputOption(cmd, &args->output, "table");
   cmd->add_option("--limit", args->limit, "Jobs to list")->capture_default_str();
   ctx.Bind(cmd, [args, &ctx] { return ShowStatus(*args, ctx.security()); });
 }

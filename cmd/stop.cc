@@ -108,7 +108,7 @@ void AddStopCommand(CLI::App& app, CommandContext& ctx) {
   CLI::App* cmd = app.add_subcommand(
       "stop", "Stop a job: its workers get SIGTERM, then SIGKILL; with --checkpoint they first save a final checkpoint");
   cmd->add_option("job", args->job_id, "Job id")->required();
-  cmd->add_option("--coordinator", args->coordinator, "HOST:PORT; without it, the local launch running the job");
+  AddCoordinatorOption(cmd, &args->coordinator, "HOST:PORT; without it, the local launch running the job");
   CLI::Option* checkpoint = cmd->add_flag(
       "--checkpoint", args->checkpoint,
       "First train on to a step every rank reaches, commit a checkpoint of it, then end (STOPPED with that "

@@ -1,6 +1,7 @@
 #include "common/recipe.h"
 
 #include <algorithm>
+#include <tuple>
 #include <cerrno>
 #include <charconv>
 #include <cmath>
@@ -454,6 +455,10 @@ RecipeParseResult ParseRecipe(const std::string& yaml_text, const std::string& s
   VisitRecipeKeys(r, [&](const RecipeKey& key, auto&& field) { reader.Read(key, field); });
   CheckAcrossKeys(r, reader);
   result.errors = reader.TakeErrors();
+  // In the order of the file (--set overrides, at line 0, first), as compilers list them.
+  std::stable_sort(result.errors.begin(), result.errors.end(), [](const RecipeError& a, const RecipeError& b) {
+    return a.file == b.file ? std::tie(a.line, a.column) < std::tie(b.line, b.column) : a.file < b.file;
+  });
   return result;
 }
 

@@ -45,6 +45,13 @@ Status CheckTokenTransport(const std::string& target, const SecurityMaterial& se
 // A channel to `target`. A token that CheckTokenTransport refuses is not sent (the refusal is
 // logged, and the server answers UNAUTHENTICATED).
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const SecurityMaterial& security);
+// Why a call to `target` that failed with UNAVAILABLE failed when something does accept TCP
+// connections there (checked within a second): the two ends disagree on TLS, said with the fix
+// for the client's side (`security` is what it used). "" when nothing listens there: the
+// coordinator is down or the address is wrong.
+std::string ExplainTransportMismatch(const std::string& target, const SecurityMaterial& security,
+                                     const std::string& grpc_message);
+
 // A new random bearer token: 40 hex digits (160 bits) from the system's random source.
 std::string NewToken();
 // Whether two secrets are equal, in a time that does not depend on where they differ.

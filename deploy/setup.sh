@@ -17,7 +17,8 @@ packages=(
   base-files             # the licence texts the quickstart trains on
 )
 if [[ "${1:-}" == "--tests" ]]; then
-  packages+=(libgtest-dev libgmock-dev systemd iproute2 slurmd slurmctld slurm-client munge python3)
+  packages+=(libgtest-dev libgmock-dev systemd iproute2 slurmd slurmctld slurm-client munge python3
+             python3-jsonschema)   # checks -o json against docs/json-schema.json
 fi
 
 missing=()

@@ -248,6 +248,16 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
                  (generation > 0 ? "generation " + std::to_string(generation) + ": " : std::string()) + "placed " +
                      placement + resume,
                  -1);
+  if (generation > 0) {
+    // A line among the workers' in `ltrain logs`, where the steps of the new generation begin again.
+    AddEventLocked(job, "log",
+                   "generation " + std::to_string(generation) + " begins" +
+                       (resume.empty() ? " from the start" : resume),
+                   -1);
+    writer_.Enqueue("append the generation line of " + job.job.id(),
+                    [line = job.events.back()](StateStore& store) { return store.AppendLogs({line}); },
+                    /*droppable=*/true);
+  }
   cv_.notify_all();
   return true;
 }
@@ -469,7 +479,7 @@ void Coordinator::AbandonCheckpointStopLocked(ActiveJob& job, const std::string&
   FinishLocked(job, v1::JOB_STATE_STOPPED, job.stop_reason + "; no final checkpoint: " + why + "; " + kept);
 }
 
-StatusOr<v1::Job> Coordinator::Resume(const std::string& job_id) {
+StatusOr<v1::Job> Coordinator::Resume(const std::string& job_id, int64_t* resumed_seq) {
   LTRAIN_RETURN_IF_ERROR(CheckStateWritable());
   writer_.Flush();
   StatusOr<v1::Job> stored = store_->GetJob(job_id);
@@ -499,6 +509,7 @@ StatusOr<v1::Job> Coordinator::Resume(const std::string& job_id) {
                           ? "the checkpoint of step " + std::to_string(job->job.last_committed_step())
                           : std::string("the start (no checkpoint was committed)")),
                  -1);
+  if (resumed_seq != nullptr) *resumed_seq = job->events.back().seq();
   pending_.push_back(job_id);
   ScheduleLocked();
   return job->job;
@@ -562,7 +573,32 @@ int64_t Coordinator::NodeConnected(const std::string& node_id, const v1::NodeFac
     }
   }
   ScheduleLocked();
+  cv_.notify_all();
   return node.token;
+}
+
+std::vector<v1::NodeStatus> Coordinator::ListNodes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t now = clock_->SteadyMs();
+  std::vector<v1::NodeStatus> nodes;
+  for (const auto& [id, node] : nodes_) {
+    v1::NodeStatus& status = nodes.emplace_back();
+    status.set_node_id(id);
+    status.set_hostname(node.facts.hostname());
+    status.set_connected(node.connected);
+    status.set_heartbeat_age_ms(now - node.last_heartbeat_ms);
+    *status.mutable_facts() = node.facts;
+    for (const auto& job : node.jobs) status.add_jobs(job);
+  }
+  return nodes;
+}
+
+bool Coordinator::WaitForNode(const std::string& node_id, int64_t timeout_ms) {
+  std::unique_lock<std::mutex> lock(mu_);
+  return cv_.wait_for(lock, std::chrono::milliseconds(std::clamp<int64_t>(timeout_ms, 0, 86400LL * 1000)), [&] {
+    auto found = nodes_.find(node_id);
+    return shutting_down_ || (found != nodes_.end() && found->second.connected);
+  }) && !shutting_down_;
 }
 
 void Coordinator::LoseNodeLocked(const std::string& node_id, const std::string& reason, bool expected) {
@@ -696,6 +732,8 @@ Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {
   rank.set_exit_code(report.exit_code());
   rank.set_signal(report.signal());
   rank.set_log_path(report.log_path());
+  // The step it was in when it exited stays with the rank after the job (and the coordinator) ended.
+  if (report.has_progress()) rank.set_last_step(report.progress().step());
   writer_.Enqueue("record rank " + std::to_string(rank.rank()) + " of " + job->job.id(),
                   [id = job->job.id(), rank](StateStore& store) { return store.UpsertRank(id, rank); });
   if (report.state() == "running") {

@@ -69,7 +69,8 @@ class Coordinator {
   // A plain stop ends the job STOPPED at once. With options.checkpoint a RUNNING job stays RUNNING
   // until its workers exit after the final checkpoint (a plain stop meanwhile ends it at once).
   StatusOr<v1::Job> Stop(const std::string& job_id, const std::string& reason, const StopOptions& options = {});
-  StatusOr<v1::Job> Resume(const std::string& job_id);
+  // `resumed_seq`, when given, gets the sequence number of the "resumed" event.
+  StatusOr<v1::Job> Resume(const std::string& job_id, int64_t* resumed_seq = nullptr);
   StatusOr<std::vector<v1::Event>> GetLogs(const std::string& job_id, int rank, int64_t since_unix_ms, int limit);
   // Events of a job after `after_seq` (log lines too when `logs`). Blocks up to `timeout_ms` while
   // there are none and the job is not final. `*finished` is set once the job is final and every
@@ -83,6 +84,10 @@ class Coordinator {
                         const std::vector<v1::RunningWorker>& running = {});
   void NodeDisconnected(const std::string& node_id, int64_t token);
   void NodeLeaving(const std::string& node_id, const std::string& reason);
+  // The nodes known since this coordinator started (lost ones too), by id.
+  std::vector<v1::NodeStatus> ListNodes() const;
+  // Whether `node_id` is connected within `timeout_ms`.
+  bool WaitForNode(const std::string& node_id, int64_t timeout_ms);
   std::optional<v1::Command> WaitCommand(const std::string& node_id, int64_t timeout_ms);
   // A job's steps, losses, throughput, commits and stops after a final checkpoint come only from
   // its ranks' typed progress reports (v1::RankProgress), wherever they ride: heartbeats, progress

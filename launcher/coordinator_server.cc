@@ -35,6 +35,13 @@ class JobServiceImpl final : public v1::JobService::Service {
     return grpc::Status::OK;
   }
 
+  grpc::Status ListNodes(grpc::ServerContext* context, const v1::ListNodesRequest*, v1::ListNodesReply* reply) override {
+    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
+    for (auto& node : coordinator_->ListNodes()) *reply->add_nodes() = std::move(node);
+    SetStatus(reply->mutable_status(), Status::Ok());
+    return grpc::Status::OK;
+  }
+
   grpc::Status ListJobs(grpc::ServerContext* context, const v1::ListJobsRequest* request, v1::ListJobsReply* reply) override {
     if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
     StatusOr<std::vector<v1::Job>> jobs = coordinator_->ListJobs(request->limit());
@@ -66,9 +73,11 @@ class JobServiceImpl final : public v1::JobService::Service {
 
   grpc::Status ResumeJob(grpc::ServerContext* context, const v1::ResumeJobRequest* request, v1::ResumeJobReply* reply) override {
     if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
-    StatusOr<v1::Job> job = coordinator_->Resume(request->job_id());
+    int64_t resumed_seq = 0;
+    StatusOr<v1::Job> job = coordinator_->Resume(request->job_id(), &resumed_seq);
     SetStatus(reply->mutable_status(), job.status());
     if (job.ok()) *reply->mutable_job() = *job;
+    if (resumed_seq > 0) reply->set_after_seq(resumed_seq - 1);
     return grpc::Status::OK;
   }
 

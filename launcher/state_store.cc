@@ -48,6 +48,7 @@ CREATE TABLE IF NOT EXISTS ranks (
   exit_code INTEGER NOT NULL,
   signal INTEGER NOT NULL,
   log_path TEXT NOT NULL,
+  last_step INTEGER NOT NULL DEFAULT 0,
   PRIMARY KEY (job_id, rank)
 );
 CREATE TABLE IF NOT EXISTS nodes (
@@ -201,6 +202,7 @@ StatusOr<std::unique_ptr<SqliteStateStore>> SqliteStateStore::Open(const std::st
   for (const char* column : kAddedJobColumns) {
     (void)store->Exec(std::string("ALTER TABLE jobs ADD COLUMN ") + column);  // fails when present
   }
+  (void)store->Exec("ALTER TABLE ranks ADD COLUMN last_step INTEGER NOT NULL DEFAULT 0");
   LTRAIN_RETURN_IF_ERROR(store->Exec(kSchema));
   return store;
 }
@@ -323,7 +325,7 @@ StatusOr<v1::Job> SqliteStateStore::GetJob(const std::string& job_id) {
   if (s.Step() != SQLITE_ROW) return NotFound("no job '" + job_id + "'; `ltrain status` lists the jobs");
   v1::Job job = ReadJob(s);
   Statement r(db_,
-              "SELECT rank, node_id, local_rank, pid, state, exit_code, signal, log_path FROM ranks "
+              "SELECT rank, node_id, local_rank, pid, state, exit_code, signal, log_path, last_step FROM ranks "
               "WHERE job_id = ? ORDER BY rank");
   r.Bind(1, job_id);
   while (r.Step() == SQLITE_ROW) {
@@ -336,6 +338,7 @@ StatusOr<v1::Job> SqliteStateStore::GetJob(const std::string& job_id) {
     rank->set_exit_code(static_cast<int32_t>(r.Int(5)));
     rank->set_signal(static_cast<int32_t>(r.Int(6)));
     rank->set_log_path(r.Text(7));
+    rank->set_last_step(r.Int(8));
   }
   return job;
 }
@@ -352,11 +355,11 @@ StatusOr<std::vector<v1::Job>> SqliteStateStore::ListJobs(int limit) {
 Status SqliteStateStore::UpsertRank(const std::string& job_id, const v1::RankInfo& rank) {
   std::lock_guard<std::mutex> lock(mu_);
   Statement s(db_,
-              "INSERT OR REPLACE INTO ranks (job_id, rank, node_id, local_rank, pid, state, exit_code, signal, log_path) "
-              "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)");
+              "INSERT OR REPLACE INTO ranks (job_id, rank, node_id, local_rank, pid, state, exit_code, signal, log_path, "
+              "last_step) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)");
   s.Bind(1, job_id).Bind(2, int64_t{rank.rank()}).Bind(3, rank.node_id()).Bind(4, int64_t{rank.local_rank()});
   s.Bind(5, rank.pid()).Bind(6, rank.state()).Bind(7, int64_t{rank.exit_code()}).Bind(8, int64_t{rank.signal()});
-  s.Bind(9, rank.log_path());
+  s.Bind(9, rank.log_path()).Bind(10, rank.last_step());
   if (s.Step() != SQLITE_DONE) return SqlError(db_, "record rank");
   return Status::Ok();
 }

@@ -131,7 +131,7 @@ log "Slurm job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): coordinator at
 # A job recorded by an earlier run of this Slurm job (requeue): finished, or to be resumed.
 if [[ -s $state_dir/job_id ]]; then
   job=$(cat "$state_dir/job_id")
-  state=$("$ltrain" status "$job" --coordinator "$address" -o json | sed -n 's/.*"state": *"JOB_STATE_\([A-Z]*\)".*/\1/p' | head -n 1)
+  state=$("$ltrain" status "$job" --coordinator "$address" -o json | sed -n 's/.*"state": *"\([A-Z][A-Z]*\)".*/\1/p' | head -n 1)
   log "job $job was $state"
   [[ $state == SUCCEEDED ]] && exit 0
   # Still RUNNING in the record: its workers died with the previous allocation.

@@ -317,6 +317,14 @@ TEST_F(RecoveryTest, ResumeContinuesAFailedJobFromItsLastCommit) {
   v1::Job job = Status("home", "again-1");
   EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
   EXPECT_EQ(job.generation(), 1);
+  // The resume did not print the first run's end again, and `ltrain logs` marks where the steps
+  // begin again.
+  EXPECT_EQ(resumed.output.find("job FAILED"), std::string::npos) << resumed.output;
+  ProcessResult logs = RunProcess({LtrainBinary(), "logs", "again-1"}, Env("home"));
+  const size_t marker_at = logs.output.find("---- generation 1 begins, resuming from the checkpoint of step");
+  EXPECT_NE(marker_at, std::string::npos) << logs.output;
+  EXPECT_NE(logs.output.find("[rank 0] step " + std::to_string(resumed_step + 1) + "/", marker_at), std::string::npos)
+      << logs.output;
 
   ProcessResult twice = RunProcess({LtrainBinary(), "resume", "again-1"}, Env("home"), seconds(30));
   EXPECT_EQ(twice.exit_code, 2) << twice.output;

@@ -66,8 +66,13 @@ TEST_F(WorkerKillTest, StopKillsEveryWorkerAndRecordsStopped) {
   EXPECT_EQ(stop.exit_code, 0) << stop.output;
   ProcessResult result = launch.Wait(std::chrono::seconds(30));
   EXPECT_EQ(result.exit_code, 4) << result.output;
-  EXPECT_EQ(Status("long-1").state(), v1::JOB_STATE_STOPPED);
+  v1::Job stopped = Status("long-1");
+  EXPECT_EQ(stopped.state(), v1::JOB_STATE_STOPPED);
   for (const auto& rank : running.ranks()) EXPECT_FALSE(ProcessAlive(static_cast<pid_t>(rank.pid())));
+  // As documented: SIGTERM first, which the workers heed; no SIGKILL when the launch ends.
+  for (const auto& rank : stopped.ranks()) {
+    EXPECT_NE(rank.signal(), SIGKILL) << "rank " << rank.rank() << " " << rank.state();
+  }
 }
 
 TEST_F(WorkerKillTest, InterruptedLaunchStopsTheJob) {

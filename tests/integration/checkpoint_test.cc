@@ -316,9 +316,14 @@ TEST_F(CheckpointTest, ARerunWithFewerStepsLeavesLatestValid) {
   EXPECT_FALSE(fs::exists(ck / "step-20"));
   EXPECT_NE(ReadFile(ck / "step-10" / "meta.yaml").find("commit: 6"), std::string::npos) << ReadFile(ck / "step-10" / "meta.yaml");
 
+  // Starting from step 10 with training.steps=5 would train nothing: refused with the fix, and the
+  // directory stays as it was.
   RunResult resumed = Run("rerun_resumed", 1, "rerun_ck", keep + "--set training.steps=5 --set checkpoint.resume_from=" + ck.string());
-  ASSERT_EQ(resumed.rc, 0) << resumed.log0;
+  EXPECT_NE(resumed.rc, 0) << resumed.log0;
   EXPECT_NE(resumed.log0.find("resumed from " + (ck / "step-10").string() + " at step 10"), std::string::npos) << resumed.log0;
+  EXPECT_NE(resumed.log0.find("holds step 10 and training.steps is 5: nothing is left to train"), std::string::npos)
+      << resumed.log0;
+  EXPECT_NE(resumed.log0.find("set training.steps=110"), std::string::npos) << resumed.log0;
   EXPECT_EQ(Latest(ck), "step-10");
   EXPECT_TRUE(fs::exists(ck / "step-10" / "meta.yaml"));
 }

@@ -1,8 +1,13 @@
 // The ltrain binary as a user runs it: exit codes and messages of validate, status and data prepare.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <regex>
+#include <set>
+#include <sstream>
 
 #include <google/protobuf/struct.pb.h>
 #include <google/protobuf/util/json_util.h>
@@ -178,6 +183,81 @@ TEST(CliTest, DataPrepareRefusesADirectoryAndTooLittleText) {
   EXPECT_EQ(small.exit_code, 2) << small.output;
   EXPECT_NE(small.output.find("too little text to train on: 600 training tokens"), std::string::npos) << small.output;
   EXPECT_FALSE(fs::exists(dir.Join("out/train.bin"))) << "nothing written for a refused corpus";
+}
+
+// The flags a `--help` lists: long names, with the short ones as the help pairs them ("-o,--output").
+std::map<std::string, std::string> HelpFlags(const std::vector<std::string>& command) {
+  std::vector<std::string> argv = {LtrainBinary()};
+  argv.insert(argv.end(), command.begin(), command.end());
+  argv.push_back("--help");
+  ProcessResult help = RunProcess(argv);
+  std::map<std::string, std::string> flags;  // long (or lone short) -> short ("" when none)
+  std::istringstream lines(help.output);
+  std::string line;
+  const std::regex flag(R"(^\s+(?:(-[a-zA-Z]),)?(--?[a-z][a-z0-9-]*))");
+  std::smatch m;
+  while (std::getline(lines, line)) {
+    if (std::regex_search(line, m, flag) && m[2] != "--help") flags[m[2]] = m[1];
+  }
+  return flags;
+}
+
+// The README's table of commands lists every command, and for each every flag its `--help` shows and
+// no other (the global TLS, token and log flags aside).
+TEST(CliTest, TheReadmeCommandTableMatchesEveryHelp) {
+  std::ifstream in(SourceDir() + "/README.md");
+  std::map<std::string, std::set<std::string>> readme;  // "data prepare" -> {"--input", "-o", ...}
+  const std::regex row(R"(^\| `ltrain ([a-z]+)((?: [a-z]+)?)([^`]*)` \|)");
+  const std::regex flag(R"((?:^|[\s\[])(--?[a-zA-Z][a-z0-9-]*))");
+  std::string line;
+  std::smatch m;
+  while (std::getline(in, line)) {
+    if (!std::regex_search(line, m, row)) continue;
+    std::string command = m[1];
+    std::string rest = m[3];
+    if (command == "data" || command == "checkpoint") {
+      command += m[2].str();
+    } else {
+      rest = m[2].str() + rest;
+    }
+    std::set<std::string>& flags = readme[command];
+    for (std::sregex_iterator it(rest.begin(), rest.end(), flag), end; it != end; ++it) flags.insert((*it)[1]);
+  }
+  ASSERT_FALSE(readme.empty()) << "no `ltrain ...` rows in README.md";
+
+  ProcessResult top = RunProcess({LtrainBinary(), "--help"});
+  const std::string listed = top.output.substr(top.output.find("Subcommands:"));
+  std::istringstream commands(listed);
+  std::getline(commands, line);
+  const std::set<std::string> global = {"--tls-ca", "--tls-cert", "--tls-key", "--token-file", "--insecure",
+                                        "--log-level"};
+  int compared = 0;
+  while (std::getline(commands, line)) {
+    if (!std::regex_search(line, m, std::regex(R"(^  ([a-z]+) )"))) continue;
+    std::vector<std::string> names = {m[1]};
+    if (names[0] == "data") names = {"data prepare"};
+    if (names[0] == "checkpoint") names = {"checkpoint inspect"};
+    for (const std::string& name : names) {
+      SCOPED_TRACE(name);
+      ASSERT_TRUE(readme.count(name)) << "README.md's commands table has no row for `ltrain " << name << "`";
+      std::vector<std::string> argv;
+      std::istringstream words(name);
+      for (std::string word; words >> word;) argv.push_back(word);
+      const std::map<std::string, std::string> help = HelpFlags(argv);
+      const std::set<std::string>& documented = readme.at(name);
+      for (const auto& [long_name, short_name] : help) {
+        EXPECT_TRUE(documented.count(long_name) || (!short_name.empty() && documented.count(short_name)))
+            << "`ltrain " << name << " --help` has " << long_name << "; the README's row does not";
+      }
+      for (const std::string& written : documented) {
+        const bool known = global.count(written) || help.count(written) ||
+                           std::any_of(help.begin(), help.end(), [&](const auto& f) { return f.second == written; });
+        EXPECT_TRUE(known) << "the README's row of `ltrain " << name << "` has " << written << "; --help does not";
+      }
+      ++compared;
+    }
+  }
+  EXPECT_EQ(compared, 13) << listed;
 }
 
 TEST(CliTest, HelpAndVersion) {

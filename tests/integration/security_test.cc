@@ -63,7 +63,7 @@ class SecurityTest : public ::testing::Test {
     ProcessResult list = Ltrain({"list", "-o", "json"}, Good());
     EXPECT_EQ(list.exit_code, 0) << list.output;
     v1::ListJobsReply reply;
-    EXPECT_TRUE(google::protobuf::util::JsonStringToMessage(list.output, &reply).ok()) << list.output;
+    EXPECT_TRUE(ParseCliJson(list.output, &reply)) << list.output;
     return reply.jobs_size();
   }
 
@@ -103,16 +103,19 @@ TEST_F(SecurityTest, RejectedRequestsSayWhyAndChangeNothing) {
   std::vector<Case> cases = {
       {"no token", Replace(Good(), "--token-file", ""), "requires a bearer token"},
       {"wrong token", Replace(Good(), "--token-file", wrong_token), "bearer token was not accepted"},
+      // A coordinator that is there but refuses the connection is not called unreachable: the
+      // message names the TLS mismatch and the flags that fix it.
       {"no client certificate (mutual TLS)",
-       Replace(Replace(Good(), "--tls-cert", ""), "--tls-key", ""), "cannot reach the coordinator"},
+       Replace(Replace(Good(), "--tls-cert", ""), "--tls-key", ""),
+       "requires a client certificate (mutual TLS) that this client did not give (give --tls-cert and --tls-key)"},
       {"client certificate of another CA",
        Replace(Replace(Good(), "--tls-cert", dir_.Join("other/client.pem")), "--tls-key", dir_.Join("other/client.key")),
-       "cannot reach the coordinator"},
+       "or one it does not accept"},
       {"server not trusted (another CA)", Replace(Good(), "--tls-ca", dir_.Join("other/ca.pem")),
-       "cannot reach the coordinator"},
+       "its certificate is not signed by --tls-ca's CA"},
       {"plaintext to a TLS server",
        Replace(Replace(Replace(Good(), "--tls-ca", ""), "--tls-cert", ""), "--tls-key", ""),
-       "cannot reach the coordinator"},
+       "the coordinator most likely serves TLS. Give its CA with --tls-ca FILE"},
   };
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
@@ -129,7 +132,7 @@ TEST_F(SecurityTest, RejectedRequestsSayWhyAndChangeNothing) {
   }
   ASSERT_EQ(JobCount(), 1) << "no rejected request created a job";
   ProcessResult status = Ltrain({"status", "r-1", "-o", "json"}, Good());
-  EXPECT_NE(status.output.find("JOB_STATE_PENDING"), std::string::npos) << "no rejected stop stopped it\n" << status.output;
+  EXPECT_NE(status.output.find("\"state\": \"PENDING\""), std::string::npos) << "no rejected stop stopped it\n" << status.output;
   std::string log = coordinator_->Output();
   std::ifstream token_file(Tls("token"));
   std::string token;
@@ -175,8 +178,20 @@ TEST_F(SecurityTest, AgentWithAWrongTokenIsNotRegistered) {
   ASSERT_EQ(submitted.exit_code, 0) << submitted.output;
   std::this_thread::sleep_for(milliseconds(300));
   ProcessResult status = Ltrain({"status", "r-1", "-o", "json"}, Good());
-  EXPECT_NE(status.output.find("JOB_STATE_PENDING"), std::string::npos) << "the job was not placed on it\n" << status.output;
+  EXPECT_NE(status.output.find("\"state\": \"PENDING\""), std::string::npos) << "the job was not placed on it\n" << status.output;
   agent.Signal(SIGTERM);
+}
+
+// An agent that the coordinator will never take (no TLS against a TLS coordinator) says why and
+// exits at once instead of retrying for ever; nothing listening is still waited for.
+TEST_F(SecurityTest, AnAgentWithoutTlsToATlsCoordinatorSaysSoAndExits) {
+  ProcessResult plain = RunProcess({LtrainBinary(), "agent", "--coordinator", address_, "--token-file", Tls("token"),
+                                    "--work-dir", dir_.Join("agent")},
+                                   {{"LTRAIN_HOME", dir_.Join("home")}}, seconds(20));
+  EXPECT_FALSE(plain.timed_out) << plain.output;
+  EXPECT_EQ(plain.exit_code, 2) << plain.output;
+  EXPECT_NE(plain.output.find("the coordinator most likely serves TLS"), std::string::npos) << plain.output;
+  EXPECT_EQ(plain.output.find("lost the coordinator"), std::string::npos) << plain.output;
 }
 
 TEST_F(SecurityTest, TrainsOverMutualTlsWithAToken) {

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <signal.h>
 #include <thread>
 
@@ -66,12 +67,17 @@ TEST_F(TrainingTest, TwoWorkersLearnAndTheJobSucceeds) {
   ASSERT_GE(losses.size(), 3u) << result.output;
   EXPECT_LT(losses.back(), losses.front() - 1.0) << result.output;
   EXPECT_NE(result.output.find("[rank 1]"), std::string::npos) << "lines of every rank are streamed";
+  // Standalone, the local node is there before the job: no advice to start agents, and no raw lines
+  // of the embedded coordinator or agent without -v.
+  EXPECT_EQ(result.output.find("waiting for nodes"), std::string::npos) << result.output;
+  EXPECT_FALSE(std::regex_search(result.output, std::regex(R"((^|\n)[WI] \d{4}-\d\d-\d\dT)"))) << result.output;
   v1::Job job = Status("tiny-1");
   EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
   EXPECT_EQ(job.last_step(), 60);
   ASSERT_EQ(job.ranks_size(), 2);
   for (const auto& rank : job.ranks()) {
     EXPECT_EQ(rank.exit_code(), 0);
+    EXPECT_EQ(rank.last_step(), 60) << "where the rank ended, kept after the launch";
     EXPECT_TRUE(fs::exists(rank.log_path())) << rank.log_path();
   }
   fs::path checkpoints = fs::path(dir_.Join("home")) / "checkpoints" / "tiny-1";
@@ -90,6 +96,15 @@ TEST_F(TrainingTest, TwoWorkersLearnAndTheJobSucceeds) {
   EXPECT_NE(tail.output.find("\"kind\":\"log\""), std::string::npos) << tail.output;
   ProcessResult list = RunProcess({LtrainBinary(), "list", "-o", "json"}, Env());
   EXPECT_NE(list.output.find("\"id\": \"tiny-1\""), std::string::npos) << list.output;
+  // -o json as docs/json-schema.json says: plain numbers, the tables' state names, every field.
+  ProcessResult status_json = RunProcess({LtrainBinary(), "status", "tiny-1", "-o", "json"}, Env());
+  EXPECT_EQ(SchemaProblems("status_job", status_json.output), "");
+  EXPECT_NE(status_json.output.find("\"state\": \"SUCCEEDED\""), std::string::npos) << status_json.output;
+  EXPECT_TRUE(std::regex_search(status_json.output, std::regex(R"("created_unix_ms": \d{13},)"))) << status_json.output;
+  EXPECT_EQ(SchemaProblems("status_list", list.output), "");
+  ProcessResult all_json = RunProcess({LtrainBinary(), "logs", "tiny-1", "-o", "json"}, Env());
+  EXPECT_EQ(SchemaProblems("logs_line", all_json.output), "");
+  EXPECT_NE(all_json.output.find("\"rank\":0,"), std::string::npos) << "rank 0's lines say so too";
   ProcessResult missing = RunProcess({LtrainBinary(), "logs", "nope-9"}, Env());
   EXPECT_EQ(missing.exit_code, 2) << missing.output;
   EXPECT_TRUE(fs::exists(checkpoints / "step-30"));
@@ -146,7 +161,28 @@ TEST_F(TrainingTest, SeparateCoordinatorAndAgentProcessesRunAJob) {
                                    << "\n--- agent\n" << agent.Output();
   ProcessResult status = RunProcess({LtrainBinary(), "status", "--coordinator", address, "--output", "json"}, Env());
   EXPECT_EQ(status.exit_code, 0);
-  EXPECT_NE(status.output.find("JOB_STATE_SUCCEEDED"), std::string::npos) << status.output;
+  EXPECT_NE(status.output.find("\"state\": \"SUCCEEDED\""), std::string::npos) << status.output;
+  // The coordinator named once, in the environment or in $LTRAIN_HOME/config.yaml, serves every command.
+  std::map<std::string, std::string> env = Env();
+  env["LTRAIN_COORDINATOR"] = address;
+  ProcessResult nodes = RunProcess({LtrainBinary(), "nodes"}, env);
+  EXPECT_EQ(nodes.exit_code, 0) << nodes.output;
+  EXPECT_TRUE(std::regex_search(nodes.output, std::regex(R"(\nn1 +\S+ +\d+ +\d+ +up +\d+\.\ds ago +-)"))) << nodes.output;
+  ProcessResult logs = RunProcess({LtrainBinary(), "logs", "tiny-1", "--tail", "1"}, env);
+  EXPECT_EQ(logs.exit_code, 0) << logs.output;
+  fs::create_directories(env["LTRAIN_HOME"]);
+  std::ofstream(env["LTRAIN_HOME"] + "/config.yaml") << "coordinator: " << address << "\noutput: json\n";
+  ProcessResult configured = RunProcess({LtrainBinary(), "nodes"}, Env());
+  EXPECT_EQ(configured.exit_code, 0) << configured.output;
+  EXPECT_EQ(SchemaProblems("nodes_list", configured.output), "");
+  EXPECT_NE(configured.output.find("\"node_id\": \"n1\""), std::string::npos) << configured.output;
+  std::ofstream(env["LTRAIN_HOME"] + "/config.yaml") << "coordinator: " << address << "\ncoordinater: x\n";
+  ProcessResult misspelt = RunProcess({LtrainBinary(), "nodes"}, Env());
+  EXPECT_EQ(misspelt.exit_code, 2) << misspelt.output;
+  EXPECT_NE(misspelt.output.find("config.yaml:2: unknown key 'coordinater'; the keys are coordinator,"),
+            std::string::npos)
+      << misspelt.output;
+  fs::remove(env["LTRAIN_HOME"] + "/config.yaml");
   agent.Signal(SIGTERM);
   EXPECT_EQ(agent.Wait(std::chrono::seconds(10)).exit_code, 0);
   coordinator.Signal(SIGTERM);

@@ -619,12 +619,19 @@ TEST_F(CoordinatorTest, ResumeStartsAStoppedJobAsANewGeneration) {
   std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
   ASSERT_TRUE(coordinator_->Stop(id, "").ok());
   EXPECT_FALSE(coordinator_->Resume("nope").ok());
-  StatusOr<v1::Job> resumed = coordinator_->Resume(id);
+  int64_t resumed_seq = 0;
+  StatusOr<v1::Job> resumed = coordinator_->Resume(id, &resumed_seq);
   ASSERT_TRUE(resumed.ok()) << resumed.status().ToString();
   v1::Job job = *coordinator_->GetJob(id);
   EXPECT_EQ(job.state(), v1::JOB_STATE_RUNNING);
   EXPECT_EQ(job.generation(), 1);
   EXPECT_FALSE(coordinator_->Resume(id).ok()) << "a running job cannot be resumed";
+  // A follower of the resume starts at it: the earlier "job STOPPED" is not shown again.
+  bool finished = false;
+  std::vector<v1::Event> events = *coordinator_->WaitEvents(id, resumed_seq - 1, false, 0, &finished);
+  ASSERT_FALSE(events.empty());
+  EXPECT_EQ(events.front().kind(), "resumed");
+  for (const auto& event : events) EXPECT_NE(event.kind(), "state") << event.message();
 }
 
 // `ltrain stop --checkpoint`'s options.

@@ -193,14 +193,24 @@ TEST(JobPrinterTest, WorkerOutputAndEventsAreEscapedForTheTerminal) {
 
 TEST(JobPrinterTest, JsonLogLinesAreOneCompactObjectEach) {
   EXPECT_EQ(FormatLogLines({LogLine(7, 1000, 0, "hello \"world\""), LogLine(8, 1001, 3, "bye")}, LogFormat::kJson),
-            "{\"seq\":\"7\",\"job_id\":\"j-1\",\"unix_ms\":\"1000\",\"kind\":\"log\",\"message\":\"hello \\\"world\\\"\"}\n"
-            "{\"seq\":\"8\",\"job_id\":\"j-1\",\"unix_ms\":\"1001\",\"kind\":\"log\",\"message\":\"bye\",\"rank\":3}\n");
+            "{\"seq\":7,\"job_id\":\"j-1\",\"unix_ms\":1000,\"kind\":\"log\",\"message\":\"hello \\\"world\\\"\",\"rank\":0,"
+            "\"state\":\"UNSPECIFIED\"}\n"
+            "{\"seq\":8,\"job_id\":\"j-1\",\"unix_ms\":1001,\"kind\":\"log\",\"message\":\"bye\",\"rank\":3,"
+            "\"state\":\"UNSPECIFIED\"}\n");
 }
 
 TEST(JobPrinterTest, FollowedEventsShowLogLinesUnlessQuiet) {
   v1::Event log = LogLine(1, 1000, 2, "step 3 loss 4.2");
   EXPECT_EQ(FormatFollowedEvent(log, false), "[rank 2] step 3 loss 4.2\n");
   EXPECT_EQ(FormatFollowedEvent(log, true), "");
+  // Quiet still shows how training goes: rank 0's step lines.
+  v1::Event step = LogLine(2, 1000, 0, "step 3/20 loss 4.2000 lr 1.0e-03");
+  EXPECT_EQ(FormatFollowedEvent(step, true), "[rank 0] step 3/20 loss 4.2000 lr 1.0e-03\n");
+  EXPECT_EQ(FormatFollowedEvent(LogLine(3, 1000, 0, "rank 0/2 up"), true), "");
+  // The coordinator's marker of a new generation is for `ltrain logs`; a follower has the event.
+  EXPECT_EQ(FormatFollowedEvent(LogLine(4, 1000, -1, "generation 1"), false), "");
+  EXPECT_EQ(FormatLogLines({LogLine(4, 1000, -1, "generation 1 begins")}, LogFormat::kText),
+            "---- generation 1 begins\n");
 
   v1::Event started;
   started.set_kind("rank_started");

@@ -181,6 +181,19 @@ TEST(RecipeTest, ReportsEveryErrorNotJustTheFirst) {
   EXPECT_EQ(result.errors.size(), 3u) << result.ErrorText();
 }
 
+// Problems are found key by key (unknown keys first), but listed in the order of the file.
+TEST(RecipeTest, ErrorsAreListedInTheOrderOfTheFile) {
+  RecipeParseResult result =
+      ParseRecipe("data: {path: /d}\ntraining: {steps: many}\nmodel: {heads: 3}\nfoo: 1\nparallel: {tp: x}\n", "r.yaml");
+  ASSERT_GE(result.errors.size(), 3u) << result.ErrorText();
+  for (size_t i = 1; i < result.errors.size(); ++i) {
+    EXPECT_LE(std::make_pair(result.errors[i - 1].line, result.errors[i - 1].column),
+              std::make_pair(result.errors[i].line, result.errors[i].column))
+        << result.ErrorText();
+  }
+  EXPECT_EQ(result.errors.front().line, 2) << result.ErrorText();
+}
+
 TEST(RecipeTest, MissingDataPathExplainsTheFix) {
   RecipeParseResult result = ParseRecipe("name: x\n", "r.yaml");
   ASSERT_EQ(result.errors.size(), 1u);

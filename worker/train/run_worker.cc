@@ -197,9 +197,11 @@ Status Run(const WorkerEnv& env) {
     }
   }
   // A restarted generation continues from the job's newest committed checkpoint instead of
-  // starting over (and overwriting it).
+  // starting over (and overwriting it), also when the job began from another run's checkpoint
+  // (checkpoint.resume_from): its own commits are newer.
+  const std::string resume_from_recipe = recipe.checkpoint.resume_from;
   std::error_code ec;
-  if (recipe.checkpoint.resume_from.empty() && env.generation > 0 &&
+  if (env.generation > 0 && !options.checkpoint_dir.empty() &&
       std::filesystem::exists(std::filesystem::path(options.checkpoint_dir) / "latest", ec)) {
     recipe.checkpoint.resume_from = options.checkpoint_dir;
   }
@@ -242,6 +244,17 @@ Status Run(const WorkerEnv& env) {
   }
   LTRAIN_RETURN_IF_ERROR(StallStartupIfAsked(env.rank));
   LTRAIN_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(recipe, options, &conn->groups));
+  // Starting from another run's checkpoint at or past training.steps would train nothing and
+  // succeed: a fine-tune set up with the steps counted from the checkpoint instead of from the start.
+  if (env.generation == 0 && !resume_from_recipe.empty() &&
+      trainer->step() >= recipe.training.steps) {
+    const long long at = static_cast<long long>(trainer->step());
+    return FailedPrecondition(
+        "checkpoint.resume_from=" + resume_from_recipe + " holds step " + std::to_string(at) +
+        " and training.steps is " + std::to_string(recipe.training.steps) +
+        ": nothing is left to train. training.steps counts from the start of the run that wrote the checkpoint; "
+        "for 100 more steps, set training.steps=" + std::to_string(at + 100));
+  }
   stop.Begin(trainer->step());
   Status done = trainer->Run();
   if (done.ok() && stop.stop_step() == trainer->step() && trainer->step() < recipe.training.steps) {
@@ -253,6 +266,8 @@ Status Run(const WorkerEnv& env) {
   }
   if (done.ok() && !env.export_params.empty()) done = trainer->ExportParameters(env.export_params);
   Progress::Global().SetPhase(trainer->step(), "done");
+  // The agent's last report of this rank, which its exit report carries, says where it ended.
+  if (reporter) reporter->Flush();
   return done;
 }
 
