@@ -1,5 +1,6 @@
 // ltrain validate RECIPE: the resolved recipe, or every error in it; `--explain`: every recipe key.
 #include <cstdio>
+#include <filesystem>
 #include <memory>
 
 #include <google/protobuf/struct.pb.h>
@@ -52,6 +53,15 @@ int Validate(const ValidateArgs& args) {
     return kExitInvalid;
   }
   std::printf("%s", RecipeToYaml(parsed.recipe).c_str());
+  // The recipe may be meant for another machine: a warning, not an error.
+  const std::string data = Absolute(parsed.recipe.data.path);
+  std::error_code ec;
+  if (!std::filesystem::exists(std::filesystem::path(data) / "train.bin", ec)) {
+    std::fprintf(stderr,
+                 "%s: warning: data.path %s holds no prepared data here (no train.bin); if the job runs on this "
+                 "machine, prepare it with: ltrain data prepare --input TEXT_FILE... --output %s\n",
+                 args.recipe.c_str(), data.c_str(), data.c_str());
+  }
   return kExitOk;
 }
 

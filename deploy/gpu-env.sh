@@ -1,6 +1,5 @@
 # Source on a GPU host that has PyTorch (LibTorch, CUDA, NCCL) but not the control plane's libraries:
-#   ../shared/tools/fetch-gpu-deps.sh .deps/debs       (on a Debian 12 machine; carry .deps to the host)
-#   (cd .deps/debs && apt-get download libxxhash-dev libxxhash0)   (the checkpoint hash, XXH3)
+#   deploy/gpu-deps.sh .deps/debs                     (on a Debian 12 machine; carry .deps to the host)
 #   source deploy/gpu-env.sh                          (unpacks .deps/debs into /opt/deps once)
 #   cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$LTRAIN_GPU_PREFIX" && cmake --build build-gpu
 # The Debian packages are never unpacked into /: the host's own libraries stay as they are.

@@ -4,7 +4,8 @@
 #   deploy/setup.sh           build and run (compiler, CMake, gRPC, protobuf, yaml-cpp, CLI11, SQLite, LibTorch, Gloo)
 #   deploy/setup.sh --tests   also what the tests use: GoogleTest, systemd (systemd-analyze checks
 #                             deploy/systemd), iproute2 (network namespaces), Slurm and munge (a real
-#                             Slurm with two fake nodes), Python (the benchmarks)
+#                             Slurm with two fake nodes), Python (the benchmarks, the JSON schema
+#                             check), dpkg-dev (the Debian package)
 set -euo pipefail
 
 packages=(
@@ -18,7 +19,8 @@ packages=(
 )
 if [[ "${1:-}" == "--tests" ]]; then
   packages+=(libgtest-dev libgmock-dev systemd iproute2 slurmd slurmctld slurm-client munge python3
-             python3-jsonschema)   # checks -o json against docs/json-schema.json
+             python3-jsonschema    # checks -o json against docs/json-schema.json
+             dpkg-dev)             # dpkg-shlibdeps: the Debian package's dependencies (cpack)
 fi
 
 missing=()

@@ -69,6 +69,8 @@ TEST(CliTest, ValidatePrintsTheResolvedRecipeWithOverrides) {
   EXPECT_EQ(result.exit_code, 0) << result.output;
   EXPECT_NE(result.output.find("steps: 42"), std::string::npos) << result.output;
   EXPECT_NE(result.output.find("layers: 3"), std::string::npos) << result.output;
+  // /d holds no prepared data: said as a warning (the recipe may be meant for another machine).
+  EXPECT_NE(result.output.find("warning: data.path /d holds no prepared data here"), std::string::npos) << result.output;
 }
 
 // `validate --explain` lists every key of the schema: as text, as the README's Markdown table, as JSON.

@@ -159,6 +159,15 @@ TEST_F(TrainingTest, SeparateCoordinatorAndAgentProcessesRunAJob) {
                                       Env(), std::chrono::seconds(120));
   EXPECT_EQ(launched.exit_code, 0) << launched.output << "\n--- coordinator\n" << coordinator.Output()
                                    << "\n--- agent\n" << agent.Output();
+  // Data missing on the nodes is found by the first worker, and fails the job at once: a restart
+  // would find the same files.
+  ProcessResult no_data = RunProcess({LtrainBinary(), "launch", "--coordinator", address, recipe_, "--set",
+                                      "data.path=/nonexistent", "--set", "fault.max_restarts=3", "--set",
+                                      "name=nodata"},
+                                     Env(), std::chrono::seconds(60));
+  EXPECT_EQ(no_data.exit_code, 1) << no_data.output;
+  EXPECT_NE(no_data.output.find("cannot open token file /nonexistent/train.bin"), std::string::npos) << no_data.output;
+  EXPECT_EQ(no_data.output.find("restart 1 of 3"), std::string::npos) << no_data.output;
   ProcessResult status = RunProcess({LtrainBinary(), "status", "--coordinator", address, "--output", "json"}, Env());
   EXPECT_EQ(status.exit_code, 0);
   EXPECT_NE(status.output.find("\"state\": \"SUCCEEDED\""), std::string::npos) << status.output;

@@ -178,7 +178,13 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const Recipe& recipe, const T
                            std::to_string(t.pp) + ") do not match the recipe's layout");
   }
   if (recipe.data.path.empty()) return InvalidArgument("data.path is empty: point it at a directory written by `ltrain data prepare`");
-  LTRAIN_ASSIGN_OR_RETURN(TokenDataset data, TokenDataset::Open(recipe.data.path + "/train.bin"));
+  StatusOr<TokenDataset> opened = TokenDataset::Open(recipe.data.path + "/train.bin");
+  if (!opened.ok()) {
+    // A restart would find the same files: missing data fails the job at once (exit 3), naming the path.
+    return opened.status().code() == StatusCode::kNotFound ? FailedPrecondition(opened.status().message())
+                                                           : opened.status();
+  }
+  TokenDataset data = std::move(opened).value();
   if (data.vocab() > recipe.model.vocab) {
     return InvalidArgument("token file " + data.path() + " has vocab " + std::to_string(data.vocab()) +
                            " but model.vocab=" + std::to_string(recipe.model.vocab) + "; raise model.vocab");
