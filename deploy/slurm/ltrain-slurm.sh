@@ -21,9 +21,9 @@
 # every process of the job at once: the job ends STOPPED at its last commit (the coordinator ignores
 # SIGTERM and outlives the agents, which say goodbye; `ltrain launch` stops the job on its SIGTERM).
 #
-# The coordinator requires a token made for each allocation ($LTRAIN_SLURM_STATE_DIR/token, 0600);
-# with LTRAIN_SLURM_TLS=1 it also serves TLS with a CA made for the allocation, else the token travels
-# in clear text on the cluster's network.
+# The coordinator requires a token made for each allocation ($LTRAIN_SLURM_STATE_DIR/token, 0600)
+# and serves TLS with a CA made for the allocation; LTRAIN_SLURM_TLS=0 turns TLS off, and the token
+# then travels in clear text on the cluster's network.
 #
 # Environment: LTRAIN_BIN (default: ltrain on PATH), LTRAIN_SLURM_STATE_DIR, LTRAIN_SLURM_PORT
 # (default 0: any free port), LTRAIN_SLURM_STOP_TIMEOUT (default 60: seconds the final checkpoint on
@@ -106,10 +106,10 @@ trap on_term TERM INT
 first=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)
 coordinator_host=$(node_address "$first")
 rm -f "$state_dir/coordinator.port" "$state_dir/agents.step"
-# The token crosses the cluster's network: in TLS with LTRAIN_SLURM_TLS=1 (a CA and a certificate for
-# this node, made for this allocation), else in clear text, which the clients must be told is meant.
+# The token crosses the cluster's network: in TLS (a CA and a certificate for this node, made for this
+# allocation), or with LTRAIN_SLURM_TLS=0 in clear text, which the clients must be told is meant.
 tls_args=()
-if [[ ${LTRAIN_SLURM_TLS:-0} == 1 ]]; then
+if [[ ${LTRAIN_SLURM_TLS:-1} != 0 ]]; then
   rm -rf "$state_dir/tls"
   "$ltrain" coordinator --init-tls "$state_dir/tls" --tls-hosts "$coordinator_host" "$first" localhost 127.0.0.1 >/dev/null
   tls_args=(--tls-cert "$state_dir/tls/server.pem" --tls-key "$state_dir/tls/server.key")

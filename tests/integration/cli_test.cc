@@ -1,6 +1,8 @@
 // The ltrain binary as a user runs it: exit codes and messages of validate, status and data prepare.
 #include <gtest/gtest.h>
 
+#include <signal.h>
+
 #include <algorithm>
 #include <filesystem>
 #include <fstream>
@@ -260,6 +262,20 @@ TEST(CliTest, TheReadmeCommandTableMatchesEveryHelp) {
     }
   }
   EXPECT_EQ(compared, 13) << listed;
+}
+
+// The coordinator says the address it listens on: 0.0.0.0 stays 0.0.0.0, with the port it got.
+TEST(CliTest, TheCoordinatorLogsTheAddressItListensOn) {
+  TempDir dir;
+  Subprocess coordinator({LtrainBinary(), "coordinator", "--listen", "0.0.0.0:0", "--port-file", dir.Join("port"),
+                          "--state-dir", dir.Join("state")},
+                         {{"LTRAIN_TOKEN", "a-token-for-the-test"}});
+  const int port = WaitForPortFile(dir.Join("port"));
+  ASSERT_GT(port, 0) << coordinator.Output();
+  EXPECT_TRUE(coordinator.WaitForOutput("listening on 0.0.0.0:" + std::to_string(port) + ",", std::chrono::seconds(5)))
+      << coordinator.Output();
+  coordinator.Signal(SIGTERM);
+  EXPECT_EQ(coordinator.Wait(std::chrono::seconds(10)).exit_code, 0) << coordinator.Output();
 }
 
 TEST(CliTest, HelpAndVersion) {

@@ -238,10 +238,11 @@ class SlurmTest : public ::testing::Test {
 };
 
 // sbatch -N2: a coordinator on n1, an agent on each of n1 and n2, one rank on each; the training
-// job SUCCEEDS and the Slurm job COMPLETES with the job's exit code 0.
+// job SUCCEEDS and the Slurm job COMPLETES with the job's exit code 0. (With LTRAIN_SLURM_TLS=0, the
+// opt-out of TLS: the token in clear text, said so.)
 TEST_F(SlurmTest, BatchJobTrainsOnBothNodesAndCompletes) {
   auto started = std::chrono::steady_clock::now();
-  std::string id = Submit(Recipe("slurmtiny", "steps: 30"));
+  std::string id = Submit(Recipe("slurmtiny", "steps: 30"), ",LTRAIN_SLURM_TLS=0");
   ASSERT_FALSE(id.empty());
   std::string state = WaitForSlurmJobEnd(id, seconds(90));
   std::string output = SlurmOutput(id);
@@ -274,10 +275,10 @@ TEST_F(SlurmTest, BatchJobTrainsOnBothNodesAndCompletes) {
   RecordProperty("seconds", std::to_string(std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count()));
 }
 
-// LTRAIN_SLURM_TLS=1: the coordinator serves TLS with a CA made for the allocation, and the agents on
-// both nodes, the launch and the script's own status calls all reach it through it.
-TEST_F(SlurmTest, WithTlsAskedTheJobRunsOverTlsWithItsToken) {
-  std::string id = Submit(Recipe("slurmtls", "steps: 5"), ",LTRAIN_SLURM_TLS=1");
+// By default the coordinator serves TLS with a CA made for the allocation, and the agents on both
+// nodes, the launch and the script's own status calls all reach it through it.
+TEST_F(SlurmTest, ByDefaultTheJobRunsOverTlsWithItsToken) {
+  std::string id = Submit(Recipe("slurmtls", "steps: 5"));
   ASSERT_FALSE(id.empty());
   std::string state = WaitForSlurmJobEnd(id, seconds(90));
   std::string output = SlurmOutput(id);
