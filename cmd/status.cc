@@ -73,8 +73,10 @@ int ShowStatus(const StatusArgs& args, const SecurityMaterial& security) {
   }
   if (!fs::exists(fs::path(home) / "state.db")) {
     if (!job_id.empty()) {
-      std::fprintf(stderr, "ltrain: no job '%s' under %s; `ltrain status` lists the jobs\n", job_id.c_str(),
-                   home.c_str());
+      std::fprintf(stderr,
+                   "ltrain: no job '%s' in the local state (%s); a job of a coordinator daemon needs "
+                   "--coordinator HOST:PORT (or $LTRAIN_COORDINATOR, or coordinator: in config.yaml)\n",
+                   job_id.c_str(), home.c_str());
       return kExitInvalid;
     }
     if (json) std::printf("%s\n", ToJson(v1::ListJobsReply()).c_str());
@@ -103,7 +105,10 @@ int ShowStatus(const StatusArgs& args, const SecurityMaterial& security) {
   }
   StatusOr<v1::Job> job = (*store)->GetJob(job_id);
   if (!job.ok()) {
-    std::fprintf(stderr, "ltrain: %s\n", job.status().message().c_str());
+    std::fprintf(stderr,
+                 "ltrain: no job '%s' in the local state (%s); `ltrain status` lists those. A job of a coordinator "
+                 "daemon needs --coordinator HOST:PORT (or $LTRAIN_COORDINATOR, or coordinator: in config.yaml)\n",
+                 job_id.c_str(), home.c_str());
     return kExitInvalid;
   }
   PrintJob(*job, json);

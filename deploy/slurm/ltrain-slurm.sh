@@ -45,7 +45,8 @@ node_address() {
 if [[ ${1:-} == --agent ]]; then
   coordinator=$2 state_dir=$3
   echo "$SLURM_JOB_ID.$SLURM_STEP_ID" >"$state_dir/agents.step"  # for a graceful stop (see cleanup)
-  exec "$ltrain" agent --coordinator "$coordinator" --node-id "$SLURMD_NODENAME" \
+  # Warnings and errors only: the job's events already say what the agents do.
+  exec "$ltrain" --log-level warning agent --coordinator "$coordinator" --node-id "$SLURMD_NODENAME" \
     --bind-address "$(node_address "$SLURMD_NODENAME")" --work-dir "$state_dir/nodes/$SLURMD_NODENAME"
 fi
 
@@ -141,6 +142,15 @@ fi
 # One agent per node. --kill-on-bad-exit=0: a node's agent that fails is the coordinator's to handle.
 srun --ntasks-per-node=1 --kill-on-bad-exit=0 "${BASH_SOURCE[0]}" --agent "$address" "$state_dir" &
 agents_pid=$!
+# The job is submitted once every node's agent is there (up to 60 s; after that the coordinator
+# waits for the missing ones and says so).
+nodes=${SLURM_JOB_NUM_NODES:-$(scontrol show hostnames "$SLURM_JOB_NODELIST" | wc -l)}
+for _ in $(seq 600); do
+  up=$("$ltrain" nodes --coordinator "$address" -o json 2>/dev/null | grep -c '"connected": true') || true
+  (( ${up:-0} >= nodes )) && break
+  kill -0 "$agents_pid" 2>/dev/null || break
+  sleep 0.1
+done
 
 if [[ -n $job ]]; then
   "$ltrain" resume "$job" --coordinator "$address" &

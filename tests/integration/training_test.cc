@@ -107,6 +107,8 @@ TEST_F(TrainingTest, TwoWorkersLearnAndTheJobSucceeds) {
   EXPECT_NE(all_json.output.find("\"rank\":0,"), std::string::npos) << "rank 0's lines say so too";
   ProcessResult missing = RunProcess({LtrainBinary(), "logs", "nope-9"}, Env());
   EXPECT_EQ(missing.exit_code, 2) << missing.output;
+  EXPECT_NE(missing.output.find("needs --coordinator HOST:PORT (or $LTRAIN_COORDINATOR"), std::string::npos)
+      << "says where else the job may be: " << missing.output;
   EXPECT_TRUE(fs::exists(checkpoints / "step-30"));
 }
 

@@ -62,11 +62,16 @@ SchedulerParameters=batch_sched_delay=0
 EnforcePartLimits=ALL
 ReturnToService=2
 MailProg=/bin/true
+GresTypes=gpu
 SlurmdParameters=config_overrides
-NodeName=n[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=[$((base + 1))-$((base + 2))] CPUs=2 State=UNKNOWN
+NodeName=n[1-2] NodeHostname=$host NodeAddr=127.0.0.1 Port=[$((base + 1))-$((base + 2))] CPUs=2 Gres=gpu:4 State=UNKNOWN
 PartitionName=test Nodes=n[1-2] Default=YES MaxTime=INFINITE State=UP
 CONF
 export SLURM_CONF=$dir/slurm.conf
+# Four GPUs per node that are only files, so that --gpus-per-node=4 is granted (SLURM_GPUS_ON_NODE=4)
+# as on a GPU cluster; a GPU-count gres needs a device file per GPU.
+for i in 0 1 2 3; do : >"$dir/gpu$i"; done
+echo "NodeName=n[1-2] Name=gpu File=$dir/gpu[0-3]" >"$dir/gres.conf"
 
 for _ in $(seq 50); do munge -n -S "$dir/munge/munge.socket.2" | unmunge -S "$dir/munge/munge.socket.2" >/dev/null 2>&1 && break; sleep 0.1; done
 slurmctld -i -f "$SLURM_CONF"

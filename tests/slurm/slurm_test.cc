@@ -237,6 +237,81 @@ class SlurmTest : public ::testing::Test {
   static inline std::string failure_;
 };
 
+// deploy/slurm/README.md's commands as written, with this checkout's deploy/slurm for the package's and
+// a CPU recipe for recipe.yaml: the sbatch command, one's own sbatch script around ltrain-slurm.sh,
+// and the status command by hand during the job. The test nodes have four (file) GPUs each, so
+// --gpus-per-node=4 is granted; the CPU recipe keeps its one rank per node. The state directories are
+// the guide's default, under $HOME.
+TEST_F(SlurmTest, TheGuidesCommandsRunAsWritten) {
+  const std::string guide = ReadFile(SourceDir() + "/deploy/slurm/README.md");
+  std::vector<std::string> blocks;
+  for (size_t at = guide.find("```sh\n"); at != std::string::npos; at = guide.find("```sh\n", at)) {
+    const size_t end = guide.find("```", at + 6);
+    blocks.push_back(guide.substr(at + 6, end - at - 6));
+    at = end + 3;
+  }
+  ASSERT_EQ(blocks.size(), 3u) << "the guide's sh blocks changed: adapt this test";
+  auto adapt = [&](std::string text, const std::string& recipe) {
+    for (const auto& [from, to] : std::vector<std::pair<std::string, std::string>>{
+             {"/usr/share/ltrain/deploy/slurm", SourceDir() + "/deploy/slurm"}, {"recipe.yaml", recipe}}) {
+      for (size_t at = text.find(from); at != std::string::npos; at = text.find(from, at + to.size())) {
+        text.replace(at, from.size(), to);
+      }
+    }
+    return text;
+  };
+  std::map<std::string, std::string> env = SlurmEnv();
+  env["LTRAIN_BIN"] = LtrainBinary();
+  env["OMP_NUM_THREADS"] = "1";
+  env["HOME"] = dir_.path();
+  auto submitted_id = [](const ProcessResult& result) {
+    std::smatch m;
+    return std::regex_search(result.output, m, std::regex(R"(Submitted batch job (\d+))")) ? m[1].str() : "";
+  };
+
+  // 1. sbatch -N 2 --gpus-per-node=4 .../ltrain.sbatch recipe.yaml
+  ProcessResult first = RunProcess({"/bin/bash", "-c", "cd " + dir_.path() + " && " +
+                                                           adapt(blocks[0], Recipe("guide1", "steps: 20"))},
+                                   env, seconds(30));
+  const std::string id1 = submitted_id(first);
+  ASSERT_FALSE(id1.empty()) << blocks[0] << first.output;
+  ASSERT_EQ(WaitForSlurmJobEnd(id1, seconds(90)), "COMPLETED") << ReadFile(dir_.Join("ltrain-" + id1 + ".out")) << SlurmLogs();
+  const std::string out1 = ReadFile(dir_.Join("ltrain-" + id1 + ".out"));
+  EXPECT_NE(out1.find("4 GPU(s)"), std::string::npos) << out1;
+  EXPECT_NE(out1.find("ltrain: job SUCCEEDED"), std::string::npos) << out1;
+  // The agents are there before the job, and only their warnings reach the job's output.
+  EXPECT_EQ(out1.find("waiting for nodes"), std::string::npos) << out1;
+  EXPECT_EQ(out1.find(" agent] "), std::string::npos) << out1;
+
+  // 2. one's own sbatch script, and 3. ltrain status by hand while it runs.
+  const std::string script = dir_.Write("own.sbatch", "#!/bin/bash\n" + adapt(blocks[1], Recipe("guide2", "steps: 200")));
+  ProcessResult second = RunProcess({"/bin/bash", "-c", "cd " + dir_.path() + " && sbatch " + script}, env, seconds(30));
+  const std::string id2 = submitted_id(second);
+  ASSERT_FALSE(id2.empty()) << second.output;
+  const std::string out2_path = dir_.Join("slurm-" + id2 + ".out");
+  std::smatch where;
+  const std::regex address(R"(coordinator at (\S+), state in (\S+))");
+  const auto deadline = std::chrono::steady_clock::now() + seconds(60);
+  std::string out2;
+  while (!std::regex_search(out2 = ReadFile(out2_path), where, address) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(100));
+  }
+  ASSERT_FALSE(where.empty()) << out2 << SlurmLogs();
+  while (ReadFile(out2_path).find("guide2-1 submitted") == std::string::npos && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(milliseconds(100));
+  }
+  std::string by_hand = blocks[2];
+  by_hand.replace(by_hand.find("HOST:PORT"), 9, where[1].str());
+  by_hand.replace(0, by_hand.find(' '), LtrainBinary());  // `ltrain` is this build's
+  std::map<std::string, std::string> hand_env = env;
+  hand_env["LTRAIN_SLURM_STATE_DIR"] = where[2].str();
+  ProcessResult status = RunProcess({"/bin/bash", "-c", by_hand}, hand_env, seconds(30));
+  EXPECT_EQ(status.exit_code, 0) << by_hand << "\n" << status.output;
+  EXPECT_NE(status.output.find("guide2-1"), std::string::npos) << status.output;
+  ASSERT_EQ(WaitForSlurmJobEnd(id2, seconds(120)), "COMPLETED") << ReadFile(out2_path) << SlurmLogs();
+  EXPECT_NE(ReadFile(out2_path).find("ltrain: job SUCCEEDED"), std::string::npos) << ReadFile(out2_path);
+}
+
 // sbatch -N2: a coordinator on n1, an agent on each of n1 and n2, one rank on each; the training
 // job SUCCEEDS and the Slurm job COMPLETES with the job's exit code 0. (With LTRAIN_SLURM_TLS=0, the
 // opt-out of TLS: the token in clear text, said so.)
