@@ -30,6 +30,14 @@ std::string LtrainHome() {
   return (fs::path(home ? home : "/tmp") / ".ltrain").string();
 }
 
+int NoLocalJob(const std::string& job_id, const std::string& home) {
+  std::fprintf(stderr,
+               "ltrain: no job '%s' in the local state (%s); `ltrain status` lists those. A job of a coordinator "
+               "daemon needs --coordinator HOST:PORT (or $LTRAIN_COORDINATOR, or coordinator: in config.yaml)\n",
+               job_id.c_str(), home.c_str());
+  return kExitInvalid;
+}
+
 Status LoadClientConfig(const std::string& home) {
   const fs::path file = fs::path(home) / "config.yaml";
   std::error_code ec;

@@ -31,6 +31,10 @@ constexpr int kExitStopped = 4;      // the job was STOPPED
 // Where state, checkpoints and local agents live: $LTRAIN_HOME, else ~/.ltrain.
 std::string LtrainHome();
 
+// Says on stderr that `job_id` is not in the local state under `home`, and where else it may be (a
+// coordinator daemon); returns kExitInvalid.
+int NoLocalJob(const std::string& job_id, const std::string& home);
+
 // The client settings of $LTRAIN_HOME/config.yaml (all optional):
 //   coordinator: HOST:PORT     tls_ca: FILE     tls_cert: FILE     tls_key: FILE
 //   token_file: FILE           output: json | text

@@ -76,15 +76,7 @@ int Logs(const LogsArgs& args, const SecurityMaterial& security) {
       std::fprintf(stderr, "ltrain: %s\n", store.status().message().c_str());
       return kExitUnavailable;
     }
-    if (StatusOr<v1::Job> job = (*store)->GetJob(args.job_id); !job.ok()) {
-      // Without a coordinator only the local state is searched: say where else the job may be.
-      std::fprintf(stderr,
-                   "ltrain: no job '%s' in the local state (%s); `ltrain status` lists those. A job of a "
-                   "coordinator daemon needs --coordinator HOST:PORT (or $LTRAIN_COORDINATOR, or coordinator: "
-                   "in config.yaml)\n",
-                   args.job_id.c_str(), LtrainHome().c_str());
-      return kExitInvalid;
-    }
+    if (StatusOr<v1::Job> job = (*store)->GetJob(args.job_id); !job.ok()) return NoLocalJob(args.job_id, LtrainHome());
     StatusOr<std::vector<v1::Event>> stored = (*store)->Logs(args.job_id, args.rank, since, args.tail);
     if (!stored.ok()) {
       std::fprintf(stderr, "ltrain: %s\n", stored.status().message().c_str());

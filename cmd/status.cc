@@ -72,13 +72,7 @@ int ShowStatus(const StatusArgs& args, const SecurityMaterial& security) {
     }
   }
   if (!fs::exists(fs::path(home) / "state.db")) {
-    if (!job_id.empty()) {
-      std::fprintf(stderr,
-                   "ltrain: no job '%s' in the local state (%s); a job of a coordinator daemon needs "
-                   "--coordinator HOST:PORT (or $LTRAIN_COORDINATOR, or coordinator: in config.yaml)\n",
-                   job_id.c_str(), home.c_str());
-      return kExitInvalid;
-    }
+    if (!job_id.empty()) return NoLocalJob(job_id, home);
     if (json) std::printf("%s\n", ToJson(v1::ListJobsReply()).c_str());
     else std::printf("no jobs yet under %s; start one with `ltrain launch RECIPE`\n", home.c_str());
     return kExitOk;
@@ -104,13 +98,7 @@ int ShowStatus(const StatusArgs& args, const SecurityMaterial& security) {
     return kExitOk;
   }
   StatusOr<v1::Job> job = (*store)->GetJob(job_id);
-  if (!job.ok()) {
-    std::fprintf(stderr,
-                 "ltrain: no job '%s' in the local state (%s); `ltrain status` lists those. A job of a coordinator "
-                 "daemon needs --coordinator HOST:PORT (or $LTRAIN_COORDINATOR, or coordinator: in config.yaml)\n",
-                 job_id.c_str(), home.c_str());
-    return kExitInvalid;
-  }
+  if (!job.ok()) return NoLocalJob(job_id, home);
   PrintJob(*job, json);
   return kExitOk;
 }
