@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <chrono>
-#include <cmath>
 #include <condition_variable>
 #include <deque>
 #include <filesystem>
@@ -33,11 +32,6 @@ namespace {
 namespace fs = std::filesystem;
 constexpr const char* kLog = "agent";
 
-// `seconds` from now, within [0 s, a day]: a timeout a worker asks for cannot overflow the clock.
-std::chrono::system_clock::time_point Deadline(double seconds) {
-  const double bounded = std::isnan(seconds) ? 0.0 : std::clamp(seconds, 0.0, 86400.0);
-  return std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(bounded * 1000));
-}
 
 // Who calls the agent's loopback services: a worker of one of its jobs, by the secret of that job
 // generation; anyone else is refused.

@@ -205,10 +205,6 @@ std::string Absolute(const std::string& path) {
   return ec ? path : absolute.lexically_normal().string();
 }
 
-std::chrono::system_clock::time_point Deadline(double seconds) {
-  return std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000));
-}
-
 std::string ToJson(const google::protobuf::Message& message) { return FormatJson(message, /*pretty=*/true); }
 
 int ExitCodeFor(v1::JobState state) {

@@ -16,6 +16,7 @@
 #include <google/protobuf/message.h>
 #include <grpcpp/grpcpp.h>
 
+#include "common/clock.h"
 #include "common/transport_security.h"
 #include "ltrain/v1/ltrain.grpc.pb.h"
 
@@ -77,8 +78,6 @@ std::vector<std::string> ReconcileDeadLaunches(const std::string& home);
 // stays "", and a path that cannot be resolved is returned as given.
 std::string Absolute(const std::string& path);
 
-// An RPC deadline `seconds` from now.
-std::chrono::system_clock::time_point Deadline(double seconds);
 
 // A reply or job as `-o json` prints it: FormatJson (cmd/job_printer.h), indented.
 std::string ToJson(const google::protobuf::Message& message);

@@ -1,8 +1,10 @@
 // Time as every timeout, heartbeat and backoff reads it. Tests drive FakeClock by hand.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 
 namespace ltrain {
@@ -27,6 +29,19 @@ class RealClock : public Clock {
                std::chrono::system_clock::now().time_since_epoch()).count();
   }
 };
+
+// The longest wait or deadline anything grants, a day: a timeout from a request (enormous, negative,
+// NaN) cannot overflow the clocks' arithmetic.
+inline constexpr int64_t kMaxWaitMs = 86400LL * 1000;
+
+// A wait of `ms`, within [0, kMaxWaitMs].
+inline int64_t BoundedWaitMs(int64_t ms) { return std::clamp<int64_t>(ms, 0, kMaxWaitMs); }
+
+// An RPC deadline `seconds` from now, within [0 s, kMaxWaitMs].
+inline std::chrono::system_clock::time_point Deadline(double seconds) {
+  const double ms = std::isnan(seconds) ? 0.0 : std::clamp(seconds * 1000, 0.0, static_cast<double>(kMaxWaitMs));
+  return std::chrono::system_clock::now() + std::chrono::milliseconds(static_cast<int64_t>(ms));
+}
 
 class FakeClock : public Clock {
  public:

@@ -595,7 +595,7 @@ std::vector<v1::NodeStatus> Coordinator::ListNodes() const {
 
 bool Coordinator::WaitForNode(const std::string& node_id, int64_t timeout_ms) {
   std::unique_lock<std::mutex> lock(mu_);
-  return cv_.wait_for(lock, std::chrono::milliseconds(std::clamp<int64_t>(timeout_ms, 0, 86400LL * 1000)), [&] {
+  return cv_.wait_for(lock, std::chrono::milliseconds(BoundedWaitMs(timeout_ms)), [&] {
     auto found = nodes_.find(node_id);
     return shutting_down_ || (found != nodes_.end() && found->second.connected);
   }) && !shutting_down_;
@@ -836,8 +836,7 @@ void Coordinator::KvSet(const std::string& key, const std::string& value) {
 }
 
 std::optional<std::vector<std::string>> Coordinator::KvGet(const std::vector<std::string>& keys, int64_t timeout_ms) {
-  // A client's timeout, within [0, a day], so that the clock's arithmetic cannot overflow.
-  timeout_ms = std::clamp<int64_t>(timeout_ms, 0, 86400LL * 1000);
+  timeout_ms = BoundedWaitMs(timeout_ms);  // a client's timeout
   std::unique_lock<std::mutex> lock(mu_);
   auto all_present = [&] {
     return shutting_down_ ||
