@@ -58,5 +58,7 @@ void AddStopCommand(CLI::App& app, CommandContext& ctx);
 void AddCoordinatorCommand(CLI::App& app, CommandContext& ctx);
 void AddAgentCommand(CLI::App& app, CommandContext& ctx);
 void AddNodesCommand(CLI::App& app, CommandContext& ctx);
+void AddExportCommand(CLI::App& app, CommandContext& ctx);    // runs ltrain-worker
+void AddGenerateCommand(CLI::App& app, CommandContext& ctx);  // runs ltrain-worker
 
 }  // namespace ltrain::cli

@@ -233,6 +233,9 @@ std::string FormatJobDetail(const v1::Job& job, int64_t now_unix_ms) {
     Appendf(&out, "step:           %lld\n", static_cast<long long>(job.last_step()));
   }
   if (job.last_step() > 0) Appendf(&out, "loss:           %.4f\n", job.last_loss());
+  if (job.val_step() > 0) {
+    Appendf(&out, "val loss:       %.4f (after step %lld)\n", job.val_loss(), static_cast<long long>(job.val_step()));
+  }
   if (job.tokens_per_s() > 0) Appendf(&out, "tokens/s:       %.0f\n", job.tokens_per_s());
   if (job.eta_s() > 0) {
     int64_t eta = static_cast<int64_t>(job.eta_s());

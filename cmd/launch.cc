@@ -7,6 +7,7 @@
 #include "cmd/commands.h"
 #include "cmd/run_job.h"
 #include "common/checkpoint_manifest.h"
+#include "common/data_prepare.h"
 #include "common/recipe.h"
 #include "common/slurm.h"
 
@@ -47,6 +48,7 @@ int Launch(const LaunchArgs& args, const SecurityMaterial& security) {
   recipe.data.path = Absolute(recipe.data.path);
   recipe.checkpoint.dir = Absolute(recipe.checkpoint.dir);
   recipe.checkpoint.resume_from = Absolute(recipe.checkpoint.resume_from);
+  recipe.model.init_from = Absolute(recipe.model.init_from);
   // A checkpoint directory belongs to the job that wrote it; this new job's workers would refuse
   // one that holds commits (checked here too where the directory is visible, before submitting).
   if (recipe.checkpoint.enabled && !recipe.checkpoint.dir.empty()) {
@@ -63,6 +65,10 @@ int Launch(const LaunchArgs& args, const SecurityMaterial& security) {
                  "%s: data.path %s holds no prepared data (train.bin)\n"
                  "    prepare it with: ltrain data prepare --input TEXT_FILE... --output %s\n",
                  args.recipe.c_str(), recipe.data.path.c_str(), recipe.data.path.c_str());
+    return kExitInvalid;
+  }
+  if (std::string problem = DataProblem(recipe); !problem.empty()) {
+    std::fprintf(stderr, "%s: %s\n", args.recipe.c_str(), problem.c_str());
     return kExitInvalid;
   }
   return RunJob(args.run, security, [&](CoordinatorClient& client) -> std::variant<BegunJob, int> {

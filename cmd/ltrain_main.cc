@@ -32,6 +32,8 @@ int main(int argc, char** argv) {
   AddListCommand(app, ctx);
   AddLogsCommand(app, ctx);
   AddCheckpointCommand(app, ctx);
+  AddExportCommand(app, ctx);
+  AddGenerateCommand(app, ctx);
   AddCompletionCommand(app, ctx);
   AddStatusCommand(app, ctx);
   AddNodesCommand(app, ctx);

@@ -7,6 +7,7 @@
 
 #include "cmd/cli_support.h"
 #include "cmd/commands.h"
+#include "common/data_prepare.h"
 #include "common/recipe.h"
 #include "common/recipe_schema.h"
 
@@ -52,9 +53,13 @@ int Validate(const ValidateArgs& args) {
     std::fprintf(stderr, "%zu error(s) in %s\n", parsed.errors.size(), args.recipe.c_str());
     return kExitInvalid;
   }
+  const std::string data = Absolute(parsed.recipe.data.path);
+  if (std::string problem = DataProblem([&] { Recipe r = parsed.recipe; r.data.path = data; return r; }()); !problem.empty()) {
+    std::fprintf(stderr, "%s: %s\n", args.recipe.c_str(), problem.c_str());
+    return kExitInvalid;
+  }
   std::printf("%s", RecipeToYaml(parsed.recipe).c_str());
   // The recipe may be meant for another machine: a warning, not an error.
-  const std::string data = Absolute(parsed.recipe.data.path);
   std::error_code ec;
   if (!std::filesystem::exists(std::filesystem::path(data) / "train.bin", ec)) {
     std::fprintf(stderr,

@@ -85,6 +85,21 @@ std::string CheckpointMetaYaml(const CheckpointMeta& meta, const std::string& re
   return std::string(out.c_str()) + "\n";
 }
 
+StatusOr<std::string> ReadCheckpointRecipeYaml(const std::string& step_dir) {
+  const std::string meta_path = (fs::path(step_dir) / kCheckpointMetaFile).string();
+  std::error_code ec;
+  if (!fs::exists(meta_path, ec)) return NotFound(meta_path + " does not exist: not a checkpoint step directory");
+  try {
+    const YAML::Node recipe = YAML::LoadFile(meta_path)["recipe"];
+    if (!recipe || !recipe.IsMap()) return NotFound(meta_path + " holds no recipe");
+    YAML::Emitter out;
+    out << recipe;
+    return std::string(out.c_str()) + "\n";
+  } catch (const std::exception& e) {
+    return DataLoss(meta_path + " is unparsable: " + e.what());
+  }
+}
+
 StatusOr<CheckpointMeta> ReadCheckpointMeta(const std::string& step_dir) {
   const std::string meta_path = (fs::path(step_dir) / kCheckpointMetaFile).string();
   std::error_code ec;

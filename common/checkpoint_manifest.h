@@ -58,6 +58,8 @@ bool IsPlainFileName(const std::string& name);
 
 // meta.yaml's text; `recipe_yaml` (the resolved recipe) is stored under `recipe`.
 std::string CheckpointMetaYaml(const CheckpointMeta& meta, const std::string& recipe_yaml);
+// The resolved recipe meta.yaml holds, as YAML text; NotFound when it holds none.
+StatusOr<std::string> ReadCheckpointRecipeYaml(const std::string& step_dir);
 // Reads step_dir/meta.yaml. Errors say what is wrong in a few words ("meta.yaml is missing");
 // another format is a FailedPrecondition that names the format this code reads.
 StatusOr<CheckpointMeta> ReadCheckpointMeta(const std::string& step_dir);

@@ -27,8 +27,15 @@ std::vector<LayoutProblem> CheckLayout(const Recipe& recipe, int world_size) {
   const int dp = world_size / (p.tp * p.pp);
   if (p.tp > 1) {
     if (m.heads % p.tp != 0) problem("parallel.tp", "parallel.tp=" + S(p.tp) + " does not divide model.heads=" + S(m.heads));
-    if ((4 * m.d_model) % p.tp != 0) {
-      problem("parallel.tp", "parallel.tp=" + S(p.tp) + " does not divide the MLP width 4*d_model=" + S(4 * m.d_model));
+    if (FfnWidth(m) % p.tp != 0) {
+      problem("parallel.tp", "parallel.tp=" + S(p.tp) + " does not divide the MLP width " +
+                                 (m.arch == Arch::kGpt2 ? "4*d_model=" : "model.ffn=") + S(FfnWidth(m)));
+    }
+    const int kv = KvHeads(m);
+    if (kv % p.tp != 0 && p.tp % kv != 0) {
+      problem("parallel.tp", "parallel.tp=" + S(p.tp) + " and model.kv_heads=" + S(kv) +
+                                 ": tensor parallelism splits the key/value heads (kv_heads a multiple of tp) or "
+                                 "replicates them (tp a multiple of kv_heads)");
     }
     if (m.vocab % p.tp != 0) {
       problem("parallel.tp", "parallel.tp=" + S(p.tp) + " does not divide model.vocab=" + S(m.vocab) +

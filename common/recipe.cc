@@ -313,6 +313,44 @@ bool IsJobNameChar(char c) {
   return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' || c == '-';
 }
 
+// The keys one architecture has and the other lacks.
+void CheckArchKeys(const ModelSpec& m, RecipeReader& reader) {
+  if (m.arch == Arch::kGpt2) {
+    if (m.kv_heads != 0 && m.kv_heads != m.heads) {
+      reader.ErrorOnKey("model.kv_heads", "model.kv_heads (grouped-query attention) is a Llama key; set model.arch: "
+                                          "llama, or remove it (GPT-2 has as many key/value heads as heads)");
+    }
+    if (m.ffn != 0 && m.ffn != 4 * m.d_model) {
+      reader.ErrorOnKey("model.ffn", "model.ffn is a Llama key: GPT-2's MLP is 4*d_model=" + std::to_string(4 * m.d_model) +
+                                     " wide; set model.arch: llama, or remove it");
+    }
+    const ModelSpec defaults;
+    if (m.rope_theta != defaults.rope_theta || m.norm_eps != defaults.norm_eps) {
+      reader.ErrorOnKey(m.rope_theta != defaults.rope_theta ? "model.rope_theta" : "model.norm_eps",
+                        "model.rope_theta and model.norm_eps are Llama keys (GPT-2 has learned positions and "
+                        "LayerNorms of epsilon 1e-5); set model.arch: llama, or remove them");
+    }
+    if (!m.tie_embeddings) {
+      reader.ErrorOnKey("model.tie_embeddings", "GPT-2's head is always its token embedding; model.tie_embeddings: "
+                                                "false needs model.arch: llama");
+    }
+    return;
+  }
+  const int kv = KvHeads(m);
+  if (kv > m.heads || m.heads % kv != 0) {
+    reader.ErrorOnKey("model.kv_heads", "model.kv_heads=" + std::to_string(kv) + " must divide model.heads=" +
+                                        std::to_string(m.heads) + " (each key/value head serves heads/kv_heads query heads)");
+  }
+  if ((m.d_model / m.heads) % 2 != 0) {
+    reader.ErrorOnKey("model.heads", "rotary embeddings rotate pairs: the head width d_model/heads=" +
+                                     std::to_string(m.d_model / m.heads) + " must be even");
+  }
+  if (m.init == ModelInit::kPytorch) {
+    reader.ErrorOnKey("model.init", "model.init: pytorch builds gpt_model.GPT's parameters; a Llama draws each "
+                                    "parameter on its own (per_parameter, or auto)");
+  }
+}
+
 // The rules between keys that are not layout rules (those are CheckLayout's).
 void CheckAcrossKeys(const Recipe& r, RecipeReader& reader) {
   if (std::string problem = JobNameProblem(r.name); !problem.empty()) {
@@ -326,6 +364,7 @@ void CheckAcrossKeys(const Recipe& r, RecipeReader& reader) {
                                          std::to_string(r.model.d_model) +
                                          "; choose heads so that d_model/heads is a whole number");
   }
+  CheckArchKeys(r.model, reader);
   if (r.data.tokenizer == Tokenizer::kByte && r.model.vocab < 256) {
     reader.ErrorOnKey("model.vocab", "model.vocab=" + std::to_string(r.model.vocab) +
                                          " is smaller than the byte tokenizer's 256 symbols; set model.vocab: 256");
@@ -500,10 +539,26 @@ std::map<std::string, std::string> RecipeKeyValues(const Recipe& recipe) {
   return values;
 }
 
+int KvHeads(const ModelSpec& m) { return m.kv_heads > 0 ? m.kv_heads : m.heads; }
+
+int FfnWidth(const ModelSpec& m) {
+  if (m.arch == Arch::kGpt2) return 4 * m.d_model;
+  if (m.ffn > 0) return m.ffn;
+  const int64_t width = (8 * int64_t{m.d_model} + 2) / 3;
+  return static_cast<int>((width + 63) / 64 * 64);
+}
+
 int64_t ApproxParameterCount(const ModelSpec& m) {
   const int64_t d = m.d_model;
-  // Per block: two layer norms (4d), attention (qkv 3d^2+3d, projection d^2+d), MLP (8d^2+5d).
-  const int64_t block = 12 * d * d + 13 * d;
+  const int64_t f = FfnWidth(m);
+  if (m.arch == Arch::kLlama) {
+    const int64_t kv = d / m.heads * KvHeads(m);
+    // Per block: two RMSNorms, wq and wo (d x d), wk and wv (kv x d), w1, w3 and w2 (f x d).
+    const int64_t block = 2 * d + 2 * d * d + 2 * kv * d + 3 * f * d;
+    return m.vocab * d * (m.tie_embeddings ? 1 : 2) + m.layers * block + d;
+  }
+  // Per block: two layer norms (4d), attention (qkv 3d^2+3d, projection d^2+d), MLP (2fd+f+d).
+  const int64_t block = 4 * d + 4 * d * d + 4 * d + 2 * f * d + f + d;
   return (m.vocab + m.seq_len) * d + m.layers * block + 2 * d;
 }
 

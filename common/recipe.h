@@ -18,8 +18,9 @@ namespace ltrain {
 
 // The closed sets of recipe values. EnumNames<E>::kNames gives the names recipes use, in the order
 // `ltrain validate --explain` lists them.
+enum class Arch { kGpt2, kLlama };
 enum class ModelInit { kAuto, kPytorch, kPerParameter };
-enum class Tokenizer { kByte };
+enum class Tokenizer { kAuto, kByte, kHuggingFace };
 enum class Sampling { kHash, kTorch };
 enum class LrScheduleKind { kCosine, kConstant };
 enum class PpSchedule { kGpipe, k1F1B, kInterleaved };
@@ -30,13 +31,18 @@ enum class Device { kCpu, kCuda };
 template <typename E>
 struct EnumNames;
 template <>
+struct EnumNames<Arch> {
+  static constexpr std::array<std::pair<Arch, std::string_view>, 2> kNames = {{{Arch::kGpt2, "gpt2"}, {Arch::kLlama, "llama"}}};
+};
+template <>
 struct EnumNames<ModelInit> {
   static constexpr std::array<std::pair<ModelInit, std::string_view>, 3> kNames = {
       {{ModelInit::kAuto, "auto"}, {ModelInit::kPytorch, "pytorch"}, {ModelInit::kPerParameter, "per_parameter"}}};
 };
 template <>
 struct EnumNames<Tokenizer> {
-  static constexpr std::array<std::pair<Tokenizer, std::string_view>, 1> kNames = {{{Tokenizer::kByte, "byte"}}};
+  static constexpr std::array<std::pair<Tokenizer, std::string_view>, 3> kNames = {
+      {{Tokenizer::kAuto, "auto"}, {Tokenizer::kByte, "byte"}, {Tokenizer::kHuggingFace, "huggingface"}}};
 };
 template <>
 struct EnumNames<Sampling> {
@@ -104,15 +110,28 @@ struct ModelSpec {
   int heads = 4;
   int seq_len = 64;
   int vocab = 256;
+  // gpt2: learned positions, LayerNorm, GELU MLP of 4*d_model, biases, tied head (gpt_model.GPT).
+  // llama: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases
+  // (llama_model.Llama, Hugging Face's LlamaForCausalLM).
+  Arch arch = Arch::kGpt2;
+  int kv_heads = 0;              // key/value heads (grouped-query attention; llama); 0: model.heads
+  int ffn = 0;                   // SwiGLU hidden width (llama); 0: 8*d_model/3 rounded up to a multiple of 64
+  double rope_theta = 500000;    // rotary base (llama)
+  double norm_eps = 1e-5;        // RMSNorm epsilon (llama)
+  bool tie_embeddings = true;    // the output head is the token embedding (always for gpt2)
   // PyTorch's initialisation reproduces gpt_model.GPT's parameters but makes every rank build the
   // whole model on the CPU from one serial generator, too slow and too large for billions of
   // parameters; per_parameter lets each rank draw only what it keeps, on its own device.
   ModelInit init = ModelInit::kAuto;
+  // Start from these parameters instead of drawing them: a directory transformers' save_pretrained
+  // or `ltrain export` wrote, or a .safetensors file (transformers' names or ours). A resume wins.
+  std::string init_from;
 };
 
 struct DataSpec {
   std::string path;              // a directory written by `ltrain data prepare`
-  Tokenizer tokenizer = Tokenizer::kByte;
+  // What the data's data.yaml must say made it; auto: whatever did.
+  Tokenizer tokenizer = Tokenizer::kAuto;
   // "hash" lets a resumed run start at any data position for free; "torch" replays a PyTorch loop's
   // torch.randint draws, so that a run can be compared with one batch for batch, at the cost of
   // replaying the draws up to the data position on resume.
@@ -134,6 +153,10 @@ struct TrainingSpec {
   double grad_clip = 1.0;        // max global gradient norm; 0 turns clipping off
   uint64_t seed = 1337;
   int64_t log_every = 10;
+  // Validation: the mean loss over eval_batches global batches of val.bin (fixed windows, each
+  // data-parallel rank its share) every eval_every steps and after the last; 0 turns it off.
+  int64_t eval_every = 0;
+  int eval_batches = 10;
   // Deterministic kernels (attention backward, cuBLAS, cuDNN), so that a run and its restart from a
   // checkpoint compute the same losses bit for bit; slower. The CPU is deterministic anyway.
   bool deterministic = false;
@@ -197,9 +220,13 @@ struct Recipe {
   }
 };
 
-// About how many parameters the model has: embeddings, blocks and final norm (the head shares the
-// token embedding), as GptParameterCount counts them.
+// How many parameters the model has, each counted once (a tied head is the token embedding), as
+// ModelParameterCount counts them.
 int64_t ApproxParameterCount(const ModelSpec& model);
+// model.kv_heads resolved (model.heads when unset).
+int KvHeads(const ModelSpec& model);
+// The MLP's hidden width: 4*d_model for gpt2, model.ffn (or its default) for llama.
+int FfnWidth(const ModelSpec& model);
 
 // The bytes of training state a checkpoint holds: fp32 weights and AdamW's two moments.
 int64_t ApproxCheckpointBytes(const ModelSpec& model);

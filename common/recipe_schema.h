@@ -62,6 +62,11 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
                   .default_text = "the recipe file's stem"},
         r.name);
 
+  visit(RecipeKey{.section = "model", .name = "arch",
+                  .help = "gpt2 (learned positions, LayerNorm, GELU, biases) or llama (rotary positions, RMSNorm, "
+                          "SwiGLU, grouped-query attention, no biases)",
+                  .omit_at_default = true},
+        r.model.arch);
   visit(RecipeKey{.section = "model", .name = "layers", .help = "transformer blocks", .int_min = 1, .int_max = 1024},
         r.model.layers);
   visit(RecipeKey{.section = "model", .name = "d_model", .help = "width of the residual stream",
@@ -76,18 +81,44 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
   visit(RecipeKey{.section = "model", .name = "vocab", .help = "vocabulary size; at least the tokenizer's symbols",
                   .int_min = 2, .int_max = 1 << 24},
         r.model.vocab);
+  visit(RecipeKey{.section = "model", .name = "kv_heads",
+                  .help = "key/value heads (llama: grouped-query attention); must divide heads",
+                  .int_min = 0, .int_max = 4096, .default_text = "model.heads", .omit_at_default = true},
+        r.model.kv_heads);
+  visit(RecipeKey{.section = "model", .name = "ffn", .help = "SwiGLU hidden width (llama)", .int_min = 0,
+                  .int_max = 1 << 22, .default_text = "8*d_model/3 rounded up to a multiple of 64",
+                  .omit_at_default = true},
+        r.model.ffn);
+  visit(RecipeKey{.section = "model", .name = "rope_theta", .help = "base of the rotary position angles (llama)",
+                  .real_min = 1, .real_max = 1e12, .omit_at_default = true},
+        r.model.rope_theta);
+  visit(RecipeKey{.section = "model", .name = "norm_eps", .help = "RMSNorm epsilon (llama)", .real_min = 0,
+                  .real_max = 1, .omit_at_default = true},
+        r.model.norm_eps);
+  visit(RecipeKey{.section = "model", .name = "tie_embeddings",
+                  .help = "the output head is the token embedding (gpt2 always; llama-1b and -3b tie, 8b does not)",
+                  .omit_at_default = true},
+        r.model.tie_embeddings);
   visit(RecipeKey{.section = "model", .name = "init",
                   .help = "initial parameters: pytorch (gpt_model.GPT's, every rank builds the whole model on the "
                           "CPU), per_parameter (each rank draws what it keeps on its device), auto (per_parameter "
-                          "from 2 billion parameters)",
+                          "from 2 billion parameters, and always for llama)",
                   .omit_at_default = true},
         r.model.init);
+  visit(RecipeKey{.section = "model", .name = "init_from",
+                  .help = "start from a Hugging Face model directory (save_pretrained, `ltrain export`) or a "
+                          ".safetensors file, in any layout; its shapes must be the recipe's model",
+                  .default_text = "none: drawn as model.init says", .type_text = "path", .omit_at_default = true},
+        r.model.init_from);
 
   visit(RecipeKey{.section = "data", .name = "path",
                   .help = "directory written by `ltrain data prepare` (required; relative to where ltrain runs)",
                   .default_text = "none: required", .type_text = "path"},
         r.data.path);
-  visit(RecipeKey{.section = "data", .name = "tokenizer", .help = "how the data was tokenized"}, r.data.tokenizer);
+  visit(RecipeKey{.section = "data", .name = "tokenizer",
+                  .help = "the tokenizer the data must have been made with (its data.yaml says); auto: any",
+                  .omit_at_default = true},
+        r.data.tokenizer);
   visit(RecipeKey{.section = "data", .name = "sampling",
                   .help = "hash: each sample's window from a hash of the seed and its index; torch: windows as "
                           "torch.randint with a seeded generator draws them, a PyTorch loop's batches",
@@ -134,6 +165,14 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
   visit(RecipeKey{.section = "training", .name = "log_every", .help = "rank 0 prints a step line every this many steps",
                   .int_min = 1, .int_max = kInt64Max},
         r.training.log_every);
+  visit(RecipeKey{.section = "training", .name = "eval_every",
+                  .help = "validation loss on the data's val.bin every this many steps and after the last; 0: never",
+                  .int_min = 0, .int_max = kInt64Max, .omit_at_default = true},
+        r.training.eval_every);
+  visit(RecipeKey{.section = "training", .name = "eval_batches",
+                  .help = "global batches of val.bin each validation reads (the same windows every time)",
+                  .int_min = 1, .int_max = kInt32Max, .omit_at_default = true},
+        r.training.eval_batches);
   visit(RecipeKey{.section = "training", .name = "deterministic",
                   .help = "deterministic GPU kernels: a run and its resume from a checkpoint compute the same losses bit "
                           "for bit (slower)"},

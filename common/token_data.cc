@@ -49,12 +49,15 @@ Status FsyncDir(const std::string& dir) {
 
 }  // namespace
 
-Status WriteTokenFile(const std::string& path, const std::vector<uint16_t>& tokens, uint32_t vocab) {
+namespace {
+
+template <typename T>
+Status WriteTokens(const std::string& path, const std::vector<T>& tokens, uint32_t vocab) {
   std::string header(kTokenMagic, sizeof(kTokenMagic));
   AppendLe(header, kTokenFormatVersion, 4);
   AppendLe(header, vocab, 4);
   AppendLe(header, tokens.size(), 8);
-  AppendLe(header, sizeof(uint16_t), 4);
+  AppendLe(header, sizeof(T), 4);
 
   std::string tmp = path + ".tmp." + std::to_string(::getpid());
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
@@ -62,7 +65,7 @@ Status WriteTokenFile(const std::string& path, const std::vector<uint16_t>& toke
   Status s = WriteAll(fd, header.data(), header.size(), tmp);
   if (s.ok()) {
     // Tokens are stored little-endian; this host is little-endian (x86-64, aarch64).
-    s = WriteAll(fd, reinterpret_cast<const char*>(tokens.data()), tokens.size() * sizeof(uint16_t), tmp);
+    s = WriteAll(fd, reinterpret_cast<const char*>(tokens.data()), tokens.size() * sizeof(T), tmp);
   }
   if (s.ok() && ::fsync(fd) != 0) s = Internal("fsync " + tmp + ": " + ErrnoText());
   ::close(fd);
@@ -77,63 +80,15 @@ Status WriteTokenFile(const std::string& path, const std::vector<uint16_t>& toke
   return FsyncDir(dir.empty() ? "." : dir);
 }
 
-StatusOr<PrepareStats> PrepareTokenData(const std::vector<std::string>& inputs,
-                                        const std::string& output_dir, double val_fraction,
-                                        const std::string& tokenizer) {
-  if (tokenizer != "byte") {
-    return InvalidArgument("tokenizer '" + tokenizer + "' is not supported; use 'byte'");
-  }
-  if (!(val_fraction >= 0.0 && val_fraction < 1.0)) {
-    return InvalidArgument("val_fraction=" + std::to_string(val_fraction) + " must be in [0, 1)");
-  }
-  if (inputs.empty()) return InvalidArgument("no input files given");
+}  // namespace
 
-  std::vector<uint16_t> tokens;
-  for (const std::string& input : inputs) {
-    std::error_code kind_error;
-    if (std::filesystem::is_directory(input, kind_error)) {
-      return InvalidArgument("input " + input + " is a directory; give the text files in it, e.g. --input " + input +
-                             "/*.txt");
-    }
-    std::ifstream in(input, std::ios::binary);
-    if (!in) return NotFound("cannot read input " + input + ": " + ErrnoText());
-    std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-    if (in.bad()) return Internal("reading input " + input + " failed");
-    if (bytes.empty()) return InvalidArgument("input " + input + " is empty");
-    tokens.reserve(tokens.size() + bytes.size());
-    for (char c : bytes) tokens.push_back(static_cast<unsigned char>(c));
-  }
+Status WriteTokenFile(const std::string& path, const std::vector<uint32_t>& tokens, uint32_t vocab) {
+  if (vocab <= 65536) return WriteTokens(path, std::vector<uint16_t>(tokens.begin(), tokens.end()), vocab);
+  return WriteTokens(path, tokens, vocab);
+}
 
-  std::error_code ec;
-  std::filesystem::create_directories(output_dir, ec);
-  if (ec) return InvalidArgument("cannot create output directory " + output_dir + ": " + ec.message());
-
-  const int64_t total = static_cast<int64_t>(tokens.size());
-  const int64_t val_count = static_cast<int64_t>(static_cast<double>(total) * val_fraction);
-  const int64_t train_count = total - val_count;
-  if (val_fraction > 0 && val_count == 0) {
-    return InvalidArgument(std::to_string(total) + " bytes of text leave no validation tokens at --val-fraction " +
-                           std::to_string(val_fraction) + ": give more text (at least " +
-                           std::to_string(static_cast<int64_t>(1 / val_fraction) + 1) +
-                           " bytes), or --val-fraction 0");
-  }
-  if (train_count < kMinTrainTokens) {
-    return InvalidArgument("too little text to train on: " + std::to_string(train_count) +
-                           " training tokens, at least " + std::to_string(kMinTrainTokens) +
-                           " are needed (one training sample alone is model.seq_len + 1 tokens)");
-  }
-  PrepareStats stats;
-  stats.vocab = 256;
-  stats.train_tokens = train_count;
-  stats.val_tokens = val_count;
-  stats.train_path = (std::filesystem::path(output_dir) / "train.bin").string();
-  stats.val_path = (std::filesystem::path(output_dir) / "val.bin").string();
-
-  std::vector<uint16_t> val(tokens.begin() + train_count, tokens.end());
-  tokens.resize(train_count);
-  LTRAIN_RETURN_IF_ERROR(WriteTokenFile(stats.train_path, tokens, stats.vocab));
-  LTRAIN_RETURN_IF_ERROR(WriteTokenFile(stats.val_path, val, stats.vocab));
-  return stats;
+Status WriteTokenFile(const std::string& path, const std::vector<uint16_t>& tokens, uint32_t vocab) {
+  return WriteTokens(path, tokens, vocab);
 }
 
 StatusOr<TokenDataset> TokenDataset::Open(const std::string& path) {
@@ -173,13 +128,13 @@ StatusOr<TokenDataset> TokenDataset::Open(const std::string& path) {
     return DataLoss("token file " + path + " has format version " + std::to_string(version) +
                     ", this build reads version " + std::to_string(kTokenFormatVersion));
   }
-  if (bytes_per_token != sizeof(uint16_t)) {
+  if (bytes_per_token != 2 && bytes_per_token != 4) {
     return DataLoss("token file " + path + " has " + std::to_string(bytes_per_token) +
-                    " bytes per token; only 2 (uint16) is supported");
+                    " bytes per token; 2 (uint16) and 4 (uint32) are supported");
   }
-  if (vocab == 0 || vocab > 65536) {
-    return DataLoss("token file " + path + " has vocab " + std::to_string(vocab) +
-                    ", outside [1, 65536]");
+  if (vocab == 0 || (bytes_per_token == 2 && vocab > 65536)) {
+    return DataLoss("token file " + path + " has vocab " + std::to_string(vocab) + ", outside [1, " +
+                    (bytes_per_token == 2 ? "65536] for uint16 tokens" : "2^32]"));
   }
   const uint64_t expected = kTokenHeaderBytes + count * bytes_per_token;
   if (expected != file_bytes) {
@@ -187,7 +142,8 @@ StatusOr<TokenDataset> TokenDataset::Open(const std::string& path) {
                     std::to_string(expected) + " bytes) but the file is " +
                     std::to_string(file_bytes) + " bytes: truncated or corrupt");
   }
-  ds.tokens_ = reinterpret_cast<const uint16_t*>(p + kTokenHeaderBytes);
+  ds.tokens_ = p + kTokenHeaderBytes;
+  ds.width_ = static_cast<int>(bytes_per_token);
   ds.size_ = static_cast<int64_t>(count);
   ds.vocab_ = static_cast<int>(vocab);
   return ds;
@@ -202,6 +158,7 @@ TokenDataset& TokenDataset::operator=(TokenDataset&& other) noexcept {
     map_ = std::exchange(other.map_, nullptr);
     map_bytes_ = std::exchange(other.map_bytes_, 0);
     tokens_ = std::exchange(other.tokens_, nullptr);
+    width_ = other.width_;
     size_ = std::exchange(other.size_, 0);
     vocab_ = std::exchange(other.vocab_, 0);
   }
@@ -253,14 +210,13 @@ int64_t TokenSampler::WindowStart(int64_t sample_index) const {
 }
 
 void TokenSampler::Fill(const BatchSlice& slice, int64_t* inputs, int64_t* targets) const {
-  const uint16_t* tokens = dataset_->tokens();
   for (int j = 0; j < slice.micro_batch; ++j) {
     const int64_t start = WindowStart(SampleIndex(slice, j));
     int64_t* in = inputs + static_cast<int64_t>(j) * seq_len_;
     int64_t* tg = targets + static_cast<int64_t>(j) * seq_len_;
     for (int t = 0; t < seq_len_; ++t) {
-      in[t] = tokens[start + t];
-      tg[t] = tokens[start + t + 1];
+      in[t] = dataset_->token(start + t);
+      tg[t] = dataset_->token(start + t + 1);
     }
   }
 }

@@ -6,8 +6,9 @@
 //   offset  8  uint32    format version (kTokenFormatVersion)
 //   offset 12  uint32    vocabulary size
 //   offset 16  uint64    token count
-//   offset 24  uint32    bytes per token (2: uint16 tokens)
+//   offset 24  uint32    bytes per token (2: uint16 tokens for a vocabulary up to 65536; 4: uint32)
 //   offset 28  tokens
+// `ltrain data prepare` (common/data_prepare.h) writes them.
 // No LibTorch here: the CLI links this.
 #pragma once
 
@@ -25,25 +26,9 @@ inline constexpr char kTokenMagic[8] = {'L', 'T', 'R', 'N', 'T', 'O', 'K', '1'};
 inline constexpr uint32_t kTokenFormatVersion = 1;
 inline constexpr size_t kTokenHeaderBytes = 28;
 
-struct PrepareStats {
-  int64_t train_tokens = 0;
-  int64_t val_tokens = 0;
-  int vocab = 0;
-  std::string train_path;
-  std::string val_path;
-};
-
-// Tokenizes `inputs` (concatenated in order) and writes output_dir/train.bin and output_dir/val.bin;
-// val.bin holds the last `val_fraction` of the tokens. Each file is written to a temporary name,
-// fsynced and renamed, so a reader never sees a torn file. Only tokenizer "byte" (vocab 256) exists.
-// Refused: a directory as input, text that leaves val.bin empty while val_fraction > 0, and fewer than
-// kMinTrainTokens training tokens.
-inline constexpr int64_t kMinTrainTokens = 1024;
-StatusOr<PrepareStats> PrepareTokenData(const std::vector<std::string>& inputs,
-                                        const std::string& output_dir, double val_fraction,
-                                        const std::string& tokenizer);
-
-// Writes one token file atomically (temp name, fsync, rename). Exposed for tests and tools.
+// Writes one token file atomically (temp name, fsync, rename): uint16 tokens up to vocab 65536,
+// uint32 above.
+Status WriteTokenFile(const std::string& path, const std::vector<uint32_t>& tokens, uint32_t vocab);
 Status WriteTokenFile(const std::string& path, const std::vector<uint16_t>& tokens, uint32_t vocab);
 
 // A read-only, memory-mapped token file. Movable, not copyable.
@@ -60,8 +45,11 @@ class TokenDataset {
   int64_t size() const { return size_; }
   int vocab() const { return vocab_; }
   const std::string& path() const { return path_; }
-  uint16_t token(int64_t i) const { return tokens_[i]; }
-  const uint16_t* tokens() const { return tokens_; }
+  uint32_t token(int64_t i) const {
+    if (width_ == 2) return reinterpret_cast<const uint16_t*>(tokens_)[i];
+    return reinterpret_cast<const uint32_t*>(tokens_)[i];
+  }
+  int bytes_per_token() const { return width_; }
 
  private:
   TokenDataset() = default;
@@ -70,7 +58,8 @@ class TokenDataset {
   std::string path_;
   void* map_ = nullptr;
   size_t map_bytes_ = 0;
-  const uint16_t* tokens_ = nullptr;
+  const unsigned char* tokens_ = nullptr;
+  int width_ = 2;
   int64_t size_ = 0;
   int vocab_ = 0;
 };

@@ -389,6 +389,8 @@ StatusOr<v1::Job> Coordinator::GetJob(const std::string& job_id) {
   job->set_last_committed_path(active->job.last_committed_path());
   job->set_last_step(active->job.last_step());
   job->set_last_loss(active->job.last_loss());
+  job->set_val_step(active->job.val_step());
+  job->set_val_loss(active->job.val_loss());
   job->set_total_steps(active->job.total_steps());
   job->set_tokens_per_s(active->job.tokens_per_s());
   job->set_eta_s(IsFinal(active->job.state()) ? 0 : active->job.eta_s());
@@ -699,12 +701,18 @@ void Coordinator::ApplyProgressLocked(ActiveJob& job, const v1::RankProgress& re
   RecordCommitLocked(job, report.committed_step(), report.committed_path(), report.rank());
   if (report.rank() != 0 || !report.has_completed()) return;
   const v1::StepFigures& step = report.completed();
+  const bool new_eval = report.eval_step() > 0 && (report.eval_step() != job.job.val_step() ||
+                                                   report.val_loss() != job.job.val_loss());
+  if (new_eval) {
+    job.job.set_val_step(report.eval_step());
+    job.job.set_val_loss(report.val_loss());
+  }
   // In doubles: a report's step numbers may be anything, and their difference must not overflow.
   const double eta_s =
       std::max(0.0, static_cast<double>(step.total_steps()) - static_cast<double>(step.step())) * step.step_ms() / 1000.0;
   if (step.step() == job.job.last_step() && step.total_steps() == job.job.total_steps() &&
       step.loss() == job.job.last_loss() && step.tokens_per_s() == job.job.tokens_per_s() &&
-      eta_s == job.job.eta_s()) {
+      eta_s == job.job.eta_s() && !new_eval) {
     return;  // nothing new since the last report
   }
   job.job.set_last_step(step.step());

@@ -1,6 +1,6 @@
 # Tests of the worker runtime and the token data format (included from tests/CMakeLists.txt).
 ltrain_add_test(token_data_test unit
-  SOURCES unit/token_data_test.cc
+  SOURCES unit/token_data_test.cc unit/tokenizer_test.cc
   LIBS ltrain::common)
 
 if(LTRAIN_BUILD_CONTROL_PLANE)
@@ -18,7 +18,7 @@ ltrain_add_test(checkpoint_stop_test unit
   LIBS ltrain::worker_control)
 
 ltrain_add_test(worker_unit_test unit
-  SOURCES unit/gpt_model_test.cc unit/gloo_communicator_test.cc
+  SOURCES unit/gpt_model_test.cc unit/llama_model_test.cc unit/gloo_communicator_test.cc
           unit/trainer_test.cc unit/param_store_test.cc
   LIBS ltrain::worker)
 target_precompile_headers(worker_unit_test REUSE_FROM ltrain_worker_comm)

@@ -169,15 +169,15 @@ TEST(CliTest, DetachWithoutACoordinatorIsRefusedWithTheReason) {
   EXPECT_EQ(result.output.find("submitted"), std::string::npos) << "no job may start: " << result.output;
 }
 
-// A directory, too little text for a validation split or for one training sample: refused at once,
-// naming the fix, instead of an abort or a run that fails later.
-TEST(CliTest, DataPrepareRefusesADirectoryAndTooLittleText) {
+// An empty directory, too little text for a validation split or for one training sample: refused at
+// once, naming the fix, instead of an abort or a run that fails later.
+TEST(CliTest, DataPrepareRefusesAnEmptyDirectoryAndTooLittleText) {
   TempDir dir;
   fs::create_directories(dir.Join("texts"));
   ProcessResult directory = RunProcess({LtrainBinary(), "data", "prepare", "--input", dir.Join("texts"), "--output",
                                         dir.Join("out")});
   EXPECT_EQ(directory.exit_code, 2) << directory.output;
-  EXPECT_NE(directory.output.find("is a directory; give the text files in it"), std::string::npos) << directory.output;
+  EXPECT_NE(directory.output.find("holds no non-empty file"), std::string::npos) << directory.output;
   ProcessResult tiny = RunProcess({LtrainBinary(), "data", "prepare", "--input", dir.Write("tiny.txt", "eighteen bytes...\n"),
                                    "--output", dir.Join("out")});
   EXPECT_EQ(tiny.exit_code, 2) << tiny.output;
@@ -261,7 +261,7 @@ TEST(CliTest, TheReadmeCommandTableMatchesEveryHelp) {
       ++compared;
     }
   }
-  EXPECT_EQ(compared, 13) << listed;
+  EXPECT_EQ(compared, 15) << listed;
 }
 
 // The coordinator says the address it listens on: 0.0.0.0 stays 0.0.0.0, with the port it got.

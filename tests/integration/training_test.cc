@@ -61,7 +61,8 @@ class TrainingTest : public ::testing::Test {
 };
 
 TEST_F(TrainingTest, TwoWorkersLearnAndTheJobSucceeds) {
-  ProcessResult result = Launch({"training.steps=60", "training.log_every=10", "checkpoint.every=30"});
+  ProcessResult result =
+      Launch({"training.steps=60", "training.log_every=10", "checkpoint.every=30", "training.eval_every=30"});
   ASSERT_EQ(result.exit_code, 0) << result.output;
   std::vector<double> losses = ParseLosses(result.output);
   ASSERT_GE(losses.size(), 3u) << result.output;
@@ -74,6 +75,11 @@ TEST_F(TrainingTest, TwoWorkersLearnAndTheJobSucceeds) {
   v1::Job job = Status("tiny-1");
   EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
   EXPECT_EQ(job.last_step(), 60);
+  // Validation on val.bin after steps 30 and 60: in the log, and the last in the job's status.
+  EXPECT_NE(result.output.find("[rank 0] eval step 30/60 val_loss "), std::string::npos) << result.output;
+  EXPECT_EQ(job.val_step(), 60);
+  EXPECT_GT(job.val_loss(), 0.5);
+  EXPECT_LT(job.val_loss(), losses.front()) << "the model learned something that holds on held-out text";
   ASSERT_EQ(job.ranks_size(), 2);
   for (const auto& rank : job.ranks()) {
     EXPECT_EQ(rank.exit_code(), 0);
@@ -100,6 +106,9 @@ TEST_F(TrainingTest, TwoWorkersLearnAndTheJobSucceeds) {
   ProcessResult status_json = RunProcess({LtrainBinary(), "status", "tiny-1", "-o", "json"}, Env());
   EXPECT_EQ(SchemaProblems("status_job", status_json.output), "");
   EXPECT_NE(status_json.output.find("\"state\": \"SUCCEEDED\""), std::string::npos) << status_json.output;
+  EXPECT_NE(status_json.output.find("\"val_step\": 60,"), std::string::npos) << status_json.output;
+  ProcessResult status_text = RunProcess({LtrainBinary(), "status", "tiny-1"}, Env());
+  EXPECT_NE(status_text.output.find("val loss:       "), std::string::npos) << status_text.output;
   EXPECT_TRUE(std::regex_search(status_json.output, std::regex(R"("created_unix_ms": \d{13},)"))) << status_json.output;
   EXPECT_EQ(SchemaProblems("status_list", list.output), "");
   ProcessResult all_json = RunProcess({LtrainBinary(), "logs", "tiny-1", "-o", "json"}, Env());

@@ -1,7 +1,8 @@
 // Numerics of every parallel layout against the one-process run: real ltrain-worker processes
-// (Gloo over loopback, file:// rendezvous), 20 steps of a small GPT, per-step losses within 1e-4
-// relative and final parameters (gathered by --export-params) within 1e-4 absolute. Also the ZeRO
-// memory report at dp=4 and resuming a sharded layout from its per-rank checkpoint files.
+// (Gloo over loopback, file:// rendezvous), 20 steps of a small GPT-2 and of a small Llama (grouped-
+// query attention with 2 key/value heads: split at tp 2, replicated at tp 4), per-step losses within
+// 1e-4 relative and final parameters (gathered by --export-params) within 1e-4 absolute. Also the
+// ZeRO memory report at dp=4 and resuming a sharded layout from its per-rank checkpoint files.
 #include <unistd.h>
 
 #include <cmath>
@@ -66,15 +67,22 @@ std::map<std::string, double> MemoryLine(const fs::path& log) {
 class ParallelLayoutsTest : public ::testing::Test {
  protected:
   static void SetUpTestSuite() {
-    dir_ = fs::temp_directory_path() / ("ltrain_layouts_" + std::to_string(::getpid()));
+    Prepare("layouts", "{layers: 4, d_model: 64, heads: 4, seq_len: 32, vocab: 256}", 4 * 12 + 4);
+  }
+  // The suite's directory, data and recipe for the model `model` of `params` parameter tensors.
+  static void Prepare(const std::string& name, const std::string& model, size_t params) {
+    dir_ = fs::temp_directory_path() / ("ltrain_" + name + "_" + std::to_string(::getpid()));
+    params_ = params;
     fs::remove_all(dir_);
     fs::create_directories(dir_ / "data");
     ASSERT_TRUE(ltrain::testing::WriteSyntheticTokens((dir_ / "data" / "train.bin").string(), 20000, 7, 5, 11).ok());
+    ASSERT_TRUE(ltrain::testing::WriteSyntheticTokens((dir_ / "data" / "val.bin").string(), 4000, 8, 5, 11).ok());
     std::ofstream(dir_ / "r.yaml") << "name: layouts\n"
-                                      "model: {layers: 4, d_model: 64, heads: 4, seq_len: 32, vocab: 256}\n"
+                                      "model: " << model << "\n"
                                       "data: {path: " << (dir_ / "data").string() << "}\n"
                                       "training: {steps: 20, micro_batch: 2, global_batch: 8, lr: 3.0e-3, "
-                                      "min_lr: 3.0e-4, warmup_steps: 4, log_every: 1, grad_clip: 0.5}\n"
+                                      "min_lr: 3.0e-4, warmup_steps: 4, log_every: 1, grad_clip: 0.5, "
+                                      "eval_every: 10, eval_batches: 2}\n"
                                       "parallel: {nodes: 1, nproc_per_node: 1}\n";
   }
   static void TearDownTestSuite() { fs::remove_all(dir_); }
@@ -103,8 +111,9 @@ class ParallelLayoutsTest : public ::testing::Test {
   // The one-process run with `sets` (made once for each).
   static fs::path Reference(const std::string& sets) {
     static std::map<std::string, fs::path> refs;
-    if (!refs.count(sets)) refs[sets] = Run("reference" + std::to_string(refs.size()), 1, sets);
-    return refs[sets];
+    const std::string key = dir_.string() + " " + sets;
+    if (!refs.count(key)) refs[key] = Run("reference" + std::to_string(refs.size()), 1, sets);
+    return refs[key];
   }
 
   // Losses and final parameters of `world` ranks with `sets` against the one-process run with
@@ -123,8 +132,15 @@ class ParallelLayoutsTest : public ::testing::Test {
       EXPECT_LE(rel, 1e-4) << name << " step " << i + 1 << ": " << a[i] << " vs " << b[i];
     }
     EXPECT_LT(a.back(), a.front() - 0.5);  // it trains
+    // Validation after steps 10 and 20, on the same windows of val.bin.
+    std::vector<double> va = ltrain::testing::WorkerLogValLosses(ref / "log0");
+    std::vector<double> vb = ltrain::testing::WorkerLogValLosses(run / "log0");
+    ASSERT_EQ(va.size(), 2u);
+    ASSERT_EQ(vb.size(), 2u);
+    for (size_t i = 0; i < va.size(); ++i) EXPECT_LE(std::abs(va[i] - vb[i]) / va[i], 1e-4) << name << " eval " << i;
+    EXPECT_LT(va[1], va[0]);
     auto pa = Params(ref / "params.bin"), pb = Params(run / "params.bin");
-    ASSERT_EQ(pa.size(), 4u * 12 + 4);
+    ASSERT_EQ(pa.size(), params_);
     ASSERT_EQ(pb.size(), pa.size());
     double max_abs = 0;
     for (const auto& [key, values] : pa) {
@@ -137,24 +153,70 @@ class ParallelLayoutsTest : public ::testing::Test {
   }
 
   static fs::path dir_;
+  static size_t params_;
 };
 
 fs::path ParallelLayoutsTest::dir_;
+size_t ParallelLayoutsTest::params_ = 0;
 
-TEST_F(ParallelLayoutsTest, Dp2) { ExpectMatchesReference("dp2", 2, ""); }
-TEST_F(ParallelLayoutsTest, Dp2Zero1) { ExpectMatchesReference("dp2_zero1", 2, "--set parallel.zero=1"); }
-TEST_F(ParallelLayoutsTest, Dp2Zero2) { ExpectMatchesReference("dp2_zero2", 2, "--set parallel.zero=2"); }
-TEST_F(ParallelLayoutsTest, Dp2Zero3) { ExpectMatchesReference("dp2_zero3", 2, "--set parallel.zero=3"); }
-TEST_F(ParallelLayoutsTest, Tp2) { ExpectMatchesReference("tp2", 2, "--set parallel.tp=2"); }
-TEST_F(ParallelLayoutsTest, Tp2SequenceParallel) {
-  ExpectMatchesReference("tp2_sp", 2, "--set parallel.tp=2 --set parallel.sequence_parallel=true");
-}
-TEST_F(ParallelLayoutsTest, Pp2Gpipe) { ExpectMatchesReference("pp2_gpipe", 2, "--set parallel.pp=2 --set parallel.pp_schedule=gpipe"); }
-TEST_F(ParallelLayoutsTest, Pp2OneFOneB) { ExpectMatchesReference("pp2_1f1b", 2, "--set parallel.pp=2 --set parallel.pp_schedule=1f1b"); }
-TEST_F(ParallelLayoutsTest, Pp2Interleaved) {
-  ExpectMatchesReference("pp2_interleaved", 2,
-                         "--set parallel.pp=2 --set parallel.pp_schedule=interleaved --set parallel.virtual_stages=2");
-}
+// The same layouts with a Llama: 4 query heads, 2 key/value heads, untied head, 4 + 9*4 + 2
+// parameter tensors.
+class LlamaLayoutsTest : public ParallelLayoutsTest {
+ protected:
+  static void SetUpTestSuite() {
+    Prepare("llama_layouts",
+            "{arch: llama, layers: 4, d_model: 64, heads: 4, kv_heads: 2, ffn: 96, seq_len: 32, vocab: 256, "
+            "rope_theta: 10000, tie_embeddings: false}",
+            1 + 4 * 9 + 2);
+  }
+};
+
+// Every layout against the suite's one-process run; at 8 ranks the layouts of an 8-GPU node:
+// tensor x interleaved pipeline x data, tensor x data, and ZeRO-3 over all 8.
+#define LTRAIN_LAYOUT_TESTS(Suite) \
+  TEST_F(Suite, Dp2) { ExpectMatchesReference("dp2", 2, ""); } \
+  TEST_F(Suite, Dp2Zero1) { ExpectMatchesReference("dp2_zero1", 2, "--set parallel.zero=1"); } \
+  TEST_F(Suite, Dp2Zero2) { ExpectMatchesReference("dp2_zero2", 2, "--set parallel.zero=2"); } \
+  TEST_F(Suite, Dp2Zero3) { ExpectMatchesReference("dp2_zero3", 2, "--set parallel.zero=3"); } \
+  TEST_F(Suite, Tp2) { ExpectMatchesReference("tp2", 2, "--set parallel.tp=2"); } \
+  TEST_F(Suite, Tp2SequenceParallel) { \
+    ExpectMatchesReference("tp2_sp", 2, "--set parallel.tp=2 --set parallel.sequence_parallel=true"); \
+  } \
+  TEST_F(Suite, Pp2Gpipe) { ExpectMatchesReference("pp2_gpipe", 2, "--set parallel.pp=2 --set parallel.pp_schedule=gpipe"); } \
+  TEST_F(Suite, Pp2OneFOneB) { ExpectMatchesReference("pp2_1f1b", 2, "--set parallel.pp=2 --set parallel.pp_schedule=1f1b"); } \
+  TEST_F(Suite, Pp2Interleaved) { \
+    ExpectMatchesReference("pp2_interleaved", 2, \
+                           "--set parallel.pp=2 --set parallel.pp_schedule=interleaved --set parallel.virtual_stages=2"); \
+  } \
+  TEST_F(Suite, Pp4OneFOneB) { ExpectMatchesReference("pp4_1f1b", 4, "--set parallel.pp=4"); } \
+  TEST_F(Suite, Dp2Tp2) { ExpectMatchesReference("dp2_tp2", 4, "--set parallel.tp=2"); } \
+  TEST_F(Suite, Tp2Pp2) { ExpectMatchesReference("tp2_pp2", 4, "--set parallel.tp=2 --set parallel.pp=2"); } \
+  TEST_F(Suite, Dp2Pp2Zero1) { ExpectMatchesReference("dp2_pp2_zero1", 4, "--set parallel.pp=2 --set parallel.zero=1"); } \
+  TEST_F(Suite, Tp2Pp2Dp2Interleaved) { \
+    ExpectMatchesReference("tp2_pp2_dp2_interleaved", 8, \
+                           "--set parallel.tp=2 --set parallel.pp=2 --set parallel.pp_schedule=interleaved " \
+                           "--set parallel.virtual_stages=2"); \
+  } \
+  TEST_F(Suite, Tp4Dp2) { ExpectMatchesReference("tp4_dp2", 8, "--set parallel.tp=4"); } \
+  TEST_F(Suite, Dp8Zero3) { \
+    ExpectMatchesReference("dp8_zero3", 8, "--set parallel.zero=3 --set training.micro_batch=1"); \
+  } \
+  TEST_F(Suite, Dp2Zero3FullCheckpointing) { \
+    ExpectMatchesReference("dp2_zero3_ac_full", 2, "--set parallel.zero=3 --set parallel.activation_checkpointing=full"); \
+  } \
+  TEST_F(Suite, Tp2SequenceParallelSelectiveCheckpointing) { \
+    ExpectMatchesReference("tp2_sp_ac_selective", 2, \
+                           "--set parallel.tp=2 --set parallel.sequence_parallel=true --set parallel.activation_checkpointing=selective"); \
+  } \
+  TEST_F(Suite, Pp2InterleavedFullCheckpointing) { \
+    ExpectMatchesReference("pp2_interleaved_ac_full", 2, \
+                           "--set parallel.pp=2 --set parallel.pp_schedule=interleaved --set parallel.virtual_stages=2 " \
+                           "--set parallel.activation_checkpointing=full"); \
+  }
+
+LTRAIN_LAYOUT_TESTS(ParallelLayoutsTest)
+LTRAIN_LAYOUT_TESTS(LlamaLayoutsTest)
+
 TEST_F(ParallelLayoutsTest, Tp2Pp2WithPerParameterInit) {
   const std::string init = "--set model.init=per_parameter";
   ExpectMatchesReference("tp2_pp2_per_parameter", 4, "--set parallel.tp=2 --set parallel.pp=2 " + init, init);
@@ -162,32 +224,11 @@ TEST_F(ParallelLayoutsTest, Tp2Pp2WithPerParameterInit) {
   EXPECT_NE(Losses(Reference("") / "log0").front(), Losses(Reference(init) / "log0").front());
 }
 
-TEST_F(ParallelLayoutsTest, Pp4OneFOneB) { ExpectMatchesReference("pp4_1f1b", 4, "--set parallel.pp=4"); }
-TEST_F(ParallelLayoutsTest, Dp2Tp2) { ExpectMatchesReference("dp2_tp2", 4, "--set parallel.tp=2"); }
-TEST_F(ParallelLayoutsTest, Tp2Pp2) { ExpectMatchesReference("tp2_pp2", 4, "--set parallel.tp=2 --set parallel.pp=2"); }
-TEST_F(ParallelLayoutsTest, Dp2Pp2Zero1) { ExpectMatchesReference("dp2_pp2_zero1", 4, "--set parallel.pp=2 --set parallel.zero=1"); }
-// The layouts of an 8-GPU node at 8 ranks: tensor x interleaved pipeline x data, tensor x data,
-// and ZeRO-3 over all 8.
-TEST_F(ParallelLayoutsTest, Tp2Pp2Dp2Interleaved) {
-  ExpectMatchesReference("tp2_pp2_dp2_interleaved", 8,
-                         "--set parallel.tp=2 --set parallel.pp=2 --set parallel.pp_schedule=interleaved "
-                         "--set parallel.virtual_stages=2");
-}
-TEST_F(ParallelLayoutsTest, Tp4Dp2) { ExpectMatchesReference("tp4_dp2", 8, "--set parallel.tp=4"); }
-TEST_F(ParallelLayoutsTest, Dp8Zero3) {
-  ExpectMatchesReference("dp8_zero3", 8, "--set parallel.zero=3 --set training.micro_batch=1");
-}
-TEST_F(ParallelLayoutsTest, Dp2Zero3FullCheckpointing) {
-  ExpectMatchesReference("dp2_zero3_ac_full", 2, "--set parallel.zero=3 --set parallel.activation_checkpointing=full");
-}
-TEST_F(ParallelLayoutsTest, Tp2SequenceParallelSelectiveCheckpointing) {
-  ExpectMatchesReference("tp2_sp_ac_selective", 2,
-                         "--set parallel.tp=2 --set parallel.sequence_parallel=true --set parallel.activation_checkpointing=selective");
-}
-TEST_F(ParallelLayoutsTest, Pp2InterleavedFullCheckpointing) {
-  ExpectMatchesReference("pp2_interleaved_ac_full", 2,
-                         "--set parallel.pp=2 --set parallel.pp_schedule=interleaved --set parallel.virtual_stages=2 "
-                         "--set parallel.activation_checkpointing=full");
+
+// A Llama with fewer key/value heads than tp keeps them whole on every rank; with sequence
+// parallelism too.
+TEST_F(LlamaLayoutsTest, Tp4SequenceParallelReplicatesKeyValueHeads) {
+  ExpectMatchesReference("tp4_sp", 4, "--set parallel.tp=4 --set parallel.sequence_parallel=true");
 }
 
 // At dp=4, ZeRO stage s divides by 4 what the stages predict: 1 optimizer state, 2 also

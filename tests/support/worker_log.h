@@ -30,4 +30,17 @@ inline std::vector<double> WorkerLogLosses(const std::filesystem::path& log) {
   return out;
 }
 
+// The validation losses of rank 0's "eval step N/M val_loss X ..." lines, in order.
+inline std::vector<double> WorkerLogValLosses(const std::filesystem::path& log) {
+  std::ifstream in(log);
+  std::vector<double> out;
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("eval step ", 0) != 0) continue;
+    const size_t at = line.find(" val_loss ");
+    if (at != std::string::npos) out.push_back(std::stod(line.substr(at + 10)));
+  }
+  return out;
+}
+
 }  // namespace ltrain::testing

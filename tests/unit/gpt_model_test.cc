@@ -15,6 +15,16 @@ namespace {
 
 GptConfig Tiny() { return GptConfig{/*layers=*/2, /*d_model=*/32, /*heads=*/4, /*seq_len=*/16, /*vocab=*/256}; }
 
+ModelSpec TinySpec() {
+  ModelSpec m;
+  m.layers = 2;
+  m.d_model = 32;
+  m.heads = 4;
+  m.seq_len = 16;
+  m.vocab = 256;
+  return m;
+}
+
 TEST(GptModelTest, InitialLossIsNearLnVocab) {
   torch::manual_seed(1);
   Gpt model(Tiny());
@@ -74,7 +84,7 @@ TEST(GptModelTest, SameSeedSameModelAndAttentionIsCausal) {
 // MLP) computes what the module does: the same loss and the same gradients.
 TEST(GptModelTest, OneRankShardEqualsTheModule) {
   ModelShardSpec spec;
-  spec.config = Tiny();
+  spec.config = TinySpec();
   spec.layout.stage_layers = {spec.config.layers};
   SelfCommunicator self;
   torch::manual_seed(5);
@@ -102,10 +112,10 @@ TEST(GptModelTest, OneRankShardEqualsTheModule) {
   EXPECT_EQ(compared, static_cast<int>(module_params.size()));
 }
 
-// GptParameterShapes lists the module's parameters in its order.
+// ModelParameterShapes lists the module's parameters in its order.
 TEST(GptModelTest, ParameterShapesFollowTheModule) {
   Gpt module(Tiny());
-  auto shapes = GptParameterShapes(Tiny());
+  auto shapes = ModelParameterShapes(TinySpec());
   auto params = module->named_parameters();
   ASSERT_EQ(shapes.size(), params.size());
   int64_t count = 0;
@@ -114,14 +124,15 @@ TEST(GptModelTest, ParameterShapesFollowTheModule) {
     EXPECT_EQ(shapes[i].second, params[i].value().sizes().vec()) << shapes[i].first;
     count += params[i].value().numel();
   }
-  EXPECT_EQ(GptParameterCount(Tiny()), count);
+  EXPECT_EQ(ModelParameterCount(TinySpec()), count);
+  EXPECT_EQ(ApproxParameterCount(TinySpec()), count);
 }
 
 // Per-parameter initialisation: the distributions of PyTorch's, values of its own, and a tensor-
 // parallel rank's slices are slices of the one-rank parameters.
 TEST(GptModelTest, PerParameterInitSlicesTheSameParameters) {
   ModelShardSpec one;
-  one.config = Tiny();
+  one.config = TinySpec();
   one.layout.stage_layers = {one.config.layers};
   one.per_parameter_init = true;
   one.seed = 3;

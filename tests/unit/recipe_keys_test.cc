@@ -22,11 +22,12 @@ namespace ltrain {
 namespace {
 
 constexpr const char* kEveryKey = R"(name: every-key
-model: {layers: 8, d_model: 96, heads: 6, seq_len: 48, vocab: 300, init: per_parameter}
-data: {path: /data/every-key, sampling: torch, seed: 4321}
+model: {arch: llama, layers: 8, d_model: 96, heads: 6, seq_len: 48, vocab: 300, kv_heads: 2, ffn: 128, rope_theta: 10000,
+        norm_eps: 1.0e-6, tie_embeddings: false, init: per_parameter, init_from: /models/base}
+data: {path: /data/every-key, tokenizer: huggingface, sampling: torch, seed: 4321}
 training: {steps: 77, micro_batch: 2, global_batch: 32, lr: 0.002, min_lr: 0.0002, warmup_steps: 7,
            lr_schedule: constant, weight_decay: 0.05, beta1: 0.8, beta2: 0.9, grad_clip: 0.5, seed: 99, log_every: 3,
-           deterministic: true}
+           deterministic: true, eval_every: 5, eval_batches: 3}
 parallel: {nodes: {min: 1, max: 2}, nproc_per_node: 8, tp: 2, pp: 2, zero: 1, sequence_parallel: true,
            pp_schedule: interleaved, virtual_stages: 2, pp_split: [3, 2, 2, 1], bucket_mb: 50,
            activation_checkpointing: selective, precision: bf16, device: cuda}
@@ -37,7 +38,7 @@ fault: {max_restarts: 4, restart_backoff_s: 2.5, restart_backoff_max_s: 45, hear
 )";
 
 // Keys that cannot differ from their default: their type has a single value today.
-const std::set<std::string> kSingleValued = {"data.tokenizer"};
+const std::set<std::string> kSingleValued = {};
 
 TEST(RecipeKeysTest, EveryKeyReachesTheWorkerWithANonDefaultValue) {
   SetLogLevel(LogLevel::kWarning);

@@ -155,7 +155,14 @@ INSTANTIATE_TEST_SUITE_P(
         BadCase{"elastic", "data: {path: /d}\nparallel:\n  nodes: {min: 3, max: 2}\n", 3, 10, "min=3 is larger than max=2"},
         BadCase{"zero3 pp", "data: {path: /d}\nmodel: {layers: 4}\nparallel: {nproc_per_node: 2, pp: 2, zero: 3}\n", 3, 44,
                 "does not combine with pp>1"},
-        BadCase{"sp", "data: {path: /d}\nparallel:\n  sequence_parallel: yes\n", 3, 22, "needs parallel.tp > 1"}));
+        BadCase{"sp", "data: {path: /d}\nparallel:\n  sequence_parallel: yes\n", 3, 22, "needs parallel.tp > 1"},
+        BadCase{"gpt2 kv_heads", "data: {path: /d}\nmodel: {heads: 4, kv_heads: 2}\n", 2, 29, "is a Llama key"},
+        BadCase{"gpt2 untied", "data: {path: /d}\nmodel:\n  tie_embeddings: false\n", 3, 19, "needs model.arch: llama"},
+        BadCase{"llama kv_heads", "data: {path: /d}\nmodel: {arch: llama, heads: 4, kv_heads: 3}\n", 2, 42,
+                "must divide model.heads=4"},
+        BadCase{"llama tp kv", "data: {path: /d}\nmodel: {arch: llama, heads: 6, d_model: 96, kv_heads: 3}\n"
+                "parallel: {nproc_per_node: 2, tp: 2}\n", 3, 35, "replicates them (tp a multiple of kv_heads)"},
+        BadCase{"llama init", "data: {path: /d}\nmodel: {arch: llama, init: pytorch}\n", 2, 28, "draws each parameter"}));
 
 TEST(RecipeTest, ElasticNodesAndLayoutKeysRoundTrip) {
   RecipeParseResult result = ParseRecipe(

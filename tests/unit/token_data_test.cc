@@ -11,6 +11,8 @@
 
 #include <gtest/gtest.h>
 
+#include "common/data_prepare.h"
+
 namespace ltrain {
 namespace {
 
@@ -36,67 +38,115 @@ class TokenDataTest : public ::testing::Test {
   fs::path dir_;
 };
 
+StatusOr<PrepareStats> Prepare(const std::vector<std::string>& inputs, const std::string& out, double val_fraction,
+                               const std::string& tokenizer = "byte") {
+  PrepareOptions o;
+  o.inputs = inputs;
+  o.output_dir = out;
+  o.val_fraction = val_fraction;
+  o.tokenizer = tokenizer;
+  o.threads = 2;
+  return PrepareData(o);
+}
+
 TEST_F(TokenDataTest, PrepareRoundTripsBytesAndSplitsValAtTheEnd) {
   std::string a = WriteText("a.txt", "hello " + std::string(1394, '.'));
   std::string b = WriteText("b.txt", "world!\xff");
-  StatusOr<PrepareStats> stats = PrepareTokenData({a, b}, (dir_ / "out").string(), 0.25, "byte");
+  StatusOr<PrepareStats> stats = Prepare({a, b}, (dir_ / "out").string(), 0.25);
   ASSERT_TRUE(stats.ok()) << stats.status().ToString();
-  EXPECT_EQ(stats->vocab, 256);
-  EXPECT_EQ(stats->train_tokens + stats->val_tokens, 1407);
-  EXPECT_EQ(stats->val_tokens, 351);  // floor(1407 * 0.25)
+  EXPECT_EQ(stats->info.vocab, 256);
+  EXPECT_EQ(stats->info.train_tokens + stats->info.val_tokens, 1407);
+  EXPECT_EQ(stats->info.val_tokens, 351);  // floor(1407 * 0.25)
 
   StatusOr<TokenDataset> train = TokenDataset::Open(stats->train_path);
   ASSERT_TRUE(train.ok()) << train.status().ToString();
   StatusOr<TokenDataset> val = TokenDataset::Open(stats->val_path);
   ASSERT_TRUE(val.ok()) << val.status().ToString();
   EXPECT_EQ(train->vocab(), 256);
+  EXPECT_EQ(train->bytes_per_token(), 2);
   std::string all = "hello " + std::string(1394, '.') + "world!\xff";
   std::string got;
   for (int64_t i = 0; i < train->size(); ++i) got.push_back(static_cast<char>(train->token(i)));
   for (int64_t i = 0; i < val->size(); ++i) got.push_back(static_cast<char>(val->token(i)));
   EXPECT_EQ(got, all);
-  EXPECT_EQ(val->token(350), 0xff);
-  // No temporary files are left behind.
+  EXPECT_EQ(val->token(350), 0xffu);
+  // The data says how it was made; no temporary files are left behind.
+  StatusOr<DataInfo> info = ReadDataInfo((dir_ / "out").string());
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_EQ(info->tokenizer, "byte");
+  EXPECT_EQ(info->vocab, 256);
+  EXPECT_EQ(info->val_tokens, 351);
   for (const auto& e : fs::directory_iterator(dir_ / "out")) {
-    EXPECT_EQ(e.path().extension(), ".bin") << e.path();
+    EXPECT_TRUE(e.path().extension() == ".bin" || e.path().filename() == "data.yaml") << e.path();
   }
 }
 
+// Directories are walked for their files in path order (hidden ones skipped); globs expand.
+TEST_F(TokenDataTest, DirectoriesAndGlobsExpandInOrder) {
+  fs::create_directories(dir_ / "corpus" / "sub");
+  fs::create_directories(dir_ / "corpus" / ".git");
+  WriteText("corpus/b.txt", std::string(700, 'b'));
+  WriteText("corpus/a.txt", std::string(700, 'a'));
+  WriteText("corpus/sub/c.txt", std::string(700, 'c'));
+  WriteText("corpus/.git/HEAD", "ref");
+  StatusOr<std::vector<std::string>> files = ExpandInputs({(dir_ / "corpus").string()});
+  ASSERT_TRUE(files.ok()) << files.status().ToString();
+  ASSERT_EQ(files->size(), 3u);
+  EXPECT_EQ(fs::path((*files)[0]).filename(), "a.txt");
+  EXPECT_EQ(fs::path((*files)[2]).filename(), "c.txt");
+  StatusOr<std::vector<std::string>> globbed = ExpandInputs({(dir_ / "corpus" / "*.txt").string()});
+  ASSERT_TRUE(globbed.ok());
+  EXPECT_EQ(globbed->size(), 2u);
+  EXPECT_FALSE(ExpandInputs({(dir_ / "corpus" / "*.md").string()}).ok());
+  StatusOr<PrepareStats> stats = Prepare({(dir_ / "corpus").string()}, (dir_ / "out").string(), 0.1);
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+  EXPECT_EQ(stats->files, 3);
+  EXPECT_EQ(stats->info.train_tokens + stats->info.val_tokens, 2100);
+}
+
+// A vocabulary past 65536 stores uint32 tokens.
+TEST_F(TokenDataTest, LargeVocabulariesStoreUint32Tokens) {
+  const std::string path = (dir_ / "wide.bin").string();
+  ASSERT_TRUE(WriteTokenFile(path, std::vector<uint32_t>{1, 70000, 128255}, 128256).ok());
+  StatusOr<TokenDataset> wide = TokenDataset::Open(path);
+  ASSERT_TRUE(wide.ok()) << wide.status().ToString();
+  EXPECT_EQ(wide->bytes_per_token(), 4);
+  EXPECT_EQ(wide->vocab(), 128256);
+  EXPECT_EQ(wide->token(1), 70000u);
+  EXPECT_EQ(wide->token(2), 128255u);
+}
+
 TEST_F(TokenDataTest, PrepareErrorsNameTheFile) {
-  StatusOr<PrepareStats> missing = PrepareTokenData({(dir_ / "nope.txt").string()}, (dir_ / "o").string(), 0.1, "byte");
+  StatusOr<PrepareStats> missing = Prepare({(dir_ / "nope.txt").string()}, (dir_ / "o").string(), 0.1);
   ASSERT_FALSE(missing.ok());
   EXPECT_NE(missing.status().message().find("nope.txt"), std::string::npos);
 
   std::string empty = WriteText("empty.txt", "");
-  StatusOr<PrepareStats> e = PrepareTokenData({empty}, (dir_ / "o").string(), 0.1, "byte");
+  StatusOr<PrepareStats> e = Prepare({empty}, (dir_ / "o").string(), 0.1);
   ASSERT_FALSE(e.ok());
   EXPECT_NE(e.status().message().find("empty.txt"), std::string::npos);
   EXPECT_NE(e.status().message().find("empty"), std::string::npos);
 
   std::string ok = WriteText("ok.txt", "abc");
-  EXPECT_FALSE(PrepareTokenData({ok}, (dir_ / "o").string(), 0.1, "bpe").ok());
-  EXPECT_FALSE(PrepareTokenData({ok}, (dir_ / "o").string(), 1.0, "byte").ok());
+  StatusOr<PrepareStats> no_tokenizer = Prepare({ok}, (dir_ / "o").string(), 0.1, (dir_ / "no.json").string());
+  ASSERT_FALSE(no_tokenizer.ok());
+  EXPECT_NE(no_tokenizer.status().message().find("no.json"), std::string::npos);
+  EXPECT_FALSE(Prepare({ok}, (dir_ / "o").string(), 1.0).ok());
 
-  // A directory, and text too short for a validation split or a training sample.
-  StatusOr<PrepareStats> directory = PrepareTokenData({dir_.string()}, (dir_ / "o").string(), 0.1, "byte");
-  ASSERT_FALSE(directory.ok());
-  EXPECT_NE(directory.status().message().find("is a directory"), std::string::npos);
-  EXPECT_NE(PrepareTokenData({ok}, (dir_ / "o").string(), 0.1, "byte").status().message().find("no validation tokens"),
-            std::string::npos);
-  EXPECT_NE(PrepareTokenData({ok}, (dir_ / "o").string(), 0.0, "byte").status().message().find("too little text"),
-            std::string::npos);
+  // Text too short for a validation split or a training sample.
+  EXPECT_NE(Prepare({ok}, (dir_ / "o").string(), 0.1).status().message().find("no validation tokens"), std::string::npos);
+  EXPECT_NE(Prepare({ok}, (dir_ / "o").string(), 0.0).status().message().find("too little text"), std::string::npos);
 
   // A regular file where the output directory should be.
   std::string blocker = WriteText("blocker", "x");
-  StatusOr<PrepareStats> unwritable =
-      PrepareTokenData({WriteText("enough.txt", std::string(2000, 'a'))}, blocker + "/sub", 0.1, "byte");
+  StatusOr<PrepareStats> unwritable = Prepare({WriteText("enough.txt", std::string(2000, 'a'))}, blocker + "/sub", 0.1);
   ASSERT_FALSE(unwritable.ok());
   EXPECT_NE(unwritable.status().message().find("blocker"), std::string::npos);
 }
 
 TEST_F(TokenDataTest, OpenRejectsBadHeaders) {
   const std::string path = (dir_ / "t.bin").string();
-  ASSERT_TRUE(WriteTokenFile(path, {1, 2, 3, 4}, 256).ok());
+  ASSERT_TRUE(WriteTokenFile(path, std::vector<uint16_t>{1, 2, 3, 4}, 256).ok());
   std::string good;
   {
     std::ifstream in(path, std::ios::binary);
@@ -122,7 +172,7 @@ TEST_F(TokenDataTest, OpenRejectsBadHeaders) {
   expect_error(good.substr(0, good.size() - 2), "truncated");
   expect_error(good.substr(0, 10), "header");
   std::string bad_width = good;
-  bad_width[24] = 4;
+  bad_width[24] = 3;
   expect_error(bad_width, "bytes per token");
 
   StatusOr<TokenDataset> missing = TokenDataset::Open((dir_ / "missing.bin").string());

@@ -29,7 +29,11 @@ class TrainerTest : public ::testing::Test {
     ASSERT_TRUE(WriteTokenFile((dir_ / "data" / "train.bin").string(), tokens, 256).ok());
 
     recipe_.name = "tiny";
-    recipe_.model = ModelSpec{1, 16, 2, 8, 256};
+    recipe_.model.layers = 1;
+    recipe_.model.d_model = 16;
+    recipe_.model.heads = 2;
+    recipe_.model.seq_len = 8;
+    recipe_.model.vocab = 256;
     recipe_.data.path = (dir_ / "data").string();
     recipe_.training.steps = 6;
     recipe_.training.micro_batch = 2;
@@ -201,7 +205,10 @@ TEST_F(TrainerTest, CorruptCheckpointIsRejected) {
 // is still running, and the step's result equals the one-rank result.
 TEST_F(TrainerTest, FirstBucketAllReduceStartsBeforeBackwardEnds) {
   Recipe r = recipe_;
-  r.model = ModelSpec{4, 128, 4, 64, 256};
+  r.model.layers = 4;
+  r.model.d_model = 128;
+  r.model.heads = 4;
+  r.model.seq_len = 64;
   r.training.micro_batch = 4;
   r.training.global_batch = 8;
   r.parallel.bucket_mb = 0.1;
@@ -245,6 +252,19 @@ TEST_F(TrainerTest, TokenIdOutsideTheVocabularyFailsTheStepNamingTheFile) {
   EXPECT_EQ(loss.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(loss.status().message().find("train.bin holds token id 300, outside model.vocab=256"), std::string::npos)
       << loss.status().message();
+}
+
+// Validation reads val.bin beside train.bin: without it the job fails at once, saying what to do.
+TEST_F(TrainerTest, ValidationWithoutValBinIsRefusedNamingTheFix) {
+  Recipe r = recipe_;
+  r.training.eval_every = 2;
+  FakeCommunicator comm;
+  auto t = Trainer::Create(r, options_, &comm);
+  ASSERT_FALSE(t.ok());
+  EXPECT_EQ(t.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(t.status().message().find("training.eval_every=2 evaluates on val.bin"), std::string::npos)
+      << t.status().message();
+  EXPECT_NE(t.status().message().find("or set training.eval_every: 0"), std::string::npos) << t.status().message();
 }
 
 TEST_F(TrainerTest, CollectiveFailureSurfacesAsStatus) {

@@ -54,6 +54,12 @@ void Progress::RecordStep(const StepFigures& figures) {
   state_.completed = figures;
 }
 
+void Progress::RecordEval(int64_t step, double val_loss) {
+  std::lock_guard<std::mutex> lock(mu_);
+  state_.eval_step = step;
+  state_.val_loss = val_loss;
+}
+
 void Progress::SetWork(const std::string& what, int64_t done, int64_t total, const std::string& unit,
                        bool waits_for_peers) {
   std::lock_guard<std::mutex> lock(mu_);

@@ -55,6 +55,8 @@ struct ProgressSnapshot {
   std::string committed_path;
   bool stopped_after_checkpoint = false;
   WorkProgress work;
+  int64_t eval_step = 0;                     // the step of the last validation loss; 0: none
+  double val_loss = 0;
 };
 
 class Progress {
@@ -69,6 +71,8 @@ class Progress {
   uint64_t BeginCollective(const std::string& op, const std::string& group, int64_t bytes);
   void EndCollective(uint64_t seq);
   void RecordStep(const StepFigures& figures);
+  // The validation loss measured after `step`.
+  void RecordEval(int64_t step, double val_loss);
   // Long work: SetWork starts or advances it (any thread: the checkpoint writer's reports its bytes),
   // EndWork(what) ends it unless other work replaced it since.
   void SetWork(const std::string& what, int64_t done, int64_t total, const std::string& unit,

@@ -72,6 +72,8 @@ bool ProgressReporter::Send() {
     completed->set_tokens_per_s(snapshot.completed->tokens_per_s);
     completed->set_step_ms(snapshot.completed->step_ms);
   }
+  report.set_eval_step(snapshot.eval_step);
+  report.set_val_loss(snapshot.val_loss);
   report.set_committed_step(snapshot.committed_step);
   report.set_committed_path(snapshot.committed_path);
   report.set_stopped_after_checkpoint(snapshot.stopped_after_checkpoint);

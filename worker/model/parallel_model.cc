@@ -1,5 +1,7 @@
 #include "worker/model/parallel_model.h"
 
+#include <cmath>
+#include <cstring>
 #include <stdexcept>
 
 #include <ATen/Context.h>
@@ -18,9 +20,24 @@ namespace F = torch::nn::functional;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-constexpr const char* kBlockNames[] = {"ln1.weight", "ln1.bias", "qkv.weight", "qkv.bias", "proj.weight", "proj.bias",
-                                       "ln2.weight", "ln2.bias", "fc.weight",  "fc.bias",  "fc2.weight",  "fc2.bias"};
-enum BlockParam { kLn1W, kLn1B, kQkvW, kQkvB, kProjW, kProjB, kLn2W, kLn2B, kFcW, kFcB, kFc2W, kFc2B, kBlockParams };
+constexpr const char* kGptBlockNames[] = {"ln1.weight", "ln1.bias", "qkv.weight", "qkv.bias", "proj.weight", "proj.bias",
+                                          "ln2.weight", "ln2.bias", "fc.weight",  "fc.bias",  "fc2.weight",  "fc2.bias"};
+constexpr const char* kLlamaBlockNames[] = {"attn_norm.weight", "wq.weight", "wk.weight", "wv.weight", "wo.weight",
+                                            "ffn_norm.weight",  "w1.weight", "w3.weight", "w2.weight"};
+
+// The names of a block's parameters, in the Python block's registration order.
+const std::vector<std::string>& BlockNames(Arch arch) {
+  static const std::vector<std::string> gpt(std::begin(kGptBlockNames), std::end(kGptBlockNames));
+  static const std::vector<std::string> llama(std::begin(kLlamaBlockNames), std::end(kLlamaBlockNames));
+  return arch == Arch::kLlama ? llama : gpt;
+}
+
+bool EndsWith(const std::string& name, const std::string& suffix) {
+  return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// The token embedding's name, and the final norm's (weight and bias; llama's has no bias).
+const char* EmbeddingName(Arch arch) { return arch == Arch::kLlama ? "tok_embeddings.weight" : "wte.weight"; }
 
 void Check(const Status& s) {
   if (!s.ok()) throw std::runtime_error(s.message());
@@ -229,18 +246,33 @@ torch::Tensor Mlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::
   return Linear(torch::gelu(Linear(x, w1, b1), "tanh"), w2, b2, residual);
 }
 
-// The full parameter `index` of the per-parameter initialisation: gpt_model.GPT's distribution
-// (GptParamInit), drawn on `device` by a copy of its default generator seeded for this parameter
-// (a copy: the global generator's state stays as the trainer seeded it).
-torch::Tensor PerParameterInit(const GptConfig& c, const std::string& name, const std::vector<int64_t>& shape,
+// llama_model.Llama's initialisation: every matrix N(0, 0.02), the residual output projections (wo,
+// w2) N(0, 0.02/sqrt(2 layers)), the norms 1.
+ParamInit LlamaParamInit(const std::string& name, int64_t dims, int layers) {
+  if (EndsWith(name, "wo.weight") || EndsWith(name, "w2.weight")) return {ParamInit::kNormal, 0.02 / std::sqrt(2.0 * layers)};
+  if (dims >= 2) return {ParamInit::kNormal, 0.02};
+  return {ParamInit::kOnes, 0};
+}
+
+// The full parameter `index` of the per-parameter initialisation: the Python model's distribution
+// (GptParamInit, LlamaParamInit), drawn on `device` by a copy of its default generator seeded for
+// this parameter (a copy: the global generator's state stays as the trainer seeded it).
+torch::Tensor PerParameterInit(const ModelSpec& c, const std::string& name, const std::vector<int64_t>& shape,
                                uint64_t seed, size_t index, const torch::Device& device) {
   const torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat).device(device);
-  const ParamInit init = GptParamInit(name, static_cast<int64_t>(shape.size()), c.layers);
+  const int64_t dims = static_cast<int64_t>(shape.size());
+  const ParamInit init = c.arch == Arch::kLlama ? LlamaParamInit(name, dims, c.layers) : GptParamInit(name, dims, c.layers);
   if (init.kind == ParamInit::kZeros) return torch::zeros(shape, options);
   if (init.kind == ParamInit::kOnes) return torch::ones(shape, options);
   at::Generator generator = at::globalContext().defaultGenerator(device).clone();
   generator.set_current_seed(SplitMix64(seed ^ SplitMix64(static_cast<uint64_t>(index) + 1)));
   return torch::empty(shape, options).normal_(0.0, init.stddev, generator);
+}
+
+// x / rms(x) * w in fp32, in x's type (llama_model.RMSNorm).
+torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  torch::Tensor xf = x.to(torch::kFloat);
+  return (xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps)).to(x.scalar_type()) * w;
 }
 
 }  // namespace
@@ -264,15 +296,40 @@ torch::Tensor Slice(const torch::Tensor& full, TpSplit split, int tp, int r) {
   return full;
 }
 
-TpSplit SplitOf(const std::string& name) {
-  auto ends = [&](const std::string& suffix) {
-    return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
-  };
+TpSplit SplitOf(const ModelSpec& c, const std::string& name, int tp) {
+  if (tp <= 1) return TpSplit::kReplicated;
+  auto ends = [&](const std::string& suffix) { return EndsWith(name, suffix); };
+  if (c.arch == Arch::kLlama) {
+    if (name == "tok_embeddings.weight" || name == "output.weight" || ends(".wq.weight") || ends(".w1.weight") ||
+        ends(".w3.weight")) {
+      return TpSplit::kRows;
+    }
+    if (ends(".wk.weight") || ends(".wv.weight")) return KvHeads(c) % tp == 0 ? TpSplit::kRows : TpSplit::kReplicated;
+    if (ends(".wo.weight") || ends(".w2.weight")) return TpSplit::kCols;
+    return TpSplit::kReplicated;
+  }
   if (name == "wte.weight" || ends("fc.weight") || ends("fc.bias")) return TpSplit::kRows;
   if (ends("qkv.weight") || ends("qkv.bias")) return TpSplit::kQkvRows;
   if (ends("proj.weight") || ends("fc2.weight")) return TpSplit::kCols;
   return TpSplit::kReplicated;
 }
+
+int LayerOf(const std::string& name) {
+  for (const char* prefix : {"blocks.", "layers."}) {
+    if (name.rfind(prefix, 0) != 0) continue;
+    const size_t start = std::strlen(prefix), dot = name.find('.', start);
+    if (dot == std::string::npos || dot == start) return -1;
+    int layer = 0;
+    for (size_t k = start; k < dot; ++k) {
+      if (name[k] < '0' || name[k] > '9') return -1;
+      layer = layer * 10 + (name[k] - '0');
+    }
+    return layer;
+  }
+  return -1;
+}
+
+GptConfig GptConfigOf(const ModelSpec& c) { return GptConfig{c.layers, c.d_model, c.heads, c.seq_len, c.vocab}; }
 
 torch::Tensor Unslice(const std::vector<torch::Tensor>& slices, TpSplit split, const std::vector<int64_t>& full_shape) {
   const int tp = static_cast<int>(slices.size());
@@ -296,25 +353,38 @@ torch::Tensor Unslice(const std::vector<torch::Tensor>& slices, TpSplit split, c
 }
 
 
-std::vector<std::pair<std::string, std::vector<int64_t>>> GptParameterShapes(const GptConfig& c) {
-  const int64_t d = c.d_model;
-  std::vector<std::pair<std::string, std::vector<int64_t>>> out = {{"wte.weight", {c.vocab, d}},
-                                                                   {"wpe.weight", {c.seq_len, d}}};
-  const std::vector<std::vector<int64_t>> block_shapes = {{d}, {d}, {3 * d, d}, {3 * d}, {d, d}, {d},
-                                                          {d}, {d}, {4 * d, d}, {4 * d}, {d, 4 * d}, {d}};
+std::vector<std::pair<std::string, std::vector<int64_t>>> ModelParameterShapes(const ModelSpec& c) {
+  const int64_t d = c.d_model, f = FfnWidth(c);
+  std::vector<std::pair<std::string, std::vector<int64_t>>> out = {{EmbeddingName(c.arch), {c.vocab, d}}};
+  std::vector<std::vector<int64_t>> block_shapes;
+  const char* prefix = "blocks.";
+  if (c.arch == Arch::kLlama) {
+    prefix = "layers.";
+    const int64_t kv = d / c.heads * KvHeads(c);
+    block_shapes = {{d}, {d, d}, {kv, d}, {kv, d}, {d, d}, {d}, {f, d}, {f, d}, {d, f}};
+  } else {
+    out.emplace_back("wpe.weight", std::vector<int64_t>{c.seq_len, d});
+    block_shapes = {{d}, {d}, {3 * d, d}, {3 * d}, {d, d}, {d}, {d}, {d}, {f, d}, {f}, {d, f}, {d}};
+  }
+  const std::vector<std::string>& names = BlockNames(c.arch);
   for (int layer = 0; layer < c.layers; ++layer) {
-    for (int k = 0; k < kBlockParams; ++k) {
-      out.emplace_back("blocks." + std::to_string(layer) + "." + kBlockNames[k], block_shapes[k]);
+    for (size_t k = 0; k < names.size(); ++k) {
+      out.emplace_back(prefix + std::to_string(layer) + "." + names[k], block_shapes[k]);
     }
   }
-  out.emplace_back("lnf.weight", std::vector<int64_t>{d});
-  out.emplace_back("lnf.bias", std::vector<int64_t>{d});
+  if (c.arch == Arch::kLlama) {
+    out.emplace_back("norm.weight", std::vector<int64_t>{d});
+    if (!c.tie_embeddings) out.emplace_back("output.weight", std::vector<int64_t>{c.vocab, d});
+  } else {
+    out.emplace_back("lnf.weight", std::vector<int64_t>{d});
+    out.emplace_back("lnf.bias", std::vector<int64_t>{d});
+  }
   return out;
 }
 
-int64_t GptParameterCount(const GptConfig& c) {
+int64_t ModelParameterCount(const ModelSpec& c) {
   int64_t n = 0;
-  for (const auto& [name, shape] : GptParameterShapes(c)) {
+  for (const auto& [name, shape] : ModelParameterShapes(c)) {
     int64_t size = 1;
     for (int64_t s : shape) size *= s;
     n += size;
@@ -323,14 +393,22 @@ int64_t GptParameterCount(const GptConfig& c) {
 }
 
 StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelShardSpec& spec, Communicator* tp) {
-  const GptConfig& c = spec.config;
-  if (spec.layout.tp != tp->size()) return InvalidArgument("tp group size differs from parallel.tp");
-  if (c.heads % spec.layout.tp != 0 || c.vocab % spec.layout.tp != 0) {
-    return InvalidArgument("parallel.tp=" + std::to_string(spec.layout.tp) + " must divide model.heads=" +
-                           std::to_string(c.heads) + " and model.vocab=" + std::to_string(c.vocab));
+  const ModelSpec& c = spec.config;
+  const int tp_size = spec.layout.tp;
+  const bool llama = c.arch == Arch::kLlama;
+  if (tp_size != tp->size()) return InvalidArgument("tp group size differs from parallel.tp");
+  if (c.heads % tp_size != 0 || c.vocab % tp_size != 0 || FfnWidth(c) % tp_size != 0) {
+    return InvalidArgument("parallel.tp=" + std::to_string(tp_size) + " must divide model.heads=" +
+                           std::to_string(c.heads) + ", model.vocab=" + std::to_string(c.vocab) +
+                           " and the MLP width " + std::to_string(FfnWidth(c)));
   }
-  if (spec.layout.sequence_parallel && c.seq_len % spec.layout.tp != 0) {
-    return InvalidArgument("sequence_parallel needs parallel.tp=" + std::to_string(spec.layout.tp) +
+  const int kv = KvHeads(c);
+  if (c.heads % kv != 0 || (kv % tp_size != 0 && tp_size % kv != 0)) {
+    return InvalidArgument("model.kv_heads=" + std::to_string(kv) + " must divide model.heads=" + std::to_string(c.heads) +
+                           " and be a multiple or a divisor of parallel.tp=" + std::to_string(tp_size));
+  }
+  if (spec.layout.sequence_parallel && c.seq_len % tp_size != 0) {
+    return InvalidArgument("sequence_parallel needs parallel.tp=" + std::to_string(tp_size) +
                            " to divide model.seq_len=" + std::to_string(c.seq_len));
   }
   const int stages = spec.layout.pp * spec.layout.chunks;
@@ -343,41 +421,55 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelShardSpec& s
   }
   if (static_cast<int>(stage_of_layer.size()) != c.layers) return InvalidArgument("stage_layers must sum to model.layers");
   shard->stage_of_layer_ = stage_of_layer;
+  shard->kv_replicated_ = llama && kv < tp_size;
   const bool first = spec.coords.pp == 0, last = spec.coords.pp == spec.layout.pp - 1;
+  if (llama) {
+    // llama_model.rope_tables: pair i of a head turns by position * theta^(-2i/head_dim).
+    const int64_t hd = c.d_model / c.heads;
+    const torch::TensorOptions f32 = torch::TensorOptions().dtype(torch::kFloat).device(spec.device);
+    torch::Tensor inv = 1.0 / torch::pow(c.rope_theta, torch::arange(0, hd, 2, f32) / static_cast<double>(hd));
+    torch::Tensor angles = torch::outer(torch::arange(c.seq_len, f32), inv);
+    shard->rope_cos_ = angles.cos();
+    shard->rope_sin_ = angles.sin();
+  }
 
   torch::NoGradGuard no_grad;
   // The full model's parameters in order, each made when a slice of it is wanted.
+  const bool per_parameter = spec.per_parameter_init || llama;
   std::vector<std::pair<std::string, std::vector<int64_t>>> shapes;
   std::vector<torch::Tensor> built;  // PyTorch's initialisation: the whole model, built at once
-  if (spec.per_parameter_init) {
-    shapes = GptParameterShapes(c);
+  if (per_parameter) {
+    shapes = ModelParameterShapes(c);
   } else {
-    Gpt full(c);
+    Gpt full(GptConfigOf(c));
     for (const auto& item : full->named_parameters()) {
       shapes.emplace_back(item.key(), item.value().sizes().vec());
       built.push_back(item.value());
     }
   }
   auto full_param = [&](size_t i) {
-    if (!spec.per_parameter_init) return built[i];
+    if (!per_parameter) return built[i];
     return PerParameterInit(c, shapes[i].first, shapes[i].second, spec.seed, i, spec.device);
   };
-  shard->block_index_.assign(c.layers, std::vector<int>(kBlockParams, -1));
+  const std::vector<std::string>& block_names = BlockNames(c.arch);
+  shard->block_index_.assign(c.layers, std::vector<int>(block_names.size(), -1));
   auto add = [&](const std::string& name, const torch::Tensor& t, int unit, bool exported) {
     ShardParam p;
     p.name = name;
     p.full_shape = t.sizes().vec();
-    p.split = spec.layout.tp > 1 ? SplitOf(name) : TpSplit::kReplicated;
-    p.value = Slice(t, p.split, spec.layout.tp, spec.coords.tp).requires_grad_(true);
+    p.split = SplitOf(c, name, tp_size);
+    p.value = Slice(t, p.split, tp_size, spec.coords.tp).requires_grad_(true);
     p.decay = t.dim() >= 2;
-    p.sp_partial = spec.layout.sequence_parallel && p.split == TpSplit::kReplicated;
+    const bool kv_weight = shard->kv_replicated_ && (EndsWith(name, ".wk.weight") || EndsWith(name, ".wv.weight"));
+    p.tp_partial = kv_weight || (spec.layout.sequence_parallel && p.split == TpSplit::kReplicated);
     p.counts_for_norm = exported && (p.split != TpSplit::kReplicated || spec.coords.tp == 0);
     p.exported = exported;
     p.unit = unit;
     shard->params_.push_back(std::move(p));
     return static_cast<int>(shard->params_.size()) - 1;
   };
-  torch::Tensor wte;
+  const std::string embedding = EmbeddingName(c.arch);
+  torch::Tensor embed;
   constexpr const char* kBuilding = "building the model";
   for (size_t i = 0; i < shapes.size(); ++i) {
     // A large model takes a while on CPU: the count shows the coordinator that start-up moves.
@@ -385,49 +477,53 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelShardSpec& s
                                "parameter tensors");
     const std::string& name = shapes[i].first;
     shard->full_params_.emplace_back(name, shapes[i].second);
-    if (name == "wte.weight") {
-      if (first || last) wte = full_param(i);
-      if (first) shard->wte_ = add(name, wte, 0, true);
+    const int layer = LayerOf(name);
+    if (name == embedding) {
+      if (first || (last && c.tie_embeddings)) embed = full_param(i);
+      if (first) shard->embed_ = add(name, embed, 0, true);
     } else if (name == "wpe.weight") {
       if (first) shard->wpe_ = add(name, full_param(i), 0, true);
-    } else if (name.rfind("blocks.", 0) == 0) {
-      const size_t dot = name.find('.', 7);
-      const int layer = std::stoi(name.substr(7, dot - 7));
+    } else if (layer >= 0) {
       if (stage_of_layer[layer] % spec.layout.pp != spec.coords.pp) continue;
-      const std::string local = name.substr(dot + 1);
-      for (int k = 0; k < kBlockParams; ++k) {
-        if (local == kBlockNames[k]) shard->block_index_[layer][k] = add(name, full_param(i), 1 + layer, true);
+      const std::string local = name.substr(name.find('.', 7) + 1);
+      for (size_t k = 0; k < block_names.size(); ++k) {
+        if (local == block_names[k]) shard->block_index_[layer][k] = add(name, full_param(i), 1 + layer, true);
       }
-    } else if (name == "lnf.weight") {
-      if (last) shard->lnf_w_ = add(name, full_param(i), c.layers + 1, true);
+    } else if (name == "lnf.weight" || name == "norm.weight") {
+      if (last) shard->norm_w_ = add(name, full_param(i), c.layers + 1, true);
     } else if (name == "lnf.bias") {
-      if (last) shard->lnf_b_ = add(name, full_param(i), c.layers + 1, true);
+      if (last) shard->norm_b_ = add(name, full_param(i), c.layers + 1, true);
+    } else if (name == "output.weight") {
+      if (last) shard->head_ = add(name, full_param(i), c.layers + 1, true);
     }
   }
   Progress::Global().EndWork(kBuilding);
-  // The head of the last stage is tied to the embedding: on another rank it gets a copy of its own
-  // (the two copies' gradients are summed over the embedding group, so they stay equal).
-  shard->head_wte_ = shard->wte_;
-  if (last && !first) shard->head_wte_ = add("wte.weight", wte, c.layers + 1, false);
+  // A tied head is the embedding: on a last stage that is not also the first it gets a copy of its
+  // own (the two copies' gradients are summed over the embedding group, so they stay equal).
+  if (c.tie_embeddings) {
+    shard->head_ = shard->embed_;
+    if (last && !first) shard->head_ = add(embedding, embed, c.layers + 1, false);
+  }
   return shard;
 }
 
 int ModelShard::TiedEmbeddingParam() const {
-  if (spec_.layout.pp == 1) return -1;
-  if (spec_.coords.pp == 0) return wte_;
-  if (spec_.coords.pp == spec_.layout.pp - 1) return head_wte_;
+  if (spec_.layout.pp == 1 || !spec_.config.tie_embeddings) return -1;
+  if (spec_.coords.pp == 0) return embed_;
+  if (spec_.coords.pp == spec_.layout.pp - 1) return head_;
   return -1;
 }
 
 int ModelShard::PipelineRankOf(const std::string& name) const {
-  if (name == "wte.weight" || name == "wpe.weight") return 0;
-  if (name.rfind("blocks.", 0) == 0) return stage_of_layer_[std::stoi(name.substr(7, name.find('.', 7) - 7))] % spec_.layout.pp;
+  if (name == EmbeddingName(spec_.config.arch) || name == "wpe.weight") return 0;
+  if (const int layer = LayerOf(name); layer >= 0) return stage_of_layer_[layer] % spec_.layout.pp;
   return spec_.layout.pp - 1;
 }
 
 const torch::Tensor& ModelShard::P(int layer, const char* name) const {
-  for (int k = 0; k < kBlockParams; ++k) {
-    if (std::string(kBlockNames[k]) == name) return params_[block_index_[layer][k]].value;
+  const std::vector<std::string>& names = BlockNames(spec_.config.arch);
+  for (size_t k = 0; k < names.size(); ++k) {
+    if (names[k] == name) return params_[block_index_[layer][k]].value;
   }
   throw std::logic_error(std::string("no block parameter ") + name);
 }
@@ -462,6 +558,62 @@ torch::Tensor ModelShard::Attention(const torch::Tensor& q, const torch::Tensor&
 }
 
 torch::Tensor ModelShard::BlockForward(int layer, const torch::Tensor& x) {
+  return spec_.config.arch == Arch::kLlama ? LlamaBlockForward(layer, x) : GptBlockForward(layer, x);
+}
+
+torch::Tensor ModelShard::KvWeight(int layer, const char* name) const {
+  const torch::Tensor& w = P(layer, name);
+  if (!kv_replicated_) return w;
+  // Whole on every rank: this rank's query heads all read key/value head tp_rank*kv/tp.
+  const int64_t hd = spec_.config.d_model / spec_.config.heads;
+  const int64_t head = int64_t{spec_.coords.tp} * KvHeads(spec_.config) / spec_.layout.tp;
+  return w.narrow(0, head * hd, hd);
+}
+
+torch::Tensor ModelShard::Rope(const torch::Tensor& x) const {
+  // llama_model.apply_rope: (a, b) halves of each head turn into (a cos - b sin, b cos + a sin).
+  const int64_t t = x.size(1);
+  torch::Tensor xf = x.to(torch::kFloat);
+  std::vector<torch::Tensor> halves = xf.chunk(2, -1);
+  torch::Tensor cos = rope_cos_.narrow(0, 0, t).unsqueeze(1), sin = rope_sin_.narrow(0, 0, t).unsqueeze(1);
+  return torch::cat({halves[0] * cos - halves[1] * sin, halves[1] * cos + halves[0] * sin}, -1).to(x.scalar_type());
+}
+
+torch::Tensor ModelShard::LlamaBlockForward(int layer, const torch::Tensor& x) {
+  const ModelSpec& c = spec_.config;
+  const int tp = spec_.layout.tp;
+  const int64_t comm = Handle(tp_);
+  const bool sp = spec_.layout.sequence_parallel;
+  const int64_t hd = c.d_model / c.heads;
+  const int64_t heads_local = c.heads / tp;
+  const int64_t kv_local = kv_replicated_ ? 1 : KvHeads(c) / tp;
+  auto enter = [&](const torch::Tensor& t) {
+    if (tp == 1) return t;
+    return sp ? GatherSeq::apply(t, comm) : CopyToTp::apply(t, comm);
+  };
+  // Row-parallel output: partial sums combined over tp.
+  auto row = [&](const torch::Tensor& partial) {
+    if (tp == 1) return partial;
+    return sp ? ScatterSeq::apply(partial, comm) : ReduceFromTp::apply(partial, comm);
+  };
+  torch::Tensor h = enter(RmsNorm(x, P(layer, "attn_norm.weight"), c.norm_eps));
+  const int64_t b = h.size(0), t = h.size(1);
+  torch::Tensor q = Rope(at::linear(h, P(layer, "wq.weight")).view({b, t, heads_local, hd})).transpose(1, 2);
+  torch::Tensor k = Rope(at::linear(h, KvWeight(layer, "wk.weight")).view({b, t, kv_local, hd})).transpose(1, 2);
+  torch::Tensor v = at::linear(h, KvWeight(layer, "wv.weight")).view({b, t, kv_local, hd}).transpose(1, 2);
+  if (heads_local != kv_local) {
+    // Grouped-query attention: query head j reads key/value head j / (heads / kv_heads).
+    k = k.repeat_interleave(heads_local / kv_local, 1);
+    v = v.repeat_interleave(heads_local / kv_local, 1);
+  }
+  torch::Tensor y = Attention(q, k, v).transpose(1, 2).reshape({b, t, heads_local * hd});
+  torch::Tensor r = x + row(at::linear(y, P(layer, "wo.weight")));
+  torch::Tensor m = enter(RmsNorm(r, P(layer, "ffn_norm.weight"), c.norm_eps));
+  torch::Tensor gate = torch::silu(at::linear(m, P(layer, "w1.weight"))) * at::linear(m, P(layer, "w3.weight"));
+  return r + row(at::linear(gate, P(layer, "w2.weight")));
+}
+
+torch::Tensor ModelShard::GptBlockForward(int layer, const torch::Tensor& x) {
   const int tp = spec_.layout.tp;
   const int64_t comm = Handle(tp_);
   const bool sp = spec_.layout.sequence_parallel;
@@ -499,26 +651,34 @@ torch::Tensor ModelShard::BlockForward(int layer, const torch::Tensor& x) {
 
 torch::Tensor ModelShard::Embed(const torch::Tensor& ids) {
   const int tp = spec_.layout.tp;
-  const torch::Tensor& wte = params_[wte_].value;
-  const torch::Tensor& wpe = params_[wpe_].value;
+  const torch::Tensor& wte = params_[embed_].value;
   const int64_t t = ids.size(1);
-  if (tp == 1) return F::embedding(ids, wte) + wpe.narrow(0, 0, t);
+  // Learned positions from..from+n (gpt2; a llama has none).
+  auto positioned = [&](const torch::Tensor& e, int64_t from, int64_t n) {
+    return wpe_ >= 0 ? e + params_[wpe_].value.narrow(0, from, n) : e;
+  };
+  if (tp == 1) return positioned(F::embedding(ids, wte), 0, t);
   const int64_t rows = wte.size(0), start = rows * spec_.coords.tp;
   torch::Tensor outside = (ids < start).logical_or(ids >= start + rows);
   torch::Tensor local = (ids - start).masked_fill(outside, 0);
   torch::Tensor e = F::embedding(local, wte).masked_fill(outside.unsqueeze(-1), 0.0);
   if (spec_.layout.sequence_parallel) {
     const int64_t t_local = t / tp;
-    return ScatterSeq::apply(e, Handle(tp_)) + wpe.narrow(0, t_local * spec_.coords.tp, t_local);
+    return positioned(ScatterSeq::apply(e, Handle(tp_)), t_local * spec_.coords.tp, t_local);
   }
-  return ReduceFromTp::apply(e, Handle(tp_)) + wpe.narrow(0, 0, t);
+  return positioned(ReduceFromTp::apply(e, Handle(tp_)), 0, t);
+}
+
+torch::Tensor ModelShard::FinalNorm(const torch::Tensor& x) {
+  if (spec_.config.arch == Arch::kLlama) return RmsNorm(x, params_[norm_w_].value, spec_.config.norm_eps);
+  return LayerNorm(x, params_[norm_w_].value, params_[norm_b_].value).first;
 }
 
 torch::Tensor ModelShard::HeadLoss(const torch::Tensor& x, const torch::Tensor& targets) {
   const int tp = spec_.layout.tp;
   const int64_t comm = Handle(tp_);
-  const torch::Tensor& wte = params_[head_wte_].value;
-  torch::Tensor h = LayerNorm(x, params_[lnf_w_].value, params_[lnf_b_].value).first;
+  const torch::Tensor& wte = params_[head_].value;
+  torch::Tensor h = FinalNorm(x);
   if (tp > 1) h = spec_.layout.sequence_parallel ? GatherSeq::apply(h, comm) : CopyToTp::apply(h, comm);
   torch::Tensor logits = Linear(h, wte, {});
   logits = logits.view({-1, logits.size(-1)});
@@ -544,6 +704,14 @@ torch::Tensor ModelShard::HeadLoss(const torch::Tensor& x, const torch::Tensor& 
   torch::Tensor picked = shifted.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(outside, 0.0);
   picked = ReduceFromTp::apply(picked, comm);
   return (sum_exp.log() - picked).mean();
+}
+
+torch::Tensor ModelShard::Logits(const torch::Tensor& ids) {
+  if (spec_.layout.tp != 1 || spec_.layout.pp != 1) throw std::logic_error("Logits needs tp 1 and pp 1");
+  torch::Tensor x = Embed(ids);
+  for (int layer = 0; layer < spec_.config.layers; ++layer) x = BlockForward(layer, x);
+  // The head in fp32 whatever the blocks ran in: bf16 logits would round large logits by up to 1/16.
+  return at::linear(FinalNorm(x).to(torch::kFloat), params_[head_].value.to(torch::kFloat));
 }
 
 torch::Tensor ModelShard::Forward(int chunk, const torch::Tensor& input, const torch::Tensor& targets) {

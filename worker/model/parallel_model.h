@@ -1,18 +1,23 @@
-// ModelShard: the part of the GPT model (worker/model/gpt_model.h, same architecture and initialisation)
-// that one rank holds under tensor and pipeline parallelism, written functionally over plain leaf
-// tensors so that a parameter store can place them in flat buffers and shard them (ZeRO).
+// ModelShard: the part of the model that one rank holds under tensor and pipeline parallelism,
+// written functionally over plain leaf tensors so that a parameter store can place them in flat
+// buffers and shard them (ZeRO). Two architectures (model.arch):
+//   gpt2: worker/model/gpt_model.h (gpt_model.GPT), same parameters, names and initialisation.
+//   llama: llama_model.Llama (RMSNorm, rotary embeddings in Hugging Face's layout, grouped-query
+//   attention, SwiGLU, no biases, tied or untied head), same parameter names.
+
 //
 // Every rank draws each parameter of the full model and keeps its slice, so every layout starts
 // from exactly the parameters one process would have: with PyTorch's initialisation (the whole model
 // built on the CPU from the seeded global generator, as gpt_model.GPT), or with a generator of its
 // own for each parameter, on the rank's device.
-//   Tensor parallel (Megatron-LM): qkv and fc column-parallel, proj and fc2 row-parallel, the
-//   embedding and the tied head vocab-parallel, cross-entropy computed without ever forming the full
-//   logits. Sequence parallel: LayerNorms, residuals and dropout-free regions work on a 1/tp slice of
+//   Tensor parallel (Megatron-LM): qkv and fc (wq, wk, wv, w1, w3) column-parallel, proj and fc2 (wo,
+//   w2) row-parallel, the embedding and the head vocab-parallel, cross-entropy computed without ever
+//   forming the full logits. A Llama with fewer key/value heads than tp keeps wk and wv whole on
+//   every rank and uses the one head its query heads need; their gradients are summed over tp. Sequence parallel: LayerNorms, residuals and dropout-free regions work on a 1/tp slice of
 //   the sequence; all-gather before the column-parallel matmuls and reduce-scatter after the
 //   row-parallel ones replace the all-reduces.
 //   Pipeline parallel: chunk c of pipeline rank r is virtual stage c*pp + r; the first virtual stage
-//   holds the embedding, the last the final LayerNorm and a copy of the tied embedding as its head.
+//   holds the embedding, the last the final norm and the head (a copy of a tied embedding).
 //   Activation checkpointing: "full" recomputes each block in backward, "selective" only attention.
 //
 // Runs on the training thread. TP collectives run inside forward and backward: every rank of a TP
@@ -29,6 +34,7 @@
 #include <torch/types.h>
 
 #include "common/layout.h"
+#include "common/recipe.h"
 #include "common/status.h"
 #include "worker/comm/communicator.h"
 #include "worker/model/gpt_model.h"
@@ -38,25 +44,29 @@ namespace ltrain::worker {
 
 // What one rank's model shard is built from: the model, the job's layout and the rank's place in it.
 struct ModelShardSpec {
-  GptConfig config;
+  ModelSpec config;
   Layout layout;       // tp, pp, chunks, stage_layers, sequence_parallel, activation_checkpointing
   RankCoords coords;   // this rank's tp and pp coordinates pick its slices and stages
-  // false: PyTorch's initialisation from the global generator (seed it first). true: each parameter
-  // drawn whole on `device` by a copy of the device's generator seeded with (seed, its position),
-  // then sliced, so that no rank builds the whole model.
+  // false: PyTorch's initialisation from the global generator (seed it first; gpt2 only). true (and
+  // always for llama): each parameter drawn whole on `device` by a copy of the device's generator
+  // seeded with (seed, its position), then sliced, so that no rank builds the whole model.
   bool per_parameter_init = false;
   uint64_t seed = 0;
   torch::Device device = torch::kCPU;
 };
 
-// The full model's parameters in gpt_model.GPT's registration order: name and shape.
-std::vector<std::pair<std::string, std::vector<int64_t>>> GptParameterShapes(const GptConfig& config);
-int64_t GptParameterCount(const GptConfig& config);
+// The full model's parameters in the Python model's registration order: name and shape.
+std::vector<std::pair<std::string, std::vector<int64_t>>> ModelParameterShapes(const ModelSpec& config);
+int64_t ModelParameterCount(const ModelSpec& config);
+// The GPT module's configuration of a gpt2 model.
+GptConfig GptConfigOf(const ModelSpec& config);
+// The block of a parameter's name ("blocks.3.qkv.weight", "layers.3.wq.weight": 3); -1 for others.
+int LayerOf(const std::string& name);
 
 enum class TpSplit { kReplicated, kRows, kCols, kQkvRows };
 
-// How full-model parameter `name` is split over the ranks of a tp group larger than one.
-TpSplit SplitOf(const std::string& name);
+// How full-model parameter `name` is split over the ranks of a tp group of `tp` (kReplicated for 1).
+TpSplit SplitOf(const ModelSpec& config, const std::string& name, int tp);
 // Rank r's slice of full parameter `full` split `split` over `tp` ranks; and the inverse, the full
 // parameter of `full_shape` from every rank's slice in tp order (of any shape with the slice's size).
 torch::Tensor Slice(const torch::Tensor& full, TpSplit split, int tp, int r);
@@ -68,7 +78,7 @@ struct ShardParam {
   std::vector<int64_t> full_shape;
   TpSplit split = TpSplit::kReplicated;
   bool decay = false;               // weight decay applies (>= 2-D in the full model)
-  bool sp_partial = false;          // under sequence parallelism its gradient is a partial sum over tp
+  bool tp_partial = false;          // its gradient on each tp rank is a partial sum, to be summed over tp
   bool counts_for_norm = true;      // counted once in the global gradient norm (not a replica)
   bool exported = true;             // false for the last stage's copy of the tied embedding
   int unit = 0;                     // 0 embedding, 1 + layer for a block, layers + 1 the head
@@ -103,16 +113,21 @@ class ModelShard {
   // the activation, or at the last stage the mean cross-entropy over the micro-batch, out.
   torch::Tensor Forward(int chunk, const torch::Tensor& input, const torch::Tensor& targets);
 
+  // Logits [b, t, vocab] of token ids [b, t], the head computed in fp32: one rank (tp 1, pp 1) only.
+  torch::Tensor Logits(const torch::Tensor& ids);
+
   void set_hooks(UnitHooks hooks) { hooks_ = std::move(hooks); }
 
   // Under pipeline parallelism, the index in params() of this rank's copy of the tied embedding
-  // (first stage: the embedding, last stage: the head); -1 on other stages.
+  // (first stage: the embedding, last stage: the head); -1 on other stages and for an untied head.
   int TiedEmbeddingParam() const;
   // The pipeline rank holding full-model parameter `name`.
   int PipelineRankOf(const std::string& name) const;
 
   // One block's forward (public for the activation-checkpointing function).
   torch::Tensor BlockForward(int layer, const torch::Tensor& x);
+  torch::Tensor GptBlockForward(int layer, const torch::Tensor& x);
+  torch::Tensor LlamaBlockForward(int layer, const torch::Tensor& x);
   torch::Tensor Attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
 
   // The full tensor of a parameter, gathered over the tp group from every rank's `local` slice of
@@ -122,6 +137,10 @@ class ModelShard {
  private:
   ModelShard(const ModelShardSpec& spec, Communicator* tp) : spec_(spec), tp_(tp) {}
   const torch::Tensor& P(int layer, const char* name) const;
+  // This rank's rows of wk or wv: its slice, or its key/value head of the whole weight.
+  torch::Tensor KvWeight(int layer, const char* name) const;
+  torch::Tensor Rope(const torch::Tensor& x) const;  // [b, t, heads, head_dim]
+  torch::Tensor FinalNorm(const torch::Tensor& x);
   torch::Tensor Embed(const torch::Tensor& ids);
   torch::Tensor HeadLoss(const torch::Tensor& x, const torch::Tensor& targets);
   int FirstLayer(int virtual_stage) const;
@@ -134,7 +153,9 @@ class ModelShard {
   // Index into params_ of each block's parameters ([layer][name]) and of the others.
   std::vector<std::vector<int>> block_index_;
   std::vector<int> stage_of_layer_;
-  int wte_ = -1, wpe_ = -1, lnf_w_ = -1, lnf_b_ = -1, head_wte_ = -1;
+  int embed_ = -1, wpe_ = -1, norm_w_ = -1, norm_b_ = -1, head_ = -1;
+  bool kv_replicated_ = false;  // llama with kv_heads < tp
+  torch::Tensor rope_cos_, rope_sin_;  // [seq_len, head_dim/2], fp32
   UnitHooks hooks_;
 };
 

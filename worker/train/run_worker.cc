@@ -30,6 +30,7 @@
 #include "worker/model/fused_kernels.h"
 #include "worker/parallel/param_store.h"
 #include "worker/plan/topology.h"
+#include "worker/train/model_tools.h"
 #include "worker/train/trainer.h"
 #ifdef LTRAIN_WITH_NCCL
 #include "worker/comm/nccl_communicator.h"
@@ -371,6 +372,9 @@ another format).
 
 int RunWorker(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress lines reach the agent as they happen
+  if (argc > 1 && (std::string(argv[1]) == "export" || std::string(argv[1]) == "generate")) {
+    return RunModelTool(argc, argv);
+  }
   StatusOr<WorkerEnv> env = ParseWorkerEnv(ProcessEnvironment(), std::vector<std::string>(argv + 1, argv + argc));
   if (!env.ok()) {
     std::fprintf(stderr, "ltrain-worker: %s\n", env.status().message().c_str());

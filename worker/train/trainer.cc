@@ -23,6 +23,8 @@
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
 
+#include "common/data_prepare.h"
+#include "common/hf_format.h"
 #include "common/safetensors.h"
 #include "worker/checkpoint/checkpoint.h"
 #include "worker/checkpoint/checkpoint_writer.h"
@@ -150,14 +152,13 @@ std::unique_ptr<WindowStream> MakeWindowStream(const Recipe& recipe, int64_t spa
 }
 
 Trainer::Trainer(const Recipe& recipe, const TrainerOptions& options, ProcessGroups* groups, Layout layout,
-                 TokenDataset data)
-    : recipe_(recipe),
-      options_(options),
-      groups_(groups),
-      layout_(layout),
-      data_(std::move(data)),
-      sampler_(&data_, DataSeed(recipe), recipe.model.seq_len,
-               MakeWindowStream(recipe, data_.size() - recipe.model.seq_len - 1)) {}
+                 std::optional<TokenDataset> data)
+    : recipe_(recipe), options_(options), groups_(groups), layout_(layout), data_(std::move(data)) {
+  if (data_) {
+    sampler_ = std::make_unique<TokenSampler>(&*data_, DataSeed(recipe), recipe.model.seq_len,
+                                              MakeWindowStream(recipe, data_->size() - recipe.model.seq_len - 1));
+  }
+}
 
 Trainer::~Trainer() = default;
 
@@ -177,20 +178,41 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const Recipe& recipe, const T
     return InvalidArgument("process groups (tp " + std::to_string(t.tp) + ", dp " + std::to_string(t.dp) + ", pp " +
                            std::to_string(t.pp) + ") do not match the recipe's layout");
   }
-  if (recipe.data.path.empty()) return InvalidArgument("data.path is empty: point it at a directory written by `ltrain data prepare`");
-  StatusOr<TokenDataset> opened = TokenDataset::Open(recipe.data.path + "/train.bin");
-  if (!opened.ok()) {
-    // A restart would find the same files: missing data fails the job at once (exit 3), naming the path.
-    return opened.status().code() == StatusCode::kNotFound ? FailedPrecondition(opened.status().message())
-                                                           : opened.status();
-  }
-  TokenDataset data = std::move(opened).value();
-  if (data.vocab() > recipe.model.vocab) {
-    return InvalidArgument("token file " + data.path() + " has vocab " + std::to_string(data.vocab()) +
-                           " but model.vocab=" + std::to_string(recipe.model.vocab) + "; raise model.vocab");
+  std::optional<TokenDataset> data;
+  if (!options.model_only) {
+    if (recipe.data.path.empty()) return InvalidArgument("data.path is empty: point it at a directory written by `ltrain data prepare`");
+    StatusOr<TokenDataset> opened = TokenDataset::Open(recipe.data.path + "/train.bin");
+    if (!opened.ok()) {
+      // A restart would find the same files: missing data fails the job at once (exit 3), naming the path.
+      return opened.status().code() == StatusCode::kNotFound ? FailedPrecondition(opened.status().message())
+                                                             : opened.status();
+    }
+    data.emplace(std::move(opened).value());
+    // Data another tokenizer made, or a vocabulary larger than the model's embedding: no restart helps.
+    if (std::string problem = DataProblem(recipe); !problem.empty()) return FailedPrecondition(problem);
   }
   std::unique_ptr<Trainer> trainer(new Trainer(recipe, options, groups, layout, std::move(data)));
-  LTRAIN_RETURN_IF_ERROR(trainer->sampler_.Check());
+  if (trainer->sampler_) LTRAIN_RETURN_IF_ERROR(trainer->sampler_->Check());
+  if (recipe.training.eval_every > 0 && !options.model_only) {
+    StatusOr<TokenDataset> val = TokenDataset::Open(recipe.data.path + "/val.bin");
+    if (!val.ok()) {
+      return FailedPrecondition("training.eval_every=" + std::to_string(recipe.training.eval_every) +
+                                " evaluates on val.bin, which `ltrain data prepare` writes beside train.bin: " +
+                                val.status().message() + "; prepare the data again, or set training.eval_every: 0");
+    }
+    if (val->vocab() > recipe.model.vocab) {
+      return InvalidArgument("token file " + val->path() + " has vocab " + std::to_string(val->vocab()) +
+                             " but model.vocab=" + std::to_string(recipe.model.vocab) + "; raise model.vocab");
+    }
+    trainer->val_data_.emplace(std::move(val).value());
+    // Hash windows of a fixed seed: every evaluation, in every layout and after every resume,
+    // reads the same sequences.
+    trainer->val_sampler_ = std::make_unique<TokenSampler>(&*trainer->val_data_, DataSeed(recipe), recipe.model.seq_len);
+    if (Status s = trainer->val_sampler_->Check(); !s.ok()) {
+      return FailedPrecondition(trainer->val_data_->path() + ": " + s.message() +
+                                "; give `ltrain data prepare` more text, or set training.eval_every: 0");
+    }
+  }
   Status s;
   try {
     s = trainer->Init();
@@ -224,23 +246,25 @@ Status Trainer::Init() {
   bf16_ = device_.is_cuda() && p.precision != Precision::kFp32;
   bf16_params_ = bf16_ && p.precision != Precision::kBf16Autocast && layout_.zero < 3;
   activation_dtype_ = bf16_params_ ? torch::kBFloat16 : torch::kFloat;
-  overlap_ = options_.dp_overlap && layout_.pp == 1 && !layout_.sequence_parallel;
+
 
   const TrainingSpec& t = recipe_.training;
   schedule_ = LrSchedule{t.lr, t.min_lr, t.warmup_steps, t.steps, t.lr_schedule != LrScheduleKind::kConstant};
 
   ModelShardSpec ml;
-  ml.config = GptConfig{recipe_.model.layers, recipe_.model.d_model, recipe_.model.heads, recipe_.model.seq_len,
-                        recipe_.model.vocab};
+  ml.config = recipe_.model;
   ml.layout = layout_;
   ml.coords = groups_->coords;
   // Same seed on every rank: every rank draws the same full parameters and keeps its slices.
   ml.per_parameter_init = recipe_.model.init == ModelInit::kPerParameter ||
-                          (recipe_.model.init == ModelInit::kAuto && GptParameterCount(ml.config) >= kPerParameterInitFrom);
+                          (recipe_.model.init == ModelInit::kAuto && ModelParameterCount(ml.config) >= kPerParameterInitFrom);
   ml.seed = static_cast<uint64_t>(t.seed);
   ml.device = device_;
   torch::manual_seed(t.seed);
   LTRAIN_ASSIGN_OR_RETURN(model_, ModelShard::Create(ml, groups_->tp));
+  for (const ShardParam& sp : model_->params()) tp_partial_grads_ = tp_partial_grads_ || sp.tp_partial;
+  // Partial gradients are summed over tp after backward, before the data-parallel reduction.
+  overlap_ = options_.dp_overlap && layout_.pp == 1 && !tp_partial_grads_;
 
   std::vector<ShardParam>& params = model_->params();
   std::vector<ParamStore::Param> store_params;
@@ -317,6 +341,9 @@ Status Trainer::Init() {
   // After the snapshot memory is pinned: a resume reads into it (ReadShards).
   if (!recipe_.checkpoint.resume_from.empty()) {
     LTRAIN_RETURN_IF_ERROR(Resume(recipe_.checkpoint.resume_from));
+  } else if (!recipe_.model.init_from.empty()) {
+    // The same directory fails the same way after a restart: the job fails at once.
+    if (Status s = LoadInitialParameters(recipe_.model.init_from); !s.ok()) return FailedPrecondition(s.message());
   }
   run_start_step_ = step_;
   run_start_position_ = data_position_;
@@ -727,7 +754,7 @@ Status Trainer::ApplyShards(const std::string& step_dir, const CheckpointMeta& m
   const Layout saved = Layout::Grid(meta.tp, meta.dp, meta.pp);
   std::vector<ShardParam>& params = model_->params();
   auto full_of = [&](const Files& files, const std::string& prefix, const ShardParam& p) -> StatusOr<torch::Tensor> {
-    const TpSplit saved_split = meta.tp > 1 ? SplitOf(p.name) : TpSplit::kReplicated;
+    const TpSplit saved_split = SplitOf(recipe_.model, p.name, meta.tp);
     int64_t full_numel = 1;
     for (int64_t d : p.full_shape) full_numel *= d;
     const int slices = saved_split == TpSplit::kReplicated ? 1 : meta.tp;
@@ -781,12 +808,17 @@ Status Trainer::FillBatch(int micro_step, torch::Tensor* inputs, torch::Tensor* 
   slice.dp = layout_.dp;
   slice.micro_step = micro_step;
   slice.micro_batch = layout_.micro_batch;
+  return FillWindows(*sampler_, *data_, slice, inputs, targets);
+}
+
+Status Trainer::FillWindows(const TokenSampler& sampler, const TokenDataset& data, const BatchSlice& slice,
+                            torch::Tensor* inputs, torch::Tensor* targets) {
   // Fresh tensors per micro-batch: autograd keeps the token ids of a forward until its backward.
   // On CUDA from pinned memory, copied without waiting: the GPU keeps working meanwhile.
   const torch::TensorOptions host = torch::TensorOptions().dtype(torch::kLong).pinned_memory(device_.is_cuda());
   torch::Tensor in = torch::empty({layout_.micro_batch, recipe_.model.seq_len}, host);
   torch::Tensor tg = torch::empty({layout_.micro_batch, recipe_.model.seq_len}, host);
-  sampler_.Fill(slice, in.data_ptr<int64_t>(), tg.data_ptr<int64_t>());
+  sampler.Fill(slice, in.data_ptr<int64_t>(), tg.data_ptr<int64_t>());
   // Every token the model sees must be an embedding row: on a GPU an id past the table is a device
   // assert that kills the process without a word. The file's declared vocab is checked when it
   // opens; its tokens are checked here, as they are drawn (a whole-file scan would cost every
@@ -796,9 +828,9 @@ Status Trainer::FillBatch(int micro_step, torch::Tensor* inputs, torch::Tensor* 
     const int64_t* ids = t->data_ptr<int64_t>();
     for (int64_t i = 0, n = t->numel(); i < n; ++i) {
       if (ids[i] < 0 || ids[i] >= vocab) {
-        return FailedPrecondition("token file " + data_.path() + " holds token id " + std::to_string(ids[i]) +
+        return FailedPrecondition("token file " + data.path() + " holds token id " + std::to_string(ids[i]) +
                                   ", outside model.vocab=" + std::to_string(vocab) + " (the file declares vocab " +
-                                  std::to_string(data_.vocab()) +
+                                  std::to_string(data.vocab()) +
                                   "): it is damaged or was not written by `ltrain data prepare`; prepare it again");
       }
     }
@@ -806,6 +838,68 @@ Status Trainer::FillBatch(int micro_step, torch::Tensor* inputs, torch::Tensor* 
   *inputs = in.to(device_, /*non_blocking=*/true);
   *targets = tg.to(device_, /*non_blocking=*/true);
   return Status::Ok();
+}
+
+StatusOr<torch::Tensor> Trainer::PipelineForward(int micro_step, const torch::Tensor& inputs,
+                                                  const torch::Tensor& targets) {
+  // The virtual stages one after another: each rank runs its chunks when their turn comes,
+  // receiving the activation from the previous stage's rank and sending its own to the next.
+  Communicator* pp = groups_->pp;
+  const int pp_size = layout_.pp, me = groups_->coords.pp, stages = pp_size * layout_.chunks;
+  const std::vector<int64_t> shape = model_->ActivationShape(layout_.micro_batch);
+  torch::Tensor loss;
+  for (int vs = 0; vs < stages; ++vs) {
+    if (vs % pp_size != me) continue;
+    const int chunk = vs / pp_size;
+    torch::Tensor input = inputs;
+    if (vs > 0) {
+      input = torch::empty(shape, torch::TensorOptions().dtype(activation_dtype_).device(device_));
+      LTRAIN_RETURN_IF_ERROR(pp->Recv(input, (vs - 1) % pp_size, PipeTag(plan_, false, micro_step, vs - 1)));
+    }
+    torch::Tensor out = model_->Forward(chunk, input, targets);
+    if (vs == stages - 1) {
+      loss = out;
+    } else {
+      LTRAIN_RETURN_IF_ERROR(pp->Send(out.contiguous(), (vs + 1) % pp_size, PipeTag(plan_, false, micro_step, vs)));
+    }
+  }
+  LTRAIN_RETURN_IF_ERROR(pp->WaitSends());
+  return loss;
+}
+
+StatusOr<double> Trainer::Evaluate() {
+  torch::NoGradGuard no_grad;
+  Progress::Global().SetPhase(step_, "eval");
+  const int batches = recipe_.training.eval_batches, m = layout_.accumulation;
+  const bool last_stage = groups_->coords.pp == layout_.pp - 1;
+  torch::Tensor sum = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat).device(device_));
+  for (int e = 0; e < batches; ++e) {
+    for (int a = 0; a < m; ++a) {
+      BatchSlice slice;
+      slice.step = e;
+      slice.global_batch = layout_.global_batch;
+      slice.dp_rank = groups_->coords.dp;
+      slice.dp = layout_.dp;
+      slice.micro_step = a;
+      slice.micro_batch = layout_.micro_batch;
+      torch::Tensor inputs, targets;
+      LTRAIN_RETURN_IF_ERROR(FillWindows(*val_sampler_, *val_data_, slice, &inputs, &targets));
+      torch::Tensor loss;
+      if (layout_.pp == 1) {
+        loss = model_->Forward(0, inputs, targets);
+      } else {
+        LTRAIN_ASSIGN_OR_RETURN(loss, PipelineForward(a, inputs, targets));
+      }
+      if (last_stage) sum += loss.to(torch::kFloat).reshape({1});
+    }
+  }
+  // ZeRO-3 keeps the embedding's and the head's units gathered for a backward that does not come.
+  for (int u = 0; u < store_->units(); ++u) store_->Release(u);
+  torch::Tensor mean = (sum / (batches * m)).contiguous();
+  LTRAIN_RETURN_IF_ERROR(store_->DpAllReduce(mean));
+  mean.div_(layout_.dp);
+  if (layout_.pp > 1) LTRAIN_RETURN_IF_ERROR(groups_->pp->Broadcast(mean, layout_.pp - 1));
+  return mean.item<double>();
 }
 
 void Trainer::SampleActivations() {
@@ -937,10 +1031,11 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
   {
     torch::NoGradGuard no_grad;
     std::vector<ShardParam>& params = model_->params();
-    // Sequence parallelism leaves partial gradients of the replicated parameters on each tp rank.
-    if (recipe_.parallel.sequence_parallel) {
+    // Sequence parallelism leaves partial gradients of the replicated parameters on each tp rank,
+    // and so does a Llama with fewer key/value heads than tp of wk and wv.
+    if (tp_partial_grads_) {
       for (ShardParam& p : params) {
-        if (!p.sp_partial || !p.value.grad().defined()) continue;
+        if (!p.tp_partial || !p.value.grad().defined()) continue;
         torch::Tensor g = p.value.mutable_grad();
         LTRAIN_RETURN_IF_ERROR(groups_->tp->AllReduceSum(g));
       }
@@ -948,8 +1043,10 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
     // The tied embedding's two copies (first and last stage) get the sum of both gradients.
     if (groups_->in_embedding_group) {
       const int tied = model_->TiedEmbeddingParam();
-      torch::Tensor g = params[tied].value.mutable_grad();
-      LTRAIN_RETURN_IF_ERROR(groups_->embedding->AllReduceSum(g));
+      if (tied >= 0) {
+        torch::Tensor g = params[tied].value.mutable_grad();
+        LTRAIN_RETURN_IF_ERROR(groups_->embedding->AllReduceSum(g));
+      }
     }
   }
   if (!overlap_) {
@@ -1132,7 +1229,88 @@ Status Trainer::ExportParameters(const std::string& path) {
   return groups_->world->Barrier();
 }
 
-int64_t Trainer::FullModelParameters() const { return GptParameterCount(model_->spec().config); }
+std::vector<std::pair<std::string, torch::Tensor>> Trainer::FullParameters() const {
+  std::vector<std::pair<std::string, torch::Tensor>> out;
+  const std::vector<ShardParam>& params = model_->params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (!params[i].exported) continue;
+    out.emplace_back(params[i].name, store_->MasterValue(static_cast<int>(i)).detach().to(torch::kCPU).to(torch::kFloat).clone());
+  }
+  return out;
+}
+
+torch::Tensor Trainer::Logits(const torch::Tensor& ids) {
+  torch::NoGradGuard no_grad;
+  for (int u = 0; u < store_->units(); ++u) {
+    if (Status s = store_->AwaitCompute(u); !s.ok()) throw std::runtime_error(s.message());
+  }
+  return model_->Logits(ids.to(device_));
+}
+
+Status Trainer::LoadInitialParameters(const std::string& path) {
+  torch::NoGradGuard no_grad;
+  LTRAIN_ASSIGN_OR_RETURN(auto tensor_files, SafetensorsTensorFiles(path));
+  // transformers' name (and layout) of each of our parameters, and our own names as they are.
+  std::map<std::string, HfName> by_ours;
+  for (const HfName& n : HfNames(recipe_.model)) by_ours[n.ours] = n;
+  std::map<std::string, std::unique_ptr<SafetensorsFile>> open;
+  auto read = [&](const std::string& name, const std::vector<int64_t>& want, bool transposed) -> StatusOr<torch::Tensor> {
+    const std::string& file = tensor_files.at(name);
+    if (!open.count(file)) {
+      LTRAIN_ASSIGN_OR_RETURN(open[file], SafetensorsFile::Open(file));
+    }
+    const SafetensorsEntry* e = open[file]->Find(name);
+    std::vector<int64_t> shape = e->shape;
+    if (transposed && shape.size() == 2) std::swap(shape[0], shape[1]);
+    if (shape != want) {
+      auto text = [](const std::vector<int64_t>& s) {
+        std::string t = "[";
+        for (size_t i = 0; i < s.size(); ++i) t += (i ? ", " : "") + std::to_string(s[i]);
+        return t + "]";
+      };
+      return InvalidArgument("model.init_from: " + file + " has " + name + " of shape " + text(e->shape) +
+                             (transposed ? " (transposed: " + text(shape) + ")" : "") + ", the recipe's model needs " +
+                             text(want) + ": set the model keys (layers, d_model, heads, kv_heads, ffn, vocab) to the "
+                             "saved model's");
+    }
+    torch::ScalarType dtype = torch::kFloat;
+    if (e->dtype == "BF16") {
+      dtype = torch::kBFloat16;
+    } else if (e->dtype == "F16") {
+      dtype = torch::kHalf;
+    } else if (e->dtype != "F32") {
+      return InvalidArgument("model.init_from: " + name + " in " + file + " is " + e->dtype + "; F32, BF16 and F16 are read");
+    }
+    torch::Tensor t = torch::empty(e->shape, torch::TensorOptions().dtype(dtype));
+    LTRAIN_RETURN_IF_ERROR(open[file]->Read(*e, t.data_ptr()));
+    t = t.to(torch::kFloat);
+    return transposed ? t.t().contiguous() : t;
+  };
+  std::vector<ShardParam>& params = model_->params();
+  for (size_t i = 0; i < params.size(); ++i) {
+    const ShardParam& p = params[i];
+    const HfName& n = by_ours.at(p.name);
+    torch::Tensor full;
+    if (tensor_files.count(n.hf)) {
+      LTRAIN_ASSIGN_OR_RETURN(full, read(n.hf, p.full_shape, n.transposed));
+    } else if (tensor_files.count(p.name)) {
+      LTRAIN_ASSIGN_OR_RETURN(full, read(p.name, p.full_shape, false));
+    } else {
+      return InvalidArgument("model.init_from: " + path + " has no " + n.hf + " (nor " + p.name + "): is it a " +
+                             NameOf(recipe_.model.arch) + " of model.layers=" + std::to_string(recipe_.model.layers) + "?");
+    }
+    torch::Tensor mine = layout_.tp > 1 ? Slice(full, p.split, layout_.tp, groups_->coords.tp) : full;
+    LTRAIN_RETURN_IF_ERROR(store_->LoadParamPart(static_cast<int>(i), ParamStore::StatePart::kValue,
+                                                 RangeValues(mine.reshape(-1).to(device_))));
+  }
+  if (options_.print_progress && groups_->rank == 0) {
+    std::printf("model: %zu parameter tensors from %s\n", params.size(), path.c_str());
+    std::fflush(stdout);
+  }
+  return Status::Ok();
+}
+
+int64_t Trainer::FullModelParameters() const { return ModelParameterCount(model_->spec().config); }
 
 void Trainer::PrintThroughput(int64_t first_step, int64_t steps, double total_ms) const {
   const int64_t params = FullModelParameters();
@@ -1162,11 +1340,11 @@ Status Trainer::Run() {
   if (printer) {
     const int64_t params = FullModelParameters();
     std::printf(
-        "model gpt params %lld layers %d d_model %d heads %d seq_len %d vocab %d | layout world %d dp %d "
+        "model %s params %lld layers %d d_model %d heads %d kv_heads %d ffn %d seq_len %d vocab %d | layout world %d dp %d "
         "tp %d pp %d zero %d sp %d schedule %s chunks %d ac %s micro_batch %d accumulation %d global_batch %d "
         "device %s backend %s threads %d | init %s sampling %s\n",
-        static_cast<long long>(params), recipe_.model.layers, recipe_.model.d_model, recipe_.model.heads,
-        recipe_.model.seq_len, recipe_.model.vocab, layout_.world_size, layout_.dp, layout_.tp, layout_.pp,
+        NameOf(recipe_.model.arch).c_str(), static_cast<long long>(params), recipe_.model.layers, recipe_.model.d_model,
+        recipe_.model.heads, KvHeads(recipe_.model), FfnWidth(recipe_.model), recipe_.model.seq_len, recipe_.model.vocab, layout_.world_size, layout_.dp, layout_.tp, layout_.pp,
         layout_.zero, layout_.sequence_parallel ? 1 : 0,
         layout_.pp > 1 ? NameOf(layout_.pp_schedule).c_str() : "none", layout_.chunks,
         NameOf(layout_.activation_checkpointing).c_str(), layout_.micro_batch, layout_.accumulation,
@@ -1203,7 +1381,7 @@ Status Trainer::Run() {
   // the training thread spent in checkpoint saves.
   const int64_t warmup = std::min<int64_t>(3, (t.steps - run_start_step_) / 2);
   SteadyClock::time_point window_start = SteadyClock::now();
-  double window_ms = 0, blocked_at_start = checkpoint_blocked_ms_;
+  double window_ms = 0, blocked_at_start = checkpoint_blocked_ms_, eval_at_start = eval_ms_;
   int64_t window_first = run_start_step_ + 1;
   while (step_ < t.steps) {
     const double lr = LearningRate(schedule_, step_);
@@ -1229,19 +1407,34 @@ Status Trainer::Run() {
     const bool periodic = recipe_.checkpoint.every > 0 && s % recipe_.checkpoint.every == 0;
     const bool save = periodic || s == t.steps || stop_here;
     Finished finished{s, lr, MillisSince(start), loss, stop_here};
-    if (!lag || save || s == run_start_step_ + warmup) {
+    const bool eval = t.eval_every > 0 && (s % t.eval_every == 0 || s == t.steps || stop_here);
+    if (!lag || save || eval || s == run_start_step_ + warmup) {
       // The loss is read now: a checkpoint never holds the parameters of a non-finite step.
       LTRAIN_RETURN_IF_ERROR(settle(finished));
     } else {
       pending = finished;
     }
+    if (eval) {
+      const auto eval_start = SteadyClock::now();
+      LTRAIN_ASSIGN_OR_RETURN(double val_loss, Evaluate());
+      Progress::Global().RecordEval(s, val_loss);
+      if (printer) {
+        std::printf("eval step %lld/%lld val_loss %.6f eval_ms %.1f\n", static_cast<long long>(s),
+                    static_cast<long long>(t.steps), val_loss, MillisSince(eval_start));
+        std::fflush(stdout);
+      }
+      eval_ms_ += MillisSince(eval_start);
+    }
     if (s == run_start_step_ + warmup) {
       compat::Synchronize(device_);
       window_start = SteadyClock::now();
       blocked_at_start = checkpoint_blocked_ms_;
+      eval_at_start = eval_ms_;
       window_first = s + 1;
     }
-    if (s == t.steps) window_ms = MillisSince(window_start) - (checkpoint_blocked_ms_ - blocked_at_start);
+    if (s == t.steps) {
+      window_ms = MillisSince(window_start) - (checkpoint_blocked_ms_ - blocked_at_start) - (eval_ms_ - eval_at_start);
+    }
     if (!memory_printed_ && options_.print_progress) {
       // Bytes this rank holds for each; activations_peak is the largest growth of the heap over
       // the start of the step, sampled after every forward: what autograd saved for backward

@@ -17,6 +17,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -61,6 +62,8 @@ struct TrainerOptions {
   // Data-parallel gradients reduced during backward, as each bucket completes (false: after it;
   // LTRAIN_DP_OVERLAP=0).
   bool dp_overlap = true;
+  // The model without training data (export, generate): Run, Step and Save are not called.
+  bool model_only = false;
   // Delivers this rank's Progress to its agent before it returns (ProgressReporter::Flush). Rank 0
   // calls it when a checkpoint is committed, after recording the commit and before printing its
   // line, on the thread that committed it (see CheckpointWriterOptions::on_commit). Empty: none.
@@ -91,6 +94,12 @@ class Trainer {
   // float32 values (little-endian). Every rank must call it.
   Status ExportParameters(const std::string& path);
 
+  // Every parameter of the full model (the tied head once) in its order, as fp32 CPU tensors: a
+  // world of one rank only.
+  std::vector<std::pair<std::string, torch::Tensor>> FullParameters() const;
+  // Logits [b, t, vocab] (fp32) of token ids [b, t]: a world of one rank only, no gradient.
+  torch::Tensor Logits(const torch::Tensor& ids);
+
   int64_t step() const { return step_; }
   int64_t data_position() const { return data_position_; }
   const Layout& layout() const { return layout_; }
@@ -107,7 +116,10 @@ class Trainer {
 
  private:
   Trainer(const Recipe& recipe, const TrainerOptions& options, ProcessGroups* groups, Layout layout,
-          TokenDataset data);
+          std::optional<TokenDataset> data);
+  // model.init_from: every parameter from the safetensors of a Hugging Face directory (or file),
+  // under transformers' names or ours; moments start at zero.
+  Status LoadInitialParameters(const std::string& path);
   Status Init();
   StatusOr<torch::Tensor> StepImpl(bool check_loss);
   // One step; the global-batch mean loss as a [1] tensor on the device. `check_loss` reads it
@@ -116,6 +128,15 @@ class Trainer {
   Status CheckLoss(double value, int64_t step) const;
   // The micro-batch's token windows; FailedPrecondition when one holds an id outside model.vocab.
   Status FillBatch(int micro_step, torch::Tensor* inputs, torch::Tensor* targets);
+  // The windows of `slice` from `sampler` over `data`, on the device.
+  Status FillWindows(const TokenSampler& sampler, const TokenDataset& data, const BatchSlice& slice,
+                     torch::Tensor* inputs, torch::Tensor* targets);
+  // The mean loss over training.eval_batches global batches of val.bin (the same windows each
+  // time), known on every rank; forward only, the parameters and the training data position stay.
+  StatusOr<double> Evaluate();
+  // One micro-batch's mean loss through this rank's pipeline stages, forward only (last stage: the
+  // loss; other stages: undefined).
+  StatusOr<torch::Tensor> PipelineForward(int micro_step, const torch::Tensor& inputs, const torch::Tensor& targets);
   Status RunPipeline(torch::Tensor& loss_sum);
   void SampleActivations();
   std::string LayoutKey() const;
@@ -164,15 +185,19 @@ class Trainer {
   std::unique_ptr<ProcessGroups> owned_groups_;
   ProcessGroups* groups_;
   Layout layout_;
-  TokenDataset data_;
-  TokenSampler sampler_;
+  std::optional<TokenDataset> data_;               // train.bin; none for a model-only trainer
+  std::unique_ptr<TokenSampler> sampler_;
+  std::optional<TokenDataset> val_data_;           // val.bin, when training.eval_every > 0
+  std::unique_ptr<TokenSampler> val_sampler_;
+  double eval_ms_ = 0;                             // time spent evaluating (out of the throughput window)
   LrSchedule schedule_;
   torch::Device device_{torch::kCPU};
   bool bf16_ = false;
   bool bf16_params_ = false;                       // bf16 copies of fp32 masters (no autocast)
   bool defer_compute_ = false;                     // the store's bf16 copies gathered during the next forward
   torch::ScalarType activation_dtype_ = torch::kFloat;  // what pipeline stages send each other
-  bool overlap_ = true;          // reduce buckets from backward hooks (pp == 1, no sequence parallel)
+  bool overlap_ = true;          // reduce buckets from backward hooks (pp == 1, no partial tp gradients)
+  bool tp_partial_grads_ = false;  // some gradients are partial sums over tp (ShardParam::tp_partial)
   std::unique_ptr<ModelShard> model_;
   std::unique_ptr<ParamStore> store_;
   std::vector<std::string> param_names_;

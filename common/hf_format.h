@@ -1,0 +1,34 @@
+// Hugging Face transformers' layout of our models: parameter names, GPT-2's transposed Conv1D
+// weights, config.json. `ltrain export --format hf` writes it, `model.init_from` reads it (and our
+// own names: llama_model.Llama's and gpt_model.GPT's state_dict saved as safetensors). No LibTorch.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "common/recipe.h"
+#include "common/status.h"
+
+namespace ltrain {
+
+struct HfName {
+  std::string ours;        // "layers.3.wq.weight"
+  std::string hf;          // "model.layers.3.self_attn.q_proj.weight"
+  bool transposed = false; // GPT-2's Conv1D stores [in, out]: ours transposed
+};
+
+// Every parameter of the model, in our order, with its transformers name (LlamaForCausalLM,
+// GPT2LMHeadModel). A tied head has no entry of its own.
+std::vector<HfName> HfNames(const ModelSpec& model);
+
+// config.json for the model; `bos`/`eos` are the tokenizer's ids, -1 for none.
+std::string HfConfigJson(const ModelSpec& model, int64_t bos, int64_t eos);
+
+// Safetensors files of a directory written by `ltrain export` or transformers' save_pretrained
+// (model.safetensors, or the shards model.safetensors.index.json lists), or one .safetensors file:
+// tensor name -> file.
+StatusOr<std::map<std::string, std::string>> SafetensorsTensorFiles(const std::string& path);
+
+}  // namespace ltrain

@@ -1,0 +1,227 @@
+// A Llama from text to a model that leaves ltrain, through the binaries as a user runs them: a BPE
+// trained on the licence texts (`ltrain data prepare --train-tokenizer`), recipes/llama-quickstart.yaml
+// shortened, validation loss, `ltrain export --format hf`, `model.init_from` of the export (the same
+// parameters come back), `ltrain generate`. Also GPT-2's export (its transposed Conv1D weights)
+// and the refusals: a model.vocab too small for the data, data made by another tokenizer.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <set>
+
+#include <nlohmann/json.hpp>
+
+#include "common/safetensors.h"
+#include "tests/support/job_status.h"
+#include "tests/support/subprocess.h"
+
+namespace ltrain::testing {
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+
+// Every tensor of the safetensors files a directory's model.safetensors(.index.json) names, as bytes.
+std::map<std::string, std::string> Tensors(const fs::path& dir) {
+  std::vector<fs::path> files;
+  if (fs::exists(dir / "model.safetensors.index.json")) {
+    Json index = Json::parse(ReadFile((dir / "model.safetensors.index.json").string()));
+    std::set<std::string> names;
+    for (const auto& [name, file] : index.at("weight_map").items()) names.insert(file.get<std::string>());
+    for (const auto& n : names) files.push_back(dir / n);
+  } else {
+    files.push_back(dir / "model.safetensors");
+  }
+  std::map<std::string, std::string> out;
+  for (const fs::path& f : files) {
+    auto file = SafetensorsFile::Open(f.string());
+    EXPECT_TRUE(file.ok()) << file.status().ToString();
+    if (!file.ok()) continue;
+    for (const SafetensorsEntry& e : (*file)->tensors()) {
+      std::string bytes(e.bytes, '\0');
+      EXPECT_TRUE((*file)->Read(e, bytes.data()).ok());
+      out[e.name] = bytes;
+    }
+  }
+  return out;
+}
+
+class LlamaTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    dir_ = new TempDir();
+    std::vector<std::string> texts = LicenseTexts();
+    ASSERT_FALSE(texts.empty()) << "install Debian's base-files package (/usr/share/common-licenses)";
+    // The README's command, on the directory.
+    ProcessResult prepared = RunProcess({LtrainBinary(), "data", "prepare", "--input", "/usr/share/common-licenses",
+                                         "--output", dir_->Join("bpe"), "--train-tokenizer", "bpe", "--vocab", "2048"},
+                                        {}, std::chrono::seconds(300));
+    ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
+    prepare_output_ = new std::string(prepared.output);
+  }
+  static void TearDownTestSuite() {
+    delete dir_;
+    delete prepare_output_;
+  }
+
+  std::map<std::string, std::string> Env() const { return {{"LTRAIN_HOME", dir_->Join("home")}}; }
+
+  ProcessResult Launch(const std::string& recipe, const std::vector<std::string>& sets) {
+    std::vector<std::string> argv = {LtrainBinary(), "launch", recipe};
+    for (const auto& set : sets) argv.insert(argv.end(), {"--set", set});
+    return RunProcess(argv, Env(), std::chrono::seconds(300));
+  }
+
+  std::string Quickstart() const { return SourceDir() + "/recipes/llama-quickstart.yaml"; }
+
+  static TempDir* dir_;
+  static std::string* prepare_output_;
+};
+
+TempDir* LlamaTest::dir_ = nullptr;
+std::string* LlamaTest::prepare_output_ = nullptr;
+
+TEST_F(LlamaTest, TrainExportImportAndGenerate) {
+  // The data keeps its tokenizer and says so.
+  EXPECT_NE(prepare_output_->find("with the huggingface tokenizer tokenizer.json (vocab 2048)"), std::string::npos)
+      << *prepare_output_;
+  EXPECT_TRUE(fs::exists(dir_->Join("bpe/tokenizer.json")));
+  EXPECT_NE(ReadFile(dir_->Join("bpe/data.yaml")).find("tokenizer: huggingface"), std::string::npos);
+
+  const std::string data = "data.path=" + dir_->Join("bpe");
+  ProcessResult trained = Launch(Quickstart(), {data, "name=llama-a", "training.steps=40", "training.eval_every=20",
+                                                "training.log_every=10", "checkpoint.every=40",
+                                                "checkpoint.dir=" + dir_->Join("ck-a")});
+  ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  EXPECT_NE(trained.output.find("model llama params"), std::string::npos) << trained.output;
+  EXPECT_NE(trained.output.find("eval step 40/40 val_loss "), std::string::npos) << trained.output;
+  std::vector<double> losses = ParseLosses(trained.output);
+  ASSERT_GE(losses.size(), 3u);
+  EXPECT_NEAR(losses.front(), std::log(2048.0), 0.5) << "a fresh model guesses among 2048 tokens";
+  EXPECT_LT(losses.back(), losses.front() - 1.5) << trained.output;
+
+  // Export: transformers' names, config and the tokenizer.
+  const std::string step = dir_->Join("ck-a/step-40");
+  ProcessResult exported = RunProcess({LtrainBinary(), "export", step, "--output", dir_->Join("hf-a")}, Env());
+  ASSERT_EQ(exported.exit_code, 0) << exported.output;
+  Json config = Json::parse(ReadFile(dir_->Join("hf-a/config.json")));
+  EXPECT_EQ(config["architectures"][0], "LlamaForCausalLM");
+  EXPECT_EQ(config["num_key_value_heads"], 2);
+  EXPECT_EQ(config["intermediate_size"], 384);
+  EXPECT_EQ(config["tie_word_embeddings"], true);
+  EXPECT_EQ(config["eos_token_id"], 2047);
+  EXPECT_TRUE(fs::exists(dir_->Join("hf-a/tokenizer.json")));
+  EXPECT_TRUE(fs::exists(dir_->Join("hf-a/tokenizer_config.json")));
+  std::map<std::string, std::string> a = Tensors(dir_->Join("hf-a"));
+  EXPECT_EQ(a.size(), 1u + 4 * 9 + 1);
+  EXPECT_TRUE(a.count("model.layers.3.self_attn.k_proj.weight"));
+  EXPECT_EQ(a["model.layers.0.self_attn.k_proj.weight"].size(), 64u * 128 * 4) << "2 kv heads of 32 by d 128";
+  // An existing directory is not written into.
+  ProcessResult again = RunProcess({LtrainBinary(), "export", step, "--output", dir_->Join("hf-a")}, Env());
+  EXPECT_EQ(again.exit_code, 2) << again.output;
+
+  // Import in another layout (tp 2), sharded files: with lr 0 and no weight decay the parameters
+  // come back as they went out.
+  ProcessResult sharded = RunProcess({LtrainBinary(), "export", step, "--output", dir_->Join("hf-shards"),
+                                      "--max-shard-gb", "0.0005"}, Env());
+  ASSERT_EQ(sharded.exit_code, 0) << sharded.output;
+  EXPECT_TRUE(fs::exists(dir_->Join("hf-shards/model.safetensors.index.json")));
+  int shards = 0;
+  for (const auto& e : fs::directory_iterator(dir_->Join("hf-shards"))) {
+    shards += e.path().filename().string().rfind("model-0", 0) == 0;
+  }
+  EXPECT_GE(shards, 4) << "4.2 MB of weights in files of 0.5 MB";
+  EXPECT_TRUE(fs::exists(dir_->Join("hf-shards/model-00001-of-0000" + std::to_string(shards) + ".safetensors")));
+  ProcessResult imported = Launch(Quickstart(), {data, "name=llama-b", "training.steps=2", "training.lr=0",
+                                                 "training.min_lr=0", "training.weight_decay=0", "training.eval_every=0",
+                                                 "parallel.tp=2", "model.init_from=" + dir_->Join("hf-shards"),
+                                                 "checkpoint.dir=" + dir_->Join("ck-b")});
+  ASSERT_EQ(imported.exit_code, 0) << imported.output;
+  EXPECT_NE(imported.output.find("parameter tensors from " + dir_->Join("hf-shards")), std::string::npos)
+      << imported.output;
+  std::vector<double> imported_losses = ParseLosses(imported.output);
+  ASSERT_FALSE(imported_losses.empty());
+  EXPECT_LT(imported_losses.front(), losses.front() - 1.0) << "it starts where the first run ended";
+  ProcessResult reexported = RunProcess({LtrainBinary(), "export", dir_->Join("ck-b"), "--output", dir_->Join("hf-b")}, Env());
+  ASSERT_EQ(reexported.exit_code, 0) << reexported.output;
+  std::map<std::string, std::string> b = Tensors(dir_->Join("hf-b"));
+  ASSERT_EQ(b.size(), a.size());
+  for (const auto& [name, bytes] : a) EXPECT_TRUE(b[name] == bytes) << name;
+
+  // Generation continues the prompt; greedy decoding is deterministic.
+  ProcessResult text = RunProcess({LtrainBinary(), "generate", step, "--prompt", "This program is free software",
+                                   "--max-tokens", "30", "--temperature", "0"}, Env());
+  ASSERT_EQ(text.exit_code, 0) << text.output;
+  EXPECT_EQ(text.output.rfind("This program is free software", 0), 0u) << text.output;
+  EXPECT_GT(text.output.size(), std::string("This program is free software").size() + 20) << text.output;
+  ProcessResult json = RunProcess({LtrainBinary(), "generate", step, "--prompt", "This program is free software",
+                                   "--max-tokens", "30", "--temperature", "0", "-o", "json"}, Env());
+  ASSERT_EQ(json.exit_code, 0) << json.output;
+  Json sample = Json::parse(json.output);
+  EXPECT_EQ("This program is free software" + sample["completion"].get<std::string>() + "\n", text.output);
+  // --score: the prompt's per-token log-probabilities, about the training loss on familiar text.
+  ProcessResult score = RunProcess({LtrainBinary(), "generate", step, "--score", "-o", "json", "--prompt",
+                                    "This program is free software: you can redistribute it and/or modify it"}, Env());
+  ASSERT_EQ(score.exit_code, 0) << score.output;
+  Json scored = Json::parse(score.output);
+  ASSERT_GE(scored["logprobs"].size(), 5u);
+  for (const Json& lp : scored["logprobs"]) EXPECT_LE(lp.get<double>(), 0.0);
+  EXPECT_LT(scored["mean_loss"].get<double>(), losses.front());
+}
+
+TEST_F(LlamaTest, Gpt2ExportsTransposedConv1DWeights) {
+  ProcessResult prepared = PrepareLicenseData(dir_->Join("bytes"));
+  ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
+  ProcessResult trained = Launch(SourceDir() + "/recipes/quickstart.yaml",
+                                 {"data.path=" + dir_->Join("bytes"), "name=gpt-a", "training.steps=4",
+                                  "checkpoint.dir=" + dir_->Join("ck-gpt")});
+  ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  ProcessResult exported = RunProcess({LtrainBinary(), "export", dir_->Join("ck-gpt"), "--output", dir_->Join("hf-gpt")}, Env());
+  ASSERT_EQ(exported.exit_code, 0) << exported.output;
+  Json config = Json::parse(ReadFile(dir_->Join("hf-gpt/config.json")));
+  EXPECT_EQ(config["architectures"][0], "GPT2LMHeadModel");
+  EXPECT_EQ(config["activation_function"], "gelu_new");
+  auto file = SafetensorsFile::Open(dir_->Join("hf-gpt/model.safetensors"));
+  ASSERT_TRUE(file.ok());
+  const SafetensorsEntry* c_attn = (*file)->Find("transformer.h.0.attn.c_attn.weight");
+  ASSERT_NE(c_attn, nullptr);
+  EXPECT_EQ(c_attn->shape, (std::vector<int64_t>{128, 384})) << "Conv1D: [in, out]";
+  EXPECT_EQ((*file)->Find("lm_head.weight"), nullptr) << "tied to transformer.wte";
+  EXPECT_NE(exported.output.find("no tokenizer files (the data is bytes"), std::string::npos) << exported.output;
+  // Imported back under transformers' names, it starts where it ended.
+  ProcessResult imported = Launch(SourceDir() + "/recipes/quickstart.yaml",
+                                  {"data.path=" + dir_->Join("bytes"), "name=gpt-b", "training.steps=2", "training.lr=0",
+                                   "training.min_lr=0", "training.weight_decay=0",
+                                   "model.init_from=" + dir_->Join("hf-gpt"), "checkpoint.dir=" + dir_->Join("ck-gpt-b")});
+  ASSERT_EQ(imported.exit_code, 0) << imported.output;
+  ProcessResult reexported = RunProcess({LtrainBinary(), "export", dir_->Join("ck-gpt-b"), "--output", dir_->Join("hf-gpt-b")}, Env());
+  ASSERT_EQ(reexported.exit_code, 0) << reexported.output;
+  std::map<std::string, std::string> a = Tensors(dir_->Join("hf-gpt")), b = Tensors(dir_->Join("hf-gpt-b"));
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [name, bytes] : a) EXPECT_TRUE(b[name] == bytes) << name;
+}
+
+TEST_F(LlamaTest, DataTheModelCannotReadIsRefusedBeforeTheJob) {
+  const std::string data = "data.path=" + dir_->Join("bpe");
+  ProcessResult small = RunProcess({LtrainBinary(), "validate", Quickstart(), "--set", data, "--set", "model.vocab=1024"});
+  EXPECT_EQ(small.exit_code, 2) << small.output;
+  EXPECT_NE(small.output.find("model.vocab=1024 is smaller than the vocabulary of the data"), std::string::npos)
+      << small.output;
+  EXPECT_NE(small.output.find("set model.vocab: 2048"), std::string::npos) << small.output;
+  ProcessResult launch = Launch(Quickstart(), {data, "model.vocab=1024"});
+  EXPECT_EQ(launch.exit_code, 2) << launch.output;
+  ProcessResult other = RunProcess({LtrainBinary(), "validate", Quickstart(), "--set", data, "--set", "data.tokenizer=byte"});
+  EXPECT_EQ(other.exit_code, 2) << other.output;
+  EXPECT_NE(other.output.find("was made by the huggingface tokenizer"), std::string::npos) << other.output;
+  // A directory the model's shapes do not fit fails the job at start, naming the tensor.
+  ProcessResult wrong = Launch(Quickstart(), {data, "name=llama-wrong", "training.steps=2", "model.layers=2",
+                                              "model.d_model=64", "model.init_from=" + dir_->Join("nowhere")});
+  EXPECT_NE(wrong.exit_code, 0);
+  EXPECT_NE(wrong.output.find("nowhere"), std::string::npos) << wrong.output;
+}
+
+}  // namespace
+}  // namespace ltrain::testing

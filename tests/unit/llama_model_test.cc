@@ -1,0 +1,187 @@
+// The Llama of the parallel runtime (ModelShard with model.arch: llama) on one rank against a
+// module written out here the way llama_model.Llama is (RMSNorm, rotate-half rotary embeddings,
+// key/value heads repeated for grouped-query attention, SwiGLU), on the same weights: the same loss
+// and gradients. Also its parameter names and shapes, its initialisation and its tensor-parallel
+// slices, with key/value heads split and replicated.
+#include <cmath>
+#include <limits>
+#include <map>
+#include <string>
+
+#include <gtest/gtest.h>
+#include <torch/nn/functional.h>
+
+#include "worker/comm/communicator.h"
+#include "worker/model/parallel_model.h"
+
+namespace ltrain::worker {
+namespace {
+
+namespace F = torch::nn::functional;
+
+ModelSpec TinyLlama(bool tied) {
+  ModelSpec m;
+  m.arch = Arch::kLlama;
+  m.layers = 2;
+  m.d_model = 32;
+  m.heads = 4;
+  m.kv_heads = 2;
+  m.ffn = 48;
+  m.seq_len = 16;
+  m.vocab = 256;
+  m.rope_theta = 10000;
+  m.tie_embeddings = tied;
+  return m;
+}
+
+// llama_model.Llama's forward, step by step, over the parameters by name.
+torch::Tensor ReferenceLoss(const ModelSpec& m, std::map<std::string, torch::Tensor>& p, const torch::Tensor& idx,
+                            const torch::Tensor& targets) {
+  const int64_t b = idx.size(0), t = idx.size(1), hd = m.d_model / m.heads;
+  auto norm = [&](const torch::Tensor& x, const torch::Tensor& w) {
+    return x * torch::rsqrt(x.pow(2).mean(-1, true) + m.norm_eps) * w;
+  };
+  torch::Tensor inv = 1.0 / torch::pow(m.rope_theta, torch::arange(0, hd, 2, torch::kFloat) / static_cast<double>(hd));
+  torch::Tensor angles = torch::outer(torch::arange(t, torch::kFloat), inv);
+  torch::Tensor cos = angles.cos().view({1, t, 1, hd / 2}), sin = angles.sin().view({1, t, 1, hd / 2});
+  auto rope = [&](const torch::Tensor& x) {
+    auto halves = x.chunk(2, -1);
+    return torch::cat({halves[0] * cos - halves[1] * sin, halves[1] * cos + halves[0] * sin}, -1);
+  };
+  torch::Tensor causal = torch::ones({t, t}, torch::kBool).triu(1);
+  torch::Tensor x = F::embedding(idx, p.at("tok_embeddings.weight"));
+  for (int l = 0; l < m.layers; ++l) {
+    auto w = [&](const std::string& name) { return p.at("layers." + std::to_string(l) + "." + name); };
+    torch::Tensor h = norm(x, w("attn_norm.weight"));
+    torch::Tensor q = rope(F::linear(h, w("wq.weight")).view({b, t, m.heads, hd}));
+    torch::Tensor k = rope(F::linear(h, w("wk.weight")).view({b, t, m.kv_heads, hd}));
+    torch::Tensor v = F::linear(h, w("wv.weight")).view({b, t, m.kv_heads, hd});
+    const int64_t rep = m.heads / m.kv_heads;
+    q = q.transpose(1, 2);
+    k = k.repeat_interleave(rep, 2).transpose(1, 2);
+    v = v.repeat_interleave(rep, 2).transpose(1, 2);
+    torch::Tensor scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
+    scores = scores.masked_fill(causal, -std::numeric_limits<double>::infinity());
+    torch::Tensor y = torch::matmul(torch::softmax(scores, -1), v).transpose(1, 2).reshape({b, t, m.d_model});
+    x = x + F::linear(y, w("wo.weight"));
+    h = norm(x, w("ffn_norm.weight"));
+    x = x + F::linear(torch::silu(F::linear(h, w("w1.weight"))) * F::linear(h, w("w3.weight")), w("w2.weight"));
+  }
+  const torch::Tensor& head = m.tie_embeddings ? p.at("tok_embeddings.weight") : p.at("output.weight");
+  torch::Tensor logits = F::linear(norm(x, p.at("norm.weight")), head);
+  return F::cross_entropy(logits.view({-1, m.vocab}), targets.view({-1}));
+}
+
+void ExpectShardEqualsReference(bool tied) {
+  ModelShardSpec spec;
+  spec.config = TinyLlama(tied);
+  spec.layout.stage_layers = {spec.config.layers};
+  spec.seed = 9;
+  SelfCommunicator self;
+  auto shard = ModelShard::Create(spec, &self);
+  ASSERT_TRUE(shard.ok()) << shard.status().message();
+  std::map<std::string, torch::Tensor> ref;
+  for (const ShardParam& sp : (*shard)->params()) ref[sp.name] = sp.value.detach().clone().requires_grad_(true);
+  EXPECT_EQ(ref.count("output.weight"), tied ? 0u : 1u);
+
+  torch::manual_seed(6);
+  torch::Tensor idx = torch::randint(0, 256, {3, 16}, torch::kLong);
+  torch::Tensor targets = torch::randint(0, 256, {3, 16}, torch::kLong);
+  torch::Tensor loss = (*shard)->Forward(0, idx, targets);
+  torch::Tensor want = ReferenceLoss(spec.config, ref, idx, targets);
+  EXPECT_NEAR(loss.item<double>(), want.item<double>(), 1e-5);
+  EXPECT_NEAR(loss.item<double>(), std::log(256.0), 0.1);
+  loss.backward();
+  want.backward();
+  for (const ShardParam& sp : (*shard)->params()) {
+    ASSERT_TRUE(sp.value.grad().defined()) << sp.name;
+    EXPECT_TRUE(torch::allclose(sp.value.grad(), ref.at(sp.name).grad(), 1e-4, 1e-6)) << sp.name;
+  }
+}
+
+TEST(LlamaModelTest, OneRankShardEqualsTheReferenceUntied) { ExpectShardEqualsReference(false); }
+TEST(LlamaModelTest, OneRankShardEqualsTheReferenceTied) { ExpectShardEqualsReference(true); }
+
+TEST(LlamaModelTest, ParametersFollowLlamaModelPy) {
+  const ModelSpec m = TinyLlama(false);
+  auto shapes = ModelParameterShapes(m);
+  ASSERT_EQ(shapes.size(), 1u + 9 * 2 + 2);
+  EXPECT_EQ(shapes[0].first, "tok_embeddings.weight");
+  EXPECT_EQ(shapes[1].first, "layers.0.attn_norm.weight");
+  EXPECT_EQ(shapes[3].first, "layers.0.wk.weight");
+  EXPECT_EQ(shapes[3].second, (std::vector<int64_t>{16, 32}));  // 2 kv heads of width 8
+  EXPECT_EQ(shapes[8].first, "layers.0.w3.weight");
+  EXPECT_EQ(shapes[9].second, (std::vector<int64_t>{32, 48}));   // w2
+  EXPECT_EQ(shapes[shapes.size() - 2].first, "norm.weight");
+  EXPECT_EQ(shapes.back().first, "output.weight");
+  int64_t count = 0;
+  for (const auto& [name, shape] : shapes) count += torch::empty(shape).numel();
+  EXPECT_EQ(ModelParameterCount(m), count);
+  EXPECT_EQ(ApproxParameterCount(m), count);
+  EXPECT_EQ(ModelParameterCount(TinyLlama(true)), count - 256 * 32);
+  EXPECT_EQ(LayerOf("layers.12.wq.weight"), 12);
+  EXPECT_EQ(LayerOf("norm.weight"), -1);
+
+  ModelShardSpec spec;
+  spec.config = m;
+  spec.layout.stage_layers = {m.layers};
+  spec.seed = 4;
+  SelfCommunicator self;
+  auto shard = ModelShard::Create(spec, &self);
+  ASSERT_TRUE(shard.ok()) << shard.status().message();
+  std::map<std::string, torch::Tensor> p;
+  for (const ShardParam& sp : (*shard)->params()) p[sp.name] = sp.value;
+  EXPECT_NEAR(p.at("layers.0.wq.weight").std().item<double>(), 0.02, 0.003);
+  EXPECT_NEAR(p.at("tok_embeddings.weight").std().item<double>(), 0.02, 0.002);
+  EXPECT_NEAR(p.at("layers.1.w2.weight").std().item<double>(), 0.02 / std::sqrt(4.0), 0.0015);
+  EXPECT_TRUE(torch::equal(p.at("layers.1.ffn_norm.weight"), torch::ones({32})));
+}
+
+// Tensor-parallel slices: wq by heads, wk and wv by key/value heads when there are at least tp of
+// them, whole (a partial gradient) when there are fewer; wo by columns; the head by vocabulary.
+TEST(LlamaModelTest, TensorParallelSlicesSplitOrReplicateKeyValueHeads) {
+  ModelShardSpec one;
+  one.config = TinyLlama(false);
+  one.layout.stage_layers = {one.config.layers};
+  one.seed = 2;
+  SelfCommunicator self;
+  auto full = ModelShard::Create(one, &self);
+  ASSERT_TRUE(full.ok()) << full.status().message();
+  std::map<std::string, torch::Tensor> by_name;
+  for (const ShardParam& p : (*full)->params()) by_name[p.name] = p.value;
+
+  for (int tp : {2, 4}) {
+    ModelShardSpec spec = one;
+    spec.layout.tp = tp;
+    spec.coords.tp = 1;
+    FakeCommunicator comm;
+    comm.SimulateSize(tp);
+    auto shard = ModelShard::Create(spec, &comm);
+    ASSERT_TRUE(shard.ok()) << shard.status().message();
+    int checked = 0;
+    for (const ShardParam& p : (*shard)->params()) {
+      const torch::Tensor& whole = by_name.at(p.name);
+      if (p.name == "layers.0.wq.weight" || p.name == "output.weight") {
+        EXPECT_TRUE(torch::equal(p.value, whole.chunk(tp, 0)[1])) << p.name << " tp " << tp;
+        ++checked;
+      } else if (p.name == "layers.0.wk.weight") {
+        if (tp == 2) {
+          EXPECT_TRUE(torch::equal(p.value, whole.chunk(2, 0)[1])) << p.name;
+          EXPECT_FALSE(p.tp_partial);
+        } else {
+          EXPECT_TRUE(torch::equal(p.value, whole)) << p.name;
+          EXPECT_TRUE(p.tp_partial);
+          EXPECT_FALSE(p.counts_for_norm);  // counted on tp rank 0 only
+        }
+        ++checked;
+      } else if (p.name == "layers.1.wo.weight") {
+        EXPECT_TRUE(torch::equal(p.value, whole.chunk(tp, 1)[1])) << p.name;
+        ++checked;
+      }
+    }
+    EXPECT_EQ(checked, 4) << "tp " << tp;
+  }
+}
+
+}  // namespace
+}  // namespace ltrain::worker

@@ -1,0 +1,173 @@
+// Tokenizers: a byte-level BPE trained on the licence texts every Debian system has, read back as
+// the tokenizer.json it writes, round-trips them and random UTF-8 (and bytes that are not UTF-8);
+// a hand-written tokenizer.json gives the ids its merges say; added tokens split the text; Llama 3's
+// pre-tokenizer layout and ignore_merges.
+#include "common/tokenizer.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "common/files.h"
+
+namespace ltrain {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::vector<std::string> LicenceTexts() {
+  std::vector<std::string> out;
+  std::vector<fs::path> paths;
+  for (const auto& e : fs::directory_iterator("/usr/share/common-licenses")) {
+    if (e.is_regular_file()) paths.push_back(e.path());
+  }
+  std::sort(paths.begin(), paths.end());
+  for (const fs::path& p : paths) {
+    std::ifstream in(p, std::ios::binary);
+    out.emplace_back((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  }
+  return out;
+}
+
+// Random text of code points from every UTF-8 length: ASCII, Latin, Greek, CJK, emoji, combining
+// marks and whitespace runs.
+std::string RandomUtf8(std::mt19937& rng, int chars) {
+  const std::vector<std::pair<uint32_t, uint32_t>> ranges = {
+      {0x20, 0x7E}, {0x0A, 0x0A}, {0x09, 0x09}, {0xA0, 0x24F}, {0x370, 0x3FF}, {0x300, 0x36F},
+      {0x4E00, 0x4FFF}, {0x1F600, 0x1F64F}, {0x3000, 0x3000}};
+  std::string out;
+  for (int i = 0; i < chars; ++i) {
+    const auto& r = ranges[rng() % ranges.size()];
+    const uint32_t cp = r.first + rng() % (r.second - r.first + 1);
+    if (cp < 0x80) {
+      out += static_cast<char>(cp);
+    } else if (cp < 0x800) {
+      out += static_cast<char>(0xC0 | (cp >> 6));
+      out += static_cast<char>(0x80 | (cp & 0x3F));
+    } else if (cp < 0x10000) {
+      out += static_cast<char>(0xE0 | (cp >> 12));
+      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      out += static_cast<char>(0x80 | (cp & 0x3F));
+    } else {
+      out += static_cast<char>(0xF0 | (cp >> 18));
+      out += static_cast<char>(0x80 | ((cp >> 12) & 0x3F));
+      out += static_cast<char>(0x80 | ((cp >> 6) & 0x3F));
+      out += static_cast<char>(0x80 | (cp & 0x3F));
+    }
+  }
+  return out;
+}
+
+class TokenizerTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    dir_ = fs::temp_directory_path() / ("ltrain_tokenizer_" + std::to_string(::getpid()) + "_" +
+                                        ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::create_directories(dir_);
+  }
+  void TearDown() override { fs::remove_all(dir_); }
+
+  std::unique_ptr<TextTokenizer> LoadJson(const std::string& json) {
+    const std::string path = (dir_ / "tokenizer.json").string();
+    EXPECT_TRUE(WriteFileAtomically(path, json).ok());
+    StatusOr<std::unique_ptr<TextTokenizer>> t = TextTokenizer::Load(path);
+    EXPECT_TRUE(t.ok()) << t.status().ToString();
+    return t.ok() ? std::move(t).value() : nullptr;
+  }
+
+  fs::path dir_;
+};
+
+TEST_F(TokenizerTest, TrainedBpeRoundTripsTheLicenceTextsAndRandomText) {
+  const std::vector<std::string> texts = LicenceTexts();
+  ASSERT_GE(texts.size(), 5u) << "/usr/share/common-licenses (package base-files)";
+  std::vector<std::string_view> views(texts.begin(), texts.end());
+  int64_t calls = 0;
+  StatusOr<std::string> json = TrainByteLevelBpe(views, 1024, 2, [&](int64_t, int64_t) { ++calls; });
+  ASSERT_TRUE(json.ok()) << json.status().ToString();
+  EXPECT_EQ(calls, 1024 - 257);
+  std::unique_ptr<TextTokenizer> t = LoadJson(*json);
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(t->kind(), "huggingface");
+  EXPECT_EQ(t->vocab_size(), 1024);
+  EXPECT_EQ(t->end_of_text(), 1023);
+  int64_t bytes = 0, tokens = 0;
+  for (const std::string& text : texts) {
+    std::vector<uint32_t> ids = t->Encode(text);
+    for (uint32_t id : ids) ASSERT_LT(id, 1024u);
+    EXPECT_EQ(t->Decode(ids), text);
+    bytes += static_cast<int64_t>(text.size());
+    tokens += static_cast<int64_t>(ids.size());
+  }
+  EXPECT_LT(tokens * 3, bytes) << "merges learned on the text compress it";
+  std::mt19937 rng(5);
+  for (int i = 0; i < 200; ++i) {
+    const std::string text = RandomUtf8(rng, 1 + static_cast<int>(rng() % 60));
+    EXPECT_EQ(t->Decode(t->Encode(text)), text);
+  }
+  // Bytes that are no UTF-8 at all survive too (byte-level).
+  const std::string raw = std::string("ok \xff\xfe\x80 fine \xc3", 13);
+  EXPECT_EQ(t->Decode(t->Encode(raw)), raw);
+  // The end-of-text token inside text is one id.
+  std::vector<uint32_t> ids = t->Encode("GNU<|endoftext|>GNU");
+  EXPECT_NE(std::find(ids.begin(), ids.end(), 1023u), ids.end());
+}
+
+// A GPT-2-style tokenizer.json written out by hand: pre-tokens by GPT-2's regex, merges by rank.
+TEST_F(TokenizerTest, HandWrittenTokenizerJsonGivesTheIdsItsMergesSay) {
+  std::unique_ptr<TextTokenizer> t = LoadJson(R"({
+    "added_tokens": [{"id": 15, "content": "<|endoftext|>", "special": true}],
+    "normalizer": null,
+    "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+    "decoder": {"type": "ByteLevel"},
+    "model": {"type": "BPE", "vocab": {"h": 0, "e": 1, "l": 2, "o": 3, "\u0120": 4, "w": 5, "r": 6, "d": 7,
+              "he": 8, "ll": 9, "hell": 10, "hello": 11, "\u0120w": 12, "or": 13, "\u0120wor": 14},
+              "merges": ["h e", "l l", "he ll", "hell o", "\u0120 w", "o r", "\u0120w or"]}})");
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(t->Encode("hello world"), (std::vector<uint32_t>{11, 14, 2, 7}));
+  EXPECT_EQ(t->Encode("hello<|endoftext|>hello"), (std::vector<uint32_t>{11, 15, 11}));
+  EXPECT_EQ(t->Decode({11, 14, 2, 7}), "hello world");
+  EXPECT_EQ(t->vocab_size(), 16);
+  EXPECT_EQ(t->end_of_text(), 15);
+}
+
+// Llama 3's layout: a Split pre-tokenizer with its own regex, ByteLevel without one, and
+// ignore_merges (a pre-token in the vocabulary is one id whatever the merges).
+TEST_F(TokenizerTest, LlamaThreeLayoutAndIgnoreMerges) {
+  std::unique_ptr<TextTokenizer> t = LoadJson(R"({
+    "added_tokens": [{"id": 9, "content": "<|begin_of_text|>", "special": true}],
+    "normalizer": null,
+    "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+      {"type": "Split", "pattern": {"Regex": "[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+       "behavior": "Isolated", "invert": false},
+      {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}]},
+    "model": {"type": "BPE", "ignore_merges": true, "vocab": {"a": 0, "b": 1, "\u0120": 2, "1": 3, "ab": 4,
+              "\u0120ab": 5, "abab": 6, "2": 7, "3": 8}, "merges": ["a b", "\u0120 ab"]}})");
+  ASSERT_NE(t, nullptr);
+  // "abab" is in the vocabulary though no merge makes it; digits go in threes.
+  EXPECT_EQ(t->Encode("abab ab 1231"), (std::vector<uint32_t>{6, 5, 2, 3, 7, 8, 3}));
+  EXPECT_EQ(t->Decode(t->Encode("abab ab 1231")), "abab ab 1231");
+}
+
+TEST_F(TokenizerTest, UnsupportedFilesAreRefusedSayingWhy) {
+  const std::string wordpiece = (dir_ / "wp.json").string();
+  ASSERT_TRUE(WriteFileAtomically(wordpiece, R"({"model": {"type": "WordPiece", "vocab": {}}})").ok());
+  StatusOr<std::unique_ptr<TextTokenizer>> t = TextTokenizer::Load(wordpiece);
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.status().message().find("model type WordPiece is not supported"), std::string::npos)
+      << t.status().message();
+  const std::string junk = (dir_ / "junk.model").string();
+  ASSERT_TRUE(WriteFileAtomically(junk, "not a model").ok());
+  t = TextTokenizer::Load(junk);
+  ASSERT_FALSE(t.ok());
+  EXPECT_NE(t.status().message().find("is not a tokenizer.json"), std::string::npos) << t.status().message();
+}
+
+}  // namespace
+}  // namespace ltrain
