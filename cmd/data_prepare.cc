@@ -17,7 +17,8 @@ struct DataPrepareArgs {
   bool quiet = false;
 };
 
-// A bar redrawn in place on a terminal; elsewhere (a log, CI) a line per tenth of the work.
+// A bar redrawn in place on a terminal; elsewhere (a log, CI) a line when a phase ends, and every
+// ten seconds within a long one.
 class ProgressBar {
  public:
   explicit ProgressBar(bool quiet) : quiet_(quiet), tty_(::isatty(STDERR_FILENO) != 0) {}
@@ -28,9 +29,8 @@ class ProgressBar {
     if (what != what_) {
       Finish();
       what_ = what;
-      tenth_ = -1;
+      last_ = std::chrono::steady_clock::now();
     }
-    const int tenth = static_cast<int>(10 * done / total);
     const auto now = std::chrono::steady_clock::now();
     if (tty_) {
       if (done != total && now - last_ < std::chrono::milliseconds(100)) return;
@@ -39,9 +39,9 @@ class ProgressBar {
       std::fprintf(stderr, "\r%-24s [%s%s] %3d%%", what.c_str(), std::string(filled, '#').c_str(),
                    std::string(width - filled, ' ').c_str(), static_cast<int>(100 * done / total));
       open_ = true;
-    } else if (tenth != tenth_) {
-      tenth_ = tenth;
-      std::fprintf(stderr, "%s: %d%%\n", what.c_str(), tenth * 10);
+    } else if (done == total || now - last_ >= std::chrono::seconds(10)) {
+      last_ = now;
+      std::fprintf(stderr, "%s: %d%%\n", what.c_str(), static_cast<int>(100 * done / total));
     }
     std::fflush(stderr);
   }
@@ -55,7 +55,6 @@ class ProgressBar {
   bool quiet_, tty_;
   bool open_ = false;
   std::string what_;
-  int tenth_ = -1;
   std::chrono::steady_clock::time_point last_{};
 };
 

@@ -57,6 +57,31 @@ inline torch::Tensor CausalAttention(const torch::Tensor& q, const torch::Tensor
 #endif
 }
 
+// Grouped-query causal attention: q [B, heads, T, d], k and v [B, kv_heads, T, d], query head j
+// reading key/value head j / (heads / kv_heads). 2.5 and later take the groups in the kernel
+// (enable_gqa); before, the key/value heads are repeated.
+inline torch::Tensor CausalAttentionGqa(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  const int64_t groups = q.size(1) / k.size(1);
+  if (groups == 1) return CausalAttention(q, k, v);
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 5)
+  return at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true,
+                                          /*scale=*/std::nullopt, /*enable_gqa=*/true);
+#else
+  return CausalAttention(q, k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1));
+#endif
+}
+
+// x / rms(x) · w, the statistics in fp32, the result in x's type (llama_model.RMSNorm): 2.4 and
+// later through at::rms_norm (one fused kernel on CUDA in recent releases), before written out.
+inline torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4)
+  return at::rms_norm(x, {x.size(-1)}, w, eps);
+#else
+  torch::Tensor xf = x.to(torch::kFloat);
+  return (xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps)).to(x.scalar_type()) * w;
+#endif
+}
+
 // Clears gradients so that the next backward writes fresh ones. 2.x's zero_grad() sets them to
 // undefined, 1.13's zeroes them; callers treat an undefined gradient as zero either way.
 inline void ZeroGrad(torch::optim::Optimizer& optimizer) { optimizer.zero_grad(); }

@@ -17,6 +17,7 @@
 #include "worker/model/cuda/cross_entropy.h"
 #include "worker/model/cuda/gemm.h"
 #include "worker/model/cuda/layer_norm.h"
+#include "worker/model/cuda/llama_ops.h"
 #endif
 
 #include <cmath>
@@ -331,7 +332,57 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
 
 bool Bf16Cuda(const torch::Tensor& t) { return !t.defined() || (t.is_cuda() && t.scalar_type() == torch::kBFloat16); }
 
+struct RopeFunction : public torch::autograd::Function<RopeFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& cos,
+                               const torch::Tensor& sin) {
+    c10::cuda::CUDAGuard guard(x.device());
+    torch::Tensor in = x.contiguous();
+    torch::Tensor out = torch::empty_like(in);
+    cuda::Rope(in.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), in.size(0), in.size(1), in.size(2),
+               in.size(3), /*inverse=*/false, out.data_ptr(), StreamOf(in));
+    ctx->save_for_backward({cos, sin});
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    torch::Tensor g = grads[0].contiguous();
+    c10::cuda::CUDAGuard guard(g.device());
+    torch::Tensor dx = torch::empty_like(g);
+    cuda::Rope(g.data_ptr(), saved[0].data_ptr<float>(), saved[1].data_ptr<float>(), g.size(0), g.size(1), g.size(2),
+               g.size(3), /*inverse=*/true, dx.data_ptr(), StreamOf(g));
+    return {dx, torch::Tensor(), torch::Tensor()};
+  }
+};
+
+struct SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate, const torch::Tensor& up) {
+    c10::cuda::CUDAGuard guard(gate.device());
+    torch::Tensor g = gate.contiguous(), u = up.contiguous();
+    torch::Tensor out = torch::empty_like(g);
+    cuda::SwiGlu(g.data_ptr(), u.data_ptr(), g.numel(), out.data_ptr(), StreamOf(g));
+    ctx->save_for_backward({g, u});
+    return out;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    torch::Tensor d = grads[0].contiguous();
+    c10::cuda::CUDAGuard guard(d.device());
+    torch::Tensor dgate = torch::empty_like(saved[0]), dup = torch::empty_like(saved[1]);
+    cuda::SwiGluBackward(saved[0].data_ptr(), saved[1].data_ptr(), d.data_ptr(), d.numel(), dgate.data_ptr(),
+                         dup.data_ptr(), StreamOf(d));
+    return {dgate, dup};
+  }
+};
+
 }  // namespace
+
+bool FusedLlamaOpsAvailable(const torch::Tensor& x) { return x.defined() && x.is_cuda() && x.scalar_type() == torch::kBFloat16; }
+
+torch::Tensor FusedRope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  return RopeFunction::apply(x, cos, sin);
+}
+
+torch::Tensor FusedSwiGlu(const torch::Tensor& gate, const torch::Tensor& up) { return SwiGluFunction::apply(gate, up); }
 
 bool FusedLinearAvailable(const torch::Tensor& x, const torch::Tensor& w) {
   return kernel_options.linear && x.defined() && Bf16Cuda(x) && Bf16Cuda(w) && w.dim() == 2 && w.is_contiguous() && w.size(0) % 8 == 0 &&
@@ -428,6 +479,16 @@ torch::Tensor FusedMlp(const torch::Tensor& /*x*/, const torch::Tensor& /*w1*/, 
 std::vector<torch::Tensor> FusedQkv(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/, const torch::Tensor& /*b*/,
                                     int64_t /*heads*/) {
   throw std::logic_error("FusedQkv: this worker was built without CUDA kernels");
+}
+
+bool FusedLlamaOpsAvailable(const torch::Tensor& /*x*/) { return false; }
+
+torch::Tensor FusedRope(const torch::Tensor& /*x*/, const torch::Tensor& /*cos*/, const torch::Tensor& /*sin*/) {
+  throw std::logic_error("FusedRope: this worker was built without CUDA kernels");
+}
+
+torch::Tensor FusedSwiGlu(const torch::Tensor& /*gate*/, const torch::Tensor& /*up*/) {
+  throw std::logic_error("FusedSwiGlu: this worker was built without CUDA kernels");
 }
 
 bool FusedCrossEntropyAvailable(const torch::Tensor& /*logits*/) { return false; }

@@ -53,6 +53,16 @@ bool FusedLayerNormAvailable(const torch::Tensor& x, const torch::Tensor& w, con
 std::pair<torch::Tensor, torch::Tensor> FusedLayerNorm(const torch::Tensor& x, const torch::Tensor& w,
                                                        const torch::Tensor& b);
 
+// Whether FusedRope and FusedSwiGlu can take x: a CUDA build, a bf16 CUDA tensor.
+bool FusedLlamaOpsAvailable(const torch::Tensor& x);
+
+// llama_model.apply_rope of x [b, t, heads, head_dim] with cos, sin fp32 [>= t, head_dim/2] (on x's
+// device): one kernel forward, one (the inverse rotation) backward; fp32 arithmetic, bf16 out.
+torch::Tensor FusedRope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+
+// silu(gate) · up in one kernel, both gradients in one kernel.
+torch::Tensor FusedSwiGlu(const torch::Tensor& gate, const torch::Tensor& up);
+
 // Whether FusedCrossEntropy can take these logits: a CUDA build, bf16 CUDA logits.
 bool FusedCrossEntropyAvailable(const torch::Tensor& logits);
 

@@ -188,7 +188,7 @@ struct CheckpointAttention : public torch::autograd::Function<CheckpointAttentio
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v) {
     ctx->save_for_backward({q, k, v});
-    return compat::CausalAttention(q, k, v);
+    return compat::CausalAttentionGqa(q, k, v);
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list saved = ctx->get_saved_variables();
@@ -197,7 +197,7 @@ struct CheckpointAttention : public torch::autograd::Function<CheckpointAttentio
     torch::Tensor out;
     {
       torch::AutoGradMode enable(true);
-      out = compat::CausalAttention(inputs[0], inputs[1], inputs[2]);
+      out = compat::CausalAttentionGqa(inputs[0], inputs[1], inputs[2]);
     }
     return torch::autograd::grad({out}, inputs, {grads[0]});
   }
@@ -269,10 +269,15 @@ torch::Tensor PerParameterInit(const ModelSpec& c, const std::string& name, cons
   return torch::empty(shape, options).normal_(0.0, init.stddev, generator);
 }
 
-// x / rms(x) * w in fp32, in x's type (llama_model.RMSNorm).
-torch::Tensor RmsNorm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
-  torch::Tensor xf = x.to(torch::kFloat);
-  return (xf * torch::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps)).to(x.scalar_type()) * w;
+// residual + x · wᵀ (residual may be undefined): through our cuBLASLt product where it takes them
+// (bf16 on CUDA; the residual in its epilogue, the weight gradient added straight into w's), else
+// LibTorch's. `w` must be a parameter itself, not a view of one.
+torch::Tensor NoBiasLinear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& residual = {}) {
+  if (FusedLinearAvailable(x, w) && (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w)))) {
+    return FusedLinear(x, w, {}, residual);
+  }
+  torch::Tensor y = at::linear(x, w);
+  return residual.defined() ? residual + y : y;
 }
 
 }  // namespace
@@ -554,7 +559,7 @@ torch::Tensor ModelShard::Attention(const torch::Tensor& q, const torch::Tensor&
   if (spec_.layout.activation_checkpointing == ActivationCheckpointing::kSelective && torch::GradMode::is_enabled()) {
     return CheckpointAttention::apply(q, k, v);
   }
-  return compat::CausalAttention(q, k, v);
+  return compat::CausalAttentionGqa(q, k, v);
 }
 
 torch::Tensor ModelShard::BlockForward(int layer, const torch::Tensor& x) {
@@ -571,6 +576,7 @@ torch::Tensor ModelShard::KvWeight(int layer, const char* name) const {
 }
 
 torch::Tensor ModelShard::Rope(const torch::Tensor& x) const {
+  if (FusedLlamaOpsAvailable(x)) return FusedRope(x, rope_cos_, rope_sin_);
   // llama_model.apply_rope: (a, b) halves of each head turn into (a cos - b sin, b cos + a sin).
   const int64_t t = x.size(1);
   torch::Tensor xf = x.to(torch::kFloat);
@@ -596,21 +602,24 @@ torch::Tensor ModelShard::LlamaBlockForward(int layer, const torch::Tensor& x) {
     if (tp == 1) return partial;
     return sp ? ScatterSeq::apply(partial, comm) : ReduceFromTp::apply(partial, comm);
   };
-  torch::Tensor h = enter(RmsNorm(x, P(layer, "attn_norm.weight"), c.norm_eps));
+  torch::Tensor h = enter(compat::RmsNorm(x, P(layer, "attn_norm.weight"), c.norm_eps));
   const int64_t b = h.size(0), t = h.size(1);
-  torch::Tensor q = Rope(at::linear(h, P(layer, "wq.weight")).view({b, t, heads_local, hd})).transpose(1, 2);
-  torch::Tensor k = Rope(at::linear(h, KvWeight(layer, "wk.weight")).view({b, t, kv_local, hd})).transpose(1, 2);
-  torch::Tensor v = at::linear(h, KvWeight(layer, "wv.weight")).view({b, t, kv_local, hd}).transpose(1, 2);
-  if (heads_local != kv_local) {
-    // Grouped-query attention: query head j reads key/value head j / (heads / kv_heads).
-    k = k.repeat_interleave(heads_local / kv_local, 1);
-    v = v.repeat_interleave(heads_local / kv_local, 1);
-  }
+  // wk and wv kept whole (fewer key/value heads than tp) are used through a view: LibTorch's product.
+  auto kv_linear = [&](const char* name) {
+    return kv_replicated_ ? at::linear(h, KvWeight(layer, name)) : NoBiasLinear(h, P(layer, name));
+  };
+  torch::Tensor q = Rope(NoBiasLinear(h, P(layer, "wq.weight")).view({b, t, heads_local, hd})).transpose(1, 2);
+  torch::Tensor k = Rope(kv_linear("wk.weight").view({b, t, kv_local, hd})).transpose(1, 2);
+  torch::Tensor v = kv_linear("wv.weight").view({b, t, kv_local, hd}).transpose(1, 2);
+  // Grouped-query attention: query head j reads key/value head j / (heads / kv_heads).
   torch::Tensor y = Attention(q, k, v).transpose(1, 2).reshape({b, t, heads_local * hd});
-  torch::Tensor r = x + row(at::linear(y, P(layer, "wo.weight")));
-  torch::Tensor m = enter(RmsNorm(r, P(layer, "ffn_norm.weight"), c.norm_eps));
-  torch::Tensor gate = torch::silu(at::linear(m, P(layer, "w1.weight"))) * at::linear(m, P(layer, "w3.weight"));
-  return r + row(at::linear(gate, P(layer, "w2.weight")));
+  // One rank: the residual is added in the products' epilogues.
+  torch::Tensor r = tp == 1 ? NoBiasLinear(y, P(layer, "wo.weight"), x) : x + row(NoBiasLinear(y, P(layer, "wo.weight")));
+  torch::Tensor m = enter(compat::RmsNorm(r, P(layer, "ffn_norm.weight"), c.norm_eps));
+  torch::Tensor g = NoBiasLinear(m, P(layer, "w1.weight")), u = NoBiasLinear(m, P(layer, "w3.weight"));
+  torch::Tensor gate = FusedLlamaOpsAvailable(g) ? FusedSwiGlu(g, u) : torch::silu(g) * u;
+  if (tp == 1) return NoBiasLinear(gate, P(layer, "w2.weight"), r);
+  return r + row(NoBiasLinear(gate, P(layer, "w2.weight")));
 }
 
 torch::Tensor ModelShard::GptBlockForward(int layer, const torch::Tensor& x) {
@@ -670,7 +679,7 @@ torch::Tensor ModelShard::Embed(const torch::Tensor& ids) {
 }
 
 torch::Tensor ModelShard::FinalNorm(const torch::Tensor& x) {
-  if (spec_.config.arch == Arch::kLlama) return RmsNorm(x, params_[norm_w_].value, spec_.config.norm_eps);
+  if (spec_.config.arch == Arch::kLlama) return compat::RmsNorm(x, params_[norm_w_].value, spec_.config.norm_eps);
   return LayerNorm(x, params_[norm_w_].value, params_[norm_b_].value).first;
 }
 

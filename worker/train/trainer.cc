@@ -256,7 +256,7 @@ Status Trainer::Init() {
   ml.layout = layout_;
   ml.coords = groups_->coords;
   // Same seed on every rank: every rank draws the same full parameters and keeps its slices.
-  ml.per_parameter_init = recipe_.model.init == ModelInit::kPerParameter ||
+  ml.per_parameter_init = recipe_.model.init == ModelInit::kPerParameter || recipe_.model.arch == Arch::kLlama ||
                           (recipe_.model.init == ModelInit::kAuto && ModelParameterCount(ml.config) >= kPerParameterInitFrom);
   ml.seed = static_cast<uint64_t>(t.seed);
   ml.device = device_;
