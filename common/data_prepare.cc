@@ -43,14 +43,6 @@ std::vector<std::string_view> Chunks(std::string_view text) {
   return out;
 }
 
-StatusOr<std::string> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return NotFound("cannot read input " + path + ": " + std::strerror(errno));
-  std::string bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  if (in.bad()) return Internal("reading input " + path + " failed");
-  return bytes;
-}
-
 Status WriteDataInfo(const std::string& dir, const DataInfo& info) {
   YAML::Emitter out;
   out << YAML::BeginMap;
@@ -125,7 +117,7 @@ StatusOr<PrepareStats> PrepareData(const PrepareOptions& o) {
   std::vector<std::string> texts;
   int64_t bytes = 0;
   for (size_t i = 0; i < files.size(); ++i) {
-    LTRAIN_ASSIGN_OR_RETURN(std::string text, ReadFile(files[i]));
+    LTRAIN_ASSIGN_OR_RETURN(std::string text, ReadFileText(files[i]));
     if (text.empty()) return InvalidArgument("input " + files[i] + " is empty");
     bytes += static_cast<int64_t>(text.size());
     texts.push_back(std::move(text));
@@ -153,7 +145,7 @@ StatusOr<PrepareStats> PrepareData(const PrepareOptions& o) {
     info.tokenizer_file = tokenizer->kind() == "huggingface" ? "tokenizer.json" : "tokenizer.model";
     const fs::path copy = fs::path(o.output_dir) / info.tokenizer_file;
     if (!fs::exists(copy, ec) || !fs::equivalent(copy, tokenizer->file(), ec)) {
-      LTRAIN_ASSIGN_OR_RETURN(std::string content, ReadFile(tokenizer->file()));
+      LTRAIN_ASSIGN_OR_RETURN(std::string content, ReadFileText(tokenizer->file()));
       LTRAIN_RETURN_IF_ERROR(WriteFileAtomically(copy.string(), content));
     }
   }

@@ -7,6 +7,8 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <fstream>
+#include <iterator>
 
 namespace ltrain {
 namespace {
@@ -25,6 +27,14 @@ Status FsyncPath(const std::string& path, bool directory) {
   ::close(fd);
   if (rc != 0) return Internal("fsync " + path + ": " + std::strerror(err));
   return Status::Ok();
+}
+
+StatusOr<std::string> ReadFileText(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return NotFound("cannot read " + path + ": " + std::strerror(errno));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  if (in.bad()) return Internal("reading " + path + " failed");
+  return text;
 }
 
 Status WriteFileAtomically(const std::string& path, const std::string& text) {

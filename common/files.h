@@ -17,6 +17,10 @@ void RemoveTree(const std::filesystem::path& path);
 // fsync of a file, or of a directory (which makes the names created or renamed in it durable).
 Status FsyncPath(const std::string& path, bool directory);
 
+// The whole content of the file at `path`; NotFound naming the path and the reason when it cannot be
+// opened, Internal when reading it fails.
+StatusOr<std::string> ReadFileText(const std::string& path);
+
 // Replaces `path` by `text` so that a reader sees the old or the new content, never a torn one:
 // writes a temporary name unique to this process next to it, fsyncs it, renames it over `path`
 // and fsyncs the directory.

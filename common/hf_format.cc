@@ -6,6 +6,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/files.h"
 #include "common/safetensors.h"
 
 namespace ltrain {
@@ -119,10 +120,10 @@ StatusOr<std::map<std::string, std::string>> SafetensorsTensorFiles(const std::s
     const fs::path index = fs::path(path) / "model.safetensors.index.json";
     const fs::path single = fs::path(path) / "model.safetensors";
     if (fs::exists(index, ec)) {
-      std::ifstream in(index);
+      LTRAIN_ASSIGN_OR_RETURN(std::string text, ReadFileText(index.string()));
       Json j;
       try {
-        j = Json::parse(std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>()));
+        j = Json::parse(text);
         std::map<std::string, std::string> out;
         for (const auto& [name, file] : j.at("weight_map").items()) out[name] = (fs::path(path) / file.get<std::string>()).string();
         return out;

@@ -16,6 +16,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "common/files.h"
+
 namespace ltrain {
 namespace {
 
@@ -381,9 +383,9 @@ class BpeTokenizer : public TextTokenizer {
 
 StatusOr<std::unique_ptr<TextTokenizer>> TextTokenizer::Load(const std::string& spec) {
   if (spec == "byte") return std::unique_ptr<TextTokenizer>(new ByteTokenizer());
-  std::ifstream in(spec, std::ios::binary);
-  if (!in) return NotFound("cannot read tokenizer " + spec + ": " + std::strerror(errno));
-  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  StatusOr<std::string> read = ReadFileText(spec);
+  if (!read.ok()) return NotFound("tokenizer: " + read.status().message());
+  const std::string& text = *read;
   const size_t first = text.find_first_not_of(" \t\r\n");
   if (first != std::string::npos && text[first] == '{') return BpeTokenizer::FromJson(text, spec);
   return InvalidArgument(spec + " is not a tokenizer.json (a Hugging Face tokenizer's JSON file); give the "

@@ -14,21 +14,19 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
-#include <sstream>
 
 #include <grpcpp/support/client_interceptor.h>
 
+#include "common/files.h"
 #include "common/logging.h"
 
 namespace ltrain {
 namespace {
 
 StatusOr<std::string> ReadWhole(const std::string& path, const char* what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return InvalidArgument("cannot read the " + std::string(what) + " file " + path);
-  std::stringstream buffer;
-  buffer << in.rdbuf();
-  return buffer.str();
+  StatusOr<std::string> text = ReadFileText(path);
+  if (!text.ok()) return InvalidArgument("cannot read the " + std::string(what) + " file " + path);
+  return text;
 }
 
 std::string FromEnv(const std::string& current, const char* name) {

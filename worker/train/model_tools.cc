@@ -237,9 +237,8 @@ int Export(const ToolArgs& args) {
     eos = (*tokenizer)->end_of_text();
     Json config{{"model_max_length", r.model.seq_len}, {"clean_up_tokenization_spaces", false}};
     if ((*tokenizer)->kind() == "huggingface") {
-      std::ifstream in((*tokenizer)->file(), std::ios::binary);
-      std::string json((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-      s = WriteFileAtomically(partial + "/tokenizer.json", json);
+      StatusOr<std::string> json = ReadFileText((*tokenizer)->file());
+      s = json.ok() ? WriteFileAtomically(partial + "/tokenizer.json", *json) : json.status();
       config["tokenizer_class"] = "PreTrainedTokenizerFast";
       tokenizer_note = "tokenizer.json";
     } else {
@@ -261,7 +260,7 @@ int Export(const ToolArgs& args) {
     if (ec) s = Internal("renaming " + partial + " to " + output + ": " + ec.message());
   }
   if (!s.ok()) {
-    fs::remove_all(partial, ec);
+    RemoveTree(partial);  // not std::filesystem::remove_all: see common/files.h
     std::fprintf(stderr, "ltrain export: %s\n", s.message().c_str());
     return 1;
   }
