@@ -220,14 +220,15 @@ std::string DataProblem(const Recipe& recipe) {
   const int model_vocab = recipe.model.vocab;
   StatusOr<TokenDataset> data = TokenDataset::Open((fs::path(dir) / "train.bin").string());
   if (!data.ok()) return "";
-  std::string made_by, kind = "byte";
+  std::string made_by, kind = "byte", source = "it has no data.yaml: bytes";
   if (StatusOr<DataInfo> info = ReadDataInfo(dir); info.ok()) {
     kind = info->tokenizer;
+    source = "its data.yaml";
     made_by = " (" + info->tokenizer + (info->tokenizer_file.empty() ? "" : " " + info->tokenizer_file) + ")";
   }
   if (recipe.data.tokenizer != Tokenizer::kAuto && NameOf(recipe.data.tokenizer) != kind) {
     return "data.tokenizer=" + NameOf(recipe.data.tokenizer) + " but the data in " + dir + " was made by the " + kind +
-           " tokenizer (its data.yaml): prepare it again with that tokenizer, or set data.tokenizer: " + kind +
+           " tokenizer (" + source + "): prepare it again with that tokenizer, or set data.tokenizer: " + kind +
            " (auto takes any)";
   }
   if (data->vocab() <= model_vocab) return "";

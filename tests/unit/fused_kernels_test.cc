@@ -253,37 +253,42 @@ TEST(FusedKernelsTest, RopeAndSwiGluMatchTheComposite) {
   const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
   if (!FusedLlamaOpsAvailable(torch::zeros({8}, bf16))) GTEST_SKIP() << "worker built without CUDA kernels";
   torch::manual_seed(17);
-  const int64_t b = 2, t = 96, heads = 6, hd = 64;
-  const torch::TensorOptions f32 = torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA);
-  torch::Tensor inv = 1.0 / torch::pow(500000.0, torch::arange(0, hd, 2, f32) / static_cast<double>(hd));
-  torch::Tensor angles = torch::outer(torch::arange(128, f32), inv);  // longer than t, as the model's tables
-  torch::Tensor cos = angles.cos(), sin = angles.sin();
-  torch::Tensor x = torch::randn({b, t, heads, hd}, bf16).requires_grad_(true);
-  torch::Tensor grad_out = torch::randn({b, t, heads, hd}, bf16);
-  std::vector<torch::Tensor> ref = Fp32Reference(
-      {x},
-      [&](const std::vector<torch::Tensor>& in) {
-        std::vector<torch::Tensor> h = in[0].chunk(2, -1);
-        torch::Tensor c = cos.narrow(0, 0, t).unsqueeze(1), s = sin.narrow(0, 0, t).unsqueeze(1);
-        return torch::cat({h[0] * c - h[1] * s, h[1] * c + h[0] * s}, -1);
-      },
-      grad_out);
-  torch::Tensor y = FusedRope(x, cos, sin);
-  y.backward(grad_out);
-  EXPECT_LE(RelativeError(y, ref[0]), 0.01);
-  EXPECT_LE(RelativeError(x.grad(), ref[1]), 0.01);
+  // head_dim 64: eight pairs a thread; 36: one at a time.
+  for (const int64_t hd : {64, 36}) {
+    const int64_t b = 2, t = 96, heads = 6;
+    const torch::TensorOptions f32 = torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA);
+    torch::Tensor inv = 1.0 / torch::pow(500000.0, torch::arange(0, hd, 2, f32) / static_cast<double>(hd));
+    torch::Tensor angles = torch::outer(torch::arange(128, f32), inv);  // longer than t, as the model's tables
+    torch::Tensor cos = angles.cos(), sin = angles.sin();
+    torch::Tensor x = torch::randn({b, t, heads, hd}, bf16).requires_grad_(true);
+    torch::Tensor grad_out = torch::randn({b, t, heads, hd}, bf16);
+    std::vector<torch::Tensor> ref = Fp32Reference(
+        {x},
+        [&](const std::vector<torch::Tensor>& in) {
+          std::vector<torch::Tensor> h = in[0].chunk(2, -1);
+          torch::Tensor c = cos.narrow(0, 0, t).unsqueeze(1), s = sin.narrow(0, 0, t).unsqueeze(1);
+          return torch::cat({h[0] * c - h[1] * s, h[1] * c + h[0] * s}, -1);
+        },
+        grad_out);
+    torch::Tensor y = FusedRope(x, cos, sin);
+    y.backward(grad_out);
+    EXPECT_LE(RelativeError(y, ref[0]), 0.01) << hd;
+    EXPECT_LE(RelativeError(x.grad(), ref[1]), 0.01) << hd;
+  }
 
-  torch::Tensor gate = (2 * torch::randn({4096, 1024}, bf16)).requires_grad_(true);
-  torch::Tensor up = torch::randn({4096, 1024}, bf16).requires_grad_(true);
-  torch::Tensor g_out = torch::randn({4096, 1024}, bf16);
-  std::vector<torch::Tensor> sref = Fp32Reference(
-      {gate, up}, [](const std::vector<torch::Tensor>& in) { return torch::silu(in[0]) * in[1]; }, g_out);
-  torch::Tensor z = FusedSwiGlu(gate, up);
-  z.backward(g_out);
-  EXPECT_LE(RelativeError(z, sref[0]), 0.01);
-  EXPECT_LE(RelativeError(gate.grad(), sref[1]), 0.01);
-  EXPECT_LE(RelativeError(up.grad(), sref[2]), 0.01);
-
+  // Eight elements a thread, and (1001 columns) one at a time.
+  for (int64_t cols : {1024, 1001}) {
+    torch::Tensor gate = (2 * torch::randn({4096, cols}, bf16)).requires_grad_(true);
+    torch::Tensor up = torch::randn({4096, cols}, bf16).requires_grad_(true);
+    torch::Tensor g_out = torch::randn({4096, cols}, bf16);
+    std::vector<torch::Tensor> sref = Fp32Reference(
+        {gate, up}, [](const std::vector<torch::Tensor>& in) { return torch::silu(in[0]) * in[1]; }, g_out);
+    torch::Tensor z = FusedSwiGlu(gate, up);
+    z.backward(g_out);
+    EXPECT_LE(RelativeError(z, sref[0]), 0.01) << cols;
+    EXPECT_LE(RelativeError(gate.grad(), sref[1]), 0.01) << cols;
+    EXPECT_LE(RelativeError(up.grad(), sref[2]), 0.01) << cols;
+  }
 }
 
 TEST(FusedKernelsTest, AdamWMatchesTorchOptimAdamW) {
