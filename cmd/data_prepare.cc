@@ -99,8 +99,8 @@ void AddDataCommand(CLI::App& app, CommandContext& ctx) {
       ->check(CLI::Range(0.0, 0.5))
       ->capture_default_str();
   prepare->add_option("--tokenizer", args->options.tokenizer,
-                      "byte (vocab 256), or a Hugging Face tokenizer.json (byte-level BPE: GPT-2, Llama 3, and "
-                      "what --train-tokenizer writes)")
+                      "byte (vocab 256), a Hugging Face tokenizer.json (byte-level BPE: GPT-2, Llama 3, and what "
+                      "--train-tokenizer writes), or a SentencePiece .model (Llama 2, Mistral)")
       ->capture_default_str();
   prepare->add_option("--train-tokenizer", args->options.train_tokenizer,
                       "bpe: train a byte-level BPE of --vocab ids on the input first, kept as tokenizer.json")

@@ -4,7 +4,7 @@
 // tokenized on every core, in order, one end-of-text token between files when the tokenizer has one,
 // and split into train.bin and val.bin (the tail). The directory also gets the tokenizer (a copy,
 // or the one trained on the inputs) and data.yaml, which says which tokenizer made the tokens:
-//   tokenizer: huggingface        # byte | huggingface
+//   tokenizer: huggingface        # byte | huggingface | sentencepiece
 //   tokenizer_file: tokenizer.json
 //   vocab: 8192
 //   train_tokens: 123456
@@ -29,7 +29,7 @@ struct PrepareOptions {
   std::vector<std::string> inputs;
   std::string output_dir;
   double val_fraction = 0.05;
-  std::string tokenizer = "byte";   // "byte" or a Hugging Face tokenizer.json
+  std::string tokenizer = "byte";   // "byte", a Hugging Face tokenizer.json or a SentencePiece .model
   std::string train_tokenizer;      // "bpe": train a byte-level BPE of `vocab` ids on the inputs first
   int vocab = 0;
   int threads = 0;                  // 0: every core
@@ -38,7 +38,7 @@ struct PrepareOptions {
 };
 
 struct DataInfo {
-  std::string tokenizer = "byte";   // byte | huggingface
+  std::string tokenizer = "byte";   // byte | huggingface | sentencepiece
   std::string tokenizer_file;       // in the data directory; empty for byte
   int vocab = 256;
   int64_t train_tokens = 0;

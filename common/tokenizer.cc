@@ -1,11 +1,14 @@
 #include "common/tokenizer.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
+#include <dlfcn.h>
 #include <pcre2.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <array>
 #include <cerrno>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <map>
@@ -13,6 +16,7 @@
 #include <sstream>
 #include <thread>
 #include <unordered_map>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -129,6 +133,112 @@ class ByteTokenizer : public TextTokenizer {
   }
   int vocab_size() const override { return 256; }
   std::string kind() const override { return "byte"; }
+};
+
+// libltrain_sentencepiece.so (common/sentencepiece_shim.cc), loaded once with its symbols kept to
+// itself: found through $LTRAIN_SENTENCEPIECE_LIB, the build tree, or lib/ltrain beside the
+// installed binaries.
+struct SentencePieceLib {
+  void* (*load)(const char*, char**) = nullptr;
+  void (*free_processor)(void*) = nullptr;
+  long (*encode)(void*, const char*, size_t, int**) = nullptr;
+  char* (*decode)(void*, const int*, size_t, size_t*) = nullptr;
+  int (*piece_size)(void*) = nullptr;
+  int (*eos_id)(void*) = nullptr;
+  std::string error;  // why it is not there
+};
+
+const SentencePieceLib& SentencePiece() {
+  static const SentencePieceLib lib = [] {
+    SentencePieceLib out;
+#if defined(__SANITIZE_ADDRESS__)
+    out.error = "SentencePiece is not loaded in a sanitizer build (its library needs RTLD_DEEPBIND)";
+    return out;
+#else
+    std::vector<std::string> candidates;
+    if (const char* env = std::getenv("LTRAIN_SENTENCEPIECE_LIB"); env != nullptr && *env != '\0') candidates.push_back(env);
+#ifdef LTRAIN_SENTENCEPIECE_BUILD_PATH
+    candidates.push_back(LTRAIN_SENTENCEPIECE_BUILD_PATH);
+#endif
+    char self[4096];
+    if (const ssize_t n = ::readlink("/proc/self/exe", self, sizeof(self) - 1); n > 0) {
+      std::string dir(self, static_cast<size_t>(n));
+      dir = dir.substr(0, dir.rfind('/'));
+      candidates.push_back(dir + "/../lib/ltrain/libltrain_sentencepiece.so");
+    }
+    candidates.push_back("/usr/lib/ltrain/libltrain_sentencepiece.so");
+    void* handle = nullptr;
+    std::string tried;
+    for (const std::string& path : candidates) {
+      if (::access(path.c_str(), R_OK) != 0) continue;
+      handle = ::dlopen(path.c_str(), RTLD_NOW | RTLD_LOCAL | RTLD_DEEPBIND);
+      if (handle != nullptr) break;
+      tried += std::string(tried.empty() ? "" : "; ") + ::dlerror();
+    }
+    if (handle == nullptr) {
+      out.error = "SentencePiece support (libltrain_sentencepiece.so) is not installed" +
+                  (tried.empty() ? std::string() : " or does not load: " + tried) +
+                  "; build ltrain with Debian's libsentencepiece-dev, or set LTRAIN_SENTENCEPIECE_LIB";
+      return out;
+    }
+    auto sym = [&](const char* name) { return ::dlsym(handle, name); };
+    out.load = reinterpret_cast<decltype(out.load)>(sym("ltrain_sp_load"));
+    out.free_processor = reinterpret_cast<decltype(out.free_processor)>(sym("ltrain_sp_free"));
+    out.encode = reinterpret_cast<decltype(out.encode)>(sym("ltrain_sp_encode"));
+    out.decode = reinterpret_cast<decltype(out.decode)>(sym("ltrain_sp_decode"));
+    out.piece_size = reinterpret_cast<decltype(out.piece_size)>(sym("ltrain_sp_piece_size"));
+    out.eos_id = reinterpret_cast<decltype(out.eos_id)>(sym("ltrain_sp_eos_id"));
+    if (!out.load || !out.free_processor || !out.encode || !out.decode || !out.piece_size || !out.eos_id) {
+      out = SentencePieceLib{};
+      out.error = "libltrain_sentencepiece.so lacks its functions: a build of another version";
+    }
+    return out;
+#endif
+  }();
+  return lib;
+}
+
+class SentencePieceTokenizer : public TextTokenizer {
+ public:
+  static StatusOr<std::unique_ptr<TextTokenizer>> Load(const std::string& path) {
+    const SentencePieceLib& lib = SentencePiece();
+    if (!lib.load) return FailedPrecondition(path + " is a SentencePiece model: " + lib.error);
+    char* error = nullptr;
+    void* processor = lib.load(path.c_str(), &error);
+    if (processor == nullptr) {
+      std::string why = error != nullptr ? error : "unknown";
+      std::free(error);
+      return InvalidArgument("cannot load " + path + " as a SentencePiece model (nor is it a tokenizer.json): " + why);
+    }
+    auto t = std::unique_ptr<SentencePieceTokenizer>(new SentencePieceTokenizer(processor));
+    t->file_ = path;
+    return std::unique_ptr<TextTokenizer>(std::move(t));
+  }
+  ~SentencePieceTokenizer() override { SentencePiece().free_processor(processor_); }
+
+  std::vector<uint32_t> Encode(std::string_view text) const override {
+    int* ids = nullptr;
+    const long n = SentencePiece().encode(processor_, text.data(), text.size(), &ids);
+    std::vector<uint32_t> out;
+    if (n > 0) out.assign(ids, ids + n);
+    std::free(ids);
+    return out;
+  }
+  std::string Decode(const std::vector<uint32_t>& ids) const override {
+    std::vector<int> in(ids.begin(), ids.end());
+    size_t length = 0;
+    char* text = SentencePiece().decode(processor_, in.data(), in.size(), &length);
+    std::string out = text != nullptr ? std::string(text, length) : std::string();
+    std::free(text);
+    return out;
+  }
+  int vocab_size() const override { return SentencePiece().piece_size(processor_); }
+  std::string kind() const override { return "sentencepiece"; }
+  int64_t end_of_text() const override { return SentencePiece().eos_id(processor_); }
+
+ private:
+  explicit SentencePieceTokenizer(void* processor) : processor_(processor) {}
+  void* processor_;
 };
 
 // A byte-level BPE from a Hugging Face tokenizer.json.
@@ -388,8 +498,7 @@ StatusOr<std::unique_ptr<TextTokenizer>> TextTokenizer::Load(const std::string& 
   const std::string& text = *read;
   const size_t first = text.find_first_not_of(" \t\r\n");
   if (first != std::string::npos && text[first] == '{') return BpeTokenizer::FromJson(text, spec);
-  return InvalidArgument(spec + " is not a tokenizer.json (a Hugging Face tokenizer's JSON file); give the "
-                         "tokenizer.json of the model (GPT-2, Llama 3 and most models ship one), or byte");
+  return SentencePieceTokenizer::Load(spec);
 }
 
 StatusOr<std::string> TrainByteLevelBpe(const std::vector<std::string_view>& texts, int vocab, int threads,

@@ -3,6 +3,8 @@
 //   huggingface    a Hugging Face tokenizer.json of a byte-level BPE (GPT-2, Llama 3 and the ones
 //                  `--train-tokenizer bpe` writes): added tokens split out first, the pre-tokenizer's
 //                  regex (PCRE2: it has look-ahead), the byte-to-character map, then the merges by rank
+//   sentencepiece  a SentencePiece .model (Llama 2, Mistral) through Debian's libsentencepiece, in
+//                  libltrain_sentencepiece.so (see common/sentencepiece_shim.cc for why apart)
 // Encode and Decode are safe to call from several threads at once. No LibTorch here.
 #pragma once
 
@@ -21,14 +23,14 @@ class TextTokenizer {
  public:
   virtual ~TextTokenizer() = default;
 
-  // "byte", or a Hugging Face tokenizer.json.
+  // "byte", a Hugging Face tokenizer.json, or a SentencePiece model (any other file).
   static StatusOr<std::unique_ptr<TextTokenizer>> Load(const std::string& spec);
 
   virtual std::vector<uint32_t> Encode(std::string_view text) const = 0;
   virtual std::string Decode(const std::vector<uint32_t>& ids) const = 0;
   // One more than the largest id it makes (added tokens included).
   virtual int vocab_size() const = 0;
-  // "byte" or "huggingface".
+  // "byte", "huggingface" or "sentencepiece".
   virtual std::string kind() const = 0;
   // The id that ends a document (put between input files), or -1.
   virtual int64_t end_of_text() const { return -1; }

@@ -15,6 +15,7 @@ packages=(
   libyaml-cpp-dev libcli11-dev libsqlite3-dev
   libxxhash-dev          # XXH3-64, the checksums of checkpoint shards
   libpcre2-dev nlohmann-json3-dev   # tokenizers: pre-tokenizer regexes, tokenizer.json
+  libsentencepiece-dev   # SentencePiece .model tokenizers
   openssl libtorch-dev libgloo-dev
   libopenblas0-pthread   # an optimised BLAS for LibTorch on CPU: about 10x the reference BLAS
   base-files             # the licence texts the quickstart trains on
@@ -22,6 +23,7 @@ packages=(
 if [[ "${1:-}" == "--tests" ]]; then
   packages+=(libgtest-dev libgmock-dev systemd iproute2 slurmd slurmctld slurm-client munge python3
              python3-jsonschema    # checks -o json against docs/json-schema.json
+             sentencepiece         # spm_train: the SentencePiece test's model
              dpkg-dev)             # dpkg-shlibdeps: the Debian package's dependencies (cpack)
 fi
 

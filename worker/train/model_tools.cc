@@ -241,6 +241,11 @@ int Export(const ToolArgs& args) {
       s = json.ok() ? WriteFileAtomically(partial + "/tokenizer.json", *json) : json.status();
       config["tokenizer_class"] = "PreTrainedTokenizerFast";
       tokenizer_note = "tokenizer.json";
+    } else if ((*tokenizer)->kind() == "sentencepiece") {
+      StatusOr<std::string> model = ReadFileText((*tokenizer)->file());
+      s = model.ok() ? WriteFileAtomically(partial + "/tokenizer.model", *model) : model.status();
+      config["tokenizer_class"] = "LlamaTokenizer";
+      tokenizer_note = "tokenizer.model";
     } else {
       tokenizer_note = "no tokenizer files (the data is bytes: token id = byte value)";
     }
