@@ -247,6 +247,103 @@ TEST(FusedKernelsTest, LayerNormMatchesLibTorch) {
   }
 }
 
+// llama_model.RMSNorm in fp32 against our backward, the residual branch's gradient added in the kernel.
+TEST(FusedKernelsTest, RmsNormMatchesTheComposite) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  if (!FusedRmsNormAvailable(torch::zeros({1, 8}, bf16), torch::ones({8}, bf16))) {
+    GTEST_SKIP() << "worker built without CUDA kernels";
+  }
+  torch::manual_seed(19);
+  const double eps = 1e-5;
+  // As the layer norm's: the row in registers (one, two and four vectors a thread), two passes over
+  // wide rows, and an unaligned weight (the composite's backward and a separate add).
+  for (const auto& [rows, cols, offset] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
+           {4096, 2048, 0}, {64, 4096, 0}, {40, 6144, 0}, {16, 16384, 0}, {1001, 776, 4}}) {
+    torch::Tensor flat = torch::empty({offset + cols}, bf16);
+    torch::Tensor w = flat.narrow(0, offset, cols);
+    {
+      torch::NoGradGuard no_grad;
+      w.copy_(1 + 0.1 * torch::randn({cols}, bf16));
+    }
+    w = w.detach().requires_grad_(true);
+    torch::Tensor x = (2 * torch::randn({rows, cols}, bf16) + 0.5).requires_grad_(true);
+    torch::Tensor grad_out = torch::randn({rows, cols}, bf16), grad_res = torch::randn({rows, cols}, bf16);
+    std::vector<torch::Tensor> ref = Fp32Reference(
+        {x, w},
+        [&](const std::vector<torch::Tensor>& t) { return t[0] * torch::rsqrt(t[0].pow(2).mean(-1, true) + eps) * t[1]; },
+        grad_out);
+    auto [y, x_res] = FusedRmsNorm(x, w, eps);
+    torch::autograd::backward({y, x_res}, {grad_out, grad_res});
+    EXPECT_LE(RelativeError(y, ref[0]), 0.02) << rows << "x" << cols;
+    EXPECT_LE(RelativeError(x_res, x), 0.0);
+    EXPECT_LE(RelativeError(x.grad(), ref[1] + grad_res.to(torch::kFloat)), 0.02) << rows << "x" << cols;
+    EXPECT_LE(RelativeError(w.grad(), ref[2]), 0.02) << rows << "x" << cols;
+  }
+}
+
+// Two and three products of one input: outputs, the input gradient summed in the products, and the
+// weight gradients, new or added to a .grad the weight already has (as the parameter store's).
+TEST(FusedKernelsTest, ProjectionsMatchLibTorch) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  torch::manual_seed(23);
+  for (const bool three : {true, false}) {
+    std::vector<std::vector<int64_t>> shapes = {{256, 256}, {64, 256}};
+    if (three) shapes.push_back({64, 256});
+    std::vector<torch::Tensor> w = FlatParams(shapes, three ? 0 : 8);
+    if (!FusedLinearAvailable(torch::zeros({1, 256}, bf16), w[0])) GTEST_SKIP() << "worker built without CUDA kernels";
+    // The first weight holds a gradient already: the new one is added to it.
+    torch::Tensor before = 0.1 * torch::randn({256, 256}, bf16);
+    w[0].mutable_grad() = before.clone();
+    torch::Tensor x = torch::randn({2, 128, 256}, bf16).requires_grad_(true);
+    int64_t width = 0;
+    for (const auto& shape : shapes) width += shape[0];
+    torch::Tensor grad_out = torch::randn({2, 128, width}, bf16);
+    std::vector<torch::Tensor> inputs = {x};
+    inputs.insert(inputs.end(), w.begin(), w.end());
+    std::vector<torch::Tensor> ref = Fp32Reference(
+        inputs,
+        [&](const std::vector<torch::Tensor>& t) {
+          std::vector<torch::Tensor> outs;
+          for (size_t i = 1; i < t.size(); ++i) outs.push_back(at::linear(t[0], t[i]));
+          return torch::cat(outs, -1);
+        },
+        grad_out);
+    std::vector<torch::Tensor> outs = FusedProjections(x, w);
+    ASSERT_EQ(outs.size(), w.size());
+    for (size_t i = 0; i < outs.size(); ++i) EXPECT_EQ(outs[i].sizes(), (std::vector<int64_t>{2, 128, shapes[i][0]}));
+    torch::Tensor y = torch::cat(outs, -1);
+    y.backward(grad_out);
+    EXPECT_LE(RelativeError(y, ref[0]), 0.02) << three;
+    EXPECT_LE(RelativeError(x.grad(), ref[1]), 0.02) << three;
+    EXPECT_LE(RelativeError(w[0].grad().to(torch::kFloat) - before.to(torch::kFloat), ref[2]), 0.02) << three;
+    for (size_t i = 1; i < w.size(); ++i) EXPECT_LE(RelativeError(w[i].grad(), ref[2 + i]), 0.02) << three << " " << i;
+  }
+}
+
+// The embedding's gradient added in place to a table gradient that exists (repeated ids included),
+// and returned whole where none does.
+TEST(FusedKernelsTest, EmbeddingMatchesLibTorch) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  if (!FusedLlamaOpsAvailable(torch::zeros({8}, bf16))) GTEST_SKIP() << "worker built without CUDA kernels";
+  torch::manual_seed(29);
+  const int64_t vocab = 1000, d = 64;
+  torch::Tensor ids = torch::randint(0, 50, {4, 96}, torch::TensorOptions().dtype(torch::kLong).device(torch::kCUDA));
+  torch::Tensor grad_out = torch::randn({4, 96, d}, bf16);
+  torch::Tensor reference = at::embedding_backward(grad_out.to(torch::kFloat), ids, vocab, -1, false, false);
+  for (const bool existing : {true, false}) {
+    torch::Tensor w = torch::randn({vocab, d}, bf16).requires_grad_(true);
+    torch::Tensor before = existing ? 0.1 * torch::randn({vocab, d}, bf16) : torch::zeros({vocab, d}, bf16);
+    if (existing) w.mutable_grad() = before.clone();
+    torch::Tensor y = FusedEmbedding(ids, w);
+    EXPECT_LE(RelativeError(y, at::embedding(w.detach(), ids)), 0.0);
+    y.backward(grad_out);
+    EXPECT_LE(RelativeError(w.grad().to(torch::kFloat) - before.to(torch::kFloat), reference), 0.02) << existing;
+  }
+}
+
 // Rotary embeddings (llama_model.apply_rope) and SwiGLU against the same composite in fp32.
 TEST(FusedKernelsTest, RopeAndSwiGluMatchTheComposite) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";

@@ -1,6 +1,7 @@
 #include "worker/model/fused_kernels.h"
 
 #include <cstdint>
+#include <mutex>
 #include <stdexcept>
 #include <utility>
 #include <string>
@@ -18,6 +19,7 @@
 #include "worker/model/cuda/gemm.h"
 #include "worker/model/cuda/layer_norm.h"
 #include "worker/model/cuda/llama_ops.h"
+#include "worker/torch_compat.h"
 #endif
 
 #include <cmath>
@@ -30,6 +32,38 @@ FusedKernelOptions kernel_options;
 }  // namespace
 
 void SetFusedKernelOptions(const FusedKernelOptions& options) { kernel_options = options; }
+
+namespace {
+
+std::mutex stale_mu;
+std::vector<torch::Tensor> stale_grads;  // a few hundred at most: searched in order
+
+// Whether `grad` was marked stale (then no longer marked): its next writer overwrites it.
+[[maybe_unused]] bool TakeStale(const torch::Tensor& grad) {
+  if (!grad.defined()) return false;
+  std::lock_guard<std::mutex> lock(stale_mu);
+  for (auto it = stale_grads.begin(); it != stale_grads.end(); ++it) {
+    if (it->data_ptr() == grad.data_ptr() && it->numel() == grad.numel()) {
+      stale_grads.erase(it);
+      return true;
+    }
+  }
+  return false;
+}
+
+}  // namespace
+
+void MarkGradientsStale(const std::vector<torch::Tensor>& grads) {
+  std::lock_guard<std::mutex> lock(stale_mu);
+  stale_grads.insert(stale_grads.end(), grads.begin(), grads.end());
+}
+
+void ZeroStaleGradients() {
+  std::lock_guard<std::mutex> lock(stale_mu);
+  torch::NoGradGuard no_grad;
+  for (torch::Tensor& g : stale_grads) g.zero_();
+  stale_grads.clear();
+}
 
 #if defined(LTRAIN_WITH_CUDA_KERNELS)
 namespace {
@@ -75,6 +109,7 @@ void Gemm(cuda::GemmArgs args, const torch::Tensor& like, bool backward) {
   args.workspace = workspace.data_ptr();
   args.workspace_bytes = cuda::kGemmWorkspaceBytes;
   args.sm_margin = backward ? kernel_options.gemm_sm_margin : 0;
+  args.tune = kernel_options.gemm_tune;
   if (std::string error = cuda::GemmBf16(args, StreamOf(like)); !error.empty()) throw std::runtime_error(error);
 }
 
@@ -151,7 +186,8 @@ torch::Tensor BiasGrad(const torch::Tensor& g) {
 // (tests/bench/gemm_epilogues.cc).
 std::pair<torch::Tensor, torch::Tensor> WeightAndBiasGrads(const torch::Tensor& g, const torch::Tensor& x,
                                                            const torch::Tensor& w, bool has_bias) {
-  torch::Tensor dw = WeightGradProduct(g, x, AccumulationTarget(w));
+  torch::Tensor into = AccumulationTarget(w);
+  torch::Tensor dw = WeightGradProduct(g, x, into, /*accumulate=*/!TakeStale(into));
   return {dw, has_bias ? BiasGrad(g) : torch::Tensor()};
 }
 
@@ -264,6 +300,7 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
     const int64_t rows = x2.size(0), in = x2.size(1), c = w.size(0) / 3;
     const bool has_bias = ctx->saved_data["has_bias"].toBool();
     torch::Tensor into = AccumulationTarget(w);
+    const bool add = into.defined() && !TakeStale(into);
     torch::Tensor dw = into.defined() ? torch::Tensor() : torch::empty_like(w);
     torch::Tensor db = has_bias ? torch::empty({3 * c}, x2.options()) : torch::Tensor();
     torch::Tensor dx = torch::empty({rows, in}, x2.options());
@@ -271,13 +308,13 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
     for (int64_t i = 0; i < 3; ++i) {
       torch::Tensor dw_i = (into.defined() ? into : dw).narrow(0, i * c, c);
       if (!grads[i].defined()) {
-        if (!into.defined()) dw_i.zero_();
+        if (!add) dw_i.zero_();
         if (has_bias) db.narrow(0, i * c, c).zero_();
         continue;
       }
       // [b, heads, t, d] back to [rows, c]: a view where attention kept the layout it was given.
       torch::Tensor g = grads[i].transpose(1, 2).contiguous().view({rows, c});
-      WeightGradProduct(g, x2, dw_i, /*accumulate=*/into.defined());
+      WeightGradProduct(g, x2, dw_i, /*accumulate=*/add);
       InputGradProduct(g, w.narrow(0, i * c, c), cuda::Epilogue::kNone, {}, dx, /*accumulate=*/dx_written);
       dx_written = true;
       if (has_bias) db.narrow(0, i * c, c).copy_(BiasGrad(g));
@@ -327,6 +364,121 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     cuda::LayerNormParamGrads(dy.data_ptr(), x.data_ptr(), mean_c.data_ptr<float>(), rstd_c.data_ptr<float>(), rows,
                               cols, partial.data_ptr<float>(), dgamma.data_ptr(), dbeta.data_ptr(), StreamOf(x));
     return {dx, dgamma, dbeta, torch::Tensor()};
+  }
+};
+
+// RMSNorm as llama_model.RMSNorm (LibTorch's forward); backward from our kernels, as the layer
+// norm's: the residual branch's gradient (through the second output, x itself) added inside the
+// input-gradient kernel, and the weight gradient in one read of dy and x.
+struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
+  static variable_list forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w, double eps) {
+    c10::cuda::CUDAGuard guard(x.device());
+    torch::Tensor input = x.contiguous();
+    torch::Tensor out = compat::RmsNorm(input, w, eps);
+    ctx->save_for_backward({input, w});
+    ctx->saved_data["eps"] = eps;
+    return {out, x};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor &x = saved[0], &w = saved[1];
+    const double eps = ctx->saved_data["eps"].toDouble();
+    c10::cuda::CUDAGuard guard(x.device());
+    const int64_t cols = x.size(-1), rows = x.numel() / cols;
+    torch::Tensor dres = grads[1].defined() ? grads[1].contiguous() : torch::Tensor();
+    if (!grads[0].defined()) return {dres, torch::Tensor(), torch::Tensor()};
+    torch::Tensor dy = grads[0].contiguous();
+    if (!Aligned16(dy) || !Aligned16(x) || !Aligned16(w) || (dres.defined() && !Aligned16(dres))) {
+      // LibTorch's backward through the composite, then the residual's gradient.
+      torch::Tensor xg = x.detach().requires_grad_(true), wg = w.detach().requires_grad_(true);
+      torch::Tensor y;
+      {
+        torch::AutoGradMode enable(true);
+        y = compat::RmsNorm(xg, wg, eps);
+      }
+      variable_list g = torch::autograd::grad({y}, {xg, wg}, {dy});
+      if (dres.defined()) g[0].add_(dres);
+      return {g[0], g[1], torch::Tensor()};
+    }
+    torch::Tensor dx = torch::empty_like(x);
+    torch::Tensor rstd = torch::empty({rows}, x.options().dtype(torch::kFloat));
+    cuda::RmsNormInputGrad(dy.data_ptr(), x.data_ptr(), w.data_ptr(), static_cast<float>(eps),
+                           dres.defined() ? dres.data_ptr() : nullptr, rows, cols, dx.data_ptr(), rstd.data_ptr<float>(),
+                           StreamOf(x));
+    torch::Tensor dgamma = torch::empty({cols}, w.options());
+    torch::Tensor partial = torch::empty({cuda::LayerNormPartialFloats(rows, cols)}, x.options().dtype(torch::kFloat));
+    cuda::RmsNormWeightGrad(dy.data_ptr(), x.data_ptr(), rstd.data_ptr<float>(), rows, cols, partial.data_ptr<float>(),
+                            dgamma.data_ptr(), StreamOf(x));
+    return {dx, dgamma, torch::Tensor()};
+  }
+};
+
+// Products of one input x with two or three weights (w2 empty for two): each output its own dense
+// tensor, as separate FusedLinear calls would give; backward adds the input gradients in the
+// products' epilogues (one dx, no separate adds where the branches meet) and the weight gradients
+// as FusedLinear's.
+struct ProjectionsFunction : public torch::autograd::Function<ProjectionsFunction> {
+  static variable_list forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w0,
+                               const torch::Tensor& w1, const torch::Tensor& w2) {
+    c10::cuda::CUDAGuard guard(x.device());
+    torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
+    variable_list out;
+    for (const torch::Tensor* w : {&w0, &w1, &w2}) {
+      if (w->numel() == 0) continue;
+      out.push_back(LinearProduct(x2, *w, {}, cuda::Epilogue::kNone).view(WithLast(x.sizes(), w->size(0))));
+    }
+    ctx->save_for_backward({x2, w0, w1, w2});
+    ctx->saved_data["x_sizes"] = x.sizes().vec();
+    return out;
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor& x2 = saved[0];
+    c10::cuda::CUDAGuard guard(x2.device());
+    torch::Tensor dx = torch::empty_like(x2);
+    bool dx_written = false;
+    variable_list result(4);
+    for (size_t i = 0; i < grads.size(); ++i) {
+      const torch::Tensor& w = saved[1 + i];
+      torch::Tensor into = AccumulationTarget(w);
+      if (!grads[i].defined()) {
+        if (TakeStale(into)) into.zero_();
+        continue;
+      }
+      torch::Tensor g = grads[i].reshape({-1, w.size(0)}).contiguous();
+      result[1 + i] = WeightGradProduct(g, x2, into, /*accumulate=*/!TakeStale(into));
+      InputGradProduct(g, w, cuda::Epilogue::kNone, {}, dx, /*accumulate=*/dx_written);
+      dx_written = true;
+    }
+    if (!dx_written) dx.zero_();
+    result[0] = dx.view(ctx->saved_data["x_sizes"].toIntVector());
+    return result;
+  }
+};
+
+// The embedding lookup; backward adds the rows' gradients straight into w's .grad where it has one
+// (index_put_ with accumulate, sorted: only the rows the batch used are touched), not through a
+// dense [vocab, d] gradient and an add of the whole table.
+struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& ids, const torch::Tensor& w) {
+    ctx->save_for_backward({ids, w});
+    return at::embedding(w, ids);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor &ids = saved[0], &w = saved[1];
+    c10::cuda::CUDAGuard guard(w.device());
+    if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor()};
+    torch::Tensor g = grads[0].reshape({-1, w.size(1)});
+    torch::Tensor into = AccumulationTarget(w);
+    if (into.defined()) {
+      if (TakeStale(into)) into.zero_();
+      into.index_put_({ids.reshape({-1})}, g.to(into.scalar_type()), /*accumulate=*/true);
+      return {torch::Tensor(), torch::Tensor()};
+    }
+    return {torch::Tensor(), at::embedding_backward(grads[0], ids, w.size(0), -1, false, false)};
   }
 };
 
@@ -389,6 +541,8 @@ bool FusedLinearAvailable(const torch::Tensor& x, const torch::Tensor& w) {
          w.size(1) % 8 == 0;
 }
 
+bool FusedLinearTakes(int64_t out, int64_t in) { return kernel_options.linear && out % 8 == 0 && in % 8 == 0; }
+
 // LibTorch's custom functions take defined tensors only: an absent bias is an empty one.
 torch::Tensor OrEmpty(const torch::Tensor& t, const torch::Tensor& like) {
   return t.defined() ? t : torch::empty({0}, like.options());
@@ -418,6 +572,22 @@ std::pair<torch::Tensor, torch::Tensor> FusedLayerNorm(const torch::Tensor& x, c
   variable_list out = LayerNormFunction::apply(x, w, b, 1e-5);
   return {out[0], out[1]};
 }
+
+bool FusedRmsNormAvailable(const torch::Tensor& x, const torch::Tensor& w) {
+  return kernel_options.layer_norm && x.defined() && w.defined() && Bf16Cuda(x) && Bf16Cuda(w) && x.size(-1) % 8 == 0;
+}
+
+std::pair<torch::Tensor, torch::Tensor> FusedRmsNorm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  variable_list out = RmsNormFunction::apply(x, w, eps);
+  return {out[0], out[1]};
+}
+
+std::vector<torch::Tensor> FusedProjections(const torch::Tensor& x, const std::vector<torch::Tensor>& weights) {
+  if (weights.size() < 2 || weights.size() > 3) throw std::invalid_argument("FusedProjections takes two or three weights");
+  return ProjectionsFunction::apply(x, weights[0], weights[1], weights.size() == 3 ? weights[2] : torch::empty({0}, weights[0].options()));
+}
+
+torch::Tensor FusedEmbedding(const torch::Tensor& ids, const torch::Tensor& w) { return EmbeddingFunction::apply(ids, w); }
 
 bool FusedCrossEntropyAvailable(const torch::Tensor& logits) {
   return logits.is_cuda() && logits.scalar_type() == torch::kBFloat16 && logits.dim() == 2;
@@ -466,6 +636,8 @@ std::pair<torch::Tensor, torch::Tensor> FusedLayerNorm(const torch::Tensor& /*x*
 
 bool FusedLinearAvailable(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/) { return false; }
 
+bool FusedLinearTakes(int64_t /*out*/, int64_t /*in*/) { return false; }
+
 torch::Tensor FusedLinear(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/, const torch::Tensor& /*b*/,
                           const torch::Tensor& /*residual*/) {
   throw std::logic_error("FusedLinear: this worker was built without CUDA kernels");
@@ -481,7 +653,21 @@ std::vector<torch::Tensor> FusedQkv(const torch::Tensor& /*x*/, const torch::Ten
   throw std::logic_error("FusedQkv: this worker was built without CUDA kernels");
 }
 
+bool FusedRmsNormAvailable(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/) { return false; }
+
+std::pair<torch::Tensor, torch::Tensor> FusedRmsNorm(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/, double /*eps*/) {
+  throw std::logic_error("FusedRmsNorm: this worker was built without CUDA kernels");
+}
+
+std::vector<torch::Tensor> FusedProjections(const torch::Tensor& /*x*/, const std::vector<torch::Tensor>& /*weights*/) {
+  throw std::logic_error("FusedProjections: this worker was built without CUDA kernels");
+}
+
 bool FusedLlamaOpsAvailable(const torch::Tensor& /*x*/) { return false; }
+
+torch::Tensor FusedEmbedding(const torch::Tensor& /*ids*/, const torch::Tensor& /*w*/) {
+  throw std::logic_error("FusedEmbedding: this worker was built without CUDA kernels");
+}
 
 torch::Tensor FusedRope(const torch::Tensor& /*x*/, const torch::Tensor& /*cos*/, const torch::Tensor& /*sin*/) {
   throw std::logic_error("FusedRope: this worker was built without CUDA kernels");

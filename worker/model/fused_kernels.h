@@ -17,12 +17,23 @@ struct FusedKernelOptions {
   bool layer_norm = true;   // FusedLayerNorm (LTRAIN_FUSED_LAYER_NORM=0 turns it off)
   bool adamw = true;        // FusedAdamW (LTRAIN_FUSED_ADAMW=0 turns it off)
   int gemm_sm_margin = 0;   // backward's products are planned for this many fewer SMs (LTRAIN_GEMM_SM_MARGIN)
+  bool gemm_tune = true;    // each product's algorithm timed among cuBLASLt's candidates (LTRAIN_GEMM_TUNE=0: first)
 };
 void SetFusedKernelOptions(const FusedKernelOptions& options);
 
 // Whether FusedLinear and FusedMlp can take input x with weight w: a CUDA build, bf16 CUDA
 // tensors, a contiguous 2-D weight whose sides are multiples of 8, and options.linear.
 bool FusedLinearAvailable(const torch::Tensor& x, const torch::Tensor& w);
+
+// Whether FusedLinearAvailable holds for bf16 CUDA inputs and weights of [out, in] (contiguous).
+bool FusedLinearTakes(int64_t out, int64_t in);
+
+// Weight gradients left unzeroed at the start of a step (the parameter store's, views of its flat
+// buffer): the first fused product to write each overwrites it instead of adding to it.
+// ZeroStaleGradients zeroes those no product wrote (call it after backward, before anything reads
+// the gradients) and forgets them all. Only for gradients that nothing but the products adds to.
+void MarkGradientsStale(const std::vector<torch::Tensor>& grads);
+void ZeroStaleGradients();
 
 // residual + at::linear(x, w, b) (b and residual may be undefined) through cuBLASLt, the bias and
 // the residual (shaped like the output) in the product's epilogue: no separate add. Backward adds the
@@ -53,12 +64,30 @@ bool FusedLayerNormAvailable(const torch::Tensor& x, const torch::Tensor& w, con
 std::pair<torch::Tensor, torch::Tensor> FusedLayerNorm(const torch::Tensor& x, const torch::Tensor& w,
                                                        const torch::Tensor& b);
 
+// Whether FusedRmsNorm can take these: a CUDA build, bf16 CUDA input and weight, a width that is a
+// multiple of 8, and options.layer_norm (which covers both norms).
+bool FusedRmsNormAvailable(const torch::Tensor& x, const torch::Tensor& w);
+
+// {rms_norm(x, w, eps) over the last dimension, x}: LibTorch's forward, our kernels backward, with
+// the residual branch reading x through the second output as FusedLayerNorm's.
+std::pair<torch::Tensor, torch::Tensor> FusedRmsNorm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+
+// {x · w_iᵀ} for two or three weights (each as FusedLinearAvailable(x, w_i) takes): one product
+// each, the input gradient summed in the backward products' epilogues (no separate adds), weight
+// gradients as FusedLinear's.
+std::vector<torch::Tensor> FusedProjections(const torch::Tensor& x, const std::vector<torch::Tensor>& weights);
+
 // Whether FusedRope and FusedSwiGlu can take x: a CUDA build, a bf16 CUDA tensor.
 bool FusedLlamaOpsAvailable(const torch::Tensor& x);
 
 // llama_model.apply_rope of x [b, t, heads, head_dim] with cos, sin fp32 [>= t, head_dim/2] (on x's
 // device): one kernel forward, one (the inverse rotation) backward; fp32 arithmetic, bf16 out.
 torch::Tensor FusedRope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+
+// embedding(ids, w) for a bf16 CUDA table w (where FusedLlamaOpsAvailable(w)): backward adds the
+// used rows' gradients into w's .grad in place where it has one (bf16, as the parameter store keeps
+// it), instead of a dense table-sized gradient and an add.
+torch::Tensor FusedEmbedding(const torch::Tensor& ids, const torch::Tensor& w);
 
 // silu(gate) · up in one kernel, both gradients in one kernel.
 torch::Tensor FusedSwiGlu(const torch::Tensor& gate, const torch::Tensor& up);

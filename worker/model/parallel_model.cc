@@ -236,6 +236,13 @@ std::pair<torch::Tensor, torch::Tensor> LayerNorm(const torch::Tensor& x, const 
   return {torch::layer_norm(x, {x.size(-1)}, w, b), x};
 }
 
+// {rms_norm(x), x}: the residual branch reads x through the second, so that with our kernel its
+// gradient is added inside the norm's backward.
+std::pair<torch::Tensor, torch::Tensor> RmsNorm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+  if (FusedRmsNormAvailable(x, w)) return FusedRmsNorm(x, w, eps);
+  return {compat::RmsNorm(x, w, eps), x};
+}
+
 // residual + linear(gelu_tanh(linear(x, w1, b1)), w2, b2), b2 and residual possibly undefined.
 torch::Tensor Mlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1, const torch::Tensor& w2,
                   const torch::Tensor& b2, const torch::Tensor& residual = {}) {
@@ -562,6 +569,16 @@ torch::Tensor ModelShard::Attention(const torch::Tensor& q, const torch::Tensor&
   return compat::CausalAttentionGqa(q, k, v);
 }
 
+bool ModelShard::GradientFromProductsOnly(size_t i) const {
+  if (spec_.config.arch != Arch::kLlama || i >= params_.size()) return false;
+  const ShardParam& p = params_[i];
+  if (p.value.dim() != 2 || !FusedLinearTakes(p.value.size(0), p.value.size(1))) return false;
+  const std::string& name = p.name;
+  auto ends = [&](const char* suffix) { return EndsWith(name, suffix); };
+  if (ends(".wk.weight") || ends(".wv.weight")) return !kv_replicated_;
+  return ends(".wq.weight") || ends(".wo.weight") || ends(".w1.weight") || ends(".w3.weight") || ends(".w2.weight");
+}
+
 torch::Tensor ModelShard::BlockForward(int layer, const torch::Tensor& x) {
   return spec_.config.arch == Arch::kLlama ? LlamaBlockForward(layer, x) : GptBlockForward(layer, x);
 }
@@ -602,24 +619,43 @@ torch::Tensor ModelShard::LlamaBlockForward(int layer, const torch::Tensor& x) {
     if (tp == 1) return partial;
     return sp ? ScatterSeq::apply(partial, comm) : ReduceFromTp::apply(partial, comm);
   };
-  torch::Tensor h = enter(compat::RmsNorm(x, P(layer, "attn_norm.weight"), c.norm_eps));
+  // The residual branches read x and r through the norms' second outputs (see RmsNorm).
+  auto [h_local, x_res] = RmsNorm(x, P(layer, "attn_norm.weight"), c.norm_eps);
+  torch::Tensor h = enter(h_local);
   const int64_t b = h.size(0), t = h.size(1);
-  // wk and wv kept whole (fewer key/value heads than tp) are used through a view: LibTorch's product.
-  auto kv_linear = [&](const char* name) {
-    return kv_replicated_ ? at::linear(h, KvWeight(layer, name)) : NoBiasLinear(h, P(layer, name));
-  };
-  torch::Tensor q = Rope(NoBiasLinear(h, P(layer, "wq.weight")).view({b, t, heads_local, hd})).transpose(1, 2);
-  torch::Tensor k = Rope(kv_linear("wk.weight").view({b, t, kv_local, hd})).transpose(1, 2);
-  torch::Tensor v = kv_linear("wv.weight").view({b, t, kv_local, hd}).transpose(1, 2);
+  const torch::Tensor &wq = P(layer, "wq.weight"), &wk = P(layer, "wk.weight"), &wv = P(layer, "wv.weight");
+  torch::Tensor q_lin, k_lin, v_lin;
+  if (!kv_replicated_ && FusedLinearAvailable(h, wq) && FusedLinearAvailable(h, wk) && FusedLinearAvailable(h, wv)) {
+    std::vector<torch::Tensor> qkv = FusedProjections(h, {wq, wk, wv});
+    q_lin = qkv[0], k_lin = qkv[1], v_lin = qkv[2];
+  } else {
+    // wk and wv kept whole (fewer key/value heads than tp) are used through a view: LibTorch's product.
+    auto kv_linear = [&](const char* name) {
+      return kv_replicated_ ? at::linear(h, KvWeight(layer, name)) : NoBiasLinear(h, P(layer, name));
+    };
+    q_lin = NoBiasLinear(h, wq), k_lin = kv_linear("wk.weight"), v_lin = kv_linear("wv.weight");
+  }
+  torch::Tensor q = Rope(q_lin.view({b, t, heads_local, hd})).transpose(1, 2);
+  torch::Tensor k = Rope(k_lin.view({b, t, kv_local, hd})).transpose(1, 2);
+  torch::Tensor v = v_lin.view({b, t, kv_local, hd}).transpose(1, 2);
   // Grouped-query attention: query head j reads key/value head j / (heads / kv_heads).
   torch::Tensor y = Attention(q, k, v).transpose(1, 2).reshape({b, t, heads_local * hd});
   // One rank: the residual is added in the products' epilogues.
-  torch::Tensor r = tp == 1 ? NoBiasLinear(y, P(layer, "wo.weight"), x) : x + row(NoBiasLinear(y, P(layer, "wo.weight")));
-  torch::Tensor m = enter(compat::RmsNorm(r, P(layer, "ffn_norm.weight"), c.norm_eps));
-  torch::Tensor g = NoBiasLinear(m, P(layer, "w1.weight")), u = NoBiasLinear(m, P(layer, "w3.weight"));
+  torch::Tensor r =
+      tp == 1 ? NoBiasLinear(y, P(layer, "wo.weight"), x_res) : x_res + row(NoBiasLinear(y, P(layer, "wo.weight")));
+  auto [m_local, r_res] = RmsNorm(r, P(layer, "ffn_norm.weight"), c.norm_eps);
+  torch::Tensor m = enter(m_local);
+  const torch::Tensor &w1 = P(layer, "w1.weight"), &w3 = P(layer, "w3.weight");
+  torch::Tensor g, u;
+  if (FusedLinearAvailable(m, w1) && FusedLinearAvailable(m, w3)) {
+    std::vector<torch::Tensor> gu = FusedProjections(m, {w1, w3});
+    g = gu[0], u = gu[1];
+  } else {
+    g = NoBiasLinear(m, w1), u = NoBiasLinear(m, w3);
+  }
   torch::Tensor gate = FusedLlamaOpsAvailable(g) ? FusedSwiGlu(g, u) : torch::silu(g) * u;
-  if (tp == 1) return NoBiasLinear(gate, P(layer, "w2.weight"), r);
-  return r + row(NoBiasLinear(gate, P(layer, "w2.weight")));
+  if (tp == 1) return NoBiasLinear(gate, P(layer, "w2.weight"), r_res);
+  return r_res + row(NoBiasLinear(gate, P(layer, "w2.weight")));
 }
 
 torch::Tensor ModelShard::GptBlockForward(int layer, const torch::Tensor& x) {
@@ -666,7 +702,10 @@ torch::Tensor ModelShard::Embed(const torch::Tensor& ids) {
   auto positioned = [&](const torch::Tensor& e, int64_t from, int64_t n) {
     return wpe_ >= 0 ? e + params_[wpe_].value.narrow(0, from, n) : e;
   };
-  if (tp == 1) return positioned(F::embedding(ids, wte), 0, t);
+  if (tp == 1) {
+    if (spec_.config.arch == Arch::kLlama && FusedLlamaOpsAvailable(wte)) return FusedEmbedding(ids, wte);
+    return positioned(F::embedding(ids, wte), 0, t);
+  }
   const int64_t rows = wte.size(0), start = rows * spec_.coords.tp;
   torch::Tensor outside = (ids < start).logical_or(ids >= start + rows);
   torch::Tensor local = (ids - start).masked_fill(outside, 0);
@@ -679,7 +718,7 @@ torch::Tensor ModelShard::Embed(const torch::Tensor& ids) {
 }
 
 torch::Tensor ModelShard::FinalNorm(const torch::Tensor& x) {
-  if (spec_.config.arch == Arch::kLlama) return compat::RmsNorm(x, params_[norm_w_].value, spec_.config.norm_eps);
+  if (spec_.config.arch == Arch::kLlama) return RmsNorm(x, params_[norm_w_].value, spec_.config.norm_eps).first;
   return LayerNorm(x, params_[norm_w_].value, params_[norm_b_].value).first;
 }
 
@@ -689,7 +728,8 @@ torch::Tensor ModelShard::HeadLoss(const torch::Tensor& x, const torch::Tensor& 
   const torch::Tensor& wte = params_[head_].value;
   torch::Tensor h = FinalNorm(x);
   if (tp > 1) h = spec_.layout.sequence_parallel ? GatherSeq::apply(h, comm) : CopyToTp::apply(h, comm);
-  torch::Tensor logits = Linear(h, wte, {});
+  // A Llama's head through our product: its weight gradient goes straight into the (tied) table's.
+  torch::Tensor logits = spec_.config.arch == Arch::kLlama ? NoBiasLinear(h, wte) : Linear(h, wte, {});
   logits = logits.view({-1, logits.size(-1)});
   torch::Tensor target = targets.reshape({-1});
   if (tp == 1) {

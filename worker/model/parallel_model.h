@@ -100,6 +100,9 @@ class ModelShard {
 
   std::vector<ShardParam>& params() { return params_; }
   const ModelShardSpec& spec() const { return spec_; }
+  // Whether parameter `i`'s gradient comes only from the fused products when the model runs in bf16
+  // on CUDA (a Llama's block matrices; wk and wv not where they are replicated over tp).
+  bool GradientFromProductsOnly(size_t i) const;
   int units() const { return spec_.config.layers + 2; }
   // Every parameter of the full model, in its order: name and shape.
   const std::vector<std::pair<std::string, std::vector<int64_t>>>& full_params() const { return full_params_; }

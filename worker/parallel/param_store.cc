@@ -271,13 +271,42 @@ torch::Tensor ParamStore::MasterValue(int param) const {
   return unit.full.narrow(0, OffsetInUnit(param), value.numel()).view(value.sizes());
 }
 
+void ParamStore::ZeroUnitGrads(Unit& unit, bool zero, std::vector<torch::Tensor>* stale) {
+  // Runs of adjacent parameters: zeroed, or (gradients only the products write) left to the
+  // products' first write; the padding past the last parameter is zeroed once, at creation.
+  int64_t run_at = 0, run_n = 0;
+  bool run_products = false;
+  auto flush = [&] {
+    if (run_n == 0) return;
+    if (zero && !run_products) unit.grad_full.narrow(0, run_at, run_n).zero_();
+    run_n = 0;
+  };
+  for (size_t k = 0; k < unit.layout.params.size(); ++k) {
+    const Param& p = params_[unit.layout.params[k]];
+    const int64_t at = unit.layout.offsets[k], n = p.value->numel();
+    const bool products = p.product_grad && p.value->grad().defined();
+    if (products && stale != nullptr) stale->push_back(p.value->grad());
+    if (run_n > 0 && (products != run_products || at != run_at + run_n)) flush();
+    if (run_n == 0) run_at = at, run_products = products;
+    run_n += n;
+  }
+  flush();
+}
+
 void ParamStore::ZeroGrads() {
   torch::NoGradGuard no_grad;
+  std::vector<torch::Tensor> stale;
   for (Unit& unit : units_) {
-    (zero_ < 2 ? unit.grad_full : unit.grad_shard).zero_();
+    if (zero_ >= 2) {
+      unit.grad_shard.zero_();
+    } else {
+      ZeroUnitGrads(unit, /*zero=*/!unit.grads_zeroed, &stale);
+      unit.grads_zeroed = false;
+    }
     unit.pending = static_cast<int>(unit.layout.params.size());
     unit.launched = false;
   }
+  MarkGradientsStale(stale);
 }
 
 void ParamStore::ArmHooks(bool armed) {
@@ -340,6 +369,7 @@ void ParamStore::Launch(int u) {
 }
 
 Status ParamStore::FinishBackward() {
+  ZeroStaleGradients();
   if (armed_) {
     for (int u = 0; u < units(); ++u) {
       if (!units_[u].launched) Launch(u);
@@ -380,18 +410,28 @@ torch::Tensor ParamStore::GradSquareSum() {
   torch::NoGradGuard no_grad;
   // Summed on the device, one value brought back: on CUDA from fp32 norms of every segment (one
   // kernel, as clip_grad_norm_ does), on the CPU from squares in double.
+  // Adjacent counted parameters of a unit make one segment (fewer, longer ones for the kernel).
   std::vector<torch::Tensor> sums, segments;
   for (Unit& unit : units_) {
     torch::Tensor grad = OwnedGrad(unit);
-    ForEachOwned(unit, [&](const Param& p, int64_t at, int64_t n) {
-      if (!p.counts_for_norm) return;
-      torch::Tensor g = grad.narrow(0, at, n);
+    int64_t run_at = 0, run_n = 0;
+    auto flush = [&] {
+      if (run_n == 0) return;
+      torch::Tensor g = grad.narrow(0, run_at, run_n);
       if (g.is_cuda()) {
         segments.push_back(g);
       } else {
         sums.push_back(g.to(torch::kDouble).square().sum());
       }
+      run_n = 0;
+    };
+    ForEachOwned(unit, [&](const Param& p, int64_t at, int64_t n) {
+      if (!p.counts_for_norm || (run_n > 0 && at != run_at + run_n)) flush();
+      if (!p.counts_for_norm) return;
+      if (run_n == 0) run_at = at;
+      run_n += n;
     });
+    flush();
   }
   if (!segments.empty()) sums.push_back(torch::stack(at::_foreach_norm(segments)).to(torch::kDouble).square().sum());
   if (sums.empty()) {
@@ -404,10 +444,49 @@ torch::Tensor ParamStore::GradSquareSum() {
 Status ParamStore::AwaitCompute(int u) {
   if (u < 0 || u >= units()) return Status::Ok();
   Unit& unit = units_[u];
+  if (unit.update_job != 0) {
+    const int64_t job = unit.update_job;
+    unit.update_job = 0;
+    LTRAIN_RETURN_IF_ERROR(update_queue_->Wait(job));
+  }
   if (unit.compute_job == 0) return Status::Ok();
   Status s = queue_->Wait(unit.compute_job);
   unit.compute_job = 0;
   return s;
+}
+
+void ParamStore::UpdateUnit(Unit& unit, const AdamWConfig& adamw, double lr, double b1, double b2, int64_t step,
+                            const torch::Tensor& divisor) {
+  torch::Tensor grad = OwnedGrad(unit), param = OwnedParam(unit);
+  const bool sharded = sharded_update();
+  // The kernel also writes the owned part of the bf16 copies (zero 0: all of them).
+  torch::Tensor copy = zero_ == 0 || sharded ? OwnedCompute(unit) : torch::Tensor();
+  // One launch per run of adjacent parameters of one weight-decay class (a Llama layer: 4, not 9).
+  int64_t run_at = 0, run_n = 0;
+  bool run_decay = false;
+  auto flush = [&] {
+    if (run_n == 0) return;
+    FusedAdamW(param.narrow(0, run_at, run_n), grad.narrow(0, run_at, run_n), unit.exp_avg.narrow(0, run_at, run_n),
+               unit.exp_avg_sq.narrow(0, run_at, run_n),
+               copy.defined() ? copy.narrow(0, run_at, run_n) : torch::Tensor(), lr, b1, b2, adamw.eps,
+               run_decay ? adamw.weight_decay : 0.0, step, divisor);
+    run_n = 0;
+  };
+  ForEachOwned(unit, [&](const Param& p, int64_t at, int64_t n) {
+    if (run_n > 0 && (p.decay != run_decay || at != run_at + run_n)) flush();
+    if (run_n == 0) run_at = at, run_decay = p.decay;
+    run_n += n;
+  });
+  flush();
+}
+
+bool ParamStore::can_defer_update() const {
+  return zero_ == 0 && !units_.empty() && units_.front().compute.defined() && FusedAdamWAvailable(units_.front().full);
+}
+
+Status ParamStore::AwaitUpdates() {
+  for (int u = 0; u < units(); ++u) LTRAIN_RETURN_IF_ERROR(AwaitCompute(u));
+  return Status::Ok();
 }
 
 Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, const torch::Tensor& grad_divisor,
@@ -428,16 +507,28 @@ Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, con
   if (grad_scale != 1.0) divisor = divisor.defined() ? divisor / grad_scale : torch::full({}, 1.0 / grad_scale, f32);
   // The owned segment of every parameter, by weight-decay class: [decays][w, g, m, v].
   std::vector<torch::Tensor> lists[2][4];
+  if (own_kernel && zero_ == 0 && defer_compute) {
+    // In forward order, each unit a job on the update queue's stream (ordered after this stream's
+    // backward): the next forward waits for a unit's job just before using it (AwaitCompute).
+    if (!update_queue_) update_queue_ = std::make_unique<ReductionQueue>(/*threaded=*/true, units_.front().full.device());
+    update_divisor_ = divisor;
+    for (auto it = units_.rbegin(); it != units_.rend(); ++it) {
+      Unit* unit = &*it;
+      const AdamWConfig adamw = adamw_;
+      unit->grads_zeroed = true;
+      unit->update_job = update_queue_->Enqueue([this, unit, adamw, divisor, lr, b1, b2, step]() {
+        torch::NoGradGuard no_grad;
+        UpdateUnit(*unit, adamw, lr, b1, b2, step, divisor);
+        ZeroUnitGrads(*unit, /*zero=*/true, nullptr);
+        return Status::Ok();
+      });
+    }
+    return Status::Ok();
+  }
   for (Unit& unit : units_) {
     torch::Tensor grad = OwnedGrad(unit), param = OwnedParam(unit);
     if (own_kernel) {
-      // The kernel also writes the owned part of the bf16 copies (zero 0: all of them).
-      torch::Tensor copy = zero_ == 0 || sharded ? OwnedCompute(unit) : torch::Tensor();
-      ForEachOwned(unit, [&](const Param& p, int64_t at, int64_t n) {
-        FusedAdamW(param.narrow(0, at, n), grad.narrow(0, at, n), unit.exp_avg.narrow(0, at, n),
-                   unit.exp_avg_sq.narrow(0, at, n), copy.defined() ? copy.narrow(0, at, n) : torch::Tensor(), lr,
-                   b1, b2, adamw_.eps, p.decay ? adamw_.weight_decay : 0.0, step, divisor);
-      });
+      UpdateUnit(unit, adamw_, lr, b1, b2, step, divisor);
       continue;
     }
     // bf16 gradients (bf16_compute, zero < 2) meet the fp32 masters as fp32.

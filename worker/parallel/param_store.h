@@ -112,6 +112,10 @@ class ParamStore {
     torch::Tensor* value;  // the model's leaf; the store re-points it into its flat buffer
     bool decay = false;
     bool counts_for_norm = true;
+    // Its gradient comes only from the fused products (bf16 on CUDA), which overwrite it on their
+    // first write of a step: ZeroGrads leaves it unzeroed (MarkGradientsStale), FinishBackward
+    // zeroes it if no product wrote it.
+    bool product_grad = false;
   };
 
   // `units`: a partition of param indices (each ascending), in the order backward completes them.
@@ -152,12 +156,19 @@ class ParamStore {
   // computed on the device, without a host synchronization).
   // `defer_compute`: with a sharded update (sharded_update()), the all-gathers of the bf16 copies are
   // left in flight (issued in forward order) and the caller awaits each unit's before using it
-  // (AwaitCompute), so that they overlap the next forward.
+  // (AwaitCompute), so that they overlap the next forward. Where can_defer_update(), the updates
+  // themselves run so, unit by unit on a stream of their own, each unit's non-product gradients
+  // zeroed after its update (ZeroGrads then leaves them).
   Status OptimizerStep(double lr, double grad_scale, int64_t step, const torch::Tensor& grad_divisor = {},
                        bool defer_compute = false);
   // zero 1/2, bf16 compute copies, dp > 1: the update writes the owned part of the copies, which are
   // then all-gathered (in bf16, not the fp32 masters); zero 1 reduce-scatters its gradients.
   bool sharded_update() const;
+  // zero 0 with our AdamW kernel (bf16 copies on CUDA): the update can run beside the next forward.
+  bool can_defer_update() const;
+  // The current stream waits for every unit's deferred work (before reading the parameters or the
+  // optimizer state outside a forward: checkpoints, evaluation, export).
+  Status AwaitUpdates();
   // The current stream waits for unit `u`'s deferred all-gather of its bf16 copies (a no-op when
   // none is in flight).
   Status AwaitCompute(int u);
@@ -246,12 +257,21 @@ class ParamStore {
     bool gathered = true;
     int64_t gather_job = 0;    // zero 3: in-flight gather
     int64_t compute_job = 0;   // sharded update: the deferred all-gather of the bf16 copies
+    int64_t update_job = 0;    // deferred update: its job on update_queue_
+    bool grads_zeroed = false;  // the deferred update zeroed its non-product gradients
   };
 
   ParamStore(std::vector<Param> params, int zero, Communicator* dp, AdamWConfig adamw);
   void OnGradReady(int param);
   // bf16_compute: the leaves' bf16 copies take the masters' values.
   void RefreshCompute();
+  // Our AdamW kernel over the unit's owned elements (one launch per run of adjacent parameters of one
+  // weight-decay class), writing the bf16 copies where they are kept.
+  void UpdateUnit(Unit& unit, const AdamWConfig& adamw, double lr, double b1, double b2, int64_t step,
+                  const torch::Tensor& divisor);
+  // zero < 2: zeroes the unit's gradients (`zero`) except those only the products write, which go to
+  // `stale` (when not null) for MarkGradientsStale.
+  void ZeroUnitGrads(Unit& unit, bool zero, std::vector<torch::Tensor>* stale);
   torch::Tensor OwnedCompute(Unit& unit);
   int64_t OffsetInUnit(int param) const;
   // Calls fn(parameter, at, n) for every parameter of `unit` with elements in this rank's owned
@@ -278,6 +298,8 @@ class ParamStore {
   bool masters_stale_ = false;  // ShardedUpdate: the masters outside the owned shard lag behind
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // keeps the hooks alive
   std::unique_ptr<ReductionQueue> queue_;
+  std::unique_ptr<ReductionQueue> update_queue_;  // deferred updates: a thread and a stream of their own
+  torch::Tensor update_divisor_;                   // kept alive while deferred updates read it
 };
 
 }  // namespace ltrain::worker

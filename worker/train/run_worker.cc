@@ -166,11 +166,13 @@ Status Run(const WorkerEnv& env) {
   options.job_id = env.job_id;
   options.collective_timeout = CollectiveTimeout(recipe);
   options.dp_overlap = EnvString("LTRAIN_DP_OVERLAP") != "0";
+  options.overlap_update = EnvString("LTRAIN_OVERLAP_UPDATE") != "0";
   SetCollectiveStreamPriority(EnvString("LTRAIN_DP_HIGH_PRIORITY") == "1");
   FusedKernelOptions kernels;
   kernels.linear = EnvString("LTRAIN_FUSED_LINEAR") != "0";
   kernels.layer_norm = EnvString("LTRAIN_FUSED_LAYER_NORM") != "0";
   kernels.adamw = EnvString("LTRAIN_FUSED_ADAMW") != "0";
+  kernels.gemm_tune = EnvString("LTRAIN_GEMM_TUNE") != "0";
   LTRAIN_RETURN_IF_ERROR(EnvInt(ProcessEnvironment(), "LTRAIN_GEMM_SM_MARGIN", &kernels.gemm_sm_margin));
   SetFusedKernelOptions(kernels);
   LTRAIN_ASSIGN_OR_RETURN(CheckpointWriteFault fault, CheckpointWriteFault::FromEnv());
@@ -310,14 +312,18 @@ Profiling:
                            chrome://tracing); CUDA builds only
   LTRAIN_FUSED_LINEAR=0    LibTorch's linear layers and GELU instead of the worker's cuBLASLt ones
                            (bf16 on CUDA), to compare speed or numerics
-  LTRAIN_FUSED_LAYER_NORM=0  LibTorch's layer norm backward instead of the worker's kernels (which
-                           add the residual branch's gradient in the same pass)
+  LTRAIN_FUSED_LAYER_NORM=0  LibTorch's layer norm and RMS norm backward instead of the worker's
+                           kernels (which add the residual branch's gradient in the same pass)
   LTRAIN_FUSED_ADAMW=0     LibTorch's fused AdamW over fp32 copies of the bf16 gradients instead of
                            the worker's kernel (which also writes the bf16 weights)
   LTRAIN_DP_OVERLAP=0      all-reduce the data-parallel gradients after backward, not during it
+  LTRAIN_OVERLAP_UPDATE=0  run the optimizer's update inline after backward, not unit by unit on a
+                           stream of its own beside the next forward (zero 0, bf16 on CUDA)
   LTRAIN_DP_HIGH_PRIORITY=1  run the data-parallel collectives on a high-priority CUDA stream
   LTRAIN_GEMM_SM_MARGIN=N  plan the cuBLASLt products of backward for N fewer SMs than the GPU has,
                            leaving them to the data-parallel reductions that overlap backward
+  LTRAIN_GEMM_TUNE=0       take cuBLASLt's first candidate for each product instead of timing its
+                           first eight once, on the product's first call
 
 Fault injection (for testing recovery; never set in production):
   LTRAIN_FAULT_CHECKPOINT_WRITE=STEP[:RANK]

@@ -29,6 +29,7 @@
 #include "worker/checkpoint/checkpoint.h"
 #include "worker/checkpoint/checkpoint_writer.h"
 #include "worker/control/progress.h"
+#include "worker/model/fused_kernels.h"
 #include "worker/parallel/unit_hooks.h"
 #include "worker/plan/flat_layout.h"
 #include "worker/plan/topology.h"
@@ -269,9 +270,13 @@ Status Trainer::Init() {
   std::vector<ShardParam>& params = model_->params();
   std::vector<ParamStore::Param> store_params;
   std::vector<int64_t> numels;
-  for (ShardParam& sp : params) {
+  // bf16 on CUDA below ZeRO-2: the gradients only the products write are not zeroed each step.
+  const bool products_overwrite = bf16_params_ && device_.is_cuda() && layout_.zero < 2;
+  for (size_t i = 0; i < params.size(); ++i) {
+    ShardParam& sp = params[i];
     if (device_.is_cuda()) sp.value = sp.value.detach().to(device_).requires_grad_(true);
-    store_params.push_back(ParamStore::Param{&sp.value, sp.decay, sp.counts_for_norm});
+    store_params.push_back(ParamStore::Param{&sp.value, sp.decay, sp.counts_for_norm,
+                                             products_overwrite && model_->GradientFromProductsOnly(i)});
     numels.push_back(sp.value.numel());
     param_names_.push_back(sp.name);
   }
@@ -289,7 +294,7 @@ Status Trainer::Init() {
   if (!store.ok()) return store.status();
   store_ = std::move(store).value();
   if (layout_.zero == 3) model_->set_hooks(Zero3GatherHooks(store_.get(), params, units, ml.config.layers));
-  if (store_->sharded_update()) {
+  if (store_->sharded_update() || (options_.overlap_update && layout_.pp == 1 && store_->can_defer_update())) {
     model_->set_hooks(AwaitComputeCopiesHooks(store_.get(), params));
     defer_compute_ = true;
   }
@@ -869,6 +874,7 @@ StatusOr<torch::Tensor> Trainer::PipelineForward(int micro_step, const torch::Te
 
 StatusOr<double> Trainer::Evaluate() {
   torch::NoGradGuard no_grad;
+  LTRAIN_RETURN_IF_ERROR(store_->AwaitUpdates());
   Progress::Global().SetPhase(step_, "eval");
   const int batches = recipe_.training.eval_batches, m = layout_.accumulation;
   const bool last_stage = groups_->coords.pp == layout_.pp - 1;
@@ -1027,6 +1033,8 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
   } else {
     LTRAIN_RETURN_IF_ERROR(RunPipeline(loss_sum));
   }
+  // Gradients left to the products that no product wrote this step (none in a Llama) become zeros.
+  ZeroStaleGradients();
 
   {
     torch::NoGradGuard no_grad;
@@ -1101,6 +1109,7 @@ std::string Trainer::LayoutKey() const {
 
 Status Trainer::StartSave() {
   if (!writer_) return Status::Ok();
+  LTRAIN_RETURN_IF_ERROR(store_->AwaitUpdates());
   const auto start = SteadyClock::now();
   Progress::Global().SetPhase(step_, "checkpoint");
   // The snapshot reuses the host memory of the previous one: that save must be written first (its
@@ -1182,6 +1191,7 @@ Status Trainer::Save() {
 
 Status Trainer::ExportParameters(const std::string& path) {
   torch::NoGradGuard no_grad;
+  LTRAIN_RETURN_IF_ERROR(store_->AwaitUpdates());
   LTRAIN_RETURN_IF_ERROR(store_->SyncMasters());
   const RankCoords c = groups_->coords;
   for (int u = 0; u < store_->units(); ++u) {
@@ -1241,9 +1251,7 @@ std::vector<std::pair<std::string, torch::Tensor>> Trainer::FullParameters() con
 
 torch::Tensor Trainer::Logits(const torch::Tensor& ids) {
   torch::NoGradGuard no_grad;
-  for (int u = 0; u < store_->units(); ++u) {
-    if (Status s = store_->AwaitCompute(u); !s.ok()) throw std::runtime_error(s.message());
-  }
+  if (Status s = store_->AwaitUpdates(); !s.ok()) throw std::runtime_error(s.message());
   return model_->Logits(ids.to(device_));
 }
 
@@ -1452,9 +1460,7 @@ Status Trainer::Run() {
     if (stop_here) break;
   }
   // The last update's bf16 copies, where their gathers were left to the next forward.
-  for (int u = 0; u < store_->units(); ++u) {
-    LTRAIN_RETURN_IF_ERROR(store_->AwaitCompute(u));
-  }
+  LTRAIN_RETURN_IF_ERROR(store_->AwaitUpdates());
   if (printer && t.steps >= window_first && window_ms > 0) PrintThroughput(window_first, t.steps - window_first + 1, window_ms);
   if (writer_) {
     // The final save must be committed before the job may count as done.

@@ -54,11 +54,11 @@ cublasLtEpilogue_t LtEpilogue(Epilogue e) {
   return CUBLASLT_EPILOGUE_DEFAULT;
 }
 
-// Handles (one per device) and the heuristic's choice per problem, shared by every thread.
+// Handles (one per device) and the algorithm chosen per problem, shared by every thread.
 struct State {
   std::mutex mu;
   std::map<int, cublasLtHandle_t> handles;
-  std::map<std::array<int64_t, 21>, cublasLtMatmulAlgo_t> algos;
+  std::map<std::array<int64_t, 22>, cublasLtMatmulAlgo_t> algos;
 };
 
 State& Shared() {
@@ -143,7 +143,7 @@ std::string GemmBf16(const GemmArgs& g, cudaStream_t stream) {
   cublasLtMatrixLayout_t c_layout = own_c ? lc.l : ld.l;
 
   const uint32_t align_a = Alignment(g.a), align_b = Alignment(g.b), align_c = Alignment(c), align_d = Alignment(g.d);
-  const std::array<int64_t, 21> key = {device, sm_target, g.trans_a, g.trans_b, g.beta != 0.0f, g.m, g.n, g.k, g.lda, g.ldb, g.ldd,
+  const std::array<int64_t, 22> key = {device, sm_target, g.tune, g.trans_a, g.trans_b, g.beta != 0.0f, g.m, g.n, g.k, g.lda, g.ldb, g.ldd,
                                        own_c ? g.ldc : -1, static_cast<int64_t>(g.epilogue), g.ld_aux, align_a, align_b,
                                        align_c, align_d, Alignment(bias), uses_aux ? Alignment(g.aux) : 0,
                                        static_cast<int64_t>(g.workspace_bytes)};
@@ -166,15 +166,63 @@ std::string GemmBf16(const GemmArgs& g, cudaStream_t stream) {
     cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b));
     cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c));
     cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d));
-    cublasLtMatmulHeuristicResult_t result = {};
+    constexpr int kCandidates = 8;
+    std::array<cublasLtMatmulHeuristicResult_t, kCandidates> results = {};
     int found = 0;
-    if (cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(handle, desc.d, la.l, lb.l, c_layout, ld.l, pref.p, 1, &result, &found);
+    if (cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(handle, desc.d, la.l, lb.l, c_layout, ld.l, pref.p,
+                                                          g.tune ? kCandidates : 1, results.data(), &found);
         s != CUBLAS_STATUS_SUCCESS || found == 0) {
       return "cuBLASLt found no algorithm for a " + std::to_string(g.m) + "x" + std::to_string(g.n) + "x" +
              std::to_string(g.k) + " bf16 product with epilogue " + std::to_string(static_cast<int>(epilogue)) +
              " (status " + std::to_string(static_cast<int>(s)) + ")";
     }
-    algo = result.algo;
+    algo = results[0].algo;
+    if (found > 1) {
+      // Time the candidates on this problem once. A product that adds to D runs them into a scratch
+      // D (and C, where C is D), so that the real D is written once, by the call below; the others
+      // rewrite the same values (aux and bias gradients included).
+      void* scratch = nullptr;
+      const size_t d_bytes = static_cast<size_t>(g.ldd) * static_cast<size_t>(g.n) * 2;
+      if (g.beta == 0.0f || cudaMallocAsync(&scratch, d_bytes, stream) == cudaSuccess) {
+        void* d = scratch != nullptr ? scratch : g.d;
+        const void* c_run = scratch != nullptr && !own_c ? scratch : c;
+        cudaEvent_t start = nullptr, stop = nullptr;
+        cudaEventCreate(&start);
+        cudaEventCreate(&stop);
+        const float one = 1.0f;
+        float best = 0.0f;
+        for (int i = 0; i < found; ++i) {
+          // Beyond the heuristic's own choice, no split-K whose partial sums meet in bf16 (in place
+          // or in the output type): only those summed in fp32.
+          int32_t splits = 1;
+          uint32_t scheme = CUBLASLT_REDUCTION_SCHEME_NONE;
+          size_t written = 0;
+          cublasLtMatmulAlgoConfigGetAttribute(&results[i].algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits, sizeof(splits),
+                                               &written);
+          cublasLtMatmulAlgoConfigGetAttribute(&results[i].algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme,
+                                               sizeof(scheme), &written);
+          if (i > 0 && splits > 1 && scheme != CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE) continue;
+          auto run = [&] {
+            return cublasLtMatmul(handle, desc.d, &one, g.a, la.l, g.b, lb.l, &g.beta, c_run, c_layout, d, ld.l,
+                                  &results[i].algo, g.workspace, g.workspace_bytes, stream);
+          };
+          if (run() != CUBLAS_STATUS_SUCCESS) continue;
+          cudaEventRecord(start, stream);
+          constexpr int kRuns = 3;
+          bool ok = true;
+          for (int r = 0; r < kRuns && ok; ++r) ok = run() == CUBLAS_STATUS_SUCCESS;
+          cudaEventRecord(stop, stream);
+          float ms = 0.0f;
+          if (!ok || cudaEventSynchronize(stop) != cudaSuccess || cudaEventElapsedTime(&ms, start, stop) != cudaSuccess) continue;
+          if (best == 0.0f || ms < best) best = ms, algo = results[i].algo;
+        }
+        cudaEventDestroy(start);
+        cudaEventDestroy(stop);
+        if (scratch != nullptr) cudaFreeAsync(scratch, stream);
+      } else {
+        cudaGetLastError();  // no scratch: the heuristic's first choice
+      }
+    }
     std::lock_guard<std::mutex> lock(state.mu);
     state.algos[key] = algo;
   }

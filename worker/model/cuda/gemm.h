@@ -46,6 +46,9 @@ struct GemmArgs {
   // Plan for this many fewer SMs than the device has, leaving them to collectives that run at the
   // same time on another stream (0: all SMs).
   int sm_margin = 0;
+  // Choose among cuBLASLt's first few candidates for this problem by timing them, once per problem
+  // (the first call synchronizes the stream); false: the heuristic's first choice.
+  bool tune = false;
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };

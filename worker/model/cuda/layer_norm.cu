@@ -1,9 +1,10 @@
-// The layer norm's backward. The input gradient: a block per row, eight columns per thread and
-// 16-byte accesses, the row held in registers (up to 8192 columns), the two row means summed in
+// The layer norm's and the RMS norm's backward. The input gradient: a block per row, eight columns
+// per thread and 16-byte accesses, the row held in registers (up to 8192 columns), the row sums in
 // fp32 across the block, the residual gradient added on the way out. The weight and bias gradients
 // in two passes: blocks of 64 columns by a chunk of rows sum dy · x̂ and dy in fp32 (each warp over
 // every 8th row, then across the warps in shared memory) into per-chunk partials; a second kernel
-// adds the chunks of each column.
+// adds the chunks of each column. The RMS norm is the layer norm without centring (mean 0, no
+// bias), its rstd recomputed from the row the input-gradient kernel holds anyway.
 #include "worker/model/cuda/layer_norm.h"
 
 #include <cuda_bf16.h>
@@ -27,7 +28,7 @@ __global__ void PartialSums(const __nv_bfloat16* dy, const __nv_bfloat16* x, con
     for (int64_t r = begin + threadIdx.y; r < end; r += kWarps) {
       const float2 d = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dy + r * cols + col));
       const float2 v = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(x + r * cols + col));
-      const float m = mean[r], s = rstd[r];
+      const float m = mean != nullptr ? mean[r] : 0.f, s = rstd[r];
       g0 += d.x * (v.x - m) * s;
       g1 += d.y * (v.y - m) * s;
       b0 += d.x;
@@ -68,26 +69,52 @@ __global__ void AddChunks(const float* partial, int64_t chunks, int64_t cols, __
       b += partial[k * 2 * cols + cols + c];
     }
     dgamma[c] = __float2bfloat16(g);
-    dbeta[c] = __float2bfloat16(b);
+    if (dbeta != nullptr) dbeta[c] = __float2bfloat16(b);
   }
 }
 
 constexpr int kRowThreads = 256;
 
-// Sums a and b over the block (kRowThreads threads); every thread gets both sums.
-__device__ __forceinline__ void BlockSum2(float& a, float& b) {
-  __shared__ float part[2][kRowThreads / 32];
+// Sums a, b and c over the block (kRowThreads threads); every thread gets the three sums.
+__device__ __forceinline__ void BlockSum3(float& a, float& b, float& c) {
+  __shared__ float part[3][kRowThreads / 32];
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
     a += __shfl_xor_sync(0xffffffffu, a, offset);
     b += __shfl_xor_sync(0xffffffffu, b, offset);
+    c += __shfl_xor_sync(0xffffffffu, c, offset);
   }
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) part[0][warp] = a, part[1][warp] = b;
+  if (lane == 0) part[0][warp] = a, part[1][warp] = b, part[2][warp] = c;
   __syncthreads();
-  a = 0.f, b = 0.f;
+  a = 0.f, b = 0.f, c = 0.f;
 #pragma unroll
-  for (int w = 0; w < kRowThreads / 32; ++w) a += part[0][w], b += part[1][w];
+  for (int w = 0; w < kRowThreads / 32; ++w) a += part[0][w], b += part[1][w], c += part[2][w];
+}
+
+__device__ __forceinline__ float SumOfSquares(const Bf16x8& x) {
+  float xv[8], ss = 0.f;
+  Unpack(x, xv);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) ss += xv[i] * xv[i];
+  return ss;
+}
+
+// The row's statistics once its sums are in: the layer norm's means of dy·γ and dy·γ·x̂; the RMS
+// norm's rstd from Σx², mean(dy·γ) 0, and mean(dy·γ·x̂) = rstd · Σ(dy·γ·x) / cols (its sums ran with
+// mean 0 and rstd 1). Thread 0 records the RMS norm's rstd for the weight gradient.
+template <bool kRms>
+__device__ __forceinline__ void RowStatistics(float sum_g, float sum_gx, float sum_xx, float cols, float eps,
+                                              int64_t row, float* rstd_out, float& s, float& mean_g, float& mean_gx) {
+  if (kRms) {
+    s = rsqrtf(sum_xx / cols + eps);
+    mean_g = 0.f;
+    mean_gx = sum_gx * s / cols;
+    if (threadIdx.x == 0) rstd_out[row] = s;
+  } else {
+    mean_g = sum_g / cols;
+    mean_gx = sum_gx / cols;
+  }
 }
 
 __device__ __forceinline__ Bf16x8 InputGradOf(const Bf16x8& dy, const Bf16x8& x, const Bf16x8& gamma,
@@ -122,14 +149,17 @@ __device__ __forceinline__ void AddRowSums(const Bf16x8& dy, const Bf16x8& x, co
 }
 
 // Rows of up to kVecs · kRowThreads vectors: each thread keeps its dy and x in registers between the
-// row sums and the output, so the row is read from memory once.
-template <int kVecs>
+// row sums and the output, so the row is read from memory once. The layer norm reads mean and rstd;
+// the RMS norm (kRms) computes rstd and writes it to rstd_out.
+template <int kVecs, bool kRms>
 __global__ void InputGradHeld(const Bf16x8* dy, const Bf16x8* x, const Bf16x8* gamma, const float* mean,
-                              const float* rstd, const Bf16x8* dres, int64_t vecs, Bf16x8* dx) {
+                              const float* rstd, float eps, const Bf16x8* dres, int64_t vecs, Bf16x8* dx,
+                              float* rstd_out) {
   const int64_t row = blockIdx.x;
-  const float m = mean[row], s = rstd[row];
+  const float m = kRms ? 0.f : mean[row];
+  float s = kRms ? 1.f : rstd[row];
   Bf16x8 dyv[kVecs], xv[kVecs];
-  float sum_g = 0.f, sum_gx = 0.f;
+  float sum_g = 0.f, sum_gx = 0.f, sum_xx = 0.f;
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
     const int64_t v = threadIdx.x + static_cast<int64_t>(k) * kRowThreads;
@@ -137,11 +167,12 @@ __global__ void InputGradHeld(const Bf16x8* dy, const Bf16x8* x, const Bf16x8* g
       dyv[k] = dy[row * vecs + v];
       xv[k] = x[row * vecs + v];
       AddRowSums(dyv[k], xv[k], gamma[v], m, s, sum_g, sum_gx);
+      if (kRms) sum_xx += SumOfSquares(xv[k]);
     }
   }
-  BlockSum2(sum_g, sum_gx);
-  const float cols = static_cast<float>(vecs * 8);
-  const float mean_g = sum_g / cols, mean_gx = sum_gx / cols;
+  BlockSum3(sum_g, sum_gx, sum_xx);
+  float mean_g, mean_gx;
+  RowStatistics<kRms>(sum_g, sum_gx, sum_xx, static_cast<float>(vecs * 8), eps, row, rstd_out, s, mean_g, mean_gx);
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
     const int64_t v = threadIdx.x + static_cast<int64_t>(k) * kRowThreads;
@@ -153,27 +184,29 @@ __global__ void InputGradHeld(const Bf16x8* dy, const Bf16x8* x, const Bf16x8* g
 }
 
 // Wider rows: two passes over the row (the second mostly from cache).
+template <bool kRms>
 __global__ void InputGrad(const Bf16x8* dy, const Bf16x8* x, const Bf16x8* gamma, const float* mean,
-                          const float* rstd, const Bf16x8* dres, int64_t vecs, Bf16x8* dx) {
+                          const float* rstd, float eps, const Bf16x8* dres, int64_t vecs, Bf16x8* dx, float* rstd_out) {
   const int64_t row = blockIdx.x;
-  const float m = mean[row], s = rstd[row];
-  float sum_g = 0.f, sum_gx = 0.f;
+  const float m = kRms ? 0.f : mean[row];
+  float s = kRms ? 1.f : rstd[row];
+  float sum_g = 0.f, sum_gx = 0.f, sum_xx = 0.f;
   for (int64_t v = threadIdx.x; v < vecs; v += kRowThreads) {
     AddRowSums(dy[row * vecs + v], x[row * vecs + v], gamma[v], m, s, sum_g, sum_gx);
+    if (kRms) sum_xx += SumOfSquares(x[row * vecs + v]);
   }
-  BlockSum2(sum_g, sum_gx);
-  const float cols = static_cast<float>(vecs * 8);
-  const float mean_g = sum_g / cols, mean_gx = sum_gx / cols;
+  BlockSum3(sum_g, sum_gx, sum_xx);
+  float mean_g, mean_gx;
+  RowStatistics<kRms>(sum_g, sum_gx, sum_xx, static_cast<float>(vecs * 8), eps, row, rstd_out, s, mean_g, mean_gx);
   for (int64_t v = threadIdx.x; v < vecs; v += kRowThreads) {
     dx[row * vecs + v] = InputGradOf(dy[row * vecs + v], x[row * vecs + v], gamma[v],
                                      dres != nullptr ? dres + row * vecs + v : nullptr, m, s, mean_g, mean_gx);
   }
 }
 
-}  // namespace
-
-void LayerNormInputGrad(const void* dy, const void* x, const void* gamma, const float* mean, const float* rstd,
-                        const void* dres, int64_t rows, int64_t cols, void* dx, cudaStream_t stream) {
+template <bool kRms>
+void LaunchInputGrad(const void* dy, const void* x, const void* gamma, const float* mean, const float* rstd, float eps,
+                     const void* dres, int64_t rows, int64_t cols, void* dx, float* rstd_out, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
   const auto* dy_v = static_cast<const Bf16x8*>(dy);
   const auto* x_v = static_cast<const Bf16x8*>(x);
@@ -183,14 +216,29 @@ void LayerNormInputGrad(const void* dy, const void* x, const void* gamma, const 
   const int64_t vecs = cols / 8;
   const auto blocks = static_cast<unsigned>(rows);
   if (vecs <= kRowThreads) {
-    InputGradHeld<1><<<blocks, kRowThreads, 0, stream>>>(dy_v, x_v, gamma_v, mean, rstd, dres_v, vecs, dx_v);
+    InputGradHeld<1, kRms><<<blocks, kRowThreads, 0, stream>>>(dy_v, x_v, gamma_v, mean, rstd, eps, dres_v, vecs, dx_v,
+                                                               rstd_out);
   } else if (vecs <= 2 * kRowThreads) {
-    InputGradHeld<2><<<blocks, kRowThreads, 0, stream>>>(dy_v, x_v, gamma_v, mean, rstd, dres_v, vecs, dx_v);
+    InputGradHeld<2, kRms><<<blocks, kRowThreads, 0, stream>>>(dy_v, x_v, gamma_v, mean, rstd, eps, dres_v, vecs, dx_v,
+                                                               rstd_out);
   } else if (vecs <= 4 * kRowThreads) {
-    InputGradHeld<4><<<blocks, kRowThreads, 0, stream>>>(dy_v, x_v, gamma_v, mean, rstd, dres_v, vecs, dx_v);
+    InputGradHeld<4, kRms><<<blocks, kRowThreads, 0, stream>>>(dy_v, x_v, gamma_v, mean, rstd, eps, dres_v, vecs, dx_v,
+                                                               rstd_out);
   } else {
-    InputGrad<<<blocks, kRowThreads, 0, stream>>>(dy_v, x_v, gamma_v, mean, rstd, dres_v, vecs, dx_v);
+    InputGrad<kRms><<<blocks, kRowThreads, 0, stream>>>(dy_v, x_v, gamma_v, mean, rstd, eps, dres_v, vecs, dx_v, rstd_out);
   }
+}
+
+}  // namespace
+
+void LayerNormInputGrad(const void* dy, const void* x, const void* gamma, const float* mean, const float* rstd,
+                        const void* dres, int64_t rows, int64_t cols, void* dx, cudaStream_t stream) {
+  LaunchInputGrad<false>(dy, x, gamma, mean, rstd, 0.f, dres, rows, cols, dx, nullptr, stream);
+}
+
+void RmsNormInputGrad(const void* dy, const void* x, const void* gamma, float eps, const void* dres, int64_t rows,
+                      int64_t cols, void* dx, float* rstd, cudaStream_t stream) {
+  LaunchInputGrad<true>(dy, x, gamma, nullptr, nullptr, eps, dres, rows, cols, dx, rstd, stream);
 }
 
 int64_t LayerNormRowChunks(int64_t rows, int64_t cols) { return RowChunks(rows, CeilDiv(cols, kColsPerBlock), kWarps); }
@@ -208,6 +256,11 @@ void LayerNormParamGrads(const void* dy, const void* x, const float* mean, const
   AddChunks<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(partial, chunks, cols,
                                                                static_cast<__nv_bfloat16*>(dgamma),
                                                                static_cast<__nv_bfloat16*>(dbeta));
+}
+
+void RmsNormWeightGrad(const void* dy, const void* x, const float* rstd, int64_t rows, int64_t cols, float* partial,
+                       void* dgamma, cudaStream_t stream) {
+  LayerNormParamGrads(dy, x, nullptr, rstd, rows, cols, partial, dgamma, nullptr, stream);
 }
 
 }  // namespace ltrain::worker::cuda
