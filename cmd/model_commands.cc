@@ -88,7 +88,7 @@ void AddGenerateCommand(CLI::App& app, CommandContext& ctx) {
       ->capture_default_str();
   cmd->add_option("--seed", args->seed, "Seed of the sampling")->capture_default_str();
   cmd->add_option("--device", args->device, "cpu, or cuda (GPU 0)")->check(CLI::IsMember({"cpu", "cuda"}))->capture_default_str();
-  cmd->add_option("--dtype", args->dtype, "fp32, or bf16 (with --device cuda)")
+  cmd->add_option("--dtype", args->dtype, "fp32, or bf16 products under autocast (with --device cuda)")
       ->check(CLI::IsMember({"fp32", "bf16"}))
       ->capture_default_str();
   cmd->add_option("--tokenizer", args->tokenizer, "Tokenizer file (default: the one the training data records)");

@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include <ATen/Context.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/autograd.h>
 #include <torch/nn/functional.h>
 
@@ -759,8 +760,11 @@ torch::Tensor ModelShard::Logits(const torch::Tensor& ids) {
   if (spec_.layout.tp != 1 || spec_.layout.pp != 1) throw std::logic_error("Logits needs tp 1 and pp 1");
   torch::Tensor x = Embed(ids);
   for (int layer = 0; layer < spec_.config.layers; ++layer) x = BlockForward(layer, x);
-  // The head in fp32 whatever the blocks ran in: bf16 logits would round large logits by up to 1/16.
-  return at::linear(FinalNorm(x).to(torch::kFloat), params_[head_].value.to(torch::kFloat));
+  // The head in fp32 whatever the blocks ran in (bf16 products under autocast included): bf16 logits
+  // would round large logits by up to 1/16.
+  torch::Tensor h = FinalNorm(x).to(torch::kFloat);
+  c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::DispatchKey::AutocastCUDA);
+  return at::linear(h, params_[head_].value.to(torch::kFloat));
 }
 
 torch::Tensor ModelShard::Forward(int chunk, const torch::Tensor& input, const torch::Tensor& targets) {

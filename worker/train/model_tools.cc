@@ -99,7 +99,9 @@ StatusOr<std::unique_ptr<Loaded>> Load(const std::string& checkpoint, const std:
   p.activation_checkpointing = ActivationCheckpointing::kNone;
   if (device == "cuda") {
     p.device = Device::kCuda;
-    p.precision = dtype == "bf16" ? Precision::kBf16 : Precision::kFp32;
+    // bf16: the products in bf16 under autocast, the weights, norms and residual stream in fp32 (as
+    // mixed-precision inference does), not bf16 weights and activations throughout.
+    p.precision = dtype == "bf16" ? Precision::kBf16Autocast : Precision::kFp32;
   } else if (device == "cpu") {
     p.device = Device::kCpu;
     p.precision = Precision::kAuto;

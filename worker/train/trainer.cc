@@ -1252,6 +1252,7 @@ std::vector<std::pair<std::string, torch::Tensor>> Trainer::FullParameters() con
 torch::Tensor Trainer::Logits(const torch::Tensor& ids) {
   torch::NoGradGuard no_grad;
   if (Status s = store_->AwaitUpdates(); !s.ok()) throw std::runtime_error(s.message());
+  compat::CudaBf16Autocast autocast(bf16_ && !bf16_params_);
   return model_->Logits(ids.to(device_));
 }
 
