@@ -6,11 +6,13 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <filesystem>
 #include <set>
 
 #include "agent/oom.h"
 #include "common/logging.h"
+#include "common/recipe.h"
 #include "common/signal_name.h"
 #include "common/worker_exit.h"
 
@@ -27,6 +29,39 @@ bool UsableJobId(const std::string& id) {
     return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '.' || c == '_' ||
            c == '-';
   });
+}
+
+}  // namespace
+
+namespace {
+
+// torchrun's per-rank environment for a program (entrypoint.command), then the recipe's own
+// variables (which may override any of them). MASTER_ADDR and MASTER_PORT come from `ltrain-worker
+// exec`.
+std::vector<std::string> TorchrunEnvironment(const v1::StartJobCommand& start, const v1::WorkerAssignment& assignment,
+                                             const Recipe& recipe) {
+  const int local_world = std::max(1, start.local_world_size());
+  std::vector<std::string> env = {
+      "RANK=" + std::to_string(assignment.rank()),
+      "LOCAL_RANK=" + std::to_string(assignment.local_rank()),
+      "WORLD_SIZE=" + std::to_string(start.world_size()),
+      "LOCAL_WORLD_SIZE=" + std::to_string(local_world),
+      "GROUP_RANK=" + std::to_string(assignment.rank() / local_world),
+      "GROUP_WORLD_SIZE=" + std::to_string(start.world_size() / local_world),
+      "ROLE_NAME=default",
+      "ROLE_RANK=" + std::to_string(assignment.rank()),
+      "ROLE_WORLD_SIZE=" + std::to_string(start.world_size()),
+      "TORCHELASTIC_RESTART_COUNT=" + std::to_string(start.restart_count()),
+      "TORCHELASTIC_MAX_RESTARTS=" + std::to_string(recipe.fault.max_restarts),
+      "TORCHELASTIC_RUN_ID=" + start.job_id(),
+      "TORCHELASTIC_USE_AGENT_STORE=False",
+  };
+  // As torchrun: one OpenMP thread per rank when several share a node, unless the user says.
+  if (local_world > 1 && std::getenv("OMP_NUM_THREADS") == nullptr && !recipe.entrypoint.env.count("OMP_NUM_THREADS")) {
+    env.push_back("OMP_NUM_THREADS=1");
+  }
+  for (const auto& [name, value] : recipe.entrypoint.env) env.push_back(name + "=" + value);
+  return env;
 }
 
 }  // namespace
@@ -124,10 +159,20 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
       LTRAIN_LOG(kError, "agent") << "cannot write " << secret_file << ": the job's workers cannot reach this agent";
     }
   }
+  // A recipe with entrypoint.command runs the user's program under `ltrain-worker exec`, which adds
+  // MASTER_ADDR and MASTER_PORT (agreed through the rendezvous) and the progress descriptor.
+  const RecipeParseResult parsed = ParseRecipe(start.recipe_yaml(), recipe.string());
+  const bool program = parsed.ok() && parsed.recipe.runs_program();
   for (const auto& assignment : start.workers()) {
     SpawnSpec spec;
     spec.binary = options_.worker_binary;
     spec.working_dir = dir.string();
+    if (program) {
+      const EntrypointSpec& entry = parsed.recipe.entrypoint;
+      spec.args = {"exec", "--"};
+      spec.args.insert(spec.args.end(), entry.command.begin(), entry.command.end());
+      if (!entry.workdir.empty()) spec.working_dir = entry.workdir;
+    }
     spec.env = {
         "LTRAIN_JOB_ID=" + start.job_id(),
         "LTRAIN_RANK=" + std::to_string(assignment.rank()),
@@ -143,6 +188,10 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
         "LTRAIN_BIND_ADDR=" + options_.bind_address,
     };
     if (!secret_file.empty()) spec.env.push_back("LTRAIN_AGENT_SECRET_FILE=" + secret_file);
+    if (program) {
+      std::vector<std::string> torchrun = TorchrunEnvironment(start, assignment, parsed.recipe);
+      spec.env.insert(spec.env.end(), torchrun.begin(), torchrun.end());
+    }
     auto worker = std::make_unique<Worker>();
     worker->job_id = start.job_id();
     worker->generation = start.generation();

@@ -45,6 +45,7 @@ class CommandContext {
 };
 
 void AddLaunchCommand(CLI::App& app, CommandContext& ctx);
+void AddRunCommand(CLI::App& app, CommandContext& ctx);  // a program of the user's own, as torchrun runs it
 void AddResumeCommand(CLI::App& app, CommandContext& ctx);
 void AddValidateCommand(CLI::App& app, CommandContext& ctx);
 void AddDataCommand(CLI::App& app, CommandContext& ctx);  // `data prepare`

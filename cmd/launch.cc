@@ -1,4 +1,6 @@
-// ltrain launch RECIPE: submit a job and follow it until it ends.
+// ltrain launch RECIPE: submit a job and follow it until it ends; ltrain run -- PROGRAM: the same for a
+// program of the user's own (a recipe with entrypoint.command).
+#include <charconv>
 #include <cstdio>
 #include <filesystem>
 #include <memory>
@@ -23,22 +25,19 @@ struct LaunchArgs {
   RunJobOptions run;
 };
 
-int Launch(const LaunchArgs& args, const SecurityMaterial& security) {
-  RecipeParseResult parsed = LoadRecipeFile(args.recipe, args.sets);
-  if (!parsed.ok()) {
-    std::fprintf(stderr, "%s", parsed.ErrorText().c_str());
-    return kExitInvalid;
-  }
-  Recipe recipe = parsed.recipe;
-  if (args.slurm) {
+// Submits `recipe` (read from `source`, a file or "ltrain run") and follows the job to its end.
+int SubmitRecipe(Recipe recipe, const std::string& source, bool slurm, const RunJobOptions& run,
+                 const SecurityMaterial& security) {
+  const char* command = recipe.runs_program() ? "ltrain run" : "ltrain launch";
+  if (slurm) {
     StatusOr<SlurmAllocation> allocation = ReadSlurmAllocation(EnvironmentVariable, ExpandHostnamesWithScontrol);
     if (!allocation.ok()) {
-      std::fprintf(stderr, "ltrain launch --slurm: %s\n", allocation.status().message().c_str());
+      std::fprintf(stderr, "%s --slurm: %s\n", command, allocation.status().message().c_str());
       return kExitInvalid;
     }
     ApplySlurmAllocation(*allocation, &recipe);
     std::printf("ltrain: %s\n", DescribeSlurmAllocation(*allocation).c_str());
-    RecipeParseResult again = ParseRecipe(RecipeToYaml(recipe), args.recipe + " (with the Slurm allocation)");
+    RecipeParseResult again = ParseRecipe(RecipeToYaml(recipe), source + " (with the Slurm allocation)");
     if (!again.ok()) {
       std::fprintf(stderr, "%s", again.ErrorText().c_str());
       return kExitInvalid;
@@ -49,32 +48,33 @@ int Launch(const LaunchArgs& args, const SecurityMaterial& security) {
   recipe.checkpoint.dir = Absolute(recipe.checkpoint.dir);
   recipe.checkpoint.resume_from = Absolute(recipe.checkpoint.resume_from);
   recipe.model.init_from = Absolute(recipe.model.init_from);
+  recipe.entrypoint.workdir = Absolute(recipe.entrypoint.workdir.empty() ? "." : recipe.entrypoint.workdir);
   // A checkpoint directory belongs to the job that wrote it; this new job's workers would refuse
   // one that holds commits (checked here too where the directory is visible, before submitting).
-  if (recipe.checkpoint.enabled && !recipe.checkpoint.dir.empty()) {
+  if (!recipe.runs_program() && recipe.checkpoint.enabled && !recipe.checkpoint.dir.empty()) {
     std::vector<CommittedStep> steps = ListCommittedSteps(recipe.checkpoint.dir);
     for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
       if (!it->readable) continue;
-      std::fprintf(stderr, "%s: %s\n", args.recipe.c_str(),
+      std::fprintf(stderr, "%s: %s\n", source.c_str(),
                    CheckpointOwnershipError(recipe.checkpoint.dir, *it, "this new job").c_str());
       return kExitInvalid;
     }
   }
-  if (args.run.coordinator.empty() && !fs::exists(fs::path(recipe.data.path) / "train.bin")) {
+  if (!recipe.runs_program() && run.coordinator.empty() && !fs::exists(fs::path(recipe.data.path) / "train.bin")) {
     std::fprintf(stderr,
                  "%s: data.path %s holds no prepared data (train.bin)\n"
                  "    prepare it with: ltrain data prepare --input TEXT_FILE... --output %s\n",
-                 args.recipe.c_str(), recipe.data.path.c_str(), recipe.data.path.c_str());
+                 source.c_str(), recipe.data.path.c_str(), recipe.data.path.c_str());
     return kExitInvalid;
   }
-  if (std::string problem = DataProblem(recipe); !problem.empty()) {
-    std::fprintf(stderr, "%s: %s\n", args.recipe.c_str(), problem.c_str());
+  if (std::string problem = recipe.runs_program() ? "" : DataProblem(recipe); !problem.empty()) {
+    std::fprintf(stderr, "%s: %s\n", source.c_str(), problem.c_str());
     return kExitInvalid;
   }
-  return RunJob(args.run, security, [&](CoordinatorClient& client) -> std::variant<BegunJob, int> {
+  return RunJob(run, security, [&](CoordinatorClient& client) -> std::variant<BegunJob, int> {
     v1::SubmitJobRequest submit;
     submit.set_recipe_yaml(RecipeToYaml(recipe));
-    submit.set_source_name(args.recipe);
+    submit.set_source_name(source);
     v1::SubmitJobReply reply;
     grpc::ClientContext context;
     context.set_deadline(Deadline(10));
@@ -85,7 +85,122 @@ int Launch(const LaunchArgs& args, const SecurityMaterial& security) {
   });
 }
 
+int Launch(const LaunchArgs& args, const SecurityMaterial& security) {
+  RecipeParseResult parsed = LoadRecipeFile(args.recipe, args.sets);
+  if (!parsed.ok()) {
+    std::fprintf(stderr, "%s", parsed.ErrorText().c_str());
+    return kExitInvalid;
+  }
+  return SubmitRecipe(parsed.recipe, args.recipe, args.slurm, args.run, security);
+}
+
+struct RunArgs {
+  std::vector<std::string> program;
+  int nproc_per_node = 1;
+  std::string nodes = "1";
+  int max_restarts = 0;
+  std::string name;
+  std::string workdir;
+  std::vector<std::string> env;
+  std::string device = "cpu";
+  bool slurm = false;
+  RunJobOptions run;
+};
+
+// `ltrain run` as a recipe: the program as entrypoint.command, the flags as their keys.
+int RunProgram(const RunArgs& args, const SecurityMaterial& security) {
+  if (args.program.empty()) {
+    std::fprintf(stderr, "ltrain run: no program; e.g. ltrain run --nproc-per-node 2 -- python3 train.py\n");
+    return kExitInvalid;
+  }
+  std::string name = args.name;
+  if (name.empty()) {
+    // The script's stem when a program runs one (python3 train.py: train), else the program's.
+    std::string named = args.program.front();
+    for (size_t i = 1; i < args.program.size(); ++i) {
+      if (!args.program[i].empty() && args.program[i][0] != '-') {
+        named = args.program[i];
+        break;
+      }
+    }
+    name = SuggestJobName(fs::path(named).stem().string());
+  }
+  Recipe recipe;
+  recipe.name = name;
+  recipe.parallel.nproc_per_node = args.nproc_per_node;
+  recipe.parallel.device = args.device == "cuda" ? Device::kCuda : Device::kCpu;
+  {
+    const size_t colon = args.nodes.find(':');
+    auto count = [&](const std::string& text) {
+      int value = 0;
+      auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
+      return ec == std::errc() && end == text.data() + text.size() && value >= 1 ? value : 0;
+    };
+    const int min = count(args.nodes.substr(0, colon));
+    const int max = colon == std::string::npos ? min : count(args.nodes.substr(colon + 1));
+    if (min == 0 || max == 0 || min > max) {
+      std::fprintf(stderr, "ltrain run: --nodes %s: expected a count, or MIN:MAX with MIN <= MAX\n", args.nodes.c_str());
+      return kExitInvalid;
+    }
+    recipe.parallel.nodes_min = min;
+    recipe.parallel.nodes = recipe.parallel.nodes_max = max;
+  }
+  recipe.fault.max_restarts = args.max_restarts;
+  recipe.checkpoint.enabled = false;  // the program keeps its own checkpoints
+  recipe.entrypoint.command = args.program;
+  recipe.entrypoint.workdir = args.workdir;
+  for (const std::string& entry : args.env) {
+    const size_t eq = entry.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      std::fprintf(stderr, "ltrain run: --env %s: expected NAME=VALUE\n", entry.c_str());
+      return kExitInvalid;
+    }
+    recipe.entrypoint.env[entry.substr(0, eq)] = entry.substr(eq + 1);
+  }
+  // Checked as every recipe is.
+  RecipeParseResult parsed = ParseRecipe(RecipeToYaml(recipe), "ltrain run");
+  if (!parsed.ok()) {
+    std::fprintf(stderr, "%s", parsed.ErrorText().c_str());
+    return kExitInvalid;
+  }
+  return SubmitRecipe(parsed.recipe, "ltrain run", args.slurm, args.run, security);
+}
+
 }  // namespace
+
+void AddRunCommand(CLI::App& app, CommandContext& ctx) {
+  auto args = std::make_shared<RunArgs>();
+  args->run.verb = "submitted";
+  CLI::App* cmd = app.add_subcommand(
+      "run", "Run your own program once per rank with torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, ...), "
+             "supervised as ltrain's jobs are: ltrain run --nproc-per-node 2 -- python3 train.py");
+  cmd->add_option("program", args->program, "The program and its arguments, after --")->expected(-1);
+  cmd->add_option("--nproc-per-node", args->nproc_per_node, "Ranks (processes) per node")
+      ->check(CLI::Range(1, 1024))
+      ->capture_default_str();
+  cmd->add_option("--nodes", args->nodes, "Nodes, or MIN:MAX for an elastic job (a new WORLD_SIZE each generation)")
+      ->capture_default_str();
+  cmd->add_option("--max-restarts", args->max_restarts,
+                  "Restarts after failures before the job fails (TORCHELASTIC_MAX_RESTARTS); with backoff")
+      ->check(CLI::Range(0, 1000000))
+      ->capture_default_str();
+  cmd->add_option("--name", args->name, "The job's name (job ids are NAME-N); default: the script's or program's name");
+  cmd->add_option("--workdir", args->workdir, "Directory the program starts in; default: this one");
+  cmd->add_option("--env", args->env, "NAME=VALUE added to every rank's environment (repeatable)")
+      ->expected(1)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  cmd->add_option("--device", args->device, "cpu or cuda: what the nodes must have")
+      ->check(CLI::IsMember({"cpu", "cuda"}))
+      ->capture_default_str();
+  AddCoordinatorOption(cmd, &args->run.coordinator,
+                       "HOST:PORT of a running coordinator; without it ltrain starts one and a local agent");
+  cmd->add_flag("--slurm", args->slurm, "Inside a Slurm allocation: take nodes and processes per node from it");
+  cmd->add_flag("--detach", args->run.detach,
+                "With --coordinator: print the job id and return at once (refused without --coordinator: exit 2)");
+  cmd->add_flag("-q,--quiet", args->run.quiet, "Print job events only, not the ranks' output");
+  cmd->add_flag("-v,--verbose", args->run.verbose, "Also print the embedded coordinator's and agent's logs");
+  ctx.Bind(cmd, [args, &ctx] { return RunProgram(*args, ctx.security()); });
+}
 
 void AddLaunchCommand(CLI::App& app, CommandContext& ctx) {
   auto args = std::make_shared<LaunchArgs>();

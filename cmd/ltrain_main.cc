@@ -26,6 +26,7 @@ int main(int argc, char** argv) {
   ctx.AddGlobalOptions(app);
   // In this order in --help and in the completion script.
   AddLaunchCommand(app, ctx);
+  AddRunCommand(app, ctx);
   AddResumeCommand(app, ctx);
   AddValidateCommand(app, ctx);
   AddDataCommand(app, ctx);

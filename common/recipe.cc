@@ -202,12 +202,22 @@ class RecipeReader {
       }
     } else if constexpr (std::is_same_v<T, std::vector<int>>) {
       ReadIntList(node, path, key, field);
+    } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+      ReadTextList(node, path, field);
+    } else if constexpr (std::is_same_v<T, std::map<std::string, std::string>>) {
+      ReadTextMap(node, path, field);
     } else {
       static_assert(sizeof(T) == 0, "a recipe key of a type the reader does not know");
     }
   }
 
   std::vector<RecipeError> TakeErrors() { return std::move(errors_); }
+
+  // Whether the recipe (file or overrides) has `section` with something in it.
+  bool HasSection(std::string_view section) const {
+    YAML::Node node = root_[std::string(section)];
+    return node.IsDefined() && !node.IsNull() && (!node.IsMap() || node.size() > 0);
+  }
 
  private:
   bool ReadInt(const YAML::Node& node, const std::string& path, const RecipeKey& key, int64_t* out) {
@@ -263,6 +273,45 @@ class RecipeReader {
       int64_t value = 0;
       if (!ReadInt(node[i], path, key, &value)) return;
       values.push_back(static_cast<int>(value));
+    }
+    out = values;
+  }
+
+  void ReadTextList(const YAML::Node& node, const std::string& path, std::vector<std::string>& out) {
+    if (node.IsNull()) return;
+    if (!node.IsSequence()) {
+      Error(node, path, path + " must be a list, e.g. [python3, train.py, --epochs, \"3\"]");
+      return;
+    }
+    std::vector<std::string> values;
+    for (size_t i = 0; i < node.size(); ++i) {
+      if (!node[i].IsScalar()) {
+        Error(node[i], path, path + "[" + std::to_string(i) + "] must be a string");
+        return;
+      }
+      values.push_back(node[i].Scalar());
+    }
+    out = values;
+  }
+
+  void ReadTextMap(const YAML::Node& node, const std::string& path, std::map<std::string, std::string>& out) {
+    if (node.IsNull()) return;
+    if (!node.IsMap()) {
+      Error(node, path, path + " must be a mapping of names to values, e.g. {NCCL_DEBUG: INFO}");
+      return;
+    }
+    std::map<std::string, std::string> values;
+    for (auto it = node.begin(); it != node.end(); ++it) {
+      const std::string name = it->first.Scalar();
+      if (!it->second.IsScalar()) {
+        Error(it->second, path, path + "." + name + " must be a string");
+        return;
+      }
+      if (name.empty() || name.find('=') != std::string::npos) {
+        Error(it->first, path, path + ": '" + name + "' is not a variable name");
+        return;
+      }
+      values[name] = it->second.Scalar();
     }
     out = values;
   }
@@ -351,11 +400,35 @@ void CheckArchKeys(const ModelSpec& m, RecipeReader& reader) {
   }
 }
 
+bool IsTrainerSection(std::string_view section) {
+  return std::find(std::begin(kTrainerSections), std::end(kTrainerSections), section) != std::end(kTrainerSections);
+}
+
+// A recipe that runs the user's program: ltrain's trainer's sections and layout keys do not apply.
+void CheckProgramRecipe(const Recipe& r, RecipeReader& reader) {
+  for (std::string_view section : kTrainerSections) {
+    if (!reader.HasSection(section)) continue;
+    reader.ErrorOnKey(std::string(section), std::string(section) + " describes ltrain's own trainer, and this recipe runs "
+                                            "entrypoint.command instead: remove " + std::string(section) +
+                                            " (or entrypoint, to train with ltrain)");
+  }
+  if (r.entrypoint.command.front().empty()) {
+    reader.ErrorOnKey("entrypoint.command", "entrypoint.command starts with an empty program name");
+  }
+  const ParallelSpec defaults;
+  if (r.parallel.tp != defaults.tp || r.parallel.pp != defaults.pp || r.parallel.zero != defaults.zero) {
+    const char* key = r.parallel.tp != defaults.tp ? "parallel.tp" : r.parallel.pp != defaults.pp ? "parallel.pp" : "parallel.zero";
+    reader.ErrorOnKey(key, std::string(key) + " lays out ltrain's own trainer; your program (entrypoint.command) "
+                                             "decides its own parallelism from WORLD_SIZE: remove it");
+  }
+}
+
 // The rules between keys that are not layout rules (those are CheckLayout's).
 void CheckAcrossKeys(const Recipe& r, RecipeReader& reader) {
   if (std::string problem = JobNameProblem(r.name); !problem.empty()) {
     reader.ErrorOnKey("name", problem + "; for example name: " + SuggestJobName(r.name));
   }
+  if (r.runs_program()) return CheckProgramRecipe(r, reader);
   if (r.data.path.empty()) {
     reader.ErrorOnKey("data.path", "data.path is required: the directory written by `ltrain data prepare --output DIR`");
   }
@@ -406,7 +479,8 @@ void EmitValue(YAML::Emitter& out, const Field& field) {
     out << Shortest{field};
   } else if constexpr (std::is_enum_v<T>) {
     out << NameOf(field);
-  } else if constexpr (std::is_same_v<T, std::vector<int>>) {
+  } else if constexpr (std::is_same_v<T, std::vector<int>> || std::is_same_v<T, std::vector<std::string>> ||
+                       std::is_same_v<T, std::map<std::string, std::string>>) {
     out << YAML::Flow << field;
   } else {
     out << field;
@@ -520,6 +594,7 @@ std::string RecipeToYaml(const Recipe& r) {
   std::string_view open_section;
   VisitRecipeKeys(r, [&](const RecipeKey& key, const auto& field) {
     if (key.omit_at_default && ValueText(field) == defaults.at(key.path())) return;
+    if (r.runs_program() && IsTrainerSection(key.section)) return;
     if (key.section != open_section) {
       if (!open_section.empty()) out << YAML::EndMap;
       out << YAML::Key << std::string(key.section) << YAML::Value << YAML::BeginMap;
@@ -623,6 +698,10 @@ std::vector<RecipeKeyDoc> DescribeRecipeKeys() {
       doc.type = "one of " + EnumNameList<T>();
     } else if constexpr (std::is_same_v<T, std::vector<int>>) {
       doc.type = "list of integers >= " + std::to_string(key.int_min);
+    } else if constexpr (std::is_same_v<T, std::vector<std::string>>) {
+      doc.type = "list of text";
+    } else if constexpr (std::is_same_v<T, std::map<std::string, std::string>>) {
+      doc.type = "mapping of names to text";
     }
     if (!key.type_text.empty()) doc.type = std::string(key.type_text);
     docs.push_back(std::move(doc));

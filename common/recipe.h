@@ -7,6 +7,7 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <map>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -205,6 +206,14 @@ struct FaultSpec {
   double collective_timeout_s = 300.0;  // a collective that takes longer is aborted
 };
 
+// A program of the user's own that ltrain runs once per rank with torchrun's environment (`ltrain
+// run`), instead of its own trainer: the recipe then has no model, data or training.
+struct EntrypointSpec {
+  std::vector<std::string> command;           // empty: ltrain's own trainer
+  std::map<std::string, std::string> env;     // added to every rank's environment
+  std::string workdir;                        // where the program starts; empty: where ltrain ran
+};
+
 struct Recipe {
   std::string name;
   ModelSpec model;
@@ -213,6 +222,10 @@ struct Recipe {
   ParallelSpec parallel;
   CheckpointSpec checkpoint;
   FaultSpec fault;
+  EntrypointSpec entrypoint;
+
+  // The recipe runs the user's program (entrypoint.command), not ltrain's trainer.
+  bool runs_program() const { return !entrypoint.command.empty(); }
 
   // Micro-batches each data-parallel rank accumulates per optimizer step.
   int accumulation_steps() const {

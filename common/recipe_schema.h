@@ -46,11 +46,16 @@ struct NodesField {
 };
 
 // The sections of a recipe, in the order the writer emits them.
-inline constexpr std::string_view kRecipeSections[] = {"model", "data", "training", "parallel", "checkpoint", "fault"};
+inline constexpr std::string_view kRecipeSections[] = {"model", "data",  "training",  "parallel",
+                                                       "checkpoint", "fault", "entrypoint"};
+
+// The sections that describe ltrain's own trainer, which a recipe with entrypoint.command lacks.
+inline constexpr std::string_view kTrainerSections[] = {"model", "data", "training"};
 
 // Calls visit(key, field) for every key, in the order the writer emits them. `field` refers into
 // `r` (const when `r` is) and is one of: int, int64_t, uint64_t, double, bool, std::string, an enum
-// with EnumNames, std::vector<int>, NodesField.
+// with EnumNames, std::vector<int>, std::vector<std::string>, std::map<std::string, std::string>,
+// NodesField.
 template <typename R, typename Visitor>
 void VisitRecipeKeys(R& r, Visitor&& visit) {
   static_assert(std::is_same_v<std::remove_const_t<R>, Recipe>);
@@ -266,6 +271,19 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
   visit(RecipeKey{.section = "fault", .name = "collective_timeout_s", .help = "a collective that takes longer is aborted",
                   .real_min = 0.1, .real_max = 86400},
         r.fault.collective_timeout_s);
+
+  visit(RecipeKey{.section = "entrypoint", .name = "command",
+                  .help = "your program and its arguments, run once per rank with torchrun's environment instead of "
+                          "ltrain's trainer (`ltrain run`); the recipe then has no model, data or training",
+                  .default_text = "none: ltrain's trainer", .omit_at_default = true},
+        r.entrypoint.command);
+  visit(RecipeKey{.section = "entrypoint", .name = "env", .help = "variables added to every rank's environment",
+                  .default_text = "none", .omit_at_default = true},
+        r.entrypoint.env);
+  visit(RecipeKey{.section = "entrypoint", .name = "workdir",
+                  .help = "directory the program starts in (relative to where ltrain runs)",
+                  .default_text = "where ltrain runs", .type_text = "path", .omit_at_default = true},
+        r.entrypoint.workdir);
 }
 
 // Every key's value as the writer writes it, by path ("training.lr" -> "0.0003").

@@ -24,6 +24,7 @@ if [[ "${1:-}" == "--tests" ]]; then
   packages+=(libgtest-dev libgmock-dev systemd iproute2 slurmd slurmctld slurm-client munge python3
              python3-jsonschema    # checks -o json against docs/json-schema.json
              sentencepiece         # spm_train: the SentencePiece test's model
+             python3-torch         # `ltrain run`: a DDP script over Gloo, as torchrun would run it
              dpkg-dev)             # dpkg-shlibdeps: the Debian package's dependencies (cpack)
 fi
 

@@ -184,7 +184,9 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
   recipe.parallel.nodes = recipe.parallel.nodes_min = recipe.parallel.nodes_max = count;
   // An elastic job keeps its global batch: fewer ranks accumulate more micro-batches, as long as
   // the layout rules hold for the ranks there are now.
-  std::vector<LayoutProblem> problems = CheckLayout(recipe, recipe.parallel.world_size());
+  // (A program of the user's own, entrypoint.command, sizes itself from WORLD_SIZE.)
+  std::vector<LayoutProblem> problems =
+      recipe.runs_program() ? std::vector<LayoutProblem>() : CheckLayout(recipe, recipe.parallel.world_size());
   if (!problems.empty()) {
     FinishLocked(job, v1::JOB_STATE_FAILED,
                  "cannot run on " + std::to_string(count) + " node(s): " + problems.front().message);
@@ -222,6 +224,7 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
   FreeKeysLocked(job.job.id(), start->rendezvous_scope());  // older generations' addresses and ids
     start->set_checkpoint_dir(recipe.checkpoint.dir);
     start->set_heartbeat_interval_ms(static_cast<int64_t>(recipe.fault.heartbeat_interval_s * 1000));
+    start->set_restart_count(job.job.restarts());
     for (int local = 0; local < nproc; ++local) {
       v1::WorkerAssignment* worker = start->add_workers();
       worker->set_rank(i * nproc + local);

@@ -11,10 +11,10 @@ if(LTRAIN_BUILD_CONTROL_PLANE)
     LIBS ltrain::launcher ltrain::worker_control)
 endif()
 
-# The ranks' agreement on the step a stop with a final checkpoint ends after; a fake store,
-# milliseconds.
+# The ranks' agreement on the step a stop with a final checkpoint ends after (a fake store), and
+# the progress lines of a program run by ltrain-worker exec; milliseconds.
 ltrain_add_test(checkpoint_stop_test unit
-  SOURCES unit/checkpoint_stop_test.cc
+  SOURCES unit/checkpoint_stop_test.cc unit/run_program_test.cc
   LIBS ltrain::worker_control)
 
 ltrain_add_test(worker_unit_test unit

@@ -40,6 +40,10 @@ fault: {max_restarts: 4, restart_backoff_s: 2.5, restart_backoff_max_s: 45, hear
 // Keys that cannot differ from their default: their type has a single value today.
 const std::set<std::string> kSingleValued = {};
 
+// A recipe with entrypoint.command has no model, data or training: ProgramRecipeReachesTheAgent
+// covers these keys.
+const std::set<std::string> kProgramKeys = {"entrypoint.command", "entrypoint.env", "entrypoint.workdir"};
+
 TEST(RecipeKeysTest, EveryKeyReachesTheWorkerWithANonDefaultValue) {
   SetLogLevel(LogLevel::kWarning);
   RecipeParseResult user = ParseRecipe(kEveryKey, "every-key.yaml");
@@ -47,7 +51,7 @@ TEST(RecipeKeysTest, EveryKeyReachesTheWorkerWithANonDefaultValue) {
   const std::map<std::string, std::string> defaults = RecipeKeyValues(Recipe{});
   const std::map<std::string, std::string> wanted = RecipeKeyValues(user.recipe);
   for (const auto& [key, value] : wanted) {
-    if (kSingleValued.count(key)) continue;
+    if (kSingleValued.count(key) || kProgramKeys.count(key)) continue;
     EXPECT_NE(value, defaults.at(key)) << key << " is at its default in this test's recipe: give it another value";
   }
 
@@ -86,6 +90,43 @@ TEST(RecipeKeysTest, EveryKeyReachesTheWorkerWithANonDefaultValue) {
     }
     EXPECT_EQ(got.at(key), value) << key << " did not reach the worker:\n" << command->start().recipe_yaml();
   }
+}
+
+// `ltrain run`'s recipe: the entrypoint keys with other values than their defaults reach the agent
+// through the coordinator's start command, without the trainer's sections.
+TEST(RecipeKeysTest, ProgramRecipeReachesTheAgent) {
+  SetLogLevel(LogLevel::kWarning);
+  constexpr const char* kProgram = R"(name: program
+parallel: {nodes: {min: 1, max: 2}, nproc_per_node: 2}
+fault: {max_restarts: 3}
+entrypoint: {command: [python3, train.py, --lr, "3e-4"], env: {NCCL_DEBUG: INFO, A: "x y"}, workdir: /srv/train}
+)";
+  RecipeParseResult user = ParseRecipe(kProgram, "program.yaml");
+  ASSERT_TRUE(user.ok()) << user.ErrorText();
+  const std::map<std::string, std::string> defaults = RecipeKeyValues(Recipe{});
+  for (const std::string& key : kProgramKeys) EXPECT_NE(RecipeKeyValues(user.recipe).at(key), defaults.at(key)) << key;
+
+  FakeClock clock;
+  std::unique_ptr<launcher::StateStore> store = std::move(launcher::SqliteStateStore::Open(":memory:")).value();
+  launcher::CoordinatorOptions options;
+  options.state_dir = "/state";
+  launcher::Coordinator coordinator(store.get(), &clock, options);
+  v1::NodeFacts facts;
+  facts.set_hostname("a.example");
+  coordinator.NodeConnected("a", facts);
+  StatusOr<v1::Job> job = coordinator.Submit(RecipeToYaml(user.recipe), "program.yaml");
+  ASSERT_TRUE(job.ok()) << job.status().ToString();
+  std::optional<v1::Command> command = coordinator.WaitCommand("a", 0);
+  ASSERT_TRUE(command && command->has_start());
+  const std::string& yaml = command->start().recipe_yaml();
+  for (const char* section : {"model:", "data:", "training:"}) EXPECT_EQ(yaml.find(section), std::string::npos) << yaml;
+  RecipeParseResult received = ParseRecipe(yaml, "recipe.yaml");
+  ASSERT_TRUE(received.ok()) << received.ErrorText() << yaml;
+  EXPECT_EQ(received.recipe.entrypoint.command, (std::vector<std::string>{"python3", "train.py", "--lr", "3e-4"}));
+  EXPECT_EQ(received.recipe.entrypoint.env, (std::map<std::string, std::string>{{"A", "x y"}, {"NCCL_DEBUG", "INFO"}}));
+  EXPECT_EQ(received.recipe.entrypoint.workdir, "/srv/train");
+  EXPECT_EQ(received.recipe.fault.max_restarts, 3);
+  EXPECT_EQ(command->start().world_size(), 2);
 }
 
 }  // namespace

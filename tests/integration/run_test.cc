@@ -1,0 +1,111 @@
+// `ltrain run`: programs of the user's own under ltrain, as torchrun runs them. A DDP script over
+// Gloo with Debian's python3-torch (the all-reduce sums the ranks), a rank killed mid-run (the
+// job restarts it with TORCHELASTIC_RESTART_COUNT=1 and the script resumes from its own
+// checkpoint), a program that exits 1 (the job fails with its last lines), and a recipe that mixes
+// a program with ltrain's trainer (refused).
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "tests/support/subprocess.h"
+
+namespace ltrain::testing {
+namespace {
+
+// A torchrun script: init_process_group over env://, an all-reduce of rank + 1, a DDP step, and a
+// checkpoint of its own (step.txt in the working directory) that a restart resumes from. KILL_AT
+// (restart 0 only): rank 1 kills itself with SIGKILL at that step.
+constexpr const char* kScript = R"(import os, signal, sys
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+assert world == int(os.environ["WORLD_SIZE"]), (world, os.environ["WORLD_SIZE"])
+restart = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+t = torch.tensor([float(rank + 1)])
+dist.all_reduce(t)
+print(f"rank {rank} of {world} local {os.environ['LOCAL_RANK']} restart {restart} sum {t.item():g}", flush=True)
+assert t.item() == world * (world + 1) / 2
+model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+start = int(open("step.txt").read()) if os.path.exists("step.txt") else 0
+if start:
+    print(f"rank {rank} resumed from step {start}", flush=True)
+kill_at = int(os.environ.get("KILL_AT", "0"))
+for step in range(start + 1, 7):
+    if restart == 0 and rank == 1 and step == kill_at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    loss = model(torch.ones(2, 4)).pow(2).mean()
+    opt.zero_grad()
+    loss.backward()
+    opt.step()
+    dist.barrier()
+    if rank == 0:
+        with open("step.txt.tmp", "w") as f:
+            f.write(str(step))
+        os.replace("step.txt.tmp", "step.txt")
+    print(f"rank {rank} step {step} loss {loss.item():.4f}", flush=True)
+dist.destroy_process_group()
+)";
+
+class RunTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ProcessResult torch = RunProcess({"/usr/bin/python3", "-c", "import torch.distributed"}, {}, std::chrono::seconds(60));
+    ASSERT_EQ(torch.exit_code, 0) << "these tests run a PyTorch script: install Debian's python3-torch\n" << torch.output;
+    dir_.Write("train.py", kScript);
+  }
+
+  std::map<std::string, std::string> Env() const { return {{"LTRAIN_HOME", dir_.Join("home")}}; }
+
+  ProcessResult Run(const std::vector<std::string>& flags, const std::vector<std::string>& program) {
+    std::vector<std::string> argv = {LtrainBinary(), "run", "--workdir", dir_.path()};
+    argv.insert(argv.end(), flags.begin(), flags.end());
+    argv.push_back("--");
+    argv.insert(argv.end(), program.begin(), program.end());
+    return RunProcess(argv, Env(), std::chrono::seconds(180));
+  }
+
+  TempDir dir_;
+};
+
+TEST_F(RunTest, DdpScriptOverGlooRunsOnTwoRanks) {
+  ProcessResult result = Run({"--nproc-per-node", "2"}, {"/usr/bin/python3", "train.py"});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("rank 0 of 2 local 0 restart 0 sum 3"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("rank 1 of 2 local 1 restart 0 sum 3"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("rank 1 step 6"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("SUCCEEDED"), std::string::npos) << result.output;
+}
+
+TEST_F(RunTest, KilledRankRestartsAndTheScriptResumesFromItsCheckpoint) {
+  ProcessResult result =
+      Run({"--nproc-per-node", "2", "--max-restarts", "1", "--env", "KILL_AT=4"}, {"/usr/bin/python3", "train.py"});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("SIGKILL"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("rank 0 of 2 local 0 restart 1 sum 3"), std::string::npos) << result.output;
+  // Step 3 was the last every rank finished before the kill at step 4.
+  EXPECT_NE(result.output.find("rank 0 resumed from step 3"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("rank 1 step 6"), std::string::npos) << result.output;
+}
+
+TEST_F(RunTest, ProgramThatExitsOneFailsTheJobWithItsLastLines) {
+  ProcessResult result =
+      Run({"--name", "fails"}, {"/bin/sh", "-c", "echo reading the input; echo \"no input on rank $RANK\" >&2; exit 1"});
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_NE(result.output.find("FAILED"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("no input on rank 0"), std::string::npos) << result.output;
+}
+
+TEST_F(RunTest, RecipeWithAProgramAndAModelIsRefused) {
+  const std::string recipe =
+      dir_.Write("mixed.yaml", "entrypoint: {command: [python3, train.py]}\nmodel: {layers: 2}\n");
+  ProcessResult result = RunProcess({LtrainBinary(), "launch", recipe}, Env(), std::chrono::seconds(60));
+  EXPECT_EQ(result.exit_code, 2) << result.output;
+  EXPECT_NE(result.output.find("mixed.yaml:2:"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("remove model"), std::string::npos) << result.output;
+}
+
+}  // namespace
+}  // namespace ltrain::testing

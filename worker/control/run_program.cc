@@ -1,0 +1,443 @@
+#include "worker/control/run_program.h"
+
+#include <fcntl.h>
+#include <netdb.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <charconv>
+#include <chrono>
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <memory>
+
+#include "common/status.h"
+#include "common/worker_exit.h"
+#include "worker/control/progress_reporter.h"
+#include "worker/control/rendezvous_store.h"
+#include "worker/control/worker_env.h"
+
+extern char** environ;
+
+namespace ltrain::worker {
+namespace {
+
+constexpr char kMasterKey[] = "torchrun/master";
+// How long a rank waits for rank 0 to publish the master address: rank 0 may start long after the
+// others (another node's image pull); a rank 0 that never does is the agent's start-up timeout's.
+constexpr std::chrono::minutes kMasterTimeout{10};
+constexpr int kPollMs = 200;
+// A longer line is no report: it is dropped up to its end, and the buffer stays bounded.
+constexpr size_t kMaxLineBytes = 4096;
+constexpr size_t kMaxPhaseBytes = 64;
+
+std::optional<int64_t> ParseCount(std::string_view text) {
+  int64_t value = 0;
+  auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (error != std::errc() || end != text.data() + text.size() || value < 0) return std::nullopt;
+  return value;
+}
+
+std::optional<double> ParseReal(std::string_view text) {
+  double value = 0;
+  auto [end, error] = std::from_chars(text.data(), text.data() + text.size(), value);
+  if (error != std::errc() || end != text.data() + text.size()) return std::nullopt;
+  return value;
+}
+
+std::optional<double> ParseDuration(std::string_view text) {
+  std::optional<double> value = ParseReal(text);
+  if (!value || !(*value >= 0)) return std::nullopt;
+  return value;
+}
+
+// A phase travels to the agent as a protobuf string and is shown in `ltrain status`: a short word of
+// printable ASCII, never bytes that are not UTF-8 or move a terminal's cursor.
+std::optional<std::string> ParsePhase(std::string_view text) {
+  if (text.empty() || text.size() > kMaxPhaseBytes) return std::nullopt;
+  for (char c : text) {
+    if (c <= ' ' || c > '~') return std::nullopt;
+  }
+  return std::string(text);
+}
+
+std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
+
+// "ADDR:PORT" with a port free on `bind_addr` now. Like torchrun, the port is closed again before
+// the program binds it; another process may take it in between (rare: the kernel hands out
+// ephemeral ports in turn).
+StatusOr<std::string> PickMasterEndpoint(const std::string& bind_addr) {
+  std::string host = bind_addr;
+  std::string advertised = bind_addr;
+  if (bind_addr.empty() || bind_addr == "0.0.0.0") {
+    host = "0.0.0.0";
+    advertised = "127.0.0.1";
+  } else if (bind_addr == "::") {
+    advertised = "::1";
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  if (int rc = getaddrinfo(host.c_str(), "0", &hints, &found); rc != 0) {
+    return Unavailable("LTRAIN_BIND_ADDR=" + bind_addr + " does not resolve: " + gai_strerror(rc));
+  }
+  std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> owner(found, freeaddrinfo);
+  std::string last_error = "no address";
+  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+    int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) {
+      last_error = Errno("socket");
+      continue;
+    }
+    sockaddr_storage bound{};
+    socklen_t length = sizeof(bound);
+    if (bind(fd, a->ai_addr, a->ai_addrlen) != 0 ||
+        getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &length) != 0) {
+      last_error = Errno("bind");
+      close(fd);
+      continue;
+    }
+    close(fd);
+    const int port = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
+                                                 : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
+    return advertised + ":" + std::to_string(port);
+  }
+  return Unavailable("no free TCP port on LTRAIN_BIND_ADDR=" + bind_addr + ": " + last_error);
+}
+
+struct MasterEndpoint {
+  std::string addr;
+  std::string port;
+};
+
+StatusOr<MasterEndpoint> SplitEndpoint(const std::string& endpoint) {
+  const size_t colon = endpoint.rfind(':');
+  if (colon == std::string::npos || colon == 0 || !ParseCount(std::string_view(endpoint).substr(colon + 1))) {
+    return Internal("rendezvous key " + std::string(kMasterKey) + " holds '" + endpoint + "', not ADDR:PORT");
+  }
+  return MasterEndpoint{endpoint.substr(0, colon), endpoint.substr(colon + 1)};
+}
+
+// Every rank's MASTER_ADDR:MASTER_PORT: rank 0's pick, through the generation's rendezvous store
+// (one rank alone needs none). Blocks until rank 0 published it.
+StatusOr<MasterEndpoint> AgreeOnMaster(const WorkerEnv& env) {
+  if (env.rdzv.empty()) {
+    LTRAIN_ASSIGN_OR_RETURN(std::string endpoint, PickMasterEndpoint(env.bind_addr));
+    return SplitEndpoint(endpoint);
+  }
+  LTRAIN_ASSIGN_OR_RETURN(std::shared_ptr<gloo::rendezvous::Store> store,
+                          ConnectRendezvousStore(env.rdzv, env.rdzv_scope, env.agent_secret));
+  std::string endpoint;
+  try {
+    if (env.rank == 0) {
+      LTRAIN_ASSIGN_OR_RETURN(std::string picked, PickMasterEndpoint(env.bind_addr));
+      store->set(kMasterKey, std::vector<char>(picked.begin(), picked.end()));
+    }
+    store->wait({kMasterKey}, kMasterTimeout);
+    std::vector<char> value = store->get(kMasterKey);
+    endpoint.assign(value.begin(), value.end());
+  } catch (const std::exception& e) {
+    return Unavailable(std::string("rendezvous ") + env.rdzv + " (scope " + env.rdzv_scope + "): " + e.what());
+  }
+  return SplitEndpoint(endpoint);
+}
+
+// This process's environment with `added` (NAME=VALUE) in place of any entries of those names.
+std::vector<std::string> ChildEnvironment(const std::vector<std::string>& added) {
+  std::vector<std::string> entries;
+  for (char** e = environ; *e != nullptr; ++e) {
+    const std::string_view entry(*e);
+    bool replaced = false;
+    for (const std::string& a : added) {
+      const std::string_view name(a.data(), a.find('=') + 1);
+      if (entry.substr(0, name.size()) == name) replaced = true;
+    }
+    if (!replaced) entries.emplace_back(entry);
+  }
+  entries.insert(entries.end(), added.begin(), added.end());
+  return entries;
+}
+
+std::vector<char*> Pointers(std::vector<std::string>& strings) {
+  std::vector<char*> pointers;
+  for (std::string& s : strings) pointers.push_back(s.data());
+  pointers.push_back(nullptr);
+  return pointers;
+}
+
+// Splits the pipe's bytes into lines for `relay`; a line over kMaxLineBytes is dropped.
+class ReportReader {
+ public:
+  explicit ReportReader(ProgramProgress& relay) : relay_(relay) {}
+
+  void Add(const char* data, size_t size) {
+    for (size_t i = 0; i < size; ++i) {
+      if (data[i] == '\n') {
+        if (!overlong_) Deliver();
+        pending_.clear();
+        overlong_ = false;
+      } else if (!overlong_) {
+        pending_ += data[i];
+        if (pending_.size() > kMaxLineBytes) {
+          overlong_ = true;
+          pending_.clear();
+        }
+      }
+    }
+  }
+
+  // The last line, when the program ended without a newline.
+  void Finish() {
+    if (!overlong_) Deliver();
+    pending_.clear();
+  }
+
+ private:
+  void Deliver() {
+    if (std::optional<ProgressLine> line = ParseProgressLine(pending_)) relay_.Apply(*line);
+  }
+
+  ProgramProgress& relay_;
+  std::string pending_;
+  bool overlong_ = false;
+};
+
+// Reads what is in the (non-blocking) pipe now; false at its end (every writer closed it).
+bool ReadAvailable(int fd, ReportReader& reader) {
+  char buffer[4096];
+  while (true) {
+    ssize_t n = read(fd, buffer, sizeof(buffer));
+    if (n > 0) {
+      reader.Add(buffer, static_cast<size_t>(n));
+    } else if (n == 0) {
+      return false;
+    } else if (errno == EINTR) {
+      continue;
+    } else {
+      return errno == EAGAIN || errno == EWOULDBLOCK;
+    }
+  }
+}
+
+// Relays the program's reports until it exits; returns its wait status (nullopt: waitpid failed).
+// A descendant that keeps the pipe open does not hold the proxy: the program's exit ends the relay.
+std::optional<int> RelayUntilExit(pid_t pid, int read_fd, ReportReader& reader, ProgramProgress& relay) {
+  bool open = true;
+  int status = 0;
+  const auto started = std::chrono::steady_clock::now();
+  while (true) {
+    relay.Tick(std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started).count());
+    pid_t done = waitpid(pid, &status, open ? WNOHANG : 0);
+    if (done == pid) break;
+    if (done < 0 && errno != EINTR) {
+      std::fprintf(stderr, "ltrain-worker exec: %s\n", Errno("waitpid").c_str());
+      return std::nullopt;
+    }
+    if (!open) continue;
+    pollfd p{read_fd, POLLIN, 0};
+    if (poll(&p, 1, kPollMs) > 0) open = ReadAvailable(read_fd, reader);
+  }
+  if (open) ReadAvailable(read_fd, reader);
+  reader.Finish();
+  return status;
+}
+
+// Ends the proxy as the program ended: by `signal`, without a core file of the proxy (the
+// program's own is the one that matters).
+int DieOf(int signal) {
+  std::fflush(stdout);
+  std::fflush(stderr);
+  rlimit no_core{0, 0};
+  setrlimit(RLIMIT_CORE, &no_core);
+  ::signal(signal, SIG_DFL);
+  sigset_t only;
+  sigemptyset(&only);
+  sigaddset(&only, signal);
+  sigprocmask(SIG_UNBLOCK, &only, nullptr);
+  raise(signal);
+  return 128 + signal;
+}
+
+}  // namespace
+
+std::optional<ProgressLine> ParseProgressLine(std::string_view line) {
+  if (!line.empty() && line.back() == '\r') line.remove_suffix(1);
+  ProgressLine out;
+  bool known = false;
+  size_t i = 0;
+  while (i < line.size()) {
+    if (line[i] == ' ' || line[i] == '\t') {
+      ++i;
+      continue;
+    }
+    size_t end = line.find_first_of(" \t", i);
+    if (end == std::string_view::npos) end = line.size();
+    const std::string_view field = line.substr(i, end - i);
+    i = end;
+    const size_t eq = field.find('=');
+    if (eq == std::string_view::npos || eq == 0) return std::nullopt;
+    const std::string_view key = field.substr(0, eq);
+    const std::string_view value = field.substr(eq + 1);
+    bool ok = true;
+    if (key == "step") {
+      ok = (out.step = ParseCount(value)).has_value();
+    } else if (key == "phase") {
+      ok = (out.phase = ParsePhase(value)).has_value();
+    } else if (key == "loss") {
+      ok = (out.loss = ParseReal(value)).has_value();
+    } else if (key == "total_steps") {
+      ok = (out.total_steps = ParseCount(value)).has_value();
+    } else if (key == "tokens") {
+      ok = (out.tokens = ParseCount(value)).has_value();
+    } else if (key == "step_ms") {
+      ok = (out.step_ms = ParseDuration(value)).has_value();
+    } else if (key == "lr") {
+      ok = (out.lr = ParseReal(value)).has_value();
+    } else {
+      continue;
+    }
+    if (!ok) return std::nullopt;
+    known = true;
+  }
+  if (!known) return std::nullopt;
+  return out;
+}
+
+namespace {
+constexpr const char* kUnreported = "running the program (no progress reports)";
+}  // namespace
+
+void ProgramProgress::Tick(int64_t running_ms) {
+  if (reported_) return;
+  progress_.SetWork(kUnreported, running_ms / 1000, 0, "seconds");
+}
+
+void ProgramProgress::Apply(const ProgressLine& line) {
+  if (!reported_) {
+    reported_ = true;
+    progress_.EndWork(kUnreported);
+  }
+  if (line.step) step_ = *line.step;
+  if (line.total_steps) total_steps_ = *line.total_steps;
+  if (line.phase) phase_ = *line.phase;
+  if (line.loss) {
+    StepFigures figures;
+    figures.step = step_;
+    figures.total_steps = total_steps_;
+    figures.loss = *line.loss;
+    figures.lr = line.lr.value_or(0);
+    figures.step_ms = line.step_ms.value_or(0);
+    if (line.tokens && line.step_ms && *line.step_ms > 0) {
+      figures.tokens_per_s = static_cast<double>(*line.tokens) * 1000.0 / *line.step_ms;
+    }
+    progress_.RecordStep(figures);
+  }
+  progress_.SetPhase(step_, phase_);
+}
+
+int RunProgram(const std::vector<std::string>& argv) {
+  if (argv.empty()) {
+    std::fputs("ltrain-worker exec: no program to run\n", stderr);
+    return kWorkerExitUsage;
+  }
+  StatusOr<WorkerEnv> env = ParseWorkerEnv(ProcessEnvironment(), {});
+  if (!env.ok()) {
+    std::fprintf(stderr, "ltrain-worker exec: %s\n", env.status().message().c_str());
+    return kWorkerExitUsage;
+  }
+  if (env->rdzv.empty() && env->world_size > 1) {
+    std::fprintf(stderr, "ltrain-worker exec: LTRAIN_WORLD_SIZE=%d needs LTRAIN_RDZV (grpc://HOST:PORT or file:///DIR), "
+                 "where the ranks agree on MASTER_ADDR:MASTER_PORT\n", env->world_size);
+    return kWorkerExitUsage;
+  }
+  StatusOr<MasterEndpoint> master = AgreeOnMaster(*env);
+  if (!master.ok()) {
+    std::fprintf(stderr, "ltrain-worker exec: rank %d: no MASTER_ADDR:MASTER_PORT: %s\n", env->rank,
+                 master.status().message().c_str());
+    return master.status().code() == StatusCode::kInvalidArgument ? kWorkerExitUsage : kWorkerExitFailed;
+  }
+
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) {
+    std::fprintf(stderr, "ltrain-worker exec: %s\n", Errno("pipe").c_str());
+    return kWorkerExitFailed;
+  }
+  const int read_fd = fds[0];
+  const int write_fd = fds[1];
+  // Everything the child needs is built here: between fork and exec only async-signal-safe calls.
+  std::vector<std::string> env_strings = ChildEnvironment({"MASTER_ADDR=" + master->addr,
+                                                           "MASTER_PORT=" + master->port,
+                                                           "LTRAIN_PROGRESS_FD=" + std::to_string(write_fd)});
+  std::vector<char*> envp = Pointers(env_strings);
+  std::vector<std::string> arg_strings = argv;
+  std::vector<char*> args = Pointers(arg_strings);
+  const std::string exec_failed = "ltrain-worker exec: cannot run " + argv[0] + ": ";
+
+  // The program's exit is ours to wait for, even where our parent ignored SIGCHLD.
+  signal(SIGCHLD, SIG_DFL);
+  // Ignored before fork, so that no SIGTERM or SIGINT meant for the program kills the proxy between
+  // fork and here; the child restores them.
+  signal(SIGTERM, SIG_IGN);
+  signal(SIGINT, SIG_IGN);
+  std::fflush(stdout);
+  std::fflush(stderr);
+  const pid_t parent = getpid();
+  const pid_t pid = fork();
+  if (pid < 0) {
+    std::fprintf(stderr, "ltrain-worker exec: %s\n", Errno("fork").c_str());
+    return kWorkerExitFailed;
+  }
+  if (pid == 0) {
+    // Same process group as the proxy: the agent signals the group.
+    for (int s : {SIGTERM, SIGINT, SIGPIPE}) signal(s, SIG_DFL);
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, nullptr);
+    prctl(PR_SET_PDEATHSIG, SIGKILL);      // a proxy killed alone leaves no rank running
+    if (getppid() != parent) _exit(127);   // it died before prctl took effect
+    fcntl(write_fd, F_SETFD, 0);
+    execvpe(args[0], args.data(), envp.data());
+    const char* why = std::strerror(errno);
+    ssize_t ignored = write(STDERR_FILENO, exec_failed.data(), exec_failed.size());
+    ignored = write(STDERR_FILENO, why, std::strlen(why));
+    ignored = write(STDERR_FILENO, "\n", 1);
+    (void)ignored;
+    _exit(127);
+  }
+  close(write_fd);
+  fcntl(read_fd, F_SETFL, fcntl(read_fd, F_GETFL) | O_NONBLOCK);
+
+  Progress::Global().SetPhase(0, "startup");
+  std::unique_ptr<ProgressReporter> reporter;
+  if (!env->agent.empty()) {
+    ProgressReporterOptions options;
+    options.agent_address = env->agent;
+    options.job_id = env->job_id;
+    options.generation = env->generation;
+    options.rank = env->rank;
+    options.agent_secret = env->agent_secret;
+    reporter = std::make_unique<ProgressReporter>(std::move(options));
+  }
+  ProgramProgress relay(Progress::Global());
+  ReportReader reader(relay);
+  const std::optional<int> waited = RelayUntilExit(pid, read_fd, reader, relay);
+  close(read_fd);
+  if (!waited) return kWorkerExitFailed;
+  const int status = *waited;
+  if (WIFEXITED(status) && WEXITSTATUS(status) == 0) Progress::Global().SetPhase(relay.step(), "done");
+  reporter.reset();  // its last report: where the program ended
+  if (WIFSIGNALED(status)) return DieOf(WTERMSIG(status));
+  return WEXITSTATUS(status);
+}
+
+}  // namespace ltrain::worker
