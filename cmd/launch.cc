@@ -99,6 +99,7 @@ struct RunArgs {
   int nproc_per_node = 1;
   std::string nodes = "1";
   int max_restarts = 0;
+  double hang_timeout_s = 0;  // 0: the recipe default
   std::string name;
   std::string workdir;
   std::vector<std::string> env;
@@ -146,6 +147,7 @@ int RunProgram(const RunArgs& args, const SecurityMaterial& security) {
     recipe.parallel.nodes = recipe.parallel.nodes_max = max;
   }
   recipe.fault.max_restarts = args.max_restarts;
+  if (args.hang_timeout_s > 0) recipe.fault.hang_timeout_s = args.hang_timeout_s;
   recipe.checkpoint.enabled = false;  // the program keeps its own checkpoints
   recipe.entrypoint.command = args.program;
   recipe.entrypoint.workdir = args.workdir;
@@ -184,6 +186,10 @@ void AddRunCommand(CLI::App& app, CommandContext& ctx) {
                   "Restarts after failures before the job fails (TORCHELASTIC_MAX_RESTARTS); with backoff")
       ->check(CLI::Range(0, 1000000))
       ->capture_default_str();
+  cmd->add_option("--hang-timeout", args->hang_timeout_s,
+                  "Seconds without progress (LTRAIN_PROGRESS_FD reports) before a reporting rank is named hung; "
+                  "default: fault.hang_timeout_s's 60")
+      ->check(CLI::Range(0.1, 604800.0));
   cmd->add_option("--name", args->name, "The job's name (job ids are NAME-N); default: the script's or program's name");
   cmd->add_option("--workdir", args->workdir, "Directory the program starts in; default: this one");
   cmd->add_option("--env", args->env, "NAME=VALUE added to every rank's environment (repeatable)")

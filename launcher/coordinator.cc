@@ -224,7 +224,8 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
   FreeKeysLocked(job.job.id(), start->rendezvous_scope());  // older generations' addresses and ids
     start->set_checkpoint_dir(recipe.checkpoint.dir);
     start->set_heartbeat_interval_ms(static_cast<int64_t>(recipe.fault.heartbeat_interval_s * 1000));
-    start->set_restart_count(job.job.restarts());
+    // Every new generation restarts the program: after a failure, a resume or a change of nodes.
+    start->set_restart_count(generation);
     for (int local = 0; local < nproc; ++local) {
       v1::WorkerAssignment* worker = start->add_workers();
       worker->set_rank(i * nproc + local);

@@ -125,7 +125,8 @@ std::optional<std::string> DiagnoseHang(const std::vector<RankActivity>& ranks, 
   if (!hung) return std::nullopt;
 
   // The behind ranks: silent ones, else those not waiting for peers, else those in the collective
-  // with the lowest sequence. A rule that picks every rank says nothing, so the next one is tried.
+  // with the lowest sequence, else those over their limit. A rule that picks every rank says
+  // nothing, so the next one is tried.
   auto pick = [&](auto&& is_behind) {
     std::vector<const RankActivity*> picked;
     for (const auto& r : ranks) {
@@ -143,6 +144,9 @@ std::optional<std::string> DiagnoseHang(const std::vector<RankActivity>& ranks, 
     }
     behind = pick([&](const RankActivity& r) { return r.in_collective && r.collective_seq == oldest; });
   }
+  // Ranks with no collectives in their reports (programs of the user's own): those over their limit
+  // while others move.
+  if (behind.empty()) behind = pick([&](const RankActivity& r) { return idle_of(r) >= limit_of(r); });
   // What kind of stall, from the phase of the first rank behind (of any rank when none is).
   const RankActivity& lead = behind.empty() ? ranks.front() : *behind.front();
   std::string kind = "hang";

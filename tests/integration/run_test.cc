@@ -2,9 +2,11 @@
 // Gloo with Debian's python3-torch (the all-reduce sums the ranks), a rank killed mid-run (the
 // job restarts it with TORCHELASTIC_RESTART_COUNT=1 and the script resumes from its own
 // checkpoint), a program that exits 1 (the job fails with its last lines), and a recipe that mixes
-// a program with ltrain's trainer (refused).
+// a program with ltrain's trainer (refused); a program that stops reporting progress is named hung,
+// one that never reports is not.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <string>
 
 #include "tests/support/subprocess.h"
@@ -96,6 +98,39 @@ TEST_F(RunTest, ProgramThatExitsOneFailsTheJobWithItsLastLines) {
   EXPECT_EQ(result.exit_code, 1) << result.output;
   EXPECT_NE(result.output.find("FAILED"), std::string::npos) << result.output;
   EXPECT_NE(result.output.find("no input on rank 0"), std::string::npos) << result.output;
+}
+
+// `ltrain resume` starts a failed program again, one restart later.
+TEST_F(RunTest, ResumedProgramStartsWithAHigherRestartCount) {
+  const std::vector<std::string> program = {
+      "/bin/sh", "-c", "echo \"restart count $TORCHELASTIC_RESTART_COUNT\"; test $TORCHELASTIC_RESTART_COUNT -ge 1"};
+  ProcessResult first = Run({"--name", "again"}, program);
+  EXPECT_EQ(first.exit_code, 1) << first.output;
+  EXPECT_NE(first.output.find("restart count 0"), std::string::npos) << first.output;
+  ProcessResult resumed = RunProcess({LtrainBinary(), "resume", "again-1"}, Env(), std::chrono::seconds(120));
+  EXPECT_EQ(resumed.exit_code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("restart count 1"), std::string::npos) << resumed.output;
+}
+
+// A program that reports a step and then stops reporting is named hung within the timeout (and
+// the polls around it); one that never reports is supervised by its exit alone, however long.
+TEST_F(RunTest, ProgramThatStopsReportingIsNamedHung) {
+  const auto start = std::chrono::steady_clock::now();
+  // Rank 0 goes on reporting steps; rank 1 reports one and stops.
+  const std::string program =
+      "if [ \"$RANK\" = 1 ]; then echo step=1 phase=train >&$LTRAIN_PROGRESS_FD; sleep 600; fi; "
+      "i=1; while true; do echo \"step=$i phase=train loss=1.5\" >&$LTRAIN_PROGRESS_FD; i=$((i + 1)); sleep 0.2; done";
+  ProcessResult result = Run({"--name", "stuck", "--nproc-per-node", "2", "--hang-timeout", "2"}, {"/bin/sh", "-c", program});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_NE(result.output.find("hang: rank 1 made no progress for 2s"), std::string::npos) << result.output;
+  EXPECT_LT(seconds, 30) << result.output;
+}
+
+TEST_F(RunTest, ProgramThatNeverReportsIsNoHang) {
+  ProcessResult result = Run({"--name", "quiet", "--hang-timeout", "1"}, {"/bin/sh", "-c", "sleep 4; echo done"});
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_EQ(result.output.find("made no progress"), std::string::npos) << result.output;
 }
 
 TEST_F(RunTest, RecipeWithAProgramAndAModelIsRefused) {

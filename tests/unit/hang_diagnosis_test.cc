@@ -51,6 +51,22 @@ TEST(HangDiagnosisTest, SilentRankIsBehindEvenInsideACollective) {
   EXPECT_EQ(*hang, "hang: rank 1 made no progress for 40s in step 40 (backward); ranks 0, 2 wait in all_reduce #5 of dp 0");
 }
 
+// Programs of the user's own report no collectives: the rank over its limit is behind, not every
+// rank.
+TEST(HangDiagnosisTest, WithoutCollectivesTheRankOverItsLimitIsBehind) {
+  RankActivity moving = Waiting(0, 0, 200);
+  moving.in_collective = false;
+  moving.step = 9;
+  moving.phase = "train";
+  RankActivity stuck = moving;
+  stuck.rank = 1;
+  stuck.step = 1;
+  stuck.idle_ms = 31000;
+  std::optional<std::string> hang = DiagnoseHang({moving, stuck}, PhaseLimits::Uniform(30000));
+  ASSERT_TRUE(hang.has_value());
+  EXPECT_EQ(hang->rfind("hang: rank 1 made no progress for 31s in step 1 (train)", 0), 0u) << *hang;
+}
+
 TEST(HangDiagnosisTest, RankInAnOlderCollectiveIsBehind) {
   std::optional<std::string> hang =
       DiagnoseHang({Waiting(0, 7, 31000), Waiting(1, 7, 31000), Waiting(2, 6, 31000), Waiting(3, 7, 31000)}, PhaseLimits::Uniform(30000));
