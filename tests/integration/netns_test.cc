@@ -114,5 +114,40 @@ TEST_F(NetnsTest, TrainsAcrossHostsAndSurvivesACutLink) {
   EXPECT_NE(result.output.find("job SUCCEEDED"), std::string::npos) << result.output;
 }
 
+// `ltrain run --nodes 2`: a PyTorch script over Gloo on two hosts, MASTER_ADDR on rank 0's host and
+// each rank's Gloo on its host's interface (GLOO_SOCKET_IFNAME from the agent's bind address).
+TEST_F(NetnsTest, ProgramRunsAcrossTwoHosts) {
+  ProcessResult torch = RunProcess({"/usr/bin/python3", "-c", "import torch.distributed"}, {}, seconds(60));
+  ASSERT_EQ(torch.exit_code, 0) << "this test runs a PyTorch script: install Debian's python3-torch\n" << torch.output;
+  dir_.Write("allreduce.py",
+             "import os, torch, torch.distributed as dist\n"
+             "dist.init_process_group('gloo')\n"
+             "t = torch.tensor([float(dist.get_rank() + 1)])\n"
+             "dist.all_reduce(t)\n"
+             "print(f\"rank {dist.get_rank()} of {dist.get_world_size()} group {os.environ['GROUP_RANK']} \"\n"
+             "      f\"master {os.environ['MASTER_ADDR']} ifname {os.environ['GLOO_SOCKET_IFNAME']} sum {t.item():g}\", "
+             "flush=True)\n"
+             "dist.destroy_process_group()\n");
+  std::string port_file = dir_.Join("port");
+  Subprocess* coordinator = In(1, {LtrainBinary(), "coordinator", "--listen", Address(1) + ":0", "--port-file", port_file,
+                                   "--state-dir", dir_.Join("state")});
+  const int port = WaitForPortFile(port_file);
+  ASSERT_GT(port, 0) << coordinator->Output();
+  std::string address = Address(1) + ":" + std::to_string(port);
+  In(2, {LtrainBinary(), "agent", "--coordinator", address, "--node-id", "host2", "--bind-address", Address(2),
+         "--work-dir", dir_.Join("agent2")});
+  In(3, {LtrainBinary(), "agent", "--coordinator", address, "--node-id", "host3", "--bind-address", Address(3),
+         "--work-dir", dir_.Join("agent3")});
+  std::this_thread::sleep_for(milliseconds(500));  // both agents registered
+  Subprocess* run = In(1, {LtrainBinary(), "run", "--coordinator", address, "--nodes", "2", "--workdir", dir_.path(),
+                           "--", "/usr/bin/python3", "allreduce.py"});
+  ProcessResult result = run->Wait(seconds(120));
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("rank 0 of 2 group 0 master " + Address(2) + " ifname v2n sum 3"), std::string::npos)
+      << result.output;
+  EXPECT_NE(result.output.find("rank 1 of 2 group 1 master " + Address(2) + " ifname v3n sum 3"), std::string::npos)
+      << result.output;
+}
+
 }  // namespace
 }  // namespace ltrain::testing

@@ -1,6 +1,8 @@
 #include "worker/control/run_program.h"
 
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <ifaddrs.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -15,6 +17,7 @@
 #include <charconv>
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <memory>
@@ -153,6 +156,44 @@ StatusOr<MasterEndpoint> AgreeOnMaster(const WorkerEnv& env) {
 }
 
 // This process's environment with `added` (NAME=VALUE) in place of any entries of those names.
+// The network interface that holds `address` (an IPv4 or IPv6 literal), or "" (none, or the
+// address is a name or a wildcard).
+std::string InterfaceOf(const std::string& address) {
+  in6_addr want6{};
+  in_addr want4{};
+  const bool v4 = inet_pton(AF_INET, address.c_str(), &want4) == 1;
+  const bool v6 = !v4 && inet_pton(AF_INET6, address.c_str(), &want6) == 1;
+  if (!v4 && !v6) return "";
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return "";
+  std::string name;
+  for (ifaddrs* i = list; i != nullptr && name.empty(); i = i->ifa_next) {
+    if (i->ifa_addr == nullptr) continue;
+    if (v4 && i->ifa_addr->sa_family == AF_INET &&
+        reinterpret_cast<const sockaddr_in*>(i->ifa_addr)->sin_addr.s_addr == want4.s_addr) {
+      name = i->ifa_name;
+    } else if (v6 && i->ifa_addr->sa_family == AF_INET6 &&
+               std::memcmp(&reinterpret_cast<const sockaddr_in6*>(i->ifa_addr)->sin6_addr, &want6, sizeof(want6)) == 0) {
+      name = i->ifa_name;
+    }
+  }
+  freeifaddrs(list);
+  return name;
+}
+
+// Gloo and NCCL pick the interface for their own connections from the host name, which on a node
+// with several networks may be one the other nodes cannot reach. Where the agent binds a specific
+// address, the program's collectives use that address's interface too, unless the user chose one.
+std::vector<std::string> SocketInterfaceDefaults(const std::string& bind_addr) {
+  const std::string name = InterfaceOf(bind_addr);
+  if (name.empty() || name == "lo") return {};
+  std::vector<std::string> out;
+  for (const char* variable : {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"}) {
+    if (std::getenv(variable) == nullptr) out.push_back(std::string(variable) + "=" + name);
+  }
+  return out;
+}
+
 std::vector<std::string> ChildEnvironment(const std::vector<std::string>& added) {
   std::vector<std::string> entries;
   for (char** e = environ; *e != nullptr; ++e) {
@@ -375,9 +416,10 @@ int RunProgram(const std::vector<std::string>& argv) {
   const int read_fd = fds[0];
   const int write_fd = fds[1];
   // Everything the child needs is built here: between fork and exec only async-signal-safe calls.
-  std::vector<std::string> env_strings = ChildEnvironment({"MASTER_ADDR=" + master->addr,
-                                                           "MASTER_PORT=" + master->port,
-                                                           "LTRAIN_PROGRESS_FD=" + std::to_string(write_fd)});
+  std::vector<std::string> added = {"MASTER_ADDR=" + master->addr, "MASTER_PORT=" + master->port,
+                                    "LTRAIN_PROGRESS_FD=" + std::to_string(write_fd)};
+  for (std::string& entry : SocketInterfaceDefaults(env->bind_addr)) added.push_back(std::move(entry));
+  std::vector<std::string> env_strings = ChildEnvironment(added);
   std::vector<char*> envp = Pointers(env_strings);
   std::vector<std::string> arg_strings = argv;
   std::vector<char*> args = Pointers(arg_strings);

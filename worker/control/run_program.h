@@ -7,7 +7,9 @@
 //     under torchrun). LTRAIN_BIND_ADDR 0.0.0.0 or unset advertises 127.0.0.1, which only ranks on
 //     rank 0's node can reach: a job of several nodes must give rank 0 an address the others reach;
 //   - runs the program in its own process group (the agent's signals reach both), with
-//     MASTER_ADDR, MASTER_PORT and LTRAIN_PROGRESS_FD added to the environment;
+//     MASTER_ADDR, MASTER_PORT and LTRAIN_PROGRESS_FD added to the environment, and, where
+//     LTRAIN_BIND_ADDR is an address of a network interface other than loopback,
+//     GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME naming it unless already set;
 //   - relays what the program writes to descriptor LTRAIN_PROGRESS_FD, one report a line, to the
 //     agent as this rank's progress (steps, phase, loss: what `ltrain status` shows and what hang
 //     detection reads), from the proxy's one thread plus the progress reporter's;
