@@ -48,7 +48,9 @@ int SubmitRecipe(Recipe recipe, const std::string& source, bool slurm, const Run
   recipe.checkpoint.dir = Absolute(recipe.checkpoint.dir);
   recipe.checkpoint.resume_from = Absolute(recipe.checkpoint.resume_from);
   recipe.model.init_from = Absolute(recipe.model.init_from);
-  recipe.entrypoint.workdir = Absolute(recipe.entrypoint.workdir.empty() ? "." : recipe.entrypoint.workdir);
+  if (recipe.runs_program()) {
+    recipe.entrypoint.workdir = Absolute(recipe.entrypoint.workdir.empty() ? "." : recipe.entrypoint.workdir);
+  }
   // A checkpoint directory belongs to the job that wrote it; this new job's workers would refuse
   // one that holds commits (checked here too where the directory is visible, before submitting).
   if (!recipe.runs_program() && recipe.checkpoint.enabled && !recipe.checkpoint.dir.empty()) {

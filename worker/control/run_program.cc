@@ -155,7 +155,6 @@ StatusOr<MasterEndpoint> AgreeOnMaster(const WorkerEnv& env) {
   return SplitEndpoint(endpoint);
 }
 
-// This process's environment with `added` (NAME=VALUE) in place of any entries of those names.
 // The network interface that holds `address` (an IPv4 or IPv6 literal), or "" (none, or the
 // address is a name or a wildcard).
 std::string InterfaceOf(const std::string& address) {
@@ -194,6 +193,7 @@ std::vector<std::string> SocketInterfaceDefaults(const std::string& bind_addr) {
   return out;
 }
 
+// This process's environment with `added` (NAME=VALUE) in place of any entries of those names.
 std::vector<std::string> ChildEnvironment(const std::vector<std::string>& added) {
   std::vector<std::string> entries;
   for (char** e = environ; *e != nullptr; ++e) {
