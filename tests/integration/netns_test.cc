@@ -73,7 +73,26 @@ class NetnsTest : public ::testing::Test {
     return processes_.back().get();
   }
 
+  // The coordinator on host 1 and an agent on each of hosts 2 and 3 (host2, host3, bound to their
+  // addresses; agents_ holds them); the coordinator's HOST:PORT, or "" after a test failure.
+  std::string StartCluster() {
+    const std::string port_file = dir_.Join("port");
+    Subprocess* coordinator = In(1, {LtrainBinary(), "coordinator", "--listen", Address(1) + ":0", "--port-file",
+                                     port_file, "--state-dir", dir_.Join("state")});
+    const int port = WaitForPortFile(port_file);
+    EXPECT_GT(port, 0) << coordinator->Output();
+    if (port <= 0) return "";
+    const std::string address = Address(1) + ":" + std::to_string(port);
+    for (int host : {2, 3}) {
+      const std::string name = "host" + std::to_string(host);
+      agents_.push_back(In(host, {LtrainBinary(), "agent", "--coordinator", address, "--node-id", name, "--bind-address",
+                                  Address(host), "--work-dir", dir_.Join("agent" + std::to_string(host))}));
+    }
+    return address;
+  }
+
   TempDir dir_;
+  std::vector<Subprocess*> agents_;
   std::string tag_, hub_;
   std::vector<std::unique_ptr<Subprocess>> processes_;
 };
@@ -81,16 +100,10 @@ class NetnsTest : public ::testing::Test {
 TEST_F(NetnsTest, TrainsAcrossHostsAndSurvivesACutLink) {
   ProcessResult prepared = PrepareLicenseData(dir_.Join("data"));
   ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
-  std::string port_file = dir_.Join("port");
-  Subprocess* coordinator = In(1, {LtrainBinary(), "coordinator", "--listen", Address(1) + ":0", "--port-file", port_file,
-                                   "--state-dir", dir_.Join("state")});
-  const int port = WaitForPortFile(port_file);
-  ASSERT_GT(port, 0) << coordinator->Output();
-  std::string address = Address(1) + ":" + std::to_string(port);
-  Subprocess* agent2 = In(2, {LtrainBinary(), "agent", "--coordinator", address, "--node-id", "host2", "--bind-address",
-                              Address(2), "--work-dir", dir_.Join("agent2")});
-  Subprocess* agent3 = In(3, {LtrainBinary(), "agent", "--coordinator", address, "--node-id", "host3", "--bind-address",
-                              Address(3), "--work-dir", dir_.Join("agent3")});
+  const std::string address = StartCluster();
+  ASSERT_FALSE(address.empty());
+  Subprocess* agent2 = agents_[0];
+  Subprocess* agent3 = agents_[1];
   std::string recipe = dir_.Write("net.yaml", "name: net\nmodel: {layers: 2, d_model: 64, heads: 4, seq_len: 32}\n"
                                               "data: {path: " + dir_.Join("data") + "}\n"
                                               "training: {steps: 300, micro_batch: 4, global_batch: 8, log_every: 1}\n"
@@ -128,16 +141,8 @@ TEST_F(NetnsTest, ProgramRunsAcrossTwoHosts) {
              "      f\"master {os.environ['MASTER_ADDR']} ifname {os.environ['GLOO_SOCKET_IFNAME']} sum {t.item():g}\", "
              "flush=True)\n"
              "dist.destroy_process_group()\n");
-  std::string port_file = dir_.Join("port");
-  Subprocess* coordinator = In(1, {LtrainBinary(), "coordinator", "--listen", Address(1) + ":0", "--port-file", port_file,
-                                   "--state-dir", dir_.Join("state")});
-  const int port = WaitForPortFile(port_file);
-  ASSERT_GT(port, 0) << coordinator->Output();
-  std::string address = Address(1) + ":" + std::to_string(port);
-  In(2, {LtrainBinary(), "agent", "--coordinator", address, "--node-id", "host2", "--bind-address", Address(2),
-         "--work-dir", dir_.Join("agent2")});
-  In(3, {LtrainBinary(), "agent", "--coordinator", address, "--node-id", "host3", "--bind-address", Address(3),
-         "--work-dir", dir_.Join("agent3")});
+  const std::string address = StartCluster();
+  ASSERT_FALSE(address.empty());
   std::this_thread::sleep_for(milliseconds(500));  // both agents registered
   Subprocess* run = In(1, {LtrainBinary(), "run", "--coordinator", address, "--nodes", "2", "--workdir", dir_.path(),
                            "--", "/usr/bin/python3", "allreduce.py"});

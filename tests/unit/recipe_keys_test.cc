@@ -44,6 +44,23 @@ const std::set<std::string> kSingleValued = {};
 // covers these keys.
 const std::set<std::string> kProgramKeys = {"entrypoint.command", "entrypoint.env", "entrypoint.workdir"};
 
+// The command a coordinator with one node sends its agent for `recipe`, submitted as `ltrain launch`
+// submits it; nullopt (after a test failure) when the submit is refused.
+std::optional<v1::Command> StartCommandOf(const Recipe& recipe, const std::string& source) {
+  FakeClock clock;
+  std::unique_ptr<launcher::StateStore> store = std::move(launcher::SqliteStateStore::Open(":memory:")).value();
+  launcher::CoordinatorOptions options;
+  options.state_dir = "/state";
+  launcher::Coordinator coordinator(store.get(), &clock, options);
+  v1::NodeFacts facts;
+  facts.set_hostname("a.example");
+  coordinator.NodeConnected("a", facts);
+  StatusOr<v1::Job> job = coordinator.Submit(RecipeToYaml(recipe), source);
+  EXPECT_TRUE(job.ok()) << job.status().ToString();
+  if (!job.ok()) return std::nullopt;
+  return coordinator.WaitCommand("a", 0);
+}
+
 TEST(RecipeKeysTest, EveryKeyReachesTheWorkerWithANonDefaultValue) {
   SetLogLevel(LogLevel::kWarning);
   RecipeParseResult user = ParseRecipe(kEveryKey, "every-key.yaml");
@@ -56,17 +73,7 @@ TEST(RecipeKeysTest, EveryKeyReachesTheWorkerWithANonDefaultValue) {
   }
 
   // As `ltrain launch` submits it, to a coordinator with one node.
-  FakeClock clock;
-  std::unique_ptr<launcher::StateStore> store = std::move(launcher::SqliteStateStore::Open(":memory:")).value();
-  launcher::CoordinatorOptions options;
-  options.state_dir = "/state";
-  launcher::Coordinator coordinator(store.get(), &clock, options);
-  v1::NodeFacts facts;
-  facts.set_hostname("a.example");
-  coordinator.NodeConnected("a", facts);
-  StatusOr<v1::Job> job = coordinator.Submit(RecipeToYaml(user.recipe), "every-key.yaml");
-  ASSERT_TRUE(job.ok()) << job.status().ToString();
-  std::optional<v1::Command> command = coordinator.WaitCommand("a", 0);
+  std::optional<v1::Command> command = StartCommandOf(user.recipe, "every-key.yaml");
   ASSERT_TRUE(command && command->has_start());
 
   // What the agent writes and its worker reads.
@@ -106,17 +113,7 @@ entrypoint: {command: [python3, train.py, --lr, "3e-4"], env: {NCCL_DEBUG: INFO,
   const std::map<std::string, std::string> defaults = RecipeKeyValues(Recipe{});
   for (const std::string& key : kProgramKeys) EXPECT_NE(RecipeKeyValues(user.recipe).at(key), defaults.at(key)) << key;
 
-  FakeClock clock;
-  std::unique_ptr<launcher::StateStore> store = std::move(launcher::SqliteStateStore::Open(":memory:")).value();
-  launcher::CoordinatorOptions options;
-  options.state_dir = "/state";
-  launcher::Coordinator coordinator(store.get(), &clock, options);
-  v1::NodeFacts facts;
-  facts.set_hostname("a.example");
-  coordinator.NodeConnected("a", facts);
-  StatusOr<v1::Job> job = coordinator.Submit(RecipeToYaml(user.recipe), "program.yaml");
-  ASSERT_TRUE(job.ok()) << job.status().ToString();
-  std::optional<v1::Command> command = coordinator.WaitCommand("a", 0);
+  std::optional<v1::Command> command = StartCommandOf(user.recipe, "program.yaml");
   ASSERT_TRUE(command && command->has_start());
   const std::string& yaml = command->start().recipe_yaml();
   for (const char* section : {"model:", "data:", "training:"}) EXPECT_EQ(yaml.find(section), std::string::npos) << yaml;
