@@ -172,7 +172,9 @@ Status Run(const WorkerEnv& env) {
   kernels.linear = EnvString("LTRAIN_FUSED_LINEAR") != "0";
   kernels.layer_norm = EnvString("LTRAIN_FUSED_LAYER_NORM") != "0";
   kernels.adamw = EnvString("LTRAIN_FUSED_ADAMW") != "0";
-  kernels.gemm_tune = EnvString("LTRAIN_GEMM_TUNE") != "0";
+  // Timing picks an algorithm per run; a deterministic recipe's runs (and their resumes) take
+  // cuBLASLt's first candidate, the same every time.
+  kernels.gemm_tune = EnvString("LTRAIN_GEMM_TUNE") != "0" && !recipe.training.deterministic;
   LTRAIN_RETURN_IF_ERROR(EnvInt(ProcessEnvironment(), "LTRAIN_GEMM_SM_MARGIN", &kernels.gemm_sm_margin));
   SetFusedKernelOptions(kernels);
   LTRAIN_ASSIGN_OR_RETURN(CheckpointWriteFault fault, CheckpointWriteFault::FromEnv());
@@ -323,7 +325,8 @@ Profiling:
   LTRAIN_GEMM_SM_MARGIN=N  plan the cuBLASLt products of backward for N fewer SMs than the GPU has,
                            leaving them to the data-parallel reductions that overlap backward
   LTRAIN_GEMM_TUNE=0       take cuBLASLt's first candidate for each product instead of timing its
-                           first eight once, on the product's first call
+                           first eight once, on the product's first call (training.deterministic
+                           recipes always take the first)
 
 Fault injection (for testing recovery; never set in production):
   LTRAIN_FAULT_CHECKPOINT_WRITE=STEP[:RANK]
