@@ -18,6 +18,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "agent/gpu_attachment.h"
 #include "agent/outbox.h"
 #include "agent/progress_table.h"
 #include "agent/supervisor.h"
@@ -150,6 +151,7 @@ class AgentImpl : public Agent, private SupervisorOutbox {
       return FailedPrecondition("worker binary " + options_.worker_binary +
                                 " is not executable; build it or pass --worker-binary");
     }
+    if (options_.keep_gpus_attached) gpus_ = std::make_unique<GpuAttachment>();
     proxy_ = std::make_unique<RendezvousProxy>(channel_, &credentials_);
     grpc::ServerBuilder builder;
     builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &proxy_port_);
@@ -446,6 +448,7 @@ class AgentImpl : public Agent, private SupervisorOutbox {
   std::unique_ptr<ProcessSpawner> spawner_;
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::AgentService::Stub> agent_stub_;
+  std::unique_ptr<GpuAttachment> gpus_;  // null with --release-idle-gpus
   std::unique_ptr<RendezvousProxy> proxy_;
   std::unique_ptr<grpc::Server> proxy_server_;
   int proxy_port_ = 0;

@@ -30,11 +30,13 @@ struct AgentOptions {
   std::string coordinator;          // HOST:PORT
   std::string node_id;              // default: the host name
   std::string work_dir;             // per-job recipes and per-rank logs
-  std::string worker_binary;        // default: ltrain-worker beside this executable
+  std::string worker_binary;        // default: ltrain-worker beside this executable; ltrain-exec (which
+                                    // runs a recipe's entrypoint.command) is taken from beside it
   std::string bind_address = "127.0.0.1";  // where this node's workers listen for collectives
   double heartbeat_interval_s = 1.0;
   double stop_grace_s = 3.0;        // SIGTERM, then SIGKILL after this long
   double coordinator_grace_s = 60.0;  // workers keep running this long while the coordinator is away
+  bool keep_gpus_attached = true;   // hold /dev/nvidiaN open while running (gpu_attachment.h)
   SecurityMaterial security;        // how to reach the coordinator (TLS, client certificate, token)
   std::string leave_reason = "its agent was shut down";
 };

@@ -35,9 +35,10 @@ bool UsableJobId(const std::string& id) {
 
 namespace {
 
-// torchrun's per-rank environment for a program (entrypoint.command), then the recipe's own
-// variables (which may override any of them). MASTER_ADDR and MASTER_PORT come from `ltrain-worker
-// exec`.
+// torchrun's per-rank environment for a program (entrypoint.command). MASTER_ADDR and MASTER_PORT
+// come from `ltrain-exec`, and so do the recipe's own variables (entrypoint.env, which may
+// override any of these): they are the program's alone, so that a LD_LIBRARY_PATH or PATH meant for
+// it never changes the proxy.
 std::vector<std::string> TorchrunEnvironment(const v1::StartJobCommand& start, const v1::WorkerAssignment& assignment,
                                              const Recipe& recipe) {
   const int local_world = std::max(1, start.local_world_size());
@@ -60,7 +61,6 @@ std::vector<std::string> TorchrunEnvironment(const v1::StartJobCommand& start, c
   if (local_world > 1 && std::getenv("OMP_NUM_THREADS") == nullptr && !recipe.entrypoint.env.count("OMP_NUM_THREADS")) {
     env.push_back("OMP_NUM_THREADS=1");
   }
-  for (const auto& [name, value] : recipe.entrypoint.env) env.push_back(name + "=" + value);
   return env;
 }
 
@@ -159,7 +159,7 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
       LTRAIN_LOG(kError, "agent") << "cannot write " << secret_file << ": the job's workers cannot reach this agent";
     }
   }
-  // A recipe with entrypoint.command runs the user's program under `ltrain-worker exec`, which adds
+  // A recipe with entrypoint.command runs the user's program under `ltrain-exec`, which adds
   // MASTER_ADDR and MASTER_PORT (agreed through the rendezvous) and the progress descriptor.
   const RecipeParseResult parsed = ParseRecipe(start.recipe_yaml(), recipe.string());
   const bool program = parsed.ok() && parsed.recipe.runs_program();
@@ -169,7 +169,14 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
     spec.working_dir = dir.string();
     if (program) {
       const EntrypointSpec& entry = parsed.recipe.entrypoint;
-      spec.args = {"exec", "--"};
+      // ltrain-exec, beside the worker: it loads no LibTorch, so a restarted program starts sooner.
+      spec.binary = (fs::path(options_.worker_binary).parent_path() / "ltrain-exec").string();
+      spec.args.clear();
+      for (const auto& [name, value] : entry.env) {
+        spec.args.push_back("--env");
+        spec.args.push_back(name + "=" + value);
+      }
+      spec.args.push_back("--");
       spec.args.insert(spec.args.end(), entry.command.begin(), entry.command.end());
       if (!entry.workdir.empty()) spec.working_dir = entry.workdir;
     }

@@ -72,8 +72,14 @@ void AddAgentCommand(CLI::App& app, CommandContext& ctx) {
   cmd->add_option("--coordinator-grace", options->coordinator_grace_s,
                   "Seconds the workers keep running while the coordinator is unreachable")
       ->capture_default_str();
-  ctx.Bind(cmd, [options, &ctx] {
+  auto release_gpus = std::make_shared<bool>(false);
+  cmd->add_flag("--release-idle-gpus", *release_gpus,
+               "Do not hold the node's GPUs (/dev/nvidiaN) open while the agent runs. By default the agent holds "
+               "them, as nvidia-persistenced does, so that a restarted rank's CUDA start skips the GPU's "
+               "initialization where persistence mode is off; released, an idle GPU can be reset");
+  ctx.Bind(cmd, [options, release_gpus, &ctx] {
     agent::AgentOptions run = *options;
+    run.keep_gpus_attached = !*release_gpus;
     run.security = ctx.security();
     run.leave_reason = "its agent was stopped (SIGTERM or SIGINT)";
     return RunAgent(std::move(run));

@@ -101,7 +101,8 @@ struct RunArgs {
   int nproc_per_node = 1;
   std::string nodes = "1";
   int max_restarts = 0;
-  double hang_timeout_s = 0;  // 0: the recipe default
+  double restart_backoff_s = 0;  // torchrun restarts at once
+  double hang_timeout_s = 0;     // 0: the recipe default
   std::string name;
   std::string workdir;
   std::vector<std::string> env;
@@ -149,6 +150,7 @@ int RunProgram(const RunArgs& args, const SecurityMaterial& security) {
     recipe.parallel.nodes = recipe.parallel.nodes_max = max;
   }
   recipe.fault.max_restarts = args.max_restarts;
+  recipe.fault.restart_backoff_s = args.restart_backoff_s;
   if (args.hang_timeout_s > 0) recipe.fault.hang_timeout_s = args.hang_timeout_s;
   recipe.checkpoint.enabled = false;  // the program keeps its own checkpoints
   recipe.entrypoint.command = args.program;
@@ -185,8 +187,13 @@ void AddRunCommand(CLI::App& app, CommandContext& ctx) {
   cmd->add_option("--nodes", args->nodes, "Nodes, or MIN:MAX for an elastic job (a new WORLD_SIZE each generation)")
       ->capture_default_str();
   cmd->add_option("--max-restarts", args->max_restarts,
-                  "Restarts after failures before the job fails (TORCHELASTIC_MAX_RESTARTS); with backoff")
+                  "Restarts after failures before the job fails (TORCHELASTIC_MAX_RESTARTS)")
       ->check(CLI::Range(0, 1000000))
+      ->capture_default_str();
+  cmd->add_option("--restart-backoff", args->restart_backoff_s,
+                  "Seconds before the first restart, doubling per restart up to 30 (fault.restart_backoff_s); "
+                  "0, as torchrun, restarts at once")
+      ->check(CLI::Range(0.0, 3600.0))
       ->capture_default_str();
   cmd->add_option("--hang-timeout", args->hang_timeout_s,
                   "Seconds without progress (LTRAIN_PROGRESS_FD reports) before a reporting rank is named hung; "

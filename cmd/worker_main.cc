@@ -1,5 +1,5 @@
-// ltrain-worker: one training rank. Everything lives in the worker library; see worker/train/run_worker.h,
-// and worker/control/run_program.h for `ltrain-worker exec -- PROGRAM ARGS...` (a user's program as the rank).
+// ltrain-worker: one training rank. Everything lives in the worker library; see worker/train/run_worker.h.
+// A user's program as the rank is ltrain-exec's (exec_main.cc).
 #include <execinfo.h>
 #include <signal.h>
 #include <string.h>
@@ -11,7 +11,6 @@
 #include <vector>
 
 #include "common/worker_exit.h"
-#include "worker/control/run_program.h"
 #include "worker/train/run_worker.h"
 
 namespace {
@@ -47,13 +46,5 @@ int main(int argc, char** argv) {
   action.sa_sigaction = OnFatalSignal;
   action.sa_flags = SA_SIGINFO;
   for (int signal : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) sigaction(signal, &action, nullptr);
-  // Before RunWorker: a program run as the rank needs nothing of LibTorch.
-  if (argc > 1 && std::string_view(argv[1]) == "exec") {
-    if (argc < 4 || std::string_view(argv[2]) != "--") {
-      std::fputs("usage: ltrain-worker exec -- PROGRAM [ARGS...]\n", stderr);
-      return ltrain::kWorkerExitUsage;
-    }
-    return ltrain::worker::RunProgram(std::vector<std::string>(argv + 3, argv + argc));
-  }
   return ltrain::worker::RunWorker(argc, argv);
 }

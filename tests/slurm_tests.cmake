@@ -11,5 +11,5 @@ if(LTRAIN_BUILD_CONTROL_PLANE AND LTRAIN_BUILD_WORKER)
   ltrain_add_test(slurm_integration_test integration
     SOURCES slurm/slurm_test.cc
     LIBS ltrain_test_support ltrain::proto)
-  add_dependencies(slurm_integration_test ltrain ltrain-worker)
+  add_dependencies(slurm_integration_test ltrain ltrain-worker ltrain-exec)
 endif()

@@ -12,7 +12,7 @@ if(LTRAIN_BUILD_CONTROL_PLANE)
 endif()
 
 # The ranks' agreement on the step a stop with a final checkpoint ends after (a fake store), and
-# the progress lines of a program run by ltrain-worker exec; milliseconds.
+# the arguments and progress lines of a program run by ltrain-exec; milliseconds.
 ltrain_add_test(checkpoint_stop_test unit
   SOURCES unit/checkpoint_stop_test.cc unit/run_program_test.cc
   LIBS ltrain::worker_control)

@@ -60,6 +60,29 @@ TEST(ParseProgressLineTest, TheLastOfARepeatedKeyWins) {
   EXPECT_EQ(line->step, 2);
 }
 
+TEST(ParseExecArgsTest, EnvironmentEntriesComeBeforeTheProgram) {
+  std::string error;
+  std::optional<ExecArgs> args =
+      ParseExecArgs({"--env", "A=b", "--env", "LD_LIBRARY_PATH=/x:/y", "--", "python3", "t.py", "--env", "C=d"}, error);
+  ASSERT_TRUE(args) << error;
+  EXPECT_EQ(args->env, (std::vector<std::string>{"A=b", "LD_LIBRARY_PATH=/x:/y"}));
+  EXPECT_EQ(args->program, (std::vector<std::string>{"python3", "t.py", "--env", "C=d"}));
+  args = ParseExecArgs({"--", "./train"}, error);
+  ASSERT_TRUE(args) << error;
+  EXPECT_TRUE(args->env.empty());
+  EXPECT_EQ(args->program, (std::vector<std::string>{"./train"}));
+}
+
+TEST(ParseExecArgsTest, AnythingElseIsRefusedWithTheUsage) {
+  for (const std::vector<std::string>& bad : std::vector<std::vector<std::string>>{
+           {}, {"--"}, {"python3"}, {"--env"}, {"--env", "A=b"}, {"--env", "=b", "--", "p"}, {"--env", "A", "--", "p"},
+           {"--flag", "x", "--", "p"}}) {
+    std::string error;
+    EXPECT_FALSE(ParseExecArgs(bad, error)) << bad.size();
+    EXPECT_FALSE(error.empty());
+  }
+}
+
 TEST(ProgramProgressTest, ALossRecordsTheStepWithItsFigures) {
   Progress progress;
   ProgramProgress relay(progress);

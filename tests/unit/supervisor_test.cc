@@ -178,8 +178,9 @@ TEST_F(SupervisorTest, EachWorkerGetsItsEnvironmentAndTheRecipeFile) {
   EXPECT_EQ(supervisor().OutputFds().size(), 2u);
 }
 
-// A recipe with entrypoint.command: each rank is `ltrain-worker exec -- PROGRAM...` in the
-// entrypoint's directory, with torchrun's variables after ltrain's and the recipe's own last.
+// A recipe with entrypoint.command: each rank is `ltrain-exec --env NAME=VALUE... -- PROGRAM...` (beside the worker)
+// in the entrypoint's directory, with torchrun's variables after ltrain's; the recipe's own go to the
+// program alone, through exec's arguments.
 TEST_F(SupervisorTest, AProgramRunsUnderExecWithTorchrunsEnvironment) {
   v1::StartJobCommand start = Start("j1", 3, 2, /*first_rank=*/2);
   start.set_recipe_yaml(
@@ -189,15 +190,17 @@ TEST_F(SupervisorTest, AProgramRunsUnderExecWithTorchrunsEnvironment) {
   supervisor().StartJob(start);
   ASSERT_EQ(spawner_.spawns().size(), 2u);
   const SpawnSpec& spec = spawner_.spawns()[1].spec;
-  EXPECT_EQ(spec.binary, "/opt/ltrain/ltrain-worker");
-  EXPECT_EQ(spec.args, (std::vector<std::string>{"exec", "--", "python3", "train.py", "--x"}));
+  EXPECT_EQ(spec.binary, "/opt/ltrain/ltrain-exec");
+  EXPECT_EQ(spec.args, (std::vector<std::string>{"--env", "A=b", "--env", "OMP_NUM_THREADS=4", "--",
+                                                 "python3", "train.py", "--x"}));
   EXPECT_EQ(spec.working_dir, "/srv/w");
-  const std::vector<std::string> tail(spec.env.end() - 15, spec.env.end());
+  const std::vector<std::string> tail(spec.env.end() - 13, spec.env.end());
   EXPECT_EQ(tail, (std::vector<std::string>{
                       "RANK=3", "LOCAL_RANK=1", "WORLD_SIZE=4", "LOCAL_WORLD_SIZE=2", "GROUP_RANK=1",
                       "GROUP_WORLD_SIZE=2", "ROLE_NAME=default", "ROLE_RANK=3", "ROLE_WORLD_SIZE=4",
                       "TORCHELASTIC_RESTART_COUNT=2", "TORCHELASTIC_MAX_RESTARTS=5", "TORCHELASTIC_RUN_ID=j1",
-                      "TORCHELASTIC_USE_AGENT_STORE=False", "A=b", "OMP_NUM_THREADS=4"}));
+                      "TORCHELASTIC_USE_AGENT_STORE=False"}));
+  for (const std::string& entry : spec.env) EXPECT_NE(entry, "OMP_NUM_THREADS=1") << "the recipe set 4";
   EXPECT_NE(std::find(spec.env.begin(), spec.env.end(), "LTRAIN_RANK=3"), spec.env.end());
 }
 

@@ -180,15 +180,23 @@ std::string InterfaceOf(const std::string& address) {
   return name;
 }
 
+// Whether `entries` (NAME=VALUE) sets `name`.
+bool Names(const std::vector<std::string>& entries, std::string_view name) {
+  for (const std::string& entry : entries) {
+    if (entry.size() > name.size() && entry.compare(0, name.size(), name) == 0 && entry[name.size()] == '=') return true;
+  }
+  return false;
+}
+
 // Gloo and NCCL pick the interface for their own connections from the host name, which on a node
 // with several networks may be one the other nodes cannot reach. Where the agent binds a specific
 // address, the program's collectives use that address's interface too, unless the user chose one.
-std::vector<std::string> SocketInterfaceDefaults(const std::string& bind_addr) {
+std::vector<std::string> SocketInterfaceDefaults(const std::string& bind_addr, const std::vector<std::string>& user_env) {
   const std::string name = InterfaceOf(bind_addr);
   if (name.empty() || name == "lo") return {};
   std::vector<std::string> out;
   for (const char* variable : {"GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"}) {
-    if (std::getenv(variable) == nullptr) out.push_back(std::string(variable) + "=" + name);
+    if (std::getenv(variable) == nullptr && !Names(user_env, variable)) out.push_back(std::string(variable) + "=" + name);
   }
   return out;
 }
@@ -281,7 +289,7 @@ std::optional<int> RelayUntilExit(pid_t pid, int read_fd, ReportReader& reader, 
     pid_t done = waitpid(pid, &status, open ? WNOHANG : 0);
     if (done == pid) break;
     if (done < 0 && errno != EINTR) {
-      std::fprintf(stderr, "ltrain-worker exec: %s\n", Errno("waitpid").c_str());
+      std::fprintf(stderr, "ltrain-exec: %s\n", Errno("waitpid").c_str());
       return std::nullopt;
     }
     if (!open) continue;
@@ -386,31 +394,56 @@ void ProgramProgress::Apply(const ProgressLine& line) {
   progress_.SetPhase(step_, phase_);
 }
 
-int RunProgram(const std::vector<std::string>& argv) {
+std::optional<ExecArgs> ParseExecArgs(const std::vector<std::string>& args, std::string& error) {
+  ExecArgs out;
+  size_t i = 0;
+  for (; i < args.size() && args[i] != "--"; i += 2) {
+    if (args[i] != "--env" || i + 1 == args.size()) {
+      error = "unexpected " + args[i] + "; usage: ltrain-exec [--env NAME=VALUE]... -- PROGRAM [ARGS...]";
+      return std::nullopt;
+    }
+    const std::string& entry = args[i + 1];
+    const size_t eq = entry.find('=');
+    if (eq == std::string::npos || eq == 0) {
+      error = "--env " + entry + ": expected NAME=VALUE";
+      return std::nullopt;
+    }
+    out.env.push_back(entry);
+  }
+  if (i + 1 >= args.size()) {
+    error = "no program to run; usage: ltrain-exec [--env NAME=VALUE]... -- PROGRAM [ARGS...]";
+    return std::nullopt;
+  }
+  out.program.assign(args.begin() + static_cast<std::ptrdiff_t>(i) + 1, args.end());
+  return out;
+}
+
+int RunProgram(const ExecArgs& exec) {
+  const std::vector<std::string>& argv = exec.program;
   if (argv.empty()) {
-    std::fputs("ltrain-worker exec: no program to run\n", stderr);
+    std::fputs("ltrain-exec: no program to run\n", stderr);
     return kWorkerExitUsage;
   }
   StatusOr<WorkerEnv> env = ParseWorkerEnv(ProcessEnvironment(), {});
   if (!env.ok()) {
-    std::fprintf(stderr, "ltrain-worker exec: %s\n", env.status().message().c_str());
+    std::fprintf(stderr, "ltrain-exec: %s\n", env.status().message().c_str());
     return kWorkerExitUsage;
   }
   if (env->rdzv.empty() && env->world_size > 1) {
-    std::fprintf(stderr, "ltrain-worker exec: LTRAIN_WORLD_SIZE=%d needs LTRAIN_RDZV (grpc://HOST:PORT or file:///DIR), "
+    std::fprintf(stderr, "ltrain-exec: LTRAIN_WORLD_SIZE=%d needs LTRAIN_RDZV (grpc://HOST:PORT or file:///DIR), "
                  "where the ranks agree on MASTER_ADDR:MASTER_PORT\n", env->world_size);
     return kWorkerExitUsage;
   }
   StatusOr<MasterEndpoint> master = AgreeOnMaster(*env);
   if (!master.ok()) {
-    std::fprintf(stderr, "ltrain-worker exec: rank %d: no MASTER_ADDR:MASTER_PORT: %s\n", env->rank,
+    std::fprintf(stderr, "ltrain-exec: rank %d: no MASTER_ADDR:MASTER_PORT: %s\n", env->rank,
                  master.status().message().c_str());
     return master.status().code() == StatusCode::kInvalidArgument ? kWorkerExitUsage : kWorkerExitFailed;
   }
 
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) {
-    std::fprintf(stderr, "ltrain-worker exec: %s\n", Errno("pipe").c_str());
+    std::fprintf(stderr, "ltrain-exec: %s\n", Errno("pipe").c_str());
     return kWorkerExitFailed;
   }
   const int read_fd = fds[0];
@@ -418,12 +451,15 @@ int RunProgram(const std::vector<std::string>& argv) {
   // Everything the child needs is built here: between fork and exec only async-signal-safe calls.
   std::vector<std::string> added = {"MASTER_ADDR=" + master->addr, "MASTER_PORT=" + master->port,
                                     "LTRAIN_PROGRESS_FD=" + std::to_string(write_fd)};
-  for (std::string& entry : SocketInterfaceDefaults(env->bind_addr)) added.push_back(std::move(entry));
+  for (std::string& entry : SocketInterfaceDefaults(env->bind_addr, exec.env)) added.push_back(std::move(entry));
+  for (const std::string& entry : exec.env) {
+    if (!Names(added, std::string_view(entry).substr(0, entry.find('=')))) added.push_back(entry);
+  }
   std::vector<std::string> env_strings = ChildEnvironment(added);
   std::vector<char*> envp = Pointers(env_strings);
   std::vector<std::string> arg_strings = argv;
   std::vector<char*> args = Pointers(arg_strings);
-  const std::string exec_failed = "ltrain-worker exec: cannot run " + argv[0] + ": ";
+  const std::string exec_failed = "ltrain-exec: cannot run " + argv[0] + ": ";
 
   // The program's exit is ours to wait for, even where our parent ignored SIGCHLD.
   signal(SIGCHLD, SIG_DFL);
@@ -436,7 +472,7 @@ int RunProgram(const std::vector<std::string>& argv) {
   const pid_t parent = getpid();
   const pid_t pid = fork();
   if (pid < 0) {
-    std::fprintf(stderr, "ltrain-worker exec: %s\n", Errno("fork").c_str());
+    std::fprintf(stderr, "ltrain-exec: %s\n", Errno("fork").c_str());
     return kWorkerExitFailed;
   }
   if (pid == 0) {

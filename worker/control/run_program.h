@@ -1,6 +1,7 @@
-// `ltrain-worker exec -- PROGRAM ARGS...`: a user's program as one rank, the way torchrun's per-rank
-// process runs it. The agent starts one such proxy per rank with its LTRAIN_* environment (and the
-// torchrun variables RANK, WORLD_SIZE, ...); the proxy
+// `ltrain-exec [--env NAME=VALUE]... -- PROGRAM ARGS...`: a user's program as one rank, the
+// way torchrun's per-rank process runs it. The agent starts one such proxy per rank with its LTRAIN_*
+// environment (and the torchrun variables RANK, WORLD_SIZE, ...), and the recipe's entrypoint.env as
+// --env arguments, which reach the program's environment but not the proxy's; the proxy
 //   - agrees with the other ranks on MASTER_ADDR:MASTER_PORT through the generation's rendezvous
 //     store: rank 0 picks a free port on LTRAIN_BIND_ADDR and publishes "ADDR:PORT" under
 //     "torchrun/master"; every rank reads it (init_process_group(init_method="env://") works as
@@ -77,10 +78,20 @@ class ProgramProgress {
   bool reported_ = false;
 };
 
-// Runs argv (PROGRAM ARGS...) as this rank's program, as above; returns the exit code for
-// ltrain-worker: the program's own; 2 for a bad environment; 1 when the rendezvous store cannot be
-// reached or the program cannot be started (a restart may succeed); 127 when PROGRAM cannot be
-// executed. A program killed by a signal kills the proxy with the same signal.
-int RunProgram(const std::vector<std::string>& argv);
+// exec's arguments: what follows "exec" on the command line.
+struct ExecArgs {
+  std::vector<std::string> env;      // NAME=VALUE, for the program: over torchrun's variables, under
+                                     // MASTER_ADDR, MASTER_PORT and LTRAIN_PROGRESS_FD
+  std::vector<std::string> program;  // PROGRAM ARGS...
+};
+
+// nullopt, with `error` set, for anything but [--env NAME=VALUE]... -- PROGRAM [ARGS...].
+std::optional<ExecArgs> ParseExecArgs(const std::vector<std::string>& args, std::string& error);
+
+// Runs args.program as this rank's program, as above; returns the exit code for ltrain-worker: the
+// program's own; 2 for a bad environment; 1 when the rendezvous store cannot be reached or the
+// program cannot be started (a restart may succeed); 127 when PROGRAM cannot be executed. A program
+// killed by a signal kills the proxy with the same signal.
+int RunProgram(const ExecArgs& args);
 
 }  // namespace ltrain::worker
