@@ -12,9 +12,9 @@ if(LTRAIN_BUILD_CONTROL_PLANE)
 endif()
 
 # The ranks' agreement on the step a stop with a final checkpoint ends after (a fake store), and
-# the arguments and progress lines of a program run by ltrain-exec; milliseconds.
+# the arguments and progress lines of a program run by ltrain-exec and its store relay; milliseconds.
 ltrain_add_test(checkpoint_stop_test unit
-  SOURCES unit/checkpoint_stop_test.cc unit/run_program_test.cc
+  SOURCES unit/checkpoint_stop_test.cc unit/run_program_test.cc unit/tcp_relay_test.cc
   LIBS ltrain::worker_control)
 
 ltrain_add_test(worker_unit_test unit

@@ -26,6 +26,7 @@
 #include "common/worker_exit.h"
 #include "worker/control/progress_reporter.h"
 #include "worker/control/rendezvous_store.h"
+#include "worker/control/tcp_relay.h"
 #include "worker/control/worker_env.h"
 
 extern char** environ;
@@ -77,15 +78,20 @@ std::string Errno(const std::string& what) { return what + ": " + std::strerror(
 // "ADDR:PORT" with a port free on `bind_addr` now. Like torchrun, the port is closed again before
 // the program binds it; another process may take it in between (rare: the kernel hands out
 // ephemeral ports in turn).
+// Where rank 0 listens for `bind_addr`, and the address the other ranks are given for it.
+struct ListenAddress {
+  std::string host;
+  std::string advertised;
+};
+
+ListenAddress ListenAddressFor(const std::string& bind_addr) {
+  if (bind_addr.empty() || bind_addr == "0.0.0.0") return {"0.0.0.0", "127.0.0.1"};
+  if (bind_addr == "::") return {"::", "::1"};
+  return {bind_addr, bind_addr};
+}
+
 StatusOr<std::string> PickMasterEndpoint(const std::string& bind_addr) {
-  std::string host = bind_addr;
-  std::string advertised = bind_addr;
-  if (bind_addr.empty() || bind_addr == "0.0.0.0") {
-    host = "0.0.0.0";
-    advertised = "127.0.0.1";
-  } else if (bind_addr == "::") {
-    advertised = "::1";
-  }
+  const auto [host, advertised] = ListenAddressFor(bind_addr);
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
@@ -131,9 +137,10 @@ StatusOr<MasterEndpoint> SplitEndpoint(const std::string& endpoint) {
   return MasterEndpoint{endpoint.substr(0, colon), endpoint.substr(colon + 1)};
 }
 
-// Every rank's MASTER_ADDR:MASTER_PORT: rank 0's pick, through the generation's rendezvous store
-// (one rank alone needs none). Blocks until rank 0 published it.
-StatusOr<MasterEndpoint> AgreeOnMaster(const WorkerEnv& env) {
+// This rank's MASTER_ADDR:MASTER_PORT, agreed through the generation's rendezvous store (one rank
+// alone needs none). Rank 0's program gets a free port of its own; the others get the port of a
+// relay to it (tcp_relay.h), which rank 0 starts in `relay` and publishes. Blocks until rank 0 has.
+StatusOr<MasterEndpoint> AgreeOnMaster(const WorkerEnv& env, std::unique_ptr<TcpRelay>& relay) {
   if (env.rdzv.empty()) {
     LTRAIN_ASSIGN_OR_RETURN(std::string endpoint, PickMasterEndpoint(env.bind_addr));
     return SplitEndpoint(endpoint);
@@ -144,7 +151,22 @@ StatusOr<MasterEndpoint> AgreeOnMaster(const WorkerEnv& env) {
   try {
     if (env.rank == 0) {
       LTRAIN_ASSIGN_OR_RETURN(std::string picked, PickMasterEndpoint(env.bind_addr));
-      store->set(kMasterKey, std::vector<char>(picked.begin(), picked.end()));
+      LTRAIN_ASSIGN_OR_RETURN(MasterEndpoint own, SplitEndpoint(picked));
+      std::string published = picked;
+      if (env.world_size > 1) {
+        const ListenAddress listen = ListenAddressFor(env.bind_addr);
+        StatusOr<std::unique_ptr<TcpRelay>> started = TcpRelay::Listen(listen.host);
+        if (started.ok()) {
+          relay = std::move(*started);
+          relay->Start(own.addr, std::stoi(own.port));
+          published = listen.advertised + ":" + std::to_string(relay->port());
+        } else {
+          std::fprintf(stderr, "ltrain-exec: no relay for MASTER_PORT (%s); the other ranks connect directly\n",
+                       started.status().message().c_str());
+        }
+      }
+      store->set(kMasterKey, std::vector<char>(published.begin(), published.end()));
+      return own;
     }
     store->wait({kMasterKey}, kMasterTimeout);
     std::vector<char> value = store->get(kMasterKey);
@@ -434,7 +456,8 @@ int RunProgram(const ExecArgs& exec) {
                  "where the ranks agree on MASTER_ADDR:MASTER_PORT\n", env->world_size);
     return kWorkerExitUsage;
   }
-  StatusOr<MasterEndpoint> master = AgreeOnMaster(*env);
+  std::unique_ptr<TcpRelay> store_relay;  // rank 0's, until the program ends
+  StatusOr<MasterEndpoint> master = AgreeOnMaster(*env, store_relay);
   if (!master.ok()) {
     std::fprintf(stderr, "ltrain-exec: rank %d: no MASTER_ADDR:MASTER_PORT: %s\n", env->rank,
                  master.status().message().c_str());
