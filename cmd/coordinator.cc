@@ -18,6 +18,8 @@ struct CoordinatorArgs {
   std::string listen = "127.0.0.1:7070";
   std::string state_dir;
   std::string port_file;
+  std::string http_listen;
+  std::string http_port_file;
   double node_timeout_s = 3.0;
   double retain_days = 30;
   double state_max_mb = 0;
@@ -51,6 +53,7 @@ int RunCoordinator(const CoordinatorArgs& args, const SecurityMaterial& security
   options.retain_ms = static_cast<int64_t>(args.retain_days * 24 * 3600 * 1000);
   options.state_max_bytes = static_cast<int64_t>(args.state_max_mb * 1024 * 1024);
   options.security = security;
+  options.http_listen = args.http_listen;
   if (options.listen_address.rfind("127.", 0) != 0 && options.listen_address.rfind("localhost", 0) != 0) {
     if (security.token.empty()) {
       LTRAIN_LOG(kWarning, "coordinator") << "listening on " << args.listen
@@ -69,13 +72,20 @@ int RunCoordinator(const CoordinatorArgs& args, const SecurityMaterial& security
   const std::string host = args.listen.substr(0, args.listen.rfind(':'));
   LTRAIN_LOG(kInfo, "coordinator") << "listening on " << host << ":" << (*server)->port() << ", state in "
                                    << state_dir;
-  if (!args.port_file.empty()) {
-    // Written aside and renamed, so that whoever waits for the file never reads half a port.
-    std::ofstream tmp(args.port_file + ".tmp");
-    tmp << (*server)->port() << "\n";
+  // Written aside and renamed, so that whoever waits for the file never reads half a port.
+  auto write_port = [](const std::string& path, int port) {
+    if (path.empty()) return;
+    std::ofstream tmp(path + ".tmp");
+    tmp << port << "\n";
     tmp.close();
-    fs::rename(args.port_file + ".tmp", args.port_file);
+    fs::rename(path + ".tmp", path);
+  };
+  if ((*server)->http_port() != 0) {
+    const std::string http_host = args.http_listen.substr(0, args.http_listen.rfind(':'));
+    LTRAIN_LOG(kInfo, "coordinator") << "metrics at http://" << http_host << ":" << (*server)->http_port() << "/metrics";
+    write_port(args.http_port_file, (*server)->http_port());
   }
+  write_port(args.port_file, (*server)->port());
   launcher::CoordinatorServer* raw = server->get();
   interrupts.Start([raw](int) { raw->Shutdown(); });
   raw->Wait();
@@ -91,6 +101,10 @@ void AddCoordinatorCommand(CLI::App& app, CommandContext& ctx) {
   cmd->add_option("--listen", args->listen, "HOST:PORT to serve on; port 0 picks a free one")->capture_default_str();
   cmd->add_option("--state-dir", args->state_dir, "Directory of state.db and default checkpoints ($LTRAIN_HOME)");
   cmd->add_option("--port-file", args->port_file, "Write the chosen port here once listening");
+  cmd->add_option("--http-listen", args->http_listen,
+                  "HOST:PORT to serve GET /metrics on (Prometheus' text format), with the RPCs' token when one is "
+                  "set; port 0 picks a free one. Plain HTTP: keep it on loopback where the RPCs use TLS");
+  cmd->add_option("--http-port-file", args->http_port_file, "Write the HTTP port here once listening");
   cmd->add_option("--tls-client-ca", ctx.security_options().tls_client_ca,
                   "Require client certificates signed by this CA: mutual TLS ($LTRAIN_TLS_CLIENT_CA)");
   cmd->add_option("--init-tls", args->init_tls,

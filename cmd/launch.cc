@@ -214,6 +214,9 @@ void AddRunCommand(CLI::App& app, CommandContext& ctx) {
                 "With --coordinator: print the job id and return at once (refused without --coordinator: exit 2)");
   cmd->add_flag("-q,--quiet", args->run.quiet, "Print job events only, not the ranks' output");
   cmd->add_flag("-v,--verbose", args->run.verbose, "Also print the embedded coordinator's and agent's logs");
+  cmd->add_option("--http-listen", args->run.http_listen,
+                  "Standalone: serve GET /metrics (Prometheus) on HOST:PORT while the job runs, e.g. 127.0.0.1:9400; "
+                  "port 0 picks a free one");
   ctx.Bind(cmd, [args, &ctx] { return RunProgram(*args, ctx.security()); });
 }
 
@@ -233,6 +236,9 @@ void AddLaunchCommand(CLI::App& app, CommandContext& ctx) {
                 "With --coordinator: print the job id and return at once (refused without --coordinator: exit 2)");
   cmd->add_flag("-q,--quiet", args->run.quiet, "Print job events and rank 0's step lines only, not the workers' other lines");
   cmd->add_flag("-v,--verbose", args->run.verbose, "Also print the embedded coordinator's and agent's logs");
+  cmd->add_option("--http-listen", args->run.http_listen,
+                  "Standalone: serve GET /metrics (Prometheus) on HOST:PORT while the job runs, e.g. 127.0.0.1:9400; "
+                  "port 0 picks a free one");
   ctx.Bind(cmd, [args, &ctx] { return Launch(*args, ctx.security()); });
 }
 

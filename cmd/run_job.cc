@@ -27,10 +27,11 @@ struct LocalControlPlane {
   // not drive it.
   SecurityMaterial security;
 
-  Status Start(const std::string& home) {
+  Status Start(const std::string& home, const std::string& http_listen) {
     security.token = NewToken();
     launcher::CoordinatorServerOptions options;
     options.state_dir = home;
+    options.http_listen = http_listen;
     options.security = security;
     options.recover = false;  // jobs in a shared $LTRAIN_HOME may belong to other running launches
     LTRAIN_ASSIGN_OR_RETURN(coordinator, launcher::CoordinatorServer::Start(options));
@@ -96,6 +97,11 @@ int RunJob(const RunJobOptions& options, const SecurityMaterial& security,
   // job's events.
   if (!options.verbose) SetLogLevel(LogLevel::kError);
   bool standalone = options.coordinator.empty();
+  if (!options.http_listen.empty() && !standalone) {
+    std::fprintf(stderr, "ltrain: --http-listen serves a standalone launch's own coordinator; a coordinator daemon "
+                         "serves its metrics with `ltrain coordinator --http-listen HOST:PORT`\n");
+    return kExitInvalid;
+  }
   if (options.detach && standalone) {
     // A standalone job lives in this command's embedded coordinator and agent: nothing would be
     // left to run it once the command returned.
@@ -112,7 +118,7 @@ int RunJob(const RunJobOptions& options, const SecurityMaterial& security,
     // A launch killed earlier left its job RUNNING in the state: recorded FAILED first, so that it
     // can be resumed.
     (void)ReconcileDeadLaunches(home);
-    Status started = local.Start(home);
+    Status started = local.Start(home, options.http_listen);
     if (!started.ok()) {
       std::fprintf(stderr, "ltrain: %s\n", started.message().c_str());
       return kExitUnavailable;
@@ -138,6 +144,12 @@ int RunJob(const RunJobOptions& options, const SecurityMaterial& security,
     if (Status written = WriteLocalLaunch(home, job_id, LocalLaunch{address, local.security}); !written.ok()) {
       std::fprintf(stderr, "ltrain: %s; `ltrain status/logs/stop %s` will not reach this launch\n",
                    written.message().c_str(), job_id.c_str());
+    } else if (local.coordinator->http_port() != 0) {
+      const std::string host = options.http_listen.substr(0, options.http_listen.rfind(':'));
+      const std::string url = "http://" + host + ":" + std::to_string(local.coordinator->http_port()) + "/metrics";
+      std::printf("ltrain: metrics at %s, with this launch's token (line 2 of %s): curl -H \"Authorization: Bearer "
+                  "$(sed -n 2p %s)\" %s\n",
+                  url.c_str(), address_file.c_str(), address_file.c_str(), url.c_str());
     }
   }
   if (options.detach && !standalone) {

@@ -17,6 +17,7 @@ struct RunJobOptions {
   bool quiet = false;       // job events only, not the workers' log lines
   bool verbose = false;     // also the embedded coordinator's and agent's logs
   const char* verb = "submitted";  // "job ID submitted to ..."
+  std::string http_listen;  // standalone: HOST:PORT of the embedded coordinator's GET /metrics
 };
 
 // A job that a submit or a resume began: its id, and the last event that came before it (a resumed

@@ -242,6 +242,9 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const Coor
     return Unavailable("cannot listen on " + options.listen_address +
                        "; is the port in use? Pick another with --listen HOST:PORT");
   }
+  if (!options.http_listen.empty()) {
+    LTRAIN_ASSIGN_OR_RETURN(server->http_, HttpServer::Start(options.http_listen, server->coordinator_.get(), token));
+  }
   server->host_ = options.listen_address.substr(0, options.listen_address.rfind(':'));
   if (server->host_ == "0.0.0.0" || server->host_ == "[::]") server->host_ = "127.0.0.1";
   CoordinatorServer* raw = server.get();
@@ -262,6 +265,7 @@ void CoordinatorServer::Shutdown() {
   // Callers from several threads all return once the server has stopped.
   std::call_once(shutdown_once_, [this] {
     stopping_ = true;
+    http_.reset();  // before the coordinator stops answering
     coordinator_->Shutdown();
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     if (monitor_.joinable()) monitor_.join();

@@ -14,6 +14,7 @@
 #include "common/status.h"
 #include "common/transport_security.h"
 #include "launcher/coordinator.h"
+#include "launcher/http_server.h"
 #include "launcher/state_store.h"
 
 namespace ltrain::launcher {
@@ -29,6 +30,7 @@ struct CoordinatorServerOptions {
   // jobs there may belong to other launches that are still running.
   bool recover = true;
   SecurityMaterial security;  // TLS (server certificate, optional client CA) and the bearer token
+  std::string http_listen;    // HOST:PORT of GET /metrics (http_server.h); empty: no HTTP
 };
 
 class CoordinatorServer {
@@ -37,6 +39,7 @@ class CoordinatorServer {
   ~CoordinatorServer();
 
   int port() const { return port_; }
+  int http_port() const { return http_ ? http_->port() : 0; }  // 0 without --http-listen
   std::string address() const;  // host:port clients dial
   Coordinator& coordinator() { return *coordinator_; }
   void Wait();                    // until Shutdown from another thread
@@ -50,6 +53,7 @@ class CoordinatorServer {
   std::unique_ptr<Coordinator> coordinator_;
   std::unique_ptr<grpc::Service> job_service_, agent_service_, rendezvous_service_;
   std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<HttpServer> http_;
   std::string host_;
   int port_ = 0;
   std::atomic<bool> stopping_{false};

@@ -6,17 +6,59 @@
 #include <filesystem>
 #include <fstream>
 #include <regex>
+#include <arpa/inet.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <thread>
 
 #include "ltrain/v1/ltrain.pb.h"
 #include "tests/support/job_status.h"
+#include "tests/support/prometheus_text.h"
 #include "tests/support/subprocess.h"
 
 namespace ltrain::testing {
 namespace {
 
 namespace fs = std::filesystem;
+
+// GET `path` from 127.0.0.1:`port` over HTTP/1.0: the status code and the body ("" and 0 when the
+// server cannot be reached).
+std::pair<int, std::string> HttpGet(int port, const std::string& path, const std::string& token = "") {
+  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  timeval ten{10, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &ten, sizeof(ten));
+  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
+    close(fd);
+    return {0, ""};
+  }
+  std::string request = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n";
+  if (!token.empty()) request += "Authorization: Bearer " + token + "\r\n";
+  request += "\r\n";
+  if (write(fd, request.data(), request.size()) != static_cast<ssize_t>(request.size())) {
+    close(fd);
+    return {0, ""};
+  }
+  std::string response;
+  char chunk[65536];
+  for (ssize_t n; (n = read(fd, chunk, sizeof(chunk))) > 0;) response.append(chunk, static_cast<size_t>(n));
+  close(fd);
+  const size_t body = response.find("\r\n\r\n");
+  if (response.rfind("HTTP/1.", 0) != 0 || body == std::string::npos) return {0, response};
+  return {std::atoi(response.c_str() + 9), response.substr(body + 4)};
+}
+
+const PrometheusSample* FindSample(const PrometheusParse& parse, const std::string& name, const std::string& job) {
+  for (const PrometheusSample& sample : parse.samples) {
+    if (sample.name == name && sample.labels.count("job") && sample.labels.at("job") == job) return &sample;
+  }
+  return nullptr;
+}
 
 // A small GPT on the licence texts; every test overrides what it studies.
 constexpr const char* kRecipe = R"(name: tiny
@@ -207,6 +249,88 @@ TEST_F(TrainingTest, SeparateCoordinatorAndAgentProcessesRunAJob) {
   EXPECT_EQ(agent.Wait(std::chrono::seconds(10)).exit_code, 0);
   coordinator.Signal(SIGTERM);
   EXPECT_EQ(coordinator.Wait(std::chrono::seconds(10)).exit_code, 0);
+}
+
+// GET /metrics: Prometheus text in which every line is valid and each job has its loss; with a token
+// set, only requests that carry it are answered.
+TEST_F(TrainingTest, TheCoordinatorServesEveryJobsLossAsPrometheusMetrics) {
+  std::map<std::string, std::string> env = Env();
+  env["LTRAIN_TOKEN"] = "metrics-test-token";
+  Subprocess coordinator({LtrainBinary(), "coordinator", "--listen", "127.0.0.1:0", "--port-file", dir_.Join("port"),
+                          "--http-listen", "127.0.0.1:0", "--http-port-file", dir_.Join("http-port"), "--state-dir",
+                          dir_.Join("coord")},
+                         env);
+  const int port = WaitForPortFile(dir_.Join("port"), std::chrono::seconds(5));
+  const int http_port = WaitForPortFile(dir_.Join("http-port"), std::chrono::seconds(5));
+  ASSERT_GT(port, 0) << coordinator.Output();
+  ASSERT_GT(http_port, 0) << coordinator.Output();
+  const std::string address = "127.0.0.1:" + std::to_string(port);
+  Subprocess agent({LtrainBinary(), "agent", "--coordinator", address, "--node-id", "n1", "--work-dir",
+                    dir_.Join("agent")},
+                   env);
+  ProcessResult launched = RunProcess({LtrainBinary(), "launch", "--coordinator", address, recipe_, "--set",
+                                       "training.steps=5"},
+                                      env, std::chrono::seconds(120));
+  ASSERT_EQ(launched.exit_code, 0) << launched.output;
+  const std::vector<double> losses = ParseLosses(launched.output);
+  ASSERT_FALSE(losses.empty()) << launched.output;
+
+  EXPECT_EQ(HttpGet(http_port, "/metrics").first, 401) << "no token";
+  EXPECT_EQ(HttpGet(http_port, "/metrics", "wrong-token-of-the-same-size").first, 401);
+  auto [status, body] = HttpGet(http_port, "/metrics", "metrics-test-token");
+  ASSERT_EQ(status, 200) << body;
+  const PrometheusParse parse = ParsePrometheusText(body);
+  ASSERT_EQ(parse.error, "") << body;
+  const PrometheusSample* loss = FindSample(parse, "ltrain_job_loss", "tiny-1");
+  ASSERT_NE(loss, nullptr) << body;
+  EXPECT_NEAR(loss->value, losses.back(), 1e-5 * std::abs(losses.back())) << body;
+  const PrometheusSample* step = FindSample(parse, "ltrain_job_step", "tiny-1");
+  ASSERT_NE(step, nullptr);
+  EXPECT_EQ(step->value, 5);
+  const PrometheusSample* info = FindSample(parse, "ltrain_job_info", "tiny-1");
+  ASSERT_NE(info, nullptr);
+  EXPECT_EQ(info->labels.at("state"), "succeeded");
+  agent.Signal(SIGTERM);
+  EXPECT_EQ(agent.Wait(std::chrono::seconds(10)).exit_code, 0);
+  coordinator.Signal(SIGTERM);
+  EXPECT_EQ(coordinator.Wait(std::chrono::seconds(10)).exit_code, 0);
+}
+
+// A standalone launch serves its own coordinator's metrics while the job runs, with the launch's
+// token, and says where.
+TEST_F(TrainingTest, AStandaloneLaunchServesMetricsWhileItsJobRuns) {
+  std::vector<std::string> argv = {LtrainBinary(), "launch", recipe_, "--set", "training.steps=100000",
+                                   "--http-listen", "127.0.0.1:0"};
+  Subprocess launch(argv, Env());
+  ASSERT_TRUE(launch.WaitForOutput("/metrics, with this launch's token", std::chrono::seconds(60))) << launch.Output();
+  std::smatch match;
+  const std::string output = launch.Output();
+  ASSERT_TRUE(std::regex_search(output, match, std::regex(R"(metrics at http://127\.0\.0\.1:(\d+)/metrics, with this launch's token \(line 2 of (\S+)\))")))
+      << output;
+  const int http_port = std::stoi(match[1]);
+  std::ifstream address_file(match[2].str());
+  std::string coordinator_address, token;
+  address_file >> coordinator_address >> token;
+  ASSERT_FALSE(token.empty()) << match[2];
+  EXPECT_EQ(HttpGet(http_port, "/metrics").first, 401);
+  // Until rank 0 has completed a step and reported it.
+  const PrometheusSample* loss = nullptr;
+  PrometheusParse parse;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (loss == nullptr && std::chrono::steady_clock::now() < deadline) {
+    auto [status, body] = HttpGet(http_port, "/metrics", token);
+    ASSERT_EQ(status, 200) << body;
+    parse = ParsePrometheusText(body);
+    ASSERT_EQ(parse.error, "") << body;
+    loss = FindSample(parse, "ltrain_job_loss", "tiny-1");
+    if (loss == nullptr) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  ASSERT_NE(loss, nullptr) << launch.Output();
+  EXPECT_GT(loss->value, 0);
+  EXPECT_EQ(FindSample(parse, "ltrain_job_info", "tiny-1")->labels.at("state"), "running");
+  EXPECT_NE(FindSample(parse, "ltrain_rank_step", "tiny-1"), nullptr);
+  launch.Signal(SIGINT);
+  launch.Wait(std::chrono::seconds(30));
 }
 
 }  // namespace

@@ -1,0 +1,189 @@
+#include "launcher/metrics.h"
+
+#include <cmath>
+#include <cstdio>
+#include <functional>
+#include <map>
+
+#include "launcher/state_store.h"
+
+namespace ltrain::launcher {
+
+namespace {
+
+// One metric family: its HELP and TYPE lines once, then its samples.
+class Family {
+ public:
+  Family(std::string& out, const char* name, const char* type, const char* help) : out_(out), name_(name) {
+    out_ += "# HELP ";
+    out_ += name;
+    out_ += ' ';
+    out_ += help;
+    out_ += "\n# TYPE ";
+    out_ += name;
+    out_ += ' ';
+    out_ += type;
+    out_ += '\n';
+  }
+
+  // `labels`: name, value, name, value, ...
+  void Sample(const std::vector<std::string>& labels, double value) {
+    out_ += name_;
+    if (!labels.empty()) {
+      out_ += '{';
+      for (size_t i = 0; i + 1 < labels.size(); i += 2) {
+        if (i > 0) out_ += ',';
+        out_ += labels[i];
+        out_ += "=\"";
+        out_ += EscapeLabelValue(labels[i + 1]);
+        out_ += '"';
+      }
+      out_ += '}';
+    }
+    out_ += ' ';
+    out_ += Number(value);
+    out_ += '\n';
+  }
+
+ private:
+  static std::string Number(double value) {
+    if (std::isnan(value)) return "NaN";
+    if (std::isinf(value)) return value > 0 ? "+Inf" : "-Inf";
+    if (value == std::floor(value) && std::fabs(value) < 1e15) {
+      char text[32];
+      std::snprintf(text, sizeof(text), "%.0f", value);
+      return text;
+    }
+    char text[32];
+    std::snprintf(text, sizeof(text), "%.9g", value);
+    return text;
+  }
+
+  std::string& out_;
+  const char* name_;
+};
+
+std::string StateLabel(v1::JobState state) {
+  std::string name = JobStateName(state);
+  for (char& c : name) c = static_cast<char>(c >= 'A' && c <= 'Z' ? c - 'A' + 'a' : c);
+  return name;
+}
+
+}  // namespace
+
+std::string EscapeLabelValue(const std::string& value) {
+  std::string out;
+  out.reserve(value.size());
+  for (char c : value) {
+    if (c == '\\') {
+      out += "\\\\";
+    } else if (c == '"') {
+      out += "\\\"";
+    } else if (c == '\n') {
+      out += "\\n";
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+std::string PrometheusText(const std::vector<v1::Job>& jobs, const std::vector<v1::NodeStatus>& nodes) {
+  std::string out;
+  using JobValue = std::function<double(const v1::Job&)>;
+  using JobFilter = std::function<bool(const v1::Job&)>;
+  auto per_job = [&](const char* name, const char* type, const char* help, const JobValue& value,
+                     const JobFilter& when = nullptr) {
+    Family family(out, name, type, help);
+    for (const v1::Job& job : jobs) {
+      if (when && !when(job)) continue;
+      family.Sample({"job", job.id(), "name", job.name()}, value(job));
+    }
+  };
+  {
+    Family family(out, "ltrain_job_info", "gauge", "A job the coordinator holds, with its state.");
+    for (const v1::Job& job : jobs) family.Sample({"job", job.id(), "name", job.name(), "state", StateLabel(job.state())}, 1);
+  }
+  {
+    std::map<std::string, int> counts;
+    for (v1::JobState state : {v1::JOB_STATE_PENDING, v1::JOB_STATE_RUNNING, v1::JOB_STATE_RESTARTING,
+                               v1::JOB_STATE_SUCCEEDED, v1::JOB_STATE_FAILED, v1::JOB_STATE_STOPPED}) {
+      counts[StateLabel(state)] = 0;
+    }
+    for (const v1::Job& job : jobs) ++counts[StateLabel(job.state())];
+    Family family(out, "ltrain_jobs", "gauge", "Jobs the coordinator holds, by state.");
+    for (const auto& [state, count] : counts) family.Sample({"state", state}, count);
+  }
+  auto stepped = [](const v1::Job& job) { return job.last_step() > 0; };
+  // Throughput and ETA describe a job that runs; once it ended they are no figure of it.
+  auto moving = [](const v1::Job& job) {
+    return job.last_step() > 0 && job.state() != v1::JOB_STATE_SUCCEEDED && job.state() != v1::JOB_STATE_FAILED &&
+           job.state() != v1::JOB_STATE_STOPPED;
+  };
+  per_job("ltrain_job_step", "gauge", "The last step rank 0 completed.", [](const v1::Job& j) { return double(j.last_step()); });
+  per_job("ltrain_job_total_steps", "gauge", "The steps the job trains for.",
+          [](const v1::Job& j) { return double(j.total_steps()); }, [](const v1::Job& j) { return j.total_steps() > 0; });
+  per_job("ltrain_job_loss", "gauge", "The training loss of the last completed step.",
+          [](const v1::Job& j) { return j.last_loss(); }, stepped);
+  per_job("ltrain_job_tokens_per_second", "gauge", "Tokens a second of the whole job, over its last step.",
+          [](const v1::Job& j) { return j.tokens_per_s(); }, moving);
+  per_job("ltrain_job_eta_seconds", "gauge", "Remaining steps times the last step's time.",
+          [](const v1::Job& j) { return j.eta_s(); }, moving);
+  per_job("ltrain_job_val_loss", "gauge", "The last validation loss.", [](const v1::Job& j) { return j.val_loss(); },
+          [](const v1::Job& j) { return j.val_step() > 0; });
+  per_job("ltrain_job_val_step", "gauge", "The step after which the last validation loss was measured.",
+          [](const v1::Job& j) { return double(j.val_step()); }, [](const v1::Job& j) { return j.val_step() > 0; });
+  per_job("ltrain_job_committed_step", "gauge", "The step of the newest committed checkpoint (0: none).",
+          [](const v1::Job& j) { return double(j.last_committed_step()); });
+  per_job("ltrain_job_generation", "gauge", "The generation (start or restart) the job is in.",
+          [](const v1::Job& j) { return double(j.generation()); });
+  per_job("ltrain_job_world_size", "gauge", "Ranks of the job.", [](const v1::Job& j) { return double(j.world_size()); });
+  per_job("ltrain_job_restarts_total", "counter", "Restarts after failures.",
+          [](const v1::Job& j) { return double(j.restarts()); });
+  {
+    Family step(out, "ltrain_rank_step", "gauge", "The step a rank works on.");
+    for (const v1::Job& job : jobs) {
+      for (const v1::RankInfo& rank : job.ranks()) {
+        step.Sample({"job", job.id(), "rank", std::to_string(rank.rank()), "node", rank.node_id()}, double(rank.last_step()));
+      }
+    }
+  }
+  {
+    Family age(out, "ltrain_rank_progress_age_seconds", "gauge",
+               "Seconds since a rank's step, phase or collectives last changed.");
+    for (const v1::Job& job : jobs) {
+      for (const v1::RankInfo& rank : job.ranks()) {
+        age.Sample({"job", job.id(), "rank", std::to_string(rank.rank()), "node", rank.node_id()},
+                   rank.progress_age_ms() / 1000.0);
+      }
+    }
+  }
+  {
+    Family phase(out, "ltrain_rank_phase", "gauge", "The phase a rank is in.");
+    for (const v1::Job& job : jobs) {
+      for (const v1::RankInfo& rank : job.ranks()) {
+        if (rank.phase().empty()) continue;
+        phase.Sample({"job", job.id(), "rank", std::to_string(rank.rank()), "node", rank.node_id(), "phase", rank.phase()}, 1);
+      }
+    }
+  }
+  {
+    Family up(out, "ltrain_node_up", "gauge", "1 while a node's agent is connected.");
+    for (const v1::NodeStatus& node : nodes) up.Sample({"node", node.node_id()}, node.connected() ? 1 : 0);
+  }
+  {
+    Family age(out, "ltrain_node_heartbeat_age_seconds", "gauge", "Seconds since a node's last heartbeat.");
+    for (const v1::NodeStatus& node : nodes) age.Sample({"node", node.node_id()}, node.heartbeat_age_ms() / 1000.0);
+  }
+  {
+    Family gpus(out, "ltrain_node_gpus", "gauge", "GPUs a node has.");
+    for (const v1::NodeStatus& node : nodes) gpus.Sample({"node", node.node_id()}, node.facts().gpus());
+  }
+  {
+    Family cpus(out, "ltrain_node_cpus", "gauge", "CPUs a node has.");
+    for (const v1::NodeStatus& node : nodes) cpus.Sample({"node", node.node_id()}, node.facts().cpus());
+  }
+  return out;
+}
+
+}  // namespace ltrain::launcher

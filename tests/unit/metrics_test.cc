@@ -1,0 +1,124 @@
+#include "launcher/metrics.h"
+
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "tests/support/prometheus_text.h"
+
+namespace ltrain::launcher {
+namespace {
+
+using testing::ParsePrometheusText;
+using testing::PrometheusParse;
+using testing::PrometheusSample;
+
+const PrometheusSample* Find(const PrometheusParse& parse, const std::string& name,
+                             const std::map<std::string, std::string>& labels) {
+  for (const PrometheusSample& sample : parse.samples) {
+    if (sample.name != name) continue;
+    bool all = true;
+    for (const auto& [key, value] : labels) all = all && sample.labels.count(key) && sample.labels.at(key) == value;
+    if (all) return &sample;
+  }
+  return nullptr;
+}
+
+std::vector<v1::Job> TwoJobs() {
+  v1::Job running;
+  running.set_id("gpt-7");
+  running.set_name("gpt \"small\"\nrun\\1");  // every character the format escapes
+  running.set_state(v1::JOB_STATE_RUNNING);
+  running.set_world_size(2);
+  running.set_generation(1);
+  running.set_restarts(1);
+  running.set_last_step(120);
+  running.set_total_steps(500);
+  running.set_last_loss(2.3125);
+  running.set_tokens_per_s(48213.5);
+  running.set_eta_s(91.5);
+  running.set_val_step(100);
+  running.set_val_loss(2.5);
+  running.set_last_committed_step(100);
+  for (int r = 0; r < 2; ++r) {
+    v1::RankInfo* rank = running.add_ranks();
+    rank->set_rank(r);
+    rank->set_node_id(r == 0 ? "node-a" : "node-b");
+    rank->set_last_step(121);
+    rank->set_phase(r == 0 ? "forward" : "backward");
+    rank->set_progress_age_ms(250);
+  }
+  v1::Job pending;
+  pending.set_id("llama-2");
+  pending.set_name("llama");
+  pending.set_state(v1::JOB_STATE_PENDING);
+  return {running, pending};
+}
+
+TEST(MetricsTest, EveryLineIsValidPrometheusText) {
+  v1::NodeStatus node;
+  node.set_node_id("node-a");
+  node.set_connected(true);
+  node.set_heartbeat_age_ms(400);
+  node.mutable_facts()->set_gpus(8);
+  node.mutable_facts()->set_cpus(96);
+  const std::string text = PrometheusText(TwoJobs(), {node});
+  const PrometheusParse parse = ParsePrometheusText(text);
+  ASSERT_EQ(parse.error, "") << text;
+  EXPECT_EQ(parse.types.at("ltrain_job_restarts_total"), "counter");
+  EXPECT_EQ(parse.types.at("ltrain_job_loss"), "gauge");
+
+  const PrometheusSample* loss = Find(parse, "ltrain_job_loss", {{"job", "gpt-7"}});
+  ASSERT_NE(loss, nullptr) << text;
+  EXPECT_EQ(loss->value, 2.3125);
+  EXPECT_EQ(loss->labels.at("name"), "gpt \"small\"\nrun\\1") << "escaped and read back whole";
+  EXPECT_EQ(Find(parse, "ltrain_job_tokens_per_second", {{"job", "gpt-7"}})->value, 48213.5);
+  EXPECT_EQ(Find(parse, "ltrain_job_val_loss", {{"job", "gpt-7"}})->value, 2.5);
+  EXPECT_EQ(Find(parse, "ltrain_job_restarts_total", {{"job", "gpt-7"}})->value, 1);
+  EXPECT_EQ(Find(parse, "ltrain_job_info", {{"job", "gpt-7"}, {"state", "running"}})->value, 1);
+  EXPECT_EQ(Find(parse, "ltrain_jobs", {{"state", "pending"}})->value, 1);
+  EXPECT_EQ(Find(parse, "ltrain_jobs", {{"state", "failed"}})->value, 0) << "every state, even when none is in it";
+  EXPECT_EQ(Find(parse, "ltrain_rank_step", {{"job", "gpt-7"}, {"rank", "1"}, {"node", "node-b"}})->value, 121);
+  EXPECT_EQ(Find(parse, "ltrain_rank_phase", {{"job", "gpt-7"}, {"rank", "0"}, {"phase", "forward"}})->value, 1);
+  EXPECT_EQ(Find(parse, "ltrain_rank_progress_age_seconds", {{"rank", "0"}})->value, 0.25);
+  EXPECT_EQ(Find(parse, "ltrain_node_up", {{"node", "node-a"}})->value, 1);
+  EXPECT_EQ(Find(parse, "ltrain_node_gpus", {{"node", "node-a"}})->value, 8);
+}
+
+// A job that has not completed a step has no loss, throughput or validation series yet, rather
+// than zeros a chart would draw.
+TEST(MetricsTest, FiguresAppearOnlyOnceMeasured) {
+  const PrometheusParse parse = ParsePrometheusText(PrometheusText(TwoJobs(), {}));
+  ASSERT_EQ(parse.error, "");
+  EXPECT_EQ(Find(parse, "ltrain_job_loss", {{"job", "llama-2"}}), nullptr);
+  EXPECT_EQ(Find(parse, "ltrain_job_tokens_per_second", {{"job", "llama-2"}}), nullptr);
+  EXPECT_EQ(Find(parse, "ltrain_job_val_loss", {{"job", "llama-2"}}), nullptr);
+  EXPECT_NE(Find(parse, "ltrain_job_step", {{"job", "llama-2"}}), nullptr);
+  EXPECT_NE(Find(parse, "ltrain_job_info", {{"job", "llama-2"}, {"state", "pending"}}), nullptr);
+
+  std::vector<v1::Job> ended = TwoJobs();
+  ended[0].set_state(v1::JOB_STATE_SUCCEEDED);
+  const PrometheusParse after = ParsePrometheusText(PrometheusText(ended, {}));
+  ASSERT_EQ(after.error, "");
+  EXPECT_NE(Find(after, "ltrain_job_loss", {{"job", "gpt-7"}}), nullptr) << "the last loss stays";
+  EXPECT_EQ(Find(after, "ltrain_job_tokens_per_second", {{"job", "gpt-7"}}), nullptr) << "no throughput once ended";
+  EXPECT_EQ(Find(after, "ltrain_job_eta_seconds", {{"job", "gpt-7"}}), nullptr);
+}
+
+// The reader the tests rely on refuses what Prometheus would.
+TEST(MetricsTest, TheReaderRefusesMalformedText) {
+  for (const char* bad : {"x 1\n",                                  // no TYPE
+                          "# TYPE x gauge\nx{a=\"1} 2\n",            // unterminated value
+                          "# TYPE x gauge\nx{1a=\"b\"} 2\n",         // bad label name
+                          "# TYPE x gauge\nx two\n",                 // not a number
+                          "# TYPE x gauge\nx 1",                     // no final line feed
+                          "# TYPE x gauge\n# TYPE y gauge\nx 1\ny 1\nx 2\n",  // interleaved
+                          "# TYPE x rate\nx 1\n"}) {                 // unknown type
+    EXPECT_NE(ParsePrometheusText(bad).error, "") << bad;
+  }
+  EXPECT_EQ(ParsePrometheusText("# TYPE x gauge\nx{a=\"q\\\"\"} -Inf 1700000000000\n").error, "");
+}
+
+}  // namespace
+}  // namespace ltrain::launcher
