@@ -275,6 +275,12 @@ std::string FormatJobDetail(const v1::Job& job, int64_t now_unix_ms) {
     for (const auto& rank : job.ranks()) {
       if (!rank.work().empty()) Appendf(&out, "rank %d: %s\n", rank.rank(), rank.work().c_str());
     }
+    for (const auto& rank : job.ranks()) {
+      if (rank.straggler()) {
+        Appendf(&out, "rank %d on %s: straggler, %.1f ms of its own work a step\n", rank.rank(), rank.node_id().c_str(),
+                rank.compute_ms());
+      }
+    }
   }
   return out;
 }

@@ -200,6 +200,7 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
   job.generation_nodes = nodes;
   job.ranks_exited_ok.clear();
   job.progress.clear();
+  job.stragglers.clear();
   job.generation_started_ms = clock_->SteadyMs();
   job.committed_at_start = job.job.last_committed_step();
   job.waiting_reported = false;
@@ -406,6 +407,8 @@ StatusOr<v1::Job> Coordinator::GetJob(const std::string& job_id) {
     rank.set_phase(progress->second.report.phase());
     rank.set_progress_age_ms(progress->second.report.idle_ms() + now - progress->second.received_ms);
     rank.set_work(DescribeWork(progress->second.report.work()));
+    rank.set_compute_ms(progress->second.report.completed().compute_ms());
+    rank.set_straggler(active->stragglers.count(rank.rank()) > 0);
   }
   for (const auto& node_id : active->nodes) {
     auto node = nodes_.find(node_id);
@@ -860,6 +863,46 @@ std::optional<std::vector<std::string>> Coordinator::KvGet(const std::vector<std
   return values;
 }
 
+void Coordinator::CheckStragglersLocked(ActiveJob& job) {
+  std::vector<RankCompute> figures;
+  int64_t step = 0;  // the newest step a rank completed
+  for (const auto& [rank, progress] : job.progress) {
+    const v1::StepFigures& completed = progress.report.completed();
+    figures.push_back({rank, completed.compute_ms(), completed.compute_steps()});
+    step = std::max(step, completed.step());
+  }
+  if (static_cast<int>(figures.size()) < job.job.world_size()) return;  // not every rank has reported
+  // Named above kStragglerRatio; named no longer only below half of that margin, so that a rank at
+  // the edge does not come and go with every report.
+  const double keep_ratio = 1.0 + (kStragglerRatio - 1.0) / 2.0;
+  std::map<int, Straggler> named;
+  for (const Straggler& s : FindStragglers(figures, keep_ratio)) {
+    if (job.stragglers.count(s.rank) || s.compute_ms > kStragglerRatio * s.others_median_ms) named[s.rank] = s;
+  }
+  // Ranks are placed in order, nproc_per_node to each of the generation's nodes.
+  auto node_of = [&](int rank) {
+    const size_t i = static_cast<size_t>(rank / std::max(1, job.recipe.parallel.nproc_per_node));
+    return i < job.nodes.size() ? job.nodes[i] : std::string("?");
+  };
+  char text[320];
+  for (const auto& [rank, s] : named) {
+    if (job.stragglers.count(rank)) continue;
+    std::snprintf(text, sizeof(text),
+                  "rank %d on %s is a straggler at step %lld: %.1f ms of its own work a step over its last %d steps, "
+                  "%.2fx the other ranks' median of %.1f ms",
+                  rank, node_of(rank).c_str(), static_cast<long long>(step), s.compute_ms, kStragglerWindow,
+                  s.compute_ms / s.others_median_ms,
+                  s.others_median_ms);
+    AddEventLocked(job, "straggler", text, rank);
+  }
+  for (const auto& [rank, s] : job.stragglers) {
+    if (named.count(rank)) continue;
+    std::snprintf(text, sizeof(text), "rank %d on %s is no longer a straggler", rank, node_of(rank).c_str());
+    AddEventLocked(job, "straggler", text, rank);
+  }
+  job.stragglers = std::move(named);
+}
+
 void Coordinator::CheckHangLocked(ActiveJob& job, int64_t now) {
   std::vector<RankActivity> ranks;
   for (int rank = 0; rank < job.job.world_size(); ++rank) {
@@ -922,6 +965,7 @@ void Coordinator::Tick() {
   for (auto& [id, job] : jobs_) {
     if (job.job.state() == v1::JOB_STATE_RUNNING) {
       CheckHangLocked(job, now);
+      CheckStragglersLocked(job);
     }
     if (job.job.state() == v1::JOB_STATE_RUNNING && job.stopping && now >= job.stop_deadline_ms) {
       AbandonCheckpointStopLocked(job, "the ranks did not commit it within " + Seconds(job.stop_timeout_ms));

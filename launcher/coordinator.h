@@ -33,6 +33,7 @@
 #include "common/status.h"
 #include "launcher/state_store.h"
 #include "launcher/state_writer.h"
+#include "launcher/straggler.h"
 #include "ltrain/v1/ltrain.pb.h"
 
 namespace ltrain::launcher {
@@ -149,6 +150,7 @@ class Coordinator {
     int64_t committed_at_stop = 0;       // last committed step when the stop was asked
     bool stopped_early = false;          // a rank reported it stopped after a final checkpoint
     std::vector<v1::Event> events;   // in memory, log lines included
+    std::map<int, Straggler> stragglers;  // of the current generation, by rank (straggler.h)
   };
 
   void ScheduleLocked();
@@ -158,6 +160,9 @@ class Coordinator {
   void StopGenerationLocked(ActiveJob& job, const std::string& reason);
   void LoseNodeLocked(const std::string& node_id, const std::string& reason, bool expected = false);
   void CheckHangLocked(ActiveJob& job, int64_t now);
+  // Names the ranks whose own work stays above the others' (an event each time one becomes or
+  // stops being a straggler), from the ranks' latest compute figures.
+  void CheckStragglersLocked(ActiveJob& job);
   // A rank's report of any generation: one of the current generation that is not older than the
   // last applied for its rank is kept for hang detection and status, and gives the job rank 0's
   // step figures, the commit and the stop after a final checkpoint.

@@ -168,6 +168,27 @@ std::string PrometheusText(const std::vector<v1::Job>& jobs, const std::vector<v
     }
   }
   {
+    Family compute(out, "ltrain_rank_compute_ms", "gauge",
+                   "A rank's own work a step (forward and backward, without waits for the others), averaged over "
+                   "its last steps; absent where not measured.");
+    for (const v1::Job& job : jobs) {
+      for (const v1::RankInfo& rank : job.ranks()) {
+        if (!(rank.compute_ms() > 0)) continue;
+        compute.Sample({"job", job.id(), "rank", std::to_string(rank.rank()), "node", rank.node_id()}, rank.compute_ms());
+      }
+    }
+  }
+  {
+    Family straggler(out, "ltrain_rank_straggler", "gauge",
+                     "1 while a rank's own work stays above 1.2 times the other ranks' median.");
+    for (const v1::Job& job : jobs) {
+      for (const v1::RankInfo& rank : job.ranks()) {
+        straggler.Sample({"job", job.id(), "rank", std::to_string(rank.rank()), "node", rank.node_id()},
+                         rank.straggler() ? 1 : 0);
+      }
+    }
+  }
+  {
     Family up(out, "ltrain_node_up", "gauge", "1 while a node's agent is connected.");
     for (const v1::NodeStatus& node : nodes) up.Sample({"node", node.node_id()}, node.connected() ? 1 : 0);
   }

@@ -329,6 +329,46 @@ TEST_F(CoordinatorTest, StepFiguresComeFromRankZerosProgressInHeartbeats) {
   EXPECT_EQ(coordinator_->GetJob(id)->last_step(), 4);
 }
 
+// A rank whose own work stays above the others' is named once, with its node, in an event, the
+// job's ranks and its metrics; and named no longer once it is back.
+TEST_F(CoordinatorTest, AStragglerIsNamedOnceAndReleasedWhenItCatchesUp) {
+  Connect("a");
+  Connect("b");
+  std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
+  auto beat = [&](int64_t seq, double slow_ms, int steps) {
+    for (int rank = 0; rank < 4; ++rank) {
+      v1::RankProgress report = Report(id, rank, seq, 3);
+      report.mutable_completed()->set_compute_ms(rank == 3 ? slow_ms : 100.0);
+      report.mutable_completed()->set_compute_steps(steps);
+      ASSERT_TRUE(coordinator_->Heartbeat(BeatWith(rank < 2 ? "a" : "b", report)).ok());
+    }
+    coordinator_->Tick();
+  };
+  beat(1, 150, kStragglerWindow - 1);
+  EXPECT_TRUE(Events(id, "straggler").empty()) << "not before a full window";
+  beat(2, 150, kStragglerWindow);
+  beat(3, 155, kStragglerWindow);
+  std::vector<v1::Event> events = Events(id, "straggler");
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_EQ(events[0].rank(), 3);
+  EXPECT_NE(events[0].message().find("rank 3 on b is a straggler at step 3: 150.0 ms of its own work a step"), std::string::npos)
+      << events[0].message();
+  EXPECT_NE(events[0].message().find("1.50x the other ranks' median of 100.0 ms"), std::string::npos)
+      << events[0].message();
+  v1::Job job = *coordinator_->GetJob(id);
+  EXPECT_TRUE(job.ranks(3).straggler());
+  EXPECT_DOUBLE_EQ(job.ranks(3).compute_ms(), 155);
+  EXPECT_FALSE(job.ranks(0).straggler());
+
+  beat(4, 115, kStragglerWindow);  // under 1.2x, above the 1.1x it must come under
+  EXPECT_EQ(Events(id, "straggler").size(), 1u);
+  beat(5, 105, kStragglerWindow);
+  events = Events(id, "straggler");
+  ASSERT_EQ(events.size(), 2u);
+  EXPECT_EQ(events[1].message(), "rank 3 on b is no longer a straggler");
+  EXPECT_FALSE(coordinator_->GetJob(id)->ranks(3).straggler());
+}
+
 TEST_F(CoordinatorTest, CommitComesFromTheProgressReportSentAheadOfItsLine) {
   Connect("a");
   Connect("b");

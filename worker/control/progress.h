@@ -31,6 +31,8 @@ struct StepFigures {
   double lr = 0;
   double tokens_per_s = 0;
   double step_ms = 0;
+  double compute_ms = 0;    // mean of the last compute_steps steps' own work (see RankProgress); 0: none
+  int compute_steps = 0;
 };
 
 // Long work a rank is in the middle of, in countable units, so that start-up, a checkpoint save or

@@ -71,6 +71,8 @@ bool ProgressReporter::Send() {
     completed->set_lr(snapshot.completed->lr);
     completed->set_tokens_per_s(snapshot.completed->tokens_per_s);
     completed->set_step_ms(snapshot.completed->step_ms);
+    completed->set_compute_ms(snapshot.completed->compute_ms);
+    completed->set_compute_steps(snapshot.completed->compute_steps);
   }
   report.set_eval_step(snapshot.eval_step);
   report.set_val_loss(snapshot.val_loss);

@@ -145,6 +145,20 @@ Status StallStartupIfAsked(int rank) {
   return Status::Ok();
 }
 
+// LTRAIN_FAULT_SLOW_RANK=FACTOR:RANK: the straggler drill (see the usage text); 1 for other ranks.
+StatusOr<double> SlowFactor(int rank) {
+  const std::string text = EnvString("LTRAIN_FAULT_SLOW_RANK");
+  if (text.empty()) return 1.0;
+  char* end = nullptr;
+  const double factor = std::strtod(text.c_str(), &end);
+  char* rank_end = nullptr;
+  const long slow_rank = end != text.c_str() && *end == ':' ? std::strtol(end + 1, &rank_end, 10) : -1;
+  if (!(factor >= 1.0) || rank_end == nullptr || rank_end == end + 1 || *rank_end != '\0' || slow_rank < 0) {
+    return InvalidArgument("LTRAIN_FAULT_SLOW_RANK='" + text + "' is not FACTOR:RANK with FACTOR >= 1");
+  }
+  return slow_rank == rank ? factor : 1.0;
+}
+
 Status Run(const WorkerEnv& env) {
   if (env.world_size < 1 || env.rank < 0 || env.rank >= env.world_size) {
     return InvalidArgument("LTRAIN_RANK=" + std::to_string(env.rank) + " is outside LTRAIN_WORLD_SIZE=" +
@@ -167,6 +181,7 @@ Status Run(const WorkerEnv& env) {
   options.collective_timeout = CollectiveTimeout(recipe);
   options.dp_overlap = EnvString("LTRAIN_DP_OVERLAP") != "0";
   options.overlap_update = EnvString("LTRAIN_OVERLAP_UPDATE") != "0";
+  LTRAIN_ASSIGN_OR_RETURN(options.slow_factor, SlowFactor(env.rank));
   SetCollectiveStreamPriority(EnvString("LTRAIN_DP_HIGH_PRIORITY") == "1");
   FusedKernelOptions kernels;
   kernels.linear = EnvString("LTRAIN_FUSED_LINEAR") != "0";
@@ -340,6 +355,9 @@ Fault injection (for testing recovery; never set in production):
                            SECONDS before its first byte, reporting no progress: a save longer than
                            fault.hang_timeout_s is no hang; one longer than checkpoint.timeout_s is
                            reported as a stuck checkpoint save naming the rank
+  LTRAIN_FAULT_SLOW_RANK=FACTOR:RANK
+                           rank RANK's forward and backward take FACTOR times as long (it sleeps
+                           for the difference): the coordinator names it a straggler
   LTRAIN_FAULT_STARTUP_STALL=SECONDS[:RANK]
                            rank RANK (every rank when absent) stops for SECONDS in its start-up,
                            after connecting and before building the model, without reporting

@@ -40,6 +40,9 @@ namespace {
 
 using SteadyClock = std::chrono::steady_clock;
 
+// Steps over which a rank's compute figure is averaged (StepFigures.compute_steps).
+constexpr size_t kComputeWindow = 10;
+
 // model.init "auto": PyTorch's initialisation below this many parameters, per-parameter from here.
 constexpr int64_t kPerParameterInitFrom = 2'000'000'000;
 
@@ -1007,11 +1010,13 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
   heap_base_ = HeapInUse();
   const int m = layout_.accumulation;
   torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat).device(device_));
+  double compute_ms = 0;  // forward and backward of this step's micro-batches
   if (layout_.pp == 1) {
     for (int a = 0; a < m; ++a) {
       Progress::Global().SetPhase(step + 1, "data");
       torch::Tensor inputs, targets;
       LTRAIN_RETURN_IF_ERROR(FillBatch(a, &inputs, &targets));
+      const auto forward_start = SteadyClock::now();
       const bool reduce_now = overlap_ && (layout_.zero >= 2 || a == m - 1);
       store_->ArmHooks(reduce_now);
       Progress::Global().SetPhase(step + 1, "forward");
@@ -1025,6 +1030,12 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
       backward_start_ = SteadyClock::now();
       (loss / m).backward();
       backward_end_ = SteadyClock::now();
+      double micro_ms = std::chrono::duration<double, std::milli>(backward_end_ - forward_start).count();
+      if (options_.slow_factor > 1.0) {
+        std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(micro_ms * (options_.slow_factor - 1.0)));
+        micro_ms *= options_.slow_factor;
+      }
+      compute_ms += micro_ms;
       loss_sum += loss.detach();
       if (reduce_now) {
         LTRAIN_RETURN_IF_ERROR(store_->FinishBackward());
@@ -1032,6 +1043,12 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
     }
   } else {
     LTRAIN_RETURN_IF_ERROR(RunPipeline(loss_sum));
+  }
+  // On the host a CPU rank's forward and backward are its work; under a pipeline they include waits
+  // for the other stages, and on CUDA they are launches, not the work: neither is measured yet.
+  if (layout_.pp == 1 && !device_.is_cuda()) {
+    compute_window_.push_back(compute_ms);
+    if (compute_window_.size() > kComputeWindow) compute_window_.pop_front();
   }
   // Gradients left to the products that no product wrote this step (none in a Llama) become zeros.
   ZeroStaleGradients();
@@ -1376,8 +1393,14 @@ Status Trainer::Run() {
     const double value = f.loss.item<double>();
     LTRAIN_RETURN_IF_ERROR(CheckLoss(value, f.step));
     const int64_t s = f.step;
-    Progress::Global().RecordStep(
-        StepFigures{s, t.steps, value, f.lr, f.ms > 0 ? tokens_per_step / (f.ms / 1000.0) : 0.0, f.ms});
+    StepFigures figures{s, t.steps, value, f.lr, f.ms > 0 ? tokens_per_step / (f.ms / 1000.0) : 0.0, f.ms};
+    if (!compute_window_.empty()) {
+      double sum = 0;
+      for (double ms : compute_window_) sum += ms;
+      figures.compute_ms = sum / static_cast<double>(compute_window_.size());
+      figures.compute_steps = static_cast<int>(compute_window_.size());
+    }
+    Progress::Global().RecordStep(figures);
     if (printer &&
         (s == 1 || s == run_start_step_ + 1 || (t.log_every > 0 && s % t.log_every == 0) || s == t.steps || f.last)) {
       std::printf("step %lld/%lld loss %.6f lr %.3e tok/s %.0f step_ms %.1f\n", static_cast<long long>(s),

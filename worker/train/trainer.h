@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -71,6 +72,9 @@ struct TrainerOptions {
   // calls it when a checkpoint is committed, after recording the commit and before printing its
   // line, on the thread that committed it (see CheckpointWriterOptions::on_commit). Empty: none.
   std::function<void()> report_progress;
+  // The straggler drill (LTRAIN_FAULT_SLOW_RANK): each step's forward and backward take this many
+  // times as long (the rank sleeps for the difference). 1: none.
+  double slow_factor = 1.0;
 };
 
 class CheckpointWriter;
@@ -213,6 +217,9 @@ class Trainer {
   int64_t heap_base_ = 0;
   int64_t activations_peak_ = 0;
   std::chrono::steady_clock::time_point backward_start_, backward_end_;
+  // This rank's own work (forward and backward) of its last steps, newest last: the compute figure
+  // of its progress, from which the coordinator names stragglers. Host time: CPU ranks only.
+  std::deque<double> compute_window_;
   double checkpoint_blocked_ms_ = 0;
   int checkpoint_saves_ = 0;
   Status last_save_;                               // sync saves: the outcome of the last one
