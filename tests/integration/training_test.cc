@@ -13,6 +13,8 @@
 #include <unistd.h>
 #include <thread>
 
+#include <nlohmann/json.hpp>
+
 #include "ltrain/v1/ltrain.pb.h"
 #include "tests/support/job_status.h"
 #include "tests/support/prometheus_text.h"
@@ -130,6 +132,28 @@ TEST_F(TrainingTest, TwoWorkersLearnAndTheJobSucceeds) {
   }
   fs::path checkpoints = fs::path(dir_.Join("home")) / "checkpoints" / "tiny-1";
   EXPECT_TRUE(fs::exists(checkpoints / "step-60")) << "the final checkpoint";
+
+  // metrics.jsonl beside the ranks' logs: every step rank 0 completed, and both validation losses.
+  std::ifstream metrics(fs::path(dir_.Join("home")) / "agent-local" / "jobs" / "tiny-1" / "metrics.jsonl");
+  ASSERT_TRUE(metrics.good());
+  std::vector<nlohmann::json> steps, evals;
+  for (std::string line; std::getline(metrics, line);) {
+    nlohmann::json entry = nlohmann::json::parse(line);  // throws, failing the test, on a bad line
+    EXPECT_EQ(entry.at("generation"), 0);
+    EXPECT_GT(entry.at("time").get<double>(), 1.7e9);
+    (entry.contains("val_loss") ? evals : steps).push_back(std::move(entry));
+  }
+  ASSERT_EQ(steps.size(), 60u);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    EXPECT_EQ(steps[i].at("step"), static_cast<int>(i) + 1);
+    EXPECT_EQ(steps[i].at("total_steps"), 60);
+    EXPECT_GT(steps[i].at("tokens_per_s").get<double>(), 0);
+    EXPECT_GT(steps[i].at("compute_ms").get<double>(), 0);
+  }
+  EXPECT_NEAR(steps.back().at("loss").get<double>(), losses.back(), 1e-5 * losses.back());
+  ASSERT_EQ(evals.size(), 2u);
+  EXPECT_EQ(evals[1].at("step"), 60);
+  EXPECT_NEAR(evals[1].at("val_loss").get<double>(), job.val_loss(), 1e-9 * job.val_loss());
 
   // The logs outlive the launch: every rank's lines, filters, JSON.
   ProcessResult logs = RunProcess({LtrainBinary(), "logs", "tiny-1"}, Env());

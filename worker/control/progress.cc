@@ -1,6 +1,9 @@
 #include "worker/control/progress.h"
 
+#include <cerrno>
 #include <chrono>
+#include <cmath>
+#include <cstring>
 
 namespace ltrain::worker {
 namespace {
@@ -8,6 +11,14 @@ namespace {
 int64_t NowUnixMs() {
   return std::chrono::duration_cast<std::chrono::milliseconds>(
              std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+// JSON has no NaN or infinity: null stands for them.
+std::string JsonNumber(double value) {
+  if (!std::isfinite(value)) return "null";
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.9g", value);
+  return text;
 }
 
 }  // namespace
@@ -52,12 +63,47 @@ void Progress::EndCollective(uint64_t seq) {
 void Progress::RecordStep(const StepFigures& figures) {
   std::lock_guard<std::mutex> lock(mu_);
   state_.completed = figures;
+  if (metrics_ != nullptr) {
+    std::string fields = "\"step\": " + std::to_string(figures.step) +
+                         ", \"total_steps\": " + std::to_string(figures.total_steps) +
+                         ", \"loss\": " + JsonNumber(figures.loss) + ", \"lr\": " + JsonNumber(figures.lr) +
+                         ", \"tokens_per_s\": " + JsonNumber(figures.tokens_per_s) +
+                         ", \"step_ms\": " + JsonNumber(figures.step_ms);
+    if (figures.compute_steps > 0) fields += ", \"compute_ms\": " + JsonNumber(figures.compute_ms);
+    AppendMetricsLocked(fields);
+  }
 }
 
 void Progress::RecordEval(int64_t step, double val_loss) {
   std::lock_guard<std::mutex> lock(mu_);
   state_.eval_step = step;
   state_.val_loss = val_loss;
+  if (metrics_ != nullptr) {
+    AppendMetricsLocked("\"step\": " + std::to_string(step) + ", \"val_loss\": " + JsonNumber(val_loss));
+  }
+}
+
+bool Progress::WriteMetricsTo(const std::string& path, int generation, std::string& error) {
+  std::FILE* file = std::fopen(path.c_str(), "ae");
+  if (file == nullptr) {
+    error = "cannot append to " + path + ": " + std::strerror(errno);
+    return false;
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  if (metrics_ != nullptr) std::fclose(metrics_);
+  metrics_ = file;
+  metrics_generation_ = generation;
+  return true;
+}
+
+void Progress::AppendMetricsLocked(const std::string& fields) {
+  const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  char head[96];
+  std::snprintf(head, sizeof(head), "{\"time\": %.3f, \"generation\": %d, ", now, metrics_generation_);
+  std::fputs(head, metrics_);
+  std::fputs(fields.c_str(), metrics_);
+  std::fputs("}\n", metrics_);
+  std::fflush(metrics_);
 }
 
 void Progress::SetWork(const std::string& what, int64_t done, int64_t total, const std::string& unit,

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 #include <deque>
 #include <mutex>
 #include <optional>
@@ -85,10 +86,23 @@ class Progress {
   void RecordStoppedAfterCheckpoint();
   ProgressSnapshot Snapshot() const;
 
+  // From now on every completed step and validation loss is also appended, one JSON object a line,
+  // to `path` (the job's metrics.jsonl, which rank 0's agent names in LTRAIN_METRICS_FILE):
+  //   {"time": UNIX_S, "generation": G, "step": N, "total_steps": N, "loss": X, "lr": X,
+  //    "tokens_per_s": X, "step_ms": X, "compute_ms": X}     (compute_ms where measured)
+  //   {"time": UNIX_S, "generation": G, "step": N, "val_loss": X}
+  // Lines are flushed as written, so a reader (a plotting script, tail -f) sees each step at once.
+  // False, with `error` set, when the file cannot be opened for appending.
+  bool WriteMetricsTo(const std::string& path, int generation, std::string& error);
+
  private:
+  void AppendMetricsLocked(const std::string& fields);
+
   mutable std::mutex mu_;
   ProgressSnapshot state_;
   uint64_t next_seq_ = 1;
+  std::FILE* metrics_ = nullptr;  // never closed: the process's own, until it exits
+  int metrics_generation_ = 0;
 };
 
 // Marks a collective in flight for its scope.

@@ -519,6 +519,12 @@ int RunProgram(const ExecArgs& exec) {
   fcntl(read_fd, F_SETFL, fcntl(read_fd, F_GETFL) | O_NONBLOCK);
 
   Progress::Global().SetPhase(0, "startup");
+  if (const std::string metrics = EnvString("LTRAIN_METRICS_FILE"); !metrics.empty()) {
+    std::string error;
+    if (!Progress::Global().WriteMetricsTo(metrics, env->generation, error)) {
+      std::fprintf(stderr, "ltrain-exec: no metrics.jsonl: %s\n", error.c_str());
+    }
+  }
   std::unique_ptr<ProgressReporter> reporter;
   if (!env->agent.empty()) {
     ProgressReporterOptions options;

@@ -262,6 +262,12 @@ Status Run(const WorkerEnv& env) {
     board = std::make_unique<FileCommitBoard>(options.checkpoint_dir);
     options.commit_board = board.get();
   }
+  if (const std::string metrics = EnvString("LTRAIN_METRICS_FILE"); !metrics.empty()) {
+    std::string error;
+    if (!Progress::Global().WriteMetricsTo(metrics, env.generation, error)) {
+      std::fprintf(stderr, "rank %d: no metrics.jsonl: %s\n", env.rank, error.c_str());
+    }
+  }
   LTRAIN_RETURN_IF_ERROR(StallStartupIfAsked(env.rank));
   LTRAIN_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(recipe, options, &conn->groups));
   // Starting from another run's checkpoint at or past training.steps would train nothing and
