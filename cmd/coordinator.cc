@@ -82,7 +82,8 @@ int RunCoordinator(const CoordinatorArgs& args, const SecurityMaterial& security
   };
   if ((*server)->http_port() != 0) {
     const std::string http_host = args.http_listen.substr(0, args.http_listen.rfind(':'));
-    LTRAIN_LOG(kInfo, "coordinator") << "metrics at http://" << http_host << ":" << (*server)->http_port() << "/metrics";
+    LTRAIN_LOG(kInfo, "coordinator") << "dashboard at http://" << http_host << ":" << (*server)->http_port()
+                                     << "/ (with ?token=TOKEN when the coordinator has one), metrics at /metrics";
     write_port(args.http_port_file, (*server)->http_port());
   }
   write_port(args.port_file, (*server)->port());

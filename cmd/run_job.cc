@@ -147,6 +147,8 @@ int RunJob(const RunJobOptions& options, const SecurityMaterial& security,
     } else if (local.coordinator->http_port() != 0) {
       const std::string host = options.http_listen.substr(0, options.http_listen.rfind(':'));
       const std::string url = "http://" + host + ":" + std::to_string(local.coordinator->http_port()) + "/metrics";
+      std::printf("ltrain: dashboard at http://%s:%d/?token=%s#job=%s\n", host.c_str(), local.coordinator->http_port(),
+                  local.security.token.c_str(), job_id.c_str());
       std::printf("ltrain: metrics at %s, with this launch's token (line 2 of %s): curl -H \"Authorization: Bearer "
                   "$(sed -n 2p %s)\" %s\n",
                   url.c_str(), address_file.c_str(), address_file.c_str(), url.c_str());

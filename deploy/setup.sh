@@ -26,6 +26,7 @@ if [[ "${1:-}" == "--tests" ]]; then
              python3-jsonschema    # checks -o json against docs/json-schema.json
              sentencepiece         # spm_train: the SentencePiece test's model
              python3-torch         # `ltrain run`: a DDP script over Gloo, as torchrun would run it
+             chromium              # the dashboard, read by a headless browser
              dpkg-dev)             # dpkg-shlibdeps: the Debian package's dependencies (cpack)
 fi
 

@@ -15,6 +15,7 @@ namespace ltrain::launcher {
 namespace {
 
 constexpr const char* kLog = "coordinator";
+constexpr size_t kMaxSeriesPoints = 4000;  // a job's curve points in memory (JobSeries)
 
 // A worker's line as the coordinator keeps it: valid UTF-8 and at most 16 KiB (the agents send no
 // more; this holds against any client), so that no report can grow the state by megabytes.
@@ -722,12 +723,53 @@ void Coordinator::ApplyProgressLocked(ActiveJob& job, const v1::RankProgress& re
       eta_s == job.job.eta_s() && !new_eval) {
     return;  // nothing new since the last report
   }
+  if (step.step() != job.job.last_step()) {
+    std::vector<SeriesPoint>& points = job.series.steps;
+    while (!points.empty() && points.back().step >= step.step()) points.pop_back();  // a restart went back
+    points.push_back({step.step(), clock_->UnixMs(), step.loss(), step.tokens_per_s(), step.step_ms()});
+    if (points.size() > kMaxSeriesPoints) {
+      // Every other point of the older half: the curve keeps its shape, the memory stays bounded.
+      std::vector<SeriesPoint> kept;
+      for (size_t i = 0; i < points.size(); ++i) {
+        if (i >= points.size() / 2 || i % 2 == 0) kept.push_back(points[i]);
+      }
+      points = std::move(kept);
+    }
+  }
+  if (new_eval) {
+    std::vector<ValPoint>& val = job.series.val;
+    while (!val.empty() && val.back().step >= report.eval_step()) val.pop_back();
+    val.push_back({report.eval_step(), report.val_loss()});
+  }
   job.job.set_last_step(step.step());
   job.job.set_total_steps(step.total_steps());
   job.job.set_last_loss(step.loss());
   job.job.set_tokens_per_s(step.tokens_per_s());
   job.job.set_eta_s(eta_s);
   PersistJobLocked(job);
+}
+
+StatusOr<JobSeries> Coordinator::Series(const std::string& job_id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ActiveJob* job = FindLocked(job_id);
+  if (job == nullptr) return NotFound("job " + job_id + " is not held by this coordinator");
+  return job->series;
+}
+
+StatusOr<std::vector<v1::Event>> Coordinator::RecentEvents(const std::string& job_id, int max_events, int max_logs) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ActiveJob* job = FindLocked(job_id);
+  if (job == nullptr) return NotFound("job " + job_id + " is not held by this coordinator");
+  std::vector<v1::Event> out;
+  int events = 0, logs = 0;
+  for (auto it = job->events.rbegin(); it != job->events.rend() && (events < max_events || logs < max_logs); ++it) {
+    int& count = it->kind() == "log" ? logs : events;
+    if (count >= (it->kind() == "log" ? max_logs : max_events)) continue;
+    ++count;
+    out.push_back(*it);
+  }
+  std::reverse(out.begin(), out.end());
+  return out;
 }
 
 Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {

@@ -38,6 +38,25 @@
 
 namespace ltrain::launcher {
 
+// A job's curves for the dashboard, from rank 0's progress as it arrived (a step the reports skipped
+// is missing): in memory only, while the coordinator holds the job. A restart from a checkpoint
+// drops the points past it.
+struct SeriesPoint {
+  int64_t step = 0;
+  int64_t unix_ms = 0;
+  double loss = 0;
+  double tokens_per_s = 0;
+  double step_ms = 0;
+};
+struct ValPoint {
+  int64_t step = 0;
+  double val_loss = 0;
+};
+struct JobSeries {
+  std::vector<SeriesPoint> steps;  // by step
+  std::vector<ValPoint> val;
+};
+
 // How Stop ends a running job.
 struct StopOptions {
   bool checkpoint = false;             // first a final checkpoint at a step every rank reaches
@@ -73,6 +92,10 @@ class Coordinator {
   // `resumed_seq`, when given, gets the sequence number of the "resumed" event.
   StatusOr<v1::Job> Resume(const std::string& job_id, int64_t* resumed_seq = nullptr);
   StatusOr<std::vector<v1::Event>> GetLogs(const std::string& job_id, int rank, int64_t since_unix_ms, int limit);
+  // The dashboard's view of a job the coordinator holds in memory: its curves, and its newest
+  // `max_events` events that are not log lines and newest `max_logs` log lines, oldest first.
+  StatusOr<JobSeries> Series(const std::string& job_id);
+  StatusOr<std::vector<v1::Event>> RecentEvents(const std::string& job_id, int max_events, int max_logs);
   // Events of a job after `after_seq` (log lines too when `logs`). Blocks up to `timeout_ms` while
   // there are none and the job is not final. `*finished` is set once the job is final and every
   // event has been returned.
@@ -151,6 +174,7 @@ class Coordinator {
     bool stopped_early = false;          // a rank reported it stopped after a final checkpoint
     std::vector<v1::Event> events;   // in memory, log lines included
     std::map<int, Straggler> stragglers;  // of the current generation, by rank (straggler.h)
+    JobSeries series;
   };
 
   void ScheduleLocked();

@@ -1,8 +1,9 @@
 // The coordinator's HTTP side (`ltrain coordinator --http-listen HOST:PORT`, `ltrain launch
-// --http-listen`): GET /metrics in Prometheus' text format (metrics.h). Served by cpp-httplib
+// --http-listen`): GET /metrics in Prometheus' text format (metrics.h), and the dashboard: GET / (one
+// page, dashboard_page.h) over GET /api/jobs and /api/jobs/ID (JSON). Served by cpp-httplib
 // (Debian's libcpp-httplib) on threads of its own. When the coordinator has a bearer token, every
-// request must carry it ("Authorization: Bearer TOKEN"), as every RPC does; the answer to one that
-// does not is 401. Plain HTTP: where the RPCs use TLS, keep the HTTP port on loopback or behind a
+// request must carry it ("Authorization: Bearer TOKEN", or `?token=TOKEN` in the address, which is
+// how a browser opens the dashboard), as every RPC does; the answer to one that does not is 401. Plain HTTP: where the RPCs use TLS, keep the HTTP port on loopback or behind a
 // proxy that terminates TLS.
 #pragma once
 
@@ -41,5 +42,9 @@ class HttpServer {
 // The /metrics page of `coordinator` now: its jobs (at most the 200 newest; those not final with
 // their ranks) and nodes.
 std::string MetricsPage(Coordinator& coordinator);
+// The dashboard's data: GET /api/jobs (the 200 newest jobs, a summary each) and GET /api/jobs/ID
+// (the summary with its ranks, nodes, curves, newest events and log lines).
+std::string JobsJson(Coordinator& coordinator);
+StatusOr<std::string> JobJson(Coordinator& coordinator, const std::string& job_id);
 
 }  // namespace ltrain::launcher

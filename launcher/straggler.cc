@@ -21,7 +21,9 @@ std::vector<Straggler> FindStragglers(const std::vector<RankCompute>& ranks, dou
   for (size_t p = 0; p < n; ++p) {
     const double median = m % 2 == 1 ? without(p, m / 2) : (without(p, m / 2 - 1) + without(p, m / 2)) / 2.0;
     const RankCompute& r = ranks[order[p]];
-    if (r.compute_ms > ratio * median) out.push_back({r.rank, r.compute_ms, median});
+    if (r.compute_ms > ratio * median && r.compute_ms - median >= kStragglerMinExcessMs) {
+      out.push_back({r.rank, r.compute_ms, median});
+    }
   }
   std::sort(out.begin(), out.end(), [](const Straggler& a, const Straggler& b) { return a.rank < b.rank; });
   return out;

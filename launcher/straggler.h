@@ -9,8 +9,10 @@
 
 namespace ltrain::launcher {
 
-constexpr double kStragglerRatio = 1.2;  // times the other ranks' median
-constexpr int kStragglerWindow = 10;     // steps a rank's figure must cover
+constexpr double kStragglerRatio = 1.2;      // times the other ranks' median
+constexpr int kStragglerWindow = 10;         // steps a rank's figure must cover
+constexpr double kStragglerMinExcessMs = 10;  // and at least this much above it: in steps of a few
+                                              // milliseconds, rank 0's logging or a busy core is no straggler
 
 struct RankCompute {
   int rank = 0;
@@ -24,8 +26,9 @@ struct Straggler {
   double others_median_ms = 0;
 };
 
-// The stragglers among `ranks`, by rank. None unless every rank's figure covers `window` steps and
-// there are at least two ranks: a figure of a few steps is start-up, not the rank.
+// The stragglers among `ranks`, by rank: above `ratio` times the other ranks' median and at least
+// kStragglerMinExcessMs above it. None unless every rank's figure covers `window` steps and there are
+// at least two ranks: a figure of a few steps is start-up, not the rank.
 std::vector<Straggler> FindStragglers(const std::vector<RankCompute>& ranks, double ratio = kStragglerRatio,
                                       int window = kStragglerWindow);
 

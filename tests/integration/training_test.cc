@@ -357,5 +357,83 @@ TEST_F(TrainingTest, AStandaloneLaunchServesMetricsWhileItsJobRuns) {
   launch.Wait(std::chrono::seconds(30));
 }
 
+// The dashboard in a real browser: headless Chromium opens the page of a running job and finds it
+// RUNNING with points on its loss chart, then SUCCEEDED once it ended. Screenshots are kept in
+// artifacts/ of the test's directory.
+std::string Browser() {
+  for (const char* name : {"/usr/bin/chromium", "/usr/bin/chromium-browser"}) {
+    if (fs::exists(name)) return name;
+  }
+  return "";
+}
+
+ProcessResult OpenInBrowser(const std::string& url, const std::vector<std::string>& extra) {
+  std::vector<std::string> argv = {Browser(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                                   "--no-first-run", "--user-data-dir=" + fs::temp_directory_path().string() + "/ltrain-chromium-" +
+                                       std::to_string(getpid()),
+                                   "--virtual-time-budget=5000"};
+  argv.insert(argv.end(), extra.begin(), extra.end());
+  argv.push_back(url);
+  return RunProcess(argv, {}, std::chrono::seconds(90));
+}
+
+TEST_F(TrainingTest, TheDashboardShowsARunningJobsLossCurveInABrowser) {
+  ASSERT_FALSE(Browser().empty()) << "the dashboard test needs Chromium: deploy/setup.sh --tests installs it";
+  std::map<std::string, std::string> env = Env();
+  env["LTRAIN_TOKEN"] = "dashboard-test-token";
+  Subprocess coordinator({LtrainBinary(), "coordinator", "--listen", "127.0.0.1:0", "--port-file", dir_.Join("port"),
+                          "--http-listen", "127.0.0.1:0", "--http-port-file", dir_.Join("http-port"), "--state-dir",
+                          dir_.Join("coord")},
+                         env);
+  const int port = WaitForPortFile(dir_.Join("port"), std::chrono::seconds(5));
+  const int http_port = WaitForPortFile(dir_.Join("http-port"), std::chrono::seconds(5));
+  ASSERT_GT(http_port, 0) << coordinator.Output();
+  const std::string address = "127.0.0.1:" + std::to_string(port);
+  Subprocess agent({LtrainBinary(), "agent", "--coordinator", address, "--node-id", "n1", "--work-dir",
+                    dir_.Join("agent")},
+                   env);
+  Subprocess launch({LtrainBinary(), "launch", "--coordinator", address, recipe_, "--set", "training.steps=400",
+                     "--set", "training.eval_every=100"},
+                    env);
+  // Until the job has a few points on its curve.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(90);
+  int points = 0;
+  while (points < 3 && std::chrono::steady_clock::now() < deadline) {
+    auto [status, body] = HttpGet(http_port, "/api/jobs/tiny-1", "dashboard-test-token");
+    if (status == 200) points = static_cast<int>(nlohmann::json::parse(body)["series"]["steps"].size());
+    if (points < 3) std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  ASSERT_GE(points, 3) << launch.Output();
+
+  const std::string url = "http://127.0.0.1:" + std::to_string(http_port) + "/?token=dashboard-test-token#job=tiny-1";
+  fs::create_directories("artifacts");
+  ProcessResult running = OpenInBrowser(url, {"--dump-dom"});
+  ASSERT_EQ(running.exit_code, 0) << running.output;
+  EXPECT_NE(running.output.find(R"(id="job-state" class="RUNNING")"), std::string::npos) << running.output;
+  std::smatch chart;
+  ASSERT_TRUE(std::regex_search(running.output, chart, std::regex(R"re(<svg id="loss-chart" data-points="(\d+)")re")))
+      << running.output;
+  EXPECT_GE(std::stoi(chart[1]), 3) << "the loss chart has points";
+  EXPECT_NE(running.output.find(R"(<table id="ranks">)"), std::string::npos);
+  OpenInBrowser(url, {"--screenshot=" + fs::absolute("artifacts/dashboard-running.png").string(), "--window-size=1280,1100"});
+  EXPECT_TRUE(fs::exists("artifacts/dashboard-running.png"));
+
+  ProcessResult launched = launch.Wait(std::chrono::seconds(180));
+  ASSERT_EQ(launched.exit_code, 0) << launched.output;
+  ProcessResult ended = OpenInBrowser(url, {"--dump-dom"});
+  EXPECT_NE(ended.output.find(R"(id="job-state" class="SUCCEEDED")"), std::string::npos) << ended.output;
+  OpenInBrowser(url, {"--screenshot=" + fs::absolute("artifacts/dashboard-succeeded.png").string(), "--window-size=1280,1100"});
+  // The jobs' list, and no page without the token.
+  ProcessResult list = OpenInBrowser("http://127.0.0.1:" + std::to_string(http_port) + "/?token=dashboard-test-token",
+                                     {"--dump-dom"});
+  EXPECT_NE(list.output.find(R"(<tr data-job="tiny-1">)"), std::string::npos) << list.output;
+  EXPECT_EQ(HttpGet(http_port, "/").first, 401);
+  EXPECT_EQ(HttpGet(http_port, "/api/jobs/tiny-1").first, 401);
+  agent.Signal(SIGTERM);
+  agent.Wait(std::chrono::seconds(10));
+  coordinator.Signal(SIGTERM);
+  coordinator.Wait(std::chrono::seconds(10));
+}
+
 }  // namespace
 }  // namespace ltrain::testing
