@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <set>
@@ -175,6 +176,12 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
       for (const auto& [name, value] : entry.env) {
         spec.args.push_back("--env");
         spec.args.push_back(name + "=" + value);
+      }
+      if (entry.output_timeout_s > 0) {
+        spec.args.push_back("--output-timeout");
+        char seconds[32];
+        std::snprintf(seconds, sizeof(seconds), "%.17g", entry.output_timeout_s);
+        spec.args.push_back(seconds);
       }
       spec.args.push_back("--");
       spec.args.insert(spec.args.end(), entry.command.begin(), entry.command.end());

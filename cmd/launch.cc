@@ -102,6 +102,7 @@ struct RunArgs {
   std::string nodes = "1";
   int max_restarts = 0;
   double restart_backoff_s = 0;  // torchrun restarts at once
+  double output_timeout_s = 0;   // 0: none
   double hang_timeout_s = 0;     // 0: the recipe default
   std::string name;
   std::string workdir;
@@ -155,6 +156,7 @@ int RunProgram(const RunArgs& args, const SecurityMaterial& security) {
   recipe.checkpoint.enabled = false;  // the program keeps its own checkpoints
   recipe.entrypoint.command = args.program;
   recipe.entrypoint.workdir = args.workdir;
+  recipe.entrypoint.output_timeout_s = args.output_timeout_s;
   for (const std::string& entry : args.env) {
     const size_t eq = entry.find('=');
     if (eq == std::string::npos || eq == 0) {
@@ -199,6 +201,11 @@ void AddRunCommand(CLI::App& app, CommandContext& ctx) {
                   "Seconds without progress (LTRAIN_PROGRESS_FD reports) before a reporting rank is named hung; "
                   "default: fault.hang_timeout_s's 60")
       ->check(CLI::Range(0.1, 604800.0));
+  cmd->add_option("--output-timeout", args->output_timeout_s,
+                  "Seconds a rank may print nothing (and report no progress) before it is stopped as hung and the "
+                  "restart policy applies (entrypoint.output_timeout_s); 0: never")
+      ->check(CLI::Range(0.0, 604800.0))
+      ->capture_default_str();
   cmd->add_option("--name", args->name, "The job's name (job ids are NAME-N); default: the script's or program's name");
   cmd->add_option("--workdir", args->workdir, "Directory the program starts in; default: this one");
   cmd->add_option("--env", args->env, "NAME=VALUE added to every rank's environment (repeatable)")

@@ -429,6 +429,11 @@ void CheckAcrossKeys(const Recipe& r, RecipeReader& reader) {
     reader.ErrorOnKey("name", problem + "; for example name: " + SuggestJobName(r.name));
   }
   if (r.runs_program()) return CheckProgramRecipe(r, reader);
+  if (r.entrypoint.output_timeout_s > 0) {
+    reader.ErrorOnKey("entrypoint.output_timeout_s", "entrypoint.output_timeout_s watches your program "
+                                                     "(entrypoint.command); ltrain's trainer reports its progress: "
+                                                     "use fault.hang_timeout_s");
+  }
   if (r.data.path.empty()) {
     reader.ErrorOnKey("data.path", "data.path is required: the directory written by `ltrain data prepare --output DIR`");
   }

@@ -212,6 +212,8 @@ struct EntrypointSpec {
   std::vector<std::string> command;           // empty: ltrain's own trainer
   std::map<std::string, std::string> env;     // added to every rank's environment
   std::string workdir;                        // where the program starts; empty: where ltrain ran
+  double output_timeout_s = 0;                // a rank that prints and reports nothing this long is
+                                              // stopped as hung; 0: never
 };
 
 struct Recipe {

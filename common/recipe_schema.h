@@ -284,6 +284,11 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
                   .help = "directory the program starts in (relative to where ltrain runs)",
                   .default_text = "where ltrain runs", .type_text = "path", .omit_at_default = true},
         r.entrypoint.workdir);
+  visit(RecipeKey{.section = "entrypoint", .name = "output_timeout_s",
+                  .help = "a rank of your program that prints nothing (and reports no progress) this long is stopped "
+                          "as hung, and the restart policy applies; 0: never",
+                  .real_min = 0, .real_max = 604800, .omit_at_default = true},
+        r.entrypoint.output_timeout_s);
 }
 
 // Every key's value as the writer writes it, by path ("training.lr" -> "0.0003").

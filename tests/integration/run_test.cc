@@ -133,6 +133,26 @@ TEST_F(RunTest, ProgramThatNeverReportsIsNoHang) {
   EXPECT_EQ(result.output.find("made no progress"), std::string::npos) << result.output;
 }
 
+// With --output-timeout, a program that prints while it works goes on; one that falls silent is
+// stopped as hung within the timeout and a little, named by rank, and restarted by the policy.
+TEST_F(RunTest, ProgramThatFallsSilentIsStoppedAsHung) {
+  const auto start = std::chrono::steady_clock::now();
+  // Rank 1 prints for a second, then nothing, in its first run; in the restart it finishes.
+  const std::string program =
+      "for i in 1 2 3 4 5; do echo \"working $i\"; sleep 0.2; done; "
+      "if [ \"$RANK\" = 1 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then sleep 600; fi; echo finished";
+  ProcessResult result = Run({"--name", "silent", "--nproc-per-node", "2", "--output-timeout", "2", "--max-restarts", "1"},
+                             {"/bin/sh", "-c", program});
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("rank 1 printed and reported nothing for 2 s (entrypoint.output_timeout_s); stopping it as hung"),
+            std::string::npos)
+      << result.output;
+  EXPECT_NE(result.output.find("[rank 1] working 5"), std::string::npos) << "output passes through: " << result.output;
+  EXPECT_NE(result.output.find("restart 1 of 1"), std::string::npos) << result.output;
+  EXPECT_LT(seconds, 30) << result.output;
+}
+
 TEST_F(RunTest, RecipeWithAProgramAndAModelIsRefused) {
   const std::string recipe =
       dir_.Write("mixed.yaml", "entrypoint: {command: [python3, train.py]}\nmodel: {layers: 2}\n");

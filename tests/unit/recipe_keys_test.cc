@@ -42,7 +42,8 @@ const std::set<std::string> kSingleValued = {};
 
 // A recipe with entrypoint.command has no model, data or training: ProgramRecipeReachesTheAgent
 // covers these keys.
-const std::set<std::string> kProgramKeys = {"entrypoint.command", "entrypoint.env", "entrypoint.workdir"};
+const std::set<std::string> kProgramKeys = {"entrypoint.command", "entrypoint.env", "entrypoint.workdir",
+                                           "entrypoint.output_timeout_s"};
 
 // The command a coordinator with one node sends its agent for `recipe`, submitted as `ltrain launch`
 // submits it; nullopt (after a test failure) when the submit is refused.
@@ -106,7 +107,8 @@ TEST(RecipeKeysTest, ProgramRecipeReachesTheAgent) {
   constexpr const char* kProgram = R"(name: program
 parallel: {nodes: {min: 1, max: 2}, nproc_per_node: 2}
 fault: {max_restarts: 3}
-entrypoint: {command: [python3, train.py, --lr, "3e-4"], env: {NCCL_DEBUG: INFO, A: "x y"}, workdir: /srv/train}
+entrypoint: {command: [python3, train.py, --lr, "3e-4"], env: {NCCL_DEBUG: INFO, A: "x y"}, workdir: /srv/train,
+             output_timeout_s: 45}
 )";
   RecipeParseResult user = ParseRecipe(kProgram, "program.yaml");
   ASSERT_TRUE(user.ok()) << user.ErrorText();
@@ -122,6 +124,7 @@ entrypoint: {command: [python3, train.py, --lr, "3e-4"], env: {NCCL_DEBUG: INFO,
   EXPECT_EQ(received.recipe.entrypoint.command, (std::vector<std::string>{"python3", "train.py", "--lr", "3e-4"}));
   EXPECT_EQ(received.recipe.entrypoint.env, (std::map<std::string, std::string>{{"A", "x y"}, {"NCCL_DEBUG", "INFO"}}));
   EXPECT_EQ(received.recipe.entrypoint.workdir, "/srv/train");
+  EXPECT_EQ(received.recipe.entrypoint.output_timeout_s, 45);
   EXPECT_EQ(received.recipe.fault.max_restarts, 3);
   EXPECT_EQ(command->start().world_size(), 2);
 }

@@ -71,12 +71,17 @@ TEST(ParseExecArgsTest, EnvironmentEntriesComeBeforeTheProgram) {
   ASSERT_TRUE(args) << error;
   EXPECT_TRUE(args->env.empty());
   EXPECT_EQ(args->program, (std::vector<std::string>{"./train"}));
+  EXPECT_EQ(args->output_timeout_s, 0) << "no silence timeout unless asked";
+  args = ParseExecArgs({"--output-timeout", "2.5", "--env", "A=b", "--", "./train"}, error);
+  ASSERT_TRUE(args) << error;
+  EXPECT_EQ(args->output_timeout_s, 2.5);
+  EXPECT_EQ(args->env, (std::vector<std::string>{"A=b"}));
 }
 
 TEST(ParseExecArgsTest, AnythingElseIsRefusedWithTheUsage) {
   for (const std::vector<std::string>& bad : std::vector<std::vector<std::string>>{
            {}, {"--"}, {"python3"}, {"--env"}, {"--env", "A=b"}, {"--env", "=b", "--", "p"}, {"--env", "A", "--", "p"},
-           {"--flag", "x", "--", "p"}}) {
+           {"--flag", "x", "--", "p"}, {"--output-timeout", "soon", "--", "p"}, {"--output-timeout", "-1", "--", "p"}}) {
     std::string error;
     EXPECT_FALSE(ParseExecArgs(bad, error)) << bad.size();
     EXPECT_FALSE(error.empty());

@@ -300,25 +300,84 @@ bool ReadAvailable(int fd, ReportReader& reader) {
   }
 }
 
-// Relays the program's reports until it exits; returns its wait status (nullopt: waitpid failed).
-// A descendant that keeps the pipe open does not hold the proxy: the program's exit ends the relay.
-std::optional<int> RelayUntilExit(pid_t pid, int read_fd, ReportReader& reader, ProgramProgress& relay) {
+// The program's output, relayed by the proxy when an output-silence timeout is set: a program that
+// neither prints nor reports for `timeout_s` is stopped as hung.
+struct OutputWatch {
+  int fd = -1;  // the read end of the program's stdout and stderr; -1: not watched
+  double timeout_s = 0;
+  std::chrono::steady_clock::time_point last;  // the program's last byte or report
+  bool silenced = false;                       // it was stopped for its silence
+};
+
+// Copies what the (non-blocking) output pipe holds now to our stdout; false at its end.
+bool RelayOutput(int fd) {
+  char buffer[65536];
+  while (true) {
+    const ssize_t n = read(fd, buffer, sizeof(buffer));
+    if (n > 0) {
+      for (ssize_t done = 0; done < n;) {
+        const ssize_t w = write(STDOUT_FILENO, buffer + done, static_cast<size_t>(n - done));
+        if (w > 0) {
+          done += w;
+        } else if (w < 0 && errno != EINTR) {
+          break;  // nobody reads our output any more: the bytes are dropped, the program goes on
+        }
+      }
+    } else if (n == 0) {
+      return false;
+    } else if (errno != EINTR) {
+      return errno == EAGAIN || errno == EWOULDBLOCK;
+    }
+  }
+}
+
+// Relays the program's reports (and, watched, its output) until it exits; returns its wait status
+// (nullopt: waitpid failed). A descendant that keeps a pipe open does not hold the proxy: the
+// program's exit ends the relay.
+std::optional<int> RelayUntilExit(pid_t pid, int read_fd, ReportReader& reader, ProgramProgress& relay,
+                                  OutputWatch& watch, int rank) {
   bool open = true;
+  bool output_open = watch.fd >= 0;
   int status = 0;
   const auto started = std::chrono::steady_clock::now();
+  watch.last = started;
   while (true) {
-    relay.Tick(std::chrono::duration_cast<std::chrono::milliseconds>(std::chrono::steady_clock::now() - started).count());
-    pid_t done = waitpid(pid, &status, open ? WNOHANG : 0);
+    const auto now = std::chrono::steady_clock::now();
+    relay.Tick(std::chrono::duration_cast<std::chrono::milliseconds>(now - started).count());
+    pid_t done = waitpid(pid, &status, open || output_open ? WNOHANG : 0);
     if (done == pid) break;
     if (done < 0 && errno != EINTR) {
       std::fprintf(stderr, "ltrain-exec: %s\n", Errno("waitpid").c_str());
       return std::nullopt;
     }
-    if (!open) continue;
-    pollfd p{read_fd, POLLIN, 0};
-    if (poll(&p, 1, kPollMs) > 0) open = ReadAvailable(read_fd, reader);
+    if (watch.fd >= 0 && !watch.silenced &&
+        std::chrono::duration<double>(now - watch.last).count() > watch.timeout_s) {
+      std::fprintf(stderr,
+                   "ltrain-exec: rank %d printed and reported nothing for %.0f s (entrypoint.output_timeout_s); "
+                   "stopping it as hung\n",
+                   rank, watch.timeout_s);
+      std::fflush(stderr);
+      kill(pid, SIGKILL);
+      watch.silenced = true;
+    }
+    if (!open && !output_open) continue;
+    pollfd fds[2];
+    nfds_t count = 0;
+    if (open) fds[count++] = {read_fd, POLLIN, 0};
+    if (output_open) fds[count++] = {watch.fd, POLLIN, 0};
+    if (poll(fds, count, kPollMs) <= 0) continue;
+    for (nfds_t i = 0; i < count; ++i) {
+      if (fds[i].revents == 0) continue;
+      watch.last = std::chrono::steady_clock::now();
+      if (fds[i].fd == read_fd) {
+        open = ReadAvailable(read_fd, reader);
+      } else {
+        output_open = RelayOutput(watch.fd);
+      }
+    }
   }
   if (open) ReadAvailable(read_fd, reader);
+  if (output_open) RelayOutput(watch.fd);
   reader.Finish();
   return status;
 }
@@ -420,8 +479,17 @@ std::optional<ExecArgs> ParseExecArgs(const std::vector<std::string>& args, std:
   ExecArgs out;
   size_t i = 0;
   for (; i < args.size() && args[i] != "--"; i += 2) {
+    if (args[i] == "--output-timeout" && i + 1 < args.size()) {
+      char* end = nullptr;
+      out.output_timeout_s = std::strtod(args[i + 1].c_str(), &end);
+      if (end == args[i + 1].c_str() || *end != '\0' || !(out.output_timeout_s >= 0)) {
+        error = "--output-timeout " + args[i + 1] + ": expected seconds";
+        return std::nullopt;
+      }
+      continue;
+    }
     if (args[i] != "--env" || i + 1 == args.size()) {
-      error = "unexpected " + args[i] + "; usage: ltrain-exec [--env NAME=VALUE]... -- PROGRAM [ARGS...]";
+      error = "unexpected " + args[i] + "; usage: ltrain-exec [--env NAME=VALUE]... [--output-timeout SECONDS] -- PROGRAM [ARGS...]";
       return std::nullopt;
     }
     const std::string& entry = args[i + 1];
@@ -433,7 +501,7 @@ std::optional<ExecArgs> ParseExecArgs(const std::vector<std::string>& args, std:
     out.env.push_back(entry);
   }
   if (i + 1 >= args.size()) {
-    error = "no program to run; usage: ltrain-exec [--env NAME=VALUE]... -- PROGRAM [ARGS...]";
+    error = "no program to run; usage: ltrain-exec [--env NAME=VALUE]... [--output-timeout SECONDS] -- PROGRAM [ARGS...]";
     return std::nullopt;
   }
   out.program.assign(args.begin() + static_cast<std::ptrdiff_t>(i) + 1, args.end());
@@ -471,6 +539,18 @@ int RunProgram(const ExecArgs& exec) {
   }
   const int read_fd = fds[0];
   const int write_fd = fds[1];
+  OutputWatch watch;
+  int output_write = -1;
+  if (exec.output_timeout_s > 0) {
+    int out[2];
+    if (pipe2(out, O_CLOEXEC) != 0) {
+      std::fprintf(stderr, "ltrain-exec: %s\n", Errno("pipe").c_str());
+      return kWorkerExitFailed;
+    }
+    watch.fd = out[0];
+    watch.timeout_s = exec.output_timeout_s;
+    output_write = out[1];
+  }
   // Everything the child needs is built here: between fork and exec only async-signal-safe calls.
   std::vector<std::string> added = {"MASTER_ADDR=" + master->addr, "MASTER_PORT=" + master->port,
                                     "LTRAIN_PROGRESS_FD=" + std::to_string(write_fd)};
@@ -507,6 +587,10 @@ int RunProgram(const ExecArgs& exec) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);      // a proxy killed alone leaves no rank running
     if (getppid() != parent) _exit(127);   // it died before prctl took effect
     fcntl(write_fd, F_SETFD, 0);
+    if (output_write >= 0) {  // stdout and stderr through the proxy, which watches for silence
+      dup2(output_write, STDOUT_FILENO);
+      dup2(output_write, STDERR_FILENO);
+    }
     execvpe(args[0], args.data(), envp.data());
     const char* why = std::strerror(errno);
     ssize_t ignored = write(STDERR_FILENO, exec_failed.data(), exec_failed.size());
@@ -517,6 +601,10 @@ int RunProgram(const ExecArgs& exec) {
   }
   close(write_fd);
   fcntl(read_fd, F_SETFL, fcntl(read_fd, F_GETFL) | O_NONBLOCK);
+  if (output_write >= 0) {
+    close(output_write);
+    fcntl(watch.fd, F_SETFL, fcntl(watch.fd, F_GETFL) | O_NONBLOCK);
+  }
 
   Progress::Global().SetPhase(0, "startup");
   if (const std::string metrics = EnvString("LTRAIN_METRICS_FILE"); !metrics.empty()) {
@@ -537,10 +625,15 @@ int RunProgram(const ExecArgs& exec) {
   }
   ProgramProgress relay(Progress::Global());
   ReportReader reader(relay);
-  const std::optional<int> waited = RelayUntilExit(pid, read_fd, reader, relay);
+  const std::optional<int> waited = RelayUntilExit(pid, read_fd, reader, relay, watch, env->rank);
   close(read_fd);
+  if (watch.fd >= 0) close(watch.fd);
   if (!waited) return kWorkerExitFailed;
   const int status = *waited;
+  if (watch.silenced) {
+    reporter.reset();
+    return kWorkerExitFailed;  // a hang: restartable, as the others are
+  }
   if (WIFEXITED(status) && WEXITSTATUS(status) == 0) Progress::Global().SetPhase(relay.step(), "done");
   reporter.reset();  // its last report: where the program ended
   if (WIFSIGNALED(status)) return DieOf(WTERMSIG(status));

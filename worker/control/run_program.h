@@ -1,4 +1,4 @@
-// `ltrain-exec [--env NAME=VALUE]... -- PROGRAM ARGS...`: a user's program as one rank, the
+// `ltrain-exec [--env NAME=VALUE]... [--output-timeout S] -- PROGRAM ARGS...`: a user's program as one rank, the
 // way torchrun's per-rank process runs it. The agent starts one such proxy per rank with its LTRAIN_*
 // environment (and the torchrun variables RANK, WORLD_SIZE, ...), and the recipe's entrypoint.env as
 // --env arguments, which reach the program's environment but not the proxy's; the proxy
@@ -83,9 +83,13 @@ struct ExecArgs {
   std::vector<std::string> env;      // NAME=VALUE, for the program: over torchrun's variables, under
                                      // MASTER_ADDR, MASTER_PORT and LTRAIN_PROGRESS_FD
   std::vector<std::string> program;  // PROGRAM ARGS...
+  // > 0: the program's stdout and stderr pass through the proxy, and a program that prints and
+  // reports nothing for this long is killed, named as hung (exit 1: restartable). entrypoint.output_timeout_s.
+  double output_timeout_s = 0;
 };
 
-// nullopt, with `error` set, for anything but [--env NAME=VALUE]... -- PROGRAM [ARGS...].
+// nullopt, with `error` set, for anything but [--env NAME=VALUE]... [--output-timeout SECONDS] -- PROGRAM
+// [ARGS...].
 std::optional<ExecArgs> ParseExecArgs(const std::vector<std::string>& args, std::string& error);
 
 // Runs args.program as this rank's program, as above; returns the exit code for ltrain-worker: the
