@@ -5,6 +5,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <regex>
 #include <arpa/inet.h>
 #include <netinet/in.h>
@@ -98,6 +99,44 @@ class TrainingTest : public ::testing::Test {
     v1::Job job = JobStatus(job_id, Env(), {}, &exit_code);
     EXPECT_EQ(exit_code, 0) << job.DebugString();
     return job;
+  }
+
+  // A coordinator with the bearer token `token` and an HTTP port (--http-listen), and one agent (n1),
+  // as separate processes, up and connected; ShutDown stops both with SIGTERM.
+  struct Served {
+    std::map<std::string, std::string> env;  // with the token, for every ltrain command of the test
+    std::unique_ptr<Subprocess> coordinator;
+    std::unique_ptr<Subprocess> agent;
+    std::string address;  // the coordinator's RPCs
+    int http_port = 0;
+  };
+
+  Served ServeWithHttp(const std::string& token) {
+    Served served;
+    served.env = Env();
+    served.env["LTRAIN_TOKEN"] = token;
+    served.coordinator = std::make_unique<Subprocess>(
+        std::vector<std::string>{LtrainBinary(), "coordinator", "--listen", "127.0.0.1:0", "--port-file",
+                                 dir_.Join("port"), "--http-listen", "127.0.0.1:0", "--http-port-file",
+                                 dir_.Join("http-port"), "--state-dir", dir_.Join("coord")},
+        served.env);
+    const int port = WaitForPortFile(dir_.Join("port"), std::chrono::seconds(5));
+    served.http_port = WaitForPortFile(dir_.Join("http-port"), std::chrono::seconds(5));
+    if (port <= 0 || served.http_port <= 0) return served;
+    served.address = "127.0.0.1:" + std::to_string(port);
+    served.agent = std::make_unique<Subprocess>(
+        std::vector<std::string>{LtrainBinary(), "agent", "--coordinator", served.address, "--node-id", "n1",
+                                 "--work-dir", dir_.Join("agent")},
+        served.env);
+    return served;
+  }
+
+  static void ShutDown(Served& served) {
+    for (Subprocess* process : {served.agent.get(), served.coordinator.get()}) {
+      if (process == nullptr) continue;
+      process->Signal(SIGTERM);
+      EXPECT_EQ(process->Wait(std::chrono::seconds(10)).exit_code, 0) << process->Output();
+    }
   }
 
   TempDir dir_;
@@ -278,23 +317,12 @@ TEST_F(TrainingTest, SeparateCoordinatorAndAgentProcessesRunAJob) {
 // GET /metrics: Prometheus text in which every line is valid and each job has its loss; with a token
 // set, only requests that carry it are answered.
 TEST_F(TrainingTest, TheCoordinatorServesEveryJobsLossAsPrometheusMetrics) {
-  std::map<std::string, std::string> env = Env();
-  env["LTRAIN_TOKEN"] = "metrics-test-token";
-  Subprocess coordinator({LtrainBinary(), "coordinator", "--listen", "127.0.0.1:0", "--port-file", dir_.Join("port"),
-                          "--http-listen", "127.0.0.1:0", "--http-port-file", dir_.Join("http-port"), "--state-dir",
-                          dir_.Join("coord")},
-                         env);
-  const int port = WaitForPortFile(dir_.Join("port"), std::chrono::seconds(5));
-  const int http_port = WaitForPortFile(dir_.Join("http-port"), std::chrono::seconds(5));
-  ASSERT_GT(port, 0) << coordinator.Output();
-  ASSERT_GT(http_port, 0) << coordinator.Output();
-  const std::string address = "127.0.0.1:" + std::to_string(port);
-  Subprocess agent({LtrainBinary(), "agent", "--coordinator", address, "--node-id", "n1", "--work-dir",
-                    dir_.Join("agent")},
-                   env);
-  ProcessResult launched = RunProcess({LtrainBinary(), "launch", "--coordinator", address, recipe_, "--set",
+  Served served = ServeWithHttp("metrics-test-token");
+  ASSERT_NE(served.agent, nullptr) << served.coordinator->Output();
+  const int http_port = served.http_port;
+  ProcessResult launched = RunProcess({LtrainBinary(), "launch", "--coordinator", served.address, recipe_, "--set",
                                        "training.steps=5"},
-                                      env, std::chrono::seconds(120));
+                                      served.env, std::chrono::seconds(120));
   ASSERT_EQ(launched.exit_code, 0) << launched.output;
   const std::vector<double> losses = ParseLosses(launched.output);
   ASSERT_FALSE(losses.empty()) << launched.output;
@@ -314,10 +342,7 @@ TEST_F(TrainingTest, TheCoordinatorServesEveryJobsLossAsPrometheusMetrics) {
   const PrometheusSample* info = FindSample(parse, "ltrain_job_info", "tiny-1");
   ASSERT_NE(info, nullptr);
   EXPECT_EQ(info->labels.at("state"), "succeeded");
-  agent.Signal(SIGTERM);
-  EXPECT_EQ(agent.Wait(std::chrono::seconds(10)).exit_code, 0);
-  coordinator.Signal(SIGTERM);
-  EXPECT_EQ(coordinator.Wait(std::chrono::seconds(10)).exit_code, 0);
+  ShutDown(served);
 }
 
 // A standalone launch serves its own coordinator's metrics while the job runs, with the launch's
@@ -379,22 +404,12 @@ ProcessResult OpenInBrowser(const std::string& url, const std::vector<std::strin
 
 TEST_F(TrainingTest, TheDashboardShowsARunningJobsLossCurveInABrowser) {
   ASSERT_FALSE(Browser().empty()) << "the dashboard test needs Chromium: deploy/setup.sh --tests installs it";
-  std::map<std::string, std::string> env = Env();
-  env["LTRAIN_TOKEN"] = "dashboard-test-token";
-  Subprocess coordinator({LtrainBinary(), "coordinator", "--listen", "127.0.0.1:0", "--port-file", dir_.Join("port"),
-                          "--http-listen", "127.0.0.1:0", "--http-port-file", dir_.Join("http-port"), "--state-dir",
-                          dir_.Join("coord")},
-                         env);
-  const int port = WaitForPortFile(dir_.Join("port"), std::chrono::seconds(5));
-  const int http_port = WaitForPortFile(dir_.Join("http-port"), std::chrono::seconds(5));
-  ASSERT_GT(http_port, 0) << coordinator.Output();
-  const std::string address = "127.0.0.1:" + std::to_string(port);
-  Subprocess agent({LtrainBinary(), "agent", "--coordinator", address, "--node-id", "n1", "--work-dir",
-                    dir_.Join("agent")},
-                   env);
-  Subprocess launch({LtrainBinary(), "launch", "--coordinator", address, recipe_, "--set", "training.steps=400",
+  Served served = ServeWithHttp("dashboard-test-token");
+  ASSERT_NE(served.agent, nullptr) << served.coordinator->Output();
+  const int http_port = served.http_port;
+  Subprocess launch({LtrainBinary(), "launch", "--coordinator", served.address, recipe_, "--set", "training.steps=400",
                      "--set", "training.eval_every=100"},
-                    env);
+                    served.env);
   // Until the job has a few points on its curve.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(90);
   int points = 0;
@@ -429,10 +444,7 @@ TEST_F(TrainingTest, TheDashboardShowsARunningJobsLossCurveInABrowser) {
   EXPECT_NE(list.output.find(R"(<tr data-job="tiny-1">)"), std::string::npos) << list.output;
   EXPECT_EQ(HttpGet(http_port, "/").first, 401);
   EXPECT_EQ(HttpGet(http_port, "/api/jobs/tiny-1").first, 401);
-  agent.Signal(SIGTERM);
-  agent.Wait(std::chrono::seconds(10));
-  coordinator.Signal(SIGTERM);
-  coordinator.Wait(std::chrono::seconds(10));
+  ShutDown(served);
 }
 
 }  // namespace
