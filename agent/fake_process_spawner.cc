@@ -13,6 +13,7 @@ namespace ltrain::agent {
 FakeProcessSpawner::~FakeProcessSpawner() {
   for (auto& [pid, process] : processes_) {
     if (process.output_fd >= 0) close(process.output_fd);
+    if (process.input_fd >= 0) close(process.input_fd);
   }
 }
 
@@ -31,7 +32,17 @@ StatusOr<SpawnedProcess> FakeProcessSpawner::Spawn(const SpawnSpec& spec) {
   pid_t pid = next_pid_++;
   processes_[pid].output_fd = fds[1];
   spawns_.back().pid = pid;
-  return SpawnedProcess{pid, fds[0]};
+  SpawnedProcess spawned{pid, fds[0]};
+  if (spec.input_pipe) {
+    int input[2];
+    if (socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, input) != 0) {
+      return Internal(std::string("socketpair: ") + std::strerror(errno));
+    }
+    fcntl(input[1], F_SETFL, fcntl(input[1], F_GETFL) | O_NONBLOCK);
+    processes_[pid].input_fd = input[1];
+    spawned.input_fd = input[0];
+  }
+  return spawned;
 }
 
 void FakeProcessSpawner::KillGroup(pid_t pid, int signal) {
@@ -80,6 +91,28 @@ std::vector<int> FakeProcessSpawner::SignalsTo(pid_t pid) const {
   return out;
 }
 
+std::string FakeProcessSpawner::Input(pid_t pid, bool* closed) {
+  auto found = processes_.find(pid);
+  if (found == processes_.end()) return "";
+  Process& process = found->second;
+  char buffer[4096];
+  while (process.input_fd >= 0) {
+    const ssize_t n = read(process.input_fd, buffer, sizeof(buffer));
+    if (n > 0) {
+      process.input.append(buffer, static_cast<size_t>(n));
+      continue;
+    }
+    if (n == 0) {
+      process.input_closed = true;
+      close(process.input_fd);
+      process.input_fd = -1;
+    }
+    break;
+  }
+  if (closed != nullptr) *closed = process.input_closed;
+  return process.input;
+}
+
 bool FakeProcessSpawner::Alive(pid_t pid) const {
   auto found = processes_.find(pid);
   return found != processes_.end() && !found->second.ended;
@@ -88,10 +121,13 @@ bool FakeProcessSpawner::Alive(pid_t pid) const {
 void FakeProcessSpawner::End(pid_t pid, int code, int signal) {
   auto found = processes_.find(pid);
   if (found == processes_.end() || found->second.ended) return;
+  Input(pid);  // what the supervisor wrote before the end stays readable
   Process& process = found->second;
   process.ended = true;
   if (process.output_fd >= 0) close(process.output_fd);
   process.output_fd = -1;
+  if (process.input_fd >= 0) close(process.input_fd);
+  process.input_fd = -1;
   ProcessExit exit;
   exit.pid = pid;
   exit.exit_code = signal ? 0 : code;

@@ -64,12 +64,18 @@ class FakeProcessSpawner : public ProcessSpawner {
   const std::vector<SentSignal>& signals() const { return signals_; }
   // The signals sent to the process group of `pid`, in order.
   std::vector<int> SignalsTo(pid_t pid) const;
+  // What the supervisor wrote to the process's stdin (SpawnSpec::input_pipe) so far, and whether
+  // it closed its end.
+  std::string Input(pid_t pid, bool* closed = nullptr);
   // Spawned and not yet ended.
   bool Alive(pid_t pid) const;
 
  private:
   struct Process {
     int output_fd = -1;  // the fake's end; -1 once the process ended
+    int input_fd = -1;   // the child's end of its stdin (input_pipe), non-blocking
+    std::string input;   // read from it so far
+    bool input_closed = false;
     bool ignores_sigterm = false;
     bool uninterruptible = false;
     bool ended = false;

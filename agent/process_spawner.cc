@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -14,21 +15,24 @@ extern char** environ;
 
 namespace ltrain::agent {
 
-StatusOr<SpawnedProcess> RealProcessSpawner::Spawn(const SpawnSpec& spec) {
-  // Everything the child needs is built before fork: only async-signal-safe calls after it.
+std::vector<std::string> SpawnEnvironment(const std::vector<std::string>& spec_env) {
   std::map<std::string, std::string> merged;
   for (char** e = environ; *e; ++e) {
     std::string entry(*e);
     size_t eq = entry.find('=');
     if (eq != std::string::npos) merged[entry.substr(0, eq)] = entry;
   }
-  // The cluster token drives the whole coordinator: a worker runs user code and needs none of it
-  // (it reaches its agent with its job's own secret).
   merged.erase("LTRAIN_TOKEN");
   merged.erase("LTRAIN_TOKEN_FILE");
-  for (const auto& entry : spec.env) merged[entry.substr(0, entry.find('='))] = entry;
-  std::vector<std::string> env_strings;
-  for (auto& [key, entry] : merged) env_strings.push_back(entry);
+  for (const auto& entry : spec_env) merged[entry.substr(0, entry.find('='))] = entry;
+  std::vector<std::string> out;
+  for (auto& [key, entry] : merged) out.push_back(std::move(entry));
+  return out;
+}
+
+StatusOr<SpawnedProcess> RealProcessSpawner::Spawn(const SpawnSpec& spec) {
+  // Everything the child needs is built before fork: only async-signal-safe calls after it.
+  std::vector<std::string> env_strings = SpawnEnvironment(spec.env);
   std::vector<char*> envp;
   for (auto& s : env_strings) envp.push_back(s.data());
   envp.push_back(nullptr);
@@ -40,12 +44,22 @@ StatusOr<SpawnedProcess> RealProcessSpawner::Spawn(const SpawnSpec& spec) {
 
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) return Internal(std::string("pipe: ") + std::strerror(errno));
+  int input[2] = {-1, -1};
+  // A socket pair rather than a pipe: the caller writes with MSG_NOSIGNAL, so a child that died
+  // never raises SIGPIPE in the agent.
+  if (spec.input_pipe && socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, input) != 0) {
+    int error = errno;
+    close(fds[0]);
+    close(fds[1]);
+    return Internal(std::string("socketpair: ") + std::strerror(error));
+  }
   pid_t parent = getpid();
   pid_t pid = fork();
   if (pid < 0) {
     int error = errno;
-    close(fds[0]);
-    close(fds[1]);
+    for (int fd : {fds[0], fds[1], input[0], input[1]}) {
+      if (fd >= 0) close(fd);
+    }
     return Internal(std::string("fork: ") + std::strerror(error));
   }
   if (pid == 0) {
@@ -58,8 +72,12 @@ StatusOr<SpawnedProcess> RealProcessSpawner::Spawn(const SpawnSpec& spec) {
     if (getppid() != parent) _exit(127);  // the agent died before prctl took effect
     dup2(fds[1], STDOUT_FILENO);
     dup2(fds[1], STDERR_FILENO);
-    int devnull = open("/dev/null", O_RDONLY);
-    if (devnull >= 0) dup2(devnull, STDIN_FILENO);
+    if (input[0] >= 0) {
+      dup2(input[0], STDIN_FILENO);
+    } else {
+      int devnull = open("/dev/null", O_RDONLY);
+      if (devnull >= 0) dup2(devnull, STDIN_FILENO);
+    }
     if (!spec.working_dir.empty() && chdir(spec.working_dir.c_str()) != 0) _exit(126);
     // Every other descriptor is close-on-exec or closed here.
     close_range(3, ~0U, 0);
@@ -72,7 +90,8 @@ StatusOr<SpawnedProcess> RealProcessSpawner::Spawn(const SpawnSpec& spec) {
   setpgid(pid, pid);  // also from the parent, so KillGroup works even before the child ran
   close(fds[1]);
   fcntl(fds[0], F_SETFL, fcntl(fds[0], F_GETFL) | O_NONBLOCK);
-  return SpawnedProcess{pid, fds[0]};
+  if (input[0] >= 0) close(input[0]);
+  return SpawnedProcess{pid, fds[0], input[1]};
 }
 
 void RealProcessSpawner::KillGroup(pid_t pid, int signal) {

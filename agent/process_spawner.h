@@ -18,11 +18,16 @@ struct SpawnSpec {
   std::vector<std::string> args;  // after argv[0]
   std::vector<std::string> env;   // "KEY=VALUE", added to (and overriding) the agent's environment
   std::string working_dir;
+  // The child's stdin is one end of a socket pair whose other end the caller gets
+  // (SpawnedProcess::input_fd) and writes with send(MSG_NOSIGNAL), rather than /dev/null: a warm
+  // standby waits there for the environment of the rank it becomes.
+  bool input_pipe = false;
 };
 
 struct SpawnedProcess {
   pid_t pid = -1;
   int output_fd = -1;  // stdout and stderr of the child, non-blocking; the caller closes it
+  int input_fd = -1;   // with SpawnSpec::input_pipe: the caller's end of the child's stdin; the caller closes it
 };
 
 struct ProcessExit {
@@ -30,6 +35,11 @@ struct ProcessExit {
   int exit_code = 0;  // when signal == 0
   int signal = 0;     // the signal that killed it, or 0
 };
+
+// The environment a process spawned with `spec_env` gets: this process's, without the cluster
+// token (a worker runs user code and reaches its agent with its job's own secret), with `spec_env`'s
+// entries (NAME=VALUE) added or in place of those of their names; sorted by name.
+std::vector<std::string> SpawnEnvironment(const std::vector<std::string>& spec_env);
 
 class ProcessSpawner {
  public:

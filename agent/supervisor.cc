@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -113,6 +114,7 @@ Supervisor::Supervisor(SupervisorOptions options, ProcessSpawner& spawner, const
 Supervisor::~Supervisor() {
   for (auto& [pid, worker] : workers_) {
     if (worker->output_fd >= 0) close(worker->output_fd);
+    if (worker->input_fd >= 0) close(worker->input_fd);
   }
 }
 
@@ -135,7 +137,7 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
     return;
   }
   for (auto& [pid, worker] : workers_) {
-    if (worker->job_id == start.job_id() && worker->generation < start.generation()) {
+    if (worker->job_id == start.job_id() && worker->generation < start.generation() && !worker->standby) {
       spawner_.KillGroup(pid, SIGKILL);  // a leftover of an older generation
     }
   }
@@ -164,6 +166,11 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
   // MASTER_ADDR and MASTER_PORT (agreed through the rendezvous) and the progress descriptor.
   const RecipeParseResult parsed = ParseRecipe(start.recipe_yaml(), recipe.string());
   const bool program = parsed.ok() && parsed.recipe.runs_program();
+  // Standbys for the next generation, while the job may still restart.
+  const bool standbys = program && parsed.recipe.entrypoint.warm_standby &&
+                        start.restart_count() < parsed.recipe.fault.max_restarts;
+  const std::string standby_mode = parsed.ok() && parsed.recipe.parallel.device == Device::kCuda ? "cuda" : "cpu";
+  std::set<pid_t> taken;  // standbys that became this generation's workers
   for (const auto& assignment : start.workers()) {
     SpawnSpec spec;
     spec.binary = options_.worker_binary;
@@ -208,18 +215,49 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
       std::vector<std::string> torchrun = TorchrunEnvironment(start, assignment, parsed.recipe);
       spec.env.insert(spec.env.end(), torchrun.begin(), torchrun.end());
     }
-    auto worker = std::make_unique<Worker>();
-    worker->job_id = start.job_id();
-    worker->generation = start.generation();
-    worker->rank = assignment.rank();
-    worker->log_path = (dir / ("rank-" + std::to_string(assignment.rank()) + ".log")).string();
-    worker->log.open(worker->log_path, std::ios::app);
+    const std::string log_path = (dir / ("rank-" + std::to_string(assignment.rank()) + ".log")).string();
     v1::WorkerStateReport report;
     report.set_node_id(options_.node_id);
     report.set_job_id(start.job_id());
     report.set_generation(start.generation());
     report.set_rank(assignment.rank());
-    report.set_log_path(worker->log_path);
+    report.set_log_path(log_path);
+    // A standby of this local rank, waiting for the same program, becomes the rank.
+    Worker* standby = nullptr;
+    if (program) {
+      for (auto& [pid, candidate] : workers_) {
+        if (candidate->standby && candidate->job_id == start.job_id() && candidate->local_rank == assignment.local_rank() &&
+            candidate->generation < start.generation() && candidate->kill_at_ms == 0 && candidate->input_fd >= 0 &&
+            candidate->runs.binary == spec.binary && candidate->runs.args == spec.args) {
+          standby = candidate.get();
+          break;
+        }
+      }
+    }
+    if (standby != nullptr && Activate(*standby, spec.working_dir, SpawnEnvironment(spec.env))) {
+      taken.insert(standby->pid);
+      standby->standby = false;
+      standby->generation = start.generation();
+      standby->rank = assignment.rank();
+      standby->log_path = log_path;
+      standby->log.open(log_path, std::ios::app);
+      standby->tail.clear();
+      standby->oom_kills_at_start = options_.read_oom_kill_count();
+      report.set_state("running");
+      report.set_pid(standby->pid);
+      PublishRunning();
+      outbox_.Send(std::move(report));
+      LTRAIN_LOG(kInfo, kLog) << start.job_id() << " rank " << assignment.rank() << " starts in its warm standby (pid "
+                              << standby->pid << ")";
+      if (standbys) SpawnStandby(spec, standby_mode, start, assignment);
+      continue;
+    }
+    auto worker = std::make_unique<Worker>();
+    worker->job_id = start.job_id();
+    worker->generation = start.generation();
+    worker->rank = assignment.rank();
+    worker->log_path = log_path;
+    worker->log.open(worker->log_path, std::ios::app);
     StatusOr<SpawnedProcess> spawned = spawner_.Spawn(spec);
     if (!spawned.ok()) {
       report.set_state("exited");
@@ -236,14 +274,100 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
     workers_[worker->pid] = std::move(worker);
     PublishRunning();
     outbox_.Send(std::move(report));
+    if (standbys) SpawnStandby(spec, standby_mode, start, assignment);
   }
-  LTRAIN_LOG(kInfo, kLog) << "started " << start.workers_size() << " worker(s) of " << start.job_id();
+  // Standbys of older generations that no rank took: the job's shape changed.
+  for (auto& [pid, worker] : workers_) {
+    if (worker->standby && worker->job_id == start.job_id() && worker->generation < start.generation() &&
+        worker->kill_at_ms == 0) {
+      spawner_.KillGroup(pid, SIGKILL);
+      worker->kill_at_ms = clock_.SteadyMs();
+      worker->kill_sent = true;
+    }
+  }
+  LTRAIN_LOG(kInfo, kLog) << "started " << start.workers_size() << " worker(s) of " << start.job_id()
+                          << (taken.empty() ? "" : ", " + std::to_string(taken.size()) + " in warm standbys");
+}
+
+bool Supervisor::Activate(Worker& standby, const std::string& working_dir, const std::vector<std::string>& env) {
+  std::string payload = working_dir;
+  payload.push_back('\0');
+  for (const std::string& entry : env) {
+    payload += entry;
+    payload.push_back('\0');
+  }
+  // The standby reads its stdin until it ends; one that does not take it all at once is stuck.
+  fcntl(standby.input_fd, F_SETFL, fcntl(standby.input_fd, F_GETFL) | O_NONBLOCK);
+  size_t sent = 0;
+  while (sent < payload.size()) {
+    const ssize_t n = send(standby.input_fd, payload.data() + sent, payload.size() - sent, MSG_NOSIGNAL);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    sent += static_cast<size_t>(n);
+  }
+  close(standby.input_fd);
+  standby.input_fd = -1;
+  if (sent == payload.size()) return true;
+  LTRAIN_LOG(kWarning, kLog) << "the warm standby of " << standby.job_id << " local rank " << standby.local_rank
+                             << " (pid " << standby.pid << ") did not take its rank's environment; starting a new process";
+  spawner_.KillGroup(standby.pid, SIGKILL);
+  standby.kill_at_ms = clock_.SteadyMs();
+  standby.kill_sent = true;
+  return false;
+}
+
+void Supervisor::SpawnStandby(const SpawnSpec& worker_spec, const std::string& mode, const v1::StartJobCommand& start,
+                              const v1::WorkerAssignment& assignment) {
+  SpawnSpec spec = worker_spec;
+  spec.args.insert(spec.args.begin(), {"--standby", mode});
+  spec.input_pipe = true;
+  StatusOr<SpawnedProcess> spawned = spawner_.Spawn(spec);
+  if (!spawned.ok()) {
+    LTRAIN_LOG(kWarning, kLog) << "no warm standby for " << start.job_id() << " local rank " << assignment.local_rank()
+                               << ": " << spawned.status().message();
+    return;
+  }
+  auto standby = std::make_unique<Worker>();
+  standby->job_id = start.job_id();
+  standby->generation = start.generation();
+  standby->rank = assignment.rank();
+  standby->local_rank = assignment.local_rank();
+  standby->standby = true;
+  standby->runs = worker_spec;
+  standby->pid = spawned->pid;
+  standby->output_fd = spawned->output_fd;
+  standby->input_fd = spawned->input_fd;
+  workers_[standby->pid] = std::move(standby);
+}
+
+void Supervisor::EndStandbys(const std::string& job_id) {
+  const int64_t now = clock_.SteadyMs();
+  for (auto& [pid, worker] : workers_) {
+    if (!worker->standby || worker->job_id != job_id || worker->kill_at_ms != 0) continue;
+    spawner_.KillGroup(pid, SIGKILL);
+    worker->kill_at_ms = now;
+    worker->kill_sent = true;
+  }
+  idle_since_ms_.erase(job_id);
+}
+
+bool Supervisor::HasWorkers(const std::string& job_id) const {
+  for (const auto& [pid, worker] : workers_) {
+    if (!worker->standby && worker->job_id == job_id) return true;
+  }
+  return false;
+}
+
+int Supervisor::Standbys() const {
+  int count = 0;
+  for (const auto& [pid, worker] : workers_) count += worker->standby && worker->kill_at_ms == 0;
+  return count;
 }
 
 void Supervisor::StopJob(const std::string& job_id, int generation) {
   int64_t now = clock_.SteadyMs();
   for (auto& [pid, worker] : workers_) {
-    if (worker->job_id != job_id || worker->kill_at_ms != 0) continue;
+    if (worker->job_id != job_id || worker->kill_at_ms != 0 || worker->standby) continue;
     if (generation >= 0 && worker->generation > generation) continue;
     spawner_.KillGroup(pid, SIGTERM);
     spawner_.KillGroup(pid, SIGCONT);  // a stopped (hung) worker acts on SIGTERM only once continued
@@ -272,6 +396,22 @@ void Supervisor::Poll() {
       worker->kill_sent = true;
     }
   }
+  // Standbys of a job with no worker here wait kStandbyLingerMs for its next generation.
+  std::set<std::string> waiting;
+  for (const auto& [pid, worker] : workers_) {
+    if (worker->standby && worker->kill_at_ms == 0 && !HasWorkers(worker->job_id)) waiting.insert(worker->job_id);
+  }
+  for (auto it = idle_since_ms_.begin(); it != idle_since_ms_.end();) {
+    it = waiting.count(it->first) ? std::next(it) : idle_since_ms_.erase(it);
+  }
+  for (const std::string& job : waiting) {
+    const int64_t since = idle_since_ms_.emplace(job, now).first->second;
+    if (now - since >= kStandbyLingerMs) {
+      LTRAIN_LOG(kInfo, kLog) << "no new generation of " << job << " for " << kStandbyLingerMs / 1000
+                              << " s: ending its warm standbys";
+      EndStandbys(job);
+    }
+  }
   SendBatches(batches);
 }
 
@@ -280,6 +420,18 @@ void Supervisor::Reap(const ProcessExit& exit, Batches& batches) {
   if (found == workers_.end()) return;
   std::unique_ptr<Worker> worker = std::move(found->second);
   workers_.erase(found);
+  if (worker->standby) {
+    Drain(*worker, batches, true);
+    if (worker->output_fd >= 0) close(worker->output_fd);
+    if (worker->input_fd >= 0) close(worker->input_fd);
+    if (worker->kill_at_ms == 0) {
+      LTRAIN_LOG(kWarning, kLog) << "the warm standby of " << worker->job_id << " local rank " << worker->local_rank
+                                 << " ended ("
+                                 << (exit.signal ? SignalName(exit.signal) : "exit code " + std::to_string(exit.exit_code))
+                                 << "); that rank's next start is a new process";
+    }
+    return;
+  }
   PublishRunning();
   Drain(*worker, batches, true);
   SendBatches(batches);  // the lines go before the exit report
@@ -303,6 +455,8 @@ void Supervisor::Reap(const ProcessExit& exit, Batches& batches) {
   outbox_.Send(std::move(report));
   if (worker->output_fd >= 0) close(worker->output_fd);
   bool failed = exit.signal != 0 || exit.exit_code != 0;
+  // The job's ranks here all succeeded: no restart will need its standbys.
+  if (!failed && !stopping && !HasWorkers(worker->job_id)) EndStandbys(worker->job_id);
   if (failed && !stopping) {
     LTRAIN_LOG(kWarning, kLog) << worker->job_id << " rank " << worker->rank << " "
                                << (exit.signal ? "was killed by " + SignalName(exit.signal)
@@ -343,6 +497,13 @@ void Supervisor::Drain(Worker& worker, Batches& batches, bool final_read) {
 }
 
 void Supervisor::AddLine(Worker& worker, const std::string& line, Batches& batches) {
+  if (worker.standby) {  // what its interpreter printed while it warmed up
+    worker.tail.push_back(BoundedLine(line, kMaxForwardedLineBytes, "a warm standby's output"));
+    if (worker.tail.size() > kTailLines) worker.tail.pop_front();
+    LTRAIN_LOG(kInfo, kLog) << "warm standby of " << worker.job_id << " local rank " << worker.local_rank << ": "
+                            << worker.tail.back();
+    return;
+  }
   worker.log << line << '\n';
   // What goes to the coordinator: valid UTF-8 (protobuf refuses anything else), and at most
   // kMaxForwardedLineBytes of it.
@@ -384,6 +545,7 @@ std::vector<int> Supervisor::OutputFds() const {
 std::vector<v1::RunningWorker> Supervisor::Running() const {
   std::vector<v1::RunningWorker> running;
   for (const auto& [pid, worker] : workers_) {
+    if (worker->standby) continue;
     v1::RunningWorker& w = running.emplace_back();
     w.set_job_id(worker->job_id);
     w.set_generation(worker->generation);

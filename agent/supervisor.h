@@ -4,6 +4,14 @@
 // stops a job's workers with SIGTERM and SIGKILL after the grace, stops the job's other workers on
 // this node when one fails, and kills leftovers of older generations.
 //
+// Warm standbys (entrypoint.warm_standby): beside each rank of a Python program that may still be
+// restarted, a second `ltrain-exec --standby` whose interpreter has imported torch waits on its
+// stdin. The next generation's rank of the same local rank becomes that process: the supervisor
+// writes it the rank's working directory and whole environment (NUL-terminated: the directory,
+// then NAME=VALUE entries; then the end of input) instead of spawning. A standby is no worker: it is neither reported nor stopped with its job's
+// workers; it ends when a newer generation does not take it, when the job's workers on this node
+// all succeed, or once they have all been gone kStandbyLingerMs.
+//
 // Who calls it: one long-lived thread owns it (the agent's supervisor thread) and makes every call,
 // because PR_SET_PDEATHSIG ties each worker to the thread that forked it. It has no thread, no
 // socket and no sleep of its own: the caller waits for output (poll on OutputFds(), or a short
@@ -75,6 +83,9 @@ class Supervisor {
   static constexpr size_t kMaxForwardedLineBytes = 16 << 10;
   static constexpr size_t kMaxBatchBytes = 512 << 10;
   static constexpr size_t kMaxPartialLineBytes = 1 << 20;
+  // How long the standbys of a job with no worker on this node wait for its next generation (a
+  // restart's backoff, an elastic job's wait for nodes) before they end.
+  static constexpr int64_t kStandbyLingerMs = 5 * 60 * 1000;
 
   // `spawner`, `clock` and `outbox` must outlive the supervisor. An empty read_oom_kill_count
   // reads this process's cgroup (ReadOomKillCount).
@@ -105,6 +116,8 @@ class Supervisor {
   // The output descriptors to wait on between calls to Poll.
   std::vector<int> OutputFds() const;
   std::vector<v1::RunningWorker> Running() const;
+  // Warm standbys alive (spawned, not yet taken by a generation, not ended).
+  int Standbys() const;
 
  private:
   struct Worker {
@@ -120,6 +133,11 @@ class Supervisor {
     int64_t kill_at_ms = 0;  // when a SIGTERM'd worker gets SIGKILL; 0 when not stopping
     bool kill_sent = false;  // that SIGKILL went out
     std::optional<int64_t> oom_kills_at_start;
+    // A warm standby: no rank yet (rank and generation are those it was spawned beside).
+    bool standby = false;
+    int local_rank = -1;
+    SpawnSpec runs;    // the worker it can become: binary, arguments, working directory
+    int input_fd = -1;  // where its rank's environment goes
   };
   struct Batch {
     v1::PushLogsRequest request;
@@ -132,12 +150,20 @@ class Supervisor {
   void SendBatches(Batches& batches);
   void Reap(const ProcessExit& exit, Batches& batches);
   void PublishRunning();
+  // Hands the rank's working directory and environment to the standby, which becomes a worker;
+  // false when it could not take them.
+  bool Activate(Worker& standby, const std::string& working_dir, const std::vector<std::string>& env);
+  void SpawnStandby(const SpawnSpec& worker_spec, const std::string& mode, const v1::StartJobCommand& start,
+                    const v1::WorkerAssignment& assignment);
+  void EndStandbys(const std::string& job_id);
+  bool HasWorkers(const std::string& job_id) const;
 
   SupervisorOptions options_;
   ProcessSpawner& spawner_;
   const Clock& clock_;
   SupervisorOutbox& outbox_;
   std::map<pid_t, std::unique_ptr<Worker>> workers_;
+  std::map<std::string, int64_t> idle_since_ms_;  // jobs with standbys and no worker: since when
 };
 
 }  // namespace ltrain::agent

@@ -103,6 +103,7 @@ struct RunArgs {
   int max_restarts = 0;
   double restart_backoff_s = 0;  // torchrun restarts at once
   double output_timeout_s = 0;   // 0: none
+  bool warm_standby = false;
   double hang_timeout_s = 0;     // 0: the recipe default
   std::string name;
   std::string workdir;
@@ -157,6 +158,7 @@ int RunProgram(const RunArgs& args, const SecurityMaterial& security) {
   recipe.entrypoint.command = args.program;
   recipe.entrypoint.workdir = args.workdir;
   recipe.entrypoint.output_timeout_s = args.output_timeout_s;
+  recipe.entrypoint.warm_standby = args.warm_standby;
   for (const std::string& entry : args.env) {
     const size_t eq = entry.find('=');
     if (eq == std::string::npos || eq == 0) {
@@ -206,6 +208,10 @@ void AddRunCommand(CLI::App& app, CommandContext& ctx) {
                   "restart policy applies (entrypoint.output_timeout_s); 0: never")
       ->check(CLI::Range(0.0, 604800.0))
       ->capture_default_str();
+  cmd->add_flag("--warm-standby", args->warm_standby,
+               "Keep an interpreter that has imported torch (and made its GPU's context, with --device cuda) beside "
+               "each rank of a Python program, and restart the rank in it: a restart skips Python's and CUDA's "
+               "start-up, for one more process per rank (entrypoint.warm_standby)");
   cmd->add_option("--name", args->name, "The job's name (job ids are NAME-N); default: the script's or program's name");
   cmd->add_option("--workdir", args->workdir, "Directory the program starts in; default: this one");
   cmd->add_option("--env", args->env, "NAME=VALUE added to every rank's environment (repeatable)")

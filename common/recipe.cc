@@ -18,6 +18,7 @@
 
 #include "common/layout.h"
 #include "common/logging.h"
+#include "common/python_command.h"
 #include "common/recipe_schema.h"
 
 namespace ltrain {
@@ -415,6 +416,11 @@ void CheckProgramRecipe(const Recipe& r, RecipeReader& reader) {
   if (r.entrypoint.command.front().empty()) {
     reader.ErrorOnKey("entrypoint.command", "entrypoint.command starts with an empty program name");
   }
+  if (std::string why; r.entrypoint.warm_standby && !ParsePythonCommand(r.entrypoint.command, why)) {
+    reader.ErrorOnKey("entrypoint.warm_standby", "entrypoint.warm_standby runs a Python script in an interpreter "
+                                                 "started ahead, and " + why + ": run python3 SCRIPT.py ARGS or "
+                                                 "python3 -m MODULE ARGS, or remove warm_standby");
+  }
   const ParallelSpec defaults;
   if (r.parallel.tp != defaults.tp || r.parallel.pp != defaults.pp || r.parallel.zero != defaults.zero) {
     const char* key = r.parallel.tp != defaults.tp ? "parallel.tp" : r.parallel.pp != defaults.pp ? "parallel.pp" : "parallel.zero";
@@ -433,6 +439,10 @@ void CheckAcrossKeys(const Recipe& r, RecipeReader& reader) {
     reader.ErrorOnKey("entrypoint.output_timeout_s", "entrypoint.output_timeout_s watches your program "
                                                      "(entrypoint.command); ltrain's trainer reports its progress: "
                                                      "use fault.hang_timeout_s");
+  }
+  if (r.entrypoint.warm_standby) {
+    reader.ErrorOnKey("entrypoint.warm_standby", "entrypoint.warm_standby keeps interpreters ready for your program "
+                                                 "(entrypoint.command); ltrain's trainer restarts without one: remove it");
   }
   if (r.data.path.empty()) {
     reader.ErrorOnKey("data.path", "data.path is required: the directory written by `ltrain data prepare --output DIR`");

@@ -214,6 +214,8 @@ struct EntrypointSpec {
   std::string workdir;                        // where the program starts; empty: where ltrain ran
   double output_timeout_s = 0;                // a rank that prints and reports nothing this long is
                                               // stopped as hung; 0: never
+  bool warm_standby = false;                  // a Python program's next generation starts in
+                                              // interpreters that have imported torch already
 };
 
 struct Recipe {

@@ -289,6 +289,13 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
                           "as hung, and the restart policy applies; 0: never",
                   .real_min = 0, .real_max = 604800, .omit_at_default = true},
         r.entrypoint.output_timeout_s);
+  visit(RecipeKey{.section = "entrypoint", .name = "warm_standby",
+                  .help = "true: each rank of a Python program (python3 SCRIPT or -m MODULE) has an interpreter beside "
+                          "it that has imported torch (and, on cuda, made its GPU's context), and a restart runs the "
+                          "script in it: restarts skip Python's and CUDA's start-up, for a second process and its "
+                          "memory per rank",
+                  .omit_at_default = true},
+        r.entrypoint.warm_standby);
 }
 
 // Every key's value as the writer writes it, by path ("training.lr" -> "0.0003").

@@ -1,7 +1,7 @@
 // `ltrain run`: programs of the user's own under ltrain, as torchrun runs them. A DDP script over
 // Gloo with Debian's python3-torch (the all-reduce sums the ranks), a rank killed mid-run (the
 // job restarts it with TORCHELASTIC_RESTART_COUNT=1 and the script resumes from its own
-// checkpoint), a program that exits 1 (the job fails with its last lines), and a recipe that mixes
+// checkpoint; with --warm-standby, in interpreters started ahead), a program that exits 1 (the job fails with its last lines), and a recipe that mixes
 // a program with ltrain's trainer (refused); a program that stops reporting progress is named hung,
 // one that never reports is not.
 #include <gtest/gtest.h>
@@ -18,6 +18,7 @@ namespace {
 // checkpoint of its own (step.txt in the working directory) that a restart resumes from. KILL_AT
 // (restart 0 only): rank 1 kills itself with SIGKILL at that step.
 constexpr const char* kScript = R"(import os, signal, sys
+WARM = "torch" in sys.modules  # run by a warm standby, which imported torch before the script
 import torch
 import torch.distributed as dist
 
@@ -29,6 +30,7 @@ t = torch.tensor([float(rank + 1)])
 dist.all_reduce(t)
 print(f"rank {rank} of {world} local {os.environ['LOCAL_RANK']} restart {restart} sum {t.item():g}", flush=True)
 assert t.item() == world * (world + 1) / 2
+print(f"rank {rank} restart {restart} warm {int(WARM)} as {__name__} in {os.getcwd()} argv {sys.argv[1:]}", flush=True)
 model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)
 start = int(open("step.txt").read()) if os.path.exists("step.txt") else 0
@@ -90,6 +92,26 @@ TEST_F(RunTest, KilledRankRestartsAndTheScriptResumesFromItsCheckpoint) {
   // Step 3 was the last every rank finished before the kill at step 4.
   EXPECT_NE(result.output.find("rank 0 resumed from step 3"), std::string::npos) << result.output;
   EXPECT_NE(result.output.find("rank 1 step 6"), std::string::npos) << result.output;
+}
+
+// --warm-standby: the restarted ranks run the script in interpreters that imported torch while the
+// first ones trained, as __main__, in the same directory, with the new generation's environment.
+TEST_F(RunTest, KilledRankRestartsInItsWarmStandby) {
+  ProcessResult result = Run({"--nproc-per-node", "2", "--max-restarts", "1", "--env", "KILL_AT=4", "--warm-standby",
+                              "--output-timeout", "120"},
+                             {"/usr/bin/python3", "-u", "train.py", "--flag"});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  const std::string where = " as __main__ in " + dir_.path() + " argv ['--flag']";
+  for (const char* rank : {"0", "1"}) {
+    EXPECT_NE(result.output.find("rank " + std::string(rank) + " restart 0 warm 0" + where), std::string::npos)
+        << result.output;
+    EXPECT_NE(result.output.find("rank " + std::string(rank) + " restart 1 warm 1" + where), std::string::npos)
+        << result.output;
+  }
+  EXPECT_NE(result.output.find("rank 0 of 2 local 0 restart 1 sum 3"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("rank 0 resumed from step 3"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("rank 1 step 6"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("SUCCEEDED"), std::string::npos) << result.output;
 }
 
 TEST_F(RunTest, ProgramThatExitsOneFailsTheJobWithItsLastLines) {

@@ -43,7 +43,7 @@ const std::set<std::string> kSingleValued = {};
 // A recipe with entrypoint.command has no model, data or training: ProgramRecipeReachesTheAgent
 // covers these keys.
 const std::set<std::string> kProgramKeys = {"entrypoint.command", "entrypoint.env", "entrypoint.workdir",
-                                           "entrypoint.output_timeout_s"};
+                                           "entrypoint.output_timeout_s", "entrypoint.warm_standby"};
 
 // The command a coordinator with one node sends its agent for `recipe`, submitted as `ltrain launch`
 // submits it; nullopt (after a test failure) when the submit is refused.
@@ -108,7 +108,7 @@ TEST(RecipeKeysTest, ProgramRecipeReachesTheAgent) {
 parallel: {nodes: {min: 1, max: 2}, nproc_per_node: 2}
 fault: {max_restarts: 3}
 entrypoint: {command: [python3, train.py, --lr, "3e-4"], env: {NCCL_DEBUG: INFO, A: "x y"}, workdir: /srv/train,
-             output_timeout_s: 45}
+             output_timeout_s: 45, warm_standby: true}
 )";
   RecipeParseResult user = ParseRecipe(kProgram, "program.yaml");
   ASSERT_TRUE(user.ok()) << user.ErrorText();
@@ -125,6 +125,7 @@ entrypoint: {command: [python3, train.py, --lr, "3e-4"], env: {NCCL_DEBUG: INFO,
   EXPECT_EQ(received.recipe.entrypoint.env, (std::map<std::string, std::string>{{"A", "x y"}, {"NCCL_DEBUG", "INFO"}}));
   EXPECT_EQ(received.recipe.entrypoint.workdir, "/srv/train");
   EXPECT_EQ(received.recipe.entrypoint.output_timeout_s, 45);
+  EXPECT_TRUE(received.recipe.entrypoint.warm_standby);
   EXPECT_EQ(received.recipe.fault.max_restarts, 3);
   EXPECT_EQ(command->start().world_size(), 2);
 }

@@ -201,6 +201,25 @@ TEST(RecipeTest, ErrorsAreListedInTheOrderOfTheFile) {
   EXPECT_EQ(result.errors.front().line, 2) << result.ErrorText();
 }
 
+// A warm standby runs a Python script or module, and only for a program.
+TEST(RecipeTest, AWarmStandbyNeedsAPythonProgram) {
+  RecipeParseResult python =
+      ParseRecipe("name: x\nentrypoint: {command: [python3, -u, train.py], warm_standby: true}\n", "r.yaml");
+  ASSERT_TRUE(python.ok()) << python.ErrorText();
+  EXPECT_TRUE(python.recipe.entrypoint.warm_standby);
+  RecipeParseResult shell =
+      ParseRecipe("name: x\nentrypoint:\n  command: [./train.sh]\n  warm_standby: true\n", "r.yaml");
+  ASSERT_EQ(shell.errors.size(), 1u) << shell.ErrorText();
+  EXPECT_EQ(shell.errors[0].line, 4) << shell.ErrorText();
+  EXPECT_NE(shell.errors[0].message.find("./train.sh is not a Python interpreter"), std::string::npos)
+      << shell.ErrorText();
+  EXPECT_NE(shell.errors[0].message.find("or remove warm_standby"), std::string::npos) << shell.ErrorText();
+  RecipeParseResult trainer = ParseRecipe(std::string(kGood) + "entrypoint: {warm_standby: true}\n", "r.yaml");
+  ASSERT_EQ(trainer.errors.size(), 1u) << trainer.ErrorText();
+  EXPECT_NE(trainer.errors[0].message.find("ltrain's trainer restarts without one"), std::string::npos)
+      << trainer.ErrorText();
+}
+
 TEST(RecipeTest, MissingDataPathExplainsTheFix) {
   RecipeParseResult result = ParseRecipe("name: x\n", "r.yaml");
   ASSERT_EQ(result.errors.size(), 1u);

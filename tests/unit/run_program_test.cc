@@ -78,6 +78,19 @@ TEST(ParseExecArgsTest, EnvironmentEntriesComeBeforeTheProgram) {
   EXPECT_EQ(args->env, (std::vector<std::string>{"A=b"}));
 }
 
+TEST(ParseExecArgsTest, AStandbyRunsAPythonProgram) {
+  std::string error;
+  std::optional<ExecArgs> args = ParseExecArgs({"--standby", "cuda", "--env", "A=b", "--", "python3", "-u", "t.py"}, error);
+  ASSERT_TRUE(args) << error;
+  EXPECT_EQ(args->standby, "cuda");
+  EXPECT_EQ(args->program, (std::vector<std::string>{"python3", "-u", "t.py"}));
+  EXPECT_EQ(ParseExecArgs({"--", "python3", "t.py"}, error)->standby, "") << "no standby unless asked";
+  EXPECT_FALSE(ParseExecArgs({"--standby", "cpu", "--", "./train"}, error));
+  EXPECT_NE(error.find("not a Python interpreter"), std::string::npos) << error;
+  EXPECT_FALSE(ParseExecArgs({"--standby", "tpu", "--", "python3", "t.py"}, error));
+  EXPECT_NE(error.find("expected cpu or cuda"), std::string::npos) << error;
+}
+
 TEST(ParseExecArgsTest, AnythingElseIsRefusedWithTheUsage) {
   for (const std::vector<std::string>& bad : std::vector<std::vector<std::string>>{
            {}, {"--"}, {"python3"}, {"--env"}, {"--env", "A=b"}, {"--env", "=b", "--", "p"}, {"--env", "A", "--", "p"},

@@ -622,5 +622,160 @@ TEST_F(SupervisorTest, ShutdownKillsEveryWorkerAtOnce) {
                                                      "j2 gen 1 rank 0 pid 1002 killed signal 9"}));
 }
 
+// Warm standbys (entrypoint.warm_standby).
+class StandbyTest : public SupervisorTest {
+ protected:
+  // Generation `generation` of a program with warm standbys, `ranks` ranks here, after `restarts` restarts.
+  static v1::StartJobCommand ProgramStart(int generation, int ranks, int restarts, int max_restarts = 2) {
+    v1::StartJobCommand start = Start("j1", generation, ranks);
+    start.set_recipe_yaml("name: j\nfault: {max_restarts: " + std::to_string(max_restarts) +
+                          "}\nentrypoint: {command: [python3, train.py], warm_standby: true}\n");
+    start.set_restart_count(restarts);
+    return start;
+  }
+
+  // The spawns so far that are standbys, and those that are not.
+  std::vector<FakeProcessSpawner::Spawned> Spawns(bool standby) const {
+    std::vector<FakeProcessSpawner::Spawned> out;
+    for (const auto& spawned : spawner_.spawns()) {
+      if ((!spawned.spec.args.empty() && spawned.spec.args[0] == "--standby") == standby) out.push_back(spawned);
+    }
+    return out;
+  }
+
+  // What the standby `pid` was handed (its working directory, then its environment), and whether
+  // its input ended after it.
+  std::vector<std::string> Handed(pid_t pid, bool* closed) {
+    const std::string input = spawner_.Input(pid, closed);
+    std::vector<std::string> entries;
+    for (size_t begin = 0, end; begin < input.size(); begin = end + 1) {
+      end = input.find('\0', begin);
+      if (end == std::string::npos) end = input.size();
+      entries.push_back(input.substr(begin, end - begin));
+    }
+    return entries;
+  }
+};
+
+TEST_F(StandbyTest, EachRankHasAStandbyThatBecomesTheNextGenerationsRank) {
+  supervisor().StartJob(ProgramStart(0, 2, 0));
+  const auto workers = Spawns(false);
+  const auto standbys = Spawns(true);
+  ASSERT_EQ(workers.size(), 2u);
+  ASSERT_EQ(standbys.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    std::vector<std::string> args = {"--standby", "cpu"};
+    args.insert(args.end(), workers[i].spec.args.begin(), workers[i].spec.args.end());
+    EXPECT_EQ(standbys[i].spec.args, args);
+    EXPECT_TRUE(standbys[i].spec.input_pipe);
+    EXPECT_FALSE(workers[i].spec.input_pipe);
+  }
+  // Standbys are no workers: not reported, not running, not stopped with the job.
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"j1 gen 0 rank 0 pid 1000 running",
+                                                     "j1 gen 0 rank 1 pid 1002 running"}));
+  EXPECT_EQ(supervisor().Running().size(), 2u);
+  EXPECT_EQ(supervisor().Standbys(), 2);
+  spawner_.Print(standbys[0].pid, "a warning while importing\n");
+  spawner_.Exit(workers[1].pid, 1);
+  supervisor().Poll();
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"j1 gen 0 rank 1 pid 1002 exited 1",
+                                                     "j1 gen 0 rank 0 pid 1000 killed signal 15"}));
+  EXPECT_TRUE(spawner_.SignalsTo(standbys[0].pid).empty());
+  EXPECT_TRUE(spawner_.SignalsTo(standbys[1].pid).empty());
+
+  // The restart: each rank starts in its local rank's standby, which gets its whole environment.
+  supervisor().StartJob(ProgramStart(1, 2, 1));
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"j1 gen 1 rank 0 pid 1001 running",
+                                                     "j1 gen 1 rank 1 pid 1003 running"}));
+  bool closed = false;
+  const std::vector<std::string> env = Handed(standbys[1].pid, &closed);
+  EXPECT_TRUE(closed) << "the end of its input says the environment is whole";
+  ASSERT_FALSE(env.empty());
+  EXPECT_EQ(env[0], work_dir_ + "/jobs/j1/gen-1") << "where the rank starts: its generation's directory";
+  for (const char* entry : {"LTRAIN_GENERATION=1", "LTRAIN_RANK=1", "RANK=1", "TORCHELASTIC_RESTART_COUNT=1",
+                            "LTRAIN_RDZV_SCOPE=j1/1/"}) {
+    EXPECT_NE(std::find(env.begin(), env.end(), entry), env.end()) << entry;
+  }
+  EXPECT_EQ(std::find(env.begin(), env.end(), "LTRAIN_GENERATION=0"), env.end());
+  // One restart is left: new standbys stand beside the new ranks.
+  EXPECT_EQ(Spawns(false).size(), 2u) << "no new process for a rank";
+  EXPECT_EQ(Spawns(true).size(), 4u);
+  EXPECT_EQ(supervisor().Standbys(), 2);
+  ASSERT_EQ(supervisor().Running().size(), 2u);
+  EXPECT_EQ(supervisor().Running()[0].pid(), standbys[0].pid);
+  // The taken standby now writes to its rank's log and to the coordinator.
+  spawner_.Print(standbys[1].pid, "step 1\n");
+  supervisor().Poll();
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"logs j1: [1] step 1"}));
+  // A stop of the job now stops the ranks, not the next standbys.
+  supervisor().StopJob("j1", 1);
+  EXPECT_EQ(spawner_.SignalsTo(standbys[1].pid), (std::vector<int>{SIGTERM, SIGCONT}));
+  EXPECT_TRUE(spawner_.SignalsTo(Spawns(true)[2].pid).empty());
+  supervisor().Poll();
+  EXPECT_EQ(ReadFile(work_dir_ + "/jobs/j1/gen-1/rank-1.log"), "step 1\n");
+}
+
+TEST_F(StandbyTest, NoStandbyWhenTheJobCannotRestartOrDoesNotAskForOne) {
+  supervisor().StartJob(ProgramStart(2, 2, 2, /*max_restarts=*/2));
+  EXPECT_TRUE(Spawns(true).empty()) << "the last restart was used";
+  v1::StartJobCommand start = ProgramStart(0, 1, 0);
+  start.set_job_id("j2");
+  start.set_rendezvous_scope("j2/0/");
+  start.set_recipe_yaml("name: j\nfault: {max_restarts: 2}\nentrypoint: {command: [python3, train.py]}\n");
+  supervisor().StartJob(start);
+  EXPECT_TRUE(Spawns(true).empty()) << "warm_standby is off";
+}
+
+TEST_F(StandbyTest, StandbysEndWhenTheJobsRanksHereAllSucceed) {
+  supervisor().StartJob(ProgramStart(0, 2, 0));
+  const auto workers = Spawns(false);
+  const auto standbys = Spawns(true);
+  spawner_.Exit(workers[0].pid, 0);
+  supervisor().Poll();
+  EXPECT_TRUE(spawner_.SignalsTo(standbys[0].pid).empty()) << "rank 1 still runs";
+  spawner_.Exit(workers[1].pid, 0);
+  supervisor().Poll();
+  EXPECT_EQ(spawner_.SignalsTo(standbys[0].pid), (std::vector<int>{SIGKILL}));
+  EXPECT_EQ(spawner_.SignalsTo(standbys[1].pid), (std::vector<int>{SIGKILL}));
+  supervisor().Poll();
+  EXPECT_TRUE(supervisor().Idle());
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"j1 gen 0 rank 0 pid 1000 running", "j1 gen 0 rank 1 pid 1002 running",
+                                                     "j1 gen 0 rank 0 pid 1000 exited 0",
+                                                     "j1 gen 0 rank 1 pid 1002 exited 0"}))
+      << "a standby's end is no report";
+}
+
+TEST_F(StandbyTest, StandbysOfAJobWithNoRankHereEndAfterTheirLinger) {
+  supervisor().StartJob(ProgramStart(0, 1, 0));
+  const pid_t worker = Spawns(false)[0].pid;
+  const pid_t standby = Spawns(true)[0].pid;
+  spawner_.Die(worker, SIGSEGV);
+  supervisor().Poll();
+  clock_.AdvanceMs(Supervisor::kStandbyLingerMs - 1);
+  supervisor().Poll();
+  EXPECT_TRUE(spawner_.SignalsTo(standby).empty()) << "a restart may still come";
+  clock_.AdvanceMs(1);
+  supervisor().Poll();
+  EXPECT_EQ(spawner_.SignalsTo(standby), (std::vector<int>{SIGKILL}));
+  EXPECT_EQ(supervisor().Standbys(), 0);
+}
+
+TEST_F(StandbyTest, ARankWhoseStandbyEndedOrDoesNotFitStartsAsANewProcess) {
+  supervisor().StartJob(ProgramStart(0, 2, 0));
+  const auto standbys = Spawns(true);
+  spawner_.Exit(Spawns(false)[0].pid, 1);
+  spawner_.Exit(standbys[0].pid, 1);  // its interpreter failed to start
+  supervisor().Poll();
+  supervisor().Poll();
+  EXPECT_EQ(supervisor().Standbys(), 1);
+  // The next generation has one rank here: local rank 0 starts anew, the standby of local rank 1 ends.
+  v1::StartJobCommand start = ProgramStart(1, 1, 1, /*max_restarts=*/1);
+  supervisor().StartJob(start);
+  EXPECT_EQ(Spawns(false).size(), 3u);
+  EXPECT_EQ(spawner_.SignalsTo(standbys[1].pid).back(), SIGKILL);
+  bool closed = false;
+  EXPECT_TRUE(Handed(standbys[1].pid, &closed).empty());
+}
+
 }  // namespace
 }  // namespace ltrain::agent

@@ -20,8 +20,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <filesystem>
 #include <memory>
 
+#include "common/python_command.h"
 #include "common/status.h"
 #include "common/worker_exit.h"
 #include "worker/control/progress_reporter.h"
@@ -479,6 +481,14 @@ std::optional<ExecArgs> ParseExecArgs(const std::vector<std::string>& args, std:
   ExecArgs out;
   size_t i = 0;
   for (; i < args.size() && args[i] != "--"; i += 2) {
+    if (args[i] == "--standby" && i + 1 < args.size()) {
+      if (args[i + 1] != "cpu" && args[i + 1] != "cuda") {
+        error = "--standby " + args[i + 1] + ": expected cpu or cuda";
+        return std::nullopt;
+      }
+      out.standby = args[i + 1];
+      continue;
+    }
     if (args[i] == "--output-timeout" && i + 1 < args.size()) {
       char* end = nullptr;
       out.output_timeout_s = std::strtod(args[i + 1].c_str(), &end);
@@ -489,7 +499,8 @@ std::optional<ExecArgs> ParseExecArgs(const std::vector<std::string>& args, std:
       continue;
     }
     if (args[i] != "--env" || i + 1 == args.size()) {
-      error = "unexpected " + args[i] + "; usage: ltrain-exec [--env NAME=VALUE]... [--output-timeout SECONDS] -- PROGRAM [ARGS...]";
+      error = "unexpected " + args[i] + "; usage: ltrain-exec [--env NAME=VALUE]... [--output-timeout SECONDS] "
+              "[--standby cpu|cuda] -- PROGRAM [ARGS...]";
       return std::nullopt;
     }
     const std::string& entry = args[i + 1];
@@ -505,8 +516,126 @@ std::optional<ExecArgs> ParseExecArgs(const std::vector<std::string>& args, std:
     return std::nullopt;
   }
   out.program.assign(args.begin() + static_cast<std::ptrdiff_t>(i) + 1, args.end());
+  if (std::string why; !out.standby.empty() && !ParsePythonCommand(out.program, why)) {
+    error = "--standby: " + why;
+    return std::nullopt;
+  }
   return out;
 }
+
+namespace {
+
+// What a standby's interpreter runs (python3 [OPTIONS] -c THIS MODE TARGET ARGS...): it imports torch,
+// waits for its rank's environment on descriptor LTRAIN_STANDBY_FD, takes it as its own, and runs
+// the script or module as __main__, as `python3 SCRIPT` would.
+constexpr const char* kStandbyBootstrap = R"(import os, sys
+def _wait():
+    fd = int(os.environ.pop("LTRAIN_STANDBY_FD"))
+    cuda = os.environ.pop("LTRAIN_STANDBY_CUDA", "")
+    try:
+        import torch, torch.distributed
+        if cuda and torch.cuda.is_available() and int(cuda) < torch.cuda.device_count():
+            with torch.cuda.device(int(cuda)):
+                torch.empty(1, device="cuda")
+    except Exception:
+        pass  # the program meets the same problem itself, and says so
+    chunks = []
+    while True:
+        chunk = os.read(fd, 1 << 16)
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(fd)
+    environment = b"".join(chunks)
+    if not environment:
+        os._exit(0)
+    directory, _, environment = environment.partition(b"\0")
+    os.chdir(directory)
+    os.environ.clear()
+    for entry in environment.split(b"\0"):
+        name, eq, value = entry.partition(b"=")
+        if name and eq:
+            os.environb[name] = value
+    mode, target = sys.argv[1], sys.argv[2]
+    sys.argv = [target] + sys.argv[3:]
+    sys.path[0] = os.getcwd() if mode == "module" else os.path.dirname(os.path.abspath(target))
+    return mode, target
+_mode, _target = _wait()
+import runpy
+if _mode == "module":
+    runpy.run_module(_target, run_name="__main__", alter_sys=True)
+else:
+    runpy.run_path(_target, run_name="__main__")
+)";
+
+// Waits on stdin for the rank this standby becomes, while the interpreter `pid` warms up, and makes
+// its working directory and environment this process's. The exit code to end with when there is
+// none: 0 when the input ended empty (the agent has no rank for it), 1 when the interpreter ended
+// first or the directory is not there.
+std::optional<int> AwaitRank(pid_t pid) {
+  std::string input;
+  char buffer[65536];
+  while (true) {
+    int status = 0;
+    if (waitpid(pid, &status, WNOHANG) == pid) {
+      std::fprintf(stderr, "ltrain-exec: the standby's interpreter ended before its rank came (%s %d)\n",
+                   WIFSIGNALED(status) ? "signal" : "exit code",
+                   WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status));
+      return kWorkerExitFailed;
+    }
+    pollfd in{STDIN_FILENO, POLLIN, 0};
+    if (poll(&in, 1, kPollMs) <= 0) continue;
+    const ssize_t n = read(STDIN_FILENO, buffer, sizeof(buffer));
+    if (n > 0) {
+      input.append(buffer, static_cast<size_t>(n));
+      continue;
+    }
+    if (n < 0 && errno == EINTR) continue;
+    break;
+  }
+  if (input.empty()) {
+    kill(pid, SIGKILL);
+    waitpid(pid, nullptr, 0);
+    return 0;
+  }
+  const std::string directory = input.substr(0, input.find('\0'));
+  if (chdir(directory.c_str()) != 0) {
+    std::fprintf(stderr, "ltrain-exec: %s\n", Errno("cannot enter " + directory).c_str());
+    return kWorkerExitFailed;
+  }
+  clearenv();
+  for (size_t begin = directory.size() + 1; begin < input.size();) {
+    size_t end = input.find('\0', begin);
+    if (end == std::string::npos) end = input.size();
+    const std::string entry = input.substr(begin, end - begin);
+    const size_t eq = entry.find('=');
+    if (eq != std::string::npos && eq > 0) setenv(entry.substr(0, eq).c_str(), entry.substr(eq + 1).c_str(), 1);
+    begin = end + 1;
+  }
+  return std::nullopt;
+}
+
+// Writes `directory` and `entries`, each NUL-terminated, to `fd` and closes it; false when the
+// reader went away.
+bool WriteEnvironment(int fd, const std::string& directory, const std::vector<std::string>& entries) {
+  std::string payload = directory;
+  payload.push_back('\0');
+  for (const std::string& entry : entries) {
+    payload += entry;
+    payload.push_back('\0');
+  }
+  size_t done = 0;
+  while (done < payload.size()) {
+    const ssize_t n = write(fd, payload.data() + done, payload.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    done += static_cast<size_t>(n);
+  }
+  close(fd);
+  return done == payload.size();
+}
+
+}  // namespace
 
 int RunProgram(const ExecArgs& exec) {
   const std::vector<std::string>& argv = exec.program;
@@ -514,23 +643,13 @@ int RunProgram(const ExecArgs& exec) {
     std::fputs("ltrain-exec: no program to run\n", stderr);
     return kWorkerExitUsage;
   }
-  StatusOr<WorkerEnv> env = ParseWorkerEnv(ProcessEnvironment(), {});
-  if (!env.ok()) {
-    std::fprintf(stderr, "ltrain-exec: %s\n", env.status().message().c_str());
-    return kWorkerExitUsage;
-  }
-  if (env->rdzv.empty() && env->world_size > 1) {
-    std::fprintf(stderr, "ltrain-exec: LTRAIN_WORLD_SIZE=%d needs LTRAIN_RDZV (grpc://HOST:PORT or file:///DIR), "
-                 "where the ranks agree on MASTER_ADDR:MASTER_PORT\n", env->world_size);
-    return kWorkerExitUsage;
-  }
-  std::unique_ptr<TcpRelay> store_relay;  // rank 0's, until the program ends
-  StatusOr<MasterEndpoint> master = AgreeOnMaster(*env, store_relay);
-  if (!master.ok()) {
-    std::fprintf(stderr, "ltrain-exec: rank %d: no MASTER_ADDR:MASTER_PORT: %s\n", env->rank,
-                 master.status().message().c_str());
-    return master.status().code() == StatusCode::kInvalidArgument ? kWorkerExitUsage : kWorkerExitFailed;
-  }
+  // The program's exit is ours to wait for, even where our parent ignored SIGCHLD.
+  signal(SIGCHLD, SIG_DFL);
+  // Ignored before fork, so that no SIGTERM or SIGINT meant for the program kills the proxy between
+  // fork and here; the child restores them. SIGPIPE: a standby's interpreter that went away.
+  signal(SIGTERM, SIG_IGN);
+  signal(SIGINT, SIG_IGN);
+  signal(SIGPIPE, SIG_IGN);
 
   int fds[2];
   if (pipe2(fds, O_CLOEXEC) != 0) {
@@ -551,34 +670,16 @@ int RunProgram(const ExecArgs& exec) {
     watch.timeout_s = exec.output_timeout_s;
     output_write = out[1];
   }
-  // Everything the child needs is built here: between fork and exec only async-signal-safe calls.
-  std::vector<std::string> added = {"MASTER_ADDR=" + master->addr, "MASTER_PORT=" + master->port,
-                                    "LTRAIN_PROGRESS_FD=" + std::to_string(write_fd)};
-  for (std::string& entry : SocketInterfaceDefaults(env->bind_addr, exec.env)) added.push_back(std::move(entry));
-  for (const std::string& entry : exec.env) {
-    if (!Names(added, std::string_view(entry).substr(0, entry.find('=')))) added.push_back(entry);
-  }
-  std::vector<std::string> env_strings = ChildEnvironment(added);
-  std::vector<char*> envp = Pointers(env_strings);
-  std::vector<std::string> arg_strings = argv;
-  std::vector<char*> args = Pointers(arg_strings);
-  const std::string exec_failed = "ltrain-exec: cannot run " + argv[0] + ": ";
-
-  // The program's exit is ours to wait for, even where our parent ignored SIGCHLD.
-  signal(SIGCHLD, SIG_DFL);
-  // Ignored before fork, so that no SIGTERM or SIGINT meant for the program kills the proxy between
-  // fork and here; the child restores them.
-  signal(SIGTERM, SIG_IGN);
-  signal(SIGINT, SIG_IGN);
-  std::fflush(stdout);
-  std::fflush(stderr);
+  // Forks the interpreter or the program; between fork and exec only async-signal-safe calls.
   const pid_t parent = getpid();
-  const pid_t pid = fork();
-  if (pid < 0) {
-    std::fprintf(stderr, "ltrain-exec: %s\n", Errno("fork").c_str());
-    return kWorkerExitFailed;
-  }
-  if (pid == 0) {
+  auto start = [&](std::vector<std::string> arg_strings, std::vector<std::string> env_strings, int keep_fd) -> pid_t {
+    std::vector<char*> envp = Pointers(env_strings);
+    std::vector<char*> args = Pointers(arg_strings);
+    const std::string exec_failed = "ltrain-exec: cannot run " + arg_strings[0] + ": ";
+    std::fflush(stdout);
+    std::fflush(stderr);
+    const pid_t pid = fork();
+    if (pid != 0) return pid;
     // Same process group as the proxy: the agent signals the group.
     for (int s : {SIGTERM, SIGINT, SIGPIPE}) signal(s, SIG_DFL);
     sigset_t none;
@@ -587,6 +688,11 @@ int RunProgram(const ExecArgs& exec) {
     prctl(PR_SET_PDEATHSIG, SIGKILL);      // a proxy killed alone leaves no rank running
     if (getppid() != parent) _exit(127);   // it died before prctl took effect
     fcntl(write_fd, F_SETFD, 0);
+    if (keep_fd >= 0) {  // a standby's: its stdin stays the agent's, the rank's environment comes here
+      fcntl(keep_fd, F_SETFD, 0);
+      const int devnull = open("/dev/null", O_RDONLY);
+      if (devnull >= 0) dup2(devnull, STDIN_FILENO);
+    }
     if (output_write >= 0) {  // stdout and stderr through the proxy, which watches for silence
       dup2(output_write, STDOUT_FILENO);
       dup2(output_write, STDERR_FILENO);
@@ -598,6 +704,76 @@ int RunProgram(const ExecArgs& exec) {
     ignored = write(STDERR_FILENO, "\n", 1);
     (void)ignored;
     _exit(127);
+  };
+
+  // A standby: the interpreter starts now; the rank, and so the rest, comes later.
+  pid_t pid = -1;
+  int request_fd = -1;
+  if (!exec.standby.empty()) {
+    std::string why;
+    const std::optional<PythonCommand> python = ParsePythonCommand(argv, why);
+    if (!python) {
+      std::fprintf(stderr, "ltrain-exec: --standby: %s\n", why.c_str());
+      return kWorkerExitUsage;
+    }
+    int request[2];
+    if (pipe2(request, O_CLOEXEC) != 0) {
+      std::fprintf(stderr, "ltrain-exec: %s\n", Errno("pipe").c_str());
+      return kWorkerExitFailed;
+    }
+    std::vector<std::string> arg_strings = {python->interpreter};
+    arg_strings.insert(arg_strings.end(), python->options.begin(), python->options.end());
+    arg_strings.insert(arg_strings.end(), {"-c", kStandbyBootstrap, python->module ? "module" : "path", python->target});
+    arg_strings.insert(arg_strings.end(), python->args.begin(), python->args.end());
+    std::vector<std::string> added = exec.env;
+    added.push_back("LTRAIN_STANDBY_FD=" + std::to_string(request[0]));
+    if (exec.standby == "cuda") added.push_back("LTRAIN_STANDBY_CUDA=" + EnvString("LTRAIN_LOCAL_RANK", "0"));
+    pid = start(std::move(arg_strings), ChildEnvironment(added), request[0]);
+    close(request[0]);
+    if (pid < 0) {
+      std::fprintf(stderr, "ltrain-exec: %s\n", Errno("fork").c_str());
+      return kWorkerExitFailed;
+    }
+    request_fd = request[1];
+    if (std::optional<int> ended = AwaitRank(pid)) return *ended;
+  }
+
+  StatusOr<WorkerEnv> env = ParseWorkerEnv(ProcessEnvironment(), {});
+  if (!env.ok()) {
+    std::fprintf(stderr, "ltrain-exec: %s\n", env.status().message().c_str());
+    return kWorkerExitUsage;
+  }
+  if (env->rdzv.empty() && env->world_size > 1) {
+    std::fprintf(stderr, "ltrain-exec: LTRAIN_WORLD_SIZE=%d needs LTRAIN_RDZV (grpc://HOST:PORT or file:///DIR), "
+                 "where the ranks agree on MASTER_ADDR:MASTER_PORT\n", env->world_size);
+    return kWorkerExitUsage;
+  }
+  std::unique_ptr<TcpRelay> store_relay;  // rank 0's, until the program ends
+  StatusOr<MasterEndpoint> master = AgreeOnMaster(*env, store_relay);
+  if (!master.ok()) {
+    std::fprintf(stderr, "ltrain-exec: rank %d: no MASTER_ADDR:MASTER_PORT: %s\n", env->rank,
+                 master.status().message().c_str());
+    return master.status().code() == StatusCode::kInvalidArgument ? kWorkerExitUsage : kWorkerExitFailed;
+  }
+
+  std::vector<std::string> added = {"MASTER_ADDR=" + master->addr, "MASTER_PORT=" + master->port,
+                                    "LTRAIN_PROGRESS_FD=" + std::to_string(write_fd)};
+  for (std::string& entry : SocketInterfaceDefaults(env->bind_addr, exec.env)) added.push_back(std::move(entry));
+  for (const std::string& entry : exec.env) {
+    if (!Names(added, std::string_view(entry).substr(0, entry.find('=')))) added.push_back(entry);
+  }
+  if (request_fd >= 0) {
+    std::error_code error;
+    if (!WriteEnvironment(request_fd, std::filesystem::current_path(error).string(), ChildEnvironment(added))) {
+      std::fprintf(stderr, "ltrain-exec: the standby's interpreter did not take its rank's environment: %s\n",
+                   std::strerror(errno));
+    }
+  } else {
+    pid = start(argv, ChildEnvironment(added), -1);
+    if (pid < 0) {
+      std::fprintf(stderr, "ltrain-exec: %s\n", Errno("fork").c_str());
+      return kWorkerExitFailed;
+    }
   }
   close(write_fd);
   fcntl(read_fd, F_SETFL, fcntl(read_fd, F_GETFL) | O_NONBLOCK);
