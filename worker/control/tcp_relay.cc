@@ -223,7 +223,7 @@ void TcpRelay::Run(std::string target_host, int target_port) {
       timeout_ms = static_cast<int>(std::max<int64_t>(
           0, std::chrono::duration_cast<std::chrono::milliseconds>(next_try - Clock::now()).count() + 1));
     }
-    if (poll(fds.data(), fds.size(), timeout_ms) < 0 && errno != EINTR) return;
+    if (poll(fds.data(), fds.size(), timeout_ms) < 0 && errno != EINTR) break;  // closes the links below
     if (fds[0].revents != 0) break;  // the destructor's word
     if (fds[1].revents & POLLIN) {
       while (true) {
