@@ -14,6 +14,7 @@
 
 #include "agent/oom.h"
 #include "common/logging.h"
+#include "common/python_command.h"
 #include "common/recipe.h"
 #include "common/signal_name.h"
 #include "common/worker_exit.h"
@@ -167,9 +168,11 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
   const RecipeParseResult parsed = ParseRecipe(start.recipe_yaml(), recipe.string());
   const bool program = parsed.ok() && parsed.recipe.runs_program();
   // Standbys for the next generation, while the job may still restart.
-  const bool standbys = program && parsed.recipe.entrypoint.warm_standby &&
-                        start.restart_count() < parsed.recipe.fault.max_restarts;
-  const std::string standby_mode = parsed.ok() && parsed.recipe.parallel.device == Device::kCuda ? "cuda" : "cpu";
+  std::string not_python;
+  const bool standbys = program && parsed.recipe.entrypoint.warm_standby != WarmStandby::kOff &&
+                        start.restart_count() < parsed.recipe.fault.max_restarts &&
+                        ParsePythonCommand(parsed.recipe.entrypoint.command, not_python);
+  const std::string standby_mode = parsed.ok() && parsed.recipe.entrypoint.warm_standby == WarmStandby::kGpu ? "gpu" : "import";
   std::set<pid_t> taken;  // standbys that became this generation's workers
   for (const auto& assignment : start.workers()) {
     SpawnSpec spec;

@@ -4,9 +4,9 @@
 // stops a job's workers with SIGTERM and SIGKILL after the grace, stops the job's other workers on
 // this node when one fails, and kills leftovers of older generations.
 //
-// Warm standbys (entrypoint.warm_standby): beside each rank of a Python program that may still be
-// restarted, a second `ltrain-exec --standby` whose interpreter has imported torch waits on its
-// stdin. The next generation's rank of the same local rank becomes that process: the supervisor
+// Warm standbys (entrypoint.warm_standby, auto unless off): beside each rank of a Python program
+// that may still be restarted, a second `ltrain-exec --standby` whose interpreter has imported
+// torch waits on its stdin. The next generation's rank of the same local rank becomes that process: the supervisor
 // writes it the rank's working directory and whole environment (NUL-terminated: the directory,
 // then NAME=VALUE entries; then the end of input) instead of spawning. A standby is no worker: it is neither reported nor stopped with its job's
 // workers; it ends when a newer generation does not take it, when the job's workers on this node

@@ -103,7 +103,7 @@ struct RunArgs {
   int max_restarts = 0;
   double restart_backoff_s = 0;  // torchrun restarts at once
   double output_timeout_s = 0;   // 0: none
-  bool warm_standby = false;
+  std::string warm_standby = "auto";
   double hang_timeout_s = 0;     // 0: the recipe default
   std::string name;
   std::string workdir;
@@ -158,7 +158,9 @@ int RunProgram(const RunArgs& args, const SecurityMaterial& security) {
   recipe.entrypoint.command = args.program;
   recipe.entrypoint.workdir = args.workdir;
   recipe.entrypoint.output_timeout_s = args.output_timeout_s;
-  recipe.entrypoint.warm_standby = args.warm_standby;
+  recipe.entrypoint.warm_standby = args.warm_standby == "off" ? WarmStandby::kOff
+                                  : args.warm_standby == "gpu" ? WarmStandby::kGpu
+                                                               : WarmStandby::kAuto;
   for (const std::string& entry : args.env) {
     const size_t eq = entry.find('=');
     if (eq == std::string::npos || eq == 0) {
@@ -208,10 +210,12 @@ void AddRunCommand(CLI::App& app, CommandContext& ctx) {
                   "restart policy applies (entrypoint.output_timeout_s); 0: never")
       ->check(CLI::Range(0.0, 604800.0))
       ->capture_default_str();
-  cmd->add_flag("--warm-standby", args->warm_standby,
-               "Keep an interpreter that has imported torch (and made its GPU's context, with --device cuda) beside "
-               "each rank of a Python program, and restart the rank in it: a restart skips Python's and CUDA's "
-               "start-up, for one more process per rank (entrypoint.warm_standby)");
+  cmd->add_option("--warm-standby", args->warm_standby,
+                  "auto: while the job may restart, an interpreter that has imported torch waits beside each rank of a "
+                  "Python program, and a restart runs the script in it, seconds sooner; gpu: it also makes its GPU's "
+                  "CUDA context (some hundreds of MiB); off: every start is a new process (entrypoint.warm_standby)")
+      ->check(CLI::IsMember({"auto", "off", "gpu"}))
+      ->capture_default_str();
   cmd->add_option("--name", args->name, "The job's name (job ids are NAME-N); default: the script's or program's name");
   cmd->add_option("--workdir", args->workdir, "Directory the program starts in; default: this one");
   cmd->add_option("--env", args->env, "NAME=VALUE added to every rank's environment (repeatable)")

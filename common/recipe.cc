@@ -416,8 +416,9 @@ void CheckProgramRecipe(const Recipe& r, RecipeReader& reader) {
   if (r.entrypoint.command.front().empty()) {
     reader.ErrorOnKey("entrypoint.command", "entrypoint.command starts with an empty program name");
   }
-  if (std::string why; r.entrypoint.warm_standby && !ParsePythonCommand(r.entrypoint.command, why)) {
-    reader.ErrorOnKey("entrypoint.warm_standby", "entrypoint.warm_standby runs a Python script in an interpreter "
+  if (std::string why;
+      r.entrypoint.warm_standby == WarmStandby::kGpu && !ParsePythonCommand(r.entrypoint.command, why)) {
+    reader.ErrorOnKey("entrypoint.warm_standby", "entrypoint.warm_standby: gpu runs a Python script in an interpreter "
                                                  "started ahead, and " + why + ": run python3 SCRIPT.py ARGS or "
                                                  "python3 -m MODULE ARGS, or remove warm_standby");
   }
@@ -440,7 +441,7 @@ void CheckAcrossKeys(const Recipe& r, RecipeReader& reader) {
                                                      "(entrypoint.command); ltrain's trainer reports its progress: "
                                                      "use fault.hang_timeout_s");
   }
-  if (r.entrypoint.warm_standby) {
+  if (r.entrypoint.warm_standby != WarmStandby::kAuto) {
     reader.ErrorOnKey("entrypoint.warm_standby", "entrypoint.warm_standby keeps interpreters ready for your program "
                                                  "(entrypoint.command); ltrain's trainer restarts without one: remove it");
   }

@@ -28,12 +28,18 @@ enum class PpSchedule { kGpipe, k1F1B, kInterleaved };
 enum class ActivationCheckpointing { kNone, kFull, kSelective };
 enum class Precision { kAuto, kFp32, kBf16, kBf16Autocast };
 enum class Device { kCpu, kCuda };
+enum class WarmStandby { kAuto, kOff, kGpu };
 
 template <typename E>
 struct EnumNames;
 template <>
 struct EnumNames<Arch> {
   static constexpr std::array<std::pair<Arch, std::string_view>, 2> kNames = {{{Arch::kGpt2, "gpt2"}, {Arch::kLlama, "llama"}}};
+};
+template <>
+struct EnumNames<WarmStandby> {
+  static constexpr std::array<std::pair<WarmStandby, std::string_view>, 3> kNames = {
+      {{WarmStandby::kAuto, "auto"}, {WarmStandby::kOff, "off"}, {WarmStandby::kGpu, "gpu"}}};
 };
 template <>
 struct EnumNames<ModelInit> {
@@ -214,8 +220,9 @@ struct EntrypointSpec {
   std::string workdir;                        // where the program starts; empty: where ltrain ran
   double output_timeout_s = 0;                // a rank that prints and reports nothing this long is
                                               // stopped as hung; 0: never
-  bool warm_standby = false;                  // a Python program's next generation starts in
-                                              // interpreters that have imported torch already
+  // Whether a Python program's next generation starts in interpreters that have imported torch
+  // already: auto (when the job may restart), off, gpu (with the GPU's CUDA context made too).
+  WarmStandby warm_standby = WarmStandby::kAuto;
 };
 
 struct Recipe {

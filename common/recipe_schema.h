@@ -290,10 +290,12 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
                   .real_min = 0, .real_max = 604800, .omit_at_default = true},
         r.entrypoint.output_timeout_s);
   visit(RecipeKey{.section = "entrypoint", .name = "warm_standby",
-                  .help = "true: each rank of a Python program (python3 SCRIPT or -m MODULE) has an interpreter beside "
-                          "it that has imported torch (and, on cuda, made its GPU's context), and a restart runs the "
-                          "script in it: restarts skip Python's and CUDA's start-up, for a second process and its "
-                          "memory per rank",
+                  .help = "auto: while the job may restart, each rank of a Python program (python3 SCRIPT or -m "
+                          "MODULE) has an interpreter beside it that has imported torch and what an optimizer loads, "
+                          "and a restart runs the script in it (seconds sooner, for a second process per rank); gpu: "
+                          "the same, and that interpreter also makes its GPU's CUDA context (a few tenths of a second "
+                          "sooner, for some hundreds of MiB of GPU memory; a script that sets CUDA_VISIBLE_DEVICES "
+                          "itself must not use it); off: every start is a new process",
                   .omit_at_default = true},
         r.entrypoint.warm_standby);
 }

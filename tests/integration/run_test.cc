@@ -1,7 +1,7 @@
 // `ltrain run`: programs of the user's own under ltrain, as torchrun runs them. A DDP script over
 // Gloo with Debian's python3-torch (the all-reduce sums the ranks), a rank killed mid-run (the
 // job restarts it with TORCHELASTIC_RESTART_COUNT=1 and the script resumes from its own
-// checkpoint; with --warm-standby, in interpreters started ahead), a program that exits 1 (the job fails with its last lines), and a recipe that mixes
+// checkpoint; in interpreters started ahead, unless --warm-standby off), a program that exits 1 (the job fails with its last lines), and a recipe that mixes
 // a program with ltrain's trainer (refused); a program that stops reporting progress is named hung,
 // one that never reports is not.
 #include <gtest/gtest.h>
@@ -84,9 +84,10 @@ TEST_F(RunTest, DdpScriptOverGlooRunsOnTwoRanks) {
 }
 
 TEST_F(RunTest, KilledRankRestartsAndTheScriptResumesFromItsCheckpoint) {
-  ProcessResult result =
-      Run({"--nproc-per-node", "2", "--max-restarts", "1", "--env", "KILL_AT=4"}, {"/usr/bin/python3", "train.py"});
+  ProcessResult result = Run({"--nproc-per-node", "2", "--max-restarts", "1", "--env", "KILL_AT=4", "--warm-standby", "off"},
+                             {"/usr/bin/python3", "train.py"});
   ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("rank 0 restart 1 warm 0"), std::string::npos) << "a new process: " << result.output;
   EXPECT_NE(result.output.find("SIGKILL"), std::string::npos) << result.output;
   EXPECT_NE(result.output.find("rank 0 of 2 local 0 restart 1 sum 3"), std::string::npos) << result.output;
   // Step 3 was the last every rank finished before the kill at step 4.
@@ -94,11 +95,11 @@ TEST_F(RunTest, KilledRankRestartsAndTheScriptResumesFromItsCheckpoint) {
   EXPECT_NE(result.output.find("rank 1 step 6"), std::string::npos) << result.output;
 }
 
-// --warm-standby: the restarted ranks run the script in interpreters that imported torch while the
-// first ones trained, as __main__, in the same directory, with the new generation's environment.
+// By default (--warm-standby auto), the restarted ranks run the script in interpreters that imported
+// torch while the first ones trained, as __main__, in the same directory, with the new generation's
+// environment.
 TEST_F(RunTest, KilledRankRestartsInItsWarmStandby) {
-  ProcessResult result = Run({"--nproc-per-node", "2", "--max-restarts", "1", "--env", "KILL_AT=4", "--warm-standby",
-                              "--output-timeout", "120"},
+  ProcessResult result = Run({"--nproc-per-node", "2", "--max-restarts", "1", "--env", "KILL_AT=4", "--output-timeout", "120"},
                              {"/usr/bin/python3", "-u", "train.py", "--flag"});
   ASSERT_EQ(result.exit_code, 0) << result.output;
   const std::string where = " as __main__ in " + dir_.path() + " argv ['--flag']";

@@ -108,7 +108,7 @@ TEST(RecipeKeysTest, ProgramRecipeReachesTheAgent) {
 parallel: {nodes: {min: 1, max: 2}, nproc_per_node: 2}
 fault: {max_restarts: 3}
 entrypoint: {command: [python3, train.py, --lr, "3e-4"], env: {NCCL_DEBUG: INFO, A: "x y"}, workdir: /srv/train,
-             output_timeout_s: 45, warm_standby: true}
+             output_timeout_s: 45, warm_standby: gpu}
 )";
   RecipeParseResult user = ParseRecipe(kProgram, "program.yaml");
   ASSERT_TRUE(user.ok()) << user.ErrorText();
@@ -125,7 +125,7 @@ entrypoint: {command: [python3, train.py, --lr, "3e-4"], env: {NCCL_DEBUG: INFO,
   EXPECT_EQ(received.recipe.entrypoint.env, (std::map<std::string, std::string>{{"A", "x y"}, {"NCCL_DEBUG", "INFO"}}));
   EXPECT_EQ(received.recipe.entrypoint.workdir, "/srv/train");
   EXPECT_EQ(received.recipe.entrypoint.output_timeout_s, 45);
-  EXPECT_TRUE(received.recipe.entrypoint.warm_standby);
+  EXPECT_EQ(received.recipe.entrypoint.warm_standby, WarmStandby::kGpu);
   EXPECT_EQ(received.recipe.fault.max_restarts, 3);
   EXPECT_EQ(command->start().world_size(), 2);
 }

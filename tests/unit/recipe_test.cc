@@ -201,20 +201,28 @@ TEST(RecipeTest, ErrorsAreListedInTheOrderOfTheFile) {
   EXPECT_EQ(result.errors.front().line, 2) << result.ErrorText();
 }
 
-// A warm standby runs a Python script or module, and only for a program.
+// A warm standby runs a Python script or module, and only for a program: auto has none for other
+// programs, gpu asks for one and is refused.
 TEST(RecipeTest, AWarmStandbyNeedsAPythonProgram) {
   RecipeParseResult python =
-      ParseRecipe("name: x\nentrypoint: {command: [python3, -u, train.py], warm_standby: true}\n", "r.yaml");
+      ParseRecipe("name: x\nentrypoint: {command: [python3, -u, train.py], warm_standby: gpu}\n", "r.yaml");
   ASSERT_TRUE(python.ok()) << python.ErrorText();
-  EXPECT_TRUE(python.recipe.entrypoint.warm_standby);
+  EXPECT_EQ(python.recipe.entrypoint.warm_standby, WarmStandby::kGpu);
+  RecipeParseResult automatic = ParseRecipe("name: x\nentrypoint: {command: [./train.sh]}\n", "r.yaml");
+  ASSERT_TRUE(automatic.ok()) << automatic.ErrorText();
+  EXPECT_EQ(automatic.recipe.entrypoint.warm_standby, WarmStandby::kAuto);
+  RecipeParseResult boolean =
+      ParseRecipe("name: x\nentrypoint: {command: [python3, train.py], warm_standby: true}\n", "r.yaml");
+  ASSERT_EQ(boolean.errors.size(), 1u) << boolean.ErrorText();
+  EXPECT_NE(boolean.errors[0].message.find("auto"), std::string::npos) << boolean.ErrorText();
   RecipeParseResult shell =
-      ParseRecipe("name: x\nentrypoint:\n  command: [./train.sh]\n  warm_standby: true\n", "r.yaml");
+      ParseRecipe("name: x\nentrypoint:\n  command: [./train.sh]\n  warm_standby: gpu\n", "r.yaml");
   ASSERT_EQ(shell.errors.size(), 1u) << shell.ErrorText();
   EXPECT_EQ(shell.errors[0].line, 4) << shell.ErrorText();
   EXPECT_NE(shell.errors[0].message.find("./train.sh is not a Python interpreter"), std::string::npos)
       << shell.ErrorText();
   EXPECT_NE(shell.errors[0].message.find("or remove warm_standby"), std::string::npos) << shell.ErrorText();
-  RecipeParseResult trainer = ParseRecipe(std::string(kGood) + "entrypoint: {warm_standby: true}\n", "r.yaml");
+  RecipeParseResult trainer = ParseRecipe(std::string(kGood) + "entrypoint: {warm_standby: off}\n", "r.yaml");
   ASSERT_EQ(trainer.errors.size(), 1u) << trainer.ErrorText();
   EXPECT_NE(trainer.errors[0].message.find("ltrain's trainer restarts without one"), std::string::npos)
       << trainer.ErrorText();

@@ -80,15 +80,15 @@ TEST(ParseExecArgsTest, EnvironmentEntriesComeBeforeTheProgram) {
 
 TEST(ParseExecArgsTest, AStandbyRunsAPythonProgram) {
   std::string error;
-  std::optional<ExecArgs> args = ParseExecArgs({"--standby", "cuda", "--env", "A=b", "--", "python3", "-u", "t.py"}, error);
+  std::optional<ExecArgs> args = ParseExecArgs({"--standby", "gpu", "--env", "A=b", "--", "python3", "-u", "t.py"}, error);
   ASSERT_TRUE(args) << error;
-  EXPECT_EQ(args->standby, "cuda");
+  EXPECT_EQ(args->standby, "gpu");
   EXPECT_EQ(args->program, (std::vector<std::string>{"python3", "-u", "t.py"}));
   EXPECT_EQ(ParseExecArgs({"--", "python3", "t.py"}, error)->standby, "") << "no standby unless asked";
-  EXPECT_FALSE(ParseExecArgs({"--standby", "cpu", "--", "./train"}, error));
+  EXPECT_FALSE(ParseExecArgs({"--standby", "import", "--", "./train"}, error));
   EXPECT_NE(error.find("not a Python interpreter"), std::string::npos) << error;
   EXPECT_FALSE(ParseExecArgs({"--standby", "tpu", "--", "python3", "t.py"}, error));
-  EXPECT_NE(error.find("expected cpu or cuda"), std::string::npos) << error;
+  EXPECT_NE(error.find("expected import or gpu"), std::string::npos) << error;
 }
 
 TEST(ParseExecArgsTest, AnythingElseIsRefusedWithTheUsage) {

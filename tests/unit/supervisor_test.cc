@@ -185,7 +185,8 @@ TEST_F(SupervisorTest, AProgramRunsUnderExecWithTorchrunsEnvironment) {
   v1::StartJobCommand start = Start("j1", 3, 2, /*first_rank=*/2);
   start.set_recipe_yaml(
       "name: j\nfault: {max_restarts: 5}\n"
-      "entrypoint: {command: [python3, train.py, --x], env: {OMP_NUM_THREADS: '4', A: b}, workdir: /srv/w}\n");
+      "entrypoint: {command: [python3, train.py, --x], env: {OMP_NUM_THREADS: '4', A: b}, workdir: /srv/w, "
+      "warm_standby: off}\n");
   start.set_restart_count(2);
   supervisor().StartJob(start);
   ASSERT_EQ(spawner_.spawns().size(), 2u);
@@ -622,14 +623,14 @@ TEST_F(SupervisorTest, ShutdownKillsEveryWorkerAtOnce) {
                                                      "j2 gen 1 rank 0 pid 1002 killed signal 9"}));
 }
 
-// Warm standbys (entrypoint.warm_standby).
+// Warm standbys (entrypoint.warm_standby, auto).
 class StandbyTest : public SupervisorTest {
  protected:
   // Generation `generation` of a program with warm standbys, `ranks` ranks here, after `restarts` restarts.
   static v1::StartJobCommand ProgramStart(int generation, int ranks, int restarts, int max_restarts = 2) {
     v1::StartJobCommand start = Start("j1", generation, ranks);
     start.set_recipe_yaml("name: j\nfault: {max_restarts: " + std::to_string(max_restarts) +
-                          "}\nentrypoint: {command: [python3, train.py], warm_standby: true}\n");
+                          "}\nentrypoint: {command: [python3, train.py]}\n");
     start.set_restart_count(restarts);
     return start;
   }
@@ -664,7 +665,7 @@ TEST_F(StandbyTest, EachRankHasAStandbyThatBecomesTheNextGenerationsRank) {
   ASSERT_EQ(workers.size(), 2u);
   ASSERT_EQ(standbys.size(), 2u);
   for (size_t i = 0; i < 2; ++i) {
-    std::vector<std::string> args = {"--standby", "cpu"};
+    std::vector<std::string> args = {"--standby", "import"};
     args.insert(args.end(), workers[i].spec.args.begin(), workers[i].spec.args.end());
     EXPECT_EQ(standbys[i].spec.args, args);
     EXPECT_TRUE(standbys[i].spec.input_pipe);
@@ -721,9 +722,25 @@ TEST_F(StandbyTest, NoStandbyWhenTheJobCannotRestartOrDoesNotAskForOne) {
   v1::StartJobCommand start = ProgramStart(0, 1, 0);
   start.set_job_id("j2");
   start.set_rendezvous_scope("j2/0/");
-  start.set_recipe_yaml("name: j\nfault: {max_restarts: 2}\nentrypoint: {command: [python3, train.py]}\n");
+  start.set_recipe_yaml("name: j\nfault: {max_restarts: 2}\nentrypoint: {command: [python3, train.py], warm_standby: off}\n");
   supervisor().StartJob(start);
   EXPECT_TRUE(Spawns(true).empty()) << "warm_standby is off";
+  start.set_job_id("j3");
+  start.set_rendezvous_scope("j3/0/");
+  start.set_recipe_yaml("name: j\nfault: {max_restarts: 2}\nentrypoint: {command: [./train.sh]}\n");
+  supervisor().StartJob(start);
+  EXPECT_TRUE(Spawns(true).empty()) << "not a Python program";
+  EXPECT_EQ(Spawns(false).size(), 4u);
+}
+
+TEST_F(StandbyTest, GpuStandbysMakeTheirGpusContext) {
+  v1::StartJobCommand start = ProgramStart(0, 1, 0);
+  start.set_recipe_yaml("name: j\nfault: {max_restarts: 1}\nentrypoint: {command: [python3, train.py], warm_standby: gpu}\n");
+  supervisor().StartJob(start);
+  const auto standbys = Spawns(true);
+  ASSERT_EQ(standbys.size(), 1u);
+  const std::vector<std::string>& args = standbys[0].spec.args;
+  EXPECT_EQ(std::vector<std::string>(args.begin(), args.begin() + 2), (std::vector<std::string>{"--standby", "gpu"}));
 }
 
 TEST_F(StandbyTest, StandbysEndWhenTheJobsRanksHereAllSucceed) {

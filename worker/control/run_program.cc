@@ -482,8 +482,8 @@ std::optional<ExecArgs> ParseExecArgs(const std::vector<std::string>& args, std:
   size_t i = 0;
   for (; i < args.size() && args[i] != "--"; i += 2) {
     if (args[i] == "--standby" && i + 1 < args.size()) {
-      if (args[i + 1] != "cpu" && args[i + 1] != "cuda") {
-        error = "--standby " + args[i + 1] + ": expected cpu or cuda";
+      if (args[i + 1] != "import" && args[i + 1] != "gpu") {
+        error = "--standby " + args[i + 1] + ": expected import or gpu";
         return std::nullopt;
       }
       out.standby = args[i + 1];
@@ -500,7 +500,7 @@ std::optional<ExecArgs> ParseExecArgs(const std::vector<std::string>& args, std:
     }
     if (args[i] != "--env" || i + 1 == args.size()) {
       error = "unexpected " + args[i] + "; usage: ltrain-exec [--env NAME=VALUE]... [--output-timeout SECONDS] "
-              "[--standby cpu|cuda] -- PROGRAM [ARGS...]";
+              "[--standby import|gpu] -- PROGRAM [ARGS...]";
       return std::nullopt;
     }
     const std::string& entry = args[i + 1];
@@ -525,15 +525,18 @@ std::optional<ExecArgs> ParseExecArgs(const std::vector<std::string>& args, std:
 
 namespace {
 
-// What a standby's interpreter runs (python3 [OPTIONS] -c THIS MODE TARGET ARGS...): it imports torch,
-// waits for its rank's environment on descriptor LTRAIN_STANDBY_FD, takes it as its own, and runs
-// the script or module as __main__, as `python3 SCRIPT` would.
+// What a standby's interpreter runs (python3 [OPTIONS] -c THIS MODE TARGET ARGS...): it imports torch
+// and what an optimizer loads on first use, makes its GPU's context, waits for its rank's
+// environment on descriptor LTRAIN_STANDBY_FD, takes it as its own, and runs the script or module
+// as __main__, as `python3 SCRIPT` would.
 constexpr const char* kStandbyBootstrap = R"(import os, sys
 def _wait():
     fd = int(os.environ.pop("LTRAIN_STANDBY_FD"))
     cuda = os.environ.pop("LTRAIN_STANDBY_CUDA", "")
     try:
         import torch, torch.distributed
+        # An optimizer's first construction imports torch._dynamo: seconds, in PyTorch 2.
+        torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
         if cuda and torch.cuda.is_available() and int(cuda) < torch.cuda.device_count():
             with torch.cuda.device(int(cuda)):
                 torch.empty(1, device="cuda")
@@ -727,7 +730,7 @@ int RunProgram(const ExecArgs& exec) {
     arg_strings.insert(arg_strings.end(), python->args.begin(), python->args.end());
     std::vector<std::string> added = exec.env;
     added.push_back("LTRAIN_STANDBY_FD=" + std::to_string(request[0]));
-    if (exec.standby == "cuda") added.push_back("LTRAIN_STANDBY_CUDA=" + EnvString("LTRAIN_LOCAL_RANK", "0"));
+    if (exec.standby == "gpu") added.push_back("LTRAIN_STANDBY_CUDA=" + EnvString("LTRAIN_LOCAL_RANK", "0"));
     pid = start(std::move(arg_strings), ChildEnvironment(added), request[0]);
     close(request[0]);
     if (pid < 0) {

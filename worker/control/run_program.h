@@ -1,4 +1,4 @@
-// `ltrain-exec [--env NAME=VALUE]... [--output-timeout S] [--standby cpu|cuda] -- PROGRAM ARGS...`: a user's program as one rank, the
+// `ltrain-exec [--env NAME=VALUE]... [--output-timeout S] [--standby import|gpu] -- PROGRAM ARGS...`: a user's program as one rank, the
 // way torchrun's per-rank process runs it. The agent starts one such proxy per rank with its LTRAIN_*
 // environment (and the torchrun variables RANK, WORLD_SIZE, ...), and the recipe's entrypoint.env as
 // --env arguments, which reach the program's environment but not the proxy's; the proxy
@@ -86,9 +86,9 @@ struct ExecArgs {
   // > 0: the program's stdout and stderr pass through the proxy, and a program that prints and
   // reports nothing for this long is killed, named as hung (exit 1: restartable). entrypoint.output_timeout_s.
   double output_timeout_s = 0;
-  // "cpu" or "cuda": a warm standby (entrypoint.warm_standby). PROGRAM is a Python command
-  // (ParsePythonCommand); its interpreter starts at once and imports torch (with "cuda", it also
-  // makes the context of GPU LTRAIN_LOCAL_RANK), while the proxy waits on stdin for the rank it
+  // "import" or "gpu": a warm standby (entrypoint.warm_standby). PROGRAM is a Python command
+  // (ParsePythonCommand); its interpreter starts at once and imports torch and what an optimizer
+  // loads on first use (with "gpu", it also makes the context of GPU LTRAIN_LOCAL_RANK), while the proxy waits on stdin for the rank it
   // becomes: its working directory and environment, each NUL-terminated (the directory, then NAME=VALUE
   // entries), then the end of input. The proxy then moves there, replaces its own environment with
   // them and goes on as any rank's proxy does, except that the waiting interpreter, moved and given
@@ -98,7 +98,7 @@ struct ExecArgs {
 };
 
 // nullopt, with `error` set, for anything but [--env NAME=VALUE]... [--output-timeout SECONDS]
-// [--standby cpu|cuda] -- PROGRAM [ARGS...] (with --standby, a Python command).
+// [--standby import|gpu] -- PROGRAM [ARGS...] (with --standby, a Python command).
 std::optional<ExecArgs> ParseExecArgs(const std::vector<std::string>& args, std::string& error);
 
 // Runs args.program as this rank's program, as above; returns the exit code for ltrain-worker: the
