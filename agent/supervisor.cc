@@ -214,6 +214,9 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
     if (!secret_file.empty()) spec.env.push_back("LTRAIN_AGENT_SECRET_FILE=" + secret_file);
     // Rank 0 appends the job's steps and validation losses beside the ranks' logs, across generations.
     if (assignment.rank() == 0) spec.env.push_back("LTRAIN_METRICS_FILE=" + (dir.parent_path() / "metrics.jsonl").string());
+    if (assignment.rank() == 0 && parsed.ok() && parsed.recipe.metrics.tensorboard) {
+      spec.env.push_back("LTRAIN_TENSORBOARD_DIR=" + (dir.parent_path() / "tensorboard").string());
+    }
     if (program) {
       std::vector<std::string> torchrun = TorchrunEnvironment(start, assignment, parsed.recipe);
       spec.env.insert(spec.env.end(), torchrun.begin(), torchrun.end());

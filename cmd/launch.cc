@@ -104,6 +104,7 @@ struct RunArgs {
   double restart_backoff_s = 0;  // torchrun restarts at once
   double output_timeout_s = 0;   // 0: none
   std::string warm_standby = "auto";
+  bool tensorboard = false;
   double hang_timeout_s = 0;     // 0: the recipe default
   std::string name;
   std::string workdir;
@@ -155,6 +156,7 @@ int RunProgram(const RunArgs& args, const SecurityMaterial& security) {
   recipe.fault.restart_backoff_s = args.restart_backoff_s;
   if (args.hang_timeout_s > 0) recipe.fault.hang_timeout_s = args.hang_timeout_s;
   recipe.checkpoint.enabled = false;  // the program keeps its own checkpoints
+  recipe.metrics.tensorboard = args.tensorboard;
   recipe.entrypoint.command = args.program;
   recipe.entrypoint.workdir = args.workdir;
   recipe.entrypoint.output_timeout_s = args.output_timeout_s;
@@ -216,6 +218,9 @@ void AddRunCommand(CLI::App& app, CommandContext& ctx) {
                   "CUDA context (some hundreds of MiB); off: every start is a new process (entrypoint.warm_standby)")
       ->check(CLI::IsMember({"auto", "off", "gpu"}))
       ->capture_default_str();
+  cmd->add_flag("--tensorboard", args->tensorboard,
+               "Write the progress reports' loss, learning rate, tokens/s and step time as TensorBoard event files in "
+               "the job's tensorboard/ directory (metrics.tensorboard)");
   cmd->add_option("--name", args->name, "The job's name (job ids are NAME-N); default: the script's or program's name");
   cmd->add_option("--workdir", args->workdir, "Directory the program starts in; default: this one");
   cmd->add_option("--env", args->env, "NAME=VALUE added to every rank's environment (repeatable)")

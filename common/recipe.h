@@ -212,6 +212,11 @@ struct FaultSpec {
   double collective_timeout_s = 300.0;  // a collective that takes longer is aborted
 };
 
+// What a job records of its run beside metrics.jsonl.
+struct MetricsSpec {
+  bool tensorboard = false;  // rank 0 writes TensorBoard event files in the job's tensorboard/ directory
+};
+
 // A program of the user's own that ltrain runs once per rank with torchrun's environment (`ltrain
 // run`), instead of its own trainer: the recipe then has no model, data or training.
 struct EntrypointSpec {
@@ -233,6 +238,7 @@ struct Recipe {
   ParallelSpec parallel;
   CheckpointSpec checkpoint;
   FaultSpec fault;
+  MetricsSpec metrics;
   EntrypointSpec entrypoint;
 
   // The recipe runs the user's program (entrypoint.command), not ltrain's trainer.

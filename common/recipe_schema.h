@@ -47,7 +47,7 @@ struct NodesField {
 
 // The sections of a recipe, in the order the writer emits them.
 inline constexpr std::string_view kRecipeSections[] = {"model", "data",  "training",  "parallel",
-                                                       "checkpoint", "fault", "entrypoint"};
+                                                       "checkpoint", "fault", "metrics", "entrypoint"};
 
 // The sections that describe ltrain's own trainer, which a recipe with entrypoint.command lacks.
 inline constexpr std::string_view kTrainerSections[] = {"model", "data", "training"};
@@ -272,6 +272,12 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
                   .real_min = 0.1, .real_max = 86400},
         r.fault.collective_timeout_s);
 
+  visit(RecipeKey{.section = "metrics", .name = "tensorboard",
+                  .help = "true: rank 0 also writes the steps' loss, learning rate, tokens/s and step time, and the "
+                          "validation loss, as TensorBoard event files in the job's tensorboard/ directory beside "
+                          "metrics.jsonl (tensorboard --logdir DIR)",
+                  .omit_at_default = true},
+        r.metrics.tensorboard);
   visit(RecipeKey{.section = "entrypoint", .name = "command",
                   .help = "your program and its arguments, run once per rank with torchrun's environment instead of "
                           "ltrain's trainer (`ltrain run`); the recipe then has no model, data or training",

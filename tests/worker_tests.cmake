@@ -12,10 +12,16 @@ if(LTRAIN_BUILD_CONTROL_PLANE)
 endif()
 
 # The ranks' agreement on the step a stop with a final checkpoint ends after (a fake store), and
-# the arguments and progress lines of a program run by ltrain-exec and its store relay; milliseconds.
+# the arguments and progress lines of a program run by ltrain-exec and its store relay; TensorBoard's
+# event records; milliseconds.
 ltrain_add_test(checkpoint_stop_test unit
   SOURCES unit/checkpoint_stop_test.cc unit/run_program_test.cc unit/tcp_relay_test.cc
   LIBS ltrain::worker_control)
+if(TARGET ltrain_test_support)
+  ltrain_add_test(tensorboard_events_test unit
+    SOURCES unit/tensorboard_events_test.cc
+    LIBS ltrain::worker_control ltrain_test_support)
+endif()
 
 ltrain_add_test(worker_unit_test unit
   SOURCES unit/gpt_model_test.cc unit/llama_model_test.cc unit/gloo_communicator_test.cc

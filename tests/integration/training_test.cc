@@ -20,6 +20,7 @@
 #include "tests/support/job_status.h"
 #include "tests/support/prometheus_text.h"
 #include "tests/support/subprocess.h"
+#include "tests/support/tensorboard_reader.h"
 
 namespace ltrain::testing {
 namespace {
@@ -145,7 +146,8 @@ class TrainingTest : public ::testing::Test {
 
 TEST_F(TrainingTest, TwoWorkersLearnAndTheJobSucceeds) {
   ProcessResult result =
-      Launch({"training.steps=60", "training.log_every=10", "checkpoint.every=30", "training.eval_every=30"});
+      Launch({"training.steps=60", "training.log_every=10", "checkpoint.every=30", "training.eval_every=30",
+              "metrics.tensorboard=true"});
   ASSERT_EQ(result.exit_code, 0) << result.output;
   std::vector<double> losses = ParseLosses(result.output);
   ASSERT_GE(losses.size(), 3u) << result.output;
@@ -193,6 +195,27 @@ TEST_F(TrainingTest, TwoWorkersLearnAndTheJobSucceeds) {
   ASSERT_EQ(evals.size(), 2u);
   EXPECT_EQ(evals[1].at("step"), 60);
   EXPECT_NEAR(evals[1].at("val_loss").get<double>(), job.val_loss(), 1e-9 * job.val_loss());
+
+  // metrics.tensorboard: the same figures as TensorBoard scalars, in one event file of generation 0.
+  const fs::path tensorboard = fs::path(dir_.Join("home")) / "agent-local" / "jobs" / "tiny-1" / "tensorboard";
+  std::vector<fs::path> event_files;
+  for (const auto& entry : fs::directory_iterator(tensorboard)) event_files.push_back(entry.path());
+  ASSERT_EQ(event_files.size(), 1u);
+  EXPECT_EQ(event_files[0].filename().string().rfind("events.out.tfevents.", 0), 0u) << event_files[0];
+  const TensorBoardFile events = ReadTensorBoardFile(event_files[0].string());
+  ASSERT_EQ(events.error, "");
+  std::vector<TensorBoardScalar> train_loss, val_loss;
+  for (const TensorBoardScalar& scalar : events.scalars) {
+    if (scalar.tag == "train/loss") train_loss.push_back(scalar);
+    if (scalar.tag == "val/loss") val_loss.push_back(scalar);
+  }
+  ASSERT_EQ(train_loss.size(), 60u);
+  for (size_t i = 0; i < train_loss.size(); ++i) {
+    EXPECT_EQ(train_loss[i].step, static_cast<int64_t>(i) + 1);
+    EXPECT_NEAR(train_loss[i].value, steps[i].at("loss").get<double>(), 1e-5 * train_loss[i].value);
+  }
+  ASSERT_EQ(val_loss.size(), 2u);
+  EXPECT_NEAR(val_loss[1].value, job.val_loss(), 1e-5 * job.val_loss());
 
   // The logs outlive the launch: every rank's lines, filters, JSON.
   ProcessResult logs = RunProcess({LtrainBinary(), "logs", "tiny-1"}, Env());

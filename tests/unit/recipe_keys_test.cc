@@ -31,6 +31,7 @@ training: {steps: 77, micro_batch: 2, global_batch: 32, lr: 0.002, min_lr: 0.000
 parallel: {nodes: {min: 1, max: 2}, nproc_per_node: 8, tp: 2, pp: 2, zero: 1, sequence_parallel: true,
            pp_schedule: interleaved, virtual_stages: 2, pp_split: [3, 2, 2, 1], bucket_mb: 50,
            activation_checkpointing: selective, precision: bf16, device: cuda}
+metrics: {tensorboard: true}
 checkpoint: {dir: /ckpt/every-key, every: 11, keep: 5, resume_from: /ckpt/old/step-3, async: false, enabled: false,
              timeout_s: 240}
 fault: {max_restarts: 4, restart_backoff_s: 2.5, restart_backoff_max_s: 45, heartbeat_interval_s: 0.5,

@@ -72,6 +72,12 @@ void Progress::RecordStep(const StepFigures& figures) {
     if (figures.compute_steps > 0) fields += ", \"compute_ms\": " + JsonNumber(figures.compute_ms);
     AppendMetricsLocked(fields);
   }
+  if (tensorboard_) {
+    tensorboard_->AddScalar("train/loss", figures.step, figures.loss);
+    if (figures.lr > 0) tensorboard_->AddScalar("train/lr", figures.step, figures.lr);
+    if (figures.tokens_per_s > 0) tensorboard_->AddScalar("train/tokens_per_s", figures.step, figures.tokens_per_s);
+    if (figures.step_ms > 0) tensorboard_->AddScalar("train/step_ms", figures.step, figures.step_ms);
+  }
 }
 
 void Progress::RecordEval(int64_t step, double val_loss) {
@@ -81,6 +87,15 @@ void Progress::RecordEval(int64_t step, double val_loss) {
   if (metrics_ != nullptr) {
     AppendMetricsLocked("\"step\": " + std::to_string(step) + ", \"val_loss\": " + JsonNumber(val_loss));
   }
+  if (tensorboard_) tensorboard_->AddScalar("val/loss", step, val_loss);
+}
+
+bool Progress::WriteTensorBoardTo(const std::string& dir, std::string& error) {
+  std::unique_ptr<TensorBoardWriter> writer = TensorBoardWriter::Open(dir, error);
+  if (!writer) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  tensorboard_ = std::move(writer);
+  return true;
 }
 
 bool Progress::WriteMetricsTo(const std::string& path, int generation, std::string& error) {

@@ -9,9 +9,12 @@
 #include <cstdint>
 #include <cstdio>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
+
+#include "worker/control/tensorboard_events.h"
 
 namespace ltrain::worker {
 
@@ -94,6 +97,11 @@ class Progress {
   // Lines are flushed as written, so a reader (a plotting script, tail -f) sees each step at once.
   // False, with `error` set, when the file cannot be opened for appending.
   bool WriteMetricsTo(const std::string& path, int generation, std::string& error);
+  // From now on the same figures also go to a new TensorBoard event file in `dir` (the job's
+  // tensorboard/ directory, LTRAIN_TENSORBOARD_DIR): scalars train/loss, train/lr,
+  // train/tokens_per_s, train/step_ms and val/loss by step. False, with `error` set, when the file
+  // cannot be created.
+  bool WriteTensorBoardTo(const std::string& dir, std::string& error);
 
  private:
   void AppendMetricsLocked(const std::string& fields);
@@ -103,6 +111,7 @@ class Progress {
   uint64_t next_seq_ = 1;
   std::FILE* metrics_ = nullptr;  // never closed: the process's own, until it exits
   int metrics_generation_ = 0;
+  std::unique_ptr<TensorBoardWriter> tensorboard_;
 };
 
 // Marks a collective in flight for its scope.

@@ -792,6 +792,12 @@ int RunProgram(const ExecArgs& exec) {
       std::fprintf(stderr, "ltrain-exec: no metrics.jsonl: %s\n", error.c_str());
     }
   }
+  if (const std::string dir = EnvString("LTRAIN_TENSORBOARD_DIR"); !dir.empty()) {
+    std::string error;
+    if (!Progress::Global().WriteTensorBoardTo(dir, error)) {
+      std::fprintf(stderr, "ltrain-exec: no TensorBoard events: %s\n", error.c_str());
+    }
+  }
   std::unique_ptr<ProgressReporter> reporter;
   if (!env->agent.empty()) {
     ProgressReporterOptions options;

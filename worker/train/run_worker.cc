@@ -268,6 +268,12 @@ Status Run(const WorkerEnv& env) {
       std::fprintf(stderr, "rank %d: no metrics.jsonl: %s\n", env.rank, error.c_str());
     }
   }
+  if (const std::string dir = EnvString("LTRAIN_TENSORBOARD_DIR"); !dir.empty()) {
+    std::string error;
+    if (!Progress::Global().WriteTensorBoardTo(dir, error)) {
+      std::fprintf(stderr, "rank %d: no TensorBoard events: %s\n", env.rank, error.c_str());
+    }
+  }
   LTRAIN_RETURN_IF_ERROR(StallStartupIfAsked(env.rank));
   LTRAIN_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> trainer, Trainer::Create(recipe, options, &conn->groups));
   // Starting from another run's checkpoint at or past training.steps would train nothing and
