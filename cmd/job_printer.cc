@@ -237,6 +237,17 @@ std::string FormatJobDetail(const v1::Job& job, int64_t now_unix_ms) {
     Appendf(&out, "val loss:       %.4f (after step %lld)\n", job.val_loss(), static_cast<long long>(job.val_step()));
   }
   if (job.tokens_per_s() > 0) Appendf(&out, "tokens/s:       %.0f\n", job.tokens_per_s());
+  if (job.mfu() > 0) Appendf(&out, "mfu:            %.1f%%\n", 100.0 * job.mfu());
+  {
+    const v1::RankInfo* most = nullptr;
+    for (const auto& rank : job.ranks()) {
+      if (rank.memory_bytes() > 0 && (most == nullptr || rank.memory_bytes() > most->memory_bytes())) most = &rank;
+    }
+    if (most != nullptr) {
+      Appendf(&out, "memory:         up to %.2f GiB a rank (rank %d)\n",
+              static_cast<double>(most->memory_bytes()) / (1 << 30), most->rank());
+    }
+  }
   if (job.eta_s() > 0) {
     int64_t eta = static_cast<int64_t>(job.eta_s());
     Appendf(&out, "eta:            %lldh%02lldm%02llds\n", static_cast<long long>(eta / 3600),

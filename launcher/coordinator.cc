@@ -399,6 +399,7 @@ StatusOr<v1::Job> Coordinator::GetJob(const std::string& job_id) {
   job->set_val_loss(active->job.val_loss());
   job->set_total_steps(active->job.total_steps());
   job->set_tokens_per_s(active->job.tokens_per_s());
+  job->set_mfu(IsFinal(active->job.state()) ? 0 : active->job.mfu());
   job->set_eta_s(IsFinal(active->job.state()) ? 0 : active->job.eta_s());
   int64_t now = clock_->SteadyMs();
   for (auto& rank : *job->mutable_ranks()) {
@@ -409,6 +410,7 @@ StatusOr<v1::Job> Coordinator::GetJob(const std::string& job_id) {
     rank.set_progress_age_ms(progress->second.report.idle_ms() + now - progress->second.received_ms);
     rank.set_work(DescribeWork(progress->second.report.work()));
     rank.set_compute_ms(progress->second.report.completed().compute_ms());
+    rank.set_memory_bytes(progress->second.report.completed().memory_bytes());
     rank.set_straggler(active->stragglers.count(rank.rank()) > 0);
   }
   for (const auto& node_id : active->nodes) {
@@ -720,13 +722,13 @@ void Coordinator::ApplyProgressLocked(ActiveJob& job, const v1::RankProgress& re
       std::max(0.0, static_cast<double>(step.total_steps()) - static_cast<double>(step.step())) * step.step_ms() / 1000.0;
   if (step.step() == job.job.last_step() && step.total_steps() == job.job.total_steps() &&
       step.loss() == job.job.last_loss() && step.tokens_per_s() == job.job.tokens_per_s() &&
-      eta_s == job.job.eta_s() && !new_eval) {
+      step.mfu() == job.job.mfu() && eta_s == job.job.eta_s() && !new_eval) {
     return;  // nothing new since the last report
   }
   if (step.step() != job.job.last_step()) {
     std::vector<SeriesPoint>& points = job.series.steps;
     while (!points.empty() && points.back().step >= step.step()) points.pop_back();  // a restart went back
-    points.push_back({step.step(), clock_->UnixMs(), step.loss(), step.tokens_per_s(), step.step_ms()});
+    points.push_back({step.step(), clock_->UnixMs(), step.loss(), step.tokens_per_s(), step.step_ms(), step.mfu()});
     if (points.size() > kMaxSeriesPoints) {
       // Every other point of the older half: the curve keeps its shape, the memory stays bounded.
       std::vector<SeriesPoint> kept;
@@ -745,6 +747,7 @@ void Coordinator::ApplyProgressLocked(ActiveJob& job, const v1::RankProgress& re
   job.job.set_total_steps(step.total_steps());
   job.job.set_last_loss(step.loss());
   job.job.set_tokens_per_s(step.tokens_per_s());
+  job.job.set_mfu(step.mfu());
   job.job.set_eta_s(eta_s);
   PersistJobLocked(job);
 }

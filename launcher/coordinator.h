@@ -47,6 +47,7 @@ struct SeriesPoint {
   double loss = 0;
   double tokens_per_s = 0;
   double step_ms = 0;
+  double mfu = 0;  // 0 to 1; 0: not measured
 };
 struct ValPoint {
   int64_t step = 0;

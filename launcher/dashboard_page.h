@@ -91,8 +91,12 @@ function renderJob(j) {
   const loss = chart("loss-chart", "Loss", [{name: "train", color: "#225fc4", points: s.steps.map(p => [p[0], p[2]])},
                                             {name: "validation", color: "#c2410c", points: s.val}]);
   const tps = chart("tokens-chart", "Tokens/s", [{name: "tokens/s", color: "#0a7d32", points: s.steps.map(p => [p[0], p[3]])}]);
+  const mfuPoints = s.steps.filter(p => p[5] > 0).map(p => [p[0], 100 * p[5]]);
+  const mfu = mfuPoints.length ? chart("mfu-chart", "MFU (%)", [{name: "MFU", color: "#7c3aed", points: mfuPoints}]) : "";
+  const gib = b => num(b / 1073741824, 2) + " GiB";
   const ranks = j.ranks.map(r => `<tr><td>${r.rank}</td><td>${esc(r.node)}</td><td>${esc(r.state)}</td><td>${r.step}</td>` +
     `<td>${esc(r.phase || "-")}</td><td>${num(r.progress_age_s, 1)}s</td><td>${r.compute_ms ? num(r.compute_ms, 1) + " ms" : "-"}</td>` +
+    `<td>${r.memory_bytes ? gib(r.memory_bytes) : "-"}</td>` +
     `<td>${r.straggler ? '<span class="straggler">straggler</span>' : ""}</td><td class="muted">${esc(r.work || "")}</td></tr>`).join("");
   const nodes = j.nodes.map(n => `<tr><td>${esc(n.node)}</td><td>${n.connected ? "up" : "lost"}</td><td>${num(n.heartbeat_age_s, 1)}s ago</td></tr>`).join("");
   const events = j.events.map(e => `${when(e.unix_ms)} ${e.rank >= 0 ? "[rank " + e.rank + "] " : ""}${esc(e.message)}`).join("\n");
@@ -101,12 +105,13 @@ function renderJob(j) {
     `<section><h2>${esc(j.id)} <span id="job-state" class="${j.state}">${j.state}</span></h2><div class="figures">` +
     `<div>step<b id="job-step">${j.step}${j.total_steps ? " / " + j.total_steps : ""}</b></div>` +
     `<div>loss<b>${j.step ? num(j.loss, 4) : "-"}</b></div><div>val loss<b>${j.val_step ? num(j.val_loss, 4) : "-"}</b></div>` +
-    `<div>tokens/s<b>${j.tokens_per_s ? Math.round(j.tokens_per_s) : "-"}</b></div><div>ETA<b>${j.eta_s ? Math.round(j.eta_s) + " s" : "-"}</b></div>` +
+    `<div>tokens/s<b>${j.tokens_per_s ? Math.round(j.tokens_per_s) : "-"}</b></div>` +
+    (j.mfu ? `<div>MFU<b>${num(100 * j.mfu, 1)}%</b></div>` : "") + `<div>ETA<b>${j.eta_s ? Math.round(j.eta_s) + " s" : "-"}</b></div>` +
     `<div>generation<b>${j.generation}</b></div><div>restarts<b>${j.restarts}</b></div><div>committed<b>${j.committed_step || "-"}</b></div></div>` +
     (j.last_failure ? `<p class="FAILED">${esc(j.last_failure)}</p>` : "") + `</section>` +
-    `<section class="charts">${loss}${tps}</section>` +
+    `<section class="charts">${loss}${tps}${mfu}</section>` +
     `<section><h2>Ranks</h2><table id="ranks"><tr><th>rank</th><th>node</th><th>state</th><th>step</th><th>phase</th><th>progress</th>` +
-    `<th>compute</th><th></th><th></th></tr>${ranks}</table></section>` +
+    `<th>compute</th><th>memory</th><th></th><th></th></tr>${ranks}</table></section>` +
     `<section><h2>Nodes</h2><table id="nodes"><tr><th>node</th><th></th><th>heartbeat</th></tr>${nodes}</table></section>` +
     `<section><h2>Events</h2><pre id="events">${events}</pre></section>` +
     `<section><h2>Log</h2><pre id="log">${logs}</pre></section>`;

@@ -42,6 +42,7 @@ nlohmann::json JobSummary(const v1::Job& job) {
           {"val_step", job.val_step()},
           {"val_loss", job.val_loss()},
           {"tokens_per_s", Final(job.state()) ? 0.0 : job.tokens_per_s()},
+          {"mfu", job.mfu()},
           {"eta_s", Final(job.state()) ? 0.0 : job.eta_s()},
           {"restarts", job.restarts()},
           {"generation", job.generation()},
@@ -73,6 +74,7 @@ StatusOr<std::string> JobJson(Coordinator& coordinator, const std::string& job_i
                      {"phase", rank.phase()},
                      {"progress_age_s", rank.progress_age_ms() / 1000.0},
                      {"compute_ms", rank.compute_ms()},
+                     {"memory_bytes", rank.memory_bytes()},
                      {"straggler", rank.straggler()},
                      {"work", rank.work()}});
   }
@@ -87,7 +89,7 @@ StatusOr<std::string> JobJson(Coordinator& coordinator, const std::string& job_i
   // Curves, events and the log tail while the coordinator holds the job in memory; none after.
   nlohmann::json steps = nlohmann::json::array(), val = nlohmann::json::array();
   if (StatusOr<JobSeries> series = coordinator.Series(job_id); series.ok()) {
-    for (const SeriesPoint& p : series->steps) steps.push_back({p.step, p.unix_ms, p.loss, p.tokens_per_s, p.step_ms});
+    for (const SeriesPoint& p : series->steps) steps.push_back({p.step, p.unix_ms, p.loss, p.tokens_per_s, p.step_ms, p.mfu});
     for (const ValPoint& p : series->val) val.push_back({p.step, p.val_loss});
   }
   out["series"] = {{"steps", std::move(steps)}, {"val", std::move(val)}};

@@ -127,6 +127,9 @@ std::string PrometheusText(const std::vector<v1::Job>& jobs, const std::vector<v
           [](const v1::Job& j) { return j.last_loss(); }, stepped);
   per_job("ltrain_job_tokens_per_second", "gauge", "Tokens a second of the whole job, over its last step.",
           [](const v1::Job& j) { return j.tokens_per_s(); }, moving);
+  per_job("ltrain_job_mfu", "gauge",
+          "Model FLOPs utilization of rank 0's last step (0 to 1) against its GPU's dense bf16 peak; GPU jobs.",
+          [](const v1::Job& j) { return j.mfu(); }, [&](const v1::Job& j) { return moving(j) && j.mfu() > 0; });
   per_job("ltrain_job_eta_seconds", "gauge", "Remaining steps times the last step's time.",
           [](const v1::Job& j) { return j.eta_s(); }, moving);
   per_job("ltrain_job_val_loss", "gauge", "The last validation loss.", [](const v1::Job& j) { return j.val_loss(); },
@@ -175,6 +178,18 @@ std::string PrometheusText(const std::vector<v1::Job>& jobs, const std::vector<v
       for (const v1::RankInfo& rank : job.ranks()) {
         if (!(rank.compute_ms() > 0)) continue;
         compute.Sample({"job", job.id(), "rank", std::to_string(rank.rank()), "node", rank.node_id()}, rank.compute_ms());
+      }
+    }
+  }
+  {
+    Family memory(out, "ltrain_rank_memory_bytes", "gauge",
+                  "A rank's memory at its last step: the GPU allocator's peak, or on the CPU its parameters, "
+                  "gradients, optimizer state and activations' peak; absent where unknown.");
+    for (const v1::Job& job : jobs) {
+      for (const v1::RankInfo& rank : job.ranks()) {
+        if (rank.memory_bytes() <= 0) continue;
+        memory.Sample({"job", job.id(), "rank", std::to_string(rank.rank()), "node", rank.node_id()},
+                      static_cast<double>(rank.memory_bytes()));
       }
     }
   }

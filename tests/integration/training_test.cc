@@ -190,7 +190,17 @@ TEST_F(TrainingTest, TwoWorkersLearnAndTheJobSucceeds) {
     EXPECT_EQ(steps[i].at("total_steps"), 60);
     EXPECT_GT(steps[i].at("tokens_per_s").get<double>(), 0);
     EXPECT_GT(steps[i].at("compute_ms").get<double>(), 0);
+    EXPECT_GT(steps[i].at("memory_bytes").get<int64_t>(), 0);
+    EXPECT_FALSE(steps[i].contains("mfu")) << "MFU is a GPU's figure";
   }
+  // Rank 0's memory: at least the parts its "memory rank 0" line printed after its first step.
+  std::smatch printed;
+  ASSERT_TRUE(std::regex_search(result.output, printed, std::regex(R"(memory rank 0: params (\d+) bytes, grads (\d+) bytes, )"
+                                                                   R"(optimizer (\d+) bytes, activations_peak (\d+) bytes)")))
+      << result.output;
+  int64_t parts = 0;
+  for (int i = 1; i <= 4; ++i) parts += std::stoll(printed[i].str());
+  EXPECT_GE(steps.back().at("memory_bytes").get<int64_t>(), parts);
   EXPECT_NEAR(steps.back().at("loss").get<double>(), losses.back(), 1e-5 * losses.back());
   ASSERT_EQ(evals.size(), 2u);
   EXPECT_EQ(evals[1].at("step"), 60);
@@ -210,6 +220,9 @@ TEST_F(TrainingTest, TwoWorkersLearnAndTheJobSucceeds) {
     if (scalar.tag == "val/loss") val_loss.push_back(scalar);
   }
   ASSERT_EQ(train_loss.size(), 60u);
+  EXPECT_EQ(std::count_if(events.scalars.begin(), events.scalars.end(),
+                          [](const TensorBoardScalar& s) { return s.tag == "train/memory_gib"; }),
+            60);
   for (size_t i = 0; i < train_loss.size(); ++i) {
     EXPECT_EQ(train_loss[i].step, static_cast<int64_t>(i) + 1);
     EXPECT_NEAR(train_loss[i].value, steps[i].at("loss").get<double>(), 1e-5 * train_loss[i].value);

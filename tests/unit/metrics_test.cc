@@ -41,6 +41,7 @@ std::vector<v1::Job> TwoJobs() {
   running.set_val_step(100);
   running.set_val_loss(2.5);
   running.set_last_committed_step(100);
+  running.set_mfu(0.425);
   for (int r = 0; r < 2; ++r) {
     v1::RankInfo* rank = running.add_ranks();
     rank->set_rank(r);
@@ -48,6 +49,7 @@ std::vector<v1::Job> TwoJobs() {
     rank->set_last_step(121);
     rank->set_phase(r == 0 ? "forward" : "backward");
     rank->set_progress_age_ms(250);
+    rank->set_memory_bytes(r == 0 ? int64_t{40} << 30 : 0);  // rank 1's memory is unknown
   }
   v1::Job pending;
   pending.set_id("llama-2");
@@ -84,6 +86,9 @@ TEST(MetricsTest, EveryLineIsValidPrometheusText) {
   EXPECT_EQ(Find(parse, "ltrain_rank_progress_age_seconds", {{"rank", "0"}})->value, 0.25);
   EXPECT_EQ(Find(parse, "ltrain_node_up", {{"node", "node-a"}})->value, 1);
   EXPECT_EQ(Find(parse, "ltrain_node_gpus", {{"node", "node-a"}})->value, 8);
+  EXPECT_EQ(Find(parse, "ltrain_job_mfu", {{"job", "gpt-7"}})->value, 0.425);
+  EXPECT_EQ(Find(parse, "ltrain_rank_memory_bytes", {{"job", "gpt-7"}, {"rank", "0"}})->value, 42949672960.0);
+  EXPECT_EQ(Find(parse, "ltrain_rank_memory_bytes", {{"job", "gpt-7"}, {"rank", "1"}}), nullptr) << "unknown: absent";
 }
 
 // A job that has not completed a step has no loss, throughput or validation series yet, rather
@@ -94,6 +99,7 @@ TEST(MetricsTest, FiguresAppearOnlyOnceMeasured) {
   EXPECT_EQ(Find(parse, "ltrain_job_loss", {{"job", "llama-2"}}), nullptr);
   EXPECT_EQ(Find(parse, "ltrain_job_tokens_per_second", {{"job", "llama-2"}}), nullptr);
   EXPECT_EQ(Find(parse, "ltrain_job_val_loss", {{"job", "llama-2"}}), nullptr);
+  EXPECT_EQ(Find(parse, "ltrain_job_mfu", {{"job", "llama-2"}}), nullptr);
   EXPECT_NE(Find(parse, "ltrain_job_step", {{"job", "llama-2"}}), nullptr);
   EXPECT_NE(Find(parse, "ltrain_job_info", {{"job", "llama-2"}, {"state", "pending"}}), nullptr);
 

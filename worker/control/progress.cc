@@ -70,6 +70,8 @@ void Progress::RecordStep(const StepFigures& figures) {
                          ", \"tokens_per_s\": " + JsonNumber(figures.tokens_per_s) +
                          ", \"step_ms\": " + JsonNumber(figures.step_ms);
     if (figures.compute_steps > 0) fields += ", \"compute_ms\": " + JsonNumber(figures.compute_ms);
+    if (figures.mfu > 0) fields += ", \"mfu\": " + JsonNumber(figures.mfu);
+    if (figures.memory_bytes > 0) fields += ", \"memory_bytes\": " + std::to_string(figures.memory_bytes);
     AppendMetricsLocked(fields);
   }
   if (tensorboard_) {
@@ -77,6 +79,10 @@ void Progress::RecordStep(const StepFigures& figures) {
     if (figures.lr > 0) tensorboard_->AddScalar("train/lr", figures.step, figures.lr);
     if (figures.tokens_per_s > 0) tensorboard_->AddScalar("train/tokens_per_s", figures.step, figures.tokens_per_s);
     if (figures.step_ms > 0) tensorboard_->AddScalar("train/step_ms", figures.step, figures.step_ms);
+    if (figures.mfu > 0) tensorboard_->AddScalar("train/mfu", figures.step, 100.0 * figures.mfu);
+    if (figures.memory_bytes > 0) {
+      tensorboard_->AddScalar("train/memory_gib", figures.step, static_cast<double>(figures.memory_bytes) / (1 << 30));
+    }
   }
 }
 

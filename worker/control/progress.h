@@ -37,6 +37,8 @@ struct StepFigures {
   double step_ms = 0;
   double compute_ms = 0;    // mean of the last compute_steps steps' own work (see RankProgress); 0: none
   int compute_steps = 0;
+  double mfu = 0;           // 0 to 1, against the GPU's dense bf16 peak; 0: not on a GPU
+  int64_t memory_bytes = 0; // this rank's memory (proto StepFigures.memory_bytes); 0: unknown
 };
 
 // Long work a rank is in the middle of, in countable units, so that start-up, a checkpoint save or
@@ -92,14 +94,15 @@ class Progress {
   // From now on every completed step and validation loss is also appended, one JSON object a line,
   // to `path` (the job's metrics.jsonl, which rank 0's agent names in LTRAIN_METRICS_FILE):
   //   {"time": UNIX_S, "generation": G, "step": N, "total_steps": N, "loss": X, "lr": X,
-  //    "tokens_per_s": X, "step_ms": X, "compute_ms": X}     (compute_ms where measured)
+  //    "tokens_per_s": X, "step_ms": X, "compute_ms": X, "mfu": X, "memory_bytes": N}
+  //                                                        (compute_ms, mfu, memory_bytes where known)
   //   {"time": UNIX_S, "generation": G, "step": N, "val_loss": X}
   // Lines are flushed as written, so a reader (a plotting script, tail -f) sees each step at once.
   // False, with `error` set, when the file cannot be opened for appending.
   bool WriteMetricsTo(const std::string& path, int generation, std::string& error);
   // From now on the same figures also go to a new TensorBoard event file in `dir` (the job's
   // tensorboard/ directory, LTRAIN_TENSORBOARD_DIR): scalars train/loss, train/lr,
-  // train/tokens_per_s, train/step_ms and val/loss by step. False, with `error` set, when the file
+  // train/tokens_per_s, train/step_ms, train/mfu (percent), train/memory_gib and val/loss by step. False, with `error` set, when the file
   // cannot be created.
   bool WriteTensorBoardTo(const std::string& dir, std::string& error);
 

@@ -73,6 +73,8 @@ bool ProgressReporter::Send() {
     completed->set_step_ms(snapshot.completed->step_ms);
     completed->set_compute_ms(snapshot.completed->compute_ms);
     completed->set_compute_steps(snapshot.completed->compute_steps);
+    completed->set_mfu(snapshot.completed->mfu);
+    completed->set_memory_bytes(snapshot.completed->memory_bytes);
   }
   report.set_eval_step(snapshot.eval_step);
   report.set_val_loss(snapshot.val_loss);

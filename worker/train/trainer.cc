@@ -1338,12 +1338,16 @@ Status Trainer::LoadInitialParameters(const std::string& path) {
 
 int64_t Trainer::FullModelParameters() const { return ModelParameterCount(model_->spec().config); }
 
-void Trainer::PrintThroughput(int64_t first_step, int64_t steps, double total_ms) const {
-  const int64_t params = FullModelParameters();
+double Trainer::ModelFlopsPerToken() const {
   const ModelSpec& m = recipe_.model;
-  // Model FLOPs per token: 6N for the matrix products of forward and backward, 12*L*d*T for
-  // attention (PaLM's accounting, the peers' too).
-  const double flops_per_token = 6.0 * static_cast<double>(params) + 12.0 * m.layers * m.d_model * m.seq_len;
+  // 6N for the matrix products of forward and backward, 12*L*d*T for attention (PaLM's accounting,
+  // the peers' too).
+  return 6.0 * static_cast<double>(FullModelParameters()) + 12.0 * m.layers * m.d_model * m.seq_len;
+}
+
+void Trainer::PrintThroughput(int64_t first_step, int64_t steps, double total_ms) const {
+  const ModelSpec& m = recipe_.model;
+  const double flops_per_token = ModelFlopsPerToken();
   const double step_ms = total_ms / static_cast<double>(steps);
   const double tokens = static_cast<double>(layout_.global_batch) * m.seq_len / (step_ms / 1000.0);
   const double per_device = tokens / layout_.world_size;
@@ -1353,7 +1357,7 @@ void Trainer::PrintThroughput(int64_t first_step, int64_t steps, double total_ms
               per_device, tflops);
   if (device_.is_cuda()) {
     // MFU against the H100's dense bf16 peak (989 TFLOP/s), as the peers report it.
-    std::printf(" mfu %.1f%% peak_mem_gib %.1f", 100.0 * tflops / 989.0,
+    std::printf(" mfu %.1f%% peak_mem_gib %.1f", 100.0 * tflops * 1e12 / kGpuPeakFlops,
                 static_cast<double>(compat::PeakDeviceBytes(device_)) / (1024.0 * 1024.0 * 1024.0));
   }
   std::printf("\n");
@@ -1379,6 +1383,7 @@ Status Trainer::Run() {
         NameOf(recipe_.data.sampling).c_str());
   }
   const double tokens_per_step = static_cast<double>(layout_.global_batch) * recipe_.model.seq_len;
+  const double flops_per_token = ModelFlopsPerToken();
   // On CUDA the host reads each step's loss one step later (and at every checkpoint, before the
   // save), so that it never waits for the GPU inside a step; on the CPU there is nothing to overlap.
   const bool lag = device_.is_cuda();
@@ -1399,6 +1404,13 @@ Status Trainer::Run() {
       for (double ms : compute_window_) sum += ms;
       figures.compute_ms = sum / static_cast<double>(compute_window_.size());
       figures.compute_steps = static_cast<int>(compute_window_.size());
+    }
+    if (device_.is_cuda()) {
+      figures.mfu = figures.tokens_per_s / layout_.world_size * flops_per_token / kGpuPeakFlops;
+      figures.memory_bytes = compat::PeakDeviceBytes(device_);
+    } else {
+      const MemoryBytes mem = store_->Memory();
+      figures.memory_bytes = mem.params + mem.grads + mem.optimizer + activations_peak_;
     }
     Progress::Global().RecordStep(figures);
     if (printer &&
