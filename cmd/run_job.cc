@@ -4,8 +4,14 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <condition_variable>
 #include <memory>
+#include <mutex>
+#include <optional>
+#include <regex>
 #include <thread>
+
+#include <unistd.h>
 
 #include "agent/agent.h"
 #include "cmd/job_printer.h"
@@ -55,9 +61,126 @@ struct LocalControlPlane {
   }
 };
 
+// The long work of a followed job's ranks (building the model, saving or loading a checkpoint,
+// waiting for the other ranks' files), polled once a second: on a terminal, a bar kept under the
+// job's lines; elsewhere a line once the same work has lasted 2 s, and every 10 s while it lasts.
+// Short work (a small checkpoint's save) shows nothing.
+class WorkWatcher {
+ public:
+  WorkWatcher(CoordinatorClient& client, std::string job_id, std::mutex& out)
+      : client_(client), job_id_(std::move(job_id)), out_(out), tty_(::isatty(STDOUT_FILENO) != 0) {
+    thread_ = std::thread([this] { Loop(); });
+  }
+  ~WorkWatcher() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      done_ = true;
+    }
+    wake_.notify_all();
+    thread_.join();
+    std::lock_guard<std::mutex> lock(out_);
+    Clear();
+    std::fflush(stdout);
+  }
+  WorkWatcher(const WorkWatcher&) = delete;
+  WorkWatcher& operator=(const WorkWatcher&) = delete;
+
+  // With `out` held, around each line the follower prints: the bar leaves the terminal's last line
+  // and comes back under the new one.
+  void Clear() {
+    if (!shown_) return;
+    std::fputs("\r\033[K", stdout);
+    shown_ = false;
+  }
+  void Redraw() {
+    if (!tty_ || bar_.empty()) return;
+    std::fputs(bar_.c_str(), stdout);
+    shown_ = true;
+  }
+
+ private:
+  // "rank R: WORK" of the first rank in long work of its own (rather than waiting for others), with
+  // how many more are in long work; "" when none is.
+  static std::string Describe(const v1::Job& job, std::string& identity) {
+    const v1::RankInfo* shown = nullptr;
+    int busy = 0;
+    for (const v1::RankInfo& rank : job.ranks()) {
+      if (rank.work().empty()) continue;
+      ++busy;
+      const bool waits = rank.work().rfind("waiting", 0) == 0;
+      if (shown == nullptr || (shown->work().rfind("waiting", 0) == 0 && !waits)) shown = &rank;
+    }
+    if (shown == nullptr) return "";
+    identity = std::to_string(shown->rank()) + " " + shown->work().substr(0, shown->work().rfind(", "));
+    std::string text = "rank " + std::to_string(shown->rank()) + ": " + shown->work();
+    if (busy > 1) text += " (" + std::to_string(busy - 1) + " more rank" + (busy > 2 ? "s" : "") + " in long work)";
+    return text;
+  }
+
+  // A bar of the first "X of Y" in `text`, or the text alone.
+  static std::string Bar(const std::string& text) {
+    static const std::regex kAmounts(R"(([0-9.]+) of ([0-9.]+))");
+    std::smatch m;
+    std::string bar;
+    if (std::regex_search(text, m, kAmounts) && std::stod(m[2].str()) > 0) {
+      const double fraction = std::min(1.0, std::stod(m[1].str()) / std::stod(m[2].str()));
+      const int width = 24, filled = static_cast<int>(width * fraction);
+      bar = "[" + std::string(filled, '#') + std::string(width - filled, ' ') + "] ";
+    }
+    return bar + text;
+  }
+
+  void Loop() {
+    using Clock = std::chrono::steady_clock;
+    std::string identity;
+    Clock::time_point since{}, printed{};
+    bool printed_once = false;
+    while (true) {
+      {
+        std::unique_lock<std::mutex> lock(mu_);
+        if (wake_.wait_for(lock, std::chrono::seconds(1), [this] { return done_; })) return;
+      }
+      std::optional<v1::Job> job = client_.TryGetJob(job_id_, 2);
+      std::string now_identity;
+      const std::string text = job ? Describe(*job, now_identity) : "";
+      const auto now = Clock::now();
+      if (now_identity != identity) {
+        identity = now_identity;
+        since = now;
+        printed_once = false;
+      }
+      const bool lasting = !text.empty() && now - since >= std::chrono::seconds(2);
+      std::lock_guard<std::mutex> lock(out_);
+      if (tty_) {
+        Clear();
+        bar_ = lasting ? Bar(text) : "";
+        Redraw();
+      } else if (lasting && (!printed_once || now - printed >= std::chrono::seconds(10))) {
+        std::printf("ltrain: %s\n", text.c_str());
+        printed = now;
+        printed_once = true;
+      }
+      std::fflush(stdout);
+    }
+  }
+
+  CoordinatorClient& client_;
+  const std::string job_id_;
+  std::mutex& out_;
+  const bool tty_;
+  bool shown_ = false;  // the bar is on the terminal (under out_)
+  std::string bar_;     // under out_
+  std::mutex mu_;
+  std::condition_variable wake_;
+  bool done_ = false;
+  std::thread thread_;
+};
+
 }  // namespace
 
 int FollowJob(CoordinatorClient& client, const std::string& job_id, bool quiet, int64_t after_seq) {
+  std::mutex out;
+  WorkWatcher work(client, job_id, out);
   int64_t after = after_seq;
   for (int attempt = 0;; ++attempt) {
     grpc::ClientContext context;
@@ -70,8 +193,13 @@ int FollowJob(CoordinatorClient& client, const std::string& job_id, bool quiet, 
     v1::JobState final_state = v1::JOB_STATE_UNSPECIFIED;
     while (reader->Read(&event)) {
       after = event.seq();
-      std::fputs(FormatFollowedEvent(event, quiet).c_str(), stdout);
-      std::fflush(stdout);
+      {
+        std::lock_guard<std::mutex> lock(out);
+        work.Clear();
+        std::fputs(FormatFollowedEvent(event, quiet).c_str(), stdout);
+        work.Redraw();
+        std::fflush(stdout);
+      }
       if (event.kind() == "state" && launcher::IsFinal(event.state())) final_state = event.state();
     }
     grpc::Status status = reader->Finish();

@@ -74,6 +74,8 @@ TEST_F(LivenessTest, SaveLongerThanTheHangTimeoutIsNoHang) {
   ASSERT_EQ(ran.exit_code, 0) << ran.output;
   EXPECT_NE(ran.output.find("rank 1: stalling the save of step-6 for 5.0 s"), std::string::npos) << ran.output;
   EXPECT_NE(ran.output.find("checkpoint step-6 written"), std::string::npos) << ran.output;
+  // The launch shows the save while it lasts (a line: its output is no terminal).
+  EXPECT_NE(ran.output.find("ltrain: rank 1: saving checkpoint step-6, 0.0 of "), std::string::npos) << ran.output;
   v1::Job job = JobStatus("slowsave-1", Env());
   EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
   EXPECT_EQ(job.last_committed_step(), 6);
