@@ -238,6 +238,11 @@ std::string FormatJobDetail(const v1::Job& job, int64_t now_unix_ms) {
   }
   if (job.tokens_per_s() > 0) Appendf(&out, "tokens/s:       %.0f\n", job.tokens_per_s());
   if (job.mfu() > 0) Appendf(&out, "mfu:            %.1f%%\n", 100.0 * job.mfu());
+  if (job.checkpoint_save_ms() > 0) {
+    Appendf(&out, "last save:      %.1f s (%.2f GB)\n", job.checkpoint_save_ms() / 1000.0,
+            static_cast<double>(job.checkpoint_save_bytes()) / 1e9);
+  }
+  if (job.checkpoint_load_ms() > 0) Appendf(&out, "last load:      %.1f s\n", job.checkpoint_load_ms() / 1000.0);
   {
     const v1::RankInfo* most = nullptr;
     for (const auto& rank : job.ranks()) {

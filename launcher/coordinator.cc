@@ -400,6 +400,9 @@ StatusOr<v1::Job> Coordinator::GetJob(const std::string& job_id) {
   job->set_total_steps(active->job.total_steps());
   job->set_tokens_per_s(active->job.tokens_per_s());
   job->set_mfu(IsFinal(active->job.state()) ? 0 : active->job.mfu());
+  job->set_checkpoint_save_ms(active->job.checkpoint_save_ms());
+  job->set_checkpoint_save_bytes(active->job.checkpoint_save_bytes());
+  job->set_checkpoint_load_ms(active->job.checkpoint_load_ms());
   job->set_eta_s(IsFinal(active->job.state()) ? 0 : active->job.eta_s());
   int64_t now = clock_->SteadyMs();
   for (auto& rank : *job->mutable_ranks()) {
@@ -709,6 +712,11 @@ void Coordinator::ApplyProgressLocked(ActiveJob& job, const v1::RankProgress& re
   progress.received_ms = clock_->SteadyMs();
   if (report.stopped_after_checkpoint()) job.stopped_early = true;
   RecordCommitLocked(job, report.committed_step(), report.committed_path(), report.rank());
+  if (report.rank() == 0 && report.save_ms() > 0) {
+    job.job.set_checkpoint_save_ms(report.save_ms());
+    job.job.set_checkpoint_save_bytes(report.save_bytes());
+  }
+  if (report.rank() == 0 && report.load_ms() > 0) job.job.set_checkpoint_load_ms(report.load_ms());
   if (report.rank() != 0 || !report.has_completed()) return;
   const v1::StepFigures& step = report.completed();
   const bool new_eval = report.eval_step() > 0 && (report.eval_step() != job.job.val_step() ||

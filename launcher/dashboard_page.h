@@ -107,6 +107,7 @@ function renderJob(j) {
     `<div>loss<b>${j.step ? num(j.loss, 4) : "-"}</b></div><div>val loss<b>${j.val_step ? num(j.val_loss, 4) : "-"}</b></div>` +
     `<div>tokens/s<b>${j.tokens_per_s ? Math.round(j.tokens_per_s) : "-"}</b></div>` +
     (j.mfu ? `<div>MFU<b>${num(100 * j.mfu, 1)}%</b></div>` : "") + `<div>ETA<b>${j.eta_s ? Math.round(j.eta_s) + " s" : "-"}</b></div>` +
+    (j.checkpoint_save_s ? `<div>last save<b>${num(j.checkpoint_save_s, 1)} s</b></div>` : "") +
     `<div>generation<b>${j.generation}</b></div><div>restarts<b>${j.restarts}</b></div><div>committed<b>${j.committed_step || "-"}</b></div></div>` +
     (j.last_failure ? `<p class="FAILED">${esc(j.last_failure)}</p>` : "") + `</section>` +
     `<section class="charts">${loss}${tps}${mfu}</section>` +

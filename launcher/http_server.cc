@@ -43,6 +43,8 @@ nlohmann::json JobSummary(const v1::Job& job) {
           {"val_loss", job.val_loss()},
           {"tokens_per_s", Final(job.state()) ? 0.0 : job.tokens_per_s()},
           {"mfu", job.mfu()},
+          {"checkpoint_save_s", job.checkpoint_save_ms() / 1000.0},
+          {"checkpoint_load_s", job.checkpoint_load_ms() / 1000.0},
           {"eta_s", Final(job.state()) ? 0.0 : job.eta_s()},
           {"restarts", job.restarts()},
           {"generation", job.generation()},

@@ -130,6 +130,13 @@ std::string PrometheusText(const std::vector<v1::Job>& jobs, const std::vector<v
   per_job("ltrain_job_mfu", "gauge",
           "Model FLOPs utilization of rank 0's last step (0 to 1) against its GPU's dense bf16 peak; GPU jobs.",
           [](const v1::Job& j) { return j.mfu(); }, [&](const v1::Job& j) { return moving(j) && j.mfu() > 0; });
+  per_job("ltrain_job_checkpoint_save_seconds", "gauge",
+          "The last checkpoint save rank 0 committed, from its snapshot to its commit.",
+          [](const v1::Job& j) { return j.checkpoint_save_ms() / 1000.0; },
+          [](const v1::Job& j) { return j.checkpoint_save_ms() > 0; });
+  per_job("ltrain_job_checkpoint_load_seconds", "gauge", "The load of the checkpoint the job last resumed from.",
+          [](const v1::Job& j) { return j.checkpoint_load_ms() / 1000.0; },
+          [](const v1::Job& j) { return j.checkpoint_load_ms() > 0; });
   per_job("ltrain_job_eta_seconds", "gauge", "Remaining steps times the last step's time.",
           [](const v1::Job& j) { return j.eta_s(); }, moving);
   per_job("ltrain_job_val_loss", "gauge", "The last validation loss.", [](const v1::Job& j) { return j.val_loss(); },

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <regex>
 #include <sstream>
 #include <thread>
 
@@ -102,6 +103,12 @@ TEST_F(RecoveryTest, KilledWorkerRestartsFromItsCheckpointAndEndsBitIdentical) {
   EXPECT_EQ(job.generation(), 1);
   EXPECT_EQ(job.last_committed_step(), 40);
   EXPECT_NE(job.last_failure().find("SIGKILL"), std::string::npos);
+
+  // The restarted generation's load of the checkpoint it resumed from, in metrics.jsonl.
+  const std::string metrics = ReadFile(dir_.Join("faulty/agent-local/jobs/tiny-1/metrics.jsonl"));
+  EXPECT_TRUE(std::regex_search(metrics, std::regex(R"(\{"time": [0-9.]+, "generation": 1, "loaded_step": [0-9]+, )"
+                                                    R"("load_ms": [0-9.e+-]+, "bytes": [1-9][0-9]*\})")))
+      << metrics;
 
   std::string a = ReadFile(dir_.Join("reference/checkpoints/tiny-1/step-40/model-rank-0.safetensors"));
   std::string b = ReadFile(dir_.Join("faulty/checkpoints/tiny-1/step-40/model-rank-0.safetensors"));

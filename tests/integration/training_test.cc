@@ -177,13 +177,19 @@ TEST_F(TrainingTest, TwoWorkersLearnAndTheJobSucceeds) {
   // metrics.jsonl beside the ranks' logs: every step rank 0 completed, and both validation losses.
   std::ifstream metrics(fs::path(dir_.Join("home")) / "agent-local" / "jobs" / "tiny-1" / "metrics.jsonl");
   ASSERT_TRUE(metrics.good());
-  std::vector<nlohmann::json> steps, evals;
+  std::vector<nlohmann::json> steps, evals, saves;
   for (std::string line; std::getline(metrics, line);) {
     nlohmann::json entry = nlohmann::json::parse(line);  // throws, failing the test, on a bad line
     EXPECT_EQ(entry.at("generation"), 0);
     EXPECT_GT(entry.at("time").get<double>(), 1.7e9);
-    (entry.contains("val_loss") ? evals : steps).push_back(std::move(entry));
+    (entry.contains("val_loss") ? evals : entry.contains("checkpoint_step") ? saves : steps).push_back(std::move(entry));
   }
+  // Each committed checkpoint's save time and size.
+  ASSERT_EQ(saves.size(), 2u);
+  EXPECT_EQ(saves[0].at("checkpoint_step"), 30);
+  EXPECT_EQ(saves[1].at("checkpoint_step"), 60);
+  EXPECT_GT(saves[1].at("save_ms").get<double>(), 0);
+  EXPECT_GT(saves[1].at("bytes").get<int64_t>(), 0);
   ASSERT_EQ(steps.size(), 60u);
   for (size_t i = 0; i < steps.size(); ++i) {
     EXPECT_EQ(steps[i].at("step"), static_cast<int>(i) + 1);
@@ -228,6 +234,9 @@ TEST_F(TrainingTest, TwoWorkersLearnAndTheJobSucceeds) {
     EXPECT_NEAR(train_loss[i].value, steps[i].at("loss").get<double>(), 1e-5 * train_loss[i].value);
   }
   ASSERT_EQ(val_loss.size(), 2u);
+  EXPECT_EQ(std::count_if(events.scalars.begin(), events.scalars.end(),
+                          [](const TensorBoardScalar& s) { return s.tag == "checkpoint/save_s"; }),
+            2);
   EXPECT_NEAR(val_loss[1].value, job.val_loss(), 1e-5 * job.val_loss());
 
   // The logs outlive the launch: every rank's lines, filters, JSON.

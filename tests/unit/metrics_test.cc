@@ -42,6 +42,7 @@ std::vector<v1::Job> TwoJobs() {
   running.set_val_loss(2.5);
   running.set_last_committed_step(100);
   running.set_mfu(0.425);
+  running.set_checkpoint_save_ms(2500);
   for (int r = 0; r < 2; ++r) {
     v1::RankInfo* rank = running.add_ranks();
     rank->set_rank(r);
@@ -87,6 +88,8 @@ TEST(MetricsTest, EveryLineIsValidPrometheusText) {
   EXPECT_EQ(Find(parse, "ltrain_node_up", {{"node", "node-a"}})->value, 1);
   EXPECT_EQ(Find(parse, "ltrain_node_gpus", {{"node", "node-a"}})->value, 8);
   EXPECT_EQ(Find(parse, "ltrain_job_mfu", {{"job", "gpt-7"}})->value, 0.425);
+  EXPECT_EQ(Find(parse, "ltrain_job_checkpoint_save_seconds", {{"job", "gpt-7"}})->value, 2.5);
+  EXPECT_EQ(Find(parse, "ltrain_job_checkpoint_load_seconds", {{"job", "gpt-7"}}), nullptr) << "it never resumed";
   EXPECT_EQ(Find(parse, "ltrain_rank_memory_bytes", {{"job", "gpt-7"}, {"rank", "0"}})->value, 42949672960.0);
   EXPECT_EQ(Find(parse, "ltrain_rank_memory_bytes", {{"job", "gpt-7"}, {"rank", "1"}}), nullptr) << "unknown: absent";
 }

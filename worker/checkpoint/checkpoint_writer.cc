@@ -139,7 +139,10 @@ Status CheckpointWriter::Conclude(const CheckpointSnapshot& snapshot, const std:
   }
   RemovePendingCheckpoints(dir, snapshot.step);
   const auto committed = std::chrono::steady_clock::now();
-  if (result.ok() && options_.on_commit) options_.on_commit(snapshot.step, (fs::path(dir) / name).string());
+  if (result.ok() && options_.on_commit) {
+    options_.on_commit(snapshot.step, (fs::path(dir) / name).string(),
+                       std::chrono::duration<double, std::milli>(committed - snapshot.start).count(), bytes);
+  }
   // Only now, with `latest` naming the new step, may older ones go; their removal is timed apart
   // from the save (a filesystem that discards freed blocks can take seconds over it).
   std::string pruned;

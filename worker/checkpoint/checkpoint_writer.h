@@ -54,9 +54,10 @@ struct CheckpointWriterOptions {
   CheckpointWriteFault fault;
   std::chrono::milliseconds commit_timeout{300000};
   CheckpointCommitBoard* board = nullptr;    // async: must outlive the writer
-  // Rank 0: step N is committed at `path`; called before its line is printed, on the thread that
-  // committed it (the writer's own thread for async saves, the training thread for sync ones).
-  std::function<void(int64_t step, const std::string& path)> on_commit;
+  // Rank 0: step N is committed at `path`, `save_ms` after its snapshot began, with `bytes` in its
+  // files; called before its line is printed, on the thread that committed it (the writer's own
+  // thread for async saves, the training thread for sync ones).
+  std::function<void(int64_t step, const std::string& path, double save_ms, uint64_t bytes)> on_commit;
 };
 
 class CheckpointWriter {

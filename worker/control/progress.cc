@@ -145,6 +145,30 @@ void Progress::RecordCommit(int64_t step, const std::string& path) {
   state_.committed_path = path;
 }
 
+void Progress::RecordSave(int64_t step, double ms, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  state_.save_step = step;
+  state_.save_ms = ms;
+  state_.save_bytes = bytes;
+  if (metrics_ != nullptr) {
+    AppendMetricsLocked("\"checkpoint_step\": " + std::to_string(step) + ", \"save_ms\": " + JsonNumber(ms) +
+                        ", \"bytes\": " + std::to_string(bytes));
+  }
+  if (tensorboard_) tensorboard_->AddScalar("checkpoint/save_s", step, ms / 1000.0);
+}
+
+void Progress::RecordLoad(int64_t step, double ms, int64_t bytes) {
+  std::lock_guard<std::mutex> lock(mu_);
+  state_.load_step = step;
+  state_.load_ms = ms;
+  state_.load_bytes = bytes;
+  if (metrics_ != nullptr) {
+    AppendMetricsLocked("\"loaded_step\": " + std::to_string(step) + ", \"load_ms\": " + JsonNumber(ms) +
+                        ", \"bytes\": " + std::to_string(bytes));
+  }
+  if (tensorboard_) tensorboard_->AddScalar("checkpoint/load_s", step, ms / 1000.0);
+}
+
 void Progress::RecordStoppedAfterCheckpoint() {
   std::lock_guard<std::mutex> lock(mu_);
   state_.stopped_after_checkpoint = true;

@@ -65,6 +65,12 @@ struct ProgressSnapshot {
   WorkProgress work;
   int64_t eval_step = 0;                     // the step of the last validation loss; 0: none
   double val_loss = 0;
+  int64_t save_step = 0;                     // rank 0: the last checkpoint it committed in this process
+  double save_ms = 0;                        //   from its snapshot to its commit
+  int64_t save_bytes = 0;
+  int64_t load_step = 0;                     // rank 0: the checkpoint this process resumed from; 0: none
+  double load_ms = 0;
+  int64_t load_bytes = 0;
 };
 
 class Progress {
@@ -89,6 +95,11 @@ class Progress {
   // A checkpoint of `step` is committed at `path` (or this run resumed from it); older ones are ignored.
   void RecordCommit(int64_t step, const std::string& path);
   void RecordStoppedAfterCheckpoint();
+  // Rank 0's checkpoint times: a save of `step` committed `ms` after its snapshot began, and the
+  // resume's load; both also go to metrics.jsonl ({"checkpoint_step": N, "save_ms": X, "bytes": N},
+  // {"loaded_step": N, "load_ms": X, "bytes": N}) and TensorBoard (checkpoint/save_s, checkpoint/load_s).
+  void RecordSave(int64_t step, double ms, int64_t bytes);
+  void RecordLoad(int64_t step, double ms, int64_t bytes);
   ProgressSnapshot Snapshot() const;
 
   // From now on every completed step and validation loss is also appended, one JSON object a line,

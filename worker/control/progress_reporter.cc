@@ -76,6 +76,12 @@ bool ProgressReporter::Send() {
     completed->set_mfu(snapshot.completed->mfu);
     completed->set_memory_bytes(snapshot.completed->memory_bytes);
   }
+  report.set_save_step(snapshot.save_step);
+  report.set_save_ms(snapshot.save_ms);
+  report.set_save_bytes(snapshot.save_bytes);
+  report.set_load_step(snapshot.load_step);
+  report.set_load_ms(snapshot.load_ms);
+  report.set_load_bytes(snapshot.load_bytes);
   report.set_eval_step(snapshot.eval_step);
   report.set_val_loss(snapshot.val_loss);
   report.set_committed_step(snapshot.committed_step);

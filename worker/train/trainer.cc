@@ -325,8 +325,10 @@ Status Trainer::Init() {
       w.board = local_board_.get();
     }
     w.async = recipe_.checkpoint.async && w.board != nullptr;
-    w.on_commit = [report = options_.report_progress](int64_t step, const std::string& path) {
+    w.on_commit = [report = options_.report_progress](int64_t step, const std::string& path, double save_ms,
+                                                      uint64_t bytes) {
       Progress::Global().RecordCommit(step, path);
+      Progress::Global().RecordSave(step, save_ms, static_cast<int64_t>(bytes));
       if (report) report();
     };
     writer_ = std::make_unique<CheckpointWriter>(std::move(w));
@@ -478,6 +480,7 @@ Status Trainer::Resume(const std::string& path) {
       fs::equivalent(fs::path(step_dir).parent_path(), options_.checkpoint_dir, same_ec)) {
     Progress::Global().RecordCommit(step_, step_dir);
   }
+  if (rank == 0) Progress::Global().RecordLoad(step_, seconds * 1000.0, static_cast<int64_t>(unique_bytes));
   if (rank == 0 && options_.print_progress) {
     std::printf("resumed from %s at step %lld data_position %lld (saved by world size %d, %s) in %.1f s "
                 "(%.2f GB of the checkpoint, %.2f GB/s; the ranks read %.2f GB in %.1f s on average, and rank 0 "
