@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <limits>
 #include <set>
 
 #include "agent/oom.h"
@@ -283,14 +284,7 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
     if (standbys) SpawnStandby(spec, standby_mode, start, assignment);
   }
   // Standbys of older generations that no rank took: the job's shape changed.
-  for (auto& [pid, worker] : workers_) {
-    if (worker->standby && worker->job_id == start.job_id() && worker->generation < start.generation() &&
-        worker->kill_at_ms == 0) {
-      spawner_.KillGroup(pid, SIGKILL);
-      worker->kill_at_ms = clock_.SteadyMs();
-      worker->kill_sent = true;
-    }
-  }
+  EndStandbys(start.job_id(), start.generation());
   LTRAIN_LOG(kInfo, kLog) << "started " << start.workers_size() << " worker(s) of " << start.job_id()
                           << (taken.empty() ? "" : ", " + std::to_string(taken.size()) + " in warm standbys");
 }
@@ -316,9 +310,7 @@ bool Supervisor::Activate(Worker& standby, const std::string& working_dir, const
   if (sent == payload.size()) return true;
   LTRAIN_LOG(kWarning, kLog) << "the warm standby of " << standby.job_id << " local rank " << standby.local_rank
                              << " (pid " << standby.pid << ") did not take its rank's environment; starting a new process";
-  spawner_.KillGroup(standby.pid, SIGKILL);
-  standby.kill_at_ms = clock_.SteadyMs();
-  standby.kill_sent = true;
+  EndStandby(standby);
   return false;
 }
 
@@ -346,15 +338,20 @@ void Supervisor::SpawnStandby(const SpawnSpec& worker_spec, const std::string& m
   workers_[standby->pid] = std::move(standby);
 }
 
-void Supervisor::EndStandbys(const std::string& job_id) {
-  const int64_t now = clock_.SteadyMs();
+void Supervisor::EndStandby(Worker& standby) {
+  spawner_.KillGroup(standby.pid, SIGKILL);
+  standby.kill_at_ms = clock_.SteadyMs();
+  standby.kill_sent = true;
+}
+
+void Supervisor::EndStandbys(const std::string& job_id, int below_generation) {
   for (auto& [pid, worker] : workers_) {
-    if (!worker->standby || worker->job_id != job_id || worker->kill_at_ms != 0) continue;
-    spawner_.KillGroup(pid, SIGKILL);
-    worker->kill_at_ms = now;
-    worker->kill_sent = true;
+    if (worker->standby && worker->job_id == job_id && worker->generation < below_generation &&
+        worker->kill_at_ms == 0) {
+      EndStandby(*worker);
+    }
   }
-  idle_since_ms_.erase(job_id);
+  if (below_generation == std::numeric_limits<int>::max()) idle_since_ms_.erase(job_id);
 }
 
 bool Supervisor::HasWorkers(const std::string& job_id) const {

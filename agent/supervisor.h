@@ -24,6 +24,7 @@
 #include <deque>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <optional>
@@ -155,7 +156,10 @@ class Supervisor {
   bool Activate(Worker& standby, const std::string& working_dir, const std::vector<std::string>& env);
   void SpawnStandby(const SpawnSpec& worker_spec, const std::string& mode, const v1::StartJobCommand& start,
                     const v1::WorkerAssignment& assignment);
-  void EndStandbys(const std::string& job_id);
+  // SIGKILL to a standby, marked as ended by us (its reaping is no news).
+  void EndStandby(Worker& standby);
+  // Ends the job's standbys spawned beside generations below `below_generation` (all by default).
+  void EndStandbys(const std::string& job_id, int below_generation = std::numeric_limits<int>::max());
   bool HasWorkers(const std::string& job_id) const;
 
   SupervisorOptions options_;
