@@ -48,6 +48,7 @@ void AddLaunchCommand(CLI::App& app, CommandContext& ctx);
 void AddRunCommand(CLI::App& app, CommandContext& ctx);  // a program of the user's own, as torchrun runs it
 void AddResumeCommand(CLI::App& app, CommandContext& ctx);
 void AddValidateCommand(CLI::App& app, CommandContext& ctx);
+void AddPlanCommand(CLI::App& app, CommandContext& ctx);  // layouts before a run
 void AddDataCommand(CLI::App& app, CommandContext& ctx);  // `data prepare`
 void AddListCommand(CLI::App& app, CommandContext& ctx);
 void AddLogsCommand(CLI::App& app, CommandContext& ctx);

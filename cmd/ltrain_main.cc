@@ -29,6 +29,7 @@ int main(int argc, char** argv) {
   AddRunCommand(app, ctx);
   AddResumeCommand(app, ctx);
   AddValidateCommand(app, ctx);
+  AddPlanCommand(app, ctx);
   AddDataCommand(app, ctx);
   AddListCommand(app, ctx);
   AddLogsCommand(app, ctx);

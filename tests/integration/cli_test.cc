@@ -94,6 +94,44 @@ TEST(CliTest, ValidateExplainListsEveryRecipeKey) {
   EXPECT_NE(nothing.output.find("--explain"), std::string::npos) << nothing.output;
 }
 
+// `ltrain plan`: the recipe's layout by part and the ranked layouts, as text and as JSON; a recipe
+// whose own layout cannot run on its ranks is still planned; a wrong key is an error (exit 2).
+TEST(CliTest, PlanShowsTheRecipesMemoryAndRanksTheLayouts) {
+  TempDir dir;
+  std::string path = dir.Write("p.yaml", "name: p\nmodel: {layers: 4, d_model: 64, heads: 4, seq_len: 32}\n"
+                                         "training: {micro_batch: 2, global_batch: 8}\n"
+                                         "parallel: {nproc_per_node: 4, tp: 2, pp: 2}\n");
+  ProcessResult text = RunProcess({LtrainBinary(), "plan", path});
+  ASSERT_EQ(text.exit_code, 0) << text.output;
+  EXPECT_NE(text.output.find("the recipe's layout: tp 2 x pp 2 x dp 1"), std::string::npos) << text.output;
+  EXPECT_NE(text.output.find("pp rank 1"), std::string::npos) << text.output;
+  EXPECT_NE(text.output.find("communication, tp group of 2"), std::string::npos) << text.output;
+  EXPECT_NE(text.output.find("pipeline bubble: 20.0%"), std::string::npos) << text.output;
+  EXPECT_NE(text.output.find("layouts on 4 ranks"), std::string::npos) << text.output;
+
+  ProcessResult json = RunProcess({LtrainBinary(), "plan", path, "--gpus", "8", "--gpu-memory", "40", "-o", "json"});
+  ASSERT_EQ(json.exit_code, 0) << json.output;
+  google::protobuf::Struct plan;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(json.output, &plan).ok()) << json.output;
+  EXPECT_EQ(plan.fields().at("device").string_value(), "cuda");
+  EXPECT_EQ(plan.fields().at("ranks").number_value(), 8);
+  const auto& layouts = plan.fields().at("layouts").list_value();
+  ASSERT_GT(layouts.values_size(), 0);
+  const auto& first = layouts.values(0).struct_value().fields();
+  EXPECT_TRUE(first.at("feasible").bool_value());
+  EXPECT_GT(first.at("estimate").struct_value().fields().at("step_seconds").number_value(), 0);
+
+  // 3 ranks cannot hold tp 2 x pp 2: said, and the other layouts are still ranked.
+  ProcessResult odd = RunProcess({LtrainBinary(), "plan", path, "--set", "parallel.nproc_per_node=3"});
+  ASSERT_EQ(odd.exit_code, 0) << odd.output;
+  EXPECT_NE(odd.output.find("the recipe's layout cannot run on 3 ranks"), std::string::npos) << odd.output;
+  EXPECT_NE(odd.output.find("layouts on 3 ranks"), std::string::npos) << odd.output;
+
+  ProcessResult bad = RunProcess({LtrainBinary(), "plan", path, "--set", "model.layer=3"});
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("model.layer"), std::string::npos) << bad.output;
+}
+
 TEST(CliTest, BadOverrideIsNamed) {
   TempDir dir;
   std::string path = dir.Write("ok.yaml", "name: ok\ndata: {path: /d}\n");

@@ -2,7 +2,8 @@
 // (Gloo over loopback, file:// rendezvous), 20 steps of a small GPT-2 and of a small Llama (grouped-
 // query attention with 2 key/value heads: split at tp 2, replicated at tp 4), per-step losses within
 // 1e-4 relative and final parameters (gathered by --export-params) within 1e-4 absolute. Also the
-// ZeRO memory report at dp=4 and resuming a sharded layout from its per-rank checkpoint files.
+// ZeRO memory report at dp=4, resuming a sharded layout from its per-rank checkpoint files, and
+// `ltrain plan`'s memory (common/layout_plan.h) against every rank's `memory rank` line of every run.
 #include <unistd.h>
 
 #include <cmath>
@@ -17,6 +18,9 @@
 
 #include <gtest/gtest.h>
 
+#include "common/layout.h"
+#include "common/layout_plan.h"
+#include "common/recipe.h"
 #include "tests/support/synthetic_tokens.h"
 
 #include "tests/support/worker_log.h"
@@ -105,7 +109,40 @@ class ParallelLayoutsTest : public ::testing::Test {
     cmd += "for j in $(jobs -p); do wait $j || exit 1; done";
     const int rc = std::system(("bash -c '" + cmd + "'").c_str());
     EXPECT_EQ(rc, 0) << name << ": " << std::ifstream(run / "log0").rdbuf();
+    if (rc == 0) ExpectPlanMatchesMemory(name, run, world, sets);
     return run;
+  }
+
+  // `ltrain plan`'s memory (common/layout_plan.h) against every rank's `memory rank` line: parameters,
+  // gradients and optimizer state to the byte; activations (with buffers) and the total within 10%.
+  static void ExpectPlanMatchesMemory(const std::string& name, const fs::path& run, int world, const std::string& sets) {
+    std::vector<std::string> overrides = {"parallel.nproc_per_node=" + std::to_string(world)};
+    std::istringstream words(sets);
+    for (std::string word; words >> word;) {
+      if (word != "--set") overrides.push_back(word);
+    }
+    RecipeParseResult parsed = LoadRecipeFile((dir_ / "r.yaml").string(), overrides);
+    ASSERT_TRUE(parsed.ok()) << parsed.ErrorText();
+    StatusOr<Layout> layout = PlanLayout(parsed.recipe, world);
+    ASSERT_TRUE(layout.ok()) << layout.status().ToString();
+    const LayoutEstimate plan = EstimateLayout(parsed.recipe, *layout);
+    for (int rank = 0; rank < world; ++rank) {
+      std::map<std::string, double> measured = MemoryLine(run / ("log" + std::to_string(rank)));
+      ASSERT_EQ(measured.size(), 4u) << name << " rank " << rank << ": no memory line";
+      const MemoryParts& p = plan.stages.at(rank / (layout->tp * layout->dp)).parts;
+      EXPECT_EQ(static_cast<double>(p.params), measured["params"]) << name << " rank " << rank;
+      EXPECT_EQ(static_cast<double>(p.grads), measured["grads"]) << name << " rank " << rank;
+      EXPECT_EQ(static_cast<double>(p.optimizer), measured["optimizer"]) << name << " rank " << rank;
+      const double activations = static_cast<double>(p.activations + p.buffers);
+      const double total = measured["params"] + measured["grads"] + measured["optimizer"] + measured["activations_peak"];
+      EXPECT_NEAR(activations / measured["activations_peak"], 1.0, 0.10) << name << " rank " << rank;
+      EXPECT_NEAR(static_cast<double>(p.total()) / total, 1.0, 0.10) << name << " rank " << rank;
+      if (rank == 0) {
+        std::printf("[plan %s] rank 0 activations planned %.0f measured %.0f (%+.1f%%), total %+.1f%%\n", name.c_str(),
+                    activations, measured["activations_peak"], 100.0 * (activations / measured["activations_peak"] - 1),
+                    100.0 * (static_cast<double>(p.total()) / total - 1));
+      }
+    }
   }
 
   // The one-process run with `sets` (made once for each).

@@ -7,7 +7,7 @@
 #include <gtest/gtest.h>
 
 #include "worker/plan/flat_layout.h"
-#include "worker/plan/pipeline_schedule.h"
+#include "common/pipeline_schedule.h"
 #include "worker/plan/topology.h"
 
 namespace ltrain::worker {

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "common/layout.h"
+#include "common/pipeline_schedule.h"  // VirtualStage
 
 namespace ltrain::worker {
 
@@ -40,9 +41,5 @@ struct Group {
 std::vector<Group> GroupsOf(const Layout& layout, GroupKind kind);
 // The group of `kind` that `rank` belongs to; nullopt-like: ranks empty when none.
 Group GroupOf(const Layout& layout, GroupKind kind, int rank);
-
-// Virtual stage of model chunk `chunk` on pipeline rank `pp_rank` (Megatron's interleaving: chunk c
-// of every rank comes before chunk c + 1 of any rank).
-inline int VirtualStage(int pp, int pp_rank, int chunk) { return chunk * pp + pp_rank; }
 
 }  // namespace ltrain::worker

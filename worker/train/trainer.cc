@@ -1341,16 +1341,9 @@ Status Trainer::LoadInitialParameters(const std::string& path) {
 
 int64_t Trainer::FullModelParameters() const { return ModelParameterCount(model_->spec().config); }
 
-double Trainer::ModelFlopsPerToken() const {
-  const ModelSpec& m = recipe_.model;
-  // 6N for the matrix products of forward and backward, 12*L*d*T for attention (PaLM's accounting,
-  // the peers' too).
-  return 6.0 * static_cast<double>(FullModelParameters()) + 12.0 * m.layers * m.d_model * m.seq_len;
-}
-
 void Trainer::PrintThroughput(int64_t first_step, int64_t steps, double total_ms) const {
   const ModelSpec& m = recipe_.model;
-  const double flops_per_token = ModelFlopsPerToken();
+  const double flops_per_token = ModelFlopsPerToken(recipe_.model);
   const double step_ms = total_ms / static_cast<double>(steps);
   const double tokens = static_cast<double>(layout_.global_batch) * m.seq_len / (step_ms / 1000.0);
   const double per_device = tokens / layout_.world_size;
@@ -1386,7 +1379,7 @@ Status Trainer::Run() {
         NameOf(recipe_.data.sampling).c_str());
   }
   const double tokens_per_step = static_cast<double>(layout_.global_batch) * recipe_.model.seq_len;
-  const double flops_per_token = ModelFlopsPerToken();
+  const double flops_per_token = ModelFlopsPerToken(recipe_.model);
   // On CUDA the host reads each step's loss one step later (and at every checkpoint, before the
   // save), so that it never waits for the GPU inside a step; on the CPU there is nothing to overlap.
   const bool lag = device_.is_cuda();

@@ -32,7 +32,8 @@
 #include "worker/model/parallel_model.h"
 #include "worker/parallel/param_store.h"
 #include "worker/plan/lr_schedule.h"
-#include "worker/plan/pipeline_schedule.h"
+#include "common/layout_plan.h"  // kGpuPeakFlops, ModelFlopsPerToken
+#include "common/pipeline_schedule.h"
 
 namespace ltrain::worker {
 
@@ -151,11 +152,6 @@ class Trainer {
   int64_t FullModelParameters() const;
   // Rank 0's summary of the timed steps: tokens/s, per device, TFLOP/s, MFU and peak memory on CUDA.
   void PrintThroughput(int64_t first_step, int64_t steps, double total_ms) const;
-  // Model FLOPs a token costs forward and backward (what MFU counts).
-  double ModelFlopsPerToken() const;
-  // The dense bf16 peak MFU is measured against: the H100's and H200's 989 TFLOP/s, as the peers
-  // report it.
-  static constexpr double kGpuPeakFlops = 989e12;
   // Snapshots this step and starts its save (async) or writes and commits it (sync). A failed save
   // is reported, not returned: only errors that break the job (a failed collective) are.
   Status StartSave();

@@ -1,13 +1,11 @@
-#include "worker/plan/pipeline_schedule.h"
+#include "common/pipeline_schedule.h"
 
 #include <algorithm>
 #include <map>
 #include <set>
 #include <tuple>
 
-#include "worker/plan/topology.h"
-
-namespace ltrain::worker {
+namespace ltrain {
 namespace {
 
 struct Compute {
@@ -210,4 +208,4 @@ PipelineSimulation SimulatePipeline(const PipelinePlan& plan) {
   return sim;
 }
 
-}  // namespace ltrain::worker
+}  // namespace ltrain

@@ -16,7 +16,7 @@
 #include "common/recipe.h"
 #include "common/status.h"
 
-namespace ltrain::worker {
+namespace ltrain {
 
 enum class PipeOpKind {
   kRecvActivation,  // from the previous virtual stage, before kForward
@@ -65,4 +65,8 @@ PipelineSimulation SimulatePipeline(const PipelinePlan& plan);
 
 std::string ToString(const PipeOp& op);
 
-}  // namespace ltrain::worker
+// Virtual stage of model chunk `chunk` on pipeline rank `pp_rank` (Megatron's interleaving: chunk c
+// of every rank comes before chunk c + 1 of any rank).
+inline int VirtualStage(int pp, int pp_rank, int chunk) { return chunk * pp + pp_rank; }
+
+}  // namespace ltrain

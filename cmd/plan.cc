@@ -1,0 +1,299 @@
+// ltrain plan RECIPE [--gpus N] [--gpu-memory GiB]: before a run, what the recipe's layout costs per
+// rank (memory by part, communication per group, the pipeline bubble) and the feasible layouts of its
+// model on N GPUs, fastest first by the estimate of common/layout_plan.h.
+#include <cstdio>
+#include <map>
+#include <memory>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "cmd/cli_support.h"
+#include "cmd/commands.h"
+#include "common/layout.h"
+#include "common/layout_plan.h"
+#include "common/recipe.h"
+
+namespace ltrain::cli {
+namespace {
+
+struct PlanArgs {
+  std::string recipe;
+  std::vector<std::string> sets;
+  int gpus = 0;
+  double gpu_memory_gib = 80;
+  int top = 10;
+  std::string output = "text";
+};
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+std::string Gib(int64_t bytes) {  // "38.32"
+  char text[32];
+  std::snprintf(text, sizeof(text), "%.2f", static_cast<double>(bytes) / kGiB);
+  return text;
+}
+
+// Bytes in the unit that reads best: "512 KiB", "3.4 MiB", "8.60 GiB".
+std::string Size(int64_t bytes) {
+  char text[32];
+  const double b = static_cast<double>(bytes);
+  if (b >= kGiB) {
+    std::snprintf(text, sizeof(text), "%.2f GiB", b / kGiB);
+  } else if (b >= 1024.0 * 1024.0) {
+    std::snprintf(text, sizeof(text), "%.1f MiB", b / (1024.0 * 1024.0));
+  } else {
+    std::snprintf(text, sizeof(text), "%.0f KiB", b / 1024.0);
+  }
+  return text;
+}
+
+// "tp 2 x pp 2 x dp 1, ZeRO 0, interleaved 1F1B (2 chunks), recompute none"
+std::string Describe(const Layout& l) {
+  std::string out = "tp " + std::to_string(l.tp) + (l.sequence_parallel ? " (sequence parallel)" : "") + " x pp " +
+                    std::to_string(l.pp) + " x dp " + std::to_string(l.dp) + ", ZeRO " + std::to_string(l.zero);
+  if (l.pp > 1) {
+    out += ", " + NameOf(l.pp_schedule) + (l.chunks > 1 ? " (" + std::to_string(l.chunks) + " chunks)" : "");
+  }
+  out += ", recompute " + NameOf(l.activation_checkpointing);
+  return out;
+}
+
+// A short name for the ranked table: "tp2 pp2 int2 z0 none".
+std::string Short(const Layout& l) {
+  std::string out = "tp" + std::to_string(l.tp) + (l.sequence_parallel ? "+sp" : "") + " pp" + std::to_string(l.pp) +
+                    " dp" + std::to_string(l.dp) + " z" + std::to_string(l.zero);
+  if (l.pp > 1) {
+    out += l.pp_schedule == PpSchedule::kInterleaved ? " interleaved" + std::to_string(l.chunks)
+                                                      : " " + NameOf(l.pp_schedule);
+  }
+  return out + " " + NameOf(l.activation_checkpointing);
+}
+
+nlohmann::json EstimateJson(const LayoutEstimate& e) {
+  nlohmann::json j;
+  const Layout& l = e.layout;
+  j["layout"] = {{"world_size", l.world_size}, {"tp", l.tp}, {"pp", l.pp}, {"dp", l.dp}, {"zero", l.zero},
+                 {"sequence_parallel", l.sequence_parallel}, {"pp_schedule", NameOf(l.pp_schedule)},
+                 {"virtual_stages", l.chunks}, {"activation_checkpointing", NameOf(l.activation_checkpointing)},
+                 {"micro_batch", l.micro_batch}, {"accumulation", l.accumulation}, {"stage_layers", l.stage_layers}};
+  j["device"] = NameOf(e.device);
+  j["bf16_compute_copies"] = e.bf16;
+  j["peak_bytes"] = e.peak_bytes;
+  for (const StageMemory& st : e.stages) {
+    j["ranks"].push_back({{"pp_rank", st.pp_rank},
+                          {"parameters", st.parameters},
+                          {"params", st.parts.params},
+                          {"grads", st.parts.grads},
+                          {"optimizer", st.parts.optimizer},
+                          {"activations", st.parts.activations},
+                          {"buffers", st.parts.buffers},
+                          {"total", st.parts.total()},
+                          {"activations_and_buffers_by_recompute",
+                           {{"none", st.activations_by_mode[0]},
+                            {"full", st.activations_by_mode[1]},
+                            {"selective", st.activations_by_mode[2]}}}});
+  }
+  j["communication"] = nlohmann::json::array();
+  for (const GroupTraffic& t : e.traffic) {
+    j["communication"].push_back({{"group", t.group}, {"size", t.size}, {"bytes_per_step", t.bytes}, {"what", t.what}});
+  }
+  j["bubble"] = e.bubble;
+  if (e.device == Device::kCuda) {
+    j["step_seconds"] = e.step_seconds;
+    j["mfu"] = e.mfu;
+  }
+  return j;
+}
+
+void PrintEstimate(const LayoutEstimate& e) {
+  std::printf("  memory per rank       params      grads  optimizer activations    buffers      total   "
+              "(act.+buffers if recompute none / selective / full)\n");
+  for (const StageMemory& st : e.stages) {
+    const MemoryParts& p = st.parts;
+    std::printf("  pp rank %-3d %10s %10s %10s %10s %10s %10s   (%s / %s / %s)\n", st.pp_rank,
+                Size(p.params).c_str(), Size(p.grads).c_str(), Size(p.optimizer).c_str(), Size(p.activations).c_str(),
+                Size(p.buffers).c_str(), Size(p.total()).c_str(), Size(st.activations_by_mode[0]).c_str(),
+                Size(st.activations_by_mode[2]).c_str(), Size(st.activations_by_mode[1]).c_str());
+  }
+  if (e.traffic.empty()) std::printf("  communication: none (one rank holds the whole model)\n");
+  for (const GroupTraffic& t : e.traffic) {
+    std::printf("  communication, %s group of %d: %s sent per rank per step, %s\n", t.group.c_str(), t.size,
+                Size(t.bytes).c_str(), t.what.c_str());
+  }
+  if (e.layout.pp > 1) {
+    std::printf("  pipeline bubble: %.1f%% of a step ((pp-1)/(chunks*micro-batches+pp-1), %d micro-batches)\n",
+                100.0 * e.bubble, e.layout.accumulation);
+  }
+  if (e.device == Device::kCuda) {
+    std::printf("  estimated step %.3f s, MFU %.1f%%\n", e.step_seconds, 100.0 * e.mfu);
+  }
+}
+
+int Plan(const PlanArgs& args) {
+  RecipeParseResult parsed = LoadRecipeFile(args.recipe, args.sets);
+  Recipe recipe = parsed.recipe;
+  // A plan needs the model and the batch; the data and the recipe's own layout may be wrong.
+  const int world = recipe.parallel.world_size();
+  std::vector<LayoutProblem> own_problems = CheckLayout(recipe, world);
+  std::vector<RecipeError> errors;
+  for (const RecipeError& error : parsed.errors) {
+    bool layout_rule = error.message.find("data.path") != std::string::npos;
+    for (const LayoutProblem& p : own_problems) layout_rule = layout_rule || error.message.find(p.message) != std::string::npos;
+    if (!layout_rule) errors.push_back(error);
+  }
+  if (!errors.empty()) {
+    for (const RecipeError& error : errors) std::fprintf(stderr, "%s\n", error.ToString().c_str());
+    std::fprintf(stderr, "%zu error(s) in %s\n", errors.size(), args.recipe.c_str());
+    return kExitInvalid;
+  }
+  PlanOptions options;
+  options.ranks = args.gpus > 0 ? args.gpus : world;
+  options.device = args.gpus > 0 ? Device::kCuda : recipe.parallel.device;
+  options.memory_bytes = options.device == Device::kCuda ? args.gpu_memory_gib * kGiB : 0;
+  const char* unit = options.device == Device::kCuda ? "GPU" : "rank";
+
+  nlohmann::json json;
+  json["recipe"] = args.recipe;
+  json["model_parameters"] = ApproxParameterCount(recipe.model);
+  json["ranks"] = options.ranks;
+  json["device"] = NameOf(options.device);
+  if (options.memory_bytes > 0) json["memory_bytes_per_rank"] = options.memory_bytes;
+
+  if (args.output == "text") {
+    const double parameters = static_cast<double>(ApproxParameterCount(recipe.model));
+    char count[32];
+    if (parameters >= 1e9) {
+      std::snprintf(count, sizeof(count), "%.2fB", parameters / 1e9);
+    } else {
+      std::snprintf(count, sizeof(count), "%.2fM", parameters / 1e6);
+    }
+    std::printf("%s: %s, %s parameters, micro-batch %d, global batch %d; %d %s%s", args.recipe.c_str(),
+                NameOf(recipe.model.arch).c_str(), count, recipe.training.micro_batch, recipe.training.global_batch, options.ranks, unit,
+                options.ranks == 1 ? "" : "s");
+    if (options.memory_bytes > 0) std::printf(" of %.0f GiB", args.gpu_memory_gib);
+    std::printf("\n\n");
+  }
+
+  // The recipe's own layout, on its own ranks, when --gpus does not ask for another count.
+  if (args.gpus == 0 || args.gpus == world) {
+    Recipe own = recipe;
+    own.parallel.device = options.device;
+    if (own_problems.empty()) {
+      StatusOr<Layout> layout = PlanLayout(own, world);
+      const LayoutEstimate e = EstimateLayout(own, *layout);
+      json["recipe_layout"] = EstimateJson(e);
+      if (args.output == "text") {
+        std::printf("the recipe's layout: %s\n", Describe(e.layout).c_str());
+        PrintEstimate(e);
+        if (options.memory_bytes > 0 && static_cast<double>(e.peak_bytes) > options.memory_bytes * kGpuMemoryUsable) {
+          std::printf("  does not fit: %s GiB a GPU is more than 90%% of %.0f GiB\n", Gib(e.peak_bytes).c_str(),
+                      args.gpu_memory_gib);
+        }
+        std::printf("\n");
+      }
+    } else {
+      json["recipe_layout"] = {{"problem", own_problems.front().key + ": " + own_problems.front().message}};
+      if (args.output == "text") {
+        std::printf("the recipe's layout cannot run on %d ranks: %s: %s\n\n", world, own_problems.front().key.c_str(),
+                    own_problems.front().message.c_str());
+      }
+    }
+  }
+
+  const std::vector<PlanCandidate> candidates = RankLayouts(recipe, options);
+  int feasible = 0;
+  for (const PlanCandidate& c : candidates) feasible += c.feasible ? 1 : 0;
+  if (args.output == "json") {
+    json["layouts"] = nlohmann::json::array();
+    for (const PlanCandidate& c : candidates) {
+      nlohmann::json j = {{"sets", c.sets}, {"feasible", c.feasible}};
+      if (!c.problem.empty()) j["problem"] = c.problem;
+      if (c.estimate.layout.world_size > 0 && !c.estimate.stages.empty()) j["estimate"] = EstimateJson(c.estimate);
+      json["layouts"].push_back(std::move(j));
+    }
+    std::printf("%s\n", json.dump(1).c_str());
+    return kExitOk;
+  }
+
+  const bool cuda = options.device == Device::kCuda;
+  std::printf("layouts on %d %s%s, %s (%d feasible of %zu):\n", options.ranks, unit, options.ranks == 1 ? "" : "s",
+              cuda ? "fastest first by the estimate" : "smallest peak memory first", feasible, candidates.size());
+  if (cuda) {
+    std::printf("  %3s  %-40s %10s %8s %7s %7s\n", "#", "layout", "peak", "step s", "MFU", "bubble");
+  } else {
+    std::printf("  %3s  %-40s %10s %7s\n", "#", "layout", "peak", "bubble");
+  }
+  int shown = 0;
+  for (const PlanCandidate& c : candidates) {
+    if (!c.feasible || shown >= args.top) continue;
+    ++shown;
+    const LayoutEstimate& e = c.estimate;
+    if (cuda) {
+      std::printf("  %3d  %-40s %10s %8.3f %6.1f%% %6.1f%%\n", shown, Short(e.layout).c_str(), Size(e.peak_bytes).c_str(),
+                  e.step_seconds, 100.0 * e.mfu, 100.0 * e.bubble);
+    } else {
+      std::printf("  %3d  %-40s %10s %6.1f%%\n", shown, Short(e.layout).c_str(), Size(e.peak_bytes).c_str(),
+                  100.0 * e.bubble);
+    }
+  }
+  if (feasible > shown) std::printf("  ... %d more (--top N shows more)\n", feasible - shown);
+  if (shown > 0) {
+    for (const PlanCandidate& c : candidates) {
+      if (!c.feasible) continue;
+      std::printf("  the first as recipe keys:");
+      for (const std::string& set : c.sets) std::printf(" --set %s", set.c_str());
+      std::printf("\n");
+      break;
+    }
+  }
+  // The infeasible ones by reason, so that a long list reads as a few causes.
+  std::map<std::string, std::vector<std::string>> by_reason;
+  for (const PlanCandidate& c : candidates) {
+    if (c.feasible) continue;
+    std::string reason = c.problem;
+    // Memory reasons differ in their figures: group them by the layout's degrees instead.
+    by_reason[reason].push_back(c.estimate.stages.empty() ? "" : Short(c.estimate.layout));
+  }
+  if (!by_reason.empty()) std::printf("not feasible:\n");
+  int reasons = 0;
+  for (const auto& [reason, layouts] : by_reason) {
+    if (++reasons > args.top) {
+      std::printf("  ... %zu more reasons (-o json lists every layout)\n", by_reason.size() - args.top);
+      break;
+    }
+    std::printf("  %s", reason.c_str());
+    if (!layouts.front().empty()) std::printf(" [%s%s]", layouts.front().c_str(), layouts.size() > 1 ? ", ..." : "");
+    std::printf(" (%zu layout%s)\n", layouts.size(), layouts.size() == 1 ? "" : "s");
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+void AddPlanCommand(CLI::App& app, CommandContext& ctx) {
+  auto args = std::make_shared<PlanArgs>();
+  CLI::App* cmd = app.add_subcommand(
+      "plan",
+      "Before a run: the recipe's memory per rank by part (parameters, gradients, optimizer, activations for each "
+      "recompute mode, buffers), its communication per step per group and pipeline bubble, and the feasible "
+      "layouts of its model on N GPUs ranked by estimated step time");
+  cmd->add_option("recipe", args->recipe, "Recipe YAML file")->required();
+  cmd->add_option("--set", args->sets, "Override a recipe field (repeatable)")
+      ->expected(1)
+      ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+  cmd->add_option("--gpus", args->gpus,
+                  "Plan for N GPUs (CUDA, bf16 as the recipe's precision says) instead of the recipe's ranks and "
+                  "device")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--gpu-memory", args->gpu_memory_gib,
+                  "Memory of each GPU in GiB; a layout fits when its peak is within 90% of it (default 80)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("--top", args->top, "Rows of the ranked table and reasons shown (default 10)")
+      ->check(CLI::PositiveNumber);
+  cmd->add_option("-o,--output", args->output, "text or json (every layout, feasible or not)")
+      ->check(CLI::IsMember({"text", "json"}));
+  ctx.Bind(cmd, [args] { return Plan(*args); });
+}
+
+}  // namespace ltrain::cli

@@ -1,0 +1,539 @@
+#include "common/layout_plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <tuple>
+
+#include "common/pipeline_schedule.h"
+
+namespace ltrain {
+namespace {
+
+// ---- Parameters ------------------------------------------------------------------------------------
+
+// How tensor parallelism splits a parameter (Megatron's scheme, as the worker's model shards it).
+enum class Split { kWhole, kRows, kCols };
+
+struct ParamShape {
+  int64_t numel = 0;
+  Split split = Split::kWhole;
+  int layer = -1;     // -1: not in a block
+  bool embedding = false;
+  bool head = false;  // the final norm, llama's untied output
+};
+
+// The full model's parameters in the worker's order (ModelParameterShapes).
+std::vector<ParamShape> ModelShapes(const ModelSpec& m, int tp) {
+  const int64_t d = m.d_model, f = FfnWidth(m), V = m.vocab, T = m.seq_len;
+  const int64_t kv_dim = d / m.heads * KvHeads(m);
+  const Split kv_split = KvHeads(m) % tp == 0 ? Split::kRows : Split::kWhole;
+  std::vector<ParamShape> out;
+  out.push_back({V * d, Split::kRows, -1, true, false});
+  if (m.arch == Arch::kGpt2) out.push_back({T * d, Split::kWhole, -1, true, false});
+  for (int l = 0; l < m.layers; ++l) {
+    if (m.arch == Arch::kGpt2) {
+      // ln1.w ln1.b qkv.w qkv.b proj.w proj.b ln2.w ln2.b fc.w fc.b fc2.w fc2.b
+      for (const auto& [n, s] : std::vector<std::pair<int64_t, Split>>{
+               {d, Split::kWhole}, {d, Split::kWhole}, {3 * d * d, Split::kRows}, {3 * d, Split::kRows},
+               {d * d, Split::kCols}, {d, Split::kWhole}, {d, Split::kWhole}, {d, Split::kWhole},
+               {f * d, Split::kRows}, {f, Split::kRows}, {d * f, Split::kCols}, {d, Split::kWhole}}) {
+        out.push_back({n, s, l, false, false});
+      }
+    } else {
+      // attn_norm wq wk wv wo ffn_norm w1 w3 w2
+      for (const auto& [n, s] : std::vector<std::pair<int64_t, Split>>{
+               {d, Split::kWhole}, {d * d, Split::kRows}, {kv_dim * d, kv_split}, {kv_dim * d, kv_split},
+               {d * d, Split::kCols}, {d, Split::kWhole}, {f * d, Split::kRows}, {f * d, Split::kRows},
+               {d * f, Split::kCols}}) {
+        out.push_back({n, s, l, false, false});
+      }
+    }
+  }
+  if (m.arch == Arch::kGpt2) {
+    out.push_back({d, Split::kWhole, -1, false, true});
+    out.push_back({d, Split::kWhole, -1, false, true});
+  } else {
+    out.push_back({d, Split::kWhole, -1, false, true});
+    if (!m.tie_embeddings) out.push_back({V * d, Split::kRows, -1, false, true});
+  }
+  return out;
+}
+
+struct RankParam {
+  int64_t numel = 0;
+  int unit = 0;  // ZeRO-3's structural unit: 0 embedding, 1 + layer, layers + 1 the head
+};
+
+// The parameters pipeline rank `pp_rank` holds, each tensor-parallel slice, in the store's order (the
+// tied head's copy on a last stage that is not the first comes last).
+std::vector<RankParam> RankParams(const ModelSpec& m, const Layout& layout, int pp_rank) {
+  const int tp = layout.tp;
+  std::vector<int> stage_of;
+  for (size_t s = 0; s < layout.stage_layers.size(); ++s) {
+    for (int i = 0; i < layout.stage_layers[s]; ++i) stage_of.push_back(static_cast<int>(s));
+  }
+  const bool first = pp_rank == 0, last = pp_rank == layout.pp - 1;
+  std::vector<RankParam> out;
+  for (const ParamShape& p : ModelShapes(m, tp)) {
+    const int64_t local = tp > 1 && p.split != Split::kWhole ? p.numel / tp : p.numel;
+    if (p.embedding) {
+      if (first) out.push_back({local, 0});
+    } else if (p.layer >= 0) {
+      if (stage_of[p.layer] % layout.pp == pp_rank) out.push_back({local, 1 + p.layer});
+    } else if (last) {
+      out.push_back({local, m.layers + 1});
+    }
+  }
+  const bool tied = m.arch == Arch::kGpt2 || m.tie_embeddings;
+  if (tied && last && !first) out.push_back({int64_t{m.vocab} * m.d_model / tp, m.layers + 1});
+  return out;
+}
+
+// The worker's flat units: buckets of at most bucket_mb MiB of fp32 elements, walked from the last
+// parameter (zero 0-2), or one unit per embedding, block and head (zero 3). Each unit's element count.
+std::vector<int64_t> Units(const std::vector<RankParam>& params, int zero, double bucket_mb) {
+  std::vector<int64_t> units;
+  if (zero == 3) {
+    std::map<int, int64_t, std::greater<>> by_unit;
+    for (const RankParam& p : params) by_unit[p.unit] += p.numel;
+    for (const auto& [unit, n] : by_unit) units.push_back(n);
+    return units;
+  }
+  const double cap = bucket_mb * 1024 * 1024;
+  double bytes = 0;
+  int64_t current = 0;
+  bool open = false;
+  for (auto it = params.rbegin(); it != params.rend(); ++it) {
+    const double size = static_cast<double>(it->numel) * 4;
+    if (open && bytes + size > cap) {
+      units.push_back(current);
+      current = 0;
+      bytes = 0;
+    }
+    current += it->numel;
+    bytes += size;
+    open = true;
+  }
+  if (open) units.push_back(current);
+  return units;
+}
+
+int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// ---- Activations -----------------------------------------------------------------------------------
+
+struct Shape {
+  int64_t b, T, Ts, d, f, h, hd, V, kv_local;
+  int tp;
+};
+
+Shape ShapeOf(const ModelSpec& m, const Layout& layout) {
+  Shape s;
+  s.b = layout.micro_batch;
+  s.T = m.seq_len;
+  s.tp = layout.tp;
+  s.Ts = layout.sequence_parallel ? s.T / layout.tp : s.T;
+  s.d = m.d_model;
+  s.f = FfnWidth(m);
+  s.h = m.heads;
+  s.hd = m.d_model / m.heads;
+  s.V = m.vocab;
+  const int kv = KvHeads(m);
+  s.kv_local = m.arch == Arch::kLlama && kv < layout.tp ? 1 : kv / layout.tp;
+  return s;
+}
+
+// What one layer keeps for backward per micro-batch, in bytes.
+// CPU (LibTorch 1.13, fp32): attention written out (the softmax's probabilities and a bool mask of
+// T*T), layer and RMS norms written out.
+int64_t CpuLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointing ac) {
+  const int64_t b = s.b, T = s.T, Ts = s.Ts, d = s.d, t = s.tp, dl = s.d / t, fl = s.f / t, hl = s.h / t;
+  if (ac == ActivationCheckpointing::kFull) return b * Ts * d * 4;
+  int64_t floats = 0, mask = 0;
+  if (m.arch == Arch::kGpt2) {
+    floats = 2 * b * Ts * d + 4 * b * Ts + 2 * b * T * d + 3 * b * T * dl + b * T * dl + 2 * b * T * fl;
+    if (ac == ActivationCheckpointing::kNone) {
+      floats += b * hl * T * T;
+      mask = T * T;
+    }
+  } else {
+    floats = 2 * b * Ts * d + 2 * (2 * b * Ts * d + b * Ts) + 2 * b * T * d + b * T * dl + 4 * b * T * fl;
+    if (ac == ActivationCheckpointing::kNone) {
+      floats += 3 * b * T * dl + b * hl * T * T;
+      mask = T * T;
+    } else {
+      floats += b * T * dl + 2 * b * T * s.kv_local * s.hd;
+    }
+  }
+  return floats * 4 + mask;
+}
+
+// CUDA (bf16 activations, the fused kernels, flash attention: no T*T term, so selective recompute
+// keeps what none keeps). `a` is the activations' element size.
+int64_t CudaLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointing ac, int a) {
+  const int64_t b = s.b, T = s.T, Ts = s.Ts, d = s.d, t = s.tp;
+  if (ac == ActivationCheckpointing::kFull) return b * Ts * d * a;
+  int64_t elems = 0;
+  if (m.arch == Arch::kGpt2) {
+    // input, norm 1's output (the qkv product's input), q k v, attention's output, the residual,
+    // norm 2's output, the MLP's pre- and post-GELU
+    elems = 2 * b * Ts * d + 2 * b * T * d + 4 * b * T * d / t + 2 * b * T * s.f / t;
+  } else {
+    // input, norm output, q (after RoPE), k and v, attention's output, the residual, norm output,
+    // w1's and w3's outputs and their SwiGLU product
+    elems = 2 * b * Ts * d + 2 * b * T * d + 2 * b * T * d / t + 2 * b * T * s.kv_local * s.hd + 3 * b * T * s.f / t;
+  }
+  // norm statistics and attention's log-sum-exp, fp32
+  return elems * a + 4 * (4 * b * Ts + b * (s.h / t) * T);
+}
+
+// The first stage's embedding output and, on the CPU under tensor parallelism, the ids and mask the
+// vocabulary-parallel lookup keeps.
+int64_t EmbedBytes(const Shape& s, int a, bool cpu) {
+  return s.b * s.Ts * s.d * a + (cpu && s.tp > 1 ? 9 * s.b * s.T : 0);
+}
+
+// The last stage's final norm and loss: on the CPU the log-probabilities (t = 1) or the
+// vocabulary-parallel cross entropy's two [b, T, V/t] tensors; on CUDA the bf16 logits.
+int64_t HeadBytes(const ModelSpec& m, const Shape& s, int a, bool cpu) {
+  const int64_t b = s.b, T = s.T, Ts = s.Ts, d = s.d, V = s.V, t = s.tp;
+  if (cpu) {
+    int64_t floats = m.arch == Arch::kGpt2 ? 2 * b * Ts + b * T * d : 2 * b * Ts * d + b * Ts + b * T * d;
+    floats += t == 1 ? b * T * V : 2 * b * T * V / t + b * T;
+    return floats * 4 + (t == 1 ? 0 : 9 * b * T);
+  }
+  return (b * Ts * d + b * T * d) * a + b * T * V / t * 2 + 8 * b * T;
+}
+
+// The step's peak of activations and pipeline buffers on pipeline rank `rank`: the (micro-batch,
+// chunk) pairs in flight after each forward, plus every send posted so far (the runtime holds them
+// until the step ends), measured where the worker samples: after each forward.
+int64_t PipelinePeak(const Layout& layout, const std::vector<int64_t>& stage_bytes, int64_t send_bytes, int rank,
+                     int64_t after_backward) {
+  if (layout.pp == 1) return stage_bytes[0];
+  StatusOr<PipelinePlan> plan = PlanPipeline(layout.pp_schedule, layout.pp, layout.chunks, layout.accumulation);
+  if (!plan.ok()) return 0;
+  std::map<std::pair<int, int>, int64_t> in_flight;
+  int64_t held = 0, peak = 0, live = 0;
+  bool backward_seen = false;
+  for (const PipeOp& op : plan->ops[rank]) {
+    const int vs = VirtualStage(layout.pp, rank, op.chunk);
+    if (op.kind == PipeOpKind::kForward) {
+      in_flight[{op.microbatch, op.chunk}] = stage_bytes[vs];
+      live += stage_bytes[vs];
+      peak = std::max(peak, live + held + (backward_seen ? after_backward : 0));
+    } else if (op.kind == PipeOpKind::kBackward) {
+      live -= in_flight[{op.microbatch, op.chunk}];
+      in_flight.erase({op.microbatch, op.chunk});
+      backward_seen = true;
+    } else if (op.kind == PipeOpKind::kSendActivation || op.kind == PipeOpKind::kSendGrad) {
+      held += send_bytes;
+    }
+  }
+  return peak;
+}
+
+// The CPU heap grows by more than the saved tensors: autograd's nodes and their bookkeeping, per layer
+// and micro-batch in flight whatever the tensors' sizes, and a little per rank. Fitted to the worker's
+// `memory rank` lines of the layouts suite's models (ltrain's integration tests).
+constexpr int64_t kCpuOverheadPerRank = 40 * 1024;
+int64_t CpuLayerOverhead(const ModelSpec& m, ActivationCheckpointing ac) {
+  if (ac == ActivationCheckpointing::kFull) return 5 * 1024;
+  return m.arch == Arch::kGpt2 ? 40 * 1024 : 76 * 1024;
+}
+
+// ---- The estimate ----------------------------------------------------------------------------------
+
+// Cost model constants, from `ltrain launch` runs of gpt-1.3b and gpt-7b layouts on a host of four
+// NVLink-connected GPUs (docs/performance.md, "Choosing a layout"): the single-GPU efficiency of the
+// matrix products (higher for wider models), and the rate at which each kind of traffic delays the
+// step where it is not hidden.
+double ComputeEfficiency(int d_model) {
+  return std::clamp(0.60 + 0.04 * std::log2(static_cast<double>(d_model) / 2048.0), 0.45, 0.66);
+}
+constexpr double kTensorParallelRate = 100e9;    // per-layer all-reduces: on the critical path
+constexpr double kSequenceParallelRate = 85e9;   // the same bytes as all-gathers and reduce-scatters
+constexpr double kDataParallelRate = 300e9;      // bucketed, overlapped in part with backward
+constexpr double kZero3Rate = 450e9;             // ZeRO-3's prefetched gathers overlap compute
+constexpr double kAutocastOverhead = 0.10;       // ZeRO-3 and bf16-autocast cast weights every micro-batch
+constexpr double kPipelineRate = 25e9;           // stage-to-stage sends and receives wait for each other
+
+int64_t Ring(int64_t bytes, int n, bool all_reduce) {
+  if (n <= 1) return 0;
+  const double share = static_cast<double>(n - 1) / n;
+  return static_cast<int64_t>(std::llround((all_reduce ? 2 : 1) * share * static_cast<double>(bytes)));
+}
+
+}  // namespace
+
+double ModelFlopsPerToken(const ModelSpec& model) {
+  return 6.0 * static_cast<double>(ApproxParameterCount(model)) +
+         12.0 * model.layers * model.d_model * model.seq_len;
+}
+
+LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout) {
+  const ModelSpec& m = recipe.model;
+  const ParallelSpec& ps = recipe.parallel;
+  LayoutEstimate e;
+  e.layout = layout;
+  e.device = ps.device;
+  const bool cuda = ps.device == Device::kCuda;
+  const bool cpu = !cuda;
+  const bool autocast = cuda && ps.precision != Precision::kFp32 &&
+                        (ps.precision == Precision::kBf16Autocast || layout.zero == 3);
+  e.bf16 = cuda && ps.precision != Precision::kFp32 && !autocast;
+  const int a = cuda && ps.precision != Precision::kFp32 ? 2 : 4;  // activation bytes
+  const int g = e.bf16 && layout.zero < 2 ? 2 : 4;                  // gradient bytes in the dp collectives
+  const int dp = layout.dp, zero = layout.zero, mb = layout.accumulation;
+  const Shape s = ShapeOf(m, layout);
+  const bool tp_partial = (layout.sequence_parallel && layout.tp > 1) ||
+                          (m.arch == Arch::kLlama && KvHeads(m) < layout.tp);
+  const bool overlap = layout.pp == 1 && !tp_partial;
+  const int stages = layout.pp * layout.chunks;
+  const int64_t send = s.b * s.Ts * s.d * a;
+
+  int64_t dp_bytes = 0, tp_bytes = 0, pp_bytes = 0, embedding_bytes = 0, z3_bytes = 0;
+  for (int r = 0; r < layout.pp; ++r) {
+    const std::vector<RankParam> params = RankParams(m, layout, r);
+    const std::vector<int64_t> units = Units(params, zero, ps.bucket_mb);
+    StageMemory st;
+    st.pp_rank = r;
+    int64_t numel = 0, biggest_unit = 0, second_unit = 0, gathered = 0;
+    for (const RankParam& p : params) numel += p.numel;
+    st.parameters = numel;
+    MemoryParts& parts = st.parts;
+    for (size_t i = 0; i < units.size(); ++i) {
+      const int64_t n = units[i], shard = CeilDiv(n, dp), padded = shard * dp;
+      parts.params += (zero == 3 ? shard : padded) * 4 + (e.bf16 ? padded * 2 : 0);
+      parts.grads += (zero >= 2 ? shard : padded) * (e.bf16 && zero < 2 ? 2 : 4);
+      parts.optimizer += 2 * (zero == 0 ? padded : shard) * 4;
+      // ZeRO-3 keeps the embedding and head units gathered from their forward to their gradients
+      // (the first and last unit), the blocks' one at a time with the next prefetched.
+      if (zero == 3) {
+        if (i == 0 || i + 1 == units.size()) {
+          gathered += padded * 4;
+        } else if (padded > biggest_unit) {
+          second_unit = biggest_unit;
+          biggest_unit = padded;
+        } else {
+          second_unit = std::max(second_unit, padded);
+        }
+      }
+      // Data-parallel traffic of this unit per step.
+      if (dp > 1) {
+        const bool sharded = e.bf16 && (zero == 1 || zero == 2);
+        if (zero == 3) {
+          const int64_t one = Ring(padded * 4, dp, false);
+          z3_bytes += mb * 2 * one + (overlap ? mb : 1) * (cpu ? Ring(padded * 4, dp, true) : one);
+        } else if (zero == 0) {
+          dp_bytes += Ring(padded * g, dp, true);
+        } else if (zero == 1) {
+          dp_bytes += sharded ? Ring(padded * 2, dp, false) + Ring(padded * 2, dp, false)
+                              : Ring(padded * g, dp, true) + Ring(padded * 4, dp, false);
+        } else {
+          // Gloo has no reduce-scatter: it all-reduces and keeps its slice.
+          const int64_t rs = cpu ? Ring(padded * 4, dp, true) : Ring(padded * 4, dp, false);
+          dp_bytes += (overlap ? mb : 1) * rs + Ring(padded * (sharded ? 2 : 4), dp, false);
+        }
+      }
+    }
+
+    // Activations: each virtual stage of this rank per micro-batch, under every recompute mode.
+    int layers_here = 0;
+    for (int c = 0; c < layout.chunks; ++c) layers_here += layout.stage_layers[VirtualStage(layout.pp, r, c)];
+    const int64_t unsharded_grads =
+        zero >= 2 && (!overlap && mb > 1) ? numel * (cpu ? 4 : (e.bf16 ? 2 : 4)) : 0;
+    const int64_t z3_buffers = zero == 3 ? gathered + (cuda ? biggest_unit * 4 + second_unit * 4 : 0) : 0;
+    for (int mode = 0; mode < 3; ++mode) {
+      const auto ac = static_cast<ActivationCheckpointing>(mode);
+      std::vector<int64_t> stage_bytes(stages, 0);
+      int64_t layer_none = 0;
+      for (int c = 0; c < layout.chunks; ++c) {
+        const int vs = VirtualStage(layout.pp, r, c);
+        const int64_t per_layer =
+            cpu ? CpuLayerBytes(m, s, ac) + CpuLayerOverhead(m, ac) : CudaLayerBytes(m, s, ac, a);
+        layer_none = cpu ? CpuLayerBytes(m, s, ActivationCheckpointing::kNone)
+                         : CudaLayerBytes(m, s, ActivationCheckpointing::kNone, a);
+        int64_t bytes = per_layer * layout.stage_layers[vs];
+        if (autocast) bytes += int64_t{4} * s.b * s.T * s.d * layout.stage_layers[vs];
+        bytes += vs == 0 ? EmbedBytes(s, a, cpu) + (cpu && s.tp == 1 ? 8 * s.b * s.T : 0) : send;
+        if (vs == stages - 1) bytes += HeadBytes(m, s, a, cpu) + (cpu && s.tp == 1 ? 8 * s.b * s.T : 0);
+        stage_bytes[vs] = bytes;
+      }
+      // Saved tensors (with the pipeline's held sends) at the sampled peak, and the buffers beside them.
+      int64_t saved = PipelinePeak(layout, stage_bytes, send, r, layout.pp > 1 ? unsharded_grads : 0);
+      int64_t buffers = z3_buffers + (layout.pp == 1 && mb > 1 ? unsharded_grads : 0);
+      if (cpu) {
+        saved += kCpuOverheadPerRank;
+      } else {
+        // Backward's transients: the loss's gradient over the vocabulary, a recomputed layer,
+        // ZeRO-2's unsharded gradients before they are reduced; and autocast's cached bf16 weights.
+        // (Vocabulary-parallel cross entropy also keeps fp32 pieces of the logits until backward.)
+        int64_t transient = r == layout.pp - 1 ? s.b * s.T * s.V / s.tp * (s.tp > 1 ? 6 : 2) : 0;
+        if (ac == ActivationCheckpointing::kFull) transient = std::max(transient, layer_none);
+        if (zero == 2 && overlap) transient += numel * (e.bf16 ? 2 : 4);
+        buffers += transient + (autocast ? numel * 2 : 0);
+      }
+      st.activations_by_mode[mode] = saved + buffers;
+      if (ac == layout.activation_checkpointing) {
+        parts.activations = saved;
+        parts.buffers = buffers;
+      }
+    }
+
+    // Tensor-parallel traffic: two all-reduces forward and two backward per layer and micro-batch (as
+    // all-gathers and reduce-scatters under sequence parallelism: the same bytes), two more per layer
+    // when full recompute repeats the forward, and the embedding's and the loss's.
+    if (layout.tp > 1 && r == 0) {
+      const int64_t act = s.b * s.T * s.d * a;
+      const int per_layer = layout.activation_checkpointing == ActivationCheckpointing::kFull ? 6 : 4;
+      int64_t collectives = static_cast<int64_t>(per_layer) * layers_here + 2;
+      tp_bytes = mb * collectives * Ring(act, layout.tp, true);
+    }
+    if (layout.pp > 1 && r == 0) {
+      int sends = 0;
+      for (int c = 0; c < layout.chunks; ++c) {
+        const int vs = VirtualStage(layout.pp, r, c);
+        sends += (vs < stages - 1) + (vs > 0);
+      }
+      pp_bytes = static_cast<int64_t>(mb) * sends * send;
+      const bool tied = m.arch == Arch::kGpt2 || m.tie_embeddings;
+      if (tied) embedding_bytes = int64_t{m.vocab} * m.d_model / layout.tp * g;
+    }
+    e.stages.push_back(st);
+    e.peak_bytes = std::max(e.peak_bytes, parts.total());
+  }
+
+  if (dp > 1) {
+    e.traffic.push_back({"dp", dp, zero == 3 ? z3_bytes : dp_bytes,
+                         zero == 0   ? "all-reduce of the gradients"
+                         : zero == 1 ? "gradients reduced, parameters all-gathered after the update"
+                         : zero == 2 ? "gradients reduce-scattered, parameters all-gathered after the update"
+                                     : "parameters all-gathered for forward and backward, gradients reduce-scattered"});
+  }
+  if (layout.tp > 1) {
+    e.traffic.push_back({"tp", layout.tp, tp_bytes,
+                         layout.sequence_parallel ? "activations all-gathered and reduce-scattered in every layer"
+                                                  : "activations all-reduced in every layer"});
+  }
+  if (layout.pp > 1) {
+    e.traffic.push_back({"pp", layout.pp, pp_bytes, "activations and their gradients between stages"});
+    if (embedding_bytes > 0) {
+      e.traffic.push_back({"embedding", 2, embedding_bytes, "the tied embedding's gradient, first and last stage"});
+    }
+  }
+  if (layout.pp > 1) {
+    e.bubble = static_cast<double>(layout.pp - 1) /
+               (static_cast<double>(layout.chunks) * layout.accumulation + layout.pp - 1);
+  }
+
+  if (cuda) {
+    const double tokens = static_cast<double>(layout.global_batch) * m.seq_len;
+    const double flops = ModelFlopsPerToken(m) * tokens / layout.world_size;
+    double compute = flops / (kGpuPeakFlops * ComputeEfficiency(m.d_model));
+    if (layout.activation_checkpointing == ActivationCheckpointing::kFull) compute *= 4.0 / 3.0;
+    if (layout.activation_checkpointing == ActivationCheckpointing::kSelective) compute *= 1.03;
+    if (autocast) compute *= 1.0 + kAutocastOverhead;
+    const double tp_rate = layout.sequence_parallel ? kSequenceParallelRate : kTensorParallelRate;
+    const double pipelined = compute + static_cast<double>(tp_bytes) / tp_rate +
+                             static_cast<double>(pp_bytes) / kPipelineRate;
+    e.step_seconds = pipelined / (1.0 - e.bubble) + static_cast<double>(dp_bytes) / kDataParallelRate +
+                     static_cast<double>(z3_bytes) / kZero3Rate +
+                     static_cast<double>(embedding_bytes) / kDataParallelRate;
+    e.mfu = flops / e.step_seconds / kGpuPeakFlops;
+  }
+  return e;
+}
+
+std::vector<PlanCandidate> RankLayouts(const Recipe& recipe, const PlanOptions& options) {
+  const int ranks = options.ranks > 0 ? options.ranks : recipe.parallel.world_size();
+  int per_node = options.ranks_per_node;
+  if (per_node <= 0) {
+    per_node = ranks % recipe.parallel.nproc_per_node == 0 ? recipe.parallel.nproc_per_node : std::min(ranks, 8);
+    if (ranks % per_node != 0) per_node = ranks;
+  }
+  std::vector<PlanCandidate> out;
+  auto consider = [&](int tp, int pp, int zero, bool sp, PpSchedule schedule, int chunks,
+                      ActivationCheckpointing ac) {
+    Recipe r = recipe;
+    ParallelSpec& p = r.parallel;
+    p.nodes = ranks / per_node;
+    p.nodes_min = p.nodes_max = p.nodes;
+    p.nproc_per_node = per_node;
+    p.device = options.device;
+    p.tp = tp;
+    p.pp = pp;
+    p.zero = zero;
+    p.sequence_parallel = sp;
+    p.pp_schedule = schedule;
+    p.virtual_stages = chunks;
+    p.activation_checkpointing = ac;
+    if (!(tp == recipe.parallel.tp && pp == recipe.parallel.pp && chunks == recipe.parallel.virtual_stages)) {
+      p.pp_split.clear();
+    }
+    PlanCandidate c;
+    c.sets = {"parallel.tp=" + std::to_string(tp), "parallel.pp=" + std::to_string(pp),
+              "parallel.zero=" + std::to_string(zero)};
+    if (sp) c.sets.push_back("parallel.sequence_parallel=true");
+    if (pp > 1) c.sets.push_back("parallel.pp_schedule=" + NameOf(schedule));
+    if (chunks > 1) c.sets.push_back("parallel.virtual_stages=" + std::to_string(chunks));
+    c.sets.push_back("parallel.activation_checkpointing=" + NameOf(ac));
+    const std::vector<LayoutProblem> problems = CheckLayout(r, ranks);
+    if (!problems.empty()) {
+      c.problem = problems.front().key + ": " + problems.front().message;
+      out.push_back(std::move(c));
+      return;
+    }
+    StatusOr<Layout> layout = PlanLayout(r, ranks);
+    c.estimate = EstimateLayout(r, *layout);
+    const double limit = options.device == Device::kCuda ? options.memory_bytes * kGpuMemoryUsable
+                                                         : options.memory_bytes;
+    if (options.memory_bytes > 0 && static_cast<double>(c.estimate.peak_bytes) > limit) {
+      char text[160];
+      std::snprintf(text, sizeof(text), "needs %.1f GiB a rank, more than %.1f GiB%s",
+                    static_cast<double>(c.estimate.peak_bytes) / (1 << 30), limit / (1 << 30),
+                    options.device == Device::kCuda ? " (90% of the GPU's memory)" : "");
+      c.problem = text;
+    } else {
+      c.feasible = true;
+    }
+    out.push_back(std::move(c));
+  };
+  for (int tp = 1; tp <= ranks; ++tp) {
+    if (ranks % tp != 0) continue;
+    for (int pp = 1; pp * tp <= ranks; ++pp) {
+      if ((ranks / tp) % pp != 0) continue;
+      const int dp = ranks / (tp * pp);
+      for (int zero = 0; zero <= 3; ++zero) {
+        if (zero > 0 && dp == 1) continue;  // nothing to shard over
+        if (zero == 3 && pp > 1) continue;  // not combined (CheckLayout's rule)
+        for (int sp = 0; sp <= (tp > 1 ? 1 : 0); ++sp) {
+          std::vector<std::pair<PpSchedule, int>> schedules = {{PpSchedule::k1F1B, 1}};
+          if (pp > 1) {
+            schedules.push_back({PpSchedule::kGpipe, 1});
+            schedules.push_back({PpSchedule::kInterleaved, 2});
+          }
+          for (const auto& [schedule, chunks] : schedules) {
+            for (ActivationCheckpointing ac : {ActivationCheckpointing::kNone, ActivationCheckpointing::kSelective,
+                                               ActivationCheckpointing::kFull}) {
+              consider(tp, pp, zero, sp == 1, schedule, chunks, ac);
+            }
+          }
+        }
+      }
+    }
+  }
+  const bool cuda = options.device == Device::kCuda;
+  std::stable_sort(out.begin(), out.end(), [&](const PlanCandidate& x, const PlanCandidate& y) {
+    if (x.feasible != y.feasible) return x.feasible;
+    if (!x.feasible) return false;
+    if (cuda && x.estimate.step_seconds != y.estimate.step_seconds) {
+      return x.estimate.step_seconds < y.estimate.step_seconds;
+    }
+    return x.estimate.peak_bytes < y.estimate.peak_bytes;
+  });
+  return out;
+}
+
+}  // namespace ltrain

@@ -1,0 +1,174 @@
+// Layout plans (common/layout_plan.h): the parameter store's bytes by hand for small models, ZeRO's
+// shares, the pipeline's bubble and held micro-batches, and the ranked layouts with their reasons.
+#include "common/layout_plan.h"
+
+#include <gtest/gtest.h>
+
+namespace ltrain {
+namespace {
+
+Recipe Small(Arch arch = Arch::kGpt2) {
+  Recipe r;
+  r.name = "plan";
+  r.data.path = "/d";
+  r.model.arch = arch;
+  r.model.layers = 4;
+  r.model.heads = 4;
+  r.model.d_model = 64;
+  r.model.seq_len = 32;
+  r.model.vocab = 256;
+  if (arch == Arch::kLlama) {
+    r.model.kv_heads = 2;
+    r.model.ffn = 96;
+    r.model.tie_embeddings = false;
+  }
+  r.training.micro_batch = 2;
+  r.training.global_batch = 8;
+  return r;
+}
+
+LayoutEstimate Estimate(Recipe r, int world) {
+  r.parallel.nproc_per_node = world;
+  StatusOr<Layout> layout = PlanLayout(r, world);
+  EXPECT_TRUE(layout.ok()) << layout.status().ToString();
+  return EstimateLayout(r, *layout);
+}
+
+TEST(LayoutPlanTest, OneRankHoldsFourBytesAParameterForEachOfWeightsGradientsAndTwoMoments) {
+  // gpt2 4 x 64: 256*64 + 32*64 + 4*(12*64^2 + 13*64) + 2*64 = 218,496 parameters.
+  const LayoutEstimate e = Estimate(Small(), 1);
+  ASSERT_EQ(e.stages.size(), 1u);
+  EXPECT_EQ(e.stages[0].parameters, 218496);
+  EXPECT_EQ(e.stages[0].parts.params, 218496 * 4);
+  EXPECT_EQ(e.stages[0].parts.grads, 218496 * 4);
+  EXPECT_EQ(e.stages[0].parts.optimizer, 218496 * 8);
+  EXPECT_GT(e.stages[0].parts.activations, 0);
+  EXPECT_TRUE(e.traffic.empty());
+}
+
+TEST(LayoutPlanTest, EachZeroStageShardsItsPartOverDataParallelRanks) {
+  Recipe r = Small();
+  const int64_t n = 218496;
+  for (int zero = 0; zero <= 3; ++zero) {
+    r.parallel.zero = zero;
+    const MemoryParts p = Estimate(r, 4).stages[0].parts;
+    EXPECT_EQ(p.params, zero == 3 ? n : n * 4) << zero;
+    EXPECT_EQ(p.grads, zero >= 2 ? n : n * 4) << zero;
+    EXPECT_EQ(p.optimizer, zero >= 1 ? n * 2 : n * 8) << zero;
+  }
+}
+
+TEST(LayoutPlanTest, TensorParallelismSplitsTheMatricesAndKeepsTheNormsWhole) {
+  Recipe r = Small();
+  r.parallel.tp = 2;
+  // wte/2 + wpe + 4*(6*64 + (12*64^2 + 7*64)/2) + lnf
+  EXPECT_EQ(Estimate(r, 2).stages[0].parameters, 8192 + 2048 + 4 * 25184 + 128);
+  // Llama's 2 key/value heads are replicated at tp 4.
+  Recipe llama = Small(Arch::kLlama);
+  llama.parallel.tp = 4;
+  EXPECT_EQ(Estimate(llama, 4).stages[0].parts.params, 207104);
+}
+
+TEST(LayoutPlanTest, ThePipelinesLastStageHoldsItsOwnCopyOfTheTiedEmbedding) {
+  Recipe r = Small();
+  r.parallel.pp = 2;
+  const LayoutEstimate e = Estimate(r, 2);
+  ASSERT_EQ(e.stages.size(), 2u);
+  EXPECT_EQ(e.stages[0].parts.params, 473600);  // wte, wpe, 2 blocks
+  EXPECT_EQ(e.stages[1].parts.params, 465920);  // 2 blocks, lnf, the copy of wte
+  bool embedding_group = false;
+  for (const GroupTraffic& t : e.traffic) embedding_group = embedding_group || t.group == "embedding";
+  EXPECT_TRUE(embedding_group);
+}
+
+TEST(LayoutPlanTest, GpipeHoldsEveryMicroBatchAndOneFOneBOnlyThePipelinesDepth) {
+  Recipe r = Small();
+  r.parallel.pp = 2;
+  r.parallel.pp_schedule = PpSchedule::kGpipe;
+  const int64_t gpipe = Estimate(r, 2).stages[0].parts.activations;
+  r.parallel.pp_schedule = PpSchedule::k1F1B;
+  const int64_t one_f_one_b = Estimate(r, 2).stages[0].parts.activations;
+  EXPECT_GT(gpipe, one_f_one_b * 3 / 2);
+  // Bubble (p-1)/(m+p-1): 4 micro-batches on 2 stages.
+  EXPECT_DOUBLE_EQ(Estimate(r, 2).bubble, 1.0 / 5.0);
+  r.parallel.pp_schedule = PpSchedule::kInterleaved;
+  r.parallel.virtual_stages = 2;
+  EXPECT_DOUBLE_EQ(Estimate(r, 2).bubble, 1.0 / 9.0);
+}
+
+TEST(LayoutPlanTest, FullRecomputeKeepsLessThanSelectiveWhichKeepsLessThanNone) {
+  const StageMemory s = Estimate(Small(), 1).stages[0];
+  const int64_t none = s.activations_by_mode[static_cast<int>(ActivationCheckpointing::kNone)];
+  const int64_t full = s.activations_by_mode[static_cast<int>(ActivationCheckpointing::kFull)];
+  const int64_t selective = s.activations_by_mode[static_cast<int>(ActivationCheckpointing::kSelective)];
+  EXPECT_LT(full, selective);
+  EXPECT_LT(selective, none);
+}
+
+TEST(LayoutPlanTest, OnCudaTheComputeCopiesAreBf16AndTheStepHasAnEstimate) {
+  Recipe r = Small();
+  r.parallel.device = Device::kCuda;
+  const LayoutEstimate e = Estimate(r, 1);
+  EXPECT_TRUE(e.bf16);
+  EXPECT_EQ(e.stages[0].parts.params, 218496 * 6);  // fp32 master and bf16 copy
+  EXPECT_EQ(e.stages[0].parts.grads, 218496 * 2);
+  EXPECT_GT(e.step_seconds, 0);
+  EXPECT_GT(e.mfu, 0);
+}
+
+TEST(LayoutPlanTest, RankedLayoutsPutTheFeasibleFirstFastestFirstAndSayWhyTheOthersFail) {
+  Recipe r = Small();
+  r.model.layers = 32;
+  r.model.d_model = 4096;
+  r.model.heads = 32;
+  r.model.seq_len = 2048;
+  r.model.vocab = 50304;
+  r.training.micro_batch = 1;
+  r.training.global_batch = 8;
+  PlanOptions options;
+  options.ranks = 4;
+  options.device = Device::kCuda;
+  options.memory_bytes = 80.0 * (1 << 30);
+  const std::vector<PlanCandidate> ranked = RankLayouts(r, options);
+  ASSERT_FALSE(ranked.empty());
+  ASSERT_TRUE(ranked.front().feasible);
+  bool seen_infeasible = false, memory_reason = false;
+  for (size_t i = 0; i < ranked.size(); ++i) {
+    if (!ranked[i].feasible) {
+      seen_infeasible = true;
+      EXPECT_FALSE(ranked[i].problem.empty());
+      memory_reason = memory_reason || ranked[i].problem.find("GiB a rank") != std::string::npos;
+      continue;
+    }
+    EXPECT_FALSE(seen_infeasible) << "a feasible layout after an infeasible one";
+    if (i > 0 && ranked[i - 1].feasible) {
+      EXPECT_LE(ranked[i - 1].estimate.step_seconds, ranked[i].estimate.step_seconds);
+    }
+    EXPECT_LE(static_cast<double>(ranked[i].estimate.peak_bytes), options.memory_bytes * kGpuMemoryUsable);
+  }
+  // 7B parameters at 16 bytes each do not fit one 80 GiB GPU's worth of plain data parallelism.
+  EXPECT_TRUE(memory_reason);
+  // tp 3 does not divide 4 ranks: never considered; tp 4 with 32 heads is.
+  for (const PlanCandidate& c : ranked) EXPECT_NE(c.sets.front(), "parallel.tp=3");
+}
+
+TEST(LayoutPlanTest, ABrokenRuleIsTheCandidatesReason) {
+  Recipe r = Small();
+  r.model.heads = 2;  // tp 4 cannot split 2 heads
+  r.model.d_model = 64;
+  PlanOptions options;
+  options.ranks = 4;
+  const std::vector<PlanCandidate> ranked = RankLayouts(r, options);
+  bool found = false;
+  for (const PlanCandidate& c : ranked) {
+    if (c.sets.front() == "parallel.tp=4") {
+      EXPECT_FALSE(c.feasible);
+      EXPECT_NE(c.problem.find("parallel.tp=4 does not divide model.heads=2"), std::string::npos) << c.problem;
+      found = true;
+    }
+  }
+  EXPECT_TRUE(found);
+}
+
+}  // namespace
+}  // namespace ltrain
