@@ -275,8 +275,8 @@ void AddPlanCommand(CLI::App& app, CommandContext& ctx) {
   auto args = std::make_shared<PlanArgs>();
   CLI::App* cmd = app.add_subcommand(
       "plan",
-      "Before a run: the recipe's memory per rank by part (parameters, gradients, optimizer, activations for each "
-      "recompute mode, buffers), its communication per step per group and pipeline bubble, and the feasible "
+      "Before a run: memory per rank by part (parameters, gradients, optimizer, activations under each "
+      "recompute mode, buffers), communication per step per group, the pipeline bubble; and the feasible "
       "layouts of its model on N GPUs ranked by estimated step time");
   cmd->add_option("recipe", args->recipe, "Recipe YAML file")->required();
   cmd->add_option("--set", args->sets, "Override a recipe field (repeatable)")
