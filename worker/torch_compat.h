@@ -23,6 +23,7 @@
 #include <torch/version.h>
 #if defined(LTRAIN_WITH_NCCL)
 #include <ATen/cuda/CUDAEvent.h>
+#include <ATen/cuda/Sleep.h>
 #include <ATen/native/cuda/Resize.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
@@ -263,6 +264,61 @@ class StreamMarker {
   std::shared_ptr<at::cuda::CUDAEvent> event_;
 #endif
 };
+
+// The GPU time of the work queued on a device's current stream between Start() and Stop(), read
+// once the GPU has passed Stop() (Ready), so that measuring never makes the host wait. On CPU it is
+// always ready and 0: the host's clock measures CPU work.
+class DeviceSpan {
+ public:
+  static DeviceSpan Start(const torch::Device& device) {
+    DeviceSpan span;
+#if defined(LTRAIN_WITH_NCCL)
+    if (device.is_cuda()) {
+      span.start_ = std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault);
+      span.stop_ = std::make_shared<at::cuda::CUDAEvent>(cudaEventDefault);
+      span.start_->record(c10::cuda::getCurrentCUDAStream(device.index()));
+    }
+#else
+    (void)device;
+#endif
+    return span;
+  }
+  void Stop() {
+#if defined(LTRAIN_WITH_NCCL)
+    if (stop_) stop_->record(c10::cuda::getCurrentCUDAStream(start_->device_index()));
+#endif
+  }
+  bool Ready() const {
+#if defined(LTRAIN_WITH_NCCL)
+    if (stop_) return stop_->query();
+#endif
+    return true;
+  }
+  double Ms() const {
+#if defined(LTRAIN_WITH_NCCL)
+    if (start_ && stop_) return static_cast<double>(start_->elapsed_time(*stop_));
+#endif
+    return 0.0;
+  }
+
+ private:
+#if defined(LTRAIN_WITH_NCCL)
+  std::shared_ptr<at::cuda::CUDAEvent> start_, stop_;
+#endif
+};
+
+// Queues a kernel that keeps the device's current stream busy for about `ms` milliseconds (the
+// slow-rank drill on a GPU: the work is slower, not the host); nothing on CPU.
+inline void DeviceSleep(const torch::Device& device, double ms) {
+#if defined(LTRAIN_WITH_NCCL)
+  if (device.is_cuda() && ms > 0) {
+    // Clock cycles at about 1.8 GHz, the SM clock of an H100 or H200 under load.
+    at::cuda::sleep(static_cast<int64_t>(ms * 1.8e6));
+  }
+#else
+  (void)device, (void)ms;
+#endif
+}
 
 // A CUDA stream of its own (from LibTorch's pool; `high_priority`: from its high-priority pool, whose
 // kernels the GPU schedules first) for collectives that overlap computation; Scope makes it the

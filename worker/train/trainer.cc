@@ -1014,12 +1014,15 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
   const int m = layout_.accumulation;
   torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat).device(device_));
   double compute_ms = 0;  // forward and backward of this step's micro-batches
+  const bool cuda = device_.is_cuda();
+  std::vector<compat::DeviceSpan> spans;
   if (layout_.pp == 1) {
     for (int a = 0; a < m; ++a) {
       Progress::Global().SetPhase(step + 1, "data");
       torch::Tensor inputs, targets;
       LTRAIN_RETURN_IF_ERROR(FillBatch(a, &inputs, &targets));
       const auto forward_start = SteadyClock::now();
+      if (cuda) spans.push_back(compat::DeviceSpan::Start(device_));
       const bool reduce_now = overlap_ && (layout_.zero >= 2 || a == m - 1);
       store_->ArmHooks(reduce_now);
       Progress::Global().SetPhase(step + 1, "forward");
@@ -1035,9 +1038,19 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
       backward_end_ = SteadyClock::now();
       double micro_ms = std::chrono::duration<double, std::milli>(backward_end_ - forward_start).count();
       if (options_.slow_factor > 1.0) {
-        std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(micro_ms * (options_.slow_factor - 1.0)));
-        micro_ms *= options_.slow_factor;
+        if (cuda) {
+          // The drill slows the GPU's work by the factor, sized from this rank's fastest measured step
+          // (the slowed ones are longer).
+          if (std::isfinite(drill_base_ms_)) {
+            compat::DeviceSleep(device_, drill_base_ms_ / m * (options_.slow_factor - 1.0));
+          }
+        } else {
+          std::this_thread::sleep_for(
+              std::chrono::duration<double, std::milli>(micro_ms * (options_.slow_factor - 1.0)));
+          micro_ms *= options_.slow_factor;
+        }
       }
+      if (cuda) spans.back().Stop();
       compute_ms += micro_ms;
       loss_sum += loss.detach();
       if (reduce_now) {
@@ -1047,11 +1060,25 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
   } else {
     LTRAIN_RETURN_IF_ERROR(RunPipeline(loss_sum));
   }
-  // On the host a CPU rank's forward and backward are its work; under a pipeline they include waits
-  // for the other stages, and on CUDA they are launches, not the work: neither is measured yet.
-  if (layout_.pp == 1 && !device_.is_cuda()) {
+  // On the host a CPU rank's forward and backward are its work; on CUDA they are launches, so the
+  // device's spans count once the GPU has run them (a step or two later). Under a pipeline they
+  // include waits for the other stages: not measured yet.
+  if (layout_.pp == 1 && !cuda) {
     compute_window_.push_back(compute_ms);
     if (compute_window_.size() > kComputeWindow) compute_window_.pop_front();
+  }
+  if (layout_.pp == 1 && cuda) {
+    device_spans_.push_back(std::move(spans));
+    while (!device_spans_.empty() &&
+           std::all_of(device_spans_.front().begin(), device_spans_.front().end(),
+                       [](const compat::DeviceSpan& span) { return span.Ready(); })) {
+      double ms = 0;
+      for (const compat::DeviceSpan& span : device_spans_.front()) ms += span.Ms();
+      device_spans_.pop_front();
+      drill_base_ms_ = std::min(drill_base_ms_, ms);
+      compute_window_.push_back(ms);
+      if (compute_window_.size() > kComputeWindow) compute_window_.pop_front();
+    }
   }
   // Gradients left to the products that no product wrote this step (none in a Llama) become zeros.
   ZeroStaleGradients();

@@ -15,6 +15,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <limits>
 #include <functional>
 #include <map>
 #include <memory>
@@ -219,8 +220,11 @@ class Trainer {
   int64_t activations_peak_ = 0;
   std::chrono::steady_clock::time_point backward_start_, backward_end_;
   // This rank's own work (forward and backward) of its last steps, newest last: the compute figure
-  // of its progress, from which the coordinator names stragglers. Host time: CPU ranks only.
+  // of its progress, from which the coordinator names stragglers. The host's clock on a CPU; on a GPU
+  // the device's, from the spans of each step's micro-batches, counted once the GPU has passed them.
   std::deque<double> compute_window_;
+  std::deque<std::vector<compat::DeviceSpan>> device_spans_;
+  double drill_base_ms_ = std::numeric_limits<double>::infinity();  // the fastest GPU step measured
   double checkpoint_blocked_ms_ = 0;
   int checkpoint_saves_ = 0;
   Status last_save_;                               // sync saves: the outcome of the last one
