@@ -164,6 +164,8 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const Secu
     credentials = grpc::InsecureChannelCredentials();
   }
   grpc::ChannelArguments args;
+  // Control-plane messages are small and steady: no bandwidth-delay probes (a ping after each).
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   if (Status clear = CheckTokenTransport(target, security); !clear.ok()) {
     LTRAIN_LOG(kError, "tls") << clear.message();
     return grpc::CreateCustomChannel(target, credentials, args);
@@ -184,7 +186,7 @@ std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(const SecurityMat
   return grpc::SslServerCredentials(ssl);
 }
 
-grpc::Status CheckBearerToken(const grpc::ServerContext& context, const std::string& token) {
+grpc::Status CheckBearerToken(const grpc::ServerContextBase& context, const std::string& token) {
   if (token.empty()) return grpc::Status::OK;
   const std::string expected = "Bearer " + token;
   auto found = context.client_metadata().find("authorization");

@@ -60,7 +60,7 @@ std::shared_ptr<grpc::ServerCredentials> MakeServerCredentials(const SecurityMat
 
 // For server handlers: OK when no token is configured or the call carries it; UNAUTHENTICATED
 // otherwise (compared in constant time).
-grpc::Status CheckBearerToken(const grpc::ServerContext& context, const std::string& token);
+grpc::Status CheckBearerToken(const grpc::ServerContextBase& context, const std::string& token);
 
 // Writes a CA, a server certificate for `hosts` (host names and IP addresses), a client
 // certificate and a random token into `dir`, with openssl, for a first try of TLS.

@@ -241,7 +241,7 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
       writer_.Enqueue("record rank " + std::to_string(rank.rank()) + " of " + job.job.id(),
                       [id = job.job.id(), rank](StateStore& store) { return store.UpsertRank(id, rank); });
     }
-    node.commands.push_back(command);
+    QueueCommandLocked(node, command);
     placement += (placement.empty() ? "" : ", ") + RankRange(i * nproc, i * nproc + nproc - 1) + " on " + nodes[i] +
                  " (" + node.facts.hostname() + ")";
   }
@@ -277,7 +277,7 @@ void Coordinator::StopGenerationLocked(ActiveJob& job, const std::string& reason
     command.mutable_stop()->set_job_id(job.job.id());
     command.mutable_stop()->set_reason(reason);
     command.mutable_stop()->set_generation(job.job.generation());
-    node->second.commands.push_back(command);
+    QueueCommandLocked(node->second, command);
   }
   job.nodes.clear();
 }
@@ -478,7 +478,7 @@ StatusOr<v1::Job> Coordinator::Stop(const std::string& job_id, const std::string
     stop->set_reason(why);
     stop->set_generation(job->job.generation());
     stop->set_checkpoint(true);
-    node->second.commands.push_back(std::move(command));
+    QueueCommandLocked(node->second, std::move(command));
   }
   AddEventLocked(*job, "stopping",
                  "stopping job " + job_id + " after a final checkpoint at a step every rank reaches (a plain stop " +
@@ -558,8 +558,16 @@ StatusOr<std::vector<v1::Event>> Coordinator::WaitEvents(const std::string& job_
   return events;
 }
 
+void Coordinator::QueueCommandLocked(NodeState& node, v1::Command command) {
+  if (node.deliver) {
+    node.deliver(command);
+  } else {
+    node.commands.push_back(std::move(command));
+  }
+}
+
 int64_t Coordinator::NodeConnected(const std::string& node_id, const v1::NodeFacts& facts,
-                                   const std::vector<v1::RunningWorker>& running) {
+                                   const std::vector<v1::RunningWorker>& running, CommandSink deliver) {
   writer_.Enqueue("record node " + node_id, [node_id, facts, now = clock_->UnixMs()](StateStore& store) {
     return store.UpsertNode(node_id, facts, now);
   });
@@ -569,6 +577,13 @@ int64_t Coordinator::NodeConnected(const std::string& node_id, const v1::NodeFac
   node.connected = true;
   node.token = next_token_++;
   node.last_heartbeat_ms = clock_->SteadyMs();
+  node.deliver = std::move(deliver);
+  if (node.deliver) {
+    while (!node.commands.empty()) {
+      node.deliver(node.commands.front());
+      node.commands.pop_front();
+    }
+  }
   LTRAIN_LOG(kInfo, kLog) << "node " << node_id << " (" << facts.hostname() << ", " << facts.cpus() << " CPUs, "
                           << facts.gpus() << " GPUs) connected";
   if (node.recovered) {
@@ -658,6 +673,9 @@ void Coordinator::NodeLeaving(const std::string& node_id, const std::string& rea
 
 void Coordinator::NodeDisconnected(const std::string& node_id, int64_t token) {
   std::lock_guard<std::mutex> lock(mu_);
+  if (auto stream = nodes_.find(node_id); stream != nodes_.end() && stream->second.token == token) {
+    stream->second.deliver = nullptr;  // the stream is going: its commands queue again
+  }
   // Streams close because this coordinator is going away: its jobs stay as they are in the state,
   // for the next coordinator to take back.
   if (shutting_down_) return;
@@ -997,6 +1015,9 @@ void Coordinator::Tick() {
   SweepLocked();
   int64_t now = clock_->SteadyMs();
   std::vector<std::pair<std::string, std::string>> lost;
+  // Nodes silent past their timeout, with how far past (silence / timeout).
+  std::vector<std::pair<std::string, double>> silent;
+  int connected = 0;
   for (auto& [id, node] : nodes_) {
     // A node running jobs is lost after the shortest of their heartbeat_interval_s * heartbeat_misses.
     int64_t timeout_ms = options_.node_timeout_ms;
@@ -1006,13 +1027,32 @@ void Coordinator::Tick() {
             timeout_ms, static_cast<int64_t>(job->recipe.fault.heartbeat_interval_s * job->recipe.fault.heartbeat_misses * 1000));
       }
     }
+    connected += node.connected ? 1 : 0;
     if (node.connected && now - node.last_heartbeat_ms > timeout_ms) {
-      lost.emplace_back(id, "no heartbeat for " + Seconds(now - node.last_heartbeat_ms));
+      silent.emplace_back(id, static_cast<double>(now - node.last_heartbeat_ms) / static_cast<double>(timeout_ms));
     } else if (node.recovered && now > node.recovery_deadline_ms) {
       lost.emplace_back(id, "it did not come back within " + Seconds(options_.recovery_grace_ms) +
                                 " of the coordinator's restart");
     }
   }
+  // Heartbeats that stop on many nodes at once, whose streams are still open, say more about this
+  // coordinator (overloaded, its replies late) than about the nodes: it waits for them up to
+  // kMassSilenceFactor timeouts instead of failing their jobs. One node, or a few, is lost at once.
+  const bool mass_silence = static_cast<int>(silent.size()) >= std::max(kMassSilenceNodes, connected / 10);
+  int deferred = 0;
+  for (const auto& [id, overdue] : silent) {
+    if (mass_silence && overdue < kMassSilenceFactor) {
+      ++deferred;
+      continue;
+    }
+    lost.emplace_back(id, "no heartbeat for " + Seconds(now - nodes_[id].last_heartbeat_ms));
+  }
+  if (deferred > 0 && !mass_silence_reported_) {
+    LTRAIN_LOG(kWarning, kLog) << deferred << " of " << connected << " connected nodes sent no heartbeat within their "
+                               << "timeout at once; this coordinator may be overloaded: they are declared lost only "
+                               << "after " << kMassSilenceFactor << " times the timeout";
+  }
+  mass_silence_reported_ = deferred > 0;
   for (const auto& [id, reason] : lost) LoseNodeLocked(id, reason);
 
   for (auto& [id, job] : jobs_) {

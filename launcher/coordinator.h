@@ -20,6 +20,7 @@
 #pragma once
 
 #include <condition_variable>
+#include <functional>
 #include <deque>
 #include <map>
 #include <mutex>
@@ -104,9 +105,13 @@ class Coordinator {
                                               int64_t timeout_ms, bool* finished);
 
   // AgentService. NodeConnected returns a token that NodeDisconnected must present, so that a
-  // stale stream closing after the agent reconnected does not mark the node lost.
+  // stale stream closing after the agent reconnected does not mark the node lost. With `deliver`,
+  // the node's commands go to it as they are queued (the queue so far first), called with the
+  // coordinator's lock held: it must not call back into the coordinator. Without it they wait for
+  // WaitCommand.
+  using CommandSink = std::function<void(const v1::Command&)>;
   int64_t NodeConnected(const std::string& node_id, const v1::NodeFacts& facts,
-                        const std::vector<v1::RunningWorker>& running = {});
+                        const std::vector<v1::RunningWorker>& running = {}, CommandSink deliver = nullptr);
   void NodeDisconnected(const std::string& node_id, int64_t token);
   void NodeLeaving(const std::string& node_id, const std::string& reason);
   // The nodes known since this coordinator started (lost ones too), by id.
@@ -147,6 +152,7 @@ class Coordinator {
     bool recovered = false;        // known from the state of an earlier coordinator, not yet back
     int64_t recovery_deadline_ms = 0;
     std::deque<v1::Command> commands;
+    CommandSink deliver;           // the connected stream's, when it takes commands as they come
     std::set<std::string> jobs;
   };
   struct Progress {
@@ -182,6 +188,8 @@ class Coordinator {
   bool StartGenerationLocked(ActiveJob& job, std::vector<std::string> nodes);
   // `restartable` false: the job fails whatever its restart policy says.
   void FailGenerationLocked(ActiveJob& job, const std::string& cause, bool restartable = true);
+  // Hands `command` to the node's stream, or queues it for WaitCommand.
+  void QueueCommandLocked(NodeState& node, v1::Command command);
   void StopGenerationLocked(ActiveJob& job, const std::string& reason);
   void LoseNodeLocked(const std::string& node_id, const std::string& reason, bool expected = false);
   void CheckHangLocked(ActiveJob& job, int64_t now);
@@ -212,6 +220,10 @@ class Coordinator {
   const Clock* clock_;
   CoordinatorOptions options_;
 
+  // Tick's rule for heartbeats that stop on many nodes at once (coordinator.cc).
+  static constexpr int kMassSilenceNodes = 3;
+  static constexpr double kMassSilenceFactor = 3.0;
+  bool mass_silence_reported_ = false;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool shutting_down_ = false;

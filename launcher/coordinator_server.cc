@@ -1,6 +1,11 @@
 #include "launcher/coordinator_server.h"
 
+#include <malloc.h>
+
+#include <deque>
 #include <filesystem>
+#include <memory>
+#include <mutex>
 
 #include <grpcpp/health_check_service_interface.h>
 
@@ -115,59 +120,146 @@ class JobServiceImpl final : public v1::JobService::Service {
   std::string token_;
 };
 
-class AgentServiceImpl final : public v1::AgentService::Service {
+// One agent's command stream on gRPC's callback API: no thread waits for an agent. The coordinator
+// hands each command to the stream as it queues it (Deliver, under the coordinator's lock, so it
+// only queues here), and each finished write starts the next.
+class CommandStream final : public grpc::ServerWriteReactor<v1::Command> {
  public:
-  AgentServiceImpl(Coordinator* coordinator, std::string token) : coordinator_(coordinator), token_(std::move(token)) {}
-
-  grpc::Status Connect(grpc::ServerContext* context, const v1::RegisterRequest* request,
-                       grpc::ServerWriter<v1::Command>* writer) override {
-    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
-    if (request->node_id().empty()) return grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "node_id is empty");
-    int64_t token = coordinator_->NodeConnected(request->node_id(), request->facts(),
-                                                {request->running().begin(), request->running().end()});
+  CommandStream(Coordinator* coordinator, const v1::RegisterRequest& request)
+      : coordinator_(coordinator), node_id_(request.node_id()), state_(std::make_shared<State>()) {
+    state_->stream = this;
     // An empty first message tells the agent it is registered.
-    bool alive = writer->Write(v1::Command());
-    while (alive && !context->IsCancelled() && !coordinator_->shutting_down()) {
-      std::optional<v1::Command> command = coordinator_->WaitCommand(request->node_id(), 250);
-      if (command && !writer->Write(*command)) alive = false;
+    state_->pending.emplace_back();
+    std::weak_ptr<State> weak = state_;
+    token_ = coordinator_->NodeConnected(node_id_, request.facts(), {request.running().begin(), request.running().end()},
+                                         [weak](const v1::Command& command) {
+                                           if (std::shared_ptr<State> state = weak.lock()) state->Deliver(command);
+                                         });
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->WriteNextLocked();
+  }
+
+  void OnWriteDone(bool ok) override {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->writing = false;
+    state_->pending.pop_front();
+    if (!ok) {
+      FinishOnceLocked(grpc::Status::OK);
+      return;
     }
-    coordinator_->NodeDisconnected(request->node_id(), token);
-    return grpc::Status::OK;
+    state_->WriteNextLocked();
   }
 
-  grpc::Status Heartbeat(grpc::ServerContext* context, const v1::HeartbeatRequest* request, v1::HeartbeatReply* reply) override {
-    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
-    SetStatus(reply->mutable_status(), coordinator_->Heartbeat(*request));
-    return grpc::Status::OK;
+  void OnCancel() override {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    FinishOnceLocked(grpc::Status::OK);
   }
 
-  grpc::Status ReportWorkerState(grpc::ServerContext* context, const v1::WorkerStateReport* request,
-                                 v1::WorkerStateReply* reply) override {
-    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
-    SetStatus(reply->mutable_status(), coordinator_->ReportWorkerState(*request));
-    return grpc::Status::OK;
-  }
-
-  grpc::Status ReportProgress(grpc::ServerContext* context, const v1::ProgressReport* request,
-                              v1::ProgressReply* reply) override {
-    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
-    SetStatus(reply->mutable_status(), coordinator_->ReportProgress(*request));
-    return grpc::Status::OK;
-  }
-
-  grpc::Status Leave(grpc::ServerContext* context, const v1::LeaveRequest* request, v1::LeaveReply*) override {
-    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
-    coordinator_->NodeLeaving(request->node_id(), request->reason());
-    return grpc::Status::OK;
-  }
-
-  grpc::Status PushLogs(grpc::ServerContext* context, const v1::PushLogsRequest* request, v1::PushLogsReply*) override {
-    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
-    coordinator_->PushLogs(*request);
-    return grpc::Status::OK;
+  void OnDone() override {
+    coordinator_->NodeDisconnected(node_id_, token_);
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      state_->stream = nullptr;
+    }
+    delete this;
   }
 
  private:
+  struct State {
+    std::mutex mu;
+    CommandStream* stream = nullptr;  // null once the call is done
+    std::deque<v1::Command> pending;  // the front is being written while `writing`
+    bool writing = false;
+    bool finished = false;
+
+    void Deliver(const v1::Command& command) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (stream == nullptr || finished) return;
+      pending.push_back(command);
+      WriteNextLocked();
+    }
+    void WriteNextLocked() {
+      if (writing || finished || pending.empty() || stream == nullptr) return;
+      writing = true;
+      stream->StartWrite(&pending.front());
+    }
+  };
+
+  void FinishOnceLocked(const grpc::Status& status) {
+    if (state_->finished) return;
+    state_->finished = true;
+    Finish(status);
+  }
+
+  Coordinator* coordinator_;
+  std::string node_id_;
+  int64_t token_ = 0;
+  std::shared_ptr<State> state_;
+};
+
+// A reactor that ends its call at once with `status`.
+class Refusal final : public grpc::ServerWriteReactor<v1::Command> {
+ public:
+  explicit Refusal(const grpc::Status& status) { Finish(status); }
+  void OnDone() override { delete this; }
+};
+
+// Every agent call on gRPC's callback API: a node costs no thread, however many there are.
+class AgentServiceImpl final : public v1::AgentService::CallbackService {
+ public:
+  AgentServiceImpl(Coordinator* coordinator, std::string token) : coordinator_(coordinator), token_(std::move(token)) {}
+
+  grpc::ServerWriteReactor<v1::Command>* Connect(grpc::CallbackServerContext* context,
+                                                 const v1::RegisterRequest* request) override {
+    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return new Refusal(denied);
+    if (request->node_id().empty()) {
+      return new Refusal(grpc::Status(grpc::StatusCode::INVALID_ARGUMENT, "node_id is empty"));
+    }
+    if (coordinator_->shutting_down()) {
+      return new Refusal(grpc::Status(grpc::StatusCode::UNAVAILABLE, "coordinator is shutting down"));
+    }
+    return new CommandStream(coordinator_, *request);
+  }
+
+  grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* context, const v1::HeartbeatRequest* request,
+                                      v1::HeartbeatReply* reply) override {
+    return Answer(context, [&] { SetStatus(reply->mutable_status(), coordinator_->Heartbeat(*request)); });
+  }
+
+  grpc::ServerUnaryReactor* ReportWorkerState(grpc::CallbackServerContext* context, const v1::WorkerStateReport* request,
+                                              v1::WorkerStateReply* reply) override {
+    return Answer(context, [&] { SetStatus(reply->mutable_status(), coordinator_->ReportWorkerState(*request)); });
+  }
+
+  grpc::ServerUnaryReactor* ReportProgress(grpc::CallbackServerContext* context, const v1::ProgressReport* request,
+                                           v1::ProgressReply* reply) override {
+    return Answer(context, [&] { SetStatus(reply->mutable_status(), coordinator_->ReportProgress(*request)); });
+  }
+
+  grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* context, const v1::LeaveRequest* request,
+                                  v1::LeaveReply*) override {
+    return Answer(context, [&] { coordinator_->NodeLeaving(request->node_id(), request->reason()); });
+  }
+
+  grpc::ServerUnaryReactor* PushLogs(grpc::CallbackServerContext* context, const v1::PushLogsRequest* request,
+                                     v1::PushLogsReply*) override {
+    return Answer(context, [&] { coordinator_->PushLogs(*request); });
+  }
+
+ private:
+  // A unary call answered at once on gRPC's callback threads: the token checked, then `handle`.
+  template <typename Handle>
+  grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, Handle handle) {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) {
+      reactor->Finish(denied);
+      return reactor;
+    }
+    handle();
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
   Coordinator* coordinator_;
   std::string token_;
 };
@@ -233,6 +325,9 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const Coor
 
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
+  // Thousands of agents each send a small message a second: HTTP/2's bandwidth-delay probes (a ping
+  // after each) would double the packets for no window worth growing.
+  builder.AddChannelArgument(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   builder.AddListeningPort(options.listen_address, MakeServerCredentials(options.security), &server->port_);
   builder.RegisterService(server->job_service_.get());
   builder.RegisterService(server->agent_service_.get());
@@ -249,8 +344,12 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const Coor
   if (server->host_ == "0.0.0.0" || server->host_ == "[::]") server->host_ = "127.0.0.1";
   CoordinatorServer* raw = server.get();
   server->monitor_ = std::thread([raw] {
+    int ticks = 0;
     while (!raw->stopping_) {
       raw->coordinator_->Tick();
+      // What thousands of agents' connections used goes back to the system once they are gone
+      // (glibc keeps freed memory in its arenas otherwise): every 10 s.
+      if (++ticks % 50 == 0) ::malloc_trim(0);
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
   });

@@ -189,6 +189,33 @@ TEST_F(CoordinatorTest, SilentNodeIsLostAfterTheTimeout) {
   EXPECT_NE(job.cause().find("node b lost"), std::string::npos) << job.cause();
 }
 
+// Many nodes falling silent at once point at the coordinator (overloaded, replies late): they get three
+// timeouts before they are lost; a few silent nodes are lost after one.
+TEST_F(CoordinatorTest, ManyNodesSilentAtOnceGetThreeTimeoutsAFewGetOne) {
+  for (int i = 0; i < 20; ++i) Connect("n" + std::to_string(i));
+  auto beat = [&](int from, int to) {
+    for (int i = from; i < to; ++i) ASSERT_TRUE(coordinator_->Heartbeat(Beat("n" + std::to_string(i))).ok());
+  };
+  auto connected = [&] {
+    int count = 0;
+    for (const v1::NodeStatus& node : coordinator_->ListNodes()) count += node.connected() ? 1 : 0;
+    return count;
+  };
+  clock_.AdvanceMs(4000);  // 15 of 20 silent for 4 s (timeout 3 s)
+  beat(15, 20);
+  coordinator_->Tick();
+  EXPECT_EQ(connected(), 20);
+  clock_.AdvanceMs(5500);  // 9.5 s: more than three timeouts
+  beat(15, 20);
+  coordinator_->Tick();
+  EXPECT_EQ(connected(), 5);
+
+  clock_.AdvanceMs(3500);  // 2 of the 5 left go silent: lost after one timeout
+  beat(17, 20);
+  coordinator_->Tick();
+  EXPECT_EQ(connected(), 3);
+}
+
 TEST_F(CoordinatorTest, JobsHeartbeatSettingsTightenNodeLoss) {
   Connect("a");
   Connect("b");
