@@ -1,0 +1,373 @@
+// The control plane at cluster scale: N simulated agents against one real `ltrain coordinator`
+// process on loopback. Each agent speaks the real protocol with gRPC's callback client API (no
+// thread per agent here either): it registers through Connect, keeps the command stream open and
+// heartbeats every --heartbeat-ms, each on its own connection. Printed per N: registration time, the
+// heartbeat RPC latency (p50, p99, max), the coordinator's CPU (share of one core), memory and threads
+// while the agents heartbeat, and the time to detect a node whose heartbeats stop.
+//
+//   scale_bench --ltrain build/cmd/ltrain --agents 100,1000,10000 --seconds 20
+#include <signal.h>
+#include <sys/resource.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <mutex>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "ltrain/v1/ltrain.grpc.pb.h"
+#include "tests/support/subprocess.h"
+
+namespace ltrain::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using testing::Subprocess;
+using testing::TempDir;
+
+double MsSince(Clock::time_point start) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
+}
+
+// /proc/PID figures of the coordinator.
+struct ProcessFigures {
+  double cpu_s = 0;     // user + system
+  int64_t rss_kb = 0;
+  int threads = 0;
+};
+
+ProcessFigures ReadProcess(pid_t pid) {
+  ProcessFigures f;
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  // Fields after the command's closing parenthesis: state is field 3, utime 14, stime 15.
+  const size_t close = text.rfind(')');
+  if (close != std::string::npos) {
+    std::istringstream rest(text.substr(close + 2));
+    std::string field;
+    long long utime = 0, stime = 0;
+    for (int i = 3; i <= 15 && rest >> field; ++i) {
+      if (i == 14) utime = std::stoll(field);
+      if (i == 15) stime = std::stoll(field);
+    }
+    f.cpu_s = static_cast<double>(utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+  }
+  std::ifstream status("/proc/" + std::to_string(pid) + "/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmRSS:", 0) == 0) f.rss_kb = std::stoll(line.substr(6));
+    if (line.rfind("Threads:", 0) == 0) f.threads = std::stoi(line.substr(8));
+  }
+  return f;
+}
+
+// Latencies in ms, from many threads.
+class Latencies {
+ public:
+  void Add(double ms) {
+    std::lock_guard<std::mutex> lock(mu_);
+    values_.push_back(ms);
+  }
+  void Clear() {
+    std::lock_guard<std::mutex> lock(mu_);
+    values_.clear();
+  }
+  std::vector<double> Sorted() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<double> out = values_;
+    std::sort(out.begin(), out.end());
+    return out;
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<double> values_;
+};
+
+double Percentile(const std::vector<double>& sorted, double p) {
+  if (sorted.empty()) return 0;
+  return sorted[std::min(sorted.size() - 1, static_cast<size_t>(p * static_cast<double>(sorted.size())))];
+}
+
+// One simulated agent: its channel, its command stream and its heartbeats.
+class Agent : public grpc::ClientReadReactor<v1::Command> {
+ public:
+  Agent(std::string node_id, std::shared_ptr<grpc::Channel> channel)
+      : node_id_(std::move(node_id)), stub_(v1::AgentService::NewStub(channel)) {}
+
+  void Register(std::function<void(Agent*)> on_registered) {
+    on_registered_ = std::move(on_registered);
+    request_.set_node_id(node_id_);
+    request_.mutable_facts()->set_hostname(node_id_);
+    request_.mutable_facts()->set_address("127.0.0.1");
+    request_.mutable_facts()->set_gpus(8);
+    request_.mutable_facts()->set_cpus(96);
+    started_ = Clock::now();
+    stub_->async()->Connect(&context_, &request_, this);
+    StartRead(&command_);
+    AddHold();
+    StartCall();
+  }
+
+  void OnReadDone(bool ok) override {
+    if (!ok) {
+      RemoveHold();
+      return;
+    }
+    if (!registered_.exchange(true)) {
+      registration_ms_ = MsSince(started_);
+      if (on_registered_) on_registered_(this);
+    }
+    StartRead(&command_);
+  }
+  void OnDone(const grpc::Status& status) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    done_ = true;
+    final_status_ = status;
+    cv_.notify_all();
+  }
+
+  // One heartbeat; `done` gets its latency in ms, or -1 when it failed.
+  void Heartbeat(std::function<void(double)> done) {
+    struct Call {
+      grpc::ClientContext context;
+      v1::HeartbeatRequest request;
+      v1::HeartbeatReply reply;
+      Clock::time_point start = Clock::now();
+    };
+    auto call = std::make_shared<Call>();
+    call->request.set_node_id(node_id_);
+    call->context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+    stub_->async()->Heartbeat(&call->context, &call->request, &call->reply,
+                              [call, done = std::move(done)](grpc::Status status) {
+                                const bool ok = status.ok() && call->reply.status().code() == 0;
+                                done(ok ? MsSince(call->start) : -1.0);
+                              });
+  }
+
+  void Close() {
+    context_.TryCancel();
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(10), [&] { return done_; });
+  }
+
+  const std::string& node_id() const { return node_id_; }
+  bool registered() const { return registered_; }
+  double registration_ms() const { return registration_ms_; }
+
+ private:
+  std::string node_id_;
+  std::unique_ptr<v1::AgentService::Stub> stub_;
+  grpc::ClientContext context_;
+  v1::RegisterRequest request_;
+  v1::Command command_;
+  std::function<void(Agent*)> on_registered_;
+  Clock::time_point started_;
+  std::atomic<bool> registered_{false};
+  double registration_ms_ = 0;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  grpc::Status final_status_;
+};
+
+struct Options {
+  std::string ltrain;
+  std::vector<int> agents = {100, 1000};
+  double seconds = 15;
+  int heartbeat_ms = 1000;
+  double node_timeout_s = 3;
+  // Agents that share one connection: 1 is what separate hosts do; more spares this process's CPU
+  // (on the same cores as the coordinator) at 10,000 agents.
+  int agents_per_connection = 1;
+};
+
+std::shared_ptr<grpc::Channel> NewChannel(const std::string& address) {
+  grpc::ChannelArguments args;
+  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection of its own, as separate hosts have
+  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);             // as the agent's channel to the coordinator
+  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+}
+
+int RunOne(const Options& o, int n) {
+  TempDir dir;
+  Subprocess coordinator({o.ltrain, "coordinator", "--listen", "127.0.0.1:0", "--port-file", dir.Join("port"),
+                          "--state-dir", dir.Join("state"), "--node-timeout", std::to_string(o.node_timeout_s),
+                          "--log-level", "warning"});
+  const int port = testing::WaitForPortFile(dir.Join("port"), std::chrono::seconds(20));
+  if (port == 0) {
+    std::fprintf(stderr, "the coordinator did not start:\n%s\n", coordinator.Output().c_str());
+    return 1;
+  }
+  const std::string address = "127.0.0.1:" + std::to_string(port);
+  const ProcessFigures idle = ReadProcess(coordinator.pid());
+
+  // Registration: every agent connects at once, as after a cluster-wide restart, and heartbeats from
+  // the moment it is registered: each every heartbeat_ms, spread evenly over the interval.
+  std::vector<std::unique_ptr<Agent>> agents;
+  agents.reserve(n);
+  std::shared_ptr<grpc::Channel> channel;
+  for (int i = 0; i < n; ++i) {
+    if (i % o.agents_per_connection == 0) channel = NewChannel(address);
+    agents.push_back(std::make_unique<Agent>("node-" + std::to_string(i), channel));
+  }
+  std::mutex mu;
+  std::condition_variable cv;
+  int registered = 0;
+  Latencies latencies;
+  std::atomic<int64_t> failed{0}, in_flight{0}, sent_measured{0};
+  std::atomic<bool> measuring{false}, quiet0{false}, stop{false};
+  const auto t0 = Clock::now();
+  std::thread ticker([&] {
+    const double per_ms = static_cast<double>(n) / o.heartbeat_ms;
+    int64_t sent = 0;
+    while (!stop) {
+      const int64_t due = static_cast<int64_t>(MsSince(t0) * per_ms);
+      for (; sent < due; ++sent) {
+        Agent* a = agents[static_cast<size_t>(sent % n)].get();
+        if (!a->registered() || (a == agents[0].get() && quiet0)) continue;
+        const bool measured = measuring;
+        if (measured) ++sent_measured;
+        ++in_flight;
+        a->Heartbeat([&, measured](double ms) {
+          if (measured && ms < 0) ++failed;
+          if (measured && ms >= 0) latencies.Add(ms);
+          --in_flight;
+        });
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+  });
+  for (auto& agent : agents) {
+    agent->Register([&](Agent*) {
+      std::lock_guard<std::mutex> lock(mu);
+      ++registered;
+      cv.notify_all();
+    });
+  }
+  {
+    std::unique_lock<std::mutex> lock(mu);
+    cv.wait_for(lock, std::chrono::seconds(300), [&] { return registered == n; });
+  }
+  const double register_all_ms = MsSince(t0);
+  std::vector<double> reg;
+  for (const auto& a : agents) {
+    if (a->registered()) reg.push_back(a->registration_ms());
+  }
+  std::sort(reg.begin(), reg.end());
+  std::printf("agents %d (%d a connection): registered %d of %d in %.0f ms (each: p50 %.1f ms, p99 %.1f ms)\n", n, o.agents_per_connection, registered, n,
+              register_all_ms, Percentile(reg, 0.5), Percentile(reg, 0.99));
+  std::fflush(stdout);
+
+  // The window: every agent heartbeats; agent 0 goes quiet a third of the way through, for the
+  // lost-node figure.
+  const auto window = std::chrono::milliseconds(static_cast<int64_t>(o.seconds * 1000));
+  std::this_thread::sleep_for(std::chrono::milliseconds(o.heartbeat_ms));  // one round at full rate
+  const ProcessFigures before = ReadProcess(coordinator.pid());
+  const auto start = Clock::now();
+  measuring = true;
+  // Lost node: agent 0 goes quiet at a third of the window; ListNodes says when it is lost.
+  std::this_thread::sleep_for(window / 3);
+  auto jobs = v1::JobService::NewStub(NewChannel(address));
+  quiet0 = true;
+  const auto quiet_at = Clock::now();
+  double lost_ms = -1;
+  while (Clock::now() - start < window) {
+    grpc::ClientContext context;
+    v1::ListNodesRequest request;
+    v1::ListNodesReply reply;
+    if (jobs->ListNodes(&context, request, &reply).ok()) {
+      for (const v1::NodeStatus& node : reply.nodes()) {
+        if (node.node_id() == "node-0" && !node.connected()) lost_ms = MsSince(quiet_at);
+      }
+    }
+    if (lost_ms >= 0) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  while (Clock::now() - start < window) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  measuring = false;
+  const double window_s = MsSince(start) / 1000.0;
+  stop = true;
+  ticker.join();
+  for (int i = 0; i < 400 && in_flight > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  const ProcessFigures after = ReadProcess(coordinator.pid());
+  const std::vector<double> sorted = latencies.Sorted();
+  std::printf("agents %d: heartbeats %zu answered of %lld sent in %.1f s (%.0f/s), failed %lld; latency p50 %.2f ms, "
+              "p99 %.2f ms, max %.1f ms\n",
+              n, sorted.size(), static_cast<long long>(sent_measured.load()), window_s,
+              static_cast<double>(sorted.size()) / window_s, static_cast<long long>(failed.load()), Percentile(sorted, 0.5), Percentile(sorted, 0.99),
+              sorted.empty() ? 0.0 : sorted.back());
+  std::printf("agents %d: coordinator CPU %.0f%% of a core, memory %.1f MB (%.1f MB before the agents), "
+              "threads %d\n",
+              n, 100.0 * (after.cpu_s - before.cpu_s) / window_s, static_cast<double>(after.rss_kb) / 1024.0,
+              static_cast<double>(idle.rss_kb) / 1024.0, after.threads);
+  std::printf("agents %d: a node whose heartbeats stopped was lost after %.2f s (node timeout %.1f s)\n", n,
+              lost_ms / 1000.0, o.node_timeout_s);
+  std::fflush(stdout);
+
+  for (auto& a : agents) a->Close();
+  agents.clear();
+  std::this_thread::sleep_for(std::chrono::seconds(12));  // the coordinator trims its heap every 10 s
+  const ProcessFigures left = ReadProcess(coordinator.pid());
+  std::printf("agents %d: after they left, coordinator memory %.1f MB, threads %d\n", n,
+              static_cast<double>(left.rss_kb) / 1024.0, left.threads);
+  std::fflush(stdout);
+  coordinator.Signal(SIGTERM);
+  coordinator.Wait(std::chrono::seconds(20));
+  return 0;
+}
+
+}  // namespace
+}  // namespace ltrain::bench
+
+int main(int argc, char** argv) {
+  ltrain::bench::Options o;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i], value = argv[i + 1];
+    if (flag == "--ltrain") {
+      o.ltrain = value;
+    } else if (flag == "--agents") {
+      o.agents.clear();
+      std::istringstream list(value);
+      for (std::string n; std::getline(list, n, ',');) o.agents.push_back(std::stoi(n));
+    } else if (flag == "--seconds") {
+      o.seconds = std::stod(value);
+    } else if (flag == "--heartbeat-ms") {
+      o.heartbeat_ms = std::stoi(value);
+    } else if (flag == "--agents-per-connection") {
+      o.agents_per_connection = std::max(1, std::stoi(value));
+    } else if (flag == "--node-timeout") {
+      o.node_timeout_s = std::stod(value);
+    } else {
+      std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
+      return 2;
+    }
+  }
+  if (o.ltrain.empty()) {
+    std::fprintf(stderr,
+                 "usage: scale_bench --ltrain PATH [--agents N[,N...]] [--seconds S] [--heartbeat-ms MS] "
+                 "[--node-timeout S] [--agents-per-connection K]\n");
+    return 2;
+  }
+  // Every agent holds a connection, and so does the coordinator: raise the open-file limit to the hard one.
+  rlimit files{};
+  if (::getrlimit(RLIMIT_NOFILE, &files) == 0) {
+    files.rlim_cur = files.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &files);
+    std::printf("open files: up to %llu\n", static_cast<unsigned long long>(files.rlim_cur));
+  }
+  for (int n : o.agents) {
+    if (int rc = ltrain::bench::RunOne(o, n); rc != 0) return rc;
+  }
+  return 0;
+}
