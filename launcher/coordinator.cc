@@ -916,9 +916,56 @@ size_t Coordinator::KvSize() const {
 }
 
 void Coordinator::KvSet(const std::string& key, const std::string& value) {
-  std::lock_guard<std::mutex> lock(mu_);
-  kv_[key] = value;
-  cv_.notify_all();
+  std::vector<std::pair<std::shared_ptr<KvWaiter>, std::vector<std::string>>> ready;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    kv_[key] = value;
+    WakeKvWaitersLocked(key, &ready);
+    cv_.notify_all();
+  }
+  for (auto& [waiter, values] : ready) waiter->done(std::move(values));
+}
+
+void Coordinator::WakeKvWaitersLocked(
+    const std::string& key, std::vector<std::pair<std::shared_ptr<KvWaiter>, std::vector<std::string>>>* ready) {
+  auto [begin, end] = kv_waiters_.equal_range(key);
+  std::vector<std::shared_ptr<KvWaiter>> woken;
+  for (auto it = begin; it != end; ++it) woken.push_back(it->second);
+  kv_waiters_.erase(begin, end);
+  for (auto& waiter : woken) {
+    auto missing = std::find_if(waiter->keys.begin(), waiter->keys.end(),
+                                [&](const std::string& k) { return kv_.count(k) == 0; });
+    if (missing != waiter->keys.end()) {
+      kv_waiters_.emplace(*missing, waiter);
+      continue;
+    }
+    std::vector<std::string> values;
+    values.reserve(waiter->keys.size());
+    for (const auto& k : waiter->keys) values.push_back(kv_[k]);
+    ready->emplace_back(waiter, std::move(values));
+  }
+}
+
+void Coordinator::KvGetAsync(std::vector<std::string> keys, int64_t timeout_ms, KvDone done) {
+  std::optional<std::vector<std::string>> now;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!shutting_down_) {
+      auto missing = std::find_if(keys.begin(), keys.end(), [&](const std::string& k) { return kv_.count(k) == 0; });
+      if (missing != keys.end()) {
+        auto waiter = std::make_shared<KvWaiter>();
+        waiter->deadline_ms = clock_->SteadyMs() + BoundedWaitMs(timeout_ms);
+        waiter->done = std::move(done);
+        const std::string first = *missing;
+        waiter->keys = std::move(keys);
+        kv_waiters_.emplace(first, std::move(waiter));
+        return;
+      }
+      now.emplace();
+      for (const auto& k : keys) now->push_back(kv_[k]);
+    }
+  }
+  done(std::move(now));
 }
 
 std::optional<std::vector<std::string>> Coordinator::KvGet(const std::vector<std::string>& keys, int64_t timeout_ms) {
@@ -1011,6 +1058,7 @@ void Coordinator::CheckHangLocked(ActiveJob& job, int64_t now) {
 
 void Coordinator::Tick() {
   writer_.Retry();
+  ExpireKvWaiters();
   std::lock_guard<std::mutex> lock(mu_);
   SweepLocked();
   int64_t now = clock_->SteadyMs();
@@ -1120,10 +1168,30 @@ void Coordinator::SweepLocked() {
   });
 }
 
+void Coordinator::ExpireKvWaiters() {
+  std::vector<std::shared_ptr<KvWaiter>> expired;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t now = clock_->SteadyMs();
+    for (auto it = kv_waiters_.begin(); it != kv_waiters_.end();) {
+      if (shutting_down_ || now >= it->second->deadline_ms) {
+        expired.push_back(it->second);
+        it = kv_waiters_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  }
+  for (auto& waiter : expired) waiter->done(std::nullopt);
+}
+
 void Coordinator::Shutdown() {
-  std::lock_guard<std::mutex> lock(mu_);
-  shutting_down_ = true;
-  cv_.notify_all();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    shutting_down_ = true;
+    cv_.notify_all();
+  }
+  ExpireKvWaiters();
 }
 
 bool Coordinator::shutting_down() const {

@@ -23,6 +23,7 @@
 #include <functional>
 #include <deque>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <set>
@@ -129,6 +130,11 @@ class Coordinator {
 
   // RendezvousService.
   void KvSet(const std::string& key, const std::string& value);
+  // KvGet without a waiting thread: `done` gets the values once every key is set (at once when they
+  // are), or nullopt after `timeout_ms` (bounded as KvGet's) or at shutdown; it runs without the
+  // coordinator's lock, on the thread that set the last key, ticked, or called.
+  using KvDone = std::function<void(std::optional<std::vector<std::string>>)>;
+  void KvGetAsync(std::vector<std::string> keys, int64_t timeout_ms, KvDone done);
   std::optional<std::vector<std::string>> KvGet(const std::vector<std::string>& keys, int64_t timeout_ms);
   // Keys held: a job's are freed when it ends, an older generation's when a newer one starts.
   size_t KvSize() const;
@@ -233,6 +239,17 @@ class Coordinator {
   std::map<std::string, ActiveJob> jobs_;
   std::vector<std::string> pending_;  // job ids waiting for nodes, oldest first
   std::map<std::string, std::string> kv_;
+  // KvGetAsync's waiters, each under the first of its keys not yet set.
+  struct KvWaiter {
+    std::vector<std::string> keys;
+    int64_t deadline_ms = 0;  // steady clock
+    KvDone done;
+  };
+  std::multimap<std::string, std::shared_ptr<KvWaiter>> kv_waiters_;
+  // The waiters of `key` that KvSet completed (values filled) or moved under their next missing key.
+  void ExpireKvWaiters();  // the waiters past their deadline (all at shutdown) get nullopt
+  void WakeKvWaitersLocked(const std::string& key,
+                           std::vector<std::pair<std::shared_ptr<KvWaiter>, std::vector<std::string>>>* ready);
   int64_t next_sweep_unix_ms_ = 0;
   // Last: its destructor applies the writes still queued, which need nothing else of this class.
   mutable StateWriter writer_;

@@ -264,28 +264,44 @@ class AgentServiceImpl final : public v1::AgentService::CallbackService {
   std::string token_;
 };
 
-class RendezvousServiceImpl final : public v1::RendezvousService::Service {
+// The workers' key-value rendezvous on gRPC's callback API: a Get waiting for keys holds no thread,
+// so that thousands of ranks can wait for one key at once.
+class RendezvousServiceImpl final : public v1::RendezvousService::CallbackService {
  public:
   RendezvousServiceImpl(Coordinator* coordinator, std::string token) : coordinator_(coordinator), token_(std::move(token)) {}
 
-  grpc::Status Set(grpc::ServerContext* context, const v1::KvSetRequest* request, v1::KvSetReply*) override {
-    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
+  grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* context, const v1::KvSetRequest* request,
+                                v1::KvSetReply*) override {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) {
+      reactor->Finish(denied);
+      return reactor;
+    }
     coordinator_->KvSet(request->key(), request->value());
-    return grpc::Status::OK;
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
   }
 
-  grpc::Status Get(grpc::ServerContext* context, const v1::KvGetRequest* request, v1::KvGetReply* reply) override {
-    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
-    std::vector<std::string> keys(request->keys().begin(), request->keys().end());
-    std::optional<std::vector<std::string>> values = coordinator_->KvGet(keys, request->timeout_ms());
-    if (!values) {
-      SetStatus(reply->mutable_status(),
-                Status(StatusCode::kDeadlineExceeded, "rendezvous keys not published within " +
-                                                          std::to_string(request->timeout_ms()) + " ms"));
-      return grpc::Status::OK;
+  grpc::ServerUnaryReactor* Get(grpc::CallbackServerContext* context, const v1::KvGetRequest* request,
+                                v1::KvGetReply* reply) override {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) {
+      reactor->Finish(denied);
+      return reactor;
     }
-    for (auto& value : *values) reply->add_values(std::move(value));
-    return grpc::Status::OK;
+    const int64_t timeout_ms = request->timeout_ms();
+    coordinator_->KvGetAsync({request->keys().begin(), request->keys().end()}, timeout_ms,
+                             [reactor, reply, timeout_ms](std::optional<std::vector<std::string>> values) {
+                               if (!values) {
+                                 SetStatus(reply->mutable_status(),
+                                           Status(StatusCode::kDeadlineExceeded, "rendezvous keys not published within " +
+                                                                                     std::to_string(timeout_ms) + " ms"));
+                               } else {
+                                 for (auto& value : *values) reply->add_values(std::move(value));
+                               }
+                               reactor->Finish(grpc::Status::OK);
+                             });
+    return reactor;
   }
 
  private:

@@ -103,7 +103,40 @@ double Percentile(const std::vector<double>& sorted, double p) {
 class Agent : public grpc::ClientReadReactor<v1::Command> {
  public:
   Agent(std::string node_id, std::shared_ptr<grpc::Channel> channel)
-      : node_id_(std::move(node_id)), stub_(v1::AgentService::NewStub(channel)) {}
+      : node_id_(std::move(node_id)),
+        stub_(v1::AgentService::NewStub(channel)),
+        rendezvous_(v1::RendezvousService::NewStub(channel)) {}
+
+  // Called with every start command (on a gRPC thread).
+  void OnStart(std::function<void(Agent*, const v1::StartJobCommand&)> on_start) { on_start_ = std::move(on_start); }
+
+  // The NCCL-style rendezvous of one rank through the coordinator's key-value store: global rank 0
+  // publishes the communicator's id, every rank waits for it. `done` gets the latency or -1.
+  void Rendezvous(const std::string& scope, int rank, std::function<void(double)> done) {
+    struct Call {
+      grpc::ClientContext set_context, get_context;
+      v1::KvSetRequest set;
+      v1::KvSetReply set_reply;
+      v1::KvGetRequest get;
+      v1::KvGetReply get_reply;
+      Clock::time_point start = Clock::now();
+    };
+    auto call = std::make_shared<Call>();
+    if (rank == 0) {
+      call->set.set_key(scope + "nccl_id");
+      call->set.set_value(std::string(128, 'x'));
+      rendezvous_->async()->Set(&call->set_context, &call->set, &call->set_reply, [call](grpc::Status) {});
+    }
+    call->get.add_keys(scope + "nccl_id");
+    call->get.set_timeout_ms(60000);
+    call->get_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(90));
+    rendezvous_->async()->Get(&call->get_context, &call->get, &call->get_reply,
+                              [call, done = std::move(done)](grpc::Status status) {
+                                const bool ok = status.ok() && call->get_reply.status().code() == 0 &&
+                                                call->get_reply.values_size() == 1;
+                                done(ok ? MsSince(call->start) : -1.0);
+                              });
+  }
 
   void Register(std::function<void(Agent*)> on_registered) {
     on_registered_ = std::move(on_registered);
@@ -128,6 +161,7 @@ class Agent : public grpc::ClientReadReactor<v1::Command> {
       registration_ms_ = MsSince(started_);
       if (on_registered_) on_registered_(this);
     }
+    if (command_.has_start() && on_start_) on_start_(this, command_.start());
     StartRead(&command_);
   }
   void OnDone(const grpc::Status& status) override {
@@ -168,6 +202,8 @@ class Agent : public grpc::ClientReadReactor<v1::Command> {
  private:
   std::string node_id_;
   std::unique_ptr<v1::AgentService::Stub> stub_;
+  std::unique_ptr<v1::RendezvousService::Stub> rendezvous_;
+  std::function<void(Agent*, const v1::StartJobCommand&)> on_start_;
   grpc::ClientContext context_;
   v1::RegisterRequest request_;
   v1::Command command_;
@@ -314,6 +350,62 @@ int RunOne(const Options& o, int n) {
   std::printf("agents %d: a node whose heartbeats stopped was lost after %.2f s (node timeout %.1f s)\n", n,
               lost_ms / 1000.0, o.node_timeout_s);
   std::fflush(stdout);
+
+  // A job of N x 8 ranks: submitted, placed (every agent has its start command), and every rank
+  // through the rendezvous. Agent 0 is lost by now; the job runs on the others.
+  {
+    std::mutex job_mu;
+    std::condition_variable job_cv;
+    int started = 0, met = 0, rdzv_failed = 0;
+    Clock::time_point all_started;
+    Latencies rdzv;
+    const int nodes = n - 1;
+    const auto submitted = Clock::now();
+    for (auto& a : agents) {
+      a->OnStart([&](Agent* agent, const v1::StartJobCommand& start) {
+        {
+          std::lock_guard<std::mutex> lock(job_mu);
+          if (++started == nodes) all_started = Clock::now();
+        }
+        for (const v1::WorkerAssignment& w : start.workers()) {
+          agent->Rendezvous(start.rendezvous_scope(), w.rank(), [&](double ms) {
+            std::lock_guard<std::mutex> lock(job_mu);
+            if (ms < 0) ++rdzv_failed;
+            if (ms >= 0) rdzv.Add(ms);
+            ++met;
+            job_cv.notify_all();
+          });
+        }
+      });
+    }
+    grpc::ClientContext context;
+    v1::SubmitJobRequest request;
+    v1::SubmitJobReply reply;
+    request.set_source_name("scale.yaml");
+    request.set_recipe_yaml("name: scale\nmodel: {layers: 2, d_model: 64, heads: 2, seq_len: 32}\n"
+                            "data: {path: /nonexistent}\n"
+                            "training: {steps: 10, micro_batch: 1, global_batch: " + std::to_string(8 * nodes) + "}\n"
+                            "parallel: {nodes: " + std::to_string(nodes) + ", nproc_per_node: 8}\n"
+                            "checkpoint: {enabled: false}\n");
+    const grpc::Status submit = jobs->SubmitJob(&context, request, &reply);
+    if (!submit.ok() || reply.status().code() != 0) {
+      std::printf("agents %d: the job was not submitted: %s %s\n", n, submit.error_message().c_str(),
+                  reply.status().message().c_str());
+    } else {
+      std::unique_lock<std::mutex> lock(job_mu);
+      const bool all = job_cv.wait_for(lock, std::chrono::seconds(120), [&] { return met == nodes * 8; });
+      const double rendezvous_ms = MsSince(submitted);
+      const std::vector<double> sorted_rdzv = rdzv.Sorted();
+      std::printf("agents %d: a job of %d ranks: placed on %d nodes in %.0f ms, every rank through the rendezvous in "
+                  "%.0f ms%s (a rank's wait: p50 %.1f ms, p99 %.1f ms; failed %d)\n",
+                  n, nodes * 8, started,
+                  started == nodes ? std::chrono::duration<double, std::milli>(all_started - submitted).count() : -1.0,
+                  rendezvous_ms, all ? "" : " (not all: timed out)", Percentile(sorted_rdzv, 0.5),
+                  Percentile(sorted_rdzv, 0.99), rdzv_failed);
+    }
+    std::fflush(stdout);
+    for (auto& a : agents) a->OnStart(nullptr);
+  }
 
   for (auto& a : agents) a->Close();
   agents.clear();

@@ -216,6 +216,31 @@ TEST_F(CoordinatorTest, ManyNodesSilentAtOnceGetThreeTimeoutsAFewGetOne) {
   EXPECT_EQ(connected(), 3);
 }
 
+// A rendezvous Get that waits holds no thread: it is answered when its last key is set, or with
+// nothing once its timeout has passed at a tick.
+TEST_F(CoordinatorTest, AsyncKeyValueGetIsAnsweredWhenItsKeysAreSetOrItsTimeoutPasses) {
+  std::vector<std::optional<std::vector<std::string>>> answers;
+  auto record = [&](std::optional<std::vector<std::string>> values) { answers.push_back(std::move(values)); };
+  coordinator_->KvGetAsync({"s/a", "s/b"}, 10000, record);
+  EXPECT_TRUE(answers.empty());
+  coordinator_->KvSet("s/b", "2");
+  EXPECT_TRUE(answers.empty());
+  coordinator_->KvSet("s/a", "1");
+  ASSERT_EQ(answers.size(), 1u);
+  ASSERT_TRUE(answers[0].has_value());
+  EXPECT_EQ(*answers[0], (std::vector<std::string>{"1", "2"}));
+  coordinator_->KvGetAsync({"s/a"}, 10000, record);  // already there: at once
+  ASSERT_EQ(answers.size(), 2u);
+  EXPECT_TRUE(answers[1].has_value());
+  coordinator_->KvGetAsync({"s/never"}, 1000, record);
+  coordinator_->Tick();
+  EXPECT_EQ(answers.size(), 2u);
+  clock_.AdvanceMs(1500);
+  coordinator_->Tick();
+  ASSERT_EQ(answers.size(), 3u);
+  EXPECT_FALSE(answers[2].has_value());
+}
+
 TEST_F(CoordinatorTest, JobsHeartbeatSettingsTightenNodeLoss) {
   Connect("a");
   Connect("b");
