@@ -211,6 +211,8 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
                   [id = job.job.id()](StateStore& store) { return store.ClearRanks(id); });
   std::string recipe_yaml = RecipeToYaml(recipe);
   int nproc = recipe.parallel.nproc_per_node;
+  const std::string scope = job.job.id() + "/" + std::to_string(generation) + "/";
+  FreeKeysLocked(job.job.id(), scope);  // older generations' addresses and ids
   std::string placement;
   for (int i = 0; i < count; ++i) {
     NodeState& node = nodes_[nodes[i]];
@@ -222,8 +224,7 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
     start->set_recipe_yaml(recipe_yaml);
     start->set_world_size(recipe.parallel.world_size());
     start->set_local_world_size(nproc);
-    start->set_rendezvous_scope(job.job.id() + "/" + std::to_string(generation) + "/");
-  FreeKeysLocked(job.job.id(), start->rendezvous_scope());  // older generations' addresses and ids
+    start->set_rendezvous_scope(scope);
     start->set_checkpoint_dir(recipe.checkpoint.dir);
     start->set_heartbeat_interval_ms(static_cast<int64_t>(recipe.fault.heartbeat_interval_s * 1000));
     // Every new generation restarts the program: after a failure, a resume or a change of nodes.
