@@ -577,6 +577,7 @@ int64_t Coordinator::NodeConnected(const std::string& node_id, const v1::NodeFac
   node.facts = facts;
   node.connected = true;
   node.token = next_token_++;
+  node.lost_ms = -1;
   node.last_heartbeat_ms = clock_->SteadyMs();
   node.deliver = std::move(deliver);
   if (node.deliver) {
@@ -636,6 +637,7 @@ void Coordinator::LoseNodeLocked(const std::string& node_id, const std::string& 
   auto found = nodes_.find(node_id);
   if (found == nodes_.end()) return;
   found->second.connected = false;
+  found->second.lost_ms = clock_->SteadyMs();
   found->second.recovered = false;
   found->second.commands.clear();
   std::set<std::string> running = found->second.jobs;
@@ -1103,6 +1105,12 @@ void Coordinator::Tick() {
   }
   mass_silence_reported_ = deferred > 0;
   for (const auto& [id, reason] : lost) LoseNodeLocked(id, reason);
+  for (auto it = nodes_.begin(); it != nodes_.end();) {
+    const NodeState& node = it->second;
+    const bool forget = !node.connected && !node.recovered && node.jobs.empty() && node.lost_ms >= 0 &&
+                        now - node.lost_ms >= options_.forget_lost_nodes_ms;
+    it = forget ? nodes_.erase(it) : std::next(it);
+  }
 
   for (auto& [id, job] : jobs_) {
     if (job.job.state() == v1::JOB_STATE_RUNNING) {

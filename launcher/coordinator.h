@@ -76,6 +76,9 @@ struct CoordinatorOptions {
   int64_t retain_ms = 30LL * 24 * 3600 * 1000;
   // A job that ended is dropped from memory this long after (its record stays in the state).
   int64_t keep_finished_in_memory_ms = 10 * 60 * 1000;
+  // A node lost or gone this long, with nothing of it left to wait for, leaves `ltrain nodes` and
+  // memory (its record stays in the state), so that nodes that come and go do not add up.
+  int64_t forget_lost_nodes_ms = 3600 * 1000;
 };
 
 class Coordinator {
@@ -153,6 +156,7 @@ class Coordinator {
   struct NodeState {
     v1::NodeFacts facts;
     bool connected = false;
+    int64_t lost_ms = -1;          // steady clock: when it was lost or left; -1 while it is not
     int64_t token = 0;
     int64_t last_heartbeat_ms = 0;
     bool recovered = false;        // known from the state of an earlier coordinator, not yet back

@@ -241,6 +241,27 @@ TEST_F(CoordinatorTest, AsyncKeyValueGetIsAnsweredWhenItsKeysAreSetOrItsTimeoutP
   EXPECT_FALSE(answers[2].has_value());
 }
 
+// Nodes that come and go do not add up: an hour after it was lost, a node with nothing left to wait
+// for leaves the list (and memory); one that came back stays.
+TEST_F(CoordinatorTest, ALostNodeIsForgottenAfterAnHour) {
+  Connect("a");
+  Connect("b");
+  clock_.AdvanceMs(3500);
+  ASSERT_TRUE(coordinator_->Heartbeat(Beat("b")).ok());
+  coordinator_->Tick();  // a lost
+  ASSERT_EQ(coordinator_->ListNodes().size(), 2u);
+  clock_.AdvanceMs(1800 * 1000);
+  Connect("b");  // b stays connected throughout (a reconnect counts as a heartbeat)
+  coordinator_->Tick();
+  EXPECT_EQ(coordinator_->ListNodes().size(), 2u);
+  clock_.AdvanceMs(1800 * 1000);
+  Connect("b");
+  coordinator_->Tick();
+  std::vector<v1::NodeStatus> nodes = coordinator_->ListNodes();
+  ASSERT_EQ(nodes.size(), 1u);
+  EXPECT_EQ(nodes[0].node_id(), "b");
+}
+
 TEST_F(CoordinatorTest, JobsHeartbeatSettingsTightenNodeLoss) {
   Connect("a");
   Connect("b");
