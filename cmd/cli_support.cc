@@ -77,7 +77,10 @@ Status LoadClientConfig(const std::string& home) {
 }
 
 CLI::Option* AddCoordinatorOption(CLI::App* command, std::string* coordinator, const std::string& help) {
-  return command->add_option("--coordinator", *coordinator, help)->envname("LTRAIN_COORDINATOR");
+  return command
+      ->add_option("--coordinator", *coordinator,
+                   help + "; several coordinators on one etcd state: HOST:PORT,HOST:PORT,... (the leader is found)")
+      ->envname("LTRAIN_COORDINATOR");
 }
 
 CLI::Option* AddOutputOption(CLI::App* command, std::string* output, const std::string& human) {

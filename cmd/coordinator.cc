@@ -1,5 +1,10 @@
 // ltrain coordinator: the coordinator daemon, or --init-tls to write the files it and its clients need.
+#include <unistd.h>
+
+#include <condition_variable>
 #include <cstdio>
+#include <mutex>
+#include <thread>
 #include <filesystem>
 #include <fstream>
 #include <memory>
@@ -8,6 +13,9 @@
 #include "cmd/commands.h"
 #include "common/logging.h"
 #include "launcher/coordinator_server.h"
+#include "launcher/etcd_client.h"
+#include "launcher/etcd_state_store.h"
+#include "launcher/leader_election.h"
 
 namespace ltrain::cli {
 namespace {
@@ -17,6 +25,7 @@ namespace fs = std::filesystem;
 struct CoordinatorArgs {
   std::string listen = "127.0.0.1:7070";
   std::string state_dir;
+  std::string state;  // empty: SQLite under state_dir; etcd://...: an etcd cluster
   std::string port_file;
   std::string http_listen;
   std::string http_port_file;
@@ -43,6 +52,18 @@ int InitTlsFiles(const std::string& dir, const std::vector<std::string>& hosts) 
   return kExitOk;
 }
 
+// The address standbys and users are told a leader listens on: HOST:PORT as given, a wildcard
+// host replaced by this machine's name.
+std::string AdvertisedAddress(const std::string& listen, int port) {
+  std::string host = listen.substr(0, listen.rfind(':'));
+  if (host == "0.0.0.0" || host == "[::]" || host.empty()) {
+    char name[256] = {0};
+    gethostname(name, sizeof(name) - 1);
+    host = name;
+  }
+  return host + ":" + std::to_string(port);
+}
+
 int RunCoordinator(const CoordinatorArgs& args, const SecurityMaterial& security) {
   std::string state_dir = args.state_dir.empty() ? LtrainHome() : args.state_dir;
   InterruptWatcher interrupts;
@@ -63,7 +84,87 @@ int RunCoordinator(const CoordinatorArgs& args, const SecurityMaterial& security
                                           << " without TLS: the token travels in clear text; see --init-tls";
     }
   }
-  StatusOr<std::unique_ptr<launcher::CoordinatorServer>> server = launcher::CoordinatorServer::Start(options);
+
+  // What ends this run: a signal (while standing by it ends the campaign), or the lead lost.
+  struct Lifecycle {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool stopping = false;
+    bool lost = false;
+    bool serving = false;
+    launcher::LeaderElection* election = nullptr;
+    // A leader that lost its lease stops serving at once: another coordinator leads by now, and the
+    // fence already refuses this one's writes. Started again, it stands by.
+    void StepDown(const std::string& why) {
+      std::lock_guard<std::mutex> lock(mu);
+      if (lost) return;
+      lost = true;
+      LTRAIN_LOG(kError, "coordinator") << "stepping down: " << why;
+      cv.notify_all();
+    }
+  };
+  Lifecycle life;
+  interrupts.Start([&life](int) {
+    std::lock_guard<std::mutex> lock(life.mu);
+    life.stopping = true;
+    if (!life.serving && life.election) life.election->Cancel();
+    life.cv.notify_all();
+  });
+
+  // With etcd: the state there, and the lead taken before listening, so that clients given every
+  // coordinator's address reach the leader alone (a standby does not listen).
+  std::unique_ptr<launcher::StateStore> store;
+  std::unique_ptr<launcher::LeaderElection> election;
+  std::string state_name = state_dir + "/state.db";
+  if (!args.state.empty()) {
+    StatusOr<launcher::EtcdUrl> url = launcher::ParseEtcdUrl(args.state);
+    if (!url.ok()) {
+      std::fprintf(stderr, "ltrain coordinator: --state: %s\n", url.status().message().c_str());
+      return kExitInvalid;
+    }
+    const int port = std::atoi(args.listen.substr(args.listen.rfind(':') + 1).c_str());
+    if (port == 0) {
+      std::fprintf(stderr, "ltrain coordinator: with --state etcd://... give --listen a fixed port: agents and the "
+                           "CLI are given every coordinator's HOST:PORT and reach whichever leads\n");
+      return kExitInvalid;
+    }
+    StatusOr<std::unique_ptr<launcher::EtcdClient>> client = launcher::EtcdClient::Connect(url->endpoints);
+    if (!client.ok()) {
+      std::fprintf(stderr, "ltrain coordinator: %s\n", client.status().message().c_str());
+      return kExitUnavailable;
+    }
+    std::shared_ptr<launcher::EtcdClient> shared = std::move(client).value();
+    auto etcd_store = std::make_unique<launcher::EtcdStateStore>(shared, url->prefix);
+    launcher::LeaderElectionOptions election_options;
+    election_options.key = url->prefix + "/leader";
+    election_options.value = AdvertisedAddress(args.listen, port);
+    election = std::make_unique<launcher::LeaderElection>(shared, election_options);
+    {
+      std::lock_guard<std::mutex> lock(life.mu);
+      if (life.stopping) return kExitOk;
+      life.election = election.get();
+    }
+    LTRAIN_LOG(kInfo, "coordinator") << "state in " << args.state << "; campaigning to lead as "
+                                     << election_options.value;
+    StatusOr<int64_t> fence = election->Campaign([](const std::string& leader) {
+      LTRAIN_LOG(kInfo, "coordinator") << "standing by: " << leader << " leads";
+    });
+    if (!fence.ok()) {
+      // Stopped while standing by: nothing was served, nothing to hand over.
+      LTRAIN_LOG(kInfo, "coordinator") << "stopped while standing by";
+      return kExitOk;
+    }
+    LTRAIN_LOG(kInfo, "coordinator") << "leading as " << election_options.value;
+    election->OnLost([&life](const std::string& why) { life.StepDown(why); });
+    etcd_store->SetFence(election_options.key, *fence, [&life](const std::string& why) { life.StepDown(why); });
+    store = std::move(etcd_store);
+    state_name = args.state;
+    options.show_events_once_stored = true;
+    options.state_name = args.state;
+  }
+
+  StatusOr<std::unique_ptr<launcher::CoordinatorServer>> server =
+      launcher::CoordinatorServer::Start(options, std::move(store));
   if (!server.ok()) {
     std::fprintf(stderr, "ltrain coordinator: %s\n", server.status().message().c_str());
     return kExitUnavailable;
@@ -71,7 +172,7 @@ int RunCoordinator(const CoordinatorArgs& args, const SecurityMaterial& security
   // The address it listens on (0.0.0.0 stays 0.0.0.0), with the port it got.
   const std::string host = args.listen.substr(0, args.listen.rfind(':'));
   LTRAIN_LOG(kInfo, "coordinator") << "listening on " << host << ":" << (*server)->port() << ", state in "
-                                   << state_dir;
+                                   << state_name;
   // Written aside and renamed, so that whoever waits for the file never reads half a port.
   auto write_port = [](const std::string& path, int port) {
     if (path.empty()) return;
@@ -87,10 +188,15 @@ int RunCoordinator(const CoordinatorArgs& args, const SecurityMaterial& security
     write_port(args.http_port_file, (*server)->http_port());
   }
   write_port(args.port_file, (*server)->port());
-  launcher::CoordinatorServer* raw = server->get();
-  interrupts.Start([raw](int) { raw->Shutdown(); });
-  raw->Wait();
-  raw->Shutdown();
+  {
+    std::unique_lock<std::mutex> lock(life.mu);
+    life.serving = true;
+    life.cv.wait(lock, [&life] { return life.stopping || life.lost; });
+  }
+  (*server)->Shutdown();
+  if (life.lost) return kExitUnavailable;
+  // A standby leads at once rather than after the lease's TTL.
+  if (election) election->Resign();
   return kExitOk;
 }
 
@@ -101,6 +207,11 @@ void AddCoordinatorCommand(CLI::App& app, CommandContext& ctx) {
   CLI::App* cmd = app.add_subcommand("coordinator", "Run the coordinator daemon");
   cmd->add_option("--listen", args->listen, "HOST:PORT to serve on; port 0 picks a free one")->capture_default_str();
   cmd->add_option("--state-dir", args->state_dir, "Directory of state.db and default checkpoints ($LTRAIN_HOME)");
+  cmd->add_option("--state", args->state,
+                  "Keep jobs, nodes and commits in an etcd cluster instead of state.db: "
+                  "etcd://HOST:PORT[,HOST:PORT...][/PREFIX]. Several coordinators on one such state elect a leader; "
+                  "the others stand by and take over within seconds when it dies. Give each a fixed --listen port "
+                  "and give agents and the CLI every coordinator's address: --coordinator HOST:PORT,HOST:PORT");
   cmd->add_option("--port-file", args->port_file, "Write the chosen port here once listening");
   cmd->add_option("--http-listen", args->http_listen,
                   "HOST:PORT to serve GET /metrics on (Prometheus' text format), with the RPCs' token when one is "

@@ -1,6 +1,7 @@
 #include "common/transport_security.h"
 
 #include <fcntl.h>
+#include <arpa/inet.h>
 #include <netdb.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -14,6 +15,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <vector>
 
 #include <grpcpp/support/client_interceptor.h>
 
@@ -123,8 +125,20 @@ StatusOr<SecurityMaterial> LoadSecurity(SecurityOptions options) {
 
 namespace {
 
+std::vector<std::string> SplitList(const std::string& text) {
+  std::vector<std::string> parts;
+  size_t start = 0;
+  while (start <= text.size()) {
+    size_t end = text.find(',', start);
+    if (end == std::string::npos) end = text.size();
+    if (end > start) parts.push_back(text.substr(start, end - start));
+    start = end + 1;
+  }
+  return parts;
+}
+
 // "localhost:7070", "127.0.0.1:7070", "[::1]:7070", "unix:/path", "ipv4:127.0.0.1:7070".
-bool IsLoopbackTarget(std::string target) {
+bool IsLoopbackOne(std::string target) {
   if (target.rfind("unix:", 0) == 0) return true;
   for (const char* scheme : {"ipv4:", "ipv6:", "dns:///", "dns:"}) {
     if (target.rfind(scheme, 0) == 0) target = target.substr(std::strlen(scheme));
@@ -140,6 +154,23 @@ bool IsLoopbackTarget(std::string target) {
   return host == "localhost" || host == "::1" || ipv4_loopback;
 }
 
+// Every address of a list is on loopback.
+bool IsLoopbackTarget(const std::string& target) {
+  for (const char* scheme : {"ipv4:", "ipv6:"}) {
+    if (target.rfind(scheme, 0) == 0 && target.find(',') != std::string::npos) {
+      for (const std::string& one : SplitList(target.substr(std::strlen(scheme)))) {
+        if (!IsLoopbackOne(one)) return false;
+      }
+      return true;
+    }
+  }
+  if (target.find(',') == std::string::npos) return IsLoopbackOne(target);
+  for (const std::string& one : SplitList(target)) {
+    if (!IsLoopbackOne(one)) return false;
+  }
+  return true;
+}
+
 }  // namespace
 
 Status CheckTokenTransport(const std::string& target, const SecurityMaterial& security) {
@@ -152,7 +183,57 @@ Status CheckTokenTransport(const std::string& target, const SecurityMaterial& se
                             "(LTRAIN_INSECURE=1) on a network you trust");
 }
 
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const SecurityMaterial& security) {
+StatusOr<std::string> ListTarget(const std::string& target, grpc::ChannelArguments* args) {
+  if (target.find(',') == std::string::npos || target.find(':') == std::string::npos) return target;
+  if (target.rfind("ipv4:", 0) == 0 || target.rfind("ipv6:", 0) == 0) return target;
+  // Every address of every host, IPv4 first; one scheme for all (IPv4 ones mapped when any host
+  // has IPv6 only).
+  std::vector<std::pair<std::string, std::string>> v4, v6;  // address, port
+  for (const std::string& one : SplitList(target)) {
+    size_t colon = one.rfind(':');
+    if (colon == std::string::npos || colon == 0) return InvalidArgument("'" + one + "' in '" + target + "' is not HOST:PORT");
+    std::string host = one.substr(0, colon);
+    const std::string port = one.substr(colon + 1);
+    if (host.size() > 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* found = nullptr;
+    if (int rc = getaddrinfo(host.c_str(), port.c_str(), &hints, &found); rc != 0) {
+      return InvalidArgument("cannot resolve '" + host + "' of '" + target + "': " + gai_strerror(rc));
+    }
+    bool any_v4 = false;
+    std::vector<std::pair<std::string, std::string>> own_v6;
+    for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
+      char text[INET6_ADDRSTRLEN] = {0};
+      if (a->ai_family == AF_INET) {
+        inet_ntop(AF_INET, &reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr, text, sizeof(text));
+        if (!any_v4) v4.emplace_back(text, port);  // one address a host: the first
+        any_v4 = true;
+      } else if (a->ai_family == AF_INET6 && own_v6.empty()) {
+        inet_ntop(AF_INET6, &reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr, text, sizeof(text));
+        own_v6.emplace_back(text, port);
+      }
+    }
+    freeaddrinfo(found);
+    if (!any_v4) v6.insert(v6.end(), own_v6.begin(), own_v6.end());
+  }
+  std::string list;
+  if (v6.empty()) {
+    for (const auto& [address, port] : v4) list += (list.empty() ? "ipv4:" : ",") + address + ":" + port;
+  } else {
+    for (const auto& [address, port] : v4) list += (list.empty() ? "ipv6:" : ",") + ("[::ffff:" + address + "]:") + port;
+    for (const auto& [address, port] : v6) list += (list.empty() ? "ipv6:" : ",") + ("[" + address + "]:") + port;
+  }
+  // The first coordinator names the channel (and is the name a certificate must carry); a dead
+  // one costs a connect of 2 s, and the next is tried soon after a break.
+  args->SetString(GRPC_ARG_DEFAULT_AUTHORITY, SplitList(target).front());
+  args->SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
+  args->SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 2000);
+  args->SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+  return list;
+}
+
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& given, const SecurityMaterial& security) {
   std::shared_ptr<grpc::ChannelCredentials> credentials;
   if (!security.ca_pem.empty()) {
     grpc::SslCredentialsOptions ssl;
@@ -166,6 +247,9 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const Secu
   grpc::ChannelArguments args;
   // Control-plane messages are small and steady: no bandwidth-delay probes (a ping after each).
   args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
+  StatusOr<std::string> listed = ListTarget(given, &args);
+  if (!listed.ok()) LTRAIN_LOG(kError, "rpc") << listed.status().message();
+  const std::string target = listed.ok() ? *listed : given;
   if (Status clear = CheckTokenTransport(target, security); !clear.ok()) {
     LTRAIN_LOG(kError, "tls") << clear.message();
     return grpc::CreateCustomChannel(target, credentials, args);

@@ -43,7 +43,14 @@ StatusOr<SecurityMaterial> LoadSecurity(SecurityOptions options);
 Status CheckTokenTransport(const std::string& target, const SecurityMaterial& security);
 
 // A channel to `target`. A token that CheckTokenTransport refuses is not sent (the refusal is
-// logged, and the server answers UNAUTHENTICATED).
+// logged, and the server answers UNAUTHENTICATED). `target` may list several coordinators,
+// HOST:PORT,HOST:PORT,...: the channel reaches whichever of them listens (the leader; standbys do
+// not listen), and moves to the next leader when the connection to this one breaks. A certificate
+// must then name the first host.
+
+// The gRPC target of a list of HOST:PORT (ipv4: or ipv6: addresses, resolved now), or `target`
+// itself when it is one address. Sets on `args` what a list needs. An unknown host is an error.
+StatusOr<std::string> ListTarget(const std::string& target, grpc::ChannelArguments* args);
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const SecurityMaterial& security);
 // Why a call to `target` that failed with UNAVAILABLE failed when something does accept TCP
 // connections there (checked within a second): the two ends disagree on TLS, said with the fix

@@ -57,9 +57,11 @@ Coordinator::ActiveJob* Coordinator::FindLocked(const std::string& job_id) {
 Status Coordinator::Recover() {
   LTRAIN_ASSIGN_OR_RETURN(std::vector<v1::Job> listed_jobs, store_->ListJobs(0));
   std::vector<v1::Job> jobs;  // the unfinished ones, with their ranks
+  std::map<std::string, std::vector<v1::Event>> histories;  // their events so far
   for (const auto& listed : listed_jobs) {
     if (IsFinal(listed.state())) continue;
     LTRAIN_ASSIGN_OR_RETURN(v1::Job stored, store_->GetJob(listed.id()));
+    LTRAIN_ASSIGN_OR_RETURN(histories[listed.id()], store_->EventsAfter(listed.id(), 0));
     jobs.push_back(std::move(stored));
   }
   std::lock_guard<std::mutex> lock(mu_);
@@ -68,6 +70,12 @@ Status Coordinator::Recover() {
     const v1::Job& listed = stored;
     RecipeParseResult parsed = ParseRecipe(stored.recipe_yaml(), listed.id());
     ActiveJob& job = jobs_[listed.id()];
+    // A follower from the start sees the job's whole history, not only what came after this start.
+    job.events = std::move(histories[listed.id()]);
+    for (const auto& event : job.events) {
+      if (event.seq() > stored_seq_.load()) stored_seq_ = event.seq();
+      next_seq_ = std::max(next_seq_, event.seq() + 1);
+    }
     job.job = stored;
     job.job.clear_ranks();
     if (!parsed.ok()) {
@@ -331,14 +339,25 @@ void Coordinator::AddEventLocked(ActiveJob& job, const std::string& kind, const 
   event.set_rank(rank);
   event.set_state(job.job.state());
   if (kind != "log") {
-    writer_.Enqueue("append an event of " + job.job.id(),
-                    [event](StateStore& store) { return store.AppendEvent(event).status(); });
+    // Once applied, or refused for good (then followers are not held back by it), it may be shown.
+    writer_.Enqueue(
+        "append an event of " + job.job.id(), [event](StateStore& store) { return store.AppendEvent(event).status(); },
+        /*droppable=*/false, [this, seq = event.seq()] { MarkStored(seq); });
     LTRAIN_LOG(kInfo, kLog) << job.job.id() << ": " << message;
   }
   job.events.push_back(std::move(event));
   if (job.events.size() > options_.max_buffered_events) {
     job.events.erase(job.events.begin(), job.events.begin() + job.events.size() / 4);
   }
+  cv_.notify_all();
+}
+
+void Coordinator::MarkStored(int64_t seq) {
+  int64_t stored = stored_seq_.load();
+  while (stored < seq && !stored_seq_.compare_exchange_weak(stored, seq)) {
+  }
+  // Taken and released so that a follower between its look and its wait is waiting by now.
+  { std::lock_guard<std::mutex> lock(mu_); }
   cv_.notify_all();
 }
 
@@ -350,6 +369,10 @@ void Coordinator::PersistJobLocked(ActiveJob& job) {
 Status Coordinator::CheckStateWritable() const {
   std::optional<std::string> failure = writer_.Failure();
   if (!failure) return Status::Ok();
+  if (!options_.state_name.empty()) {
+    return Unavailable("the coordinator takes no new work while it cannot write its state (" + options_.state_name +
+                       "): " + *failure + "; running jobs go on, and new work is accepted once writes succeed again");
+  }
   return Unavailable("the coordinator takes no new work while it cannot write its state (" +
                      (std::filesystem::path(options_.state_dir) / "state.db").string() + "): " + *failure +
                      "; running jobs go on, and new work is accepted once writes succeed again "
@@ -543,19 +566,27 @@ StatusOr<std::vector<v1::Event>> Coordinator::WaitEvents(const std::string& job_
     *finished = true;
     return store_->EventsAfter(job_id, after_seq);
   }
+  // In order, up to the first event the state does not have yet when followers see only stored ones.
+  bool held_back = false;
   auto collect = [&]() {
     std::vector<v1::Event> out;
+    held_back = false;
+    const int64_t stored = stored_seq_.load();
     for (const auto& event : job->events) {
+      if (options_.show_events_once_stored && event.kind() != "log" && event.seq() > stored) {
+        held_back = true;
+        break;
+      }
       if (event.seq() > after_seq && (logs || event.kind() != "log")) out.push_back(event);
     }
     return out;
   };
   std::vector<v1::Event> events = collect();
-  if (events.empty() && !IsFinal(job->job.state()) && !shutting_down_) {
+  if (events.empty() && (!IsFinal(job->job.state()) || held_back) && !shutting_down_) {
     cv_.wait_for(lock, std::chrono::milliseconds(timeout_ms));
     events = collect();
   }
-  *finished = IsFinal(job->job.state()) && events.empty();
+  *finished = IsFinal(job->job.state()) && events.empty() && !held_back;
   return events;
 }
 

@@ -19,6 +19,7 @@
 // 0, and the job ends STOPPED; a failure or the stop's timeout turns it into a plain stop.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <functional>
 #include <deque>
@@ -79,6 +80,11 @@ struct CoordinatorOptions {
   // A node lost or gone this long, with nothing of it left to wait for, leaves `ltrain nodes` and
   // memory (its record stays in the state), so that nodes that come and go do not add up.
   int64_t forget_lost_nodes_ms = 3600 * 1000;
+  // Followers get an event only once the state has it, so that whatever anyone saw survives this
+  // coordinator (on for a state several coordinators share: a standby that takes over has every
+  // event shown). Off, they get it at once, even while the state cannot be written.
+  bool show_events_once_stored = false;
+  std::string state_name;  // the state as errors name it; empty: state_dir/state.db
 };
 
 class Coordinator {
@@ -255,7 +261,12 @@ class Coordinator {
   void WakeKvWaitersLocked(const std::string& key,
                            std::vector<std::pair<std::shared_ptr<KvWaiter>, std::vector<std::string>>>* ready);
   int64_t next_sweep_unix_ms_ = 0;
-  // Last: its destructor applies the writes still queued, which need nothing else of this class.
+  // The newest event the state has (show_events_once_stored).
+  std::atomic<int64_t> stored_seq_{0};
+  // The write of the event `seq` is done: followers may be shown it.
+  void MarkStored(int64_t seq);
+  // Last: its destructor applies the writes still queued, which need nothing else of this class
+  // but mu_, cv_ and stored_seq_ (MarkStored).
   mutable StateWriter writer_;
 };
 

@@ -322,14 +322,21 @@ StatusOr<std::unique_ptr<StateStore>> OpenStateStore(const std::string& state_di
   return std::unique_ptr<StateStore>(std::move(store).value());
 }
 
-StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const CoordinatorServerOptions& options) {
+StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const CoordinatorServerOptions& options,
+                                                                      std::unique_ptr<StateStore> store) {
   std::unique_ptr<CoordinatorServer> server(new CoordinatorServer());
-  LTRAIN_ASSIGN_OR_RETURN(server->store_, OpenStateStore(options.state_dir, options.state_max_bytes));
+  if (store) {
+    server->store_ = std::move(store);
+  } else {
+    LTRAIN_ASSIGN_OR_RETURN(server->store_, OpenStateStore(options.state_dir, options.state_max_bytes));
+  }
   CoordinatorOptions coordinator_options;
   coordinator_options.state_dir = options.state_dir;
   coordinator_options.node_timeout_ms = options.node_timeout_ms;
   coordinator_options.recovery_grace_ms = options.recovery_grace_ms;
   coordinator_options.retain_ms = options.retain_ms;
+  coordinator_options.show_events_once_stored = options.show_events_once_stored;
+  coordinator_options.state_name = options.state_name;
   server->coordinator_ = std::make_unique<Coordinator>(server->store_.get(), &server->clock_, coordinator_options);
   if (options.recover) {
     LTRAIN_RETURN_IF_ERROR(server->coordinator_->Recover());

@@ -31,17 +31,22 @@ struct CoordinatorServerOptions {
   bool recover = true;
   SecurityMaterial security;  // TLS (server certificate, optional client CA) and the bearer token
   std::string http_listen;    // HOST:PORT of GET /metrics (http_server.h); empty: no HTTP
+  bool show_events_once_stored = false;  // see CoordinatorOptions
+  std::string state_name;                // see CoordinatorOptions
 };
 
 class CoordinatorServer {
  public:
-  static StatusOr<std::unique_ptr<CoordinatorServer>> Start(const CoordinatorServerOptions& options);
+  // With `store`, the state is kept there (an etcd cluster's); without, in SQLite under state_dir.
+  static StatusOr<std::unique_ptr<CoordinatorServer>> Start(const CoordinatorServerOptions& options,
+                                                            std::unique_ptr<StateStore> store = nullptr);
   ~CoordinatorServer();
 
   int port() const { return port_; }
   int http_port() const { return http_ ? http_->port() : 0; }  // 0 without --http-listen
   std::string address() const;  // host:port clients dial
   Coordinator& coordinator() { return *coordinator_; }
+  StateStore& store() { return *store_; }
   void Wait();                    // until Shutdown from another thread
   void Shutdown();
 

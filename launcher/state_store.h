@@ -49,6 +49,12 @@ class StateStore {
   // checkpoint records and logs, every job's log lines older than the cutoff, and nodes not seen
   // since. Running jobs and their events stay.
   virtual StatusOr<PruneCounts> PruneBefore(int64_t cutoff_unix_ms) = 0;
+  // Batches, for a store whose writes cost a round trip each (etcd): when Batches() is true, the
+  // coordinator's writer (state_writer.h) calls BeginBatch, then several writes, which may return
+  // Ok before they are applied, then CommitBatch, which applies them in order or says why not.
+  virtual bool Batches() const { return false; }
+  virtual void BeginBatch() {}
+  virtual Status CommitBatch() { return Status::Ok(); }
 };
 
 class SqliteStateStore : public StateStore {

@@ -2,6 +2,7 @@
 
 #include <cstdio>
 #include <ctime>
+#include <vector>
 
 #include "common/logging.h"
 
@@ -34,14 +35,14 @@ StateWriter::~StateWriter() {
   thread_.join();
 }
 
-void StateWriter::Enqueue(std::string what, Write write, bool droppable) {
+void StateWriter::Enqueue(std::string what, Write write, bool droppable, std::function<void()> done) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (droppable && failing_ && queue_.size() >= max_queued_) {
       ++dropped_lines_;
       return;
     }
-    queue_.push_back(Item{std::move(what), std::move(write), droppable});
+    queue_.push_back(Item{std::move(what), std::move(write), droppable, std::move(done)});
     ++enqueued_;
   }
   work_cv_.notify_one();
@@ -81,15 +82,29 @@ void StateWriter::Run() {
     if (queue_.empty() || (stop_ && failing_ && !retry_)) break;
     retry_ = false;
     // Only this thread pops, and a deque keeps its elements in place when others push at the back.
-    Item& item = queue_.front();
+    const size_t count = store_->Batches() ? std::min(queue_.size(), kMaxBatch) : 1;
+    std::vector<Item*> batch;
+    for (size_t i = 0; i < count; ++i) batch.push_back(&queue_[i]);
     attempting_ = true;
     lock.unlock();
-    Status status = item.write(*store_);
+    Status status;
+    if (count == 1 && !store_->Batches()) {
+      status = batch[0]->write(*store_);
+    } else {
+      store_->BeginBatch();
+      for (Item* item : batch) {
+        status = item->write(*store_);
+        if (!status.ok()) break;
+      }
+      Status committed = store_->CommitBatch();
+      if (status.ok()) status = committed;
+    }
     lock.lock();
     attempting_ = false;
     if (status.ok() || status.code() != StatusCode::kUnavailable) {
       if (!status.ok()) {
-        LTRAIN_LOG(kError, kLog) << "the state database refused a write, which is dropped: " << status.message();
+        LTRAIN_LOG(kError, kLog) << "the state database refused " << (count == 1 ? "a write" : std::to_string(count) + " writes")
+                                 << ", dropped: " << status.message();
       }
       if (failing_ && status.ok()) {
         LTRAIN_LOG(kInfo, kLog) << "the state database takes writes again after "
@@ -102,8 +117,16 @@ void StateWriter::Run() {
         failure_.clear();
         dropped_lines_ = 0;
       }
-      queue_.pop_front();
-      ++finished_;
+      // The callbacks first, off the lock (they may take their owner's), then the items leave.
+      std::vector<std::function<void()>> done;
+      for (Item* item : batch) {
+        if (item->done) done.push_back(std::move(item->done));
+      }
+      lock.unlock();
+      for (auto& callback : done) callback();
+      lock.lock();
+      for (size_t i = 0; i < count; ++i) queue_.pop_front();
+      finished_ += count;
       done_cv_.notify_all();
       continue;
     }

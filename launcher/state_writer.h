@@ -1,6 +1,8 @@
 // The coordinator's writes to its StateStore, applied in the order they were made on a thread of
 // their own, so that no handler waits for the disk while it holds the coordinator's lock.
 //
+// A store that batches (etcd) gets the queued writes in batches, each applied or refused as a whole.
+//
 // A write that fails with Unavailable (a full disk, an I/O error, a lock held by another process)
 // stays at the head of the queue and is tried again at each Retry(); while it fails, Failure() says
 // why, and the coordinator takes no new work. A write refused for any other reason is dropped with
@@ -35,8 +37,10 @@ class StateWriter {
   StateWriter& operator=(const StateWriter&) = delete;
 
   // `what` names the write in errors ("update job x-1"). A `droppable` write is dropped, and
-  // counted, instead of queued when writes fail and the queue holds `max_queued`.
-  void Enqueue(std::string what, Write write, bool droppable = false);
+  // counted, instead of queued when writes fail and the queue holds `max_queued`. `done`, when
+  // given, is called (on the writer's thread, holding no lock of it) once the write is applied or
+  // refused for good.
+  void Enqueue(std::string what, Write write, bool droppable = false, std::function<void()> done = nullptr);
   // Returns once every write enqueued before the call is applied, or once a write has failed and
   // no retry is under way.
   void Flush();
@@ -51,7 +55,10 @@ class StateWriter {
     std::string what;
     Write write;
     bool droppable = false;
+    std::function<void()> done;
   };
+  // A store that batches gets up to this many queued writes at once.
+  static constexpr size_t kMaxBatch = 256;
   void Run();
 
   StateStore* store_;

@@ -2,7 +2,9 @@
 
 #include <gtest/gtest.h>
 
+#include <condition_variable>
 #include <limits>
+#include <mutex>
 
 #include "common/clock.h"
 #include "common/logging.h"
@@ -904,6 +906,78 @@ TEST_F(CheckpointStopCoordinatorTest, JobThatFinishesItsStepsWhileStoppingWithCh
   ASSERT_TRUE(coordinator_->ReportProgress(Urgent("a", Committed(Report(id, 0, 1, 5), 5))).ok());
   for (int rank = 0; rank < 4; ++rank) ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, rank, 0)).ok());
   EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_SUCCEEDED);
+}
+
+// On a shared state (etcd) followers are shown an event only once the state has it: an event still
+// on its way to the store is held back, with every event and log line after it.
+TEST(StoredEventsTest, FollowersSeeAnEventOnlyOnceTheStateHasIt) {
+  SetLogLevel(LogLevel::kWarning);
+  std::unique_ptr<SqliteStateStore> sqlite = std::move(SqliteStateStore::Open(":memory:")).value();
+  // Event writes wait until the test opens the gate.
+  struct Gate : StateStore {
+    StateStore* inner;
+    std::mutex mu;
+    std::condition_variable cv;
+    bool open = false;
+    int waiting = 0;
+    explicit Gate(StateStore* s) : inner(s) {}
+    StatusOr<v1::Job> CreateJob(const std::string& n, const std::string& r, int w, int64_t t) override {
+      return inner->CreateJob(n, r, w, t);
+    }
+    Status UpdateJob(const v1::Job& j) override { return inner->UpdateJob(j); }
+    StatusOr<v1::Job> GetJob(const std::string& id) override { return inner->GetJob(id); }
+    StatusOr<std::vector<v1::Job>> ListJobs(int l) override { return inner->ListJobs(l); }
+    Status UpsertRank(const std::string& id, const v1::RankInfo& r) override { return inner->UpsertRank(id, r); }
+    Status ClearRanks(const std::string& id) override { return inner->ClearRanks(id); }
+    Status RecordCheckpoint(const std::string& id, int64_t s, int g, const std::string& p, int64_t t) override {
+      return inner->RecordCheckpoint(id, s, g, p, t);
+    }
+    Status UpsertNode(const std::string& n, const v1::NodeFacts& f, int64_t t) override {
+      return inner->UpsertNode(n, f, t);
+    }
+    StatusOr<int64_t> AppendEvent(const v1::Event& e) override {
+      std::unique_lock<std::mutex> lock(mu);
+      ++waiting;
+      cv.notify_all();
+      cv.wait(lock, [&] { return open; });
+      return inner->AppendEvent(e);
+    }
+    StatusOr<std::vector<v1::Event>> EventsAfter(const std::string& id, int64_t a) override {
+      return inner->EventsAfter(id, a);
+    }
+    Status AppendLogs(const std::vector<v1::Event>& l) override { return inner->AppendLogs(l); }
+    StatusOr<std::vector<v1::Event>> Logs(const std::string& id, int r, int64_t s, int l) override {
+      return inner->Logs(id, r, s, l);
+    }
+    StatusOr<PruneCounts> PruneBefore(int64_t c) override { return inner->PruneBefore(c); }
+  } gate(sqlite.get());
+  FakeClock clock;
+  CoordinatorOptions options;
+  options.state_dir = "/state";
+  options.show_events_once_stored = true;
+  auto coordinator = std::make_unique<Coordinator>(&gate, &clock, options);
+  StatusOr<v1::Job> job = coordinator->Submit(kRecipe, "unit.yaml");
+  ASSERT_TRUE(job.ok());
+  {
+    std::unique_lock<std::mutex> lock(gate.mu);
+    gate.cv.wait(lock, [&] { return gate.waiting > 0; });  // "submitted" is on its way to the store
+  }
+  bool finished = true;
+  StatusOr<std::vector<v1::Event>> none = coordinator->WaitEvents(job->id(), 0, true, 0, &finished);
+  ASSERT_TRUE(none.ok());
+  EXPECT_TRUE(none->empty()) << (*none)[0].message();
+  EXPECT_FALSE(finished);
+  {
+    std::lock_guard<std::mutex> lock(gate.mu);
+    gate.open = true;
+    gate.cv.notify_all();
+  }
+  coordinator->FlushState();
+  StatusOr<std::vector<v1::Event>> shown = coordinator->WaitEvents(job->id(), 0, true, 0, &finished);
+  ASSERT_TRUE(shown.ok());
+  ASSERT_FALSE(shown->empty());
+  EXPECT_EQ((*shown)[0].kind(), "submitted");
+  coordinator.reset();
 }
 
 // SQLite keeps a NaN as NULL, which the job row refuses: a diverged run's NaN loss must not make

@@ -1,0 +1,223 @@
+#include "launcher/etcd_client.h"
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+
+namespace ltrain::launcher {
+namespace {
+
+using Deadline = std::chrono::system_clock::time_point;
+
+std::vector<std::string> Split(const std::string& text, char sep) {
+  std::vector<std::string> parts;
+  size_t start = 0;
+  while (start <= text.size()) {
+    size_t end = text.find(sep, start);
+    if (end == std::string::npos) end = text.size();
+    parts.push_back(text.substr(start, end - start));
+    start = end + 1;
+  }
+  return parts;
+}
+
+}  // namespace
+
+bool IsEtcdUrl(const std::string& url) { return url.rfind("etcd://", 0) == 0; }
+
+StatusOr<EtcdUrl> ParseEtcdUrl(const std::string& url) {
+  const std::string usage = "; write etcd://HOST:PORT[,HOST:PORT...][/PREFIX], e.g. etcd://10.0.0.1:2379,10.0.0.2:2379";
+  if (!IsEtcdUrl(url)) return InvalidArgument("'" + url + "' is not an etcd address" + usage);
+  std::string rest = url.substr(7);
+  EtcdUrl parsed;
+  if (size_t slash = rest.find('/'); slash != std::string::npos) {
+    parsed.prefix = rest.substr(slash + 1);
+    rest = rest.substr(0, slash);
+    while (!parsed.prefix.empty() && parsed.prefix.back() == '/') parsed.prefix.pop_back();
+    if (parsed.prefix.empty()) return InvalidArgument("the key prefix of '" + url + "' is empty" + usage);
+  }
+  for (const std::string& endpoint : Split(rest, ',')) {
+    const size_t colon = endpoint.rfind(':');
+    const std::string port = colon == std::string::npos ? "" : endpoint.substr(colon + 1);
+    if (endpoint.empty() || colon == 0 || port.empty() || port.find_first_not_of("0123456789") != std::string::npos) {
+      return InvalidArgument("'" + endpoint + "' in '" + url + "' is not HOST:PORT" + usage);
+    }
+    parsed.endpoints.push_back(endpoint);
+  }
+  return parsed;
+}
+
+std::string PrefixEnd(const std::string& prefix) {
+  std::string end = prefix;
+  while (!end.empty()) {
+    if (static_cast<unsigned char>(end.back()) < 0xff) {
+      end.back() = static_cast<char>(static_cast<unsigned char>(end.back()) + 1);
+      return end;
+    }
+    end.pop_back();
+  }
+  return std::string(1, '\0');  // every key
+}
+
+EtcdClient::EtcdClient(std::vector<std::string> endpoints) : endpoints_(std::move(endpoints)) {
+  for (const std::string& endpoint : endpoints_) {
+    grpc::ChannelArguments args;
+    // A member that went away is tried again soon, and a dead host costs a connect of 2 s, not 20.
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 2000);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);
+    args.SetMaxReceiveMessageSize(64 << 20);
+    Member member;
+    member.endpoint = endpoint;
+    member.channel = grpc::CreateCustomChannel(endpoint, grpc::InsecureChannelCredentials(), args);
+    member.kv = etcdserverpb::KV::NewStub(member.channel);
+    member.lease = etcdserverpb::Lease::NewStub(member.channel);
+    members_.push_back(std::move(member));
+  }
+}
+
+StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Connect(const std::vector<std::string>& endpoints, int64_t timeout_ms) {
+  if (endpoints.empty()) return InvalidArgument("no etcd endpoint given");
+  // Fresh channels for each try: a connection made while a member was still starting can hang
+  // until gRPC's connect timeout (20 s) even after the member serves.
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
+  while (true) {
+    std::unique_ptr<EtcdClient> client(new EtcdClient(endpoints));
+    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now());
+    client->set_call_timeout_ms(std::clamp<int64_t>(left.count(), 1, 3000));
+    StatusOr<etcdserverpb::RangeResponse> probe = client->Range("ltrain-probe");
+    if (probe.ok()) {
+      client->set_call_timeout_ms(5000);
+      return client;
+    }
+    if (std::chrono::steady_clock::now() >= give_up) return probe.status();
+  }
+}
+
+template <typename Call>
+Status EtcdClient::WithFailover(const char* what, Call call) {
+  const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(call_timeout_ms_.load());
+  grpc::Status last;
+  std::string last_endpoint;
+  for (int attempt = 0;; ++attempt) {
+    const size_t index = current_.load() % members_.size();
+    Member& member = members_[index];
+    // Each try gets at most 2 s: a member without quorum holds a call until its deadline.
+    const auto left = give_up - std::chrono::steady_clock::now();
+    const auto slice = std::min<std::chrono::steady_clock::duration>(left, std::chrono::seconds(2));
+    const Deadline deadline = std::chrono::system_clock::now() +
+                              std::chrono::duration_cast<std::chrono::system_clock::duration>(slice);
+    last = call(member, deadline);
+    last_endpoint = member.endpoint;
+    if (last.ok()) return Status::Ok();
+    const bool member_trouble = last.error_code() == grpc::StatusCode::UNAVAILABLE ||
+                                last.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+    if (!member_trouble) {
+      return Internal(std::string("etcd refused ") + what + " at " + member.endpoint + ": " + last.error_message());
+    }
+    // The next member, unless another call moved on already.
+    size_t expected = index;
+    current_.compare_exchange_strong(expected, index + 1);
+    if (std::chrono::steady_clock::now() >= give_up) break;
+    // Once round every member, then a short pause between rounds.
+    if ((attempt + 1) % members_.size() == 0) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  std::string tried;
+  for (const auto& endpoint : endpoints_) tried += (tried.empty() ? "" : ", ") + endpoint;
+  return Unavailable(std::string("no etcd member answered ") + what + " within " +
+                     std::to_string(call_timeout_ms_.load() / 1000.0).substr(0, 4) + " s (tried " + tried +
+                     "; last, " + last_endpoint + ": " + last.error_message() + "); is etcd running and in quorum?");
+}
+
+StatusOr<etcdserverpb::RangeResponse> EtcdClient::Range(const std::string& key, const std::string& range_end,
+                                                        int64_t limit) {
+  etcdserverpb::RangeRequest request;
+  request.set_key(key);
+  request.set_range_end(range_end);
+  request.set_limit(limit);
+  etcdserverpb::RangeResponse response;
+  LTRAIN_RETURN_IF_ERROR(WithFailover("a read", [&](Member& member, Deadline deadline) {
+    grpc::ClientContext context;
+    context.set_deadline(deadline);
+    response.Clear();
+    return member.kv->Range(&context, request, &response);
+  }));
+  return response;
+}
+
+StatusOr<etcdserverpb::TxnResponse> EtcdClient::Txn(const etcdserverpb::TxnRequest& request) {
+  etcdserverpb::TxnResponse response;
+  LTRAIN_RETURN_IF_ERROR(WithFailover("a write", [&](Member& member, Deadline deadline) {
+    grpc::ClientContext context;
+    context.set_deadline(deadline);
+    response.Clear();
+    return member.kv->Txn(&context, request, &response);
+  }));
+  return response;
+}
+
+StatusOr<etcdserverpb::DeleteRangeResponse> EtcdClient::DeleteRange(const std::string& key,
+                                                                    const std::string& range_end) {
+  etcdserverpb::DeleteRangeRequest request;
+  request.set_key(key);
+  request.set_range_end(range_end);
+  etcdserverpb::DeleteRangeResponse response;
+  LTRAIN_RETURN_IF_ERROR(WithFailover("a delete", [&](Member& member, Deadline deadline) {
+    grpc::ClientContext context;
+    context.set_deadline(deadline);
+    response.Clear();
+    return member.kv->DeleteRange(&context, request, &response);
+  }));
+  return response;
+}
+
+StatusOr<int64_t> EtcdClient::LeaseGrant(int64_t ttl_s) {
+  etcdserverpb::LeaseGrantRequest request;
+  request.set_ttl(ttl_s);
+  etcdserverpb::LeaseGrantResponse response;
+  LTRAIN_RETURN_IF_ERROR(WithFailover("a lease grant", [&](Member& member, Deadline deadline) {
+    grpc::ClientContext context;
+    context.set_deadline(deadline);
+    response.Clear();
+    return member.lease->LeaseGrant(&context, request, &response);
+  }));
+  if (!response.error().empty()) return Internal("etcd refused a lease: " + response.error());
+  return response.id();
+}
+
+StatusOr<int64_t> EtcdClient::LeaseKeepAlive(int64_t lease_id) {
+  // One renewal on a stream of its own: simple, and a renewal every few hundred ms costs nothing
+  // worth a long-lived stream's bookkeeping.
+  etcdserverpb::LeaseKeepAliveResponse response;
+  LTRAIN_RETURN_IF_ERROR(WithFailover("a lease renewal", [&](Member& member, Deadline deadline) {
+    grpc::ClientContext context;
+    context.set_deadline(deadline);
+    auto stream = member.lease->LeaseKeepAlive(&context);
+    etcdserverpb::LeaseKeepAliveRequest request;
+    request.set_id(lease_id);
+    response.Clear();
+    if (!stream->Write(request) || !stream->WritesDone() || !stream->Read(&response)) {
+      grpc::Status status = stream->Finish();
+      return status.ok() ? grpc::Status(grpc::StatusCode::UNAVAILABLE, "the renewal stream closed") : status;
+    }
+    context.TryCancel();
+    (void)stream->Finish();
+    return grpc::Status::OK;
+  }));
+  return std::max<int64_t>(0, response.ttl());
+}
+
+Status EtcdClient::LeaseRevoke(int64_t lease_id) {
+  etcdserverpb::LeaseRevokeRequest request;
+  request.set_id(lease_id);
+  etcdserverpb::LeaseRevokeResponse response;
+  return WithFailover("a lease revoke", [&](Member& member, Deadline deadline) {
+    grpc::ClientContext context;
+    context.set_deadline(deadline);
+    return member.lease->LeaseRevoke(&context, request, &response);
+  });
+}
+
+}  // namespace ltrain::launcher

@@ -1,0 +1,72 @@
+// A small client of etcd's v3 API (gRPC, proto/etcd/rpc.proto): ranges, transactions and leases
+// against a cluster given as a list of members. Each call goes to one member and, when that member
+// cannot answer (down, partitioned, no quorum), to the next, until the call's time is up: one
+// member's death costs a call a retry, not an error. Thread-safe.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "etcd/rpc.grpc.pb.h"
+
+namespace ltrain::launcher {
+
+// etcd://HOST:PORT[,HOST:PORT...][/PREFIX]: the members' client addresses and the key prefix under
+// which one ltrain deployment keeps its state (default "ltrain").
+struct EtcdUrl {
+  std::vector<std::string> endpoints;
+  std::string prefix = "ltrain";
+};
+StatusOr<EtcdUrl> ParseEtcdUrl(const std::string& url);
+bool IsEtcdUrl(const std::string& url);
+
+// The end of the range of every key that starts with `prefix`.
+std::string PrefixEnd(const std::string& prefix);
+
+class EtcdClient {
+ public:
+  // Checks that a member answers within `timeout_ms`; says which endpoints were tried when none does.
+  static StatusOr<std::unique_ptr<EtcdClient>> Connect(const std::vector<std::string>& endpoints,
+                                                       int64_t timeout_ms = 10000);
+
+  // Every key in [key, range_end) (the key alone when range_end is empty), by key; `limit` 0: all.
+  StatusOr<etcdserverpb::RangeResponse> Range(const std::string& key, const std::string& range_end = "",
+                                              int64_t limit = 0);
+  StatusOr<etcdserverpb::TxnResponse> Txn(const etcdserverpb::TxnRequest& request);
+  StatusOr<etcdserverpb::DeleteRangeResponse> DeleteRange(const std::string& key, const std::string& range_end);
+  // A lease of `ttl_s` seconds; its id.
+  StatusOr<int64_t> LeaseGrant(int64_t ttl_s);
+  // Renews the lease once; returns its TTL left in seconds, 0 when it has expired.
+  StatusOr<int64_t> LeaseKeepAlive(int64_t lease_id);
+  Status LeaseRevoke(int64_t lease_id);
+
+  const std::vector<std::string>& endpoints() const { return endpoints_; }
+  // How long one call keeps trying the members (default 5 s).
+  void set_call_timeout_ms(int64_t ms) { call_timeout_ms_ = ms; }
+
+ private:
+  struct Member {
+    std::string endpoint;
+    std::shared_ptr<grpc::Channel> channel;
+    std::unique_ptr<etcdserverpb::KV::Stub> kv;
+    std::unique_ptr<etcdserverpb::Lease::Stub> lease;
+  };
+  explicit EtcdClient(std::vector<std::string> endpoints);
+
+  // Runs `call(member, deadline)` on the current member, moving on to the next one while the
+  // answer is UNAVAILABLE or DEADLINE_EXCEEDED and time is left. `what` names the call in errors.
+  template <typename Call>
+  Status WithFailover(const char* what, Call call);
+
+  std::vector<std::string> endpoints_;
+  std::vector<Member> members_;
+  std::atomic<size_t> current_{0};
+  std::atomic<int64_t> call_timeout_ms_{5000};
+};
+
+}  // namespace ltrain::launcher

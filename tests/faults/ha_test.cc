@@ -1,0 +1,355 @@
+// Coordinators on an etcd state: a real etcd cluster of three members on loopback (Debian's
+// etcd-server), the state store's contract against it, and two coordinators of which the leader is
+// SIGKILLed during a CPU job: the standby leads within 5 s and the job goes on in the same worker
+// processes, losing no event anyone saw and no commit; a killed etcd member changes nothing.
+#include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+
+#include "launcher/etcd_client.h"
+#include "launcher/etcd_state_store.h"
+#include "launcher/leader_election.h"
+#include "ltrain/v1/ltrain.grpc.pb.h"
+#include "tests/support/job_status.h"
+#include "tests/support/subprocess.h"
+
+namespace ltrain::testing {
+namespace {
+
+namespace fs = std::filesystem;
+using std::chrono::milliseconds;
+using std::chrono::seconds;
+
+// A port free now on loopback (etcd and a coordinator on etcd need theirs before they start).
+int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = 0;
+  socklen_t size = sizeof(address);
+  if (bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
+      getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size) != 0) {
+    close(fd);
+    return 0;
+  }
+  const int port = ntohs(address.sin_port);
+  close(fd);
+  return port;
+}
+
+std::string EtcdBinary() {
+  for (const char* path : {"/usr/bin/etcd", "/usr/local/bin/etcd"}) {
+    if (access(path, X_OK) == 0) return path;
+  }
+  return "";
+}
+
+// `members` etcd processes forming one cluster on loopback.
+class EtcdCluster {
+ public:
+  EtcdCluster(const TempDir& dir, int members) {
+    std::string initial;
+    for (int i = 0; i < members; ++i) {
+      client_ports_.push_back(FreePort());
+      peer_ports_.push_back(FreePort());
+      initial += (i ? "," : "") + Name(i) + "=http://127.0.0.1:" + std::to_string(peer_ports_[i]);
+    }
+    for (int i = 0; i < members; ++i) {
+      const std::string client = "http://127.0.0.1:" + std::to_string(client_ports_[i]);
+      const std::string peer = "http://127.0.0.1:" + std::to_string(peer_ports_[i]);
+      processes_.push_back(std::make_unique<Subprocess>(std::vector<std::string>{
+          EtcdBinary(), "--name", Name(i), "--data-dir", dir.Join(Name(i)), "--listen-client-urls", client,
+          "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
+          "--initial-cluster", initial, "--initial-cluster-state", "new", "--initial-cluster-token", dir.path()}));
+    }
+  }
+  // Every member serves clients (what a deployment has before coordinators start).
+  bool WaitReady() const {
+    for (const auto& process : processes_) {
+      if (!process->WaitForOutput("ready to serve client requests", seconds(30))) return false;
+    }
+    return true;
+  }
+  ~EtcdCluster() {
+    for (auto& process : processes_) process->Signal(SIGKILL);
+  }
+  std::string Url() const {
+    std::string url = "etcd://";
+    for (size_t i = 0; i < client_ports_.size(); ++i) {
+      url += (i ? "," : "") + std::string("127.0.0.1:") + std::to_string(client_ports_[i]);
+    }
+    return url;
+  }
+  std::vector<std::string> Endpoints() const { return launcher::ParseEtcdUrl(Url()).value().endpoints; }
+  Subprocess& member(int i) { return *processes_[i]; }
+  std::string Output() const {
+    std::string all;
+    for (size_t i = 0; i < processes_.size(); ++i) all += "--- " + Name(i) + "\n" + processes_[i]->Output();
+    return all;
+  }
+
+ private:
+  static std::string Name(int i) { return "m" + std::to_string(i); }
+  std::vector<int> client_ports_, peer_ports_;
+  std::vector<std::unique_ptr<Subprocess>> processes_;
+};
+
+class EtcdTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_FALSE(EtcdBinary().empty()) << "etcd is not installed: apt-get install etcd-server (deploy/setup.sh --tests)";
+  }
+  TempDir dir_;
+};
+
+// The StateStore contract, as the SQLite store keeps it, on a one-member cluster.
+TEST_F(EtcdTest, TheStateStoreKeepsJobsRanksEventsLogsAndCommits) {
+  EtcdCluster etcd(dir_, 1);
+  ASSERT_TRUE(etcd.WaitReady()) << etcd.Output();
+  auto client = launcher::EtcdClient::Connect(etcd.Endpoints(), 20000);
+  ASSERT_TRUE(client.ok()) << client.status().message() << etcd.Output();
+  std::shared_ptr<launcher::EtcdClient> shared = std::move(client).value();
+  launcher::EtcdStateStore store(shared, "test");
+
+  auto first = store.CreateJob("tiny", "name: tiny\n", 2, 1000);
+  ASSERT_TRUE(first.ok()) << first.status().message();
+  EXPECT_EQ(first->id(), "tiny-1");
+  auto second = store.CreateJob("other", "name: other\n", 1, 2000);
+  ASSERT_TRUE(second.ok());
+  EXPECT_EQ(second->id(), "other-2");
+
+  v1::Job job = *first;
+  job.set_state(v1::JOB_STATE_RUNNING);
+  job.set_last_step(7);
+  ASSERT_TRUE(store.UpdateJob(job).ok());
+  for (int r : {1, 0}) {
+    v1::RankInfo rank;
+    rank.set_rank(r);
+    rank.set_pid(100 + r);
+    rank.set_node_id("n1");
+    ASSERT_TRUE(store.UpsertRank("tiny-1", rank).ok());
+  }
+  auto got = store.GetJob("tiny-1");
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(got->state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(got->last_step(), 7);
+  ASSERT_EQ(got->ranks_size(), 2);
+  EXPECT_EQ(got->ranks(0).pid(), 100);
+  EXPECT_EQ(got->ranks(1).pid(), 101);
+  EXPECT_EQ(store.GetJob("missing-9").status().code(), StatusCode::kNotFound);
+
+  auto listed = store.ListJobs(0);
+  ASSERT_TRUE(listed.ok());
+  ASSERT_EQ(listed->size(), 2u);
+  EXPECT_EQ((*listed)[0].id(), "other-2") << "newest first";
+  EXPECT_EQ((*listed)[0].ranks_size(), 0);
+
+  for (int64_t seq : {5, 9, 12}) {
+    v1::Event event;
+    event.set_seq(seq);
+    event.set_job_id("tiny-1");
+    event.set_kind("state");
+    event.set_message("event " + std::to_string(seq));
+    auto stored = store.AppendEvent(event);
+    ASSERT_TRUE(stored.ok());
+    EXPECT_EQ(*stored, seq);
+  }
+  auto after = store.EventsAfter("tiny-1", 5);
+  ASSERT_TRUE(after.ok());
+  ASSERT_EQ(after->size(), 2u);
+  EXPECT_EQ((*after)[0].message(), "event 9");
+
+  std::vector<v1::Event> lines;
+  for (int i = 0; i < 250; ++i) {  // more than one etcd transaction holds
+    v1::Event& line = lines.emplace_back();
+    line.set_seq(1000 + i);
+    line.set_job_id("tiny-1");
+    line.set_rank(i % 2);
+    line.set_unix_ms(10000 + i);
+    line.set_kind("log");
+    line.set_message("line " + std::to_string(i));
+  }
+  ASSERT_TRUE(store.AppendLogs(lines).ok());
+  auto tail = store.Logs("tiny-1", 1, 0, 3);
+  ASSERT_TRUE(tail.ok());
+  ASSERT_EQ(tail->size(), 3u);
+  EXPECT_EQ((*tail)[2].message(), "line 249");
+  EXPECT_EQ(store.Logs("tiny-1", -1, 10200, 0)->size(), 50u);
+
+  ASSERT_TRUE(store.RecordCheckpoint("tiny-1", 50, 0, "/ckpt/step-50", 3000).ok());
+  ASSERT_TRUE(store.RecordCheckpoint("tiny-1", 100, 1, "/ckpt dir/step-100", 4000).ok());
+  auto commits = store.Checkpoints("tiny-1");
+  ASSERT_TRUE(commits.ok());
+  ASSERT_EQ(commits->size(), 2u);
+  EXPECT_EQ((*commits)[1].step, 100);
+  EXPECT_EQ((*commits)[1].generation, 1);
+  EXPECT_EQ((*commits)[1].path, "/ckpt dir/step-100");
+
+  // Retention: the ended job goes with everything of it; the running one stays, less its old lines.
+  v1::Job ended = *second;
+  ended.set_state(v1::JOB_STATE_SUCCEEDED);
+  ended.set_updated_unix_ms(2500);
+  ASSERT_TRUE(store.UpdateJob(ended).ok());
+  ASSERT_TRUE(store.UpsertNode("n1", v1::NodeFacts(), 100).ok());
+  auto pruned = store.PruneBefore(10100);
+  ASSERT_TRUE(pruned.ok()) << pruned.status().message();
+  EXPECT_EQ(pruned->jobs, 1);
+  EXPECT_EQ(pruned->log_lines, 100) << "the running job's lines older than the cutoff";
+  EXPECT_EQ(store.Logs("tiny-1", -1, 0, 0)->size(), 150u);
+  EXPECT_EQ(store.GetJob("other-2").status().code(), StatusCode::kNotFound);
+  EXPECT_TRUE(store.GetJob("tiny-1").ok());
+  EXPECT_EQ(store.EventsAfter("tiny-1", 0)->size(), 3u);
+}
+
+// Two campaigns: one leads, the other stands by seeing its address; once the leader resigns the
+// other leads, and the first one's fenced writes are refused from then on.
+TEST_F(EtcdTest, OneLeadsTheOtherStandsByAndAnOldLeaderCannotWrite) {
+  EtcdCluster etcd(dir_, 1);
+  ASSERT_TRUE(etcd.WaitReady()) << etcd.Output();
+  auto client = launcher::EtcdClient::Connect(etcd.Endpoints(), 20000);
+  ASSERT_TRUE(client.ok()) << client.status().message() << etcd.Output();
+  std::shared_ptr<launcher::EtcdClient> shared = std::move(client).value();
+
+  launcher::LeaderElection first(shared, {"e/leader", "10.0.0.1:7070", 2, 50});
+  auto fence = first.Campaign([](const std::string&) {});
+  ASSERT_TRUE(fence.ok()) << fence.status().message();
+  launcher::EtcdStateStore old_leader(shared, "e");
+  std::string fenced_why;
+  old_leader.SetFence("e/leader", *fence, [&](const std::string& why) { fenced_why = why; });
+  ASSERT_TRUE(old_leader.CreateJob("a", "name: a\n", 1, 1).ok());
+
+  launcher::LeaderElection second(shared, {"e/leader", "10.0.0.2:7070", 2, 50});
+  std::string seen;
+  std::thread resign([&] {
+    std::this_thread::sleep_for(milliseconds(300));
+    first.Resign();
+  });
+  auto second_fence = second.Campaign([&](const std::string& leader) { seen = leader; });
+  resign.join();
+  ASSERT_TRUE(second_fence.ok());
+  EXPECT_EQ(seen, "10.0.0.1:7070");
+  EXPECT_GT(*second_fence, *fence);
+
+  Status refused = old_leader.UpdateJob(v1::Job());
+  EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition) << refused.message();
+  EXPECT_NE(fenced_why.find("10.0.0.2:7070"), std::string::npos) << fenced_why;
+  EXPECT_EQ(old_leader.CreateJob("b", "name: b\n", 1, 1).status().code(), StatusCode::kFailedPrecondition);
+}
+
+// The acceptance drill: three etcd members, two coordinators, one agent and a CPU job.
+TEST_F(EtcdTest, KilledLeaderIsReplacedWithinFiveSecondsAndTheJobGoesOnInTheSameProcesses) {
+  EtcdCluster etcd(dir_, 3);
+  ASSERT_TRUE(etcd.WaitReady()) << etcd.Output();
+  const std::map<std::string, std::string> env = {{"LTRAIN_HOME", dir_.Join("home")}, {"OMP_NUM_THREADS", "1"}};
+  ProcessResult prepared = PrepareLicenseData(dir_.Join("data"));
+  ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
+
+  const int port_a = FreePort(), port_b = FreePort();
+  const std::string a = "127.0.0.1:" + std::to_string(port_a), b = "127.0.0.1:" + std::to_string(port_b);
+  const std::string both = a + "," + b;
+  auto coordinator = [&](const std::string& address, const std::string& name) {
+    return std::make_unique<Subprocess>(
+        std::vector<std::string>{LtrainBinary(), "coordinator", "--listen", address, "--state", etcd.Url(),
+                                 "--state-dir", dir_.Join(name), "--port-file", dir_.Join(name + ".port")},
+        env);
+  };
+  auto leader = coordinator(a, "a");
+  ASSERT_GT(WaitForPortFile(dir_.Join("a.port"), seconds(30)), 0) << leader->Output() << etcd.Output();
+  auto standby = coordinator(b, "b");
+  ASSERT_TRUE(standby->WaitForOutput("standing by: " + a + " leads", seconds(20))) << standby->Output();
+
+  Subprocess agent({LtrainBinary(), "agent", "--coordinator", both, "--node-id", "n1", "--work-dir",
+                    dir_.Join("agent"), "--coordinator-grace", "60"},
+                   env);
+  const std::string recipe =
+      dir_.Write("ha.yaml", "name: ha\nmodel: {layers: 2, d_model: 64, heads: 4, seq_len: 32}\n"
+                            "data: {path: " + dir_.Join("data") + "}\n"
+                            "training: {steps: 300, micro_batch: 4, global_batch: 8, log_every: 1}\n"
+                            "parallel: {nproc_per_node: 2}\ncheckpoint: {every: 50}\n");
+  Subprocess launch({LtrainBinary(), "launch", "--coordinator", both, recipe}, env);
+  ASSERT_TRUE(launch.WaitForOutput("[rank 0] step 70/", seconds(90))) << launch.Output() << leader->Output();
+  v1::Job before = JobStatus("ha-1", env, {"--coordinator", both});
+  ASSERT_EQ(before.ranks_size(), 2);
+
+  // What a follower has seen of the job from the leader, up to the kill.
+  auto channel = grpc::CreateChannel(a, grpc::InsecureChannelCredentials());
+  auto stub = v1::JobService::NewStub(channel);
+  std::vector<v1::Event> seen;
+  {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + milliseconds(700));
+    v1::WatchJobRequest request;
+    request.set_job_id("ha-1");
+    auto reader = stub->WatchJob(&context, request);
+    v1::Event event;
+    while (reader->Read(&event)) seen.push_back(event);
+  }
+  ASSERT_GE(seen.size(), 4u) << "submitted, placed, rank starts, a commit";
+
+  const auto killed = std::chrono::steady_clock::now();
+  leader->Signal(SIGKILL);
+  ASSERT_TRUE(standby->WaitForOutput("leading as " + b, seconds(10))) << standby->Output();
+  const double takeover_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed).count();
+  ASSERT_GT(WaitForPortFile(dir_.Join("b.port"), seconds(5)), 0) << standby->Output();
+  const double serving_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - killed).count();
+  std::printf("the standby led %.2f s after the leader was killed, and served at %.2f s\n", takeover_s, serving_s);
+  EXPECT_LT(serving_s, 5.0) << standby->Output();
+
+  // An etcd member killed mid-run (the cluster keeps its quorum): nothing changes.
+  ASSERT_TRUE(launch.WaitForOutput("[rank 0] step 160/", seconds(90))) << launch.Output() << standby->Output();
+  etcd.member(0).Signal(SIGKILL);
+
+  ProcessResult result = launch.Wait(seconds(240));
+  EXPECT_EQ(result.exit_code, 0) << result.output << "\n--- standby\n" << standby->Output();
+  v1::Job job = JobStatus("ha-1", env, {"--coordinator", both});
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(job.generation(), 0) << "the workers were never restarted";
+  EXPECT_EQ(job.restarts(), 0);
+  ASSERT_EQ(job.ranks_size(), 2);
+  for (int i = 0; i < 2; ++i) EXPECT_EQ(job.ranks(i).pid(), before.ranks(i).pid());
+  EXPECT_EQ(job.last_committed_step(), 300);
+
+  // Every event the follower saw is in the job's history as the new leader tells it.
+  auto new_stub = v1::JobService::NewStub(grpc::CreateChannel(b, grpc::InsecureChannelCredentials()));
+  std::vector<v1::Event> history;
+  {
+    grpc::ClientContext context;
+    context.set_deadline(std::chrono::system_clock::now() + seconds(10));
+    v1::WatchJobRequest request;
+    request.set_job_id("ha-1");
+    auto reader = new_stub->WatchJob(&context, request);
+    v1::Event event;
+    while (reader->Read(&event)) history.push_back(event);
+    EXPECT_TRUE(reader->Finish().ok());
+  }
+  for (const auto& event : seen) {
+    bool found = false;
+    for (const auto& kept : history) found |= kept.seq() == event.seq() && kept.message() == event.message();
+    EXPECT_TRUE(found) << "lost: " << event.message();
+  }
+  // Every commit is in the ledger, once.
+  auto client = launcher::EtcdClient::Connect({etcd.Endpoints()[1], etcd.Endpoints()[2]});
+  ASSERT_TRUE(client.ok());
+  launcher::EtcdStateStore store(std::move(client).value(), "ltrain");
+  auto commits = store.Checkpoints("ha-1");
+  ASSERT_TRUE(commits.ok()) << commits.status().message();
+  std::vector<int64_t> steps;
+  for (const auto& commit : *commits) steps.push_back(commit.step);
+  EXPECT_EQ(steps, (std::vector<int64_t>{50, 100, 150, 200, 250, 300}));
+  EXPECT_EQ(standby->Output().find("stepping down"), std::string::npos) << "the lead stayed where it was";
+  agent.Signal(SIGTERM);
+  standby->Signal(SIGTERM);
+  EXPECT_EQ(standby->Wait(seconds(10)).exit_code, 0);
+}
+
+}  // namespace
+}  // namespace ltrain::testing
