@@ -197,7 +197,7 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
         r.parallel.pp);
   visit(RecipeKey{.section = "parallel", .name = "zero",
                   .help = "ZeRO stage over data parallel: 1 shards optimizer state, 2 also gradients, 3 also parameters",
-                  .int_min = 0, .int_max = 3},
+                  .int_min = 0, .int_max = 3, .default_text = "1 on cuda with data parallelism, else 0"},
         r.parallel.zero);
   visit(RecipeKey{.section = "parallel", .name = "sequence_parallel",
                   .help = "split norms and dropout along the sequence over the tensor-parallel ranks"},
@@ -212,7 +212,7 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
         r.parallel.pp_split);
   visit(RecipeKey{.section = "parallel", .name = "bucket_mb",
                   .help = "data-parallel gradients are reduced in buckets of this many MB during backward",
-                  .real_min = 0.001, .real_max = 1e6},
+                  .real_min = 0.001, .real_max = 1e6, .default_text = "400 on cuda on one node, else 25"},
         r.parallel.bucket_mb);
   visit(RecipeKey{.section = "parallel", .name = "activation_checkpointing",
                   .help = "recompute activations in backward: full blocks, or only attention (selective)"},

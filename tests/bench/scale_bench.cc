@@ -5,8 +5,10 @@
 // heartbeat RPC latency (p50, p99, max), the coordinator's CPU (share of one core), memory and threads
 // while the agents heartbeat, and the time to detect a node whose heartbeats stop.
 //
-//   scale_bench --ltrain build/cmd/ltrain --agents 100,1000,10000 --seconds 20
+//   scale_bench --ltrain build/cmd/ltrain --agents 100,1000,10000 --seconds 20 [--state etcd://127.0.0.1:2379]
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -226,7 +228,26 @@ struct Options {
   // Agents that share one connection: 1 is what separate hosts do; more spares this process's CPU
   // (on the same cores as the coordinator) at 10,000 agents.
   int agents_per_connection = 1;
+  // etcd://HOST:PORT,...: the coordinator keeps its state there (each run under a prefix of its own)
+  // instead of in SQLite.
+  std::string state;
 };
+
+// A port free now on loopback: a coordinator on etcd needs a fixed one.
+int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t size = sizeof(address);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size) == 0) {
+    port = ntohs(address.sin_port);
+  }
+  close(fd);
+  return port;
+}
 
 std::shared_ptr<grpc::Channel> NewChannel(const std::string& address) {
   grpc::ChannelArguments args;
@@ -237,9 +258,17 @@ std::shared_ptr<grpc::Channel> NewChannel(const std::string& address) {
 
 int RunOne(const Options& o, int n) {
   TempDir dir;
-  Subprocess coordinator({o.ltrain, "coordinator", "--listen", "127.0.0.1:0", "--port-file", dir.Join("port"),
-                          "--state-dir", dir.Join("state"), "--node-timeout", std::to_string(o.node_timeout_s),
-                          "--log-level", "warning"});
+  std::vector<std::string> argv = {o.ltrain, "coordinator", "--listen", "127.0.0.1:0", "--port-file", dir.Join("port"),
+                                   "--state-dir", dir.Join("state"), "--node-timeout", std::to_string(o.node_timeout_s),
+                                   "--log-level", "warning"};
+  if (!o.state.empty()) {
+    argv[3] = "127.0.0.1:" + std::to_string(FreePort());
+    const std::string prefix = "scale-bench-" + std::to_string(n) + "-" + std::to_string(::getpid()) + "-" +
+                               std::to_string(std::chrono::system_clock::now().time_since_epoch().count());
+    argv.insert(argv.end(), {"--state", o.state + "/" + prefix});
+    std::printf("state in %s/%s\n", o.state.c_str(), prefix.c_str());
+  }
+  Subprocess coordinator(argv);
   const int port = testing::WaitForPortFile(dir.Join("port"), std::chrono::seconds(20));
   if (port == 0) {
     std::fprintf(stderr, "the coordinator did not start:\n%s\n", coordinator.Output().c_str());
@@ -440,6 +469,8 @@ int main(int argc, char** argv) {
       o.agents_per_connection = std::max(1, std::stoi(value));
     } else if (flag == "--node-timeout") {
       o.node_timeout_s = std::stod(value);
+    } else if (flag == "--state") {
+      o.state = value;
     } else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -448,7 +479,7 @@ int main(int argc, char** argv) {
   if (o.ltrain.empty()) {
     std::fprintf(stderr,
                  "usage: scale_bench --ltrain PATH [--agents N[,N...]] [--seconds S] [--heartbeat-ms MS] "
-                 "[--node-timeout S] [--agents-per-connection K]\n");
+                 "[--node-timeout S] [--agents-per-connection K] [--state etcd://HOST:PORT,...]\n");
     return 2;
   }
   // Every agent holds a connection, and so does the coordinator: raise the open-file limit to the hard one.

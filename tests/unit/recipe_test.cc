@@ -28,6 +28,29 @@ TEST(RecipeTest, ParsesAndFillsDefaults) {
 }
 
 // The name becomes the job id, a directory name and part of log lines.
+// ZeRO-1 and 400 MB buckets are the defaults where they pay (GPUs, one node); what a recipe says wins.
+TEST(RecipeTest, DataParallelDefaultsFollowTheTopology) {
+  auto parallel = [](const std::string& keys) {
+    RecipeParseResult r = ParseRecipe(
+        "data: {path: /d}\ntraining: {micro_batch: 1, global_batch: 16}\nparallel: {" + keys + "}\n", "t.yaml");
+    EXPECT_TRUE(r.ok()) << r.ErrorText();
+    return r.recipe.parallel;
+  };
+  ParallelSpec cuda_dp2 = parallel("device: cuda, nproc_per_node: 2");
+  EXPECT_EQ(cuda_dp2.zero, 1);
+  EXPECT_EQ(cuda_dp2.bucket_mb, 400);
+  ParallelSpec cpu_dp2 = parallel("nproc_per_node: 2");
+  EXPECT_EQ(cpu_dp2.zero, 0);
+  EXPECT_EQ(cpu_dp2.bucket_mb, 25);
+  ParallelSpec two_nodes = parallel("device: cuda, nodes: 2, nproc_per_node: 2");
+  EXPECT_EQ(two_nodes.zero, 1);
+  EXPECT_EQ(two_nodes.bucket_mb, 25) << "across nodes, DDP's bucket";
+  EXPECT_EQ(parallel("device: cuda, nproc_per_node: 2, tp: 2").zero, 0) << "no data parallelism";
+  ParallelSpec said = parallel("device: cuda, nproc_per_node: 2, zero: 0, bucket_mb: 25");
+  EXPECT_EQ(said.zero, 0);
+  EXPECT_EQ(said.bucket_mb, 25);
+}
+
 TEST(RecipeTest, JobNamesFollowTheRuleAndABadOneGetsASuggestion) {
   for (const std::string& good : {std::string("tiny"), std::string("gpt-1.3b_run.2"), std::string("A"), std::string("step"), std::string(64, 'x')}) {
     EXPECT_EQ(JobNameProblem(good), "") << good;
