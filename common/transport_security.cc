@@ -224,9 +224,12 @@ StatusOr<std::string> ListTarget(const std::string& target, grpc::ChannelArgumen
     for (const auto& [address, port] : v4) list += (list.empty() ? "ipv6:" : ",") + ("[::ffff:" + address + "]:") + port;
     for (const auto& [address, port] : v6) list += (list.empty() ? "ipv6:" : ",") + ("[" + address + "]:") + port;
   }
-  // The first coordinator names the channel (and is the name a certificate must carry); a dead
-  // one costs a connect of 2 s, and the next is tried soon after a break.
+  // The first coordinator names the channel (and is the name a certificate must carry). Every
+  // address is connected to at once and the calls go to those that accept, the leader alone (a
+  // standby does not listen): a dead host ahead in the list delays nothing. A connect gives up after
+  // 2 s, and one that broke is tried again soon.
   args->SetString(GRPC_ARG_DEFAULT_AUTHORITY, SplitList(target).front());
+  args->SetLoadBalancingPolicyName("round_robin");
   args->SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
   args->SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 2000);
   args->SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 2000);

@@ -44,8 +44,8 @@ Status CheckTokenTransport(const std::string& target, const SecurityMaterial& se
 
 // A channel to `target`. A token that CheckTokenTransport refuses is not sent (the refusal is
 // logged, and the server answers UNAUTHENTICATED). `target` may list several coordinators,
-// HOST:PORT,HOST:PORT,...: the channel reaches whichever of them listens (the leader; standbys do
-// not listen), and moves to the next leader when the connection to this one breaks. A certificate
+// HOST:PORT,HOST:PORT,...: the channel connects to all of them and reaches whichever listens (the
+// leader; standbys do not listen), and the next leader once it listens. A certificate
 // must then name the first host.
 
 // The gRPC target of a list of HOST:PORT (ipv4: or ipv6: addresses, resolved now), or `target`

@@ -77,6 +77,7 @@ Status Coordinator::Recover() {
       next_seq_ = std::max(next_seq_, event.seq() + 1);
     }
     job.job = stored;
+    for (const auto& rank : stored.ranks()) job.ranks[rank.rank()] = rank;
     job.job.clear_ranks();
     if (!parsed.ok()) {
       FinishLocked(job, v1::JOB_STATE_FAILED, "its stored recipe no longer parses: " + parsed.ErrorText());
@@ -217,6 +218,7 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
   job.stop_reason.clear();
   writer_.Enqueue("clear the ranks of " + job.job.id(),
                   [id = job.job.id()](StateStore& store) { return store.ClearRanks(id); });
+  job.ranks.clear();
   std::string recipe_yaml = RecipeToYaml(recipe);
   int nproc = recipe.parallel.nproc_per_node;
   const std::string scope = job.job.id() + "/" + std::to_string(generation) + "/";
@@ -247,6 +249,7 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
       rank.set_node_id(nodes[i]);
       rank.set_local_rank(local);
       rank.set_state("starting");
+      job.ranks[rank.rank()] = rank;
       writer_.Enqueue("record rank " + std::to_string(rank.rank()) + " of " + job.job.id(),
                       [id = job.job.id(), rank](StateStore& store) { return store.UpsertRank(id, rank); });
     }
@@ -403,53 +406,44 @@ void Coordinator::FinishLocked(ActiveJob& job, v1::JobState state, const std::st
 }
 
 StatusOr<v1::Job> Coordinator::GetJob(const std::string& job_id) {
+  {
+    // A job this coordinator holds is answered from memory: at once, also while the state's writes
+    // wait or fail (a full disk, an etcd election).
+    std::lock_guard<std::mutex> lock(mu_);
+    if (ActiveJob* active = FindLocked(job_id)) {
+      v1::Job job = active->job;
+      job.clear_ranks();
+      job.clear_nodes();
+      for (const auto& [index, rank] : active->ranks) *job.add_ranks() = rank;
+      job.set_mfu(IsFinal(active->job.state()) ? 0 : active->job.mfu());
+      job.set_eta_s(IsFinal(active->job.state()) ? 0 : active->job.eta_s());
+      int64_t now = clock_->SteadyMs();
+      for (auto& rank : *job.mutable_ranks()) {
+        auto progress = active->progress.find(rank.rank());
+        if (progress == active->progress.end()) continue;
+        rank.set_last_step(progress->second.report.step());
+        rank.set_phase(progress->second.report.phase());
+        rank.set_progress_age_ms(progress->second.report.idle_ms() + now - progress->second.received_ms);
+        rank.set_work(DescribeWork(progress->second.report.work()));
+        rank.set_compute_ms(progress->second.report.completed().compute_ms());
+        rank.set_memory_bytes(progress->second.report.completed().memory_bytes());
+        rank.set_straggler(active->stragglers.count(rank.rank()) > 0);
+      }
+      for (const auto& node_id : active->nodes) {
+        auto node = nodes_.find(node_id);
+        if (node == nodes_.end()) continue;
+        v1::NodeStatus* status = job.add_nodes();
+        status->set_node_id(node_id);
+        status->set_hostname(node->second.facts.hostname());
+        status->set_connected(node->second.connected);
+        status->set_heartbeat_age_ms(now - node->second.last_heartbeat_ms);
+      }
+      return job;
+    }
+  }
+  // A job of an earlier coordinator, or one that ended a while ago: its stored record.
   writer_.Flush();
-  StatusOr<v1::Job> job = store_->GetJob(job_id);
-  if (!job.ok()) return job;
-  std::lock_guard<std::mutex> lock(mu_);
-  ActiveJob* active = FindLocked(job_id);
-  if (active == nullptr) return job;
-  // The job as it is now, also while the state's writes wait or fail.
-  job->set_state(active->job.state());
-  job->set_cause(active->job.cause());
-  job->set_generation(active->job.generation());
-  job->set_restarts(active->job.restarts());
-  job->set_last_failure(active->job.last_failure());
-  job->set_last_committed_step(active->job.last_committed_step());
-  job->set_last_committed_path(active->job.last_committed_path());
-  job->set_last_step(active->job.last_step());
-  job->set_last_loss(active->job.last_loss());
-  job->set_val_step(active->job.val_step());
-  job->set_val_loss(active->job.val_loss());
-  job->set_total_steps(active->job.total_steps());
-  job->set_tokens_per_s(active->job.tokens_per_s());
-  job->set_mfu(IsFinal(active->job.state()) ? 0 : active->job.mfu());
-  job->set_checkpoint_save_ms(active->job.checkpoint_save_ms());
-  job->set_checkpoint_save_bytes(active->job.checkpoint_save_bytes());
-  job->set_checkpoint_load_ms(active->job.checkpoint_load_ms());
-  job->set_eta_s(IsFinal(active->job.state()) ? 0 : active->job.eta_s());
-  int64_t now = clock_->SteadyMs();
-  for (auto& rank : *job->mutable_ranks()) {
-    auto progress = active->progress.find(rank.rank());
-    if (progress == active->progress.end()) continue;
-    rank.set_last_step(progress->second.report.step());
-    rank.set_phase(progress->second.report.phase());
-    rank.set_progress_age_ms(progress->second.report.idle_ms() + now - progress->second.received_ms);
-    rank.set_work(DescribeWork(progress->second.report.work()));
-    rank.set_compute_ms(progress->second.report.completed().compute_ms());
-    rank.set_memory_bytes(progress->second.report.completed().memory_bytes());
-    rank.set_straggler(active->stragglers.count(rank.rank()) > 0);
-  }
-  for (const auto& node_id : active->nodes) {
-    auto node = nodes_.find(node_id);
-    if (node == nodes_.end()) continue;
-    v1::NodeStatus* status = job->add_nodes();
-    status->set_node_id(node_id);
-    status->set_hostname(node->second.facts.hostname());
-    status->set_connected(node->second.connected);
-    status->set_heartbeat_age_ms(now - node->second.last_heartbeat_ms);
-  }
-  return job;
+  return store_->GetJob(job_id);
 }
 
 StatusOr<std::vector<v1::Job>> Coordinator::ListJobs(int limit) {
@@ -854,6 +848,7 @@ Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {
   rank.set_log_path(report.log_path());
   // The step it was in when it exited stays with the rank after the job (and the coordinator) ended.
   if (report.has_progress()) rank.set_last_step(report.progress().step());
+  job->ranks[rank.rank()] = rank;
   writer_.Enqueue("record rank " + std::to_string(rank.rank()) + " of " + job->job.id(),
                   [id = job->job.id(), rank](StateStore& store) { return store.UpsertRank(id, rank); });
   if (report.state() == "running") {

@@ -183,6 +183,7 @@ class Coordinator {
     std::vector<std::string> generation_nodes;  // of the latest generation, kept after it ends
     std::set<int> ranks_exited_ok;
     std::map<int, Progress> progress;
+    std::map<int, v1::RankInfo> ranks;  // as recorded in the state: GetJob answers without it
     int64_t generation_started_ms = 0;
     int64_t committed_at_start = 0;  // last committed step when the generation started
     int64_t restart_at_ms = 0;       // RESTARTING: when to place the next generation

@@ -311,7 +311,7 @@ TEST_F(EtcdTest, KilledLeaderIsReplacedWithinFiveSecondsAndTheJobGoesOnInTheSame
   ProcessResult result = launch.Wait(seconds(240));
   EXPECT_EQ(result.exit_code, 0) << result.output << "\n--- standby\n" << standby->Output();
   v1::Job job = JobStatus("ha-1", env, {"--coordinator", both});
-  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << "--- standby\n" << standby->Output();
   EXPECT_EQ(job.generation(), 0) << "the workers were never restarted";
   EXPECT_EQ(job.restarts(), 0);
   ASSERT_EQ(job.ranks_size(), 2);

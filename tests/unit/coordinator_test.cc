@@ -381,6 +381,7 @@ TEST_F(CoordinatorTest, StepFiguresComeFromRankZerosProgressInHeartbeats) {
   EXPECT_EQ(job.ranks(0).last_step(), 4) << "the step rank 0 works on";
   EXPECT_EQ(job.ranks(0).phase(), "forward");
   // Persisted: the stored job has them too.
+  coordinator_->FlushState();
   EXPECT_EQ(store_->GetJob(id)->last_step(), 3);
   EXPECT_DOUBLE_EQ(store_->GetJob(id)->last_loss(), 2.5);
 
@@ -480,6 +481,7 @@ TEST_F(CoordinatorTest, ExitReportsProgressIsAppliedBeforeTheExit) {
   EXPECT_EQ(job.last_committed_step(), 5);
   EXPECT_EQ(job.last_committed_path(), "/ck/step-5");
   EXPECT_DOUBLE_EQ(job.eta_s(), 0);
+  coordinator_->FlushState();
   EXPECT_EQ(store_->GetJob(id)->last_committed_step(), 5);
 
   // A failing rank's last commit is kept too.
