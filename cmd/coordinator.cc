@@ -115,7 +115,6 @@ int RunCoordinator(const CoordinatorArgs& args, const SecurityMaterial& security
   // coordinator's address reach the leader alone (a standby does not listen).
   std::unique_ptr<launcher::StateStore> store;
   std::unique_ptr<launcher::LeaderElection> election;
-  std::string state_name = state_dir + "/state.db";
   if (!args.state.empty()) {
     StatusOr<launcher::EtcdUrl> url = launcher::ParseEtcdUrl(args.state);
     if (!url.ok()) {
@@ -158,7 +157,6 @@ int RunCoordinator(const CoordinatorArgs& args, const SecurityMaterial& security
     election->OnLost([&life](const std::string& why) { life.StepDown(why); });
     etcd_store->SetFence(election_options.key, *fence, [&life](const std::string& why) { life.StepDown(why); });
     store = std::move(etcd_store);
-    state_name = args.state;
     options.show_events_once_stored = true;
     options.state_name = args.state;
   }
@@ -172,7 +170,7 @@ int RunCoordinator(const CoordinatorArgs& args, const SecurityMaterial& security
   // The address it listens on (0.0.0.0 stays 0.0.0.0), with the port it got.
   const std::string host = args.listen.substr(0, args.listen.rfind(':'));
   LTRAIN_LOG(kInfo, "coordinator") << "listening on " << host << ":" << (*server)->port() << ", state in "
-                                   << state_name;
+                                   << (options.state_name.empty() ? state_dir + "/state.db" : options.state_name);
   // Written aside and renamed, so that whoever waits for the file never reads half a port.
   auto write_port = [](const std::string& path, int port) {
     if (path.empty()) return;

@@ -154,18 +154,14 @@ bool IsLoopbackOne(std::string target) {
   return host == "localhost" || host == "::1" || ipv4_loopback;
 }
 
-// Every address of a list is on loopback.
+// Every address of a list ("HOST:PORT,HOST:PORT", or gRPC's "ipv4:A:P,A:P") is on loopback.
 bool IsLoopbackTarget(const std::string& target) {
-  for (const char* scheme : {"ipv4:", "ipv6:"}) {
-    if (target.rfind(scheme, 0) == 0 && target.find(',') != std::string::npos) {
-      for (const std::string& one : SplitList(target.substr(std::strlen(scheme)))) {
-        if (!IsLoopbackOne(one)) return false;
-      }
-      return true;
-    }
-  }
   if (target.find(',') == std::string::npos) return IsLoopbackOne(target);
-  for (const std::string& one : SplitList(target)) {
+  std::string list = target;
+  for (const char* scheme : {"ipv4:", "ipv6:"}) {
+    if (list.rfind(scheme, 0) == 0) list = list.substr(std::strlen(scheme));
+  }
+  for (const std::string& one : SplitList(list)) {
     if (!IsLoopbackOne(one)) return false;
   }
   return true;

@@ -131,60 +131,58 @@ Status EtcdClient::WithFailover(const char* what, Call call) {
                      "; last, " + last_endpoint + ": " + last.error_message() + "); is etcd running and in quorum?");
 }
 
+template <typename Response, typename Rpc>
+StatusOr<Response> EtcdClient::Unary(const char* what, Rpc rpc) {
+  Response response;
+  LTRAIN_RETURN_IF_ERROR(WithFailover(what, [&](Member& member, Deadline deadline) {
+    grpc::ClientContext context;
+    context.set_deadline(deadline);
+    response.Clear();
+    return rpc(member, &context, &response);
+  }));
+  return response;
+}
+
 StatusOr<etcdserverpb::RangeResponse> EtcdClient::Range(const std::string& key, const std::string& range_end,
                                                         int64_t limit) {
   etcdserverpb::RangeRequest request;
   request.set_key(key);
   request.set_range_end(range_end);
   request.set_limit(limit);
-  etcdserverpb::RangeResponse response;
-  LTRAIN_RETURN_IF_ERROR(WithFailover("a read", [&](Member& member, Deadline deadline) {
-    grpc::ClientContext context;
-    context.set_deadline(deadline);
-    response.Clear();
-    return member.kv->Range(&context, request, &response);
-  }));
-  return response;
+  return Unary<etcdserverpb::RangeResponse>("a read", [&](Member& member, grpc::ClientContext* context, auto* response) {
+    return member.kv->Range(context, request, response);
+  });
+}
+
+StatusOr<int64_t> EtcdClient::Count(const std::string& key, const std::string& range_end) {
+  etcdserverpb::RangeRequest request;
+  request.set_key(key);
+  request.set_range_end(range_end);
+  request.set_count_only(true);
+  LTRAIN_ASSIGN_OR_RETURN(etcdserverpb::RangeResponse counted,
+                          Unary<etcdserverpb::RangeResponse>(
+                              "a count", [&](Member& member, grpc::ClientContext* context, auto* response) {
+                                return member.kv->Range(context, request, response);
+                              }));
+  return counted.count();
 }
 
 StatusOr<etcdserverpb::TxnResponse> EtcdClient::Txn(const etcdserverpb::TxnRequest& request) {
-  etcdserverpb::TxnResponse response;
-  LTRAIN_RETURN_IF_ERROR(WithFailover("a write", [&](Member& member, Deadline deadline) {
-    grpc::ClientContext context;
-    context.set_deadline(deadline);
-    response.Clear();
-    return member.kv->Txn(&context, request, &response);
-  }));
-  return response;
-}
-
-StatusOr<etcdserverpb::DeleteRangeResponse> EtcdClient::DeleteRange(const std::string& key,
-                                                                    const std::string& range_end) {
-  etcdserverpb::DeleteRangeRequest request;
-  request.set_key(key);
-  request.set_range_end(range_end);
-  etcdserverpb::DeleteRangeResponse response;
-  LTRAIN_RETURN_IF_ERROR(WithFailover("a delete", [&](Member& member, Deadline deadline) {
-    grpc::ClientContext context;
-    context.set_deadline(deadline);
-    response.Clear();
-    return member.kv->DeleteRange(&context, request, &response);
-  }));
-  return response;
+  return Unary<etcdserverpb::TxnResponse>("a write", [&](Member& member, grpc::ClientContext* context, auto* response) {
+    return member.kv->Txn(context, request, response);
+  });
 }
 
 StatusOr<int64_t> EtcdClient::LeaseGrant(int64_t ttl_s) {
   etcdserverpb::LeaseGrantRequest request;
   request.set_ttl(ttl_s);
-  etcdserverpb::LeaseGrantResponse response;
-  LTRAIN_RETURN_IF_ERROR(WithFailover("a lease grant", [&](Member& member, Deadline deadline) {
-    grpc::ClientContext context;
-    context.set_deadline(deadline);
-    response.Clear();
-    return member.lease->LeaseGrant(&context, request, &response);
-  }));
-  if (!response.error().empty()) return Internal("etcd refused a lease: " + response.error());
-  return response.id();
+  LTRAIN_ASSIGN_OR_RETURN(etcdserverpb::LeaseGrantResponse granted,
+                          Unary<etcdserverpb::LeaseGrantResponse>(
+                              "a lease grant", [&](Member& member, grpc::ClientContext* context, auto* response) {
+                                return member.lease->LeaseGrant(context, request, response);
+                              }));
+  if (!granted.error().empty()) return Internal("etcd refused a lease: " + granted.error());
+  return granted.id();
 }
 
 StatusOr<int64_t> EtcdClient::LeaseKeepAlive(int64_t lease_id) {
@@ -212,12 +210,12 @@ StatusOr<int64_t> EtcdClient::LeaseKeepAlive(int64_t lease_id) {
 Status EtcdClient::LeaseRevoke(int64_t lease_id) {
   etcdserverpb::LeaseRevokeRequest request;
   request.set_id(lease_id);
-  etcdserverpb::LeaseRevokeResponse response;
-  return WithFailover("a lease revoke", [&](Member& member, Deadline deadline) {
-    grpc::ClientContext context;
-    context.set_deadline(deadline);
-    return member.lease->LeaseRevoke(&context, request, &response);
-  });
+  return Unary<etcdserverpb::LeaseRevokeResponse>(
+             "a lease revoke",
+             [&](Member& member, grpc::ClientContext* context, auto* response) {
+               return member.lease->LeaseRevoke(context, request, response);
+             })
+      .status();
 }
 
 }  // namespace ltrain::launcher

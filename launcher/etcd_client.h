@@ -37,8 +37,9 @@ class EtcdClient {
   // Every key in [key, range_end) (the key alone when range_end is empty), by key; `limit` 0: all.
   StatusOr<etcdserverpb::RangeResponse> Range(const std::string& key, const std::string& range_end = "",
                                               int64_t limit = 0);
+  // How many keys [key, range_end) holds, without their values.
+  StatusOr<int64_t> Count(const std::string& key, const std::string& range_end);
   StatusOr<etcdserverpb::TxnResponse> Txn(const etcdserverpb::TxnRequest& request);
-  StatusOr<etcdserverpb::DeleteRangeResponse> DeleteRange(const std::string& key, const std::string& range_end);
   // A lease of `ttl_s` seconds; its id.
   StatusOr<int64_t> LeaseGrant(int64_t ttl_s);
   // Renews the lease once; returns its TTL left in seconds, 0 when it has expired.
@@ -62,6 +63,9 @@ class EtcdClient {
   // answer is UNAVAILABLE or DEADLINE_EXCEEDED and time is left. `what` names the call in errors.
   template <typename Call>
   Status WithFailover(const char* what, Call call);
+  // A unary call with failover: `rpc(member, context, response)` calls one of the member's stubs.
+  template <typename Response, typename Rpc>
+  StatusOr<Response> Unary(const char* what, Rpc rpc);
 
   std::vector<std::string> endpoints_;
   std::vector<Member> members_;

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <map>
+#include <set>
 #include <sstream>
 
 #include "common/logging.h"
@@ -352,28 +353,29 @@ StatusOr<PruneCounts> EtcdStateStore::PruneBefore(int64_t cutoff_unix_ms) {
   PruneCounts counts;
   LTRAIN_ASSIGN_OR_RETURN(std::vector<v1::Job> jobs, ListJobs(0));
   std::vector<etcdserverpb::RequestOp> ops;
+  std::set<std::string> pruned;  // job ids
   for (const auto& job : jobs) {
     if (!IsFinal(job.state()) || job.updated_unix_ms() >= cutoff_unix_ms) continue;
     ++counts.jobs;
+    pruned.insert(job.id());
     for (const char* part : {"events/", "ranks/", "checkpoints/", "logs/"}) {
       const std::string prefix = Key(part + job.id() + "/");
       if (std::string(part) == "events/" || std::string(part) == "logs/") {
-        LTRAIN_ASSIGN_OR_RETURN(etcdserverpb::RangeResponse rows, client_->Range(prefix, PrefixEnd(prefix)));
-        (std::string(part) == "events/" ? counts.events : counts.log_lines) += rows.kvs_size();
+        LTRAIN_ASSIGN_OR_RETURN(int64_t count, client_->Count(prefix, PrefixEnd(prefix)));
+        (std::string(part) == "events/" ? counts.events : counts.log_lines) += count;
       }
       ops.push_back(DeleteOp(prefix, PrefixEnd(prefix)));
     }
     ops.push_back(DeleteOp(Key("jobs/" + job.id())));
   }
-  // Every job's log lines older than the cutoff, and nodes not seen since.
+  // Every other job's log lines older than the cutoff (keys P/logs/JOB/SEQ), and nodes not seen since.
   const std::string logs = Key("logs/");
   LTRAIN_ASSIGN_OR_RETURN(etcdserverpb::RangeResponse lines, client_->Range(logs, PrefixEnd(logs)));
   for (const auto& kv : lines.kvs()) {
+    const std::string job_id = kv.key().substr(logs.size(), kv.key().rfind('/') - logs.size());
+    if (pruned.count(job_id)) continue;
     v1::Event line;
     if (line.ParseFromString(kv.value()) && line.unix_ms() < cutoff_unix_ms) {
-      bool of_pruned_job = false;
-      for (const auto& op : ops) of_pruned_job |= kv.key().rfind(op.request_delete_range().key(), 0) == 0;
-      if (of_pruned_job) continue;
       ops.push_back(DeleteOp(kv.key()));
       ++counts.log_lines;
     }

@@ -82,13 +82,14 @@ void StateWriter::Run() {
     if (queue_.empty() || (stop_ && failing_ && !retry_)) break;
     retry_ = false;
     // Only this thread pops, and a deque keeps its elements in place when others push at the back.
-    const size_t count = store_->Batches() ? std::min(queue_.size(), kMaxBatch) : 1;
+    const bool batches = store_->Batches();
+    const size_t count = batches ? std::min(queue_.size(), kMaxBatch) : 1;
     std::vector<Item*> batch;
     for (size_t i = 0; i < count; ++i) batch.push_back(&queue_[i]);
     attempting_ = true;
     lock.unlock();
     Status status;
-    if (count == 1 && !store_->Batches()) {
+    if (!batches) {
       status = batch[0]->write(*store_);
     } else {
       store_->BeginBatch();

@@ -6,9 +6,7 @@
 // while the agents heartbeat, and the time to detect a node whose heartbeats stop.
 //
 //   scale_bench --ltrain build/cmd/ltrain --agents 100,1000,10000 --seconds 20 [--state etcd://127.0.0.1:2379]
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -233,22 +231,6 @@ struct Options {
   std::string state;
 };
 
-// A port free now on loopback: a coordinator on etcd needs a fixed one.
-int FreePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t size = sizeof(address);
-  int port = 0;
-  if (bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
-      getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size) == 0) {
-    port = ntohs(address.sin_port);
-  }
-  close(fd);
-  return port;
-}
-
 std::shared_ptr<grpc::Channel> NewChannel(const std::string& address) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection of its own, as separate hosts have
@@ -262,7 +244,7 @@ int RunOne(const Options& o, int n) {
                                    "--state-dir", dir.Join("state"), "--node-timeout", std::to_string(o.node_timeout_s),
                                    "--log-level", "warning"};
   if (!o.state.empty()) {
-    argv[3] = "127.0.0.1:" + std::to_string(FreePort());
+    argv[3] = "127.0.0.1:" + std::to_string(testing::FreePort());
     const std::string prefix = "scale-bench-" + std::to_string(n) + "-" + std::to_string(::getpid()) + "-" +
                                std::to_string(std::chrono::system_clock::now().time_since_epoch().count());
     argv.insert(argv.end(), {"--state", o.state + "/" + prefix});

@@ -3,9 +3,7 @@
 // SIGKILLed during a CPU job: the standby leads within 5 s and the job goes on in the same worker
 // processes, losing no event anyone saw and no commit; a killed etcd member changes nothing.
 #include <gtest/gtest.h>
-#include <netinet/in.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -27,24 +25,6 @@ namespace {
 namespace fs = std::filesystem;
 using std::chrono::milliseconds;
 using std::chrono::seconds;
-
-// A port free now on loopback (etcd and a coordinator on etcd need theirs before they start).
-int FreePort() {
-  int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  address.sin_port = 0;
-  socklen_t size = sizeof(address);
-  if (bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0 ||
-      getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size) != 0) {
-    close(fd);
-    return 0;
-  }
-  const int port = ntohs(address.sin_port);
-  close(fd);
-  return port;
-}
 
 std::string EtcdBinary() {
   for (const char* path : {"/usr/bin/etcd", "/usr/local/bin/etcd"}) {
@@ -102,6 +82,24 @@ class EtcdCluster {
   std::vector<int> client_ports_, peer_ports_;
   std::vector<std::unique_ptr<Subprocess>> processes_;
 };
+
+// The events of `job_id` a follower of the coordinator at `address` gets from the first, until
+// the job has ended and every event came (`*finished` OK) or `timeout` passes.
+std::vector<v1::Event> WatchEvents(const std::string& address, const std::string& job_id,
+                                   std::chrono::milliseconds timeout, grpc::Status* finished = nullptr) {
+  auto stub = v1::JobService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
+  grpc::ClientContext context;
+  context.set_deadline(std::chrono::system_clock::now() + timeout);
+  v1::WatchJobRequest request;
+  request.set_job_id(job_id);
+  auto reader = stub->WatchJob(&context, request);
+  std::vector<v1::Event> events;
+  v1::Event event;
+  while (reader->Read(&event)) events.push_back(event);
+  grpc::Status status = reader->Finish();
+  if (finished != nullptr) *finished = status;
+  return events;
+}
 
 class EtcdTest : public ::testing::Test {
  protected:
@@ -281,18 +279,7 @@ TEST_F(EtcdTest, KilledLeaderIsReplacedWithinFiveSecondsAndTheJobGoesOnInTheSame
   ASSERT_EQ(before.ranks_size(), 2);
 
   // What a follower has seen of the job from the leader, up to the kill.
-  auto channel = grpc::CreateChannel(a, grpc::InsecureChannelCredentials());
-  auto stub = v1::JobService::NewStub(channel);
-  std::vector<v1::Event> seen;
-  {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + milliseconds(700));
-    v1::WatchJobRequest request;
-    request.set_job_id("ha-1");
-    auto reader = stub->WatchJob(&context, request);
-    v1::Event event;
-    while (reader->Read(&event)) seen.push_back(event);
-  }
+  std::vector<v1::Event> seen = WatchEvents(a, "ha-1", milliseconds(700));
   ASSERT_GE(seen.size(), 4u) << "submitted, placed, rank starts, a commit";
 
   const auto killed = std::chrono::steady_clock::now();
@@ -319,18 +306,9 @@ TEST_F(EtcdTest, KilledLeaderIsReplacedWithinFiveSecondsAndTheJobGoesOnInTheSame
   EXPECT_EQ(job.last_committed_step(), 300);
 
   // Every event the follower saw is in the job's history as the new leader tells it.
-  auto new_stub = v1::JobService::NewStub(grpc::CreateChannel(b, grpc::InsecureChannelCredentials()));
-  std::vector<v1::Event> history;
-  {
-    grpc::ClientContext context;
-    context.set_deadline(std::chrono::system_clock::now() + seconds(10));
-    v1::WatchJobRequest request;
-    request.set_job_id("ha-1");
-    auto reader = new_stub->WatchJob(&context, request);
-    v1::Event event;
-    while (reader->Read(&event)) history.push_back(event);
-    EXPECT_TRUE(reader->Finish().ok());
-  }
+  grpc::Status finished;
+  std::vector<v1::Event> history = WatchEvents(b, "ha-1", seconds(10), &finished);
+  EXPECT_TRUE(finished.ok()) << finished.error_message();
   for (const auto& event : seen) {
     bool found = false;
     for (const auto& kept : history) found |= kept.seq() == event.seq() && kept.message() == event.message();

@@ -1,7 +1,9 @@
 #include "tests/support/subprocess.h"
 
 #include <fcntl.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -167,6 +169,22 @@ bool ProcessAlive(pid_t pid) {
   size_t close = content.rfind(')');
   if (close == std::string::npos || close + 2 >= content.size()) return false;
   return content[close + 2] != 'Z' && content[close + 2] != 'X';
+}
+
+int FreePort() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return 0;
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t size = sizeof(address);
+  int port = 0;
+  if (bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
+      getsockname(fd, reinterpret_cast<sockaddr*>(&address), &size) == 0) {
+    port = ntohs(address.sin_port);
+  }
+  close(fd);
+  return port;
 }
 
 int WaitForPortFile(const std::string& path, std::chrono::milliseconds timeout) {

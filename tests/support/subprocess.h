@@ -75,6 +75,9 @@ std::string ReadFile(const std::string& path);
 // The port a daemon started with --port-file PATH wrote there, once the file exists; 0 if it does
 // not appear within `timeout`.
 int WaitForPortFile(const std::string& path, std::chrono::milliseconds timeout = std::chrono::seconds(10));
+// A port free now on loopback, for a daemon that needs a fixed one (etcd, a coordinator on etcd); 0
+// if none could be had.
+int FreePort();
 // The numbers after "loss " in lines that start with "[rank 0] step ".
 std::vector<double> ParseLosses(const std::string& output);
 
