@@ -256,7 +256,7 @@ constexpr double kTensorParallelRate = 100e9;    // per-layer all-reduces: on th
 constexpr double kSequenceParallelRate = 85e9;   // the same bytes as all-gathers and reduce-scatters
 constexpr double kDataParallelRate = 300e9;      // bucketed, overlapped in part with backward
 constexpr double kZero3Rate = 450e9;             // ZeRO-3's prefetched gathers overlap compute
-constexpr double kAutocastOverhead = 0.10;       // ZeRO-3 and bf16-autocast cast weights every micro-batch
+constexpr double kAutocastOverhead = 0.10;       // bf16-autocast casts the weights every micro-batch
 constexpr double kPipelineRate = 25e9;           // stage-to-stage sends and receives wait for each other
 
 int64_t Ring(int64_t bytes, int n, bool all_reduce) {
@@ -280,8 +280,7 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout) {
   e.device = ps.device;
   const bool cuda = ps.device == Device::kCuda;
   const bool cpu = !cuda;
-  const bool autocast = cuda && ps.precision != Precision::kFp32 &&
-                        (ps.precision == Precision::kBf16Autocast || layout.zero == 3);
+  const bool autocast = cuda && ps.precision == Precision::kBf16Autocast;
   e.bf16 = cuda && ps.precision != Precision::kFp32 && !autocast;
   const int a = cuda && ps.precision != Precision::kFp32 ? 2 : 4;  // activation bytes
   const int g = e.bf16 && layout.zero < 2 ? 2 : 4;                  // gradient bytes in the dp collectives
@@ -305,14 +304,15 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout) {
     MemoryParts& parts = st.parts;
     for (size_t i = 0; i < units.size(); ++i) {
       const int64_t n = units[i], shard = CeilDiv(n, dp), padded = shard * dp;
-      parts.params += (zero == 3 ? shard : padded) * 4 + (e.bf16 ? padded * 2 : 0);
+      // bf16 copies: of every parameter below ZeRO-3; under it only of the units gathered (below).
+      parts.params += (zero == 3 ? shard : padded) * 4 + (e.bf16 && zero < 3 ? padded * 2 : 0);
       parts.grads += (zero >= 2 ? shard : padded) * (e.bf16 && zero < 2 ? 2 : 4);
       parts.optimizer += 2 * (zero == 0 ? padded : shard) * 4;
       // ZeRO-3 keeps the embedding and head units gathered from their forward to their gradients
       // (the first and last unit), the blocks' one at a time with the next prefetched.
       if (zero == 3) {
         if (i == 0 || i + 1 == units.size()) {
-          gathered += padded * 4;
+          gathered += padded * (e.bf16 ? 2 : 4);
         } else if (padded > biggest_unit) {
           second_unit = biggest_unit;
           biggest_unit = padded;
@@ -324,7 +324,8 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout) {
       if (dp > 1) {
         const bool sharded = e.bf16 && (zero == 1 || zero == 2);
         if (zero == 3) {
-          const int64_t one = Ring(padded * 4, dp, false);
+          // bf16: the copies gathered, the gradients reduce-scattered in bf16.
+          const int64_t one = Ring(padded * (e.bf16 ? 2 : 4), dp, false);
           z3_bytes += mb * 2 * one + (overlap ? mb : 1) * (cpu ? Ring(padded * 4, dp, true) : one);
         } else if (zero == 0) {
           dp_bytes += Ring(padded * g, dp, true);
@@ -344,7 +345,10 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout) {
     for (int c = 0; c < layout.chunks; ++c) layers_here += layout.stage_layers[VirtualStage(layout.pp, r, c)];
     const int64_t unsharded_grads =
         zero >= 2 && (!overlap && mb > 1) ? numel * (cpu ? 4 : (e.bf16 ? 2 : 4)) : 0;
-    const int64_t z3_buffers = zero == 3 ? gathered + (cuda ? biggest_unit * 4 + second_unit * 4 : 0) : 0;
+    // Under ZeRO-3 with bf16 copies also the gradient buffer of the block in backward.
+    const int64_t z3_buffers =
+        zero == 3 ? gathered + (cuda ? (biggest_unit + second_unit) * (e.bf16 ? 2 : 4) + (e.bf16 ? biggest_unit * 2 : 0) : 0)
+                  : 0;
     for (int mode = 0; mode < 3; ++mode) {
       const auto ac = static_cast<ActivationCheckpointing>(mode);
       std::vector<int64_t> stage_bytes(stages, 0);
@@ -401,6 +405,9 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout) {
       const bool tied = m.arch == Arch::kGpt2 || m.tie_embeddings;
       if (tied) embedding_bytes = int64_t{m.vocab} * m.d_model / layout.tp * g;
     }
+    // On CUDA the gradient shards of ZeRO-2/3 are made by the step's first reduction, in backward, as
+    // activations are freed: without accumulation none is held at the forward's peak.
+    if (cuda && zero >= 2 && mb == 1 && layout.pp == 1) parts.grads = 0;
     e.stages.push_back(st);
     e.peak_bytes = std::max(e.peak_bytes, parts.total());
   }

@@ -364,6 +364,17 @@ class SideStream {
 #endif
 };
 
+// Marks `t`'s memory as used by the current stream of its device: the caching allocator then
+// reuses it, once `t` is freed, only after the work queued there so far (a buffer made on one
+// stream and read by a collective on another). A no-op on CPU.
+inline void RecordCurrentStream(const torch::Tensor& t) {
+#if defined(LTRAIN_WITH_NCCL)
+  if (t.is_cuda()) t.record_stream(c10::cuda::getCurrentCUDAStream(t.device().index()));
+#else
+  (void)t;
+#endif
+}
+
 // Whether this LibTorch was built with CUDA (the NCCL communicator is compiled only then).
 #if defined(LTRAIN_WITH_NCCL)
 inline constexpr bool kBuiltWithCuda = true;

@@ -155,13 +155,75 @@ TEST(ParamStoreTest, ShardedZero1UpdateTrainsAsZero0OnTwoRanks) {
   EXPECT_FALSE(torch::equal(plain_w[0], start.w.detach().to(torch::kBFloat16)));
 }
 
-TEST(ParamStoreTest, Bf16CopiesAreRefusedUnderZero3) {
-  FakeCommunicator dp;
-  Leaves leaves = MakeLeaves();
-  AdamWConfig adamw;
-  std::vector<ParamStore::Param> params = {{&leaves.w, true, true}, {&leaves.b, false, true}};
-  StatusOr<std::unique_ptr<ParamStore>> store = ParamStore::Create(params, {{0, 1}}, 3, &dp, adamw, true);
-  EXPECT_FALSE(store.ok());
+// Two real ranks (threads over Gloo): zero 3 with bf16 copies keeps only its fp32 shard, gathers
+// the bf16 copies before use, and reduce-scatters the bf16 gradient buffer PrepareGradients made.
+// It must train exactly as zero 1 with bf16 copies does, its copies and masters equal to zero 1's.
+TEST(ParamStoreTest, Zero3WithBf16CopiesTrainsAsZero1OnTwoRanks) {
+  gloo::rendezvous::HashStore rendezvous_z3, rendezvous_z1;
+  std::vector<std::string> failures(2);
+  std::vector<torch::Tensor> z3_w(2), z1_w(2), z3_masters(2), z1_masters(2), z3_model(2), z3_range(2);
+  const Leaves start = MakeLeaves();
+  std::vector<std::vector<std::pair<torch::Tensor, torch::Tensor>>> grads(2);
+  for (int rank = 0; rank < 2; ++rank) {
+    for (int step = 0; step < 3; ++step) {
+      grads[rank].emplace_back(torch::randn({4, 3}).to(torch::kBFloat16), torch::randn({3}).to(torch::kBFloat16));
+    }
+  }
+  auto copy_of = [&start]() {
+    return Leaves{start.w.detach().clone().requires_grad_(true), start.b.detach().clone().requires_grad_(true)};
+  };
+  auto rank_main = [&](int rank) {
+    auto comm_z3 = GlooCommunicator::Create(rendezvous_z3, rank, 2, "127.0.0.1", std::chrono::seconds(20));
+    auto comm_z1 = GlooCommunicator::Create(rendezvous_z1, rank, 2, "127.0.0.1", std::chrono::seconds(20));
+    if (!comm_z3.ok() || !comm_z1.ok()) {
+      failures[rank] = "no communicator";
+      return;
+    }
+    Leaves a = copy_of(), b = copy_of();
+    std::unique_ptr<ParamStore> z3 = MakeStore(a, /*zero=*/3, comm_z3->get(), /*bf16=*/true);
+    std::unique_ptr<ParamStore> z1 = MakeStore(b, /*zero=*/1, comm_z1->get(), /*bf16=*/true);
+    for (int64_t step = 1; step <= 3; ++step) {
+      z3->ZeroGrads();
+      z1->ZeroGrads();
+      // As the backward hook does before the unit's backward.
+      z3->ArmHooks(true);
+      z3->PrepareGradients(0);
+      if (!a.w.grad().defined() || a.w.grad().scalar_type() != torch::kBFloat16) failures[rank] = "no bf16 gradient buffer";
+      const auto& [gw, gb] = grads[rank][step - 1];
+      SetGrads(a, gw, gb);
+      SetGrads(b, gw, gb);
+      for (ParamStore* s : {z3.get(), z1.get()}) {
+        if (Status st = s->ReduceAll(); !st.ok()) failures[rank] = st.ToString();
+        if (Status st = s->OptimizerStep(1e-2, 1.0, step); !st.ok()) failures[rank] = st.ToString();
+      }
+      if (a.w.grad().defined()) failures[rank] = "the gradient buffer outlived its reduction";
+    }
+    if (Status st = z3->Gather(0); !st.ok()) failures[rank] = st.ToString();
+    z3_w[rank] = a.w.detach().clone();
+    z1_w[rank] = b.w.detach().clone();
+    z3->Release(0);
+    if (Status st = z3->GatherMasterUnit(0); !st.ok()) failures[rank] = st.ToString();
+    z3_masters[rank] = torch::cat({z3->MasterValue(0).reshape(-1), z3->MasterValue(1).reshape(-1)});
+    z3->ReleaseMasterUnit(0);
+    if (Status st = z1->SyncMasters(); !st.ok()) failures[rank] = st.ToString();
+    z1_masters[rank] = torch::cat({z1->MasterValue(0).reshape(-1), z1->MasterValue(1).reshape(-1)});
+    for (const auto& [key, value] : z3->ModelState({"w", "b"})) {
+      if (key == "model.w") z3_model[rank] = value;
+      if (key == "range.w") z3_range[rank] = value;
+    }
+  };
+  std::thread r0(rank_main, 0), r1(rank_main, 1);
+  r0.join();
+  r1.join();
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_EQ(failures[r], "") << "rank " << r;
+    EXPECT_EQ(z3_w[r].scalar_type(), torch::kBFloat16);
+    EXPECT_TRUE(torch::equal(z3_w[r], z1_w[r])) << "rank " << r << ": the gathered bf16 copies";
+    EXPECT_TRUE(torch::equal(z3_masters[r], z1_masters[r])) << "rank " << r << ": the masters";
+    const int64_t begin = z3_range[r][0].item<int64_t>(), end = z3_range[r][1].item<int64_t>();
+    EXPECT_TRUE(torch::equal(z3_model[r], z1_masters[r].narrow(0, begin, end - begin))) << "rank " << r << ": the checkpoint";
+  }
+  EXPECT_FALSE(torch::equal(z3_masters[0], torch::cat({start.w.reshape(-1), start.b.reshape(-1)})));
 }
 
 // Where other communicators run collectives while the data-parallel ones would be in flight (tensor

@@ -137,7 +137,6 @@ StatusOr<std::unique_ptr<ParamStore>> ParamStore::Create(std::vector<Param> para
                                                          Communicator* dp, AdamWConfig adamw, bool bf16_compute,
                                                          bool exclusive_collectives) {
   if (zero < 0 || zero > 3) return InvalidArgument("parallel.zero=" + std::to_string(zero) + " is not 0, 1, 2 or 3");
-  if (bf16_compute && zero == 3) return InvalidArgument("bf16 compute copies need parallel.zero < 3");
   std::unique_ptr<ParamStore> store(new ParamStore(std::move(params), zero, dp, adamw));
   const torch::Device device = store->params_.empty() ? torch::Device(torch::kCPU) : store->params_[0].value->device();
   store->queue_ = std::make_unique<ReductionQueue>(dp->size() > 1 && !exclusive_collectives, device);
@@ -179,11 +178,19 @@ StatusOr<std::unique_ptr<ParamStore>> ParamStore::Create(std::vector<Param> para
         value.mutable_grad() = unit.grad_full.narrow(0, unit.layout.offsets[k], value.numel()).view(value.sizes());
       }
     } else {
-      unit.grad_shard = torch::zeros({unit.layout.shard}, options);
+      // On CUDA the gradient shard is made by the step's first reduction (Launch) and dropped by
+      // ZeroGrads: the forward before it runs without it (as FSDP's, whose gradients are set to none).
+      if (!options.device().is_cuda()) unit.grad_shard = torch::zeros({unit.layout.shard}, options);
     }
     if (zero == 3) {
+      // Only the shard stays: released unit by unit, the model's full parameters are never all
+      // held twice. With bf16 copies the fp32 values are gathered only for an export
+      // (GatherMasterUnit).
       Range own = store->Owned(unit);
       unit.shard = unit.full.narrow(0, own.begin, own.size()).clone();
+      compat::ResizeStorage(unit.compute.defined() ? unit.compute : unit.full, 0);
+      if (unit.compute.defined()) compat::ResizeStorage(unit.full, 0);
+      unit.gathered = false;
     }
     store->units_.push_back(std::move(unit));
   }
@@ -192,9 +199,6 @@ StatusOr<std::unique_ptr<ParamStore>> ParamStore::Create(std::vector<Param> para
     ParamStore* self = store.get();
     const int index = static_cast<int>(i);
     store->accumulators_.push_back(compat::AddGradReadyHook(*store->params_[i].value, [self, index] { self->OnGradReady(index); }));
-  }
-  if (zero == 3) {
-    for (int u = 0; u < store->units(); ++u) store->Release(u);
   }
   return store;
 }
@@ -250,6 +254,8 @@ Status ParamStore::BroadcastParameters() {
 }
 
 void ParamStore::RefreshCompute() {
+  // ZeRO-3 casts each gathered shard instead (Prefetch).
+  if (zero_ == 3) return;
   torch::NoGradGuard no_grad;
   for (Unit& unit : units_) {
     if (unit.compute.defined()) unit.compute.copy_(unit.full);
@@ -297,8 +303,11 @@ void ParamStore::ZeroGrads() {
   torch::NoGradGuard no_grad;
   std::vector<torch::Tensor> stale;
   for (Unit& unit : units_) {
-    if (zero_ >= 2) {
-      unit.grad_shard.zero_();
+    if (zero_ >= 2 && unit.full.is_cuda()) {
+      unit.grad_shard = torch::Tensor();
+    } else if (zero_ >= 2) {
+      // On the CPU it stays: the memory plan counts it apart from the step's heap.
+      if (unit.grad_shard.defined()) unit.grad_shard.zero_();
     } else {
       ZeroUnitGrads(unit, /*zero=*/!unit.grads_zeroed, &stale);
       unit.grads_zeroed = false;
@@ -347,6 +356,25 @@ void ParamStore::Launch(int u) {
     });
     return;
   }
+  if (!unit.grad_shard.defined()) unit.grad_shard = torch::zeros({unit.layout.shard}, unit.full.options());
+  if (unit.grad_flat.defined()) {
+    // The unit's gradients are views of one bf16 buffer: reduce-scattered from it as they are.
+    // The leaves let go of it now, so that it is freed once the collective has read it.
+    torch::Tensor flat = unit.grad_flat, shard = unit.grad_shard;
+    unit.grad_flat = torch::Tensor();
+    for (int i : unit.layout.params) params_[i].value->mutable_grad() = torch::Tensor();
+    const int64_t n = unit.layout.shard;
+    queue_->Enqueue([comm, flat, shard, n, dp]() mutable {
+      torch::NoGradGuard no_grad;
+      compat::RecordCurrentStream(flat);
+      torch::Tensor mine = torch::empty({n}, flat.options());
+      LTRAIN_RETURN_IF_ERROR(comm->ReduceScatterSum(flat, mine));
+      shard.add_(mine, 1.0 / dp);
+      return Status::Ok();
+    });
+    Release(u);
+    return;
+  }
   // zero >= 2: the gradients live in the leaves' own .grad tensors; hand them to the job.
   std::vector<torch::Tensor> grads;
   for (int i : unit.layout.params) grads.push_back(params_[i].value->grad());
@@ -378,6 +406,7 @@ Status ParamStore::FinishBackward() {
   Status s = queue_->WaitAll();
   if (armed_ && zero_ >= 2) {
     for (Param& p : params_) p.value->mutable_grad() = torch::Tensor();
+    for (Unit& unit : units_) unit.grad_flat = torch::Tensor();
   }
   for (Unit& unit : units_) {
     unit.pending = static_cast<int>(unit.layout.params.size());
@@ -590,6 +619,9 @@ Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, con
   }
   Status s = queue_->WaitAll();
   if (s.ok() && !(own_kernel && zero_ == 0)) RefreshCompute();
+  // ZeRO-3: the next forward's first unit (the embedding, last in backward order) is gathered
+  // while the host gets the next batch ready.
+  if (s.ok() && zero_ == 3) Prefetch(units() - 1);
   return s;
 }
 
@@ -614,10 +646,23 @@ void ParamStore::Prefetch(int u) {
   if (zero_ != 3 || u < 0 || u >= units()) return;
   Unit& unit = units_[u];
   if (unit.gathered || unit.gather_job != 0) return;
-  compat::ResizeStorage(unit.full, static_cast<size_t>(unit.layout.padded) * unit.full.element_size());
   Communicator* comm = dp_;
-  torch::Tensor shard = unit.shard, full = unit.full;
-  unit.gather_job = queue_->Enqueue([comm, shard, full]() mutable { return comm->AllGather(shard, full); });
+  torch::Tensor shard = unit.shard;
+  if (!unit.compute.defined()) {
+    torch::Tensor full = unit.full;
+    compat::ResizeStorage(full, static_cast<size_t>(unit.layout.padded) * full.element_size());
+    unit.gather_job = queue_->Enqueue([comm, shard, full]() mutable { return comm->AllGather(shard, full); });
+    return;
+  }
+  // bf16 copies: the fp32 shard cast, then every rank's cast gathered (half the traffic of the fp32
+  // values). Not cast in place into the copy: that would count as a change of the leaves, which
+  // share the copy's version counter, and autograd would refuse the values saved for backward.
+  torch::Tensor all = unit.compute;
+  compat::ResizeStorage(all, static_cast<size_t>(unit.layout.padded) * all.element_size());
+  unit.gather_job = queue_->Enqueue([comm, shard, all]() mutable {
+    torch::NoGradGuard no_grad;
+    return comm->AllGather(shard.to(all.scalar_type()), all);
+  });
 }
 
 void ParamStore::Release(int u) {
@@ -627,8 +672,39 @@ void ParamStore::Release(int u) {
     (void)queue_->Wait(unit.gather_job);  // an error resurfaces at the next wait
     unit.gather_job = 0;
   }
-  compat::ResizeStorage(unit.full, 0);
+  compat::ResizeStorage(unit.compute.defined() ? unit.compute : unit.full, 0);
   unit.gathered = false;
+}
+
+void ParamStore::PrepareGradients(int u) {
+  if (zero_ != 3 || !armed_ || u < 0 || u >= units()) return;
+  Unit& unit = units_[u];
+  if (!unit.compute.defined() || unit.grad_flat.defined() || unit.launched) return;
+  torch::NoGradGuard no_grad;
+  unit.grad_flat = torch::zeros({unit.layout.padded}, unit.compute.options());
+  for (size_t k = 0; k < unit.layout.params.size(); ++k) {
+    torch::Tensor& value = *params_[unit.layout.params[k]].value;
+    torch::Tensor view = unit.grad_flat.narrow(0, unit.layout.offsets[k], value.numel()).view(value.sizes());
+    if (value.grad().defined()) view.copy_(value.grad());
+    value.mutable_grad() = view;
+  }
+}
+
+Status ParamStore::GatherMasterUnit(int u) {
+  if (zero_ != 3 || u < 0 || u >= units()) return Status::Ok();
+  Unit& unit = units_[u];
+  if (!unit.compute.defined()) return Gather(u);
+  torch::Tensor full = unit.full, shard = unit.shard;
+  compat::ResizeStorage(full, static_cast<size_t>(unit.layout.padded) * full.element_size());
+  Communicator* comm = dp_;
+  return queue_->Wait(queue_->Enqueue([comm, shard, full]() mutable { return comm->AllGather(shard, full); }));
+}
+
+void ParamStore::ReleaseMasterUnit(int u) {
+  if (zero_ != 3 || u < 0 || u >= units()) return;
+  Unit& unit = units_[u];
+  if (!unit.compute.defined()) return Release(u);
+  compat::ResizeStorage(unit.full, 0);
 }
 
 MemoryBytes ParamStore::Memory() const {
@@ -636,7 +712,8 @@ MemoryBytes ParamStore::Memory() const {
   for (const Unit& unit : units_) {
     const int64_t e = unit.full.element_size();
     m.params += (zero_ == 3 ? unit.layout.shard : unit.layout.padded) * e;
-    if (unit.compute.defined()) m.params += unit.compute.numel() * unit.compute.element_size();
+    // ZeRO-3's bf16 copies exist only while gathered.
+    if (unit.compute.defined() && zero_ < 3) m.params += unit.compute.numel() * unit.compute.element_size();
     const int64_t ge = unit.compute.defined() && zero_ < 2 ? unit.compute.element_size() : e;
     m.grads += (zero_ >= 2 ? unit.layout.shard : unit.layout.padded) * ge;
     m.optimizer += (unit.exp_avg.numel() + unit.exp_avg_sq.numel()) * e;
@@ -768,6 +845,8 @@ Status ParamStore::LoadParamPart(int param, StatePart part, const RangeValues& t
   Unit& unit = units_[unit_of_[param]];
   const Range r = OwnedOfParam(param);
   const int64_t at = OwnedAt(param);
+  // A gathered (or prefetched) ZeRO-3 unit would keep the values from before the load.
+  if (zero_ == 3 && part == StatePart::kValue) Release(unit_of_[param]);
   if (part == StatePart::kValue) {
     if (zero_ < 3 && !gather_masters) {
       const torch::Tensor whole = elements(need);

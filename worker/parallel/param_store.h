@@ -14,7 +14,9 @@
 //           after every micro-step's backward, and the full gradients are dropped.
 //   zero 3: plus parameters: only the shard persists; a unit's full parameters are all-gathered
 //           before use (the next unit prefetched) and their memory released after (forward) and
-//           after their gradients are ready (backward). Units are then the model's blocks.
+//           after their gradients are ready (backward). Units are then the model's blocks. With
+//           bf16 compute copies the fp32 shard is the master: it is cast and gathered into the
+//           unit's bf16 copy, the leaves' bf16 gradients are reduce-scattered in fp32.
 //
 // Threads: the training thread calls everything. Data-parallel collectives (reductions, gathers,
 // loss and norm all-reduces) run in order on one reduction thread that owns the dp communicator,
@@ -119,9 +121,9 @@ class ParamStore {
   };
 
   // `units`: a partition of param indices (each ascending), in the order backward completes them.
-  // `bf16_compute` (zero 0-2): the leaves become bf16 copies of fp32 master parameters, their
-  // gradients bf16; the optimizer updates the masters and refreshes the copies (mixed precision
-  // without autocast's casts in every forward and backward).
+  // `bf16_compute`: the leaves become bf16 copies of fp32 master parameters, their gradients bf16;
+  // the optimizer updates the masters and refreshes the copies (mixed precision without autocast's
+  // casts in every forward and backward). Under zero 3 the copies are what is gathered.
   // `exclusive_collectives`: other communicators (tensor, pipeline parallel) run collectives while
   // the data-parallel ones would be in flight, on a GPU. NCCL kernels of two communicators issued
   // from two threads can then wait on each other across ranks and hang (NCCL's documentation:
@@ -188,6 +190,14 @@ class ParamStore {
   Status Gather(int u);
   void Prefetch(int u);
   void Release(int u);
+  // zero 3 with bf16 copies, before unit `u`'s backward (hooks armed): its gradients go into one
+  // bf16 buffer (the products add into it), reduce-scattered as it is, in bf16 like the other
+  // stages' bf16 gradients, without a copy into an fp32 buffer first. A no-op otherwise.
+  void PrepareGradients(int u);
+  // zero 3: unit `u`'s fp32 values, all-gathered (MasterValue reads them) until ReleaseMasterUnit.
+  // With bf16 copies these are apart from the copies Gather makes; without, the same as Gather.
+  Status GatherMasterUnit(int u);
+  void ReleaseMasterUnit(int u);
   int zero() const { return zero_; }
   int units() const { return static_cast<int>(units_.size()); }
 
@@ -236,7 +246,7 @@ class ParamStore {
   Status GatherMasters();
   int64_t ParamNumel(int param) const { return params_[param].value->numel(); }
   // The fp32 value of parameter `param` as the optimizer holds it (zero 0-2: the master; zero 3:
-  // the leaf, valid while its unit is gathered).
+  // valid while GatherMasterUnit holds its unit).
   torch::Tensor MasterValue(int param) const;
 
  private:
@@ -250,7 +260,8 @@ class ParamStore {
     torch::Tensor compute;     // bf16_compute: [padded] bf16 copy of `full`, what the leaves view
     torch::Tensor shard;       // zero 3: [shard] persistent parameters
     torch::Tensor grad_full;   // zero < 2: [padded] gradients; the leaves' .grad are views of it
-    torch::Tensor grad_shard;  // zero >= 2: [shard]
+    torch::Tensor grad_shard;  // zero >= 2: [shard] (on CUDA from the step's first reduction to ZeroGrads)
+    torch::Tensor grad_flat;   // zero 3, bf16 copies: [padded] bf16 gradients of one backward (PrepareGradients)
     torch::Tensor exp_avg, exp_avg_sq;
     int pending = 0;           // parameters whose gradient is not ready yet in this backward
     bool launched = false;

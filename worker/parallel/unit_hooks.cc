@@ -41,6 +41,7 @@ UnitHooks Zero3GatherHooks(ParamStore* store, const std::vector<ShardParam>& par
     // Runs when backward reaches this block.
     out.register_hook([store, u, before](const torch::Tensor& grad) {
       if (Status s = store->Gather(u); !s.ok()) throw std::runtime_error(s.message());
+      store->PrepareGradients(u);
       store->Prefetch(before);
       return grad;
     });

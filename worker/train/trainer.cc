@@ -245,10 +245,10 @@ Status Trainer::Init() {
                            " needs parallel.device=cuda; on CPU use precision auto or fp32");
   }
   // bf16 on the GPU only. "bf16" (and auto): the model computes on bf16 copies of fp32 master
-  // weights, the optimizer works in fp32; ZeRO-3, which gathers the parameters themselves, and
-  // "bf16-autocast" keep fp32 parameters and gradients and cast per operation (PyTorch AMP).
+  // weights, the optimizer works in fp32 (ZeRO-3 gathers the copies); "bf16-autocast" keeps fp32
+  // parameters and gradients and casts per operation (PyTorch AMP).
   bf16_ = device_.is_cuda() && p.precision != Precision::kFp32;
-  bf16_params_ = bf16_ && p.precision != Precision::kBf16Autocast && layout_.zero < 3;
+  bf16_params_ = bf16_ && p.precision != Precision::kBf16Autocast;
   activation_dtype_ = bf16_params_ ? torch::kBFloat16 : torch::kFloat;
 
 
@@ -1242,7 +1242,7 @@ Status Trainer::ExportParameters(const std::string& path) {
   LTRAIN_RETURN_IF_ERROR(store_->SyncMasters());
   const RankCoords c = groups_->coords;
   for (int u = 0; u < store_->units(); ++u) {
-    LTRAIN_RETURN_IF_ERROR(store_->Gather(u));
+    LTRAIN_RETURN_IF_ERROR(store_->GatherMasterUnit(u));
   }
   const bool collector = c.dp == 0 && c.tp == 0;
   std::map<std::string, torch::Tensor> full;
@@ -1251,7 +1251,7 @@ Status Trainer::ExportParameters(const std::string& path) {
     LTRAIN_ASSIGN_OR_RETURN(torch::Tensor t, model_->GatherFull(p, store_->MasterValue(static_cast<int>(i))));
     if (collector && p.exported) full[p.name] = t.to(torch::kCPU).to(torch::kFloat).contiguous();
   }
-  for (int u = 0; u < store_->units(); ++u) store_->Release(u);
+  for (int u = 0; u < store_->units(); ++u) store_->ReleaseMasterUnit(u);
   const auto& names = model_->full_params();
   if (collector && layout_.pp > 1) {
     Communicator* pp = groups_->pp;
