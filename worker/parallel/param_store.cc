@@ -316,6 +316,11 @@ void ParamStore::ZeroGrads() {
     unit.launched = false;
   }
   MarkGradientsStale(stale);
+  // ZeRO-3: the forward's first unit (the embedding, last in backward order) is gathered while the
+  // host gets the batch ready. Not earlier, after the update: between steps the trainer runs
+  // collectives of its own (checkpoints, the final barrier) on communicators the data-parallel
+  // group may share, and two threads must not issue on one.
+  if (zero_ == 3) Prefetch(units() - 1);
 }
 
 void ParamStore::ArmHooks(bool armed) {
@@ -358,7 +363,8 @@ void ParamStore::Launch(int u) {
   }
   if (!unit.grad_shard.defined()) unit.grad_shard = torch::zeros({unit.layout.shard}, unit.full.options());
   if (unit.grad_flat.defined()) {
-    // The unit's gradients are views of one bf16 buffer: reduce-scattered from it as they are.
+    // The unit's gradients are views of one buffer: reduce-scattered from it as they are (bf16
+    // with bf16 copies).
     // The leaves let go of it now, so that it is freed once the collective has read it.
     torch::Tensor flat = unit.grad_flat, shard = unit.grad_shard;
     unit.grad_flat = torch::Tensor();
@@ -619,9 +625,6 @@ Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, con
   }
   Status s = queue_->WaitAll();
   if (s.ok() && !(own_kernel && zero_ == 0)) RefreshCompute();
-  // ZeRO-3: the next forward's first unit (the embedding, last in backward order) is gathered
-  // while the host gets the next batch ready.
-  if (s.ok() && zero_ == 3) Prefetch(units() - 1);
   return s;
 }
 
@@ -679,9 +682,10 @@ void ParamStore::Release(int u) {
 void ParamStore::PrepareGradients(int u) {
   if (zero_ != 3 || !armed_ || u < 0 || u >= units()) return;
   Unit& unit = units_[u];
-  if (!unit.compute.defined() || unit.grad_flat.defined() || unit.launched) return;
+  if (unit.grad_flat.defined() || unit.launched) return;
   torch::NoGradGuard no_grad;
-  unit.grad_flat = torch::zeros({unit.layout.padded}, unit.compute.options());
+  // In the leaves' dtype: bf16 with bf16 copies, else fp32.
+  unit.grad_flat = torch::zeros({unit.layout.padded}, (unit.compute.defined() ? unit.compute : unit.full).options());
   for (size_t k = 0; k < unit.layout.params.size(); ++k) {
     torch::Tensor& value = *params_[unit.layout.params[k]].value;
     torch::Tensor view = unit.grad_flat.narrow(0, unit.layout.offsets[k], value.numel()).view(value.sizes());

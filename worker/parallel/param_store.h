@@ -138,7 +138,7 @@ class ParamStore {
   // same model and keeps only its shard).
   Status BroadcastParameters();
 
-  // Before a step: zero the gradients.
+  // Before a step: zero the gradients (ZeRO-3 on CUDA: drop them; and start gathering the first unit).
   void ZeroGrads();
   // Before a backward: whether hooks reduce each unit as its gradients complete (zero 0/1: the last
   // micro-step only; zero 2/3: every micro-step). Without hooks call ReduceAll after backward.
@@ -190,9 +190,10 @@ class ParamStore {
   Status Gather(int u);
   void Prefetch(int u);
   void Release(int u);
-  // zero 3 with bf16 copies, before unit `u`'s backward (hooks armed): its gradients go into one
-  // bf16 buffer (the products add into it), reduce-scattered as it is, in bf16 like the other
-  // stages' bf16 gradients, without a copy into an fp32 buffer first. A no-op otherwise.
+  // zero 3, before unit `u`'s backward (hooks armed): its gradients go into one buffer in the
+  // leaves' dtype (the products add into it), reduce-scattered as it is, without a copy into a
+  // buffer of its own first; with bf16 copies in bf16, like the other stages' bf16 gradients. A
+  // no-op otherwise. Units whose backward it does not precede are copied into an fp32 buffer.
   void PrepareGradients(int u);
   // zero 3: unit `u`'s fp32 values, all-gathered (MasterValue reads them) until ReleaseMasterUnit.
   // With bf16 copies these are apart from the copies Gather makes; without, the same as Gather.
@@ -261,7 +262,7 @@ class ParamStore {
     torch::Tensor shard;       // zero 3: [shard] persistent parameters
     torch::Tensor grad_full;   // zero < 2: [padded] gradients; the leaves' .grad are views of it
     torch::Tensor grad_shard;  // zero >= 2: [shard] (on CUDA from the step's first reduction to ZeroGrads)
-    torch::Tensor grad_flat;   // zero 3, bf16 copies: [padded] bf16 gradients of one backward (PrepareGradients)
+    torch::Tensor grad_flat;   // zero 3: [padded] gradients of one backward (PrepareGradients)
     torch::Tensor exp_avg, exp_avg_sq;
     int pending = 0;           // parameters whose gradient is not ready yet in this backward
     bool launched = false;

@@ -1009,8 +1009,9 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
   const int64_t step = step_;
   Progress::Global().SetPhase(step + 1, "data");
   const double lr = LearningRate(schedule_, step);
-  store_->ZeroGrads();
+  // Before ZeroGrads: ZeRO-3's gather of the first unit, which it starts, is the step's memory.
   heap_base_ = HeapInUse();
+  store_->ZeroGrads();
   const int m = layout_.accumulation;
   torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat).device(device_));
   double compute_ms = 0;  // forward and backward of this step's micro-batches
