@@ -35,6 +35,24 @@ std::unique_ptr<ParamStore> MakeStore(Leaves& leaves, int zero, Communicator* dp
   return std::move(store).value();
 }
 
+// Each rank's bf16 gradients of w and b for each step. Drawn on the test's thread: the rank threads
+// must not share the global generator.
+using RankGrads = std::vector<std::vector<std::pair<torch::Tensor, torch::Tensor>>>;
+RankGrads DrawRankGrads(int ranks, int steps) {
+  RankGrads grads(ranks);
+  for (int rank = 0; rank < ranks; ++rank) {
+    for (int step = 0; step < steps; ++step) {
+      grads[rank].emplace_back(torch::randn({4, 3}).to(torch::kBFloat16), torch::randn({3}).to(torch::kBFloat16));
+    }
+  }
+  return grads;
+}
+
+// Leaves of their own with `start`'s values (one pair per store).
+Leaves CopyOf(const Leaves& start) {
+  return Leaves{start.w.detach().clone().requires_grad_(true), start.b.detach().clone().requires_grad_(true)};
+}
+
 // Both stores get the same gradients: bf16 values, as the bf16 copies' backward produces them.
 void SetGrads(Leaves& leaves, const torch::Tensor& gw, const torch::Tensor& gb) {
   torch::NoGradGuard no_grad;
@@ -92,17 +110,8 @@ TEST(ParamStoreTest, ShardedZero1UpdateTrainsAsZero0OnTwoRanks) {
   std::vector<std::string> failures(2);
   std::vector<torch::Tensor> sharded_w(2), plain_w(2), sharded_masters(2), plain_masters(2), sharded_model(2),
       sharded_range(2);
-  // Drawn here: the threads must not share the global generator. Each rank its own gradients.
   const Leaves start = MakeLeaves();
-  std::vector<std::vector<std::pair<torch::Tensor, torch::Tensor>>> grads(2);
-  for (int rank = 0; rank < 2; ++rank) {
-    for (int step = 0; step < 3; ++step) {
-      grads[rank].emplace_back(torch::randn({4, 3}).to(torch::kBFloat16), torch::randn({3}).to(torch::kBFloat16));
-    }
-  }
-  auto copy_of = [&start]() {
-    return Leaves{start.w.detach().clone().requires_grad_(true), start.b.detach().clone().requires_grad_(true)};
-  };
+  const RankGrads grads = DrawRankGrads(2, 3);
   auto rank_main = [&](int rank) {
     auto comm_sharded = GlooCommunicator::Create(rendezvous_sharded, rank, 2, "127.0.0.1", std::chrono::seconds(20));
     auto comm_plain = GlooCommunicator::Create(rendezvous_plain, rank, 2, "127.0.0.1", std::chrono::seconds(20));
@@ -110,7 +119,7 @@ TEST(ParamStoreTest, ShardedZero1UpdateTrainsAsZero0OnTwoRanks) {
       failures[rank] = "no communicator";
       return;
     }
-    Leaves a = copy_of(), b = copy_of();
+    Leaves a = CopyOf(start), b = CopyOf(start);
     std::unique_ptr<ParamStore> sharded = MakeStore(a, /*zero=*/1, comm_sharded->get(), /*bf16=*/true);
     std::unique_ptr<ParamStore> plain = MakeStore(b, /*zero=*/0, comm_plain->get(), /*bf16=*/true);
     for (int64_t step = 1; step <= 3; ++step) {
@@ -163,15 +172,7 @@ TEST(ParamStoreTest, Zero3WithBf16CopiesTrainsAsZero1OnTwoRanks) {
   std::vector<std::string> failures(2);
   std::vector<torch::Tensor> z3_w(2), z1_w(2), z3_masters(2), z1_masters(2), z3_model(2), z3_range(2);
   const Leaves start = MakeLeaves();
-  std::vector<std::vector<std::pair<torch::Tensor, torch::Tensor>>> grads(2);
-  for (int rank = 0; rank < 2; ++rank) {
-    for (int step = 0; step < 3; ++step) {
-      grads[rank].emplace_back(torch::randn({4, 3}).to(torch::kBFloat16), torch::randn({3}).to(torch::kBFloat16));
-    }
-  }
-  auto copy_of = [&start]() {
-    return Leaves{start.w.detach().clone().requires_grad_(true), start.b.detach().clone().requires_grad_(true)};
-  };
+  const RankGrads grads = DrawRankGrads(2, 3);
   auto rank_main = [&](int rank) {
     auto comm_z3 = GlooCommunicator::Create(rendezvous_z3, rank, 2, "127.0.0.1", std::chrono::seconds(20));
     auto comm_z1 = GlooCommunicator::Create(rendezvous_z1, rank, 2, "127.0.0.1", std::chrono::seconds(20));
@@ -179,7 +180,7 @@ TEST(ParamStoreTest, Zero3WithBf16CopiesTrainsAsZero1OnTwoRanks) {
       failures[rank] = "no communicator";
       return;
     }
-    Leaves a = copy_of(), b = copy_of();
+    Leaves a = CopyOf(start), b = CopyOf(start);
     std::unique_ptr<ParamStore> z3 = MakeStore(a, /*zero=*/3, comm_z3->get(), /*bf16=*/true);
     std::unique_ptr<ParamStore> z1 = MakeStore(b, /*zero=*/1, comm_z1->get(), /*bf16=*/true);
     for (int64_t step = 1; step <= 3; ++step) {
