@@ -412,7 +412,6 @@ Status ParamStore::FinishBackward() {
   Status s = queue_->WaitAll();
   if (armed_ && zero_ >= 2) {
     for (Param& p : params_) p.value->mutable_grad() = torch::Tensor();
-    for (Unit& unit : units_) unit.grad_flat = torch::Tensor();
   }
   for (Unit& unit : units_) {
     unit.pending = static_cast<int>(unit.layout.params.size());
@@ -649,14 +648,12 @@ void ParamStore::Prefetch(int u) {
   if (zero_ != 3 || u < 0 || u >= units()) return;
   Unit& unit = units_[u];
   if (unit.gathered || unit.gather_job != 0) return;
-  Communicator* comm = dp_;
-  torch::Tensor shard = unit.shard;
   if (!unit.compute.defined()) {
-    torch::Tensor full = unit.full;
-    compat::ResizeStorage(full, static_cast<size_t>(unit.layout.padded) * full.element_size());
-    unit.gather_job = queue_->Enqueue([comm, shard, full]() mutable { return comm->AllGather(shard, full); });
+    unit.gather_job = GatherFp32(unit);
     return;
   }
+  Communicator* comm = dp_;
+  torch::Tensor shard = unit.shard;
   // bf16 copies: the fp32 shard cast, then every rank's cast gathered (half the traffic of the fp32
   // values). Not cast in place into the copy: that would count as a change of the leaves, which
   // share the copy's version counter, and autograd would refuse the values saved for backward.
@@ -698,10 +695,14 @@ Status ParamStore::GatherMasterUnit(int u) {
   if (zero_ != 3 || u < 0 || u >= units()) return Status::Ok();
   Unit& unit = units_[u];
   if (!unit.compute.defined()) return Gather(u);
+  return queue_->Wait(GatherFp32(unit));
+}
+
+int64_t ParamStore::GatherFp32(Unit& unit) {
   torch::Tensor full = unit.full, shard = unit.shard;
   compat::ResizeStorage(full, static_cast<size_t>(unit.layout.padded) * full.element_size());
   Communicator* comm = dp_;
-  return queue_->Wait(queue_->Enqueue([comm, shard, full]() mutable { return comm->AllGather(shard, full); }));
+  return queue_->Enqueue([comm, shard, full]() mutable { return comm->AllGather(shard, full); });
 }
 
 void ParamStore::ReleaseMasterUnit(int u) {

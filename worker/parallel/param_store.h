@@ -16,7 +16,7 @@
 //           before use (the next unit prefetched) and their memory released after (forward) and
 //           after their gradients are ready (backward). Units are then the model's blocks. With
 //           bf16 compute copies the fp32 shard is the master: it is cast and gathered into the
-//           unit's bf16 copy, the leaves' bf16 gradients are reduce-scattered in fp32.
+//           unit's bf16 copy, the leaves' bf16 gradients are reduce-scattered in bf16.
 //
 // Threads: the training thread calls everything. Data-parallel collectives (reductions, gathers,
 // loss and norm all-reduces) run in order on one reduction thread that owns the dp communicator,
@@ -286,6 +286,8 @@ class ParamStore {
   void ZeroUnitGrads(Unit& unit, bool zero, std::vector<torch::Tensor>* stale);
   torch::Tensor OwnedCompute(Unit& unit);
   int64_t OffsetInUnit(int param) const;
+  // zero 3: allocates the unit's fp32 values and queues their all-gather from the shards; the job.
+  int64_t GatherFp32(Unit& unit);
   // Calls fn(parameter, at, n) for every parameter of `unit` with elements in this rank's owned
   // range: they are the n elements from `at` on, counted within the owned range.
   void ForEachOwned(const Unit& unit, const std::function<void(const Param&, int64_t at, int64_t n)>& fn) const;
