@@ -1,6 +1,7 @@
 #include "worker/model/fused_kernels.h"
 
 #include <cstdint>
+#include <map>
 #include <mutex>
 #include <stdexcept>
 #include <utility>
@@ -13,6 +14,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
+#include "worker/comm/communicator.h"
 #include "worker/model/cuda/adamw.h"
 #include "worker/model/cuda/column_sums.h"
 #include "worker/model/cuda/cross_entropy.h"
@@ -204,6 +206,64 @@ torch::Tensor Residual2d(const torch::Tensor& residual, int64_t out) {
   return residual.reshape({-1, out}).contiguous();
 }
 
+// A high-priority stream per device for the input gradients' tensor-parallel sums: one stream, so
+// that they run in the order they were issued, as the communicator's collectives must.
+c10::cuda::CUDAStream SideStream(c10::DeviceIndex device) {
+  static std::mutex mu;
+  static std::map<c10::DeviceIndex, c10::cuda::CUDAStream> streams;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = streams.find(device);
+  if (it == streams.end()) it = streams.emplace(device, c10::cuda::getStreamFromPool(true, device)).first;
+  return it->second;
+}
+
+void CheckCuda(cudaError_t result, const char* what) {
+  if (result != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(result));
+}
+
+// The sum of an input gradient over the tensor-parallel ranks, started on the side stream once the
+// current stream has computed the gradient: the products queued on the current stream after it (the
+// weight gradients) run beside the all-reduce. Finish() makes the current stream wait for the sum;
+// nothing may read or free the gradient before. With no communicator, it does nothing.
+class InputGradSum {
+ public:
+  InputGradSum(torch::Tensor& dx, Communicator* comm) : comm_(comm) {
+    if (comm_ == nullptr) return;
+    const c10::DeviceIndex device = dx.device().index();
+    main_ = c10::cuda::getCurrentCUDAStream(device).stream();
+    c10::cuda::CUDAStream side = SideStream(device);
+    cudaEvent_t ready = nullptr;
+    CheckCuda(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate");
+    CheckCuda(cudaEventRecord(ready, main_), "cudaEventRecord");
+    CheckCuda(cudaStreamWaitEvent(side.stream(), ready, 0), "cudaStreamWaitEvent");
+    cudaEventDestroy(ready);
+    {
+      c10::cuda::CUDAStreamGuard on_side(side);
+      Status s = comm_->AllReduceSum(dx);
+      if (!s.ok()) throw std::runtime_error(s.message());
+    }
+    CheckCuda(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreate");
+    CheckCuda(cudaEventRecord(done_, side.stream()), "cudaEventRecord");
+  }
+  InputGradSum(const InputGradSum&) = delete;
+  InputGradSum& operator=(const InputGradSum&) = delete;
+  ~InputGradSum() { Finish(); }
+
+  void Finish() {
+    if (done_ == nullptr) return;
+    cudaStreamWaitEvent(main_, done_, 0);
+    cudaEventDestroy(done_);
+    done_ = nullptr;
+  }
+
+ private:
+  Communicator* comm_;
+  cudaStream_t main_ = nullptr;
+  cudaEvent_t done_ = nullptr;
+};
+
+Communicator* CommOf(AutogradContext* ctx) { return reinterpret_cast<Communicator*>(ctx->saved_data["tp"].toInt()); }
+
 struct LinearFunction : public torch::autograd::Function<LinearFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
                                const torch::Tensor& b, const torch::Tensor& residual) {
@@ -238,8 +298,9 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
 struct MlpFunction : public torch::autograd::Function<MlpFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w1,
                                const torch::Tensor& b1, const torch::Tensor& w2, const torch::Tensor& b2,
-                               const torch::Tensor& residual) {
+                               const torch::Tensor& residual, int64_t tp) {
     c10::cuda::CUDAGuard guard(x.device());
+    ctx->saved_data["tp"] = tp;
     torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
     torch::Tensor pre = torch::empty({x2.size(0), w1.size(0)}, x.options());
     torch::Tensor h = LinearProduct(x2, w1, b1, cuda::Epilogue::kGeluAuxBias, pre);
@@ -258,11 +319,15 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
     const torch::Tensor &x2 = saved[0], &w1 = saved[1], &pre = saved[2], &h = saved[3], &w2 = saved[4];
     c10::cuda::CUDAGuard guard(x2.device());
     torch::Tensor g = grads[0].reshape({-1, w2.size(0)}).contiguous();
-    auto [dw2, db2] = WeightAndBiasGrads(g, h, w2, ctx->saved_data["has_bias2"].toBool());
+    // The input gradient first: its tensor-parallel sum runs beside the weight gradients.
     torch::Tensor gpre = InputGradProduct(g, w2, cuda::Epilogue::kDGelu, pre);
+    torch::Tensor dx = InputGradProduct(gpre, w1);
+    InputGradSum sum(dx, CommOf(ctx));
+    auto [dw2, db2] = WeightAndBiasGrads(g, h, w2, ctx->saved_data["has_bias2"].toBool());
     auto [dw1, db1] = WeightAndBiasGrads(gpre, x2, w1, true);
-    torch::Tensor dx = InputGradProduct(gpre, w1).view(ctx->saved_data["x_sizes"].toIntVector());
-    return {dx, dw1, db1, dw2, db2, ctx->saved_data["has_residual"].toBool() ? grads[0] : torch::Tensor()};
+    sum.Finish();
+    return {dx.view(ctx->saved_data["x_sizes"].toIntVector()), dw1, db1, dw2, db2,
+            ctx->saved_data["has_residual"].toBool() ? grads[0] : torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -274,8 +339,9 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
 // backward.
 struct QkvFunction : public torch::autograd::Function<QkvFunction> {
   static variable_list forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
-                               const torch::Tensor& b, int64_t heads) {
+                               const torch::Tensor& b, int64_t heads, int64_t tp) {
     c10::cuda::CUDAGuard guard(x.device());
+    ctx->saved_data["tp"] = tp;
     torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
     const int64_t rows = x2.size(0), c = w.size(0) / 3;
     const bool has_bias = b.numel() > 0;
@@ -304,23 +370,32 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
     torch::Tensor dw = into.defined() ? torch::Tensor() : torch::empty_like(w);
     torch::Tensor db = has_bias ? torch::empty({3 * c}, x2.options()) : torch::Tensor();
     torch::Tensor dx = torch::empty({rows, in}, x2.options());
+    // [b, heads, t, d] back to [rows, c]: a view where attention kept the layout it was given.
+    std::vector<torch::Tensor> g(3);
+    for (int64_t i = 0; i < 3; ++i) {
+      if (grads[i].defined()) g[i] = grads[i].transpose(1, 2).contiguous().view({rows, c});
+    }
+    // The input gradient first: its tensor-parallel sum runs beside the weight gradients.
     bool dx_written = false;
     for (int64_t i = 0; i < 3; ++i) {
+      if (!g[i].defined()) continue;
+      InputGradProduct(g[i], w.narrow(0, i * c, c), cuda::Epilogue::kNone, {}, dx, /*accumulate=*/dx_written);
+      dx_written = true;
+    }
+    if (!dx_written) dx.zero_();
+    InputGradSum sum(dx, CommOf(ctx));
+    for (int64_t i = 0; i < 3; ++i) {
       torch::Tensor dw_i = (into.defined() ? into : dw).narrow(0, i * c, c);
-      if (!grads[i].defined()) {
+      if (!g[i].defined()) {
         if (!add) dw_i.zero_();
         if (has_bias) db.narrow(0, i * c, c).zero_();
         continue;
       }
-      // [b, heads, t, d] back to [rows, c]: a view where attention kept the layout it was given.
-      torch::Tensor g = grads[i].transpose(1, 2).contiguous().view({rows, c});
-      WeightGradProduct(g, x2, dw_i, /*accumulate=*/add);
-      InputGradProduct(g, w.narrow(0, i * c, c), cuda::Epilogue::kNone, {}, dx, /*accumulate=*/dx_written);
-      dx_written = true;
-      if (has_bias) db.narrow(0, i * c, c).copy_(BiasGrad(g));
+      WeightGradProduct(g[i], x2, dw_i, /*accumulate=*/add);
+      if (has_bias) db.narrow(0, i * c, c).copy_(BiasGrad(g[i]));
     }
-    if (!dx_written) dx.zero_();
-    return {dx.view(ctx->saved_data["x_sizes"].toIntVector()), dw, db, torch::Tensor()};
+    sum.Finish();
+    return {dx.view(ctx->saved_data["x_sizes"].toIntVector()), dw, db, torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -420,8 +495,9 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
 // as FusedLinear's.
 struct ProjectionsFunction : public torch::autograd::Function<ProjectionsFunction> {
   static variable_list forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w0,
-                               const torch::Tensor& w1, const torch::Tensor& w2) {
+                               const torch::Tensor& w1, const torch::Tensor& w2, int64_t tp) {
     c10::cuda::CUDAGuard guard(x.device());
+    ctx->saved_data["tp"] = tp;
     torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
     variable_list out;
     for (const torch::Tensor* w : {&w0, &w1, &w2}) {
@@ -438,21 +514,29 @@ struct ProjectionsFunction : public torch::autograd::Function<ProjectionsFunctio
     const torch::Tensor& x2 = saved[0];
     c10::cuda::CUDAGuard guard(x2.device());
     torch::Tensor dx = torch::empty_like(x2);
-    bool dx_written = false;
-    variable_list result(4);
+    std::vector<torch::Tensor> g(grads.size());
     for (size_t i = 0; i < grads.size(); ++i) {
-      const torch::Tensor& w = saved[1 + i];
-      torch::Tensor into = AccumulationTarget(w);
-      if (!grads[i].defined()) {
-        if (TakeStale(into)) into.zero_();
-        continue;
-      }
-      torch::Tensor g = grads[i].reshape({-1, w.size(0)}).contiguous();
-      result[1 + i] = WeightGradProduct(g, x2, into, /*accumulate=*/!TakeStale(into));
-      InputGradProduct(g, w, cuda::Epilogue::kNone, {}, dx, /*accumulate=*/dx_written);
+      if (grads[i].defined()) g[i] = grads[i].reshape({-1, saved[1 + i].size(0)}).contiguous();
+    }
+    // The input gradient first: its tensor-parallel sum runs beside the weight gradients.
+    bool dx_written = false;
+    for (size_t i = 0; i < g.size(); ++i) {
+      if (!g[i].defined()) continue;
+      InputGradProduct(g[i], saved[1 + i], cuda::Epilogue::kNone, {}, dx, /*accumulate=*/dx_written);
       dx_written = true;
     }
     if (!dx_written) dx.zero_();
+    InputGradSum sum(dx, CommOf(ctx));
+    variable_list result(5);
+    for (size_t i = 0; i < g.size(); ++i) {
+      torch::Tensor into = AccumulationTarget(saved[1 + i]);
+      if (!g[i].defined()) {
+        if (TakeStale(into)) into.zero_();
+        continue;
+      }
+      result[1 + i] = WeightGradProduct(g[i], x2, into, /*accumulate=*/!TakeStale(into));
+    }
+    sum.Finish();
     result[0] = dx.view(ctx->saved_data["x_sizes"].toIntVector());
     return result;
   }
@@ -553,13 +637,16 @@ torch::Tensor FusedLinear(const torch::Tensor& x, const torch::Tensor& w, const 
   return LinearFunction::apply(x, w, OrEmpty(b, w), OrEmpty(residual, x));
 }
 
+int64_t Handle(Communicator* tp) { return reinterpret_cast<int64_t>(tp); }
+
 torch::Tensor FusedMlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1, const torch::Tensor& w2,
-                       const torch::Tensor& b2, const torch::Tensor& residual) {
-  return MlpFunction::apply(x, w1, b1, w2, OrEmpty(b2, w2), OrEmpty(residual, x));
+                       const torch::Tensor& b2, const torch::Tensor& residual, Communicator* tp) {
+  return MlpFunction::apply(x, w1, b1, w2, OrEmpty(b2, w2), OrEmpty(residual, x), Handle(tp));
 }
 
-std::vector<torch::Tensor> FusedQkv(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, int64_t heads) {
-  return QkvFunction::apply(x, w, OrEmpty(b, w), heads);
+std::vector<torch::Tensor> FusedQkv(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, int64_t heads,
+                                    Communicator* tp) {
+  return QkvFunction::apply(x, w, OrEmpty(b, w), heads, Handle(tp));
 }
 
 bool FusedLayerNormAvailable(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
@@ -582,9 +669,11 @@ std::pair<torch::Tensor, torch::Tensor> FusedRmsNorm(const torch::Tensor& x, con
   return {out[0], out[1]};
 }
 
-std::vector<torch::Tensor> FusedProjections(const torch::Tensor& x, const std::vector<torch::Tensor>& weights) {
+std::vector<torch::Tensor> FusedProjections(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                                            Communicator* tp) {
   if (weights.size() < 2 || weights.size() > 3) throw std::invalid_argument("FusedProjections takes two or three weights");
-  return ProjectionsFunction::apply(x, weights[0], weights[1], weights.size() == 3 ? weights[2] : torch::empty({0}, weights[0].options()));
+  return ProjectionsFunction::apply(x, weights[0], weights[1],
+                                    weights.size() == 3 ? weights[2] : torch::empty({0}, weights[0].options()), Handle(tp));
 }
 
 torch::Tensor FusedEmbedding(const torch::Tensor& ids, const torch::Tensor& w) { return EmbeddingFunction::apply(ids, w); }
@@ -644,12 +733,13 @@ torch::Tensor FusedLinear(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/
 }
 
 torch::Tensor FusedMlp(const torch::Tensor& /*x*/, const torch::Tensor& /*w1*/, const torch::Tensor& /*b1*/,
-                       const torch::Tensor& /*w2*/, const torch::Tensor& /*b2*/, const torch::Tensor& /*residual*/) {
+                       const torch::Tensor& /*w2*/, const torch::Tensor& /*b2*/, const torch::Tensor& /*residual*/,
+                       Communicator* /*tp*/) {
   throw std::logic_error("FusedMlp: this worker was built without CUDA kernels");
 }
 
 std::vector<torch::Tensor> FusedQkv(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/, const torch::Tensor& /*b*/,
-                                    int64_t /*heads*/) {
+                                    int64_t /*heads*/, Communicator* /*tp*/) {
   throw std::logic_error("FusedQkv: this worker was built without CUDA kernels");
 }
 
@@ -659,7 +749,8 @@ std::pair<torch::Tensor, torch::Tensor> FusedRmsNorm(const torch::Tensor& /*x*/,
   throw std::logic_error("FusedRmsNorm: this worker was built without CUDA kernels");
 }
 
-std::vector<torch::Tensor> FusedProjections(const torch::Tensor& /*x*/, const std::vector<torch::Tensor>& /*weights*/) {
+std::vector<torch::Tensor> FusedProjections(const torch::Tensor& /*x*/, const std::vector<torch::Tensor>& /*weights*/,
+                                            Communicator* /*tp*/) {
   throw std::logic_error("FusedProjections: this worker was built without CUDA kernels");
 }
 

@@ -10,6 +10,8 @@
 
 namespace ltrain::worker {
 
+class Communicator;
+
 // Which of the worker's own kernels run (see `ltrain-worker --help`). Set once, before training
 // starts; CPU builds ignore it.
 struct FusedKernelOptions {
@@ -42,17 +44,23 @@ void ZeroStaleGradients();
 torch::Tensor FusedLinear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
                           const torch::Tensor& residual = {});
 
+// The products below that read a block's input take `tp`: where it is not null (tensor parallelism
+// without sequence parallelism), x is the input every tp rank holds whole, and backward sums its
+// gradient over `tp` (Megatron's f, folded into the product). The input gradient is computed first
+// and its all-reduce runs on a side stream while the weight gradients are computed after it.
+
 // residual + linear(gelu_tanh(linear(x, w1, b1)), w2, b2) (b2 and residual may be undefined) with
 // the GELU and its gradient in the products' epilogues (no separate GELU kernels), the residual in
 // the second product's; weight gradients as FusedLinear's.
 torch::Tensor FusedMlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1, const torch::Tensor& w2,
-                       const torch::Tensor& b2, const torch::Tensor& residual = {});
+                       const torch::Tensor& b2, const torch::Tensor& residual = {}, Communicator* tp = nullptr);
 
 // The attention's q, k, v [b, heads, t, d] from x [b, t, in] and the stacked weight w [3c, in] (rows
 // q, k, v) with bias b [3c] (may be undefined), as the slices of linear(x, w, b) viewed
 // [b, t, 3, heads, d] would give them, but each a dense tensor of its own (no copies around the
 // attention kernel); weight gradients as FusedLinear's. Takes what FusedLinearAvailable(x, w) does.
-std::vector<torch::Tensor> FusedQkv(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, int64_t heads);
+std::vector<torch::Tensor> FusedQkv(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, int64_t heads,
+                                    Communicator* tp = nullptr);
 
 // Whether FusedLayerNorm can take these: a CUDA build, bf16 CUDA input, bf16 weight and bias, a
 // width that is a multiple of 8, and options.layer_norm.
@@ -75,7 +83,8 @@ std::pair<torch::Tensor, torch::Tensor> FusedRmsNorm(const torch::Tensor& x, con
 // {x · w_iᵀ} for two or three weights (each as FusedLinearAvailable(x, w_i) takes): one product
 // each, the input gradient summed in the backward products' epilogues (no separate adds), weight
 // gradients as FusedLinear's.
-std::vector<torch::Tensor> FusedProjections(const torch::Tensor& x, const std::vector<torch::Tensor>& weights);
+std::vector<torch::Tensor> FusedProjections(const torch::Tensor& x, const std::vector<torch::Tensor>& weights,
+                                            Communicator* tp = nullptr);
 
 // Whether FusedRope and FusedSwiGlu can take x: a CUDA build, a bf16 CUDA tensor.
 bool FusedLlamaOpsAvailable(const torch::Tensor& x);

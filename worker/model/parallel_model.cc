@@ -621,13 +621,18 @@ torch::Tensor ModelShard::LlamaBlockForward(int layer, const torch::Tensor& x) {
     return sp ? ScatterSeq::apply(partial, comm) : ReduceFromTp::apply(partial, comm);
   };
   // The residual branches read x and r through the norms' second outputs (see RmsNorm).
+  // Without sequence parallelism, our products sum their input's gradient over tp themselves, beside
+  // their weight gradients (Megatron's f folded in).
+  Communicator* const sum_in_product = tp > 1 && !sp ? tp_ : nullptr;
   auto [h_local, x_res] = RmsNorm(x, P(layer, "attn_norm.weight"), c.norm_eps);
-  torch::Tensor h = enter(h_local);
-  const int64_t b = h.size(0), t = h.size(1);
   const torch::Tensor &wq = P(layer, "wq.weight"), &wk = P(layer, "wk.weight"), &wv = P(layer, "wv.weight");
+  const bool fused_qkv = !kv_replicated_ && FusedLinearAvailable(h_local, wq) && FusedLinearAvailable(h_local, wk) &&
+                         FusedLinearAvailable(h_local, wv);
+  torch::Tensor h = fused_qkv && sum_in_product ? h_local : enter(h_local);
+  const int64_t b = h.size(0), t = h.size(1);
   torch::Tensor q_lin, k_lin, v_lin;
-  if (!kv_replicated_ && FusedLinearAvailable(h, wq) && FusedLinearAvailable(h, wk) && FusedLinearAvailable(h, wv)) {
-    std::vector<torch::Tensor> qkv = FusedProjections(h, {wq, wk, wv});
+  if (fused_qkv) {
+    std::vector<torch::Tensor> qkv = FusedProjections(h, {wq, wk, wv}, sum_in_product);
     q_lin = qkv[0], k_lin = qkv[1], v_lin = qkv[2];
   } else {
     // wk and wv kept whole (fewer key/value heads than tp) are used through a view: LibTorch's product.
@@ -645,11 +650,12 @@ torch::Tensor ModelShard::LlamaBlockForward(int layer, const torch::Tensor& x) {
   torch::Tensor r =
       tp == 1 ? NoBiasLinear(y, P(layer, "wo.weight"), x_res) : x_res + row(NoBiasLinear(y, P(layer, "wo.weight")));
   auto [m_local, r_res] = RmsNorm(r, P(layer, "ffn_norm.weight"), c.norm_eps);
-  torch::Tensor m = enter(m_local);
   const torch::Tensor &w1 = P(layer, "w1.weight"), &w3 = P(layer, "w3.weight");
+  const bool fused_gate = FusedLinearAvailable(m_local, w1) && FusedLinearAvailable(m_local, w3);
+  torch::Tensor m = fused_gate && sum_in_product ? m_local : enter(m_local);
   torch::Tensor g, u;
-  if (FusedLinearAvailable(m, w1) && FusedLinearAvailable(m, w3)) {
-    std::vector<torch::Tensor> gu = FusedProjections(m, {w1, w3});
+  if (fused_gate) {
+    std::vector<torch::Tensor> gu = FusedProjections(m, {w1, w3}, sum_in_product);
     g = gu[0], u = gu[1];
   } else {
     g = NoBiasLinear(m, w1), u = NoBiasLinear(m, w3);
@@ -679,20 +685,26 @@ torch::Tensor ModelShard::GptBlockForward(int layer, const torch::Tensor& x) {
     if (tp == 1) return Linear(in, w, b, x);
     return x + row_reduce(Linear(in, w, {}), b);
   };
+  // Without sequence parallelism, our products sum their input's gradient over tp themselves, beside
+  // their weight gradients (Megatron's f folded in).
+  Communicator* const sum_in_product = tp > 1 && !sp ? tp_ : nullptr;
   auto [a_local, x_res] = LayerNorm(x, P(layer, "ln1.weight"), P(layer, "ln1.bias"));
-  torch::Tensor a = enter(a_local);
-  const int64_t b = a.size(0), t = a.size(1);
   const torch::Tensor &qkv_w = P(layer, "qkv.weight"), &qkv_b = P(layer, "qkv.bias");
-  variable_list qkv = FusedLinearAvailable(a, qkv_w) && qkv_b.defined() ? FusedQkv(a, qkv_w, qkv_b, heads_local)
-                                                                        : SplitHeads::apply(Linear(a, qkv_w, qkv_b), heads_local);
+  const bool fused_qkv = FusedLinearAvailable(a_local, qkv_w) && qkv_b.defined();
+  torch::Tensor a = fused_qkv && sum_in_product ? a_local : enter(a_local);
+  const int64_t b = a.size(0), t = a.size(1);
+  variable_list qkv = fused_qkv ? FusedQkv(a, qkv_w, qkv_b, heads_local, sum_in_product)
+                                : SplitHeads::apply(Linear(a, qkv_w, qkv_b), heads_local);
   torch::Tensor y = Attention(qkv[0], qkv[1], qkv[2]).transpose(1, 2).reshape({b, t, c_local});
   torch::Tensor h_in = row_out(x_res, y, P(layer, "proj.weight"), P(layer, "proj.bias"));
   auto [m_local, h] = LayerNorm(h_in, P(layer, "ln2.weight"), P(layer, "ln2.bias"));
-  torch::Tensor m = enter(m_local);
   const torch::Tensor &fc_w = P(layer, "fc.weight"), &fc_b = P(layer, "fc.bias");
   const torch::Tensor &fc2_w = P(layer, "fc2.weight"), &fc2_b = P(layer, "fc2.bias");
-  if (tp == 1) return Mlp(m, fc_w, fc_b, fc2_w, fc2_b, h);
-  return h + row_reduce(Mlp(m, fc_w, fc_b, fc2_w, {}), fc2_b);
+  if (tp == 1) return Mlp(m_local, fc_w, fc_b, fc2_w, fc2_b, h);
+  if (sum_in_product && FusedLinearAvailable(m_local, fc_w) && FusedLinearAvailable(m_local, fc2_w)) {
+    return h + row_reduce(FusedMlp(m_local, fc_w, fc_b, fc2_w, {}, {}, sum_in_product), fc2_b);
+  }
+  return h + row_reduce(Mlp(enter(m_local), fc_w, fc_b, fc2_w, {}), fc2_b);
 }
 
 torch::Tensor ModelShard::Embed(const torch::Tensor& ids) {
