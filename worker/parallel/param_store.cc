@@ -314,6 +314,7 @@ void ParamStore::ZeroGrads() {
     }
     unit.pending = static_cast<int>(unit.layout.params.size());
     unit.launched = false;
+    unit.shard_written = false;
   }
   MarkGradientsStale(stale);
   // ZeRO-3: the forward's first unit (the embedding, last in backward order) is gathered while the
@@ -361,7 +362,10 @@ void ParamStore::Launch(int u) {
     });
     return;
   }
-  if (!unit.grad_shard.defined()) unit.grad_shard = torch::zeros({unit.layout.shard}, unit.full.options());
+  // The step's first reduction writes the shard (one pass, no zeroing); later ones add to it.
+  if (!unit.grad_shard.defined()) unit.grad_shard = torch::empty({unit.layout.shard}, unit.full.options());
+  const bool add = unit.shard_written;
+  unit.shard_written = true;
   if (unit.grad_flat.defined()) {
     // The unit's gradients are views of one buffer: reduce-scattered from it as they are (bf16
     // with bf16 copies).
@@ -370,12 +374,20 @@ void ParamStore::Launch(int u) {
     unit.grad_flat = torch::Tensor();
     for (int i : unit.layout.params) params_[i].value->mutable_grad() = torch::Tensor();
     const int64_t n = unit.layout.shard;
-    queue_->Enqueue([comm, flat, shard, n, dp]() mutable {
+    queue_->Enqueue([comm, flat, shard, n, dp, add]() mutable {
       torch::NoGradGuard no_grad;
       compat::RecordCurrentStream(flat);
       torch::Tensor mine = torch::empty({n}, flat.options());
       LTRAIN_RETURN_IF_ERROR(comm->ReduceScatterSum(flat, mine));
-      shard.add_(mine, 1.0 / dp);
+      if (add) {
+        shard.add_(mine, 1.0 / dp);
+      } else if ((dp & (dp - 1)) == 0) {
+        // 1/dp is exact in bf16: the mean is written in one pass (in mine's dtype, exactly).
+        at::mul_out(shard, mine, at::scalar_tensor(1.0 / dp, mine.options()));
+      } else {
+        shard.copy_(mine);
+        shard.mul_(1.0 / dp);
+      }
       return Status::Ok();
     });
     Release(u);
@@ -386,7 +398,7 @@ void ParamStore::Launch(int u) {
   for (int i : unit.layout.params) grads.push_back(params_[i].value->grad());
   UnitLayout layout = unit.layout;
   torch::Tensor shard = unit.grad_shard;
-  queue_->Enqueue([comm, grads, layout, shard, dp]() mutable {
+  queue_->Enqueue([comm, grads, layout, shard, dp, add]() mutable {
     torch::NoGradGuard no_grad;
     torch::Tensor flat = torch::zeros({layout.padded}, shard.options());
     for (size_t k = 0; k < grads.size(); ++k) {
@@ -395,7 +407,11 @@ void ParamStore::Launch(int u) {
     torch::Tensor mine = torch::empty({layout.shard}, shard.options());
     LTRAIN_RETURN_IF_ERROR(comm->ReduceScatterSum(flat, mine));
     if (dp > 1) mine.div_(dp);
-    shard.add_(mine);
+    if (add) {
+      shard.add_(mine);
+    } else {
+      shard.copy_(mine);
+    }
     return Status::Ok();
   });
   // Under zero 3 the unit's full parameters are not needed again in this backward.

@@ -262,6 +262,7 @@ class ParamStore {
     torch::Tensor shard;       // zero 3: [shard] persistent parameters
     torch::Tensor grad_full;   // zero < 2: [padded] gradients; the leaves' .grad are views of it
     torch::Tensor grad_shard;  // zero >= 2: [shard] (on CUDA from the step's first reduction to ZeroGrads)
+    bool shard_written = false;  // zero >= 2: a reduction of this step wrote grad_shard (later ones add)
     torch::Tensor grad_flat;   // zero 3: [padded] gradients of one backward (PrepareGradients)
     torch::Tensor exp_avg, exp_avg_sq;
     int pending = 0;           // parameters whose gradient is not ready yet in this backward
