@@ -35,6 +35,8 @@ FusedKernelOptions kernel_options;
 
 void SetFusedKernelOptions(const FusedKernelOptions& options) { kernel_options = options; }
 
+bool FusedTpOverlap() { return kernel_options.tp_overlap; }
+
 namespace {
 
 std::mutex stale_mu;

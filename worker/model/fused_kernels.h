@@ -20,6 +20,7 @@ struct FusedKernelOptions {
   bool adamw = true;        // FusedAdamW (LTRAIN_FUSED_ADAMW=0 turns it off)
   int gemm_sm_margin = 0;   // backward's products are planned for this many fewer SMs (LTRAIN_GEMM_SM_MARGIN)
   bool gemm_tune = true;    // each product's algorithm timed among cuBLASLt's candidates (LTRAIN_GEMM_TUNE=0: first)
+  bool tp_overlap = true;   // the products sum their input's gradient over tp (LTRAIN_TP_OVERLAP=0 turns it off)
 };
 void SetFusedKernelOptions(const FusedKernelOptions& options);
 
@@ -48,6 +49,9 @@ torch::Tensor FusedLinear(const torch::Tensor& x, const torch::Tensor& w, const 
 // without sequence parallelism), x is the input every tp rank holds whole, and backward sums its
 // gradient over `tp` (Megatron's f, folded into the product). The input gradient is computed first
 // and its all-reduce runs on a side stream while the weight gradients are computed after it.
+
+// Whether callers should hand `tp` to the products below (options.tp_overlap).
+bool FusedTpOverlap();
 
 // residual + linear(gelu_tanh(linear(x, w1, b1)), w2, b2) (b2 and residual may be undefined) with
 // the GELU and its gradient in the products' epilogues (no separate GELU kernels), the residual in

@@ -623,7 +623,7 @@ torch::Tensor ModelShard::LlamaBlockForward(int layer, const torch::Tensor& x) {
   // The residual branches read x and r through the norms' second outputs (see RmsNorm).
   // Without sequence parallelism, our products sum their input's gradient over tp themselves, beside
   // their weight gradients (Megatron's f folded in).
-  Communicator* const sum_in_product = tp > 1 && !sp ? tp_ : nullptr;
+  Communicator* const sum_in_product = tp > 1 && !sp && FusedTpOverlap() ? tp_ : nullptr;
   auto [h_local, x_res] = RmsNorm(x, P(layer, "attn_norm.weight"), c.norm_eps);
   const torch::Tensor &wq = P(layer, "wq.weight"), &wk = P(layer, "wk.weight"), &wv = P(layer, "wv.weight");
   const bool fused_qkv = !kv_replicated_ && FusedLinearAvailable(h_local, wq) && FusedLinearAvailable(h_local, wk) &&
@@ -687,7 +687,7 @@ torch::Tensor ModelShard::GptBlockForward(int layer, const torch::Tensor& x) {
   };
   // Without sequence parallelism, our products sum their input's gradient over tp themselves, beside
   // their weight gradients (Megatron's f folded in).
-  Communicator* const sum_in_product = tp > 1 && !sp ? tp_ : nullptr;
+  Communicator* const sum_in_product = tp > 1 && !sp && FusedTpOverlap() ? tp_ : nullptr;
   auto [a_local, x_res] = LayerNorm(x, P(layer, "ln1.weight"), P(layer, "ln1.bias"));
   const torch::Tensor &qkv_w = P(layer, "qkv.weight"), &qkv_b = P(layer, "qkv.bias");
   const bool fused_qkv = FusedLinearAvailable(a_local, qkv_w) && qkv_b.defined();

@@ -299,8 +299,9 @@ void ParamStore::ZeroUnitGrads(Unit& unit, bool zero, std::vector<torch::Tensor>
   flush();
 }
 
-void ParamStore::ZeroGrads() {
+void ParamStore::ZeroGrads(bool one_backward) {
   torch::NoGradGuard no_grad;
+  one_backward_ = one_backward;
   std::vector<torch::Tensor> stale;
   for (Unit& unit : units_) {
     if (zero_ >= 2 && unit.full.is_cuda()) {
@@ -362,18 +363,36 @@ void ParamStore::Launch(int u) {
     });
     return;
   }
-  // The step's first reduction writes the shard (one pass, no zeroing); later ones add to it.
-  if (!unit.grad_shard.defined()) unit.grad_shard = torch::empty({unit.layout.shard}, unit.full.options());
   const bool add = unit.shard_written;
   unit.shard_written = true;
   if (unit.grad_flat.defined()) {
     // The unit's gradients are views of one buffer: reduce-scattered from it as they are (bf16
     // with bf16 copies).
     // The leaves let go of it now, so that it is freed once the collective has read it.
-    torch::Tensor flat = unit.grad_flat, shard = unit.grad_shard;
+    torch::Tensor flat = unit.grad_flat;
     unit.grad_flat = torch::Tensor();
     for (int i : unit.layout.params) params_[i].value->mutable_grad() = torch::Tensor();
     const int64_t n = unit.layout.shard;
+    if (one_backward_ && !add) {
+      // Nothing adds to this shard in this step: it is the reduction's mean itself, in the buffer's
+      // dtype (the optimizer and the norm read bf16 gradients as they do under ZeRO-1).
+      if (!unit.grad_shard.defined() || unit.grad_shard.scalar_type() != flat.scalar_type()) {
+        unit.grad_shard = torch::empty({n}, flat.options());
+      }
+      torch::Tensor shard = unit.grad_shard;
+      queue_->Enqueue([comm, flat, shard]() mutable {
+        torch::NoGradGuard no_grad;
+        compat::RecordCurrentStream(flat);
+        return comm->ReduceScatterMean(flat, shard);
+      });
+      Release(u);
+      return;
+    }
+    // The step's first reduction writes the shard (one pass, no zeroing); later ones add to it.
+    if (!unit.grad_shard.defined() || (!add && unit.grad_shard.scalar_type() != unit.full.scalar_type())) {
+      unit.grad_shard = torch::empty({n}, unit.full.options());
+    }
+    torch::Tensor shard = unit.grad_shard;
     queue_->Enqueue([comm, flat, shard, n, dp, add]() mutable {
       torch::NoGradGuard no_grad;
       compat::RecordCurrentStream(flat);
@@ -394,6 +413,9 @@ void ParamStore::Launch(int u) {
     return;
   }
   // zero >= 2: the gradients live in the leaves' own .grad tensors; hand them to the job.
+  if (!unit.grad_shard.defined() || (!add && unit.grad_shard.scalar_type() != unit.full.scalar_type())) {
+    unit.grad_shard = torch::empty({unit.layout.shard}, unit.full.options());
+  }
   std::vector<torch::Tensor> grads;
   for (int i : unit.layout.params) grads.push_back(params_[i].value->grad());
   UnitLayout layout = unit.layout;

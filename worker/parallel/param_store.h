@@ -139,7 +139,10 @@ class ParamStore {
   Status BroadcastParameters();
 
   // Before a step: zero the gradients (ZeRO-3 on CUDA: drop them; and start gathering the first unit).
-  void ZeroGrads();
+  // `one_backward`: the step runs one backward, so nothing adds to a ZeRO-2/3 gradient shard after
+  // its reduction: on CUDA a unit whose gradients share one buffer (ZeRO-3) keeps its shard in that
+  // buffer's dtype (bf16 with bf16 copies), the reduction's mean written straight into it.
+  void ZeroGrads(bool one_backward = false);
   // Before a backward: whether hooks reduce each unit as its gradients complete (zero 0/1: the last
   // micro-step only; zero 2/3: every micro-step). Without hooks call ReduceAll after backward.
   void ArmHooks(bool armed);
@@ -310,6 +313,7 @@ class ParamStore {
   Communicator* dp_;
   AdamWConfig adamw_;
   bool armed_ = false;
+  bool one_backward_ = false;  // ZeroGrads(one_backward) of this step
   bool masters_stale_ = false;  // ShardedUpdate: the masters outside the owned shard lag behind
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // keeps the hooks alive
   std::unique_ptr<ReductionQueue> queue_;

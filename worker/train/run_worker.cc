@@ -187,6 +187,7 @@ Status Run(const WorkerEnv& env) {
   kernels.linear = EnvString("LTRAIN_FUSED_LINEAR") != "0";
   kernels.layer_norm = EnvString("LTRAIN_FUSED_LAYER_NORM") != "0";
   kernels.adamw = EnvString("LTRAIN_FUSED_ADAMW") != "0";
+  kernels.tp_overlap = EnvString("LTRAIN_TP_OVERLAP") != "0";
   // Timing picks an algorithm per run; a deterministic recipe's runs (and their resumes) take
   // cuBLASLt's first candidate, the same every time.
   kernels.gemm_tune = EnvString("LTRAIN_GEMM_TUNE") != "0" && !recipe.training.deterministic;
@@ -348,6 +349,9 @@ Profiling:
   LTRAIN_DP_OVERLAP=0      all-reduce the data-parallel gradients after backward, not during it
   LTRAIN_OVERLAP_UPDATE=0  run the optimizer's update inline after backward, not unit by unit on a
                            stream of its own beside the next forward (zero 0, bf16 on CUDA)
+  LTRAIN_TP_OVERLAP=0      all-reduce a tensor-parallel block input's gradient after its products'
+                           backward, not beside their weight-gradient products (tp without
+                           sequence parallelism, our products)
   LTRAIN_DP_HIGH_PRIORITY=1  run the data-parallel collectives on a high-priority CUDA stream
   LTRAIN_GEMM_SM_MARGIN=N  plan the cuBLASLt products of backward for N fewer SMs than the GPU has,
                            leaving them to the data-parallel reductions that overlap backward

@@ -1011,8 +1011,8 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
   const double lr = LearningRate(schedule_, step);
   // Before ZeroGrads: ZeRO-3's gather of the first unit, which it starts, is the step's memory.
   heap_base_ = HeapInUse();
-  store_->ZeroGrads();
   const int m = layout_.accumulation;
+  store_->ZeroGrads(/*one_backward=*/layout_.pp == 1 && m == 1);
   torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat).device(device_));
   double compute_ms = 0;  // forward and backward of this step's micro-batches
   const bool cuda = device_.is_cuda();
