@@ -9,6 +9,7 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include "worker/comm/communicator.h"
 #include "worker/model/fused_kernels.h"
 #include "worker/torch_compat.h"
 
@@ -319,6 +320,52 @@ TEST(FusedKernelsTest, ProjectionsMatchLibTorch) {
     EXPECT_LE(RelativeError(x.grad(), ref[1]), 0.02) << three;
     EXPECT_LE(RelativeError(w[0].grad().to(torch::kFloat) - before.to(torch::kFloat), ref[2]), 0.02) << three;
     for (size_t i = 1; i < w.size(); ++i) EXPECT_LE(RelativeError(w[i].grad(), ref[2 + i]), 0.02) << three << " " << i;
+  }
+}
+
+// With `tp`, the products that read a block's input sum its gradient over tp themselves, on a side
+// stream beside their weight gradients. Against a fake group of 2 ranks holding the same tensors
+// (its all-reduce doubles), the input gradient is twice the one without tp, exactly, and read only
+// after the sum; outputs and weight gradients are the same; one all-reduce of the input per call.
+TEST(FusedKernelsTest, ProductsSumTheirInputGradientOverTp) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  torch::manual_seed(31);
+  std::vector<torch::Tensor> p = FlatParams({{1024, 256}, {1024}, {256, 1024}, {768, 256}, {768}, {256, 256}, {64, 256}}, 8);
+  if (!FusedLinearAvailable(torch::zeros({1, 256}, bf16), p[0])) GTEST_SKIP() << "worker built without CUDA kernels";
+  const torch::Tensor x0 = torch::randn({2, 512, 256}, bf16);
+  // Each product's outputs, reduced to one tensor to backpropagate from.
+  const std::vector<std::pair<const char*, std::function<torch::Tensor(const torch::Tensor&, Communicator*)>>> products = {
+      {"mlp", [&](const torch::Tensor& x, Communicator* tp) { return FusedMlp(x, p[0], p[1], p[2], {}, {}, tp); }},
+      {"qkv", [&](const torch::Tensor& x, Communicator* tp) { return torch::stack(FusedQkv(x, p[3], p[4], 4, tp)); }},
+      {"projections",
+       [&](const torch::Tensor& x, Communicator* tp) { return torch::cat(FusedProjections(x, {p[5], p[6]}, tp), -1); }},
+  };
+  for (const auto& [name, product] : products) {
+    auto run = [&](Communicator* tp) {
+      for (auto& t : p) t.mutable_grad() = torch::Tensor();
+      torch::Tensor x = x0.clone().requires_grad_(true);
+      torch::Tensor y = product(x, tp);
+      y.backward(torch::ones_like(y) * 0.01);
+      std::vector<torch::Tensor> out = {y.detach(), x.grad()};
+      for (auto& t : p) out.push_back(t.grad().defined() ? t.grad().clone() : torch::Tensor());
+      return out;
+    };
+    std::vector<torch::Tensor> alone = run(nullptr);
+    FakeCommunicator tp;
+    tp.SimulateSize(2);
+    std::vector<torch::Tensor> summed = run(&tp);
+    ASSERT_EQ(tp.calls(), 1) << name;
+    EXPECT_EQ(tp.log()[0].op, "all_reduce") << name;
+    EXPECT_EQ(tp.log()[0].numel, x0.numel()) << name;
+    EXPECT_TRUE(torch::equal(summed[0], alone[0])) << name;
+    EXPECT_TRUE(torch::equal(summed[1], alone[1] * 2)) << name;
+    for (size_t i = 2; i < alone.size(); ++i) {
+      ASSERT_EQ(summed[i].defined(), alone[i].defined()) << name << " " << i;
+      if (alone[i].defined()) {
+        EXPECT_TRUE(torch::equal(summed[i], alone[i])) << name << " parameter " << i - 2;
+      }
+    }
   }
 }
 
