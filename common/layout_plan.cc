@@ -293,6 +293,7 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout) {
   const int64_t send = s.b * s.Ts * s.d * a;
 
   int64_t dp_bytes = 0, tp_bytes = 0, pp_bytes = 0, embedding_bytes = 0, z3_bytes = 0;
+  int64_t tp_exposed_bytes = 0;  // the part of tp_bytes on the critical path
   for (int r = 0; r < layout.pp; ++r) {
     const std::vector<RankParam> params = RankParams(m, layout, r);
     const std::vector<int64_t> units = Units(params, zero, ps.bucket_mb);
@@ -388,12 +389,16 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout) {
 
     // Tensor-parallel traffic: two all-reduces forward and two backward per layer and micro-batch (as
     // all-gathers and reduce-scatters under sequence parallelism: the same bytes), two more per layer
-    // when full recompute repeats the forward, and the embedding's and the loss's.
+    // when full recompute repeats the forward, and the embedding's and the loss's. Without sequence
+    // parallelism the two of backward (the block inputs' gradients) run beside the products' weight
+    // gradients on GPUs: only the others delay the step.
     if (layout.tp > 1 && r == 0) {
       const int64_t act = s.b * s.T * s.d * a;
       const int per_layer = layout.activation_checkpointing == ActivationCheckpointing::kFull ? 6 : 4;
-      int64_t collectives = static_cast<int64_t>(per_layer) * layers_here + 2;
+      const int64_t collectives = static_cast<int64_t>(per_layer) * layers_here + 2;
       tp_bytes = mb * collectives * Ring(act, layout.tp, true);
+      const int64_t hidden = cuda && !layout.sequence_parallel ? 2 * int64_t{layers_here} : 0;
+      tp_exposed_bytes = mb * (collectives - hidden) * Ring(act, layout.tp, true);
     }
     if (layout.pp > 1 && r == 0) {
       int sends = 0;
@@ -443,7 +448,7 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout) {
     if (layout.activation_checkpointing == ActivationCheckpointing::kSelective) compute *= 1.03;
     if (autocast) compute *= 1.0 + kAutocastOverhead;
     const double tp_rate = layout.sequence_parallel ? kSequenceParallelRate : kTensorParallelRate;
-    const double pipelined = compute + static_cast<double>(tp_bytes) / tp_rate +
+    const double pipelined = compute + static_cast<double>(tp_exposed_bytes) / tp_rate +
                              static_cast<double>(pp_bytes) / kPipelineRate;
     e.step_seconds = pipelined / (1.0 - e.bubble) + static_cast<double>(dp_bytes) / kDataParallelRate +
                      static_cast<double>(z3_bytes) / kZero3Rate +
