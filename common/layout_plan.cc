@@ -252,7 +252,7 @@ int64_t CpuLayerOverhead(const ModelSpec& m, ActivationCheckpointing ac) {
 double ComputeEfficiency(int d_model) {
   return std::clamp(0.60 + 0.04 * std::log2(static_cast<double>(d_model) / 2048.0), 0.45, 0.66);
 }
-constexpr double kTensorParallelRate = 100e9;    // per-layer all-reduces: on the critical path
+constexpr double kTensorParallelRate = 80e9;     // per-layer all-reduces on the critical path (forward's)
 constexpr double kSequenceParallelRate = 85e9;   // the same bytes as all-gathers and reduce-scatters
 constexpr double kDataParallelRate = 300e9;      // bucketed, overlapped in part with backward
 constexpr double kZero3Rate = 450e9;             // ZeRO-3's prefetched gathers overlap compute
