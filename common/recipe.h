@@ -26,7 +26,7 @@ enum class Sampling { kHash, kTorch };
 enum class LrScheduleKind { kCosine, kConstant };
 enum class PpSchedule { kGpipe, k1F1B, kInterleaved };
 enum class ActivationCheckpointing { kNone, kFull, kSelective };
-enum class Precision { kAuto, kFp32, kBf16, kBf16Autocast };
+enum class Precision { kAuto, kFp32, kBf16, kBf16Autocast, kBf16Fp32Residual };
 enum class Device { kCpu, kCuda };
 enum class WarmStandby { kAuto, kOff, kGpu };
 
@@ -75,9 +75,9 @@ struct EnumNames<ActivationCheckpointing> {
 };
 template <>
 struct EnumNames<Precision> {
-  static constexpr std::array<std::pair<Precision, std::string_view>, 4> kNames = {
+  static constexpr std::array<std::pair<Precision, std::string_view>, 5> kNames = {
       {{Precision::kAuto, "auto"}, {Precision::kFp32, "fp32"}, {Precision::kBf16, "bf16"},
-       {Precision::kBf16Autocast, "bf16-autocast"}}};
+       {Precision::kBf16Autocast, "bf16-autocast"}, {Precision::kBf16Fp32Residual, "bf16-fp32-residual"}}};
 };
 template <>
 struct EnumNames<Device> {

@@ -112,6 +112,48 @@ TEST(GptModelTest, OneRankShardEqualsTheModule) {
   EXPECT_EQ(compared, static_cast<int>(module_params.size()));
 }
 
+// With bf16 parameters and spec.fp32_residual, the residual stream (the embedding's and every block's
+// output) is fp32, the products and the norms' outputs bf16, and the loss and the gradients follow the
+// fp32 model's as bf16 rounding allows; without it the stream is bf16.
+TEST(GptModelTest, Fp32ResidualStreamWithBf16Parameters) {
+  torch::manual_seed(6);
+  torch::Tensor idx = torch::randint(0, 256, {3, 16}, torch::kLong);
+  torch::Tensor targets = torch::randint(0, 256, {3, 16}, torch::kLong);
+  SelfCommunicator self;
+  auto run = [&](bool bf16, bool fp32_residual, std::vector<torch::ScalarType>* stream) {
+    ModelShardSpec spec;
+    spec.config = TinySpec();
+    spec.layout.stage_layers = {spec.config.layers};
+    spec.fp32_residual = fp32_residual;
+    torch::manual_seed(5);
+    auto shard = ModelShard::Create(spec, &self);
+    EXPECT_TRUE(shard.ok()) << shard.status().message();
+    if (bf16) {
+      for (ShardParam& p : (*shard)->params()) p.value = p.value.detach().to(torch::kBFloat16).requires_grad_(true);
+    }
+    UnitHooks hooks;
+    hooks.output = [stream](int /*unit*/, torch::Tensor& out) { stream->push_back(out.scalar_type()); };
+    (*shard)->set_hooks(hooks);
+    torch::Tensor loss = (*shard)->Forward(0, idx, targets);
+    loss.backward();
+    std::vector<torch::Tensor> out = {loss.detach().to(torch::kFloat)};
+    for (const ShardParam& p : (*shard)->params()) out.push_back(p.value.grad().to(torch::kFloat));
+    return out;
+  };
+  std::vector<torch::ScalarType> fp32_stream, mixed_stream, bf16_stream;
+  std::vector<torch::Tensor> fp32 = run(false, false, &fp32_stream);
+  std::vector<torch::Tensor> mixed = run(true, true, &mixed_stream);
+  run(true, false, &bf16_stream);
+  ASSERT_EQ(mixed_stream.size(), 3u);  // the embedding and two blocks
+  for (torch::ScalarType t : mixed_stream) EXPECT_EQ(t, torch::kFloat);
+  for (torch::ScalarType t : bf16_stream) EXPECT_EQ(t, torch::kBFloat16);
+  EXPECT_NEAR(mixed[0].item<double>(), fp32[0].item<double>(), 0.01 * fp32[0].item<double>());
+  for (size_t i = 1; i < fp32.size(); ++i) {
+    const double scale = fp32[i].abs().max().item<double>();
+    EXPECT_LE((mixed[i] - fp32[i]).abs().max().item<double>(), 0.05 * scale + 1e-6) << i;
+  }
+}
+
 // ModelParameterShapes lists the module's parameters in its order.
 TEST(GptModelTest, ParameterShapesFollowTheModule) {
   Gpt module(Tiny());

@@ -222,9 +222,10 @@ std::vector<int64_t> OutputSizes(const torch::Tensor& x, const torch::Tensor& w)
 torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
                      const torch::Tensor& residual = {}) {
   // Products without a bias (the head, tensor parallelism's row-parallel layers) stay LibTorch's.
-  if (b.defined() && FusedLinearAvailable(x, w) &&
-      (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w)))) {
-    return FusedLinear(x, w, b, residual);
+  if (b.defined() && FusedLinearAvailable(x, w)) {
+    if (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w))) return FusedLinear(x, w, b, residual);
+    // A residual of another dtype (an fp32 residual stream): added after the product, in its dtype.
+    return residual + FusedLinear(x, w, b, {});
   }
   torch::Tensor y = b.defined() ? at::linear(x, w, b) : at::linear(x, w);
   return residual.defined() ? residual + y : y;
@@ -234,6 +235,11 @@ torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& w, const torch
 // gradient is added inside the layer norm's backward.
 std::pair<torch::Tensor, torch::Tensor> LayerNorm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
   if (FusedLayerNormAvailable(x, w, b)) return FusedLayerNorm(x, w, b);
+  if (x.scalar_type() != w.scalar_type()) {
+    // An fp32 residual stream with bf16 parameters: normalised in fp32, handed on in the weights' dtype.
+    const auto f = x.scalar_type();
+    return {torch::layer_norm(x, {x.size(-1)}, w.to(f), b.to(f)).to(w.scalar_type()), x};
+  }
   return {torch::layer_norm(x, {x.size(-1)}, w, b), x};
 }
 
@@ -241,15 +247,19 @@ std::pair<torch::Tensor, torch::Tensor> LayerNorm(const torch::Tensor& x, const 
 // gradient is added inside the norm's backward.
 std::pair<torch::Tensor, torch::Tensor> RmsNorm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   if (FusedRmsNormAvailable(x, w)) return FusedRmsNorm(x, w, eps);
+  if (x.scalar_type() != w.scalar_type()) {
+    // An fp32 residual stream with bf16 parameters: normalised in fp32, handed on in the weights' dtype.
+    return {compat::RmsNorm(x, w.to(x.scalar_type()), eps).to(w.scalar_type()), x};
+  }
   return {compat::RmsNorm(x, w, eps), x};
 }
 
 // residual + linear(gelu_tanh(linear(x, w1, b1)), w2, b2), b2 and residual possibly undefined.
 torch::Tensor Mlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1, const torch::Tensor& w2,
                   const torch::Tensor& b2, const torch::Tensor& residual = {}) {
-  if (FusedLinearAvailable(x, w1) && FusedLinearAvailable(x, w2) &&
-      (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w2)))) {
-    return FusedMlp(x, w1, b1, w2, b2, residual);
+  if (FusedLinearAvailable(x, w1) && FusedLinearAvailable(x, w2)) {
+    if (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w2))) return FusedMlp(x, w1, b1, w2, b2, residual);
+    return residual + FusedMlp(x, w1, b1, w2, b2);
   }
   return Linear(torch::gelu(Linear(x, w1, b1), "tanh"), w2, b2, residual);
 }
@@ -281,8 +291,9 @@ torch::Tensor PerParameterInit(const ModelSpec& c, const std::string& name, cons
 // (bf16 on CUDA; the residual in its epilogue, the weight gradient added straight into w's), else
 // LibTorch's. `w` must be a parameter itself, not a view of one.
 torch::Tensor NoBiasLinear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& residual = {}) {
-  if (FusedLinearAvailable(x, w) && (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w)))) {
-    return FusedLinear(x, w, {}, residual);
+  if (FusedLinearAvailable(x, w)) {
+    if (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w))) return FusedLinear(x, w, {}, residual);
+    return residual + FusedLinear(x, w, {}, {});
   }
   torch::Tensor y = at::linear(x, w);
   return residual.defined() ? residual + y : y;
@@ -711,12 +722,14 @@ torch::Tensor ModelShard::Embed(const torch::Tensor& ids) {
   const int tp = spec_.layout.tp;
   const torch::Tensor& wte = params_[embed_].value;
   const int64_t t = ids.size(1);
+  // The residual stream's dtype: fp32 under spec.fp32_residual, else the parameters'.
+  auto widen = [&](const torch::Tensor& e) { return spec_.fp32_residual ? e.to(torch::kFloat) : e; };
   // Learned positions from..from+n (gpt2; a llama has none).
   auto positioned = [&](const torch::Tensor& e, int64_t from, int64_t n) {
-    return wpe_ >= 0 ? e + params_[wpe_].value.narrow(0, from, n) : e;
+    return wpe_ >= 0 ? widen(e) + widen(params_[wpe_].value.narrow(0, from, n)) : widen(e);
   };
   if (tp == 1) {
-    if (spec_.config.arch == Arch::kLlama && FusedLlamaOpsAvailable(wte)) return FusedEmbedding(ids, wte);
+    if (spec_.config.arch == Arch::kLlama && FusedLlamaOpsAvailable(wte)) return widen(FusedEmbedding(ids, wte));
     return positioned(F::embedding(ids, wte), 0, t);
   }
   const int64_t rows = wte.size(0), start = rows * spec_.coords.tp;

@@ -53,6 +53,9 @@ struct ModelShardSpec {
   bool per_parameter_init = false;
   uint64_t seed = 0;
   torch::Device device = torch::kCPU;
+  // With bf16 parameters: the residual stream (the embedding's output, every block's input and
+  // output) in fp32, as autocast keeps it; the norms read it in fp32 and give the products bf16.
+  bool fp32_residual = false;
 };
 
 // The full model's parameters in the Python model's registration order: name and shape.

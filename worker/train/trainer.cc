@@ -239,17 +239,20 @@ Status Trainer::Init() {
     device_ = torch::Device(torch::kCUDA, static_cast<c10::DeviceIndex>(options_.local_rank));
   }
   if (recipe_.training.deterministic) compat::UseDeterministicAlgorithms();
-  const bool bf16_asked = p.precision == Precision::kBf16 || p.precision == Precision::kBf16Autocast;
+  const bool bf16_asked = p.precision == Precision::kBf16 || p.precision == Precision::kBf16Autocast ||
+                          p.precision == Precision::kBf16Fp32Residual;
   if (bf16_asked && !device_.is_cuda()) {
     return InvalidArgument("parallel.precision=" + NameOf(p.precision) +
                            " needs parallel.device=cuda; on CPU use precision auto or fp32");
   }
   // bf16 on the GPU only. "bf16" (and auto): the model computes on bf16 copies of fp32 master
   // weights, the optimizer works in fp32 (ZeRO-3 gathers the copies); "bf16-autocast" keeps fp32
-  // parameters and gradients and casts per operation (PyTorch AMP).
+  // parameters and gradients and casts per operation (PyTorch AMP); "bf16-fp32-residual" computes as
+  // "bf16" but keeps the residual stream (the blocks' inputs and outputs) in fp32, as autocast does.
   bf16_ = device_.is_cuda() && p.precision != Precision::kFp32;
   bf16_params_ = bf16_ && p.precision != Precision::kBf16Autocast;
-  activation_dtype_ = bf16_params_ ? torch::kBFloat16 : torch::kFloat;
+  fp32_residual_ = bf16_params_ && p.precision == Precision::kBf16Fp32Residual;
+  activation_dtype_ = bf16_params_ && !fp32_residual_ ? torch::kBFloat16 : torch::kFloat;
 
 
   const TrainingSpec& t = recipe_.training;
@@ -264,6 +267,7 @@ Status Trainer::Init() {
                           (recipe_.model.init == ModelInit::kAuto && ModelParameterCount(ml.config) >= kPerParameterInitFrom);
   ml.seed = static_cast<uint64_t>(t.seed);
   ml.device = device_;
+  ml.fp32_residual = fp32_residual_;
   torch::manual_seed(t.seed);
   LTRAIN_ASSIGN_OR_RETURN(model_, ModelShard::Create(ml, groups_->tp));
   for (const ShardParam& sp : model_->params()) tp_partial_grads_ = tp_partial_grads_ || sp.tp_partial;

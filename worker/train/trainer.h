@@ -203,6 +203,7 @@ class Trainer {
   torch::Device device_{torch::kCPU};
   bool bf16_ = false;
   bool bf16_params_ = false;                       // bf16 copies of fp32 masters (no autocast)
+  bool fp32_residual_ = false;                     // bf16_params_ with the residual stream in fp32
   bool defer_compute_ = false;                     // the store's bf16 copies gathered during the next forward
   torch::ScalarType activation_dtype_ = torch::kFloat;  // what pipeline stages send each other
   bool overlap_ = true;          // reduce buckets from backward hooks (pp == 1, no partial tp gradients)
