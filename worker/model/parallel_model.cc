@@ -222,12 +222,14 @@ std::vector<int64_t> OutputSizes(const torch::Tensor& x, const torch::Tensor& w)
 torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
                      const torch::Tensor& residual = {}) {
   // Products without a bias (the head, tensor parallelism's row-parallel layers) stay LibTorch's.
+  torch::Tensor y;
   if (b.defined() && FusedLinearAvailable(x, w)) {
     if (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w))) return FusedLinear(x, w, b, residual);
     // A residual of another dtype (an fp32 residual stream): added after the product, in its dtype.
-    return residual + FusedLinear(x, w, b, {});
+    y = FusedLinear(x, w, b, {});
+  } else {
+    y = b.defined() ? at::linear(x, w, b) : at::linear(x, w);
   }
-  torch::Tensor y = b.defined() ? at::linear(x, w, b) : at::linear(x, w);
   return residual.defined() ? residual + y : y;
 }
 
@@ -259,9 +261,15 @@ torch::Tensor Mlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::
                   const torch::Tensor& b2, const torch::Tensor& residual = {}) {
   if (FusedLinearAvailable(x, w1) && FusedLinearAvailable(x, w2)) {
     if (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w2))) return FusedMlp(x, w1, b1, w2, b2, residual);
-    return residual + FusedMlp(x, w1, b1, w2, b2);
+    return residual + FusedMlp(x, w1, b1, w2, b2);  // a residual of another dtype, as in Linear
   }
   return Linear(torch::gelu(Linear(x, w1, b1), "tanh"), w2, b2, residual);
+}
+
+// Where our products sum their input's gradient over tp themselves, beside their weight gradients
+// (Megatron's f folded in): tensor parallelism without sequence parallelism. Else null.
+Communicator* SumInProducts(const Layout& layout, Communicator* tp) {
+  return layout.tp > 1 && !layout.sequence_parallel && FusedTpOverlap() ? tp : nullptr;
 }
 
 // llama_model.Llama's initialisation: every matrix N(0, 0.02), the residual output projections (wo,
@@ -291,11 +299,13 @@ torch::Tensor PerParameterInit(const ModelSpec& c, const std::string& name, cons
 // (bf16 on CUDA; the residual in its epilogue, the weight gradient added straight into w's), else
 // LibTorch's. `w` must be a parameter itself, not a view of one.
 torch::Tensor NoBiasLinear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& residual = {}) {
+  torch::Tensor y;
   if (FusedLinearAvailable(x, w)) {
     if (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w))) return FusedLinear(x, w, {}, residual);
-    return residual + FusedLinear(x, w, {}, {});
+    y = FusedLinear(x, w, {}, {});  // a residual of another dtype, as in Linear
+  } else {
+    y = at::linear(x, w);
   }
-  torch::Tensor y = at::linear(x, w);
   return residual.defined() ? residual + y : y;
 }
 
@@ -632,9 +642,7 @@ torch::Tensor ModelShard::LlamaBlockForward(int layer, const torch::Tensor& x) {
     return sp ? ScatterSeq::apply(partial, comm) : ReduceFromTp::apply(partial, comm);
   };
   // The residual branches read x and r through the norms' second outputs (see RmsNorm).
-  // Without sequence parallelism, our products sum their input's gradient over tp themselves, beside
-  // their weight gradients (Megatron's f folded in).
-  Communicator* const sum_in_product = tp > 1 && !sp && FusedTpOverlap() ? tp_ : nullptr;
+  Communicator* const sum_in_product = SumInProducts(spec_.layout, tp_);
   auto [h_local, x_res] = RmsNorm(x, P(layer, "attn_norm.weight"), c.norm_eps);
   const torch::Tensor &wq = P(layer, "wq.weight"), &wk = P(layer, "wk.weight"), &wv = P(layer, "wv.weight");
   const bool fused_qkv = !kv_replicated_ && FusedLinearAvailable(h_local, wq) && FusedLinearAvailable(h_local, wk) &&
@@ -696,9 +704,7 @@ torch::Tensor ModelShard::GptBlockForward(int layer, const torch::Tensor& x) {
     if (tp == 1) return Linear(in, w, b, x);
     return x + row_reduce(Linear(in, w, {}), b);
   };
-  // Without sequence parallelism, our products sum their input's gradient over tp themselves, beside
-  // their weight gradients (Megatron's f folded in).
-  Communicator* const sum_in_product = tp > 1 && !sp && FusedTpOverlap() ? tp_ : nullptr;
+  Communicator* const sum_in_product = SumInProducts(spec_.layout, tp_);
   auto [a_local, x_res] = LayerNorm(x, P(layer, "ln1.weight"), P(layer, "ln1.bias"));
   const torch::Tensor &qkv_w = P(layer, "qkv.weight"), &qkv_b = P(layer, "qkv.bias");
   const bool fused_qkv = FusedLinearAvailable(a_local, qkv_w) && qkv_b.defined();

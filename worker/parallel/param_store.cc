@@ -363,8 +363,18 @@ void ParamStore::Launch(int u) {
     });
     return;
   }
+  // The step's first reduction writes the shard (one pass, no zeroing); later ones add to it. Where
+  // nothing will add to it (one backward a step) and the unit's gradients share one buffer, the shard
+  // is the reduction's mean itself, in the buffer's dtype: the optimizer and the norm read bf16
+  // gradients as they do under ZeRO-1. Else it is fp32, as the masters.
   const bool add = unit.shard_written;
   unit.shard_written = true;
+  const bool mean_only = one_backward_ && !add && unit.grad_flat.defined();
+  const torch::TensorOptions shard_options = mean_only ? unit.grad_flat.options() : unit.full.options();
+  if (!unit.grad_shard.defined() || (!add && unit.grad_shard.dtype() != shard_options.dtype())) {
+    unit.grad_shard = torch::empty({unit.layout.shard}, shard_options);
+  }
+  torch::Tensor shard = unit.grad_shard;
   if (unit.grad_flat.defined()) {
     // The unit's gradients are views of one buffer: reduce-scattered from it as they are (bf16
     // with bf16 copies).
@@ -373,13 +383,7 @@ void ParamStore::Launch(int u) {
     unit.grad_flat = torch::Tensor();
     for (int i : unit.layout.params) params_[i].value->mutable_grad() = torch::Tensor();
     const int64_t n = unit.layout.shard;
-    if (one_backward_ && !add) {
-      // Nothing adds to this shard in this step: it is the reduction's mean itself, in the buffer's
-      // dtype (the optimizer and the norm read bf16 gradients as they do under ZeRO-1).
-      if (!unit.grad_shard.defined() || unit.grad_shard.scalar_type() != flat.scalar_type()) {
-        unit.grad_shard = torch::empty({n}, flat.options());
-      }
-      torch::Tensor shard = unit.grad_shard;
+    if (mean_only) {
       queue_->Enqueue([comm, flat, shard]() mutable {
         torch::NoGradGuard no_grad;
         compat::RecordCurrentStream(flat);
@@ -388,11 +392,6 @@ void ParamStore::Launch(int u) {
       Release(u);
       return;
     }
-    // The step's first reduction writes the shard (one pass, no zeroing); later ones add to it.
-    if (!unit.grad_shard.defined() || (!add && unit.grad_shard.scalar_type() != unit.full.scalar_type())) {
-      unit.grad_shard = torch::empty({n}, unit.full.options());
-    }
-    torch::Tensor shard = unit.grad_shard;
     queue_->Enqueue([comm, flat, shard, n, dp, add]() mutable {
       torch::NoGradGuard no_grad;
       compat::RecordCurrentStream(flat);
@@ -413,13 +412,9 @@ void ParamStore::Launch(int u) {
     return;
   }
   // zero >= 2: the gradients live in the leaves' own .grad tensors; hand them to the job.
-  if (!unit.grad_shard.defined() || (!add && unit.grad_shard.scalar_type() != unit.full.scalar_type())) {
-    unit.grad_shard = torch::empty({unit.layout.shard}, unit.full.options());
-  }
   std::vector<torch::Tensor> grads;
   for (int i : unit.layout.params) grads.push_back(params_[i].value->grad());
   UnitLayout layout = unit.layout;
-  torch::Tensor shard = unit.grad_shard;
   queue_->Enqueue([comm, grads, layout, shard, dp, add]() mutable {
     torch::NoGradGuard no_grad;
     torch::Tensor flat = torch::zeros({layout.padded}, shard.options());
