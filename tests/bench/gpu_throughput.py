@@ -13,7 +13,7 @@ Suites (--suite, repeatable):
   dp        2 GPUs: gpt-1.3b data parallel; the worker on 1 and 2 GPUs, gpt_ddp.py under torchrun
   layouts   2 GPUs: gpt-1.3b with tp2 and pp2 (1F1B); 4 GPUs (when present): tp2 x dp2
   learning  1 GPU: gpt-124m on byte tokens of --data for 200 steps, the worker's loss against gpt_baseline.py
-  profile   1 GPU: one gpt-1.3b step of the worker under the CUDA profiler, kernel time by kind
+  profile   1 GPU: one step of the worker (--profile-model, gpt-1.3b) under the CUDA profiler, kernel time by kind
   large     8 GPUs (4: the same layouts scaled down): a GPT of about 7B (32 layers, d 4096, 32 heads)
             with tp8, tp4 x dp2, tp2 x pp2 x dp2 (interleaved 1F1B) and dp8 ZeRO-3, 20 steps each; then
             gpt-1.3b data parallel on every GPU against gpt_ddp.py
@@ -181,11 +181,13 @@ def main():
     ap.add_argument("--baselines", required=True)
     ap.add_argument("--suite", action="append", choices=["single", "dp", "layouts", "learning", "profile", "large"])
     ap.add_argument("--models", default="gpt-124m,gpt-350m,gpt-1.3b")
+    ap.add_argument("--profile-model", default="gpt-1.3b", help="the profile suite's model")
     ap.add_argument("--steps", type=int, default=15, help="worker steps (the first 3 are warm-up)")
     ap.add_argument("--data", help="text file for the learning suite")
     ap.add_argument("--json", help="write every figure here")
-    ap.add_argument("--precision", default="bf16", choices=["bf16", "bf16-autocast", "bf16-fp32-residual", "fp32"],
-                    help="the worker's parallel.precision (default bf16)")
+    ap.add_argument("--precision", default="auto",
+                    choices=["auto", "bf16", "bf16-autocast", "bf16-fp32-residual", "fp32"],
+                    help="the worker's parallel.precision (default auto, the recipe default)")
     ap.add_argument("--layouts", default="tp2,pp2,tp2dp2",
                     help="which of the layouts suite's runs (tp2, pp2 on 2 GPUs; tp2dp2 on 4)")
     ap.add_argument("--dp-env", action="append",
@@ -203,6 +205,8 @@ def main():
     ap.add_argument("--learning-seeds", default="0",
                     help="learning suite: the worker's seeds, comma-separated (0 starts where PyTorch does)")
     ap.add_argument("--log-every", type=int, default=10, help="learning suite: the worker's loss every this many steps")
+    ap.add_argument("--peer-every-step", action="store_true",
+                    help="learning suite: gpt_baseline.py's loss after every step too (a copy that prints each one)")
     ap.add_argument("--sampling", default="torch", choices=["torch", "hash"],
                     help="learning suite: the worker's data.sampling. torch (default): the batches that "
                          "gpt_baseline.py draws for the same seed; hash: batches of the worker's own")
@@ -380,11 +384,26 @@ def main():
             print(f"  worker seed {seed}:", " ".join(f"{st}:{l:.3f}" for st, l in curves[seed]), flush=True)
         SEED = a.seed
         if not a.no_peer:
+            learning_peer = peer
+            if a.peer_every_step:
+                # The same script printing its loss after every step, not every 10th (the spike check).
+                learning_peer = os.path.join(work, "gpt_baseline_every_step.py")
+                source = open(peer).read()
+                if "if i % 10 == 0 or i == steps - 1:" not in source:
+                    print("learning: --peer-every-step does not know this gpt_baseline.py", flush=True)
+                    return 2
+                with open(learning_peer, "w") as f:
+                    f.write(source.replace("if i % 10 == 0 or i == steps - 1:", "if True:"))
+
+            learning_env = peer_env()  # the copy imports gpt_model from the baselines' folder
+            learning_env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(a.baselines),
+                                                                       learning_env.get("PYTHONPATH")]))
+
             def peer_curve(k):
                 """gpt_baseline.py's loss curve; k != 0: with its two seeds (parameters, batches) moved by k."""
                 shift = [] if k == 0 else ["-c", SHIFTED_SEEDS.format(k=k)]
-                q = subprocess.run([sys.executable, *shift, peer, "--model", "gpt-124m", "--data", os.path.abspath(a.data),
-                                    "--steps", "200", "--mode", "eager"], capture_output=True, text=True, env=peer_env(),
+                q = subprocess.run([sys.executable, *shift, learning_peer, "--model", "gpt-124m", "--data", os.path.abspath(a.data),
+                                    "--steps", "200", "--mode", "eager"], capture_output=True, text=True, env=learning_env,
                                    cwd=a.baselines, timeout=1200)
                 return q, [(int(st), float(l)) for st, l in re.findall(r"step (\d+) loss ([0-9.]+)", q.stdout)]
 
@@ -410,9 +429,10 @@ def main():
                                                        "relative": (wl - pl) / pl}
 
     if "profile" in suites:
-        print("== profile: one gpt-1.3b step of the worker ==", flush=True)
+        m = a.profile_model
+        print(f"== profile: one {m} step of the worker ==", flush=True)
         trace = os.path.join(work, "worker-step.json")
-        worker_run("worker-profile-gpt-1.3b", "gpt-1.3b", 1, steps=6, env={"LTRAIN_PROFILE": f"5:{trace}"})
+        worker_run(f"worker-profile-{m}", m, 1, steps=6, env={"LTRAIN_PROFILE": f"5:{trace}"})
         if os.path.exists(trace):
             summarize_trace(trace)
             results["profile_trace"] = trace

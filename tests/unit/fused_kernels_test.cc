@@ -174,6 +174,91 @@ TEST(FusedKernelsTest, MlpMatchesLibTorch) {
   }
 }
 
+// An fp32 residual stream: the products add the fp32 residual in their epilogue and return fp32
+// (the bias added in fp32 too); backward casts the output gradient to bf16 once for the products and
+// hands the residual its gradient unchanged.
+TEST(FusedKernelsTest, ProductsAddAnFp32Residual) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  const torch::TensorOptions f32 = bf16.dtype(torch::kFloat);
+  torch::manual_seed(14);
+  std::vector<torch::Tensor> p = FlatParams({{1024, 256}, {1024}, {256, 1024}, {256}}, 8);
+  if (!FusedLinearAvailable(torch::zeros({1, 256}, bf16), p[0])) GTEST_SKIP() << "worker built without CUDA kernels";
+  for (const bool mlp : {false, true}) {
+    for (torch::Tensor& t : p) t.mutable_grad() = torch::Tensor();
+    torch::Tensor x = torch::randn({2, 64, mlp ? 256 : 1024}, bf16).requires_grad_(true);
+    // A residual large next to the product: rounding the sum to bf16 would show.
+    torch::Tensor residual = (100 + torch::randn({2, 64, 256}, f32)).requires_grad_(true);
+    torch::Tensor grad_out = torch::randn({2, 64, 256}, f32);
+    std::vector<torch::Tensor> ref = Fp32Reference(
+        {x, p[0], p[1], p[2], p[3], residual},
+        [&](const std::vector<torch::Tensor>& t) {
+          if (!mlp) return t[5] + at::linear(t[0], t[3], t[4]);
+          return t[5] + at::linear(torch::gelu(at::linear(t[0], t[1], t[2]), "tanh"), t[3], t[4]);
+        },
+        grad_out.to(torch::kBFloat16));
+    torch::Tensor y = mlp ? FusedMlp(x, p[0], p[1], p[2], p[3], residual) : FusedLinear(x, p[2], p[3], residual);
+    y.backward(grad_out);
+    ASSERT_EQ(y.scalar_type(), torch::kFloat);
+    ASSERT_EQ(y.sizes(), ref[0].sizes());
+    // The product is rounded to bf16 before the add at most: the sum is within that of the reference.
+    const double product_scale = (ref[0] - residual.detach()).abs().max().item<double>();
+    EXPECT_LE((y - ref[0]).abs().max().item<double>(), 0.02 * product_scale) << "mlp " << mlp;
+    EXPECT_TRUE(torch::equal(residual.grad(), grad_out)) << "mlp " << mlp;
+    EXPECT_LE(RelativeError(x.grad(), ref[1]), 0.02) << "mlp " << mlp;
+    if (mlp) {
+      EXPECT_LE(RelativeError(p[0].grad(), ref[2]), 0.02);
+      EXPECT_LE(RelativeError(p[1].grad(), ref[3]), 0.02);
+    }
+    EXPECT_LE(RelativeError(p[2].grad(), ref[4]), 0.02) << "mlp " << mlp;
+    EXPECT_LE(RelativeError(p[3].grad(), ref[5]), 0.02) << "mlp " << mlp;
+  }
+}
+
+// A block's shape on an fp32 residual stream: a product adds into the stream and a layer norm reads
+// it. The norm's backward writes the stream's gradient and its bf16 copy in one pass; the product
+// reads the copy. Gradients against the fp32 reference.
+TEST(FusedKernelsTest, NormAndProductOnAnFp32Stream) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  const torch::TensorOptions f32 = bf16.dtype(torch::kFloat);
+  torch::manual_seed(15);
+  std::vector<torch::Tensor> p = FlatParams({{256, 512}, {256}, {256}, {256}}, 0);
+  if (!FusedLinearAvailable(torch::zeros({1, 512}, bf16), p[0])) GTEST_SKIP() << "worker built without CUDA kernels";
+  {
+    torch::NoGradGuard no_grad;
+    p[2].add_(1);  // the norm's weight about 1
+  }
+  torch::Tensor x = torch::randn({4, 128, 512}, bf16).requires_grad_(true);
+  torch::Tensor stream = (4 * torch::randn({4, 128, 256}, f32)).requires_grad_(true);
+  torch::Tensor grad_a = torch::randn({4, 128, 256}, bf16), grad_r = torch::randn({4, 128, 256}, f32);
+  auto block = [](const std::vector<torch::Tensor>& t, bool fused) {
+    torch::Tensor h = fused ? FusedLinear(t[0], t[1], t[2], t[5]) : t[5] + at::linear(t[0], t[1], t[2]);
+    if (fused) {
+      auto [a, r] = FusedLayerNorm(h, t[3], t[4]);
+      return std::vector<torch::Tensor>{a, r};
+    }
+    return std::vector<torch::Tensor>{torch::layer_norm(h, {h.size(-1)}, t[3], t[4]), h};
+  };
+  std::vector<torch::Tensor> leaves;
+  for (const torch::Tensor& t : {x, p[0], p[1], p[2], p[3], stream}) leaves.push_back(t.detach().to(torch::kFloat).requires_grad_(true));
+  std::vector<torch::Tensor> ref = block(leaves, false);
+  torch::autograd::backward(ref, {grad_a.to(torch::kFloat), grad_r});
+  std::vector<torch::Tensor> out = block({x, p[0], p[1], p[2], p[3], stream}, true);
+  ASSERT_EQ(out[0].scalar_type(), torch::kBFloat16);
+  ASSERT_EQ(out[1].scalar_type(), torch::kFloat);
+  torch::autograd::backward(out, {grad_a, grad_r});
+  EXPECT_LE(RelativeError(out[0], ref[0]), 0.02);
+  EXPECT_LE(RelativeError(out[1], ref[1]), 0.01);
+  EXPECT_LE(RelativeError(stream.grad(), leaves[5].grad()), 0.005);
+  EXPECT_LE(RelativeError(x.grad(), leaves[0].grad()), 0.02);
+  EXPECT_LE(RelativeError(p[0].grad(), leaves[1].grad()), 0.02);
+  EXPECT_LE(RelativeError(p[1].grad(), leaves[2].grad()), 0.02);
+  EXPECT_LE(RelativeError(p[2].grad(), leaves[3].grad()), 0.02);
+  EXPECT_LE(RelativeError(p[3].grad(), leaves[4].grad()), 0.02);
+  ZeroStaleGradients();
+}
+
 TEST(FusedKernelsTest, QkvMatchesLibTorch) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
@@ -218,9 +303,15 @@ TEST(FusedKernelsTest, LayerNormMatchesLibTorch) {
   // The benchmark's width with 16-byte aligned weights (our input-gradient kernel, the row in
   // registers), wider rows (two and four vectors a thread, and two passes over the row); rows that do
   // not fill the last chunk nor the last column block, with the weights 8 bytes into a flat buffer as
-  // the parameter store may place them (LibTorch's input gradient and a separate add).
-  for (const auto& [rows, cols, offset] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
-           {4096, 2048, 0}, {64, 4096, 0}, {40, 6144, 0}, {16, 16384, 0}, {1001, 776, 4}}) {
+  // the parameter store may place them (LibTorch's input gradient and a separate add); narrow rows
+  // (a warp per row, one, two and up to four vectors a lane).
+  // Each with a bf16 input and with an fp32 one (an fp32 residual stream: our forward kernel, the
+  // output bf16, the input gradient fp32).
+  for (const auto& [rows, cols, offset, fp32] : std::vector<std::tuple<int64_t, int64_t, int64_t, bool>>{
+           {4096, 2048, 0, false}, {64, 4096, 0, false}, {40, 6144, 0, false}, {16, 16384, 0, false}, {1001, 776, 4, false},
+           {333, 256, 0, false}, {100, 512, 0, false}, {4096, 2048, 0, true}, {64, 4096, 0, true}, {40, 6144, 0, true},
+           {16, 16384, 0, true}, {1001, 776, 4, true}, {1001, 768, 0, true}, {333, 256, 0, true}, {100, 512, 0, true}}) {
+    const torch::TensorOptions in = fp32 ? bf16.dtype(torch::kFloat) : bf16;
     torch::Tensor flat = torch::empty({offset + 2 * cols}, bf16);
     torch::Tensor w = flat.narrow(0, offset, cols), b = flat.narrow(0, offset + cols, cols);
     {
@@ -230,22 +321,49 @@ TEST(FusedKernelsTest, LayerNormMatchesLibTorch) {
     }
     w = w.detach().requires_grad_(true);
     b = b.detach().requires_grad_(true);
-    torch::Tensor x = (2 * torch::randn({rows, cols}, bf16) + 0.5).requires_grad_(true);
+    torch::Tensor x = (2 * torch::randn({rows, cols}, in) + 0.5).requires_grad_(true);
     torch::Tensor grad_out = torch::randn({rows, cols}, bf16);
     // The residual branch's gradient, added to the input gradient in the kernel.
-    torch::Tensor grad_res = torch::randn({rows, cols}, bf16);
+    torch::Tensor grad_res = torch::randn({rows, cols}, in);
     std::vector<torch::Tensor> ref = Fp32Reference(
         {x, w, b}, [](const std::vector<torch::Tensor>& t) { return torch::layer_norm(t[0], {t[0].size(-1)}, t[1], t[2]); },
         grad_out);
 
+    ASSERT_TRUE(FusedLayerNormAvailable(x, w, b));
     auto [y, x_res] = FusedLayerNorm(x, w, b);
     torch::autograd::backward({y, x_res}, {grad_out, grad_res});
-    EXPECT_LE(RelativeError(y, ref[0]), 0.02) << rows << "x" << cols;
+    EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+    EXPECT_EQ(x.grad().scalar_type(), x.scalar_type());
+    EXPECT_LE(RelativeError(y, ref[0]), 0.02) << rows << "x" << cols << " fp32 " << fp32;
     EXPECT_LE(RelativeError(x_res, x), 0.0);
-    EXPECT_LE(RelativeError(x.grad(), ref[1] + grad_res.to(torch::kFloat)), 0.02);
+    EXPECT_LE(RelativeError(x.grad(), ref[1] + grad_res.to(torch::kFloat)), fp32 ? 0.005 : 0.02);
     EXPECT_LE(RelativeError(w.grad(), ref[2]), 0.02);
     EXPECT_LE(RelativeError(b.grad(), ref[3]), 0.02);
   }
+}
+
+// The narrow rows' backward sums the weight gradients beside the input gradient in a fixed order:
+// the same inputs give the same bits.
+TEST(FusedKernelsTest, NormWeightGradientsAreDeterministic) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  if (!FusedCrossEntropyAvailable(torch::zeros({1, 8}, bf16))) GTEST_SKIP() << "worker built without CUDA kernels";
+  torch::manual_seed(17);
+  torch::Tensor x0 = torch::randn({8192, 768}, bf16.dtype(torch::kFloat));
+  torch::Tensor w0 = 1 + 0.1 * torch::randn({768}, bf16), b0 = 0.1 * torch::randn({768}, bf16);
+  torch::Tensor grad_out = torch::randn({8192, 768}, bf16);
+  auto grads = [&](bool rms) {
+    torch::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+    torch::Tensor b = b0.clone().requires_grad_(true);
+    torch::Tensor y = rms ? FusedRmsNorm(x, w, 1e-5).first : FusedLayerNorm(x, w, b).first;
+    y.backward(grad_out);
+    return rms ? std::vector<torch::Tensor>{x.grad(), w.grad()} : std::vector<torch::Tensor>{x.grad(), w.grad(), b.grad()};
+  };
+  for (const bool rms : {false, true}) {
+    std::vector<torch::Tensor> first = grads(rms), second = grads(rms);
+    for (size_t i = 0; i < first.size(); ++i) EXPECT_TRUE(torch::equal(first[i], second[i])) << "rms " << rms << " " << i;
+  }
+  ZeroStaleGradients();
 }
 
 // llama_model.RMSNorm in fp32 against our backward, the residual branch's gradient added in the kernel.
@@ -259,8 +377,11 @@ TEST(FusedKernelsTest, RmsNormMatchesTheComposite) {
   const double eps = 1e-5;
   // As the layer norm's: the row in registers (one, two and four vectors a thread), two passes over
   // wide rows, and an unaligned weight (the composite's backward and a separate add).
-  for (const auto& [rows, cols, offset] : std::vector<std::tuple<int64_t, int64_t, int64_t>>{
-           {4096, 2048, 0}, {64, 4096, 0}, {40, 6144, 0}, {16, 16384, 0}, {1001, 776, 4}}) {
+  for (const auto& [rows, cols, offset, fp32] : std::vector<std::tuple<int64_t, int64_t, int64_t, bool>>{
+           {4096, 2048, 0, false}, {64, 4096, 0, false}, {40, 6144, 0, false}, {16, 16384, 0, false}, {1001, 776, 4, false},
+           {333, 256, 0, false}, {100, 512, 0, false}, {4096, 2048, 0, true}, {64, 4096, 0, true}, {40, 6144, 0, true},
+           {16, 16384, 0, true}, {1001, 776, 4, true}, {1001, 768, 0, true}, {333, 256, 0, true}, {100, 512, 0, true}}) {
+    const torch::TensorOptions in = fp32 ? bf16.dtype(torch::kFloat) : bf16;
     torch::Tensor flat = torch::empty({offset + cols}, bf16);
     torch::Tensor w = flat.narrow(0, offset, cols);
     {
@@ -268,17 +389,20 @@ TEST(FusedKernelsTest, RmsNormMatchesTheComposite) {
       w.copy_(1 + 0.1 * torch::randn({cols}, bf16));
     }
     w = w.detach().requires_grad_(true);
-    torch::Tensor x = (2 * torch::randn({rows, cols}, bf16) + 0.5).requires_grad_(true);
-    torch::Tensor grad_out = torch::randn({rows, cols}, bf16), grad_res = torch::randn({rows, cols}, bf16);
+    torch::Tensor x = (2 * torch::randn({rows, cols}, in) + 0.5).requires_grad_(true);
+    torch::Tensor grad_out = torch::randn({rows, cols}, bf16), grad_res = torch::randn({rows, cols}, in);
     std::vector<torch::Tensor> ref = Fp32Reference(
         {x, w},
         [&](const std::vector<torch::Tensor>& t) { return t[0] * torch::rsqrt(t[0].pow(2).mean(-1, true) + eps) * t[1]; },
         grad_out);
+    ASSERT_TRUE(FusedRmsNormAvailable(x, w));
     auto [y, x_res] = FusedRmsNorm(x, w, eps);
     torch::autograd::backward({y, x_res}, {grad_out, grad_res});
-    EXPECT_LE(RelativeError(y, ref[0]), 0.02) << rows << "x" << cols;
+    EXPECT_EQ(y.scalar_type(), torch::kBFloat16);
+    EXPECT_EQ(x.grad().scalar_type(), x.scalar_type());
+    EXPECT_LE(RelativeError(y, ref[0]), 0.02) << rows << "x" << cols << " fp32 " << fp32;
     EXPECT_LE(RelativeError(x_res, x), 0.0);
-    EXPECT_LE(RelativeError(x.grad(), ref[1] + grad_res.to(torch::kFloat)), 0.02) << rows << "x" << cols;
+    EXPECT_LE(RelativeError(x.grad(), ref[1] + grad_res.to(torch::kFloat)), fp32 ? 0.005 : 0.02) << rows << "x" << cols;
     EXPECT_LE(RelativeError(w.grad(), ref[2]), 0.02) << rows << "x" << cols;
   }
 }

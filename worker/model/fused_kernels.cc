@@ -4,6 +4,7 @@
 #include <map>
 #include <mutex>
 #include <stdexcept>
+#include <tuple>
 #include <utility>
 #include <string>
 #include <vector>
@@ -55,6 +56,18 @@ std::vector<torch::Tensor> stale_grads;  // a few hundred at most: searched in o
   return false;
 }
 
+// An fp32 residual stream's gradient and the bf16 copy a norm's backward wrote beside it in the same
+// pass: the gradient of the output of the product that the norm read (its only reader). That
+// product's backward takes the copy instead of casting. One per device, replaced by the next norm
+// and dropped after backward; held references keep the gradient's storage from being reused, and the
+// version check refuses one modified since.
+struct Bf16Twin {
+  torch::Tensor fp32, bf16;
+  int64_t version = 0;
+};
+std::mutex twin_mu;
+std::map<c10::DeviceIndex, Bf16Twin> bf16_twins;
+
 }  // namespace
 
 void MarkGradientsStale(const std::vector<torch::Tensor>& grads) {
@@ -67,6 +80,8 @@ void ZeroStaleGradients() {
   torch::NoGradGuard no_grad;
   for (torch::Tensor& g : stale_grads) g.zero_();
   stale_grads.clear();
+  std::lock_guard<std::mutex> twin_lock(twin_mu);
+  bf16_twins.clear();
 }
 
 #if defined(LTRAIN_WITH_CUDA_KERNELS)
@@ -120,15 +135,20 @@ void Gemm(cuda::GemmArgs args, const torch::Tensor& like, bool backward) {
 // The three products of a linear layer, on row-major 2-D tensors. y[M, N] = x[M, K] · w[N, K]ᵀ
 // (+ bias[N]; or with kGeluAuxBias y = gelu(aux), aux = x · wᵀ + bias), plus `residual` [M, N] when
 // that is defined (read by the product's epilogue: no separate add); written into `into` when that
-// is defined.
+// is defined. An fp32 residual (an fp32 residual stream) makes y fp32: the sum is rounded once.
 torch::Tensor LinearProduct(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias,
                             cuda::Epilogue epilogue, const torch::Tensor& aux = {}, const torch::Tensor& residual = {},
                             const torch::Tensor& into = {}) {
   const int64_t rows = x.size(0), in = x.size(1), out = w.size(0);
-  torch::Tensor y = into.defined() ? into : torch::empty({rows, out}, x.options());
+  const bool fp32_out = residual.defined() && residual.scalar_type() == torch::kFloat;
+  torch::Tensor y =
+      into.defined() ? into : torch::empty({rows, out}, x.options().dtype(fp32_out ? torch::kFloat : x.scalar_type()));
   cuda::GemmArgs g = cuda::LinearForward(x.data_ptr(), w.data_ptr(), y.data_ptr(), rows, in, out);
   g.epilogue = epilogue;
-  if (bias.defined()) g.bias = bias.data_ptr();
+  g.fp32_out = fp32_out;
+  // The epilogue's bias is in D's dtype: an fp32 copy of a bf16 bias for an fp32 output.
+  torch::Tensor bias_f = fp32_out && bias.defined() ? bias.to(torch::kFloat) : bias;
+  if (bias_f.defined()) g.bias = bias_f.data_ptr();
   if (aux.defined()) g.aux = aux.data_ptr(), g.ld_aux = out;
   if (residual.defined()) g.c = residual.data_ptr(), g.ldc = out, g.beta = 1.0f;
   Gemm(g, x, false);
@@ -264,6 +284,31 @@ class InputGradSum {
   cudaEvent_t done_ = nullptr;
 };
 
+void OfferBf16Twin(const torch::Tensor& fp32, const torch::Tensor& bf16) {
+  std::lock_guard<std::mutex> lock(twin_mu);
+  bf16_twins[fp32.device().index()] = {fp32, bf16, static_cast<int64_t>(fp32._version())};
+}
+
+// The output gradient of a product with weight w as the 2-D bf16 matrix its backward products read:
+// the gradient of an fp32 output (one adding into an fp32 residual stream) is cast once, or taken
+// from the norm's backward that computed it.
+torch::Tensor ProductGrad(const torch::Tensor& grad, const torch::Tensor& w) {
+  torch::Tensor g = grad.reshape({-1, w.size(0)});
+  if (g.scalar_type() == w.scalar_type()) return g.contiguous();
+  Bf16Twin twin;
+  {
+    std::lock_guard<std::mutex> lock(twin_mu);
+    auto it = bf16_twins.find(grad.device().index());
+    if (it != bf16_twins.end()) twin = std::move(it->second), bf16_twins.erase(it);
+  }
+  if (twin.fp32.defined() && twin.fp32.data_ptr() == grad.data_ptr() && twin.fp32.numel() == grad.numel() &&
+      static_cast<int64_t>(twin.fp32._version()) == twin.version && grad.is_contiguous() &&
+      twin.bf16.scalar_type() == w.scalar_type()) {
+    return twin.bf16.view({-1, w.size(0)});
+  }
+  return g.to(w.scalar_type()).contiguous();
+}
+
 Communicator* CommOf(AutogradContext* ctx) { return reinterpret_cast<Communicator*>(ctx->saved_data["tp"].toInt()); }
 
 struct LinearFunction : public torch::autograd::Function<LinearFunction> {
@@ -286,7 +331,7 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
     const torch::Tensor& x2 = saved[0];
     const torch::Tensor& w = saved[1];
     c10::cuda::CUDAGuard guard(x2.device());
-    torch::Tensor g = grads[0].reshape({-1, w.size(0)}).contiguous();
+    torch::Tensor g = ProductGrad(grads[0], w);
     auto [dw, db] = WeightAndBiasGrads(g, x2, w, ctx->saved_data["has_bias"].toBool());
     torch::Tensor dx = InputGradProduct(g, w).view(ctx->saved_data["x_sizes"].toIntVector());
     // The residual's gradient is the output's, unchanged.
@@ -320,7 +365,7 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
     variable_list saved = ctx->get_saved_variables();
     const torch::Tensor &x2 = saved[0], &w1 = saved[1], &pre = saved[2], &h = saved[3], &w2 = saved[4];
     c10::cuda::CUDAGuard guard(x2.device());
-    torch::Tensor g = grads[0].reshape({-1, w2.size(0)}).contiguous();
+    torch::Tensor g = ProductGrad(grads[0], w2);
     // The input gradient first: its tensor-parallel sum runs beside the weight gradients.
     torch::Tensor gpre = InputGradProduct(g, w2, cuda::Epilogue::kDGelu, pre);
     torch::Tensor dx = InputGradProduct(gpre, w1);
@@ -401,17 +446,34 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
   }
 };
 
-// LibTorch's layer norm forward; backward from our kernels: the input gradient with the residual
-// branch's gradient added in the same pass (no separate add where the two branches meet), and the
-// weight and bias gradients (one read of dy and x, where LibTorch's kernel takes about twice the
-// time on H100s). The second output is x itself: the residual branch reads x through it, so that
-// its gradient arrives here.
+// The layer norm forward from our kernel (bf16 or fp32 input, an fp32 residual stream's; the output
+// bf16 for the products), LibTorch's where the rows or weights are not 16-byte aligned; backward
+// from our kernels: the input gradient with the residual branch's gradient added in the same pass
+// (no separate add where the two branches meet), and the weight and bias gradients (one read of dy
+// and x, where LibTorch's kernel takes about twice the time on H100s). The second output is x
+// itself: the residual branch reads x through it, so that its gradient arrives here.
 struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
   static variable_list forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
                                const torch::Tensor& b, double eps) {
     c10::cuda::CUDAGuard guard(x.device());
     torch::Tensor input = x.contiguous();
-    auto [out, mean, rstd] = at::native_layer_norm(input, {input.size(-1)}, w, b, eps);
+    torch::Tensor out, mean, rstd;
+    const bool x_fp32 = input.scalar_type() == torch::kFloat;
+    if (Aligned16(input) && Aligned16(w) && Aligned16(b)) {
+      const int64_t cols = input.size(-1), rows = input.numel() / cols;
+      out = torch::empty(input.sizes(), input.options().dtype(w.scalar_type()));
+      // Shaped as LibTorch's statistics ([..., 1]), which its backward (the fallback below) takes.
+      const torch::TensorOptions f32 = input.options().dtype(torch::kFloat);
+      mean = torch::empty(WithLast(input.sizes(), 1), f32);
+      rstd = torch::empty(WithLast(input.sizes(), 1), f32);
+      cuda::LayerNormForward(input.data_ptr(), x_fp32, w.data_ptr(), b.data_ptr(), static_cast<float>(eps), rows, cols,
+                             out.data_ptr(), mean.data_ptr<float>(), rstd.data_ptr<float>(), StreamOf(input));
+    } else if (x_fp32) {
+      std::tie(out, mean, rstd) = at::native_layer_norm(input, {input.size(-1)}, w.to(torch::kFloat), b.to(torch::kFloat), eps);
+      out = out.to(w.scalar_type());
+    } else {
+      std::tie(out, mean, rstd) = at::native_layer_norm(input, {input.size(-1)}, w, b, eps);
+    }
     ctx->save_for_backward({input, w, b, mean, rstd});
     return {out, x};
   }
@@ -425,33 +487,53 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     if (!grads[0].defined()) return {dres, torch::Tensor(), torch::Tensor(), torch::Tensor()};
     torch::Tensor dy = grads[0].contiguous();
     torch::Tensor mean_c = mean.contiguous(), rstd_c = rstd.contiguous();
-    torch::Tensor dx;
-    if (Aligned16(dy) && Aligned16(x) && Aligned16(w) && (!dres.defined() || Aligned16(dres))) {
-      dx = torch::empty_like(x);
-      cuda::LayerNormInputGrad(dy.data_ptr(), x.data_ptr(), w.data_ptr(), mean_c.data_ptr<float>(),
-                               rstd_c.data_ptr<float>(), dres.defined() ? dres.data_ptr() : nullptr, rows, cols,
-                               dx.data_ptr(), StreamOf(x));
-    } else {
-      dx = std::get<0>(at::native_layer_norm_backward(dy, x, {cols}, mean, rstd, w, b, {true, false, false}));
-      if (dres.defined()) dx.add_(dres);
-    }
+    const bool x_fp32 = x.scalar_type() == torch::kFloat;
+    if (dres.defined() && dres.scalar_type() != x.scalar_type()) dres = dres.to(x.scalar_type());
     torch::Tensor dgamma = torch::empty({cols}, w.options()), dbeta = torch::empty({cols}, b.options());
-    torch::Tensor partial =
-        torch::empty({cuda::LayerNormPartialFloats(rows, cols)}, x.options().dtype(torch::kFloat));
-    cuda::LayerNormParamGrads(dy.data_ptr(), x.data_ptr(), mean_c.data_ptr<float>(), rstd_c.data_ptr<float>(), rows,
-                              cols, partial.data_ptr<float>(), dgamma.data_ptr(), dbeta.data_ptr(), StreamOf(x));
+    const torch::TensorOptions f32 = x.options().dtype(torch::kFloat);
+    if (Aligned16(dy) && Aligned16(x) && Aligned16(w) && (!dres.defined() || Aligned16(dres))) {
+      // Our kernels: the input gradient (and its bf16 copy for the product that wrote an fp32 x) with
+      // the weight and bias gradients, in one pass over dy and x where the rows are narrow.
+      torch::Tensor dx = torch::empty_like(x);
+      torch::Tensor dx_bf16 = x_fp32 ? torch::empty_like(x, x.options().dtype(w.scalar_type())) : torch::Tensor();
+      torch::Tensor partial = torch::empty({cuda::NormBackwardPartialFloats(rows, cols)}, f32);
+      cuda::LayerNormBackward(dy.data_ptr(), x.data_ptr(), x_fp32, w.data_ptr(), mean_c.data_ptr<float>(),
+                              rstd_c.data_ptr<float>(), dres.defined() ? dres.data_ptr() : nullptr, rows, cols,
+                              dx.data_ptr(), x_fp32 ? dx_bf16.data_ptr() : nullptr, partial.data_ptr<float>(),
+                              dgamma.data_ptr(), dbeta.data_ptr(), StreamOf(x));
+      if (x_fp32) OfferBf16Twin(dx, dx_bf16);
+      return {dx, dgamma, dbeta, torch::Tensor()};
+    }
+    const torch::Tensor xw = x_fp32 ? w.to(torch::kFloat) : w, xb = x_fp32 ? b.to(torch::kFloat) : b;
+    torch::Tensor dx = std::get<0>(at::native_layer_norm_backward(dy.to(x.scalar_type()), x, {cols}, mean, rstd, xw,
+                                                                  xb, {true, false, false}));
+    if (dres.defined()) dx.add_(dres);
+    torch::Tensor partial = torch::empty({cuda::LayerNormPartialFloats(rows, cols)}, f32);
+    cuda::LayerNormParamGrads(dy.data_ptr(), x.data_ptr(), x_fp32, mean_c.data_ptr<float>(), rstd_c.data_ptr<float>(),
+                              rows, cols, partial.data_ptr<float>(), dgamma.data_ptr(), dbeta.data_ptr(), StreamOf(x));
     return {dx, dgamma, dbeta, torch::Tensor()};
   }
 };
 
-// RMSNorm as llama_model.RMSNorm (LibTorch's forward); backward from our kernels, as the layer
-// norm's: the residual branch's gradient (through the second output, x itself) added inside the
-// input-gradient kernel, and the weight gradient in one read of dy and x.
+// RMSNorm as llama_model.RMSNorm (LibTorch's forward on bf16 input, ours on fp32 input with a bf16
+// output, as the layer norm's); backward from our kernels, as the layer norm's: the residual
+// branch's gradient (through the second output, x itself) added inside the input-gradient kernel,
+// and the weight gradient from the same pass over dy and x (narrow rows) or one more.
 struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
   static variable_list forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w, double eps) {
     c10::cuda::CUDAGuard guard(x.device());
     torch::Tensor input = x.contiguous();
-    torch::Tensor out = compat::RmsNorm(input, w, eps);
+    torch::Tensor out;
+    if (input.scalar_type() == torch::kFloat && !(Aligned16(input) && Aligned16(w))) {
+      out = compat::RmsNorm(input, w.to(torch::kFloat), eps).to(w.scalar_type());
+    } else if (input.scalar_type() == torch::kFloat) {
+      const int64_t cols = input.size(-1), rows = input.numel() / cols;
+      out = torch::empty(input.sizes(), input.options().dtype(w.scalar_type()));
+      cuda::RmsNormForward(input.data_ptr(), /*x_fp32=*/true, w.data_ptr(), static_cast<float>(eps), rows, cols,
+                           out.data_ptr(), StreamOf(input));
+    } else {
+      out = compat::RmsNorm(input, w, eps);
+    }
     ctx->save_for_backward({input, w});
     ctx->saved_data["eps"] = eps;
     return {out, x};
@@ -466,27 +548,30 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     torch::Tensor dres = grads[1].defined() ? grads[1].contiguous() : torch::Tensor();
     if (!grads[0].defined()) return {dres, torch::Tensor(), torch::Tensor()};
     torch::Tensor dy = grads[0].contiguous();
+    const bool x_fp32 = x.scalar_type() == torch::kFloat;
+    if (dres.defined() && dres.scalar_type() != x.scalar_type()) dres = dres.to(x.scalar_type());
     if (!Aligned16(dy) || !Aligned16(x) || !Aligned16(w) || (dres.defined() && !Aligned16(dres))) {
       // LibTorch's backward through the composite, then the residual's gradient.
       torch::Tensor xg = x.detach().requires_grad_(true), wg = w.detach().requires_grad_(true);
       torch::Tensor y;
       {
         torch::AutoGradMode enable(true);
-        y = compat::RmsNorm(xg, wg, eps);
+        y = compat::RmsNorm(xg, x_fp32 ? wg.to(torch::kFloat) : wg, eps).to(dy.scalar_type());
       }
       variable_list g = torch::autograd::grad({y}, {xg, wg}, {dy});
       if (dres.defined()) g[0].add_(dres);
       return {g[0], g[1], torch::Tensor()};
     }
     torch::Tensor dx = torch::empty_like(x);
+    torch::Tensor dx_bf16 = x_fp32 ? torch::empty_like(x, x.options().dtype(w.scalar_type())) : torch::Tensor();
     torch::Tensor rstd = torch::empty({rows}, x.options().dtype(torch::kFloat));
-    cuda::RmsNormInputGrad(dy.data_ptr(), x.data_ptr(), w.data_ptr(), static_cast<float>(eps),
-                           dres.defined() ? dres.data_ptr() : nullptr, rows, cols, dx.data_ptr(), rstd.data_ptr<float>(),
-                           StreamOf(x));
     torch::Tensor dgamma = torch::empty({cols}, w.options());
-    torch::Tensor partial = torch::empty({cuda::LayerNormPartialFloats(rows, cols)}, x.options().dtype(torch::kFloat));
-    cuda::RmsNormWeightGrad(dy.data_ptr(), x.data_ptr(), rstd.data_ptr<float>(), rows, cols, partial.data_ptr<float>(),
-                            dgamma.data_ptr(), StreamOf(x));
+    torch::Tensor partial = torch::empty({cuda::NormBackwardPartialFloats(rows, cols)}, x.options().dtype(torch::kFloat));
+    cuda::RmsNormBackward(dy.data_ptr(), x.data_ptr(), x_fp32, w.data_ptr(), static_cast<float>(eps),
+                          dres.defined() ? dres.data_ptr() : nullptr, rows, cols, dx.data_ptr(),
+                          x_fp32 ? dx_bf16.data_ptr() : nullptr, rstd.data_ptr<float>(), partial.data_ptr<float>(),
+                          dgamma.data_ptr(), StreamOf(x));
+    if (x_fp32) OfferBf16Twin(dx, dx_bf16);
     return {dx, dgamma, torch::Tensor()};
   }
 };
@@ -651,9 +736,14 @@ std::vector<torch::Tensor> FusedQkv(const torch::Tensor& x, const torch::Tensor&
   return QkvFunction::apply(x, w, OrEmpty(b, w), heads, Handle(tp));
 }
 
+// The norms read bf16 or fp32 (an fp32 residual stream) with bf16 weights.
+bool NormInput(const torch::Tensor& x) {
+  return x.defined() && x.is_cuda() && (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat) &&
+         x.size(-1) % 8 == 0;
+}
+
 bool FusedLayerNormAvailable(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  return kernel_options.layer_norm && x.defined() && w.defined() && b.defined() && Bf16Cuda(x) && Bf16Cuda(w) &&
-         Bf16Cuda(b) && x.size(-1) % 8 == 0;
+  return kernel_options.layer_norm && NormInput(x) && w.defined() && b.defined() && Bf16Cuda(w) && Bf16Cuda(b);
 }
 
 std::pair<torch::Tensor, torch::Tensor> FusedLayerNorm(const torch::Tensor& x, const torch::Tensor& w,
@@ -663,7 +753,7 @@ std::pair<torch::Tensor, torch::Tensor> FusedLayerNorm(const torch::Tensor& x, c
 }
 
 bool FusedRmsNormAvailable(const torch::Tensor& x, const torch::Tensor& w) {
-  return kernel_options.layer_norm && x.defined() && w.defined() && Bf16Cuda(x) && Bf16Cuda(w) && x.size(-1) % 8 == 0;
+  return kernel_options.layer_norm && NormInput(x) && w.defined() && Bf16Cuda(w);
 }
 
 std::pair<torch::Tensor, torch::Tensor> FusedRmsNorm(const torch::Tensor& x, const torch::Tensor& w, double eps) {

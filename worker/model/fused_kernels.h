@@ -34,7 +34,8 @@ bool FusedLinearTakes(int64_t out, int64_t in);
 // Weight gradients left unzeroed at the start of a step (the parameter store's, views of its flat
 // buffer): the first fused product to write each overwrites it instead of adding to it.
 // ZeroStaleGradients zeroes those no product wrote (call it after backward, before anything reads
-// the gradients) and forgets them all. Only for gradients that nothing but the products adds to.
+// the gradients) and forgets them all, and drops what backward's norms left for the products to read.
+// Only for gradients that nothing but the products adds to.
 void MarkGradientsStale(const std::vector<torch::Tensor>& grads);
 void ZeroStaleGradients();
 

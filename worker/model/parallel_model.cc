@@ -204,9 +204,12 @@ struct CheckpointAttention : public torch::autograd::Function<CheckpointAttentio
   }
 };
 
-// Whether a fused product can add `residual` to its output of `sizes` in its epilogue.
+// Whether a fused product can add `residual` to its output of `sizes` in its epilogue: one of x's
+// dtype, or an fp32 one (an fp32 residual stream, the output then fp32) to a bf16 product.
 bool FusableResidual(const torch::Tensor& residual, const torch::Tensor& x, c10::IntArrayRef sizes) {
-  return residual.scalar_type() == x.scalar_type() && residual.device() == x.device() && residual.sizes() == sizes;
+  const bool dtype = residual.scalar_type() == x.scalar_type() ||
+                     (residual.scalar_type() == torch::kFloat && x.scalar_type() == torch::kBFloat16);
+  return dtype && residual.device() == x.device() && residual.sizes() == sizes;
 }
 
 std::vector<int64_t> OutputSizes(const torch::Tensor& x, const torch::Tensor& w) {
@@ -225,7 +228,7 @@ torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& w, const torch
   torch::Tensor y;
   if (b.defined() && FusedLinearAvailable(x, w)) {
     if (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w))) return FusedLinear(x, w, b, residual);
-    // A residual of another dtype (an fp32 residual stream): added after the product, in its dtype.
+    // A residual the epilogue cannot take: added after the product, in its dtype.
     y = FusedLinear(x, w, b, {});
   } else {
     y = b.defined() ? at::linear(x, w, b) : at::linear(x, w);
@@ -261,7 +264,7 @@ torch::Tensor Mlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::
                   const torch::Tensor& b2, const torch::Tensor& residual = {}) {
   if (FusedLinearAvailable(x, w1) && FusedLinearAvailable(x, w2)) {
     if (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w2))) return FusedMlp(x, w1, b1, w2, b2, residual);
-    return residual + FusedMlp(x, w1, b1, w2, b2);  // a residual of another dtype, as in Linear
+    return residual + FusedMlp(x, w1, b1, w2, b2);  // a residual the epilogue cannot take, as in Linear
   }
   return Linear(torch::gelu(Linear(x, w1, b1), "tanh"), w2, b2, residual);
 }
@@ -302,7 +305,7 @@ torch::Tensor NoBiasLinear(const torch::Tensor& x, const torch::Tensor& w, const
   torch::Tensor y;
   if (FusedLinearAvailable(x, w)) {
     if (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w))) return FusedLinear(x, w, {}, residual);
-    y = FusedLinear(x, w, {}, {});  // a residual of another dtype, as in Linear
+    y = FusedLinear(x, w, {}, {});  // a residual the epilogue cannot take, as in Linear
   } else {
     y = at::linear(x, w);
   }
@@ -732,7 +735,7 @@ torch::Tensor ModelShard::Embed(const torch::Tensor& ids) {
   auto widen = [&](const torch::Tensor& e) { return spec_.fp32_residual ? e.to(torch::kFloat) : e; };
   // Learned positions from..from+n (gpt2; a llama has none).
   auto positioned = [&](const torch::Tensor& e, int64_t from, int64_t n) {
-    return wpe_ >= 0 ? widen(e) + widen(params_[wpe_].value.narrow(0, from, n)) : widen(e);
+    return wpe_ >= 0 ? widen(e) + params_[wpe_].value.narrow(0, from, n) : widen(e);  // the sum in the stream's dtype
   };
   if (tp == 1) {
     if (spec_.config.arch == Arch::kLlama && FusedLlamaOpsAvailable(wte)) return widen(FusedEmbedding(ids, wte));

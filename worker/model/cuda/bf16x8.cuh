@@ -1,5 +1,6 @@
-// What the worker's memory-bound kernels share: eight bf16 values moved in one 16-byte access, and
-// the grid arithmetic of their two-pass column reductions. Plain CUDA, no LibTorch.
+// What the worker's memory-bound kernels share: eight bf16 values moved in one 16-byte access (eight
+// fp32 values in two), and the grid arithmetic of their two-pass column reductions. Plain CUDA, no
+// LibTorch.
 #pragma once
 
 #include <cstdint>
@@ -19,6 +20,85 @@ __device__ __forceinline__ void Unpack(const Bf16x8& p, float (&out)[8]) {
     out[2 * i] = f.x;
     out[2 * i + 1] = f.y;
   }
+}
+
+__device__ __forceinline__ Bf16x8 Pack(const float (&in)[8]) {
+  Bf16x8 out;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out.v[i] = __floats2bfloat162_rn(in[2 * i], in[2 * i + 1]);
+  return out;
+}
+
+struct alignas(16) Float8 {
+  float4 lo, hi;
+};
+
+// Eight values of T (bf16 or fp32) as one vector: Vec8<T>::Type, read into and written from fp32.
+template <typename T>
+struct Vec8;
+
+template <>
+struct Vec8<__nv_bfloat16> {
+  using Type = Bf16x8;
+  static __device__ __forceinline__ void Load(const Type& p, float (&out)[8]) { Unpack(p, out); }
+  static __device__ __forceinline__ Type Store(const float (&in)[8]) { return Pack(in); }
+};
+
+template <>
+struct Vec8<float> {
+  using Type = Float8;
+  static __device__ __forceinline__ void Load(const Type& p, float (&out)[8]) {
+    out[0] = p.lo.x, out[1] = p.lo.y, out[2] = p.lo.z, out[3] = p.lo.w;
+    out[4] = p.hi.x, out[5] = p.hi.y, out[6] = p.hi.z, out[7] = p.hi.w;
+  }
+  static __device__ __forceinline__ Type Store(const float (&in)[8]) {
+    Type out;
+    out.lo = make_float4(in[0], in[1], in[2], in[3]);
+    out.hi = make_float4(in[4], in[5], in[6], in[7]);
+    return out;
+  }
+};
+
+// Two adjacent values of T as fp32.
+__device__ __forceinline__ float2 Load2(const __nv_bfloat16* p) {
+  return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));
+}
+__device__ __forceinline__ float2 Load2(const float* p) { return *reinterpret_cast<const float2*>(p); }
+
+// The second pass of a two-pass column reduction: out_j[c] = Σ_k partial[k · stride + j · cols + c]
+// for the `outs` outputs j (out_1 may be null), in bf16. Blocks of kChunkLanes columns by
+// kChunkWarps warps, each warp over every kChunkWarps-th chunk (coalesced rows of the partials),
+// summed across the warps in shared memory: the chunks are read in parallel, not one after another.
+constexpr int kChunkLanes = 32, kChunkWarps = 16;
+static __global__ void __launch_bounds__(kChunkLanes * kChunkWarps)
+    AddChunkRows(const float* partial, int64_t chunks, int64_t stride, int64_t cols, __nv_bfloat16* out0,
+                 __nv_bfloat16* out1) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * kChunkLanes + threadIdx.x;
+  float s0 = 0.f, s1 = 0.f;
+  if (c < cols) {
+    for (int64_t k = threadIdx.y; k < chunks; k += kChunkWarps) {
+      s0 += partial[k * stride + c];
+      if (out1 != nullptr) s1 += partial[k * stride + cols + c];
+    }
+  }
+  __shared__ float part[2][kChunkWarps][kChunkLanes];
+  part[0][threadIdx.y][threadIdx.x] = s0;
+  part[1][threadIdx.y][threadIdx.x] = s1;
+  __syncthreads();
+  if (threadIdx.y == 0 && c < cols) {
+    float t0 = 0.f, t1 = 0.f;
+#pragma unroll
+    for (int w = 0; w < kChunkWarps; ++w) t0 += part[0][w][threadIdx.x], t1 += part[1][w][threadIdx.x];
+    out0[c] = __float2bfloat16(t0);
+    if (out1 != nullptr) out1[c] = __float2bfloat16(t1);
+  }
+}
+
+static inline void LaunchAddChunkRows(const float* partial, int64_t chunks, int64_t stride, int64_t cols, void* out0,
+                               void* out1, cudaStream_t stream) {
+  const auto blocks = static_cast<unsigned>((cols + kChunkLanes - 1) / kChunkLanes);
+  AddChunkRows<<<blocks, dim3(kChunkLanes, kChunkWarps), 0, stream>>>(
+      partial, chunks, stride, cols, static_cast<__nv_bfloat16*>(out0), static_cast<__nv_bfloat16*>(out1));
 }
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -1,6 +1,6 @@
 // Column sums in two passes: blocks of 256 columns (eight per lane, 16-byte loads) by a chunk of
 // rows, each warp over every 8th row of the chunk, summed across the warps in shared memory into
-// per-chunk partials; then a kernel adds the chunks of each column.
+// per-chunk partials; then a kernel adds the chunks of each column (AddChunkRows).
 #include "worker/model/cuda/column_sums.h"
 
 #include <cuda_bf16.h>
@@ -47,15 +47,6 @@ __global__ void PartialColumnSums(const Bf16x8* x, int64_t rows, int64_t vecs, i
   }
 }
 
-__global__ void AddChunks(const float* partial, int64_t chunks, int64_t cols, __nv_bfloat16* out) {
-  for (int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < cols;
-       c += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float s = 0.f;
-    for (int64_t k = 0; k < chunks; ++k) s += partial[k * cols + c];
-    out[c] = __float2bfloat16(s);
-  }
-}
-
 }  // namespace
 
 int64_t ColumnSumsPartialFloats(int64_t rows, int64_t cols) { return Chunks(rows, cols) * cols; }
@@ -70,8 +61,7 @@ void ColumnSums(const void* x, int64_t rows, int64_t cols, float* partial, void*
   const dim3 grid(static_cast<unsigned>(CeilDiv(cols, kColsPerBlock)), static_cast<unsigned>(chunks));
   PartialColumnSums<<<grid, dim3(kLanes, kWarps), 0, stream>>>(static_cast<const Bf16x8*>(x), rows, cols / kColsPerLane,
                                                                CeilDiv(rows, chunks), partial);
-  AddChunks<<<static_cast<unsigned>(CeilDiv(cols, 256)), 256, 0, stream>>>(partial, chunks, cols,
-                                                                          static_cast<__nv_bfloat16*>(out));
+  LaunchAddChunkRows(partial, chunks, cols, cols, out, nullptr, stream);
 }
 
 }  // namespace ltrain::worker::cuda

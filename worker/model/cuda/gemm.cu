@@ -58,7 +58,7 @@ cublasLtEpilogue_t LtEpilogue(Epilogue e) {
 struct State {
   std::mutex mu;
   std::map<int, cublasLtHandle_t> handles;
-  std::map<std::array<int64_t, 22>, cublasLtMatmulAlgo_t> algos;
+  std::map<std::array<int64_t, 23>, cublasLtMatmulAlgo_t> algos;
 };
 
 State& Shared() {
@@ -103,6 +103,9 @@ std::string GemmBf16(const GemmArgs& g, cudaStream_t stream) {
     case Epilogue::kDGelu:
     case Epilogue::kNone: break;
   }
+  if (g.fp32_out && g.epilogue != Epilogue::kNone && g.epilogue != Epilogue::kBias) {
+    return "an fp32 product output takes no epilogue but the bias";
+  }
   if (bias != nullptr) {
     cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias));
   }
@@ -129,13 +132,14 @@ std::string GemmBf16(const GemmArgs& g, cudaStream_t stream) {
   if (cublasStatus_t s = cublasLtMatrixLayoutCreate(&lb.l, CUDA_R_16BF, b_rows, b_cols, g.ldb); s != CUBLAS_STATUS_SUCCESS) {
     return Failed("layout of B", s);
   }
-  if (cublasStatus_t s = cublasLtMatrixLayoutCreate(&ld.l, CUDA_R_16BF, g.m, g.n, g.ldd); s != CUBLAS_STATUS_SUCCESS) {
+  const cudaDataType_t out_type = g.fp32_out ? CUDA_R_32F : CUDA_R_16BF;
+  if (cublasStatus_t s = cublasLtMatrixLayoutCreate(&ld.l, out_type, g.m, g.n, g.ldd); s != CUBLAS_STATUS_SUCCESS) {
     return Failed("layout of D", s);
   }
 
   const bool own_c = g.c != nullptr;
   if (own_c) {
-    if (cublasStatus_t s = cublasLtMatrixLayoutCreate(&lc.l, CUDA_R_16BF, g.m, g.n, g.ldc); s != CUBLAS_STATUS_SUCCESS) {
+    if (cublasStatus_t s = cublasLtMatrixLayoutCreate(&lc.l, out_type, g.m, g.n, g.ldc); s != CUBLAS_STATUS_SUCCESS) {
       return Failed("layout of C", s);
     }
   }
@@ -143,10 +147,10 @@ std::string GemmBf16(const GemmArgs& g, cudaStream_t stream) {
   cublasLtMatrixLayout_t c_layout = own_c ? lc.l : ld.l;
 
   const uint32_t align_a = Alignment(g.a), align_b = Alignment(g.b), align_c = Alignment(c), align_d = Alignment(g.d);
-  const std::array<int64_t, 22> key = {device, sm_target, g.tune, g.trans_a, g.trans_b, g.beta != 0.0f, g.m, g.n, g.k, g.lda, g.ldb, g.ldd,
+  const std::array<int64_t, 23> key = {device, sm_target, g.tune, g.trans_a, g.trans_b, g.beta != 0.0f, g.m, g.n, g.k, g.lda, g.ldb, g.ldd,
                                        own_c ? g.ldc : -1, static_cast<int64_t>(g.epilogue), g.ld_aux, align_a, align_b,
                                        align_c, align_d, Alignment(bias), uses_aux ? Alignment(g.aux) : 0,
-                                       static_cast<int64_t>(g.workspace_bytes)};
+                                       static_cast<int64_t>(g.workspace_bytes), g.fp32_out};
   cublasLtMatmulAlgo_t algo;
   bool cached = false;
   {
@@ -182,7 +186,7 @@ std::string GemmBf16(const GemmArgs& g, cudaStream_t stream) {
       // D (and C, where C is D), so that the real D is written once, by the call below; the others
       // rewrite the same values (aux and bias gradients included).
       void* scratch = nullptr;
-      const size_t d_bytes = static_cast<size_t>(g.ldd) * static_cast<size_t>(g.n) * 2;
+      const size_t d_bytes = static_cast<size_t>(g.ldd) * static_cast<size_t>(g.n) * (g.fp32_out ? 4 : 2);
       if (g.beta == 0.0f || cudaMallocAsync(&scratch, d_bytes, stream) == cudaSuccess) {
         void* d = scratch != nullptr ? scratch : g.d;
         const void* c_run = scratch != nullptr && !own_c ? scratch : c;

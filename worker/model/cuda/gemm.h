@@ -3,7 +3,8 @@
 // and the bias gradient of a weight-gradient product. Plain CUDA, no LibTorch.
 //
 // cuBLAS conventions: column-major, D[m, n] = op(A)[m, k] · op(B)[k, n]; a row-major [r, c] matrix
-// is a column-major [c, r] one with leading dimension c. fp32 accumulation, bf16 in and out.
+// is a column-major [c, r] one with leading dimension c. fp32 accumulation, bf16 in, bf16 out (or
+// fp32 C, D and bias, for a product that adds into an fp32 residual stream).
 #pragma once
 
 #include <cstddef>
@@ -34,7 +35,7 @@ struct GemmArgs {
   void* d = nullptr;
   int64_t ldd = 0;
   Epilogue epilogue = Epilogue::kNone;
-  const void* bias = nullptr;  // kBias, kGeluAuxBias: bf16 [m]
+  const void* bias = nullptr;  // kBias, kGeluAuxBias: bf16 [m] (fp32 where fp32_out)
   void* bias_grad = nullptr;   // kDGeluBGrad: bf16 [m]; kBGradB: bf16 [n]
   void* aux = nullptr;         // kGeluAuxBias (written), kDGelu, kDGeluBGrad (read): bf16, laid out like D
   int64_t ld_aux = 0;
@@ -43,6 +44,8 @@ struct GemmArgs {
   float beta = 0.0f;
   const void* c = nullptr;
   int64_t ldc = 0;
+  // C, D and the bias fp32 (A and B stay bf16); only with kNone or kBias.
+  bool fp32_out = false;
   // Plan for this many fewer SMs than the device has, leaving them to collectives that run at the
   // same time on another stream (0: all SMs).
   int sm_margin = 0;
