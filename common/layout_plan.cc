@@ -170,22 +170,24 @@ int64_t CpuLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointin
 }
 
 // CUDA (bf16 activations, the fused kernels, flash attention: no T*T term, so selective recompute
-// keeps what none keeps). `a` is the activations' element size.
-int64_t CudaLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointing ac, int a) {
+// keeps what none keeps). `a` is the activations' element size, `sb` the residual stream's (the
+// block's input and its mid-block residual).
+int64_t CudaLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointing ac, int a, int sb) {
   const int64_t b = s.b, T = s.T, Ts = s.Ts, d = s.d, t = s.tp;
-  if (ac == ActivationCheckpointing::kFull) return b * Ts * d * a;
+  if (ac == ActivationCheckpointing::kFull) return b * Ts * d * sb;
+  const int64_t stream = 2 * b * Ts * d;
   int64_t elems = 0;
   if (m.arch == Arch::kGpt2) {
-    // input, norm 1's output (the qkv product's input), q k v, attention's output, the residual,
-    // norm 2's output, the MLP's pre- and post-GELU
-    elems = 2 * b * Ts * d + 2 * b * T * d + 4 * b * T * d / t + 2 * b * T * s.f / t;
+    // norm 1's output (the qkv product's input), q k v, attention's output, norm 2's output, the
+    // MLP's pre- and post-GELU
+    elems = 2 * b * T * d + 4 * b * T * d / t + 2 * b * T * s.f / t;
   } else {
-    // input, norm output, q (after RoPE), k and v, attention's output, the residual, norm output,
-    // w1's and w3's outputs and their SwiGLU product
-    elems = 2 * b * Ts * d + 2 * b * T * d + 2 * b * T * d / t + 2 * b * T * s.kv_local * s.hd + 3 * b * T * s.f / t;
+    // norm output, q (after RoPE), k and v, attention's output, norm output, w1's and w3's outputs
+    // and their SwiGLU product
+    elems = 2 * b * T * d + 2 * b * T * d / t + 2 * b * T * s.kv_local * s.hd + 3 * b * T * s.f / t;
   }
   // norm statistics and attention's log-sum-exp, fp32
-  return elems * a + 4 * (4 * b * Ts + b * (s.h / t) * T);
+  return stream * sb + elems * a + 4 * (4 * b * Ts + b * (s.h / t) * T);
 }
 
 // The first stage's embedding output and, on the CPU under tensor parallelism, the ids and mask the
@@ -196,14 +198,14 @@ int64_t EmbedBytes(const Shape& s, int a, bool cpu) {
 
 // The last stage's final norm and loss: on the CPU the log-probabilities (t = 1) or the
 // vocabulary-parallel cross entropy's two [b, T, V/t] tensors; on CUDA the bf16 logits.
-int64_t HeadBytes(const ModelSpec& m, const Shape& s, int a, bool cpu) {
+int64_t HeadBytes(const ModelSpec& m, const Shape& s, int a, int sb, bool cpu) {
   const int64_t b = s.b, T = s.T, Ts = s.Ts, d = s.d, V = s.V, t = s.tp;
   if (cpu) {
     int64_t floats = m.arch == Arch::kGpt2 ? 2 * b * Ts + b * T * d : 2 * b * Ts * d + b * Ts + b * T * d;
     floats += t == 1 ? b * T * V : 2 * b * T * V / t + b * T;
     return floats * 4 + (t == 1 ? 0 : 9 * b * T);
   }
-  return (b * Ts * d + b * T * d) * a + b * T * V / t * 2 + 8 * b * T;
+  return b * Ts * d * sb + b * T * d * a + b * T * V / t * 2 + 8 * b * T;
 }
 
 // The step's peak of activations and pipeline buffers on pipeline rank `rank`: the (micro-batch,
@@ -283,6 +285,7 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout) {
   const bool autocast = cuda && ps.precision == Precision::kBf16Autocast;
   e.bf16 = cuda && ps.precision != Precision::kFp32 && !autocast;
   const int a = cuda && ps.precision != Precision::kFp32 ? 2 : 4;  // activation bytes
+  const int sb = ps.fp32_residual_stream() ? 4 : a;                 // the residual stream's
   const int g = e.bf16 && layout.zero < 2 ? 2 : 4;                  // gradient bytes in the dp collectives
   const int dp = layout.dp, zero = layout.zero, mb = layout.accumulation;
   const Shape s = ShapeOf(m, layout);
@@ -290,7 +293,7 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout) {
                           (m.arch == Arch::kLlama && KvHeads(m) < layout.tp);
   const bool overlap = layout.pp == 1 && !tp_partial;
   const int stages = layout.pp * layout.chunks;
-  const int64_t send = s.b * s.Ts * s.d * a;
+  const int64_t send = s.b * s.Ts * s.d * sb;
 
   int64_t dp_bytes = 0, tp_bytes = 0, pp_bytes = 0, embedding_bytes = 0, z3_bytes = 0;
   int64_t tp_exposed_bytes = 0;  // the part of tp_bytes on the critical path
@@ -357,13 +360,13 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout) {
       for (int c = 0; c < layout.chunks; ++c) {
         const int vs = VirtualStage(layout.pp, r, c);
         const int64_t per_layer =
-            cpu ? CpuLayerBytes(m, s, ac) + CpuLayerOverhead(m, ac) : CudaLayerBytes(m, s, ac, a);
+            cpu ? CpuLayerBytes(m, s, ac) + CpuLayerOverhead(m, ac) : CudaLayerBytes(m, s, ac, a, sb);
         layer_none = cpu ? CpuLayerBytes(m, s, ActivationCheckpointing::kNone)
-                         : CudaLayerBytes(m, s, ActivationCheckpointing::kNone, a);
+                         : CudaLayerBytes(m, s, ActivationCheckpointing::kNone, a, sb);
         int64_t bytes = per_layer * layout.stage_layers[vs];
         if (autocast) bytes += int64_t{4} * s.b * s.T * s.d * layout.stage_layers[vs];
-        bytes += vs == 0 ? EmbedBytes(s, a, cpu) + (cpu && s.tp == 1 ? 8 * s.b * s.T : 0) : send;
-        if (vs == stages - 1) bytes += HeadBytes(m, s, a, cpu) + (cpu && s.tp == 1 ? 8 * s.b * s.T : 0);
+        bytes += vs == 0 ? EmbedBytes(s, sb, cpu) + (cpu && s.tp == 1 ? 8 * s.b * s.T : 0) : send;
+        if (vs == stages - 1) bytes += HeadBytes(m, s, a, sb, cpu) + (cpu && s.tp == 1 ? 8 * s.b * s.T : 0);
         stage_bytes[vs] = bytes;
       }
       // Saved tensors (with the pipeline's held sends) at the sampled peak, and the buffers beside them.

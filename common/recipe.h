@@ -184,10 +184,15 @@ struct ParallelSpec {
   std::vector<int> pp_split;     // layers per (virtual) stage; empty = balanced
   double bucket_mb = 25.0;       // data-parallel gradient bucket size
   ActivationCheckpointing activation_checkpointing = ActivationCheckpointing::kNone;
-  Precision precision = Precision::kAuto;  // auto: bf16 on cuda, fp32 on cpu
+  Precision precision = Precision::kAuto;  // auto: bf16-fp32-residual on cuda, fp32 on cpu
   Device device = Device::kCpu;  // cpu (Gloo) | cuda (NCCL)
 
   int world_size() const { return nodes * nproc_per_node; }
+  // Whether the model keeps bf16 copies with its residual stream in fp32: bf16-fp32-residual, and
+  // auto on cuda.
+  bool fp32_residual_stream() const {
+    return device == Device::kCuda && (precision == Precision::kBf16Fp32Residual || precision == Precision::kAuto);
+  }
   int dp() const { return world_size() / (tp * pp); }
 };
 

@@ -218,9 +218,10 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
                   .help = "recompute activations in backward: full blocks, or only attention (selective)"},
         r.parallel.activation_checkpointing);
   visit(RecipeKey{.section = "parallel", .name = "precision",
-                  .help = "auto: bf16 on cuda, fp32 on cpu; bf16: bf16 compute copies of fp32 masters; "
-                          "bf16-autocast: fp32 weights cast per operation, as PyTorch AMP; bf16-fp32-residual: "
-                          "bf16 copies as bf16, the residual stream and the norms' inputs in fp32"},
+                  .help = "auto: bf16-fp32-residual on cuda, fp32 on cpu; bf16-fp32-residual: bf16 compute "
+                          "copies of fp32 masters, the residual stream and the norms' inputs in fp32; bf16: the same "
+                          "with the residual stream in bf16 too (faster, learns worse); bf16-autocast: fp32 weights "
+                          "cast per operation, as PyTorch AMP"},
         r.parallel.precision);
   visit(RecipeKey{.section = "parallel", .name = "device", .help = "cpu (Gloo) or cuda (NCCL)"}, r.parallel.device);
 

@@ -116,6 +116,33 @@ TEST(LayoutPlanTest, OnCudaTheComputeCopiesAreBf16AndTheStepHasAnEstimate) {
   EXPECT_GT(e.mfu, 0);
 }
 
+// precision auto on CUDA keeps the residual stream in fp32: each layer's input and mid-block
+// residual (2 · b · T · d elements), the embedding's output and the pipeline's sends take four
+// bytes instead of bf16's two.
+TEST(LayoutPlanTest, TheDefaultPrecisionKeepsTheResidualStreamInFp32) {
+  Recipe r = Small();
+  r.parallel.device = Device::kCuda;
+  r.parallel.pp = 2;
+  r.training.global_batch = 2;
+  const LayoutEstimate fp32_stream = Estimate(r, 2);
+  r.parallel.precision = Precision::kBf16;
+  const LayoutEstimate bf16 = Estimate(r, 2);
+  const int64_t b = 2, t = 32, d = 64, layers_per_stage = 2, stream = b * t * d;
+  const auto none = static_cast<int>(ActivationCheckpointing::kNone);
+  // Stage 0: its layers and the embedding's output; stage 1: its layers, the activation it received
+  // and the final norm's input.
+  const int64_t layers = 2 * stream * layers_per_stage;
+  EXPECT_EQ(fp32_stream.stages[0].activations_by_mode[none] - bf16.stages[0].activations_by_mode[none],
+            (layers + stream) * 2);
+  EXPECT_EQ(fp32_stream.stages[1].activations_by_mode[none] - bf16.stages[1].activations_by_mode[none],
+            (layers + 2 * stream) * 2);
+  int64_t pp_fp32 = 0, pp_bf16 = 0;
+  for (const GroupTraffic& g : fp32_stream.traffic) pp_fp32 += g.group == "pp" ? g.bytes : 0;
+  for (const GroupTraffic& g : bf16.traffic) pp_bf16 += g.group == "pp" ? g.bytes : 0;
+  EXPECT_GT(pp_bf16, 0);
+  EXPECT_EQ(pp_fp32, 2 * pp_bf16);
+}
+
 TEST(LayoutPlanTest, RankedLayoutsPutTheFeasibleFirstFastestFirstAndSayWhyTheOthersFail) {
   Recipe r = Small();
   r.model.layers = 32;

@@ -310,5 +310,20 @@ TEST(RecipeSchemaTest, EnumNamesRoundTrip) {
   EXPECT_EQ(EnumNameList<ActivationCheckpointing>(), "none, full, selective");
 }
 
+// precision auto is bf16-fp32-residual on GPUs: the residual stream in fp32 there, and nowhere on CPUs.
+TEST(RecipeTest, TheDefaultPrecisionKeepsAnFp32ResidualStreamOnGpus) {
+  ParallelSpec p;
+  EXPECT_EQ(p.precision, Precision::kAuto);
+  EXPECT_FALSE(p.fp32_residual_stream());  // cpu
+  p.device = Device::kCuda;
+  EXPECT_TRUE(p.fp32_residual_stream());
+  p.precision = Precision::kBf16Fp32Residual;
+  EXPECT_TRUE(p.fp32_residual_stream());
+  for (const Precision other : {Precision::kBf16, Precision::kBf16Autocast, Precision::kFp32}) {
+    p.precision = other;
+    EXPECT_FALSE(p.fp32_residual_stream()) << NameOf(other);
+  }
+}
+
 }  // namespace
 }  // namespace ltrain

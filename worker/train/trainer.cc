@@ -245,13 +245,13 @@ Status Trainer::Init() {
     return InvalidArgument("parallel.precision=" + NameOf(p.precision) +
                            " needs parallel.device=cuda; on CPU use precision auto or fp32");
   }
-  // bf16 on the GPU only. "bf16" (and auto): the model computes on bf16 copies of fp32 master
-  // weights, the optimizer works in fp32 (ZeRO-3 gathers the copies); "bf16-autocast" keeps fp32
-  // parameters and gradients and casts per operation (PyTorch AMP); "bf16-fp32-residual" computes as
-  // "bf16" but keeps the residual stream (the blocks' inputs and outputs) in fp32, as autocast does.
+  // bf16 on the GPU only. "bf16": the model computes on bf16 copies of fp32 master weights, the
+  // optimizer works in fp32 (ZeRO-3 gathers the copies); "bf16-fp32-residual" (and auto) computes as
+  // "bf16" but keeps the residual stream (the blocks' inputs and outputs) in fp32, as autocast does;
+  // "bf16-autocast" keeps fp32 parameters and gradients and casts per operation (PyTorch AMP).
   bf16_ = device_.is_cuda() && p.precision != Precision::kFp32;
   bf16_params_ = bf16_ && p.precision != Precision::kBf16Autocast;
-  fp32_residual_ = bf16_params_ && p.precision == Precision::kBf16Fp32Residual;
+  fp32_residual_ = bf16_params_ && p.fp32_residual_stream();
   activation_dtype_ = bf16_params_ && !fp32_residual_ ? torch::kBFloat16 : torch::kFloat;
 
 
