@@ -225,14 +225,11 @@ std::vector<int64_t> OutputSizes(const torch::Tensor& x, const torch::Tensor& w)
 torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
                      const torch::Tensor& residual = {}) {
   // Products without a bias (the head, tensor parallelism's row-parallel layers) stay LibTorch's.
-  torch::Tensor y;
-  if (b.defined() && FusedLinearAvailable(x, w)) {
-    if (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w))) return FusedLinear(x, w, b, residual);
-    // A residual the epilogue cannot take: added after the product, in its dtype.
-    y = FusedLinear(x, w, b, {});
-  } else {
-    y = b.defined() ? at::linear(x, w, b) : at::linear(x, w);
+  if (b.defined() && FusedLinearAvailable(x, w) &&
+      (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w)))) {
+    return FusedLinear(x, w, b, residual);
   }
+  torch::Tensor y = b.defined() ? at::linear(x, w, b) : at::linear(x, w);
   return residual.defined() ? residual + y : y;
 }
 
@@ -262,9 +259,9 @@ std::pair<torch::Tensor, torch::Tensor> RmsNorm(const torch::Tensor& x, const to
 // residual + linear(gelu_tanh(linear(x, w1, b1)), w2, b2), b2 and residual possibly undefined.
 torch::Tensor Mlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1, const torch::Tensor& w2,
                   const torch::Tensor& b2, const torch::Tensor& residual = {}) {
-  if (FusedLinearAvailable(x, w1) && FusedLinearAvailable(x, w2)) {
-    if (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w2))) return FusedMlp(x, w1, b1, w2, b2, residual);
-    return residual + FusedMlp(x, w1, b1, w2, b2);  // a residual the epilogue cannot take, as in Linear
+  if (FusedLinearAvailable(x, w1) && FusedLinearAvailable(x, w2) &&
+      (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w2)))) {
+    return FusedMlp(x, w1, b1, w2, b2, residual);
   }
   return Linear(torch::gelu(Linear(x, w1, b1), "tanh"), w2, b2, residual);
 }
@@ -302,13 +299,10 @@ torch::Tensor PerParameterInit(const ModelSpec& c, const std::string& name, cons
 // (bf16 on CUDA; the residual in its epilogue, the weight gradient added straight into w's), else
 // LibTorch's. `w` must be a parameter itself, not a view of one.
 torch::Tensor NoBiasLinear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& residual = {}) {
-  torch::Tensor y;
-  if (FusedLinearAvailable(x, w)) {
-    if (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w))) return FusedLinear(x, w, {}, residual);
-    y = FusedLinear(x, w, {}, {});  // a residual the epilogue cannot take, as in Linear
-  } else {
-    y = at::linear(x, w);
+  if (FusedLinearAvailable(x, w) && (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w)))) {
+    return FusedLinear(x, w, {}, residual);
   }
+  torch::Tensor y = at::linear(x, w);
   return residual.defined() ? residual + y : y;
 }
 
