@@ -86,6 +86,7 @@ Status Coordinator::Recover() {
     job.recipe = parsed.recipe;
     job.next_generation = stored.generation() + 1;
     job.committed_at_start = stored.last_committed_step();
+    job.recorded_before = stored.last_committed_step();
     switch (stored.state()) {
       case v1::JOB_STATE_PENDING:
         pending_.push_back(listed.id());
@@ -531,6 +532,7 @@ StatusOr<v1::Job> Coordinator::Resume(const std::string& job_id, int64_t* resume
     job->job = *stored;
     job->job.clear_ranks();
     job->recipe = parsed.recipe;
+    job->recorded_before = stored->last_committed_step();
   }
   job->next_generation = job->job.generation() + 1;
   job->job.set_state(v1::JOB_STATE_PENDING);
@@ -749,15 +751,17 @@ Status Coordinator::ReportProgress(const v1::ProgressReport& request) {
 
 void Coordinator::ApplyProgressLocked(ActiveJob& job, const v1::RankProgress& report) {
   if (report.generation() != job.job.generation()) return;
+  // Heartbeats and the ordered reports travel apart. After the coordinator was away, a heartbeat
+  // with a rank's newest commit can come before the ordered reports of the commits made meanwhile:
+  // those still reach the ledger.
+  RecordCommitLocked(job, report.committed_step(), report.committed_path(), report.rank());
   auto [found, added] = job.progress.try_emplace(report.rank());
   Progress& progress = found->second;
-  // Heartbeats and the ordered reports travel apart: an older report than one already applied
-  // (its news is in the newer one) changes nothing.
+  // Otherwise an older report than one already applied (its news is in the newer one) changes nothing.
   if (!added && report.seq() < progress.report.seq()) return;
   progress.report = report;
   progress.received_ms = clock_->SteadyMs();
   if (report.stopped_after_checkpoint()) job.stopped_early = true;
-  RecordCommitLocked(job, report.committed_step(), report.committed_path(), report.rank());
   if (report.rank() == 0 && report.save_ms() > 0) {
     job.job.set_checkpoint_save_ms(report.save_ms());
     job.job.set_checkpoint_save_bytes(report.save_bytes());
@@ -894,16 +898,23 @@ Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {
 }
 
 void Coordinator::RecordCommitLocked(ActiveJob& job, int64_t step, const std::string& path, int rank) {
-  if (step <= job.job.last_committed_step()) return;
-  job.job.set_last_committed_step(step);
-  job.job.set_last_committed_path(path);
+  if (step <= job.recorded_before || !job.recorded_commits.insert(step).second) return;
+  // A commit older than the newest (reported late) goes to the ledger and the history only.
+  const bool newest = step > job.job.last_committed_step();
+  if (newest) {
+    job.job.set_last_committed_step(step);
+    job.job.set_last_committed_path(path);
+  }
   writer_.Enqueue("record the checkpoint of step " + std::to_string(step) + " of " + job.job.id(),
                   [id = job.job.id(), step, generation = job.job.generation(), path,
                    now = clock_->UnixMs()](StateStore& store) {
                     return store.RecordCheckpoint(id, step, generation, path, now);
                   });
-  PersistJobLocked(job);
-  AddEventLocked(job, "checkpoint", "checkpoint of step " + std::to_string(step) + " committed: " + path, rank);
+  if (newest) PersistJobLocked(job);
+  AddEventLocked(job, "checkpoint",
+                 "checkpoint of step " + std::to_string(step) + " committed: " + path +
+                     (newest ? "" : " (reported after step " + std::to_string(job.job.last_committed_step()) + "'s)"),
+                 rank);
 }
 
 void Coordinator::PushLogs(const v1::PushLogsRequest& request) {

@@ -322,7 +322,7 @@ TEST_F(EtcdTest, KilledLeaderIsReplacedWithinFiveSecondsAndTheJobGoesOnInTheSame
   ASSERT_TRUE(commits.ok()) << commits.status().message();
   std::vector<int64_t> steps;
   for (const auto& commit : *commits) steps.push_back(commit.step);
-  EXPECT_EQ(steps, (std::vector<int64_t>{50, 100, 150, 200, 250, 300}));
+  EXPECT_EQ(steps, (std::vector<int64_t>{50, 100, 150, 200, 250, 300})) << "--- standby\n" << standby->Output();
   EXPECT_EQ(standby->Output().find("stepping down"), std::string::npos) << "the lead stayed where it was";
   agent.Signal(SIGTERM);
   standby->Signal(SIGTERM);

@@ -465,6 +465,41 @@ TEST_F(CoordinatorTest, CommitComesFromTheProgressReportSentAheadOfItsLine) {
   EXPECT_EQ(coordinator_->GetJob(id)->last_step(), 3);
 }
 
+// After the coordinator was away, the agent's heartbeat (rank 0's newest report) can come before the
+// ordered reports of the commits made meanwhile: every commit still reaches the ledger, once, and
+// the newest stays the job's last.
+TEST_F(CoordinatorTest, CommitsReportedAfterANewerOneStillReachTheLedger) {
+  Connect("a");
+  Connect("b");
+  std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
+  ASSERT_TRUE(coordinator_->ReportProgress(Urgent("a", Committed(Report(id, 0, 1, 1), 1))).ok());
+  ASSERT_TRUE(coordinator_->Heartbeat(BeatWith("a", Committed(Report(id, 0, 9, 4), 4))).ok());
+  ASSERT_TRUE(coordinator_->ReportProgress(Urgent("a", Committed(Report(id, 0, 3, 2), 2))).ok());
+  ASSERT_TRUE(coordinator_->ReportProgress(Urgent("a", Committed(Report(id, 0, 5, 3), 3))).ok());
+  ASSERT_TRUE(coordinator_->ReportProgress(Urgent("a", Committed(Report(id, 0, 9, 4), 4))).ok());
+  v1::Job job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.last_committed_step(), 4);
+  EXPECT_EQ(job.last_committed_path(), "/ck/step-4");
+  EXPECT_EQ(job.last_step(), 4) << "the older reports changed nothing else";
+  std::vector<std::string> messages;
+  for (const auto& event : Events(id, "checkpoint")) messages.push_back(event.message());
+  EXPECT_EQ(messages, (std::vector<std::string>{"checkpoint of step 1 committed: /ck/step-1",
+                                                "checkpoint of step 4 committed: /ck/step-4",
+                                                "checkpoint of step 2 committed: /ck/step-2 (reported after step 4's)",
+                                                "checkpoint of step 3 committed: /ck/step-3 (reported after step 4's)"}));
+
+  // A coordinator that takes the job back records what comes after the state's last commit only.
+  coordinator_ = std::make_unique<Coordinator>(store_.get(), &clock_, CoordinatorOptions());
+  ASSERT_TRUE(coordinator_->Recover().ok());
+  Connect("a");
+  ASSERT_TRUE(coordinator_->ReportProgress(Urgent("a", Committed(Report(id, 0, 3, 2), 2))).ok());
+  ASSERT_TRUE(coordinator_->Heartbeat(BeatWith("a", Committed(Report(id, 0, 12, 5), 5))).ok());
+  EXPECT_EQ(coordinator_->GetJob(id)->last_committed_step(), 5);
+  std::vector<v1::Event> after = Events(id, "checkpoint");
+  ASSERT_EQ(after.size(), 5u);
+  EXPECT_EQ(after.back().message(), "checkpoint of step 5 committed: /ck/step-5");
+}
+
 TEST_F(CoordinatorTest, ExitReportsProgressIsAppliedBeforeTheExit) {
   Connect("a");
   Connect("b");
