@@ -349,19 +349,26 @@ TEST(FusedKernelsTest, NormWeightGradientsAreDeterministic) {
   const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
   if (!FusedCrossEntropyAvailable(torch::zeros({1, 8}, bf16))) GTEST_SKIP() << "worker built without CUDA kernels";
   torch::manual_seed(17);
-  torch::Tensor x0 = torch::randn({8192, 768}, bf16.dtype(torch::kFloat));
-  torch::Tensor w0 = 1 + 0.1 * torch::randn({768}, bf16), b0 = 0.1 * torch::randn({768}, bf16);
-  torch::Tensor grad_out = torch::randn({8192, 768}, bf16);
-  auto grads = [&](bool rms) {
-    torch::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
-    torch::Tensor b = b0.clone().requires_grad_(true);
-    torch::Tensor y = rms ? FusedRmsNorm(x, w, 1e-5).first : FusedLayerNorm(x, w, b).first;
-    y.backward(grad_out);
-    return rms ? std::vector<torch::Tensor>{x.grad(), w.grad()} : std::vector<torch::Tensor>{x.grad(), w.grad(), b.grad()};
-  };
-  for (const bool rms : {false, true}) {
-    std::vector<torch::Tensor> first = grads(rms), second = grads(rms);
-    for (size_t i = 0; i < first.size(); ++i) EXPECT_TRUE(torch::equal(first[i], second[i])) << "rms " << rms << " " << i;
+  // A warp per row (768 columns) and a block per row (2048), each summing the weight gradients in
+  // the input gradient's pass.
+  for (const int64_t cols : {768, 2048}) {
+    torch::Tensor x0 = torch::randn({8192, cols}, bf16.dtype(torch::kFloat));
+    torch::Tensor w0 = 1 + 0.1 * torch::randn({cols}, bf16), b0 = 0.1 * torch::randn({cols}, bf16);
+    torch::Tensor grad_out = torch::randn({8192, cols}, bf16);
+    auto grads = [&](bool rms) {
+      torch::Tensor x = x0.clone().requires_grad_(true), w = w0.clone().requires_grad_(true);
+      torch::Tensor b = b0.clone().requires_grad_(true);
+      torch::Tensor y = rms ? FusedRmsNorm(x, w, 1e-5).first : FusedLayerNorm(x, w, b).first;
+      y.backward(grad_out);
+      return rms ? std::vector<torch::Tensor>{x.grad(), w.grad()}
+                 : std::vector<torch::Tensor>{x.grad(), w.grad(), b.grad()};
+    };
+    for (const bool rms : {false, true}) {
+      std::vector<torch::Tensor> first = grads(rms), second = grads(rms);
+      for (size_t i = 0; i < first.size(); ++i) {
+        EXPECT_TRUE(torch::equal(first[i], second[i])) << cols << " columns, rms " << rms << " " << i;
+      }
+    }
   }
   ZeroStaleGradients();
 }

@@ -1,17 +1,21 @@
 // The layer norm's and the RMS norm's forward and backward. The input (with it the residual
 // gradient and the input gradient) is bf16 or fp32 (T, an fp32 residual stream); dy, the weights and
 // the output are bf16.
-// - Forward and the input gradient: a warp per row up to 1024 columns, a block per row beyond, eight
-//   columns per thread and 16-byte accesses, the row held in registers (up to 8192 columns), the row
-//   sums in fp32 across the warp or the block, the residual gradient added on the way out.
-// - The weight and bias gradients in two passes: blocks of 256 columns by a chunk of rows sum dy · x̂
-//   and dy in fp32 (each warp over every 8th row, then across the warps in shared memory) into
-//   per-chunk partials; a second kernel adds the chunks of each column (AddChunkRows).
+// - Forward and the input gradient: the row held in registers by a warp (up to 1024 columns) or a
+//   block (up to 8192), eight columns per thread and 16-byte accesses, the row sums in fp32 across the
+//   warp or the block, the residual gradient added on the way out. Wider rows: a block per row, in
+//   passes over the row.
+// - The weight and bias gradients: where the row is held, from the input gradient's pass (the whole
+//   backward reads dy and x once), summed per block in a fixed order; else in a pass of their own,
+//   blocks of 256 columns by a chunk of rows summing dy · x̂ and dy in fp32 (each warp over every
+//   8th row, then across the warps in shared memory). Either way into per-block partials that a
+//   second kernel adds up column by column (AddChunkRows).
 // - The RMS norm is the layer norm without centring (mean 0, no bias), its rstd recomputed from the
 //   row the input-gradient kernel holds anyway.
 #include "worker/model/cuda/layer_norm.h"
 
 #include <algorithm>
+#include <type_traits>
 
 #include <cuda_bf16.h>
 
@@ -168,64 +172,54 @@ __device__ __forceinline__ void AddRowSums(const Bf16x8& dy, const typename Vec8
   }
 }
 
-// Rows of up to kVecs · kRowThreads vectors: each thread keeps its dy and x in registers between the
-// row sums and the output, so the row is read from memory once. The layer norm reads mean and rstd;
-// the RMS norm (kRms) computes rstd and writes it to rstd_out.
-template <int kVecs, bool kRms, typename T>
-__global__ void InputGradHeld(const Bf16x8* dy, const typename Vec8<T>::Type* x, const Bf16x8* gamma, const float* mean,
-                              const float* rstd, float eps, const typename Vec8<T>::Type* dres, int64_t vecs,
-                              typename Vec8<T>::Type* dx, Bf16x8* dx16, float* rstd_out) {
-  const int64_t row = blockIdx.x;
-  const float m = kRms ? 0.f : mean[row];
-  float s = kRms ? 1.f : rstd[row];
-  Bf16x8 dyv[kVecs];
-  typename Vec8<T>::Type xv[kVecs];
-  float sum_g = 0.f, sum_gx = 0.f, sum_xx = 0.f;
-#pragma unroll
-  for (int k = 0; k < kVecs; ++k) {
-    const int64_t v = threadIdx.x + static_cast<int64_t>(k) * kRowThreads;
-    if (v < vecs) {
-      dyv[k] = dy[row * vecs + v];
-      xv[k] = x[row * vecs + v];
-      AddRowSums<T>(dyv[k], xv[k], gamma[v], m, s, sum_g, sum_gx);
-      if (kRms) sum_xx += SumOfSquares<T>(xv[k]);
-    }
-  }
-  BlockSum3(sum_g, sum_gx, sum_xx);
-  float mean_g, mean_gx;
-  RowStatistics<kRms>(sum_g, sum_gx, sum_xx, static_cast<float>(vecs * 8), eps, row, rstd_out, s, mean_g, mean_gx);
-#pragma unroll
-  for (int k = 0; k < kVecs; ++k) {
-    const int64_t v = threadIdx.x + static_cast<int64_t>(k) * kRowThreads;
-    if (v < vecs) {
-      WriteInputGrad<T>(dyv[k], xv[k], gamma[v], dres != nullptr ? dres + row * vecs + v : nullptr, m, s, mean_g,
-                        mean_gx, dx + row * vecs + v, dx16 != nullptr ? dx16 + row * vecs + v : nullptr);
-    }
+// A row's threads: a warp (kLanes 32) or the whole block (kRowThreads); the sums across them.
+template <int kLanes>
+__device__ __forceinline__ void RowSum3(float& a, float& b, float& c) {
+  static_assert(kLanes == 32 || kLanes == kRowThreads, "a row takes a warp or the block");
+  if constexpr (kLanes == 32) {
+    WarpSum3(a, b, c);
+  } else {
+    BlockSum3(a, b, c);
   }
 }
 
-// Narrow rows (up to kVecs · 32 vectors): a warp per row, kRowThreads / 32 rows a block at a time
-// (the grid strides over the rows), the row sums across the warp's lanes only (no block barrier),
-// each lane holding its vectors in registers as InputGradHeld's threads do. Where `partial` is not
-// null the weight (and, for the layer norm, bias) gradients' sums are taken from the same registers:
-// each warp adds its rows' dy · x̂ and dy into a slice of shared memory of its own (each lane to its
-// own columns: no atomics, a fixed order), the block sums the slices in order and writes them to
-// partial[block] for AddChunkRows. dy and x are read once, and the sums are deterministic.
-template <int kVecs, bool kRms, typename T>
-__global__ void InputGradWarp(const Bf16x8* dy, const typename Vec8<T>::Type* x, const Bf16x8* gamma, const float* mean,
-                              const float* rstd, float eps, const typename Vec8<T>::Type* dres, int64_t rows,
-                              int64_t vecs, typename Vec8<T>::Type* dx, Bf16x8* dx16, float* rstd_out,
-                              float* partial) {
-  extern __shared__ float param_sums[];  // per warp [gamma cols | beta cols], only with `partial`
-  const int lane = threadIdx.x % 32;
+// Rows of up to kVecs · kLanes vectors, held in registers: each of a row's kLanes threads (a warp, or
+// the block) keeps its dy, x and residual gradient between the row sums and the output, so the row is
+// read from memory once. A block takes kRowThreads / kLanes rows at a time and the grid strides over
+// the rows. The layer norm reads mean and rstd; the RMS norm (kRms) computes rstd and writes it to
+// rstd_out.
+//
+// Where `partial` is not null the weight (and, for the layer norm, bias) gradients' sums are taken
+// from the same registers, in a fixed order (no atomics: the same bits every run), and each block
+// writes its sums to partial[block] for AddChunkRows:
+// - a warp per row: each warp adds its rows' dy · x̂ and dy into a slice of dynamic shared memory of
+//   its own (2 · cols floats; each lane to its own columns), and the block sums the slices in order;
+// - a block per row: a thread has the same columns in every row and sums them in registers.
+template <int kVecs, int kLanes, bool kRms, typename T>
+__global__ void __launch_bounds__(kRowThreads)
+    InputGradRows(const Bf16x8* dy, const typename Vec8<T>::Type* x, const Bf16x8* gamma, const float* mean,
+                  const float* rstd, float eps, const typename Vec8<T>::Type* dres, int64_t rows, int64_t vecs,
+                  typename Vec8<T>::Type* dx, Bf16x8* dx16, float* rstd_out, float* partial) {
+  constexpr bool kWarpRow = kLanes == 32;
+  constexpr int kRowsAtOnce = kRowThreads / kLanes;
+  constexpr int kHeldSums = kWarpRow ? 1 : kVecs;  // a warp per row sums in shared memory instead
+  extern __shared__ float param_sums[];            // a warp per row with `partial`: per warp [gamma | beta]
+  const int lane = threadIdx.x % kLanes;
   const int64_t cols = vecs * 8;
   float* const warp_sums = param_sums + (threadIdx.x / 32) * 2 * cols;
-  if (partial != nullptr) {
-    for (int64_t i = threadIdx.x; i < (kRowThreads / 32) * 2 * cols; i += blockDim.x) param_sums[i] = 0.f;
+  float held_g[kHeldSums][8], held_b[kHeldSums][8];
+#pragma unroll
+  for (int k = 0; k < kHeldSums; ++k) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) held_g[k][i] = 0.f, held_b[k][i] = 0.f;
+  }
+  if (kWarpRow && partial != nullptr) {
+    for (int64_t i = threadIdx.x; i < kRowsAtOnce * 2 * cols; i += blockDim.x) param_sums[i] = 0.f;
     __syncthreads();
   }
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * (kRowThreads / 32);
-  for (int64_t row = static_cast<int64_t>(blockIdx.x) * (kRowThreads / 32) + threadIdx.x / 32; row < rows;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kRowsAtOnce;
+  // Every thread of a block per row sees the same rows: its barriers are uniform.
+  for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsAtOnce + threadIdx.x / kLanes; row < rows;
        row += stride) {
     const float m = kRms ? 0.f : mean[row];
     float s = kRms ? 1.f : rstd[row];
@@ -235,7 +229,7 @@ __global__ void InputGradWarp(const Bf16x8* dy, const typename Vec8<T>::Type* x,
     float sum_g = 0.f, sum_gx = 0.f, sum_xx = 0.f;
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
-      const int64_t v = lane + static_cast<int64_t>(k) * 32;
+      const int64_t v = lane + static_cast<int64_t>(k) * kLanes;
       if (v < vecs) {
         dyv[k] = dy[row * vecs + v];
         xv[k] = x[row * vecs + v];
@@ -247,12 +241,12 @@ __global__ void InputGradWarp(const Bf16x8* dy, const typename Vec8<T>::Type* x,
         if (kRms) sum_xx += SumOfSquares<T>(xv[k]);
       }
     }
-    WarpSum3(sum_g, sum_gx, sum_xx);
+    RowSum3<kLanes>(sum_g, sum_gx, sum_xx);
     float mean_g, mean_gx;
     RowStatistics<kRms>(sum_g, sum_gx, sum_xx, static_cast<float>(cols), eps, row, rstd_out, s, mean_g, mean_gx);
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
-      const int64_t v = lane + static_cast<int64_t>(k) * 32;
+      const int64_t v = lane + static_cast<int64_t>(k) * kLanes;
       if (v < vecs) {
         WriteInputGrad<T>(dyv[k], xv[k], gamma[v], rv[k], m, s, mean_g, mean_gx, dx + row * vecs + v,
                           dx16 != nullptr ? dx16 + row * vecs + v : nullptr);
@@ -262,24 +256,71 @@ __global__ void InputGradWarp(const Bf16x8* dy, const typename Vec8<T>::Type* x,
           Vec8<T>::Load(xv[k], xf);
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
-            warp_sums[v * 8 + i] += d[i] * (xf[i] - m) * s;
-            if (!kRms) warp_sums[cols + v * 8 + i] += d[i];
+            const float gx = d[i] * (xf[i] - m) * s;
+            if constexpr (kWarpRow) {
+              warp_sums[v * 8 + i] += gx;
+              if (!kRms) warp_sums[cols + v * 8 + i] += d[i];
+            } else {
+              held_g[k][i] += gx;
+              held_b[k][i] += d[i];
+            }
           }
         }
       }
     }
   }
-  if (partial != nullptr) {
+  if (partial == nullptr) return;
+  float* out = partial + static_cast<int64_t>(blockIdx.x) * 2 * cols;
+  if constexpr (kWarpRow) {
     __syncthreads();
-    float* out = partial + static_cast<int64_t>(blockIdx.x) * 2 * cols;
     for (int64_t i = threadIdx.x; i < 2 * cols; i += blockDim.x) {
       float sum = 0.f;
 #pragma unroll
-      for (int w = 0; w < kRowThreads / 32; ++w) sum += param_sums[w * 2 * cols + i];
+      for (int w = 0; w < kRowsAtOnce; ++w) sum += param_sums[w * 2 * cols + i];
       out[i] = sum;
+    }
+  } else {
+    auto* out_g = reinterpret_cast<Float8*>(out);
+    auto* out_b = reinterpret_cast<Float8*>(out + cols);
+#pragma unroll
+    for (int k = 0; k < kVecs; ++k) {
+      const int64_t v = lane + static_cast<int64_t>(k) * kLanes;
+      if (v < vecs) {
+        out_g[v] = Vec8<float>::Store(held_g[k]);
+        if (!kRms) out_b[v] = Vec8<float>::Store(held_b[k]);
+      }
     }
   }
 }
+
+// Calls f(Int<kVecs>(), Int<kLanes>()) with the shape of InputGradRows and ForwardRows that holds a row
+// of `vecs` vectors: a warp per row up to 128 vectors (1024 columns), a block per row up to
+// 4 · kRowThreads (8192 columns). False where the rows are wider than that.
+template <int N>
+using Int = std::integral_constant<int, N>;
+
+template <typename F>
+bool WithRowShape(int64_t vecs, F&& f) {
+  if (vecs <= 32) {
+    f(Int<1>(), Int<32>());
+  } else if (vecs <= 64) {
+    f(Int<2>(), Int<32>());
+  } else if (vecs <= 128) {
+    f(Int<4>(), Int<32>());
+  } else if (vecs <= kRowThreads) {
+    f(Int<1>(), Int<kRowThreads>());
+  } else if (vecs <= 2 * kRowThreads) {
+    f(Int<2>(), Int<kRowThreads>());
+  } else if (vecs <= 4 * kRowThreads) {
+    f(Int<4>(), Int<kRowThreads>());
+  } else {
+    return false;
+  }
+  return true;
+}
+
+// Rows a block of InputGradRows or ForwardRows takes at once for rows of `vecs` vectors.
+int64_t RowsAtOnce(int64_t vecs) { return vecs <= 128 ? kRowThreads / 32 : 1; }
 
 // Wider rows: two passes over the row (the second mostly from cache).
 template <bool kRms, typename T>
@@ -316,29 +357,14 @@ void LaunchInputGrad(const void* dy, const void* x, const void* gamma, const flo
   const auto* dres_v = static_cast<const V*>(dres);
   auto* dx_v = static_cast<V*>(dx);
   const int64_t vecs = cols / 8;
-  const auto blocks = static_cast<unsigned>(rows);
-  const auto warp_blocks = static_cast<unsigned>(CeilDiv(rows, kRowThreads / 32));
-  if (vecs <= 32) {
-    InputGradWarp<1, kRms, T><<<warp_blocks, kRowThreads, 0, stream>>>(dy_v, x_v, gamma_v, mean, rstd, eps, dres_v, rows,
-                                                                       vecs, dx_v, dx16, rstd_out, nullptr);
-  } else if (vecs <= 64) {
-    InputGradWarp<2, kRms, T><<<warp_blocks, kRowThreads, 0, stream>>>(dy_v, x_v, gamma_v, mean, rstd, eps, dres_v, rows,
-                                                                       vecs, dx_v, dx16, rstd_out, nullptr);
-  } else if (vecs <= 128) {
-    InputGradWarp<4, kRms, T><<<warp_blocks, kRowThreads, 0, stream>>>(dy_v, x_v, gamma_v, mean, rstd, eps, dres_v, rows,
-                                                                       vecs, dx_v, dx16, rstd_out, nullptr);
-  } else if (vecs <= kRowThreads) {
-    InputGradHeld<1, kRms, T><<<blocks, kRowThreads, 0, stream>>>(dy_v, x_v, gamma_v, mean, rstd, eps, dres_v, vecs,
-                                                                  dx_v, dx16, rstd_out);
-  } else if (vecs <= 2 * kRowThreads) {
-    InputGradHeld<2, kRms, T><<<blocks, kRowThreads, 0, stream>>>(dy_v, x_v, gamma_v, mean, rstd, eps, dres_v, vecs,
-                                                                  dx_v, dx16, rstd_out);
-  } else if (vecs <= 4 * kRowThreads) {
-    InputGradHeld<4, kRms, T><<<blocks, kRowThreads, 0, stream>>>(dy_v, x_v, gamma_v, mean, rstd, eps, dres_v, vecs,
-                                                                  dx_v, dx16, rstd_out);
-  } else {
-    InputGrad<kRms, T><<<blocks, kRowThreads, 0, stream>>>(dy_v, x_v, gamma_v, mean, rstd, eps, dres_v, vecs, dx_v,
-                                                           dx16, rstd_out);
+  const bool held = WithRowShape(vecs, [&](auto held_vecs, auto lanes) {
+    const auto blocks = static_cast<unsigned>(CeilDiv(rows, RowsAtOnce(vecs)));
+    InputGradRows<decltype(held_vecs)::value, decltype(lanes)::value, kRms, T><<<blocks, kRowThreads, 0, stream>>>(
+        dy_v, x_v, gamma_v, mean, rstd, eps, dres_v, rows, vecs, dx_v, dx16, rstd_out, nullptr);
+  });
+  if (!held) {
+    InputGrad<kRms, T><<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(
+        dy_v, x_v, gamma_v, mean, rstd, eps, dres_v, vecs, dx_v, dx16, rstd_out);
   }
 }
 
@@ -355,7 +381,7 @@ void LaunchInputGrad(const void* dy, const void* x, bool x_fp32, const void* gam
 }
 
 // Blocks of the fused backward: as many as can be resident at once (the grid strides over the
-// rows), at most one per kRowThreads / 32 rows.
+// rows), at most one per `rows_at_once` rows.
 int SmCount() {
   int device = 0, sms = 0;
   cudaGetDevice(&device);
@@ -363,26 +389,29 @@ int SmCount() {
   return sms > 0 ? sms : 1;
 }
 
+// The most blocks of kRowThreads an SM holds at once (2048 threads).
+constexpr int kMostBlocksPerSm = 2048 / kRowThreads;
+
 template <typename Kernel>
-int64_t FusedBlocks(Kernel kernel, int64_t rows, size_t smem) {
+int64_t FusedBlocks(Kernel kernel, int64_t rows, int64_t rows_at_once, size_t smem) {
   int per_sm = 0;
   if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kRowThreads, smem) != cudaSuccess || per_sm < 1) {
     cudaGetLastError();
     per_sm = 1;
   }
-  const int64_t most = CeilDiv(rows, kRowThreads / 32);
-  const int64_t resident = static_cast<int64_t>(SmCount()) * per_sm;
+  const int64_t most = CeilDiv(rows, rows_at_once);
+  const int64_t resident = static_cast<int64_t>(SmCount()) * std::min(per_sm, kMostBlocksPerSm);
   return resident < most ? resident : most;
 }
 
-// The input gradient and the weight (and bias) gradients of narrow rows in one pass (InputGradWarp
-// with `partial`), then AddChunkRows over its blocks. False where the rows are too wide for it.
+// The input gradient and the weight (and bias) gradients in one pass (InputGradRows with
+// `partial`), then AddChunkRows over its blocks. False where the rows are too wide to be held.
 template <bool kRms, typename T>
 bool LaunchFusedBackward(const void* dy, const void* x, const void* gamma, const float* mean, const float* rstd,
                          float eps, const void* dres, int64_t rows, int64_t cols, void* dx, void* dx_bf16,
                          float* partial, void* dgamma, void* dbeta, cudaStream_t stream) {
   const int64_t vecs = cols / 8;
-  if (vecs > 128) return false;
+  if (vecs > 4 * kRowThreads) return false;
   if (rows <= 0 || cols <= 0) return true;
   using V = typename Vec8<T>::Type;
   const auto* dy_v = static_cast<const Bf16x8*>(dy);
@@ -391,44 +420,43 @@ bool LaunchFusedBackward(const void* dy, const void* x, const void* gamma, const
   const auto* dres_v = static_cast<const V*>(dres);
   auto* dx_v = static_cast<V*>(dx);
   auto* dx16 = static_cast<Bf16x8*>(dx_bf16);
-  const size_t smem = static_cast<size_t>(kRowThreads / 32) * 2 * cols * sizeof(float);  // up to 64 KiB
-  auto launch = [&](auto kernel) {
-    cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    const int64_t blocks = FusedBlocks(kernel, rows, smem);
+  return WithRowShape(vecs, [&](auto held_vecs, auto lanes) {
+    constexpr int kLanes = decltype(lanes)::value;
+    auto kernel = InputGradRows<decltype(held_vecs)::value, kLanes, kRms, T>;
+    // A warp per row sums in shared memory, a slice per warp (up to 64 KiB); a block per row in registers.
+    const size_t smem = kLanes == 32 ? static_cast<size_t>(kRowThreads / 32) * 2 * cols * sizeof(float) : 0;
+    if (smem > 0) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    const int64_t blocks = FusedBlocks(kernel, rows, RowsAtOnce(vecs), smem);
     kernel<<<static_cast<unsigned>(blocks), kRowThreads, smem, stream>>>(dy_v, x_v, gamma_v, mean, rstd, eps, dres_v,
                                                                         rows, vecs, dx_v, dx16, nullptr, partial);
     LaunchAddChunkRows(partial, blocks, 2 * cols, cols, dgamma, dbeta, stream);
-  };
-  if (vecs <= 32) {
-    launch(InputGradWarp<1, kRms, T>);
-  } else if (vecs <= 64) {
-    launch(InputGradWarp<2, kRms, T>);
-  } else {
-    launch(InputGradWarp<4, kRms, T>);
-  }
-  return true;
+  });
 }
 
-// The forward of a row of up to kVecs · kRowThreads vectors, held in registers: the layer norm
-// y = (x − mean) · rstd · γ + β with the variance summed about the mean (a second pass over the
-// registers), mean and rstd written out; the RMS norm (kRms) y = x · rstd · γ, rstd not written.
-template <int kVecs, bool kRms, typename T>
-__global__ void ForwardHeld(const typename Vec8<T>::Type* x, const Bf16x8* gamma, const Bf16x8* beta, float eps,
-                            int64_t vecs, Bf16x8* y, float* mean_out, float* rstd_out) {
-  const int64_t row = blockIdx.x;
+// The forward of rows of up to kVecs · kLanes vectors, held in registers by the row's threads (a
+// warp or the block, as InputGradRows): the layer norm y = (x − mean) · rstd · γ + β with the
+// variance summed about the mean (a second pass over the registers), mean and rstd written out; the
+// RMS norm (kRms) y = x · rstd · γ, rstd not written.
+template <int kVecs, int kLanes, bool kRms, typename T>
+__global__ void __launch_bounds__(kRowThreads)
+    ForwardRows(const typename Vec8<T>::Type* x, const Bf16x8* gamma, const Bf16x8* beta, float eps, int64_t rows,
+                int64_t vecs, Bf16x8* y, float* mean_out, float* rstd_out) {
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kRowThreads / kLanes) + threadIdx.x / kLanes;
+  const int lane = threadIdx.x % kLanes;
+  if (row >= rows) return;  // the whole warp, or the whole block
   const float cols = static_cast<float>(vecs * 8);
   float xv[kVecs][8];
   float sum = 0.f, unused_a = 0.f, unused_b = 0.f;
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
-    const int64_t v = threadIdx.x + static_cast<int64_t>(k) * kRowThreads;
+    const int64_t v = lane + static_cast<int64_t>(k) * kLanes;
     if (v < vecs) {
       Vec8<T>::Load(x[row * vecs + v], xv[k]);
 #pragma unroll
       for (int i = 0; i < 8; ++i) sum += kRms ? xv[k][i] * xv[k][i] : xv[k][i];
     }
   }
-  BlockSum3(sum, unused_a, unused_b);
+  RowSum3<kLanes>(sum, unused_a, unused_b);
   float m = 0.f, s;
   if (kRms) {
     s = rsqrtf(sum / cols + eps);
@@ -438,71 +466,19 @@ __global__ void ForwardHeld(const typename Vec8<T>::Type* x, const Bf16x8* gamma
     unused_a = 0.f, unused_b = 0.f;
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
-      const int64_t v = threadIdx.x + static_cast<int64_t>(k) * kRowThreads;
+      const int64_t v = lane + static_cast<int64_t>(k) * kLanes;
       if (v < vecs) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) var += (xv[k][i] - m) * (xv[k][i] - m);
       }
     }
-    BlockSum3(var, unused_a, unused_b);
-    s = rsqrtf(var / cols + eps);
-    if (threadIdx.x == 0) mean_out[row] = m, rstd_out[row] = s;
-  }
-#pragma unroll
-  for (int k = 0; k < kVecs; ++k) {
-    const int64_t v = threadIdx.x + static_cast<int64_t>(k) * kRowThreads;
-    if (v < vecs) {
-      float g[8], b[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, out[8];
-      Unpack(gamma[v], g);
-      if (!kRms) Unpack(beta[v], b);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) out[i] = (xv[k][i] - m) * s * g[i] + b[i];
-      y[row * vecs + v] = Pack(out);
-    }
-  }
-}
-
-// Narrow rows (up to kVecs · 32 vectors): a warp per row, as InputGradWarp.
-template <int kVecs, bool kRms, typename T>
-__global__ void ForwardWarp(const typename Vec8<T>::Type* x, const Bf16x8* gamma, const Bf16x8* beta, float eps,
-                            int64_t rows, int64_t vecs, Bf16x8* y, float* mean_out, float* rstd_out) {
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * (kRowThreads / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= rows) return;  // the whole warp
-  const float cols = static_cast<float>(vecs * 8);
-  float xv[kVecs][8];
-  float sum = 0.f, unused_a = 0.f, unused_b = 0.f;
-#pragma unroll
-  for (int k = 0; k < kVecs; ++k) {
-    const int64_t v = lane + static_cast<int64_t>(k) * 32;
-    if (v < vecs) {
-      Vec8<T>::Load(x[row * vecs + v], xv[k]);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) sum += kRms ? xv[k][i] * xv[k][i] : xv[k][i];
-    }
-  }
-  WarpSum3(sum, unused_a, unused_b);
-  float m = 0.f, s;
-  if (kRms) {
-    s = rsqrtf(sum / cols + eps);
-  } else {
-    m = sum / cols;
-    float var = 0.f;
-#pragma unroll
-    for (int k = 0; k < kVecs; ++k) {
-      const int64_t v = lane + static_cast<int64_t>(k) * 32;
-      if (v < vecs) {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) var += (xv[k][i] - m) * (xv[k][i] - m);
-      }
-    }
-    WarpSum3(var, unused_a, unused_b);
+    RowSum3<kLanes>(var, unused_a, unused_b);
     s = rsqrtf(var / cols + eps);
     if (lane == 0) mean_out[row] = m, rstd_out[row] = s;
   }
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
-    const int64_t v = lane + static_cast<int64_t>(k) * 32;
+    const int64_t v = lane + static_cast<int64_t>(k) * kLanes;
     if (v < vecs) {
       float g[8], b[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, out[8];
       Unpack(gamma[v], g);
@@ -564,22 +540,14 @@ void LaunchForward(const void* x, const void* gamma, const void* beta, float eps
   const auto* beta_v = static_cast<const Bf16x8*>(beta);
   auto* y_v = static_cast<Bf16x8*>(y);
   const int64_t vecs = cols / 8;
-  const auto blocks = static_cast<unsigned>(rows);
-  const auto warp_blocks = static_cast<unsigned>(CeilDiv(rows, kRowThreads / 32));
-  if (vecs <= 32) {
-    ForwardWarp<1, kRms, T><<<warp_blocks, kRowThreads, 0, stream>>>(x_v, gamma_v, beta_v, eps, rows, vecs, y_v, mean, rstd);
-  } else if (vecs <= 64) {
-    ForwardWarp<2, kRms, T><<<warp_blocks, kRowThreads, 0, stream>>>(x_v, gamma_v, beta_v, eps, rows, vecs, y_v, mean, rstd);
-  } else if (vecs <= 128) {
-    ForwardWarp<4, kRms, T><<<warp_blocks, kRowThreads, 0, stream>>>(x_v, gamma_v, beta_v, eps, rows, vecs, y_v, mean, rstd);
-  } else if (vecs <= kRowThreads) {
-    ForwardHeld<1, kRms, T><<<blocks, kRowThreads, 0, stream>>>(x_v, gamma_v, beta_v, eps, vecs, y_v, mean, rstd);
-  } else if (vecs <= 2 * kRowThreads) {
-    ForwardHeld<2, kRms, T><<<blocks, kRowThreads, 0, stream>>>(x_v, gamma_v, beta_v, eps, vecs, y_v, mean, rstd);
-  } else if (vecs <= 4 * kRowThreads) {
-    ForwardHeld<4, kRms, T><<<blocks, kRowThreads, 0, stream>>>(x_v, gamma_v, beta_v, eps, vecs, y_v, mean, rstd);
-  } else {
-    Forward<kRms, T><<<blocks, kRowThreads, 0, stream>>>(x_v, gamma_v, beta_v, eps, vecs, y_v, mean, rstd);
+  const bool held = WithRowShape(vecs, [&](auto held_vecs, auto lanes) {
+    const auto blocks = static_cast<unsigned>(CeilDiv(rows, RowsAtOnce(vecs)));
+    ForwardRows<decltype(held_vecs)::value, decltype(lanes)::value, kRms, T>
+        <<<blocks, kRowThreads, 0, stream>>>(x_v, gamma_v, beta_v, eps, rows, vecs, y_v, mean, rstd);
+  });
+  if (!held) {
+    Forward<kRms, T><<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(x_v, gamma_v, beta_v, eps, vecs, y_v,
+                                                                              mean, rstd);
   }
 }
 
@@ -619,7 +587,10 @@ void RmsNormInputGrad(const void* dy, const void* x, bool x_fp32, const void* ga
 int64_t LayerNormRowChunks(int64_t rows, int64_t cols) { return RowChunks(rows, CeilDiv(cols, kColsPerBlock), kWarps); }
 
 int64_t NormBackwardPartialFloats(int64_t rows, int64_t cols) {
-  const int64_t fused = cols / 8 <= 128 ? std::min<int64_t>(CeilDiv(rows, kRowThreads / 32), int64_t{SmCount()} * 8) : 0;
+  const int64_t vecs = cols / 8;
+  const int64_t fused =
+      vecs <= 4 * kRowThreads ? std::min<int64_t>(CeilDiv(rows, RowsAtOnce(vecs)), int64_t{SmCount()} * kMostBlocksPerSm)
+                              : 0;
   return std::max(LayerNormPartialFloats(rows, cols), fused * 2 * cols);
 }
 

@@ -52,7 +52,7 @@ void RmsNormWeightGrad(const void* dy, const void* x, bool x_fp32, const float* 
                        float* partial, void* dgamma, cudaStream_t stream);
 
 // The whole backward of a norm: LayerNormInputGrad and LayerNormParamGrads (RmsNormInputGrad and
-// RmsNormWeightGrad), for rows up to 1024 columns in one pass that reads dy and x once, with
+// RmsNormWeightGrad), for rows up to 8192 columns in one pass that reads dy and x once, with
 // NormBackwardPartialFloats(rows, cols) floats of workspace in `partial` (and for the RMS norm fp32
 // [rows] in `rstd`, written where the rows are wider).
 int64_t NormBackwardPartialFloats(int64_t rows, int64_t cols);
