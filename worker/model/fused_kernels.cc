@@ -16,6 +16,7 @@
 #include <c10/cuda/CUDAStream.h>
 
 #include "worker/comm/communicator.h"
+#include "worker/model/comm_handle.h"
 #include "worker/model/cuda/adamw.h"
 #include "worker/model/cuda/column_sums.h"
 #include "worker/model/cuda/cross_entropy.h"
@@ -249,8 +250,8 @@ void CheckCuda(cudaError_t result, const char* what) {
 // nothing may read or free the gradient before. With no communicator, it does nothing.
 class InputGradSum {
  public:
-  InputGradSum(torch::Tensor& dx, Communicator* comm) : comm_(comm) {
-    if (comm_ == nullptr) return;
+  InputGradSum(torch::Tensor& dx, Communicator* comm) {
+    if (comm == nullptr) return;
     const c10::DeviceIndex device = dx.device().index();
     main_ = c10::cuda::getCurrentCUDAStream(device).stream();
     c10::cuda::CUDAStream side = SideStream(device);
@@ -261,7 +262,7 @@ class InputGradSum {
     cudaEventDestroy(ready);
     {
       c10::cuda::CUDAStreamGuard on_side(side);
-      Status s = comm_->AllReduceSum(dx);
+      Status s = comm->AllReduceSum(dx);
       if (!s.ok()) throw std::runtime_error(s.message());
     }
     CheckCuda(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreate");
@@ -279,7 +280,6 @@ class InputGradSum {
   }
 
  private:
-  Communicator* comm_;
   cudaStream_t main_ = nullptr;
   cudaEvent_t done_ = nullptr;
 };
@@ -308,8 +308,6 @@ torch::Tensor ProductGrad(const torch::Tensor& grad, const torch::Tensor& w) {
   }
   return g.to(w.scalar_type()).contiguous();
 }
-
-Communicator* CommOf(AutogradContext* ctx) { return reinterpret_cast<Communicator*>(ctx->saved_data["tp"].toInt()); }
 
 struct LinearFunction : public torch::autograd::Function<LinearFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
@@ -347,7 +345,7 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
                                const torch::Tensor& b1, const torch::Tensor& w2, const torch::Tensor& b2,
                                const torch::Tensor& residual, int64_t tp) {
     c10::cuda::CUDAGuard guard(x.device());
-    ctx->saved_data["tp"] = tp;
+    ctx->saved_data["comm"] = tp;
     torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
     torch::Tensor pre = torch::empty({x2.size(0), w1.size(0)}, x.options());
     torch::Tensor h = LinearProduct(x2, w1, b1, cuda::Epilogue::kGeluAuxBias, pre);
@@ -388,7 +386,7 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
   static variable_list forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
                                const torch::Tensor& b, int64_t heads, int64_t tp) {
     c10::cuda::CUDAGuard guard(x.device());
-    ctx->saved_data["tp"] = tp;
+    ctx->saved_data["comm"] = tp;
     torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
     const int64_t rows = x2.size(0), c = w.size(0) / 3;
     const bool has_bias = b.numel() > 0;
@@ -584,7 +582,7 @@ struct ProjectionsFunction : public torch::autograd::Function<ProjectionsFunctio
   static variable_list forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w0,
                                const torch::Tensor& w1, const torch::Tensor& w2, int64_t tp) {
     c10::cuda::CUDAGuard guard(x.device());
-    ctx->saved_data["tp"] = tp;
+    ctx->saved_data["comm"] = tp;
     torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
     variable_list out;
     for (const torch::Tensor* w : {&w0, &w1, &w2}) {
@@ -723,8 +721,6 @@ torch::Tensor FusedLinear(const torch::Tensor& x, const torch::Tensor& w, const 
                           const torch::Tensor& residual) {
   return LinearFunction::apply(x, w, OrEmpty(b, w), OrEmpty(residual, x));
 }
-
-int64_t Handle(Communicator* tp) { return reinterpret_cast<int64_t>(tp); }
 
 torch::Tensor FusedMlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1, const torch::Tensor& w2,
                        const torch::Tensor& b2, const torch::Tensor& residual, Communicator* tp) {

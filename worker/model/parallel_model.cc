@@ -11,6 +11,7 @@
 
 #include "common/token_data.h"
 #include "worker/control/progress.h"
+#include "worker/model/comm_handle.h"
 #include "worker/model/fused_kernels.h"
 #include "worker/torch_compat.h"
 
@@ -43,12 +44,6 @@ const char* EmbeddingName(Arch arch) { return arch == Arch::kLlama ? "tok_embedd
 void Check(const Status& s) {
   if (!s.ok()) throw std::runtime_error(s.message());
 }
-
-Communicator* CommOf(AutogradContext* ctx) {
-  return reinterpret_cast<Communicator*>(ctx->saved_data["comm"].toInt());
-}
-
-int64_t Handle(Communicator* comm) { return reinterpret_cast<int64_t>(comm); }
 
 torch::Tensor AllReduced(const torch::Tensor& x, Communicator* comm) {
   torch::Tensor t = x.contiguous().clone();
