@@ -29,26 +29,30 @@ LeaderElection::~LeaderElection() {
   if (renew_.joinable()) renew_.join();
 }
 
-Status LeaderElection::GrantLocked() {
-  LTRAIN_ASSIGN_OR_RETURN(lease_, client_->LeaseGrant(options_.ttl_s));
+Status LeaderElection::Grant() {
+  LTRAIN_ASSIGN_OR_RETURN(int64_t lease, client_->LeaseGrant(options_.ttl_s));
+  std::lock_guard<std::mutex> lock(mu_);
+  lease_ = lease;
   lease_expired_ = false;
   return Status::Ok();
 }
 
 StatusOr<int64_t> LeaderElection::Campaign(const std::function<void(const std::string& leader)>& on_standby) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    LTRAIN_RETURN_IF_ERROR(GrantLocked());
-  }
+  LTRAIN_RETURN_IF_ERROR(Grant());
   if (!renew_.joinable()) renew_ = std::thread([this] { RenewLoop(); });
   std::string seen_leader;
   while (true) {
+    bool expired = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (cancelled_) return Unavailable("stopped while standing by");
+      expired = lease_expired_;
+    }
+    // A standby whose lease lapsed (etcd was away longer than the TTL) takes a new one.
+    if (expired) LTRAIN_RETURN_IF_ERROR(Grant());
     int64_t lease = 0;
     {
-      std::unique_lock<std::mutex> lock(mu_);
-      if (cancelled_) return Unavailable("stopped while standing by");
-      // A standby whose lease lapsed (etcd was away longer than the TTL) takes a new one.
-      if (lease_expired_) LTRAIN_RETURN_IF_ERROR(GrantLocked());
+      std::lock_guard<std::mutex> lock(mu_);
       lease = lease_;
     }
     etcdserverpb::TxnRequest txn;

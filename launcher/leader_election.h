@@ -44,7 +44,8 @@ class LeaderElection {
 
  private:
   void RenewLoop();
-  Status GrantLocked();
+  // Takes a new lease (an etcd round trip, made without holding mu_) and makes it the one renewed.
+  Status Grant();
 
   std::shared_ptr<EtcdClient> client_;
   const LeaderElectionOptions options_;
