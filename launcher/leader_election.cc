@@ -29,31 +29,30 @@ LeaderElection::~LeaderElection() {
   if (renew_.joinable()) renew_.join();
 }
 
-Status LeaderElection::Grant() {
+StatusOr<int64_t> LeaderElection::Grant() {
   LTRAIN_ASSIGN_OR_RETURN(int64_t lease, client_->LeaseGrant(options_.ttl_s));
   std::lock_guard<std::mutex> lock(mu_);
   lease_ = lease;
   lease_expired_ = false;
-  return Status::Ok();
+  return lease;
 }
 
 StatusOr<int64_t> LeaderElection::Campaign(const std::function<void(const std::string& leader)>& on_standby) {
-  LTRAIN_RETURN_IF_ERROR(Grant());
+  LTRAIN_RETURN_IF_ERROR(Grant().status());
   if (!renew_.joinable()) renew_ = std::thread([this] { RenewLoop(); });
   std::string seen_leader;
   while (true) {
     bool expired = false;
+    int64_t lease = 0;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (cancelled_) return Unavailable("stopped while standing by");
       expired = lease_expired_;
+      lease = lease_;
     }
     // A standby whose lease lapsed (etcd was away longer than the TTL) takes a new one.
-    if (expired) LTRAIN_RETURN_IF_ERROR(Grant());
-    int64_t lease = 0;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      lease = lease_;
+    if (expired) {
+      LTRAIN_ASSIGN_OR_RETURN(lease, Grant());
     }
     etcdserverpb::TxnRequest txn;
     etcdserverpb::Compare* absent = txn.add_compare();

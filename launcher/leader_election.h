@@ -44,8 +44,9 @@ class LeaderElection {
 
  private:
   void RenewLoop();
-  // Takes a new lease (an etcd round trip, made without holding mu_) and makes it the one renewed.
-  Status Grant();
+  // Takes a new lease (an etcd round trip, made without holding mu_), makes it the one renewed and
+  // returns it.
+  StatusOr<int64_t> Grant();
 
   std::shared_ptr<EtcdClient> client_;
   const LeaderElectionOptions options_;
