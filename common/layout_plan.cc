@@ -170,7 +170,7 @@ int64_t CpuLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointin
 }
 
 // CUDA (bf16 activations, the fused kernels, flash attention: no T*T term, so selective recompute
-// keeps what none keeps). `a` is the activations' element size, `sb` the residual stream's (the
+// of attention keeps what none keeps; of a GPT MLP it keeps the GELU's input only). `a` is the activations' element size, `sb` the residual stream's (the
 // block's input and its mid-block residual).
 int64_t CudaLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointing ac, int a, int sb) {
   const int64_t b = s.b, T = s.T, Ts = s.Ts, d = s.d, t = s.tp;
@@ -179,8 +179,8 @@ int64_t CudaLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointi
   int64_t elems = 0;
   if (m.arch == Arch::kGpt2) {
     // norm 1's output (the qkv product's input), q k v, attention's output, norm 2's output, the
-    // MLP's pre- and post-GELU
-    elems = 2 * b * T * d + 4 * b * T * d / t + 2 * b * T * s.f / t;
+    // MLP's pre- and post-GELU (selective recompute: pre only, backward recomputes the GELU)
+    elems = 2 * b * T * d + 4 * b * T * d / t + (ac == ActivationCheckpointing::kSelective ? 1 : 2) * b * T * s.f / t;
   } else {
     // norm output, q (after RoPE), k and v, attention's output, norm output, w1's and w3's outputs
     // and their SwiGLU product

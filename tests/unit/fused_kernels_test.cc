@@ -132,11 +132,14 @@ TEST(FusedKernelsTest, LinearMatchesLibTorch) {
   }
 }
 
+// Also with the GELU's output recomputed in backward (selective recompute), which must give the
+// same gradients.
 TEST(FusedKernelsTest, MlpMatchesLibTorch) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
   torch::manual_seed(12);
-  for (const bool bias2 : {true, false}) {
+  const std::pair<bool, bool> cases[] = {{true, false}, {false, false}, {true, true}, {false, true}};  // bias2, recompute
+  for (const auto& [bias2, recompute] : cases) {
     std::vector<torch::Tensor> p = FlatParams({{1024, 256}, {1024}, {256, 1024}, {256}}, bias2 ? 0 : 24);
     if (!FusedLinearAvailable(torch::zeros({1, 256}, bf16), p[0])) GTEST_SKIP() << "worker built without CUDA kernels";
     torch::Tensor b2 = bias2 ? p[3] : torch::Tensor();
@@ -157,10 +160,10 @@ TEST(FusedKernelsTest, MlpMatchesLibTorch) {
       p[2].mutable_grad() = torch::ones({256, 1024}, bf16) * ref[4].abs().max().item<double>();
       ref[4] += p[2].grad().to(torch::kFloat);
     }
-    torch::Tensor y = FusedMlp(x, p[0], p[1], p[2], b2, residual);
+    torch::Tensor y = FusedMlp(x, p[0], p[1], p[2], b2, residual, nullptr, recompute);
     y.backward(grad_out);
     ASSERT_EQ(y.sizes(), ref[0].sizes());
-    EXPECT_LE(RelativeError(y, ref[0]), 0.02) << "bias2 " << bias2;
+    EXPECT_LE(RelativeError(y, ref[0]), 0.02) << "bias2 " << bias2 << " recompute " << recompute;
     EXPECT_LE(RelativeError(x.grad(), ref[1]), 0.02);
     EXPECT_LE(RelativeError(p[0].grad(), ref[2]), 0.02);
     EXPECT_LE(RelativeError(p[1].grad(), ref[3]), 0.02);

@@ -105,6 +105,22 @@ TEST(LayoutPlanTest, FullRecomputeKeepsLessThanSelectiveWhichKeepsLessThanNone) 
   EXPECT_LT(selective, none);
 }
 
+// On CUDA attention keeps no T x T scores (flash attention), so selective recompute saves only what
+// the GPT MLP's GELU output took: b * T * ffn bf16 elements a layer. A Llama's MLP keeps all it did.
+TEST(LayoutPlanTest, OnCudaSelectiveRecomputeDropsEachGptLayersGeluOutput) {
+  const auto none = static_cast<int>(ActivationCheckpointing::kNone);
+  const auto selective = static_cast<int>(ActivationCheckpointing::kSelective);
+  Recipe r = Small();
+  r.parallel.device = Device::kCuda;
+  const StageMemory gpt = Estimate(r, 1).stages[0];
+  const int64_t b = 2, t = 32, ffn = 4 * 64, layers = 4;
+  EXPECT_EQ(gpt.activations_by_mode[none] - gpt.activations_by_mode[selective], layers * b * t * ffn * 2);
+  r = Small(Arch::kLlama);
+  r.parallel.device = Device::kCuda;
+  const StageMemory llama = Estimate(r, 1).stages[0];
+  EXPECT_EQ(llama.activations_by_mode[none], llama.activations_by_mode[selective]);
+}
+
 TEST(LayoutPlanTest, OnCudaTheComputeCopiesAreBf16AndTheStepHasAnEstimate) {
   Recipe r = Small();
   r.parallel.device = Device::kCuda;

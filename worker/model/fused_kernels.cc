@@ -339,11 +339,12 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
 
 // gelu_tanh(x · w1ᵀ + b1) · w2ᵀ (+ b2): the GELU in the first product's epilogue (which keeps its
 // input), its gradient in the epilogue of the second product's input gradient. Saves what the
-// unfused layers would (x, the GELU's input and output).
+// unfused layers would (x, the GELU's input and output), or with `recompute` not the output: backward
+// makes it again from the input.
 struct MlpFunction : public torch::autograd::Function<MlpFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w1,
                                const torch::Tensor& b1, const torch::Tensor& w2, const torch::Tensor& b2,
-                               const torch::Tensor& residual, int64_t tp) {
+                               const torch::Tensor& residual, int64_t tp, bool recompute) {
     c10::cuda::CUDAGuard guard(x.device());
     ctx->saved_data["comm"] = tp;
     torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
@@ -352,7 +353,7 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
     const bool has_bias2 = b2.numel() > 0;
     torch::Tensor y = LinearProduct(h, w2, has_bias2 ? b2 : torch::Tensor(), has_bias2 ? cuda::Epilogue::kBias : cuda::Epilogue::kNone,
                                     {}, Residual2d(residual, w2.size(0)));
-    ctx->save_for_backward({x2, w1, pre, h, w2});
+    ctx->save_for_backward({x2, w1, pre, recompute ? torch::Tensor() : h, w2});
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["has_bias2"] = has_bias2;
     ctx->saved_data["has_residual"] = residual.numel() > 0;
@@ -361,8 +362,9 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list saved = ctx->get_saved_variables();
-    const torch::Tensor &x2 = saved[0], &w1 = saved[1], &pre = saved[2], &h = saved[3], &w2 = saved[4];
+    const torch::Tensor &x2 = saved[0], &w1 = saved[1], &pre = saved[2], &w2 = saved[4];
     c10::cuda::CUDAGuard guard(x2.device());
+    const torch::Tensor h = saved[3].defined() ? saved[3] : torch::gelu(pre, "tanh");
     torch::Tensor g = ProductGrad(grads[0], w2);
     // The input gradient first: its tensor-parallel sum runs beside the weight gradients.
     torch::Tensor gpre = InputGradProduct(g, w2, cuda::Epilogue::kDGelu, pre);
@@ -372,7 +374,7 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
     auto [dw1, db1] = WeightAndBiasGrads(gpre, x2, w1, true);
     sum.Finish();
     return {dx.view(ctx->saved_data["x_sizes"].toIntVector()), dw1, db1, dw2, db2,
-            ctx->saved_data["has_residual"].toBool() ? grads[0] : torch::Tensor(), torch::Tensor()};
+            ctx->saved_data["has_residual"].toBool() ? grads[0] : torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -723,8 +725,8 @@ torch::Tensor FusedLinear(const torch::Tensor& x, const torch::Tensor& w, const 
 }
 
 torch::Tensor FusedMlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1, const torch::Tensor& w2,
-                       const torch::Tensor& b2, const torch::Tensor& residual, Communicator* tp) {
-  return MlpFunction::apply(x, w1, b1, w2, OrEmpty(b2, w2), OrEmpty(residual, x), Handle(tp));
+                       const torch::Tensor& b2, const torch::Tensor& residual, Communicator* tp, bool recompute_gelu) {
+  return MlpFunction::apply(x, w1, b1, w2, OrEmpty(b2, w2), OrEmpty(residual, x), Handle(tp), recompute_gelu);
 }
 
 std::vector<torch::Tensor> FusedQkv(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b, int64_t heads,
@@ -822,7 +824,7 @@ torch::Tensor FusedLinear(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/
 
 torch::Tensor FusedMlp(const torch::Tensor& /*x*/, const torch::Tensor& /*w1*/, const torch::Tensor& /*b1*/,
                        const torch::Tensor& /*w2*/, const torch::Tensor& /*b2*/, const torch::Tensor& /*residual*/,
-                       Communicator* /*tp*/) {
+                       Communicator* /*tp*/, bool /*recompute_gelu*/) {
   throw std::logic_error("FusedMlp: this worker was built without CUDA kernels");
 }
 

@@ -56,9 +56,12 @@ bool FusedTpOverlap();
 
 // residual + linear(gelu_tanh(linear(x, w1, b1)), w2, b2) (b2 and residual may be undefined) with
 // the GELU and its gradient in the products' epilogues (no separate GELU kernels), the residual in
-// the second product's; weight gradients as FusedLinear's.
+// the second product's; weight gradients as FusedLinear's. `recompute_gelu` (selective recompute):
+// backward recomputes the GELU's output from its input instead of keeping it from forward, a
+// quarter less of what a block keeps for backward for one elementwise pass more.
 torch::Tensor FusedMlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1, const torch::Tensor& w2,
-                       const torch::Tensor& b2, const torch::Tensor& residual = {}, Communicator* tp = nullptr);
+                       const torch::Tensor& b2, const torch::Tensor& residual = {}, Communicator* tp = nullptr,
+                       bool recompute_gelu = false);
 
 // The attention's q, k, v [b, heads, t, d] from x [b, t, in] and the stacked weight w [3c, in] (rows
 // q, k, v) with bias b [3c] (may be undefined), as the slices of linear(x, w, b) viewed

@@ -252,11 +252,12 @@ std::pair<torch::Tensor, torch::Tensor> RmsNorm(const torch::Tensor& x, const to
 }
 
 // residual + linear(gelu_tanh(linear(x, w1, b1)), w2, b2), b2 and residual possibly undefined.
+// `recompute_gelu`: FusedMlp's (selective recompute).
 torch::Tensor Mlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1, const torch::Tensor& w2,
-                  const torch::Tensor& b2, const torch::Tensor& residual = {}) {
+                  const torch::Tensor& b2, const torch::Tensor& residual, bool recompute_gelu) {
   if (FusedLinearAvailable(x, w1) && FusedLinearAvailable(x, w2) &&
       (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w2)))) {
-    return FusedMlp(x, w1, b1, w2, b2, residual);
+    return FusedMlp(x, w1, b1, w2, b2, residual, nullptr, recompute_gelu);
   }
   return Linear(torch::gelu(Linear(x, w1, b1), "tanh"), w2, b2, residual);
 }
@@ -576,8 +577,12 @@ void ModelShard::Unit(int unit, bool before) {
   if (hook) hook(unit);
 }
 
+bool ModelShard::Selective() const {
+  return spec_.layout.activation_checkpointing == ActivationCheckpointing::kSelective && torch::GradMode::is_enabled();
+}
+
 torch::Tensor ModelShard::Attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-  if (spec_.layout.activation_checkpointing == ActivationCheckpointing::kSelective && torch::GradMode::is_enabled()) {
+  if (Selective()) {
     return CheckpointAttention::apply(q, k, v);
   }
   return compat::CausalAttentionGqa(q, k, v);
@@ -709,11 +714,12 @@ torch::Tensor ModelShard::GptBlockForward(int layer, const torch::Tensor& x) {
   auto [m_local, h] = LayerNorm(h_in, P(layer, "ln2.weight"), P(layer, "ln2.bias"));
   const torch::Tensor &fc_w = P(layer, "fc.weight"), &fc_b = P(layer, "fc.bias");
   const torch::Tensor &fc2_w = P(layer, "fc2.weight"), &fc2_b = P(layer, "fc2.bias");
-  if (tp == 1) return Mlp(m_local, fc_w, fc_b, fc2_w, fc2_b, h);
+  const bool recompute_gelu = Selective();
+  if (tp == 1) return Mlp(m_local, fc_w, fc_b, fc2_w, fc2_b, h, recompute_gelu);
   if (sum_in_product && FusedLinearAvailable(m_local, fc_w) && FusedLinearAvailable(m_local, fc2_w)) {
-    return h + row_reduce(FusedMlp(m_local, fc_w, fc_b, fc2_w, {}, {}, sum_in_product), fc2_b);
+    return h + row_reduce(FusedMlp(m_local, fc_w, fc_b, fc2_w, {}, {}, sum_in_product, recompute_gelu), fc2_b);
   }
-  return h + row_reduce(Mlp(enter(m_local), fc_w, fc_b, fc2_w, {}), fc2_b);
+  return h + row_reduce(Mlp(enter(m_local), fc_w, fc_b, fc2_w, {}, {}, recompute_gelu), fc2_b);
 }
 
 torch::Tensor ModelShard::Embed(const torch::Tensor& ids) {

@@ -135,6 +135,9 @@ class ModelShard {
   torch::Tensor GptBlockForward(int layer, const torch::Tensor& x);
   torch::Tensor LlamaBlockForward(int layer, const torch::Tensor& x);
   torch::Tensor Attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
+  // activation_checkpointing: selective, while autograd records: attention recomputes its internals
+  // and the GPT MLP its GELU's output in backward.
+  bool Selective() const;
 
   // The full tensor of a parameter, gathered over the tp group from every rank's `local` slice of
   // it (its value, or the optimizer's fp32 master of it); every tp rank must call it.
