@@ -170,7 +170,7 @@ int64_t CpuLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointin
 }
 
 // CUDA (bf16 activations, the fused kernels, flash attention: no T*T term, so selective recompute
-// of attention keeps what none keeps; of a GPT MLP it keeps the GELU's input only). `a` is the activations' element size, `sb` the residual stream's (the
+// of attention keeps what none keeps; of the MLP it keeps the activation's inputs only). `a` is the activations' element size, `sb` the residual stream's (the
 // block's input and its mid-block residual).
 int64_t CudaLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointing ac, int a, int sb) {
   const int64_t b = s.b, T = s.T, Ts = s.Ts, d = s.d, t = s.tp;
@@ -183,8 +183,9 @@ int64_t CudaLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointi
     elems = 2 * b * T * d + 4 * b * T * d / t + (ac == ActivationCheckpointing::kSelective ? 1 : 2) * b * T * s.f / t;
   } else {
     // norm output, q (after RoPE), k and v, attention's output, norm output, w1's and w3's outputs
-    // and their SwiGLU product
-    elems = 2 * b * T * d + 2 * b * T * d / t + 2 * b * T * s.kv_local * s.hd + 3 * b * T * s.f / t;
+    // and their SwiGLU product (selective recompute: not the product, backward makes it again)
+    elems = 2 * b * T * d + 2 * b * T * d / t + 2 * b * T * s.kv_local * s.hd +
+            (ac == ActivationCheckpointing::kSelective ? 2 : 3) * b * T * s.f / t;
   }
   // norm statistics and attention's log-sum-exp, fp32
   return stream * sb + elems * a + 4 * (4 * b * Ts + b * (s.h / t) * T);

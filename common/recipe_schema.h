@@ -215,7 +215,7 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
                   .real_min = 0.001, .real_max = 1e6, .default_text = "400 on cuda on one node, else 25"},
         r.parallel.bucket_mb);
   visit(RecipeKey{.section = "parallel", .name = "activation_checkpointing",
-                  .help = "recompute activations in backward: full blocks, or only attention and the GPT MLP's GELU (selective)"},
+                  .help = "recompute activations in backward: full blocks, or only attention and the MLP's activation (selective)"},
         r.parallel.activation_checkpointing);
   visit(RecipeKey{.section = "parallel", .name = "precision",
                   .help = "auto: bf16-fp32-residual on cuda, fp32 on cpu; bf16-fp32-residual: bf16 compute "

@@ -569,6 +569,39 @@ TEST(FusedKernelsTest, RopeAndSwiGluMatchTheComposite) {
   }
 }
 
+// The SwiGLU MLP's down projection under selective recompute (its input made again in backward),
+// with and without a residual added in the product: the same values and gradients as the composite.
+TEST(FusedKernelsTest, SwiGluDownProjectionMatchesTheComposite) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  if (!FusedLlamaOpsAvailable(torch::zeros({8}, bf16))) GTEST_SKIP() << "worker built without CUDA kernels";
+  torch::manual_seed(19);
+  for (const bool with_residual : {true, false}) {
+    std::vector<torch::Tensor> p = FlatParams({{256, 512}}, with_residual ? 0 : 8);
+    torch::Tensor gate = (2 * torch::randn({2, 64, 512}, bf16)).requires_grad_(true);
+    torch::Tensor up = torch::randn({2, 64, 512}, bf16).requires_grad_(true);
+    torch::Tensor residual = with_residual ? torch::randn({2, 64, 256}, bf16).requires_grad_(true) : torch::Tensor();
+    torch::Tensor grad_out = torch::randn({2, 64, 256}, bf16);
+    std::vector<torch::Tensor> ref = Fp32Reference(
+        {gate, up, p[0], residual},
+        [](const std::vector<torch::Tensor>& t) {
+          torch::Tensor y = at::linear(torch::silu(t[0]) * t[1], t[2]);
+          return t[3].defined() ? t[3] + y : y;
+        },
+        grad_out);
+    torch::Tensor y = FusedSwiGluLinear(gate, up, p[0], residual);
+    y.backward(grad_out);
+    ASSERT_EQ(y.sizes(), ref[0].sizes());
+    EXPECT_LE(RelativeError(y, ref[0]), 0.02) << "residual " << with_residual;
+    EXPECT_LE(RelativeError(gate.grad(), ref[1]), 0.02);
+    EXPECT_LE(RelativeError(up.grad(), ref[2]), 0.02);
+    EXPECT_LE(RelativeError(p[0].grad(), ref[3]), 0.02);
+    if (with_residual) {
+      EXPECT_LE(RelativeError(residual.grad(), ref[4]), 1e-6);
+    }
+  }
+}
+
 TEST(FusedKernelsTest, AdamWMatchesTorchOptimAdamW) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   const torch::TensorOptions f32 = torch::TensorOptions().dtype(torch::kFloat).device(torch::kCUDA);

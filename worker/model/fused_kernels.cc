@@ -697,6 +697,39 @@ struct SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
   }
 };
 
+// The down projection of silu(gate) · up, which it makes again in backward instead of keeping.
+struct SwiGluLinearFunction : public torch::autograd::Function<SwiGluLinearFunction> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate, const torch::Tensor& up,
+                               const torch::Tensor& w, const torch::Tensor& residual) {
+    c10::cuda::CUDAGuard guard(gate.device());
+    torch::Tensor g = gate.reshape({-1, gate.size(-1)}).contiguous(), u = up.reshape({-1, up.size(-1)}).contiguous();
+    torch::Tensor h = torch::empty_like(g);
+    cuda::SwiGlu(g.data_ptr(), u.data_ptr(), g.numel(), h.data_ptr(), StreamOf(g));
+    torch::Tensor y = LinearProduct(h, w, {}, cuda::Epilogue::kNone, {}, Residual2d(residual, w.size(0)));
+    ctx->save_for_backward({g, u, w});
+    ctx->saved_data["sizes"] = gate.sizes().vec();
+    ctx->saved_data["has_residual"] = residual.numel() > 0;
+    return y.view(WithLast(gate.sizes(), w.size(0)));
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor &g = saved[0], &u = saved[1], &w = saved[2];
+    c10::cuda::CUDAGuard guard(g.device());
+    torch::Tensor dy = ProductGrad(grads[0], w);
+    torch::Tensor h = torch::empty_like(g);
+    cuda::SwiGlu(g.data_ptr(), u.data_ptr(), g.numel(), h.data_ptr(), StreamOf(g));
+    auto [dw, db] = WeightAndBiasGrads(dy, h, w, /*has_bias=*/false);
+    torch::Tensor dh = InputGradProduct(dy, w);
+    h = torch::Tensor();
+    torch::Tensor dgate = torch::empty_like(g), dup = torch::empty_like(u);
+    cuda::SwiGluBackward(g.data_ptr(), u.data_ptr(), dh.data_ptr(), dh.numel(), dgate.data_ptr(), dup.data_ptr(),
+                         StreamOf(dh));
+    const std::vector<int64_t> sizes = ctx->saved_data["sizes"].toIntVector();
+    return {dgate.view(sizes), dup.view(sizes), dw, ctx->saved_data["has_residual"].toBool() ? grads[0] : torch::Tensor()};
+  }
+};
+
 }  // namespace
 
 bool FusedLlamaOpsAvailable(const torch::Tensor& x) { return x.defined() && x.is_cuda() && x.scalar_type() == torch::kBFloat16; }
@@ -722,6 +755,11 @@ torch::Tensor OrEmpty(const torch::Tensor& t, const torch::Tensor& like) {
 torch::Tensor FusedLinear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
                           const torch::Tensor& residual) {
   return LinearFunction::apply(x, w, OrEmpty(b, w), OrEmpty(residual, x));
+}
+
+torch::Tensor FusedSwiGluLinear(const torch::Tensor& gate, const torch::Tensor& up, const torch::Tensor& w,
+                                const torch::Tensor& residual) {
+  return SwiGluLinearFunction::apply(gate, up, w, OrEmpty(residual, gate));
 }
 
 torch::Tensor FusedMlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1, const torch::Tensor& w2,
@@ -856,6 +894,11 @@ torch::Tensor FusedRope(const torch::Tensor& /*x*/, const torch::Tensor& /*cos*/
 
 torch::Tensor FusedSwiGlu(const torch::Tensor& /*gate*/, const torch::Tensor& /*up*/) {
   throw std::logic_error("FusedSwiGlu: this worker was built without CUDA kernels");
+}
+
+torch::Tensor FusedSwiGluLinear(const torch::Tensor& /*gate*/, const torch::Tensor& /*up*/, const torch::Tensor& /*w*/,
+                                const torch::Tensor& /*residual*/) {
+  throw std::logic_error("FusedSwiGluLinear: this worker was built without CUDA kernels");
 }
 
 bool FusedCrossEntropyAvailable(const torch::Tensor& /*logits*/) { return false; }

@@ -109,6 +109,14 @@ torch::Tensor FusedEmbedding(const torch::Tensor& ids, const torch::Tensor& w);
 // silu(gate) · up in one kernel, both gradients in one kernel.
 torch::Tensor FusedSwiGlu(const torch::Tensor& gate, const torch::Tensor& up);
 
+// residual + linear(silu(gate) · up, w) (residual may be undefined), the SwiGLU MLP's down projection
+// under selective recompute: the product's input silu(gate) · up is not kept for backward but made
+// again there from gate and up, which the SwiGLU's gradient reads anyway (a third less of what the
+// MLP keeps). Weight gradients as FusedLinear's. Takes what FusedLlamaOpsAvailable(gate) and
+// FusedLinearAvailable(gate, w) do.
+torch::Tensor FusedSwiGluLinear(const torch::Tensor& gate, const torch::Tensor& up, const torch::Tensor& w,
+                                const torch::Tensor& residual = {});
+
 // Whether FusedCrossEntropy can take these logits: a CUDA build, bf16 CUDA logits.
 bool FusedCrossEntropyAvailable(const torch::Tensor& logits);
 

@@ -676,9 +676,15 @@ torch::Tensor ModelShard::LlamaBlockForward(int layer, const torch::Tensor& x) {
   } else {
     g = NoBiasLinear(m, w1), u = NoBiasLinear(m, w3);
   }
+  const torch::Tensor& w2 = P(layer, "w2.weight");
+  if (Selective() && FusedLlamaOpsAvailable(g) && FusedLinearAvailable(g, w2)) {
+    // The down projection's input is made again in backward (selective recompute).
+    if (tp > 1) return r_res + row(FusedSwiGluLinear(g, u, w2));
+    if (FusableResidual(r_res, g, OutputSizes(g, w2))) return FusedSwiGluLinear(g, u, w2, r_res);
+  }
   torch::Tensor gate = FusedLlamaOpsAvailable(g) ? FusedSwiGlu(g, u) : torch::silu(g) * u;
-  if (tp == 1) return NoBiasLinear(gate, P(layer, "w2.weight"), r_res);
-  return r_res + row(NoBiasLinear(gate, P(layer, "w2.weight")));
+  if (tp == 1) return NoBiasLinear(gate, w2, r_res);
+  return r_res + row(NoBiasLinear(gate, w2));
 }
 
 torch::Tensor ModelShard::GptBlockForward(int layer, const torch::Tensor& x) {

@@ -136,7 +136,7 @@ class ModelShard {
   torch::Tensor LlamaBlockForward(int layer, const torch::Tensor& x);
   torch::Tensor Attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
   // activation_checkpointing: selective, while autograd records: attention recomputes its internals
-  // and the GPT MLP its GELU's output in backward.
+  // and, with the fused products, the MLP its activation's output (GELU; SwiGLU's product) in backward.
   bool Selective() const;
 
   // The full tensor of a parameter, gathered over the tp group from every rank's `local` slice of
