@@ -8,7 +8,8 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
-#include <sstream>
+
+#include "common/strings.h"
 
 extern char** environ;
 
@@ -21,14 +22,6 @@ StatusOr<int> ParseCount(const char* name, const std::string& value, const std::
     return InvalidArgument(std::string(name) + "=" + value + ": '" + text + "' is not a non-negative integer");
   }
   return std::stoi(text);
-}
-
-std::vector<std::string> Split(const std::string& text, char separator) {
-  std::vector<std::string> parts;
-  std::stringstream stream(text);
-  std::string part;
-  while (std::getline(stream, part, separator)) parts.push_back(part);
-  return parts;
 }
 
 // "4", "gpu:4", "a100:4", "gpu:a100:2,gpu:v100:2" (summed), "gpu:4(IDX:0-3)".
@@ -149,11 +142,7 @@ StatusOr<std::vector<std::string>> ExpandHostnamesWithScontrol(const std::string
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
     return InvalidArgument("`scontrol show hostnames " + nodelist + "` failed: " + output);
   }
-  std::vector<std::string> hosts;
-  for (const std::string& line : Split(output, '\n')) {
-    if (!line.empty()) hosts.push_back(line);
-  }
-  return hosts;
+  return SplitNonEmpty(output, '\n');
 }
 
 std::string EnvironmentVariable(const char* name) {

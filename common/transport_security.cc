@@ -21,6 +21,7 @@
 
 #include "common/files.h"
 #include "common/logging.h"
+#include "common/strings.h"
 
 namespace ltrain {
 namespace {
@@ -125,18 +126,6 @@ StatusOr<SecurityMaterial> LoadSecurity(SecurityOptions options) {
 
 namespace {
 
-std::vector<std::string> SplitList(const std::string& text) {
-  std::vector<std::string> parts;
-  size_t start = 0;
-  while (start <= text.size()) {
-    size_t end = text.find(',', start);
-    if (end == std::string::npos) end = text.size();
-    if (end > start) parts.push_back(text.substr(start, end - start));
-    start = end + 1;
-  }
-  return parts;
-}
-
 // "localhost:7070", "127.0.0.1:7070", "[::1]:7070", "unix:/path", "ipv4:127.0.0.1:7070".
 bool IsLoopbackOne(std::string target) {
   if (target.rfind("unix:", 0) == 0) return true;
@@ -161,7 +150,7 @@ bool IsLoopbackTarget(const std::string& target) {
   for (const char* scheme : {"ipv4:", "ipv6:"}) {
     if (list.rfind(scheme, 0) == 0) list = list.substr(std::strlen(scheme));
   }
-  for (const std::string& one : SplitList(list)) {
+  for (const std::string& one : SplitNonEmpty(list, ',')) {
     if (!IsLoopbackOne(one)) return false;
   }
   return true;
@@ -185,7 +174,7 @@ StatusOr<std::string> ListTarget(const std::string& target, grpc::ChannelArgumen
   // Every address of every host, IPv4 first; one scheme for all (IPv4 ones mapped when any host
   // has IPv6 only).
   std::vector<std::pair<std::string, std::string>> v4, v6;  // address, port
-  for (const std::string& one : SplitList(target)) {
+  for (const std::string& one : SplitNonEmpty(target, ',')) {
     size_t colon = one.rfind(':');
     if (colon == std::string::npos || colon == 0) return InvalidArgument("'" + one + "' in '" + target + "' is not HOST:PORT");
     std::string host = one.substr(0, colon);
@@ -224,7 +213,7 @@ StatusOr<std::string> ListTarget(const std::string& target, grpc::ChannelArgumen
   // address is connected to at once and the calls go to those that accept, the leader alone (a
   // standby does not listen): a dead host ahead in the list delays nothing. A connect gives up after
   // 2 s, and one that broke is tried again soon.
-  args->SetString(GRPC_ARG_DEFAULT_AUTHORITY, SplitList(target).front());
+  args->SetString(GRPC_ARG_DEFAULT_AUTHORITY, SplitNonEmpty(target, ',').front());
   args->SetLoadBalancingPolicyName("round_robin");
   args->SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 200);
   args->SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 2000);

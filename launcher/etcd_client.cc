@@ -6,22 +6,12 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "common/strings.h"
+
 namespace ltrain::launcher {
 namespace {
 
 using Deadline = std::chrono::system_clock::time_point;
-
-std::vector<std::string> Split(const std::string& text, char sep) {
-  std::vector<std::string> parts;
-  size_t start = 0;
-  while (start <= text.size()) {
-    size_t end = text.find(sep, start);
-    if (end == std::string::npos) end = text.size();
-    parts.push_back(text.substr(start, end - start));
-    start = end + 1;
-  }
-  return parts;
-}
 
 }  // namespace
 

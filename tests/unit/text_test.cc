@@ -2,11 +2,26 @@
 #include <gtest/gtest.h>
 
 #include <string>
+#include <vector>
 
 #include "common/logging.h"
+#include "common/strings.h"
 
 namespace ltrain {
 namespace {
+
+TEST(TextTest, SplitKeepsEveryPartAndSplitNonEmptyOnlyTheNonEmptyOnes) {
+  using Parts = std::vector<std::string>;
+  EXPECT_EQ(Split("a:1,b:2", ','), (Parts{"a:1", "b:2"}));
+  EXPECT_EQ(Split("a,,b,", ','), (Parts{"a", "", "b", ""}));
+  EXPECT_EQ(Split(",a", ','), (Parts{"", "a"}));
+  EXPECT_EQ(Split("", ','), (Parts{""}));
+  EXPECT_EQ(Split("one", ','), (Parts{"one"}));
+  EXPECT_EQ(SplitNonEmpty("a,,b,", ','), (Parts{"a", "b"}));
+  EXPECT_EQ(SplitNonEmpty("host-1\nhost-2\n", '\n'), (Parts{"host-1", "host-2"}));
+  EXPECT_TRUE(SplitNonEmpty("", ',').empty());
+  EXPECT_TRUE(SplitNonEmpty(",,", ',').empty());
+}
 
 TEST(TextTest, TerminalSafeEscapesControlsC1AndInvalidBytesAndKeepsUtf8) {
   EXPECT_EQ(TerminalSafe("plain\ttext caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x9a\x80"), "plain\ttext caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x9a\x80");
