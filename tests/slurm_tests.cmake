@@ -7,9 +7,11 @@ ltrain_add_test(slurm_unit_test unit
 
 if(LTRAIN_BUILD_CONTROL_PLANE AND LTRAIN_BUILD_WORKER)
   # deploy/slurm/ against a real Slurm with two fake nodes on this machine (root, and the packages
-  # deploy/setup.sh --tests installs); under a minute.
+  # deploy/setup.sh --tests installs); under a minute. Each test starts that one cluster (its ports,
+  # its state directory): one at a time under ctest -j.
   ltrain_add_test(slurm_integration_test integration
     SOURCES slurm/slurm_test.cc
-    LIBS ltrain_test_support ltrain::proto)
+    LIBS ltrain_test_support ltrain::proto
+    PROPERTIES RESOURCE_LOCK local_slurm_cluster)
   add_dependencies(slurm_integration_test ltrain ltrain-worker ltrain-exec)
 endif()
