@@ -83,23 +83,84 @@ PRECISION = "bf16"
 SEED = 0
 
 
+def peer_source(source, every_step, optimizer):
+    """gpt_baseline.py's source changed to print its loss after every step (every_step) and to train with
+    OPTIMIZERS[optimizer] as the worker does: AdamW with decay on matrices and embeddings only, the linear
+    warm-up, the cosine decay, clipping. None when the script is not the one these edits know."""
+    if every_step:
+        if "if i % 10 == 0 or i == steps - 1:" not in source:
+            return None
+        source = source.replace("if i % 10 == 0 or i == steps - 1:", "if True:")
+    if optimizer == "peer":
+        return source
+    o = OPTIMIZERS[optimizer]
+    old_opt = "    opt = torch.optim.AdamW(m.parameters(), lr=3e-4, fused=True)\n"
+    old_step = "        loss.backward()\n        opt.step()\n"
+    if old_opt not in source or old_step not in source:
+        return None
+    new_opt = f"""    import math
+    groups = [{{"params": [p for p in m.parameters() if p.dim() >= 2], "weight_decay": {o["decay"]}}},
+              {{"params": [p for p in m.parameters() if p.dim() < 2], "weight_decay": 0.0}}]
+    opt = torch.optim.AdamW(groups, lr={o["lr"]}, betas=(0.9, {o["beta2"]}), fused=True)
+
+    def lr_at(i):  # ltrain's schedule (worker/plan/lr_schedule.cc), i counted from 0
+        if i < {o["warmup"]}:
+            return {o["lr"]} * (i + 1) / {o["warmup"]}
+        if "{o["schedule"]}" == "constant":
+            return {o["lr"]}
+        progress = min(1.0, (i - {o["warmup"]}) / max(1, steps - {o["warmup"]}))
+        return {o["min_lr"]} + 0.5 * (1 + math.cos(math.pi * progress)) * ({o["lr"]} - {o["min_lr"]})
+    done = [0]
+"""
+    new_step = f"""        loss.backward()
+        if {o["clip"]} > 0:
+            torch.nn.utils.clip_grad_norm_(m.parameters(), {o["clip"]})
+        for group in opt.param_groups:
+            group["lr"] = lr_at(done[0])
+        done[0] += 1
+        opt.step()
+"""
+    return source.replace(old_opt, new_opt).replace(old_step, new_step)
+
+
+def print_worst_step(label, curve):
+    """The step whose loss is the largest multiple of the mean of the 10 steps before it (a one-step jump)."""
+    if len(curve) < 11 or any(b - a != 1 for (a, _), (b, _) in zip(curve, curve[1:])):
+        return  # needs the loss of every step
+    ratio, step, loss = max((curve[i][1] / (sum(x for _, x in curve[i - 10:i]) / 10), curve[i][0], curve[i][1])
+                            for i in range(10, len(curve)))
+    print(f"  {label}: worst step against the mean of the 10 before it {ratio:.2f} (step {step}, loss {loss:.3f})",
+          flush=True)
+
+
+# The optimizer keys of the benchmark recipes. peer: the peers' optimizer (AdamW lr 3e-4, betas 0.9/0.999,
+# weight decay 0.01, no clipping, no schedule). recipe: ltrain's recipe defaults (warm-up 10, clipping at
+# 1.0, betas 0.9/0.95, weight decay 0.1 on matrices and embeddings) at the peers' constant lr 3e-4.
+# recipe-cosine: every optimizer key at its recipe default (lr 1e-3 with cosine decay to 1e-4 too).
+OPTIMIZERS = {
+    "peer": dict(lr=3e-4, min_lr=3e-4, warmup=0, schedule="constant", decay=0.01, beta2=0.999, clip=0),
+    "recipe": dict(lr=3e-4, min_lr=3e-4, warmup=10, schedule="constant", decay=0.1, beta2=0.95, clip=1.0),
+    "recipe-cosine": dict(lr=1e-3, min_lr=1e-4, warmup=10, schedule="cosine", decay=0.1, beta2=0.95, clip=1.0),
+}
+
+
 def recipe(path, model, data, steps, world, micro_batch=None, vocab=VOCAB, log_every=5, data_keys="", warmup=0,
-           **parallel):
+           optimizer="peer", **parallel):
     layers, d, heads, mb = MODELS[model]
     mb = micro_batch or mb
     tp, pp = parallel.get("tp", 1), parallel.get("pp", 1)
     dp = world // (tp * pp)
     accumulation = parallel.pop("accumulation", 1)
     extra = "".join(f", {k}: {v}" for k, v in parallel.items())
+    o = OPTIMIZERS[optimizer]
     with open(path, "w") as f:
-        # The peers' optimizer: AdamW lr 3e-4, betas (0.9, 0.999), weight decay 0.01, no clipping,
-        # no schedule (warmup: a linear ramp over that many steps first).
+        # `warmup` (peer optimizer): a linear ramp over that many steps first.
         f.write(f"""name: bench
 model: {{layers: {layers}, d_model: {d}, heads: {heads}, seq_len: {SEQ}, vocab: {vocab}}}
 data: {{path: {data}{data_keys}}}
-training: {{steps: {steps}, micro_batch: {mb}, global_batch: {mb * dp * accumulation}, lr: 3.0e-4, min_lr: 3.0e-4,
-  warmup_steps: {warmup}, lr_schedule: constant, weight_decay: 0.01, beta1: 0.9, beta2: 0.999, grad_clip: 0,
-  seed: {SEED}, log_every: {log_every}}}
+training: {{steps: {steps}, micro_batch: {mb}, global_batch: {mb * dp * accumulation}, lr: {o["lr"]}, min_lr: {o["min_lr"]},
+  warmup_steps: {warmup or o["warmup"]}, lr_schedule: {o["schedule"]}, weight_decay: {o["decay"]}, beta1: 0.9,
+  beta2: {o["beta2"]}, grad_clip: {o["clip"]}, seed: {SEED}, log_every: {log_every}}}
 parallel: {{nodes: 1, nproc_per_node: {world}, device: cuda, precision: {PRECISION}{extra}}}
 checkpoint: {{enabled: false}}
 """)
@@ -207,6 +268,12 @@ def main():
     ap.add_argument("--log-every", type=int, default=10, help="learning suite: the worker's loss every this many steps")
     ap.add_argument("--peer-every-step", action="store_true",
                     help="learning suite: gpt_baseline.py's loss after every step too (a copy that prints each one)")
+    ap.add_argument("--learning-optimizer", default="peer", choices=sorted(OPTIMIZERS),
+                    help="learning suite: peer (default): both sides train with gpt_baseline.py's optimizer (AdamW "
+                         "3e-4, betas 0.9/0.999, decay 0.01, no clipping, no schedule); recipe: both with ltrain's "
+                         "recipe defaults (warm-up 10, clipping at 1.0, betas 0.9/0.95, decay 0.1 on matrices and "
+                         "embeddings) at lr 3e-4 held; recipe-cosine: the same at lr 1e-3 with cosine decay to 1e-4. "
+                         "Other than peer, the PyTorch side is a copy of gpt_baseline.py with that optimizer")
     ap.add_argument("--sampling", default="torch", choices=["torch", "hash"],
                     help="learning suite: the worker's data.sampling. torch (default): the batches that "
                          "gpt_baseline.py draws for the same seed; hash: batches of the worker's own")
@@ -379,21 +446,24 @@ def main():
             SEED = seed
             keys = f", sampling: torch, seed: {1234 + seed}" if a.sampling == "torch" else ""
             _, logs = worker_run(f"worker-learning-gpt-124m-seed{seed}", "gpt-124m", 1, data=bytes_dir, steps=200,
-                                 vocab=256, log_every=a.log_every, data_keys=keys)
+                                 vocab=256, log_every=a.log_every, data_keys=keys, optimizer=a.learning_optimizer)
             curves[seed] = [(int(st), float(l)) for st, l in re.findall(LOSS_RE, logs[0])]
             print(f"  worker seed {seed}:", " ".join(f"{st}:{l:.3f}" for st, l in curves[seed]), flush=True)
+            print_worst_step(f"worker seed {seed}", curves[seed])
         SEED = a.seed
         if not a.no_peer:
             learning_peer = peer
-            if a.peer_every_step:
-                # The same script printing its loss after every step, not every 10th (the spike check).
-                learning_peer = os.path.join(work, "gpt_baseline_every_step.py")
-                source = open(peer).read()
-                if "if i % 10 == 0 or i == steps - 1:" not in source:
-                    print("learning: --peer-every-step does not know this gpt_baseline.py", flush=True)
+            if a.peer_every_step or a.learning_optimizer != "peer":
+                # A copy of the script printing its loss after every step, not every 10th (the spike
+                # check), and/or training with the worker's optimizer settings.
+                learning_peer = os.path.join(work, "gpt_baseline_learning.py")
+                source = peer_source(open(peer).read(), a.peer_every_step, a.learning_optimizer)
+                if source is None:
+                    print("learning: --peer-every-step or --learning-optimizer does not know this gpt_baseline.py",
+                          flush=True)
                     return 2
                 with open(learning_peer, "w") as f:
-                    f.write(source.replace("if i % 10 == 0 or i == steps - 1:", "if True:"))
+                    f.write(source)
 
             learning_env = peer_env()  # the copy imports gpt_model from the baselines' folder
             learning_env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.abspath(a.baselines),
@@ -414,6 +484,7 @@ def main():
                 q, losses = peer_curve(k)
                 label = "pytorch:" if k == 0 else f"pytorch, seeds + {k}:"
                 print(f"  {label}", " ".join(f"{st + 1}:{l:.3f}" for st, l in losses), flush=True)
+                print_worst_step(label.rstrip(":"), [(st + 1, l) for st, l in losses])
                 if not losses:
                     print(q.stdout[-2000:] + q.stderr[-2000:], flush=True)
                     continue
