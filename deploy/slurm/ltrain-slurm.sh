@@ -173,14 +173,18 @@ else
   done
 fi
 
-# A trapped SIGTERM interrupts `wait` (status > 128) while launch goes on to report the stopped job.
-# A plain scancel stops the coordinator too; launch would then retry it for 30 s: end it at once
-# (its second SIGTERM).
+# A trapped SIGTERM interrupts `wait` (status > 128) while launch goes on to report the stopped job:
+# the trap has stopped the job by then, so launch has 5 s to report it and end (sooner if the
+# coordinator is gone, when launch would retry it for 30 s); then its second SIGTERM ends it at once.
+# Unbounded, a launch slow to end would hold the allocation until Slurm's KillWait.
 code=''
 while [[ -z $code ]]; do
   status=0; wait "$launch_pid" || status=$?
   if (( status > 128 )) && kill -0 "$launch_pid" 2>/dev/null; then
-    while kill -0 "$launch_pid" 2>/dev/null && kill -0 "$coordinator_pid" 2>/dev/null; do sleep 0.2; done
+    for _ in $(seq 25); do
+      kill -0 "$launch_pid" 2>/dev/null && kill -0 "$coordinator_pid" 2>/dev/null || break
+      sleep 0.2
+    done
     kill -TERM "$launch_pid" 2>/dev/null || true
     continue
   fi
