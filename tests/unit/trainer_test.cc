@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 #include <torch/nn.h>
 
@@ -147,6 +148,31 @@ TEST_F(TrainerTest, ResumeSaysWhenTheBatchOrderChanges) {
                          std::to_string(recipe_.training.seed) + "; this run draws them with torch, seed 1234"),
             std::string::npos)
       << changed;
+}
+
+// A device out of memory (LibTorch's OutOfMemoryError, as the CUDA allocator throws it) reaches the
+// user with LibTorch's message and what to change in the recipe; other errors keep theirs alone.
+TEST(CaughtExceptionTest, AnOutOfMemoryErrorSaysWhatToChange) {
+  Status oom, other;
+  try {
+    throw c10::OutOfMemoryError({__func__, __FILE__, static_cast<uint32_t>(__LINE__)},
+                                "CUDA out of memory. Tried to allocate 2.00 GiB");
+  } catch (...) {
+    oom = CaughtException("training step");
+  }
+  EXPECT_NE(oom.message().find("training step: out of memory: CUDA out of memory. Tried to allocate 2.00 GiB"),
+            std::string::npos)
+      << oom.message();
+  for (const char* fix : {"activation_checkpointing: selective", "training.micro_batch", "parallel.zero", "ltrain plan"}) {
+    EXPECT_NE(oom.message().find(fix), std::string::npos) << oom.message();
+  }
+  try {
+    throw c10::Error({__func__, __FILE__, static_cast<uint32_t>(__LINE__)}, "shape mismatch");
+  } catch (...) {
+    other = CaughtException("training step");
+  }
+  EXPECT_EQ(other.message().rfind("training step: LibTorch error: shape mismatch", 0), 0u) << other.message();
+  EXPECT_EQ(other.message().find("ltrain plan"), std::string::npos) << other.message();
 }
 
 TEST(TorchSamplingTest, DrawsWhatTorchRandintDraws) {

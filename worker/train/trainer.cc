@@ -137,18 +137,26 @@ Status RestoreRngState(const std::string& hex) {
   return Status::Ok();
 }
 
-Status Rethrown(const char* what) {
-  try {
-    throw;
-  } catch (const c10::Error& e) {
-    return Internal(std::string(what) + ": LibTorch error: " + e.what_without_backtrace());
-  } catch (const std::exception& e) {
-    // Collectives inside autograd (tensor parallelism) report failure by throwing.
-    return Unavailable(std::string(what) + ": " + e.what());
-  }
+}  // namespace
+
+std::string OutOfMemoryAdvice() {
+  return "; the layout needs less memory a device: parallel.activation_checkpointing: selective (then full), "
+         "a smaller training.micro_batch (the same global_batch accumulates more), a higher parallel.zero, or "
+         "parallel.tp / parallel.pp; `ltrain plan RECIPE --gpu-memory GIB` shows what each layout needs";
 }
 
-}  // namespace
+Status CaughtException(const std::string& what) {
+  try {
+    throw;
+  } catch (const c10::OutOfMemoryError& e) {
+    return Internal(what + ": out of memory: " + e.what_without_backtrace() + OutOfMemoryAdvice());
+  } catch (const c10::Error& e) {
+    return Internal(what + ": LibTorch error: " + e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    // Collectives inside autograd (tensor parallelism) report failure by throwing.
+    return Unavailable(what + ": " + e.what());
+  }
+}
 
 std::unique_ptr<WindowStream> MakeWindowStream(const Recipe& recipe, int64_t span) {
   if (recipe.data.sampling != Sampling::kTorch || span < 1) return nullptr;  // TokenSampler::Check reports a short file
@@ -221,7 +229,7 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const Recipe& recipe, const T
   try {
     s = trainer->Init();
   } catch (...) {
-    s = Rethrown("initialising the trainer");
+    s = CaughtException("initialising the trainer");
   }
   if (!s.ok()) return s;
   return trainer;
@@ -416,7 +424,7 @@ Status Trainer::Resume(const std::string& path) {
       try {
         read = ReadShards(step_dir, *meta, &shards);
       } catch (...) {
-        read = Rethrown(("reading checkpoint " + step_dir).c_str());
+        read = CaughtException("reading checkpoint " + step_dir);
       }
     }
     read_seconds = MillisSince(read_start) / 1000.0;
@@ -619,7 +627,7 @@ Status Trainer::ReadShards(const std::string& step_dir, const CheckpointMeta& me
       try {
         placed = store_->LoadParamPart(p.param, p.part, p.values, shards->gather_masters);
       } catch (...) {
-        placed = Rethrown(("placing " + param_names_[p.param]).c_str());
+        placed = CaughtException("placing " + param_names_[p.param]);
       }
       lock.lock();
       if (placed.ok()) {
@@ -999,7 +1007,7 @@ StatusOr<torch::Tensor> Trainer::StepOnDevice(bool check_loss) {
   try {
     return StepImpl(check_loss);
   } catch (...) {
-    return Rethrown("training step");
+    return CaughtException("training step");
   }
 }
 

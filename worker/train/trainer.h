@@ -42,6 +42,12 @@ namespace ltrain::worker {
 // and a generator seeded with the data seed. nullptr for "hash".
 std::unique_ptr<WindowStream> MakeWindowStream(const Recipe& recipe, int64_t span);
 
+// What to change in the recipe when a device ran out of memory (after LibTorch's message).
+std::string OutOfMemoryAdvice();
+// Inside a catch block: the exception being handled as a Status whose message begins with `what`
+// (LibTorch's message without its backtrace; for a device out of memory, OutOfMemoryAdvice too).
+Status CaughtException(const std::string& what);
+
 struct TrainerOptions {
   int rank = 0;
   int local_rank = 0;            // picks the GPU when parallel.device is cuda
