@@ -170,8 +170,9 @@ int64_t CpuLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointin
 }
 
 // CUDA (bf16 activations, the fused kernels, flash attention: no T*T term, so selective recompute
-// of attention keeps what none keeps; of the MLP it keeps the activation's inputs only). `a` is the activations' element size, `sb` the residual stream's (the
-// block's input and its mid-block residual).
+// of attention keeps what none keeps; of the MLP it keeps the activation's inputs only). `a` is the
+// activations' element size, `sb` the residual stream's (the block's input and its mid-block
+// residual).
 int64_t CudaLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointing ac, int a, int sb) {
   const int64_t b = s.b, T = s.T, Ts = s.Ts, d = s.d, t = s.tp;
   if (ac == ActivationCheckpointing::kFull) return b * Ts * d * sb;
