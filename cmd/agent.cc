@@ -51,7 +51,7 @@ int RunAgent(agent::AgentOptions options) {
     return started.status().code() == StatusCode::kInvalidArgument ? kExitInvalid : kExitUnavailable;
   }
   agent::Agent* raw = started->get();
-  interrupts.Start([raw](int) { raw->Shutdown(); });
+  InterruptWatcher::Watching watching = interrupts.Start([raw](int) { raw->Shutdown(); });  // goes before the agent
   raw->Wait();
   return kExitOk;
 }

@@ -264,18 +264,23 @@ InterruptWatcher::InterruptWatcher() {
   pthread_sigmask(SIG_BLOCK, &set_, nullptr);
 }
 
-void InterruptWatcher::Start(std::function<void(int)> on_signal) {
+InterruptWatcher::Watching InterruptWatcher::Start(std::function<void(int)> on_signal) {
   thread_ = std::thread([this, on_signal] {
     int signal = 0;
     while (sigwait(&set_, &signal) == 0 && signal != SIGUSR2) on_signal(signal);
   });
+  return Watching(this);
 }
 
-InterruptWatcher::~InterruptWatcher() {
-  if (thread_.joinable()) {
-    pthread_kill(thread_.native_handle(), SIGUSR2);
-    thread_.join();
-  }
+void InterruptWatcher::Stop() {
+  if (!thread_.joinable()) return;
+  pthread_kill(thread_.native_handle(), SIGUSR2);
+  thread_.join();
+  sigset_t watched = set_;
+  sigdelset(&watched, SIGUSR2);
+  pthread_sigmask(SIG_UNBLOCK, &watched, nullptr);
 }
+
+InterruptWatcher::~InterruptWatcher() { Stop(); }
 
 }  // namespace ltrain::cli

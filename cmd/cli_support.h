@@ -10,6 +10,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include <CLI/CLI.hpp>
@@ -121,10 +122,32 @@ class InterruptWatcher {
   InterruptWatcher(const InterruptWatcher&) = delete;
   InterruptWatcher& operator=(const InterruptWatcher&) = delete;
 
-  // `on_signal` runs on the watcher's thread, once per signal, until destruction.
-  void Start(std::function<void(int)> on_signal);
+  // Ends the watcher's thread when it goes, and unblocks the signals in the thread it goes in: a
+  // signal after that takes its default action (it ends the process). Declare it after everything
+  // `on_signal` reads, so that it goes first: the watcher itself is declared before any thread
+  // starts, and would otherwise outlive what its callback uses.
+  class Watching {
+   public:
+    Watching(Watching&& other) noexcept : watcher_(std::exchange(other.watcher_, nullptr)) {}
+    Watching(const Watching&) = delete;
+    Watching& operator=(const Watching&) = delete;
+    Watching& operator=(Watching&&) = delete;
+    ~Watching() {
+      if (watcher_ != nullptr) watcher_->Stop();
+    }
+
+   private:
+    friend class InterruptWatcher;
+    explicit Watching(InterruptWatcher* watcher) : watcher_(watcher) {}
+    InterruptWatcher* watcher_;
+  };
+
+  // `on_signal` runs on the watcher's thread, once per signal, until the handle goes.
+  [[nodiscard]] Watching Start(std::function<void(int)> on_signal);
 
  private:
+  void Stop();
+
   sigset_t set_;
   std::thread thread_;
 };

@@ -104,7 +104,11 @@ int RunCoordinator(const CoordinatorArgs& args, const SecurityMaterial& security
     }
   };
   Lifecycle life;
-  interrupts.Start([&life](int) {
+  // After `life` (the election's lost-lead callback reads it), before the interrupt callback's handle
+  // (which reads both): the handle goes first, the election before `life`.
+  std::unique_ptr<launcher::StateStore> store;
+  std::unique_ptr<launcher::LeaderElection> election;
+  InterruptWatcher::Watching watching = interrupts.Start([&life](int) {
     std::lock_guard<std::mutex> lock(life.mu);
     life.stopping = true;
     if (!life.serving && life.election) life.election->Cancel();
@@ -113,8 +117,6 @@ int RunCoordinator(const CoordinatorArgs& args, const SecurityMaterial& security
 
   // With etcd: the state there, and the lead taken before listening, so that clients given every
   // coordinator's address reach the leader alone (a standby does not listen).
-  std::unique_ptr<launcher::StateStore> store;
-  std::unique_ptr<launcher::LeaderElection> election;
   if (!args.state.empty()) {
     StatusOr<launcher::EtcdUrl> url = launcher::ParseEtcdUrl(args.state);
     if (!url.ok()) {

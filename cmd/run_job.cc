@@ -287,7 +287,8 @@ int RunJob(const RunJobOptions& options, const SecurityMaterial& security,
     return kExitOk;
   }
   bool interrupted = false;
-  interrupts.Start([&](int signal) {
+  // Goes before job_id, address, used and interrupted, which the callback reads.
+  InterruptWatcher::Watching watching = interrupts.Start([&](int signal) {
     if (interrupted) std::_Exit(130);  // a second interrupt: leave now; the workers die with us
     interrupted = true;
     std::fprintf(stderr, "\nltrain: %s received; stopping job %s\n", signal == SIGINT ? "interrupt" : "SIGTERM",
