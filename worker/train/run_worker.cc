@@ -431,7 +431,7 @@ int RunWorker(int argc, char** argv) {
   try {
     status = Run(*env);
   } catch (const c10::OutOfMemoryError& e) {
-    status = Internal(std::string("out of memory: ") + e.what_without_backtrace() + OutOfMemoryAdvice());
+    status = Internal(OutOfMemoryMessage(e));
   } catch (const c10::Error& e) {
     status = Internal(std::string("LibTorch error: ") + e.what_without_backtrace());
   } catch (const std::exception& e) {

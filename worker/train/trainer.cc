@@ -139,8 +139,9 @@ Status RestoreRngState(const std::string& hex) {
 
 }  // namespace
 
-std::string OutOfMemoryAdvice() {
-  return "; the layout needs less memory a device: parallel.activation_checkpointing: selective (then full), "
+std::string OutOfMemoryMessage(const c10::OutOfMemoryError& e) {
+  return std::string("out of memory: ") + e.what_without_backtrace() +
+         "; the layout needs less memory a device: parallel.activation_checkpointing: selective (then full), "
          "a smaller training.micro_batch (the same global_batch accumulates more), a higher parallel.zero, or "
          "parallel.tp / parallel.pp; `ltrain plan RECIPE --gpu-memory GIB` shows what each layout needs";
 }
@@ -149,7 +150,7 @@ Status CaughtException(const std::string& what) {
   try {
     throw;
   } catch (const c10::OutOfMemoryError& e) {
-    return Internal(what + ": out of memory: " + e.what_without_backtrace() + OutOfMemoryAdvice());
+    return Internal(what + ": " + OutOfMemoryMessage(e));
   } catch (const c10::Error& e) {
     return Internal(what + ": LibTorch error: " + e.what_without_backtrace());
   } catch (const std::exception& e) {

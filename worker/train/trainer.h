@@ -24,6 +24,8 @@
 #include <string>
 #include <vector>
 
+#include <c10/util/Exception.h>
+
 #include "common/layout.h"
 #include "common/recipe.h"
 #include "common/status.h"
@@ -42,10 +44,10 @@ namespace ltrain::worker {
 // and a generator seeded with the data seed. nullptr for "hash".
 std::unique_ptr<WindowStream> MakeWindowStream(const Recipe& recipe, int64_t span);
 
-// What to change in the recipe when a device ran out of memory (after LibTorch's message).
-std::string OutOfMemoryAdvice();
+// "out of memory: " with LibTorch's message (no backtrace) and what to change in the recipe.
+std::string OutOfMemoryMessage(const c10::OutOfMemoryError& e);
 // Inside a catch block: the exception being handled as a Status whose message begins with `what`
-// (LibTorch's message without its backtrace; for a device out of memory, OutOfMemoryAdvice too).
+// (LibTorch's message without its backtrace; for a device out of memory, OutOfMemoryMessage's).
 Status CaughtException(const std::string& what);
 
 struct TrainerOptions {
