@@ -171,8 +171,9 @@ int64_t CpuLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointin
 
 // CUDA (bf16 activations, the fused kernels, flash attention: no T*T term, so selective recompute
 // of attention keeps what none keeps; of the MLP it keeps the activation's inputs only). `a` is the
-// activations' element size, `sb` the residual stream's (the block's input and its mid-block
-// residual).
+// activations' element size, `sb` the residual stream's. The norms keep the block's input and its
+// mid-block residual in `a` (an fp32 stream's as bf16 x − mean); full recompute keeps the block's
+// input in `sb`.
 int64_t CudaLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointing ac, int a, int sb) {
   const int64_t b = s.b, T = s.T, Ts = s.Ts, d = s.d, t = s.tp;
   if (ac == ActivationCheckpointing::kFull) return b * Ts * d * sb;
@@ -189,7 +190,7 @@ int64_t CudaLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointi
             (ac == ActivationCheckpointing::kSelective ? 2 : 3) * b * T * s.f / t;
   }
   // norm statistics and attention's log-sum-exp, fp32
-  return stream * sb + elems * a + 4 * (4 * b * Ts + b * (s.h / t) * T);
+  return stream * a + elems * a + 4 * (4 * b * Ts + b * (s.h / t) * T);
 }
 
 // The first stage's embedding output and, on the CPU under tensor parallelism, the ids and mask the
@@ -199,15 +200,16 @@ int64_t EmbedBytes(const Shape& s, int a, bool cpu) {
 }
 
 // The last stage's final norm and loss: on the CPU the log-probabilities (t = 1) or the
-// vocabulary-parallel cross entropy's two [b, T, V/t] tensors; on CUDA the bf16 logits.
-int64_t HeadBytes(const ModelSpec& m, const Shape& s, int a, int sb, bool cpu) {
+// vocabulary-parallel cross entropy's two [b, T, V/t] tensors; on CUDA the bf16 logits (and the
+// final norm's input in `a`, as the blocks' norms keep it).
+int64_t HeadBytes(const ModelSpec& m, const Shape& s, int a, bool cpu) {
   const int64_t b = s.b, T = s.T, Ts = s.Ts, d = s.d, V = s.V, t = s.tp;
   if (cpu) {
     int64_t floats = m.arch == Arch::kGpt2 ? 2 * b * Ts + b * T * d : 2 * b * Ts * d + b * Ts + b * T * d;
     floats += t == 1 ? b * T * V : 2 * b * T * V / t + b * T;
     return floats * 4 + (t == 1 ? 0 : 9 * b * T);
   }
-  return b * Ts * d * sb + b * T * d * a + b * T * V / t * 2 + 8 * b * T;
+  return b * Ts * d * a + b * T * d * a + b * T * V / t * 2 + 8 * b * T;
 }
 
 // The step's peak of activations and pipeline buffers on pipeline rank `rank`: the (micro-batch,
@@ -368,7 +370,7 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout) {
         int64_t bytes = per_layer * layout.stage_layers[vs];
         if (autocast) bytes += int64_t{4} * s.b * s.T * s.d * layout.stage_layers[vs];
         bytes += vs == 0 ? EmbedBytes(s, sb, cpu) + (cpu && s.tp == 1 ? 8 * s.b * s.T : 0) : send;
-        if (vs == stages - 1) bytes += HeadBytes(m, s, a, sb, cpu) + (cpu && s.tp == 1 ? 8 * s.b * s.T : 0);
+        if (vs == stages - 1) bytes += HeadBytes(m, s, a, cpu) + (cpu && s.tp == 1 ? 8 * s.b * s.T : 0);
         stage_bytes[vs] = bytes;
       }
       // Saved tensors (with the pipeline's held sends) at the sampled peak, and the buffers beside them.

@@ -345,6 +345,30 @@ TEST(FusedKernelsTest, LayerNormMatchesLibTorch) {
   }
 }
 
+// An fp32 stream's norm keeps its input for backward in bf16: for the layer norm x − mean, so that
+// x̂ keeps its precision where the rows' mean is large against their spread (x itself in bf16 would
+// put an error of about mean / 256 into x − mean).
+TEST(FusedKernelsTest, AnFp32StreamsNormKeepsXHatsPrecisionFarFromZero) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  if (!FusedCrossEntropyAvailable(torch::zeros({1, 8}, bf16))) GTEST_SKIP() << "worker built without CUDA kernels";
+  torch::manual_seed(23);
+  for (const int64_t cols : {768, 2048, 16384}) {
+    const int64_t rows = 512;
+    torch::Tensor w = (1 + 0.1 * torch::randn({cols}, bf16)).requires_grad_(true);
+    torch::Tensor b = (0.1 * torch::randn({cols}, bf16)).requires_grad_(true);
+    torch::Tensor x = (torch::randn({rows, cols}, bf16.dtype(torch::kFloat)) + 64).requires_grad_(true);
+    torch::Tensor grad_out = torch::randn({rows, cols}, bf16);
+    std::vector<torch::Tensor> ref = Fp32Reference(
+        {x, w, b}, [](const std::vector<torch::Tensor>& t) { return torch::layer_norm(t[0], {t[0].size(-1)}, t[1], t[2]); },
+        grad_out);
+    FusedLayerNorm(x, w, b).first.backward(grad_out);
+    EXPECT_LE(RelativeError(x.grad(), ref[1]), 0.01) << cols << " columns";
+    EXPECT_LE(RelativeError(w.grad(), ref[2]), 0.01) << cols << " columns";
+    EXPECT_LE(RelativeError(b.grad(), ref[3]), 0.01) << cols << " columns";
+  }
+}
+
 // The narrow rows' backward sums the weight gradients beside the input gradient in a fixed order:
 // the same inputs give the same bits.
 TEST(FusedKernelsTest, NormWeightGradientsAreDeterministic) {

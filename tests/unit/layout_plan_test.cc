@@ -133,9 +133,9 @@ TEST(LayoutPlanTest, OnCudaTheComputeCopiesAreBf16AndTheStepHasAnEstimate) {
   EXPECT_GT(e.mfu, 0);
 }
 
-// precision auto on CUDA keeps the residual stream in fp32: each layer's input and mid-block
-// residual (2 · b · T · d elements), the embedding's output and the pipeline's sends take four
-// bytes instead of bf16's two.
+// precision auto on CUDA keeps the residual stream in fp32: the embedding's output and the
+// pipeline's sends take four bytes instead of bf16's two. The norms keep each layer's input and
+// mid-block residual (2 · b · T · d elements) and the final norm's input for backward in bf16 either way.
 TEST(LayoutPlanTest, TheDefaultPrecisionKeepsTheResidualStreamInFp32) {
   Recipe r = Small();
   r.parallel.device = Device::kCuda;
@@ -146,13 +146,13 @@ TEST(LayoutPlanTest, TheDefaultPrecisionKeepsTheResidualStreamInFp32) {
   const LayoutEstimate bf16 = Estimate(r, 2);
   const int64_t b = 2, t = 32, d = 64, layers_per_stage = 2, stream = b * t * d;
   const auto none = static_cast<int>(ActivationCheckpointing::kNone);
-  // Stage 0: its layers and the embedding's output; stage 1: its layers, the activation it received
-  // and the final norm's input.
-  const int64_t layers = 2 * stream * layers_per_stage;
-  EXPECT_EQ(fp32_stream.stages[0].activations_by_mode[none] - bf16.stages[0].activations_by_mode[none],
-            (layers + stream) * 2);
-  EXPECT_EQ(fp32_stream.stages[1].activations_by_mode[none] - bf16.stages[1].activations_by_mode[none],
-            (layers + 2 * stream) * 2);
+  // Stage 0: the embedding's output; stage 1: the activation it received. The layers' saved inputs
+  // (under full recompute, each block's fp32 input) and the final norm's input are not the difference.
+  EXPECT_EQ(fp32_stream.stages[0].activations_by_mode[none] - bf16.stages[0].activations_by_mode[none], stream * 2);
+  EXPECT_EQ(fp32_stream.stages[1].activations_by_mode[none] - bf16.stages[1].activations_by_mode[none], stream * 2);
+  const auto full = static_cast<int>(ActivationCheckpointing::kFull);
+  EXPECT_EQ(fp32_stream.stages[0].activations_by_mode[full] - bf16.stages[0].activations_by_mode[full],
+            (layers_per_stage * stream + stream) * 2);
   int64_t pp_fp32 = 0, pp_bf16 = 0;
   for (const GroupTraffic& g : fp32_stream.traffic) pp_fp32 += g.group == "pp" ? g.bytes : 0;
   for (const GroupTraffic& g : bf16.traffic) pp_bf16 += g.group == "pp" ? g.bytes : 0;

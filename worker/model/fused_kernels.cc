@@ -446,96 +446,114 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
   }
 };
 
+// A tensor our norm kernels can take: 16-byte aligned, else an aligned copy.
+torch::Tensor AlignedForKernel(const torch::Tensor& t) {
+  return !t.defined() || Aligned16(t) ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
 // The layer norm forward from our kernel (bf16 or fp32 input, an fp32 residual stream's; the output
 // bf16 for the products), LibTorch's where the rows or weights are not 16-byte aligned; backward
 // from our kernels: the input gradient with the residual branch's gradient added in the same pass
 // (no separate add where the two branches meet), and the weight and bias gradients (one read of dy
 // and x, where LibTorch's kernel takes about twice the time on H100s). The second output is x
 // itself: the residual branch reads x through it, so that its gradient arrives here.
+//
+// An fp32 x is kept for backward as bf16 x − mean, written by the forward kernel (x̂'s precision
+// where the mean is large): the residual stream stays fp32 in forward at a bf16 stream's memory.
 struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
   static variable_list forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
                                const torch::Tensor& b, double eps) {
     c10::cuda::CUDAGuard guard(x.device());
     torch::Tensor input = x.contiguous();
-    torch::Tensor out, mean, rstd;
+    torch::Tensor out, mean, rstd, kept = input;
     const bool x_fp32 = input.scalar_type() == torch::kFloat;
-    if (Aligned16(input) && Aligned16(w) && Aligned16(b)) {
+    const bool ours = Aligned16(input) && Aligned16(w) && Aligned16(b);
+    if (ours) {
       const int64_t cols = input.size(-1), rows = input.numel() / cols;
       out = torch::empty(input.sizes(), input.options().dtype(w.scalar_type()));
-      // Shaped as LibTorch's statistics ([..., 1]), which its backward (the fallback below) takes.
       const torch::TensorOptions f32 = input.options().dtype(torch::kFloat);
-      mean = torch::empty(WithLast(input.sizes(), 1), f32);
-      rstd = torch::empty(WithLast(input.sizes(), 1), f32);
+      mean = torch::empty({rows}, f32);
+      rstd = torch::empty({rows}, f32);
+      if (x_fp32) kept = torch::empty(input.sizes(), input.options().dtype(w.scalar_type()));
       cuda::LayerNormForward(input.data_ptr(), x_fp32, w.data_ptr(), b.data_ptr(), static_cast<float>(eps), rows, cols,
-                             out.data_ptr(), mean.data_ptr<float>(), rstd.data_ptr<float>(), StreamOf(input));
+                             out.data_ptr(), mean.data_ptr<float>(), rstd.data_ptr<float>(),
+                             x_fp32 ? kept.data_ptr() : nullptr, StreamOf(input));
     } else if (x_fp32) {
       std::tie(out, mean, rstd) = at::native_layer_norm(input, {input.size(-1)}, w.to(torch::kFloat), b.to(torch::kFloat), eps);
       out = out.to(w.scalar_type());
     } else {
       std::tie(out, mean, rstd) = at::native_layer_norm(input, {input.size(-1)}, w, b, eps);
     }
-    ctx->save_for_backward({input, w, b, mean, rstd});
+    ctx->save_for_backward({kept, w, b, mean, rstd});
+    ctx->saved_data["ours"] = ours;
+    ctx->saved_data["fp32_grads"] = x_fp32;
     return {out, x};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list saved = ctx->get_saved_variables();
     const torch::Tensor &x = saved[0], &w = saved[1], &b = saved[2], &mean = saved[3], &rstd = saved[4];
+    const bool ours = ctx->saved_data["ours"].toBool(), fp32_grads = ctx->saved_data["fp32_grads"].toBool();
+    const torch::ScalarType grad_type = fp32_grads ? torch::kFloat : x.scalar_type();
     c10::cuda::CUDAGuard guard(x.device());
     const int64_t cols = x.size(-1), rows = x.numel() / cols;
-    torch::Tensor dres = grads[1].defined() ? grads[1].contiguous() : torch::Tensor();
+    torch::Tensor dres = grads[1].defined() ? grads[1].contiguous().to(grad_type) : torch::Tensor();
     if (!grads[0].defined()) return {dres, torch::Tensor(), torch::Tensor(), torch::Tensor()};
     torch::Tensor dy = grads[0].contiguous();
-    torch::Tensor mean_c = mean.contiguous(), rstd_c = rstd.contiguous();
-    const bool x_fp32 = x.scalar_type() == torch::kFloat;
-    if (dres.defined() && dres.scalar_type() != x.scalar_type()) dres = dres.to(x.scalar_type());
-    torch::Tensor dgamma = torch::empty({cols}, w.options()), dbeta = torch::empty({cols}, b.options());
-    const torch::TensorOptions f32 = x.options().dtype(torch::kFloat);
-    if (Aligned16(dy) && Aligned16(x) && Aligned16(w) && (!dres.defined() || Aligned16(dres))) {
-      // Our kernels: the input gradient (and its bf16 copy for the product that wrote an fp32 x) with
-      // the weight and bias gradients, in one pass over dy and x where the rows are narrow.
-      torch::Tensor dx = torch::empty_like(x);
-      torch::Tensor dx_bf16 = x_fp32 ? torch::empty_like(x, x.options().dtype(w.scalar_type())) : torch::Tensor();
-      torch::Tensor partial = torch::empty({cuda::NormBackwardPartialFloats(rows, cols)}, f32);
-      cuda::LayerNormBackward(dy.data_ptr(), x.data_ptr(), x_fp32, w.data_ptr(), mean_c.data_ptr<float>(),
-                              rstd_c.data_ptr<float>(), dres.defined() ? dres.data_ptr() : nullptr, rows, cols,
-                              dx.data_ptr(), x_fp32 ? dx_bf16.data_ptr() : nullptr, partial.data_ptr<float>(),
-                              dgamma.data_ptr(), dbeta.data_ptr(), StreamOf(x));
-      if (x_fp32) OfferBf16Twin(dx, dx_bf16);
-      return {dx, dgamma, dbeta, torch::Tensor()};
+    if (!ours) {
+      // LibTorch's backward where its forward ran (x as the forward had it), then the residual's gradient.
+      const torch::Tensor xw = fp32_grads ? w.to(torch::kFloat) : w, xb = fp32_grads ? b.to(torch::kFloat) : b;
+      auto [dx, dgamma, dbeta] =
+          at::native_layer_norm_backward(dy.to(x.scalar_type()), x, {cols}, mean, rstd, xw, xb, {true, true, true});
+      if (dres.defined()) dx.add_(dres);
+      return {dx, dgamma.to(w.scalar_type()), dbeta.to(b.scalar_type()), torch::Tensor()};
     }
-    const torch::Tensor xw = x_fp32 ? w.to(torch::kFloat) : w, xb = x_fp32 ? b.to(torch::kFloat) : b;
-    torch::Tensor dx = std::get<0>(at::native_layer_norm_backward(dy.to(x.scalar_type()), x, {cols}, mean, rstd, xw,
-                                                                  xb, {true, false, false}));
-    if (dres.defined()) dx.add_(dres);
-    torch::Tensor partial = torch::empty({cuda::LayerNormPartialFloats(rows, cols)}, f32);
-    cuda::LayerNormParamGrads(dy.data_ptr(), x.data_ptr(), x_fp32, mean_c.data_ptr<float>(), rstd_c.data_ptr<float>(),
-                              rows, cols, partial.data_ptr<float>(), dgamma.data_ptr(), dbeta.data_ptr(), StreamOf(x));
+    // Our kernels: the input gradient (and its bf16 copy for the product that wrote an fp32 x) with
+    // the weight and bias gradients, in one pass over dy and x where the rows are narrow. x is bf16
+    // here: the input itself, or x − mean (then no mean).
+    dy = AlignedForKernel(dy);
+    dres = AlignedForKernel(dres);
+    torch::Tensor dgamma = torch::empty({cols}, w.options()), dbeta = torch::empty({cols}, b.options());
+    torch::Tensor dx = torch::empty(x.sizes(), x.options().dtype(grad_type));
+    torch::Tensor dx_bf16 = fp32_grads ? torch::empty_like(x) : torch::Tensor();
+    torch::Tensor partial = torch::empty({cuda::NormBackwardPartialFloats(rows, cols)}, x.options().dtype(torch::kFloat));
+    cuda::LayerNormBackward(dy.data_ptr(), x.data_ptr(), fp32_grads, w.data_ptr(),
+                            fp32_grads ? nullptr : mean.data_ptr<float>(), rstd.data_ptr<float>(),
+                            dres.defined() ? dres.data_ptr() : nullptr, rows, cols, dx.data_ptr(),
+                            fp32_grads ? dx_bf16.data_ptr() : nullptr, partial.data_ptr<float>(), dgamma.data_ptr(),
+                            dbeta.data_ptr(), StreamOf(x));
+    if (fp32_grads) OfferBf16Twin(dx, dx_bf16);
     return {dx, dgamma, dbeta, torch::Tensor()};
   }
 };
 
 // RMSNorm as llama_model.RMSNorm (LibTorch's forward on bf16 input, ours on fp32 input with a bf16
-// output, as the layer norm's); backward from our kernels, as the layer norm's: the residual
-// branch's gradient (through the second output, x itself) added inside the input-gradient kernel,
-// and the weight gradient from the same pass over dy and x (narrow rows) or one more.
+// output, as the layer norm's, keeping a bf16 copy of x for backward); backward from our kernels, as
+// the layer norm's: the residual branch's gradient (through the second output, x itself) added
+// inside the input-gradient kernel, and the weight gradient from the same pass over dy and x (narrow
+// rows) or one more.
 struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
   static variable_list forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w, double eps) {
     c10::cuda::CUDAGuard guard(x.device());
     torch::Tensor input = x.contiguous();
-    torch::Tensor out;
-    if (input.scalar_type() == torch::kFloat && !(Aligned16(input) && Aligned16(w))) {
+    torch::Tensor out, kept = input;
+    const bool x_fp32 = input.scalar_type() == torch::kFloat;
+    const bool ours = Aligned16(input) && Aligned16(w);
+    if (x_fp32 && !ours) {
       out = compat::RmsNorm(input, w.to(torch::kFloat), eps).to(w.scalar_type());
-    } else if (input.scalar_type() == torch::kFloat) {
+    } else if (x_fp32) {
       const int64_t cols = input.size(-1), rows = input.numel() / cols;
       out = torch::empty(input.sizes(), input.options().dtype(w.scalar_type()));
+      kept = torch::empty(input.sizes(), input.options().dtype(w.scalar_type()));
       cuda::RmsNormForward(input.data_ptr(), /*x_fp32=*/true, w.data_ptr(), static_cast<float>(eps), rows, cols,
-                           out.data_ptr(), StreamOf(input));
+                           out.data_ptr(), kept.data_ptr(), StreamOf(input));
     } else {
       out = compat::RmsNorm(input, w, eps);
     }
-    ctx->save_for_backward({input, w});
+    ctx->save_for_backward({kept, w});
     ctx->saved_data["eps"] = eps;
+    ctx->saved_data["ours"] = ours;
+    ctx->saved_data["fp32_grads"] = x_fp32;
     return {out, x};
   }
 
@@ -543,35 +561,37 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     variable_list saved = ctx->get_saved_variables();
     const torch::Tensor &x = saved[0], &w = saved[1];
     const double eps = ctx->saved_data["eps"].toDouble();
+    const bool ours = ctx->saved_data["ours"].toBool(), fp32_grads = ctx->saved_data["fp32_grads"].toBool();
+    const torch::ScalarType grad_type = fp32_grads ? torch::kFloat : x.scalar_type();
     c10::cuda::CUDAGuard guard(x.device());
     const int64_t cols = x.size(-1), rows = x.numel() / cols;
-    torch::Tensor dres = grads[1].defined() ? grads[1].contiguous() : torch::Tensor();
+    torch::Tensor dres = grads[1].defined() ? grads[1].contiguous().to(grad_type) : torch::Tensor();
     if (!grads[0].defined()) return {dres, torch::Tensor(), torch::Tensor()};
     torch::Tensor dy = grads[0].contiguous();
-    const bool x_fp32 = x.scalar_type() == torch::kFloat;
-    if (dres.defined() && dres.scalar_type() != x.scalar_type()) dres = dres.to(x.scalar_type());
-    if (!Aligned16(dy) || !Aligned16(x) || !Aligned16(w) || (dres.defined() && !Aligned16(dres))) {
-      // LibTorch's backward through the composite, then the residual's gradient.
+    if (!ours) {
+      // LibTorch's backward through the composite (x as the forward had it), then the residual's gradient.
       torch::Tensor xg = x.detach().requires_grad_(true), wg = w.detach().requires_grad_(true);
       torch::Tensor y;
       {
         torch::AutoGradMode enable(true);
-        y = compat::RmsNorm(xg, x_fp32 ? wg.to(torch::kFloat) : wg, eps).to(dy.scalar_type());
+        y = compat::RmsNorm(xg, fp32_grads ? wg.to(torch::kFloat) : wg, eps).to(dy.scalar_type());
       }
       variable_list g = torch::autograd::grad({y}, {xg, wg}, {dy});
       if (dres.defined()) g[0].add_(dres);
       return {g[0], g[1], torch::Tensor()};
     }
-    torch::Tensor dx = torch::empty_like(x);
-    torch::Tensor dx_bf16 = x_fp32 ? torch::empty_like(x, x.options().dtype(w.scalar_type())) : torch::Tensor();
+    dy = AlignedForKernel(dy);
+    dres = AlignedForKernel(dres);
+    torch::Tensor dx = torch::empty(x.sizes(), x.options().dtype(grad_type));
+    torch::Tensor dx_bf16 = fp32_grads ? torch::empty_like(x) : torch::Tensor();
     torch::Tensor rstd = torch::empty({rows}, x.options().dtype(torch::kFloat));
     torch::Tensor dgamma = torch::empty({cols}, w.options());
     torch::Tensor partial = torch::empty({cuda::NormBackwardPartialFloats(rows, cols)}, x.options().dtype(torch::kFloat));
-    cuda::RmsNormBackward(dy.data_ptr(), x.data_ptr(), x_fp32, w.data_ptr(), static_cast<float>(eps),
+    cuda::RmsNormBackward(dy.data_ptr(), x.data_ptr(), fp32_grads, w.data_ptr(), static_cast<float>(eps),
                           dres.defined() ? dres.data_ptr() : nullptr, rows, cols, dx.data_ptr(),
-                          x_fp32 ? dx_bf16.data_ptr() : nullptr, rstd.data_ptr<float>(), partial.data_ptr<float>(),
+                          fp32_grads ? dx_bf16.data_ptr() : nullptr, rstd.data_ptr<float>(), partial.data_ptr<float>(),
                           dgamma.data_ptr(), StreamOf(x));
-    if (x_fp32) OfferBf16Twin(dx, dx_bf16);
+    if (fp32_grads) OfferBf16Twin(dx, dx_bf16);
     return {dx, dgamma, torch::Tensor()};
   }
 };

@@ -1,6 +1,6 @@
-// The layer norm's and the RMS norm's forward and backward. The input (with it the residual
-// gradient and the input gradient) is bf16 or fp32 (T, an fp32 residual stream); dy, the weights and
-// the output are bf16.
+// The layer norm's and the RMS norm's forward and backward. The forward's input is bf16 or fp32 (T,
+// an fp32 residual stream); dy, the weights, the output and what backward reads of the input are
+// bf16; the residual gradient and the input gradient are the stream's dtype (T in backward).
 // - Forward and the input gradient: the row held in registers by a warp (up to 1024 columns) or a
 //   block (up to 8192), eight columns per thread and 16-byte accesses, the row sums in fp32 across the
 //   warp or the block, the residual gradient added on the way out. Wider rows: a block per row, in
@@ -28,9 +28,8 @@ constexpr int kColsPerBlock = 256;  // 32 lanes x 8 columns (one 16-byte vector 
 constexpr int kWarps = 8;
 
 // Per-chunk column sums of dy · x̂ and dy: blocks of 256 columns by a chunk of rows, each warp over
-// every 8th row of the chunk with 16-byte loads of dy (32-byte of fp32 x), then across the warps.
-template <typename T>
-__global__ void PartialSums(const Bf16x8* dy, const typename Vec8<T>::Type* x, const float* mean, const float* rstd,
+// every 8th row of the chunk with 16-byte loads of dy and x, then across the warps.
+__global__ void PartialSums(const Bf16x8* dy, const Bf16x8* x, const float* mean, const float* rstd,
                             int64_t rows, int64_t vecs, int64_t rows_per_chunk, float* partial) {
   const int64_t vec = static_cast<int64_t>(blockIdx.x) * 32 + threadIdx.x;
   const int64_t begin = static_cast<int64_t>(blockIdx.y) * rows_per_chunk;
@@ -41,7 +40,7 @@ __global__ void PartialSums(const Bf16x8* dy, const typename Vec8<T>::Type* x, c
     for (int64_t r = begin + threadIdx.y; r < end; r += kWarps) {
       float d[8], v[8];
       Unpack(dy[r * vecs + vec], d);
-      Vec8<T>::Load(x[r * vecs + vec], v);
+      Unpack(x[r * vecs + vec], v);
       const float m = mean != nullptr ? mean[r] : 0.f, s = rstd[r];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -105,10 +104,9 @@ __device__ __forceinline__ void WarpSum3(float& a, float& b, float& c) {
   }
 }
 
-template <typename T>
-__device__ __forceinline__ float SumOfSquares(const typename Vec8<T>::Type& x) {
+__device__ __forceinline__ float SumOfSquares(const Bf16x8& x) {
   float xv[8], ss = 0.f;
-  Vec8<T>::Load(x, xv);
+  Unpack(x, xv);
 #pragma unroll
   for (int i = 0; i < 8; ++i) ss += xv[i] * xv[i];
   return ss;
@@ -134,12 +132,12 @@ __device__ __forceinline__ void RowStatistics(float sum_g, float sum_gx, float s
 // Writes eight columns of dx (the residual gradient r added) and, where dx16 is not null, their bf16
 // copy.
 template <typename T>
-__device__ __forceinline__ void WriteInputGrad(const Bf16x8& dy, const typename Vec8<T>::Type& x, const Bf16x8& gamma,
+__device__ __forceinline__ void WriteInputGrad(const Bf16x8& dy, const Bf16x8& x, const Bf16x8& gamma,
                                                const float (&r)[8], float m, float s, float mean_g, float mean_gx,
                                                typename Vec8<T>::Type* dx, Bf16x8* dx16) {
   float d[8], xv[8], g[8], out[8];
   Unpack(dy, d);
-  Vec8<T>::Load(x, xv);
+  Unpack(x, xv);
   Unpack(gamma, g);
 #pragma unroll
   for (int i = 0; i < 8; ++i) out[i] = (d[i] * g[i] - mean_g - (xv[i] - m) * s * mean_gx) * s + r[i];
@@ -149,7 +147,7 @@ __device__ __forceinline__ void WriteInputGrad(const Bf16x8& dy, const typename 
 
 // The same with the residual gradient read from dres (null: none).
 template <typename T>
-__device__ __forceinline__ void WriteInputGrad(const Bf16x8& dy, const typename Vec8<T>::Type& x, const Bf16x8& gamma,
+__device__ __forceinline__ void WriteInputGrad(const Bf16x8& dy, const Bf16x8& x, const Bf16x8& gamma,
                                                const typename Vec8<T>::Type* dres, float m, float s, float mean_g,
                                                float mean_gx, typename Vec8<T>::Type* dx, Bf16x8* dx16) {
   float r[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
@@ -157,12 +155,11 @@ __device__ __forceinline__ void WriteInputGrad(const Bf16x8& dy, const typename 
   WriteInputGrad<T>(dy, x, gamma, r, m, s, mean_g, mean_gx, dx, dx16);
 }
 
-template <typename T>
-__device__ __forceinline__ void AddRowSums(const Bf16x8& dy, const typename Vec8<T>::Type& x, const Bf16x8& gamma,
-                                           float m, float s, float& sum_g, float& sum_gx) {
+__device__ __forceinline__ void AddRowSums(const Bf16x8& dy, const Bf16x8& x, const Bf16x8& gamma, float m, float s,
+                                           float& sum_g, float& sum_gx) {
   float d[8], xv[8], g[8];
   Unpack(dy, d);
-  Vec8<T>::Load(x, xv);
+  Unpack(x, xv);
   Unpack(gamma, g);
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
@@ -197,7 +194,7 @@ __device__ __forceinline__ void RowSum3(float& a, float& b, float& c) {
 // - a block per row: a thread has the same columns in every row and sums them in registers.
 template <int kVecs, int kLanes, bool kRms, typename T>
 __global__ void __launch_bounds__(kRowThreads)
-    InputGradRows(const Bf16x8* dy, const typename Vec8<T>::Type* x, const Bf16x8* gamma, const float* mean,
+    InputGradRows(const Bf16x8* dy, const Bf16x8* x, const Bf16x8* gamma, const float* mean,
                   const float* rstd, float eps, const typename Vec8<T>::Type* dres, int64_t rows, int64_t vecs,
                   typename Vec8<T>::Type* dx, Bf16x8* dx16, float* rstd_out, float* partial) {
   constexpr bool kWarpRow = kLanes == 32;
@@ -221,10 +218,9 @@ __global__ void __launch_bounds__(kRowThreads)
   // Every thread of a block per row sees the same rows: its barriers are uniform.
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsAtOnce + threadIdx.x / kLanes; row < rows;
        row += stride) {
-    const float m = kRms ? 0.f : mean[row];
+    const float m = kRms || mean == nullptr ? 0.f : mean[row];
     float s = kRms ? 1.f : rstd[row];
-    Bf16x8 dyv[kVecs];
-    typename Vec8<T>::Type xv[kVecs];
+    Bf16x8 dyv[kVecs], xv[kVecs];
     float rv[kVecs][8];
     float sum_g = 0.f, sum_gx = 0.f, sum_xx = 0.f;
 #pragma unroll
@@ -237,8 +233,8 @@ __global__ void __launch_bounds__(kRowThreads)
 #pragma unroll
         for (int i = 0; i < 8; ++i) rv[k][i] = 0.f;
         if (dres != nullptr) Vec8<T>::Load(dres[row * vecs + v], rv[k]);
-        AddRowSums<T>(dyv[k], xv[k], gamma[v], m, s, sum_g, sum_gx);
-        if (kRms) sum_xx += SumOfSquares<T>(xv[k]);
+        AddRowSums(dyv[k], xv[k], gamma[v], m, s, sum_g, sum_gx);
+        if (kRms) sum_xx += SumOfSquares(xv[k]);
       }
     }
     RowSum3<kLanes>(sum_g, sum_gx, sum_xx);
@@ -253,7 +249,7 @@ __global__ void __launch_bounds__(kRowThreads)
         if (partial != nullptr) {
           float d[8], xf[8];
           Unpack(dyv[k], d);
-          Vec8<T>::Load(xv[k], xf);
+          Unpack(xv[k], xf);
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
             const float gx = d[i] * (xf[i] - m) * s;
@@ -324,16 +320,16 @@ int64_t RowsAtOnce(int64_t vecs) { return vecs <= 128 ? kRowThreads / 32 : 1; }
 
 // Wider rows: two passes over the row (the second mostly from cache).
 template <bool kRms, typename T>
-__global__ void InputGrad(const Bf16x8* dy, const typename Vec8<T>::Type* x, const Bf16x8* gamma, const float* mean,
+__global__ void InputGrad(const Bf16x8* dy, const Bf16x8* x, const Bf16x8* gamma, const float* mean,
                           const float* rstd, float eps, const typename Vec8<T>::Type* dres, int64_t vecs,
                           typename Vec8<T>::Type* dx, Bf16x8* dx16, float* rstd_out) {
   const int64_t row = blockIdx.x;
-  const float m = kRms ? 0.f : mean[row];
+  const float m = kRms || mean == nullptr ? 0.f : mean[row];
   float s = kRms ? 1.f : rstd[row];
   float sum_g = 0.f, sum_gx = 0.f, sum_xx = 0.f;
   for (int64_t v = threadIdx.x; v < vecs; v += kRowThreads) {
-    AddRowSums<T>(dy[row * vecs + v], x[row * vecs + v], gamma[v], m, s, sum_g, sum_gx);
-    if (kRms) sum_xx += SumOfSquares<T>(x[row * vecs + v]);
+    AddRowSums(dy[row * vecs + v], x[row * vecs + v], gamma[v], m, s, sum_g, sum_gx);
+    if (kRms) sum_xx += SumOfSquares(x[row * vecs + v]);
   }
   BlockSum3(sum_g, sum_gx, sum_xx);
   float mean_g, mean_gx;
@@ -352,7 +348,7 @@ void LaunchInputGrad(const void* dy, const void* x, const void* gamma, const flo
   using V = typename Vec8<T>::Type;
   auto* dx16 = static_cast<Bf16x8*>(dx_bf16);
   const auto* dy_v = static_cast<const Bf16x8*>(dy);
-  const auto* x_v = static_cast<const V*>(x);
+  const auto* x_v = static_cast<const Bf16x8*>(x);
   const auto* gamma_v = static_cast<const Bf16x8*>(gamma);
   const auto* dres_v = static_cast<const V*>(dres);
   auto* dx_v = static_cast<V*>(dx);
@@ -369,10 +365,10 @@ void LaunchInputGrad(const void* dy, const void* x, const void* gamma, const flo
 }
 
 template <bool kRms>
-void LaunchInputGrad(const void* dy, const void* x, bool x_fp32, const void* gamma, const float* mean,
+void LaunchInputGrad(const void* dy, const void* x, bool fp32_grads, const void* gamma, const float* mean,
                      const float* rstd, float eps, const void* dres, int64_t rows, int64_t cols, void* dx,
                      void* dx_bf16, float* rstd_out, cudaStream_t stream) {
-  if (x_fp32) {
+  if (fp32_grads) {
     LaunchInputGrad<kRms, float>(dy, x, gamma, mean, rstd, eps, dres, rows, cols, dx, dx_bf16, rstd_out, stream);
   } else {
     LaunchInputGrad<kRms, __nv_bfloat16>(dy, x, gamma, mean, rstd, eps, dres, rows, cols, dx, nullptr, rstd_out,
@@ -415,7 +411,7 @@ bool LaunchFusedBackward(const void* dy, const void* x, const void* gamma, const
   if (rows <= 0 || cols <= 0) return true;
   using V = typename Vec8<T>::Type;
   const auto* dy_v = static_cast<const Bf16x8*>(dy);
-  const auto* x_v = static_cast<const V*>(x);
+  const auto* x_v = static_cast<const Bf16x8*>(x);
   const auto* gamma_v = static_cast<const Bf16x8*>(gamma);
   const auto* dres_v = static_cast<const V*>(dres);
   auto* dx_v = static_cast<V*>(dx);
@@ -440,7 +436,7 @@ bool LaunchFusedBackward(const void* dy, const void* x, const void* gamma, const
 template <int kVecs, int kLanes, bool kRms, typename T>
 __global__ void __launch_bounds__(kRowThreads)
     ForwardRows(const typename Vec8<T>::Type* x, const Bf16x8* gamma, const Bf16x8* beta, float eps, int64_t rows,
-                int64_t vecs, Bf16x8* y, float* mean_out, float* rstd_out) {
+                int64_t vecs, Bf16x8* y, float* mean_out, float* rstd_out, Bf16x8* saved) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kRowThreads / kLanes) + threadIdx.x / kLanes;
   const int lane = threadIdx.x % kLanes;
   if (row >= rows) return;  // the whole warp, or the whole block
@@ -486,6 +482,11 @@ __global__ void __launch_bounds__(kRowThreads)
 #pragma unroll
       for (int i = 0; i < 8; ++i) out[i] = (xv[k][i] - m) * s * g[i] + b[i];
       y[row * vecs + v] = Pack(out);
+      if (saved != nullptr) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) out[i] = xv[k][i] - m;
+        saved[row * vecs + v] = Pack(out);
+      }
     }
   }
 }
@@ -493,7 +494,7 @@ __global__ void __launch_bounds__(kRowThreads)
 // Wider rows: the same in three passes over the row (the later ones mostly from cache).
 template <bool kRms, typename T>
 __global__ void Forward(const typename Vec8<T>::Type* x, const Bf16x8* gamma, const Bf16x8* beta, float eps,
-                        int64_t vecs, Bf16x8* y, float* mean_out, float* rstd_out) {
+                        int64_t vecs, Bf16x8* y, float* mean_out, float* rstd_out, Bf16x8* saved) {
   const int64_t row = blockIdx.x;
   const float cols = static_cast<float>(vecs * 8);
   float sum = 0.f, unused_a = 0.f, unused_b = 0.f, xv[8];
@@ -527,61 +528,67 @@ __global__ void Forward(const typename Vec8<T>::Type* x, const Bf16x8* gamma, co
 #pragma unroll
     for (int i = 0; i < 8; ++i) out[i] = (xv[i] - m) * s * g[i] + b[i];
     y[row * vecs + v] = Pack(out);
+    if (saved != nullptr) {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) out[i] = xv[i] - m;
+      saved[row * vecs + v] = Pack(out);
+    }
   }
 }
 
 template <bool kRms, typename T>
 void LaunchForward(const void* x, const void* gamma, const void* beta, float eps, int64_t rows, int64_t cols, void* y,
-                   float* mean, float* rstd, cudaStream_t stream) {
+                   float* mean, float* rstd, void* saved, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
   using V = typename Vec8<T>::Type;
   const auto* x_v = static_cast<const V*>(x);
   const auto* gamma_v = static_cast<const Bf16x8*>(gamma);
   const auto* beta_v = static_cast<const Bf16x8*>(beta);
   auto* y_v = static_cast<Bf16x8*>(y);
+  auto* saved_v = static_cast<Bf16x8*>(saved);
   const int64_t vecs = cols / 8;
   const bool held = WithRowShape(vecs, [&](auto held_vecs, auto lanes) {
     const auto blocks = static_cast<unsigned>(CeilDiv(rows, RowsAtOnce(vecs)));
     ForwardRows<decltype(held_vecs)::value, decltype(lanes)::value, kRms, T>
-        <<<blocks, kRowThreads, 0, stream>>>(x_v, gamma_v, beta_v, eps, rows, vecs, y_v, mean, rstd);
+        <<<blocks, kRowThreads, 0, stream>>>(x_v, gamma_v, beta_v, eps, rows, vecs, y_v, mean, rstd, saved_v);
   });
   if (!held) {
     Forward<kRms, T><<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(x_v, gamma_v, beta_v, eps, vecs, y_v,
-                                                                              mean, rstd);
+                                                                              mean, rstd, saved_v);
   }
 }
 
 template <bool kRms>
 void LaunchForward(const void* x, bool x_fp32, const void* gamma, const void* beta, float eps, int64_t rows,
-                   int64_t cols, void* y, float* mean, float* rstd, cudaStream_t stream) {
+                   int64_t cols, void* y, float* mean, float* rstd, void* saved, cudaStream_t stream) {
   if (x_fp32) {
-    LaunchForward<kRms, float>(x, gamma, beta, eps, rows, cols, y, mean, rstd, stream);
+    LaunchForward<kRms, float>(x, gamma, beta, eps, rows, cols, y, mean, rstd, saved, stream);
   } else {
-    LaunchForward<kRms, __nv_bfloat16>(x, gamma, beta, eps, rows, cols, y, mean, rstd, stream);
+    LaunchForward<kRms, __nv_bfloat16>(x, gamma, beta, eps, rows, cols, y, mean, rstd, saved, stream);
   }
 }
 
 }  // namespace
 
 void LayerNormForward(const void* x, bool x_fp32, const void* gamma, const void* beta, float eps, int64_t rows,
-                      int64_t cols, void* y, float* mean, float* rstd, cudaStream_t stream) {
-  LaunchForward<false>(x, x_fp32, gamma, beta, eps, rows, cols, y, mean, rstd, stream);
+                      int64_t cols, void* y, float* mean, float* rstd, void* saved, cudaStream_t stream) {
+  LaunchForward<false>(x, x_fp32, gamma, beta, eps, rows, cols, y, mean, rstd, saved, stream);
 }
 
 void RmsNormForward(const void* x, bool x_fp32, const void* gamma, float eps, int64_t rows, int64_t cols, void* y,
-                    cudaStream_t stream) {
-  LaunchForward<true>(x, x_fp32, gamma, nullptr, eps, rows, cols, y, nullptr, nullptr, stream);
+                    void* saved, cudaStream_t stream) {
+  LaunchForward<true>(x, x_fp32, gamma, nullptr, eps, rows, cols, y, nullptr, nullptr, saved, stream);
 }
 
-void LayerNormInputGrad(const void* dy, const void* x, bool x_fp32, const void* gamma, const float* mean,
+void LayerNormInputGrad(const void* dy, const void* x, bool fp32_grads, const void* gamma, const float* mean,
                         const float* rstd, const void* dres, int64_t rows, int64_t cols, void* dx, void* dx_bf16,
                         cudaStream_t stream) {
-  LaunchInputGrad<false>(dy, x, x_fp32, gamma, mean, rstd, 0.f, dres, rows, cols, dx, dx_bf16, nullptr, stream);
+  LaunchInputGrad<false>(dy, x, fp32_grads, gamma, mean, rstd, 0.f, dres, rows, cols, dx, dx_bf16, nullptr, stream);
 }
 
-void RmsNormInputGrad(const void* dy, const void* x, bool x_fp32, const void* gamma, float eps, const void* dres,
+void RmsNormInputGrad(const void* dy, const void* x, bool fp32_grads, const void* gamma, float eps, const void* dres,
                       int64_t rows, int64_t cols, void* dx, void* dx_bf16, float* rstd, cudaStream_t stream) {
-  LaunchInputGrad<true>(dy, x, x_fp32, gamma, nullptr, nullptr, eps, dres, rows, cols, dx, dx_bf16, rstd, stream);
+  LaunchInputGrad<true>(dy, x, fp32_grads, gamma, nullptr, nullptr, eps, dres, rows, cols, dx, dx_bf16, rstd, stream);
 }
 
 int64_t LayerNormRowChunks(int64_t rows, int64_t cols) { return RowChunks(rows, CeilDiv(cols, kColsPerBlock), kWarps); }
@@ -594,52 +601,47 @@ int64_t NormBackwardPartialFloats(int64_t rows, int64_t cols) {
   return std::max(LayerNormPartialFloats(rows, cols), fused * 2 * cols);
 }
 
-void LayerNormBackward(const void* dy, const void* x, bool x_fp32, const void* gamma, const float* mean,
+void LayerNormBackward(const void* dy, const void* x, bool fp32_grads, const void* gamma, const float* mean,
                        const float* rstd, const void* dres, int64_t rows, int64_t cols, void* dx, void* dx_bf16,
                        float* partial, void* dgamma, void* dbeta, cudaStream_t stream) {
-  const bool fused = x_fp32 ? LaunchFusedBackward<false, float>(dy, x, gamma, mean, rstd, 0.f, dres, rows, cols, dx,
-                                                                dx_bf16, partial, dgamma, dbeta, stream)
-                            : LaunchFusedBackward<false, __nv_bfloat16>(dy, x, gamma, mean, rstd, 0.f, dres, rows, cols,
-                                                                        dx, nullptr, partial, dgamma, dbeta, stream);
+  const bool fused = fp32_grads ? LaunchFusedBackward<false, float>(dy, x, gamma, mean, rstd, 0.f, dres, rows, cols,
+                                                                    dx, dx_bf16, partial, dgamma, dbeta, stream)
+                                : LaunchFusedBackward<false, __nv_bfloat16>(dy, x, gamma, mean, rstd, 0.f, dres, rows,
+                                                                            cols, dx, nullptr, partial, dgamma, dbeta,
+                                                                            stream);
   if (fused) return;
-  LayerNormInputGrad(dy, x, x_fp32, gamma, mean, rstd, dres, rows, cols, dx, dx_bf16, stream);
-  LayerNormParamGrads(dy, x, x_fp32, mean, rstd, rows, cols, partial, dgamma, dbeta, stream);
+  LayerNormInputGrad(dy, x, fp32_grads, gamma, mean, rstd, dres, rows, cols, dx, dx_bf16, stream);
+  LayerNormParamGrads(dy, x, mean, rstd, rows, cols, partial, dgamma, dbeta, stream);
 }
 
-void RmsNormBackward(const void* dy, const void* x, bool x_fp32, const void* gamma, float eps, const void* dres,
+void RmsNormBackward(const void* dy, const void* x, bool fp32_grads, const void* gamma, float eps, const void* dres,
                      int64_t rows, int64_t cols, void* dx, void* dx_bf16, float* rstd, float* partial, void* dgamma,
                      cudaStream_t stream) {
-  const bool fused = x_fp32 ? LaunchFusedBackward<true, float>(dy, x, gamma, nullptr, nullptr, eps, dres, rows, cols,
-                                                               dx, dx_bf16, partial, dgamma, nullptr, stream)
-                            : LaunchFusedBackward<true, __nv_bfloat16>(dy, x, gamma, nullptr, nullptr, eps, dres, rows,
-                                                                       cols, dx, nullptr, partial, dgamma, nullptr,
-                                                                       stream);
+  const bool fused = fp32_grads ? LaunchFusedBackward<true, float>(dy, x, gamma, nullptr, nullptr, eps, dres, rows,
+                                                                   cols, dx, dx_bf16, partial, dgamma, nullptr, stream)
+                                : LaunchFusedBackward<true, __nv_bfloat16>(dy, x, gamma, nullptr, nullptr, eps, dres,
+                                                                           rows, cols, dx, nullptr, partial, dgamma,
+                                                                           nullptr, stream);
   if (fused) return;
-  RmsNormInputGrad(dy, x, x_fp32, gamma, eps, dres, rows, cols, dx, dx_bf16, rstd, stream);
-  RmsNormWeightGrad(dy, x, x_fp32, rstd, rows, cols, partial, dgamma, stream);
+  RmsNormInputGrad(dy, x, fp32_grads, gamma, eps, dres, rows, cols, dx, dx_bf16, rstd, stream);
+  RmsNormWeightGrad(dy, x, rstd, rows, cols, partial, dgamma, stream);
 }
 
-void LayerNormParamGrads(const void* dy, const void* x, bool x_fp32, const float* mean, const float* rstd,
-                         int64_t rows, int64_t cols, float* partial, void* dgamma, void* dbeta, cudaStream_t stream) {
+void LayerNormParamGrads(const void* dy, const void* x, const float* mean, const float* rstd, int64_t rows,
+                         int64_t cols, float* partial, void* dgamma, void* dbeta, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
   const int64_t chunks = LayerNormRowChunks(rows, cols);
   const int64_t rows_per_chunk = CeilDiv(rows, chunks);
   const dim3 grid(static_cast<unsigned>(CeilDiv(cols, kColsPerBlock)), static_cast<unsigned>(chunks));
   const dim3 block(32, kWarps);
-  const auto* dy_v = static_cast<const Bf16x8*>(dy);
-  if (x_fp32) {
-    PartialSums<float><<<grid, block, 0, stream>>>(dy_v, static_cast<const Float8*>(x), mean, rstd, rows, cols / 8,
-                                                   rows_per_chunk, partial);
-  } else {
-    PartialSums<__nv_bfloat16><<<grid, block, 0, stream>>>(dy_v, static_cast<const Bf16x8*>(x), mean, rstd, rows,
-                                                           cols / 8, rows_per_chunk, partial);
-  }
+  PartialSums<<<grid, block, 0, stream>>>(static_cast<const Bf16x8*>(dy), static_cast<const Bf16x8*>(x), mean, rstd,
+                                          rows, cols / 8, rows_per_chunk, partial);
   LaunchAddChunkRows(partial, chunks, 2 * cols, cols, dgamma, dbeta, stream);
 }
 
-void RmsNormWeightGrad(const void* dy, const void* x, bool x_fp32, const float* rstd, int64_t rows, int64_t cols,
-                       float* partial, void* dgamma, cudaStream_t stream) {
-  LayerNormParamGrads(dy, x, x_fp32, nullptr, rstd, rows, cols, partial, dgamma, nullptr, stream);
+void RmsNormWeightGrad(const void* dy, const void* x, const float* rstd, int64_t rows, int64_t cols, float* partial,
+                       void* dgamma, cudaStream_t stream) {
+  LayerNormParamGrads(dy, x, nullptr, rstd, rows, cols, partial, dgamma, nullptr, stream);
 }
 
 }  // namespace ltrain::worker::cuda
