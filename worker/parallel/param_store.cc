@@ -307,8 +307,13 @@ void ParamStore::ZeroGrads(bool one_backward) {
     if (zero_ >= 2 && unit.full.is_cuda()) {
       unit.grad_shard = torch::Tensor();
     } else if (zero_ >= 2) {
-      // On the CPU it stays: the memory plan counts it apart from the step's heap.
-      if (unit.grad_shard.defined()) unit.grad_shard.zero_();
+      // On the CPU it stays: the memory plan counts it apart from the step's heap. A pending
+      // update still reads it: then a new one.
+      if (unit.update_pending) {
+        unit.grad_shard = torch::zeros_like(unit.grad_shard);
+      } else if (unit.grad_shard.defined()) {
+        unit.grad_shard.zero_();
+      }
     } else {
       ZeroUnitGrads(unit, /*zero=*/!unit.grads_zeroed, &stale);
       unit.grads_zeroed = false;
@@ -522,9 +527,9 @@ Status ParamStore::AwaitCompute(int u) {
   return s;
 }
 
-void ParamStore::UpdateUnit(Unit& unit, const AdamWConfig& adamw, double lr, double b1, double b2, int64_t step,
-                            const torch::Tensor& divisor) {
-  torch::Tensor grad = OwnedGrad(unit), param = OwnedParam(unit);
+void ParamStore::UpdateUnit(Unit& unit, const torch::Tensor& grad, const AdamWConfig& adamw, double lr, double b1,
+                            double b2, int64_t step, const torch::Tensor& divisor) {
+  torch::Tensor param = OwnedParam(unit);
   const bool sharded = sharded_update();
   // The kernel also writes the owned part of the bf16 copies (zero 0: all of them).
   torch::Tensor copy = zero_ == 0 || sharded ? OwnedCompute(unit) : torch::Tensor();
@@ -552,16 +557,92 @@ bool ParamStore::can_defer_update() const {
 }
 
 Status ParamStore::AwaitUpdates() {
+  bool pending = false;
+  for (Unit& unit : units_) {
+    std::function<void()> update = TakePendingUpdate(unit);
+    if (!update) continue;
+    pending = true;
+    queue_->Enqueue([update]() {
+      update();
+      return Status::Ok();
+    });
+  }
+  if (pending) LTRAIN_RETURN_IF_ERROR(queue_->WaitAll());
   for (int u = 0; u < units(); ++u) LTRAIN_RETURN_IF_ERROR(AwaitCompute(u));
   return Status::Ok();
+}
+
+void ParamStore::ApplyDeferred(Unit& unit, const torch::Tensor& grad, const DeferredUpdate& u) {
+  torch::NoGradGuard no_grad;
+  if (u.own_kernel) {
+    UpdateUnit(unit, grad, adamw_, u.lr, adamw_.beta1, adamw_.beta2, u.step, u.divisor);
+  } else {
+    UpdateComposite({{&unit, grad}}, u);
+  }
+}
+
+std::function<void()> ParamStore::TakePendingUpdate(Unit& unit) {
+  if (!unit.update_pending) return {};
+  unit.update_pending = false;
+  torch::Tensor grad = std::move(unit.pending_grad);
+  unit.pending_grad = torch::Tensor();
+  Unit* target = &unit;
+  const DeferredUpdate u = deferred_;
+  return [this, target, grad, u]() {
+    // Read on this stream, allocated on the computation's: the allocator must not hand the memory
+    // on before this stream is done with it.
+    compat::RecordCurrentStream(grad);
+    if (u.divisor.defined()) compat::RecordCurrentStream(u.divisor);
+    ApplyDeferred(*target, grad, u);
+  };
+}
+
+void ParamStore::UpdateComposite(const std::vector<std::pair<Unit*, torch::Tensor>>& units, const DeferredUpdate& u) {
+  if (units.empty()) return;
+  const double b1 = adamw_.beta1, b2 = adamw_.beta2, lr = u.lr;
+  const double bias1 = 1 - std::pow(b1, static_cast<double>(u.step));
+  const double bias2 = 1 - std::pow(b2, static_cast<double>(u.step));
+  const torch::TensorOptions f32 = torch::TensorOptions().dtype(torch::kFloat).device(units.front().first->full.device());
+  // The owned segment of every parameter, by weight-decay class: [decays][w, g, m, v].
+  std::vector<torch::Tensor> lists[2][4];
+  for (const auto& [unit, unit_grad] : units) {
+    torch::Tensor grad = unit_grad, param = OwnedParam(*unit);
+    // bf16 gradients (bf16_compute, zero < 2) meet the fp32 masters as fp32.
+    if (grad.scalar_type() != param.scalar_type()) grad = grad.to(param.scalar_type());
+    ForEachOwned(*unit, [&](const Param& p, int64_t at, int64_t n) {
+      auto& l = lists[p.decay ? 1 : 0];
+      l[0].push_back(param.narrow(0, at, n));
+      l[1].push_back(grad.narrow(0, at, n));
+      l[2].push_back(unit->exp_avg.narrow(0, at, n));
+      l[3].push_back(unit->exp_avg_sq.narrow(0, at, n));
+    });
+  }
+  for (int decay = 0; decay < 2; ++decay) {
+    auto& l = lists[decay];
+    if (l[0].empty()) continue;
+    // On CUDA: one kernel per class over every segment.
+    if (compat::FusedAdamW(l[0], l[1], l[2], l[3], torch::full({}, static_cast<double>(u.step), f32), lr, b1, b2,
+                           decay ? adamw_.weight_decay : 0.0, adamw_.eps, u.divisor)) {
+      continue;
+    }
+    for (size_t i = 0; i < l[0].size(); ++i) {
+      torch::Tensor w = l[0][i], g = l[1][i], m = l[2][i], v = l[3][i];
+      if (u.grad_scale != 1.0) g.mul_(u.grad_scale);
+      if (u.grad_divisor.defined()) g.div_(u.grad_divisor.reshape({}));
+      // torch::optim::AdamW's update, element for element.
+      if (decay) w.mul_(1 - lr * adamw_.weight_decay);
+      m.mul_(b1).add_(g, 1 - b1);
+      v.mul_(b2).addcmul_(g, g, 1 - b2);
+      torch::Tensor denom = (v.sqrt() / std::sqrt(bias2)).add_(adamw_.eps);
+      w.addcdiv_(m, denom, -lr / bias1);
+    }
+  }
 }
 
 Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, const torch::Tensor& grad_divisor,
                                  bool defer_compute) {
   torch::NoGradGuard no_grad;
   const double b1 = adamw_.beta1, b2 = adamw_.beta2;
-  const double bias1 = 1 - std::pow(b1, static_cast<double>(step));
-  const double bias2 = 1 - std::pow(b2, static_cast<double>(step));
   // bf16 compute copies on CUDA: our kernel, one pass per segment that also writes the bf16 copy of
   // the owned elements (zero 0: all of them; a sharded update then all-gathers the copies).
   if (units_.empty()) return Status::Ok();
@@ -572,8 +653,15 @@ Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, con
   const torch::TensorOptions f32 = torch::TensorOptions().dtype(torch::kFloat).device(units_.front().full.device());
   torch::Tensor divisor = grad_divisor.defined() ? grad_divisor.reshape({}).to(f32) : torch::Tensor();
   if (grad_scale != 1.0) divisor = divisor.defined() ? divisor / grad_scale : torch::full({}, 1.0 / grad_scale, f32);
-  // The owned segment of every parameter, by weight-decay class: [decays][w, g, m, v].
-  std::vector<torch::Tensor> lists[2][4];
+  if (zero_ == 3 && defer_compute) {
+    // Each unit's update runs in its next gather's job (TakePendingUpdate), on the gradients of now.
+    deferred_ = DeferredUpdate{lr, grad_scale, step, grad_divisor, divisor, own_kernel};
+    for (Unit& unit : units_) {
+      unit.update_pending = true;
+      unit.pending_grad = OwnedGrad(unit);
+    }
+    return Status::Ok();
+  }
   if (own_kernel && zero_ == 0 && defer_compute) {
     // In forward order, each unit a job on the update queue's stream (ordered after this stream's
     // backward): the next forward waits for a unit's job just before using it (AwaitCompute).
@@ -585,48 +673,19 @@ Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, con
       unit->grads_zeroed = true;
       unit->update_job = update_queue_->Enqueue([this, unit, adamw, divisor, lr, b1, b2, step]() {
         torch::NoGradGuard no_grad;
-        UpdateUnit(*unit, adamw, lr, b1, b2, step, divisor);
+        UpdateUnit(*unit, OwnedGrad(*unit), adamw, lr, b1, b2, step, divisor);
         ZeroUnitGrads(*unit, /*zero=*/true, nullptr);
         return Status::Ok();
       });
     }
     return Status::Ok();
   }
-  for (Unit& unit : units_) {
-    torch::Tensor grad = OwnedGrad(unit), param = OwnedParam(unit);
-    if (own_kernel) {
-      UpdateUnit(unit, adamw_, lr, b1, b2, step, divisor);
-      continue;
-    }
-    // bf16 gradients (bf16_compute, zero < 2) meet the fp32 masters as fp32.
-    if (grad.scalar_type() != param.scalar_type()) grad = grad.to(param.scalar_type());
-    ForEachOwned(unit, [&](const Param& p, int64_t at, int64_t n) {
-      auto& l = lists[p.decay ? 1 : 0];
-      l[0].push_back(param.narrow(0, at, n));
-      l[1].push_back(grad.narrow(0, at, n));
-      l[2].push_back(unit.exp_avg.narrow(0, at, n));
-      l[3].push_back(unit.exp_avg_sq.narrow(0, at, n));
-    });
-  }
-  for (int decay = 0; decay < 2; ++decay) {
-    auto& l = lists[decay];
-    if (l[0].empty()) continue;
-    // On CUDA: one kernel per class over every segment.
-    if (compat::FusedAdamW(l[0], l[1], l[2], l[3], torch::full({}, static_cast<double>(step), f32), lr, b1, b2,
-                           decay ? adamw_.weight_decay : 0.0, adamw_.eps, divisor)) {
-      continue;
-    }
-    for (size_t i = 0; i < l[0].size(); ++i) {
-      torch::Tensor w = l[0][i], g = l[1][i], m = l[2][i], v = l[3][i];
-      if (grad_scale != 1.0) g.mul_(grad_scale);
-      if (grad_divisor.defined()) g.div_(grad_divisor.reshape({}));
-      // torch::optim::AdamW's update, element for element.
-      if (decay) w.mul_(1 - lr * adamw_.weight_decay);
-      m.mul_(b1).add_(g, 1 - b1);
-      v.mul_(b2).addcmul_(g, g, 1 - b2);
-      torch::Tensor denom = (v.sqrt() / std::sqrt(bias2)).add_(adamw_.eps);
-      w.addcdiv_(m, denom, -lr / bias1);
-    }
+  if (own_kernel) {
+    for (Unit& unit : units_) UpdateUnit(unit, OwnedGrad(unit), adamw_, lr, b1, b2, step, divisor);
+  } else {
+    std::vector<std::pair<Unit*, torch::Tensor>> all;
+    for (Unit& unit : units_) all.emplace_back(&unit, OwnedGrad(unit));
+    UpdateComposite(all, DeferredUpdate{lr, grad_scale, step, grad_divisor, divisor, false});
   }
   if (sharded) {
     // The owned part of the copies from the updated masters (our kernel wrote it already), then
@@ -681,8 +740,10 @@ void ParamStore::Prefetch(int u) {
   if (zero_ != 3 || u < 0 || u >= units()) return;
   Unit& unit = units_[u];
   if (unit.gathered || unit.gather_job != 0) return;
+  // The last step's update of this unit, where it was left to this gather: first, on the same stream.
+  std::function<void()> update = TakePendingUpdate(unit);
   if (!unit.compute.defined()) {
-    unit.gather_job = GatherFp32(unit);
+    unit.gather_job = GatherFp32(unit, update);
     return;
   }
   Communicator* comm = dp_;
@@ -692,8 +753,9 @@ void ParamStore::Prefetch(int u) {
   // share the copy's version counter, and autograd would refuse the values saved for backward.
   torch::Tensor all = unit.compute;
   compat::ResizeStorage(all, static_cast<size_t>(unit.layout.padded) * all.element_size());
-  unit.gather_job = queue_->Enqueue([comm, shard, all]() mutable {
+  unit.gather_job = queue_->Enqueue([comm, shard, all, update]() mutable {
     torch::NoGradGuard no_grad;
+    if (update) update();
     return comm->AllGather(shard.to(all.scalar_type()), all);
   });
 }
@@ -731,11 +793,15 @@ Status ParamStore::GatherMasterUnit(int u) {
   return queue_->Wait(GatherFp32(unit));
 }
 
-int64_t ParamStore::GatherFp32(Unit& unit) {
+int64_t ParamStore::GatherFp32(Unit& unit, const std::function<void()>& before) {
   torch::Tensor full = unit.full, shard = unit.shard;
   compat::ResizeStorage(full, static_cast<size_t>(unit.layout.padded) * full.element_size());
   Communicator* comm = dp_;
-  return queue_->Enqueue([comm, shard, full]() mutable { return comm->AllGather(shard, full); });
+  return queue_->Enqueue([comm, shard, full, before]() mutable {
+    torch::NoGradGuard no_grad;
+    if (before) before();
+    return comm->AllGather(shard, full);
+  });
 }
 
 void ParamStore::ReleaseMasterUnit(int u) {

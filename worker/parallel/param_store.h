@@ -164,6 +164,9 @@ class ParamStore {
   // (AwaitCompute), so that they overlap the next forward. Where can_defer_update(), the updates
   // themselves run so, unit by unit on a stream of their own, each unit's non-product gradients
   // zeroed after its update (ZeroGrads then leaves them).
+  // Under zero 3 each unit's update is left to its next gather (Prefetch), whose job runs it on the
+  // collectives' stream just before gathering, beside the computation of the unit before it (the
+  // step's AdamW off the critical path); AwaitUpdates runs those still pending.
   Status OptimizerStep(double lr, double grad_scale, int64_t step, const torch::Tensor& grad_divisor = {},
                        bool defer_compute = false);
   // zero 1/2, bf16 compute copies, dp > 1: the update writes the owned part of the copies, which are
@@ -275,23 +278,43 @@ class ParamStore {
     int64_t compute_job = 0;   // sharded update: the deferred all-gather of the bf16 copies
     int64_t update_job = 0;    // deferred update: its job on update_queue_
     bool grads_zeroed = false;  // the deferred update zeroed its non-product gradients
+    // zero 3, deferred: the step's update of this unit runs in its next gather's job, before the
+    // gather, on the gradients kept here.
+    bool update_pending = false;
+    torch::Tensor pending_grad;
+  };
+
+  // What a zero-3 update left to each unit's next gather needs of its step.
+  struct DeferredUpdate {
+    double lr = 0, grad_scale = 1;
+    int64_t step = 0;
+    torch::Tensor grad_divisor;  // as OptimizerStep got it
+    torch::Tensor divisor;       // for the fused kernels: grad_divisor / grad_scale as one fp32 scalar
+    bool own_kernel = false;
   };
 
   ParamStore(std::vector<Param> params, int zero, Communicator* dp, AdamWConfig adamw);
   void OnGradReady(int param);
+  // AdamW on the owned elements of `units` with their gradients, where our kernel does not serve:
+  // one fused LibTorch kernel per weight-decay class on CUDA, torch::optim::AdamW's arithmetic on the CPU.
+  void UpdateComposite(const std::vector<std::pair<Unit*, torch::Tensor>>& units, const DeferredUpdate& u);
+  // Applies `u` to `unit`, whose gradient shard is `grad` (zero 3, deferred; on the calling thread's stream).
+  void ApplyDeferred(Unit& unit, const torch::Tensor& grad, const DeferredUpdate& u);
+  // The unit's pending update as a job's first part (empty where none), which the unit then no longer holds.
+  std::function<void()> TakePendingUpdate(Unit& unit);
   // bf16_compute: the leaves' bf16 copies take the masters' values.
   void RefreshCompute();
   // Our AdamW kernel over the unit's owned elements (one launch per run of adjacent parameters of one
   // weight-decay class), writing the bf16 copies where they are kept.
-  void UpdateUnit(Unit& unit, const AdamWConfig& adamw, double lr, double b1, double b2, int64_t step,
-                  const torch::Tensor& divisor);
+  void UpdateUnit(Unit& unit, const torch::Tensor& grad, const AdamWConfig& adamw, double lr, double b1, double b2,
+                  int64_t step, const torch::Tensor& divisor);
   // zero < 2: zeroes the unit's gradients (`zero`) except those only the products write, which go to
   // `stale` (when not null) for MarkGradientsStale.
   void ZeroUnitGrads(Unit& unit, bool zero, std::vector<torch::Tensor>* stale);
   torch::Tensor OwnedCompute(Unit& unit);
   int64_t OffsetInUnit(int param) const;
   // zero 3: allocates the unit's fp32 values and queues their all-gather from the shards; the job.
-  int64_t GatherFp32(Unit& unit);
+  int64_t GatherFp32(Unit& unit, const std::function<void()>& before = {});
   // Calls fn(parameter, at, n) for every parameter of `unit` with elements in this rank's owned
   // range: they are the n elements from `at` on, counted within the owned range.
   void ForEachOwned(const Unit& unit, const std::function<void(const Param&, int64_t at, int64_t n)>& fn) const;
@@ -319,6 +342,7 @@ class ParamStore {
   std::unique_ptr<ReductionQueue> queue_;
   std::unique_ptr<ReductionQueue> update_queue_;  // deferred updates: a thread and a stream of their own
   torch::Tensor update_divisor_;                   // kept alive while deferred updates read it
+  DeferredUpdate deferred_;                         // zero 3: the last step's, while units hold it pending
 };
 
 }  // namespace ltrain::worker

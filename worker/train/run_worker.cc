@@ -348,7 +348,8 @@ Profiling:
                            the worker's kernel (which also writes the bf16 weights)
   LTRAIN_DP_OVERLAP=0      all-reduce the data-parallel gradients after backward, not during it
   LTRAIN_OVERLAP_UPDATE=0  run the optimizer's update inline after backward, not unit by unit on a
-                           stream of its own beside the next forward (zero 0, bf16 on CUDA)
+                           stream of its own beside the next forward (zero 0, bf16 on CUDA) or
+                           in each unit's gather for the next forward (zero 3)
   LTRAIN_TP_OVERLAP=0      all-reduce a tensor-parallel block input's gradient after its products'
                            backward, not beside their weight-gradient products (tp without
                            sequence parallelism, our products)

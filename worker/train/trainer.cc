@@ -314,6 +314,8 @@ Status Trainer::Init() {
     model_->set_hooks(AwaitComputeCopiesHooks(store_.get(), params));
     defer_compute_ = true;
   }
+  // ZeRO-3: each unit's update is left to its gather in the next forward (the gather hooks above).
+  if (layout_.zero == 3 && options_.overlap_update) defer_compute_ = true;
   LTRAIN_RETURN_IF_ERROR(store_->BroadcastParameters());
 
   if (layout_.pp > 1) {

@@ -74,7 +74,8 @@ struct TrainerOptions {
   // LTRAIN_DP_OVERLAP=0).
   bool dp_overlap = true;
   // zero 0 with our AdamW kernel, no pipeline: each unit's update runs on a stream of its own beside
-  // the next forward, which waits for it just before the unit (LTRAIN_OVERLAP_UPDATE=0: inline).
+  // the next forward, which waits for it just before the unit; zero 3: each unit's update runs in
+  // its gather before the next forward uses it (LTRAIN_OVERLAP_UPDATE=0: inline).
   bool overlap_update = true;
   // The model without training data (export, generate): Run, Step and Save are not called.
   bool model_only = false;
