@@ -34,9 +34,7 @@ class CheckpointFaultsTest : public ::testing::Test {
   }
 
   std::string Recipe(const std::string& name, const std::string& extra) {
-    return dir_.Write(name + ".yaml", "name: " + name +
-                                          "\nmodel: {layers: 2, d_model: 64, heads: 4, seq_len: 32}\n"
-                                          "data: {path: " + dir_.Join("data") + "}\n"
+    return dir_.Write(name + ".yaml", TinyRecipe(name, dir_.Join("data")) +
                                           "parallel: {nproc_per_node: 2}\n" + extra);
   }
 

@@ -269,8 +269,7 @@ TEST_F(EtcdTest, KilledLeaderIsReplacedWithinFiveSecondsAndTheJobGoesOnInTheSame
                     dir_.Join("agent"), "--coordinator-grace", "60"},
                    env);
   const std::string recipe =
-      dir_.Write("ha.yaml", "name: ha\nmodel: {layers: 2, d_model: 64, heads: 4, seq_len: 32}\n"
-                            "data: {path: " + dir_.Join("data") + "}\n"
+      dir_.Write("ha.yaml", TinyRecipe("ha", dir_.Join("data")) +
                             "training: {steps: 300, micro_batch: 4, global_batch: 8, log_every: 1}\n"
                             "parallel: {nproc_per_node: 2}\ncheckpoint: {every: 50}\n");
   Subprocess launch({LtrainBinary(), "launch", "--coordinator", both, recipe}, env);

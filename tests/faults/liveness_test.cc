@@ -25,9 +25,7 @@ class LivenessTest : public ::testing::Test {
   }
 
   std::string Recipe(const std::string& name, const std::string& extra) {
-    return dir_.Write(name + ".yaml", "name: " + name +
-                                          "\nmodel: {layers: 2, d_model: 64, heads: 4, seq_len: 32}\n"
-                                          "data: {path: " + dir_.Join("data") + "}\n"
+    return dir_.Write(name + ".yaml", TinyRecipe(name, dir_.Join("data")) +
                                           "training: {steps: 6, micro_batch: 4, global_batch: 8, log_every: 2}\n"
                                           "parallel: {nproc_per_node: 2}\n" + extra);
   }

@@ -33,9 +33,7 @@ class RecoveryTest : public ::testing::Test {
   }
 
   std::string Recipe(const std::string& name, const std::string& extra) {
-    return dir_.Write(name + ".yaml", "name: " + name +
-                                          "\nmodel: {layers: 2, d_model: 64, heads: 4, seq_len: 32}\n"
-                                          "data: {path: " + dir_.Join("data") + "}\n" + extra);
+    return dir_.Write(name + ".yaml", TinyRecipe(name, dir_.Join("data")) + extra);
   }
 
   std::map<std::string, std::string> Env(const std::string& home) const {

@@ -18,8 +18,7 @@ class WorkerKillTest : public ::testing::Test {
   void SetUp() override {
     ProcessResult prepared = PrepareLicenseData(dir_.Join("data"));
     ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
-    recipe_ = dir_.Write("long.yaml", "name: long\nmodel: {layers: 2, d_model: 64, heads: 4, seq_len: 32}\n"
-                                      "data: {path: " + dir_.Join("data") + "}\n"
+    recipe_ = dir_.Write("long.yaml", TinyRecipe("long", dir_.Join("data")) +
                                       "training: {steps: 100000, micro_batch: 4, global_batch: 8, log_every: 1}\n"
                                       "parallel: {nproc_per_node: 2}\n");
   }

@@ -104,8 +104,7 @@ TEST_F(NetnsTest, TrainsAcrossHostsAndSurvivesACutLink) {
   ASSERT_FALSE(address.empty());
   Subprocess* agent2 = agents_[0];
   Subprocess* agent3 = agents_[1];
-  std::string recipe = dir_.Write("net.yaml", "name: net\nmodel: {layers: 2, d_model: 64, heads: 4, seq_len: 32}\n"
-                                              "data: {path: " + dir_.Join("data") + "}\n"
+  std::string recipe = dir_.Write("net.yaml", TinyRecipe("net", dir_.Join("data")) +
                                               "training: {steps: 300, micro_batch: 4, global_batch: 8, log_every: 1}\n"
                                               "parallel: {nodes: {min: 1, max: 2}, nproc_per_node: 1}\n"
                                               "checkpoint: {every: 10}\n"

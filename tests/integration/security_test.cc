@@ -216,8 +216,7 @@ TEST_F(SecurityTest, TrainsOverMutualTlsWithAToken) {
 TEST(AgentEndpointTest, OnlyAJobsOwnWorkersReachItsKeysAndProgress) {
   TempDir dir;
   ASSERT_EQ(PrepareLicenseData(dir.Join("data")).exit_code, 0);
-  const std::string recipe = dir.Write("long.yaml", "name: long\nmodel: {layers: 2, d_model: 64, heads: 4, seq_len: 32}\n"
-                                                    "data: {path: " + dir.Join("data") + "}\n"
+  const std::string recipe = dir.Write("long.yaml", TinyRecipe("long", dir.Join("data")) +
                                                     "training: {steps: 100000, micro_batch: 4, global_batch: 8, log_every: 1}\n"
                                                     "parallel: {nproc_per_node: 2}\n");
   const std::map<std::string, std::string> env = {{"LTRAIN_HOME", dir.Join("home")}};

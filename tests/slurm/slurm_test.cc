@@ -121,9 +121,7 @@ class SlurmTest : public ::testing::Test {
   }
 
   std::string Recipe(const std::string& name, const std::string& training) {
-    return dir_.Write(name + ".yaml", "name: " + name +
-                                          "\nmodel: {layers: 2, d_model: 64, heads: 4, seq_len: 32}\n"
-                                          "data: {path: " + dir_.Join("data") + "}\n"
+    return dir_.Write(name + ".yaml", TinyRecipe(name, dir_.Join("data")) +
                                           "training: {" + training + ", micro_batch: 4, global_batch: 8, log_every: 1}\n"
                                           "parallel: {nproc_per_node: 1}\n"
                                           "checkpoint: {every: 10, keep: 3}\n");

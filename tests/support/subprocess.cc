@@ -162,6 +162,10 @@ ProcessResult PrepareLicenseData(const std::string& output) {
   return RunProcess(argv);
 }
 
+std::string TinyRecipe(const std::string& name, const std::string& data_dir) {
+  return "name: " + name + "\nmodel: {layers: 2, d_model: 64, heads: 4, seq_len: 32}\ndata: {path: " + data_dir + "}\n";
+}
+
 bool ProcessAlive(pid_t pid) {
   if (kill(pid, 0) != 0) return false;
   std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");

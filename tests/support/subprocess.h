@@ -68,6 +68,9 @@ std::vector<std::string> LicenseTexts();
 // `ltrain data prepare` of the licence texts into `output`. When the texts are missing, a failed
 // result (exit code 1) whose output says so.
 ProcessResult PrepareLicenseData(const std::string& output);
+// The start of the tests' tiny GPT recipe (2 layers, d 64, 4 heads, 32 tokens) named `name`, on the
+// token data in `data_dir` (PrepareLicenseData's output): the caller appends its keys.
+std::string TinyRecipe(const std::string& name, const std::string& data_dir);
 // True while `pid` is a live (non-zombie) process.
 bool ProcessAlive(pid_t pid);
 // A whole file's bytes; empty when it cannot be read.
