@@ -281,6 +281,27 @@ TEST_F(CheckpointTest, AsyncSavesAreBitIdenticalToSyncAndToAnUninterruptedRun) {
   }
 }
 
+// ZeRO-3 leaves each step's update to the next forward's gathers; a checkpoint still holds the
+// step it names: saves every 5 steps and a run resumed from step 10 end bit for bit where a run
+// without saves does.
+TEST_F(CheckpointTest, Zero3CheckpointsHoldTheirStepsUpdate) {
+  const std::string layout = "--set parallel.zero=3 ";
+  RunResult saving = Run("z3_saving", 2, "z3_ck", layout + "--set checkpoint.every=5 --set checkpoint.keep=9");
+  ASSERT_EQ(saving.rc, 0) << saving.log0 << saving.log1;
+  RunResult plain = Run("z3_plain", 2, "z3_plain_ck", layout + "--set checkpoint.every=0");
+  ASSERT_EQ(plain.rc, 0) << plain.log0;
+  RunResult resumed = Run("z3_resumed", 2, "z3_resumed_ck",
+                          layout + "--set checkpoint.resume_from=" + (Dir() / "z3_ck" / "step-10").string());
+  ASSERT_EQ(resumed.rc, 0) << resumed.log0;
+  const std::string p = ReadFile(Dir() / "z3_plain" / "params.bin");
+  ASSERT_FALSE(p.empty());
+  EXPECT_TRUE(ReadFile(Dir() / "z3_saving" / "params.bin") == p) << "saving differs from the run without saves";
+  EXPECT_TRUE(ReadFile(Dir() / "z3_resumed" / "params.bin") == p) << "resumed differs from the run without saves";
+  const std::map<int, double> straight = Losses(plain.log0), again = Losses(resumed.log0);
+  ASSERT_TRUE(again.count(11)) << resumed.log0;
+  EXPECT_EQ(again.at(11), straight.at(11)) << "the first step after the resume";
+}
+
 // A checkpoint saved by dp2 ZeRO-1 resumes into other data-parallel degrees and ZeRO stages.
 TEST_F(CheckpointTest, CheckpointReshardsAcrossDataParallelDegreeAndZeroStage) {
   ExpectReshardedRunsContinueTheLosses("reshard_", 2, "--set parallel.zero=1",
