@@ -307,13 +307,9 @@ void ParamStore::ZeroGrads(bool one_backward) {
     if (zero_ >= 2 && unit.full.is_cuda()) {
       unit.grad_shard = torch::Tensor();
     } else if (zero_ >= 2) {
-      // On the CPU it stays: the memory plan counts it apart from the step's heap. A pending
-      // update still reads it: then a new one.
-      if (unit.update_pending) {
-        unit.grad_shard = torch::zeros_like(unit.grad_shard);
-      } else if (unit.grad_shard.defined()) {
-        unit.grad_shard.zero_();
-      }
+      // On the CPU it stays (the memory plan counts it apart from the step's heap), unzeroed: the
+      // step's first reduction overwrites it, queued after the gather that runs a pending update
+      // reading it.
     } else {
       ZeroUnitGrads(unit, /*zero=*/!unit.grads_zeroed, &stale);
       unit.grads_zeroed = false;
