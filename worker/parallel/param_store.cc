@@ -580,8 +580,7 @@ void ParamStore::ApplyDeferred(Unit& unit, const torch::Tensor& grad, const Defe
 std::function<void()> ParamStore::TakePendingUpdate(Unit& unit) {
   if (!unit.update_pending) return {};
   unit.update_pending = false;
-  torch::Tensor grad = std::move(unit.pending_grad);
-  unit.pending_grad = torch::Tensor();
+  torch::Tensor grad = std::move(unit.pending_grad);  // leaves the unit's undefined
   Unit* target = &unit;
   const DeferredUpdate u = deferred_;
   return [this, target, grad, u]() {
