@@ -118,6 +118,14 @@ inline void ResizeStorage(const torch::Tensor& t, size_t nbytes) {
   at::native::resize_bytes_cpu(t.storage().unsafeGetStorageImpl(), nbytes);
 }
 
+// Points t's storage at `nbytes` of memory it does not own (nullptr, 0: at none), as ResizeStorage
+// would resize it: every tensor and saved value over that storage follows.
+inline void PointStorage(const torch::Tensor& t, void* ptr, size_t nbytes) {
+  c10::StorageImpl* storage = t.storage().unsafeGetStorageImpl();
+  storage->set_data_ptr_noswap(c10::DataPtr(ptr, t.device()));
+  storage->set_nbytes(nbytes);
+}
+
 // bf16 autocast on CUDA for its scope (parameters stay fp32 masters; matmuls run in bf16; the
 // gradients of fp32 leaves are fp32). Disabled when `enabled` is false.
 class CudaBf16Autocast {

@@ -4,6 +4,10 @@
 
 namespace ltrain::worker {
 
+StatusOr<at::Tensor> Communicator::AllocateSymmetric(int64_t /*bytes*/) {
+  return FailedPrecondition(backend() + " has no memory the ranks write into directly");
+}
+
 Status Communicator::AllReduceMean(at::Tensor& tensor) {
   LTRAIN_RETURN_IF_ERROR(AllReduceSum(tensor));
   if (size() > 1) tensor.div_(size());

@@ -51,6 +51,14 @@ class Communicator {
   virtual Status ReduceScatterMean(const at::Tensor& input, at::Tensor& output);
   virtual Status Barrier() = 0;
 
+  // `bytes` of device memory that every rank of the group can write into directly, at the same
+  // offsets on every rank: a collective call (every rank, at the same point, with the same size).
+  // An all-gather whose input and output lie in it (the input at this rank's chunk of the output:
+  // in place) then runs on the GPU's copy engines, without kernels beside the computation (NCCL
+  // 2.28 or later, ranks on one node). The memory lives as long as the communicator; the tensor
+  // (uint8, [bytes]) does not own it. FailedPrecondition where the backend has no such memory.
+  virtual StatusOr<at::Tensor> AllocateSymmetric(int64_t bytes);
+
   // Point to point. Send does not block: the communicator keeps `tensor` alive and the transfer runs
   // in the background until WaitSends(). Recv blocks until `tensor` (contiguous, preallocated with
   // the sender's shape and dtype) holds the message with the same tag from `src`. Messages between

@@ -69,7 +69,15 @@ StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(gloo::rende
     return Unavailable(std::string("nccl: exchanging the unique id through the rendezvous store: ") + e.what());
   }
   ncclComm_t comm = nullptr;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+  // Zero CTAs where NCCL can: all-gathers within symmetric windows (AllocateSymmetric) run on the
+  // copy engines. Other collectives are as under the default policy.
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.CTAPolicy = NCCL_CTA_POLICY_ZERO;
+  LTRAIN_RETURN_IF_ERROR(Check(ncclCommInitRankConfig(&comm, size, id, rank, &config), "CommInitRankConfig"));
+#else
   LTRAIN_RETURN_IF_ERROR(Check(ncclCommInitRank(&comm, size, id, rank), "CommInitRank"));
+#endif
   std::unique_ptr<NcclCommunicator> result(new NcclCommunicator(comm, rank, size, device_index, timeout, std::move(group)));
   NcclCommunicator* self = result.get();
   result->watchdog_ = std::thread([self] { self->Watch(); });
@@ -86,7 +94,33 @@ NcclCommunicator::~NcclCommunicator() {
     cudaEventDestroy(op.done);
     Progress::Global().EndCollective(op.progress_seq);
   }
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+  for (auto& [ptr, window] : windows_) {
+    if (comm_ != nullptr) ncclCommWindowDeregister(comm_, window);
+    ncclMemFree(ptr);
+  }
+#endif
   if (comm_ != nullptr) ncclCommDestroy(comm_);
+}
+
+StatusOr<at::Tensor> NcclCommunicator::AllocateSymmetric(int64_t bytes) {
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+  if (bytes <= 0) return InvalidArgument("AllocateSymmetric needs a positive size");
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  void* ptr = nullptr;
+  LTRAIN_RETURN_IF_ERROR(Check(ncclMemAlloc(&ptr, static_cast<size_t>(bytes)), "MemAlloc"));
+  ncclWindow_t window = nullptr;
+  if (Status s = Check(ncclCommWindowRegister(comm_, ptr, static_cast<size_t>(bytes), &window, NCCL_WIN_COLL_SYMMETRIC),
+                       "CommWindowRegister");
+      !s.ok()) {
+    ncclMemFree(ptr);
+    return s;
+  }
+  windows_.emplace_back(ptr, window);
+  return at::from_blob(ptr, {bytes}, at::TensorOptions().dtype(at::kByte).device(at::kCUDA, device_));
+#else
+  return Communicator::AllocateSymmetric(bytes);
+#endif
 }
 
 Status NcclCommunicator::Track(const char* op, cudaStream_t stream, int64_t bytes) {

@@ -53,6 +53,9 @@ class NcclCommunicator : public Communicator {
   Status AllGather(const at::Tensor& input, at::Tensor& output) override;
   Status ReduceScatterSum(const at::Tensor& input, at::Tensor& output) override;
   Status Barrier() override;
+  // ncclMemAlloc'd and registered as a symmetric window (NCCL_WIN_COLL_SYMMETRIC); the communicator
+  // is made with the zero-CTA policy, so that all-gathers within such windows use the copy engines.
+  StatusOr<at::Tensor> AllocateSymmetric(int64_t bytes) override;
   // NCCL matches point-to-point messages in posting order per pair of ranks, not by tag: the
   // pipeline runtime on NCCL must post sends and receives of a pair in the same order (not yet
   // verified on a GPU host). Send is stream-ordered and returns at once; WaitSends synchronizes.
@@ -91,6 +94,9 @@ class NcclCommunicator : public Communicator {
   int device_;
   std::string group_;
   std::vector<at::Tensor> pending_;  // sent tensors kept alive until WaitSends
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+  std::vector<std::pair<void*, ncclWindow_t>> windows_;  // AllocateSymmetric's, freed with the communicator
+#endif
 };
 
 }  // namespace ltrain::worker

@@ -524,11 +524,12 @@ Status ParamStore::AwaitCompute(int u) {
 }
 
 void ParamStore::UpdateUnit(Unit& unit, const torch::Tensor& grad, const AdamWConfig& adamw, double lr, double b1,
-                            double b2, int64_t step, const torch::Tensor& divisor) {
+                            double b2, int64_t step, const torch::Tensor& divisor, const torch::Tensor& copy_into) {
   torch::Tensor param = OwnedParam(unit);
   const bool sharded = sharded_update();
-  // The kernel also writes the owned part of the bf16 copies (zero 0: all of them).
-  torch::Tensor copy = zero_ == 0 || sharded ? OwnedCompute(unit) : torch::Tensor();
+  // The kernel also writes the owned part of the bf16 copies (zero 0: all of them; zero 3: where
+  // the gather hands it `copy_into`).
+  torch::Tensor copy = copy_into.defined() ? copy_into : zero_ == 0 || sharded ? OwnedCompute(unit) : torch::Tensor();
   // One launch per run of adjacent parameters of one weight-decay class (a Llama layer: 4, not 9).
   int64_t run_at = 0, run_n = 0;
   bool run_decay = false;
@@ -555,11 +556,11 @@ bool ParamStore::can_defer_update() const {
 Status ParamStore::AwaitUpdates() {
   bool pending = false;
   for (Unit& unit : units_) {
-    std::function<void()> update = TakePendingUpdate(unit);
+    std::function<bool(const torch::Tensor&)> update = TakePendingUpdate(unit);
     if (!update) continue;
     pending = true;
     queue_->Enqueue([update]() {
-      update();
+      update(torch::Tensor());
       return Status::Ok();
     });
   }
@@ -568,27 +569,28 @@ Status ParamStore::AwaitUpdates() {
   return Status::Ok();
 }
 
-void ParamStore::ApplyDeferred(Unit& unit, const torch::Tensor& grad, const DeferredUpdate& u) {
+bool ParamStore::ApplyDeferred(Unit& unit, const torch::Tensor& grad, const DeferredUpdate& u, const torch::Tensor& copy) {
   torch::NoGradGuard no_grad;
   if (u.own_kernel) {
-    UpdateUnit(unit, grad, adamw_, u.lr, adamw_.beta1, adamw_.beta2, u.step, u.divisor);
-  } else {
-    UpdateComposite({{&unit, grad}}, u);
+    UpdateUnit(unit, grad, adamw_, u.lr, adamw_.beta1, adamw_.beta2, u.step, u.divisor, copy);
+    return copy.defined();
   }
+  UpdateComposite({{&unit, grad}}, u);
+  return false;
 }
 
-std::function<void()> ParamStore::TakePendingUpdate(Unit& unit) {
+std::function<bool(const torch::Tensor&)> ParamStore::TakePendingUpdate(Unit& unit) {
   if (!unit.update_pending) return {};
   unit.update_pending = false;
   torch::Tensor grad = std::move(unit.pending_grad);  // leaves the unit's undefined
   Unit* target = &unit;
   const DeferredUpdate u = deferred_;
-  return [this, target, grad, u]() {
+  return [this, target, grad, u](const torch::Tensor& copy) {
     // Read on this stream, allocated on the computation's: the allocator must not hand the memory
     // on before this stream is done with it.
     compat::RecordCurrentStream(grad);
     if (u.divisor.defined()) compat::RecordCurrentStream(u.divisor);
-    ApplyDeferred(*target, grad, u);
+    return ApplyDeferred(*target, grad, u, copy);
   };
 }
 
@@ -736,22 +738,39 @@ void ParamStore::Prefetch(int u) {
   Unit& unit = units_[u];
   if (unit.gathered || unit.gather_job != 0) return;
   // The last step's update of this unit, where it was left to this gather: first, on the same stream.
-  std::function<void()> update = TakePendingUpdate(unit);
+  std::function<bool(const torch::Tensor&)> update = TakePendingUpdate(unit);
   if (!unit.compute.defined()) {
-    unit.gather_job = GatherFp32(unit, update);
+    unit.gather_job = GatherFp32(unit, update ? [update]() { update(torch::Tensor()); } : std::function<void()>());
     return;
   }
   Communicator* comm = dp_;
   torch::Tensor shard = unit.shard;
-  // bf16 copies: the fp32 shard cast, then every rank's cast gathered (half the traffic of the fp32
-  // values). Not cast in place into the copy: that would count as a change of the leaves, which
-  // share the copy's version counter, and autograd would refuse the values saved for backward.
+  // bf16 copies, gathered in place: this rank's part of the copy is written first (by the pending
+  // update's kernel, which reads the fp32 shard anyway, else cast from the shard), then every
+  // rank's part gathered around it (half the traffic of the fp32 values). Written through a tensor
+  // of its own over the copy's memory: a write through the copy itself would count as a change of
+  // the leaves, which share its version counter, and autograd would refuse the values saved for
+  // backward.
   torch::Tensor all = unit.compute;
-  compat::ResizeStorage(all, static_cast<size_t>(unit.layout.padded) * all.element_size());
-  unit.gather_job = queue_->Enqueue([comm, shard, all, update]() mutable {
+  const size_t bytes = static_cast<size_t>(unit.layout.padded) * all.element_size();
+  if (Status s = TakeSlot(u, bytes); !s.ok()) {
+    unit.gather_job = queue_->Enqueue([s]() { return s; });  // Gather returns it
+    return;
+  }
+  if (unit.slot < 0) compat::ResizeStorage(all, bytes);
+  const Range own = Owned(unit);
+  const int64_t numel = unit.layout.numel;
+  unit.gather_job = queue_->Enqueue([comm, shard, all, own, numel, update]() mutable {
     torch::NoGradGuard no_grad;
-    if (update) update();
-    return comm->AllGather(shard.to(all.scalar_type()), all);
+    torch::Tensor mine = torch::from_blob(static_cast<char*>(all.data_ptr()) + own.begin * all.element_size(),
+                                          {own.size()}, all.options());
+    if (update && update(mine)) {
+      // The kernel wrote the parameters' elements; the padding past them is not theirs.
+      if (own.end > numel) mine.narrow(0, std::max<int64_t>(numel - own.begin, 0), own.end - std::max(numel, own.begin)).zero_();
+    } else {
+      mine.copy_(shard);
+    }
+    return comm->AllGather(mine, all);
   });
 }
 
@@ -762,8 +781,55 @@ void ParamStore::Release(int u) {
     (void)queue_->Wait(unit.gather_job);  // an error resurfaces at the next wait
     unit.gather_job = 0;
   }
-  compat::ResizeStorage(unit.compute.defined() ? unit.compute : unit.full, 0);
+  if (unit.slot >= 0) {
+    compat::PointStorage(unit.compute, nullptr, 0);
+    slots_[unit.slot].unit = -1;
+    unit.slot = -1;
+  } else {
+    compat::ResizeStorage(unit.compute.defined() ? unit.compute : unit.full, 0);
+  }
   unit.gathered = false;
+}
+
+bool ParamStore::UseSymmetricGathers() {
+  symmetric_gathers_ = zero_ == 3 && dp_->size() > 1 && dp_->backend() == "nccl" && !units_.empty() &&
+                       units_.front().compute.defined();
+  return symmetric_gathers_;
+}
+
+int64_t ParamStore::symmetric_bytes() const {
+  int64_t bytes = 0;
+  for (const Slot& slot : slots_) bytes += slot.memory.numel();
+  return bytes;
+}
+
+Status ParamStore::TakeSlot(int u, size_t bytes) {
+  if (!symmetric_gathers_) return Status::Ok();
+  Unit& unit = units_[u];
+  // The smallest free slot that fits without wasting more than half of it; every rank takes the
+  // same one (the same calls in the same order), so that the unit sits at the same offsets on every rank.
+  int best = -1;
+  for (size_t k = 0; k < slots_.size(); ++k) {
+    const size_t size = static_cast<size_t>(slots_[k].memory.numel());
+    if (slots_[k].unit >= 0 || size < bytes || size > 2 * bytes) continue;
+    if (best < 0 || size < static_cast<size_t>(slots_[best].memory.numel())) best = static_cast<int>(k);
+  }
+  if (best < 0) {
+    // A new slot, in the collectives' order (its registration is a collective of the dp group).
+    torch::Tensor memory;
+    Communicator* comm = dp_;
+    const int64_t n = static_cast<int64_t>(bytes);
+    LTRAIN_RETURN_IF_ERROR(queue_->Wait(queue_->Enqueue([comm, n, &memory]() {
+      LTRAIN_ASSIGN_OR_RETURN(memory, comm->AllocateSymmetric(n));
+      return Status::Ok();
+    })));
+    slots_.push_back(Slot{memory, -1});
+    best = static_cast<int>(slots_.size()) - 1;
+  }
+  slots_[best].unit = u;
+  unit.slot = best;
+  compat::PointStorage(unit.compute, slots_[best].memory.data_ptr(), bytes);
+  return Status::Ok();
 }
 
 void ParamStore::PrepareGradients(int u) {

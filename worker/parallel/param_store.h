@@ -205,6 +205,13 @@ class ParamStore {
   // With bf16 copies these are apart from the copies Gather makes; without, the same as Gather.
   Status GatherMasterUnit(int u);
   void ReleaseMasterUnit(int u);
+  // zero 3 with bf16 copies over more than one NCCL rank: each unit is gathered into a slot of
+  // memory the dp ranks write into directly (Communicator::AllocateSymmetric), kept from step to
+  // step and reused by the units in turn, so that the all-gathers run on the copy engines and leave
+  // the SMs to the computation. Returns whether it applies. Slots are made as the first step needs
+  // them (as many as units are gathered at once); symmetric_bytes() is their total.
+  bool UseSymmetricGathers();
+  int64_t symmetric_bytes() const;
   int zero() const { return zero_; }
   int units() const { return static_cast<int>(units_.size()); }
 
@@ -282,6 +289,11 @@ class ParamStore {
     // gather, on the gradients kept here.
     bool update_pending = false;
     torch::Tensor pending_grad;
+    int slot = -1;  // UseSymmetricGathers: the slot its bf16 copy is gathered into while gathered
+  };
+  struct Slot {
+    torch::Tensor memory;  // uint8, symmetric over the dp ranks
+    int unit = -1;         // the unit in it; -1 when free
   };
 
   // What a zero-3 update left to each unit's next gather needs of its step.
@@ -298,16 +310,19 @@ class ParamStore {
   // AdamW on the owned elements of `units` with their gradients, where our kernel does not serve:
   // one fused LibTorch kernel per weight-decay class on CUDA, torch::optim::AdamW's arithmetic on the CPU.
   void UpdateComposite(const std::vector<std::pair<Unit*, torch::Tensor>>& units, const DeferredUpdate& u);
-  // Applies `u` to `unit`, whose gradient shard is `grad` (zero 3, deferred; on the calling thread's stream).
-  void ApplyDeferred(Unit& unit, const torch::Tensor& grad, const DeferredUpdate& u);
-  // The unit's pending update as a job's first part (empty where none), which the unit then no longer holds.
-  std::function<void()> TakePendingUpdate(Unit& unit);
+  // Applies `u` to `unit`, whose gradient shard is `grad` (zero 3, deferred; on the calling thread's
+  // stream). Where `copy` is defined (the owned part of the unit's bf16 copy) and our kernel runs, it
+  // also writes the updated values there in bf16: returns whether it did.
+  bool ApplyDeferred(Unit& unit, const torch::Tensor& grad, const DeferredUpdate& u, const torch::Tensor& copy);
+  // The unit's pending update as a job's first part (empty where none), which the unit then no longer
+  // holds; called with ApplyDeferred's `copy`, it returns whether it wrote it.
+  std::function<bool(const torch::Tensor&)> TakePendingUpdate(Unit& unit);
   // bf16_compute: the leaves' bf16 copies take the masters' values.
   void RefreshCompute();
   // Our AdamW kernel over the unit's owned elements (one launch per run of adjacent parameters of one
   // weight-decay class), writing the bf16 copies where they are kept.
   void UpdateUnit(Unit& unit, const torch::Tensor& grad, const AdamWConfig& adamw, double lr, double b1, double b2,
-                  int64_t step, const torch::Tensor& divisor);
+                  int64_t step, const torch::Tensor& divisor, const torch::Tensor& copy_into = {});
   // zero < 2: zeroes the unit's gradients (`zero`) except those only the products write, which go to
   // `stale` (when not null) for MarkGradientsStale.
   void ZeroUnitGrads(Unit& unit, bool zero, std::vector<torch::Tensor>* stale);
@@ -339,6 +354,11 @@ class ParamStore {
   bool one_backward_ = false;  // ZeroGrads(one_backward) of this step
   bool masters_stale_ = false;  // ShardedUpdate: the masters outside the owned shard lag behind
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // keeps the hooks alive
+  // UseSymmetricGathers: points unit `u`'s bf16 copy at a free slot of `bytes` or more, making one
+  // where none fits. A no-op otherwise.
+  Status TakeSlot(int u, size_t bytes);
+  bool symmetric_gathers_ = false;
+  std::vector<Slot> slots_;
   std::unique_ptr<ReductionQueue> queue_;
   std::unique_ptr<ReductionQueue> update_queue_;  // deferred updates: a thread and a stream of their own
   torch::Tensor update_divisor_;                   // kept alive while deferred updates read it

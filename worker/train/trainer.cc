@@ -309,7 +309,10 @@ Status Trainer::Init() {
                          /*exclusive_collectives=*/device_.is_cuda() && (layout_.tp > 1 || layout_.pp > 1));
   if (!store.ok()) return store.status();
   store_ = std::move(store).value();
-  if (layout_.zero == 3) model_->set_hooks(Zero3GatherHooks(store_.get(), params, units, ml.config.layers));
+  if (layout_.zero == 3) {
+    model_->set_hooks(Zero3GatherHooks(store_.get(), params, units, ml.config.layers));
+    if (options_.copy_engine_gathers) store_->UseSymmetricGathers();
+  }
   if (store_->sharded_update() || (options_.overlap_update && layout_.pp == 1 && store_->can_defer_update())) {
     model_->set_hooks(AwaitComputeCopiesHooks(store_.get(), params));
     defer_compute_ = true;
@@ -1382,6 +1385,11 @@ Status Trainer::LoadInitialParameters(const std::string& path) {
   return Status::Ok();
 }
 
+int64_t Trainer::PeakDeviceBytes() const {
+  // The allocator's peak, and the symmetric memory ZeRO-3 gathers into, which it does not see.
+  return compat::PeakDeviceBytes(device_) + (store_ ? store_->symmetric_bytes() : 0);
+}
+
 int64_t Trainer::FullModelParameters() const { return ModelParameterCount(model_->spec().config); }
 
 void Trainer::PrintThroughput(int64_t first_step, int64_t steps, double total_ms) const {
@@ -1397,7 +1405,7 @@ void Trainer::PrintThroughput(int64_t first_step, int64_t steps, double total_ms
   if (device_.is_cuda()) {
     // MFU against the H100's dense bf16 peak (989 TFLOP/s), as the peers report it.
     std::printf(" mfu %.1f%% peak_mem_gib %.1f", 100.0 * tflops * 1e12 / kGpuPeakFlops,
-                static_cast<double>(compat::PeakDeviceBytes(device_)) / (1024.0 * 1024.0 * 1024.0));
+                static_cast<double>(PeakDeviceBytes()) / (1024.0 * 1024.0 * 1024.0));
   }
   std::printf("\n");
   std::fflush(stdout);
@@ -1446,7 +1454,7 @@ Status Trainer::Run() {
     }
     if (device_.is_cuda()) {
       figures.mfu = figures.tokens_per_s / layout_.world_size * flops_per_token / kGpuPeakFlops;
-      figures.memory_bytes = compat::PeakDeviceBytes(device_);
+      figures.memory_bytes = PeakDeviceBytes();
     } else {
       const MemoryBytes mem = store_->Memory();
       figures.memory_bytes = mem.params + mem.grads + mem.optimizer + activations_peak_;

@@ -77,6 +77,9 @@ struct TrainerOptions {
   // the next forward, which waits for it just before the unit; zero 3: each unit's update runs in
   // its gather before the next forward uses it (LTRAIN_OVERLAP_UPDATE=0: inline).
   bool overlap_update = true;
+  // zero 3 with bf16 copies over NCCL: the units' all-gathers into symmetric memory, on the copy
+  // engines (ParamStore::UseSymmetricGathers; LTRAIN_COPY_ENGINE_GATHERS=0: NCCL's kernels).
+  bool copy_engine_gathers = true;
   // The model without training data (export, generate): Run, Step and Save are not called.
   bool model_only = false;
   // Delivers this rank's Progress to its agent before it returns (ProgressReporter::Flush). Rank 0
@@ -160,6 +163,8 @@ class Trainer {
   std::string LayoutKey() const;
   // Parameters of the whole model (every tp and pp part, the tied embedding once).
   int64_t FullModelParameters() const;
+  // Peak device memory on CUDA: the caching allocator's, plus ZeRO-3's symmetric gather slots.
+  int64_t PeakDeviceBytes() const;
   // Rank 0's summary of the timed steps: tokens/s, per device, TFLOP/s, MFU and peak memory on CUDA.
   void PrintThroughput(int64_t first_step, int64_t steps, double total_ms) const;
   // Snapshots this step and starts its save (async) or writes and commits it (sync). A failed save
