@@ -304,8 +304,11 @@ Status Trainer::Init() {
   adamw.weight_decay = t.weight_decay;
   adamw.beta1 = t.beta1;
   adamw.beta2 = t.beta2;
+  // ZeRO-1 or 2 over one data-parallel rank shards nothing: the store runs as zero 0 (on CUDA its
+  // update then runs beside the next forward, and writes the bf16 copies in the same pass).
+  const int store_zero = layout_.dp == 1 && layout_.zero < 3 ? 0 : layout_.zero;
   StatusOr<std::unique_ptr<ParamStore>> store =
-      ParamStore::Create(store_params, units, layout_.zero, groups_->dp, adamw, bf16_params_,
+      ParamStore::Create(store_params, units, store_zero, groups_->dp, adamw, bf16_params_,
                          /*exclusive_collectives=*/device_.is_cuda() && (layout_.tp > 1 || layout_.pp > 1));
   if (!store.ok()) return store.status();
   store_ = std::move(store).value();
