@@ -1,6 +1,7 @@
 #include "worker/parallel/param_store.h"
 
 #include <cmath>
+#include <cstdio>
 #include <exception>
 
 #include <ATen/ops/_foreach_norm.h>
@@ -819,10 +820,24 @@ Status ParamStore::TakeSlot(int u, size_t bytes) {
     torch::Tensor memory;
     Communicator* comm = dp_;
     const int64_t n = static_cast<int64_t>(bytes);
-    LTRAIN_RETURN_IF_ERROR(queue_->Wait(queue_->Enqueue([comm, n, &memory]() {
-      LTRAIN_ASSIGN_OR_RETURN(memory, comm->AllocateSymmetric(n));
+    Status made;  // apart from the queue's status, which would keep the error for every later wait
+    LTRAIN_RETURN_IF_ERROR(queue_->Wait(queue_->Enqueue([comm, n, &memory, &made]() {
+      StatusOr<torch::Tensor> m = comm->AllocateSymmetric(n);
+      if (m.ok()) {
+        memory = std::move(m).value();
+      } else {
+        made = m.status();
+      }
       return Status::Ok();
     })));
+    if (!made.ok()) {
+      // Where NCCL cannot make such memory (on every rank alike), the units gather into the
+      // allocator's memory with NCCL's kernels, as with LTRAIN_COPY_ENGINE_GATHERS=0.
+      std::fprintf(stderr, "ltrain-worker: warning: ZeRO-3 gathers with NCCL's kernels, not the copy engines: %s\n",
+                   made.message().c_str());
+      symmetric_gathers_ = false;
+      return Status::Ok();
+    }
     slots_.push_back(Slot{memory, -1});
     best = static_cast<int>(slots_.size()) - 1;
   }
