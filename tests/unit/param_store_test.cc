@@ -227,6 +227,131 @@ TEST(ParamStoreTest, Zero3WithBf16CopiesTrainsAsZero1OnTwoRanks) {
   EXPECT_FALSE(torch::equal(z3_masters[0], torch::cat({start.w.reshape(-1), start.b.reshape(-1)})));
 }
 
+// A Gloo group that also hands out memory "every rank writes into directly" (host memory here; on
+// GPUs NCCL's symmetric windows), or fails to make it, as NCCL can.
+class SymmetricGloo : public Communicator {
+ public:
+  SymmetricGloo(std::unique_ptr<Communicator> inner, bool fail) : inner_(std::move(inner)), fail_(fail) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  std::string backend() const override { return inner_->backend(); }
+  Status AllReduceSum(at::Tensor& t) override { return inner_->AllReduceSum(t); }
+  Status AllReduceMean(at::Tensor& t) override { return inner_->AllReduceMean(t); }
+  Status Broadcast(at::Tensor& t, int root) override { return inner_->Broadcast(t, root); }
+  Status AllGather(const at::Tensor& in, at::Tensor& out) override { return inner_->AllGather(in, out); }
+  Status ReduceScatterSum(const at::Tensor& in, at::Tensor& out) override { return inner_->ReduceScatterSum(in, out); }
+  Status ReduceScatterMean(const at::Tensor& in, at::Tensor& out) override { return inner_->ReduceScatterMean(in, out); }
+  Status Barrier() override { return inner_->Barrier(); }
+  Status Send(const at::Tensor& t, int dst, uint32_t tag) override { return inner_->Send(t, dst, tag); }
+  Status Recv(at::Tensor& t, int src, uint32_t tag) override { return inner_->Recv(t, src, tag); }
+  Status WaitSends() override { return inner_->WaitSends(); }
+  StatusOr<at::Tensor> AllocateSymmetric(int64_t bytes) override {
+    if (fail_) return Internal("ncclCommWindowRegister: unhandled cuda error");
+    memory_.push_back(torch::zeros({bytes}, torch::kByte));
+    return memory_.back();
+  }
+  bool Holds(const void* p) const {
+    for (const at::Tensor& m : memory_) {
+      const auto* begin = static_cast<const uint8_t*>(m.data_ptr());
+      if (p >= begin && p < begin + m.numel()) return true;
+    }
+    return false;
+  }
+
+ private:
+  std::unique_ptr<Communicator> inner_;
+  bool fail_;
+  std::vector<at::Tensor> memory_;
+};
+
+// ZeRO-3 gathering each unit's bf16 copy in place into slots of such memory trains as gathering into
+// the allocator's memory does; the slots are reused from step to step; where the memory cannot be
+// made, the units gather into the allocator's memory.
+TEST(ParamStoreTest, Zero3GathersIntoReusedSlotsAsIntoTheAllocatorsMemory) {
+  for (const bool fail : {false, true}) {
+    gloo::rendezvous::HashStore rendezvous_slots, rendezvous_plain;
+    std::vector<std::string> failures(2);
+    std::vector<torch::Tensor> slots_w(2), plain_w(2), slots_masters(2), plain_masters(2);
+    std::vector<int64_t> bytes_first(2), bytes_last(2), bytes_end(2);
+    std::vector<int> inside(2);
+    const Leaves start = MakeLeaves();
+    const RankGrads grads = DrawRankGrads(2, 3);
+    auto rank_main = [&](int rank) {
+      auto comm_slots = GlooCommunicator::Create(rendezvous_slots, rank, 2, "127.0.0.1", std::chrono::seconds(20));
+      auto comm_plain = GlooCommunicator::Create(rendezvous_plain, rank, 2, "127.0.0.1", std::chrono::seconds(20));
+      if (!comm_slots.ok() || !comm_plain.ok()) {
+        failures[rank] = "no communicator";
+        return;
+      }
+      SymmetricGloo symmetric(std::move(comm_slots).value(), fail);
+      Leaves a = CopyOf(start), b = CopyOf(start);
+      // Two units (w, then b), so that two slots of different sizes exist once both are gathered.
+      std::vector<ParamStore::Param> pa = {{&a.w, true, true}, {&a.b, false, true}};
+      std::vector<ParamStore::Param> pb = {{&b.w, true, true}, {&b.b, false, true}};
+      auto made_slots = ParamStore::Create(pa, {{0}, {1}}, 3, &symmetric, AdamWConfig{}, /*bf16_compute=*/true);
+      auto made_plain = ParamStore::Create(pb, {{0}, {1}}, 3, comm_plain->get(), AdamWConfig{}, /*bf16_compute=*/true);
+      if (!made_slots.ok() || !made_plain.ok()) {
+        failures[rank] = "no store";
+        return;
+      }
+      std::unique_ptr<ParamStore> slots = std::move(made_slots).value(), plain = std::move(made_plain).value();
+      if (!slots->UseSymmetricGathers()) failures[rank] = "UseSymmetricGathers: false";
+      for (int64_t step = 1; step <= 3; ++step) {
+        const auto& [gw, gb] = grads[rank][step - 1];
+        for (ParamStore* s : {slots.get(), plain.get()}) {
+          s->ZeroGrads();  // gathers the forward's first unit (b)
+          s->ArmHooks(true);
+          s->PrepareGradients(0);
+          s->PrepareGradients(1);
+        }
+        SetGrads(a, gw, gb);
+        SetGrads(b, gw, gb);
+        for (ParamStore* s : {slots.get(), plain.get()}) {
+          if (Status st = s->ReduceAll(); !st.ok()) failures[rank] = st.ToString();
+          if (Status st = s->OptimizerStep(1e-2, 1.0, step); !st.ok()) failures[rank] = st.ToString();
+        }
+        if (step == 1) bytes_first[rank] = slots->symmetric_bytes();
+        if (step == 3) bytes_last[rank] = slots->symmetric_bytes();
+      }
+      for (ParamStore* s : {slots.get(), plain.get()}) {
+        for (int u : {0, 1}) {
+          if (Status st = s->Gather(u); !st.ok()) failures[rank] = st.ToString();
+        }
+      }
+      bytes_end[rank] = slots->symmetric_bytes();
+      inside[rank] = symmetric.Holds(a.w.data_ptr()) && symmetric.Holds(a.b.data_ptr());
+      slots_w[rank] = torch::cat({a.w.detach().reshape(-1), a.b.detach().reshape(-1)});
+      plain_w[rank] = torch::cat({b.w.detach().reshape(-1), b.b.detach().reshape(-1)});
+      for (auto [s, out] : {std::pair{slots.get(), &slots_masters}, std::pair{plain.get(), &plain_masters}}) {
+        for (int u : {0, 1}) {
+          s->Release(u);
+          if (Status st = s->GatherMasterUnit(u); !st.ok()) failures[rank] = st.ToString();
+        }
+        (*out)[rank] = torch::cat({s->MasterValue(0).reshape(-1), s->MasterValue(1).reshape(-1)});
+      }
+    };
+    std::thread r0(rank_main, 0), r1(rank_main, 1);
+    r0.join();
+    r1.join();
+    for (int r = 0; r < 2; ++r) {
+      ASSERT_EQ(failures[r], "") << "rank " << r;
+      EXPECT_TRUE(torch::equal(slots_w[r], plain_w[r])) << "rank " << r << ": the gathered bf16 copies";
+      EXPECT_TRUE(torch::equal(slots_masters[r], plain_masters[r])) << "rank " << r << ": the masters";
+      if (fail) {
+        EXPECT_EQ(bytes_end[r], 0) << "rank " << r;
+        EXPECT_FALSE(inside[r]) << "rank " << r;
+      } else {
+        // One slot for b during the steps (8 bytes), kept; w's (24 bytes) once both are gathered.
+        EXPECT_EQ(bytes_first[r], 8) << "rank " << r;
+        EXPECT_EQ(bytes_last[r], 8) << "rank " << r << ": a slot was not reused";
+        EXPECT_EQ(bytes_end[r], 32) << "rank " << r;
+        EXPECT_TRUE(inside[r]) << "rank " << r << ": the leaves are not in the slots";
+      }
+    }
+    EXPECT_FALSE(torch::equal(slots_masters[0], torch::cat({start.w.reshape(-1), start.b.reshape(-1)})));
+  }
+}
+
 // Where other communicators run collectives while the data-parallel ones would be in flight (tensor
 // or pipeline parallel on GPUs), the data-parallel collectives are issued by the thread that asks
 // for them (here the one running backward, whose hooks launch the reductions), in its order;

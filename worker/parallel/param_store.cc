@@ -793,8 +793,7 @@ void ParamStore::Release(int u) {
 }
 
 bool ParamStore::UseSymmetricGathers() {
-  symmetric_gathers_ = zero_ == 3 && dp_->size() > 1 && dp_->backend() == "nccl" && !units_.empty() &&
-                       units_.front().compute.defined();
+  symmetric_gathers_ = zero_ == 3 && dp_->size() > 1 && !units_.empty() && units_.front().compute.defined();
   return symmetric_gathers_;
 }
 
@@ -831,10 +830,12 @@ Status ParamStore::TakeSlot(int u, size_t bytes) {
       return Status::Ok();
     })));
     if (!made.ok()) {
-      // Where NCCL cannot make such memory (on every rank alike), the units gather into the
-      // allocator's memory with NCCL's kernels, as with LTRAIN_COPY_ENGINE_GATHERS=0.
-      std::fprintf(stderr, "ltrain-worker: warning: ZeRO-3 gathers with NCCL's kernels, not the copy engines: %s\n",
-                   made.message().c_str());
+      // Where the backend has no such memory (Gloo), or NCCL cannot make it (on every rank alike),
+      // the units gather into the allocator's memory, as with LTRAIN_COPY_ENGINE_GATHERS=0.
+      if (made.code() != StatusCode::kFailedPrecondition) {
+        std::fprintf(stderr, "ltrain-worker: warning: ZeRO-3 gathers with NCCL's kernels, not the copy engines: %s\n",
+                     made.message().c_str());
+      }
       symmetric_gathers_ = false;
       return Status::Ok();
     }

@@ -205,11 +205,12 @@ class ParamStore {
   // With bf16 copies these are apart from the copies Gather makes; without, the same as Gather.
   Status GatherMasterUnit(int u);
   void ReleaseMasterUnit(int u);
-  // zero 3 with bf16 copies over more than one NCCL rank: each unit is gathered into a slot of
-  // memory the dp ranks write into directly (Communicator::AllocateSymmetric), kept from step to
-  // step and reused by the units in turn, so that the all-gathers run on the copy engines and leave
-  // the SMs to the computation. Returns whether it applies. Slots are made as the first step needs
-  // them (as many as units are gathered at once); symmetric_bytes() is their total.
+  // zero 3 with bf16 copies over more than one rank: each unit is gathered into a slot of memory the
+  // dp ranks write into directly (Communicator::AllocateSymmetric), kept from step to step and
+  // reused by the units in turn, so that the all-gathers run on the copy engines and leave the SMs
+  // to the computation. Returns whether it applies. Slots are made as the first step needs them (as
+  // many as units are gathered at once); symmetric_bytes() is their total. Where the communicator
+  // has no such memory the units gather as without this call (warning where NCCL fails to make it).
   bool UseSymmetricGathers();
   int64_t symmetric_bytes() const;
   int zero() const { return zero_; }
