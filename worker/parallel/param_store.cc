@@ -397,7 +397,8 @@ void ParamStore::Launch(int u) {
     queue_->Enqueue([comm, flat, shard, n, dp, add]() mutable {
       torch::NoGradGuard no_grad;
       compat::RecordCurrentStream(flat);
-      torch::Tensor mine = torch::empty({n}, flat.options());
+      // In place, into this rank's chunk of the buffer: no memory of its own.
+      torch::Tensor mine = flat.narrow(0, comm->rank() * n, n);
       LTRAIN_RETURN_IF_ERROR(comm->ReduceScatterSum(flat, mine));
       if (add) {
         shard.add_(mine, 1.0 / dp);
