@@ -105,37 +105,94 @@ TEST(ParamStoreTest, Bf16CopiesFollowFp32MastersThatLearnAsAnFp32Store) {
 // Two real ranks (threads over Gloo): zero 1 with bf16 copies reduce-scatters the gradients, updates
 // its shard of the masters and all-gathers the bf16 copies; it must train exactly as zero 0 does
 // (all-reduce, full update), its masters must match once synchronized, and so must a checkpoint.
+// A Gloo group that also hands out memory "every rank writes into directly" (host memory here; on
+// GPUs NCCL's symmetric windows), or fails to make it, as NCCL can.
+class SymmetricGloo : public Communicator {
+ public:
+  SymmetricGloo(std::unique_ptr<Communicator> inner, bool fail) : inner_(std::move(inner)), fail_(fail) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  std::string backend() const override { return inner_->backend(); }
+  Status AllReduceSum(at::Tensor& t) override { return inner_->AllReduceSum(t); }
+  Status AllReduceMean(at::Tensor& t) override { return inner_->AllReduceMean(t); }
+  Status Broadcast(at::Tensor& t, int root) override { return inner_->Broadcast(t, root); }
+  Status AllGather(const at::Tensor& in, at::Tensor& out) override { return inner_->AllGather(in, out); }
+  Status ReduceScatterSum(const at::Tensor& in, at::Tensor& out) override { return inner_->ReduceScatterSum(in, out); }
+  Status ReduceScatterMean(const at::Tensor& in, at::Tensor& out) override { return inner_->ReduceScatterMean(in, out); }
+  Status Barrier() override { return inner_->Barrier(); }
+  Status Send(const at::Tensor& t, int dst, uint32_t tag) override { return inner_->Send(t, dst, tag); }
+  Status Recv(at::Tensor& t, int src, uint32_t tag) override { return inner_->Recv(t, src, tag); }
+  Status WaitSends() override { return inner_->WaitSends(); }
+  StatusOr<at::Tensor> AllocateSymmetric(int64_t bytes) override {
+    if (fail_) return Internal("ncclCommWindowRegister: unhandled cuda error");
+    memory_.push_back(torch::zeros({bytes}, torch::kByte));
+    return memory_.back();
+  }
+  bool Holds(const void* p) const {
+    for (const at::Tensor& m : memory_) {
+      const auto* begin = static_cast<const uint8_t*>(m.data_ptr());
+      if (p >= begin && p < begin + m.numel()) return true;
+    }
+    return false;
+  }
+
+ private:
+  std::unique_ptr<Communicator> inner_;
+  bool fail_;
+  std::vector<at::Tensor> memory_;
+};
+
+// ZeRO-1's sharded update trains as zero 0, also with its bf16 copies moved into memory every rank
+// writes into directly (UseSymmetricGathers: on GPUs, so that their all-gathers run on the copy
+// engines).
 TEST(ParamStoreTest, ShardedZero1UpdateTrainsAsZero0OnTwoRanks) {
-  gloo::rendezvous::HashStore rendezvous_sharded, rendezvous_plain;
+  gloo::rendezvous::HashStore rendezvous_sharded, rendezvous_plain, rendezvous_symmetric;
   std::vector<std::string> failures(2);
   std::vector<torch::Tensor> sharded_w(2), plain_w(2), sharded_masters(2), plain_masters(2), sharded_model(2),
-      sharded_range(2);
+      sharded_range(2), symmetric_w(2), symmetric_masters(2);
+  std::vector<int64_t> symmetric_bytes(2);
+  std::vector<int> inside(2);
   const Leaves start = MakeLeaves();
   const RankGrads grads = DrawRankGrads(2, 3);
   auto rank_main = [&](int rank) {
     auto comm_sharded = GlooCommunicator::Create(rendezvous_sharded, rank, 2, "127.0.0.1", std::chrono::seconds(20));
     auto comm_plain = GlooCommunicator::Create(rendezvous_plain, rank, 2, "127.0.0.1", std::chrono::seconds(20));
-    if (!comm_sharded.ok() || !comm_plain.ok()) {
+    auto comm_symmetric = GlooCommunicator::Create(rendezvous_symmetric, rank, 2, "127.0.0.1", std::chrono::seconds(20));
+    if (!comm_sharded.ok() || !comm_plain.ok() || !comm_symmetric.ok()) {
       failures[rank] = "no communicator";
       return;
     }
-    Leaves a = CopyOf(start), b = CopyOf(start);
+    SymmetricGloo symmetric_comm(std::move(comm_symmetric).value(), /*fail=*/false);
+    Leaves a = CopyOf(start), b = CopyOf(start), c = CopyOf(start);
     std::unique_ptr<ParamStore> sharded = MakeStore(a, /*zero=*/1, comm_sharded->get(), /*bf16=*/true);
     std::unique_ptr<ParamStore> plain = MakeStore(b, /*zero=*/0, comm_plain->get(), /*bf16=*/true);
+    std::unique_ptr<ParamStore> symmetric = MakeStore(c, /*zero=*/1, &symmetric_comm, /*bf16=*/true);
+    if (!symmetric->UseSymmetricGathers()) failures[rank] = "UseSymmetricGathers: false";
+    if (!torch::equal(c.w.detach(), start.w.detach().to(torch::kBFloat16)) ||
+        !torch::equal(c.b.detach(), start.b.detach().to(torch::kBFloat16))) {
+      failures[rank] = "the bf16 copies lost their values moving into symmetric memory";
+    }
     for (int64_t step = 1; step <= 3; ++step) {
-      sharded->ZeroGrads();
-      plain->ZeroGrads();
+      for (ParamStore* s : {sharded.get(), plain.get(), symmetric.get()}) s->ZeroGrads();
       const auto& [gw, gb] = grads[rank][step - 1];
       SetGrads(a, gw, gb);
       SetGrads(b, gw, gb);
-      for (ParamStore* s : {sharded.get(), plain.get()}) {
+      SetGrads(c, gw, gb);
+      for (ParamStore* s : {sharded.get(), plain.get(), symmetric.get()}) {
         if (Status st = s->ReduceAll(); !st.ok()) failures[rank] = st.ToString();
         // The sharded store leaves its copies' gathers in flight, as the trainer does.
         if (Status st = s->OptimizerStep(1e-2, 1.0, step, {}, /*defer_compute=*/true); !st.ok()) failures[rank] = st.ToString();
       }
     }
     if (!sharded->sharded_update() || plain->sharded_update()) failures[rank] = "sharded_update() is wrong";
-    if (Status st = sharded->AwaitCompute(0); !st.ok()) failures[rank] = st.ToString();
+    for (ParamStore* s : {sharded.get(), symmetric.get()}) {
+      if (Status st = s->AwaitCompute(0); !st.ok()) failures[rank] = st.ToString();
+    }
+    symmetric_w[rank] = c.w.detach().clone();
+    inside[rank] = symmetric_comm.Holds(c.w.data_ptr()) && symmetric_comm.Holds(c.b.data_ptr());
+    symmetric_bytes[rank] = symmetric->symmetric_bytes();
+    if (Status st = symmetric->SyncMasters(); !st.ok()) failures[rank] = st.ToString();
+    symmetric_masters[rank] = torch::cat({symmetric->MasterValue(0).reshape(-1), symmetric->MasterValue(1).reshape(-1)});
     sharded_w[rank] = a.w.detach().clone();
     plain_w[rank] = b.w.detach().clone();
     if (Status st = sharded->SyncMasters(); !st.ok()) failures[rank] = st.ToString();
@@ -154,6 +211,10 @@ TEST(ParamStoreTest, ShardedZero1UpdateTrainsAsZero0OnTwoRanks) {
     ASSERT_EQ(failures[r], "") << "rank " << r;
     EXPECT_TRUE(torch::equal(sharded_w[r], plain_w[r])) << "rank " << r << ": the bf16 copies";
     EXPECT_TRUE(torch::equal(sharded_masters[r], plain_masters[r])) << "rank " << r << ": the masters";
+    EXPECT_TRUE(torch::equal(symmetric_w[r], plain_w[r])) << "rank " << r << ": the bf16 copies in symmetric memory";
+    EXPECT_TRUE(torch::equal(symmetric_masters[r], plain_masters[r])) << "rank " << r << ": the masters beside them";
+    EXPECT_TRUE(inside[r]) << "rank " << r << ": the leaves are not in the symmetric memory";
+    EXPECT_EQ(symmetric_bytes[r], 512) << "rank " << r << ": one unit of 16 bf16 values, at 512-byte alignment";
     // Each rank saves its shard of the masters; together they cover w (12 elements) once.
     const int64_t begin = sharded_range[r][0].item<int64_t>(), end = sharded_range[r][1].item<int64_t>();
     EXPECT_TRUE(torch::equal(sharded_model[r], plain_masters[r].narrow(0, begin, end - begin))) << "rank " << r << ": the checkpoint";
@@ -226,43 +287,6 @@ TEST(ParamStoreTest, Zero3WithBf16CopiesTrainsAsZero1OnTwoRanks) {
   }
   EXPECT_FALSE(torch::equal(z3_masters[0], torch::cat({start.w.reshape(-1), start.b.reshape(-1)})));
 }
-
-// A Gloo group that also hands out memory "every rank writes into directly" (host memory here; on
-// GPUs NCCL's symmetric windows), or fails to make it, as NCCL can.
-class SymmetricGloo : public Communicator {
- public:
-  SymmetricGloo(std::unique_ptr<Communicator> inner, bool fail) : inner_(std::move(inner)), fail_(fail) {}
-  int rank() const override { return inner_->rank(); }
-  int size() const override { return inner_->size(); }
-  std::string backend() const override { return inner_->backend(); }
-  Status AllReduceSum(at::Tensor& t) override { return inner_->AllReduceSum(t); }
-  Status AllReduceMean(at::Tensor& t) override { return inner_->AllReduceMean(t); }
-  Status Broadcast(at::Tensor& t, int root) override { return inner_->Broadcast(t, root); }
-  Status AllGather(const at::Tensor& in, at::Tensor& out) override { return inner_->AllGather(in, out); }
-  Status ReduceScatterSum(const at::Tensor& in, at::Tensor& out) override { return inner_->ReduceScatterSum(in, out); }
-  Status ReduceScatterMean(const at::Tensor& in, at::Tensor& out) override { return inner_->ReduceScatterMean(in, out); }
-  Status Barrier() override { return inner_->Barrier(); }
-  Status Send(const at::Tensor& t, int dst, uint32_t tag) override { return inner_->Send(t, dst, tag); }
-  Status Recv(at::Tensor& t, int src, uint32_t tag) override { return inner_->Recv(t, src, tag); }
-  Status WaitSends() override { return inner_->WaitSends(); }
-  StatusOr<at::Tensor> AllocateSymmetric(int64_t bytes) override {
-    if (fail_) return Internal("ncclCommWindowRegister: unhandled cuda error");
-    memory_.push_back(torch::zeros({bytes}, torch::kByte));
-    return memory_.back();
-  }
-  bool Holds(const void* p) const {
-    for (const at::Tensor& m : memory_) {
-      const auto* begin = static_cast<const uint8_t*>(m.data_ptr());
-      if (p >= begin && p < begin + m.numel()) return true;
-    }
-    return false;
-  }
-
- private:
-  std::unique_ptr<Communicator> inner_;
-  bool fail_;
-  std::vector<at::Tensor> memory_;
-};
 
 // ZeRO-3 gathering each unit's bf16 copy in place into slots of such memory trains as gathering into
 // the allocator's memory does; the slots are reused from step to step; where the memory cannot be

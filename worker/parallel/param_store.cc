@@ -795,11 +795,52 @@ void ParamStore::Release(int u) {
 
 bool ParamStore::UseSymmetricGathers() {
   symmetric_gathers_ = zero_ == 3 && dp_->size() > 1 && !units_.empty() && units_.front().compute.defined();
-  return symmetric_gathers_;
+  if (symmetric_gathers_) return true;
+  if (!sharded_update()) return false;
+  // zero 1/2: the bf16 copies are whole on every rank and kept; they move once into one region of
+  // symmetric memory (each unit at the same offset on every rank), where the update writes the owned
+  // parts and the all-gathers fill in the rest.
+  constexpr int64_t kAlign = 512;
+  std::vector<int64_t> at;
+  int64_t total = 0;
+  for (const Unit& unit : units_) {
+    at.push_back(total);
+    total += (unit.compute.numel() * unit.compute.element_size() + kAlign - 1) / kAlign * kAlign;
+  }
+  torch::Tensor region;
+  Status made;
+  Communicator* comm = dp_;
+  Status waited = queue_->Wait(queue_->Enqueue([comm, total, &region, &made]() {
+    StatusOr<torch::Tensor> m = comm->AllocateSymmetric(total);
+    if (m.ok()) {
+      region = std::move(m).value();
+    } else {
+      made = m.status();
+    }
+    return Status::Ok();
+  }));
+  if (!waited.ok() || !made.ok()) {
+    if (!made.ok() && made.code() != StatusCode::kFailedPrecondition) {
+      std::fprintf(stderr, "ltrain-worker: warning: ZeRO-%d gathers with NCCL's kernels, not the copy engines: %s\n", zero_,
+                   made.message().c_str());
+    }
+    return false;
+  }
+  torch::NoGradGuard no_grad;
+  for (size_t k = 0; k < units_.size(); ++k) {
+    Unit& unit = units_[k];
+    const int64_t bytes = unit.compute.numel() * unit.compute.element_size();
+    torch::Tensor place = region.narrow(0, at[k], bytes);
+    // Through a tensor of its own: the copy's version counter is the leaves'.
+    torch::from_blob(place.data_ptr(), {unit.compute.numel()}, unit.compute.options()).copy_(unit.compute);
+    compat::PointStorage(unit.compute, place.data_ptr(), static_cast<size_t>(bytes));
+  }
+  copies_region_ = region;
+  return true;
 }
 
 int64_t ParamStore::symmetric_bytes() const {
-  int64_t bytes = 0;
+  int64_t bytes = copies_region_.defined() ? copies_region_.numel() : 0;
   for (const Slot& slot : slots_) bytes += slot.memory.numel();
   return bytes;
 }

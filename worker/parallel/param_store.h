@@ -211,6 +211,8 @@ class ParamStore {
   // to the computation. Returns whether it applies. Slots are made as the first step needs them (as
   // many as units are gathered at once); symmetric_bytes() is their total. Where the communicator
   // has no such memory the units gather as without this call (warning where NCCL fails to make it).
+  // zero 1/2 with a sharded update (sharded_update()): the kept bf16 copies move into one region of
+  // such memory, where their all-gathers after each update run the same way.
   bool UseSymmetricGathers();
   int64_t symmetric_bytes() const;
   int zero() const { return zero_; }
@@ -360,6 +362,7 @@ class ParamStore {
   Status TakeSlot(int u, size_t bytes);
   bool symmetric_gathers_ = false;
   std::vector<Slot> slots_;
+  torch::Tensor copies_region_;  // zero 1/2, UseSymmetricGathers: where the bf16 copies live
   std::unique_ptr<ReductionQueue> queue_;
   std::unique_ptr<ReductionQueue> update_queue_;  // deferred updates: a thread and a stream of their own
   torch::Tensor update_divisor_;                   // kept alive while deferred updates read it

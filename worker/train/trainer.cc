@@ -312,10 +312,8 @@ Status Trainer::Init() {
                          /*exclusive_collectives=*/device_.is_cuda() && (layout_.tp > 1 || layout_.pp > 1));
   if (!store.ok()) return store.status();
   store_ = std::move(store).value();
-  if (layout_.zero == 3) {
-    model_->set_hooks(Zero3GatherHooks(store_.get(), params, units, ml.config.layers));
-    if (options_.copy_engine_gathers) store_->UseSymmetricGathers();
-  }
+  if (layout_.zero == 3) model_->set_hooks(Zero3GatherHooks(store_.get(), params, units, ml.config.layers));
+  if (options_.copy_engine_gathers) store_->UseSymmetricGathers();
   if (store_->sharded_update() || (options_.overlap_update && layout_.pp == 1 && store_->can_defer_update())) {
     model_->set_hooks(AwaitComputeCopiesHooks(store_.get(), params));
     defer_compute_ = true;
