@@ -352,8 +352,9 @@ Profiling:
                            stream of its own beside the next forward (zero 0, bf16 on CUDA) or
                            in each unit's gather for the next forward (zero 3)
   LTRAIN_COPY_ENGINE_GATHERS=0
-                           gather zero 3's bf16 weights with NCCL's kernels, not on the copy
-                           engines into memory the ranks write into directly (NCCL 2.28, one node)
+                           gather the bf16 weights (zero 3 before use, zero 1/2 after each
+                           update) with NCCL's kernels, not on the copy engines within memory the
+                           ranks write into directly (NCCL 2.28, one node)
   LTRAIN_TP_OVERLAP=0      all-reduce a tensor-parallel block input's gradient after its products'
                            backward, not beside their weight-gradient products (tp without
                            sequence parallelism, our products)

@@ -77,8 +77,8 @@ struct TrainerOptions {
   // the next forward, which waits for it just before the unit; zero 3: each unit's update runs in
   // its gather before the next forward uses it (LTRAIN_OVERLAP_UPDATE=0: inline).
   bool overlap_update = true;
-  // zero 3 with bf16 copies over NCCL: the units' all-gathers into symmetric memory, on the copy
-  // engines (ParamStore::UseSymmetricGathers; LTRAIN_COPY_ENGINE_GATHERS=0: NCCL's kernels).
+  // bf16 copies over NCCL, zero 1-3: the all-gathers of the copies within symmetric memory, on the
+  // copy engines (ParamStore::UseSymmetricGathers; LTRAIN_COPY_ENGINE_GATHERS=0: NCCL's kernels).
   bool copy_engine_gathers = true;
   // The model without training data (export, generate): Run, Step and Save are not called.
   bool model_only = false;
