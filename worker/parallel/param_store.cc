@@ -755,10 +755,7 @@ void ParamStore::Prefetch(int u) {
   // backward.
   torch::Tensor all = unit.compute;
   const size_t bytes = static_cast<size_t>(unit.layout.padded) * all.element_size();
-  if (Status s = TakeSlot(u, bytes); !s.ok()) {
-    unit.gather_job = queue_->Enqueue([s]() { return s; });  // Gather returns it
-    return;
-  }
+  TakeSlot(u, bytes);
   if (unit.slot < 0) compat::ResizeStorage(all, bytes);
   const Range own = Owned(unit);
   const int64_t numel = unit.layout.numel;
@@ -807,25 +804,8 @@ bool ParamStore::UseSymmetricGathers() {
     at.push_back(total);
     total += (unit.compute.numel() * unit.compute.element_size() + kAlign - 1) / kAlign * kAlign;
   }
-  torch::Tensor region;
-  Status made;
-  Communicator* comm = dp_;
-  Status waited = queue_->Wait(queue_->Enqueue([comm, total, &region, &made]() {
-    StatusOr<torch::Tensor> m = comm->AllocateSymmetric(total);
-    if (m.ok()) {
-      region = std::move(m).value();
-    } else {
-      made = m.status();
-    }
-    return Status::Ok();
-  }));
-  if (!waited.ok() || !made.ok()) {
-    if (!made.ok() && made.code() != StatusCode::kFailedPrecondition) {
-      std::fprintf(stderr, "ltrain-worker: warning: ZeRO-%d gathers with NCCL's kernels, not the copy engines: %s\n", zero_,
-                   made.message().c_str());
-    }
-    return false;
-  }
+  torch::Tensor region = MakeSymmetric(total);
+  if (!region.defined()) return false;
   torch::NoGradGuard no_grad;
   for (size_t k = 0; k < units_.size(); ++k) {
     Unit& unit = units_[k];
@@ -845,8 +825,8 @@ int64_t ParamStore::symmetric_bytes() const {
   return bytes;
 }
 
-Status ParamStore::TakeSlot(int u, size_t bytes) {
-  if (!symmetric_gathers_) return Status::Ok();
+void ParamStore::TakeSlot(int u, size_t bytes) {
+  if (!symmetric_gathers_) return;
   Unit& unit = units_[u];
   // The smallest free slot that fits without wasting more than half of it; every rank takes the
   // same one (the same calls in the same order), so that the unit sits at the same offsets on every rank.
@@ -857,29 +837,11 @@ Status ParamStore::TakeSlot(int u, size_t bytes) {
     if (best < 0 || size < static_cast<size_t>(slots_[best].memory.numel())) best = static_cast<int>(k);
   }
   if (best < 0) {
-    // A new slot, in the collectives' order (its registration is a collective of the dp group).
-    torch::Tensor memory;
-    Communicator* comm = dp_;
-    const int64_t n = static_cast<int64_t>(bytes);
-    Status made;  // apart from the queue's status, which would keep the error for every later wait
-    LTRAIN_RETURN_IF_ERROR(queue_->Wait(queue_->Enqueue([comm, n, &memory, &made]() {
-      StatusOr<torch::Tensor> m = comm->AllocateSymmetric(n);
-      if (m.ok()) {
-        memory = std::move(m).value();
-      } else {
-        made = m.status();
-      }
-      return Status::Ok();
-    })));
-    if (!made.ok()) {
-      // Where the backend has no such memory (Gloo), or NCCL cannot make it (on every rank alike),
-      // the units gather into the allocator's memory, as with LTRAIN_COPY_ENGINE_GATHERS=0.
-      if (made.code() != StatusCode::kFailedPrecondition) {
-        std::fprintf(stderr, "ltrain-worker: warning: ZeRO-3 gathers with NCCL's kernels, not the copy engines: %s\n",
-                     made.message().c_str());
-      }
+    torch::Tensor memory = MakeSymmetric(static_cast<int64_t>(bytes));
+    if (!memory.defined()) {
+      // The units gather into the allocator's memory, as with LTRAIN_COPY_ENGINE_GATHERS=0.
       symmetric_gathers_ = false;
-      return Status::Ok();
+      return;
     }
     slots_.push_back(Slot{memory, -1});
     best = static_cast<int>(slots_.size()) - 1;
@@ -887,7 +849,29 @@ Status ParamStore::TakeSlot(int u, size_t bytes) {
   slots_[best].unit = u;
   unit.slot = best;
   compat::PointStorage(unit.compute, slots_[best].memory.data_ptr(), bytes);
-  return Status::Ok();
+}
+
+torch::Tensor ParamStore::MakeSymmetric(int64_t bytes) {
+  torch::Tensor memory;
+  Status made;  // apart from the queue's status, which would keep the error for every later wait
+  Communicator* comm = dp_;
+  // In the collectives' order: the registration is a collective of the dp group.
+  const Status waited = queue_->Wait(queue_->Enqueue([comm, bytes, &memory, &made]() {
+    StatusOr<torch::Tensor> m = comm->AllocateSymmetric(bytes);
+    if (m.ok()) {
+      memory = std::move(m).value();
+    } else {
+      made = m.status();
+    }
+    return Status::Ok();
+  }));
+  if (!waited.ok()) return {};  // an earlier job's error, which the next wait returns again
+  // The backend has none (Gloo), or NCCL could not make it (on every rank alike).
+  if (!made.ok() && made.code() != StatusCode::kFailedPrecondition) {
+    std::fprintf(stderr, "ltrain-worker: warning: data-parallel gathers with NCCL's kernels, not the copy engines: %s\n",
+                 made.message().c_str());
+  }
+  return memory;
 }
 
 void ParamStore::PrepareGradients(int u) {

@@ -358,8 +358,11 @@ class ParamStore {
   bool masters_stale_ = false;  // ShardedUpdate: the masters outside the owned shard lag behind
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // keeps the hooks alive
   // UseSymmetricGathers: points unit `u`'s bf16 copy at a free slot of `bytes` or more, making one
-  // where none fits. A no-op otherwise.
-  Status TakeSlot(int u, size_t bytes);
+  // where none fits. A no-op otherwise, and where no slot can be made (gathers then stop using them).
+  void TakeSlot(int u, size_t bytes);
+  // `bytes` of the dp communicator's symmetric memory (Communicator::AllocateSymmetric), made in the
+  // collectives' order; undefined where it has none or cannot make it (warned of, unless it has none).
+  torch::Tensor MakeSymmetric(int64_t bytes);
   bool symmetric_gathers_ = false;
   std::vector<Slot> slots_;
   torch::Tensor copies_region_;  // zero 1/2, UseSymmetricGathers: where the bf16 copies live
