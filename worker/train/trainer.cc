@@ -1387,7 +1387,7 @@ Status Trainer::LoadInitialParameters(const std::string& path) {
 }
 
 int64_t Trainer::PeakDeviceBytes() const {
-  // The allocator's peak, and the symmetric memory ZeRO-3 gathers into, which it does not see.
+  // The allocator's peak, and the symmetric memory the data-parallel gathers use, which it does not see.
   return compat::PeakDeviceBytes(device_) + (store_ ? store_->symmetric_bytes() : 0);
 }
 

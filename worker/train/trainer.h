@@ -163,7 +163,7 @@ class Trainer {
   std::string LayoutKey() const;
   // Parameters of the whole model (every tp and pp part, the tied embedding once).
   int64_t FullModelParameters() const;
-  // Peak device memory on CUDA: the caching allocator's, plus ZeRO-3's symmetric gather slots.
+  // Peak device memory on CUDA: the caching allocator's, plus the store's symmetric memory.
   int64_t PeakDeviceBytes() const;
   // Rank 0's summary of the timed steps: tokens/s, per device, TFLOP/s, MFU and peak memory on CUDA.
   void PrintThroughput(int64_t first_step, int64_t steps, double total_ms) const;
