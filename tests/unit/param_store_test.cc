@@ -26,11 +26,13 @@ Leaves MakeLeaves() {
   return Leaves{torch::randn({4, 3}).requires_grad_(true), torch::randn({3}).requires_grad_(true)};
 }
 
-std::unique_ptr<ParamStore> MakeStore(Leaves& leaves, int zero, Communicator* dp, bool bf16) {
+// w and b in one unit, or in `units` (parameter 0 is w, 1 is b).
+std::unique_ptr<ParamStore> MakeStore(Leaves& leaves, int zero, Communicator* dp, bool bf16,
+                                      const std::vector<std::vector<int>>& units = {{0, 1}}) {
   AdamWConfig adamw;
   adamw.weight_decay = 0.1;
   std::vector<ParamStore::Param> params = {{&leaves.w, true, true}, {&leaves.b, false, true}};
-  StatusOr<std::unique_ptr<ParamStore>> store = ParamStore::Create(params, {{0, 1}}, zero, dp, adamw, bf16);
+  StatusOr<std::unique_ptr<ParamStore>> store = ParamStore::Create(params, units, zero, dp, adamw, bf16);
   EXPECT_TRUE(store.ok()) << store.status().ToString();
   return std::move(store).value();
 }
@@ -310,15 +312,8 @@ TEST(ParamStoreTest, Zero3GathersIntoReusedSlotsAsIntoTheAllocatorsMemory) {
       SymmetricGloo symmetric(std::move(comm_slots).value(), fail);
       Leaves a = CopyOf(start), b = CopyOf(start);
       // Two units (w, then b), so that two slots of different sizes exist once both are gathered.
-      std::vector<ParamStore::Param> pa = {{&a.w, true, true}, {&a.b, false, true}};
-      std::vector<ParamStore::Param> pb = {{&b.w, true, true}, {&b.b, false, true}};
-      auto made_slots = ParamStore::Create(pa, {{0}, {1}}, 3, &symmetric, AdamWConfig{}, /*bf16_compute=*/true);
-      auto made_plain = ParamStore::Create(pb, {{0}, {1}}, 3, comm_plain->get(), AdamWConfig{}, /*bf16_compute=*/true);
-      if (!made_slots.ok() || !made_plain.ok()) {
-        failures[rank] = "no store";
-        return;
-      }
-      std::unique_ptr<ParamStore> slots = std::move(made_slots).value(), plain = std::move(made_plain).value();
+      std::unique_ptr<ParamStore> slots = MakeStore(a, /*zero=*/3, &symmetric, /*bf16=*/true, {{0}, {1}});
+      std::unique_ptr<ParamStore> plain = MakeStore(b, /*zero=*/3, comm_plain->get(), /*bf16=*/true, {{0}, {1}});
       if (!slots->UseSymmetricGathers()) failures[rank] = "UseSymmetricGathers: false";
       for (int64_t step = 1; step <= 3; ++step) {
         const auto& [gw, gb] = grads[rank][step - 1];
