@@ -266,6 +266,12 @@ class StreamMarker {
     if (event_) event_->block(c10::cuda::getCurrentCUDAStream(event_->device_index()));
 #endif
   }
+  // The host waits for the marked work, and for nothing queued after it.
+  void Wait() const {
+#if defined(LTRAIN_WITH_NCCL)
+    if (event_) event_->synchronize();
+#endif
+  }
 
  private:
 #if defined(LTRAIN_WITH_NCCL)

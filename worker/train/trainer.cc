@@ -1439,10 +1439,12 @@ Status Trainer::Run() {
     int64_t step = 0;
     double lr = 0, ms = 0;
     torch::Tensor loss;
+    compat::StreamMarker ready;  // on CUDA: `loss` (a host copy) is written once the GPU has passed it
     bool last = false;  // the run ends after it (a stop with a final checkpoint): always printed
   };
   std::optional<Finished> pending;
   auto settle = [&](const Finished& f) -> Status {
+    f.ready.Wait();
     const double value = f.loss.item<double>();
     LTRAIN_RETURN_IF_ERROR(CheckLoss(value, f.step));
     const int64_t s = f.step;
@@ -1484,6 +1486,17 @@ Status Trainer::Run() {
     }
     const auto start = SteadyClock::now();
     LTRAIN_ASSIGN_OR_RETURN(torch::Tensor loss, StepOnDevice(/*check_loss=*/!lag));
+    compat::StreamMarker ready;
+    if (lag) {
+      // The loss goes to pinned host memory without waiting, and a marker after it: reading it then
+      // waits for this step's loss only. A read of the device tensor would wait for everything the
+      // stream holds by then (the next step's forward and backward), and the GPU would run dry
+      // at the end of every step while the host queued the first kernels of the next.
+      torch::Tensor host = torch::empty(loss.sizes(), loss.options().device(torch::kCPU).pinned_memory(true));
+      host.copy_(loss, /*non_blocking=*/true);
+      ready = compat::StreamMarker::Record(device_);
+      loss = host;
+    }
     const int64_t s = step_;
     if (pending) {
       LTRAIN_RETURN_IF_ERROR(settle(*pending));
@@ -1498,7 +1511,7 @@ Status Trainer::Run() {
     LTRAIN_ASSIGN_OR_RETURN(bool stop_here, options_.stop_after ? options_.stop_after(s) : StatusOr<bool>(false));
     const bool periodic = recipe_.checkpoint.every > 0 && s % recipe_.checkpoint.every == 0;
     const bool save = periodic || s == t.steps || stop_here;
-    Finished finished{s, lr, MillisSince(start), loss, stop_here};
+    Finished finished{s, lr, MillisSince(start), loss, ready, stop_here};
     const bool eval = t.eval_every > 0 && (s % t.eval_every == 0 || s == t.steps || stop_here);
     if (!lag || save || eval || s == run_start_step_ + warmup) {
       // The loss is read now: a checkpoint never holds the parameters of a non-finite step.
@@ -1525,6 +1538,7 @@ Status Trainer::Run() {
       window_first = s + 1;
     }
     if (s == t.steps) {
+      compat::Synchronize(device_);  // the window holds the last step's update too
       window_ms = MillisSince(window_start) - (checkpoint_blocked_ms_ - blocked_at_start) - (eval_ms_ - eval_at_start);
     }
     if (!memory_printed_ && options_.print_progress) {
