@@ -371,6 +371,32 @@ TEST(ParamStoreTest, Zero3GathersIntoReusedSlotsAsIntoTheAllocatorsMemory) {
   }
 }
 
+// A store whose collectives run inline on the computation's stream (exclusive_collectives: tensor or
+// pipeline parallel beside dp) makes no symmetric memory: on GPUs that stream is LibTorch's legacy
+// default stream, on which NCCL's copy-engine all-gathers fail. Its units gather as without the call.
+TEST(ParamStoreTest, AnExclusiveStoreMakesNoSymmetricMemory) {
+  for (const int zero : {1, 3}) {
+    for (const bool exclusive : {true, false}) {
+      auto fake = std::make_unique<FakeCommunicator>();
+      fake->SimulateSize(2);
+      SymmetricGloo dp(std::move(fake), /*fail=*/false);
+      Leaves leaves = MakeLeaves();
+      std::vector<ParamStore::Param> params = {{&leaves.w, true, true}, {&leaves.b, false, true}};
+      StatusOr<std::unique_ptr<ParamStore>> made =
+          ParamStore::Create(params, {{0}, {1}}, zero, &dp, AdamWConfig{}, /*bf16_compute=*/true, exclusive);
+      ASSERT_TRUE(made.ok()) << made.status().ToString();
+      std::unique_ptr<ParamStore> store = std::move(made).value();
+      EXPECT_EQ(store->UseSymmetricGathers(), !exclusive) << "zero " << zero << " exclusive " << exclusive;
+      if (exclusive) {
+        EXPECT_EQ(store->symmetric_bytes(), 0) << "zero " << zero;
+        EXPECT_FALSE(dp.Holds(leaves.w.data_ptr())) << "zero " << zero;
+      } else if (zero == 1) {
+        EXPECT_TRUE(dp.Holds(leaves.w.data_ptr())) << "the kept bf16 copies did not move";
+      }
+    }
+  }
+}
+
 // Where other communicators run collectives while the data-parallel ones would be in flight (tensor
 // or pipeline parallel on GPUs), the data-parallel collectives are issued by the thread that asks
 // for them (here the one running backward, whose hooks launch the reductions), in its order;

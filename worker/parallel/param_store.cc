@@ -791,6 +791,9 @@ void ParamStore::Release(int u) {
 }
 
 bool ParamStore::UseSymmetricGathers() {
+  // NCCL runs a windowed all-gather on the copy engines through cudaMemcpyBatchAsync, which fails
+  // on the legacy default stream, the one an inline queue's collectives are issued on.
+  if (!queue_->apart()) return false;
   symmetric_gathers_ = zero_ == 3 && dp_->size() > 1 && !units_.empty() && units_.front().compute.defined();
   if (symmetric_gathers_) return true;
   if (!sharded_update()) return false;

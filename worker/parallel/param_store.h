@@ -67,6 +67,9 @@ class ReductionQueue {
   // Waits for job `id` (and everything queued before it); returns the first error of any job.
   Status Wait(int64_t id);
   Status WaitAll();
+  // Whether jobs run apart from the enqueuing thread: on a thread of their own and, on CUDA, on a
+  // stream of their own (not the thread's current stream, LibTorch's legacy default stream).
+  bool apart() const { return threaded_ && (side_ != nullptr || !device_.is_cuda()); }
 
  private:
   void Loop();
@@ -213,6 +216,8 @@ class ParamStore {
   // has no such memory the units gather as without this call (warning where NCCL fails to make it).
   // zero 1/2 with a sharded update (sharded_update()): the kept bf16 copies move into one region of
   // such memory, where their all-gathers after each update run the same way.
+  // Not where the collectives run inline on the computation's stream (exclusive_collectives: tensor
+  // or pipeline parallel beside dp): NCCL's copy-engine collectives refuse the legacy default stream.
   bool UseSymmetricGathers();
   int64_t symmetric_bytes() const;
   int zero() const { return zero_; }
