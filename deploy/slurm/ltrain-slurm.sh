@@ -129,10 +129,14 @@ for _ in $(seq 300); do [[ -s $state_dir/coordinator.port ]] && break; sleep 0.1
 address=$coordinator_host:$(cat "$state_dir/coordinator.port")
 log "Slurm job $SLURM_JOB_ID (restart ${SLURM_RESTART_COUNT:-0}): coordinator at $address, state in $state_dir"
 
+job_state() {  # the state of job $1 in the coordinator's record
+  "$ltrain" status "$1" --coordinator "$address" -o json | sed -n 's/.*"state": *"\([A-Z][A-Z]*\)".*/\1/p' | head -n 1
+}
+
 # A job recorded by an earlier run of this Slurm job (requeue): finished, or to be resumed.
 if [[ -s $state_dir/job_id ]]; then
   job=$(cat "$state_dir/job_id")
-  state=$("$ltrain" status "$job" --coordinator "$address" -o json | sed -n 's/.*"state": *"\([A-Z][A-Z]*\)".*/\1/p' | head -n 1)
+  state=$(job_state "$job")
   log "job $job was $state"
   [[ $state == SUCCEEDED ]] && exit 0
   # Still RUNNING in the record: its workers died with the previous allocation.
@@ -190,9 +194,16 @@ while [[ -z $code ]]; do
   fi
   code=$status
 done
-if (( code > 128 )); then  # launch ended just as the signal came: collect its own status
-  status=0; wait "$launch_pid" 2>/dev/null || status=$?
-  (( status != 127 )) && code=$status
+if (( code > 128 )) && [[ -n $job ]]; then
+  # launch ended just as the signal came, and the trap took the `wait` that would have had its exit
+  # status. That status follows from the job's record (launch exits 0, 1 or 4 for SUCCEEDED, FAILED,
+  # STOPPED). A second `wait` for it could block: bash 5.2 can lose a child reaped while a trap runs
+  # and then waits for any other child, here the coordinator, which ends only at Slurm's KillWait.
+  case $(job_state "$job" 2>/dev/null) in
+    SUCCEEDED) code=0 ;;
+    FAILED) code=1 ;;
+    STOPPED) code=4 ;;
+  esac
 fi
 log "job ${job:-?} ended with exit code $code"
 exit "$code"
