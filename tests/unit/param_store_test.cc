@@ -28,11 +28,11 @@ Leaves MakeLeaves() {
 
 // w and b in one unit, or in `units` (parameter 0 is w, 1 is b).
 std::unique_ptr<ParamStore> MakeStore(Leaves& leaves, int zero, Communicator* dp, bool bf16,
-                                      const std::vector<std::vector<int>>& units = {{0, 1}}) {
+                                      const std::vector<std::vector<int>>& units = {{0, 1}}, bool exclusive = false) {
   AdamWConfig adamw;
   adamw.weight_decay = 0.1;
   std::vector<ParamStore::Param> params = {{&leaves.w, true, true}, {&leaves.b, false, true}};
-  StatusOr<std::unique_ptr<ParamStore>> store = ParamStore::Create(params, units, zero, dp, adamw, bf16);
+  StatusOr<std::unique_ptr<ParamStore>> store = ParamStore::Create(params, units, zero, dp, adamw, bf16, exclusive);
   EXPECT_TRUE(store.ok()) << store.status().ToString();
   return std::move(store).value();
 }
@@ -381,11 +381,7 @@ TEST(ParamStoreTest, AnExclusiveStoreMakesNoSymmetricMemory) {
       fake->SimulateSize(2);
       SymmetricGloo dp(std::move(fake), /*fail=*/false);
       Leaves leaves = MakeLeaves();
-      std::vector<ParamStore::Param> params = {{&leaves.w, true, true}, {&leaves.b, false, true}};
-      StatusOr<std::unique_ptr<ParamStore>> made =
-          ParamStore::Create(params, {{0}, {1}}, zero, &dp, AdamWConfig{}, /*bf16_compute=*/true, exclusive);
-      ASSERT_TRUE(made.ok()) << made.status().ToString();
-      std::unique_ptr<ParamStore> store = std::move(made).value();
+      std::unique_ptr<ParamStore> store = MakeStore(leaves, zero, &dp, /*bf16=*/true, {{0}, {1}}, exclusive);
       EXPECT_EQ(store->UseSymmetricGathers(), !exclusive) << "zero " << zero << " exclusive " << exclusive;
       if (exclusive) {
         EXPECT_EQ(store->symmetric_bytes(), 0) << "zero " << zero;
