@@ -1,0 +1,295 @@
+#!/usr/bin/env python3
+"""Training on GPUs through `ltrain launch`, each run beside its PyTorch peer under torchrun, in one call.
+
+Every ltrain figure here is the `throughput:` line of an `ltrain launch` job (rank 0's steps after the
+third: tokens/s per GPU, MFU against 989 TFLOP/s, peak memory), a user's command with `--set`
+overrides on one recipe; every peer figure is the line of `gpt_fsdp.py` or `fsdp_accumulate.py` run
+under `torchrun --standalone` on the same GPUs. Ratios are ltrain against the better peer.
+
+    tests/bench/launch_bench.py --ltrain build-gpu/cmd/ltrain --baselines DIR --data TEXT \\
+        [--suite layouts] [--suite zero3 --suite tp --suite llama --suite dp] [--reference OTHER/ltrain]
+
+Suites (--suite, repeatable; default: layouts):
+  layouts  every layout the GPUs here allow (1: one GPU; 2: dp2, dp2 ZeRO-3, tp2, tp2 with sequence
+           parallelism, pp2; 4: dp4 ZeRO-3, tp4, tp2 x dp2 under ZeRO-1 and ZeRO-3, pp2 x dp2, tp2 x pp2
+           interleaved; 8: dp8 ZeRO-3, tp4 x dp2, tp2 x pp2 x dp2), a GPT of 24 layers (d 1024, 16 heads),
+           16 sequences a step, 8 steps each. A layout fails when its job fails, prints no throughput
+           line, or its first loss (before any update: the same batch and weights on every layout)
+           parts from the one-GPU run's by more than 1%, or its last by more than 5%.
+  zero3    gpt-7b (32 layers, d 4096) ZeRO-3 over every GPU at micro-batch 2, and at micro-batch 1 with
+           accumulation 2, against FSDP2 (gpt_fsdp.py eager and compile; fsdp_accumulate.py)
+  tp       gpt-7b tp4 and tp2 x dp2 (ZeRO-1), micro-batch 4, 8 sequences a step (4 GPUs)
+  llama    Llama 3 8B's shape, ZeRO-3 over every GPU, micro-batch 1, against FSDP2 with compile
+  dp       gpt-1.3b (micro-batch 8, recipe defaults) on one GPU and data parallel on 2 and on every GPU
+--reference LTRAIN adds gpt-1.3b on one GPU through another build's ltrain (an earlier commit built
+beside this one), interleaved with this build's, twice each, and prints the ratio.
+
+Exits 1 when a run fails, 77 (skipped) without a GPU. --json FILE writes every figure.
+"""
+import argparse, json, math, os, re, shutil, subprocess, sys, tempfile, time
+
+from benchlib import gpus, peer_env
+
+GPT = "model: {{layers: {layers}, d_model: {d}, heads: {heads}, seq_len: 2048, vocab: 50304}}\n"
+LLAMA = ("model: {arch: llama, layers: 32, d_model: 4096, heads: 32, kv_heads: 8, ffn: 14336, seq_len: 2048,\n"
+         "  vocab: 128256, rope_theta: 500000, tie_embeddings: false}\n")
+THROUGHPUT_RE = re.compile(r"throughput: steps (\d+)-(\d+) step_ms ([0-9.]+) tok/s (\d+) tok/s/device (\d+) "
+                           r"tflops/device ([0-9.]+) mfu ([0-9.]+)% peak_mem_gib ([0-9.]+)")
+LOSS_RE = re.compile(r"step (\d+)/\d+ loss ([0-9.naif]+)")
+PEER_RE = re.compile(r"pytorch-fsdp2 world=\d+ \S+ (eager|compile) .*?tok/s/GPU=([0-9,]+) TFLOP/s/GPU=([0-9.]+) "
+                     r"MFU\(989\)=([0-9.]+)% peak_mem=([0-9.]+)GiB")
+
+
+class Bench:
+    def __init__(self, args, workdir):
+        self.args, self.workdir = args, workdir
+        self.results, self.failures = [], []
+        self.count = 0
+
+    def recipe(self, name, model, steps, micro_batch, global_batch, world, parallel="", lr="3.0e-4"):
+        """A recipe as a user writes one: the peers' optimizer (AdamW, constant lr, no clipping), no checkpoints."""
+        path = os.path.join(self.workdir, f"{name}.yaml")
+        with open(path, "w") as f:
+            f.write(f"name: {name}\n{model}data: {{path: {self.args.token_dir}}}\n"
+                    f"training: {{steps: {steps}, micro_batch: {micro_batch}, global_batch: {global_batch}, lr: {lr},\n"
+                    f"  min_lr: {lr}, warmup_steps: 0, lr_schedule: constant, weight_decay: 0.01, beta2: 0.999,\n"
+                    f"  grad_clip: 0, seed: 0, log_every: 1}}\n"
+                    f"parallel: {{nodes: 1, nproc_per_node: {world}, device: cuda{parallel}}}\n"
+                    f"checkpoint: {{enabled: false}}\n")
+        return path
+
+    def launch(self, label, recipe_path, sets=(), env=None, ltrain=None):
+        """One `ltrain launch` job; its throughput line and losses, or None (recorded as a failure)."""
+        self.count += 1
+        log = os.path.join(self.workdir, f"{self.count:02d}-{re.sub(r'[^A-Za-z0-9.-]+', '_', label)}.log")
+        cmd = [ltrain or self.args.ltrain, "launch", recipe_path]
+        for s in sets:
+            cmd += ["--set", s]
+        start = time.time()
+        with open(log, "w") as out:
+            try:
+                rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, **(env or {})),
+                                    timeout=self.args.run_timeout).returncode
+            except subprocess.TimeoutExpired:
+                rc = "timeout"
+        text = open(log, errors="replace").read()
+        m = THROUGHPUT_RE.search(text)
+        losses = [(int(s), float(v)) for s, v in LOSS_RE.findall(text)]
+        if rc != 0 or not m:
+            tail = " | ".join(text.strip().splitlines()[-3:])
+            print(f"  {label:<44} FAILED (exit {rc}, {time.time() - start:.0f} s): {tail}", flush=True)
+            self.failures.append(f"{label}: exit {rc}")
+            self.results.append({"label": label, "failed": True, "log": log})
+            return None
+        r = {"label": label, "tok_s_gpu": float(m.group(5)), "mfu": float(m.group(7)),
+             "peak_gib": float(m.group(8)), "step_ms": float(m.group(3)),
+             "first_loss": losses[0][1] if losses else None, "last_loss": losses[-1][1] if losses else None}
+        self.show(r)
+        self.results.append(r)
+        self.dump()
+        return r
+
+    def peer(self, label, world, script_args):
+        """One PyTorch peer under torchrun; {mode: figures} from its lines."""
+        log = os.path.join(self.workdir, f"peer-{re.sub(r'[^A-Za-z0-9.-]+', '_', label)}.log")
+        torchrun = shutil.which("torchrun")
+        cmd = ([torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"])
+        cmd += ["--standalone", f"--nproc_per_node={world}"] + script_args
+        with open(log, "w") as out:
+            try:
+                subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=peer_env(), timeout=self.args.run_timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        rows = {}
+        for m in PEER_RE.finditer(open(log, errors="replace").read()):
+            r = {"label": f"{label} {m.group(1)}", "tok_s_gpu": float(m.group(2).replace(",", "")),
+                 "mfu": float(m.group(4)), "peak_gib": float(m.group(5))}
+            rows[m.group(1)] = r
+            self.show(r)
+            self.results.append(r)
+        if not rows:
+            print(f"  {label:<44} FAILED (no figures; {log})", flush=True)
+            self.failures.append(f"{label}: no figures")
+        self.dump()
+        return rows
+
+    def show(self, r):
+        loss = f" loss {r['first_loss']:.4f} -> {r['last_loss']:.4f}" if r.get("first_loss") is not None else ""
+        print(f"  {r['label']:<44} {r['tok_s_gpu']:>9,.0f} tok/s/GPU  MFU {r['mfu']:5.1f}%  "
+              f"peak {r['peak_gib']:5.1f} GiB{loss}", flush=True)
+
+    def ratio(self, what, ours, peers):
+        peers = [p for p in peers if p]
+        if ours and peers:
+            best = max(peers, key=lambda p: p["tok_s_gpu"])
+            line = (f"  {what}: {ours['tok_s_gpu'] / best['tok_s_gpu']:.3f} x {best['label']}, "
+                    f"peak {ours['peak_gib']:.1f} against {best['peak_gib']:.1f} GiB")
+            print(line, flush=True)
+            self.results.append({"ratio": what, "value": ours["tok_s_gpu"] / best["tok_s_gpu"]})
+            self.dump()
+
+    def dump(self):
+        if self.args.json:
+            with open(self.args.json, "w") as f:
+                json.dump(self.results, f, indent=1)
+
+
+def layouts_for(n):
+    """(label, world, parallel keys) of every layout the check runs on n GPUs."""
+    rows = [("one GPU", 1, "")]
+    if n >= 2:
+        rows += [("dp2 (defaults)", 2, ""), ("dp2 zero 3", 2, ", zero: 3"), ("tp2", 2, ", tp: 2"),
+                 ("tp2 sequence parallel", 2, ", tp: 2, sequence_parallel: true"),
+                 ("pp2 1f1b", 2, ", pp: 2, pp_schedule: 1f1b")]
+    if n >= 4:
+        rows += [("dp4 zero 3", 4, ", zero: 3"), ("tp4", 4, ", tp: 4"), ("tp2 x dp2 zero 1", 4, ", tp: 2, zero: 1"),
+                 ("tp2 x dp2 zero 3", 4, ", tp: 2, zero: 3"), ("pp2 x dp2", 4, ", pp: 2"),
+                 ("tp2 x pp2 interleaved", 4, ", tp: 2, pp: 2, pp_schedule: interleaved, virtual_stages: 2")]
+    if n >= 8:
+        rows += [("dp8 zero 3", 8, ", zero: 3"), ("tp4 x dp2", 8, ", tp: 4"),
+                 ("tp2 x pp2 x dp2", 8, ", tp: 2, pp: 2")]
+    return rows
+
+
+def suite_layouts(b, n):
+    print(f"layouts: a GPT of 24 layers (d 1024, 16 heads), 16 sequences a step, 8 steps, on up to {n} GPUs", flush=True)
+    model = GPT.format(layers=24, d=1024, heads=16)
+    reference = None
+    for label, world, parallel in layouts_for(n):
+        path = b.recipe(f"layout-{world}-{b.count}", model, steps=8, micro_batch=2, global_batch=16, world=world,
+                        parallel=parallel)
+        r = b.launch(f"layout {label}", path)
+        if r is None:
+            continue
+        if reference is None:
+            reference = r
+            continue
+        for key, bound in (("first_loss", 0.01), ("last_loss", 0.05)):
+            ours, ref = r.get(key), reference.get(key)
+            if ours is None or ref is None or not math.isfinite(ours) or abs(ours - ref) > bound * ref:
+                print(f"    {label}: {key} {ours} against the one-GPU run's {ref} (bound {bound:.0%})", flush=True)
+                b.failures.append(f"layout {label}: {key} {ours} against {ref}")
+
+
+def suite_zero3(b, n, baselines, here):
+    print(f"zero3: gpt-7b ZeRO-3 over {n} GPUs, {2 * n} sequences a step, against FSDP2", flush=True)
+    path = b.recipe("gpt-7b-zero3", GPT.format(layers=32, d=4096, heads=32), steps=15, micro_batch=2,
+                    global_batch=2 * n, world=n, parallel=", zero: 3")
+    mb2 = b.launch("ltrain zero 3, micro-batch 2", path)
+    peers = b.peer("FSDP2 micro-batch 2", n, [os.path.join(baselines, "gpt_fsdp.py"), "--model", "gpt-7b",
+                                              "--mode", "both", "--micro-batch", "2"])
+    b.ratio("zero 3 micro-batch 2", mb2, peers.values())
+    acc = b.launch("ltrain zero 3, micro-batch 1 x 2", path, sets=["training.micro_batch=1"])
+    peers = b.peer("FSDP2 micro-batch 1 x 2", n, [os.path.join(here, "fsdp_accumulate.py"), "--baselines", baselines,
+                                                  "--model", "gpt-7b", "--mode", "compile", "--micro-batch", "1",
+                                                  "--accumulation", "2"])
+    b.ratio("zero 3 micro-batch 1 x 2", acc, peers.values())
+
+
+def suite_tp(b, n):
+    print("tp: gpt-7b, 8 sequences a step, micro-batch 4, ZeRO-1", flush=True)
+    for label, parallel in (("tp4", ", tp: 4, zero: 1"), ("tp2 x dp2", ", tp: 2, zero: 1")):
+        path = b.recipe(f"gpt-7b-{label.replace(' ', '')}", GPT.format(layers=32, d=4096, heads=32), steps=12,
+                        micro_batch=4, global_batch=8, world=4, parallel=parallel)
+        b.launch(f"ltrain {label}, micro-batch 4", path)
+
+
+def suite_llama(b, n, baselines):
+    print(f"llama: Llama 3 8B's shape, ZeRO-3 over {n} GPUs, micro-batch 1, against FSDP2 with compile", flush=True)
+    path = b.recipe("llama-8b-zero3", LLAMA, steps=12, micro_batch=1, global_batch=n, world=n, parallel=", zero: 3")
+    ours = b.launch("ltrain llama-8b zero 3", path)
+    peers = b.peer("FSDP2 llama-8b", n, [os.path.join(baselines, "gpt_fsdp.py"), "--model", "llama-8b", "--mode",
+                                         "compile", "--micro-batch", "1"])
+    b.ratio("llama-8b zero 3", ours, peers.values())
+
+
+def gpt_1_3b(b, world):
+    # The recipe defaults for data parallel: no zero or bucket_mb keys (the launcher picks them).
+    return b.recipe(f"gpt-1.3b-dp{world}", GPT.format(layers=24, d=2048, heads=16), steps=40, micro_batch=8,
+                    global_batch=8 * world, world=world)
+
+
+def suite_dp(b, n):
+    print(f"dp: gpt-1.3b, micro-batch 8, recipe defaults, on 1, 2 and {n} GPUs", flush=True)
+    one = b.launch("ltrain gpt-1.3b one GPU", gpt_1_3b(b, 1))
+    for world in sorted({2, n}):
+        if world <= n and world > 1:
+            r = b.launch(f"ltrain gpt-1.3b dp{world}", gpt_1_3b(b, world))
+            if r and one:
+                print(f"  dp{world}: {r['tok_s_gpu'] / one['tok_s_gpu']:.3f} of one GPU", flush=True)
+                b.results.append({"ratio": f"dp{world} of one GPU", "value": r["tok_s_gpu"] / one["tok_s_gpu"]})
+
+
+def suite_reference(b, reference):
+    print(f"reference: gpt-1.3b on one GPU, this build against {reference}, interleaved", flush=True)
+    path = gpt_1_3b(b, 1)
+    ours, theirs = [], []
+    # The other build keeps its job records apart (its database may be of another schema).
+    home = os.path.join(b.workdir, "reference-home")
+    os.makedirs(home, exist_ok=True)
+    for _ in range(2):
+        theirs.append(b.launch("reference build, one GPU", path, env={"LTRAIN_HOME": home}, ltrain=reference))
+        ours.append(b.launch("this build, one GPU", path))
+    for i, (a, r) in enumerate(zip(ours, theirs)):
+        if a and r:
+            print(f"  round {i + 1}: {a['tok_s_gpu'] / r['tok_s_gpu']:.3f} of the reference build", flush=True)
+            b.results.append({"ratio": f"against the reference, round {i + 1}", "value": a["tok_s_gpu"] / r["tok_s_gpu"]})
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ltrain", required=True, help="the ltrain binary (its ltrain-worker beside it)")
+    ap.add_argument("--baselines", help="the folder of gpt_fsdp.py and gpt_model.py (the peers)")
+    ap.add_argument("--data", default="/usr/share/common-licenses",
+                    help="text file(s) or a folder of them, made into byte tokens with `ltrain data prepare`")
+    ap.add_argument("--suite", action="append", choices=["layouts", "zero3", "tp", "llama", "dp"])
+    ap.add_argument("--reference", help="another build's ltrain: gpt-1.3b on one GPU through both")
+    ap.add_argument("--gpus", type=int, default=0, help="use this many GPUs (default: every one)")
+    ap.add_argument("--json", help="write every figure here")
+    ap.add_argument("--run-timeout", type=int, default=900, help="seconds one job or peer may take")
+    ap.add_argument("--workdir", help="recipes, tokens and logs (default: a new temporary folder)")
+    args = ap.parse_args()
+    suites = args.suite or ([] if args.reference else ["layouts"])
+    n = args.gpus or gpus()
+    if n == 0:
+        print("skipped: 1 GPU(s) needed, 0 here", flush=True)
+        return 77
+    if any(s in suites for s in ("zero3", "llama")) and not args.baselines:
+        ap.error("--suite zero3 and llama need --baselines (the folder of gpt_fsdp.py)")
+    workdir = args.workdir or tempfile.mkdtemp(prefix="ltrain-launch-bench-")
+    os.makedirs(workdir, exist_ok=True)
+    texts = [os.path.join(args.data, f) for f in sorted(os.listdir(args.data))] if os.path.isdir(args.data) else [args.data]
+    args.token_dir = os.path.join(workdir, "tokens")
+    prepare = subprocess.run([args.ltrain, "data", "prepare", "--quiet", "--input", *texts, "--output", args.token_dir],
+                             capture_output=True, text=True)
+    if prepare.returncode != 0:
+        print(f"launch_bench: ltrain data prepare failed: {prepare.stderr.strip()}", flush=True)
+        return 1
+    b = Bench(args, workdir)
+    here = os.path.dirname(os.path.abspath(__file__))
+    baselines = os.path.abspath(args.baselines) if args.baselines else None
+    print(f"launch_bench: {n} GPU(s), logs in {workdir}", flush=True)
+    for s in suites:
+        if s == "layouts":
+            suite_layouts(b, n)
+        elif s == "zero3":
+            suite_zero3(b, n, baselines, here)
+        elif s == "tp" and n >= 4:
+            suite_tp(b, n)
+        elif s == "llama":
+            suite_llama(b, n, baselines)
+        elif s == "dp" and n >= 2:
+            suite_dp(b, n)
+        else:
+            print(f"{s}: skipped: needs more GPUs than {n}", flush=True)
+    if args.reference:
+        suite_reference(b, args.reference)
+    if b.failures:
+        print(f"launch_bench: {len(b.failures)} failed: " + "; ".join(b.failures), flush=True)
+        return 1
+    print("launch_bench: every run passed", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
