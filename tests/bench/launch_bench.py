@@ -21,6 +21,10 @@ Suites (--suite, repeatable; default: layouts):
   tp       gpt-7b tp4 and tp2 x dp2 (ZeRO-1), micro-batch 4, 8 sequences a step (4 GPUs)
   llama    Llama 3 8B's shape, ZeRO-3 over every GPU, micro-batch 1, against FSDP2 with compile
   dp       gpt-1.3b (micro-batch 8, recipe defaults) on one GPU and data parallel on 2 and on every GPU
+  learning gpt-124m on byte tokens of --learning-data, 200 steps, the default precision, one seed per
+           GPU (seed k from the parameters and batches of gpt_baseline.py with its seeds moved by k),
+           against gpt_baseline.py (PyTorch AMP) with the same seeds: the loss at step 200 and each
+           curve's worst step against the mean of the 10 before it
 --reference LTRAIN adds gpt-1.3b on one GPU through another build's ltrain (an earlier commit built
 beside this one), interleaved with this build's, twice each, and prints the ratio.
 
@@ -29,6 +33,7 @@ Exits 1 when a run fails, 77 (skipped) without a GPU. --json FILE writes every f
 import argparse, json, math, os, re, shutil, subprocess, sys, tempfile, time
 
 from benchlib import gpus, peer_env
+from gpu_throughput import SHIFTED_SEEDS, byte_data, peer_source, print_worst_step
 
 GPT = "model: {{layers: {layers}, d_model: {d}, heads: {heads}, seq_len: 2048, vocab: 50304}}\n"
 LLAMA = ("model: {arch: llama, layers: 32, d_model: 4096, heads: 32, kv_heads: 8, ffn: 14336, seq_len: 2048,\n"
@@ -85,6 +90,7 @@ class Bench:
              "peak_gib": float(m.group(8)), "step_ms": float(m.group(3)),
              "first_loss": losses[0][1] if losses else None, "last_loss": losses[-1][1] if losses else None}
         self.show(r)
+        r["curve"] = losses
         self.results.append(r)
         self.dump()
         return r
@@ -236,13 +242,66 @@ def suite_reference(b, reference):
             b.results.append({"ratio": f"against the reference, round {i + 1}", "value": a["tok_s_gpu"] / r["tok_s_gpu"]})
 
 
+def suite_learning(b, n, baselines, text):
+    seeds = list(range(min(n, 4)))
+    print(f"learning: gpt-124m, byte tokens of {text}, 200 steps, seeds {seeds}, against PyTorch AMP", flush=True)
+    tokens = byte_data(os.path.join(b.workdir, "learning-tokens"), text)
+    model = "model: {layers: 12, d_model: 768, heads: 12, seq_len: 2048, vocab: 256}\n"
+    ours = {}
+    for k in seeds:
+        # The batches of gpt_baseline.py's generator (seed 1234 + k) over the same bytes.
+        path = b.recipe(f"learning-seed{k}", model, steps=200, micro_batch=16, global_batch=16, world=1)
+        r = b.launch(f"ltrain learning seed {k}", path, sets=[f"data.path={tokens}", "data.sampling=torch",
+                                                               f"data.seed={1234 + k}", f"training.seed={k}"])
+        if r:
+            ours[k] = r["curve"]
+            print_worst_step(f"ltrain seed {k}", ours[k])
+    # The peers, one seed a GPU at once; a copy of gpt_baseline.py that prints every step's loss.
+    source = peer_source(open(os.path.join(baselines, "gpt_baseline.py")).read(), True, "peer")
+    if source is None:
+        b.failures.append("learning: this gpt_baseline.py prints its loss differently")
+        return
+    copy = os.path.join(b.workdir, "gpt_baseline_every_step.py")
+    with open(copy, "w") as f:
+        f.write(source)
+    env = peer_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [baselines, env.get("PYTHONPATH")]))
+    procs = {}
+    for k in seeds:
+        shift = [] if k == 0 else ["-c", SHIFTED_SEEDS.format(k=k)]
+        out = open(os.path.join(b.workdir, f"peer-learning-seed{k}.log"), "w+")
+        procs[k] = (subprocess.Popen([sys.executable, *shift, copy, "--model", "gpt-124m", "--data", text, "--steps",
+                                      "200", "--mode", "eager"], stdout=out, stderr=subprocess.STDOUT,
+                                     env=dict(env, CUDA_VISIBLE_DEVICES=str(k % n)), cwd=baselines), out)
+    theirs = {}
+    for k, (p, out) in procs.items():
+        p.wait(timeout=b.args.run_timeout)
+        out.seek(0)
+        curve = [(int(st) + 1, float(l)) for st, l in re.findall(r"step (\d+) loss ([0-9.]+)", out.read())]
+        if len(curve) < 200:
+            b.failures.append(f"PyTorch AMP seed {k}: {len(curve)} steps")
+            continue
+        theirs[k] = curve
+        print_worst_step(f"PyTorch AMP seed {k}", curve)
+    both = [k for k in seeds if k in ours and k in theirs]
+    for k in both:
+        print(f"  seed {k}: loss at step 200 ltrain {ours[k][-1][1]:.4f}, PyTorch AMP {theirs[k][-1][1]:.4f}", flush=True)
+    if both:
+        mine, amp = (sum(c[k][-1][1] for k in both) / len(both) for c in (ours, theirs))
+        print(f"  mean loss at step 200: ltrain {mine:.4f}, PyTorch AMP {amp:.4f} ({100 * (mine - amp) / amp:+.2f}%)",
+              flush=True)
+        b.results.append({"ratio": "learning: mean loss at step 200 against PyTorch AMP", "value": mine / amp})
+        b.dump()
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--ltrain", required=True, help="the ltrain binary (its ltrain-worker beside it)")
     ap.add_argument("--baselines", help="the folder of gpt_fsdp.py and gpt_model.py (the peers)")
     ap.add_argument("--data", default="/usr/share/common-licenses",
                     help="text file(s) or a folder of them, made into byte tokens with `ltrain data prepare`")
-    ap.add_argument("--suite", action="append", choices=["layouts", "zero3", "tp", "llama", "dp"])
+    ap.add_argument("--suite", action="append", choices=["layouts", "zero3", "tp", "llama", "dp", "learning"])
+    ap.add_argument("--learning-data", help="the learning suite's text (../shared/data/tinyshakespeare.txt)")
     ap.add_argument("--reference", help="another build's ltrain: gpt-1.3b on one GPU through both")
     ap.add_argument("--gpus", type=int, default=0, help="use this many GPUs (default: every one)")
     ap.add_argument("--json", help="write every figure here")
@@ -254,8 +313,10 @@ def main():
     if n == 0:
         print("skipped: 1 GPU(s) needed, 0 here", flush=True)
         return 77
-    if any(s in suites for s in ("zero3", "llama")) and not args.baselines:
-        ap.error("--suite zero3 and llama need --baselines (the folder of gpt_fsdp.py)")
+    if any(s in suites for s in ("zero3", "llama", "learning")) and not args.baselines:
+        ap.error("--suite zero3, llama and learning need --baselines (the folder of the peers)")
+    if "learning" in suites and not args.learning_data:
+        ap.error("--suite learning needs --learning-data")
     workdir = args.workdir or tempfile.mkdtemp(prefix="ltrain-launch-bench-")
     os.makedirs(workdir, exist_ok=True)
     texts = [os.path.join(args.data, f) for f in sorted(os.listdir(args.data))] if os.path.isdir(args.data) else [args.data]
@@ -280,6 +341,8 @@ def main():
             suite_llama(b, n, baselines)
         elif s == "dp" and n >= 2:
             suite_dp(b, n)
+        elif s == "learning":
+            suite_learning(b, n, baselines, os.path.abspath(args.learning_data))
         else:
             print(f"{s}: skipped: needs more GPUs than {n}", flush=True)
     if args.reference:
