@@ -18,7 +18,8 @@ Suites (--suite, repeatable; default: layouts):
            parts from the one-GPU run's by more than 1%, or its last by more than 5%.
   zero3    gpt-7b (32 layers, d 4096) ZeRO-3 over every GPU at micro-batch 2, and at micro-batch 1 with
            accumulation 2, against FSDP2 (gpt_fsdp.py eager and compile; fsdp_accumulate.py)
-  tp       gpt-7b tp4 and tp2 x dp2 (ZeRO-1), micro-batch 4, 8 sequences a step (4 GPUs)
+  tp       gpt-7b, 8 sequences a step (4 GPUs): tp4 and tp2 x dp2 under ZeRO-1 at micro-batch 4, tp2 x dp2
+           under ZeRO-3 and pp2 x dp2 (ZeRO-1) at micro-batch 2
   llama    Llama 3 8B's shape, ZeRO-3 over every GPU, micro-batch 1, against FSDP2 with compile
   dp       gpt-1.3b (micro-batch 8, recipe defaults) on one GPU and data parallel on 2 and on every GPU
   learning gpt-124m on byte tokens of --learning-data, 200 steps, the default precision, one seed per
@@ -73,7 +74,8 @@ class Bench:
         start = time.time()
         with open(log, "w") as out:
             try:
-                rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, **(env or {})),
+                rc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                    env=dict(os.environ, **self.args.ltrain_env, **(env or {})),
                                     timeout=self.args.run_timeout).returncode
             except subprocess.TimeoutExpired:
                 rc = "timeout"
@@ -193,11 +195,12 @@ def suite_zero3(b, n, baselines, here):
 
 
 def suite_tp(b, n):
-    print("tp: gpt-7b, 8 sequences a step, micro-batch 4, ZeRO-1", flush=True)
-    for label, parallel in (("tp4", ", tp: 4, zero: 1"), ("tp2 x dp2", ", tp: 2, zero: 1")):
-        path = b.recipe(f"gpt-7b-{label.replace(' ', '')}", GPT.format(layers=32, d=4096, heads=32), steps=12,
-                        micro_batch=4, global_batch=8, world=4, parallel=parallel)
-        b.launch(f"ltrain {label}, micro-batch 4", path)
+    print("tp: gpt-7b, 8 sequences a step", flush=True)
+    for label, micro_batch, parallel in (("tp4", 4, ", tp: 4, zero: 1"), ("tp2 x dp2", 4, ", tp: 2, zero: 1"),
+                                         ("tp2 x dp2 zero 3", 2, ", tp: 2, zero: 3"), ("pp2 x dp2", 2, ", pp: 2, zero: 1")):
+        path = b.recipe(f"gpt-7b-{re.sub(r'[^a-z0-9]+', '', label)}", GPT.format(layers=32, d=4096, heads=32), steps=12,
+                        micro_batch=micro_batch, global_batch=8, world=4, parallel=parallel)
+        b.launch(f"ltrain {label}, micro-batch {micro_batch}", path)
 
 
 def suite_llama(b, n, baselines):
@@ -304,10 +307,14 @@ def main():
     ap.add_argument("--learning-data", help="the learning suite's text (../shared/data/tinyshakespeare.txt)")
     ap.add_argument("--reference", help="another build's ltrain: gpt-1.3b on one GPU through both")
     ap.add_argument("--gpus", type=int, default=0, help="use this many GPUs (default: every one)")
+    ap.add_argument("--ltrain-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="set in the environment of every ltrain launch (repeatable; `ltrain-worker --help` "
+                         "lists the worker's variables)")
     ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--run-timeout", type=int, default=900, help="seconds one job or peer may take")
     ap.add_argument("--workdir", help="recipes, tokens and logs (default: a new temporary folder)")
     args = ap.parse_args()
+    args.ltrain_env = dict(kv.split("=", 1) for kv in args.ltrain_env)
     suites = args.suite or ([] if args.reference else ["layouts"])
     n = args.gpus or gpus()
     if n == 0:

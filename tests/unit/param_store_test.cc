@@ -421,5 +421,42 @@ TEST(ParamStoreTest, ExclusiveCollectivesAreIssuedByTheCallingThread) {
   }
 }
 
+// On a GPU, a queue that runs its jobs inline on a stream of their own (tensor or pipeline parallel
+// beside dp) orders each job after what the enqueuing stream held when it was enqueued, and Wait
+// orders the enqueuing stream after the job: long work before each write of x would otherwise let
+// the job read a stale x, or the check read y before the job wrote it.
+TEST(ReductionQueueTest, InlineJobsOnAStreamOfTheirOwnAreOrderedBothWays) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::Device cuda(torch::kCUDA, 0);
+  ReductionQueue queue(/*threaded=*/false, cuda, /*own_stream=*/true);
+  EXPECT_TRUE(queue.apart());
+  const int64_t n = 1 << 22;
+  torch::Tensor a = torch::randn({4096, 4096}, cuda);
+  torch::Tensor x = torch::zeros({n}, cuda);
+  torch::Tensor y = torch::zeros({n}, cuda);
+  for (int round = 1; round <= 3; ++round) {
+    for (int i = 0; i < 20; ++i) a = torch::tanh(torch::matmul(a, a) * 1e-2);
+    x.add_(a.sum() * 0 + 1);  // x = round, written after the products
+    const int64_t job = queue.Enqueue([x, y]() mutable {
+      for (int i = 0; i < 20; ++i) y.copy_(x * 2);
+      return Status::Ok();
+    });
+    ASSERT_TRUE(queue.Wait(job).ok());
+    EXPECT_EQ(y.sum().item<double>(), 2.0 * round * static_cast<double>(n)) << "round " << round;
+  }
+  // A job's error comes back from Wait.
+  const int64_t failing = queue.Enqueue([] { return Internal("refused"); });
+  EXPECT_FALSE(queue.Wait(failing).ok());
+}
+
+// Off the GPU (or without a stream of its own) an inline queue runs its jobs on the caller's stream:
+// not apart, so no copy-engine gathers.
+TEST(ReductionQueueTest, AnInlineQueueOnTheCpuIsNotApart) {
+  ReductionQueue inline_queue(/*threaded=*/false, torch::Device(torch::kCPU), /*own_stream=*/true);
+  EXPECT_FALSE(inline_queue.apart());
+  ReductionQueue threaded(/*threaded=*/true, torch::Device(torch::kCPU), /*own_stream=*/true);
+  EXPECT_TRUE(threaded.apart());
+}
+
 }  // namespace
 }  // namespace ltrain::worker

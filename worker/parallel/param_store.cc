@@ -19,8 +19,9 @@ bool high_priority_collectives = false;
 
 void SetCollectiveStreamPriority(bool high) { high_priority_collectives = high; }
 
-ReductionQueue::ReductionQueue(bool threaded, const torch::Device& device) : threaded_(threaded), device_(device) {
-  if (threaded_ && device.is_cuda()) {
+ReductionQueue::ReductionQueue(bool threaded, const torch::Device& device, bool own_stream)
+    : threaded_(threaded), device_(device) {
+  if (own_stream && device.is_cuda()) {
     auto side = std::make_unique<compat::SideStream>(device, high_priority_collectives);
     if (side->active()) side_ = std::move(side);
   }
@@ -54,7 +55,24 @@ Status RunJob(const std::function<Status()>& job) {
 int64_t ReductionQueue::Enqueue(std::function<Status()> job) {
   if (!threaded_) {
     const int64_t id = next_id_++;
-    Status s = RunJob(job);
+    if (!side_) {
+      Status s = RunJob(job);
+      if (!s.ok() && error_.ok()) error_ = s;
+      done_id_ = id;
+      return id;
+    }
+    // Issued now, on the side stream, after what the enqueuing thread's stream holds now.
+    compat::StreamMarker ready = compat::StreamMarker::Record(device_);
+    Status s;
+    compat::StreamMarker finished;
+    {
+      compat::SideStream::Scope scope(*side_);
+      ready.Block();
+      s = RunJob(job);
+      finished = compat::StreamMarker::Record(device_);
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    finished_[id] = finished;
     if (!s.ok() && error_.ok()) error_ = s;
     done_id_ = id;
     return id;
@@ -136,11 +154,13 @@ ParamStore::~ParamStore() {
 StatusOr<std::unique_ptr<ParamStore>> ParamStore::Create(std::vector<Param> params,
                                                          const std::vector<std::vector<int>>& units, int zero,
                                                          Communicator* dp, AdamWConfig adamw, bool bf16_compute,
-                                                         bool exclusive_collectives) {
+                                                         bool exclusive_collectives, bool inline_on_own_stream) {
   if (zero < 0 || zero > 3) return InvalidArgument("parallel.zero=" + std::to_string(zero) + " is not 0, 1, 2 or 3");
   std::unique_ptr<ParamStore> store(new ParamStore(std::move(params), zero, dp, adamw));
   const torch::Device device = store->params_.empty() ? torch::Device(torch::kCPU) : store->params_[0].value->device();
-  store->queue_ = std::make_unique<ReductionQueue>(dp->size() > 1 && !exclusive_collectives, device);
+  const bool collectives = dp->size() > 1;
+  store->queue_ = std::make_unique<ReductionQueue>(collectives && !exclusive_collectives, device,
+                                                   collectives && (!exclusive_collectives || inline_on_own_stream));
   std::vector<int64_t> numels;
   for (const Param& p : store->params_) numels.push_back(p.value->numel());
   store->unit_of_.assign(store->params_.size(), -1);
@@ -664,7 +684,7 @@ Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, con
   if (own_kernel && zero_ == 0 && defer_compute) {
     // In forward order, each unit a job on the update queue's stream (ordered after this stream's
     // backward): the next forward waits for a unit's job just before using it (AwaitCompute).
-    if (!update_queue_) update_queue_ = std::make_unique<ReductionQueue>(/*threaded=*/true, units_.front().full.device());
+    if (!update_queue_) update_queue_ = std::make_unique<ReductionQueue>(/*threaded=*/true, units_.front().full.device(), /*own_stream=*/true);
     update_divisor_ = divisor;
     for (auto it = units_.rbegin(); it != units_.rend(); ++it) {
       Unit* unit = &*it;
@@ -792,7 +812,7 @@ void ParamStore::Release(int u) {
 
 bool ParamStore::UseSymmetricGathers() {
   // NCCL runs a windowed all-gather on the copy engines through cudaMemcpyBatchAsync, which fails
-  // on the legacy default stream, the one an inline queue's collectives are issued on.
+  // on the legacy default stream, the one the collectives run on without a stream of their own.
   if (!queue_->apart()) return false;
   symmetric_gathers_ = zero_ == 3 && dp_->size() > 1 && !units_.empty() && units_.front().compute.defined();
   if (symmetric_gathers_) return true;

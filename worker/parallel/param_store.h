@@ -24,7 +24,7 @@
 // training thread on CPU, autograd's device thread on CUDA), so every dp rank queues them in the
 // same order. On CUDA they run on a stream of their own (see ReductionQueue). Where other
 // communicators have collectives in flight at the same time on GPUs (exclusive_collectives), they
-// are issued inline instead, in the asking thread's order and on its stream.
+// are issued inline instead, in the asking thread's order, still on the stream of their own.
 #pragma once
 
 #include <condition_variable>
@@ -52,13 +52,15 @@ namespace ltrain::worker {
 // (LTRAIN_DP_HIGH_PRIORITY=1; set once at start).
 void SetCollectiveStreamPriority(bool high);
 
-// Runs jobs one after another on a thread of its own (or inline when made with threaded=false).
-// On CUDA a threaded queue runs its jobs on a stream of its own, so that collectives overlap the
-// computation: a job's kernels wait for what the enqueuing thread's stream had queued when it
-// enqueued it, and Wait makes the waiting thread's stream wait for the job's kernels.
+// Runs jobs one after another on a thread of its own (or inline, by the enqueuing thread, when made
+// with threaded=false). On CUDA with own_stream the jobs run on a stream of their own, so that
+// collectives overlap the computation: a job's kernels wait for what the enqueuing thread's stream
+// had queued when it enqueued it, and Wait makes the waiting thread's stream wait for the job's
+// kernels. Inline jobs on their own stream are issued in the enqueuing thread's order (one order
+// on every rank) and still run beside the computation.
 class ReductionQueue {
  public:
-  ReductionQueue(bool threaded, const torch::Device& device);
+  ReductionQueue(bool threaded, const torch::Device& device, bool own_stream);
   ~ReductionQueue();
   ReductionQueue(const ReductionQueue&) = delete;
   ReductionQueue& operator=(const ReductionQueue&) = delete;
@@ -67,9 +69,9 @@ class ReductionQueue {
   // Waits for job `id` (and everything queued before it); returns the first error of any job.
   Status Wait(int64_t id);
   Status WaitAll();
-  // Whether jobs run apart from the enqueuing thread: on a thread of their own and, on CUDA, on a
-  // stream of their own (not the thread's current stream, LibTorch's legacy default stream).
-  bool apart() const { return threaded_ && (side_ != nullptr || !device_.is_cuda()); }
+  // Whether jobs run apart from the computation: on CUDA on a stream of their own (not the thread's
+  // current stream, LibTorch's legacy default stream), elsewhere on a thread of their own.
+  bool apart() const { return device_.is_cuda() ? side_ != nullptr : threaded_; }
 
  private:
   void Loop();
@@ -131,10 +133,13 @@ class ParamStore {
   // the data-parallel ones would be in flight, on a GPU. NCCL kernels of two communicators issued
   // from two threads can then wait on each other across ranks and hang (NCCL's documentation:
   // concurrent communicators need one issue order on every rank), so the data-parallel collectives
-  // are issued inline, by the thread that asks for them, on its stream, never beside the others.
+  // are issued inline, by the thread that asks for them, in its order; on CUDA they still run on a
+  // stream of their own beside the computation (`inline_on_own_stream`; false: on the asking
+  // thread's stream, LTRAIN_DP_SIDE_STREAM=0).
   static StatusOr<std::unique_ptr<ParamStore>> Create(std::vector<Param> params, const std::vector<std::vector<int>>& units,
                                                       int zero, Communicator* dp, AdamWConfig adamw,
-                                                      bool bf16_compute = false, bool exclusive_collectives = false);
+                                                      bool bf16_compute = false, bool exclusive_collectives = false,
+                                                      bool inline_on_own_stream = true);
   ~ParamStore();
 
   // Every dp rank starts from rank 0's parameters (zero < 3; under zero 3 every rank built the
@@ -216,8 +221,8 @@ class ParamStore {
   // has no such memory the units gather as without this call (warning where NCCL fails to make it).
   // zero 1/2 with a sharded update (sharded_update()): the kept bf16 copies move into one region of
   // such memory, where their all-gathers after each update run the same way.
-  // Not where the collectives run inline on the computation's stream (exclusive_collectives: tensor
-  // or pipeline parallel beside dp): NCCL's copy-engine collectives refuse the legacy default stream.
+  // Not where the collectives run on the computation's stream (exclusive_collectives without a
+  // stream of their own): NCCL's copy-engine collectives refuse the legacy default stream.
   bool UseSymmetricGathers();
   int64_t symmetric_bytes() const;
   int zero() const { return zero_; }

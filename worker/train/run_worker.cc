@@ -182,6 +182,7 @@ Status Run(const WorkerEnv& env) {
   options.dp_overlap = EnvString("LTRAIN_DP_OVERLAP") != "0";
   options.overlap_update = EnvString("LTRAIN_OVERLAP_UPDATE") != "0";
   options.copy_engine_gathers = EnvString("LTRAIN_COPY_ENGINE_GATHERS") != "0";
+  options.dp_side_stream = EnvString("LTRAIN_DP_SIDE_STREAM") != "0";
   LTRAIN_ASSIGN_OR_RETURN(options.slow_factor, SlowFactor(env.rank));
   SetCollectiveStreamPriority(EnvString("LTRAIN_DP_HIGH_PRIORITY") == "1");
   FusedKernelOptions kernels;
@@ -355,6 +356,9 @@ Profiling:
                            gather the bf16 weights (zero 3 before use, zero 1/2 after each
                            update) with NCCL's kernels, not on the copy engines within memory the
                            ranks write into directly (NCCL 2.28, one node)
+  LTRAIN_DP_SIDE_STREAM=0  with tp or pp beside dp, run the data-parallel collectives on the
+                           computation's stream, not on a stream of their own beside it (they are
+                           issued in the computation's order either way)
   LTRAIN_TP_OVERLAP=0      all-reduce a tensor-parallel block input's gradient after its products'
                            backward, not beside their weight-gradient products (tp without
                            sequence parallelism, our products)

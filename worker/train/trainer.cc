@@ -309,7 +309,8 @@ Status Trainer::Init() {
   const int store_zero = layout_.dp == 1 && layout_.zero < 3 ? 0 : layout_.zero;
   StatusOr<std::unique_ptr<ParamStore>> store =
       ParamStore::Create(store_params, units, store_zero, groups_->dp, adamw, bf16_params_,
-                         /*exclusive_collectives=*/device_.is_cuda() && (layout_.tp > 1 || layout_.pp > 1));
+                         /*exclusive_collectives=*/device_.is_cuda() && (layout_.tp > 1 || layout_.pp > 1),
+                         /*inline_on_own_stream=*/options_.dp_side_stream);
   if (!store.ok()) return store.status();
   store_ = std::move(store).value();
   if (layout_.zero == 3) model_->set_hooks(Zero3GatherHooks(store_.get(), params, units, ml.config.layers));

@@ -80,6 +80,9 @@ struct TrainerOptions {
   // bf16 copies over NCCL, zero 1-3: the all-gathers of the copies within symmetric memory, on the
   // copy engines (ParamStore::UseSymmetricGathers; LTRAIN_COPY_ENGINE_GATHERS=0: NCCL's kernels).
   bool copy_engine_gathers = true;
+  // tp or pp beside dp on GPUs: dp's collectives, issued inline in the computation's order, run on
+  // a stream of their own beside it (false: on the computation's stream; LTRAIN_DP_SIDE_STREAM=0).
+  bool dp_side_stream = true;
   // The model without training data (export, generate): Run, Step and Save are not called.
   bool model_only = false;
   // Delivers this rank's Progress to its agent before it returns (ProgressReporter::Flush). Rank 0
