@@ -34,14 +34,12 @@ Exits 1 when a run fails, 77 (skipped) without a GPU. --json FILE writes every f
 import argparse, json, math, os, re, shutil, subprocess, sys, tempfile, time
 
 from benchlib import gpus, peer_env
-from gpu_throughput import SHIFTED_SEEDS, byte_data, peer_source, print_worst_step
+from gpu_throughput import SHIFTED_SEEDS, byte_data, parse_worker, peer_source, print_worst_step
 
 GPT = "model: {{layers: {layers}, d_model: {d}, heads: {heads}, seq_len: 2048, vocab: 50304}}\n"
 LLAMA = ("model: {arch: llama, layers: 32, d_model: 4096, heads: 32, kv_heads: 8, ffn: 14336, seq_len: 2048,\n"
          "  vocab: 128256, rope_theta: 500000, tie_embeddings: false}\n")
-THROUGHPUT_RE = re.compile(r"throughput: steps (\d+)-(\d+) step_ms ([0-9.]+) tok/s (\d+) tok/s/device (\d+) "
-                           r"tflops/device ([0-9.]+) mfu ([0-9.]+)% peak_mem_gib ([0-9.]+)")
-LOSS_RE = re.compile(r"step (\d+)/\d+ loss ([0-9.naif]+)")
+LOSS_RE = re.compile(r"step (\d+)/\d+ loss ([0-9.naif]+)")  # nan and inf too: the layouts check fails them
 PEER_RE = re.compile(r"pytorch-fsdp2 world=\d+ \S+ (eager|compile) .*?tok/s/GPU=([0-9,]+) TFLOP/s/GPU=([0-9.]+) "
                      r"MFU\(989\)=([0-9.]+)% peak_mem=([0-9.]+)GiB")
 
@@ -80,17 +78,15 @@ class Bench:
             except subprocess.TimeoutExpired:
                 rc = "timeout"
         text = open(log, errors="replace").read()
-        m = THROUGHPUT_RE.search(text)
+        r = parse_worker(text)
         losses = [(int(s), float(v)) for s, v in LOSS_RE.findall(text)]
-        if rc != 0 or not m:
+        if rc != 0 or r is None:
             tail = " | ".join(text.strip().splitlines()[-3:])
             print(f"  {label:<44} FAILED (exit {rc}, {time.time() - start:.0f} s): {tail}", flush=True)
             self.failures.append(f"{label}: exit {rc}")
             self.results.append({"label": label, "failed": True, "log": log})
             return None
-        r = {"label": label, "tok_s_gpu": float(m.group(5)), "mfu": float(m.group(7)),
-             "peak_gib": float(m.group(8)), "step_ms": float(m.group(3)),
-             "first_loss": losses[0][1] if losses else None, "last_loss": losses[-1][1] if losses else None}
+        r.update(label=label, first_loss=losses[0][1] if losses else None, last_loss=losses[-1][1] if losses else None)
         self.show(r)
         r["curve"] = losses
         self.results.append(r)
