@@ -20,6 +20,8 @@ Suites (--suite, repeatable; default: layouts):
            accumulation 2, against FSDP2 (gpt_fsdp.py eager and compile; fsdp_accumulate.py)
   tp       gpt-7b, 8 sequences a step (4 GPUs): tp4 and tp2 x dp2 under ZeRO-1 at micro-batch 4, tp2 x dp2
            under ZeRO-3 and pp2 x dp2 (ZeRO-1) at micro-batch 2
+  large    8 GPUs: gpt-7b, 16 sequences a step, with tp8, tp4 x dp2, tp2 x pp2 x dp2 (interleaved) and dp8
+           ZeRO-3 (micro-batch 2), against FSDP2 eager and compile at micro-batch 2 on the 8
   llama    Llama 3 8B's shape, ZeRO-3 over every GPU, micro-batch 1, against FSDP2 with compile
   dp       gpt-1.3b (micro-batch 8, recipe defaults) on one GPU and data parallel on 2 and on every GPU
   learning gpt-124m on byte tokens of --learning-data, 200 steps, the default precision, one seed per
@@ -199,6 +201,24 @@ def suite_tp(b, n):
         b.launch(f"ltrain {label}, micro-batch {micro_batch}", path)
 
 
+def suite_large(b, n, baselines):
+    print("large: gpt-7b on 8 GPUs, 16 sequences a step, the 3-D layouts and ZeRO-3 against FSDP2", flush=True)
+    model = GPT.format(layers=32, d=4096, heads=32)
+    zero3 = None
+    for label, micro_batch, parallel in (("tp8", 4, ", tp: 8, zero: 1"), ("tp4 x dp2", 4, ", tp: 4, zero: 1"),
+                                         ("tp2 x pp2 x dp2 interleaved", 2,
+                                          ", tp: 2, pp: 2, pp_schedule: interleaved, virtual_stages: 2, zero: 1"),
+                                         ("dp8 zero 3", 2, ", zero: 3")):
+        path = b.recipe(f"gpt-7b-large-{re.sub(r'[^a-z0-9]+', '', label)}", model, steps=12, micro_batch=micro_batch,
+                        global_batch=16, world=8, parallel=parallel)
+        r = b.launch(f"ltrain {label}, micro-batch {micro_batch}", path)
+        if label.startswith("dp8"):
+            zero3 = r
+    peers = b.peer("FSDP2 on 8, micro-batch 2", 8, [os.path.join(baselines, "gpt_fsdp.py"), "--model", "gpt-7b",
+                                                    "--mode", "both", "--micro-batch", "2"])
+    b.ratio("dp8 zero 3 micro-batch 2", zero3, peers.values())
+
+
 def suite_llama(b, n, baselines):
     print(f"llama: Llama 3 8B's shape, ZeRO-3 over {n} GPUs, micro-batch 1, against FSDP2 with compile", flush=True)
     path = b.recipe("llama-8b-zero3", LLAMA, steps=12, micro_batch=1, global_batch=n, world=n, parallel=", zero: 3")
@@ -299,7 +319,7 @@ def main():
     ap.add_argument("--baselines", help="the folder of gpt_fsdp.py and gpt_model.py (the peers)")
     ap.add_argument("--data", default="/usr/share/common-licenses",
                     help="text file(s) or a folder of them, made into byte tokens with `ltrain data prepare`")
-    ap.add_argument("--suite", action="append", choices=["layouts", "zero3", "tp", "llama", "dp", "learning"])
+    ap.add_argument("--suite", action="append", choices=["layouts", "zero3", "tp", "large", "llama", "dp", "learning"])
     ap.add_argument("--learning-data", help="the learning suite's text (../shared/data/tinyshakespeare.txt)")
     ap.add_argument("--reference", help="another build's ltrain: gpt-1.3b on one GPU through both")
     ap.add_argument("--gpus", type=int, default=0, help="use this many GPUs (default: every one)")
@@ -316,8 +336,8 @@ def main():
     if n == 0:
         print("skipped: 1 GPU(s) needed, 0 here", flush=True)
         return 77
-    if any(s in suites for s in ("zero3", "llama", "learning")) and not args.baselines:
-        ap.error("--suite zero3, llama and learning need --baselines (the folder of the peers)")
+    if any(s in suites for s in ("zero3", "large", "llama", "learning")) and not args.baselines:
+        ap.error("--suite zero3, large, llama and learning need --baselines (the folder of the peers)")
     if "learning" in suites and not args.learning_data:
         ap.error("--suite learning needs --learning-data")
     workdir = args.workdir or tempfile.mkdtemp(prefix="ltrain-launch-bench-")
@@ -340,6 +360,8 @@ def main():
             suite_zero3(b, n, baselines, here)
         elif s == "tp" and n >= 4:
             suite_tp(b, n)
+        elif s == "large" and n >= 8:
+            suite_large(b, n, baselines)
         elif s == "llama":
             suite_llama(b, n, baselines)
         elif s == "dp" and n >= 2:
