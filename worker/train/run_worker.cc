@@ -89,6 +89,14 @@ StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe
   if (recipe.parallel.device == Device::kCuda) {
 #ifdef LTRAIN_WITH_NCCL
     const std::chrono::milliseconds timeout = CollectiveTimeout(recipe);
+    if ((layout.tp > 1 || layout.pp > 1) && layout.dp > 1 && EnvString("LTRAIN_DP_SIDE_STREAM") != "0") {
+      // dp's collectives run on a stream of their own beside tp's or pp's (ParamStore's exclusive
+      // collectives), every group's issued in one order on every rank by one thread at a time. NCCL
+      // runs kernels of several communicators in their host order only with implicit launch
+      // ordering (NCCL 2.26 and later; its guide, "Using multiple NCCL communicators
+      // concurrently"), read once, before the first communicator. A value set by the user stays.
+      setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "1", /*overwrite=*/0);
+    }
     auto nccl = NcclCommunicator::Create(*conn->store, env.rank, env.world_size, env.local_rank, timeout);
     if (!nccl.ok()) return nccl.status();
     conn->world = std::move(nccl).value();
