@@ -366,7 +366,8 @@ Profiling:
                            ranks write into directly (NCCL 2.28, one node)
   LTRAIN_DP_SIDE_STREAM=0  with tp or pp beside dp, run the data-parallel collectives on the
                            computation's stream, not on a stream of their own beside it (they are
-                           issued in the computation's order either way)
+                           issued in the computation's order either way; on their own stream the
+                           worker sets NCCL_LAUNCH_ORDER_IMPLICIT=1 unless it is set)
   LTRAIN_TP_OVERLAP=0      all-reduce a tensor-parallel block input's gradient after its products'
                            backward, not beside their weight-gradient products (tp without
                            sequence parallelism, our products)
