@@ -1,6 +1,7 @@
 #include "worker/control/progress.h"
 
 #include <cerrno>
+#include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -14,11 +15,13 @@ int64_t NowUnixMs() {
 }
 
 // JSON has no NaN or infinity: null stands for them.
+// Finite values as the shortest text that reads back as the same double: the metrics file carries
+// the figure the job record holds, not a rounding of it.
 std::string JsonNumber(double value) {
   if (!std::isfinite(value)) return "null";
   char text[32];
-  std::snprintf(text, sizeof(text), "%.9g", value);
-  return text;
+  const std::to_chars_result written = std::to_chars(text, text + sizeof(text), value);
+  return std::string(text, written.ptr);
 }
 
 }  // namespace
