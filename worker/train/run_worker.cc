@@ -71,7 +71,7 @@ struct Connection {
   ProcessGroups groups;
 };
 
-StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe& recipe) {
+StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe& recipe, [[maybe_unused]] bool dp_side_stream) {
   auto conn = std::make_unique<Connection>();
   LTRAIN_ASSIGN_OR_RETURN(Layout layout, PlanLayout(recipe, env.world_size));
   if (env.world_size == 1) {
@@ -89,7 +89,7 @@ StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe
   if (recipe.parallel.device == Device::kCuda) {
 #ifdef LTRAIN_WITH_NCCL
     const std::chrono::milliseconds timeout = CollectiveTimeout(recipe);
-    if ((layout.tp > 1 || layout.pp > 1) && layout.dp > 1 && EnvString("LTRAIN_DP_SIDE_STREAM") != "0") {
+    if ((layout.tp > 1 || layout.pp > 1) && layout.dp > 1 && dp_side_stream) {
       // dp's collectives run on a stream of their own beside tp's or pp's (ParamStore's exclusive
       // collectives), every group's issued in one order on every rank by one thread at a time. NCCL
       // runs kernels of several communicators in their host order only with implicit launch
@@ -259,7 +259,7 @@ Status Run(const WorkerEnv& env) {
   auto connect_start = std::chrono::steady_clock::now();
   constexpr const char* kConnecting = "connecting to the job's ranks";
   Progress::Global().SetWork(kConnecting, 0, env.world_size, "ranks");
-  LTRAIN_ASSIGN_OR_RETURN(std::unique_ptr<Connection> conn, Connect(env, recipe));
+  LTRAIN_ASSIGN_OR_RETURN(std::unique_ptr<Connection> conn, Connect(env, recipe, options.dp_side_stream));
   Progress::Global().EndWork(kConnecting);
   ConnectCheckpointStop(&stop, conn->store);
   // Every rank says it is up: the first line of each rank's log, and proof of the rendezvous.
