@@ -26,10 +26,11 @@ Suites (--suite, repeatable; default: layouts):
   dp       gpt-1.3b (micro-batch 8, recipe defaults) on one GPU and data parallel on 2 and on every GPU
   learning gpt-124m on byte tokens of --learning-data, 200 steps, the default precision, one seed per
            GPU (seed k from the parameters and batches of gpt_baseline.py with its seeds moved by k),
-           against gpt_baseline.py (PyTorch AMP) with the same seeds: the loss at step 200 and each
-           curve's worst step against the mean of the 10 before it
+           against gpt_baseline.py (PyTorch AMP) with the same seeds: the loss at step 200, each
+           curve's worst step against the mean of the 10 before it, and the worst step of ltrain's
+           mean over the seeds against AMP's mean at the same step
 --reference LTRAIN adds gpt-1.3b on one GPU through another build's ltrain (an earlier commit built
-beside this one), interleaved with this build's, twice each, and prints the ratio.
+beside this one), interleaved with this build's, twice each (--reference-rounds), and prints the ratio.
 
 Exits 1 when a run fails, 77 (skipped) without a GPU. --json FILE writes every figure.
 """
@@ -245,14 +246,14 @@ def suite_dp(b, n):
                 b.results.append({"ratio": f"dp{world} of one GPU", "value": r["tok_s_gpu"] / one["tok_s_gpu"]})
 
 
-def suite_reference(b, reference):
+def suite_reference(b, reference, rounds):
     print(f"reference: gpt-1.3b on one GPU, this build against {reference}, interleaved", flush=True)
     path = gpt_1_3b(b, 1)
     ours, theirs = [], []
     # The other build keeps its job records apart (its database may be of another schema).
     home = os.path.join(b.workdir, "reference-home")
     os.makedirs(home, exist_ok=True)
-    for _ in range(2):
+    for _ in range(rounds):
         theirs.append(b.launch("reference build, one GPU", path, env={"LTRAIN_HOME": home}, ltrain=reference))
         ours.append(b.launch("this build, one GPU", path))
     for i, (a, r) in enumerate(zip(ours, theirs)):
@@ -305,12 +306,37 @@ def suite_learning(b, n, baselines, text):
     both = [k for k in seeds if k in ours and k in theirs]
     for k in both:
         print(f"  seed {k}: loss at step 200 ltrain {ours[k][-1][1]:.4f}, PyTorch AMP {theirs[k][-1][1]:.4f}", flush=True)
+        b.results.append({"label": f"PyTorch AMP learning seed {k}", "curve": theirs[k]})
     if both:
         mine, amp = (sum(c[k][-1][1] for k in both) / len(both) for c in (ours, theirs))
         print(f"  mean loss at step 200: ltrain {mine:.4f}, PyTorch AMP {amp:.4f} ({100 * (mine - amp) / amp:+.2f}%)",
               flush=True)
         b.results.append({"ratio": "learning: mean loss at step 200 against PyTorch AMP", "value": mine / amp})
+        # Every step against PyTorch AMP's as it runs: the seeds' mean loss at each step, ltrain's over AMP's
+        # (a spike of ltrain's own shows here; one that AMP takes at the same step does not).
+        worst = against_peer_by_step(ours, theirs, both)
+        if worst:
+            ratio, step = worst
+            print(f"  every step, mean over the seeds: ltrain's worst against PyTorch AMP's {ratio:.3f} (step {step})",
+                  flush=True)
+            b.results.append({"ratio": "learning: worst step's mean loss against PyTorch AMP's", "value": ratio,
+                              "step": step})
+            for k in both:
+                r, st = against_peer_by_step(ours, theirs, [k])
+                print(f"  seed {k}: ltrain's worst step against PyTorch AMP's at the same step {r:.3f} (step {st})",
+                      flush=True)
         b.dump()
+
+
+def against_peer_by_step(ours, theirs, seeds):
+    """(largest ratio, its step) of ltrain's mean loss over `seeds` at a step to PyTorch AMP's at the same step,
+    over the steps every curve has; None when they share none."""
+    steps = set.intersection(*(set(s for s, _ in c[k]) for k in seeds for c in (ours, theirs)))
+    if not steps:
+        return None
+    by_step = [{k: dict(c[k]) for k in seeds} for c in (ours, theirs)]
+    mean = lambda side, s: sum(side[k][s] for k in seeds) / len(seeds)
+    return max((mean(by_step[0], s) / mean(by_step[1], s), s) for s in sorted(steps))
 
 
 def main():
@@ -322,6 +348,7 @@ def main():
     ap.add_argument("--suite", action="append", choices=["layouts", "zero3", "tp", "large", "llama", "dp", "learning"])
     ap.add_argument("--learning-data", help="the learning suite's text (../shared/data/tinyshakespeare.txt)")
     ap.add_argument("--reference", help="another build's ltrain: gpt-1.3b on one GPU through both")
+    ap.add_argument("--reference-rounds", type=int, default=2, help="--reference: runs of each build (default 2)")
     ap.add_argument("--gpus", type=int, default=0, help="use this many GPUs (default: every one)")
     ap.add_argument("--ltrain-env", action="append", default=[], metavar="NAME=VALUE",
                     help="set in the environment of every ltrain launch (repeatable; `ltrain-worker --help` "
@@ -371,7 +398,7 @@ def main():
         else:
             print(f"{s}: skipped: needs more GPUs than {n}", flush=True)
     if args.reference:
-        suite_reference(b, args.reference)
+        suite_reference(b, args.reference, args.reference_rounds)
     if b.failures:
         print(f"launch_bench: {len(b.failures)} failed: " + "; ".join(b.failures), flush=True)
         return 1
