@@ -194,10 +194,10 @@ std::string GemmBf16(const GemmArgs& g, cudaStream_t stream) {
         cudaEventCreate(&start);
         cudaEventCreate(&stop);
         const float one = 1.0f;
-        float best = 0.0f;
+        // Beyond the heuristic's own choice, no split-K whose partial sums meet in bf16 (in place or
+        // in the output type): only those summed in fp32.
+        std::array<bool, kCandidates> usable = {};
         for (int i = 0; i < found; ++i) {
-          // Beyond the heuristic's own choice, no split-K whose partial sums meet in bf16 (in place
-          // or in the output type): only those summed in fp32.
           int32_t splits = 1;
           uint32_t scheme = CUBLASLT_REDUCTION_SCHEME_NONE;
           size_t written = 0;
@@ -205,21 +205,43 @@ std::string GemmBf16(const GemmArgs& g, cudaStream_t stream) {
                                                &written);
           cublasLtMatmulAlgoConfigGetAttribute(&results[i].algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, &scheme,
                                                sizeof(scheme), &written);
-          if (i > 0 && splits > 1 && scheme != CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE) continue;
-          auto run = [&] {
-            return cublasLtMatmul(handle, desc.d, &one, g.a, la.l, g.b, lb.l, &g.beta, c_run, c_layout, d, ld.l,
-                                  &results[i].algo, g.workspace, g.workspace_bytes, stream);
-          };
-          if (run() != CUBLAS_STATUS_SUCCESS) continue;
-          cudaEventRecord(start, stream);
-          constexpr int kRuns = 3;
-          bool ok = true;
-          for (int r = 0; r < kRuns && ok; ++r) ok = run() == CUBLAS_STATUS_SUCCESS;
-          cudaEventRecord(stop, stream);
-          float ms = 0.0f;
-          if (!ok || cudaEventSynchronize(stop) != cudaSuccess || cudaEventElapsedTime(&ms, start, stop) != cudaSuccess) continue;
-          if (best == 0.0f || ms < best) best = ms, algo = results[i].algo;
+          usable[i] = i == 0 || splits == 1 || scheme == CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE;
         }
+        auto run = [&](int i) {
+          return cublasLtMatmul(handle, desc.d, &one, g.a, la.l, g.b, lb.l, &g.beta, c_run, c_layout, d, ld.l,
+                                &results[i].algo, g.workspace, g.workspace_bytes, stream) == CUBLAS_STATUS_SUCCESS;
+        };
+        // Each candidate's time is its best of two passes, the second in the opposite order: a clock
+        // still rising while the first step runs, or work of another stream beside one pass, favours
+        // no candidate by its place in the list.
+        std::array<float, kCandidates> best_ms = {};
+        for (int pass = 0; pass < 2; ++pass) {
+          for (int j = 0; j < found; ++j) {
+            const int i = pass == 0 ? j : found - 1 - j;
+            if (!usable[i] || !run(i)) {
+              usable[i] = false;
+              continue;
+            }
+            cudaEventRecord(start, stream);
+            constexpr int kRuns = 3;
+            bool ok = true;
+            for (int r = 0; r < kRuns && ok; ++r) ok = run(i);
+            cudaEventRecord(stop, stream);
+            float ms = 0.0f;
+            if (!ok || cudaEventSynchronize(stop) != cudaSuccess || cudaEventElapsedTime(&ms, start, stop) != cudaSuccess) {
+              usable[i] = false;
+              continue;
+            }
+            if (best_ms[i] == 0.0f || ms < best_ms[i]) best_ms[i] = ms;
+          }
+        }
+        // The heuristic's choice stays unless another is faster by more than the timing's noise (1%).
+        int pick = usable[0] ? 0 : -1;
+        for (int i = 1; i < found; ++i) {
+          if (!usable[i]) continue;
+          if (pick < 0 || best_ms[i] < (pick == 0 ? 0.99f : 1.0f) * best_ms[pick]) pick = i;
+        }
+        if (pick >= 0) algo = results[pick].algo;
         cudaEventDestroy(start);
         cudaEventDestroy(stop);
         if (scratch != nullptr) cudaFreeAsync(scratch, stream);
