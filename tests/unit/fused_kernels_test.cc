@@ -112,12 +112,14 @@ TEST(FusedKernelsTest, LinearMatchesLibTorch) {
         },
         grad_out);
 
-    // With a gradient already there (as the parameter store keeps them) the new one is added to it.
-    torch::Tensor earlier;
+    // With gradients already there (as the parameter store keeps them) the new ones are added to them
+    // (the weight's by the product, the bias's by the column sums).
     if (offset != 0) {
-      earlier = torch::randn({384, 256}, bf16) * ref[2].abs().max().item<double>();
-      wb[0].mutable_grad() = earlier.clone();
-      ref[2] += earlier.to(torch::kFloat);
+      for (int i : {0, 1}) {
+        torch::Tensor earlier = torch::randn(wb[i].sizes(), bf16) * ref[2 + i].abs().max().item<double>();
+        wb[i].mutable_grad() = earlier.clone();
+        ref[2 + i] += earlier.to(torch::kFloat);
+      }
     }
     torch::Tensor y = FusedLinear(x, wb[0], wb[1], residual);
     y.backward(grad_out);
@@ -286,6 +288,14 @@ TEST(FusedKernelsTest, QkvMatchesLibTorch) {
     std::vector<torch::Tensor> ref = Fp32Reference(
         {x, wb[0], wb[1]}, [&](const std::vector<torch::Tensor>& t) { return consume(split(at::linear(t[0], t[1], t[2]))); },
         grad_out);
+    // With gradients already there (attention's case), the new ones are added to them.
+    if (attention) {
+      for (int i : {0, 1}) {
+        torch::Tensor earlier = torch::randn(wb[i].sizes(), bf16) * ref[2 + i].abs().max().item<double>();
+        wb[i].mutable_grad() = earlier.clone();
+        ref[2 + i] += earlier.to(torch::kFloat);
+      }
+    }
     std::vector<torch::Tensor> qkv = FusedQkv(x, wb[0], wb[1], heads);
     ASSERT_EQ(qkv.size(), 3u);
     for (const auto& t : qkv) EXPECT_EQ(t.sizes(), (std::vector<int64_t>{2, heads, 128, d}));
@@ -331,6 +341,15 @@ TEST(FusedKernelsTest, LayerNormMatchesLibTorch) {
     std::vector<torch::Tensor> ref = Fp32Reference(
         {x, w, b}, [](const std::vector<torch::Tensor>& t) { return torch::layer_norm(t[0], {t[0].size(-1)}, t[1], t[2]); },
         grad_out);
+    // Some with gradients already there (as the parameter store keeps them): the kernel adds to them.
+    if (rows == 4096 || rows == 333) {
+      for (int i : {0, 1}) {
+        torch::Tensor& p = i == 0 ? w : b;
+        torch::Tensor earlier = torch::randn({cols}, bf16) * ref[2 + i].abs().max().item<double>();
+        p.mutable_grad() = earlier.clone();
+        ref[2 + i] += earlier.to(torch::kFloat);
+      }
+    }
 
     ASSERT_TRUE(FusedLayerNormAvailable(x, w, b));
     auto [y, x_res] = FusedLayerNorm(x, w, b);
@@ -429,6 +448,12 @@ TEST(FusedKernelsTest, RmsNormMatchesTheComposite) {
         {x, w},
         [&](const std::vector<torch::Tensor>& t) { return t[0] * torch::rsqrt(t[0].pow(2).mean(-1, true) + eps) * t[1]; },
         grad_out);
+    // Some with a gradient already there: the kernel adds to it.
+    if (rows == 4096 || rows == 333) {
+      torch::Tensor earlier = torch::randn({cols}, bf16) * ref[2].abs().max().item<double>();
+      w.mutable_grad() = earlier.clone();
+      ref[2] += earlier.to(torch::kFloat);
+    }
     ASSERT_TRUE(FusedRmsNormAvailable(x, w));
     auto [y, x_res] = FusedRmsNorm(x, w, eps);
     torch::autograd::backward({y, x_res}, {grad_out, grad_res});

@@ -195,14 +195,29 @@ torch::Tensor AccumulationTarget(const torch::Tensor& w) {
 bool Aligned16(const torch::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
 // The bias gradient of a product whose output gradient is g [rows, cols] (contiguous): its column
-// sums, from our kernel where the layout allows (one read at the card's bandwidth).
-torch::Tensor BiasGrad(const torch::Tensor& g) {
+// sums, from our kernel where the layout allows (one read at the card's bandwidth). Written into
+// `into` (contiguous, [cols], g's dtype) when that is defined, or with `accumulate` added to it: no
+// copy or add after the sums.
+torch::Tensor BiasGrad(const torch::Tensor& g, const torch::Tensor& into = {}, bool accumulate = false) {
   const int64_t rows = g.size(0), cols = g.size(1);
-  if (cols % 8 != 0 || !Aligned16(g)) return g.sum(0);
-  torch::Tensor out = torch::empty({cols}, g.options());
+  if (cols % 8 != 0 || !Aligned16(g)) {
+    if (!into.defined()) return g.sum(0);
+    return accumulate ? into.add_(g.sum(0)) : into.copy_(g.sum(0));
+  }
+  torch::Tensor out = into.defined() ? into : torch::empty({cols}, g.options());
   torch::Tensor partial = torch::empty({cuda::ColumnSumsPartialFloats(rows, cols)}, g.options().dtype(torch::kFloat));
-  cuda::ColumnSums(g.data_ptr(), rows, cols, partial.data_ptr<float>(), out.data_ptr(), StreamOf(g));
+  cuda::ColumnSums(g.data_ptr(), rows, cols, partial.data_ptr<float>(), out.data_ptr(), StreamOf(g), accumulate);
   return out;
+}
+
+// The bias b's gradient from the output gradient g: added straight into b's .grad when it has one
+// (then undefined is returned and autograd has nothing to accumulate: no add kernel per bias), else
+// a new tensor.
+torch::Tensor BiasGradOf(const torch::Tensor& g, const torch::Tensor& b) {
+  torch::Tensor into = AccumulationTarget(b);
+  if (!into.defined()) return BiasGrad(g);
+  BiasGrad(g, into, /*accumulate=*/!TakeStale(into));
+  return {};
 }
 
 // The weight gradient of a linear layer: added straight into w's .grad when it has one (then the
@@ -210,10 +225,10 @@ torch::Tensor BiasGrad(const torch::Tensor& g) {
 // gradient is a column sum: cuBLASLt's BGRADB epilogue costs more than the sum on H100s
 // (tests/bench/gemm_epilogues.cc).
 std::pair<torch::Tensor, torch::Tensor> WeightAndBiasGrads(const torch::Tensor& g, const torch::Tensor& x,
-                                                           const torch::Tensor& w, bool has_bias) {
+                                                           const torch::Tensor& w, const torch::Tensor& b) {
   torch::Tensor into = AccumulationTarget(w);
   torch::Tensor dw = WeightGradProduct(g, x, into, /*accumulate=*/!TakeStale(into));
-  return {dw, has_bias ? BiasGrad(g) : torch::Tensor()};
+  return {dw, b.defined() && b.numel() > 0 ? BiasGradOf(g, b) : torch::Tensor()};
 }
 
 std::vector<int64_t> WithLast(torch::IntArrayRef sizes, int64_t last) {
@@ -317,9 +332,8 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
     const bool has_bias = b.numel() > 0;
     torch::Tensor y = LinearProduct(x2, w, has_bias ? b : torch::Tensor(), has_bias ? cuda::Epilogue::kBias : cuda::Epilogue::kNone,
                                     {}, Residual2d(residual, w.size(0)));
-    ctx->save_for_backward({x2, w});
+    ctx->save_for_backward({x2, w, has_bias ? b : torch::Tensor()});
     ctx->saved_data["x_sizes"] = x.sizes().vec();
-    ctx->saved_data["has_bias"] = has_bias;
     ctx->saved_data["has_residual"] = residual.numel() > 0;
     return y.view(WithLast(x.sizes(), w.size(0)));
   }
@@ -327,10 +341,10 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list saved = ctx->get_saved_variables();
     const torch::Tensor& x2 = saved[0];
-    const torch::Tensor& w = saved[1];
+    const torch::Tensor &w = saved[1], &b = saved[2];
     c10::cuda::CUDAGuard guard(x2.device());
     torch::Tensor g = ProductGrad(grads[0], w);
-    auto [dw, db] = WeightAndBiasGrads(g, x2, w, ctx->saved_data["has_bias"].toBool());
+    auto [dw, db] = WeightAndBiasGrads(g, x2, w, b);
     torch::Tensor dx = InputGradProduct(g, w).view(ctx->saved_data["x_sizes"].toIntVector());
     // The residual's gradient is the output's, unchanged.
     return {dx, dw, db, ctx->saved_data["has_residual"].toBool() ? grads[0] : torch::Tensor()};
@@ -353,16 +367,15 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
     const bool has_bias2 = b2.numel() > 0;
     torch::Tensor y = LinearProduct(h, w2, has_bias2 ? b2 : torch::Tensor(), has_bias2 ? cuda::Epilogue::kBias : cuda::Epilogue::kNone,
                                     {}, Residual2d(residual, w2.size(0)));
-    ctx->save_for_backward({x2, w1, pre, recompute ? torch::Tensor() : h, w2});
+    ctx->save_for_backward({x2, w1, pre, recompute ? torch::Tensor() : h, w2, b1, has_bias2 ? b2 : torch::Tensor()});
     ctx->saved_data["x_sizes"] = x.sizes().vec();
-    ctx->saved_data["has_bias2"] = has_bias2;
     ctx->saved_data["has_residual"] = residual.numel() > 0;
     return y.view(WithLast(x.sizes(), w2.size(0)));
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list saved = ctx->get_saved_variables();
-    const torch::Tensor &x2 = saved[0], &w1 = saved[1], &pre = saved[2], &w2 = saved[4];
+    const torch::Tensor &x2 = saved[0], &w1 = saved[1], &pre = saved[2], &w2 = saved[4], &b1 = saved[5], &b2 = saved[6];
     c10::cuda::CUDAGuard guard(x2.device());
     const torch::Tensor h = saved[3].defined() ? saved[3] : torch::gelu(pre, "tanh");
     torch::Tensor g = ProductGrad(grads[0], w2);
@@ -370,8 +383,8 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
     torch::Tensor gpre = InputGradProduct(g, w2, cuda::Epilogue::kDGelu, pre);
     torch::Tensor dx = InputGradProduct(gpre, w1);
     InputGradSum sum(dx, CommOf(ctx));
-    auto [dw2, db2] = WeightAndBiasGrads(g, h, w2, ctx->saved_data["has_bias2"].toBool());
-    auto [dw1, db1] = WeightAndBiasGrads(gpre, x2, w1, true);
+    auto [dw2, db2] = WeightAndBiasGrads(g, h, w2, b2);
+    auto [dw1, db1] = WeightAndBiasGrads(gpre, x2, w1, b1);
     sum.Finish();
     return {dx.view(ctx->saved_data["x_sizes"].toIntVector()), dw1, db1, dw2, db2,
             ctx->saved_data["has_residual"].toBool() ? grads[0] : torch::Tensor(), torch::Tensor(), torch::Tensor()};
@@ -397,9 +410,8 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
       LinearProduct(x2, w.narrow(0, i * c, c), has_bias ? b.narrow(0, i * c, c) : torch::Tensor(),
                     has_bias ? cuda::Epilogue::kBias : cuda::Epilogue::kNone, {}, {}, planes[i]);
     }
-    ctx->save_for_backward({x2, w});
+    ctx->save_for_backward({x2, w, has_bias ? b : torch::Tensor()});
     ctx->saved_data["x_sizes"] = x.sizes().vec();
-    ctx->saved_data["has_bias"] = has_bias;
     const int64_t batch = x.size(0), t = rows / batch;
     variable_list out;
     for (int64_t i = 0; i < 3; ++i) out.push_back(planes[i].view({batch, t, heads, c / heads}).transpose(1, 2));
@@ -410,12 +422,16 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
     variable_list saved = ctx->get_saved_variables();
     const torch::Tensor &x2 = saved[0], &w = saved[1];
     c10::cuda::CUDAGuard guard(x2.device());
+    const torch::Tensor& b = saved[2];
     const int64_t rows = x2.size(0), in = x2.size(1), c = w.size(0) / 3;
-    const bool has_bias = ctx->saved_data["has_bias"].toBool();
+    const bool has_bias = b.defined();
     torch::Tensor into = AccumulationTarget(w);
     const bool add = into.defined() && !TakeStale(into);
     torch::Tensor dw = into.defined() ? torch::Tensor() : torch::empty_like(w);
-    torch::Tensor db = has_bias ? torch::empty({3 * c}, x2.options()) : torch::Tensor();
+    // The bias gradient straight into b's .grad where it has one, as the weight's.
+    torch::Tensor into_b = has_bias ? AccumulationTarget(b) : torch::Tensor();
+    const bool add_b = into_b.defined() && !TakeStale(into_b);
+    torch::Tensor db = has_bias && !into_b.defined() ? torch::empty({3 * c}, x2.options()) : torch::Tensor();
     torch::Tensor dx = torch::empty({rows, in}, x2.options());
     // [b, heads, t, d] back to [rows, c]: a view where attention kept the layout it was given.
     std::vector<torch::Tensor> g(3);
@@ -433,13 +449,14 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
     InputGradSum sum(dx, CommOf(ctx));
     for (int64_t i = 0; i < 3; ++i) {
       torch::Tensor dw_i = (into.defined() ? into : dw).narrow(0, i * c, c);
+      torch::Tensor db_i = has_bias ? (into_b.defined() ? into_b : db).narrow(0, i * c, c) : torch::Tensor();
       if (!g[i].defined()) {
         if (!add) dw_i.zero_();
-        if (has_bias) db.narrow(0, i * c, c).zero_();
+        if (has_bias && !add_b) db_i.zero_();
         continue;
       }
       WeightGradProduct(g[i], x2, dw_i, /*accumulate=*/add);
-      if (has_bias) db.narrow(0, i * c, c).copy_(BiasGrad(g[i]));
+      if (has_bias) BiasGrad(g[i], db_i, /*accumulate=*/add_b);
     }
     sum.Finish();
     return {dx.view(ctx->saved_data["x_sizes"].toIntVector()), dw, db, torch::Tensor(), torch::Tensor()};
@@ -449,6 +466,17 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
 // A tensor our norm kernels can take: 16-byte aligned, else an aligned copy.
 torch::Tensor AlignedForKernel(const torch::Tensor& t) {
   return !t.defined() || Aligned16(t) ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+// The .grad of a norm's weight and bias (b may be undefined: the RMS norm's) for the backward kernel
+// to add into, where each has one; {} where either has none. One left stale is zeroed first (the
+// kernel adds into both or neither).
+std::pair<torch::Tensor, torch::Tensor> NormParamTargets(const torch::Tensor& w, const torch::Tensor& b) {
+  torch::Tensor into_w = AccumulationTarget(w), into_b = b.defined() ? AccumulationTarget(b) : torch::Tensor();
+  if (!into_w.defined() || (b.defined() && !into_b.defined())) return {};
+  if (TakeStale(into_w)) into_w.zero_();
+  if (into_b.defined() && TakeStale(into_b)) into_b.zero_();
+  return {into_w, into_b};
 }
 
 // The layer norm forward from our kernel (bf16 or fp32 input, an fp32 residual stream's; the output
@@ -513,7 +541,12 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     // here: the input itself, or x − mean (then no mean).
     dy = AlignedForKernel(dy);
     dres = AlignedForKernel(dres);
-    torch::Tensor dgamma = torch::empty({cols}, w.options()), dbeta = torch::empty({cols}, b.options());
+    // The weight and bias gradients straight into their .grad where both have one (added to them):
+    // no add kernels for autograd to run.
+    auto [into_w, into_b] = NormParamTargets(w, b);
+    const bool in_place = into_w.defined();
+    torch::Tensor dgamma = in_place ? into_w : torch::empty({cols}, w.options());
+    torch::Tensor dbeta = in_place ? into_b : torch::empty({cols}, b.options());
     torch::Tensor dx = torch::empty(x.sizes(), x.options().dtype(grad_type));
     torch::Tensor dx_bf16 = fp32_grads ? torch::empty_like(x) : torch::Tensor();
     torch::Tensor partial = torch::empty({cuda::NormBackwardPartialFloats(rows, cols)}, x.options().dtype(torch::kFloat));
@@ -521,8 +554,9 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
                             fp32_grads ? nullptr : mean.data_ptr<float>(), rstd.data_ptr<float>(),
                             dres.defined() ? dres.data_ptr() : nullptr, rows, cols, dx.data_ptr(),
                             fp32_grads ? dx_bf16.data_ptr() : nullptr, partial.data_ptr<float>(), dgamma.data_ptr(),
-                            dbeta.data_ptr(), StreamOf(x));
+                            dbeta.data_ptr(), StreamOf(x), /*accumulate_params=*/in_place);
     if (fp32_grads) OfferBf16Twin(dx, dx_bf16);
+    if (in_place) return {dx, torch::Tensor(), torch::Tensor(), torch::Tensor()};
     return {dx, dgamma, dbeta, torch::Tensor()};
   }
 };
@@ -585,14 +619,16 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     torch::Tensor dx = torch::empty(x.sizes(), x.options().dtype(grad_type));
     torch::Tensor dx_bf16 = fp32_grads ? torch::empty_like(x) : torch::Tensor();
     torch::Tensor rstd = torch::empty({rows}, x.options().dtype(torch::kFloat));
-    torch::Tensor dgamma = torch::empty({cols}, w.options());
+    // The weight gradient straight into its .grad where it has one, as the layer norm's.
+    torch::Tensor into_w = NormParamTargets(w, {}).first;
+    torch::Tensor dgamma = into_w.defined() ? into_w : torch::empty({cols}, w.options());
     torch::Tensor partial = torch::empty({cuda::NormBackwardPartialFloats(rows, cols)}, x.options().dtype(torch::kFloat));
     cuda::RmsNormBackward(dy.data_ptr(), x.data_ptr(), fp32_grads, w.data_ptr(), static_cast<float>(eps),
                           dres.defined() ? dres.data_ptr() : nullptr, rows, cols, dx.data_ptr(),
                           fp32_grads ? dx_bf16.data_ptr() : nullptr, rstd.data_ptr<float>(), partial.data_ptr<float>(),
-                          dgamma.data_ptr(), StreamOf(x));
+                          dgamma.data_ptr(), StreamOf(x), /*accumulate_params=*/into_w.defined());
     if (fp32_grads) OfferBf16Twin(dx, dx_bf16);
-    return {dx, dgamma, torch::Tensor()};
+    return {dx, into_w.defined() ? torch::Tensor() : dgamma, torch::Tensor()};
   }
 };
 
@@ -739,7 +775,7 @@ struct SwiGluLinearFunction : public torch::autograd::Function<SwiGluLinearFunct
     torch::Tensor dy = ProductGrad(grads[0], w);
     torch::Tensor h = torch::empty_like(g);
     cuda::SwiGlu(g.data_ptr(), u.data_ptr(), g.numel(), h.data_ptr(), StreamOf(g));
-    auto [dw, db] = WeightAndBiasGrads(dy, h, w, /*has_bias=*/false);
+    auto [dw, db] = WeightAndBiasGrads(dy, h, w, /*b=*/{});
     torch::Tensor dh = InputGradProduct(dy, w);
     h = torch::Tensor();
     torch::Tensor dgate = torch::empty_like(g), dup = torch::empty_like(u);

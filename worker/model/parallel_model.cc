@@ -739,8 +739,8 @@ torch::Tensor ModelShard::Embed(const torch::Tensor& ids) {
     return wpe_ >= 0 ? widen(e) + params_[wpe_].value.narrow(0, from, n) : widen(e);  // the sum in the stream's dtype
   };
   if (tp == 1) {
-    if (spec_.config.arch == Arch::kLlama && FusedLlamaOpsAvailable(wte)) return widen(FusedEmbedding(ids, wte));
-    return positioned(F::embedding(ids, wte), 0, t);
+    // On a bf16 CUDA table the lookup's backward adds straight into the table's gradient.
+    return positioned(FusedLlamaOpsAvailable(wte) ? FusedEmbedding(ids, wte) : F::embedding(ids, wte), 0, t);
   }
   const int64_t rows = wte.size(0), start = rows * spec_.coords.tp;
   torch::Tensor outside = (ids < start).logical_or(ids >= start + rows);
@@ -764,8 +764,9 @@ torch::Tensor ModelShard::HeadLoss(const torch::Tensor& x, const torch::Tensor& 
   const torch::Tensor& wte = params_[head_].value;
   torch::Tensor h = FinalNorm(x);
   if (tp > 1) h = spec_.layout.sequence_parallel ? GatherSeq::apply(h, comm) : CopyToTp::apply(h, comm);
-  // A Llama's head through our product: its weight gradient goes straight into the (tied) table's.
-  torch::Tensor logits = spec_.config.arch == Arch::kLlama ? NoBiasLinear(h, wte) : Linear(h, wte, {});
+  // The head through our product where it takes it: its weight gradient goes straight into the
+  // (tied) table's, beside what the embedding's backward adds there.
+  torch::Tensor logits = NoBiasLinear(h, wte);
   logits = logits.view({-1, logits.size(-1)});
   torch::Tensor target = targets.reshape({-1});
   if (tp == 1) {

@@ -66,13 +66,14 @@ __device__ __forceinline__ float2 Load2(const __nv_bfloat16* p) {
 __device__ __forceinline__ float2 Load2(const float* p) { return *reinterpret_cast<const float2*>(p); }
 
 // The second pass of a two-pass column reduction: out_j[c] = Σ_k partial[k · stride + j · cols + c]
-// for the `outs` outputs j (out_1 may be null), in bf16. Blocks of kChunkLanes columns by
+// for the `outs` outputs j (out_1 may be null), in bf16; with `accumulate` added to what out_j holds
+// (the sum in fp32, rounded once). Blocks of kChunkLanes columns by
 // kChunkWarps warps, each warp over every kChunkWarps-th chunk (coalesced rows of the partials),
 // summed across the warps in shared memory: the chunks are read in parallel, not one after another.
 constexpr int kChunkLanes = 32, kChunkWarps = 16;
 static __global__ void __launch_bounds__(kChunkLanes * kChunkWarps)
     AddChunkRows(const float* partial, int64_t chunks, int64_t stride, int64_t cols, __nv_bfloat16* out0,
-                 __nv_bfloat16* out1) {
+                 __nv_bfloat16* out1, bool accumulate) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * kChunkLanes + threadIdx.x;
   float s0 = 0.f, s1 = 0.f;
   if (c < cols) {
@@ -89,16 +90,20 @@ static __global__ void __launch_bounds__(kChunkLanes * kChunkWarps)
     float t0 = 0.f, t1 = 0.f;
 #pragma unroll
     for (int w = 0; w < kChunkWarps; ++w) t0 += part[0][w][threadIdx.x], t1 += part[1][w][threadIdx.x];
+    if (accumulate) {
+      t0 += __bfloat162float(out0[c]);
+      if (out1 != nullptr) t1 += __bfloat162float(out1[c]);
+    }
     out0[c] = __float2bfloat16(t0);
     if (out1 != nullptr) out1[c] = __float2bfloat16(t1);
   }
 }
 
 static inline void LaunchAddChunkRows(const float* partial, int64_t chunks, int64_t stride, int64_t cols, void* out0,
-                               void* out1, cudaStream_t stream) {
+                               void* out1, cudaStream_t stream, bool accumulate = false) {
   const auto blocks = static_cast<unsigned>((cols + kChunkLanes - 1) / kChunkLanes);
   AddChunkRows<<<blocks, dim3(kChunkLanes, kChunkWarps), 0, stream>>>(
-      partial, chunks, stride, cols, static_cast<__nv_bfloat16*>(out0), static_cast<__nv_bfloat16*>(out1));
+      partial, chunks, stride, cols, static_cast<__nv_bfloat16*>(out0), static_cast<__nv_bfloat16*>(out1), accumulate);
 }
 
 inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }

@@ -51,17 +51,18 @@ __global__ void PartialColumnSums(const Bf16x8* x, int64_t rows, int64_t vecs, i
 
 int64_t ColumnSumsPartialFloats(int64_t rows, int64_t cols) { return Chunks(rows, cols) * cols; }
 
-void ColumnSums(const void* x, int64_t rows, int64_t cols, float* partial, void* out, cudaStream_t stream) {
+void ColumnSums(const void* x, int64_t rows, int64_t cols, float* partial, void* out, cudaStream_t stream,
+                bool accumulate) {
   if (cols <= 0) return;
   if (rows <= 0) {
-    cudaMemsetAsync(out, 0, cols * sizeof(__nv_bfloat16), stream);
+    if (!accumulate) cudaMemsetAsync(out, 0, cols * sizeof(__nv_bfloat16), stream);
     return;
   }
   const int64_t chunks = Chunks(rows, cols);
   const dim3 grid(static_cast<unsigned>(CeilDiv(cols, kColsPerBlock)), static_cast<unsigned>(chunks));
   PartialColumnSums<<<grid, dim3(kLanes, kWarps), 0, stream>>>(static_cast<const Bf16x8*>(x), rows, cols / kColsPerLane,
                                                                CeilDiv(rows, chunks), partial);
-  LaunchAddChunkRows(partial, chunks, cols, cols, out, nullptr, stream);
+  LaunchAddChunkRows(partial, chunks, cols, cols, out, nullptr, stream, accumulate);
 }
 
 }  // namespace ltrain::worker::cuda

@@ -12,7 +12,8 @@ namespace ltrain::worker::cuda {
 int64_t ColumnSumsPartialFloats(int64_t rows, int64_t cols);
 
 // out[c] = Σ_r x[r, c] for bf16 x [rows, cols] (rows contiguous, cols a multiple of 8, 16-byte
-// aligned), written to bf16 out [cols].
-void ColumnSums(const void* x, int64_t rows, int64_t cols, float* partial, void* out, cudaStream_t stream);
+// aligned), written to bf16 out [cols]; with `accumulate` added to what out holds.
+void ColumnSums(const void* x, int64_t rows, int64_t cols, float* partial, void* out, cudaStream_t stream,
+                bool accumulate = false);
 
 }  // namespace ltrain::worker::cuda

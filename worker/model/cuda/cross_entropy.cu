@@ -65,8 +65,17 @@ __global__ void ForwardKernel(const __nv_bfloat16* logits, const int64_t* target
     for (int64_t i = threadIdx.x; i < vocab / kVector; i += kThreads) {
       uint4 packed = v[i];
       const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&packed);
+      float f[kVector];
+      float m = -FLT_MAX;
 #pragma unroll
-      for (int k = 0; k < kVector; ++k) Add(acc, __bfloat162float(h[k]));
+      for (int k = 0; k < kVector; ++k) f[k] = __bfloat162float(h[k]), m = fmaxf(m, f[k]);
+      // One rescale for the eight values, not a compare and branch for each.
+      if (m > acc.max) {
+        acc.sum *= __expf(acc.max - m);
+        acc.max = m;
+      }
+#pragma unroll
+      for (int k = 0; k < kVector; ++k) acc.sum += __expf(f[k] - acc.max);
     }
   } else {
     for (int64_t i = threadIdx.x; i < vocab; i += kThreads) Add(acc, __bfloat162float(x[i]));

@@ -405,7 +405,7 @@ int64_t FusedBlocks(Kernel kernel, int64_t rows, int64_t rows_at_once, size_t sm
 template <bool kRms, typename T>
 bool LaunchFusedBackward(const void* dy, const void* x, const void* gamma, const float* mean, const float* rstd,
                          float eps, const void* dres, int64_t rows, int64_t cols, void* dx, void* dx_bf16,
-                         float* partial, void* dgamma, void* dbeta, cudaStream_t stream) {
+                         float* partial, void* dgamma, void* dbeta, cudaStream_t stream, bool accumulate) {
   const int64_t vecs = cols / 8;
   if (vecs > 4 * kRowThreads) return false;
   if (rows <= 0 || cols <= 0) return true;
@@ -425,7 +425,7 @@ bool LaunchFusedBackward(const void* dy, const void* x, const void* gamma, const
     const int64_t blocks = FusedBlocks(kernel, rows, RowsAtOnce(vecs), smem);
     kernel<<<static_cast<unsigned>(blocks), kRowThreads, smem, stream>>>(dy_v, x_v, gamma_v, mean, rstd, eps, dres_v,
                                                                         rows, vecs, dx_v, dx16, nullptr, partial);
-    LaunchAddChunkRows(partial, blocks, 2 * cols, cols, dgamma, dbeta, stream);
+    LaunchAddChunkRows(partial, blocks, 2 * cols, cols, dgamma, dbeta, stream, accumulate);
   });
 }
 
@@ -603,32 +603,32 @@ int64_t NormBackwardPartialFloats(int64_t rows, int64_t cols) {
 
 void LayerNormBackward(const void* dy, const void* x, bool fp32_grads, const void* gamma, const float* mean,
                        const float* rstd, const void* dres, int64_t rows, int64_t cols, void* dx, void* dx_bf16,
-                       float* partial, void* dgamma, void* dbeta, cudaStream_t stream) {
-  const bool fused = fp32_grads ? LaunchFusedBackward<false, float>(dy, x, gamma, mean, rstd, 0.f, dres, rows, cols,
-                                                                    dx, dx_bf16, partial, dgamma, dbeta, stream)
-                                : LaunchFusedBackward<false, __nv_bfloat16>(dy, x, gamma, mean, rstd, 0.f, dres, rows,
-                                                                            cols, dx, nullptr, partial, dgamma, dbeta,
-                                                                            stream);
+                       float* partial, void* dgamma, void* dbeta, cudaStream_t stream, bool accumulate_params) {
+  const bool fused =
+      fp32_grads ? LaunchFusedBackward<false, float>(dy, x, gamma, mean, rstd, 0.f, dres, rows, cols, dx, dx_bf16, partial,
+                                                     dgamma, dbeta, stream, accumulate_params)
+                 : LaunchFusedBackward<false, __nv_bfloat16>(dy, x, gamma, mean, rstd, 0.f, dres, rows, cols, dx, nullptr,
+                                                             partial, dgamma, dbeta, stream, accumulate_params);
   if (fused) return;
   LayerNormInputGrad(dy, x, fp32_grads, gamma, mean, rstd, dres, rows, cols, dx, dx_bf16, stream);
-  LayerNormParamGrads(dy, x, mean, rstd, rows, cols, partial, dgamma, dbeta, stream);
+  LayerNormParamGrads(dy, x, mean, rstd, rows, cols, partial, dgamma, dbeta, stream, accumulate_params);
 }
 
 void RmsNormBackward(const void* dy, const void* x, bool fp32_grads, const void* gamma, float eps, const void* dres,
                      int64_t rows, int64_t cols, void* dx, void* dx_bf16, float* rstd, float* partial, void* dgamma,
-                     cudaStream_t stream) {
-  const bool fused = fp32_grads ? LaunchFusedBackward<true, float>(dy, x, gamma, nullptr, nullptr, eps, dres, rows,
-                                                                   cols, dx, dx_bf16, partial, dgamma, nullptr, stream)
-                                : LaunchFusedBackward<true, __nv_bfloat16>(dy, x, gamma, nullptr, nullptr, eps, dres,
-                                                                           rows, cols, dx, nullptr, partial, dgamma,
-                                                                           nullptr, stream);
+                     cudaStream_t stream, bool accumulate_params) {
+  const bool fused =
+      fp32_grads ? LaunchFusedBackward<true, float>(dy, x, gamma, nullptr, nullptr, eps, dres, rows, cols, dx, dx_bf16,
+                                                    partial, dgamma, nullptr, stream, accumulate_params)
+                 : LaunchFusedBackward<true, __nv_bfloat16>(dy, x, gamma, nullptr, nullptr, eps, dres, rows, cols, dx,
+                                                            nullptr, partial, dgamma, nullptr, stream, accumulate_params);
   if (fused) return;
   RmsNormInputGrad(dy, x, fp32_grads, gamma, eps, dres, rows, cols, dx, dx_bf16, rstd, stream);
-  RmsNormWeightGrad(dy, x, rstd, rows, cols, partial, dgamma, stream);
+  RmsNormWeightGrad(dy, x, rstd, rows, cols, partial, dgamma, stream, accumulate_params);
 }
 
 void LayerNormParamGrads(const void* dy, const void* x, const float* mean, const float* rstd, int64_t rows,
-                         int64_t cols, float* partial, void* dgamma, void* dbeta, cudaStream_t stream) {
+                         int64_t cols, float* partial, void* dgamma, void* dbeta, cudaStream_t stream, bool accumulate) {
   if (rows <= 0 || cols <= 0) return;
   const int64_t chunks = LayerNormRowChunks(rows, cols);
   const int64_t rows_per_chunk = CeilDiv(rows, chunks);
@@ -636,12 +636,12 @@ void LayerNormParamGrads(const void* dy, const void* x, const float* mean, const
   const dim3 block(32, kWarps);
   PartialSums<<<grid, block, 0, stream>>>(static_cast<const Bf16x8*>(dy), static_cast<const Bf16x8*>(x), mean, rstd,
                                           rows, cols / 8, rows_per_chunk, partial);
-  LaunchAddChunkRows(partial, chunks, 2 * cols, cols, dgamma, dbeta, stream);
+  LaunchAddChunkRows(partial, chunks, 2 * cols, cols, dgamma, dbeta, stream, accumulate);
 }
 
 void RmsNormWeightGrad(const void* dy, const void* x, const float* rstd, int64_t rows, int64_t cols, float* partial,
-                       void* dgamma, cudaStream_t stream) {
-  LayerNormParamGrads(dy, x, nullptr, rstd, rows, cols, partial, dgamma, nullptr, stream);
+                       void* dgamma, cudaStream_t stream, bool accumulate) {
+  LayerNormParamGrads(dy, x, nullptr, rstd, rows, cols, partial, dgamma, nullptr, stream, accumulate);
 }
 
 }  // namespace ltrain::worker::cuda

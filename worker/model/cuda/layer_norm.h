@@ -34,9 +34,10 @@ inline int64_t LayerNormPartialFloats(int64_t rows, int64_t cols) { return Layer
 
 // mean, rstd: fp32 [rows] (what the forward normalized with: x̂ = (x - mean) · rstd; mean null: 0,
 // as for a saved x − mean). Writes dgamma[c] = Σ_r dy·x̂ and (dbeta not null) dbeta[c] = Σ_r dy in
-// bf16, summed in fp32.
+// bf16, summed in fp32; with `accumulate` added to what dgamma and dbeta hold.
 void LayerNormParamGrads(const void* dy, const void* x, const float* mean, const float* rstd, int64_t rows,
-                         int64_t cols, float* partial, void* dgamma, void* dbeta, cudaStream_t stream);
+                         int64_t cols, float* partial, void* dgamma, void* dbeta, cudaStream_t stream,
+                         bool accumulate = false);
 
 // dx = rstd · (dy·γ − mean(dy·γ) − x̂ · mean(dy·γ·x̂)) (+ dres), per row, computed in fp32; dres may
 // be null; gamma: bf16 [cols]; mean (null: 0), rstd: fp32 [rows]. With fp32_grads, dx_bf16 (may be
@@ -55,18 +56,19 @@ void RmsNormInputGrad(const void* dy, const void* x, bool fp32_grads, const void
 // dgamma[c] = Σ_r dy · x · rstd (bf16, summed in fp32), with LayerNormPartialFloats(rows, cols) floats of
 // workspace in `partial`.
 void RmsNormWeightGrad(const void* dy, const void* x, const float* rstd, int64_t rows, int64_t cols, float* partial,
-                       void* dgamma, cudaStream_t stream);
+                       void* dgamma, cudaStream_t stream, bool accumulate = false);
 
 // The whole backward of a norm: LayerNormInputGrad and LayerNormParamGrads (RmsNormInputGrad and
 // RmsNormWeightGrad), for rows up to 8192 columns in one pass that reads dy and x once, with
 // NormBackwardPartialFloats(rows, cols) floats of workspace in `partial` (and for the RMS norm fp32
-// [rows] in `rstd`, written where the rows are wider).
+// [rows] in `rstd`, written where the rows are wider). With `accumulate_params` the weight (and bias)
+// gradients are added to what dgamma (and dbeta) hold.
 int64_t NormBackwardPartialFloats(int64_t rows, int64_t cols);
 void LayerNormBackward(const void* dy, const void* x, bool fp32_grads, const void* gamma, const float* mean,
                        const float* rstd, const void* dres, int64_t rows, int64_t cols, void* dx, void* dx_bf16,
-                       float* partial, void* dgamma, void* dbeta, cudaStream_t stream);
+                       float* partial, void* dgamma, void* dbeta, cudaStream_t stream, bool accumulate_params = false);
 void RmsNormBackward(const void* dy, const void* x, bool fp32_grads, const void* gamma, float eps, const void* dres,
                      int64_t rows, int64_t cols, void* dx, void* dx_bf16, float* rstd, float* partial, void* dgamma,
-                     cudaStream_t stream);
+                     cudaStream_t stream, bool accumulate_params = false);
 
 }  // namespace ltrain::worker::cuda
