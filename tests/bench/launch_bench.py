@@ -25,7 +25,8 @@ Suites (--suite, repeatable; default: layouts):
   llama    Llama 3 8B's shape, ZeRO-3 over every GPU, micro-batch 1, against FSDP2 with compile
   dp       gpt-1.3b (micro-batch 8, recipe defaults) on one GPU and data parallel on 2 and on every GPU
   learning gpt-124m on byte tokens of --learning-data, 200 steps, the default precision, one seed per
-           GPU (seed k from the parameters and batches of gpt_baseline.py with its seeds moved by k),
+           GPU up to 4 or --learning-seeds N (seed k from the parameters and batches of gpt_baseline.py
+           with its seeds moved by k),
            against gpt_baseline.py (PyTorch AMP) with the same seeds: the loss at step 200, each
            curve's worst step against the mean of the 10 before it, and the worst step of ltrain's
            mean over the seeds against AMP's mean at the same step
@@ -263,7 +264,7 @@ def suite_reference(b, reference, rounds):
 
 
 def suite_learning(b, n, baselines, text):
-    seeds = list(range(min(n, 4)))
+    seeds = list(range(b.args.learning_seeds or min(n, 4)))
     print(f"learning: gpt-124m, byte tokens of {text}, 200 steps, seeds {seeds}, against PyTorch AMP", flush=True)
     tokens = byte_data(os.path.join(b.workdir, "learning-tokens"), text)
     model = "model: {layers: 12, d_model: 768, heads: 12, seq_len: 2048, vocab: 256}\n"
@@ -347,6 +348,9 @@ def main():
                     help="text file(s) or a folder of them, made into byte tokens with `ltrain data prepare`")
     ap.add_argument("--suite", action="append", choices=["layouts", "zero3", "tp", "large", "llama", "dp", "learning"])
     ap.add_argument("--learning-data", help="the learning suite's text (../shared/data/tinyshakespeare.txt)")
+    ap.add_argument("--learning-seeds", type=int, default=0,
+                    help="the learning suite's seeds (default: one a GPU, up to 4); more than the GPUs run "
+                         "their PyTorch peers two or more to a GPU")
     ap.add_argument("--reference", help="another build's ltrain: gpt-1.3b on one GPU through both")
     ap.add_argument("--reference-rounds", type=int, default=2, help="--reference: runs of each build (default 2)")
     ap.add_argument("--gpus", type=int, default=0, help="use this many GPUs (default: every one)")
