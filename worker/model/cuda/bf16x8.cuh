@@ -67,9 +67,9 @@ __device__ __forceinline__ float2 Load2(const float* p) { return *reinterpret_ca
 
 // The second pass of a two-pass column reduction: out_j[c] = Σ_k partial[k · stride + j · cols + c]
 // for the `outs` outputs j (out_1 may be null), in bf16; with `accumulate` added to what out_j holds
-// (the sum in fp32, rounded once). Blocks of kChunkLanes columns by
-// kChunkWarps warps, each warp over every kChunkWarps-th chunk (coalesced rows of the partials),
-// summed across the warps in shared memory: the chunks are read in parallel, not one after another.
+// (the sum in fp32, rounded once). Blocks of kChunkLanes columns by kChunkWarps warps, each warp over
+// every kChunkWarps-th chunk (coalesced rows of the partials), summed across the warps in shared
+// memory: the chunks are read in parallel, not one after another.
 constexpr int kChunkLanes = 32, kChunkWarps = 16;
 static __global__ void __launch_bounds__(kChunkLanes * kChunkWarps)
     AddChunkRows(const float* partial, int64_t chunks, int64_t stride, int64_t cols, __nv_bfloat16* out0,
