@@ -235,13 +235,13 @@ std::string GemmBf16(const GemmArgs& g, cudaStream_t stream) {
             if (best_ms[i] == 0.0f || ms < best_ms[i]) best_ms[i] = ms;
           }
         }
-        // The heuristic's choice stays unless another is faster by more than the timing's noise (1%).
-        int pick = usable[0] ? 0 : -1;
+        // The fastest other candidate replaces the heuristic's choice only when faster by more than
+        // the timing's noise (1%).
+        int fastest = -1;
         for (int i = 1; i < found; ++i) {
-          if (!usable[i]) continue;
-          if (pick < 0 || best_ms[i] < (pick == 0 ? 0.99f : 1.0f) * best_ms[pick]) pick = i;
+          if (usable[i] && (fastest < 0 || best_ms[i] < best_ms[fastest])) fastest = i;
         }
-        if (pick >= 0) algo = results[pick].algo;
+        if (fastest > 0 && (!usable[0] || best_ms[fastest] < 0.99f * best_ms[0])) algo = results[fastest].algo;
         cudaEventDestroy(start);
         cudaEventDestroy(stop);
         if (scratch != nullptr) cudaFreeAsync(scratch, stream);
