@@ -589,13 +589,18 @@ torch::Tensor ModelShard::Attention(const torch::Tensor& q, const torch::Tensor&
 }
 
 bool ModelShard::GradientFromProductsOnly(size_t i) const {
-  if (spec_.config.arch != Arch::kLlama || i >= params_.size()) return false;
+  if (i >= params_.size()) return false;
   const ShardParam& p = params_[i];
   if (p.value.dim() != 2 || !FusedLinearTakes(p.value.size(0), p.value.size(1))) return false;
   const std::string& name = p.name;
   auto ends = [&](const char* suffix) { return EndsWith(name, suffix); };
-  if (ends(".wk.weight") || ends(".wv.weight")) return !kv_replicated_;
-  return ends(".wq.weight") || ends(".wo.weight") || ends(".w1.weight") || ends(".w3.weight") || ends(".w2.weight");
+  if (spec_.config.arch == Arch::kLlama) {
+    if (ends(".wk.weight") || ends(".wv.weight")) return !kv_replicated_;
+    return ends(".wq.weight") || ends(".wo.weight") || ends(".w1.weight") || ends(".w3.weight") || ends(".w2.weight");
+  }
+  // A GPT's block matrices: every path through GptBlockForward takes them to a fused product when
+  // FusedLinearTakes holds (the tied table is not one of them: the embedding adds to it).
+  return ends(".qkv.weight") || ends(".proj.weight") || ends(".fc.weight") || ends(".fc2.weight");
 }
 
 torch::Tensor ModelShard::BlockForward(int layer, const torch::Tensor& x) {
