@@ -202,6 +202,11 @@ Status Run(const WorkerEnv& env) {
   // cuBLASLt's first candidate, the same every time.
   kernels.gemm_tune = EnvString("LTRAIN_GEMM_TUNE") != "0" && !recipe.training.deterministic;
   LTRAIN_RETURN_IF_ERROR(EnvInt(ProcessEnvironment(), "LTRAIN_GEMM_SM_MARGIN", &kernels.gemm_sm_margin));
+  LTRAIN_RETURN_IF_ERROR(EnvInt(ProcessEnvironment(), "LTRAIN_GEMM_CANDIDATES", &kernels.gemm_candidates));
+  if (kernels.gemm_candidates < 1 || kernels.gemm_candidates > 32) {
+    return InvalidArgument("LTRAIN_GEMM_CANDIDATES=" + std::to_string(kernels.gemm_candidates) +
+                           " is outside 1 to 32: how many of cuBLASLt's candidates to time per product");
+  }
   SetFusedKernelOptions(kernels);
   LTRAIN_ASSIGN_OR_RETURN(CheckpointWriteFault fault, CheckpointWriteFault::FromEnv());
   options.checkpoint_write_fault = fault;
@@ -377,6 +382,7 @@ Profiling:
   LTRAIN_GEMM_TUNE=0       take cuBLASLt's first candidate for each product instead of timing its
                            first eight once, on the product's first call (training.deterministic
                            recipes always take the first)
+  LTRAIN_GEMM_CANDIDATES=N time N of cuBLASLt's candidates instead of eight (1 to 32)
 
 Fault injection (for testing recovery; never set in production):
   LTRAIN_FAULT_CHECKPOINT_WRITE=STEP[:RANK]

@@ -1,5 +1,6 @@
 #include "worker/model/cuda/gemm.h"
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <map>
@@ -170,11 +171,12 @@ std::string GemmBf16(const GemmArgs& g, cudaStream_t stream) {
     cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align_b, sizeof(align_b));
     cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align_c, sizeof(align_c));
     cublasLtMatmulPreferenceSetAttribute(pref.p, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align_d, sizeof(align_d));
-    constexpr int kCandidates = 8;
+    constexpr int kCandidates = kGemmMaxCandidates;
     std::array<cublasLtMatmulHeuristicResult_t, kCandidates> results = {};
     int found = 0;
+    const int requested = g.tune ? std::clamp(g.candidates, 1, kCandidates) : 1;
     if (cublasStatus_t s = cublasLtMatmulAlgoGetHeuristic(handle, desc.d, la.l, lb.l, c_layout, ld.l, pref.p,
-                                                          g.tune ? kCandidates : 1, results.data(), &found);
+                                                          requested, results.data(), &found);
         s != CUBLAS_STATUS_SUCCESS || found == 0) {
       return "cuBLASLt found no algorithm for a " + std::to_string(g.m) + "x" + std::to_string(g.n) + "x" +
              std::to_string(g.k) + " bf16 product with epilogue " + std::to_string(static_cast<int>(epilogue)) +

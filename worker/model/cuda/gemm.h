@@ -24,6 +24,10 @@ enum class Epilogue {
   kBGradB,       // bias_grad[n] = sum of op(B) over k
 };
 
+// The candidates the tuner times by default, and at most (LTRAIN_GEMM_CANDIDATES).
+constexpr int kGemmCandidates = 8;
+constexpr int kGemmMaxCandidates = 32;
+
 struct GemmArgs {
   bool trans_a = false;
   bool trans_b = false;
@@ -52,6 +56,7 @@ struct GemmArgs {
   // Choose among cuBLASLt's first few candidates for this problem by timing them, once per problem
   // (the first call synchronizes the stream); false: the heuristic's first choice.
   bool tune = false;
+  int candidates = kGemmCandidates;  // how many of cuBLASLt's candidates `tune` times (at most kGemmMaxCandidates)
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };
