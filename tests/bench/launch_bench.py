@@ -30,8 +30,9 @@ Suites (--suite, repeatable; default: layouts):
            against gpt_baseline.py (PyTorch AMP) with the same seeds: the loss at step 200, each
            curve's worst step against the mean of the 10 before it, and the worst step of ltrain's
            mean over the seeds against AMP's mean at the same step
---reference LTRAIN adds gpt-1.3b on one GPU through another build's ltrain (an earlier commit built
-beside this one), interleaved with this build's, twice each (--reference-rounds), and prints the ratio.
+--reference LTRAIN adds gpt-1.3b (or --reference-model) on one GPU through another build's ltrain (an
+earlier commit built beside this one), interleaved with this build's, twice each (--reference-rounds),
+and prints the ratio.
 
 Exits 1 when a run fails, 77 (skipped) without a GPU. --json FILE writes every figure.
 """
@@ -247,9 +248,16 @@ def suite_dp(b, n):
                 b.results.append({"ratio": f"dp{world} of one GPU", "value": r["tok_s_gpu"] / one["tok_s_gpu"]})
 
 
-def suite_reference(b, reference, rounds):
-    print(f"reference: gpt-1.3b on one GPU, this build against {reference}, interleaved", flush=True)
-    path = gpt_1_3b(b, 1)
+LEARNING_MODEL = "model: {layers: 12, d_model: 768, heads: 12, seq_len: 2048, vocab: 256}\n"
+
+
+def suite_reference(b, reference, rounds, model):
+    print(f"reference: {model} on one GPU, this build against {reference}, interleaved", flush=True)
+    if model == "gpt-1.3b":
+        path = gpt_1_3b(b, 1)
+    else:
+        # The learning suite's model and batch, on the bench's tokens.
+        path = b.recipe("gpt-124m-bytes", LEARNING_MODEL, steps=100, micro_batch=16, global_batch=16, world=1)
     ours, theirs = [], []
     # The other build keeps its job records apart (its database may be of another schema).
     home = os.path.join(b.workdir, "reference-home")
@@ -260,14 +268,15 @@ def suite_reference(b, reference, rounds):
     for i, (a, r) in enumerate(zip(ours, theirs)):
         if a and r:
             print(f"  round {i + 1}: {a['tok_s_gpu'] / r['tok_s_gpu']:.3f} of the reference build", flush=True)
-            b.results.append({"ratio": f"against the reference, round {i + 1}", "value": a["tok_s_gpu"] / r["tok_s_gpu"]})
+            b.results.append({"ratio": f"{model} against the reference, round {i + 1}",
+                              "value": a["tok_s_gpu"] / r["tok_s_gpu"]})
 
 
 def suite_learning(b, n, baselines, text):
     seeds = list(range(b.args.learning_seeds or min(n, 4)))
     print(f"learning: gpt-124m, byte tokens of {text}, 200 steps, seeds {seeds}, against PyTorch AMP", flush=True)
     tokens = byte_data(os.path.join(b.workdir, "learning-tokens"), text)
-    model = "model: {layers: 12, d_model: 768, heads: 12, seq_len: 2048, vocab: 256}\n"
+    model = LEARNING_MODEL
     ours = {}
     for k in seeds:
         # The batches of gpt_baseline.py's generator (seed 1234 + k) over the same bytes.
@@ -353,6 +362,9 @@ def main():
                          "their PyTorch peers two or more to a GPU")
     ap.add_argument("--reference", help="another build's ltrain: gpt-1.3b on one GPU through both")
     ap.add_argument("--reference-rounds", type=int, default=2, help="--reference: runs of each build (default 2)")
+    ap.add_argument("--reference-model", action="append", choices=["gpt-1.3b", "gpt-124m"],
+                    help="--reference: the model (repeatable; default gpt-1.3b; gpt-124m is the learning "
+                         "suite's, byte vocab, 16 sequences a step, 100 steps)")
     ap.add_argument("--gpus", type=int, default=0, help="use this many GPUs (default: every one)")
     ap.add_argument("--ltrain-env", action="append", default=[], metavar="NAME=VALUE",
                     help="set in the environment of every ltrain launch (repeatable; `ltrain-worker --help` "
@@ -402,7 +414,8 @@ def main():
         else:
             print(f"{s}: skipped: needs more GPUs than {n}", flush=True)
     if args.reference:
-        suite_reference(b, args.reference, args.reference_rounds)
+        for model in args.reference_model or ["gpt-1.3b"]:
+            suite_reference(b, args.reference, args.reference_rounds, model)
     if b.failures:
         print(f"launch_bench: {len(b.failures)} failed: " + "; ".join(b.failures), flush=True)
         return 1
