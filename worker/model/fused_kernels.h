@@ -20,7 +20,7 @@ struct FusedKernelOptions {
   bool adamw = true;        // FusedAdamW (LTRAIN_FUSED_ADAMW=0 turns it off)
   int gemm_sm_margin = 0;   // backward's products are planned for this many fewer SMs (LTRAIN_GEMM_SM_MARGIN)
   bool gemm_tune = true;    // each product's algorithm timed among cuBLASLt's candidates (LTRAIN_GEMM_TUNE=0: first)
-  int gemm_candidates = 8;  // how many candidates (LTRAIN_GEMM_CANDIDATES, 1 to 32)
+  int gemm_candidates = 32;  // how many candidates (LTRAIN_GEMM_CANDIDATES, 1 to 32)
   bool tp_overlap = true;   // the products sum their input's gradient over tp (LTRAIN_TP_OVERLAP=0 turns it off)
 };
 void SetFusedKernelOptions(const FusedKernelOptions& options);

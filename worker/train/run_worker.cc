@@ -380,9 +380,9 @@ Profiling:
   LTRAIN_GEMM_SM_MARGIN=N  plan the cuBLASLt products of backward for N fewer SMs than the GPU has,
                            leaving them to the data-parallel reductions that overlap backward
   LTRAIN_GEMM_TUNE=0       take cuBLASLt's first candidate for each product instead of timing its
-                           first eight once, on the product's first call (training.deterministic
+                           first 32 once, on the product's first call (training.deterministic
                            recipes always take the first)
-  LTRAIN_GEMM_CANDIDATES=N time N of cuBLASLt's candidates instead of eight (1 to 32)
+  LTRAIN_GEMM_CANDIDATES=N time N of cuBLASLt's candidates instead of 32 (1 to 32)
 
 Fault injection (for testing recovery; never set in production):
   LTRAIN_FAULT_CHECKPOINT_WRITE=STEP[:RANK]

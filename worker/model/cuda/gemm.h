@@ -25,7 +25,7 @@ enum class Epilogue {
 };
 
 // The candidates the tuner times by default, and at most (LTRAIN_GEMM_CANDIDATES).
-constexpr int kGemmCandidates = 8;
+constexpr int kGemmCandidates = 32;
 constexpr int kGemmMaxCandidates = 32;
 
 struct GemmArgs {
