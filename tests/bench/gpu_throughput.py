@@ -243,6 +243,9 @@ def main():
     ap.add_argument("--suite", action="append", choices=["single", "dp", "layouts", "learning", "profile", "large"])
     ap.add_argument("--models", default="gpt-124m,gpt-350m,gpt-1.3b")
     ap.add_argument("--profile-model", default="gpt-1.3b", help="the profile suite's model")
+    ap.add_argument("--profile-vocab", type=int, default=VOCAB,
+                    help="the profile suite's vocabulary (random tokens below it; 256 for the learning suite's "
+                         "byte vocabulary)")
     ap.add_argument("--steps", type=int, default=15, help="worker steps (the first 3 are warm-up)")
     ap.add_argument("--data", help="text file for the learning suite")
     ap.add_argument("--json", help="write every figure here")
@@ -503,7 +506,11 @@ def main():
         m = a.profile_model
         print(f"== profile: one {m} step of the worker ==", flush=True)
         trace = os.path.join(work, "worker-step.json")
-        worker_run(f"worker-profile-{m}", m, 1, steps=6, env={"LTRAIN_PROFILE": f"5:{trace}"})
+        extra = {}
+        if a.profile_vocab != VOCAB:
+            extra = {"vocab": a.profile_vocab,
+                     "data": random_data(os.path.join(work, f"data-random-{a.profile_vocab}"), a.profile_vocab)}
+        worker_run(f"worker-profile-{m}", m, 1, steps=6, env={"LTRAIN_PROFILE": f"5:{trace}"}, **extra)
         if os.path.exists(trace):
             summarize_trace(trace)
             results["profile_trace"] = trace
