@@ -130,6 +130,7 @@ void Gemm(cuda::GemmArgs args, const torch::Tensor& like, bool backward) {
   args.workspace_bytes = cuda::kGemmWorkspaceBytes;
   args.sm_margin = backward ? kernel_options.gemm_sm_margin : 0;
   args.tune = kernel_options.gemm_tune;
+  static_assert(kMaxGemmCandidates == cuda::kGemmMaxCandidates);
   args.candidates = kernel_options.gemm_candidates;
   if (std::string error = cuda::GemmBf16(args, StreamOf(like)); !error.empty()) throw std::runtime_error(error);
 }

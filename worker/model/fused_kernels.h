@@ -12,6 +12,9 @@ namespace ltrain::worker {
 
 class Communicator;
 
+// The most of cuBLASLt's candidates the product tuner times (LTRAIN_GEMM_CANDIDATES), and its default.
+constexpr int kMaxGemmCandidates = 32;
+
 // Which of the worker's own kernels run (see `ltrain-worker --help`). Set once, before training
 // starts; CPU builds ignore it.
 struct FusedKernelOptions {
@@ -20,7 +23,7 @@ struct FusedKernelOptions {
   bool adamw = true;        // FusedAdamW (LTRAIN_FUSED_ADAMW=0 turns it off)
   int gemm_sm_margin = 0;   // backward's products are planned for this many fewer SMs (LTRAIN_GEMM_SM_MARGIN)
   bool gemm_tune = true;    // each product's algorithm timed among cuBLASLt's candidates (LTRAIN_GEMM_TUNE=0: first)
-  int gemm_candidates = 32;  // how many candidates (LTRAIN_GEMM_CANDIDATES, 1 to 32)
+  int gemm_candidates = kMaxGemmCandidates;  // how many candidates (LTRAIN_GEMM_CANDIDATES)
   bool tp_overlap = true;   // the products sum their input's gradient over tp (LTRAIN_TP_OVERLAP=0 turns it off)
 };
 void SetFusedKernelOptions(const FusedKernelOptions& options);

@@ -203,9 +203,9 @@ Status Run(const WorkerEnv& env) {
   kernels.gemm_tune = EnvString("LTRAIN_GEMM_TUNE") != "0" && !recipe.training.deterministic;
   LTRAIN_RETURN_IF_ERROR(EnvInt(ProcessEnvironment(), "LTRAIN_GEMM_SM_MARGIN", &kernels.gemm_sm_margin));
   LTRAIN_RETURN_IF_ERROR(EnvInt(ProcessEnvironment(), "LTRAIN_GEMM_CANDIDATES", &kernels.gemm_candidates));
-  if (kernels.gemm_candidates < 1 || kernels.gemm_candidates > 32) {
-    return InvalidArgument("LTRAIN_GEMM_CANDIDATES=" + std::to_string(kernels.gemm_candidates) +
-                           " is outside 1 to 32: how many of cuBLASLt's candidates to time per product");
+  if (kernels.gemm_candidates < 1 || kernels.gemm_candidates > kMaxGemmCandidates) {
+    return InvalidArgument("LTRAIN_GEMM_CANDIDATES=" + std::to_string(kernels.gemm_candidates) + " is outside 1 to " +
+                           std::to_string(kMaxGemmCandidates) + ": how many of cuBLASLt's candidates to time per product");
   }
   SetFusedKernelOptions(kernels);
   LTRAIN_ASSIGN_OR_RETURN(CheckpointWriteFault fault, CheckpointWriteFault::FromEnv());

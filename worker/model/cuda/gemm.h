@@ -24,8 +24,7 @@ enum class Epilogue {
   kBGradB,       // bias_grad[n] = sum of op(B) over k
 };
 
-// The candidates the tuner times by default, and at most (LTRAIN_GEMM_CANDIDATES).
-constexpr int kGemmCandidates = 32;
+// The most candidates the tuner times (LTRAIN_GEMM_CANDIDATES), and its default.
 constexpr int kGemmMaxCandidates = 32;
 
 struct GemmArgs {
@@ -56,7 +55,7 @@ struct GemmArgs {
   // Choose among cuBLASLt's first few candidates for this problem by timing them, once per problem
   // (the first call synchronizes the stream); false: the heuristic's first choice.
   bool tune = false;
-  int candidates = kGemmCandidates;  // how many of cuBLASLt's candidates `tune` times (at most kGemmMaxCandidates)
+  int candidates = kGemmMaxCandidates;  // how many of cuBLASLt's candidates `tune` times (1 to kGemmMaxCandidates)
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };
