@@ -154,6 +154,75 @@ TEST(GptModelTest, Fp32ResidualStreamWithBf16Parameters) {
   }
 }
 
+// A sum below half the stream's last bit: rounded to nearest it is lost; stochastically it is kept on
+// average, each value one of the two bf16 neighbours. Sums bf16 holds stay exact; the gradient
+// reaches both inputs unchanged.
+TEST(GptModelTest, StochasticRoundedAddIsUnbiased) {
+  torch::manual_seed(3);
+  const int64_t n = 200000;
+  const double small = std::ldexp(1.0, -10);  // an eighth of bf16's step at 1 (2^-7)
+  for (double sign : {1.0, -1.0}) {
+    torch::Tensor x = torch::full({n}, sign, torch::kBFloat16).requires_grad_(true);
+    torch::Tensor branch = torch::full({n}, sign * small, torch::kBFloat16).requires_grad_(true);
+    torch::Tensor y = StochasticRoundedAdd(x, branch);
+    ASSERT_EQ(y.scalar_type(), torch::kBFloat16);
+    torch::Tensor yf = y.detach().to(torch::kDouble);
+    const double up = sign * (1.0 + std::ldexp(1.0, -7));
+    EXPECT_TRUE(((yf == sign) | (yf == up)).all().item<bool>()) << sign;
+    const double share_up = (yf == up).to(torch::kDouble).mean().item<double>();
+    EXPECT_NEAR(share_up, 0.125, 0.005) << sign;
+    EXPECT_NEAR(yf.mean().item<double>(), sign * (1.0 + small), 2e-5) << sign;
+    y.sum().backward();
+    EXPECT_TRUE(torch::equal(x.grad(), torch::ones_like(x))) << sign;
+    EXPECT_TRUE(torch::equal(branch.grad(), torch::ones_like(branch))) << sign;
+  }
+  torch::Tensor exact = StochasticRoundedAdd(torch::ones({1000}, torch::kBFloat16),
+                                             torch::full({1000}, std::ldexp(1.0, -7), torch::kBFloat16));
+  EXPECT_TRUE(torch::equal(exact.to(torch::kDouble), torch::full({1000}, 1.0 + std::ldexp(1.0, -7), torch::kDouble)));
+}
+
+// Under stochastic_residual with bf16 parameters the stream stays bf16, its sums draw noise (two runs
+// of the same batch part), and loss and gradients follow the fp32 model's.
+TEST(GptModelTest, StochasticResidualKeepsABf16StreamNearTheFp32Model) {
+  torch::manual_seed(6);
+  torch::Tensor idx = torch::randint(0, 256, {3, 16}, torch::kLong);
+  torch::Tensor targets = torch::randint(0, 256, {3, 16}, torch::kLong);
+  SelfCommunicator self;
+  auto run = [&](bool bf16, bool stochastic, uint64_t noise_seed, std::vector<torch::ScalarType>* stream) {
+    ModelShardSpec spec;
+    spec.config = TinySpec();
+    spec.layout.stage_layers = {spec.config.layers};
+    spec.stochastic_residual = stochastic;
+    torch::manual_seed(5);
+    auto shard = ModelShard::Create(spec, &self);
+    EXPECT_TRUE(shard.ok()) << shard.status().message();
+    if (bf16) {
+      for (ShardParam& p : (*shard)->params()) p.value = p.value.detach().to(torch::kBFloat16).requires_grad_(true);
+    }
+    UnitHooks hooks;
+    hooks.output = [stream](int /*unit*/, torch::Tensor& out) { stream->push_back(out.scalar_type()); };
+    (*shard)->set_hooks(hooks);
+    torch::manual_seed(noise_seed);
+    torch::Tensor loss = (*shard)->Forward(0, idx, targets);
+    loss.backward();
+    std::vector<torch::Tensor> out = {loss.detach().to(torch::kFloat)};
+    for (const ShardParam& p : (*shard)->params()) out.push_back(p.value.grad().to(torch::kFloat));
+    return out;
+  };
+  std::vector<torch::ScalarType> fp32_stream, sr_stream, sr_again_stream;
+  std::vector<torch::Tensor> fp32 = run(false, false, 1, &fp32_stream);
+  std::vector<torch::Tensor> sr = run(true, true, 1, &sr_stream);
+  std::vector<torch::Tensor> sr_again = run(true, true, 2, &sr_again_stream);
+  ASSERT_EQ(sr_stream.size(), 3u);  // the embedding and two blocks
+  for (torch::ScalarType t : sr_stream) EXPECT_EQ(t, torch::kBFloat16);
+  EXPECT_NE(sr[0].item<float>(), sr_again[0].item<float>());
+  EXPECT_NEAR(sr[0].item<double>(), fp32[0].item<double>(), 0.01 * fp32[0].item<double>());
+  for (size_t i = 1; i < fp32.size(); ++i) {
+    const double scale = fp32[i].abs().max().item<double>();
+    EXPECT_LE((sr[i] - fp32[i]).abs().max().item<double>(), 0.05 * scale + 1e-6) << i;
+  }
+}
+
 // ModelParameterShapes lists the module's parameters in its order.
 TEST(GptModelTest, ParameterShapesFollowTheModule) {
   Gpt module(Tiny());

@@ -72,9 +72,10 @@ torch::Tensor ReferenceLoss(const ModelSpec& m, std::map<std::string, torch::Ten
   return F::cross_entropy(logits.view({-1, m.vocab}), targets.view({-1}));
 }
 
-void ExpectShardEqualsReference(bool tied) {
+void ExpectShardEqualsReference(bool tied, bool stochastic_residual = false) {
   ModelShardSpec spec;
   spec.config = TinyLlama(tied);
+  spec.stochastic_residual = stochastic_residual;
   spec.layout.stage_layers = {spec.config.layers};
   spec.seed = 9;
   SelfCommunicator self;
@@ -101,6 +102,10 @@ void ExpectShardEqualsReference(bool tied) {
 
 TEST(LlamaModelTest, OneRankShardEqualsTheReferenceUntied) { ExpectShardEqualsReference(false); }
 TEST(LlamaModelTest, OneRankShardEqualsTheReferenceTied) { ExpectShardEqualsReference(true); }
+// With fp32 parameters the stochastically rounded residual sums are the exact sums.
+TEST(LlamaModelTest, OneRankShardWithStochasticResidualEqualsTheReferenceInFp32) {
+  ExpectShardEqualsReference(false, /*stochastic_residual=*/true);
+}
 
 TEST(LlamaModelTest, ParametersFollowLlamaModelPy) {
   const ModelSpec m = TinyLlama(false);

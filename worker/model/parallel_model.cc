@@ -199,6 +199,19 @@ struct CheckpointAttention : public torch::autograd::Function<CheckpointAttentio
   }
 };
 
+struct StochasticAddFunction : public torch::autograd::Function<StochasticAddFunction> {
+  static torch::Tensor forward(AutogradContext* /*ctx*/, const torch::Tensor& x, const torch::Tensor& branch) {
+    torch::Tensor sum = x.to(torch::kFloat) + branch.to(torch::kFloat);
+    if (x.scalar_type() != torch::kBFloat16) return sum.to(x.scalar_type());
+    // bf16 keeps an fp32's upper 16 bits: a uniform 16-bit integer added to the bits carries into
+    // them with the probability of the lower part (an infinity stays one; the sign bit is untouched).
+    torch::Tensor bits = sum.view(torch::kInt);
+    torch::Tensor noise = torch::randint(0, 1 << 16, sum.sizes(), sum.options().dtype(torch::kInt));
+    return bits.add_(noise).bitwise_and_(-65536).view(torch::kFloat).to(torch::kBFloat16);
+  }
+  static variable_list backward(AutogradContext* /*ctx*/, variable_list grads) { return {grads[0], grads[0]}; }
+};
+
 // Whether a fused product can add `residual` to its output of `sizes` in its epilogue: one of x's
 // dtype, or an fp32 one (an fp32 residual stream, the output then fp32) to a bf16 product.
 bool FusableResidual(const torch::Tensor& residual, const torch::Tensor& x, c10::IntArrayRef sizes) {
@@ -303,6 +316,10 @@ torch::Tensor NoBiasLinear(const torch::Tensor& x, const torch::Tensor& w, const
 }
 
 }  // namespace
+
+torch::Tensor StochasticRoundedAdd(const torch::Tensor& x, const torch::Tensor& branch) {
+  return StochasticAddFunction::apply(x, branch);
+}
 
 torch::Tensor Slice(const torch::Tensor& full, TpSplit split, int tp, int r) {
   switch (split) {
@@ -648,6 +665,11 @@ torch::Tensor ModelShard::LlamaBlockForward(int layer, const torch::Tensor& x) {
   };
   // The residual branches read x and r through the norms' second outputs (see RmsNorm).
   Communicator* const sum_in_product = SumInProducts(spec_.layout, tp_);
+  const bool sr = spec_.stochastic_residual;
+  // The residual sum through the product's epilogue, or stochastically rounded after it.
+  auto residual_linear = [&](const torch::Tensor& in, const torch::Tensor& w, const torch::Tensor& residual) {
+    return sr ? StochasticRoundedAdd(residual, NoBiasLinear(in, w)) : NoBiasLinear(in, w, residual);
+  };
   auto [h_local, x_res] = RmsNorm(x, P(layer, "attn_norm.weight"), c.norm_eps);
   const torch::Tensor &wq = P(layer, "wq.weight"), &wk = P(layer, "wk.weight"), &wv = P(layer, "wv.weight");
   const bool fused_qkv = !kv_replicated_ && FusedLinearAvailable(h_local, wq) && FusedLinearAvailable(h_local, wk) &&
@@ -672,7 +694,7 @@ torch::Tensor ModelShard::LlamaBlockForward(int layer, const torch::Tensor& x) {
   torch::Tensor y = Attention(q, k, v).transpose(1, 2).reshape({b, t, heads_local * hd});
   // One rank: the residual is added in the products' epilogues.
   torch::Tensor r =
-      tp == 1 ? NoBiasLinear(y, P(layer, "wo.weight"), x_res) : x_res + row(NoBiasLinear(y, P(layer, "wo.weight")));
+      tp == 1 ? residual_linear(y, P(layer, "wo.weight"), x_res) : x_res + row(NoBiasLinear(y, P(layer, "wo.weight")));
   auto [m_local, r_res] = RmsNorm(r, P(layer, "ffn_norm.weight"), c.norm_eps);
   const torch::Tensor &w1 = P(layer, "w1.weight"), &w3 = P(layer, "w3.weight");
   const bool fused_gate = FusedLinearAvailable(m_local, w1) && FusedLinearAvailable(m_local, w3);
@@ -688,10 +710,11 @@ torch::Tensor ModelShard::LlamaBlockForward(int layer, const torch::Tensor& x) {
   if (Selective() && FusedLlamaOpsAvailable(g) && FusedLinearAvailable(g, w2)) {
     // The down projection's input is made again in backward (selective recompute).
     if (tp > 1) return r_res + row(FusedSwiGluLinear(g, u, w2));
+    if (sr) return StochasticRoundedAdd(r_res, FusedSwiGluLinear(g, u, w2));
     if (FusableResidual(r_res, g, OutputSizes(g, w2))) return FusedSwiGluLinear(g, u, w2, r_res);
   }
   torch::Tensor gate = FusedLlamaOpsAvailable(g) ? FusedSwiGlu(g, u) : torch::silu(g) * u;
-  if (tp == 1) return NoBiasLinear(gate, w2, r_res);
+  if (tp == 1) return residual_linear(gate, w2, r_res);
   return r_res + row(NoBiasLinear(gate, w2));
 }
 
@@ -699,6 +722,7 @@ torch::Tensor ModelShard::GptBlockForward(int layer, const torch::Tensor& x) {
   const int tp = spec_.layout.tp;
   const int64_t comm = Handle(tp_);
   const bool sp = spec_.layout.sequence_parallel;
+  const bool sr = spec_.stochastic_residual;  // the residual sums rounded stochastically (tp 1)
   const int64_t c = spec_.config.d_model;
   const int64_t c_local = c / tp;
   const int64_t heads_local = spec_.config.heads / tp;
@@ -712,7 +736,7 @@ torch::Tensor ModelShard::GptBlockForward(int layer, const torch::Tensor& x) {
   };
   // x + the row-parallel output of in · wᵀ + b.
   auto row_out = [&](const torch::Tensor& x, const torch::Tensor& in, const torch::Tensor& w, const torch::Tensor& b) {
-    if (tp == 1) return Linear(in, w, b, x);
+    if (tp == 1) return sr ? StochasticRoundedAdd(x, Linear(in, w, b)) : Linear(in, w, b, x);
     return x + row_reduce(Linear(in, w, {}), b);
   };
   Communicator* const sum_in_product = SumInProducts(spec_.layout, tp_);
@@ -729,6 +753,7 @@ torch::Tensor ModelShard::GptBlockForward(int layer, const torch::Tensor& x) {
   const torch::Tensor &fc_w = P(layer, "fc.weight"), &fc_b = P(layer, "fc.bias");
   const torch::Tensor &fc2_w = P(layer, "fc2.weight"), &fc2_b = P(layer, "fc2.bias");
   const bool recompute_gelu = Selective();
+  if (tp == 1 && sr) return StochasticRoundedAdd(h, Mlp(m_local, fc_w, fc_b, fc2_w, fc2_b, {}, recompute_gelu));
   if (tp == 1) return Mlp(m_local, fc_w, fc_b, fc2_w, fc2_b, h, recompute_gelu);
   if (sum_in_product && FusedLinearAvailable(m_local, fc_w) && FusedLinearAvailable(m_local, fc2_w)) {
     return h + row_reduce(FusedMlp(m_local, fc_w, fc_b, fc2_w, {}, {}, sum_in_product, recompute_gelu), fc2_b);
@@ -744,7 +769,9 @@ torch::Tensor ModelShard::Embed(const torch::Tensor& ids) {
   auto widen = [&](const torch::Tensor& e) { return spec_.fp32_residual ? e.to(torch::kFloat) : e; };
   // Learned positions from..from+n (gpt2; a llama has none).
   auto positioned = [&](const torch::Tensor& e, int64_t from, int64_t n) {
-    return wpe_ >= 0 ? widen(e) + params_[wpe_].value.narrow(0, from, n) : widen(e);  // the sum in the stream's dtype
+    if (wpe_ < 0) return widen(e);
+    const torch::Tensor pos = params_[wpe_].value.narrow(0, from, n);
+    return spec_.stochastic_residual ? StochasticRoundedAdd(e, pos) : widen(e) + pos;  // the sum in the stream's dtype
   };
   if (tp == 1) {
     // On a bf16 CUDA table the lookup's backward adds straight into the table's gradient.

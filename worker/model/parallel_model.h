@@ -56,7 +56,17 @@ struct ModelShardSpec {
   // With bf16 parameters: the residual stream (the embedding's output, every block's input and
   // output) in fp32, as autocast keeps it; the norms read it in fp32 and give the products bf16.
   bool fp32_residual = false;
+  // With a bf16 residual stream: each block's branch is added to the stream in fp32 and the sum
+  // rounded to bf16 stochastically (StochasticRoundedAdd), not to nearest. tp 1, without full
+  // activation checkpointing (the noise is drawn again where a forward is made again).
+  bool stochastic_residual = false;
 };
+
+// x + branch in fp32, rounded to x's dtype; to bf16 stochastically: up with the probability of the
+// part dropped, so that the rounding is unbiased (a branch smaller than half the stream's last bit is
+// kept on average, not lost). Backward passes the gradient to both unchanged. The noise comes from
+// the default generator of x's device.
+torch::Tensor StochasticRoundedAdd(const torch::Tensor& x, const torch::Tensor& branch);
 
 // The full model's parameters in the Python model's registration order: name and shape.
 std::vector<std::pair<std::string, std::vector<int64_t>>> ModelParameterShapes(const ModelSpec& config);

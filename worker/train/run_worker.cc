@@ -191,6 +191,7 @@ Status Run(const WorkerEnv& env) {
   options.overlap_update = EnvString("LTRAIN_OVERLAP_UPDATE") != "0";
   options.copy_engine_gathers = EnvString("LTRAIN_COPY_ENGINE_GATHERS") != "0";
   options.dp_side_stream = EnvString("LTRAIN_DP_SIDE_STREAM") != "0";
+  options.stochastic_residual = EnvString("LTRAIN_STOCHASTIC_RESIDUAL") == "1";
   LTRAIN_ASSIGN_OR_RETURN(options.slow_factor, SlowFactor(env.rank));
   SetCollectiveStreamPriority(EnvString("LTRAIN_DP_HIGH_PRIORITY") == "1");
   FusedKernelOptions kernels;
@@ -383,6 +384,10 @@ Profiling:
                            first 32 once, on the product's first call (training.deterministic
                            recipes always take the first)
   LTRAIN_GEMM_CANDIDATES=N time N of cuBLASLt's candidates instead of 32 (1 to 32)
+  LTRAIN_STOCHASTIC_RESIDUAL=1
+                           under precision bf16, add each block's branch to the residual stream in
+                           fp32 and round the sum to bf16 stochastically (unbiased), not to nearest;
+                           tp 1, no full activation checkpointing (to compare how it learns)
 
 Fault injection (for testing recovery; never set in production):
   LTRAIN_FAULT_CHECKPOINT_WRITE=STEP[:RANK]

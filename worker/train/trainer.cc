@@ -277,6 +277,17 @@ Status Trainer::Init() {
   ml.seed = static_cast<uint64_t>(t.seed);
   ml.device = device_;
   ml.fp32_residual = fp32_residual_;
+  if (options_.stochastic_residual) {
+    if (!bf16_params_ || fp32_residual_) {
+      return InvalidArgument("LTRAIN_STOCHASTIC_RESIDUAL=1 rounds a bf16 residual stream's sums: it needs "
+                             "parallel.precision=bf16 (this job's is " + NameOf(p.precision) + ")");
+    }
+    if (layout_.tp != 1 || layout_.activation_checkpointing == ActivationCheckpointing::kFull) {
+      return InvalidArgument("LTRAIN_STOCHASTIC_RESIDUAL=1 needs parallel.tp 1 and no full activation "
+                             "checkpointing (tp ranks and a recomputed forward would draw other noise)");
+    }
+    ml.stochastic_residual = true;
+  }
   torch::manual_seed(t.seed);
   LTRAIN_ASSIGN_OR_RETURN(model_, ModelShard::Create(ml, groups_->tp));
   for (const ShardParam& sp : model_->params()) tp_partial_grads_ = tp_partial_grads_ || sp.tp_partial;

@@ -83,6 +83,9 @@ struct TrainerOptions {
   // tp or pp beside dp on GPUs: dp's collectives, issued inline in the computation's order, run on
   // a stream of their own beside it (false: on the computation's stream; LTRAIN_DP_SIDE_STREAM=0).
   bool dp_side_stream = true;
+  // precision bf16: the residual sums rounded to bf16 stochastically (ModelShardSpec::
+  // stochastic_residual; LTRAIN_STOCHASTIC_RESIDUAL=1).
+  bool stochastic_residual = false;
   // The model without training data (export, generate): Run, Step and Save are not called.
   bool model_only = false;
   // Delivers this rank's Progress to its agent before it returns (ProgressReporter::Flush). Rank 0
