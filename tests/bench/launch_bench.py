@@ -72,7 +72,7 @@ class Bench:
         self.count += 1
         log = os.path.join(self.workdir, f"{self.count:02d}-{re.sub(r'[^A-Za-z0-9.-]+', '_', label)}.log")
         cmd = [ltrain or self.args.ltrain, "launch", recipe_path]
-        for s in sets:
+        for s in [*(self.args.ltrain_set if ltrain is None else []), *sets]:
             cmd += ["--set", s]
         start = time.time()
         with open(log, "w") as out:
@@ -369,6 +369,9 @@ def main():
     ap.add_argument("--ltrain-env", action="append", default=[], metavar="NAME=VALUE",
                     help="set in the environment of every ltrain launch (repeatable; `ltrain-worker --help` "
                          "lists the worker's variables)")
+    ap.add_argument("--ltrain-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a recipe override (`ltrain launch --set`) for every ltrain job of this build "
+                         "(repeatable; e.g. parallel.precision=bf16)")
     ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--run-timeout", type=int, default=900, help="seconds one job or peer may take")
     ap.add_argument("--workdir", help="recipes, tokens and logs (default: a new temporary folder)")
