@@ -29,7 +29,8 @@ Suites (--suite, repeatable; default: layouts):
            with its seeds moved by k),
            against gpt_baseline.py (PyTorch AMP) with the same seeds: the loss at step 200, each
            curve's worst step against the mean of the 10 before it, and the worst step of ltrain's
-           mean over the seeds against AMP's mean at the same step
+           mean over the seeds against AMP's mean at the same step; --learning-control adds AMP under
+           torch.compile against AMP eager, the same measures (the peer's own spread)
 --reference LTRAIN adds gpt-1.3b (or --reference-model) on one GPU through another build's ltrain (an
 earlier commit built beside this one), interleaved with this build's, twice each (--reference-rounds),
 and prints the ratio.
@@ -294,48 +295,68 @@ def suite_learning(b, n, baselines, text):
     copy = os.path.join(b.workdir, "gpt_baseline_every_step.py")
     with open(copy, "w") as f:
         f.write(source)
+    theirs = learning_peers(b, n, baselines, copy, text, seeds, "eager")
+    compare_learning(b, "ltrain", ours, theirs, seeds, report=True)
+    if b.args.learning_control:
+        # The peer against itself: the same recipe under torch.compile (other kernels, other roundings).
+        compiled = learning_peers(b, n, baselines, copy, text, seeds, "compile")
+        compare_learning(b, "PyTorch AMP compiled", compiled, theirs, seeds, report=False)
+    b.dump()
+
+
+def learning_peers(b, n, baselines, copy, text, seeds, mode):
+    """{seed: curve} of gpt_baseline.py (PyTorch AMP, `mode` eager or compile), the seeds at once, one a GPU."""
     env = peer_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [baselines, env.get("PYTHONPATH")]))
     procs = {}
     for k in seeds:
         shift = [] if k == 0 else ["-c", SHIFTED_SEEDS.format(k=k)]
-        out = open(os.path.join(b.workdir, f"peer-learning-seed{k}.log"), "w+")
+        out = open(os.path.join(b.workdir, f"peer-learning-{mode}-seed{k}.log"), "w+")
         procs[k] = (subprocess.Popen([sys.executable, *shift, copy, "--model", "gpt-124m", "--data", text, "--steps",
-                                      "200", "--mode", "eager"], stdout=out, stderr=subprocess.STDOUT,
+                                      "200", "--mode", mode], stdout=out, stderr=subprocess.STDOUT,
                                      env=dict(env, CUDA_VISIBLE_DEVICES=str(k % n)), cwd=baselines), out)
-    theirs = {}
+    label = "PyTorch AMP" if mode == "eager" else f"PyTorch AMP {mode}"
+    curves = {}
     for k, (p, out) in procs.items():
         p.wait(timeout=b.args.run_timeout)
         out.seek(0)
         curve = [(int(st) + 1, float(l)) for st, l in re.findall(r"step (\d+) loss ([0-9.]+)", out.read())]
         if len(curve) < 200:
-            b.failures.append(f"PyTorch AMP seed {k}: {len(curve)} steps")
+            b.failures.append(f"{label} seed {k}: {len(curve)} steps")
             continue
-        theirs[k] = curve
-        print_worst_step(f"PyTorch AMP seed {k}", curve)
+        curves[k] = curve
+        print_worst_step(f"{label} seed {k}", curve)
+        b.results.append({"label": f"{label} learning seed {k}", "curve": curve})
+    return curves
+
+
+def compare_learning(b, name, ours, theirs, seeds, report):
+    """Prints `name`'s curves against PyTorch AMP's (eager): the loss at step 200 and the worst step of the mean
+    over the seeds; `report` puts the ratios in the results as the suite's verdict."""
     both = [k for k in seeds if k in ours and k in theirs]
+    if not both:
+        return
     for k in both:
-        print(f"  seed {k}: loss at step 200 ltrain {ours[k][-1][1]:.4f}, PyTorch AMP {theirs[k][-1][1]:.4f}", flush=True)
-        b.results.append({"label": f"PyTorch AMP learning seed {k}", "curve": theirs[k]})
-    if both:
-        mine, amp = (sum(c[k][-1][1] for k in both) / len(both) for c in (ours, theirs))
-        print(f"  mean loss at step 200: ltrain {mine:.4f}, PyTorch AMP {amp:.4f} ({100 * (mine - amp) / amp:+.2f}%)",
+        print(f"  seed {k}: loss at step 200 {name} {ours[k][-1][1]:.4f}, PyTorch AMP {theirs[k][-1][1]:.4f}",
               flush=True)
-        b.results.append({"ratio": "learning: mean loss at step 200 against PyTorch AMP", "value": mine / amp})
-        # Every step against PyTorch AMP's as it runs: the seeds' mean loss at each step, ltrain's over AMP's
-        # (a spike of ltrain's own shows here; one that AMP takes at the same step does not).
-        worst = against_peer_by_step(ours, theirs, both)
-        if worst:
-            ratio, step = worst
-            print(f"  every step, mean over the seeds: ltrain's worst against PyTorch AMP's {ratio:.3f} (step {step})",
+    mine, amp = (sum(c[k][-1][1] for k in both) / len(both) for c in (ours, theirs))
+    print(f"  mean loss at step 200: {name} {mine:.4f}, PyTorch AMP {amp:.4f} ({100 * (mine - amp) / amp:+.2f}%)",
+          flush=True)
+    prefix = "learning" if report else f"learning control ({name})"
+    b.results.append({"ratio": f"{prefix}: mean loss at step 200 against PyTorch AMP", "value": mine / amp})
+    # Every step against PyTorch AMP's as it runs: the seeds' mean loss at each step, ours over AMP's
+    # (a spike of our own shows here; one that AMP takes at the same step does not).
+    worst = against_peer_by_step(ours, theirs, both)
+    if worst:
+        ratio, step = worst
+        print(f"  every step, mean over the seeds: {name}'s worst against PyTorch AMP's {ratio:.3f} (step {step})",
+              flush=True)
+        b.results.append({"ratio": f"{prefix}: worst step's mean loss against PyTorch AMP's", "value": ratio,
+                          "step": step})
+        for k in both:
+            r, st = against_peer_by_step(ours, theirs, [k])
+            print(f"  seed {k}: {name}'s worst step against PyTorch AMP's at the same step {r:.3f} (step {st})",
                   flush=True)
-            b.results.append({"ratio": "learning: worst step's mean loss against PyTorch AMP's", "value": ratio,
-                              "step": step})
-            for k in both:
-                r, st = against_peer_by_step(ours, theirs, [k])
-                print(f"  seed {k}: ltrain's worst step against PyTorch AMP's at the same step {r:.3f} (step {st})",
-                      flush=True)
-        b.dump()
 
 
 def against_peer_by_step(ours, theirs, seeds):
@@ -360,6 +381,9 @@ def main():
     ap.add_argument("--learning-seeds", type=int, default=0,
                     help="the learning suite's seeds (default: one a GPU, up to 4); more than the GPUs run "
                          "their PyTorch peers two or more to a GPU")
+    ap.add_argument("--learning-control", action="store_true",
+                    help="the learning suite also runs gpt_baseline.py under torch.compile and prints it against "
+                         "the eager runs, as ltrain's are: how far the peer parts from itself with other kernels")
     ap.add_argument("--reference", help="another build's ltrain: gpt-1.3b on one GPU through both")
     ap.add_argument("--reference-rounds", type=int, default=2, help="--reference: runs of each build (default 2)")
     ap.add_argument("--reference-model", action="append", choices=["gpt-1.3b", "gpt-124m"],
