@@ -5,9 +5,9 @@ ltrain_add_test(token_data_test unit
 
 if(LTRAIN_BUILD_CONTROL_PLANE)
   # Every recipe key, at a value other than its default, from the user's recipe through the
-  # coordinator to the worker's loading; milliseconds.
+  # coordinator to the worker's loading, and the worker's own environment variables; milliseconds.
   ltrain_add_test(recipe_keys_test unit
-    SOURCES unit/recipe_keys_test.cc
+    SOURCES unit/recipe_keys_test.cc unit/worker_env_test.cc
     LIBS ltrain::launcher ltrain::worker_control)
 endif()
 

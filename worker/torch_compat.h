@@ -237,6 +237,7 @@ class StepProfiler {
     (void)path;
 #endif
   }
+  bool running() const { return running_; }
 
  private:
   bool running_ = false;

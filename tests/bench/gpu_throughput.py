@@ -13,7 +13,8 @@ Suites (--suite, repeatable):
   dp        2 GPUs: gpt-1.3b data parallel; the worker on 1 and 2 GPUs, gpt_ddp.py under torchrun
   layouts   2 GPUs: gpt-1.3b with tp2 and pp2 (1F1B); 4 GPUs (when present): tp2 x dp2
   learning  1 GPU: gpt-124m on byte tokens of --data for 200 steps, the worker's loss against gpt_baseline.py
-  profile   1 GPU: one step of the worker (--profile-model, gpt-1.3b) under the CUDA profiler, kernel time by kind
+  profile   1 GPU: one step of the worker (--profile-model, gpt-1.3b; --profile-steps for a window of
+            steps) under the CUDA profiler, kernel time by kind
   large     8 GPUs (4: the same layouts scaled down): a GPT of about 7B (32 layers, d 4096, 32 heads)
             with tp8, tp4 x dp2, tp2 x pp2 x dp2 (interleaved 1F1B) and dp8 ZeRO-3, 20 steps each; then
             gpt-1.3b data parallel on every GPU against gpt_ddp.py
@@ -246,6 +247,9 @@ def main():
     ap.add_argument("--profile-vocab", type=int, default=VOCAB,
                     help="the profile suite's vocabulary (random tokens below it; 256 for the learning suite's "
                          "byte vocabulary)")
+    ap.add_argument("--profile-steps", default="5",
+                    help="the profile suite's steps, STEP or FIRST-LAST (LTRAIN_PROFILE); a window shows the "
+                         "gaps between steps")
     ap.add_argument("--steps", type=int, default=15, help="worker steps (the first 3 are warm-up)")
     ap.add_argument("--data", help="text file for the learning suite")
     ap.add_argument("--json", help="write every figure here")
@@ -504,13 +508,15 @@ def main():
 
     if "profile" in suites:
         m = a.profile_model
-        print(f"== profile: one {m} step of the worker ==", flush=True)
+        last = int(a.profile_steps.split("-")[-1])
+        print(f"== profile: {m}, step(s) {a.profile_steps} of the worker ==", flush=True)
         trace = os.path.join(work, "worker-step.json")
         extra = {}
         if a.profile_vocab != VOCAB:
             extra = {"vocab": a.profile_vocab,
                      "data": random_data(os.path.join(work, f"data-random-{a.profile_vocab}"), a.profile_vocab)}
-        worker_run(f"worker-profile-{m}", m, 1, steps=6, env={"LTRAIN_PROFILE": f"5:{trace}"}, **extra)
+        worker_run(f"worker-profile-{m}", m, 1, steps=last + 1, env={"LTRAIN_PROFILE": f"{a.profile_steps}:{trace}"},
+                   **extra)
         if os.path.exists(trace):
             summarize_trace(trace)
             results["profile_trace"] = trace
@@ -551,7 +557,7 @@ def summarize_trace(path):
     for e in kernels:
         by_name[e.get("name", "")[:90]] += e["dur"]
     span = end - start
-    print(f"  step on the GPU: {span / 1000:.1f} ms from first to last kernel, kernels busy {busy / 1000:.1f} ms "
+    print(f"  on the GPU: {span / 1000:.1f} ms from first to last kernel, kernels busy {busy / 1000:.1f} ms "
           f"({100 * busy / span:.1f}%), {len(kernels)} kernels", flush=True)
     for kind, us in by_kind.most_common():
         print(f"  {kind:<24} {us / 1000:8.2f} ms {100 * us / busy:5.1f}%", flush=True)

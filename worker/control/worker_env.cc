@@ -53,6 +53,33 @@ Status EnvInt(const EnvLookup& env, const char* name, int* out) {
   return Status::Ok();
 }
 
+StatusOr<ProfileWindow> ParseProfileWindow(const std::string& value) {
+  auto bad = [&] {
+    return InvalidArgument("LTRAIN_PROFILE=" + value +
+                           ": expected STEP:PATH or FIRST-LAST:PATH (1-based steps), e.g. LTRAIN_PROFILE=10:/tmp/step10.json "
+                           "or LTRAIN_PROFILE=10-12:/tmp/steps10-12.json");
+  };
+  const size_t colon = value.find(':');
+  if (colon == std::string::npos || colon + 1 == value.size()) return bad();
+  const std::string steps = value.substr(0, colon);
+  const size_t dash = steps.find('-');
+  auto number = [](const std::string& text, int64_t* out) {
+    if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos || text.size() > 15) return false;
+    *out = std::stoll(text);
+    return *out >= 1;
+  };
+  ProfileWindow window;
+  window.path = value.substr(colon + 1);
+  if (!number(steps.substr(0, dash), &window.first)) return bad();
+  window.last = window.first;
+  if (dash != std::string::npos && !number(steps.substr(dash + 1), &window.last)) return bad();
+  if (window.last < window.first) {
+    return InvalidArgument("LTRAIN_PROFILE=" + value + ": the last step " + std::to_string(window.last) +
+                           " comes before the first " + std::to_string(window.first));
+  }
+  return window;
+}
+
 StatusOr<WorkerEnv> ParseWorkerEnv(const EnvLookup& environment, const std::vector<std::string>& args) {
   WorkerEnv env;
   env.job_id = Get(environment, "LTRAIN_JOB_ID");

@@ -3,6 +3,7 @@
 // recipe the way the worker does, without starting one.
 #pragma once
 
+#include <cstdint>
 #include <functional>
 #include <optional>
 #include <string>
@@ -47,6 +48,16 @@ StatusOr<WorkerEnv> ParseWorkerEnv(const EnvLookup& env, const std::vector<std::
 // The recipe this worker trains: its recipe file with the --set overrides, parsed and checked as
 // every recipe is.
 StatusOr<Recipe> LoadWorkerRecipe(const WorkerEnv& env);
+
+// LTRAIN_PROFILE: rank 0 records steps first..last (1-based) under the CUDA profiler into one
+// Chrome trace at `path`.
+struct ProfileWindow {
+  int64_t first = 0;  // 0: none
+  int64_t last = 0;
+  std::string path;
+};
+// "STEP:PATH" or "FIRST-LAST:PATH".
+StatusOr<ProfileWindow> ParseProfileWindow(const std::string& value);
 
 // A variable of this process's environment; `fallback` when unset or empty.
 std::string EnvString(const char* name, const std::string& fallback = "");

@@ -212,14 +212,10 @@ Status Run(const WorkerEnv& env) {
   LTRAIN_ASSIGN_OR_RETURN(CheckpointWriteFault fault, CheckpointWriteFault::FromEnv());
   options.checkpoint_write_fault = fault;
   if (const std::string profile = EnvString("LTRAIN_PROFILE"); !profile.empty()) {
-    const size_t colon = profile.find(':');
-    char* end = nullptr;
-    const long long step = std::strtoll(profile.c_str(), &end, 10);
-    if (colon == std::string::npos || end != profile.c_str() + colon || step < 1 || colon + 1 == profile.size()) {
-      return InvalidArgument("LTRAIN_PROFILE=" + profile + ": expected STEP:PATH, e.g. LTRAIN_PROFILE=10:/tmp/step10.json");
-    }
-    options.profile_step = step;
-    options.profile_path = profile.substr(colon + 1);
+    LTRAIN_ASSIGN_OR_RETURN(ProfileWindow window, ParseProfileWindow(profile));
+    options.profile_step = window.first;
+    options.profile_last = window.last;
+    options.profile_path = window.path;
   }
   options.checkpoint_dir = !recipe.checkpoint.enabled       ? ""
                            : !env.checkpoint_dir.empty()     ? env.checkpoint_dir
@@ -355,7 +351,9 @@ Environment (set by the agent; flags win over it):
 Profiling:
   LTRAIN_PROFILE=STEP:PATH rank 0 records step STEP (1-based) with the CUDA profiler (operators and
                            kernels) and writes a Chrome trace to PATH (open it in Perfetto or
-                           chrome://tracing); CUDA builds only
+                           chrome://tracing); CUDA builds only. FIRST-LAST:PATH records steps FIRST
+                           to LAST in one trace, with nothing waited for between them (the gaps
+                           between steps show)
   LTRAIN_FUSED_LINEAR=0    LibTorch's linear layers and GELU instead of the worker's cuBLASLt ones
                            (bf16 on CUDA), to compare speed or numerics
   LTRAIN_FUSED_LAYER_NORM=0  LibTorch's layer norm and RMS norm backward instead of the worker's

@@ -1489,13 +1489,15 @@ Status Trainer::Run() {
   SteadyClock::time_point window_start = SteadyClock::now();
   double window_ms = 0, blocked_at_start = checkpoint_blocked_ms_, eval_at_start = eval_ms_;
   int64_t window_first = run_start_step_ + 1;
+  compat::StepProfiler profiler;
+  const int64_t profile_last = std::max(options_.profile_step, options_.profile_last);
   while (step_ < t.steps) {
     const double lr = LearningRate(schedule_, step_);
-    compat::StepProfiler profiler;
-    const bool profiling = printer && options_.profile_step == step_ + 1;
-    if (profiling) {
+    if (printer && options_.profile_step == step_ + 1) {
       if (std::string why = profiler.Start(); !why.empty()) std::printf("profile: not recorded: %s\n", why.c_str());
     }
+    // The window's last step (or the run's, where the run ends first) stops the profiler.
+    const bool profile_stop = profiler.running() && (step_ + 1 == profile_last || step_ + 1 == t.steps);
     const auto start = SteadyClock::now();
     LTRAIN_ASSIGN_OR_RETURN(torch::Tensor loss, StepOnDevice(/*check_loss=*/!lag));
     compat::StreamMarker ready;
@@ -1514,10 +1516,15 @@ Status Trainer::Run() {
       LTRAIN_RETURN_IF_ERROR(settle(*pending));
       pending.reset();
     }
-    if (profiling) {
+    if (profile_stop) {
       compat::Synchronize(device_);
       profiler.Stop(options_.profile_path);
-      std::printf("profile: step %lld written to %s\n", static_cast<long long>(s), options_.profile_path.c_str());
+      if (s == options_.profile_step) {
+        std::printf("profile: step %lld written to %s\n", static_cast<long long>(s), options_.profile_path.c_str());
+      } else {
+        std::printf("profile: steps %lld-%lld written to %s\n", static_cast<long long>(options_.profile_step),
+                    static_cast<long long>(s), options_.profile_path.c_str());
+      }
     }
     // A stop with a final checkpoint (TrainerOptions::stop_after) saves this step and ends the run.
     LTRAIN_ASSIGN_OR_RETURN(bool stop_here, options_.stop_after ? options_.stop_after(s) : StatusOr<bool>(false));
@@ -1568,6 +1575,12 @@ Status Trainer::Run() {
       LTRAIN_RETURN_IF_ERROR(StartSave());
     }
     if (stop_here) break;
+  }
+  if (profiler.running()) {  // a stop ended the run inside the profiled window
+    compat::Synchronize(device_);
+    profiler.Stop(options_.profile_path);
+    std::printf("profile: steps %lld-%lld written to %s\n", static_cast<long long>(options_.profile_step),
+                static_cast<long long>(step_), options_.profile_path.c_str());
   }
   // The last update's bf16 copies, where their gathers were left to the next forward.
   LTRAIN_RETURN_IF_ERROR(store_->AwaitUpdates());

@@ -63,9 +63,10 @@ struct TrainerOptions {
   CheckpointCommitBoard* commit_board = nullptr;
   CheckpointWriteFault checkpoint_write_fault;            // LTRAIN_FAULT_CHECKPOINT_WRITE
   std::chrono::milliseconds collective_timeout{300000};   // also bounds rank 0's wait for peers' files
-  // Rank 0 records step `profile_step` (1-based; 0: none) with the CUDA profiler into a Chrome trace
-  // at `profile_path` (LTRAIN_PROFILE=STEP:PATH).
+  // Rank 0 records steps `profile_step` to `profile_last` (1-based; 0: none) with the CUDA profiler
+  // into one Chrome trace at `profile_path` (LTRAIN_PROFILE=STEP:PATH or FIRST-LAST:PATH).
   int64_t profile_step = 0;
+  int64_t profile_last = 0;  // below profile_step: profile_step alone
   std::string profile_path;
   // Called after every completed step (`ltrain stop --checkpoint`, see CheckpointStop): true saves
   // that step like a periodic checkpoint, waits for its commit and ends Run(); an error fails Run().

@@ -1,0 +1,39 @@
+// The worker's environment variables that are parsed apart from the recipe.
+
+#include <gtest/gtest.h>
+
+#include "worker/control/worker_env.h"
+
+namespace ltrain::worker {
+namespace {
+
+TEST(ProfileWindowTest, OneStepOrARangeOfSteps) {
+  StatusOr<ProfileWindow> one = ParseProfileWindow("10:/tmp/step10.json");
+  ASSERT_TRUE(one.ok()) << one.status().ToString();
+  EXPECT_EQ(one->first, 10);
+  EXPECT_EQ(one->last, 10);
+  EXPECT_EQ(one->path, "/tmp/step10.json");
+
+  StatusOr<ProfileWindow> range = ParseProfileWindow("5-7:trace:with:colons.json");
+  ASSERT_TRUE(range.ok()) << range.status().ToString();
+  EXPECT_EQ(range->first, 5);
+  EXPECT_EQ(range->last, 7);
+  EXPECT_EQ(range->path, "trace:with:colons.json");
+}
+
+TEST(ProfileWindowTest, MalformedValuesNameTheForm) {
+  for (const char* value : {"10", "10:", ":x.json", "0:x.json", "a:x.json", "5-:x.json", "-5:x.json", "5-x:x.json",
+                            "+5:x.json", "5 :x.json"}) {
+    StatusOr<ProfileWindow> w = ParseProfileWindow(value);
+    ASSERT_FALSE(w.ok()) << value;
+    EXPECT_NE(w.status().message().find("expected STEP:PATH or FIRST-LAST:PATH"), std::string::npos)
+        << w.status().message();
+  }
+  StatusOr<ProfileWindow> backwards = ParseProfileWindow("7-5:x.json");
+  ASSERT_FALSE(backwards.ok());
+  EXPECT_NE(backwards.status().message().find("the last step 5 comes before the first 7"), std::string::npos)
+      << backwards.status().message();
+}
+
+}  // namespace
+}  // namespace ltrain::worker
