@@ -574,6 +574,33 @@ TEST(FusedKernelsTest, EmbeddingMatchesLibTorch) {
   }
 }
 
+// A row used by thousands of tokens a step (a byte vocabulary's space): its gradient is their sum in
+// fp32, rounded once, not a bf16 running sum that stops growing.
+TEST(FusedKernelsTest, EmbeddingSumsAFrequentRowsGradientsInFp32) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  if (!FusedLlamaOpsAvailable(torch::zeros({8}, bf16))) GTEST_SKIP() << "worker built without CUDA kernels";
+  torch::manual_seed(31);
+  const int64_t vocab = 256, d = 128, hot = 32;
+  const torch::TensorOptions ids_options = torch::TensorOptions().dtype(torch::kLong).device(torch::kCUDA);
+  // 4096 tokens of row `hot` among 1024 others.
+  torch::Tensor ids = torch::cat({torch::full({4096}, hot, ids_options), torch::randint(0, vocab, {1024}, ids_options)});
+  ids = ids.index_select(0, torch::randperm(ids.numel(), ids_options)).view({4, -1});
+  torch::Tensor grad_out = (0.5 + torch::rand({4, ids.size(1), d})).to(bf16);
+  torch::Tensor reference = at::embedding_backward(grad_out.to(torch::kFloat), ids, vocab, -1, false, false);
+  for (const bool existing : {true, false}) {
+    torch::Tensor w = torch::randn({vocab, d}, bf16).requires_grad_(true);
+    torch::Tensor before = existing ? torch::randn({vocab, d}, bf16) : torch::zeros({vocab, d}, bf16);
+    if (existing) w.mutable_grad() = before.clone();
+    FusedEmbedding(ids, w).backward(grad_out);
+    torch::Tensor got = w.grad().to(torch::kFloat) - before.to(torch::kFloat);
+    // About 4100 on the hot row: the sum's rounding to bf16 and the add's are each up to 0.4% of
+    // it; a bf16 running sum stalls near 512.
+    EXPECT_LE(RelativeError(got[hot], reference[hot]), 0.01) << existing;
+    EXPECT_LE(RelativeError(got, reference), 0.01) << existing;
+  }
+}
+
 // Rotary embeddings (llama_model.apply_rope) and SwiGLU against the same composite in fp32.
 TEST(FusedKernelsTest, RopeAndSwiGluMatchTheComposite) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";

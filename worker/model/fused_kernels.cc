@@ -688,8 +688,11 @@ struct ProjectionsFunction : public torch::autograd::Function<ProjectionsFunctio
 };
 
 // The embedding lookup; backward adds the rows' gradients straight into w's .grad where it has one
-// (index_put_ with accumulate, sorted: only the rows the batch used are touched), not through a
-// dense [vocab, d] gradient and an add of the whole table.
+// (only the rows the batch used are touched), not through a dense [vocab, d] gradient and an add of
+// the whole table. Each used row's gradients are summed in fp32 first (LibTorch's embedding backward
+// over the batch's distinct rows), then added to the bf16 gradient once: index_put_ with accumulate
+// adds a row's tokens one by one in bf16, and a row used thousands of times a step (a byte
+// vocabulary's space) stops growing once its sum is 256 times one token's gradient.
 struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& ids, const torch::Tensor& w) {
     ctx->save_for_backward({ids, w});
@@ -703,8 +706,11 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
     torch::Tensor g = grads[0].reshape({-1, w.size(1)});
     torch::Tensor into = AccumulationTarget(w);
     if (into.defined()) {
+      auto [rows, slot] = at::_unique(ids.reshape({-1}), /*sorted=*/true, /*return_inverse=*/true);
+      torch::Tensor sums = at::embedding_dense_backward(g, slot, rows.size(0), /*padding_idx=*/-1,
+                                                        /*scale_grad_by_freq=*/false);
       if (TakeStale(into)) into.zero_();
-      into.index_put_({ids.reshape({-1})}, g.to(into.scalar_type()), /*accumulate=*/true);
+      into.index_put_({rows}, sums.to(into.scalar_type()), /*accumulate=*/true);
       return {torch::Tensor(), torch::Tensor()};
     }
     return {torch::Tensor(), at::embedding_backward(grads[0], ids, w.size(0), -1, false, false)};
