@@ -606,20 +606,20 @@ torch::Tensor ModelShard::Attention(const torch::Tensor& q, const torch::Tensor&
 }
 
 bool ModelShard::GradientFromProductsOnly(size_t i) const {
-  // Under tensor parallelism the layouts check's losses parted from the one-GPU run's (4.7287 against
-  // 4.7144 after 8 steps, where every zeroed layout gave 4.7159 to 4.7179): there the gradients are
-  // zeroed each step.
-  if (i >= params_.size() || spec_.layout.tp != 1) return false;
+  if (i >= params_.size()) return false;
   const ShardParam& p = params_[i];
   if (p.value.dim() != 2 || !FusedLinearTakes(p.value.size(0), p.value.size(1))) return false;
   const std::string& name = p.name;
   auto ends = [&](const char* suffix) { return EndsWith(name, suffix); };
   if (spec_.config.arch == Arch::kLlama) {
+    // Key and value matrices kept whole on every tp rank are read through views, by LibTorch's product
+    // (LlamaBlockForward), which adds to the gradient.
+    if (kv_replicated_ && (ends(".wk.weight") || ends(".wv.weight"))) return false;
     return ends(".wq.weight") || ends(".wk.weight") || ends(".wv.weight") || ends(".wo.weight") || ends(".w1.weight") ||
            ends(".w3.weight") || ends(".w2.weight");
   }
-  // A GPT's block matrices: every path through GptBlockForward takes them to a fused product when
-  // FusedLinearTakes holds (the tied table is not one of them: the embedding adds to it).
+  // A GPT's block matrices: every path through GptBlockForward, under tp too, takes them to a fused
+  // product when FusedLinearTakes holds (the tied table is not one of them: the embedding adds to it).
   return ends(".qkv.weight") || ends(".proj.weight") || ends(".fc.weight") || ends(".fc2.weight");
 }
 
@@ -737,7 +737,9 @@ torch::Tensor ModelShard::GptBlockForward(int layer, const torch::Tensor& x) {
   // x + the row-parallel output of in · wᵀ + b.
   auto row_out = [&](const torch::Tensor& x, const torch::Tensor& in, const torch::Tensor& w, const torch::Tensor& b) {
     if (tp == 1) return sr ? StochasticRoundedAdd(x, Linear(in, w, b)) : Linear(in, w, b, x);
-    return x + row_reduce(Linear(in, w, {}), b);
+    // Through our product where it takes it, like every other block matrix: its gradient is then
+    // written by the product (GradientFromProductsOnly), not added to by LibTorch's.
+    return x + row_reduce(NoBiasLinear(in, w), b);
   };
   Communicator* const sum_in_product = SumInProducts(spec_.layout, tp_);
   auto [a_local, x_res] = LayerNorm(x, P(layer, "ln1.weight"), P(layer, "ln1.bias"));
