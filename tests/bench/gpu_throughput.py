@@ -14,7 +14,8 @@ Suites (--suite, repeatable):
   layouts   2 GPUs: gpt-1.3b with tp2 and pp2 (1F1B); 4 GPUs (when present): tp2 x dp2
   learning  1 GPU: gpt-124m on byte tokens of --data for 200 steps, the worker's loss against gpt_baseline.py
   profile   1 GPU: one step of the worker (--profile-model, gpt-1.3b; --profile-steps for a window of
-            steps) under the CUDA profiler, kernel time by kind
+            steps; --profile-text for a text's bytes instead of random tokens) under the CUDA profiler,
+            kernel time by kind
   large     8 GPUs (4: the same layouts scaled down): a GPT of about 7B (32 layers, d 4096, 32 heads)
             with tp8, tp4 x dp2, tp2 x pp2 x dp2 (interleaved 1F1B) and dp8 ZeRO-3, 20 steps each; then
             gpt-1.3b data parallel on every GPU against gpt_ddp.py
@@ -247,6 +248,9 @@ def main():
     ap.add_argument("--profile-vocab", type=int, default=VOCAB,
                     help="the profile suite's vocabulary (random tokens below it; 256 for the learning suite's "
                          "byte vocabulary)")
+    ap.add_argument("--profile-text", metavar="FILE",
+                    help="the profile suite trains on this text's bytes instead of random tokens (real text's "
+                         "skewed token counts cost what uniform ones do not, e.g. in the embedding's gradient)")
     ap.add_argument("--profile-steps", default="5",
                     help="the profile suite's steps, STEP or FIRST-LAST (LTRAIN_PROFILE); a window shows the "
                          "gaps between steps")
@@ -515,6 +519,8 @@ def main():
         if a.profile_vocab != VOCAB:
             extra = {"vocab": a.profile_vocab,
                      "data": random_data(os.path.join(work, f"data-random-{a.profile_vocab}"), a.profile_vocab)}
+        if a.profile_text:
+            extra = {"vocab": a.profile_vocab, "data": byte_data(os.path.join(work, "data-text"), a.profile_text)}
         worker_run(f"worker-profile-{m}", m, 1, steps=last + 1, env={"LTRAIN_PROFILE": f"{a.profile_steps}:{trace}"},
                    **extra)
         if os.path.exists(trace):
