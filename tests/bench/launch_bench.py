@@ -15,7 +15,8 @@ Suites (--suite, repeatable; default: layouts):
            interleaved; 8: dp8 ZeRO-3, tp4 x dp2, tp2 x pp2 x dp2), a GPT of 24 layers (d 1024, 16 heads),
            16 sequences a step, 8 steps each. A layout fails when its job fails, prints no throughput
            line, or its first loss (before any update: the same batch and weights on every layout)
-           parts from the one-GPU run's by more than 1%, or its last by more than 5%.
+           parts from the one-GPU run's by more than 1%, its second (after one update) by more than
+           0.1%, or its last by more than 5%.
   zero3    gpt-7b (32 layers, d 4096) ZeRO-3 over every GPU at micro-batch 2, and at micro-batch 1 with
            accumulation 2, against FSDP2 (gpt_fsdp.py eager and compile; fsdp_accumulate.py)
   tp       gpt-7b, 8 sequences a step (4 GPUs): tp4 and tp2 x dp2 under ZeRO-1 at micro-batch 4, tp2 x dp2
@@ -171,13 +172,17 @@ def suite_layouts(b, n):
         r = b.launch(f"layout {label}", path)
         if r is None:
             continue
+        # The loss after one update, from the same weights and batch on every layout: a gradient lost or
+        # counted twice shows here (a stale tp gradient added to step 1's gave 7.826 against 7.866), where
+        # the rounding of the layouts' reductions parts them by about 1e-5.
+        r["second_loss"] = dict(r.get("curve", [])).get(2)
         if reference is None:
             reference = r
             continue
-        for key, bound in (("first_loss", 0.01), ("last_loss", 0.05)):
+        for key, bound in (("first_loss", 0.01), ("second_loss", 0.001), ("last_loss", 0.05)):
             ours, ref = r.get(key), reference.get(key)
             if ours is None or ref is None or not math.isfinite(ours) or abs(ours - ref) > bound * ref:
-                print(f"    {label}: {key} {ours} against the one-GPU run's {ref} (bound {bound:.0%})", flush=True)
+                print(f"    {label}: {key} {ours} against the one-GPU run's {ref} (bound {bound:.1%})", flush=True)
                 b.failures.append(f"layout {label}: {key} {ours} against {ref}")
 
 
