@@ -1491,6 +1491,17 @@ Status Trainer::Run() {
   int64_t window_first = run_start_step_ + 1;
   compat::StepProfiler profiler;
   const int64_t profile_last = std::max(options_.profile_step, options_.profile_last);
+  auto stop_profiler = [&](int64_t last) {
+    compat::Synchronize(device_);
+    profiler.Stop(options_.profile_path);
+    const long long first = options_.profile_step;
+    if (last == first) {
+      std::printf("profile: step %lld written to %s\n", first, options_.profile_path.c_str());
+    } else {
+      std::printf("profile: steps %lld-%lld written to %s\n", first, static_cast<long long>(last),
+                  options_.profile_path.c_str());
+    }
+  };
   while (step_ < t.steps) {
     const double lr = LearningRate(schedule_, step_);
     if (printer && options_.profile_step == step_ + 1) {
@@ -1516,16 +1527,7 @@ Status Trainer::Run() {
       LTRAIN_RETURN_IF_ERROR(settle(*pending));
       pending.reset();
     }
-    if (profile_stop) {
-      compat::Synchronize(device_);
-      profiler.Stop(options_.profile_path);
-      if (s == options_.profile_step) {
-        std::printf("profile: step %lld written to %s\n", static_cast<long long>(s), options_.profile_path.c_str());
-      } else {
-        std::printf("profile: steps %lld-%lld written to %s\n", static_cast<long long>(options_.profile_step),
-                    static_cast<long long>(s), options_.profile_path.c_str());
-      }
-    }
+    if (profile_stop) stop_profiler(s);
     // A stop with a final checkpoint (TrainerOptions::stop_after) saves this step and ends the run.
     LTRAIN_ASSIGN_OR_RETURN(bool stop_here, options_.stop_after ? options_.stop_after(s) : StatusOr<bool>(false));
     const bool periodic = recipe_.checkpoint.every > 0 && s % recipe_.checkpoint.every == 0;
@@ -1576,12 +1578,7 @@ Status Trainer::Run() {
     }
     if (stop_here) break;
   }
-  if (profiler.running()) {  // a stop ended the run inside the profiled window
-    compat::Synchronize(device_);
-    profiler.Stop(options_.profile_path);
-    std::printf("profile: steps %lld-%lld written to %s\n", static_cast<long long>(options_.profile_step),
-                static_cast<long long>(step_), options_.profile_path.c_str());
-  }
+  if (profiler.running()) stop_profiler(step_);  // a stop ended the run inside the profiled window
   // The last update's bf16 copies, where their gathers were left to the next forward.
   LTRAIN_RETURN_IF_ERROR(store_->AwaitUpdates());
   if (printer && t.steps >= window_first && window_ms > 0) PrintThroughput(window_first, t.steps - window_first + 1, window_ms);
