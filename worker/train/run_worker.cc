@@ -258,6 +258,10 @@ Status Run(const WorkerEnv& env) {
     options.report_progress = [r = reporter.get()] { r->Flush(); };
   }
 
+  // Missing data fails every rank on its own before the rendezvous. Found after it, one rank's exit
+  // could close a peer's connections while that peer was still connecting: the peer then failed with
+  // an error a restart might cure, and the job restarted to find the same files.
+  LTRAIN_RETURN_IF_ERROR(OpenTrainingData(recipe).status());
   auto connect_start = std::chrono::steady_clock::now();
   constexpr const char* kConnecting = "connecting to the job's ranks";
   Progress::Global().SetWork(kConnecting, 0, env.world_size, "ranks");

@@ -183,6 +183,19 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const Recipe& recipe, const T
   return trainer;
 }
 
+StatusOr<TokenDataset> OpenTrainingData(const Recipe& recipe) {
+  if (recipe.data.path.empty()) return InvalidArgument("data.path is empty: point it at a directory written by `ltrain data prepare`");
+  StatusOr<TokenDataset> opened = TokenDataset::Open(recipe.data.path + "/train.bin");
+  if (!opened.ok()) {
+    // A restart would find the same files: missing data fails the job at once (exit 3), naming the path.
+    return opened.status().code() == StatusCode::kNotFound ? FailedPrecondition(opened.status().message())
+                                                           : opened.status();
+  }
+  // Data another tokenizer made, or a vocabulary larger than the model's embedding: no restart helps.
+  if (std::string problem = DataProblem(recipe); !problem.empty()) return FailedPrecondition(problem);
+  return opened;
+}
+
 StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const Recipe& recipe, const TrainerOptions& options,
                                                    ProcessGroups* groups) {
   LTRAIN_ASSIGN_OR_RETURN(Layout layout, PlanLayout(recipe, groups->world->size()));
@@ -193,16 +206,8 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const Recipe& recipe, const T
   }
   std::optional<TokenDataset> data;
   if (!options.model_only) {
-    if (recipe.data.path.empty()) return InvalidArgument("data.path is empty: point it at a directory written by `ltrain data prepare`");
-    StatusOr<TokenDataset> opened = TokenDataset::Open(recipe.data.path + "/train.bin");
-    if (!opened.ok()) {
-      // A restart would find the same files: missing data fails the job at once (exit 3), naming the path.
-      return opened.status().code() == StatusCode::kNotFound ? FailedPrecondition(opened.status().message())
-                                                             : opened.status();
-    }
-    data.emplace(std::move(opened).value());
-    // Data another tokenizer made, or a vocabulary larger than the model's embedding: no restart helps.
-    if (std::string problem = DataProblem(recipe); !problem.empty()) return FailedPrecondition(problem);
+    LTRAIN_ASSIGN_OR_RETURN(TokenDataset opened, OpenTrainingData(recipe));
+    data.emplace(std::move(opened));
   }
   std::unique_ptr<Trainer> trainer(new Trainer(recipe, options, groups, layout, std::move(data)));
   if (trainer->sampler_) LTRAIN_RETURN_IF_ERROR(trainer->sampler_->Check());

@@ -101,6 +101,10 @@ struct TrainerOptions {
 class CheckpointWriter;
 class LocalCommitBoard;
 
+// The recipe's training tokens (data.path/train.bin), checked against the recipe. Missing or
+// unusable data is a FailedPrecondition (exit 3: a restart would find the same files).
+StatusOr<TokenDataset> OpenTrainingData(const Recipe& recipe);
+
 class Trainer {
  public:
   // `groups` must outlive the Trainer; its layout must match the recipe's tp and pp.
