@@ -691,8 +691,8 @@ struct ProjectionsFunction : public torch::autograd::Function<ProjectionsFunctio
 // (only the rows the batch used are touched), not through a dense [vocab, d] gradient and an add of
 // the whole table. Each used row's gradients are summed in fp32 first (LibTorch's embedding backward
 // over the batch's distinct rows), then added to the bf16 gradient once: index_put_ with accumulate
-// adds a row's tokens one by one in bf16, and a row used thousands of times a step (a byte
-// vocabulary's space) stops growing once its sum is 256 times one token's gradient.
+// adds a row's tokens one by one in bf16 (and serially), and a row used thousands of times a step (a
+// byte vocabulary's space) stops growing once its sum is a few hundred times one token's gradient.
 struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& ids, const torch::Tensor& w) {
     ctx->save_for_backward({ids, w});
