@@ -333,6 +333,17 @@ void Coordinator::FailGenerationLocked(ActiveJob& job, const std::string& cause,
   ScheduleLocked();
 }
 
+void Coordinator::GiveUpRestartLocked(ActiveJob& job, const std::string& cause) {
+  job.job.set_restarts(job.job.restarts() - 1);  // the restart it waited for is not made
+  job.job.set_last_failure(cause);
+  job.failures.push_back("generation " + std::to_string(job.job.generation()) + ": " + cause);
+  AddEventLocked(job, "failure", "generation " + std::to_string(job.job.generation()) + " failed: " + cause, -1);
+  std::string verdict =
+      "a rank refused to start, and a restart would meet the same refusal; the causes, oldest first:";
+  for (const auto& failure : job.failures) verdict += "\n  " + failure;
+  FinishLocked(job, v1::JOB_STATE_FAILED, verdict);
+}
+
 void Coordinator::AddEventLocked(ActiveJob& job, const std::string& kind, const std::string& message, int rank) {
   v1::Event event;
   event.set_seq(next_seq_++);
@@ -867,6 +878,24 @@ Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {
                     : report.signal() != 0   ? "was killed by signal " + SignalName(report.signal())
                                              : "exited with code " + std::to_string(report.exit_code());
   AddEventLocked(*job, "rank_exited", "rank " + std::to_string(report.rank()) + " " + how, report.rank());
+  // A worker that refused to start (kWorkerExitNoRestart) would refuse again after a restart.
+  const bool refused = report.signal() == 0 && report.exit_code() == kWorkerExitNoRestart;
+  auto cause = [&] {
+    std::string text = "rank " + std::to_string(report.rank()) + " on " + report.node_id() + " " + how;
+    if (report.log_tail_size() > 0) {
+      text += "; last lines of its log (" + report.log_path() + "):";
+      for (const auto& line : report.log_tail()) text += "\n    " + StoredLine(line);
+    } else if (!report.log_path().empty()) {
+      text += "; its log " + report.log_path() + " is empty";
+    }
+    return text;
+  };
+  if (job->job.state() == v1::JOB_STATE_RESTARTING && refused) {
+    // The generation failed first through a peer (whose connections this rank's exit may have cut while
+    // it was still connecting), and waits to restart: the restart would meet the same refusal.
+    GiveUpRestartLocked(*job, cause());
+    return Status::Ok();
+  }
   if (job->job.state() != v1::JOB_STATE_RUNNING) return Status::Ok();
   if (clean) {
     job->ranks_exited_ok.insert(report.rank());
@@ -885,15 +914,7 @@ Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {
     }
     return Status::Ok();
   }
-  std::string cause = "rank " + std::to_string(report.rank()) + " on " + report.node_id() + " " + how;
-  if (report.log_tail_size() > 0) {
-    cause += "; last lines of its log (" + report.log_path() + "):";
-    for (const auto& line : report.log_tail()) cause += "\n    " + StoredLine(line);
-  } else if (!report.log_path().empty()) {
-    cause += "; its log " + report.log_path() + " is empty";
-  }
-  // A worker that refused to start (kWorkerExitNoRestart) would refuse again after a restart.
-  FailGenerationLocked(*job, cause, report.signal() != 0 || report.exit_code() != kWorkerExitNoRestart);
+  FailGenerationLocked(*job, cause(), !refused);
   return Status::Ok();
 }
 

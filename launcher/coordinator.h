@@ -209,6 +209,9 @@ class Coordinator {
   bool StartGenerationLocked(ActiveJob& job, std::vector<std::string> nodes);
   // `restartable` false: the job fails whatever its restart policy says.
   void FailGenerationLocked(ActiveJob& job, const std::string& cause, bool restartable = true);
+  // A rank of the failed generation refused to start (`cause`) while the job waited to restart: the
+  // restart is not made and the job fails.
+  void GiveUpRestartLocked(ActiveJob& job, const std::string& cause);
   // Hands `command` to the node's stream, or queues it for WaitCommand.
   void QueueCommandLocked(NodeState& node, v1::Command command);
   void StopGenerationLocked(ActiveJob& job, const std::string& reason);

@@ -619,6 +619,33 @@ TEST_F(CoordinatorTest, AWorkerThatRefusesToStartFailsTheJobWithoutRestarts) {
   EXPECT_NE(job.cause().find("rank 0 on a exited with code 3"), std::string::npos) << job.cause();
 }
 
+// One rank refuses to start (missing data, exit code 3) while its peer is still connecting: the peer's
+// connection error may reach the coordinator first and schedule a restart. The refusal, arriving
+// during the backoff, ends the job instead: a restart would be refused again.
+TEST_F(CoordinatorTest, ARefusalArrivingDuringTheBackoffFailsTheJobInsteadOfRestarting) {
+  Connect("a");
+  Connect("b");
+  std::string id = coordinator_->Submit(kRestartingRecipe, "unit.yaml")->id();
+  ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, 0, 1)).ok());
+  ASSERT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_RESTARTING);
+  ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, 1, kWorkerExitNoRestart)).ok());
+  v1::Job job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(job.restarts(), 0);
+  EXPECT_NE(job.cause().find("a rank refused to start, and a restart would meet the same refusal"), std::string::npos)
+      << job.cause();
+  EXPECT_NE(job.cause().find("generation 0: rank 0 on a exited with code 1"), std::string::npos) << job.cause();
+  EXPECT_NE(job.cause().find("generation 0: rank 1 on a exited with code 3"), std::string::npos) << job.cause();
+  // The backoff passing starts nothing.
+  clock_.AdvanceMs(2000);
+  ASSERT_TRUE(coordinator_->Heartbeat(Beat("a")).ok());
+  ASSERT_TRUE(coordinator_->Heartbeat(Beat("b")).ok());
+  coordinator_->Tick();
+  job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(job.generation(), 0);
+}
+
 TEST_F(CoordinatorTest, LostNodeShrinksAnElasticJobAndANewNodeJoinsAtTheNextCheckpoint) {
   Connect("a");
   Connect("b");
