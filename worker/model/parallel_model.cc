@@ -614,9 +614,8 @@ bool ModelShard::GradientFromProductsOnly(size_t i) const {
   if (spec_.config.arch == Arch::kLlama) {
     // Key and value matrices kept whole on every tp rank are read through views, by LibTorch's product
     // (LlamaBlockForward), which adds to the gradient.
-    if (kv_replicated_ && (ends(".wk.weight") || ends(".wv.weight"))) return false;
-    return ends(".wq.weight") || ends(".wk.weight") || ends(".wv.weight") || ends(".wo.weight") || ends(".w1.weight") ||
-           ends(".w3.weight") || ends(".w2.weight");
+    if (ends(".wk.weight") || ends(".wv.weight")) return !kv_replicated_;
+    return ends(".wq.weight") || ends(".wo.weight") || ends(".w1.weight") || ends(".w3.weight") || ends(".w2.weight");
   }
   // A GPT's block matrices: every path through GptBlockForward, under tp too, takes them to a fused
   // product when FusedLinearTakes holds (the tied table is not one of them: the embedding adds to it).

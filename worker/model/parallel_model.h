@@ -114,7 +114,7 @@ class ModelShard {
   std::vector<ShardParam>& params() { return params_; }
   const ModelShardSpec& spec() const { return spec_; }
   // Whether parameter `i`'s gradient comes only from the fused products when the model runs in bf16
-  // on CUDA without tensor parallelism (the block matrices).
+  // on CUDA (the block matrices; a Llama's wk and wv not where they are replicated over tp).
   bool GradientFromProductsOnly(size_t i) const;
   int units() const { return spec_.config.layers + 2; }
   // Every parameter of the full model, in its order: name and shape.
