@@ -1,7 +1,9 @@
 // The worker's own CUDA kernels against the LibTorch operations they replace. Skips where there is
 // no GPU or the worker was built without CUDA kernels.
 #include <functional>
+#include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -262,6 +264,61 @@ TEST(FusedKernelsTest, NormAndProductOnAnFp32Stream) {
   EXPECT_LE(RelativeError(p[2].grad(), leaves[3].grad()), 0.02);
   EXPECT_LE(RelativeError(p[3].grad(), leaves[4].grad()), 0.02);
   ZeroStaleGradients();
+}
+
+// The bias gradient of the product that writes an fp32 stream comes from the column sums the norm's
+// backward takes in its pass over the stream's gradient: rows held by a warp (256, 768 columns) and
+// by a block (2048), after a linear layer and after an MLP. Two backward passes: the first makes the
+// gradients, the second adds into them.
+TEST(FusedKernelsTest, ANormsBackwardSumsTheBiasGradientOfTheProductBeforeIt) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  const torch::TensorOptions f32 = bf16.dtype(torch::kFloat);
+  for (const auto& [mlp, cols] : std::vector<std::pair<bool, int64_t>>{{false, 256}, {true, 768}, {false, 2048}}) {
+    torch::manual_seed(16);
+    const int64_t in = 512, hidden = 1024;
+    std::vector<torch::Tensor> p =
+        mlp ? FlatParams({{hidden, in}, {hidden}, {cols, hidden}, {cols}, {cols}, {cols}}, 0)
+            : FlatParams({{cols, in}, {cols}, {cols}, {cols}}, 0);
+    if (!FusedLinearAvailable(torch::zeros({1, in}, bf16), p[0])) GTEST_SKIP() << "worker built without CUDA kernels";
+    const size_t n = p.size();  // the norm's weight and bias are the last two
+    {
+      torch::NoGradGuard no_grad;
+      p[n - 2].add_(1);
+    }
+    torch::Tensor x = torch::randn({4, 128, in}, bf16).requires_grad_(true);
+    torch::Tensor stream = (4 * torch::randn({4, 128, cols}, f32)).requires_grad_(true);
+    torch::Tensor grad_a = torch::randn({4, 128, cols}, bf16), grad_r = torch::randn({4, 128, cols}, f32);
+    auto block = [&](const std::vector<torch::Tensor>& t, bool fused) {
+      const torch::Tensor& s = t.back();
+      torch::Tensor h;
+      if (fused) {
+        h = mlp ? FusedMlp(t[0], t[1], t[2], t[3], t[4], s) : FusedLinear(t[0], t[1], t[2], s);
+        auto [a, r] = FusedLayerNorm(h, t[n - 1], t[n]);
+        return std::vector<torch::Tensor>{a, r};
+      }
+      h = s + (mlp ? at::linear(torch::gelu(at::linear(t[0], t[1], t[2]), "tanh"), t[3], t[4])
+                   : at::linear(t[0], t[1], t[2]));
+      return std::vector<torch::Tensor>{torch::layer_norm(h, {h.size(-1)}, t[n - 1], t[n]), h};
+    };
+    std::vector<torch::Tensor> inputs = {x};
+    inputs.insert(inputs.end(), p.begin(), p.end());
+    inputs.push_back(stream);
+    std::vector<torch::Tensor> leaves;
+    for (const torch::Tensor& t : inputs) leaves.push_back(t.detach().to(torch::kFloat).requires_grad_(true));
+    std::vector<torch::Tensor> ref = block(leaves, false);
+    torch::autograd::backward(ref, {grad_a.to(torch::kFloat), grad_r});
+    for (int pass = 1; pass <= 2; ++pass) {
+      std::vector<torch::Tensor> out = block(inputs, true);
+      torch::autograd::backward(out, {grad_a, grad_r});
+      const std::string where = (mlp ? "mlp, " : "linear, ") + std::to_string(cols) + " columns, pass " + std::to_string(pass);
+      for (size_t i = 0; i < n; ++i) {
+        EXPECT_LE(RelativeError(p[i].grad() / pass, leaves[1 + i].grad()), 0.02) << where << ", parameter " << i;
+      }
+      EXPECT_LE(RelativeError(stream.grad() / pass, leaves.back().grad()), 0.005) << where;
+    }
+    ZeroStaleGradients();
+  }
 }
 
 TEST(FusedKernelsTest, QkvMatchesLibTorch) {

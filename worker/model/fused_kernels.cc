@@ -61,10 +61,13 @@ std::vector<torch::Tensor> stale_grads;  // a few hundred at most: searched in o
 // pass: the gradient of the output of the product that the norm read (its only reader). That
 // product's backward takes the copy instead of casting. One per device, replaced by the next norm
 // and dropped after backward; held references keep the gradient's storage from being reused, and the
-// version check refuses one modified since.
+// version check refuses one modified since. A layer norm's backward also leaves the gradient's
+// column sums in `partial` (`chunks` per-block sums, 0: none), for that product's bias gradient.
 struct Bf16Twin {
   torch::Tensor fp32, bf16;
   int64_t version = 0;
+  torch::Tensor partial;
+  int64_t chunks = 0;
 };
 std::mutex twin_mu;
 std::map<c10::DeviceIndex, Bf16Twin> bf16_twins;
@@ -222,15 +225,43 @@ torch::Tensor BiasGradOf(const torch::Tensor& g, const torch::Tensor& b) {
   return {};
 }
 
+// The column sums of a product's output gradient that a norm's backward left beside its bf16 copy
+// (chunks 0: none).
+struct GradColumnSums {
+  torch::Tensor partial;
+  int64_t chunks = 0;
+};
+
+// The bias gradient of b from the column sums a norm's backward left (ProductGrad): added straight
+// into b's .grad where it has one (then undefined is returned), else a new tensor. Undefined where
+// there are none: BiasGradOf then sums the gradient itself.
+torch::Tensor BiasGradFromSums(const GradColumnSums& sums, const torch::Tensor& b, bool* done) {
+  *done = false;
+  if (sums.chunks == 0 || !b.defined() || b.numel() == 0 || b.scalar_type() != torch::kBFloat16) return {};
+  const int64_t cols = b.numel();
+  torch::Tensor into = AccumulationTarget(b);
+  const bool in_place = into.defined();
+  torch::Tensor out = in_place ? into : torch::empty({cols}, b.options());
+  cuda::AddDxSums(sums.partial.data_ptr<float>(), sums.chunks, cols, out.data_ptr(), StreamOf(sums.partial),
+                  /*accumulate=*/in_place && !TakeStale(into));
+  *done = true;
+  return in_place ? torch::Tensor() : out;
+}
+
 // The weight gradient of a linear layer: added straight into w's .grad when it has one (then the
 // returned gradient is undefined and autograd has nothing to accumulate), else a new tensor. The bias
-// gradient is a column sum: cuBLASLt's BGRADB epilogue costs more than the sum on H100s
-// (tests/bench/gemm_epilogues.cc).
+// gradient is a column sum: the one the norm's backward took in its pass over the gradient where it
+// left `sums`, else one of its own (cuBLASLt's BGRADB epilogue costs more than the sum on H100s:
+// tests/bench/gemm_epilogues.cc).
 std::pair<torch::Tensor, torch::Tensor> WeightAndBiasGrads(const torch::Tensor& g, const torch::Tensor& x,
-                                                           const torch::Tensor& w, const torch::Tensor& b) {
+                                                           const torch::Tensor& w, const torch::Tensor& b,
+                                                           const GradColumnSums& sums = {}) {
   torch::Tensor into = AccumulationTarget(w);
   torch::Tensor dw = WeightGradProduct(g, x, into, /*accumulate=*/!TakeStale(into));
-  return {dw, b.defined() && b.numel() > 0 ? BiasGradOf(g, b) : torch::Tensor()};
+  if (!b.defined() || b.numel() == 0) return {dw, torch::Tensor()};
+  bool summed = false;
+  torch::Tensor db = BiasGradFromSums(sums, b, &summed);
+  return {dw, summed ? db : BiasGradOf(g, b)};
 }
 
 std::vector<int64_t> WithLast(torch::IntArrayRef sizes, int64_t last) {
@@ -301,15 +332,16 @@ class InputGradSum {
   cudaEvent_t done_ = nullptr;
 };
 
-void OfferBf16Twin(const torch::Tensor& fp32, const torch::Tensor& bf16) {
+void OfferBf16Twin(const torch::Tensor& fp32, const torch::Tensor& bf16, const torch::Tensor& partial = {},
+                   int64_t chunks = 0) {
   std::lock_guard<std::mutex> lock(twin_mu);
-  bf16_twins[fp32.device().index()] = {fp32, bf16, static_cast<int64_t>(fp32._version())};
+  bf16_twins[fp32.device().index()] = {fp32, bf16, static_cast<int64_t>(fp32._version()), partial, chunks};
 }
 
 // The output gradient of a product with weight w as the 2-D bf16 matrix its backward products read:
 // the gradient of an fp32 output (one adding into an fp32 residual stream) is cast once, or taken
-// from the norm's backward that computed it.
-torch::Tensor ProductGrad(const torch::Tensor& grad, const torch::Tensor& w) {
+// from the norm's backward that computed it (with its column sums into `sums` where given and left).
+torch::Tensor ProductGrad(const torch::Tensor& grad, const torch::Tensor& w, GradColumnSums* sums = nullptr) {
   torch::Tensor g = grad.reshape({-1, w.size(0)});
   if (g.scalar_type() == w.scalar_type()) return g.contiguous();
   Bf16Twin twin;
@@ -321,6 +353,7 @@ torch::Tensor ProductGrad(const torch::Tensor& grad, const torch::Tensor& w) {
   if (twin.fp32.defined() && twin.fp32.data_ptr() == grad.data_ptr() && twin.fp32.numel() == grad.numel() &&
       static_cast<int64_t>(twin.fp32._version()) == twin.version && grad.is_contiguous() &&
       twin.bf16.scalar_type() == w.scalar_type()) {
+    if (sums != nullptr && twin.chunks > 0 && twin.fp32.size(-1) == w.size(0)) *sums = {twin.partial, twin.chunks};
     return twin.bf16.view({-1, w.size(0)});
   }
   return g.to(w.scalar_type()).contiguous();
@@ -345,8 +378,9 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
     const torch::Tensor& x2 = saved[0];
     const torch::Tensor &w = saved[1], &b = saved[2];
     c10::cuda::CUDAGuard guard(x2.device());
-    torch::Tensor g = ProductGrad(grads[0], w);
-    auto [dw, db] = WeightAndBiasGrads(g, x2, w, b);
+    GradColumnSums sums;
+    torch::Tensor g = ProductGrad(grads[0], w, &sums);
+    auto [dw, db] = WeightAndBiasGrads(g, x2, w, b, sums);
     torch::Tensor dx = InputGradProduct(g, w).view(ctx->saved_data["x_sizes"].toIntVector());
     // The residual's gradient is the output's, unchanged.
     return {dx, dw, db, ctx->saved_data["has_residual"].toBool() ? grads[0] : torch::Tensor()};
@@ -380,12 +414,13 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
     const torch::Tensor &x2 = saved[0], &w1 = saved[1], &pre = saved[2], &w2 = saved[4], &b1 = saved[5], &b2 = saved[6];
     c10::cuda::CUDAGuard guard(x2.device());
     const torch::Tensor h = saved[3].defined() ? saved[3] : torch::gelu(pre, "tanh");
-    torch::Tensor g = ProductGrad(grads[0], w2);
+    GradColumnSums sums;
+    torch::Tensor g = ProductGrad(grads[0], w2, &sums);
     // The input gradient first: its tensor-parallel sum runs beside the weight gradients.
     torch::Tensor gpre = InputGradProduct(g, w2, cuda::Epilogue::kDGelu, pre);
     torch::Tensor dx = InputGradProduct(gpre, w1);
     InputGradSum sum(dx, CommOf(ctx));
-    auto [dw2, db2] = WeightAndBiasGrads(g, h, w2, b2);
+    auto [dw2, db2] = WeightAndBiasGrads(g, h, w2, b2, sums);
     auto [dw1, db1] = WeightAndBiasGrads(gpre, x2, w1, b1);
     sum.Finish();
     return {dx.view(ctx->saved_data["x_sizes"].toIntVector()), dw1, db1, dw2, db2,
@@ -551,13 +586,17 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     torch::Tensor dbeta = in_place ? into_b : torch::empty({cols}, b.options());
     torch::Tensor dx = torch::empty(x.sizes(), x.options().dtype(grad_type));
     torch::Tensor dx_bf16 = fp32_grads ? torch::empty_like(x) : torch::Tensor();
-    torch::Tensor partial = torch::empty({cuda::NormBackwardPartialFloats(rows, cols)}, x.options().dtype(torch::kFloat));
+    // On an fp32 stream the same pass sums dx over the rows for the bias of the product that wrote x.
+    torch::Tensor partial =
+        torch::empty({cuda::NormBackwardPartialFloats(rows, cols, fp32_grads)}, x.options().dtype(torch::kFloat));
+    int64_t dx_sums = 0;
     cuda::LayerNormBackward(dy.data_ptr(), x.data_ptr(), fp32_grads, w.data_ptr(),
                             fp32_grads ? nullptr : mean.data_ptr<float>(), rstd.data_ptr<float>(),
                             dres.defined() ? dres.data_ptr() : nullptr, rows, cols, dx.data_ptr(),
                             fp32_grads ? dx_bf16.data_ptr() : nullptr, partial.data_ptr<float>(), dgamma.data_ptr(),
-                            dbeta.data_ptr(), StreamOf(x), /*accumulate_params=*/in_place);
-    if (fp32_grads) OfferBf16Twin(dx, dx_bf16);
+                            dbeta.data_ptr(), StreamOf(x), /*accumulate_params=*/in_place,
+                            fp32_grads ? &dx_sums : nullptr);
+    if (fp32_grads) OfferBf16Twin(dx, dx_bf16, partial, dx_sums);
     if (in_place) return {dx, torch::Tensor(), torch::Tensor(), torch::Tensor()};
     return {dx, dgamma, dbeta, torch::Tensor()};
   }

@@ -130,12 +130,12 @@ __device__ __forceinline__ void RowStatistics(float sum_g, float sum_gx, float s
 }
 
 // Writes eight columns of dx (the residual gradient r added) and, where dx16 is not null, their bf16
-// copy.
+// copy; `out` gets them in fp32.
 template <typename T>
 __device__ __forceinline__ void WriteInputGrad(const Bf16x8& dy, const Bf16x8& x, const Bf16x8& gamma,
                                                const float (&r)[8], float m, float s, float mean_g, float mean_gx,
-                                               typename Vec8<T>::Type* dx, Bf16x8* dx16) {
-  float d[8], xv[8], g[8], out[8];
+                                               typename Vec8<T>::Type* dx, Bf16x8* dx16, float (&out)[8]) {
+  float d[8], xv[8], g[8];
   Unpack(dy, d);
   Unpack(x, xv);
   Unpack(gamma, g);
@@ -150,9 +150,9 @@ template <typename T>
 __device__ __forceinline__ void WriteInputGrad(const Bf16x8& dy, const Bf16x8& x, const Bf16x8& gamma,
                                                const typename Vec8<T>::Type* dres, float m, float s, float mean_g,
                                                float mean_gx, typename Vec8<T>::Type* dx, Bf16x8* dx16) {
-  float r[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  float r[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, out[8];
   if (dres != nullptr) Vec8<T>::Load(*dres, r);
-  WriteInputGrad<T>(dy, x, gamma, r, m, s, mean_g, mean_gx, dx, dx16);
+  WriteInputGrad<T>(dy, x, gamma, r, m, s, mean_g, mean_gx, dx, dx16, out);
 }
 
 __device__ __forceinline__ void AddRowSums(const Bf16x8& dy, const Bf16x8& x, const Bf16x8& gamma, float m, float s,
@@ -190,9 +190,13 @@ __device__ __forceinline__ void RowSum3(float& a, float& b, float& c) {
 // from the same registers, in a fixed order (no atomics: the same bits every run), and each block
 // writes its sums to partial[block] for AddChunkRows:
 // - a warp per row: each warp adds its rows' dy · x̂ and dy into a slice of dynamic shared memory of
-//   its own (2 · cols floats; each lane to its own columns), and the block sums the slices in order;
+//   its own (2 · cols floats; each lane to its own columns, element e of vector v at e · vecs + v so
+//   that a warp's 32 lanes touch 32 consecutive floats, no bank conflicts), and the block sums the
+//   slices in order;
 // - a block per row: a thread has the same columns in every row and sums them in registers.
-template <int kVecs, int kLanes, bool kRms, typename T>
+// With kDxSums a third slice sums dx itself (in fp32, before its bf16 copy): the bias gradient of the
+// product that wrote x, whose output gradient dx is.
+template <int kVecs, int kLanes, bool kRms, typename T, bool kDxSums = false>
 __global__ void __launch_bounds__(kRowThreads)
     InputGradRows(const Bf16x8* dy, const Bf16x8* x, const Bf16x8* gamma, const float* mean,
                   const float* rstd, float eps, const typename Vec8<T>::Type* dres, int64_t rows, int64_t vecs,
@@ -200,18 +204,25 @@ __global__ void __launch_bounds__(kRowThreads)
   constexpr bool kWarpRow = kLanes == 32;
   constexpr int kRowsAtOnce = kRowThreads / kLanes;
   constexpr int kHeldSums = kWarpRow ? 1 : kVecs;  // a warp per row sums in shared memory instead
-  extern __shared__ float param_sums[];            // a warp per row with `partial`: per warp [gamma | beta]
+  constexpr int kHeldDx = kDxSums ? kHeldSums : 1;
+  constexpr int kSlices = kDxSums ? 3 : 2;
+  extern __shared__ float param_sums[];  // a warp per row with `partial`: per warp [gamma | beta (| dx)]
   const int lane = threadIdx.x % kLanes;
   const int64_t cols = vecs * 8;
-  float* const warp_sums = param_sums + (threadIdx.x / 32) * 2 * cols;
-  float held_g[kHeldSums][8], held_b[kHeldSums][8];
+  float* const warp_sums = param_sums + (threadIdx.x / 32) * kSlices * cols;
+  float held_g[kHeldSums][8], held_b[kHeldSums][8], held_d[kHeldDx][8];
 #pragma unroll
   for (int k = 0; k < kHeldSums; ++k) {
 #pragma unroll
     for (int i = 0; i < 8; ++i) held_g[k][i] = 0.f, held_b[k][i] = 0.f;
   }
+#pragma unroll
+  for (int k = 0; k < kHeldDx; ++k) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) held_d[k][i] = 0.f;
+  }
   if (kWarpRow && partial != nullptr) {
-    for (int64_t i = threadIdx.x; i < kRowsAtOnce * 2 * cols; i += blockDim.x) param_sums[i] = 0.f;
+    for (int64_t i = threadIdx.x; i < kRowsAtOnce * kSlices * cols; i += blockDim.x) param_sums[i] = 0.f;
     __syncthreads();
   }
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kRowsAtOnce;
@@ -244,8 +255,19 @@ __global__ void __launch_bounds__(kRowThreads)
     for (int k = 0; k < kVecs; ++k) {
       const int64_t v = lane + static_cast<int64_t>(k) * kLanes;
       if (v < vecs) {
+        float dxv[8];
         WriteInputGrad<T>(dyv[k], xv[k], gamma[v], rv[k], m, s, mean_g, mean_gx, dx + row * vecs + v,
-                          dx16 != nullptr ? dx16 + row * vecs + v : nullptr);
+                          dx16 != nullptr ? dx16 + row * vecs + v : nullptr, dxv);
+        if constexpr (kDxSums) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) {
+            if constexpr (kWarpRow) {
+              warp_sums[2 * cols + i * vecs + v] += dxv[i];
+            } else {
+              held_d[k][i] += dxv[i];
+            }
+          }
+        }
         if (partial != nullptr) {
           float d[8], xf[8];
           Unpack(dyv[k], d);
@@ -254,8 +276,8 @@ __global__ void __launch_bounds__(kRowThreads)
           for (int i = 0; i < 8; ++i) {
             const float gx = d[i] * (xf[i] - m) * s;
             if constexpr (kWarpRow) {
-              warp_sums[v * 8 + i] += gx;
-              if (!kRms) warp_sums[cols + v * 8 + i] += d[i];
+              warp_sums[i * vecs + v] += gx;
+              if (!kRms) warp_sums[cols + i * vecs + v] += d[i];
             } else {
               held_g[k][i] += gx;
               held_b[k][i] += d[i];
@@ -266,24 +288,28 @@ __global__ void __launch_bounds__(kRowThreads)
     }
   }
   if (partial == nullptr) return;
-  float* out = partial + static_cast<int64_t>(blockIdx.x) * 2 * cols;
+  float* out = partial + static_cast<int64_t>(blockIdx.x) * kSlices * cols;
   if constexpr (kWarpRow) {
     __syncthreads();
-    for (int64_t i = threadIdx.x; i < 2 * cols; i += blockDim.x) {
+    for (int64_t i = threadIdx.x; i < kSlices * cols; i += blockDim.x) {
       float sum = 0.f;
 #pragma unroll
-      for (int w = 0; w < kRowsAtOnce; ++w) sum += param_sums[w * 2 * cols + i];
-      out[i] = sum;
+      for (int w = 0; w < kRowsAtOnce; ++w) sum += param_sums[w * kSlices * cols + i];
+      // Slot i holds column v · 8 + e of its slice (see above).
+      const int64_t slice = i / cols, e = (i - slice * cols) / vecs, v = i - slice * cols - e * vecs;
+      out[slice * cols + v * 8 + e] = sum;
     }
   } else {
     auto* out_g = reinterpret_cast<Float8*>(out);
     auto* out_b = reinterpret_cast<Float8*>(out + cols);
+    auto* out_d = reinterpret_cast<Float8*>(out + 2 * cols);
 #pragma unroll
     for (int k = 0; k < kVecs; ++k) {
       const int64_t v = lane + static_cast<int64_t>(k) * kLanes;
       if (v < vecs) {
         out_g[v] = Vec8<float>::Store(held_g[k]);
         if (!kRms) out_b[v] = Vec8<float>::Store(held_b[k]);
+        if constexpr (kDxSums) out_d[v] = Vec8<float>::Store(held_d[k]);
       }
     }
   }
@@ -401,11 +427,14 @@ int64_t FusedBlocks(Kernel kernel, int64_t rows, int64_t rows_at_once, size_t sm
 }
 
 // The input gradient and the weight (and bias) gradients in one pass (InputGradRows with
-// `partial`), then AddChunkRows over its blocks. False where the rows are too wide to be held.
+// `partial`), then AddChunkRows over its blocks. False where the rows are too wide to be held. With
+// dx_sums (an fp32 stream's layer norm only), the pass also sums dx into the partials' third slice
+// and *dx_sums gets the number of blocks that wrote one.
 template <bool kRms, typename T>
 bool LaunchFusedBackward(const void* dy, const void* x, const void* gamma, const float* mean, const float* rstd,
                          float eps, const void* dres, int64_t rows, int64_t cols, void* dx, void* dx_bf16,
-                         float* partial, void* dgamma, void* dbeta, cudaStream_t stream, bool accumulate) {
+                         float* partial, void* dgamma, void* dbeta, cudaStream_t stream, bool accumulate,
+                         int64_t* dx_sums = nullptr) {
   const int64_t vecs = cols / 8;
   if (vecs > 4 * kRowThreads) return false;
   if (rows <= 0 || cols <= 0) return true;
@@ -418,14 +447,23 @@ bool LaunchFusedBackward(const void* dy, const void* x, const void* gamma, const
   auto* dx16 = static_cast<Bf16x8*>(dx_bf16);
   return WithRowShape(vecs, [&](auto held_vecs, auto lanes) {
     constexpr int kLanes = decltype(lanes)::value;
-    auto kernel = InputGradRows<decltype(held_vecs)::value, kLanes, kRms, T>;
-    // A warp per row sums in shared memory, a slice per warp (up to 64 KiB); a block per row in registers.
-    const size_t smem = kLanes == 32 ? static_cast<size_t>(kRowThreads / 32) * 2 * cols * sizeof(float) : 0;
-    if (smem > 0) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-    const int64_t blocks = FusedBlocks(kernel, rows, RowsAtOnce(vecs), smem);
-    kernel<<<static_cast<unsigned>(blocks), kRowThreads, smem, stream>>>(dy_v, x_v, gamma_v, mean, rstd, eps, dres_v,
-                                                                        rows, vecs, dx_v, dx16, nullptr, partial);
-    LaunchAddChunkRows(partial, blocks, 2 * cols, cols, dgamma, dbeta, stream, accumulate);
+    auto launch = [&](auto with_dx_sums) {
+      constexpr bool kDxSums = decltype(with_dx_sums)::value;
+      constexpr int kSlices = kDxSums ? 3 : 2;
+      auto kernel = InputGradRows<decltype(held_vecs)::value, kLanes, kRms, T, kDxSums>;
+      // A warp per row sums in shared memory, a slice per warp (up to 96 KiB); a block per row in registers.
+      const size_t smem = kLanes == 32 ? static_cast<size_t>(kRowThreads / 32) * kSlices * cols * sizeof(float) : 0;
+      if (smem > 0) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+      const int64_t blocks = FusedBlocks(kernel, rows, RowsAtOnce(vecs), smem);
+      kernel<<<static_cast<unsigned>(blocks), kRowThreads, smem, stream>>>(dy_v, x_v, gamma_v, mean, rstd, eps, dres_v,
+                                                                          rows, vecs, dx_v, dx16, nullptr, partial);
+      LaunchAddChunkRows(partial, blocks, kSlices * cols, cols, dgamma, dbeta, stream, accumulate);
+      if constexpr (kDxSums) *dx_sums = blocks;
+    };
+    if constexpr (!kRms && std::is_same_v<T, float>) {
+      if (dx_sums != nullptr) return launch(std::true_type());
+    }
+    launch(std::false_type());
   });
 }
 
@@ -593,20 +631,22 @@ void RmsNormInputGrad(const void* dy, const void* x, bool fp32_grads, const void
 
 int64_t LayerNormRowChunks(int64_t rows, int64_t cols) { return RowChunks(rows, CeilDiv(cols, kColsPerBlock), kWarps); }
 
-int64_t NormBackwardPartialFloats(int64_t rows, int64_t cols) {
+int64_t NormBackwardPartialFloats(int64_t rows, int64_t cols, bool dx_sums) {
   const int64_t vecs = cols / 8;
   const int64_t fused =
       vecs <= 4 * kRowThreads ? std::min<int64_t>(CeilDiv(rows, RowsAtOnce(vecs)), int64_t{SmCount()} * kMostBlocksPerSm)
                               : 0;
-  return std::max(LayerNormPartialFloats(rows, cols), fused * 2 * cols);
+  return std::max(LayerNormPartialFloats(rows, cols), fused * (dx_sums ? 3 : 2) * cols);
 }
 
 void LayerNormBackward(const void* dy, const void* x, bool fp32_grads, const void* gamma, const float* mean,
                        const float* rstd, const void* dres, int64_t rows, int64_t cols, void* dx, void* dx_bf16,
-                       float* partial, void* dgamma, void* dbeta, cudaStream_t stream, bool accumulate_params) {
+                       float* partial, void* dgamma, void* dbeta, cudaStream_t stream, bool accumulate_params,
+                       int64_t* dx_sums) {
+  if (dx_sums != nullptr) *dx_sums = 0;
   const bool fused =
       fp32_grads ? LaunchFusedBackward<false, float>(dy, x, gamma, mean, rstd, 0.f, dres, rows, cols, dx, dx_bf16, partial,
-                                                     dgamma, dbeta, stream, accumulate_params)
+                                                     dgamma, dbeta, stream, accumulate_params, dx_sums)
                  : LaunchFusedBackward<false, __nv_bfloat16>(dy, x, gamma, mean, rstd, 0.f, dres, rows, cols, dx, nullptr,
                                                              partial, dgamma, dbeta, stream, accumulate_params);
   if (fused) return;
@@ -642,6 +682,10 @@ void LayerNormParamGrads(const void* dy, const void* x, const float* mean, const
 void RmsNormWeightGrad(const void* dy, const void* x, const float* rstd, int64_t rows, int64_t cols, float* partial,
                        void* dgamma, cudaStream_t stream, bool accumulate) {
   LayerNormParamGrads(dy, x, nullptr, rstd, rows, cols, partial, dgamma, nullptr, stream, accumulate);
+}
+
+void AddDxSums(const float* partial, int64_t chunks, int64_t cols, void* out, cudaStream_t stream, bool accumulate) {
+  LaunchAddChunkRows(partial + 2 * cols, chunks, 3 * cols, cols, out, nullptr, stream, accumulate);
 }
 
 }  // namespace ltrain::worker::cuda

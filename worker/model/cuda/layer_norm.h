@@ -63,10 +63,20 @@ void RmsNormWeightGrad(const void* dy, const void* x, const float* rstd, int64_t
 // NormBackwardPartialFloats(rows, cols) floats of workspace in `partial` (and for the RMS norm fp32
 // [rows] in `rstd`, written where the rows are wider). With `accumulate_params` the weight (and bias)
 // gradients are added to what dgamma (and dbeta) hold.
-int64_t NormBackwardPartialFloats(int64_t rows, int64_t cols);
+//
+// With `dx_sums` (the layer norm on an fp32 stream), the one pass also sums the fp32 dx over the rows:
+// the bias gradient of the product that wrote x, whose output gradient dx is, without a pass of its
+// own over that gradient. *dx_sums gets the number of per-block sums left in `partial` (0: the rows
+// were too wide for the one pass, and none were left); the partial then needs
+// NormBackwardPartialFloats(rows, cols, true) floats, and AddDxSums adds the sums up.
+int64_t NormBackwardPartialFloats(int64_t rows, int64_t cols, bool dx_sums = false);
 void LayerNormBackward(const void* dy, const void* x, bool fp32_grads, const void* gamma, const float* mean,
                        const float* rstd, const void* dres, int64_t rows, int64_t cols, void* dx, void* dx_bf16,
-                       float* partial, void* dgamma, void* dbeta, cudaStream_t stream, bool accumulate_params = false);
+                       float* partial, void* dgamma, void* dbeta, cudaStream_t stream, bool accumulate_params = false,
+                       int64_t* dx_sums = nullptr);
+// out[c] = Σ of the `chunks` per-block sums of dx that LayerNormBackward left in `partial` (bf16 [cols],
+// summed in fp32; with `accumulate` added to what out holds).
+void AddDxSums(const float* partial, int64_t chunks, int64_t cols, void* out, cudaStream_t stream, bool accumulate);
 void RmsNormBackward(const void* dy, const void* x, bool fp32_grads, const void* gamma, float eps, const void* dres,
                      int64_t rows, int64_t cols, void* dx, void* dx_bf16, float* rstd, float* partial, void* dgamma,
                      cudaStream_t stream, bool accumulate_params = false);
