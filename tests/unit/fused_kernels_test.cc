@@ -610,24 +610,27 @@ TEST(FusedKernelsTest, ProductsSumTheirInputGradientOverTp) {
 }
 
 // The embedding's gradient added in place to a table gradient that exists (repeated ids included),
-// and returned whole where none does.
+// and returned whole where none does; a table of more rows than the batch has tokens (sums over the
+// distinct rows) and of fewer (over the whole table).
 TEST(FusedKernelsTest, EmbeddingMatchesLibTorch) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
   if (!FusedLlamaOpsAvailable(torch::zeros({8}, bf16))) GTEST_SKIP() << "worker built without CUDA kernels";
   torch::manual_seed(29);
-  const int64_t vocab = 1000, d = 64;
+  const int64_t d = 64;
   torch::Tensor ids = torch::randint(0, 50, {4, 96}, torch::TensorOptions().dtype(torch::kLong).device(torch::kCUDA));
   torch::Tensor grad_out = torch::randn({4, 96, d}, bf16);
-  torch::Tensor reference = at::embedding_backward(grad_out.to(torch::kFloat), ids, vocab, -1, false, false);
-  for (const bool existing : {true, false}) {
+  const std::vector<std::pair<int64_t, bool>> cases = {{1000, true}, {1000, false}, {64, true}, {64, false}};
+  for (const auto& [vocab, existing] : cases) {
+    torch::Tensor reference = at::embedding_backward(grad_out.to(torch::kFloat), ids, vocab, -1, false, false);
     torch::Tensor w = torch::randn({vocab, d}, bf16).requires_grad_(true);
     torch::Tensor before = existing ? 0.1 * torch::randn({vocab, d}, bf16) : torch::zeros({vocab, d}, bf16);
     if (existing) w.mutable_grad() = before.clone();
     torch::Tensor y = FusedEmbedding(ids, w);
     EXPECT_LE(RelativeError(y, at::embedding(w.detach(), ids)), 0.0);
     y.backward(grad_out);
-    EXPECT_LE(RelativeError(w.grad().to(torch::kFloat) - before.to(torch::kFloat), reference), 0.02) << existing;
+    EXPECT_LE(RelativeError(w.grad().to(torch::kFloat) - before.to(torch::kFloat), reference), 0.02)
+        << "vocab " << vocab << ", existing " << existing;
   }
 }
 
@@ -638,23 +641,28 @@ TEST(FusedKernelsTest, EmbeddingSumsAFrequentRowsGradientsInFp32) {
   const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
   if (!FusedLlamaOpsAvailable(torch::zeros({8}, bf16))) GTEST_SKIP() << "worker built without CUDA kernels";
   torch::manual_seed(31);
-  const int64_t vocab = 256, d = 128, hot = 32;
+  const int64_t d = 128, hot = 32;
   const torch::TensorOptions ids_options = torch::TensorOptions().dtype(torch::kLong).device(torch::kCUDA);
-  // 4096 tokens of row `hot` among 1024 others.
-  torch::Tensor ids = torch::cat({torch::full({4096}, hot, ids_options), torch::randint(0, vocab, {1024}, ids_options)});
-  ids = ids.index_select(0, torch::randperm(ids.numel(), ids_options)).view({4, -1});
-  torch::Tensor grad_out = (0.5 + torch::rand({4, ids.size(1), d})).to(bf16);
-  torch::Tensor reference = at::embedding_backward(grad_out.to(torch::kFloat), ids, vocab, -1, false, false);
-  for (const bool existing : {true, false}) {
-    torch::Tensor w = torch::randn({vocab, d}, bf16).requires_grad_(true);
-    torch::Tensor before = existing ? torch::randn({vocab, d}, bf16) : torch::zeros({vocab, d}, bf16);
-    if (existing) w.mutable_grad() = before.clone();
-    FusedEmbedding(ids, w).backward(grad_out);
-    torch::Tensor got = w.grad().to(torch::kFloat) - before.to(torch::kFloat);
-    // About 4100 on the hot row: the sum's rounding to bf16 and the add's are each up to 0.4% of
-    // it; a bf16 running sum stalls near 512.
-    EXPECT_LE(RelativeError(got[hot], reference[hot]), 0.01) << existing;
-    EXPECT_LE(RelativeError(got, reference), 0.01) << existing;
+  // A table of fewer rows than the 5120 tokens (sums over the whole table) and of more (over the
+  // distinct rows).
+  for (const int64_t vocab : {256, 8192}) {
+    // 4096 tokens of row `hot` among 1024 others.
+    torch::Tensor ids = torch::cat({torch::full({4096}, hot, ids_options), torch::randint(0, vocab, {1024}, ids_options)});
+    ids = ids.index_select(0, torch::randperm(ids.numel(), ids_options)).view({4, -1});
+    torch::Tensor grad_out = (0.5 + torch::rand({4, ids.size(1), d})).to(bf16);
+    torch::Tensor reference = at::embedding_backward(grad_out.to(torch::kFloat), ids, vocab, -1, false, false);
+    for (const bool existing : {true, false}) {
+      torch::Tensor w = torch::randn({vocab, d}, bf16).requires_grad_(true);
+      torch::Tensor before = existing ? torch::randn({vocab, d}, bf16) : torch::zeros({vocab, d}, bf16);
+      if (existing) w.mutable_grad() = before.clone();
+      FusedEmbedding(ids, w).backward(grad_out);
+      torch::Tensor got = w.grad().to(torch::kFloat) - before.to(torch::kFloat);
+      // About 4100 on the hot row: the sum's rounding to bf16 and the add's are each up to 0.4% of
+      // it; a bf16 running sum stalls near 512.
+      const std::string where = "vocab " + std::to_string(vocab) + ", existing " + std::to_string(existing);
+      EXPECT_LE(RelativeError(got[hot], reference[hot]), 0.01) << where;
+      EXPECT_LE(RelativeError(got, reference), 0.01) << where;
+    }
   }
 }
 

@@ -732,6 +732,9 @@ struct ProjectionsFunction : public torch::autograd::Function<ProjectionsFunctio
 // over the batch's distinct rows), then added to the bf16 gradient once: index_put_ with accumulate
 // adds a row's tokens one by one in bf16 (and serially), and a row used thousands of times a step (a
 // byte vocabulary's space) stops growing once its sum is a few hundred times one token's gradient.
+// Finding the distinct rows (at::_unique) waits for the GPU, for their count; where the table has no
+// more rows than the batch has tokens, the sums are taken over the whole table instead (no wait, and
+// a buffer no larger than the gradient that arrives).
 struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& ids, const torch::Tensor& w) {
     ctx->save_for_backward({ids, w});
@@ -744,6 +747,16 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
     if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor()};
     torch::Tensor g = grads[0].reshape({-1, w.size(1)});
     torch::Tensor into = AccumulationTarget(w);
+    if (into.defined() && w.size(0) <= ids.numel()) {
+      torch::Tensor sums = at::embedding_dense_backward(g, ids.reshape({-1}), w.size(0), /*padding_idx=*/-1,
+                                                        /*scale_grad_by_freq=*/false);
+      if (TakeStale(into)) {
+        into.copy_(sums);
+      } else {
+        into.add_(sums);
+      }
+      return {torch::Tensor(), torch::Tensor()};
+    }
     if (into.defined()) {
       auto [rows, slot] = at::_unique(ids.reshape({-1}), /*sorted=*/true, /*return_inverse=*/true);
       torch::Tensor sums = at::embedding_dense_backward(g, slot, rows.size(0), /*padding_idx=*/-1,
