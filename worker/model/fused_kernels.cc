@@ -732,9 +732,11 @@ struct ProjectionsFunction : public torch::autograd::Function<ProjectionsFunctio
 // over the batch's distinct rows), then added to the bf16 gradient once: index_put_ with accumulate
 // adds a row's tokens one by one in bf16 (and serially), and a row used thousands of times a step (a
 // byte vocabulary's space) stops growing once its sum is a few hundred times one token's gradient.
-// Finding the distinct rows (at::_unique) waits for the GPU, for their count; where the table has no
-// more rows than the batch has tokens, the sums are taken over the whole table instead (no wait, and
-// a buffer no larger than the gradient that arrives).
+// Where the table has no more rows than the batch has tokens, the sums are taken over the whole table
+// (a buffer no larger than the gradient that arrives). Else over slots of a buffer of the batch's
+// size: a token's slot is its row's rank among the batch's distinct rows (from the sorted ids), and
+// the slots past the last distinct row stay zero and are added to rows of their own. Neither waits
+// for the GPU: finding the distinct rows themselves (at::_unique) would, for their count.
 struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& ids, const torch::Tensor& w) {
     ctx->save_for_backward({ids, w});
@@ -758,9 +760,19 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
       return {torch::Tensor(), torch::Tensor()};
     }
     if (into.defined()) {
-      auto [rows, slot] = at::_unique(ids.reshape({-1}), /*sorted=*/true, /*return_inverse=*/true);
-      torch::Tensor sums = at::embedding_dense_backward(g, slot, rows.size(0), /*padding_idx=*/-1,
-                                                        /*scale_grad_by_freq=*/false);
+      const torch::Tensor flat = ids.reshape({-1});
+      const int64_t n = flat.numel();
+      auto [sorted, order] = flat.sort();
+      // The slot of each sorted token: how many distinct rows come before its own.
+      torch::Tensor slot_sorted = torch::zeros({n}, flat.options());
+      if (n > 1) {
+        slot_sorted.narrow(0, 1, n - 1).copy_(sorted.narrow(0, 1, n - 1).ne(sorted.narrow(0, 0, n - 1)).cumsum(0));
+      }
+      torch::Tensor slot = torch::empty_like(flat).scatter_(0, order, slot_sorted);
+      // Each slot's row; a slot past the last distinct row keeps its own index (under n, so under the
+      // table's rows), a row it adds zero to.
+      torch::Tensor rows = torch::arange(n, flat.options()).scatter_(0, slot_sorted, sorted);
+      torch::Tensor sums = at::embedding_dense_backward(g, slot, n, /*padding_idx=*/-1, /*scale_grad_by_freq=*/false);
       if (TakeStale(into)) into.zero_();
       into.index_put_({rows}, sums.to(into.scalar_type()), /*accumulate=*/true);
       return {torch::Tensor(), torch::Tensor()};
