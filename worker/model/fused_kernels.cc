@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <stdexcept>
 #include <tuple>
 #include <utility>
@@ -233,18 +234,16 @@ struct GradColumnSums {
 };
 
 // The bias gradient of b from the column sums a norm's backward left (ProductGrad): added straight
-// into b's .grad where it has one (then undefined is returned), else a new tensor. Undefined where
+// into b's .grad where it has one (then undefined is returned), else a new tensor. Nothing where
 // there are none: BiasGradOf then sums the gradient itself.
-torch::Tensor BiasGradFromSums(const GradColumnSums& sums, const torch::Tensor& b, bool* done) {
-  *done = false;
-  if (sums.chunks == 0 || !b.defined() || b.numel() == 0 || b.scalar_type() != torch::kBFloat16) return {};
+std::optional<torch::Tensor> BiasGradFromSums(const GradColumnSums& sums, const torch::Tensor& b) {
+  if (sums.chunks == 0 || b.scalar_type() != torch::kBFloat16) return std::nullopt;
   const int64_t cols = b.numel();
   torch::Tensor into = AccumulationTarget(b);
   const bool in_place = into.defined();
   torch::Tensor out = in_place ? into : torch::empty({cols}, b.options());
   cuda::AddDxSums(sums.partial.data_ptr<float>(), sums.chunks, cols, out.data_ptr(), StreamOf(sums.partial),
                   /*accumulate=*/in_place && !TakeStale(into));
-  *done = true;
   return in_place ? torch::Tensor() : out;
 }
 
@@ -259,9 +258,8 @@ std::pair<torch::Tensor, torch::Tensor> WeightAndBiasGrads(const torch::Tensor& 
   torch::Tensor into = AccumulationTarget(w);
   torch::Tensor dw = WeightGradProduct(g, x, into, /*accumulate=*/!TakeStale(into));
   if (!b.defined() || b.numel() == 0) return {dw, torch::Tensor()};
-  bool summed = false;
-  torch::Tensor db = BiasGradFromSums(sums, b, &summed);
-  return {dw, summed ? db : BiasGradOf(g, b)};
+  std::optional<torch::Tensor> db = BiasGradFromSums(sums, b);
+  return {dw, db ? *db : BiasGradOf(g, b)};
 }
 
 std::vector<int64_t> WithLast(torch::IntArrayRef sizes, int64_t last) {
