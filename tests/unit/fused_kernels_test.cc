@@ -11,6 +11,14 @@
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+// LibTorch's sync debug mode, where its CUDA headers are there (a LibTorch built with CUDA).
+#if __has_include(<cuda_runtime_api.h>) && __has_include(<c10/cuda/impl/cuda_cmake_macros.h>)
+#include <c10/cuda/CUDAFunctions.h>
+#define LTRAIN_TEST_SYNC_DEBUG 1
+#else
+#define LTRAIN_TEST_SYNC_DEBUG 0
+#endif
+
 #include "worker/comm/communicator.h"
 #include "worker/model/fused_kernels.h"
 #include "worker/torch_compat.h"
@@ -664,6 +672,41 @@ TEST(FusedKernelsTest, EmbeddingSumsAFrequentRowsGradientsInFp32) {
       EXPECT_LE(RelativeError(got, reference), 0.01) << where;
     }
   }
+}
+
+// The embedding's backward queues its work without waiting for the GPU, for a table of fewer rows
+// than the batch's tokens (sums over the whole table) and of more (over slots of the batch's size):
+// LibTorch's sync debug mode, set to error, turns any wait into an exception.
+TEST(FusedKernelsTest, EmbeddingBackwardDoesNotWaitForTheGpu) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  if (!FusedLlamaOpsAvailable(torch::zeros({8}, bf16))) GTEST_SKIP() << "worker built without CUDA kernels";
+#if !LTRAIN_TEST_SYNC_DEBUG
+  FAIL() << "the worker has CUDA kernels, but this test was built without LibTorch's CUDA headers "
+            "(c10/cuda/CUDAFunctions.h and cuda_runtime_api.h on the include path)";
+#else
+  torch::manual_seed(37);
+  const int64_t d = 64;
+  for (const int64_t vocab : {64, 4096}) {
+    const torch::TensorOptions ids_options = torch::TensorOptions().dtype(torch::kLong).device(torch::kCUDA);
+    torch::Tensor ids = torch::randint(0, vocab, {4, 96}, ids_options);
+    torch::Tensor grad_out = torch::randn({4, 96, d}, bf16);
+    torch::Tensor w = torch::randn({vocab, d}, bf16).requires_grad_(true);
+    w.mutable_grad() = torch::zeros({vocab, d}, bf16);  // the gradient the backward adds into
+    torch::Tensor y = FusedEmbedding(ids, w);
+    torch::cuda::synchronize();
+    struct SyncDebugError {
+      SyncDebugError() { c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_ERROR); }
+      ~SyncDebugError() { c10::cuda::warning_state().set_sync_debug_mode(c10::cuda::SyncDebugMode::L_DISABLED); }
+    };
+    {
+      SyncDebugError no_waits;
+      EXPECT_NO_THROW(y.backward(grad_out)) << "vocab " << vocab;
+    }
+    torch::Tensor reference = at::embedding_backward(grad_out.to(torch::kFloat), ids, vocab, -1, false, false);
+    EXPECT_LE(RelativeError(w.grad(), reference), 0.02) << "vocab " << vocab;
+  }
+#endif
 }
 
 // Rotary embeddings (llama_model.apply_rope) and SwiGLU against the same composite in fp32.
