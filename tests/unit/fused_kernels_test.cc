@@ -625,20 +625,39 @@ TEST(FusedKernelsTest, EmbeddingMatchesLibTorch) {
   const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
   if (!FusedLlamaOpsAvailable(torch::zeros({8}, bf16))) GTEST_SKIP() << "worker built without CUDA kernels";
   torch::manual_seed(29);
-  const int64_t d = 64;
-  torch::Tensor ids = torch::randint(0, 50, {4, 96}, torch::TensorOptions().dtype(torch::kLong).device(torch::kCUDA));
-  torch::Tensor grad_out = torch::randn({4, 96, d}, bf16);
-  const std::vector<std::pair<int64_t, bool>> cases = {{1000, true}, {1000, false}, {64, true}, {64, false}};
-  for (const auto& [vocab, existing] : cases) {
-    torch::Tensor reference = at::embedding_backward(grad_out.to(torch::kFloat), ids, vocab, -1, false, false);
-    torch::Tensor w = torch::randn({vocab, d}, bf16).requires_grad_(true);
-    torch::Tensor before = existing ? 0.1 * torch::randn({vocab, d}, bf16) : torch::zeros({vocab, d}, bf16);
-    if (existing) w.mutable_grad() = before.clone();
-    torch::Tensor y = FusedEmbedding(ids, w);
-    EXPECT_LE(RelativeError(y, at::embedding(w.detach(), ids)), 0.0);
-    y.backward(grad_out);
-    EXPECT_LE(RelativeError(w.grad().to(torch::kFloat) - before.to(torch::kFloat), reference), 0.02)
-        << "vocab " << vocab << ", existing " << existing;
+  // 64 columns over 50 rows (runs of about 8 tokens, some across the kernel's pieces of 64 ids); 776
+  // columns (four blocks of 256, the last partial) over 5 rows (runs of about 77: longer than a
+  // warp's 32 ids and than a piece).
+  for (const auto& [d, distinct] : std::vector<std::pair<int64_t, int64_t>>{{64, 50}, {776, 5}}) {
+    torch::Tensor ids =
+        torch::randint(0, distinct, {4, 96}, torch::TensorOptions().dtype(torch::kLong).device(torch::kCUDA));
+    torch::Tensor grad_out = torch::randn({4, 96, d}, bf16);
+    const std::vector<std::pair<int64_t, bool>> cases = {{1000, true}, {1000, false}, {64, true}, {64, false}};
+    for (const auto& [vocab, existing] : cases) {
+      torch::Tensor reference = at::embedding_backward(grad_out.to(torch::kFloat), ids, vocab, -1, false, false);
+      torch::Tensor w = torch::randn({vocab, d}, bf16).requires_grad_(true);
+      torch::Tensor before = existing ? 0.1 * torch::randn({vocab, d}, bf16) : torch::zeros({vocab, d}, bf16);
+      if (existing) w.mutable_grad() = before.clone();
+      torch::Tensor y = FusedEmbedding(ids, w);
+      EXPECT_LE(RelativeError(y, at::embedding(w.detach(), ids)), 0.0);
+      y.backward(grad_out);
+      EXPECT_LE(RelativeError(w.grad().to(torch::kFloat) - before.to(torch::kFloat), reference), 0.02)
+          << "d " << d << ", vocab " << vocab << ", existing " << existing;
+      // Rows the batch did not use keep their gradient.
+      torch::Tensor unused = torch::ones({vocab}, torch::TensorOptions().dtype(torch::kBool).device(torch::kCUDA));
+      unused.index_put_({ids.reshape({-1})}, false);
+      EXPECT_TRUE(w.grad().index({unused}).equal(before.index({unused})))
+          << "d " << d << ", vocab " << vocab << ", existing " << existing;
+    }
+    // The same sums on every run: a row's pieces are added in order, without atomics.
+    torch::Tensor w = torch::randn({1000, d}, bf16).requires_grad_(true);
+    std::vector<torch::Tensor> runs;
+    for (int run = 0; run < 2; ++run) {
+      w.mutable_grad() = torch::zeros_like(w);
+      FusedEmbedding(ids, w).backward(grad_out);
+      runs.push_back(w.grad().clone());
+    }
+    EXPECT_TRUE(runs[0].equal(runs[1])) << "d " << d;
   }
 }
 

@@ -21,6 +21,7 @@
 #include "worker/model/cuda/adamw.h"
 #include "worker/model/cuda/column_sums.h"
 #include "worker/model/cuda/cross_entropy.h"
+#include "worker/model/cuda/embedding.h"
 #include "worker/model/cuda/gemm.h"
 #include "worker/model/cuda/layer_norm.h"
 #include "worker/model/cuda/llama_ops.h"
@@ -724,17 +725,26 @@ struct ProjectionsFunction : public torch::autograd::Function<ProjectionsFunctio
   }
 };
 
+// Whether cuda::EmbeddingRowSums takes int64 ids, gradient rows `g` and the table's gradient `into`
+// (bf16, contiguous, 16-byte aligned, rows a multiple of 8 wide, on one device).
+bool RowSumsTake(const torch::Tensor& ids, const torch::Tensor& g, const torch::Tensor& into) {
+  auto takes = [](const torch::Tensor& t) {
+    return t.is_cuda() && t.scalar_type() == torch::kBFloat16 && t.is_contiguous() && Aligned16(t);
+  };
+  return ids.scalar_type() == torch::kLong && takes(g) && takes(into) && g.device() == into.device() &&
+         g.size(1) % 8 == 0;
+}
+
 // The embedding lookup; backward adds the rows' gradients straight into w's .grad where it has one
 // (only the rows the batch used are touched), not through a dense [vocab, d] gradient and an add of
-// the whole table. Each used row's gradients are summed in fp32 first (LibTorch's embedding backward
-// over the batch's distinct rows), then added to the bf16 gradient once: index_put_ with accumulate
+// the whole table. Each used row's gradients are summed in fp32 first, then added to the bf16
+// gradient once: index_put_ with accumulate
 // adds a row's tokens one by one in bf16 (and serially), and a row used thousands of times a step (a
 // byte vocabulary's space) stops growing once its sum is a few hundred times one token's gradient.
 // Where the table has no more rows than the batch has tokens, the sums are taken over the whole table
-// (a buffer no larger than the gradient that arrives). Else over slots of a buffer of the batch's
-// size: a token's slot is its row's rank among the batch's distinct rows (from the sorted ids), and
-// the slots past the last distinct row stay zero and are added to rows of their own. Neither waits
-// for the GPU: finding the distinct rows themselves (at::_unique) would, for their count.
+// (a buffer no larger than the gradient that arrives). Else the ids are sorted and our kernels sum
+// each row's run of tokens and add it to the row (cuda::EmbeddingRowSums). Neither waits for the
+// GPU: finding the distinct rows themselves (at::_unique) would, for their count.
 struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& ids, const torch::Tensor& w) {
     ctx->save_for_backward({ids, w});
@@ -745,9 +755,9 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
     const torch::Tensor &ids = saved[0], &w = saved[1];
     c10::cuda::CUDAGuard guard(w.device());
     if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor()};
-    torch::Tensor g = grads[0].reshape({-1, w.size(1)});
+    torch::Tensor g = grads[0].reshape({-1, w.size(1)}).contiguous();
     torch::Tensor into = AccumulationTarget(w);
-    if (into.defined() && w.size(0) <= ids.numel()) {
+    if (into.defined() && (w.size(0) <= ids.numel() || !RowSumsTake(ids, g, into))) {
       torch::Tensor sums = at::embedding_dense_backward(g, ids.reshape({-1}), w.size(0), /*padding_idx=*/-1,
                                                         /*scale_grad_by_freq=*/false);
       if (TakeStale(into)) {
@@ -758,21 +768,13 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
       return {torch::Tensor(), torch::Tensor()};
     }
     if (into.defined()) {
-      const torch::Tensor flat = ids.reshape({-1});
-      const int64_t n = flat.numel();
-      auto [sorted, order] = flat.sort();
-      // The slot of each sorted token: how many distinct rows come before its own.
-      torch::Tensor slot_sorted = torch::zeros({n}, flat.options());
-      if (n > 1) {
-        slot_sorted.narrow(0, 1, n - 1).copy_(sorted.narrow(0, 1, n - 1).ne(sorted.narrow(0, 0, n - 1)).cumsum(0));
-      }
-      torch::Tensor slot = torch::empty_like(flat).scatter_(0, order, slot_sorted);
-      // Each slot's row; a slot past the last distinct row keeps its own index (under n, so under the
-      // table's rows), a row it adds zero to.
-      torch::Tensor rows = torch::arange(n, flat.options()).scatter_(0, slot_sorted, sorted);
-      torch::Tensor sums = at::embedding_dense_backward(g, slot, n, /*padding_idx=*/-1, /*scale_grad_by_freq=*/false);
+      // A stable sort: a row's tokens are summed in the batch's order.
+      auto [sorted, order] = ids.reshape({-1}).sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
       if (TakeStale(into)) into.zero_();
-      into.index_put_({rows}, sums.to(into.scalar_type()), /*accumulate=*/true);
+      torch::Tensor partial =
+          torch::empty({cuda::EmbeddingRowSumsFloats(sorted.numel(), g.size(1))}, g.options().dtype(torch::kFloat));
+      cuda::EmbeddingRowSums(sorted.data_ptr<int64_t>(), order.data_ptr<int64_t>(), sorted.numel(), g.data_ptr(),
+                             g.size(1), partial.data_ptr<float>(), into.data_ptr(), StreamOf(into));
       return {torch::Tensor(), torch::Tensor()};
     }
     return {torch::Tensor(), at::embedding_backward(grads[0], ids, w.size(0), -1, false, false)};
