@@ -725,22 +725,20 @@ struct ProjectionsFunction : public torch::autograd::Function<ProjectionsFunctio
   }
 };
 
-// Whether cuda::EmbeddingRowSums takes int64 ids, gradient rows `g` and the table's gradient `into`
-// (bf16, contiguous, 16-byte aligned, rows a multiple of 8 wide, on one device).
+// Whether cuda::EmbeddingRowSums takes int64 ids, contiguous gradient rows `g` and the table's
+// gradient `into` (AccumulationTarget's: bf16, contiguous): g bf16, rows a multiple of 8 wide, both
+// 16-byte aligned.
 bool RowSumsTake(const torch::Tensor& ids, const torch::Tensor& g, const torch::Tensor& into) {
-  auto takes = [](const torch::Tensor& t) {
-    return t.is_cuda() && t.scalar_type() == torch::kBFloat16 && t.is_contiguous() && Aligned16(t);
-  };
-  return ids.scalar_type() == torch::kLong && takes(g) && takes(into) && g.device() == into.device() &&
-         g.size(1) % 8 == 0;
+  return ids.scalar_type() == torch::kLong && g.scalar_type() == torch::kBFloat16 && g.size(1) % 8 == 0 &&
+         Aligned16(g) && Aligned16(into);
 }
 
 // The embedding lookup; backward adds the rows' gradients straight into w's .grad where it has one
 // (only the rows the batch used are touched), not through a dense [vocab, d] gradient and an add of
 // the whole table. Each used row's gradients are summed in fp32 first, then added to the bf16
-// gradient once: index_put_ with accumulate
-// adds a row's tokens one by one in bf16 (and serially), and a row used thousands of times a step (a
-// byte vocabulary's space) stops growing once its sum is a few hundred times one token's gradient.
+// gradient once: index_put_ with accumulate adds a row's tokens one by one in bf16 (and serially),
+// and a row used thousands of times a step (a byte vocabulary's space) stops growing once its sum is
+// a few hundred times one token's gradient.
 // Where the table has no more rows than the batch has tokens, the sums are taken over the whole table
 // (a buffer no larger than the gradient that arrives). Else the ids are sorted and our kernels sum
 // each row's run of tokens and add it to the row (cuda::EmbeddingRowSums). Neither waits for the
@@ -755,9 +753,10 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
     const torch::Tensor &ids = saved[0], &w = saved[1];
     c10::cuda::CUDAGuard guard(w.device());
     if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor()};
-    torch::Tensor g = grads[0].reshape({-1, w.size(1)}).contiguous();
     torch::Tensor into = AccumulationTarget(w);
-    if (into.defined() && (w.size(0) <= ids.numel() || !RowSumsTake(ids, g, into))) {
+    if (!into.defined()) return {torch::Tensor(), at::embedding_backward(grads[0], ids, w.size(0), -1, false, false)};
+    torch::Tensor g = grads[0].reshape({-1, w.size(1)}).contiguous();
+    if (w.size(0) <= ids.numel() || !RowSumsTake(ids, g, into)) {
       torch::Tensor sums = at::embedding_dense_backward(g, ids.reshape({-1}), w.size(0), /*padding_idx=*/-1,
                                                         /*scale_grad_by_freq=*/false);
       if (TakeStale(into)) {
@@ -767,17 +766,14 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
       }
       return {torch::Tensor(), torch::Tensor()};
     }
-    if (into.defined()) {
-      // A stable sort: a row's tokens are summed in the batch's order.
-      auto [sorted, order] = ids.reshape({-1}).sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
-      if (TakeStale(into)) into.zero_();
-      torch::Tensor partial =
-          torch::empty({cuda::EmbeddingRowSumsFloats(sorted.numel(), g.size(1))}, g.options().dtype(torch::kFloat));
-      cuda::EmbeddingRowSums(sorted.data_ptr<int64_t>(), order.data_ptr<int64_t>(), sorted.numel(), g.data_ptr(),
-                             g.size(1), partial.data_ptr<float>(), into.data_ptr(), StreamOf(into));
-      return {torch::Tensor(), torch::Tensor()};
-    }
-    return {torch::Tensor(), at::embedding_backward(grads[0], ids, w.size(0), -1, false, false)};
+    // A stable sort: a row's tokens are summed in the batch's order.
+    auto [sorted, order] = ids.reshape({-1}).sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
+    if (TakeStale(into)) into.zero_();
+    torch::Tensor partial =
+        torch::empty({cuda::EmbeddingRowSumsFloats(sorted.numel(), g.size(1))}, g.options().dtype(torch::kFloat));
+    cuda::EmbeddingRowSums(sorted.data_ptr<int64_t>(), order.data_ptr<int64_t>(), sorted.numel(), g.data_ptr(),
+                           g.size(1), partial.data_ptr<float>(), into.data_ptr(), StreamOf(into));
+    return {torch::Tensor(), torch::Tensor()};
   }
 };
 
