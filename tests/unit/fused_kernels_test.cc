@@ -617,6 +617,65 @@ TEST(FusedKernelsTest, ProductsSumTheirInputGradientOverTp) {
   }
 }
 
+// A fake group of 2 whose all-reduce first keeps the stream it runs on busy (a long product).
+class SlowSumCommunicator : public FakeCommunicator {
+ public:
+  SlowSumCommunicator() { SimulateSize(2); }
+  Status AllReduceSum(at::Tensor& tensor) override {
+    torch::Tensor a = torch::randn({4096, 4096}, tensor.options());
+    for (int i = 0; i < 8; ++i) a = torch::matmul(a, a) / 64;
+    return FakeCommunicator::AllReduceSum(tensor);
+  }
+};
+
+// SideStreamSum, both orders: the sum on the side stream reads what the current stream wrote before
+// it began (after long work there), and the current stream reads the sum once Finish() returned
+// (after long work on the side stream). Against a fake group of 2 (its all-reduce doubles).
+TEST(FusedKernelsTest, SideStreamSumIsOrderedWithTheCurrentStreamBothWays) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  const torch::Tensor w = torch::randn({256, 256}, bf16);
+  if (!FusedLinearAvailable(torch::zeros({1, 256}, bf16), w)) GTEST_SKIP() << "worker built without CUDA kernels";
+  torch::manual_seed(5);
+  const torch::Tensor a = torch::randn({4096, 4096}, bf16) / 64;
+  auto long_product = [&] {
+    torch::Tensor x = a;
+    for (int i = 0; i < 8; ++i) x = torch::matmul(x, a);
+    return x;
+  };
+  const torch::Tensor want = long_product() * 2;
+  {
+    // The side stream made (its first use creates LibTorch's stream pool, long enough for the GPU
+    // to catch up with the work queued before it).
+    torch::Tensor warm = torch::zeros({8}, bf16);
+    FakeCommunicator once;
+    SideStreamSum sum(warm, &once);
+  }
+  torch::cuda::synchronize();
+  {
+    FakeCommunicator fast;
+    fast.SimulateSize(2);
+    torch::Tensor t = long_product();
+    SideStreamSum sum(t, &fast);
+    sum.Finish();
+    EXPECT_TRUE(torch::equal(t, want)) << "the sum read the tensor before the current stream wrote it";
+    EXPECT_EQ(fast.calls(), 1);
+  }
+  {
+    SlowSumCommunicator slow;
+    torch::Tensor t = long_product();
+    torch::cuda::synchronize();
+    SideStreamSum sum(t, &slow);
+    sum.Finish();
+    torch::Tensor seen = t.clone();
+    EXPECT_TRUE(torch::equal(seen, want)) << "the current stream read the tensor before the sum";
+  }
+  torch::Tensor untouched = want.clone();
+  SideStreamSum none(untouched, nullptr);
+  none.Finish();
+  EXPECT_TRUE(torch::equal(untouched, want));
+}
+
 // The embedding's gradient added in place to a table gradient that exists (repeated ids included),
 // and returned whole where none does; a table of more rows than the batch has tokens (sums over the
 // distinct rows) and of fewer (over the whole table).

@@ -12,11 +12,12 @@
 
 #include <torch/autograd.h>
 
+#include "worker/comm/communicator.h"
+
 #if defined(LTRAIN_WITH_CUDA_KERNELS)
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 
-#include "worker/comm/communicator.h"
 #include "worker/model/comm_handle.h"
 #include "worker/model/cuda/adamw.h"
 #include "worker/model/cuda/column_sums.h"
@@ -276,7 +277,7 @@ torch::Tensor Residual2d(const torch::Tensor& residual, int64_t out) {
   return residual.reshape({-1, out}).contiguous();
 }
 
-// A high-priority stream per device for the input gradients' tensor-parallel sums: one stream, so
+// A high-priority stream per device for the tensor-parallel sums (SideStreamSum): one stream, so
 // that they run in the order they were issued, as the communicator's collectives must.
 c10::cuda::CUDAStream SideStream(c10::DeviceIndex device) {
   static std::mutex mu;
@@ -290,46 +291,6 @@ c10::cuda::CUDAStream SideStream(c10::DeviceIndex device) {
 void CheckCuda(cudaError_t result, const char* what) {
   if (result != cudaSuccess) throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(result));
 }
-
-// The sum of an input gradient over the tensor-parallel ranks, started on the side stream once the
-// current stream has computed the gradient: the products queued on the current stream after it (the
-// weight gradients) run beside the all-reduce. Finish() makes the current stream wait for the sum;
-// nothing may read or free the gradient before. With no communicator, it does nothing.
-class InputGradSum {
- public:
-  InputGradSum(torch::Tensor& dx, Communicator* comm) {
-    if (comm == nullptr) return;
-    const c10::DeviceIndex device = dx.device().index();
-    main_ = c10::cuda::getCurrentCUDAStream(device).stream();
-    c10::cuda::CUDAStream side = SideStream(device);
-    cudaEvent_t ready = nullptr;
-    CheckCuda(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate");
-    CheckCuda(cudaEventRecord(ready, main_), "cudaEventRecord");
-    CheckCuda(cudaStreamWaitEvent(side.stream(), ready, 0), "cudaStreamWaitEvent");
-    cudaEventDestroy(ready);
-    {
-      c10::cuda::CUDAStreamGuard on_side(side);
-      Status s = comm->AllReduceSum(dx);
-      if (!s.ok()) throw std::runtime_error(s.message());
-    }
-    CheckCuda(cudaEventCreateWithFlags(&done_, cudaEventDisableTiming), "cudaEventCreate");
-    CheckCuda(cudaEventRecord(done_, side.stream()), "cudaEventRecord");
-  }
-  InputGradSum(const InputGradSum&) = delete;
-  InputGradSum& operator=(const InputGradSum&) = delete;
-  ~InputGradSum() { Finish(); }
-
-  void Finish() {
-    if (done_ == nullptr) return;
-    cudaStreamWaitEvent(main_, done_, 0);
-    cudaEventDestroy(done_);
-    done_ = nullptr;
-  }
-
- private:
-  cudaStream_t main_ = nullptr;
-  cudaEvent_t done_ = nullptr;
-};
 
 void OfferBf16Twin(const torch::Tensor& fp32, const torch::Tensor& bf16, const torch::Tensor& partial = {},
                    int64_t chunks = 0) {
@@ -418,7 +379,7 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
     // The input gradient first: its tensor-parallel sum runs beside the weight gradients.
     torch::Tensor gpre = InputGradProduct(g, w2, cuda::Epilogue::kDGelu, pre);
     torch::Tensor dx = InputGradProduct(gpre, w1);
-    InputGradSum sum(dx, CommOf(ctx));
+    SideStreamSum sum(dx, CommOf(ctx));
     auto [dw2, db2] = WeightAndBiasGrads(g, h, w2, b2, sums);
     auto [dw1, db1] = WeightAndBiasGrads(gpre, x2, w1, b1);
     sum.Finish();
@@ -482,7 +443,7 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
       dx_written = true;
     }
     if (!dx_written) dx.zero_();
-    InputGradSum sum(dx, CommOf(ctx));
+    SideStreamSum sum(dx, CommOf(ctx));
     for (int64_t i = 0; i < 3; ++i) {
       torch::Tensor dw_i = (into.defined() ? into : dw).narrow(0, i * c, c);
       torch::Tensor db_i = has_bias ? (into_b.defined() ? into_b : db).narrow(0, i * c, c) : torch::Tensor();
@@ -709,7 +670,7 @@ struct ProjectionsFunction : public torch::autograd::Function<ProjectionsFunctio
       dx_written = true;
     }
     if (!dx_written) dx.zero_();
-    InputGradSum sum(dx, CommOf(ctx));
+    SideStreamSum sum(dx, CommOf(ctx));
     variable_list result(5);
     for (size_t i = 0; i < g.size(); ++i) {
       torch::Tensor into = AccumulationTarget(saved[1 + i]);
@@ -856,6 +817,38 @@ struct SwiGluLinearFunction : public torch::autograd::Function<SwiGluLinearFunct
 
 }  // namespace
 
+SideStreamSum::SideStreamSum(torch::Tensor& t, Communicator* comm) {
+  if (comm == nullptr) return;
+  if (!t.is_cuda()) {
+    if (Status s = comm->AllReduceSum(t); !s.ok()) throw std::runtime_error(s.message());
+    return;
+  }
+  const c10::DeviceIndex device = t.device().index();
+  cudaStream_t main = c10::cuda::getCurrentCUDAStream(device).stream();
+  c10::cuda::CUDAStream side = SideStream(device);
+  cudaEvent_t ready = nullptr;
+  CheckCuda(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming), "cudaEventCreate");
+  CheckCuda(cudaEventRecord(ready, main), "cudaEventRecord");
+  CheckCuda(cudaStreamWaitEvent(side.stream(), ready, 0), "cudaStreamWaitEvent");
+  cudaEventDestroy(ready);
+  {
+    c10::cuda::CUDAStreamGuard on_side(side);
+    if (Status s = comm->AllReduceSum(t); !s.ok()) throw std::runtime_error(s.message());
+  }
+  cudaEvent_t done = nullptr;
+  CheckCuda(cudaEventCreateWithFlags(&done, cudaEventDisableTiming), "cudaEventCreate");
+  CheckCuda(cudaEventRecord(done, side.stream()), "cudaEventRecord");
+  main_ = main;
+  done_ = done;
+}
+
+void SideStreamSum::Finish() {
+  if (done_ == nullptr) return;
+  cudaStreamWaitEvent(static_cast<cudaStream_t>(main_), static_cast<cudaEvent_t>(done_), 0);
+  cudaEventDestroy(static_cast<cudaEvent_t>(done_));
+  done_ = nullptr;
+}
+
 bool FusedLlamaOpsAvailable(const torch::Tensor& x) { return x.defined() && x.is_cuda() && x.scalar_type() == torch::kBFloat16; }
 
 torch::Tensor FusedRope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
@@ -965,6 +958,13 @@ void FusedAdamW(const torch::Tensor& param, const torch::Tensor& grad, const tor
 }
 
 #else
+
+SideStreamSum::SideStreamSum(torch::Tensor& t, Communicator* comm) {
+  if (comm == nullptr) return;
+  if (Status s = comm->AllReduceSum(t); !s.ok()) throw std::runtime_error(s.message());
+}
+
+void SideStreamSum::Finish() {}
 
 bool FusedLayerNormAvailable(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/, const torch::Tensor& /*b*/) {
   return false;

@@ -58,6 +58,26 @@ torch::Tensor FusedLinear(const torch::Tensor& x, const torch::Tensor& w, const 
 // Whether callers should hand `tp` to the products below (options.tp_overlap).
 bool FusedTpOverlap();
 
+// The sum of `t` over `comm`, in place, begun on a side stream of t's GPU (one per GPU, shared with
+// the products' input-gradient sums, so that the group's collectives keep the order they were
+// issued in) once the current stream has computed t: the work queued on the current stream after
+// it runs beside the all-reduce. Finish() (or the destructor) makes the current stream wait for the
+// sum; nothing may read, write or free t before. A CPU tensor (or a build without CUDA kernels) is
+// summed at once; with no communicator nothing happens.
+class SideStreamSum {
+ public:
+  SideStreamSum(torch::Tensor& t, Communicator* comm);
+  SideStreamSum(const SideStreamSum&) = delete;
+  SideStreamSum& operator=(const SideStreamSum&) = delete;
+  ~SideStreamSum() { Finish(); }
+
+  void Finish();
+
+ private:
+  void* main_ = nullptr;  // cudaStream_t that waits
+  void* done_ = nullptr;  // cudaEvent_t after the sum
+};
+
 // residual + linear(gelu_tanh(linear(x, w1, b1)), w2, b2) (b2 and residual may be undefined) with
 // the GELU and its gradient in the products' epilogues (no separate GELU kernels), the residual in
 // the second product's; weight gradients as FusedLinear's. `recompute_gelu` (selective recompute):

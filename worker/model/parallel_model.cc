@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 
 #include <ATen/Context.h>
@@ -103,6 +104,21 @@ struct ReduceFromTp : public torch::autograd::Function<ReduceFromTp> {
     return AllReduced(x, reinterpret_cast<Communicator*>(comm));
   }
   static variable_list backward(AutogradContext* /*ctx*/, variable_list grads) { return {grads[0], torch::Tensor()}; }
+};
+
+// Megatron's g begun beside the work queued after it: the sum is made on a side stream
+// (SideStreamSum), whose handle goes to *`pending` (a std::unique_ptr<SideStreamSum>*); nothing may
+// read the output before its Finish(). Identity backward.
+struct ReduceFromTpBeside : public torch::autograd::Function<ReduceFromTpBeside> {
+  static torch::Tensor forward(AutogradContext* /*ctx*/, const torch::Tensor& x, int64_t comm, int64_t pending) {
+    torch::Tensor t = x.contiguous().clone();
+    *reinterpret_cast<std::unique_ptr<SideStreamSum>*>(pending) =
+        std::make_unique<SideStreamSum>(t, reinterpret_cast<Communicator*>(comm));
+    return t;
+  }
+  static variable_list backward(AutogradContext* /*ctx*/, variable_list grads) {
+    return {grads[0], torch::Tensor(), torch::Tensor()};
+  }
 };
 
 // Sequence parallel: all-gather along the sequence forward, reduce-scatter backward.
@@ -594,6 +610,12 @@ void ModelShard::Unit(int unit, bool before) {
   if (hook) hook(unit);
 }
 
+bool ModelShard::SplitsBatch(const torch::Tensor& x) const {
+  const Layout& l = spec_.layout;
+  const bool full_recompute = l.activation_checkpointing == ActivationCheckpointing::kFull && torch::GradMode::is_enabled();
+  return spec_.tp_split_batch && l.tp > 1 && !l.sequence_parallel && x.size(0) >= 2 && !full_recompute && !hooks_.output;
+}
+
 bool ModelShard::Selective() const {
   return spec_.layout.activation_checkpointing == ActivationCheckpointing::kSelective && torch::GradMode::is_enabled();
 }
@@ -645,35 +667,93 @@ torch::Tensor ModelShard::Rope(const torch::Tensor& x) const {
   return torch::cat({halves[0] * cos - halves[1] * sin, halves[1] * cos + halves[0] * sin}, -1).to(x.scalar_type());
 }
 
-torch::Tensor ModelShard::LlamaBlockForward(int layer, const torch::Tensor& x) {
+torch::Tensor ModelShard::Enter(const torch::Tensor& x) const {
+  if (spec_.layout.tp == 1) return x;
+  return spec_.layout.sequence_parallel ? GatherSeq::apply(x, Handle(tp_)) : CopyToTp::apply(x, Handle(tp_));
+}
+
+// A tp branch's output: residual + (the sum over tp of its partial sums + bias), the sum made inline
+// (sequence parallel: this rank's slice of it) or, `beside`, begun on the side stream and waited for
+// by Finish().
+class ModelShard::RowSum {
+ public:
+  RowSum(const ModelShard& shard, BranchPartial branch, bool beside) : branch_(std::move(branch)) {
+    const int64_t comm = Handle(shard.tp_);
+    if (beside) {
+      sum_ = ReduceFromTpBeside::apply(branch_.partial, comm, reinterpret_cast<int64_t>(&pending_));
+    } else {
+      sum_ = shard.spec_.layout.sequence_parallel ? ScatterSeq::apply(branch_.partial, comm)
+                                                  : ReduceFromTp::apply(branch_.partial, comm);
+    }
+    branch_.partial = torch::Tensor();
+  }
+  RowSum(const RowSum&) = delete;
+  RowSum& operator=(const RowSum&) = delete;
+
+  // Once: the branch's output (the current stream waits for the sum first).
+  torch::Tensor Finish() {
+    pending_.reset();
+    torch::Tensor out = branch_.residual + (branch_.bias.defined() ? sum_ + branch_.bias : sum_);
+    branch_ = {};
+    sum_ = torch::Tensor();
+    return out;
+  }
+
+ private:
+  BranchPartial branch_;
+  torch::Tensor sum_;
+  std::unique_ptr<SideStreamSum> pending_;
+};
+
+torch::Tensor ModelShard::TpBlockForward(int layer, const torch::Tensor& x) {
+  torch::Tensor h = RowSum(*this, TpBranch(layer, 0, x), false).Finish();
+  return RowSum(*this, TpBranch(layer, 1, h), false).Finish();
+}
+
+ModelShard::BranchPartial ModelShard::TpBranch(int layer, int branch, const torch::Tensor& x) {
+  if (spec_.config.arch == Arch::kLlama) {
+    if (branch == 0) {
+      auto [y, x_res] = LlamaAttention(layer, x);
+      return {x_res, NoBiasLinear(y, P(layer, "wo.weight")), {}};
+    }
+    auto [m_local, r_res] = RmsNorm(x, P(layer, "ffn_norm.weight"), spec_.config.norm_eps);
+    auto [g, u] = LlamaGateUp(layer, m_local);
+    const torch::Tensor& w2 = P(layer, "w2.weight");
+    if (Selective() && FusedLlamaOpsAvailable(g) && FusedLinearAvailable(g, w2)) {
+      return {r_res, FusedSwiGluLinear(g, u, w2), {}};  // the product's input made again in backward
+    }
+    torch::Tensor gate = FusedLlamaOpsAvailable(g) ? FusedSwiGlu(g, u) : torch::silu(g) * u;
+    return {r_res, NoBiasLinear(gate, w2), {}};
+  }
+  if (branch == 0) {
+    auto [y, x_res] = GptAttention(layer, x);
+    // Through our product where it takes it, like every other block matrix: its gradient is then
+    // written by the product (GradientFromProductsOnly), not added to by LibTorch's.
+    return {x_res, NoBiasLinear(y, P(layer, "proj.weight")), P(layer, "proj.bias")};
+  }
+  auto [m_local, h] = LayerNorm(x, P(layer, "ln2.weight"), P(layer, "ln2.bias"));
+  const torch::Tensor &fc_w = P(layer, "fc.weight"), &fc_b = P(layer, "fc.bias");
+  const torch::Tensor &fc2_w = P(layer, "fc2.weight"), &fc2_b = P(layer, "fc2.bias");
+  Communicator* const sum_in_product = SumInProducts(spec_.layout, tp_);
+  if (sum_in_product && FusedLinearAvailable(m_local, fc_w) && FusedLinearAvailable(m_local, fc2_w)) {
+    return {h, FusedMlp(m_local, fc_w, fc_b, fc2_w, {}, {}, sum_in_product, Selective()), fc2_b};
+  }
+  return {h, Mlp(Enter(m_local), fc_w, fc_b, fc2_w, {}, {}, Selective()), fc2_b};
+}
+
+std::pair<torch::Tensor, torch::Tensor> ModelShard::LlamaAttention(int layer, const torch::Tensor& x) {
   const ModelSpec& c = spec_.config;
   const int tp = spec_.layout.tp;
-  const int64_t comm = Handle(tp_);
-  const bool sp = spec_.layout.sequence_parallel;
   const int64_t hd = c.d_model / c.heads;
   const int64_t heads_local = c.heads / tp;
   const int64_t kv_local = kv_replicated_ ? 1 : KvHeads(c) / tp;
-  auto enter = [&](const torch::Tensor& t) {
-    if (tp == 1) return t;
-    return sp ? GatherSeq::apply(t, comm) : CopyToTp::apply(t, comm);
-  };
-  // Row-parallel output: partial sums combined over tp.
-  auto row = [&](const torch::Tensor& partial) {
-    if (tp == 1) return partial;
-    return sp ? ScatterSeq::apply(partial, comm) : ReduceFromTp::apply(partial, comm);
-  };
-  // The residual branches read x and r through the norms' second outputs (see RmsNorm).
-  Communicator* const sum_in_product = SumInProducts(spec_.layout, tp_);
-  const bool sr = spec_.stochastic_residual;
-  // The residual sum through the product's epilogue, or stochastically rounded after it.
-  auto residual_linear = [&](const torch::Tensor& in, const torch::Tensor& w, const torch::Tensor& residual) {
-    return sr ? StochasticRoundedAdd(residual, NoBiasLinear(in, w)) : NoBiasLinear(in, w, residual);
-  };
+  // The residual branch reads x through the norm's second output (see RmsNorm).
   auto [h_local, x_res] = RmsNorm(x, P(layer, "attn_norm.weight"), c.norm_eps);
   const torch::Tensor &wq = P(layer, "wq.weight"), &wk = P(layer, "wk.weight"), &wv = P(layer, "wv.weight");
   const bool fused_qkv = !kv_replicated_ && FusedLinearAvailable(h_local, wq) && FusedLinearAvailable(h_local, wk) &&
                          FusedLinearAvailable(h_local, wv);
-  torch::Tensor h = fused_qkv && sum_in_product ? h_local : enter(h_local);
+  Communicator* const sum_in_product = SumInProducts(spec_.layout, tp_);
+  torch::Tensor h = fused_qkv && sum_in_product ? h_local : Enter(h_local);
   const int64_t b = h.size(0), t = h.size(1);
   torch::Tensor q_lin, k_lin, v_lin;
   if (fused_qkv) {
@@ -690,76 +770,66 @@ torch::Tensor ModelShard::LlamaBlockForward(int layer, const torch::Tensor& x) {
   torch::Tensor k = Rope(k_lin.view({b, t, kv_local, hd})).transpose(1, 2);
   torch::Tensor v = v_lin.view({b, t, kv_local, hd}).transpose(1, 2);
   // Grouped-query attention: query head j reads key/value head j / (heads / kv_heads).
-  torch::Tensor y = Attention(q, k, v).transpose(1, 2).reshape({b, t, heads_local * hd});
-  // One rank: the residual is added in the products' epilogues.
-  torch::Tensor r =
-      tp == 1 ? residual_linear(y, P(layer, "wo.weight"), x_res) : x_res + row(NoBiasLinear(y, P(layer, "wo.weight")));
-  auto [m_local, r_res] = RmsNorm(r, P(layer, "ffn_norm.weight"), c.norm_eps);
+  return {Attention(q, k, v).transpose(1, 2).reshape({b, t, heads_local * hd}), x_res};
+}
+
+std::pair<torch::Tensor, torch::Tensor> ModelShard::LlamaGateUp(int layer, const torch::Tensor& m_local) {
   const torch::Tensor &w1 = P(layer, "w1.weight"), &w3 = P(layer, "w3.weight");
   const bool fused_gate = FusedLinearAvailable(m_local, w1) && FusedLinearAvailable(m_local, w3);
-  torch::Tensor m = fused_gate && sum_in_product ? m_local : enter(m_local);
-  torch::Tensor g, u;
-  if (fused_gate) {
-    std::vector<torch::Tensor> gu = FusedProjections(m, {w1, w3}, sum_in_product);
-    g = gu[0], u = gu[1];
-  } else {
-    g = NoBiasLinear(m, w1), u = NoBiasLinear(m, w3);
-  }
+  Communicator* const sum_in_product = SumInProducts(spec_.layout, tp_);
+  torch::Tensor m = fused_gate && sum_in_product ? m_local : Enter(m_local);
+  if (!fused_gate) return {NoBiasLinear(m, w1), NoBiasLinear(m, w3)};
+  std::vector<torch::Tensor> gu = FusedProjections(m, {w1, w3}, sum_in_product);
+  return {gu[0], gu[1]};
+}
+
+torch::Tensor ModelShard::LlamaBlockForward(int layer, const torch::Tensor& x) {
+  if (spec_.layout.tp > 1) return TpBlockForward(layer, x);
+  const bool sr = spec_.stochastic_residual;
+  // The residual sum through the product's epilogue, or stochastically rounded after it.
+  auto residual_linear = [&](const torch::Tensor& in, const torch::Tensor& w, const torch::Tensor& residual) {
+    return sr ? StochasticRoundedAdd(residual, NoBiasLinear(in, w)) : NoBiasLinear(in, w, residual);
+  };
+  auto [y, x_res] = LlamaAttention(layer, x);
+  torch::Tensor r = residual_linear(y, P(layer, "wo.weight"), x_res);
+  auto [m_local, r_res] = RmsNorm(r, P(layer, "ffn_norm.weight"), spec_.config.norm_eps);
+  auto [g, u] = LlamaGateUp(layer, m_local);
   const torch::Tensor& w2 = P(layer, "w2.weight");
   if (Selective() && FusedLlamaOpsAvailable(g) && FusedLinearAvailable(g, w2)) {
     // The down projection's input is made again in backward (selective recompute).
-    if (tp > 1) return r_res + row(FusedSwiGluLinear(g, u, w2));
     if (sr) return StochasticRoundedAdd(r_res, FusedSwiGluLinear(g, u, w2));
     if (FusableResidual(r_res, g, OutputSizes(g, w2))) return FusedSwiGluLinear(g, u, w2, r_res);
   }
   torch::Tensor gate = FusedLlamaOpsAvailable(g) ? FusedSwiGlu(g, u) : torch::silu(g) * u;
-  if (tp == 1) return residual_linear(gate, w2, r_res);
-  return r_res + row(NoBiasLinear(gate, w2));
+  return residual_linear(gate, w2, r_res);
 }
 
-torch::Tensor ModelShard::GptBlockForward(int layer, const torch::Tensor& x) {
+std::pair<torch::Tensor, torch::Tensor> ModelShard::GptAttention(int layer, const torch::Tensor& x) {
   const int tp = spec_.layout.tp;
-  const int64_t comm = Handle(tp_);
-  const bool sp = spec_.layout.sequence_parallel;
-  const bool sr = spec_.stochastic_residual;  // the residual sums rounded stochastically (tp 1)
-  const int64_t c = spec_.config.d_model;
-  const int64_t c_local = c / tp;
+  const int64_t c_local = spec_.config.d_model / tp;
   const int64_t heads_local = spec_.config.heads / tp;
-  auto enter = [&](const torch::Tensor& t) {
-    if (tp == 1) return t;
-    return sp ? GatherSeq::apply(t, comm) : CopyToTp::apply(t, comm);
-  };
-  // Row-parallel output: partial sums combined over tp, then the (replicated) bias.
-  auto row_reduce = [&](const torch::Tensor& partial, const torch::Tensor& b) {
-    return (sp ? ScatterSeq::apply(partial, comm) : ReduceFromTp::apply(partial, comm)) + b;
-  };
-  // x + the row-parallel output of in · wᵀ + b.
-  auto row_out = [&](const torch::Tensor& x, const torch::Tensor& in, const torch::Tensor& w, const torch::Tensor& b) {
-    if (tp == 1) return sr ? StochasticRoundedAdd(x, Linear(in, w, b)) : Linear(in, w, b, x);
-    // Through our product where it takes it, like every other block matrix: its gradient is then
-    // written by the product (GradientFromProductsOnly), not added to by LibTorch's.
-    return x + row_reduce(NoBiasLinear(in, w), b);
-  };
   Communicator* const sum_in_product = SumInProducts(spec_.layout, tp_);
   auto [a_local, x_res] = LayerNorm(x, P(layer, "ln1.weight"), P(layer, "ln1.bias"));
   const torch::Tensor &qkv_w = P(layer, "qkv.weight"), &qkv_b = P(layer, "qkv.bias");
   const bool fused_qkv = FusedLinearAvailable(a_local, qkv_w) && qkv_b.defined();
-  torch::Tensor a = fused_qkv && sum_in_product ? a_local : enter(a_local);
+  torch::Tensor a = fused_qkv && sum_in_product ? a_local : Enter(a_local);
   const int64_t b = a.size(0), t = a.size(1);
   variable_list qkv = fused_qkv ? FusedQkv(a, qkv_w, qkv_b, heads_local, sum_in_product)
                                 : SplitHeads::apply(Linear(a, qkv_w, qkv_b), heads_local);
-  torch::Tensor y = Attention(qkv[0], qkv[1], qkv[2]).transpose(1, 2).reshape({b, t, c_local});
-  torch::Tensor h_in = row_out(x_res, y, P(layer, "proj.weight"), P(layer, "proj.bias"));
+  return {Attention(qkv[0], qkv[1], qkv[2]).transpose(1, 2).reshape({b, t, c_local}), x_res};
+}
+
+torch::Tensor ModelShard::GptBlockForward(int layer, const torch::Tensor& x) {
+  if (spec_.layout.tp > 1) return TpBlockForward(layer, x);
+  const bool sr = spec_.stochastic_residual;  // the residual sums rounded stochastically
+  auto [y, x_res] = GptAttention(layer, x);
+  const torch::Tensor &proj_w = P(layer, "proj.weight"), &proj_b = P(layer, "proj.bias");
+  torch::Tensor h_in = sr ? StochasticRoundedAdd(x_res, Linear(y, proj_w, proj_b)) : Linear(y, proj_w, proj_b, x_res);
   auto [m_local, h] = LayerNorm(h_in, P(layer, "ln2.weight"), P(layer, "ln2.bias"));
   const torch::Tensor &fc_w = P(layer, "fc.weight"), &fc_b = P(layer, "fc.bias");
   const torch::Tensor &fc2_w = P(layer, "fc2.weight"), &fc2_b = P(layer, "fc2.bias");
-  const bool recompute_gelu = Selective();
-  if (tp == 1 && sr) return StochasticRoundedAdd(h, Mlp(m_local, fc_w, fc_b, fc2_w, fc2_b, {}, recompute_gelu));
-  if (tp == 1) return Mlp(m_local, fc_w, fc_b, fc2_w, fc2_b, h, recompute_gelu);
-  if (sum_in_product && FusedLinearAvailable(m_local, fc_w) && FusedLinearAvailable(m_local, fc2_w)) {
-    return h + row_reduce(FusedMlp(m_local, fc_w, fc_b, fc2_w, {}, {}, sum_in_product, recompute_gelu), fc2_b);
-  }
-  return h + row_reduce(Mlp(enter(m_local), fc_w, fc_b, fc2_w, {}, {}, recompute_gelu), fc2_b);
+  if (sr) return StochasticRoundedAdd(h, Mlp(m_local, fc_w, fc_b, fc2_w, fc2_b, {}, Selective()));
+  return Mlp(m_local, fc_w, fc_b, fc2_w, fc2_b, h, Selective());
 }
 
 torch::Tensor ModelShard::Embed(const torch::Tensor& ids) {
@@ -850,7 +920,29 @@ torch::Tensor ModelShard::Forward(int chunk, const torch::Tensor& input, const t
     x = input;
   }
   const int first = FirstLayer(vs);
-  for (int layer = first; layer < first + spec_.layout.stage_layers[vs]; ++layer) {
+  const int end = first + spec_.layout.stage_layers[vs];
+  const bool split = SplitsBatch(x);
+  if (split) {
+    // Two halves of the micro-batch, interleaved at each row-parallel sum: a half's sum runs on the
+    // side stream while the other half's products run, and is waited for where its half goes on.
+    std::vector<torch::Tensor> halves = x.chunk(2, 0);
+    std::optional<RowSum> pending[2];
+    for (int layer = first; layer < end; ++layer) {
+      Unit(1 + layer, true);
+      for (int branch = 0; branch < 2; ++branch) {
+        for (int i = 0; i < 2; ++i) {
+          torch::Tensor in = pending[i] ? pending[i]->Finish() : halves[i];
+          pending[i].emplace(*this, TpBranch(layer, branch, in), true);
+        }
+      }
+      Unit(1 + layer, false);
+    }
+    for (int i = 0; i < 2; ++i) {
+      if (pending[i]) halves[i] = pending[i]->Finish();
+    }
+    x = torch::cat(halves, 0);
+  }
+  for (int layer = split ? end : first; layer < end; ++layer) {
     Unit(1 + layer, true);
     if (spec_.layout.activation_checkpointing == ActivationCheckpointing::kFull && torch::GradMode::is_enabled()) {
       x = CheckpointBlock::apply(x, reinterpret_cast<int64_t>(this), static_cast<int64_t>(layer));

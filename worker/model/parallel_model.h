@@ -29,6 +29,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <torch/types.h>
@@ -60,6 +61,11 @@ struct ModelShardSpec {
   // rounded to bf16 stochastically (StochasticRoundedAdd), not to nearest. tp 1, without full
   // activation checkpointing (the noise is drawn again where a forward is made again).
   bool stochastic_residual = false;
+  // Under tp without sequence parallelism, a micro-batch of two sequences or more goes through the
+  // blocks in two halves along the batch, interleaved at each row-parallel sum, so that one half's
+  // all-reduce runs beside the other half's products. Not under ZeRO-3's gathers (the units' output
+  // hooks) or full activation checkpointing, where blocks run whole.
+  bool tp_split_batch = false;
 };
 
 // x + branch in fp32, rounded to x's dtype; to bf16 stochastically: up with the probability of the
@@ -144,6 +150,8 @@ class ModelShard {
   torch::Tensor BlockForward(int layer, const torch::Tensor& x);
   torch::Tensor GptBlockForward(int layer, const torch::Tensor& x);
   torch::Tensor LlamaBlockForward(int layer, const torch::Tensor& x);
+  // A block under tp: each branch's partial sums (TpBranch) summed over tp (RowSum).
+  torch::Tensor TpBlockForward(int layer, const torch::Tensor& x);
   torch::Tensor Attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
   // activation_checkpointing: selective, while autograd records: attention recomputes its internals
   // and, with the fused products, the MLP its activation's output (GELU; SwiGLU's product) in backward.
@@ -154,7 +162,25 @@ class ModelShard {
   StatusOr<torch::Tensor> GatherFull(const ShardParam& param, const torch::Tensor& local);
 
  private:
+  // One residual branch of a block under tp up to its row-parallel product: the residual it adds
+  // to, this rank's partial sums of the branch, and the bias added to their sum (a GPT's).
+  struct BranchPartial {
+    torch::Tensor residual, partial, bias;
+  };
+  class RowSum;
+
   ModelShard(const ModelShardSpec& spec, Communicator* tp) : spec_(spec), tp_(tp) {}
+  // Branch 0 (attention) or 1 (MLP) of block `layer` under tp, from the block's or branch's input x.
+  BranchPartial TpBranch(int layer, int branch, const torch::Tensor& x);
+  // A GPT's and a llama's attention up to the output projection: {its input [b, t, c/tp], the
+  // residual branch's x}; a llama's gate and up projections of the normed x.
+  std::pair<torch::Tensor, torch::Tensor> GptAttention(int layer, const torch::Tensor& x);
+  std::pair<torch::Tensor, torch::Tensor> LlamaAttention(int layer, const torch::Tensor& x);
+  std::pair<torch::Tensor, torch::Tensor> LlamaGateUp(int layer, const torch::Tensor& m_local);
+  // A tp block's input where every tp rank needs it whole: Megatron's f, or the sequence's gather.
+  torch::Tensor Enter(const torch::Tensor& x) const;
+  // Whether Forward sends x through the blocks in two halves (spec.tp_split_batch).
+  bool SplitsBatch(const torch::Tensor& x) const;
   const torch::Tensor& P(int layer, const char* name) const;
   // This rank's rows of wk or wv: its slice, or its key/value head of the whole weight.
   torch::Tensor KvWeight(int layer, const char* name) const;

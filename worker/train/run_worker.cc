@@ -192,6 +192,7 @@ Status Run(const WorkerEnv& env) {
   options.copy_engine_gathers = EnvString("LTRAIN_COPY_ENGINE_GATHERS") != "0";
   options.dp_side_stream = EnvString("LTRAIN_DP_SIDE_STREAM") != "0";
   options.stochastic_residual = EnvString("LTRAIN_STOCHASTIC_RESIDUAL") == "1";
+  options.tp_split_batch = EnvString("LTRAIN_TP_SPLIT_BATCH") == "1";
   LTRAIN_ASSIGN_OR_RETURN(options.slow_factor, SlowFactor(env.rank));
   SetCollectiveStreamPriority(EnvString("LTRAIN_DP_HIGH_PRIORITY") == "1");
   FusedKernelOptions kernels;
@@ -379,6 +380,10 @@ Profiling:
   LTRAIN_TP_OVERLAP=0      all-reduce a tensor-parallel block input's gradient after its products'
                            backward, not beside their weight-gradient products (tp without
                            sequence parallelism, our products)
+  LTRAIN_TP_SPLIT_BATCH=1  under tp without sequence parallelism, send each micro-batch of two
+                           sequences or more through the blocks in two halves, interleaved so that
+                           one half's row-parallel all-reduce runs beside the other half's products
+                           (not under ZeRO-3 or full activation checkpointing: blocks run whole)
   LTRAIN_DP_HIGH_PRIORITY=1  run the data-parallel collectives on a high-priority CUDA stream
   LTRAIN_GEMM_SM_MARGIN=N  plan the cuBLASLt products of backward for N fewer SMs than the GPU has,
                            leaving them to the data-parallel reductions that overlap backward

@@ -293,6 +293,7 @@ Status Trainer::Init() {
     }
     ml.stochastic_residual = true;
   }
+  ml.tp_split_batch = options_.tp_split_batch;
   torch::manual_seed(t.seed);
   LTRAIN_ASSIGN_OR_RETURN(model_, ModelShard::Create(ml, groups_->tp));
   for (const ShardParam& sp : model_->params()) tp_partial_grads_ = tp_partial_grads_ || sp.tp_partial;
@@ -330,6 +331,16 @@ Status Trainer::Init() {
   if (!store.ok()) return store.status();
   store_ = std::move(store).value();
   if (layout_.zero == 3) model_->set_hooks(Zero3GatherHooks(store_.get(), params, units, ml.config.layers));
+  if (options_.tp_split_batch && options_.rank == 0) {
+    // ModelShard::SplitsBatch's conditions (its output hooks are ZeRO-3's).
+    const bool split = layout_.tp > 1 && !layout_.sequence_parallel && layout_.micro_batch >= 2 && layout_.zero != 3 &&
+                       layout_.activation_checkpointing != ActivationCheckpointing::kFull;
+    std::printf("%s\n", split ? "tp: each micro-batch goes through the blocks in two halves, one half's all-reduce beside "
+                                "the other half's products"
+                              : "tp: LTRAIN_TP_SPLIT_BATCH=1 has no effect here: it needs parallel.tp above 1 without "
+                                "sequence_parallel, training.micro_batch 2 or more, parallel.zero below 3 and no full "
+                                "activation checkpointing");
+  }
   if (options_.copy_engine_gathers) store_->UseSymmetricGathers();
   if (store_->sharded_update() || (options_.overlap_update && layout_.pp == 1 && store_->can_defer_update())) {
     model_->set_hooks(AwaitComputeCopiesHooks(store_.get(), params));

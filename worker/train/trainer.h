@@ -87,6 +87,9 @@ struct TrainerOptions {
   // precision bf16: the residual sums rounded to bf16 stochastically (ModelShardSpec::
   // stochastic_residual; LTRAIN_STOCHASTIC_RESIDUAL=1).
   bool stochastic_residual = false;
+  // tp without sequence parallelism: micro-batches through the blocks in two interleaved halves
+  // (ModelShardSpec::tp_split_batch; LTRAIN_TP_SPLIT_BATCH=1).
+  bool tp_split_batch = false;
   // The model without training data (export, generate): Run, Step and Save are not called.
   bool model_only = false;
   // Delivers this rank's Progress to its agent before it returns (ProgressReporter::Flush). Rank 0
