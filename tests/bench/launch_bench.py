@@ -4,10 +4,11 @@
 Every ltrain figure here is the `throughput:` line of an `ltrain launch` job (rank 0's steps after the
 third: tokens/s per GPU, MFU against 989 TFLOP/s, peak memory), a user's command with `--set`
 overrides on one recipe; every peer figure is the line of `gpt_fsdp.py` or `fsdp_accumulate.py` run
-under `torchrun --standalone` on the same GPUs. Ratios are ltrain against the better peer.
+under `torchrun --standalone` on the same GPUs (llama-1b: `llama_baseline.py`, one process on the same GPU). Ratios are ltrain against the better peer.
 
     tests/bench/launch_bench.py --ltrain build-gpu/cmd/ltrain --baselines DIR --data TEXT \\
-        [--suite layouts] [--suite zero3 --suite tp --suite llama --suite dp] [--reference OTHER/ltrain]
+        [--suite layouts] [--suite zero3 --suite tp --suite llama --suite dp] [--suite llama-1b]
+        [--reference OTHER/ltrain]
 
 Suites (--suite, repeatable; default: layouts):
   layouts  every layout the GPUs here allow (1: one GPU; 2: dp2, dp2 ZeRO-3, tp2, tp2 with sequence
@@ -24,6 +25,8 @@ Suites (--suite, repeatable; default: layouts):
   large    8 GPUs: gpt-7b, 16 sequences a step, with tp8, tp4 x dp2, tp2 x pp2 x dp2 (interleaved) and dp8
            ZeRO-3 (micro-batch 2), against FSDP2 eager and compile at micro-batch 2 on the 8
   llama    Llama 3 8B's shape, ZeRO-3 over every GPU, micro-batch 1, against FSDP2 with compile
+  llama-1b Llama 3.2 1B's shape (recipes/gpu-llama-1b.yaml's model) on one GPU, micro-batch 4, 30 steps,
+           against llama_baseline.py (PyTorch eager and compile, one process)
   dp       gpt-1.3b (micro-batch 8, recipe defaults) on one GPU and data parallel on 2 and on every GPU
   learning gpt-124m on byte tokens of --learning-data, 200 steps, the default precision, one seed per
            GPU up to 4 or --learning-seeds N (seed k from the parameters and batches of gpt_baseline.py
@@ -46,7 +49,11 @@ from gpu_throughput import SHIFTED_SEEDS, byte_data, parse_worker, peer_source, 
 GPT = "model: {{layers: {layers}, d_model: {d}, heads: {heads}, seq_len: 2048, vocab: 50304}}\n"
 LLAMA = ("model: {arch: llama, layers: 32, d_model: 4096, heads: 32, kv_heads: 8, ffn: 14336, seq_len: 2048,\n"
          "  vocab: 128256, rope_theta: 500000, tie_embeddings: false}\n")
+LLAMA_1B = ("model: {arch: llama, layers: 16, d_model: 2048, heads: 32, kv_heads: 8, ffn: 8192, seq_len: 2048,\n"
+            "  vocab: 128256, rope_theta: 500000, tie_embeddings: true}\n")
 LOSS_RE = re.compile(r"step (\d+)/\d+ loss ([0-9.naif]+)")  # nan and inf too: the layouts check fails them
+SINGLE_RE = re.compile(r"pytorch (\S+) (eager|compile) params=\S+ tok/s=([0-9,]+) TFLOP/s=[0-9.]+ MFU\(989\)=([0-9.]+)% "
+                       r"peak_mem=([0-9.]+)GiB")
 PEER_RE = re.compile(r"pytorch-fsdp2 world=\d+ \S+ (eager|compile) .*?tok/s/GPU=([0-9,]+) TFLOP/s/GPU=([0-9.]+) "
                      r"MFU\(989\)=([0-9.]+)% peak_mem=([0-9.]+)GiB")
 
@@ -116,6 +123,28 @@ class Bench:
             r = {"label": f"{label} {m.group(1)}", "tok_s_gpu": float(m.group(2).replace(",", "")),
                  "mfu": float(m.group(4)), "peak_gib": float(m.group(5))}
             rows[m.group(1)] = r
+            self.show(r)
+            self.results.append(r)
+        if not rows:
+            print(f"  {label:<44} FAILED (no figures; {log})", flush=True)
+            self.failures.append(f"{label}: no figures")
+        self.dump()
+        return rows
+
+    def single(self, label, script_args):
+        """One PyTorch peer in one process on one GPU (gpt_baseline.py, llama_baseline.py); {mode: figures}."""
+        log = os.path.join(self.workdir, f"peer-{re.sub(r'[^A-Za-z0-9.-]+', '_', label)}.log")
+        with open(log, "w") as out:
+            try:
+                subprocess.run([sys.executable] + script_args, stdout=out, stderr=subprocess.STDOUT, env=peer_env(),
+                               timeout=self.args.run_timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        rows = {}
+        for m in SINGLE_RE.finditer(open(log, errors="replace").read()):
+            r = {"label": f"{label} {m.group(2)}", "tok_s_gpu": float(m.group(3).replace(",", "")),
+                 "mfu": float(m.group(4)), "peak_gib": float(m.group(5))}
+            rows[m.group(2)] = r
             self.show(r)
             self.results.append(r)
         if not rows:
@@ -235,6 +264,15 @@ def suite_llama(b, n, baselines):
     peers = b.peer("FSDP2 llama-8b", n, [os.path.join(baselines, "gpt_fsdp.py"), "--model", "llama-8b", "--mode",
                                          "compile", "--micro-batch", "1"])
     b.ratio("llama-8b zero 3", ours, peers.values())
+
+
+def suite_llama_1b(b, baselines):
+    print("llama-1b: Llama 3.2 1B's shape on one GPU, micro-batch 4, against PyTorch eager and compile", flush=True)
+    path = b.recipe("llama-1b", LLAMA_1B, steps=30, micro_batch=4, global_batch=4, world=1)
+    ours = b.launch("ltrain llama-1b", path)
+    peers = b.single("PyTorch llama-1b", [os.path.join(baselines, "llama_baseline.py"), "--model", "llama-1b",
+                                          "--mode", "both", "--steps", "30"])
+    b.ratio("llama-1b", ours, peers.values())
 
 
 def gpt_1_3b(b, world):
@@ -381,7 +419,7 @@ def main():
     ap.add_argument("--baselines", help="the folder of gpt_fsdp.py and gpt_model.py (the peers)")
     ap.add_argument("--data", default="/usr/share/common-licenses",
                     help="text file(s) or a folder of them, made into byte tokens with `ltrain data prepare`")
-    ap.add_argument("--suite", action="append", choices=["layouts", "zero3", "tp", "large", "llama", "dp", "learning"])
+    ap.add_argument("--suite", action="append", choices=["layouts", "zero3", "tp", "large", "llama", "llama-1b", "dp", "learning"])
     ap.add_argument("--learning-data", help="the learning suite's text (../shared/data/tinyshakespeare.txt)")
     ap.add_argument("--learning-seeds", type=int, default=0,
                     help="the learning suite's seeds (default: one a GPU, up to 4); more than the GPUs run "
@@ -411,8 +449,8 @@ def main():
     if n == 0:
         print("skipped: 1 GPU(s) needed, 0 here", flush=True)
         return 77
-    if any(s in suites for s in ("zero3", "large", "llama", "learning")) and not args.baselines:
-        ap.error("--suite zero3, large, llama and learning need --baselines (the folder of the peers)")
+    if any(s in suites for s in ("zero3", "large", "llama", "llama-1b", "learning")) and not args.baselines:
+        ap.error("--suite zero3, large, llama, llama-1b and learning need --baselines (the folder of the peers)")
     if "learning" in suites and not args.learning_data:
         ap.error("--suite learning needs --learning-data")
     workdir = args.workdir or tempfile.mkdtemp(prefix="ltrain-launch-bench-")
@@ -439,6 +477,8 @@ def main():
             suite_large(b, n, baselines)
         elif s == "llama":
             suite_llama(b, n, baselines)
+        elif s == "llama-1b":
+            suite_llama_1b(b, baselines)
         elif s == "dp" and n >= 2:
             suite_dp(b, n)
         elif s == "learning":
