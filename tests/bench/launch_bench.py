@@ -52,10 +52,10 @@ LLAMA = ("model: {arch: llama, layers: 32, d_model: 4096, heads: 32, kv_heads: 8
 LLAMA_1B = ("model: {arch: llama, layers: 16, d_model: 2048, heads: 32, kv_heads: 8, ffn: 8192, seq_len: 2048,\n"
             "  vocab: 128256, rope_theta: 500000, tie_embeddings: true}\n")
 LOSS_RE = re.compile(r"step (\d+)/\d+ loss ([0-9.naif]+)")  # nan and inf too: the layouts check fails them
-SINGLE_RE = re.compile(r"pytorch (\S+) (eager|compile) params=\S+ tok/s=([0-9,]+) TFLOP/s=[0-9.]+ MFU\(989\)=([0-9.]+)% "
-                       r"peak_mem=([0-9.]+)GiB")
-PEER_RE = re.compile(r"pytorch-fsdp2 world=\d+ \S+ (eager|compile) .*?tok/s/GPU=([0-9,]+) TFLOP/s/GPU=([0-9.]+) "
-                     r"MFU\(989\)=([0-9.]+)% peak_mem=([0-9.]+)GiB")
+SINGLE_RE = re.compile(r"pytorch \S+ (?P<mode>eager|compile) params=\S+ tok/s=(?P<tok>[0-9,]+) TFLOP/s=[0-9.]+ "
+                       r"MFU\(989\)=(?P<mfu>[0-9.]+)% peak_mem=(?P<peak>[0-9.]+)GiB")
+PEER_RE = re.compile(r"pytorch-fsdp2 world=\d+ \S+ (?P<mode>eager|compile) .*?tok/s/GPU=(?P<tok>[0-9,]+) TFLOP/s/GPU=[0-9.]+ "
+                     r"MFU\(989\)=(?P<mfu>[0-9.]+)% peak_mem=(?P<peak>[0-9.]+)GiB")
 
 
 class Bench:
@@ -109,42 +109,27 @@ class Bench:
 
     def peer(self, label, world, script_args):
         """One PyTorch peer under torchrun; {mode: figures} from its lines."""
-        log = os.path.join(self.workdir, f"peer-{re.sub(r'[^A-Za-z0-9.-]+', '_', label)}.log")
         torchrun = shutil.which("torchrun")
         cmd = ([torchrun] if torchrun else [sys.executable, "-m", "torch.distributed.run"])
-        cmd += ["--standalone", f"--nproc_per_node={world}"] + script_args
+        return self.run_peer(label, cmd + ["--standalone", f"--nproc_per_node={world}"] + script_args, PEER_RE)
+
+    def single(self, label, script_args):
+        """One PyTorch peer in one process on one GPU (gpt_baseline.py, llama_baseline.py); {mode: figures}."""
+        return self.run_peer(label, [sys.executable] + script_args, SINGLE_RE)
+
+    def run_peer(self, label, cmd, pattern):
+        """Runs a peer's command; {mode: figures} from the lines `pattern` (named groups mode, tok, mfu, peak) finds."""
+        log = os.path.join(self.workdir, f"peer-{re.sub(r'[^A-Za-z0-9.-]+', '_', label)}.log")
         with open(log, "w") as out:
             try:
                 subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, env=peer_env(), timeout=self.args.run_timeout)
             except subprocess.TimeoutExpired:
                 pass
         rows = {}
-        for m in PEER_RE.finditer(open(log, errors="replace").read()):
-            r = {"label": f"{label} {m.group(1)}", "tok_s_gpu": float(m.group(2).replace(",", "")),
-                 "mfu": float(m.group(4)), "peak_gib": float(m.group(5))}
-            rows[m.group(1)] = r
-            self.show(r)
-            self.results.append(r)
-        if not rows:
-            print(f"  {label:<44} FAILED (no figures; {log})", flush=True)
-            self.failures.append(f"{label}: no figures")
-        self.dump()
-        return rows
-
-    def single(self, label, script_args):
-        """One PyTorch peer in one process on one GPU (gpt_baseline.py, llama_baseline.py); {mode: figures}."""
-        log = os.path.join(self.workdir, f"peer-{re.sub(r'[^A-Za-z0-9.-]+', '_', label)}.log")
-        with open(log, "w") as out:
-            try:
-                subprocess.run([sys.executable] + script_args, stdout=out, stderr=subprocess.STDOUT, env=peer_env(),
-                               timeout=self.args.run_timeout)
-            except subprocess.TimeoutExpired:
-                pass
-        rows = {}
-        for m in SINGLE_RE.finditer(open(log, errors="replace").read()):
-            r = {"label": f"{label} {m.group(2)}", "tok_s_gpu": float(m.group(3).replace(",", "")),
-                 "mfu": float(m.group(4)), "peak_gib": float(m.group(5))}
-            rows[m.group(2)] = r
+        for m in pattern.finditer(open(log, errors="replace").read()):
+            r = {"label": f"{label} {m['mode']}", "tok_s_gpu": float(m["tok"].replace(",", "")),
+                 "mfu": float(m["mfu"]), "peak_gib": float(m["peak"])}
+            rows[m["mode"]] = r
             self.show(r)
             self.results.append(r)
         if not rows:
