@@ -610,10 +610,10 @@ void ModelShard::Unit(int unit, bool before) {
   if (hook) hook(unit);
 }
 
-bool ModelShard::SplitsBatch(const torch::Tensor& x) const {
+bool ModelShard::SplitsBatch(int64_t batch, bool recording) const {
   const Layout& l = spec_.layout;
-  const bool full_recompute = l.activation_checkpointing == ActivationCheckpointing::kFull && torch::GradMode::is_enabled();
-  return spec_.tp_split_batch && l.tp > 1 && !l.sequence_parallel && x.size(0) >= 2 && !full_recompute && !hooks_.output;
+  const bool full_recompute = l.activation_checkpointing == ActivationCheckpointing::kFull && recording;
+  return spec_.tp_split_batch && l.tp > 1 && !l.sequence_parallel && batch >= 2 && !full_recompute && !hooks_.output;
 }
 
 bool ModelShard::Selective() const {
@@ -921,7 +921,7 @@ torch::Tensor ModelShard::Forward(int chunk, const torch::Tensor& input, const t
   }
   const int first = FirstLayer(vs);
   const int end = first + spec_.layout.stage_layers[vs];
-  const bool split = SplitsBatch(x);
+  const bool split = SplitsBatch(x.size(0), torch::GradMode::is_enabled());
   if (split) {
     // Two halves of the micro-batch, interleaved at each row-parallel sum: a half's sum runs on the
     // side stream while the other half's products run, and is waited for where its half goes on.

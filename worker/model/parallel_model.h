@@ -153,6 +153,10 @@ class ModelShard {
   // A block under tp: each branch's partial sums (TpBranch) summed over tp (RowSum).
   torch::Tensor TpBlockForward(int layer, const torch::Tensor& x);
   torch::Tensor Attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v);
+  // Whether Forward sends a micro-batch of `batch` sequences through the blocks in two halves
+  // (spec.tp_split_batch and the layout allow it, and no ZeRO-3 hooks are set), while autograd
+  // records (`recording`) or not.
+  bool SplitsBatch(int64_t batch, bool recording) const;
   // activation_checkpointing: selective, while autograd records: attention recomputes its internals
   // and, with the fused products, the MLP its activation's output (GELU; SwiGLU's product) in backward.
   bool Selective() const;
@@ -179,8 +183,6 @@ class ModelShard {
   std::pair<torch::Tensor, torch::Tensor> LlamaGateUp(int layer, const torch::Tensor& m_local);
   // A tp block's input where every tp rank needs it whole: Megatron's f, or the sequence's gather.
   torch::Tensor Enter(const torch::Tensor& x) const;
-  // Whether Forward sends x through the blocks in two halves (spec.tp_split_batch).
-  bool SplitsBatch(const torch::Tensor& x) const;
   const torch::Tensor& P(int layer, const char* name) const;
   // This rank's rows of wk or wv: its slice, or its key/value head of the whole weight.
   torch::Tensor KvWeight(int layer, const char* name) const;

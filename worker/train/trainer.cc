@@ -332,10 +332,8 @@ Status Trainer::Init() {
   store_ = std::move(store).value();
   if (layout_.zero == 3) model_->set_hooks(Zero3GatherHooks(store_.get(), params, units, ml.config.layers));
   if (options_.tp_split_batch && options_.rank == 0) {
-    // ModelShard::SplitsBatch's conditions (its output hooks are ZeRO-3's).
-    const bool split = layout_.tp > 1 && !layout_.sequence_parallel && layout_.micro_batch >= 2 && layout_.zero != 3 &&
-                       layout_.activation_checkpointing != ActivationCheckpointing::kFull;
-    std::printf("%s\n", split ? "tp: each micro-batch goes through the blocks in two halves, one half's all-reduce beside "
+    // After ZeRO-3's hooks are set: they keep blocks whole.
+    std::printf("%s\n", model_->SplitsBatch(layout_.micro_batch, /*recording=*/true) ? "tp: each micro-batch goes through the blocks in two halves, one half's all-reduce beside "
                                 "the other half's products"
                               : "tp: LTRAIN_TP_SPLIT_BATCH=1 has no effect here: it needs parallel.tp above 1 without "
                                 "sequence_parallel, training.micro_batch 2 or more, parallel.zero below 3 and no full "
