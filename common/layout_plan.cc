@@ -173,21 +173,27 @@ int64_t CpuLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointin
 // of attention keeps what none keeps; of the MLP it keeps the activation's inputs only). `a` is the
 // activations' element size, `sb` the residual stream's. The norms keep the block's input and its
 // mid-block residual in `a` (an fp32 stream's as bf16 x − mean); full recompute keeps the block's
-// input in `sb`.
+// input in `sb`. Selective recompute without sequence parallelism keeps no norm output: the products
+// that read one make it again in backward from what the norm keeps (a Llama's attention norm's still,
+// where wk and wv are kept whole on every tp rank and LibTorch's product reads it).
 int64_t CudaLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointing ac, int a, int sb) {
   const int64_t b = s.b, T = s.T, Ts = s.Ts, d = s.d, t = s.tp;
   if (ac == ActivationCheckpointing::kFull) return b * Ts * d * sb;
+  const bool selective = ac == ActivationCheckpointing::kSelective;
+  const bool rebuilt = selective && Ts == T;
   const int64_t stream = 2 * b * Ts * d;
   int64_t elems = 0;
   if (m.arch == Arch::kGpt2) {
     // norm 1's output (the qkv product's input), q k v, attention's output, norm 2's output, the
     // MLP's pre- and post-GELU (selective recompute: pre only, backward recomputes the GELU)
-    elems = 2 * b * T * d + 4 * b * T * d / t + (ac == ActivationCheckpointing::kSelective ? 1 : 2) * b * T * s.f / t;
+    elems = (rebuilt ? 0 : 2) * b * T * d + 4 * b * T * d / t + (selective ? 1 : 2) * b * T * s.f / t;
   } else {
     // norm output, q (after RoPE), k and v, attention's output, norm output, w1's and w3's outputs
     // and their SwiGLU product (selective recompute: not the product, backward makes it again)
-    elems = 2 * b * T * d + 2 * b * T * d / t + 2 * b * T * s.kv_local * s.hd +
-            (ac == ActivationCheckpointing::kSelective ? 2 : 3) * b * T * s.f / t;
+    const bool kv_whole = KvHeads(m) < t;
+    const int64_t norm_outputs = rebuilt ? (kv_whole ? 1 : 0) : 2;
+    elems = norm_outputs * b * T * d + 2 * b * T * d / t + 2 * b * T * s.kv_local * s.hd +
+            (selective ? 2 : 3) * b * T * s.f / t;
   }
   // norm statistics and attention's log-sum-exp, fp32
   return stream * a + elems * a + 4 * (4 * b * Ts + b * (s.h / t) * T);

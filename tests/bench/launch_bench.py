@@ -37,7 +37,8 @@ Suites (--suite, repeatable; default: layouts):
            torch.compile against AMP eager, the same measures (the peer's own spread)
 --reference LTRAIN adds gpt-1.3b (or --reference-model) on one GPU through another build's ltrain (an
 earlier commit built beside this one), interleaved with this build's, twice each (--reference-rounds),
-and prints the ratio.
+and prints the ratio. With this build's own ltrain as LTRAIN and --reference-env, it is an A/B of one
+setting of the worker: the reference runs add that environment, and both take --ltrain-set.
 
 Exits 1 when a run fails, 77 (skipped) without a GPU. --json FILE writes every figure.
 """
@@ -281,9 +282,14 @@ LEARNING_MODEL = "model: {layers: 12, d_model: 768, heads: 12, seq_len: 2048, vo
 
 
 def suite_reference(b, reference, rounds, model):
-    print(f"reference: {model} on one GPU, this build against {reference}, interleaved", flush=True)
+    same = os.path.realpath(reference) == os.path.realpath(b.args.ltrain)
+    extra = b.args.reference_env
+    what = " with " + " ".join(f"{k}={v}" for k, v in extra.items()) if extra else ""
+    print(f"reference: {model} on one GPU, this build against {reference}{what}, interleaved", flush=True)
     if model == "gpt-1.3b":
         path = gpt_1_3b(b, 1)
+    elif model == "llama-1b":
+        path = b.recipe("llama-1b", LLAMA_1B, steps=30, micro_batch=4, global_batch=4, world=1)
     else:
         # The learning suite's model and batch, on the bench's tokens.
         path = b.recipe("gpt-124m-bytes", LEARNING_MODEL, steps=100, micro_batch=16, global_batch=16, world=1)
@@ -292,7 +298,9 @@ def suite_reference(b, reference, rounds, model):
     home = os.path.join(b.workdir, "reference-home")
     os.makedirs(home, exist_ok=True)
     for _ in range(rounds):
-        theirs.append(b.launch("reference build, one GPU", path, env={"LTRAIN_HOME": home}, ltrain=reference))
+        # The same build takes this build's recipe overrides (its launch passes ltrain=None).
+        theirs.append(b.launch("reference build, one GPU", path, env={"LTRAIN_HOME": home, **extra},
+                               ltrain=None if same else reference))
         ours.append(b.launch("this build, one GPU", path))
     for i, (a, r) in enumerate(zip(ours, theirs)):
         if a and r:
@@ -414,9 +422,12 @@ def main():
                          "the eager runs, as ltrain's are: how far the peer parts from itself with other kernels")
     ap.add_argument("--reference", help="another build's ltrain: gpt-1.3b on one GPU through both")
     ap.add_argument("--reference-rounds", type=int, default=2, help="--reference: runs of each build (default 2)")
-    ap.add_argument("--reference-model", action="append", choices=["gpt-1.3b", "gpt-124m"],
+    ap.add_argument("--reference-model", action="append", choices=["gpt-1.3b", "gpt-124m", "llama-1b"],
                     help="--reference: the model (repeatable; default gpt-1.3b; gpt-124m is the learning "
-                         "suite's, byte vocab, 16 sequences a step, 100 steps)")
+                         "suite's, byte vocab, 16 sequences a step, 100 steps; llama-1b the llama-1b suite's)")
+    ap.add_argument("--reference-env", action="append", default=[], metavar="NAME=VALUE",
+                    help="--reference: set in the environment of the reference build's runs only (repeatable); "
+                         "with this build as the reference, an A/B of a worker setting")
     ap.add_argument("--gpus", type=int, default=0, help="use this many GPUs (default: every one)")
     ap.add_argument("--ltrain-env", action="append", default=[], metavar="NAME=VALUE",
                     help="set in the environment of every ltrain launch (repeatable; `ltrain-worker --help` "
@@ -429,6 +440,7 @@ def main():
     ap.add_argument("--workdir", help="recipes, tokens and logs (default: a new temporary folder)")
     args = ap.parse_args()
     args.ltrain_env = dict(kv.split("=", 1) for kv in args.ltrain_env)
+    args.reference_env = dict(kv.split("=", 1) for kv in args.reference_env)
     suites = args.suite or ([] if args.reference else ["layouts"])
     n = args.gpus or gpus()
     if n == 0:

@@ -571,6 +571,86 @@ TEST(FusedKernelsTest, ProjectionsMatchLibTorch) {
   }
 }
 
+// Selective recompute's norm outputs (rebuild_output): the product that reads one keeps the norm's
+// bf16 input instead and makes the output again in backward. The output's memory is free once
+// forward has returned, and not without rebuild_output (the product keeps it). A layer norm on a
+// bf16 input rebuilds forward's output to the bit, so every gradient is the same as with the output
+// kept; on an fp32 stream (the norm keeps x − mean in bf16) and for the RMS norm (LibTorch's forward
+// on bf16, ours rebuilding) they agree to bf16's precision.
+TEST(FusedKernelsTest, ProductsRebuildANormsOutputInsteadOfKeepingIt) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  if (!FusedLinearAvailable(torch::zeros({1, 256}, bf16), torch::zeros({256, 256}, bf16))) {
+    GTEST_SKIP() << "worker built without CUDA kernels";
+  }
+  enum Consumer { kQkv, kMlp, kProjections };
+  for (const Consumer consumer : {kQkv, kMlp, kProjections}) {
+    for (const bool fp32 : {false, true}) {
+      torch::manual_seed(29);
+      const bool rms = consumer == kProjections;
+      std::vector<std::vector<int64_t>> shapes = {{256}, {256}};  // the norm's weight and bias
+      if (consumer == kQkv) shapes.insert(shapes.end(), {{768, 256}, {768}});
+      if (consumer == kMlp) shapes.insert(shapes.end(), {{1024, 256}, {1024}, {256, 1024}, {256}});
+      if (consumer == kProjections) shapes.insert(shapes.end(), {{256, 256}, {64, 256}, {64, 256}});
+      std::vector<torch::Tensor> p = FlatParams(shapes, 0);
+      {
+        torch::NoGradGuard no_grad;
+        p[0].add_(1);  // the norm's weight about 1
+      }
+      const torch::TensorOptions in = fp32 ? bf16.dtype(torch::kFloat) : bf16;
+      const torch::Tensor x0 = 2 * torch::randn({2, 128, 256}, in) + 0.5;
+      const torch::Tensor grad_res = torch::randn({2, 128, 256}, in);
+      std::vector<torch::Tensor> grad_outs;
+      struct Run {
+        std::vector<torch::Tensor> outputs, grads;
+        bool freed = false;
+      };
+      auto run = [&](bool rebuild) {
+        torch::Tensor x = x0.clone().requires_grad_(true);
+        for (torch::Tensor& t : p) t.mutable_grad() = torch::Tensor();
+        auto [a, r] = rms ? FusedRmsNorm(x, p[0], 1e-5, rebuild) : FusedLayerNorm(x, p[0], p[1], rebuild);
+        const c10::weak_intrusive_ptr<c10::StorageImpl> storage = a.storage().getWeakStorageImpl();
+        std::vector<torch::Tensor> outputs;
+        if (consumer == kQkv) outputs = FusedQkv(a, p[2], p[3], 4);
+        if (consumer == kMlp) outputs = {FusedMlp(a, p[2], p[3], p[4], p[5])};
+        if (consumer == kProjections) outputs = FusedProjections(a, {p[2], p[3], p[4]});
+        a = torch::Tensor();
+        Run result;
+        result.freed = storage.expired();
+        if (grad_outs.empty()) {
+          for (const torch::Tensor& o : outputs) grad_outs.push_back(torch::randn(o.sizes(), o.options()));
+        }
+        std::vector<torch::Tensor> roots = outputs, grads = grad_outs;
+        roots.push_back(r);
+        grads.push_back(grad_res);
+        torch::autograd::backward(roots, grads);
+        for (const torch::Tensor& o : outputs) result.outputs.push_back(o.detach().clone());
+        result.grads.push_back(x.grad().clone());
+        for (size_t i = 0; i < p.size(); ++i) {
+          if (!rms || i != 1) result.grads.push_back(p[i].grad().clone());
+        }
+        ZeroStaleGradients();
+        return result;
+      };
+      const Run kept = run(false), rebuilt = run(true);
+      const std::string what = std::string(consumer == kQkv ? "qkv" : consumer == kMlp ? "mlp" : "projections") +
+                               (fp32 ? " on an fp32 stream" : " on bf16");
+      EXPECT_FALSE(kept.freed) << what;
+      EXPECT_TRUE(rebuilt.freed) << what;
+      ASSERT_EQ(kept.outputs.size(), rebuilt.outputs.size());
+      for (size_t i = 0; i < kept.outputs.size(); ++i) EXPECT_TRUE(torch::equal(kept.outputs[i], rebuilt.outputs[i])) << what;
+      ASSERT_EQ(kept.grads.size(), rebuilt.grads.size());
+      for (size_t i = 0; i < kept.grads.size(); ++i) {
+        if (!fp32 && !rms) {
+          EXPECT_TRUE(torch::equal(kept.grads[i], rebuilt.grads[i])) << what << ", gradient " << i;
+        } else {
+          EXPECT_LE(RelativeError(rebuilt.grads[i], kept.grads[i]), 0.01) << what << ", gradient " << i;
+        }
+      }
+    }
+  }
+}
+
 // With `tp`, the products that read a block's input sum its gradient over tp themselves, on a side
 // stream beside their weight gradients. Against a fake group of 2 ranks holding the same tensors
 // (its all-reduce doubles), the input gradient is twice the one without tp, exactly, and read only

@@ -108,18 +108,26 @@ TEST(LayoutPlanTest, FullRecomputeKeepsLessThanSelectiveWhichKeepsLessThanNone) 
 // On CUDA attention keeps no T x T scores (flash attention), so selective recompute saves only what
 // the MLP's activation output took (GPT: the GELU's; Llama: the SwiGLU product): b * T * ffn bf16
 // elements a layer.
-TEST(LayoutPlanTest, OnCudaSelectiveRecomputeDropsEachLayersMlpActivation) {
+// Selective recompute on CUDA keeps neither the MLP's activation output nor, without sequence
+// parallelism, the two norms' outputs (the products make them again in backward); under sequence
+// parallelism the products keep their gathered inputs, and only the activation output goes.
+TEST(LayoutPlanTest, OnCudaSelectiveRecomputeDropsEachLayersMlpActivationAndNormOutputs) {
   const auto none = static_cast<int>(ActivationCheckpointing::kNone);
   const auto selective = static_cast<int>(ActivationCheckpointing::kSelective);
   Recipe r = Small();
   r.parallel.device = Device::kCuda;
   const StageMemory gpt = Estimate(r, 1).stages[0];
-  const int64_t b = 2, t = 32, ffn = 4 * 64, layers = 4;
-  EXPECT_EQ(gpt.activations_by_mode[none] - gpt.activations_by_mode[selective], layers * b * t * ffn * 2);
+  const int64_t b = 2, t = 32, d = 64, ffn = 4 * 64, layers = 4;
+  EXPECT_EQ(gpt.activations_by_mode[none] - gpt.activations_by_mode[selective], layers * b * t * (ffn + 2 * d) * 2);
+  r.parallel.tp = 2;
+  r.parallel.sequence_parallel = true;
+  r.training.global_batch = 4;
+  const StageMemory gpt_sp = Estimate(r, 2).stages[0];
+  EXPECT_EQ(gpt_sp.activations_by_mode[none] - gpt_sp.activations_by_mode[selective], layers * b * t * (ffn / 2) * 2);
   r = Small(Arch::kLlama);
   r.parallel.device = Device::kCuda;
   const StageMemory llama = Estimate(r, 1).stages[0];
-  EXPECT_EQ(llama.activations_by_mode[none] - llama.activations_by_mode[selective], layers * b * t * 96 * 2);
+  EXPECT_EQ(llama.activations_by_mode[none] - llama.activations_by_mode[selective], layers * b * t * (96 + 2 * d) * 2);
 }
 
 TEST(LayoutPlanTest, OnCudaTheComputeCopiesAreBf16AndTheStepHasAnEstimate) {

@@ -319,6 +319,88 @@ torch::Tensor ProductGrad(const torch::Tensor& grad, const torch::Tensor& w, Gra
   return g.to(w.scalar_type()).contiguous();
 }
 
+// A norm's output that the products below rebuild in backward from what the norm keeps for its own
+// backward, instead of keeping it (FusedLayerNorm's and FusedRmsNorm's rebuild_output): while the
+// output lives, the product that reads it finds it here by its TensorImpl and saves the norm's
+// kept input, weight and bias in its place. Weak references only: an entry holds no memory, and one
+// whose output or kept input is gone is dropped at the next registration.
+using WeakImpl = c10::weak_intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl>;
+struct NormRecipe {
+  WeakImpl output, kept;
+  torch::Tensor w, b;  // b undefined: the RMS norm
+  double eps = 0;
+};
+std::mutex recipe_mu;
+std::vector<NormRecipe> norm_recipes;
+
+// What a norm's forward kept for its backward, for the wrapper to register (set and read on the one
+// thread that runs the norm, inside one call).
+thread_local torch::Tensor last_norm_kept;
+
+void RegisterNormOutput(const torch::Tensor& output, const torch::Tensor& kept, const torch::Tensor& w,
+                        const torch::Tensor& b, double eps) {
+  std::lock_guard<std::mutex> lock(recipe_mu);
+  std::erase_if(norm_recipes, [](const NormRecipe& r) { return r.output.expired() || r.kept.expired(); });
+  norm_recipes.push_back({WeakImpl(output.getIntrusivePtr()), WeakImpl(kept.getIntrusivePtr()), w, b, eps});
+}
+
+// What a product saves of its input x: x itself ([rows, in]), or where x is a registered norm output,
+// the norm's kept input, weight and bias (the entry is then taken).
+struct SavedInput {
+  torch::Tensor x, norm_w, norm_b;
+  double eps = 0;
+  int kind = 0;  // 0: x itself; 1: a layer norm's output; 2: an RMS norm's
+};
+
+SavedInput SaveInput(const torch::Tensor& x, const torch::Tensor& x2) {
+  std::lock_guard<std::mutex> lock(recipe_mu);
+  for (auto it = norm_recipes.begin(); it != norm_recipes.end(); ++it) {
+    if (it->output.expired() || it->output._unsafe_get_target() != x.unsafeGetTensorImpl()) continue;
+    c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> kept = it->kept.lock();
+    SavedInput saved;
+    saved.x = x2;
+    if (kept && x.is_contiguous() && kept->sizes() == x.sizes()) {
+      saved = {torch::Tensor(std::move(kept)), it->w, it->b, it->eps, it->b.defined() ? 1 : 2};
+    }
+    norm_recipes.erase(it);
+    return saved;
+  }
+  SavedInput saved;
+  saved.x = x2;
+  return saved;
+}
+
+// SaveInput's fields in order after a product's own saved tensors, and the kind and eps in saved_data.
+void Save(AutogradContext* ctx, variable_list tensors, const SavedInput& input) {
+  tensors.insert(tensors.begin(), input.x);
+  tensors.push_back(input.norm_w);
+  tensors.push_back(input.norm_b);
+  ctx->save_for_backward(tensors);
+  ctx->saved_data["input_kind"] = static_cast<int64_t>(input.kind);
+  ctx->saved_data["input_eps"] = input.eps;
+}
+
+// The product's input [rows, in] from what Save kept: x itself, or the norm's output made again by
+// its forward kernel on the kept bf16 input (a layer norm's x or x − mean, an RMS norm's x).
+torch::Tensor SavedInputRows(AutogradContext* ctx, const variable_list& saved) {
+  const torch::Tensor& x = saved.front();
+  const int64_t kind = ctx->saved_data["input_kind"].toInt();
+  const int64_t cols = x.size(-1), rows = x.numel() / cols;
+  if (kind == 0) return x.view({rows, cols});
+  const torch::Tensor &w = saved[saved.size() - 2], &b = saved.back();
+  const float eps = static_cast<float>(ctx->saved_data["input_eps"].toDouble());
+  torch::Tensor out = torch::empty({rows, cols}, x.options());
+  if (kind == 1) {
+    torch::Tensor stats = torch::empty({2, rows}, x.options().dtype(torch::kFloat));
+    cuda::LayerNormForward(x.data_ptr(), /*x_fp32=*/false, w.data_ptr(), b.data_ptr(), eps, rows, cols, out.data_ptr(),
+                           stats[0].data_ptr<float>(), stats[1].data_ptr<float>(), nullptr, StreamOf(x));
+  } else {
+    cuda::RmsNormForward(x.data_ptr(), /*x_fp32=*/false, w.data_ptr(), eps, rows, cols, out.data_ptr(), nullptr,
+                         StreamOf(x));
+  }
+  return out;
+}
+
 struct LinearFunction : public torch::autograd::Function<LinearFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
                                const torch::Tensor& b, const torch::Tensor& residual) {
@@ -363,7 +445,7 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
     const bool has_bias2 = b2.numel() > 0;
     torch::Tensor y = LinearProduct(h, w2, has_bias2 ? b2 : torch::Tensor(), has_bias2 ? cuda::Epilogue::kBias : cuda::Epilogue::kNone,
                                     {}, Residual2d(residual, w2.size(0)));
-    ctx->save_for_backward({x2, w1, pre, recompute ? torch::Tensor() : h, w2, b1, has_bias2 ? b2 : torch::Tensor()});
+    Save(ctx, {w1, pre, recompute ? torch::Tensor() : h, w2, b1, has_bias2 ? b2 : torch::Tensor()}, SaveInput(x, x2));
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["has_residual"] = residual.numel() > 0;
     return y.view(WithLast(x.sizes(), w2.size(0)));
@@ -371,8 +453,8 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list saved = ctx->get_saved_variables();
-    const torch::Tensor &x2 = saved[0], &w1 = saved[1], &pre = saved[2], &w2 = saved[4], &b1 = saved[5], &b2 = saved[6];
-    c10::cuda::CUDAGuard guard(x2.device());
+    const torch::Tensor &w1 = saved[1], &pre = saved[2], &w2 = saved[4], &b1 = saved[5], &b2 = saved[6];
+    c10::cuda::CUDAGuard guard(w1.device());
     const torch::Tensor h = saved[3].defined() ? saved[3] : torch::gelu(pre, "tanh");
     GradColumnSums sums;
     torch::Tensor g = ProductGrad(grads[0], w2, &sums);
@@ -381,7 +463,7 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
     torch::Tensor dx = InputGradProduct(gpre, w1);
     SideStreamSum sum(dx, CommOf(ctx));
     auto [dw2, db2] = WeightAndBiasGrads(g, h, w2, b2, sums);
-    auto [dw1, db1] = WeightAndBiasGrads(gpre, x2, w1, b1);
+    auto [dw1, db1] = WeightAndBiasGrads(gpre, SavedInputRows(ctx, saved), w1, b1);
     sum.Finish();
     return {dx.view(ctx->saved_data["x_sizes"].toIntVector()), dw1, db1, dw2, db2,
             ctx->saved_data["has_residual"].toBool() ? grads[0] : torch::Tensor(), torch::Tensor(), torch::Tensor()};
@@ -407,7 +489,7 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
       LinearProduct(x2, w.narrow(0, i * c, c), has_bias ? b.narrow(0, i * c, c) : torch::Tensor(),
                     has_bias ? cuda::Epilogue::kBias : cuda::Epilogue::kNone, {}, {}, planes[i]);
     }
-    ctx->save_for_backward({x2, w, has_bias ? b : torch::Tensor()});
+    Save(ctx, {w, has_bias ? b : torch::Tensor()}, SaveInput(x, x2));
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     const int64_t batch = x.size(0), t = rows / batch;
     variable_list out;
@@ -417,10 +499,9 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list saved = ctx->get_saved_variables();
-    const torch::Tensor &x2 = saved[0], &w = saved[1];
-    c10::cuda::CUDAGuard guard(x2.device());
-    const torch::Tensor& b = saved[2];
-    const int64_t rows = x2.size(0), in = x2.size(1), c = w.size(0) / 3;
+    const torch::Tensor &w = saved[1], &b = saved[2];
+    c10::cuda::CUDAGuard guard(w.device());
+    const int64_t in = saved[0].size(-1), rows = saved[0].numel() / in, c = w.size(0) / 3;
     const bool has_bias = b.defined();
     torch::Tensor into = AccumulationTarget(w);
     const bool add = into.defined() && !TakeStale(into);
@@ -428,8 +509,8 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
     // The bias gradient straight into b's .grad where it has one, as the weight's.
     torch::Tensor into_b = has_bias ? AccumulationTarget(b) : torch::Tensor();
     const bool add_b = into_b.defined() && !TakeStale(into_b);
-    torch::Tensor db = has_bias && !into_b.defined() ? torch::empty({3 * c}, x2.options()) : torch::Tensor();
-    torch::Tensor dx = torch::empty({rows, in}, x2.options());
+    torch::Tensor db = has_bias && !into_b.defined() ? torch::empty({3 * c}, w.options()) : torch::Tensor();
+    torch::Tensor dx = torch::empty({rows, in}, w.options());
     // [b, heads, t, d] back to [rows, c]: a view where attention kept the layout it was given.
     std::vector<torch::Tensor> g(3);
     for (int64_t i = 0; i < 3; ++i) {
@@ -444,6 +525,7 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
     }
     if (!dx_written) dx.zero_();
     SideStreamSum sum(dx, CommOf(ctx));
+    const torch::Tensor x2 = SavedInputRows(ctx, saved);
     for (int64_t i = 0; i < 3; ++i) {
       torch::Tensor dw_i = (into.defined() ? into : dw).narrow(0, i * c, c);
       torch::Tensor db_i = has_bias ? (into_b.defined() ? into_b : db).narrow(0, i * c, c) : torch::Tensor();
@@ -510,6 +592,7 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
       std::tie(out, mean, rstd) = at::native_layer_norm(input, {input.size(-1)}, w, b, eps);
     }
     ctx->save_for_backward({kept, w, b, mean, rstd});
+    last_norm_kept = ours ? kept : torch::Tensor();
     ctx->saved_data["ours"] = ours;
     ctx->saved_data["fp32_grads"] = x_fp32;
     return {out, x};
@@ -586,6 +669,7 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
       out = compat::RmsNorm(input, w, eps);
     }
     ctx->save_for_backward({kept, w});
+    last_norm_kept = ours ? kept : torch::Tensor();
     ctx->saved_data["eps"] = eps;
     ctx->saved_data["ours"] = ours;
     ctx->saved_data["fp32_grads"] = x_fp32;
@@ -648,16 +732,16 @@ struct ProjectionsFunction : public torch::autograd::Function<ProjectionsFunctio
       if (w->numel() == 0) continue;
       out.push_back(LinearProduct(x2, *w, {}, cuda::Epilogue::kNone).view(WithLast(x.sizes(), w->size(0))));
     }
-    ctx->save_for_backward({x2, w0, w1, w2});
+    Save(ctx, {w0, w1, w2}, SaveInput(x, x2));
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list saved = ctx->get_saved_variables();
-    const torch::Tensor& x2 = saved[0];
-    c10::cuda::CUDAGuard guard(x2.device());
-    torch::Tensor dx = torch::empty_like(x2);
+    const int64_t in = saved[0].size(-1), rows = saved[0].numel() / in;
+    c10::cuda::CUDAGuard guard(saved[1].device());
+    torch::Tensor dx = torch::empty({rows, in}, saved[1].options());
     std::vector<torch::Tensor> g(grads.size());
     for (size_t i = 0; i < grads.size(); ++i) {
       if (grads[i].defined()) g[i] = grads[i].reshape({-1, saved[1 + i].size(0)}).contiguous();
@@ -671,6 +755,7 @@ struct ProjectionsFunction : public torch::autograd::Function<ProjectionsFunctio
     }
     if (!dx_written) dx.zero_();
     SideStreamSum sum(dx, CommOf(ctx));
+    const torch::Tensor x2 = SavedInputRows(ctx, saved);
     variable_list result(5);
     for (size_t i = 0; i < g.size(); ++i) {
       torch::Tensor into = AccumulationTarget(saved[1 + i]);
@@ -900,8 +985,12 @@ bool FusedLayerNormAvailable(const torch::Tensor& x, const torch::Tensor& w, con
 }
 
 std::pair<torch::Tensor, torch::Tensor> FusedLayerNorm(const torch::Tensor& x, const torch::Tensor& w,
-                                                       const torch::Tensor& b) {
-  variable_list out = LayerNormFunction::apply(x, w, b, 1e-5);
+                                                       const torch::Tensor& b, bool rebuild_output) {
+  constexpr double kEps = 1e-5;
+  variable_list out = LayerNormFunction::apply(x, w, b, kEps);
+  torch::Tensor kept = std::move(last_norm_kept);
+  last_norm_kept = torch::Tensor();
+  if (rebuild_output && kernel_options.norm_rebuild && kept.defined() && out[0].requires_grad()) RegisterNormOutput(out[0], kept, w, b, kEps);
   return {out[0], out[1]};
 }
 
@@ -909,8 +998,12 @@ bool FusedRmsNormAvailable(const torch::Tensor& x, const torch::Tensor& w) {
   return kernel_options.layer_norm && NormInput(x) && w.defined() && Bf16Cuda(w);
 }
 
-std::pair<torch::Tensor, torch::Tensor> FusedRmsNorm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
+std::pair<torch::Tensor, torch::Tensor> FusedRmsNorm(const torch::Tensor& x, const torch::Tensor& w, double eps,
+                                                     bool rebuild_output) {
   variable_list out = RmsNormFunction::apply(x, w, eps);
+  torch::Tensor kept = std::move(last_norm_kept);
+  last_norm_kept = torch::Tensor();
+  if (rebuild_output && kernel_options.norm_rebuild && kept.defined() && out[0].requires_grad()) RegisterNormOutput(out[0], kept, w, {}, eps);
   return {out[0], out[1]};
 }
 
@@ -971,7 +1064,7 @@ bool FusedLayerNormAvailable(const torch::Tensor& /*x*/, const torch::Tensor& /*
 }
 
 std::pair<torch::Tensor, torch::Tensor> FusedLayerNorm(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/,
-                                                       const torch::Tensor& /*b*/) {
+                                                       const torch::Tensor& /*b*/, bool /*rebuild_output*/) {
   throw std::logic_error("FusedLayerNorm: this worker was built without CUDA kernels");
 }
 
@@ -997,7 +1090,8 @@ std::vector<torch::Tensor> FusedQkv(const torch::Tensor& /*x*/, const torch::Ten
 
 bool FusedRmsNormAvailable(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/) { return false; }
 
-std::pair<torch::Tensor, torch::Tensor> FusedRmsNorm(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/, double /*eps*/) {
+std::pair<torch::Tensor, torch::Tensor> FusedRmsNorm(const torch::Tensor& /*x*/, const torch::Tensor& /*w*/, double /*eps*/,
+                                                     bool /*rebuild_output*/) {
   throw std::logic_error("FusedRmsNorm: this worker was built without CUDA kernels");
 }
 

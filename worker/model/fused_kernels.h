@@ -25,6 +25,7 @@ struct FusedKernelOptions {
   bool gemm_tune = true;    // each product's algorithm timed among cuBLASLt's candidates (LTRAIN_GEMM_TUNE=0: first)
   int gemm_candidates = kMaxGemmCandidates;  // how many candidates (LTRAIN_GEMM_CANDIDATES)
   bool tp_overlap = true;   // the products sum their input's gradient over tp (LTRAIN_TP_OVERLAP=0 turns it off)
+  bool norm_rebuild = true;  // FusedLayerNorm's and FusedRmsNorm's rebuild_output (LTRAIN_NORM_REBUILD=0: ignored)
 };
 void SetFusedKernelOptions(const FusedKernelOptions& options);
 
@@ -101,8 +102,15 @@ bool FusedLayerNormAvailable(const torch::Tensor& x, const torch::Tensor& w, con
 // {layer_norm(x) over the last dimension (eps 1e-5), x}: backward runs our kernels. The second is
 // x itself for the residual branch to read: its gradient is then added to the layer norm's input
 // gradient inside the kernel, not by a separate add where the two branches meet.
+//
+// `rebuild_output` (selective recompute, while autograd records): the products of this file that
+// read the first output (FusedMlp, FusedQkv, FusedProjections; not views of it) do not keep it for
+// their weight gradients but make it again in backward, with the norm's forward kernel, from the
+// bf16 input the norm keeps for its own backward. A norm's output then costs no memory after
+// forward (2 bytes a value), for one pass of the norm's forward in backward. On an fp32 stream the
+// norm keeps x − mean in bf16, so the rebuilt output can differ from forward's in the last bf16 bit.
 std::pair<torch::Tensor, torch::Tensor> FusedLayerNorm(const torch::Tensor& x, const torch::Tensor& w,
-                                                       const torch::Tensor& b);
+                                                       const torch::Tensor& b, bool rebuild_output = false);
 
 // Whether FusedRmsNorm can take these: a CUDA build, bf16 CUDA input and weight, a width that is a
 // multiple of 8, and options.layer_norm (which covers both norms).
@@ -110,7 +118,9 @@ bool FusedRmsNormAvailable(const torch::Tensor& x, const torch::Tensor& w);
 
 // {rms_norm(x, w, eps) over the last dimension, x}: LibTorch's forward, our kernels backward, with
 // the residual branch reading x through the second output as FusedLayerNorm's.
-std::pair<torch::Tensor, torch::Tensor> FusedRmsNorm(const torch::Tensor& x, const torch::Tensor& w, double eps);
+// `rebuild_output`: FusedLayerNorm's (the kept input is x in bf16).
+std::pair<torch::Tensor, torch::Tensor> FusedRmsNorm(const torch::Tensor& x, const torch::Tensor& w, double eps,
+                                                     bool rebuild_output = false);
 
 // {x · w_iᵀ} for two or three weights (each as FusedLinearAvailable(x, w_i) takes): one product
 // each, the input gradient summed in the backward products' epilogues (no separate adds), weight

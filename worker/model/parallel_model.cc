@@ -258,9 +258,11 @@ torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& w, const torch
 }
 
 // {layer_norm(x), x}: the residual branch reads x through the second, so that with our kernel its
-// gradient is added inside the layer norm's backward.
-std::pair<torch::Tensor, torch::Tensor> LayerNorm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b) {
-  if (FusedLayerNormAvailable(x, w, b)) return FusedLayerNorm(x, w, b);
+// gradient is added inside the layer norm's backward. `rebuild`: FusedLayerNorm's rebuild_output
+// (selective recompute: our products make the output again in backward instead of keeping it).
+std::pair<torch::Tensor, torch::Tensor> LayerNorm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
+                                                  bool rebuild = false) {
+  if (FusedLayerNormAvailable(x, w, b)) return FusedLayerNorm(x, w, b, rebuild);
   if (x.scalar_type() != w.scalar_type()) {
     // An fp32 residual stream with bf16 parameters: normalised in fp32, handed on in the weights' dtype.
     const auto f = x.scalar_type();
@@ -270,9 +272,10 @@ std::pair<torch::Tensor, torch::Tensor> LayerNorm(const torch::Tensor& x, const 
 }
 
 // {rms_norm(x), x}: the residual branch reads x through the second, so that with our kernel its
-// gradient is added inside the norm's backward.
-std::pair<torch::Tensor, torch::Tensor> RmsNorm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
-  if (FusedRmsNormAvailable(x, w)) return FusedRmsNorm(x, w, eps);
+// gradient is added inside the norm's backward. `rebuild`: LayerNorm's.
+std::pair<torch::Tensor, torch::Tensor> RmsNorm(const torch::Tensor& x, const torch::Tensor& w, double eps,
+                                                bool rebuild = false) {
+  if (FusedRmsNormAvailable(x, w)) return FusedRmsNorm(x, w, eps, rebuild);
   if (x.scalar_type() != w.scalar_type()) {
     // An fp32 residual stream with bf16 parameters: normalised in fp32, handed on in the weights' dtype.
     return {compat::RmsNorm(x, w.to(x.scalar_type()), eps).to(w.scalar_type()), x};
@@ -716,7 +719,7 @@ ModelShard::BranchPartial ModelShard::TpBranch(int layer, int branch, const torc
       auto [y, x_res] = LlamaAttention(layer, x);
       return {x_res, NoBiasLinear(y, P(layer, "wo.weight")), {}};
     }
-    auto [m_local, r_res] = RmsNorm(x, P(layer, "ffn_norm.weight"), spec_.config.norm_eps);
+    auto [m_local, r_res] = RmsNorm(x, P(layer, "ffn_norm.weight"), spec_.config.norm_eps, Selective());
     auto [g, u] = LlamaGateUp(layer, m_local);
     const torch::Tensor& w2 = P(layer, "w2.weight");
     if (Selective() && FusedLlamaOpsAvailable(g) && FusedLinearAvailable(g, w2)) {
@@ -731,7 +734,7 @@ ModelShard::BranchPartial ModelShard::TpBranch(int layer, int branch, const torc
     // written by the product (GradientFromProductsOnly), not added to by LibTorch's.
     return {x_res, NoBiasLinear(y, P(layer, "proj.weight")), P(layer, "proj.bias")};
   }
-  auto [m_local, h] = LayerNorm(x, P(layer, "ln2.weight"), P(layer, "ln2.bias"));
+  auto [m_local, h] = LayerNorm(x, P(layer, "ln2.weight"), P(layer, "ln2.bias"), Selective());
   const torch::Tensor &fc_w = P(layer, "fc.weight"), &fc_b = P(layer, "fc.bias");
   const torch::Tensor &fc2_w = P(layer, "fc2.weight"), &fc2_b = P(layer, "fc2.bias");
   Communicator* const sum_in_product = SumInProducts(spec_.layout, tp_);
@@ -748,7 +751,7 @@ std::pair<torch::Tensor, torch::Tensor> ModelShard::LlamaAttention(int layer, co
   const int64_t heads_local = c.heads / tp;
   const int64_t kv_local = kv_replicated_ ? 1 : KvHeads(c) / tp;
   // The residual branch reads x through the norm's second output (see RmsNorm).
-  auto [h_local, x_res] = RmsNorm(x, P(layer, "attn_norm.weight"), c.norm_eps);
+  auto [h_local, x_res] = RmsNorm(x, P(layer, "attn_norm.weight"), c.norm_eps, Selective());
   const torch::Tensor &wq = P(layer, "wq.weight"), &wk = P(layer, "wk.weight"), &wv = P(layer, "wv.weight");
   const bool fused_qkv = !kv_replicated_ && FusedLinearAvailable(h_local, wq) && FusedLinearAvailable(h_local, wk) &&
                          FusedLinearAvailable(h_local, wv);
@@ -792,7 +795,7 @@ torch::Tensor ModelShard::LlamaBlockForward(int layer, const torch::Tensor& x) {
   };
   auto [y, x_res] = LlamaAttention(layer, x);
   torch::Tensor r = residual_linear(y, P(layer, "wo.weight"), x_res);
-  auto [m_local, r_res] = RmsNorm(r, P(layer, "ffn_norm.weight"), spec_.config.norm_eps);
+  auto [m_local, r_res] = RmsNorm(r, P(layer, "ffn_norm.weight"), spec_.config.norm_eps, Selective());
   auto [g, u] = LlamaGateUp(layer, m_local);
   const torch::Tensor& w2 = P(layer, "w2.weight");
   if (Selective() && FusedLlamaOpsAvailable(g) && FusedLinearAvailable(g, w2)) {
@@ -809,7 +812,7 @@ std::pair<torch::Tensor, torch::Tensor> ModelShard::GptAttention(int layer, cons
   const int64_t c_local = spec_.config.d_model / tp;
   const int64_t heads_local = spec_.config.heads / tp;
   Communicator* const sum_in_product = SumInProducts(spec_.layout, tp_);
-  auto [a_local, x_res] = LayerNorm(x, P(layer, "ln1.weight"), P(layer, "ln1.bias"));
+  auto [a_local, x_res] = LayerNorm(x, P(layer, "ln1.weight"), P(layer, "ln1.bias"), Selective());
   const torch::Tensor &qkv_w = P(layer, "qkv.weight"), &qkv_b = P(layer, "qkv.bias");
   const bool fused_qkv = FusedLinearAvailable(a_local, qkv_w) && qkv_b.defined();
   torch::Tensor a = fused_qkv && sum_in_product ? a_local : Enter(a_local);
@@ -825,7 +828,7 @@ torch::Tensor ModelShard::GptBlockForward(int layer, const torch::Tensor& x) {
   auto [y, x_res] = GptAttention(layer, x);
   const torch::Tensor &proj_w = P(layer, "proj.weight"), &proj_b = P(layer, "proj.bias");
   torch::Tensor h_in = sr ? StochasticRoundedAdd(x_res, Linear(y, proj_w, proj_b)) : Linear(y, proj_w, proj_b, x_res);
-  auto [m_local, h] = LayerNorm(h_in, P(layer, "ln2.weight"), P(layer, "ln2.bias"));
+  auto [m_local, h] = LayerNorm(h_in, P(layer, "ln2.weight"), P(layer, "ln2.bias"), Selective());
   const torch::Tensor &fc_w = P(layer, "fc.weight"), &fc_b = P(layer, "fc.bias");
   const torch::Tensor &fc2_w = P(layer, "fc2.weight"), &fc2_b = P(layer, "fc2.bias");
   if (sr) return StochasticRoundedAdd(h, Mlp(m_local, fc_w, fc_b, fc2_w, fc2_b, {}, Selective()));

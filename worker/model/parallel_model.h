@@ -158,7 +158,8 @@ class ModelShard {
   // records (`recording`) or not.
   bool SplitsBatch(int64_t batch, bool recording) const;
   // activation_checkpointing: selective, while autograd records: attention recomputes its internals
-  // and, with the fused products, the MLP its activation's output (GELU; SwiGLU's product) in backward.
+  // and, with the fused products, the MLP its activation's output (GELU; SwiGLU's product) and the
+  // products their norm's output in backward.
   bool Selective() const;
 
   // The full tensor of a parameter, gathered over the tp group from every rank's `local` slice of
