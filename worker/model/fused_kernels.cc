@@ -337,6 +337,9 @@ std::vector<NormRecipe> norm_recipes;
 // thread that runs the norm, inside one call).
 thread_local torch::Tensor last_norm_kept;
 
+// Whether a norm's output is rebuilt, where the caller asks for `asked` (options.norm_rebuild).
+bool NormRebuild(bool asked) { return kernel_options.norm_rebuild < 0 ? asked : kernel_options.norm_rebuild == 1; }
+
 void RegisterNormOutput(const torch::Tensor& output, const torch::Tensor& kept, const torch::Tensor& w,
                         const torch::Tensor& b, double eps) {
   std::lock_guard<std::mutex> lock(recipe_mu);
@@ -990,7 +993,7 @@ std::pair<torch::Tensor, torch::Tensor> FusedLayerNorm(const torch::Tensor& x, c
   variable_list out = LayerNormFunction::apply(x, w, b, kEps);
   torch::Tensor kept = std::move(last_norm_kept);
   last_norm_kept = torch::Tensor();
-  if (rebuild_output && kernel_options.norm_rebuild && kept.defined() && out[0].requires_grad()) RegisterNormOutput(out[0], kept, w, b, kEps);
+  if (NormRebuild(rebuild_output) && kept.defined() && out[0].requires_grad()) RegisterNormOutput(out[0], kept, w, b, kEps);
   return {out[0], out[1]};
 }
 
@@ -1003,7 +1006,7 @@ std::pair<torch::Tensor, torch::Tensor> FusedRmsNorm(const torch::Tensor& x, con
   variable_list out = RmsNormFunction::apply(x, w, eps);
   torch::Tensor kept = std::move(last_norm_kept);
   last_norm_kept = torch::Tensor();
-  if (rebuild_output && kernel_options.norm_rebuild && kept.defined() && out[0].requires_grad()) RegisterNormOutput(out[0], kept, w, {}, eps);
+  if (NormRebuild(rebuild_output) && kept.defined() && out[0].requires_grad()) RegisterNormOutput(out[0], kept, w, {}, eps);
   return {out[0], out[1]};
 }
 

@@ -25,7 +25,9 @@ struct FusedKernelOptions {
   bool gemm_tune = true;    // each product's algorithm timed among cuBLASLt's candidates (LTRAIN_GEMM_TUNE=0: first)
   int gemm_candidates = kMaxGemmCandidates;  // how many candidates (LTRAIN_GEMM_CANDIDATES)
   bool tp_overlap = true;   // the products sum their input's gradient over tp (LTRAIN_TP_OVERLAP=0 turns it off)
-  bool norm_rebuild = true;  // FusedLayerNorm's and FusedRmsNorm's rebuild_output (LTRAIN_NORM_REBUILD=0: ignored)
+  // FusedLayerNorm's and FusedRmsNorm's rebuild_output: as the caller asks (-1), never (0,
+  // LTRAIN_NORM_REBUILD=0) or always (1, LTRAIN_NORM_REBUILD=1: also without selective recompute).
+  int norm_rebuild = -1;
 };
 void SetFusedKernelOptions(const FusedKernelOptions& options);
 

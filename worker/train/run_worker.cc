@@ -200,7 +200,12 @@ Status Run(const WorkerEnv& env) {
   kernels.layer_norm = EnvString("LTRAIN_FUSED_LAYER_NORM") != "0";
   kernels.adamw = EnvString("LTRAIN_FUSED_ADAMW") != "0";
   kernels.tp_overlap = EnvString("LTRAIN_TP_OVERLAP") != "0";
-  kernels.norm_rebuild = EnvString("LTRAIN_NORM_REBUILD") != "0";
+  if (const std::string rebuild = EnvString("LTRAIN_NORM_REBUILD"); !rebuild.empty()) {
+    if (rebuild != "0" && rebuild != "1") {
+      return InvalidArgument("LTRAIN_NORM_REBUILD=" + rebuild + ": expected 0 (keep norm outputs) or 1 (rebuild them)");
+    }
+    kernels.norm_rebuild = rebuild == "1" ? 1 : 0;
+  }
   // Timing picks an algorithm per run; a deterministic recipe's runs (and their resumes) take
   // cuBLASLt's first candidate, the same every time.
   kernels.gemm_tune = EnvString("LTRAIN_GEMM_TUNE") != "0" && !recipe.training.deterministic;
@@ -385,8 +390,9 @@ Profiling:
                            sequences or more through the blocks in two halves, interleaved so that
                            one half's row-parallel all-reduce runs beside the other half's products
                            (not under ZeRO-3 or full activation checkpointing: blocks run whole)
-  LTRAIN_NORM_REBUILD=0    under activation_checkpointing: selective, keep each norm's output for
-                           the products that read it, instead of making it again in backward
+  LTRAIN_NORM_REBUILD=0|1  0: under activation_checkpointing: selective, keep each block norm's
+                           output for the products that read it, instead of making it again in
+                           backward; 1: make it again in backward under every recompute mode
   LTRAIN_DP_HIGH_PRIORITY=1  run the data-parallel collectives on a high-priority CUDA stream
   LTRAIN_GEMM_SM_MARGIN=N  plan the cuBLASLt products of backward for N fewer SMs than the GPU has,
                            leaving them to the data-parallel reductions that overlap backward
