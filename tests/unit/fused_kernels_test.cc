@@ -103,6 +103,36 @@ std::vector<torch::Tensor> Fp32Reference(const std::vector<torch::Tensor>& input
   return out;
 }
 
+// grad_in_logits: the logits' gradient is written into the logits' own memory, and is the gradient
+// the kernel writes into a buffer of its own.
+TEST(FusedKernelsTest, CrossEntropyWritesItsGradientOverTheLogits) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  torch::manual_seed(31);
+  for (const int64_t vocab : {50304, 1001}) {
+    const torch::Tensor base = (torch::randn({64, vocab}) * 3).to(bf16);
+    const torch::Tensor targets =
+        torch::randint(0, vocab, {64}, torch::TensorOptions().dtype(torch::kLong).device(torch::kCUDA));
+    if (!FusedCrossEntropyAvailable(base)) GTEST_SKIP() << "worker built without CUDA kernels";
+    auto run = [&](bool in_place) {
+      torch::Tensor leaf = base.clone().requires_grad_(true);
+      torch::Tensor logits = leaf * 1;  // not a leaf: the gradient that arrives is the kernel's own tensor
+      const void* memory = logits.data_ptr();
+      torch::Tensor seen;
+      logits.register_hook([&seen](const torch::Tensor& g) { seen = g; });
+      torch::Tensor loss = FusedCrossEntropy(logits, targets, in_place);
+      logits = torch::Tensor();
+      (loss * 2).backward();
+      return std::make_pair(seen, seen.data_ptr() == memory);
+    };
+    const auto [apart, apart_same] = run(false);
+    const auto [over, over_same] = run(true);
+    EXPECT_FALSE(apart_same) << vocab;
+    EXPECT_TRUE(over_same) << vocab;
+    EXPECT_TRUE(torch::equal(over, apart)) << vocab;
+  }
+}
+
 TEST(FusedKernelsTest, LinearMatchesLibTorch) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);

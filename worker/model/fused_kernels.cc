@@ -98,7 +98,8 @@ using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
 struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunction> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits, const torch::Tensor& targets) {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits, const torch::Tensor& targets,
+                               bool grad_in_logits) {
     c10::cuda::CUDAGuard guard(logits.device());
     torch::Tensor x = logits.contiguous();
     torch::Tensor t = targets.contiguous().to(torch::kLong);
@@ -108,6 +109,7 @@ struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunct
     cuda::CrossEntropyForward(x.data_ptr(), t.data_ptr<int64_t>(), rows, vocab, lse.data_ptr<float>(),
                               losses.data_ptr<float>(), c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
     ctx->save_for_backward({x, t, lse});
+    ctx->saved_data["grad_in_logits"] = grad_in_logits;
     return losses.mean();
   }
 
@@ -116,11 +118,12 @@ struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunct
     const torch::Tensor& x = saved[0];
     c10::cuda::CUDAGuard guard(x.device());
     torch::Tensor g = grads[0].to(torch::kFloat).contiguous();
-    torch::Tensor out = torch::empty_like(x);
+    // Each value of the gradient is written where its logit was read, by the thread that read it.
+    torch::Tensor out = ctx->saved_data["grad_in_logits"].toBool() ? x : torch::empty_like(x);
     cuda::CrossEntropyBackward(x.data_ptr(), saved[1].data_ptr<int64_t>(), saved[2].data_ptr<float>(),
                                g.data_ptr<float>(), x.size(0), x.size(1), out.data_ptr(),
                                c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
-    return {out, torch::Tensor()};
+    return {out, torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -1023,8 +1026,8 @@ bool FusedCrossEntropyAvailable(const torch::Tensor& logits) {
   return logits.is_cuda() && logits.scalar_type() == torch::kBFloat16 && logits.dim() == 2;
 }
 
-torch::Tensor FusedCrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets) {
-  return CrossEntropyFunction::apply(logits, targets);
+torch::Tensor FusedCrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets, bool grad_in_logits) {
+  return CrossEntropyFunction::apply(logits, targets, grad_in_logits);
 }
 
 bool FusedAdamWAvailable(const torch::Tensor& param) {
@@ -1124,7 +1127,8 @@ torch::Tensor FusedSwiGluLinear(const torch::Tensor& /*gate*/, const torch::Tens
 
 bool FusedCrossEntropyAvailable(const torch::Tensor& /*logits*/) { return false; }
 
-torch::Tensor FusedCrossEntropy(const torch::Tensor& /*logits*/, const torch::Tensor& /*targets*/) {
+torch::Tensor FusedCrossEntropy(const torch::Tensor& /*logits*/, const torch::Tensor& /*targets*/,
+                                bool /*grad_in_logits*/) {
   throw std::logic_error("FusedCrossEntropy: this worker was built without CUDA kernels");
 }
 

@@ -159,7 +159,10 @@ bool FusedCrossEntropyAvailable(const torch::Tensor& logits);
 // Mean cross-entropy of logits [rows, vocab] (bf16, CUDA) against targets [rows] (int64): the
 // value of nll_loss(log_softmax(logits.float())), computed without fp32 copies of the logits; the
 // gradient flows to the logits in bf16.
-torch::Tensor FusedCrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets);
+// `grad_in_logits`: backward writes the logits' gradient into the logits' own memory, one [rows,
+// vocab] buffer less when backward starts (its peak, for a large vocabulary). Only for logits that
+// nothing else reads after the loss: the caller hands them over.
+torch::Tensor FusedCrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets, bool grad_in_logits = false);
 
 // Whether FusedAdamW can update these fp32 master weights: a CUDA build, fp32 CUDA tensors, and
 // options.adamw.

@@ -879,8 +879,9 @@ torch::Tensor ModelShard::HeadLoss(const torch::Tensor& x, const torch::Tensor& 
   logits = logits.view({-1, logits.size(-1)});
   torch::Tensor target = targets.reshape({-1});
   if (tp == 1) {
-    // bf16 logits on CUDA: our fused kernel (one read forward, one read and write backward).
-    if (FusedCrossEntropyAvailable(logits)) return FusedCrossEntropy(logits, target);
+    // bf16 logits on CUDA: our fused kernel (one read forward, one read and write backward), the
+    // gradient written over the logits (nothing else reads them).
+    if (FusedCrossEntropyAvailable(logits)) return FusedCrossEntropy(logits, target, /*grad_in_logits=*/true);
     // Otherwise fp32 log-probabilities straight from the logits (no fp32 copy of the logits).
     return torch::nll_loss(torch::log_softmax(logits, 1, torch::kFloat), target);
   }
