@@ -385,10 +385,11 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout) {
       if (cpu) {
         saved += kCpuOverheadPerRank;
       } else {
-        // Backward's transients: the loss's gradient over the vocabulary, a recomputed layer,
-        // ZeRO-2's unsharded gradients before they are reduced; and autocast's cached bf16 weights.
-        // (Vocabulary-parallel cross entropy also keeps fp32 pieces of the logits until backward.)
-        int64_t transient = r == layout.pp - 1 ? s.b * s.T * s.V / s.tp * (s.tp > 1 ? 6 : 2) : 0;
+        // Backward's transients: vocabulary-parallel cross entropy's gradient over the vocabulary
+        // and the fp32 pieces of the logits it keeps until backward (without tp our cross entropy
+        // writes its gradient over the logits), a recomputed layer, ZeRO-2's unsharded gradients
+        // before they are reduced; and autocast's cached bf16 weights.
+        int64_t transient = r == layout.pp - 1 && s.tp > 1 ? s.b * s.T * s.V / s.tp * 6 : 0;
         if (ac == ActivationCheckpointing::kFull) transient = std::max(transient, layer_none);
         if (zero == 2 && overlap) transient += numel * (e.bf16 ? 2 : 4);
         buffers += transient + (autocast ? numel * 2 : 0);
