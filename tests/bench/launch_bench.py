@@ -299,8 +299,8 @@ def suite_reference(b, reference, rounds, model):
     os.makedirs(home, exist_ok=True)
     for _ in range(rounds):
         # The same build takes this build's recipe overrides (its launch passes ltrain=None).
-        theirs.append(b.launch("reference build, one GPU", path, env={"LTRAIN_HOME": home, **extra},
-                               ltrain=None if same else reference))
+        theirs.append(b.launch("reference build, one GPU", path, sets=b.args.reference_set,
+                               env={"LTRAIN_HOME": home, **extra}, ltrain=None if same else reference))
         ours.append(b.launch("this build, one GPU", path))
     for i, (a, r) in enumerate(zip(ours, theirs)):
         if a and r:
@@ -425,6 +425,9 @@ def main():
     ap.add_argument("--reference-model", action="append", choices=["gpt-1.3b", "gpt-124m", "llama-1b"],
                     help="--reference: the model (repeatable; default gpt-1.3b; gpt-124m is the learning "
                          "suite's, byte vocab, 16 sequences a step, 100 steps; llama-1b the llama-1b suite's)")
+    ap.add_argument("--reference-set", action="append", default=[], metavar="KEY=VALUE",
+                    help="--reference: a recipe override for the reference build's runs (repeatable; another "
+                         "build does not take --ltrain-set, whose keys it may not know)")
     ap.add_argument("--reference-env", action="append", default=[], metavar="NAME=VALUE",
                     help="--reference: set in the environment of the reference build's runs only (repeatable); "
                          "with this build as the reference, an A/B of a worker setting")

@@ -195,7 +195,8 @@ struct CheckpointBlock : public torch::autograd::Function<CheckpointBlock> {
   }
 };
 
-// Selective checkpointing: attention's internals (scores, softmax) are recomputed, not kept.
+// Selective checkpointing on the CPU: attention's internals (scores, softmax) are recomputed, not
+// kept. (On GPUs flash attention keeps none: recomputing it would cost a forward and save nothing.)
 struct CheckpointAttention : public torch::autograd::Function<CheckpointAttention> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
                                const torch::Tensor& v) {
@@ -624,7 +625,9 @@ bool ModelShard::Selective() const {
 }
 
 torch::Tensor ModelShard::Attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
-  if (Selective()) {
+  // On GPUs flash attention keeps only q, k, v, its output (which the next product keeps anyway) and
+  // a row statistic: nothing for selective recompute to drop.
+  if (Selective() && !q.is_cuda()) {
     return CheckpointAttention::apply(q, k, v);
   }
   return compat::CausalAttentionGqa(q, k, v);

@@ -18,7 +18,8 @@
 //   row-parallel ones replace the all-reduces.
 //   Pipeline parallel: chunk c of pipeline rank r is virtual stage c*pp + r; the first virtual stage
 //   holds the embedding, the last the final norm and the head (a copy of a tied embedding).
-//   Activation checkpointing: "full" recomputes each block in backward, "selective" only attention.
+//   Activation checkpointing: "full" recomputes each block in backward, "selective" attention's
+//   internals on the CPU, and on GPUs the MLP's activation and the norms' outputs (see Selective()).
 //
 // Runs on the training thread. TP collectives run inside forward and backward: every rank of a TP
 // group runs the same chunks in the same order. A failed collective throws std::runtime_error (out
@@ -158,8 +159,8 @@ class ModelShard {
   // records (`recording`) or not.
   bool SplitsBatch(int64_t batch, bool recording) const;
   // activation_checkpointing: selective, while autograd records: attention recomputes its internals
-  // and, with the fused products, the MLP its activation's output (GELU; SwiGLU's product) and the
-  // products their norm's output in backward.
+  // (on the CPU; flash attention keeps none) and, with the fused products, the MLP its activation's
+  // output (GELU; SwiGLU's product) and the products their norm's output in backward.
   bool Selective() const;
 
   // The full tensor of a parameter, gathered over the tp group from every rank's `local` slice of
