@@ -35,5 +35,21 @@ TEST(ProfileWindowTest, MalformedValuesNameTheForm) {
       << backwards.status().message();
 }
 
+// A 0/1 switch (LTRAIN_NORM_REBUILD): unset leaves the caller's default; anything but 0 or 1 is
+// refused with the variable's name and the values it takes.
+TEST(EnvSwitchTest, ZeroOrOneOrUnset) {
+  int value = -1;
+  ASSERT_TRUE(EnvSwitch(EnvironmentOf({}), "LTRAIN_NORM_REBUILD", &value).ok());
+  EXPECT_EQ(value, -1);
+  ASSERT_TRUE(EnvSwitch(EnvironmentOf({"LTRAIN_NORM_REBUILD=1"}), "LTRAIN_NORM_REBUILD", &value).ok());
+  EXPECT_EQ(value, 1);
+  ASSERT_TRUE(EnvSwitch(EnvironmentOf({"LTRAIN_NORM_REBUILD=0"}), "LTRAIN_NORM_REBUILD", &value).ok());
+  EXPECT_EQ(value, 0);
+  const Status bad = EnvSwitch(EnvironmentOf({"LTRAIN_NORM_REBUILD=yes"}), "LTRAIN_NORM_REBUILD", &value);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.message(), "LTRAIN_NORM_REBUILD='yes': expected 0 or 1");
+  EXPECT_EQ(value, 0);
+}
+
 }  // namespace
 }  // namespace ltrain::worker

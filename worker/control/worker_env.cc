@@ -53,6 +53,14 @@ Status EnvInt(const EnvLookup& env, const char* name, int* out) {
   return Status::Ok();
 }
 
+Status EnvSwitch(const EnvLookup& env, const char* name, int* out) {
+  const std::string v = Get(env, name);
+  if (v.empty()) return Status::Ok();
+  if (v != "0" && v != "1") return InvalidArgument(std::string(name) + "='" + v + "': expected 0 or 1");
+  *out = v == "1" ? 1 : 0;
+  return Status::Ok();
+}
+
 StatusOr<ProfileWindow> ParseProfileWindow(const std::string& value) {
   auto bad = [&] {
     return InvalidArgument("LTRAIN_PROFILE=" + value +

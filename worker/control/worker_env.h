@@ -63,5 +63,7 @@ StatusOr<ProfileWindow> ParseProfileWindow(const std::string& value);
 std::string EnvString(const char* name, const std::string& fallback = "");
 // An integer variable of `env` into `out`; unset leaves `out` alone, a malformed value is an error.
 Status EnvInt(const EnvLookup& env, const char* name, int* out);
+// A switch of `env`, 0 or 1, into `out`; unset leaves `out` alone, any other value is an error.
+Status EnvSwitch(const EnvLookup& env, const char* name, int* out);
 
 }  // namespace ltrain::worker

@@ -200,12 +200,7 @@ Status Run(const WorkerEnv& env) {
   kernels.layer_norm = EnvString("LTRAIN_FUSED_LAYER_NORM") != "0";
   kernels.adamw = EnvString("LTRAIN_FUSED_ADAMW") != "0";
   kernels.tp_overlap = EnvString("LTRAIN_TP_OVERLAP") != "0";
-  if (const std::string rebuild = EnvString("LTRAIN_NORM_REBUILD"); !rebuild.empty()) {
-    if (rebuild != "0" && rebuild != "1") {
-      return InvalidArgument("LTRAIN_NORM_REBUILD=" + rebuild + ": expected 0 (keep norm outputs) or 1 (rebuild them)");
-    }
-    kernels.norm_rebuild = rebuild == "1" ? 1 : 0;
-  }
+  LTRAIN_RETURN_IF_ERROR(EnvSwitch(ProcessEnvironment(), "LTRAIN_NORM_REBUILD", &kernels.norm_rebuild));
   // Timing picks an algorithm per run; a deterministic recipe's runs (and their resumes) take
   // cuBLASLt's first candidate, the same every time.
   kernels.gemm_tune = EnvString("LTRAIN_GEMM_TUNE") != "0" && !recipe.training.deterministic;
