@@ -1,5 +1,6 @@
 #include "worker/model/fused_kernels.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -359,20 +360,18 @@ struct SavedInput {
 };
 
 SavedInput SaveInput(const torch::Tensor& x, const torch::Tensor& x2) {
-  std::lock_guard<std::mutex> lock(recipe_mu);
-  for (auto it = norm_recipes.begin(); it != norm_recipes.end(); ++it) {
-    if (it->output.expired() || it->output._unsafe_get_target() != x.unsafeGetTensorImpl()) continue;
-    c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> kept = it->kept.lock();
-    SavedInput saved;
-    saved.x = x2;
-    if (kept && x.is_contiguous() && kept->sizes() == x.sizes()) {
-      saved = {torch::Tensor(std::move(kept)), it->w, it->b, it->eps, it->b.defined() ? 1 : 2};
-    }
-    norm_recipes.erase(it);
-    return saved;
-  }
   SavedInput saved;
   saved.x = x2;
+  std::lock_guard<std::mutex> lock(recipe_mu);
+  const auto it = std::find_if(norm_recipes.begin(), norm_recipes.end(), [&](const NormRecipe& r) {
+    return !r.output.expired() && r.output._unsafe_get_target() == x.unsafeGetTensorImpl();
+  });
+  if (it == norm_recipes.end()) return saved;
+  c10::intrusive_ptr<c10::TensorImpl, c10::UndefinedTensorImpl> kept = it->kept.lock();
+  if (kept && x.is_contiguous() && kept->sizes() == x.sizes()) {
+    saved = {torch::Tensor(std::move(kept)), it->w, it->b, it->eps, it->b.defined() ? 1 : 2};
+  }
+  norm_recipes.erase(it);
   return saved;
 }
 
