@@ -344,8 +344,12 @@ thread_local torch::Tensor last_norm_kept;
 // Whether a norm's output is rebuilt, where the caller asks for `asked` (options.norm_rebuild).
 bool NormRebuild(bool asked) { return kernel_options.norm_rebuild < 0 ? asked : kernel_options.norm_rebuild == 1; }
 
-void RegisterNormOutput(const torch::Tensor& output, const torch::Tensor& kept, const torch::Tensor& w,
-                        const torch::Tensor& b, double eps) {
+// After a norm's call: takes what its forward kept and, where `asked` (NormRebuild) and autograd
+// records the output, registers the output for the products that read it.
+void RegisterNormOutput(const torch::Tensor& output, const torch::Tensor& w, const torch::Tensor& b, double eps,
+                        bool asked) {
+  const torch::Tensor kept = std::move(last_norm_kept);
+  if (!NormRebuild(asked) || !kept.defined() || !output.requires_grad()) return;
   std::lock_guard<std::mutex> lock(recipe_mu);
   std::erase_if(norm_recipes, [](const NormRecipe& r) { return r.output.expired() || r.kept.expired(); });
   norm_recipes.push_back({WeakImpl(output.getIntrusivePtr()), WeakImpl(kept.getIntrusivePtr()), w, b, eps});
@@ -993,9 +997,7 @@ std::pair<torch::Tensor, torch::Tensor> FusedLayerNorm(const torch::Tensor& x, c
                                                        const torch::Tensor& b, bool rebuild_output) {
   constexpr double kEps = 1e-5;
   variable_list out = LayerNormFunction::apply(x, w, b, kEps);
-  torch::Tensor kept = std::move(last_norm_kept);
-  last_norm_kept = torch::Tensor();
-  if (NormRebuild(rebuild_output) && kept.defined() && out[0].requires_grad()) RegisterNormOutput(out[0], kept, w, b, kEps);
+  RegisterNormOutput(out[0], w, b, kEps, rebuild_output);
   return {out[0], out[1]};
 }
 
@@ -1006,9 +1008,7 @@ bool FusedRmsNormAvailable(const torch::Tensor& x, const torch::Tensor& w) {
 std::pair<torch::Tensor, torch::Tensor> FusedRmsNorm(const torch::Tensor& x, const torch::Tensor& w, double eps,
                                                      bool rebuild_output) {
   variable_list out = RmsNormFunction::apply(x, w, eps);
-  torch::Tensor kept = std::move(last_norm_kept);
-  last_norm_kept = torch::Tensor();
-  if (NormRebuild(rebuild_output) && kept.defined() && out[0].requires_grad()) RegisterNormOutput(out[0], kept, w, {}, eps);
+  RegisterNormOutput(out[0], w, {}, eps, rebuild_output);
   return {out[0], out[1]};
 }
 
