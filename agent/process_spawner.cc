@@ -67,6 +67,9 @@ StatusOr<SpawnedProcess> RealProcessSpawner::Spawn(const SpawnSpec& spec) {
     sigset_t none;
     sigemptyset(&none);
     sigprocmask(SIG_SETMASK, &none, nullptr);
+    // The command line ignores SIGPIPE (a launch piped into head keeps its job); a worker starts with
+    // the default, as a program run from a shell does.
+    signal(SIGPIPE, SIG_DFL);
     setpgid(0, 0);
     prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (getppid() != parent) _exit(127);  // the agent died before prctl took effect

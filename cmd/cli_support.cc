@@ -83,11 +83,21 @@ CLI::Option* AddCoordinatorOption(CLI::App* command, std::string* coordinator, c
       ->envname("LTRAIN_COORDINATOR");
 }
 
-CLI::Option* AddOutputOption(CLI::App* command, std::string* output, const std::string& human) {
-  return command->add_option("-o,--output", *output, human + " or json")
+CLI::Option* AddOutputOption(CLI::App* command, std::string* output, const std::string& human,
+                             const std::string& what) {
+  // One validator that checks the word and then maps it: table and text both name the human form.
+  CLI::Validator output_form(
+      [human](std::string& value) {
+        if (value != "table" && value != "text" && value != "json") {
+          return "'" + value + "' is not table, text or json";
+        }
+        if (value != "json") value = human;
+        return std::string();
+      },
+      "{table,text,json}");
+  return command->add_option("-o,--output", *output, (what.empty() ? human : human + " (" + what + ")") + " or json")
       ->envname("LTRAIN_OUTPUT")
-      ->check(CLI::IsMember({"table", "text", "json"}))
-      ->transform([human](std::string value) { return value == "json" ? value : human; })
+      ->transform(output_form)
       ->capture_default_str();
 }
 

@@ -48,9 +48,11 @@ Status LoadClientConfig(const std::string& home);
 
 // --coordinator HOST:PORT, defaulting to $LTRAIN_COORDINATOR (which config.yaml may set).
 CLI::Option* AddCoordinatorOption(CLI::App* command, std::string* coordinator, const std::string& help);
-// -o,--output: `human` (the command's "table" or "text"; either word is taken) or json, defaulting to
-// $LTRAIN_OUTPUT (which config.yaml may set).
-CLI::Option* AddOutputOption(CLI::App* command, std::string* output, const std::string& human);
+// -o,--output: `human` (the command's "table" or "text"; either word is taken, and any other is refused) or
+// json, defaulting to $LTRAIN_OUTPUT (which config.yaml may set); `what` says in the help what the human
+// form is, where its name does not.
+CLI::Option* AddOutputOption(CLI::App* command, std::string* output, const std::string& human,
+                             const std::string& what = "");
 
 // The file through which a standalone launch tells later commands (status, logs, stop) the address of
 // the coordinator it runs in-process, and the token it made for it, while it runs:

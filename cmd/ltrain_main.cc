@@ -1,5 +1,6 @@
 // ltrain: the command line. Adds the commands (cmd/commands.h), parses, runs the one given; its exit
 // code is the process's (cmd/cli_support.h lists them).
+#include <csignal>
 #include <cstdio>
 #include <string>
 
@@ -10,6 +11,9 @@
 
 int main(int argc, char** argv) {
   using namespace ltrain::cli;
+  // A launch whose output is piped into head or a tee that ends keeps its job running: writes to the
+  // closed pipe fail instead of killing the process (children get the default back).
+  ::signal(SIGPIPE, SIG_IGN);
   CLI::App app{
       "ltrain: launch and keep alive distributed LLM training jobs.\n\n"
       "Standalone: `ltrain launch RECIPE` starts a coordinator and an agent on loopback itself.\n"
@@ -48,7 +52,19 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "ltrain: %s\n", loaded.message().c_str());
     return kExitInvalid;
   }
-  CLI11_PARSE(app, argc, argv);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    // --help and --version exit 0; a command line CLI11 refuses is invalid input, exit 2 like every other.
+    if (e.get_exit_code() == 0) return app.exit(e);
+    if (app.get_subcommands().empty() && !app.remaining().empty() && app.remaining().front().rfind('-', 0) != 0) {
+      std::fprintf(stderr, "ltrain: unknown command '%s'; `ltrain --help` lists the commands\n",
+                   app.remaining().front().c_str());
+    } else {
+      app.exit(e);
+    }
+    return kExitInvalid;
+  }
   if (int code = ctx.ApplyGlobalOptions(); code != kExitOk) return code;
   return ctx.RunSelected();
 }

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -25,6 +26,7 @@ int ExecWorker(std::vector<std::string> argv) {
   for (std::string& a : argv) raw.push_back(a.data());
   raw.push_back(nullptr);
   std::fflush(stdout);
+  ::signal(SIGPIPE, SIG_DFL);  // main ignores it; the worker's output piped into head ends the worker
   ::execv(binary.c_str(), raw.data());
   std::fprintf(stderr, "ltrain: cannot run %s (%s): it holds the model code; install it beside ltrain, or set "
                "LTRAIN_WORKER_BIN\n", binary.c_str(), std::strerror(errno));
@@ -93,7 +95,7 @@ void AddGenerateCommand(CLI::App& app, CommandContext& ctx) {
       ->capture_default_str();
   cmd->add_option("--tokenizer", args->tokenizer, "Tokenizer file (default: the one the training data records)");
   cmd->add_flag("--score", args->score, "Print each prompt token's log-probability given the ones before it");
-  AddOutputOption(cmd, &args->output, "the text as it is sampled");
+  AddOutputOption(cmd, &args->output, "text", "the text as it is sampled");
   ctx.Bind(cmd, [args] {
     std::vector<std::string> argv = {"generate",      args->checkpoint,
                                      "--prompt",      args->prompt,

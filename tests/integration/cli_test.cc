@@ -325,6 +325,40 @@ TEST(CliTest, HelpAndVersion) {
   EXPECT_NE(version.output.find("ltrain 0."), std::string::npos);
 }
 
+// A command line CLI11 refuses is invalid input (exit 2) like any other, and says what was wrong.
+TEST(CliTest, ABadCommandLineExitsTwo) {
+  TempDir home;
+  const std::map<std::string, std::string> env = {{"LTRAIN_HOME", home.path()}};
+  ProcessResult unknown = RunProcess({LtrainBinary(), "bogus"}, env);
+  EXPECT_EQ(unknown.exit_code, 2) << unknown.output;
+  EXPECT_NE(unknown.output.find("unknown command 'bogus'"), std::string::npos) << unknown.output;
+  ProcessResult flag = RunProcess({LtrainBinary(), "status", "--bogus"}, env);
+  EXPECT_EQ(flag.exit_code, 2) << flag.output;
+  ProcessResult number = RunProcess({LtrainBinary(), "status", "--limit", "abc"}, env);
+  EXPECT_EQ(number.exit_code, 2) << number.output;
+  ProcessResult form = RunProcess({LtrainBinary(), "status", "-o", "yaml"}, env);
+  EXPECT_EQ(form.exit_code, 2) << form.output;
+  EXPECT_NE(form.output.find("'yaml' is not table, text or json"), std::string::npos) << form.output;
+}
+
+// `output: text` (or table) in config.yaml, or in $LTRAIN_OUTPUT, serves every command, generate's
+// output option among them.
+TEST(CliTest, EveryOutputWordServesEveryCommand) {
+  TempDir home;
+  for (const char* word : {"text", "table", "json"}) {
+    std::ofstream(home.Join("config.yaml")) << "output: " << word << "\n";
+    for (const std::vector<std::string>& command : std::vector<std::vector<std::string>>{
+             {"status"}, {"list"}, {"validate", "--help"}, {"generate", "--help"}}) {
+      std::vector<std::string> argv = {LtrainBinary()};
+      argv.insert(argv.end(), command.begin(), command.end());
+      ProcessResult result = RunProcess(argv, {{"LTRAIN_HOME", home.path()}});
+      EXPECT_EQ(result.exit_code, 0) << word << " " << command.front() << "\n" << result.output;
+    }
+  }
+  ProcessResult json = RunProcess({LtrainBinary(), "status"}, {{"LTRAIN_HOME", home.path()}});
+  EXPECT_EQ(json.output.rfind("{", 0), 0u) << json.output;
+}
+
 // `ltrain checkpoint inspect`: a committed step written the way the worker writes it (a
 // safetensors shard, meta.yaml, latest), read from its checkpoint directory or its step directory;
 // `--verify` re-hashes and finds a flipped byte; `-o json` for scripts.
