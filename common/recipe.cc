@@ -118,10 +118,20 @@ class RecipeReader {
 
   // Reports keys of `map` that are not in `known`.
   void CheckKeys(const YAML::Node& map, const std::string& prefix, const std::vector<std::string>& known) {
+    std::map<std::string, int> first_line;
     for (auto it = map.begin(); it != map.end(); ++it) {
       std::string key = it->first.Scalar();
-      if (std::find(known.begin(), known.end(), key) != known.end()) continue;
       std::string path = prefix.empty() ? key : prefix + "." + key;
+      // YAML reads the first of two equal keys and drops the other without a word: a section written
+      // again at the end of a recipe would change nothing.
+      if (auto [seen, inserted] = first_line.emplace(key, it->first.Mark().line + 1); !inserted) {
+        Error(it->first, path,
+              "'" + path + "' is given twice (first at line " + std::to_string(seen->second) +
+                  "), and only the first would count; keep one" +
+                  (prefix.empty() && map[key].IsMap() ? " section and move its keys into it" : ""));
+        continue;
+      }
+      if (std::find(known.begin(), known.end(), key) != known.end()) continue;
       std::string message = "unknown key '" + path + "'";
       std::string suggestion = Suggest(key, known);
       if (!suggestion.empty()) {
@@ -564,10 +574,11 @@ RecipeParseResult ParseRecipe(const std::string& yaml_text, const std::string& s
   }
 
   std::set<std::string> overridden;
+  std::vector<RecipeError> override_errors;
   for (const auto& entry : overrides) {
     size_t eq = entry.find('=');
     if (eq == std::string::npos || eq == 0) {
-      result.errors.push_back(RecipeError{"--set " + entry, 0, 0, "an override is KEY=VALUE, e.g. training.steps=200"});
+      override_errors.push_back(RecipeError{"--set " + entry, 0, 0, "an override is KEY=VALUE, e.g. training.steps=200"});
       continue;
     }
     std::string key = entry.substr(0, eq);
@@ -578,11 +589,11 @@ RecipeParseResult ParseRecipe(const std::string& yaml_text, const std::string& s
     try {
       value = YAML::Load(entry.substr(eq + 1));
     } catch (const YAML::ParserException& e) {
-      result.errors.push_back(RecipeError{"--set " + key, 0, 0, "value is not valid YAML: " + e.msg});
+      override_errors.push_back(RecipeError{"--set " + key, 0, 0, "value is not valid YAML: " + e.msg});
       continue;
     }
     if (parts.empty() || std::any_of(parts.begin(), parts.end(), [](const auto& p) { return p.empty(); })) {
-      result.errors.push_back(RecipeError{"--set " + key, 0, 0, "empty key segment in '" + key + "'"});
+      override_errors.push_back(RecipeError{"--set " + key, 0, 0, "empty key segment in '" + key + "'"});
       continue;
     }
     ApplyOverride(root, parts, 0, value);
@@ -599,6 +610,7 @@ RecipeParseResult ParseRecipe(const std::string& yaml_text, const std::string& s
   ApplyTopologyDefaults(root, r);
   CheckAcrossKeys(r, reader);
   result.errors = reader.TakeErrors();
+  result.errors.insert(result.errors.begin(), override_errors.begin(), override_errors.end());
   // In the order of the file (--set overrides, at line 0, first), as compilers list them.
   std::stable_sort(result.errors.begin(), result.errors.end(), [](const RecipeError& a, const RecipeError& b) {
     return a.file == b.file ? std::tie(a.line, a.column) < std::tie(b.line, b.column) : a.file < b.file;

@@ -185,7 +185,11 @@ INSTANTIATE_TEST_SUITE_P(
                 "must divide model.heads=4"},
         BadCase{"llama tp kv", "data: {path: /d}\nmodel: {arch: llama, heads: 6, d_model: 96, kv_heads: 3}\n"
                 "parallel: {nproc_per_node: 2, tp: 2}\n", 3, 35, "replicates them (tp a multiple of kv_heads)"},
-        BadCase{"llama init", "data: {path: /d}\nmodel: {arch: llama, init: pytorch}\n", 2, 28, "draws each parameter"}));
+        BadCase{"llama init", "data: {path: /d}\nmodel: {arch: llama, init: pytorch}\n", 2, 28, "draws each parameter"},
+        BadCase{"key twice", "data: {path: /d}\nmodel:\n  layers: 2\n  layers: 3\n", 4, 3,
+                "'model.layers' is given twice (first at line 3), and only the first would count"},
+        BadCase{"section twice", "data: {path: /d}\ntraining:\n  steps: 3\ntraining:\n  steps: 5000\n", 4, 1,
+                "'training' is given twice (first at line 2), and only the first would count; keep one section"}));
 
 TEST(RecipeTest, ElasticNodesAndLayoutKeysRoundTrip) {
   RecipeParseResult result = ParseRecipe(
@@ -264,6 +268,20 @@ TEST(RecipeTest, BadOverrideIsNamedByItsKey) {
   RecipeParseResult unknown = ParseRecipe(kGood, "tiny.yaml", {"training.stepz=3"});
   ASSERT_EQ(unknown.errors.size(), 1u);
   EXPECT_NE(unknown.errors[0].message.find("did you mean"), std::string::npos);
+}
+
+// An override that is not KEY=VALUE, or whose value is not YAML, is an error like a bad key: never dropped.
+TEST(RecipeTest, MalformedOverridesAreErrorsNotDropped) {
+  for (const std::string override : {"training.steps", "=5", "training.steps=[", "training..steps=5"}) {
+    RecipeParseResult result = ParseRecipe(kGood, "tiny.yaml", {override});
+    ASSERT_EQ(result.errors.size(), 1u) << override;
+    EXPECT_EQ(result.errors[0].file.rfind("--set ", 0), 0u) << result.errors[0].ToString();
+  }
+  // Beside the recipe's own errors, first.
+  RecipeParseResult both = ParseRecipe("data: {path: /d}\ntraining: {stepz: 3}\n", "r.yaml", {"training.steps"});
+  ASSERT_EQ(both.errors.size(), 2u);
+  EXPECT_EQ(both.errors[0].ToString(), "--set training.steps: an override is KEY=VALUE, e.g. training.steps=200");
+  EXPECT_NE(both.errors[1].message.find("did you mean 'training.steps'"), std::string::npos);
 }
 
 TEST(RecipeTest, MissingFileIsOneClearError) {
