@@ -133,6 +133,7 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
       report.set_rank(start.workers(i).rank());
       report.set_state("exited");
       report.set_exit_code(kWorkerExitNoRestart);
+      report.set_refused(true);
       report.add_log_tail("the agent on " + options_.node_id + " refused the start command: " + usable.message());
       outbox_.Send(std::move(report));
     }
@@ -213,6 +214,9 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
         "LTRAIN_BIND_ADDR=" + options_.bind_address,
     };
     if (!secret_file.empty()) spec.env.push_back("LTRAIN_AGENT_SECRET_FILE=" + secret_file);
+    if (start.last_committed_step() > 0) {
+      spec.env.push_back("LTRAIN_COMMITTED_STEP=" + std::to_string(start.last_committed_step()));
+    }
     // Rank 0 appends the job's steps and validation losses beside the ranks' logs, across generations.
     if (assignment.rank() == 0) spec.env.push_back("LTRAIN_METRICS_FILE=" + (dir.parent_path() / "metrics.jsonl").string());
     if (assignment.rank() == 0 && parsed.ok() && parsed.recipe.metrics.tensorboard) {
@@ -497,6 +501,8 @@ void Supervisor::Drain(Worker& worker, Batches& batches, bool final_read) {
     AddLine(worker, worker.partial, batches);
     worker.partial.clear();
   }
+  // The file is read while the job runs (tail -f) and must keep what came if the agent dies.
+  if (start > 0 || worker.output_fd < 0) worker.log.flush();
 }
 
 void Supervisor::AddLine(Worker& worker, const std::string& line, Batches& batches) {

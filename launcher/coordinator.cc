@@ -240,6 +240,7 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
     start->set_heartbeat_interval_ms(static_cast<int64_t>(recipe.fault.heartbeat_interval_s * 1000));
     // Every new generation restarts the program: after a failure, a resume or a change of nodes.
     start->set_restart_count(generation);
+    start->set_last_committed_step(job.job.last_committed_step());
     for (int local = 0; local < nproc; ++local) {
       v1::WorkerAssignment* worker = start->add_workers();
       worker->set_rank(i * nproc + local);
@@ -878,8 +879,11 @@ Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {
                     : report.signal() != 0   ? "was killed by signal " + SignalName(report.signal())
                                              : "exited with code " + std::to_string(report.exit_code());
   AddEventLocked(*job, "rank_exited", "rank " + std::to_string(report.rank()) + " " + how, report.rank());
-  // A worker that refused to start (kWorkerExitNoRestart) would refuse again after a restart.
-  const bool refused = report.signal() == 0 && report.exit_code() == kWorkerExitNoRestart;
+  // A worker that refused to start (kWorkerExitNoRestart) would refuse again after a restart. A program of
+  // the user's own (entrypoint.command) owns its exit codes: 3 is a failure like 1, restarted as torchrun
+  // restarts any.
+  const bool refused = report.refused() || (!job->recipe.runs_program() && report.signal() == 0 &&
+                                            report.exit_code() == kWorkerExitNoRestart);
   auto cause = [&] {
     std::string text = "rank " + std::to_string(report.rank()) + " on " + report.node_id() + " " + how;
     if (report.log_tail_size() > 0) {

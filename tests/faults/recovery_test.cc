@@ -336,6 +336,39 @@ TEST_F(RecoveryTest, ResumeContinuesAFailedJobFromItsLastCommit) {
   EXPECT_NE(twice.output.find("only a FAILED or STOPPED job can be resumed"), std::string::npos) << twice.output;
 }
 
+// The job's checkpoint directory removed after it committed: `ltrain resume` refuses to train from step 1
+// under the old job (which would say it resumed), names the directory and the step, and restarts nothing.
+TEST_F(RecoveryTest, ResumeWithItsCheckpointsGoneFailsAndSaysSo) {
+  std::string recipe = Recipe("gone", "training: {steps: 30, micro_batch: 4, global_batch: 8, log_every: 1}\n"
+                                      "parallel: {nproc_per_node: 2}\n"
+                                      "checkpoint: {every: 5}\n"
+                                      "fault: {max_restarts: 2, restart_backoff_s: 0.1}\n");
+  Subprocess launch({LtrainBinary(), "launch", recipe}, Env("home"));
+  ASSERT_TRUE(launch.WaitForOutput("[rank 0] step 12/", seconds(60))) << launch.Output();
+  // The node's log of each rank has what the launch printed while the job runs (tail -f works).
+  EXPECT_NE(ReadFile(dir_.Join("home/agent-local/jobs/gone-1/gen-0/rank-0.log")).find("step 12/"), std::string::npos);
+  ProcessResult stop = RunProcess({LtrainBinary(), "stop", "gone-1"}, Env("home"), seconds(60));
+  ASSERT_EQ(stop.exit_code, 0) << stop.output;
+  ASSERT_EQ(launch.Wait(seconds(30)).exit_code, 4);
+  const int64_t committed = Status("home", "gone-1").last_committed_step();
+  ASSERT_GE(committed, 5);
+  const std::string checkpoints = dir_.Join("home/checkpoints/gone-1");
+  ASSERT_TRUE(fs::exists(checkpoints + "/latest"));
+  fs::remove_all(checkpoints);
+
+  ProcessResult resumed = RunProcess({LtrainBinary(), "resume", "gone-1"}, Env("home"), seconds(120));
+  EXPECT_EQ(resumed.exit_code, 1) << resumed.output;
+  EXPECT_NE(resumed.output.find("job gone-1 committed step " + std::to_string(committed) + " in " + checkpoints +
+                                ", and that directory holds no checkpoint now"),
+            std::string::npos)
+      << resumed.output;
+  EXPECT_EQ(resumed.output.find("[rank 0] step 1/"), std::string::npos) << "nothing trained\n" << resumed.output;
+  v1::Job job = Status("home", "gone-1");
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(job.restarts(), 0) << "a restart would find the same";
+  EXPECT_EQ(job.last_committed_step(), committed);
+}
+
 // `ltrain stop --checkpoint` mid-run: both ranks train on to one step past the last periodic commit,
 // commit a checkpoint of it and exit 0; the job is STOPPED with that commit, and `ltrain resume`
 // trains from the step after it to the end.

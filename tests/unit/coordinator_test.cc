@@ -619,6 +619,42 @@ TEST_F(CoordinatorTest, AWorkerThatRefusesToStartFailsTheJobWithoutRestarts) {
   EXPECT_NE(job.cause().find("rank 0 on a exited with code 3"), std::string::npos) << job.cause();
 }
 
+constexpr const char* kRestartingProgram = R"(name: unit
+entrypoint: {command: [/bin/false]}
+parallel: {nodes: {min: 1, max: 2}, nproc_per_node: 2}
+fault: {max_restarts: 2, restart_backoff_s: 1, restart_backoff_max_s: 1.5, hang_timeout_s: 10}
+)";
+
+// A program of the user's own (entrypoint.command) that exits with code 3 restarts as with any other code;
+// only ltrain's worker, or the agent refusing the start command, means "a restart would be refused".
+TEST_F(CoordinatorTest, AUsersProgramExitingWithThreeRestarts) {
+  Connect("a");
+  Connect("b");
+  const std::string program = kRestartingProgram;
+  StatusOr<v1::Job> submitted = coordinator_->Submit(program, "unit.yaml");
+  ASSERT_TRUE(submitted.ok()) << submitted.status().message();
+  const std::string id = submitted->id();
+  ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, 0, kWorkerExitNoRestart)).ok());
+  v1::Job job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_RESTARTING) << job.cause();
+  EXPECT_EQ(job.restarts(), 1);
+}
+
+TEST_F(CoordinatorTest, AnAgentsRefusalOfAProgramFailsTheJobWithoutRestarts) {
+  Connect("a");
+  Connect("b");
+  const std::string program = kRestartingProgram;
+  StatusOr<v1::Job> submitted = coordinator_->Submit(program, "unit.yaml");
+  ASSERT_TRUE(submitted.ok()) << submitted.status().message();
+  const std::string id = submitted->id();
+  v1::WorkerStateReport refusal = Exit(id, 0, kWorkerExitNoRestart);
+  refusal.set_refused(true);
+  ASSERT_TRUE(coordinator_->ReportWorkerState(refusal).ok());
+  v1::Job job = *coordinator_->GetJob(id);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_EQ(job.restarts(), 0);
+}
+
 // One rank refuses to start (missing data, exit code 3) while its peer is still connecting: the peer's
 // connection error may reach the coordinator first and schedule a restart. The refusal, arriving
 // during the backoff, ends the job instead: a restart would be refused again.

@@ -51,5 +51,20 @@ TEST(EnvSwitchTest, ZeroOrOneOrUnset) {
   EXPECT_EQ(value, 0);
 }
 
+// The job's newest commit, as the agent passes it: a step past 2^31 reads whole; a word is refused.
+TEST(WorkerEnvTest, CommittedStepIsAnInt64) {
+  StatusOr<WorkerEnv> none = ParseWorkerEnv(EnvironmentOf({}), {});
+  ASSERT_TRUE(none.ok());
+  EXPECT_EQ(none->committed_step, 0);
+  StatusOr<WorkerEnv> large = ParseWorkerEnv(EnvironmentOf({"LTRAIN_COMMITTED_STEP=4294967296"}), {});
+  ASSERT_TRUE(large.ok()) << large.status().message();
+  EXPECT_EQ(large->committed_step, int64_t{4294967296});
+  StatusOr<WorkerEnv> bad = ParseWorkerEnv(EnvironmentOf({"LTRAIN_COMMITTED_STEP=12x"}), {});
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().message(), "LTRAIN_COMMITTED_STEP='12x' is not an integer");
+  int narrow = 0;
+  EXPECT_FALSE(EnvInt(EnvironmentOf({"LTRAIN_GENERATION=4294967296"}), "LTRAIN_GENERATION", &narrow).ok());
+}
+
 }  // namespace
 }  // namespace ltrain::worker

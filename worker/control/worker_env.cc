@@ -2,6 +2,7 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <stdexcept>
 
@@ -39,19 +40,29 @@ std::string Get(const EnvLookup& env, const char* name, const std::string& fallb
 
 std::string EnvString(const char* name, const std::string& fallback) { return Get(ProcessEnvironment(), name, fallback); }
 
-Status EnvInt(const EnvLookup& env, const char* name, int* out) {
+namespace {
+
+template <typename Int>
+Status ParseEnvInt(const EnvLookup& env, const char* name, Int* out) {
   std::string v = Get(env, name);
   if (v.empty()) return Status::Ok();
   try {
     size_t used = 0;
-    int parsed = std::stoi(v, &used);
-    if (used != v.size()) throw std::invalid_argument(v);
-    *out = parsed;
+    const long long parsed = std::stoll(v, &used);
+    if (used != v.size() || parsed < std::numeric_limits<Int>::min() || parsed > std::numeric_limits<Int>::max()) {
+      throw std::invalid_argument(v);
+    }
+    *out = static_cast<Int>(parsed);
   } catch (const std::exception&) {
     return InvalidArgument(std::string(name) + "='" + v + "' is not an integer");
   }
   return Status::Ok();
 }
+
+}  // namespace
+
+Status EnvInt(const EnvLookup& env, const char* name, int* out) { return ParseEnvInt(env, name, out); }
+Status EnvInt(const EnvLookup& env, const char* name, int64_t* out) { return ParseEnvInt(env, name, out); }
 
 Status EnvSwitch(const EnvLookup& env, const char* name, int* out) {
   const std::string v = Get(env, name);
@@ -97,6 +108,7 @@ StatusOr<WorkerEnv> ParseWorkerEnv(const EnvLookup& environment, const std::vect
                              {"LTRAIN_GENERATION", &env.generation}}) {
     LTRAIN_RETURN_IF_ERROR(EnvInt(environment, name, field));
   }
+  LTRAIN_RETURN_IF_ERROR(EnvInt(environment, "LTRAIN_COMMITTED_STEP", &env.committed_step));
   env.recipe_file = Get(environment, "LTRAIN_RECIPE_FILE");
   env.rdzv = Get(environment, "LTRAIN_RDZV");
   env.rdzv_scope = Get(environment, "LTRAIN_RDZV_SCOPE", env.job_id.empty() ? "manual" : env.job_id);

@@ -22,6 +22,7 @@ struct WorkerEnv {
   int local_rank = 0;
   int local_world_size = 1;
   int generation = 0;
+  int64_t committed_step = 0;          // LTRAIN_COMMITTED_STEP: the job's newest commit the coordinator recorded
   std::string recipe_file;
   std::vector<std::string> overrides;  // --set key=value
   std::string rdzv;                    // grpc://HOST:PORT or file:///DIR
@@ -63,6 +64,7 @@ StatusOr<ProfileWindow> ParseProfileWindow(const std::string& value);
 std::string EnvString(const char* name, const std::string& fallback = "");
 // An integer variable of `env` into `out`; unset leaves `out` alone, a malformed value is an error.
 Status EnvInt(const EnvLookup& env, const char* name, int* out);
+Status EnvInt(const EnvLookup& env, const char* name, int64_t* out);
 // A switch of `env`, 0 or 1, into `out`; unset leaves `out` alone, any other value is an error.
 Status EnvSwitch(const EnvLookup& env, const char* name, int* out);
 

@@ -239,6 +239,13 @@ Status Run(const WorkerEnv& env) {
   if (env.generation > 0 && !options.checkpoint_dir.empty() &&
       std::filesystem::exists(std::filesystem::path(options.checkpoint_dir) / "latest", ec)) {
     recipe.checkpoint.resume_from = options.checkpoint_dir;
+  } else if (env.generation > 0 && env.committed_step > 0 && !options.checkpoint_dir.empty()) {
+    // The job committed there, and the commits are gone: starting over would train from step 1 what the
+    // job had trained, and overwrite nothing the user could still put back. A restart would find the same.
+    return FailedPrecondition(
+        "job " + env.job_id + " committed step " + std::to_string(env.committed_step) + " in " + options.checkpoint_dir +
+        ", and that directory holds no checkpoint now (removed or moved?). Put it back and `ltrain resume " + env.job_id +
+        "` again, or `ltrain launch` the recipe again to train from the start");
   }
 
   // `ltrain stop --checkpoint` reaches this rank in the agent's replies to its progress reports.
