@@ -666,6 +666,30 @@ int FfnWidth(const ModelSpec& m) {
   return static_cast<int>((width + 63) / 64 * 64);
 }
 
+std::string ModelShapeDifferences(const ModelSpec& saved, const ModelSpec& current) {
+  std::string differences;
+  auto compare = [&](const char* key, const std::string& a, const std::string& b) {
+    if (a == b) return;
+    differences += (differences.empty() ? "" : ", ") + std::string("model.") + key + " " + a + " (this recipe: " + b + ")";
+  };
+  auto number = [](int64_t v) { return std::to_string(v); };
+  compare("arch", std::string(NameOf(saved.arch)), std::string(NameOf(current.arch)));
+  compare("layers", number(saved.layers), number(current.layers));
+  compare("d_model", number(saved.d_model), number(current.d_model));
+  compare("heads", number(saved.heads), number(current.heads));
+  // Unset, these two follow heads and d_model, whose difference is then said once.
+  if (saved.kv_heads > 0 || current.kv_heads > 0) compare("kv_heads", number(KvHeads(saved)), number(KvHeads(current)));
+  if (saved.d_model == current.d_model || saved.ffn > 0 || current.ffn > 0) {
+    compare("ffn", number(FfnWidth(saved)), number(FfnWidth(current)));
+  }
+  compare("vocab", number(saved.vocab), number(current.vocab));
+  compare("tie_embeddings", saved.tie_embeddings ? "true" : "false", current.tie_embeddings ? "true" : "false");
+  if (saved.arch == Arch::kGpt2 && current.arch == Arch::kGpt2) {
+    compare("seq_len", number(saved.seq_len), number(current.seq_len));
+  }
+  return differences;
+}
+
 int64_t ApproxParameterCount(const ModelSpec& m) {
   const int64_t d = m.d_model;
   const int64_t f = FfnWidth(m);

@@ -262,6 +262,10 @@ int64_t ApproxParameterCount(const ModelSpec& model);
 int KvHeads(const ModelSpec& model);
 // The MLP's hidden width: 4*d_model for gpt2, model.ffn (or its default) for llama.
 int FfnWidth(const ModelSpec& model);
+// Where `saved` and `current` differ in a key that gives the parameters their shapes, each as
+// "model.d_model 128 (this recipe: 32)", joined by ", "; empty when one's parameters fit the other.
+// seq_len counts only for gpt2 (its learned positions); rope_theta and norm_eps change no shape.
+std::string ModelShapeDifferences(const ModelSpec& saved, const ModelSpec& current);
 
 // The bytes of training state a checkpoint holds: fp32 weights and AdamW's two moments.
 int64_t ApproxCheckpointBytes(const ModelSpec& model);

@@ -363,6 +363,35 @@ TEST_F(CheckpointTest, ACheckpointDirectoryNamedLikeAStepResumesOnEveryRank) {
   EXPECT_NE(resumed.log0.find("resumed from " + dir + "/step-10 at step 10"), std::string::npos) << resumed.log0;
 }
 
+// A checkpoint of another model (other layers and heads here) is refused before training, naming the keys
+// that differ: its shards' ranges could cover this model's parameters, which would then train on
+// misplaced weights. Both ranks end, rank 0 with exit code 3 (a restart would be refused again).
+TEST_F(CheckpointTest, ACheckpointOfAnotherModelIsRefusedNamingTheKeys) {
+  RunResult first = Run("othermodel_first", 1, "othermodel_ck", "--set training.steps=5");
+  ASSERT_EQ(first.rc, 0) << first.log0;
+  const fs::path ck = Dir() / "othermodel_ck";
+  const std::string other = "--set model.layers=1 --set model.heads=4 --set training.steps=10 --set checkpoint.resume_from=" +
+                            ck.string();
+  RunResult resumed = Run("othermodel_resume", 2, "othermodel_out", other);
+  EXPECT_NE(resumed.rc, 0);
+  EXPECT_NE(resumed.log0.find("checkpoint " + (ck / "step-5").string() +
+                              " was saved by another model: model.layers 2 (this recipe: 1), model.heads 2 (this "
+                              "recipe: 4). Resume it with the recipe that saved it"),
+            std::string::npos)
+      << resumed.log0;
+  EXPECT_EQ(resumed.log0.find("step 6/"), std::string::npos) << resumed.log0;
+  EXPECT_EQ(resumed.log1.find("step 6/"), std::string::npos) << resumed.log1;
+  const int status = std::system(("OMP_NUM_THREADS=1 " + WorkerBin() + " --recipe " + (Dir() / "r.yaml").string() +
+                                  " --set checkpoint.dir=" + (Dir() / "othermodel_out1").string() + " " + other +
+                                  " > /dev/null 2>&1")
+                                     .c_str());
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 3) << status;
+  // The same model in another layout is no other model.
+  RunResult same = Run("othermodel_same", 2, "othermodel_same_ck",
+                       "--set training.steps=7 --set checkpoint.resume_from=" + ck.string());
+  EXPECT_EQ(same.rc, 0) << same.log0;
+}
+
 TEST_F(CheckpointTest, AnotherJobsCheckpointDirectoryIsRefused) {
   RunResult owner = Run("own_first", 1, "own_ck", "--set training.steps=5", "LTRAIN_JOB_ID=owner-1");
   ASSERT_EQ(owner.rc, 0) << owner.log0;

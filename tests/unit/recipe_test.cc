@@ -343,5 +343,36 @@ TEST(RecipeTest, TheDefaultPrecisionKeepsAnFp32ResidualStreamOnGpus) {
   }
 }
 
+// What a resume compares: the keys that shape the parameters, with kv_heads and ffn resolved.
+TEST(RecipeTest, ModelShapeDifferencesNameTheKeysThatShapeTheParameters) {
+  ModelSpec saved;
+  EXPECT_EQ(ModelShapeDifferences(saved, saved), "");
+  ModelSpec smaller = saved;
+  smaller.d_model = 32;
+  smaller.layers = 1;
+  EXPECT_EQ(ModelShapeDifferences(saved, smaller), "model.layers 2 (this recipe: 1), model.d_model 128 (this recipe: 32)");
+  // Only the function changes: no difference.
+  ModelSpec llama = saved;
+  llama.arch = Arch::kLlama;
+  ModelSpec longer = llama;
+  longer.seq_len = 4096;
+  longer.rope_theta = 1e6;
+  EXPECT_EQ(ModelShapeDifferences(llama, longer), "");
+  // gpt2's learned positions have seq_len rows.
+  ModelSpec gpt_longer = saved;
+  gpt_longer.seq_len = 128;
+  EXPECT_EQ(ModelShapeDifferences(saved, gpt_longer), "model.seq_len 64 (this recipe: 128)");
+  // kv_heads 0 is model.heads: the same shapes.
+  ModelSpec explicit_kv = llama;
+  explicit_kv.kv_heads = llama.heads;
+  EXPECT_EQ(ModelShapeDifferences(llama, explicit_kv), "");
+  ModelSpec grouped = llama;
+  grouped.kv_heads = 2;
+  EXPECT_EQ(ModelShapeDifferences(llama, grouped), "model.kv_heads 4 (this recipe: 2)");
+  ModelSpec wider = llama;
+  wider.ffn = 1024;
+  EXPECT_EQ(ModelShapeDifferences(llama, wider), "model.ffn 384 (this recipe: 1024)");
+}
+
 }  // namespace
 }  // namespace ltrain

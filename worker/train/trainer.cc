@@ -405,6 +405,21 @@ Status Trainer::Init() {
   return Status::Ok();
 }
 
+// A checkpoint whose saved recipe gives the parameters other shapes is refused before a byte is read: the
+// ranges of the shards could still cover what this model needs, and it would train on misplaced weights.
+// (A saved recipe that does not read, from an older format, is left to the shards' own checks.)
+StatusOr<ResumeChoice> Trainer::RefuseAnotherModel(ResumeChoice choice) const {
+  StatusOr<std::string> yaml = ReadCheckpointRecipeYaml(choice.step_dir);
+  if (!yaml.ok()) return choice;
+  const RecipeParseResult saved = ParseRecipe(*yaml, choice.step_dir + "/meta.yaml");
+  if (!saved.ok()) return choice;
+  const std::string differences = ModelShapeDifferences(saved.recipe.model, recipe_.model);
+  if (differences.empty()) return choice;
+  return FailedPrecondition("checkpoint " + choice.step_dir + " was saved by another model: " + differences +
+                            ". Resume it with the recipe that saved it (its meta.yaml holds that recipe), or train "
+                            "this model without checkpoint.resume_from");
+}
+
 // Rank 0 picks the checkpoint (meta.yaml, files present with their sizes) and tells the others
 // which step; every rank reads and verifies the files it needs; a file that does not verify, on any
 // rank, sends every rank to the next older commit.
@@ -423,6 +438,7 @@ Status Trainer::Resume(const std::string& path) {
     int64_t chosen = -1;
     if (rank == 0) {
       choice = ChooseResumeCheckpoint(path, rejected);
+      if (choice.ok()) choice = RefuseAnotherModel(std::move(*choice));
       if (choice.ok()) {
         chosen = choice->meta.step;
         for (const std::string& why : choice->skipped) {

@@ -187,6 +187,8 @@ class Trainer {
   // Rank 0 picks the checkpoint; every rank reads and verifies what it needs; the ranks agree on the
   // outcome (a collective), and all apply it or all move to the next older commit.
   Status Resume(const std::string& path);
+  // `choice`, or FailedPrecondition when its saved recipe's model has parameters of other shapes.
+  StatusOr<ResumeChoice> RefuseAnotherModel(ResumeChoice choice) const;
   // The shards of a checkpoint this rank needs, in host memory, verified: per file, its name and
   // its tensors by key.
   struct LoadedShards {
