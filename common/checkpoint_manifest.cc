@@ -1,6 +1,8 @@
 #include "common/checkpoint_manifest.h"
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 
@@ -276,6 +278,25 @@ std::vector<int64_t> StepsToPrune(std::vector<CommittedStep> steps, int keep, in
     prune.push_back(s.step);
   }
   return prune;
+}
+
+Status CheckCheckpointDirWritable(const std::string& dir, int rank) {
+  namespace fs = std::filesystem;
+  auto refuse = [&](const std::string& why) {
+    return FailedPrecondition("checkpoint.dir " + dir + " cannot be written: " + why +
+                              "; set checkpoint.dir to a directory every node can write (or checkpoint.enabled: false)");
+  };
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (ec) return refuse(ec.message());
+  const fs::path probe = fs::path(dir) / (".write-test-rank-" + std::to_string(rank));
+  {
+    std::ofstream out(probe, std::ios::trunc);
+    if (!(out << "ltrain\n") || !(out.flush())) return refuse(std::strerror(errno));
+  }
+  fs::remove(probe, ec);
+  if (ec) return refuse("removing " + probe.string() + ": " + ec.message());
+  return Status::Ok();
 }
 
 std::optional<CommittedStep> ForeignCheckpoint(const std::string& dir, const std::string& job_id) {

@@ -98,6 +98,11 @@ std::vector<int64_t> StepsToPrune(std::vector<CommittedStep> steps, int keep, in
 // A committed step in `dir` written by another job than `job_id` (the first found, newest step
 // first), if any.
 std::optional<CommittedStep> ForeignCheckpoint(const std::string& dir, const std::string& job_id);
+// Creates `dir` if it is missing and writes and removes a file in it (named for `rank`, so that the
+// ranks of a node may check at once): FailedPrecondition naming the directory, the reason and the fix
+// when this process cannot. A job checks before training, not at its first save, where the ranks
+// would wait on each other for a commit that cannot come.
+Status CheckCheckpointDirWritable(const std::string& dir, int rank);
 // Why `dir` cannot take `who`'s checkpoints (who: "job JOB", "this job") and what to do instead.
 std::string CheckpointOwnershipError(const std::string& dir, const CommittedStep& owner, const std::string& who);
 

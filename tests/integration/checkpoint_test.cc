@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <initializer_list>
@@ -390,6 +391,26 @@ TEST_F(CheckpointTest, ACheckpointOfAnotherModelIsRefusedNamingTheKeys) {
   RunResult same = Run("othermodel_same", 2, "othermodel_same_ck",
                        "--set training.steps=7 --set checkpoint.resume_from=" + ck.string());
   EXPECT_EQ(same.rc, 0) << same.log0;
+}
+
+// A checkpoint directory that cannot be written fails every rank before training, at once and with
+// exit code 3, instead of the ranks waiting on each other for the first commit.
+TEST_F(CheckpointTest, AnUnwritableCheckpointDirectoryFailsBeforeTraining) {
+  std::ofstream(Dir() / "in_the_way") << "a file";
+  const auto start = std::chrono::steady_clock::now();
+  RunResult blocked = Run("unwritable", 2, "in_the_way/ck", "--set training.steps=10");
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 30.0);
+  EXPECT_NE(blocked.rc, 0);
+  for (const std::string& log : {blocked.log0, blocked.log1}) {
+    EXPECT_NE(log.find("checkpoint.dir " + (Dir() / "in_the_way" / "ck").string() + " cannot be written: "),
+              std::string::npos)
+        << log;
+    EXPECT_EQ(log.find("step 1/"), std::string::npos) << log;
+  }
+  const int status = std::system(("OMP_NUM_THREADS=1 " + WorkerBin() + " --recipe " + (Dir() / "r.yaml").string() +
+                                  " --set checkpoint.dir=" + (Dir() / "in_the_way" / "ck").string() + " > /dev/null 2>&1")
+                                     .c_str());
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 3) << status;
 }
 
 TEST_F(CheckpointTest, AnotherJobsCheckpointDirectoryIsRefused) {

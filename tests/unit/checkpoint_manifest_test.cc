@@ -132,6 +132,28 @@ TEST_F(CheckpointManifestTest, RankManifestsMerge) {
 
 // A run that went to step 20, then again (same job) to step 10: the newest commits are steps 5 and
 // 10, whatever their numbers; `latest` is never pruned.
+// A checkpoint directory is made if missing, and one that cannot be (a file in the way) or cannot be
+// written is refused naming it, the reason and the fix; the probe leaves nothing behind.
+TEST_F(CheckpointManifestTest, ACheckpointDirectoryIsCheckedWritableBeforeTraining) {
+  const std::string made = (dir_ / "new" / "ck").string();
+  ASSERT_TRUE(CheckCheckpointDirWritable(made, 3).ok());
+  EXPECT_TRUE(fs::is_directory(made));
+  EXPECT_TRUE(fs::is_empty(made));
+  std::ofstream(dir_ / "afile") << "x";
+  const Status blocked = CheckCheckpointDirWritable((dir_ / "afile" / "ck").string(), 0);
+  ASSERT_FALSE(blocked.ok());
+  EXPECT_EQ(blocked.code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(blocked.message().rfind("checkpoint.dir " + (dir_ / "afile" / "ck").string() + " cannot be written: ", 0), 0u)
+      << blocked.message();
+  EXPECT_NE(blocked.message().find("set checkpoint.dir to a directory every node can write"), std::string::npos);
+  if (::geteuid() != 0) {  // root writes anywhere
+    fs::create_directories(dir_ / "readonly");
+    fs::permissions(dir_ / "readonly", fs::perms::owner_read | fs::perms::owner_exec);
+    EXPECT_FALSE(CheckCheckpointDirWritable((dir_ / "readonly").string(), 0).ok());
+    fs::permissions(dir_ / "readonly", fs::perms::owner_all);
+  }
+}
+
 TEST(CheckpointPruneTest, KeepsTheNewestCommitsNotTheHighestSteps) {
   std::vector<CommittedStep> steps = {{5, 5, "j", true}, {10, 6, "j", true}, {15, 3, "j", true}, {20, 4, "j", true}};
   EXPECT_EQ(StepsToPrune(steps, 2, 10), (std::vector<int64_t>{20, 15}));

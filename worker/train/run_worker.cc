@@ -226,6 +226,7 @@ Status Run(const WorkerEnv& env) {
   // A checkpoint directory belongs to one job: another job's commits there would be pruned and
   // mixed with this one's. Every rank looks (the directory is shared), before anything is written.
   if (!options.checkpoint_dir.empty()) {
+    LTRAIN_RETURN_IF_ERROR(CheckCheckpointDirWritable(options.checkpoint_dir, env.rank));
     if (std::optional<CommittedStep> owner = ForeignCheckpoint(options.checkpoint_dir, env.job_id)) {
       return FailedPrecondition(CheckpointOwnershipError(
           options.checkpoint_dir, *owner, env.job_id.empty() ? "this run (no job id)" : "job " + env.job_id));
