@@ -222,9 +222,7 @@ class AgentImpl : public Agent, private SupervisorOutbox {
     request.mutable_facts()->set_hostname(host);
     request.mutable_facts()->set_address(options_.bind_address);
     request.mutable_facts()->set_cpus(static_cast<int>(std::thread::hardware_concurrency()));
-    int gpus = 0;
-    for (int i = 0; i < 64; ++i) gpus += fs::exists("/dev/nvidia" + std::to_string(i)) ? 1 : 0;
-    request.mutable_facts()->set_gpus(gpus);
+    request.mutable_facts()->set_gpus(LocalGpuCount());
     bool warned = false;
     RealClock clock;
     int64_t lost_since = -1;
@@ -480,6 +478,12 @@ class AgentImpl : public Agent, private SupervisorOutbox {
 };
 
 }  // namespace
+
+int LocalGpuCount() {
+  int gpus = 0;
+  for (int i = 0; i < 64; ++i) gpus += fs::exists("/dev/nvidia" + std::to_string(i)) ? 1 : 0;
+  return gpus;
+}
 
 std::string DefaultWorkerBinary() {
   if (const char* env = getenv("LTRAIN_WORKER_BIN"); env && *env) return env;

@@ -52,5 +52,8 @@ class Agent {
 
 // ltrain-worker beside the running executable, or $LTRAIN_WORKER_BIN.
 std::string DefaultWorkerBinary();
+// The GPUs this machine has, as their device files (/dev/nvidia0, /dev/nvidia1, ...) say: what an agent
+// reports, and what a cuda job needs more than none of.
+int LocalGpuCount();
 
 }  // namespace ltrain::agent

@@ -5,6 +5,7 @@
 #include <filesystem>
 #include <memory>
 
+#include "agent/agent.h"
 #include "cmd/cli_support.h"
 #include "cmd/commands.h"
 #include "cmd/run_job.h"
@@ -72,6 +73,24 @@ int SubmitRecipe(Recipe recipe, const std::string& source, bool slurm, const Run
   if (std::string problem = recipe.runs_program() ? "" : DataProblem(recipe); !problem.empty()) {
     std::fprintf(stderr, "%s: %s\n", source.c_str(), problem.c_str());
     return kExitInvalid;
+  }
+  // Standalone, this machine is the only node there will be: a job it cannot run would wait forever.
+  if (!slurm && run.coordinator.empty()) {
+    if (recipe.parallel.nodes_min > 1) {
+      std::fprintf(stderr,
+                   "%s: parallel.nodes asks for %d nodes, and a standalone %s runs on this machine alone. For "
+                   "several nodes, run `ltrain coordinator` on one host and `ltrain agent --coordinator HOST:PORT` "
+                   "on each node, then add --coordinator HOST:PORT here (or --slurm inside an allocation)\n",
+                   source.c_str(), recipe.parallel.nodes_min, command);
+      return kExitInvalid;
+    }
+    if (recipe.parallel.device == Device::kCuda && agent::LocalGpuCount() == 0) {
+      std::fprintf(stderr,
+                   "%s: parallel.device is cuda, and this machine has no GPU (no /dev/nvidia0, /dev/nvidia1, ...); "
+                   "set parallel.device: cpu (--device cpu for ltrain run), or launch where the GPUs are\n",
+                   source.c_str());
+      return kExitInvalid;
+    }
   }
   return RunJob(run, security, [&](CoordinatorClient& client) -> std::variant<BegunJob, int> {
     v1::SubmitJobRequest submit;

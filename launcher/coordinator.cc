@@ -154,12 +154,25 @@ StatusOr<v1::Job> Coordinator::Submit(const std::string& recipe_yaml, const std:
   return job.job;
 }
 
-std::vector<std::string> Coordinator::FreeNodesLocked() const {
+std::vector<std::string> Coordinator::FreeNodesLocked(const Recipe& recipe) const {
+  const bool needs_gpu = recipe.parallel.device == Device::kCuda;
   std::vector<std::string> free_nodes;
   for (const auto& [id, node] : nodes_) {
-    if (node.connected && node.jobs.empty()) free_nodes.push_back(id);
+    if (node.connected && node.jobs.empty() && (!needs_gpu || node.facts.gpus() > 0)) free_nodes.push_back(id);
   }
   return free_nodes;
+}
+
+std::string Coordinator::FreeNodesText(const Recipe& recipe, size_t free_nodes) const {
+  size_t without_gpu = 0;
+  for (const auto& [id, node] : nodes_) {
+    if (node.connected && node.jobs.empty() && node.facts.gpus() == 0) ++without_gpu;
+  }
+  std::string text = std::to_string(free_nodes) + " free";
+  if (recipe.parallel.device == Device::kCuda && without_gpu > 0) {
+    text += " with a GPU (" + std::to_string(without_gpu) + " idle without one, and parallel.device is cuda)";
+  }
+  return text;
 }
 
 void Coordinator::ScheduleLocked() {
@@ -169,12 +182,12 @@ void Coordinator::ScheduleLocked() {
       it = pending_.erase(it);
       continue;
     }
-    std::vector<std::string> free_nodes = FreeNodesLocked();
+    std::vector<std::string> free_nodes = FreeNodesLocked(job->recipe);
     if (static_cast<int>(free_nodes.size()) < job->recipe.parallel.nodes_min) {
       if (!job->waiting_reported) {
         job->waiting_reported = true;
         AddEventLocked(*job, "waiting",
-                       "waiting for nodes: " + std::to_string(free_nodes.size()) + " free, " +
+                       "waiting for nodes: " + FreeNodesText(job->recipe, free_nodes.size()) + ", " +
                            std::to_string(job->recipe.parallel.nodes_min) + " needed; start `ltrain agent` on more nodes",
                        -1);
       }
@@ -1183,13 +1196,13 @@ void Coordinator::Tick() {
       AbandonCheckpointStopLocked(job, "the ranks did not commit it within " + Seconds(job.stop_timeout_ms));
     }
     if (job.job.state() == v1::JOB_STATE_RESTARTING && now >= job.restart_at_ms) {
-      std::vector<std::string> free_nodes = FreeNodesLocked();
+      std::vector<std::string> free_nodes = FreeNodesLocked(job.recipe);
       if (static_cast<int>(free_nodes.size()) >= job.recipe.parallel.nodes_min) {
         StartGenerationLocked(job, free_nodes);
       } else if (!job.waiting_reported) {
         job.waiting_reported = true;
         AddEventLocked(job, "waiting",
-                       "waiting for nodes: " + std::to_string(free_nodes.size()) + " free, at least " +
+                       "waiting for nodes: " + FreeNodesText(job.recipe, free_nodes.size()) + ", at least " +
                            std::to_string(job.recipe.parallel.nodes_min) + " needed",
                        -1);
       }
@@ -1198,7 +1211,7 @@ void Coordinator::Tick() {
     if (job.job.state() == v1::JOB_STATE_RUNNING && !job.stopping &&
         job.job.nodes_now() < job.recipe.parallel.nodes_max &&
         job.job.last_committed_step() > job.committed_at_start) {
-      std::vector<std::string> free_nodes = FreeNodesLocked();
+      std::vector<std::string> free_nodes = FreeNodesLocked(job.recipe);
       if (!free_nodes.empty()) {
         std::vector<std::string> nodes = job.nodes;
         nodes.insert(nodes.end(), free_nodes.begin(), free_nodes.end());

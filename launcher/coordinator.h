@@ -237,7 +237,10 @@ class Coordinator {
   // Retention: removes old records (off the lock, on the writer's thread) and drops jobs that
   // ended a while ago from memory.
   void SweepLocked();
-  std::vector<std::string> FreeNodesLocked() const;
+  // Connected nodes running no job that can run `recipe`'s ranks: a cuda job needs a node with a GPU.
+  std::vector<std::string> FreeNodesLocked(const Recipe& recipe) const;
+  // "N free, M needed", and why the other idle nodes do not count.
+  std::string FreeNodesText(const Recipe& recipe, size_t free_nodes) const;
   ActiveJob* FindLocked(const std::string& job_id);
 
   StateStore* store_;

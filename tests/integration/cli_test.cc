@@ -207,6 +207,35 @@ TEST(CliTest, DetachWithoutACoordinatorIsRefusedWithTheReason) {
   EXPECT_EQ(result.output.find("submitted"), std::string::npos) << "no job may start: " << result.output;
 }
 
+// Standalone, this machine is the only node: a job that needs more nodes, or a GPU it lacks, is refused
+// at once instead of waiting forever for nodes that cannot come.
+TEST(CliTest, AStandaloneLaunchRefusesWhatThisMachineCannotRun) {
+  TempDir dir;
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += "to be or not to be, that is the question.\n";
+  ASSERT_EQ(RunProcess({LtrainBinary(), "data", "prepare", "--input", dir.Write("in.txt", text), "--output",
+                        dir.Join("data")}).exit_code, 0);
+  std::string recipe = dir.Write("r.yaml", "name: r\ndata: {path: " + dir.Join("data") + "}\n");
+  const std::map<std::string, std::string> env = {{"LTRAIN_HOME", dir.Join("home")}};
+  ProcessResult nodes = RunProcess({LtrainBinary(), "launch", recipe, "--set", "parallel.nodes=2"}, env,
+                                   std::chrono::seconds(20));
+  EXPECT_EQ(nodes.exit_code, 2) << nodes.output;
+  EXPECT_NE(nodes.output.find("parallel.nodes asks for 2 nodes, and a standalone ltrain launch runs on this machine alone"),
+            std::string::npos)
+      << nodes.output;
+  ProcessResult program = RunProcess({LtrainBinary(), "run", "--nodes", "3", "--", "true"}, env, std::chrono::seconds(20));
+  EXPECT_EQ(program.exit_code, 2) << program.output;
+  if (!fs::exists("/dev/nvidia0")) {
+    ProcessResult cuda = RunProcess({LtrainBinary(), "run", "--device", "cuda", "--", "true"}, env,
+                                    std::chrono::seconds(20));
+    EXPECT_EQ(cuda.exit_code, 2) << cuda.output;
+    EXPECT_NE(cuda.output.find("parallel.device is cuda, and this machine has no GPU"), std::string::npos)
+        << cuda.output;
+  }
+  ProcessResult listed = RunProcess({LtrainBinary(), "status"}, env);
+  EXPECT_NE(listed.output.find("no jobs yet"), std::string::npos) << "nothing was submitted: " << listed.output;
+}
+
 // An empty directory, too little text for a validation split or for one training sample: refused at
 // once, naming the fix, instead of an abort or a run that fails later.
 TEST(CliTest, DataPrepareRefusesAnEmptyDirectoryAndTooLittleText) {

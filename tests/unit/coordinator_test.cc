@@ -31,10 +31,11 @@ class CoordinatorTest : public ::testing::Test {
     coordinator_ = std::make_unique<Coordinator>(store_.get(), &clock_, options);
   }
 
-  int64_t Connect(const std::string& node) {
+  int64_t Connect(const std::string& node, int gpus = 0) {
     v1::NodeFacts facts;
     facts.set_hostname(node + ".example");
     facts.set_cpus(8);
+    facts.set_gpus(gpus);
     return coordinator_->NodeConnected(node, facts);
   }
 
@@ -134,6 +135,35 @@ TEST_F(CoordinatorTest, JobWaitsForEnoughNodesThenGetsContiguousRanks) {
   EXPECT_EQ(a->start().rendezvous_scope(), job->id() + "/0/");
   EXPECT_EQ(a->start().checkpoint_dir(), "/state/checkpoints/" + job->id());
   EXPECT_EQ(coordinator_->GetJob(job->id())->state(), v1::JOB_STATE_RUNNING);
+}
+
+// A cuda job is placed only on nodes with a GPU; while it waits, it says why the idle nodes without one
+// do not count. A cpu job takes any node.
+TEST_F(CoordinatorTest, ACudaJobWaitsForNodesWithAGpu) {
+  Connect("a");
+  Connect("b");
+  StatusOr<v1::Job> job = coordinator_->Submit(
+      "name: unit\ndata: {path: /data}\ntraining: {steps: 5, micro_batch: 1, global_batch: 4}\n"
+      "parallel: {nodes: 2, nproc_per_node: 2, device: cuda}\n",
+      "unit.yaml");
+  ASSERT_TRUE(job.ok()) << job.status().ToString();
+  EXPECT_EQ(job->state(), v1::JOB_STATE_PENDING);
+  EXPECT_FALSE(coordinator_->WaitCommand("a", 0).has_value());
+  std::vector<v1::Event> waiting = Events(job->id(), "waiting");
+  ASSERT_EQ(waiting.size(), 1u);
+  EXPECT_NE(waiting[0].message().find("0 free with a GPU (2 idle without one, and parallel.device is cuda)"),
+            std::string::npos)
+      << waiting[0].message();
+  Connect("c", 8);
+  Connect("d", 8);
+  EXPECT_FALSE(coordinator_->WaitCommand("a", 0).has_value());
+  std::optional<v1::Command> c = coordinator_->WaitCommand("c", 0);
+  ASSERT_TRUE(c && c->has_start());
+  EXPECT_EQ(coordinator_->GetJob(job->id())->state(), v1::JOB_STATE_RUNNING);
+  // The CPU nodes still take a cpu job.
+  StatusOr<v1::Job> cpu = coordinator_->Submit(kRecipe, "unit.yaml");
+  ASSERT_TRUE(cpu.ok());
+  EXPECT_EQ(coordinator_->GetJob(cpu->id())->state(), v1::JOB_STATE_RUNNING);
 }
 
 TEST_F(CoordinatorTest, AllRanksExitingZeroSucceeds) {
