@@ -133,6 +133,12 @@ void PrintEstimate(const LayoutEstimate& e) {
 int Plan(const PlanArgs& args) {
   RecipeParseResult parsed = LoadRecipeFile(args.recipe, args.sets);
   Recipe recipe = parsed.recipe;
+  if (recipe.runs_program()) {
+    std::fprintf(stderr, "%s: runs entrypoint.command, a program of your own; ltrain plan estimates the memory and "
+                 "speed of ltrain's own trainer (a recipe with model, training and parallel keys)\n",
+                 args.recipe.c_str());
+    return kExitInvalid;
+  }
   // A plan needs the model and the batch; the data and the recipe's own layout may be wrong.
   const int world = recipe.parallel.world_size();
   std::vector<LayoutProblem> own_problems = CheckLayout(recipe, world);

@@ -501,9 +501,16 @@ std::vector<PlanCandidate> RankLayouts(const Recipe& recipe, const PlanOptions& 
     PlanCandidate c;
     c.sets = {"parallel.tp=" + std::to_string(tp), "parallel.pp=" + std::to_string(pp),
               "parallel.zero=" + std::to_string(zero)};
-    if (sp) c.sets.push_back("parallel.sequence_parallel=true");
-    if (pp > 1) c.sets.push_back("parallel.pp_schedule=" + NameOf(schedule));
-    if (chunks > 1) c.sets.push_back("parallel.virtual_stages=" + std::to_string(chunks));
+    // Every key whose value here is not the recipe's, so that the keys applied to the same command line
+    // give this layout (a pp schedule or split of the recipe's own left behind would not validate).
+    if (sp != recipe.parallel.sequence_parallel) {
+      c.sets.push_back(std::string("parallel.sequence_parallel=") + (sp ? "true" : "false"));
+    }
+    if (pp > 1 || schedule != recipe.parallel.pp_schedule) c.sets.push_back("parallel.pp_schedule=" + NameOf(schedule));
+    if (chunks > 1 || chunks != recipe.parallel.virtual_stages) {
+      c.sets.push_back("parallel.virtual_stages=" + std::to_string(chunks));
+    }
+    if (p.pp_split.empty() && !recipe.parallel.pp_split.empty()) c.sets.push_back("parallel.pp_split=[]");
     c.sets.push_back("parallel.activation_checkpointing=" + NameOf(ac));
     const std::vector<LayoutProblem> problems = CheckLayout(r, ranks);
     if (!problems.empty()) {

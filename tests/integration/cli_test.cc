@@ -130,6 +130,12 @@ TEST(CliTest, PlanShowsTheRecipesMemoryAndRanksTheLayouts) {
   ProcessResult bad = RunProcess({LtrainBinary(), "plan", path, "--set", "model.layer=3"});
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
   EXPECT_NE(bad.output.find("model.layer"), std::string::npos) << bad.output;
+
+  // A program of the user's own has no model to plan: said, instead of planning a default GPT.
+  std::string program = dir.Write("ep.yaml", "entrypoint:\n  command: [sleep, \"1\"]\n");
+  ProcessResult own = RunProcess({LtrainBinary(), "plan", program});
+  EXPECT_EQ(own.exit_code, 2) << own.output;
+  EXPECT_NE(own.output.find("runs entrypoint.command, a program of your own"), std::string::npos) << own.output;
 }
 
 TEST(CliTest, BadOverrideIsNamed) {

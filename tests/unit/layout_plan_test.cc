@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+
 namespace ltrain {
 namespace {
 
@@ -220,6 +222,42 @@ TEST(LayoutPlanTest, ABrokenRuleIsTheCandidatesReason) {
     }
   }
   EXPECT_TRUE(found);
+}
+
+// A candidate's keys, applied to the recipe they were planned from, give that layout: the recipe's own
+// schedule, stages, split and sequence parallelism are reset where the candidate has none.
+TEST(LayoutPlanTest, EachCandidatesKeysAppliedToTheRecipeValidate) {
+  const std::string recipe =
+      "name: p\nmodel: {layers: 8, d_model: 64, heads: 4, seq_len: 32, vocab: 256}\ndata: {path: /d}\n"
+      "training: {micro_batch: 1, global_batch: 8}\n"
+      "parallel: {nproc_per_node: 4, tp: 2, pp: 2, pp_schedule: interleaved, virtual_stages: 2, "
+      "sequence_parallel: true}\n";
+  for (const std::string& own : {recipe, recipe + "checkpoint: {every: 5}\n"}) {
+    RecipeParseResult base = ParseRecipe(own, "p.yaml");
+    ASSERT_TRUE(base.ok()) << base.ErrorText();
+    PlanOptions options;
+    const std::vector<PlanCandidate> ranked = RankLayouts(base.recipe, options);
+    int feasible = 0;
+    for (const PlanCandidate& c : ranked) {
+      if (!c.feasible) continue;
+      ++feasible;
+      RecipeParseResult applied = ParseRecipe(own, "p.yaml", c.sets);
+      EXPECT_TRUE(applied.ok()) << ::testing::PrintToString(c.sets) << "\n" << applied.ErrorText();
+    }
+    EXPECT_GT(feasible, 3);
+  }
+  // A split of the recipe's own is cleared where the candidate drops it.
+  RecipeParseResult split = ParseRecipe(
+      "name: p\nmodel: {layers: 8, d_model: 64, heads: 4, seq_len: 32, vocab: 256}\ndata: {path: /d}\n"
+      "training: {micro_batch: 1, global_batch: 8}\nparallel: {nproc_per_node: 2, pp: 2, pp_split: [3, 5]}\n",
+      "p.yaml");
+  ASSERT_TRUE(split.ok()) << split.ErrorText();
+  for (const PlanCandidate& c : RankLayouts(split.recipe, PlanOptions{})) {
+    if (c.feasible && c.sets.front() == "parallel.tp=2") {
+      EXPECT_NE(std::find(c.sets.begin(), c.sets.end(), "parallel.pp_split=[]"), c.sets.end())
+          << ::testing::PrintToString(c.sets);
+    }
+  }
 }
 
 }  // namespace
