@@ -56,6 +56,7 @@ std::optional<v1::Command> StartCommandOf(const Recipe& recipe, const std::strin
   launcher::Coordinator coordinator(store.get(), &clock, options);
   v1::NodeFacts facts;
   facts.set_hostname("a.example");
+  facts.set_gpus(8);  // a cuda recipe is placed on a node with GPUs only
   coordinator.NodeConnected("a", facts);
   StatusOr<v1::Job> job = coordinator.Submit(RecipeToYaml(recipe), source);
   EXPECT_TRUE(job.ok()) << job.status().ToString();
