@@ -190,6 +190,12 @@ std::vector<std::string> ReconcileDeadLaunches(const std::string& home) {
                                 "`ltrain resume " + job_id + "` continues from the last checkpoint";
       job->set_state(v1::JOB_STATE_FAILED);
       job->set_cause(cause);
+      // Its ranks died with it: none is left "running" in the record.
+      for (v1::RankInfo rank : job->ranks()) {
+        if (rank.state() != "starting" && rank.state() != "running") continue;
+        rank.set_state("killed");
+        (void)store->UpsertRank(job_id, rank);
+      }
       job->clear_ranks();
       if (store->UpdateJob(*job).ok()) {
         v1::Event event;

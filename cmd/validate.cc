@@ -47,6 +47,11 @@ int Validate(const ValidateArgs& args) {
     std::fprintf(stderr, "ltrain validate: give a RECIPE to check, or --explain to list every recipe key\n");
     return kExitInvalid;
   }
+  if (args.output != "text") {
+    std::fprintf(stderr, "ltrain validate: -o %s goes with --explain; a checked recipe prints as YAML\n",
+                 args.output.c_str());
+    return kExitInvalid;
+  }
   RecipeParseResult parsed = LoadRecipeFile(args.recipe, args.sets);
   if (!parsed.ok()) {
     std::fprintf(stderr, "%s", parsed.ErrorText().c_str());

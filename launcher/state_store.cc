@@ -30,7 +30,13 @@ CREATE TABLE IF NOT EXISTS jobs (
   nodes_now INTEGER NOT NULL DEFAULT 0,
   last_failure TEXT NOT NULL DEFAULT '',
   val_step INTEGER NOT NULL DEFAULT 0,
-  val_loss REAL NOT NULL DEFAULT 0
+  val_loss REAL NOT NULL DEFAULT 0,
+  total_steps INTEGER NOT NULL DEFAULT 0,
+  tokens_per_s REAL NOT NULL DEFAULT 0,
+  mfu REAL NOT NULL DEFAULT 0,
+  checkpoint_save_ms REAL NOT NULL DEFAULT 0,
+  checkpoint_save_bytes INTEGER NOT NULL DEFAULT 0,
+  checkpoint_load_ms REAL NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS checkpoints (
   job_id TEXT NOT NULL,
@@ -140,13 +146,17 @@ Status SqlError(sqlite3* db, const std::string& what) {
 
 constexpr const char* kJobColumns =
     "id, name, state, recipe, world_size, generation, cause, created_ms, updated_ms, last_step, last_loss, "
-    "restarts, last_committed_step, last_committed_path, nodes_now, last_failure, val_step, val_loss";
+    "restarts, last_committed_step, last_committed_path, nodes_now, last_failure, val_step, val_loss, total_steps, "
+    "tokens_per_s, mfu, checkpoint_save_ms, checkpoint_save_bytes, checkpoint_load_ms";
 
 // Columns added after the first release; a database made before them gets them on open.
 constexpr const char* kAddedJobColumns[] = {
     "restarts INTEGER NOT NULL DEFAULT 0", "last_committed_step INTEGER NOT NULL DEFAULT 0",
     "last_committed_path TEXT NOT NULL DEFAULT ''", "nodes_now INTEGER NOT NULL DEFAULT 0",
-    "last_failure TEXT NOT NULL DEFAULT ''", "val_step INTEGER NOT NULL DEFAULT 0", "val_loss REAL NOT NULL DEFAULT 0"};
+    "last_failure TEXT NOT NULL DEFAULT ''", "val_step INTEGER NOT NULL DEFAULT 0", "val_loss REAL NOT NULL DEFAULT 0",
+    "total_steps INTEGER NOT NULL DEFAULT 0", "tokens_per_s REAL NOT NULL DEFAULT 0", "mfu REAL NOT NULL DEFAULT 0",
+    "checkpoint_save_ms REAL NOT NULL DEFAULT 0", "checkpoint_save_bytes INTEGER NOT NULL DEFAULT 0",
+    "checkpoint_load_ms REAL NOT NULL DEFAULT 0"};
 
 v1::Job ReadJob(Statement& s) {
   v1::Job job;
@@ -168,6 +178,12 @@ v1::Job ReadJob(Statement& s) {
   job.set_last_failure(s.Text(15));
   job.set_val_step(s.Int(16));
   job.set_val_loss(s.Real(17));
+  job.set_total_steps(s.Int(18));
+  job.set_tokens_per_s(s.Real(19));
+  job.set_mfu(s.Real(20));
+  job.set_checkpoint_save_ms(s.Real(21));
+  job.set_checkpoint_save_bytes(s.Int(22));
+  job.set_checkpoint_load_ms(s.Real(23));
   return job;
 }
 
@@ -312,12 +328,15 @@ Status SqliteStateStore::UpdateJob(const v1::Job& job) {
   Statement s(db_,
               "UPDATE jobs SET state = ?, generation = ?, cause = ?, updated_ms = ?, last_step = ?, last_loss = ?, "
               "restarts = ?, last_committed_step = ?, last_committed_path = ?, nodes_now = ?, last_failure = ?, "
-              "world_size = ?, recipe = ?, val_step = ?, val_loss = ? WHERE id = ?");
+              "world_size = ?, recipe = ?, val_step = ?, val_loss = ?, total_steps = ?, tokens_per_s = ?, mfu = ?, "
+              "checkpoint_save_ms = ?, checkpoint_save_bytes = ?, checkpoint_load_ms = ? WHERE id = ?");
   s.Bind(1, int64_t{job.state()}).Bind(2, int64_t{job.generation()}).Bind(3, job.cause());
   s.Bind(4, job.updated_unix_ms()).Bind(5, job.last_step()).Bind(6, job.last_loss());
   s.Bind(7, int64_t{job.restarts()}).Bind(8, job.last_committed_step()).Bind(9, job.last_committed_path());
   s.Bind(10, int64_t{job.nodes_now()}).Bind(11, job.last_failure()).Bind(12, int64_t{job.world_size()});
-  s.Bind(13, job.recipe_yaml()).Bind(14, job.val_step()).Bind(15, job.val_loss()).Bind(16, job.id());
+  s.Bind(13, job.recipe_yaml()).Bind(14, job.val_step()).Bind(15, job.val_loss()).Bind(16, job.total_steps());
+  s.Bind(17, job.tokens_per_s()).Bind(18, job.mfu()).Bind(19, job.checkpoint_save_ms());
+  s.Bind(20, job.checkpoint_save_bytes()).Bind(21, job.checkpoint_load_ms()).Bind(22, job.id());
   if (s.Step() != SQLITE_DONE) return SqlError(db_, "update job " + job.id());
   return Status::Ok();
 }

@@ -100,6 +100,8 @@ TEST_F(WorkerKillTest, KilledLaunchLeavesItsJobFailedForTheNextCommand) {
   EXPECT_NE(after.cause().find("its launch (`ltrain launch`, pid " + std::to_string(launch.pid()) + ") ended before"),
             std::string::npos)
       << after.cause();
+  ASSERT_EQ(after.ranks_size(), running.ranks_size());
+  for (const auto& rank : after.ranks()) EXPECT_EQ(rank.state(), "killed") << "rank " << rank.rank();
   for (const auto& rank : running.ranks()) {
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
     while (ProcessAlive(static_cast<pid_t>(rank.pid())) && std::chrono::steady_clock::now() < deadline) {

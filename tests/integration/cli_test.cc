@@ -92,6 +92,12 @@ TEST(CliTest, ValidateExplainListsEveryRecipeKey) {
   ProcessResult nothing = RunProcess({LtrainBinary(), "validate"});
   EXPECT_EQ(nothing.exit_code, 2) << nothing.output;
   EXPECT_NE(nothing.output.find("--explain"), std::string::npos) << nothing.output;
+  // A checked recipe prints as YAML only: -o json without --explain is refused, not ignored.
+  TempDir dir;
+  ProcessResult yaml_only = RunProcess({LtrainBinary(), "validate", dir.Write("ok.yaml", "name: ok\ndata: {path: /d}\n"),
+                                        "-o", "json"});
+  EXPECT_EQ(yaml_only.exit_code, 2) << yaml_only.output;
+  EXPECT_NE(yaml_only.output.find("-o json goes with --explain"), std::string::npos) << yaml_only.output;
 }
 
 // `ltrain plan`: the recipe's layout by part and the ranked layouts, as text and as JSON; a recipe

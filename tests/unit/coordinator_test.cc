@@ -2,7 +2,11 @@
 
 #include <gtest/gtest.h>
 
+#include <sqlite3.h>
+#include <unistd.h>
+
 #include <condition_variable>
+#include <filesystem>
 #include <limits>
 #include <mutex>
 
@@ -1120,6 +1124,53 @@ TEST(StateStoreTest, AJobWithANanLossIsStillStored) {
   job->set_state(v1::JOB_STATE_FAILED);
   ASSERT_TRUE(store->UpdateJob(*job).ok());
   EXPECT_EQ(store->GetJob(job->id())->state(), v1::JOB_STATE_FAILED);
+}
+
+// The figures of a job's last step and checkpoint outlive it: `ltrain status` of an ended job reads
+// them from the database, where they used to read as 0. A database made before these columns gets them.
+TEST(StateStoreTest, AJobsLastFiguresAreStoredAndAnOlderDatabaseGetsTheirColumns) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("ltrain-state-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "state.db").string();
+  {
+    sqlite3* db = nullptr;
+    ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+    // The jobs table as the first release made it.
+    ASSERT_EQ(sqlite3_exec(db,
+                           "CREATE TABLE jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, name TEXT NOT "
+                           "NULL, state INTEGER NOT NULL, recipe TEXT NOT NULL, world_size INTEGER NOT NULL, generation "
+                           "INTEGER NOT NULL DEFAULT 0, cause TEXT NOT NULL DEFAULT '', created_ms INTEGER NOT NULL, "
+                           "updated_ms INTEGER NOT NULL, last_step INTEGER NOT NULL DEFAULT 0, last_loss REAL NOT NULL "
+                           "DEFAULT 0)",
+                           nullptr, nullptr, nullptr),
+              SQLITE_OK);
+    sqlite3_close(db);
+  }
+  std::unique_ptr<SqliteStateStore> store = std::move(SqliteStateStore::Open(path)).value();
+  StatusOr<v1::Job> job = store->CreateJob("figures", "name: figures\n", 2, 1000);
+  ASSERT_TRUE(job.ok()) << job.status().ToString();
+  job->set_state(v1::JOB_STATE_SUCCEEDED);
+  job->set_last_step(300);
+  job->set_total_steps(300);
+  job->set_tokens_per_s(12345.5);
+  job->set_mfu(0.52);
+  job->set_checkpoint_save_ms(81.5);
+  job->set_checkpoint_save_bytes(123456789);
+  job->set_checkpoint_load_ms(40.25);
+  ASSERT_TRUE(store->UpdateJob(*job).ok());
+  store.reset();
+  store = std::move(SqliteStateStore::Open(path)).value();
+  StatusOr<v1::Job> read = store->GetJob(job->id());
+  ASSERT_TRUE(read.ok()) << read.status().ToString();
+  EXPECT_EQ(read->total_steps(), 300);
+  EXPECT_EQ(read->tokens_per_s(), 12345.5);
+  EXPECT_EQ(read->mfu(), 0.52);
+  EXPECT_EQ(read->checkpoint_save_ms(), 81.5);
+  EXPECT_EQ(read->checkpoint_save_bytes(), 123456789);
+  EXPECT_EQ(read->checkpoint_load_ms(), 40.25);
+  store.reset();
+  std::filesystem::remove_all(dir);
 }
 
 }  // namespace
