@@ -204,14 +204,22 @@ TEST(CliTest, DataPrepareWritesTrainAndValidationFiles) {
   EXPECT_NE(missing.output.find("absent.txt"), std::string::npos) << missing.output;
 }
 
+// A recipe of every default over a little prepared text in `dir`; empty when the text does not prepare.
+std::string RecipeOverPreparedData(TempDir& dir) {
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += "to be or not to be, that is the question.\n";
+  ProcessResult prepared = RunProcess({LtrainBinary(), "data", "prepare", "--input", dir.Write("in.txt", text),
+                                       "--output", dir.Join("data")});
+  EXPECT_EQ(prepared.exit_code, 0) << prepared.output;
+  if (prepared.exit_code != 0) return "";
+  return dir.Write("r.yaml", "name: r\ndata: {path: " + dir.Join("data") + "}\n");
+}
+
 // Standalone, nothing would run the job once the command returned: --detach is refused with the way out.
 TEST(CliTest, DetachWithoutACoordinatorIsRefusedWithTheReason) {
   TempDir dir;
-  std::string text;
-  for (int i = 0; i < 200; ++i) text += "to be or not to be, that is the question.\n";
-  ASSERT_EQ(RunProcess({LtrainBinary(), "data", "prepare", "--input", dir.Write("in.txt", text), "--output",
-                        dir.Join("data")}).exit_code, 0);
-  std::string recipe = dir.Write("r.yaml", "name: r\ndata: {path: " + dir.Join("data") + "}\n");
+  const std::string recipe = RecipeOverPreparedData(dir);
+  ASSERT_FALSE(recipe.empty());
   ProcessResult result = RunProcess({LtrainBinary(), "launch", recipe, "--detach"}, {{"LTRAIN_HOME", dir.Join("home")}},
                                     std::chrono::seconds(20));
   EXPECT_EQ(result.exit_code, 2) << result.output;
@@ -223,11 +231,8 @@ TEST(CliTest, DetachWithoutACoordinatorIsRefusedWithTheReason) {
 // at once instead of waiting forever for nodes that cannot come.
 TEST(CliTest, AStandaloneLaunchRefusesWhatThisMachineCannotRun) {
   TempDir dir;
-  std::string text;
-  for (int i = 0; i < 200; ++i) text += "to be or not to be, that is the question.\n";
-  ASSERT_EQ(RunProcess({LtrainBinary(), "data", "prepare", "--input", dir.Write("in.txt", text), "--output",
-                        dir.Join("data")}).exit_code, 0);
-  std::string recipe = dir.Write("r.yaml", "name: r\ndata: {path: " + dir.Join("data") + "}\n");
+  const std::string recipe = RecipeOverPreparedData(dir);
+  ASSERT_FALSE(recipe.empty());
   const std::map<std::string, std::string> env = {{"LTRAIN_HOME", dir.Join("home")}};
   ProcessResult nodes = RunProcess({LtrainBinary(), "launch", recipe, "--set", "parallel.nodes=2"}, env,
                                    std::chrono::seconds(20));
@@ -398,6 +403,20 @@ TEST(CliTest, EveryOutputWordServesEveryCommand) {
   }
   ProcessResult json = RunProcess({LtrainBinary(), "status"}, {{"LTRAIN_HOME", home.path()}});
   EXPECT_EQ(json.output.rfind("{", 0), 0u) << json.output;
+}
+
+// generate and export of a path that holds no checkpoint: invalid input (exit 2), said in their own words.
+TEST(CliTest, GenerateAndExportOfNoCheckpointSayWhatToName) {
+  TempDir dir;
+  for (const char* command : {"generate", "export"}) {
+    std::vector<std::string> argv = {LtrainBinary(), command, dir.Join("nothing")};
+    if (std::string(command) == "export") argv.insert(argv.end(), {"--output", dir.Join("out")});
+    ProcessResult result = RunProcess(argv, {{"LTRAIN_HOME", dir.Join("home")}});
+    EXPECT_EQ(result.exit_code, 2) << result.output;
+    EXPECT_NE(result.output.find(dir.Join("nothing") + " is not a checkpoint: name a job's checkpoint directory"),
+              std::string::npos)
+        << result.output;
+  }
 }
 
 // `ltrain checkpoint inspect`: a committed step written the way the worker writes it (a

@@ -64,6 +64,10 @@ StatusOr<ToolArgs> ParseToolArgs(int argc, char** argv) {
 StatusOr<std::string> StepDir(const std::string& path) {
   std::error_code ec;
   if (fs::exists(fs::path(path) / kCheckpointMetaFile, ec)) return path;
+  if (!fs::is_directory(path, ec)) {
+    return InvalidArgument(path + " is not a checkpoint: name a job's checkpoint directory ($LTRAIN_HOME/checkpoints/JOB, "
+                           "`ltrain status JOB` shows it) or one of its step directories (step-N)");
+  }
   StatusOr<ResumeChoice> choice = ChooseResumeCheckpoint(path);
   if (!choice.ok()) return choice.status();
   return choice->step_dir;
@@ -207,7 +211,7 @@ int Export(const ToolArgs& args) {
   StatusOr<std::unique_ptr<Loaded>> loaded = Load(args.checkpoint, "cpu");
   if (!loaded.ok()) {
     std::fprintf(stderr, "ltrain export: %s\n", loaded.status().message().c_str());
-    return 1;
+    return loaded.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
   }
   const Recipe& r = (*loaded)->recipe;
   std::map<std::string, torch::Tensor> ours;
