@@ -123,15 +123,17 @@ class RecipeReader {
       std::string key = it->first.Scalar();
       std::string path = prefix.empty() ? key : prefix + "." + key;
       // YAML reads the first of two equal keys and drops the other without a word: a section written
-      // again at the end of a recipe would change nothing.
-      if (!it->first.IsScalar()) {
-        // A key that is a sequence or mapping: no name to look for twice, and an unknown key below.
-      } else if (auto [seen, inserted] = first_line.emplace(key, it->first.Mark().line + 1); !inserted) {
-        const bool section = prefix.empty() && it->second.IsMap();
-        Error(it->first, path,
-              "'" + path + "' is given twice (first at line " + std::to_string(seen->second) +
-                  "), and only the first would count; keep one" + (section ? " section and move its keys into it" : ""));
-        continue;
+      // again at the end of a recipe would change nothing. (A key that is a sequence or a mapping has no
+      // name to meet twice; it is an unknown key below.)
+      if (it->first.IsScalar()) {
+        const auto [seen, inserted] = first_line.emplace(key, it->first.Mark().line + 1);
+        if (!inserted) {
+          const bool section = prefix.empty() && it->second.IsMap();
+          Error(it->first, path,
+                "'" + path + "' is given twice (first at line " + std::to_string(seen->second) +
+                    "), and only the first would count; keep one" + (section ? " section and move its keys into it" : ""));
+          continue;
+        }
       }
       if (std::find(known.begin(), known.end(), key) != known.end()) continue;
       std::string message = "unknown key '" + path + "'";

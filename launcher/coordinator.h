@@ -239,7 +239,7 @@ class Coordinator {
   void SweepLocked();
   // Connected nodes running no job that can run `recipe`'s ranks: a cuda job needs a node with a GPU.
   std::vector<std::string> FreeNodesLocked(const Recipe& recipe) const;
-  // "N free, M needed", and why the other idle nodes do not count.
+  // "N free", and for a cuda job how many idle nodes do not count for want of a GPU.
   std::string FreeNodesText(const Recipe& recipe, size_t free_nodes) const;
   ActiveJob* FindLocked(const std::string& job_id);
 
