@@ -31,8 +31,10 @@ std::vector<LayoutProblem> CheckLayout(const Recipe& recipe, int world_size) {
       problem("parallel.tp", "parallel.tp=" + S(p.tp) + " does not divide the MLP width " +
                                  (m.arch == Arch::kGpt2 ? "4*d_model=" : "model.ffn=") + S(FfnWidth(m)));
     }
+    // Key/value heads as many as heads (GPT-2's, or a Llama's without grouped-query attention): the
+    // heads' rule above has said it.
     const int kv = KvHeads(m);
-    if (kv % p.tp != 0 && p.tp % kv != 0) {
+    if (kv != m.heads && kv % p.tp != 0 && p.tp % kv != 0) {
       problem("parallel.tp", "parallel.tp=" + S(p.tp) + " and model.kv_heads=" + S(kv) +
                                  ": tensor parallelism splits the key/value heads (kv_heads a multiple of tp) or "
                                  "replicates them (tp a multiple of kv_heads)");

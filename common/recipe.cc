@@ -182,6 +182,34 @@ class RecipeReader {
     YAML::Node node = Value(key.section, key.name);
     if (!node.IsDefined()) return;
     const std::string path = key.path();
+    const size_t errors_before = errors_.size();
+    ReadValue(key, node, path, field);
+    if (errors_.size() > errors_before) refused_.insert(path);
+  }
+
+  // Whether a key's own value was refused, among `paths` ("model.heads", or a section's "model.").
+  // Such a key keeps its default, so a rule across keys that reads it would judge a value the user
+  // never wrote; the rule waits until the key is mended.
+  bool Refused(std::initializer_list<std::string_view> paths) const {
+    for (const std::string& refused : refused_) {
+      for (std::string_view path : paths) {
+        if (path.ends_with('.') ? refused.starts_with(path) : refused == path) return true;
+      }
+    }
+    return false;
+  }
+
+  std::vector<RecipeError> TakeErrors() { return std::move(errors_); }
+
+  // Whether the recipe (file or overrides) has `section` with something in it.
+  bool HasSection(std::string_view section) const {
+    YAML::Node node = root_[std::string(section)];
+    return node.IsDefined() && !node.IsNull() && (!node.IsMap() || node.size() > 0);
+  }
+
+ private:
+  template <typename Field>
+  void ReadValue(const RecipeKey& key, const YAML::Node& node, const std::string& path, Field& field) {
     using T = std::remove_cvref_t<Field>;
     if constexpr (IsNodesField<T>::value) {
       ReadNodes(key, node, field);
@@ -226,15 +254,6 @@ class RecipeReader {
     }
   }
 
-  std::vector<RecipeError> TakeErrors() { return std::move(errors_); }
-
-  // Whether the recipe (file or overrides) has `section` with something in it.
-  bool HasSection(std::string_view section) const {
-    YAML::Node node = root_[std::string(section)];
-    return node.IsDefined() && !node.IsNull() && (!node.IsMap() || node.size() > 0);
-  }
-
- private:
   bool ReadInt(const YAML::Node& node, const std::string& path, const RecipeKey& key, int64_t* out) {
     if (!node.IsScalar()) {
       Error(node, path, path + " must be an integer");
@@ -362,6 +381,7 @@ class RecipeReader {
   YAML::Node root_;
   std::map<std::string, Mark> marks_;  // "section" and "section.key" -> where the file has it
   std::vector<RecipeError> errors_;
+  std::set<std::string> refused_;  // keys whose own value was refused ("training.micro_batch")
 };
 
 void ApplyOverride(YAML::Node node, const std::vector<std::string>& parts, size_t i, const YAML::Node& value) {
@@ -445,10 +465,14 @@ void CheckProgramRecipe(const Recipe& r, RecipeReader& reader) {
 }
 
 // The rules between keys that are not layout rules (those are CheckLayout's).
+// A rule that reads a key whose own value was refused waits until that key is mended (it would
+// judge the default in its place).
 void CheckAcrossKeys(const Recipe& r, RecipeReader& reader) {
-  if (std::string problem = JobNameProblem(r.name); !problem.empty()) {
+  if (std::string problem = JobNameProblem(r.name); !problem.empty() && !reader.Refused({"name"})) {
     reader.ErrorOnKey("name", problem + "; for example name: " + SuggestJobName(r.name));
   }
+  // Whether the recipe runs a program or ltrain's trainer is not known.
+  if (reader.Refused({"entrypoint.command"})) return;
   if (r.runs_program()) return CheckProgramRecipe(r, reader);
   if (r.entrypoint.output_timeout_s > 0) {
     reader.ErrorOnKey("entrypoint.output_timeout_s", "entrypoint.output_timeout_s watches your program "
@@ -459,22 +483,24 @@ void CheckAcrossKeys(const Recipe& r, RecipeReader& reader) {
     reader.ErrorOnKey("entrypoint.warm_standby", "entrypoint.warm_standby keeps interpreters ready for your program "
                                                  "(entrypoint.command); ltrain's trainer restarts without one: remove it");
   }
-  if (r.data.path.empty()) {
+  if (r.data.path.empty() && !reader.Refused({"data.path"})) {
     reader.ErrorOnKey("data.path", "data.path is required: the directory written by `ltrain data prepare --output DIR`");
   }
+  if (r.training.min_lr > r.training.lr && !reader.Refused({"training.lr", "training.min_lr"})) {
+    reader.ErrorOnKey("training.min_lr", "training.min_lr must not exceed training.lr");
+  }
+  if (reader.Refused({"model."})) return;  // every rule below reads the model
   if (r.model.d_model % r.model.heads != 0) {
     reader.ErrorOnKey("model.heads", "model.heads=" + std::to_string(r.model.heads) + " does not divide model.d_model=" +
                                          std::to_string(r.model.d_model) +
                                          "; choose heads so that d_model/heads is a whole number");
   }
   CheckArchKeys(r.model, reader);
-  if (r.data.tokenizer == Tokenizer::kByte && r.model.vocab < 256) {
+  if (r.data.tokenizer == Tokenizer::kByte && r.model.vocab < 256 && !reader.Refused({"data.tokenizer"})) {
     reader.ErrorOnKey("model.vocab", "model.vocab=" + std::to_string(r.model.vocab) +
                                          " is smaller than the byte tokenizer's 256 symbols; set model.vocab: 256");
   }
-  if (r.training.min_lr > r.training.lr) {
-    reader.ErrorOnKey("training.min_lr", "training.min_lr must not exceed training.lr");
-  }
+  if (reader.Refused({"parallel.", "training.micro_batch", "training.global_batch"})) return;
   for (const LayoutProblem& problem : CheckLayout(r, r.parallel.world_size())) reader.ErrorOnKey(problem.key, problem.message);
 }
 

@@ -284,6 +284,48 @@ TEST(RecipeTest, MalformedOverridesAreErrorsNotDropped) {
   EXPECT_NE(both.errors[1].message.find("did you mean 'training.steps'"), std::string::npos);
 }
 
+// A key whose own value is refused keeps its default; the rules across keys that read it wait until it
+// is mended instead of judging the default in its place (micro_batch=0 against global_batch 12 once
+// said "micro_batch*dp=8*2=16"; a misspelt arch made the Llama keys "Llama keys").
+TEST(RecipeTest, ARefusedKeyIsNotJudgedAgainstOtherKeysByItsDefault) {
+  struct Case {
+    std::string yaml;
+    std::vector<std::string> overrides;
+    std::string only_error;
+  };
+  const std::vector<Case> cases = {
+      {"data: {path: /d}\nparallel: {nproc_per_node: 2}\n", {"training.micro_batch=0", "training.global_batch=12"},
+       "training.micro_batch=0 is out of range"},
+      {"data: {path: /d}\nmodel: {arch: llama3, heads: 4, kv_heads: 2}\n", {}, "model.arch='llama3' is not one of"},
+      {"data: {path: /d}\nmodel: {d_model: 96, heads: many}\n", {}, "model.heads must be an integer"},
+      {"data: {path: /d}\nmodel: {heads: 4}\nparallel: {tp: two, nproc_per_node: 2}\n", {}, "parallel.tp must be an integer"},
+      {"data: {path: /d}\ntraining: {lr: fast, min_lr: 0.01}\n", {}, "training.lr must be a number"},
+      {"data: {path: [a, b]}\n", {}, "data.path must be a string"},
+      {"entrypoint: {command: python3 train.py}\nparallel: {tp: 2}\n", {}, "entrypoint.command must be a list"},
+  };
+  for (const Case& c : cases) {
+    RecipeParseResult result = ParseRecipe(c.yaml, "r.yaml", c.overrides);
+    EXPECT_EQ(result.errors.size(), 1u) << c.yaml << result.ErrorText();
+    if (result.errors.empty()) continue;
+    EXPECT_NE(result.errors[0].message.find(c.only_error), std::string::npos) << result.ErrorText();
+  }
+  // A rule that reads none of the refused keys still speaks.
+  RecipeParseResult other = ParseRecipe("data: {path: /d}\nmodel: {init: random}\ntraining: {lr: 0.001, min_lr: 0.01}\n",
+                                        "r.yaml");
+  ASSERT_EQ(other.errors.size(), 2u) << other.ErrorText();
+  EXPECT_NE(other.errors[1].message.find("training.min_lr must not exceed training.lr"), std::string::npos)
+      << other.ErrorText();
+}
+
+// GPT-2's key/value heads are its heads: a tp that does not divide them is said once, of model.heads.
+TEST(RecipeTest, Gpt2TensorParallelOverHeadsNamesTheHeadsOnce) {
+  RecipeParseResult result = ParseRecipe(
+      "data: {path: /d}\nmodel: {d_model: 48, heads: 3}\nparallel: {nproc_per_node: 2, tp: 2}\n", "r.yaml");
+  ASSERT_EQ(result.errors.size(), 1u) << result.ErrorText();
+  EXPECT_NE(result.errors[0].message.find("parallel.tp=2 does not divide model.heads=3"), std::string::npos)
+      << result.ErrorText();
+}
+
 TEST(RecipeTest, MissingFileIsOneClearError) {
   RecipeParseResult result = LoadRecipeFile("/nonexistent/recipe.yaml");
   ASSERT_EQ(result.errors.size(), 1u);
