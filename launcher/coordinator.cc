@@ -463,6 +463,7 @@ StatusOr<v1::Job> Coordinator::GetJob(const std::string& job_id) {
         status->set_hostname(node->second.facts.hostname());
         status->set_connected(node->second.connected);
         status->set_heartbeat_age_ms(now - node->second.last_heartbeat_ms);
+        *status->mutable_facts() = node->second.facts;
       }
       return job;
     }

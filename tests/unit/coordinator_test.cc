@@ -138,7 +138,13 @@ TEST_F(CoordinatorTest, JobWaitsForEnoughNodesThenGetsContiguousRanks) {
   EXPECT_EQ(b->start().workers(1).local_rank(), 1);
   EXPECT_EQ(a->start().rendezvous_scope(), job->id() + "/0/");
   EXPECT_EQ(a->start().checkpoint_dir(), "/state/checkpoints/" + job->id());
-  EXPECT_EQ(coordinator_->GetJob(job->id())->state(), v1::JOB_STATE_RUNNING);
+  v1::Job running = *coordinator_->GetJob(job->id());
+  EXPECT_EQ(running.state(), v1::JOB_STATE_RUNNING);
+  // The job's nodes, with the facts their agents reported (its JSON printed them empty).
+  ASSERT_EQ(running.nodes_size(), 2);
+  EXPECT_EQ(running.nodes(1).node_id(), "b");
+  EXPECT_EQ(running.nodes(1).facts().hostname(), "b.example");
+  EXPECT_EQ(running.nodes(1).facts().cpus(), 8);
 }
 
 // A cuda job is placed only on nodes with a GPU; while it waits, it says why the idle nodes without one
