@@ -227,6 +227,7 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
   job.stragglers.clear();
   job.generation_started_ms = clock_->SteadyMs();
   job.committed_at_start = job.job.last_committed_step();
+  job.resume_compared = false;
   job.waiting_reported = false;
   job.stopping = job.stopped_early = false;
   job.stop_reason.clear();
@@ -793,6 +794,32 @@ void Coordinator::ApplyProgressLocked(ActiveJob& job, const v1::RankProgress& re
     job.job.set_checkpoint_save_bytes(report.save_bytes());
   }
   if (report.rank() == 0 && report.load_ms() > 0) job.job.set_checkpoint_load_ms(report.load_ms());
+  if (report.rank() == 0 && report.load_step() > 0 && !job.resume_compared) {
+    job.resume_compared = true;
+    // The generation was placed "resuming from the checkpoint of step N", the newest commit recorded;
+    // the ranks read what the directory holds, and may take an older commit (step N's did not verify)
+    // or a newer one (its report was lost with the failed generation).
+    const int64_t announced = job.committed_at_start, loaded = report.load_step();
+    if (job.job.generation() > 0 && announced > 0 && loaded != announced) {
+      AddEventLocked(job, "resumed",
+                     "the ranks resumed from the checkpoint of step " + std::to_string(loaded) + ", not step " +
+                         std::to_string(announced) + "'s: " +
+                         (loaded < announced ? "step " + std::to_string(announced) +
+                                                   "'s did not load (rank 0's log says why)"
+                                             : "it is a newer commit than the one recorded"),
+                     0);
+    }
+    if (job.job.generation() > 0 && loaded < announced) {
+      // The ledger's newest commit is the one the ranks could load: the job's record says so, and the
+      // commits made again above it are recorded and said again as they come.
+      job.committed_at_start = loaded;
+      job.job.set_last_committed_step(loaded);
+      job.job.set_last_committed_path(report.committed_step() == loaded ? report.committed_path() : "");
+      job.recorded_before = std::min(job.recorded_before, loaded);
+      job.recorded_commits.erase(job.recorded_commits.upper_bound(loaded), job.recorded_commits.end());
+      PersistJobLocked(job);
+    }
+  }
   if (report.rank() != 0 || !report.has_completed()) return;
   const v1::StepFigures& step = report.completed();
   const bool new_eval = report.eval_step() > 0 && (report.eval_step() != job.job.val_step() ||

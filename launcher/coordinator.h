@@ -186,6 +186,7 @@ class Coordinator {
     std::map<int, v1::RankInfo> ranks;  // as recorded in the state: GetJob answers without it
     int64_t generation_started_ms = 0;
     int64_t committed_at_start = 0;  // last committed step when the generation started
+    bool resume_compared = false;    // rank 0's load of this generation held against committed_at_start
     // The checkpoint ledger as this coordinator knows it: the commits it recorded, above the last one
     // the state held when it took the job back (those at or below it were recorded before).
     std::set<int64_t> recorded_commits;

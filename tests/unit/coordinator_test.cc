@@ -622,6 +622,52 @@ TEST_F(CoordinatorTest, FailedRankRestartsAsANewGenerationAfterTheBackoff) {
   EXPECT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_SUCCEEDED);
 }
 
+// A restart is placed "resuming from the checkpoint of step 4" (the newest commit recorded); rank 0
+// reports the step it loaded, and where that is another, the job's events say which and why.
+TEST_F(CoordinatorTest, AResumeFromAnotherCommitThanTheAnnouncedOneIsSaid) {
+  Connect("a");
+  Connect("b");
+  std::string id = coordinator_->Submit(kRestartingRecipe, "unit.yaml")->id();
+  for (int64_t step : {2, 4}) {
+    ASSERT_TRUE(coordinator_->ReportProgress(Urgent("a", Committed(Report(id, 0, step, step), step))).ok());
+  }
+  for (int generation : {0, 1}) {
+    v1::WorkerStateReport crash = Exit(id, 1, 0, 9);
+    crash.set_generation(generation);
+    ASSERT_TRUE(coordinator_->ReportWorkerState(crash).ok());
+    clock_.AdvanceMs(1500);
+    ASSERT_TRUE(coordinator_->Heartbeat(Beat("a")).ok());
+    ASSERT_TRUE(coordinator_->Heartbeat(Beat("b")).ok());
+    coordinator_->Tick();
+    ASSERT_EQ(coordinator_->GetJob(id)->generation(), generation + 1);
+    // Generation 1 finds step 4's checkpoint corrupt and loads step 2's; generation 2 loads step 4's
+    // (re-committed by generation 1), as announced.
+    // (A rank 0 that resumed reports the loaded step as its commit.)
+    v1::RankProgress loaded = Committed(Report(id, 0, 1), generation == 0 ? 2 : 4);
+    loaded.set_generation(generation + 1);
+    loaded.set_load_step(loaded.committed_step());
+    loaded.set_load_ms(5);
+    ASSERT_TRUE(coordinator_->Heartbeat(BeatWith("a", loaded)).ok());
+    if (generation == 0) {
+      v1::Job job = *coordinator_->GetJob(id);
+      EXPECT_EQ(job.last_committed_step(), 2) << "step 4's commit did not load";
+      EXPECT_EQ(job.last_committed_path(), "/ck/step-2");
+      // Step 4 committed again is recorded and said again.
+      v1::RankProgress again = Committed(Report(id, 0, 3, 4), 4);
+      again.set_generation(1);
+      ASSERT_TRUE(coordinator_->ReportProgress(Urgent("a", again)).ok());
+      EXPECT_EQ(coordinator_->GetJob(id)->last_committed_step(), 4);
+    }
+    loaded.set_seq(9);
+    ASSERT_TRUE(coordinator_->Heartbeat(BeatWith("a", loaded)).ok());
+  }
+  EXPECT_EQ(Events(id, "checkpoint").size(), 3u) << "steps 2 and 4, then step 4 again";
+  std::vector<v1::Event> resumed = Events(id, "resumed");
+  ASSERT_EQ(resumed.size(), 1u);
+  EXPECT_EQ(resumed[0].message(),
+            "the ranks resumed from the checkpoint of step 2, not step 4's: step 4's did not load (rank 0's log says why)");
+}
+
 TEST_F(CoordinatorTest, RestartsRunOutThenTheJobFails) {
   Connect("a");
   Connect("b");
