@@ -87,6 +87,8 @@ Status Coordinator::Recover() {
     job.next_generation = stored.generation() + 1;
     job.committed_at_start = stored.last_committed_step();
     job.recorded_before = stored.last_committed_step();
+    // A running generation's load was the earlier coordinator's to compare with what it announced.
+    job.resume_compared = true;
     switch (stored.state()) {
       case v1::JOB_STATE_PENDING:
         pending_.push_back(listed.id());
@@ -801,7 +803,7 @@ void Coordinator::ApplyProgressLocked(ActiveJob& job, const v1::RankProgress& re
     // or a newer one (its report was lost with the failed generation).
     const int64_t announced = job.committed_at_start, loaded = report.load_step();
     if (job.job.generation() > 0 && announced > 0 && loaded != announced) {
-      AddEventLocked(job, "resumed",
+      AddEventLocked(job, "loaded",
                      "the ranks resumed from the checkpoint of step " + std::to_string(loaded) + ", not step " +
                          std::to_string(announced) + "'s: " +
                          (loaded < announced ? "step " + std::to_string(announced) +

@@ -641,8 +641,8 @@ TEST_F(CoordinatorTest, AResumeFromAnotherCommitThanTheAnnouncedOneIsSaid) {
     coordinator_->Tick();
     ASSERT_EQ(coordinator_->GetJob(id)->generation(), generation + 1);
     // Generation 1 finds step 4's checkpoint corrupt and loads step 2's; generation 2 loads step 4's
-    // (re-committed by generation 1), as announced.
-    // (A rank 0 that resumed reports the loaded step as its commit.)
+    // (re-committed by generation 1), as announced. A rank 0 that resumed reports the loaded step as
+    // its commit.
     v1::RankProgress loaded = Committed(Report(id, 0, 1), generation == 0 ? 2 : 4);
     loaded.set_generation(generation + 1);
     loaded.set_load_step(loaded.committed_step());
@@ -662,10 +662,29 @@ TEST_F(CoordinatorTest, AResumeFromAnotherCommitThanTheAnnouncedOneIsSaid) {
     ASSERT_TRUE(coordinator_->Heartbeat(BeatWith("a", loaded)).ok());
   }
   EXPECT_EQ(Events(id, "checkpoint").size(), 3u) << "steps 2 and 4, then step 4 again";
-  std::vector<v1::Event> resumed = Events(id, "resumed");
-  ASSERT_EQ(resumed.size(), 1u);
-  EXPECT_EQ(resumed[0].message(),
+  std::vector<v1::Event> loaded = Events(id, "loaded");
+  ASSERT_EQ(loaded.size(), 1u);
+  EXPECT_EQ(loaded[0].message(),
             "the ranks resumed from the checkpoint of step 2, not step 4's: step 4's did not load (rank 0's log says why)");
+
+  // A coordinator that takes the running generation back has announced nothing: the load it hears of
+  // (step 4's, before the commit of step 5) is not held against the state's newest commit.
+  v1::RankProgress five = Committed(Report(id, 0, 20, 5), 5);
+  five.set_generation(2);
+  ASSERT_TRUE(coordinator_->ReportProgress(Urgent("a", five)).ok());
+  coordinator_->FlushState();
+  coordinator_ = std::make_unique<Coordinator>(store_.get(), &clock_, CoordinatorOptions());
+  ASSERT_TRUE(coordinator_->Recover().ok());
+  Connect("a");
+  v1::RankProgress later = Committed(Report(id, 0, 21, 5), 5);
+  later.set_generation(2);
+  later.set_load_step(4);
+  later.set_load_ms(5);
+  ASSERT_TRUE(coordinator_->Heartbeat(BeatWith("a", later)).ok());
+  EXPECT_EQ(coordinator_->GetJob(id)->last_committed_step(), 5);
+  for (const v1::Event& event : Events(id, "loaded")) {
+    EXPECT_EQ(event.message().find("not step 5's"), std::string::npos) << event.message();
+  }
 }
 
 TEST_F(CoordinatorTest, RestartsRunOutThenTheJobFails) {
