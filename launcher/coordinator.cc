@@ -461,12 +461,7 @@ StatusOr<v1::Job> Coordinator::GetJob(const std::string& job_id) {
       for (const auto& node_id : active->nodes) {
         auto node = nodes_.find(node_id);
         if (node == nodes_.end()) continue;
-        v1::NodeStatus* status = job.add_nodes();
-        status->set_node_id(node_id);
-        status->set_hostname(node->second.facts.hostname());
-        status->set_connected(node->second.connected);
-        status->set_heartbeat_age_ms(now - node->second.last_heartbeat_ms);
-        *status->mutable_facts() = node->second.facts;
+        *job.add_nodes() = StatusOfNode(node_id, node->second, now);
       }
       return job;
     }
@@ -665,17 +660,22 @@ int64_t Coordinator::NodeConnected(const std::string& node_id, const v1::NodeFac
   return node.token;
 }
 
+v1::NodeStatus Coordinator::StatusOfNode(const std::string& node_id, const NodeState& node, int64_t now) {
+  v1::NodeStatus status;
+  status.set_node_id(node_id);
+  status.set_hostname(node.facts.hostname());
+  status.set_connected(node.connected);
+  status.set_heartbeat_age_ms(now - node.last_heartbeat_ms);
+  *status.mutable_facts() = node.facts;
+  return status;
+}
+
 std::vector<v1::NodeStatus> Coordinator::ListNodes() const {
   std::lock_guard<std::mutex> lock(mu_);
   const int64_t now = clock_->SteadyMs();
   std::vector<v1::NodeStatus> nodes;
   for (const auto& [id, node] : nodes_) {
-    v1::NodeStatus& status = nodes.emplace_back();
-    status.set_node_id(id);
-    status.set_hostname(node.facts.hostname());
-    status.set_connected(node.connected);
-    status.set_heartbeat_age_ms(now - node.last_heartbeat_ms);
-    *status.mutable_facts() = node.facts;
+    v1::NodeStatus& status = nodes.emplace_back(StatusOfNode(id, node, now));
     for (const auto& job : node.jobs) status.add_jobs(job);
   }
   return nodes;
@@ -810,16 +810,16 @@ void Coordinator::ApplyProgressLocked(ActiveJob& job, const v1::RankProgress& re
                                                    "'s did not load (rank 0's log says why)"
                                              : "it is a newer commit than the one recorded"),
                      0);
-    }
-    if (job.job.generation() > 0 && loaded < announced) {
-      // The ledger's newest commit is the one the ranks could load: the job's record says so, and the
-      // commits made again above it are recorded and said again as they come.
-      job.committed_at_start = loaded;
-      job.job.set_last_committed_step(loaded);
-      job.job.set_last_committed_path(report.committed_step() == loaded ? report.committed_path() : "");
-      job.recorded_before = std::min(job.recorded_before, loaded);
-      job.recorded_commits.erase(job.recorded_commits.upper_bound(loaded), job.recorded_commits.end());
-      PersistJobLocked(job);
+      if (loaded < announced) {
+        // The ledger's newest commit is the one the ranks could load: the job's record says so, and the
+        // commits made again above it are recorded and said again as they come.
+        job.committed_at_start = loaded;
+        job.job.set_last_committed_step(loaded);
+        job.job.set_last_committed_path(report.committed_step() == loaded ? report.committed_path() : "");
+        job.recorded_before = std::min(job.recorded_before, loaded);
+        job.recorded_commits.erase(job.recorded_commits.upper_bound(loaded), job.recorded_commits.end());
+        PersistJobLocked(job);
+      }
     }
   }
   if (report.rank() != 0 || !report.has_completed()) return;

@@ -171,6 +171,8 @@ class Coordinator {
     CommandSink deliver;           // the connected stream's, when it takes commands as they come
     std::set<std::string> jobs;
   };
+  // What a job's status and ListNodes say of a node, without its jobs. `now`: the steady clock.
+  static v1::NodeStatus StatusOfNode(const std::string& node_id, const NodeState& node, int64_t now);
   struct Progress {
     v1::RankProgress report;
     int64_t received_ms = 0;       // steady clock
