@@ -24,6 +24,7 @@
 #include "agent/supervisor.h"
 #include "agent/worker_credentials.h"
 #include "common/clock.h"
+#include "common/files.h"
 #include "common/logging.h"
 #include "ltrain/v1/ltrain.grpc.pb.h"
 
@@ -144,9 +145,9 @@ class AgentImpl : public Agent, private SupervisorOutbox {
   Status Init() {
     channel_ = MakeChannel(options_.coordinator, options_.security);
     agent_stub_ = v1::AgentService::NewStub(channel_);
-    std::error_code ec;
-    fs::create_directories(options_.work_dir, ec);
-    if (ec) return Unavailable("cannot create the agent directory " + options_.work_dir + ": " + ec.message());
+    if (Status made = CreateDirectories(options_.work_dir); !made.ok()) {
+      return Unavailable("the agent directory: " + made.message());
+    }
     if (access(options_.worker_binary.c_str(), X_OK) != 0) {
       return FailedPrecondition("worker binary " + options_.worker_binary +
                                 " is not executable; build it or pass --worker-binary");

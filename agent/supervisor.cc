@@ -14,6 +14,7 @@
 #include <set>
 
 #include "agent/oom.h"
+#include "common/files.h"
 #include "common/logging.h"
 #include "common/python_command.h"
 #include "common/recipe.h"
@@ -120,6 +121,13 @@ Supervisor::~Supervisor() {
   }
 }
 
+void Supervisor::OpenLog(Worker& worker) {
+  if (Status opened = worker.log.Open(worker.log_path); !opened.ok()) {
+    LTRAIN_LOG(kError, kLog) << worker.job_id << " rank " << worker.rank << ": " << opened.message()
+                             << "; its lines still reach the coordinator (`ltrain logs`)";
+  }
+}
+
 void Supervisor::StartJob(const v1::StartJobCommand& start) {
   if (Status usable = CheckStartCommand(start); !usable.ok()) {
     LTRAIN_LOG(kError, kLog) << "refused a start command" << (UsableJobId(start.job_id()) ? " of " + start.job_id() : "")
@@ -145,24 +153,19 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
     }
   }
   fs::path dir = fs::path(options_.work_dir) / "jobs" / start.job_id() / ("gen-" + std::to_string(start.generation()));
-  std::error_code ec;
-  fs::create_directories(dir, ec);
   fs::path recipe = dir / "recipe.yaml";
-  {
-    std::ofstream out(recipe);
-    out << start.recipe_yaml();
+  // Private to this user, and never written through a link planted in the agent's directory.
+  if (Status written = CreateDirectories(dir.string()); !written.ok() ||
+      !(written = WriteFileText(recipe.string(), start.recipe_yaml())).ok()) {
+    LTRAIN_LOG(kError, kLog) << start.job_id() << ": " << written.message();
   }
   // The generation's secret for the agent's services, private to this user from its creation.
   std::string secret_file;
   if (const std::string secret = options_.issue_worker_secret ? options_.issue_worker_secret(start) : "";
       !secret.empty()) {
     secret_file = (dir / "agent-secret").string();
-    const int fd = ::open(secret_file.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
-    const bool written = fd >= 0 && ::fchmod(fd, 0600) == 0 &&
-                         ::write(fd, secret.data(), secret.size()) == static_cast<ssize_t>(secret.size());
-    if (fd >= 0) ::close(fd);
-    if (!written) {
-      LTRAIN_LOG(kError, "agent") << "cannot write " << secret_file << ": the job's workers cannot reach this agent";
+    if (Status written = WriteFileText(secret_file, secret, 0600); !written.ok()) {
+      LTRAIN_LOG(kError, "agent") << written.message() << ": the job's workers cannot reach this agent";
     }
   }
   // A recipe with entrypoint.command runs the user's program under `ltrain-exec`, which adds
@@ -223,6 +226,10 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
       spec.env.push_back("LTRAIN_TENSORBOARD_DIR=" + (dir.parent_path() / "tensorboard").string());
     }
     if (program) {
+      // The agent's files are private; the program gets the umask its user started ltrain with.
+      char mask[8];
+      std::snprintf(mask, sizeof(mask), "%04o", static_cast<unsigned>(OriginalUmask()));
+      spec.env.push_back(std::string("LTRAIN_USER_UMASK=") + mask);
       std::vector<std::string> torchrun = TorchrunEnvironment(start, assignment, parsed.recipe);
       spec.env.insert(spec.env.end(), torchrun.begin(), torchrun.end());
     }
@@ -251,7 +258,7 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
       standby->generation = start.generation();
       standby->rank = assignment.rank();
       standby->log_path = log_path;
-      standby->log.open(log_path, std::ios::app);
+      OpenLog(*standby);
       standby->tail.clear();
       standby->oom_kills_at_start = options_.read_oom_kill_count();
       report.set_state("running");
@@ -268,7 +275,7 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
     worker->generation = start.generation();
     worker->rank = assignment.rank();
     worker->log_path = log_path;
-    worker->log.open(worker->log_path, std::ios::app);
+    OpenLog(*worker);
     StatusOr<SpawnedProcess> spawned = spawner_.Spawn(spec);
     if (!spawned.ok()) {
       report.set_state("exited");
@@ -502,7 +509,7 @@ void Supervisor::Drain(Worker& worker, Batches& batches, bool final_read) {
     worker.partial.clear();
   }
   // The file is read while the job runs (tail -f) and must keep what came if the agent dies.
-  if (start > 0 || worker.output_fd < 0) worker.log.flush();
+  if (start > 0 || worker.output_fd < 0) worker.log.Flush();
 }
 
 void Supervisor::AddLine(Worker& worker, const std::string& line, Batches& batches) {
@@ -513,7 +520,8 @@ void Supervisor::AddLine(Worker& worker, const std::string& line, Batches& batch
                             << worker.tail.back();
     return;
   }
-  worker.log << line << '\n';
+  worker.log.Append(line);
+  worker.log.Append("\n");
   // What goes to the coordinator: valid UTF-8 (protobuf refuses anything else), and at most
   // kMaxForwardedLineBytes of it.
   std::string text = BoundedLine(line, kMaxForwardedLineBytes, worker.log_path);

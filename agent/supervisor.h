@@ -22,7 +22,6 @@
 
 #include <cstdint>
 #include <deque>
-#include <fstream>
 #include <functional>
 #include <limits>
 #include <map>
@@ -34,6 +33,7 @@
 
 #include "agent/process_spawner.h"
 #include "common/clock.h"
+#include "common/files.h"
 #include "common/status.h"
 #include "ltrain/v1/ltrain.pb.h"
 
@@ -128,7 +128,7 @@ class Supervisor {
     pid_t pid = -1;
     int output_fd = -1;
     std::string partial;  // output after the last newline
-    std::ofstream log;
+    AppendFile log;
     std::string log_path;
     std::deque<std::string> tail;
     int64_t kill_at_ms = 0;  // when a SIGTERM'd worker gets SIGKILL; 0 when not stopping
@@ -146,6 +146,9 @@ class Supervisor {
   };
   using Batches = std::map<std::string, Batch>;  // job id -> lines
 
+  // Opens the worker's log_path for appending; a refusal (a link there) is logged, and its lines
+  // still reach the coordinator.
+  void OpenLog(Worker& worker);
   void Drain(Worker& worker, Batches& batches, bool final_read);
   void AddLine(Worker& worker, const std::string& line, Batches& batches);
   void SendBatches(Batches& batches);

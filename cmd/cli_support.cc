@@ -16,6 +16,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "cmd/job_printer.h"
+#include "common/files.h"
 #include "common/status.h"
 #include "launcher/coordinator_server.h"
 #include "launcher/state_store.h"
@@ -107,15 +108,9 @@ std::string LocalAddressFile(const std::string& home, const std::string& job_id)
 
 Status WriteLocalLaunch(const std::string& home, const std::string& job_id, const LocalLaunch& launch) {
   const std::string path = LocalAddressFile(home, job_id);
-  std::error_code ec;
-  fs::create_directories(fs::path(path).parent_path(), ec);
+  LTRAIN_RETURN_IF_ERROR(CreateDirectories(fs::path(path).parent_path().string()));
   // 0600 from its creation: it holds the token.
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
-  if (fd < 0) return Internal("creating " + path + ": " + std::strerror(errno));
-  const std::string text = launch.address + "\n" + launch.security.token + "\n";
-  const bool written = ::fchmod(fd, 0600) == 0 && ::write(fd, text.data(), text.size()) == static_cast<ssize_t>(text.size());
-  ::close(fd);
-  return written ? Status::Ok() : Internal("writing " + path);
+  return WriteFileText(path, launch.address + "\n" + launch.security.token + "\n", 0600);
 }
 
 std::optional<LocalLaunch> FindLocalLaunch(const std::string& home, const std::string& job_id) {
@@ -136,10 +131,9 @@ std::string LaunchLockFile(const std::string& home, const std::string& job_id) {
 
 int HoldLaunchLock(const std::string& home, const std::string& job_id) {
   const std::string path = LaunchLockFile(home, job_id);
-  std::error_code ec;
-  fs::create_directories(fs::path(path).parent_path(), ec);
+  if (!CreateDirectories(fs::path(path).parent_path().string()).ok()) return -1;
   // Close-on-exec: a worker that inherited it would keep the lock after the launch died.
-  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0600);
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
   if (fd < 0) return -1;
   if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
     ::close(fd);

@@ -11,6 +11,7 @@
 
 #include "cmd/cli_support.h"
 #include "cmd/commands.h"
+#include "common/files.h"
 #include "common/logging.h"
 #include "launcher/coordinator_server.h"
 #include "launcher/etcd_client.h"
@@ -176,10 +177,9 @@ int RunCoordinator(const CoordinatorArgs& args, const SecurityMaterial& security
   // Written aside and renamed, so that whoever waits for the file never reads half a port.
   auto write_port = [](const std::string& path, int port) {
     if (path.empty()) return;
-    std::ofstream tmp(path + ".tmp");
-    tmp << port << "\n";
-    tmp.close();
-    fs::rename(path + ".tmp", path);
+    if (Status written = WriteFileAtomically(path, std::to_string(port) + "\n"); !written.ok()) {
+      LTRAIN_LOG(kError, "coordinator") << written.message();
+    }
   };
   if ((*server)->http_port() != 0) {
     const std::string http_host = args.http_listen.substr(0, args.http_listen.rfind(':'));

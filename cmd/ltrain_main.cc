@@ -8,6 +8,7 @@
 
 #include "cmd/cli_support.h"
 #include "cmd/commands.h"
+#include "common/files.h"
 
 int main(int argc, char** argv) {
   using namespace ltrain::cli;
@@ -66,5 +67,10 @@ int main(int argc, char** argv) {
     return kExitInvalid;
   }
   if (int code = ctx.ApplyGlobalOptions(); code != kExitOk) return code;
+  // State, logs, tokens and checkpoints are this user's alone whatever the umask: every command but
+  // those that write a user's own outputs (a dataset, an export, a sample) creates files 0600 and
+  // folders 0700. A user's program under `ltrain run` gets the umask it was started with.
+  const std::string command = app.get_subcommands().front()->get_name();
+  if (command != "data" && command != "export" && command != "generate") ltrain::UsePrivateFileModes();
   return ctx.RunSelected();
 }

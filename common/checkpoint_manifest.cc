@@ -286,14 +286,10 @@ Status CheckCheckpointDirWritable(const std::string& dir, int rank) {
     return FailedPrecondition("checkpoint.dir " + dir + " cannot be written: " + why +
                               "; set checkpoint.dir to a directory every node can write (or checkpoint.enabled: false)");
   };
-  std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) return refuse(ec.message());
+  if (Status made = CreateDirectories(dir, 0777); !made.ok()) return refuse(made.message());
   const fs::path probe = fs::path(dir) / (".write-test-rank-" + std::to_string(rank));
-  {
-    std::ofstream out(probe, std::ios::trunc);
-    if (!(out << "ltrain\n") || !(out.flush())) return refuse(std::strerror(errno));
-  }
+  std::error_code ec;
+  if (Status written = WriteFileText(probe.string(), "ltrain\n"); !written.ok()) return refuse(written.message());
   fs::remove(probe, ec);
   if (ec) return refuse("removing " + probe.string() + ": " + ec.message());
   return Status::Ok();

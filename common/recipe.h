@@ -204,6 +204,7 @@ struct CheckpointSpec {
   bool async = true;             // snapshot to host memory, write in the background
   bool enabled = true;           // false: no checkpoint at all (benchmarks, throw-away runs)
   double timeout_s = 0;          // a save or load without progress this long is stuck; 0: auto
+  bool share_with_group = false;  // folders 0750 and files 0640 instead of 0700 and 0600
 };
 
 struct FaultSpec {

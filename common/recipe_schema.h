@@ -246,6 +246,11 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
                           "state, 12 bytes a parameter; at least fault.hang_timeout_s)",
                   .real_min = 0, .real_max = 604800, .default_text = "0 (auto)", .omit_at_default = true},
         r.checkpoint.timeout_s);
+  visit(RecipeKey{.section = "checkpoint", .name = "share_with_group",
+                  .help = "let the group of the checkpoint folder read the checkpoints: folders 0750 and files 0640 "
+                          "(by default they are the user's alone, 0700 and 0600, whatever the umask)",
+                  .omit_at_default = true},
+        r.checkpoint.share_with_group);
 
   visit(RecipeKey{.section = "fault", .name = "max_restarts", .help = "restarts from the last commit before the job fails",
                   .int_min = 0, .int_max = 1000000},

@@ -1,5 +1,7 @@
 #include "common/safetensors.h"
 
+#include "common/files.h"
+
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -149,8 +151,7 @@ StatusOr<std::unique_ptr<SafetensorsWriter>> SafetensorsWriter::Create(const std
   // The data section starts 8-byte aligned.
   while ((8 + json.size()) % 8 != 0) json.push_back(' ');
 
-  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return Internal("creating " + path + ": " + Errno());
+  LTRAIN_ASSIGN_OR_RETURN(const int fd, OpenForWriting(path, O_TRUNC, 0644));
   std::unique_ptr<SafetensorsWriter> writer(new SafetensorsWriter(path, fd, std::move(tensors)));
   writer->data_bytes_ = at;
   uint64_t n = json.size();

@@ -1,5 +1,7 @@
 #include "common/token_data.h"
 
+#include "common/files.h"
+
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
@@ -60,8 +62,10 @@ Status WriteTokens(const std::string& path, const std::vector<T>& tokens, uint32
   AppendLe(header, sizeof(T), 4);
 
   std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return InvalidArgument("cannot write " + tmp + ": " + ErrnoText());
+  ::unlink(tmp.c_str());
+  StatusOr<int> opened = OpenForWriting(tmp, O_EXCL, 0644);
+  if (!opened.ok()) return InvalidArgument(opened.status().message());
+  const int fd = *opened;
   Status s = WriteAll(fd, header.data(), header.size(), tmp);
   if (s.ok()) {
     // Tokens are stored little-endian; this host is little-endian (x86-64, aarch64).

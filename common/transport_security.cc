@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -343,13 +344,15 @@ std::string NewToken() {
 Status InitTls(const std::string& dir, const std::vector<std::string>& hosts) {
   namespace fs = std::filesystem;
   std::error_code ec;
-  fs::create_directories(dir, ec);
-  if (ec) return InvalidArgument("cannot create " + dir + ": " + ec.message());
+  if (Status made = CreateDirectories(dir); !made.ok()) return InvalidArgument(made.message());
   auto path = [&](const char* name) { return (fs::path(dir) / name).string(); };
-  // Never over files a deployment already uses: clients trust the CA, and a new one would lock them out.
+  // Never over files a deployment already uses: clients trust the CA, and a new one would lock them
+  // out. A symbolic link counts as a file there (it is never followed, dangling or not).
   std::string present;
   for (const char* name : {"ca.pem", "ca.key", "server.pem", "server.key", "client.pem", "client.key", "token"}) {
-    if (fs::exists(path(name), ec)) present += (present.empty() ? "" : ", ") + std::string(name);
+    if (fs::symlink_status(path(name), ec).type() != fs::file_type::not_found) {
+      present += (present.empty() ? "" : ", ") + std::string(name);
+    }
   }
   if (!present.empty()) {
     return FailedPrecondition(dir + " already holds " + present +
@@ -357,12 +360,24 @@ Status InitTls(const std::string& dir, const std::vector<std::string>& hosts) {
                               "choose another directory");
   }
   // Keys and the token are private from the moment they exist: every file is created 0600 (openssl
-  // inherits the mask), and the public certificates are opened up afterwards.
+  // inherits the mask), in a directory of this call's own (0700, a new name: nothing planted can be
+  // in it), and renamed into `dir` at the end (a rename replaces a name, never follows it). The
+  // public certificates are opened up afterwards.
   const mode_t old_mask = ::umask(077);
   struct RestoreMask {
     mode_t mask;
     ~RestoreMask() { ::umask(mask); }
   } restore{old_mask};
+  std::string scratch_template = path(".init-tls-XXXXXX");
+  if (::mkdtemp(scratch_template.data()) == nullptr) {
+    return InvalidArgument("cannot create a directory in " + dir + ": " + std::strerror(errno));
+  }
+  const std::string scratch = scratch_template;
+  struct RemoveScratch {
+    std::string dir;
+    ~RemoveScratch() { RemoveTree(dir); }
+  } remove_scratch{scratch};
+  auto work = [&](const char* name) { return (fs::path(scratch) / name).string(); };
   std::string san = "subjectAltName=";
   for (size_t i = 0; i < hosts.size(); ++i) {
     bool ip = hosts[i].find_first_not_of("0123456789.") == std::string::npos || hosts[i].find(':') != std::string::npos;
@@ -370,29 +385,28 @@ Status InitTls(const std::string& dir, const std::vector<std::string>& hosts) {
   }
   const std::vector<std::vector<std::string>> steps = {
       {"openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-days", "825",
-       "-subj", "/CN=ltrain CA", "-keyout", path("ca.key"), "-out", path("ca.pem")},
+       "-subj", "/CN=ltrain CA", "-keyout", work("ca.key"), "-out", work("ca.pem")},
       {"openssl", "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-subj",
-       "/CN=ltrain coordinator", "-keyout", path("server.key"), "-out", path("server.csr")},
-      {"openssl", "x509", "-req", "-in", path("server.csr"), "-CA", path("ca.pem"), "-CAkey", path("ca.key"),
-       "-CAcreateserial", "-days", "825", "-extfile", path("server.ext"), "-out", path("server.pem")},
+       "/CN=ltrain coordinator", "-keyout", work("server.key"), "-out", work("server.csr")},
+      {"openssl", "x509", "-req", "-in", work("server.csr"), "-CA", work("ca.pem"), "-CAkey", work("ca.key"),
+       "-CAcreateserial", "-days", "825", "-extfile", work("server.ext"), "-out", work("server.pem")},
       {"openssl", "req", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes", "-subj",
-       "/CN=ltrain client", "-keyout", path("client.key"), "-out", path("client.csr")},
-      {"openssl", "x509", "-req", "-in", path("client.csr"), "-CA", path("ca.pem"), "-CAkey", path("ca.key"),
-       "-CAcreateserial", "-days", "825", "-out", path("client.pem")},
+       "/CN=ltrain client", "-keyout", work("client.key"), "-out", work("client.csr")},
+      {"openssl", "x509", "-req", "-in", work("client.csr"), "-CA", work("ca.pem"), "-CAkey", work("ca.key"),
+       "-CAcreateserial", "-days", "825", "-out", work("client.pem")},
   };
-  std::ofstream(path("server.ext")) << san << "\n";
+  LTRAIN_RETURN_IF_ERROR(WriteFileText(work("server.ext"), san + "\n"));
   for (const auto& step : steps) {
     LTRAIN_RETURN_IF_ERROR(Run(step));
   }
-  std::string token = NewToken();
-  const int fd = ::open(path("token").c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-  if (fd < 0) return Internal("creating " + path("token") + ": " + std::strerror(errno));
-  token += "\n";
-  const bool written = ::write(fd, token.data(), token.size()) == static_cast<ssize_t>(token.size());
-  ::close(fd);
-  if (!written) return Internal("writing " + path("token") + ": " + std::strerror(errno));
-  for (const char* certificate : {"ca.pem", "server.pem", "client.pem"}) ::chmod(path(certificate).c_str(), 0644);
-  for (const char* scratch : {"server.csr", "client.csr", "server.ext", "ca.srl"}) fs::remove(path(scratch), ec);
+  LTRAIN_RETURN_IF_ERROR(WriteFileText(work("token"), NewToken() + "\n", 0600));
+  for (const char* certificate : {"ca.pem", "server.pem", "client.pem"}) ::chmod(work(certificate).c_str(), 0644);
+  for (const char* name : {"ca.pem", "ca.key", "server.pem", "server.key", "client.pem", "client.key", "token"}) {
+    // RENAME_NOREPLACE: a name that appeared in `dir` meanwhile is kept, and this call fails.
+    if (::renameat2(AT_FDCWD, work(name).c_str(), AT_FDCWD, path(name).c_str(), RENAME_NOREPLACE) != 0) {
+      return FailedPrecondition("cannot move " + std::string(name) + " into " + dir + ": " + std::strerror(errno));
+    }
+  }
   return Status::Ok();
 }
 

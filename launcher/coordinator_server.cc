@@ -9,6 +9,7 @@
 
 #include <grpcpp/health_check_service_interface.h>
 
+#include "common/files.h"
 #include "common/logging.h"
 #include "ltrain/v1/ltrain.grpc.pb.h"
 
@@ -312,9 +313,9 @@ class RendezvousServiceImpl final : public v1::RendezvousService::CallbackServic
 }  // namespace
 
 StatusOr<std::unique_ptr<StateStore>> OpenStateStore(const std::string& state_dir, int64_t max_bytes) {
-  std::error_code ec;
-  std::filesystem::create_directories(state_dir, ec);
-  if (ec) return Unavailable("cannot create the state directory " + state_dir + ": " + ec.message());
+  if (Status made = CreateDirectories(state_dir); !made.ok()) {
+    return Unavailable("the state directory: " + made.message());
+  }
   StatusOr<std::unique_ptr<SqliteStateStore>> store =
       SqliteStateStore::Open((std::filesystem::path(state_dir) / "state.db").string());
   if (!store.ok()) return store.status();

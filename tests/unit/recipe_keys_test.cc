@@ -33,7 +33,7 @@ parallel: {nodes: {min: 1, max: 2}, nproc_per_node: 8, tp: 2, pp: 2, zero: 1, se
            activation_checkpointing: selective, precision: bf16, device: cuda}
 metrics: {tensorboard: true}
 checkpoint: {dir: /ckpt/every-key, every: 11, keep: 5, resume_from: /ckpt/old/step-3, async: false, enabled: false,
-             timeout_s: 240}
+             timeout_s: 240, share_with_group: true}
 fault: {max_restarts: 4, restart_backoff_s: 2.5, restart_backoff_max_s: 45, heartbeat_interval_s: 0.5,
         heartbeat_misses: 5, hang_timeout_s: 90, startup_timeout_s: 500, collective_timeout_s: 120}
 )";

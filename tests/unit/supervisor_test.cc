@@ -195,6 +195,9 @@ TEST_F(SupervisorTest, AProgramRunsUnderExecWithTorchrunsEnvironment) {
   EXPECT_EQ(spec.args, (std::vector<std::string>{"--env", "A=b", "--env", "OMP_NUM_THREADS=4", "--",
                                                  "python3", "train.py", "--x"}));
   EXPECT_EQ(spec.working_dir, "/srv/w");
+  char mask[32];
+  std::snprintf(mask, sizeof(mask), "LTRAIN_USER_UMASK=%04o", static_cast<unsigned>(OriginalUmask()));
+  EXPECT_EQ(*(spec.env.end() - 14), mask) << "the program gets the umask its user started ltrain with";
   const std::vector<std::string> tail(spec.env.end() - 13, spec.env.end());
   EXPECT_EQ(tail, (std::vector<std::string>{
                       "RANK=3", "LOCAL_RANK=1", "WORLD_SIZE=4", "LOCAL_WORLD_SIZE=2", "GROUP_RANK=1",

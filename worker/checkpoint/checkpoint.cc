@@ -325,8 +325,7 @@ fs::path Marker(const std::string& dir, int64_t step, int rank, bool done) {
 
 Status FileCommitBoard::Announce(int64_t step, int rank, const std::string& error) {
   const fs::path marker = Marker(dir_, step, rank, error.empty());
-  std::error_code ec;
-  fs::create_directories(marker.parent_path(), ec);
+  (void)CreateDirectories(marker.parent_path().string(), 0777);
   Status written = WriteFileAtomically(marker.string(), error);
   if (!written.ok()) return Internal("announcing checkpoint step-" + std::to_string(step) + ": " + written.message());
   return Status::Ok();

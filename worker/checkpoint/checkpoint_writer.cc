@@ -6,6 +6,7 @@
 
 #include <c10/util/Exception.h>
 
+#include "common/files.h"
 #include "worker/control/progress.h"
 
 namespace ltrain::worker {
@@ -84,9 +85,8 @@ std::string CheckpointWriter::WriteFiles(const CheckpointSnapshot& snapshot) {
   if (snapshot.files.empty()) return "";
   const std::string who = "rank " + std::to_string(options_.rank) + ": ";
   const fs::path pending = PendingCheckpointDir(options_.dir, snapshot.step);
-  std::error_code ec;
-  fs::create_directories(pending, ec);
-  if (ec) return who + "cannot create " + pending.string() + ": " + ec.message();
+  // The modes are the worker's umask's (private, or shared with the group: checkpoint.share_with_group).
+  if (Status made = CreateDirectories(pending.string(), 0777); !made.ok()) return who + made.message();
   const std::string work = "saving checkpoint step-" + std::to_string(snapshot.step);
   int64_t total = 0;
   for (const auto& [name, tensors] : snapshot.files) total += static_cast<int64_t>(ShardDataBytes(tensors));

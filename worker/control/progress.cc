@@ -6,6 +6,8 @@
 #include <cmath>
 #include <cstring>
 
+#include "common/files.h"
+
 namespace ltrain::worker {
 namespace {
 
@@ -108,11 +110,12 @@ bool Progress::WriteTensorBoardTo(const std::string& dir, std::string& error) {
 }
 
 bool Progress::WriteMetricsTo(const std::string& path, int generation, std::string& error) {
-  std::FILE* file = std::fopen(path.c_str(), "ae");
-  if (file == nullptr) {
-    error = "cannot append to " + path + ": " + std::strerror(errno);
+  StatusOr<std::FILE*> opened = OpenStreamForWriting(path, /*append=*/true);
+  if (!opened.ok()) {
+    error = opened.status().message();
     return false;
   }
+  std::FILE* file = *opened;
   std::lock_guard<std::mutex> lock(mu_);
   if (metrics_ != nullptr) std::fclose(metrics_);
   metrics_ = file;

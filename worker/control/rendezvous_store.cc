@@ -14,6 +14,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "common/files.h"
 #include "ltrain/v1/ltrain.grpc.pb.h"
 
 namespace ltrain::worker {
@@ -81,11 +82,8 @@ class DirectoryStore : public gloo::rendezvous::Store {
     static std::atomic<int> counter{0};
     const std::string path = PathOf(key);
     const std::string tmp = dir_ + "/.tmp-" + std::to_string(::getpid()) + "-" + std::to_string(counter++);
-    {
-      std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-      out.write(data.data(), static_cast<std::streamsize>(data.size()));
-      out.close();
-      if (!out) throw std::runtime_error("rendezvous set " + key + ": cannot write " + tmp);
+    if (Status written = WriteFileText(tmp, std::string_view(data.data(), data.size())); !written.ok()) {
+      throw std::runtime_error("rendezvous set " + key + ": " + written.message());
     }
     if (std::rename(tmp.c_str(), path.c_str()) != 0) {
       std::remove(tmp.c_str());
@@ -172,9 +170,7 @@ StatusOr<std::shared_ptr<gloo::rendezvous::Store>> ConnectRendezvousStore(const 
     base = std::make_shared<GrpcStore>(address.substr(7), secret);
   } else if (address.rfind("file://", 0) == 0) {
     std::string dir = address.substr(7);
-    std::error_code ec;
-    std::filesystem::create_directories(dir, ec);
-    if (ec) return InvalidArgument("rendezvous directory " + dir + ": " + ec.message());
+    if (Status made = CreateDirectories(dir); !made.ok()) return InvalidArgument("rendezvous: " + made.message());
     base = std::make_shared<DirectoryStore>(dir);
   } else {
     return InvalidArgument("rendezvous address '" + address +

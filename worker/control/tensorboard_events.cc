@@ -8,6 +8,8 @@
 #include <cstring>
 #include <filesystem>
 
+#include "common/files.h"
+
 namespace ltrain::worker {
 namespace {
 
@@ -102,10 +104,8 @@ std::string TfRecord(std::string_view data) {
 }
 
 std::unique_ptr<TensorBoardWriter> TensorBoardWriter::Open(const std::string& dir, std::string& error) {
-  std::error_code ec;
-  std::filesystem::create_directories(dir, ec);
-  if (ec) {
-    error = "cannot create " + dir + ": " + ec.message();
+  if (Status made = CreateDirectories(dir); !made.ok()) {
+    error = made.message();
     return nullptr;
   }
   char host[256] = "localhost";
@@ -113,11 +113,12 @@ std::unique_ptr<TensorBoardWriter> TensorBoardWriter::Open(const std::string& di
   const double now = Now();
   const std::string path = dir + "/events.out.tfevents." + std::to_string(static_cast<int64_t>(now)) + "." + host + "." +
                            std::to_string(getpid()) + ".ltrain";
-  std::FILE* file = std::fopen(path.c_str(), "wbe");
-  if (file == nullptr) {
-    error = "cannot create " + path + ": " + std::strerror(errno);
+  StatusOr<std::FILE*> opened = OpenStreamForWriting(path, /*append=*/false);
+  if (!opened.ok()) {
+    error = opened.status().message();
     return nullptr;
   }
+  std::FILE* file = *opened;
   std::unique_ptr<TensorBoardWriter> writer(new TensorBoardWriter(file, path));
   writer->Append(TfRecord(FileVersionEvent(now)));
   return writer;

@@ -8,6 +8,7 @@
 #include <optional>
 #include <thread>
 
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <dlfcn.h>
@@ -17,6 +18,7 @@
 
 #include "common/layout.h"
 #include "common/checkpoint_manifest.h"
+#include "common/files.h"
 #include "common/recipe.h"
 #include "common/worker_exit.h"
 #include "worker/checkpoint/checkpoint.h"
@@ -173,6 +175,10 @@ Status Run(const WorkerEnv& env) {
                            std::to_string(env.world_size));
   }
   LTRAIN_ASSIGN_OR_RETURN(Recipe recipe, LoadWorkerRecipe(env));
+  // Checkpoints (and what else a rank writes) are the user's alone whatever the umask the worker was
+  // started with, or readable by the checkpoint folder's group where the recipe says so.
+  UsePrivateFileModes();
+  if (recipe.checkpoint.share_with_group) ::umask(027);
 
   // OMP_NUM_THREADS wins, as users of torchrun expect; otherwise the node's cores are shared out.
   const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
