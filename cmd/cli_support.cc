@@ -260,6 +260,10 @@ int CoordinatorClient::Unreachable(const grpc::Status& status) const {
   return kExitUnavailable;
 }
 
+void PrintCoordinatorWarning(const std::string& warning) {
+  if (!warning.empty()) std::fprintf(stderr, "ltrain: warning: %s\n", warning.c_str());
+}
+
 int ReplyError(const v1::Status& status) {
   std::fprintf(stderr, "ltrain: %s\n", status.message().c_str());
   return status.code() == static_cast<int>(StatusCode::kInvalidArgument) ? kExitInvalid : kExitUnavailable;

@@ -109,6 +109,10 @@ class CoordinatorClient {
   std::unique_ptr<v1::JobService::Stub> stub_;
 };
 
+// Says on stderr what the coordinator wants every user to know (GetJobReply::warning and its twins),
+// when it says anything.
+void PrintCoordinatorWarning(const std::string& warning);
+
 // Prints a coordinator's error reply; kExitInvalid when it refused the request as invalid, else
 // kExitUnavailable.
 int ReplyError(const v1::Status& status);

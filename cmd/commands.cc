@@ -16,10 +16,12 @@ void CommandContext::AddGlobalOptions(CLI::App& app) {
                  "PEM certificate: the coordinator's own, or a client's for mutual TLS ($LTRAIN_TLS_CERT)");
   app.add_option("--tls-key", security_options_.tls_key, "PEM key of --tls-cert ($LTRAIN_TLS_KEY)");
   app.add_option("--token-file", security_options_.token_file,
-                 "File holding the bearer token the coordinator requires ($LTRAIN_TOKEN_FILE; $LTRAIN_TOKEN wins)");
+                 "File holding the bearer token the coordinator requires ($LTRAIN_TOKEN_FILE; $LTRAIN_TOKEN wins; "
+                 "default $LTRAIN_HOME/token, where a coordinator started without one keeps the one it made)");
   app.add_flag("--insecure", security_options_.insecure,
-               "Send the token in clear text to a coordinator off this host, without TLS ($LTRAIN_INSECURE=1): only "
-               "on a network you trust");
+               "Without TLS beyond loopback ($LTRAIN_INSECURE=1): a client sends the token in clear text to a "
+               "coordinator off this host; a coordinator serves a non-loopback address in clear text (refused "
+               "otherwise), and says so at start and to every `ltrain status`. Only on a network you trust");
 }
 
 int CommandContext::ApplyGlobalOptions() {
@@ -29,6 +31,7 @@ int CommandContext::ApplyGlobalOptions() {
     return kExitInvalid;
   }
   SetLogLevel(level);
+  security_options_.default_token_file = LtrainHome() + "/token";
   StatusOr<SecurityMaterial> loaded = LoadSecurity(security_options_);
   if (!loaded.ok()) {
     std::fprintf(stderr, "ltrain: %s\n", loaded.status().message().c_str());

@@ -8,6 +8,8 @@
 #include <filesystem>
 #include <fstream>
 #include <memory>
+#include <optional>
+#include <utility>
 
 #include "cmd/cli_support.h"
 #include "cmd/commands.h"
@@ -65,10 +67,64 @@ std::string AdvertisedAddress(const std::string& listen, int port) {
   return host + ":" + std::to_string(port);
 }
 
-int RunCoordinator(const CoordinatorArgs& args, const SecurityMaterial& security) {
+// The token the coordinator requires: the one given (--token-file, LTRAIN_TOKEN, config.yaml), else the
+// one in the state directory, made there on the first start. Never printed: where it is, is.
+std::optional<std::string> CoordinatorToken(const CoordinatorArgs& args, const SecurityMaterial& security,
+                                            const std::string& state_dir) {
+  if (!security.token.empty() && !security.token_by_default) return security.token;
+  if (!args.state.empty()) {
+    std::fprintf(stderr, "ltrain coordinator: several coordinators on one etcd state must require one token: give each "
+                         "--token-file FILE with the same file (`ltrain coordinator --init-tls DIR` writes one, "
+                         "DIR/token)\n");
+    return std::nullopt;
+  }
+  const std::string path = (fs::path(state_dir) / "token").string();
+  Status made = CreateDirectories(state_dir);
+  StatusOr<std::string> token = made.ok() ? LoadOrCreateTokenFile(path) : StatusOr<std::string>(made);
+  if (!token.ok()) {
+    std::fprintf(stderr, "ltrain coordinator: %s\n", token.status().message().c_str());
+    return std::nullopt;
+  }
+  LTRAIN_LOG(kInfo, "coordinator") << "clients need the token in " << path
+                                   << " (0600): this user's agents and commands on this host read it by default when "
+                                      "the state directory is $LTRAIN_HOME; elsewhere give them --token-file with a "
+                                      "copy";
+  return *token;
+}
+
+// Why serving `listen` as configured is refused (beyond loopback in clear text without
+// --insecure), or "" when it may go on; a warning for every user when it goes on insecurely.
+std::string RefuseCleartext(const std::string& flag, const std::string& listen, const SecurityMaterial& security,
+                            std::string* warning) {
+  if (listen.empty() || IsLoopbackAddress(listen) || !security.cert_pem.empty()) return "";
+  if (!security.insecure) {
+    return flag + " " + listen + " is beyond loopback, and this coordinator has no TLS: the token and every job's "
+           "data would cross the network in clear text, where anyone on the path can read the token and run "
+           "commands on every node. Give --tls-cert and --tls-key (`ltrain coordinator --init-tls DIR` writes "
+           "them), listen on 127.0.0.1, or pass --insecure on a network you trust";
+  }
+  *warning = "this coordinator serves " + listen + " without TLS (--insecure): its token and every job's data "
+             "cross the network in clear text";
+  return "";
+}
+
+int RunCoordinator(const CoordinatorArgs& args, const SecurityMaterial& given) {
   std::string state_dir = args.state_dir.empty() ? LtrainHome() : args.state_dir;
+  SecurityMaterial security = given;
+  std::string warning;
+  for (const auto& [flag, listen] : {std::pair{"--listen", args.listen}, std::pair{"--http-listen", args.http_listen}}) {
+    if (std::string refused = RefuseCleartext(flag, listen, security, &warning); !refused.empty()) {
+      std::fprintf(stderr, "ltrain coordinator: %s\n", refused.c_str());
+      return kExitInvalid;
+    }
+  }
+  if (!warning.empty()) LTRAIN_LOG(kWarning, "coordinator") << warning;
+  std::optional<std::string> token = CoordinatorToken(args, security, state_dir);
+  if (!token) return kExitInvalid;
+  security.token = *token;
   InterruptWatcher interrupts;
   launcher::CoordinatorServerOptions options;
+  options.warning = warning;
   options.listen_address = args.listen;
   options.state_dir = state_dir;
   options.node_timeout_ms = static_cast<int64_t>(args.node_timeout_s * 1000);
@@ -76,15 +132,6 @@ int RunCoordinator(const CoordinatorArgs& args, const SecurityMaterial& security
   options.state_max_bytes = static_cast<int64_t>(args.state_max_mb * 1024 * 1024);
   options.security = security;
   options.http_listen = args.http_listen;
-  if (options.listen_address.rfind("127.", 0) != 0 && options.listen_address.rfind("localhost", 0) != 0) {
-    if (security.token.empty()) {
-      LTRAIN_LOG(kWarning, "coordinator") << "listening on " << args.listen
-                                          << " without a token: anyone who reaches it can drive it; see --init-tls";
-    } else if (security.cert_pem.empty()) {
-      LTRAIN_LOG(kWarning, "coordinator") << "listening on " << args.listen
-                                          << " without TLS: the token travels in clear text; see --init-tls";
-    }
-  }
 
   // What ends this run: a signal (while standing by it ends the campaign), or the lead lost.
   struct Lifecycle {

@@ -29,6 +29,7 @@ int ListNodes(const NodesArgs& args, const SecurityMaterial& security) {
   v1::ListNodesReply reply;
   grpc::Status status = client.stub().ListNodes(&context, request, &reply);
   if (!status.ok()) return client.Unreachable(status);
+  PrintCoordinatorWarning(reply.warning());
   if (reply.status().code() != 0) return ReplyError(reply.status());
   if (args.output == "json") {
     std::printf("%s\n", ToJson(reply).c_str());

@@ -44,6 +44,7 @@ int ShowStatus(const StatusArgs& args, const SecurityMaterial& security) {
       v1::ListJobsReply reply;
       grpc::Status status = client.stub().ListJobs(&context, request, &reply);
       if (!status.ok()) return client.Unreachable(status);
+      PrintCoordinatorWarning(reply.warning());
       if (reply.status().code() != 0) return ReplyError(reply.status());
       if (json) std::printf("%s\n", ToJson(reply).c_str());
       else PrintJobs({reply.jobs().begin(), reply.jobs().end()});
@@ -54,6 +55,7 @@ int ShowStatus(const StatusArgs& args, const SecurityMaterial& security) {
     v1::GetJobReply reply;
     grpc::Status status = client.stub().GetJob(&context, request, &reply);
     if (!status.ok()) return client.Unreachable(status);
+    PrintCoordinatorWarning(reply.warning());
     if (reply.status().code() != 0) return ReplyError(reply.status());
     PrintJob(reply.job(), json);
     return kExitOk;

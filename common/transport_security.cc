@@ -120,6 +120,13 @@ StatusOr<SecurityMaterial> LoadSecurity(SecurityOptions options) {
   }
   material.token = Trim(material.token);
   if (const char* token = std::getenv("LTRAIN_TOKEN"); token && *token) material.token = token;
+  std::error_code ec;
+  if (material.token.empty() && !options.default_token_file.empty() &&
+      std::filesystem::exists(options.default_token_file, ec)) {
+    LTRAIN_RETURN_IF_ERROR(read(options.default_token_file, "token", &material.token));
+    material.token = Trim(material.token);
+    material.token_by_default = !material.token.empty();
+  }
   const char* insecure = std::getenv("LTRAIN_INSECURE");
   material.insecure = options.insecure || (insecure != nullptr && std::string(insecure) == "1");
   return material;
@@ -143,6 +150,41 @@ bool IsLoopbackOne(std::string target) {
       host.rfind("127.", 0) == 0 && host.find_first_not_of("0123456789.") == std::string::npos;
   return host == "localhost" || host == "::1" || ipv4_loopback;
 }
+
+}  // namespace
+
+bool IsLoopbackAddress(const std::string& address) { return IsLoopbackOne(address); }
+
+StatusOr<std::string> LoadOrCreateTokenFile(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) == 0) {
+    if (!S_ISREG(st.st_mode)) {
+      return FailedPrecondition(path + " is not a regular file (a link or another kind): remove it, and the "
+                                "coordinator makes a new token there");
+    }
+    if (st.st_uid != ::geteuid() || (st.st_mode & 077) != 0) {
+      return FailedPrecondition("the token file " + path + " may be read by others (mode " +
+                                std::to_string((st.st_mode >> 6) & 7) + std::to_string((st.st_mode >> 3) & 7) +
+                                std::to_string(st.st_mode & 7) + ", or another owner): `chmod 600 " + path +
+                                "`, or remove it for a new one");
+    }
+    LTRAIN_ASSIGN_OR_RETURN(std::string token, ReadWhole(path, "token"));
+    token = Trim(token);
+    if (token.size() < 16) return FailedPrecondition("the token file " + path + " holds fewer than 16 characters");
+    return token;
+  }
+  std::string token = NewToken();
+  LTRAIN_ASSIGN_OR_RETURN(int fd, OpenForWriting(path, O_EXCL, 0600));
+  Status written = WriteAll(fd, token + "\n", path);
+  ::close(fd);
+  if (!written.ok()) {
+    ::unlink(path.c_str());
+    return written;
+  }
+  return token;
+}
+
+namespace {
 
 // Every address of a list ("HOST:PORT,HOST:PORT", or gRPC's "ipv4:A:P,A:P") is on loopback.
 bool IsLoopbackTarget(const std::string& target) {
@@ -222,7 +264,8 @@ StatusOr<std::string> ListTarget(const std::string& target, grpc::ChannelArgumen
   return list;
 }
 
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& given, const SecurityMaterial& security) {
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& given, const SecurityMaterial& security,
+                                           grpc::ChannelArguments args) {
   std::shared_ptr<grpc::ChannelCredentials> credentials;
   if (!security.ca_pem.empty()) {
     grpc::SslCredentialsOptions ssl;
@@ -233,7 +276,6 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& given, const Secur
   } else {
     credentials = grpc::InsecureChannelCredentials();
   }
-  grpc::ChannelArguments args;
   // Control-plane messages are small and steady: no bandwidth-delay probes (a ping after each).
   args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   StatusOr<std::string> listed = ListTarget(given, &args);
@@ -269,7 +311,9 @@ grpc::Status CheckBearerToken(const grpc::ServerContextBase& context, const std:
   }
   return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
                       found == context.client_metadata().end()
-                          ? "this coordinator requires a bearer token: pass --token-file FILE or set LTRAIN_TOKEN"
+                          ? "this coordinator requires a bearer token: pass --token-file FILE or set LTRAIN_TOKEN (a "
+                            "coordinator started without one keeps the one it made in its state directory, token; "
+                            "its user's commands on its host read $LTRAIN_HOME/token by default)"
                           : "the bearer token was not accepted: check --token-file or LTRAIN_TOKEN");
 }
 

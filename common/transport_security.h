@@ -2,8 +2,9 @@
 // Servers take a certificate (and, for mutual TLS, the CA that signs client certificates); clients
 // take the CA that signs the server's certificate (and their own certificate for mutual TLS). A
 // bearer token, read from a file or the environment, rides on every call as "authorization:
-// Bearer ..."; it is never logged. Without any of these, channels are plaintext, which is meant for
-// loopback only.
+// Bearer ..."; it is never logged or printed. Every coordinator requires a token (one started
+// without keeps a new one in its state directory, token, 0600); a coordinator serves beyond
+// loopback in plain text only when told --insecure. Without TLS, channels are plaintext.
 #pragma once
 
 #include <memory>
@@ -22,20 +23,34 @@ struct SecurityOptions {
   std::string tls_key;
   std::string tls_client_ca;  // server: require client certificates signed by this CA (mutual TLS)
   std::string token_file;     // the bearer token's file; LTRAIN_TOKEN overrides, LTRAIN_TOKEN_FILE stands in
-  bool insecure = false;      // client: send the token in clear text to a non-loopback address (LTRAIN_INSECURE=1)
+  // Read when no token is given otherwise and the file is there: $LTRAIN_HOME/token, where a
+  // coordinator started without a token by this user keeps the one it made.
+  std::string default_token_file;
+  // client: send the token in clear text to a non-loopback address; coordinator: serve without TLS
+  // beyond loopback (LTRAIN_INSECURE=1)
+  bool insecure = false;
 };
 
 // The security material, read from its files. Errors name the file.
 struct SecurityMaterial {
   std::string ca_pem, cert_pem, key_pem, client_ca_pem;
   std::string token;
-  bool insecure = false;  // SecurityOptions::insecure
+  bool token_by_default = false;  // the token came from SecurityOptions::default_token_file
+  bool insecure = false;          // SecurityOptions::insecure
   bool tls() const { return !ca_pem.empty() || !cert_pem.empty(); }
 };
 
 // Fills empty options from LTRAIN_TLS_CA, LTRAIN_TLS_CERT, LTRAIN_TLS_KEY, LTRAIN_TLS_CLIENT_CA and
 // LTRAIN_TOKEN_FILE, reads every file, and takes LTRAIN_TOKEN as the token when set.
 StatusOr<SecurityMaterial> LoadSecurity(SecurityOptions options);
+
+// Whether HOST:PORT (or HOST) is on loopback: 127.0.0.0/8, ::1, localhost.
+bool IsLoopbackAddress(const std::string& address);
+
+// The token of a coordinator started without one: the one in `path` when it is there (a regular
+// file of this user's that no one else may read), else a new one written there, 0600. Errors name
+// the file and the fix.
+StatusOr<std::string> LoadOrCreateTokenFile(const std::string& path);
 
 // Whether a client may send its token to `target`: always over TLS (a CA given) or to loopback;
 // in clear text elsewhere only with `insecure`, since anyone on the path could read it. The error
@@ -51,7 +66,9 @@ Status CheckTokenTransport(const std::string& target, const SecurityMaterial& se
 // The gRPC target of a list of HOST:PORT (ipv4: or ipv6: addresses, resolved now), or `target`
 // itself when it is one address. Sets on `args` what a list needs. An unknown host is an error.
 StatusOr<std::string> ListTarget(const std::string& target, grpc::ChannelArguments* args);
-std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const SecurityMaterial& security);
+// `args`: more channel arguments (a connection of its own, say).
+std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const SecurityMaterial& security,
+                                           grpc::ChannelArguments args = {});
 // Why a call to `target` that failed with UNAVAILABLE failed when something does accept TCP
 // connections there (checked within a second): the two ends disagree on TLS, said with the fix
 // for the client's side (`security` is what it used). "" when nothing listens there: the

@@ -7,10 +7,9 @@
 #include <memory>
 #include <mutex>
 
-#include <grpcpp/health_check_service_interface.h>
-
 #include "common/files.h"
 #include "common/logging.h"
+#include "grpc/health/v1/health.grpc.pb.h"
 #include "ltrain/v1/ltrain.grpc.pb.h"
 
 namespace ltrain::launcher {
@@ -23,7 +22,8 @@ void SetStatus(v1::Status* out, const Status& status) {
 
 class JobServiceImpl final : public v1::JobService::Service {
  public:
-  JobServiceImpl(Coordinator* coordinator, std::string token) : coordinator_(coordinator), token_(std::move(token)) {}
+  JobServiceImpl(Coordinator* coordinator, std::string token, std::string warning)
+      : coordinator_(coordinator), token_(std::move(token)), warning_(std::move(warning)) {}
 
   grpc::Status SubmitJob(grpc::ServerContext* context, const v1::SubmitJobRequest* request, v1::SubmitJobReply* reply) override {
     if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
@@ -38,6 +38,7 @@ class JobServiceImpl final : public v1::JobService::Service {
     StatusOr<v1::Job> job = coordinator_->GetJob(request->job_id());
     SetStatus(reply->mutable_status(), job.status());
     if (job.ok()) *reply->mutable_job() = *job;
+    reply->set_warning(warning_);
     return grpc::Status::OK;
   }
 
@@ -45,6 +46,7 @@ class JobServiceImpl final : public v1::JobService::Service {
     if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
     for (auto& node : coordinator_->ListNodes()) *reply->add_nodes() = std::move(node);
     SetStatus(reply->mutable_status(), Status::Ok());
+    reply->set_warning(warning_);
     return grpc::Status::OK;
   }
 
@@ -55,6 +57,7 @@ class JobServiceImpl final : public v1::JobService::Service {
     if (jobs.ok()) {
       for (auto& job : *jobs) *reply->add_jobs() = std::move(job);
     }
+    reply->set_warning(warning_);
     return grpc::Status::OK;
   }
 
@@ -119,6 +122,7 @@ class JobServiceImpl final : public v1::JobService::Service {
  private:
   Coordinator* coordinator_;
   std::string token_;
+  std::string warning_;
 };
 
 // One agent's command stream on gRPC's callback API: no thread waits for an agent. The coordinator
@@ -310,6 +314,72 @@ class RendezvousServiceImpl final : public v1::RendezvousService::CallbackServic
   std::string token_;
 };
 
+// grpc.health.v1 behind the token: SERVING while the coordinator serves, NOT_SERVING once it shuts
+// down. Only the whole server ("") and its three services are known. Watch answers on gRPC's
+// callback threads and holds none while the status stays the same.
+class HealthServiceImpl final : public grpc::health::v1::Health::CallbackService {
+ public:
+  using Response = grpc::health::v1::HealthCheckResponse;
+
+  HealthServiceImpl(Coordinator* coordinator, std::string token) : coordinator_(coordinator), token_(std::move(token)) {}
+
+  grpc::ServerUnaryReactor* Check(grpc::CallbackServerContext* context, const grpc::health::v1::HealthCheckRequest* request,
+                                  Response* reply) override {
+    grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
+    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) {
+      reactor->Finish(denied);
+      return reactor;
+    }
+    if (!Known(request->service())) {
+      reactor->Finish(grpc::Status(grpc::StatusCode::NOT_FOUND, "unknown service " + request->service()));
+      return reactor;
+    }
+    reply->set_status(Now());
+    reactor->Finish(grpc::Status::OK);
+    return reactor;
+  }
+
+  grpc::ServerWriteReactor<Response>* Watch(grpc::CallbackServerContext* context,
+                                            const grpc::health::v1::HealthCheckRequest* request) override {
+    class Stream final : public grpc::ServerWriteReactor<Response> {
+     public:
+      explicit Stream(Response::ServingStatus status) {
+        response_.set_status(status);
+        StartWrite(&response_);
+      }
+      void OnWriteDone(bool) override {}  // one answer; the stream stays open until the client goes
+      void OnCancel() override { Finish(grpc::Status::CANCELLED); }
+      void OnDone() override { delete this; }
+
+     private:
+      Response response_;
+    };
+    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) {
+      return new Refusal<Response>(denied);
+    }
+    return new Stream(Known(request->service()) ? Now() : Response::SERVICE_UNKNOWN);
+  }
+
+ private:
+  template <typename T>
+  class Refusal final : public grpc::ServerWriteReactor<T> {
+   public:
+    explicit Refusal(const grpc::Status& status) { this->Finish(status); }
+    void OnDone() override { delete this; }
+  };
+
+  static bool Known(const std::string& service) {
+    return service.empty() || service == "ltrain.v1.JobService" || service == "ltrain.v1.AgentService" ||
+           service == "ltrain.v1.RendezvousService";
+  }
+  Response::ServingStatus Now() const {
+    return coordinator_->shutting_down() ? Response::NOT_SERVING : Response::SERVING;
+  }
+
+  Coordinator* coordinator_;
+  std::string token_;
+};
+
 }  // namespace
 
 StatusOr<std::unique_ptr<StateStore>> OpenStateStore(const std::string& state_dir, int64_t max_bytes) {
@@ -325,6 +395,9 @@ StatusOr<std::unique_ptr<StateStore>> OpenStateStore(const std::string& state_di
 
 StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const CoordinatorServerOptions& options,
                                                                       std::unique_ptr<StateStore> store) {
+  if (options.security.token.empty()) {
+    return InvalidArgument("a coordinator always requires a bearer token (SecurityMaterial::token is empty)");
+  }
   std::unique_ptr<CoordinatorServer> server(new CoordinatorServer());
   if (store) {
     server->store_ = std::move(store);
@@ -343,11 +416,13 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const Coor
     LTRAIN_RETURN_IF_ERROR(server->coordinator_->Recover());
   }
   const std::string& token = options.security.token;
-  server->job_service_ = std::make_unique<JobServiceImpl>(server->coordinator_.get(), token);
+  server->job_service_ = std::make_unique<JobServiceImpl>(server->coordinator_.get(), token, options.warning);
   server->agent_service_ = std::make_unique<AgentServiceImpl>(server->coordinator_.get(), token);
   server->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(server->coordinator_.get(), token);
 
-  grpc::EnableDefaultHealthCheckService(true);
+  server->health_service_ = std::make_unique<HealthServiceImpl>(server->coordinator_.get(), token);
+  // gRPC's own health service answers anyone: ours, behind the token, instead.
+  grpc::EnableDefaultHealthCheckService(false);
   grpc::ServerBuilder builder;
   // Thousands of agents each send a small message a second: HTTP/2's bandwidth-delay probes (a ping
   // after each) would double the packets for no window worth growing.
@@ -356,6 +431,7 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const Coor
   builder.RegisterService(server->job_service_.get());
   builder.RegisterService(server->agent_service_.get());
   builder.RegisterService(server->rendezvous_service_.get());
+  builder.RegisterService(server->health_service_.get());
   server->server_ = builder.BuildAndStart();
   if (!server->server_ || server->port_ == 0) {
     return Unavailable("cannot listen on " + options.listen_address +

@@ -33,6 +33,8 @@ struct CoordinatorServerOptions {
   std::string http_listen;    // HOST:PORT of GET /metrics (http_server.h); empty: no HTTP
   bool show_events_once_stored = false;  // see CoordinatorOptions
   std::string state_name;                // see CoordinatorOptions
+  // Said in every GetJob, ListJobs and ListNodes reply (it serves in clear text beyond loopback).
+  std::string warning;
 };
 
 class CoordinatorServer {
@@ -56,7 +58,7 @@ class CoordinatorServer {
   RealClock clock_;
   std::unique_ptr<StateStore> store_;
   std::unique_ptr<Coordinator> coordinator_;
-  std::unique_ptr<grpc::Service> job_service_, agent_service_, rendezvous_service_;
+  std::unique_ptr<grpc::Service> job_service_, agent_service_, rendezvous_service_, health_service_;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<HttpServer> http_;
   std::string host_;

@@ -26,6 +26,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "common/transport_security.h"
 #include "ltrain/v1/ltrain.grpc.pb.h"
 #include "tests/support/subprocess.h"
 
@@ -231,18 +232,20 @@ struct Options {
   std::string state;
 };
 
-std::shared_ptr<grpc::Channel> NewChannel(const std::string& address) {
+// With the token every call of the coordinator requires.
+std::shared_ptr<grpc::Channel> NewChannel(const std::string& address, const SecurityMaterial& security) {
   grpc::ChannelArguments args;
   args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection of its own, as separate hosts have
-  args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);             // as the agent's channel to the coordinator
-  return grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args);
+  return MakeChannel(address, security, args);          // no BDP probes, as the agent's channel
 }
 
 int RunOne(const Options& o, int n) {
   TempDir dir;
+  SecurityMaterial security;
+  security.token = NewToken();
   std::vector<std::string> argv = {o.ltrain, "coordinator", "--listen", "127.0.0.1:0", "--port-file", dir.Join("port"),
                                    "--state-dir", dir.Join("state"), "--node-timeout", std::to_string(o.node_timeout_s),
-                                   "--log-level", "warning"};
+                                   "--token-file", dir.Write("token", security.token + "\n"), "--log-level", "warning"};
   if (!o.state.empty()) {
     argv[3] = "127.0.0.1:" + std::to_string(testing::FreePort());
     const std::string prefix = "scale-bench-" + std::to_string(n) + "-" + std::to_string(::getpid()) + "-" +
@@ -265,7 +268,7 @@ int RunOne(const Options& o, int n) {
   agents.reserve(n);
   std::shared_ptr<grpc::Channel> channel;
   for (int i = 0; i < n; ++i) {
-    if (i % o.agents_per_connection == 0) channel = NewChannel(address);
+    if (i % o.agents_per_connection == 0) channel = NewChannel(address, security);
     agents.push_back(std::make_unique<Agent>("node-" + std::to_string(i), channel));
   }
   std::mutex mu;
@@ -325,7 +328,7 @@ int RunOne(const Options& o, int n) {
   measuring = true;
   // Lost node: agent 0 goes quiet at a third of the window; ListNodes says when it is lost.
   std::this_thread::sleep_for(window / 3);
-  auto jobs = v1::JobService::NewStub(NewChannel(address));
+  auto jobs = v1::JobService::NewStub(NewChannel(address, security));
   quiet0 = true;
   const auto quiet_at = Clock::now();
   double lost_ms = -1;

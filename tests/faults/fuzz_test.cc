@@ -482,11 +482,13 @@ TEST(FuzzTest, MalformedCallsToTheAgentsEndpointForWorkersCrashNothing) {
   server_options.listen_address = "127.0.0.1:0";
   server_options.state_dir = (scratch.path() / "state").string();
   server_options.recover = false;
+  server_options.security.token = NewToken();
   StatusOr<std::unique_ptr<launcher::CoordinatorServer>> server = launcher::CoordinatorServer::Start(server_options);
   ASSERT_TRUE(server.ok()) << server.status().ToString();
   agent::AgentOptions agent_options;
   agent_options.coordinator = (*server)->address();
   agent_options.node_id = "node-a";
+  agent_options.security = server_options.security;
   agent_options.work_dir = (scratch.path() / "agent").string();
   agent_options.worker_binary = worker.string();
   agent_options.heartbeat_interval_s = 0.2;

@@ -12,6 +12,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "common/transport_security.h"
 #include "launcher/etcd_client.h"
 #include "launcher/etcd_state_store.h"
 #include "launcher/leader_election.h"
@@ -85,10 +86,13 @@ class EtcdCluster {
 
 // The events of `job_id` a follower of the coordinator at `address` gets from the first, until
 // the job has ended and every event came (`*finished` OK) or `timeout` passes.
-std::vector<v1::Event> WatchEvents(const std::string& address, const std::string& job_id,
+std::vector<v1::Event> WatchEvents(const std::string& address, const std::string& token_file, const std::string& job_id,
                                    std::chrono::milliseconds timeout, grpc::Status* finished = nullptr) {
   auto stub = v1::JobService::NewStub(grpc::CreateChannel(address, grpc::InsecureChannelCredentials()));
   grpc::ClientContext context;
+  std::string token;
+  std::ifstream(token_file) >> token;
+  context.AddMetadata("authorization", "Bearer " + token);
   context.set_deadline(std::chrono::system_clock::now() + timeout);
   v1::WatchJobRequest request;
   request.set_job_id(job_id);
@@ -247,7 +251,10 @@ TEST_F(EtcdTest, OneLeadsTheOtherStandsByAndAnOldLeaderCannotWrite) {
 TEST_F(EtcdTest, KilledLeaderIsReplacedWithinFiveSecondsAndTheJobGoesOnInTheSameProcesses) {
   EtcdCluster etcd(dir_, 3);
   ASSERT_TRUE(etcd.WaitReady()) << etcd.Output();
-  const std::map<std::string, std::string> env = {{"LTRAIN_HOME", dir_.Join("home")}, {"OMP_NUM_THREADS", "1"}};
+  // Coordinators on one etcd state require one token, which every process here is given.
+  const std::map<std::string, std::string> env = {{"LTRAIN_HOME", dir_.Join("home")},
+                                                  {"LTRAIN_TOKEN_FILE", dir_.Write("token", NewToken() + "\n")},
+                                                  {"OMP_NUM_THREADS", "1"}};
   ProcessResult prepared = PrepareLicenseData(dir_.Join("data"));
   ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
 
@@ -278,7 +285,7 @@ TEST_F(EtcdTest, KilledLeaderIsReplacedWithinFiveSecondsAndTheJobGoesOnInTheSame
   ASSERT_EQ(before.ranks_size(), 2);
 
   // What a follower has seen of the job from the leader, up to the kill.
-  std::vector<v1::Event> seen = WatchEvents(a, "ha-1", milliseconds(700));
+  std::vector<v1::Event> seen = WatchEvents(a, env.at("LTRAIN_TOKEN_FILE"), "ha-1", milliseconds(700));
   ASSERT_GE(seen.size(), 4u) << "submitted, placed, rank starts, a commit";
 
   const auto killed = std::chrono::steady_clock::now();
@@ -306,7 +313,7 @@ TEST_F(EtcdTest, KilledLeaderIsReplacedWithinFiveSecondsAndTheJobGoesOnInTheSame
 
   // Every event the follower saw is in the job's history as the new leader tells it.
   grpc::Status finished;
-  std::vector<v1::Event> history = WatchEvents(b, "ha-1", seconds(10), &finished);
+  std::vector<v1::Event> history = WatchEvents(b, env.at("LTRAIN_TOKEN_FILE"), "ha-1", seconds(10), &finished);
   EXPECT_TRUE(finished.ok()) << finished.error_message();
   for (const auto& event : seen) {
     bool found = false;

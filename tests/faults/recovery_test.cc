@@ -38,7 +38,10 @@ class RecoveryTest : public ::testing::Test {
 
   std::map<std::string, std::string> Env(const std::string& home) const {
     // One thread per rank: kernels then sum in the same order in every run.
-    return {{"LTRAIN_HOME", dir_.Join(home)}, {"OMP_NUM_THREADS", "1"}};
+    std::map<std::string, std::string> env = {{"LTRAIN_HOME", dir_.Join(home)}, {"OMP_NUM_THREADS", "1"}};
+    // Once a coordinator daemon runs, its clients present the token it keeps in its state directory.
+    if (!token_file_.empty()) env["LTRAIN_TOKEN_FILE"] = token_file_;
+    return env;
   }
 
   v1::Job Status(const std::string& home, const std::string& job_id, const std::string& coordinator = "") {
@@ -57,6 +60,7 @@ class RecoveryTest : public ::testing::Test {
         Env("home"));
     const int chosen = WaitForPortFile(port_file);
     EXPECT_GT(chosen, 0) << process->Output();
+    token_file_ = dir_.Join("coordinator/token");
     return "127.0.0.1:" + std::to_string(chosen);
   }
 
@@ -68,6 +72,7 @@ class RecoveryTest : public ::testing::Test {
   }
 
   TempDir dir_;
+  std::string token_file_;
 };
 
 // A worker SIGKILLed at a random step: the failure is seen within a second, the job restarts from

@@ -2,6 +2,7 @@
 #include <gtest/gtest.h>
 
 #include <signal.h>
+#include <sys/stat.h>
 
 #include <algorithm>
 #include <filesystem>
@@ -348,18 +349,85 @@ TEST(CliTest, TheReadmeCommandTableMatchesEveryHelp) {
   EXPECT_EQ(compared, 17) << listed;
 }
 
-// The coordinator says the address it listens on: 0.0.0.0 stays 0.0.0.0, with the port it got.
+// The coordinator says the address it listens on: 0.0.0.0 stays 0.0.0.0, with the port it got. Beyond
+// loopback without TLS it serves only when told --insecure, and then says so at start and to every
+// `ltrain status`; without the flag it refuses (exit 2) and says what to give.
 TEST(CliTest, TheCoordinatorLogsTheAddressItListensOn) {
   TempDir dir;
+  const std::map<std::string, std::string> env = {{"LTRAIN_TOKEN", "a-token-for-the-test"},
+                                                  {"LTRAIN_HOME", dir.Join("home")}};
+  ProcessResult refused = RunProcess({LtrainBinary(), "coordinator", "--listen", "0.0.0.0:0", "--state-dir",
+                                      dir.Join("state")},
+                                     env);
+  EXPECT_EQ(refused.exit_code, 2) << refused.output;
+  EXPECT_NE(refused.output.find("--listen 0.0.0.0:0 is beyond loopback, and this coordinator has no TLS"),
+            std::string::npos)
+      << refused.output;
+  EXPECT_NE(refused.output.find("or pass --insecure on a network you trust"), std::string::npos) << refused.output;
+  ProcessResult http = RunProcess({LtrainBinary(), "coordinator", "--listen", "127.0.0.1:0", "--http-listen",
+                                   "0.0.0.0:0", "--state-dir", dir.Join("state")},
+                                  env);
+  EXPECT_EQ(http.exit_code, 2) << http.output;
+  EXPECT_NE(http.output.find("--http-listen 0.0.0.0:0 is beyond loopback"), std::string::npos) << http.output;
+
   Subprocess coordinator({LtrainBinary(), "coordinator", "--listen", "0.0.0.0:0", "--port-file", dir.Join("port"),
-                          "--state-dir", dir.Join("state")},
-                         {{"LTRAIN_TOKEN", "a-token-for-the-test"}});
+                          "--state-dir", dir.Join("state"), "--insecure"},
+                         env);
   const int port = WaitForPortFile(dir.Join("port"));
   ASSERT_GT(port, 0) << coordinator.Output();
   EXPECT_TRUE(coordinator.WaitForOutput("listening on 0.0.0.0:" + std::to_string(port) + ",", std::chrono::seconds(5)))
       << coordinator.Output();
+  const std::string warning = "this coordinator serves 0.0.0.0:0 without TLS (--insecure)";
+  EXPECT_NE(coordinator.Output().find(warning), std::string::npos) << coordinator.Output();
+  ProcessResult status = RunProcess({LtrainBinary(), "status", "--coordinator", "127.0.0.1:" + std::to_string(port)},
+                                    env);
+  EXPECT_EQ(status.exit_code, 0) << status.output;
+  EXPECT_NE(status.output.find("ltrain: warning: " + warning), std::string::npos) << status.output;
   coordinator.Signal(SIGTERM);
   EXPECT_EQ(coordinator.Wait(std::chrono::seconds(10)).exit_code, 0) << coordinator.Output();
+}
+
+// A coordinator started without a token makes one in its state directory (0600) and says where, never
+// what; this user's commands with that directory as $LTRAIN_HOME read it by default, and a client
+// without it is refused. The next start keeps the same token.
+TEST(CliTest, ACoordinatorWithoutATokenMakesOneThatItsUsersCommandsRead) {
+  TempDir dir;
+  const std::map<std::string, std::string> home = {{"LTRAIN_HOME", dir.Join("home")}};
+  auto start = [&] {
+    return std::make_unique<Subprocess>(std::vector<std::string>{LtrainBinary(), "coordinator", "--listen",
+                                                                 "127.0.0.1:0", "--port-file", dir.Join("port")},
+                                        home);
+  };
+  std::unique_ptr<Subprocess> coordinator = start();
+  const int port = WaitForPortFile(dir.Join("port"));
+  ASSERT_GT(port, 0) << coordinator->Output();
+  const std::string token_file = dir.Join("home/token");
+  struct stat st {};
+  ASSERT_EQ(::stat(token_file.c_str(), &st), 0) << coordinator->Output();
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  std::string token;
+  std::ifstream(token_file) >> token;
+  ASSERT_GE(token.size(), 32u);
+  EXPECT_NE(coordinator->Output().find("clients need the token in " + token_file), std::string::npos)
+      << coordinator->Output();
+  EXPECT_EQ(coordinator->Output().find(token), std::string::npos) << "the token itself is never printed";
+  const std::string address = "127.0.0.1:" + std::to_string(port);
+  ProcessResult own = RunProcess({LtrainBinary(), "status", "--coordinator", address}, home);
+  EXPECT_EQ(own.exit_code, 0) << own.output;
+  ProcessResult other = RunProcess({LtrainBinary(), "status", "--coordinator", address},
+                                   {{"LTRAIN_HOME", dir.Join("elsewhere")}});
+  EXPECT_EQ(other.exit_code, 3) << other.output;
+  EXPECT_NE(other.output.find("this coordinator requires a bearer token"), std::string::npos) << other.output;
+  coordinator->Signal(SIGTERM);
+  EXPECT_EQ(coordinator->Wait(std::chrono::seconds(10)).exit_code, 0) << coordinator->Output();
+  fs::remove(dir.Join("port"));
+  coordinator = start();
+  ASSERT_GT(WaitForPortFile(dir.Join("port")), 0) << coordinator->Output();
+  std::string again;
+  std::ifstream(token_file) >> again;
+  EXPECT_EQ(again, token);
+  coordinator->Signal(SIGTERM);
+  EXPECT_EQ(coordinator->Wait(std::chrono::seconds(10)).exit_code, 0) << coordinator->Output();
 }
 
 TEST(CliTest, HelpAndVersion) {

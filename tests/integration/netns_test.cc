@@ -67,8 +67,11 @@ class NetnsTest : public ::testing::Test {
 
   Subprocess* In(int host, std::vector<std::string> argv) {
     argv.insert(argv.begin(), {"/usr/sbin/ip", "netns", "exec", Host(host)});
+    // The cluster's TLS and token (StartCluster makes them), as a deployment gives them to every node.
     processes_.push_back(std::make_unique<Subprocess>(argv, std::map<std::string, std::string>{
                                                                 {"LTRAIN_HOME", dir_.Join("home")},
+                                                                {"LTRAIN_TLS_CA", dir_.Join("tls/ca.pem")},
+                                                                {"LTRAIN_TOKEN_FILE", dir_.Join("tls/token")},
                                                                 {"OMP_NUM_THREADS", "1"}}));
     return processes_.back().get();
   }
@@ -77,8 +80,13 @@ class NetnsTest : public ::testing::Test {
   // addresses; agents_ holds them); the coordinator's HOST:PORT, or "" after a test failure.
   std::string StartCluster() {
     const std::string port_file = dir_.Join("port");
+    // Beyond loopback a coordinator serves TLS (or is told --insecure): a certificate for host 1.
+    ProcessResult tls = RunProcess({LtrainBinary(), "coordinator", "--init-tls", dir_.Join("tls"), "--tls-hosts",
+                                    Address(1)});
+    EXPECT_EQ(tls.exit_code, 0) << tls.output;
     Subprocess* coordinator = In(1, {LtrainBinary(), "coordinator", "--listen", Address(1) + ":0", "--port-file",
-                                     port_file, "--state-dir", dir_.Join("state")});
+                                     port_file, "--state-dir", dir_.Join("state"), "--tls-cert",
+                                     dir_.Join("tls/server.pem"), "--tls-key", dir_.Join("tls/server.key")});
     const int port = WaitForPortFile(port_file);
     EXPECT_GT(port, 0) << coordinator->Output();
     if (port <= 0) return "";

@@ -313,11 +313,15 @@ TEST_F(TrainingTest, SeparateCoordinatorAndAgentProcessesRunAJob) {
   const int port = WaitForPortFile(port_file, std::chrono::seconds(5));
   ASSERT_GT(port, 0) << coordinator.Output();
   std::string address = "127.0.0.1:" + std::to_string(port);
+  // A coordinator started without a token made one in its state directory; its clients give it.
+  const std::string token_file = dir_.Join("coord/token");
+  std::map<std::string, std::string> client = Env();
+  client["LTRAIN_TOKEN_FILE"] = token_file;
   Subprocess agent({LtrainBinary(), "agent", "--coordinator", address, "--node-id", "n1", "--work-dir",
-                    dir_.Join("agent")});
+                    dir_.Join("agent"), "--token-file", token_file});
   ProcessResult launched = RunProcess({LtrainBinary(), "launch", "--coordinator", address, recipe_, "--set",
                                        "training.steps=5"},
-                                      Env(), std::chrono::seconds(120));
+                                      client, std::chrono::seconds(120));
   EXPECT_EQ(launched.exit_code, 0) << launched.output << "\n--- coordinator\n" << coordinator.Output()
                                    << "\n--- agent\n" << agent.Output();
   // Data missing on the nodes is found by the first worker, and fails the job at once: a restart
@@ -325,15 +329,15 @@ TEST_F(TrainingTest, SeparateCoordinatorAndAgentProcessesRunAJob) {
   ProcessResult no_data = RunProcess({LtrainBinary(), "launch", "--coordinator", address, recipe_, "--set",
                                       "data.path=/nonexistent", "--set", "fault.max_restarts=3", "--set",
                                       "name=nodata"},
-                                     Env(), std::chrono::seconds(60));
+                                     client, std::chrono::seconds(60));
   EXPECT_EQ(no_data.exit_code, 1) << no_data.output;
   EXPECT_NE(no_data.output.find("cannot open token file /nonexistent/train.bin"), std::string::npos) << no_data.output;
   EXPECT_EQ(no_data.output.find("restart 1 of 3"), std::string::npos) << no_data.output;
-  ProcessResult status = RunProcess({LtrainBinary(), "status", "--coordinator", address, "--output", "json"}, Env());
+  ProcessResult status = RunProcess({LtrainBinary(), "status", "--coordinator", address, "--output", "json"}, client);
   EXPECT_EQ(status.exit_code, 0);
   EXPECT_NE(status.output.find("\"state\": \"SUCCEEDED\""), std::string::npos) << status.output;
   // The coordinator named once, in the environment or in $LTRAIN_HOME/config.yaml, serves every command.
-  std::map<std::string, std::string> env = Env();
+  std::map<std::string, std::string> env = client;
   env["LTRAIN_COORDINATOR"] = address;
   ProcessResult nodes = RunProcess({LtrainBinary(), "nodes"}, env);
   EXPECT_EQ(nodes.exit_code, 0) << nodes.output;
@@ -341,7 +345,8 @@ TEST_F(TrainingTest, SeparateCoordinatorAndAgentProcessesRunAJob) {
   ProcessResult logs = RunProcess({LtrainBinary(), "logs", "tiny-1", "--tail", "1"}, env);
   EXPECT_EQ(logs.exit_code, 0) << logs.output;
   fs::create_directories(env["LTRAIN_HOME"]);
-  std::ofstream(env["LTRAIN_HOME"] + "/config.yaml") << "coordinator: " << address << "\noutput: json\n";
+  std::ofstream(env["LTRAIN_HOME"] + "/config.yaml") << "coordinator: " << address << "\noutput: json\ntoken_file: "
+                                                    << token_file << "\n";
   ProcessResult configured = RunProcess({LtrainBinary(), "nodes"}, Env());
   EXPECT_EQ(configured.exit_code, 0) << configured.output;
   EXPECT_EQ(SchemaProblems("nodes_list", configured.output), "");
