@@ -102,6 +102,8 @@ CLI::Option* AddOutputOption(CLI::App* command, std::string* output, const std::
       ->capture_default_str();
 }
 
+std::string MetricsTokenFile(const std::string& dir) { return (fs::path(dir) / "metrics-token").string(); }
+
 std::string LocalAddressFile(const std::string& home, const std::string& job_id) {
   return (fs::path(home) / "run" / (job_id + ".addr")).string();
 }

@@ -54,6 +54,10 @@ CLI::Option* AddCoordinatorOption(CLI::App* command, std::string* coordinator, c
 CLI::Option* AddOutputOption(CLI::App* command, std::string* output, const std::string& human,
                              const std::string& what = "");
 
+// The read-only token of /metrics (`ltrain coordinator --http-listen`, `ltrain launch --http-listen`):
+// $LTRAIN_HOME/metrics-token (made 0600 when first needed), or the state directory's.
+std::string MetricsTokenFile(const std::string& dir);
+
 // The file through which a standalone launch tells later commands (status, logs, stop) the address of
 // the coordinator it runs in-process, and the token it made for it, while it runs:
 // $LTRAIN_HOME/run/JOB.addr, readable by its owner only.

@@ -60,6 +60,7 @@ void AddStopCommand(CLI::App& app, CommandContext& ctx);
 void AddCoordinatorCommand(CLI::App& app, CommandContext& ctx);
 void AddAgentCommand(CLI::App& app, CommandContext& ctx);
 void AddNodesCommand(CLI::App& app, CommandContext& ctx);
+void AddDashboardCommand(CLI::App& app, CommandContext& ctx);  // a one-time login link
 void AddExportCommand(CLI::App& app, CommandContext& ctx);    // runs ltrain-worker
 void AddGenerateCommand(CLI::App& app, CommandContext& ctx);  // runs ltrain-worker
 

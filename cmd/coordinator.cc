@@ -32,6 +32,8 @@ struct CoordinatorArgs {
   std::string port_file;
   std::string http_listen;
   std::string http_port_file;
+  std::string metrics_token_file;  // empty: <state dir>/metrics-token
+  std::vector<std::string> http_hosts;
   double node_timeout_s = 3.0;
   double retain_days = 30;
   double state_max_mb = 0;
@@ -132,6 +134,18 @@ int RunCoordinator(const CoordinatorArgs& args, const SecurityMaterial& given) {
   options.state_max_bytes = static_cast<int64_t>(args.state_max_mb * 1024 * 1024);
   options.security = security;
   options.http_listen = args.http_listen;
+  options.http_host_names = args.http_hosts;
+  std::string metrics_token_file;
+  if (!args.http_listen.empty()) {
+    metrics_token_file = args.metrics_token_file.empty() ? MetricsTokenFile(state_dir) : args.metrics_token_file;
+    Status made = CreateDirectories(fs::path(metrics_token_file).parent_path().string());
+    StatusOr<std::string> metrics = made.ok() ? LoadOrCreateTokenFile(metrics_token_file) : StatusOr<std::string>(made);
+    if (!metrics.ok()) {
+      std::fprintf(stderr, "ltrain coordinator: --metrics-token-file: %s\n", metrics.status().message().c_str());
+      return kExitInvalid;
+    }
+    options.metrics_token = *metrics;
+  }
 
   // What ends this run: a signal (while standing by it ends the campaign), or the lead lost.
   struct Lifecycle {
@@ -230,8 +244,11 @@ int RunCoordinator(const CoordinatorArgs& args, const SecurityMaterial& given) {
   };
   if ((*server)->http_port() != 0) {
     const std::string http_host = args.http_listen.substr(0, args.http_listen.rfind(':'));
-    LTRAIN_LOG(kInfo, "coordinator") << "dashboard at http://" << http_host << ":" << (*server)->http_port()
-                                     << "/ (with ?token=TOKEN when the coordinator has one), metrics at /metrics";
+    LTRAIN_LOG(kInfo, "coordinator") << "dashboard at " << (security.cert_pem.empty() ? "http" : "https") << "://"
+                                     << http_host << ":" << (*server)->http_port()
+                                     << "/ (`ltrain dashboard` prints a one-time login link); /metrics with the "
+                                        "read-only token in "
+                                     << metrics_token_file;
     write_port(args.http_port_file, (*server)->http_port());
   }
   write_port(args.port_file, (*server)->port());
@@ -261,9 +278,17 @@ void AddCoordinatorCommand(CLI::App& app, CommandContext& ctx) {
                   "and give agents and the CLI every coordinator's address: --coordinator HOST:PORT,HOST:PORT");
   cmd->add_option("--port-file", args->port_file, "Write the chosen port here once listening");
   cmd->add_option("--http-listen", args->http_listen,
-                  "HOST:PORT to serve GET /metrics on (Prometheus' text format), with the RPCs' token when one is "
-                  "set; port 0 picks a free one. Plain HTTP: keep it on loopback where the RPCs use TLS");
+                  "HOST:PORT to serve the dashboard and GET /metrics on (Prometheus' text format); port 0 picks a "
+                  "free one. HTTPS with --tls-cert/--tls-key; beyond loopback without them only with --insecure. "
+                  "The dashboard opens through a one-time link (`ltrain dashboard`), /metrics takes the read-only "
+                  "token of --metrics-token-file");
   cmd->add_option("--http-port-file", args->http_port_file, "Write the HTTP port here once listening");
+  cmd->add_option("--metrics-token-file", args->metrics_token_file,
+                  "The read-only token /metrics takes (Prometheus: authorization: {credentials_file: FILE}); made "
+                  "0600 when missing (default: STATE_DIR/metrics-token)");
+  cmd->add_option("--http-host", args->http_hosts,
+                  "A name the dashboard is reached by (the Host header), besides its addresses, localhost and this "
+                  "host's name; others are refused. Repeat for several");
   cmd->add_option("--tls-client-ca", ctx.security_options().tls_client_ca,
                   "Require client certificates signed by this CA: mutual TLS ($LTRAIN_TLS_CLIENT_CA)");
   cmd->add_option("--init-tls", args->init_tls,

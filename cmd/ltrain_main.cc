@@ -44,6 +44,7 @@ int main(int argc, char** argv) {
   AddCompletionCommand(app, ctx);
   AddStatusCommand(app, ctx);
   AddNodesCommand(app, ctx);
+  AddDashboardCommand(app, ctx);
   AddStopCommand(app, ctx);
   AddCoordinatorCommand(app, ctx);
   AddAgentCommand(app, ctx);

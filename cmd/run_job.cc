@@ -15,6 +15,7 @@
 
 #include "agent/agent.h"
 #include "cmd/job_printer.h"
+#include "common/files.h"
 #include "common/logging.h"
 #include "launcher/coordinator_server.h"
 #include "launcher/state_store.h"
@@ -38,6 +39,11 @@ struct LocalControlPlane {
     launcher::CoordinatorServerOptions options;
     options.state_dir = home;
     options.http_listen = http_listen;
+    if (!http_listen.empty()) {
+      // /metrics takes the home's read-only metrics token, the same for every launch there.
+      LTRAIN_RETURN_IF_ERROR(CreateDirectories(home));
+      LTRAIN_ASSIGN_OR_RETURN(options.metrics_token, LoadOrCreateTokenFile(MetricsTokenFile(home)));
+    }
     options.security = security;
     options.recover = false;  // jobs in a shared $LTRAIN_HOME may belong to other running launches
     LTRAIN_ASSIGN_OR_RETURN(coordinator, launcher::CoordinatorServer::Start(options));
@@ -242,6 +248,13 @@ int RunJob(const RunJobOptions& options, const SecurityMaterial& security,
   std::string home = LtrainHome();
   LocalControlPlane local;
   std::string address = options.coordinator;
+  if (standalone && !options.http_listen.empty() && !IsLoopbackAddress(options.http_listen) && !security.insecure) {
+    std::fprintf(stderr, "ltrain: --http-listen %s is beyond loopback, and a standalone launch serves plain HTTP: the "
+                         "dashboard's session would cross the network in clear text. Listen on 127.0.0.1 (and reach "
+                         "it through an SSH tunnel), or pass --insecure on a network you trust\n",
+                 options.http_listen.c_str());
+    return kExitInvalid;
+  }
   if (standalone) {
     // A launch killed earlier left its job RUNNING in the state: recorded FAILED first, so that it
     // can be resumed.
@@ -273,13 +286,15 @@ int RunJob(const RunJobOptions& options, const SecurityMaterial& security,
       std::fprintf(stderr, "ltrain: %s; `ltrain status/logs/stop %s` will not reach this launch\n",
                    written.message().c_str(), job_id.c_str());
     } else if (local.coordinator->http_port() != 0) {
-      const std::string host = options.http_listen.substr(0, options.http_listen.rfind(':'));
-      const std::string url = "http://" + host + ":" + std::to_string(local.coordinator->http_port()) + "/metrics";
-      std::printf("ltrain: dashboard at http://%s:%d/?token=%s#job=%s\n", host.c_str(), local.coordinator->http_port(),
-                  local.security.token.c_str(), job_id.c_str());
-      std::printf("ltrain: metrics at %s, with this launch's token (line 2 of %s): curl -H \"Authorization: Bearer "
-                  "$(sed -n 2p %s)\" %s\n",
-                  url.c_str(), address_file.c_str(), address_file.c_str(), url.c_str());
+      // A link that works once, read-only: no token lands in the launch's output.
+      StatusOr<std::string> link = local.coordinator->DashboardLink(job_id);
+      const std::string metrics = link.ok() ? link->substr(0, link->find("/login?")) + "/metrics" : "";
+      std::printf("ltrain: dashboard at %s (a one-time, read-only link for 10 minutes; `ltrain dashboard %s` prints "
+                  "another)\n",
+                  link.ok() ? link->c_str() : link.status().message().c_str(), job_id.c_str());
+      std::printf("ltrain: metrics at %s with the read-only token of %s: curl -H \"Authorization: Bearer $(cat %s)\" "
+                  "%s\n",
+                  metrics.c_str(), MetricsTokenFile(home).c_str(), MetricsTokenFile(home).c_str(), metrics.c_str());
     }
   }
   if (options.detach && !standalone) {

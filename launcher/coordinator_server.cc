@@ -1,8 +1,10 @@
 #include "launcher/coordinator_server.h"
 
 #include <malloc.h>
+#include <unistd.h>
 
 #include <deque>
+#include <functional>
 #include <filesystem>
 #include <memory>
 #include <mutex>
@@ -22,8 +24,21 @@ void SetStatus(v1::Status* out, const Status& status) {
 
 class JobServiceImpl final : public v1::JobService::Service {
  public:
-  JobServiceImpl(Coordinator* coordinator, std::string token, std::string warning)
-      : coordinator_(coordinator), token_(std::move(token)), warning_(std::move(warning)) {}
+  using LinkMaker = std::function<StatusOr<std::string>(const std::string& job_id)>;
+  JobServiceImpl(Coordinator* coordinator, std::string token, std::string warning, LinkMaker link)
+      : coordinator_(coordinator), token_(std::move(token)), warning_(std::move(warning)), link_(std::move(link)) {}
+
+  grpc::Status DashboardLink(grpc::ServerContext* context, const v1::DashboardLinkRequest* request,
+                             v1::DashboardLinkReply* reply) override {
+    if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
+    StatusOr<std::string> url = link_(request->job_id());
+    SetStatus(reply->mutable_status(), url.status());
+    if (url.ok()) {
+      reply->set_url(*url);
+      reply->set_expires_in_s(DashboardAccess::kLoginCodeTtlMs / 1000.0);
+    }
+    return grpc::Status::OK;
+  }
 
   grpc::Status SubmitJob(grpc::ServerContext* context, const v1::SubmitJobRequest* request, v1::SubmitJobReply* reply) override {
     if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
@@ -123,6 +138,7 @@ class JobServiceImpl final : public v1::JobService::Service {
   Coordinator* coordinator_;
   std::string token_;
   std::string warning_;
+  LinkMaker link_;
 };
 
 // One agent's command stream on gRPC's callback API: no thread waits for an agent. The coordinator
@@ -416,7 +432,10 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const Coor
     LTRAIN_RETURN_IF_ERROR(server->coordinator_->Recover());
   }
   const std::string& token = options.security.token;
-  server->job_service_ = std::make_unique<JobServiceImpl>(server->coordinator_.get(), token, options.warning);
+  CoordinatorServer* self = server.get();
+  server->job_service_ = std::make_unique<JobServiceImpl>(
+      server->coordinator_.get(), token, options.warning,
+      [self](const std::string& job_id) { return self->DashboardLink(job_id); });
   server->agent_service_ = std::make_unique<AgentServiceImpl>(server->coordinator_.get(), token);
   server->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(server->coordinator_.get(), token);
 
@@ -438,7 +457,20 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const Coor
                        "; is the port in use? Pick another with --listen HOST:PORT");
   }
   if (!options.http_listen.empty()) {
-    LTRAIN_ASSIGN_OR_RETURN(server->http_, HttpServer::Start(options.http_listen, server->coordinator_.get(), token));
+    HttpServerOptions http;
+    http.listen = options.http_listen;
+    http.token = token;
+    http.metrics_token = options.metrics_token;
+    http.cert_pem = options.security.cert_pem;
+    http.key_pem = options.security.key_pem;
+    http.host_names = options.http_host_names;
+    LTRAIN_ASSIGN_OR_RETURN(server->http_, HttpServer::Start(http, server->coordinator_.get()));
+    server->http_host_ = http.listen.substr(0, http.listen.rfind(':'));
+    if (server->http_host_ == "0.0.0.0" || server->http_host_ == "[::]" || server->http_host_.empty()) {
+      char name[256] = {0};
+      ::gethostname(name, sizeof(name) - 1);
+      server->http_host_ = name;
+    }
   }
   server->host_ = options.listen_address.substr(0, options.listen_address.rfind(':'));
   if (server->host_ == "0.0.0.0" || server->host_ == "[::]") server->host_ = "127.0.0.1";
@@ -458,13 +490,24 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const Coor
 
 std::string CoordinatorServer::address() const { return host_ + ":" + std::to_string(port_); }
 
+StatusOr<std::string> CoordinatorServer::DashboardLink(const std::string& job_id) {
+  std::lock_guard<std::mutex> lock(http_mu_);
+  if (!http_) {
+    return FailedPrecondition("this coordinator serves no dashboard: start it with --http-listen HOST:PORT");
+  }
+  return http_->LoginLink(http_host_, job_id);
+}
+
 void CoordinatorServer::Wait() { server_->Wait(); }
 
 void CoordinatorServer::Shutdown() {
   // Callers from several threads all return once the server has stopped.
   std::call_once(shutdown_once_, [this] {
     stopping_ = true;
-    http_.reset();  // before the coordinator stops answering
+    {
+      std::lock_guard<std::mutex> lock(http_mu_);
+      http_.reset();  // before the coordinator stops answering
+    }
     coordinator_->Shutdown();
     server_->Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(2));
     if (monitor_.joinable()) monitor_.join();

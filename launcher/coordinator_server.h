@@ -7,6 +7,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include <grpcpp/grpcpp.h>
 
@@ -31,6 +32,8 @@ struct CoordinatorServerOptions {
   bool recover = true;
   SecurityMaterial security;  // TLS (server certificate, optional client CA) and the bearer token
   std::string http_listen;    // HOST:PORT of GET /metrics (http_server.h); empty: no HTTP
+  std::string metrics_token;  // the HTTP side's read-only token for /metrics; empty: none
+  std::vector<std::string> http_host_names;  // HttpServerOptions::host_names
   bool show_events_once_stored = false;  // see CoordinatorOptions
   std::string state_name;                // see CoordinatorOptions
   // Said in every GetJob, ListJobs and ListNodes reply (it serves in clear text beyond loopback).
@@ -46,6 +49,9 @@ class CoordinatorServer {
 
   int port() const { return port_; }
   int http_port() const { return http_ ? http_->port() : 0; }  // 0 without --http-listen
+  // The dashboard's one-time login link (HttpServer::LoginLink) at the address the HTTP side
+  // listens on (a wildcard one named by this host's name); FailedPrecondition without HTTP.
+  StatusOr<std::string> DashboardLink(const std::string& job_id);
   std::string address() const;  // host:port clients dial
   Coordinator& coordinator() { return *coordinator_; }
   StateStore& store() { return *store_; }
@@ -60,8 +66,10 @@ class CoordinatorServer {
   std::unique_ptr<Coordinator> coordinator_;
   std::unique_ptr<grpc::Service> job_service_, agent_service_, rendezvous_service_, health_service_;
   std::unique_ptr<grpc::Server> server_;
+  std::mutex http_mu_;  // DashboardLink (RPC threads) against Shutdown's reset of http_
   std::unique_ptr<HttpServer> http_;
   std::string host_;
+  std::string http_host_;  // how clients reach the HTTP side
   int port_ = 0;
   std::atomic<bool> stopping_{false};
   std::once_flag shutdown_once_;

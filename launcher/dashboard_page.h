@@ -1,6 +1,6 @@
 // The dashboard's one page (GET /): HTML, CSS and JavaScript in one string, built into the binary;
 // no network, no CDN. It reads /api/jobs and /api/jobs/ID every two seconds and draws the curves
-// as SVG. `?token=T` in its address is sent as the bearer token of its requests; `#job=ID` opens a job.
+// as SVG with the session cookie that /login set (http_server.h); `#job=ID` opens a job.
 #pragma once
 
 namespace ltrain::launcher {
@@ -30,14 +30,12 @@ pre{margin:0;max-height:260px;overflow:auto;font:12px/1.35 ui-monospace,monospac
 <main id="main"><section><h2>Jobs</h2><div id="jobs">loading</div></section></main>
 <script>
 "use strict";
-const token = new URLSearchParams(location.search).get("token") || "";
-const headers = token ? {Authorization: "Bearer " + token} : {};
 const esc = s => String(s).replace(/[&<>"]/g, c => ({"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}[c]));
 const num = (x, d) => (x === null || x === undefined) ? "-" : Number(x).toFixed(d);
 const when = ms => new Date(ms).toLocaleTimeString();
 const label = y => Math.abs(y) >= 1000 ? String(Math.round(y)) : y.toPrecision(4);
 async function get(path) {
-  const r = await fetch(path, {headers});
+  const r = await fetch(path, {credentials: "same-origin"});
   if (!r.ok) throw new Error(path + ": HTTP " + r.status);
   return r.json();
 }

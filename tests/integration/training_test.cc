@@ -29,7 +29,10 @@ namespace fs = std::filesystem;
 
 // GET `path` from 127.0.0.1:`port` over HTTP/1.0: the status code and the body ("" and 0 when the
 // server cannot be reached).
-std::pair<int, std::string> HttpGet(int port, const std::string& path, const std::string& token = "") {
+// GET over loopback: the status and the body; the response's header lines into `headers` when given.
+// `extra`: header lines to send ("Cookie: a=b\r\n").
+std::pair<int, std::string> HttpGet(int port, const std::string& path, const std::string& token = "",
+                                    std::string* headers = nullptr, const std::string& extra = "") {
   const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
   sockaddr_in address{};
   address.sin_family = AF_INET;
@@ -43,7 +46,7 @@ std::pair<int, std::string> HttpGet(int port, const std::string& path, const std
   }
   std::string request = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n";
   if (!token.empty()) request += "Authorization: Bearer " + token + "\r\n";
-  request += "\r\n";
+  request += extra + "\r\n";
   if (write(fd, request.data(), request.size()) != static_cast<ssize_t>(request.size())) {
     close(fd);
     return {0, ""};
@@ -54,6 +57,7 @@ std::pair<int, std::string> HttpGet(int port, const std::string& path, const std
   close(fd);
   const size_t body = response.find("\r\n\r\n");
   if (response.rfind("HTTP/1.", 0) != 0 || body == std::string::npos) return {0, response};
+  if (headers != nullptr) *headers = response.substr(0, body);
   return {std::atoi(response.c_str() + 9), response.substr(body + 4)};
 }
 
@@ -379,7 +383,14 @@ TEST_F(TrainingTest, TheCoordinatorServesEveryJobsLossAsPrometheusMetrics) {
 
   EXPECT_EQ(HttpGet(http_port, "/metrics").first, 401) << "no token";
   EXPECT_EQ(HttpGet(http_port, "/metrics", "wrong-token-of-the-same-size").first, 401);
-  auto [status, body] = HttpGet(http_port, "/metrics", "metrics-test-token");
+  // The read-only metrics token the coordinator made in its state directory serves /metrics alone; the
+  // control-plane token serves it too.
+  std::string metrics_token;
+  std::ifstream(dir_.Join("coord/metrics-token")) >> metrics_token;
+  ASSERT_GE(metrics_token.size(), 32u);
+  EXPECT_EQ(HttpGet(http_port, "/api/jobs", metrics_token).first, 401) << "the metrics token opens no dashboard";
+  EXPECT_EQ(HttpGet(http_port, "/metrics", "metrics-test-token").first, 200);
+  auto [status, body] = HttpGet(http_port, "/metrics", metrics_token);
   ASSERT_EQ(status, 200) << body;
   const PrometheusParse parse = ParsePrometheusText(body);
   ASSERT_EQ(parse.error, "") << body;
@@ -395,23 +406,40 @@ TEST_F(TrainingTest, TheCoordinatorServesEveryJobsLossAsPrometheusMetrics) {
   ShutDown(served);
 }
 
-// A standalone launch serves its own coordinator's metrics while the job runs, with the launch's
-// token, and says where.
+// A standalone launch serves its own coordinator's metrics while the job runs, with the home's
+// read-only metrics token, and says where; its dashboard opens through a one-time link. No token
+// is in its output.
 TEST_F(TrainingTest, AStandaloneLaunchServesMetricsWhileItsJobRuns) {
   std::vector<std::string> argv = {LtrainBinary(), "launch", recipe_, "--set", "training.steps=100000",
                                    "--http-listen", "127.0.0.1:0"};
   Subprocess launch(argv, Env());
-  ASSERT_TRUE(launch.WaitForOutput("/metrics, with this launch's token", std::chrono::seconds(60))) << launch.Output();
+  ASSERT_TRUE(launch.WaitForOutput("/metrics with the read-only token of", std::chrono::seconds(60))) << launch.Output();
   std::smatch match;
   const std::string output = launch.Output();
-  ASSERT_TRUE(std::regex_search(output, match, std::regex(R"(metrics at http://127\.0\.0\.1:(\d+)/metrics, with this launch's token \(line 2 of (\S+)\))")))
+  ASSERT_TRUE(std::regex_search(output, match, std::regex(R"(metrics at http://127\.0\.0\.1:(\d+)/metrics with the read-only token of (\S+):)")))
       << output;
   const int http_port = std::stoi(match[1]);
-  std::ifstream address_file(match[2].str());
-  std::string coordinator_address, token;
-  address_file >> coordinator_address >> token;
-  ASSERT_FALSE(token.empty()) << match[2];
+  std::string token;
+  std::ifstream(match[2].str()) >> token;
+  ASSERT_GE(token.size(), 32u) << match[2];
+  std::string address, control_token;
+  std::ifstream(Env()["LTRAIN_HOME"] + "/run/tiny-1.addr") >> address >> control_token;
+  ASSERT_FALSE(control_token.empty());
+  EXPECT_EQ(output.find(control_token), std::string::npos) << "the launch's token is never printed";
+  EXPECT_EQ(output.find(token), std::string::npos);
   EXPECT_EQ(HttpGet(http_port, "/metrics").first, 401);
+  // The printed link: once it opens a session (a cookie that reads the page), then nothing.
+  std::smatch link;
+  ASSERT_TRUE(std::regex_search(output, link, std::regex(R"(dashboard at http://127\.0\.0\.1:\d+(/login\?code=\w+&job=tiny-1) )")))
+      << output;
+  std::string headers;
+  EXPECT_EQ(HttpGet(http_port, link[1], "", &headers).first, 303);
+  EXPECT_NE(headers.find("Location: /#job=tiny-1"), std::string::npos) << headers;
+  std::smatch cookie;
+  ASSERT_TRUE(std::regex_search(headers, cookie, std::regex(R"(Set-Cookie: (ltrain_session=\w+); Path=/; HttpOnly; SameSite=Strict)")))
+      << headers;
+  EXPECT_EQ(HttpGet(http_port, "/api/jobs", "", nullptr, "Cookie: " + cookie[1].str() + "\r\n").first, 200);
+  EXPECT_EQ(HttpGet(http_port, link[1]).first, 401) << "a login link works once";
   // Until rank 0 has completed a step and reported it.
   const PrometheusSample* loss = nullptr;
   PrometheusParse parse;
@@ -470,9 +498,18 @@ TEST_F(TrainingTest, TheDashboardShowsARunningJobsLossCurveInABrowser) {
   }
   ASSERT_GE(points, 3) << launch.Output();
 
-  const std::string url = "http://127.0.0.1:" + std::to_string(http_port) + "/?token=dashboard-test-token#job=tiny-1";
+  // Each browser opens a login link of its own, as `ltrain dashboard` prints them (each works once).
+  auto url = [&](const std::string& job) {
+    std::vector<std::string> argv = {LtrainBinary(), "dashboard", "--coordinator", served.address};
+    if (!job.empty()) argv.push_back(job);
+    ProcessResult printed = RunProcess(argv, served.env);
+    EXPECT_EQ(printed.exit_code, 0) << printed.output;
+    std::smatch link;
+    EXPECT_TRUE(std::regex_search(printed.output, link, std::regex(R"(http://\S+/login\?code=\w+\S*)"))) << printed.output;
+    return link.empty() ? std::string() : link[0].str();
+  };
   fs::create_directories("artifacts");
-  ProcessResult running = OpenInBrowser(url, {"--dump-dom"});
+  ProcessResult running = OpenInBrowser(url("tiny-1"), {"--dump-dom"});
   ASSERT_EQ(running.exit_code, 0) << running.output;
   EXPECT_NE(running.output.find(R"(id="job-state" class="RUNNING")"), std::string::npos) << running.output;
   std::smatch chart;
@@ -480,17 +517,18 @@ TEST_F(TrainingTest, TheDashboardShowsARunningJobsLossCurveInABrowser) {
       << running.output;
   EXPECT_GE(std::stoi(chart[1]), 3) << "the loss chart has points";
   EXPECT_NE(running.output.find(R"(<table id="ranks">)"), std::string::npos);
-  OpenInBrowser(url, {"--screenshot=" + fs::absolute("artifacts/dashboard-running.png").string(), "--window-size=1280,1100"});
+  OpenInBrowser(url("tiny-1"), {"--screenshot=" + fs::absolute("artifacts/dashboard-running.png").string(),
+                                "--window-size=1280,1100"});
   EXPECT_TRUE(fs::exists("artifacts/dashboard-running.png"));
 
   ProcessResult launched = launch.Wait(std::chrono::seconds(180));
   ASSERT_EQ(launched.exit_code, 0) << launched.output;
-  ProcessResult ended = OpenInBrowser(url, {"--dump-dom"});
+  ProcessResult ended = OpenInBrowser(url("tiny-1"), {"--dump-dom"});
   EXPECT_NE(ended.output.find(R"(id="job-state" class="SUCCEEDED")"), std::string::npos) << ended.output;
-  OpenInBrowser(url, {"--screenshot=" + fs::absolute("artifacts/dashboard-succeeded.png").string(), "--window-size=1280,1100"});
-  // The jobs' list, and no page without the token.
-  ProcessResult list = OpenInBrowser("http://127.0.0.1:" + std::to_string(http_port) + "/?token=dashboard-test-token",
-                                     {"--dump-dom"});
+  OpenInBrowser(url("tiny-1"), {"--screenshot=" + fs::absolute("artifacts/dashboard-succeeded.png").string(),
+                                "--window-size=1280,1100"});
+  // The jobs' list, and no page without a login.
+  ProcessResult list = OpenInBrowser(url(""), {"--dump-dom"});
   EXPECT_NE(list.output.find(R"(<tr data-job="tiny-1">)"), std::string::npos) << list.output;
   EXPECT_EQ(HttpGet(http_port, "/").first, 401);
   EXPECT_EQ(HttpGet(http_port, "/api/jobs/tiny-1").first, 401);
