@@ -390,11 +390,14 @@ class AgentImpl : public Agent, private SupervisorOutbox {
     options.bind_address = options_.bind_address;
     options.agent_address = "127.0.0.1:" + std::to_string(proxy_port_);
     options.stop_grace_ms = static_cast<int64_t>(options_.stop_grace_s * 1000);
-    // The rank's last progress goes with its exit: a commit or a stop reported just before the exit
-    // is applied before it.
     options.issue_worker_secret = [this](const v1::StartJobCommand& start) {
       return credentials_.Issue(start.job_id(), start.generation(), start.rendezvous_scope());
     };
+    options.revoke_worker_secret = [this](const std::string& job_id, int generation) {
+      credentials_.Revoke(job_id, generation);
+    };
+    // The rank's last progress goes with its exit: a commit or a stop reported just before the exit
+    // is applied before it.
     options.complete_exit_report = [this](v1::WorkerStateReport& report) {
       progress_table_.CompleteExitReport(report);
     };

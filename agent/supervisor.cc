@@ -372,6 +372,13 @@ bool Supervisor::HasWorkers(const std::string& job_id) const {
   return false;
 }
 
+bool Supervisor::HasWorkers(const std::string& job_id, int generation) const {
+  for (const auto& [pid, worker] : workers_) {
+    if (!worker->standby && worker->job_id == job_id && worker->generation == generation) return true;
+  }
+  return false;
+}
+
 int Supervisor::Standbys() const {
   int count = 0;
   for (const auto& [pid, worker] : workers_) count += worker->standby && worker->kill_at_ms == 0;
@@ -468,6 +475,11 @@ void Supervisor::Reap(const ProcessExit& exit, Batches& batches) {
   if (options_.complete_exit_report) options_.complete_exit_report(report);
   outbox_.Send(std::move(report));
   if (worker->output_fd >= 0) close(worker->output_fd);
+  if (options_.revoke_worker_secret && !HasWorkers(worker->job_id, worker->generation)) {
+    options_.revoke_worker_secret(worker->job_id, worker->generation);
+    std::error_code ec;
+    fs::remove(fs::path(worker->log_path).parent_path() / "agent-secret", ec);
+  }
   bool failed = exit.signal != 0 || exit.exit_code != 0;
   // The job's ranks here all succeeded: no restart will need its standbys.
   if (!failed && !stopping && !HasWorkers(worker->job_id)) EndStandbys(worker->job_id);

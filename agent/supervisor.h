@@ -68,6 +68,8 @@ struct SupervisorOptions {
   // (WorkerCredentials::Issue); it goes to them in jobs/<job>/gen-<generation>/agent-secret, 0600,
   // named by LTRAIN_AGENT_SECRET_FILE. Unset or empty: no secret.
   std::function<std::string(const v1::StartJobCommand&)> issue_worker_secret;
+  // Called once the last worker of a job generation on this node is reaped: its secret goes.
+  std::function<void(const std::string& job_id, int generation)> revoke_worker_secret;
 };
 
 // Whether a start command can be carried out as it is: a job id that is a plain file name, ranks
@@ -164,6 +166,7 @@ class Supervisor {
   // Ends the job's standbys spawned beside generations below `below_generation` (all by default).
   void EndStandbys(const std::string& job_id, int below_generation = std::numeric_limits<int>::max());
   bool HasWorkers(const std::string& job_id) const;
+  bool HasWorkers(const std::string& job_id, int generation) const;
 
   SupervisorOptions options_;
   ProcessSpawner& spawner_;

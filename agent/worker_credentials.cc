@@ -22,6 +22,12 @@ std::string WorkerCredentials::Issue(const std::string& job_id, int generation, 
   return secret;
 }
 
+void WorkerCredentials::Revoke(const std::string& job_id, int generation) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto found = by_job_.find(job_id);
+  if (found != by_job_.end() && found->second.second.generation <= generation) by_job_.erase(found);
+}
+
 std::optional<WorkerGrant> WorkerCredentials::Find(std::string_view authorization) const {
   constexpr std::string_view kBearer = "Bearer ";
   if (authorization.substr(0, kBearer.size()) != kBearer) return std::nullopt;

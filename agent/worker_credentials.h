@@ -2,6 +2,8 @@
 // progress reports). One per job generation, created when it starts and handed to its workers in a
 // 0600 file (LTRAIN_AGENT_SECRET_FILE), never the cluster token. The agent serves a caller only what
 // its secret's job generation may touch: keys under its rendezvous scope, progress of its own ranks.
+// A generation's secret is revoked once its last worker on this node is gone (or a newer generation
+// starts): a process that kept it (a leftover, a copy of the file) reaches nothing with it.
 #pragma once
 
 #include <map>
@@ -25,6 +27,8 @@ class WorkerCredentials {
   // The grant of the "Bearer SECRET" in an authorization header, compared in constant time; nullopt
   // for anything else.
   std::optional<WorkerGrant> Find(std::string_view authorization) const;
+  // The job's secret, when it is that of `generation` or an older one: gone.
+  void Revoke(const std::string& job_id, int generation);
 
  private:
   mutable std::mutex mu_;

@@ -1009,13 +1009,16 @@ StatusOr<std::vector<v1::Event>> Coordinator::GetLogs(const std::string& job_id,
 
 void Coordinator::FreeKeysLocked(const std::string& job_id, const std::string& keep_scope) {
   const std::string prefix = job_id + "/";
+  int64_t& bytes = kv_job_bytes_[job_id];
   for (auto it = kv_.lower_bound(prefix); it != kv_.end() && it->first.rfind(prefix, 0) == 0;) {
     if (!keep_scope.empty() && it->first.rfind(keep_scope, 0) == 0) {
       ++it;
     } else {
+      bytes -= static_cast<int64_t>(it->first.size() + it->second.size());
       it = kv_.erase(it);
     }
   }
+  if (bytes <= 0) kv_job_bytes_.erase(job_id);
 }
 
 size_t Coordinator::KvSize() const {
@@ -1023,15 +1026,46 @@ size_t Coordinator::KvSize() const {
   return kv_.size();
 }
 
-void Coordinator::KvSet(const std::string& key, const std::string& value) {
+Status Coordinator::KvSet(const std::string& key, const std::string& value) {
+  if (key.size() > kMaxKvKeyBytes) {
+    return InvalidArgument("a rendezvous key of " + std::to_string(key.size()) + " bytes is over the bound of " +
+                           std::to_string(kMaxKvKeyBytes));
+  }
+  if (value.size() > kMaxKvValueBytes) {
+    return InvalidArgument("the value of rendezvous key " + key.substr(0, 200) + " has " + std::to_string(value.size()) +
+                           " bytes, over the bound of " + std::to_string(kMaxKvValueBytes));
+  }
+  const size_t slash = key.find('/');
+  const size_t second = slash == std::string::npos ? std::string::npos : key.find('/', slash + 1);
+  if (second == std::string::npos) return InvalidArgument("a rendezvous key is JOB/GENERATION/NAME");
+  const std::string job_id = key.substr(0, slash);
   std::vector<std::pair<std::shared_ptr<KvWaiter>, std::vector<std::string>>> ready;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    auto job = jobs_.find(job_id);
+    if (job == jobs_.end() || IsFinal(job->second.job.state())) {
+      return InvalidArgument("rendezvous key " + key.substr(0, 200) + ": job " + job_id.substr(0, 200) +
+                             " is not running on this coordinator");
+    }
+    if (key.compare(slash + 1, second - slash - 1, std::to_string(job->second.job.generation())) != 0) {
+      return InvalidArgument("rendezvous key " + key.substr(0, 200) + ": not of generation " +
+                             std::to_string(job->second.job.generation()) + ", the job's newest");
+    }
+    auto existing = kv_.find(key);
+    const int64_t before = existing == kv_.end() ? 0 : static_cast<int64_t>(key.size() + existing->second.size());
+    int64_t& bytes = kv_job_bytes_[job_id];
+    const int64_t after = bytes - before + static_cast<int64_t>(key.size() + value.size());
+    if (after > kMaxKvJobBytes) {
+      return InvalidArgument("job " + job_id + "'s rendezvous keys would hold " + std::to_string(after) +
+                             " bytes, over the bound of " + std::to_string(kMaxKvJobBytes));
+    }
+    bytes = after;
     kv_[key] = value;
     WakeKvWaitersLocked(key, &ready);
     cv_.notify_all();
   }
   for (auto& [waiter, values] : ready) waiter->done(std::move(values));
+  return Status::Ok();
 }
 
 void Coordinator::WakeKvWaitersLocked(

@@ -137,8 +137,15 @@ class Coordinator {
   Status ReportWorkerState(const v1::WorkerStateReport& report);
   void PushLogs(const v1::PushLogsRequest& request);
 
-  // RendezvousService.
-  void KvSet(const std::string& key, const std::string& value);
+  // RendezvousService. Keys are "JOB/GENERATION/NAME": a job's are freed when it ends and an older
+  // generation's when a newer one starts, and a set is refused (InvalidArgument, naming the bound)
+  // for a job that is not running here or another generation than its newest, for a key over
+  // kMaxKvKeyBytes or a value over kMaxKvValueBytes, and once the job's keys and values would hold
+  // more than kMaxKvJobBytes: no caller can grow the coordinator without bound.
+  static constexpr size_t kMaxKvKeyBytes = 1024;
+  static constexpr size_t kMaxKvValueBytes = 1 << 20;
+  static constexpr int64_t kMaxKvJobBytes = 64LL << 20;
+  Status KvSet(const std::string& key, const std::string& value);
   // KvGet without a waiting thread: `done` gets the values once every key is set (at once when they
   // are), or nullopt after `timeout_ms` (bounded as KvGet's) or at shutdown; it runs without the
   // coordinator's lock, on the thread that set the last key, ticked, or called.
@@ -263,6 +270,7 @@ class Coordinator {
   std::map<std::string, ActiveJob> jobs_;
   std::vector<std::string> pending_;  // job ids waiting for nodes, oldest first
   std::map<std::string, std::string> kv_;
+  std::map<std::string, int64_t> kv_job_bytes_;  // job id -> the bytes of its keys and values in kv_
   // KvGetAsync's waiters, each under the first of its keys not yet set.
   struct KvWaiter {
     std::vector<std::string> keys;

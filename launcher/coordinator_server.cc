@@ -292,13 +292,13 @@ class RendezvousServiceImpl final : public v1::RendezvousService::CallbackServic
   RendezvousServiceImpl(Coordinator* coordinator, std::string token) : coordinator_(coordinator), token_(std::move(token)) {}
 
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* context, const v1::KvSetRequest* request,
-                                v1::KvSetReply*) override {
+                                v1::KvSetReply* reply) override {
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
     if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) {
       reactor->Finish(denied);
       return reactor;
     }
-    coordinator_->KvSet(request->key(), request->value());
+    SetStatus(reply->mutable_status(), coordinator_->KvSet(request->key(), request->value()));
     reactor->Finish(grpc::Status::OK);
     return reactor;
   }

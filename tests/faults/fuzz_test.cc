@@ -267,8 +267,7 @@ TEST(FuzzTest, MalformedMessagesToEveryCoordinatorHandlerCrashNothing) {
        }},
       {"KvSet", [&] {
          const auto request = Random<v1::KvSetRequest>(rng);
-         coordinator.KvSet(request.key(), request.value());
-         return false;
+         return !coordinator.KvSet(request.key(), request.value()).ok();
        }},
       {"KvGet", [&] {
          const auto request = Random<v1::KvGetRequest>(rng);

@@ -261,20 +261,21 @@ TEST_F(CoordinatorTest, ManyNodesSilentAtOnceGetThreeTimeoutsAFewGetOne) {
 // A rendezvous Get that waits holds no thread: it is answered when its last key is set, or with
 // nothing once its timeout has passed at a tick.
 TEST_F(CoordinatorTest, AsyncKeyValueGetIsAnsweredWhenItsKeysAreSetOrItsTimeoutPasses) {
+  const std::string s = coordinator_->Submit(kRecipe, "unit.yaml")->id() + "/0/";
   std::vector<std::optional<std::vector<std::string>>> answers;
   auto record = [&](std::optional<std::vector<std::string>> values) { answers.push_back(std::move(values)); };
-  coordinator_->KvGetAsync({"s/a", "s/b"}, 10000, record);
+  coordinator_->KvGetAsync({s + "a", s + "b"}, 10000, record);
   EXPECT_TRUE(answers.empty());
-  coordinator_->KvSet("s/b", "2");
+  ASSERT_TRUE(coordinator_->KvSet(s + "b", "2").ok());
   EXPECT_TRUE(answers.empty());
-  coordinator_->KvSet("s/a", "1");
+  ASSERT_TRUE(coordinator_->KvSet(s + "a", "1").ok());
   ASSERT_EQ(answers.size(), 1u);
   ASSERT_TRUE(answers[0].has_value());
   EXPECT_EQ(*answers[0], (std::vector<std::string>{"1", "2"}));
-  coordinator_->KvGetAsync({"s/a"}, 10000, record);  // already there: at once
+  coordinator_->KvGetAsync({s + "a"}, 10000, record);  // already there: at once
   ASSERT_EQ(answers.size(), 2u);
   EXPECT_TRUE(answers[1].has_value());
-  coordinator_->KvGetAsync({"s/never"}, 1000, record);
+  coordinator_->KvGetAsync({s + "never"}, 1000, record);
   coordinator_->Tick();
   EXPECT_EQ(answers.size(), 2u);
   clock_.AdvanceMs(1500);
@@ -348,12 +349,39 @@ TEST_F(CoordinatorTest, InvalidRecipeIsRejectedWithItsLocation) {
 }
 
 TEST_F(CoordinatorTest, RendezvousGetReturnsPublishedValuesAndTimesOut) {
-  coordinator_->KvSet("job/0/rank0", "addr0");
-  EXPECT_FALSE(coordinator_->KvGet({"job/0/rank0", "job/0/rank1"}, 0).has_value());
-  coordinator_->KvSet("job/0/rank1", "addr1");
-  std::optional<std::vector<std::string>> values = coordinator_->KvGet({"job/0/rank0", "job/0/rank1"}, 0);
+  const std::string s = coordinator_->Submit(kRecipe, "unit.yaml")->id() + "/0/";
+  ASSERT_TRUE(coordinator_->KvSet(s + "rank0", "addr0").ok());
+  EXPECT_FALSE(coordinator_->KvGet({s + "rank0", s + "rank1"}, 0).has_value());
+  ASSERT_TRUE(coordinator_->KvSet(s + "rank1", "addr1").ok());
+  std::optional<std::vector<std::string>> values = coordinator_->KvGet({s + "rank0", s + "rank1"}, 0);
   ASSERT_TRUE(values.has_value());
   EXPECT_EQ((*values)[1], "addr1");
+}
+
+// Rendezvous keys are bounded: per key, per value and per job, and only a running job's newest
+// generation may set them. A refusal names the bound and stores nothing.
+TEST_F(CoordinatorTest, RendezvousSetsAreBoundedAndOnlyForTheNewestGenerationOfARunningJob) {
+  const std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
+  const std::string s = id + "/0/";
+  Status not_running = coordinator_->KvSet("other-1/0/x", "v");
+  EXPECT_EQ(not_running.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(not_running.message().find("job other-1 is not running on this coordinator"), std::string::npos)
+      << not_running.message();
+  EXPECT_NE(coordinator_->KvSet(id + "/3/x", "v").message().find("not of generation 0"), std::string::npos);
+  EXPECT_NE(coordinator_->KvSet("nojob", "v").message().find("JOB/GENERATION/NAME"), std::string::npos);
+  Status long_key = coordinator_->KvSet(s + std::string(Coordinator::kMaxKvKeyBytes, 'k'), "v");
+  EXPECT_NE(long_key.message().find("over the bound of 1024"), std::string::npos) << long_key.message();
+  Status big = coordinator_->KvSet(s + "big", std::string(Coordinator::kMaxKvValueBytes + 1, 'v'));
+  EXPECT_NE(big.message().find("over the bound of 1048576"), std::string::npos) << big.message();
+  const std::string mib(Coordinator::kMaxKvValueBytes - 64, 'v');
+  int stored = 0;
+  Status full;
+  for (int i = 0; i < 100 && (full = coordinator_->KvSet(s + "k" + std::to_string(i), mib)).ok(); ++i) ++stored;
+  EXPECT_EQ(stored, 64) << "64 MiB of keys and values a job";
+  EXPECT_NE(full.message().find("over the bound of 67108864"), std::string::npos) << full.message();
+  EXPECT_TRUE(coordinator_->KvSet(s + "k0", "small").ok()) << "a key set again counts once";
+  EXPECT_TRUE(coordinator_->KvSet(s + "k64", mib).ok()) << "what k0 gave back is free";
+  EXPECT_EQ(coordinator_->KvSize(), 65u);
 }
 
 // A job's rendezvous keys (Gloo addresses, NCCL ids) go with it: no store that grows for ever.
@@ -361,13 +389,15 @@ TEST_F(CoordinatorTest, AJobsRendezvousKeysAreFreedWhenItEnds) {
   Connect("a");
   Connect("b");
   const std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
-  coordinator_->KvSet(id + "/0/rank0", "addr0");
-  coordinator_->KvSet(id + "/0/nccl", "id");
-  coordinator_->KvSet("other-1/0/rank0", "kept");
+  const std::string other = coordinator_->Submit(kRecipe, "unit.yaml")->id();
+  ASSERT_TRUE(coordinator_->KvSet(id + "/0/rank0", "addr0").ok());
+  ASSERT_TRUE(coordinator_->KvSet(id + "/0/nccl", "id").ok());
+  ASSERT_TRUE(coordinator_->KvSet(other + "/0/rank0", "kept").ok());
   EXPECT_EQ(coordinator_->KvSize(), 3u);
   ASSERT_TRUE(coordinator_->Stop(id, "test").ok());
   EXPECT_EQ(coordinator_->KvSize(), 1u) << "only the other job's key is left";
-  EXPECT_TRUE(coordinator_->KvGet({"other-1/0/rank0"}, 0).has_value());
+  EXPECT_TRUE(coordinator_->KvGet({other + "/0/rank0"}, 0).has_value());
+  EXPECT_FALSE(coordinator_->KvSet(id + "/0/rank0", "again").ok()) << "an ended job sets nothing";
 }
 
 TEST_F(CoordinatorTest, LogLinesAreStoredAsEventsAndNothingIsLearntFromTheirText) {

@@ -66,6 +66,11 @@ TEST(WorkerCredentialsTest, ASecretGrantsItsOwnJobGenerationOnly) {
   EXPECT_FALSE(credentials.Find("Bearer " + a1).has_value()) << "the old generation's secret is revoked";
   EXPECT_EQ(credentials.Find("Bearer " + a2)->generation, 1);
   EXPECT_EQ(credentials.Issue("a-1", 0, "a-1/0/"), "") << "no secret for an older generation than the current one";
+  credentials.Revoke("a-1", 0);
+  EXPECT_TRUE(credentials.Find("Bearer " + a2).has_value()) << "revoking an older generation keeps the newer one's";
+  credentials.Revoke("a-1", 1);
+  EXPECT_FALSE(credentials.Find("Bearer " + a2).has_value()) << "its generation ended";
+  EXPECT_TRUE(credentials.Find("Bearer " + b1).has_value());
 }
 
 }  // namespace

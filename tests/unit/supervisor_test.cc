@@ -228,6 +228,26 @@ TEST_F(SupervisorTest, WorkersGetTheirGenerationsSecretInAPrivateFile) {
   EXPECT_EQ(fs::status(file).permissions() & (fs::perms::group_all | fs::perms::others_all), fs::perms::none);
 }
 
+// Once the generation's last worker here is gone, its secret is revoked and its file removed.
+TEST_F(SupervisorTest, AGenerationsSecretGoesWithItsLastWorker) {
+  options_.issue_worker_secret = [](const v1::StartJobCommand&) { return std::string("s3cret"); };
+  std::vector<std::string> revoked;
+  options_.revoke_worker_secret = [&](const std::string& job_id, int generation) {
+    revoked.push_back(job_id + "/" + std::to_string(generation));
+  };
+  supervisor().StartJob(Start("j1", 2, 2));
+  const std::string file = work_dir_ + "/jobs/j1/gen-2/agent-secret";
+  ASSERT_TRUE(fs::exists(file));
+  spawner_.Exit(spawner_.spawns()[0].pid, 0);
+  supervisor().Poll();
+  EXPECT_TRUE(revoked.empty()) << "rank 1 still runs";
+  EXPECT_TRUE(fs::exists(file));
+  spawner_.Exit(spawner_.spawns()[1].pid, 0);
+  supervisor().Poll();
+  EXPECT_EQ(revoked, (std::vector<std::string>{"j1/2"}));
+  EXPECT_FALSE(fs::exists(file));
+}
+
 TEST_F(SupervisorTest, LinesGoToTheCoordinatorAndToTheRanksLogFile) {
   supervisor().StartJob(Start("j1", 1, 2));
   outbox_.Take();

@@ -39,6 +39,7 @@ class GrpcStore : public gloo::rendezvous::Store {
     if (!secret_.empty()) context.AddMetadata("authorization", "Bearer " + secret_);
     grpc::Status status = stub_->Set(&context, request, &reply);
     if (!status.ok()) throw std::runtime_error("rendezvous set " + key + ": " + status.error_message());
+    if (reply.status().code() != 0) throw std::runtime_error("rendezvous set " + key + ": " + reply.status().message());
   }
 
   std::vector<char> get(const std::string& key) override {
