@@ -11,6 +11,8 @@
 #include <cstring>
 #include <map>
 
+#include "common/logging.h"
+
 extern char** environ;
 
 namespace ltrain::agent {
@@ -28,6 +30,19 @@ std::vector<std::string> SpawnEnvironment(const std::vector<std::string>& spec_e
   std::vector<std::string> out;
   for (auto& [key, entry] : merged) out.push_back(std::move(entry));
   return out;
+}
+
+RealProcessSpawner::RealProcessSpawner() {
+  std::string why;
+  cgroups_ = WorkerCgroups::Create(&why);
+  if (cgroups_) {
+    LTRAIN_LOG(kInfo, "agent") << "each worker runs in a cgroup of its own under " << cgroups_->dir()
+                               << ": every process it starts ends with it";
+  } else {
+    LTRAIN_LOG(kWarning, "agent") << "workers run in process groups only (" << why
+                                  << "): a process of a worker that leaves its process group (setsid) can outlive "
+                                     "it. Run the agent with a cgroup of its own (systemd: Delegate=yes)";
+  }
 }
 
 StatusOr<SpawnedProcess> RealProcessSpawner::Spawn(const SpawnSpec& spec) {
@@ -53,16 +68,24 @@ StatusOr<SpawnedProcess> RealProcessSpawner::Spawn(const SpawnSpec& spec) {
     close(fds[1]);
     return Internal(std::string("socketpair: ") + std::strerror(error));
   }
+  std::optional<WorkerCgroups::Slot> cgroup = cgroups_ ? cgroups_->Prepare() : std::nullopt;
+  const int procs_fd = cgroup ? cgroup->procs_fd : -1;
   pid_t parent = getpid();
   pid_t pid = fork();
   if (pid < 0) {
     int error = errno;
-    for (int fd : {fds[0], fds[1], input[0], input[1]}) {
+    for (int fd : {fds[0], fds[1], input[0], input[1], procs_fd}) {
       if (fd >= 0) close(fd);
     }
+    if (cgroup) cgroups_->Remove(cgroup->dir);
     return Internal(std::string("fork: ") + std::strerror(error));
   }
   if (pid == 0) {
+    // Into the worker's cgroup first: whatever it starts is in there too.
+    if (procs_fd >= 0) {
+      ssize_t ignored = write(procs_fd, "0", 1);
+      (void)ignored;
+    }
     // The agent blocks SIGINT/SIGTERM for its own signal thread; a worker must receive them.
     sigset_t none;
     sigemptyset(&none);
@@ -91,6 +114,10 @@ StatusOr<SpawnedProcess> RealProcessSpawner::Spawn(const SpawnSpec& spec) {
     _exit(127);
   }
   setpgid(pid, pid);  // also from the parent, so KillGroup works even before the child ran
+  if (cgroup) {
+    close(procs_fd);
+    cgroup_of_[pid] = cgroup->dir;
+  }
   close(fds[1]);
   fcntl(fds[0], F_SETFL, fcntl(fds[0], F_GETFL) | O_NONBLOCK);
   if (input[0] >= 0) close(input[0]);
@@ -99,12 +126,28 @@ StatusOr<SpawnedProcess> RealProcessSpawner::Spawn(const SpawnSpec& spec) {
 
 void RealProcessSpawner::KillGroup(pid_t pid, int signal) {
   if (pid > 0 && killpg(pid, signal) != 0 && errno == ESRCH) kill(pid, signal);
+  auto cgroup = cgroup_of_.find(pid);
+  if (cgroup == cgroup_of_.end()) return;
+  if (signal == SIGKILL) {
+    cgroups_->Kill(cgroup->second);
+  } else {
+    cgroups_->Signal(cgroup->second, signal);
+  }
 }
 
 std::optional<ProcessExit> RealProcessSpawner::TryReap() {
+  if (cgroups_) cgroups_->Sweep();
   int status = 0;
   pid_t pid = waitpid(-1, &status, WNOHANG);
   if (pid <= 0) return std::nullopt;
+  // What the worker left: its cgroup's processes (setsid ones too), else its process group's.
+  if (auto cgroup = cgroup_of_.find(pid); cgroup != cgroup_of_.end()) {
+    cgroups_->Kill(cgroup->second);
+    cgroups_->Remove(cgroup->second);
+    cgroup_of_.erase(cgroup);
+  } else {
+    killpg(pid, SIGKILL);
+  }
   ProcessExit exit;
   exit.pid = pid;
   if (WIFSIGNALED(status)) exit.signal = WTERMSIG(status);

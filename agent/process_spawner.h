@@ -5,10 +5,13 @@
 
 #include <sys/types.h>
 
+#include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "agent/worker_cgroups.h"
 #include "common/status.h"
 
 namespace ltrain::agent {
@@ -44,19 +47,28 @@ std::vector<std::string> SpawnEnvironment(const std::vector<std::string>& spec_e
 class ProcessSpawner {
  public:
   virtual ~ProcessSpawner() = default;
-  // Starts the process in a process group of its own, killed with SIGKILL if the agent dies.
+  // Starts the process in a process group of its own (and, where the system allows, a cgroup of its
+  // own), killed with SIGKILL if the agent dies.
   virtual StatusOr<SpawnedProcess> Spawn(const SpawnSpec& spec) = 0;
-  // Sends `signal` to the whole process group of `pid`.
+  // Sends `signal` to the whole process group of `pid`, and to every process of its cgroup.
   virtual void KillGroup(pid_t pid, int signal) = 0;
-  // One exited child, if any, without blocking.
+  // One exited child, if any, without blocking. Whatever the child left running in its cgroup (or,
+  // without one, its process group) is killed: every process of a worker ends with it.
   virtual std::optional<ProcessExit> TryReap() = 0;
 };
 
 class RealProcessSpawner : public ProcessSpawner {
  public:
+  // Puts each worker in a cgroup of its own under the agent's (WorkerCgroups) where it may, and
+  // says once, in the log, whether it does.
+  RealProcessSpawner();
   StatusOr<SpawnedProcess> Spawn(const SpawnSpec& spec) override;
   void KillGroup(pid_t pid, int signal) override;
   std::optional<ProcessExit> TryReap() override;
+
+ private:
+  std::unique_ptr<WorkerCgroups> cgroups_;  // null: process groups alone
+  std::map<pid_t, std::string> cgroup_of_;   // live workers' cgroups
 };
 
 }  // namespace ltrain::agent
