@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <ftw.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -112,6 +113,24 @@ Status WriteFileText(const std::string& path, std::string_view text, mode_t mode
   Status written = WriteAll(fd, text, path);
   if (::close(fd) != 0 && written.ok()) written = Internal("writing " + path + ": " + ErrnoText(errno));
   return written;
+}
+
+std::string WithFreeSpace(const std::string& message, const std::string& path) {
+  const char* name = message.find(std::strerror(ENOSPC)) != std::string::npos   ? "ENOSPC"
+                     : message.find(std::strerror(EDQUOT)) != std::string::npos ? "EDQUOT"
+                                                                                 : nullptr;
+  if (name == nullptr) return message;
+  // The nearest folder that is there: the file itself may be gone.
+  std::filesystem::path where(path);
+  struct statvfs fs {};
+  while (::statvfs(where.c_str(), &fs) != 0 && where.has_parent_path() && where != where.parent_path()) {
+    where = where.parent_path();
+  }
+  char figures[160];
+  std::snprintf(figures, sizeof(figures), " (%s: %.1f MB free of %.1f MB on the filesystem of %s)", name,
+                static_cast<double>(fs.f_bavail) * fs.f_frsize / 1e6, static_cast<double>(fs.f_blocks) * fs.f_frsize / 1e6,
+                where.c_str());
+  return message + figures;
 }
 
 Status CreateDirectories(const std::string& path, mode_t mode) {

@@ -42,6 +42,10 @@ Status WriteAll(int fd, std::string_view data, const std::string& path);
 // `text` as the whole content of `path`, through OpenForWriting (O_TRUNC).
 Status WriteFileText(const std::string& path, std::string_view text, mode_t mode = 0600);
 
+// `message` as it is, or, when it tells of a full filesystem (ENOSPC, EDQUOT), with what is free on
+// the filesystem that holds `path`: "... (ENOSPC: 0.3 MB free of 20.0 MB on the filesystem of PATH)".
+std::string WithFreeSpace(const std::string& message, const std::string& path);
+
 // Creates `path` and its missing parents, each with `mode` less the umask (0700: private to this
 // user). Existing directories keep their mode. Errors name the path.
 Status CreateDirectories(const std::string& path, mode_t mode = 0700);

@@ -3,6 +3,7 @@
 // injected in the middle of a save commits nothing, keeps the previous step the newest committed,
 // and the job still succeeds.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
@@ -105,6 +106,56 @@ TEST_F(CheckpointFaultsTest, InjectedWriteFailureKeepsThePreviousCheckpointAndTh
   EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED);
   EXPECT_EQ(job.restarts(), 0);
   EXPECT_EQ(job.last_committed_step(), 20);
+}
+
+// A full disk: the checkpoint folder on a tmpfs that holds one checkpoint and a half. Step 5 commits;
+// every later save fails at once on every rank with ENOSPC, naming the rank, the path and what was
+// free, and gives its space back (no temporary file is left, `latest` stays step-5); the job goes on
+// to its end without a hang, and then fails because its final checkpoint was not saved, saying why.
+TEST_F(CheckpointFaultsTest, AFullDiskIsNamedAndLeavesNothingTemporary) {
+  ASSERT_EQ(::geteuid(), 0u) << "the full-disk drill mounts a small tmpfs: run it as root";
+  const std::vector<std::string> wider = {"--set", "model.d_model=128"};
+  const std::string training = "training: {steps: 15, micro_batch: 4, global_batch: 8, log_every: 5}\n";
+  // How much one checkpoint of this model takes.
+  std::string sizing = Recipe("sizing", training + "checkpoint: {every: 5, keep: 1}\n");
+  ProcessResult sized = RunProcess({LtrainBinary(), "launch", sizing, wider[0], wider[1]}, Env(), seconds(180));
+  ASSERT_EQ(sized.exit_code, 0) << sized.output;
+  uintmax_t bytes = 0;
+  for (const auto& e : fs::recursive_directory_iterator(dir_.Join("home/checkpoints"))) {
+    if (e.is_regular_file() && e.path().parent_path().filename() == "step-15") bytes += fs::file_size(e);
+  }
+  ASSERT_GT(bytes, 1u << 20) << "a checkpoint of some MB";
+
+  const std::string mount = dir_.Join("small");
+  fs::create_directories(mount);
+  const std::string size = "size=" + std::to_string((bytes * 3 / 2 / 4096 + 1) * 4096);
+  ProcessResult mounted = RunProcess({"/usr/bin/mount", "-t", "tmpfs", "-o", size, "tmpfs", mount});
+  ASSERT_EQ(mounted.exit_code, 0) << mounted.output;
+  struct Unmount {
+    std::string at;
+    ~Unmount() { RunProcess({"/usr/bin/umount", "-l", at}); }
+  } unmount{mount};
+  const std::string ck = mount + "/ck";
+  std::string recipe = Recipe("full", training + "checkpoint: {every: 5, keep: 1, dir: " + ck + "}\n");
+  ProcessResult ran = RunProcess({LtrainBinary(), "launch", recipe, wider[0], wider[1]}, Env(), seconds(180));
+  EXPECT_EQ(ran.exit_code, 1) << ran.output;
+  EXPECT_NE(ran.output.find("checkpoint of step 5 committed"), std::string::npos) << ran.output;
+  EXPECT_TRUE(std::regex_search(
+      ran.output, std::regex(R"(checkpoint step-10 failed: rank 0: writing \S+/ck/\.tmp-step-10/\S+: No space left on device \(ENOSPC: [0-9.]+ MB free of [0-9.]+ MB on the filesystem of )" +
+                             ck + R"(\); rank 1: writing .*ENOSPC.*; step-5 stays the newest committed)")))
+      << ran.output;
+  std::smatch id;
+  ASSERT_TRUE(std::regex_search(ran.output, id, std::regex(R"(job (full-\d+) submitted)"))) << ran.output;
+  v1::Job job = Status(id[1]);
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  EXPECT_NE(job.cause().find("the final checkpoint was not saved"), std::string::npos) << job.cause();
+  EXPECT_NE(job.cause().find("No space left on device (ENOSPC"), std::string::npos) << job.cause();
+  EXPECT_EQ(job.cause().find("hang"), std::string::npos) << job.cause();
+  EXPECT_EQ(job.last_committed_step(), 5);
+  EXPECT_EQ(Latest(ck), "step-5");
+  for (const auto& e : fs::directory_iterator(ck)) {
+    EXPECT_NE(e.path().filename().string().rfind(".tmp-", 0), 0u) << e.path() << " was left";
+  }
 }
 
 // A second job pointed at the first one's checkpoint directory (checkpoint.dir): `ltrain launch`

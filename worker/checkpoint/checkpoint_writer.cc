@@ -56,11 +56,30 @@ void CheckpointWriter::Loop() {
   }
 }
 
+Status CheckpointWriter::Fatal() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return fatal_;
+}
+
 void CheckpointWriter::Process(CheckpointSnapshot snapshot) {
   Status result;
   const std::string error = WriteFiles(snapshot);
   if (Status s = options_.board->Announce(snapshot.step, options_.rank, error); !s.ok()) {
-    std::fprintf(stderr, "ltrain-worker: rank %d: %s\n", options_.rank, s.message().c_str());
+    // Rank 0 would wait for this word for ever: this rank stops, and says why.
+    const std::string why = "rank " + std::to_string(options_.rank) + ": checkpoint step-" +
+                            std::to_string(snapshot.step) + (error.empty() ? "" : " failed (" + error + ")") +
+                            ", and its word could not reach rank 0: " +
+                            WithFreeSpace(s.message(), options_.dir);
+    std::fprintf(stderr, "ltrain-worker: %s\n", why.c_str());
+    if (options_.rank == 0) {
+      (void)Conclude(snapshot, {why});  // removes the pending files
+    } else {
+      RemoveOwnFiles(snapshot);
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    fatal_ = FailedPrecondition(why);
+    last_ = fatal_;
+    return;
   }
   if (options_.rank == 0) {
     std::vector<std::string> errors;
@@ -122,7 +141,19 @@ std::string CheckpointWriter::WriteFiles(const CheckpointSnapshot& snapshot) {
   }
   if (s.ok()) s = WriteRankManifest(pending.string(), options_.rank, written);
   Progress::Global().EndWork(work);
+  if (!s.ok()) {
+    // What is free is said as the write found it, then what was written gives its space back.
+    s = Status(s.code(), WithFreeSpace(s.message(), options_.dir));
+    RemoveOwnFiles(snapshot);
+  }
   return s.ok() ? "" : who + s.message();
+}
+
+void CheckpointWriter::RemoveOwnFiles(const CheckpointSnapshot& snapshot) {
+  const fs::path pending = PendingCheckpointDir(options_.dir, snapshot.step);
+  std::error_code ec;
+  for (const auto& [name, tensors] : snapshot.files) fs::remove(pending / name, ec);
+  fs::remove(pending / RankManifestName(options_.rank), ec);
 }
 
 Status CheckpointWriter::Conclude(const CheckpointSnapshot& snapshot, const std::vector<std::string>& errors) {

@@ -78,19 +78,26 @@ class CheckpointWriter {
   std::string WriteFiles(const CheckpointSnapshot& snapshot);
   // Rank 0: `errors` has every failing rank's reason (empty: all durable); commits or reports.
   Status Conclude(const CheckpointSnapshot& snapshot, const std::vector<std::string>& errors);
+  // Why this rank cannot go on (async): a save whose failure could not be told to rank 0 (its marker
+  // could not be written: a full disk, say), so that no later commit can conclude. OK otherwise. The
+  // training thread asks after every step, and fails the rank at once instead of a hang timeout later.
+  Status Fatal() const;
 
  private:
   void Loop();
   void Process(CheckpointSnapshot snapshot);
+  // This rank's files of the snapshot's pending directory, removed (a failed save gives its space back).
+  void RemoveOwnFiles(const CheckpointSnapshot& snapshot);
 
   CheckpointWriterOptions options_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
   std::optional<CheckpointSnapshot> queued_;
   bool busy_ = false;
   bool stop_ = false;
   std::atomic<bool> cancel_{false};
   Status last_;
+  Status fatal_;  // under mu_
   std::thread thread_;
 };
 

@@ -1606,6 +1606,8 @@ Status Trainer::Run() {
     if (save) {
       LTRAIN_RETURN_IF_ERROR(StartSave());
     }
+    // A save of this rank that could not tell rank 0 its outcome stops the rank now (no commit could conclude).
+    if (writer_) LTRAIN_RETURN_IF_ERROR(writer_->Fatal());
     if (stop_here) break;
   }
   if (profiler.running()) stop_profiler(step_);  // a stop ended the run inside the profiled window
