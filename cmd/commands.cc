@@ -1,6 +1,8 @@
 #include "cmd/commands.h"
 
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 
 #include "cmd/cli_support.h"
 #include "common/logging.h"
@@ -43,6 +45,24 @@ int CommandContext::ApplyGlobalOptions() {
 
 void CommandContext::Bind(CLI::App* command, std::function<int()> handler) {
   handlers_.emplace_back(command, std::move(handler));
+}
+
+int CommandContext::RefuseNonFiniteNumbers(const CLI::App& app) {
+  for (const CLI::Option* option : app.get_options()) {
+    if (option->count() == 0 || option->get_type_name().find("FLOAT") == std::string::npos) continue;
+    for (const std::string& given : option->results()) {
+      char* end = nullptr;
+      const double value = std::strtod(given.c_str(), &end);
+      if (end != given.c_str() && !std::isfinite(value)) {
+        std::fprintf(stderr, "ltrain: %s %s is not a finite number\n", option->get_name().c_str(), given.c_str());
+        return kExitInvalid;
+      }
+    }
+  }
+  for (const CLI::App* command : app.get_subcommands()) {
+    if (int code = RefuseNonFiniteNumbers(*command); code != kExitOk) return code;
+  }
+  return kExitOk;
 }
 
 int CommandContext::RunSelected() const {

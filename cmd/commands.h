@@ -32,6 +32,10 @@ class CommandContext {
   // Runs the handler of the command that was given; kExitInvalid when none was.
   int RunSelected() const;
 
+  // After parsing: kExitOk, or kExitInvalid after naming the option, when a number option of the
+  // given command (or a global one) was given NaN or an infinity, which no option means.
+  static int RefuseNonFiniteNumbers(const CLI::App& app);
+
   // The TLS and token flags as given; the coordinator command adds --tls-client-ca to them.
   SecurityOptions& security_options() { return security_options_; }
   // As loaded by ApplyGlobalOptions: what clients, the coordinator and agents connect with.

@@ -94,7 +94,12 @@ void AddDataCommand(CLI::App& app, CommandContext& ctx) {
       ->required()
       ->expected(1, -1)
       ->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
-  prepare->add_option("--output", args->options.output_dir, "Directory to write train.bin and val.bin into")->required();
+  prepare->add_option("--output", args->options.output_dir,
+                      "Directory to write train.bin and val.bin into: a new or empty one (written beside and renamed "
+                      "into place once complete)")
+      ->required();
+  prepare->add_flag("--overwrite", args->options.overwrite,
+                    "Replace the dataset --output holds (refused otherwise; a folder with other files always is)");
   prepare->add_option("--val-fraction", args->options.val_fraction, "Share of the tokens kept for validation (the tail)")
       ->check(CLI::Range(0.0, 0.5))
       ->capture_default_str();
@@ -106,7 +111,9 @@ void AddDataCommand(CLI::App& app, CommandContext& ctx) {
                       "bpe: train a byte-level BPE of --vocab ids on the input first, kept as tokenizer.json")
       ->check(CLI::IsMember({"bpe"}));
   prepare->add_option("--vocab", args->options.vocab, "Vocabulary of --train-tokenizer (256 bytes, merges, <|endoftext|>)");
-  prepare->add_option("--threads", args->options.threads, "Threads to tokenize on (0: every core)")->capture_default_str();
+  prepare->add_option("--threads", args->options.threads, "Threads to tokenize on (0: every core)")
+      ->check(CLI::Range(0, kMaxPrepareThreads))
+      ->capture_default_str();
   prepare->add_flag("-q,--quiet", args->quiet, "No progress output");
   ctx.Bind(prepare, [args] { return DataPrepare(*args); });
 }

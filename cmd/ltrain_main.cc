@@ -68,6 +68,7 @@ int main(int argc, char** argv) {
     return kExitInvalid;
   }
   if (int code = ctx.ApplyGlobalOptions(); code != kExitOk) return code;
+  if (int code = CommandContext::RefuseNonFiniteNumbers(app); code != kExitOk) return code;
   // State, logs, tokens and checkpoints are this user's alone whatever the umask: every command but
   // those that write a user's own outputs (a dataset, an export, a sample) creates files 0600 and
   // folders 0700. A user's program under `ltrain run` gets the umask it was started with.

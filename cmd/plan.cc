@@ -1,6 +1,9 @@
 // ltrain plan RECIPE [--gpus N] [--gpu-memory GiB]: before a run, what the recipe's layout costs per
 // rank (memory by part, communication per group, the pipeline bubble) and the feasible layouts of its
 // model on N GPUs, fastest first by the estimate of common/layout_plan.h.
+#include <unistd.h>
+
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -156,7 +159,10 @@ int Plan(const PlanArgs& args) {
   PlanOptions options;
   options.ranks = args.gpus > 0 ? args.gpus : world;
   options.device = args.gpus > 0 ? Device::kCuda : recipe.parallel.device;
-  options.memory_bytes = options.device == Device::kCuda ? args.gpu_memory_gib * kGiB : 0;
+  // A CPU rank has its share of this host's memory (the ranks of a node share it).
+  const double host_bytes = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGESIZE));
+  const int ranks_per_node = std::max(1, std::min(recipe.parallel.nproc_per_node, options.ranks));
+  options.memory_bytes = options.device == Device::kCuda ? args.gpu_memory_gib * kGiB : host_bytes / ranks_per_node;
   const char* unit = options.device == Device::kCuda ? "GPU" : "rank";
 
   nlohmann::json json;
@@ -177,7 +183,12 @@ int Plan(const PlanArgs& args) {
     std::printf("%s: %s, %s parameters, micro-batch %d, global batch %d; %d %s%s", args.recipe.c_str(),
                 NameOf(recipe.model.arch).c_str(), count, recipe.training.micro_batch, recipe.training.global_batch, options.ranks, unit,
                 options.ranks == 1 ? "" : "s");
-    if (options.memory_bytes > 0) std::printf(" of %.0f GiB", args.gpu_memory_gib);
+    if (options.device == Device::kCuda) {
+      std::printf(" of %.0f GiB", args.gpu_memory_gib);
+    } else {
+      std::printf(" of %.1f GiB (this host's memory over its %d rank%s)", options.memory_bytes / kGiB, ranks_per_node,
+                  ranks_per_node == 1 ? "" : "s");
+    }
     std::printf("\n\n");
   }
 
@@ -192,9 +203,13 @@ int Plan(const PlanArgs& args) {
       if (args.output == "text") {
         std::printf("the recipe's layout: %s\n", Describe(e.layout).c_str());
         PrintEstimate(e);
-        if (options.memory_bytes > 0 && static_cast<double>(e.peak_bytes) > options.memory_bytes * kGpuMemoryUsable) {
+        if (options.device == Device::kCuda &&
+            static_cast<double>(e.peak_bytes) > options.memory_bytes * kGpuMemoryUsable) {
           std::printf("  does not fit: %s GiB a GPU is more than 90%% of %.0f GiB\n", Gib(e.peak_bytes).c_str(),
                       args.gpu_memory_gib);
+        } else if (options.device != Device::kCuda && static_cast<double>(e.peak_bytes) > options.memory_bytes) {
+          std::printf("  does not fit: %s GiB a rank is more than its %.1f GiB of this host's memory\n",
+                      Gib(e.peak_bytes).c_str(), options.memory_bytes / kGiB);
         }
         std::printf("\n");
       }

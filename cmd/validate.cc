@@ -8,6 +8,7 @@
 #include "cmd/cli_support.h"
 #include "cmd/commands.h"
 #include "common/data_prepare.h"
+#include "common/layout_plan.h"
 #include "common/recipe.h"
 #include "common/recipe_schema.h"
 
@@ -56,6 +57,10 @@ int Validate(const ValidateArgs& args) {
   if (!parsed.ok()) {
     std::fprintf(stderr, "%s", parsed.ErrorText().c_str());
     std::fprintf(stderr, "%zu error(s) in %s\n", parsed.errors.size(), args.recipe.c_str());
+    return kExitInvalid;
+  }
+  if (std::string problem = FitProblem(parsed.recipe); !problem.empty()) {
+    std::fprintf(stderr, "%s: %s\n", args.recipe.c_str(), problem.c_str());
     return kExitInvalid;
   }
   const std::string data = Absolute(parsed.recipe.data.path);

@@ -1,6 +1,7 @@
 #include "common/data_prepare.h"
 
 #include <glob.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -95,7 +96,82 @@ StatusOr<std::vector<std::string>> ExpandInputs(const std::vector<std::string>& 
   return files;
 }
 
-StatusOr<PrepareStats> PrepareData(const PrepareOptions& o) {
+namespace {
+
+StatusOr<PrepareStats> PrepareInto(const PrepareOptions& o);
+
+// Whether `dir` holds what `ltrain data prepare` writes, and nothing else.
+bool HoldsOnlyADataset(const fs::path& dir) {
+  std::error_code ec;
+  if (!fs::exists(dir / "data.yaml", ec) && !fs::exists(dir / "train.bin", ec)) return false;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name != "data.yaml" && name != "train.bin" && name != "val.bin" && name != "tokenizer.json" &&
+        name != "tokenizer.model") {
+      return false;
+    }
+  }
+  return !ec;
+}
+
+}  // namespace
+
+StatusOr<PrepareStats> PrepareData(const PrepareOptions& options) {
+  if (options.threads < 0 || options.threads > kMaxPrepareThreads) {
+    return InvalidArgument("--threads " + std::to_string(options.threads) + " is outside 0-" +
+                           std::to_string(kMaxPrepareThreads) + " (0: every core)");
+  }
+  if (options.output_dir.empty()) return InvalidArgument("give --output DIR");
+  const fs::path out = fs::path(options.output_dir).lexically_normal();
+  std::error_code ec;
+  const fs::file_status status = fs::symlink_status(out, ec);
+  const bool exists = status.type() != fs::file_type::not_found;
+  if (exists) {
+    if (!fs::is_directory(out, ec)) {
+      return InvalidArgument("--output " + options.output_dir + " is not a directory: give a new or empty folder");
+    }
+    if (!fs::is_empty(out, ec)) {
+      if (!HoldsOnlyADataset(out)) {
+        return InvalidArgument("--output " + options.output_dir + " holds files that are not a dataset: give a new or "
+                               "empty folder (nothing there was changed)");
+      }
+      if (!options.overwrite) {
+        return InvalidArgument("--output " + options.output_dir + " holds a dataset already: give --overwrite to replace "
+                               "it, or another folder (nothing there was changed)");
+      }
+    }
+  }
+  // Written beside, then renamed into place.
+  const std::string partial = out.string() + ".partial-" + std::to_string(::getpid());
+  RemoveTree(partial);
+  PrepareOptions into = options;
+  into.output_dir = partial;
+  StatusOr<PrepareStats> stats = PrepareInto(into);
+  if (!stats.ok()) {
+    RemoveTree(partial);
+    return stats.status();
+  }
+  const std::string old = out.string() + ".old-" + std::to_string(::getpid());
+  if (exists && ::rename(out.c_str(), old.c_str()) != 0) {
+    const std::string why = std::strerror(errno);
+    RemoveTree(partial);
+    return Internal("cannot move the dataset in " + out.string() + " aside: " + why);
+  }
+  if (::rename(partial.c_str(), out.c_str()) != 0) {
+    const std::string why = std::strerror(errno);
+    if (exists) (void)::rename(old.c_str(), out.c_str());
+    RemoveTree(partial);
+    return Internal("cannot rename " + partial + " to " + out.string() + ": " + why);
+  }
+  if (exists) RemoveTree(old);
+  stats->train_path = (out / "train.bin").string();
+  stats->val_path = (out / "val.bin").string();
+  return stats;
+}
+
+namespace {
+
+StatusOr<PrepareStats> PrepareInto(const PrepareOptions& o) {
   if (!(o.val_fraction >= 0.0 && o.val_fraction < 1.0)) {
     return InvalidArgument("val_fraction=" + std::to_string(o.val_fraction) + " must be in [0, 1)");
   }
@@ -214,6 +290,8 @@ StatusOr<PrepareStats> PrepareData(const PrepareOptions& o) {
   LTRAIN_RETURN_IF_ERROR(WriteDataInfo(o.output_dir, info));
   return stats;
 }
+
+}  // namespace
 
 std::string DataProblem(const Recipe& recipe) {
   const std::string& dir = recipe.data.path;

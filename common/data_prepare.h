@@ -32,7 +32,8 @@ struct PrepareOptions {
   std::string tokenizer = "byte";   // "byte", a Hugging Face tokenizer.json or a SentencePiece .model
   std::string train_tokenizer;      // "bpe": train a byte-level BPE of `vocab` ids on the inputs first
   int vocab = 0;
-  int threads = 0;                  // 0: every core
+  int threads = 0;                  // 0: every core; at most kMaxPrepareThreads
+  bool overwrite = false;           // replace a dataset already in output_dir
   // Called as work advances: what ("reading", "training the tokenizer", "tokenizing"), done, total.
   std::function<void(const std::string& what, int64_t done, int64_t total)> progress;
 };
@@ -53,6 +54,11 @@ struct PrepareStats {
   std::string val_path;
 };
 
+inline constexpr int kMaxPrepareThreads = 1024;
+
+// Writes the dataset into a new folder beside output_dir and renames it into place once complete:
+// a failure leaves output_dir as it was. An output_dir that holds a dataset already is refused
+// unless `overwrite`, and one that holds anything else always (InvalidArgument, naming it).
 StatusOr<PrepareStats> PrepareData(const PrepareOptions& options);
 
 // The files `inputs` name: files as they are, directories walked, globs expanded; NotFound for an

@@ -472,6 +472,32 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout) {
   return e;
 }
 
+std::string FitProblem(const Recipe& recipe) {
+  if (recipe.runs_program()) return "";
+  const int ranks = std::max(1, recipe.parallel.world_size());
+  const bool cuda = recipe.parallel.device == Device::kCuda;
+  const double limit = cuda ? kLargestGpuBytes : kLargestCpuRankBytes;
+  const double parameters = static_cast<double>(ApproxParameterCount(recipe.model));
+  const double floor = parameters * 16 / ranks;
+  if (!(floor > limit)) return "";
+  std::string own;
+  if (CheckLayout(recipe, ranks).empty()) {
+    if (StatusOr<Layout> layout = PlanLayout(recipe, ranks); layout.ok()) {
+      char text[96];
+      std::snprintf(text, sizeof(text), "%.2f GiB a rank in its own layout (`ltrain plan` shows it), and ",
+                    static_cast<double>(EstimateLayout(recipe, *layout).peak_bytes) / (1 << 30));
+      own = text;
+    }
+  }
+  char text[512];
+  std::snprintf(text, sizeof(text),
+                "the model (%.4g parameters) cannot train on %d rank(s) in any layout: it needs %sat least %.2f GiB a "
+                "rank with all of its training state (16 bytes a parameter) spread over every rank, more than any %s "
+                "has (%.0f GiB); make the model smaller, or give it more ranks (parallel.nodes, parallel.nproc_per_node)",
+                parameters, ranks, own.c_str(), floor / (1 << 30), cuda ? "GPU" : "machine", limit / (1 << 30));
+  return text;
+}
+
 std::vector<PlanCandidate> RankLayouts(const Recipe& recipe, const PlanOptions& options) {
   const int ranks = options.ranks > 0 ? options.ranks : recipe.parallel.world_size();
   int per_node = options.ranks_per_node;

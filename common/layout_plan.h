@@ -101,6 +101,17 @@ struct PlanCandidate {
 // (on the CPU, smallest peak first), then the others with their reasons.
 std::vector<PlanCandidate> RankLayouts(const Recipe& recipe, const PlanOptions& options);
 
+// The most memory a rank can have, so that a recipe whose model cannot fit anywhere is refused
+// before it runs: a GPU's (the largest made, 288 GB), a CPU rank's (a large server's, 4 TiB).
+inline constexpr double kLargestGpuBytes = 288e9;
+inline constexpr double kLargestCpuRankBytes = 4.0 * (1LL << 40);
+
+// What is wrong when `recipe`'s model cannot train on its ranks in any layout: even its training
+// state (fp32 weights, gradients and AdamW's two moments, 16 bytes a parameter) spread evenly over
+// every rank would need more than a rank can have. Says the plan's figure for the recipe's own
+// layout, the floor, and the fix; "" when it may fit (ltrain plan tells whether it does).
+std::string FitProblem(const Recipe& recipe);
+
 // The largest fraction of a GPU's memory a plan fills: the rest is the CUDA context, NCCL's buffers,
 // cuBLAS workspaces and the caching allocator's fragmentation, none of which the allocator's peak shows.
 inline constexpr double kGpuMemoryUsable = 0.9;

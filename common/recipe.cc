@@ -20,6 +20,7 @@
 #include "common/logging.h"
 #include "common/python_command.h"
 #include "common/recipe_schema.h"
+#include "common/strings.h"
 
 namespace ltrain {
 namespace {
@@ -91,10 +92,15 @@ class RecipeReader {
       : source_(std::move(source)), overridden_(std::move(overridden)), root_(std::move(root)) {}
 
   void Error(const std::string& path, Mark mark, const std::string& message) {
+    // However many a recipe has (700,000 unknown keys), what is said of them stays readable.
+    if (errors_.size() >= kMaxRecipeErrors) {
+      ++dropped_;
+      return;
+    }
     RecipeError error;
     error.message = message;
     if (overridden_.count(path)) {
-      error.file = "--set " + path;
+      error.file = "--set " + Shortened(path);
     } else {
       error.file = source_;
       error.line = mark.line;
@@ -136,7 +142,11 @@ class RecipeReader {
         }
       }
       if (std::find(known.begin(), known.end(), key) != known.end()) continue;
-      std::string message = "unknown key '" + path + "'";
+      if (errors_.size() >= kMaxRecipeErrors) {  // counted, and no suggestion sought
+        ++dropped_;
+        continue;
+      }
+      std::string message = "unknown key '" + Shortened(path) + "'";
       std::string suggestion = Suggest(key, known);
       if (!suggestion.empty()) {
         message += "; did you mean '" + (prefix.empty() ? suggestion : prefix + "." + suggestion) + "'?";
@@ -182,9 +192,9 @@ class RecipeReader {
     YAML::Node node = Value(key.section, key.name);
     if (!node.IsDefined()) return;
     const std::string path = key.path();
-    const size_t errors_before = errors_.size();
+    const size_t errors_before = errors_.size() + dropped_;
     ReadValue(key, node, path, field);
-    if (errors_.size() > errors_before) refused_.insert(path);
+    if (errors_.size() + dropped_ > errors_before) refused_.insert(path);
   }
 
   // Whether a key's own value was refused, among `paths` ("model.heads", or a section's "model.").
@@ -200,6 +210,8 @@ class RecipeReader {
   }
 
   std::vector<RecipeError> TakeErrors() { return std::move(errors_); }
+  // The errors past kMaxRecipeErrors, counted only.
+  size_t dropped() const { return dropped_; }
 
   // Whether the recipe (file or overrides) has `section` with something in it.
   bool HasSection(std::string_view section) const {
@@ -220,7 +232,7 @@ class RecipeReader {
       } else if (text == "false" || text == "no" || text == "off") {
         field = false;
       } else {
-        Error(node, path, path + " must be true or false, got '" + text + "'");
+        Error(node, path, path + " must be true or false, got '" + Shortened(text) + "'");
       }
     } else if constexpr (std::is_integral_v<T>) {
       int64_t value = 0;
@@ -263,7 +275,7 @@ class RecipeReader {
     int64_t value = 0;
     auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
     if (ec != std::errc() || end != text.data() + text.size()) {
-      Error(node, path, path + " must be an integer, got '" + text + "'");
+      Error(node, path, path + " must be an integer, got '" + Shortened(text) + "'");
       return false;
     }
     if (value < key.int_min || value > key.int_max) {
@@ -284,7 +296,7 @@ class RecipeReader {
     char* end = nullptr;
     double value = std::strtod(text.c_str(), &end);
     if (text.empty() || end != text.c_str() + text.size() || !std::isfinite(value)) {
-      Error(node, path, path + " must be a number, got '" + text + "'");
+      Error(node, path, path + " must be a number, got '" + Shortened(text) + "'");
       return;
     }
     if (value < key.real_min || value > key.real_max) {
@@ -381,6 +393,7 @@ class RecipeReader {
   YAML::Node root_;
   std::map<std::string, Mark> marks_;  // "section" and "section.key" -> where the file has it
   std::vector<RecipeError> errors_;
+  size_t dropped_ = 0;  // errors past kMaxRecipeErrors, counted, not kept
   std::set<std::string> refused_;  // keys whose own value was refused ("training.micro_batch")
 };
 
@@ -645,6 +658,11 @@ RecipeParseResult ParseRecipe(const std::string& yaml_text, const std::string& s
   std::stable_sort(result.errors.begin(), result.errors.end(), [](const RecipeError& a, const RecipeError& b) {
     return a.file == b.file ? std::tie(a.line, a.column) < std::tie(b.line, b.column) : a.file < b.file;
   });
+  if (reader.dropped() > 0) {
+    result.errors.push_back(RecipeError{source_name, 0, 0,
+                                        "... and " + std::to_string(reader.dropped()) + " more error(s) not shown (the " +
+                                            "first " + std::to_string(kMaxRecipeErrors) + " are)"});
+  }
   return result;
 }
 
@@ -832,7 +850,7 @@ std::string RecipeKeysText() {
 
 std::string JobNameProblem(std::string_view name) {
   constexpr size_t kMaxLength = 64;
-  const std::string shown = "\"" + TerminalSafe(name) + "\"";
+  const std::string shown = "\"" + TerminalSafe(Shortened(name)) + "\"";
   if (name.empty()) return "name must not be empty";
   if (name.size() > kMaxLength) {
     return "name " + shown + " has " + std::to_string(name.size()) + " characters, more than " +
@@ -841,6 +859,11 @@ std::string JobNameProblem(std::string_view name) {
   if (name == "." || name == "..") return "name " + shown + " is not a usable directory name";
   if (!std::all_of(name.begin(), name.end(), IsJobNameChar)) {
     return "name " + shown + " may hold only A-Z a-z 0-9 . _ - (it becomes the job id and a directory name)";
+  }
+  // A job id that begins with '-' reads as a flag to every command (`ltrain status -rf-1`).
+  if (name.front() == '-' || name.front() == '.') {
+    return "name " + shown + " must begin with a letter, digit or '_' (a job id that begins with '" +
+           std::string(1, name.front()) + "' reads as a flag or a hidden folder)";
   }
   return "";
 }

@@ -295,6 +295,10 @@ struct RecipeError {
   std::string ToString() const;  // "file:line:col: message"
 };
 
+// At most this many errors of one recipe are kept and said; one more line counts the rest. A value
+// an error quotes is shortened (Shortened in strings.h).
+inline constexpr size_t kMaxRecipeErrors = 100;
+
 struct RecipeParseResult {
   Recipe recipe;
   std::vector<RecipeError> errors;
@@ -303,7 +307,8 @@ struct RecipeParseResult {
 };
 
 // A job's name becomes its id (NAME-N), a directory name and part of log lines: 1 to 64 of
-// A-Z a-z 0-9 . _ -, and not "." or "..". Returns what is wrong with `name`, empty when nothing is.
+// A-Z a-z 0-9 . _ -, beginning with neither '-' nor '.'. Returns what is wrong with `name`, empty
+// when nothing is.
 std::string JobNameProblem(std::string_view name);
 // A valid name close to `name` (the characters outside the rule become '-'; "job" when nothing is left).
 std::string SuggestJobName(std::string_view name);

@@ -21,4 +21,11 @@ std::vector<std::string> SplitNonEmpty(std::string_view text, char separator) {
   return parts;
 }
 
+std::string Shortened(std::string_view text, size_t max) {
+  if (text.size() <= max) return std::string(text);
+  size_t cut = max > 24 ? max - 24 : max;
+  while (cut > 0 && (static_cast<unsigned char>(text[cut]) & 0xC0) == 0x80) --cut;  // not inside a UTF-8 character
+  return std::string(text.substr(0, cut)) + "... (" + std::to_string(text.size()) + " bytes)";
+}
+
 }  // namespace ltrain

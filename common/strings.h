@@ -15,4 +15,8 @@ std::vector<std::string> Split(std::string_view text, char separator);
 // The parts that are not empty: "a,,b," gives a, b; "" gives none.
 std::vector<std::string> SplitNonEmpty(std::string_view text, char separator);
 
+// `text` as an error message may quote it: whole up to `max` bytes, else its start and how long it
+// is ("aaaa... (10485760 bytes)"), so that no message about one value grows with the value.
+std::string Shortened(std::string_view text, size_t max = 80);
+
 }  // namespace ltrain

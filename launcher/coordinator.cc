@@ -5,6 +5,7 @@
 #include <filesystem>
 
 #include "common/layout.h"
+#include "common/layout_plan.h"
 #include "common/logging.h"
 #include "common/signal_name.h"
 #include "common/worker_exit.h"
@@ -130,6 +131,9 @@ StatusOr<v1::Job> Coordinator::Submit(const std::string& recipe_yaml, const std:
   RecipeParseResult parsed = ParseRecipe(recipe_yaml, source_name.empty() ? "recipe" : source_name);
   if (!parsed.ok()) return InvalidArgument(parsed.ErrorText());
   Recipe recipe = parsed.recipe;
+  if (std::string problem = FitProblem(recipe); !problem.empty()) {
+    return InvalidArgument((source_name.empty() ? std::string("recipe") : source_name) + ": " + problem);
+  }
   LTRAIN_RETURN_IF_ERROR(CheckStateWritable());
   // The id comes from the store: the one write made before the lock, and waited for.
   StatusOr<v1::Job> created =

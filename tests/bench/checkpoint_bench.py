@@ -278,7 +278,7 @@ def main():
     work = tempfile.mkdtemp(prefix="ltrain-checkpoint-bench-", dir=a.dir or os.getcwd())
     data = os.path.join(work, "data")
     inputs = [a.data] if a.data else licence_texts()
-    subprocess.run([a.ltrain, "data", "prepare", "--input", *inputs, "--output", data], check=True,
+    subprocess.run([a.ltrain, "data", "prepare", "--overwrite", "--input", *inputs, "--output", data], check=True,
                    capture_output=True)
     ok = True
     if a.suite in ("all", "save"):

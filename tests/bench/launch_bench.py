@@ -461,7 +461,8 @@ def main():
     os.makedirs(workdir, exist_ok=True)
     texts = [os.path.join(args.data, f) for f in sorted(os.listdir(args.data))] if os.path.isdir(args.data) else [args.data]
     args.token_dir = os.path.join(workdir, "tokens")
-    prepare = subprocess.run([args.ltrain, "data", "prepare", "--quiet", "--input", *texts, "--output", args.token_dir],
+    prepare = subprocess.run([args.ltrain, "data", "prepare", "--quiet", "--overwrite", "--input", *texts, "--output",
+                              args.token_dir],
                              capture_output=True, text=True)
     if prepare.returncode != 0:
         print(f"launch_bench: ltrain data prepare failed: {prepare.stderr.strip()}", flush=True)

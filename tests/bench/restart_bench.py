@@ -94,7 +94,7 @@ def main():
     work = tempfile.mkdtemp(prefix="ltrain-restart-bench-")
     data_dir = os.path.join(work, "data")
     inputs = [args.data] if args.data else licence_texts()
-    subprocess.run([args.ltrain, "data", "prepare", "--input", *inputs, "--output", data_dir], check=True,
+    subprocess.run([args.ltrain, "data", "prepare", "--overwrite", "--input", *inputs, "--output", data_dir], check=True,
                    capture_output=True)
     env = peer_env()
     if args.backend == "gloo":

@@ -36,6 +36,28 @@ LayoutEstimate Estimate(Recipe r, int world) {
   return EstimateLayout(r, *layout);
 }
 
+// A model that cannot fit on its ranks in any layout is refused before it runs, with the plan's figure;
+// one that only needs more ranks than a laptop has is not.
+TEST(LayoutPlanTest, AModelThatCannotFitAnywhereIsNamedWithItsFigures) {
+  Recipe huge = Small();
+  huge.model.d_model = 1048576;
+  huge.model.heads = 1024;
+  huge.model.layers = 1024;
+  const std::string problem = FitProblem(huge);
+  EXPECT_NE(problem.find("cannot train on 1 rank(s) in any layout"), std::string::npos) << problem;
+  EXPECT_NE(problem.find("GiB a rank in its own layout"), std::string::npos) << problem;
+  EXPECT_NE(problem.find("more than any machine has (4096 GiB)"), std::string::npos) << problem;
+  Recipe gpu = Small();
+  gpu.parallel.device = Device::kCuda;
+  gpu.model.d_model = 8192;
+  gpu.model.heads = 64;
+  gpu.model.layers = 80;  // about 70B parameters: 1,040 GiB of training state
+  EXPECT_NE(FitProblem(gpu).find("more than any GPU has (268 GiB)"), std::string::npos) << FitProblem(gpu);
+  gpu.parallel.nproc_per_node = 8;  // 130 GiB a GPU spread over 8
+  EXPECT_EQ(FitProblem(gpu), "");
+  EXPECT_EQ(FitProblem(Small()), "");
+}
+
 TEST(LayoutPlanTest, OneRankHoldsFourBytesAParameterForEachOfWeightsGradientsAndTwoMoments) {
   // gpt2 4 x 64: 256*64 + 32*64 + 4*(12*64^2 + 13*64) + 2*64 = 218,496 parameters.
   const LayoutEstimate e = Estimate(Small(), 1);

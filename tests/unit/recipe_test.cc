@@ -77,6 +77,33 @@ TEST(RecipeTest, JobNamesFollowTheRuleAndABadOneGetsASuggestion) {
   EXPECT_EQ(stem.recipe.name, "my-run");
 }
 
+// A name that begins with '-' or '.' would read as a flag or a hidden folder.
+TEST(RecipeTest, AJobNameMayNotBeginWithADashOrADot) {
+  EXPECT_NE(JobNameProblem("-rf").find("must begin with a letter, digit or '_'"), std::string::npos);
+  EXPECT_NE(JobNameProblem(".hidden"), "");
+  EXPECT_EQ(JobNameProblem("_ok-1.2"), "");
+  EXPECT_EQ(SuggestJobName("-rf"), "rf");
+}
+
+// What errors say stays bounded: a value is quoted shortened, and past kMaxRecipeErrors the rest are
+// counted in one line.
+TEST(RecipeTest, ErrorsAboutAHugeValueOrCountlessKeysStayShort) {
+  const std::string huge(1 << 20, '7');
+  RecipeParseResult big = ParseRecipe(std::string(kGood) + "fault: {hang_timeout_s: '" + huge + "x'}\n", "r.yaml");
+  ASSERT_FALSE(big.ok());
+  EXPECT_LT(big.ErrorText().size(), 400u) << big.ErrorText().substr(0, 400);
+  EXPECT_NE(big.ErrorText().find("(1048577 bytes)"), std::string::npos) << big.ErrorText().substr(0, 400);
+  std::string many = std::string(kGood) + "metrics: {";
+  for (int i = 0; i < 5000; ++i) many += "k" + std::to_string(i) + ": 1, ";
+  many += "tensorboard: false}\n";
+  RecipeParseResult countless = ParseRecipe(many, "r.yaml");
+  ASSERT_FALSE(countless.ok());
+  EXPECT_EQ(countless.errors.size(), kMaxRecipeErrors + 1);
+  EXPECT_NE(countless.errors.back().message.find("and 4900 more error(s) not shown"), std::string::npos)
+      << countless.errors.back().message;
+  EXPECT_LT(countless.ErrorText().size(), 100u * 1000) << "errors do not grow with the keys";
+}
+
 TEST(RecipeTest, YamlRoundTripGivesTheSameRecipe) {
   RecipeParseResult first = ParseRecipe(kGood, "tiny.yaml", {"training.lr=0.00031", "checkpoint.every=5"});
   ASSERT_TRUE(first.ok()) << first.ErrorText();

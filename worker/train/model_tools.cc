@@ -208,6 +208,22 @@ int Export(const ToolArgs& args) {
     std::fprintf(stderr, "ltrain export: %s exists and is not empty; name a new directory\n", output.c_str());
     return 2;
   }
+  // Written beside, then renamed into place: a failed export leaves no half directory. A place that
+  // cannot be written (read-only, another user's) is refused before the checkpoint is read.
+  const std::string partial = output + ".partial-" + std::to_string(::getpid());
+  fs::create_directories(partial, ec);
+  if (ec) {
+    std::fprintf(stderr, "ltrain export: cannot create %s: %s; give --output a folder you can write\n",
+                 partial.c_str(), ec.message().c_str());
+    return 2;
+  }
+  struct RemoveUnlessDone {
+    std::string dir;
+    bool done = false;
+    ~RemoveUnlessDone() {
+      if (!done) RemoveTree(dir);  // not std::filesystem::remove_all: see common/files.h
+    }
+  } cleanup{partial};
   StatusOr<std::unique_ptr<Loaded>> loaded = Load(args.checkpoint, "cpu");
   if (!loaded.ok()) {
     std::fprintf(stderr, "ltrain export: %s\n", loaded.status().message().c_str());
@@ -228,13 +244,6 @@ int Export(const ToolArgs& args) {
     tensors.emplace_back(n.hf, t);
   }
   StatusOr<std::unique_ptr<TextTokenizer>> tokenizer = TokenizerOf(r, args.Get("tokenizer"));
-  // Written beside, then renamed into place: a failed export leaves no half directory.
-  const std::string partial = output + ".partial-" + std::to_string(::getpid());
-  fs::create_directories(partial, ec);
-  if (ec) {
-    std::fprintf(stderr, "ltrain export: cannot create %s: %s\n", partial.c_str(), ec.message().c_str());
-    return 1;
-  }
   const double max_shard = std::stod(args.Get("max-shard-gb", "5")) * 1e9;
   Status s = WriteShards(partial, tensors, max_shard);
   int64_t eos = -1;
@@ -271,10 +280,10 @@ int Export(const ToolArgs& args) {
     if (ec) s = Internal("renaming " + partial + " to " + output + ": " + ec.message());
   }
   if (!s.ok()) {
-    RemoveTree(partial);  // not std::filesystem::remove_all: see common/files.h
-    std::fprintf(stderr, "ltrain export: %s\n", s.message().c_str());
+    std::fprintf(stderr, "ltrain export: %s\n", WithFreeSpace(s.message(), partial).c_str());
     return 1;
   }
+  cleanup.done = true;
   int64_t params = 0;
   for (const auto& [name, t] : tensors) params += t.numel();
   std::printf("exported %s (step %s, %s, %lld parameters) to %s: %s weights, config.json (%s), %s\n",
