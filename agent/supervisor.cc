@@ -60,7 +60,7 @@ std::vector<std::string> TorchrunEnvironment(const v1::StartJobCommand& start, c
       "TORCHELASTIC_RESTART_COUNT=" + std::to_string(start.restart_count()),
       "TORCHELASTIC_MAX_RESTARTS=" + std::to_string(recipe.fault.max_restarts),
       "TORCHELASTIC_RUN_ID=" + start.job_id(),
-      "TORCHELASTIC_USE_AGENT_STORE=False",
+      "TORCHELASTIC_USE_AGENT_STORE=True",
   };
   // As torchrun: one OpenMP thread per rank when several share a node, unless the user says.
   if (local_world > 1 && std::getenv("OMP_NUM_THREADS") == nullptr && !recipe.entrypoint.env.count("OMP_NUM_THREADS")) {

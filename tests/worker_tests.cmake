@@ -12,10 +12,10 @@ if(LTRAIN_BUILD_CONTROL_PLANE)
 endif()
 
 # The ranks' agreement on the step a stop with a final checkpoint ends after (a fake store), and
-# the arguments and progress lines of a program run by ltrain-exec and its store relay; TensorBoard's
+# the arguments and progress lines of a program run by ltrain-exec and the c10d store it hosts; TensorBoard's
 # event records; milliseconds.
 ltrain_add_test(checkpoint_stop_test unit
-  SOURCES unit/checkpoint_stop_test.cc unit/run_program_test.cc unit/tcp_relay_test.cc
+  SOURCES unit/checkpoint_stop_test.cc unit/run_program_test.cc unit/tcp_store_test.cc
   LIBS ltrain::worker_control)
 if(TARGET ltrain_test_support)
   ltrain_add_test(tensorboard_events_test unit

@@ -203,7 +203,7 @@ TEST_F(SupervisorTest, AProgramRunsUnderExecWithTorchrunsEnvironment) {
                       "RANK=3", "LOCAL_RANK=1", "WORLD_SIZE=4", "LOCAL_WORLD_SIZE=2", "GROUP_RANK=1",
                       "GROUP_WORLD_SIZE=2", "ROLE_NAME=default", "ROLE_RANK=3", "ROLE_WORLD_SIZE=4",
                       "TORCHELASTIC_RESTART_COUNT=2", "TORCHELASTIC_MAX_RESTARTS=5", "TORCHELASTIC_RUN_ID=j1",
-                      "TORCHELASTIC_USE_AGENT_STORE=False"}));
+                      "TORCHELASTIC_USE_AGENT_STORE=True"}));
   for (const std::string& entry : spec.env) EXPECT_NE(entry, "OMP_NUM_THREADS=1") << "the recipe set 4";
   EXPECT_NE(std::find(spec.env.begin(), spec.env.end(), "LTRAIN_RANK=3"), spec.env.end());
 }

@@ -28,7 +28,7 @@
 #include "common/worker_exit.h"
 #include "worker/control/progress_reporter.h"
 #include "worker/control/rendezvous_store.h"
-#include "worker/control/tcp_relay.h"
+#include "worker/control/tcp_store.h"
 #include "worker/control/worker_env.h"
 
 extern char** environ;
@@ -77,10 +77,7 @@ std::optional<std::string> ParsePhase(std::string_view text) {
 
 std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
 
-// "ADDR:PORT" with a port free on `bind_addr` now. Like torchrun, the port is closed again before
-// the program binds it; another process may take it in between (rare: the kernel hands out
-// ephemeral ports in turn).
-// Where rank 0 listens for `bind_addr`, and the address the other ranks are given for it.
+// Where rank 0's store listens for `bind_addr`, and the address the other ranks are given for it.
 struct ListenAddress {
   std::string host;
   std::string advertised;
@@ -90,40 +87,6 @@ ListenAddress ListenAddressFor(const std::string& bind_addr) {
   if (bind_addr.empty() || bind_addr == "0.0.0.0") return {"0.0.0.0", "127.0.0.1"};
   if (bind_addr == "::") return {"::", "::1"};
   return {bind_addr, bind_addr};
-}
-
-StatusOr<std::string> PickMasterEndpoint(const std::string& bind_addr) {
-  const auto [host, advertised] = ListenAddressFor(bind_addr);
-  addrinfo hints{};
-  hints.ai_family = AF_UNSPEC;
-  hints.ai_socktype = SOCK_STREAM;
-  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
-  addrinfo* found = nullptr;
-  if (int rc = getaddrinfo(host.c_str(), "0", &hints, &found); rc != 0) {
-    return Unavailable("LTRAIN_BIND_ADDR=" + bind_addr + " does not resolve: " + gai_strerror(rc));
-  }
-  std::unique_ptr<addrinfo, decltype(&freeaddrinfo)> owner(found, freeaddrinfo);
-  std::string last_error = "no address";
-  for (addrinfo* a = found; a != nullptr; a = a->ai_next) {
-    int fd = socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) {
-      last_error = Errno("socket");
-      continue;
-    }
-    sockaddr_storage bound{};
-    socklen_t length = sizeof(bound);
-    if (bind(fd, a->ai_addr, a->ai_addrlen) != 0 ||
-        getsockname(fd, reinterpret_cast<sockaddr*>(&bound), &length) != 0) {
-      last_error = Errno("bind");
-      close(fd);
-      continue;
-    }
-    close(fd);
-    const int port = bound.ss_family == AF_INET6 ? ntohs(reinterpret_cast<sockaddr_in6*>(&bound)->sin6_port)
-                                                 : ntohs(reinterpret_cast<sockaddr_in*>(&bound)->sin_port);
-    return advertised + ":" + std::to_string(port);
-  }
-  return Unavailable("no free TCP port on LTRAIN_BIND_ADDR=" + bind_addr + ": " + last_error);
 }
 
 struct MasterEndpoint {
@@ -139,37 +102,32 @@ StatusOr<MasterEndpoint> SplitEndpoint(const std::string& endpoint) {
   return MasterEndpoint{endpoint.substr(0, colon), endpoint.substr(colon + 1)};
 }
 
-// This rank's MASTER_ADDR:MASTER_PORT, agreed through the generation's rendezvous store (one rank
-// alone needs none). Rank 0's program gets a free port of its own; the others get the port of a
-// relay to it (tcp_relay.h), which rank 0 starts in `relay` and publishes. Blocks until rank 0 has.
-StatusOr<MasterEndpoint> AgreeOnMaster(const WorkerEnv& env, std::unique_ptr<TcpRelay>& relay) {
-  if (env.rdzv.empty()) {
-    LTRAIN_ASSIGN_OR_RETURN(std::string endpoint, PickMasterEndpoint(env.bind_addr));
-    return SplitEndpoint(endpoint);
+// This rank's MASTER_ADDR:MASTER_PORT, agreed through the generation's rendezvous store: rank 0
+// starts the job's TCPStore (tcp_store.h) in `store_server`, listening before anyone is told its
+// port, and publishes it; every rank, rank 0 too, is a client of it (TORCHELASTIC_USE_AGENT_STORE=True,
+// as under torchrun). One rank alone (no rendezvous) hosts it for itself. Blocks until rank 0 has.
+StatusOr<MasterEndpoint> AgreeOnMaster(const WorkerEnv& env, std::unique_ptr<TcpStoreServer>& store_server) {
+  if (env.rank == 0) {
+    const ListenAddress listen = ListenAddressFor(env.bind_addr);
+    LTRAIN_ASSIGN_OR_RETURN(store_server, TcpStoreServer::Listen(listen.host));
+    store_server->Start();
+    const std::string published = listen.advertised + ":" + std::to_string(store_server->port());
+    if (!env.rdzv.empty() && env.world_size > 1) {
+      LTRAIN_ASSIGN_OR_RETURN(std::shared_ptr<gloo::rendezvous::Store> store,
+                              ConnectRendezvousStore(env.rdzv, env.rdzv_scope, env.agent_secret));
+      try {
+        store->set(kMasterKey, std::vector<char>(published.begin(), published.end()));
+      } catch (const std::exception& e) {
+        return Unavailable(std::string("rendezvous ") + env.rdzv + " (scope " + env.rdzv_scope + "): " + e.what());
+      }
+    }
+    return SplitEndpoint(published);
   }
+  if (env.rdzv.empty()) return InvalidArgument("rank " + std::to_string(env.rank) + " has no rendezvous (LTRAIN_RDZV)");
   LTRAIN_ASSIGN_OR_RETURN(std::shared_ptr<gloo::rendezvous::Store> store,
                           ConnectRendezvousStore(env.rdzv, env.rdzv_scope, env.agent_secret));
   std::string endpoint;
   try {
-    if (env.rank == 0) {
-      LTRAIN_ASSIGN_OR_RETURN(std::string picked, PickMasterEndpoint(env.bind_addr));
-      LTRAIN_ASSIGN_OR_RETURN(MasterEndpoint own, SplitEndpoint(picked));
-      std::string published = picked;
-      if (env.world_size > 1) {
-        const ListenAddress listen = ListenAddressFor(env.bind_addr);
-        StatusOr<std::unique_ptr<TcpRelay>> started = TcpRelay::Listen(listen.host);
-        if (started.ok()) {
-          relay = std::move(*started);
-          relay->Start(own.addr, std::stoi(own.port));
-          published = listen.advertised + ":" + std::to_string(relay->port());
-        } else {
-          std::fprintf(stderr, "ltrain-exec: no relay for MASTER_PORT (%s); the other ranks connect directly\n",
-                       started.status().message().c_str());
-        }
-      }
-      store->set(kMasterKey, std::vector<char>(published.begin(), published.end()));
-      return own;
-    }
     store->wait({kMasterKey}, kMasterTimeout);
     std::vector<char> value = store->get(kMasterKey);
     endpoint.assign(value.begin(), value.end());
@@ -751,8 +709,8 @@ int RunProgram(const ExecArgs& exec) {
                  "where the ranks agree on MASTER_ADDR:MASTER_PORT\n", env->world_size);
     return kWorkerExitUsage;
   }
-  std::unique_ptr<TcpRelay> store_relay;  // rank 0's, until the program ends
-  StatusOr<MasterEndpoint> master = AgreeOnMaster(*env, store_relay);
+  std::unique_ptr<TcpStoreServer> store_server;  // rank 0's, until the program ends
+  StatusOr<MasterEndpoint> master = AgreeOnMaster(*env, store_server);
   if (!master.ok()) {
     std::fprintf(stderr, "ltrain-exec: rank %d: no MASTER_ADDR:MASTER_PORT: %s\n", env->rank,
                  master.status().message().c_str());
