@@ -38,6 +38,7 @@ struct CoordinatorArgs {
   double retain_days = 30;
   double state_max_mb = 0;
   std::string init_tls;
+  std::string etcd_ca, etcd_cert, etcd_key, etcd_user, etcd_password_file;
   std::vector<std::string> tls_hosts = {"localhost", "127.0.0.1"};
 };
 
@@ -191,7 +192,28 @@ int RunCoordinator(const CoordinatorArgs& args, const SecurityMaterial& given) {
                            "CLI are given every coordinator's HOST:PORT and reach whichever leads\n");
       return kExitInvalid;
     }
-    StatusOr<std::unique_ptr<launcher::EtcdClient>> client = launcher::EtcdClient::Connect(url->endpoints);
+    StatusOr<launcher::EtcdSecurity> etcd_security = launcher::LoadEtcdSecurity(
+        args.etcd_ca, args.etcd_cert, args.etcd_key, args.etcd_user, args.etcd_password_file);
+    if (!etcd_security.ok()) {
+      std::fprintf(stderr, "ltrain coordinator: %s\n", etcd_security.status().message().c_str());
+      return kExitInvalid;
+    }
+    if (etcd_security->ca_pem.empty()) {
+      for (const std::string& endpoint : url->endpoints) {
+        if (IsLoopbackAddress(endpoint)) continue;
+        if (!security.insecure) {
+          std::fprintf(stderr, "ltrain coordinator: etcd at %s is beyond loopback, and --etcd-ca is not given: every "
+                               "job's record would cross the network in clear text. Give --etcd-ca (and --etcd-cert, "
+                               "--etcd-key for its --client-cert-auth), or pass --insecure on a network you trust\n",
+                       endpoint.c_str());
+          return kExitInvalid;
+        }
+        LTRAIN_LOG(kWarning, "coordinator") << "etcd at " << endpoint << " is reached in clear text (--insecure)";
+        break;
+      }
+    }
+    StatusOr<std::unique_ptr<launcher::EtcdClient>> client =
+        launcher::EtcdClient::Connect(url->endpoints, 10000, *etcd_security, url->prefix + "/leader");
     if (!client.ok()) {
       std::fprintf(stderr, "ltrain coordinator: %s\n", client.status().message().c_str());
       return kExitUnavailable;
@@ -276,6 +298,12 @@ void AddCoordinatorCommand(CLI::App& app, CommandContext& ctx) {
                   "etcd://HOST:PORT[,HOST:PORT...][/PREFIX]. Several coordinators on one such state elect a leader; "
                   "the others stand by and take over within seconds when it dies. Give each a fixed --listen port "
                   "and give agents and the CLI every coordinator's address: --coordinator HOST:PORT,HOST:PORT");
+  cmd->add_option("--etcd-ca", args->etcd_ca, "With --state etcd://: the CA of the etcd members' certificates: TLS");
+  cmd->add_option("--etcd-cert", args->etcd_cert,
+                  "With --state etcd://: this coordinator's client certificate, for etcd's --client-cert-auth");
+  cmd->add_option("--etcd-key", args->etcd_key, "The key of --etcd-cert");
+  cmd->add_option("--etcd-user", args->etcd_user, "With --state etcd://: the etcd user to authenticate as");
+  cmd->add_option("--etcd-password-file", args->etcd_password_file, "The file that holds --etcd-user's password");
   cmd->add_option("--port-file", args->port_file, "Write the chosen port here once listening");
   cmd->add_option("--http-listen", args->http_listen,
                   "HOST:PORT to serve the dashboard and GET /metrics on (Prometheus' text format); port 0 picks a "

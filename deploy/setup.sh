@@ -27,7 +27,7 @@ if [[ "${1:-}" == "--tests" ]]; then
              sentencepiece         # spm_train: the SentencePiece test's model
              python3-torch         # `ltrain run`: a DDP script over Gloo, as torchrun would run it
              chromium              # the dashboard, read by a headless browser
-             etcd-server           # several coordinators on one etcd state (--state etcd://...)
+             etcd-server etcd-client   # several coordinators on one etcd state (--state etcd://...), its TLS and users
              dpkg-dev)             # dpkg-shlibdeps: the Debian package's dependencies (cpack)
 fi
 

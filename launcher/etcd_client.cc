@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <chrono>
 #include <thread>
+#include <tuple>
 
 #include <grpcpp/grpcpp.h>
 
+#include "common/files.h"
 #include "common/strings.h"
 
 namespace ltrain::launcher {
@@ -51,7 +53,44 @@ std::string PrefixEnd(const std::string& prefix) {
   return std::string(1, '\0');  // every key
 }
 
-EtcdClient::EtcdClient(std::vector<std::string> endpoints) : endpoints_(std::move(endpoints)) {
+StatusOr<EtcdSecurity> LoadEtcdSecurity(const std::string& ca, const std::string& cert, const std::string& key,
+                                        const std::string& user, const std::string& password_file) {
+  EtcdSecurity security;
+  for (auto [path, flag, out] : {std::tuple{&ca, "--etcd-ca", &security.ca_pem},
+                                 std::tuple{&cert, "--etcd-cert", &security.cert_pem},
+                                 std::tuple{&key, "--etcd-key", &security.key_pem},
+                                 std::tuple{&password_file, "--etcd-password-file", &security.password}}) {
+    if (path->empty()) continue;
+    StatusOr<std::string> text = ReadFileText(*path);
+    if (!text.ok()) return InvalidArgument(std::string(flag) + ": " + text.status().message());
+    *out = std::move(*text);
+  }
+  while (!security.password.empty() && (security.password.back() == '\n' || security.password.back() == '\r')) {
+    security.password.pop_back();
+  }
+  if (security.cert_pem.empty() != security.key_pem.empty()) {
+    return InvalidArgument("--etcd-cert and --etcd-key go together (etcd's --client-cert-auth asks for both)");
+  }
+  if (!security.cert_pem.empty() && security.ca_pem.empty()) {
+    return InvalidArgument("--etcd-cert needs --etcd-ca: a client certificate goes only over TLS");
+  }
+  if (user.empty() != password_file.empty()) {
+    return InvalidArgument("--etcd-user and --etcd-password-file go together");
+  }
+  security.user = user;
+  return security;
+}
+
+EtcdClient::EtcdClient(std::vector<std::string> endpoints, EtcdSecurity security)
+    : endpoints_(std::move(endpoints)), security_(std::move(security)) {
+  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
+  if (!security_.ca_pem.empty()) {
+    grpc::SslCredentialsOptions ssl;
+    ssl.pem_root_certs = security_.ca_pem;
+    ssl.pem_cert_chain = security_.cert_pem;
+    ssl.pem_private_key = security_.key_pem;
+    credentials = grpc::SslCredentials(ssl);
+  }
   for (const std::string& endpoint : endpoints_) {
     grpc::ChannelArguments args;
     // A member that went away is tried again soon, and a dead host costs a connect of 2 s, not 20.
@@ -61,29 +100,56 @@ EtcdClient::EtcdClient(std::vector<std::string> endpoints) : endpoints_(std::mov
     args.SetMaxReceiveMessageSize(64 << 20);
     Member member;
     member.endpoint = endpoint;
-    member.channel = grpc::CreateCustomChannel(endpoint, grpc::InsecureChannelCredentials(), args);
+    member.channel = grpc::CreateCustomChannel(endpoint, credentials, args);
     member.kv = etcdserverpb::KV::NewStub(member.channel);
     member.lease = etcdserverpb::Lease::NewStub(member.channel);
+    member.auth = etcdserverpb::Auth::NewStub(member.channel);
     members_.push_back(std::move(member));
   }
 }
 
-StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Connect(const std::vector<std::string>& endpoints, int64_t timeout_ms) {
+StatusOr<std::unique_ptr<EtcdClient>> EtcdClient::Connect(const std::vector<std::string>& endpoints, int64_t timeout_ms,
+                                                          const EtcdSecurity& security, const std::string& probe_key) {
   if (endpoints.empty()) return InvalidArgument("no etcd endpoint given");
   // Fresh channels for each try: a connection made while a member was still starting can hang
   // until gRPC's connect timeout (20 s) even after the member serves.
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::milliseconds(timeout_ms);
   while (true) {
-    std::unique_ptr<EtcdClient> client(new EtcdClient(endpoints));
+    std::unique_ptr<EtcdClient> client(new EtcdClient(endpoints, security));
     const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(give_up - std::chrono::steady_clock::now());
     client->set_call_timeout_ms(std::clamp<int64_t>(left.count(), 1, 3000));
-    StatusOr<etcdserverpb::RangeResponse> probe = client->Range("ltrain-probe");
+    StatusOr<etcdserverpb::RangeResponse> probe = client->Range(probe_key);
     if (probe.ok()) {
       client->set_call_timeout_ms(5000);
       return client;
     }
+    // A refusal is said now: trying again would be refused the same way.
+    if (probe.status().code() != StatusCode::kUnavailable) return probe.status();
     if (std::chrono::steady_clock::now() >= give_up) return probe.status();
   }
+}
+
+void EtcdClient::Prepare(grpc::ClientContext& context, std::chrono::system_clock::time_point deadline) {
+  context.set_deadline(deadline);
+  if (security_.user.empty()) return;
+  std::lock_guard<std::mutex> lock(token_mu_);
+  if (!token_.empty()) context.AddMetadata("token", token_);
+}
+
+grpc::Status EtcdClient::Authenticate(Member& member, std::chrono::system_clock::time_point deadline) {
+  if (security_.user.empty()) return grpc::Status::OK;
+  grpc::ClientContext context;
+  context.set_deadline(deadline);
+  etcdserverpb::AuthenticateRequest request;
+  request.set_name(security_.user);
+  request.set_password(security_.password);
+  etcdserverpb::AuthenticateResponse response;
+  grpc::Status status = member.auth->Authenticate(&context, request, &response);
+  if (status.ok()) {
+    std::lock_guard<std::mutex> lock(token_mu_);
+    token_ = response.token();
+  }
+  return status;
 }
 
 template <typename Call>
@@ -99,7 +165,20 @@ Status EtcdClient::WithFailover(const char* what, Call call) {
     const auto slice = std::min<std::chrono::steady_clock::duration>(left, std::chrono::seconds(2));
     const Deadline deadline = std::chrono::system_clock::now() +
                               std::chrono::duration_cast<std::chrono::system_clock::duration>(slice);
-    last = call(member, deadline);
+    // With a user: a token first, and again when etcd no longer takes it (it expired, or the
+    // member that made it restarted).
+    bool authenticated = false;
+    {
+      std::lock_guard<std::mutex> lock(token_mu_);
+      authenticated = security_.user.empty() || !token_.empty();
+    }
+    last = authenticated ? call(member, deadline) : Authenticate(member, deadline);
+    if (authenticated && last.error_code() == grpc::StatusCode::UNAUTHENTICATED && !security_.user.empty()) {
+      last = Authenticate(member, deadline);
+      if (last.ok()) last = call(member, deadline);
+    } else if (!authenticated && last.ok()) {
+      last = call(member, deadline);
+    }
     last_endpoint = member.endpoint;
     if (last.ok()) return Status::Ok();
     const bool member_trouble = last.error_code() == grpc::StatusCode::UNAVAILABLE ||
@@ -126,7 +205,7 @@ StatusOr<Response> EtcdClient::Unary(const char* what, Rpc rpc) {
   Response response;
   LTRAIN_RETURN_IF_ERROR(WithFailover(what, [&](Member& member, Deadline deadline) {
     grpc::ClientContext context;
-    context.set_deadline(deadline);
+    Prepare(context, deadline);
     response.Clear();
     return rpc(member, &context, &response);
   }));
@@ -181,7 +260,7 @@ StatusOr<int64_t> EtcdClient::LeaseKeepAlive(int64_t lease_id) {
   etcdserverpb::LeaseKeepAliveResponse response;
   LTRAIN_RETURN_IF_ERROR(WithFailover("a lease renewal", [&](Member& member, Deadline deadline) {
     grpc::ClientContext context;
-    context.set_deadline(deadline);
+    Prepare(context, deadline);
     auto stream = member.lease->LeaseKeepAlive(&context);
     etcdserverpb::LeaseKeepAliveRequest request;
     request.set_id(lease_id);

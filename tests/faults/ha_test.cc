@@ -34,10 +34,11 @@ std::string EtcdBinary() {
   return "";
 }
 
-// `members` etcd processes forming one cluster on loopback.
+// `members` etcd processes forming one cluster on loopback; with `tls` (a folder of `ltrain
+// coordinator --init-tls`), clients speak TLS and must show a certificate of its CA.
 class EtcdCluster {
  public:
-  EtcdCluster(const TempDir& dir, int members) {
+  EtcdCluster(const TempDir& dir, int members, const std::string& tls = "") : tls_(tls) {
     std::string initial;
     for (int i = 0; i < members; ++i) {
       client_ports_.push_back(FreePort());
@@ -45,12 +46,18 @@ class EtcdCluster {
       initial += (i ? "," : "") + Name(i) + "=http://127.0.0.1:" + std::to_string(peer_ports_[i]);
     }
     for (int i = 0; i < members; ++i) {
-      const std::string client = "http://127.0.0.1:" + std::to_string(client_ports_[i]);
+      const std::string client = (tls.empty() ? "http" : "https") + std::string("://127.0.0.1:") +
+                                 std::to_string(client_ports_[i]);
       const std::string peer = "http://127.0.0.1:" + std::to_string(peer_ports_[i]);
-      processes_.push_back(std::make_unique<Subprocess>(std::vector<std::string>{
+      std::vector<std::string> argv = {
           EtcdBinary(), "--name", Name(i), "--data-dir", dir.Join(Name(i)), "--listen-client-urls", client,
           "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-          "--initial-cluster", initial, "--initial-cluster-state", "new", "--initial-cluster-token", dir.path()}));
+          "--initial-cluster", initial, "--initial-cluster-state", "new", "--initial-cluster-token", dir.path()};
+      if (!tls.empty()) {
+        argv.insert(argv.end(), {"--cert-file", tls + "/server.pem", "--key-file", tls + "/server.key",
+                                 "--trusted-ca-file", tls + "/ca.pem", "--client-cert-auth"});
+      }
+      processes_.push_back(std::make_unique<Subprocess>(argv));
     }
   }
   // Every member serves clients (what a deployment has before coordinators start).
@@ -71,6 +78,16 @@ class EtcdCluster {
     return url;
   }
   std::vector<std::string> Endpoints() const { return launcher::ParseEtcdUrl(Url()).value().endpoints; }
+  // etcdctl against the cluster (over its TLS, with a client certificate), as `user` when given.
+  ProcessResult Ctl(std::vector<std::string> args, const std::string& user = "") const {
+    std::string endpoints;
+    for (const std::string& e : Endpoints()) endpoints += (endpoints.empty() ? "" : ",") + ("https://" + e);
+    std::vector<std::string> argv = {"/usr/bin/etcdctl", "--endpoints", endpoints, "--cacert", tls_ + "/ca.pem",
+                                     "--cert", tls_ + "/client.pem", "--key", tls_ + "/client.key"};
+    if (!user.empty()) argv.insert(argv.end(), {"--user", user});
+    argv.insert(argv.end(), args.begin(), args.end());
+    return RunProcess(argv, {{"ETCDCTL_API", "3"}}, seconds(30));
+  }
   Subprocess& member(int i) { return *processes_[i]; }
   std::string Output() const {
     std::string all;
@@ -80,6 +97,7 @@ class EtcdCluster {
 
  private:
   static std::string Name(int i) { return "m" + std::to_string(i); }
+  std::string tls_;
   std::vector<int> client_ports_, peer_ports_;
   std::vector<std::unique_ptr<Subprocess>> processes_;
 };
@@ -245,6 +263,76 @@ TEST_F(EtcdTest, OneLeadsTheOtherStandsByAndAnOldLeaderCannotWrite) {
   EXPECT_EQ(refused.code(), StatusCode::kFailedPrecondition) << refused.message();
   EXPECT_NE(fenced_why.find("10.0.0.2:7070"), std::string::npos) << fenced_why;
   EXPECT_EQ(old_leader.CreateJob("b", "name: b\n", 1, 1).status().code(), StatusCode::kFailedPrecondition);
+}
+
+// etcd with TLS, client certificates (--client-cert-auth) and authentication: the coordinator reaches
+// it with --etcd-ca/--etcd-cert/--etcd-key and a user's password, keeps a job there, and is refused
+// (exit 3, saying why) without its certificate or with a wrong password; beyond loopback without TLS
+// it does not start (exit 2).
+TEST_F(EtcdTest, TheStateGoesToEtcdOverTlsWithAClientCertificateAndAUser) {
+  ASSERT_EQ(access("/usr/bin/etcdctl", X_OK), 0) << "etcdctl is not installed: apt-get install etcd-client "
+                                                    "(deploy/setup.sh --tests)";
+  const std::string tls = dir_.Join("tls");
+  ProcessResult made = RunProcess({LtrainBinary(), "coordinator", "--init-tls", tls, "--tls-hosts", "127.0.0.1", "localhost"});
+  ASSERT_EQ(made.exit_code, 0) << made.output;
+  EtcdCluster etcd(dir_, 1, tls);
+  ASSERT_TRUE(etcd.WaitReady()) << etcd.Output();
+  // A user of its own with read and write under the deployment's prefix, then authentication on.
+  for (const std::vector<std::string>& step : std::vector<std::vector<std::string>>{
+           {"user", "add", "root", "--new-user-password=root-secret"},
+           {"user", "grant-role", "root", "root"},
+           {"role", "add", "ltrain"},
+           {"role", "grant-permission", "ltrain", "--prefix=true", "readwrite", "tls-test"},
+           {"user", "add", "ltrain", "--new-user-password=ltrain-secret"},
+           {"user", "grant-role", "ltrain", "ltrain"},
+           {"auth", "enable"}}) {
+    ProcessResult done = etcd.Ctl(step);
+    ASSERT_EQ(done.exit_code, 0) << done.output << etcd.Output();
+  }
+  const std::map<std::string, std::string> env = {{"LTRAIN_HOME", dir_.Join("home")},
+                                                  {"LTRAIN_TOKEN_FILE", tls + "/token"}};
+  const std::string password = dir_.Write("etcd-password", "ltrain-secret\n");
+  const std::string address = "127.0.0.1:" + std::to_string(FreePort());
+  const std::vector<std::string> base = {LtrainBinary(), "coordinator", "--listen", address, "--state",
+                                         etcd.Url() + "/tls-test", "--state-dir", dir_.Join("state"), "--port-file",
+                                         dir_.Join("port"), "--etcd-ca", tls + "/ca.pem"};
+  auto with = [&](std::vector<std::string> extra) {
+    std::vector<std::string> argv = base;
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return argv;
+  };
+  const std::vector<std::string> certificate = {"--etcd-cert", tls + "/client.pem", "--etcd-key", tls + "/client.key"};
+  const std::vector<std::string> user = {"--etcd-user", "ltrain", "--etcd-password-file", password};
+
+  std::vector<std::string> no_certificate = with(user);
+  ProcessResult refused = RunProcess(no_certificate, env, seconds(60));
+  EXPECT_EQ(refused.exit_code, 3) << refused.output;
+  const std::string wrong = dir_.Write("wrong-password", "not-it\n");
+  std::vector<std::string> bad_password = with(certificate);
+  bad_password.insert(bad_password.end(), {"--etcd-user", "ltrain", "--etcd-password-file", wrong});
+  ProcessResult denied = RunProcess(bad_password, env, seconds(60));
+  EXPECT_EQ(denied.exit_code, 3) << denied.output;
+  EXPECT_NE(denied.output.find("authentication failed"), std::string::npos) << denied.output;
+  ProcessResult clear = RunProcess({LtrainBinary(), "coordinator", "--listen", address, "--state",
+                                    "etcd://10.255.255.1:2379", "--state-dir", dir_.Join("state")},
+                                   env, seconds(30));
+  EXPECT_EQ(clear.exit_code, 2) << clear.output;
+  EXPECT_NE(clear.output.find("is beyond loopback, and --etcd-ca is not given"), std::string::npos) << clear.output;
+
+  std::vector<std::string> good = with(certificate);
+  good.insert(good.end(), user.begin(), user.end());
+  Subprocess coordinator(good, env);
+  ASSERT_GT(WaitForPortFile(dir_.Join("port"), seconds(30)), 0) << coordinator.Output() << etcd.Output();
+  const std::string recipe = dir_.Write("r.yaml", "name: r\ndata: {path: /nonexistent}\ntraining: {steps: 1}\n");
+  ProcessResult submitted = RunProcess({LtrainBinary(), "launch", "--coordinator", address, recipe, "--detach"}, env);
+  ASSERT_EQ(submitted.exit_code, 0) << submitted.output << coordinator.Output();
+  ProcessResult stored = etcd.Ctl({"get", "--prefix", "--keys-only", "tls-test/jobs/"}, "root:root-secret");
+  EXPECT_EQ(stored.exit_code, 0) << stored.output;
+  EXPECT_NE(stored.output.find("r-1"), std::string::npos) << "the job is kept in etcd\n" << stored.output;
+  ProcessResult anonymous = etcd.Ctl({"get", "--prefix", "tls-test/"});
+  EXPECT_NE(anonymous.exit_code, 0) << "without a user etcd gives nothing\n" << anonymous.output;
+  coordinator.Signal(SIGTERM);
+  EXPECT_EQ(coordinator.Wait(seconds(10)).exit_code, 0) << coordinator.Output();
 }
 
 // The acceptance drill: three etcd members, two coordinators, one agent and a CPU job.
