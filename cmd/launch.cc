@@ -11,6 +11,7 @@
 #include "cmd/run_job.h"
 #include "common/checkpoint_manifest.h"
 #include "common/data_prepare.h"
+#include "common/layout_plan.h"
 #include "common/recipe.h"
 #include "common/slurm.h"
 
@@ -110,6 +111,11 @@ int Launch(const LaunchArgs& args, const SecurityMaterial& security) {
   RecipeParseResult parsed = LoadRecipeFile(args.recipe, args.sets);
   if (!parsed.ok()) {
     std::fprintf(stderr, "%s", parsed.ErrorText().c_str());
+    return kExitInvalid;
+  }
+  // Said before anything starts (a standalone launch's control plane, a submission).
+  if (std::string problem = FitProblem(parsed.recipe); !problem.empty()) {
+    std::fprintf(stderr, "%s: %s\n", args.recipe.c_str(), problem.c_str());
     return kExitInvalid;
   }
   return SubmitRecipe(parsed.recipe, args.recipe, args.slurm, args.run, security);

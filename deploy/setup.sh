@@ -28,6 +28,7 @@ if [[ "${1:-}" == "--tests" ]]; then
              python3-torch         # `ltrain run`: a DDP script over Gloo, as torchrun would run it
              chromium              # the dashboard, read by a headless browser
              etcd-server etcd-client   # several coordinators on one etcd state (--state etcd://...), its TLS and users
+             curl sqlite3          # the security suite: HTTPS to the dashboard, reading state.db as another user
              dpkg-dev)             # dpkg-shlibdeps: the Debian package's dependencies (cpack)
 fi
 
