@@ -390,6 +390,41 @@ TEST(CliTest, TheCoordinatorLogsTheAddressItListensOn) {
 // A coordinator started without a token makes one in its state directory (0600) and says where, never
 // what; this user's commands with that directory as $LTRAIN_HOME read it by default, and a client
 // without it is refused. The next start keeps the same token.
+// The README's cluster block, as written, in a copy of the repository's layout (build/cmd, recipes/,
+// the quickstart's data) with a home of its own and a free port for 7070: a coordinator over TLS with
+// a token, an agent and a launch that succeeds.
+TEST(CliTest, TheReadmesClusterBlockRunsAsWritten) {
+  std::ifstream in(SourceDir() + "/README.md");
+  std::stringstream buffer;
+  buffer << in.rdbuf();
+  const std::string readme = buffer.str();
+  const size_t begin = readme.find("<!-- cluster block");
+  const size_t end = readme.find("<!-- end of cluster block -->");
+  ASSERT_NE(begin, std::string::npos);
+  ASSERT_NE(end, std::string::npos);
+  std::string block = readme.substr(begin, end - begin);
+  block = block.substr(block.find("```sh\n") + 6);
+  block = block.substr(0, block.find("```"));
+  ASSERT_NE(block.find("--tls-cert"), std::string::npos) << block;
+  TempDir dir;
+  const std::string port = std::to_string(FreePort());
+  for (size_t at; (at = block.find("7070")) != std::string::npos;) block.replace(at, 4, port);
+  fs::create_directories(dir.Join("repo/build/data"));
+  fs::create_directories(dir.Join("repo/recipes"));
+  fs::create_directory_symlink(fs::path(LtrainBinary()).parent_path(), dir.Join("repo/build/cmd"));
+  fs::copy_file(SourceDir() + "/recipes/quickstart.yaml", dir.Join("repo/recipes/quickstart.yaml"));
+  ProcessResult prepared = PrepareLicenseData(dir.Join("repo/build/data/licenses"));
+  ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
+  const std::string script = dir.Write("cluster.sh", "set -e\ntrap 'kill $(jobs -p) 2>/dev/null' EXIT\ncd " +
+                                                         dir.Join("repo") + "\n" + block);
+  ProcessResult ran = RunProcess({"/bin/bash", script}, {{"HOME", dir.Join("home")}, {"LTRAIN_HOME", ""},
+                                                         {"OMP_NUM_THREADS", "1"}},
+                                 std::chrono::seconds(300));
+  EXPECT_EQ(ran.exit_code, 0) << block << "\n" << ran.output;
+  EXPECT_NE(ran.output.find("job SUCCEEDED"), std::string::npos) << ran.output;
+  EXPECT_TRUE(fs::exists(dir.Join("home/.ltrain/tls/token")));
+}
+
 TEST(CliTest, ACoordinatorWithoutATokenMakesOneThatItsUsersCommandsRead) {
   TempDir dir;
   const std::map<std::string, std::string> home = {{"LTRAIN_HOME", dir.Join("home")}};
