@@ -264,18 +264,20 @@ StatusOr<std::string> ListTarget(const std::string& target, grpc::ChannelArgumen
   return list;
 }
 
+std::shared_ptr<grpc::ChannelCredentials> ClientCredentials(const std::string& ca_pem, const std::string& cert_pem,
+                                                            const std::string& key_pem) {
+  if (ca_pem.empty()) return grpc::InsecureChannelCredentials();
+  grpc::SslCredentialsOptions ssl;
+  ssl.pem_root_certs = ca_pem;
+  ssl.pem_cert_chain = cert_pem;
+  ssl.pem_private_key = key_pem;
+  return grpc::SslCredentials(ssl);
+}
+
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& given, const SecurityMaterial& security,
                                            grpc::ChannelArguments args) {
-  std::shared_ptr<grpc::ChannelCredentials> credentials;
-  if (!security.ca_pem.empty()) {
-    grpc::SslCredentialsOptions ssl;
-    ssl.pem_root_certs = security.ca_pem;
-    ssl.pem_cert_chain = security.cert_pem;
-    ssl.pem_private_key = security.key_pem;
-    credentials = grpc::SslCredentials(ssl);
-  } else {
-    credentials = grpc::InsecureChannelCredentials();
-  }
+  std::shared_ptr<grpc::ChannelCredentials> credentials =
+      ClientCredentials(security.ca_pem, security.cert_pem, security.key_pem);
   // Control-plane messages are small and steady: no bandwidth-delay probes (a ping after each).
   args.SetInt(GRPC_ARG_HTTP2_BDP_PROBE, 0);
   StatusOr<std::string> listed = ListTarget(given, &args);

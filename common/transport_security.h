@@ -69,6 +69,10 @@ StatusOr<std::string> ListTarget(const std::string& target, grpc::ChannelArgumen
 // `args`: more channel arguments (a connection of its own, say).
 std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const SecurityMaterial& security,
                                            grpc::ChannelArguments args = {});
+// A client's credentials: TLS against `ca_pem` (with its own certificate where `cert_pem` is given,
+// for mutual TLS), or plaintext without a CA.
+std::shared_ptr<grpc::ChannelCredentials> ClientCredentials(const std::string& ca_pem, const std::string& cert_pem,
+                                                            const std::string& key_pem);
 // Why a call to `target` that failed with UNAVAILABLE failed when something does accept TCP
 // connections there (checked within a second): the two ends disagree on TLS, said with the fix
 // for the client's side (`security` is what it used). "" when nothing listens there: the

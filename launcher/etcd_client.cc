@@ -9,6 +9,7 @@
 
 #include "common/files.h"
 #include "common/strings.h"
+#include "common/transport_security.h"
 
 namespace ltrain::launcher {
 namespace {
@@ -83,14 +84,8 @@ StatusOr<EtcdSecurity> LoadEtcdSecurity(const std::string& ca, const std::string
 
 EtcdClient::EtcdClient(std::vector<std::string> endpoints, EtcdSecurity security)
     : endpoints_(std::move(endpoints)), security_(std::move(security)) {
-  std::shared_ptr<grpc::ChannelCredentials> credentials = grpc::InsecureChannelCredentials();
-  if (!security_.ca_pem.empty()) {
-    grpc::SslCredentialsOptions ssl;
-    ssl.pem_root_certs = security_.ca_pem;
-    ssl.pem_cert_chain = security_.cert_pem;
-    ssl.pem_private_key = security_.key_pem;
-    credentials = grpc::SslCredentials(ssl);
-  }
+  std::shared_ptr<grpc::ChannelCredentials> credentials =
+      ClientCredentials(security_.ca_pem, security_.cert_pem, security_.key_pem);
   for (const std::string& endpoint : endpoints_) {
     grpc::ChannelArguments args;
     // A member that went away is tried again soon, and a dead host costs a connect of 2 s, not 20.
