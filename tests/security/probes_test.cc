@@ -22,6 +22,7 @@
 #include <sstream>
 #include <thread>
 
+#include "tests/support/etcd_cluster.h"
 #include "tests/support/subprocess.h"
 
 namespace ltrain::testing {
@@ -330,6 +331,59 @@ TEST_F(SecurityProbesTest, TheHttpSideIsHttpsWithTlsAndTakesNoTokenInItsAddress)
                                         tls + "/ca.pem", "-H", "Host: evil.example", url + "/metrics", "-H",
                                         "Authorization: Bearer " + metrics});
   EXPECT_EQ(rebinding.output, "421") << "a Host that is not this coordinator's";
+}
+
+// 6, continued: the coordinators' state in etcd is behind TLS, client certificates and a user: nobody,
+// who may read the CA but not the client key or the password, gets nothing from etcd.
+TEST_F(SecurityProbesTest, EtcdHoldsTheStateBehindTlsClientCertificatesAndAUser) {
+  ASSERT_FALSE(EtcdBinary().empty()) << "etcd is not installed: apt-get install etcd-server (deploy/setup.sh --tests)";
+  ASSERT_EQ(::access("/usr/bin/etcdctl", X_OK), 0) << "etcdctl is not installed: apt-get install etcd-client";
+  const std::string tls = dir_.Join("tls");
+  ProcessResult made = RunProcess({Bin("ltrain"), "coordinator", "--init-tls", tls, "--tls-hosts", "127.0.0.1"});
+  ASSERT_EQ(made.exit_code, 0) << made.output;
+  EtcdCluster etcd(dir_, 1, tls);
+  ASSERT_TRUE(etcd.WaitReady()) << etcd.Output();
+  for (const std::vector<std::string>& step : std::vector<std::vector<std::string>>{
+           {"user", "add", "root", "--new-user-password=root-secret"}, {"user", "grant-role", "root", "root"},
+           {"role", "add", "ltrain"}, {"role", "grant-permission", "ltrain", "--prefix=true", "readwrite", "sec"},
+           {"user", "add", "ltrain", "--new-user-password=ltrain-secret"}, {"user", "grant-role", "ltrain", "ltrain"},
+           {"auth", "enable"}}) {
+    ProcessResult done = etcd.Ctl(step);
+    ASSERT_EQ(done.exit_code, 0) << done.output;
+  }
+  const std::string password = dir_.Write("etcd-password", "ltrain-secret\n");
+  ::chmod(password.c_str(), 0600);
+  const std::string address = "127.0.0.1:" + std::to_string(FreePort());
+  Subprocess coordinator({Bin("ltrain"), "coordinator", "--listen", address, "--state", etcd.Url() + "/sec",
+                          "--state-dir", dir_.Join("home"), "--port-file", dir_.Join("port"), "--token-file",
+                          tls + "/token", "--etcd-ca", tls + "/ca.pem", "--etcd-cert", tls + "/client.pem", "--etcd-key",
+                          tls + "/client.key", "--etcd-user", "ltrain", "--etcd-password-file", password},
+                         VictimEnv());
+  ASSERT_GT(WaitForPortFile(dir_.Join("port"), seconds(30)), 0) << coordinator.Output();
+  const std::string recipe = dir_.Write("r.yaml", "name: r\ndata: {path: /nonexistent}\ntraining: {steps: 1}\n");
+  std::map<std::string, std::string> client = VictimEnv();
+  client["LTRAIN_TOKEN_FILE"] = tls + "/token";
+  ProcessResult submitted = RunProcess({Bin("ltrain"), "launch", "--coordinator", address, recipe, "--detach"}, client);
+  ASSERT_EQ(submitted.exit_code, 0) << submitted.output;
+  ProcessResult own = etcd.Ctl({"get", "--prefix", "--keys-only", "sec/jobs/"}, "root:root-secret");
+  EXPECT_NE(own.output.find("r-1"), std::string::npos) << "the job is in etcd\n" << own.output;
+  const std::string endpoint = "https://" + etcd.Endpoints().front();
+  for (const std::vector<std::string>& credentials : std::vector<std::vector<std::string>>{
+           {"--cacert", tls + "/ca.pem"},
+           {"--cacert", tls + "/ca.pem", "--cert", tls + "/client.pem", "--key", tls + "/client.key"},
+           {"--cacert", tls + "/ca.pem", "--user", "ltrain:guess"},
+           {"--insecure-transport=true", "--insecure-skip-tls-verify=true"}}) {
+    std::vector<std::string> argv = {"/usr/bin/etcdctl", "--endpoints", endpoint, "--command-timeout", "5s"};
+    argv.insert(argv.end(), credentials.begin(), credentials.end());
+    argv.insert(argv.end(), {"get", "--prefix", "sec/"});
+    ProcessResult read = RunProcess(AsNobody(argv), {{"ETCDCTL_API", "3"}, {"HOME", Nobody("")}}, seconds(30));
+    EXPECT_NE(read.exit_code, 0) << credentials.back() << "\n" << read.output;
+    EXPECT_EQ(read.output.find("r-1"), std::string::npos) << read.output;
+  }
+  EXPECT_NE(Attack({"/bin/cat", tls + "/client.key"}).exit_code, 0);
+  EXPECT_NE(Attack({"/bin/cat", password}).exit_code, 0);
+  coordinator.Signal(SIGTERM);
+  coordinator.Wait(seconds(10));
 }
 
 // 7. Each bad input of the issue exits 2, and nobody's files are as they were.
