@@ -26,6 +26,7 @@
 #include "common/clock.h"
 #include "common/files.h"
 #include "common/logging.h"
+#include "common/transport_probe.h"
 #include "ltrain/v1/ltrain.grpc.pb.h"
 
 namespace ltrain::agent {
@@ -262,12 +263,13 @@ class AgentImpl : public Agent, private SupervisorOutbox {
       grpc::Status status = reader->Finish();
       if (Stopping()) break;
       if (!warned) {
-        const std::string mismatch = status.error_code() == grpc::StatusCode::UNAVAILABLE
-                                         ? ExplainTransportMismatch(options_.coordinator, options_.security,
-                                                                    status.error_message())
-                                         : "";
+        // Within a second a step: a Shutdown meanwhile waits for it.
+        const TransportDiagnosis diagnosis = status.error_code() == grpc::StatusCode::UNAVAILABLE
+                                                 ? DiagnoseTransport(options_.coordinator, options_.security, 1000)
+                                                 : TransportDiagnosis{};
         LTRAIN_LOG(kWarning, kLog) << "lost the coordinator at " << options_.coordinator << " ("
-                                   << (mismatch.empty() ? status.error_message() : mismatch)
+                                   << (diagnosis.fault == TransportFault::kNone ? status.error_message()
+                                                                                : diagnosis.message)
                                    << "); reconnecting, workers keep running for up to "
                                    << options_.coordinator_grace_s << " s";
         warned = true;

@@ -18,6 +18,7 @@
 #include "cmd/job_printer.h"
 #include "common/files.h"
 #include "common/status.h"
+#include "common/transport_probe.h"
 #include "launcher/coordinator_server.h"
 #include "launcher/state_store.h"
 
@@ -249,16 +250,21 @@ int CoordinatorClient::Unreachable(const grpc::Status& status) const {
                  status.error_message().c_str());
     return kExitUnavailable;
   }
-  if (status.error_code() == grpc::StatusCode::UNAVAILABLE) {
-    if (std::string mismatch = ExplainTransportMismatch(address_, security_, status.error_message()); !mismatch.empty()) {
-      std::fprintf(stderr, "ltrain: %s\n", mismatch.c_str());
-      return kExitUnavailable;
-    }
+  // Something answers there but will not talk with this client: the one mismatch, and its fix.
+  const TransportDiagnosis diagnosis = status.error_code() == grpc::StatusCode::UNAVAILABLE
+                                           ? DiagnoseTransport(address_, security_)
+                                           : TransportDiagnosis{};
+  if (diagnosis.fault != TransportFault::kNone && diagnosis.fault != TransportFault::kUnreachable) {
+    std::fprintf(stderr, "ltrain: %s\n", diagnosis.message.c_str());
+    return kExitUnavailable;
   }
+  const std::string why = diagnosis.fault == TransportFault::kUnreachable
+                              ? diagnosis.message
+                              : "cannot reach the coordinator at " + address_ + ": " + status.error_message();
   std::fprintf(stderr,
-               "ltrain: cannot reach the coordinator at %s: %s\n"
+               "ltrain: %s\n"
                "        is `ltrain coordinator` running there? Check --coordinator HOST:PORT.\n",
-               address_.c_str(), status.error_message().c_str());
+               why.c_str());
   return kExitUnavailable;
 }
 

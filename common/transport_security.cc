@@ -3,7 +3,6 @@
 #include <fcntl.h>
 #include <arpa/inet.h>
 #include <netdb.h>
-#include <poll.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -324,59 +323,6 @@ bool SameSecret(std::string_view a, std::string_view b) {
   unsigned char diff = 0;
   for (size_t i = 0; i < a.size(); ++i) diff |= static_cast<unsigned char>(a[i] ^ b[i]);
   return diff == 0;
-}
-
-namespace {
-
-// Whether a TCP connection to HOST:PORT (a gRPC target, "dns:" or "ipv4:" prefixes allowed) opens
-// within `timeout_ms`.
-bool AcceptsTcp(std::string target, int timeout_ms) {
-  for (const char* scheme : {"dns:///", "dns:", "ipv4:", "ipv6:"}) {
-    if (target.rfind(scheme, 0) == 0) target = target.substr(std::strlen(scheme));
-  }
-  const size_t colon = target.rfind(':');
-  if (colon == std::string::npos) return false;
-  std::string host = target.substr(0, colon);
-  const std::string port = target.substr(colon + 1);
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
-  addrinfo hints{};
-  hints.ai_socktype = SOCK_STREAM;
-  addrinfo* found = nullptr;
-  if (getaddrinfo(host.c_str(), port.c_str(), &hints, &found) != 0) return false;
-  bool open = false;
-  for (addrinfo* a = found; a != nullptr && !open; a = a->ai_next) {
-    const int fd = socket(a->ai_family, a->ai_socktype | SOCK_NONBLOCK | SOCK_CLOEXEC, a->ai_protocol);
-    if (fd < 0) continue;
-    if (connect(fd, a->ai_addr, a->ai_addrlen) == 0) {
-      open = true;
-    } else if (errno == EINPROGRESS) {
-      pollfd p{fd, POLLOUT, 0};
-      int error = 0;
-      socklen_t length = sizeof(error);
-      open = poll(&p, 1, timeout_ms) == 1 && getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &length) == 0 && error == 0;
-    }
-    close(fd);
-  }
-  freeaddrinfo(found);
-  return open;
-}
-
-}  // namespace
-
-std::string ExplainTransportMismatch(const std::string& target, const SecurityMaterial& security,
-                                     const std::string& grpc_message) {
-  if (!AcceptsTcp(target, 1000)) return "";
-  if (security.ca_pem.empty()) {
-    return "something listens at " + target + " but the connection failed (" + grpc_message +
-           "): the coordinator most likely serves TLS. Give its CA with --tls-ca FILE (or $LTRAIN_TLS_CA, or "
-           "tls_ca in $LTRAIN_HOME/config.yaml), and for mutual TLS a client certificate with --tls-cert and "
-           "--tls-key";
-  }
-  return "the TLS connection to " + target + " failed (" + grpc_message +
-         "): either the coordinator serves no TLS (start it with --tls-cert and --tls-key), its certificate is not "
-         "signed by --tls-ca's CA or not made for this host name (see --tls-hosts of `ltrain coordinator "
-         "--init-tls`), or it requires a client certificate (mutual TLS) that this client did not give" +
-         std::string(security.cert_pem.empty() ? " (give --tls-cert and --tls-key)" : " or one it does not accept");
 }
 
 std::string NewToken() {

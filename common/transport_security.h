@@ -73,12 +73,8 @@ std::shared_ptr<grpc::Channel> MakeChannel(const std::string& target, const Secu
 // for mutual TLS), or plaintext without a CA.
 std::shared_ptr<grpc::ChannelCredentials> ClientCredentials(const std::string& ca_pem, const std::string& cert_pem,
                                                             const std::string& key_pem);
-// Why a call to `target` that failed with UNAVAILABLE failed when something does accept TCP
-// connections there (checked within a second): the two ends disagree on TLS, said with the fix
-// for the client's side (`security` is what it used). "" when nothing listens there: the
-// coordinator is down or the address is wrong.
-std::string ExplainTransportMismatch(const std::string& target, const SecurityMaterial& security,
-                                     const std::string& grpc_message);
+// Why a channel fails on the wire (nothing listens, TLS on one side only, a certificate not
+// accepted): DiagnoseTransport in common/transport_probe.h.
 
 // A new random bearer token: 40 hex digits (160 bits) from the system's random source.
 std::string NewToken();

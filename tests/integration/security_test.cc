@@ -104,19 +104,24 @@ TEST_F(SecurityTest, RejectedRequestsSayWhyAndChangeNothing) {
       {"no token", Replace(Good(), "--token-file", ""), "requires a bearer token"},
       {"wrong token", Replace(Good(), "--token-file", wrong_token), "bearer token was not accepted"},
       // A coordinator that is there but refuses the connection is not called unreachable: the
-      // message names the TLS mismatch and the flags that fix it.
+      // message names the one TLS mismatch it is, and the flags that fix it.
       {"no client certificate (mutual TLS)",
        Replace(Replace(Good(), "--tls-cert", ""), "--tls-key", ""),
        "requires a client certificate (mutual TLS) that this client did not give (give --tls-cert and --tls-key)"},
       {"client certificate of another CA",
        Replace(Replace(Good(), "--tls-cert", dir_.Join("other/client.pem")), "--tls-key", dir_.Join("other/client.key")),
-       "or one it does not accept"},
+       "does not accept this client's certificate"},
       {"server not trusted (another CA)", Replace(Good(), "--tls-ca", dir_.Join("other/ca.pem")),
        "its certificate is not signed by --tls-ca's CA"},
       {"plaintext to a TLS server",
        Replace(Replace(Replace(Good(), "--tls-ca", ""), "--tls-cert", ""), "--tls-key", ""),
-       "the coordinator most likely serves TLS. Give its CA with --tls-ca FILE"},
+       "serves TLS with client certificates (mutual TLS): give its CA with --tls-ca FILE"},
   };
+  // What each cause says: a message holds its own and none of the others.
+  const std::vector<std::string> causes = {"requires a bearer token", "bearer token was not accepted",
+                                           "requires a client certificate", "does not accept this client's certificate",
+                                           "is not signed by --tls-ca's CA", "serves TLS", "serves no TLS",
+                                           "is not made for", "cannot reach"};
   for (const Case& c : cases) {
     SCOPED_TRACE(c.what);
     for (const std::vector<std::string>& command :
@@ -125,6 +130,11 @@ TEST_F(SecurityTest, RejectedRequestsSayWhyAndChangeNothing) {
       ProcessResult result = Ltrain(command, c.creds);
       EXPECT_EQ(result.exit_code, 3) << command[0] << "\n" << result.output;
       EXPECT_NE(result.output.find(c.message), std::string::npos) << command[0] << "\n" << result.output;
+      for (const std::string& cause : causes) {
+        if (std::string(c.message).find(cause) != std::string::npos) continue;
+        EXPECT_EQ(result.output.find(cause), std::string::npos) << command[0] << ": only one cause\n" << result.output;
+      }
+      EXPECT_EQ(result.output.find("either"), std::string::npos) << command[0] << "\n" << result.output;
       EXPECT_EQ(result.output.find(std::string(c.what) == "wrong token" ? "0123456789abcdef" : "\x01"),
                 std::string::npos)
           << "the token is never printed";
@@ -182,16 +192,43 @@ TEST_F(SecurityTest, AgentWithAWrongTokenIsNotRegistered) {
   agent.Signal(SIGTERM);
 }
 
-// An agent that the coordinator will never take (no TLS against a TLS coordinator) says why and
-// exits at once instead of retrying for ever; nothing listening is still waited for.
+// An agent that the coordinator will never take (no TLS against a TLS coordinator) says why, the one
+// cause, and exits 3 at once instead of retrying for ever.
 TEST_F(SecurityTest, AnAgentWithoutTlsToATlsCoordinatorSaysSoAndExits) {
   ProcessResult plain = RunProcess({LtrainBinary(), "agent", "--coordinator", address_, "--token-file", Tls("token"),
                                     "--work-dir", dir_.Join("agent")},
                                    {{"LTRAIN_HOME", dir_.Join("home")}}, seconds(20));
   EXPECT_FALSE(plain.timed_out) << plain.output;
-  EXPECT_EQ(plain.exit_code, 2) << plain.output;
-  EXPECT_NE(plain.output.find("the coordinator most likely serves TLS"), std::string::npos) << plain.output;
-  EXPECT_EQ(plain.output.find("lost the coordinator"), std::string::npos) << plain.output;
+  EXPECT_EQ(plain.exit_code, 3) << plain.output;
+  EXPECT_NE(plain.output.find("the coordinator at " + address_ +
+                              " serves TLS with client certificates (mutual TLS): give its CA with --tls-ca FILE"),
+            std::string::npos)
+      << plain.output;
+  for (const char* other : {"either", "cannot reach", "serves no TLS", "not signed by", "is not made for",
+                            "lost the coordinator"}) {
+    EXPECT_EQ(plain.output.find(other), std::string::npos) << other << "\n" << plain.output;
+  }
+}
+
+// A coordinator that is not there is named as such: waited for up to --connect-timeout, then exit 3,
+// with nothing said about TLS or certificates.
+TEST(AgentStartTest, AnAgentAgainstAStoppedCoordinatorExitsThreeSayingCannotReach) {
+  TempDir dir;
+  const int port = FreePort();
+  ASSERT_GT(port, 0);
+  const std::string address = "127.0.0.1:" + std::to_string(port);
+  ProcessResult result = RunProcess({LtrainBinary(), "agent", "--coordinator", address, "--connect-timeout", "2",
+                                     "--work-dir", dir.Join("agent")},
+                                    {{"LTRAIN_HOME", dir.Join("home")}}, seconds(20));
+  EXPECT_FALSE(result.timed_out) << result.output;
+  EXPECT_EQ(result.exit_code, 3) << result.output;
+  EXPECT_NE(result.output.find("cannot reach the coordinator at " + address + ": connection refused (waited "),
+            std::string::npos)
+      << result.output;
+  EXPECT_GE(result.seconds, 1.5) << "it waited for the coordinator";
+  for (const char* other : {"TLS", "certificate", "either"}) {
+    EXPECT_EQ(result.output.find(other), std::string::npos) << other << "\n" << result.output;
+  }
 }
 
 TEST_F(SecurityTest, TrainsOverMutualTlsWithAToken) {
