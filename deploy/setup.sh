@@ -6,7 +6,7 @@
 #   deploy/setup.sh --tests   also what the tests use: GoogleTest, systemd (systemd-analyze checks
 #                             deploy/systemd), iproute2 (network namespaces), Slurm and munge (a real
 #                             Slurm with two fake nodes), Python (the benchmarks, the JSON schema
-#                             check), dpkg-dev (the Debian package)
+#                             check), dpkg-dev (the Debian package), promtool (/metrics' lint)
 set -euo pipefail
 
 packages=(
@@ -29,6 +29,7 @@ if [[ "${1:-}" == "--tests" ]]; then
              chromium              # the dashboard, read by a headless browser
              etcd-server etcd-client   # several coordinators on one etcd state (--state etcd://...), its TLS and users
              curl sqlite3          # the security suite: HTTPS to the dashboard, reading state.db as another user
+             prometheus            # promtool check metrics on what /metrics serves
              dpkg-dev)             # dpkg-shlibdeps: the Debian package's dependencies (cpack)
 fi
 

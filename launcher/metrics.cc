@@ -97,12 +97,12 @@ std::string PrometheusText(const std::vector<v1::Job>& jobs, const std::vector<v
     Family family(out, name, type, help);
     for (const v1::Job& job : jobs) {
       if (when && !when(job)) continue;
-      family.Sample({"job", job.id(), "name", job.name()}, value(job));
+      family.Sample({"job_id", job.id(), "name", job.name()}, value(job));
     }
   };
   {
     Family family(out, "ltrain_job_info", "gauge", "A job the coordinator holds, with its state.");
-    for (const v1::Job& job : jobs) family.Sample({"job", job.id(), "name", job.name(), "state", StateLabel(job.state())}, 1);
+    for (const v1::Job& job : jobs) family.Sample({"job_id", job.id(), "name", job.name(), "state", StateLabel(job.state())}, 1);
   }
   {
     std::map<std::string, int> counts;
@@ -154,7 +154,7 @@ std::string PrometheusText(const std::vector<v1::Job>& jobs, const std::vector<v
     Family step(out, "ltrain_rank_step", "gauge", "The step a rank works on.");
     for (const v1::Job& job : jobs) {
       for (const v1::RankInfo& rank : job.ranks()) {
-        step.Sample({"job", job.id(), "rank", std::to_string(rank.rank()), "node", rank.node_id()}, double(rank.last_step()));
+        step.Sample({"job_id", job.id(), "rank", std::to_string(rank.rank()), "node", rank.node_id()}, double(rank.last_step()));
       }
     }
   }
@@ -163,7 +163,7 @@ std::string PrometheusText(const std::vector<v1::Job>& jobs, const std::vector<v
                "Seconds since a rank's step, phase or collectives last changed.");
     for (const v1::Job& job : jobs) {
       for (const v1::RankInfo& rank : job.ranks()) {
-        age.Sample({"job", job.id(), "rank", std::to_string(rank.rank()), "node", rank.node_id()},
+        age.Sample({"job_id", job.id(), "rank", std::to_string(rank.rank()), "node", rank.node_id()},
                    rank.progress_age_ms() / 1000.0);
       }
     }
@@ -173,18 +173,18 @@ std::string PrometheusText(const std::vector<v1::Job>& jobs, const std::vector<v
     for (const v1::Job& job : jobs) {
       for (const v1::RankInfo& rank : job.ranks()) {
         if (rank.phase().empty()) continue;
-        phase.Sample({"job", job.id(), "rank", std::to_string(rank.rank()), "node", rank.node_id(), "phase", rank.phase()}, 1);
+        phase.Sample({"job_id", job.id(), "rank", std::to_string(rank.rank()), "node", rank.node_id(), "phase", rank.phase()}, 1);
       }
     }
   }
   {
-    Family compute(out, "ltrain_rank_compute_ms", "gauge",
-                   "A rank's own work a step (forward and backward, without waits for the others), averaged over "
+    Family compute(out, "ltrain_rank_compute_seconds", "gauge",
+                   "A rank's own work a step in seconds (forward and backward, without waits for the others), over "
                    "its last steps; absent where not measured.");
     for (const v1::Job& job : jobs) {
       for (const v1::RankInfo& rank : job.ranks()) {
         if (!(rank.compute_ms() > 0)) continue;
-        compute.Sample({"job", job.id(), "rank", std::to_string(rank.rank()), "node", rank.node_id()}, rank.compute_ms());
+        compute.Sample({"job_id", job.id(), "rank", std::to_string(rank.rank()), "node", rank.node_id()}, rank.compute_ms() / 1000.0);
       }
     }
   }
@@ -195,7 +195,7 @@ std::string PrometheusText(const std::vector<v1::Job>& jobs, const std::vector<v
     for (const v1::Job& job : jobs) {
       for (const v1::RankInfo& rank : job.ranks()) {
         if (rank.memory_bytes() <= 0) continue;
-        memory.Sample({"job", job.id(), "rank", std::to_string(rank.rank()), "node", rank.node_id()},
+        memory.Sample({"job_id", job.id(), "rank", std::to_string(rank.rank()), "node", rank.node_id()},
                       static_cast<double>(rank.memory_bytes()));
       }
     }
@@ -205,7 +205,7 @@ std::string PrometheusText(const std::vector<v1::Job>& jobs, const std::vector<v
                      "1 while a rank's own work stays above 1.2 times the other ranks' median.");
     for (const v1::Job& job : jobs) {
       for (const v1::RankInfo& rank : job.ranks()) {
-        straggler.Sample({"job", job.id(), "rank", std::to_string(rank.rank()), "node", rank.node_id()},
+        straggler.Sample({"job_id", job.id(), "rank", std::to_string(rank.rank()), "node", rank.node_id()},
                          rank.straggler() ? 1 : 0);
       }
     }

@@ -2,15 +2,16 @@
 // 0.0.4), for `GET /metrics` (http_server.h). Pure: it formats what GetJob, ListJobs and ListNodes
 // return, so tests feed it protos.
 //
-// Series, all gauges but ltrain_job_restarts_total (a counter); labels job (the id), name, rank,
+// Series, all gauges but ltrain_job_restarts_total (a counter); labels job_id (not job: Prometheus
+// keeps that for its scrape job and would rename ours exported_job), name, rank,
 // node, state, phase:
-//   ltrain_job_info{job,name,state} 1            one per job the coordinator holds
+//   ltrain_job_info{job_id,name,state} 1            one per job the coordinator holds
 //   ltrain_job_step, _total_steps, _loss, _tokens_per_second, _mfu (GPU jobs), _eta_seconds,
 //   ltrain_job_val_loss, _val_step, _committed_step, _generation, _world_size, _restarts_total,
 //   ltrain_job_checkpoint_save_seconds, _checkpoint_load_seconds (once measured)
 //   ltrain_jobs{state}                           how many jobs are in each state
-//   ltrain_rank_step{job,rank,node}, ltrain_rank_progress_age_seconds, ltrain_rank_phase{...,phase} 1,
-//   ltrain_rank_compute_ms (where measured), ltrain_rank_memory_bytes (where known), ltrain_rank_straggler (straggler.h)
+//   ltrain_rank_step{job_id,rank,node}, ltrain_rank_progress_age_seconds, ltrain_rank_phase{...,phase} 1,
+//   ltrain_rank_compute_seconds (where measured), ltrain_rank_memory_bytes (where known), ltrain_rank_straggler (straggler.h)
 //   ltrain_node_up{node}, ltrain_node_heartbeat_age_seconds, ltrain_node_gpus, ltrain_node_cpus
 // A loss appears once the job has completed a step; a validation loss once it has measured one;
 // tokens/s and the ETA while it has not ended.

@@ -51,6 +51,7 @@ std::vector<v1::Job> TwoJobs() {
     rank->set_phase(r == 0 ? "forward" : "backward");
     rank->set_progress_age_ms(250);
     rank->set_memory_bytes(r == 0 ? int64_t{40} << 30 : 0);  // rank 1's memory is unknown
+    rank->set_compute_ms(r == 0 ? 99.5 : 0);  // rank 1's is not measured
   }
   v1::Job pending;
   pending.set_id("llama-2");
@@ -72,26 +73,31 @@ TEST(MetricsTest, EveryLineIsValidPrometheusText) {
   EXPECT_EQ(parse.types.at("ltrain_job_restarts_total"), "counter");
   EXPECT_EQ(parse.types.at("ltrain_job_loss"), "gauge");
 
-  const PrometheusSample* loss = Find(parse, "ltrain_job_loss", {{"job", "gpt-7"}});
+  const PrometheusSample* loss = Find(parse, "ltrain_job_loss", {{"job_id", "gpt-7"}});
   ASSERT_NE(loss, nullptr) << text;
   EXPECT_EQ(loss->value, 2.3125);
   EXPECT_EQ(loss->labels.at("name"), "gpt \"small\"\nrun\\1") << "escaped and read back whole";
-  EXPECT_EQ(Find(parse, "ltrain_job_tokens_per_second", {{"job", "gpt-7"}})->value, 48213.5);
-  EXPECT_EQ(Find(parse, "ltrain_job_val_loss", {{"job", "gpt-7"}})->value, 2.5);
-  EXPECT_EQ(Find(parse, "ltrain_job_restarts_total", {{"job", "gpt-7"}})->value, 1);
-  EXPECT_EQ(Find(parse, "ltrain_job_info", {{"job", "gpt-7"}, {"state", "running"}})->value, 1);
+  EXPECT_EQ(Find(parse, "ltrain_job_tokens_per_second", {{"job_id", "gpt-7"}})->value, 48213.5);
+  EXPECT_EQ(Find(parse, "ltrain_job_val_loss", {{"job_id", "gpt-7"}})->value, 2.5);
+  EXPECT_EQ(Find(parse, "ltrain_job_restarts_total", {{"job_id", "gpt-7"}})->value, 1);
+  EXPECT_EQ(Find(parse, "ltrain_job_info", {{"job_id", "gpt-7"}, {"state", "running"}})->value, 1);
   EXPECT_EQ(Find(parse, "ltrain_jobs", {{"state", "pending"}})->value, 1);
   EXPECT_EQ(Find(parse, "ltrain_jobs", {{"state", "failed"}})->value, 0) << "every state, even when none is in it";
-  EXPECT_EQ(Find(parse, "ltrain_rank_step", {{"job", "gpt-7"}, {"rank", "1"}, {"node", "node-b"}})->value, 121);
-  EXPECT_EQ(Find(parse, "ltrain_rank_phase", {{"job", "gpt-7"}, {"rank", "0"}, {"phase", "forward"}})->value, 1);
+  EXPECT_EQ(Find(parse, "ltrain_rank_step", {{"job_id", "gpt-7"}, {"rank", "1"}, {"node", "node-b"}})->value, 121);
+  EXPECT_EQ(Find(parse, "ltrain_rank_phase", {{"job_id", "gpt-7"}, {"rank", "0"}, {"phase", "forward"}})->value, 1);
   EXPECT_EQ(Find(parse, "ltrain_rank_progress_age_seconds", {{"rank", "0"}})->value, 0.25);
   EXPECT_EQ(Find(parse, "ltrain_node_up", {{"node", "node-a"}})->value, 1);
   EXPECT_EQ(Find(parse, "ltrain_node_gpus", {{"node", "node-a"}})->value, 8);
-  EXPECT_EQ(Find(parse, "ltrain_job_mfu", {{"job", "gpt-7"}})->value, 0.425);
-  EXPECT_EQ(Find(parse, "ltrain_job_checkpoint_save_seconds", {{"job", "gpt-7"}})->value, 2.5);
-  EXPECT_EQ(Find(parse, "ltrain_job_checkpoint_load_seconds", {{"job", "gpt-7"}}), nullptr) << "it never resumed";
-  EXPECT_EQ(Find(parse, "ltrain_rank_memory_bytes", {{"job", "gpt-7"}, {"rank", "0"}})->value, 42949672960.0);
-  EXPECT_EQ(Find(parse, "ltrain_rank_memory_bytes", {{"job", "gpt-7"}, {"rank", "1"}}), nullptr) << "unknown: absent";
+  EXPECT_EQ(Find(parse, "ltrain_job_mfu", {{"job_id", "gpt-7"}})->value, 0.425);
+  EXPECT_EQ(Find(parse, "ltrain_job_checkpoint_save_seconds", {{"job_id", "gpt-7"}})->value, 2.5);
+  EXPECT_EQ(Find(parse, "ltrain_job_checkpoint_load_seconds", {{"job_id", "gpt-7"}}), nullptr) << "it never resumed";
+  EXPECT_EQ(Find(parse, "ltrain_rank_memory_bytes", {{"job_id", "gpt-7"}, {"rank", "0"}})->value, 42949672960.0);
+  EXPECT_EQ(Find(parse, "ltrain_rank_memory_bytes", {{"job_id", "gpt-7"}, {"rank", "1"}}), nullptr) << "unknown: absent";
+  EXPECT_EQ(Find(parse, "ltrain_rank_compute_seconds", {{"job_id", "gpt-7"}, {"rank", "0"}})->value, 0.0995)
+      << "in seconds, Prometheus' base unit";
+  EXPECT_EQ(Find(parse, "ltrain_rank_compute_seconds", {{"job_id", "gpt-7"}, {"rank", "1"}}), nullptr);
+  EXPECT_EQ(Find(parse, "ltrain_job_loss", {{"job", "gpt-7"}}), nullptr)
+      << "job is Prometheus' label of the scrape job: a series of ours carrying it arrives as exported_job";
 }
 
 // A job that has not completed a step has no loss, throughput or validation series yet, rather
@@ -99,20 +105,20 @@ TEST(MetricsTest, EveryLineIsValidPrometheusText) {
 TEST(MetricsTest, FiguresAppearOnlyOnceMeasured) {
   const PrometheusParse parse = ParsePrometheusText(PrometheusText(TwoJobs(), {}));
   ASSERT_EQ(parse.error, "");
-  EXPECT_EQ(Find(parse, "ltrain_job_loss", {{"job", "llama-2"}}), nullptr);
-  EXPECT_EQ(Find(parse, "ltrain_job_tokens_per_second", {{"job", "llama-2"}}), nullptr);
-  EXPECT_EQ(Find(parse, "ltrain_job_val_loss", {{"job", "llama-2"}}), nullptr);
-  EXPECT_EQ(Find(parse, "ltrain_job_mfu", {{"job", "llama-2"}}), nullptr);
-  EXPECT_NE(Find(parse, "ltrain_job_step", {{"job", "llama-2"}}), nullptr);
-  EXPECT_NE(Find(parse, "ltrain_job_info", {{"job", "llama-2"}, {"state", "pending"}}), nullptr);
+  EXPECT_EQ(Find(parse, "ltrain_job_loss", {{"job_id", "llama-2"}}), nullptr);
+  EXPECT_EQ(Find(parse, "ltrain_job_tokens_per_second", {{"job_id", "llama-2"}}), nullptr);
+  EXPECT_EQ(Find(parse, "ltrain_job_val_loss", {{"job_id", "llama-2"}}), nullptr);
+  EXPECT_EQ(Find(parse, "ltrain_job_mfu", {{"job_id", "llama-2"}}), nullptr);
+  EXPECT_NE(Find(parse, "ltrain_job_step", {{"job_id", "llama-2"}}), nullptr);
+  EXPECT_NE(Find(parse, "ltrain_job_info", {{"job_id", "llama-2"}, {"state", "pending"}}), nullptr);
 
   std::vector<v1::Job> ended = TwoJobs();
   ended[0].set_state(v1::JOB_STATE_SUCCEEDED);
   const PrometheusParse after = ParsePrometheusText(PrometheusText(ended, {}));
   ASSERT_EQ(after.error, "");
-  EXPECT_NE(Find(after, "ltrain_job_loss", {{"job", "gpt-7"}}), nullptr) << "the last loss stays";
-  EXPECT_EQ(Find(after, "ltrain_job_tokens_per_second", {{"job", "gpt-7"}}), nullptr) << "no throughput once ended";
-  EXPECT_EQ(Find(after, "ltrain_job_eta_seconds", {{"job", "gpt-7"}}), nullptr);
+  EXPECT_NE(Find(after, "ltrain_job_loss", {{"job_id", "gpt-7"}}), nullptr) << "the last loss stays";
+  EXPECT_EQ(Find(after, "ltrain_job_tokens_per_second", {{"job_id", "gpt-7"}}), nullptr) << "no throughput once ended";
+  EXPECT_EQ(Find(after, "ltrain_job_eta_seconds", {{"job_id", "gpt-7"}}), nullptr);
 }
 
 // The reader the tests rely on refuses what Prometheus would.
