@@ -35,17 +35,6 @@ etcdserverpb::RequestOp DeleteOp(const std::string& key, const std::string& rang
   return op;
 }
 
-// The n of a job id "<name>-<n>".
-int64_t JobNumber(const std::string& id) {
-  const size_t dash = id.rfind('-');
-  if (dash == std::string::npos) return 0;
-  try {
-    return std::stoll(id.substr(dash + 1));
-  } catch (...) {
-    return 0;
-  }
-}
-
 template <typename Message>
 Status ParseValue(const std::string& bytes, const std::string& key, Message* out) {
   if (!out->ParseFromString(bytes)) return DataLoss("the value of " + key + " in etcd does not parse");
@@ -199,18 +188,25 @@ Status EtcdStateStore::Apply(std::vector<etcdserverpb::RequestOp> ops, const std
 
 StatusOr<v1::Job> EtcdStateStore::CreateJob(const std::string& name, const std::string& recipe_yaml, int world_size,
                                             int64_t now_ms) {
-  const std::string counter = Key("counter/jobs");
+  // Job numbers count per name (counter/jobs/NAME). A name without a counter starts after the one
+  // counter across names that earlier versions kept (counter/jobs), so that no id comes again.
+  const std::string legacy = Key("counter/jobs");
+  const std::string counter = Key("counter/jobs/" + name);
+  auto number_of = [&](const etcdserverpb::RangeResponse& found, const std::string& key) -> StatusOr<int64_t> {
+    if (found.kvs_size() != 1) return int64_t{0};
+    try {
+      return std::stoll(found.kvs(0).value());
+    } catch (...) {
+      return DataLoss("the job counter " + key + " in etcd is not a number");
+    }
+  };
   for (int attempt = 0; attempt < 50; ++attempt) {
     LTRAIN_ASSIGN_OR_RETURN(etcdserverpb::RangeResponse current, client_->Range(counter));
-    int64_t last = 0;
-    int64_t mod_revision = 0;
-    if (current.kvs_size() == 1) {
-      mod_revision = current.kvs(0).mod_revision();
-      try {
-        last = std::stoll(current.kvs(0).value());
-      } catch (...) {
-        return DataLoss("the job counter " + counter + " in etcd is not a number");
-      }
+    LTRAIN_ASSIGN_OR_RETURN(int64_t last, number_of(current, counter));
+    const int64_t mod_revision = current.kvs_size() == 1 ? current.kvs(0).mod_revision() : 0;
+    if (current.kvs_size() == 0) {
+      LTRAIN_ASSIGN_OR_RETURN(etcdserverpb::RangeResponse before, client_->Range(legacy));
+      LTRAIN_ASSIGN_OR_RETURN(last, number_of(before, legacy));
     }
     v1::Job job;
     job.set_id(name + "-" + std::to_string(last + 1));
@@ -227,12 +223,22 @@ StatusOr<v1::Job> EtcdStateStore::CreateJob(const std::string& name, const std::
     unchanged->set_target(etcdserverpb::Compare::MOD);
     unchanged->set_key(counter);
     unchanged->set_mod_revision(mod_revision);  // 0: the key does not exist yet
+    etcdserverpb::Compare* fresh = txn.add_compare();  // and no job holds the id
+    fresh->set_result(etcdserverpb::Compare::EQUAL);
+    fresh->set_target(etcdserverpb::Compare::CREATE);
+    fresh->set_key(Key("jobs/" + job.id()));
+    fresh->set_create_revision(0);
     *txn.add_success() = PutOp(counter, std::to_string(last + 1));
     *txn.add_success() = PutOp(Key("jobs/" + job.id()), job.SerializeAsString());
     LTRAIN_ASSIGN_OR_RETURN(etcdserverpb::TxnResponse response, client_->Txn(txn));
     if (response.succeeded()) return job;
     // Another writer took the number (or this coordinator lost the lead): look again.
     LTRAIN_RETURN_IF_ERROR(CheckFence("create a job"));
+    LTRAIN_ASSIGN_OR_RETURN(etcdserverpb::RangeResponse taken, client_->Range(Key("jobs/" + job.id())));
+    if (taken.kvs_size() == 1) {  // a job of an earlier counter holds the id: step over it
+      Status stepped = Write({PutOp(counter, std::to_string(last + 1))}, "number a job");
+      if (!stepped.ok()) return stepped;
+    }
   }
   return Unavailable("could not take a job number in etcd after 50 tries; the counter " + counter +
                      " keeps changing under this coordinator");
@@ -259,14 +265,15 @@ StatusOr<v1::Job> EtcdStateStore::GetJob(const std::string& job_id) {
 StatusOr<std::vector<v1::Job>> EtcdStateStore::ListJobs(int limit) {
   const std::string jobs = Key("jobs/");
   LTRAIN_ASSIGN_OR_RETURN(etcdserverpb::RangeResponse rows, client_->Range(jobs, PrefixEnd(jobs)));
-  std::vector<v1::Job> listed;
+  std::vector<std::pair<int64_t, v1::Job>> made;  // by the revision that created each
   for (const auto& kv : rows.kvs()) {
-    v1::Job& job = listed.emplace_back();
+    auto& [revision, job] = made.emplace_back(kv.create_revision(), v1::Job());
     LTRAIN_RETURN_IF_ERROR(ParseValue(kv.value(), kv.key(), &job));
   }
-  // Newest first: job numbers grow with each job.
-  std::sort(listed.begin(), listed.end(),
-            [](const v1::Job& a, const v1::Job& b) { return JobNumber(a.id()) > JobNumber(b.id()); });
+  // Newest first (job numbers count per name: they do not order jobs of several names).
+  std::sort(made.begin(), made.end(), [](const auto& a, const auto& b) { return a.first > b.first; });
+  std::vector<v1::Job> listed;
+  for (auto& [revision, job] : made) listed.push_back(std::move(job));
   if (limit > 0 && listed.size() > static_cast<size_t>(limit)) listed.resize(limit);
   return listed;
 }

@@ -3,7 +3,8 @@
 //
 // Keys, under the URL's prefix P (values are the protobuf messages of ltrain.proto unless said):
 //   P/leader                    the leading coordinator's address, on its lease (leader_election.h)
-//   P/counter/jobs              the last job number given, in decimal
+//   P/counter/jobs/NAME         the last job number given to NAME, in decimal (P/counter/jobs: the one
+//                               counter across names of earlier versions, where new names start)
 //   P/jobs/ID                   v1::Job without its ranks
 //   P/ranks/ID/RANK             v1::RankInfo, RANK zero-padded to 8 digits
 //   P/checkpoints/ID/STEP       "GENERATION PATH UNIX_MS" of each commit, STEP padded to 20 digits

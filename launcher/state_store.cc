@@ -85,6 +85,15 @@ CREATE TABLE IF NOT EXISTS logs (
   text TEXT NOT NULL
 );
 CREATE INDEX IF NOT EXISTS logs_by_job ON logs(job_id, unix_ms);
+-- Job numbers count per name: quickstart-1, then llama-quickstart-1. The row of the empty name holds
+-- the number a new name starts after: 0 in a new database; in one made while numbers were one counter
+-- across names, that counter, so that no id (and no checkpoint folder) of an earlier job comes again.
+CREATE TABLE IF NOT EXISTS job_numbers (
+  name TEXT PRIMARY KEY,
+  last INTEGER NOT NULL
+);
+INSERT OR IGNORE INTO job_numbers (name, last)
+  SELECT '', COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'jobs'), 0);
 )sql";
 
 // A prepared statement that finalizes itself.
@@ -293,24 +302,32 @@ StatusOr<v1::Job> SqliteStateStore::CreateJob(const std::string& name, const std
                                               int world_size, int64_t now_ms) {
   std::lock_guard<std::mutex> lock(mu_);
   LTRAIN_RETURN_IF_ERROR(Exec("BEGIN IMMEDIATE"));
+  auto fail = [&](const std::string& what) {
+    Status error = SqlError(db_, what);
+    (void)Exec("ROLLBACK");
+    return error;
+  };
+  Statement last(db_,
+                 "SELECT last FROM job_numbers WHERE name = ?1 UNION ALL SELECT last FROM job_numbers WHERE name = '' "
+                 "LIMIT 1");
+  last.Bind(1, name);
+  int64_t number = (last.Step() == SQLITE_ROW ? last.Int(0) : 0) + 1;
+  std::string id;
+  for (;; ++number) {  // an id is never taken again, not even by a job recorded before this counter
+    id = name + "-" + std::to_string(number);
+    Statement taken(db_, "SELECT 1 FROM jobs WHERE id = ?");
+    taken.Bind(1, id);
+    if (taken.Step() != SQLITE_ROW) break;
+  }
+  Statement count(db_, "INSERT INTO job_numbers (name, last) VALUES (?, ?) ON CONFLICT(name) DO UPDATE SET last = excluded.last");
+  count.Bind(1, name).Bind(2, number);
+  if (count.Step() != SQLITE_DONE) return fail("number job");
   Statement insert(db_,
-                   "INSERT INTO jobs (name, state, recipe, world_size, created_ms, updated_ms) VALUES (?, ?, ?, ?, ?, ?)");
-  insert.Bind(1, name).Bind(2, int64_t{v1::JOB_STATE_PENDING}).Bind(3, recipe_yaml).Bind(4, int64_t{world_size});
-  insert.Bind(5, now_ms).Bind(6, now_ms);
-  if (insert.Step() != SQLITE_DONE) {
-    Status error = SqlError(db_, "insert job");
-    (void)Exec("ROLLBACK");
-    return error;
-  }
-  int64_t seq = sqlite3_last_insert_rowid(db_);
-  std::string id = name + "-" + std::to_string(seq);
-  Statement name_it(db_, "UPDATE jobs SET id = ? WHERE seq = ?");
-  name_it.Bind(1, id).Bind(2, seq);
-  if (name_it.Step() != SQLITE_DONE) {
-    Status error = SqlError(db_, "name job");
-    (void)Exec("ROLLBACK");
-    return error;
-  }
+                   "INSERT INTO jobs (id, name, state, recipe, world_size, created_ms, updated_ms) "
+                   "VALUES (?, ?, ?, ?, ?, ?, ?)");
+  insert.Bind(1, id).Bind(2, name).Bind(3, int64_t{v1::JOB_STATE_PENDING}).Bind(4, recipe_yaml);
+  insert.Bind(5, int64_t{world_size}).Bind(6, now_ms).Bind(7, now_ms);
+  if (insert.Step() != SQLITE_DONE) return fail("insert job");
   LTRAIN_RETURN_IF_ERROR(Exec("COMMIT"));
   v1::Job job;
   job.set_id(id);

@@ -27,7 +27,8 @@ struct PruneCounts {
 class StateStore {
  public:
   virtual ~StateStore() = default;
-  // Creates a job; its id is "<name>-<n>" with n unique in this store.
+  // Creates a job; its id is "<name>-<n>", n counting the jobs of that name (1 for the first), never
+  // given twice in this store.
   virtual StatusOr<v1::Job> CreateJob(const std::string& name, const std::string& recipe_yaml, int world_size,
                                       int64_t now_ms) = 0;
   virtual Status UpdateJob(const v1::Job& job) = 0;  // state, cause, generation, progress

@@ -17,6 +17,7 @@
 #include "launcher/etcd_state_store.h"
 #include "launcher/leader_election.h"
 #include "ltrain/v1/ltrain.grpc.pb.h"
+#include "tests/support/etcd_cluster.h"
 #include "tests/support/job_status.h"
 #include "tests/support/subprocess.h"
 
@@ -26,81 +27,6 @@ namespace {
 namespace fs = std::filesystem;
 using std::chrono::milliseconds;
 using std::chrono::seconds;
-
-std::string EtcdBinary() {
-  for (const char* path : {"/usr/bin/etcd", "/usr/local/bin/etcd"}) {
-    if (access(path, X_OK) == 0) return path;
-  }
-  return "";
-}
-
-// `members` etcd processes forming one cluster on loopback; with `tls` (a folder of `ltrain
-// coordinator --init-tls`), clients speak TLS and must show a certificate of its CA.
-class EtcdCluster {
- public:
-  EtcdCluster(const TempDir& dir, int members, const std::string& tls = "") : tls_(tls) {
-    std::string initial;
-    for (int i = 0; i < members; ++i) {
-      client_ports_.push_back(FreePort());
-      peer_ports_.push_back(FreePort());
-      initial += (i ? "," : "") + Name(i) + "=http://127.0.0.1:" + std::to_string(peer_ports_[i]);
-    }
-    for (int i = 0; i < members; ++i) {
-      const std::string client = (tls.empty() ? "http" : "https") + std::string("://127.0.0.1:") +
-                                 std::to_string(client_ports_[i]);
-      const std::string peer = "http://127.0.0.1:" + std::to_string(peer_ports_[i]);
-      std::vector<std::string> argv = {
-          EtcdBinary(), "--name", Name(i), "--data-dir", dir.Join(Name(i)), "--listen-client-urls", client,
-          "--advertise-client-urls", client, "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-          "--initial-cluster", initial, "--initial-cluster-state", "new", "--initial-cluster-token", dir.path()};
-      if (!tls.empty()) {
-        argv.insert(argv.end(), {"--cert-file", tls + "/server.pem", "--key-file", tls + "/server.key",
-                                 "--trusted-ca-file", tls + "/ca.pem", "--client-cert-auth"});
-      }
-      processes_.push_back(std::make_unique<Subprocess>(argv));
-    }
-  }
-  // Every member serves clients (what a deployment has before coordinators start).
-  bool WaitReady() const {
-    for (const auto& process : processes_) {
-      if (!process->WaitForOutput("ready to serve client requests", seconds(30))) return false;
-    }
-    return true;
-  }
-  ~EtcdCluster() {
-    for (auto& process : processes_) process->Signal(SIGKILL);
-  }
-  std::string Url() const {
-    std::string url = "etcd://";
-    for (size_t i = 0; i < client_ports_.size(); ++i) {
-      url += (i ? "," : "") + std::string("127.0.0.1:") + std::to_string(client_ports_[i]);
-    }
-    return url;
-  }
-  std::vector<std::string> Endpoints() const { return launcher::ParseEtcdUrl(Url()).value().endpoints; }
-  // etcdctl against the cluster (over its TLS, with a client certificate), as `user` when given.
-  ProcessResult Ctl(std::vector<std::string> args, const std::string& user = "") const {
-    std::string endpoints;
-    for (const std::string& e : Endpoints()) endpoints += (endpoints.empty() ? "" : ",") + ("https://" + e);
-    std::vector<std::string> argv = {"/usr/bin/etcdctl", "--endpoints", endpoints, "--cacert", tls_ + "/ca.pem",
-                                     "--cert", tls_ + "/client.pem", "--key", tls_ + "/client.key"};
-    if (!user.empty()) argv.insert(argv.end(), {"--user", user});
-    argv.insert(argv.end(), args.begin(), args.end());
-    return RunProcess(argv, {{"ETCDCTL_API", "3"}}, seconds(30));
-  }
-  Subprocess& member(int i) { return *processes_[i]; }
-  std::string Output() const {
-    std::string all;
-    for (size_t i = 0; i < processes_.size(); ++i) all += "--- " + Name(i) + "\n" + processes_[i]->Output();
-    return all;
-  }
-
- private:
-  static std::string Name(int i) { return "m" + std::to_string(i); }
-  std::string tls_;
-  std::vector<int> client_ports_, peer_ports_;
-  std::vector<std::unique_ptr<Subprocess>> processes_;
-};
 
 // The events of `job_id` a follower of the coordinator at `address` gets from the first, until
 // the job has ended and every event came (`*finished` OK) or `timeout` passes.
@@ -145,7 +71,7 @@ TEST_F(EtcdTest, TheStateStoreKeepsJobsRanksEventsLogsAndCommits) {
   EXPECT_EQ(first->id(), "tiny-1");
   auto second = store.CreateJob("other", "name: other\n", 1, 2000);
   ASSERT_TRUE(second.ok());
-  EXPECT_EQ(second->id(), "other-2");
+  EXPECT_EQ(second->id(), "other-1") << "job numbers count per name";
 
   v1::Job job = *first;
   job.set_state(v1::JOB_STATE_RUNNING);
@@ -170,7 +96,7 @@ TEST_F(EtcdTest, TheStateStoreKeepsJobsRanksEventsLogsAndCommits) {
   auto listed = store.ListJobs(0);
   ASSERT_TRUE(listed.ok());
   ASSERT_EQ(listed->size(), 2u);
-  EXPECT_EQ((*listed)[0].id(), "other-2") << "newest first";
+  EXPECT_EQ((*listed)[0].id(), "other-1") << "newest first";
   EXPECT_EQ((*listed)[0].ranks_size(), 0);
 
   for (int64_t seq : {5, 9, 12}) {
@@ -225,9 +151,22 @@ TEST_F(EtcdTest, TheStateStoreKeepsJobsRanksEventsLogsAndCommits) {
   EXPECT_EQ(pruned->jobs, 1);
   EXPECT_EQ(pruned->log_lines, 100) << "the running job's lines older than the cutoff";
   EXPECT_EQ(store.Logs("tiny-1", -1, 0, 0)->size(), 150u);
-  EXPECT_EQ(store.GetJob("other-2").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(store.GetJob("other-1").status().code(), StatusCode::kNotFound);
   EXPECT_TRUE(store.GetJob("tiny-1").ok());
   EXPECT_EQ(store.EventsAfter("tiny-1", 0)->size(), 3u);
+  EXPECT_EQ(store.CreateJob("other", "name: other\n", 1, 20000)->id(), "other-2") << "a number is never given twice";
+
+  // A state written while job numbers were one counter across names (P/counter/jobs): a new name
+  // starts after it, so that no earlier id comes again.
+  etcdserverpb::TxnRequest legacy;
+  etcdserverpb::PutRequest* put = legacy.add_success()->mutable_request_put();
+  put->set_key("old/counter/jobs");
+  put->set_value("41");
+  ASSERT_TRUE(shared->Txn(legacy).ok());
+  launcher::EtcdStateStore old(shared, "old");
+  EXPECT_EQ(old.CreateJob("tiny", "name: tiny\n", 1, 1000)->id(), "tiny-42");
+  EXPECT_EQ(old.CreateJob("tiny", "name: tiny\n", 1, 1000)->id(), "tiny-43");
+  EXPECT_EQ(old.CreateJob("other", "name: other\n", 1, 1000)->id(), "other-42");
 }
 
 // Two campaigns: one leads, the other stands by seeing its address; once the leader resigns the

@@ -1274,5 +1274,55 @@ TEST(StateStoreTest, AJobsLastFiguresAreStoredAndAnOlderDatabaseGetsTheirColumns
   std::filesystem::remove_all(dir);
 }
 
+// Job numbers count per name, so that the README's second job is llama-quickstart-1 after a
+// quickstart-1; a number goes once, even after its job was pruned.
+TEST(StateStoreTest, JobNumbersCountPerNameAndAreNeverGivenTwice) {
+  std::unique_ptr<SqliteStateStore> store = std::move(SqliteStateStore::Open(":memory:")).value();
+  EXPECT_EQ(store->CreateJob("quickstart", "name: quickstart\n", 2, 1000)->id(), "quickstart-1");
+  EXPECT_EQ(store->CreateJob("llama-quickstart", "name: llama-quickstart\n", 2, 1000)->id(), "llama-quickstart-1");
+  StatusOr<v1::Job> second = store->CreateJob("quickstart", "name: quickstart\n", 2, 1000);
+  EXPECT_EQ(second->id(), "quickstart-2");
+  second->set_state(v1::JOB_STATE_SUCCEEDED);
+  ASSERT_TRUE(store->UpdateJob(*second).ok());
+  ASSERT_EQ(store->PruneBefore(std::numeric_limits<int64_t>::max())->jobs, 1);
+  EXPECT_EQ(store->CreateJob("quickstart", "name: quickstart\n", 2, 1000)->id(), "quickstart-3");
+  ASSERT_EQ(store->ListJobs(0)->size(), 3u);
+  EXPECT_EQ(store->ListJobs(0)->front().id(), "quickstart-3") << "newest first";
+}
+
+// A database made while job numbers were one counter across names: a name starts after that counter
+// (deleted jobs included), so no earlier job's id, nor its checkpoint folder, comes again.
+TEST(StateStoreTest, ADatabaseOfOneCounterAcrossNamesGivesNoEarlierIdAgain) {
+  const std::filesystem::path dir =
+      std::filesystem::temp_directory_path() / ("ltrain-numbers-" + std::to_string(::getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string path = (dir / "state.db").string();
+  {
+    sqlite3* db = nullptr;
+    ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+    ASSERT_EQ(sqlite3_exec(db,
+                           "CREATE TABLE jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, name TEXT NOT "
+                           "NULL, state INTEGER NOT NULL, recipe TEXT NOT NULL, world_size INTEGER NOT NULL, generation "
+                           "INTEGER NOT NULL DEFAULT 0, cause TEXT NOT NULL DEFAULT '', created_ms INTEGER NOT NULL, "
+                           "updated_ms INTEGER NOT NULL, last_step INTEGER NOT NULL DEFAULT 0, last_loss REAL NOT NULL "
+                           "DEFAULT 0);"
+                           "INSERT INTO jobs (id, name, state, recipe, world_size, created_ms, updated_ms) VALUES "
+                           "('a-1', 'a', 3, '', 1, 1, 1), ('b-2', 'b', 3, '', 1, 1, 1), ('a-3', 'a', 3, '', 1, 1, 1);"
+                           "DELETE FROM jobs WHERE id = 'a-3';",
+                           nullptr, nullptr, nullptr),
+              SQLITE_OK);
+    sqlite3_close(db);
+  }
+  std::unique_ptr<SqliteStateStore> store = std::move(SqliteStateStore::Open(path)).value();
+  EXPECT_EQ(store->CreateJob("a", "name: a\n", 1, 1000)->id(), "a-4");
+  EXPECT_EQ(store->CreateJob("c", "name: c\n", 1, 1000)->id(), "c-4");
+  EXPECT_EQ(store->CreateJob("c", "name: c\n", 1, 1000)->id(), "c-5");
+  store.reset();
+  store = std::move(SqliteStateStore::Open(path)).value();
+  EXPECT_EQ(store->CreateJob("b", "name: b\n", 1, 1000)->id(), "b-4") << "the floor is taken once, not moved";
+  store.reset();
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace ltrain::launcher
