@@ -230,7 +230,7 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
   job.generation_nodes = nodes;
   job.ranks_exited_ok.clear();
   job.progress.clear();
-  job.stragglers.clear();
+  job.stragglers = StragglerTracker();
   job.generation_started_ms = clock_->SteadyMs();
   job.committed_at_start = job.job.last_committed_step();
   job.resume_compared = false;
@@ -460,7 +460,7 @@ StatusOr<v1::Job> Coordinator::GetJob(const std::string& job_id) {
         rank.set_work(DescribeWork(progress->second.report.work()));
         rank.set_compute_ms(progress->second.report.completed().compute_ms());
         rank.set_memory_bytes(progress->second.report.completed().memory_bytes());
-        rank.set_straggler(active->stragglers.count(rank.rank()) > 0);
+        rank.set_straggler(active->stragglers.named().count(rank.rank()) > 0);
       }
       for (const auto& node_id : active->nodes) {
         auto node = nodes_.find(node_id);
@@ -864,39 +864,29 @@ void Coordinator::CheckStragglersLocked(ActiveJob& job) {
   int64_t step = 0;  // the newest step a rank completed
   for (const auto& [rank, progress] : job.progress) {
     const v1::StepFigures& completed = progress.report.completed();
-    figures.push_back({rank, completed.compute_ms(), completed.compute_steps()});
+    figures.push_back({rank, completed.compute_ms(), completed.compute_steps(), completed.compute_spread_ms()});
     step = std::max(step, completed.step());
   }
   if (static_cast<int>(figures.size()) < job.job.world_size()) return;  // not every rank has reported
-  // Named above kStragglerRatio; named no longer only below half of that margin, so that a rank at
-  // the edge does not come and go with every report.
-  const double keep_ratio = 1.0 + (kStragglerRatio - 1.0) / 2.0;
-  std::map<int, Straggler> named;
-  for (const Straggler& s : FindStragglers(figures, keep_ratio)) {
-    if (job.stragglers.count(s.rank) || s.compute_ms > kStragglerRatio * s.others_median_ms) named[s.rank] = s;
-  }
   // Ranks are placed in order, nproc_per_node to each of the generation's nodes.
   auto node_of = [&](int rank) {
     const size_t i = static_cast<size_t>(rank / std::max(1, job.recipe.parallel.nproc_per_node));
     return i < job.nodes.size() ? job.nodes[i] : std::string("?");
   };
   char text[320];
-  for (const auto& [rank, s] : named) {
-    if (job.stragglers.count(rank)) continue;
-    std::snprintf(text, sizeof(text),
-                  "rank %d on %s is a straggler at step %lld: %.1f ms of its own work a step over its last %d steps, "
-                  "%.2fx the other ranks' median of %.1f ms",
-                  rank, node_of(rank).c_str(), static_cast<long long>(step), s.compute_ms, kStragglerWindow,
-                  s.compute_ms / s.others_median_ms,
-                  s.others_median_ms);
-    AddEventLocked(job, "straggler", text, rank);
+  for (const StragglerTracker::Change& change : job.stragglers.Observe(step, figures)) {
+    const Straggler& s = change.straggler;
+    if (change.named) {
+      std::snprintf(text, sizeof(text),
+                    "rank %d on %s is a straggler at step %lld: %.1f ms of its own work a step at best over its "
+                    "last %d steps (medians of %d), %.2fx the other ranks' median of %.1f ms",
+                    s.rank, node_of(s.rank).c_str(), static_cast<long long>(step), s.compute_ms, kStragglerMemorySteps,
+                    kStragglerWindow, s.compute_ms / s.others_median_ms, s.others_median_ms);
+    } else {
+      std::snprintf(text, sizeof(text), "rank %d on %s is no longer a straggler", s.rank, node_of(s.rank).c_str());
+    }
+    AddEventLocked(job, "straggler", text, s.rank);
   }
-  for (const auto& [rank, s] : job.stragglers) {
-    if (named.count(rank)) continue;
-    std::snprintf(text, sizeof(text), "rank %d on %s is no longer a straggler", rank, node_of(rank).c_str());
-    AddEventLocked(job, "straggler", text, rank);
-  }
-  job.stragglers = std::move(named);
 }
 
 void Coordinator::CheckHangLocked(ActiveJob& job, int64_t now) {

@@ -211,7 +211,7 @@ class Coordinator {
     int64_t committed_at_stop = 0;       // last committed step when the stop was asked
     bool stopped_early = false;          // a rank reported it stopped after a final checkpoint
     std::vector<v1::Event> events;   // in memory, log lines included
-    std::map<int, Straggler> stragglers;  // of the current generation, by rank (straggler.h)
+    StragglerTracker stragglers;  // of the current generation (straggler.h)
     JobSeries series;
   };
 

@@ -475,40 +475,52 @@ TEST_F(CoordinatorTest, StepFiguresComeFromRankZerosProgressInHeartbeats) {
   EXPECT_EQ(coordinator_->GetJob(id)->last_step(), 4);
 }
 
-// A rank whose own work stays above the others' is named once, with its node, in an event, the
-// job's ranks and its metrics; and named no longer once it is back.
+// A rank whose own work stays above the others' for kStragglerConfirmSteps steps is named once, with
+// its node, in an event, the job's ranks and its metrics; ticks between reports confirm nothing; and it
+// is named no longer once it has been back as long.
 TEST_F(CoordinatorTest, AStragglerIsNamedOnceAndReleasedWhenItCatchesUp) {
   Connect("a");
   Connect("b");
   std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
-  auto beat = [&](int64_t seq, double slow_ms, int steps) {
+  int64_t seq = 0;
+  auto beat = [&](int64_t step, double slow_ms, int steps) {
+    ++seq;
     for (int rank = 0; rank < 4; ++rank) {
-      v1::RankProgress report = Report(id, rank, seq, 3);
+      v1::RankProgress report = Report(id, rank, seq, step);
       report.mutable_completed()->set_compute_ms(rank == 3 ? slow_ms : 100.0);
       report.mutable_completed()->set_compute_steps(steps);
+      report.mutable_completed()->set_compute_spread_ms(rank == 3 ? 3.0 : 2.0);
       ASSERT_TRUE(coordinator_->Heartbeat(BeatWith(rank < 2 ? "a" : "b", report)).ok());
     }
     coordinator_->Tick();
+    coordinator_->Tick();
   };
-  beat(1, 150, kStragglerWindow - 1);
-  EXPECT_TRUE(Events(id, "straggler").empty()) << "not before a full window";
-  beat(2, 150, kStragglerWindow);
-  beat(3, 155, kStragglerWindow);
+  beat(9, 150, kStragglerWindow - 1);
+  beat(10, 150, kStragglerWindow);
+  for (int i = 0; i < 5; ++i) coordinator_->Tick();
+  EXPECT_TRUE(Events(id, "straggler").empty()) << "a step seen again confirms nothing";
+  beat(12, 150, kStragglerWindow);
+  EXPECT_TRUE(Events(id, "straggler").empty()) << "not before kStragglerConfirmSteps steps above";
+  beat(10 + kStragglerConfirmSteps, 155, kStragglerWindow);
   std::vector<v1::Event> events = Events(id, "straggler");
   ASSERT_EQ(events.size(), 1u);
   EXPECT_EQ(events[0].rank(), 3);
-  EXPECT_NE(events[0].message().find("rank 3 on b is a straggler at step 3: 150.0 ms of its own work a step"), std::string::npos)
-      << events[0].message();
-  EXPECT_NE(events[0].message().find("1.50x the other ranks' median of 100.0 ms"), std::string::npos)
+  EXPECT_NE(events[0].message().find("rank 3 on b is a straggler at step " + std::to_string(10 + kStragglerConfirmSteps) +
+                                     ": 150.0 ms of its own work a step at best over its last 60 steps (medians of "
+                                     "10), 1.50x the other ranks' median of 100.0 ms"),
+            std::string::npos)
       << events[0].message();
   v1::Job job = *coordinator_->GetJob(id);
   EXPECT_TRUE(job.ranks(3).straggler());
   EXPECT_DOUBLE_EQ(job.ranks(3).compute_ms(), 155);
   EXPECT_FALSE(job.ranks(0).straggler());
 
-  beat(4, 115, kStragglerWindow);  // under 1.2x, above the 1.1x it must come under
+  beat(16, 115, kStragglerWindow);  // under 1.2x, above the 1.1x it must come under
+  beat(30, 115, kStragglerWindow);
   EXPECT_EQ(Events(id, "straggler").size(), 1u);
-  beat(5, 105, kStragglerWindow);
+  beat(31, 105, kStragglerWindow);
+  EXPECT_EQ(Events(id, "straggler").size(), 1u) << "back for one step only";
+  beat(31 + kStragglerConfirmSteps, 105, kStragglerWindow);
   events = Events(id, "straggler");
   ASSERT_EQ(events.size(), 2u);
   EXPECT_EQ(events[1].message(), "rank 3 on b is no longer a straggler");

@@ -1,10 +1,12 @@
 #include "worker/control/progress.h"
 
+#include <algorithm>
 #include <cerrno>
 #include <charconv>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "common/files.h"
 
@@ -26,7 +28,23 @@ std::string JsonNumber(double value) {
   return std::string(text, written.ptr);
 }
 
+double Median(std::vector<double> values) {
+  const size_t mid = values.size() / 2;
+  std::nth_element(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(mid), values.end());
+  if (values.size() % 2 == 1) return values[mid];
+  return (*std::max_element(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(mid)) + values[mid]) / 2.0;
+}
+
 }  // namespace
+
+void StepFigures::SetCompute(const std::deque<double>& window) {
+  if (window.empty()) return;
+  compute_ms = Median(std::vector<double>(window.begin(), window.end()));
+  std::vector<double> deviations;
+  for (double ms : window) deviations.push_back(std::abs(ms - compute_ms));
+  compute_spread_ms = Median(std::move(deviations));
+  compute_steps = static_cast<int>(window.size());
+}
 
 Progress& Progress::Global() {
   static Progress* progress = new Progress();

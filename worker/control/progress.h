@@ -35,10 +35,14 @@ struct StepFigures {
   double lr = 0;
   double tokens_per_s = 0;
   double step_ms = 0;
-  double compute_ms = 0;    // mean of the last compute_steps steps' own work (see RankProgress); 0: none
+  double compute_ms = 0;    // median of the last compute_steps steps' own work (see RankProgress); 0: none
   int compute_steps = 0;
+  double compute_spread_ms = 0;  // those steps' median absolute deviation from compute_ms
   double mfu = 0;           // 0 to 1, against the GPU's dense bf16 peak; 0: not on a GPU
   int64_t memory_bytes = 0; // this rank's memory (proto StepFigures.memory_bytes); 0: unknown
+
+  // compute_ms, compute_steps and compute_spread_ms from the own work of the last steps (ms each).
+  void SetCompute(const std::deque<double>& window);
 };
 
 // Long work a rank is in the middle of, in countable units, so that start-up, a checkpoint save or

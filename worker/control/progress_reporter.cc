@@ -73,6 +73,7 @@ bool ProgressReporter::Send() {
     completed->set_step_ms(snapshot.completed->step_ms);
     completed->set_compute_ms(snapshot.completed->compute_ms);
     completed->set_compute_steps(snapshot.completed->compute_steps);
+    completed->set_compute_spread_ms(snapshot.completed->compute_spread_ms);
     completed->set_mfu(snapshot.completed->mfu);
     completed->set_memory_bytes(snapshot.completed->memory_bytes);
   }

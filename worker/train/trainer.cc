@@ -1,6 +1,7 @@
 #include "worker/train/trainer.h"
 
 #include <malloc.h>
+#include <time.h>
 
 #include <algorithm>
 #include <atomic>
@@ -20,6 +21,7 @@
 #include <tuple>
 
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
 
@@ -39,8 +41,18 @@
 namespace ltrain::worker {
 namespace {
 
-// Steps over which a rank's compute figure is averaged (StepFigures.compute_steps).
+// Steps over which a rank's compute figure is taken (StepFigures.compute_steps).
 constexpr size_t kComputeWindow = 10;
+
+// The CPU time spent so far on a rank's work, in milliseconds: the calling thread's where LibTorch
+// runs its operations on it alone, else the whole process's over its intra-op threads (which then
+// counts the rank's other threads too: the reductions', the collectives').
+double WorkCpuMs() {
+  const int threads = at::get_num_threads();
+  timespec t{};
+  ::clock_gettime(threads <= 1 ? CLOCK_THREAD_CPUTIME_ID : CLOCK_PROCESS_CPUTIME_ID, &t);
+  return (static_cast<double>(t.tv_sec) * 1e3 + static_cast<double>(t.tv_nsec) / 1e6) / std::max(1, threads);
+}
 
 // model.init "auto": PyTorch's initialisation below this many parameters, per-parameter from here.
 constexpr int64_t kPerParameterInitFrom = 2'000'000'000;
@@ -576,6 +588,7 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
       torch::Tensor inputs, targets;
       LTRAIN_RETURN_IF_ERROR(FillBatch(a, &inputs, &targets));
       const auto forward_start = SteadyClock::now();
+      const double forward_cpu_ms = cuda ? 0.0 : WorkCpuMs();
       if (cuda) spans.push_back(compat::DeviceSpan::Start(device_));
       const bool reduce_now = overlap_ && (layout_.zero >= 2 || a == m - 1);
       store_->ArmHooks(reduce_now);
@@ -590,7 +603,11 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
       backward_start_ = SteadyClock::now();
       (loss / m).backward();
       backward_end_ = SteadyClock::now();
-      double micro_ms = std::chrono::duration<double, std::milli>(backward_end_ - forward_start).count();
+      // A CPU rank's work is the CPU time it spent (WorkCpuMs), not the host's clock: ranks that share
+      // busy cores with each other and the control plane wait for a core by turns, and the clock would
+      // name whichever waited most a straggler.
+      double micro_ms = cuda ? std::chrono::duration<double, std::milli>(backward_end_ - forward_start).count()
+                             : WorkCpuMs() - forward_cpu_ms;
       if (options_.slow_factor > 1.0) {
         if (cuda) {
           // The drill slows the GPU's work by the factor, sized from this rank's fastest measured step
@@ -894,12 +911,7 @@ Status Trainer::Run() {
     LTRAIN_RETURN_IF_ERROR(CheckLoss(value, f.step));
     const int64_t s = f.step;
     StepFigures figures{s, t.steps, value, f.lr, f.ms > 0 ? tokens_per_step / (f.ms / 1000.0) : 0.0, f.ms};
-    if (!compute_window_.empty()) {
-      double sum = 0;
-      for (double ms : compute_window_) sum += ms;
-      figures.compute_ms = sum / static_cast<double>(compute_window_.size());
-      figures.compute_steps = static_cast<int>(compute_window_.size());
-    }
+    figures.SetCompute(compute_window_);
     if (device_.is_cuda()) {
       figures.mfu = figures.tokens_per_s / layout_.world_size * flops_per_token / kGpuPeakFlops;
       figures.memory_bytes = PeakDeviceBytes();
