@@ -75,7 +75,12 @@ int DataPrepare(DataPrepareArgs& args) {
   std::printf("wrote %s (%lld tokens) and %s (%lld tokens), %s tokens\n", stats->train_path.c_str(),
               static_cast<long long>(info.train_tokens), stats->val_path.c_str(),
               static_cast<long long>(info.val_tokens), info.vocab <= 65536 ? "uint16" : "uint32");
-  std::printf("recipe: data.path: %s and model.vocab >= %d\n", o.output_dir.c_str(), info.vocab);
+  // The recipe's sections for these tokens, to paste as they are (model.vocab may be larger).
+  std::printf("in a recipe:\n  data:\n    path: %s\n", o.output_dir.c_str());
+  if (info.tokenizer == "byte" || info.tokenizer == "huggingface") {
+    std::printf("    tokenizer: %s\n", info.tokenizer.c_str());
+  }
+  std::printf("  model:\n    vocab: %d\n", info.vocab);
   return kExitOk;
 }
 

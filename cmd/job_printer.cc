@@ -9,6 +9,7 @@
 #include <google/protobuf/util/json_util.h>
 
 #include "common/logging.h"
+#include "common/recipe.h"
 #include "common/signal_name.h"
 #include "launcher/log_view.h"
 #include "launcher/state_store.h"
@@ -330,6 +331,22 @@ std::string FormatFollowedEvent(const v1::Event& event, bool quiet) {
     Appendf(&out, "ltrain: %s\n", TerminalSafe(event.message(), /*keep_newlines=*/true).c_str());
   }
   return out;
+}
+
+std::string FormatContinueHint(const v1::Job& job, const std::string& coordinator) {
+  // A program under ltrain run has its recipe's entrypoint.command; its checkpoints are its own.
+  const bool program = !ParseRecipe(job.recipe_yaml(), job.id()).recipe.entrypoint.command.empty();
+  const std::string resume = "ltrain resume " + job.id() + (coordinator.empty() ? "" : " --coordinator " + coordinator);
+  std::string from;
+  if (program) {
+    from = "starts the program again";
+  } else if (job.last_committed_step() > 0) {
+    from = "continues it from its checkpoint of step " + std::to_string(job.last_committed_step());
+  } else {
+    from = "starts it again from the start (it committed no checkpoint)";
+  }
+  return "ltrain: `" + resume + "` " + from + "; to have such failures restart it by themselves, " +
+         (program ? "give `ltrain run` --max-restarts N" : "set fault.max_restarts in the recipe") + "\n";
 }
 
 }  // namespace ltrain::cli

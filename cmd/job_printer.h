@@ -44,4 +44,9 @@ std::string FormatLogLines(const std::vector<v1::Event>& lines, LogFormat format
 // the event is not shown. The coordinator's own log lines (rank -1) are never shown: its events say it.
 std::string FormatFollowedEvent(const v1::Event& event, bool quiet);
 
+// The last line of a launch or resume whose job FAILED: how to continue it (`ltrain resume`, from which
+// commit) and how to have such failures restart it by themselves. `coordinator`: the address a resume
+// needs, "" for a standalone job.
+std::string FormatContinueHint(const v1::Job& job, const std::string& coordinator);
+
 }  // namespace ltrain::cli

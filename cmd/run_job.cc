@@ -106,7 +106,7 @@ class WorkWatcher {
 
  private:
   // "rank R: WORK" of the first rank in long work of its own (rather than waiting for others), with
-  // how many more are in long work; "" when none is.
+  // how many more are in long work (or in the same work); "" when none is.
   static std::string Describe(const v1::Job& job, std::string& identity) {
     const v1::RankInfo* shown = nullptr;
     int busy = 0;
@@ -117,9 +117,13 @@ class WorkWatcher {
       if (shown == nullptr || (shown->work().rfind("waiting", 0) == 0 && !waits)) shown = &rank;
     }
     if (shown == nullptr) return "";
-    identity = std::to_string(shown->rank()) + " " + shown->work().substr(0, shown->work().rfind(", "));
+    const std::string what = shown->work().substr(0, shown->work().rfind(", "));
+    identity = std::to_string(shown->rank()) + " " + what;
+    int alike = 0;
+    for (const v1::RankInfo& rank : job.ranks()) alike += rank.work().rfind(what + ", ", 0) == 0 ? 1 : 0;
     std::string text = "rank " + std::to_string(shown->rank()) + ": " + shown->work();
-    if (busy > 1) text += " (" + std::to_string(busy - 1) + " more rank" + (busy > 2 ? "s" : "") + " in long work)";
+    const std::string more = std::to_string(busy - 1) + " more rank" + (busy > 2 ? "s" : "");
+    if (busy > 1) text += " (" + more + (alike == busy ? " alike)" : " in long work)");
     return text;
   }
 
@@ -184,7 +188,7 @@ class WorkWatcher {
 
 }  // namespace
 
-int FollowJob(CoordinatorClient& client, const std::string& job_id, bool quiet, int64_t after_seq) {
+int FollowJob(CoordinatorClient& client, const std::string& job_id, bool quiet, int64_t after_seq, bool standalone) {
   std::mutex out;
   WorkWatcher work(client, job_id, out);
   int64_t after = after_seq;
@@ -210,8 +214,14 @@ int FollowJob(CoordinatorClient& client, const std::string& job_id, bool quiet, 
     }
     grpc::Status status = reader->Finish();
     if (status.ok()) {
-      if (final_state == v1::JOB_STATE_UNSPECIFIED) {
-        if (std::optional<v1::Job> job = client.TryGetJob(job_id, 5)) final_state = job->state();
+      if (final_state == v1::JOB_STATE_UNSPECIFIED || final_state == v1::JOB_STATE_FAILED) {
+        if (std::optional<v1::Job> job = client.TryGetJob(job_id, 5)) {
+          final_state = job->state();
+          if (final_state == v1::JOB_STATE_FAILED) {
+            std::fputs(FormatContinueHint(*job, standalone ? "" : client.address()).c_str(), stdout);
+            std::fflush(stdout);
+          }
+        }
       }
       return ExitCodeFor(final_state);
     }
@@ -317,7 +327,7 @@ int RunJob(const RunJobOptions& options, const SecurityMaterial& security,
     stop_context.set_deadline(Deadline(5));
     stopper.stub().StopJob(&stop_context, stop, &stop_reply);
   });
-  int code = FollowJob(client, job_id, options.quiet, after_seq);
+  int code = FollowJob(client, job_id, options.quiet, after_seq, standalone);
   local.Shutdown();
   if (standalone) {
     std::error_code ec;

@@ -36,7 +36,9 @@ int RunJob(const RunJobOptions& options, const SecurityMaterial& security,
 // Streams a job's events and log lines after `after_seq` until it ends, riding out a coordinator
 // restart of up to about 30 s, with the ranks' long work (a checkpoint's save or load, building the
 // model) shown as it lasts: a bar on a terminal, a line every 10 s otherwise. Returns the exit code
-// for its final state.
-int FollowJob(CoordinatorClient& client, const std::string& job_id, bool quiet, int64_t after_seq = 0);
+// for its final state; a FAILED job's last line says how to continue it (`standalone`: the job's
+// coordinator is this command's own, so a resume needs no --coordinator).
+int FollowJob(CoordinatorClient& client, const std::string& job_id, bool quiet, int64_t after_seq = 0,
+              bool standalone = false);
 
 }  // namespace ltrain::cli

@@ -344,12 +344,15 @@ void Coordinator::FailGenerationLocked(ActiveJob& job, const std::string& cause,
   job.job.set_state(v1::JOB_STATE_RESTARTING);
   job.restart_at_ms = clock_->SteadyMs() + *delay;
   PersistJobLocked(job);
-  std::string from = job.job.last_committed_step() > 0
-                         ? "the checkpoint of step " + std::to_string(job.job.last_committed_step())
-                         : "the start (no checkpoint committed yet)";
+  // A program under ltrain run keeps its own checkpoints, if any: it is started again, and what it
+  // loads is its own to say.
+  std::string from = !job.recipe.entrypoint.command.empty() ? ": the program starts again on every rank"
+                     : job.job.last_committed_step() > 0
+                         ? ", from the checkpoint of step " + std::to_string(job.job.last_committed_step())
+                         : ", from the start (no checkpoint committed yet)";
   AddEventLocked(job, "restarting",
                  "restart " + std::to_string(job.job.restarts()) + " of " + std::to_string(job.recipe.fault.max_restarts) +
-                     " in " + Seconds(*delay) + ", from " + from,
+                     " in " + Seconds(*delay) + from,
                  -1);
   ScheduleLocked();
 }

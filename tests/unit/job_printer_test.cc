@@ -225,5 +225,24 @@ TEST(JobPrinterTest, FollowedEventsShowLogLinesUnlessQuiet) {
   EXPECT_EQ(FormatFollowedEvent(state, true), "ltrain: job FAILED: rank 0 on local exited with code 3\n");
 }
 
+// A FAILED job's last line says how to go on: the resume command as it must be typed, from which
+// commit, and the key that makes such failures restart by themselves.
+TEST(JobPrinterTest, AFailedJobSaysHowToContinueIt) {
+  v1::Job job = FailedJob();
+  job.set_recipe_yaml("name: r\ndata: {path: /d}\n");
+  job.set_last_committed_step(200);
+  EXPECT_EQ(FormatContinueHint(job, ""),
+            "ltrain: `ltrain resume r-1` continues it from its checkpoint of step 200; to have such failures restart "
+            "it by themselves, set fault.max_restarts in the recipe\n");
+  job.set_last_committed_step(0);
+  EXPECT_EQ(FormatContinueHint(job, "head:7070"),
+            "ltrain: `ltrain resume r-1 --coordinator head:7070` starts it again from the start (it committed no "
+            "checkpoint); to have such failures restart it by themselves, set fault.max_restarts in the recipe\n");
+  job.set_recipe_yaml("name: r\nentrypoint: {command: [python3, train.py]}\n");
+  EXPECT_EQ(FormatContinueHint(job, ""),
+            "ltrain: `ltrain resume r-1` starts the program again; to have such failures restart it by themselves, "
+            "give `ltrain run` --max-restarts N\n");
+}
+
 }  // namespace
 }  // namespace ltrain::cli

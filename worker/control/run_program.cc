@@ -404,12 +404,13 @@ std::optional<ProgressLine> ParseProgressLine(std::string_view line) {
 }
 
 namespace {
-constexpr const char* kUnreported = "running the program (no progress reports)";
+// Long work to the hang detector (no step will come to measure it by), in words for the launch's line.
+constexpr const char* kUnreported = "the program is running (it reports no steps)";
 }  // namespace
 
 void ProgramProgress::Tick(int64_t running_ms) {
   if (reported_) return;
-  progress_.SetWork(kUnreported, running_ms / 1000, 0, "seconds");
+  progress_.SetWork(kUnreported, running_ms / 1000, 0, "s");
 }
 
 void ProgramProgress::Apply(const ProgressLine& line) {
