@@ -216,6 +216,16 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
         "LTRAIN_CHECKPOINT_DIR=" + start.checkpoint_dir(),
         "LTRAIN_BIND_ADDR=" + options_.bind_address,
     };
+    if (program) {
+      // A build tree keeps ltrain_progress beside its binaries (build/python, as the Debian package puts
+      // it in python3's dist-packages): `import ltrain_progress` works from either.
+      const fs::path modules = fs::path(options_.worker_binary).parent_path().parent_path() / "python";
+      std::error_code ec;
+      if (fs::exists(modules / "ltrain_progress.py", ec)) {
+        const char* path = std::getenv("PYTHONPATH");
+        spec.env.push_back("PYTHONPATH=" + modules.string() + (path && *path ? ":" + std::string(path) : ""));
+      }
+    }
     if (!secret_file.empty()) spec.env.push_back("LTRAIN_AGENT_SECRET_FILE=" + secret_file);
     if (start.last_committed_step() > 0) {
       spec.env.push_back("LTRAIN_COMMITTED_STEP=" + std::to_string(start.last_committed_step()));

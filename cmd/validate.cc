@@ -71,7 +71,8 @@ int Validate(const ValidateArgs& args) {
   std::printf("%s", RecipeToYaml(parsed.recipe).c_str());
   // The recipe may be meant for another machine: a warning, not an error.
   std::error_code ec;
-  if (!std::filesystem::exists(std::filesystem::path(data) / "train.bin", ec)) {
+  // A program under ltrain run reads its own data: data.path is not its.
+  if (!parsed.recipe.runs_program() && !std::filesystem::exists(std::filesystem::path(data) / "train.bin", ec)) {
     std::fprintf(stderr,
                  "%s: warning: data.path %s holds no prepared data here (no train.bin); if the job runs on this "
                  "machine, prepare it with: ltrain data prepare --input TEXT_FILE... --output %s\n",

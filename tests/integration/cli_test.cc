@@ -74,6 +74,11 @@ TEST(CliTest, ValidatePrintsTheResolvedRecipeWithOverrides) {
   EXPECT_NE(result.output.find("layers: 3"), std::string::npos) << result.output;
   // /d holds no prepared data: said as a warning (the recipe may be meant for another machine).
   EXPECT_NE(result.output.find("warning: data.path /d holds no prepared data here"), std::string::npos) << result.output;
+  // A program under ltrain run reads its own data: no warning about ltrain's.
+  ProcessResult program = RunProcess(
+      {LtrainBinary(), "validate", dir.Write("run.yaml", "name: run\nentrypoint: {command: [python3, train.py]}\n")});
+  EXPECT_EQ(program.exit_code, 0) << program.output;
+  EXPECT_EQ(program.output.find("prepared data"), std::string::npos) << program.output;
 }
 
 // `validate --explain` lists every key of the schema: as text, as the README's Markdown table, as JSON.
@@ -203,6 +208,32 @@ TEST(CliTest, DataPrepareWritesTrainAndValidationFiles) {
                                dir.Join("out2")});
   EXPECT_EQ(missing.exit_code, 2);
   EXPECT_NE(missing.output.find("absent.txt"), std::string::npos) << missing.output;
+}
+
+// What data prepare prints is the recipe section to paste, and the token files are what the README
+// tells a nanoGPT reader: a 28-byte header, then the tokens (byte tokens here: the text itself).
+TEST(CliTest, DataPreparePrintsTheRecipeSectionAndTheTokensReadAsTheReadmeSays) {
+  TempDir dir;
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += "to be or not to be, that is the question.\n";
+  ProcessResult result = RunProcess({LtrainBinary(), "data", "prepare", "--input", dir.Write("in.txt", text),
+                                     "--output", dir.Join("out"), "--val-fraction", "0.1"});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("in a recipe:\n  data:\n    path: " + dir.Join("out") +
+                               "\n    tokenizer: byte\n  model:\n    vocab: 256\n"),
+            std::string::npos)
+      << result.output;
+  const std::string check =
+      "import numpy as np, struct, sys\n"
+      "path = sys.argv[1]\n"
+      "magic, version, vocab, count, width = struct.unpack('<8sIIQI', open(path, 'rb').read(28))\n"
+      "assert magic == b'LTRNTOK1' and version == 1 and vocab == 256 and width == 2, (magic, version, vocab, width)\n"
+      "tokens = np.memmap(path, dtype=np.uint16, mode='r', offset=28)\n"
+      "assert len(tokens) == count, (len(tokens), count)\n"
+      "print(bytes(tokens[:41].astype(np.uint8)).decode())\n";
+  ProcessResult read = RunProcess({"/usr/bin/python3", dir.Write("read.py", check), dir.Join("out/train.bin")});
+  ASSERT_EQ(read.exit_code, 0) << read.output;
+  EXPECT_EQ(read.output, "to be or not to be, that is the question.\n") << read.output;
 }
 
 // A recipe of every default over a little prepared text in `dir`; empty when the text does not prepare.

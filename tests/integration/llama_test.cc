@@ -114,7 +114,11 @@ TEST_F(LlamaTest, TrainExportImportAndGenerate) {
   EXPECT_EQ(config["tie_word_embeddings"], true);
   EXPECT_EQ(config["eos_token_id"], 2047);
   EXPECT_TRUE(fs::exists(dir_->Join("hf-a/tokenizer.json")));
-  EXPECT_TRUE(fs::exists(dir_->Join("hf-a/tokenizer_config.json")));
+  ASSERT_TRUE(fs::exists(dir_->Join("hf-a/tokenizer_config.json")));
+  // The BOS the model config names is the token tokenizer_config.json names (it was null in config.json).
+  Json tokenizer_config = Json::parse(ReadFile(dir_->Join("hf-a/tokenizer_config.json")));
+  EXPECT_EQ(config["bos_token_id"], 2047);
+  EXPECT_EQ(tokenizer_config["bos_token"], tokenizer_config["eos_token"]);
   std::map<std::string, std::string> a = Tensors(dir_->Join("hf-a"));
   EXPECT_EQ(a.size(), 1u + 4 * 9 + 1);
   EXPECT_TRUE(a.count("model.layers.3.self_attn.k_proj.weight"));

@@ -121,6 +121,19 @@ TEST_F(RunTest, ProgramThatExitsOneFailsTheJobWithItsLastLines) {
   EXPECT_EQ(result.exit_code, 1) << result.output;
   EXPECT_NE(result.output.find("FAILED"), std::string::npos) << result.output;
   EXPECT_NE(result.output.find("no input on rank 0"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("ltrain: `ltrain resume fails-1` starts the program again; to have such failures "
+                               "restart it by themselves, give `ltrain run` --max-restarts N"),
+            std::string::npos)
+      << result.output;
+}
+
+// A program run from a build tree imports ltrain_progress as one run from the Debian package does.
+TEST_F(RunTest, AProgramImportsLtrainProgressFromABuildTree) {
+  ProcessResult result =
+      Run({"--name", "progress"},
+          {"/usr/bin/python3", "-c", "import ltrain_progress; print('imported', ltrain_progress.__file__)"});
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("imported "), std::string::npos) << result.output;
 }
 
 // `ltrain resume` starts a failed program again, one restart later.

@@ -273,7 +273,9 @@ int Export(const ToolArgs& args) {
       s = WriteFileAtomically(partial + "/tokenizer_config.json", config.dump(2) + "\n");
     }
   }
-  if (s.ok()) s = WriteFileAtomically(partial + "/config.json", HfConfigJson(r.model, -1, eos));
+  // The data has no token of its own before a document: the end-of-text token that ends the one
+  // before stands for both, as tokenizer_config.json's bos_token says.
+  if (s.ok()) s = WriteFileAtomically(partial + "/config.json", HfConfigJson(r.model, eos, eos));
   if (s.ok()) {
     fs::remove(output, ec);  // an empty directory
     fs::rename(partial, output, ec);
