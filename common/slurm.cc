@@ -107,6 +107,9 @@ StatusOr<SlurmAllocation> ReadSlurmAllocation(const GetEnvFunction& getenv,
 
 StatusOr<std::vector<std::string>> ExpandHostnamesWithScontrol(const std::string& nodelist) {
   if (nodelist.empty() || nodelist[0] == '-') return InvalidArgument("'" + nodelist + "' is not a node list");
+  // A list without ranges is its names: no scontrol needed (ltrain in a container image that has no
+  // Slurm, given the list its host expanded).
+  if (nodelist.find('[') == std::string::npos) return SplitNonEmpty(nodelist, ',');
   int fds[2];
   if (pipe(fds) != 0) return Internal(std::string("pipe: ") + std::strerror(errno));
   posix_spawn_file_actions_t actions;

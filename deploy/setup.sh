@@ -30,6 +30,7 @@ if [[ "${1:-}" == "--tests" ]]; then
              etcd-server etcd-client   # several coordinators on one etcd state (--state etcd://...), its TLS and users
              curl sqlite3          # the security suite: HTTPS to the dashboard, reading state.db as another user
              prometheus            # promtool check metrics on what /metrics serves
+             debootstrap           # a Debian 12 root for the container image's test
              dpkg-dev)             # dpkg-shlibdeps: the Debian package's dependencies (cpack)
 fi
 

@@ -201,5 +201,17 @@ TEST(ExpandHostnamesWithScontrolTest, ExpandsACompressedList) {
   unlink(path);
 }
 
+// A list without ranges needs no scontrol: ltrain in a container image without Slurm is given the list
+// its host expanded (deploy/slurm/README.md, "In a container").
+TEST(ExpandHostnamesWithScontrolTest, AListWithoutRangesIsItsNamesWithoutScontrol) {
+  const char* path = std::getenv("PATH");
+  const std::string saved = path ? path : "";
+  setenv("PATH", "/nonexistent", 1);
+  StatusOr<std::vector<std::string>> hosts = ExpandHostnamesWithScontrol("n1,n2,gpu7");
+  setenv("PATH", saved.c_str(), 1);
+  ASSERT_TRUE(hosts.ok()) << hosts.status().ToString();
+  EXPECT_EQ(*hosts, (std::vector<std::string>{"n1", "n2", "gpu7"}));
+}
+
 }  // namespace
 }  // namespace ltrain
