@@ -1239,6 +1239,20 @@ TEST(StateStoreTest, AJobWithANanLossIsStillStored) {
   EXPECT_EQ(store->GetJob(job->id())->state(), v1::JOB_STATE_FAILED);
 }
 
+// Writes a database at `path` as the first release made it (its jobs table), then runs `more` on it.
+void WriteFirstReleaseDatabase(const std::string& path, const std::string& more = "") {
+  sqlite3* db = nullptr;
+  ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
+  const std::string sql =
+      "CREATE TABLE jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, name TEXT NOT NULL, state INTEGER "
+      "NOT NULL, recipe TEXT NOT NULL, world_size INTEGER NOT NULL, generation INTEGER NOT NULL DEFAULT 0, cause TEXT "
+      "NOT NULL DEFAULT '', created_ms INTEGER NOT NULL, updated_ms INTEGER NOT NULL, last_step INTEGER NOT NULL "
+      "DEFAULT 0, last_loss REAL NOT NULL DEFAULT 0);" +
+      more;
+  EXPECT_EQ(sqlite3_exec(db, sql.c_str(), nullptr, nullptr, nullptr), SQLITE_OK);
+  sqlite3_close(db);
+}
+
 // The figures of a job's last step and checkpoint outlive it: `ltrain status` of an ended job reads
 // them from the database, where they used to read as 0. A database made before these columns gets them.
 TEST(StateStoreTest, AJobsLastFiguresAreStoredAndAnOlderDatabaseGetsTheirColumns) {
@@ -1246,20 +1260,7 @@ TEST(StateStoreTest, AJobsLastFiguresAreStoredAndAnOlderDatabaseGetsTheirColumns
       std::filesystem::temp_directory_path() / ("ltrain-state-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   const std::string path = (dir / "state.db").string();
-  {
-    sqlite3* db = nullptr;
-    ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
-    // The jobs table as the first release made it.
-    ASSERT_EQ(sqlite3_exec(db,
-                           "CREATE TABLE jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, name TEXT NOT "
-                           "NULL, state INTEGER NOT NULL, recipe TEXT NOT NULL, world_size INTEGER NOT NULL, generation "
-                           "INTEGER NOT NULL DEFAULT 0, cause TEXT NOT NULL DEFAULT '', created_ms INTEGER NOT NULL, "
-                           "updated_ms INTEGER NOT NULL, last_step INTEGER NOT NULL DEFAULT 0, last_loss REAL NOT NULL "
-                           "DEFAULT 0)",
-                           nullptr, nullptr, nullptr),
-              SQLITE_OK);
-    sqlite3_close(db);
-  }
+  WriteFirstReleaseDatabase(path);
   std::unique_ptr<SqliteStateStore> store = std::move(SqliteStateStore::Open(path)).value();
   StatusOr<v1::Job> job = store->CreateJob("figures", "name: figures\n", 2, 1000);
   ASSERT_TRUE(job.ok()) << job.status().ToString();
@@ -1309,22 +1310,10 @@ TEST(StateStoreTest, ADatabaseOfOneCounterAcrossNamesGivesNoEarlierIdAgain) {
       std::filesystem::temp_directory_path() / ("ltrain-numbers-" + std::to_string(::getpid()));
   std::filesystem::create_directories(dir);
   const std::string path = (dir / "state.db").string();
-  {
-    sqlite3* db = nullptr;
-    ASSERT_EQ(sqlite3_open(path.c_str(), &db), SQLITE_OK);
-    ASSERT_EQ(sqlite3_exec(db,
-                           "CREATE TABLE jobs (seq INTEGER PRIMARY KEY AUTOINCREMENT, id TEXT UNIQUE, name TEXT NOT "
-                           "NULL, state INTEGER NOT NULL, recipe TEXT NOT NULL, world_size INTEGER NOT NULL, generation "
-                           "INTEGER NOT NULL DEFAULT 0, cause TEXT NOT NULL DEFAULT '', created_ms INTEGER NOT NULL, "
-                           "updated_ms INTEGER NOT NULL, last_step INTEGER NOT NULL DEFAULT 0, last_loss REAL NOT NULL "
-                           "DEFAULT 0);"
-                           "INSERT INTO jobs (id, name, state, recipe, world_size, created_ms, updated_ms) VALUES "
-                           "('a-1', 'a', 3, '', 1, 1, 1), ('b-2', 'b', 3, '', 1, 1, 1), ('a-3', 'a', 3, '', 1, 1, 1);"
-                           "DELETE FROM jobs WHERE id = 'a-3';",
-                           nullptr, nullptr, nullptr),
-              SQLITE_OK);
-    sqlite3_close(db);
-  }
+  WriteFirstReleaseDatabase(path,
+                            "INSERT INTO jobs (id, name, state, recipe, world_size, created_ms, updated_ms) VALUES "
+                            "('a-1', 'a', 3, '', 1, 1, 1), ('b-2', 'b', 3, '', 1, 1, 1), ('a-3', 'a', 3, '', 1, 1, 1);"
+                            "DELETE FROM jobs WHERE id = 'a-3';");
   std::unique_ptr<SqliteStateStore> store = std::move(SqliteStateStore::Open(path)).value();
   EXPECT_EQ(store->CreateJob("a", "name: a\n", 1, 1000)->id(), "a-4");
   EXPECT_EQ(store->CreateJob("c", "name: c\n", 1, 1000)->id(), "c-4");
