@@ -21,7 +21,9 @@
 #include <cstring>
 #include <exception>
 #include <filesystem>
+#include <initializer_list>
 #include <memory>
+#include <vector>
 
 #include "common/python_command.h"
 #include "common/status.h"
@@ -291,6 +293,15 @@ bool RelayOutput(int fd) {
   }
 }
 
+// Whether any of `fds` (-1: none) has something to read now.
+bool Readable(std::initializer_list<int> fds) {
+  std::vector<pollfd> polled;
+  for (int fd : fds) {
+    if (fd >= 0) polled.push_back({fd, POLLIN, 0});
+  }
+  return !polled.empty() && poll(polled.data(), polled.size(), 0) > 0;
+}
+
 // Relays the program's reports (and, watched, its output) until it exits; returns its wait status
 // (nullopt: waitpid failed). A descendant that keeps a pipe open does not hold the proxy: the
 // program's exit ends the relay.
@@ -310,8 +321,11 @@ std::optional<int> RelayUntilExit(pid_t pid, int read_fd, ReportReader& reader, 
       std::fprintf(stderr, "ltrain-exec: %s\n", Errno("waitpid").c_str());
       return std::nullopt;
     }
+    // Silent only with nothing waiting in the pipes: after a stall of this process (a busy machine),
+    // what the program printed meanwhile is read before it is judged.
     if (watch.fd >= 0 && !watch.silenced &&
-        std::chrono::duration<double>(now - watch.last).count() > watch.timeout_s) {
+        std::chrono::duration<double>(now - watch.last).count() > watch.timeout_s &&
+        !Readable({open ? read_fd : -1, output_open ? watch.fd : -1})) {
       std::fprintf(stderr,
                    "ltrain-exec: rank %d printed and reported nothing for %.0f s (entrypoint.output_timeout_s); "
                    "stopping it as hung\n",
