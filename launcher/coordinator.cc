@@ -863,28 +863,37 @@ StatusOr<std::vector<v1::Event>> Coordinator::GetLogs(const std::string& job_id,
 }
 
 void Coordinator::CheckStragglersLocked(ActiveJob& job) {
-  std::vector<RankCompute> figures;
-  int64_t step = 0;  // the newest step a rank completed
-  for (const auto& [rank, progress] : job.progress) {
-    const v1::StepFigures& completed = progress.report.completed();
-    figures.push_back({rank, completed.compute_ms(), completed.compute_steps(), completed.compute_spread_ms()});
-    step = std::max(step, completed.step());
-  }
-  if (static_cast<int>(figures.size()) < job.job.world_size()) return;  // not every rank has reported
   // Ranks are placed in order, nproc_per_node to each of the generation's nodes.
   auto node_of = [&](int rank) {
     const size_t i = static_cast<size_t>(rank / std::max(1, job.recipe.parallel.nproc_per_node));
     return i < job.nodes.size() ? job.nodes[i] : std::string("?");
   };
+  std::vector<RankCompute> figures;
+  int64_t step = 0;  // the newest step a rank completed
+  for (const auto& [rank, progress] : job.progress) {
+    const v1::StepFigures& completed = progress.report.completed();
+    RankCompute& figure = figures.emplace_back();
+    figure.rank = rank;
+    figure.compute_ms = completed.compute_ms();
+    figure.steps = completed.compute_steps();
+    figure.spread_ms = completed.compute_spread_ms();
+    figure.node = node_of(rank);
+    for (const v1::CoreCompute& core : completed.compute_cores()) {
+      figure.cores.push_back({core.cpu(), core.compute_ms(), core.steps()});
+    }
+    step = std::max(step, completed.step());
+  }
+  if (static_cast<int>(figures.size()) < job.job.world_size()) return;  // not every rank has reported
   char text[320];
   for (const StragglerTracker::Change& change : job.stragglers.Observe(step, figures)) {
     const Straggler& s = change.straggler;
     if (change.named) {
       std::snprintf(text, sizeof(text),
                     "rank %d on %s is a straggler at step %lld: %.1f ms of its own work a step at best over its "
-                    "last %d steps (medians of %d), %.2fx the other ranks' median of %.1f ms",
+                    "last %d steps (medians of %d), %.2fx the other ranks' median of %.1f ms%s",
                     s.rank, node_of(s.rank).c_str(), static_cast<long long>(step), s.compute_ms, kStragglerMemorySteps,
-                    kStragglerWindow, s.compute_ms / s.others_median_ms, s.others_median_ms);
+                    kStragglerWindow, s.compute_ms / s.others_median_ms, s.others_median_ms,
+                    s.on_shared_cores ? " on the cores they shared" : "");
     } else {
       std::snprintf(text, sizeof(text), "rank %d on %s is no longer a straggler", s.rank, node_of(s.rank).c_str());
     }

@@ -1,6 +1,7 @@
 #include "launcher/straggler.h"
 
 #include <algorithm>
+#include <optional>
 
 namespace ltrain::launcher {
 namespace {
@@ -14,6 +15,36 @@ double Median(std::vector<double> values) {
   return (*std::max_element(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(mid)) + upper) / 2.0;
 }
 
+// How many times `other`'s work `r`'s is on the cores both ran on: the least of its ratios on each
+// such core, and never above the ratio of their whole figures. None unless they shared two cores or
+// more: on one core alone (at different times) a rank cannot be told from the core's speed then; a
+// straggler is slower wherever it runs.
+std::optional<double> SharedCoreRatio(const RankCompute& r, const RankCompute& other) {
+  double least = r.compute_ms / other.compute_ms;
+  int shared = 0;
+  for (const CoreCompute& mine : r.cores) {
+    if (mine.steps < kStragglerCoreSteps || !(mine.compute_ms > 0)) continue;
+    for (const CoreCompute& theirs : other.cores) {
+      if (theirs.cpu != mine.cpu || theirs.steps < kStragglerCoreSteps || !(theirs.compute_ms > 0)) continue;
+      least = std::min(least, mine.compute_ms / theirs.compute_ms);
+      ++shared;
+    }
+  }
+  if (shared < 2) return std::nullopt;
+  return least;
+}
+
+bool ComparedOnCores(const RankCompute& a, const RankCompute& b) {
+  return a.node == b.node && !a.cores.empty() && !b.cores.empty();
+}
+
+// Whether a rank kept to a core for kStragglerCoreSteps steps of its window: one that did not moved
+// between cores within its steps, and its figure is of all of them.
+bool KeptToACore(const RankCompute& r) {
+  return std::any_of(r.cores.begin(), r.cores.end(),
+                     [](const CoreCompute& c) { return c.steps >= kStragglerCoreSteps; });
+}
+
 }  // namespace
 
 double StragglerMargin(const std::vector<RankCompute>& ranks, double ratio) {
@@ -24,29 +55,64 @@ double StragglerMargin(const std::vector<RankCompute>& ranks, double ratio) {
   return std::max(ratio, 1.0 + kStragglerNoiseFactor * Median(std::move(relative)));
 }
 
-std::vector<Straggler> FindStragglers(const std::vector<RankCompute>& ranks, double ratio, int window) {
+std::vector<Straggler> RankStandings(const std::vector<RankCompute>& ranks, int window) {
   std::vector<Straggler> out;
   const size_t n = ranks.size();
   if (n < 2) return out;
+  bool any_cores = false;
   for (const RankCompute& r : ranks) {
     if (r.steps < window || !(r.compute_ms > 0)) return out;
+    any_cores = any_cores || !r.cores.empty();
   }
-  const double margin = StragglerMargin(ranks, ratio);
-  // Ranks in order of their figure; the others' median of the rank at sorted position p is the
-  // median of the sorted figures without position p (with two ranks: the other one).
-  std::vector<size_t> order(n);
-  for (size_t i = 0; i < n; ++i) order[i] = i;
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return ranks[a].compute_ms < ranks[b].compute_ms; });
-  auto without = [&](size_t p, size_t k) { return ranks[order[k < p ? k : k + 1]].compute_ms; };
-  const size_t m = n - 1;
-  for (size_t p = 0; p < n; ++p) {
-    const double median = m % 2 == 1 ? without(p, m / 2) : (without(p, m / 2 - 1) + without(p, m / 2)) / 2.0;
-    const RankCompute& r = ranks[order[p]];
-    if (r.compute_ms > margin * median && r.compute_ms - median >= kStragglerMinExcessMs) {
-      out.push_back({r.rank, r.compute_ms, median});
+  if (!any_cores) {
+    // Every rank against every other on whole figures: in order of the figure, the others' median
+    // of the rank at sorted position p is the median of the sorted figures without position p.
+    std::vector<size_t> order(n);
+    for (size_t i = 0; i < n; ++i) order[i] = i;
+    std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return ranks[a].compute_ms < ranks[b].compute_ms; });
+    auto without = [&](size_t p, size_t k) { return ranks[order[k < p ? k : k + 1]].compute_ms; };
+    const size_t m = n - 1;
+    for (size_t p = 0; p < n; ++p) {
+      const double median = m % 2 == 1 ? without(p, m / 2) : (without(p, m / 2 - 1) + without(p, m / 2)) / 2.0;
+      const RankCompute& r = ranks[order[p]];
+      out.push_back({r.rank, r.compute_ms, median, false});
+    }
+  } else {
+    // Ranks that share cores are few (CPU ranks on small nodes): each pair is looked at.
+    for (const RankCompute& r : ranks) {
+      std::vector<double> others;
+      bool on_cores = false;
+      for (const RankCompute& other : ranks) {
+        if (&other == &r) continue;
+        if (!ComparedOnCores(r, other)) {
+          others.push_back(other.compute_ms);
+          continue;
+        }
+        if (std::optional<double> ratio = SharedCoreRatio(r, other)) {
+          others.push_back(r.compute_ms / *ratio);
+          on_cores = true;
+        } else if (!KeptToACore(r) || !KeptToACore(other)) {
+          others.push_back(other.compute_ms);
+        }
+      }
+      if (!others.empty()) out.push_back({r.rank, r.compute_ms, Median(std::move(others)), on_cores});
     }
   }
   std::sort(out.begin(), out.end(), [](const Straggler& a, const Straggler& b) { return a.rank < b.rank; });
+  return out;
+}
+
+bool StandsAbove(const Straggler& standing, double margin) {
+  return standing.compute_ms > margin * standing.others_median_ms &&
+         standing.compute_ms - standing.others_median_ms >= kStragglerMinExcessMs;
+}
+
+std::vector<Straggler> FindStragglers(const std::vector<RankCompute>& ranks, double ratio, int window) {
+  const double margin = StragglerMargin(ranks, ratio);
+  std::vector<Straggler> out;
+  for (const Straggler& s : RankStandings(ranks, window)) {
+    if (StandsAbove(s, margin)) out.push_back(s);
+  }
   return out;
 }
 
@@ -54,53 +120,54 @@ std::vector<StragglerTracker::Change> StragglerTracker::Observe(int64_t step, co
   std::vector<Change> changes;
   if (step <= last_step_) return changes;
   last_step_ = step;
-  std::vector<RankCompute> best;  // each rank's best figure of its last kStragglerMemorySteps steps
-  for (const RankCompute& r : ranks) {
-    std::vector<std::pair<int64_t, RankCompute>>& seen = seen_[r.rank];
-    if (r.steps >= kStragglerWindow && r.compute_ms > 0) seen.emplace_back(step, r);
-    seen.erase(seen.begin(), std::find_if(seen.begin(), seen.end(), [&](const auto& s) {
-                 return s.first > step - kStragglerMemorySteps;
-               }));
-    if (seen.empty()) {
-      best.push_back(r);  // no full window yet: FindStragglers names no one
-      continue;
-    }
-    best.push_back(std::min_element(seen.begin(), seen.end(), [](const auto& a, const auto& b) {
-                     return a.second.compute_ms < b.second.compute_ms;
-                   })->second);
-  }
-  std::map<int, Straggler> above;  // above the naming margin
-  for (const Straggler& s : FindStragglers(best, kStragglerRatio)) above[s.rank] = s;
-  std::map<int, Straggler> kept;  // above the keeping margin
-  for (const Straggler& s : FindStragglers(best, kStragglerKeepRatio)) kept[s.rank] = s;
+  const double name_margin = StragglerMargin(ranks, kStragglerRatio);
+  const double keep_margin = StragglerMargin(ranks, kStragglerKeepRatio);
+  std::map<int, Straggler> fresh;
+  for (const Straggler& s : RankStandings(ranks)) fresh[s.rank] = s;
 
-  for (auto it = above_since_.begin(); it != above_since_.end();) {
-    it = above.count(it->first) ? std::next(it) : above_since_.erase(it);
-  }
-  for (const auto& [rank, s] : above) {
-    if (named_.count(rank)) continue;
-    const int64_t since = above_since_.emplace(rank, step).first->second;
-    if (step - since >= kStragglerConfirmSteps) {
-      named_[rank] = s;
-      above_since_.erase(rank);
-      changes.push_back({s, true});
+  for (const RankCompute& r : ranks) {
+    std::vector<Look>& seen = seen_[r.rank];
+    auto now = fresh.find(r.rank);
+    if (now != fresh.end()) seen.push_back({step, now->second, name_margin, keep_margin});
+    seen.erase(seen.begin(), std::find_if(seen.begin(), seen.end(), [&](const Look& look) {
+                 return look.step > step - kStragglerMemorySteps;
+               }));
+    auto all_above = [&](bool keep) {
+      return !seen.empty() && std::all_of(seen.begin(), seen.end(), [&](const Look& look) {
+               return StandsAbove(look.standing, keep ? look.keep_margin : look.name_margin);
+             });
+    };
+    Straggler lowest;  // the look at which it stood lowest
+    if (!seen.empty()) {
+      lowest = std::min_element(seen.begin(), seen.end(), [](const Look& a, const Look& b) {
+                 return a.standing.compute_ms / a.standing.others_median_ms <
+                        b.standing.compute_ms / b.standing.others_median_ms;
+               })->standing;
     }
-  }
-  for (auto it = named_.begin(); it != named_.end();) {
-    const int rank = it->first;
-    if (kept.count(rank)) {
-      it->second = kept[rank];
-      below_since_.erase(rank);
-      ++it;
+    const bool looked = now != fresh.end();
+    if (!named_.count(r.rank)) {
+      if (!all_above(false)) {
+        above_since_.erase(r.rank);
+      } else if (looked) {
+        const int64_t since = above_since_.emplace(r.rank, step).first->second;
+        if (step - since >= kStragglerConfirmSteps) {
+          named_[r.rank] = lowest;
+          above_since_.erase(r.rank);
+          changes.push_back({lowest, true});
+        }
+      }
       continue;
     }
-    const int64_t since = below_since_.emplace(rank, step).first->second;
-    if (step - since >= kStragglerConfirmSteps) {
-      changes.push_back({it->second, false});
-      below_since_.erase(rank);
-      it = named_.erase(it);
-    } else {
-      ++it;
+    if (all_above(true)) {
+      named_[r.rank] = lowest;
+      below_since_.erase(r.rank);
+    } else if (looked || seen.empty()) {
+      const int64_t since = below_since_.emplace(r.rank, step).first->second;
+      if (step - since >= kStragglerConfirmSteps) {
+        changes.push_back({named_[r.rank], false});
+        below_since_.erase(r.rank);
+        named_.erase(r.rank);
+      }
     }
   }
   std::sort(changes.begin(), changes.end(),

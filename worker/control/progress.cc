@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <vector>
 
 #include "common/files.h"
@@ -37,13 +38,24 @@ double Median(std::vector<double> values) {
 
 }  // namespace
 
-void StepFigures::SetCompute(const std::deque<double>& window) {
+void StepFigures::SetCompute(const std::deque<Work>& window, bool by_core) {
   if (window.empty()) return;
-  compute_ms = Median(std::vector<double>(window.begin(), window.end()));
+  std::vector<double> all;
+  std::map<int, std::vector<double>> cores;
+  for (const Work& w : window) {
+    all.push_back(w.ms);
+    if (w.cpu >= 0) cores[w.cpu].push_back(w.ms);
+  }
+  compute_ms = Median(all);
   std::vector<double> deviations;
-  for (double ms : window) deviations.push_back(std::abs(ms - compute_ms));
+  for (double ms : all) deviations.push_back(std::abs(ms - compute_ms));
   compute_spread_ms = Median(std::move(deviations));
   compute_steps = static_cast<int>(window.size());
+  compute_cores.clear();
+  if (!by_core) return;
+  for (auto& [cpu, steps] : cores) {
+    compute_cores.push_back({cpu, Median(steps), static_cast<int>(steps.size())});
+  }
 }
 
 Progress& Progress::Global() {

@@ -13,6 +13,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "worker/control/tensorboard_events.h"
 
@@ -38,11 +39,23 @@ struct StepFigures {
   double compute_ms = 0;    // median of the last compute_steps steps' own work (see RankProgress); 0: none
   int compute_steps = 0;
   double compute_spread_ms = 0;  // those steps' median absolute deviation from compute_ms
+  struct Core {
+    int cpu = 0;
+    double compute_ms = 0;  // median of the steps on this core alone
+    int steps = 0;
+  };
+  std::vector<Core> compute_cores;  // proto StepFigures.compute_cores; empty: not reported
   double mfu = 0;           // 0 to 1, against the GPU's dense bf16 peak; 0: not on a GPU
   int64_t memory_bytes = 0; // this rank's memory (proto StepFigures.memory_bytes); 0: unknown
 
-  // compute_ms, compute_steps and compute_spread_ms from the own work of the last steps (ms each).
-  void SetCompute(const std::deque<double>& window);
+  // One step's own work: its milliseconds and the core it ran on (-1: several, or not recorded).
+  struct Work {
+    double ms = 0;
+    int cpu = -1;
+  };
+  // compute_ms, compute_steps and compute_spread_ms from the own work of the last steps; with
+  // `by_core`, compute_cores too.
+  void SetCompute(const std::deque<Work>& window, bool by_core);
 };
 
 // Long work a rank is in the middle of, in countable units, so that start-up, a checkpoint save or

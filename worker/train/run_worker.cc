@@ -9,6 +9,7 @@
 #include <thread>
 
 #include <sys/stat.h>
+#include <sched.h>
 #include <unistd.h>
 
 #include <dlfcn.h>
@@ -200,6 +201,12 @@ Status Run(const WorkerEnv& env) {
   options.stochastic_residual = EnvString("LTRAIN_STOCHASTIC_RESIDUAL") == "1";
   options.tp_split_batch = EnvString("LTRAIN_TP_SPLIT_BATCH") == "1";
   LTRAIN_ASSIGN_OR_RETURN(options.slow_factor, SlowFactor(env.rank));
+  // CPU ranks whose threads fit the cores they may run on are each kept to cores by the scheduler
+  // (more ranks than cores take turns on all of them).
+  cpu_set_t allowed;
+  CPU_ZERO(&allowed);
+  const int cores = ::sched_getaffinity(0, sizeof(allowed), &allowed) == 0 ? CPU_COUNT(&allowed) : static_cast<int>(hw);
+  options.report_cores = recipe.parallel.device != Device::kCuda && threads * env.local_world_size <= cores;
   SetCollectiveStreamPriority(EnvString("LTRAIN_DP_HIGH_PRIORITY") == "1");
   FusedKernelOptions kernels;
   kernels.linear = EnvString("LTRAIN_FUSED_LINEAR") != "0";

@@ -1,6 +1,7 @@
 #include "worker/train/trainer.h"
 
 #include <malloc.h>
+#include <sched.h>
 #include <time.h>
 
 #include <algorithm>
@@ -43,6 +44,7 @@ namespace {
 
 // Steps over which a rank's compute figure is taken (StepFigures.compute_steps).
 constexpr size_t kComputeWindow = 10;
+constexpr int64_t kComputeStartupSteps = 3;  // a CPU rank's first steps, left out of it
 
 // The CPU time spent so far on a rank's work, in milliseconds: the calling thread's where LibTorch
 // runs its operations on it alone, else the whole process's over its intra-op threads (which then
@@ -52,6 +54,16 @@ double WorkCpuMs() {
   timespec t{};
   ::clock_gettime(threads <= 1 ? CLOCK_THREAD_CPUTIME_ID : CLOCK_PROCESS_CPUTIME_ID, &t);
   return (static_cast<double>(t.tv_sec) * 1e3 + static_cast<double>(t.tv_nsec) / 1e6) / std::max(1, threads);
+}
+
+// The core a CPU rank's step ran on, from the core it is on at each of its forward's and backward's
+// ends: kNoCore before the first, kSeveralCores once two differ.
+constexpr int kNoCore = -1;
+constexpr int kSeveralCores = -2;
+void NoteCore(int* cpu) {
+  const int now = ::sched_getcpu();
+  if (now < 0 || *cpu == kSeveralCores) return;
+  *cpu = *cpu == kNoCore || *cpu == now ? now : kSeveralCores;
 }
 
 // model.init "auto": PyTorch's initialisation below this many parameters, per-parameter from here.
@@ -580,6 +592,7 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
   store_->ZeroGrads(/*one_backward=*/layout_.pp == 1 && m == 1);
   torch::Tensor loss_sum = torch::zeros({}, torch::TensorOptions().dtype(torch::kFloat).device(device_));
   double compute_ms = 0;  // forward and backward of this step's micro-batches
+  int step_cpu = kNoCore;  // the core they ran on (kSeveralCores: more than one)
   const bool cuda = device_.is_cuda();
   std::vector<compat::DeviceSpan> spans;
   if (layout_.pp == 1) {
@@ -589,6 +602,7 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
       LTRAIN_RETURN_IF_ERROR(FillBatch(a, &inputs, &targets));
       const auto forward_start = SteadyClock::now();
       const double forward_cpu_ms = cuda ? 0.0 : WorkCpuMs();
+      if (!cuda) NoteCore(&step_cpu);
       if (cuda) spans.push_back(compat::DeviceSpan::Start(device_));
       const bool reduce_now = overlap_ && (layout_.zero >= 2 || a == m - 1);
       store_->ArmHooks(reduce_now);
@@ -599,10 +613,12 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
         loss = model_->Forward(0, inputs, targets);
       }
       SampleActivations();
+      if (!cuda) NoteCore(&step_cpu);
       Progress::Global().SetPhase(step + 1, "backward");
       backward_start_ = SteadyClock::now();
       (loss / m).backward();
       backward_end_ = SteadyClock::now();
+      if (!cuda) NoteCore(&step_cpu);
       // A CPU rank's work is the CPU time it spent (WorkCpuMs), not the host's clock: ranks that share
       // busy cores with each other and the control plane wait for a core by turns, and the clock would
       // name whichever waited most a straggler.
@@ -634,8 +650,10 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
   // On the host a CPU rank's forward and backward are its work; on CUDA they are launches, so the
   // device's spans count once the GPU has run them (a step or two later). Under a pipeline they
   // include waits for the other stages: not measured yet.
-  if (layout_.pp == 1 && !cuda) {
-    compute_window_.push_back(compute_ms);
+  // A process's first steps on the host are its start-up (the allocator's first requests, caches
+  // still cold), each rank's differently: not in its figure.
+  if (layout_.pp == 1 && !cuda && step - run_start_step_ >= kComputeStartupSteps) {
+    compute_window_.push_back({compute_ms, step_cpu >= 0 ? step_cpu : -1});
     if (compute_window_.size() > kComputeWindow) compute_window_.pop_front();
   }
   if (layout_.pp == 1 && cuda) {
@@ -647,7 +665,7 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
       for (const compat::DeviceSpan& span : device_spans_.front()) ms += span.Ms();
       device_spans_.pop_front();
       drill_base_ms_ = std::min(drill_base_ms_, ms);
-      compute_window_.push_back(ms);
+      compute_window_.push_back({ms, -1});
       if (compute_window_.size() > kComputeWindow) compute_window_.pop_front();
     }
   }
@@ -910,8 +928,14 @@ Status Trainer::Run() {
     const double value = f.loss.item<double>();
     LTRAIN_RETURN_IF_ERROR(CheckLoss(value, f.step));
     const int64_t s = f.step;
-    StepFigures figures{s, t.steps, value, f.lr, f.ms > 0 ? tokens_per_step / (f.ms / 1000.0) : 0.0, f.ms};
-    figures.SetCompute(compute_window_);
+    StepFigures figures;
+    figures.step = s;
+    figures.total_steps = t.steps;
+    figures.loss = value;
+    figures.lr = f.lr;
+    figures.tokens_per_s = f.ms > 0 ? tokens_per_step / (f.ms / 1000.0) : 0.0;
+    figures.step_ms = f.ms;
+    figures.SetCompute(compute_window_, options_.report_cores);
     if (device_.is_cuda()) {
       figures.mfu = figures.tokens_per_s / layout_.world_size * flops_per_token / kGpuPeakFlops;
       figures.memory_bytes = PeakDeviceBytes();

@@ -32,6 +32,7 @@
 #include "common/token_data.h"
 #include "worker/checkpoint/checkpoint.h"
 #include "worker/comm/communicator.h"
+#include "worker/control/progress.h"
 #include "worker/model/parallel_model.h"
 #include "worker/parallel/param_store.h"
 #include "worker/plan/lr_schedule.h"
@@ -99,6 +100,9 @@ struct TrainerOptions {
   // The straggler drill (LTRAIN_FAULT_SLOW_RANK): each step's forward and backward take this many
   // times as long (the rank sleeps for the difference). 1: none.
   double slow_factor = 1.0;
+  // A CPU rank whose node's ranks are each kept to cores (their intra-op threads fit the cores they
+  // may run on): each step's own work is reported with the core it ran on (StepFigures.compute_cores).
+  bool report_cores = false;
 };
 
 class CheckpointWriter;
@@ -253,7 +257,7 @@ class Trainer {
   // This rank's own work (forward and backward) of its last steps, newest last: the compute figure
   // of its progress, from which the coordinator names stragglers. The host's clock on a CPU; on a GPU
   // the device's, from the spans of each step's micro-batches, counted once the GPU has passed them.
-  std::deque<double> compute_window_;
+  std::deque<StepFigures::Work> compute_window_;
   std::deque<std::vector<compat::DeviceSpan>> device_spans_;
   double drill_base_ms_ = std::numeric_limits<double>::infinity();  // the fastest GPU step measured
   double checkpoint_blocked_ms_ = 0;
