@@ -5,9 +5,11 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -102,10 +104,8 @@ nlohmann::json EstimateJson(const LayoutEstimate& e) {
     j["communication"].push_back({{"group", t.group}, {"size", t.size}, {"bytes_per_step", t.bytes}, {"what", t.what}});
   }
   j["bubble"] = e.bubble;
-  if (e.device == Device::kCuda) {
-    j["step_seconds"] = e.step_seconds;
-    j["mfu"] = e.mfu;
-  }
+  j["step_seconds"] = e.step_seconds;
+  if (e.device == Device::kCuda) j["mfu"] = e.mfu;
   return j;
 }
 
@@ -130,6 +130,8 @@ void PrintEstimate(const LayoutEstimate& e) {
   }
   if (e.device == Device::kCuda) {
     std::printf("  estimated step %.3f s, MFU %.1f%%\n", e.step_seconds, 100.0 * e.mfu);
+  } else {
+    std::printf("  estimated step %.3f s\n", e.step_seconds);
   }
 }
 
@@ -163,6 +165,9 @@ int Plan(const PlanArgs& args) {
   const double host_bytes = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGESIZE));
   const int ranks_per_node = std::max(1, std::min(recipe.parallel.nproc_per_node, options.ranks));
   options.memory_bytes = options.device == Device::kCuda ? args.gpu_memory_gib * kGiB : host_bytes / ranks_per_node;
+  // As the worker shares a node's cores out (OMP_NUM_THREADS, where set, wins there too).
+  options.cpu_cores_per_rank = std::max(1.0, static_cast<double>(std::thread::hardware_concurrency()) / ranks_per_node);
+  if (const char* omp = std::getenv("OMP_NUM_THREADS"); omp && std::atoi(omp) > 0) options.cpu_cores_per_rank = std::atoi(omp);
   const char* unit = options.device == Device::kCuda ? "GPU" : "rank";
 
   nlohmann::json json;
@@ -198,7 +203,7 @@ int Plan(const PlanArgs& args) {
     own.parallel.device = options.device;
     if (own_problems.empty()) {
       StatusOr<Layout> layout = PlanLayout(own, world);
-      const LayoutEstimate e = EstimateLayout(own, *layout);
+      const LayoutEstimate e = EstimateLayout(own, *layout, options.cpu_cores_per_rank);
       json["recipe_layout"] = EstimateJson(e);
       if (args.output == "text") {
         std::printf("the recipe's layout: %s\n", Describe(e.layout).c_str());
@@ -239,11 +244,11 @@ int Plan(const PlanArgs& args) {
 
   const bool cuda = options.device == Device::kCuda;
   std::printf("layouts on %d %s%s, %s (%d feasible of %zu):\n", options.ranks, unit, options.ranks == 1 ? "" : "s",
-              cuda ? "fastest first by the estimate" : "smallest peak memory first", feasible, candidates.size());
+              "fastest first by the estimate", feasible, candidates.size());
   if (cuda) {
     std::printf("  %3s  %-40s %10s %8s %7s %7s\n", "#", "layout", "peak", "step s", "MFU", "bubble");
   } else {
-    std::printf("  %3s  %-40s %10s %7s\n", "#", "layout", "peak", "bubble");
+    std::printf("  %3s  %-40s %10s %8s %7s\n", "#", "layout", "peak", "step s", "bubble");
   }
   int shown = 0;
   for (const PlanCandidate& c : candidates) {
@@ -254,8 +259,8 @@ int Plan(const PlanArgs& args) {
       std::printf("  %3d  %-40s %10s %8.3f %6.1f%% %6.1f%%\n", shown, Short(e.layout).c_str(), Size(e.peak_bytes).c_str(),
                   e.step_seconds, 100.0 * e.mfu, 100.0 * e.bubble);
     } else {
-      std::printf("  %3d  %-40s %10s %6.1f%%\n", shown, Short(e.layout).c_str(), Size(e.peak_bytes).c_str(),
-                  100.0 * e.bubble);
+      std::printf("  %3d  %-40s %10s %8.3f %6.1f%%\n", shown, Short(e.layout).c_str(), Size(e.peak_bytes).c_str(),
+                  e.step_seconds, 100.0 * e.bubble);
     }
   }
   if (feasible > shown) std::printf("  ... %d more (--top N shows more)\n", feasible - shown);

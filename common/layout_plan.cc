@@ -271,6 +271,16 @@ constexpr double kZero3Rate = 450e9;             // ZeRO-3's prefetched gathers 
 constexpr double kAutocastOverhead = 0.10;       // bf16-autocast casts the weights every micro-batch
 constexpr double kPipelineRate = 25e9;           // stage-to-stage sends and receives wait for each other
 
+// CPU ranks (Gloo over TCP): a rank's arithmetic rate on a core of its own (higher for wider
+// matrices), and what each collective or send costs on the step's path: its latency, in which the
+// peer's lag is counted, and its bytes. Fitted to `ltrain launch` runs of the quickstart's model and
+// a wider one in each layout on a 2-core virtual machine (docs/performance.md, "Layouts on CPUs").
+double CpuCoreFlops(int d_model) {
+  return std::clamp(49e9 * (1.0 + 0.45 * std::log2(static_cast<double>(d_model) / 128.0)), 25e9, 150e9);
+}
+constexpr double kGlooMessageSeconds = 3.5e-3;
+constexpr double kGlooRate = 180e6;
+
 int64_t Ring(int64_t bytes, int n, bool all_reduce) {
   if (n <= 1) return 0;
   const double share = static_cast<double>(n - 1) / n;
@@ -284,7 +294,7 @@ double ModelFlopsPerToken(const ModelSpec& model) {
          12.0 * model.layers * model.d_model * model.seq_len;
 }
 
-LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout) {
+LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double cpu_cores_per_rank) {
   const ModelSpec& m = recipe.model;
   const ParallelSpec& ps = recipe.parallel;
   LayoutEstimate e;
@@ -307,6 +317,9 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout) {
 
   int64_t dp_bytes = 0, tp_bytes = 0, pp_bytes = 0, embedding_bytes = 0, z3_bytes = 0;
   int64_t tp_exposed_bytes = 0;  // the part of tp_bytes on the critical path
+  // On CPUs the busiest pipeline rank's data-parallel collectives and bytes a step, and the tensor-
+  // and pipeline-parallel messages of a step: each costs its latency there.
+  int64_t cpu_dp_messages = 0, cpu_dp_bytes = 0, tp_messages = 0, pp_messages = 0;
   for (int r = 0; r < layout.pp; ++r) {
     const std::vector<RankParam> params = RankParams(m, layout, r);
     const std::vector<int64_t> units = Units(params, zero, ps.bucket_mb);
@@ -316,6 +329,8 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout) {
     for (const RankParam& p : params) numel += p.numel;
     st.parameters = numel;
     MemoryParts& parts = st.parts;
+    int64_t rank_dp_messages = 0;
+    const int64_t rank_dp_bytes_before = zero == 3 ? z3_bytes : dp_bytes;
     for (size_t i = 0; i < units.size(); ++i) {
       const int64_t n = units[i], shard = CeilDiv(n, dp), padded = shard * dp;
       // bf16 copies: of every parameter below ZeRO-3; under it only of the units gathered (below).
@@ -341,17 +356,25 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout) {
           // bf16: the copies gathered, the gradients reduce-scattered in bf16.
           const int64_t one = Ring(padded * (e.bf16 ? 2 : 4), dp, false);
           z3_bytes += mb * 2 * one + (overlap ? mb : 1) * (cpu ? Ring(padded * 4, dp, true) : one);
+          rank_dp_messages += mb * 2 + (overlap ? mb : 1);
         } else if (zero == 0) {
           dp_bytes += Ring(padded * g, dp, true);
+          rank_dp_messages += 1;
         } else if (zero == 1) {
+          rank_dp_messages += 2;
           dp_bytes += sharded ? Ring(padded * 2, dp, false) + Ring(padded * 2, dp, false)
                               : Ring(padded * g, dp, true) + Ring(padded * 4, dp, false);
         } else {
           // Gloo has no reduce-scatter: it all-reduces and keeps its slice.
           const int64_t rs = cpu ? Ring(padded * 4, dp, true) : Ring(padded * 4, dp, false);
           dp_bytes += (overlap ? mb : 1) * rs + Ring(padded * (sharded ? 2 : 4), dp, false);
+          rank_dp_messages += (overlap ? mb : 1) + 1;
         }
       }
+    }
+    if (rank_dp_messages > cpu_dp_messages) {
+      cpu_dp_messages = rank_dp_messages;
+      cpu_dp_bytes = (zero == 3 ? z3_bytes : dp_bytes) - rank_dp_bytes_before;
     }
 
     // Activations: each virtual stage of this rank per micro-batch, under every recompute mode.
@@ -413,6 +436,7 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout) {
       tp_bytes = mb * collectives * Ring(act, layout.tp, true);
       const int64_t hidden = cuda && !layout.sequence_parallel ? 2 * int64_t{layers_here} : 0;
       tp_exposed_bytes = mb * (collectives - hidden) * Ring(act, layout.tp, true);
+      tp_messages = mb * collectives;
     }
     if (layout.pp > 1 && r == 0) {
       int sends = 0;
@@ -421,6 +445,7 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout) {
         sends += (vs < stages - 1) + (vs > 0);
       }
       pp_bytes = static_cast<int64_t>(mb) * sends * send;
+      pp_messages = static_cast<int64_t>(mb) * sends;
       const bool tied = m.arch == Arch::kGpt2 || m.tie_embeddings;
       if (tied) embedding_bytes = int64_t{m.vocab} * m.d_model / layout.tp * g;
     }
@@ -454,12 +479,24 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout) {
                (static_cast<double>(layout.chunks) * layout.accumulation + layout.pp - 1);
   }
 
+  const double tokens = static_cast<double>(layout.global_batch) * m.seq_len;
+  const double flops = ModelFlopsPerToken(m) * tokens / layout.world_size;
+  const double recompute = layout.activation_checkpointing == ActivationCheckpointing::kFull        ? 4.0 / 3.0
+                           : layout.activation_checkpointing == ActivationCheckpointing::kSelective ? 1.03
+                                                                                                    : 1.0;
+  if (cpu) {
+    // Every message waits for its peers (Gloo's collectives run on the step's path, ZeRO-3's gathers
+    // too), and a rank computes at its cores' rate.
+    const double compute = flops * recompute / (CpuCoreFlops(m.d_model) * std::max(1.0, cpu_cores_per_rank));
+    const double embedding_messages = embedding_bytes > 0 ? 1 : 0;
+    const double messages =
+        static_cast<double>(cpu_dp_messages + tp_messages + pp_messages) + embedding_messages;
+    const double bytes = static_cast<double>(cpu_dp_bytes + tp_bytes + pp_bytes + embedding_bytes);
+    e.step_seconds = compute / (1.0 - e.bubble) + messages * kGlooMessageSeconds + bytes / kGlooRate;
+  }
   if (cuda) {
-    const double tokens = static_cast<double>(layout.global_batch) * m.seq_len;
-    const double flops = ModelFlopsPerToken(m) * tokens / layout.world_size;
     double compute = flops / (kGpuPeakFlops * ComputeEfficiency(m.d_model));
-    if (layout.activation_checkpointing == ActivationCheckpointing::kFull) compute *= 4.0 / 3.0;
-    if (layout.activation_checkpointing == ActivationCheckpointing::kSelective) compute *= 1.03;
+    compute *= recompute;
     if (autocast) compute *= 1.0 + kAutocastOverhead;
     const double tp_rate = layout.sequence_parallel ? kSequenceParallelRate : kTensorParallelRate;
     const double pipelined = compute + static_cast<double>(tp_exposed_bytes) / tp_rate +
@@ -545,7 +582,7 @@ std::vector<PlanCandidate> RankLayouts(const Recipe& recipe, const PlanOptions& 
       return;
     }
     StatusOr<Layout> layout = PlanLayout(r, ranks);
-    c.estimate = EstimateLayout(r, *layout);
+    c.estimate = EstimateLayout(r, *layout, options.cpu_cores_per_rank);
     const double limit = options.device == Device::kCuda ? options.memory_bytes * kGpuMemoryUsable
                                                          : options.memory_bytes;
     if (options.memory_bytes > 0 && static_cast<double>(c.estimate.peak_bytes) > limit) {
@@ -583,11 +620,10 @@ std::vector<PlanCandidate> RankLayouts(const Recipe& recipe, const PlanOptions& 
       }
     }
   }
-  const bool cuda = options.device == Device::kCuda;
   std::stable_sort(out.begin(), out.end(), [&](const PlanCandidate& x, const PlanCandidate& y) {
     if (x.feasible != y.feasible) return x.feasible;
     if (!x.feasible) return false;
-    if (cuda && x.estimate.step_seconds != y.estimate.step_seconds) {
+    if (x.estimate.step_seconds != y.estimate.step_seconds) {
       return x.estimate.step_seconds < y.estimate.step_seconds;
     }
     return x.estimate.peak_bytes < y.estimate.peak_bytes;

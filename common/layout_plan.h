@@ -65,11 +65,11 @@ struct LayoutEstimate {
   int64_t peak_bytes = 0;            // the largest stage's total
   std::vector<GroupTraffic> traffic;
   double bubble = 0;                 // the pipeline's idle fraction of a step
-  // CUDA only: the estimated step time and model FLOPs utilisation against kGpuPeakFlops, from the
-  // cost model in layout_plan.cc (compute at the measured single-GPU efficiency, the exposed part of
-  // each group's traffic, the bubble).
+  // The estimated step time, from the cost model in layout_plan.cc: on CUDA compute at the measured
+  // single-GPU efficiency, the exposed part of each group's traffic and the bubble; on CPUs compute
+  // at a measured rate a core, the bubble, and each Gloo message's latency and bytes.
   double step_seconds = 0;
-  double mfu = 0;
+  double mfu = 0;  // CUDA only: model FLOPs utilisation against kGpuPeakFlops
 };
 
 // The dense bf16 peak of the GPUs MFU is measured against (an H100's, as the peers report it).
@@ -78,14 +78,16 @@ inline constexpr double kGpuPeakFlops = 989e12;
 // The model FLOPs of one token, forward and backward: 6N + 12*layers*d_model*seq_len.
 double ModelFlopsPerToken(const ModelSpec& model);
 
-// The estimate for `layout`, a layout of `recipe` that passed CheckLayout.
-LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout);
+// The estimate for `layout`, a layout of `recipe` that passed CheckLayout; on CPUs each rank
+// computing on `cpu_cores_per_rank` cores.
+LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double cpu_cores_per_rank = 1);
 
 struct PlanOptions {
   int ranks = 0;               // 0: the recipe's world size
   int ranks_per_node = 0;      // 0: the recipe's nproc_per_node when it divides ranks, else min(ranks, 8)
   Device device = Device::kCpu;
   double memory_bytes = 0;     // per rank; 0: no limit
+  double cpu_cores_per_rank = 1;  // CPU ranks: the cores each computes on
 };
 
 // One layout considered for the model: its recipe keys, and its estimate or why it cannot run.
@@ -98,7 +100,7 @@ struct PlanCandidate {
 
 // Every combination of tp, pp, zero, sequence parallelism, pipeline schedule and recompute mode for
 // `recipe`'s model, batch and micro-batch on the options' ranks: feasible ones first, fastest first
-// (on the CPU, smallest peak first), then the others with their reasons.
+// by the estimate (then smallest peak), then the others with their reasons.
 std::vector<PlanCandidate> RankLayouts(const Recipe& recipe, const PlanOptions& options);
 
 // The most memory a rank can have, so that a recipe whose model cannot fit anywhere is refused

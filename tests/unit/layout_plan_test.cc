@@ -228,6 +228,43 @@ TEST(LayoutPlanTest, RankedLayoutsPutTheFeasibleFirstFastestFirstAndSayWhyTheOth
   for (const PlanCandidate& c : ranked) EXPECT_NE(c.sets.front(), "parallel.tp=3");
 }
 
+// On CPUs too the fastest comes first: for the quickstart's model on two ranks, plain data
+// parallelism without recompute (every Gloo message waits for its peer, and tp sends four a layer),
+// and tp 2 with full recompute, the smallest in memory, well after it.
+TEST(LayoutPlanTest, OnCpusTheLayoutsAreRankedByTheirEstimatedStep) {
+  Recipe r = Small();
+  r.model.layers = 2;
+  r.model.d_model = 128;
+  r.model.seq_len = 64;
+  r.training.micro_batch = 16;
+  r.training.global_batch = 32;
+  r.parallel.nproc_per_node = 2;
+  PlanOptions options;
+  options.ranks = 2;
+  const std::vector<PlanCandidate> ranked = RankLayouts(r, options);
+  ASSERT_FALSE(ranked.empty());
+  ASSERT_TRUE(ranked.front().feasible);
+  EXPECT_EQ(ranked.front().estimate.layout.dp, 2);
+  EXPECT_EQ(ranked.front().estimate.layout.zero, 0);
+  EXPECT_EQ(ranked.front().estimate.layout.activation_checkpointing, ActivationCheckpointing::kNone);
+  double tp_full = 0;
+  for (size_t i = 0; i < ranked.size(); ++i) {
+    if (!ranked[i].feasible) continue;
+    const LayoutEstimate& e = ranked[i].estimate;
+    EXPECT_GT(e.step_seconds, 0);
+    if (i > 0) {
+      EXPECT_LE(ranked[i - 1].estimate.step_seconds, e.step_seconds);
+    }
+    if (e.layout.tp == 2 && !e.layout.sequence_parallel && e.layout.activation_checkpointing == ActivationCheckpointing::kFull) {
+      tp_full = e.step_seconds;
+    }
+  }
+  EXPECT_GT(tp_full, 1.2 * ranked.front().estimate.step_seconds);
+  // Two cores a rank compute in half the time.
+  options.cpu_cores_per_rank = 2;
+  EXPECT_LT(RankLayouts(r, options).front().estimate.step_seconds, ranked.front().estimate.step_seconds);
+}
+
 TEST(LayoutPlanTest, ABrokenRuleIsTheCandidatesReason) {
   Recipe r = Small();
   r.model.heads = 2;  // tp 4 cannot split 2 heads
