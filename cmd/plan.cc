@@ -5,11 +5,9 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <map>
 #include <memory>
 #include <string>
-#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -165,9 +163,7 @@ int Plan(const PlanArgs& args) {
   const double host_bytes = static_cast<double>(::sysconf(_SC_PHYS_PAGES)) * static_cast<double>(::sysconf(_SC_PAGESIZE));
   const int ranks_per_node = std::max(1, std::min(recipe.parallel.nproc_per_node, options.ranks));
   options.memory_bytes = options.device == Device::kCuda ? args.gpu_memory_gib * kGiB : host_bytes / ranks_per_node;
-  // As the worker shares a node's cores out (OMP_NUM_THREADS, where set, wins there too).
-  options.cpu_cores_per_rank = std::max(1.0, static_cast<double>(std::thread::hardware_concurrency()) / ranks_per_node);
-  if (const char* omp = std::getenv("OMP_NUM_THREADS"); omp && std::atoi(omp) > 0) options.cpu_cores_per_rank = std::atoi(omp);
+  options.cpu_cores_per_rank = CpuThreadsPerRank(ranks_per_node);
   const char* unit = options.device == Device::kCuda ? "GPU" : "rank";
 
   nlohmann::json json;

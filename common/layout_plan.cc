@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <map>
+#include <thread>
 #include <tuple>
 
 #include "common/pipeline_schedule.h"
@@ -288,6 +290,12 @@ int64_t Ring(int64_t bytes, int n, bool all_reduce) {
 }
 
 }  // namespace
+
+int CpuThreadsPerRank(int ranks_on_node) {
+  if (const char* omp = std::getenv("OMP_NUM_THREADS"); omp && std::atoi(omp) > 0) return std::atoi(omp);
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  return std::max(1, cores / std::max(1, ranks_on_node));
+}
 
 double ModelFlopsPerToken(const ModelSpec& model) {
   return 6.0 * static_cast<double>(ApproxParameterCount(model)) +

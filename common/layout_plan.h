@@ -82,6 +82,11 @@ double ModelFlopsPerToken(const ModelSpec& model);
 // computing on `cpu_cores_per_rank` cores.
 LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double cpu_cores_per_rank = 1);
 
+// The intra-op threads each CPU rank of a node runs with `ranks_on_node` ranks: OMP_NUM_THREADS where
+// set (as users of torchrun expect), else the node's cores shared out. The worker runs with it; the
+// plan estimates with it.
+int CpuThreadsPerRank(int ranks_on_node);
+
 struct PlanOptions {
   int ranks = 0;               // 0: the recipe's world size
   int ranks_per_node = 0;      // 0: the recipe's nproc_per_node when it divides ranks, else min(ranks, 8)

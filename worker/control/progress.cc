@@ -41,11 +41,7 @@ double Median(std::vector<double> values) {
 void StepFigures::SetCompute(const std::deque<Work>& window, bool by_core) {
   if (window.empty()) return;
   std::vector<double> all;
-  std::map<int, std::vector<double>> cores;
-  for (const Work& w : window) {
-    all.push_back(w.ms);
-    if (w.cpu >= 0) cores[w.cpu].push_back(w.ms);
-  }
+  for (const Work& w : window) all.push_back(w.ms);
   compute_ms = Median(all);
   std::vector<double> deviations;
   for (double ms : all) deviations.push_back(std::abs(ms - compute_ms));
@@ -53,6 +49,10 @@ void StepFigures::SetCompute(const std::deque<Work>& window, bool by_core) {
   compute_steps = static_cast<int>(window.size());
   compute_cores.clear();
   if (!by_core) return;
+  std::map<int, std::vector<double>> cores;
+  for (const Work& w : window) {
+    if (w.cpu >= 0) cores[w.cpu].push_back(w.ms);
+  }
   for (auto& [cpu, steps] : cores) {
     compute_cores.push_back({cpu, Median(steps), static_cast<int>(steps.size())});
   }

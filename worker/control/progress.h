@@ -48,7 +48,7 @@ struct StepFigures {
   double mfu = 0;           // 0 to 1, against the GPU's dense bf16 peak; 0: not on a GPU
   int64_t memory_bytes = 0; // this rank's memory (proto StepFigures.memory_bytes); 0: unknown
 
-  // One step's own work: its milliseconds and the core it ran on (-1: several, or not recorded).
+  // One step's own work: its milliseconds and the core it ran on (negative: several, or not recorded).
   struct Work {
     double ms = 0;
     int cpu = -1;

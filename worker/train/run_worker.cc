@@ -18,6 +18,7 @@
 #include <c10/util/Exception.h>
 
 #include "common/layout.h"
+#include "common/layout_plan.h"
 #include "common/checkpoint_manifest.h"
 #include "common/files.h"
 #include "common/recipe.h"
@@ -181,10 +182,7 @@ Status Run(const WorkerEnv& env) {
   UsePrivateFileModes();
   if (recipe.checkpoint.share_with_group) ::umask(027);
 
-  // OMP_NUM_THREADS wins, as users of torchrun expect; otherwise the node's cores are shared out.
-  const unsigned hw = std::max(1u, std::thread::hardware_concurrency());
-  int threads = std::max(1, static_cast<int>(hw) / std::max(1, env.local_world_size));
-  if (const char* omp = std::getenv("OMP_NUM_THREADS"); omp && std::atoi(omp) > 0) threads = std::atoi(omp);
+  const int threads = CpuThreadsPerRank(env.local_world_size);
   at::set_num_threads(threads);
   SetBlasThreads(threads);
 
@@ -205,7 +203,8 @@ Status Run(const WorkerEnv& env) {
   // (more ranks than cores take turns on all of them).
   cpu_set_t allowed;
   CPU_ZERO(&allowed);
-  const int cores = ::sched_getaffinity(0, sizeof(allowed), &allowed) == 0 ? CPU_COUNT(&allowed) : static_cast<int>(hw);
+  const int cores = ::sched_getaffinity(0, sizeof(allowed), &allowed) == 0 ? CPU_COUNT(&allowed)
+                                                                                     : static_cast<int>(std::thread::hardware_concurrency());
   options.report_cores = recipe.parallel.device != Device::kCuda && threads * env.local_world_size <= cores;
   SetCollectiveStreamPriority(EnvString("LTRAIN_DP_HIGH_PRIORITY") == "1");
   FusedKernelOptions kernels;

@@ -653,7 +653,7 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
   // A process's first steps on the host are its start-up (the allocator's first requests, caches
   // still cold), each rank's differently: not in its figure.
   if (layout_.pp == 1 && !cuda && step - run_start_step_ >= kComputeStartupSteps) {
-    compute_window_.push_back({compute_ms, step_cpu >= 0 ? step_cpu : -1});
+    compute_window_.push_back({compute_ms, step_cpu});
     if (compute_window_.size() > kComputeWindow) compute_window_.pop_front();
   }
   if (layout_.pp == 1 && cuda) {
