@@ -10,7 +10,7 @@
 #include "cmd/commands.h"
 #include "cmd/run_job.h"
 #include "common/checkpoint_manifest.h"
-#include "common/data_prepare.h"
+#include "common/data/prepare.h"
 #include "common/layout_plan.h"
 #include "common/recipe.h"
 #include "common/slurm.h"
@@ -64,9 +64,9 @@ int SubmitRecipe(Recipe recipe, const std::string& source, bool slurm, const Run
       return kExitInvalid;
     }
   }
-  if (!recipe.runs_program() && run.coordinator.empty() && !fs::exists(fs::path(recipe.data.path) / "train.bin")) {
+  if (!recipe.runs_program() && run.coordinator.empty() && !HoldsPreparedData(recipe.data.path)) {
     std::fprintf(stderr,
-                 "%s: data.path %s holds no prepared data (train.bin)\n"
+                 "%s: data.path %s holds no prepared data (no data.yaml, no train.bin)\n"
                  "    prepare it with: ltrain data prepare --input TEXT_FILE... --output %s\n",
                  source.c_str(), recipe.data.path.c_str(), recipe.data.path.c_str());
     return kExitInvalid;

@@ -7,7 +7,7 @@
 
 #include "cmd/cli_support.h"
 #include "cmd/commands.h"
-#include "common/data_prepare.h"
+#include "common/data/prepare.h"
 #include "common/layout_plan.h"
 #include "common/recipe.h"
 #include "common/recipe_schema.h"
@@ -70,11 +70,10 @@ int Validate(const ValidateArgs& args) {
   }
   std::printf("%s", RecipeToYaml(parsed.recipe).c_str());
   // The recipe may be meant for another machine: a warning, not an error.
-  std::error_code ec;
   // A program under ltrain run reads its own data: data.path is not its.
-  if (!parsed.recipe.runs_program() && !std::filesystem::exists(std::filesystem::path(data) / "train.bin", ec)) {
+  if (!parsed.recipe.runs_program() && !HoldsPreparedData(data)) {
     std::fprintf(stderr,
-                 "%s: warning: data.path %s holds no prepared data here (no train.bin); if the job runs on this "
+                 "%s: warning: data.path %s holds no prepared data here (no data.yaml, no train.bin); if the job runs on this "
                  "machine, prepare it with: ltrain data prepare --input TEXT_FILE... --output %s\n",
                  args.recipe.c_str(), data.c_str(), data.c_str());
   }

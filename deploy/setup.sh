@@ -2,7 +2,7 @@
 # Installs the Debian 12 packages ltrain needs to build, run and test. Idempotent: it calls apt-get
 # only when a package is missing.
 #   deploy/setup.sh           build and run (compiler, CMake, gRPC, protobuf, yaml-cpp, CLI11, SQLite, LibTorch, Gloo,
-#                             PCRE2, nlohmann-json, libmicrohttpd)
+#                             PCRE2, nlohmann-json, simdjson, zstd, zlib, libmicrohttpd)
 #   deploy/setup.sh --tests   also what the tests use: GoogleTest, systemd (systemd-analyze checks
 #                             deploy/systemd), iproute2 (network namespaces), Slurm and munge (a real
 #                             Slurm with two fake nodes), Python (the benchmarks, the JSON schema
@@ -15,6 +15,7 @@ packages=(
   libyaml-cpp-dev libcli11-dev libsqlite3-dev
   libxxhash-dev          # XXH3-64, the checksums of checkpoint shards
   libpcre2-dev nlohmann-json3-dev   # tokenizers: pre-tokenizer regexes, tokenizer.json
+  libsimdjson-dev libzstd-dev zlib1g-dev   # data prepare: JSON Lines, zstd and gzip corpora
   libmicrohttpd-dev      # the HTTP side: /metrics and the dashboard (--http-listen), HTTPS through GnuTLS
   libsentencepiece-dev   # SentencePiece .model tokenizers
   openssl libtorch-dev libgloo-dev
@@ -31,6 +32,7 @@ if [[ "${1:-}" == "--tests" ]]; then
              curl sqlite3          # the security suite: HTTPS to the dashboard, reading state.db as another user
              prometheus            # promtool check metrics on what /metrics serves
              debootstrap           # a Debian 12 root for the container image's test
+             zstd time             # data prepare's tests: zstd corpora, peak memory (GNU time)
              dpkg-dev)             # dpkg-shlibdeps: the Debian package's dependencies (cpack)
 fi
 

@@ -878,9 +878,10 @@ void Coordinator::CheckStragglersLocked(ActiveJob& job) {
     figure.steps = completed.compute_steps();
     figure.spread_ms = completed.compute_spread_ms();
     figure.node = node_of(rank);
-    for (const v1::CoreCompute& core : completed.compute_cores()) {
-      figure.cores.push_back({core.cpu(), core.compute_ms(), core.steps()});
+    for (const v1::StepWork& work : completed.compute_work()) {
+      figure.work.push_back({work.step(), work.cpu(), work.compute_ms()});
     }
+    figure.cores = CoresOf(figure.work);
     step = std::max(step, completed.step());
   }
   if (static_cast<int>(figures.size()) < job.job.world_size()) return;  // not every rank has reported

@@ -34,6 +34,27 @@ std::optional<double> SharedCoreRatio(const RankCompute& r, const RankCompute& o
   return least;
 }
 
+// How many times its node's ranks' work `r`'s is at the steps it ran on one core with some of them:
+// at each such step its work over theirs (their median), the median of those ratios; none unless
+// there were kStragglerCoreSteps such steps. Ranks that take turns on one core within one step wait
+// for it alike and run at its speed then: the fairest comparison there is.
+std::optional<double> CoTenantRatio(const RankCompute& r, const std::vector<RankCompute>& ranks) {
+  std::vector<double> ratios;
+  for (const StepWork& mine : r.work) {
+    if (!(mine.compute_ms > 0)) continue;
+    std::vector<double> theirs;
+    for (const RankCompute& other : ranks) {
+      if (&other == &r || other.node != r.node) continue;
+      for (const StepWork& w : other.work) {
+        if (w.step == mine.step && w.cpu == mine.cpu && w.compute_ms > 0) theirs.push_back(w.compute_ms);
+      }
+    }
+    if (!theirs.empty()) ratios.push_back(mine.compute_ms / Median(std::move(theirs)));
+  }
+  if (static_cast<int>(ratios.size()) < kStragglerCoreSteps) return std::nullopt;
+  return Median(std::move(ratios));
+}
+
 bool ComparedOnCores(const RankCompute& a, const RankCompute& b) {
   return a.node == b.node && !a.cores.empty() && !b.cores.empty();
 }
@@ -46,6 +67,17 @@ bool KeptToACore(const RankCompute& r) {
 }
 
 }  // namespace
+
+std::vector<CoreCompute> CoresOf(const std::vector<StepWork>& work) {
+  std::map<int, std::vector<double>> by_core;
+  for (const StepWork& w : work) by_core[w.cpu].push_back(w.compute_ms);
+  std::vector<CoreCompute> out;
+  for (auto& [cpu, steps] : by_core) {
+    const int n = static_cast<int>(steps.size());
+    out.push_back({cpu, Median(std::move(steps)), n});
+  }
+  return out;
+}
 
 double StragglerMargin(const std::vector<RankCompute>& ranks, double ratio) {
   std::vector<double> relative;
@@ -82,13 +114,17 @@ std::vector<Straggler> RankStandings(const std::vector<RankCompute>& ranks, int 
     for (const RankCompute& r : ranks) {
       std::vector<double> others;
       bool on_cores = false;
+      const std::optional<double> co_tenants = CoTenantRatio(r, ranks);
       for (const RankCompute& other : ranks) {
         if (&other == &r) continue;
         if (!ComparedOnCores(r, other)) {
           others.push_back(other.compute_ms);
           continue;
         }
-        if (std::optional<double> ratio = SharedCoreRatio(r, other)) {
+        if (co_tenants) {
+          others.push_back(r.compute_ms / *co_tenants);
+          on_cores = true;
+        } else if (std::optional<double> ratio = SharedCoreRatio(r, other)) {
           others.push_back(r.compute_ms / *ratio);
           on_cores = true;
         } else if (!KeptToACore(r) || !KeptToACore(other)) {

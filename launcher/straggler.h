@@ -10,14 +10,16 @@
 // step-to-step spread; and the rank must stay above it for kStragglerConfirmSteps steps before it is
 // named (and below the keeping margin as long before it is named no longer).
 //
-// CPU ranks of one node that each kept to a core are compared with each other only where they shared
-// two cores or more, and must be slower on each (and by their whole figures): a virtual machine's
-// cores differ in speed for spells of a hundred steps or more, and two identical ranks that the
-// scheduler keeps on different cores would differ as much. A rank that moved between cores within its steps
-// (more ranks than cores) has a figure of all of them. Ranks of other nodes, and ranks with cores
-// or GPUs of their own, are compared on their whole figures.
+// CPU ranks of one node that report their cores are compared with each other on the steps they ran
+// on one core at once (more ranks than cores: they take turns on it, its speed then the same for
+// each), or else only where they shared two cores or more, and must be slower on each (and by their
+// whole figures): a virtual machine's cores differ in speed for spells of a hundred steps or more,
+// and two identical ranks that the scheduler keeps on different cores would differ as much. A rank
+// that moved between cores within its steps has a figure of all of them. Ranks of other nodes, and
+// ranks with GPUs, are compared on their whole figures.
 #pragma once
 
+#include <cstdint>
 #include <map>
 #include <string>
 #include <vector>
@@ -44,6 +46,16 @@ struct CoreCompute {
   int steps = 0;
 };
 
+// One step's own work, on the one core it ran on.
+struct StepWork {
+  int64_t step = 0;
+  int cpu = 0;
+  double compute_ms = 0;
+};
+
+// Per core, the median of the steps that ran on it, by core.
+std::vector<CoreCompute> CoresOf(const std::vector<StepWork>& work);
+
 struct RankCompute {
   int rank = 0;
   double compute_ms = 0;  // median over `steps` steps
@@ -51,6 +63,9 @@ struct RankCompute {
   double spread_ms = 0;   // median absolute deviation of those steps; 0: unknown
   std::string node;       // with `cores`: compared with its node's ranks on shared cores only
   std::vector<CoreCompute> cores;  // empty: it shares no cores with its node's ranks (or is on a GPU)
+  // The steps of its figure that ran on one core (CoresOf gives `cores`): at a step where ranks of
+  // one node ran on one core, they are compared on it.
+  std::vector<StepWork> work;
 };
 
 struct Straggler {

@@ -1,7 +1,7 @@
 # Tests of the worker runtime and the token data format (included from tests/CMakeLists.txt).
 ltrain_add_test(token_data_test unit
-  SOURCES unit/token_data_test.cc unit/tokenizer_test.cc
-  LIBS ltrain::common)
+  SOURCES unit/token_data_test.cc unit/tokenizer_test.cc unit/prepare_test.cc
+  LIBS ltrain::data)
 
 if(LTRAIN_BUILD_CONTROL_PLANE)
   # Every recipe key, at a value other than its default, from the user's recipe through the
@@ -32,7 +32,7 @@ target_precompile_headers(worker_unit_test REUSE_FROM ltrain_worker_comm)
 # Runs the ltrain-worker binary (1 rank vs 2 Gloo ranks); about a second.
 ltrain_add_test(worker_layout_equivalence_test integration
   SOURCES integration/worker_layout_equivalence_test.cc
-  LIBS ltrain::common)
+  LIBS ltrain::data)
 add_dependencies(worker_layout_equivalence_test ltrain-worker)
 target_compile_definitions(worker_layout_equivalence_test PRIVATE
   LTRAIN_WORKER_BIN="$<TARGET_FILE:ltrain-worker>")
@@ -47,7 +47,7 @@ ltrain_add_test(parallel_planner_test unit
 # ltrain-worker processes (up to 4 at once); about two minutes on 2 cores.
 ltrain_add_test(worker_parallel_layouts_test integration
   SOURCES integration/worker_parallel_layouts_test.cc
-  LIBS ltrain::common)
+  LIBS ltrain::data)
 add_dependencies(worker_parallel_layouts_test ltrain-worker)
 target_compile_definitions(worker_parallel_layouts_test PRIVATE
   LTRAIN_WORKER_BIN="$<TARGET_FILE:ltrain-worker>")
@@ -57,7 +57,7 @@ target_compile_definitions(worker_parallel_layouts_test PRIVATE
 # once); about a minute on 2 cores.
 ltrain_add_test(checkpoint_test integration
   SOURCES integration/checkpoint_test.cc
-  LIBS ltrain::common)
+  LIBS ltrain::data)
 add_dependencies(checkpoint_test ltrain-worker)
 target_compile_definitions(checkpoint_test PRIVATE
   LTRAIN_WORKER_BIN="$<TARGET_FILE:ltrain-worker>")

@@ -23,10 +23,16 @@ class StragglerTest : public ::testing::Test {
     ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
   }
 
+  // Four ranks on this machine's two cores take about 250 ms a step; the coordinator sees their
+  // figures at each heartbeat, here every 250 ms (a step, as on GPUs, where a step takes a second or
+  // more): with the default second it would see them every four steps, and name a straggler at the
+  // second look after the first 13 steps, at step 17 to 25. A node is lost after 3 s without one,
+  // as by default.
   ProcessResult Launch(const std::string& name, const std::map<std::string, std::string>& extra_env) {
     return LaunchRecipe(name, "model: {layers: 2, d_model: 256, heads: 4, seq_len: 128}\n"
                               "training: {steps: " + std::to_string(kSteps) + ", micro_batch: 4, global_batch: 16, log_every: 1}\n"
-                              "parallel: {nproc_per_node: 4}\n", extra_env);
+                              "parallel: {nproc_per_node: 4}\n"
+                              "fault: {heartbeat_interval_s: 0.25, heartbeat_misses: 12}\n", extra_env);
   }
 
   ProcessResult LaunchRecipe(const std::string& name, const std::string& sections,

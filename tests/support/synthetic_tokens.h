@@ -6,7 +6,7 @@
 #include <string>
 #include <vector>
 
-#include "common/token_data.h"
+#include "common/data/token_data.h"
 
 namespace ltrain::testing {
 

@@ -15,7 +15,7 @@ namespace {
 
 std::vector<RankCompute> Even(int n, double ms, int steps = kStragglerWindow) {
   std::vector<RankCompute> out;
-  for (int r = 0; r < n; ++r) out.push_back({r, ms, steps, 0, "", {}});
+  for (int r = 0; r < n; ++r) out.push_back({r, ms, steps, 0, "", {}, {}});
   return out;
 }
 
@@ -65,7 +65,7 @@ TEST(StragglerTest, NoOneIsNamedBeforeEveryRankHasAFullWindow) {
   ranks[1].steps = kStragglerWindow;
   ranks[3].compute_ms = 0;  // not measured
   EXPECT_TRUE(FindStragglers(ranks).empty());
-  EXPECT_TRUE(FindStragglers({{0, 500, kStragglerWindow, 0, "", {}}}).empty());
+  EXPECT_TRUE(FindStragglers({{0, 500, kStragglerWindow, 0, "", {}, {}}}).empty());
 }
 
 TEST(StragglerTest, SeveralStragglersAmongManyRanksAreEachNamed) {
@@ -81,7 +81,7 @@ TEST(StragglerTest, SeveralStragglersAmongManyRanksAreEachNamed) {
 // Ranks whose steps vary by a quarter from one to the next (two ranks sharing two busy cores) differ
 // by 1.3x by chance; with a small spread the same difference is real.
 TEST(StragglerTest, ADifferenceWithinTheRanksOwnSpreadIsNoStraggler) {
-  std::vector<RankCompute> ranks = {{0, 100, kStragglerWindow, 25, "", {}}, {1, 130, kStragglerWindow, 30, "", {}}};
+  std::vector<RankCompute> ranks = {{0, 100, kStragglerWindow, 25, "", {}, {}}, {1, 130, kStragglerWindow, 30, "", {}, {}}};
   EXPECT_GT(StragglerMargin(ranks, kStragglerRatio), 1.3);
   EXPECT_TRUE(FindStragglers(ranks).empty());
   ranks[0].spread_ms = 3;
@@ -93,7 +93,7 @@ TEST(StragglerTest, ADifferenceWithinTheRanksOwnSpreadIsNoStraggler) {
 // Two CPU ranks of one node that share its cores, each on cores of its own: what a virtual machine
 // shows (one of its two cores 1.3x slower for a hundred steps) cannot be told from a slow rank.
 RankCompute OnCores(int rank, const std::vector<CoreCompute>& cores, const std::string& node = "local") {
-  RankCompute r{rank, 0, kStragglerWindow, 0, node, cores};
+  RankCompute r{rank, 0, kStragglerWindow, 0, node, cores, {}};
   std::vector<double> steps;
   for (const CoreCompute& c : cores) steps.insert(steps.end(), static_cast<size_t>(c.steps), c.compute_ms);
   std::sort(steps.begin(), steps.end());
@@ -154,6 +154,44 @@ TEST(StragglerTest, ASharedCoreRatioIsCappedByTheWholeFigures) {
   ASSERT_EQ(standings.size(), 2u);
   EXPECT_DOUBLE_EQ(standings[1].compute_ms / standings[1].others_median_ms, 1.0);
   EXPECT_TRUE(FindStragglers(ranks).empty());
+}
+
+// What a rank reports of its last kStragglerWindow steps, given each step's core (negative: it
+// moved within the step) and milliseconds.
+RankCompute OnSteps(int rank, const std::vector<std::pair<int, double>>& steps, const std::string& node = "local") {
+  RankCompute r{rank, 0, static_cast<int>(steps.size()), 0, node, {}, {}};
+  std::vector<double> all;
+  for (size_t s = 0; s < steps.size(); ++s) {
+    all.push_back(steps[s].second);
+    if (steps[s].first >= 0) r.work.push_back({static_cast<int64_t>(s + 1), steps[s].first, steps[s].second});
+  }
+  std::sort(all.begin(), all.end());
+  r.compute_ms = all.size() % 2 ? all[all.size() / 2] : (all[all.size() / 2 - 1] + all[all.size() / 2]) / 2;
+  r.cores = CoresOf(r.work);
+  return r;
+}
+
+// Four ranks reported with their cores, two on each at every step, core 1 1.4x slower: ranks 2 and
+// 3, kept to it, are no stragglers by the rank they shared it with; rank 2 slowed by half is.
+TEST(StragglerTest, RanksOnOneCoreAtOnceAreComparedOnIt) {
+  auto run = [](double rank_2_slowed) {
+    std::vector<RankCompute> ranks;
+    for (int r = 0; r < 4; ++r) {
+      const int core = r < 2 ? 0 : 1;
+      ranks.push_back(OnSteps(r, std::vector<std::pair<int, double>>(
+                                     kStragglerWindow, {core, 40.0 * (core == 1 ? 1.4 : 1.0) * (r == 2 ? rank_2_slowed : 1.0)})));
+    }
+    return ranks;
+  };
+  std::vector<RankCompute> whole = run(1.0);
+  for (RankCompute& r : whole) r.cores.clear(), r.work.clear();
+  EXPECT_EQ(FindStragglers(whole).size(), 2u) << "by their whole figures ranks 2 and 3 would be";
+  EXPECT_TRUE(FindStragglers(run(1.0)).empty());
+  const std::vector<Straggler> found = FindStragglers(run(1.5));
+  ASSERT_EQ(found.size(), 1u);
+  EXPECT_EQ(found[0].rank, 2);
+  EXPECT_TRUE(found[0].on_shared_cores);
+  EXPECT_NEAR(found[0].compute_ms / found[0].others_median_ms, 1.5, 1e-9);
 }
 
 TEST(StragglerTest, RanksOfOtherNodesAreComparedOnTheirWholeFigures) {
@@ -263,7 +301,7 @@ TEST(StragglerTrackerTest, TwoRanksOnCoresOfUnequalSpeedAreJudgedOnSharedCoresOn
             std::sort(v.begin(), v.end());
             return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
           };
-          RankCompute figure{r, median(all), kStragglerWindow, 0, "local", {}};
+          RankCompute figure{r, median(all), kStragglerWindow, 0, "local", {}, {}};
           for (const auto& [core, ms] : by_core) figure.cores.push_back({core, median(ms), static_cast<int>(ms.size())});
           ranks.push_back(figure);
         }
@@ -279,6 +317,59 @@ TEST(StragglerTrackerTest, TwoRanksOnCoresOfUnequalSpeedAreJudgedOnSharedCoresOn
     }
   }
   EXPECT_GE(slowed_named, 30);
+}
+
+// Four ranks reported with their cores, two on each core at every step (the pairs kept for spells,
+// now and then changed), a rank moving between cores within one step in three, one core 1.3-1.45x
+// slower than the other for spells of tens of steps: compared at the steps they shared a core, in 300
+// even steps no one is named; a rank 1.5x slower is named by step 20, and no other with it. (By
+// their whole figures, ranks kept to the slower core are named in about one run in five.)
+TEST(StragglerTrackerTest, FourRanksTakingTurnsOnTwoCoresAreJudgedOnTheCoreTheyShared) {
+  for (unsigned seed = 1; seed <= 50; ++seed) {
+    for (double slowed : {1.0, 1.5}) {
+      std::mt19937 random(seed);
+      std::uniform_real_distribution<double> jitter(0.9, 1.1);
+      std::uniform_real_distribution<double> slower_core(1.3, 1.45);
+      std::uniform_real_distribution<double> chance(0, 1);
+      const int total = slowed > 1.0 ? 30 : 300;
+      std::vector<std::vector<std::pair<int, double>>> steps(4);  // (core, ms) by rank
+      std::vector<int> core_of = {0, 0, 1, 1};
+      int slow_core = static_cast<int>(random() % 2);
+      double factor = slower_core(random);
+      for (int s = 0; s < total; ++s) {
+        if (chance(random) < 0.05) std::shuffle(core_of.begin(), core_of.end(), random);
+        if (chance(random) < 0.03) slow_core = 1 - slow_core, factor = slower_core(random);
+        for (int r = 0; r < 4; ++r) {
+          const double speed = core_of[static_cast<size_t>(r)] == slow_core ? factor : 1.0;
+          const bool moved = chance(random) < 1.0 / 3;
+          steps[static_cast<size_t>(r)].push_back(
+              {moved ? -1 : core_of[static_cast<size_t>(r)],
+               40.0 * jitter(random) * (moved ? (1.0 + factor) / 2 : speed) * (r == 2 ? slowed : 1.0)});
+        }
+      }
+      StragglerTracker tracker;
+      int64_t named_at = 0;
+      for (int step = kStragglerWindow; step <= total; ++step) {
+        std::vector<RankCompute> ranks;
+        for (int r = 0; r < 4; ++r) {
+          const auto& all = steps[static_cast<size_t>(r)];
+          RankCompute figure = OnSteps(r, {all.begin() + step - kStragglerWindow, all.begin() + step});
+          for (StepWork& w : figure.work) w.step += step - kStragglerWindow;
+          ranks.push_back(figure);
+        }
+        for (const StragglerTracker::Change& change : tracker.Observe(step, ranks)) {
+          EXPECT_EQ(change.straggler.rank, 2) << "seed " << seed << " slowed " << slowed << " step " << step;
+          if (change.named && named_at == 0) named_at = step;
+        }
+      }
+      if (slowed == 1.0) {
+        EXPECT_EQ(named_at, 0) << "seed " << seed;
+      } else {
+        EXPECT_GT(named_at, 0) << "seed " << seed;
+        EXPECT_LE(named_at, 20) << "seed " << seed;
+      }
+    }
+  }
 }
 
 TEST(StragglerTrackerTest, ANamedRankIsReleasedOnlyAfterStayingUnderTheKeepingRatio) {
@@ -311,7 +402,7 @@ RankCompute Figure(int rank, const std::vector<double>& steps, size_t step) {
   const double m = median(window);
   std::vector<double> deviations;
   for (double ms : window) deviations.push_back(std::abs(ms - m));
-  return {rank, m, static_cast<int>(window.size()), median(deviations), "", {}};
+  return {rank, m, static_cast<int>(window.size()), median(deviations), "", {}, {}};
 }
 
 // Two ranks on two busy cores: every step varies by up to a fifth, and now one rank, now the other

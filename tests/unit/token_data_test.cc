@@ -1,4 +1,4 @@
-#include "common/token_data.h"
+#include "common/data/token_data.h"
 
 #include <unistd.h>
 
@@ -11,7 +11,7 @@
 
 #include <gtest/gtest.h>
 
-#include "common/data_prepare.h"
+#include "common/data/prepare.h"
 
 namespace ltrain {
 namespace {
@@ -49,35 +49,47 @@ StatusOr<PrepareStats> Prepare(const std::vector<std::string>& inputs, const std
   return PrepareData(o);
 }
 
-TEST_F(TokenDataTest, PrepareRoundTripsBytesAndSplitsValAtTheEnd) {
+// Bytes in input order, one shard a split here, each file a document of the index; nothing but the
+// dataset's files is left behind.
+TEST_F(TokenDataTest, PrepareRoundTripsBytesInOrderWithEachFileADocument) {
   std::string a = WriteText("a.txt", "hello " + std::string(1394, '.'));
   std::string b = WriteText("b.txt", "world!\xff");
-  StatusOr<PrepareStats> stats = Prepare({a, b}, (dir_ / "out").string(), 0.25);
+  StatusOr<PrepareStats> stats = Prepare({a, b}, (dir_ / "out").string(), 0.0);
   ASSERT_TRUE(stats.ok()) << stats.status().ToString();
   EXPECT_EQ(stats->info.vocab, 256);
-  EXPECT_EQ(stats->info.train_tokens + stats->info.val_tokens, 1407);
-  EXPECT_EQ(stats->info.val_tokens, 351);  // floor(1407 * 0.25)
+  EXPECT_EQ(stats->info.train_tokens, 1407);
+  EXPECT_EQ(stats->info.val_tokens, 0);
+  EXPECT_EQ(stats->info.train_documents, 2);
 
-  StatusOr<TokenDataset> train = TokenDataset::Open(stats->train_path);
+  StatusOr<TokenDataset> train = TokenDataset::OpenSplit((dir_ / "out").string(), "train");
   ASSERT_TRUE(train.ok()) << train.status().ToString();
-  StatusOr<TokenDataset> val = TokenDataset::Open(stats->val_path);
-  ASSERT_TRUE(val.ok()) << val.status().ToString();
+  EXPECT_FALSE(TokenDataset::OpenSplit((dir_ / "out").string(), "val").ok());
   EXPECT_EQ(train->vocab(), 256);
   EXPECT_EQ(train->bytes_per_token(), 2);
-  std::string all = "hello " + std::string(1394, '.') + "world!\xff";
   std::string got;
   for (int64_t i = 0; i < train->size(); ++i) got.push_back(static_cast<char>(train->token(i)));
-  for (int64_t i = 0; i < val->size(); ++i) got.push_back(static_cast<char>(val->token(i)));
-  EXPECT_EQ(got, all);
-  EXPECT_EQ(val->token(350), 0xffu);
-  // The data says how it was made; no temporary files are left behind.
+  EXPECT_EQ(got, "hello " + std::string(1394, '.') + "world!\xff");
   StatusOr<DataInfo> info = ReadDataInfo((dir_ / "out").string());
   ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_EQ(info->format, 2);
   EXPECT_EQ(info->tokenizer, "byte");
-  EXPECT_EQ(info->vocab, 256);
-  EXPECT_EQ(info->val_tokens, 351);
+  EXPECT_EQ(info->dtype, "uint16");
+  ASSERT_EQ(info->inputs.size(), 2u);
+  EXPECT_EQ(info->inputs[1].path, b);
+  EXPECT_EQ(info->inputs[1].documents, 1);
+  ASSERT_EQ(info->shards.size(), 1u);
+  EXPECT_EQ(info->shards[0].file, "train-00000.bin");
+  EXPECT_EQ(info->shards[0].last_input, 1);
+  StatusOr<DocumentIndex> index = ReadDocumentIndex((dir_ / "out" / info->shards[0].index).string());
+  ASSERT_TRUE(index.ok()) << index.status().ToString();
+  EXPECT_FALSE(index->continues);
+  EXPECT_EQ(index->starts, (std::vector<uint64_t>{0, 1400}));
+  for (const auto& e : fs::directory_iterator(dir_)) {
+    EXPECT_EQ(e.path().filename().string().find(".partial"), std::string::npos) << e.path();
+  }
   for (const auto& e : fs::directory_iterator(dir_ / "out")) {
-    EXPECT_TRUE(e.path().extension() == ".bin" || e.path().filename() == "data.yaml") << e.path();
+    const std::string ext = e.path().extension().string();
+    EXPECT_TRUE(ext == ".bin" || ext == ".idx" || e.path().filename() == "data.yaml") << e.path();
   }
 }
 
@@ -133,8 +145,8 @@ TEST_F(TokenDataTest, PrepareErrorsNameTheFile) {
   EXPECT_NE(no_tokenizer.status().message().find("no.json"), std::string::npos);
   EXPECT_FALSE(Prepare({ok}, (dir_ / "o").string(), 1.0).ok());
 
-  // Text too short for a validation split or a training sample.
-  EXPECT_NE(Prepare({ok}, (dir_ / "o").string(), 0.1).status().message().find("no validation tokens"), std::string::npos);
+  // Text too short for a training sample, with a validation split or without.
+  EXPECT_NE(Prepare({ok}, (dir_ / "o").string(), 0.1).status().message().find("too little text"), std::string::npos);
   EXPECT_NE(Prepare({ok}, (dir_ / "o").string(), 0.0).status().message().find("too little text"), std::string::npos);
 
   // A regular file where the output directory should be.

@@ -2,7 +2,7 @@
 // the tokenizer.json it writes, round-trips them and random UTF-8 (and bytes that are not UTF-8);
 // a hand-written tokenizer.json gives the ids its merges say; added tokens split the text; Llama 3's
 // pre-tokenizer layout and ignore_merges; a SentencePiece model trained here round-trips too.
-#include "common/tokenizer.h"
+#include "common/data/tokenizer.h"
 
 #include <unistd.h>
 

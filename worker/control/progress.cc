@@ -6,7 +6,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
-#include <map>
 #include <vector>
 
 #include "common/files.h"
@@ -47,14 +46,10 @@ void StepFigures::SetCompute(const std::deque<Work>& window, bool by_core) {
   for (double ms : all) deviations.push_back(std::abs(ms - compute_ms));
   compute_spread_ms = Median(std::move(deviations));
   compute_steps = static_cast<int>(window.size());
-  compute_cores.clear();
+  compute_work.clear();
   if (!by_core) return;
-  std::map<int, std::vector<double>> cores;
   for (const Work& w : window) {
-    if (w.cpu >= 0) cores[w.cpu].push_back(w.ms);
-  }
-  for (auto& [cpu, steps] : cores) {
-    compute_cores.push_back({cpu, Median(steps), static_cast<int>(steps.size())});
+    if (w.cpu >= 0) compute_work.push_back(w);
   }
 }
 

@@ -39,22 +39,19 @@ struct StepFigures {
   double compute_ms = 0;    // median of the last compute_steps steps' own work (see RankProgress); 0: none
   int compute_steps = 0;
   double compute_spread_ms = 0;  // those steps' median absolute deviation from compute_ms
-  struct Core {
-    int cpu = 0;
-    double compute_ms = 0;  // median of the steps on this core alone
-    int steps = 0;
-  };
-  std::vector<Core> compute_cores;  // proto StepFigures.compute_cores; empty: not reported
-  double mfu = 0;           // 0 to 1, against the GPU's dense bf16 peak; 0: not on a GPU
-  int64_t memory_bytes = 0; // this rank's memory (proto StepFigures.memory_bytes); 0: unknown
-
-  // One step's own work: its milliseconds and the core it ran on (negative: several, or not recorded).
+  // One step's own work: its milliseconds, the core it ran on (negative: several, or not recorded)
+  // and the step (1-based).
   struct Work {
     double ms = 0;
     int cpu = -1;
+    int64_t step = 0;
   };
+  std::vector<Work> compute_work;  // proto StepFigures.compute_work: the steps on one core; empty: not reported
+  double mfu = 0;           // 0 to 1, against the GPU's dense bf16 peak; 0: not on a GPU
+  int64_t memory_bytes = 0; // this rank's memory (proto StepFigures.memory_bytes); 0: unknown
+
   // compute_ms, compute_steps and compute_spread_ms from the own work of the last steps; with
-  // `by_core`, compute_cores too.
+  // `by_core`, compute_work too.
   void SetCompute(const std::deque<Work>& window, bool by_core);
 };
 

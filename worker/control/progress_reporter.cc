@@ -74,11 +74,11 @@ bool ProgressReporter::Send() {
     completed->set_compute_ms(snapshot.completed->compute_ms);
     completed->set_compute_steps(snapshot.completed->compute_steps);
     completed->set_compute_spread_ms(snapshot.completed->compute_spread_ms);
-    for (const StepFigures::Core& core : snapshot.completed->compute_cores) {
-      v1::CoreCompute* out = completed->add_compute_cores();
-      out->set_cpu(core.cpu);
-      out->set_compute_ms(core.compute_ms);
-      out->set_steps(core.steps);
+    for (const StepFigures::Work& work : snapshot.completed->compute_work) {
+      v1::StepWork* out = completed->add_compute_work();
+      out->set_step(work.step);
+      out->set_cpu(work.cpu);
+      out->set_compute_ms(work.ms);
     }
     completed->set_mfu(snapshot.completed->mfu);
     completed->set_memory_bytes(snapshot.completed->memory_bytes);

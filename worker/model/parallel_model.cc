@@ -10,7 +10,7 @@
 #include <torch/autograd.h>
 #include <torch/nn/functional.h>
 
-#include "common/token_data.h"
+#include "common/data/token_data.h"
 #include "worker/control/progress.h"
 #include "worker/model/comm_handle.h"
 #include "worker/model/fused_kernels.h"

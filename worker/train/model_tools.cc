@@ -15,12 +15,12 @@
 #include <torch/types.h>
 
 #include "common/checkpoint_manifest.h"
-#include "common/data_prepare.h"
+#include "common/data/prepare.h"
 #include "common/files.h"
 #include "common/hf_format.h"
 #include "common/recipe.h"
 #include "common/safetensors.h"
-#include "common/tokenizer.h"
+#include "common/data/tokenizer.h"
 #include "worker/checkpoint/checkpoint.h"
 #include "worker/comm/communicator.h"
 #include "worker/train/trainer.h"
@@ -125,7 +125,7 @@ StatusOr<std::unique_ptr<Loaded>> Load(const std::string& checkpoint, const std:
   return loaded;
 }
 
-// The tokenizer the checkpoint's data was made with (data.yaml beside train.bin), or `file`.
+// The tokenizer the checkpoint's data was made with (its data.yaml), or `file`.
 StatusOr<std::unique_ptr<TextTokenizer>> TokenizerOf(const Recipe& recipe, const std::string& file) {
   if (!file.empty()) return TextTokenizer::Load(file);
   StatusOr<DataInfo> info = ReadDataInfo(recipe.data.path);

@@ -13,6 +13,7 @@
 #include <unistd.h>
 
 #include <dlfcn.h>
+#include <malloc.h>
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -157,6 +158,17 @@ Status StallStartupIfAsked(int rank) {
   return Status::Ok();
 }
 
+// A CPU rank frees and takes again the same activations and gradients every step. glibc gives large
+// blocks back to the system (mapped blocks, and the heap's top past the trim threshold), and each
+// step then faults their pages in again: on this project's 2-core machine that was a tenth of a
+// step, and spells of a few steps at 1.5-2.5x a rank's time, which no other rank had at once (the
+// straggler rule saw them). Blocks up to glibc's largest threshold (32 MB) come from the heap, and
+// the heap keeps up to 1 GB free.
+void KeepFreedHostMemory() {
+  ::mallopt(M_MMAP_THRESHOLD, 32 << 20);
+  ::mallopt(M_TRIM_THRESHOLD, 1 << 30);
+}
+
 // LTRAIN_FAULT_SLOW_RANK=FACTOR:RANK: the straggler drill (see the usage text); 1 for other ranks.
 StatusOr<double> SlowFactor(int rank) {
   const std::string text = EnvString("LTRAIN_FAULT_SLOW_RANK");
@@ -185,6 +197,7 @@ Status Run(const WorkerEnv& env) {
   const int threads = CpuThreadsPerRank(env.local_world_size);
   at::set_num_threads(threads);
   SetBlasThreads(threads);
+  if (recipe.parallel.device != Device::kCuda) KeepFreedHostMemory();
 
   TrainerOptions options;
   options.rank = env.rank;
@@ -199,8 +212,9 @@ Status Run(const WorkerEnv& env) {
   options.stochastic_residual = EnvString("LTRAIN_STOCHASTIC_RESIDUAL") == "1";
   options.tp_split_batch = EnvString("LTRAIN_TP_SPLIT_BATCH") == "1";
   LTRAIN_ASSIGN_OR_RETURN(options.slow_factor, SlowFactor(env.rank));
-  // CPU ranks whose threads fit the cores they may run on are each kept to cores by the scheduler
-  // (more ranks than cores take turns on all of them).
+  // CPU ranks whose threads fit the cores they may run on are each kept to cores by the scheduler,
+  // and each step's work is on its main thread's core (more ranks than cores take turns on all of
+  // them: their whole figures are compared).
   cpu_set_t allowed;
   CPU_ZERO(&allowed);
   const int cores = ::sched_getaffinity(0, sizeof(allowed), &allowed) == 0 ? CPU_COUNT(&allowed)

@@ -26,7 +26,7 @@
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
 
-#include "common/data_prepare.h"
+#include "common/data/prepare.h"
 #include "common/hf_format.h"
 #include "common/safetensors.h"
 #include "worker/checkpoint/checkpoint.h"
@@ -162,7 +162,7 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const Recipe& recipe, const T
 
 StatusOr<TokenDataset> OpenTrainingData(const Recipe& recipe) {
   if (recipe.data.path.empty()) return InvalidArgument("data.path is empty: point it at a directory written by `ltrain data prepare`");
-  StatusOr<TokenDataset> opened = TokenDataset::Open(recipe.data.path + "/train.bin");
+  StatusOr<TokenDataset> opened = TokenDataset::OpenSplit(recipe.data.path, "train");
   if (!opened.ok()) {
     // A restart would find the same files: missing data fails the job at once (exit 3), naming the path.
     return opened.status().code() == StatusCode::kNotFound ? FailedPrecondition(opened.status().message())
@@ -189,10 +189,11 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const Recipe& recipe, const T
   std::unique_ptr<Trainer> trainer(new Trainer(recipe, options, groups, layout, std::move(data)));
   if (trainer->sampler_) LTRAIN_RETURN_IF_ERROR(trainer->sampler_->Check());
   if (recipe.training.eval_every > 0 && !options.model_only) {
-    StatusOr<TokenDataset> val = TokenDataset::Open(recipe.data.path + "/val.bin");
+    StatusOr<TokenDataset> val = TokenDataset::OpenSplit(recipe.data.path, "val");
     if (!val.ok()) {
       return FailedPrecondition("training.eval_every=" + std::to_string(recipe.training.eval_every) +
-                                " evaluates on val.bin, which `ltrain data prepare` writes beside train.bin: " +
+                                " evaluates on the validation split, which `ltrain data prepare` writes beside the "
+                                "training one: " +
                                 val.status().message() + "; prepare the data again, or set training.eval_every: 0");
     }
     if (val->vocab() > recipe.model.vocab) {
@@ -653,7 +654,7 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
   // A process's first steps on the host are its start-up (the allocator's first requests, caches
   // still cold), each rank's differently: not in its figure.
   if (layout_.pp == 1 && !cuda && step - run_start_step_ >= kComputeStartupSteps) {
-    compute_window_.push_back({compute_ms, step_cpu});
+    compute_window_.push_back({compute_ms, step_cpu, step + 1});
     if (compute_window_.size() > kComputeWindow) compute_window_.pop_front();
   }
   if (layout_.pp == 1 && cuda) {

@@ -29,7 +29,7 @@
 #include "common/layout.h"
 #include "common/recipe.h"
 #include "common/status.h"
-#include "common/token_data.h"
+#include "common/data/token_data.h"
 #include "worker/checkpoint/checkpoint.h"
 #include "worker/comm/communicator.h"
 #include "worker/control/progress.h"
@@ -101,14 +101,14 @@ struct TrainerOptions {
   // times as long (the rank sleeps for the difference). 1: none.
   double slow_factor = 1.0;
   // A CPU rank whose node's ranks are each kept to cores (their intra-op threads fit the cores they
-  // may run on): each step's own work is reported with the core it ran on (StepFigures.compute_cores).
+  // may run on): each step's own work is reported with the core it ran on (StepFigures.compute_work).
   bool report_cores = false;
 };
 
 class CheckpointWriter;
 class LocalCommitBoard;
 
-// The recipe's training tokens (data.path/train.bin), checked against the recipe. Missing or
+// The recipe's training tokens (data.path's training split), checked against the recipe. Missing or
 // unusable data is a FailedPrecondition (exit 3: a restart would find the same files).
 StatusOr<TokenDataset> OpenTrainingData(const Recipe& recipe);
 
@@ -170,7 +170,7 @@ class Trainer {
   // The windows of `slice` from `sampler` over `data`, on the device.
   Status FillWindows(const TokenSampler& sampler, const TokenDataset& data, const BatchSlice& slice,
                      torch::Tensor* inputs, torch::Tensor* targets);
-  // The mean loss over training.eval_batches global batches of val.bin (the same windows each
+  // The mean loss over training.eval_batches global batches of the validation split (the same windows each
   // time), known on every rank; forward only, the parameters and the training data position stay.
   StatusOr<double> Evaluate();
   // One micro-batch's mean loss through this rank's pipeline stages, forward only (last stage: the
@@ -228,9 +228,9 @@ class Trainer {
   std::unique_ptr<ProcessGroups> owned_groups_;
   ProcessGroups* groups_;
   Layout layout_;
-  std::optional<TokenDataset> data_;               // train.bin; none for a model-only trainer
+  std::optional<TokenDataset> data_;               // the training split; none for a model-only trainer
   std::unique_ptr<TokenSampler> sampler_;
-  std::optional<TokenDataset> val_data_;           // val.bin, when training.eval_every > 0
+  std::optional<TokenDataset> val_data_;           // the validation split, when training.eval_every > 0
   std::unique_ptr<TokenSampler> val_sampler_;
   double eval_ms_ = 0;                             // time spent evaluating (out of the throughput window)
   LrSchedule schedule_;

@@ -1,4 +1,4 @@
-#include "common/tokenizer.h"
+#include "common/data/tokenizer.h"
 
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <dlfcn.h>
@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
@@ -135,7 +136,7 @@ class ByteTokenizer : public TextTokenizer {
   std::string kind() const override { return "byte"; }
 };
 
-// libltrain_sentencepiece.so (common/sentencepiece_shim.cc), loaded once with its symbols kept to
+// libltrain_sentencepiece.so (common/data/sentencepiece_shim.cc), loaded once with its symbols kept to
 // itself: found through $LTRAIN_SENTENCEPIECE_LIB, the build tree, or lib/ltrain beside the
 // installed binaries.
 struct SentencePieceLib {
@@ -263,7 +264,7 @@ class BpeTokenizer : public TextTokenizer {
 
   std::vector<uint32_t> Encode(std::string_view text) const override {
     std::vector<uint32_t> ids;
-    std::unordered_map<std::string, std::vector<uint32_t>> cache;
+    WordCache& cache = ThreadCache();
     // Added tokens are matched in the raw text first; the text between them is tokenized.
     size_t pos = 0;
     while (pos < text.size()) {
@@ -418,8 +419,21 @@ class BpeTokenizer : public TextTokenizer {
 
   static uint64_t Key(uint32_t a, uint32_t b) { return (static_cast<uint64_t>(a) << 32) | b; }
 
-  void EncodePlain(std::string_view text, std::vector<uint32_t>* ids,
-                   std::unordered_map<std::string, std::vector<uint32_t>>* cache) const {
+  // Pre-tokens already merged, kept by each thread across calls (a corpus of short documents
+  // repeats its words from one to the next): this tokenizer's, up to kMaxCachedWords.
+  using WordCache = std::unordered_map<std::string, std::vector<uint32_t>>;
+  static constexpr size_t kMaxCachedWords = 1 << 18;
+  WordCache& ThreadCache() const {
+    thread_local uint64_t owner = 0;
+    thread_local WordCache cache;
+    if (owner != instance_ || cache.size() > kMaxCachedWords) {
+      cache.clear();
+      owner = instance_;
+    }
+    return cache;
+  }
+
+  void EncodePlain(std::string_view text, std::vector<uint32_t>* ids, WordCache* cache) const {
     if (text.empty()) return;
     std::string prefixed;
     if (add_prefix_space_ && text.front() != ' ') {
@@ -478,6 +492,9 @@ class BpeTokenizer : public TextTokenizer {
   }
 
   std::vector<std::string> tokens_;                           // id -> byte-level string
+  // Tells this tokenizer's cached words from those of one that was at its address before.
+  static inline std::atomic<uint64_t> next_instance_{1};
+  const uint64_t instance_ = next_instance_++;
   std::unordered_map<std::string, uint32_t> vocab_;
   std::unordered_map<uint64_t, std::pair<uint32_t, uint32_t>> merges_;  // pair -> (rank, merged id)
   std::vector<std::pair<std::string, uint32_t>> added_;

@@ -8,7 +8,8 @@
 //   offset 16  uint64    token count
 //   offset 24  uint32    bytes per token (2: uint16 tokens for a vocabulary up to 65536; 4: uint32)
 //   offset 28  tokens
-// `ltrain data prepare` (common/data_prepare.h) writes them.
+// `ltrain data prepare` (common/data/prepare.h) writes a dataset's splits as shards of this format
+// (common/data/manifest.h); data written before shards has one file per split, train.bin and val.bin.
 // No LibTorch here: the CLI links this.
 #pragma once
 
@@ -31,10 +32,13 @@ inline constexpr size_t kTokenHeaderBytes = 28;
 Status WriteTokenFile(const std::string& path, const std::vector<uint32_t>& tokens, uint32_t vocab);
 Status WriteTokenFile(const std::string& path, const std::vector<uint16_t>& tokens, uint32_t vocab);
 
-// A read-only, memory-mapped token file. Movable, not copyable.
+// A read-only, memory-mapped token file, or a split's shards one after another. Movable, not copyable.
 class TokenDataset {
  public:
   static StatusOr<TokenDataset> Open(const std::string& path);
+  // The split ("train" or "val") of the dataset in `dir`: its shards in the manifest's order, or
+  // DIR/SPLIT.bin where the data has no shards. NotFound where the split has no tokens.
+  static StatusOr<TokenDataset> OpenSplit(const std::string& dir, const std::string& split);
 
   TokenDataset(TokenDataset&& other) noexcept;
   TokenDataset& operator=(TokenDataset&& other) noexcept;
@@ -44,21 +48,28 @@ class TokenDataset {
 
   int64_t size() const { return size_; }
   int vocab() const { return vocab_; }
+  // The file, or DIR/SPLIT-*.bin for shards.
   const std::string& path() const { return path_; }
-  uint32_t token(int64_t i) const {
-    if (width_ == 2) return reinterpret_cast<const uint16_t*>(tokens_)[i];
-    return reinterpret_cast<const uint32_t*>(tokens_)[i];
-  }
+  uint32_t token(int64_t i) const;
+  // Tokens [start, start + n) into `out`, across shards.
+  void Read(int64_t start, int64_t n, int64_t* out) const;
   int bytes_per_token() const { return width_; }
+  int shards() const { return static_cast<int>(shards_.size()); }
 
  private:
+  struct Mapped {
+    void* map = nullptr;
+    size_t map_bytes = 0;
+    const unsigned char* tokens = nullptr;
+    int64_t first = 0;  // index of its first token in the split
+    int64_t size = 0;
+  };
   TokenDataset() = default;
   void Release();
+  size_t ShardOf(int64_t i) const;
 
   std::string path_;
-  void* map_ = nullptr;
-  size_t map_bytes_ = 0;
-  const unsigned char* tokens_ = nullptr;
+  std::vector<Mapped> shards_;
   int width_ = 2;
   int64_t size_ = 0;
   int vocab_ = 0;

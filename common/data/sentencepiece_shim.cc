@@ -1,4 +1,4 @@
-// libltrain_sentencepiece.so: SentencePiece behind a C interface, for common/tokenizer.cc to load
+// libltrain_sentencepiece.so: SentencePiece behind a C interface, for common/data/tokenizer.cc to load
 // with dlopen(RTLD_LOCAL | RTLD_DEEPBIND). Debian's libsentencepiece carries its own copy of
 // protobuf-lite and exports it; linked into a process that also has libprotobuf (gRPC), the two bind
 // to each other's symbols and the process crashes while loading. Loaded this way its symbols stay

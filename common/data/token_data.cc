@@ -1,5 +1,6 @@
-#include "common/token_data.h"
+#include "common/data/token_data.h"
 
+#include "common/data/manifest.h"
 #include "common/files.h"
 
 #include <fcntl.h>
@@ -7,11 +8,13 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <utility>
 
 namespace ltrain {
 namespace {
@@ -118,8 +121,7 @@ StatusOr<TokenDataset> TokenDataset::Open(const std::string& path) {
 
   TokenDataset ds;
   ds.path_ = path;
-  ds.map_ = map;
-  ds.map_bytes_ = file_bytes;
+  ds.shards_.push_back(Mapped{map, file_bytes, nullptr, 0, 0});
   const auto* p = static_cast<const unsigned char*>(map);
   if (std::memcmp(p, kTokenMagic, sizeof(kTokenMagic)) != 0) {
     return DataLoss("token file " + path + " has a bad magic (expected LTRNTOK1): not a token file");
@@ -146,11 +148,83 @@ StatusOr<TokenDataset> TokenDataset::Open(const std::string& path) {
                     std::to_string(expected) + " bytes) but the file is " +
                     std::to_string(file_bytes) + " bytes: truncated or corrupt");
   }
-  ds.tokens_ = p + kTokenHeaderBytes;
+  ds.shards_[0].tokens = p + kTokenHeaderBytes;
+  ds.shards_[0].size = static_cast<int64_t>(count);
   ds.width_ = static_cast<int>(bytes_per_token);
   ds.size_ = static_cast<int64_t>(count);
   ds.vocab_ = static_cast<int>(vocab);
   return ds;
+}
+
+StatusOr<TokenDataset> TokenDataset::OpenSplit(const std::string& dir, const std::string& split) {
+  StatusOr<DataInfo> info = ReadDataInfo(dir);
+  if (!info.ok() && info.status().code() != StatusCode::kNotFound) return info.status();
+  if (!info.ok() || info->format < 2) return Open((std::filesystem::path(dir) / (split + ".bin")).string());
+  TokenDataset ds;
+  ds.path_ = (std::filesystem::path(dir) / (split + "-*.bin")).string();
+  ds.vocab_ = info->vocab;
+  for (const ShardInfo& shard : info->shards) {
+    if (shard.split != split) continue;
+    LTRAIN_ASSIGN_OR_RETURN(TokenDataset one, Open((std::filesystem::path(dir) / shard.file).string()));
+    if (one.size() != shard.tokens || one.vocab() != info->vocab || (!ds.shards_.empty() && one.width_ != ds.width_)) {
+      return DataLoss("token file " + one.path() + " holds " + std::to_string(one.size()) + " tokens of vocab " +
+                      std::to_string(one.vocab()) + " where " + dir + "/data.yaml says " +
+                      std::to_string(shard.tokens) + " of vocab " + std::to_string(info->vocab) +
+                      ": the dataset is damaged; prepare it again");
+    }
+    ds.width_ = one.width_;
+    Mapped m = one.shards_[0];
+    one.shards_.clear();  // now ds's
+    m.first = ds.size_;
+    ds.size_ += m.size;
+    ds.shards_.push_back(m);
+  }
+  if (ds.shards_.empty()) {
+    return NotFound("the dataset in " + dir + " has no " + split + " tokens" +
+                    (split == "val" ? " (prepared with --val-fraction 0)" : ""));
+  }
+  return ds;
+}
+
+size_t TokenDataset::ShardOf(int64_t i) const {
+  if (shards_.size() == 1) return 0;
+  size_t lo = 0, hi = shards_.size();
+  while (hi - lo > 1) {
+    const size_t mid = (lo + hi) / 2;
+    if (shards_[mid].first <= i) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+uint32_t TokenDataset::token(int64_t i) const {
+  const Mapped& m = shards_[ShardOf(i)];
+  const int64_t k = i - m.first;
+  if (width_ == 2) return reinterpret_cast<const uint16_t*>(m.tokens)[k];
+  return reinterpret_cast<const uint32_t*>(m.tokens)[k];
+}
+
+void TokenDataset::Read(int64_t start, int64_t n, int64_t* out) const {
+  size_t s = ShardOf(start);
+  while (n > 0) {
+    const Mapped& m = shards_[s];
+    const int64_t from = start - m.first;
+    const int64_t k = std::min(n, m.size - from);
+    if (width_ == 2) {
+      const uint16_t* p = reinterpret_cast<const uint16_t*>(m.tokens) + from;
+      for (int64_t t = 0; t < k; ++t) out[t] = p[t];
+    } else {
+      const uint32_t* p = reinterpret_cast<const uint32_t*>(m.tokens) + from;
+      for (int64_t t = 0; t < k; ++t) out[t] = p[t];
+    }
+    out += k;
+    start += k;
+    n -= k;
+    ++s;
+  }
 }
 
 TokenDataset::TokenDataset(TokenDataset&& other) noexcept { *this = std::move(other); }
@@ -159,9 +233,7 @@ TokenDataset& TokenDataset::operator=(TokenDataset&& other) noexcept {
   if (this != &other) {
     Release();
     path_ = std::move(other.path_);
-    map_ = std::exchange(other.map_, nullptr);
-    map_bytes_ = std::exchange(other.map_bytes_, 0);
-    tokens_ = std::exchange(other.tokens_, nullptr);
+    shards_ = std::exchange(other.shards_, {});
     width_ = other.width_;
     size_ = std::exchange(other.size_, 0);
     vocab_ = std::exchange(other.vocab_, 0);
@@ -172,9 +244,8 @@ TokenDataset& TokenDataset::operator=(TokenDataset&& other) noexcept {
 TokenDataset::~TokenDataset() { Release(); }
 
 void TokenDataset::Release() {
-  if (map_ != nullptr) ::munmap(map_, map_bytes_);
-  map_ = nullptr;
-  tokens_ = nullptr;
+  for (const Mapped& m : shards_) ::munmap(m.map, m.map_bytes);
+  shards_.clear();
 }
 
 uint64_t SplitMix64(uint64_t x) {
@@ -218,10 +289,9 @@ void TokenSampler::Fill(const BatchSlice& slice, int64_t* inputs, int64_t* targe
     const int64_t start = WindowStart(SampleIndex(slice, j));
     int64_t* in = inputs + static_cast<int64_t>(j) * seq_len_;
     int64_t* tg = targets + static_cast<int64_t>(j) * seq_len_;
-    for (int t = 0; t < seq_len_; ++t) {
-      in[t] = dataset_->token(start + t);
-      tg[t] = dataset_->token(start + t + 1);
-    }
+    dataset_->Read(start, seq_len_, in);
+    std::copy(in + 1, in + seq_len_, tg);
+    tg[seq_len_ - 1] = dataset_->token(start + seq_len_);
   }
 }
 

@@ -1,0 +1,119 @@
+#include "common/data/shard_writer.h"
+
+#include <unistd.h>
+#include <xxhash.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+
+#include "common/data/token_data.h"
+#include "common/files.h"
+
+namespace ltrain {
+namespace {
+
+std::string ErrnoText() { return std::strerror(errno); }
+
+std::string Header(uint32_t vocab, uint64_t tokens, uint32_t width) {
+  std::string h(kTokenMagic, sizeof(kTokenMagic));
+  auto put = [&h](uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; ++i) h.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  };
+  put(kTokenFormatVersion, 4);
+  put(vocab, 4);
+  put(tokens, 8);
+  put(width, 4);
+  return h;
+}
+
+XXH3_state_t* State(void* p) { return static_cast<XXH3_state_t*>(p); }
+
+}  // namespace
+
+ShardWriter::ShardWriter(std::string dir, std::string split, int64_t shard_bytes, uint32_t vocab)
+    : dir_(std::move(dir)), split_(std::move(split)), vocab_(vocab), width_(vocab <= 65536 ? 2 : 4) {
+  shard_tokens_ = std::max<int64_t>(1, shard_bytes / width_);
+  hash_ = XXH3_createState();
+}
+
+ShardWriter::~ShardWriter() {
+  if (file_ != nullptr) std::fclose(file_);
+  XXH3_freeState(State(hash_));
+}
+
+Status ShardWriter::OpenShard() {
+  char name[64];
+  std::snprintf(name, sizeof(name), "%s-%05zu", split_.c_str(), shards_.size());
+  open_ = ShardInfo{};
+  open_.file = std::string(name) + ".bin";
+  open_.index = std::string(name) + ".idx";
+  open_.split = split_;
+  open_.first_input = -1;
+  index_ = DocumentIndex{};
+  path_ = (std::filesystem::path(dir_) / open_.file).string();
+  LTRAIN_ASSIGN_OR_RETURN(file_, OpenStreamForWriting(path_, /*append=*/false, 0644));
+  std::setvbuf(file_, nullptr, _IOFBF, size_t{1} << 20);
+  const std::string header = Header(vocab_, 0, static_cast<uint32_t>(width_));
+  if (std::fwrite(header.data(), 1, header.size(), file_) != header.size()) {
+    return Internal(WithFreeSpace("writing " + path_ + ": " + ErrnoText(), dir_));
+  }
+  XXH3_64bits_reset(State(hash_));
+  return Status::Ok();
+}
+
+Status ShardWriter::CloseShard() {
+  if (file_ == nullptr) return Status::Ok();
+  std::FILE* f = file_;
+  file_ = nullptr;
+  // The header's count, now known, over the zero written at the start.
+  const std::string header = Header(vocab_, static_cast<uint64_t>(open_.tokens), static_cast<uint32_t>(width_));
+  bool ok = std::fflush(f) == 0;
+  ok = ok && ::pwrite(fileno(f), header.data(), header.size(), 0) == static_cast<ssize_t>(header.size());
+  ok = ok && ::fsync(fileno(f)) == 0;
+  const std::string why = ErrnoText();
+  ok = std::fclose(f) == 0 && ok;
+  if (!ok) return Internal(WithFreeSpace("writing " + path_ + ": " + why, dir_));
+  char hex[17];
+  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(XXH3_64bits_digest(State(hash_))));
+  open_.xxh3 = hex;
+  if (open_.first_input < 0) open_.first_input = 0;
+  LTRAIN_RETURN_IF_ERROR(WriteDocumentIndex((std::filesystem::path(dir_) / open_.index).string(), index_));
+  shards_.push_back(open_);
+  return Status::Ok();
+}
+
+Status ShardWriter::Append(const std::vector<uint32_t>& ids, bool starts, int input) {
+  if (file_ != nullptr && open_.tokens >= shard_tokens_) LTRAIN_RETURN_IF_ERROR(CloseShard());
+  if (file_ == nullptr) {
+    LTRAIN_RETURN_IF_ERROR(OpenShard());
+    index_.continues = !starts && in_document_;
+  }
+  if (starts) {
+    index_.starts.push_back(static_cast<uint64_t>(open_.tokens));
+    ++open_.documents;
+    ++documents_;
+  }
+  if (open_.first_input < 0) open_.first_input = input;
+  open_.last_input = input;
+  const void* data = ids.data();
+  size_t bytes = ids.size() * sizeof(uint32_t);
+  if (width_ == 2) {
+    narrow_.assign(ids.begin(), ids.end());
+    data = narrow_.data();
+    bytes = narrow_.size() * sizeof(uint16_t);
+  }
+  // Tokens are stored little-endian; this host is little-endian (x86-64, aarch64).
+  if (bytes > 0 && std::fwrite(data, 1, bytes, file_) != bytes) {
+    return Internal(WithFreeSpace("writing " + path_ + ": " + ErrnoText(), dir_));
+  }
+  XXH3_64bits_update(State(hash_), data, bytes);
+  open_.tokens += static_cast<int64_t>(ids.size());
+  tokens_ += static_cast<int64_t>(ids.size());
+  in_document_ = true;
+  return Status::Ok();
+}
+
+Status ShardWriter::Finish() { return CloseShard(); }
+
+}  // namespace ltrain
