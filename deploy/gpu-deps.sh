@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Downloads, on a Debian 12 machine, the Debian packages the ltrain binaries build against besides
 # LibTorch, CUDA and NCCL (gRPC, protobuf, abseil, yaml-cpp, CLI11, SQLite, Gloo, xxHash, GoogleTest, PCRE2,
-# nlohmann-json, libmicrohttpd),
+# nlohmann-json, simdjson, zstd, libmicrohttpd),
 # into DIR (default .deps/debs). Carry DIR to a GPU host that has PyTorch but not these, and
 # `source deploy/gpu-env.sh` there: it unpacks them into /opt/deps (never into /). docs/install.md
 # has the whole GPU build.
@@ -17,5 +17,6 @@ apt-get download \
   libssl-dev libssl3 zlib1g-dev libsqlite3-dev libsqlite3-0 libxxhash-dev libxxhash0 \
   libgloo-dev libgloo0 libhiredis0.14 libibverbs1 libnl-3-200 libnl-route-3-200 \
   libpcre2-dev libpcre2-8-0 libpcre2-16-0 libpcre2-32-0 libpcre2-posix3 nlohmann-json3-dev \
-  libmicrohttpd-dev libmicrohttpd12
+  libmicrohttpd-dev libmicrohttpd12 \
+  libsimdjson-dev libsimdjson14 libzstd-dev libzstd1
 echo "gpu-deps: $(ls ./*.deb | wc -l) packages in $(pwd)"

@@ -505,8 +505,9 @@ TEST_F(TrainingTest, TheDashboardShowsARunningJobsLossCurveInABrowser) {
   Served served = ServeWithHttp("dashboard-test-token");
   ASSERT_NE(served.agent, nullptr) << served.coordinator->Output();
   const int http_port = served.http_port;
-  Subprocess launch({LtrainBinary(), "launch", "--coordinator", served.address, recipe_, "--set", "training.steps=400",
-                     "--set", "training.eval_every=100"},
+  // About 15 ms a step on two cores: 1,500 steps keep it running while a browser starts (seconds).
+  Subprocess launch({LtrainBinary(), "launch", "--coordinator", served.address, recipe_, "--set", "training.steps=1500",
+                     "--set", "training.eval_every=500"},
                     served.env);
   // Until the job has a few points on its curve.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(90);
