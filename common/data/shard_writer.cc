@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
+#include <utility>
 
 #include "common/data/token_data.h"
 #include "common/files.h"
@@ -29,6 +30,17 @@ std::string Header(uint32_t vocab, uint64_t tokens, uint32_t width) {
 
 XXH3_state_t* State(void* p) { return static_cast<XXH3_state_t*>(p); }
 
+std::string IndexHeader(bool continues, uint64_t documents) {
+  std::string h(kIndexMagic, sizeof(kIndexMagic));
+  auto put = [&h](uint64_t v, int bytes) {
+    for (int i = 0; i < bytes; ++i) h.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+  };
+  put(kIndexFormatVersion, 4);
+  put(continues ? 1 : 0, 4);
+  put(documents, 8);
+  return h;
+}
+
 }  // namespace
 
 ShardWriter::ShardWriter(std::string dir, std::string split, int64_t shard_bytes, uint32_t vocab)
@@ -39,6 +51,7 @@ ShardWriter::ShardWriter(std::string dir, std::string split, int64_t shard_bytes
 
 ShardWriter::~ShardWriter() {
   if (file_ != nullptr) std::fclose(file_);
+  if (index_file_ != nullptr) std::fclose(index_file_);
   XXH3_freeState(State(hash_));
 }
 
@@ -50,12 +63,16 @@ Status ShardWriter::OpenShard() {
   open_.index = std::string(name) + ".idx";
   open_.split = split_;
   open_.first_input = -1;
-  index_ = DocumentIndex{};
   path_ = (std::filesystem::path(dir_) / open_.file).string();
+  index_path_ = (std::filesystem::path(dir_) / open_.index).string();
   LTRAIN_ASSIGN_OR_RETURN(file_, OpenStreamForWriting(path_, /*append=*/false, 0644));
   std::setvbuf(file_, nullptr, _IOFBF, size_t{1} << 20);
+  LTRAIN_ASSIGN_OR_RETURN(index_file_, OpenStreamForWriting(index_path_, /*append=*/false, 0644));
+  std::setvbuf(index_file_, nullptr, _IOFBF, size_t{1} << 16);
   const std::string header = Header(vocab_, 0, static_cast<uint32_t>(width_));
-  if (std::fwrite(header.data(), 1, header.size(), file_) != header.size()) {
+  const std::string index_header = IndexHeader(false, 0);
+  if (std::fwrite(header.data(), 1, header.size(), file_) != header.size() ||
+      std::fwrite(index_header.data(), 1, index_header.size(), index_file_) != index_header.size()) {
     return Internal(WithFreeSpace("writing " + path_ + ": " + ErrnoText(), dir_));
   }
   XXH3_64bits_reset(State(hash_));
@@ -64,21 +81,26 @@ Status ShardWriter::OpenShard() {
 
 Status ShardWriter::CloseShard() {
   if (file_ == nullptr) return Status::Ok();
-  std::FILE* f = file_;
-  file_ = nullptr;
-  // The header's count, now known, over the zero written at the start.
-  const std::string header = Header(vocab_, static_cast<uint64_t>(open_.tokens), static_cast<uint32_t>(width_));
-  bool ok = std::fflush(f) == 0;
-  ok = ok && ::pwrite(fileno(f), header.data(), header.size(), 0) == static_cast<ssize_t>(header.size());
-  ok = ok && ::fsync(fileno(f)) == 0;
-  const std::string why = ErrnoText();
-  ok = std::fclose(f) == 0 && ok;
-  if (!ok) return Internal(WithFreeSpace("writing " + path_ + ": " + why, dir_));
+  // Each file's header gets its count, now known, over the zero written at the start.
+  auto finish = [this](std::FILE* f, const std::string& header, const std::string& path) -> Status {
+    bool ok = std::fflush(f) == 0;
+    ok = ok && ::pwrite(fileno(f), header.data(), header.size(), 0) == static_cast<ssize_t>(header.size());
+    ok = ok && ::fsync(fileno(f)) == 0;
+    const std::string why = ErrnoText();
+    ok = std::fclose(f) == 0 && ok;
+    if (!ok) return Internal(WithFreeSpace("writing " + path + ": " + why, dir_));
+    return Status::Ok();
+  };
+  std::FILE* tokens = std::exchange(file_, nullptr);
+  std::FILE* index = std::exchange(index_file_, nullptr);
+  Status s = finish(tokens, Header(vocab_, static_cast<uint64_t>(open_.tokens), static_cast<uint32_t>(width_)), path_);
+  Status t = finish(index, IndexHeader(continues_, static_cast<uint64_t>(open_.documents)), index_path_);
+  LTRAIN_RETURN_IF_ERROR(s);
+  LTRAIN_RETURN_IF_ERROR(t);
   char hex[17];
   std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(XXH3_64bits_digest(State(hash_))));
   open_.xxh3 = hex;
   if (open_.first_input < 0) open_.first_input = 0;
-  LTRAIN_RETURN_IF_ERROR(WriteDocumentIndex((std::filesystem::path(dir_) / open_.index).string(), index_));
   shards_.push_back(open_);
   return Status::Ok();
 }
@@ -87,10 +109,15 @@ Status ShardWriter::Append(const std::vector<uint32_t>& ids, bool starts, int in
   if (file_ != nullptr && open_.tokens >= shard_tokens_) LTRAIN_RETURN_IF_ERROR(CloseShard());
   if (file_ == nullptr) {
     LTRAIN_RETURN_IF_ERROR(OpenShard());
-    index_.continues = !starts && in_document_;
+    continues_ = !starts && in_document_;
   }
   if (starts) {
-    index_.starts.push_back(static_cast<uint64_t>(open_.tokens));
+    char start[8];
+    const uint64_t at = static_cast<uint64_t>(open_.tokens);
+    for (int i = 0; i < 8; ++i) start[i] = static_cast<char>((at >> (8 * i)) & 0xff);
+    if (std::fwrite(start, 1, sizeof(start), index_file_) != sizeof(start)) {
+      return Internal(WithFreeSpace("writing " + index_path_ + ": " + ErrnoText(), dir_));
+    }
     ++open_.documents;
     ++documents_;
   }

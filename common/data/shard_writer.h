@@ -1,6 +1,7 @@
 // Writes one split of a dataset (train or val) as token files of about a fixed size, each with its
-// documents' index (common/data/manifest.h): NAME-00000.bin, NAME-00000.idx, ... Tokens are streamed
-// to the open shard; only its documents' starts are held. No LibTorch here.
+// documents' index (common/data/manifest.h): NAME-00000.bin, NAME-00000.idx, ... Tokens and document
+// starts are streamed to the open shard's two files (their headers completed when it closes):
+// nothing grows with the shard. No LibTorch here.
 #pragma once
 
 #include <cstdint>
@@ -41,9 +42,10 @@ class ShardWriter {
   uint32_t vocab_;
   int width_;
   std::FILE* file_ = nullptr;
-  std::string path_;
+  std::FILE* index_file_ = nullptr;
+  std::string path_, index_path_;
   ShardInfo open_;
-  DocumentIndex index_;
+  bool continues_ = false;  // the open shard begins inside a document
   bool in_document_ = false;  // a document is open at the end of what was written
   void* hash_ = nullptr;      // XXH3 state of the open shard
   std::vector<uint16_t> narrow_;
