@@ -2,8 +2,6 @@
 // prepared dataset holds.
 #include <unistd.h>
 
-#include <xxhash.h>
-
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -18,6 +16,7 @@
 #include "common/data/prepare.h"
 #include "common/data/token_data.h"
 #include "common/data/tokenizer.h"
+#include "common/safetensors.h"
 
 namespace ltrain::cli {
 namespace {
@@ -180,17 +179,13 @@ StatusOr<std::string> TokensXxh3(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
   if (!in) return NotFound("cannot read " + path);
   in.seekg(static_cast<std::streamoff>(kTokenHeaderBytes));
-  XXH3_state_t* state = XXH3_createState();
-  XXH3_64bits_reset(state);
+  Xxh3 hash;
   std::vector<char> buf(1 << 20);
   while (in) {
     in.read(buf.data(), static_cast<std::streamsize>(buf.size()));
-    XXH3_64bits_update(state, buf.data(), static_cast<size_t>(in.gcount()));
+    hash.Update(buf.data(), static_cast<size_t>(in.gcount()));
   }
-  char hex[17];
-  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(XXH3_64bits_digest(state)));
-  XXH3_freeState(state);
-  return std::string(hex);
+  return hash.Hex();
 }
 
 int DataInspect(const DataInspectArgs& args) {

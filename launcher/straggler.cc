@@ -38,14 +38,15 @@ std::optional<double> SharedCoreRatio(const RankCompute& r, const RankCompute& o
 // at each such step its work over theirs (their median), the median of those ratios; none unless
 // there were kStragglerCoreSteps such steps. Ranks that take turns on one core within one step wait
 // for it alike and run at its speed then: the fairest comparison there is.
-std::optional<double> CoTenantRatio(const RankCompute& r, const std::vector<RankCompute>& ranks) {
+// `node_ranks`: the ranks of r's node that reported their steps' work.
+std::optional<double> CoTenantRatio(const RankCompute& r, const std::vector<const RankCompute*>& node_ranks) {
   std::vector<double> ratios;
   for (const StepWork& mine : r.work) {
     if (!(mine.compute_ms > 0)) continue;
     std::vector<double> theirs;
-    for (const RankCompute& other : ranks) {
-      if (&other == &r || other.node != r.node) continue;
-      for (const StepWork& w : other.work) {
+    for (const RankCompute* other : node_ranks) {
+      if (other == &r) continue;
+      for (const StepWork& w : other->work) {
         if (w.step == mine.step && w.cpu == mine.cpu && w.compute_ms > 0) theirs.push_back(w.compute_ms);
       }
     }
@@ -110,11 +111,17 @@ std::vector<Straggler> RankStandings(const std::vector<RankCompute>& ranks, int 
       out.push_back({r.rank, r.compute_ms, median, false});
     }
   } else {
-    // Ranks that share cores are few (CPU ranks on small nodes): each pair is looked at.
+    // Ranks that share cores are few (CPU ranks on small nodes): each pair is looked at; steps on one
+    // core at once only among a node's ranks.
+    std::map<std::string, std::vector<const RankCompute*>> work_by_node;
+    for (const RankCompute& r : ranks) {
+      if (!r.work.empty()) work_by_node[r.node].push_back(&r);
+    }
     for (const RankCompute& r : ranks) {
       std::vector<double> others;
       bool on_cores = false;
-      const std::optional<double> co_tenants = CoTenantRatio(r, ranks);
+      const std::optional<double> co_tenants =
+          r.work.empty() ? std::nullopt : CoTenantRatio(r, work_by_node[r.node]);
       for (const RankCompute& other : ranks) {
         if (&other == &r) continue;
         if (!ComparedOnCores(r, other)) {

@@ -52,7 +52,7 @@ struct TextPiece {
   bool document_end = false;
 };
 
-// Where a compressed input's bytes come from: "zstd", "gzip" or "" (as stored).
+// An input's bytes as read: from the file or standard input, decompressed where they are zstd or gzip.
 class ByteSource;
 
 class CorpusReader {

@@ -110,14 +110,12 @@ StatusOr<DataInfo> ReadDataInfo(const std::string& dir) {
   }
 }
 
-Status WriteDocumentIndex(const std::string& path, const DocumentIndex& index) {
+std::string DocumentIndexHeader(bool continues, uint64_t documents) {
   std::string bytes(kIndexMagic, sizeof(kIndexMagic));
   PutLe(&bytes, kIndexFormatVersion, 4);
-  PutLe(&bytes, index.continues ? 1 : 0, 4);
-  PutLe(&bytes, index.starts.size(), 8);
-  bytes.reserve(bytes.size() + 8 * index.starts.size());
-  for (uint64_t s : index.starts) PutLe(&bytes, s, 8);
-  return WriteFileAtomically(path, bytes);
+  PutLe(&bytes, continues ? 1 : 0, 4);
+  PutLe(&bytes, documents, 8);
+  return bytes;
 }
 
 StatusOr<DocumentIndex> ReadDocumentIndex(const std::string& path) {

@@ -91,7 +91,8 @@ struct DocumentIndex {
   std::vector<uint64_t> starts;
 };
 
-Status WriteDocumentIndex(const std::string& path, const DocumentIndex& index);
+// The header of an index file of `documents` starts (the starts follow it, 8 bytes each).
+std::string DocumentIndexHeader(bool continues, uint64_t documents);
 StatusOr<DocumentIndex> ReadDocumentIndex(const std::string& path);
 
 // The file's SHA-256, 64 hex digits.

@@ -38,8 +38,8 @@ bool Cancelled(const PrepareOptions& o) { return o.cancel != nullptr && o.cancel
 
 // Whether `dir` holds what `ltrain data prepare` writes, and nothing else.
 bool HoldsOnlyADataset(const fs::path& dir) {
+  if (!HoldsPreparedData(dir.string())) return false;
   std::error_code ec;
-  if (!fs::exists(dir / "data.yaml", ec) && !fs::exists(dir / "train.bin", ec)) return false;
   for (const auto& entry : fs::directory_iterator(dir, ec)) {
     const std::string name = entry.path().filename().string();
     const bool shard = (name.rfind("train-", 0) == 0 || name.rfind("val-", 0) == 0) &&

@@ -1,7 +1,6 @@
 #include "common/data/shard_writer.h"
 
 #include <unistd.h>
-#include <xxhash.h>
 
 #include <cerrno>
 #include <cstring>
@@ -16,43 +15,16 @@ namespace {
 
 std::string ErrnoText() { return std::strerror(errno); }
 
-std::string Header(uint32_t vocab, uint64_t tokens, uint32_t width) {
-  std::string h(kTokenMagic, sizeof(kTokenMagic));
-  auto put = [&h](uint64_t v, int bytes) {
-    for (int i = 0; i < bytes; ++i) h.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-  };
-  put(kTokenFormatVersion, 4);
-  put(vocab, 4);
-  put(tokens, 8);
-  put(width, 4);
-  return h;
-}
-
-XXH3_state_t* State(void* p) { return static_cast<XXH3_state_t*>(p); }
-
-std::string IndexHeader(bool continues, uint64_t documents) {
-  std::string h(kIndexMagic, sizeof(kIndexMagic));
-  auto put = [&h](uint64_t v, int bytes) {
-    for (int i = 0; i < bytes; ++i) h.push_back(static_cast<char>((v >> (8 * i)) & 0xff));
-  };
-  put(kIndexFormatVersion, 4);
-  put(continues ? 1 : 0, 4);
-  put(documents, 8);
-  return h;
-}
-
 }  // namespace
 
 ShardWriter::ShardWriter(std::string dir, std::string split, int64_t shard_bytes, uint32_t vocab)
     : dir_(std::move(dir)), split_(std::move(split)), vocab_(vocab), width_(vocab <= 65536 ? 2 : 4) {
   shard_tokens_ = std::max<int64_t>(1, shard_bytes / width_);
-  hash_ = XXH3_createState();
 }
 
 ShardWriter::~ShardWriter() {
   if (file_ != nullptr) std::fclose(file_);
   if (index_file_ != nullptr) std::fclose(index_file_);
-  XXH3_freeState(State(hash_));
 }
 
 Status ShardWriter::OpenShard() {
@@ -69,13 +41,13 @@ Status ShardWriter::OpenShard() {
   std::setvbuf(file_, nullptr, _IOFBF, size_t{1} << 20);
   LTRAIN_ASSIGN_OR_RETURN(index_file_, OpenStreamForWriting(index_path_, /*append=*/false, 0644));
   std::setvbuf(index_file_, nullptr, _IOFBF, size_t{1} << 16);
-  const std::string header = Header(vocab_, 0, static_cast<uint32_t>(width_));
-  const std::string index_header = IndexHeader(false, 0);
+  const std::string header = TokenFileHeader(vocab_, 0, static_cast<uint32_t>(width_));
+  const std::string index_header = DocumentIndexHeader(false, 0);
   if (std::fwrite(header.data(), 1, header.size(), file_) != header.size() ||
       std::fwrite(index_header.data(), 1, index_header.size(), index_file_) != index_header.size()) {
     return Internal(WithFreeSpace("writing " + path_ + ": " + ErrnoText(), dir_));
   }
-  XXH3_64bits_reset(State(hash_));
+  hash_.emplace();
   return Status::Ok();
 }
 
@@ -93,13 +65,12 @@ Status ShardWriter::CloseShard() {
   };
   std::FILE* tokens = std::exchange(file_, nullptr);
   std::FILE* index = std::exchange(index_file_, nullptr);
-  Status s = finish(tokens, Header(vocab_, static_cast<uint64_t>(open_.tokens), static_cast<uint32_t>(width_)), path_);
-  Status t = finish(index, IndexHeader(continues_, static_cast<uint64_t>(open_.documents)), index_path_);
+  Status s = finish(tokens, TokenFileHeader(vocab_, static_cast<uint64_t>(open_.tokens), static_cast<uint32_t>(width_)),
+                    path_);
+  Status t = finish(index, DocumentIndexHeader(continues_, static_cast<uint64_t>(open_.documents)), index_path_);
   LTRAIN_RETURN_IF_ERROR(s);
   LTRAIN_RETURN_IF_ERROR(t);
-  char hex[17];
-  std::snprintf(hex, sizeof(hex), "%016llx", static_cast<unsigned long long>(XXH3_64bits_digest(State(hash_))));
-  open_.xxh3 = hex;
+  open_.xxh3 = hash_->Hex();
   if (open_.first_input < 0) open_.first_input = 0;
   shards_.push_back(open_);
   return Status::Ok();
@@ -134,7 +105,7 @@ Status ShardWriter::Append(const std::vector<uint32_t>& ids, bool starts, int in
   if (bytes > 0 && std::fwrite(data, 1, bytes, file_) != bytes) {
     return Internal(WithFreeSpace("writing " + path_ + ": " + ErrnoText(), dir_));
   }
-  XXH3_64bits_update(State(hash_), data, bytes);
+  hash_->Update(data, bytes);
   open_.tokens += static_cast<int64_t>(ids.size());
   tokens_ += static_cast<int64_t>(ids.size());
   in_document_ = true;

@@ -6,10 +6,12 @@
 
 #include <cstdint>
 #include <cstdio>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "common/data/manifest.h"
+#include "common/safetensors.h"
 #include "common/status.h"
 
 namespace ltrain {
@@ -47,7 +49,7 @@ class ShardWriter {
   ShardInfo open_;
   bool continues_ = false;  // the open shard begins inside a document
   bool in_document_ = false;  // a document is open at the end of what was written
-  void* hash_ = nullptr;      // XXH3 state of the open shard
+  std::optional<Xxh3> hash_;  // of the open shard's tokens
   std::vector<uint16_t> narrow_;
   std::vector<ShardInfo> shards_;
   int64_t tokens_ = 0;

@@ -54,15 +54,20 @@ Status FsyncDir(const std::string& dir) {
 
 }  // namespace
 
+std::string TokenFileHeader(uint32_t vocab, uint64_t tokens, uint32_t bytes_per_token) {
+  std::string header(kTokenMagic, sizeof(kTokenMagic));
+  AppendLe(header, kTokenFormatVersion, 4);
+  AppendLe(header, vocab, 4);
+  AppendLe(header, tokens, 8);
+  AppendLe(header, bytes_per_token, 4);
+  return header;
+}
+
 namespace {
 
 template <typename T>
 Status WriteTokens(const std::string& path, const std::vector<T>& tokens, uint32_t vocab) {
-  std::string header(kTokenMagic, sizeof(kTokenMagic));
-  AppendLe(header, kTokenFormatVersion, 4);
-  AppendLe(header, vocab, 4);
-  AppendLe(header, tokens.size(), 8);
-  AppendLe(header, sizeof(T), 4);
+  const std::string header = TokenFileHeader(vocab, tokens.size(), sizeof(T));
 
   std::string tmp = path + ".tmp." + std::to_string(::getpid());
   ::unlink(tmp.c_str());

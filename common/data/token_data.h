@@ -27,6 +27,9 @@ inline constexpr char kTokenMagic[8] = {'L', 'T', 'R', 'N', 'T', 'O', 'K', '1'};
 inline constexpr uint32_t kTokenFormatVersion = 1;
 inline constexpr size_t kTokenHeaderBytes = 28;
 
+// The 28-byte header of a token file of `tokens` tokens of `bytes_per_token` bytes each.
+std::string TokenFileHeader(uint32_t vocab, uint64_t tokens, uint32_t bytes_per_token);
+
 // Writes one token file atomically (temp name, fsync, rename): uint16 tokens up to vocab 65536,
 // uint32 above.
 Status WriteTokenFile(const std::string& path, const std::vector<uint32_t>& tokens, uint32_t vocab);

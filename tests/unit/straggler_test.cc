@@ -13,6 +13,11 @@
 namespace ltrain::launcher {
 namespace {
 
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
+}
+
 std::vector<RankCompute> Even(int n, double ms, int steps = kStragglerWindow) {
   std::vector<RankCompute> out;
   for (int r = 0; r < n; ++r) out.push_back({r, ms, steps, 0, "", {}, {}});
@@ -165,8 +170,7 @@ RankCompute OnSteps(int rank, const std::vector<std::pair<int, double>>& steps, 
     all.push_back(steps[s].second);
     if (steps[s].first >= 0) r.work.push_back({static_cast<int64_t>(s + 1), steps[s].first, steps[s].second});
   }
-  std::sort(all.begin(), all.end());
-  r.compute_ms = all.size() % 2 ? all[all.size() / 2] : (all[all.size() / 2 - 1] + all[all.size() / 2]) / 2;
+  r.compute_ms = Median(all);
   r.cores = CoresOf(r.work);
   return r;
 }
@@ -297,12 +301,8 @@ TEST(StragglerTrackerTest, TwoRanksOnCoresOfUnequalSpeedAreJudgedOnSharedCoresOn
             by_core[steps[r][static_cast<size_t>(s)].first].push_back(steps[r][static_cast<size_t>(s)].second);
             all.push_back(steps[r][static_cast<size_t>(s)].second);
           }
-          auto median = [](std::vector<double> v) {
-            std::sort(v.begin(), v.end());
-            return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-          };
-          RankCompute figure{r, median(all), kStragglerWindow, 0, "local", {}, {}};
-          for (const auto& [core, ms] : by_core) figure.cores.push_back({core, median(ms), static_cast<int>(ms.size())});
+          RankCompute figure{r, Median(all), kStragglerWindow, 0, "local", {}, {}};
+          for (const auto& [core, ms] : by_core) figure.cores.push_back({core, Median(ms), static_cast<int>(ms.size())});
           ranks.push_back(figure);
         }
         for (const StragglerTracker::Change& change : tracker.Observe(step, ranks)) {
@@ -395,14 +395,10 @@ RankCompute Figure(int rank, const std::vector<double>& steps, size_t step) {
   const size_t from = step >= static_cast<size_t>(kStragglerWindow) ? step - kStragglerWindow : 0;
   std::vector<double> window(steps.begin() + static_cast<std::ptrdiff_t>(from),
                              steps.begin() + static_cast<std::ptrdiff_t>(step));
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.size() % 2 ? v[v.size() / 2] : (v[v.size() / 2 - 1] + v[v.size() / 2]) / 2;
-  };
-  const double m = median(window);
+  const double m = Median(window);
   std::vector<double> deviations;
   for (double ms : window) deviations.push_back(std::abs(ms - m));
-  return {rank, m, static_cast<int>(window.size()), median(deviations), "", {}, {}};
+  return {rank, m, static_cast<int>(window.size()), Median(deviations), "", {}, {}};
 }
 
 // Two ranks on two busy cores: every step varies by up to a fifth, and now one rank, now the other
