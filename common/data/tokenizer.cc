@@ -71,13 +71,69 @@ std::string ToByteLevel(std::string_view bytes) {
   return out;
 }
 
+// Letters and numbers of Unicode 15.1 and 16.0, as PCRE2 class ranges: Hugging Face tokenizers
+// knows Unicode 16, Debian 12's PCRE2 (10.42) Unicode 15.0, so that a letter of a script new in 16
+// (Garay, U+10D7C) would split a word where tokenizers' own \p{L} keeps it whole. Code points whose
+// General_Category is L* (N*) in Unicode 16.0.0 and whose Age is 15.1 or 16.0 (the UCD's
+// DerivedAge.txt and DerivedGeneralCategory.txt of 16.0.0).
+constexpr const char* kNewLetters =
+    "\\x{1C89}-\\x{1C8A}\\x{A7CB}-\\x{A7CD}\\x{A7DA}-\\x{A7DC}\\x{105C0}-\\x{105F3}"
+    "\\x{10D4A}-\\x{10D65}\\x{10D6F}-\\x{10D85}\\x{10EC2}-\\x{10EC4}\\x{11380}-\\x{11389}\\x{1138B}"
+    "\\x{1138E}\\x{11390}-\\x{113B5}\\x{113B7}\\x{113D1}\\x{113D3}\\x{11BC0}-\\x{11BE0}"
+    "\\x{13460}-\\x{143FA}\\x{16100}-\\x{1611D}\\x{16D40}-\\x{16D6C}\\x{18CFF}\\x{1E5D0}-\\x{1E5ED}"
+    "\\x{1E5F0}\\x{2EBF0}-\\x{2EE5D}";
+constexpr const char* kNewNumbers =
+    "\\x{10D40}-\\x{10D49}\\x{116D0}-\\x{116E3}\\x{11BF0}-\\x{11BF9}\\x{16130}-\\x{16139}"
+    "\\x{16D70}-\\x{16D79}\\x{1CCF0}-\\x{1CCF9}\\x{1E5F1}-\\x{1E5FA}";
+
+// The pattern with \p{L}, \p{N}, \P{L} and \P{N} widened by kNewLetters and kNewNumbers: outside a
+// class \p{L} becomes [\p{L}...] and \P{L} [^\p{L}...]; inside one, \p{L} gains the ranges (a \P
+// inside a class, which no released tokenizer uses, stays as it is).
+std::string WithUnicode16(const std::string& pattern) {
+  std::string out;
+  bool in_class = false;
+  for (size_t i = 0; i < pattern.size(); ++i) {
+    const char c = pattern[i];
+    if (c == '\\' && i + 1 < pattern.size()) {
+      const std::string_view escape = std::string_view(pattern).substr(i, 5);
+      const bool property = escape.size() == 5 && (escape[1] == 'p' || escape[1] == 'P') && escape[2] == '{' &&
+                            (escape[3] == 'L' || escape[3] == 'N') && escape[4] == '}';
+      if (!property) {
+        out.append(pattern, i, 2);
+        ++i;
+        continue;
+      }
+      const char* extra = escape[3] == 'L' ? kNewLetters : kNewNumbers;
+      const std::string positive = std::string("\\p{") + escape[3] + "}" + extra;
+      if (in_class) {
+        out += escape[1] == 'p' ? positive : std::string(escape);
+      } else {
+        out += (escape[1] == 'p' ? "[" : "[^") + positive + "]";
+      }
+      i += 4;
+      continue;
+    }
+    if (c == '[' && !in_class) {
+      in_class = true;
+      out += c;
+      if (i + 1 < pattern.size() && pattern[i + 1] == '^') out += pattern[++i];
+      if (i + 1 < pattern.size() && pattern[i + 1] == ']') out += pattern[++i];  // a literal ] first
+      continue;
+    }
+    if (c == ']' && in_class) in_class = false;
+    out += c;
+  }
+  return out;
+}
+
 // A compiled PCRE2 pattern (UTF, Unicode properties, JIT); matching takes per-call match data.
 class Regex {
  public:
   static StatusOr<std::unique_ptr<Regex>> Compile(const std::string& pattern) {
     int error = 0;
     PCRE2_SIZE offset = 0;
-    pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(pattern.data()), pattern.size(),
+    const std::string widened = WithUnicode16(pattern);
+    pcre2_code* code = pcre2_compile(reinterpret_cast<PCRE2_SPTR>(widened.data()), widened.size(),
                                      PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF, &error, &offset, nullptr);
     if (code == nullptr) {
       PCRE2_UCHAR message[256];

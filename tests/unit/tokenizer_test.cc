@@ -138,6 +138,23 @@ TEST_F(TokenizerTest, HandWrittenTokenizerJsonGivesTheIdsItsMergesSay) {
   EXPECT_EQ(t->end_of_text(), 15);
 }
 
+// Letters and digits of scripts new in Unicode 16 (Garay: letter U+10D7C, digits U+10D40-10D49) are
+// \p{L} and \p{N} as they are to Hugging Face tokenizers, though Debian 12's PCRE2 predates them: a
+// word with one is one pre-token, which a trained BPE merges into one id.
+TEST_F(TokenizerTest, LettersAndDigitsOfUnicodeSixteenAreWordCharacters) {
+  const std::string word = "ab\xF0\x90\xB5\xBC" "cd", digits = "\xF0\x90\xB5\x80\xF0\x90\xB5\x81";
+  std::string text;
+  for (int i = 0; i < 200; ++i) text += word + " " + digits + " ";
+  std::vector<std::string_view> views = {text};
+  StatusOr<std::string> json = TrainByteLevelBpe(views, 300, 1, nullptr);
+  ASSERT_TRUE(json.ok()) << json.status().ToString();
+  std::unique_ptr<TextTokenizer> t = LoadJson(*json);
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(t->Encode(word).size(), 1u) << "the letter U+10D7C split the word";
+  EXPECT_EQ(t->Encode(digits).size(), 1u) << "the digits U+10D40 and U+10D41 are not one number";
+  EXPECT_EQ(t->Decode(t->Encode(word + " " + digits)), word + " " + digits);
+}
+
 // Llama 3's layout: a Split pre-tokenizer with its own regex, ByteLevel without one, and
 // ignore_merges (a pre-token in the vocabulary is one id whatever the merges).
 TEST_F(TokenizerTest, LlamaThreeLayoutAndIgnoreMerges) {
