@@ -217,6 +217,16 @@ int DataInspect(const DataInspectArgs& args) {
       if (!sum.ok() || *sum != s.xxh3) damaged.push_back(s.file);
     }
   }
+  // SFT data: how many training tokens the loss counts.
+  int64_t counted = 0;
+  if (train->masked()) {
+    std::vector<uint8_t> mask(size_t{1} << 20);
+    for (int64_t at = 0; at < train->size(); at += static_cast<int64_t>(mask.size())) {
+      const int64_t n = std::min<int64_t>(static_cast<int64_t>(mask.size()), train->size() - at);
+      train->ReadMask(at, n, mask.data());
+      counted += std::count(mask.begin(), mask.begin() + n, uint8_t{1});
+    }
+  }
   // A decoded sample: the first document of the training split (its first 200 tokens), at most 400
   // characters.
   std::string sample;
@@ -254,6 +264,8 @@ int DataInspect(const DataInspectArgs& args) {
     out["val_tokens"] = info.val_tokens;
     out["train_documents"] = info.train_documents;
     out["val_documents"] = info.val_documents;
+    out["sft"] = info.sft;
+    if (info.sft) out["train_loss_tokens"] = counted;
     out["inputs"] = nlohmann::json::array();
     for (const InputInfo& i : info.inputs) {
       out["inputs"].push_back({{"path", i.path}, {"bytes", i.bytes}, {"documents", i.documents}});
@@ -262,7 +274,7 @@ int DataInspect(const DataInspectArgs& args) {
     for (const ShardInfo& s : info.shards) {
       out["shards"].push_back({{"file", s.file}, {"index", s.index}, {"split", s.split}, {"tokens", s.tokens},
                                {"documents", s.documents}, {"first_input", s.first_input},
-                               {"last_input", s.last_input}, {"xxh3", s.xxh3}});
+                               {"last_input", s.last_input}, {"xxh3", s.xxh3}, {"mask", s.mask}});
     }
     if (args.verify) out["damaged_shards"] = damaged;
     out["sample"] = sample;
@@ -279,6 +291,10 @@ int DataInspect(const DataInspectArgs& args) {
                   static_cast<long long>(info.val_documents));
     }
     std::printf("\n");
+    if (info.sft) {
+      std::printf("supervised fine-tuning data: the loss counts %lld of the %lld training tokens (the responses')\n",
+                  static_cast<long long>(counted), static_cast<long long>(info.train_tokens));
+    }
     if (!info.inputs.empty()) {
       std::printf("inputs (%zu):\n", info.inputs.size());
       for (const InputInfo& i : info.inputs) {
@@ -337,6 +353,10 @@ void AddDataCommand(CLI::App& app, CommandContext& ctx) {
       ->capture_default_str();
   prepare->add_option("--jsonl-field", args->options.jsonl_field, "The JSON Lines records' key that holds the text")
       ->capture_default_str();
+  prepare->add_flag("--sft", args->options.sft,
+                    "Supervised fine-tuning data: JSON Lines of {\"prompt\": ..., \"response\": ...} (a chat "
+                    "rendered with its template goes in prompt, the answer to learn in response); training counts "
+                    "the loss on the response's tokens only");
   prepare->add_option("--val-fraction", args->options.val_fraction,
                       "Share of the documents kept for validation, chosen by a hash of each (text files longer than "
                       "8 KiB by pieces of that size)")

@@ -47,6 +47,7 @@ int SubmitRecipe(Recipe recipe, const std::string& source, bool slurm, const Run
   }
   // The coordinator, agents and workers run elsewhere: paths relative to here would not reach them.
   recipe.data.path = Absolute(recipe.data.path);
+  for (DataSource& data_source : recipe.data.sources) data_source.path = Absolute(data_source.path);
   recipe.checkpoint.dir = Absolute(recipe.checkpoint.dir);
   recipe.checkpoint.resume_from = Absolute(recipe.checkpoint.resume_from);
   recipe.model.init_from = Absolute(recipe.model.init_from);
@@ -64,11 +65,14 @@ int SubmitRecipe(Recipe recipe, const std::string& source, bool slurm, const Run
       return kExitInvalid;
     }
   }
-  if (!recipe.runs_program() && run.coordinator.empty() && !HoldsPreparedData(recipe.data.path)) {
+  for (const DataSource& data : recipe.runs_program() || !run.coordinator.empty() ? std::vector<DataSource>{}
+                                                                                   : DataSources(recipe)) {
+    if (HoldsPreparedData(data.path)) continue;
     std::fprintf(stderr,
-                 "%s: data.path %s holds no prepared data (no data.yaml, no train.bin)\n"
+                 "%s: %s %s holds no prepared data (no data.yaml, no train.bin)\n"
                  "    prepare it with: ltrain data prepare --input TEXT_FILE... --output %s\n",
-                 source.c_str(), recipe.data.path.c_str(), recipe.data.path.c_str());
+                 source.c_str(), recipe.data.sources.empty() ? "data.path" : "data.sources' path", data.path.c_str(),
+                 data.path.c_str());
     return kExitInvalid;
   }
   if (std::string problem = recipe.runs_program() ? "" : DataProblem(recipe); !problem.empty()) {

@@ -63,19 +63,23 @@ int Validate(const ValidateArgs& args) {
     std::fprintf(stderr, "%s: %s\n", args.recipe.c_str(), problem.c_str());
     return kExitInvalid;
   }
-  const std::string data = Absolute(parsed.recipe.data.path);
-  if (std::string problem = DataProblem([&] { Recipe r = parsed.recipe; r.data.path = data; return r; }()); !problem.empty()) {
+  Recipe here = parsed.recipe;
+  here.data.path = Absolute(here.data.path);
+  for (DataSource& source : here.data.sources) source.path = Absolute(source.path);
+  if (std::string problem = DataProblem(here); !problem.empty()) {
     std::fprintf(stderr, "%s: %s\n", args.recipe.c_str(), problem.c_str());
     return kExitInvalid;
   }
   std::printf("%s", RecipeToYaml(parsed.recipe).c_str());
   // The recipe may be meant for another machine: a warning, not an error.
   // A program under ltrain run reads its own data: data.path is not its.
-  if (!parsed.recipe.runs_program() && !HoldsPreparedData(data)) {
+  for (const DataSource& source : parsed.recipe.runs_program() ? std::vector<DataSource>{} : DataSources(here)) {
+    if (HoldsPreparedData(source.path)) continue;
     std::fprintf(stderr,
-                 "%s: warning: data.path %s holds no prepared data here (no data.yaml, no train.bin); if the job runs on this "
+                 "%s: warning: %s %s holds no prepared data here (no data.yaml, no train.bin); if the job runs on this "
                  "machine, prepare it with: ltrain data prepare --input TEXT_FILE... --output %s\n",
-                 args.recipe.c_str(), data.c_str(), data.c_str());
+                 args.recipe.c_str(), here.data.sources.empty() ? "data.path" : "data.sources' path",
+                 source.path.c_str(), source.path.c_str());
   }
   return kExitOk;
 }

@@ -73,6 +73,8 @@ std::string CheckpointMetaYaml(const CheckpointMeta& meta, const std::string& re
   out << YAML::Key << "generation" << YAML::Value << meta.generation;
   out << YAML::Key << "job_id" << YAML::Value << meta.job_id;
   out << YAML::Key << "data_position" << YAML::Value << meta.data_position;
+  // Said outright: the saved recipe leaves data.sampling out at its default, which has changed.
+  if (!meta.data_sampling.empty()) out << YAML::Key << "data_sampling" << YAML::Value << meta.data_sampling;
   out << YAML::Key << "world_size" << YAML::Value << meta.world_size;
   out << YAML::Key << "layout" << YAML::Value << meta.layout;
   out << YAML::Key << "topology" << YAML::Value << YAML::Flow << YAML::BeginMap << YAML::Key << "tp" << YAML::Value
@@ -140,13 +142,15 @@ StatusOr<CheckpointMeta> ReadCheckpointMeta(const std::string& step_dir) {
     if (const YAML::Node recipe = root["recipe"]; recipe && recipe.IsMap()) {
       // Read field by field, not validated: the saved recipe passed validation when the run began.
       const YAML::Node data = recipe["data"], training = recipe["training"];
-      if (data && data["sampling"]) meta.data_sampling = data["sampling"].as<std::string>();
+      // Written before data_sampling was: the recipe's, or hash, the default then.
+      meta.data_sampling = data && data["sampling"] ? data["sampling"].as<std::string>() : "hash";
       if (data && data["seed"]) {
         meta.data_seed = data["seed"].as<int64_t>();
       } else if (training && training["seed"]) {
         meta.data_seed = training["seed"].as<int64_t>();
       }
     }
+    if (root["data_sampling"]) meta.data_sampling = root["data_sampling"].as<std::string>();
     LTRAIN_ASSIGN_OR_RETURN(meta.files, ParseFiles(root["files"], kCheckpointMetaFile));
     if (meta.files.empty()) return DataLoss(std::string(kCheckpointMetaFile) + " lists no files");
   } catch (const std::exception& e) {

@@ -41,9 +41,10 @@ struct CheckpointMeta {
   std::string layout;         // "tp=T dp=D pp=P zero=Z chunks=C sp=S", for people
   int tp = 1, dp = 1, pp = 1, zero = 0, chunks = 1;
   std::string rng_state;      // hex of the CPU default generator's state (rank 0's)
-  // The saved run's batch order, from its recipe: data.sampling and the sampler's seed (-1: its
+  // The saved run's batch order: data.sampling (meta.yaml's data_sampling; in a checkpoint of before
+  // it, the recipe's, or hash, the default then; empty: not written) and the sampler's seed (-1: its
   // recipe names none).
-  std::string data_sampling = "hash";
+  std::string data_sampling;
   int64_t data_seed = -1;
   std::map<std::string, CheckpointFile> files;
 };

@@ -261,6 +261,8 @@ class RecipeReader {
       ReadTextList(node, path, field);
     } else if constexpr (std::is_same_v<T, std::map<std::string, std::string>>) {
       ReadTextMap(node, path, field);
+    } else if constexpr (std::is_same_v<T, std::vector<DataSource>>) {
+      ReadSources(node, path, key, field);
     } else {
       static_assert(sizeof(T) == 0, "a recipe key of a type the reader does not know");
     }
@@ -358,6 +360,46 @@ class RecipeReader {
         return;
       }
       values[name] = it->second.Scalar();
+    }
+    out = values;
+  }
+
+  void ReadSources(const YAML::Node& node, const std::string& path, const RecipeKey& key,
+                   std::vector<DataSource>& out) {
+    if (node.IsNull()) return;
+    const std::string example = "e.g. [{path: web, weight: 0.7}, {path: code, weight: 0.3}]";
+    if (!node.IsSequence() || node.size() == 0) {
+      Error(node, path, path + " must be a list of datasets, " + example);
+      return;
+    }
+    std::vector<DataSource> values;
+    for (size_t i = 0; i < node.size(); ++i) {
+      const YAML::Node entry = node[i];
+      const std::string at = path + "[" + std::to_string(i) + "]";
+      if (!entry.IsMap()) {
+        Error(entry, path, at + " must be a mapping with a path and a weight, " + example);
+        return;
+      }
+      for (auto it = entry.begin(); it != entry.end(); ++it) {
+        const std::string name = it->first.Scalar();
+        if (name != "path" && name != "weight") {
+          Error(it->first, path, at + "." + name + " is not a key of a data source; it has path and weight");
+          return;
+        }
+      }
+      DataSource source;
+      const YAML::Node p = entry["path"];
+      if (!p.IsDefined() || !p.IsScalar() || p.Scalar().empty()) {
+        Error(entry, path, at + ".path is required: a directory written by `ltrain data prepare`");
+        return;
+      }
+      source.path = p.Scalar();
+      if (entry["weight"].IsDefined()) {
+        const size_t errors = errors_.size() + dropped_;
+        ReadDouble(entry["weight"], at + ".weight", key, source.weight);
+        if (errors_.size() + dropped_ > errors) return;
+      }
+      values.push_back(std::move(source));
     }
     out = values;
   }
@@ -496,8 +538,17 @@ void CheckAcrossKeys(const Recipe& r, RecipeReader& reader) {
     reader.ErrorOnKey("entrypoint.warm_standby", "entrypoint.warm_standby keeps interpreters ready for your program "
                                                  "(entrypoint.command); ltrain's trainer restarts without one: remove it");
   }
-  if (r.data.path.empty() && !reader.Refused({"data.path"})) {
-    reader.ErrorOnKey("data.path", "data.path is required: the directory written by `ltrain data prepare --output DIR`");
+  if (r.data.path.empty() && r.data.sources.empty() && !reader.Refused({"data.path", "data.sources"})) {
+    reader.ErrorOnKey("data.path", "data.path is required: the directory written by `ltrain data prepare --output DIR` "
+                                   "(or data.sources, a mixture of several)");
+  }
+  if (!r.data.path.empty() && !r.data.sources.empty()) {
+    reader.ErrorOnKey("data.sources", "data.sources and data.path both name the data: keep data.sources (a mixture) "
+                                      "or data.path (one dataset)");
+  }
+  if (r.data.sources.size() > 1 && r.data.sampling == Sampling::kTorch && !reader.Refused({"data.sampling"})) {
+    reader.ErrorOnKey("data.sampling", "data.sampling: torch replays one PyTorch loop over one dataset; a mixture "
+                                       "(data.sources) draws by epochs or hash: set data.sampling: epochs");
   }
   if (r.training.min_lr > r.training.lr && !reader.Refused({"training.lr", "training.min_lr"})) {
     reader.ErrorOnKey("training.min_lr", "training.min_lr must not exceed training.lr");
@@ -551,6 +602,13 @@ void EmitValue(YAML::Emitter& out, const Field& field) {
   } else if constexpr (std::is_same_v<T, std::vector<int>> || std::is_same_v<T, std::vector<std::string>> ||
                        std::is_same_v<T, std::map<std::string, std::string>>) {
     out << YAML::Flow << field;
+  } else if constexpr (std::is_same_v<T, std::vector<DataSource>>) {
+    out << YAML::Flow << YAML::BeginSeq;
+    for (const DataSource& source : field) {
+      out << YAML::BeginMap << YAML::Key << "path" << YAML::Value << source.path << YAML::Key << "weight"
+          << YAML::Value << Shortest{source.weight} << YAML::EndMap;
+    }
+    out << YAML::EndSeq;
   } else {
     out << field;
   }
@@ -686,6 +744,7 @@ std::string RecipeToYaml(const Recipe& r) {
   VisitRecipeKeys(r, [&](const RecipeKey& key, const auto& field) {
     if (key.omit_at_default && ValueText(field) == defaults.at(key.path())) return;
     if (r.runs_program() && IsTrainerSection(key.section)) return;
+    if (key.path() == "data.path" && r.data.path.empty() && !r.data.sources.empty()) return;  // a mixture
     if (key.section != open_section) {
       if (!open_section.empty()) out << YAML::EndMap;
       out << YAML::Key << std::string(key.section) << YAML::Value << YAML::BeginMap;
@@ -782,6 +841,11 @@ PhaseTimeout StartupTimeout(const Recipe& recipe) {
 
 int64_t DataSeed(const Recipe& recipe) { return recipe.data.seed >= 0 ? recipe.data.seed : recipe.training.seed; }
 
+std::vector<DataSource> DataSources(const Recipe& recipe) {
+  if (!recipe.data.sources.empty()) return recipe.data.sources;
+  return {DataSource{.path = recipe.data.path, .weight = 1}};
+}
+
 std::vector<RecipeKeyDoc> DescribeRecipeKeys() {
   std::vector<RecipeKeyDoc> docs;
   const Recipe defaults;
@@ -817,6 +881,8 @@ std::vector<RecipeKeyDoc> DescribeRecipeKeys() {
       doc.type = "list of text";
     } else if constexpr (std::is_same_v<T, std::map<std::string, std::string>>) {
       doc.type = "mapping of names to text";
+    } else if constexpr (std::is_same_v<T, std::vector<DataSource>>) {
+      doc.type = "list of {path, weight}";
     }
     if (!key.type_text.empty()) doc.type = std::string(key.type_text);
     docs.push_back(std::move(doc));

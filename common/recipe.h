@@ -22,7 +22,7 @@ namespace ltrain {
 enum class Arch { kGpt2, kLlama };
 enum class ModelInit { kAuto, kPytorch, kPerParameter };
 enum class Tokenizer { kAuto, kByte, kHuggingFace };
-enum class Sampling { kHash, kTorch };
+enum class Sampling { kEpochs, kHash, kTorch };
 enum class LrScheduleKind { kCosine, kConstant };
 enum class PpSchedule { kGpipe, k1F1B, kInterleaved };
 enum class ActivationCheckpointing { kNone, kFull, kSelective };
@@ -53,8 +53,8 @@ struct EnumNames<Tokenizer> {
 };
 template <>
 struct EnumNames<Sampling> {
-  static constexpr std::array<std::pair<Sampling, std::string_view>, 2> kNames = {
-      {{Sampling::kHash, "hash"}, {Sampling::kTorch, "torch"}}};
+  static constexpr std::array<std::pair<Sampling, std::string_view>, 3> kNames = {
+      {{Sampling::kEpochs, "epochs"}, {Sampling::kHash, "hash"}, {Sampling::kTorch, "torch"}}};
 };
 template <>
 struct EnumNames<LrScheduleKind> {
@@ -135,14 +135,25 @@ struct ModelSpec {
   std::string init_from;
 };
 
+// One dataset of a mixture: its directory and its share of the samples (weights need not sum to 1).
+struct DataSource {
+  std::string path;
+  double weight = 1;
+  bool operator==(const DataSource&) const = default;
+};
+
 struct DataSpec {
   std::string path;              // a directory written by `ltrain data prepare`
+  // A mixture instead of path: several prepared datasets, each sample drawn from one by weight.
+  std::vector<DataSource> sources;
   // What the data's data.yaml must say made it; auto: whatever did.
   Tokenizer tokenizer = Tokenizer::kAuto;
-  // "hash" lets a resumed run start at any data position for free; "torch" replays a PyTorch loop's
-  // torch.randint draws, so that a run can be compared with one batch for batch, at the cost of
-  // replaying the draws up to the data position on resume.
-  Sampling sampling = Sampling::kHash;
+  // "epochs": a seeded permutation of each source's windows per epoch, none drawn twice in one;
+  // "hash": windows drawn with replacement from a hash of the sample's index. Both start a resumed
+  // run at any data position for free. "torch" replays a PyTorch loop's torch.randint draws, so that
+  // a run can be compared with one batch for batch, at the cost of replaying the draws up to the
+  // data position on resume.
+  Sampling sampling = Sampling::kEpochs;
   int64_t seed = -1;             // the sampler's seed; unset (-1): training.seed
 };
 
@@ -160,7 +171,7 @@ struct TrainingSpec {
   double grad_clip = 1.0;        // max global gradient norm; 0 turns clipping off
   uint64_t seed = 1337;
   int64_t log_every = 10;
-  // Validation: the mean loss over eval_batches global batches of val.bin (fixed windows, each
+  // Validation: the mean loss over eval_batches global batches of the validation split (fixed windows, each
   // data-parallel rank its share) every eval_every steps and after the last; 0 turns it off.
   int64_t eval_every = 0;
   int eval_batches = 10;
@@ -283,6 +294,9 @@ PhaseTimeout StartupTimeout(const Recipe& recipe);     // model build, connectio
 
 // The data sampler's seed: data.seed when set, training.seed otherwise.
 int64_t DataSeed(const Recipe& recipe);
+
+// The datasets the job trains on: data.sources, or data.path with weight 1.
+std::vector<DataSource> DataSources(const Recipe& recipe);
 
 // One problem found in a recipe, located in its source. line/column are 1-based; 0 when the value
 // came from a --set override rather than the file.

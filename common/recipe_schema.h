@@ -55,7 +55,7 @@ inline constexpr std::string_view kTrainerSections[] = {"model", "data", "traini
 // Calls visit(key, field) for every key, in the order the writer emits them. `field` refers into
 // `r` (const when `r` is) and is one of: int, int64_t, uint64_t, double, bool, std::string, an enum
 // with EnumNames, std::vector<int>, std::vector<std::string>, std::map<std::string, std::string>,
-// NodesField.
+// std::vector<DataSource>, NodesField.
 template <typename R, typename Visitor>
 void VisitRecipeKeys(R& r, Visitor&& visit) {
   static_assert(std::is_same_v<std::remove_const_t<R>, Recipe>);
@@ -117,16 +117,24 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
         r.model.init_from);
 
   visit(RecipeKey{.section = "data", .name = "path",
-                  .help = "directory written by `ltrain data prepare` (required; relative to where ltrain runs)",
+                  .help = "directory written by `ltrain data prepare` (this or data.sources is required; relative "
+                          "to where ltrain runs)",
                   .default_text = "none: required", .type_text = "path"},
         r.data.path);
+  visit(RecipeKey{.section = "data", .name = "sources",
+                  .help = "a mixture instead of data.path: prepared datasets, each sample drawn from one in "
+                          "proportion to its weight, e.g. [{path: web, weight: 0.7}, {path: code, weight: 0.3}]",
+                  .real_min = 1e-9, .real_max = 1e9, .default_text = "none: data.path alone",
+                  .omit_at_default = true},
+        r.data.sources);
   visit(RecipeKey{.section = "data", .name = "tokenizer",
                   .help = "the tokenizer the data must have been made with (its data.yaml says); auto: any",
                   .omit_at_default = true},
         r.data.tokenizer);
   visit(RecipeKey{.section = "data", .name = "sampling",
-                  .help = "hash: each sample's window from a hash of the seed and its index; torch: windows as "
-                          "torch.randint with a seeded generator draws them, a PyTorch loop's batches",
+                  .help = "epochs: each source's windows in a seeded order per epoch, none twice in one; hash: each "
+                          "sample's window from a hash of the seed and its index (with replacement); torch: windows "
+                          "as torch.randint with a seeded generator draws them, a PyTorch loop's batches (one source)",
                   .omit_at_default = true},
         r.data.sampling);
   visit(RecipeKey{.section = "data", .name = "seed", .help = "the sampler's seed (PyTorch keeps 32 bits)",
@@ -171,11 +179,12 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
                   .int_min = 1, .int_max = kInt64Max},
         r.training.log_every);
   visit(RecipeKey{.section = "training", .name = "eval_every",
-                  .help = "validation loss on the data's val.bin every this many steps and after the last; 0: never",
+                  .help = "validation loss on the data's validation split every this many steps and after the last; "
+                          "0: never",
                   .int_min = 0, .int_max = kInt64Max, .omit_at_default = true},
         r.training.eval_every);
   visit(RecipeKey{.section = "training", .name = "eval_batches",
-                  .help = "global batches of val.bin each validation reads (the same windows every time)",
+                  .help = "global batches of the validation split each validation reads (the same windows every time)",
                   .int_min = 1, .int_max = kInt32Max, .omit_at_default = true},
         r.training.eval_batches);
   visit(RecipeKey{.section = "training", .name = "deterministic",

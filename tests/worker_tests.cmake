@@ -1,6 +1,6 @@
 # Tests of the worker runtime and the token data format (included from tests/CMakeLists.txt).
 ltrain_add_test(token_data_test unit
-  SOURCES unit/token_data_test.cc unit/tokenizer_test.cc unit/prepare_test.cc
+  SOURCES unit/token_data_test.cc unit/tokenizer_test.cc unit/prepare_test.cc unit/loader_test.cc
   LIBS ltrain::data)
 
 if(LTRAIN_BUILD_CONTROL_PLANE)

@@ -326,6 +326,10 @@ Status CorpusReader::OpenInput(size_t i) {
     case InputFormat::kJsonl: jsonl_ = true; break;
     case InputFormat::kAuto: jsonl_ = name == "-" || NamedJsonLines(name); break;
   }
+  if (options_.sft && !jsonl_) {
+    return InvalidArgument(shown + ": --sft reads JSON Lines of {\"prompt\": ..., \"response\": ...}; this input is "
+                           "read as text (name it .jsonl, or give --format jsonl)");
+  }
   buffer_.clear();
   begin_ = 0;
   at_end_ = false;
@@ -398,26 +402,44 @@ StatusOr<bool> CorpusReader::NextRecord(TextPiece* piece) {
     return InvalidArgument(Where() + ": the record is " + TypeName(record.type()) + ", not an object with a \"" +
                            options_.jsonl_field + "\" field");
   }
-  simdjson::dom::element field;
-  if (object.at_key(options_.jsonl_field).get(field)) {
-    std::string keys;
-    int shown = 0;
-    for (auto [key, value] : object) {
-      if (shown++ == 8) {
-        keys += ", ...";
-        break;
+  // A string field of the record, or an error naming it and the record's keys.
+  auto field_text = [&](const std::string& name, std::string_view* text) -> Status {
+    simdjson::dom::element field;
+    if (object.at_key(name).get(field)) {
+      std::string keys;
+      int shown = 0;
+      for (auto [key, value] : object) {
+        if (shown++ == 8) {
+          keys += ", ...";
+          break;
+        }
+        keys += (keys.empty() ? "" : ", ") + std::string(key);
       }
-      keys += (keys.empty() ? "" : ", ") + std::string(key);
+      return InvalidArgument(Where() + ": the record has no \"" + name + "\" field (its keys: " +
+                             (keys.empty() ? "none" : keys) + ")" +
+                             (options_.sft ? "; --sft reads {\"prompt\": ..., \"response\": ...}"
+                                           : "; give --jsonl-field KEY"));
     }
-    return InvalidArgument(Where() + ": the record has no \"" + options_.jsonl_field + "\" field (its keys: " +
-                           (keys.empty() ? "none" : keys) + "); give --jsonl-field KEY");
-  }
+    if (field.get(*text)) {
+      return InvalidArgument(Where() + ": \"" + name + "\" is " + TypeName(field.type()) + ", not a string");
+    }
+    return Status::Ok();
+  };
   std::string_view text;
-  if (field.get(text)) {
-    return InvalidArgument(Where() + ": \"" + options_.jsonl_field + "\" is " + TypeName(field.type()) +
-                           ", not a string");
+  if (options_.sft) {
+    std::string_view prompt, response;
+    LTRAIN_RETURN_IF_ERROR(field_text("prompt", &prompt));
+    LTRAIN_RETURN_IF_ERROR(field_text("response", &response));
+    if (response.empty()) return InvalidArgument(Where() + ": the record's \"response\" is empty: nothing to learn");
+    piece->text.assign(prompt.data(), prompt.size());
+    piece->text.append(response.data(), response.size());
+    piece->prompt_bytes = prompt.size();
+    text = piece->text;
+  } else {
+    LTRAIN_RETURN_IF_ERROR(field_text(options_.jsonl_field, &text));
+    piece->text.assign(text.data(), text.size());
+    piece->prompt_bytes = 0;
   }
-  piece->text.assign(text.data(), text.size());
   piece->input = static_cast<int>(current_);
   piece->line = line_;
   piece->document_start = true;

@@ -40,6 +40,8 @@ inline constexpr int64_t kMinInvalidUtf8Bytes = 16;
 struct CorpusOptions {
   InputFormat format = InputFormat::kAuto;
   std::string jsonl_field = "text";
+  // Supervised fine-tuning data: JSON Lines records of "prompt" and "response" strings.
+  bool sft = false;
   size_t piece_bytes = size_t{1} << 20;
 };
 
@@ -50,6 +52,8 @@ struct TextPiece {
   int64_t line = 0;       // 1-based: the record's line, or the line a text file's piece starts at
   bool document_start = false;
   bool document_end = false;
+  // SFT data: the text is the prompt and then the response; the prompt's bytes come first.
+  size_t prompt_bytes = 0;
 };
 
 // An input's bytes as read: from the file or standard input, decompressed where they are zstd or gzip.

@@ -37,6 +37,7 @@ Status WriteDataInfo(const std::string& dir, const DataInfo& info) {
   if (!info.tokenizer_sha256.empty()) out << YAML::Key << "tokenizer_sha256" << YAML::Value << info.tokenizer_sha256;
   out << YAML::Key << "vocab" << YAML::Value << info.vocab;
   if (info.format >= 2) out << YAML::Key << "dtype" << YAML::Value << info.dtype;
+  if (info.sft) out << YAML::Key << "sft" << YAML::Value << true;
   out << YAML::Key << "train_tokens" << YAML::Value << info.train_tokens;
   out << YAML::Key << "val_tokens" << YAML::Value << info.val_tokens;
   if (info.format >= 2) {
@@ -54,7 +55,9 @@ Status WriteDataInfo(const std::string& dir, const DataInfo& info) {
           << YAML::Value << s.index << YAML::Key << "split" << YAML::Value << s.split << YAML::Key << "tokens"
           << YAML::Value << s.tokens << YAML::Key << "documents" << YAML::Value << s.documents << YAML::Key
           << "first_input" << YAML::Value << s.first_input << YAML::Key << "last_input" << YAML::Value << s.last_input
-          << YAML::Key << "xxh3" << YAML::Value << s.xxh3 << YAML::EndMap;
+          << YAML::Key << "xxh3" << YAML::Value << s.xxh3;
+      if (!s.mask.empty()) out << YAML::Key << "mask" << YAML::Value << s.mask;
+      out << YAML::EndMap;
     }
     out << YAML::EndSeq;
   }
@@ -79,6 +82,7 @@ StatusOr<DataInfo> ReadDataInfo(const std::string& dir) {
     info.tokenizer_sha256 = node["tokenizer_sha256"].as<std::string>("");
     info.vocab = node["vocab"].as<int>(256);
     info.dtype = node["dtype"].as<std::string>(info.vocab <= 65536 ? "uint16" : "uint32");
+    info.sft = node["sft"].as<bool>(false);
     info.train_tokens = node["train_tokens"].as<int64_t>(0);
     info.val_tokens = node["val_tokens"].as<int64_t>(0);
     info.train_documents = node["train_documents"].as<int64_t>(0);
@@ -96,10 +100,13 @@ StatusOr<DataInfo> ReadDataInfo(const std::string& dir) {
       s.first_input = n["first_input"].as<int>(0);
       s.last_input = n["last_input"].as<int>(0);
       s.xxh3 = n["xxh3"].as<std::string>("");
+      s.mask = n["mask"].as<std::string>("");
+      if (info.sft && s.mask.empty()) return DataLoss(path + ": shard " + s.file + " of SFT data names no mask file");
       if (s.split != "train" && s.split != "val") {
         return DataLoss(path + ": shard " + s.file + " has split '" + s.split + "', not train or val");
       }
-      if (s.file.find('/') != std::string::npos || s.index.find('/') != std::string::npos) {
+      if (s.file.find('/') != std::string::npos || s.index.find('/') != std::string::npos ||
+          s.mask.find('/') != std::string::npos) {
         return DataLoss(path + ": shard " + s.file + " names a file outside the dataset directory");
       }
       info.shards.push_back(std::move(s));

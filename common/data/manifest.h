@@ -6,6 +6,7 @@
 //   train-00000.bin ...   token files (common/data/token_data.h) of about --shard-size bytes each
 //   train-00000.idx ...   where each document of the shard starts (below)
 //   val-00000.bin ...     the same for the validation documents
+//   train-00000.mask ...  SFT data (prepare --sft) only: which tokens the loss counts, one byte each
 // data.yaml:
 //   format: 2
 //   tokenizer: huggingface            # byte | huggingface | sentencepiece
@@ -13,6 +14,7 @@
 //   tokenizer_sha256: 3f1a...         # of the tokenizer file
 //   vocab: 32000
 //   dtype: uint16                     # uint16 up to vocab 65536, uint32 above
+//   sft: true                         # only for SFT data; then every shard names its mask file
 //   train_tokens: 123456
 //   val_tokens: 6543
 //   train_documents: 812
@@ -21,7 +23,7 @@
 //     - {path: corpus/part-0.jsonl.zst, bytes: 1048576, documents: 853}
 //   shards:
 //     - {file: train-00000.bin, index: train-00000.idx, split: train, tokens: 123456, documents: 812,
-//        first_input: 0, last_input: 0, xxh3: 9c0e...}
+//        first_input: 0, last_input: 0, xxh3: 9c0e...}      # SFT data adds mask: train-00000.mask
 // Data written before shards (format 1) has train.bin and val.bin and a data.yaml of the first five
 // keys, or no data.yaml at all (bytes).
 //
@@ -58,6 +60,7 @@ struct ShardInfo {
   int first_input = 0;    // the inputs its documents came from (indices into DataInfo::inputs)
   int last_input = 0;
   std::string xxh3;       // XXH3-64 of its tokens (the bytes after the header), 16 hex digits
+  std::string mask;       // SFT data: its loss mask file (common/data/token_data.h); empty otherwise
 };
 
 struct DataInfo {
@@ -67,6 +70,7 @@ struct DataInfo {
   std::string tokenizer_sha256;
   int vocab = 256;
   std::string dtype = "uint16";
+  bool sft = false;                 // supervised fine-tuning data: every shard has a loss mask
   int64_t train_tokens = 0;
   int64_t val_tokens = 0;
   int64_t train_documents = 0;

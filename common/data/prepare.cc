@@ -57,6 +57,7 @@ struct Batch {
   int64_t seq = 0;
   std::vector<TextPiece> pieces;
   std::vector<std::vector<uint32_t>> ids;
+  std::vector<std::vector<uint8_t>> masks;  // SFT data: per piece, 1 where the loss counts the token
   int64_t bytes_read = 0;  // of the inputs, once this batch was read
 };
 
@@ -66,16 +67,19 @@ class SplitWriter {
  public:
   SplitWriter(const std::string& dir, const PrepareOptions& o, uint32_t vocab)
       : fraction_(o.val_fraction),
-        train_(dir, "train", o.shard_bytes, vocab),
-        val_(dir, "val", o.shard_bytes, vocab) {}
+        sft_(o.sft),
+        train_(dir, "train", o.shard_bytes, vocab, o.sft),
+        val_(dir, "val", o.shard_bytes, vocab, o.sft) {}
 
-  Status Write(TextPiece& piece, std::vector<uint32_t>& ids) {
+  // `mask`: SFT data's, one byte per id; empty otherwise.
+  Status Write(TextPiece& piece, std::vector<uint32_t>& ids, std::vector<uint8_t>& mask) {
     const bool val = ForValidation(piece.text, fraction_);
     const bool starts = piece.document_start || last_val_ != val;
     last_val_ = val;
-    if (val) return val_.Append(ids, starts, piece.input);
+    if (val) return val_.Append(ids, starts, piece.input, sft_ ? &mask : nullptr);
     LTRAIN_RETURN_IF_ERROR(Flush());
     held_ = std::move(ids);
+    held_mask_ = std::move(mask);
     held_starts_ = starts;
     held_input_ = piece.input;
     holding_ = true;
@@ -84,7 +88,7 @@ class SplitWriter {
 
   Status Finish() {
     if (holding_ && fraction_ > 0 && val_.tokens() == 0 && train_.tokens() > 0) {
-      LTRAIN_RETURN_IF_ERROR(val_.Append(held_, true, held_input_));
+      LTRAIN_RETURN_IF_ERROR(val_.Append(held_, true, held_input_, sft_ ? &held_mask_ : nullptr));
       holding_ = false;
     }
     LTRAIN_RETURN_IF_ERROR(Flush());
@@ -99,14 +103,16 @@ class SplitWriter {
   Status Flush() {
     if (!holding_) return Status::Ok();
     holding_ = false;
-    return train_.Append(held_, held_starts_, held_input_);
+    return train_.Append(held_, held_starts_, held_input_, sft_ ? &held_mask_ : nullptr);
   }
 
   double fraction_;
+  bool sft_;
   ShardWriter train_, val_;
   bool last_val_ = false;
   bool holding_ = false;
   std::vector<uint32_t> held_;
+  std::vector<uint8_t> held_mask_;
   bool held_starts_ = false;
   int held_input_ = 0;
 };
@@ -184,9 +190,24 @@ Status TokenizeCorpus(CorpusReader& reader, const TextTokenizer& tokenizer, int 
           todo.pop_front();
         }
         batch->ids.resize(batch->pieces.size());
+        batch->masks.resize(batch->pieces.size());
         for (size_t i = 0; i < batch->pieces.size(); ++i) {
-          batch->ids[i] = tokenizer.Encode(batch->pieces[i].text);
-          if (batch->pieces[i].document_end && eot >= 0) batch->ids[i].push_back(static_cast<uint32_t>(eot));
+          const TextPiece& piece = batch->pieces[i];
+          std::vector<uint32_t>& ids = batch->ids[i];
+          if (o.sft) {
+            // The prompt and the response tokenized apart, so that no token spans both: the loss
+            // counts the response's tokens and the end-of-text after them, never the prompt's.
+            ids = tokenizer.Encode(std::string_view(piece.text).substr(0, piece.prompt_bytes));
+            const size_t prompt_ids = ids.size();
+            std::vector<uint32_t> response = tokenizer.Encode(std::string_view(piece.text).substr(piece.prompt_bytes));
+            ids.insert(ids.end(), response.begin(), response.end());
+            if (eot >= 0) ids.push_back(static_cast<uint32_t>(eot));
+            batch->masks[i].assign(ids.size(), 1);
+            std::fill(batch->masks[i].begin(), batch->masks[i].begin() + static_cast<std::ptrdiff_t>(prompt_ids), 0);
+          } else {
+            ids = tokenizer.Encode(piece.text);
+            if (piece.document_end && eot >= 0) ids.push_back(static_cast<uint32_t>(eot));
+          }
         }
         std::lock_guard<std::mutex> lock(mu);
         done[batch->seq] = std::move(batch);
@@ -205,7 +226,9 @@ Status TokenizeCorpus(CorpusReader& reader, const TextTokenizer& tokenizer, int 
       done.erase(next);
     }
     Status s;
-    for (size_t i = 0; i < batch->pieces.size() && s.ok(); ++i) s = writer.Write(batch->pieces[i], batch->ids[i]);
+    for (size_t i = 0; i < batch->pieces.size() && s.ok(); ++i) {
+      s = writer.Write(batch->pieces[i], batch->ids[i], batch->masks[i]);
+    }
     if (!s.ok()) {
       fail(s);
       break;
@@ -260,6 +283,7 @@ StatusOr<PrepareStats> PrepareInto(const PrepareOptions& o) {
   CorpusOptions corpus;
   corpus.format = o.format;
   corpus.jsonl_field = o.jsonl_field;
+  corpus.sft = o.sft;
   corpus.piece_bytes = kTextPieceBytes;
   std::error_code ec;
   fs::create_directories(o.output_dir, ec);
@@ -286,6 +310,7 @@ StatusOr<PrepareStats> PrepareInto(const PrepareOptions& o) {
   info.tokenizer = tokenizer->kind();
   info.vocab = tokenizer->vocab_size();
   info.dtype = info.vocab <= 65536 ? "uint16" : "uint32";
+  info.sft = o.sft;
   if (!tokenizer->file().empty()) {
     // The data keeps its tokenizer: a copy beside the tokens, under the name transformers reads.
     info.tokenizer_file = tokenizer->kind() == "huggingface" ? "tokenizer.json" : "tokenizer.model";
@@ -452,8 +477,9 @@ bool HoldsPreparedData(const std::string& dir) {
   return fs::exists(fs::path(dir) / "data.yaml", ec) || fs::exists(fs::path(dir) / "train.bin", ec);
 }
 
-std::string DataProblem(const Recipe& recipe) {
-  const std::string& dir = recipe.data.path;
+namespace {
+
+std::string DataProblemIn(const std::string& dir, const Recipe& recipe) {
   const int model_vocab = recipe.model.vocab;
   StatusOr<TokenDataset> data = TokenDataset::OpenSplit(dir, "train");
   if (!data.ok()) return "";
@@ -472,6 +498,26 @@ std::string DataProblem(const Recipe& recipe) {
   return "model.vocab=" + std::to_string(model_vocab) + " is smaller than the vocabulary of the data in " + dir +
          made_by + ", " + std::to_string(data->vocab()) + " tokens: set model.vocab: " + std::to_string(data->vocab()) +
          " (or more, a multiple of 64 is faster on GPUs)";
+}
+
+}  // namespace
+
+std::string DataProblem(const Recipe& recipe) {
+  std::string first_dir, first_sha;
+  for (const DataSource& source : DataSources(recipe)) {
+    if (std::string problem = DataProblemIn(source.path, recipe); !problem.empty()) return problem;
+    StatusOr<DataInfo> info = ReadDataInfo(source.path);
+    if (!info.ok() || info->tokenizer_sha256.empty()) continue;
+    if (first_sha.empty()) {
+      first_dir = source.path;
+      first_sha = info->tokenizer_sha256;
+    } else if (info->tokenizer_sha256 != first_sha) {
+      return "data.sources mixes tokenizers: the data in " + first_dir + " and in " + source.path +
+             " were made by different tokenizers (their data.yaml's tokenizer_sha256 differ), so one id means two "
+             "tokens: prepare every source with the same --tokenizer";
+    }
+  }
+  return "";
 }
 
 }  // namespace ltrain

@@ -47,6 +47,9 @@ struct PrepareOptions {
   int64_t tokenizer_sample_bytes = kDefaultTokenizerSampleBytes;
   InputFormat format = InputFormat::kAuto;
   std::string jsonl_field = "text";
+  // Supervised fine-tuning data: JSON Lines of {"prompt", "response"}; each shard gets a loss mask
+  // that counts the response's tokens (and the end-of-text after them) only.
+  bool sft = false;
   int64_t shard_bytes = kDefaultShardBytes;
   int threads = 0;                  // 0: every core; at most kMaxPrepareThreads
   bool overwrite = false;           // replace a dataset already in output_dir
@@ -83,9 +86,10 @@ StatusOr<int64_t> ParseByteSize(const std::string& text);
 // Whether `dir` holds a dataset `ltrain data prepare` wrote: its data.yaml, or a train.bin of before.
 bool HoldsPreparedData(const std::string& dir);
 
-// Why the recipe's model cannot train on the data in data.path (its tokens declare a larger
-// vocabulary than model.vocab; its data.yaml names another tokenizer than data.tokenizer), with the
-// fix; empty when it can, or when the data is not here.
+// Why the recipe's model cannot train on the data in data.path or data.sources (its tokens declare a
+// larger vocabulary than model.vocab; its data.yaml names another tokenizer than data.tokenizer; the
+// sources were made by different tokenizers), with the fix; empty when it can, or when the data is
+// not here.
 std::string DataProblem(const Recipe& recipe);
 
 }  // namespace ltrain

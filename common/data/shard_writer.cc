@@ -17,14 +17,15 @@ std::string ErrnoText() { return std::strerror(errno); }
 
 }  // namespace
 
-ShardWriter::ShardWriter(std::string dir, std::string split, int64_t shard_bytes, uint32_t vocab)
-    : dir_(std::move(dir)), split_(std::move(split)), vocab_(vocab), width_(vocab <= 65536 ? 2 : 4) {
+ShardWriter::ShardWriter(std::string dir, std::string split, int64_t shard_bytes, uint32_t vocab, bool masked)
+    : dir_(std::move(dir)), split_(std::move(split)), vocab_(vocab), width_(vocab <= 65536 ? 2 : 4), masked_(masked) {
   shard_tokens_ = std::max<int64_t>(1, shard_bytes / width_);
 }
 
 ShardWriter::~ShardWriter() {
   if (file_ != nullptr) std::fclose(file_);
   if (index_file_ != nullptr) std::fclose(index_file_);
+  if (mask_file_ != nullptr) std::fclose(mask_file_);
 }
 
 Status ShardWriter::OpenShard() {
@@ -46,6 +47,16 @@ Status ShardWriter::OpenShard() {
   if (std::fwrite(header.data(), 1, header.size(), file_) != header.size() ||
       std::fwrite(index_header.data(), 1, index_header.size(), index_file_) != index_header.size()) {
     return Internal(WithFreeSpace("writing " + path_ + ": " + ErrnoText(), dir_));
+  }
+  if (masked_) {
+    open_.mask = std::string(name) + ".mask";
+    mask_path_ = (std::filesystem::path(dir_) / open_.mask).string();
+    LTRAIN_ASSIGN_OR_RETURN(mask_file_, OpenStreamForWriting(mask_path_, /*append=*/false, 0644));
+    std::setvbuf(mask_file_, nullptr, _IOFBF, size_t{1} << 20);
+    const std::string mask_header = MaskFileHeader(0);
+    if (std::fwrite(mask_header.data(), 1, mask_header.size(), mask_file_) != mask_header.size()) {
+      return Internal(WithFreeSpace("writing " + mask_path_ + ": " + ErrnoText(), dir_));
+    }
   }
   hash_.emplace();
   return Status::Ok();
@@ -70,13 +81,20 @@ Status ShardWriter::CloseShard() {
   Status t = finish(index, DocumentIndexHeader(continues_, static_cast<uint64_t>(open_.documents)), index_path_);
   LTRAIN_RETURN_IF_ERROR(s);
   LTRAIN_RETURN_IF_ERROR(t);
+  if (std::FILE* mask = std::exchange(mask_file_, nullptr)) {
+    LTRAIN_RETURN_IF_ERROR(finish(mask, MaskFileHeader(static_cast<uint64_t>(open_.tokens)), mask_path_));
+  }
   open_.xxh3 = hash_->Hex();
   if (open_.first_input < 0) open_.first_input = 0;
   shards_.push_back(open_);
   return Status::Ok();
 }
 
-Status ShardWriter::Append(const std::vector<uint32_t>& ids, bool starts, int input) {
+Status ShardWriter::Append(const std::vector<uint32_t>& ids, bool starts, int input,
+                           const std::vector<uint8_t>* mask) {
+  if (masked_ != (mask != nullptr) || (mask != nullptr && mask->size() != ids.size())) {
+    return Internal("shard writer of " + split_ + ": a loss mask must come with every piece of SFT data, one byte a token");
+  }
   if (file_ != nullptr && open_.tokens >= shard_tokens_) LTRAIN_RETURN_IF_ERROR(CloseShard());
   if (file_ == nullptr) {
     LTRAIN_RETURN_IF_ERROR(OpenShard());
@@ -104,6 +122,9 @@ Status ShardWriter::Append(const std::vector<uint32_t>& ids, bool starts, int in
   // Tokens are stored little-endian; this host is little-endian (x86-64, aarch64).
   if (bytes > 0 && std::fwrite(data, 1, bytes, file_) != bytes) {
     return Internal(WithFreeSpace("writing " + path_ + ": " + ErrnoText(), dir_));
+  }
+  if (mask != nullptr && !mask->empty() && std::fwrite(mask->data(), 1, mask->size(), mask_file_) != mask->size()) {
+    return Internal(WithFreeSpace("writing " + mask_path_ + ": " + ErrnoText(), dir_));
   }
   hash_->Update(data, bytes);
   open_.tokens += static_cast<int64_t>(ids.size());

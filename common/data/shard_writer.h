@@ -20,14 +20,16 @@ class ShardWriter {
  public:
   // Shards of about `shard_bytes` bytes of tokens (a shard ends at the first piece past it), uint16
   // tokens up to vocab 65536, uint32 above.
-  ShardWriter(std::string dir, std::string split, int64_t shard_bytes, uint32_t vocab);
+  // `masked`: every shard gets a loss mask file beside it (NAME-00000.mask; SFT data).
+  ShardWriter(std::string dir, std::string split, int64_t shard_bytes, uint32_t vocab, bool masked = false);
   ~ShardWriter();
   ShardWriter(const ShardWriter&) = delete;
   ShardWriter& operator=(const ShardWriter&) = delete;
 
   // Appends a piece of a document: `starts` where a document (or a part of one the other split
   // did not take) begins. `input`: which input it came from.
-  Status Append(const std::vector<uint32_t>& ids, bool starts, int input);
+  // `mask` (masked writers only): one byte per id, 1 where the loss counts predicting it.
+  Status Append(const std::vector<uint32_t>& ids, bool starts, int input, const std::vector<uint8_t>* mask = nullptr);
   // Closes the open shard: its header completed, flushed, synced.
   Status Finish();
 
@@ -45,7 +47,9 @@ class ShardWriter {
   int width_;
   std::FILE* file_ = nullptr;
   std::FILE* index_file_ = nullptr;
-  std::string path_, index_path_;
+  std::FILE* mask_file_ = nullptr;
+  bool masked_ = false;
+  std::string path_, index_path_, mask_path_;
   ShardInfo open_;
   bool continues_ = false;  // the open shard begins inside a document
   bool in_document_ = false;  // a document is open at the end of what was written

@@ -54,6 +54,14 @@ Status FsyncDir(const std::string& dir) {
 
 }  // namespace
 
+std::string MaskFileHeader(uint64_t tokens) {
+  std::string header(kMaskMagic, sizeof(kMaskMagic));
+  AppendLe(header, 1, 4);
+  AppendLe(header, 0, 4);
+  AppendLe(header, tokens, 8);
+  return header;
+}
+
 std::string TokenFileHeader(uint32_t vocab, uint64_t tokens, uint32_t bytes_per_token) {
   std::string header(kTokenMagic, sizeof(kTokenMagic));
   AppendLe(header, kTokenFormatVersion, 4);
@@ -161,6 +169,35 @@ StatusOr<TokenDataset> TokenDataset::Open(const std::string& path) {
   return ds;
 }
 
+Status TokenDataset::MapMask(const std::string& path, int64_t tokens, Mapped* m) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return DataLoss("cannot open loss mask " + path + ": " + ErrnoText() + "; prepare the data again");
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    ::close(fd);
+    return Internal("stat " + path + ": " + ErrnoText());
+  }
+  const size_t bytes = static_cast<size_t>(st.st_size);
+  if (bytes != kMaskHeaderBytes + static_cast<size_t>(tokens)) {
+    ::close(fd);
+    return DataLoss("loss mask " + path + " is " + std::to_string(bytes) + " bytes where its shard's " +
+                    std::to_string(tokens) + " tokens need " + std::to_string(kMaskHeaderBytes + tokens) +
+                    ": truncated or corrupt; prepare the data again");
+  }
+  void* map = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (map == MAP_FAILED) return Internal("mmap " + path + ": " + ErrnoText());
+  const auto* p = static_cast<const unsigned char*>(map);
+  if (std::memcmp(p, kMaskMagic, sizeof(kMaskMagic)) != 0 || ReadLe(p + 16, 8) != static_cast<uint64_t>(tokens)) {
+    ::munmap(map, bytes);
+    return DataLoss("loss mask " + path + " has no LTRNMSK1 header of its shard's token count: prepare the data again");
+  }
+  m->mask_map = map;
+  m->mask_map_bytes = bytes;
+  m->mask = p + kMaskHeaderBytes;
+  return Status::Ok();
+}
+
 StatusOr<TokenDataset> TokenDataset::OpenSplit(const std::string& dir, const std::string& split) {
   StatusOr<DataInfo> info = ReadDataInfo(dir);
   if (!info.ok() && info.status().code() != StatusCode::kNotFound) return info.status();
@@ -180,9 +217,24 @@ StatusOr<TokenDataset> TokenDataset::OpenSplit(const std::string& dir, const std
     ds.width_ = one.width_;
     Mapped m = one.shards_[0];
     one.shards_.clear();  // now ds's
+    if (!shard.mask.empty()) {
+      const std::string mask_path = (std::filesystem::path(dir) / shard.mask).string();
+      Status mapped = MapMask(mask_path, shard.tokens, &m);
+      if (!mapped.ok()) {
+        ::munmap(m.map, m.map_bytes);
+        return mapped;
+      }
+      ds.masked_ = true;
+    }
     m.first = ds.size_;
     ds.size_ += m.size;
     ds.shards_.push_back(m);
+  }
+  for (const Mapped& m : ds.shards_) {
+    if ((m.mask != nullptr) != ds.masked_) {
+      return DataLoss(dir + "/data.yaml gives a loss mask to some shards of the " + split +
+                      " split and not to others: the dataset is damaged; prepare it again");
+    }
   }
   if (ds.shards_.empty()) {
     return NotFound("the dataset in " + dir + " has no " + split + " tokens" +
@@ -232,6 +284,24 @@ void TokenDataset::Read(int64_t start, int64_t n, int64_t* out) const {
   }
 }
 
+void TokenDataset::ReadMask(int64_t start, int64_t n, uint8_t* out) const {
+  size_t s = ShardOf(start);
+  while (n > 0) {
+    const Mapped& m = shards_[s];
+    const int64_t from = start - m.first;
+    const int64_t k = std::min(n, m.size - from);
+    if (m.mask != nullptr) {
+      std::memcpy(out, m.mask + from, static_cast<size_t>(k));
+    } else {
+      std::memset(out, 1, static_cast<size_t>(k));
+    }
+    out += k;
+    start += k;
+    n -= k;
+    ++s;
+  }
+}
+
 TokenDataset::TokenDataset(TokenDataset&& other) noexcept { *this = std::move(other); }
 
 TokenDataset& TokenDataset::operator=(TokenDataset&& other) noexcept {
@@ -242,6 +312,7 @@ TokenDataset& TokenDataset::operator=(TokenDataset&& other) noexcept {
     width_ = other.width_;
     size_ = std::exchange(other.size_, 0);
     vocab_ = std::exchange(other.vocab_, 0);
+    masked_ = std::exchange(other.masked_, false);
   }
   return *this;
 }
@@ -249,7 +320,10 @@ TokenDataset& TokenDataset::operator=(TokenDataset&& other) noexcept {
 TokenDataset::~TokenDataset() { Release(); }
 
 void TokenDataset::Release() {
-  for (const Mapped& m : shards_) ::munmap(m.map, m.map_bytes);
+  for (const Mapped& m : shards_) {
+    ::munmap(m.map, m.map_bytes);
+    if (m.mask_map != nullptr) ::munmap(m.mask_map, m.mask_map_bytes);
+  }
   shards_.clear();
 }
 
@@ -258,46 +332,6 @@ uint64_t SplitMix64(uint64_t x) {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
   return z ^ (z >> 31);
-}
-
-int64_t SampleIndex(const BatchSlice& slice, int j) {
-  return slice.position0 + slice.step * slice.global_batch +
-         static_cast<int64_t>(slice.micro_step * slice.dp + slice.dp_rank) * slice.micro_batch + j;
-}
-
-TokenSampler::TokenSampler(const TokenDataset* dataset, uint64_t seed, int seq_len,
-                           std::unique_ptr<WindowStream> stream)
-    : dataset_(dataset), seed_mix_(SplitMix64(seed)), seq_len_(seq_len), stream_(std::move(stream)) {}
-
-int64_t TokenSampler::span() const { return dataset_->size() - seq_len_ - 1; }
-
-Status TokenSampler::Check() const {
-  if (seq_len_ < 1) return InvalidArgument("seq_len=" + std::to_string(seq_len_) + " must be >= 1");
-  if (dataset_->size() < seq_len_ + 2) {
-    return InvalidArgument("token file " + dataset_->path() + " has " +
-                           std::to_string(dataset_->size()) + " tokens, fewer than seq_len+2=" +
-                           std::to_string(seq_len_ + 2) + "; use more data or a shorter model.seq_len");
-  }
-  return Status::Ok();
-}
-
-int64_t TokenSampler::WindowStart(int64_t sample_index) const {
-  if (stream_ != nullptr) return stream_->Start(sample_index);
-  const uint64_t span = static_cast<uint64_t>(this->span());
-  // Adding i * golden-ratio before mixing walks splitmix64's own stream from the seed's state.
-  const uint64_t h = SplitMix64(seed_mix_ + static_cast<uint64_t>(sample_index) * 0x9e3779b97f4a7c15ULL);
-  return static_cast<int64_t>(h % span);
-}
-
-void TokenSampler::Fill(const BatchSlice& slice, int64_t* inputs, int64_t* targets) const {
-  for (int j = 0; j < slice.micro_batch; ++j) {
-    const int64_t start = WindowStart(SampleIndex(slice, j));
-    int64_t* in = inputs + static_cast<int64_t>(j) * seq_len_;
-    int64_t* tg = targets + static_cast<int64_t>(j) * seq_len_;
-    dataset_->Read(start, seq_len_, in);
-    std::copy(in + 1, in + seq_len_, tg);
-    tg[seq_len_ - 1] = dataset_->token(start + seq_len_);
-  }
 }
 
 }  // namespace ltrain

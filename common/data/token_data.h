@@ -1,5 +1,5 @@
-// Token data: the on-disk format that `ltrain data prepare` writes and the worker reads, and the
-// deterministic sampler that maps a global sample counter (the "data position") to token windows.
+// Token data: the on-disk format that `ltrain data prepare` writes and the worker reads (the loader
+// that draws windows from it is common/data/loader.h).
 //
 // File layout (little-endian), one file per split (train.bin, val.bin):
 //   offset  0  char[8]   magic "LTRNTOK1"
@@ -58,6 +58,10 @@ class TokenDataset {
   void Read(int64_t start, int64_t n, int64_t* out) const;
   int bytes_per_token() const { return width_; }
   int shards() const { return static_cast<int>(shards_.size()); }
+  // Supervised fine-tuning data: whether each token has a loss mask (its .mask files), and the mask
+  // of tokens [start, start + n): 1 where the loss counts predicting the token, 0 where it does not.
+  bool masked() const { return masked_; }
+  void ReadMask(int64_t start, int64_t n, uint8_t* out) const;
 
  private:
   struct Mapped {
@@ -66,8 +70,13 @@ class TokenDataset {
     const unsigned char* tokens = nullptr;
     int64_t first = 0;  // index of its first token in the split
     int64_t size = 0;
+    void* mask_map = nullptr;
+    size_t mask_map_bytes = 0;
+    const uint8_t* mask = nullptr;
   };
   TokenDataset() = default;
+  // Maps a shard's loss mask of `tokens` entries into `m`.
+  static Status MapMask(const std::string& path, int64_t tokens, Mapped* m);
   void Release();
   size_t ShardOf(int64_t i) const;
 
@@ -76,62 +85,21 @@ class TokenDataset {
   int width_ = 2;
   int64_t size_ = 0;
   int vocab_ = 0;
+  bool masked_ = false;
 };
+
+// A loss mask file (SPLIT-NNNNN.mask beside its token file; little-endian):
+//   offset  0  char[8]   magic "LTRNMSK1"
+//   offset  8  uint32    format version (1)
+//   offset 12  uint32    0
+//   offset 16  uint64    token count (the token file's)
+//   offset 24  uint8[count] 1: the loss counts predicting this token; 0: it does not
+inline constexpr char kMaskMagic[8] = {'L', 'T', 'R', 'N', 'M', 'S', 'K', '1'};
+inline constexpr size_t kMaskHeaderBytes = 24;
+std::string MaskFileHeader(uint64_t tokens);
 
 // splitmix64: a counter-based mixer, so any sample index is reachable without replaying the ones
 // before it (resuming at data position P costs nothing).
 uint64_t SplitMix64(uint64_t x);
-
-// Where one micro-batch sits in the global batch of one optimizer step.
-struct BatchSlice {
-  int64_t position0 = 0;   // data position (sample index) at optimizer step 0 of this count
-  int64_t step = 0;        // optimizer step, 0-based, counted from position0
-  int global_batch = 1;    // G: sequences per optimizer step across all data-parallel ranks
-  int dp_rank = 0;
-  int dp = 1;
-  int micro_step = 0;      // a in [0, A)
-  int micro_batch = 1;     // b
-};
-
-// Sample index of sequence j of the slice: position0 + step*G + (a*dp + r)*b + j. Ranks get disjoint
-// indices, and dp ranks x A micro-steps cover [position0 + step*G, position0 + (step+1)*G) whatever
-// the layout.
-int64_t SampleIndex(const BatchSlice& slice, int j);
-
-// Window starts drawn one after another from a generator that cannot jump ahead: Start(i) is the
-// start of sample index i, the i-th draw. Asked in increasing order it draws each value once; asking
-// for an earlier index starts the stream over.
-class WindowStream {
- public:
-  virtual ~WindowStream() = default;
-  virtual int64_t Start(int64_t sample_index) = 0;
-};
-
-// Deterministic map from sample index to token window: hashed (below) or, given a stream, the
-// stream's draws. With a stream, WindowStart and Fill advance it: one thread at a time.
-class TokenSampler {
- public:
-  TokenSampler(const TokenDataset* dataset, uint64_t seed, int seq_len, std::unique_ptr<WindowStream> stream = nullptr);
-
-  // The number of distinct window starts: size - seq_len - 1.
-  int64_t span() const;
-
-  // Fails when the dataset is too short for one window of seq_len + 1 tokens.
-  Status Check() const;
-
-  // hash(seed, i) % span(), or the stream's start for i.
-  int64_t WindowStart(int64_t sample_index) const;
-
-  // Fills micro_batch * seq_len int64 inputs and targets (targets = inputs shifted by one token).
-  void Fill(const BatchSlice& slice, int64_t* inputs, int64_t* targets) const;
-
-  int seq_len() const { return seq_len_; }
-
- private:
-  const TokenDataset* dataset_;
-  uint64_t seed_mix_;
-  int seq_len_;
-  std::unique_ptr<WindowStream> stream_;
-};
 
 }  // namespace ltrain

@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <regex>
 #include <sstream>
@@ -82,13 +83,20 @@ TEST_F(RecoveryTest, KilledWorkerRestartsFromItsCheckpointAndEndsBitIdentical) {
                                       "parallel: {nproc_per_node: 2}\n"
                                       "checkpoint: {every: 5, keep: 3}\n"
                                       "fault: {max_restarts: 2, restart_backoff_s: 0.2}\n");
-  ProcessResult reference = RunProcess({LtrainBinary(), "launch", recipe}, Env("reference"), seconds(180));
+  // Each rank's windows (LTRAIN_DATA_TRACE): the restarted run must read what the reference read.
+  auto traced = [&](const std::string& home) {
+    std::map<std::string, std::string> env = Env(home);
+    env["LTRAIN_DATA_TRACE"] = dir_.Join(home + "-trace");
+    fs::create_directories(env["LTRAIN_DATA_TRACE"]);
+    return env;
+  };
+  ProcessResult reference = RunProcess({LtrainBinary(), "launch", recipe}, traced("reference"), seconds(180));
   ASSERT_EQ(reference.exit_code, 0) << reference.output;
 
   std::random_device device;
   int kill_step = std::uniform_int_distribution<int>(8, 30)(device);
   SCOPED_TRACE("killing rank 1 after step " + std::to_string(kill_step));
-  Subprocess launch({LtrainBinary(), "launch", recipe}, Env("faulty"));
+  Subprocess launch({LtrainBinary(), "launch", recipe}, traced("faulty"));
   ASSERT_TRUE(launch.WaitForOutput("[rank 0] step " + std::to_string(kill_step) + "/", seconds(60))) << launch.Output();
   v1::Job running = Status("faulty", "tiny-1");
   ASSERT_EQ(running.ranks_size(), 2) << running.DebugString();
@@ -117,6 +125,26 @@ TEST_F(RecoveryTest, KilledWorkerRestartsFromItsCheckpointAndEndsBitIdentical) {
   std::string b = ReadFile(dir_.Join("faulty/checkpoints/tiny-1/step-40/model-rank-0.safetensors"));
   ASSERT_FALSE(a.empty());
   EXPECT_TRUE(a == b) << "final parameters differ from the uninterrupted run";
+
+  // Sample index -> window, as every rank read it; a sample read twice (before and after the kill)
+  // read the same window both times, and the same as the reference's.
+  auto windows = [&](const std::string& home) {
+    std::map<int64_t, std::string> out;
+    for (const auto& entry : fs::directory_iterator(dir_.Join(home + "-trace"))) {
+      std::istringstream lines(ReadFile(entry.path().string()));
+      for (std::string line; std::getline(lines, line);) {
+        const int64_t sample = std::stoll(line.substr(0, line.find('\t')));
+        auto [it, inserted] = out.emplace(sample, line);
+        EXPECT_TRUE(inserted || it->second == line) << home << ": " << it->second << " then " << line;
+      }
+    }
+    return out;
+  };
+  const std::map<int64_t, std::string> want = windows("reference"), got = windows("faulty");
+  for (int64_t sample = 0; sample < 40 * 8; ++sample) {
+    ASSERT_TRUE(want.count(sample) && got.count(sample)) << "sample " << sample;
+    EXPECT_EQ(got.at(sample), want.at(sample));
+  }
 }
 
 // A SIGSTOPped worker: within hang_timeout + 2 s the job's events name the stopped rank and what

@@ -113,6 +113,55 @@ TEST(GptModelTest, OneRankShardEqualsTheModule) {
   EXPECT_EQ(compared, static_cast<int>(module_params.size()));
 }
 
+// Supervised fine-tuning: with masked targets (-100 at the prompt's positions) the loss is the mean
+// cross-entropy of the response's positions alone; the prompt's positions
+// add no term and no gradient (a batch of prompt only has loss 0 and gradient 0), and what the
+// prompt's tokens still change is the context the response's positions see.
+TEST(GptModelTest, MaskedTargetsCountTheResponseOnly) {
+  torch::manual_seed(9);
+  const torch::Tensor idx = torch::randint(0, 256, {2, 16}, torch::kLong);
+  torch::Tensor targets = torch::randint(0, 256, {2, 16}, torch::kLong);
+  torch::Tensor masked = targets.clone();
+  masked.index_put_({torch::indexing::Slice(), torch::indexing::Slice(0, 6)}, -100);  // the prompt
+  auto make = [](Communicator* comm) {
+    ModelShardSpec spec;
+    spec.config = TinySpec();
+    spec.layout.stage_layers = {spec.config.layers};
+    torch::manual_seed(5);
+    auto shard = ModelShard::Create(spec, comm);
+    EXPECT_TRUE(shard.ok()) << shard.status().message();
+    (*shard)->set_masked_targets(true);
+    return std::move(shard).value();
+  };
+  SelfCommunicator self;
+  auto shard = make(&self);
+  // By hand: the response positions' cross-entropy from the model's logits.
+  torch::Tensor logp = torch::log_softmax(shard->Logits(idx).detach(), -1);
+  torch::Tensor picked = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1);
+  const double want = -picked.index({torch::indexing::Slice(), torch::indexing::Slice(6, 16)}).mean().item<double>();
+  torch::Tensor loss = shard->Forward(0, idx, masked);
+  EXPECT_NEAR(loss.item<double>(), want, 1e-5);
+  // The module's cross-entropy skips -100 the same way.
+  torch::manual_seed(5);
+  Gpt module(Tiny());
+  EXPECT_NEAR(module->forward(idx, masked).item<double>(), want, 1e-5);
+
+  // Prompt only: nothing to learn.
+  auto fresh = make(&self);
+  torch::Tensor none = fresh->Forward(0, idx, torch::full({2, 16}, -100, torch::kLong));
+  EXPECT_EQ(none.item<double>(), 0.0);
+  none.backward();
+  for (const ShardParam& p : fresh->params()) {
+    if (p.value.grad().defined()) {
+      EXPECT_EQ(p.value.grad().abs().max().item<double>(), 0.0) << p.name;
+    }
+  }
+  // Another prompt changes the response positions' context, so their loss; the targets stay masked.
+  torch::Tensor other = idx.clone();
+  other.index_put_({torch::indexing::Slice(), torch::indexing::Slice(0, 6)}, 7);
+  EXPECT_NE(make(&self)->Forward(0, other, masked).item<double>(), loss.item<double>());
+}
+
 // One forward and backward of TinySpec's shard (the generator seeded with 5 to build it, then with
 // `noise_seed`): the loss and every parameter's gradient in fp32; the stream's dtype after each unit
 // (the embedding and every block) goes into `stream`.

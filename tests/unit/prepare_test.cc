@@ -79,6 +79,50 @@ std::string Json(const std::string& text) {
   return out + "\"";
 }
 
+// --sft: records of {"prompt", "response"} are documents of the prompt and then the response, with a
+// loss mask that counts the response's tokens only; a record without a response is an error naming
+// its line, and nothing is left.
+TEST_F(PrepareTest, SftRecordsKeepALossMaskOfTheirResponses) {
+  std::string lines, expected, expected_mask;
+  for (int i = 0; i < 200; ++i) {
+    const std::string prompt = "Q: " + std::to_string(i) + " plus 1?\nA:", response = " " + std::to_string(i + 1) + "\n";
+    lines += "{\"prompt\": " + Json(prompt) + ", \"response\": " + Json(response) + "}\n";
+    expected += prompt + response;
+    expected_mask += std::string(prompt.size(), '\0') + std::string(response.size(), '\1');
+  }
+  PrepareOptions o;
+  o.inputs = {Write("sft.jsonl", lines)};
+  o.output_dir = (dir_ / "out").string();
+  o.val_fraction = 0;
+  o.threads = 2;
+  o.sft = true;
+  StatusOr<PrepareStats> stats = PrepareData(o);
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+  EXPECT_TRUE(stats->info.sft);
+  EXPECT_EQ(stats->info.train_documents, 200);
+  StatusOr<DataInfo> info = ReadDataInfo(o.output_dir);
+  ASSERT_TRUE(info.ok());
+  EXPECT_TRUE(info->sft);
+  ASSERT_FALSE(info->shards.empty());
+  EXPECT_EQ(info->shards[0].mask, "train-00000.mask");
+  StatusOr<TokenDataset> train = TokenDataset::OpenSplit(o.output_dir, "train");
+  ASSERT_TRUE(train.ok()) << train.status().ToString();
+  ASSERT_TRUE(train->masked());
+  EXPECT_EQ(ReadAll(*train), expected);
+  std::string mask(static_cast<size_t>(train->size()), '\2');
+  train->ReadMask(0, train->size(), reinterpret_cast<uint8_t*>(mask.data()));
+  EXPECT_EQ(mask, expected_mask);
+
+  o.inputs = {Write("bad.jsonl", lines + "{\"prompt\": \"Q: and?\"}\n")};
+  o.output_dir = (dir_ / "bad").string();
+  StatusOr<PrepareStats> bad = PrepareData(o);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_EQ(bad.status().code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(bad.status().message().find("bad.jsonl line 201"), std::string::npos) << bad.status().message();
+  EXPECT_NE(bad.status().message().find("\"response\""), std::string::npos) << bad.status().message();
+  ExpectNothingLeft(o.output_dir);
+}
+
 // Records of JSON Lines are documents of their "text" field's string, unescaped; blank lines are no
 // records; the same lines compressed with zstd or gzip give the same tokens.
 TEST_F(PrepareTest, JsonLinesPlainZstdAndGzipGiveTheSameTokens) {

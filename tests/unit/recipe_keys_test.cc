@@ -41,6 +41,9 @@ fault: {max_restarts: 4, restart_backoff_s: 2.5, restart_backoff_max_s: 45, hear
 // Keys that cannot differ from their default: their type has a single value today.
 const std::set<std::string> kSingleValued = {};
 
+// Keys that replace another (data.sources replaces data.path): AMixtureReachesTheWorker covers them.
+const std::set<std::string> kAlternatives = {"data.sources"};
+
 // A recipe with entrypoint.command has no model, data or training: ProgramRecipeReachesTheAgent
 // covers these keys.
 const std::set<std::string> kProgramKeys = {"entrypoint.command", "entrypoint.env", "entrypoint.workdir",
@@ -71,7 +74,7 @@ TEST(RecipeKeysTest, EveryKeyReachesTheWorkerWithANonDefaultValue) {
   const std::map<std::string, std::string> defaults = RecipeKeyValues(Recipe{});
   const std::map<std::string, std::string> wanted = RecipeKeyValues(user.recipe);
   for (const auto& [key, value] : wanted) {
-    if (kSingleValued.count(key) || kProgramKeys.count(key)) continue;
+    if (kSingleValued.count(key) || kProgramKeys.count(key) || kAlternatives.count(key)) continue;
     EXPECT_NE(value, defaults.at(key)) << key << " is at its default in this test's recipe: give it another value";
   }
 
@@ -100,6 +103,23 @@ TEST(RecipeKeysTest, EveryKeyReachesTheWorkerWithANonDefaultValue) {
     }
     EXPECT_EQ(got.at(key), value) << key << " did not reach the worker:\n" << command->start().recipe_yaml();
   }
+}
+
+// data.sources, a mixture in place of data.path, reaches the worker with its weights.
+TEST(RecipeKeysTest, AMixtureReachesTheWorker) {
+  SetLogLevel(LogLevel::kWarning);
+  RecipeParseResult user = ParseRecipe(
+      "name: mix\ndata:\n  sources:\n    - {path: /data/web, weight: 0.7}\n    - {path: /data/code, weight: 0.3}\n",
+      "mix.yaml");
+  ASSERT_TRUE(user.ok()) << user.ErrorText();
+  ASSERT_EQ(user.recipe.data.sources.size(), 2u);
+  EXPECT_TRUE(user.recipe.data.path.empty());
+  std::optional<v1::Command> command = StartCommandOf(user.recipe, "mix.yaml");
+  ASSERT_TRUE(command && command->has_start());
+  RecipeParseResult received = ParseRecipe(command->start().recipe_yaml(), "received.yaml");
+  ASSERT_TRUE(received.ok()) << received.ErrorText() << command->start().recipe_yaml();
+  EXPECT_EQ(received.recipe.data.sources, user.recipe.data.sources) << command->start().recipe_yaml();
+  EXPECT_EQ(DataSources(received.recipe)[1].weight, 0.3);
 }
 
 // `ltrain run`'s recipe: the entrypoint keys with other values than their defaults reach the agent

@@ -120,6 +120,37 @@ TEST(RecipeTest, YamlRoundTripGivesTheSameRecipe) {
   EXPECT_EQ(ParseRecipe(RecipeToYaml(exact.recipe), "resolved.yaml").recipe.training.lr, exact.recipe.training.lr);
 }
 
+// data.sources: a mixture of prepared datasets with weights, written back as it was read; a source
+// without a path, a weight of 0, a key it does not have, and data.path beside it are refused.
+TEST(RecipeTest, DataSourcesRoundTripAndBadOnesAreNamed) {
+  RecipeParseResult mix = ParseRecipe(
+      "data:\n  sources:\n    - {path: /a, weight: 0.7}\n    - {path: /b, weight: 0.3}\n", "mix.yaml");
+  ASSERT_TRUE(mix.ok()) << mix.ErrorText();
+  const std::vector<DataSource> want = {{"/a", 0.7}, {"/b", 0.3}};
+  EXPECT_EQ(mix.recipe.data.sources, want);
+  EXPECT_EQ(ParseRecipe(RecipeToYaml(mix.recipe), "resolved.yaml").recipe.data.sources, want);
+  EXPECT_EQ(DataSources(mix.recipe), want);
+  // One dataset: data.path with weight 1, and no sources written.
+  RecipeParseResult plain = ParseRecipe(kGood, "tiny.yaml");
+  ASSERT_TRUE(plain.ok());
+  ASSERT_EQ(DataSources(plain.recipe).size(), 1u);
+  EXPECT_EQ(DataSources(plain.recipe)[0].path, plain.recipe.data.path);
+  EXPECT_EQ(RecipeToYaml(plain.recipe).find("sources"), std::string::npos);
+  for (const auto& [yaml, message] : std::vector<std::pair<std::string, std::string>>{
+           {"data:\n  sources:\n    - {weight: 0.7}\n", "data.sources[0].path is required"},
+           {"data:\n  sources:\n    - {path: /a, weight: 0}\n", "data.sources[0].weight=0 is out of range"},
+           {"data:\n  sources:\n    - {path: /a, share: 2}\n", "data.sources[0].share is not a key of a data source"},
+           {"data:\n  sources: /a\n", "data.sources must be a list of datasets"},
+           {"data:\n  path: /a\n  sources:\n    - {path: /b}\n", "data.sources and data.path both name the data"},
+           {"data:\n  sampling: torch\n  sources:\n    - {path: /a}\n    - {path: /b}\n",
+            "data.sampling: torch replays one PyTorch loop"}}) {
+    RecipeParseResult bad = ParseRecipe(yaml, "bad.yaml");
+    EXPECT_FALSE(bad.ok()) << yaml;
+    EXPECT_NE(bad.ErrorText().find(message), std::string::npos) << bad.ErrorText();
+    EXPECT_NE(bad.ErrorText().find("bad.yaml:"), std::string::npos) << bad.ErrorText();
+  }
+}
+
 TEST(RecipeTest, DataSamplingAndSeedRoundTrip) {
   RecipeParseResult result = ParseRecipe("data: {path: /d, sampling: torch, seed: 1234}\n", "r.yaml");
   ASSERT_TRUE(result.ok()) << result.ErrorText();
@@ -132,7 +163,7 @@ TEST(RecipeTest, DataSamplingAndSeedRoundTrip) {
   // Unset, the seed stays unset (the sampler then uses training.seed).
   RecipeParseResult plain = ParseRecipe(kGood, "tiny.yaml");
   ASSERT_TRUE(plain.ok());
-  EXPECT_EQ(plain.recipe.data.sampling, Sampling::kHash);
+  EXPECT_EQ(plain.recipe.data.sampling, Sampling::kEpochs);
   EXPECT_EQ(plain.recipe.data.seed, -1);
   // Keys at their defaults are not written, so that older binaries read the recipe.
   const std::string yaml = RecipeToYaml(plain.recipe);
@@ -191,7 +222,7 @@ INSTANTIATE_TEST_SUITE_P(
                 2, 42, "not a multiple of micro_batch*dp"},
         BadCase{"heads", "data: {path: /d}\nmodel:\n  d_model: 100\n  heads: 3\n", 4, 10, "does not divide model.d_model=100"},
         BadCase{"tp heads", "data: {path: /d}\nmodel: {heads: 4}\nparallel: {nproc_per_node: 3, tp: 3}\n", 3, 35, "does not divide model.heads"},
-        BadCase{"sampling", "data: {path: /d, sampling: shuffle}\n", 1, 28, "is not one of: hash, torch"},
+        BadCase{"sampling", "data: {path: /d, sampling: shuffle}\n", 1, 28, "is not one of: epochs, hash, torch"},
         BadCase{"data seed", "data: {path: /d, seed: 4294967296}\n", 1, 24, "out of range"},
         BadCase{"init", "data: {path: /d}\nmodel: {init: random}\n", 2, 15, "is not one of: auto, pytorch, per_parameter"},
         BadCase{"not a map", "data: {path: /d}\nmodel: 7\n", 2, 8, "must be a mapping"},

@@ -144,7 +144,7 @@ TEST_F(TrainerTest, ResumeSaysWhenTheBatchOrderChanges) {
   torch_recipe.data.sampling = Sampling::kTorch;
   torch_recipe.data.seed = 1234;
   std::string changed = resume_output(torch_recipe);
-  EXPECT_NE(changed.find("resume: the saved run drew its batches with data.sampling hash, seed " +
+  EXPECT_NE(changed.find("resume: the saved run drew its batches with data.sampling epochs, seed " +
                          std::to_string(recipe_.training.seed) + "; this run draws them with torch, seed 1234"),
             std::string::npos)
       << changed;

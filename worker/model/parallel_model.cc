@@ -881,6 +881,13 @@ torch::Tensor ModelShard::HeadLoss(const torch::Tensor& x, const torch::Tensor& 
   torch::Tensor logits = NoBiasLinear(h, wte);
   logits = logits.view({-1, logits.size(-1)});
   torch::Tensor target = targets.reshape({-1});
+  // Masked targets (kIgnoredTarget, -100): the mean over the counted ones, 0 where none counts.
+  torch::Tensor counted;
+  if (masked_targets_) counted = (target != -100).sum().clamp_min(1).to(torch::kFloat);
+  if (tp == 1 && masked_targets_) {
+    return torch::nll_loss(torch::log_softmax(logits, 1, torch::kFloat), target, {}, at::Reduction::Sum, -100) /
+           counted;
+  }
   if (tp == 1) {
     // bf16 logits on CUDA: our fused kernel (one read forward, one read and write backward), the
     // gradient written over the logits (nothing else reads them).
@@ -902,6 +909,7 @@ torch::Tensor ModelShard::HeadLoss(const torch::Tensor& x, const torch::Tensor& 
   torch::Tensor local = (target - start).masked_fill(outside, 0);
   torch::Tensor picked = shifted.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(outside, 0.0);
   picked = ReduceFromTp::apply(picked, comm);
+  if (masked_targets_) return ((sum_exp.log() - picked) * (target != -100).to(torch::kFloat)).sum() / counted;
   return (sum_exp.log() - picked).mean();
 }
 

@@ -140,6 +140,9 @@ class ModelShard {
   torch::Tensor Logits(const torch::Tensor& ids);
 
   void set_hooks(UnitHooks hooks) { hooks_ = std::move(hooks); }
+  // Targets may be -100 (supervised fine-tuning data's prompt tokens): the loss is the mean over the
+  // others, and 0 for a micro-batch of none.
+  void set_masked_targets(bool masked) { masked_targets_ = masked; }
 
   // Under pipeline parallelism, the index in params() of this rank's copy of the tied embedding
   // (first stage: the embedding, last stage: the head); -1 on other stages and for an untied head.
@@ -206,6 +209,7 @@ class ModelShard {
   bool kv_replicated_ = false;  // llama with kv_heads < tp
   torch::Tensor rope_cos_, rope_sin_;  // [seq_len, head_dim/2], fp32
   UnitHooks hooks_;
+  bool masked_targets_ = false;
 };
 
 }  // namespace ltrain::worker

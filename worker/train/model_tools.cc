@@ -128,16 +128,18 @@ StatusOr<std::unique_ptr<Loaded>> Load(const std::string& checkpoint, const std:
 // The tokenizer the checkpoint's data was made with (its data.yaml), or `file`.
 StatusOr<std::unique_ptr<TextTokenizer>> TokenizerOf(const Recipe& recipe, const std::string& file) {
   if (!file.empty()) return TextTokenizer::Load(file);
-  StatusOr<DataInfo> info = ReadDataInfo(recipe.data.path);
+  // Every source of a mixture has the same tokenizer (the trainer refuses others): the first's.
+  const std::string dir = DataSources(recipe).front().path;
+  StatusOr<DataInfo> info = ReadDataInfo(dir);
   if (!info.ok()) {
-    if (info.status().code() == StatusCode::kNotFound && fs::exists(recipe.data.path + "/train.bin")) {
+    if (info.status().code() == StatusCode::kNotFound && fs::exists(dir + "/train.bin")) {
       return TextTokenizer::Load("byte");  // data prepared before data.yaml existed: bytes
     }
-    return FailedPrecondition("the checkpoint's data (" + recipe.data.path + ") does not say its tokenizer: " +
+    return FailedPrecondition("the checkpoint's data (" + dir + ") does not say its tokenizer: " +
                               info.status().message() + "; give --tokenizer FILE");
   }
   if (info->tokenizer == "byte") return TextTokenizer::Load("byte");
-  return TextTokenizer::Load((fs::path(recipe.data.path) / info->tokenizer_file).string());
+  return TextTokenizer::Load((fs::path(dir) / info->tokenizer_file).string());
 }
 
 Status WriteShards(const std::string& dir, const std::vector<std::pair<std::string, torch::Tensor>>& tensors,

@@ -211,6 +211,9 @@ Status Run(const WorkerEnv& env) {
   options.dp_side_stream = EnvString("LTRAIN_DP_SIDE_STREAM") != "0";
   options.stochastic_residual = EnvString("LTRAIN_STOCHASTIC_RESIDUAL") == "1";
   options.tp_split_batch = EnvString("LTRAIN_TP_SPLIT_BATCH") == "1";
+  if (std::string trace = EnvString("LTRAIN_DATA_TRACE"); !trace.empty()) {
+    options.data_trace = trace + "/data-rank-" + std::to_string(env.rank) + ".tsv";
+  }
   LTRAIN_ASSIGN_OR_RETURN(options.slow_factor, SlowFactor(env.rank));
   // CPU ranks whose threads fit the cores they may run on are each kept to cores by the scheduler,
   // and each step's work is on its main thread's core (more ranks than cores take turns on all of
@@ -429,6 +432,9 @@ Profiling:
                            first 32 once, on the product's first call (training.deterministic
                            recipes always take the first)
   LTRAIN_GEMM_CANDIDATES=N time N of cuBLASLt's candidates instead of 32 (1 to 32)
+  LTRAIN_DATA_TRACE=DIR    each rank appends the windows it reads to DIR/data-rank-R.tsv, a line a
+                           sequence: sample index (the data position), source, start token, epoch
+                           (to check that a resumed run reads what an uninterrupted one does)
   LTRAIN_STOCHASTIC_RESIDUAL=1
                            under precision bf16, add each block's branch to the residual stream in
                            fp32 and round the sum to bf16 stochastically (unbiased), not to nearest;

@@ -12,7 +12,6 @@
 #include <cstdio>
 #include <cstring>
 #include <deque>
-#include <filesystem>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -21,12 +20,10 @@
 #include <thread>
 #include <tuple>
 
-#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
 
-#include "common/data/prepare.h"
 #include "common/hf_format.h"
 #include "common/safetensors.h"
 #include "worker/checkpoint/checkpoint.h"
@@ -75,45 +72,6 @@ int64_t HeapInUse() {
   return static_cast<int64_t>(info.uordblks + info.hblkhd);
 }
 
-// data.sampling "torch": window starts as a PyTorch loop draws them with torch.randint(0, span, (n,),
-// generator=g), g = torch.Generator().manual_seed(seed). The CPU kernel draws element after element
-// from one Mersenne Twister, so draws made in chunks of any size continue one stream: sample index i
-// gets its i-th value.
-class TorchRandintWindows final : public WindowStream {
- public:
-  TorchRandintWindows(uint64_t seed, int64_t span) : seed_(seed), span_(span) { Restart(); }
-
-  int64_t Start(int64_t sample_index) override {
-    if (sample_index < base_) Restart();
-    while (sample_index >= base_ + kChunk) {
-      base_ += kChunk;
-      Draw();
-    }
-    return chunk_[static_cast<size_t>(sample_index - base_)];
-  }
-
- private:
-  static constexpr int64_t kChunk = 4096;
-
-  void Restart() {
-    generator_ = at::make_generator<at::CPUGeneratorImpl>(seed_);
-    base_ = 0;
-    Draw();
-  }
-
-  void Draw() {
-    torch::Tensor t = torch::randint(0, span_, {kChunk}, generator_, torch::kLong);
-    const int64_t* v = t.data_ptr<int64_t>();
-    chunk_.assign(v, v + kChunk);
-  }
-
-  uint64_t seed_;
-  int64_t span_;
-  at::Generator generator_;
-  int64_t base_ = 0;
-  std::vector<int64_t> chunk_;
-};
-
 }  // namespace
 
 std::string OutOfMemoryMessage(const c10::OutOfMemoryError& e) {
@@ -136,21 +94,21 @@ Status CaughtException(const std::string& what) {
   }
 }
 
-std::unique_ptr<WindowStream> MakeWindowStream(const Recipe& recipe, int64_t span) {
-  if (recipe.data.sampling != Sampling::kTorch || span < 1) return nullptr;  // TokenSampler::Check reports a short file
-  return std::make_unique<TorchRandintWindows>(static_cast<uint64_t>(DataSeed(recipe)), span);
-}
-
 Trainer::Trainer(const Recipe& recipe, const TrainerOptions& options, ProcessGroups* groups, Layout layout,
-                 std::optional<TokenDataset> data)
-    : recipe_(recipe), options_(options), groups_(groups), layout_(layout), data_(std::move(data)) {
-  if (data_) {
-    sampler_ = std::make_unique<TokenSampler>(&*data_, DataSeed(recipe), recipe.model.seq_len,
-                                              MakeWindowStream(recipe, data_->size() - recipe.model.seq_len - 1));
+                 std::unique_ptr<DataLoader> data)
+    : recipe_(recipe), options_(options), groups_(groups), layout_(layout), loader_(std::move(data)) {
+  if (loader_) {
+    // The next step's windows are read on a thread of their own while this step trains.
+    prefetcher_ = std::make_unique<BatchPrefetcher>(
+        [this](int64_t position, BatchPrefetcher::Batches* out) { MakeBatches(position, out); },
+        layout_.global_batch);
   }
 }
 
-Trainer::~Trainer() = default;
+Trainer::~Trainer() {
+  prefetcher_.reset();  // its thread may be writing the trace
+  if (data_trace_ != nullptr) std::fclose(data_trace_);
+}
 
 StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const Recipe& recipe, const TrainerOptions& options,
                                                    Communicator* comm) {
@@ -158,19 +116,6 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const Recipe& recipe, const T
   StatusOr<std::unique_ptr<Trainer>> trainer = Create(recipe, options, groups.get());
   if (trainer.ok()) (*trainer)->owned_groups_ = std::move(groups);
   return trainer;
-}
-
-StatusOr<TokenDataset> OpenTrainingData(const Recipe& recipe) {
-  if (recipe.data.path.empty()) return InvalidArgument("data.path is empty: point it at a directory written by `ltrain data prepare`");
-  StatusOr<TokenDataset> opened = TokenDataset::OpenSplit(recipe.data.path, "train");
-  if (!opened.ok()) {
-    // A restart would find the same files: missing data fails the job at once (exit 3), naming the path.
-    return opened.status().code() == StatusCode::kNotFound ? FailedPrecondition(opened.status().message())
-                                                           : opened.status();
-  }
-  // Data another tokenizer made, or a vocabulary larger than the model's embedding: no restart helps.
-  if (std::string problem = DataProblem(recipe); !problem.empty()) return FailedPrecondition(problem);
-  return opened;
 }
 
 StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const Recipe& recipe, const TrainerOptions& options,
@@ -181,33 +126,23 @@ StatusOr<std::unique_ptr<Trainer>> Trainer::Create(const Recipe& recipe, const T
     return InvalidArgument("process groups (tp " + std::to_string(t.tp) + ", dp " + std::to_string(t.dp) + ", pp " +
                            std::to_string(t.pp) + ") do not match the recipe's layout");
   }
-  std::optional<TokenDataset> data;
+  std::unique_ptr<DataLoader> data;
   if (!options.model_only) {
-    LTRAIN_ASSIGN_OR_RETURN(TokenDataset opened, OpenTrainingData(recipe));
-    data.emplace(std::move(opened));
+    LTRAIN_ASSIGN_OR_RETURN(data, OpenTrainingData(recipe));
   }
   std::unique_ptr<Trainer> trainer(new Trainer(recipe, options, groups, layout, std::move(data)));
-  if (trainer->sampler_) LTRAIN_RETURN_IF_ERROR(trainer->sampler_->Check());
   if (recipe.training.eval_every > 0 && !options.model_only) {
-    StatusOr<TokenDataset> val = TokenDataset::OpenSplit(recipe.data.path, "val");
+    // Hash windows of a fixed seed: every evaluation, in every layout and after every resume,
+    // reads the same sequences (of every source, by weight).
+    StatusOr<std::unique_ptr<DataLoader>> val = DataLoader::Open(
+        DataSources(recipe), "val", recipe.model.seq_len, Sampling::kHash, static_cast<uint64_t>(DataSeed(recipe)));
     if (!val.ok()) {
       return FailedPrecondition("training.eval_every=" + std::to_string(recipe.training.eval_every) +
                                 " evaluates on the validation split, which `ltrain data prepare` writes beside the "
                                 "training one: " +
                                 val.status().message() + "; prepare the data again, or set training.eval_every: 0");
     }
-    if (val->vocab() > recipe.model.vocab) {
-      return InvalidArgument("token file " + val->path() + " has vocab " + std::to_string(val->vocab()) +
-                             " but model.vocab=" + std::to_string(recipe.model.vocab) + "; raise model.vocab");
-    }
-    trainer->val_data_.emplace(std::move(val).value());
-    // Hash windows of a fixed seed: every evaluation, in every layout and after every resume,
-    // reads the same sequences.
-    trainer->val_sampler_ = std::make_unique<TokenSampler>(&*trainer->val_data_, DataSeed(recipe), recipe.model.seq_len);
-    if (Status s = trainer->val_sampler_->Check(); !s.ok()) {
-      return FailedPrecondition(trainer->val_data_->path() + ": " + s.message() +
-                                "; give `ltrain data prepare` more text, or set training.eval_every: 0");
-    }
+    trainer->val_loader_ = std::move(val).value();
   }
   Status s;
   try {
@@ -307,6 +242,7 @@ Status Trainer::Init() {
                          /*inline_on_own_stream=*/options_.dp_side_stream);
   if (!store.ok()) return store.status();
   store_ = std::move(store).value();
+  if (loader_ && loader_->masked()) model_->set_masked_targets(true);
   if (layout_.zero == 3) model_->set_hooks(Zero3GatherHooks(store_.get(), params, units, ml.config.layers));
   if (options_.tp_split_batch && options_.rank == 0) {
     // After ZeRO-3's hooks are set: they keep blocks whole.
@@ -388,47 +324,6 @@ std::vector<torch::Tensor> Trainer::Parameters() const {
   return out;
 }
 
-Status Trainer::FillBatch(int micro_step, torch::Tensor* inputs, torch::Tensor* targets) {
-  BatchSlice slice;
-  slice.position0 = run_start_position_;
-  slice.step = step_ - run_start_step_;
-  slice.global_batch = layout_.global_batch;
-  slice.dp_rank = groups_->coords.dp;
-  slice.dp = layout_.dp;
-  slice.micro_step = micro_step;
-  slice.micro_batch = layout_.micro_batch;
-  return FillWindows(*sampler_, *data_, slice, inputs, targets);
-}
-
-Status Trainer::FillWindows(const TokenSampler& sampler, const TokenDataset& data, const BatchSlice& slice,
-                            torch::Tensor* inputs, torch::Tensor* targets) {
-  // Fresh tensors per micro-batch: autograd keeps the token ids of a forward until its backward.
-  // On CUDA from pinned memory, copied without waiting: the GPU keeps working meanwhile.
-  const torch::TensorOptions host = torch::TensorOptions().dtype(torch::kLong).pinned_memory(device_.is_cuda());
-  torch::Tensor in = torch::empty({layout_.micro_batch, recipe_.model.seq_len}, host);
-  torch::Tensor tg = torch::empty({layout_.micro_batch, recipe_.model.seq_len}, host);
-  sampler.Fill(slice, in.data_ptr<int64_t>(), tg.data_ptr<int64_t>());
-  // Every token the model sees must be an embedding row: on a GPU an id past the table is a device
-  // assert that kills the process without a word. The file's declared vocab is checked when it
-  // opens; its tokens are checked here, as they are drawn (a whole-file scan would cost every
-  // worker a pass over the data at start-up).
-  const int64_t vocab = recipe_.model.vocab;
-  for (const torch::Tensor* t : {&in, &tg}) {
-    const int64_t* ids = t->data_ptr<int64_t>();
-    for (int64_t i = 0, n = t->numel(); i < n; ++i) {
-      if (ids[i] < 0 || ids[i] >= vocab) {
-        return FailedPrecondition("token file " + data.path() + " holds token id " + std::to_string(ids[i]) +
-                                  ", outside model.vocab=" + std::to_string(vocab) + " (the file declares vocab " +
-                                  std::to_string(data.vocab()) +
-                                  "): it is damaged or was not written by `ltrain data prepare`; prepare it again");
-      }
-    }
-  }
-  *inputs = in.to(device_, /*non_blocking=*/true);
-  *targets = tg.to(device_, /*non_blocking=*/true);
-  return Status::Ok();
-}
-
 StatusOr<torch::Tensor> Trainer::PipelineForward(int micro_step, const torch::Tensor& inputs,
                                                   const torch::Tensor& targets) {
   // The virtual stages one after another: each rank runs its chunks when their turn comes,
@@ -472,8 +367,11 @@ StatusOr<double> Trainer::Evaluate() {
       slice.dp = layout_.dp;
       slice.micro_step = a;
       slice.micro_batch = layout_.micro_batch;
+      const int64_t n = static_cast<int64_t>(layout_.micro_batch) * recipe_.model.seq_len;
+      std::vector<int64_t> host_inputs(static_cast<size_t>(n)), host_targets(static_cast<size_t>(n));
+      val_loader_->Fill(slice, host_inputs.data(), host_targets.data());
       torch::Tensor inputs, targets;
-      LTRAIN_RETURN_IF_ERROR(FillWindows(*val_sampler_, *val_data_, slice, &inputs, &targets));
+      LTRAIN_RETURN_IF_ERROR(ToDevice(*val_loader_, host_inputs.data(), host_targets.data(), &inputs, &targets));
       torch::Tensor loss;
       if (layout_.pp == 1) {
         loss = model_->Forward(0, inputs, targets);
@@ -910,6 +808,7 @@ Status Trainer::Run() {
         layout_.global_batch, NameOf(recipe_.parallel.device).c_str(), groups_->world->backend().c_str(),
         torch::get_num_threads(), model_->spec().per_parameter_init ? "per_parameter" : "pytorch",
         NameOf(recipe_.data.sampling).c_str());
+    if (loader_) std::printf("data: %s\n", loader_->Describe().c_str());
   }
   const double tokens_per_step = static_cast<double>(layout_.global_batch) * recipe_.model.seq_len;
   const double flops_per_token = ModelFlopsPerToken(recipe_.model);

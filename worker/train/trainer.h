@@ -14,6 +14,7 @@
 
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <deque>
 #include <limits>
 #include <functional>
@@ -29,7 +30,7 @@
 #include "common/layout.h"
 #include "common/recipe.h"
 #include "common/status.h"
-#include "common/data/token_data.h"
+#include "common/data/loader.h"
 #include "worker/checkpoint/checkpoint.h"
 #include "worker/comm/communicator.h"
 #include "worker/control/progress.h"
@@ -53,6 +54,8 @@ Status CaughtException(const std::string& what);
 
 struct TrainerOptions {
   int rank = 0;
+  // LTRAIN_DATA_TRACE: a file each window read is appended to (sample index, source, start, epoch).
+  std::string data_trace;
   int local_rank = 0;            // picks the GPU when parallel.device is cuda
   int generation = 0;
   std::string job_id;
@@ -108,9 +111,10 @@ struct TrainerOptions {
 class CheckpointWriter;
 class LocalCommitBoard;
 
-// The recipe's training tokens (data.path's training split), checked against the recipe. Missing or
-// unusable data is a FailedPrecondition (exit 3: a restart would find the same files).
-StatusOr<TokenDataset> OpenTrainingData(const Recipe& recipe);
+// The recipe's training data (the training split of data.path, or of every data.sources), checked
+// against the recipe. Missing or unusable data is a FailedPrecondition (exit 3: a restart would find
+// the same files).
+StatusOr<std::unique_ptr<DataLoader>> OpenTrainingData(const Recipe& recipe);
 
 class Trainer {
  public:
@@ -155,7 +159,7 @@ class Trainer {
 
  private:
   Trainer(const Recipe& recipe, const TrainerOptions& options, ProcessGroups* groups, Layout layout,
-          std::optional<TokenDataset> data);
+          std::unique_ptr<DataLoader> data);
   // model.init_from: every parameter from the safetensors of a Hugging Face directory (or file),
   // under transformers' names or ours; moments start at zero.
   Status LoadInitialParameters(const std::string& path);
@@ -167,9 +171,13 @@ class Trainer {
   Status CheckLoss(double value, int64_t step) const;
   // The micro-batch's token windows; FailedPrecondition when one holds an id outside model.vocab.
   Status FillBatch(int micro_step, torch::Tensor* inputs, torch::Tensor* targets);
-  // The windows of `slice` from `sampler` over `data`, on the device.
-  Status FillWindows(const TokenSampler& sampler, const TokenDataset& data, const BatchSlice& slice,
-                     torch::Tensor* inputs, torch::Tensor* targets);
+  // Every micro-batch of this rank in the step at data position `position` (on the prefetch thread).
+  void MakeBatches(int64_t position, BatchPrefetcher::Batches* out);
+  // Appends the slice's windows to options_.data_trace (LTRAIN_DATA_TRACE).
+  void TraceWindows(const BatchSlice& slice);
+  // One micro-batch of host token ids, checked against model.vocab, on the device.
+  Status ToDevice(const DataLoader& loader, const int64_t* host_inputs, const int64_t* host_targets,
+                  torch::Tensor* inputs, torch::Tensor* targets);
   // The mean loss over training.eval_batches global batches of the validation split (the same windows each
   // time), known on every rank; forward only, the parameters and the training data position stay.
   StatusOr<double> Evaluate();
@@ -228,10 +236,10 @@ class Trainer {
   std::unique_ptr<ProcessGroups> owned_groups_;
   ProcessGroups* groups_;
   Layout layout_;
-  std::optional<TokenDataset> data_;               // the training split; none for a model-only trainer
-  std::unique_ptr<TokenSampler> sampler_;
-  std::optional<TokenDataset> val_data_;           // the validation split, when training.eval_every > 0
-  std::unique_ptr<TokenSampler> val_sampler_;
+  std::unique_ptr<DataLoader> loader_;             // the training split; none for a model-only trainer
+  std::unique_ptr<DataLoader> val_loader_;         // the validation split, when training.eval_every > 0
+  std::unique_ptr<BatchPrefetcher> prefetcher_;    // after loader_: stops before the loader goes
+  std::FILE* data_trace_ = nullptr;                // options_.data_trace, open (on the prefetch thread)
   double eval_ms_ = 0;                             // time spent evaluating (out of the throughput window)
   LrSchedule schedule_;
   torch::Device device_{torch::kCPU};

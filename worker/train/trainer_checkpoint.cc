@@ -563,6 +563,7 @@ Status Trainer::StartSave() {
     CheckpointMeta& meta = snapshot.meta;
     meta.step = step_;
     meta.data_position = data_position_;
+    meta.data_sampling = NameOf(recipe_.data.sampling);
     meta.world_size = layout_.world_size;
     meta.generation = options_.generation;
     meta.job_id = options_.job_id;
