@@ -258,6 +258,7 @@ int DataInspect(const DataInspectArgs& args) {
     out["tokenizer"] = info.tokenizer;
     out["tokenizer_file"] = info.tokenizer_file;
     out["tokenizer_sha256"] = info.tokenizer_sha256;
+    out["tokenizer_from"] = info.tokenizer_from;
     out["vocab"] = info.vocab;
     out["dtype"] = info.dtype;
     out["train_tokens"] = info.train_tokens;
@@ -284,6 +285,7 @@ int DataInspect(const DataInspectArgs& args) {
     std::printf("tokenizer: %s%s%s, vocab %d%s\n", info.tokenizer.c_str(), info.tokenizer_file.empty() ? "" : " ",
                 info.tokenizer_file.c_str(), info.vocab,
                 info.tokenizer_sha256.empty() ? "" : (", sha256 " + info.tokenizer_sha256.substr(0, 16) + "...").c_str());
+    if (!info.tokenizer_from.empty()) std::printf("tokenizer from: %s\n", info.tokenizer_from.c_str());
     std::printf("tokens: train %lld, val %lld, stored as %s", static_cast<long long>(info.train_tokens),
                 static_cast<long long>(info.val_tokens), info.dtype.c_str());
     if (info.format >= 2) {
@@ -366,7 +368,9 @@ void AddDataCommand(CLI::App& app, CommandContext& ctx) {
       ->capture_default_str();
   prepare->add_option("--tokenizer", args->options.tokenizer,
                       "byte (vocab 256), a Hugging Face tokenizer.json (byte-level BPE: GPT-2, Llama 3, and what "
-                      "--train-tokenizer writes), or a SentencePiece .model (Llama 2, Mistral)")
+                      "--train-tokenizer writes), a SentencePiece .model (Llama 2, Mistral), or a model's directory "
+                      "(its tokenizer.json or tokenizer.model; documents begin with its begin-of-text token where its "
+                      "post-processor puts one)")
       ->capture_default_str();
   prepare->add_option("--train-tokenizer", args->options.train_tokenizer,
                       "bpe: train a byte-level BPE of --vocab ids on the corpus' first --tokenizer-sample bytes, kept "

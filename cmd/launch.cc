@@ -117,6 +117,9 @@ int Launch(const LaunchArgs& args, const SecurityMaterial& security) {
     std::fprintf(stderr, "%s", parsed.ErrorText().c_str());
     return kExitInvalid;
   }
+  for (const std::string& note : parsed.notes) {
+    std::fprintf(stderr, "%s: note: %s\n", args.recipe.c_str(), note.c_str());
+  }
   // Said before anything starts (a standalone launch's control plane, a submission).
   if (std::string problem = FitProblem(parsed.recipe); !problem.empty()) {
     std::fprintf(stderr, "%s: %s\n", args.recipe.c_str(), problem.c_str());

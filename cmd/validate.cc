@@ -59,6 +59,9 @@ int Validate(const ValidateArgs& args) {
     std::fprintf(stderr, "%zu error(s) in %s\n", parsed.errors.size(), args.recipe.c_str());
     return kExitInvalid;
   }
+  for (const std::string& note : parsed.notes) {
+    std::fprintf(stderr, "%s: note: %s\n", args.recipe.c_str(), note.c_str());
+  }
   if (std::string problem = FitProblem(parsed.recipe); !problem.empty()) {
     std::fprintf(stderr, "%s: %s\n", args.recipe.c_str(), problem.c_str());
     return kExitInvalid;

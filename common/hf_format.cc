@@ -78,7 +78,17 @@ std::string HfConfigJson(const ModelSpec& m, int64_t bos, int64_t eos) {
     j["max_position_embeddings"] = m.seq_len;
     j["rms_norm_eps"] = m.norm_eps;
     j["rope_theta"] = m.rope_theta;
-    j["rope_scaling"] = nullptr;
+    if (m.rope_scaling == RopeScaling::kLinear) {
+      j["rope_scaling"] = {{"rope_type", "linear"}, {"factor", m.rope_factor}};
+    } else if (m.rope_scaling == RopeScaling::kLlama3) {
+      j["rope_scaling"] = {{"rope_type", "llama3"},
+                           {"factor", m.rope_factor},
+                           {"low_freq_factor", m.rope_low_freq_factor},
+                           {"high_freq_factor", m.rope_high_freq_factor},
+                           {"original_max_position_embeddings", m.rope_original_positions}};
+    } else {
+      j["rope_scaling"] = nullptr;
+    }
     j["hidden_act"] = "silu";
     j["attention_bias"] = false;
     j["attention_dropout"] = 0.0;

@@ -16,6 +16,7 @@
 
 #include <yaml-cpp/yaml.h>
 
+#include "common/hf_config.h"
 #include "common/layout.h"
 #include "common/logging.h"
 #include "common/python_command.h"
@@ -464,6 +465,10 @@ void CheckArchKeys(const ModelSpec& m, RecipeReader& reader) {
                                      " wide; set model.arch: llama, or remove it");
     }
     const ModelSpec defaults;
+    if (m.rope_scaling != defaults.rope_scaling) {
+      reader.ErrorOnKey("model.rope_scaling", "model.rope_scaling is a Llama key (GPT-2 has learned positions); set "
+                                              "model.arch: llama, or remove it");
+    }
     if (m.rope_theta != defaults.rope_theta || m.norm_eps != defaults.norm_eps) {
       reader.ErrorOnKey(m.rope_theta != defaults.rope_theta ? "model.rope_theta" : "model.norm_eps",
                         "model.rope_theta and model.norm_eps are Llama keys (GPT-2 has learned positions and "
@@ -483,6 +488,12 @@ void CheckArchKeys(const ModelSpec& m, RecipeReader& reader) {
   if ((m.d_model / m.heads) % 2 != 0) {
     reader.ErrorOnKey("model.heads", "rotary embeddings rotate pairs: the head width d_model/heads=" +
                                      std::to_string(m.d_model / m.heads) + " must be even");
+  }
+  if (m.rope_scaling == RopeScaling::kLlama3 && m.rope_high_freq_factor <= m.rope_low_freq_factor) {
+    std::ostringstream text;
+    text << "model.rope_high_freq_factor=" << m.rope_high_freq_factor << " must be larger than "
+         << "model.rope_low_freq_factor=" << m.rope_low_freq_factor << " (llama3 scaling blends between them)";
+    reader.ErrorOnKey("model.rope_high_freq_factor", text.str());
   }
   if (m.init == ModelInit::kPytorch) {
     reader.ErrorOnKey("model.init", "model.init: pytorch builds gpt_model.GPT's parameters; a Llama draws each "
@@ -707,7 +718,10 @@ RecipeParseResult ParseRecipe(const std::string& yaml_text, const std::string& s
   Recipe& r = result.recipe;
   r.name = SuggestJobName(std::filesystem::path(source_name).stem().string());
   reader.CheckStructure();
-  VisitRecipeKeys(r, [&](const RecipeKey& key, auto&& field) { reader.Read(key, field); });
+  VisitRecipeKeys(r, [&](const RecipeKey& key, auto&& field) {
+    reader.Read(key, field);
+    if (reader.Value(key.section, key.name).IsDefined()) result.given.insert(key.path());
+  });
   ApplyTopologyDefaults(root, r);
   CheckAcrossKeys(r, reader);
   result.errors = reader.TakeErrors();
@@ -733,7 +747,9 @@ RecipeParseResult LoadRecipeFile(const std::string& path, const std::vector<std:
   }
   std::stringstream buffer;
   buffer << in.rdbuf();
-  return ParseRecipe(buffer.str(), path, overrides);
+  RecipeParseResult result = ParseRecipe(buffer.str(), path, overrides);
+  if (!result.ok() || result.recipe.model.init_from.empty()) return result;
+  return WithHfModelConfig(std::move(result), path);
 }
 
 std::string RecipeToYaml(const Recipe& r) {
@@ -840,6 +856,37 @@ PhaseTimeout StartupTimeout(const Recipe& recipe) {
 }
 
 int64_t DataSeed(const Recipe& recipe) { return recipe.data.seed >= 0 ? recipe.data.seed : recipe.training.seed; }
+
+std::vector<float> RopeInverseFrequencies(const ModelSpec& m) {
+  const int hd = m.d_model / m.heads;
+  std::vector<float> out;
+  for (int i = 0; i < hd; i += 2) {
+    // transformers: 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim)), all in fp32.
+    const float exponent = static_cast<float>(i) / static_cast<float>(hd);
+    const float inv = 1.0f / std::pow(static_cast<float>(m.rope_theta), exponent);
+    if (m.rope_scaling == RopeScaling::kLinear) {
+      out.push_back(inv / static_cast<float>(m.rope_factor));
+      continue;
+    }
+    if (m.rope_scaling != RopeScaling::kLlama3) {
+      out.push_back(inv);
+      continue;
+    }
+    // transformers' _compute_llama3_parameters, in fp32 as it computes them.
+    const float factor = static_cast<float>(m.rope_factor);
+    const float low = static_cast<float>(m.rope_low_freq_factor), high = static_cast<float>(m.rope_high_freq_factor);
+    const float old_context = static_cast<float>(m.rope_original_positions);
+    const float low_freq_wavelen = old_context / low, high_freq_wavelen = old_context / high;
+    const float wavelen = 2.0f * static_cast<float>(M_PI) / inv;
+    float scaled = wavelen > low_freq_wavelen ? inv / factor : inv;
+    if (!(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen)) {
+      const float smooth = (old_context / wavelen - low) / (high - low);
+      scaled = (1 - smooth) * scaled / factor + smooth * scaled;
+    }
+    out.push_back(scaled);
+  }
+  return out;
+}
 
 std::vector<DataSource> DataSources(const Recipe& recipe) {
   if (!recipe.data.sources.empty()) return recipe.data.sources;

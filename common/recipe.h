@@ -6,8 +6,9 @@
 
 #include <array>
 #include <cstdint>
-#include <optional>
 #include <map>
+#include <optional>
+#include <set>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -23,6 +24,7 @@ enum class Arch { kGpt2, kLlama };
 enum class ModelInit { kAuto, kPytorch, kPerParameter };
 enum class Tokenizer { kAuto, kByte, kHuggingFace };
 enum class Sampling { kEpochs, kHash, kTorch };
+enum class RopeScaling { kNone, kLinear, kLlama3 };
 enum class LrScheduleKind { kCosine, kConstant };
 enum class PpSchedule { kGpipe, k1F1B, kInterleaved };
 enum class ActivationCheckpointing { kNone, kFull, kSelective };
@@ -55,6 +57,11 @@ template <>
 struct EnumNames<Sampling> {
   static constexpr std::array<std::pair<Sampling, std::string_view>, 3> kNames = {
       {{Sampling::kEpochs, "epochs"}, {Sampling::kHash, "hash"}, {Sampling::kTorch, "torch"}}};
+};
+template <>
+struct EnumNames<RopeScaling> {
+  static constexpr std::array<std::pair<RopeScaling, std::string_view>, 3> kNames = {
+      {{RopeScaling::kNone, "none"}, {RopeScaling::kLinear, "linear"}, {RopeScaling::kLlama3, "llama3"}}};
 };
 template <>
 struct EnumNames<LrScheduleKind> {
@@ -124,6 +131,15 @@ struct ModelSpec {
   int kv_heads = 0;              // key/value heads (grouped-query attention; llama); 0: model.heads
   int ffn = 0;                   // SwiGLU hidden width (llama); 0: 8*d_model/3 rounded up to a multiple of 64
   double rope_theta = 500000;    // rotary base (llama)
+  // Rotary scaling for contexts past the one a model was trained on, as transformers' rope_scaling:
+  // linear divides every frequency by rope_factor; llama3 (Llama 3.1 and 3.2) divides those of
+  // wavelengths past rope_original_positions / rope_low_freq_factor by it, keeps those below
+  // rope_original_positions / rope_high_freq_factor, and blends between.
+  RopeScaling rope_scaling = RopeScaling::kNone;
+  double rope_factor = 1;
+  double rope_low_freq_factor = 1;
+  double rope_high_freq_factor = 4;
+  int rope_original_positions = 8192;
   double norm_eps = 1e-5;        // RMSNorm epsilon (llama)
   bool tie_embeddings = true;    // the output head is the token embedding (always for gpt2)
   // PyTorch's initialisation reproduces gpt_model.GPT's parameters but makes every rank build the
@@ -274,6 +290,10 @@ int64_t ApproxParameterCount(const ModelSpec& model);
 int KvHeads(const ModelSpec& model);
 // The MLP's hidden width: 4*d_model for gpt2, model.ffn (or its default) for llama.
 int FfnWidth(const ModelSpec& model);
+
+// The rotary inverse frequencies of a Llama's heads (head_dim / 2 of them, pair i first): theta^(-2i/hd)
+// in fp32 as transformers computes it, then model.rope_scaling's rescaling.
+std::vector<float> RopeInverseFrequencies(const ModelSpec& model);
 // Where `saved` and `current` differ in a key that gives the parameters their shapes, each as
 // "model.d_model 128 (this recipe: 32)", joined by ", "; empty when one's parameters fit the other.
 // seq_len counts only for gpt2 (its learned positions); rope_theta and norm_eps change no shape.
@@ -316,6 +336,8 @@ inline constexpr size_t kMaxRecipeErrors = 100;
 struct RecipeParseResult {
   Recipe recipe;
   std::vector<RecipeError> errors;
+  std::set<std::string> given;     // the keys the file or the overrides set ("model.heads")
+  std::vector<std::string> notes;  // what the user should know and nothing refuses (one line each)
   bool ok() const { return errors.empty(); }
   std::string ErrorText() const;  // every error, one per line
 };

@@ -97,6 +97,28 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
   visit(RecipeKey{.section = "model", .name = "rope_theta", .help = "base of the rotary position angles (llama)",
                   .real_min = 1, .real_max = 1e12, .omit_at_default = true},
         r.model.rope_theta);
+  visit(RecipeKey{.section = "model", .name = "rope_scaling",
+                  .help = "rotary scaling for a longer context (llama; transformers' rope_scaling): none; linear "
+                          "divides every frequency by rope_factor; llama3 divides the low ones, keeps the high ones "
+                          "and blends between (Llama 3.1, 3.2)",
+                  .omit_at_default = true},
+        r.model.rope_scaling);
+  visit(RecipeKey{.section = "model", .name = "rope_factor", .help = "model.rope_scaling's factor",
+                  .real_min = 1, .real_max = 1e6, .omit_at_default = true},
+        r.model.rope_factor);
+  visit(RecipeKey{.section = "model", .name = "rope_low_freq_factor",
+                  .help = "llama3 scaling: wavelengths past rope_original_positions / this are divided by rope_factor",
+                  .real_min = 1e-6, .real_max = 1e6, .omit_at_default = true},
+        r.model.rope_low_freq_factor);
+  visit(RecipeKey{.section = "model", .name = "rope_high_freq_factor",
+                  .help = "llama3 scaling: wavelengths below rope_original_positions / this are kept",
+                  .real_min = 1e-6, .real_max = 1e6, .omit_at_default = true},
+        r.model.rope_high_freq_factor);
+  visit(RecipeKey{.section = "model", .name = "rope_original_positions",
+                  .help = "llama3 scaling: the context the model was first trained on "
+                          "(original_max_position_embeddings)",
+                  .int_min = 1, .int_max = 1 << 24, .omit_at_default = true},
+        r.model.rope_original_positions);
   visit(RecipeKey{.section = "model", .name = "norm_eps", .help = "RMSNorm epsilon (llama)", .real_min = 0,
                   .real_max = 1, .omit_at_default = true},
         r.model.norm_eps);
@@ -111,8 +133,8 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
                   .omit_at_default = true},
         r.model.init);
   visit(RecipeKey{.section = "model", .name = "init_from",
-                  .help = "start from a Hugging Face model directory (save_pretrained, `ltrain export`) or a "
-                          ".safetensors file, in any layout; its shapes must be the recipe's model",
+                  .help = "start from a Hugging Face model directory (save_pretrained, `ltrain export`), whose "
+                          "config.json gives the model's keys, or a .safetensors file, in any layout",
                   .default_text = "none: drawn as model.init says", .type_text = "path", .omit_at_default = true},
         r.model.init_from);
 

@@ -35,6 +35,7 @@ Status WriteDataInfo(const std::string& dir, const DataInfo& info) {
   out << YAML::Key << "tokenizer" << YAML::Value << info.tokenizer;
   out << YAML::Key << "tokenizer_file" << YAML::Value << info.tokenizer_file;
   if (!info.tokenizer_sha256.empty()) out << YAML::Key << "tokenizer_sha256" << YAML::Value << info.tokenizer_sha256;
+  if (!info.tokenizer_from.empty()) out << YAML::Key << "tokenizer_from" << YAML::Value << info.tokenizer_from;
   out << YAML::Key << "vocab" << YAML::Value << info.vocab;
   if (info.format >= 2) out << YAML::Key << "dtype" << YAML::Value << info.dtype;
   if (info.sft) out << YAML::Key << "sft" << YAML::Value << true;
@@ -80,6 +81,7 @@ StatusOr<DataInfo> ReadDataInfo(const std::string& dir) {
     info.tokenizer = node["tokenizer"].as<std::string>("byte");
     info.tokenizer_file = node["tokenizer_file"].as<std::string>("");
     info.tokenizer_sha256 = node["tokenizer_sha256"].as<std::string>("");
+    info.tokenizer_from = node["tokenizer_from"].as<std::string>("");
     info.vocab = node["vocab"].as<int>(256);
     info.dtype = node["dtype"].as<std::string>(info.vocab <= 65536 ? "uint16" : "uint32");
     info.sft = node["sft"].as<bool>(false);

@@ -12,6 +12,7 @@
 //   tokenizer: huggingface            # byte | huggingface | sentencepiece
 //   tokenizer_file: tokenizer.json
 //   tokenizer_sha256: 3f1a...         # of the tokenizer file
+//   tokenizer_from: /models/llama-3.2 # where --tokenizer named a model's directory
 //   vocab: 32000
 //   dtype: uint16                     # uint16 up to vocab 65536, uint32 above
 //   sft: true                         # only for SFT data; then every shard names its mask file
@@ -68,6 +69,7 @@ struct DataInfo {
   std::string tokenizer = "byte";   // byte | huggingface | sentencepiece
   std::string tokenizer_file;       // in the data directory; empty for byte
   std::string tokenizer_sha256;
+  std::string tokenizer_from;       // the model directory whose tokenizer it is (--tokenizer DIR); or empty
   int vocab = 256;
   std::string dtype = "uint16";
   bool sft = false;                 // supervised fine-tuning data: every shard has a loss mask

@@ -176,7 +176,7 @@ Status TokenizeCorpus(CorpusReader& reader, const TextTokenizer& tokenizer, int 
     }
   });
 
-  const int64_t eot = tokenizer.end_of_text();
+  const int64_t eot = tokenizer.end_of_text(), bos = tokenizer.begin_of_text();
   std::vector<std::thread> pool;
   for (int t = 0; t < threads; ++t) {
     pool.emplace_back([&] {
@@ -196,8 +196,12 @@ Status TokenizeCorpus(CorpusReader& reader, const TextTokenizer& tokenizer, int 
           std::vector<uint32_t>& ids = batch->ids[i];
           if (o.sft) {
             // The prompt and the response tokenized apart, so that no token spans both: the loss
-            // counts the response's tokens and the end-of-text after them, never the prompt's.
-            ids = tokenizer.Encode(std::string_view(piece.text).substr(0, piece.prompt_bytes));
+            // counts the response's tokens and the end-of-text after them, never the prompt's (nor
+            // the begin-of-text before it).
+            ids.clear();
+            if (bos >= 0) ids.push_back(static_cast<uint32_t>(bos));
+            std::vector<uint32_t> prompt = tokenizer.Encode(std::string_view(piece.text).substr(0, piece.prompt_bytes));
+            ids.insert(ids.end(), prompt.begin(), prompt.end());
             const size_t prompt_ids = ids.size();
             std::vector<uint32_t> response = tokenizer.Encode(std::string_view(piece.text).substr(piece.prompt_bytes));
             ids.insert(ids.end(), response.begin(), response.end());
@@ -206,6 +210,7 @@ Status TokenizeCorpus(CorpusReader& reader, const TextTokenizer& tokenizer, int 
             std::fill(batch->masks[i].begin(), batch->masks[i].begin() + static_cast<std::ptrdiff_t>(prompt_ids), 0);
           } else {
             ids = tokenizer.Encode(piece.text);
+            if (piece.document_start && bos >= 0) ids.insert(ids.begin(), static_cast<uint32_t>(bos));
             if (piece.document_end && eot >= 0) ids.push_back(static_cast<uint32_t>(eot));
           }
         }
@@ -311,6 +316,9 @@ StatusOr<PrepareStats> PrepareInto(const PrepareOptions& o) {
   info.vocab = tokenizer->vocab_size();
   info.dtype = info.vocab <= 65536 ? "uint16" : "uint32";
   info.sft = o.sft;
+  if (fs::is_directory(o.tokenizer, ec)) {
+    info.tokenizer_from = fs::absolute(o.tokenizer, ec).lexically_normal().string();
+  }
   if (!tokenizer->file().empty()) {
     // The data keeps its tokenizer: a copy beside the tokens, under the name transformers reads.
     info.tokenizer_file = tokenizer->kind() == "huggingface" ? "tokenizer.json" : "tokenizer.model";

@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -363,6 +364,7 @@ class BpeTokenizer : public TextTokenizer {
   int vocab_size() const override { return static_cast<int>(tokens_.size()); }
   std::string kind() const override { return "huggingface"; }
   int64_t end_of_text() const override { return end_of_text_; }
+  int64_t begin_of_text() const override { return begin_of_text_; }
 
  private:
   BpeTokenizer() = default;
@@ -422,6 +424,30 @@ class BpeTokenizer : public TextTokenizer {
         added_.emplace_back(content, id);
         for (const char* eot : {"<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>"}) {
           if (content == eot && end_of_text_ < 0) end_of_text_ = id;
+        }
+      }
+    }
+    // A post-processor whose template puts a special token before each text (Llama 3's
+    // <|begin_of_text|>): the id that begins a document.
+    if (j.contains("post_processor") && j["post_processor"].is_object()) {
+      const Json& post = j["post_processor"];
+      std::vector<Json> processors;
+      if (post.value("type", std::string()) == "Sequence" && post.contains("processors")) {
+        for (const Json& p : post["processors"]) processors.push_back(p);
+      } else {
+        processors.push_back(post);
+      }
+      for (const Json& p : processors) {
+        if (p.value("type", std::string()) != "TemplateProcessing" || !p.contains("single")) continue;
+        const Json& single = p["single"];
+        if (!single.is_array() || single.empty() || !single[0].contains("SpecialToken")) continue;
+        const std::string name = single[0]["SpecialToken"].value("id", std::string());
+        for (const auto& [content, id] : added_) {
+          if (content == name) begin_of_text_ = id;
+        }
+        if (begin_of_text_ < 0) {
+          return InvalidArgument(path + ": the post-processor's template begins with " + name +
+                                 ", which is not an added token");
         }
       }
     }
@@ -560,12 +586,22 @@ class BpeTokenizer : public TextTokenizer {
   bool add_prefix_space_ = false;
   bool ignore_merges_ = false;
   int64_t end_of_text_ = -1;
+  int64_t begin_of_text_ = -1;
 };
 
 }  // namespace
 
 StatusOr<std::unique_ptr<TextTokenizer>> TextTokenizer::Load(const std::string& spec) {
   if (spec == "byte") return std::unique_ptr<TextTokenizer>(new ByteTokenizer());
+  std::error_code ec;
+  if (std::filesystem::is_directory(spec, ec)) {
+    // A model's directory: its tokenizer.json, or its SentencePiece tokenizer.model.
+    for (const char* name : {"tokenizer.json", "tokenizer.model"}) {
+      const std::string file = (std::filesystem::path(spec) / name).string();
+      if (std::filesystem::exists(file, ec)) return Load(file);
+    }
+    return NotFound("tokenizer: " + spec + " holds neither tokenizer.json nor tokenizer.model");
+  }
   StatusOr<std::string> read = ReadFileText(spec);
   if (!read.ok()) return NotFound("tokenizer: " + read.status().message());
   const std::string& text = *read;

@@ -23,7 +23,8 @@ class TextTokenizer {
  public:
   virtual ~TextTokenizer() = default;
 
-  // "byte", a Hugging Face tokenizer.json, or a SentencePiece model (any other file).
+  // "byte", a Hugging Face tokenizer.json, a SentencePiece model (any other file), or a model's
+  // directory (its tokenizer.json, else its tokenizer.model).
   static StatusOr<std::unique_ptr<TextTokenizer>> Load(const std::string& spec);
 
   virtual std::vector<uint32_t> Encode(std::string_view text) const = 0;
@@ -34,6 +35,9 @@ class TextTokenizer {
   virtual std::string kind() const = 0;
   // The id that ends a document (put between input files), or -1.
   virtual int64_t end_of_text() const { return -1; }
+  // The id that begins a document, where the tokenizer's post-processor puts one before each text
+  // (Llama 3's <|begin_of_text|>), or -1.
+  virtual int64_t begin_of_text() const { return -1; }
   // The file it was loaded from; empty for "byte".
   const std::string& file() const { return file_; }
 

@@ -186,6 +186,35 @@ TEST(CliTest, StatusOfAnEmptyHomeSaysSo) {
   EXPECT_NE(result.output.find("no jobs yet"), std::string::npos) << result.output;
 }
 
+// model.init_from: DIR derives the model from DIR/config.json, which `ltrain validate` prints; a key
+// of it that ltrain cannot honour stops validate and launch with exit 2, naming the key.
+TEST(CliTest, InitFromDerivesTheModelFromConfigJsonOrRefusesItsKey) {
+  TempDir dir;
+  const std::string config = R"({"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_hidden_layers": 2,
+    "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 128, "vocab_size": 300,
+    "rope_theta": 10000.0, "rms_norm_eps": 1e-05, "tie_word_embeddings": false, "max_position_embeddings": 256,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 64}})";
+  dir.Write("model/config.json", config);
+  const std::string recipe = dir.Write("r.yaml", "name: r\nmodel: {init_from: " + dir.Join("model") +
+                                                     ", seq_len: 128}\ndata: {path: " + dir.Join("data") + "}\n");
+  ProcessResult valid = RunProcess({LtrainBinary(), "validate", recipe});
+  EXPECT_EQ(valid.exit_code, 0) << valid.output;
+  for (const char* line : {"arch: llama", "d_model: 64", "kv_heads: 2", "ffn: 128", "vocab: 300", "rope_scaling: llama3",
+                           "rope_factor: 8", "rope_original_positions: 64", "tie_embeddings: false"}) {
+    EXPECT_NE(valid.output.find(line), std::string::npos) << line << "\n" << valid.output;
+  }
+  std::string yarn = config;
+  yarn.replace(yarn.find("\"llama3\""), 8, "\"yarn\"");
+  dir.Write("model/config.json", yarn);
+  for (const char* command : {"validate", "launch"}) {
+    ProcessResult refused = RunProcess({LtrainBinary(), command, recipe}, {{"LTRAIN_HOME", dir.Join("home")}});
+    EXPECT_EQ(refused.exit_code, 2) << refused.output;
+    EXPECT_NE(refused.output.find("config.json: rope_scaling.rope_type 'yarn' is not supported"), std::string::npos)
+        << refused.output;
+  }
+}
+
 TEST(CliTest, LaunchWithoutPreparedDataExplainsTheFix) {
   TempDir dir;
   std::string path = dir.Write("r.yaml", "name: r\ndata: {path: " + dir.Join("nodata") + "}\n");

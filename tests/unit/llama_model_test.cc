@@ -42,6 +42,19 @@ torch::Tensor ReferenceLoss(const ModelSpec& m, std::map<std::string, torch::Ten
     return x * torch::rsqrt(x.pow(2).mean(-1, true) + m.norm_eps) * w;
   };
   torch::Tensor inv = 1.0 / torch::pow(m.rope_theta, torch::arange(0, hd, 2, torch::kFloat) / static_cast<double>(hd));
+  // transformers' rope_scaling, as modeling_rope_utils computes it.
+  if (m.rope_scaling == RopeScaling::kLinear) inv = inv / m.rope_factor;
+  if (m.rope_scaling == RopeScaling::kLlama3) {
+    const double old_context = m.rope_original_positions;
+    const double low_wavelen = old_context / m.rope_low_freq_factor, high_wavelen = old_context / m.rope_high_freq_factor;
+    torch::Tensor wavelen = 2 * M_PI / inv;
+    torch::Tensor llama = torch::where(wavelen > low_wavelen, inv / m.rope_factor, inv);
+    torch::Tensor smooth =
+        (old_context / wavelen - m.rope_low_freq_factor) / (m.rope_high_freq_factor - m.rope_low_freq_factor);
+    torch::Tensor smoothed = (1 - smooth) * llama / m.rope_factor + smooth * llama;
+    torch::Tensor medium = (wavelen < high_wavelen).logical_not().logical_and((wavelen > low_wavelen).logical_not());
+    inv = torch::where(medium, smoothed, llama);
+  }
   torch::Tensor angles = torch::outer(torch::arange(t, torch::kFloat), inv);
   torch::Tensor cos = angles.cos().view({1, t, 1, hd / 2}), sin = angles.sin().view({1, t, 1, hd / 2});
   auto rope = [&](const torch::Tensor& x) {
@@ -72,15 +85,23 @@ torch::Tensor ReferenceLoss(const ModelSpec& m, std::map<std::string, torch::Ten
   return F::cross_entropy(logits.view({-1, m.vocab}), targets.view({-1}));
 }
 
-void ExpectShardEqualsReference(bool tied, bool stochastic_residual = false) {
+// Returns the shard's loss.
+double ExpectShardEqualsReference(bool tied, bool stochastic_residual = false,
+                                  RopeScaling scaling = RopeScaling::kNone) {
   ModelShardSpec spec;
   spec.config = TinyLlama(tied);
+  // Head width 8, theta 10000: wavelengths 6.3, 63, 628 and 6283 positions. With an original context
+  // of 64, factors 1 and 4: one kept, one blended, two divided by the factor.
+  spec.config.rope_scaling = scaling;
+  spec.config.rope_factor = 8;
+  spec.config.rope_original_positions = 64;
   spec.stochastic_residual = stochastic_residual;
   spec.layout.stage_layers = {spec.config.layers};
   spec.seed = 9;
   SelfCommunicator self;
   auto shard = ModelShard::Create(spec, &self);
-  ASSERT_TRUE(shard.ok()) << shard.status().message();
+  EXPECT_TRUE(shard.ok()) << shard.status().message();
+  if (!shard.ok()) return 0;
   std::map<std::string, torch::Tensor> ref;
   for (const ShardParam& sp : (*shard)->params()) ref[sp.name] = sp.value.detach().clone().requires_grad_(true);
   EXPECT_EQ(ref.count("output.weight"), tied ? 0u : 1u);
@@ -95,12 +116,35 @@ void ExpectShardEqualsReference(bool tied, bool stochastic_residual = false) {
   loss.backward();
   want.backward();
   for (const ShardParam& sp : (*shard)->params()) {
-    ASSERT_TRUE(sp.value.grad().defined()) << sp.name;
+    EXPECT_TRUE(sp.value.grad().defined()) << sp.name;
+    if (!sp.value.grad().defined()) continue;
     EXPECT_TRUE(torch::allclose(sp.value.grad(), ref.at(sp.name).grad(), 1e-4, 1e-6)) << sp.name;
   }
+  return loss.item<double>();
 }
 
 TEST(LlamaModelTest, OneRankShardEqualsTheReferenceUntied) { ExpectShardEqualsReference(false); }
+// rope_scaling (linear, llama3) as transformers applies it; each changes the loss, so it is applied.
+TEST(LlamaModelTest, RopeScalingIsTransformersAndChangesTheModel) {
+  const double plain = ExpectShardEqualsReference(false);
+  const double linear = ExpectShardEqualsReference(false, false, RopeScaling::kLinear);
+  const double llama3 = ExpectShardEqualsReference(false, false, RopeScaling::kLlama3);
+  EXPECT_NE(linear, plain);
+  EXPECT_NE(llama3, plain);
+  EXPECT_NE(llama3, linear);
+  // The frequencies themselves: kept, blended, divided.
+  ModelSpec m = TinyLlama(false);
+  m.rope_scaling = RopeScaling::kLlama3;
+  m.rope_factor = 8;
+  m.rope_original_positions = 64;
+  const std::vector<float> inv = RopeInverseFrequencies(m);
+  ASSERT_EQ(inv.size(), 4u);
+  EXPECT_FLOAT_EQ(inv[0], 1.0f);
+  const double wavelen = 2 * M_PI / 0.1, smooth = (64 / wavelen - 1) / 3;
+  EXPECT_NEAR(inv[1], (1 - smooth) * 0.1 / 8 + smooth * 0.1, 1e-7);
+  EXPECT_NEAR(inv[2], 0.01 / 8, 1e-9);
+  EXPECT_NEAR(inv[3], 0.001 / 8, 1e-10);
+}
 TEST(LlamaModelTest, OneRankShardEqualsTheReferenceTied) { ExpectShardEqualsReference(true); }
 // With fp32 parameters the stochastically rounded residual sums are the exact sums.
 TEST(LlamaModelTest, OneRankShardWithStochasticResidualEqualsTheReferenceInFp32) {

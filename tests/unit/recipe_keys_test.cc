@@ -23,7 +23,9 @@ namespace {
 
 constexpr const char* kEveryKey = R"(name: every-key
 model: {arch: llama, layers: 8, d_model: 96, heads: 6, seq_len: 48, vocab: 300, kv_heads: 2, ffn: 128, rope_theta: 10000,
-        norm_eps: 1.0e-6, tie_embeddings: false, init: per_parameter, init_from: /models/base}
+        rope_scaling: llama3, rope_factor: 8, rope_low_freq_factor: 2, rope_high_freq_factor: 8,
+        rope_original_positions: 4096, norm_eps: 1.0e-6, tie_embeddings: false, init: per_parameter,
+        init_from: /models/base}
 data: {path: /data/every-key, tokenizer: huggingface, sampling: torch, seed: 4321}
 training: {steps: 77, micro_batch: 2, global_batch: 32, lr: 0.002, min_lr: 0.0002, warmup_steps: 7,
            lr_schedule: constant, weight_decay: 0.05, beta1: 0.8, beta2: 0.9, grad_clip: 0.5, seed: 99, log_every: 3,

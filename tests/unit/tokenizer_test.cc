@@ -15,6 +15,8 @@
 
 #include <gtest/gtest.h>
 
+#include "common/data/prepare.h"
+#include "common/data/token_data.h"
 #include "common/files.h"
 
 namespace ltrain {
@@ -171,6 +173,53 @@ TEST_F(TokenizerTest, LlamaThreeLayoutAndIgnoreMerges) {
   // "abab" is in the vocabulary though no merge makes it; digits go in threes.
   EXPECT_EQ(t->Encode("abab ab 1231"), (std::vector<uint32_t>{6, 5, 2, 3, 7, 8, 3}));
   EXPECT_EQ(t->Decode(t->Encode("abab ab 1231")), "abab ab 1231");
+}
+
+// A model's directory is its tokenizer.json; Llama 3's post-processor (a template that puts
+// <|begin_of_text|> before each text, inside a Sequence) gives the id that begins a document, and
+// `ltrain data prepare --tokenizer DIR` puts it there and records the directory.
+TEST_F(TokenizerTest, AModelDirectorysTokenizerBeginsEachDocumentWhereItsTemplateSays) {
+  const std::string json = R"({
+    "added_tokens": [{"id": 9, "content": "<|begin_of_text|>", "special": true},
+                     {"id": 10, "content": "<|end_of_text|>", "special": true}],
+    "normalizer": null,
+    "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+    "post_processor": {"type": "Sequence", "processors": [
+      {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": false, "use_regex": true},
+      {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}},
+        {"Sequence": {"id": "A", "type_id": 0}}], "pair": [],
+       "special_tokens": {"<|begin_of_text|>": {"id": "<|begin_of_text|>", "ids": [9], "tokens": ["<|begin_of_text|>"]}}}]},
+    "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "c": 2, "\u0120": 3, "ab": 4}, "merges": ["a b"]}})";
+  fs::create_directories(dir_ / "model");
+  ASSERT_TRUE(WriteFileAtomically((dir_ / "model" / "tokenizer.json").string(), json).ok());
+  StatusOr<std::unique_ptr<TextTokenizer>> t = TextTokenizer::Load((dir_ / "model").string());
+  ASSERT_TRUE(t.ok()) << t.status().ToString();
+  EXPECT_EQ((*t)->begin_of_text(), 9);
+  EXPECT_EQ((*t)->end_of_text(), 10);
+  EXPECT_EQ((*t)->Encode("ab c"), (std::vector<uint32_t>{4, 3, 2}));  // the template is the caller's to apply
+  EXPECT_FALSE(TextTokenizer::Load(dir_.string() + "/nothing").ok());
+
+  std::string text;
+  for (int i = 0; i < 600; ++i) text += "ab c ";
+  ASSERT_TRUE(WriteFileAtomically((dir_ / "a.txt").string(), text).ok());
+  ASSERT_TRUE(WriteFileAtomically((dir_ / "b.txt").string(), "cab ba").ok());
+  PrepareOptions o;
+  o.inputs = {(dir_ / "a.txt").string(), (dir_ / "b.txt").string()};
+  o.output_dir = (dir_ / "out").string();
+  o.tokenizer = (dir_ / "model").string();
+  o.val_fraction = 0;
+  o.threads = 1;
+  StatusOr<PrepareStats> stats = PrepareData(o);
+  ASSERT_TRUE(stats.ok()) << stats.status().ToString();
+  EXPECT_EQ(stats->info.tokenizer_from, (dir_ / "model").string());
+  StatusOr<TokenDataset> train = TokenDataset::OpenSplit(o.output_dir, "train");
+  ASSERT_TRUE(train.ok()) << train.status().ToString();
+  // Each document: <|begin_of_text|>, its tokens, <|end_of_text|>.
+  EXPECT_EQ(train->token(0), 9u);
+  EXPECT_EQ(train->token(train->size() - 1), 10u);
+  int begins = 0;
+  for (int64_t i = 0; i < train->size(); ++i) begins += train->token(i) == 9;
+  EXPECT_EQ(begins, 2);
 }
 
 TEST_F(TokenizerTest, UnsupportedFilesAreRefusedSayingWhy) {

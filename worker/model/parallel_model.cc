@@ -492,6 +492,11 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelShardSpec& s
     const int64_t hd = c.d_model / c.heads;
     const torch::TensorOptions f32 = torch::TensorOptions().dtype(torch::kFloat).device(spec.device);
     torch::Tensor inv = 1.0 / torch::pow(c.rope_theta, torch::arange(0, hd, 2, f32) / static_cast<double>(hd));
+    if (c.rope_scaling != RopeScaling::kNone) {
+      // transformers' rope_scaling (linear, llama3): the frequencies rescaled.
+      const std::vector<float> scaled = RopeInverseFrequencies(c);
+      inv = torch::tensor(scaled, torch::TensorOptions().dtype(torch::kFloat)).to(spec.device);
+    }
     torch::Tensor angles = torch::outer(torch::arange(c.seq_len, f32), inv);
     shard->rope_cos_ = angles.cos();
     shard->rope_sin_ = angles.sin();

@@ -1,0 +1,338 @@
+#include "common/hf_config.h"
+
+#include <cmath>
+#include <filesystem>
+#include <set>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+#include <yaml-cpp/yaml.h>
+
+#include "common/files.h"
+#include "common/recipe_schema.h"
+
+namespace ltrain {
+namespace {
+
+namespace fs = std::filesystem;
+using Json = nlohmann::json;
+
+// Every key ReadLlama and ReadGpt2 read, and those that change nothing ltrain computes: ids of
+// special tokens, the dtype the weights were saved in, inference switches, bookkeeping.
+const std::set<std::string> kKnownKeys = {
+    "architectures",      "model_type",   "torch_dtype",       "dtype",           "transformers_version",
+    "bos_token_id",       "eos_token_id", "pad_token_id",      "use_cache",       "initializer_range",
+    "_name_or_path",      "tie_word_embeddings", "output_attentions", "output_hidden_states", "return_dict",
+    "max_position_embeddings", "n_ctx",   "num_key_value_heads", "head_dim",       "rope_theta",
+    "rope_scaling",       "rms_norm_eps", "hidden_size",       "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "vocab_size",  "hidden_act",        "attention_bias",  "mlp_bias",
+    "pretraining_tp",     "attention_dropout", "sliding_window", "use_sliding_window", "max_window_layers",
+    "n_layer",            "n_embd",       "n_head",            "n_positions",     "n_inner",
+    "activation_function", "layer_norm_epsilon", "resid_pdrop", "embd_pdrop",     "attn_pdrop",
+    "scale_attn_weights", "summary_type", "summary_use_proj",  "summary_activation", "summary_proj_to_labels",
+    "summary_first_dropout", "reorder_and_upcast_attn", "scale_attn_by_inverse_layer_idx", "task_specific_params",
+    "layer_types",        "id2label",     "label2id"};
+
+// A number of the configuration: InvalidArgument naming the key where it is missing (and required)
+// or not a number.
+class ConfigReader {
+ public:
+  ConfigReader(const Json& j, std::string path) : j_(j), path_(std::move(path)) {}
+
+  bool Has(const std::string& key) const { return j_.contains(key) && !j_.at(key).is_null(); }
+
+  StatusOr<int64_t> Int(const std::string& key) const {
+    if (!Has(key)) return InvalidArgument(path_ + ": " + key + " is missing; a model's configuration needs it");
+    const Json& v = j_.at(key);
+    if (!v.is_number_integer()) return InvalidArgument(path_ + ": " + key + " is " + v.dump() + ", not an integer");
+    return v.get<int64_t>();
+  }
+  StatusOr<double> Number(const std::string& key, double fallback) const {
+    if (!Has(key)) return fallback;
+    const Json& v = j_.at(key);
+    if (!v.is_number()) return InvalidArgument(path_ + ": " + key + " is " + v.dump() + ", not a number");
+    return v.get<double>();
+  }
+  StatusOr<bool> Bool(const std::string& key, bool fallback) const {
+    if (!Has(key)) return fallback;
+    const Json& v = j_.at(key);
+    if (!v.is_boolean()) return InvalidArgument(path_ + ": " + key + " is " + v.dump() + ", not true or false");
+    return v.get<bool>();
+  }
+  std::string Text(const std::string& key) const {
+    return Has(key) && j_.at(key).is_string() ? j_.at(key).get<std::string>() : "";
+  }
+  Status Refuse(const std::string& key, const std::string& why) const {
+    return InvalidArgument(path_ + ": " + key + (why.starts_with('=') ? "" : " ") + why);
+  }
+
+ private:
+  const Json& j_;
+  std::string path_;
+};
+
+// The fewest significant digits (up to 17) that read back as `v`: 0.1, not 0.10000000000000001.
+std::string Shortest(double v) {
+  for (int digits = 1;; ++digits) {
+    std::ostringstream out;
+    out.precision(digits);
+    out << v;
+    if (digits == 17 || std::stod(out.str()) == v) return out.str();
+  }
+}
+
+Status ReadRopeScaling(const Json& j, const ConfigReader& config, ModelSpec* m) {
+  if (!j.contains("rope_scaling") || j.at("rope_scaling").is_null()) return Status::Ok();
+  const Json& s = j.at("rope_scaling");
+  if (!s.is_object()) return config.Refuse("rope_scaling", "is " + s.dump() + ", not an object or null");
+  const std::string type = s.contains("rope_type") ? s.value("rope_type", "") : s.value("type", "");
+  std::set<std::string> known = {"rope_type", "type"};
+  auto number = [&](const std::string& key, double* out, bool required) -> Status {
+    known.insert(key);
+    if (!s.contains(key) || s.at(key).is_null()) {
+      if (required) return config.Refuse("rope_scaling." + key, "is missing; rope_type " + type + " needs it");
+      return Status::Ok();
+    }
+    if (!s.at(key).is_number()) return config.Refuse("rope_scaling." + key, "is " + s.at(key).dump() + ", not a number");
+    *out = s.at(key).get<double>();
+    return Status::Ok();
+  };
+  if (type == "default") {
+    // transformers' plain RoPE.
+  } else if (type == "linear") {
+    m->rope_scaling = RopeScaling::kLinear;
+    LTRAIN_RETURN_IF_ERROR(number("factor", &m->rope_factor, true));
+  } else if (type == "llama3") {
+    m->rope_scaling = RopeScaling::kLlama3;
+    double original = 0;
+    LTRAIN_RETURN_IF_ERROR(number("factor", &m->rope_factor, true));
+    LTRAIN_RETURN_IF_ERROR(number("low_freq_factor", &m->rope_low_freq_factor, true));
+    LTRAIN_RETURN_IF_ERROR(number("high_freq_factor", &m->rope_high_freq_factor, true));
+    LTRAIN_RETURN_IF_ERROR(number("original_max_position_embeddings", &original, true));
+    m->rope_original_positions = static_cast<int>(original);
+  } else {
+    return config.Refuse("rope_scaling.rope_type",
+                         "'" + type + "' is not supported: ltrain applies linear and llama3 scaling (a run with " +
+                             "another would rotate every position otherwise than the model was trained with)");
+  }
+  for (const auto& [key, value] : s.items()) {
+    if (known.count(key) == 0) {
+      return config.Refuse("rope_scaling." + key, "is not a key ltrain knows of rope_type " + type +
+                                                      ": it would change the rotary angles, so it is refused");
+    }
+  }
+  return Status::Ok();
+}
+
+StatusOr<HfModelConfig> ReadLlama(const Json& j, const ConfigReader& c, HfModelConfig out, int seq_len) {
+  ModelSpec& m = out.model;
+  m.arch = Arch::kLlama;
+  LTRAIN_ASSIGN_OR_RETURN(int64_t layers, c.Int("num_hidden_layers"));
+  LTRAIN_ASSIGN_OR_RETURN(int64_t hidden, c.Int("hidden_size"));
+  LTRAIN_ASSIGN_OR_RETURN(int64_t heads, c.Int("num_attention_heads"));
+  LTRAIN_ASSIGN_OR_RETURN(int64_t ffn, c.Int("intermediate_size"));
+  LTRAIN_ASSIGN_OR_RETURN(int64_t vocab, c.Int("vocab_size"));
+  int64_t kv = heads;
+  if (c.Has("num_key_value_heads")) {
+    LTRAIN_ASSIGN_OR_RETURN(kv, c.Int("num_key_value_heads"));
+  }
+  if (heads <= 0 || hidden % heads != 0) {
+    return c.Refuse("num_attention_heads", "=" + std::to_string(heads) + " does not divide hidden_size=" +
+                                               std::to_string(hidden));
+  }
+  if (c.Has("head_dim")) {
+    LTRAIN_ASSIGN_OR_RETURN(int64_t head_dim, c.Int("head_dim"));
+    if (head_dim != hidden / heads) {
+      return c.Refuse("head_dim", "=" + std::to_string(head_dim) + " is not hidden_size/num_attention_heads=" +
+                                      std::to_string(hidden / heads) +
+                                      ": ltrain's heads are hidden_size/num_attention_heads wide");
+    }
+  }
+  m.layers = static_cast<int>(layers);
+  m.d_model = static_cast<int>(hidden);
+  m.heads = static_cast<int>(heads);
+  m.kv_heads = static_cast<int>(kv);
+  m.ffn = static_cast<int>(ffn);
+  m.vocab = static_cast<int>(vocab);
+  // transformers' LlamaConfig defaults, where the file leaves a key out.
+  LTRAIN_ASSIGN_OR_RETURN(m.rope_theta, c.Number("rope_theta", 10000.0));
+  LTRAIN_ASSIGN_OR_RETURN(m.norm_eps, c.Number("rms_norm_eps", 1e-6));
+  LTRAIN_ASSIGN_OR_RETURN(m.tie_embeddings, c.Bool("tie_word_embeddings", false));
+  LTRAIN_RETURN_IF_ERROR(ReadRopeScaling(j, c, &m));
+  out.keys = {"model.arch", "model.layers", "model.d_model", "model.heads", "model.kv_heads", "model.ffn",
+              "model.vocab", "model.rope_theta", "model.norm_eps", "model.tie_embeddings", "model.rope_scaling",
+              "model.rope_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
+              "model.rope_original_positions"};
+
+  if (const std::string act = c.Text("hidden_act"); c.Has("hidden_act") && act != "silu") {
+    return c.Refuse("hidden_act", "'" + act + "' is not supported: ltrain's Llama MLP is SwiGLU (silu)");
+  }
+  LTRAIN_ASSIGN_OR_RETURN(bool attention_bias, c.Bool("attention_bias", false));
+  if (attention_bias) return c.Refuse("attention_bias", "true is not supported: ltrain's Llama has no biases");
+  LTRAIN_ASSIGN_OR_RETURN(bool mlp_bias, c.Bool("mlp_bias", false));
+  if (mlp_bias) return c.Refuse("mlp_bias", "true is not supported: ltrain's Llama has no biases");
+  LTRAIN_ASSIGN_OR_RETURN(double tp, c.Number("pretraining_tp", 1));
+  if (tp != 1) {
+    return c.Refuse("pretraining_tp", "=" + Shortest(tp) + " is not supported (it splits the products into slices "
+                                      "that sum otherwise); save the model again with pretraining_tp 1");
+  }
+  if (c.Has("max_position_embeddings")) {
+    LTRAIN_ASSIGN_OR_RETURN(int64_t max_positions, c.Int("max_position_embeddings"));
+    if (seq_len > max_positions) {
+      return c.Refuse("max_position_embeddings",
+                      "=" + std::to_string(max_positions) + " is smaller than model.seq_len=" + std::to_string(seq_len) +
+                          ": the model was not made for positions that far; lower model.seq_len");
+    }
+  }
+  LTRAIN_ASSIGN_OR_RETURN(bool use_sliding_window, c.Bool("use_sliding_window", true));
+  if (c.Has("sliding_window") && use_sliding_window) {
+    LTRAIN_ASSIGN_OR_RETURN(int64_t window, c.Int("sliding_window"));
+    if (window < seq_len) {
+      return c.Refuse("sliding_window", "=" + std::to_string(window) + " is smaller than model.seq_len=" +
+                                            std::to_string(seq_len) +
+                                            ": sliding-window attention is not implemented; train with model.seq_len "
+                                            "at most " + std::to_string(window) +
+                                            " (where the window covers every position, attention is the same)");
+    }
+  }
+  LTRAIN_ASSIGN_OR_RETURN(double dropout, c.Number("attention_dropout", 0));
+  if (dropout != 0) {
+    out.notes.push_back(out.path + ": attention_dropout=" + Shortest(dropout) +
+                        " is not applied: ltrain trains without dropout");
+  }
+  return out;
+}
+
+StatusOr<HfModelConfig> ReadGpt2(const ConfigReader& c, HfModelConfig out) {
+  ModelSpec& m = out.model;
+  m.arch = Arch::kGpt2;
+  LTRAIN_ASSIGN_OR_RETURN(int64_t layers, c.Int("n_layer"));
+  LTRAIN_ASSIGN_OR_RETURN(int64_t hidden, c.Int("n_embd"));
+  LTRAIN_ASSIGN_OR_RETURN(int64_t heads, c.Int("n_head"));
+  LTRAIN_ASSIGN_OR_RETURN(int64_t vocab, c.Int("vocab_size"));
+  LTRAIN_ASSIGN_OR_RETURN(int64_t positions, c.Int("n_positions"));
+  m.layers = static_cast<int>(layers);
+  m.d_model = static_cast<int>(hidden);
+  m.heads = static_cast<int>(heads);
+  m.vocab = static_cast<int>(vocab);
+  // GPT-2's learned positions: the table is n_positions long, and ltrain's is model.seq_len long.
+  m.seq_len = static_cast<int>(positions);
+  out.keys = {"model.arch", "model.layers", "model.d_model", "model.heads", "model.vocab", "model.seq_len"};
+  if (c.Has("n_inner")) {
+    LTRAIN_ASSIGN_OR_RETURN(int64_t inner, c.Int("n_inner"));
+    if (inner != 4 * hidden) {
+      return c.Refuse("n_inner", "=" + std::to_string(inner) + " is not supported: ltrain's GPT-2 MLP is 4*n_embd=" +
+                                     std::to_string(4 * hidden) + " wide");
+    }
+  }
+  if (const std::string act = c.Text("activation_function"); c.Has("activation_function") && act != "gelu_new") {
+    return c.Refuse("activation_function", "'" + act + "' is not supported: ltrain's GPT-2 uses gelu_new (GELU's tanh "
+                                                       "approximation)");
+  }
+  LTRAIN_ASSIGN_OR_RETURN(double eps, c.Number("layer_norm_epsilon", 1e-5));
+  if (eps != 1e-5) return c.Refuse("layer_norm_epsilon", "=" + Shortest(eps) + " is not supported: ltrain's is 1e-5");
+  LTRAIN_ASSIGN_OR_RETURN(bool tied, c.Bool("tie_word_embeddings", true));
+  if (!tied) return c.Refuse("tie_word_embeddings", "false is not supported: GPT-2's head is its token embedding");
+  LTRAIN_ASSIGN_OR_RETURN(bool scaled, c.Bool("scale_attn_weights", true));
+  if (!scaled) return c.Refuse("scale_attn_weights", "false is not supported: ltrain scales attention by 1/sqrt(d)");
+  for (const char* key : {"scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn"}) {
+    LTRAIN_ASSIGN_OR_RETURN(bool on, c.Bool(key, false));
+    if (on) return c.Refuse(key, "true is not supported");
+  }
+  std::vector<std::string> dropouts;
+  for (const char* key : {"resid_pdrop", "embd_pdrop", "attn_pdrop"}) {
+    LTRAIN_ASSIGN_OR_RETURN(double p, c.Number(key, 0));
+    if (p != 0) dropouts.push_back(std::string(key) + "=" + Shortest(p));
+  }
+  if (!dropouts.empty()) {
+    std::string list;
+    for (const std::string& d : dropouts) list += (list.empty() ? "" : ", ") + d;
+    out.notes.push_back(out.path + ": " + list + " not applied: ltrain trains without dropout");
+  }
+  return out;
+}
+
+}  // namespace
+
+StatusOr<HfModelConfig> ReadHfModelConfig(const std::string& dir, int seq_len) {
+  std::error_code ec;
+  const fs::path path = fs::path(dir) / "config.json";
+  if (!fs::is_directory(dir, ec) || !fs::exists(path, ec)) return NotFound(path.string() + " does not exist");
+  LTRAIN_ASSIGN_OR_RETURN(std::string text, ReadFileText(path.string()));
+  Json j;
+  try {
+    j = Json::parse(text);
+  } catch (const std::exception& e) {
+    return InvalidArgument(path.string() + " is not JSON: " + e.what());
+  }
+  if (!j.is_object()) return InvalidArgument(path.string() + " is not a JSON object");
+  HfModelConfig out;
+  out.path = path.string();
+  const ConfigReader c(j, out.path);
+  if (!j.contains("architectures") || !j.at("architectures").is_array() || j.at("architectures").size() != 1 ||
+      !j.at("architectures")[0].is_string()) {
+    return c.Refuse("architectures", "must name one architecture, e.g. [\"LlamaForCausalLM\"]");
+  }
+  out.architecture = j.at("architectures")[0].get<std::string>();
+  StatusOr<HfModelConfig> read = InvalidArgument("");
+  if (out.architecture == "LlamaForCausalLM" || out.architecture == "MistralForCausalLM") {
+    read = ReadLlama(j, c, out, seq_len);
+  } else if (out.architecture == "GPT2LMHeadModel") {
+    read = ReadGpt2(c, out);
+  } else {
+    return c.Refuse("architectures", "names " + out.architecture +
+                                         ", which ltrain does not build; it builds LlamaForCausalLM, "
+                                         "MistralForCausalLM (as a Llama) and GPT2LMHeadModel");
+  }
+  if (!read.ok()) return read.status();
+  std::string unknown;
+  for (const auto& [key, value] : j.items()) {
+    if (kKnownKeys.count(key) == 0) unknown += (unknown.empty() ? "" : ", ") + key;
+  }
+  if (!unknown.empty()) {
+    read->notes.push_back(out.path + ": keys ltrain does not know, not read: " + unknown);
+  }
+  return read;
+}
+
+RecipeParseResult WithHfModelConfig(RecipeParseResult parsed, const std::string& source) {
+  const std::string& dir = parsed.recipe.model.init_from;
+  StatusOr<HfModelConfig> config = ReadHfModelConfig(dir, parsed.recipe.model.seq_len);
+  if (!config.ok()) {
+    if (config.status().code() == StatusCode::kNotFound) return parsed;
+    parsed.errors.push_back(RecipeError{source, 0, 0, "model.init_from: " + config.status().message()});
+    return parsed;
+  }
+  Recipe derived = parsed.recipe;
+  derived.model = config->model;
+  derived.model.init_from = parsed.recipe.model.init_from;
+  if (config->model.arch != Arch::kGpt2) derived.model.seq_len = parsed.recipe.model.seq_len;
+  const std::map<std::string, std::string> want = RecipeKeyValues(derived), have = RecipeKeyValues(parsed.recipe);
+  YAML::Node root = YAML::Load(RecipeToYaml(parsed.recipe));
+  std::vector<RecipeError> contradictions;
+  for (const std::string& key : config->keys) {
+    if (parsed.given.count(key)) {
+      if (have.at(key) != want.at(key)) {
+        contradictions.push_back(RecipeError{
+            source, 0, 0,
+            key + "=" + have.at(key) + " but " + config->path + " gives " + want.at(key) + " (model.init_from): " +
+                "remove " + key + " from the recipe, the configuration sets it"});
+      }
+      continue;
+    }
+    root["model"][key.substr(key.find('.') + 1)] = YAML::Load(want.at(key));
+  }
+  if (!contradictions.empty()) {
+    parsed.errors = contradictions;
+    return parsed;
+  }
+  YAML::Emitter out;
+  out << root;
+  RecipeParseResult result = ParseRecipe(out.c_str(), source + " (its model from " + config->path + ")");
+  result.given = parsed.given;
+  result.notes = parsed.notes;
+  result.notes.insert(result.notes.end(), config->notes.begin(), config->notes.end());
+  return result;
+}
+
+}  // namespace ltrain
