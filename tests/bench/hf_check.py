@@ -9,6 +9,10 @@
   init       llama_model.Llama's weights saved as safetensors, `model.init_from` in a one-step run
              (data.sampling torch, so that the batch is the one torch.randint draws): ltrain's first loss
              against the reference model's on that batch, in float64.
+  hub        Hub models' config.json (Llama 3.2 1B's with its RoPE scaling, Mistral 7B v0.1's; 2 layers,
+             random weights)
+             built by transformers, imported with `model.init_from` alone: `ltrain generate --score`
+             against transformers' log-probabilities.
   export     a Llama (on the tokenizer part's BPE data) and a GPT-2 (on bytes) trained with `ltrain launch`,
              `ltrain export`, loaded with transformers' from_pretrained: per-token log-probabilities of
              held-out text from transformers against `ltrain generate --score`, in fp32 and in bf16.
@@ -207,6 +211,97 @@ def export_part(a, work):
         torch.cuda.empty_cache()
 
 
+# Hub configurations as their config.json files give them (the layers cut to 2, random weights).
+HUB_CONFIGS = {
+    "llama-3.2-1b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64,
+        "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 8192,
+        "max_position_embeddings": 131072, "mlp_bias": False, "num_attention_heads": 32, "num_hidden_layers": 2,
+        "num_key_value_heads": 8, "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+        "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_theta": 500000.0, "tie_word_embeddings": True, "vocab_size": 128256},
+    "mistral-7b-v0.1": {
+        "architectures": ["MistralForCausalLM"], "model_type": "mistral", "attention_dropout": 0.0,
+        "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096,
+        "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+        "num_attention_heads": 32, "num_hidden_layers": 2, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+        "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False, "vocab_size": 32000},
+}
+
+
+def hub_part(a, work):
+    """A model as transformers builds it from a Hub config.json (random weights, save_pretrained),
+    imported by `model.init_from` alone (its model section derived from config.json), one step at lr 0,
+    then `ltrain generate --score` against transformers' log-probabilities of the same weights; and, for
+    scale, how far transformers' own log-probabilities move without the config's rope_scaling."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    home = dict(os.environ, LTRAIN_HOME=os.path.join(work, "home"))
+    byte_data = os.path.join(work, "bytes")
+    if not os.path.exists(os.path.join(byte_data, "data.yaml")):
+        run([a.ltrain, "data", "prepare", "--input", a.text, "--output", byte_data, "-q"])
+    with open(a.text, encoding="utf-8") as f:
+        text = f.read()
+    prompts = [text[1000 * i:1000 * i + 900] for i in range(4)]
+    for name, config in HUB_CONFIGS.items():
+        hf_dir = os.path.join(work, f"hub-{name}")
+        shutil.rmtree(hf_dir, ignore_errors=True)
+        os.makedirs(hf_dir)
+        with open(os.path.join(hf_dir, "config.json"), "w") as f:
+            json.dump(config, f)
+        torch.manual_seed(0)
+        cfg = AutoConfig.from_pretrained(hf_dir)
+        model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
+        model.save_pretrained(hf_dir)
+        with open(os.path.join(hf_dir, "config.json"), "w") as f:  # as the Hub has it, not as saved back
+            json.dump(config, f)
+        ck = os.path.join(work, f"ck-{name}")
+        shutil.rmtree(ck, ignore_errors=True)
+        path = os.path.join(work, f"{name}.yaml")
+        recipe(path, {"init_from": hf_dir, "seq_len": 1024}, byte_data, 1,
+               {"training": {"micro_batch": 1, "global_batch": 1, "lr": 0.0, "min_lr": 0.0, "log_every": 1},
+                "parallel": {"device": a.device, "precision": "fp32"},
+                "checkpoint": {"dir": ck, "every": 1}})
+        validated = run([a.ltrain, "validate", path], env=home)
+        run([a.ltrain, "launch", path], env=home)
+        model = model.to(a.device).eval()
+
+        def hf_logprobs(m, ids):
+            with torch.no_grad():
+                logits = m(torch.tensor([ids], device=a.device)).logits.double()
+            logp = torch.log_softmax(logits[0, :-1], -1)
+            return logp.gather(1, torch.tensor(ids[1:], device=a.device).unsqueeze(1)).squeeze(1).cpu()
+
+        plain_dir = os.path.join(work, f"hub-{name}-plain")
+        os.makedirs(plain_dir, exist_ok=True)
+        with open(os.path.join(plain_dir, "config.json"), "w") as f:
+            json.dump({k: v for k, v in config.items() if k != "rope_scaling"}, f)
+        plain = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(plain_dir), torch_dtype=torch.float32)
+        plain.load_state_dict(model.state_dict())
+        plain = plain.to(a.device).eval()
+        worst = unscaled = 0.0
+        for p in prompts:
+            got = json.loads(run([a.ltrain, "generate", ck, "--score", "-o", "json", "--prompt", p, "--device",
+                                  a.device, "--dtype", "fp32"], env=home))
+            ids = [got["first_token"]] + got["tokens"]
+            ours = torch.tensor(got["logprobs"], dtype=torch.double)
+            theirs = hf_logprobs(model, ids)
+            worst = max(worst, (theirs - ours).abs().max().item())
+            unscaled = max(unscaled, (hf_logprobs(plain, ids) - theirs).abs().max().item())
+        derived = ("rope_scaling: llama3" in validated) == ("rope_scaling" in config)
+        report(f"hub {name} (fp32)", worst <= 1e-4 and derived,
+               f"init_from of transformers' {type(model).__name__} built from the Hub's config.json (2 layers, "
+               f"random weights): ltrain generate --score against transformers, max |log-prob difference| "
+               f"{worst:.2e} over {len(prompts)} sequences of about 900 tokens (tolerance 1e-4)" +
+               (f"; transformers without the config's rope_scaling moves by up to {unscaled:.2e}"
+                if "rope_scaling" in config else ""))
+        del model, plain
+        if a.device == "cuda":
+            torch.cuda.empty_cache()
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--ltrain", required=True)
@@ -222,7 +317,7 @@ def main():
     work = a.work or tempfile.mkdtemp(prefix="ltrain-hf-")
     os.makedirs(work, exist_ok=True)
     parts = a.parts.split(",")
-    for name, fn in (("tokenizer", tokenizer_part), ("init", init_part), ("export", export_part)):
+    for name, fn in (("tokenizer", tokenizer_part), ("init", init_part), ("export", export_part), ("hub", hub_part)):
         if name in parts:
             try:
                 fn(a, work)
