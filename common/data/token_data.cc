@@ -265,41 +265,25 @@ uint32_t TokenDataset::token(int64_t i) const {
 }
 
 void TokenDataset::Read(int64_t start, int64_t n, int64_t* out) const {
-  size_t s = ShardOf(start);
-  while (n > 0) {
-    const Mapped& m = shards_[s];
-    const int64_t from = start - m.first;
-    const int64_t k = std::min(n, m.size - from);
+  ForEachRun(start, n, [&](const Mapped& m, int64_t from, int64_t k, int64_t done) {
     if (width_ == 2) {
       const uint16_t* p = reinterpret_cast<const uint16_t*>(m.tokens) + from;
-      for (int64_t t = 0; t < k; ++t) out[t] = p[t];
+      for (int64_t t = 0; t < k; ++t) out[done + t] = p[t];
     } else {
       const uint32_t* p = reinterpret_cast<const uint32_t*>(m.tokens) + from;
-      for (int64_t t = 0; t < k; ++t) out[t] = p[t];
+      for (int64_t t = 0; t < k; ++t) out[done + t] = p[t];
     }
-    out += k;
-    start += k;
-    n -= k;
-    ++s;
-  }
+  });
 }
 
 void TokenDataset::ReadMask(int64_t start, int64_t n, uint8_t* out) const {
-  size_t s = ShardOf(start);
-  while (n > 0) {
-    const Mapped& m = shards_[s];
-    const int64_t from = start - m.first;
-    const int64_t k = std::min(n, m.size - from);
+  ForEachRun(start, n, [&](const Mapped& m, int64_t from, int64_t k, int64_t done) {
     if (m.mask != nullptr) {
-      std::memcpy(out, m.mask + from, static_cast<size_t>(k));
+      std::memcpy(out + done, m.mask + from, static_cast<size_t>(k));
     } else {
-      std::memset(out, 1, static_cast<size_t>(k));
+      std::memset(out + done, 1, static_cast<size_t>(k));
     }
-    out += k;
-    start += k;
-    n -= k;
-    ++s;
-  }
+  });
 }
 
 TokenDataset::TokenDataset(TokenDataset&& other) noexcept { *this = std::move(other); }

@@ -13,6 +13,7 @@
 // No LibTorch here: the CLI links this.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -79,6 +80,19 @@ class TokenDataset {
   static Status MapMask(const std::string& path, int64_t tokens, Mapped* m);
   void Release();
   size_t ShardOf(int64_t i) const;
+  // Calls run(shard, from, k, done) for each shard's part of tokens [start, start + n): k tokens from
+  // the shard's token `from`, after `done` of them.
+  template <typename F>
+  void ForEachRun(int64_t start, int64_t n, F&& run) const {
+    int64_t done = 0;
+    for (size_t s = ShardOf(start); done < n; ++s) {
+      const Mapped& m = shards_[s];
+      const int64_t from = start + done - m.first;
+      const int64_t k = std::min(n - done, m.size - from);
+      run(m, from, k, done);
+      done += k;
+    }
+  }
 
   std::string path_;
   std::vector<Mapped> shards_;

@@ -360,13 +360,7 @@ StatusOr<double> Trainer::Evaluate() {
   torch::Tensor sum = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat).device(device_));
   for (int e = 0; e < batches; ++e) {
     for (int a = 0; a < m; ++a) {
-      BatchSlice slice;
-      slice.step = e;
-      slice.global_batch = layout_.global_batch;
-      slice.dp_rank = groups_->coords.dp;
-      slice.dp = layout_.dp;
-      slice.micro_step = a;
-      slice.micro_batch = layout_.micro_batch;
+      const BatchSlice slice = SliceOf(0, e, a);
       const int64_t n = static_cast<int64_t>(layout_.micro_batch) * recipe_.model.seq_len;
       std::vector<int64_t> host_inputs(static_cast<size_t>(n)), host_targets(static_cast<size_t>(n));
       val_loader_->Fill(slice, host_inputs.data(), host_targets.data());

@@ -171,6 +171,8 @@ class Trainer {
   Status CheckLoss(double value, int64_t step) const;
   // The micro-batch's token windows; FailedPrecondition when one holds an id outside model.vocab.
   Status FillBatch(int micro_step, torch::Tensor* inputs, torch::Tensor* targets);
+  // This rank's micro-step `micro_step` of global batch `step` counted from data position `position0`.
+  BatchSlice SliceOf(int64_t position0, int64_t step, int micro_step) const;
   // Every micro-batch of this rank in the step at data position `position` (on the prefetch thread).
   void MakeBatches(int64_t position, BatchPrefetcher::Batches* out);
   // Appends the slice's windows to options_.data_trace (LTRAIN_DATA_TRACE).

@@ -84,18 +84,24 @@ StatusOr<std::unique_ptr<DataLoader>> OpenTrainingData(const Recipe& recipe) {
   return opened;
 }
 
+BatchSlice Trainer::SliceOf(int64_t position0, int64_t step, int micro_step) const {
+  BatchSlice slice;
+  slice.position0 = position0;
+  slice.step = step;
+  slice.global_batch = layout_.global_batch;
+  slice.dp_rank = groups_->coords.dp;
+  slice.dp = layout_.dp;
+  slice.micro_step = micro_step;
+  slice.micro_batch = layout_.micro_batch;
+  return slice;
+}
+
 void Trainer::MakeBatches(int64_t position, BatchPrefetcher::Batches* out) {
   const int64_t n = static_cast<int64_t>(layout_.micro_batch) * recipe_.model.seq_len;
   out->inputs.resize(static_cast<size_t>(n * layout_.accumulation));
   out->targets.resize(out->inputs.size());
   for (int a = 0; a < layout_.accumulation; ++a) {
-    BatchSlice slice;
-    slice.position0 = position;
-    slice.global_batch = layout_.global_batch;
-    slice.dp_rank = groups_->coords.dp;
-    slice.dp = layout_.dp;
-    slice.micro_step = a;
-    slice.micro_batch = layout_.micro_batch;
+    const BatchSlice slice = SliceOf(position, 0, a);
     loader_->Fill(slice, out->inputs.data() + a * n, out->targets.data() + a * n);
     if (!options_.data_trace.empty()) TraceWindows(slice);
   }
