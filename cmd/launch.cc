@@ -11,6 +11,7 @@
 #include "cmd/run_job.h"
 #include "common/checkpoint_manifest.h"
 #include "common/data/prepare.h"
+#include "common/hf_format.h"
 #include "common/layout_plan.h"
 #include "common/recipe.h"
 #include "common/slurm.h"
@@ -78,6 +79,13 @@ int SubmitRecipe(Recipe recipe, const std::string& source, bool slurm, const Run
   if (std::string problem = recipe.runs_program() ? "" : DataProblem(recipe); !problem.empty()) {
     std::fprintf(stderr, "%s: %s\n", source.c_str(), problem.c_str());
     return kExitInvalid;
+  }
+  // The imported weights against the model, before any worker starts (headers only).
+  if (!recipe.model.init_from.empty() && run.coordinator.empty() && !recipe.runs_program()) {
+    if (Status s = CheckHfTensors(recipe.model.init_from, recipe.model); !s.ok()) {
+      std::fprintf(stderr, "%s: %s\n", source.c_str(), s.message().c_str());
+      return kExitInvalid;
+    }
   }
   // Standalone, this machine is the only node there will be: a job it cannot run would wait forever.
   if (!slurm && run.coordinator.empty()) {

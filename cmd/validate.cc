@@ -8,6 +8,7 @@
 #include "cmd/cli_support.h"
 #include "cmd/commands.h"
 #include "common/data/prepare.h"
+#include "common/hf_format.h"
 #include "common/layout_plan.h"
 #include "common/recipe.h"
 #include "common/recipe_schema.h"
@@ -72,6 +73,15 @@ int Validate(const ValidateArgs& args) {
   if (std::string problem = DataProblem(here); !problem.empty()) {
     std::fprintf(stderr, "%s: %s\n", args.recipe.c_str(), problem.c_str());
     return kExitInvalid;
+  }
+  if (std::error_code ec; !here.model.init_from.empty() && std::filesystem::exists(here.model.init_from, ec)) {
+    // Weights that do not fit are an error; none there yet, a warning (the recipe may be for elsewhere).
+    if (Status s = CheckHfTensors(here.model.init_from, here.model); s.code() == StatusCode::kNotFound) {
+      std::fprintf(stderr, "%s: warning: model.init_from: %s\n", args.recipe.c_str(), s.message().c_str());
+    } else if (!s.ok()) {
+      std::fprintf(stderr, "%s: %s\n", args.recipe.c_str(), s.message().c_str());
+      return kExitInvalid;
+    }
   }
   std::printf("%s", RecipeToYaml(parsed.recipe).c_str());
   // The recipe may be meant for another machine: a warning, not an error.

@@ -9,6 +9,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "common/files.h"
+#include "common/model_family.h"
 #include "common/recipe_schema.h"
 
 namespace ltrain {
@@ -31,7 +32,7 @@ const std::set<std::string> kKnownKeys = {
     "activation_function", "layer_norm_epsilon", "resid_pdrop", "embd_pdrop",     "attn_pdrop",
     "scale_attn_weights", "summary_type", "summary_use_proj",  "summary_activation", "summary_proj_to_labels",
     "summary_first_dropout", "reorder_and_upcast_attn", "scale_attn_by_inverse_layer_idx", "task_specific_params",
-    "layer_types",        "id2label",     "label2id"};
+    "layer_types",        "id2label",     "label2id",          "rope_parameters"};
 
 // A number of the configuration: InvalidArgument naming the key where it is missing (and required)
 // or not a number.
@@ -81,22 +82,39 @@ std::string Shortest(double v) {
   }
 }
 
-Status ReadRopeScaling(const Json& j, const ConfigReader& config, ModelSpec* m) {
-  if (!j.contains("rope_scaling") || j.at("rope_scaling").is_null()) return Status::Ok();
-  const Json& s = j.at("rope_scaling");
-  if (!s.is_object()) return config.Refuse("rope_scaling", "is " + s.dump() + ", not an object or null");
-  const std::string type = s.contains("rope_type") ? s.value("rope_type", "") : s.value("type", "");
+// transformers' rotary settings: rope_theta and rope_scaling (up to transformers 4), or both inside
+// rope_parameters (transformers 5 saves them so).
+Status ReadRope(const Json& j, const ConfigReader& config, ModelSpec* m) {
+  LTRAIN_ASSIGN_OR_RETURN(m->rope_theta, config.Number("rope_theta", 10000.0));
+  const bool v5 = j.contains("rope_parameters") && !j.at("rope_parameters").is_null();
+  const std::string where = v5 ? "rope_parameters" : "rope_scaling";
+  if (v5 && j.contains("rope_scaling") && !j.at("rope_scaling").is_null()) {
+    return config.Refuse("rope_scaling", "is given beside rope_parameters: keep one of them");
+  }
+  if (!j.contains(where) || j.at(where).is_null()) return Status::Ok();
+  const Json& s = j.at(where);
+  if (!s.is_object()) return config.Refuse(where, "is " + s.dump() + ", not an object or null");
+  const std::string type = s.contains("rope_type") ? s.value("rope_type", "") : s.value("type", "default");
   std::set<std::string> known = {"rope_type", "type"};
   auto number = [&](const std::string& key, double* out, bool required) -> Status {
     known.insert(key);
     if (!s.contains(key) || s.at(key).is_null()) {
-      if (required) return config.Refuse("rope_scaling." + key, "is missing; rope_type " + type + " needs it");
+      if (required) return config.Refuse(where + "." + key, "is missing; rope_type " + type + " needs it");
       return Status::Ok();
     }
-    if (!s.at(key).is_number()) return config.Refuse("rope_scaling." + key, "is " + s.at(key).dump() + ", not a number");
+    if (!s.at(key).is_number()) return config.Refuse(where + "." + key, "is " + s.at(key).dump() + ", not a number");
     *out = s.at(key).get<double>();
     return Status::Ok();
   };
+  if (v5) {
+    LTRAIN_RETURN_IF_ERROR(number("rope_theta", &m->rope_theta, false));
+    double partial = 1;
+    LTRAIN_RETURN_IF_ERROR(number("partial_rotary_factor", &partial, false));
+    if (partial != 1) {
+      return config.Refuse(where + ".partial_rotary_factor", "=" + Shortest(partial) +
+                                                                 " is not supported: ltrain rotates every pair of a head");
+    }
+  }
   if (type == "default") {
     // transformers' plain RoPE.
   } else if (type == "linear") {
@@ -111,22 +129,24 @@ Status ReadRopeScaling(const Json& j, const ConfigReader& config, ModelSpec* m) 
     LTRAIN_RETURN_IF_ERROR(number("original_max_position_embeddings", &original, true));
     m->rope_original_positions = static_cast<int>(original);
   } else {
-    return config.Refuse("rope_scaling.rope_type",
+    return config.Refuse(where + ".rope_type",
                          "'" + type + "' is not supported: ltrain applies linear and llama3 scaling (a run with " +
                              "another would rotate every position otherwise than the model was trained with)");
   }
   for (const auto& [key, value] : s.items()) {
     if (known.count(key) == 0) {
-      return config.Refuse("rope_scaling." + key, "is not a key ltrain knows of rope_type " + type +
-                                                      ": it would change the rotary angles, so it is refused");
+      return config.Refuse(where + "." + key, "is not a key ltrain knows of rope_type " + type +
+                                                  ": it would change the rotary angles, so it is refused");
     }
   }
   return Status::Ok();
 }
 
-StatusOr<HfModelConfig> ReadLlama(const Json& j, const ConfigReader& c, HfModelConfig out, int seq_len) {
+// Llama and the families of its block (Mistral, Qwen2, Qwen3).
+StatusOr<HfModelConfig> ReadLlamaBlock(const Json& j, const ConfigReader& c, const ModelFamily& family,
+                                       HfModelConfig out, int seq_len) {
   ModelSpec& m = out.model;
-  m.arch = Arch::kLlama;
+  m.arch = family.arch;
   LTRAIN_ASSIGN_OR_RETURN(int64_t layers, c.Int("num_hidden_layers"));
   LTRAIN_ASSIGN_OR_RETURN(int64_t hidden, c.Int("hidden_size"));
   LTRAIN_ASSIGN_OR_RETURN(int64_t heads, c.Int("num_attention_heads"));
@@ -136,17 +156,15 @@ StatusOr<HfModelConfig> ReadLlama(const Json& j, const ConfigReader& c, HfModelC
   if (c.Has("num_key_value_heads")) {
     LTRAIN_ASSIGN_OR_RETURN(kv, c.Int("num_key_value_heads"));
   }
-  if (heads <= 0 || hidden % heads != 0) {
-    return c.Refuse("num_attention_heads", "=" + std::to_string(heads) + " does not divide hidden_size=" +
-                                               std::to_string(hidden));
-  }
+  int64_t head_dim = 0;
   if (c.Has("head_dim")) {
-    LTRAIN_ASSIGN_OR_RETURN(int64_t head_dim, c.Int("head_dim"));
-    if (head_dim != hidden / heads) {
-      return c.Refuse("head_dim", "=" + std::to_string(head_dim) + " is not hidden_size/num_attention_heads=" +
-                                      std::to_string(hidden / heads) +
-                                      ": ltrain's heads are hidden_size/num_attention_heads wide");
+    LTRAIN_ASSIGN_OR_RETURN(head_dim, c.Int("head_dim"));
+    if (head_dim <= 0 || head_dim % 2 != 0) {
+      return c.Refuse("head_dim", "=" + std::to_string(head_dim) + " must be even: rotary embeddings rotate pairs");
     }
+  } else if (heads <= 0 || hidden % heads != 0) {
+    return c.Refuse("num_attention_heads", "=" + std::to_string(heads) + " does not divide hidden_size=" +
+                                               std::to_string(hidden) + " and head_dim is not given");
   }
   m.layers = static_cast<int>(layers);
   m.d_model = static_cast<int>(hidden);
@@ -154,12 +172,14 @@ StatusOr<HfModelConfig> ReadLlama(const Json& j, const ConfigReader& c, HfModelC
   m.kv_heads = static_cast<int>(kv);
   m.ffn = static_cast<int>(ffn);
   m.vocab = static_cast<int>(vocab);
-  // transformers' LlamaConfig defaults, where the file leaves a key out.
-  LTRAIN_ASSIGN_OR_RETURN(m.rope_theta, c.Number("rope_theta", 10000.0));
+  // Heads of d_model/heads are the default (a recipe need not say so).
+  m.head_dim = heads > 0 && hidden % heads == 0 && head_dim == hidden / heads ? 0 : static_cast<int>(head_dim);
+  // transformers' defaults (LlamaConfig's, MistralConfig's, Qwen2Config's, Qwen3Config's agree), where
+  // the file leaves a key out.
   LTRAIN_ASSIGN_OR_RETURN(m.norm_eps, c.Number("rms_norm_eps", 1e-6));
   LTRAIN_ASSIGN_OR_RETURN(m.tie_embeddings, c.Bool("tie_word_embeddings", false));
-  LTRAIN_RETURN_IF_ERROR(ReadRopeScaling(j, c, &m));
-  out.keys = {"model.arch", "model.layers", "model.d_model", "model.heads", "model.kv_heads", "model.ffn",
+  LTRAIN_RETURN_IF_ERROR(ReadRope(j, c, &m));
+  out.keys = {"model.arch", "model.layers", "model.d_model", "model.heads", "model.kv_heads", "model.head_dim", "model.ffn",
               "model.vocab", "model.rope_theta", "model.norm_eps", "model.tie_embeddings", "model.rope_scaling",
               "model.rope_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
               "model.rope_original_positions"};
@@ -167,10 +187,15 @@ StatusOr<HfModelConfig> ReadLlama(const Json& j, const ConfigReader& c, HfModelC
   if (const std::string act = c.Text("hidden_act"); c.Has("hidden_act") && act != "silu") {
     return c.Refuse("hidden_act", "'" + act + "' is not supported: ltrain's Llama MLP is SwiGLU (silu)");
   }
+  // Qwen2's q, k and v biases are its family's own; a Llama's or Qwen3's attention_bias adds them to
+  // the output projection too, which no family here has.
   LTRAIN_ASSIGN_OR_RETURN(bool attention_bias, c.Bool("attention_bias", false));
-  if (attention_bias) return c.Refuse("attention_bias", "true is not supported: ltrain's Llama has no biases");
+  if (attention_bias) {
+    return c.Refuse("attention_bias", "true is not supported: ltrain's " + std::string(family.hf_architecture) +
+                                          " has no attention biases");
+  }
   LTRAIN_ASSIGN_OR_RETURN(bool mlp_bias, c.Bool("mlp_bias", false));
-  if (mlp_bias) return c.Refuse("mlp_bias", "true is not supported: ltrain's Llama has no biases");
+  if (mlp_bias) return c.Refuse("mlp_bias", "true is not supported: ltrain's MLPs of this family have no biases");
   LTRAIN_ASSIGN_OR_RETURN(double tp, c.Number("pretraining_tp", 1));
   if (tp != 1) {
     return c.Refuse("pretraining_tp", "=" + Shortest(tp) + " is not supported (it splits the products into slices "
@@ -184,8 +209,25 @@ StatusOr<HfModelConfig> ReadLlama(const Json& j, const ConfigReader& c, HfModelC
                           ": the model was not made for positions that far; lower model.seq_len");
     }
   }
-  LTRAIN_ASSIGN_OR_RETURN(bool use_sliding_window, c.Bool("use_sliding_window", true));
-  if (c.Has("sliding_window") && use_sliding_window) {
+  // Sliding-window attention: Mistral's (and, to be safe, a Llama's) whenever sliding_window is set;
+  // Qwen's where use_sliding_window is on (for the layers from max_window_layers), or where
+  // layer_types names sliding_attention.
+  bool sliding = family.arch == Arch::kMistral || family.arch == Arch::kLlama;
+  if (!sliding) {
+    LTRAIN_ASSIGN_OR_RETURN(sliding, c.Bool("use_sliding_window", false));
+  }
+  if (j.contains("layer_types") && j.at("layer_types").is_array()) {
+    for (const Json& type : j.at("layer_types")) {
+      const std::string t = type.is_string() ? type.get<std::string>() : type.dump();
+      if (t == "sliding_attention") {
+        sliding = true;
+      } else if (t != "full_attention") {
+        return c.Refuse("layer_types", "names '" + t + "': ltrain's layers are full_attention (or sliding_attention "
+                                                       "whose window covers model.seq_len)");
+      }
+    }
+  }
+  if (c.Has("sliding_window") && sliding) {
     LTRAIN_ASSIGN_OR_RETURN(int64_t window, c.Int("sliding_window"));
     if (window < seq_len) {
       return c.Refuse("sliding_window", "=" + std::to_string(window) + " is smaller than model.seq_len=" +
@@ -274,16 +316,12 @@ StatusOr<HfModelConfig> ReadHfModelConfig(const std::string& dir, int seq_len) {
     return c.Refuse("architectures", "must name one architecture, e.g. [\"LlamaForCausalLM\"]");
   }
   out.architecture = j.at("architectures")[0].get<std::string>();
-  StatusOr<HfModelConfig> read = InvalidArgument("");
-  if (out.architecture == "LlamaForCausalLM" || out.architecture == "MistralForCausalLM") {
-    read = ReadLlama(j, c, out, seq_len);
-  } else if (out.architecture == "GPT2LMHeadModel") {
-    read = ReadGpt2(c, out);
-  } else {
-    return c.Refuse("architectures", "names " + out.architecture +
-                                         ", which ltrain does not build; it builds LlamaForCausalLM, "
-                                         "MistralForCausalLM (as a Llama) and GPT2LMHeadModel");
+  const ModelFamily* family = FamilyOfHfArchitecture(out.architecture);
+  if (family == nullptr) {
+    return c.Refuse("architectures", "names " + out.architecture + ", which ltrain does not build; it builds " +
+                                         HfArchitectureList());
   }
+  StatusOr<HfModelConfig> read = family->llama_block ? ReadLlamaBlock(j, c, *family, out, seq_len) : ReadGpt2(c, out);
   if (!read.ok()) return read.status();
   std::string unknown;
   for (const auto& [key, value] : j.items()) {

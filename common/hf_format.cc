@@ -1,12 +1,16 @@
 #include "common/hf_format.h"
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <memory>
+#include <set>
 
 #include <nlohmann/json.hpp>
 
 #include "common/files.h"
+#include "common/model_family.h"
 #include "common/safetensors.h"
 
 namespace ltrain {
@@ -15,65 +19,33 @@ namespace {
 namespace fs = std::filesystem;
 using Json = nlohmann::json;
 
+std::string ShapeText(const std::vector<int64_t>& s) {
+  std::string t = "[";
+  for (size_t i = 0; i < s.size(); ++i) t += (i ? ", " : "") + std::to_string(s[i]);
+  return t + "]";
+}
+
 }  // namespace
 
 std::vector<HfName> HfNames(const ModelSpec& m) {
   std::vector<HfName> out;
-  auto add = [&](const std::string& ours, const std::string& hf, bool transposed = false) {
-    out.push_back(HfName{ours, hf, transposed});
-  };
-  if (m.arch == Arch::kLlama) {
-    add("tok_embeddings.weight", "model.embed_tokens.weight");
-    for (int l = 0; l < m.layers; ++l) {
-      const std::string o = "layers." + std::to_string(l) + ".", h = "model.layers." + std::to_string(l) + ".";
-      add(o + "attn_norm.weight", h + "input_layernorm.weight");
-      add(o + "wq.weight", h + "self_attn.q_proj.weight");
-      add(o + "wk.weight", h + "self_attn.k_proj.weight");
-      add(o + "wv.weight", h + "self_attn.v_proj.weight");
-      add(o + "wo.weight", h + "self_attn.o_proj.weight");
-      add(o + "ffn_norm.weight", h + "post_attention_layernorm.weight");
-      add(o + "w1.weight", h + "mlp.gate_proj.weight");
-      add(o + "w3.weight", h + "mlp.up_proj.weight");
-      add(o + "w2.weight", h + "mlp.down_proj.weight");
-    }
-    add("norm.weight", "model.norm.weight");
-    if (!m.tie_embeddings) add("output.weight", "lm_head.weight");
-    return out;
-  }
-  add("wte.weight", "transformer.wte.weight");
-  add("wpe.weight", "transformer.wpe.weight");
-  for (int l = 0; l < m.layers; ++l) {
-    const std::string o = "blocks." + std::to_string(l) + ".", h = "transformer.h." + std::to_string(l) + ".";
-    add(o + "ln1.weight", h + "ln_1.weight");
-    add(o + "ln1.bias", h + "ln_1.bias");
-    add(o + "qkv.weight", h + "attn.c_attn.weight", true);
-    add(o + "qkv.bias", h + "attn.c_attn.bias");
-    add(o + "proj.weight", h + "attn.c_proj.weight", true);
-    add(o + "proj.bias", h + "attn.c_proj.bias");
-    add(o + "ln2.weight", h + "ln_2.weight");
-    add(o + "ln2.bias", h + "ln_2.bias");
-    add(o + "fc.weight", h + "mlp.c_fc.weight", true);
-    add(o + "fc.bias", h + "mlp.c_fc.bias");
-    add(o + "fc2.weight", h + "mlp.c_proj.weight", true);
-    add(o + "fc2.bias", h + "mlp.c_proj.bias");
-  }
-  add("lnf.weight", "transformer.ln_f.weight");
-  add("lnf.bias", "transformer.ln_f.bias");
+  for (const ModelParameter& p : ModelParameters(m)) out.push_back(HfName{p.name, p.hf_name, p.hf_transposed});
   return out;
 }
 
 std::string HfConfigJson(const ModelSpec& m, int64_t bos, int64_t eos) {
   Json j;
   auto id = [](int64_t v) { return v >= 0 ? Json(v) : Json(nullptr); };
-  if (m.arch == Arch::kLlama) {
-    j["architectures"] = Json::array({"LlamaForCausalLM"});
-    j["model_type"] = "llama";
+  const ModelFamily& family = FamilyOf(m.arch);
+  if (family.llama_block) {
+    j["architectures"] = Json::array({std::string(family.hf_architecture)});
+    j["model_type"] = std::string(family.hf_model_type);
     j["hidden_size"] = m.d_model;
     j["intermediate_size"] = FfnWidth(m);
     j["num_hidden_layers"] = m.layers;
     j["num_attention_heads"] = m.heads;
     j["num_key_value_heads"] = KvHeads(m);
-    j["head_dim"] = m.d_model / m.heads;
+    j["head_dim"] = HeadDim(m);
     j["vocab_size"] = m.vocab;
     j["max_position_embeddings"] = m.seq_len;
     j["rms_norm_eps"] = m.norm_eps;
@@ -90,9 +62,16 @@ std::string HfConfigJson(const ModelSpec& m, int64_t bos, int64_t eos) {
       j["rope_scaling"] = nullptr;
     }
     j["hidden_act"] = "silu";
-    j["attention_bias"] = false;
     j["attention_dropout"] = 0.0;
-    j["mlp_bias"] = false;
+    if (m.arch == Arch::kLlama || m.arch == Arch::kQwen3) j["attention_bias"] = false;
+    if (m.arch == Arch::kLlama) j["mlp_bias"] = false;
+    // Attention over the whole sequence: Mistral's window is the context, Qwen's is off.
+    if (m.arch == Arch::kMistral) j["sliding_window"] = m.seq_len;
+    if (m.arch == Arch::kQwen2 || m.arch == Arch::kQwen3) {
+      j["use_sliding_window"] = false;
+      j["sliding_window"] = nullptr;
+      j["max_window_layers"] = m.layers;
+    }
     j["initializer_range"] = 0.02;
     j["tie_word_embeddings"] = m.tie_embeddings;
     j["bos_token_id"] = id(bos);
@@ -157,6 +136,59 @@ StatusOr<std::map<std::string, std::string>> SafetensorsTensorFiles(const std::s
     for (const SafetensorsEntry& e : f->tensors()) out[e.name] = file;
   }
   return out;
+}
+
+Status CheckHfTensors(const std::string& path, const ModelSpec& model) {
+  LTRAIN_ASSIGN_OR_RETURN(auto tensor_files, SafetensorsTensorFiles(path));
+  std::map<std::string, std::unique_ptr<SafetensorsFile>> open;
+  auto entry = [&](const std::string& name) -> StatusOr<const SafetensorsEntry*> {
+    const std::string& file = tensor_files.at(name);
+    if (!open.count(file)) {
+      LTRAIN_ASSIGN_OR_RETURN(open[file], SafetensorsFile::Open(file));
+    }
+    return open[file]->Find(name);
+  };
+  // Each kind of mismatch apart, so that the first few of each are shown.
+  std::vector<std::string> missing, shapes, dtypes, extra;
+  std::set<std::string> used;
+  for (const ModelParameter& p : ModelParameters(model)) {
+    const bool hf = tensor_files.count(p.hf_name) > 0;
+    if (!hf && !tensor_files.count(p.name)) {
+      missing.push_back(p.hf_name + " is missing");
+      continue;
+    }
+    const std::string& name = hf ? p.hf_name : p.name;
+    used.insert(name);
+    LTRAIN_ASSIGN_OR_RETURN(const SafetensorsEntry* e, entry(name));
+    std::vector<int64_t> shape = e->shape;
+    if (hf && p.hf_transposed && shape.size() == 2) std::swap(shape[0], shape[1]);
+    if (shape != p.shape) {
+      shapes.push_back(name + " is " + ShapeText(e->shape) + (hf && p.hf_transposed ? " (transposed)" : "") +
+                         ", the model needs " + ShapeText(p.shape));
+    }
+    if (e->dtype != "F32" && e->dtype != "BF16" && e->dtype != "F16") {
+      dtypes.push_back(name + " is " + e->dtype + " (F32, BF16 and F16 are read)");
+    }
+  }
+  for (const auto& [name, file] : tensor_files) {
+    // Buffers transformers derives (rotary frequencies, GPT-2's causal masks), and a tied head saved
+    // beside its embedding.
+    const bool derived = name.ends_with("rotary_emb.inv_freq") || name.ends_with(".attn.bias") ||
+                         name.ends_with(".attn.masked_bias") || (model.tie_embeddings && name == "lm_head.weight");
+    if (!used.count(name) && !derived) extra.push_back(name + " is not a parameter of the model (it would be ignored)");
+  }
+  const size_t problems = missing.size() + shapes.size() + dtypes.size() + extra.size();
+  if (problems == 0) return Status::Ok();
+  std::string text;
+  for (const std::vector<std::string>* kind : {&missing, &shapes, &dtypes, &extra}) {
+    const size_t shown = std::min<size_t>(kind->size(), 4);
+    for (size_t i = 0; i < shown; ++i) text += "\n  " + (*kind)[i];
+    if (kind->size() > shown) text += "\n  and " + std::to_string(kind->size() - shown) + " more like it";
+  }
+  return InvalidArgument("model.init_from: " + path + " does not hold the recipe's " + NameOf(model.arch) + " (" +
+                         std::to_string(problems) + " mismatch" + (problems == 1 ? "" : "es") + "):" +
+                         text + "\nset model.init_from to a directory with its config.json, or the model keys to the "
+                         "saved model's");
 }
 
 }  // namespace ltrain

@@ -19,8 +19,8 @@ struct HfName {
   bool transposed = false; // GPT-2's Conv1D stores [in, out]: ours transposed
 };
 
-// Every parameter of the model, in our order, with its transformers name (LlamaForCausalLM,
-// GPT2LMHeadModel). A tied head has no entry of its own.
+// Every parameter of the model, in our order, with its transformers name (ModelParameters': the
+// family's own architecture). A tied head has no entry of its own.
 std::vector<HfName> HfNames(const ModelSpec& model);
 
 // config.json for the model; `bos`/`eos` are the tokenizer's ids, -1 for none.
@@ -30,5 +30,11 @@ std::string HfConfigJson(const ModelSpec& model, int64_t bos, int64_t eos);
 // (model.safetensors, or the shards model.safetensors.index.json lists), or one .safetensors file:
 // tensor name -> file.
 StatusOr<std::map<std::string, std::string>> SafetensorsTensorFiles(const std::string& path);
+
+// Whether the safetensors of `path` (as SafetensorsTensorFiles) hold exactly the model's parameters,
+// by transformers' names or ours: every parameter there, of its shape, in F32, BF16 or F16, and no
+// tensor the model would ignore (transformers' rotary buffers and a tied head's copy aside). Reads the
+// headers only. InvalidArgument names each mismatch.
+Status CheckHfTensors(const std::string& path, const ModelSpec& model);
 
 }  // namespace ltrain

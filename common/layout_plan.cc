@@ -28,7 +28,7 @@ struct ParamShape {
 // The full model's parameters in the worker's order (ModelParameterShapes).
 std::vector<ParamShape> ModelShapes(const ModelSpec& m, int tp) {
   const int64_t d = m.d_model, f = FfnWidth(m), V = m.vocab, T = m.seq_len;
-  const int64_t kv_dim = d / m.heads * KvHeads(m);
+  const int64_t kv_dim = int64_t{HeadDim(m)} * KvHeads(m), q_dim = int64_t{HeadDim(m)} * m.heads;
   const Split kv_split = KvHeads(m) % tp == 0 ? Split::kRows : Split::kWhole;
   std::vector<ParamShape> out;
   out.push_back({V * d, Split::kRows, -1, true, false});
@@ -43,12 +43,22 @@ std::vector<ParamShape> ModelShapes(const ModelSpec& m, int tp) {
         out.push_back({n, s, l, false, false});
       }
     } else {
-      // attn_norm wq wk wv wo ffn_norm w1 w3 w2
+      // attn_norm wq wk wv wo ffn_norm w1 w3 w2 (the order of their sizes is what counts here), then
+      // qwen2's biases and qwen3's per-head norms
       for (const auto& [n, s] : std::vector<std::pair<int64_t, Split>>{
-               {d, Split::kWhole}, {d * d, Split::kRows}, {kv_dim * d, kv_split}, {kv_dim * d, kv_split},
-               {d * d, Split::kCols}, {d, Split::kWhole}, {f * d, Split::kRows}, {f * d, Split::kRows},
+               {d, Split::kWhole}, {q_dim * d, Split::kRows}, {kv_dim * d, kv_split}, {kv_dim * d, kv_split},
+               {d * q_dim, Split::kCols}, {d, Split::kWhole}, {f * d, Split::kRows}, {f * d, Split::kRows},
                {d * f, Split::kCols}}) {
         out.push_back({n, s, l, false, false});
+      }
+      if (m.arch == Arch::kQwen2) {
+        out.push_back({q_dim, Split::kRows, l, false, false});
+        out.push_back({kv_dim, kv_split, l, false, false});
+        out.push_back({kv_dim, kv_split, l, false, false});
+      }
+      if (m.arch == Arch::kQwen3) {
+        out.push_back({HeadDim(m), Split::kWhole, l, false, false});
+        out.push_back({HeadDim(m), Split::kWhole, l, false, false});
       }
     }
   }
@@ -139,10 +149,10 @@ Shape ShapeOf(const ModelSpec& m, const Layout& layout) {
   s.d = m.d_model;
   s.f = FfnWidth(m);
   s.h = m.heads;
-  s.hd = m.d_model / m.heads;
+  s.hd = HeadDim(m);
   s.V = m.vocab;
   const int kv = KvHeads(m);
-  s.kv_local = m.arch == Arch::kLlama && kv < layout.tp ? 1 : kv / layout.tp;
+  s.kv_local = m.arch != Arch::kGpt2 && kv < layout.tp ? 1 : kv / layout.tp;
   return s;
 }
 
@@ -160,13 +170,18 @@ int64_t CpuLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointin
       mask = T * T;
     }
   } else {
-    floats = 2 * b * Ts * d + 2 * (2 * b * Ts * d + b * Ts) + 2 * b * T * d + b * T * dl + 4 * b * T * fl;
+    // Attention's tensors are heads * head_dim wide (Qwen3's wider than d_model).
+    const int64_t ql = hl * s.hd, kvl = s.kv_local * s.hd;
+    floats = 2 * b * Ts * d + 2 * (2 * b * Ts * d + b * Ts) + 2 * b * T * d + b * T * ql + 4 * b * T * fl;
     if (ac == ActivationCheckpointing::kNone) {
-      floats += 3 * b * T * dl + b * hl * T * T;
+      floats += 3 * b * T * ql + b * hl * T * T;
       mask = T * T;
     } else {
-      floats += b * T * dl + 2 * b * T * s.kv_local * s.hd;
+      floats += b * T * ql + 2 * b * T * kvl;
     }
+    // Qwen3's per-head norms of q and k: each keeps its input, its output and a statistic per head, and
+    // the rotation of q its own copy (fitted to the layouts suite's Qwen3).
+    if (m.arch == Arch::kQwen3) floats += 2 * b * T * (ql + kvl) + b * T * (hl + s.kv_local) + 2 * b * T * ql;
   }
   return floats * 4 + mask;
 }
@@ -194,8 +209,11 @@ int64_t CudaLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointi
     // and their SwiGLU product (selective recompute: not the product, backward makes it again)
     const bool kv_whole = KvHeads(m) < t;
     const int64_t norm_outputs = rebuilt ? (kv_whole ? 1 : 0) : 2;
-    elems = norm_outputs * b * T * d + 2 * b * T * d / t + 2 * b * T * s.kv_local * s.hd +
-            (selective ? 2 : 3) * b * T * s.f / t;
+    const int64_t ql = s.h / t * s.hd, kvl = s.kv_local * s.hd;
+    elems = norm_outputs * b * T * d + 2 * b * T * ql + 2 * b * T * kvl + (selective ? 2 : 3) * b * T * s.f / t;
+    // Qwen2's biases add a sum of q, k and v each; Qwen3's per-head norms keep their inputs.
+    if (m.arch == Arch::kQwen2) elems += b * T * (ql + 2 * kvl);
+    if (m.arch == Arch::kQwen3) elems += b * T * (ql + kvl);
   }
   // norm statistics and attention's log-sum-exp, fp32
   return stream * a + elems * a + 4 * (4 * b * Ts + b * (s.h / t) * T);
@@ -253,7 +271,7 @@ int64_t PipelinePeak(const Layout& layout, const std::vector<int64_t>& stage_byt
 // `memory rank` lines of the layouts suite's models (ltrain's integration tests).
 constexpr int64_t kCpuOverheadPerRank = 40 * 1024;
 int64_t CpuLayerOverhead(const ModelSpec& m, ActivationCheckpointing ac) {
-  if (ac == ActivationCheckpointing::kFull) return 5 * 1024;
+  if (ac == ActivationCheckpointing::kFull) return 8 * 1024;
   return m.arch == Arch::kGpt2 ? 40 * 1024 : 76 * 1024;
 }
 
@@ -318,7 +336,7 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double
   const int dp = layout.dp, zero = layout.zero, mb = layout.accumulation;
   const Shape s = ShapeOf(m, layout);
   const bool tp_partial = (layout.sequence_parallel && layout.tp > 1) ||
-                          (m.arch == Arch::kLlama && KvHeads(m) < layout.tp);
+                          (m.arch != Arch::kGpt2 && (KvHeads(m) < layout.tp || (m.arch == Arch::kQwen3 && layout.tp > 1)));
   const bool overlap = layout.pp == 1 && !tp_partial;
   const int stages = layout.pp * layout.chunks;
   const int64_t send = s.b * s.Ts * s.d * sb;

@@ -478,6 +478,10 @@ void CheckArchKeys(const ModelSpec& m, RecipeReader& reader) {
       reader.ErrorOnKey("model.tie_embeddings", "GPT-2's head is always its token embedding; model.tie_embeddings: "
                                                 "false needs model.arch: llama");
     }
+    if (m.head_dim != 0 && m.head_dim * m.heads != m.d_model) {
+      reader.ErrorOnKey("model.head_dim", "GPT-2's heads are d_model/heads wide; model.head_dim is a key of the "
+                                          "Llama-block families (llama, mistral, qwen2, qwen3): remove it");
+    }
     return;
   }
   const int kv = KvHeads(m);
@@ -485,9 +489,11 @@ void CheckArchKeys(const ModelSpec& m, RecipeReader& reader) {
     reader.ErrorOnKey("model.kv_heads", "model.kv_heads=" + std::to_string(kv) + " must divide model.heads=" +
                                         std::to_string(m.heads) + " (each key/value head serves heads/kv_heads query heads)");
   }
-  if ((m.d_model / m.heads) % 2 != 0) {
-    reader.ErrorOnKey("model.heads", "rotary embeddings rotate pairs: the head width d_model/heads=" +
-                                     std::to_string(m.d_model / m.heads) + " must be even");
+  if (HeadDim(m) % 2 != 0) {
+    reader.ErrorOnKey(m.head_dim > 0 ? "model.head_dim" : "model.heads",
+                      "rotary embeddings rotate pairs: the head width " +
+                          std::string(m.head_dim > 0 ? "model.head_dim=" : "d_model/heads=") +
+                          std::to_string(HeadDim(m)) + " must be even");
   }
   if (m.rope_scaling == RopeScaling::kLlama3 && m.rope_high_freq_factor <= m.rope_low_freq_factor) {
     std::ostringstream text;
@@ -565,7 +571,7 @@ void CheckAcrossKeys(const Recipe& r, RecipeReader& reader) {
     reader.ErrorOnKey("training.min_lr", "training.min_lr must not exceed training.lr");
   }
   if (reader.Refused({"model."})) return;  // every rule below reads the model
-  if (r.model.d_model % r.model.heads != 0) {
+  if (r.model.d_model % r.model.heads != 0 && (r.model.arch == Arch::kGpt2 || r.model.head_dim == 0)) {
     reader.ErrorOnKey("model.heads", "model.heads=" + std::to_string(r.model.heads) + " does not divide model.d_model=" +
                                          std::to_string(r.model.d_model) +
                                          "; choose heads so that d_model/heads is a whole number");
@@ -782,6 +788,8 @@ std::map<std::string, std::string> RecipeKeyValues(const Recipe& recipe) {
 
 int KvHeads(const ModelSpec& m) { return m.kv_heads > 0 ? m.kv_heads : m.heads; }
 
+int HeadDim(const ModelSpec& m) { return m.head_dim > 0 ? m.head_dim : m.d_model / m.heads; }
+
 int FfnWidth(const ModelSpec& m) {
   if (m.arch == Arch::kGpt2) return 4 * m.d_model;
   if (m.ffn > 0) return m.ffn;
@@ -802,6 +810,7 @@ std::string ModelShapeDifferences(const ModelSpec& saved, const ModelSpec& curre
   compare("heads", number(saved.heads), number(current.heads));
   // Unset, these two follow heads and d_model, whose difference is then said once.
   if (saved.kv_heads > 0 || current.kv_heads > 0) compare("kv_heads", number(KvHeads(saved)), number(KvHeads(current)));
+  if (saved.head_dim > 0 || current.head_dim > 0) compare("head_dim", number(HeadDim(saved)), number(HeadDim(current)));
   if (saved.d_model == current.d_model || saved.ffn > 0 || current.ffn > 0) {
     compare("ffn", number(FfnWidth(saved)), number(FfnWidth(current)));
   }
@@ -816,10 +825,13 @@ std::string ModelShapeDifferences(const ModelSpec& saved, const ModelSpec& curre
 int64_t ApproxParameterCount(const ModelSpec& m) {
   const int64_t d = m.d_model;
   const int64_t f = FfnWidth(m);
-  if (m.arch == Arch::kLlama) {
-    const int64_t kv = d / m.heads * KvHeads(m);
-    // Per block: two RMSNorms, wq and wo (d x d), wk and wv (kv x d), w1, w3 and w2 (f x d).
-    const int64_t block = 2 * d + 2 * d * d + 2 * kv * d + 3 * f * d;
+  if (m.arch != Arch::kGpt2) {
+    const int64_t hd = HeadDim(m), q = hd * m.heads, kv = hd * KvHeads(m);
+    // Per block: two RMSNorms, wq and wo (q x d), wk and wv (kv x d), w1, w3 and w2 (f x d); qwen2's
+    // q, k and v biases, qwen3's per-head norms of q and k.
+    int64_t block = 2 * d + 2 * q * d + 2 * kv * d + 3 * f * d;
+    if (m.arch == Arch::kQwen2) block += q + 2 * kv;
+    if (m.arch == Arch::kQwen3) block += 2 * hd;
     return m.vocab * d * (m.tie_embeddings ? 1 : 2) + m.layers * block + d;
   }
   // Per block: two layer norms (4d), attention (qkv 3d^2+3d, projection d^2+d), MLP (2fd+f+d).
@@ -858,7 +870,7 @@ PhaseTimeout StartupTimeout(const Recipe& recipe) {
 int64_t DataSeed(const Recipe& recipe) { return recipe.data.seed >= 0 ? recipe.data.seed : recipe.training.seed; }
 
 std::vector<float> RopeInverseFrequencies(const ModelSpec& m) {
-  const int hd = m.d_model / m.heads;
+  const int hd = HeadDim(m);
   std::vector<float> out;
   for (int i = 0; i < hd; i += 2) {
     // transformers: 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim)), all in fp32.

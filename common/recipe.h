@@ -20,7 +20,7 @@ namespace ltrain {
 
 // The closed sets of recipe values. EnumNames<E>::kNames gives the names recipes use, in the order
 // `ltrain validate --explain` lists them.
-enum class Arch { kGpt2, kLlama };
+enum class Arch { kGpt2, kLlama, kMistral, kQwen2, kQwen3 };
 enum class ModelInit { kAuto, kPytorch, kPerParameter };
 enum class Tokenizer { kAuto, kByte, kHuggingFace };
 enum class Sampling { kEpochs, kHash, kTorch };
@@ -36,7 +36,11 @@ template <typename E>
 struct EnumNames;
 template <>
 struct EnumNames<Arch> {
-  static constexpr std::array<std::pair<Arch, std::string_view>, 2> kNames = {{{Arch::kGpt2, "gpt2"}, {Arch::kLlama, "llama"}}};
+  static constexpr std::array<std::pair<Arch, std::string_view>, 5> kNames = {{{Arch::kGpt2, "gpt2"},
+                                                                              {Arch::kLlama, "llama"},
+                                                                              {Arch::kMistral, "mistral"},
+                                                                              {Arch::kQwen2, "qwen2"},
+                                                                              {Arch::kQwen3, "qwen3"}}};
 };
 template <>
 struct EnumNames<WarmStandby> {
@@ -126,10 +130,12 @@ struct ModelSpec {
   int vocab = 256;
   // gpt2: learned positions, LayerNorm, GELU MLP of 4*d_model, biases, tied head (gpt_model.GPT).
   // llama: rotary positions, RMSNorm, SwiGLU MLP, grouped-query attention, no biases
-  // (llama_model.Llama, Hugging Face's LlamaForCausalLM).
+  // (llama_model.Llama, Hugging Face's LlamaForCausalLM). mistral, qwen2, qwen3: the Llama block with
+  // their changes (common/model_family.h says which).
   Arch arch = Arch::kGpt2;
   int kv_heads = 0;              // key/value heads (grouped-query attention; llama); 0: model.heads
   int ffn = 0;                   // SwiGLU hidden width (llama); 0: 8*d_model/3 rounded up to a multiple of 64
+  int head_dim = 0;              // width of an attention head (llama block); 0: d_model/heads
   double rope_theta = 500000;    // rotary base (llama)
   // Rotary scaling for contexts past the one a model was trained on, as transformers' rope_scaling:
   // linear divides every frequency by rope_factor; llama3 (Llama 3.1 and 3.2) divides those of
@@ -288,6 +294,8 @@ struct Recipe {
 int64_t ApproxParameterCount(const ModelSpec& model);
 // model.kv_heads resolved (model.heads when unset).
 int KvHeads(const ModelSpec& model);
+// model.head_dim resolved (d_model/heads when unset).
+int HeadDim(const ModelSpec& model);
 // The MLP's hidden width: 4*d_model for gpt2, model.ffn (or its default) for llama.
 int FfnWidth(const ModelSpec& model);
 

@@ -68,8 +68,10 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
         r.name);
 
   visit(RecipeKey{.section = "model", .name = "arch",
-                  .help = "gpt2 (learned positions, LayerNorm, GELU, biases) or llama (rotary positions, RMSNorm, "
-                          "SwiGLU, grouped-query attention, no biases)",
+                  .help = "gpt2 (learned positions, LayerNorm, GELU, biases); llama (rotary positions, RMSNorm, "
+                          "SwiGLU, grouped-query attention, no biases); mistral (a llama, its window covering "
+                          "seq_len); qwen2 (a llama with q, k and v biases); qwen3 (a llama with an RMSNorm on each "
+                          "head of q and k)",
                   .omit_at_default = true},
         r.model.arch);
   visit(RecipeKey{.section = "model", .name = "layers", .help = "transformer blocks", .int_min = 1, .int_max = 1024},
@@ -94,6 +96,11 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
                   .int_max = 1 << 22, .default_text = "8*d_model/3 rounded up to a multiple of 64",
                   .omit_at_default = true},
         r.model.ffn);
+  visit(RecipeKey{.section = "model", .name = "head_dim",
+                  .help = "width of an attention head (llama, mistral, qwen2, qwen3; Qwen3 heads are wider than "
+                          "d_model/heads)",
+                  .int_min = 0, .int_max = 4096, .default_text = "d_model/heads", .omit_at_default = true},
+        r.model.head_dim);
   visit(RecipeKey{.section = "model", .name = "rope_theta", .help = "base of the rotary position angles (llama)",
                   .real_min = 1, .real_max = 1e12, .omit_at_default = true},
         r.model.rope_theta);

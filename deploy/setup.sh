@@ -2,7 +2,7 @@
 # Installs the Debian 12 packages ltrain needs to build, run and test. Idempotent: it calls apt-get
 # only when a package is missing.
 #   deploy/setup.sh           build and run (compiler, CMake, gRPC, protobuf, yaml-cpp, CLI11, SQLite, LibTorch, Gloo,
-#                             PCRE2, nlohmann-json, simdjson, zstd, zlib, libmicrohttpd)
+#                             PCRE2, nlohmann-json, ICU, simdjson, zstd, zlib, libmicrohttpd)
 #   deploy/setup.sh --tests   also what the tests use: GoogleTest, systemd (systemd-analyze checks
 #                             deploy/systemd), iproute2 (network namespaces), Slurm and munge (a real
 #                             Slurm with two fake nodes), Python (the benchmarks, the JSON schema
@@ -15,6 +15,7 @@ packages=(
   libyaml-cpp-dev libcli11-dev libsqlite3-dev
   libxxhash-dev          # XXH3-64, the checksums of checkpoint shards
   libpcre2-dev nlohmann-json3-dev   # tokenizers: pre-tokenizer regexes, tokenizer.json
+  libicu-dev             # tokenizers' NFC normalizer (Qwen's tokenizer.json)
   libsimdjson-dev libzstd-dev zlib1g-dev   # data prepare: JSON Lines, zstd and gzip corpora
   libmicrohttpd-dev      # the HTTP side: /metrics and the dashboard (--http-listen), HTTPS through GnuTLS
   libsentencepiece-dev   # SentencePiece .model tokenizers

@@ -21,6 +21,10 @@
 #include <vector>
 
 #include <nlohmann/json.hpp>
+#ifdef LTRAIN_WITH_ICU
+#include <unicode/unorm2.h>
+#include <unicode/ustring.h>
+#endif
 
 #include "common/files.h"
 
@@ -299,6 +303,38 @@ class SentencePieceTokenizer : public TextTokenizer {
   void* processor_;
 };
 
+// Unicode's canonical composition (NFC) of UTF-8 text, as tokenizers' NFC normalizer; text that is
+// not valid UTF-8 is left as it is. ASCII, and text already composed, cost one pass.
+std::string Nfc(std::string_view text) {
+#ifdef LTRAIN_WITH_ICU
+  if (std::all_of(text.begin(), text.end(), [](char c) { return static_cast<unsigned char>(c) < 0x80; })) {
+    return std::string(text);
+  }
+  UErrorCode error = U_ZERO_ERROR;
+  const UNormalizer2* nfc = unorm2_getNFCInstance(&error);
+  std::u16string wide(text.size(), u'\0');  // UTF-16 needs at most one unit per UTF-8 byte
+  int32_t length = 0;
+  u_strFromUTF8(wide.data(), static_cast<int32_t>(wide.size()), &length, text.data(),
+                static_cast<int32_t>(text.size()), &error);
+  if (U_FAILURE(error)) return std::string(text);
+  wide.resize(length);
+  if (unorm2_isNormalized(nfc, wide.data(), length, &error) && U_SUCCESS(error)) return std::string(text);
+  error = U_ZERO_ERROR;
+  std::u16string composed(wide.size() * 3 + 16, u'\0');
+  const int32_t n = unorm2_normalize(nfc, wide.data(), length, composed.data(), static_cast<int32_t>(composed.size()),
+                                     &error);
+  if (U_FAILURE(error)) return std::string(text);
+  std::string out(static_cast<size_t>(n) * 3, '\0');
+  int32_t bytes = 0;
+  u_strToUTF8(out.data(), static_cast<int32_t>(out.size()), &bytes, composed.data(), n, &error);
+  if (U_FAILURE(error)) return std::string(text);
+  out.resize(bytes);
+  return out;
+#else
+  return std::string(text);
+#endif
+}
+
 // A byte-level BPE from a Hugging Face tokenizer.json.
 class BpeTokenizer : public TextTokenizer {
  public:
@@ -335,7 +371,11 @@ class BpeTokenizer : public TextTokenizer {
           added_id = id;
         }
       }
-      EncodePlain(text.substr(pos, next - pos), &ids, &cache);
+      if (nfc_) {
+        EncodePlain(Nfc(text.substr(pos, next - pos)), &ids, &cache);
+      } else {
+        EncodePlain(text.substr(pos, next - pos), &ids, &cache);
+      }
       if (next == text.size()) break;
       ids.push_back(added_id);
       pos = next + length;
@@ -385,8 +425,17 @@ class BpeTokenizer : public TextTokenizer {
       }
     }
     if (j.contains("normalizer") && !j["normalizer"].is_null()) {
-      return InvalidArgument(path + ": normalizer " + j["normalizer"].value("type", std::string("?")) +
-                             " is not supported; byte-level BPE tokenizers have none");
+      // NFC (Qwen's) composes text that was already composed, and alone: text from elsewhere is
+      // normalized before it is split.
+      const std::string type = j["normalizer"].value("type", std::string("?"));
+      if (type != "NFC") {
+        return InvalidArgument(path + ": normalizer " + type + " is not supported; ltrain applies NFC (Qwen's) or none");
+      }
+#ifndef LTRAIN_WITH_ICU
+      return InvalidArgument(path + ": normalizer NFC needs ICU, and this ltrain was built without it (install "
+                             "Debian's libicu-dev and build again)");
+#endif
+      nfc_ = true;
     }
     ignore_merges_ = model.value("ignore_merges", false);
     for (const auto& [token, id] : model.at("vocab").items()) {
@@ -587,6 +636,7 @@ class BpeTokenizer : public TextTokenizer {
   bool ignore_merges_ = false;
   int64_t end_of_text_ = -1;
   int64_t begin_of_text_ = -1;
+  bool nfc_ = false;  // the tokenizer.json's normalizer is NFC
 };
 
 }  // namespace

@@ -9,10 +9,11 @@
   init       llama_model.Llama's weights saved as safetensors, `model.init_from` in a one-step run
              (data.sampling torch, so that the batch is the one torch.randint draws): ltrain's first loss
              against the reference model's on that batch, in float64.
-  hub        Hub models' config.json (Llama 3.2 1B's with its RoPE scaling, Mistral 7B v0.1's; 2 layers,
-             random weights)
-             built by transformers, imported with `model.init_from` alone: `ltrain generate --score`
-             against transformers' log-probabilities.
+  hub        Hub models' config.json (Llama 3.2 1B's with its RoPE scaling, Qwen2.5 0.5B's, Qwen3 0.6B's,
+             Mistral 7B v0.1's; 2 layers, random weights) built by transformers and saved with
+             save_pretrained, imported with `model.init_from` alone: `ltrain generate --score` against
+             transformers' log-probabilities in fp32 and bf16; then trained 50 steps in two layouts,
+             exported, loaded by transformers and compared again.
   export     a Llama (on the tokenizer part's BPE data) and a GPT-2 (on bytes) trained with `ltrain launch`,
              `ltrain export`, loaded with transformers' from_pretrained: per-token log-probabilities of
              held-out text from transformers against `ltrain generate --score`, in fp32 and in bf16.
@@ -222,6 +223,21 @@ HUB_CONFIGS = {
         "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
                          "original_max_position_embeddings": 8192, "rope_type": "llama3"},
         "rope_theta": 500000.0, "tie_word_embeddings": True, "vocab_size": 128256},
+    "qwen2.5-0.5b": {
+        "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "attention_dropout": 0.0,
+        "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896,
+        "initializer_range": 0.02, "intermediate_size": 4864, "max_position_embeddings": 32768,
+        "max_window_layers": 24, "num_attention_heads": 14, "num_hidden_layers": 2, "num_key_value_heads": 2,
+        "rms_norm_eps": 1e-06, "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True,
+        "use_sliding_window": False, "vocab_size": 151936},
+    "qwen3-0.6b": {
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128,
+        "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02, "intermediate_size": 3072,
+        "max_position_embeddings": 40960, "max_window_layers": 28, "num_attention_heads": 16,
+        "num_hidden_layers": 2, "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None,
+        "rope_theta": 1000000, "sliding_window": None, "tie_word_embeddings": True, "use_sliding_window": False,
+        "vocab_size": 151936},
     "mistral-7b-v0.1": {
         "architectures": ["MistralForCausalLM"], "model_type": "mistral", "attention_dropout": 0.0,
         "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096,
@@ -230,12 +246,18 @@ HUB_CONFIGS = {
         "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False, "vocab_size": 32000},
 }
 
+# The two layouts each model trains in on one GPU: as it comes, and with full activation checkpointing
+# (every block recomputed in backward). Layouts of several ranks run in the CPU equivalence suite.
+HUB_LAYOUTS = {"plain": {}, "checkpointed": {"activation_checkpointing": "full"}}
+
 
 def hub_part(a, work):
-    """A model as transformers builds it from a Hub config.json (random weights, save_pretrained),
-    imported by `model.init_from` alone (its model section derived from config.json), one step at lr 0,
-    then `ltrain generate --score` against transformers' log-probabilities of the same weights; and, for
-    scale, how far transformers' own log-probabilities move without the config's rope_scaling."""
+    """A model as transformers builds it from a Hub config.json (random weights, save_pretrained, its
+    config.json as transformers writes it back), imported by `model.init_from` alone (its model section
+    derived from config.json): `ltrain generate --score` against transformers' log-probabilities of the
+    same weights, in fp32 and bf16. Then 50 steps of training in two layouts, each exported and loaded by
+    transformers, compared the same way; and, for scale, how far transformers' own log-probabilities move
+    without the config's rope_scaling."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     home = dict(os.environ, LTRAIN_HOME=os.path.join(work, "home"))
@@ -245,7 +267,39 @@ def hub_part(a, work):
     with open(a.text, encoding="utf-8") as f:
         text = f.read()
     prompts = [text[1000 * i:1000 * i + 900] for i in range(4)]
-    for name, config in HUB_CONFIGS.items():
+    names = [n for n in HUB_CONFIGS if not a.hub_models or n in a.hub_models.split(",")]
+
+    def hf_logprobs(m, ids):
+        with torch.no_grad():
+            logits = m(torch.tensor([ids], device=a.device)).logits.double()
+        logp = torch.log_softmax(logits[0, :-1], -1)
+        return logp.gather(1, torch.tensor(ids[1:], device=a.device).unsqueeze(1)).squeeze(1).cpu()
+
+    def compare(label, ck, hf32, hf16, use):
+        """ltrain generate --score of checkpoint `ck` against transformers' models (fp32 and bf16)."""
+        worst = ours16 = theirs16 = 0.0
+        for p in use:
+            got = json.loads(run([a.ltrain, "generate", ck, "--score", "-o", "json", "--prompt", p, "--device",
+                                  a.device, "--dtype", "fp32"], env=home))
+            ids = [got["first_token"]] + got["tokens"]
+            exact = hf_logprobs(hf32, ids)
+            worst = max(worst, (exact - torch.tensor(got["logprobs"], dtype=torch.double)).abs().max().item())
+            if a.device != "cuda":
+                continue
+            got16 = json.loads(run([a.ltrain, "generate", ck, "--score", "-o", "json", "--prompt", p, "--device",
+                                    a.device, "--dtype", "bf16"], env=home))
+            ours16 = max(ours16, (torch.tensor(got16["logprobs"], dtype=torch.double) - exact).abs().max().item())
+            theirs16 = max(theirs16, (hf_logprobs(hf16, ids) - exact).abs().max().item())
+        ok = worst <= 1e-4 and (a.device != "cuda" or ours16 <= 2e-2)
+        detail = (f"ltrain generate --score against transformers {type(hf32).__name__} over {len(use)} sequences of "
+                  f"about 900 tokens: fp32 max |log-prob difference| {worst:.2e} (tolerance 1e-4)")
+        if a.device == "cuda":
+            detail += (f"; ltrain bf16 against transformers fp32 {ours16:.2e} (tolerance 2e-2), transformers' own bf16 "
+                       f"{theirs16:.2e}")
+        report(label, ok, detail)
+
+    for name in names:
+        config = HUB_CONFIGS[name]
         hf_dir = os.path.join(work, f"hub-{name}")
         shutil.rmtree(hf_dir, ignore_errors=True)
         os.makedirs(hf_dir)
@@ -255,8 +309,8 @@ def hub_part(a, work):
         cfg = AutoConfig.from_pretrained(hf_dir)
         model = AutoModelForCausalLM.from_config(cfg, torch_dtype=torch.float32)
         model.save_pretrained(hf_dir)
-        with open(os.path.join(hf_dir, "config.json"), "w") as f:  # as the Hub has it, not as saved back
-            json.dump(config, f)
+        with open(os.path.join(hf_dir, "config.json")) as f:
+            saved = json.load(f)
         ck = os.path.join(work, f"ck-{name}")
         shutil.rmtree(ck, ignore_errors=True)
         path = os.path.join(work, f"{name}.yaml")
@@ -267,37 +321,53 @@ def hub_part(a, work):
         validated = run([a.ltrain, "validate", path], env=home)
         run([a.ltrain, "launch", path], env=home)
         model = model.to(a.device).eval()
-
-        def hf_logprobs(m, ids):
-            with torch.no_grad():
-                logits = m(torch.tensor([ids], device=a.device)).logits.double()
-            logp = torch.log_softmax(logits[0, :-1], -1)
-            return logp.gather(1, torch.tensor(ids[1:], device=a.device).unsqueeze(1)).squeeze(1).cpu()
-
-        plain_dir = os.path.join(work, f"hub-{name}-plain")
-        os.makedirs(plain_dir, exist_ok=True)
-        with open(os.path.join(plain_dir, "config.json"), "w") as f:
-            json.dump({k: v for k, v in config.items() if k != "rope_scaling"}, f)
-        plain = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(plain_dir), torch_dtype=torch.float32)
-        plain.load_state_dict(model.state_dict())
-        plain = plain.to(a.device).eval()
-        worst = unscaled = 0.0
-        for p in prompts:
-            got = json.loads(run([a.ltrain, "generate", ck, "--score", "-o", "json", "--prompt", p, "--device",
-                                  a.device, "--dtype", "fp32"], env=home))
-            ids = [got["first_token"]] + got["tokens"]
-            ours = torch.tensor(got["logprobs"], dtype=torch.double)
-            theirs = hf_logprobs(model, ids)
-            worst = max(worst, (theirs - ours).abs().max().item())
-            unscaled = max(unscaled, (hf_logprobs(plain, ids) - theirs).abs().max().item())
-        derived = ("rope_scaling: llama3" in validated) == ("rope_scaling" in config)
-        report(f"hub {name} (fp32)", worst <= 1e-4 and derived,
-               f"init_from of transformers' {type(model).__name__} built from the Hub's config.json (2 layers, "
-               f"random weights): ltrain generate --score against transformers, max |log-prob difference| "
-               f"{worst:.2e} over {len(prompts)} sequences of about 900 tokens (tolerance 1e-4)" +
-               (f"; transformers without the config's rope_scaling moves by up to {unscaled:.2e}"
-                if "rope_scaling" in config else ""))
-        del model, plain
+        hf16 = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.bfloat16).to(a.device).eval()
+        derived = ("rope_scaling: llama3" in validated) == ("rope_scaling" in config and config["rope_scaling"] is not None)
+        derived = derived and f"arch: {saved['model_type']}" in validated if saved["model_type"] != "llama" else derived
+        keys = ", ".join(k for k in ("rope_parameters", "rope_scaling") if k in saved)
+        compare(f"hub {name} import", ck, model, hf16, prompts)
+        if not derived:
+            report(f"hub {name} derived", False, "ltrain validate did not print the derived model:\n" + validated)
+        if config.get("rope_scaling"):
+            plain_dir = os.path.join(work, f"hub-{name}-plain")
+            os.makedirs(plain_dir, exist_ok=True)
+            with open(os.path.join(plain_dir, "config.json"), "w") as f:
+                json.dump({k: v for k, v in config.items() if k != "rope_scaling"}, f)
+            plain = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(plain_dir), torch_dtype=torch.float32)
+            plain.load_state_dict(model.state_dict())
+            plain = plain.to(a.device).eval()
+            ids = [0] + list(prompts[0].encode())[:900]
+            moved = (hf_logprobs(plain, ids) - hf_logprobs(model, ids)).abs().max().item()
+            print(f"hub {name}: its saved config.json carries {keys}; transformers without rope_scaling moves "
+                  f"by up to {moved:.2e}", flush=True)
+            del plain
+        del model, hf16
+        # 50 steps in each layout, from the imported weights; then each export against transformers.
+        curves = {}
+        for layout, sets in HUB_LAYOUTS.items():
+            lck = os.path.join(work, f"ck-{name}-{layout}")
+            shutil.rmtree(lck, ignore_errors=True)
+            lpath = os.path.join(work, f"{name}-{layout}.yaml")
+            recipe(lpath, {"init_from": hf_dir, "seq_len": 256}, byte_data, a.hub_steps,
+                   {"training": {"micro_batch": 4, "global_batch": 4, "lr": 3e-4, "min_lr": 3e-5,
+                                 "warmup_steps": 5, "log_every": 1},
+                    "parallel": dict({"device": a.device}, **sets),
+                    "checkpoint": {"dir": lck, "every": a.hub_steps}})
+            curves[layout] = losses(run([a.ltrain, "launch", lpath], env=home))
+            out = os.path.join(work, f"hf-{name}-{layout}")
+            shutil.rmtree(out, ignore_errors=True)
+            run([a.ltrain, "export", lck, "--output", out], env=home)
+            hf32 = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.float32).to(a.device).eval()
+            hf16 = AutoModelForCausalLM.from_pretrained(out, torch_dtype=torch.bfloat16).to(a.device).eval()
+            ls = curves[layout]
+            compare(f"hub {name} trained {layout} ({len(ls)} steps, loss {ls[0]:.3f} -> {ls[-1]:.3f}), exported",
+                    lck, hf32, hf16, prompts[:2])
+            del hf32, hf16
+        a_, b_ = curves["plain"], curves["checkpointed"]
+        worst = max(abs(x - y) / abs(x) for x, y in zip(a_, b_)) if a_ and len(a_) == len(b_) else float("inf")
+        report(f"hub {name} layouts", worst <= 2e-2 and len(a_) == a.hub_steps,
+               f"{len(a_)} steps: max relative loss difference between the layouts {worst:.2e} (bf16 where the "
+               f"device is a GPU; tolerance 2e-2)")
         if a.device == "cuda":
             torch.cuda.empty_cache()
 
@@ -312,6 +382,8 @@ def main():
     p.add_argument("--vocab", type=int, default=4096)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--work", default=None)
+    p.add_argument("--hub-models", default="", help="comma-separated names of HUB_CONFIGS (default: all)")
+    p.add_argument("--hub-steps", type=int, default=50)
     a = p.parse_args()
     a.ltrain = os.path.abspath(a.ltrain)
     work = a.work or tempfile.mkdtemp(prefix="ltrain-hf-")

@@ -27,6 +27,9 @@ Suites (--suite, repeatable; default: layouts):
   llama    Llama 3 8B's shape, ZeRO-3 over every GPU, micro-batch 1, against FSDP2 with compile
   llama-1b Llama 3.2 1B's shape (recipes/gpu-llama-1b.yaml's model) on one GPU, micro-batch 4, 30 steps,
            against llama_baseline.py (PyTorch eager and compile, one process)
+  hub      the same with Llama 3.2 1B's RoPE scaling (llama3), and Qwen2.5 0.5B's and Qwen3 0.6B's shapes
+           against transformers' Qwen2ForCausalLM and Qwen3ForCausalLM (hf_baseline.py: bf16 autocast, SDPA,
+           fused AdamW, eager and compile), one GPU, micro-batch 4, 30 steps
   dp       gpt-1.3b (micro-batch 8, recipe defaults) on one GPU and data parallel on 2 and on every GPU
   learning gpt-124m on byte tokens of --learning-data, 200 steps, the default precision, one seed per
            GPU up to 4 or --learning-seeds N (seed k from the parameters and batches of gpt_baseline.py
@@ -52,6 +55,14 @@ LLAMA = ("model: {arch: llama, layers: 32, d_model: 4096, heads: 32, kv_heads: 8
          "  vocab: 128256, rope_theta: 500000, tie_embeddings: false}\n")
 LLAMA_1B = ("model: {arch: llama, layers: 16, d_model: 2048, heads: 32, kv_heads: 8, ffn: 8192, seq_len: 2048,\n"
             "  vocab: 128256, rope_theta: 500000, tie_embeddings: true}\n")
+# The Hub families' shapes as model.init_from derives them from their config.json: Llama 3.2 1B's with
+# its RoPE scaling, Qwen2.5 0.5B's (q, k and v biases), Qwen3 0.6B's (per-head q/k norms, heads of 128).
+LLAMA_1B_SCALED = LLAMA_1B.replace("tie_embeddings: true}", "tie_embeddings: true,\n  rope_scaling: llama3, rope_factor: 32, "
+                                   "rope_low_freq_factor: 1, rope_high_freq_factor: 4, rope_original_positions: 8192}")
+QWEN25_05B = ("model: {arch: qwen2, layers: 24, d_model: 896, heads: 14, kv_heads: 2, ffn: 4864, seq_len: 2048,\n"
+              "  vocab: 151936, rope_theta: 1000000, norm_eps: 1.0e-6, tie_embeddings: true}\n")
+QWEN3_06B = ("model: {arch: qwen3, layers: 28, d_model: 1024, heads: 16, kv_heads: 8, head_dim: 128, ffn: 3072,\n"
+             "  seq_len: 2048, vocab: 151936, rope_theta: 1000000, norm_eps: 1.0e-6, tie_embeddings: true}\n")
 LOSS_RE = re.compile(r"step (\d+)/\d+ loss ([0-9.naif]+)")  # nan and inf too: the layouts check fails them
 SINGLE_RE = re.compile(r"pytorch \S+ (?P<mode>eager|compile) params=\S+ tok/s=(?P<tok>[0-9,]+) TFLOP/s=[0-9.]+ "
                        r"MFU\(989\)=(?P<mfu>[0-9.]+)% peak_mem=(?P<peak>[0-9.]+)GiB")
@@ -265,6 +276,23 @@ def suite_llama_1b(b, baselines):
     b.ratio("llama-1b", ours, peers.values())
 
 
+def suite_hub(b, baselines, here):
+    print("hub: Hub families' shapes on one GPU, micro-batch 4, 30 steps: Llama 3.2 1B with its RoPE scaling against "
+          "llama_baseline.py, Qwen2.5 0.5B and Qwen3 0.6B against transformers' own models (eager and compile)",
+          flush=True)
+    path = b.recipe("llama-1b-scaled", LLAMA_1B_SCALED, steps=30, micro_batch=4, global_batch=4, world=1)
+    ours = b.launch("ltrain llama-1b rope_scaling llama3", path)
+    peers = b.single("PyTorch llama-1b", [os.path.join(baselines, "llama_baseline.py"), "--model", "llama-1b",
+                                          "--mode", "both", "--steps", "30"])
+    b.ratio("llama-1b with rope_scaling", ours, peers.values())
+    for name, model in (("qwen2.5-0.5b", QWEN25_05B), ("qwen3-0.6b", QWEN3_06B)):
+        path = b.recipe(name, model, steps=30, micro_batch=4, global_batch=4, world=1)
+        ours = b.launch(f"ltrain {name}", path)
+        peers = b.single(f"transformers {name}", [os.path.join(here, "hf_baseline.py"), "--model", name,
+                                                  "--mode", "both", "--steps", "30"])
+        b.ratio(name, ours, peers.values())
+
+
 def gpt_1_3b(b, world):
     # The recipe defaults for data parallel: no zero or bucket_mb keys (the launcher picks them).
     return b.recipe(f"gpt-1.3b-dp{world}", GPT.format(layers=24, d=2048, heads=16), steps=40, micro_batch=8,
@@ -416,7 +444,7 @@ def main():
     ap.add_argument("--baselines", help="the folder of gpt_fsdp.py and gpt_model.py (the peers)")
     ap.add_argument("--data", default="/usr/share/common-licenses",
                     help="text file(s) or a folder of them, made into byte tokens with `ltrain data prepare`")
-    ap.add_argument("--suite", action="append", choices=["layouts", "zero3", "tp", "large", "llama", "llama-1b", "dp", "learning"])
+    ap.add_argument("--suite", action="append", choices=["layouts", "zero3", "tp", "large", "llama", "llama-1b", "hub", "dp", "learning"])
     ap.add_argument("--learning-data", help="the learning suite's text (../shared/data/tinyshakespeare.txt)")
     ap.add_argument("--learning-seeds", type=int, default=0,
                     help="the learning suite's seeds (default: one a GPU, up to 4); more than the GPUs run "
@@ -453,8 +481,8 @@ def main():
     if n == 0:
         print("skipped: 1 GPU(s) needed, 0 here", flush=True)
         return 77
-    if any(s in suites for s in ("zero3", "large", "llama", "llama-1b", "learning")) and not args.baselines:
-        ap.error("--suite zero3, large, llama, llama-1b and learning need --baselines (the folder of the peers)")
+    if any(s in suites for s in ("zero3", "large", "llama", "llama-1b", "hub", "learning")) and not args.baselines:
+        ap.error("--suite zero3, large, llama, llama-1b, hub and learning need --baselines (the folder of the peers)")
     if "learning" in suites and not args.learning_data:
         ap.error("--suite learning needs --learning-data")
     workdir = args.workdir or tempfile.mkdtemp(prefix="ltrain-launch-bench-")
@@ -484,6 +512,8 @@ def main():
             suite_llama(b, n, baselines)
         elif s == "llama-1b":
             suite_llama_1b(b, baselines)
+        elif s == "hub":
+            suite_hub(b, baselines, here)
         elif s == "dp" and n >= 2:
             suite_dp(b, n)
         elif s == "learning":

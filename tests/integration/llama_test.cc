@@ -227,5 +227,77 @@ TEST_F(LlamaTest, DataTheModelCannotReadIsRefusedBeforeTheJob) {
   EXPECT_NE(wrong.output.find("nowhere"), std::string::npos) << wrong.output;
 }
 
+// recipes/finetune.yaml on a model from elsewhere: a small Qwen2 (q, k and v biases, tied head) trained
+// here and exported as transformers' Qwen2ForCausalLM with its tokenizer, then fine-tuned on
+// {prompt, response} pairs made with that tokenizer (`data prepare --sft --tokenizer DIR`): the model
+// comes from config.json alone, the response loss falls, and the result exports as Qwen2 again.
+// Weights that do not fit the configuration are refused before the job, each mismatch named.
+TEST_F(LlamaTest, FineTuneRecipeTrainsTheResponsesOfAnImportedModel) {
+  const std::string data = "data.path=" + dir_->Join("bpe");
+  ProcessResult base = Launch(Quickstart(), {data, "name=qwen-base", "model.arch=qwen2", "training.steps=30",
+                                             "training.eval_every=0", "checkpoint.every=30",
+                                             "checkpoint.dir=" + dir_->Join("ck-qwen")});
+  ASSERT_EQ(base.exit_code, 0) << base.output;
+  const std::string hf = dir_->Join("hf-qwen");
+  ProcessResult exported = RunProcess({LtrainBinary(), "export", dir_->Join("ck-qwen/step-30"), "--output", hf}, Env());
+  ASSERT_EQ(exported.exit_code, 0) << exported.output;
+  Json config = Json::parse(ReadFile(hf + "/config.json"));
+  EXPECT_EQ(config["architectures"][0], "Qwen2ForCausalLM");
+  EXPECT_EQ(config["use_sliding_window"], false);
+  EXPECT_TRUE(Tensors(hf).count("model.layers.0.self_attn.q_proj.bias"));
+
+  // Questions and formulaic answers: the answers' tokens are what the fine-tune learns.
+  {
+    std::ofstream pairs(dir_->Join("pairs.jsonl"));
+    for (int i = 0; i < 400; ++i) {
+      pairs << R"({"prompt": "Question: which licence is number )" << i << R"(?\n", "response": "Answer: licence )"
+            << i << R"( is the GNU General Public License."})" << "\n";
+    }
+  }
+  ProcessResult sft = RunProcess({LtrainBinary(), "data", "prepare", "--sft", "--input", dir_->Join("pairs.jsonl"),
+                                  "--output", dir_->Join("sft"), "--tokenizer", hf, "-q"},
+                                 Env());
+  ASSERT_EQ(sft.exit_code, 0) << sft.output;
+  const std::string recipe = SourceDir() + "/recipes/finetune.yaml";
+  const std::vector<std::string> sets = {"model.init_from=" + hf, "data.path=" + dir_->Join("sft"),
+                                         "model.seq_len=128", "training.steps=40", "training.micro_batch=4",
+                                         "training.global_batch=8", "training.lr=1.0e-3", "training.min_lr=1.0e-4",
+                                         "training.log_every=5", "training.eval_every=0",
+                                         "parallel.nproc_per_node=2", "checkpoint.every=40",
+                                         "checkpoint.dir=" + dir_->Join("ck-sft")};
+  std::vector<std::string> validate = {LtrainBinary(), "validate", recipe};
+  for (const std::string& set : sets) validate.insert(validate.end(), {"--set", set});
+  ProcessResult validated = RunProcess(validate, Env());
+  ASSERT_EQ(validated.exit_code, 0) << validated.output;
+  EXPECT_NE(validated.output.find("arch: qwen2"), std::string::npos) << validated.output;
+  ProcessResult tuned = Launch(recipe, sets);
+  ASSERT_EQ(tuned.exit_code, 0) << tuned.output;
+  EXPECT_NE(tuned.output.find("parameter tensors from " + hf), std::string::npos) << tuned.output;
+  std::vector<double> losses = ParseLosses(tuned.output);
+  ASSERT_GE(losses.size(), 4u) << tuned.output;
+  EXPECT_LT(losses.back(), losses.front() * 0.5) << tuned.output;
+  ProcessResult out = RunProcess({LtrainBinary(), "export", dir_->Join("ck-sft/step-40"), "--output",
+                                  dir_->Join("hf-sft")}, Env());
+  ASSERT_EQ(out.exit_code, 0) << out.output;
+  EXPECT_EQ(Json::parse(ReadFile(dir_->Join("hf-sft/config.json")))["architectures"][0], "Qwen2ForCausalLM");
+
+  // The same directory under a configuration of another shape: every mismatch is named.
+  fs::create_directories(dir_->Join("hf-wrong"));
+  fs::copy_file(hf + "/model.safetensors", dir_->Join("hf-wrong/model.safetensors"));
+  config["architectures"][0] = "Qwen3ForCausalLM";
+  config["model_type"] = "qwen3";
+  config["num_hidden_layers"] = 5;
+  std::ofstream(dir_->Join("hf-wrong/config.json")) << config.dump();
+  std::vector<std::string> wrong_sets = sets;
+  wrong_sets[0] = "model.init_from=" + dir_->Join("hf-wrong");
+  wrong_sets.back() = "checkpoint.dir=" + dir_->Join("ck-wrong");
+  ProcessResult wrong = Launch(recipe, wrong_sets);
+  EXPECT_EQ(wrong.exit_code, 2) << wrong.output;
+  EXPECT_NE(wrong.output.find("model.layers.0.self_attn.q_norm.weight is missing"), std::string::npos) << wrong.output;
+  EXPECT_NE(wrong.output.find("model.layers.0.self_attn.q_proj.bias is not a parameter of the model"),
+            std::string::npos)
+      << wrong.output;
+}
+
 }  // namespace
 }  // namespace ltrain::testing

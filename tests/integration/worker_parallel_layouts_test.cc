@@ -1,6 +1,7 @@
 // Numerics of every parallel layout against the one-process run: real ltrain-worker processes
-// (Gloo over loopback, file:// rendezvous), 20 steps of a small GPT-2 and of a small Llama (grouped-
-// query attention with 2 key/value heads: split at tp 2, replicated at tp 4), per-step losses within
+// (Gloo over loopback, file:// rendezvous), 20 steps of a small GPT-2, of a small Llama (grouped-
+// query attention with 2 key/value heads: split at tp 2, replicated at tp 4), and of the Qwen2 and
+// Qwen3 blocks (a Mistral is a Llama where ltrain trains it), per-step losses within
 // 1e-4 relative and final parameters (gathered by --export-params) within 1e-4 absolute. Also the
 // ZeRO memory report at dp=4, resuming a sharded layout from its per-rank checkpoint files, and
 // `ltrain plan`'s memory (common/layout_plan.h) against every rank's `memory rank` line of every run.
@@ -215,6 +216,30 @@ class LlamaLayoutsTest : public ParallelLayoutsTest {
   }
 };
 
+// Qwen2's block: the Llama's with biases on q, k and v (split with their weights, whole beside a key/
+// value head kept whole at tp 4); tied head as the small Qwen2.5s. 1 + 4*12 + 1 parameter tensors.
+class Qwen2LayoutsTest : public ParallelLayoutsTest {
+ protected:
+  static void SetUpTestSuite() {
+    Prepare("qwen2_layouts",
+            "{arch: qwen2, layers: 4, d_model: 64, heads: 4, kv_heads: 2, ffn: 96, seq_len: 32, vocab: 256, "
+            "rope_theta: 10000, tie_embeddings: true}",
+            1 + 4 * 12 + 1);
+  }
+};
+
+// Qwen3's block: an RMSNorm over each head of q and of k (its gradient summed over tp), heads wider
+// than d_model/heads as Qwen3's (head_dim 32 of d_model 64 and 4 heads). 1 + 4*11 + 2 tensors.
+class Qwen3LayoutsTest : public ParallelLayoutsTest {
+ protected:
+  static void SetUpTestSuite() {
+    Prepare("qwen3_layouts",
+            "{arch: qwen3, layers: 4, d_model: 64, heads: 4, kv_heads: 2, head_dim: 32, ffn: 96, seq_len: 32, "
+            "vocab: 256, rope_theta: 10000, tie_embeddings: false}",
+            1 + 4 * 11 + 2);
+  }
+};
+
 // Every layout against the suite's one-process run; at 8 ranks the layouts of an 8-GPU node:
 // tensor x interleaved pipeline x data, tensor x data, and ZeRO-3 over all 8.
 #define LTRAIN_LAYOUT_TESTS(Suite) \
@@ -266,6 +291,8 @@ class LlamaLayoutsTest : public ParallelLayoutsTest {
 
 LTRAIN_LAYOUT_TESTS(ParallelLayoutsTest)
 LTRAIN_LAYOUT_TESTS(LlamaLayoutsTest)
+LTRAIN_LAYOUT_TESTS(Qwen2LayoutsTest)
+LTRAIN_LAYOUT_TESTS(Qwen3LayoutsTest)
 
 TEST_F(ParallelLayoutsTest, Tp2Pp2WithPerParameterInit) {
   const std::string init = "--set model.init=per_parameter";

@@ -10,6 +10,7 @@
 #include <gtest/gtest.h>
 
 #include "common/hf_format.h"
+#include "common/model_family.h"
 #include "common/recipe_schema.h"
 
 namespace ltrain {
@@ -124,11 +125,14 @@ TEST_F(HfConfigTest, UnsupportedConfigurationKeysAreRefusedNamingTheKey) {
       {"rope_scaling", R"({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1, "high_freq_factor": 4,
         "original_max_position_embeddings": 8192, "beta": 2})", "", "rope_scaling.beta is not a key"},
       {"rope_scaling", R"({"rope_type": "llama3", "factor": 8.0})", "", "rope_scaling.low_freq_factor is missing"},
-      {"architectures", R"(["Qwen2ForCausalLM"])", "", "architectures names Qwen2ForCausalLM"},
+      {"architectures", R"(["GemmaForCausalLM"])", "", "architectures names GemmaForCausalLM"},
       {"attention_bias", "true", "", "attention_bias true is not supported"},
       {"mlp_bias", "true", "", "mlp_bias true is not supported"},
       {"hidden_act", R"("gelu")", "", "hidden_act 'gelu' is not supported"},
-      {"head_dim", "128", "", "head_dim=128 is not hidden_size/num_attention_heads=64"},
+      {"head_dim", "63", "", "head_dim=63 must be even"},
+      {"rope_parameters", R"({"rope_type": "default", "rope_theta": 10000, "partial_rotary_factor": 0.5})", "",
+       "rope_scaling is given beside rope_parameters"},
+      {"layer_types", R"(["full_attention", "chunked_attention"])", "", "layer_types names 'chunked_attention'"},
       {"pretraining_tp", "2", "", "pretraining_tp=2 is not supported"},
       {"max_position_embeddings", "1024", "seq_len: 2048", "max_position_embeddings=1024 is smaller than"},
       {"sliding_window", "4096", "seq_len: 8192", "sliding_window=4096 is smaller than model.seq_len=8192"},
@@ -144,6 +148,90 @@ TEST_F(HfConfigTest, UnsupportedConfigurationKeysAreRefusedNamingTheKey) {
   // A window that covers every position is plain attention: Mistral at its window is a Llama.
   RecipeParseResult mistral = Load(Llama32With("sliding_window", "4096"), "seq_len: 4096");
   EXPECT_TRUE(mistral.ok()) << mistral.ErrorText();
+}
+
+// Qwen2.5-0.5B's and Qwen3-0.6B's config.json as the Hub has them.
+constexpr const char* kQwen25 = R"({
+  "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643, "eos_token_id": 151643,
+  "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02, "intermediate_size": 4864,
+  "max_position_embeddings": 32768, "max_window_layers": 24, "model_type": "qwen2", "num_attention_heads": 14,
+  "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+  "sliding_window": 32768, "tie_word_embeddings": true, "torch_dtype": "bfloat16", "transformers_version": "4.40.1",
+  "use_cache": true, "use_sliding_window": false, "vocab_size": 151936})";
+constexpr const char* kQwen3 = R"({
+  "architectures": ["Qwen3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0, "bos_token_id": 151643,
+  "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024, "initializer_range": 0.02,
+  "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28, "model_type": "qwen3",
+  "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
+  "rope_scaling": null, "rope_theta": 1000000, "sliding_window": null, "tie_word_embeddings": true,
+  "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": true, "use_sliding_window": false,
+  "vocab_size": 151936})";
+
+// The Qwen families come in as themselves: Qwen2's biases and Qwen3's per-head norms follow from
+// model.arch, Qwen3's heads wider than hidden_size/heads from head_dim.
+TEST_F(HfConfigTest, QwenConfigurationsGiveTheirFamilies) {
+  RecipeParseResult qwen2 = Load(kQwen25, "seq_len: 4096");
+  ASSERT_TRUE(qwen2.ok()) << qwen2.ErrorText();
+  EXPECT_EQ(qwen2.recipe.model.arch, Arch::kQwen2);
+  EXPECT_EQ(qwen2.recipe.model.d_model, 896);
+  EXPECT_EQ(qwen2.recipe.model.heads, 14);
+  EXPECT_EQ(qwen2.recipe.model.kv_heads, 2);
+  EXPECT_EQ(qwen2.recipe.model.head_dim, 0);  // 896/14
+  EXPECT_EQ(qwen2.recipe.model.ffn, 4864);
+  EXPECT_EQ(qwen2.recipe.model.rope_theta, 1e6);
+  EXPECT_EQ(qwen2.recipe.model.norm_eps, 1e-6);
+  EXPECT_TRUE(qwen2.recipe.model.tie_embeddings);
+  EXPECT_TRUE(qwen2.notes.empty()) << qwen2.notes.front();
+
+  RecipeParseResult qwen3 = Load(kQwen3, "seq_len: 4096");
+  ASSERT_TRUE(qwen3.ok()) << qwen3.ErrorText();
+  EXPECT_EQ(qwen3.recipe.model.arch, Arch::kQwen3);
+  EXPECT_EQ(qwen3.recipe.model.head_dim, 128);
+  EXPECT_EQ(HeadDim(qwen3.recipe.model), 128);
+  EXPECT_EQ(qwen3.recipe.model.kv_heads, 8);
+  EXPECT_NE(RecipeToYaml(qwen3.recipe).find("head_dim: 128"), std::string::npos);
+  EXPECT_TRUE(qwen3.notes.empty()) << qwen3.notes.front();
+
+  // Qwen's sliding window where it is on and narrower than the sequence; Qwen3's output-projection
+  // bias; a contradiction with the family.
+  std::string sliding = kQwen25;
+  sliding.replace(sliding.find("\"use_sliding_window\": false"), 27, "\"use_sliding_window\": true");
+  sliding.replace(sliding.find("\"sliding_window\": 32768"), 23, "\"sliding_window\": 4096");
+  EXPECT_TRUE(Load(sliding, "seq_len: 4096").ok());
+  RecipeParseResult refused = Load(sliding, "seq_len: 8192");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.ErrorText().find("sliding_window=4096 is smaller than model.seq_len=8192"), std::string::npos)
+      << refused.ErrorText();
+  std::string biased = kQwen3;
+  biased.replace(biased.find("\"attention_bias\": false"), 23, "\"attention_bias\": true");
+  refused = Load(biased, "seq_len: 4096");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.ErrorText().find("attention_bias true is not supported"), std::string::npos) << refused.ErrorText();
+  refused = Load(kQwen3, "seq_len: 4096, arch: llama");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.ErrorText().find("model.arch=llama but"), std::string::npos) << refused.ErrorText();
+}
+
+// transformers 5 saves rope_theta and the scaling inside rope_parameters: read the same.
+TEST_F(HfConfigTest, TransformersFivesRopeParametersReadAsRopeScaling) {
+  const std::string v5 = R"({
+  "architectures": ["LlamaForCausalLM"], "attention_bias": false, "head_dim": 64, "hidden_act": "silu",
+  "hidden_size": 2048, "intermediate_size": 8192, "max_position_embeddings": 131072, "model_type": "llama",
+  "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
+  "tie_word_embeddings": true, "dtype": "float32", "vocab_size": 128256,
+  "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 32.0, "high_freq_factor": 4.0,
+                      "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}})";
+  RecipeParseResult parsed = Load(v5, "seq_len: 2048");
+  ASSERT_TRUE(parsed.ok()) << parsed.ErrorText() << "\n" << v5;
+  EXPECT_EQ(parsed.recipe.model.rope_theta, 500000);
+  EXPECT_EQ(parsed.recipe.model.rope_scaling, RopeScaling::kLlama3);
+  EXPECT_EQ(parsed.recipe.model.rope_factor, 32);
+  EXPECT_TRUE(parsed.notes.empty()) << parsed.notes.front();
+  const std::string partial = v5.substr(0, v5.size() - 2) + R"(, "partial_rotary_factor": 0.5}})";
+  RecipeParseResult refused = Load(partial, "seq_len: 2048");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.ErrorText().find("rope_parameters.partial_rotary_factor=0.5 is not supported"), std::string::npos)
+      << refused.ErrorText();
 }
 
 // Nothing is ignored silently: keys ltrain does not know, and GPT-2's dropout, are noted.
@@ -200,6 +288,21 @@ TEST_F(HfConfigTest, AnExportedConfigurationReadsBackAsTheSameModel) {
       }
       EXPECT_EQ(RecipeKeyValues(got).at(key), RecipeKeyValues(want).at(key)) << key;
     }
+    EXPECT_TRUE(read->notes.empty()) << read->notes.front();
+  }
+  // Each family exports as its own architecture and reads back as itself.
+  m.rope_scaling = RopeScaling::kNone;
+  for (Arch arch : {Arch::kMistral, Arch::kQwen2, Arch::kQwen3}) {
+    m.arch = arch;
+    m.head_dim = arch == Arch::kQwen3 ? 32 : 0;
+    const std::string json = HfConfigJson(m, 1, 2);
+    std::ofstream(dir_ / "model" / "config.json") << json;
+    EXPECT_NE(json.find(std::string(FamilyOf(arch).hf_architecture)), std::string::npos) << json;
+    StatusOr<HfModelConfig> read = ReadHfModelConfig((dir_ / "model").string(), 256);
+    ASSERT_TRUE(read.ok()) << read.status().ToString();
+    EXPECT_EQ(read->model.arch, arch);
+    EXPECT_EQ(read->model.head_dim, m.head_dim);
+    EXPECT_EQ(read->model.kv_heads, 2);
     EXPECT_TRUE(read->notes.empty()) << read->notes.front();
   }
 }

@@ -37,7 +37,7 @@ ModelSpec TinyLlama(bool tied) {
 // llama_model.Llama's forward, step by step, over the parameters by name.
 torch::Tensor ReferenceLoss(const ModelSpec& m, std::map<std::string, torch::Tensor>& p, const torch::Tensor& idx,
                             const torch::Tensor& targets) {
-  const int64_t b = idx.size(0), t = idx.size(1), hd = m.d_model / m.heads;
+  const int64_t b = idx.size(0), t = idx.size(1), hd = HeadDim(m);
   auto norm = [&](const torch::Tensor& x, const torch::Tensor& w) {
     return x * torch::rsqrt(x.pow(2).mean(-1, true) + m.norm_eps) * w;
   };
@@ -65,17 +65,26 @@ torch::Tensor ReferenceLoss(const ModelSpec& m, std::map<std::string, torch::Ten
   torch::Tensor x = F::embedding(idx, p.at("tok_embeddings.weight"));
   for (int l = 0; l < m.layers; ++l) {
     auto w = [&](const std::string& name) { return p.at("layers." + std::to_string(l) + "." + name); };
+    // Qwen2's q, k and v biases; Qwen3's RMSNorm of each head of q and of k, before the rotation.
+    auto bias = [&](const std::string& name) {
+      const std::string full = "layers." + std::to_string(l) + "." + name;
+      return p.count(full) ? p.at(full) : torch::Tensor();
+    };
+    auto head_norm = [&](const torch::Tensor& x, const std::string& name) {
+      const torch::Tensor wn = bias(name);
+      return wn.defined() ? norm(x, wn) : x;
+    };
     torch::Tensor h = norm(x, w("attn_norm.weight"));
-    torch::Tensor q = rope(F::linear(h, w("wq.weight")).view({b, t, m.heads, hd}));
-    torch::Tensor k = rope(F::linear(h, w("wk.weight")).view({b, t, m.kv_heads, hd}));
-    torch::Tensor v = F::linear(h, w("wv.weight")).view({b, t, m.kv_heads, hd});
+    torch::Tensor q = rope(head_norm(F::linear(h, w("wq.weight"), bias("wq.bias")).view({b, t, m.heads, hd}), "q_norm.weight"));
+    torch::Tensor k = rope(head_norm(F::linear(h, w("wk.weight"), bias("wk.bias")).view({b, t, m.kv_heads, hd}), "k_norm.weight"));
+    torch::Tensor v = F::linear(h, w("wv.weight"), bias("wv.bias")).view({b, t, m.kv_heads, hd});
     const int64_t rep = m.heads / m.kv_heads;
     q = q.transpose(1, 2);
     k = k.repeat_interleave(rep, 2).transpose(1, 2);
     v = v.repeat_interleave(rep, 2).transpose(1, 2);
     torch::Tensor scores = torch::matmul(q, k.transpose(-2, -1)) / std::sqrt(static_cast<double>(hd));
     scores = scores.masked_fill(causal, -std::numeric_limits<double>::infinity());
-    torch::Tensor y = torch::matmul(torch::softmax(scores, -1), v).transpose(1, 2).reshape({b, t, m.d_model});
+    torch::Tensor y = torch::matmul(torch::softmax(scores, -1), v).transpose(1, 2).reshape({b, t, m.heads * hd});
     x = x + F::linear(y, w("wo.weight"));
     h = norm(x, w("ffn_norm.weight"));
     x = x + F::linear(torch::silu(F::linear(h, w("w1.weight"))) * F::linear(h, w("w3.weight")), w("w2.weight"));
@@ -85,11 +94,14 @@ torch::Tensor ReferenceLoss(const ModelSpec& m, std::map<std::string, torch::Ten
   return F::cross_entropy(logits.view({-1, m.vocab}), targets.view({-1}));
 }
 
-// Returns the shard's loss.
+// Returns the shard's loss. `arch`: a family of the Llama block (Qwen3's heads 16 wide, twice
+// d_model/heads), its 1-D parameters (norms, biases) drawn at random so that each counts.
 double ExpectShardEqualsReference(bool tied, bool stochastic_residual = false,
-                                  RopeScaling scaling = RopeScaling::kNone) {
+                                  RopeScaling scaling = RopeScaling::kNone, Arch arch = Arch::kLlama) {
   ModelShardSpec spec;
   spec.config = TinyLlama(tied);
+  spec.config.arch = arch;
+  if (arch == Arch::kQwen3) spec.config.head_dim = 16;
   // Head width 8, theta 10000: wavelengths 6.3, 63, 628 and 6283 positions. With an original context
   // of 64, factors 1 and 4: one kept, one blended, two divided by the factor.
   spec.config.rope_scaling = scaling;
@@ -102,9 +114,18 @@ double ExpectShardEqualsReference(bool tied, bool stochastic_residual = false,
   auto shard = ModelShard::Create(spec, &self);
   EXPECT_TRUE(shard.ok()) << shard.status().message();
   if (!shard.ok()) return 0;
+  if (arch != Arch::kLlama) {
+    torch::NoGradGuard no_grad;
+    torch::manual_seed(12);
+    for (ShardParam& sp : (*shard)->params()) {
+      if (sp.value.dim() == 1) sp.value.copy_(torch::rand_like(sp.value) + 0.5);
+    }
+  }
   std::map<std::string, torch::Tensor> ref;
   for (const ShardParam& sp : (*shard)->params()) ref[sp.name] = sp.value.detach().clone().requires_grad_(true);
   EXPECT_EQ(ref.count("output.weight"), tied ? 0u : 1u);
+  EXPECT_EQ(ref.count("layers.1.wk.bias"), arch == Arch::kQwen2 ? 1u : 0u);
+  EXPECT_EQ(ref.count("layers.1.k_norm.weight"), arch == Arch::kQwen3 ? 1u : 0u);
 
   torch::manual_seed(6);
   torch::Tensor idx = torch::randint(0, 256, {3, 16}, torch::kLong);
@@ -124,6 +145,15 @@ double ExpectShardEqualsReference(bool tied, bool stochastic_residual = false,
 }
 
 TEST(LlamaModelTest, OneRankShardEqualsTheReferenceUntied) { ExpectShardEqualsReference(false); }
+// Qwen2's biases and Qwen3's per-head norms and wide heads as transformers computes them; each
+// changes the model.
+TEST(LlamaModelTest, QwenBlocksEqualTheReference) {
+  const double qwen2 = ExpectShardEqualsReference(true, false, RopeScaling::kNone, Arch::kQwen2);
+  const double qwen3 = ExpectShardEqualsReference(true, false, RopeScaling::kNone, Arch::kQwen3);
+  const double mistral = ExpectShardEqualsReference(true, false, RopeScaling::kNone, Arch::kMistral);
+  EXPECT_NE(qwen2, qwen3);
+  EXPECT_NE(qwen2, mistral);
+}
 // rope_scaling (linear, llama3) as transformers applies it; each changes the loss, so it is applied.
 TEST(LlamaModelTest, RopeScalingIsTransformersAndChangesTheModel) {
   const double plain = ExpectShardEqualsReference(false);

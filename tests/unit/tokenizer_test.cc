@@ -222,6 +222,37 @@ TEST_F(TokenizerTest, AModelDirectorysTokenizerBeginsEachDocumentWhereItsTemplat
   EXPECT_EQ(begins, 2);
 }
 
+// Qwen's tokenizer.json composes the text (NFC) before splitting it: a letter and its combining accent
+// are the precomposed letter's ids; added tokens are matched on the raw text as before.
+TEST_F(TokenizerTest, AnNfcNormalizerComposesTheText) {
+  const std::string text = "caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u00c5ngstr\u00f6m<|endoftext|>";
+  std::vector<std::string_view> views = {text, text};
+  StatusOr<std::string> json = TrainByteLevelBpe(views, 300, 2, [](int64_t, int64_t) {});
+  ASSERT_TRUE(json.ok()) << json.status().ToString();
+  std::string nfc = *json;
+  const size_t at = nfc.find("\"normalizer\": null");
+  ASSERT_NE(at, std::string::npos) << nfc.substr(0, 400);
+  nfc.replace(at, 18, R"("normalizer": {"type": "NFC"})");
+  std::unique_ptr<TextTokenizer> plain = LoadJson(*json), composing = LoadJson(nfc);
+  ASSERT_NE(composing, nullptr);
+  // e + U+0301, i + U+0308, A + U+030A, o + U+0308.
+  const std::string decomposed = "cafe\u0301 nai\u0308ve re\u0301sume\u0301 A\u030angstro\u0308m<|endoftext|>";
+  EXPECT_EQ(composing->Encode(decomposed), plain->Encode(text));
+  EXPECT_EQ(composing->Encode(text), plain->Encode(text));
+  EXPECT_NE(plain->Encode(decomposed), plain->Encode(text));
+  EXPECT_EQ(composing->Decode(composing->Encode(decomposed)), text);
+  // Bytes that are not UTF-8 pass through unchanged.
+  const std::string raw = std::string("ok \xff\xfe\x80 e\xcc\x81", 10);
+  EXPECT_EQ(composing->Decode(composing->Encode(raw)), raw);
+  // Other normalizers are refused, naming them.
+  nfc.replace(nfc.find("\"NFC\""), 5, "\"NFKD\"");
+  ASSERT_TRUE(WriteFileAtomically((dir_ / "nfkd.json").string(), nfc).ok());
+  StatusOr<std::unique_ptr<TextTokenizer>> refused = TextTokenizer::Load((dir_ / "nfkd.json").string());
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.status().message().find("normalizer NFKD is not supported"), std::string::npos)
+      << refused.status().message();
+}
+
 TEST_F(TokenizerTest, UnsupportedFilesAreRefusedSayingWhy) {
   const std::string wordpiece = (dir_ / "wp.json").string();
   ASSERT_TRUE(WriteFileAtomically(wordpiece, R"({"model": {"type": "WordPiece", "vocab": {}}})").ok());

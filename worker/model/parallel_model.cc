@@ -11,9 +11,11 @@
 #include <torch/nn/functional.h>
 
 #include "common/data/token_data.h"
+#include "common/model_family.h"
 #include "worker/control/progress.h"
 #include "worker/model/comm_handle.h"
 #include "worker/model/fused_kernels.h"
+#include "worker/model/shard_ops.h"
 #include "worker/torch_compat.h"
 
 namespace ltrain::worker {
@@ -23,153 +25,20 @@ namespace F = torch::nn::functional;
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-constexpr const char* kGptBlockNames[] = {"ln1.weight", "ln1.bias", "qkv.weight", "qkv.bias", "proj.weight", "proj.bias",
-                                          "ln2.weight", "ln2.bias", "fc.weight",  "fc.bias",  "fc2.weight",  "fc2.bias"};
-constexpr const char* kLlamaBlockNames[] = {"attn_norm.weight", "wq.weight", "wk.weight", "wv.weight", "wo.weight",
-                                            "ffn_norm.weight",  "w1.weight", "w3.weight", "w2.weight"};
-
-// The names of a block's parameters, in the Python block's registration order.
-const std::vector<std::string>& BlockNames(Arch arch) {
-  static const std::vector<std::string> gpt(std::begin(kGptBlockNames), std::end(kGptBlockNames));
-  static const std::vector<std::string> llama(std::begin(kLlamaBlockNames), std::end(kLlamaBlockNames));
-  return arch == Arch::kLlama ? llama : gpt;
-}
-
 bool EndsWith(const std::string& name, const std::string& suffix) {
   return name.size() >= suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// The token embedding's name, and the final norm's (weight and bias; llama's has no bias).
-const char* EmbeddingName(Arch arch) { return arch == Arch::kLlama ? "tok_embeddings.weight" : "wte.weight"; }
+bool LlamaBlock(const ModelSpec& c) { return FamilyOf(c.arch).llama_block; }
 
-void Check(const Status& s) {
-  if (!s.ok()) throw std::runtime_error(s.message());
+// The token embedding's name.
+const char* EmbeddingName(const ModelSpec& c) { return LlamaBlock(c) ? "tok_embeddings.weight" : "wte.weight"; }
+
+// A key or value projection's weight or bias (qwen2).
+bool KvParam(const std::string& name) {
+  return EndsWith(name, ".wk.weight") || EndsWith(name, ".wv.weight") || EndsWith(name, ".wk.bias") ||
+         EndsWith(name, ".wv.bias");
 }
-
-torch::Tensor AllReduced(const torch::Tensor& x, Communicator* comm) {
-  torch::Tensor t = x.contiguous().clone();
-  Check(comm->AllReduceSum(t));
-  return t;
-}
-
-// [b, t, ...] sequence slices of every tp rank -> [b, tp*t, ...].
-torch::Tensor GatherSequence(const torch::Tensor& x, Communicator* comm) {
-  const int n = comm->size();
-  torch::Tensor in = x.contiguous();
-  std::vector<int64_t> shape = in.sizes().vec();
-  std::vector<int64_t> gathered_shape = shape;
-  gathered_shape.insert(gathered_shape.begin(), n);
-  torch::Tensor out = torch::empty(gathered_shape, in.options());
-  Check(comm->AllGather(in, out));
-  std::vector<int64_t> perm(gathered_shape.size());
-  for (size_t i = 0; i < perm.size(); ++i) perm[i] = static_cast<int64_t>(i);
-  std::swap(perm[0], perm[1]);  // [n, b, t, ...] -> [b, n, t, ...]
-  std::vector<int64_t> result = shape;
-  result[1] *= n;
-  return out.permute(perm).reshape(result);
-}
-
-// [b, T, ...] partial sums -> this rank's [b, T/tp, ...] slice of their sum.
-torch::Tensor ReduceScatterSequence(const torch::Tensor& x, Communicator* comm) {
-  const int n = comm->size();
-  std::vector<int64_t> shape = x.sizes().vec();
-  std::vector<int64_t> split = shape;
-  split[1] = shape[1] / n;
-  split.insert(split.begin() + 1, n);  // [b, n, t, ...]
-  std::vector<int64_t> perm(split.size());
-  for (size_t i = 0; i < perm.size(); ++i) perm[i] = static_cast<int64_t>(i);
-  std::swap(perm[0], perm[1]);
-  torch::Tensor in = x.reshape(split).permute(perm).contiguous();  // [n, b, t, ...]
-  std::vector<int64_t> out_shape = shape;
-  out_shape[1] = shape[1] / n;
-  torch::Tensor out = torch::empty(out_shape, x.options());
-  Check(comm->ReduceScatterSum(in, out));
-  return out;
-}
-
-// Megatron's f: identity forward, all-reduce of the gradient backward.
-struct CopyToTp : public torch::autograd::Function<CopyToTp> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t comm) {
-    ctx->saved_data["comm"] = comm;
-    return x.view_as(x);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {AllReduced(grads[0], CommOf(ctx)), torch::Tensor()};
-  }
-};
-
-// Megatron's g: all-reduce forward, identity backward.
-struct ReduceFromTp : public torch::autograd::Function<ReduceFromTp> {
-  static torch::Tensor forward(AutogradContext* /*ctx*/, const torch::Tensor& x, int64_t comm) {
-    return AllReduced(x, reinterpret_cast<Communicator*>(comm));
-  }
-  static variable_list backward(AutogradContext* /*ctx*/, variable_list grads) { return {grads[0], torch::Tensor()}; }
-};
-
-// Megatron's g begun beside the work queued after it: the sum is made on a side stream
-// (SideStreamSum), whose handle goes to *`pending` (a std::unique_ptr<SideStreamSum>*); nothing may
-// read the output before its Finish(). Identity backward.
-struct ReduceFromTpBeside : public torch::autograd::Function<ReduceFromTpBeside> {
-  static torch::Tensor forward(AutogradContext* /*ctx*/, const torch::Tensor& x, int64_t comm, int64_t pending) {
-    torch::Tensor t = x.contiguous().clone();
-    *reinterpret_cast<std::unique_ptr<SideStreamSum>*>(pending) =
-        std::make_unique<SideStreamSum>(t, reinterpret_cast<Communicator*>(comm));
-    return t;
-  }
-  static variable_list backward(AutogradContext* /*ctx*/, variable_list grads) {
-    return {grads[0], torch::Tensor(), torch::Tensor()};
-  }
-};
-
-// Sequence parallel: all-gather along the sequence forward, reduce-scatter backward.
-struct GatherSeq : public torch::autograd::Function<GatherSeq> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t comm) {
-    ctx->saved_data["comm"] = comm;
-    return GatherSequence(x, reinterpret_cast<Communicator*>(comm));
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {ReduceScatterSequence(grads[0], CommOf(ctx)), torch::Tensor()};
-  }
-};
-
-// Sequence parallel: reduce-scatter along the sequence forward, all-gather backward.
-struct ScatterSeq : public torch::autograd::Function<ScatterSeq> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t comm) {
-    ctx->saved_data["comm"] = comm;
-    return ReduceScatterSequence(x, reinterpret_cast<Communicator*>(comm));
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    return {GatherSequence(grads[0], CommOf(ctx)), torch::Tensor()};
-  }
-};
-
-// The q, k and v heads of the fused projection's output [b, t, 3c] as [b, heads, t, c/heads] views.
-// Backward writes the three gradients into one [b, t, 3c] tensor with one strided copy each; the
-// composite (split, view, transpose) would copy each into [b, t, c] first and then concatenate.
-struct SplitHeads : public torch::autograd::Function<SplitHeads> {
-  static variable_list forward(AutogradContext* /*ctx*/, const torch::Tensor& qkv, int64_t heads) {
-    const int64_t b = qkv.size(0), t = qkv.size(1), c = qkv.size(2) / 3;
-    torch::Tensor parts = qkv.view({b, t, 3, heads, c / heads});
-    return {parts.select(2, 0).transpose(1, 2), parts.select(2, 1).transpose(1, 2), parts.select(2, 2).transpose(1, 2)};
-  }
-  static variable_list backward(AutogradContext* /*ctx*/, variable_list grads) {
-    torch::Tensor any;
-    for (const auto& g : grads) {
-      if (g.defined()) any = g;
-    }
-    const int64_t b = any.size(0), heads = any.size(1), t = any.size(2), d = any.size(3);
-    torch::Tensor out = torch::empty({b, t, 3, heads, d}, any.options());
-    for (int i = 0; i < 3; ++i) {
-      torch::Tensor slot = out.select(2, i);
-      if (grads[i].defined()) {
-        slot.copy_(grads[i].transpose(1, 2));
-      } else {
-        slot.zero_();
-      }
-    }
-    return {out.view({b, t, 3 * heads * d}), torch::Tensor()};
-  }
-};
 
 // Full activation checkpointing: forward without a graph, keep only the block's input; backward
 // recomputes the block with a graph and backpropagates through it (parameter gradients accumulate
@@ -195,117 +64,12 @@ struct CheckpointBlock : public torch::autograd::Function<CheckpointBlock> {
   }
 };
 
-// Selective checkpointing on the CPU: attention's internals (scores, softmax) are recomputed, not
-// kept. (On GPUs flash attention keeps none: recomputing it would cost a forward and save nothing.)
-struct CheckpointAttention : public torch::autograd::Function<CheckpointAttention> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& q, const torch::Tensor& k,
-                               const torch::Tensor& v) {
-    ctx->save_for_backward({q, k, v});
-    return compat::CausalAttentionGqa(q, k, v);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list saved = ctx->get_saved_variables();
-    variable_list inputs;
-    for (const auto& t : saved) inputs.push_back(t.detach().requires_grad_(true));
-    torch::Tensor out;
-    {
-      torch::AutoGradMode enable(true);
-      out = compat::CausalAttentionGqa(inputs[0], inputs[1], inputs[2]);
-    }
-    return torch::autograd::grad({out}, inputs, {grads[0]});
-  }
-};
-
-struct StochasticAddFunction : public torch::autograd::Function<StochasticAddFunction> {
-  static torch::Tensor forward(AutogradContext* /*ctx*/, const torch::Tensor& x, const torch::Tensor& branch) {
-    torch::Tensor sum = x.to(torch::kFloat) + branch.to(torch::kFloat);
-    if (x.scalar_type() != torch::kBFloat16) return sum.to(x.scalar_type());
-    // bf16 keeps an fp32's upper 16 bits: a uniform 16-bit integer added to the bits carries into
-    // them with the probability of the lower part (an infinity stays one; the sign bit is untouched).
-    torch::Tensor bits = sum.view(torch::kInt);
-    torch::Tensor noise = torch::randint(0, 1 << 16, sum.sizes(), sum.options().dtype(torch::kInt));
-    return bits.add_(noise).bitwise_and_(-65536).view(torch::kFloat).to(torch::kBFloat16);
-  }
-  static variable_list backward(AutogradContext* /*ctx*/, variable_list grads) { return {grads[0], grads[0]}; }
-};
-
-// Whether a fused product can add `residual` to its output of `sizes` in its epilogue: one of x's
-// dtype, or an fp32 one (an fp32 residual stream, the output then fp32) to a bf16 product.
-bool FusableResidual(const torch::Tensor& residual, const torch::Tensor& x, c10::IntArrayRef sizes) {
-  const bool dtype = residual.scalar_type() == x.scalar_type() ||
-                     (residual.scalar_type() == torch::kFloat && x.scalar_type() == torch::kBFloat16);
-  return dtype && residual.device() == x.device() && residual.sizes() == sizes;
-}
-
-std::vector<int64_t> OutputSizes(const torch::Tensor& x, const torch::Tensor& w) {
-  std::vector<int64_t> sizes = x.sizes().vec();
-  sizes.back() = w.size(0);
-  return sizes;
-}
-
-// residual + linear(x, w, b); b and residual may be undefined. at::linear, not the C++ frontend's
-// F::linear: on [b, t, in] inputs the latter runs a matmul and then adds the bias in a separate
-// broadcast kernel; at::linear folds the bias into the GEMM. On bf16 CUDA tensors our cuBLASLt
-// linear also adds the residual in the product's epilogue.
-torch::Tensor Linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
-                     const torch::Tensor& residual = {}) {
-  // Products without a bias (the head, tensor parallelism's row-parallel layers) stay LibTorch's.
-  if (b.defined() && FusedLinearAvailable(x, w) &&
-      (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w)))) {
-    return FusedLinear(x, w, b, residual);
-  }
-  torch::Tensor y = b.defined() ? at::linear(x, w, b) : at::linear(x, w);
-  return residual.defined() ? residual + y : y;
-}
-
-// {layer_norm(x), x}: the residual branch reads x through the second, so that with our kernel its
-// gradient is added inside the layer norm's backward. `rebuild`: FusedLayerNorm's rebuild_output
-// (selective recompute: our products make the output again in backward instead of keeping it).
-std::pair<torch::Tensor, torch::Tensor> LayerNorm(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& b,
-                                                  bool rebuild = false) {
-  if (FusedLayerNormAvailable(x, w, b)) return FusedLayerNorm(x, w, b, rebuild);
-  if (x.scalar_type() != w.scalar_type()) {
-    // An fp32 residual stream with bf16 parameters: normalised in fp32, handed on in the weights' dtype.
-    const auto f = x.scalar_type();
-    return {torch::layer_norm(x, {x.size(-1)}, w.to(f), b.to(f)).to(w.scalar_type()), x};
-  }
-  return {torch::layer_norm(x, {x.size(-1)}, w, b), x};
-}
-
-// {rms_norm(x), x}: the residual branch reads x through the second, so that with our kernel its
-// gradient is added inside the norm's backward. `rebuild`: LayerNorm's.
-std::pair<torch::Tensor, torch::Tensor> RmsNorm(const torch::Tensor& x, const torch::Tensor& w, double eps,
-                                                bool rebuild = false) {
-  if (FusedRmsNormAvailable(x, w)) return FusedRmsNorm(x, w, eps, rebuild);
-  if (x.scalar_type() != w.scalar_type()) {
-    // An fp32 residual stream with bf16 parameters: normalised in fp32, handed on in the weights' dtype.
-    return {compat::RmsNorm(x, w.to(x.scalar_type()), eps).to(w.scalar_type()), x};
-  }
-  return {compat::RmsNorm(x, w, eps), x};
-}
-
-// residual + linear(gelu_tanh(linear(x, w1, b1)), w2, b2), b2 and residual possibly undefined.
-// `recompute_gelu`: FusedMlp's (selective recompute).
-torch::Tensor Mlp(const torch::Tensor& x, const torch::Tensor& w1, const torch::Tensor& b1, const torch::Tensor& w2,
-                  const torch::Tensor& b2, const torch::Tensor& residual, bool recompute_gelu) {
-  if (FusedLinearAvailable(x, w1) && FusedLinearAvailable(x, w2) &&
-      (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w2)))) {
-    return FusedMlp(x, w1, b1, w2, b2, residual, nullptr, recompute_gelu);
-  }
-  return Linear(torch::gelu(Linear(x, w1, b1), "tanh"), w2, b2, residual);
-}
-
-// Where our products sum their input's gradient over tp themselves, beside their weight gradients
-// (Megatron's f folded in): tensor parallelism without sequence parallelism. Else null.
-Communicator* SumInProducts(const Layout& layout, Communicator* tp) {
-  return layout.tp > 1 && !layout.sequence_parallel && FusedTpOverlap() ? tp : nullptr;
-}
-
 // llama_model.Llama's initialisation: every matrix N(0, 0.02), the residual output projections (wo,
-// w2) N(0, 0.02/sqrt(2 layers)), the norms 1.
+// w2) N(0, 0.02/sqrt(2 layers)), the norms 1; qwen2's biases 0.
 ParamInit LlamaParamInit(const std::string& name, int64_t dims, int layers) {
   if (EndsWith(name, "wo.weight") || EndsWith(name, "w2.weight")) return {ParamInit::kNormal, 0.02 / std::sqrt(2.0 * layers)};
   if (dims >= 2) return {ParamInit::kNormal, 0.02};
+  if (EndsWith(name, ".bias")) return {ParamInit::kZeros, 0};
   return {ParamInit::kOnes, 0};
 }
 
@@ -316,7 +80,7 @@ torch::Tensor PerParameterInit(const ModelSpec& c, const std::string& name, cons
                                uint64_t seed, size_t index, const torch::Device& device) {
   const torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat).device(device);
   const int64_t dims = static_cast<int64_t>(shape.size());
-  const ParamInit init = c.arch == Arch::kLlama ? LlamaParamInit(name, dims, c.layers) : GptParamInit(name, dims, c.layers);
+  const ParamInit init = LlamaBlock(c) ? LlamaParamInit(name, dims, c.layers) : GptParamInit(name, dims, c.layers);
   if (init.kind == ParamInit::kZeros) return torch::zeros(shape, options);
   if (init.kind == ParamInit::kOnes) return torch::ones(shape, options);
   at::Generator generator = at::globalContext().defaultGenerator(device).clone();
@@ -324,22 +88,7 @@ torch::Tensor PerParameterInit(const ModelSpec& c, const std::string& name, cons
   return torch::empty(shape, options).normal_(0.0, init.stddev, generator);
 }
 
-// residual + x · wᵀ (residual may be undefined): through our cuBLASLt product where it takes them
-// (bf16 on CUDA; the residual in its epilogue, the weight gradient added straight into w's), else
-// LibTorch's. `w` must be a parameter itself, not a view of one.
-torch::Tensor NoBiasLinear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& residual = {}) {
-  if (FusedLinearAvailable(x, w) && (!residual.defined() || FusableResidual(residual, x, OutputSizes(x, w)))) {
-    return FusedLinear(x, w, {}, residual);
-  }
-  torch::Tensor y = at::linear(x, w);
-  return residual.defined() ? residual + y : y;
-}
-
 }  // namespace
-
-torch::Tensor StochasticRoundedAdd(const torch::Tensor& x, const torch::Tensor& branch) {
-  return StochasticAddFunction::apply(x, branch);
-}
 
 torch::Tensor Slice(const torch::Tensor& full, TpSplit split, int tp, int r) {
   switch (split) {
@@ -363,12 +112,12 @@ torch::Tensor Slice(const torch::Tensor& full, TpSplit split, int tp, int r) {
 TpSplit SplitOf(const ModelSpec& c, const std::string& name, int tp) {
   if (tp <= 1) return TpSplit::kReplicated;
   auto ends = [&](const std::string& suffix) { return EndsWith(name, suffix); };
-  if (c.arch == Arch::kLlama) {
-    if (name == "tok_embeddings.weight" || name == "output.weight" || ends(".wq.weight") || ends(".w1.weight") ||
-        ends(".w3.weight")) {
+  if (LlamaBlock(c)) {
+    if (name == "tok_embeddings.weight" || name == "output.weight" || ends(".wq.weight") || ends(".wq.bias") ||
+        ends(".w1.weight") || ends(".w3.weight")) {
       return TpSplit::kRows;
     }
-    if (ends(".wk.weight") || ends(".wv.weight")) return KvHeads(c) % tp == 0 ? TpSplit::kRows : TpSplit::kReplicated;
+    if (KvParam(name)) return KvHeads(c) % tp == 0 ? TpSplit::kRows : TpSplit::kReplicated;
     if (ends(".wo.weight") || ends(".w2.weight")) return TpSplit::kCols;
     return TpSplit::kReplicated;
   }
@@ -376,21 +125,6 @@ TpSplit SplitOf(const ModelSpec& c, const std::string& name, int tp) {
   if (ends("qkv.weight") || ends("qkv.bias")) return TpSplit::kQkvRows;
   if (ends("proj.weight") || ends("fc2.weight")) return TpSplit::kCols;
   return TpSplit::kReplicated;
-}
-
-int LayerOf(const std::string& name) {
-  for (const char* prefix : {"blocks.", "layers."}) {
-    if (name.rfind(prefix, 0) != 0) continue;
-    const size_t start = std::strlen(prefix), dot = name.find('.', start);
-    if (dot == std::string::npos || dot == start) return -1;
-    int layer = 0;
-    for (size_t k = start; k < dot; ++k) {
-      if (name[k] < '0' || name[k] > '9') return -1;
-      layer = layer * 10 + (name[k] - '0');
-    }
-    return layer;
-  }
-  return -1;
 }
 
 GptConfig GptConfigOf(const ModelSpec& c) { return GptConfig{c.layers, c.d_model, c.heads, c.seq_len, c.vocab}; }
@@ -417,49 +151,10 @@ torch::Tensor Unslice(const std::vector<torch::Tensor>& slices, TpSplit split, c
 }
 
 
-std::vector<std::pair<std::string, std::vector<int64_t>>> ModelParameterShapes(const ModelSpec& c) {
-  const int64_t d = c.d_model, f = FfnWidth(c);
-  std::vector<std::pair<std::string, std::vector<int64_t>>> out = {{EmbeddingName(c.arch), {c.vocab, d}}};
-  std::vector<std::vector<int64_t>> block_shapes;
-  const char* prefix = "blocks.";
-  if (c.arch == Arch::kLlama) {
-    prefix = "layers.";
-    const int64_t kv = d / c.heads * KvHeads(c);
-    block_shapes = {{d}, {d, d}, {kv, d}, {kv, d}, {d, d}, {d}, {f, d}, {f, d}, {d, f}};
-  } else {
-    out.emplace_back("wpe.weight", std::vector<int64_t>{c.seq_len, d});
-    block_shapes = {{d}, {d}, {3 * d, d}, {3 * d}, {d, d}, {d}, {d}, {d}, {f, d}, {f}, {d, f}, {d}};
-  }
-  const std::vector<std::string>& names = BlockNames(c.arch);
-  for (int layer = 0; layer < c.layers; ++layer) {
-    for (size_t k = 0; k < names.size(); ++k) {
-      out.emplace_back(prefix + std::to_string(layer) + "." + names[k], block_shapes[k]);
-    }
-  }
-  if (c.arch == Arch::kLlama) {
-    out.emplace_back("norm.weight", std::vector<int64_t>{d});
-    if (!c.tie_embeddings) out.emplace_back("output.weight", std::vector<int64_t>{c.vocab, d});
-  } else {
-    out.emplace_back("lnf.weight", std::vector<int64_t>{d});
-    out.emplace_back("lnf.bias", std::vector<int64_t>{d});
-  }
-  return out;
-}
-
-int64_t ModelParameterCount(const ModelSpec& c) {
-  int64_t n = 0;
-  for (const auto& [name, shape] : ModelParameterShapes(c)) {
-    int64_t size = 1;
-    for (int64_t s : shape) size *= s;
-    n += size;
-  }
-  return n;
-}
-
 StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelShardSpec& spec, Communicator* tp) {
   const ModelSpec& c = spec.config;
   const int tp_size = spec.layout.tp;
-  const bool llama = c.arch == Arch::kLlama;
+  const bool llama = LlamaBlock(c);
   if (tp_size != tp->size()) return InvalidArgument("tp group size differs from parallel.tp");
   if (c.heads % tp_size != 0 || c.vocab % tp_size != 0 || FfnWidth(c) % tp_size != 0) {
     return InvalidArgument("parallel.tp=" + std::to_string(tp_size) + " must divide model.heads=" +
@@ -489,7 +184,7 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelShardSpec& s
   const bool first = spec.coords.pp == 0, last = spec.coords.pp == spec.layout.pp - 1;
   if (llama) {
     // llama_model.rope_tables: pair i of a head turns by position * theta^(-2i/head_dim).
-    const int64_t hd = c.d_model / c.heads;
+    const int64_t hd = HeadDim(c);
     const torch::TensorOptions f32 = torch::TensorOptions().dtype(torch::kFloat).device(spec.device);
     torch::Tensor inv = 1.0 / torch::pow(c.rope_theta, torch::arange(0, hd, 2, f32) / static_cast<double>(hd));
     if (c.rope_scaling != RopeScaling::kNone) {
@@ -520,7 +215,8 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelShardSpec& s
     if (!per_parameter) return built[i];
     return PerParameterInit(c, shapes[i].first, shapes[i].second, spec.seed, i, spec.device);
   };
-  const std::vector<std::string>& block_names = BlockNames(c.arch);
+  const std::vector<std::string> block_names = BlockParameterNames(c);
+  shard->block_names_ = block_names;
   shard->block_index_.assign(c.layers, std::vector<int>(block_names.size(), -1));
   auto add = [&](const std::string& name, const torch::Tensor& t, int unit, bool exported) {
     ShardParam p;
@@ -529,15 +225,18 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelShardSpec& s
     p.split = SplitOf(c, name, tp_size);
     p.value = Slice(t, p.split, tp_size, spec.coords.tp).requires_grad_(true);
     p.decay = t.dim() >= 2;
-    const bool kv_weight = shard->kv_replicated_ && (EndsWith(name, ".wk.weight") || EndsWith(name, ".wv.weight"));
-    p.tp_partial = kv_weight || (spec.layout.sequence_parallel && p.split == TpSplit::kReplicated);
+    // Whole on every tp rank but read by each for other heads: a key/value projection kept whole (fewer
+    // key/value heads than tp), qwen3's per-head norms of q and k.
+    const bool per_head = tp_size > 1 && (EndsWith(name, "q_norm.weight") || EndsWith(name, "k_norm.weight"));
+    const bool kv_whole = shard->kv_replicated_ && KvParam(name);
+    p.tp_partial = kv_whole || per_head || (spec.layout.sequence_parallel && p.split == TpSplit::kReplicated);
     p.counts_for_norm = exported && (p.split != TpSplit::kReplicated || spec.coords.tp == 0);
     p.exported = exported;
     p.unit = unit;
     shard->params_.push_back(std::move(p));
     return static_cast<int>(shard->params_.size()) - 1;
   };
-  const std::string embedding = EmbeddingName(c.arch);
+  const std::string embedding = EmbeddingName(c);
   torch::Tensor embed;
   constexpr const char* kBuilding = "building the model";
   for (size_t i = 0; i < shapes.size(); ++i) {
@@ -584,17 +283,23 @@ int ModelShard::TiedEmbeddingParam() const {
 }
 
 int ModelShard::PipelineRankOf(const std::string& name) const {
-  if (name == EmbeddingName(spec_.config.arch) || name == "wpe.weight") return 0;
+  if (name == EmbeddingName(spec_.config) || name == "wpe.weight") return 0;
   if (const int layer = LayerOf(name); layer >= 0) return stage_of_layer_[layer] % spec_.layout.pp;
   return spec_.layout.pp - 1;
 }
 
 const torch::Tensor& ModelShard::P(int layer, const char* name) const {
-  const std::vector<std::string>& names = BlockNames(spec_.config.arch);
-  for (size_t k = 0; k < names.size(); ++k) {
-    if (names[k] == name) return params_[block_index_[layer][k]].value;
+  for (size_t k = 0; k < block_names_.size(); ++k) {
+    if (block_names_[k] == name) return params_[block_index_[layer][k]].value;
   }
   throw std::logic_error(std::string("no block parameter ") + name);
+}
+
+const torch::Tensor* ModelShard::Optional(int layer, const char* name) const {
+  for (size_t k = 0; k < block_names_.size(); ++k) {
+    if (block_names_[k] == name) return &params_[block_index_[layer][k]].value;
+  }
+  return nullptr;
 }
 
 int ModelShard::FirstLayer(int virtual_stage) const {
@@ -633,7 +338,7 @@ torch::Tensor ModelShard::Attention(const torch::Tensor& q, const torch::Tensor&
   // On GPUs flash attention keeps only q, k, v, its output (which the next product keeps anyway) and
   // a row statistic: nothing for selective recompute to drop.
   if (Selective() && !q.is_cuda()) {
-    return CheckpointAttention::apply(q, k, v);
+    return CheckpointedAttention(q, k, v);
   }
   return compat::CausalAttentionGqa(q, k, v);
 }
@@ -644,7 +349,7 @@ bool ModelShard::GradientFromProductsOnly(size_t i) const {
   if (p.value.dim() != 2 || !FusedLinearTakes(p.value.size(0), p.value.size(1))) return false;
   const std::string& name = p.name;
   auto ends = [&](const char* suffix) { return EndsWith(name, suffix); };
-  if (spec_.config.arch == Arch::kLlama) {
+  if (LlamaBlock(spec_.config)) {
     // Key and value matrices kept whole on every tp rank are read through views, by LibTorch's product
     // (LlamaBlockForward), which adds to the gradient.
     if (ends(".wk.weight") || ends(".wv.weight")) return !kv_replicated_;
@@ -656,14 +361,14 @@ bool ModelShard::GradientFromProductsOnly(size_t i) const {
 }
 
 torch::Tensor ModelShard::BlockForward(int layer, const torch::Tensor& x) {
-  return spec_.config.arch == Arch::kLlama ? LlamaBlockForward(layer, x) : GptBlockForward(layer, x);
+  return LlamaBlock(spec_.config) ? LlamaBlockForward(layer, x) : GptBlockForward(layer, x);
 }
 
 torch::Tensor ModelShard::KvWeight(int layer, const char* name) const {
   const torch::Tensor& w = P(layer, name);
   if (!kv_replicated_) return w;
   // Whole on every rank: this rank's query heads all read key/value head tp_rank*kv/tp.
-  const int64_t hd = spec_.config.d_model / spec_.config.heads;
+  const int64_t hd = HeadDim(spec_.config);
   const int64_t head = int64_t{spec_.coords.tp} * KvHeads(spec_.config) / spec_.layout.tp;
   return w.narrow(0, head * hd, hd);
 }
@@ -680,7 +385,7 @@ torch::Tensor ModelShard::Rope(const torch::Tensor& x) const {
 
 torch::Tensor ModelShard::Enter(const torch::Tensor& x) const {
   if (spec_.layout.tp == 1) return x;
-  return spec_.layout.sequence_parallel ? GatherSeq::apply(x, Handle(tp_)) : CopyToTp::apply(x, Handle(tp_));
+  return spec_.layout.sequence_parallel ? GatherSeq(x, tp_) : CopyToTp(x, tp_);
 }
 
 // A tp branch's output: residual + (the sum over tp of its partial sums + bias), the sum made inline
@@ -689,12 +394,11 @@ torch::Tensor ModelShard::Enter(const torch::Tensor& x) const {
 class ModelShard::RowSum {
  public:
   RowSum(const ModelShard& shard, BranchPartial branch, bool beside) : branch_(std::move(branch)) {
-    const int64_t comm = Handle(shard.tp_);
+    Communicator* const comm = shard.tp_;
     if (beside) {
-      sum_ = ReduceFromTpBeside::apply(branch_.partial, comm, reinterpret_cast<int64_t>(&pending_));
+      sum_ = ReduceFromTpBeside(branch_.partial, comm, &pending_);
     } else {
-      sum_ = shard.spec_.layout.sequence_parallel ? ScatterSeq::apply(branch_.partial, comm)
-                                                  : ReduceFromTp::apply(branch_.partial, comm);
+      sum_ = shard.spec_.layout.sequence_parallel ? ScatterSeq(branch_.partial, comm) : ReduceFromTp(branch_.partial, comm);
     }
     branch_.partial = torch::Tensor();
   }
@@ -722,7 +426,7 @@ torch::Tensor ModelShard::TpBlockForward(int layer, const torch::Tensor& x) {
 }
 
 ModelShard::BranchPartial ModelShard::TpBranch(int layer, int branch, const torch::Tensor& x) {
-  if (spec_.config.arch == Arch::kLlama) {
+  if (LlamaBlock(spec_.config)) {
     if (branch == 0) {
       auto [y, x_res] = LlamaAttention(layer, x);
       return {x_res, NoBiasLinear(y, P(layer, "wo.weight")), {}};
@@ -755,7 +459,7 @@ ModelShard::BranchPartial ModelShard::TpBranch(int layer, int branch, const torc
 std::pair<torch::Tensor, torch::Tensor> ModelShard::LlamaAttention(int layer, const torch::Tensor& x) {
   const ModelSpec& c = spec_.config;
   const int tp = spec_.layout.tp;
-  const int64_t hd = c.d_model / c.heads;
+  const int64_t hd = HeadDim(c);
   const int64_t heads_local = c.heads / tp;
   const int64_t kv_local = kv_replicated_ ? 1 : KvHeads(c) / tp;
   // The residual branch reads x through the norm's second output (see RmsNorm).
@@ -777,8 +481,20 @@ std::pair<torch::Tensor, torch::Tensor> ModelShard::LlamaAttention(int layer, co
     };
     q_lin = NoBiasLinear(h, wq), k_lin = kv_linear("wk.weight"), v_lin = kv_linear("wv.weight");
   }
-  torch::Tensor q = Rope(q_lin.view({b, t, heads_local, hd})).transpose(1, 2);
-  torch::Tensor k = Rope(k_lin.view({b, t, kv_local, hd})).transpose(1, 2);
+  if (const torch::Tensor* bq = Optional(layer, "wq.bias")) {
+    // qwen2: the biases added after the products (our products take none).
+    q_lin = q_lin + *bq;
+    k_lin = k_lin + KvWeight(layer, "wk.bias");
+    v_lin = v_lin + KvWeight(layer, "wv.bias");
+  }
+  torch::Tensor q = q_lin.view({b, t, heads_local, hd}), k = k_lin.view({b, t, kv_local, hd});
+  if (const torch::Tensor* qn = Optional(layer, "q_norm.weight")) {
+    // qwen3: each head of q and of k normed on its own, before the rotation.
+    q = RmsNorm(q, *qn, c.norm_eps).first;
+    k = RmsNorm(k, P(layer, "k_norm.weight"), c.norm_eps).first;
+  }
+  q = Rope(q).transpose(1, 2);
+  k = Rope(k).transpose(1, 2);
   torch::Tensor v = v_lin.view({b, t, kv_local, hd}).transpose(1, 2);
   // Grouped-query attention: query head j reads key/value head j / (heads / kv_heads).
   return {Attention(q, k, v).transpose(1, 2).reshape({b, t, heads_local * hd}), x_res};
@@ -826,7 +542,7 @@ std::pair<torch::Tensor, torch::Tensor> ModelShard::GptAttention(int layer, cons
   torch::Tensor a = fused_qkv && sum_in_product ? a_local : Enter(a_local);
   const int64_t b = a.size(0), t = a.size(1);
   variable_list qkv = fused_qkv ? FusedQkv(a, qkv_w, qkv_b, heads_local, sum_in_product)
-                                : SplitHeads::apply(Linear(a, qkv_w, qkv_b), heads_local);
+                                : SplitHeads(Linear(a, qkv_w, qkv_b), heads_local);
   return {Attention(qkv[0], qkv[1], qkv[2]).transpose(1, 2).reshape({b, t, c_local}), x_res};
 }
 
@@ -865,22 +581,22 @@ torch::Tensor ModelShard::Embed(const torch::Tensor& ids) {
   torch::Tensor e = F::embedding(local, wte).masked_fill(outside.unsqueeze(-1), 0.0);
   if (spec_.layout.sequence_parallel) {
     const int64_t t_local = t / tp;
-    return positioned(ScatterSeq::apply(e, Handle(tp_)), t_local * spec_.coords.tp, t_local);
+    return positioned(ScatterSeq(e, tp_), t_local * spec_.coords.tp, t_local);
   }
-  return positioned(ReduceFromTp::apply(e, Handle(tp_)), 0, t);
+  return positioned(ReduceFromTp(e, tp_), 0, t);
 }
 
 torch::Tensor ModelShard::FinalNorm(const torch::Tensor& x) {
-  if (spec_.config.arch == Arch::kLlama) return RmsNorm(x, params_[norm_w_].value, spec_.config.norm_eps).first;
+  if (LlamaBlock(spec_.config)) return RmsNorm(x, params_[norm_w_].value, spec_.config.norm_eps).first;
   return LayerNorm(x, params_[norm_w_].value, params_[norm_b_].value).first;
 }
 
 torch::Tensor ModelShard::HeadLoss(const torch::Tensor& x, const torch::Tensor& targets) {
   const int tp = spec_.layout.tp;
-  const int64_t comm = Handle(tp_);
+  Communicator* const comm = tp_;
   const torch::Tensor& wte = params_[head_].value;
   torch::Tensor h = FinalNorm(x);
-  if (tp > 1) h = spec_.layout.sequence_parallel ? GatherSeq::apply(h, comm) : CopyToTp::apply(h, comm);
+  if (tp > 1) h = spec_.layout.sequence_parallel ? GatherSeq(h, comm) : CopyToTp(h, comm);
   // The head through our product where it takes it: its weight gradient goes straight into the
   // (tied) table's, beside what the embedding's backward adds there.
   torch::Tensor logits = NoBiasLinear(h, wte);
@@ -909,11 +625,11 @@ torch::Tensor ModelShard::HeadLoss(const torch::Tensor& x, const torch::Tensor& 
   torch::Tensor maxes = torch::empty({tp, row_max.numel()}, row_max.options());
   Check(tp_->AllGather(row_max, maxes));
   torch::Tensor shifted = logits - std::get<0>(maxes.max(0)).unsqueeze(1);
-  torch::Tensor sum_exp = ReduceFromTp::apply(shifted.exp().sum(-1), comm);
+  torch::Tensor sum_exp = ReduceFromTp(shifted.exp().sum(-1), comm);
   torch::Tensor outside = (target < start).logical_or(target >= start + rows);
   torch::Tensor local = (target - start).masked_fill(outside, 0);
   torch::Tensor picked = shifted.gather(1, local.unsqueeze(1)).squeeze(1).masked_fill(outside, 0.0);
-  picked = ReduceFromTp::apply(picked, comm);
+  picked = ReduceFromTp(picked, comm);
   if (masked_targets_) return ((sum_exp.log() - picked) * (target != -100).to(torch::kFloat)).sum() / counted;
   return (sum_exp.log() - picked).mean();
 }

@@ -1,9 +1,12 @@
 // ModelShard: the part of the model that one rank holds under tensor and pipeline parallelism,
 // written functionally over plain leaf tensors so that a parameter store can place them in flat
-// buffers and shard them (ZeRO). Two architectures (model.arch):
+// buffers and shard them (ZeRO). Its parameters are those common/model_family.h lists for model.arch;
+// two blocks compute them:
 //   gpt2: worker/model/gpt_model.h (gpt_model.GPT), same parameters, names and initialisation.
-//   llama: llama_model.Llama (RMSNorm, rotary embeddings in Hugging Face's layout, grouped-query
-//   attention, SwiGLU, no biases, tied or untied head), same parameter names.
+//   llama and the families of its block: llama_model.Llama (RMSNorm, rotary embeddings in Hugging
+//   Face's layout, grouped-query attention, SwiGLU, tied or untied head), same parameter names, with
+//   each family's change where its parameters are there: qwen2's q, k and v biases (added after the
+//   products), qwen3's per-head RMSNorm of q and k (before the rotation). Heads are model.head_dim wide.
 
 //
 // Every rank draws each parameter of the full model and keeps its slice, so every layout starts
@@ -36,6 +39,7 @@
 #include <torch/types.h>
 
 #include "common/layout.h"
+#include "common/model_family.h"
 #include "common/recipe.h"
 #include "common/status.h"
 #include "worker/comm/communicator.h"
@@ -75,13 +79,9 @@ struct ModelShardSpec {
 // the default generator of x's device.
 torch::Tensor StochasticRoundedAdd(const torch::Tensor& x, const torch::Tensor& branch);
 
-// The full model's parameters in the Python model's registration order: name and shape.
-std::vector<std::pair<std::string, std::vector<int64_t>>> ModelParameterShapes(const ModelSpec& config);
-int64_t ModelParameterCount(const ModelSpec& config);
-// The GPT module's configuration of a gpt2 model.
+// The GPT module's configuration of a gpt2 model. (ModelParameterShapes, ModelParameterCount and
+// LayerOf: common/model_family.h.)
 GptConfig GptConfigOf(const ModelSpec& config);
-// The block of a parameter's name ("blocks.3.qkv.weight", "layers.3.wq.weight": 3); -1 for others.
-int LayerOf(const std::string& name);
 
 enum class TpSplit { kReplicated, kRows, kCols, kQkvRows };
 
@@ -189,6 +189,8 @@ class ModelShard {
   // A tp block's input where every tp rank needs it whole: Megatron's f, or the sequence's gather.
   torch::Tensor Enter(const torch::Tensor& x) const;
   const torch::Tensor& P(int layer, const char* name) const;
+  // A block parameter its family may lack (qwen2's biases, qwen3's norms): null where it has none.
+  const torch::Tensor* Optional(int layer, const char* name) const;
   // This rank's rows of wk or wv: its slice, or its key/value head of the whole weight.
   torch::Tensor KvWeight(int layer, const char* name) const;
   torch::Tensor Rope(const torch::Tensor& x) const;  // [b, t, heads, head_dim]
@@ -202,11 +204,13 @@ class ModelShard {
   Communicator* tp_;
   std::vector<ShardParam> params_;
   std::vector<std::pair<std::string, std::vector<int64_t>>> full_params_;
-  // Index into params_ of each block's parameters ([layer][name]) and of the others.
+  // A block's parameter names (BlockParameterNames), and the index into params_ of each block's
+  // parameters ([layer][name]) and of the others.
+  std::vector<std::string> block_names_;
   std::vector<std::vector<int>> block_index_;
   std::vector<int> stage_of_layer_;
   int embed_ = -1, wpe_ = -1, norm_w_ = -1, norm_b_ = -1, head_ = -1;
-  bool kv_replicated_ = false;  // llama with kv_heads < tp
+  bool kv_replicated_ = false;  // a Llama block with kv_heads < tp
   torch::Tensor rope_cos_, rope_sin_;  // [seq_len, head_dim/2], fp32
   UnitHooks hooks_;
   bool masked_targets_ = false;

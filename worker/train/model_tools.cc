@@ -18,6 +18,7 @@
 #include "common/data/prepare.h"
 #include "common/files.h"
 #include "common/hf_format.h"
+#include "common/model_family.h"
 #include "common/recipe.h"
 #include "common/safetensors.h"
 #include "common/data/tokenizer.h"
@@ -248,10 +249,11 @@ int Export(const ToolArgs& args) {
   StatusOr<std::unique_ptr<TextTokenizer>> tokenizer = TokenizerOf(r, args.Get("tokenizer"));
   const double max_shard = std::stod(args.Get("max-shard-gb", "5")) * 1e9;
   Status s = WriteShards(partial, tensors, max_shard);
-  int64_t eos = -1;
+  int64_t eos = -1, bos = -1;
   std::string tokenizer_note = "no tokenizer files (" + (tokenizer.ok() ? std::string() : tokenizer.status().message()) + ")";
   if (s.ok() && tokenizer.ok()) {
     eos = (*tokenizer)->end_of_text();
+    bos = (*tokenizer)->begin_of_text();
     Json config{{"model_max_length", r.model.seq_len}, {"clean_up_tokenization_spaces", false}};
     if ((*tokenizer)->kind() == "huggingface") {
       StatusOr<std::string> json = ReadFileText((*tokenizer)->file());
@@ -271,13 +273,17 @@ int Export(const ToolArgs& args) {
       config["eos_token"] = text;
       config["bos_token"] = text;
     }
+    if (const std::string text = bos >= 0 ? (*tokenizer)->Decode({static_cast<uint32_t>(bos)}) : ""; !text.empty()) {
+      config["bos_token"] = text;
+    }
     if (s.ok() && (*tokenizer)->kind() != "byte") {
       s = WriteFileAtomically(partial + "/tokenizer_config.json", config.dump(2) + "\n");
     }
   }
-  // The data has no token of its own before a document: the end-of-text token that ends the one
-  // before stands for both, as tokenizer_config.json's bos_token says.
-  if (s.ok()) s = WriteFileAtomically(partial + "/config.json", HfConfigJson(r.model, eos, eos));
+  // Without a begin-of-text token of the tokenizer's own (a model's, put before each document by data
+  // prepare), the end-of-text token that ends the document before stands for both, as
+  // tokenizer_config.json's bos_token says.
+  if (s.ok()) s = WriteFileAtomically(partial + "/config.json", HfConfigJson(r.model, bos >= 0 ? bos : eos, eos));
   if (s.ok()) {
     fs::remove(output, ec);  // an empty directory
     fs::rename(partial, output, ec);
@@ -293,7 +299,7 @@ int Export(const ToolArgs& args) {
   std::printf("exported %s (step %s, %s, %lld parameters) to %s: %s weights, config.json (%s), %s\n",
               (*loaded)->step_dir.c_str(), (*loaded)->step_dir.substr((*loaded)->step_dir.rfind('-') + 1).c_str(),
               NameOf(r.model.arch).c_str(), static_cast<long long>(params), output.c_str(), dtype.c_str(),
-              r.model.arch == Arch::kLlama ? "LlamaForCausalLM" : "GPT2LMHeadModel", tokenizer_note.c_str());
+              std::string(FamilyOf(r.model.arch).hf_architecture).c_str(), tokenizer_note.c_str());
   std::printf("load it with: AutoModelForCausalLM.from_pretrained(\"%s\")\n", output.c_str());
   return 0;
 }
