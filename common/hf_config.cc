@@ -179,7 +179,8 @@ StatusOr<HfModelConfig> ReadLlamaBlock(const Json& j, const ConfigReader& c, con
   LTRAIN_ASSIGN_OR_RETURN(m.norm_eps, c.Number("rms_norm_eps", 1e-6));
   LTRAIN_ASSIGN_OR_RETURN(m.tie_embeddings, c.Bool("tie_word_embeddings", false));
   LTRAIN_RETURN_IF_ERROR(ReadRope(j, c, &m));
-  out.keys = {"model.arch", "model.layers", "model.d_model", "model.heads", "model.kv_heads", "model.head_dim", "model.ffn",
+  out.keys = {"model.arch", "model.layers", "model.d_model", "model.heads", "model.kv_heads", "model.head_dim",
+              "model.max_positions", "model.ffn",
               "model.vocab", "model.rope_theta", "model.norm_eps", "model.tie_embeddings", "model.rope_scaling",
               "model.rope_factor", "model.rope_low_freq_factor", "model.rope_high_freq_factor",
               "model.rope_original_positions"};
@@ -203,6 +204,7 @@ StatusOr<HfModelConfig> ReadLlamaBlock(const Json& j, const ConfigReader& c, con
   }
   if (c.Has("max_position_embeddings")) {
     LTRAIN_ASSIGN_OR_RETURN(int64_t max_positions, c.Int("max_position_embeddings"));
+    m.max_positions = static_cast<int>(max_positions);
     if (seq_len > max_positions) {
       return c.Refuse("max_position_embeddings",
                       "=" + std::to_string(max_positions) + " is smaller than model.seq_len=" + std::to_string(seq_len) +

@@ -47,7 +47,7 @@ std::string HfConfigJson(const ModelSpec& m, int64_t bos, int64_t eos) {
     j["num_key_value_heads"] = KvHeads(m);
     j["head_dim"] = HeadDim(m);
     j["vocab_size"] = m.vocab;
-    j["max_position_embeddings"] = m.seq_len;
+    j["max_position_embeddings"] = std::max(m.max_positions, m.seq_len);
     j["rms_norm_eps"] = m.norm_eps;
     j["rope_theta"] = m.rope_theta;
     if (m.rope_scaling == RopeScaling::kLinear) {

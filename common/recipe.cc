@@ -478,6 +478,10 @@ void CheckArchKeys(const ModelSpec& m, RecipeReader& reader) {
       reader.ErrorOnKey("model.tie_embeddings", "GPT-2's head is always its token embedding; model.tie_embeddings: "
                                                 "false needs model.arch: llama");
     }
+    if (m.max_positions != 0) {
+      reader.ErrorOnKey("model.max_positions", "GPT-2's context is model.seq_len (its learned positions); "
+                                               "model.max_positions is a key of the Llama-block families: remove it");
+    }
     if (m.head_dim != 0 && m.head_dim * m.heads != m.d_model) {
       reader.ErrorOnKey("model.head_dim", "GPT-2's heads are d_model/heads wide; model.head_dim is a key of the "
                                           "Llama-block families (llama, mistral, qwen2, qwen3): remove it");
@@ -488,6 +492,11 @@ void CheckArchKeys(const ModelSpec& m, RecipeReader& reader) {
   if (kv > m.heads || m.heads % kv != 0) {
     reader.ErrorOnKey("model.kv_heads", "model.kv_heads=" + std::to_string(kv) + " must divide model.heads=" +
                                         std::to_string(m.heads) + " (each key/value head serves heads/kv_heads query heads)");
+  }
+  if (m.max_positions != 0 && m.seq_len > m.max_positions) {
+    reader.ErrorOnKey("model.seq_len", "model.seq_len=" + std::to_string(m.seq_len) + " is longer than model.max_positions=" +
+                                           std::to_string(m.max_positions) +
+                                           ", the longest context the model is made for; lower model.seq_len");
   }
   if (HeadDim(m) % 2 != 0) {
     reader.ErrorOnKey(m.head_dim > 0 ? "model.head_dim" : "model.heads",

@@ -136,6 +136,9 @@ struct ModelSpec {
   int kv_heads = 0;              // key/value heads (grouped-query attention; llama); 0: model.heads
   int ffn = 0;                   // SwiGLU hidden width (llama); 0: 8*d_model/3 rounded up to a multiple of 64
   int head_dim = 0;              // width of an attention head (llama block); 0: d_model/heads
+  // The longest context the model is made for (config.json's max_position_embeddings), kept through
+  // training for the export; 0: seq_len.
+  int max_positions = 0;
   double rope_theta = 500000;    // rotary base (llama)
   // Rotary scaling for contexts past the one a model was trained on, as transformers' rope_scaling:
   // linear divides every frequency by rope_factor; llama3 (Llama 3.1 and 3.2) divides those of

@@ -101,6 +101,11 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
                           "d_model/heads)",
                   .int_min = 0, .int_max = 4096, .default_text = "d_model/heads", .omit_at_default = true},
         r.model.head_dim);
+  visit(RecipeKey{.section = "model", .name = "max_positions",
+                  .help = "the longest context the model is made for (config.json's max_position_embeddings; "
+                          "llama block): at least seq_len, written back on export",
+                  .int_min = 0, .int_max = 1 << 24, .default_text = "model.seq_len", .omit_at_default = true},
+        r.model.max_positions);
   visit(RecipeKey{.section = "model", .name = "rope_theta", .help = "base of the rotary position angles (llama)",
                   .real_min = 1, .real_max = 1e12, .omit_at_default = true},
         r.model.rope_theta);

@@ -29,7 +29,7 @@ Suites (--suite, repeatable; default: layouts):
            against llama_baseline.py (PyTorch eager and compile, one process)
   hub      the same with Llama 3.2 1B's RoPE scaling (llama3), and Qwen2.5 0.5B's and Qwen3 0.6B's shapes
            against transformers' Qwen2ForCausalLM and Qwen3ForCausalLM (hf_baseline.py: bf16 autocast, SDPA,
-           fused AdamW, eager and compile), one GPU, micro-batch 4, 30 steps
+           fused AdamW), each peer under torch.compile, one GPU, micro-batch 4, 30 steps
   dp       gpt-1.3b (micro-batch 8, recipe defaults) on one GPU and data parallel on 2 and on every GPU
   learning gpt-124m on byte tokens of --learning-data, 200 steps, the default precision, one seed per
            GPU up to 4 or --learning-seeds N (seed k from the parameters and batches of gpt_baseline.py
@@ -278,18 +278,18 @@ def suite_llama_1b(b, baselines):
 
 def suite_hub(b, baselines, here):
     print("hub: Hub families' shapes on one GPU, micro-batch 4, 30 steps: Llama 3.2 1B with its RoPE scaling against "
-          "llama_baseline.py, Qwen2.5 0.5B and Qwen3 0.6B against transformers' own models (eager and compile)",
+          "llama_baseline.py, Qwen2.5 0.5B and Qwen3 0.6B against transformers' own models under torch.compile",
           flush=True)
     path = b.recipe("llama-1b-scaled", LLAMA_1B_SCALED, steps=30, micro_batch=4, global_batch=4, world=1)
     ours = b.launch("ltrain llama-1b rope_scaling llama3", path)
     peers = b.single("PyTorch llama-1b", [os.path.join(baselines, "llama_baseline.py"), "--model", "llama-1b",
-                                          "--mode", "both", "--steps", "30"])
+                                          "--mode", "compile", "--steps", "30"])
     b.ratio("llama-1b with rope_scaling", ours, peers.values())
     for name, model in (("qwen2.5-0.5b", QWEN25_05B), ("qwen3-0.6b", QWEN3_06B)):
         path = b.recipe(name, model, steps=30, micro_batch=4, global_batch=4, world=1)
         ours = b.launch(f"ltrain {name}", path)
         peers = b.single(f"transformers {name}", [os.path.join(here, "hf_baseline.py"), "--model", name,
-                                                  "--mode", "both", "--steps", "30"])
+                                                  "--mode", "compile", "--steps", "30"])
         b.ratio(name, ours, peers.values())
 
 

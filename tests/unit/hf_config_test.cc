@@ -273,6 +273,7 @@ TEST_F(HfConfigTest, AnExportedConfigurationReadsBackAsTheSameModel) {
   m.rope_low_freq_factor = 2;
   m.rope_high_freq_factor = 8;
   m.rope_original_positions = 128;
+  m.max_positions = 4096;
   for (RopeScaling scaling : {RopeScaling::kLlama3, RopeScaling::kLinear, RopeScaling::kNone}) {
     m.rope_scaling = scaling;
     std::ofstream(dir_ / "model" / "config.json") << HfConfigJson(m, 1, 2);

@@ -23,7 +23,7 @@ namespace {
 
 constexpr const char* kEveryKey = R"(name: every-key
 model: {arch: llama, layers: 8, d_model: 96, heads: 6, seq_len: 48, vocab: 300, kv_heads: 2, ffn: 128, head_dim: 32,
-        rope_theta: 10000,
+        max_positions: 4096, rope_theta: 10000,
         rope_scaling: llama3, rope_factor: 8, rope_low_freq_factor: 2, rope_high_freq_factor: 8,
         rope_original_positions: 4096, norm_eps: 1.0e-6, tie_embeddings: false, init: per_parameter,
         init_from: /models/base}
