@@ -319,6 +319,17 @@ int Generate(const ToolArgs& args) {
   Trainer& trainer = *(*loaded)->trainer;
   const std::string prompt = args.Get("prompt");
   std::vector<uint32_t> ids = (*tokenizer)->Encode(prompt);
+  // A model's tokenizer that begins each text with its own token (Llama 3's <|begin_of_text|>): the
+  // prompt begins with it as the data's documents did (data prepare put it there). Not printed.
+  const int64_t bos = (*tokenizer)->begin_of_text();
+  size_t lead = 0;
+  if (bos >= 0 && (ids.empty() || ids[0] != static_cast<uint32_t>(bos))) {
+    ids.insert(ids.begin(), static_cast<uint32_t>(bos));
+    lead = 1;
+  }
+  auto shown = [&](const std::vector<uint32_t>& all) {
+    return (*tokenizer)->Decode(std::vector<uint32_t>(all.begin() + static_cast<int64_t>(lead), all.end()));
+  };
   const bool json = args.Get("output-format", "text") == "json";
   torch::NoGradGuard no_grad;
   if (args.Get("score", "0") == "1") {
@@ -362,7 +373,7 @@ int Generate(const ToolArgs& args) {
   at::Generator generator = at::globalContext().defaultGenerator(torch::kCPU).clone();
   generator.set_current_seed(std::stoull(args.Get("seed", "1")));
   const size_t prompt_tokens = ids.size();
-  std::string printed = (*tokenizer)->Decode(ids);
+  std::string printed = shown(ids);
   if (!json) {
     std::printf("%s", printed.c_str());
     std::fflush(stdout);
@@ -384,7 +395,7 @@ int Generate(const ToolArgs& args) {
     }
     if (next == (*tokenizer)->end_of_text()) break;
     ids.push_back(static_cast<uint32_t>(next));
-    const std::string text = (*tokenizer)->Decode(ids);
+    const std::string text = shown(ids);
     // Printed as it grows; a multi-byte character waits until it is whole.
     if (!json && text.size() > printed.size() && text.compare(0, printed.size(), printed) == 0) {
       std::printf("%s", text.substr(printed.size()).c_str());
