@@ -369,13 +369,53 @@ def hub_part(a, work):
             compare(f"hub {name} trained {layout} ({len(ls)} steps, loss {ls[0]:.3f} -> {ls[-1]:.3f}), exported",
                     lck, hf32, hf16, [p[:250] for p in prompts[:2]])
             del hf32, hf16
+            # A 7B-wide model's checkpoints and exports fill a host's disk: each goes once compared.
+            shutil.rmtree(lck, ignore_errors=True)
+            shutil.rmtree(out, ignore_errors=True)
         a_, b_ = curves["plain"], curves["checkpointed"]
         worst = max(abs(x - y) / abs(x) for x, y in zip(a_, b_)) if a_ and len(a_) == len(b_) else float("inf")
         report(f"hub {name} layouts", worst <= 2e-2 and len(a_) == a.hub_steps,
                f"{len(a_)} steps: max relative loss difference between the layouts {worst:.2e} (bf16 where the "
                f"device is a GPU; tolerance 2e-2)")
+        shutil.rmtree(ck, ignore_errors=True)
         if a.device == "cuda":
             torch.cuda.empty_cache()
+    if "qwen2.5-0.5b" in names:
+        finetune(a, work, home, os.path.join(work, "hub-qwen2.5-0.5b"), prompts, compare)
+
+
+def finetune(a, work, home, hf_dir, prompts, compare):
+    """recipes/finetune.yaml on the imported Qwen2.5 directory: {prompt, response} pairs made by `data
+    prepare --sft`, the response loss logged as it falls, the export loaded by transformers."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    pairs = os.path.join(work, "pairs.jsonl")
+    with open(pairs, "w") as f:
+        for i in range(2000):
+            f.write(json.dumps({"prompt": f"Question: which line is number {i}?\n",
+                                "response": f"Answer: line {i} is the line after {i - 1}."}) + "\n")
+    sft = os.path.join(work, "sft")
+    shutil.rmtree(sft, ignore_errors=True)
+    run([a.ltrain, "data", "prepare", "--sft", "--input", pairs, "--output", sft, "-q"])
+    ck = os.path.join(work, "ck-finetune")
+    shutil.rmtree(ck, ignore_errors=True)
+    out = run([a.ltrain, "launch", "recipes/finetune.yaml", "--set", f"model.init_from={hf_dir}", "--set",
+               f"data.path={sft}", "--set", "model.seq_len=256", "--set", "training.steps=60", "--set",
+               "training.micro_batch=8", "--set", "training.global_batch=8", "--set", "training.lr=1.0e-4",
+               "--set", "training.min_lr=1.0e-5", "--set", "training.log_every=5", "--set", "training.eval_every=0",
+               "--set", f"parallel.device={a.device}", "--set", f"checkpoint.dir={ck}", "--set",
+               "checkpoint.every=60"], env=home)
+    ls = losses(out)
+    report("finetune loss", len(ls) >= 2 and ls[-1] < 0.5 * ls[0],
+           f"recipes/finetune.yaml on the imported Qwen2.5-0.5B configuration, {len(ls)} logged steps: response "
+           f"loss {ls[0] if ls else float('nan'):.3f} -> {ls[-1] if ls else float('nan'):.3f}")
+    hf = os.path.join(work, "hf-finetune")
+    shutil.rmtree(hf, ignore_errors=True)
+    run([a.ltrain, "export", ck, "--output", hf], env=home)
+    hf32 = AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.float32).to(a.device).eval()
+    hf16 = AutoModelForCausalLM.from_pretrained(hf, torch_dtype=torch.bfloat16).to(a.device).eval()
+    compare("finetune export", ck, hf32, hf16, [p[:250] for p in prompts[:2]])
+    del hf32, hf16
 
 
 def main():
