@@ -299,5 +299,41 @@ TEST_F(LlamaTest, FineTuneRecipeTrainsTheResponsesOfAnImportedModel) {
       << wrong.output;
 }
 
+// A model's tokenizer whose template begins each text with its own token (Llama 3's layout): data
+// prepare puts it before each document, and generate before the prompt, without printing it.
+TEST_F(LlamaTest, GenerateBeginsThePromptWithTheTokenizersBeginOfText) {
+  const std::string tokenizer = R"({
+    "added_tokens": [{"id": 9, "content": "<|begin_of_text|>", "special": true},
+                     {"id": 10, "content": "<|end_of_text|>", "special": true}],
+    "normalizer": null,
+    "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true},
+    "post_processor": {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<|begin_of_text|>", "type_id": 0}},
+      {"Sequence": {"id": "A", "type_id": 0}}], "pair": [], "special_tokens": {}},
+    "model": {"type": "BPE", "vocab": {"a": 0, "b": 1, "c": 2, "\u0120": 3, "ab": 4}, "merges": ["a b"]}})";
+  dir_->Write("bos-model/tokenizer.json", tokenizer);
+  std::string text;
+  for (int i = 0; i < 3000; ++i) text += i % 3 ? "ab c " : "c ab ";
+  dir_->Write("bos-text.txt", text);
+  ProcessResult prepared = RunProcess({LtrainBinary(), "data", "prepare", "--input", dir_->Join("bos-text.txt"),
+                                       "--output", dir_->Join("bos-data"), "--tokenizer", dir_->Join("bos-model"), "-q"},
+                                      Env());
+  ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
+  ProcessResult trained = Launch(Quickstart(), {"data.path=" + dir_->Join("bos-data"), "name=llama-bos", "model.vocab=16",
+                                                "training.steps=4", "training.eval_every=0", "checkpoint.every=4",
+                                                "parallel.nproc_per_node=1", "checkpoint.dir=" + dir_->Join("ck-bos")});
+  ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  ProcessResult score = RunProcess({LtrainBinary(), "generate", dir_->Join("ck-bos"), "--score", "-o", "json",
+                                    "--prompt", "ab c"}, Env());
+  ASSERT_EQ(score.exit_code, 0) << score.output;
+  Json scored = Json::parse(score.output.substr(score.output.find('{')));
+  EXPECT_EQ(scored["first_token"], 9) << score.output;
+  EXPECT_EQ(scored["tokens"].size(), 3u) << score.output;  // ab, space, c after the begin-of-text token
+  ProcessResult sampled = RunProcess({LtrainBinary(), "generate", dir_->Join("ck-bos"), "--prompt", "ab c",
+                                      "--max-tokens", "4", "--temperature", "0"}, Env());
+  ASSERT_EQ(sampled.exit_code, 0) << sampled.output;
+  EXPECT_NE(sampled.output.find("ab c"), std::string::npos) << sampled.output;
+  EXPECT_EQ(sampled.output.find("begin_of_text"), std::string::npos) << sampled.output;
+}
+
 }  // namespace
 }  // namespace ltrain::testing
