@@ -795,61 +795,6 @@ std::map<std::string, std::string> RecipeKeyValues(const Recipe& recipe) {
   return values;
 }
 
-int KvHeads(const ModelSpec& m) { return m.kv_heads > 0 ? m.kv_heads : m.heads; }
-
-int HeadDim(const ModelSpec& m) { return m.head_dim > 0 ? m.head_dim : m.d_model / m.heads; }
-
-int FfnWidth(const ModelSpec& m) {
-  if (m.arch == Arch::kGpt2) return 4 * m.d_model;
-  if (m.ffn > 0) return m.ffn;
-  const int64_t width = (8 * int64_t{m.d_model} + 2) / 3;
-  return static_cast<int>((width + 63) / 64 * 64);
-}
-
-std::string ModelShapeDifferences(const ModelSpec& saved, const ModelSpec& current) {
-  std::string differences;
-  auto compare = [&](const char* key, const std::string& a, const std::string& b) {
-    if (a == b) return;
-    differences += (differences.empty() ? "" : ", ") + std::string("model.") + key + " " + a + " (this recipe: " + b + ")";
-  };
-  auto number = [](int64_t v) { return std::to_string(v); };
-  compare("arch", std::string(NameOf(saved.arch)), std::string(NameOf(current.arch)));
-  compare("layers", number(saved.layers), number(current.layers));
-  compare("d_model", number(saved.d_model), number(current.d_model));
-  compare("heads", number(saved.heads), number(current.heads));
-  // Unset, these two follow heads and d_model, whose difference is then said once.
-  if (saved.kv_heads > 0 || current.kv_heads > 0) compare("kv_heads", number(KvHeads(saved)), number(KvHeads(current)));
-  if (saved.head_dim > 0 || current.head_dim > 0) compare("head_dim", number(HeadDim(saved)), number(HeadDim(current)));
-  if (saved.d_model == current.d_model || saved.ffn > 0 || current.ffn > 0) {
-    compare("ffn", number(FfnWidth(saved)), number(FfnWidth(current)));
-  }
-  compare("vocab", number(saved.vocab), number(current.vocab));
-  compare("tie_embeddings", saved.tie_embeddings ? "true" : "false", current.tie_embeddings ? "true" : "false");
-  if (saved.arch == Arch::kGpt2 && current.arch == Arch::kGpt2) {
-    compare("seq_len", number(saved.seq_len), number(current.seq_len));
-  }
-  return differences;
-}
-
-int64_t ApproxParameterCount(const ModelSpec& m) {
-  const int64_t d = m.d_model;
-  const int64_t f = FfnWidth(m);
-  if (m.arch != Arch::kGpt2) {
-    const int64_t hd = HeadDim(m), q = hd * m.heads, kv = hd * KvHeads(m);
-    // Per block: two RMSNorms, wq and wo (q x d), wk and wv (kv x d), w1, w3 and w2 (f x d); qwen2's
-    // q, k and v biases, qwen3's per-head norms of q and k.
-    int64_t block = 2 * d + 2 * q * d + 2 * kv * d + 3 * f * d;
-    if (m.arch == Arch::kQwen2) block += q + 2 * kv;
-    if (m.arch == Arch::kQwen3) block += 2 * hd;
-    return m.vocab * d * (m.tie_embeddings ? 1 : 2) + m.layers * block + d;
-  }
-  // Per block: two layer norms (4d), attention (qkv 3d^2+3d, projection d^2+d), MLP (2fd+f+d).
-  const int64_t block = 4 * d + 4 * d * d + 4 * d + 2 * f * d + f + d;
-  return (m.vocab + m.seq_len) * d + m.layers * block + 2 * d;
-}
-
-int64_t ApproxCheckpointBytes(const ModelSpec& model) { return 12 * ApproxParameterCount(model); }
-
 namespace {
 
 // `base` seconds plus one per 50 MB of checkpoint state: a disk a tenth as fast as a local NVMe
@@ -877,37 +822,6 @@ PhaseTimeout StartupTimeout(const Recipe& recipe) {
 }
 
 int64_t DataSeed(const Recipe& recipe) { return recipe.data.seed >= 0 ? recipe.data.seed : recipe.training.seed; }
-
-std::vector<float> RopeInverseFrequencies(const ModelSpec& m) {
-  const int hd = HeadDim(m);
-  std::vector<float> out;
-  for (int i = 0; i < hd; i += 2) {
-    // transformers: 1.0 / (base ** (torch.arange(0, dim, 2).float() / dim)), all in fp32.
-    const float exponent = static_cast<float>(i) / static_cast<float>(hd);
-    const float inv = 1.0f / std::pow(static_cast<float>(m.rope_theta), exponent);
-    if (m.rope_scaling == RopeScaling::kLinear) {
-      out.push_back(inv / static_cast<float>(m.rope_factor));
-      continue;
-    }
-    if (m.rope_scaling != RopeScaling::kLlama3) {
-      out.push_back(inv);
-      continue;
-    }
-    // transformers' _compute_llama3_parameters, in fp32 as it computes them.
-    const float factor = static_cast<float>(m.rope_factor);
-    const float low = static_cast<float>(m.rope_low_freq_factor), high = static_cast<float>(m.rope_high_freq_factor);
-    const float old_context = static_cast<float>(m.rope_original_positions);
-    const float low_freq_wavelen = old_context / low, high_freq_wavelen = old_context / high;
-    const float wavelen = 2.0f * static_cast<float>(M_PI) / inv;
-    float scaled = wavelen > low_freq_wavelen ? inv / factor : inv;
-    if (!(wavelen < high_freq_wavelen) && !(wavelen > low_freq_wavelen)) {
-      const float smooth = (old_context / wavelen - low) / (high - low);
-      scaled = (1 - smooth) * scaled / factor + smooth * scaled;
-    }
-    out.push_back(scaled);
-  }
-  return out;
-}
 
 std::vector<DataSource> DataSources(const Recipe& recipe) {
   if (!recipe.data.sources.empty()) return recipe.data.sources;

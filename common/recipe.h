@@ -292,8 +292,9 @@ struct Recipe {
   }
 };
 
-// How many parameters the model has, each counted once (a tied head is the token embedding), as
-// ModelParameterCount counts them.
+// The model's arithmetic, from here to ModelShapeDifferences (defined in common/model_family.cc, with
+// the families). How many parameters the model has, each counted once (a tied head is the token
+// embedding), in closed form: what ModelParameterCount counts from the list of parameters.
 int64_t ApproxParameterCount(const ModelSpec& model);
 // model.kv_heads resolved (model.heads when unset).
 int KvHeads(const ModelSpec& model);
