@@ -278,6 +278,7 @@ def hub_part(a, work):
     def compare(label, ck, hf32, hf16, use):
         """ltrain generate --score of checkpoint `ck` against transformers' models (fp32 and bf16)."""
         worst = ours16 = theirs16 = between = 0.0
+        ours_sq, theirs_sq, counted = 0.0, 0.0, 0
         for p in use:
             got = json.loads(run([a.ltrain, "generate", ck, "--score", "-o", "json", "--prompt", p, "--device",
                                   a.device, "--dtype", "fp32"], env=home))
@@ -293,15 +294,24 @@ def hub_part(a, work):
             ours16 = max(ours16, (ours - exact).abs().max().item())
             theirs16 = max(theirs16, (theirs - exact).abs().max().item())
             between = max(between, (ours - theirs).abs().max().item())
-        # bf16: ltrain's bf16 against the fp32 log-probabilities of the same weights, within 2e-2 or no
-        # farther than transformers' own bf16 is from them; and, for scale, ltrain's bf16 against
-        # transformers' bf16.
-        ok = worst <= 1e-4 and (a.device != "cuda" or ours16 <= max(2e-2, theirs16))
+            ours_sq += ((ours - exact) ** 2).sum().item()
+            theirs_sq += ((theirs - exact) ** 2).sum().item()
+            counted += len(ids) - 1
+        # bf16: ltrain's bf16 against the fp32 log-probabilities of the same weights. Within 2e-2; or, where
+        # bf16 itself cannot be that close (transformers' own bf16 is farther), no farther than transformers'
+        # bf16 is on the root mean square of the differences, and within 1.5 times its largest difference:
+        # the largest of a few thousand roundings is one draw of a heavy tail, the mean is the accuracy.
+        ours_rms = (ours_sq / max(counted, 1)) ** 0.5
+        theirs_rms = (theirs_sq / max(counted, 1)) ** 0.5
+        bf16_ok = ours16 <= 2e-2 or (ours_rms <= theirs_rms and ours16 <= 1.5 * theirs16)
+        ok = worst <= 1e-4 and (a.device != "cuda" or bf16_ok)
         detail = (f"ltrain generate --score against transformers {type(hf32).__name__} over {len(use)} sequences of "
                   f"{len(ids) - 1} tokens or so: fp32 max |log-prob difference| {worst:.2e} (tolerance 1e-4)")
         if a.device == "cuda":
-            detail += (f"; bf16 against fp32: ltrain {ours16:.2e}, transformers {theirs16:.2e} (tolerance 2e-2 or "
-                       f"transformers'); ltrain bf16 against transformers bf16 {between:.2e}")
+            detail += (f"; bf16 against fp32: max ltrain {ours16:.2e}, transformers {theirs16:.2e}; rms ltrain "
+                       f"{ours_rms:.2e}, transformers {theirs_rms:.2e} (tolerance: max 2e-2, or rms no more than "
+                       f"transformers' and max within 1.5x theirs); ltrain bf16 against transformers bf16 "
+                       f"{between:.2e}")
         report(label, ok, detail)
 
     for name in names:
