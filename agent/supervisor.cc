@@ -15,6 +15,7 @@
 
 #include "agent/oom.h"
 #include "common/files.h"
+#include "common/layout.h"
 #include "common/logging.h"
 #include "common/python_command.h"
 #include "common/recipe.h"
@@ -84,7 +85,8 @@ Status CheckStartCommand(const v1::StartJobCommand& start) {
     return InvalidArgument("local world size " + std::to_string(start.local_world_size()) +
                            " is outside 1-4096 or above the world size");
   }
-  if (start.workers_size() != start.local_world_size()) {
+  if (start.replace() ? start.workers_size() < 1 || start.workers_size() > start.local_world_size()
+                      : start.workers_size() != start.local_world_size()) {
     return InvalidArgument(std::to_string(start.workers_size()) + " worker(s) assigned for a local world size of " +
                            std::to_string(start.local_world_size()));
   }
@@ -172,6 +174,12 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
   // MASTER_ADDR and MASTER_PORT (agreed through the rendezvous) and the progress descriptor.
   const RecipeParseResult parsed = ParseRecipe(start.recipe_yaml(), recipe.string());
   const bool program = parsed.ok() && parsed.recipe.runs_program();
+  // A failed rank of such a job is replaced in place: its peers here keep running (Reap).
+  if (parsed.ok() && InPlaceRecoveryProblem(parsed.recipe, start.world_size()).empty()) {
+    in_place_jobs_.insert(start.job_id());
+  } else {
+    in_place_jobs_.erase(start.job_id());
+  }
   // Standbys for the next generation, while the job may still restart.
   std::string not_python;
   const bool standbys = program && parsed.recipe.entrypoint.warm_standby != WarmStandby::kOff &&
@@ -227,6 +235,8 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
       }
     }
     if (!secret_file.empty()) spec.env.push_back("LTRAIN_AGENT_SECRET_FILE=" + secret_file);
+    // A replacement joins the survivors' next membership and takes its state from them.
+    if (start.epoch() > 0) spec.env.push_back("LTRAIN_EPOCH=" + std::to_string(start.epoch()));
     if (start.last_committed_step() > 0) {
       spec.env.push_back("LTRAIN_COMMITTED_STEP=" + std::to_string(start.last_committed_step()));
     }
@@ -493,7 +503,12 @@ void Supervisor::Reap(const ProcessExit& exit, Batches& batches) {
   bool failed = exit.signal != 0 || exit.exit_code != 0;
   // The job's ranks here all succeeded: no restart will need its standbys.
   if (!failed && !stopping && !HasWorkers(worker->job_id)) EndStandbys(worker->job_id);
-  if (failed && !stopping) {
+  if (failed && !stopping && in_place_jobs_.count(worker->job_id) > 0) {
+    LTRAIN_LOG(kWarning, kLog) << worker->job_id << " rank " << worker->rank << " "
+                               << (exit.signal ? "was killed by " + SignalName(exit.signal)
+                                               : "exited with code " + std::to_string(exit.exit_code))
+                               << "; the job's other workers keep running (fault.recovery: in_place)";
+  } else if (failed && !stopping) {
     LTRAIN_LOG(kWarning, kLog) << worker->job_id << " rank " << worker->rank << " "
                                << (exit.signal ? "was killed by " + SignalName(exit.signal)
                                                : "exited with code " + std::to_string(exit.exit_code))

@@ -25,6 +25,7 @@
 #include <functional>
 #include <limits>
 #include <map>
+#include <set>
 #include <memory>
 #include <optional>
 #include <string>
@@ -173,6 +174,9 @@ class Supervisor {
   const Clock& clock_;
   SupervisorOutbox& outbox_;
   std::map<pid_t, std::unique_ptr<Worker>> workers_;
+  // Jobs whose failed ranks the coordinator replaces in place (fault.recovery: in_place): a failed
+  // worker's peers on this node keep running.
+  std::set<std::string> in_place_jobs_;
   std::map<std::string, int64_t> idle_since_ms_;  // jobs with standbys and no worker: since when
 };
 

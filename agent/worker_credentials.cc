@@ -17,6 +17,8 @@ std::string WorkerCredentials::Issue(const std::string& job_id, int generation, 
   std::lock_guard<std::mutex> lock(mu_);
   auto& [current, grant] = by_job_[job_id];
   if (!current.empty() && grant.generation > generation) return "";  // an older generation starts late: none
+  // A rank replaced in place joins the running workers of its generation, who keep their secret.
+  if (!current.empty() && grant.generation == generation) return current;
   current = secret;
   grant = WorkerGrant{job_id, generation, rendezvous_scope};
   return secret;

@@ -57,6 +57,12 @@ std::vector<LayoutProblem> CheckLayout(const Recipe& recipe, int world_size);
 // The layout of `recipe` on `world_size` ranks, or its first problem as InvalidArgument.
 StatusOr<Layout> PlanLayout(const Recipe& recipe, int world_size);
 
+// Why a failed rank of `recipe` on `world_size` ranks cannot be replaced in place (fault.recovery:
+// in_place), so that the job restarts instead; empty when it can: every rank of plain data
+// parallelism (no tp, pp or ZeRO) holds the whole training state, so any survivor fills the
+// replacement, over Gloo (CPU ranks; NCCL's re-forming is not there yet).
+std::string InPlaceRecoveryProblem(const Recipe& recipe, int world_size);
+
 // Layers per virtual pipeline stage: `split` when given, otherwise balanced, the earlier stages
 // taking one more when the division leaves a remainder. CheckLayout's rules make it well defined.
 std::vector<int> StageLayers(int layers, int stages, const std::vector<int>& split);

@@ -31,6 +31,7 @@ enum class ActivationCheckpointing { kNone, kFull, kSelective };
 enum class Precision { kAuto, kFp32, kBf16, kBf16Autocast, kBf16Fp32Residual };
 enum class Device { kCpu, kCuda };
 enum class WarmStandby { kAuto, kOff, kGpu };
+enum class Recovery { kRestart, kInPlace };
 
 template <typename E>
 struct EnumNames;
@@ -41,6 +42,11 @@ struct EnumNames<Arch> {
                                                                               {Arch::kMistral, "mistral"},
                                                                               {Arch::kQwen2, "qwen2"},
                                                                               {Arch::kQwen3, "qwen3"}}};
+};
+template <>
+struct EnumNames<Recovery> {
+  static constexpr std::array<std::pair<Recovery, std::string_view>, 2> kNames = {
+      {{Recovery::kRestart, "restart"}, {Recovery::kInPlace, "in_place"}}};
 };
 template <>
 struct EnumNames<WarmStandby> {
@@ -252,6 +258,7 @@ struct FaultSpec {
   double hang_timeout_s = 60.0;         // no progress this long: the rank is hung
   double startup_timeout_s = 0;         // a start-up without progress this long is stuck; 0: auto
   double collective_timeout_s = 300.0;  // a collective that takes longer is aborted
+  Recovery recovery = Recovery::kRestart;  // a failed rank: restart the job, or replace it in place
 };
 
 // What a job records of its run beside metrics.jsonl.

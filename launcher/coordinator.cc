@@ -237,6 +237,8 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
   job.waiting_reported = false;
   job.stopping = job.stopped_early = false;
   job.stop_reason.clear();
+  job.epoch = 0;
+  job.replacing_rank = -1;
   writer_.Enqueue("clear the ranks of " + job.job.id(),
                   [id = job.job.id()](StateStore& store) { return store.ClearRanks(id); });
   job.ranks.clear();
@@ -274,6 +276,10 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
       job.ranks[rank.rank()] = rank;
       writer_.Enqueue("record rank " + std::to_string(rank.rank()) + " of " + job.job.id(),
                       [id = job.job.id(), rank](StateStore& store) { return store.UpsertRank(id, rank); });
+    }
+    if (i == 0) {
+      job.placed = *start;
+      job.placed.clear_workers();
     }
     QueueCommandLocked(node, command);
     placement += (placement.empty() ? "" : ", ") + RankRange(i * nproc, i * nproc + nproc - 1) + " on " + nodes[i] +
@@ -645,6 +651,7 @@ void Coordinator::ApplyProgressLocked(ActiveJob& job, const v1::RankProgress& re
   if (!added && report.seq() < progress.report.seq()) return;
   progress.report = report;
   progress.received_ms = clock_->SteadyMs();
+  if (job.replacing_rank == report.rank()) NoteRecoveryProgressLocked(job, report);
   if (report.stopped_after_checkpoint()) job.stopped_early = true;
   if (report.rank() == 0 && report.save_ms() > 0) {
     job.job.set_checkpoint_save_ms(report.save_ms());
@@ -744,7 +751,23 @@ StatusOr<std::vector<v1::Event>> Coordinator::RecentEvents(const std::string& jo
 }
 
 Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {
-  std::lock_guard<std::mutex> lock(mu_);
+  std::pair<std::string, std::string> announce;
+  Status status;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    status = ReportWorkerStateLocked(report, &announce);
+  }
+  // A replaced rank's new membership, for the survivors waiting on it (KvSet takes mu_ itself).
+  if (!announce.first.empty()) {
+    if (Status set = KvSet(announce.first, announce.second); !set.ok()) {
+      LTRAIN_LOG(kWarning, kLog) << "the new membership of " << report.job_id() << " was not published: " << set.message();
+    }
+  }
+  return status;
+}
+
+Status Coordinator::ReportWorkerStateLocked(const v1::WorkerStateReport& report,
+                                            std::pair<std::string, std::string>* announce) {
   ActiveJob* job = FindLocked(report.job_id());
   if (job == nullptr) return NotFound("job " + report.job_id() + " is not run by this coordinator");
   if (report.generation() != job->job.generation()) return Status::Ok();  // a stale generation
@@ -815,6 +838,15 @@ Status Coordinator::ReportWorkerState(const v1::WorkerStateReport& report) {
       }
     }
     return Status::Ok();
+  }
+  if (!refused && !job->stopping) {
+    std::string why;
+    *announce = ReplaceRankLocked(*job, report.rank(), cause(), &why);
+    if (!announce->first.empty()) return Status::Ok();
+    if (job->recipe.fault.recovery == Recovery::kInPlace) {
+      AddEventLocked(*job, "recovery", "rank " + std::to_string(report.rank()) + " is not replaced in place: " + why +
+                                           "; the job restarts", report.rank());
+    }
   }
   FailGenerationLocked(*job, cause(), !refused);
   return Status::Ok();

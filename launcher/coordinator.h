@@ -213,6 +213,13 @@ class Coordinator {
     std::vector<v1::Event> events;   // in memory, log lines included
     StragglerTracker stragglers;  // of the current generation (straggler.h)
     JobSeries series;
+    // In-place recovery (fault.recovery: in_place, coordinator_recovery.cc): the generation's
+    // membership epoch (0 as placed, one more per replaced rank), the start command its ranks were
+    // placed with, and the replacement under way (-1: none) since when (steady clock).
+    int epoch = 0;
+    v1::StartJobCommand placed;
+    int replacing_rank = -1;
+    int64_t replacing_since_ms = 0;
   };
 
   void ScheduleLocked();
@@ -222,6 +229,15 @@ class Coordinator {
   // A rank of the failed generation refused to start (`cause`) while the job waited to restart: the
   // restart is not made and the job fails.
   void GiveUpRestartLocked(ActiveJob& job, const std::string& cause);
+  // fault.recovery in_place: starts rank `rank` again beside the generation's other ranks (which keep
+  // their processes) in the next membership epoch, and returns the rendezvous key and value that
+  // announce that membership to the survivors (to be set once mu_ is released: KvSet takes it). An
+  // empty key: the rank cannot be replaced in place (why in `*why`), and the job restarts as before.
+  std::pair<std::string, std::string> ReplaceRankLocked(ActiveJob& job, int rank, const std::string& cause,
+                                                        std::string* why);
+  // The replacement of a rank has completed a step with the others: the recovery is over.
+  void NoteRecoveryProgressLocked(ActiveJob& job, const v1::RankProgress& report);
+  Status ReportWorkerStateLocked(const v1::WorkerStateReport& report, std::pair<std::string, std::string>* announce);
   // Hands `command` to the node's stream, or queues it for WaitCommand.
   void QueueCommandLocked(NodeState& node, v1::Command command);
   void StopGenerationLocked(ActiveJob& job, const std::string& reason);

@@ -434,6 +434,42 @@ TEST_F(SupervisorTest, AFailingWorkerStopsTheJobsOtherWorkersOnThisNode) {
   EXPECT_EQ(supervisor().Running().size(), 1u);
 }
 
+// fault.recovery in_place: a failed worker's peers keep running, and the coordinator's replacement of
+// that one rank starts one worker beside them, in the next membership.
+TEST_F(SupervisorTest, AnInPlaceJobsFailedRankIsReplacedBesideItsRunningPeers) {
+  v1::StartJobCommand start = Start("j1", 0, 2);
+  start.set_recipe_yaml(
+      "name: j1\nmodel: {layers: 2, d_model: 64, heads: 4, seq_len: 32}\ndata: {path: /d}\n"
+      "training: {micro_batch: 1, global_batch: 2}\nparallel: {nproc_per_node: 2}\nfault: {recovery: in_place}\n");
+  supervisor().StartJob(start);
+  outbox_.Take();
+  pid_t r0 = Pid("j1", 0), r1 = Pid("j1", 1);
+  spawner_.Exit(r1, 1);
+  supervisor().Poll();
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"j1 gen 0 rank 1 pid 1001 exited 1"}));
+  EXPECT_TRUE(spawner_.SignalsTo(r0).empty());
+  EXPECT_TRUE(spawner_.Alive(r0));
+
+  v1::StartJobCommand replace = start;
+  replace.clear_workers();
+  replace.set_replace(true);
+  replace.set_epoch(1);
+  v1::WorkerAssignment* worker = replace.add_workers();
+  worker->set_rank(1);
+  worker->set_local_rank(1);
+  ASSERT_TRUE(CheckStartCommand(replace).ok()) << CheckStartCommand(replace).ToString();
+  supervisor().StartJob(replace);
+  const pid_t again = Pid("j1", 1);
+  EXPECT_NE(again, r1);
+  EXPECT_TRUE(spawner_.Alive(r0));
+  const auto& env = spawner_.spawns().back().spec.env;
+  EXPECT_NE(std::find(env.begin(), env.end(), "LTRAIN_EPOCH=1"), env.end());
+  EXPECT_EQ(supervisor().Running().size(), 2u);
+  // Only a replacement may name fewer workers than the node runs.
+  replace.set_replace(false);
+  EXPECT_FALSE(CheckStartCommand(replace).ok());
+}
+
 TEST_F(SupervisorTest, AFailureStopsOnlyItsOwnAndOlderGenerations) {
   supervisor().StartJob(Start("j1", 1, 1));
   pid_t old_rank0 = Pid("j1", 0);

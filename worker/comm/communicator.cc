@@ -104,6 +104,17 @@ Status FakeCommunicator::Recv(at::Tensor& tensor, int src, uint32_t /*tag*/) {
   return InvalidArgument("fake communicator cannot receive from rank " + std::to_string(src));
 }
 
+Status ReformableCommunicator::Replace(std::unique_ptr<Communicator> inner) {
+  if (inner == nullptr) return InvalidArgument("a re-formed group needs a communicator");
+  if (inner_ != nullptr && (inner->rank() != inner_->rank() || inner->size() != inner_->size())) {
+    return InvalidArgument("a re-formed group must keep its ranks: rank " + std::to_string(inner->rank()) + " of " +
+                           std::to_string(inner->size()) + " in place of rank " + std::to_string(inner_->rank()) +
+                           " of " + std::to_string(inner_->size()));
+  }
+  inner_ = std::move(inner);
+  return Status::Ok();
+}
+
 ProcessGroups DataParallelGroups(Communicator* world) {
   ProcessGroups g;
   g.layout = Layout::Grid(1, world->size(), 1);

@@ -66,6 +66,51 @@ class Communicator {
   virtual Status Send(const at::Tensor& tensor, int dst, uint32_t tag) = 0;
   virtual Status Recv(at::Tensor& tensor, int src, uint32_t tag) = 0;
   virtual Status WaitSends() = 0;
+
+  // Closes this rank's connections of the group, after one of its calls failed: peers still blocked
+  // in a collective with this rank fail at once instead of at their timeout. Called with no call in
+  // flight; the communicator serves no further call (a recovery puts a new one in its place, see
+  // ReformableCommunicator). Default: nothing to close.
+  virtual void Abort() {}
+};
+
+// A communicator whose connections can be replaced under it: the model, the parameter store and the
+// trainer keep pointers to their groups' communicators, and a recovery (worker/recovery) re-forms
+// the groups of a new membership (same ranks, new processes among them) beneath those pointers.
+// Ranks and sizes stay those of the first: a membership replaces processes, not ranks.
+class ReformableCommunicator final : public Communicator {
+ public:
+  explicit ReformableCommunicator(std::unique_ptr<Communicator> inner) : inner_(std::move(inner)) {}
+
+  // Puts `inner` in place of the current communicator, which is destroyed (after Abort, with no
+  // call in flight). InvalidArgument where its rank or size differs.
+  Status Replace(std::unique_ptr<Communicator> inner);
+  // Hands the current communicator over (this one is empty afterwards): what Replace of another
+  // ReformableCommunicator takes.
+  std::unique_ptr<Communicator> Release() { return std::move(inner_); }
+
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  std::string backend() const override { return inner_->backend(); }
+  Status AllReduceSum(at::Tensor& tensor) override { return inner_->AllReduceSum(tensor); }
+  Status AllReduceMean(at::Tensor& tensor) override { return inner_->AllReduceMean(tensor); }
+  Status Broadcast(at::Tensor& tensor, int root) override { return inner_->Broadcast(tensor, root); }
+  Status AllGather(const at::Tensor& input, at::Tensor& output) override { return inner_->AllGather(input, output); }
+  Status ReduceScatterSum(const at::Tensor& input, at::Tensor& output) override {
+    return inner_->ReduceScatterSum(input, output);
+  }
+  Status ReduceScatterMean(const at::Tensor& input, at::Tensor& output) override {
+    return inner_->ReduceScatterMean(input, output);
+  }
+  Status Barrier() override { return inner_->Barrier(); }
+  StatusOr<at::Tensor> AllocateSymmetric(int64_t bytes) override { return inner_->AllocateSymmetric(bytes); }
+  Status Send(const at::Tensor& tensor, int dst, uint32_t tag) override { return inner_->Send(tensor, dst, tag); }
+  Status Recv(at::Tensor& tensor, int src, uint32_t tag) override { return inner_->Recv(tensor, src, tag); }
+  Status WaitSends() override { return inner_->WaitSends(); }
+  void Abort() override { inner_->Abort(); }
+
+ private:
+  std::unique_ptr<Communicator> inner_;
 };
 
 // A group of one: every collective is the identity. What a world-size-1 job uses.

@@ -1,5 +1,6 @@
 #include "worker/comm/gloo_communicator.h"
 
+#include <cstdio>
 #include <exception>
 #include <memory>
 #include <vector>
@@ -256,6 +257,15 @@ Status GlooCommunicator::WaitSends() {
   }
   pending_.clear();
   return status;
+}
+
+void GlooCommunicator::Abort() {
+  try {
+    context_->closeConnections();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "ltrain-worker: gloo group %s: closing its connections: %s\n", group_.c_str(), e.what());
+  }
+  pending_.clear();  // sends over closed connections never complete: nothing to wait for
 }
 
 Status GlooCommunicator::Barrier() {

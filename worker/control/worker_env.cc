@@ -105,7 +105,7 @@ StatusOr<WorkerEnv> ParseWorkerEnv(const EnvLookup& environment, const std::vect
   for (auto [name, field] : {std::pair{"LTRAIN_RANK", &env.rank}, {"LTRAIN_WORLD_SIZE", &env.world_size},
                              {"LTRAIN_LOCAL_RANK", &env.local_rank},
                              {"LTRAIN_LOCAL_WORLD_SIZE", &env.local_world_size},
-                             {"LTRAIN_GENERATION", &env.generation}}) {
+                             {"LTRAIN_GENERATION", &env.generation}, {"LTRAIN_EPOCH", &env.epoch}}) {
     LTRAIN_RETURN_IF_ERROR(EnvInt(environment, name, field));
   }
   LTRAIN_RETURN_IF_ERROR(EnvInt(environment, "LTRAIN_COMMITTED_STEP", &env.committed_step));

@@ -22,6 +22,9 @@ struct WorkerEnv {
   int local_rank = 0;
   int local_world_size = 1;
   int generation = 0;
+  // LTRAIN_EPOCH: the membership of the generation this rank joins (fault.recovery: in_place); above
+  // 0, the rank replaces a failed one and takes its training state from a peer.
+  int epoch = 0;
   int64_t committed_step = 0;          // LTRAIN_COMMITTED_STEP: the job's newest commit the coordinator recorded
   std::string recipe_file;
   std::vector<std::string> overrides;  // --set key=value

@@ -142,6 +142,17 @@ Status ReductionQueue::WaitAll() {
   return Wait(last);
 }
 
+void ReductionQueue::ClearError() {
+  (void)WaitAll();
+  std::lock_guard<std::mutex> lock(mu_);
+  error_ = Status::Ok();
+}
+
+void ParamStore::ClearFailure() {
+  if (queue_) queue_->ClearError();
+  if (update_queue_) update_queue_->ClearError();
+}
+
 ParamStore::ParamStore(std::vector<Param> params, int zero, Communicator* dp, AdamWConfig adamw)
     : params_(std::move(params)), zero_(zero), dp_(dp), adamw_(adamw) {}
 
@@ -269,6 +280,22 @@ Status ParamStore::BroadcastParameters() {
   torch::NoGradGuard no_grad;
   for (Unit& unit : units_) {
     LTRAIN_RETURN_IF_ERROR(dp_->Broadcast(unit.full, 0));
+  }
+  RefreshCompute();
+  return Status::Ok();
+}
+
+Status ParamStore::BroadcastState(int root) {
+  if (zero_ != 0) {
+    return FailedPrecondition("the training state is sharded (ZeRO " + std::to_string(zero_) +
+                              "): no rank holds a whole copy to fill a replacement from");
+  }
+  torch::NoGradGuard no_grad;
+  LTRAIN_RETURN_IF_ERROR(AwaitUpdates());
+  for (Unit& unit : units_) {
+    for (torch::Tensor* t : {&unit.full, &unit.exp_avg, &unit.exp_avg_sq}) {
+      if (t->defined()) LTRAIN_RETURN_IF_ERROR(dp_->Broadcast(*t, root));
+    }
   }
   RefreshCompute();
   return Status::Ok();

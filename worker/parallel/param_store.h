@@ -69,6 +69,8 @@ class ReductionQueue {
   // Waits for job `id` (and everything queued before it); returns the first error of any job.
   Status Wait(int64_t id);
   Status WaitAll();
+  // Waits for every job, then forgets the first error: the group it failed in was re-formed.
+  void ClearError();
   // Whether jobs run apart from the computation: on CUDA on a stream of their own (not the thread's
   // current stream, LibTorch's legacy default stream), elsewhere on a thread of their own.
   bool apart() const { return device_.is_cuda() ? side_ != nullptr : threaded_; }
@@ -145,6 +147,13 @@ class ParamStore {
   // Every dp rank starts from rank 0's parameters (zero < 3; under zero 3 every rank built the
   // same model and keeps only its shard).
   Status BroadcastParameters();
+  // Copies dp rank `root`'s whole training state (parameters and both moments) to every dp rank:
+  // how a rank that replaces a failed one is filled from a peer's memory (worker/recovery). Without
+  // ZeRO only: a sharded state has no whole copy on any one rank (FailedPrecondition).
+  Status BroadcastState(int root);
+  // After a step that failed in a collective of a group since re-formed (worker/recovery): waits
+  // for every queued collective and forgets their failure; the next ZeroGrads starts the step anew.
+  void ClearFailure();
 
   // Before a step: zero the gradients (ZeRO-3 on CUDA: drop them; and start gathering the first unit).
   // `one_backward`: the step runs one backward, so nothing adds to a ZeRO-2/3 gradient shard after

@@ -8,6 +8,7 @@
 #include <optional>
 #include <thread>
 
+#include <signal.h>
 #include <sys/stat.h>
 #include <sched.h>
 #include <unistd.h>
@@ -70,13 +71,17 @@ std::string DefaultCheckpointDir(const WorkerEnv& env, const Recipe& recipe) {
 
 // The world communicator and one per process group of the recipe's layout (tp, dp, pp, embedding),
 // each group connected through its own prefix of the rendezvous store.
+// With fault.recovery in_place every communicator is a ReformableCommunicator, so that a recovery
+// connects the groups of the next membership (epoch) beneath the pointers the trainer keeps.
 struct Connection {
-  std::shared_ptr<gloo::rendezvous::Store> store;
+  std::shared_ptr<gloo::rendezvous::Store> base;   // the generation's keys
+  std::shared_ptr<gloo::rendezvous::Store> store;  // the membership's: `base`, or its "epoch/E" part
   std::unique_ptr<Communicator> world;
   ProcessGroups groups;
 };
 
-StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe& recipe, [[maybe_unused]] bool dp_side_stream) {
+StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe& recipe, [[maybe_unused]] bool dp_side_stream,
+                                              int epoch, bool reformable) {
   auto conn = std::make_unique<Connection>();
   LTRAIN_ASSIGN_OR_RETURN(Layout layout, PlanLayout(recipe, env.world_size));
   if (env.world_size == 1) {
@@ -88,8 +93,19 @@ StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe
     return InvalidArgument("LTRAIN_WORLD_SIZE=" + std::to_string(env.world_size) +
                            " needs a rendezvous address in LTRAIN_RDZV (grpc://HOST:PORT or file:///DIR)");
   }
-  LTRAIN_ASSIGN_OR_RETURN(std::shared_ptr<gloo::rendezvous::Store> store, ConnectRendezvousStore(env.rdzv, env.rdzv_scope, env.agent_secret));
-  conn->store = store;
+  LTRAIN_ASSIGN_OR_RETURN(conn->base, ConnectRendezvousStore(env.rdzv, env.rdzv_scope, env.agent_secret));
+  conn->store = conn->base;
+  if (epoch > 0) {
+    // A membership after a replacement connects under keys of its own.
+    std::shared_ptr<gloo::rendezvous::Store> base = conn->base;
+    conn->store = std::shared_ptr<gloo::rendezvous::Store>(
+        PrefixedView("epoch/" + std::to_string(epoch), *base).release(),
+        [base](gloo::rendezvous::Store* view) { delete view; });
+  }
+  auto wrap = [reformable](std::unique_ptr<Communicator> comm) -> std::unique_ptr<Communicator> {
+    if (!reformable) return comm;
+    return std::make_unique<ReformableCommunicator>(std::move(comm));
+  };
   GroupFactory make;
   if (recipe.parallel.device == Device::kCuda) {
 #ifdef LTRAIN_WITH_NCCL
@@ -104,15 +120,15 @@ StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe
     }
     auto nccl = NcclCommunicator::Create(*conn->store, env.rank, env.world_size, env.local_rank, timeout);
     if (!nccl.ok()) return nccl.status();
-    conn->world = std::move(nccl).value();
+    conn->world = wrap(std::move(nccl).value());
     Connection* c = conn.get();
     const int local_rank = env.local_rank;
-    make = [c, local_rank, timeout](const Group& group, int group_rank) -> StatusOr<std::unique_ptr<Communicator>> {
+    make = [c, local_rank, timeout, wrap](const Group& group, int group_rank) -> StatusOr<std::unique_ptr<Communicator>> {
       std::unique_ptr<gloo::rendezvous::Store> prefixed = PrefixedView("group/" + group.name, *c->store);
       auto comm = NcclCommunicator::Create(*prefixed, group_rank, static_cast<int>(group.ranks.size()), local_rank,
                                            timeout, group.name);
       if (!comm.ok()) return comm.status();
-      return std::unique_ptr<Communicator>(std::move(comm).value());
+      return wrap(std::move(comm).value());
     };
 #else
     return InvalidArgument("parallel.device=cuda needs a worker built against LibTorch with CUDA and NCCL");
@@ -121,16 +137,77 @@ StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe
     auto gloo = GlooCommunicator::Create(*conn->store, env.rank, env.world_size, env.bind_addr, CollectiveTimeout(recipe));
     if (!gloo.ok()) return gloo.status();
     GlooCommunicator* world = gloo->get();
-    conn->world = std::move(gloo).value();
+    conn->world = wrap(std::move(gloo).value());
     Connection* c = conn.get();
-    make = [c, world](const Group& group, int group_rank) -> StatusOr<std::unique_ptr<Communicator>> {
+    make = [c, world, wrap](const Group& group, int group_rank) -> StatusOr<std::unique_ptr<Communicator>> {
       auto comm = GlooCommunicator::CreateGroup(*world, *c->store, group, group_rank);
       if (!comm.ok()) return comm.status();
-      return std::unique_ptr<Communicator>(std::move(comm).value());
+      return wrap(std::move(comm).value());
     };
   }
   LTRAIN_ASSIGN_OR_RETURN(conn->groups, BuildProcessGroups(layout, env.rank, conn->world.get(), make));
   return conn;
+}
+
+// A recovery's new connections go beneath the communicators `old` handed out (the trainer keeps
+// them); `fresh` was built by Connect for the same layout, so its groups come in the same order.
+Status AdoptConnections(Connection& old, Connection& fresh) {
+  auto adopt = [](Communicator* into, Communicator* from) -> Status {
+    auto* a = dynamic_cast<ReformableCommunicator*>(into);
+    auto* b = dynamic_cast<ReformableCommunicator*>(from);
+    if (a == nullptr || b == nullptr) return Status::Ok();  // a group of one: nothing to re-form
+    return a->Replace(b->Release());
+  };
+  if (old.groups.owned.size() != fresh.groups.owned.size()) {
+    return Internal("the re-formed membership has " + std::to_string(fresh.groups.owned.size()) + " groups, not " +
+                    std::to_string(old.groups.owned.size()));
+  }
+  LTRAIN_RETURN_IF_ERROR(adopt(old.world.get(), fresh.world.get()));
+  for (size_t i = 0; i < old.groups.owned.size(); ++i) {
+    LTRAIN_RETURN_IF_ERROR(adopt(old.groups.owned[i].get(), fresh.groups.owned[i].get()));
+  }
+  old.store = fresh.store;
+  return Status::Ok();
+}
+
+// The recovery's hooks over this process's connections (worker/recovery).
+std::unique_ptr<Recovery> MakeRecovery(const WorkerEnv& env, const Recipe& recipe, bool dp_side_stream, Connection* conn) {
+  Recovery::Hooks hooks;
+  hooks.abort = [conn] {
+    conn->world->Abort();
+    for (auto& comm : conn->groups.owned) comm->Abort();
+  };
+  hooks.await_membership = [conn](int epoch, std::chrono::milliseconds timeout) -> StatusOr<std::string> {
+    const std::string key = "membership/" + std::to_string(epoch);
+    try {
+      conn->base->wait({key}, timeout);
+      const std::vector<char> value = conn->base->get(key);
+      return std::string(value.begin(), value.end());
+    } catch (const std::exception& e) {
+      return Unavailable("membership " + std::to_string(epoch) + " was not announced within " +
+                         std::to_string(timeout.count() / 1000) + " s: " + e.what());
+    }
+  };
+  hooks.reconnect = [conn, env, recipe, dp_side_stream](int epoch) -> Status {
+    LTRAIN_ASSIGN_OR_RETURN(std::unique_ptr<Connection> fresh,
+                            Connect(env, recipe, dp_side_stream, epoch, /*reformable=*/true));
+    return AdoptConnections(*conn, *fresh);
+  };
+  return std::make_unique<Recovery>(std::move(hooks), env.rank, env.epoch, CollectiveTimeout(recipe));
+}
+
+// LTRAIN_FAULT_KILL=STEP:RANK: the drill of a rank that dies (see the usage text); -1 when unset.
+StatusOr<int64_t> KillStep(int rank) {
+  const std::string text = EnvString("LTRAIN_FAULT_KILL");
+  if (text.empty()) return int64_t{-1};
+  char* end = nullptr;
+  const long long step = std::strtoll(text.c_str(), &end, 10);
+  char* rank_end = nullptr;
+  const long kill_rank = end != text.c_str() && *end == ':' ? std::strtol(end + 1, &rank_end, 10) : -1;
+  if (step < 1 || rank_end == nullptr || rank_end == end + 1 || *rank_end != '\0' || kill_rank < 0) {
+    return InvalidArgument("LTRAIN_FAULT_KILL='" + text + "' is not STEP:RANK with STEP >= 1");
+  }
+  return kill_rank == rank ? int64_t{step} : int64_t{-1};
 }
 
 // LTRAIN_FAULT_STARTUP_STALL=SECONDS[:RANK]: the drill of a slow start-up (see the usage text).
@@ -280,7 +357,16 @@ Status Run(const WorkerEnv& env) {
 
   // `ltrain stop --checkpoint` reaches this rank in the agent's replies to its progress reports.
   CheckpointStop stop(env.rank, env.world_size);
-  options.stop_after = [&stop](int64_t step) { return stop.After(step); };
+  // The kill drill hits the rank as first started, not its replacement (LTRAIN_EPOCH above 0).
+  LTRAIN_ASSIGN_OR_RETURN(const int64_t kill_step, KillStep(env.rank));
+  options.stop_after = [&stop, kill_step, epoch = env.epoch, rank = env.rank](int64_t step) {
+    if (step == kill_step && epoch == 0) {
+      std::printf("rank %d: killing itself after step %lld (LTRAIN_FAULT_KILL)\n", rank, static_cast<long long>(step));
+      std::fflush(stdout);
+      ::raise(SIGKILL);
+    }
+    return stop.After(step);
+  };
   // Progress goes to the agent (for hang detection) from here on, startup included.
   Progress::Global().SetPhase(0, "startup");
   std::unique_ptr<ProgressReporter> reporter;
@@ -304,9 +390,18 @@ Status Run(const WorkerEnv& env) {
   auto connect_start = std::chrono::steady_clock::now();
   constexpr const char* kConnecting = "connecting to the job's ranks";
   Progress::Global().SetWork(kConnecting, 0, env.world_size, "ranks");
-  LTRAIN_ASSIGN_OR_RETURN(std::unique_ptr<Connection> conn, Connect(env, recipe, options.dp_side_stream));
+  const bool in_place = InPlaceRecoveryProblem(recipe, env.world_size).empty();
+  // A write to the connection of a peer that died must fail the collective, not end this process.
+  if (in_place) ::signal(SIGPIPE, SIG_IGN);
+  LTRAIN_ASSIGN_OR_RETURN(std::unique_ptr<Connection> conn,
+                          Connect(env, recipe, options.dp_side_stream, env.epoch, /*reformable=*/in_place));
   Progress::Global().EndWork(kConnecting);
-  ConnectCheckpointStop(&stop, conn->store);
+  ConnectCheckpointStop(&stop, conn->base);
+  std::unique_ptr<Recovery> recovery;
+  if (in_place) {
+    recovery = MakeRecovery(env, recipe, options.dp_side_stream, conn.get());
+    options.recovery = recovery.get();
+  }
   // Every rank says it is up: the first line of each rank's log, and proof of the rendezvous.
   std::printf("rank %d/%d up: pid %d, %d CPU thread(s), connected to %d peer(s) in %.0f ms\n", env.rank,
               env.world_size, static_cast<int>(getpid()), threads, env.world_size - 1,
@@ -380,6 +475,9 @@ Environment (set by the agent; flags win over it):
   LTRAIN_LOCAL_RANK        rank on this node (picks the GPU)
   LTRAIN_LOCAL_WORLD_SIZE  ranks on this node (CPU threads = cores / this, unless OMP_NUM_THREADS is set)
   LTRAIN_GENERATION        restart count; >0 resumes from the newest checkpoint
+  LTRAIN_EPOCH             membership of the generation (fault.recovery: in_place); >0: this rank
+                           replaces a failed one, connects under the epoch's keys and takes its
+                           training state from a peer's memory
   LTRAIN_RECIPE_FILE       path of the resolved recipe YAML
   LTRAIN_RDZV              rendezvous address: grpc://HOST:PORT (agent) or file:///DIR (by hand)
   LTRAIN_RDZV_SCOPE        key prefix of this job generation in the rendezvous store
@@ -455,6 +553,9 @@ Fault injection (for testing recovery; never set in production):
   LTRAIN_FAULT_SLOW_RANK=FACTOR:RANK
                            rank RANK's forward and backward take FACTOR times as long (it sleeps
                            for the difference): the coordinator names it a straggler
+  LTRAIN_FAULT_KILL=STEP:RANK
+                           rank RANK kills itself (SIGKILL) after completing step STEP, as first
+                           started (its replacement under fault.recovery: in_place does not)
   LTRAIN_FAULT_STARTUP_STALL=SECONDS[:RANK]
                            rank RANK (every rank when absent) stops for SECONDS in its start-up,
                            after connecting and before building the model, without reporting

@@ -20,6 +20,7 @@
 #include <thread>
 #include <tuple>
 
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <torch/autograd.h>
@@ -259,7 +260,9 @@ Status Trainer::Init() {
   }
   // ZeRO-3: each unit's update is left to its gather in the next forward (the gather hooks above).
   if (layout_.zero == 3 && options_.overlap_update) defer_compute_ = true;
-  LTRAIN_RETURN_IF_ERROR(store_->BroadcastParameters());
+  // A replacement takes every parameter from a peer (SyncState): none from rank 0 now.
+  const bool replacement = options_.recovery != nullptr && options_.recovery->replacement();
+  if (!replacement) LTRAIN_RETURN_IF_ERROR(store_->BroadcastParameters());
 
   if (layout_.pp > 1) {
     LTRAIN_ASSIGN_OR_RETURN(plan_, PlanPipeline(layout_.pp_schedule, layout_.pp, layout_.chunks, layout_.accumulation));
@@ -307,7 +310,9 @@ Status Trainer::Init() {
   }
 
   // After the snapshot memory is pinned: a resume reads into it (ReadShards).
-  if (!recipe_.checkpoint.resume_from.empty()) {
+  if (replacement) {
+    // Its state comes from a peer's memory before the first step: nothing is read from storage.
+  } else if (!recipe_.checkpoint.resume_from.empty()) {
     LTRAIN_RETURN_IF_ERROR(Resume(recipe_.checkpoint.resume_from));
   } else if (!recipe_.model.init_from.empty()) {
     // The same directory fails the same way after a restart: the job fails at once.
@@ -769,8 +774,63 @@ void Trainer::PrintThroughput(int64_t first_step, int64_t steps, double total_ms
   std::fflush(stdout);
 }
 
+Status Trainer::Recover(const Status& failure) {
+  // The step's collectives that were queued are over (failed); the next ZeroGrads starts it anew.
+  store_->ClearFailure();
+  LTRAIN_RETURN_IF_ERROR(options_.recovery->Reform(failure));
+  return SyncState();
+}
+
+Status Trainer::SyncState() {
+  const auto start = SteadyClock::now();
+  Recovery& recovery = *options_.recovery;
+  LTRAIN_ASSIGN_OR_RETURN(SyncPlan plan, recovery.Agree(*groups_->world, step_));
+  const int rank = groups_->rank;
+  if (plan.needed) {
+    Progress::Global().SetPhase(step_, "recovery");
+    torch::Tensor position = torch::tensor({step_, data_position_}, torch::kLong);
+    LTRAIN_RETURN_IF_ERROR(groups_->world->Broadcast(position, plan.source));
+    // The CPU generator's state (data.sampling torch draws from its own): what a checkpoint keeps too.
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    torch::Tensor rng;
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      rng = gen.get_state().clone();
+    }
+    LTRAIN_RETURN_IF_ERROR(groups_->world->Broadcast(rng, plan.source));
+    // Plain data parallelism (InPlaceRecoveryProblem): the dp group is the world.
+    LTRAIN_RETURN_IF_ERROR(store_->BroadcastState(plan.source));
+    const bool behind = std::find(plan.behind.begin(), plan.behind.end(), rank) != plan.behind.end();
+    if (behind) {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(rng);
+    }
+    step_ = position[0].item<int64_t>();
+    data_position_ = position[1].item<int64_t>();
+    if (rank == plan.source || behind) {
+      std::string what = "received the state of step " + std::to_string(step_) + " from rank " + std::to_string(plan.source);
+      if (rank == plan.source) {
+        what = "sent the state of step " + std::to_string(step_) + " to rank(s)";
+        for (size_t i = 0; i < plan.behind.size(); ++i) what += (i == 0 ? " " : ",") + std::to_string(plan.behind[i]);
+      }
+      const MemoryBytes mem = store_->Memory();
+      std::printf("rank %d: %s (%.1f MB of parameters and moments) in %.0f ms\n", rank, what.c_str(),
+                  static_cast<double>(mem.params + mem.optimizer) / 1e6, MillisSince(start));
+      std::fflush(stdout);
+    }
+  }
+  recovery.Synced();
+  return Status::Ok();
+}
+
 Status Trainer::Run() {
   const TrainingSpec& t = recipe_.training;
+  if (options_.recovery != nullptr && options_.recovery->replacement()) {
+    // A replacement joins its membership with no state: the members' agreement gives it a peer's.
+    LTRAIN_RETURN_IF_ERROR(SyncState());
+    run_start_step_ = step_;
+    run_start_position_ = data_position_;
+  }
   const bool printer = groups_->rank == 0 && options_.print_progress;
   if (printer) {
     const int64_t params = FullModelParameters();
@@ -857,7 +917,13 @@ Status Trainer::Run() {
     // The window's last step (or the run's, where the run ends first) stops the profiler.
     const bool profile_stop = profiler.running() && (step_ + 1 == profile_last || step_ + 1 == t.steps);
     const auto start = SteadyClock::now();
-    LTRAIN_ASSIGN_OR_RETURN(torch::Tensor loss, StepOnDevice(/*check_loss=*/!lag));
+    StatusOr<torch::Tensor> stepped = StepOnDevice(/*check_loss=*/!lag);
+    if (!stepped.ok() && options_.recovery != nullptr && Recovery::Recoverable(stepped.status())) {
+      // A peer died in the step: this process stays, the step is redone in the next membership.
+      LTRAIN_RETURN_IF_ERROR(Recover(stepped.status()));
+      continue;
+    }
+    LTRAIN_ASSIGN_OR_RETURN(torch::Tensor loss, std::move(stepped));
     compat::StreamMarker ready;
     if (lag) {
       // The loss goes to pinned host memory without waiting, and a marker after it: reading it then

@@ -37,6 +37,7 @@
 #include "worker/model/parallel_model.h"
 #include "worker/parallel/param_store.h"
 #include "worker/plan/lr_schedule.h"
+#include "worker/recovery/recovery.h"
 #include "common/layout_plan.h"  // kGpuPeakFlops, ModelFlopsPerToken
 #include "common/pipeline_schedule.h"
 
@@ -65,6 +66,11 @@ struct TrainerOptions {
   // saves (checkpoint.async) need it when the world has more than one rank; without it they are
   // synchronous. Must outlive the Trainer.
   CheckpointCommitBoard* commit_board = nullptr;
+  // fault.recovery in_place (worker/recovery): a step that fails because a peer died is redone in the
+  // coordinator's next membership; with recovery->replacement() this rank replaces a failed one and
+  // takes its state from a peer before its first step (it initialises, loads and broadcasts nothing).
+  // Null: a failed collective fails the rank. Must outlive the Trainer.
+  Recovery* recovery = nullptr;
   CheckpointWriteFault checkpoint_write_fault;            // LTRAIN_FAULT_CHECKPOINT_WRITE
   std::chrono::milliseconds collective_timeout{300000};   // also bounds rank 0's wait for peers' files
   // Rank 0 records steps `profile_step` to `profile_last` (1-based; 0: none) with the CUDA profiler
@@ -164,6 +170,12 @@ class Trainer {
   // under transformers' names or ours; moments start at zero.
   Status LoadInitialParameters(const std::string& path);
   Status Init();
+  // fault.recovery in_place (options_.recovery): after a step failed because a peer died, joins the
+  // next membership and takes the agreed state; the caller redoes the step.
+  Status Recover(const Status& failure);
+  // The members agree on the state to continue from, and the source's reaches every member that
+  // lacks it or is behind: step, data position, RNG, parameters and moments.
+  Status SyncState();
   StatusOr<torch::Tensor> StepImpl(bool check_loss);
   // One step; the global-batch mean loss as a [1] tensor on the device. `check_loss` reads it
   // before the optimizer runs and fails the step if it is not finite.

@@ -1,0 +1,103 @@
+// In-place recovery (fault.recovery: in_place): a failed rank is started again beside the ranks that
+// survived it, which keep their processes; the coordinator decides each new membership and
+// announces it through the generation's rendezvous keys. Part of Coordinator (coordinator.h).
+//
+// A membership is an epoch of the generation: 0 as placed, one more per replaced rank. The survivors
+// of epoch E wait for the key "membership/E+1" (worker/recovery), connect their groups again under
+// the prefix "epoch/E+1", and the replacement (LTRAIN_EPOCH=E+1) joins them there and takes its state
+// from a peer's memory. The generation stays the same: nothing restarts, nothing reads a checkpoint.
+#include <string>
+
+#include "common/layout.h"
+#include "launcher/coordinator.h"
+
+namespace ltrain::launcher {
+
+std::pair<std::string, std::string> Coordinator::ReplaceRankLocked(ActiveJob& job, int rank, const std::string& cause,
+                                                                   std::string* why) {
+  if (job.recipe.fault.recovery != Recovery::kInPlace) {
+    *why = "fault.recovery is restart";
+    return {};
+  }
+  if (std::string problem = InPlaceRecoveryProblem(job.recipe, job.job.world_size()); !problem.empty()) {
+    *why = problem;
+    return {};
+  }
+  if (job.replacing_rank >= 0) {
+    // A second failure before the first replacement trained a step: its state and the survivors'
+    // agreement are not there yet to build on.
+    *why = "rank " + std::to_string(job.replacing_rank) + " is still being replaced";
+    return {};
+  }
+  if (job.job.restarts() >= job.recipe.fault.max_restarts) {
+    *why = "the job has used its " + std::to_string(job.recipe.fault.max_restarts) +
+           " restart(s) (fault.max_restarts; a replaced rank counts as one)";
+    return {};
+  }
+  const int nproc = std::max(1, job.recipe.parallel.nproc_per_node);
+  const size_t node_index = static_cast<size_t>(rank / nproc);
+  if (node_index >= job.nodes.size()) {
+    *why = "rank " + std::to_string(rank) + " has no node in this generation";
+    return {};
+  }
+  auto node = nodes_.find(job.nodes[node_index]);
+  if (node == nodes_.end() || !node->second.connected) {
+    *why = "its node " + job.nodes[node_index] + " is not connected";
+    return {};
+  }
+  const int epoch = ++job.epoch;
+  job.replacing_rank = rank;
+  job.replacing_since_ms = clock_->SteadyMs();
+  // The replacement numbers its reports from 1 again.
+  job.progress.erase(rank);
+  job.ranks_exited_ok.erase(rank);
+  job.job.set_restarts(job.job.restarts() + 1);
+  job.job.set_last_failure(cause);
+  job.failures.push_back("generation " + std::to_string(job.job.generation()) + " epoch " + std::to_string(epoch - 1) +
+                         ": " + cause);
+  v1::Command command;
+  v1::StartJobCommand* start = command.mutable_start();
+  *start = job.placed;
+  start->set_replace(true);
+  start->set_epoch(epoch);
+  start->set_restart_count(job.job.restarts());
+  start->set_last_committed_step(job.job.last_committed_step());
+  v1::WorkerAssignment* worker = start->add_workers();
+  worker->set_rank(rank);
+  worker->set_local_rank(rank % nproc);
+  QueueCommandLocked(node->second, command);
+  v1::RankInfo info = job.ranks[rank];
+  info.set_state("starting");
+  info.set_pid(0);
+  info.set_exit_code(0);
+  info.set_signal(0);
+  job.ranks[rank] = info;
+  writer_.Enqueue("record rank " + std::to_string(rank) + " of " + job.job.id(),
+                  [id = job.job.id(), info](StateStore& store) { return store.UpsertRank(id, info); });
+  PersistJobLocked(job);
+  AddEventLocked(job, "failure", "rank " + std::to_string(rank) + " failed: " + cause, rank);
+  AddEventLocked(job, "recovering",
+                 "replacing rank " + std::to_string(rank) + " in place on " + job.nodes[node_index] + " (membership epoch " +
+                     std::to_string(epoch) + ", restart " + std::to_string(job.job.restarts()) + " of " +
+                     std::to_string(job.recipe.fault.max_restarts) +
+                     "): the other ranks keep their processes, the replacement takes its state from a peer's memory, "
+                     "and the step in flight is redone",
+                 rank);
+  cv_.notify_all();
+  const std::string key = job.placed.rendezvous_scope() + "/membership/" + std::to_string(epoch);
+  return {key, "epoch " + std::to_string(epoch) + ": rank " + std::to_string(rank) + " replaced"};
+}
+
+void Coordinator::NoteRecoveryProgressLocked(ActiveJob& job, const v1::RankProgress& report) {
+  // The replacement's first completed step: it holds the state and trains with the others.
+  if (!report.has_completed()) return;
+  const int64_t ms = clock_->SteadyMs() - job.replacing_since_ms;
+  AddEventLocked(job, "recovered",
+                 "rank " + std::to_string(job.replacing_rank) + " is back (membership epoch " + std::to_string(job.epoch) +
+                     "): it reported step " + std::to_string(report.completed().step()) + " completed, " +
+                     std::to_string(ms) + " ms after its failure was reported; work lost: 0 steps",
+                 job.replacing_rank);
+  job.replacing_rank = -1;
+}
+
+}  // namespace ltrain::launcher

@@ -1,0 +1,127 @@
+// In-place recovery (fault.recovery: in_place) through `ltrain launch`: a rank SIGKILLed mid-run is
+// replaced beside the survivors, which keep their processes; the replacement takes its state from a
+// peer's memory, the step in flight is redone, and the run ends as an uninterrupted one would, bit
+// for bit, in the same generation, with nothing read from a checkpoint.
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <map>
+#include <regex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "ltrain/v1/ltrain.pb.h"
+#include "tests/support/job_status.h"
+#include "tests/support/subprocess.h"
+
+namespace ltrain::testing {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int kSteps = 200;
+constexpr int kKillStep = 50;
+
+class InPlaceRecoveryTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ProcessResult prepared = PrepareLicenseData(dir_.Join("data"));
+    ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
+  }
+
+  std::string Recipe(const std::string& name, const std::string& checkpoints) {
+    return dir_.Write(name + ".yaml", TinyRecipe(name, dir_.Join("data")) +
+                                          "training: {steps: " + std::to_string(kSteps) +
+                                          ", micro_batch: 2, global_batch: 8, log_every: 1, deterministic: true}\n"
+                                          "parallel: {nproc_per_node: 4}\n"
+                                          "checkpoint: {every: 0, dir: " + checkpoints + "}\n"
+                                          "fault: {recovery: in_place, max_restarts: 2}\n");
+  }
+
+  std::map<std::string, std::string> Env() const { return {{"LTRAIN_HOME", dir_.Join("home")}}; }
+
+  // "[rank 0] step S/N loss L" of each step, as printed.
+  static std::map<int, std::string> LossLines(const std::string& output) {
+    std::map<int, std::string> lines;
+    static const std::regex line(R"(\[rank 0\] step (\d+)/\d+ loss (\S+))");
+    for (std::sregex_iterator it(output.begin(), output.end(), line), end; it != end; ++it) {
+      lines[std::stoi((*it)[1])] = (*it)[2];
+    }
+    return lines;
+  }
+
+  // The pids each rank printed in its "rank R/W up: pid P" line, in order.
+  static std::map<int, std::vector<std::string>> Pids(const std::string& output) {
+    std::map<int, std::vector<std::string>> pids;
+    static const std::regex line(R"(\[rank (\d+)\] rank \d+/\d+ up: pid (\d+))");
+    for (std::sregex_iterator it(output.begin(), output.end(), line), end; it != end; ++it) {
+      pids[std::stoi((*it)[1])].push_back((*it)[2]);
+    }
+    return pids;
+  }
+
+  // Every file of the final checkpoint's step directory, by name.
+  static std::map<std::string, std::string> FinalFiles(const std::string& checkpoints) {
+    std::map<std::string, std::string> files;
+    const fs::path step = fs::path(checkpoints) / ("step-" + std::to_string(kSteps));
+    std::error_code ec;
+    for (const auto& entry : fs::directory_iterator(step, ec)) {
+      const std::string name = entry.path().filename().string();
+      if (name.find(".safetensors") != std::string::npos) files[name] = ReadFile(entry.path().string());
+    }
+    return files;
+  }
+
+  TempDir dir_;
+};
+
+TEST_F(InPlaceRecoveryTest, AKilledRankIsReplacedInPlaceAndTheRunEqualsAnUninterruptedOne) {
+  const std::string plain_dir = dir_.Join("ck-plain"), killed_dir = dir_.Join("ck-killed");
+  ProcessResult plain = RunProcess({LtrainBinary(), "launch", Recipe("plain", plain_dir)}, Env(), std::chrono::seconds(300));
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+
+  std::map<std::string, std::string> env = Env();
+  env["LTRAIN_FAULT_KILL"] = std::to_string(kKillStep) + ":2";
+  ProcessResult killed =
+      RunProcess({LtrainBinary(), "launch", Recipe("killed", killed_dir)}, env, std::chrono::seconds(300));
+  ASSERT_EQ(killed.exit_code, 0) << killed.output;
+  const std::string& out = killed.output;
+  EXPECT_NE(out.find("[rank 2] rank 2: killing itself after step 50"), std::string::npos) << out;
+
+  // The same generation: no restart of the job, and no rank read a checkpoint.
+  v1::Job job = JobStatus("killed-1", Env());
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.cause();
+  EXPECT_EQ(job.generation(), 0);
+  EXPECT_EQ(job.restarts(), 1);
+  EXPECT_EQ(out.find("generation 1"), std::string::npos) << out;
+  EXPECT_EQ(out.find("resumed from"), std::string::npos) << out;
+
+  // The survivors kept their processes: each started once; rank 2 twice, the second time as the
+  // replacement that received the state of step 50 from a peer.
+  std::map<int, std::vector<std::string>> pids = Pids(out);
+  for (int rank : {0, 1, 3}) {
+    EXPECT_EQ(pids[rank].size(), 1u) << "rank " << rank << "\n" << out;
+    EXPECT_NE(out.find("[rank " + std::to_string(rank) + "] rank " + std::to_string(rank) + ": joined membership 1"),
+              std::string::npos)
+        << out;
+  }
+  ASSERT_EQ(pids[2].size(), 2u) << out;
+  EXPECT_NE(pids[2][0], pids[2][1]);
+  EXPECT_NE(out.find("[rank 2] rank 2: received the state of step 50 from rank 0"), std::string::npos) << out;
+  EXPECT_NE(out.find("replacing rank 2 in place"), std::string::npos) << out;
+
+  // Steps trained = steps asked, each once, and every loss after the kill is the uninterrupted run's.
+  std::map<int, std::string> a = LossLines(plain.output), b = LossLines(out);
+  ASSERT_EQ(a.size(), static_cast<size_t>(kSteps)) << plain.output;
+  ASSERT_EQ(b.size(), static_cast<size_t>(kSteps)) << out;
+  for (int s = 1; s <= kSteps; ++s) EXPECT_EQ(a[s], b[s]) << "step " << s;
+  // And so are the parameters and moments the final checkpoint holds, byte for byte.
+  std::map<std::string, std::string> fa = FinalFiles(plain_dir), fb = FinalFiles(killed_dir);
+  ASSERT_FALSE(fa.empty()) << plain_dir;
+  ASSERT_EQ(fa.size(), fb.size());
+  for (const auto& [name, bytes] : fa) EXPECT_TRUE(fb[name] == bytes) << name << " differs";
+}
+
+}  // namespace
+}  // namespace ltrain::testing

@@ -1,0 +1,190 @@
+// Recovery without restart (worker/recovery): who fills whom, the recovery's steps with fake hooks,
+// and a real Gloo group that loses a rank, fails at once instead of at its timeout, and is re-formed
+// beneath the communicators its users keep.
+#include "worker/recovery/recovery.h"
+
+#include <gtest/gtest.h>
+#include <torch/nn.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <gloo/rendezvous/hash_store.h>
+
+#include "worker/comm/gloo_communicator.h"
+#include "worker/control/rendezvous_store.h"
+
+namespace ltrain::worker {
+namespace {
+
+TEST(PlanSyncTest, TheLowestRankAtTheHighestStepFillsTheReplacementAndThoseBehind) {
+  // Rank 2 is the replacement; rank 3's last all-reduce of step 51 completed, ranks 0 and 1's did not.
+  StatusOr<SyncPlan> plan = PlanSync({{50, true}, {50, true}, {0, false}, {51, true}});
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_TRUE(plan->needed);
+  EXPECT_EQ(plan->source, 3);
+  EXPECT_EQ(plan->step, 51);
+  EXPECT_EQ(plan->behind, (std::vector<int>{0, 1, 2}));
+
+  plan = PlanSync({{7, true}, {0, false}, {7, true}});
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->source, 0);
+  EXPECT_EQ(plan->behind, std::vector<int>{1});
+}
+
+TEST(PlanSyncTest, MembersThatAgreeNeedNothingAndNoStateAtAllIsAnError) {
+  StatusOr<SyncPlan> plan = PlanSync({{12, true}, {12, true}});
+  ASSERT_TRUE(plan.ok());
+  EXPECT_FALSE(plan->needed);
+  EXPECT_TRUE(plan->behind.empty());
+  plan = PlanSync({{0, false}, {0, false}});
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(plan.status().message().find("every rank was replaced"), std::string::npos);
+}
+
+TEST(RecoveryTest, ReformAbortsWaitsForTheNextMembershipAndReconnects) {
+  std::vector<std::string> calls;
+  Recovery::Hooks hooks;
+  hooks.abort = [&] { calls.push_back("abort"); };
+  hooks.await_membership = [&](int epoch, std::chrono::milliseconds) -> StatusOr<std::string> {
+    calls.push_back("await " + std::to_string(epoch));
+    return std::string("epoch " + std::to_string(epoch) + ": rank 1 replaced");
+  };
+  hooks.reconnect = [&](int epoch) {
+    calls.push_back("reconnect " + std::to_string(epoch));
+    return Status::Ok();
+  };
+  Recovery recovery(std::move(hooks), 0, 0, std::chrono::seconds(1));
+  EXPECT_FALSE(recovery.replacement());
+  EXPECT_TRUE(Recovery::Recoverable(Unavailable("gloo all_reduce failed")));
+  EXPECT_FALSE(Recovery::Recoverable(Internal("loss became nan")));
+  ASSERT_TRUE(recovery.Reform(Unavailable("gloo all_reduce failed")).ok());
+  ASSERT_TRUE(recovery.Reform(Unavailable("gloo all_reduce failed")).ok());
+  EXPECT_EQ(calls, (std::vector<std::string>{"abort", "await 1", "reconnect 1", "abort", "await 2", "reconnect 2"}));
+  EXPECT_EQ(recovery.epoch(), 2);
+  EXPECT_EQ(recovery.recoveries(), 2);
+}
+
+TEST(RecoveryTest, NoNewMembershipFailsTheRankSayingBothWhatFailedAndWhatItWaitedFor) {
+  Recovery::Hooks hooks;
+  hooks.abort = [] {};
+  hooks.await_membership = [](int, std::chrono::milliseconds) -> StatusOr<std::string> {
+    return Unavailable("membership 1 was not announced within 300 s");
+  };
+  hooks.reconnect = [](int) { return Internal("not called"); };
+  Recovery recovery(std::move(hooks), 3, 0, std::chrono::seconds(300));
+  Status s = recovery.Reform(Unavailable("gloo broadcast failed"));
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("gloo broadcast failed"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("membership 1 was not announced"), std::string::npos) << s.message();
+  EXPECT_EQ(recovery.epoch(), 0);
+}
+
+TEST(RecoveryTest, AReplacementAgreesWithoutStateAndIsSyncedAfterwards) {
+  Recovery recovery(Recovery::Hooks{}, 0, 1, std::chrono::seconds(1));
+  EXPECT_TRUE(recovery.replacement());
+  FakeCommunicator world;
+  world.SimulateSize(2);  // the peer's view is this rank's own: no member holds a state
+  StatusOr<SyncPlan> plan = recovery.Agree(world, 0);
+  EXPECT_FALSE(plan.ok());
+  recovery.Synced();
+  EXPECT_FALSE(recovery.replacement());
+  plan = recovery.Agree(world, 9);
+  ASSERT_TRUE(plan.ok());
+  EXPECT_FALSE(plan->needed);
+}
+
+TEST(ReformableCommunicatorTest, KeepsItsRanksAcrossReplacements) {
+  ReformableCommunicator comm(std::make_unique<SelfCommunicator>());
+  EXPECT_TRUE(comm.Replace(std::make_unique<SelfCommunicator>()).ok());
+  auto other = std::make_unique<FakeCommunicator>();
+  other->SimulateSize(4);
+  Status s = comm.Replace(std::move(other));
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.message().find("must keep its ranks"), std::string::npos) << s.message();
+}
+
+// Three ranks as threads over real Gloo pairs. Rank 2 goes away (its connections closed, as a
+// killed process's are) while ranks 0 and 1 all-reduce: they fail with Unavailable well before their
+// 60 s timeout. Each closes its own connections, a new rank 2 joins, and the group is connected again
+// under the same communicator objects (epoch 1's keys), where the all-reduce succeeds.
+TEST(ReformableCommunicatorTest, AGlooGroupThatLostARankFailsAtOnceAndIsReformed) {
+  gloo::rendezvous::HashStore store;
+  constexpr auto kTimeout = std::chrono::seconds(60);
+  std::vector<std::unique_ptr<ReformableCommunicator>> comms(3);
+  {
+    std::vector<std::thread> connecting;
+    std::vector<Status> errors(3);
+    for (int r = 0; r < 3; ++r) {
+      connecting.emplace_back([&, r] {
+        auto c = GlooCommunicator::Create(store, r, 3, "127.0.0.1", kTimeout);
+        if (!c.ok()) {
+          errors[r] = c.status();
+          return;
+        }
+        comms[r] = std::make_unique<ReformableCommunicator>(std::move(c).value());
+      });
+    }
+    for (auto& t : connecting) t.join();
+    for (int r = 0; r < 3; ++r) ASSERT_TRUE(errors[r].ok()) << errors[r].ToString();
+  }
+  comms[2]->Abort();
+  comms[2].reset();
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<Status> failures(2);
+  {
+    std::vector<std::thread> survivors;
+    for (int r = 0; r < 2; ++r) {
+      survivors.emplace_back([&, r] {
+        torch::Tensor t = torch::ones({1024});
+        failures[r] = comms[r]->AllReduceSum(t);
+        if (!failures[r].ok()) comms[r]->Abort();  // what Recovery::Reform does first
+      });
+    }
+    for (auto& t : survivors) t.join();
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (int r = 0; r < 2; ++r) {
+    ASSERT_FALSE(failures[r].ok()) << "rank " << r;
+    EXPECT_EQ(failures[r].code(), StatusCode::kUnavailable) << failures[r].ToString();
+  }
+  EXPECT_LT(seconds, 30.0) << "the survivors waited for their timeout instead of failing at once";
+
+  // Membership 1: every rank connects again under its own keys; ranks 0 and 1 keep their objects.
+  std::unique_ptr<gloo::rendezvous::Store> epoch = PrefixedView("epoch/1", store);
+  std::vector<float> sums(3);
+  std::vector<Status> errors(3);
+  {
+    std::vector<std::thread> members;
+    for (int r = 0; r < 3; ++r) {
+      members.emplace_back([&, r] {
+        auto c = GlooCommunicator::Create(*epoch, r, 3, "127.0.0.1", kTimeout);
+        if (!c.ok()) {
+          errors[r] = c.status();
+          return;
+        }
+        if (r == 2) {
+          comms[2] = std::make_unique<ReformableCommunicator>(std::move(c).value());
+        } else if (Status s = comms[r]->Replace(std::move(c).value()); !s.ok()) {
+          errors[r] = s;
+          return;
+        }
+        torch::Tensor t = torch::full({4}, static_cast<float>(r + 1));
+        errors[r] = comms[r]->AllReduceSum(t);
+        sums[r] = t[3].item<float>();
+      });
+    }
+    for (auto& t : members) t.join();
+  }
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_TRUE(errors[r].ok()) << "rank " << r << ": " << errors[r].ToString();
+    EXPECT_EQ(sums[r], 6.0f);
+  }
+}
+
+}  // namespace
+}  // namespace ltrain::worker

@@ -1,0 +1,64 @@
+#include "worker/recovery/recovery.h"
+
+#include <cstdio>
+
+#include <ATen/ATen.h>
+
+#include "worker/control/progress.h"
+
+namespace ltrain::worker {
+
+StatusOr<SyncPlan> PlanSync(const std::vector<MemberState>& members) {
+  SyncPlan plan;
+  for (size_t r = 0; r < members.size(); ++r) {
+    if (members[r].has_state && (plan.source < 0 || members[r].step > plan.step)) {
+      plan.source = static_cast<int>(r);
+      plan.step = members[r].step;
+    }
+  }
+  if (plan.source < 0) {
+    return FailedPrecondition("no member of the new membership holds a training state: every rank was replaced");
+  }
+  for (size_t r = 0; r < members.size(); ++r) {
+    if (!members[r].has_state || members[r].step != plan.step) plan.behind.push_back(static_cast<int>(r));
+  }
+  plan.needed = !plan.behind.empty();
+  return plan;
+}
+
+Recovery::Recovery(Hooks hooks, int rank, int epoch, std::chrono::milliseconds timeout)
+    : hooks_(std::move(hooks)), rank_(rank), epoch_(epoch), replacement_(epoch > 0), timeout_(timeout) {}
+
+bool Recovery::Recoverable(const Status& failure) { return failure.code() == StatusCode::kUnavailable; }
+
+Status Recovery::Reform(const Status& failure) {
+  const auto start = std::chrono::steady_clock::now();
+  std::printf("rank %d: %s; keeping this process and waiting for membership %d\n", rank_, failure.message().c_str(),
+              epoch_ + 1);
+  std::fflush(stdout);
+  Progress::Global().SetPhase(Progress::Global().Snapshot().step, "recovery");
+  if (hooks_.abort) hooks_.abort();
+  StatusOr<std::string> membership = hooks_.await_membership(epoch_ + 1, timeout_);
+  if (!membership.ok()) {
+    return Unavailable(failure.message() + "; and no new membership came: " + membership.status().message());
+  }
+  LTRAIN_RETURN_IF_ERROR(hooks_.reconnect(epoch_ + 1));
+  ++epoch_;
+  ++recoveries_;
+  std::printf("rank %d: joined membership %d (%s) in %.0f ms\n", rank_, epoch_, membership->c_str(),
+              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+  std::fflush(stdout);
+  return Status::Ok();
+}
+
+StatusOr<SyncPlan> Recovery::Agree(Communicator& world, int64_t step) {
+  at::Tensor mine = at::tensor({step, static_cast<int64_t>(replacement_ ? 0 : 1)}, at::kLong);
+  at::Tensor all = at::empty({2 * world.size()}, at::kLong);
+  LTRAIN_RETURN_IF_ERROR(world.AllGather(mine, all));
+  std::vector<MemberState> members(static_cast<size_t>(world.size()));
+  const int64_t* v = all.data_ptr<int64_t>();
+  for (size_t r = 0; r < members.size(); ++r) members[r] = MemberState{v[2 * r], v[2 * r + 1] != 0};
+  return PlanSync(members);
+}
+
+}  // namespace ltrain::worker

@@ -1,0 +1,87 @@
+// Recovery without restart (fault.recovery: in_place): what a rank does when a collective failed
+// because a peer died, so that it keeps its process and the step in flight is redone once the
+// failed rank's replacement has joined.
+//
+// The step loop's side is small:
+//   - a step that failed with Recoverable(status) calls Reform(status): this rank closes its
+//     connections (peers still blocked with it fail at once), waits for the coordinator's next
+//     membership (its decision, announced through the rendezvous store), and connects the groups of
+//     that membership beneath the communicators the model and the trainer hold;
+//   - then, as the first collectives of every membership, Agree() tells each member who holds the
+//     state to continue from (PlanSync), and the trainer sends or receives it (params, optimizer
+//     state, step, data position, RNG) before it redoes the step.
+// A replacement (LTRAIN_EPOCH above 0) calls Agree() before its first step, with no state of its own.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/status.h"
+#include "worker/comm/communicator.h"
+
+namespace ltrain::worker {
+
+// What one member brings to a membership: the steps it has completed, and whether it holds a
+// training state at all (a replacement does not, until it receives one).
+struct MemberState {
+  int64_t step = 0;
+  bool has_state = false;
+};
+
+struct SyncPlan {
+  bool needed = false;      // some member has no state or is behind the others
+  int source = -1;          // the member whose state every member takes
+  int64_t step = 0;         // the source's completed steps
+  std::vector<int> behind;  // the members that take it
+};
+
+// Pure. The source is the lowest rank at the highest step among the members that hold a state (a
+// survivor that completed the step in flight, whose last collective reached it before its peer
+// died, is ahead of those it did not reach: they take its state, and nobody redoes a step twice).
+// FailedPrecondition when no member holds a state.
+StatusOr<SyncPlan> PlanSync(const std::vector<MemberState>& members);
+
+class Recovery {
+ public:
+  struct Hooks {
+    // Closes this rank's connections of the current membership (Communicator::Abort of each group).
+    std::function<void()> abort;
+    // Blocks until the coordinator announced membership `epoch` (or `timeout` passed); its text.
+    std::function<StatusOr<std::string>(int epoch, std::chrono::milliseconds timeout)> await_membership;
+    // Connects this rank's groups in membership `epoch` and puts them under the trainer's communicators.
+    std::function<Status(int epoch)> reconnect;
+  };
+
+  // `epoch`: the membership this rank runs in now. `timeout`: how long a survivor waits for the next
+  // one (the coordinator restarts the job instead when it cannot replace the failed rank).
+  Recovery(Hooks hooks, int rank, int epoch, std::chrono::milliseconds timeout);
+
+  // A step that failed this way may be recovered: a collective failed because a peer went away.
+  static bool Recoverable(const Status& failure);
+
+  int epoch() const { return epoch_; }
+  // This rank replaces a failed one and holds no state until Agree's plan has given it one.
+  bool replacement() const { return replacement_; }
+  int recoveries() const { return recoveries_; }
+
+  // Abandons the membership the failure happened in, waits for the next one and joins it.
+  Status Reform(const Status& failure);
+  // The first collective of a membership, on every member: every member's state (this rank's
+  // `step`, and whether it holds a state), gathered over `world`, and the plan to share one.
+  StatusOr<SyncPlan> Agree(Communicator& world, int64_t step);
+  // The plan was carried out: this rank holds the source's state.
+  void Synced() { replacement_ = false; }
+
+ private:
+  Hooks hooks_;
+  int rank_;
+  int epoch_;
+  bool replacement_;
+  std::chrono::milliseconds timeout_;
+  int recoveries_ = 0;
+};
+
+}  // namespace ltrain::worker
