@@ -133,9 +133,11 @@ std::string InPlaceRecoveryProblem(const Recipe& recipe, int world_size) {
   if (recipe.parallel.device != Device::kCpu) return "in-place recovery runs on CPU ranks (Gloo) only so far";
   StatusOr<Layout> layout = PlanLayout(recipe, world_size);
   if (!layout.ok()) return layout.status().message();
-  if (!layout->plain()) {
-    return "in-place recovery needs plain data parallelism (parallel.tp, parallel.pp 1 and parallel.zero 0) so far";
+  if (layout->zero != 0) {
+    return "under parallel.zero " + std::to_string(layout->zero) +
+           " no rank holds a whole copy of its part of the state (peer copies of shards are not there yet)";
   }
+  if (layout->dp < 2) return "with one data-parallel rank no peer holds a copy of a rank's part of the state";
   return "";
 }
 

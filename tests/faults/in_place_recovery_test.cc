@@ -30,11 +30,12 @@ class InPlaceRecoveryTest : public ::testing::Test {
     ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
   }
 
-  std::string Recipe(const std::string& name, const std::string& checkpoints) {
+  // dp4, or dp2 x tp2 with `tp`.
+  std::string Recipe(const std::string& name, const std::string& checkpoints, int tp = 1) {
     return dir_.Write(name + ".yaml", TinyRecipe(name, dir_.Join("data")) +
                                           "training: {steps: " + std::to_string(kSteps) +
                                           ", micro_batch: 2, global_batch: 8, log_every: 1, deterministic: true}\n"
-                                          "parallel: {nproc_per_node: 4}\n"
+                                          "parallel: {nproc_per_node: 4, tp: " + std::to_string(tp) + "}\n"
                                           "checkpoint: {every: 0, dir: " + checkpoints + "}\n"
                                           "fault: {recovery: in_place, max_restarts: 2}\n");
   }
@@ -73,21 +74,26 @@ class InPlaceRecoveryTest : public ::testing::Test {
     return files;
   }
 
+  void KillAndCompare(int tp, int killed, int source);
+
   TempDir dir_;
 };
 
-TEST_F(InPlaceRecoveryTest, AKilledRankIsReplacedInPlaceAndTheRunEqualsAnUninterruptedOne) {
+// Kills `killed` after step 50 of a run of the layout, and holds the run against an uninterrupted one.
+void InPlaceRecoveryTest::KillAndCompare(int tp, int killed, int source) {
   const std::string plain_dir = dir_.Join("ck-plain"), killed_dir = dir_.Join("ck-killed");
-  ProcessResult plain = RunProcess({LtrainBinary(), "launch", Recipe("plain", plain_dir)}, Env(), std::chrono::seconds(300));
+  ProcessResult plain =
+      RunProcess({LtrainBinary(), "launch", Recipe("plain", plain_dir, tp)}, Env(), std::chrono::seconds(300));
   ASSERT_EQ(plain.exit_code, 0) << plain.output;
 
   std::map<std::string, std::string> env = Env();
-  env["LTRAIN_FAULT_KILL"] = std::to_string(kKillStep) + ":2";
-  ProcessResult killed =
-      RunProcess({LtrainBinary(), "launch", Recipe("killed", killed_dir)}, env, std::chrono::seconds(300));
-  ASSERT_EQ(killed.exit_code, 0) << killed.output;
-  const std::string& out = killed.output;
-  EXPECT_NE(out.find("[rank 2] rank 2: killing itself after step 50"), std::string::npos) << out;
+  env["LTRAIN_FAULT_KILL"] = std::to_string(kKillStep) + ":" + std::to_string(killed);
+  ProcessResult run =
+      RunProcess({LtrainBinary(), "launch", Recipe("killed", killed_dir, tp)}, env, std::chrono::seconds(300));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const std::string& out = run.output;
+  const std::string k = std::to_string(killed);
+  EXPECT_NE(out.find("[rank " + k + "] rank " + k + ": killing itself after step 50"), std::string::npos) << out;
 
   // The same generation: no restart of the job, and no rank read a checkpoint.
   v1::Job job = JobStatus("killed-1", Env());
@@ -97,19 +103,23 @@ TEST_F(InPlaceRecoveryTest, AKilledRankIsReplacedInPlaceAndTheRunEqualsAnUninter
   EXPECT_EQ(out.find("generation 1"), std::string::npos) << out;
   EXPECT_EQ(out.find("resumed from"), std::string::npos) << out;
 
-  // The survivors kept their processes: each started once; rank 2 twice, the second time as the
-  // replacement that received the state of step 50 from a peer.
+  // The survivors kept their processes: each started once; the killed rank twice, the second time as
+  // the replacement that received the state of step 50 from a peer of its data-parallel group.
   std::map<int, std::vector<std::string>> pids = Pids(out);
-  for (int rank : {0, 1, 3}) {
+  for (int rank = 0; rank < 4; ++rank) {
+    if (rank == killed) continue;
     EXPECT_EQ(pids[rank].size(), 1u) << "rank " << rank << "\n" << out;
     EXPECT_NE(out.find("[rank " + std::to_string(rank) + "] rank " + std::to_string(rank) + ": joined membership 1"),
               std::string::npos)
         << out;
   }
-  ASSERT_EQ(pids[2].size(), 2u) << out;
-  EXPECT_NE(pids[2][0], pids[2][1]);
-  EXPECT_NE(out.find("[rank 2] rank 2: received the state of step 50 from rank 0"), std::string::npos) << out;
-  EXPECT_NE(out.find("replacing rank 2 in place"), std::string::npos) << out;
+  ASSERT_EQ(pids[killed].size(), 2u) << out;
+  EXPECT_NE(pids[killed][0], pids[killed][1]);
+  EXPECT_NE(out.find("[rank " + k + "] rank " + k + ": received the state of step 50 from rank " + std::to_string(source)),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("replacing rank " + k + " in place"), std::string::npos) << out;
+  EXPECT_NE(out.find("rank " + k + " is back"), std::string::npos) << out;
 
   // Steps trained = steps asked, each once, and every loss after the kill is the uninterrupted run's.
   std::map<int, std::string> a = LossLines(plain.output), b = LossLines(out);
@@ -121,6 +131,15 @@ TEST_F(InPlaceRecoveryTest, AKilledRankIsReplacedInPlaceAndTheRunEqualsAnUninter
   ASSERT_FALSE(fa.empty()) << plain_dir;
   ASSERT_EQ(fa.size(), fb.size());
   for (const auto& [name, bytes] : fa) EXPECT_TRUE(fb[name] == bytes) << name << " differs";
+}
+
+TEST_F(InPlaceRecoveryTest, AKilledRankOfDp4IsReplacedInPlaceAndTheRunEqualsAnUninterruptedOne) {
+  KillAndCompare(/*tp=*/1, /*killed=*/2, /*source=*/0);
+}
+
+// dp2 x tp2: rank 1 holds tp part 1 with rank 3, which fills its replacement.
+TEST_F(InPlaceRecoveryTest, AKilledRankOfDp2Tp2IsFilledByItsDataParallelPeer) {
+  KillAndCompare(/*tp=*/2, /*killed=*/1, /*source=*/3);
 }
 
 }  // namespace

@@ -111,9 +111,10 @@ TEST(LayoutTest, StageLayersBalanceOrFollowTheSplit) {
   EXPECT_EQ(StageLayers(4, 2, {3, 1}), (std::vector<int>{3, 1}));
 }
 
-// fault.recovery in_place replaces a failed rank only where every rank holds the whole state; the
-// other jobs restart, and the reason says which key keeps them from it.
-TEST(LayoutTest, InPlaceRecoveryNeedsPlainDataParallelismOnCpus) {
+// fault.recovery in_place replaces a failed rank only where another rank holds its part of the state
+// whole (a data-parallel peer, without ZeRO); the other jobs restart, and the reason says which key
+// keeps them from it.
+TEST(LayoutTest, InPlaceRecoveryNeedsADataParallelCopyOfEveryRanksPart) {
   Recipe r = Base();
   EXPECT_EQ(InPlaceRecoveryProblem(r, 4), "fault.recovery is restart");
   r.fault.recovery = Recovery::kInPlace;
@@ -121,12 +122,14 @@ TEST(LayoutTest, InPlaceRecoveryNeedsPlainDataParallelismOnCpus) {
   EXPECT_NE(InPlaceRecoveryProblem(r, 1).find("no peer"), std::string::npos);
   Recipe zero = r;
   zero.parallel.zero = 1;
-  EXPECT_NE(InPlaceRecoveryProblem(zero, 4).find("parallel.zero 0"), std::string::npos);
+  EXPECT_NE(InPlaceRecoveryProblem(zero, 4).find("parallel.zero 1"), std::string::npos);
   Recipe tp = r;
   tp.parallel.tp = 2;
   tp.parallel.nproc_per_node = 4;
   EXPECT_EQ(CheckLayout(tp, 4).size(), 0u);
-  EXPECT_NE(InPlaceRecoveryProblem(tp, 4).find("plain data parallelism"), std::string::npos);
+  EXPECT_EQ(InPlaceRecoveryProblem(tp, 4), "");  // dp 2: each tp part has a copy
+  tp.parallel.tp = 4;
+  EXPECT_NE(InPlaceRecoveryProblem(tp, 4).find("one data-parallel rank"), std::string::npos);
   Recipe gpu = r;
   gpu.parallel.device = Device::kCuda;
   EXPECT_NE(InPlaceRecoveryProblem(gpu, 4).find("CPU ranks"), std::string::npos);

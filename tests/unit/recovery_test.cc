@@ -22,25 +22,40 @@ namespace {
 
 TEST(PlanSyncTest, TheLowestRankAtTheHighestStepFillsTheReplacementAndThoseBehind) {
   // Rank 2 is the replacement; rank 3's last all-reduce of step 51 completed, ranks 0 and 1's did not.
-  StatusOr<SyncPlan> plan = PlanSync({{50, true}, {50, true}, {0, false}, {51, true}});
+  StatusOr<SyncPlan> plan = PlanSync({{50, true}, {50, true}, {0, false}, {51, true}}, {{0, 1, 2, 3}});
   ASSERT_TRUE(plan.ok()) << plan.status().ToString();
   EXPECT_TRUE(plan->needed);
   EXPECT_EQ(plan->source, 3);
   EXPECT_EQ(plan->step, 51);
+  EXPECT_EQ(plan->source_of, (std::vector<int>{3, 3, 3, 3}));
   EXPECT_EQ(plan->behind, (std::vector<int>{0, 1, 2}));
 
-  plan = PlanSync({{7, true}, {0, false}, {7, true}});
+  plan = PlanSync({{7, true}, {0, false}, {7, true}}, {{0, 1, 2}});
   ASSERT_TRUE(plan.ok());
   EXPECT_EQ(plan->source, 0);
   EXPECT_EQ(plan->behind, std::vector<int>{1});
 }
 
+TEST(PlanSyncTest, EachReplicaGroupFillsItsOwnFromItsLowestRankAtTheStep) {
+  // tp 2 x dp 2: ranks 0 and 2 hold tp part 0, ranks 1 and 3 part 1; rank 1 was replaced.
+  StatusOr<SyncPlan> plan = PlanSync({{9, true}, {0, false}, {9, true}, {9, true}}, {{0, 2}, {1, 3}});
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_EQ(plan->source, 0);
+  EXPECT_EQ(plan->source_of, (std::vector<int>{0, 3, 0, 3}));
+  EXPECT_EQ(plan->behind, std::vector<int>{1});
+  // Both copies of tp part 1 lost: nothing in memory can fill it, and the error says whose.
+  plan = PlanSync({{9, true}, {0, false}, {9, true}, {0, false}}, {{0, 2}, {1, 3}});
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(plan.status().message().find("ranks 1,3 at step 9"), std::string::npos) << plan.status().message();
+}
+
 TEST(PlanSyncTest, MembersThatAgreeNeedNothingAndNoStateAtAllIsAnError) {
-  StatusOr<SyncPlan> plan = PlanSync({{12, true}, {12, true}});
+  StatusOr<SyncPlan> plan = PlanSync({{12, true}, {12, true}}, {{0, 1}});
   ASSERT_TRUE(plan.ok());
   EXPECT_FALSE(plan->needed);
   EXPECT_TRUE(plan->behind.empty());
-  plan = PlanSync({{0, false}, {0, false}});
+  plan = PlanSync({{0, false}, {0, false}}, {{0, 1}});
   ASSERT_FALSE(plan.ok());
   EXPECT_EQ(plan.status().code(), StatusCode::kFailedPrecondition);
   EXPECT_NE(plan.status().message().find("every rank was replaced"), std::string::npos);
@@ -89,11 +104,11 @@ TEST(RecoveryTest, AReplacementAgreesWithoutStateAndIsSyncedAfterwards) {
   EXPECT_TRUE(recovery.replacement());
   FakeCommunicator world;
   world.SimulateSize(2);  // the peer's view is this rank's own: no member holds a state
-  StatusOr<SyncPlan> plan = recovery.Agree(world, 0);
+  StatusOr<SyncPlan> plan = recovery.Agree(world, 0, {{0, 1}});
   EXPECT_FALSE(plan.ok());
   recovery.Synced();
   EXPECT_FALSE(recovery.replacement());
-  plan = recovery.Agree(world, 9);
+  plan = recovery.Agree(world, 9, {{0, 1}});
   ASSERT_TRUE(plan.ok());
   EXPECT_FALSE(plan->needed);
 }

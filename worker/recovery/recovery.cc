@@ -8,7 +8,7 @@
 
 namespace ltrain::worker {
 
-StatusOr<SyncPlan> PlanSync(const std::vector<MemberState>& members) {
+StatusOr<SyncPlan> PlanSync(const std::vector<MemberState>& members, const std::vector<std::vector<int>>& replicas) {
   SyncPlan plan;
   for (size_t r = 0; r < members.size(); ++r) {
     if (members[r].has_state && (plan.source < 0 || members[r].step > plan.step)) {
@@ -19,8 +19,25 @@ StatusOr<SyncPlan> PlanSync(const std::vector<MemberState>& members) {
   if (plan.source < 0) {
     return FailedPrecondition("no member of the new membership holds a training state: every rank was replaced");
   }
-  for (size_t r = 0; r < members.size(); ++r) {
-    if (!members[r].has_state || members[r].step != plan.step) plan.behind.push_back(static_cast<int>(r));
+  const int n = static_cast<int>(members.size());
+  plan.source_of.assign(members.size(), -1);
+  for (const std::vector<int>& group : replicas) {
+    int source = -1;
+    for (int r : group) {
+      if (r < 0 || r >= n) return InvalidArgument("replica group names rank " + std::to_string(r) + " of " + std::to_string(n));
+      if (source < 0 && members[r].has_state && members[r].step == plan.step) source = r;
+    }
+    if (source < 0) {
+      std::string ranks;
+      for (int r : group) ranks += (ranks.empty() ? "" : ",") + std::to_string(r);
+      return FailedPrecondition("no copy of the training state of ranks " + ranks + " at step " +
+                                std::to_string(plan.step) + " survived");
+    }
+    for (int r : group) plan.source_of[r] = source;
+  }
+  for (int r = 0; r < n; ++r) {
+    if (plan.source_of[r] < 0) return InvalidArgument("rank " + std::to_string(r) + " is in no replica group");
+    if (!members[r].has_state || members[r].step != plan.step) plan.behind.push_back(r);
   }
   plan.needed = !plan.behind.empty();
   return plan;
@@ -51,14 +68,14 @@ Status Recovery::Reform(const Status& failure) {
   return Status::Ok();
 }
 
-StatusOr<SyncPlan> Recovery::Agree(Communicator& world, int64_t step) {
+StatusOr<SyncPlan> Recovery::Agree(Communicator& world, int64_t step, const std::vector<std::vector<int>>& replicas) {
   at::Tensor mine = at::tensor({step, static_cast<int64_t>(replacement_ ? 0 : 1)}, at::kLong);
   at::Tensor all = at::empty({2 * world.size()}, at::kLong);
   LTRAIN_RETURN_IF_ERROR(world.AllGather(mine, all));
   std::vector<MemberState> members(static_cast<size_t>(world.size()));
   const int64_t* v = all.data_ptr<int64_t>();
   for (size_t r = 0; r < members.size(); ++r) members[r] = MemberState{v[2 * r], v[2 * r + 1] != 0};
-  return PlanSync(members);
+  return PlanSync(members, replicas);
 }
 
 }  // namespace ltrain::worker

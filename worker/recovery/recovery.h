@@ -33,16 +33,20 @@ struct MemberState {
 
 struct SyncPlan {
   bool needed = false;      // some member has no state or is behind the others
-  int source = -1;          // the member whose state every member takes
-  int64_t step = 0;         // the source's completed steps
-  std::vector<int> behind;  // the members that take it
+  int source = -1;          // the member whose step, data position and RNG every member takes
+  int64_t step = 0;         // the steps it has completed
+  std::vector<int> source_of;  // by rank: the member of its replica group it takes its state from
+  std::vector<int> behind;  // the members that take a state
 };
 
-// Pure. The source is the lowest rank at the highest step among the members that hold a state (a
-// survivor that completed the step in flight, whose last collective reached it before its peer
-// died, is ahead of those it did not reach: they take its state, and nobody redoes a step twice).
-// FailedPrecondition when no member holds a state.
-StatusOr<SyncPlan> PlanSync(const std::vector<MemberState>& members);
+// Pure. `replicas`: the groups of ranks that hold the same training state (the data-parallel groups:
+// every rank in exactly one). The step to go on from is the highest any member holding a state has
+// completed (a survivor whose last collective of the step in flight reached it before its peer died
+// is ahead of those it did not reach: they take its state, and nobody redoes a step twice); each
+// replica group takes its state from its lowest rank at that step, which `source` is for the world.
+// FailedPrecondition, naming the group, where no member of a group holds a state at that step (every
+// copy of its part was lost).
+StatusOr<SyncPlan> PlanSync(const std::vector<MemberState>& members, const std::vector<std::vector<int>>& replicas);
 
 class Recovery {
  public:
@@ -70,8 +74,9 @@ class Recovery {
   // Abandons the membership the failure happened in, waits for the next one and joins it.
   Status Reform(const Status& failure);
   // The first collective of a membership, on every member: every member's state (this rank's
-  // `step`, and whether it holds a state), gathered over `world`, and the plan to share one.
-  StatusOr<SyncPlan> Agree(Communicator& world, int64_t step);
+  // `step`, and whether it holds a state), gathered over `world`, and the plan to share one among
+  // the `replicas` (PlanSync).
+  StatusOr<SyncPlan> Agree(Communicator& world, int64_t step, const std::vector<std::vector<int>>& replicas);
   // The plan was carried out: this rank holds the source's state.
   void Synced() { replacement_ = false; }
 

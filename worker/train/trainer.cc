@@ -784,7 +784,10 @@ Status Trainer::Recover(const Status& failure) {
 Status Trainer::SyncState() {
   const auto start = SteadyClock::now();
   Recovery& recovery = *options_.recovery;
-  LTRAIN_ASSIGN_OR_RETURN(SyncPlan plan, recovery.Agree(*groups_->world, step_));
+  // The ranks of a data-parallel group hold the same state (no ZeRO: InPlaceRecoveryProblem).
+  std::vector<std::vector<int>> replicas;
+  for (const Group& group : GroupsOf(layout_, GroupKind::kData)) replicas.push_back(group.ranks);
+  LTRAIN_ASSIGN_OR_RETURN(SyncPlan plan, recovery.Agree(*groups_->world, step_, replicas));
   const int rank = groups_->rank;
   if (plan.needed) {
     Progress::Global().SetPhase(step_, "recovery");
@@ -798,8 +801,9 @@ Status Trainer::SyncState() {
       rng = gen.get_state().clone();
     }
     LTRAIN_RETURN_IF_ERROR(groups_->world->Broadcast(rng, plan.source));
-    // Plain data parallelism (InPlaceRecoveryProblem): the dp group is the world.
-    LTRAIN_RETURN_IF_ERROR(store_->BroadcastState(plan.source));
+    // Each data-parallel group from its own source: the replicas of this rank's tp and pp part.
+    const int source = plan.source_of[static_cast<size_t>(rank)];
+    LTRAIN_RETURN_IF_ERROR(store_->BroadcastState(GroupOf(layout_, GroupKind::kData, rank).RankOf(source)));
     const bool behind = std::find(plan.behind.begin(), plan.behind.end(), rank) != plan.behind.end();
     if (behind) {
       std::lock_guard<std::mutex> lock(gen.mutex());
@@ -807,11 +811,15 @@ Status Trainer::SyncState() {
     }
     step_ = position[0].item<int64_t>();
     data_position_ = position[1].item<int64_t>();
-    if (rank == plan.source || behind) {
-      std::string what = "received the state of step " + std::to_string(step_) + " from rank " + std::to_string(plan.source);
-      if (rank == plan.source) {
+    std::vector<int> takers;  // of this rank's state
+    for (int r : plan.behind) {
+      if (plan.source_of[static_cast<size_t>(r)] == rank) takers.push_back(r);
+    }
+    if (!takers.empty() || behind) {
+      std::string what = "received the state of step " + std::to_string(step_) + " from rank " + std::to_string(source);
+      if (!takers.empty()) {
         what = "sent the state of step " + std::to_string(step_) + " to rank(s)";
-        for (size_t i = 0; i < plan.behind.size(); ++i) what += (i == 0 ? " " : ",") + std::to_string(plan.behind[i]);
+        for (size_t i = 0; i < takers.size(); ++i) what += (i == 0 ? " " : ",") + std::to_string(takers[i]);
       }
       const MemoryBytes mem = store_->Memory();
       std::printf("rank %d: %s (%.1f MB of parameters and moments) in %.0f ms\n", rank, what.c_str(),
