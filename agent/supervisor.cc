@@ -174,12 +174,16 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
   // MASTER_ADDR and MASTER_PORT (agreed through the rendezvous) and the progress descriptor.
   const RecipeParseResult parsed = ParseRecipe(start.recipe_yaml(), recipe.string());
   const bool program = parsed.ok() && parsed.recipe.runs_program();
-  // A failed rank of such a job is replaced in place: its peers here keep running (Reap).
-  if (parsed.ok() && InPlaceRecoveryProblem(parsed.recipe, start.world_size()).empty()) {
+  // A failed rank of such a job is replaced in place: its peers here keep running (Reap), and a
+  // worker waits here with its libraries loaded (a second of a new process's start) to become it.
+  const bool in_place = !program && parsed.ok() && InPlaceRecoveryProblem(parsed.recipe, start.world_size()).empty();
+  if (in_place) {
     in_place_jobs_.insert(start.job_id());
   } else {
     in_place_jobs_.erase(start.job_id());
   }
+  // A standby stands while a replacement may come; one standing becomes the next replaced rank here.
+  const bool worker_standby = in_place && start.restart_count() < parsed.recipe.fault.max_restarts;
   // Standbys for the next generation, while the job may still restart.
   std::string not_python;
   const bool standbys = program && parsed.recipe.entrypoint.warm_standby != WarmStandby::kOff &&
@@ -260,13 +264,16 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
     report.set_generation(start.generation());
     report.set_rank(assignment.rank());
     report.set_log_path(log_path);
-    // A standby of this local rank, waiting for the same program, becomes the rank.
+    // A standby of this local rank, waiting for the same program, becomes the rank; a worker standby
+    // of the generation becomes any rank it replaces.
     Worker* standby = nullptr;
-    if (program) {
+    if (program || (in_place && start.replace())) {
       for (auto& [pid, candidate] : workers_) {
-        if (candidate->standby && candidate->job_id == start.job_id() && candidate->local_rank == assignment.local_rank() &&
-            candidate->generation < start.generation() && candidate->kill_at_ms == 0 && candidate->input_fd >= 0 &&
-            candidate->runs.binary == spec.binary && candidate->runs.args == spec.args) {
+        const bool fits = program ? candidate->local_rank == assignment.local_rank() &&
+                                        candidate->generation < start.generation()
+                                  : candidate->generation == start.generation();
+        if (candidate->standby && fits && candidate->job_id == start.job_id() && candidate->kill_at_ms == 0 &&
+            candidate->input_fd >= 0 && candidate->runs.binary == spec.binary && candidate->runs.args == spec.args) {
           standby = candidate.get();
           break;
         }
@@ -313,6 +320,15 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
     PublishRunning();
     outbox_.Send(std::move(report));
     if (standbys) SpawnStandby(spec, standby_mode, start, assignment);
+  }
+  // One worker standby a node for a job replaced in place (one after each it became a rank).
+  if (worker_standby && start.workers_size() > 0 && !HasStandby(start.job_id(), start.generation())) {
+    const v1::WorkerAssignment& last = start.workers(start.workers_size() - 1);
+    SpawnSpec spec;
+    spec.binary = options_.worker_binary;
+    spec.working_dir = dir.string();
+    spec.env = {"LTRAIN_JOB_ID=" + start.job_id(), "LTRAIN_LOCAL_WORLD_SIZE=" + std::to_string(start.local_world_size())};
+    SpawnStandby(spec, "worker", start, last);
   }
   // Standbys of older generations that no rank took: the job's shape changed.
   EndStandbys(start.job_id(), start.generation());
@@ -395,6 +411,15 @@ bool Supervisor::HasWorkers(const std::string& job_id) const {
 bool Supervisor::HasWorkers(const std::string& job_id, int generation) const {
   for (const auto& [pid, worker] : workers_) {
     if (!worker->standby && worker->job_id == job_id && worker->generation == generation) return true;
+  }
+  return false;
+}
+
+bool Supervisor::HasStandby(const std::string& job_id, int generation) const {
+  for (const auto& [pid, worker] : workers_) {
+    if (worker->standby && worker->kill_at_ms == 0 && worker->job_id == job_id && worker->generation == generation) {
+      return true;
+    }
   }
   return false;
 }

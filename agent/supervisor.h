@@ -120,6 +120,8 @@ class Supervisor {
   // The output descriptors to wait on between calls to Poll.
   std::vector<int> OutputFds() const;
   std::vector<v1::RunningWorker> Running() const;
+  // A standby of `job_id`'s generation `generation` waits here.
+  bool HasStandby(const std::string& job_id, int generation) const;
   // Warm standbys alive (spawned, not yet taken by a generation, not ended).
   int Standbys() const;
 

@@ -93,7 +93,7 @@ void InPlaceRecoveryTest::KillAndCompare(int tp, int killed, int source) {
   ASSERT_EQ(run.exit_code, 0) << run.output;
   const std::string& out = run.output;
   const std::string k = std::to_string(killed);
-  EXPECT_NE(out.find("[rank " + k + "] rank " + k + ": killing itself after step 50"), std::string::npos) << out;
+  EXPECT_NE(out.find("[rank " + k + "] rank " + k + ": killing itself after step 50 at "), std::string::npos) << out;
 
   // The same generation: no restart of the job, and no rank read a checkpoint.
   v1::Job job = JobStatus("killed-1", Env());

@@ -717,6 +717,50 @@ class StandbyTest : public SupervisorTest {
   }
 };
 
+// fault.recovery in_place: one worker standby a node, its libraries loaded, becomes whichever rank of
+// the generation is replaced there, with that rank's whole environment; a new one stands beside it.
+TEST_F(StandbyTest, AnInPlaceJobsWorkerStandbyBecomesTheReplacedRank) {
+  v1::StartJobCommand start = Start("j1", 0, 2);
+  start.set_recipe_yaml(
+      "name: j1\nmodel: {layers: 2, d_model: 64, heads: 4, seq_len: 32}\ndata: {path: /d}\n"
+      "training: {micro_batch: 1, global_batch: 2}\nparallel: {nproc_per_node: 2}\n"
+      "fault: {recovery: in_place, max_restarts: 2}\n");
+  supervisor().StartJob(start);
+  ASSERT_EQ(Spawns(false).size(), 2u);
+  const auto standbys = Spawns(true);
+  ASSERT_EQ(standbys.size(), 1u);
+  EXPECT_EQ(standbys[0].spec.args, (std::vector<std::string>{"--standby", "worker"}));
+  EXPECT_TRUE(standbys[0].spec.input_pipe);
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"j1 gen 0 rank 0 pid 1000 running",
+                                                     "j1 gen 0 rank 1 pid 1001 running"}));
+  spawner_.Exit(Pid("j1", 1), 1);
+  supervisor().Poll();
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"j1 gen 0 rank 1 pid 1001 exited 1"}));
+
+  v1::StartJobCommand replace = start;
+  replace.clear_workers();
+  replace.set_replace(true);
+  replace.set_epoch(1);
+  replace.set_restart_count(1);
+  v1::WorkerAssignment* worker = replace.add_workers();
+  worker->set_rank(1);
+  worker->set_local_rank(1);
+  supervisor().StartJob(replace);
+  EXPECT_EQ(outbox_.Take(), (std::vector<std::string>{"j1 gen 0 rank 1 pid 1002 running"}));
+  bool closed = false;
+  const std::vector<std::string> env = Handed(standbys[0].pid, &closed);
+  EXPECT_TRUE(closed);
+  ASSERT_FALSE(env.empty());
+  EXPECT_EQ(env[0], work_dir_ + "/jobs/j1/gen-0");
+  for (const char* entry : {"LTRAIN_RANK=1", "LTRAIN_LOCAL_RANK=1", "LTRAIN_EPOCH=1", "LTRAIN_GENERATION=0"}) {
+    EXPECT_NE(std::find(env.begin(), env.end(), entry), env.end()) << entry;
+  }
+  EXPECT_EQ(Spawns(false).size(), 2u) << "no new process for the replaced rank";
+  EXPECT_EQ(Spawns(true).size(), 2u) << "a new standby beside it";
+  EXPECT_EQ(supervisor().Standbys(), 1);
+  EXPECT_EQ(supervisor().Running().size(), 2u);
+}
+
 TEST_F(StandbyTest, EachRankHasAStandbyThatBecomesTheNextGenerationsRank) {
   supervisor().StartJob(ProgramStart(0, 2, 0));
   const auto workers = Spawns(false);

@@ -4,6 +4,8 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <cerrno>
 #include <filesystem>
 #include <optional>
 #include <thread>
@@ -357,11 +359,14 @@ Status Run(const WorkerEnv& env) {
 
   // `ltrain stop --checkpoint` reaches this rank in the agent's replies to its progress reports.
   CheckpointStop stop(env.rank, env.world_size);
-  // The kill drill hits the rank as first started, not its replacement (LTRAIN_EPOCH above 0).
+  // The kill drill hits the rank as first started, not its replacement (LTRAIN_EPOCH above 0) nor a
+  // restarted generation.
   LTRAIN_ASSIGN_OR_RETURN(const int64_t kill_step, KillStep(env.rank));
-  options.stop_after = [&stop, kill_step, epoch = env.epoch, rank = env.rank](int64_t step) {
-    if (step == kill_step && epoch == 0) {
-      std::printf("rank %d: killing itself after step %lld (LTRAIN_FAULT_KILL)\n", rank, static_cast<long long>(step));
+  options.stop_after = [&stop, kill_step, first = env.epoch == 0 && env.generation == 0, rank = env.rank](int64_t step) {
+    if (step == kill_step && first) {
+      const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+      std::printf("rank %d: killing itself after step %lld at %.3f (LTRAIN_FAULT_KILL)\n", rank,
+                  static_cast<long long>(step), now);
       std::fflush(stdout);
       ::raise(SIGKILL);
     }
@@ -460,6 +465,7 @@ std::string WorkerUsage() {
   return R"(ltrain-worker: one training rank (started by an ltrain agent, or by hand).
 
 Usage: ltrain-worker [--recipe FILE] [--set key=value]... [--export-params FILE] [--help]
+       ltrain-worker --standby worker [ARGS...]
 
   --recipe FILE         the recipe YAML (default: $LTRAIN_RECIPE_FILE)
   --set key=value       override a recipe field, e.g. --set training.steps=20 (repeatable)
@@ -467,6 +473,9 @@ Usage: ltrain-worker [--recipe FILE] [--set key=value]... [--export-params FILE]
                         every tp, pp and ZeRO shard) and writes them to FILE: per parameter, in the
                         model's order, uint32 name length, name, uint64 count, float32 values
   --help             this text
+  --standby worker      load, then wait on stdin for the rank to become: the agent writes the
+                        working directory and the rank's environment (NUL-separated) and closes it
+                        (its warm standby of a job under fault.recovery: in_place)
 
 Environment (set by the agent; flags win over it):
   LTRAIN_JOB_ID            job id (names the default checkpoint directory)
@@ -555,7 +564,8 @@ Fault injection (for testing recovery; never set in production):
                            for the difference): the coordinator names it a straggler
   LTRAIN_FAULT_KILL=STEP:RANK
                            rank RANK kills itself (SIGKILL) after completing step STEP, as first
-                           started (its replacement under fault.recovery: in_place does not)
+                           started (neither its replacement under fault.recovery: in_place nor a
+                           restarted generation does it again)
   LTRAIN_FAULT_STARTUP_STALL=SECONDS[:RANK]
                            rank RANK (every rank when absent) stops for SECONDS in its start-up,
                            after connecting and before building the model, without reporting
@@ -595,10 +605,59 @@ another format).
 )";
 }
 
+namespace {
+
+// A warm standby (--standby worker, which the agent starts for a job whose failed ranks it replaces in
+// place): the process has loaded its libraries, most of a start's second, and waits on stdin for the
+// rank it becomes. The agent writes the working directory and the rank's whole environment,
+// NUL-separated, and closes the pipe. -1: go on as that rank; otherwise the exit code (0: the pipe
+// closed with nothing, the standby is not needed).
+int AwaitRank() {
+  std::string payload;
+  char buffer[65536];
+  while (true) {
+    const ssize_t n = ::read(0, buffer, sizeof(buffer));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    payload.append(buffer, static_cast<size_t>(n));
+  }
+  if (payload.empty()) return 0;
+  std::vector<std::string> parts;
+  for (size_t start = 0; start < payload.size();) {
+    const size_t end = payload.find('\0', start);
+    parts.push_back(payload.substr(start, end == std::string::npos ? std::string::npos : end - start));
+    if (end == std::string::npos) break;
+    start = end + 1;
+  }
+  if (::chdir(parts[0].c_str()) != 0) {
+    std::fprintf(stderr, "ltrain-worker: standby: cannot enter %s: %s\n", parts[0].c_str(), std::strerror(errno));
+    return kWorkerExitFailed;
+  }
+  ::clearenv();
+  for (size_t i = 1; i < parts.size(); ++i) {
+    const size_t eq = parts[i].find('=');
+    if (eq == std::string::npos || eq == 0) continue;
+    ::setenv(parts[i].substr(0, eq).c_str(), parts[i].substr(eq + 1).c_str(), 1);
+  }
+  return -1;
+}
+
+}  // namespace
+
 int RunWorker(int argc, char** argv) {
   std::setvbuf(stdout, nullptr, _IOLBF, 0);  // progress lines reach the agent as they happen
   if (argc > 1 && (std::string(argv[1]) == "export" || std::string(argv[1]) == "generate")) {
     return RunModelTool(argc, argv);
+  }
+  if (argc > 1 && std::string(argv[1]) == "--standby") {
+    if (argc < 3 || std::string(argv[2]) != "worker") {
+      std::fprintf(stderr, "ltrain-worker: --standby takes `worker`: wait on stdin for a rank's environment\n");
+      return kWorkerExitUsage;
+    }
+    if (const int code = AwaitRank(); code >= 0) return code;
+    argv[2] = argv[0];
+    argv += 2;
+    argc -= 2;
   }
   StatusOr<WorkerEnv> env = ParseWorkerEnv(ProcessEnvironment(), std::vector<std::string>(argv + 1, argv + argc));
   if (!env.ok()) {
