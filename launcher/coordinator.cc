@@ -839,7 +839,9 @@ Status Coordinator::ReportWorkerStateLocked(const v1::WorkerStateReport& report,
     }
     return Status::Ok();
   }
-  if (!refused && !job->stopping) {
+  // A rank killed (a crash, the OOM killer, an operator) is replaced in place; one that exits with an
+  // error of its own (its data, its numbers, no copy of its state left) would meet it again: the job restarts.
+  if (!refused && !job->stopping && report.signal() != 0) {
     std::string why;
     *announce = ReplaceRankLocked(*job, report.rank(), cause(), &why);
     if (!announce->first.empty()) return Status::Ok();

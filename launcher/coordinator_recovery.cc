@@ -23,12 +23,9 @@ std::pair<std::string, std::string> Coordinator::ReplaceRankLocked(ActiveJob& jo
     *why = problem;
     return {};
   }
-  if (job.replacing_rank >= 0) {
-    // A second failure before the first replacement trained a step: its state and the survivors'
-    // agreement are not there yet to build on.
-    *why = "rank " + std::to_string(job.replacing_rank) + " is still being replaced";
-    return {};
-  }
+  // A failure while another rank is being replaced makes a membership after the one announced: the
+  // members still connecting to that one give way to it (MembershipView), and where no copy of a
+  // rank's state is left they say so, exit, and the job restarts from its checkpoint.
   if (job.job.restarts() >= job.recipe.fault.max_restarts) {
     *why = "the job has used its " + std::to_string(job.recipe.fault.max_restarts) +
            " restart(s) (fault.max_restarts; a replaced rank counts as one)";

@@ -74,35 +74,53 @@ class InPlaceRecoveryTest : public ::testing::Test {
     return files;
   }
 
+  // Runs the layout uninterrupted and with LTRAIN_FAULT_KILL=`kill`, checks that the killed run
+  // succeeded in generation 0 with `restarts` replacements, reading no checkpoint, training every step
+  // once with the uninterrupted run's losses and final state, bit for bit; returns its output.
+  std::string RunKilled(int tp, const std::string& kill, int restarts);
   void KillAndCompare(int tp, int killed, int source);
 
   TempDir dir_;
 };
 
-// Kills `killed` after step 50 of a run of the layout, and holds the run against an uninterrupted one.
-void InPlaceRecoveryTest::KillAndCompare(int tp, int killed, int source) {
+std::string InPlaceRecoveryTest::RunKilled(int tp, const std::string& kill, int restarts) {
   const std::string plain_dir = dir_.Join("ck-plain"), killed_dir = dir_.Join("ck-killed");
   ProcessResult plain =
       RunProcess({LtrainBinary(), "launch", Recipe("plain", plain_dir, tp)}, Env(), std::chrono::seconds(300));
-  ASSERT_EQ(plain.exit_code, 0) << plain.output;
-
+  EXPECT_EQ(plain.exit_code, 0) << plain.output;
   std::map<std::string, std::string> env = Env();
-  env["LTRAIN_FAULT_KILL"] = std::to_string(kKillStep) + ":" + std::to_string(killed);
+  env["LTRAIN_FAULT_KILL"] = kill;
   ProcessResult run =
       RunProcess({LtrainBinary(), "launch", Recipe("killed", killed_dir, tp)}, env, std::chrono::seconds(300));
-  ASSERT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_EQ(run.exit_code, 0) << run.output;
   const std::string& out = run.output;
-  const std::string k = std::to_string(killed);
-  EXPECT_NE(out.find("[rank " + k + "] rank " + k + ": killing itself after step 50 at "), std::string::npos) << out;
 
   // The same generation: no restart of the job, and no rank read a checkpoint.
   v1::Job job = JobStatus("killed-1", Env());
   EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.cause();
   EXPECT_EQ(job.generation(), 0);
-  EXPECT_EQ(job.restarts(), 1);
+  EXPECT_EQ(job.restarts(), restarts);
   EXPECT_EQ(out.find("generation 1"), std::string::npos) << out;
   EXPECT_EQ(out.find("resumed from"), std::string::npos) << out;
 
+  // Steps trained = steps asked, each once, and every loss after the kill is the uninterrupted run's.
+  std::map<int, std::string> a = LossLines(plain.output), b = LossLines(out);
+  EXPECT_EQ(a.size(), static_cast<size_t>(kSteps)) << plain.output;
+  EXPECT_EQ(b.size(), static_cast<size_t>(kSteps)) << out;
+  for (int s = 1; s <= kSteps; ++s) EXPECT_EQ(a[s], b[s]) << "step " << s;
+  // And so are the parameters and moments the final checkpoint holds, byte for byte.
+  std::map<std::string, std::string> fa = FinalFiles(plain_dir), fb = FinalFiles(killed_dir);
+  EXPECT_FALSE(fa.empty()) << plain_dir;
+  EXPECT_EQ(fa.size(), fb.size());
+  for (const auto& [name, bytes] : fa) EXPECT_TRUE(fb[name] == bytes) << name << " differs";
+  return out;
+}
+
+// Kills `killed` after step 50 of a run of the layout, and holds the run against an uninterrupted one.
+void InPlaceRecoveryTest::KillAndCompare(int tp, int killed, int source) {
+  const std::string k = std::to_string(killed);
+  const std::string out = RunKilled(tp, std::to_string(kKillStep) + ":" + k, 1);
+  EXPECT_NE(out.find("[rank " + k + "] rank " + k + ": killing itself after step 50 at "), std::string::npos) << out;
   // The survivors kept their processes: each started once; the killed rank twice, the second time as
   // the replacement that received the state of step 50 from a peer of its data-parallel group.
   std::map<int, std::vector<std::string>> pids = Pids(out);
@@ -120,17 +138,6 @@ void InPlaceRecoveryTest::KillAndCompare(int tp, int killed, int source) {
       << out;
   EXPECT_NE(out.find("replacing rank " + k + " in place"), std::string::npos) << out;
   EXPECT_NE(out.find("rank " + k + " is back"), std::string::npos) << out;
-
-  // Steps trained = steps asked, each once, and every loss after the kill is the uninterrupted run's.
-  std::map<int, std::string> a = LossLines(plain.output), b = LossLines(out);
-  ASSERT_EQ(a.size(), static_cast<size_t>(kSteps)) << plain.output;
-  ASSERT_EQ(b.size(), static_cast<size_t>(kSteps)) << out;
-  for (int s = 1; s <= kSteps; ++s) EXPECT_EQ(a[s], b[s]) << "step " << s;
-  // And so are the parameters and moments the final checkpoint holds, byte for byte.
-  std::map<std::string, std::string> fa = FinalFiles(plain_dir), fb = FinalFiles(killed_dir);
-  ASSERT_FALSE(fa.empty()) << plain_dir;
-  ASSERT_EQ(fa.size(), fb.size());
-  for (const auto& [name, bytes] : fa) EXPECT_TRUE(fb[name] == bytes) << name << " differs";
 }
 
 TEST_F(InPlaceRecoveryTest, AKilledRankOfDp4IsReplacedInPlaceAndTheRunEqualsAnUninterruptedOne) {
@@ -140,6 +147,28 @@ TEST_F(InPlaceRecoveryTest, AKilledRankOfDp4IsReplacedInPlaceAndTheRunEqualsAnUn
 // dp2 x tp2: rank 1 holds tp part 1 with rank 3, which fills its replacement.
 TEST_F(InPlaceRecoveryTest, AKilledRankOfDp2Tp2IsFilledByItsDataParallelPeer) {
   KillAndCompare(/*tp=*/2, /*killed=*/1, /*source=*/3);
+}
+
+// Two failures: rank 2 dies after step 50, and rank 3 as it begins to recover from that. Membership 1
+// never forms; the members still connecting to it give way to membership 2, where both replacements
+// take their state from a survivor.
+TEST_F(InPlaceRecoveryTest, ASecondKillWhileTheFirstRecoveryRunsIsReplacedToo) {
+  const std::string out = RunKilled(/*tp=*/1, "50:2,recovery:3", 2);
+  EXPECT_NE(out.find("[rank 3] rank 3: killing itself as it begins to recover"), std::string::npos) << out;
+  std::map<int, std::vector<std::string>> pids = Pids(out);
+  for (int rank : {0, 1}) {
+    EXPECT_EQ(pids[rank].size(), 1u) << "rank " << rank << "\n" << out;
+    EXPECT_NE(out.find("[rank " + std::to_string(rank) + "] rank " + std::to_string(rank) + ": joined membership 2"),
+              std::string::npos)
+        << out;
+  }
+  for (int rank : {2, 3}) {
+    EXPECT_EQ(pids[rank].size(), 2u) << "rank " << rank << "\n" << out;
+    EXPECT_NE(out.find("[rank " + std::to_string(rank) + "] rank " + std::to_string(rank) +
+                       ": received the state of step 50 from rank 0"),
+              std::string::npos)
+        << out;
+  }
 }
 
 }  // namespace

@@ -46,7 +46,7 @@ TEST(PlanSyncTest, EachReplicaGroupFillsItsOwnFromItsLowestRankAtTheStep) {
   // Both copies of tp part 1 lost: nothing in memory can fill it, and the error says whose.
   plan = PlanSync({{9, true}, {0, false}, {9, true}, {0, false}}, {{0, 2}, {1, 3}});
   ASSERT_FALSE(plan.ok());
-  EXPECT_EQ(plan.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(plan.status().code(), StatusCode::kInternal) << "a restart from the checkpoint, not a refusal";
   EXPECT_NE(plan.status().message().find("ranks 1,3 at step 9"), std::string::npos) << plan.status().message();
 }
 
@@ -57,7 +57,7 @@ TEST(PlanSyncTest, MembersThatAgreeNeedNothingAndNoStateAtAllIsAnError) {
   EXPECT_TRUE(plan->behind.empty());
   plan = PlanSync({{0, false}, {0, false}}, {{0, 1}});
   ASSERT_FALSE(plan.ok());
-  EXPECT_EQ(plan.status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_EQ(plan.status().code(), StatusCode::kInternal);
   EXPECT_NE(plan.status().message().find("every rank was replaced"), std::string::npos);
 }
 
@@ -82,6 +82,32 @@ TEST(RecoveryTest, ReformAbortsWaitsForTheNextMembershipAndReconnects) {
   EXPECT_EQ(calls, (std::vector<std::string>{"abort", "await 1", "reconnect 1", "abort", "await 2", "reconnect 2"}));
   EXPECT_EQ(recovery.epoch(), 2);
   EXPECT_EQ(recovery.recoveries(), 2);
+}
+
+// A member of membership 1 died before it formed: the connect ends superseded, and the rank joins 2.
+TEST(RecoveryTest, AMembershipThatLostAMemberBeforeItFormedGivesWayToTheNext) {
+  std::vector<std::string> calls;
+  Recovery::Hooks hooks;
+  hooks.abort = [] {};
+  hooks.await_membership = [&](int epoch, std::chrono::milliseconds) -> StatusOr<std::string> {
+    calls.push_back("await " + std::to_string(epoch));
+    return std::string("announced");
+  };
+  hooks.reconnect = [&](int epoch) {
+    calls.push_back("reconnect " + std::to_string(epoch));
+    if (epoch == 1) return Unavailable("gloo: rank 0 of 4 could not connect: membership superseded: membership/2 was announced");
+    return Status::Ok();
+  };
+  Recovery recovery(std::move(hooks), 0, 0, std::chrono::seconds(1));
+  ASSERT_TRUE(recovery.Reform(Unavailable("gloo all_reduce failed")).ok());
+  EXPECT_EQ(calls, (std::vector<std::string>{"await 1", "reconnect 1", "await 2", "reconnect 2"}));
+  EXPECT_EQ(recovery.epoch(), 2);
+  // Any other failure to connect is the rank's failure.
+  Recovery::Hooks failing;
+  failing.await_membership = [](int, std::chrono::milliseconds) -> StatusOr<std::string> { return std::string(""); };
+  failing.reconnect = [](int) { return Unavailable("gloo: could not connect: Connection refused"); };
+  Recovery other(std::move(failing), 0, 0, std::chrono::seconds(1));
+  EXPECT_FALSE(other.Reform(Unavailable("gloo all_reduce failed")).ok());
 }
 
 TEST(RecoveryTest, NoNewMembershipFailsTheRankSayingBothWhatFailedAndWhatItWaitedFor) {

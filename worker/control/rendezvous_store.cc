@@ -1,5 +1,7 @@
 #include "worker/control/rendezvous_store.h"
 
+#include <algorithm>
+
 #include <unistd.h>
 
 #include <atomic>
@@ -161,7 +163,60 @@ class PrefixedStore : public gloo::rendezvous::Store {
   std::shared_ptr<gloo::rendezvous::Store> owner_;
 };
 
+constexpr const char* kSuperseded = "membership superseded: ";
+
+class MembershipStore : public gloo::rendezvous::Store {
+ public:
+  MembershipStore(std::string prefix, std::string next, std::shared_ptr<gloo::rendezvous::Store> base,
+                  std::chrono::milliseconds timeout)
+      : prefix_(prefix.empty() ? "" : prefix + "/"), next_(std::move(next)), base_(std::move(base)), timeout_(timeout) {}
+
+  void set(const std::string& key, const std::vector<char>& data) override { base_->set(prefix_ + key, data); }
+  std::vector<char> get(const std::string& key) override {
+    wait({key}, timeout_);
+    return base_->get(prefix_ + key);
+  }
+  void wait(const std::vector<std::string>& keys) override { wait(keys, timeout_); }
+  void wait(const std::vector<std::string>& keys, const std::chrono::milliseconds& timeout) override {
+    std::vector<std::string> prefixed;
+    for (const std::string& key : keys) prefixed.push_back(prefix_ + key);
+    const auto deadline = std::chrono::steady_clock::now() + timeout;
+    // In slices, looking for the next membership between them.
+    constexpr std::chrono::milliseconds kSlice(200);
+    while (true) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      try {
+        base_->wait(prefixed, std::max(std::chrono::milliseconds(1), std::min(left, kSlice)));
+        return;
+      } catch (const std::exception&) {
+        if (left <= kSlice) throw;
+      }
+      bool announced = false;
+      try {
+        base_->wait({next_}, std::chrono::milliseconds(1));
+        announced = true;
+      } catch (const std::exception&) {
+      }
+      if (announced) throw std::runtime_error(std::string(kSuperseded) + next_ + " was announced");
+    }
+  }
+
+ private:
+  std::string prefix_;
+  std::string next_;
+  std::shared_ptr<gloo::rendezvous::Store> base_;
+  std::chrono::milliseconds timeout_;
+};
+
 }  // namespace
+
+std::shared_ptr<gloo::rendezvous::Store> MembershipView(const std::string& prefix, std::string next,
+                                                        std::shared_ptr<gloo::rendezvous::Store> base,
+                                                        std::chrono::milliseconds timeout) {
+  return std::make_shared<MembershipStore>(prefix, std::move(next), std::move(base), timeout);
+}
+
+bool IsSupersededError(const std::string& what) { return what.find(kSuperseded) != std::string::npos; }
 
 StatusOr<std::shared_ptr<gloo::rendezvous::Store>> ConnectRendezvousStore(const std::string& address,
                                                                            const std::string& scope,

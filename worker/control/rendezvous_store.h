@@ -13,6 +13,7 @@
 // headers, and calls between them and objects built against ours can land on the wrong virtual.
 #pragma once
 
+#include <chrono>
 #include <memory>
 #include <string>
 
@@ -30,5 +31,15 @@ StatusOr<std::shared_ptr<gloo::rendezvous::Store>> ConnectRendezvousStore(const 
 
 // A view of `base` (which must outlive it) with every key under `prefix`: a process group's keys.
 std::unique_ptr<gloo::rendezvous::Store> PrefixedView(const std::string& prefix, gloo::rendezvous::Store& base);
+
+// A membership's view of `base` (fault.recovery in_place): its keys under `prefix` (none when empty),
+// and every wait, a get's too, ends by throwing "superseded" as soon as `next` exists in `base`: the
+// coordinator announced the next membership, and this one will never complete (a member died while
+// the others connected). A wait without a timeout waits up to `timeout`.
+std::shared_ptr<gloo::rendezvous::Store> MembershipView(const std::string& prefix, std::string next,
+                                                        std::shared_ptr<gloo::rendezvous::Store> base,
+                                                        std::chrono::milliseconds timeout);
+// Whether a store error is MembershipView's "superseded".
+bool IsSupersededError(const std::string& what);
 
 }  // namespace ltrain::worker

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include "worker/control/progress.h"
+#include "worker/control/rendezvous_store.h"
 
 namespace ltrain::worker {
 
@@ -17,7 +18,7 @@ StatusOr<SyncPlan> PlanSync(const std::vector<MemberState>& members, const std::
     }
   }
   if (plan.source < 0) {
-    return FailedPrecondition("no member of the new membership holds a training state: every rank was replaced");
+    return Internal("no member of the new membership holds a training state: every rank was replaced");
   }
   const int n = static_cast<int>(members.size());
   plan.source_of.assign(members.size(), -1);
@@ -30,8 +31,8 @@ StatusOr<SyncPlan> PlanSync(const std::vector<MemberState>& members, const std::
     if (source < 0) {
       std::string ranks;
       for (int r : group) ranks += (ranks.empty() ? "" : ",") + std::to_string(r);
-      return FailedPrecondition("no copy of the training state of ranks " + ranks + " at step " +
-                                std::to_string(plan.step) + " survived");
+      return Internal("no copy of the training state of ranks " + ranks + " at step " + std::to_string(plan.step) +
+                      " survived in memory: the job restarts from its last checkpoint");
     }
     for (int r : group) plan.source_of[r] = source;
   }
@@ -55,17 +56,26 @@ Status Recovery::Reform(const Status& failure) {
   std::fflush(stdout);
   Progress::Global().SetPhase(Progress::Global().Snapshot().step, "recovery");
   if (hooks_.abort) hooks_.abort();
-  StatusOr<std::string> membership = hooks_.await_membership(epoch_ + 1, timeout_);
-  if (!membership.ok()) {
-    return Unavailable(failure.message() + "; and no new membership came: " + membership.status().message());
+  // The membership after this one; and, where a member of it died too before it formed, the next.
+  for (int next = epoch_ + 1;; ++next) {
+    StatusOr<std::string> membership = hooks_.await_membership(next, timeout_);
+    if (!membership.ok()) {
+      return Unavailable(failure.message() + "; and no new membership came: " + membership.status().message());
+    }
+    Status joined = hooks_.reconnect(next);
+    if (joined.ok()) {
+      epoch_ = next;
+      ++recoveries_;
+      std::printf("rank %d: joined membership %d (%s) in %.0f ms\n", rank_, epoch_, membership->c_str(),
+                  std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
+      std::fflush(stdout);
+      return Status::Ok();
+    }
+    if (!IsSupersededError(joined.message())) return joined;
+    std::printf("rank %d: membership %d lost a member before it formed; joining membership %d\n", rank_, next,
+                next + 1);
+    std::fflush(stdout);
   }
-  LTRAIN_RETURN_IF_ERROR(hooks_.reconnect(epoch_ + 1));
-  ++epoch_;
-  ++recoveries_;
-  std::printf("rank %d: joined membership %d (%s) in %.0f ms\n", rank_, epoch_, membership->c_str(),
-              std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count());
-  std::fflush(stdout);
-  return Status::Ok();
 }
 
 StatusOr<SyncPlan> Recovery::Agree(Communicator& world, int64_t step, const std::vector<std::vector<int>>& replicas) {

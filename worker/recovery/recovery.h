@@ -44,8 +44,8 @@ struct SyncPlan {
 // completed (a survivor whose last collective of the step in flight reached it before its peer died
 // is ahead of those it did not reach: they take its state, and nobody redoes a step twice); each
 // replica group takes its state from its lowest rank at that step, which `source` is for the world.
-// FailedPrecondition, naming the group, where no member of a group holds a state at that step (every
-// copy of its part was lost).
+// Internal (the job restarts from its last checkpoint), naming the group, where no member of a group
+// holds a state at that step: every copy of its part was lost.
 StatusOr<SyncPlan> PlanSync(const std::vector<MemberState>& members, const std::vector<std::vector<int>>& replicas);
 
 class Recovery {
@@ -55,7 +55,8 @@ class Recovery {
     std::function<void()> abort;
     // Blocks until the coordinator announced membership `epoch` (or `timeout` passed); its text.
     std::function<StatusOr<std::string>(int epoch, std::chrono::milliseconds timeout)> await_membership;
-    // Connects this rank's groups in membership `epoch` and puts them under the trainer's communicators.
+    // Connects this rank's groups in membership `epoch` and puts them under the trainer's communicators;
+    // an error whose message IsSupersededError names when membership epoch + 1 was announced meanwhile.
     std::function<Status(int epoch)> reconnect;
   };
 
@@ -71,7 +72,8 @@ class Recovery {
   bool replacement() const { return replacement_; }
   int recoveries() const { return recoveries_; }
 
-  // Abandons the membership the failure happened in, waits for the next one and joins it.
+  // Abandons the membership the failure happened in, waits for the next one and joins it; where that
+  // one lost a member before it formed (the connect ends "superseded", MembershipView), the next.
   Status Reform(const Status& failure);
   // The first collective of a membership, on every member: every member's state (this rank's
   // `step`, and whether it holds a state), gathered over `world`, and the plan to share one among

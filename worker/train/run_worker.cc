@@ -97,12 +97,11 @@ StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe
   }
   LTRAIN_ASSIGN_OR_RETURN(conn->base, ConnectRendezvousStore(env.rdzv, env.rdzv_scope, env.agent_secret));
   conn->store = conn->base;
-  if (epoch > 0) {
-    // A membership after a replacement connects under keys of its own.
-    std::shared_ptr<gloo::rendezvous::Store> base = conn->base;
-    conn->store = std::shared_ptr<gloo::rendezvous::Store>(
-        PrefixedView("epoch/" + std::to_string(epoch), *base).release(),
-        [base](gloo::rendezvous::Store* view) { delete view; });
+  if (reformable) {
+    // A membership after a replacement connects under keys of its own, and gives way to the next one
+    // where a member dies before it formed.
+    conn->store = MembershipView(epoch > 0 ? "epoch/" + std::to_string(epoch) : "",
+                                 "membership/" + std::to_string(epoch + 1), conn->base, CollectiveTimeout(recipe));
   }
   auto wrap = [reformable](std::unique_ptr<Communicator> comm) -> std::unique_ptr<Communicator> {
     if (!reformable) return comm;
@@ -151,6 +150,50 @@ StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe
   return conn;
 }
 
+// LTRAIN_FAULT_KILL=WHEN:RANK[,WHEN:RANK...], WHEN a step or `recovery`: the drill of ranks that die
+// (see the usage text).
+struct KillDrill {
+  int64_t step = -1;         // after this step
+  bool in_recovery = false;  // as it begins to recover from a peer's failure
+};
+
+StatusOr<KillDrill> ParseKillDrill(int rank) {
+  KillDrill drill;
+  const std::string text = EnvString("LTRAIN_FAULT_KILL");
+  for (size_t begin = 0; begin < text.size();) {
+    size_t end = text.find(',', begin);
+    if (end == std::string::npos) end = text.size();
+    const std::string item = text.substr(begin, end - begin);
+    begin = end + 1;
+    const size_t colon = item.find(':');
+    char* rank_end = nullptr;
+    const long kill_rank = colon == std::string::npos ? -1 : std::strtol(item.c_str() + colon + 1, &rank_end, 10);
+    const std::string when = item.substr(0, colon == std::string::npos ? 0 : colon);
+    char* step_end = nullptr;
+    const long long step = when == "recovery" ? 0 : std::strtoll(when.c_str(), &step_end, 10);
+    const bool step_ok = when == "recovery" || (!when.empty() && step_end != nullptr && *step_end == '\0' && step >= 1);
+    if (kill_rank < 0 || rank_end == item.c_str() + colon + 1 || *rank_end != '\0' || !step_ok) {
+      return InvalidArgument("LTRAIN_FAULT_KILL='" + text + "': '" + item +
+                             "' is not STEP:RANK (STEP >= 1) or recovery:RANK");
+    }
+    if (kill_rank != rank) continue;
+    if (when == "recovery") {
+      drill.in_recovery = true;
+    } else {
+      drill.step = step;
+    }
+  }
+  return drill;
+}
+
+[[noreturn]] void KillForDrill(int rank, const std::string& when) {
+  const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+  std::printf("rank %d: killing itself %s at %.3f (LTRAIN_FAULT_KILL)\n", rank, when.c_str(), now);
+  std::fflush(stdout);
+  ::raise(SIGKILL);
+  std::abort();
+}
+
 // A recovery's new connections go beneath the communicators `old` handed out (the trainer keeps
 // them); `fresh` was built by Connect for the same layout, so its groups come in the same order.
 Status AdoptConnections(Connection& old, Connection& fresh) {
@@ -173,9 +216,11 @@ Status AdoptConnections(Connection& old, Connection& fresh) {
 }
 
 // The recovery's hooks over this process's connections (worker/recovery).
-std::unique_ptr<Recovery> MakeRecovery(const WorkerEnv& env, const Recipe& recipe, bool dp_side_stream, Connection* conn) {
+std::unique_ptr<Recovery> MakeRecovery(const WorkerEnv& env, const Recipe& recipe, bool dp_side_stream, Connection* conn,
+                                       int epoch, bool kill_in_recovery) {
   Recovery::Hooks hooks;
-  hooks.abort = [conn] {
+  hooks.abort = [conn, kill_in_recovery, rank = env.rank] {
+    if (kill_in_recovery) KillForDrill(rank, "as it begins to recover");
     conn->world->Abort();
     for (auto& comm : conn->groups.owned) comm->Abort();
   };
@@ -195,21 +240,9 @@ std::unique_ptr<Recovery> MakeRecovery(const WorkerEnv& env, const Recipe& recip
                             Connect(env, recipe, dp_side_stream, epoch, /*reformable=*/true));
     return AdoptConnections(*conn, *fresh);
   };
-  return std::make_unique<Recovery>(std::move(hooks), env.rank, env.epoch, CollectiveTimeout(recipe));
-}
-
-// LTRAIN_FAULT_KILL=STEP:RANK: the drill of a rank that dies (see the usage text); -1 when unset.
-StatusOr<int64_t> KillStep(int rank) {
-  const std::string text = EnvString("LTRAIN_FAULT_KILL");
-  if (text.empty()) return int64_t{-1};
-  char* end = nullptr;
-  const long long step = std::strtoll(text.c_str(), &end, 10);
-  char* rank_end = nullptr;
-  const long kill_rank = end != text.c_str() && *end == ':' ? std::strtol(end + 1, &rank_end, 10) : -1;
-  if (step < 1 || rank_end == nullptr || rank_end == end + 1 || *rank_end != '\0' || kill_rank < 0) {
-    return InvalidArgument("LTRAIN_FAULT_KILL='" + text + "' is not STEP:RANK with STEP >= 1");
-  }
-  return kill_rank == rank ? int64_t{step} : int64_t{-1};
+  auto recovery = std::make_unique<Recovery>(std::move(hooks), env.rank, epoch, CollectiveTimeout(recipe));
+  if (env.epoch == 0) recovery->Synced();  // a rank of the generation's start holds its own state
+  return recovery;
 }
 
 // LTRAIN_FAULT_STARTUP_STALL=SECONDS[:RANK]: the drill of a slow start-up (see the usage text).
@@ -361,15 +394,10 @@ Status Run(const WorkerEnv& env) {
   CheckpointStop stop(env.rank, env.world_size);
   // The kill drill hits the rank as first started, not its replacement (LTRAIN_EPOCH above 0) nor a
   // restarted generation.
-  LTRAIN_ASSIGN_OR_RETURN(const int64_t kill_step, KillStep(env.rank));
-  options.stop_after = [&stop, kill_step, first = env.epoch == 0 && env.generation == 0, rank = env.rank](int64_t step) {
-    if (step == kill_step && first) {
-      const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-      std::printf("rank %d: killing itself after step %lld at %.3f (LTRAIN_FAULT_KILL)\n", rank,
-                  static_cast<long long>(step), now);
-      std::fflush(stdout);
-      ::raise(SIGKILL);
-    }
+  LTRAIN_ASSIGN_OR_RETURN(KillDrill drill, ParseKillDrill(env.rank));
+  if (env.epoch > 0 || env.generation > 0) drill = KillDrill{};
+  options.stop_after = [&stop, drill, rank = env.rank](int64_t step) {
+    if (step == drill.step) KillForDrill(rank, "after step " + std::to_string(step));
     return stop.After(step);
   };
   // Progress goes to the agent (for hang detection) from here on, startup included.
@@ -398,13 +426,21 @@ Status Run(const WorkerEnv& env) {
   const bool in_place = InPlaceRecoveryProblem(recipe, env.world_size).empty();
   // A write to the connection of a peer that died must fail the collective, not end this process.
   if (in_place) ::signal(SIGPIPE, SIG_IGN);
-  LTRAIN_ASSIGN_OR_RETURN(std::unique_ptr<Connection> conn,
-                          Connect(env, recipe, options.dp_side_stream, env.epoch, /*reformable=*/in_place));
+  int epoch = env.epoch;
+  StatusOr<std::unique_ptr<Connection>> connected = Connect(env, recipe, options.dp_side_stream, epoch, in_place);
+  // A replacement whose membership lost another member before it formed joins the next one.
+  while (!connected.ok() && env.epoch > 0 && IsSupersededError(connected.status().message())) {
+    std::printf("rank %d: membership %d lost a member before it formed; joining membership %d\n", env.rank, epoch,
+                epoch + 1);
+    std::fflush(stdout);
+    connected = Connect(env, recipe, options.dp_side_stream, ++epoch, in_place);
+  }
+  LTRAIN_ASSIGN_OR_RETURN(std::unique_ptr<Connection> conn, std::move(connected));
   Progress::Global().EndWork(kConnecting);
   ConnectCheckpointStop(&stop, conn->base);
   std::unique_ptr<Recovery> recovery;
   if (in_place) {
-    recovery = MakeRecovery(env, recipe, options.dp_side_stream, conn.get());
+    recovery = MakeRecovery(env, recipe, options.dp_side_stream, conn.get(), epoch, drill.in_recovery);
     options.recovery = recovery.get();
   }
   // Every rank says it is up: the first line of each rank's log, and proof of the rendezvous.
@@ -562,10 +598,11 @@ Fault injection (for testing recovery; never set in production):
   LTRAIN_FAULT_SLOW_RANK=FACTOR:RANK
                            rank RANK's forward and backward take FACTOR times as long (it sleeps
                            for the difference): the coordinator names it a straggler
-  LTRAIN_FAULT_KILL=STEP:RANK
+  LTRAIN_FAULT_KILL=STEP:RANK[,...]
                            rank RANK kills itself (SIGKILL) after completing step STEP, as first
                            started (neither its replacement under fault.recovery: in_place nor a
-                           restarted generation does it again)
+                           restarted generation does it again), printing the time; recovery:RANK:
+                           as it begins to recover from a peer's failure (a second failure)
   LTRAIN_FAULT_STARTUP_STALL=SECONDS[:RANK]
                            rank RANK (every rank when absent) stops for SECONDS in its start-up,
                            after connecting and before building the model, without reporting

@@ -774,11 +774,15 @@ void Trainer::PrintThroughput(int64_t first_step, int64_t steps, double total_ms
   std::fflush(stdout);
 }
 
-Status Trainer::Recover(const Status& failure) {
+Status Trainer::Recover(Status failure) {
   // The step's collectives that were queued are over (failed); the next ZeroGrads starts it anew.
   store_->ClearFailure();
-  LTRAIN_RETURN_IF_ERROR(options_.recovery->Reform(failure));
-  return SyncState();
+  while (true) {
+    LTRAIN_RETURN_IF_ERROR(options_.recovery->Reform(failure));
+    Status synced = SyncState();
+    if (synced.ok() || !Recovery::Recoverable(synced)) return synced;
+    failure = synced;  // a member died while the state went round: the next membership
+  }
 }
 
 Status Trainer::SyncState() {
@@ -835,7 +839,9 @@ Status Trainer::Run() {
   const TrainingSpec& t = recipe_.training;
   if (options_.recovery != nullptr && options_.recovery->replacement()) {
     // A replacement joins its membership with no state: the members' agreement gives it a peer's.
-    LTRAIN_RETURN_IF_ERROR(SyncState());
+    Status synced = SyncState();
+    if (!synced.ok() && Recovery::Recoverable(synced)) synced = Recover(synced);
+    LTRAIN_RETURN_IF_ERROR(synced);
     run_start_step_ = step_;
     run_start_position_ = data_position_;
   }

@@ -172,7 +172,7 @@ class Trainer {
   Status Init();
   // fault.recovery in_place (options_.recovery): after a step failed because a peer died, joins the
   // next membership and takes the agreed state; the caller redoes the step.
-  Status Recover(const Status& failure);
+  Status Recover(Status failure);
   // The members agree on the state to continue from, and the source's reaches every member that
   // lacks it or is behind: step, data position, RNG, parameters and moments.
   Status SyncState();
