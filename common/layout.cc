@@ -138,6 +138,7 @@ std::string InPlaceRecoveryProblem(const Recipe& recipe, int world_size) {
            " no rank holds a whole copy of its part of the state (peer copies of shards are not there yet)";
   }
   if (layout->dp < 2) return "with one data-parallel rank no peer holds a copy of a rank's part of the state";
+  if (layout->pp > 1) return "pipeline stages (parallel.pp above 1) are not re-formed in place yet";
   return "";
 }
 

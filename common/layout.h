@@ -59,9 +59,9 @@ StatusOr<Layout> PlanLayout(const Recipe& recipe, int world_size);
 
 // Why a failed rank of `recipe` on `world_size` ranks cannot be replaced in place (fault.recovery:
 // in_place), so that the job restarts instead; empty when it can: without ZeRO, every rank's part
-// of the training state (its tp and pp part) is held whole by the other ranks of its data-parallel
-// group, so a survivor there fills the replacement; over Gloo (CPU ranks; NCCL's re-forming is not
-// there yet).
+// of the training state (its tp part) is held whole by the other ranks of its data-parallel group,
+// so a survivor there fills the replacement; over Gloo (CPU ranks; NCCL's re-forming is not there
+// yet), without pipeline stages (their sends in flight across a re-formed group are not yet).
 std::string InPlaceRecoveryProblem(const Recipe& recipe, int world_size);
 
 // Layers per virtual pipeline stage: `split` when given, otherwise balanced, the earlier stages

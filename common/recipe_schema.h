@@ -302,8 +302,8 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
                   .help = "when a rank fails: restart, every rank starts again from the last commit; in_place, the "
                           "other ranks keep their processes, only the failed rank is started again, it takes its "
                           "state from a data-parallel peer's memory and the step in flight is redone (CPU ranks, "
-                          "parallel.dp 2 or more, no ZeRO; other jobs restart); each replacement counts against "
-                          "fault.max_restarts",
+                          "parallel.dp 2 or more, no ZeRO or pp; other jobs restart); each replacement counts "
+                          "against fault.max_restarts",
                   .omit_at_default = true},
         r.fault.recovery);
   visit(RecipeKey{.section = "fault", .name = "restart_backoff_s", .help = "delay before the first restart; doubles per restart",

@@ -130,6 +130,10 @@ TEST(LayoutTest, InPlaceRecoveryNeedsADataParallelCopyOfEveryRanksPart) {
   EXPECT_EQ(InPlaceRecoveryProblem(tp, 4), "");  // dp 2: each tp part has a copy
   tp.parallel.tp = 4;
   EXPECT_NE(InPlaceRecoveryProblem(tp, 4).find("one data-parallel rank"), std::string::npos);
+  Recipe pp = r;
+  pp.parallel.pp = 2;
+  EXPECT_EQ(CheckLayout(pp, 4).size(), 0u) << Keys(CheckLayout(pp, 4));
+  EXPECT_NE(InPlaceRecoveryProblem(pp, 4).find("parallel.pp"), std::string::npos);
   Recipe gpu = r;
   gpu.parallel.device = Device::kCuda;
   EXPECT_NE(InPlaceRecoveryProblem(gpu, 4).find("CPU ranks"), std::string::npos);
