@@ -574,19 +574,9 @@ std::optional<int> AwaitRank(pid_t pid) {
     waitpid(pid, nullptr, 0);
     return 0;
   }
-  const std::string directory = input.substr(0, input.find('\0'));
-  if (chdir(directory.c_str()) != 0) {
-    std::fprintf(stderr, "ltrain-exec: %s\n", Errno("cannot enter " + directory).c_str());
+  if (Status adopted = AdoptStandbyInput(input); !adopted.ok()) {
+    std::fprintf(stderr, "ltrain-exec: %s\n", adopted.message().c_str());
     return kWorkerExitFailed;
-  }
-  clearenv();
-  for (size_t begin = directory.size() + 1; begin < input.size();) {
-    size_t end = input.find('\0', begin);
-    if (end == std::string::npos) end = input.size();
-    const std::string entry = input.substr(begin, end - begin);
-    const size_t eq = entry.find('=');
-    if (eq != std::string::npos && eq > 0) setenv(entry.substr(0, eq).c_str(), entry.substr(eq + 1).c_str(), 1);
-    begin = end + 1;
   }
   return std::nullopt;
 }

@@ -1,6 +1,10 @@
 #include "worker/control/worker_env.h"
 
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -154,6 +158,23 @@ StatusOr<Recipe> LoadWorkerRecipe(const WorkerEnv& env) {
   RecipeParseResult parsed = LoadRecipeFile(env.recipe_file, env.overrides);
   if (!parsed.ok()) return InvalidArgument(parsed.ErrorText());
   return parsed.recipe;
+}
+
+Status AdoptStandbyInput(const std::string& input) {
+  const std::string directory = input.substr(0, input.find('\0'));
+  if (::chdir(directory.c_str()) != 0) {
+    return Unavailable("cannot enter " + directory + ": " + std::strerror(errno));
+  }
+  ::clearenv();
+  for (size_t begin = directory.size() + 1; begin < input.size();) {
+    size_t end = input.find('\0', begin);
+    if (end == std::string::npos) end = input.size();
+    const std::string entry = input.substr(begin, end - begin);
+    const size_t eq = entry.find('=');
+    if (eq != std::string::npos && eq > 0) ::setenv(entry.substr(0, eq).c_str(), entry.substr(eq + 1).c_str(), 1);
+    begin = end + 1;
+  }
+  return Status::Ok();
 }
 
 }  // namespace ltrain::worker

@@ -71,4 +71,10 @@ Status EnvInt(const EnvLookup& env, const char* name, int64_t* out);
 // A switch of `env`, 0 or 1, into `out`; unset leaves `out` alone, any other value is an error.
 Status EnvSwitch(const EnvLookup& env, const char* name, int* out);
 
+// What the agent hands a warm standby on its stdin when the standby becomes a rank (Supervisor::Activate:
+// the working directory, then every NAME=VALUE of the rank's environment, each NUL-terminated): makes
+// them this process's (chdir, and the environment replaced whole). The standbys of ltrain-exec and
+// of ltrain-worker both take their rank so. An error names the directory it could not enter.
+Status AdoptStandbyInput(const std::string& input);
+
 }  // namespace ltrain::worker

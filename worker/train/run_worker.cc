@@ -659,22 +659,9 @@ int AwaitRank() {
     payload.append(buffer, static_cast<size_t>(n));
   }
   if (payload.empty()) return 0;
-  std::vector<std::string> parts;
-  for (size_t start = 0; start < payload.size();) {
-    const size_t end = payload.find('\0', start);
-    parts.push_back(payload.substr(start, end == std::string::npos ? std::string::npos : end - start));
-    if (end == std::string::npos) break;
-    start = end + 1;
-  }
-  if (::chdir(parts[0].c_str()) != 0) {
-    std::fprintf(stderr, "ltrain-worker: standby: cannot enter %s: %s\n", parts[0].c_str(), std::strerror(errno));
+  if (Status adopted = AdoptStandbyInput(payload); !adopted.ok()) {
+    std::fprintf(stderr, "ltrain-worker: standby: %s\n", adopted.message().c_str());
     return kWorkerExitFailed;
-  }
-  ::clearenv();
-  for (size_t i = 1; i < parts.size(); ++i) {
-    const size_t eq = parts[i].find('=');
-    if (eq == std::string::npos || eq == 0) continue;
-    ::setenv(parts[i].substr(0, eq).c_str(), parts[i].substr(eq + 1).c_str(), 1);
   }
   return -1;
 }

@@ -1,4 +1,4 @@
-// What the trainer's source files share and no one else uses (trainer.cc, trainer_checkpoint.cc).
+// What the trainer's source files share and no one else uses (trainer.cc, trainer_checkpoint.cc, trainer_recovery.cc).
 #pragma once
 
 #include <chrono>

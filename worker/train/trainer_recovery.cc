@@ -1,0 +1,78 @@
+// The trainer's side of in-place recovery (part of Trainer, trainer.h; fault.recovery: in_place,
+// worker/recovery): after a step failed because a peer died, the next membership, and the training
+// state a member takes from its data-parallel peer before the step is redone.
+#include <algorithm>
+#include <cstdio>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <ATen/CPUGeneratorImpl.h>
+
+#include "worker/train/trainer.h"
+#include "worker/train/trainer_internal.h"
+
+namespace ltrain::worker {
+
+Status Trainer::Recover(Status failure) {
+  // The step's collectives that were queued are over (failed); the next ZeroGrads starts it anew.
+  store_->ClearFailure();
+  while (true) {
+    LTRAIN_RETURN_IF_ERROR(options_.recovery->Reform(failure));
+    Status synced = SyncState();
+    if (synced.ok() || !Recovery::Recoverable(synced)) return synced;
+    failure = synced;  // a member died while the state went round: the next membership
+  }
+}
+
+Status Trainer::SyncState() {
+  const auto start = SteadyClock::now();
+  Recovery& recovery = *options_.recovery;
+  // The ranks of a data-parallel group hold the same state (no ZeRO: InPlaceRecoveryProblem).
+  std::vector<std::vector<int>> replicas;
+  for (const Group& group : GroupsOf(layout_, GroupKind::kData)) replicas.push_back(group.ranks);
+  LTRAIN_ASSIGN_OR_RETURN(SyncPlan plan, recovery.Agree(*groups_->world, step_, replicas));
+  const int rank = groups_->rank;
+  if (plan.needed) {
+    Progress::Global().SetPhase(step_, "recovery");
+    torch::Tensor position = torch::tensor({step_, data_position_}, torch::kLong);
+    LTRAIN_RETURN_IF_ERROR(groups_->world->Broadcast(position, plan.source));
+    // The CPU generator's state (data.sampling torch draws from its own): what a checkpoint keeps too.
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    torch::Tensor rng;
+    {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      rng = gen.get_state().clone();
+    }
+    LTRAIN_RETURN_IF_ERROR(groups_->world->Broadcast(rng, plan.source));
+    // Each data-parallel group from its own source: the replicas of this rank's tp and pp part.
+    const int source = plan.source_of[static_cast<size_t>(rank)];
+    LTRAIN_RETURN_IF_ERROR(store_->BroadcastState(GroupOf(layout_, GroupKind::kData, rank).RankOf(source)));
+    const bool behind = std::find(plan.behind.begin(), plan.behind.end(), rank) != plan.behind.end();
+    if (behind) {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(rng);
+    }
+    step_ = position[0].item<int64_t>();
+    data_position_ = position[1].item<int64_t>();
+    std::vector<int> takers;  // of this rank's state
+    for (int r : plan.behind) {
+      if (plan.source_of[static_cast<size_t>(r)] == rank) takers.push_back(r);
+    }
+    if (!takers.empty() || behind) {
+      std::string what = "received the state of step " + std::to_string(step_) + " from rank " + std::to_string(source);
+      if (!takers.empty()) {
+        what = "sent the state of step " + std::to_string(step_) + " to rank(s)";
+        for (size_t i = 0; i < takers.size(); ++i) what += (i == 0 ? " " : ",") + std::to_string(takers[i]);
+      }
+      const MemoryBytes mem = store_->Memory();
+      std::printf("rank %d: %s (%.1f MB of parameters and moments) in %.0f ms\n", rank, what.c_str(),
+                  static_cast<double>(mem.params + mem.optimizer) / 1e6, MillisSince(start));
+      std::fflush(stdout);
+    }
+  }
+  recovery.Synced();
+  return Status::Ok();
+}
+
+}  // namespace ltrain::worker
