@@ -133,9 +133,8 @@ std::string InPlaceRecoveryProblem(const Recipe& recipe, int world_size) {
   if (recipe.parallel.device != Device::kCpu) return "in-place recovery runs on CPU ranks (Gloo) only so far";
   StatusOr<Layout> layout = PlanLayout(recipe, world_size);
   if (!layout.ok()) return layout.status().message();
-  if (layout->zero != 0) {
-    return "under parallel.zero " + std::to_string(layout->zero) +
-           " no rank holds a whole copy of its part of the state (peer copies of shards are not there yet)";
+  if (layout->zero == 3) {
+    return "under parallel.zero 3 the parameters' deferred updates are not taken back in place yet (zero 1 and 2 are)";
   }
   if (layout->dp < 2) return "with one data-parallel rank no peer holds a copy of a rank's part of the state";
   if (layout->pp > 1) return "pipeline stages (parallel.pp above 1) are not re-formed in place yet";

@@ -259,6 +259,7 @@ struct FaultSpec {
   double startup_timeout_s = 0;         // a start-up without progress this long is stuck; 0: auto
   double collective_timeout_s = 300.0;  // a collective that takes longer is aborted
   Recovery recovery = Recovery::kRestart;  // a failed rank: restart the job, or replace it in place
+  int memory_checkpoint_every = 0;  // in place under ZeRO: steps between peers' copies of the shards; 0: auto
 };
 
 // What a job records of its run beside metrics.jsonl.

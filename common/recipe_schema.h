@@ -302,10 +302,18 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
                   .help = "when a rank fails: restart, every rank starts again from the last commit; in_place, the "
                           "other ranks keep their processes, only the failed rank is started again, it takes its "
                           "state from a data-parallel peer's memory and the step in flight is redone (CPU ranks, "
-                          "parallel.dp 2 or more, no ZeRO or pp; other jobs restart); each replacement counts "
-                          "against fault.max_restarts",
+                          "parallel.dp 2 or more, parallel.zero 0 to 2, no pp; other jobs restart); each replacement "
+                          "counts against fault.max_restarts",
                   .omit_at_default = true},
         r.fault.recovery);
+  visit(RecipeKey{.section = "fault", .name = "memory_checkpoint_every",
+                  .help = "in-place recovery under parallel.zero 1 or 2: every this many steps each rank copies its "
+                          "shard of the parameters and moments into its own host memory and the next data-parallel "
+                          "rank's; a failed rank's replacement takes the newest copy, and every rank goes back to its "
+                          "step (the steps after it are trained again); 0: as often as keeps the copies under 2% of "
+                          "the step time, measured in the first steps",
+                  .int_min = 0, .int_max = 1000000, .default_text = "0 (auto)", .omit_at_default = true},
+        r.fault.memory_checkpoint_every);
   visit(RecipeKey{.section = "fault", .name = "restart_backoff_s", .help = "delay before the first restart; doubles per restart",
                   .real_min = 0, .real_max = 3600},
         r.fault.restart_backoff_s);

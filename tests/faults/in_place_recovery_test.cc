@@ -30,14 +30,18 @@ class InPlaceRecoveryTest : public ::testing::Test {
     ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
   }
 
-  // dp4, or dp2 x tp2 with `tp`.
-  std::string Recipe(const std::string& name, const std::string& checkpoints, int tp = 1) {
+  // dp4, or dp2 x tp2 with `tp`; under ZeRO `zero` with copies of the shards after every step.
+  std::string Recipe(const std::string& name, const std::string& checkpoints, int tp = 1, int zero = 0,
+                     int checkpoint_every = 0, int max_restarts = 2) {
     return dir_.Write(name + ".yaml", TinyRecipe(name, dir_.Join("data")) +
                                           "training: {steps: " + std::to_string(kSteps) +
                                           ", micro_batch: 2, global_batch: 8, log_every: 1, deterministic: true}\n"
-                                          "parallel: {nproc_per_node: 4, tp: " + std::to_string(tp) + "}\n"
-                                          "checkpoint: {every: 0, dir: " + checkpoints + "}\n"
-                                          "fault: {recovery: in_place, max_restarts: 2}\n");
+                                          "parallel: {nproc_per_node: 4, tp: " + std::to_string(tp) +
+                                          ", zero: " + std::to_string(zero) + "}\n"
+                                          "checkpoint: {every: " + std::to_string(checkpoint_every) + ", dir: " +
+                                          checkpoints + "}\n"
+                                          "fault: {recovery: in_place, max_restarts: " + std::to_string(max_restarts) +
+                                          (zero > 0 ? ", memory_checkpoint_every: 1" : "") + "}\n");
   }
 
   std::map<std::string, std::string> Env() const { return {{"LTRAIN_HOME", dir_.Join("home")}}; }
@@ -77,21 +81,21 @@ class InPlaceRecoveryTest : public ::testing::Test {
   // Runs the layout uninterrupted and with LTRAIN_FAULT_KILL=`kill`, checks that the killed run
   // succeeded in generation 0 with `restarts` replacements, reading no checkpoint, training every step
   // once with the uninterrupted run's losses and final state, bit for bit; returns its output.
-  std::string RunKilled(int tp, const std::string& kill, int restarts);
+  std::string RunKilled(int tp, const std::string& kill, int restarts, int zero = 0);
   void KillAndCompare(int tp, int killed, int source);
 
   TempDir dir_;
 };
 
-std::string InPlaceRecoveryTest::RunKilled(int tp, const std::string& kill, int restarts) {
+std::string InPlaceRecoveryTest::RunKilled(int tp, const std::string& kill, int restarts, int zero) {
   const std::string plain_dir = dir_.Join("ck-plain"), killed_dir = dir_.Join("ck-killed");
   ProcessResult plain =
-      RunProcess({LtrainBinary(), "launch", Recipe("plain", plain_dir, tp)}, Env(), std::chrono::seconds(300));
+      RunProcess({LtrainBinary(), "launch", Recipe("plain", plain_dir, tp, zero)}, Env(), std::chrono::seconds(300));
   EXPECT_EQ(plain.exit_code, 0) << plain.output;
   std::map<std::string, std::string> env = Env();
   env["LTRAIN_FAULT_KILL"] = kill;
   ProcessResult run =
-      RunProcess({LtrainBinary(), "launch", Recipe("killed", killed_dir, tp)}, env, std::chrono::seconds(300));
+      RunProcess({LtrainBinary(), "launch", Recipe("killed", killed_dir, tp, zero)}, env, std::chrono::seconds(300));
   EXPECT_EQ(run.exit_code, 0) << run.output;
   const std::string& out = run.output;
 
@@ -169,6 +173,52 @@ TEST_F(InPlaceRecoveryTest, ASecondKillWhileTheFirstRecoveryRunsIsReplacedToo) {
               std::string::npos)
         << out;
   }
+}
+
+// dp4 under ZeRO-1: each rank alone holds its shard of the moments, and a copy of it sits in the
+// next rank's memory after every step. Rank 2 dies after step 50, before its copies of step 50: its
+// replacement takes step 49's shard from rank 3, every survivor goes back to its own copy of step 49,
+// and step 50 is trained again, to the same loss.
+TEST_F(InPlaceRecoveryTest, AKilledRankOfDp4UnderZero1IsFilledFromTheCopyOfItsShard) {
+  const std::string out = RunKilled(/*tp=*/1, "50:2", 1, /*zero=*/1);
+  std::map<int, std::vector<std::string>> pids = Pids(out);
+  for (int rank : {0, 1, 3}) {
+    EXPECT_EQ(pids[rank].size(), 1u) << "rank " << rank << "\n" << out;
+    EXPECT_NE(out.find("[rank " + std::to_string(rank) + "] rank " + std::to_string(rank) +
+                       ": went back to its copy of step 49 (1 completed step(s) to train again)"),
+              std::string::npos)
+        << out;
+  }
+  EXPECT_EQ(pids[2].size(), 2u) << out;
+  EXPECT_NE(out.find("[rank 2] rank 2: received its shard of step 49 from rank 3's memory"), std::string::npos) << out;
+  EXPECT_NE(out.find("[rank 3] rank 3: went back to its copy of step 49 (1 completed step(s) to train again); sent "
+                     "the copy it held to rank(s) 2"),
+            std::string::npos)
+      << out;
+}
+
+// Rank 2 dies, then rank 3, which held the only copy of rank 2's shard, as it begins to recover: no
+// copy survives in memory, the ranks say so, and the job restarts from its storage checkpoint (step
+// 40) and still ends as an uninterrupted run does.
+TEST_F(InPlaceRecoveryTest, UnderZero1AKillOfTheRankHoldingTheCopyFallsBackToTheStorageCheckpoint) {
+  const std::string plain_dir = dir_.Join("ck-plain"), killed_dir = dir_.Join("ck-killed");
+  ProcessResult plain = RunProcess({LtrainBinary(), "launch", Recipe("plain", plain_dir, 1, 1, 20, 3)}, Env(),
+                                   std::chrono::seconds(300));
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  std::map<std::string, std::string> env = Env();
+  env["LTRAIN_FAULT_KILL"] = "50:2,recovery:3";
+  ProcessResult run = RunProcess({LtrainBinary(), "launch", Recipe("killed", killed_dir, 1, 1, 20, 3)}, env,
+                                 std::chrono::seconds(300));
+  ASSERT_EQ(run.exit_code, 0) << run.output;
+  const std::string& out = run.output;
+  EXPECT_NE(out.find("no copy of rank 2's shard (its copy was on rank 3)"), std::string::npos) << out;
+  EXPECT_NE(out.find("restarts from its last checkpoint"), std::string::npos) << out;
+  v1::Job job = JobStatus("killed-1", Env());
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.cause();
+  EXPECT_EQ(job.generation(), 1) << "one restart of the whole job, after the two replacements";
+  EXPECT_NE(out.find("resumed from"), std::string::npos) << out;
+  std::map<int, std::string> a = LossLines(plain.output), b = LossLines(out);
+  for (int s = 1; s <= kSteps; ++s) EXPECT_EQ(a[s], b[s]) << "step " << s;
 }
 
 }  // namespace

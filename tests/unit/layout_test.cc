@@ -122,7 +122,11 @@ TEST(LayoutTest, InPlaceRecoveryNeedsADataParallelCopyOfEveryRanksPart) {
   EXPECT_NE(InPlaceRecoveryProblem(r, 1).find("no peer"), std::string::npos);
   Recipe zero = r;
   zero.parallel.zero = 1;
-  EXPECT_NE(InPlaceRecoveryProblem(zero, 4).find("parallel.zero 1"), std::string::npos);
+  EXPECT_EQ(InPlaceRecoveryProblem(zero, 4), "");  // peers hold copies of the shards
+  zero.parallel.zero = 2;
+  EXPECT_EQ(InPlaceRecoveryProblem(zero, 4), "");
+  zero.parallel.zero = 3;
+  EXPECT_NE(InPlaceRecoveryProblem(zero, 4).find("parallel.zero 3"), std::string::npos);
   Recipe tp = r;
   tp.parallel.tp = 2;
   tp.parallel.nproc_per_node = 4;

@@ -38,7 +38,8 @@ metrics: {tensorboard: true}
 checkpoint: {dir: /ckpt/every-key, every: 11, keep: 5, resume_from: /ckpt/old/step-3, async: false, enabled: false,
              timeout_s: 240, share_with_group: true}
 fault: {max_restarts: 4, restart_backoff_s: 2.5, restart_backoff_max_s: 45, heartbeat_interval_s: 0.5,
-        heartbeat_misses: 5, hang_timeout_s: 90, startup_timeout_s: 500, collective_timeout_s: 120, recovery: in_place}
+        heartbeat_misses: 5, hang_timeout_s: 90, startup_timeout_s: 500, collective_timeout_s: 120, recovery: in_place,
+        memory_checkpoint_every: 7}
 )";
 
 // Keys that cannot differ from their default: their type has a single value today.

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 #include <torch/nn.h>
 
+#include <array>
 #include <chrono>
 #include <memory>
 #include <string>
@@ -59,6 +60,138 @@ TEST(PlanSyncTest, MembersThatAgreeNeedNothingAndNoStateAtAllIsAnError) {
   ASSERT_FALSE(plan.ok());
   EXPECT_EQ(plan.status().code(), StatusCode::kInternal);
   EXPECT_NE(plan.status().message().find("every rank was replaced"), std::string::npos);
+}
+
+CopySteps Copies(std::array<int64_t, 2> own, std::array<int64_t, 2> held) {
+  CopySteps c;
+  c.own = own;
+  c.held = held;
+  return c;
+}
+
+TEST(PlanShardedSyncTest, AReplacementTakesItsShardFromTheRankAfterItAndEveryoneGoesBackToThatStep) {
+  // dp 4 under ZeRO: rank 2 was replaced. Ranks 0, 1 and 3 finished step 50's copies of their own
+  // shards, but rank 3 never received rank 2's copy of step 50: step 49 is the newest with all four.
+  std::vector<CopySteps> members = {Copies({49, 50}, {49, 50}), Copies({49, 50}, {49, 50}), CopySteps{},
+                                    Copies({49, 50}, {49, -1})};
+  StatusOr<ShardPlan> plan = PlanShardedSync({true, true, false, true}, members, {{0, 1, 2, 3}});
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_EQ(plan->step, 49);
+  EXPECT_EQ(plan->fill_from, (std::vector<int>{-1, -1, 3, -1}));
+  EXPECT_EQ(plan->meta_source, 0);
+  // Had rank 3 received it, nobody would go back further than step 50.
+  members[3] = Copies({49, 50}, {49, 50});
+  plan = PlanShardedSync({true, true, false, true}, members, {{0, 1, 2, 3}});
+  ASSERT_TRUE(plan.ok());
+  EXPECT_EQ(plan->step, 50);
+}
+
+TEST(PlanShardedSyncTest, EachDataParallelGroupRingsOnItsOwnAndTheStepIsCommonToAll) {
+  // tp 2 x dp 2: groups {0, 2} and {1, 3}; rank 1 replaced, its copy on rank 3; group {0, 2} has
+  // only step 8 on both.
+  std::vector<CopySteps> members = {Copies({8, -1}, {8, -1}), CopySteps{}, Copies({8, -1}, {8, -1}),
+                                    Copies({8, 9}, {8, 9})};
+  StatusOr<ShardPlan> plan = PlanShardedSync({true, false, true, true}, members, {{0, 2}, {1, 3}});
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_EQ(plan->step, 8);
+  EXPECT_EQ(plan->fill_from, (std::vector<int>{-1, 3, -1, -1}));
+}
+
+TEST(PlanShardedSyncTest, AShardWhoseOwnerAndHolderBothDiedRestartsTheJobNamingIt) {
+  // Rank 2 died, then rank 3, which held rank 2's copy: no copy of rank 2's shard is left anywhere.
+  std::vector<CopySteps> members = {Copies({49, 50}, {49, 50}), Copies({49, 50}, {49, 50}), CopySteps{}, CopySteps{}};
+  StatusOr<ShardPlan> plan = PlanShardedSync({true, true, false, false}, members, {{0, 1, 2, 3}});
+  ASSERT_FALSE(plan.ok());
+  EXPECT_EQ(plan.status().code(), StatusCode::kInternal) << "a restart from the checkpoint, not a refusal";
+  EXPECT_NE(plan.status().message().find("rank 2's shard (its copy was on rank 3) at step 50"), std::string::npos)
+      << plan.status().message();
+  EXPECT_NE(plan.status().message().find("restarts from its last checkpoint"), std::string::npos);
+  // Rank 0 died and then rank 2: rank 0's copy is on rank 1, rank 2's on rank 3; both fill.
+  members = {CopySteps{}, Copies({5, 6}, {5, 6}), CopySteps{}, Copies({5, 6}, {5, 6})};
+  plan = PlanShardedSync({false, true, false, true}, members, {{0, 1, 2, 3}});
+  ASSERT_TRUE(plan.ok()) << plan.status().ToString();
+  EXPECT_EQ(plan->step, 6);
+  EXPECT_EQ(plan->fill_from, (std::vector<int>{1, -1, 3, -1}));
+  EXPECT_EQ(plan->meta_source, 1);
+}
+
+TEST(MemoryCopiesTest, AnIntervalIsDueOnItsMultiplesAndAutoChoosesAfterTheFirstCopies) {
+  MemoryCopies every3(3);
+  EXPECT_TRUE(every3.Due(3));
+  EXPECT_FALSE(every3.Due(4));
+  EXPECT_TRUE(every3.Due(6));
+  MemoryCopies automatic(0);
+  EXPECT_FALSE(automatic.Due(0));
+  SelfCommunicator self;
+  torch::Tensor p = torch::ones({4});
+  ASSERT_TRUE(automatic.Take(self, self, 10, {p}, {torch::tensor({10})}).ok());
+  EXPECT_EQ(automatic.calibrate_at(), 15);
+  EXPECT_TRUE(automatic.Due(15));
+  EXPECT_FALSE(automatic.Due(16));
+  for (int i = 0; i < 5; ++i) automatic.NoteStep(100.0);
+  ASSERT_TRUE(automatic.Take(self, self, 15, {p}, {torch::tensor({15})}).ok());
+  EXPECT_GE(automatic.every(), 1) << "chosen at step 15";
+  EXPECT_EQ(automatic.steps().own[0] == 15 || automatic.steps().own[1] == 15, true);
+  // Non-fp32 state is refused rather than copied wrongly.
+  MemoryCopies bf16(1);
+  EXPECT_EQ(bf16.Take(self, self, 1, {torch::ones({2}, torch::kBFloat16)}, {}).code(), StatusCode::kFailedPrecondition);
+}
+
+// Three ranks as threads over real Gloo pairs take copies at steps 1 and 2 (each rank's copy goes to
+// the rank after it); rank 1 is then lost, and its replacement receives its shard of step 2 from
+// rank 2, while ranks 0 and 2 restore their own; a step nobody copied cannot be restored.
+TEST(MemoryCopiesTest, AShardLostWithItsRankComesBackFromTheRankAfterIt) {
+  gloo::rendezvous::HashStore store;
+  std::vector<std::unique_ptr<Communicator>> comms(3);
+  std::vector<std::unique_ptr<MemoryCopies>> copies(3);
+  std::vector<Status> errors(3);
+  auto shard = [](int rank, int step) { return torch::full({5}, static_cast<float>(100 * rank + step)); };
+  auto moments = [](int rank, int step) { return torch::full({2, 3}, static_cast<float>(-rank - step)); };
+  {
+    std::vector<std::thread> ranks;
+    for (int r = 0; r < 3; ++r) {
+      ranks.emplace_back([&, r] {
+        auto c = GlooCommunicator::Create(store, r, 3, "127.0.0.1", std::chrono::seconds(60));
+        if (!c.ok()) {
+          errors[r] = c.status();
+          return;
+        }
+        comms[r] = std::move(c).value();
+        copies[r] = std::make_unique<MemoryCopies>(1);
+        for (int step = 1; step <= 2 && errors[r].ok(); ++step) {
+          errors[r] = copies[r]->Take(*comms[r], *comms[r], step, {shard(r, step), moments(r, step)},
+                                      {torch::tensor({static_cast<int64_t>(step)})});
+        }
+      });
+    }
+    for (auto& t : ranks) t.join();
+  }
+  for (int r = 0; r < 3; ++r) ASSERT_TRUE(errors[r].ok()) << "rank " << r << ": " << errors[r].ToString();
+  EXPECT_EQ(copies[2]->steps().held[0] + copies[2]->steps().held[1], 3) << "rank 2 holds rank 1's steps 1 and 2";
+  EXPECT_EQ(copies[0]->bytes(), 11 * 4);
+
+  copies[1] = std::make_unique<MemoryCopies>(1);  // the replacement: nothing of its own
+  torch::Tensor got_shard = torch::zeros({5}), got_moments = torch::zeros({2, 3});
+  torch::Tensor own_shard = torch::zeros({5}), own_moments = torch::zeros({2, 3});
+  std::vector<torch::Tensor> meta = {torch::tensor({int64_t{0}})};
+  {
+    std::thread holder([&] {
+      errors[2] = copies[2]->SendHeld(*comms[2], 2, 1);
+      if (errors[2].ok()) errors[2] = comms[2]->WaitSends();
+    });
+    errors[1] = copies[1]->ReceiveOwn(*comms[1], 2, {got_shard, got_moments});
+    holder.join();
+  }
+  ASSERT_TRUE(errors[1].ok()) << errors[1].ToString();
+  ASSERT_TRUE(errors[2].ok()) << errors[2].ToString();
+  EXPECT_TRUE(torch::equal(got_shard, shard(1, 2)));
+  EXPECT_TRUE(torch::equal(got_moments, moments(1, 2)));
+  ASSERT_TRUE(copies[0]->RestoreOwn(1, {own_shard, own_moments}, &meta));
+  EXPECT_TRUE(torch::equal(own_shard, shard(0, 1)));
+  EXPECT_TRUE(torch::equal(own_moments, moments(0, 1)));
+  EXPECT_EQ(meta[0].item<int64_t>(), 1);
+  EXPECT_FALSE(copies[0]->RestoreOwn(3, {own_shard, own_moments}, &meta));
+  EXPECT_FALSE(copies[2]->SendHeld(*comms[2], 7, 1).ok());
 }
 
 TEST(RecoveryTest, ReformAbortsWaitsForTheNextMembershipAndReconnects) {

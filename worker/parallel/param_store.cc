@@ -301,6 +301,26 @@ Status ParamStore::BroadcastState(int root) {
   return Status::Ok();
 }
 
+std::vector<torch::Tensor> ParamStore::OwnedState() {
+  std::vector<torch::Tensor> out;
+  for (Unit& unit : units_) {
+    out.push_back(OwnedParam(unit));
+    for (torch::Tensor* t : {&unit.exp_avg, &unit.exp_avg_sq}) {
+      if (t->defined()) out.push_back(*t);
+    }
+  }
+  return out;
+}
+
+Status ParamStore::GatherOwned() {
+  if (zero_ == 1 || zero_ == 2) {
+    masters_stale_ = true;
+    LTRAIN_RETURN_IF_ERROR(SyncMasters());
+  }
+  RefreshCompute();
+  return Status::Ok();
+}
+
 void ParamStore::RefreshCompute() {
   // ZeRO-3 casts each gathered shard instead (Prefetch).
   if (zero_ == 3) return;

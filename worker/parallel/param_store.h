@@ -151,6 +151,11 @@ class ParamStore {
   // how a rank that replaces a failed one is filled from a peer's memory (worker/recovery). Without
   // ZeRO only: a sharded state has no whole copy on any one rank (FailedPrecondition).
   Status BroadcastState(int root);
+  // Under ZeRO 1 and 2, what this rank alone holds of the training state (worker/recovery's memory
+  // copies): per unit, its owned masters and both moments, views in a fixed order. Writing them and
+  // then GatherOwned() sets the state; every rank's masters outside its shard follow from the others'.
+  std::vector<torch::Tensor> OwnedState();
+  Status GatherOwned();
   // After a step that failed in a collective of a group since re-formed (worker/recovery): waits
   // for every queued collective and forgets their failure; the next ZeroGrads starts the step anew.
   void ClearFailure();

@@ -21,6 +21,7 @@
 
 #include "common/status.h"
 #include "worker/comm/communicator.h"
+#include "worker/recovery/memory_copies.h"
 
 namespace ltrain::worker {
 
@@ -79,6 +80,10 @@ class Recovery {
   // `step`, and whether it holds a state), gathered over `world`, and the plan to share one among
   // the `replicas` (PlanSync).
   StatusOr<SyncPlan> Agree(Communicator& world, int64_t step, const std::vector<std::vector<int>>& replicas);
+  // The same first collective where the state is sharded (MemoryCopies): whether each member holds a
+  // state, and the steps of the copies it keeps, gathered over `world`.
+  Status AgreeCopies(Communicator& world, const CopySteps& mine, std::vector<bool>* has_state,
+                     std::vector<CopySteps>* members);
   // The plan was carried out: this rank holds the source's state.
   void Synced() { replacement_ = false; }
 

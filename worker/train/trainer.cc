@@ -242,6 +242,9 @@ Status Trainer::Init() {
                          /*inline_on_own_stream=*/options_.dp_side_stream);
   if (!store.ok()) return store.status();
   store_ = std::move(store).value();
+  if (options_.recovery != nullptr && (store_zero == 1 || store_zero == 2)) {
+    copies_ = std::make_unique<MemoryCopies>(recipe_.fault.memory_checkpoint_every);
+  }
   if (loader_ && loader_->masked()) model_->set_masked_targets(true);
   if (layout_.zero == 3) model_->set_hooks(Zero3GatherHooks(store_.get(), params, units, ml.config.layers));
   if (options_.tp_split_batch && options_.rank == 0) {
@@ -783,6 +786,12 @@ Status Trainer::Run() {
     run_start_step_ = step_;
     run_start_position_ = data_position_;
   }
+  if (copies_ && copies_->steps().own[0] < 0 && copies_->steps().own[1] < 0) {
+    // The first copies, of the state training starts from: a failure from now on has one to go back to.
+    Status copied = TakeCopies();
+    if (!copied.ok() && Recovery::Recoverable(copied)) copied = Recover(copied);
+    LTRAIN_RETURN_IF_ERROR(copied);
+  }
   const bool printer = groups_->rank == 0 && options_.print_progress;
   if (printer) {
     const int64_t params = FullModelParameters();
@@ -943,6 +952,18 @@ Status Trainer::Run() {
     }
     // A save of this rank that could not tell rank 0 its outcome stops the rank now (no commit could conclude).
     if (writer_) LTRAIN_RETURN_IF_ERROR(writer_->Fatal());
+    if (copies_ && !stop_here && s < t.steps) {
+      copies_->NoteStep(finished.ms);
+      if (copies_->Due(s)) {
+        Status copied = TakeCopies();
+        if (!copied.ok() && Recovery::Recoverable(copied)) {
+          // A peer died in the exchange: back to the newest copies every shard has, in the next membership.
+          LTRAIN_RETURN_IF_ERROR(Recover(copied));
+          continue;
+        }
+        LTRAIN_RETURN_IF_ERROR(copied);
+      }
+    }
     if (stop_here) break;
   }
   if (profiler.running()) stop_profiler(step_);  // a stop ended the run inside the profiled window

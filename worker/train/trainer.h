@@ -176,6 +176,14 @@ class Trainer {
   // The members agree on the state to continue from, and the source's reaches every member that
   // lacks it or is behind: step, data position, RNG, parameters and moments.
   Status SyncState();
+  // Under ZeRO (copies_): the members go back to the newest step of which every shard survives in a
+  // peer's memory or their own, a replacement receiving its shard from the peer holding its copy.
+  Status SyncShards();
+  // This rank's shard, step, data position and RNG into its host memory and its successor's (MemoryCopies).
+  Status TakeCopies();
+  // What a copy brings back beside the shard: [step, data position, copies' interval, the step it is
+  // chosen at] (int64) and the CPU generator's state.
+  std::vector<torch::Tensor> CopyMeta() const;
   StatusOr<torch::Tensor> StepImpl(bool check_loss);
   // One step; the global-batch mean loss as a [1] tensor on the device. `check_loss` reads it
   // before the optimizer runs and fails the step if it is not finite.
@@ -266,6 +274,7 @@ class Trainer {
   bool tp_partial_grads_ = false;  // some gradients are partial sums over tp (ShardParam::tp_partial)
   std::unique_ptr<ModelShard> model_;
   std::unique_ptr<ParamStore> store_;
+  std::unique_ptr<MemoryCopies> copies_;  // in-place recovery under ZeRO 1 and 2: peers' copies of the shards
   std::vector<std::string> param_names_;
   PipelinePlan plan_;
   int64_t step_ = 0;              // optimizer steps completed

@@ -26,6 +26,7 @@ Status Trainer::Recover(Status failure) {
 }
 
 Status Trainer::SyncState() {
+  if (copies_) return SyncShards();
   const auto start = SteadyClock::now();
   Recovery& recovery = *options_.recovery;
   // The ranks of a data-parallel group hold the same state (no ZeRO: InPlaceRecoveryProblem).
@@ -71,6 +72,86 @@ Status Trainer::SyncState() {
       std::fflush(stdout);
     }
   }
+  recovery.Synced();
+  return Status::Ok();
+}
+
+std::vector<torch::Tensor> Trainer::CopyMeta() const {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  torch::Tensor rng;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    rng = gen.get_state().clone();
+  }
+  torch::Tensor position = torch::tensor({step_, data_position_, static_cast<int64_t>(copies_->every()), copies_->calibrate_at()},
+                                         torch::kLong);
+  return {position, rng};
+}
+
+Status Trainer::TakeCopies() {
+  torch::NoGradGuard no_grad;
+  LTRAIN_RETURN_IF_ERROR(store_->AwaitUpdates());
+  return copies_->Take(*groups_->dp, *groups_->world, step_, store_->OwnedState(), CopyMeta());
+}
+
+Status Trainer::SyncShards() {
+  const auto start = SteadyClock::now();
+  torch::NoGradGuard no_grad;
+  Recovery& recovery = *options_.recovery;
+  std::vector<bool> has_state;
+  std::vector<CopySteps> members;
+  LTRAIN_RETURN_IF_ERROR(recovery.AgreeCopies(*groups_->world, copies_->steps(), &has_state, &members));
+  std::vector<std::vector<int>> groups;
+  for (const Group& group : GroupsOf(layout_, GroupKind::kData)) groups.push_back(group.ranks);
+  LTRAIN_ASSIGN_OR_RETURN(ShardPlan plan, PlanShardedSync(has_state, members, groups));
+  const int rank = groups_->rank;
+  Progress::Global().SetPhase(step_, "recovery");
+  const Group dp = GroupOf(layout_, GroupKind::kData, rank);
+  std::vector<torch::Tensor> state = store_->OwnedState();
+  // The copies held for members that lost theirs go to them; then each member's own.
+  std::vector<int> takers;
+  for (int r : dp.ranks) {
+    if (plan.fill_from[static_cast<size_t>(r)] != rank) continue;
+    takers.push_back(r);
+    LTRAIN_RETURN_IF_ERROR(copies_->SendHeld(*groups_->dp, plan.step, dp.RankOf(r)));
+  }
+  const int from = plan.fill_from[static_cast<size_t>(rank)];
+  if (from >= 0) LTRAIN_RETURN_IF_ERROR(copies_->ReceiveOwn(*groups_->dp, dp.RankOf(from), state));
+  LTRAIN_RETURN_IF_ERROR(groups_->dp->WaitSends());
+  std::vector<torch::Tensor> meta = CopyMeta();
+  if (from < 0 && !copies_->RestoreOwn(plan.step, state, &meta)) {
+    return Internal("rank " + std::to_string(rank) + " lost its own copy of step " + std::to_string(plan.step));
+  }
+  // Step, data position and RNG as the copies were taken (the same on every member that took them).
+  for (torch::Tensor& t : meta) LTRAIN_RETURN_IF_ERROR(groups_->world->Broadcast(t, plan.meta_source));
+  const int64_t before = step_;
+  const bool replacement = recovery.replacement();
+  const int64_t* position = meta[0].data_ptr<int64_t>();
+  step_ = position[0];
+  data_position_ = position[1];
+  copies_->SetEvery(static_cast<int>(position[2]), position[3]);
+  {
+    at::Generator gen = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    gen.set_state(meta[1]);
+  }
+  // Every rank's masters outside its shard from their owners; then copies of the state gone back to.
+  LTRAIN_RETURN_IF_ERROR(store_->GatherOwned());
+  LTRAIN_RETURN_IF_ERROR(TakeCopies());
+  std::string what;
+  if (replacement || from >= 0) {
+    what = "received its shard of step " + std::to_string(step_) + " from rank " + std::to_string(from) + "'s memory";
+  } else {
+    what = "went back to its copy of step " + std::to_string(step_);
+    if (before > step_) what += " (" + std::to_string(before - step_) + " completed step(s) to train again)";
+  }
+  if (!takers.empty()) {
+    what += "; sent the copy it held to rank(s)";
+    for (size_t i = 0; i < takers.size(); ++i) what += (i == 0 ? " " : ",") + std::to_string(takers[i]);
+  }
+  std::printf("rank %d: %s (%.1f MB of parameters and moments) in %.0f ms\n", rank, what.c_str(),
+              static_cast<double>(copies_->bytes()) / 1e6, MillisSince(start));
+  std::fflush(stdout);
   recovery.Synced();
   return Status::Ok();
 }
