@@ -244,6 +244,11 @@ std::string FormatJobDetail(const v1::Job& job, int64_t now_unix_ms) {
             static_cast<double>(job.checkpoint_save_bytes()) / 1e9);
   }
   if (job.checkpoint_load_ms() > 0) Appendf(&out, "last load:      %.1f s\n", job.checkpoint_load_ms() / 1000.0);
+  if (job.recoveries() > 0) {
+    Appendf(&out, "in place:       %d recover%s, work lost: %lld step%s; the last took %.1f s (failure to next step)\n",
+            job.recoveries(), job.recoveries() == 1 ? "y" : "ies", static_cast<long long>(job.lost_steps()),
+            job.lost_steps() == 1 ? "" : "s", job.last_recovery_ms() / 1000.0);
+  }
   {
     const v1::RankInfo* most = nullptr;
     for (const auto& rank : job.ranks()) {

@@ -220,6 +220,7 @@ class Coordinator {
     v1::StartJobCommand placed;
     int replacing_rank = -1;
     int64_t replacing_since_ms = 0;
+    int64_t replacing_from_step = 0;  // the highest step any rank had completed when it failed
   };
 
   void ScheduleLocked();

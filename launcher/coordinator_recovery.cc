@@ -6,6 +6,8 @@
 // of epoch E wait for the key "membership/E+1" (worker/recovery), connect their groups again under
 // the prefix "epoch/E+1", and the replacement (LTRAIN_EPOCH=E+1) joins them there and takes its state
 // from a peer's memory. The generation stays the same: nothing restarts, nothing reads a checkpoint.
+#include <algorithm>
+#include <cstdio>
 #include <string>
 
 #include "common/layout.h"
@@ -42,6 +44,12 @@ std::pair<std::string, std::string> Coordinator::ReplaceRankLocked(ActiveJob& jo
     *why = "its node " + job.nodes[node_index] + " is not connected";
     return {};
   }
+  // What the ranks had done when it failed: a recovery that goes back past it loses those steps.
+  int64_t done = job.replacing_rank >= 0 ? job.replacing_from_step : 0;
+  for (const auto& [r, progress] : job.progress) {
+    if (progress.report.has_completed()) done = std::max(done, progress.report.completed().step());
+  }
+  job.replacing_from_step = done;
   const int epoch = ++job.epoch;
   job.replacing_rank = rank;
   job.replacing_since_ms = clock_->SteadyMs();
@@ -86,14 +94,30 @@ std::pair<std::string, std::string> Coordinator::ReplaceRankLocked(ActiveJob& jo
 }
 
 void Coordinator::NoteRecoveryProgressLocked(ActiveJob& job, const v1::RankProgress& report) {
-  // The replacement's first completed step: it holds the state and trains with the others.
-  if (!report.has_completed()) return;
+  // The replacement's first completed step in the membership it took its state in: it holds the
+  // state and trains with the others.
+  if (!report.has_completed() || !report.has_recovery() || report.recovery().epoch() != job.epoch) return;
+  const v1::RecoveryFigures& r = report.recovery();
   const int64_t ms = clock_->SteadyMs() - job.replacing_since_ms;
+  // The members' own count (the coordinator's view of their steps lags a heartbeat behind), or at
+  // least what the coordinator saw completed before the failure.
+  const int64_t lost = std::max<int64_t>(r.lost_steps(), job.replacing_from_step - r.resumed_step());
+  char bytes[32];
+  std::snprintf(bytes, sizeof(bytes), "%.1f MB", static_cast<double>(r.bytes()) / 1e6);
   AddEventLocked(job, "recovered",
                  "rank " + std::to_string(job.replacing_rank) + " is back (membership epoch " + std::to_string(job.epoch) +
-                     "): it reported step " + std::to_string(report.completed().step()) + " completed, " +
-                     std::to_string(ms) + " ms after its failure was reported; work lost: 0 steps",
+                     "): it took the state of step " + std::to_string(r.resumed_step()) + " from rank " +
+                     std::to_string(r.source_rank()) + "'s memory (" + bytes + " in " +
+                     std::to_string(static_cast<int64_t>(r.ms())) + " ms) and reported step " +
+                     std::to_string(report.completed().step()) + " completed, " + std::to_string(ms) +
+                     " ms after its failure was reported; work lost: " + std::to_string(lost) +
+                     (lost == 1 ? " step" : " steps") +
+                     (lost > 0 ? " (completed before the failure, trained again from the newest copies)" : ""),
                  job.replacing_rank);
+  job.job.set_recoveries(job.job.recoveries() + 1);
+  job.job.set_lost_steps(job.job.lost_steps() + lost);
+  job.job.set_last_recovery_ms(static_cast<double>(ms));
+  PersistJobLocked(job);
   job.replacing_rank = -1;
 }
 

@@ -50,6 +50,8 @@ nlohmann::json JobSummary(const v1::Job& job) {
           {"checkpoint_load_s", job.checkpoint_load_ms() / 1000.0},
           {"eta_s", Final(job.state()) ? 0.0 : job.eta_s()},
           {"restarts", job.restarts()},
+          {"recoveries", job.recoveries()},
+          {"lost_steps", job.lost_steps()},
           {"generation", job.generation()},
           {"world_size", job.world_size()},
           {"committed_step", job.last_committed_step()},

@@ -150,6 +150,12 @@ std::string PrometheusText(const std::vector<v1::Job>& jobs, const std::vector<v
   per_job("ltrain_job_world_size", "gauge", "Ranks of the job.", [](const v1::Job& j) { return double(j.world_size()); });
   per_job("ltrain_job_restarts_total", "counter", "Restarts after failures.",
           [](const v1::Job& j) { return double(j.restarts()); });
+  per_job("ltrain_job_recoveries_total", "counter",
+          "In-place recoveries completed (fault.recovery: in_place): a replaced rank back at work beside the others.",
+          [](const v1::Job& j) { return double(j.recoveries()); });
+  per_job("ltrain_job_lost_steps_total", "counter",
+          "Completed steps trained again after in-place recoveries (going back to older copies of the state).",
+          [](const v1::Job& j) { return double(j.lost_steps()); });
   {
     Family step(out, "ltrain_rank_step", "gauge", "The step a rank works on.");
     for (const v1::Job& job : jobs) {

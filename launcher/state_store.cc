@@ -36,7 +36,10 @@ CREATE TABLE IF NOT EXISTS jobs (
   mfu REAL NOT NULL DEFAULT 0,
   checkpoint_save_ms REAL NOT NULL DEFAULT 0,
   checkpoint_save_bytes INTEGER NOT NULL DEFAULT 0,
-  checkpoint_load_ms REAL NOT NULL DEFAULT 0
+  checkpoint_load_ms REAL NOT NULL DEFAULT 0,
+  recoveries INTEGER NOT NULL DEFAULT 0,
+  lost_steps INTEGER NOT NULL DEFAULT 0,
+  last_recovery_ms REAL NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS checkpoints (
   job_id TEXT NOT NULL,
@@ -156,7 +159,8 @@ Status SqlError(sqlite3* db, const std::string& what) {
 constexpr const char* kJobColumns =
     "id, name, state, recipe, world_size, generation, cause, created_ms, updated_ms, last_step, last_loss, "
     "restarts, last_committed_step, last_committed_path, nodes_now, last_failure, val_step, val_loss, total_steps, "
-    "tokens_per_s, mfu, checkpoint_save_ms, checkpoint_save_bytes, checkpoint_load_ms";
+    "tokens_per_s, mfu, checkpoint_save_ms, checkpoint_save_bytes, checkpoint_load_ms, recoveries, lost_steps, "
+    "last_recovery_ms";
 
 // Columns added after the first release; a database made before them gets them on open.
 constexpr const char* kAddedJobColumns[] = {
@@ -165,7 +169,8 @@ constexpr const char* kAddedJobColumns[] = {
     "last_failure TEXT NOT NULL DEFAULT ''", "val_step INTEGER NOT NULL DEFAULT 0", "val_loss REAL NOT NULL DEFAULT 0",
     "total_steps INTEGER NOT NULL DEFAULT 0", "tokens_per_s REAL NOT NULL DEFAULT 0", "mfu REAL NOT NULL DEFAULT 0",
     "checkpoint_save_ms REAL NOT NULL DEFAULT 0", "checkpoint_save_bytes INTEGER NOT NULL DEFAULT 0",
-    "checkpoint_load_ms REAL NOT NULL DEFAULT 0"};
+    "checkpoint_load_ms REAL NOT NULL DEFAULT 0", "recoveries INTEGER NOT NULL DEFAULT 0",
+    "lost_steps INTEGER NOT NULL DEFAULT 0", "last_recovery_ms REAL NOT NULL DEFAULT 0"};
 
 v1::Job ReadJob(Statement& s) {
   v1::Job job;
@@ -193,6 +198,9 @@ v1::Job ReadJob(Statement& s) {
   job.set_checkpoint_save_ms(s.Real(21));
   job.set_checkpoint_save_bytes(s.Int(22));
   job.set_checkpoint_load_ms(s.Real(23));
+  job.set_recoveries(static_cast<int32_t>(s.Int(24)));
+  job.set_lost_steps(s.Int(25));
+  job.set_last_recovery_ms(s.Real(26));
   return job;
 }
 
@@ -346,14 +354,16 @@ Status SqliteStateStore::UpdateJob(const v1::Job& job) {
               "UPDATE jobs SET state = ?, generation = ?, cause = ?, updated_ms = ?, last_step = ?, last_loss = ?, "
               "restarts = ?, last_committed_step = ?, last_committed_path = ?, nodes_now = ?, last_failure = ?, "
               "world_size = ?, recipe = ?, val_step = ?, val_loss = ?, total_steps = ?, tokens_per_s = ?, mfu = ?, "
-              "checkpoint_save_ms = ?, checkpoint_save_bytes = ?, checkpoint_load_ms = ? WHERE id = ?");
+              "checkpoint_save_ms = ?, checkpoint_save_bytes = ?, checkpoint_load_ms = ?, recoveries = ?, lost_steps = ?, "
+              "last_recovery_ms = ? WHERE id = ?");
   s.Bind(1, int64_t{job.state()}).Bind(2, int64_t{job.generation()}).Bind(3, job.cause());
   s.Bind(4, job.updated_unix_ms()).Bind(5, job.last_step()).Bind(6, job.last_loss());
   s.Bind(7, int64_t{job.restarts()}).Bind(8, job.last_committed_step()).Bind(9, job.last_committed_path());
   s.Bind(10, int64_t{job.nodes_now()}).Bind(11, job.last_failure()).Bind(12, int64_t{job.world_size()});
   s.Bind(13, job.recipe_yaml()).Bind(14, job.val_step()).Bind(15, job.val_loss()).Bind(16, job.total_steps());
   s.Bind(17, job.tokens_per_s()).Bind(18, job.mfu()).Bind(19, job.checkpoint_save_ms());
-  s.Bind(20, job.checkpoint_save_bytes()).Bind(21, job.checkpoint_load_ms()).Bind(22, job.id());
+  s.Bind(20, job.checkpoint_save_bytes()).Bind(21, job.checkpoint_load_ms()).Bind(22, int64_t{job.recoveries()});
+  s.Bind(23, job.lost_steps()).Bind(24, job.last_recovery_ms()).Bind(25, job.id());
   if (s.Step() != SQLITE_DONE) return SqlError(db_, "update job " + job.id());
   return Status::Ok();
 }

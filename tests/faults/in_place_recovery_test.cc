@@ -104,6 +104,13 @@ std::string InPlaceRecoveryTest::RunKilled(int tp, const std::string& kill, int 
   EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.cause();
   EXPECT_EQ(job.generation(), 0);
   EXPECT_EQ(job.restarts(), restarts);
+  // One recovery (however many ranks it replaced); under ZeRO the members went back one step, to the
+  // newest copies every shard had (the killed rank died before its copies of step 50).
+  const int lost = zero > 0 ? 1 : 0;
+  EXPECT_EQ(job.recoveries(), 1);
+  EXPECT_EQ(job.lost_steps(), lost);
+  EXPECT_NE(run.output.find("; work lost: " + std::to_string(lost) + (lost == 1 ? " step" : " steps")), std::string::npos)
+      << run.output;
   EXPECT_EQ(out.find("generation 1"), std::string::npos) << out;
   EXPECT_EQ(out.find("resumed from"), std::string::npos) << out;
 

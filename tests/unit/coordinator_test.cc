@@ -1272,6 +1272,9 @@ TEST(StateStoreTest, AJobsLastFiguresAreStoredAndAnOlderDatabaseGetsTheirColumns
   job->set_checkpoint_save_ms(81.5);
   job->set_checkpoint_save_bytes(123456789);
   job->set_checkpoint_load_ms(40.25);
+  job->set_recoveries(2);
+  job->set_lost_steps(3);
+  job->set_last_recovery_ms(612.5);
   ASSERT_TRUE(store->UpdateJob(*job).ok());
   store.reset();
   store = std::move(SqliteStateStore::Open(path)).value();
@@ -1283,6 +1286,9 @@ TEST(StateStoreTest, AJobsLastFiguresAreStoredAndAnOlderDatabaseGetsTheirColumns
   EXPECT_EQ(read->checkpoint_save_ms(), 81.5);
   EXPECT_EQ(read->checkpoint_save_bytes(), 123456789);
   EXPECT_EQ(read->checkpoint_load_ms(), 40.25);
+  EXPECT_EQ(read->recoveries(), 2);
+  EXPECT_EQ(read->lost_steps(), 3);
+  EXPECT_EQ(read->last_recovery_ms(), 612.5);
   store.reset();
   std::filesystem::remove_all(dir);
 }

@@ -147,6 +147,18 @@ TEST(JobPrinterTest, RunningJobDetailShowsProgressNodesAndRanks) {
             "rank 0: saving checkpoint step-120, 8.0 of 15.8 GB\n");
 }
 
+TEST(JobPrinterTest, InPlaceRecoveriesAreCountedWithTheWorkTheyLost) {
+  v1::Job job = RunningJob();
+  job.set_recoveries(2);
+  job.set_lost_steps(1);
+  job.set_last_recovery_ms(640);
+  const std::string detail = FormatJobDetail(job, kNow);
+  EXPECT_NE(detail.find("in place:       2 recoveries, work lost: 1 step; the last took 0.6 s (failure to next step)\n"),
+            std::string::npos)
+      << detail;
+  EXPECT_EQ(FormatJobDetail(RunningJob(), kNow).find("in place:"), std::string::npos) << "none: no line";
+}
+
 TEST(JobPrinterTest, FailedJobDetailShowsTheWholeCauseOnce) {
   EXPECT_EQ(FormatJobDetail(FailedJob(), kNow),
             "job:            r-1\n"

@@ -33,6 +33,8 @@ std::vector<v1::Job> TwoJobs() {
   running.set_world_size(2);
   running.set_generation(1);
   running.set_restarts(1);
+  running.set_recoveries(3);
+  running.set_lost_steps(2);
   running.set_last_step(120);
   running.set_total_steps(500);
   running.set_last_loss(2.3125);
@@ -80,6 +82,9 @@ TEST(MetricsTest, EveryLineIsValidPrometheusText) {
   EXPECT_EQ(Find(parse, "ltrain_job_tokens_per_second", {{"job_id", "gpt-7"}})->value, 48213.5);
   EXPECT_EQ(Find(parse, "ltrain_job_val_loss", {{"job_id", "gpt-7"}})->value, 2.5);
   EXPECT_EQ(Find(parse, "ltrain_job_restarts_total", {{"job_id", "gpt-7"}})->value, 1);
+  EXPECT_EQ(parse.types.at("ltrain_job_recoveries_total"), "counter");
+  EXPECT_EQ(Find(parse, "ltrain_job_recoveries_total", {{"job_id", "gpt-7"}})->value, 3);
+  EXPECT_EQ(Find(parse, "ltrain_job_lost_steps_total", {{"job_id", "gpt-7"}})->value, 2);
   EXPECT_EQ(Find(parse, "ltrain_job_info", {{"job_id", "gpt-7"}, {"state", "running"}})->value, 1);
   EXPECT_EQ(Find(parse, "ltrain_jobs", {{"state", "pending"}})->value, 1);
   EXPECT_EQ(Find(parse, "ltrain_jobs", {{"state", "failed"}})->value, 0) << "every state, even when none is in it";

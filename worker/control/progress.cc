@@ -188,6 +188,16 @@ void Progress::RecordSave(int64_t step, double ms, int64_t bytes) {
   if (tensorboard_) tensorboard_->AddScalar("checkpoint/save_s", step, ms / 1000.0);
 }
 
+void Progress::RecordRecovery(int epoch, int64_t step, int source, int64_t bytes, double ms, int64_t lost_steps) {
+  std::lock_guard<std::mutex> lock(mu_);
+  state_.recovery_epoch = epoch;
+  state_.recovery_step = step;
+  state_.recovery_source = source;
+  state_.recovery_bytes = bytes;
+  state_.recovery_ms = ms;
+  state_.recovery_lost_steps = lost_steps;
+}
+
 void Progress::RecordLoad(int64_t step, double ms, int64_t bytes) {
   std::lock_guard<std::mutex> lock(mu_);
   state_.load_step = step;

@@ -85,6 +85,14 @@ struct ProgressSnapshot {
   int64_t load_step = 0;                     // rank 0: the checkpoint this process resumed from; 0: none
   double load_ms = 0;
   int64_t load_bytes = 0;
+  // A replacement (in-place recovery): the membership it joined, the step whose state it took from
+  // `recovery_source`'s memory, and the bytes and time that took; recovery_epoch 0: none.
+  int recovery_epoch = 0;
+  int64_t recovery_step = 0;
+  int recovery_source = -1;
+  int64_t recovery_bytes = 0;
+  double recovery_ms = 0;
+  int64_t recovery_lost_steps = 0;
 };
 
 class Progress {
@@ -114,6 +122,9 @@ class Progress {
   // {"loaded_step": N, "load_ms": X, "bytes": N}) and TensorBoard (checkpoint/save_s, checkpoint/load_s).
   void RecordSave(int64_t step, double ms, int64_t bytes);
   void RecordLoad(int64_t step, double ms, int64_t bytes);
+  // This rank replaced a failed one in membership `epoch` and took the state of `step` from `source`.
+  // `lost_steps`: the steps the members had completed past `step`, to be trained again.
+  void RecordRecovery(int epoch, int64_t step, int source, int64_t bytes, double ms, int64_t lost_steps);
   ProgressSnapshot Snapshot() const;
 
   // From now on every completed step and validation loss is also appended, one JSON object a line,

@@ -89,6 +89,15 @@ bool ProgressReporter::Send() {
   report.set_load_step(snapshot.load_step);
   report.set_load_ms(snapshot.load_ms);
   report.set_load_bytes(snapshot.load_bytes);
+  if (snapshot.recovery_epoch > 0) {
+    v1::RecoveryFigures* recovery = report.mutable_recovery();
+    recovery->set_epoch(snapshot.recovery_epoch);
+    recovery->set_resumed_step(snapshot.recovery_step);
+    recovery->set_source_rank(snapshot.recovery_source);
+    recovery->set_bytes(snapshot.recovery_bytes);
+    recovery->set_ms(snapshot.recovery_ms);
+    recovery->set_lost_steps(snapshot.recovery_lost_steps);
+  }
   report.set_eval_step(snapshot.eval_step);
   report.set_val_loss(snapshot.val_loss);
   report.set_committed_step(snapshot.committed_step);

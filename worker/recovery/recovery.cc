@@ -1,5 +1,6 @@
 #include "worker/recovery/recovery.h"
 
+#include <algorithm>
 #include <cstdio>
 
 #include <ATen/ATen.h>
@@ -88,22 +89,24 @@ StatusOr<SyncPlan> Recovery::Agree(Communicator& world, int64_t step, const std:
   return PlanSync(members, replicas);
 }
 
-Status Recovery::AgreeCopies(Communicator& world, const CopySteps& mine, std::vector<bool>* has_state,
-                             std::vector<CopySteps>* members) {
-  constexpr int kFields = 5;
-  at::Tensor own = at::tensor({static_cast<int64_t>(replacement_ ? 0 : 1), mine.own[0], mine.own[1], mine.held[0],
-                               mine.held[1]},
+Status Recovery::AgreeCopies(Communicator& world, int64_t step, const CopySteps& mine, std::vector<bool>* has_state,
+                             std::vector<CopySteps>* members, int64_t* newest) {
+  constexpr int kFields = 6;
+  at::Tensor own = at::tensor({static_cast<int64_t>(replacement_ ? 0 : 1), step, mine.own[0], mine.own[1],
+                               mine.held[0], mine.held[1]},
                               at::kLong);
   at::Tensor all = at::empty({kFields * world.size()}, at::kLong);
   LTRAIN_RETURN_IF_ERROR(world.AllGather(own, all));
   has_state->assign(static_cast<size_t>(world.size()), false);
   members->assign(static_cast<size_t>(world.size()), CopySteps{});
+  *newest = 0;
   const int64_t* v = all.data_ptr<int64_t>();
   for (size_t r = 0; r < members->size(); ++r) {
     const int64_t* m = v + kFields * r;
     (*has_state)[r] = m[0] != 0;
-    (*members)[r].own = {m[1], m[2]};
-    (*members)[r].held = {m[3], m[4]};
+    if (m[0] != 0) *newest = std::max(*newest, m[1]);
+    (*members)[r].own = {m[2], m[3]};
+    (*members)[r].held = {m[4], m[5]};
   }
   return Status::Ok();
 }

@@ -81,9 +81,10 @@ class Recovery {
   // the `replicas` (PlanSync).
   StatusOr<SyncPlan> Agree(Communicator& world, int64_t step, const std::vector<std::vector<int>>& replicas);
   // The same first collective where the state is sharded (MemoryCopies): whether each member holds a
-  // state, and the steps of the copies it keeps, gathered over `world`.
-  Status AgreeCopies(Communicator& world, const CopySteps& mine, std::vector<bool>* has_state,
-                     std::vector<CopySteps>* members);
+  // state, and the steps of the copies it keeps, gathered over `world`; `*newest`: the most steps a
+  // member holding a state has completed (what going back to older copies loses).
+  Status AgreeCopies(Communicator& world, int64_t step, const CopySteps& mine, std::vector<bool>* has_state,
+                     std::vector<CopySteps>* members, int64_t* newest);
   // The plan was carried out: this rank holds the source's state.
   void Synced() { replacement_ = false; }
 

@@ -67,9 +67,14 @@ Status Trainer::SyncState() {
         for (size_t i = 0; i < takers.size(); ++i) what += (i == 0 ? " " : ",") + std::to_string(takers[i]);
       }
       const MemoryBytes mem = store_->Memory();
+      const double ms = MillisSince(start);
       std::printf("rank %d: %s (%.1f MB of parameters and moments) in %.0f ms\n", rank, what.c_str(),
-                  static_cast<double>(mem.params + mem.optimizer) / 1e6, MillisSince(start));
+                  static_cast<double>(mem.params + mem.optimizer) / 1e6, ms);
       std::fflush(stdout);
+      if (behind && recovery.replacement()) {
+        // The members went on from the most steps any had completed: none is trained twice.
+        Progress::Global().RecordRecovery(recovery.epoch(), step_, source, mem.params + mem.optimizer, ms, 0);
+      }
     }
   }
   recovery.Synced();
@@ -100,7 +105,8 @@ Status Trainer::SyncShards() {
   Recovery& recovery = *options_.recovery;
   std::vector<bool> has_state;
   std::vector<CopySteps> members;
-  LTRAIN_RETURN_IF_ERROR(recovery.AgreeCopies(*groups_->world, copies_->steps(), &has_state, &members));
+  int64_t newest = 0;
+  LTRAIN_RETURN_IF_ERROR(recovery.AgreeCopies(*groups_->world, step_, copies_->steps(), &has_state, &members, &newest));
   std::vector<std::vector<int>> groups;
   for (const Group& group : GroupsOf(layout_, GroupKind::kData)) groups.push_back(group.ranks);
   LTRAIN_ASSIGN_OR_RETURN(ShardPlan plan, PlanShardedSync(has_state, members, groups));
@@ -149,9 +155,13 @@ Status Trainer::SyncShards() {
     what += "; sent the copy it held to rank(s)";
     for (size_t i = 0; i < takers.size(); ++i) what += (i == 0 ? " " : ",") + std::to_string(takers[i]);
   }
+  const double ms = MillisSince(start);
   std::printf("rank %d: %s (%.1f MB of parameters and moments) in %.0f ms\n", rank, what.c_str(),
-              static_cast<double>(copies_->bytes()) / 1e6, MillisSince(start));
+              static_cast<double>(copies_->bytes()) / 1e6, ms);
   std::fflush(stdout);
+  if (replacement) {
+    Progress::Global().RecordRecovery(recovery.epoch(), step_, from, copies_->bytes(), ms, std::max<int64_t>(0, newest - step_));
+  }
   recovery.Synced();
   return Status::Ok();
 }
