@@ -85,7 +85,7 @@ StatusOr<ShardPlan> PlanShardedSync(const std::vector<bool>& has_state, const st
                   RanksText(without) + "): the job restarts from its last checkpoint");
 }
 
-MemoryCopies::MemoryCopies(int every) : every_(std::max(0, every)) {}
+MemoryCopies::MemoryCopies(int every) : every_(std::max(0, every)), automatic_(every <= 0) {}
 
 bool MemoryCopies::Due(int64_t step) const {
   if (every_ > 0) return step % every_ == 0;
@@ -93,7 +93,7 @@ bool MemoryCopies::Due(int64_t step) const {
 }
 
 void MemoryCopies::NoteStep(double step_ms) {
-  if (every_ > 0 || calibrate_at_ < 0) return;
+  if (!automatic_ || calibrate_at_ < 0) return;
   step_ms_sum_ += step_ms;
   ++steps_noted_;
 }
@@ -103,6 +103,8 @@ void MemoryCopies::SetEvery(int every, int64_t calibrate_at) {
   calibrate_at_ = calibrate_at;
   step_ms_sum_ = 0;
   steps_noted_ = 0;
+  takes_ms_ = take_steps_ms_ = 0;
+  takes_ = 0;
 }
 
 void MemoryCopies::Pack(const std::vector<at::Tensor>& state, at::Tensor& into) {
@@ -175,21 +177,28 @@ Status MemoryCopies::Take(Communicator& group, Communicator& world, int64_t step
     RecordSteps();
   }
   last_take_ms_ = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start).count();
+  if (!automatic_) return Status::Ok();
   if (every_ == 0 && calibrate_at_ < 0) {
     calibrate_at_ = step + kCalibrateAfter;
     step_ms_sum_ = 0;
     steps_noted_ = 0;
-  } else if (every_ == 0 && step == calibrate_at_) {
-    // The same interval on every rank: the mean of the ranks' copy and step times.
+  } else if ((every_ == 0 && step == calibrate_at_) || (every_ > 0 && steps_noted_ > 0)) {
+    // The same interval on every rank: the ranks' mean copy and step times.
     at::Tensor times = at::tensor({last_take_ms_, steps_noted_ > 0 ? step_ms_sum_ / steps_noted_ : 0.0}, at::kDouble);
     if (device_.is_cuda()) times = times.to(at::kFloat).to(device_);
     LTRAIN_RETURN_IF_ERROR(world.AllReduceSum(times));
     times = times.to(at::kCPU).to(at::kDouble);
-    const double take_ms = times[0].item<double>() / world.size(), step_ms = times[1].item<double>() / world.size();
+    takes_ms_ += times[0].item<double>() / world.size();
+    take_steps_ms_ += times[1].item<double>() / world.size();
+    ++takes_;
+    const double take_ms = takes_ms_ / takes_, step_ms = take_steps_ms_ / takes_;
+    const int before = every_;
     every_ = step_ms > 0 ? static_cast<int>(std::min<double>(kLongestInterval, std::ceil(take_ms / (kOverheadShare * step_ms))))
                          : 1;
     every_ = std::max(1, every_);
-    if (world.rank() == 0) {
+    step_ms_sum_ = 0;
+    steps_noted_ = 0;
+    if (world.rank() == 0 && before == 0) {
       std::printf("memory copies: every %d step(s) (a copy of a rank's shard, %.1f MB, takes %.1f ms; a step %.1f ms)\n",
                   every_, static_cast<double>(bytes_) / 1e6, take_ms, step_ms);
       std::fflush(stdout);

@@ -45,8 +45,9 @@ StatusOr<ShardPlan> PlanShardedSync(const std::vector<bool>& has_state, const st
 
 class MemoryCopies {
  public:
-  // `every`: steps between copies; 0: chosen after the first copies, as the smallest interval at
-  // which a copy costs at most 2% of the steps' time (Calibrate).
+  // `every`: steps between copies; 0: automatic, the smallest interval at which a copy costs at most
+  // 2% of the time of the steps between copies: first chosen a few steps after the first copies, then
+  // again at each copy, from the ranks' mean times of the copies and of the steps so far.
   explicit MemoryCopies(int every);
 
   int every() const { return every_; }
@@ -61,8 +62,8 @@ class MemoryCopies {
 
   // Copies `state` (this rank's own tensors, fp32, same shapes every time) and `meta` (CPU tensors:
   // what goes back with it) into host memory as step `step`, then exchanges with `group`'s ring.
-  // Where the interval is still to be chosen and `step` is the step to choose it at, the time of this
-  // exchange and of the steps noted decide it, the same on every rank (one all-reduce over `world`).
+  // Where the interval is automatic (and past its first choice), the time of this exchange and of the
+  // steps noted since the last decide it, the same on every rank (one all-reduce over `world`).
   Status Take(Communicator& group, Communicator& world, int64_t step, const std::vector<at::Tensor>& state,
               const std::vector<at::Tensor>& meta);
   // This rank's own copy of `step` back into `state` and its meta into `meta`; false where none.
@@ -89,14 +90,19 @@ class MemoryCopies {
   void RecordSteps();
 
   int every_;
+  bool automatic_;
   int64_t calibrate_at_ = -1;  // every_ 0: the step whose copies choose it (-1: the first copies' + 3)
   std::array<Copy, 2> own_, held_;
   CopySteps steps_;
   at::Device device_ = at::Device(at::kCPU);  // of the state (CUDA: the copies travel from device memory)
   int64_t bytes_ = 0;
   double last_take_ms_ = 0;
-  double step_ms_sum_ = 0;
+  double step_ms_sum_ = 0;  // of the steps noted since the last copies
   int steps_noted_ = 0;
+  // The ranks' mean times (all-reduced, so the same on every rank) summed over the copies since the
+  // interval was first chosen or the last recovery: what the automatic interval is chosen from.
+  double takes_ms_ = 0, take_steps_ms_ = 0;
+  int takes_ = 0;
 };
 
 }  // namespace ltrain::worker
