@@ -55,78 +55,6 @@ Coordinator::ActiveJob* Coordinator::FindLocked(const std::string& job_id) {
   return found == jobs_.end() ? nullptr : &found->second;
 }
 
-Status Coordinator::Recover() {
-  LTRAIN_ASSIGN_OR_RETURN(std::vector<v1::Job> listed_jobs, store_->ListJobs(0));
-  std::vector<v1::Job> jobs;  // the unfinished ones, with their ranks
-  std::map<std::string, std::vector<v1::Event>> histories;  // their events so far
-  for (const auto& listed : listed_jobs) {
-    if (IsFinal(listed.state())) continue;
-    LTRAIN_ASSIGN_OR_RETURN(v1::Job stored, store_->GetJob(listed.id()));
-    LTRAIN_ASSIGN_OR_RETURN(histories[listed.id()], store_->EventsAfter(listed.id(), 0));
-    jobs.push_back(std::move(stored));
-  }
-  std::lock_guard<std::mutex> lock(mu_);
-  int64_t now = clock_->SteadyMs();
-  for (const auto& stored : jobs) {
-    const v1::Job& listed = stored;
-    RecipeParseResult parsed = ParseRecipe(stored.recipe_yaml(), listed.id());
-    ActiveJob& job = jobs_[listed.id()];
-    // A follower from the start sees the job's whole history, not only what came after this start.
-    job.events = std::move(histories[listed.id()]);
-    for (const auto& event : job.events) {
-      if (event.seq() > stored_seq_.load()) stored_seq_ = event.seq();
-      next_seq_ = std::max(next_seq_, event.seq() + 1);
-    }
-    job.job = stored;
-    for (const auto& rank : stored.ranks()) job.ranks[rank.rank()] = rank;
-    job.job.clear_ranks();
-    if (!parsed.ok()) {
-      FinishLocked(job, v1::JOB_STATE_FAILED, "its stored recipe no longer parses: " + parsed.ErrorText());
-      continue;
-    }
-    job.recipe = parsed.recipe;
-    job.next_generation = stored.generation() + 1;
-    job.committed_at_start = stored.last_committed_step();
-    job.recorded_before = stored.last_committed_step();
-    // A running generation's load was the earlier coordinator's to compare with what it announced.
-    job.resume_compared = true;
-    switch (stored.state()) {
-      case v1::JOB_STATE_PENDING:
-        pending_.push_back(listed.id());
-        break;
-      case v1::JOB_STATE_RESTARTING:
-        job.restart_at_ms = now;
-        break;
-      case v1::JOB_STATE_RUNNING: {
-        for (const auto& rank : stored.ranks()) {
-          if (std::find(job.nodes.begin(), job.nodes.end(), rank.node_id()) == job.nodes.end()) {
-            job.nodes.push_back(rank.node_id());
-          }
-          if (rank.state() == "exited" && rank.exit_code() == 0 && rank.signal() == 0) {
-            job.ranks_exited_ok.insert(rank.rank());
-          }
-        }
-        job.generation_started_ms = now;
-        job.generation_nodes = job.nodes;
-        for (const auto& node_id : job.nodes) {
-          NodeState& node = nodes_[node_id];
-          node.recovered = true;
-          node.recovery_deadline_ms = now + options_.recovery_grace_ms;
-          node.jobs.insert(listed.id());
-        }
-        break;
-      }
-      default:
-        break;
-    }
-    AddEventLocked(job, "recovered",
-                   "coordinator restarted; job " + listed.id() + " taken back in state " +
-                       JobStateName(stored.state()),
-                   -1);
-  }
-  return Status::Ok();
-}
-
 StatusOr<v1::Job> Coordinator::Submit(const std::string& recipe_yaml, const std::string& source_name) {
   RecipeParseResult parsed = ParseRecipe(recipe_yaml, source_name.empty() ? "recipe" : source_name);
   if (!parsed.ok()) return InvalidArgument(parsed.ErrorText());
@@ -238,31 +166,21 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
   job.stopping = job.stopped_early = false;
   job.stop_reason.clear();
   job.epoch = 0;
+  job.job.set_membership_epoch(0);
   job.replacing_rank = -1;
   writer_.Enqueue("clear the ranks of " + job.job.id(),
                   [id = job.job.id()](StateStore& store) { return store.ClearRanks(id); });
   job.ranks.clear();
-  std::string recipe_yaml = RecipeToYaml(recipe);
   int nproc = recipe.parallel.nproc_per_node;
-  const std::string scope = job.job.id() + "/" + std::to_string(generation) + "/";
-  FreeKeysLocked(job.job.id(), scope);  // older generations' addresses and ids
+  const v1::StartJobCommand base = GenerationCommand(job, recipe, generation);
+  FreeKeysLocked(job.job.id(), base.rendezvous_scope());  // older generations' addresses and ids
   std::string placement;
   for (int i = 0; i < count; ++i) {
     NodeState& node = nodes_[nodes[i]];
     node.jobs.insert(job.job.id());
     v1::Command command;
     v1::StartJobCommand* start = command.mutable_start();
-    start->set_job_id(job.job.id());
-    start->set_generation(generation);
-    start->set_recipe_yaml(recipe_yaml);
-    start->set_world_size(recipe.parallel.world_size());
-    start->set_local_world_size(nproc);
-    start->set_rendezvous_scope(scope);
-    start->set_checkpoint_dir(recipe.checkpoint.dir);
-    start->set_heartbeat_interval_ms(static_cast<int64_t>(recipe.fault.heartbeat_interval_s * 1000));
-    // Every new generation restarts the program: after a failure, a resume or a change of nodes.
-    start->set_restart_count(generation);
-    start->set_last_committed_step(job.job.last_committed_step());
+    *start = base;
     for (int local = 0; local < nproc; ++local) {
       v1::WorkerAssignment* worker = start->add_workers();
       worker->set_rank(i * nproc + local);

@@ -225,6 +225,8 @@ class Coordinator {
 
   void ScheduleLocked();
   bool StartGenerationLocked(ActiveJob& job, std::vector<std::string> nodes);
+  // The start command of `generation` (its recipe as it runs, on the nodes it has), without workers.
+  static v1::StartJobCommand GenerationCommand(const ActiveJob& job, const Recipe& recipe, int generation);
   // `restartable` false: the job fails whatever its restart policy says.
   void FailGenerationLocked(ActiveJob& job, const std::string& cause, bool restartable = true);
   // A rank of the failed generation refused to start (`cause`) while the job waited to restart: the

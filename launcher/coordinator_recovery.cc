@@ -51,6 +51,7 @@ std::pair<std::string, std::string> Coordinator::ReplaceRankLocked(ActiveJob& jo
   }
   job.replacing_from_step = done;
   const int epoch = ++job.epoch;
+  job.job.set_membership_epoch(epoch);
   job.replacing_rank = rank;
   job.replacing_since_ms = clock_->SteadyMs();
   // The replacement numbers its reports from 1 again.

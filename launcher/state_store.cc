@@ -39,7 +39,8 @@ CREATE TABLE IF NOT EXISTS jobs (
   checkpoint_load_ms REAL NOT NULL DEFAULT 0,
   recoveries INTEGER NOT NULL DEFAULT 0,
   lost_steps INTEGER NOT NULL DEFAULT 0,
-  last_recovery_ms REAL NOT NULL DEFAULT 0
+  last_recovery_ms REAL NOT NULL DEFAULT 0,
+  membership_epoch INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS checkpoints (
   job_id TEXT NOT NULL,
@@ -160,7 +161,7 @@ constexpr const char* kJobColumns =
     "id, name, state, recipe, world_size, generation, cause, created_ms, updated_ms, last_step, last_loss, "
     "restarts, last_committed_step, last_committed_path, nodes_now, last_failure, val_step, val_loss, total_steps, "
     "tokens_per_s, mfu, checkpoint_save_ms, checkpoint_save_bytes, checkpoint_load_ms, recoveries, lost_steps, "
-    "last_recovery_ms";
+    "last_recovery_ms, membership_epoch";
 
 // Columns added after the first release; a database made before them gets them on open.
 constexpr const char* kAddedJobColumns[] = {
@@ -170,7 +171,8 @@ constexpr const char* kAddedJobColumns[] = {
     "total_steps INTEGER NOT NULL DEFAULT 0", "tokens_per_s REAL NOT NULL DEFAULT 0", "mfu REAL NOT NULL DEFAULT 0",
     "checkpoint_save_ms REAL NOT NULL DEFAULT 0", "checkpoint_save_bytes INTEGER NOT NULL DEFAULT 0",
     "checkpoint_load_ms REAL NOT NULL DEFAULT 0", "recoveries INTEGER NOT NULL DEFAULT 0",
-    "lost_steps INTEGER NOT NULL DEFAULT 0", "last_recovery_ms REAL NOT NULL DEFAULT 0"};
+    "lost_steps INTEGER NOT NULL DEFAULT 0", "last_recovery_ms REAL NOT NULL DEFAULT 0",
+    "membership_epoch INTEGER NOT NULL DEFAULT 0"};
 
 v1::Job ReadJob(Statement& s) {
   v1::Job job;
@@ -201,6 +203,7 @@ v1::Job ReadJob(Statement& s) {
   job.set_recoveries(static_cast<int32_t>(s.Int(24)));
   job.set_lost_steps(s.Int(25));
   job.set_last_recovery_ms(s.Real(26));
+  job.set_membership_epoch(static_cast<int32_t>(s.Int(27)));
   return job;
 }
 
@@ -355,7 +358,7 @@ Status SqliteStateStore::UpdateJob(const v1::Job& job) {
               "restarts = ?, last_committed_step = ?, last_committed_path = ?, nodes_now = ?, last_failure = ?, "
               "world_size = ?, recipe = ?, val_step = ?, val_loss = ?, total_steps = ?, tokens_per_s = ?, mfu = ?, "
               "checkpoint_save_ms = ?, checkpoint_save_bytes = ?, checkpoint_load_ms = ?, recoveries = ?, lost_steps = ?, "
-              "last_recovery_ms = ? WHERE id = ?");
+              "last_recovery_ms = ?, membership_epoch = ? WHERE id = ?");
   s.Bind(1, int64_t{job.state()}).Bind(2, int64_t{job.generation()}).Bind(3, job.cause());
   s.Bind(4, job.updated_unix_ms()).Bind(5, job.last_step()).Bind(6, job.last_loss());
   s.Bind(7, int64_t{job.restarts()}).Bind(8, job.last_committed_step()).Bind(9, job.last_committed_path());
@@ -363,7 +366,8 @@ Status SqliteStateStore::UpdateJob(const v1::Job& job) {
   s.Bind(13, job.recipe_yaml()).Bind(14, job.val_step()).Bind(15, job.val_loss()).Bind(16, job.total_steps());
   s.Bind(17, job.tokens_per_s()).Bind(18, job.mfu()).Bind(19, job.checkpoint_save_ms());
   s.Bind(20, job.checkpoint_save_bytes()).Bind(21, job.checkpoint_load_ms()).Bind(22, int64_t{job.recoveries()});
-  s.Bind(23, job.lost_steps()).Bind(24, job.last_recovery_ms()).Bind(25, job.id());
+  s.Bind(23, job.lost_steps()).Bind(24, job.last_recovery_ms()).Bind(25, int64_t{job.membership_epoch()});
+  s.Bind(26, job.id());
   if (s.Step() != SQLITE_DONE) return SqlError(db_, "update job " + job.id());
   return Status::Ok();
 }

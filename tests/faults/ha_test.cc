@@ -362,5 +362,76 @@ TEST_F(EtcdTest, KilledLeaderIsReplacedWithinFiveSecondsAndTheJobGoesOnInTheSame
   EXPECT_EQ(standby->Wait(seconds(10)).exit_code, 0);
 }
 
+// In place (fault.recovery: in_place) after a takeover: the standby that took the lead knows the
+// membership the ranks run in and the generation's start command, so that a rank SIGKILLed after
+// the takeover is replaced beside its running peer, in the same generation, under the new leader.
+TEST_F(EtcdTest, AfterATakeoverAKilledRankIsStillReplacedInPlace) {
+  EtcdCluster etcd(dir_, 3);
+  ASSERT_TRUE(etcd.WaitReady()) << etcd.Output();
+  const std::map<std::string, std::string> env = {{"LTRAIN_HOME", dir_.Join("home")},
+                                                  {"LTRAIN_TOKEN_FILE", dir_.Write("token", NewToken() + "\n")},
+                                                  {"OMP_NUM_THREADS", "1"}};
+  ProcessResult prepared = PrepareLicenseData(dir_.Join("data"));
+  ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
+  const std::string a = "127.0.0.1:" + std::to_string(FreePort()), b = "127.0.0.1:" + std::to_string(FreePort());
+  const std::string both = a + "," + b;
+  auto coordinator = [&](const std::string& address, const std::string& name) {
+    return std::make_unique<Subprocess>(
+        std::vector<std::string>{LtrainBinary(), "coordinator", "--listen", address, "--state", etcd.Url(),
+                                 "--state-dir", dir_.Join(name), "--port-file", dir_.Join(name + ".port")},
+        env);
+  };
+  auto leader = coordinator(a, "a");
+  ASSERT_GT(WaitForPortFile(dir_.Join("a.port"), seconds(30)), 0) << leader->Output() << etcd.Output();
+  auto standby = coordinator(b, "b");
+  ASSERT_TRUE(standby->WaitForOutput("standing by: " + a + " leads", seconds(20))) << standby->Output();
+  Subprocess agent({LtrainBinary(), "agent", "--coordinator", both, "--node-id", "n1", "--work-dir",
+                    dir_.Join("agent"), "--coordinator-grace", "60"},
+                   env);
+  const std::string recipe =
+      dir_.Write("inplace.yaml", TinyRecipe("inplace", dir_.Join("data")) +
+                                 "training: {steps: 1500, micro_batch: 4, global_batch: 8, log_every: 1}\n"
+                                 "parallel: {nproc_per_node: 2}\ncheckpoint: {every: 0}\n"
+                                 "fault: {recovery: in_place, max_restarts: 1}\n");
+  Subprocess launch({LtrainBinary(), "launch", "--coordinator", both, recipe}, env);
+  ASSERT_TRUE(launch.WaitForOutput("[rank 0] step 30/", seconds(90))) << launch.Output() << leader->Output();
+  leader->Signal(SIGKILL);
+  ASSERT_TRUE(standby->WaitForOutput("leading as " + b, seconds(10))) << standby->Output();
+  ASSERT_GT(WaitForPortFile(dir_.Join("b.port"), seconds(5)), 0) << standby->Output();
+
+  // Once the agent has reported its workers to the new leader, rank 1 is killed.
+  v1::Job before;
+  const auto deadline = std::chrono::steady_clock::now() + seconds(60);
+  while (std::chrono::steady_clock::now() < deadline) {
+    before = JobStatus("inplace-1", env, {"--coordinator", both});
+    if (before.ranks_size() == 2 && before.ranks(0).pid() > 0 && before.ranks(1).pid() > 0 &&
+        before.ranks(1).state() == "running" && before.nodes_size() > 0 && before.nodes(0).connected()) {
+      break;
+    }
+    std::this_thread::sleep_for(milliseconds(200));
+  }
+  ASSERT_EQ(before.state(), v1::JOB_STATE_RUNNING) << launch.Output();
+  ASSERT_EQ(before.ranks_size(), 2);
+  ASSERT_GT(before.ranks(1).pid(), 0) << standby->Output();
+  ASSERT_EQ(::kill(before.ranks(1).pid(), SIGKILL), 0);
+
+  ProcessResult result = launch.Wait(seconds(240));
+  EXPECT_EQ(result.exit_code, 0) << result.output << "\n--- standby\n" << standby->Output();
+  EXPECT_NE(result.output.find("replacing rank 1 in place"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("rank 1 is back (membership epoch 1)"), std::string::npos) << result.output;
+  v1::Job job = JobStatus("inplace-1", env, {"--coordinator", both});
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.cause();
+  EXPECT_EQ(job.generation(), 0) << "no restart of the job";
+  EXPECT_EQ(job.restarts(), 1);
+  EXPECT_EQ(job.recoveries(), 1);
+  EXPECT_EQ(job.membership_epoch(), 1);
+  ASSERT_EQ(job.ranks_size(), 2);
+  EXPECT_EQ(job.ranks(0).pid(), before.ranks(0).pid()) << "the survivor kept its process";
+  EXPECT_NE(job.ranks(1).pid(), before.ranks(1).pid());
+  agent.Signal(SIGTERM);
+  standby->Signal(SIGTERM);
+  EXPECT_EQ(standby->Wait(seconds(10)).exit_code, 0);
+}
+
 }  // namespace
 }  // namespace ltrain::testing

@@ -1275,6 +1275,7 @@ TEST(StateStoreTest, AJobsLastFiguresAreStoredAndAnOlderDatabaseGetsTheirColumns
   job->set_recoveries(2);
   job->set_lost_steps(3);
   job->set_last_recovery_ms(612.5);
+  job->set_membership_epoch(4);
   ASSERT_TRUE(store->UpdateJob(*job).ok());
   store.reset();
   store = std::move(SqliteStateStore::Open(path)).value();
@@ -1289,6 +1290,7 @@ TEST(StateStoreTest, AJobsLastFiguresAreStoredAndAnOlderDatabaseGetsTheirColumns
   EXPECT_EQ(read->recoveries(), 2);
   EXPECT_EQ(read->lost_steps(), 3);
   EXPECT_EQ(read->last_recovery_ms(), 612.5);
+  EXPECT_EQ(read->membership_epoch(), 4);
   store.reset();
   std::filesystem::remove_all(dir);
 }
