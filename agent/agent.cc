@@ -70,9 +70,8 @@ class RendezvousProxy final : public v1::RendezvousService::Service {
     WorkerGrant grant;
     if (grpc::Status s = Authorize(*server, *credentials_, &grant); !s.ok()) return s;
     if (request->key().rfind(grant.rendezvous_scope, 0) != 0) return OutsideScope(grant, request->key());
-    grpc::ClientContext context;
-    context.set_deadline(Deadline(30));
-    return stub_->Set(&context, *request, reply);
+    const auto deadline = Deadline(30);
+    return Retried(deadline, [&](grpc::ClientContext& context) { return stub_->Set(&context, *request, reply); });
   }
 
   grpc::Status Get(grpc::ServerContext* server, const v1::KvGetRequest* request, v1::KvGetReply* reply) override {
@@ -81,12 +80,27 @@ class RendezvousProxy final : public v1::RendezvousService::Service {
     for (const std::string& key : request->keys()) {
       if (key.rfind(grant.rendezvous_scope, 0) != 0) return OutsideScope(grant, key);
     }
-    grpc::ClientContext context;
-    context.set_deadline(Deadline(request->timeout_ms() / 1000.0 + 5));
-    return stub_->Get(&context, *request, reply);
+    const auto deadline = Deadline(request->timeout_ms() / 1000.0 + 5);
+    return Retried(deadline, [&](grpc::ClientContext& context) { return stub_->Get(&context, *request, reply); });
   }
 
  private:
+  // A call the coordinator could not answer (it went away, or a standby is taking the lead) is made
+  // again until its deadline: a rendezvous in progress (a recovery in place) survives a takeover.
+  template <typename Call>
+  grpc::Status Retried(std::chrono::system_clock::time_point deadline, Call call) {
+    while (true) {
+      grpc::ClientContext context;
+      context.set_deadline(deadline);
+      context.set_wait_for_ready(true);
+      grpc::Status status = call(context);
+      if (status.error_code() != grpc::StatusCode::UNAVAILABLE || std::chrono::system_clock::now() >= deadline) {
+        return status;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    }
+  }
+
   std::unique_ptr<v1::RendezvousService::Stub> stub_;
   const WorkerCredentials* credentials_;
 };

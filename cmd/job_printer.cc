@@ -155,6 +155,11 @@ void AppendJsonMessage(std::string* out, const Message& message, bool pretty, in
     AppendJsonString(out, field->name());
     *out += pretty ? ": " : ":";
     if (!field->is_repeated()) {
+      // A field declared `optional` that is not set (Job.replacing_rank: none) is null, not 0.
+      if (field->has_optional_keyword() && !r->HasField(message, field)) {
+        *out += "null";
+        continue;
+      }
       AppendJsonValue(out, message, field, -1, pretty, depth);
       continue;
     }

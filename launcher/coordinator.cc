@@ -167,6 +167,7 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
   job.stop_reason.clear();
   job.epoch = 0;
   job.job.set_membership_epoch(0);
+  job.job.clear_replacing_rank();
   job.replacing_rank = -1;
   writer_.Enqueue("clear the ranks of " + job.job.id(),
                   [id = job.job.id()](StateStore& store) { return store.ClearRanks(id); });

@@ -227,6 +227,11 @@ class Coordinator {
   bool StartGenerationLocked(ActiveJob& job, std::vector<std::string> nodes);
   // The start command of `generation` (its recipe as it runs, on the nodes it has), without workers.
   static v1::StartJobCommand GenerationCommand(const ActiveJob& job, const Recipe& recipe, int generation);
+  // A coordinator that takes over a job whose rank `rank` was being replaced in place completes it:
+  // the next membership epoch, whose keys (with the one in progress) `announce` collects.
+  void ResumeReplacementLocked(ActiveJob& job, int rank, std::vector<std::pair<std::string, std::string>>* announce);
+  // The start command of rank `rank`'s replacement in membership job.epoch, to `node`.
+  void QueueReplacementLocked(ActiveJob& job, int rank, NodeState& node);
   // `restartable` false: the job fails whatever its restart policy says.
   void FailGenerationLocked(ActiveJob& job, const std::string& cause, bool restartable = true);
   // A rank of the failed generation refused to start (`cause`) while the job waited to restart: the

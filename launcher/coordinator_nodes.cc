@@ -48,6 +48,22 @@ int64_t Coordinator::NodeConnected(const std::string& node_id, const v1::NodeFac
       // reported nor running are caught by the hang check.
       AddEventLocked(*job, "reconnected",
                      "node " + node_id + " is back with " + std::to_string(workers) + " running worker(s) of the job", -1);
+      // A replacement in place that the earlier coordinator meant to start here and never did (it
+      // went away first): started now, in the membership this coordinator announced.
+      const int nproc = std::max(1, job->recipe.parallel.nproc_per_node);
+      const int replacing = job->replacing_rank;
+      const size_t index = replacing < 0 ? job->nodes.size() : static_cast<size_t>(replacing / nproc);
+      if (replacing >= 0 && index < job->nodes.size() && job->nodes[index] == node_id &&
+          std::none_of(running.begin(), running.end(), [&](const v1::RunningWorker& w) {
+            return w.job_id() == job_id && w.generation() == job->job.generation() && w.rank() == replacing;
+          })) {
+        QueueReplacementLocked(*job, replacing, node);
+        AddEventLocked(*job, "recovering",
+                       "rank " + std::to_string(replacing) + "'s replacement had not started on " + node_id +
+                           " when this coordinator took over: starting it now (membership epoch " +
+                           std::to_string(job->epoch) + ")",
+                       replacing);
+      }
     }
   }
   ScheduleLocked();

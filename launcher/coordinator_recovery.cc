@@ -52,6 +52,7 @@ std::pair<std::string, std::string> Coordinator::ReplaceRankLocked(ActiveJob& jo
   job.replacing_from_step = done;
   const int epoch = ++job.epoch;
   job.job.set_membership_epoch(epoch);
+  job.job.set_replacing_rank(rank);
   job.replacing_rank = rank;
   job.replacing_since_ms = clock_->SteadyMs();
   // The replacement numbers its reports from 1 again.
@@ -61,17 +62,7 @@ std::pair<std::string, std::string> Coordinator::ReplaceRankLocked(ActiveJob& jo
   job.job.set_last_failure(cause);
   job.failures.push_back("generation " + std::to_string(job.job.generation()) + " epoch " + std::to_string(epoch - 1) +
                          ": " + cause);
-  v1::Command command;
-  v1::StartJobCommand* start = command.mutable_start();
-  *start = job.placed;
-  start->set_replace(true);
-  start->set_epoch(epoch);
-  start->set_restart_count(job.job.restarts());
-  start->set_last_committed_step(job.job.last_committed_step());
-  v1::WorkerAssignment* worker = start->add_workers();
-  worker->set_rank(rank);
-  worker->set_local_rank(rank % nproc);
-  QueueCommandLocked(node->second, command);
+  QueueReplacementLocked(job, rank, node->second);
   v1::RankInfo info = job.ranks[rank];
   info.set_state("starting");
   info.set_pid(0);
@@ -92,6 +83,21 @@ std::pair<std::string, std::string> Coordinator::ReplaceRankLocked(ActiveJob& jo
   cv_.notify_all();
   const std::string key = job.placed.rendezvous_scope() + "/membership/" + std::to_string(epoch);
   return {key, "epoch " + std::to_string(epoch) + ": rank " + std::to_string(rank) + " replaced"};
+}
+
+void Coordinator::QueueReplacementLocked(ActiveJob& job, int rank, NodeState& node) {
+  const int nproc = std::max(1, job.recipe.parallel.nproc_per_node);
+  v1::Command command;
+  v1::StartJobCommand* start = command.mutable_start();
+  *start = job.placed;
+  start->set_replace(true);
+  start->set_epoch(job.epoch);
+  start->set_restart_count(job.job.restarts());
+  start->set_last_committed_step(job.job.last_committed_step());
+  v1::WorkerAssignment* worker = start->add_workers();
+  worker->set_rank(rank);
+  worker->set_local_rank(rank % nproc);
+  QueueCommandLocked(node, command);
 }
 
 void Coordinator::NoteRecoveryProgressLocked(ActiveJob& job, const v1::RankProgress& report) {
@@ -118,6 +124,7 @@ void Coordinator::NoteRecoveryProgressLocked(ActiveJob& job, const v1::RankProgr
   job.job.set_recoveries(job.job.recoveries() + 1);
   job.job.set_lost_steps(job.job.lost_steps() + lost);
   job.job.set_last_recovery_ms(static_cast<double>(ms));
+  job.job.clear_replacing_rank();
   PersistJobLocked(job);
   job.replacing_rank = -1;
 }

@@ -3,9 +3,12 @@
 // replacement in place is started from too. Part of Coordinator (coordinator.h).
 #include <algorithm>
 #include <map>
+#include <mutex>
+#include <utility>
 #include <string>
 #include <vector>
 
+#include "common/logging.h"
 #include "launcher/coordinator.h"
 
 namespace ltrain::launcher {
@@ -36,7 +39,8 @@ Status Coordinator::Recover() {
     LTRAIN_ASSIGN_OR_RETURN(histories[listed.id()], store_->EventsAfter(listed.id(), 0));
     jobs.push_back(std::move(stored));
   }
-  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::pair<std::string, std::string>> announce;  // rendezvous keys, set once the lock is let go
+  std::unique_lock<std::mutex> lock(mu_);
   int64_t now = clock_->SteadyMs();
   for (const auto& stored : jobs) {
     const v1::Job& listed = stored;
@@ -87,6 +91,7 @@ Status Coordinator::Recover() {
           const int count = std::max<int>(1, stored.nodes_now() > 0 ? stored.nodes_now() : static_cast<int>(job.nodes.size()));
           generation.parallel.nodes = generation.parallel.nodes_min = generation.parallel.nodes_max = count;
           job.placed = GenerationCommand(job, generation, stored.generation());
+          if (stored.has_replacing_rank()) ResumeReplacementLocked(job, stored.replacing_rank(), &announce);
         }
         for (const auto& node_id : job.nodes) {
           NodeState& node = nodes_[node_id];
@@ -104,7 +109,38 @@ Status Coordinator::Recover() {
                        JobStateName(stored.state()),
                    -1);
   }
+  lock.unlock();
+  for (const auto& [key, value] : announce) {
+    if (Status set = KvSet(key, value); !set.ok()) {
+      LTRAIN_LOG(kWarning, "coordinator") << "announcing " << key << " after the takeover: " << set.message();
+    }
+  }
   return Status::Ok();
+}
+
+void Coordinator::ResumeReplacementLocked(ActiveJob& job, int rank, std::vector<std::pair<std::string, std::string>>* announce) {
+  // The rendezvous keys of the membership the members were forming went with the earlier
+  // coordinator. Its announcement is made again, for members still waiting for it, and the next
+  // membership's: connecting to the first gives way to the second (MembershipView), where the
+  // survivors and the replacement, started or about to be, all connect afresh.
+  const int before = job.epoch;
+  const int epoch = ++job.epoch;
+  job.job.set_membership_epoch(epoch);
+  job.replacing_rank = rank;
+  job.replacing_since_ms = clock_->SteadyMs();
+  job.replacing_from_step = 0;  // the members count the steps they train again themselves
+  PersistJobLocked(job);
+  const std::string scope = job.placed.rendezvous_scope();
+  announce->emplace_back(scope + "/membership/" + std::to_string(before),
+                         "epoch " + std::to_string(before) + ": rank " + std::to_string(rank) + " replaced");
+  announce->emplace_back(scope + "/membership/" + std::to_string(epoch),
+                         "epoch " + std::to_string(epoch) + ": rank " + std::to_string(rank) +
+                             " replaced (announced again after a takeover)");
+  AddEventLocked(job, "recovering",
+                 "the replacement of rank " + std::to_string(rank) + " (membership epoch " + std::to_string(before) +
+                     ") was under way when this coordinator took over: its rendezvous went with the earlier "
+                     "one, and the members connect again in membership epoch " + std::to_string(epoch),
+                 rank);
 }
 
 }  // namespace ltrain::launcher

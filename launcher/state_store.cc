@@ -40,7 +40,8 @@ CREATE TABLE IF NOT EXISTS jobs (
   recoveries INTEGER NOT NULL DEFAULT 0,
   lost_steps INTEGER NOT NULL DEFAULT 0,
   last_recovery_ms REAL NOT NULL DEFAULT 0,
-  membership_epoch INTEGER NOT NULL DEFAULT 0
+  membership_epoch INTEGER NOT NULL DEFAULT 0,
+  replacing_rank INTEGER NOT NULL DEFAULT -1
 );
 CREATE TABLE IF NOT EXISTS checkpoints (
   job_id TEXT NOT NULL,
@@ -161,7 +162,7 @@ constexpr const char* kJobColumns =
     "id, name, state, recipe, world_size, generation, cause, created_ms, updated_ms, last_step, last_loss, "
     "restarts, last_committed_step, last_committed_path, nodes_now, last_failure, val_step, val_loss, total_steps, "
     "tokens_per_s, mfu, checkpoint_save_ms, checkpoint_save_bytes, checkpoint_load_ms, recoveries, lost_steps, "
-    "last_recovery_ms, membership_epoch";
+    "last_recovery_ms, membership_epoch, replacing_rank";
 
 // Columns added after the first release; a database made before them gets them on open.
 constexpr const char* kAddedJobColumns[] = {
@@ -172,7 +173,7 @@ constexpr const char* kAddedJobColumns[] = {
     "checkpoint_save_ms REAL NOT NULL DEFAULT 0", "checkpoint_save_bytes INTEGER NOT NULL DEFAULT 0",
     "checkpoint_load_ms REAL NOT NULL DEFAULT 0", "recoveries INTEGER NOT NULL DEFAULT 0",
     "lost_steps INTEGER NOT NULL DEFAULT 0", "last_recovery_ms REAL NOT NULL DEFAULT 0",
-    "membership_epoch INTEGER NOT NULL DEFAULT 0"};
+    "membership_epoch INTEGER NOT NULL DEFAULT 0", "replacing_rank INTEGER NOT NULL DEFAULT -1"};
 
 v1::Job ReadJob(Statement& s) {
   v1::Job job;
@@ -204,6 +205,7 @@ v1::Job ReadJob(Statement& s) {
   job.set_lost_steps(s.Int(25));
   job.set_last_recovery_ms(s.Real(26));
   job.set_membership_epoch(static_cast<int32_t>(s.Int(27)));
+  if (s.Int(28) >= 0) job.set_replacing_rank(static_cast<int32_t>(s.Int(28)));
   return job;
 }
 
@@ -358,7 +360,7 @@ Status SqliteStateStore::UpdateJob(const v1::Job& job) {
               "restarts = ?, last_committed_step = ?, last_committed_path = ?, nodes_now = ?, last_failure = ?, "
               "world_size = ?, recipe = ?, val_step = ?, val_loss = ?, total_steps = ?, tokens_per_s = ?, mfu = ?, "
               "checkpoint_save_ms = ?, checkpoint_save_bytes = ?, checkpoint_load_ms = ?, recoveries = ?, lost_steps = ?, "
-              "last_recovery_ms = ?, membership_epoch = ? WHERE id = ?");
+              "last_recovery_ms = ?, membership_epoch = ?, replacing_rank = ? WHERE id = ?");
   s.Bind(1, int64_t{job.state()}).Bind(2, int64_t{job.generation()}).Bind(3, job.cause());
   s.Bind(4, job.updated_unix_ms()).Bind(5, job.last_step()).Bind(6, job.last_loss());
   s.Bind(7, int64_t{job.restarts()}).Bind(8, job.last_committed_step()).Bind(9, job.last_committed_path());
@@ -367,7 +369,7 @@ Status SqliteStateStore::UpdateJob(const v1::Job& job) {
   s.Bind(17, job.tokens_per_s()).Bind(18, job.mfu()).Bind(19, job.checkpoint_save_ms());
   s.Bind(20, job.checkpoint_save_bytes()).Bind(21, job.checkpoint_load_ms()).Bind(22, int64_t{job.recoveries()});
   s.Bind(23, job.lost_steps()).Bind(24, job.last_recovery_ms()).Bind(25, int64_t{job.membership_epoch()});
-  s.Bind(26, job.id());
+  s.Bind(26, int64_t{job.has_replacing_rank() ? job.replacing_rank() : -1}).Bind(27, job.id());
   if (s.Step() != SQLITE_DONE) return SqlError(db_, "update job " + job.id());
   return Status::Ok();
 }

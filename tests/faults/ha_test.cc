@@ -433,5 +433,80 @@ TEST_F(EtcdTest, AfterATakeoverAKilledRankIsStillReplacedInPlace) {
   EXPECT_EQ(standby->Wait(seconds(10)).exit_code, 0);
 }
 
+// The leader killed while a rank is replaced in place: rank 1 is SIGKILLed, its replacement starts,
+// and the survivor pauses as it begins to recover (LTRAIN_FAULT_PAUSE_RECOVERY), so that the leader
+// dies with the membership still forming. The standby that takes the lead finds the replacement under
+// way in the job's record, announces the next membership, and the members, whose rendezvous calls the
+// agent makes again across the takeover, connect there: the recovery completes, in the same generation.
+TEST_F(EtcdTest, TheLeaderKilledDuringARecoveryInPlaceAndTheStandbyCompletesIt) {
+  EtcdCluster etcd(dir_, 3);
+  ASSERT_TRUE(etcd.WaitReady()) << etcd.Output();
+  const std::map<std::string, std::string> env = {{"LTRAIN_HOME", dir_.Join("home")},
+                                                  {"LTRAIN_TOKEN_FILE", dir_.Write("token", NewToken() + "\n")},
+                                                  {"OMP_NUM_THREADS", "1"}};
+  ProcessResult prepared = PrepareLicenseData(dir_.Join("data"));
+  ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
+  const std::string a = "127.0.0.1:" + std::to_string(FreePort()), b = "127.0.0.1:" + std::to_string(FreePort());
+  const std::string both = a + "," + b;
+  auto coordinator = [&](const std::string& address, const std::string& name) {
+    return std::make_unique<Subprocess>(
+        std::vector<std::string>{LtrainBinary(), "coordinator", "--listen", address, "--state", etcd.Url(),
+                                 "--state-dir", dir_.Join(name), "--port-file", dir_.Join(name + ".port")},
+        env);
+  };
+  auto leader = coordinator(a, "a");
+  ASSERT_GT(WaitForPortFile(dir_.Join("a.port"), seconds(30)), 0) << leader->Output() << etcd.Output();
+  auto standby = coordinator(b, "b");
+  ASSERT_TRUE(standby->WaitForOutput("standing by: " + a + " leads", seconds(20))) << standby->Output();
+  std::map<std::string, std::string> agent_env = env;
+  agent_env["LTRAIN_FAULT_PAUSE_RECOVERY"] = "8";
+  Subprocess agent({LtrainBinary(), "agent", "--coordinator", both, "--node-id", "n1", "--work-dir",
+                    dir_.Join("agent"), "--coordinator-grace", "60"},
+                   agent_env);
+  const std::string recipe =
+      dir_.Write("inplace.yaml", TinyRecipe("inplace", dir_.Join("data")) +
+                                 "training: {steps: 600, micro_batch: 4, global_batch: 8, log_every: 1}\n"
+                                 "parallel: {nproc_per_node: 2}\ncheckpoint: {every: 0}\n"
+                                 "fault: {recovery: in_place, max_restarts: 1}\n");
+  Subprocess launch({LtrainBinary(), "launch", "--coordinator", both, recipe}, env);
+  ASSERT_TRUE(launch.WaitForOutput("[rank 0] step 30/", seconds(90))) << launch.Output() << leader->Output();
+  v1::Job before = JobStatus("inplace-1", env, {"--coordinator", a});
+  ASSERT_EQ(before.ranks_size(), 2);
+  ASSERT_GT(before.ranks(1).pid(), 0);
+  ASSERT_EQ(::kill(before.ranks(1).pid(), SIGKILL), 0);
+  // The replacement runs (the agent started it on the leader's command); then the leader dies.
+  v1::Job replacing;
+  const auto deadline = std::chrono::steady_clock::now() + seconds(20);
+  while (std::chrono::steady_clock::now() < deadline) {
+    replacing = JobStatus("inplace-1", env, {"--coordinator", a});
+    if (replacing.ranks_size() == 2 && replacing.ranks(1).pid() > 0 && replacing.ranks(1).pid() != before.ranks(1).pid() &&
+        replacing.ranks(1).state() == "running") {
+      break;
+    }
+    std::this_thread::sleep_for(milliseconds(100));
+  }
+  ASSERT_NE(replacing.ranks(1).pid(), before.ranks(1).pid()) << launch.Output();
+  ASSERT_TRUE(replacing.has_replacing_rank()) << "the recovery is still under way";
+  leader->Signal(SIGKILL);
+  ASSERT_TRUE(standby->WaitForOutput("leading as " + b, seconds(10))) << standby->Output();
+
+  ProcessResult result = launch.Wait(seconds(240));
+  EXPECT_EQ(result.exit_code, 0) << result.output << "\n--- standby\n" << standby->Output();
+  EXPECT_NE(result.output.find("was under way when this coordinator took over"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("rank 1 is back (membership epoch 2)"), std::string::npos) << result.output;
+  v1::Job job = JobStatus("inplace-1", env, {"--coordinator", both});
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.cause();
+  EXPECT_EQ(job.generation(), 0) << "no restart of the job";
+  EXPECT_EQ(job.recoveries(), 1);
+  EXPECT_EQ(job.membership_epoch(), 2);
+  EXPECT_FALSE(job.has_replacing_rank());
+  ASSERT_EQ(job.ranks_size(), 2);
+  EXPECT_EQ(job.ranks(0).pid(), before.ranks(0).pid()) << "the survivor kept its process";
+  EXPECT_EQ(job.ranks(1).pid(), replacing.ranks(1).pid()) << "the replacement kept its process too";
+  agent.Signal(SIGTERM);
+  standby->Signal(SIGTERM);
+  EXPECT_EQ(standby->Wait(seconds(10)).exit_code, 0);
+}
+
 }  // namespace
 }  // namespace ltrain::testing

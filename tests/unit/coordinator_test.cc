@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <csignal>
+
 #include <sqlite3.h>
 #include <unistd.h>
 
@@ -580,6 +582,63 @@ TEST_F(CoordinatorTest, CommitsReportedAfterANewerOneStillReachTheLedger) {
   std::vector<v1::Event> after = Events(id, "checkpoint");
   ASSERT_EQ(after.size(), 5u);
   EXPECT_EQ(after.back().message(), "checkpoint of step 5 committed: /ck/step-5");
+}
+
+// In place: the membership epoch and the rank under replacement are kept with the job. A coordinator
+// that takes the job over meanwhile announces the membership again and the next one (the rendezvous
+// keys went with the earlier coordinator), and where the replacement never started on its node (the
+// node's running workers lack it), starts it there in the new membership.
+TEST_F(CoordinatorTest, ATakeoverDuringAReplacementInPlaceAnnouncesTheNextMembershipAndStartsTheReplacement) {
+  Connect("a");
+  Connect("b");
+  const std::string recipe = std::string(kRecipe) + "fault: {recovery: in_place, max_restarts: 2}\n";
+  std::string id = coordinator_->Submit(recipe, "unit.yaml")->id();
+  ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, 1, 0, SIGKILL)).ok());
+  v1::Job replacing = *coordinator_->GetJob(id);
+  EXPECT_EQ(replacing.state(), v1::JOB_STATE_RUNNING);
+  EXPECT_EQ(replacing.membership_epoch(), 1);
+  ASSERT_TRUE(replacing.has_replacing_rank());
+  EXPECT_EQ(replacing.replacing_rank(), 1);
+  const std::string scope = id + "/0/";
+  EXPECT_TRUE(coordinator_->KvGet({scope + "/membership/1"}, 0).has_value());
+
+  coordinator_ = std::make_unique<Coordinator>(store_.get(), &clock_, CoordinatorOptions());
+  ASSERT_TRUE(coordinator_->Recover().ok());
+  EXPECT_EQ(coordinator_->GetJob(id)->membership_epoch(), 2);
+  EXPECT_TRUE(coordinator_->KvGet({scope + "/membership/1", scope + "/membership/2"}, 0).has_value());
+  auto running = [&](std::vector<int> ranks) {
+    std::vector<v1::RunningWorker> workers;
+    for (int rank : ranks) {
+      v1::RunningWorker w;
+      w.set_job_id(id);
+      w.set_generation(0);
+      w.set_rank(rank);
+      w.set_pid(100 + rank);
+      workers.push_back(w);
+    }
+    return workers;
+  };
+  std::vector<v1::Command> to_a, to_b;
+  v1::NodeFacts facts;
+  facts.set_cpus(8);
+  coordinator_->NodeConnected("b", facts, running({2, 3}), [&](const v1::Command& c) { to_b.push_back(c); });
+  coordinator_->NodeConnected("a", facts, running({0}), [&](const v1::Command& c) { to_a.push_back(c); });
+  EXPECT_TRUE(to_b.empty()) << "node b runs all its ranks";
+  ASSERT_EQ(to_a.size(), 1u);
+  ASSERT_TRUE(to_a[0].has_start());
+  const v1::StartJobCommand& start = to_a[0].start();
+  EXPECT_TRUE(start.replace());
+  EXPECT_EQ(start.epoch(), 2);
+  EXPECT_EQ(start.generation(), 0);
+  EXPECT_EQ(start.rendezvous_scope(), scope);
+  ASSERT_EQ(start.workers_size(), 1);
+  EXPECT_EQ(start.workers(0).rank(), 1);
+  EXPECT_EQ(start.workers(0).local_rank(), 1);
+  EXPECT_FALSE(start.recipe_yaml().empty());
+  std::vector<v1::Event> events = Events(id, "recovering");
+  ASSERT_GE(events.size(), 3u);
+  EXPECT_NE(events.back().message().find("rank 1's replacement had not started on a"), std::string::npos)
+      << events.back().message();
 }
 
 TEST_F(CoordinatorTest, ExitReportsProgressIsAppliedBeforeTheExit) {
@@ -1276,6 +1335,7 @@ TEST(StateStoreTest, AJobsLastFiguresAreStoredAndAnOlderDatabaseGetsTheirColumns
   job->set_lost_steps(3);
   job->set_last_recovery_ms(612.5);
   job->set_membership_epoch(4);
+  job->set_replacing_rank(0);
   ASSERT_TRUE(store->UpdateJob(*job).ok());
   store.reset();
   store = std::move(SqliteStateStore::Open(path)).value();
@@ -1291,6 +1351,11 @@ TEST(StateStoreTest, AJobsLastFiguresAreStoredAndAnOlderDatabaseGetsTheirColumns
   EXPECT_EQ(read->lost_steps(), 3);
   EXPECT_EQ(read->last_recovery_ms(), 612.5);
   EXPECT_EQ(read->membership_epoch(), 4);
+  ASSERT_TRUE(read->has_replacing_rank()) << "rank 0 is a rank, not none";
+  EXPECT_EQ(read->replacing_rank(), 0);
+  read->clear_replacing_rank();
+  ASSERT_TRUE(store->UpdateJob(*read).ok());
+  EXPECT_FALSE(store->GetJob(job->id())->has_replacing_rank());
   store.reset();
   std::filesystem::remove_all(dir);
 }

@@ -147,6 +147,14 @@ TEST(JobPrinterTest, RunningJobDetailShowsProgressNodesAndRanks) {
             "rank 0: saving checkpoint step-120, 8.0 of 15.8 GB\n");
 }
 
+// `-o json`: an optional field that is not set is null, so that "no rank" never reads as rank 0.
+TEST(JobPrinterTest, JsonWritesAnUnsetOptionalFieldAsNull) {
+  v1::Job job = RunningJob();
+  EXPECT_NE(FormatJson(job, false).find("\"replacing_rank\":null"), std::string::npos) << FormatJson(job, false);
+  job.set_replacing_rank(0);
+  EXPECT_NE(FormatJson(job, false).find("\"replacing_rank\":0"), std::string::npos) << FormatJson(job, false);
+}
+
 TEST(JobPrinterTest, InPlaceRecoveriesAreCountedWithTheWorkTheyLost) {
   v1::Job job = RunningJob();
   job.set_recoveries(2);

@@ -219,10 +219,18 @@ Status AdoptConnections(Connection& old, Connection& fresh) {
 std::unique_ptr<Recovery> MakeRecovery(const WorkerEnv& env, const Recipe& recipe, bool dp_side_stream, Connection* conn,
                                        int epoch, bool kill_in_recovery) {
   Recovery::Hooks hooks;
-  hooks.abort = [conn, kill_in_recovery, rank = env.rank] {
+  // The drill of a coordinator lost during a recovery: survivors first started pause this long as they
+  // begin to recover (a test kills the leader meanwhile).
+  const double pause_s = env.epoch == 0 ? std::atof(EnvString("LTRAIN_FAULT_PAUSE_RECOVERY").c_str()) : 0.0;
+  hooks.abort = [conn, kill_in_recovery, rank = env.rank, pause_s] {
     if (kill_in_recovery) KillForDrill(rank, "as it begins to recover");
     conn->world->Abort();
     for (auto& comm : conn->groups.owned) comm->Abort();
+    if (pause_s > 0) {
+      std::printf("rank %d: pausing %.1f s as it begins to recover (LTRAIN_FAULT_PAUSE_RECOVERY)\n", rank, pause_s);
+      std::fflush(stdout);
+      std::this_thread::sleep_for(std::chrono::duration<double>(pause_s));
+    }
   };
   hooks.await_membership = [conn](int epoch, std::chrono::milliseconds timeout) -> StatusOr<std::string> {
     const std::string key = "membership/" + std::to_string(epoch);
@@ -603,6 +611,9 @@ Fault injection (for testing recovery; never set in production):
                            started (neither its replacement under fault.recovery: in_place nor a
                            restarted generation does it again), printing the time; recovery:RANK:
                            as it begins to recover from a peer's failure (a second failure)
+  LTRAIN_FAULT_PAUSE_RECOVERY=SECONDS
+                           ranks first started pause SECONDS as they begin to recover in place
+                           from a peer's failure (a drill of a coordinator lost meanwhile)
   LTRAIN_FAULT_STARTUP_STALL=SECONDS[:RANK]
                            rank RANK (every rank when absent) stops for SECONDS in its start-up,
                            after connecting and before building the model, without reporting
