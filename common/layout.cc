@@ -130,7 +130,6 @@ std::string InPlaceRecoveryProblem(const Recipe& recipe, int world_size) {
   if (recipe.fault.recovery != Recovery::kInPlace) return "fault.recovery is restart";
   if (recipe.runs_program()) return "a program of the user's own (entrypoint.command) keeps its own state";
   if (world_size < 2) return "a job of one rank has no peer to take the state from";
-  if (recipe.parallel.device != Device::kCpu) return "in-place recovery runs on CPU ranks (Gloo) only so far";
   StatusOr<Layout> layout = PlanLayout(recipe, world_size);
   if (!layout.ok()) return layout.status().message();
   if (layout->zero == 3) {

@@ -58,10 +58,10 @@ std::vector<LayoutProblem> CheckLayout(const Recipe& recipe, int world_size);
 StatusOr<Layout> PlanLayout(const Recipe& recipe, int world_size);
 
 // Why a failed rank of `recipe` on `world_size` ranks cannot be replaced in place (fault.recovery:
-// in_place), so that the job restarts instead; empty when it can: without ZeRO, every rank's part
-// of the training state (its tp part) is held whole by the other ranks of its data-parallel group,
-// so a survivor there fills the replacement; over Gloo (CPU ranks; NCCL's re-forming is not there
-// yet), without pipeline stages (their sends in flight across a re-formed group are not yet).
+// in_place), so that the job restarts instead; empty when it can: every rank's part of the training
+// state (its tp part) is held by the other ranks of its data-parallel group, whole without ZeRO and
+// as copies of the shards under ZeRO 1 and 2, so a survivor there fills the replacement; without
+// pipeline stages (their sends in flight across a re-formed group are not yet).
 std::string InPlaceRecoveryProblem(const Recipe& recipe, int world_size);
 
 // Layers per virtual pipeline stage: `split` when given, otherwise balanced, the earlier stages

@@ -301,7 +301,7 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
   visit(RecipeKey{.section = "fault", .name = "recovery",
                   .help = "when a rank fails: restart, every rank starts again from the last commit; in_place, the "
                           "other ranks keep their processes, only the failed rank is started again, it takes its "
-                          "state from a data-parallel peer's memory and the step in flight is redone (CPU ranks, "
+                          "state from a data-parallel peer's memory and the step in flight is redone ("
                           "parallel.dp 2 or more, parallel.zero 0 to 2, no pp; other jobs restart); each replacement "
                           "counts against fault.max_restarts",
                   .omit_at_default = true},

@@ -84,3 +84,11 @@ if(TARGET ltrain_worker_cuda)
   target_link_libraries(gemm_epilogues PRIVATE ltrain::worker)
   target_compile_options(gemm_epilogues PRIVATE ${LTRAIN_WARNINGS})
 endif()
+
+# The NCCL communicator of a job that recovers in place: abort from another thread, calls that fail
+# instead of the process, a group made again. Only where the worker has NCCL; skips without a GPU.
+if(LTRAIN_WITH_NCCL)
+  ltrain_add_test(nccl_communicator_test unit
+    SOURCES unit/nccl_communicator_test.cc
+    LIBS ltrain::worker)
+endif()

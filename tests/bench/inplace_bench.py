@@ -26,6 +26,7 @@ from benchlib import licence_texts
 
 STEP = re.compile(r"^\[rank 0\] step (\d+)/\d+ loss (\S+)")
 WINDOW = re.compile(r"^\[rank 0\] throughput: steps \S+ step_ms ([0-9.]+)")
+COPIES = re.compile(r"^\[rank 0\] memory copies: (\d+) taken .* ([0-9.]+) ms in all: \+?(-?[0-9.]+)% on the")
 
 
 def recipe(path, name, data, a, recovery, checkpoints=True):
@@ -54,7 +55,7 @@ def launch(a, work, name, recovery, kill, checkpoints=True):
     p = subprocess.Popen([a.ltrain, "launch", path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                          env=env, bufsize=1)
     killed_at = None
-    losses, trained, lines, step_ms, reported_lost = {}, 0, [], None, None
+    losses, trained, lines, step_ms, reported_lost, copies = {}, 0, [], None, None, None
     for line in p.stdout:
         lines.append(line)
         m = re.search(r"is back .*; work lost: (\d+) step", line)
@@ -63,6 +64,9 @@ def launch(a, work, name, recovery, kill, checkpoints=True):
         m = WINDOW.match(line)
         if m:
             step_ms = float(m.group(1))
+        m = COPIES.match(line)
+        if m:
+            copies = {"taken": int(m.group(1)), "ms": float(m.group(2)), "share": float(m.group(3))}
         m = re.search(r"killing itself after step \d+ at ([0-9.]+)", line)
         if m and killed_at is None:
             killed_at = float(m.group(1))
@@ -73,7 +77,7 @@ def launch(a, work, name, recovery, kill, checkpoints=True):
     p.wait(timeout=900)
     metrics = os.path.join(home, "agent-local", "jobs", name + "-1", "metrics.jsonl")
     row = {"ok": p.returncode == 0, "wall_s": time.time() - start, "losses": losses, "trained": trained,
-           "step_ms": step_ms, "tail": "".join(lines[-30:])}
+           "step_ms": step_ms, "copies": copies, "tail": "".join(lines[-30:])}
     if kill:
         # Rank 0's steps as it recorded them, each with its time: the first after the kill is the next step.
         after = []
@@ -136,6 +140,7 @@ def main():
     if a.zero > 0:
         # What the copies cost a step: uninterrupted runs with them and without, alternated.
         times = {"with copies": [], "without": []}
+        shares = []
         for i in range(a.repeat):
             for mode, recovery in (("with copies", "in_place"), ("without", "restart")):
                 r = launch(a, work, f"cost-{recovery.replace('_', '-')}-{i}", recovery, kill=False, checkpoints=False)
@@ -144,11 +149,18 @@ def main():
                     print(f"{mode}: FAILED\n{r['tail']}")
                     continue
                 times[mode].append(r["step_ms"])
+                if r["copies"]:
+                    shares.append(r["copies"])
         if times["with copies"] and times["without"]:
             w, wo = statistics.median(times["with copies"]), statistics.median(times["without"])
             print(f"copies' cost: step_ms with {w:.2f} (runs {', '.join(f'{t:.2f}' for t in times['with copies'])}), "
                   f"without {wo:.2f} (runs {', '.join(f'{t:.2f}' for t in times['without'])}); "
                   f"ratio with / without {w / wo:.3f} ({100 * (w / wo - 1):+.1f}%)")
+        if shares:
+            # Measured inside each run with copies: rank 0's time in the copies over its steps' own.
+            runs = ", ".join(f"{c['share']:+.2f}%" for c in shares)
+            print(f"copies' cost inside the runs (rank 0): {statistics.median(c['share'] for c in shares):+.2f}% of the "
+                  f"steps' time (runs {runs}; {statistics.median(c['taken'] for c in shares):.0f} copies a run)")
     shutil.rmtree(work, ignore_errors=True)
     return 0 if ok else 1
 

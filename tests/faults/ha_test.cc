@@ -54,6 +54,47 @@ class EtcdTest : public ::testing::Test {
   void SetUp() override {
     ASSERT_FALSE(EtcdBinary().empty()) << "etcd is not installed: apt-get install etcd-server (deploy/setup.sh --tests)";
   }
+
+  // Two coordinators on one three-member etcd cluster, `leader` at `a` leading and `standby` at `b`
+  // standing by, the licence texts prepared under dir_/data, and the environment every process of
+  // the drill gets (coordinators on one etcd state require one token).
+  struct Pair {
+    std::unique_ptr<EtcdCluster> etcd;
+    std::map<std::string, std::string> env;
+    std::string a, b, both;
+    std::unique_ptr<Subprocess> leader, standby;
+  };
+  // Fatal failures end the caller's test (check HasFatalFailure).
+  void StartPair(Pair& p) {
+    p.etcd = std::make_unique<EtcdCluster>(dir_, 3);
+    ASSERT_TRUE(p.etcd->WaitReady()) << p.etcd->Output();
+    p.env = {{"LTRAIN_HOME", dir_.Join("home")},
+             {"LTRAIN_TOKEN_FILE", dir_.Write("token", NewToken() + "\n")},
+             {"OMP_NUM_THREADS", "1"}};
+    ProcessResult prepared = PrepareLicenseData(dir_.Join("data"));
+    ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
+    p.a = "127.0.0.1:" + std::to_string(FreePort());
+    p.b = "127.0.0.1:" + std::to_string(FreePort());
+    p.both = p.a + "," + p.b;
+    auto coordinator = [&](const std::string& address, const std::string& name) {
+      return std::make_unique<Subprocess>(
+          std::vector<std::string>{LtrainBinary(), "coordinator", "--listen", address, "--state", p.etcd->Url(),
+                                   "--state-dir", dir_.Join(name), "--port-file", dir_.Join(name + ".port")},
+          p.env);
+    };
+    p.leader = coordinator(p.a, "a");
+    ASSERT_GT(WaitForPortFile(dir_.Join("a.port"), seconds(30)), 0) << p.leader->Output() << p.etcd->Output();
+    p.standby = coordinator(p.b, "b");
+    ASSERT_TRUE(p.standby->WaitForOutput("standing by: " + p.a + " leads", seconds(20))) << p.standby->Output();
+  }
+  // An agent of node n1 that reaches whichever of the pair leads.
+  std::unique_ptr<Subprocess> StartAgent(const Pair& p, const std::map<std::string, std::string>& env) {
+    return std::make_unique<Subprocess>(
+        std::vector<std::string>{LtrainBinary(), "agent", "--coordinator", p.both, "--node-id", "n1", "--work-dir",
+                                 dir_.Join("agent"), "--coordinator-grace", "60"},
+        env);
+  }
+
   TempDir dir_;
 };
 
@@ -276,32 +317,15 @@ TEST_F(EtcdTest, TheStateGoesToEtcdOverTlsWithAClientCertificateAndAUser) {
 
 // The acceptance drill: three etcd members, two coordinators, one agent and a CPU job.
 TEST_F(EtcdTest, KilledLeaderIsReplacedWithinFiveSecondsAndTheJobGoesOnInTheSameProcesses) {
-  EtcdCluster etcd(dir_, 3);
-  ASSERT_TRUE(etcd.WaitReady()) << etcd.Output();
-  // Coordinators on one etcd state require one token, which every process here is given.
-  const std::map<std::string, std::string> env = {{"LTRAIN_HOME", dir_.Join("home")},
-                                                  {"LTRAIN_TOKEN_FILE", dir_.Write("token", NewToken() + "\n")},
-                                                  {"OMP_NUM_THREADS", "1"}};
-  ProcessResult prepared = PrepareLicenseData(dir_.Join("data"));
-  ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
-
-  const int port_a = FreePort(), port_b = FreePort();
-  const std::string a = "127.0.0.1:" + std::to_string(port_a), b = "127.0.0.1:" + std::to_string(port_b);
-  const std::string both = a + "," + b;
-  auto coordinator = [&](const std::string& address, const std::string& name) {
-    return std::make_unique<Subprocess>(
-        std::vector<std::string>{LtrainBinary(), "coordinator", "--listen", address, "--state", etcd.Url(),
-                                 "--state-dir", dir_.Join(name), "--port-file", dir_.Join(name + ".port")},
-        env);
-  };
-  auto leader = coordinator(a, "a");
-  ASSERT_GT(WaitForPortFile(dir_.Join("a.port"), seconds(30)), 0) << leader->Output() << etcd.Output();
-  auto standby = coordinator(b, "b");
-  ASSERT_TRUE(standby->WaitForOutput("standing by: " + a + " leads", seconds(20))) << standby->Output();
-
-  Subprocess agent({LtrainBinary(), "agent", "--coordinator", both, "--node-id", "n1", "--work-dir",
-                    dir_.Join("agent"), "--coordinator-grace", "60"},
-                   env);
+  Pair pair;
+  StartPair(pair);
+  if (HasFatalFailure()) return;
+  EtcdCluster& etcd = *pair.etcd;
+  const std::map<std::string, std::string>& env = pair.env;
+  const std::string &a = pair.a, &b = pair.b, &both = pair.both;
+  std::unique_ptr<Subprocess>& leader = pair.leader;
+  std::unique_ptr<Subprocess>& standby = pair.standby;
+  std::unique_ptr<Subprocess> agent = StartAgent(pair, env);
   const std::string recipe =
       dir_.Write("ha.yaml", TinyRecipe("ha", dir_.Join("data")) +
                             "training: {steps: 300, micro_batch: 4, global_batch: 8, log_every: 1}\n"
@@ -357,7 +381,7 @@ TEST_F(EtcdTest, KilledLeaderIsReplacedWithinFiveSecondsAndTheJobGoesOnInTheSame
   for (const auto& commit : *commits) steps.push_back(commit.step);
   EXPECT_EQ(steps, (std::vector<int64_t>{50, 100, 150, 200, 250, 300})) << "--- standby\n" << standby->Output();
   EXPECT_EQ(standby->Output().find("stepping down"), std::string::npos) << "the lead stayed where it was";
-  agent.Signal(SIGTERM);
+  agent->Signal(SIGTERM);
   standby->Signal(SIGTERM);
   EXPECT_EQ(standby->Wait(seconds(10)).exit_code, 0);
 }
@@ -366,28 +390,14 @@ TEST_F(EtcdTest, KilledLeaderIsReplacedWithinFiveSecondsAndTheJobGoesOnInTheSame
 // membership the ranks run in and the generation's start command, so that a rank SIGKILLed after
 // the takeover is replaced beside its running peer, in the same generation, under the new leader.
 TEST_F(EtcdTest, AfterATakeoverAKilledRankIsStillReplacedInPlace) {
-  EtcdCluster etcd(dir_, 3);
-  ASSERT_TRUE(etcd.WaitReady()) << etcd.Output();
-  const std::map<std::string, std::string> env = {{"LTRAIN_HOME", dir_.Join("home")},
-                                                  {"LTRAIN_TOKEN_FILE", dir_.Write("token", NewToken() + "\n")},
-                                                  {"OMP_NUM_THREADS", "1"}};
-  ProcessResult prepared = PrepareLicenseData(dir_.Join("data"));
-  ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
-  const std::string a = "127.0.0.1:" + std::to_string(FreePort()), b = "127.0.0.1:" + std::to_string(FreePort());
-  const std::string both = a + "," + b;
-  auto coordinator = [&](const std::string& address, const std::string& name) {
-    return std::make_unique<Subprocess>(
-        std::vector<std::string>{LtrainBinary(), "coordinator", "--listen", address, "--state", etcd.Url(),
-                                 "--state-dir", dir_.Join(name), "--port-file", dir_.Join(name + ".port")},
-        env);
-  };
-  auto leader = coordinator(a, "a");
-  ASSERT_GT(WaitForPortFile(dir_.Join("a.port"), seconds(30)), 0) << leader->Output() << etcd.Output();
-  auto standby = coordinator(b, "b");
-  ASSERT_TRUE(standby->WaitForOutput("standing by: " + a + " leads", seconds(20))) << standby->Output();
-  Subprocess agent({LtrainBinary(), "agent", "--coordinator", both, "--node-id", "n1", "--work-dir",
-                    dir_.Join("agent"), "--coordinator-grace", "60"},
-                   env);
+  Pair pair;
+  StartPair(pair);
+  if (HasFatalFailure()) return;
+  const std::map<std::string, std::string>& env = pair.env;
+  const std::string &b = pair.b, &both = pair.both;
+  std::unique_ptr<Subprocess>& leader = pair.leader;
+  std::unique_ptr<Subprocess>& standby = pair.standby;
+  std::unique_ptr<Subprocess> agent = StartAgent(pair, env);
   const std::string recipe =
       dir_.Write("inplace.yaml", TinyRecipe("inplace", dir_.Join("data")) +
                                  "training: {steps: 1500, micro_batch: 4, global_batch: 8, log_every: 1}\n"
@@ -428,7 +438,7 @@ TEST_F(EtcdTest, AfterATakeoverAKilledRankIsStillReplacedInPlace) {
   ASSERT_EQ(job.ranks_size(), 2);
   EXPECT_EQ(job.ranks(0).pid(), before.ranks(0).pid()) << "the survivor kept its process";
   EXPECT_NE(job.ranks(1).pid(), before.ranks(1).pid());
-  agent.Signal(SIGTERM);
+  agent->Signal(SIGTERM);
   standby->Signal(SIGTERM);
   EXPECT_EQ(standby->Wait(seconds(10)).exit_code, 0);
 }
@@ -439,30 +449,16 @@ TEST_F(EtcdTest, AfterATakeoverAKilledRankIsStillReplacedInPlace) {
 // way in the job's record, announces the next membership, and the members, whose rendezvous calls the
 // agent makes again across the takeover, connect there: the recovery completes, in the same generation.
 TEST_F(EtcdTest, TheLeaderKilledDuringARecoveryInPlaceAndTheStandbyCompletesIt) {
-  EtcdCluster etcd(dir_, 3);
-  ASSERT_TRUE(etcd.WaitReady()) << etcd.Output();
-  const std::map<std::string, std::string> env = {{"LTRAIN_HOME", dir_.Join("home")},
-                                                  {"LTRAIN_TOKEN_FILE", dir_.Write("token", NewToken() + "\n")},
-                                                  {"OMP_NUM_THREADS", "1"}};
-  ProcessResult prepared = PrepareLicenseData(dir_.Join("data"));
-  ASSERT_EQ(prepared.exit_code, 0) << prepared.output;
-  const std::string a = "127.0.0.1:" + std::to_string(FreePort()), b = "127.0.0.1:" + std::to_string(FreePort());
-  const std::string both = a + "," + b;
-  auto coordinator = [&](const std::string& address, const std::string& name) {
-    return std::make_unique<Subprocess>(
-        std::vector<std::string>{LtrainBinary(), "coordinator", "--listen", address, "--state", etcd.Url(),
-                                 "--state-dir", dir_.Join(name), "--port-file", dir_.Join(name + ".port")},
-        env);
-  };
-  auto leader = coordinator(a, "a");
-  ASSERT_GT(WaitForPortFile(dir_.Join("a.port"), seconds(30)), 0) << leader->Output() << etcd.Output();
-  auto standby = coordinator(b, "b");
-  ASSERT_TRUE(standby->WaitForOutput("standing by: " + a + " leads", seconds(20))) << standby->Output();
+  Pair pair;
+  StartPair(pair);
+  if (HasFatalFailure()) return;
+  const std::map<std::string, std::string>& env = pair.env;
+  const std::string &a = pair.a, &b = pair.b, &both = pair.both;
+  std::unique_ptr<Subprocess>& leader = pair.leader;
+  std::unique_ptr<Subprocess>& standby = pair.standby;
   std::map<std::string, std::string> agent_env = env;
   agent_env["LTRAIN_FAULT_PAUSE_RECOVERY"] = "8";
-  Subprocess agent({LtrainBinary(), "agent", "--coordinator", both, "--node-id", "n1", "--work-dir",
-                    dir_.Join("agent"), "--coordinator-grace", "60"},
-                   agent_env);
+  std::unique_ptr<Subprocess> agent = StartAgent(pair, agent_env);
   const std::string recipe =
       dir_.Write("inplace.yaml", TinyRecipe("inplace", dir_.Join("data")) +
                                  "training: {steps: 600, micro_batch: 4, global_batch: 8, log_every: 1}\n"
@@ -503,7 +499,7 @@ TEST_F(EtcdTest, TheLeaderKilledDuringARecoveryInPlaceAndTheStandbyCompletesIt) 
   ASSERT_EQ(job.ranks_size(), 2);
   EXPECT_EQ(job.ranks(0).pid(), before.ranks(0).pid()) << "the survivor kept its process";
   EXPECT_EQ(job.ranks(1).pid(), replacing.ranks(1).pid()) << "the replacement kept its process too";
-  agent.Signal(SIGTERM);
+  agent->Signal(SIGTERM);
   standby->Signal(SIGTERM);
   EXPECT_EQ(standby->Wait(seconds(10)).exit_code, 0);
 }

@@ -104,6 +104,14 @@ Status FakeCommunicator::Recv(at::Tensor& tensor, int src, uint32_t /*tag*/) {
   return InvalidArgument("fake communicator cannot receive from rank " + std::to_string(src));
 }
 
+Status Communicator::SendRecv(const at::Tensor& send, int dst, at::Tensor& recv, int src, uint32_t tag) {
+  LTRAIN_RETURN_IF_ERROR(Send(send, dst, tag));
+  Status got = Recv(recv, src, tag);
+  Status sent = WaitSends();
+  LTRAIN_RETURN_IF_ERROR(got);
+  return sent;
+}
+
 Status ReformableCommunicator::Replace(std::unique_ptr<Communicator> inner) {
   if (inner == nullptr) return InvalidArgument("a re-formed group needs a communicator");
   if (inner_ != nullptr && (inner->rank() != inner_->rank() || inner->size() != inner_->size())) {

@@ -66,12 +66,23 @@ class Communicator {
   virtual Status Send(const at::Tensor& tensor, int dst, uint32_t tag) = 0;
   virtual Status Recv(at::Tensor& tensor, int src, uint32_t tag) = 0;
   virtual Status WaitSends() = 0;
+  // Sends `send` to `dst` and receives `recv` (preallocated) from `src` at once: the shift of a ring,
+  // where every rank sends to its successor and receives from its predecessor. Default: Send, Recv,
+  // WaitSends. NCCL posts both in one group: its sends complete only once the peer has posted the
+  // receive, so a ring of separate sends would wait on itself.
+  virtual Status SendRecv(const at::Tensor& send, int dst, at::Tensor& recv, int src, uint32_t tag);
 
   // Closes this rank's connections of the group, after one of its calls failed: peers still blocked
   // in a collective with this rank fail at once instead of at their timeout. Called with no call in
   // flight; the communicator serves no further call (a recovery puts a new one in its place, see
   // ReformableCommunicator). Default: nothing to close.
   virtual void Abort() {}
+
+  // Whether the operations enqueued so far can still complete: Unavailable, naming the failure, once
+  // the communicator was aborted (a peer failed, or a new membership was announced). Where calls
+  // return before their operation ran (NCCL), a caller that synchronized the device calls it before
+  // it uses their results. Default: calls report their own failures, nothing is pending.
+  virtual Status Health() { return Status::Ok(); }
 };
 
 // A communicator whose connections can be replaced under it: the model, the parameter store and the
@@ -107,7 +118,11 @@ class ReformableCommunicator final : public Communicator {
   Status Send(const at::Tensor& tensor, int dst, uint32_t tag) override { return inner_->Send(tensor, dst, tag); }
   Status Recv(at::Tensor& tensor, int src, uint32_t tag) override { return inner_->Recv(tensor, src, tag); }
   Status WaitSends() override { return inner_->WaitSends(); }
+  Status SendRecv(const at::Tensor& send, int dst, at::Tensor& recv, int src, uint32_t tag) override {
+    return inner_->SendRecv(send, dst, recv, src, tag);
+  }
   void Abort() override { inner_->Abort(); }
+  Status Health() override { return inner_->Health(); }
 
  private:
   std::unique_ptr<Communicator> inner_;

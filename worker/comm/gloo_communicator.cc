@@ -244,6 +244,35 @@ Status GlooCommunicator::Recv(at::Tensor& tensor, int src, uint32_t tag) {
   return Status::Ok();
 }
 
+Status GlooCommunicator::SendRecv(const at::Tensor& send, int dst, at::Tensor& recv, int src, uint32_t tag) {
+  for (int peer : {dst, src}) {
+    if (peer < 0 || peer >= size_ || peer == rank_) {
+      return InvalidArgument("send-receive with rank " + std::to_string(peer) + " in group " + group_ + " of " +
+                             std::to_string(size_));
+    }
+  }
+  if (!recv.is_contiguous()) return InvalidArgument("SendRecv needs a contiguous tensor to receive into");
+  ScopedCollective progress("send_recv", group_, Bytes(send) + Bytes(recv));
+  HostStage out(send);
+  HostStage in(recv);
+  try {
+    auto sending = context_->createUnboundBuffer(out.host.data_ptr(), static_cast<size_t>(Bytes(out.host)));
+    auto receiving = context_->createUnboundBuffer(in.host.data_ptr(), static_cast<size_t>(Bytes(in.host)));
+    sending->send(dst, P2pSlot(tag));
+    receiving->recv(src, P2pSlot(tag));
+    const bool got = receiving->waitRecv(nullptr, context_->getTimeout());
+    const bool sent = sending->waitSend(nullptr, context_->getTimeout());
+    if (!got || !sent) {
+      return Unavailable("gloo send-receive with ranks " + std::to_string(dst) + " and " + std::to_string(src) +
+                         " of group " + group_ + " was aborted");
+    }
+  } catch (const std::exception& e) {
+    return Failed("send-receive", e);
+  }
+  in.WriteBack();
+  return Status::Ok();
+}
+
 Status GlooCommunicator::WaitSends() {
   Status status;
   for (PendingSend& pending : pending_) {

@@ -51,6 +51,9 @@ class GlooCommunicator : public Communicator {
   Status Send(const at::Tensor& tensor, int dst, uint32_t tag) override;
   Status Recv(at::Tensor& tensor, int src, uint32_t tag) override;
   Status WaitSends() override;
+  // Both transfers straight from and into the callers' tensors (no copy kept for later, as Send's):
+  // the call returns once both are done.
+  Status SendRecv(const at::Tensor& send, int dst, at::Tensor& recv, int src, uint32_t tag) override;
   // Closes every connection of this context (gloo's closeConnections): a peer blocked in a collective
   // with this rank reads the end of its stream and fails at once.
   void Abort() override;

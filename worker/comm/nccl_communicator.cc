@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <exception>
+#include <thread>
 #include <vector>
 
 #include <unistd.h>
@@ -38,6 +39,21 @@ StatusOr<ncclDataType_t> NcclType(at::ScalarType type) {
   }
 }
 
+// A non-blocking communicator's call returns ncclInProgress until NCCL has taken it: polls its state
+// until then, or until `give_up` is set (an abort was asked) or `deadline` passed.
+Status Settle(ncclComm_t comm, ncclResult_t result, const char* what, std::chrono::steady_clock::time_point deadline,
+              const std::atomic<bool>* give_up) {
+  while (result == ncclInProgress) {
+    if (give_up != nullptr && give_up->load()) return Unavailable(std::string("nccl ") + what + ": the communicator is being aborted");
+    if (std::chrono::steady_clock::now() > deadline) {
+      return Unavailable(std::string("nccl ") + what + " did not complete within the collective timeout");
+    }
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+    if (ncclCommGetAsyncError(comm, &result) != ncclSuccess) break;
+  }
+  return Check(result, what);
+}
+
 Status CheckTensor(const at::Tensor& t) {
   if (!t.is_cuda()) return InvalidArgument("nccl collectives need CUDA tensors");
   if (!t.is_contiguous()) return InvalidArgument("nccl collectives need contiguous tensors");
@@ -49,7 +65,7 @@ Status CheckTensor(const at::Tensor& t) {
 StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(gloo::rendezvous::Store& store, int rank,
                                                                       int size, int device_index,
                                                                       std::chrono::milliseconds timeout,
-                                                                      std::string group) {
+                                                                      std::string group, bool recoverable) {
   if (cudaSetDevice(device_index) != cudaSuccess) {
     return Unavailable("cudaSetDevice(" + std::to_string(device_index) + ") failed");
   }
@@ -69,16 +85,20 @@ StatusOr<std::unique_ptr<NcclCommunicator>> NcclCommunicator::Create(gloo::rende
     return Unavailable(std::string("nccl: exchanging the unique id through the rendezvous store: ") + e.what());
   }
   ncclComm_t comm = nullptr;
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
   // Zero CTAs where NCCL can: all-gathers within symmetric windows (AllocateSymmetric) run on the
   // copy engines. Other collectives are as under the default policy.
-  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
   config.CTAPolicy = NCCL_CTA_POLICY_ZERO;
-  LTRAIN_RETURN_IF_ERROR(Check(ncclCommInitRankConfig(&comm, size, id, rank, &config), "CommInitRankConfig"));
-#else
-  LTRAIN_RETURN_IF_ERROR(Check(ncclCommInitRank(&comm, size, id, rank), "CommInitRank"));
 #endif
-  std::unique_ptr<NcclCommunicator> result(new NcclCommunicator(comm, rank, size, device_index, timeout, std::move(group)));
+  if (recoverable) config.blocking = 0;
+  const ncclResult_t init = ncclCommInitRankConfig(&comm, size, id, rank, &config);
+  if (Status s = Settle(comm, init, "CommInitRankConfig", std::chrono::steady_clock::now() + timeout, nullptr); !s.ok()) {
+    if (comm != nullptr) ncclCommAbort(comm);
+    return s;
+  }
+  std::unique_ptr<NcclCommunicator> result(
+      new NcclCommunicator(comm, rank, size, device_index, timeout, std::move(group), recoverable));
   NcclCommunicator* self = result.get();
   result->watchdog_ = std::thread([self] { self->Watch(); });
   return result;
@@ -96,11 +116,52 @@ NcclCommunicator::~NcclCommunicator() {
   }
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
   for (auto& [ptr, window] : windows_) {
-    if (comm_ != nullptr) ncclCommWindowDeregister(comm_, window);
+    if (comm_ != nullptr && window != nullptr) ncclCommWindowDeregister(comm_, window);
     ncclMemFree(ptr);
   }
 #endif
-  if (comm_ != nullptr) ncclCommDestroy(comm_);
+  // A recoverable communicator may have lost a peer: destroying it could wait for that peer.
+  if (comm_ != nullptr && recoverable_) {
+    ncclCommAbort(comm_);
+  } else if (comm_ != nullptr) {
+    ncclCommDestroy(comm_);
+  }
+}
+
+template <typename Call>
+Status NcclCommunicator::Enqueue(const char* what, Call&& call) {
+  std::lock_guard<std::mutex> lock(call_mu_);
+  if (comm_ == nullptr) return Unavailable(failure_);
+  const ncclResult_t result = call(comm_);
+  if (!recoverable_) return Check(result, what);
+  return Settle(comm_, result, what, std::chrono::steady_clock::now() + timeout_, &abort_requested_);
+}
+
+void NcclCommunicator::AbortWith(const std::string& why) {
+  abort_requested_ = true;
+  std::lock_guard<std::mutex> lock(call_mu_);
+  if (comm_ == nullptr) return;
+  failure_ = "nccl group " + group_ + " was aborted: " + why;
+#if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
+  // The windows go with the communicator; their memory is freed with this object.
+  for (auto& entry : windows_) entry.second = nullptr;
+#endif
+  ncclCommAbort(comm_);
+  comm_ = nullptr;
+}
+
+void NcclCommunicator::Abort() { AbortWith("a peer failed or a new membership was announced"); }
+
+Status NcclCommunicator::Health() {
+  std::lock_guard<std::mutex> lock(call_mu_);
+  if (comm_ == nullptr) return Unavailable(failure_);
+  ncclResult_t async_error = ncclSuccess;
+  if (ncclCommGetAsyncError(comm_, &async_error) == ncclSuccess && async_error != ncclSuccess &&
+      async_error != ncclInProgress) {
+    return Unavailable(std::string("nccl group ") + group_ + " reported an asynchronous error: " +
+                       ncclGetErrorString(async_error));
+  }
+  return Status::Ok();
 }
 
 StatusOr<at::Tensor> NcclCommunicator::AllocateSymmetric(int64_t bytes) {
@@ -110,8 +171,11 @@ StatusOr<at::Tensor> NcclCommunicator::AllocateSymmetric(int64_t bytes) {
   void* ptr = nullptr;
   LTRAIN_RETURN_IF_ERROR(Check(ncclMemAlloc(&ptr, static_cast<size_t>(bytes)), "MemAlloc"));
   ncclWindow_t window = nullptr;
-  if (Status s = Check(ncclCommWindowRegister(comm_, ptr, static_cast<size_t>(bytes), &window, NCCL_WIN_COLL_SYMMETRIC),
-                       "CommWindowRegister");
+  if (Status s = Enqueue("CommWindowRegister",
+                         [&](ncclComm_t comm) {
+                           return ncclCommWindowRegister(comm, ptr, static_cast<size_t>(bytes), &window,
+                                                         NCCL_WIN_COLL_SYMMETRIC);
+                         });
       !s.ok()) {
     ncclMemFree(ptr);
     return s;
@@ -151,19 +215,33 @@ void NcclCommunicator::Watch() {
         in_flight_.pop_front();
       }
       const auto now = std::chrono::steady_clock::now();
-      if (!in_flight_.empty() && now - in_flight_.front().start > timeout_) {
+      if (abort_requested_) {
+        // Aborted: the ended operations' events complete and leave the queue; nothing more to judge.
+      } else if (!in_flight_.empty() && now - in_flight_.front().start > timeout_) {
         const InFlight& op = in_flight_.front();
         failure = "nccl " + op.op + " #" + std::to_string(op.seq) + " of " + group_ + " (a group of " + std::to_string(size_) +
                   " ranks, this rank " + std::to_string(rank_) + ") did not finish within " +
                   std::to_string(timeout_.count() / 1000) +
                   " s (fault.collective_timeout_s); a peer rank may have died or hung";
       }
-      ncclResult_t async_error = ncclSuccess;
-      if (failure.empty() && ncclCommGetAsyncError(comm_, &async_error) == ncclSuccess && async_error != ncclSuccess) {
-        failure = std::string("nccl reported an asynchronous error: ") + ncclGetErrorString(async_error);
+      if (failure.empty() && !abort_requested_) {
+        // A blocking communicator's comm_ never changes while the watchdog runs; a recoverable one's
+        // is read under call_mu_, which its calls never hold for long.
+        std::unique_lock<std::mutex> call_lock(call_mu_, std::defer_lock);
+        if (recoverable_) call_lock.lock();
+        ncclResult_t async_error = ncclSuccess;
+        if (comm_ != nullptr && ncclCommGetAsyncError(comm_, &async_error) == ncclSuccess &&
+            async_error != ncclSuccess && async_error != ncclInProgress) {
+          failure = std::string("nccl reported an asynchronous error: ") + ncclGetErrorString(async_error);
+        }
       }
     }
-    if (!failure.empty()) {
+    if (!failure.empty() && recoverable_) {
+      std::fprintf(stderr, "ltrain-worker: rank %d: error: %s; aborting the communicator, the rank waits for the next membership\n",
+                   rank_, failure.c_str());
+      std::fflush(stderr);
+      AbortWith(failure);
+    } else if (!failure.empty()) {
       std::fprintf(stderr, "ltrain-worker: rank %d: error: %s; aborting the communicator\n", rank_, failure.c_str());
       std::fflush(stderr);
       std::fflush(stdout);
@@ -180,8 +258,9 @@ Status NcclCommunicator::AllReduce(at::Tensor& tensor, ncclRedOp_t op) {
   LTRAIN_ASSIGN_OR_RETURN(ncclDataType_t type, NcclType(tensor.scalar_type()));
   c10::cuda::CUDAGuard guard(tensor.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
-  LTRAIN_RETURN_IF_ERROR(Check(ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type,
-                             op, comm_, stream), "AllReduce"));
+  LTRAIN_RETURN_IF_ERROR(Enqueue("AllReduce", [&](ncclComm_t comm) {
+    return ncclAllReduce(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type, op, comm, stream);
+  }));
   return Track("all_reduce", stream, tensor.nbytes());
 }
 
@@ -197,8 +276,9 @@ Status NcclCommunicator::Broadcast(at::Tensor& tensor, int root) {
   LTRAIN_ASSIGN_OR_RETURN(ncclDataType_t type, NcclType(tensor.scalar_type()));
   c10::cuda::CUDAGuard guard(tensor.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
-  LTRAIN_RETURN_IF_ERROR(Check(ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type,
-                             root, comm_, stream), "Broadcast"));
+  LTRAIN_RETURN_IF_ERROR(Enqueue("Broadcast", [&](ncclComm_t comm) {
+    return ncclBroadcast(tensor.data_ptr(), tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type, root, comm, stream);
+  }));
   return Track("broadcast", stream, tensor.nbytes());
 }
 
@@ -211,8 +291,9 @@ Status NcclCommunicator::AllGather(const at::Tensor& input, at::Tensor& output) 
   LTRAIN_ASSIGN_OR_RETURN(ncclDataType_t type, NcclType(input.scalar_type()));
   c10::cuda::CUDAGuard guard(input.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(input.device().index()).stream();
-  LTRAIN_RETURN_IF_ERROR(Check(ncclAllGather(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()), type,
-                             comm_, stream), "AllGather"));
+  LTRAIN_RETURN_IF_ERROR(Enqueue("AllGather", [&](ncclComm_t comm) {
+    return ncclAllGather(input.data_ptr(), output.data_ptr(), static_cast<size_t>(input.numel()), type, comm, stream);
+  }));
   return Track("all_gather", stream, output.nbytes());
 }
 
@@ -225,8 +306,10 @@ Status NcclCommunicator::ReduceScatter(const at::Tensor& input, at::Tensor& outp
   LTRAIN_ASSIGN_OR_RETURN(ncclDataType_t type, NcclType(input.scalar_type()));
   c10::cuda::CUDAGuard guard(input.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(input.device().index()).stream();
-  LTRAIN_RETURN_IF_ERROR(Check(ncclReduceScatter(input.data_ptr(), output.data_ptr(), static_cast<size_t>(output.numel()), type,
-                                 op, comm_, stream), "ReduceScatter"));
+  LTRAIN_RETURN_IF_ERROR(Enqueue("ReduceScatter", [&](ncclComm_t comm) {
+    return ncclReduceScatter(input.data_ptr(), output.data_ptr(), static_cast<size_t>(output.numel()), type, op, comm,
+                             stream);
+  }));
   return Track("reduce_scatter", stream, input.nbytes());
 }
 
@@ -245,7 +328,9 @@ Status NcclCommunicator::Send(const at::Tensor& tensor, int dst, uint32_t /*tag*
   c10::cuda::CUDAGuard guard(tensor.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
   pending_.push_back(tensor);
-  LTRAIN_RETURN_IF_ERROR(Check(ncclSend(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type, dst, comm_, stream), "Send"));
+  LTRAIN_RETURN_IF_ERROR(Enqueue("Send", [&](ncclComm_t comm) {
+    return ncclSend(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type, dst, comm, stream);
+  }));
   return Track("send", stream, tensor.nbytes());
 }
 
@@ -254,8 +339,33 @@ Status NcclCommunicator::Recv(at::Tensor& tensor, int src, uint32_t /*tag*/) {
   LTRAIN_ASSIGN_OR_RETURN(ncclDataType_t type, NcclType(tensor.scalar_type()));
   c10::cuda::CUDAGuard guard(tensor.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(tensor.device().index()).stream();
-  LTRAIN_RETURN_IF_ERROR(Check(ncclRecv(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type, src, comm_, stream), "Recv"));
+  LTRAIN_RETURN_IF_ERROR(Enqueue("Recv", [&](ncclComm_t comm) {
+    return ncclRecv(tensor.data_ptr(), static_cast<size_t>(tensor.numel()), type, src, comm, stream);
+  }));
   return Track("recv", stream, tensor.nbytes());
+}
+
+Status NcclCommunicator::SendRecv(const at::Tensor& send, int dst, at::Tensor& recv, int src, uint32_t /*tag*/) {
+  LTRAIN_RETURN_IF_ERROR(CheckTensor(send));
+  LTRAIN_RETURN_IF_ERROR(CheckTensor(recv));
+  LTRAIN_ASSIGN_OR_RETURN(ncclDataType_t send_type, NcclType(send.scalar_type()));
+  LTRAIN_ASSIGN_OR_RETURN(ncclDataType_t recv_type, NcclType(recv.scalar_type()));
+  c10::cuda::CUDAGuard guard(send.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(send.device().index()).stream();
+  LTRAIN_RETURN_IF_ERROR(Enqueue("SendRecv", [&](ncclComm_t comm) {
+    ncclResult_t result = ncclGroupStart();
+    if (result != ncclSuccess) return result;
+    ncclResult_t sent = ncclSend(send.data_ptr(), static_cast<size_t>(send.numel()), send_type, dst, comm, stream);
+    ncclResult_t got = ncclRecv(recv.data_ptr(), static_cast<size_t>(recv.numel()), recv_type, src, comm, stream);
+    result = ncclGroupEnd();
+    if (sent != ncclSuccess) return sent;
+    if (got != ncclSuccess) return got;
+    return result;
+  }));
+  LTRAIN_RETURN_IF_ERROR(Track("send_recv", stream, send.nbytes() + recv.nbytes()));
+  // The caller may reuse `send` at once, as with the other backends.
+  c10::cuda::getCurrentCUDAStream(device_).synchronize();
+  return Health();
 }
 
 Status NcclCommunicator::WaitSends() {

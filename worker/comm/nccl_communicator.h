@@ -12,11 +12,19 @@
 // waited how long, calls ncclCommAbort (which unblocks the stream) and exits the process with code 1:
 // a peer that vanished makes the rank fail with a clear error instead of hanging forever.
 //
+// Recoverable (fault.recovery in_place): a failure does not end the process. The communicator is
+// then made non-blocking (every NCCL call returns at once, so that Abort from another thread, the
+// recovery's membership watch, never waits behind a call stuck on a dead peer); on a timeout or an
+// asynchronous error the watchdog aborts it instead of exiting, the aborted operations end, and every
+// later call, Health() included, returns Unavailable naming the failure: the trainer re-forms its
+// groups (worker/recovery) instead of using what the aborted step computed.
+//
 // Every operation is also reported to Progress::Global() with the group's name, as Gloo's are: it
 // begins when enqueued and ends when the watchdog sees its event complete (within ~100 ms), so a
 // hang report on GPUs names the stuck rank and the collective the others wait in.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <deque>
@@ -40,7 +48,8 @@ class NcclCommunicator : public Communicator {
   static StatusOr<std::unique_ptr<NcclCommunicator>> Create(gloo::rendezvous::Store& store, int rank,
                                                             int size, int device_index,
                                                             std::chrono::milliseconds timeout,
-                                                            std::string group = "world");
+                                                            std::string group = "world",
+                                                            bool recoverable = false);
   ~NcclCommunicator() override;
 
   int rank() const override { return rank_; }
@@ -62,6 +71,12 @@ class NcclCommunicator : public Communicator {
   Status Send(const at::Tensor& tensor, int dst, uint32_t tag) override;
   Status Recv(at::Tensor& tensor, int src, uint32_t tag) override;
   Status WaitSends() override;
+  // One NCCL group of the send and the receive.
+  Status SendRecv(const at::Tensor& send, int dst, at::Tensor& recv, int src, uint32_t tag) override;
+  // ncclCommAbort: the operations in flight end (unfinished), later calls fail. Any thread, any
+  // time; a second call does nothing.
+  void Abort() override;
+  Status Health() override;
 
  private:
   struct InFlight {
@@ -73,8 +88,20 @@ class NcclCommunicator : public Communicator {
   };
 
   NcclCommunicator(ncclComm_t comm, int rank, int size, int device, std::chrono::milliseconds timeout,
-                   std::string group)
-      : comm_(comm), timeout_(timeout), rank_(rank), size_(size), device_(device), group_(std::move(group)) {}
+                   std::string group, bool recoverable)
+      : comm_(comm),
+        timeout_(timeout),
+        rank_(rank),
+        size_(size),
+        device_(device),
+        group_(std::move(group)),
+        recoverable_(recoverable) {}
+  // Makes one NCCL call on comm_ (`call` returns its result) under call_mu_, and on a non-blocking
+  // communicator waits until NCCL has taken it; Unavailable once the communicator was aborted.
+  template <typename Call>
+  Status Enqueue(const char* what, Call&& call);
+  // Aborts comm_ (under call_mu_), keeping `why` as what later calls report.
+  void AbortWith(const std::string& why);
   // In-place all-reduce with `op` on the current stream.
   Status AllReduce(at::Tensor& tensor, ncclRedOp_t op);
   Status ReduceScatter(const at::Tensor& input, at::Tensor& output, ncclRedOp_t op);
@@ -82,7 +109,12 @@ class NcclCommunicator : public Communicator {
   Status Track(const char* op, cudaStream_t stream, int64_t bytes);
   void Watch();
 
+  // Guards comm_ (null once aborted) and failure_; held by each NCCL call, never across a wait on
+  // the device. abort_requested_ makes a call waiting for a non-blocking communicator give way.
+  std::mutex call_mu_;
   ncclComm_t comm_;
+  std::string failure_;
+  std::atomic<bool> abort_requested_{false};
   std::chrono::milliseconds timeout_;
   std::mutex mu_;
   std::deque<InFlight> in_flight_;
@@ -93,6 +125,7 @@ class NcclCommunicator : public Communicator {
   int size_;
   int device_;
   std::string group_;
+  bool recoverable_;
   std::vector<at::Tensor> pending_;  // sent tensors kept alive until WaitSends
 #if NCCL_VERSION_CODE >= NCCL_VERSION(2, 28, 0)
   std::vector<std::pair<void*, ncclWindow_t>> windows_;  // AllocateSymmetric's, freed with the communicator

@@ -75,6 +75,10 @@ class MemoryCopies {
 
   int64_t bytes() const { return bytes_; }     // of one copy of this rank's shard
   double last_take_ms() const { return last_take_ms_; }
+  // Over the run so far: the copies taken, their time, and the time of the steps noted.
+  int taken() const { return taken_; }
+  double taken_ms() const { return taken_ms_; }
+  double noted_steps_ms() const { return noted_steps_ms_; }
 
   // The tag of the copies' messages (distinct from the pipeline's).
   static constexpr uint32_t kTag = 0x4d430000u;
@@ -97,6 +101,8 @@ class MemoryCopies {
   at::Device device_ = at::Device(at::kCPU);  // of the state (CUDA: the copies travel from device memory)
   int64_t bytes_ = 0;
   double last_take_ms_ = 0;
+  int taken_ = 0;
+  double taken_ms_ = 0, noted_steps_ms_ = 0;
   double step_ms_sum_ = 0;  // of the steps noted since the last copies
   int steps_noted_ = 0;
   // The ranks' mean times (all-reduced, so the same on every rank) summed over the copies since the

@@ -45,8 +45,24 @@ StatusOr<SyncPlan> PlanSync(const std::vector<MemberState>& members, const std::
   return plan;
 }
 
-Recovery::Recovery(Hooks hooks, int rank, int epoch, std::chrono::milliseconds timeout)
-    : hooks_(std::move(hooks)), rank_(rank), epoch_(epoch), replacement_(epoch > 0), timeout_(timeout) {}
+Status BroadcastHost(Communicator& comm, at::Tensor& host, int root, const at::Device& device) {
+  if (!device.is_cuda()) return comm.Broadcast(host, root);
+  at::Tensor staged = host.to(device);
+  LTRAIN_RETURN_IF_ERROR(comm.Broadcast(staged, root));
+  host.copy_(staged);
+  return comm.Health();
+}
+
+Status AllGatherHost(Communicator& comm, const at::Tensor& host, at::Tensor& out, const at::Device& device) {
+  if (!device.is_cuda()) return comm.AllGather(host, out);
+  at::Tensor gathered = at::empty(out.sizes(), out.options().device(device));
+  LTRAIN_RETURN_IF_ERROR(comm.AllGather(host.to(device), gathered));
+  out.copy_(gathered);
+  return comm.Health();
+}
+
+Recovery::Recovery(Hooks hooks, int rank, int epoch, std::chrono::milliseconds timeout, at::Device device)
+    : hooks_(std::move(hooks)), rank_(rank), epoch_(epoch), replacement_(epoch > 0), timeout_(timeout), device_(device) {}
 
 bool Recovery::Recoverable(const Status& failure) { return failure.code() == StatusCode::kUnavailable; }
 
@@ -82,7 +98,7 @@ Status Recovery::Reform(const Status& failure) {
 StatusOr<SyncPlan> Recovery::Agree(Communicator& world, int64_t step, const std::vector<std::vector<int>>& replicas) {
   at::Tensor mine = at::tensor({step, static_cast<int64_t>(replacement_ ? 0 : 1)}, at::kLong);
   at::Tensor all = at::empty({2 * world.size()}, at::kLong);
-  LTRAIN_RETURN_IF_ERROR(world.AllGather(mine, all));
+  LTRAIN_RETURN_IF_ERROR(AllGatherHost(world, mine, all, device_));
   std::vector<MemberState> members(static_cast<size_t>(world.size()));
   const int64_t* v = all.data_ptr<int64_t>();
   for (size_t r = 0; r < members.size(); ++r) members[r] = MemberState{v[2 * r], v[2 * r + 1] != 0};
@@ -96,7 +112,7 @@ Status Recovery::AgreeCopies(Communicator& world, int64_t step, const CopySteps&
                                mine.held[0], mine.held[1]},
                               at::kLong);
   at::Tensor all = at::empty({kFields * world.size()}, at::kLong);
-  LTRAIN_RETURN_IF_ERROR(world.AllGather(own, all));
+  LTRAIN_RETURN_IF_ERROR(AllGatherHost(world, own, all, device_));
   has_state->assign(static_cast<size_t>(world.size()), false);
   members->assign(static_cast<size_t>(world.size()), CopySteps{});
   *newest = 0;

@@ -49,6 +49,12 @@ struct SyncPlan {
 // holds a state at that step: every copy of its part was lost.
 StatusOr<SyncPlan> PlanSync(const std::vector<MemberState>& members, const std::vector<std::vector<int>>& replicas);
 
+// Collectives of host tensors (steps, data positions, RNG states) over a group whose backend takes
+// device tensors (NCCL): staged through `device` and back, the result checked with Health() (the
+// device copy back waited for the collective). On a CPU device, the collective itself.
+Status BroadcastHost(Communicator& comm, at::Tensor& host, int root, const at::Device& device);
+Status AllGatherHost(Communicator& comm, const at::Tensor& host, at::Tensor& out, const at::Device& device);
+
 class Recovery {
  public:
   struct Hooks {
@@ -62,8 +68,9 @@ class Recovery {
   };
 
   // `epoch`: the membership this rank runs in now. `timeout`: how long a survivor waits for the next
-  // one (the coordinator restarts the job instead when it cannot replace the failed rank).
-  Recovery(Hooks hooks, int rank, int epoch, std::chrono::milliseconds timeout);
+  // one (the coordinator restarts the job instead when it cannot replace the failed rank). `device`:
+  // where the ranks' collectives take their tensors.
+  Recovery(Hooks hooks, int rank, int epoch, std::chrono::milliseconds timeout, at::Device device = at::kCPU);
 
   // A step that failed this way may be recovered: a collective failed because a peer went away.
   static bool Recoverable(const Status& failure);
@@ -94,6 +101,7 @@ class Recovery {
   int epoch_;
   bool replacement_;
   std::chrono::milliseconds timeout_;
+  at::Device device_;
   int recoveries_ = 0;
 };
 

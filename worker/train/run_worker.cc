@@ -1,12 +1,14 @@
 #include "worker/train/run_worker.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <cerrno>
 #include <filesystem>
+#include <mutex>
 #include <optional>
 #include <thread>
 
@@ -80,11 +82,26 @@ struct Connection {
   std::shared_ptr<gloo::rendezvous::Store> store;  // the membership's: `base`, or its "epoch/E" part
   std::unique_ptr<Communicator> world;
   ProcessGroups groups;
+  // In place: the membership the communicators belong to, and the newest whose were aborted (-1:
+  // none); guarded by `mu` with the communicators' swap (AdoptConnections) and their abort.
+  std::mutex mu;
+  int epoch = 0;
+  int aborted_epoch = -1;
 };
+
+// Closes the connections of `conn`'s membership (every group's Communicator::Abort), once.
+void AbortConnections(Connection& conn) {
+  std::lock_guard<std::mutex> lock(conn.mu);
+  if (conn.aborted_epoch == conn.epoch) return;
+  conn.aborted_epoch = conn.epoch;
+  conn.world->Abort();
+  for (auto& comm : conn.groups.owned) comm->Abort();
+}
 
 StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe& recipe, [[maybe_unused]] bool dp_side_stream,
                                               int epoch, bool reformable) {
   auto conn = std::make_unique<Connection>();
+  conn->epoch = epoch;
   LTRAIN_ASSIGN_OR_RETURN(Layout layout, PlanLayout(recipe, env.world_size));
   if (env.world_size == 1) {
     conn->world = std::make_unique<SelfCommunicator>();
@@ -119,15 +136,17 @@ StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe
       // concurrently"), read once, before the first communicator. A value set by the user stays.
       setenv("NCCL_LAUNCH_ORDER_IMPLICIT", "1", /*overwrite=*/0);
     }
-    auto nccl = NcclCommunicator::Create(*conn->store, env.rank, env.world_size, env.local_rank, timeout);
+    auto nccl = NcclCommunicator::Create(*conn->store, env.rank, env.world_size, env.local_rank, timeout, "world",
+                                         /*recoverable=*/reformable);
     if (!nccl.ok()) return nccl.status();
     conn->world = wrap(std::move(nccl).value());
     Connection* c = conn.get();
     const int local_rank = env.local_rank;
-    make = [c, local_rank, timeout, wrap](const Group& group, int group_rank) -> StatusOr<std::unique_ptr<Communicator>> {
+    make = [c, local_rank, timeout, wrap, reformable](const Group& group,
+                                                      int group_rank) -> StatusOr<std::unique_ptr<Communicator>> {
       std::unique_ptr<gloo::rendezvous::Store> prefixed = PrefixedView("group/" + group.name, *c->store);
       auto comm = NcclCommunicator::Create(*prefixed, group_rank, static_cast<int>(group.ranks.size()), local_rank,
-                                           timeout, group.name);
+                                           timeout, group.name, /*recoverable=*/reformable);
       if (!comm.ok()) return comm.status();
       return wrap(std::move(comm).value());
     };
@@ -207,13 +226,68 @@ Status AdoptConnections(Connection& old, Connection& fresh) {
     return Internal("the re-formed membership has " + std::to_string(fresh.groups.owned.size()) + " groups, not " +
                     std::to_string(old.groups.owned.size()));
   }
+  std::lock_guard<std::mutex> lock(old.mu);
   LTRAIN_RETURN_IF_ERROR(adopt(old.world.get(), fresh.world.get()));
   for (size_t i = 0; i < old.groups.owned.size(); ++i) {
     LTRAIN_RETURN_IF_ERROR(adopt(old.groups.owned[i].get(), fresh.groups.owned[i].get()));
   }
   old.store = fresh.store;
+  old.epoch = fresh.epoch;
   return Status::Ok();
 }
+
+// On GPUs a peer that died leaves the others waiting inside their collectives: NCCL sees no closed
+// connection, as Gloo does, until its timeout. The coordinator, told of the death by the peer's
+// agent, announces the next membership as it replaces the rank; this thread waits for that key on a
+// store connection of its own and aborts the connections of the membership it ends. The step in
+// flight then fails (Trainer::CheckGroupsBeforeUpdate, or its next call) and the rank re-forms
+// (Recovery::Reform). It looks again every second: a rank ends at most that much later.
+class MembershipWatch {
+ public:
+  MembershipWatch(Connection* conn, std::shared_ptr<gloo::rendezvous::Store> store, int rank)
+      : conn_(conn), store_(std::move(store)), rank_(rank), thread_([this] { Run(); }) {}
+  ~MembershipWatch() {
+    stop_ = true;
+    thread_.join();
+  }
+
+ private:
+  void Run() {
+    while (!stop_) {
+      int current = 0;
+      bool aborted = false;
+      {
+        std::lock_guard<std::mutex> lock(conn_->mu);
+        current = conn_->epoch;
+        aborted = conn_->aborted_epoch == current;
+      }
+      if (aborted) {  // the rank is re-forming: the next connections come with the next epoch
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        continue;
+      }
+      const std::string key = "membership/" + std::to_string(current + 1);
+      try {
+        store_->wait({key}, std::chrono::seconds(1));
+      } catch (const std::exception&) {
+        continue;  // not yet (or the store did not answer): look again
+      }
+      {
+        std::lock_guard<std::mutex> lock(conn_->mu);
+        if (conn_->epoch != current) continue;  // re-formed meanwhile: those connections are current
+      }
+      std::printf("rank %d: membership %d was announced: closing the connections of membership %d\n", rank_,
+                  current + 1, current);
+      std::fflush(stdout);
+      AbortConnections(*conn_);
+    }
+  }
+
+  Connection* conn_;
+  std::shared_ptr<gloo::rendezvous::Store> store_;
+  int rank_;
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
+};
 
 // The recovery's hooks over this process's connections (worker/recovery).
 std::unique_ptr<Recovery> MakeRecovery(const WorkerEnv& env, const Recipe& recipe, bool dp_side_stream, Connection* conn,
@@ -224,8 +298,7 @@ std::unique_ptr<Recovery> MakeRecovery(const WorkerEnv& env, const Recipe& recip
   const double pause_s = env.epoch == 0 ? std::atof(EnvString("LTRAIN_FAULT_PAUSE_RECOVERY").c_str()) : 0.0;
   hooks.abort = [conn, kill_in_recovery, rank = env.rank, pause_s] {
     if (kill_in_recovery) KillForDrill(rank, "as it begins to recover");
-    conn->world->Abort();
-    for (auto& comm : conn->groups.owned) comm->Abort();
+    AbortConnections(*conn);
     if (pause_s > 0) {
       std::printf("rank %d: pausing %.1f s as it begins to recover (LTRAIN_FAULT_PAUSE_RECOVERY)\n", rank, pause_s);
       std::fflush(stdout);
@@ -248,7 +321,10 @@ std::unique_ptr<Recovery> MakeRecovery(const WorkerEnv& env, const Recipe& recip
                             Connect(env, recipe, dp_side_stream, epoch, /*reformable=*/true));
     return AdoptConnections(*conn, *fresh);
   };
-  auto recovery = std::make_unique<Recovery>(std::move(hooks), env.rank, epoch, CollectiveTimeout(recipe));
+  const at::Device device = recipe.parallel.device == Device::kCuda
+                                ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank))
+                                : at::Device(at::kCPU);
+  auto recovery = std::make_unique<Recovery>(std::move(hooks), env.rank, epoch, CollectiveTimeout(recipe), device);
   if (env.epoch == 0) recovery->Synced();  // a rank of the generation's start holds its own state
   return recovery;
 }
@@ -450,6 +526,12 @@ Status Run(const WorkerEnv& env) {
   if (in_place) {
     recovery = MakeRecovery(env, recipe, options.dp_side_stream, conn.get(), epoch, drill.in_recovery);
     options.recovery = recovery.get();
+  }
+  std::unique_ptr<MembershipWatch> watch;
+  if (in_place && recipe.parallel.device == Device::kCuda) {
+    LTRAIN_ASSIGN_OR_RETURN(std::shared_ptr<gloo::rendezvous::Store> store,
+                            ConnectRendezvousStore(env.rdzv, env.rdzv_scope, env.agent_secret));
+    watch = std::make_unique<MembershipWatch>(conn.get(), std::move(store), env.rank);
   }
   // Every rank says it is up: the first line of each rank's log, and proof of the rendezvous.
   std::printf("rank %d/%d up: pid %d, %d CPU thread(s), connected to %d peer(s) in %.0f ms\n", env.rank,

@@ -179,6 +179,10 @@ class Trainer {
   // Under ZeRO (copies_): the members go back to the newest step of which every shard survives in a
   // peer's memory or their own, a replacement receiving its shard from the peer holding its copy.
   Status SyncShards();
+  // Before the update uses what the step's collectives brought: on a device whose communicator's
+  // calls return before their operations ran (NCCL), waits for the device, and fails Unavailable
+  // where a group was aborted meanwhile (a peer died): the state stays that of the step before.
+  Status CheckGroupsBeforeUpdate();
   // This rank's shard, step, data position and RNG into its host memory and its successor's (MemoryCopies).
   Status TakeCopies();
   // What a copy brings back beside the shard: [step, data position, copies' interval, the step it is

@@ -37,7 +37,7 @@ Status Trainer::SyncState() {
   if (plan.needed) {
     Progress::Global().SetPhase(step_, "recovery");
     torch::Tensor position = torch::tensor({step_, data_position_}, torch::kLong);
-    LTRAIN_RETURN_IF_ERROR(groups_->world->Broadcast(position, plan.source));
+    LTRAIN_RETURN_IF_ERROR(BroadcastHost(*groups_->world, position, plan.source, device_));
     // The CPU generator's state (data.sampling torch draws from its own): what a checkpoint keeps too.
     at::Generator gen = at::detail::getDefaultCPUGenerator();
     torch::Tensor rng;
@@ -45,7 +45,7 @@ Status Trainer::SyncState() {
       std::lock_guard<std::mutex> lock(gen.mutex());
       rng = gen.get_state().clone();
     }
-    LTRAIN_RETURN_IF_ERROR(groups_->world->Broadcast(rng, plan.source));
+    LTRAIN_RETURN_IF_ERROR(BroadcastHost(*groups_->world, rng, plan.source, device_));
     // Each data-parallel group from its own source: the replicas of this rank's tp and pp part.
     const int source = plan.source_of[static_cast<size_t>(rank)];
     LTRAIN_RETURN_IF_ERROR(store_->BroadcastState(GroupOf(layout_, GroupKind::kData, rank).RankOf(source)));
@@ -78,6 +78,15 @@ Status Trainer::SyncState() {
     }
   }
   recovery.Synced();
+  return Status::Ok();
+}
+
+Status Trainer::CheckGroupsBeforeUpdate() {
+  if (!device_.is_cuda()) return Status::Ok();  // Gloo's calls return once done, or with their failure
+  compat::Synchronize(device_);
+  for (Communicator* group : {groups_->world, groups_->tp, groups_->dp, groups_->pp, groups_->embedding}) {
+    LTRAIN_RETURN_IF_ERROR(group->Health());
+  }
   return Status::Ok();
 }
 
@@ -129,7 +138,7 @@ Status Trainer::SyncShards() {
     return Internal("rank " + std::to_string(rank) + " lost its own copy of step " + std::to_string(plan.step));
   }
   // Step, data position and RNG as the copies were taken (the same on every member that took them).
-  for (torch::Tensor& t : meta) LTRAIN_RETURN_IF_ERROR(groups_->world->Broadcast(t, plan.meta_source));
+  for (torch::Tensor& t : meta) LTRAIN_RETURN_IF_ERROR(BroadcastHost(*groups_->world, t, plan.meta_source, device_));
   const int64_t before = step_;
   const bool replacement = recovery.replacement();
   const int64_t* position = meta[0].data_ptr<int64_t>();
