@@ -249,6 +249,12 @@ std::string FormatJobDetail(const v1::Job& job, int64_t now_unix_ms) {
             static_cast<double>(job.checkpoint_save_bytes()) / 1e9);
   }
   if (job.checkpoint_load_ms() > 0) Appendf(&out, "last load:      %.1f s\n", job.checkpoint_load_ms() / 1000.0);
+  if (job.members_size() > 0) {
+    std::string members;
+    for (int32_t r : job.members()) members += (members.empty() ? "" : ",") + std::to_string(r);
+    Appendf(&out, "members:        ranks %s go on (the others left with a lost node; membership epoch %d)\n",
+            members.c_str(), job.membership_epoch());
+  }
   if (job.recoveries() > 0) {
     Appendf(&out, "in place:       %d recover%s, work lost: %lld step%s; the last took %.1f s (failure to next step)\n",
             job.recoveries(), job.recoveries() == 1 ? "y" : "ies", static_cast<long long>(job.lost_steps()),

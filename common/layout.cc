@@ -119,6 +119,23 @@ StatusOr<Layout> PlanLayout(const Recipe& recipe, int world_size) {
   return layout;
 }
 
+std::string ShrinkProblem(const Recipe& recipe, int world_size, int members) {
+  if (std::string problem = InPlaceRecoveryProblem(recipe, world_size); !problem.empty()) return problem;
+  StatusOr<Layout> layout = PlanLayout(recipe, world_size);
+  if (!layout.ok()) return layout.status().message();
+  if (!layout->plain()) {
+    return "only plain data parallelism (no parallel.tp, parallel.pp or parallel.zero) goes on with fewer ranks so far";
+  }
+  if (members < 1) return "no rank is left";
+  const int micro_batches = layout->global_batch / layout->micro_batch;
+  if (micro_batches % members != 0) {
+    return "the global batch's " + std::to_string(micro_batches) + " micro-batches (training.global_batch " +
+           std::to_string(layout->global_batch) + " / training.micro_batch " + std::to_string(layout->micro_batch) +
+           ") do not divide among the " + std::to_string(members) + " ranks left";
+  }
+  return "";
+}
+
 std::vector<int> StageLayers(int layers, int stages, const std::vector<int>& split) {
   if (!split.empty()) return split;
   std::vector<int> out(stages, layers / stages);

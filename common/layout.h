@@ -64,6 +64,12 @@ StatusOr<Layout> PlanLayout(const Recipe& recipe, int world_size);
 // pipeline stages (their sends in flight across a re-formed group are not yet).
 std::string InPlaceRecoveryProblem(const Recipe& recipe, int world_size);
 
+// Why `recipe`, started on `world_size` ranks, cannot go on in place with `members` of them when the
+// others left and none can be replaced (their node is lost); empty when it can: plain data
+// parallelism, every member holding the whole state, and the global batch's micro-batches shared
+// evenly among the members (more accumulation each), so that the optimizer sees the same batch.
+std::string ShrinkProblem(const Recipe& recipe, int world_size, int members);
+
 // Layers per virtual pipeline stage: `split` when given, otherwise balanced, the earlier stages
 // taking one more when the division leaves a remainder. CheckLayout's rules make it well defined.
 std::vector<int> StageLayers(int layers, int stages, const std::vector<int>& split);

@@ -302,8 +302,10 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
                   .help = "when a rank fails: restart, every rank starts again from the last commit; in_place, the "
                           "other ranks keep their processes, only the failed rank is started again, it takes its "
                           "state from a data-parallel peer's memory and the step in flight is redone ("
-                          "parallel.dp 2 or more, parallel.zero 0 to 2, no pp; other jobs restart); each replacement "
-                          "counts against fault.max_restarts",
+                          "parallel.dp 2 or more, parallel.zero 0 to 2, no pp; other jobs restart); where the failed "
+                          "ranks' node is lost and none takes them, a plain data-parallel job goes on with the ranks "
+                          "left, each taking more of the global batch's micro-batches; each replacement counts "
+                          "against fault.max_restarts",
                   .omit_at_default = true},
         r.fault.recovery);
   visit(RecipeKey{.section = "fault", .name = "memory_checkpoint_every",

@@ -169,6 +169,9 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
   job.job.set_membership_epoch(0);
   job.job.clear_replacing_rank();
   job.replacing_rank = -1;
+  job.members.clear();
+  job.job.clear_members();
+  job.shrunk_since_ms = -1;
   writer_.Enqueue("clear the ranks of " + job.job.id(),
                   [id = job.job.id()](StateStore& store) { return store.ClearRanks(id); });
   job.ranks.clear();
@@ -570,7 +573,9 @@ void Coordinator::ApplyProgressLocked(ActiveJob& job, const v1::RankProgress& re
   if (!added && report.seq() < progress.report.seq()) return;
   progress.report = report;
   progress.received_ms = clock_->SteadyMs();
-  if (job.replacing_rank == report.rank()) NoteRecoveryProgressLocked(job, report);
+  if (job.replacing_rank == report.rank() || (job.replacing_rank < 0 && job.shrunk_since_ms >= 0)) {
+    NoteRecoveryProgressLocked(job, report);
+  }
   if (report.stopped_after_checkpoint()) job.stopped_early = true;
   if (report.rank() == 0 && report.save_ms() > 0) {
     job.job.set_checkpoint_save_ms(report.save_ms());
@@ -893,6 +898,7 @@ void Coordinator::CheckHangLocked(ActiveJob& job, int64_t now) {
 void Coordinator::Tick() {
   writer_.Retry();
   ExpireKvWaiters();
+  AnnounceOnExit announce(this);
   std::lock_guard<std::mutex> lock(mu_);
   SweepLocked();
   int64_t now = clock_->SteadyMs();

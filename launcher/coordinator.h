@@ -221,6 +221,10 @@ class Coordinator {
     int replacing_rank = -1;
     int64_t replacing_since_ms = 0;
     int64_t replacing_from_step = 0;  // the highest step any rank had completed when it failed
+    // The ranks that go on after ranks left with a lost node and none could replace them (empty: every
+    // rank of the generation), and since when (steady clock) until a member completed a step.
+    std::vector<int> members;
+    int64_t shrunk_since_ms = -1;
   };
 
   void ScheduleLocked();
@@ -243,8 +247,26 @@ class Coordinator {
   // empty key: the rank cannot be replaced in place (why in `*why`), and the job restarts as before.
   std::pair<std::string, std::string> ReplaceRankLocked(ActiveJob& job, int rank, const std::string& cause,
                                                         std::string* why);
+  // fault.recovery in_place, node `node_id` lost (`cause`) with ranks `lost` of the job: where no node
+  // can take them and the layout allows (ShrinkProblem), the other ranks go on without them in the
+  // next membership epoch, each taking more of the global batch's micro-batches; the announcement
+  // goes to announce_later_. False (the job restarts as before) otherwise, with the reason as an event.
+  bool ShrinkLocked(ActiveJob& job, const std::vector<int>& lost, const std::string& cause);
   // The replacement of a rank has completed a step with the others: the recovery is over.
   void NoteRecoveryProgressLocked(ActiveJob& job, const v1::RankProgress& report);
+  // Sets the rendezvous keys queued in announce_later_ (KvSet takes mu_): what a function that holds
+  // mu_ and may queue them calls once it let mu_ go (AnnounceOnExit, declared before its lock).
+  void PublishAnnouncements();
+  class AnnounceOnExit {
+   public:
+    explicit AnnounceOnExit(Coordinator* coordinator) : coordinator_(coordinator) {}
+    ~AnnounceOnExit() { coordinator_->PublishAnnouncements(); }
+    AnnounceOnExit(const AnnounceOnExit&) = delete;
+    AnnounceOnExit& operator=(const AnnounceOnExit&) = delete;
+
+   private:
+    Coordinator* coordinator_;
+  };
   Status ReportWorkerStateLocked(const v1::WorkerStateReport& report, std::pair<std::string, std::string>* announce);
   // Hands `command` to the node's stream, or queues it for WaitCommand.
   void QueueCommandLocked(NodeState& node, v1::Command command);
@@ -286,6 +308,7 @@ class Coordinator {
   static constexpr double kMassSilenceFactor = 3.0;
   bool mass_silence_reported_ = false;
   mutable std::mutex mu_;
+  std::vector<std::pair<std::string, std::string>> announce_later_;  // rendezvous keys, under mu_
   std::condition_variable cv_;
   bool shutting_down_ = false;
   int64_t next_token_ = 1;

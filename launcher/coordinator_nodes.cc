@@ -122,12 +122,23 @@ void Coordinator::LoseNodeLocked(const std::string& node_id, const std::string& 
     AddEventLocked(job, "node_lost", "node " + node_id + " lost: " + reason, -1);
     if (running.count(job_id)) {
       job.nodes.erase(std::remove(job.nodes.begin(), job.nodes.end(), node_id), job.nodes.end());
+      // Its ranks, by the generation's placement (a node runs nproc_per_node consecutive ranks).
+      std::vector<int> lost;
+      const int nproc = std::max(1, job.recipe.parallel.nproc_per_node);
+      const auto at = std::find(job.generation_nodes.begin(), job.generation_nodes.end(), node_id);
+      const int index = static_cast<int>(at - job.generation_nodes.begin());
+      for (int r = index * nproc; r < (index + 1) * nproc && r < job.job.world_size(); ++r) lost.push_back(r);
+      if (!expected && job.recipe.fault.recovery == Recovery::kInPlace &&
+          ShrinkLocked(job, lost, "node " + node_id + " lost: " + reason)) {
+        continue;
+      }
       FailGenerationLocked(job, "node " + node_id + " lost: " + reason);
     }
   }
 }
 
 void Coordinator::NodeLeaving(const std::string& node_id, const std::string& reason) {
+  AnnounceOnExit announce(this);
   std::lock_guard<std::mutex> lock(mu_);
   auto found = nodes_.find(node_id);
   if (found == nodes_.end() || !found->second.connected) return;
@@ -142,6 +153,7 @@ void Coordinator::NodeLeaving(const std::string& node_id, const std::string& rea
 }
 
 void Coordinator::NodeDisconnected(const std::string& node_id, int64_t token) {
+  AnnounceOnExit announce(this);
   std::lock_guard<std::mutex> lock(mu_);
   if (auto stream = nodes_.find(node_id); stream != nodes_.end() && stream->second.token == token) {
     stream->second.deliver = nullptr;  // the stream is going: its commands queue again

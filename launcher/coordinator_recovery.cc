@@ -11,9 +11,22 @@
 #include <string>
 
 #include "common/layout.h"
+#include "common/logging.h"
 #include "launcher/coordinator.h"
 
 namespace ltrain::launcher {
+namespace {
+
+constexpr const char* kLog = "coordinator";
+
+// "2,3" for {2, 3}.
+std::string RankList(const std::vector<int>& ranks) {
+  std::string out;
+  for (int r : ranks) out += (out.empty() ? "" : ",") + std::to_string(r);
+  return out;
+}
+
+}  // namespace
 
 std::pair<std::string, std::string> Coordinator::ReplaceRankLocked(ActiveJob& job, int rank, const std::string& cause,
                                                                    std::string* why) {
@@ -23,6 +36,11 @@ std::pair<std::string, std::string> Coordinator::ReplaceRankLocked(ActiveJob& jo
   }
   if (std::string problem = InPlaceRecoveryProblem(job.recipe, job.job.world_size()); !problem.empty()) {
     *why = problem;
+    return {};
+  }
+  if (!job.members.empty()) {
+    *why = "ranks " + RankList(job.members) + " run without the ranks that left with a lost node, in a layout a "
+           "replacement would not fit";
     return {};
   }
   // A failure while another rank is being replaced makes a membership after the one announced: the
@@ -100,11 +118,110 @@ void Coordinator::QueueReplacementLocked(ActiveJob& job, int rank, NodeState& no
   QueueCommandLocked(node, command);
 }
 
+bool Coordinator::ShrinkLocked(ActiveJob& job, const std::vector<int>& lost, const std::string& cause) {
+  if (job.recipe.fault.recovery != Recovery::kInPlace || job.job.state() != v1::JOB_STATE_RUNNING || job.stopping) {
+    return false;
+  }
+  std::vector<int> members = job.members;
+  if (members.empty()) {
+    for (int r = 0; r < job.job.world_size(); ++r) members.push_back(r);
+  }
+  std::vector<int> leaving;
+  for (int r : lost) {
+    auto at = std::find(members.begin(), members.end(), r);
+    if (at == members.end()) continue;
+    members.erase(at);
+    leaving.push_back(r);
+  }
+  if (leaving.empty()) return true;  // they had left already
+  std::string problem = ShrinkProblem(job.recipe, job.job.world_size(), static_cast<int>(members.size()));
+  if (problem.empty() && job.replacing_rank >= 0) {
+    problem = "rank " + std::to_string(job.replacing_rank) + " is being replaced";
+  }
+  if (!problem.empty()) {
+    AddEventLocked(job, "recovery",
+                   "ranks " + RankList(leaving) + " cannot be left out in place: " + problem + "; the job restarts", -1);
+    return false;
+  }
+  const int epoch = ++job.epoch;
+  job.job.set_membership_epoch(epoch);
+  job.members = members;
+  job.job.clear_members();
+  for (int r : members) job.job.add_members(r);
+  job.shrunk_since_ms = clock_->SteadyMs();
+  int64_t done = 0;
+  for (const auto& [r, progress] : job.progress) {
+    if (progress.report.has_completed()) done = std::max(done, progress.report.completed().step());
+  }
+  job.replacing_from_step = done;
+  for (int r : leaving) {
+    // Done with the job: it succeeds once the members exit cleanly, and no hang is looked for in them.
+    job.ranks_exited_ok.insert(r);
+    job.progress.erase(r);
+    v1::RankInfo info = job.ranks[r];
+    info.set_state("left");
+    job.ranks[r] = info;
+    writer_.Enqueue("record rank " + std::to_string(r) + " of " + job.job.id(),
+                    [id = job.job.id(), info](StateStore& store) { return store.UpsertRank(id, info); });
+  }
+  job.job.set_last_failure(cause);
+  job.failures.push_back("generation " + std::to_string(job.job.generation()) + " epoch " + std::to_string(epoch - 1) +
+                         ": " + cause);
+  PersistJobLocked(job);
+  const Layout before = *PlanLayout(job.recipe, job.job.world_size());
+  const Layout after = *PlanLayout(job.recipe, static_cast<int>(members.size()));
+  AddEventLocked(job, "recovering",
+                 cause + ": ranks " + RankList(leaving) + " leave the job, with no node to replace them on; ranks " +
+                     RankList(members) + " go on in place (membership epoch " + std::to_string(epoch) + ") with " +
+                     std::to_string(after.accumulation) + " micro-batch(es) each a step instead of " +
+                     std::to_string(before.accumulation) + ", the global batch of " + std::to_string(after.global_batch) +
+                     " unchanged, and redo the step in flight",
+                 -1);
+  // The members in the announcement itself (worker/recovery's MembersOf reads them).
+  announce_later_.emplace_back(job.placed.rendezvous_scope() + "/membership/" + std::to_string(epoch),
+                               "epoch " + std::to_string(epoch) + ": ranks " + RankList(leaving) + " left; members " +
+                                   RankList(members));
+  cv_.notify_all();
+  return true;
+}
+
+void Coordinator::PublishAnnouncements() {
+  std::vector<std::pair<std::string, std::string>> queued;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    queued.swap(announce_later_);
+  }
+  for (const auto& [key, value] : queued) {
+    if (Status set = KvSet(key, value); !set.ok()) {
+      LTRAIN_LOG(kWarning, kLog) << "the rendezvous key " << key << " was not published: " << set.message();
+    }
+  }
+}
+
 void Coordinator::NoteRecoveryProgressLocked(ActiveJob& job, const v1::RankProgress& report) {
   // The replacement's first completed step in the membership it took its state in: it holds the
   // state and trains with the others.
   if (!report.has_completed() || !report.has_recovery() || report.recovery().epoch() != job.epoch) return;
   const v1::RecoveryFigures& r = report.recovery();
+  if (job.replacing_rank < 0) {
+    if (job.shrunk_since_ms < 0) return;
+    // The members of a membership that ranks left: the first of them to complete a step with the others.
+    const int64_t ms = clock_->SteadyMs() - job.shrunk_since_ms;
+    const int64_t lost = std::max<int64_t>(r.lost_steps(), job.replacing_from_step - r.resumed_step());
+    AddEventLocked(job, "recovered",
+                   "ranks " + RankList(job.members) + " went on without the ranks that left (membership epoch " +
+                       std::to_string(job.epoch) + "): from step " + std::to_string(r.resumed_step()) +
+                       ", in their own memory, they reported step " + std::to_string(report.completed().step()) +
+                       " completed, " + std::to_string(ms) + " ms after the loss was reported; work lost: " +
+                       std::to_string(lost) + (lost == 1 ? " step" : " steps"),
+                   report.rank());
+    job.job.set_recoveries(job.job.recoveries() + 1);
+    job.job.set_lost_steps(job.job.lost_steps() + lost);
+    job.job.set_last_recovery_ms(static_cast<double>(ms));
+    PersistJobLocked(job);
+    job.shrunk_since_ms = -1;
+    return;
+  }
   const int64_t ms = clock_->SteadyMs() - job.replacing_since_ms;
   // The members' own count (the coordinator's view of their steps lags a heartbeat behind), or at
   // least what the coordinator saw completed before the failure.

@@ -74,6 +74,11 @@ Status Coordinator::Recover() {
         break;
       case v1::JOB_STATE_RUNNING: {
         for (const auto& rank : stored.ranks()) {
+          if (rank.state() == "left") {
+            // It left with a lost node (in place, Job.members): done with the job, its node is not waited for.
+            job.ranks_exited_ok.insert(rank.rank());
+            continue;
+          }
           if (std::find(job.nodes.begin(), job.nodes.end(), rank.node_id()) == job.nodes.end()) {
             job.nodes.push_back(rank.node_id());
           }
@@ -82,11 +87,20 @@ Status Coordinator::Recover() {
           }
         }
         job.generation_started_ms = now;
-        job.generation_nodes = job.nodes;
+        // The generation's nodes in rank order, those of ranks that left too: a node's ranks are found by
+        // its place there (a lost node's, LoseNodeLocked).
+        job.generation_nodes.clear();
+        for (const auto& rank : stored.ranks()) {
+          if (std::find(job.generation_nodes.begin(), job.generation_nodes.end(), rank.node_id()) ==
+              job.generation_nodes.end()) {
+            job.generation_nodes.push_back(rank.node_id());
+          }
+        }
         if (job.recipe.fault.recovery == Recovery::kInPlace) {
           // In place, the next failed rank is started from the generation's command in the membership
           // after the one its ranks run in now.
           job.epoch = stored.membership_epoch();
+          job.members.assign(stored.members().begin(), stored.members().end());
           Recipe generation = job.recipe;
           const int count = std::max<int>(1, stored.nodes_now() > 0 ? stored.nodes_now() : static_cast<int>(job.nodes.size()));
           generation.parallel.nodes = generation.parallel.nodes_min = generation.parallel.nodes_max = count;

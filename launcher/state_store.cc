@@ -41,7 +41,8 @@ CREATE TABLE IF NOT EXISTS jobs (
   lost_steps INTEGER NOT NULL DEFAULT 0,
   last_recovery_ms REAL NOT NULL DEFAULT 0,
   membership_epoch INTEGER NOT NULL DEFAULT 0,
-  replacing_rank INTEGER NOT NULL DEFAULT -1
+  replacing_rank INTEGER NOT NULL DEFAULT -1,
+  members TEXT NOT NULL DEFAULT ''
 );
 CREATE TABLE IF NOT EXISTS checkpoints (
   job_id TEXT NOT NULL,
@@ -162,7 +163,7 @@ constexpr const char* kJobColumns =
     "id, name, state, recipe, world_size, generation, cause, created_ms, updated_ms, last_step, last_loss, "
     "restarts, last_committed_step, last_committed_path, nodes_now, last_failure, val_step, val_loss, total_steps, "
     "tokens_per_s, mfu, checkpoint_save_ms, checkpoint_save_bytes, checkpoint_load_ms, recoveries, lost_steps, "
-    "last_recovery_ms, membership_epoch, replacing_rank";
+    "last_recovery_ms, membership_epoch, replacing_rank, members";
 
 // Columns added after the first release; a database made before them gets them on open.
 constexpr const char* kAddedJobColumns[] = {
@@ -173,7 +174,8 @@ constexpr const char* kAddedJobColumns[] = {
     "checkpoint_save_ms REAL NOT NULL DEFAULT 0", "checkpoint_save_bytes INTEGER NOT NULL DEFAULT 0",
     "checkpoint_load_ms REAL NOT NULL DEFAULT 0", "recoveries INTEGER NOT NULL DEFAULT 0",
     "lost_steps INTEGER NOT NULL DEFAULT 0", "last_recovery_ms REAL NOT NULL DEFAULT 0",
-    "membership_epoch INTEGER NOT NULL DEFAULT 0", "replacing_rank INTEGER NOT NULL DEFAULT -1"};
+    "membership_epoch INTEGER NOT NULL DEFAULT 0", "replacing_rank INTEGER NOT NULL DEFAULT -1",
+    "members TEXT NOT NULL DEFAULT ''"};
 
 v1::Job ReadJob(Statement& s) {
   v1::Job job;
@@ -206,6 +208,14 @@ v1::Job ReadJob(Statement& s) {
   job.set_last_recovery_ms(s.Real(26));
   job.set_membership_epoch(static_cast<int32_t>(s.Int(27)));
   if (s.Int(28) >= 0) job.set_replacing_rank(static_cast<int32_t>(s.Int(28)));
+  // "0,1,3": the members, comma-separated.
+  const std::string members = s.Text(29);
+  for (size_t begin = 0; begin < members.size();) {
+    size_t end = members.find(',', begin);
+    if (end == std::string::npos) end = members.size();
+    job.add_members(std::atoi(members.substr(begin, end - begin).c_str()));
+    begin = end + 1;
+  }
   return job;
 }
 
@@ -360,7 +370,7 @@ Status SqliteStateStore::UpdateJob(const v1::Job& job) {
               "restarts = ?, last_committed_step = ?, last_committed_path = ?, nodes_now = ?, last_failure = ?, "
               "world_size = ?, recipe = ?, val_step = ?, val_loss = ?, total_steps = ?, tokens_per_s = ?, mfu = ?, "
               "checkpoint_save_ms = ?, checkpoint_save_bytes = ?, checkpoint_load_ms = ?, recoveries = ?, lost_steps = ?, "
-              "last_recovery_ms = ?, membership_epoch = ?, replacing_rank = ? WHERE id = ?");
+              "last_recovery_ms = ?, membership_epoch = ?, replacing_rank = ?, members = ? WHERE id = ?");
   s.Bind(1, int64_t{job.state()}).Bind(2, int64_t{job.generation()}).Bind(3, job.cause());
   s.Bind(4, job.updated_unix_ms()).Bind(5, job.last_step()).Bind(6, job.last_loss());
   s.Bind(7, int64_t{job.restarts()}).Bind(8, job.last_committed_step()).Bind(9, job.last_committed_path());
@@ -369,7 +379,9 @@ Status SqliteStateStore::UpdateJob(const v1::Job& job) {
   s.Bind(17, job.tokens_per_s()).Bind(18, job.mfu()).Bind(19, job.checkpoint_save_ms());
   s.Bind(20, job.checkpoint_save_bytes()).Bind(21, job.checkpoint_load_ms()).Bind(22, int64_t{job.recoveries()});
   s.Bind(23, job.lost_steps()).Bind(24, job.last_recovery_ms()).Bind(25, int64_t{job.membership_epoch()});
-  s.Bind(26, int64_t{job.has_replacing_rank() ? job.replacing_rank() : -1}).Bind(27, job.id());
+  std::string members;
+  for (int32_t r : job.members()) members += (members.empty() ? "" : ",") + std::to_string(r);
+  s.Bind(26, int64_t{job.has_replacing_rank() ? job.replacing_rank() : -1}).Bind(27, members).Bind(28, job.id());
   if (s.Step() != SQLITE_DONE) return SqlError(db_, "update job " + job.id());
   return Status::Ok();
 }

@@ -4,7 +4,11 @@
 // for bit, in the same generation, with nothing read from a checkpoint.
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <csignal>
+#include <cstdio>
 #include <filesystem>
+#include <memory>
 #include <map>
 #include <regex>
 #include <set>
@@ -226,6 +230,79 @@ TEST_F(InPlaceRecoveryTest, UnderZero1AKillOfTheRankHoldingTheCopyFallsBackToThe
   EXPECT_NE(out.find("resumed from"), std::string::npos) << out;
   std::map<int, std::string> a = LossLines(plain.output), b = LossLines(out);
   for (int s = 1; s <= kSteps; ++s) EXPECT_EQ(a[s], b[s]) << "step " << s;
+}
+
+// Two nodes of two ranks each, dp4: node n2's agent is SIGKILLed (its ranks die with it) and no node
+// is left to replace them. Ranks 0 and 1 go on in their processes, in the same generation, as dp2 with
+// two micro-batches each a step instead of one: the optimizer sees the recipe's global batch, and
+// every loss stays within 1e-6 (relative) of an uninterrupted run's on the same two nodes.
+TEST_F(InPlaceRecoveryTest, ANodeLostWithNoReplacementLeavesTheOthersTrainingTheWholeBatch) {
+  const std::string port_file = dir_.Join("coordinator.port");
+  Subprocess coordinator({LtrainBinary(), "coordinator", "--listen", "127.0.0.1:0", "--port-file", port_file,
+                          "--state-dir", dir_.Join("coordinator")},
+                         Env());
+  const int port = WaitForPortFile(port_file);
+  ASSERT_GT(port, 0) << coordinator.Output();
+  const std::string address = "127.0.0.1:" + std::to_string(port);
+  std::map<std::string, std::string> env = Env();
+  env["LTRAIN_TOKEN_FILE"] = dir_.Join("coordinator/token");
+  auto agent = [&](const std::string& node) {
+    return std::make_unique<Subprocess>(
+        std::vector<std::string>{LtrainBinary(), "agent", "--coordinator", address, "--node-id", node, "--work-dir",
+                                 dir_.Join("agent-" + node), "--coordinator-grace", "60"},
+        env);
+  };
+  std::unique_ptr<Subprocess> n1 = agent("n1"), n2 = agent("n2");
+  auto recipe = [&](const std::string& name) {
+    return dir_.Write(name + ".yaml", TinyRecipe(name, dir_.Join("data")) +
+                                          "training: {steps: " + std::to_string(kSteps) +
+                                          ", micro_batch: 2, global_batch: 8, log_every: 1, deterministic: true}\n"
+                                          "parallel: {nodes: 2, nproc_per_node: 2}\n"
+                                          "checkpoint: {every: 0}\n"
+                                          "fault: {recovery: in_place, max_restarts: 2}\n");
+  };
+  ProcessResult plain = RunProcess({LtrainBinary(), "launch", "--coordinator", address, recipe("plain")}, env,
+                                   std::chrono::seconds(300));
+  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+
+  Subprocess launch({LtrainBinary(), "launch", "--coordinator", address, recipe("lost")}, env);
+  ASSERT_TRUE(launch.WaitForOutput("[rank 0] step " + std::to_string(kKillStep) + "/", std::chrono::seconds(120)))
+      << launch.Output();
+  n2->Signal(SIGKILL);
+  ProcessResult run = launch.Wait(std::chrono::seconds(300));
+  const std::string& out = run.output;
+  ASSERT_EQ(run.exit_code, 0) << out;
+  EXPECT_NE(out.find("ranks 2,3 leave the job, with no node to replace them on; ranks 0,1 go on in place "
+                     "(membership epoch 1) with 2 micro-batch(es) each a step instead of 1"),
+            std::string::npos)
+      << out;
+  EXPECT_NE(out.find("ranks 0,1 went on without the ranks that left (membership epoch 1)"), std::string::npos) << out;
+  v1::Job job = JobStatus("lost-1", env, {"--coordinator", address});
+  EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.cause();
+  EXPECT_EQ(job.generation(), 0) << "no restart of the job";
+  EXPECT_EQ(job.recoveries(), 1);
+  EXPECT_EQ(job.lost_steps(), 0);
+  ASSERT_EQ(job.ranks_size(), 4);
+  EXPECT_EQ(job.ranks(2).state(), "left");
+  EXPECT_EQ(job.ranks(3).state(), "left");
+  // The survivors kept their processes; nothing was read from a checkpoint.
+  std::map<int, std::vector<std::string>> pids = Pids(out);
+  EXPECT_EQ(pids[0].size(), 1u) << out;
+  EXPECT_EQ(pids[1].size(), 1u) << out;
+  EXPECT_EQ(out.find("resumed from"), std::string::npos) << out;
+  // Every step trained once, each loss within 1e-6 of the uninterrupted run's.
+  std::map<int, std::string> a = LossLines(plain.output), b = LossLines(out);
+  ASSERT_EQ(a.size(), static_cast<size_t>(kSteps)) << plain.output;
+  ASSERT_EQ(b.size(), static_cast<size_t>(kSteps)) << out;
+  double worst = 0;
+  for (int s = 1; s <= kSteps; ++s) {
+    const double x = std::stod(a[s]), y = std::stod(b[s]);
+    worst = std::max(worst, std::abs(x - y) / std::abs(x));
+    EXPECT_LE(std::abs(x - y), 1e-6 * std::abs(x)) << "step " << s << ": " << a[s] << " against " << b[s];
+  }
+  std::printf("largest relative difference of a loss from the uninterrupted run's: %.3g\n", worst);
+  n1->Signal(SIGTERM);
+  coordinator.Signal(SIGTERM);
 }
 
 }  // namespace

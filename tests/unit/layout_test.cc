@@ -146,5 +146,28 @@ TEST(LayoutTest, InPlaceRecoveryNeedsADataParallelCopyOfEveryRanksPart) {
   EXPECT_NE(InPlaceRecoveryProblem(program, 4).find("entrypoint.command"), std::string::npos);
 }
 
+// A job whose ranks left with a lost node goes on without them only where every member holds the
+// whole state and the global batch's micro-batches divide among the members.
+TEST(LayoutTest, FewerRanksGoOnOnlyUnderPlainDataParallelismWithTheBatchDividingAmongThem) {
+  Recipe r = Base();
+  r.fault.recovery = Recovery::kInPlace;
+  r.training.micro_batch = 2;
+  r.training.global_batch = 8;  // 4 micro-batches: dp4 takes one each, 2 members two each
+  EXPECT_EQ(ShrinkProblem(r, 4, 2), "");
+  EXPECT_EQ(ShrinkProblem(r, 4, 1), "");
+  EXPECT_NE(ShrinkProblem(r, 4, 3).find("do not divide among the 3 ranks left"), std::string::npos);
+  EXPECT_NE(ShrinkProblem(r, 4, 0).find("no rank"), std::string::npos);
+  Recipe zero = r;
+  zero.parallel.zero = 1;
+  EXPECT_NE(ShrinkProblem(zero, 4, 2).find("plain data parallelism"), std::string::npos);
+  Recipe tp = r;
+  tp.parallel.tp = 2;
+  tp.parallel.nproc_per_node = 4;
+  EXPECT_NE(ShrinkProblem(tp, 4, 2).find("plain data parallelism"), std::string::npos);
+  Recipe restart = r;
+  restart.fault.recovery = Recovery::kRestart;
+  EXPECT_EQ(ShrinkProblem(restart, 4, 2), "fault.recovery is restart");
+}
+
 }  // namespace
 }  // namespace ltrain

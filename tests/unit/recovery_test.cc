@@ -21,6 +21,15 @@
 namespace ltrain::worker {
 namespace {
 
+// A membership the coordinator announced with fewer ranks names its members; a replacement's names none.
+TEST(MembersOfTest, TheMembersOfAMembershipThatRanksLeft) {
+  EXPECT_EQ(MembersOf("epoch 1: ranks 2,3 left; members 0,1"), (std::vector<int>{0, 1}));
+  EXPECT_EQ(MembersOf("epoch 4: ranks 5 left; members 0,1,2,3,4,6,7"), (std::vector<int>{0, 1, 2, 3, 4, 6, 7}));
+  EXPECT_EQ(MembersOf("epoch 1: rank 2 replaced"), std::vector<int>{});
+  EXPECT_EQ(MembersOf("epoch 1: ranks 2 left; members "), std::vector<int>{});
+  EXPECT_EQ(MembersOf("epoch 1: ranks 2 left; members x"), std::vector<int>{});
+}
+
 TEST(PlanSyncTest, TheLowestRankAtTheHighestStepFillsTheReplacementAndThoseBehind) {
   // Rank 2 is the replacement; rank 3's last all-reduce of step 51 completed, ranks 0 and 1's did not.
   StatusOr<SyncPlan> plan = PlanSync({{50, true}, {50, true}, {0, false}, {51, true}}, {{0, 1, 2, 3}});

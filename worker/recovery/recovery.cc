@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <string_view>
 
 #include <ATen/ATen.h>
 
@@ -45,6 +47,23 @@ StatusOr<SyncPlan> PlanSync(const std::vector<MemberState>& members, const std::
   return plan;
 }
 
+std::vector<int> MembersOf(const std::string& announcement) {
+  constexpr std::string_view kMembers = "; members ";
+  const size_t at = announcement.find(kMembers);
+  if (at == std::string::npos) return {};
+  std::vector<int> members;
+  const char* p = announcement.c_str() + at + kMembers.size();
+  while (*p != '\0') {
+    char* end = nullptr;
+    const long r = std::strtol(p, &end, 10);
+    if (end == p || r < 0) return {};
+    members.push_back(static_cast<int>(r));
+    if (*end != ',') break;
+    p = end + 1;
+  }
+  return members;
+}
+
 Status BroadcastHost(Communicator& comm, at::Tensor& host, int root, const at::Device& device) {
   if (!device.is_cuda()) return comm.Broadcast(host, root);
   at::Tensor staged = host.to(device);
@@ -78,6 +97,15 @@ Status Recovery::Reform(const Status& failure) {
     StatusOr<std::string> membership = hooks_.await_membership(next, timeout_);
     if (!membership.ok()) {
       return Unavailable(failure.message() + "; and no new membership came: " + membership.status().message());
+    }
+    if (std::vector<int> members = MembersOf(*membership); !members.empty()) {
+      epoch_ = next;
+      ++recoveries_;
+      members_ = std::move(members);
+      std::printf("rank %d: membership %d (%s) goes on with %zu rank(s): this rank's groups are made again for them\n",
+                  rank_, epoch_, membership->c_str(), members_.size());
+      std::fflush(stdout);
+      return Status::Ok();
     }
     Status joined = hooks_.reconnect(next);
     if (joined.ok()) {

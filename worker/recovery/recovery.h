@@ -49,6 +49,11 @@ struct SyncPlan {
 // holds a state at that step: every copy of its part was lost.
 StatusOr<SyncPlan> PlanSync(const std::vector<MemberState>& members, const std::vector<std::vector<int>>& replicas);
 
+// The members of a membership the coordinator announced with fewer ranks ("epoch 2: ranks 2,3 left;
+// members 0,1": ranks left with a lost node and none could replace them), in rank order; empty for a
+// membership of every rank (a replacement's) or a text that names no members.
+std::vector<int> MembersOf(const std::string& announcement);
+
 // Collectives of host tensors (steps, data positions, RNG states) over a group whose backend takes
 // device tensors (NCCL): staged through `device` and back, the result checked with Health() (the
 // device copy back waited for the collective). On a CPU device, the collective itself.
@@ -82,6 +87,8 @@ class Recovery {
 
   // Abandons the membership the failure happened in, waits for the next one and joins it; where that
   // one lost a member before it formed (the connect ends "superseded", MembershipView), the next.
+  // Where the next one has fewer ranks (MembersOf), it connects nothing: reshaped() says so, and the
+  // rank goes on in that membership's layout (run_worker makes its groups and trainer again).
   Status Reform(const Status& failure);
   // The first collective of a membership, on every member: every member's state (this rank's
   // `step`, and whether it holds a state), gathered over `world`, and the plan to share one among
@@ -94,6 +101,9 @@ class Recovery {
                      std::vector<CopySteps>* members, int64_t* newest);
   // The plan was carried out: this rank holds the source's state.
   void Synced() { replacement_ = false; }
+  // The membership Reform joined has fewer ranks: its members (original ranks, in order), until taken.
+  bool reshaped() const { return !members_.empty(); }
+  std::vector<int> TakeMembers() { return std::move(members_); }
 
  private:
   Hooks hooks_;
@@ -103,6 +113,7 @@ class Recovery {
   std::chrono::milliseconds timeout_;
   at::Device device_;
   int recoveries_ = 0;
+  std::vector<int> members_;
 };
 
 }  // namespace ltrain::worker

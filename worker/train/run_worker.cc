@@ -571,6 +571,40 @@ Status Run(const WorkerEnv& env) {
   }
   stop.Begin(trainer->step());
   Status done = trainer->Run();
+  // Ranks left with a lost node and none replaced them: this rank goes on among the members, as rank
+  // `index` of them, in their layout (each member takes more of the global batch's micro-batches).
+  while (done.ok() && recovery != nullptr && recovery->reshaped()) {
+    const std::vector<int> members = recovery->TakeMembers();
+    const int member_epoch = recovery->epoch();
+    const auto at = std::find(members.begin(), members.end(), env.rank);
+    if (at == members.end()) {
+      return Internal("membership " + std::to_string(member_epoch) + " goes on without rank " + std::to_string(env.rank));
+    }
+    WorkerEnv member_env = env;
+    member_env.rank = static_cast<int>(at - members.begin());
+    member_env.world_size = static_cast<int>(members.size());
+    member_env.epoch = member_epoch;  // what it joins in: as a replacement would, with no state of its own yet
+    watch.reset();
+    LTRAIN_ASSIGN_OR_RETURN(std::unique_ptr<Connection> next,
+                            Connect(member_env, recipe, options.dp_side_stream, member_epoch, /*reformable=*/true));
+    // Its recovery starts with no state of its own (a trainer made for it reads no checkpoint) until
+    // AdoptState gave it the earlier trainer's.
+    std::unique_ptr<Recovery> next_recovery =
+        MakeRecovery(member_env, recipe, options.dp_side_stream, next.get(), member_epoch, /*kill_in_recovery=*/false);
+    options.recovery = next_recovery.get();
+    options.rank = member_env.rank;
+    LTRAIN_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> next_trainer, Trainer::Create(recipe, options, &next->groups));
+    LTRAIN_RETURN_IF_ERROR(next_trainer->AdoptState(*trainer));
+    trainer = std::move(next_trainer);
+    recovery = std::move(next_recovery);
+    conn = std::move(next);
+    if (recipe.parallel.device == Device::kCuda) {
+      LTRAIN_ASSIGN_OR_RETURN(std::shared_ptr<gloo::rendezvous::Store> store,
+                              ConnectRendezvousStore(env.rdzv, env.rdzv_scope, env.agent_secret));
+      watch = std::make_unique<MembershipWatch>(conn.get(), std::move(store), env.rank);
+    }
+    done = trainer->Run();
+  }
   if (done.ok() && stop.stop_step() == trainer->step() && trainer->step() < recipe.training.steps) {
     Progress::Global().RecordStoppedAfterCheckpoint();
     if (reporter) reporter->Flush();

@@ -670,6 +670,7 @@ Status Trainer::Run() {
     Status synced = SyncState();
     if (!synced.ok() && Recovery::Recoverable(synced)) synced = Recover(synced);
     LTRAIN_RETURN_IF_ERROR(synced);
+    if (Reshaped()) return Status::Ok();
     run_start_step_ = step_;
     run_start_position_ = data_position_;
   }
@@ -678,6 +679,7 @@ Status Trainer::Run() {
     Status copied = TakeCopies();
     if (!copied.ok() && Recovery::Recoverable(copied)) copied = Recover(copied);
     LTRAIN_RETURN_IF_ERROR(copied);
+    if (Reshaped()) return Status::Ok();
   }
   const bool printer = groups_->rank == 0 && options_.print_progress;
   if (printer) {
@@ -769,6 +771,7 @@ Status Trainer::Run() {
     if (!stepped.ok() && options_.recovery != nullptr && Recovery::Recoverable(stepped.status())) {
       // A peer died in the step: this process stays, the step is redone in the next membership.
       LTRAIN_RETURN_IF_ERROR(Recover(stepped.status()));
+      if (Reshaped()) return Status::Ok();
       continue;
     }
     LTRAIN_ASSIGN_OR_RETURN(torch::Tensor loss, std::move(stepped));
@@ -846,6 +849,7 @@ Status Trainer::Run() {
         if (!copied.ok() && Recovery::Recoverable(copied)) {
           // A peer died in the exchange: back to the newest copies every shard has, in the next membership.
           LTRAIN_RETURN_IF_ERROR(Recover(copied));
+          if (Reshaped()) return Status::Ok();
           continue;
         }
         LTRAIN_RETURN_IF_ERROR(copied);

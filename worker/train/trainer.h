@@ -132,8 +132,15 @@ class Trainer {
                                                    Communicator* comm);
   ~Trainer();
 
-  // Trains from the current step to recipe.training.steps, checkpointing as configured.
+  // Trains from the current step to recipe.training.steps, checkpointing as configured. Returns early
+  // (OK) where an in-place recovery joined a membership of fewer ranks: the caller makes that
+  // membership's groups and a trainer for them, which takes this one's state (AdoptState).
   Status Run();
+  // Plain data parallelism, a membership of fewer ranks (options.recovery holds it): takes `from`'s
+  // state (parameters, moments, step, data position; the same model, every rank holding all of it),
+  // then the members agree on the step to go on from, as after any recovery. The global batch stays
+  // the recipe's: each member takes more of its micro-batches (this trainer's layout).
+  Status AdoptState(Trainer& from);
   // One optimizer step; returns the global-batch mean loss.
   StatusOr<double> Step();
   // Saves the current step and waits until it is committed (or failed: the returned error).
@@ -179,6 +186,9 @@ class Trainer {
   // Under ZeRO (copies_): the members go back to the newest step of which every shard survives in a
   // peer's memory or their own, a replacement receiving its shard from the peer holding its copy.
   Status SyncShards();
+  // The membership a recovery joined has fewer ranks (Recovery::reshaped): Run returns at once,
+  // and the caller goes on with a trainer of that membership's layout (AdoptState).
+  bool Reshaped() const { return options_.recovery != nullptr && options_.recovery->reshaped(); }
   // Before the update uses what the step's collectives brought: on a device whose communicator's
   // calls return before their operations ran (NCCL), waits for the device, and fails Unavailable
   // where a group was aborted meanwhile (a peer died): the state stays that of the step before.

@@ -19,6 +19,7 @@ Status Trainer::Recover(Status failure) {
   store_->ClearFailure();
   while (true) {
     LTRAIN_RETURN_IF_ERROR(options_.recovery->Reform(failure));
+    if (Reshaped()) return Status::Ok();  // the caller goes on in the new membership's layout
     Status synced = SyncState();
     if (synced.ok() || !Recovery::Recoverable(synced)) return synced;
     failure = synced;  // a member died while the state went round: the next membership
@@ -78,6 +79,44 @@ Status Trainer::SyncState() {
     }
   }
   recovery.Synced();
+  return Status::Ok();
+}
+
+Status Trainer::AdoptState(Trainer& from) {
+  const auto start = SteadyClock::now();
+  torch::NoGradGuard no_grad;
+  if (options_.recovery == nullptr || !layout_.plain() || !from.layout_.plain()) {
+    return Internal("only plain data parallelism goes on in place with fewer ranks");
+  }
+  LTRAIN_RETURN_IF_ERROR(from.store_->AwaitUpdates());
+  std::vector<torch::Tensor> theirs = from.store_->OwnedState();
+  std::vector<torch::Tensor> mine = store_->OwnedState();
+  if (theirs.size() != mine.size()) return Internal("the trainers of two memberships hold different states");
+  for (size_t i = 0; i < mine.size(); ++i) {
+    if (theirs[i].sizes() != mine[i].sizes()) return Internal("the trainers of two memberships hold different states");
+    mine[i].copy_(theirs[i]);
+  }
+  LTRAIN_RETURN_IF_ERROR(store_->GatherOwned());
+  step_ = from.step_;
+  data_position_ = from.data_position_;
+  Recovery& recovery = *options_.recovery;
+  recovery.Synced();
+  // A member may have completed the step in flight before the others failed in it: the others take
+  // its state, as after a replacement.
+  Status synced = SyncState();
+  if (!synced.ok() && Recovery::Recoverable(synced)) synced = Recover(synced);
+  LTRAIN_RETURN_IF_ERROR(synced);
+  run_start_step_ = step_;
+  run_start_position_ = data_position_;
+  const double ms = MillisSince(start);
+  // What the coordinator's "went on" event reports (no peer's state was needed: source -1).
+  Progress::Global().RecordRecovery(recovery.epoch(), step_, -1, 0, ms, 0);
+  if (groups_->rank == 0) {
+    std::printf("membership %d: %d rank(s) go on from step %lld, %d micro-batch(es) each a step (the global batch of %d)\n",
+                recovery.epoch(), layout_.world_size, static_cast<long long>(step_), layout_.accumulation,
+                layout_.global_batch);
+    std::fflush(stdout);
+  }
   return Status::Ok();
 }
 
