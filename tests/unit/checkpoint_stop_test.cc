@@ -90,6 +90,18 @@ TEST_F(CheckpointStopTest, RanksThatLearnOfTheStopAtDifferentStepsStopAfterTheSa
   EXPECT_EQ(store_.gathers_, 2) << "each rank gathers once, at its hold step";
 }
 
+// After ranks 1 and 2 left with a lost node (in place), ranks 0 and 3 agree between themselves.
+TEST_F(CheckpointStopTest, TheMembersLeftAgreeWithoutTheRanksThatLeft) {
+  Start(4, 10);
+  for (int rank : {0, 3}) ranks_[rank]->SetMembers({0, 3});
+  ranks_[0]->Request();  // holds at 11
+  EXPECT_EQ(RunTo(3, 11, 11), -1);
+  ranks_[3]->Request();  // holds at 12
+  EXPECT_EQ(RunTo(0, 11, 20), 12);
+  EXPECT_EQ(RunTo(3, 12, 20), 12);
+  EXPECT_EQ(ranks_[0]->stop_step(), 12);
+}
+
 TEST_F(CheckpointStopTest, RequestBeforeTrainingBeginsHoldsAtTheFirstStep) {
   CheckpointStop stop(0, 2, milliseconds(500));
   store_.Connect(stop);

@@ -10,7 +10,14 @@
 namespace ltrain::worker {
 
 CheckpointStop::CheckpointStop(int rank, int world_size, std::chrono::milliseconds timeout)
-    : rank_(rank), world_size_(world_size), timeout_(timeout) {}
+    : rank_(rank), world_size_(world_size), timeout_(timeout) {
+  for (int r = 0; r < world_size; ++r) members_.push_back(r);
+}
+
+void CheckpointStop::SetMembers(std::vector<int> members) {
+  std::lock_guard<std::mutex> lock(mu_);
+  members_ = std::move(members);
+}
 
 void CheckpointStop::Connect(Publish publish, Gather gather) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -65,6 +72,7 @@ void CheckpointStop::PublishHold(int64_t hold) {
 StatusOr<bool> CheckpointStop::After(int64_t step) {
   int64_t hold = 0;
   Gather gather;
+  std::vector<int> members;
   {
     std::lock_guard<std::mutex> lock(mu_);
     last_ = step;
@@ -79,18 +87,19 @@ StatusOr<bool> CheckpointStop::After(int64_t step) {
     if (!publish_error_.ok()) return publish_error_;
     hold = *hold_;
     gather = gather_;
+    members = members_;
   }
   int64_t stop = hold;
   if (world_size_ > 1) {
     Progress::Global().SetPhase(step, "stopping");
     std::vector<std::string> keys;
-    for (int rank = 0; rank < world_size_; ++rank) keys.push_back(HoldKey(rank));
+    for (int rank : members) keys.push_back(HoldKey(rank));
     StatusOr<std::vector<std::string>> holds =
         gather ? gather(keys, timeout_) : StatusOr<std::vector<std::string>>(FailedPrecondition("no rendezvous store"));
     if (!holds.ok()) {
       return Status(holds.status().code(),
-                    "rank " + std::to_string(rank_) + " waited for every rank's stop step (" + HoldKey(0) + " to " +
-                        HoldKey(world_size_ - 1) + ") for up to " + std::to_string(timeout_.count() / 1000) +
+                    "rank " + std::to_string(rank_) + " waited for every rank's stop step (" + keys.front() + " to " +
+                        keys.back() + ") for up to " + std::to_string(timeout_.count() / 1000) +
                         " s: " + holds.status().message());
     }
     for (size_t rank = 0; rank < holds->size(); ++rank) {
@@ -101,7 +110,7 @@ StatusOr<bool> CheckpointStop::After(int64_t step) {
         if (used != value.size()) throw std::invalid_argument(value);
         stop = std::max(stop, theirs);
       } catch (const std::exception&) {
-        return DataLoss(HoldKey(static_cast<int>(rank)) + "='" + value + "' is not a step number");
+        return DataLoss(keys[rank] + "='" + value + "' is not a step number");
       }
     }
   }

@@ -50,6 +50,10 @@ class CheckpointStop {
   // After completing `step`: whether to save it and stop. Blocks while the ranks agree.
   StatusOr<bool> After(int64_t step);
 
+  // The ranks whose stop steps are agreed on (by default every rank of the world): after ranks left
+  // with a lost node (in place), the members that go on.
+  void SetMembers(std::vector<int> members);
+
   bool requested() const;
   // The step every rank stops after, once agreed.
   std::optional<int64_t> stop_step() const;
@@ -68,6 +72,7 @@ class CheckpointStop {
   Gather gather_;
 
   mutable std::mutex mu_;
+  std::vector<int> members_;  // under mu_
   bool requested_ = false;
   std::optional<int64_t> last_;   // the last completed step, once training began
   std::optional<int64_t> hold_;

@@ -595,6 +595,7 @@ Status Run(const WorkerEnv& env) {
     options.rank = member_env.rank;
     LTRAIN_ASSIGN_OR_RETURN(std::unique_ptr<Trainer> next_trainer, Trainer::Create(recipe, options, &next->groups));
     LTRAIN_RETURN_IF_ERROR(next_trainer->AdoptState(*trainer));
+    stop.SetMembers(members);  // a stop with a final checkpoint is agreed among them
     trainer = std::move(next_trainer);
     recovery = std::move(next_recovery);
     conn = std::move(next);
