@@ -65,6 +65,17 @@ class CoordinatorTest : public ::testing::Test {
     return report;
   }
 
+  // Rank `rank` of `job` reported running by its node (a for ranks 0-1, b for 2-3), with pid 100 + rank.
+  static v1::WorkerStateReport Running(const std::string& job, int rank) {
+    v1::WorkerStateReport report;
+    report.set_node_id(rank < 2 ? "a" : "b");
+    report.set_job_id(job);
+    report.set_rank(rank);
+    report.set_state("running");
+    report.set_pid(100 + rank);
+    return report;
+  }
+
   // Rank `rank`'s progress report number `seq` (generation 0), in step `completed_step` + 1 after
   // completing `completed_step` of 5 (none when 0) with loss 2.5 at 100 tokens/s and 1 ms a step.
   static v1::RankProgress Report(const std::string& job, int rank, int64_t seq, int64_t completed_step = 0) {
