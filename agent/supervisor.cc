@@ -14,6 +14,7 @@
 #include <set>
 
 #include "agent/oom.h"
+#include "agent/program_error.h"
 #include "common/files.h"
 #include "common/layout.h"
 #include "common/logging.h"
@@ -45,8 +46,12 @@ namespace {
 // come from `ltrain-exec`, and so do the recipe's own variables (entrypoint.env, which may
 // override any of these): they are the program's alone, so that a LD_LIBRARY_PATH or PATH meant for
 // it never changes the proxy.
+// torchrun's error reporting too: each rank's error file (TORCHELASTIC_ERROR_FILE, where PyTorch's
+// `@record` writes the exception), in the generation's directory `dir`; NCCL's asynchronous error
+// handling and the signals turned into exceptions, as torchrun sets them unless the user did; and
+// PyTorch's NCCL flight recorder (its ring of recent collectives, dumped on a timeout into `dir`).
 std::vector<std::string> TorchrunEnvironment(const v1::StartJobCommand& start, const v1::WorkerAssignment& assignment,
-                                             const Recipe& recipe) {
+                                             const Recipe& recipe, const fs::path& dir) {
   const int local_world = std::max(1, start.local_world_size());
   std::vector<std::string> env = {
       "RANK=" + std::to_string(assignment.rank()),
@@ -62,7 +67,22 @@ std::vector<std::string> TorchrunEnvironment(const v1::StartJobCommand& start, c
       "TORCHELASTIC_MAX_RESTARTS=" + std::to_string(recipe.fault.max_restarts),
       "TORCHELASTIC_RUN_ID=" + start.job_id(),
       "TORCHELASTIC_USE_AGENT_STORE=True",
+      "TORCHELASTIC_ERROR_FILE=" + (dir / ProgramErrorFileName(assignment.rank())).string(),
   };
+  // torchrun's defaults, where neither the user's environment nor the recipe says otherwise.
+  const std::pair<const char*, std::string> defaults[] = {
+      {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"},
+      {"TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT"},
+      // The flight recorder: the last 2,000 collectives of each process group, dumped on a
+      // collective timeout to <dir>/nccl-trace-<rank> (both names PyTorch has read for the path).
+      {"TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"},
+      {"TORCH_NCCL_DUMP_ON_TIMEOUT", "1"},
+      {"TORCH_FR_DUMP_TEMP_FILE", (dir / kFlightRecorderPrefix).string()},
+      {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE", (dir / kFlightRecorderPrefix).string()},
+  };
+  for (const auto& [name, value] : defaults) {
+    if (std::getenv(name) == nullptr && !recipe.entrypoint.env.count(name)) env.push_back(std::string(name) + "=" + value);
+  }
   // As torchrun: one OpenMP thread per rank when several share a node, unless the user says.
   if (local_world > 1 && std::getenv("OMP_NUM_THREADS") == nullptr && !recipe.entrypoint.env.count("OMP_NUM_THREADS")) {
     env.push_back("OMP_NUM_THREADS=1");
@@ -254,7 +274,7 @@ void Supervisor::StartJob(const v1::StartJobCommand& start) {
       char mask[8];
       std::snprintf(mask, sizeof(mask), "%04o", static_cast<unsigned>(OriginalUmask()));
       spec.env.push_back(std::string("LTRAIN_USER_UMASK=") + mask);
-      std::vector<std::string> torchrun = TorchrunEnvironment(start, assignment, parsed.recipe);
+      std::vector<std::string> torchrun = TorchrunEnvironment(start, assignment, parsed.recipe, dir);
       spec.env.insert(spec.env.end(), torchrun.begin(), torchrun.end());
     }
     const std::string log_path = (dir / ("rank-" + std::to_string(assignment.rank()) + ".log")).string();
@@ -513,6 +533,16 @@ void Supervisor::Reap(const ProcessExit& exit, Batches& batches) {
   report.set_log_path(worker->log_path);
   for (const auto& line : worker->tail) report.add_log_tail(line);
   bool stopping = worker->kill_at_ms != 0;
+  // A program's rank that failed may have written its exception (torchrun's error file).
+  if ((exit.signal != 0 || exit.exit_code != 0) && !worker->log_path.empty()) {
+    const std::string path = (fs::path(worker->log_path).parent_path() / ProgramErrorFileName(worker->rank)).string();
+    StatusOr<v1::ProgramError> error = ReadProgramError(path);
+    if (error.ok()) {
+      *report.mutable_program_error() = std::move(*error);
+    } else if (error.status().code() != StatusCode::kNotFound) {
+      LTRAIN_LOG(kWarning, kLog) << worker->job_id << " rank " << worker->rank << ": " << error.status().message();
+    }
+  }
   if (exit.signal == SIGKILL && !stopping) {
     std::optional<int64_t> ooms = options_.read_oom_kill_count();
     if (ooms && worker->oom_kills_at_start && *ooms > *worker->oom_kills_at_start) report.set_oom_killed(true);

@@ -2,7 +2,9 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <ctime>
 #include <filesystem>
+#include <string_view>
 
 #include "common/layout.h"
 #include "common/layout_plan.h"
@@ -21,6 +23,36 @@ constexpr size_t kMaxSeriesPoints = 4000;  // a job's curve points in memory (Jo
 // A worker's line as the coordinator keeps it: valid UTF-8 and at most 16 KiB (the agents send no
 // more; this holds against any client), so that no report can grow the state by megabytes.
 std::string StoredLine(const std::string& text) { return BoundedLine(text, 16 << 10); }
+
+// A program's exception, as torchrun prints its root cause: the message, where the rank wrote it and
+// when, and the traceback.
+std::string ProgramErrorText(const v1::ProgramError& error, const std::string& log_path) {
+  std::string text = ": " + StoredLine(error.message().empty() ? "(no message)" : error.message());
+  text += " (error file " + error.error_file();
+  if (error.timestamp_s() > 0) {
+    const time_t at = static_cast<time_t>(error.timestamp_s());
+    std::tm utc{};
+    gmtime_r(&at, &utc);
+    char when[32];
+    std::strftime(when, sizeof(when), "%Y-%m-%d %H:%M:%S UTC", &utc);
+    text += std::string(", written ") + when;
+  }
+  if (!log_path.empty()) text += "; its log " + log_path;
+  text += ")";
+  if (!error.traceback().empty()) {
+    text += "; traceback:";
+    std::string_view rest = error.traceback();
+    // Python's own, bounded as a log tail is.
+    for (int lines = 0; !rest.empty() && lines < 200; ++lines) {
+      const size_t end = rest.find('\n');
+      const std::string_view line = rest.substr(0, end);
+      if (!line.empty()) text += "\n    " + StoredLine(std::string(line));
+      if (end == std::string_view::npos) break;
+      rest.remove_prefix(end + 1);
+    }
+  }
+  return text;
+}
 
 std::string RankRange(int first, int last) {
   return first == last ? "rank " + std::to_string(first)
@@ -731,6 +763,7 @@ Status Coordinator::ReportWorkerStateLocked(const v1::WorkerStateReport& report,
                                             report.exit_code() == kWorkerExitNoRestart);
   auto cause = [&] {
     std::string text = "rank " + std::to_string(report.rank()) + " on " + report.node_id() + " " + how;
+    if (report.has_program_error()) return text + ProgramErrorText(report.program_error(), report.log_path());
     if (report.log_tail_size() > 0) {
       text += "; last lines of its log (" + report.log_path() + "):";
       for (const auto& line : report.log_tail()) text += "\n    " + StoredLine(line);

@@ -127,6 +127,40 @@ TEST_F(RunTest, ProgramThatExitsOneFailsTheJobWithItsLastLines) {
       << result.output;
 }
 
+// torchrun's error reporting: each rank gets TORCHELASTIC_ERROR_FILE, where PyTorch's `@record`
+// writes the exception; the job's cause is then the failing rank's exception and traceback, with the
+// script's line. Rank 0 waits in a barrier that rank 1 never joins.
+TEST_F(RunTest, RecordedExceptionOfARankIsTheJobsCause) {
+  dir_.Write("raises.py", R"(import os
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing.errors import record
+
+def check(rank):
+    if rank == 1:
+        raise ValueError(f"rank {rank} found no shard to read")
+
+@record
+def main():
+    dist.init_process_group("gloo")
+    print("error file", os.environ["TORCHELASTIC_ERROR_FILE"], os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"],
+          os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"], flush=True)
+    check(dist.get_rank())
+    dist.barrier()
+
+main()
+)");
+  ProcessResult result = Run({"--name", "raises", "--nproc-per-node", "2"}, {"/usr/bin/python3", "raises.py"});
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_NE(result.output.find("rank-1-error.json 1 SIGTERM,SIGINT,SIGHUP,SIGQUIT"), std::string::npos) << result.output;
+  const size_t cause = result.output.find("rank 1 on ");
+  ASSERT_NE(cause, std::string::npos) << result.output;
+  const std::string text = result.output.substr(cause);
+  EXPECT_NE(text.find("exited with code 1: ValueError: rank 1 found no shard to read (error file "), std::string::npos)
+      << result.output;
+  EXPECT_NE(text.find("traceback:"), std::string::npos) << result.output;
+  EXPECT_NE(text.find("raises.py\", line 7, in check"), std::string::npos) << result.output;
+}
+
 // A program run from a build tree imports ltrain_progress as one run from the Debian package does.
 TEST_F(RunTest, AProgramImportsLtrainProgressFromABuildTree) {
   ProcessResult result =

@@ -185,25 +185,34 @@ TEST_F(SupervisorTest, AProgramRunsUnderExecWithTorchrunsEnvironment) {
   v1::StartJobCommand start = Start("j1", 3, 2, /*first_rank=*/2);
   start.set_recipe_yaml(
       "name: j\nfault: {max_restarts: 5}\n"
-      "entrypoint: {command: [python3, train.py, --x], env: {OMP_NUM_THREADS: '4', A: b}, workdir: /srv/w, "
+      "entrypoint: {command: [python3, train.py, --x], env: {OMP_NUM_THREADS: '4', A: b, TORCH_NCCL_TRACE_BUFFER_SIZE: '0'}, "
+      "workdir: /srv/w, "
       "warm_standby: off}\n");
   start.set_restart_count(2);
   supervisor().StartJob(start);
   ASSERT_EQ(spawner_.spawns().size(), 2u);
   const SpawnSpec& spec = spawner_.spawns()[1].spec;
   EXPECT_EQ(spec.binary, "/opt/ltrain/ltrain-exec");
-  EXPECT_EQ(spec.args, (std::vector<std::string>{"--env", "A=b", "--env", "OMP_NUM_THREADS=4", "--",
+  EXPECT_EQ(spec.args, (std::vector<std::string>{"--env", "A=b", "--env", "OMP_NUM_THREADS=4", "--env",
+                                                 "TORCH_NCCL_TRACE_BUFFER_SIZE=0", "--",
                                                  "python3", "train.py", "--x"}));
   EXPECT_EQ(spec.working_dir, "/srv/w");
   char mask[32];
   std::snprintf(mask, sizeof(mask), "LTRAIN_USER_UMASK=%04o", static_cast<unsigned>(OriginalUmask()));
-  EXPECT_EQ(*(spec.env.end() - 14), mask) << "the program gets the umask its user started ltrain with";
-  const std::vector<std::string> tail(spec.env.end() - 13, spec.env.end());
+  const auto first = std::find(spec.env.begin(), spec.env.end(), "RANK=3");
+  ASSERT_NE(first, spec.env.end());
+  EXPECT_EQ(*(first - 1), mask) << "the program gets the umask its user started ltrain with";
+  const std::string dir = options_.work_dir + "/jobs/j1/gen-3/";
+  const std::vector<std::string> tail(first, spec.env.end());
   EXPECT_EQ(tail, (std::vector<std::string>{
                       "RANK=3", "LOCAL_RANK=1", "WORLD_SIZE=4", "LOCAL_WORLD_SIZE=2", "GROUP_RANK=1",
                       "GROUP_WORLD_SIZE=2", "ROLE_NAME=default", "ROLE_RANK=3", "ROLE_WORLD_SIZE=4",
                       "TORCHELASTIC_RESTART_COUNT=2", "TORCHELASTIC_MAX_RESTARTS=5", "TORCHELASTIC_RUN_ID=j1",
-                      "TORCHELASTIC_USE_AGENT_STORE=True"}));
+                      "TORCHELASTIC_USE_AGENT_STORE=True", "TORCHELASTIC_ERROR_FILE=" + dir + "rank-3-error.json",
+                      "TORCH_NCCL_ASYNC_ERROR_HANDLING=1", "TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+                      // TORCH_NCCL_TRACE_BUFFER_SIZE is the recipe's (exec's --env).
+                      "TORCH_NCCL_DUMP_ON_TIMEOUT=1", "TORCH_FR_DUMP_TEMP_FILE=" + dir + "nccl-trace-rank-",
+                      "TORCH_NCCL_DEBUG_INFO_TEMP_FILE=" + dir + "nccl-trace-rank-"}));
   for (const std::string& entry : spec.env) EXPECT_NE(entry, "OMP_NUM_THREADS=1") << "the recipe set 4";
   EXPECT_NE(std::find(spec.env.begin(), spec.env.end(), "LTRAIN_RANK=3"), spec.env.end());
 }
