@@ -249,6 +249,14 @@ std::string FormatJobDetail(const v1::Job& job, int64_t now_unix_ms) {
             static_cast<double>(job.checkpoint_save_bytes()) / 1e9);
   }
   if (job.checkpoint_load_ms() > 0) Appendf(&out, "last load:      %.1f s\n", job.checkpoint_load_ms() / 1000.0);
+  if (job.has_limits() && job.limits().step().seconds() > 0) {
+    // Each limit with how it came about: the recipe's figure, or derived from the run.
+    Appendf(&out, "hang limits:    step %.0f s (%s)\n", job.limits().step().seconds(), job.limits().step().how().c_str());
+    Appendf(&out, "                start-up %.0f s (%s)\n", job.limits().startup().seconds(),
+            job.limits().startup().how().c_str());
+    Appendf(&out, "                checkpoint %.0f s (%s)\n", job.limits().checkpoint().seconds(),
+            job.limits().checkpoint().how().c_str());
+  }
   if (job.members_size() > 0) {
     std::string members;
     for (int32_t r : job.members()) members += (members.empty() ? "" : ",") + std::to_string(r);

@@ -245,7 +245,8 @@ void AddRunCommand(CLI::App& app, CommandContext& ctx) {
       ->capture_default_str();
   cmd->add_option("--hang-timeout", args->hang_timeout_s,
                   "Seconds without progress (LTRAIN_PROGRESS_FD reports) before a reporting rank is named hung; "
-                  "default: fault.hang_timeout_s's 60")
+                  "default: derived from the program's reported step times (fault.hang_timeout_s auto: 20 x the slowest of the "
+                  "last 50 steps, 20-600 s)")
       ->check(CLI::Range(0.1, 604800.0));
   cmd->add_option("--output-timeout", args->output_timeout_s,
                   "Seconds a rank may print nothing (and report no progress) before it is stopped as hung and the "

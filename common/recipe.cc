@@ -821,6 +821,40 @@ PhaseTimeout StartupTimeout(const Recipe& recipe) {
   return AutoTimeout(recipe, "fault.startup_timeout_s", recipe.fault.startup_timeout_s, 120);
 }
 
+PhaseTimeout StepTimeout(const Recipe& recipe, int64_t steps_seen, double slowest_step_ms) {
+  char text[224];
+  if (recipe.fault.hang_timeout_s > 0) {
+    std::snprintf(text, sizeof(text), "fault.hang_timeout_s=%g", recipe.fault.hang_timeout_s);
+    return PhaseTimeout{recipe.fault.hang_timeout_s, text};
+  }
+  if (steps_seen < kStartupSteps) {
+    const PhaseTimeout startup = StartupTimeout(recipe);
+    std::snprintf(text, sizeof(text), "fault.hang_timeout_s auto: %.0f s, the start-up limit until %d steps are done",
+                  startup.seconds, kStartupSteps);
+    return PhaseTimeout{startup.seconds, text};
+  }
+  const double seconds = std::clamp(kStepLimitMultiple * slowest_step_ms / 1000.0, kStepLimitFloorS, kStepLimitCeilingS);
+  std::snprintf(text, sizeof(text),
+                "fault.hang_timeout_s auto: %.1f s, %g x the slowest of the last %lld steps (%.2f s) within %g-%g s",
+                seconds, kStepLimitMultiple, static_cast<long long>(std::min<int64_t>(steps_seen, 50)),
+                slowest_step_ms / 1000.0, kStepLimitFloorS, kStepLimitCeilingS);
+  return PhaseTimeout{seconds, text};
+}
+
+PhaseTimeout CollectiveTimeout(const Recipe& recipe, int64_t steps_seen, double slowest_step_ms) {
+  char text[160];
+  if (recipe.fault.collective_timeout_s > 0) {
+    std::snprintf(text, sizeof(text), "fault.collective_timeout_s=%g", recipe.fault.collective_timeout_s);
+    return PhaseTimeout{recipe.fault.collective_timeout_s, text};
+  }
+  const double step = StepTimeout(recipe, steps_seen, slowest_step_ms).seconds;
+  const double startup = StartupTimeout(recipe).seconds, checkpoint = CheckpointTimeout(recipe).seconds;
+  const double longest = std::max({step, startup, checkpoint});
+  std::snprintf(text, sizeof(text), "fault.collective_timeout_s auto: %.0f s, twice the %s's limit", 2 * longest,
+                longest == step ? "training step" : longest == startup ? "start-up" : "checkpoint");
+  return PhaseTimeout{2 * longest, text};
+}
+
 int64_t DataSeed(const Recipe& recipe) { return recipe.data.seed >= 0 ? recipe.data.seed : recipe.training.seed; }
 
 std::vector<DataSource> DataSources(const Recipe& recipe) {

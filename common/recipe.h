@@ -255,9 +255,9 @@ struct FaultSpec {
   double restart_backoff_max_s = 30.0;
   double heartbeat_interval_s = 1.0;
   int heartbeat_misses = 3;
-  double hang_timeout_s = 60.0;         // no progress this long: the rank is hung
+  double hang_timeout_s = 0;            // no progress this long in a step: the rank is hung; 0: derived from the run
   double startup_timeout_s = 0;         // a start-up without progress this long is stuck; 0: auto
-  double collective_timeout_s = 300.0;  // a collective that takes longer is aborted
+  double collective_timeout_s = 0;      // a collective that takes longer is aborted; 0: derived from the run
   Recovery recovery = Recovery::kRestart;  // a failed rank: restart the job, or replace it in place
   int memory_checkpoint_every = 0;  // in place under ZeRO: steps between peers' copies of the shards; 0: auto
 };
@@ -331,6 +331,21 @@ struct PhaseTimeout {
 };
 PhaseTimeout CheckpointTimeout(const Recipe& recipe);  // checkpoint saves, loads and commits
 PhaseTimeout StartupTimeout(const Recipe& recipe);     // model build, connection, resume load
+
+// A training step's limit, fault.hang_timeout_s when the recipe sets it; else derived from the run:
+// kStepLimitMultiple times the slowest of the last steps (`slowest_step_ms`, of `steps_seen` steps),
+// within the floor and the ceiling, and the start-up limit until kStartupSteps steps are done (their
+// compilation, communicators made on first use, autotuning). Progress changes many times a step
+// (phases, collectives), so the multiple is wide.
+constexpr int kStartupSteps = 3;
+constexpr double kStepLimitMultiple = 20;
+constexpr double kStepLimitFloorS = 20;
+constexpr double kStepLimitCeilingS = 600;
+PhaseTimeout StepTimeout(const Recipe& recipe, int64_t steps_seen, double slowest_step_ms);
+// A collective's limit, fault.collective_timeout_s when set; else twice the longest of the training
+// step's (StepTimeout), the start-up's and the checkpoint's limits: the coordinator names the hang,
+// with every rank's view, before a collective gives up.
+PhaseTimeout CollectiveTimeout(const Recipe& recipe, int64_t steps_seen, double slowest_step_ms);
 
 // The data sampler's seed: data.seed when set, training.seed otherwise.
 int64_t DataSeed(const Recipe& recipe);

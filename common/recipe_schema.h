@@ -286,7 +286,7 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
         r.checkpoint.enabled);
   visit(RecipeKey{.section = "checkpoint", .name = "timeout_s",
                   .help = "a save, load or commit without progress this long is stuck (auto: 60 s + 1 s per 50 MB of "
-                          "state, 12 bytes a parameter; at least fault.hang_timeout_s)",
+                          "state, 12 bytes a parameter, and 3 x the slowest save so far; at least fault.hang_timeout_s)",
                   .real_min = 0, .real_max = 604800, .default_text = "0 (auto)", .omit_at_default = true},
         r.checkpoint.timeout_s);
   visit(RecipeKey{.section = "checkpoint", .name = "share_with_group",
@@ -328,16 +328,20 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
   visit(RecipeKey{.section = "fault", .name = "heartbeat_misses", .help = "missed heartbeats before a node is lost",
                   .int_min = 1, .int_max = 1000},
         r.fault.heartbeat_misses);
-  visit(RecipeKey{.section = "fault", .name = "hang_timeout_s", .help = "a rank without progress this long in a training step is hung",
-                  .real_min = 0.1, .real_max = 86400},
+  visit(RecipeKey{.section = "fault", .name = "hang_timeout_s",
+                  .help = "a rank without progress this long in a training step is hung (auto: 20 x the slowest of "
+                          "the last 50 steps, 20-600 s; the start-up limit for a generation's first 3 steps)",
+                  .real_min = 0, .real_max = 86400, .default_text = "0 (auto)", .omit_at_default = true},
         r.fault.hang_timeout_s);
   visit(RecipeKey{.section = "fault", .name = "startup_timeout_s",
                   .help = "a start-up (model build, connection, resume load) without progress this long is stuck "
                           "(auto: 120 s + 1 s per 50 MB of state; at least fault.hang_timeout_s)",
                   .real_min = 0, .real_max = 604800, .default_text = "0 (auto)", .omit_at_default = true},
         r.fault.startup_timeout_s);
-  visit(RecipeKey{.section = "fault", .name = "collective_timeout_s", .help = "a collective that takes longer is aborted",
-                  .real_min = 0.1, .real_max = 86400},
+  visit(RecipeKey{.section = "fault", .name = "collective_timeout_s",
+                  .help = "a collective that takes longer is aborted (auto: twice the training step's limit, and "
+                          "longer than a start-up's or a checkpoint's, so that the hang is diagnosed first)",
+                  .real_min = 0, .real_max = 86400, .default_text = "0 (auto)", .omit_at_default = true},
         r.fault.collective_timeout_s);
 
   visit(RecipeKey{.section = "metrics", .name = "tensorboard",

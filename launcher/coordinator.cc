@@ -191,6 +191,7 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
   job.ranks_exited_ok.clear();
   job.progress.clear();
   job.stragglers = StragglerTracker();
+  job.times.Restart();
   job.generation_started_ms = clock_->SteadyMs();
   job.committed_at_start = job.job.last_committed_step();
   job.resume_compared = false;
@@ -384,6 +385,7 @@ std::optional<std::string> Coordinator::StateFailure() const { return writer_.Fa
 
 void Coordinator::FinishLocked(ActiveJob& job, v1::JobState state, const std::string& cause) {
   if (IsFinal(job.job.state())) return;
+  job.job.clear_limits();
   bool all_exited = static_cast<int>(job.ranks_exited_ok.size()) == job.job.world_size();
   if (job.job.state() == v1::JOB_STATE_RUNNING && state != v1::JOB_STATE_SUCCEEDED && !all_exited) {
     StopGenerationLocked(job, cause);
@@ -609,6 +611,8 @@ void Coordinator::ApplyProgressLocked(ActiveJob& job, const v1::RankProgress& re
     NoteRecoveryProgressLocked(job, report);
   }
   if (report.stopped_after_checkpoint()) job.stopped_early = true;
+  if (report.has_completed()) job.times.ObserveStep(report.completed().step(), report.completed().step_ms());
+  if (report.save_ms() > 0) job.times.ObserveSave(report.save_ms());
   if (report.rank() == 0 && report.save_ms() > 0) {
     job.job.set_checkpoint_save_ms(report.save_ms());
     job.job.set_checkpoint_save_bytes(report.save_bytes());
@@ -893,6 +897,22 @@ void Coordinator::CheckStragglersLocked(ActiveJob& job) {
   }
 }
 
+void Coordinator::SetLimitsLocked(ActiveJob& job, const PhaseLimits& limits) {
+  v1::JobLimits& record = *job.job.mutable_limits();
+  const double before = record.step().seconds(), step = limits.step_ms / 1000.0;
+  const bool derived_anew = before == 0 || step > 1.2 * before || step < before / 1.2;
+  auto set = [](v1::PhaseLimit& limit, int64_t ms, const std::string& how) {
+    limit.set_seconds(ms / 1000.0);
+    limit.set_how(how);
+  };
+  set(*record.mutable_step(), limits.step_ms, limits.step_how);
+  set(*record.mutable_startup(), limits.startup_ms, limits.startup_how);
+  set(*record.mutable_checkpoint(), limits.checkpoint_ms, limits.checkpoint_how);
+  if (derived_anew && job.recipe.fault.hang_timeout_s <= 0 && job.times.steps_seen() >= kStartupSteps) {
+    AddEventLocked(job, "limits", "a training step's limit is now " + limits.step_how, -1);
+  }
+}
+
 void Coordinator::CheckHangLocked(ActiveJob& job, int64_t now) {
   std::vector<RankActivity> ranks;
   for (int rank = 0; rank < job.job.world_size(); ++rank) {
@@ -913,6 +933,13 @@ void Coordinator::CheckHangLocked(ActiveJob& job, int64_t now) {
       // The oldest collective still in flight is the one the rank waits in (a communication
       // thread may have started later ones).
       for (const auto& collective : report.collectives()) {
+        if (collective.end_unix_ms() != 0 && collective.seq() > activity.last_seq) {
+          activity.last_seq = collective.seq();
+          activity.last_op = collective.op();
+          activity.last_group = collective.group();
+        }
+      }
+      for (const auto& collective : report.collectives()) {
         if (collective.end_unix_ms() != 0) continue;
         activity.in_collective = true;
         activity.collective_seq = collective.seq();
@@ -924,7 +951,9 @@ void Coordinator::CheckHangLocked(ActiveJob& job, int64_t now) {
     }
     ranks.push_back(activity);
   }
-  std::optional<std::string> hang = DiagnoseHang(ranks, PhaseLimits::FromRecipe(job.recipe));
+  const PhaseLimits limits = PhaseLimits::Derive(job.recipe, job.times);
+  SetLimitsLocked(job, limits);
+  std::optional<std::string> hang = DiagnoseHang(ranks, limits);
   if (hang) FailGenerationLocked(job, *hang);
 }
 

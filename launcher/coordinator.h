@@ -36,6 +36,7 @@
 #include "common/status.h"
 #include "launcher/state_store.h"
 #include "launcher/state_writer.h"
+#include "launcher/hang_diagnosis.h"
 #include "launcher/straggler.h"
 #include "ltrain/v1/ltrain.pb.h"
 
@@ -212,6 +213,7 @@ class Coordinator {
     bool stopped_early = false;          // a rank reported it stopped after a final checkpoint
     std::vector<v1::Event> events;   // in memory, log lines included
     StragglerTracker stragglers;  // of the current generation (straggler.h)
+    RunTimes times;               // the steps' and saves' times the limits are derived from (hang_diagnosis.h)
     JobSeries series;
     // In-place recovery (fault.recovery: in_place, coordinator_recovery.cc): the generation's
     // membership epoch (0 as placed, one more per replaced rank), the start command its ranks were
@@ -273,6 +275,9 @@ class Coordinator {
   void StopGenerationLocked(ActiveJob& job, const std::string& reason);
   void LoseNodeLocked(const std::string& node_id, const std::string& reason, bool expected = false);
   void CheckHangLocked(ActiveJob& job, int64_t now);
+  // The limits the job's ranks are judged by, in its record (ltrain status), and an event when the
+  // training step's changes by more than a fifth (derived limits follow the steps' times).
+  void SetLimitsLocked(ActiveJob& job, const PhaseLimits& limits);
   // Names the ranks whose own work stays above the others' (an event each time one becomes or
   // stops being a straggler), from the ranks' latest compute figures.
   void CheckStragglersLocked(ActiveJob& job);

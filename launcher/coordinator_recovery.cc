@@ -72,6 +72,7 @@ std::pair<std::string, std::string> Coordinator::ReplaceRankLocked(ActiveJob& jo
   job.job.set_membership_epoch(epoch);
   job.job.set_replacing_rank(rank);
   job.replacing_rank = rank;
+  job.times.Restart();  // the new membership's first steps connect again
   job.replacing_since_ms = clock_->SteadyMs();
   // The replacement numbers its reports from 1 again.
   job.progress.erase(rank);
@@ -149,6 +150,7 @@ bool Coordinator::ShrinkLocked(ActiveJob& job, const std::vector<int>& lost, con
   job.job.clear_members();
   for (int r : members) job.job.add_members(r);
   job.shrunk_since_ms = clock_->SteadyMs();
+  job.times.Restart();
   int64_t done = 0;
   for (const auto& [r, progress] : job.progress) {
     if (progress.report.has_completed()) done = std::max(done, progress.report.completed().step());

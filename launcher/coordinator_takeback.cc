@@ -87,6 +87,7 @@ Status Coordinator::Recover() {
           }
         }
         job.generation_started_ms = now;
+        job.times.Restart();
         // The generation's nodes in rank order, those of ranks that left too: a node's ranks are found by
         // its place there (a lost node's, LoseNodeLocked).
         job.generation_nodes.clear();

@@ -62,23 +62,49 @@ std::string Amounts(int64_t done, int64_t total, const std::string& unit) {
 
 }  // namespace
 
-PhaseLimits PhaseLimits::FromRecipe(const Recipe& recipe) {
+void RunTimes::ObserveStep(int64_t step, double step_ms) {
+  if (step <= 0) return;
+  if (!steps_.empty() && step < steps_.begin()->first && steps_.size() >= kDerivedWindowSteps) return;
+  double& slowest = steps_[step];
+  slowest = std::max(slowest, step_ms);
+  while (steps_.size() > kDerivedWindowSteps) steps_.erase(steps_.begin());
+}
+
+void RunTimes::ObserveSave(double save_ms) { slowest_save_ms_ = std::max(slowest_save_ms_, save_ms); }
+
+double RunTimes::slowest_step_ms() const {
+  double slowest = 0;
+  for (const auto& [step, ms] : steps_) slowest = std::max(slowest, ms);
+  return slowest;
+}
+
+PhaseLimits PhaseLimits::Derive(const Recipe& recipe, const RunTimes& measured) {
   PhaseLimits limits;
-  char text[64];
-  std::snprintf(text, sizeof(text), "fault.hang_timeout_s=%g", recipe.fault.hang_timeout_s);
-  limits.step_ms = static_cast<int64_t>(recipe.fault.hang_timeout_s * 1000);
-  limits.step_how = text;
+  char text[224];
   const PhaseTimeout startup = StartupTimeout(recipe), checkpoint = CheckpointTimeout(recipe);
   limits.startup_ms = static_cast<int64_t>(startup.seconds * 1000);
   limits.startup_how = startup.how;
+  const PhaseTimeout step = StepTimeout(recipe, measured.steps_seen(), measured.slowest_step_ms());
+  limits.step_ms = static_cast<int64_t>(step.seconds * 1000);
+  limits.step_how = step.how;
   limits.checkpoint_ms = static_cast<int64_t>(checkpoint.seconds * 1000);
   limits.checkpoint_how = checkpoint.how;
+  const int64_t by_saves = static_cast<int64_t>(kSaveLimitMultiple * measured.slowest_save_ms());
+  if (recipe.checkpoint.timeout_s <= 0 && by_saves > limits.checkpoint_ms) {
+    std::snprintf(text, sizeof(text), "checkpoint.timeout_s auto: %.0f s, %g x the slowest save so far (%.1f s)",
+                  by_saves / 1000.0, kSaveLimitMultiple, measured.slowest_save_ms() / 1000.0);
+    limits.checkpoint_ms = by_saves;
+    limits.checkpoint_how = text;
+  }
   return limits;
 }
 
 PhaseLimits PhaseLimits::Uniform(int64_t ms) {
   PhaseLimits limits;
   limits.step_ms = limits.startup_ms = limits.checkpoint_ms = ms;
+  char text[64];
+  std::snprintf(text, sizeof(text), "fault.hang_timeout_s=%g", ms / 1000.0);
+  limits.step_how = text;
   return limits;
 }
 
@@ -174,7 +200,18 @@ std::optional<std::string> DiagnoseHang(const std::vector<RankActivity>& ranks, 
                                                  lead.collective_group + ", "
                                            : "";
     return kind + ": all ranks made no progress for " + std::to_string(idle / 1000) + "s (" + where + "step " +
-           std::to_string(lead.step) + ", " + phase_text(lead, lead.reported ? lead.phase : "startup") + ")";
+           std::to_string(lead.step) + ", " + phase_text(lead, lead.reported ? lead.phase : "startup") + ")" +
+           (JudgedClass(lead, training) == PhaseClass::kStep ? "; limit " + limits.step_how : "");
+  }
+  // Where a behind rank that waits in no collective got to: its last completed one.
+  std::string last_text;
+  if (behind.size() == 1) {
+    const RankActivity& r = *behind.front();
+    if (r.in_collective) {
+      last_text = "; it is in " + r.collective_op + " #" + std::to_string(r.collective_seq) + " of " + r.collective_group;
+    } else if (r.last_seq > 0) {
+      last_text = "; its last collective was " + r.last_op + " #" + std::to_string(r.last_seq) + " of " + r.last_group;
+    }
   }
   std::vector<int> behind_ranks;
   int64_t idle = 0;
@@ -184,7 +221,7 @@ std::optional<std::string> DiagnoseHang(const std::vector<RankActivity>& ranks, 
   }
   std::string message = kind + ": " + DescribeRanks(behind_ranks) + " made no progress for " +
                         std::to_string(idle / 1000) + "s in step " + std::to_string(lead.step) + " (" +
-                        phase_text(lead, lead.reported ? lead.phase : "startup, never reported") + ")";
+                        phase_text(lead, lead.reported ? lead.phase : "startup, never reported") + ")" + last_text;
   // What the others wait in, grouped by collective.
   std::map<std::tuple<uint64_t, std::string, std::string>, std::vector<int>> waiting;
   std::map<std::string, std::vector<int>> waiting_for_peers;
@@ -210,6 +247,7 @@ std::optional<std::string> DiagnoseHang(const std::vector<RankActivity>& ranks, 
   if (!elsewhere.empty()) {
     message += "; " + DescribeRanks(elsewhere) + (elsewhere.size() == 1 ? " is" : " are") + " outside collectives";
   }
+  if (JudgedClass(lead, training) == PhaseClass::kStep) message += "; limit " + limits.step_how;
   return message;
 }
 

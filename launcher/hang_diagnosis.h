@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
@@ -23,8 +24,36 @@ struct RankActivity {
   uint64_t collective_seq = 0;
   std::string collective_op;
   std::string collective_group;
+  // The last collective it completed, when it reported one: where a rank that never entered the
+  // collective its peers wait in got to.
+  uint64_t last_seq = 0;        // 0: none
+  std::string last_op;
+  std::string last_group;
   v1::WorkProgress work;        // the long work it reported (start-up, a checkpoint save, load or commit)
 };
+
+// What the run measured, from which the limits a recipe leaves unset are derived: the steps' times
+// (every rank's reports; the slowest of the last kDerivedWindowSteps steps counts) and the
+// checkpoint saves'. Pure: the coordinator feeds it the progress reports.
+class RunTimes {
+ public:
+  // A completed step and its time (ms; 0: not measured, which counts the step only).
+  void ObserveStep(int64_t step, double step_ms);
+  void ObserveSave(double save_ms);
+  // A new generation: its first steps compile and connect again, so they count as start-up.
+  void Restart() { steps_.clear(); }
+  int64_t steps_seen() const { return static_cast<int64_t>(steps_.size()); }
+  double slowest_step_ms() const;
+  double slowest_save_ms() const { return slowest_save_ms_; }
+
+ private:
+  std::map<int64_t, double> steps_;  // step -> its slowest time any rank reported; the last kDerivedWindowSteps
+  double slowest_save_ms_ = 0;
+};
+
+constexpr int kDerivedWindowSteps = 50;
+// A checkpoint's derived limit is at least this many times the slowest save so far.
+constexpr double kSaveLimitMultiple = 3;
 
 // How long a rank may make no progress, by what it is doing: a training step (fault.hang_timeout_s),
 // start-up (fault.startup_timeout_s: model build, connection, resume load) or a checkpoint
@@ -37,7 +66,11 @@ struct PhaseLimits {
   std::string startup_how = "fault.startup_timeout_s";
   std::string checkpoint_how = "checkpoint.timeout_s";
 
-  static PhaseLimits FromRecipe(const Recipe& recipe);
+  // The recipe's limits; those it leaves at 0 (auto) are derived from `measured`: a training step's
+  // as StepTimeout says (common/recipe.h), a checkpoint's at least kSaveLimitMultiple times the
+  // slowest save. `*_how` says how each came about.
+  static PhaseLimits Derive(const Recipe& recipe, const RunTimes& measured);
+  static PhaseLimits FromRecipe(const Recipe& recipe) { return Derive(recipe, RunTimes{}); }
   // Every phase judged by one limit (fault.hang_timeout_s).
   static PhaseLimits Uniform(int64_t ms);
 };

@@ -173,6 +173,52 @@ TEST_F(RecoveryTest, HungWorkerIsNamedAndTheJobRecovers) {
   EXPECT_FALSE(ProcessAlive(stopped));
 }
 
+// No fault keys at all: the limit is derived from the steps' times. A SIGSTOPped rank of four is
+// named within that limit and 2 s, with the derivation, the collective the others wait in and the
+// last one it completed; `ltrain status` printed the limit while the job ran.
+TEST_F(RecoveryTest, StoppedRankIsNamedWithinTheDerivedLimit) {
+  std::string recipe = Recipe("derived", "training: {steps: 5000, micro_batch: 2, global_batch: 8, log_every: 1}\n"
+                                         "parallel: {nproc_per_node: 4}\n"
+                                         "checkpoint: {enabled: false}\n");
+  Subprocess launch({LtrainBinary(), "launch", recipe}, Env("home"));
+  ASSERT_TRUE(launch.WaitForOutput("a training step's limit is now fault.hang_timeout_s auto: ", seconds(120)))
+      << launch.Output();
+  // The status shows it once the progress reports that carry the steps' times reached the coordinator.
+  v1::Job running = Status("home", "derived-1");
+  for (int i = 0; i < 100 && running.limits().step().how().find("x the slowest") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(milliseconds(100));
+    running = Status("home", "derived-1");
+  }
+  ASSERT_EQ(running.ranks_size(), 4);
+  const double limit_s = running.limits().step().seconds();
+  EXPECT_GE(limit_s, 20) << running.limits().step().how();
+  EXPECT_LE(limit_s, 600) << running.limits().step().how();
+  EXPECT_EQ(running.limits().step().how().rfind("fault.hang_timeout_s auto: ", 0), 0u) << running.limits().step().how();
+  ProcessResult status = RunProcess({LtrainBinary(), "status", "derived-1"}, Env("home"), seconds(30));
+  EXPECT_NE(status.output.find("hang limits:    step "), std::string::npos) << status.output;
+  EXPECT_NE(status.output.find("x the slowest of the last"), std::string::npos) << status.output;
+
+  pid_t stopped = static_cast<pid_t>(running.ranks(2).pid());
+  auto stopped_at = std::chrono::steady_clock::now();
+  ASSERT_EQ(kill(stopped, SIGSTOP), 0);
+  ASSERT_TRUE(launch.WaitForOutput("hang: rank 2 made no progress", seconds(static_cast<int>(limit_s) + 30)))
+      << launch.Output();
+  const double took = SecondsSince(stopped_at);
+  ProcessResult result = launch.Wait(seconds(60));
+  EXPECT_LT(took, limit_s + 2.0) << "hang detection within the derived limit + 2 s";
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  v1::Job job = Status("home", "derived-1");
+  EXPECT_EQ(job.state(), v1::JOB_STATE_FAILED);
+  const std::string& cause = job.last_failure();
+  EXPECT_TRUE(std::regex_search(cause, std::regex(R"(^hang: rank 2 made no progress for \d+s in step \d+ )"))) << cause;
+  // Where rank 2 is (in a collective, or past its last one), and what the others wait in.
+  EXPECT_TRUE(std::regex_search(cause, std::regex(R"(; (it is in|its last collective was) all_reduce #\d+ of world; )")))
+      << cause;
+  EXPECT_TRUE(std::regex_search(cause, std::regex(R"(; ranks? [0-9, -]+ waits? in all_reduce #\d+ of world)"))) << cause;
+  EXPECT_NE(cause.find("; limit fault.hang_timeout_s auto: "), std::string::npos) << cause;
+  EXPECT_FALSE(ProcessAlive(stopped));
+}
+
 // Two agents, nodes {min 1, max 2}: one agent is SIGKILLed, the job goes on with one node and the
 // same global batch; a third agent joins at the next checkpoint boundary.
 TEST_F(RecoveryTest, LostAgentShrinksTheJobAndANewAgentJoinsAtACheckpoint) {

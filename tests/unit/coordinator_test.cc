@@ -813,7 +813,7 @@ TEST_F(CoordinatorTest, HangIsDetectedAndNamesTheRankThatIsBehind) {
   v1::Job job = *coordinator_->GetJob(id);
   EXPECT_EQ(job.state(), v1::JOB_STATE_RESTARTING);
   EXPECT_EQ(job.last_failure(), "hang: rank 3 made no progress for 10s in step 812 (backward); ranks 0-2 wait in "
-                                "all_reduce #1234 of dp 0");
+                                "all_reduce #1234 of dp 0; limit fault.hang_timeout_s=10");
 }
 
 TEST_F(CoordinatorTest, RecoveredCoordinatorTakesBackARunningJob) {

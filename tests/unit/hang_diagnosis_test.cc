@@ -40,7 +40,8 @@ TEST(HangDiagnosisTest, RankOutsideTheCollectiveIsBehind) {
   computing.phase = "forward";
   std::optional<std::string> hang = DiagnoseHang({Waiting(0, 5, 31000), Waiting(1, 5, 31000), computing}, PhaseLimits::Uniform(30000));
   ASSERT_TRUE(hang.has_value());
-  EXPECT_EQ(*hang, "hang: rank 2 made no progress for 31s in step 40 (forward); ranks 0-1 wait in all_reduce #5 of dp 0");
+  EXPECT_EQ(*hang, "hang: rank 2 made no progress for 31s in step 40 (forward); ranks 0-1 wait in all_reduce #5 of dp 0; "
+                   "limit fault.hang_timeout_s=30");
 }
 
 TEST(HangDiagnosisTest, SilentRankIsBehindEvenInsideACollective) {
@@ -48,7 +49,8 @@ TEST(HangDiagnosisTest, SilentRankIsBehindEvenInsideACollective) {
   stopped.silent_ms = 40000;
   std::optional<std::string> hang = DiagnoseHang({Waiting(0, 5, 40000), stopped, Waiting(2, 5, 40000)}, PhaseLimits::Uniform(30000));
   ASSERT_TRUE(hang.has_value());
-  EXPECT_EQ(*hang, "hang: rank 1 made no progress for 40s in step 40 (backward); ranks 0, 2 wait in all_reduce #5 of dp 0");
+  EXPECT_EQ(*hang, "hang: rank 1 made no progress for 40s in step 40 (backward); it is in all_reduce #5 of dp 0; ranks 0, "
+                   "2 wait in all_reduce #5 of dp 0; limit fault.hang_timeout_s=30");
 }
 
 // Programs of the user's own report no collectives: the rank over its limit is behind, not every
@@ -71,13 +73,15 @@ TEST(HangDiagnosisTest, RankInAnOlderCollectiveIsBehind) {
   std::optional<std::string> hang =
       DiagnoseHang({Waiting(0, 7, 31000), Waiting(1, 7, 31000), Waiting(2, 6, 31000), Waiting(3, 7, 31000)}, PhaseLimits::Uniform(30000));
   ASSERT_TRUE(hang.has_value());
-  EXPECT_EQ(*hang, "hang: rank 2 made no progress for 31s in step 40 (backward); ranks 0-1, 3 wait in all_reduce #7 of dp 0");
+  EXPECT_EQ(*hang, "hang: rank 2 made no progress for 31s in step 40 (backward); it is in all_reduce #6 of dp 0; ranks "
+                   "0-1, 3 wait in all_reduce #7 of dp 0; limit fault.hang_timeout_s=30");
 }
 
 TEST(HangDiagnosisTest, EveryoneStuckInTheSameCollective) {
   std::optional<std::string> hang = DiagnoseHang({Waiting(0, 7, 31000), Waiting(1, 7, 32000)}, PhaseLimits::Uniform(30000));
   ASSERT_TRUE(hang.has_value());
-  EXPECT_EQ(*hang, "hang: all ranks made no progress for 32s (all_reduce #7 of dp 0, step 40, backward)");
+  EXPECT_EQ(*hang, "hang: all ranks made no progress for 32s (all_reduce #7 of dp 0, step 40, backward); limit "
+                   "fault.hang_timeout_s=30");
 }
 
 TEST(HangDiagnosisTest, RankThatNeverReported) {
@@ -87,7 +91,8 @@ TEST(HangDiagnosisTest, RankThatNeverReported) {
   std::optional<std::string> hang = DiagnoseHang({Waiting(0, 1, 1000), silent}, PhaseLimits::Uniform(60000));
   ASSERT_TRUE(hang.has_value());
   // Rank 0 trains: a rank never heard from is past its start-up too, and judged as a step.
-  EXPECT_EQ(*hang, "hang: rank 3 made no progress for 61s in step 0 (startup, never reported); rank 0 waits in all_reduce #1 of dp 0");
+  EXPECT_EQ(*hang, "hang: rank 3 made no progress for 61s in step 0 (startup, never reported); rank 0 waits in all_reduce #1 of "
+                   "dp 0; limit fault.hang_timeout_s=60");
 }
 
 PhaseLimits Limits() {
@@ -168,6 +173,77 @@ TEST(HangDiagnosisTest, LimitsComeFromTheRecipe) {
   recipe = Recipe{};
   recipe.fault.hang_timeout_s = 600;
   EXPECT_EQ(PhaseLimits::FromRecipe(recipe).checkpoint_ms, 600000);
+}
+
+// With no fault keys, a step's limit follows the run: the start-up limit for the first steps, then
+// 20 times the slowest of the last 50 steps within 20-600 s; a checkpoint's grows with the saves.
+TEST(HangDiagnosisTest, LimitsTheRecipeLeavesUnsetAreDerivedFromTheRun) {
+  Recipe recipe;
+  RunTimes times;
+  const PhaseLimits first = PhaseLimits::Derive(recipe, times);
+  EXPECT_EQ(first.step_ms, first.startup_ms);
+  EXPECT_EQ(first.step_how.rfind("fault.hang_timeout_s auto: ", 0), 0u) << first.step_how;
+  EXPECT_NE(first.step_how.find("the start-up limit until 3 steps are done"), std::string::npos) << first.step_how;
+  for (int64_t step = 1; step <= 3; ++step) times.ObserveStep(step, 250);
+  times.ObserveStep(3, 300);  // another rank's report of the same step
+  PhaseLimits quick = PhaseLimits::Derive(recipe, times);
+  EXPECT_EQ(quick.step_ms, 20000) << "the floor: 20 x 0.3 s is 6 s";
+  EXPECT_EQ(quick.step_how, "fault.hang_timeout_s auto: 20.0 s, 20 x the slowest of the last 3 steps (0.30 s) within 20-600 s");
+  times.ObserveStep(4, 2500);
+  EXPECT_EQ(PhaseLimits::Derive(recipe, times).step_ms, 50000);
+  times.ObserveStep(5, 60000);
+  EXPECT_EQ(PhaseLimits::Derive(recipe, times).step_ms, 600000) << "the ceiling";
+  // The slow step leaves the window after 50 more.
+  for (int64_t step = 6; step <= 55; ++step) times.ObserveStep(step, 1000);
+  EXPECT_EQ(PhaseLimits::Derive(recipe, times).step_ms, 20000);
+  EXPECT_DOUBLE_EQ(times.slowest_step_ms(), 1000);
+  // A new generation starts over.
+  times.Restart();
+  EXPECT_EQ(PhaseLimits::Derive(recipe, times).step_ms, first.startup_ms);
+  // Saves: the checkpoint's limit is at least 3 x the slowest.
+  const int64_t by_size = PhaseLimits::Derive(recipe, times).checkpoint_ms;
+  times.ObserveSave(by_size);
+  const PhaseLimits saved = PhaseLimits::Derive(recipe, times);
+  EXPECT_EQ(saved.checkpoint_ms, 3 * by_size);
+  EXPECT_EQ(saved.checkpoint_how.rfind("checkpoint.timeout_s auto: ", 0), 0u) << saved.checkpoint_how;
+  EXPECT_NE(saved.checkpoint_how.find("3 x the slowest save so far"), std::string::npos) << saved.checkpoint_how;
+  // What the recipe sets wins.
+  recipe.fault.hang_timeout_s = 45;
+  recipe.checkpoint.timeout_s = 9;
+  const PhaseLimits set = PhaseLimits::Derive(recipe, times);
+  EXPECT_EQ(set.step_ms, 45000);
+  EXPECT_EQ(set.step_how, "fault.hang_timeout_s=45");
+  EXPECT_EQ(set.checkpoint_ms, 9000);
+}
+
+// A collective's derived limit is twice the longest of the others, so that the coordinator names a
+// hang before a collective gives up.
+TEST(HangDiagnosisTest, TheCollectiveTimeoutOutlastsTheOtherLimits) {
+  Recipe recipe;
+  const PhaseTimeout startup = StartupTimeout(recipe);
+  EXPECT_DOUBLE_EQ(CollectiveTimeout(recipe, 0, 0).seconds, 2 * startup.seconds);
+  EXPECT_DOUBLE_EQ(CollectiveTimeout(recipe, 10, 30000).seconds, 1200) << "twice the step's 600 s";
+  EXPECT_NE(CollectiveTimeout(recipe, 10, 30000).how.find("twice the training step's limit"), std::string::npos);
+  recipe.fault.collective_timeout_s = 90;
+  EXPECT_DOUBLE_EQ(CollectiveTimeout(recipe, 10, 30000).seconds, 90);
+}
+
+// The cross-rank picture: the rank that never entered the collective its peers wait in, with the
+// last collective it completed.
+TEST(HangDiagnosisTest, TheRankBehindIsShownWithItsLastCollective) {
+  RankActivity stopped = Waiting(2, 0, 25000);
+  stopped.in_collective = false;
+  stopped.silent_ms = 25000;
+  stopped.phase = "backward";
+  stopped.last_seq = 811;
+  stopped.last_op = "all_reduce";
+  stopped.last_group = "world";
+  std::vector<RankActivity> ranks = {Waiting(0, 812, 24000), Waiting(1, 812, 24000), stopped, Waiting(3, 812, 24000)};
+  for (RankActivity& r : ranks) r.collective_group = "world";
+  std::optional<std::string> hang = DiagnoseHang(ranks, PhaseLimits::Uniform(20000));
+  ASSERT_TRUE(hang.has_value());
+  EXPECT_EQ(*hang, "hang: rank 2 made no progress for 25s in step 40 (backward); its last collective was all_reduce "
+                   "#811 of world; ranks 0-1, 3 wait in all_reduce #812 of world; limit fault.hang_timeout_s=20");
 }
 
 TEST(HangDiagnosisTest, DescribeRanksFoldsRuns) {

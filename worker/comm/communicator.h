@@ -83,6 +83,10 @@ class Communicator {
   // return before their operation ran (NCCL), a caller that synchronized the device calls it before
   // it uses their results. Default: calls report their own failures, nothing is pending.
   virtual Status Health() { return Status::Ok(); }
+
+  // How long a call may wait for its peers from now on (fault.collective_timeout_s, or its figure
+  // derived from the steps' times). Called between steps, with no call in flight. Default: nothing to set.
+  virtual void SetTimeout(std::chrono::milliseconds /*timeout*/) {}
 };
 
 // A communicator whose connections can be replaced under it: the model, the parameter store and the
@@ -123,6 +127,7 @@ class ReformableCommunicator final : public Communicator {
   }
   void Abort() override { inner_->Abort(); }
   Status Health() override { return inner_->Health(); }
+  void SetTimeout(std::chrono::milliseconds timeout) override { inner_->SetTimeout(timeout); }
 
  private:
   std::unique_ptr<Communicator> inner_;

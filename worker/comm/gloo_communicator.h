@@ -57,6 +57,8 @@ class GlooCommunicator : public Communicator {
   // Closes every connection of this context (gloo's closeConnections): a peer blocked in a collective
   // with this rank reads the end of its stream and fails at once.
   void Abort() override;
+  // The context's timeout, which each later call waits at most.
+  void SetTimeout(std::chrono::milliseconds timeout) override { context_->setTimeout(timeout); }
 
  private:
   struct PendingSend {

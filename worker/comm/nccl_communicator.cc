@@ -134,7 +134,7 @@ Status NcclCommunicator::Enqueue(const char* what, Call&& call) {
   if (comm_ == nullptr) return Unavailable(failure_);
   const ncclResult_t result = call(comm_);
   if (!recoverable_) return Check(result, what);
-  return Settle(comm_, result, what, std::chrono::steady_clock::now() + timeout_, &abort_requested_);
+  return Settle(comm_, result, what, std::chrono::steady_clock::now() + timeout(), &abort_requested_);
 }
 
 void NcclCommunicator::AbortWith(const std::string& why) {
@@ -217,11 +217,11 @@ void NcclCommunicator::Watch() {
       const auto now = std::chrono::steady_clock::now();
       if (abort_requested_) {
         // Aborted: the ended operations' events complete and leave the queue; nothing more to judge.
-      } else if (!in_flight_.empty() && now - in_flight_.front().start > timeout_) {
+      } else if (!in_flight_.empty() && now - in_flight_.front().start > timeout()) {
         const InFlight& op = in_flight_.front();
         failure = "nccl " + op.op + " #" + std::to_string(op.seq) + " of " + group_ + " (a group of " + std::to_string(size_) +
                   " ranks, this rank " + std::to_string(rank_) + ") did not finish within " +
-                  std::to_string(timeout_.count() / 1000) +
+                  std::to_string(timeout().count() / 1000) +
                   " s (fault.collective_timeout_s); a peer rank may have died or hung";
       }
       if (failure.empty() && !abort_requested_) {

@@ -77,6 +77,7 @@ class NcclCommunicator : public Communicator {
   // time; a second call does nothing.
   void Abort() override;
   Status Health() override;
+  void SetTimeout(std::chrono::milliseconds timeout) override { timeout_ms_ = timeout.count(); }
 
  private:
   struct InFlight {
@@ -90,7 +91,7 @@ class NcclCommunicator : public Communicator {
   NcclCommunicator(ncclComm_t comm, int rank, int size, int device, std::chrono::milliseconds timeout,
                    std::string group, bool recoverable)
       : comm_(comm),
-        timeout_(timeout),
+        timeout_ms_(timeout.count()),
         rank_(rank),
         size_(size),
         device_(device),
@@ -115,7 +116,8 @@ class NcclCommunicator : public Communicator {
   ncclComm_t comm_;
   std::string failure_;
   std::atomic<bool> abort_requested_{false};
-  std::chrono::milliseconds timeout_;
+  std::atomic<int64_t> timeout_ms_;  // SetTimeout's, read by the calls and the watchdog
+  std::chrono::milliseconds timeout() const { return std::chrono::milliseconds(timeout_ms_.load()); }
   std::mutex mu_;
   std::deque<InFlight> in_flight_;
   uint64_t next_seq_ = 1;

@@ -49,13 +49,14 @@
 namespace ltrain::worker {
 namespace {
 
-// Collective timeout: fault.collective_timeout_s of the recipe (LTRAIN_COLLECTIVE_TIMEOUT_S wins):
-// long enough for a slow step, short enough that a vanished peer fails the collective instead of
-// hanging it forever.
-std::chrono::milliseconds CollectiveTimeout(const Recipe& recipe) {
+// Collective timeout at start: fault.collective_timeout_s of the recipe (LTRAIN_COLLECTIVE_TIMEOUT_S
+// wins), or its derived figure before any step (twice the start-up's or the checkpoint's limit; the
+// trainer derives it again from its steps' times): long enough for a slow step, short enough that a
+// vanished peer fails the collective instead of hanging it forever.
+std::chrono::milliseconds CollectiveLimit(const Recipe& recipe) {
   int seconds = 0;
   if (EnvInt(ProcessEnvironment(), "LTRAIN_COLLECTIVE_TIMEOUT_S", &seconds).ok() && seconds > 0) return std::chrono::seconds(seconds);
-  return std::chrono::milliseconds(static_cast<int64_t>(recipe.fault.collective_timeout_s * 1000.0));
+  return std::chrono::milliseconds(static_cast<int64_t>(CollectiveTimeout(recipe, 0, 0).seconds * 1000.0));
 }
 
 // LibTorch's set_num_threads sizes its OpenMP pool but not OpenBLAS's own pthread pool, which
@@ -118,7 +119,7 @@ StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe
     // A membership after a replacement connects under keys of its own, and gives way to the next one
     // where a member dies before it formed.
     conn->store = MembershipView(epoch > 0 ? "epoch/" + std::to_string(epoch) : "",
-                                 "membership/" + std::to_string(epoch + 1), conn->base, CollectiveTimeout(recipe));
+                                 "membership/" + std::to_string(epoch + 1), conn->base, CollectiveLimit(recipe));
   }
   auto wrap = [reformable](std::unique_ptr<Communicator> comm) -> std::unique_ptr<Communicator> {
     if (!reformable) return comm;
@@ -127,7 +128,7 @@ StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe
   GroupFactory make;
   if (recipe.parallel.device == Device::kCuda) {
 #ifdef LTRAIN_WITH_NCCL
-    const std::chrono::milliseconds timeout = CollectiveTimeout(recipe);
+    const std::chrono::milliseconds timeout = CollectiveLimit(recipe);
     if ((layout.tp > 1 || layout.pp > 1) && layout.dp > 1 && dp_side_stream) {
       // dp's collectives run on a stream of their own beside tp's or pp's (ParamStore's exclusive
       // collectives), every group's issued in one order on every rank by one thread at a time. NCCL
@@ -154,7 +155,7 @@ StatusOr<std::unique_ptr<Connection>> Connect(const WorkerEnv& env, const Recipe
     return InvalidArgument("parallel.device=cuda needs a worker built against LibTorch with CUDA and NCCL");
 #endif
   } else {
-    auto gloo = GlooCommunicator::Create(*conn->store, env.rank, env.world_size, env.bind_addr, CollectiveTimeout(recipe));
+    auto gloo = GlooCommunicator::Create(*conn->store, env.rank, env.world_size, env.bind_addr, CollectiveLimit(recipe));
     if (!gloo.ok()) return gloo.status();
     GlooCommunicator* world = gloo->get();
     conn->world = wrap(std::move(gloo).value());
@@ -324,7 +325,7 @@ std::unique_ptr<Recovery> MakeRecovery(const WorkerEnv& env, const Recipe& recip
   const at::Device device = recipe.parallel.device == Device::kCuda
                                 ? at::Device(at::kCUDA, static_cast<c10::DeviceIndex>(env.local_rank))
                                 : at::Device(at::kCPU);
-  auto recovery = std::make_unique<Recovery>(std::move(hooks), env.rank, epoch, CollectiveTimeout(recipe), device);
+  auto recovery = std::make_unique<Recovery>(std::move(hooks), env.rank, epoch, CollectiveLimit(recipe), device);
   if (env.epoch == 0) recovery->Synced();  // a rank of the generation's start holds its own state
   return recovery;
 }
@@ -400,7 +401,11 @@ Status Run(const WorkerEnv& env) {
   options.local_rank = env.local_rank;
   options.generation = env.generation;
   options.job_id = env.job_id;
-  options.collective_timeout = CollectiveTimeout(recipe);
+  options.collective_timeout = CollectiveLimit(recipe);
+  int timeout_override = 0;
+  options.derive_collective_timeout =
+      recipe.fault.collective_timeout_s <= 0 &&
+      !(EnvInt(ProcessEnvironment(), "LTRAIN_COLLECTIVE_TIMEOUT_S", &timeout_override).ok() && timeout_override > 0);
   options.dp_overlap = EnvString("LTRAIN_DP_OVERLAP") != "0";
   options.overlap_update = EnvString("LTRAIN_OVERLAP_UPDATE") != "0";
   options.copy_engine_gathers = EnvString("LTRAIN_COPY_ENGINE_GATHERS") != "0";
@@ -657,7 +662,7 @@ Environment (set by the agent; flags win over it):
                            every call (it serves a worker only its own job's keys and progress)
   LTRAIN_BIND_ADDR         address Gloo listens on (default 127.0.0.1)
   LTRAIN_COLLECTIVE_TIMEOUT_S  seconds before a stuck collective fails (default: the recipe's
-                           fault.collective_timeout_s)
+                           fault.collective_timeout_s, or the figure derived from the steps' times)
 
 Profiling:
   LTRAIN_PROFILE=STEP:PATH rank 0 records step STEP (1-based) with the CUDA profiler (operators and

@@ -663,6 +663,24 @@ void Trainer::PrintThroughput(int64_t first_step, int64_t steps, double total_ms
   std::fflush(stdout);
 }
 
+void Trainer::RetimeCollectives(double step_ms) {
+  if (!options_.derive_collective_timeout) return;
+  step_ms_window_.push_back(step_ms);
+  while (step_ms_window_.size() > 50) step_ms_window_.pop_front();
+  ++steps_timed_;
+  const double slowest = *std::max_element(step_ms_window_.begin(), step_ms_window_.end());
+  const PhaseTimeout limit = CollectiveTimeout(recipe_, steps_timed_, slowest);
+  const auto timeout = std::chrono::milliseconds(static_cast<int64_t>(limit.seconds * 1000));
+  const auto now = options_.collective_timeout;
+  if (timeout * 5 <= now * 6 && timeout * 6 >= now * 5) return;
+  options_.collective_timeout = timeout;
+  // Every group once (a group of one is its own SelfCommunicator, which has nothing to set).
+  for (Communicator* group : {groups_->world, groups_->tp, groups_->dp, groups_->pp, groups_->embedding}) {
+    if (group != nullptr) group->SetTimeout(timeout);
+  }
+  if (options_.rank == 0) std::printf("collective timeout: %s\n", limit.how.c_str());
+}
+
 Status Trainer::Run() {
   const TrainingSpec& t = recipe_.training;
   if (options_.recovery != nullptr && options_.recovery->replacement()) {
@@ -732,6 +750,7 @@ Status Trainer::Run() {
       figures.memory_bytes = mem.params + mem.grads + mem.optimizer + activations_peak_;
     }
     Progress::Global().RecordStep(figures);
+    RetimeCollectives(f.ms);
     if (printer &&
         (s == 1 || s == run_start_step_ + 1 || (t.log_every > 0 && s % t.log_every == 0) || s == t.steps || f.last)) {
       std::printf("step %lld/%lld loss %.6f lr %.3e tok/s %.0f step_ms %.1f\n", static_cast<long long>(s),

@@ -73,6 +73,9 @@ struct TrainerOptions {
   Recovery* recovery = nullptr;
   CheckpointWriteFault checkpoint_write_fault;            // LTRAIN_FAULT_CHECKPOINT_WRITE
   std::chrono::milliseconds collective_timeout{300000};   // also bounds rank 0's wait for peers' files
+  // fault.collective_timeout_s is auto: the trainer derives collective_timeout again from its steps'
+  // times (CollectiveTimeout, common/recipe.h) and sets it on its groups between steps.
+  bool derive_collective_timeout = false;
   // Rank 0 records steps `profile_step` to `profile_last` (1-based; 0: none) with the CUDA profiler
   // into one Chrome trace at `profile_path` (LTRAIN_PROFILE=STEP:PATH or FIRST-LAST:PATH).
   int64_t profile_step = 0;
@@ -203,6 +206,9 @@ class Trainer {
   // before the optimizer runs and fails the step if it is not finite.
   StatusOr<torch::Tensor> StepOnDevice(bool check_loss);
   Status CheckLoss(double value, int64_t step) const;
+  // A completed step's time: with options_.derive_collective_timeout, the collective timeout derived
+  // from the last steps, set on every group when it moved by more than a fifth.
+  void RetimeCollectives(double step_ms);
   // The micro-batch's token windows; FailedPrecondition when one holds an id outside model.vocab.
   Status FillBatch(int micro_step, torch::Tensor* inputs, torch::Tensor* targets);
   // This rank's micro-step `micro_step` of global batch `step` counted from data position `position0`.
@@ -303,6 +309,8 @@ class Trainer {
   // of its progress, from which the coordinator names stragglers. The host's clock on a CPU; on a GPU
   // the device's, from the spans of each step's micro-batches, counted once the GPU has passed them.
   std::deque<StepFigures::Work> compute_window_;
+  std::deque<double> step_ms_window_;  // the last steps' times (RetimeCollectives)
+  int64_t steps_timed_ = 0;
   std::deque<std::vector<compat::DeviceSpan>> device_spans_;
   double drill_base_ms_ = std::numeric_limits<double>::infinity();  // the fastest GPU step measured
   double checkpoint_blocked_ms_ = 0;
