@@ -42,6 +42,10 @@
 
 namespace ltrain::launcher {
 
+// A worker's line as the coordinator keeps it: valid UTF-8 and at most 16 KiB (the agents send no
+// more; this holds against any client), so that no report can grow the state by megabytes.
+std::string StoredLine(const std::string& text);
+
 // A job's curves for the dashboard, from rank 0's progress as it arrived (a step the reports skipped
 // is missing): in memory only, while the coordinator holds the job. A restart from a checkpoint
 // drops the points past it.
