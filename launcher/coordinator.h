@@ -74,6 +74,8 @@ struct StopOptions {
 
 struct CoordinatorOptions {
   std::string state_dir;             // default checkpoints go under state_dir/checkpoints/<job>
+  // A hang leaves every rank's recent collectives in <job_files_dir>/<job>/hang-gen-G.txt; empty: no file.
+  std::string job_files_dir;
   int64_t node_timeout_ms = 3000;    // a node whose heartbeats stop this long is lost
   int64_t recovery_grace_ms = 15000; // after a coordinator restart, how long agents get to come back
   size_t max_buffered_events = 200000;

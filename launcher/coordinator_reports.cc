@@ -5,9 +5,11 @@
 #include <algorithm>
 #include <cstdio>
 #include <ctime>
+#include <filesystem>
 #include <string>
 #include <string_view>
 
+#include "common/files.h"
 #include "common/logging.h"
 #include "common/signal_name.h"
 #include "common/worker_exit.h"
@@ -374,7 +376,33 @@ void Coordinator::CheckHangLocked(ActiveJob& job, int64_t now) {
   const PhaseLimits limits = PhaseLimits::Derive(job.recipe, job.times);
   SetLimitsLocked(job, limits);
   std::optional<std::string> hang = DiagnoseHang(ranks, limits);
-  if (hang) FailGenerationLocked(job, *hang);
+  if (!hang) return;
+  // Every rank's recent collectives in one file, written by the state writer's thread.
+  if (!options_.job_files_dir.empty()) {
+    std::vector<v1::RankProgress> reports;
+    for (const auto& [rank, progress] : job.progress) {
+      v1::RankProgress report = progress.report;
+      const int64_t since = now - progress.received_ms;
+      report.set_idle_ms(report.idle_ms() + since);
+      report.set_silent_ms(report.silent_ms() + since);
+      reports.push_back(std::move(report));
+    }
+    const std::filesystem::path dir = std::filesystem::path(options_.job_files_dir) / job.job.id();
+    const std::string path = (dir / ("hang-gen-" + std::to_string(job.job.generation()) + ".txt")).string();
+    std::string text = *hang + "\n\nEvery rank's last report and recent collectives (workers' clocks, UTC):\n" +
+                       DescribeRankCollectives(reports, job.job.world_size());
+    writer_.Enqueue(
+        "write " + path,
+        [dir, path, text = std::move(text)](StateStore&) {
+          Status written = CreateDirectories(dir.string());
+          if (written.ok()) written = WriteFileText(path, text);
+          if (!written.ok()) LTRAIN_LOG(kWarning, kLog) << "the hang's picture was not written: " << written.message();
+          return Status::Ok();
+        },
+        /*droppable=*/true);
+    *hang += "; every rank's recent collectives: " + path;
+  }
+  FailGenerationLocked(job, *hang);
 }
 
 }  // namespace ltrain::launcher

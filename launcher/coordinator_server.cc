@@ -422,6 +422,7 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const Coor
   }
   CoordinatorOptions coordinator_options;
   coordinator_options.state_dir = options.state_dir;
+  coordinator_options.job_files_dir = (std::filesystem::path(options.state_dir) / "jobs").string();
   coordinator_options.node_timeout_ms = options.node_timeout_ms;
   coordinator_options.recovery_grace_ms = options.recovery_grace_ms;
   coordinator_options.retain_ms = options.retain_ms;

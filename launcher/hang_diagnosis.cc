@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <ctime>
 #include <map>
 
 namespace ltrain::launcher {
@@ -126,6 +127,51 @@ std::string DescribeRanks(std::vector<int> ranks) {
 std::string DescribeWork(const v1::WorkProgress& work) {
   if (work.what().empty()) return "";
   return work.what() + ", " + Amounts(work.done(), work.total(), work.unit());
+}
+
+std::string DescribeRankCollectives(const std::vector<v1::RankProgress>& reports, int world_size) {
+  std::map<int, const v1::RankProgress*> by_rank;
+  for (const auto& report : reports) by_rank[report.rank()] = &report;
+  auto clock = [](int64_t unix_ms) {
+    const time_t seconds = static_cast<time_t>(unix_ms / 1000);
+    std::tm utc{};
+    gmtime_r(&seconds, &utc);
+    char text[32];
+    std::snprintf(text, sizeof(text), "%02d:%02d:%02d.%03d", utc.tm_hour, utc.tm_min, utc.tm_sec,
+                  static_cast<int>(unix_ms % 1000));
+    return std::string(text);
+  };
+  std::string out;
+  char line[512];
+  for (int rank = 0; rank < world_size; ++rank) {
+    auto found = by_rank.find(rank);
+    if (found == by_rank.end()) {
+      out += "rank " + std::to_string(rank) + ": never reported\n";
+      continue;
+    }
+    const v1::RankProgress& r = *found->second;
+    std::snprintf(line, sizeof(line), "rank %d: step %lld (%s), no progress for %.1f s, silent for %.1f s", rank,
+                  static_cast<long long>(r.step()), r.phase().empty() ? "-" : r.phase().c_str(), r.idle_ms() / 1000.0,
+                  r.silent_ms() / 1000.0);
+    out += line;
+    if (const std::string work = DescribeWork(r.work()); !work.empty()) out += "; " + work;
+    out += "\n";
+    if (r.collectives_size() == 0) out += "  no collectives reported\n";
+    for (const auto& c : r.collectives()) {
+      std::snprintf(line, sizeof(line), "  %s #%llu of %s, %.1f MB, %s", c.op().c_str(),
+                    static_cast<unsigned long long>(c.seq()), c.group().c_str(), c.bytes() / 1e6,
+                    clock(c.start_unix_ms()).c_str());
+      out += line;
+      if (c.end_unix_ms() != 0) {
+        std::snprintf(line, sizeof(line), " to %s (%lld ms)\n", clock(c.end_unix_ms()).c_str(),
+                      static_cast<long long>(c.end_unix_ms() - c.start_unix_ms()));
+        out += line;
+      } else {
+        out += ", not ended\n";
+      }
+    }
+  }
+  return out;
 }
 
 std::optional<std::string> DiagnoseHang(const std::vector<RankActivity>& ranks, const PhaseLimits& limits) {

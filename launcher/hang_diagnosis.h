@@ -86,6 +86,16 @@ struct PhaseLimits {
 // silent (stopped reporting), else those not waiting, else those in the oldest collective.
 std::optional<std::string> DiagnoseHang(const std::vector<RankActivity>& ranks, const PhaseLimits& limits);
 
+// Every rank's last report in one picture, for the file a hang leaves: a block a rank with its step,
+// phase, how long it made no progress and was silent, its long work, and its recent collectives (the
+// workers' clocks, UTC), oldest first:
+//   rank 2: step 57 (backward), no progress for 21.0 s, silent for 21.0 s
+//     all_reduce #811 of world, 4.2 MB, 12:01:02.345 to 12:01:02.351 (6 ms)
+//     all_reduce #812 of world, 4.2 MB, 12:01:02.360, not ended
+// `reports` are the ranks' last reports, with idle_ms and silent_ms brought up to now; a rank never
+// heard from is said so.
+std::string DescribeRankCollectives(const std::vector<v1::RankProgress>& reports, int world_size);
+
 // A rank silent this long while others report is taken to be stopped or wedged.
 constexpr int64_t kSilentRankMs = 3000;
 

@@ -37,6 +37,10 @@
 #include <torch/csrc/autograd/profiler_kineto.h>
 #define LTRAIN_HAVE_KINETO 1
 #endif
+#if defined(LTRAIN_WITH_NCCL) && (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4))
+#include <torch/csrc/cuda/memory_snapshot.h>
+#define LTRAIN_HAVE_MEMORY_SNAPSHOT 1
+#endif
 
 namespace ltrain::worker::compat {
 
@@ -207,6 +211,41 @@ inline int64_t PeakDeviceBytes(const torch::Device& device) {
 #endif
   (void)device;
   return 0;
+}
+
+// The CUDA caching allocator records its history from now on: each allocation and free (the newest
+// `max_entries`), without stacks (the worker has no Python frames; C++ unwinding would cost every
+// allocation). False where this LibTorch cannot.
+inline bool RecordMemoryHistory(size_t max_entries) {
+#if defined(LTRAIN_HAVE_MEMORY_SNAPSHOT)
+  torch::cuda::_record_memory_history(std::optional<std::string>("all"), std::optional<std::string>("all"),
+                                      std::string("python"), max_entries);
+  return true;
+#else
+  (void)max_entries;
+  return false;
+#endif
+}
+
+// The allocator's state and history, pickled as torch.cuda.memory._dump_snapshot writes them (what
+// PyTorch's memory viewer reads); empty where this LibTorch cannot.
+inline std::string MemorySnapshotPickled() {
+#if defined(LTRAIN_HAVE_MEMORY_SNAPSHOT)
+  return torch::cuda::_memory_snapshot_pickled();
+#else
+  return "";
+#endif
+}
+
+// Calls `observer` when the caching allocator cannot serve an allocation, before it raises the
+// out-of-memory error (its blocks are still as they were).
+inline void OnDeviceOutOfMemory(std::function<void()> observer) {
+#if defined(LTRAIN_HAVE_MEMORY_SNAPSHOT)
+  c10::cuda::CUDACachingAllocator::attachOutOfMemoryObserver(
+      [observer = std::move(observer)](int64_t, size_t, size_t, size_t) { observer(); });
+#else
+  (void)observer;
+#endif
 }
 
 // Records CPU operators and CUDA kernels between Start() and Stop(), which writes a Chrome trace

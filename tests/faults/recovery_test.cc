@@ -216,6 +216,17 @@ TEST_F(RecoveryTest, StoppedRankIsNamedWithinTheDerivedLimit) {
       << cause;
   EXPECT_TRUE(std::regex_search(cause, std::regex(R"(; ranks? [0-9, -]+ waits? in all_reduce #\d+ of world)"))) << cause;
   EXPECT_NE(cause.find("; limit fault.hang_timeout_s auto: "), std::string::npos) << cause;
+  // Every rank's recent collectives in one file of the job's.
+  const std::string picture = dir_.Join("home/jobs/derived-1/hang-gen-0.txt");
+  EXPECT_NE(cause.find("; every rank's recent collectives: " + picture), std::string::npos) << cause;
+  std::ifstream file(picture);
+  std::stringstream text;
+  text << file.rdbuf();
+  for (const char* rank : {"rank 0: step ", "rank 1: step ", "rank 2: step ", "rank 3: step "}) {
+    EXPECT_NE(text.str().find(rank), std::string::npos) << text.str();
+  }
+  EXPECT_TRUE(std::regex_search(text.str(), std::regex(R"(  all_reduce #\d+ of world, [0-9.]+ MB, [0-9:.]+, not ended)")))
+      << text.str();
   EXPECT_FALSE(ProcessAlive(stopped));
 }
 

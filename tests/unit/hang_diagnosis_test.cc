@@ -246,6 +246,34 @@ TEST(HangDiagnosisTest, TheRankBehindIsShownWithItsLastCollective) {
                    "#811 of world; ranks 0-1, 3 wait in all_reduce #812 of world; limit fault.hang_timeout_s=20");
 }
 
+// The file a hang leaves: every rank's last report with its recent collectives, and the ranks never
+// heard from.
+TEST(HangDiagnosisTest, EveryRanksCollectivesInOnePicture) {
+  v1::RankProgress waiting;
+  waiting.set_rank(0);
+  waiting.set_step(57);
+  waiting.set_phase("backward");
+  waiting.set_idle_ms(21000);
+  waiting.set_silent_ms(400);
+  v1::CollectiveRecord* done = waiting.add_collectives();
+  done->set_seq(811);
+  done->set_op("all_reduce");
+  done->set_group("world");
+  done->set_bytes(4200000);
+  done->set_start_unix_ms(1765000862345);  // 2025-12-06 06:01:02.345 UTC
+  done->set_end_unix_ms(1765000862351);
+  v1::CollectiveRecord* open = waiting.add_collectives();
+  *open = *done;
+  open->set_seq(812);
+  open->set_start_unix_ms(1765000862360);
+  open->set_end_unix_ms(0);
+  EXPECT_EQ(DescribeRankCollectives({waiting}, 2),
+            "rank 0: step 57 (backward), no progress for 21.0 s, silent for 0.4 s\n"
+            "  all_reduce #811 of world, 4.2 MB, 06:01:02.345 to 06:01:02.351 (6 ms)\n"
+            "  all_reduce #812 of world, 4.2 MB, 06:01:02.360, not ended\n"
+            "rank 1: never reported\n");
+}
+
 TEST(HangDiagnosisTest, DescribeRanksFoldsRuns) {
   EXPECT_EQ(DescribeRanks({3}), "rank 3");
   EXPECT_EQ(DescribeRanks({2, 0, 1, 5, 7, 6}), "ranks 0-2, 5-7");

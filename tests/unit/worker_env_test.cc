@@ -21,12 +21,44 @@ TEST(ProfileWindowTest, OneStepOrARangeOfSteps) {
   EXPECT_EQ(range->path, "trace:with:colons.json");
 }
 
+// Every rank, or the chosen ones, each into a trace of its own: without a path, profile-rank-N.json
+// in the job's directory; with {rank} in it, that path; a path without {rank} is rank 0's alone.
+TEST(ProfileWindowTest, RanksRecordIntoFilesOfTheirOwn) {
+  StatusOr<ProfileWindow> every = ParseProfileWindow("5-6");
+  ASSERT_TRUE(every.ok()) << every.status().ToString();
+  EXPECT_TRUE(every->Records(0));
+  EXPECT_TRUE(every->Records(7));
+  EXPECT_EQ(every->PathFor(3), "profile-rank-3.json");
+  StatusOr<ProfileWindow> templated = ParseProfileWindow("5:/t/{rank}/trace-{rank}.json");
+  ASSERT_TRUE(templated.ok());
+  EXPECT_TRUE(templated->Records(12));
+  EXPECT_EQ(templated->PathFor(12), "/t/12/trace-12.json");
+  StatusOr<ProfileWindow> rank0 = ParseProfileWindow("5:/t/trace.json");
+  ASSERT_TRUE(rank0.ok());
+  EXPECT_TRUE(rank0->Records(0));
+  EXPECT_FALSE(rank0->Records(1));
+  StatusOr<ProfileWindow> chosen = ParseProfileWindow("5", "0,4-6");
+  ASSERT_TRUE(chosen.ok()) << chosen.status().ToString();
+  for (int rank : {0, 4, 5, 6}) EXPECT_TRUE(chosen->Records(rank)) << rank;
+  for (int rank : {1, 3, 7}) EXPECT_FALSE(chosen->Records(rank)) << rank;
+  StatusOr<ProfileWindow> one = ParseProfileWindow("5:/t/trace.json", "3");
+  ASSERT_TRUE(one.ok()) << one.status().ToString();
+  EXPECT_TRUE(one->Records(3));
+  EXPECT_FALSE(one->Records(0));
+  StatusOr<ProfileWindow> clash = ParseProfileWindow("5:/t/trace.json", "all");
+  ASSERT_FALSE(clash.ok());
+  EXPECT_NE(clash.status().message().find("put {rank} in the path"), std::string::npos) << clash.status().message();
+  for (const char* ranks : {"x", "1,", "-1", "3-1", "1--2", " 1"}) {
+    EXPECT_FALSE(ParseProfileWindow("5", ranks).ok()) << ranks;
+  }
+}
+
 TEST(ProfileWindowTest, MalformedValuesNameTheForm) {
-  for (const char* value : {"10", "10:", ":x.json", "0:x.json", "a:x.json", "5-:x.json", "-5:x.json", "5-x:x.json",
+  for (const char* value : {"10:", ":x.json", "0:x.json", "a:x.json", "5-:x.json", "-5:x.json", "5-x:x.json",
                             "+5:x.json", "5 :x.json"}) {
     StatusOr<ProfileWindow> w = ParseProfileWindow(value);
     ASSERT_FALSE(w.ok()) << value;
-    EXPECT_NE(w.status().message().find("expected STEP:PATH or FIRST-LAST:PATH"), std::string::npos)
+    EXPECT_NE(w.status().message().find("expected STEP[:PATH] or FIRST-LAST[:PATH]"), std::string::npos)
         << w.status().message();
   }
   StatusOr<ProfileWindow> backwards = ParseProfileWindow("7-5:x.json");

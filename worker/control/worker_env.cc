@@ -76,14 +76,23 @@ Status EnvSwitch(const EnvLookup& env, const char* name, int* out) {
   return Status::Ok();
 }
 
-StatusOr<ProfileWindow> ParseProfileWindow(const std::string& value) {
+std::string ProfileWindow::PathFor(int rank) const {
+  std::string out = path;
+  for (size_t at = out.find("{rank}"); at != std::string::npos; at = out.find("{rank}", at)) {
+    out.replace(at, 6, std::to_string(rank));
+  }
+  return out;
+}
+
+StatusOr<ProfileWindow> ParseProfileWindow(const std::string& value, const std::string& ranks) {
   auto bad = [&] {
     return InvalidArgument("LTRAIN_PROFILE=" + value +
-                           ": expected STEP:PATH or FIRST-LAST:PATH (1-based steps), e.g. LTRAIN_PROFILE=10:/tmp/step10.json "
-                           "or LTRAIN_PROFILE=10-12:/tmp/steps10-12.json");
+                           ": expected STEP[:PATH] or FIRST-LAST[:PATH] (1-based steps), e.g. LTRAIN_PROFILE=10 (every "
+                           "rank, profile-rank-N.json in the job's directory), LTRAIN_PROFILE=10:/tmp/step10.json "
+                           "(rank 0) or LTRAIN_PROFILE=10-12:/tmp/steps10-12-rank{rank}.json (every rank)");
   };
   const size_t colon = value.find(':');
-  if (colon == std::string::npos || colon + 1 == value.size()) return bad();
+  if (colon + 1 == value.size()) return bad();
   const std::string steps = value.substr(0, colon);
   const size_t dash = steps.find('-');
   auto number = [](const std::string& text, int64_t* out) {
@@ -92,13 +101,50 @@ StatusOr<ProfileWindow> ParseProfileWindow(const std::string& value) {
     return *out >= 1;
   };
   ProfileWindow window;
-  window.path = value.substr(colon + 1);
+  window.path = colon == std::string::npos ? "profile-rank-{rank}.json" : value.substr(colon + 1);
   if (!number(steps.substr(0, dash), &window.first)) return bad();
   window.last = window.first;
   if (dash != std::string::npos && !number(steps.substr(dash + 1), &window.last)) return bad();
   if (window.last < window.first) {
     return InvalidArgument("LTRAIN_PROFILE=" + value + ": the last step " + std::to_string(window.last) +
                            " comes before the first " + std::to_string(window.first));
+  }
+  const bool per_rank = window.path.find("{rank}") != std::string::npos;
+  if (ranks.empty()) {
+    if (!per_rank) window.ranks = std::set<int>{0};
+    return window;
+  }
+  if (ranks != "all") {
+    // "0,4-7"
+    std::set<int> chosen;
+    size_t at = 0;
+    while (at <= ranks.size()) {
+      const size_t comma = std::min(ranks.find(',', at), ranks.size());
+      const std::string item = ranks.substr(at, comma - at);
+      const size_t range = item.find('-');
+      auto rank_number = [](const std::string& text, int64_t* out) {
+        if (text.empty() || text.size() > 9 || text.find_first_not_of("0123456789") != std::string::npos) return false;
+        *out = std::stoll(text);
+        return true;
+      };
+      int64_t low = 0, high = 0;
+      if (!rank_number(item.substr(0, range), &low) ||
+          (range != std::string::npos && !rank_number(item.substr(range + 1), &high))) {
+        return InvalidArgument("LTRAIN_PROFILE_RANKS=" + ranks + ": expected all, or ranks and ranges such as 0,4-7");
+      }
+      if (range == std::string::npos) high = low;
+      if (high < low || high - low > 1'000'000) {
+        return InvalidArgument("LTRAIN_PROFILE_RANKS=" + ranks + ": the range " + item + " is empty or too large");
+      }
+      for (int64_t r = low; r <= high; ++r) chosen.insert(static_cast<int>(r));
+      at = comma + 1;
+    }
+    window.ranks = std::move(chosen);
+  }
+  if (!per_rank && (!window.ranks || window.ranks->size() > 1)) {
+    return InvalidArgument("LTRAIN_PROFILE=" + value + " with LTRAIN_PROFILE_RANKS=" + ranks +
+                           ": several ranks would write the same file; put {rank} in the path (" + window.path +
+                           ")");
   }
   return window;
 }

@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <functional>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -53,15 +54,22 @@ StatusOr<WorkerEnv> ParseWorkerEnv(const EnvLookup& env, const std::vector<std::
 // every recipe is.
 StatusOr<Recipe> LoadWorkerRecipe(const WorkerEnv& env);
 
-// LTRAIN_PROFILE: rank 0 records steps first..last (1-based) under the CUDA profiler into one
-// Chrome trace at `path`.
+// LTRAIN_PROFILE: the chosen ranks record steps first..last (1-based) under the CUDA profiler, each
+// into one Chrome trace of its own.
 struct ProfileWindow {
   int64_t first = 0;  // 0: none
   int64_t last = 0;
-  std::string path;
+  std::string path;   // "{rank}" stands for the rank; relative paths are the job's directory's
+  std::optional<std::set<int>> ranks;  // those that record; none: every rank
+
+  bool Records(int rank) const { return first > 0 && (!ranks || ranks->count(rank) > 0); }
+  std::string PathFor(int rank) const;
 };
-// "STEP:PATH" or "FIRST-LAST:PATH".
-StatusOr<ProfileWindow> ParseProfileWindow(const std::string& value);
+// "STEP", "FIRST-LAST", "STEP:PATH" or "FIRST-LAST:PATH" (LTRAIN_PROFILE), and which ranks record
+// (LTRAIN_PROFILE_RANKS: "all", or ranks and ranges such as "0,4-7"; empty: every rank when PATH is
+// absent, the default profile-rank-{rank}.json, or holds "{rank}", else rank 0 alone). Several ranks
+// need "{rank}" in PATH.
+StatusOr<ProfileWindow> ParseProfileWindow(const std::string& value, const std::string& ranks = "");
 
 // A variable of this process's environment; `fallback` when unset or empty.
 std::string EnvString(const char* name, const std::string& fallback = "");

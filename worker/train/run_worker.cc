@@ -32,6 +32,7 @@
 #include "worker/checkpoint/checkpoint.h"
 #include "worker/comm/communicator.h"
 #include "worker/comm/gloo_communicator.h"
+#include "worker/torch_compat.h"
 #include "worker/control/checkpoint_stop.h"
 #include "worker/control/progress.h"
 #include "worker/control/progress_reporter.h"
@@ -65,6 +66,32 @@ std::chrono::milliseconds CollectiveLimit(const Recipe& recipe) {
 void SetBlasThreads(int threads) {
   using SetThreadsFn = void (*)(int);
   if (auto fn = reinterpret_cast<SetThreadsFn>(::dlsym(RTLD_DEFAULT, "openblas_set_num_threads"))) fn(threads);
+}
+
+// The caching allocator records its last kMemoryHistoryEntries allocations and frees; when an
+// allocation fails, its snapshot goes to rank-N-oom-snapshot.pickle in the working directory (the
+// generation's, beside the rank's log), and the error names it: what filled the memory, in PyTorch's
+// memory viewer. LTRAIN_MEMORY_HISTORY=0 records nothing.
+constexpr size_t kMemoryHistoryEntries = 100000;
+
+void WriteMemorySnapshotOnOutOfMemory(int rank) {
+  if (!compat::RecordMemoryHistory(kMemoryHistoryEntries)) return;
+  std::error_code ec;
+  const std::string path =
+      (std::filesystem::current_path(ec) / ("rank-" + std::to_string(rank) + "-oom-snapshot.pickle")).string();
+  SetOutOfMemorySnapshotPath(path);
+  compat::OnDeviceOutOfMemory([path] {
+    static std::atomic<bool> written{false};
+    if (written.exchange(true)) return;
+    const std::string snapshot = compat::MemorySnapshotPickled();
+    if (Status saved = WriteFileText(path, snapshot); !saved.ok()) {
+      std::fprintf(stderr, "ltrain-worker: the allocator's snapshot at the out-of-memory error was not written: %s\n",
+                   saved.message().c_str());
+      return;
+    }
+    std::fprintf(stderr, "ltrain-worker: the allocator's snapshot at the out-of-memory error: %s (%.1f MB)\n",
+                 path.c_str(), static_cast<double>(snapshot.size()) / 1e6);
+  });
 }
 
 std::string DefaultCheckpointDir(const WorkerEnv& env, const Recipe& recipe) {
@@ -395,6 +422,9 @@ Status Run(const WorkerEnv& env) {
   at::set_num_threads(threads);
   SetBlasThreads(threads);
   if (recipe.parallel.device != Device::kCuda) KeepFreedHostMemory();
+  if (recipe.parallel.device == Device::kCuda && EnvString("LTRAIN_MEMORY_HISTORY") != "0") {
+    WriteMemorySnapshotOnOutOfMemory(env.rank);
+  }
 
   TrainerOptions options;
   options.rank = env.rank;
@@ -444,10 +474,15 @@ Status Run(const WorkerEnv& env) {
   LTRAIN_ASSIGN_OR_RETURN(CheckpointWriteFault fault, CheckpointWriteFault::FromEnv());
   options.checkpoint_write_fault = fault;
   if (const std::string profile = EnvString("LTRAIN_PROFILE"); !profile.empty()) {
-    LTRAIN_ASSIGN_OR_RETURN(ProfileWindow window, ParseProfileWindow(profile));
-    options.profile_step = window.first;
-    options.profile_last = window.last;
-    options.profile_path = window.path;
+    LTRAIN_ASSIGN_OR_RETURN(ProfileWindow window, ParseProfileWindow(profile, EnvString("LTRAIN_PROFILE_RANKS")));
+    if (window.Records(env.rank)) {
+      options.profile_step = window.first;
+      options.profile_last = window.last;
+      // A relative path is the job's directory's (the worker runs there), said whole in the log.
+      std::error_code ec;
+      const std::filesystem::path path = window.PathFor(env.rank);
+      options.profile_path = path.is_absolute() ? path.string() : (std::filesystem::current_path(ec) / path).string();
+    }
   }
   options.checkpoint_dir = !recipe.checkpoint.enabled       ? ""
                            : !env.checkpoint_dir.empty()     ? env.checkpoint_dir
@@ -669,7 +704,12 @@ Profiling:
                            kernels) and writes a Chrome trace to PATH (open it in Perfetto or
                            chrome://tracing); CUDA builds only. FIRST-LAST:PATH records steps FIRST
                            to LAST in one trace, with nothing waited for between them (the gaps
-                           between steps show)
+                           between steps show). {rank} in PATH: every rank records, each into its
+                           own file; without PATH (LTRAIN_PROFILE=STEP or FIRST-LAST) every rank
+                           writes profile-rank-N.json in the job's directory
+  LTRAIN_PROFILE_RANKS=all|0,4-7
+                           which ranks record the window (default: every rank where PATH names
+                           {rank} or is absent, else rank 0)
   LTRAIN_FUSED_LINEAR=0    LibTorch's linear layers and GELU instead of the worker's cuBLASLt ones
                            (bf16 on CUDA), to compare speed or numerics
   LTRAIN_FUSED_LAYER_NORM=0  LibTorch's layer norm and RMS norm backward instead of the worker's

@@ -1,5 +1,6 @@
 #include "worker/train/trainer.h"
 
+#include <filesystem>
 #include <malloc.h>
 #include <sched.h>
 #include <time.h>
@@ -74,11 +75,29 @@ int64_t HeapInUse() {
 
 }  // namespace
 
+namespace {
+std::string& OutOfMemorySnapshotPath() {
+  static std::string path;
+  return path;
+}
+}  // namespace
+
+void SetOutOfMemorySnapshotPath(std::string path) { OutOfMemorySnapshotPath() = std::move(path); }
+
 std::string OutOfMemoryMessage(const c10::OutOfMemoryError& e) {
-  return std::string("out of memory: ") + e.what_without_backtrace() +
-         "; the layout needs less memory a device: parallel.activation_checkpointing: selective (then full), "
-         "a smaller training.micro_batch (the same global_batch accumulates more), a higher parallel.zero, or "
-         "parallel.tp / parallel.pp; `ltrain plan RECIPE --gpu-memory GIB` shows what each layout needs";
+  std::string message = std::string("out of memory: ") + e.what_without_backtrace() +
+                        "; the layout needs less memory a device: parallel.activation_checkpointing: selective (then "
+                        "full), a smaller training.micro_batch (the same global_batch accumulates more), a higher "
+                        "parallel.zero, or parallel.tp / parallel.pp; `ltrain plan RECIPE --gpu-memory GIB` shows what "
+                        "each layout needs";
+  const std::string& snapshot = OutOfMemorySnapshotPath();
+  std::error_code ec;
+  if (!snapshot.empty() && std::filesystem::exists(snapshot, ec)) {
+    message += ". What filled the memory: the allocator's snapshot at the failure, " + snapshot +
+               " (drop it on https://pytorch.org/memory_viz, PyTorch's memory viewer, or `python3 -m "
+               "torch.cuda._memory_viz trace_plot " + snapshot + " -o memory.html`)";
+  }
+  return message;
 }
 
 Status CaughtException(const std::string& what) {
@@ -780,7 +799,7 @@ Status Trainer::Run() {
   };
   while (step_ < t.steps) {
     const double lr = LearningRate(schedule_, step_);
-    if (printer && options_.profile_step == step_ + 1) {
+    if (options_.profile_step == step_ + 1) {
       if (std::string why = profiler.Start(); !why.empty()) std::printf("profile: not recorded: %s\n", why.c_str());
     }
     // The window's last step (or the run's, where the run ends first) stops the profiler.

@@ -49,6 +49,9 @@ std::unique_ptr<WindowStream> MakeWindowStream(const Recipe& recipe, int64_t spa
 
 // "out of memory: " with LibTorch's message (no backtrace) and what to change in the recipe.
 std::string OutOfMemoryMessage(const c10::OutOfMemoryError& e);
+// Where the allocator's snapshot is written on a device out of memory (the worker's
+// WriteMemorySnapshotOnOutOfMemory): OutOfMemoryMessage names the file once it exists.
+void SetOutOfMemorySnapshotPath(std::string path);
 // Inside a catch block: the exception being handled as a Status whose message begins with `what`
 // (LibTorch's message without its backtrace; for a device out of memory, OutOfMemoryMessage's).
 Status CaughtException(const std::string& what);
