@@ -284,6 +284,10 @@ class Coordinator {
   // The limits the job's ranks are judged by, in its record (ltrain status), and an event when the
   // training step's changes by more than a fifth (derived limits follow the steps' times).
   void SetLimitsLocked(ActiveJob& job, const PhaseLimits& limits);
+  // Writes `headline` and every rank's last report with its recent collectives to
+  // <job_files_dir>/<job>/<name>-gen-G.txt (on the state writer's thread) and returns the path; empty
+  // without options_.job_files_dir.
+  std::string WriteCollectivesLocked(const ActiveJob& job, const std::string& name, const std::string& headline);
   // Names the ranks whose own work stays above the others' (an event each time one becomes or
   // stops being a straggler), from the ranks' latest compute figures.
   void CheckStragglersLocked(ActiveJob& job);

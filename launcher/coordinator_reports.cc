@@ -209,8 +209,9 @@ Status Coordinator::ReportWorkerStateLocked(const v1::WorkerStateReport& report,
   // restarts any.
   const bool refused = report.refused() || (!job->recipe.runs_program() && report.signal() == 0 &&
                                             report.exit_code() == kWorkerExitNoRestart);
-  auto cause = [&] {
-    std::string text = "rank " + std::to_string(report.rank()) + " on " + report.node_id() + " " + how;
+  // `also`: a sentence after the exit's, before the log's last lines.
+  auto cause = [&](const std::string& also = "") {
+    std::string text = "rank " + std::to_string(report.rank()) + " on " + report.node_id() + " " + how + also;
     if (report.has_program_error()) return text + ProgramErrorText(report.program_error(), report.log_path());
     if (report.log_tail_size() > 0) {
       text += "; last lines of its log (" + report.log_path() + "):";
@@ -255,7 +256,15 @@ Status Coordinator::ReportWorkerStateLocked(const v1::WorkerStateReport& report,
                                            "; the job restarts", report.rank());
     }
   }
-  FailGenerationLocked(*job, cause(), !refused);
+  // A rank of the trainer that failed (a collective's error or timeout, NCCL's error, its own) leaves
+  // every rank's view beside the cause: where the others wait.
+  std::string failure = cause();
+  if (!job->recipe.runs_program() && !refused && job->job.world_size() > 1) {
+    if (std::string path = WriteCollectivesLocked(*job, "failure", failure); !path.empty()) {
+      failure = cause("; every rank's recent collectives: " + path);
+    }
+  }
+  FailGenerationLocked(*job, failure, !refused);
   return Status::Ok();
 }
 
@@ -335,6 +344,34 @@ void Coordinator::SetLimitsLocked(ActiveJob& job, const PhaseLimits& limits) {
   }
 }
 
+std::string Coordinator::WriteCollectivesLocked(const ActiveJob& job, const std::string& name,
+                                               const std::string& headline) {
+  if (options_.job_files_dir.empty()) return "";
+  const int64_t now = clock_->SteadyMs();
+  std::vector<v1::RankProgress> reports;
+  for (const auto& [rank, progress] : job.progress) {
+    v1::RankProgress report = progress.report;
+    const int64_t since = now - progress.received_ms;
+    report.set_idle_ms(report.idle_ms() + since);
+    report.set_silent_ms(report.silent_ms() + since);
+    reports.push_back(std::move(report));
+  }
+  const std::filesystem::path dir = std::filesystem::path(options_.job_files_dir) / job.job.id();
+  const std::string path = (dir / (name + "-gen-" + std::to_string(job.job.generation()) + ".txt")).string();
+  std::string text = headline + "\n\nEvery rank's last report and recent collectives (workers' clocks, UTC):\n" +
+                     DescribeRankCollectives(reports, job.job.world_size());
+  writer_.Enqueue(
+      "write " + path,
+      [dir, path, text = std::move(text)](StateStore&) {
+        Status written = CreateDirectories(dir.string());
+        if (written.ok()) written = WriteFileText(path, text);
+        if (!written.ok()) LTRAIN_LOG(kWarning, kLog) << "every rank's recent collectives were not written: " << written.message();
+        return Status::Ok();
+      },
+      /*droppable=*/true);
+  return path;
+}
+
 void Coordinator::CheckHangLocked(ActiveJob& job, int64_t now) {
   std::vector<RankActivity> ranks;
   for (int rank = 0; rank < job.job.world_size(); ++rank) {
@@ -377,29 +414,7 @@ void Coordinator::CheckHangLocked(ActiveJob& job, int64_t now) {
   SetLimitsLocked(job, limits);
   std::optional<std::string> hang = DiagnoseHang(ranks, limits);
   if (!hang) return;
-  // Every rank's recent collectives in one file, written by the state writer's thread.
-  if (!options_.job_files_dir.empty()) {
-    std::vector<v1::RankProgress> reports;
-    for (const auto& [rank, progress] : job.progress) {
-      v1::RankProgress report = progress.report;
-      const int64_t since = now - progress.received_ms;
-      report.set_idle_ms(report.idle_ms() + since);
-      report.set_silent_ms(report.silent_ms() + since);
-      reports.push_back(std::move(report));
-    }
-    const std::filesystem::path dir = std::filesystem::path(options_.job_files_dir) / job.job.id();
-    const std::string path = (dir / ("hang-gen-" + std::to_string(job.job.generation()) + ".txt")).string();
-    std::string text = *hang + "\n\nEvery rank's last report and recent collectives (workers' clocks, UTC):\n" +
-                       DescribeRankCollectives(reports, job.job.world_size());
-    writer_.Enqueue(
-        "write " + path,
-        [dir, path, text = std::move(text)](StateStore&) {
-          Status written = CreateDirectories(dir.string());
-          if (written.ok()) written = WriteFileText(path, text);
-          if (!written.ok()) LTRAIN_LOG(kWarning, kLog) << "the hang's picture was not written: " << written.message();
-          return Status::Ok();
-        },
-        /*droppable=*/true);
+  if (std::string path = WriteCollectivesLocked(job, "hang", *hang); !path.empty()) {
     *hang += "; every rank's recent collectives: " + path;
   }
   FailGenerationLocked(job, *hang);

@@ -37,6 +37,12 @@ TEST_F(WorkerKillTest, SigkilledWorkerFailsTheJobWithinFiveSeconds) {
   v1::Job running = Status("long-1");
   ASSERT_EQ(running.state(), v1::JOB_STATE_RUNNING);
   ASSERT_EQ(running.ranks_size(), 2);
+  // Both ranks' progress has reached the coordinator (what the failure's picture shows of them).
+  for (int i = 0; i < 100 && (running.ranks(0).last_step() == 0 || running.ranks(1).last_step() == 0); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    running = Status("long-1");
+    ASSERT_EQ(running.ranks_size(), 2);
+  }
   std::vector<pid_t> pids;
   for (const auto& rank : running.ranks()) pids.push_back(static_cast<pid_t>(rank.pid()));
   for (pid_t pid : pids) ASSERT_TRUE(ProcessAlive(pid)) << pid;
@@ -54,6 +60,15 @@ TEST_F(WorkerKillTest, SigkilledWorkerFailsTheJobWithinFiveSeconds) {
   EXPECT_EQ(failed.state(), v1::JOB_STATE_FAILED);
   EXPECT_NE(failed.cause().find("rank 1 on local was killed by signal SIGKILL"), std::string::npos) << failed.cause();
   EXPECT_NE(failed.cause().find("last lines of its log"), std::string::npos) << failed.cause();
+  // Where the other rank was: every rank's last report and recent collectives, in a file of the job's.
+  const std::string picture = dir_.Join("home/jobs/long-1/failure-gen-0.txt");
+  EXPECT_NE(failed.cause().find("SIGKILL; every rank's recent collectives: " + picture + "; last lines of its log"),
+            std::string::npos)
+      << failed.cause();
+  ProcessResult shown = RunProcess({"/bin/cat", picture}, {}, std::chrono::seconds(10));
+  EXPECT_NE(shown.output.find("rank 1 on local was killed by signal SIGKILL"), std::string::npos) << shown.output;
+  EXPECT_NE(shown.output.find("rank 0: step "), std::string::npos) << shown.output;
+  EXPECT_NE(shown.output.find("rank 1: step "), std::string::npos) << shown.output;
   for (pid_t pid : pids) EXPECT_FALSE(ProcessAlive(pid)) << "worker " << pid << " survived";
 }
 
