@@ -103,6 +103,16 @@ bool ParseLogLevel(const std::string& name, LogLevel* level) {
   return true;
 }
 
+std::string UtcTime(int64_t unix_ms, const char* format, bool with_ms) {
+  const std::time_t seconds = static_cast<std::time_t>(unix_ms / 1000);
+  std::tm tm{};
+  gmtime_r(&seconds, &tm);
+  char text[64];
+  size_t length = std::strftime(text, sizeof(text), format, &tm);
+  if (with_ms) std::snprintf(text + length, sizeof(text) - length, ".%03d", static_cast<int>(unix_ms % 1000));
+  return text;
+}
+
 LogMessage::LogMessage(LogLevel level, const char* component) : level_(level), component_(component) {}
 
 LogMessage::~LogMessage() {

@@ -2,6 +2,7 @@
 // "agent node-1"), written to stderr one whole line at a time.
 #pragma once
 
+#include <cstdint>
 #include <sstream>
 #include <string>
 #include <string_view>
@@ -29,6 +30,10 @@ size_t Utf8Prefix(std::string_view text, size_t max_bytes);
 // A line as it may travel and be stored: ValidUtf8(text), and past `max_bytes` cut (never inside a
 // character) with " [... N more bytes]", or " [... N more bytes in WHERE]" where the rest is kept.
 std::string BoundedLine(std::string_view text, size_t max_bytes, const std::string& where = "");
+
+// `unix_ms` in UTC as strftime(3)'s `format` writes it (whole seconds), then ".mmm" of its
+// milliseconds where `with_ms`: "2026-12-06T09:02:25Z", "09:02:25.123".
+std::string UtcTime(int64_t unix_ms, const char* format, bool with_ms = false);
 
 class LogMessage {
  public:

@@ -836,7 +836,8 @@ PhaseTimeout StepTimeout(const Recipe& recipe, int64_t steps_seen, double slowes
   const double seconds = std::clamp(kStepLimitMultiple * slowest_step_ms / 1000.0, kStepLimitFloorS, kStepLimitCeilingS);
   std::snprintf(text, sizeof(text),
                 "fault.hang_timeout_s auto: %.1f s, %g x the slowest of the last %lld steps (%.2f s) within %g-%g s",
-                seconds, kStepLimitMultiple, static_cast<long long>(std::min<int64_t>(steps_seen, 50)),
+                seconds, kStepLimitMultiple,
+                static_cast<long long>(std::min<int64_t>(steps_seen, kDerivedWindowSteps)),
                 slowest_step_ms / 1000.0, kStepLimitFloorS, kStepLimitCeilingS);
   return PhaseTimeout{seconds, text};
 }

@@ -338,6 +338,7 @@ PhaseTimeout StartupTimeout(const Recipe& recipe);     // model build, connectio
 // compilation, communicators made on first use, autotuning). Progress changes many times a step
 // (phases, collectives), so the multiple is wide.
 constexpr int kStartupSteps = 3;
+constexpr int kDerivedWindowSteps = 50;  // the last steps whose slowest counts
 constexpr double kStepLimitMultiple = 20;
 constexpr double kStepLimitFloorS = 20;
 constexpr double kStepLimitCeilingS = 600;

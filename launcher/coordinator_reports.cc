@@ -4,14 +4,13 @@
 // (coordinator.h).
 #include <algorithm>
 #include <cstdio>
-#include <ctime>
 #include <filesystem>
 #include <string>
-#include <string_view>
 
 #include "common/files.h"
 #include "common/logging.h"
 #include "common/signal_name.h"
+#include "common/strings.h"
 #include "common/worker_exit.h"
 #include "launcher/coordinator.h"
 #include "launcher/hang_diagnosis.h"
@@ -27,26 +26,15 @@ constexpr size_t kMaxSeriesPoints = 4000;  // a job's curve points in memory (Jo
 std::string ProgramErrorText(const v1::ProgramError& error, const std::string& log_path) {
   std::string text = ": " + StoredLine(error.message().empty() ? "(no message)" : error.message());
   text += " (error file " + error.error_file();
-  if (error.timestamp_s() > 0) {
-    const time_t at = static_cast<time_t>(error.timestamp_s());
-    std::tm utc{};
-    gmtime_r(&at, &utc);
-    char when[32];
-    std::strftime(when, sizeof(when), "%Y-%m-%d %H:%M:%S UTC", &utc);
-    text += std::string(", written ") + when;
-  }
+  if (error.timestamp_s() > 0) text += ", written " + UtcTime(error.timestamp_s() * 1000, "%Y-%m-%d %H:%M:%S UTC");
   if (!log_path.empty()) text += "; its log " + log_path;
   text += ")";
   if (!error.traceback().empty()) {
     text += "; traceback:";
-    std::string_view rest = error.traceback();
     // Python's own, bounded as a log tail is.
-    for (int lines = 0; !rest.empty() && lines < 200; ++lines) {
-      const size_t end = rest.find('\n');
-      const std::string_view line = rest.substr(0, end);
-      if (!line.empty()) text += "\n    " + StoredLine(std::string(line));
-      if (end == std::string_view::npos) break;
-      rest.remove_prefix(end + 1);
+    const std::vector<std::string> lines = Split(error.traceback(), '\n');
+    for (size_t i = 0; i < lines.size() && i < 200; ++i) {
+      if (!lines[i].empty()) text += "\n    " + StoredLine(lines[i]);
     }
   }
   return text;
@@ -390,21 +378,20 @@ void Coordinator::CheckHangLocked(ActiveJob& job, int64_t now) {
       activity.idle_ms = report.idle_ms() + since;
       activity.silent_ms = report.silent_ms() + since;
       // The oldest collective still in flight is the one the rank waits in (a communication
-      // thread may have started later ones).
+      // thread may have started later ones); the newest ended one is where it got to.
       for (const auto& collective : report.collectives()) {
-        if (collective.end_unix_ms() != 0 && collective.seq() > activity.last_seq) {
-          activity.last_seq = collective.seq();
-          activity.last_op = collective.op();
-          activity.last_group = collective.group();
+        if (collective.end_unix_ms() != 0) {
+          if (collective.seq() > activity.last_seq) {
+            activity.last_seq = collective.seq();
+            activity.last_op = collective.op();
+            activity.last_group = collective.group();
+          }
+        } else if (!activity.in_collective) {
+          activity.in_collective = true;
+          activity.collective_seq = collective.seq();
+          activity.collective_op = collective.op();
+          activity.collective_group = collective.group();
         }
-      }
-      for (const auto& collective : report.collectives()) {
-        if (collective.end_unix_ms() != 0) continue;
-        activity.in_collective = true;
-        activity.collective_seq = collective.seq();
-        activity.collective_op = collective.op();
-        activity.collective_group = collective.group();
-        break;
       }
       activity.work = report.work();
     }

@@ -2,8 +2,9 @@
 
 #include <algorithm>
 #include <cstdio>
-#include <ctime>
 #include <map>
+
+#include "common/logging.h"
 
 namespace ltrain::launcher {
 namespace {
@@ -132,15 +133,7 @@ std::string DescribeWork(const v1::WorkProgress& work) {
 std::string DescribeRankCollectives(const std::vector<v1::RankProgress>& reports, int world_size) {
   std::map<int, const v1::RankProgress*> by_rank;
   for (const auto& report : reports) by_rank[report.rank()] = &report;
-  auto clock = [](int64_t unix_ms) {
-    const time_t seconds = static_cast<time_t>(unix_ms / 1000);
-    std::tm utc{};
-    gmtime_r(&seconds, &utc);
-    char text[32];
-    std::snprintf(text, sizeof(text), "%02d:%02d:%02d.%03d", utc.tm_hour, utc.tm_min, utc.tm_sec,
-                  static_cast<int>(unix_ms % 1000));
-    return std::string(text);
-  };
+  auto clock = [](int64_t unix_ms) { return UtcTime(unix_ms, "%H:%M:%S", /*with_ms=*/true); };
   std::string out;
   char line[512];
   for (int rank = 0; rank < world_size; ++rank) {

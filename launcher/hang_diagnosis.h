@@ -51,7 +51,6 @@ class RunTimes {
   double slowest_save_ms_ = 0;
 };
 
-constexpr int kDerivedWindowSteps = 50;
 // A checkpoint's derived limit is at least this many times the slowest save so far.
 constexpr double kSaveLimitMultiple = 3;
 

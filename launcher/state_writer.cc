@@ -11,15 +11,6 @@ namespace {
 
 constexpr const char* kLog = "coordinator";
 
-std::string UtcTime(int64_t unix_ms) {
-  std::time_t seconds = static_cast<std::time_t>(unix_ms / 1000);
-  std::tm tm{};
-  gmtime_r(&seconds, &tm);
-  char text[32];
-  std::strftime(text, sizeof(text), "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return text;
-}
-
 }  // namespace
 
 StateWriter::StateWriter(StateStore* store, const Clock* clock, size_t max_queued)
@@ -66,7 +57,7 @@ void StateWriter::Retry() {
 std::optional<std::string> StateWriter::Failure() const {
   std::lock_guard<std::mutex> lock(mu_);
   if (!failing_) return std::nullopt;
-  return failure_ + " (failing since " + UtcTime(failing_since_ms_) + ", " + std::to_string(queue_.size()) +
+  return failure_ + " (failing since " + UtcTime(failing_since_ms_, "%Y-%m-%dT%H:%M:%SZ") + ", " + std::to_string(queue_.size()) +
          " write(s) waiting)";
 }
 

@@ -95,10 +95,11 @@ StatusOr<ProfileWindow> ParseProfileWindow(const std::string& value, const std::
   if (colon + 1 == value.size()) return bad();
   const std::string steps = value.substr(0, colon);
   const size_t dash = steps.find('-');
-  auto number = [](const std::string& text, int64_t* out) {
-    if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos || text.size() > 15) return false;
+  // Digits only (no sign, no space), at most `digits` of them, at least `min`.
+  auto number = [](const std::string& text, int64_t* out, size_t digits = 15, int64_t min = 1) {
+    if (text.empty() || text.find_first_not_of("0123456789") != std::string::npos || text.size() > digits) return false;
     *out = std::stoll(text);
-    return *out >= 1;
+    return *out >= min;
   };
   ProfileWindow window;
   window.path = colon == std::string::npos ? "profile-rank-{rank}.json" : value.substr(colon + 1);
@@ -122,14 +123,9 @@ StatusOr<ProfileWindow> ParseProfileWindow(const std::string& value, const std::
       const size_t comma = std::min(ranks.find(',', at), ranks.size());
       const std::string item = ranks.substr(at, comma - at);
       const size_t range = item.find('-');
-      auto rank_number = [](const std::string& text, int64_t* out) {
-        if (text.empty() || text.size() > 9 || text.find_first_not_of("0123456789") != std::string::npos) return false;
-        *out = std::stoll(text);
-        return true;
-      };
       int64_t low = 0, high = 0;
-      if (!rank_number(item.substr(0, range), &low) ||
-          (range != std::string::npos && !rank_number(item.substr(range + 1), &high))) {
+      if (!number(item.substr(0, range), &low, 9, 0) ||
+          (range != std::string::npos && !number(item.substr(range + 1), &high, 9, 0))) {
         return InvalidArgument("LTRAIN_PROFILE_RANKS=" + ranks + ": expected all, or ranks and ranges such as 0,4-7");
       }
       if (range == std::string::npos) high = low;

@@ -54,9 +54,14 @@ namespace {
 // wins), or its derived figure before any step (twice the start-up's or the checkpoint's limit; the
 // trainer derives it again from its steps' times): long enough for a slow step, short enough that a
 // vanished peer fails the collective instead of hanging it forever.
-std::chrono::milliseconds CollectiveLimit(const Recipe& recipe) {
+// LTRAIN_COLLECTIVE_TIMEOUT_S's seconds; 0 when unset.
+int CollectiveTimeoutOverride() {
   int seconds = 0;
-  if (EnvInt(ProcessEnvironment(), "LTRAIN_COLLECTIVE_TIMEOUT_S", &seconds).ok() && seconds > 0) return std::chrono::seconds(seconds);
+  return EnvInt(ProcessEnvironment(), "LTRAIN_COLLECTIVE_TIMEOUT_S", &seconds).ok() && seconds > 0 ? seconds : 0;
+}
+
+std::chrono::milliseconds CollectiveLimit(const Recipe& recipe) {
+  if (const int seconds = CollectiveTimeoutOverride(); seconds > 0) return std::chrono::seconds(seconds);
   return std::chrono::milliseconds(static_cast<int64_t>(CollectiveTimeout(recipe, 0, 0).seconds * 1000.0));
 }
 
@@ -432,10 +437,7 @@ Status Run(const WorkerEnv& env) {
   options.generation = env.generation;
   options.job_id = env.job_id;
   options.collective_timeout = CollectiveLimit(recipe);
-  int timeout_override = 0;
-  options.derive_collective_timeout =
-      recipe.fault.collective_timeout_s <= 0 &&
-      !(EnvInt(ProcessEnvironment(), "LTRAIN_COLLECTIVE_TIMEOUT_S", &timeout_override).ok() && timeout_override > 0);
+  options.derive_collective_timeout = recipe.fault.collective_timeout_s <= 0 && CollectiveTimeoutOverride() == 0;
   options.dp_overlap = EnvString("LTRAIN_DP_OVERLAP") != "0";
   options.overlap_update = EnvString("LTRAIN_OVERLAP_UPDATE") != "0";
   options.copy_engine_gathers = EnvString("LTRAIN_COPY_ENGINE_GATHERS") != "0";

@@ -685,7 +685,7 @@ void Trainer::PrintThroughput(int64_t first_step, int64_t steps, double total_ms
 void Trainer::RetimeCollectives(double step_ms) {
   if (!options_.derive_collective_timeout) return;
   step_ms_window_.push_back(step_ms);
-  while (step_ms_window_.size() > 50) step_ms_window_.pop_front();
+  while (step_ms_window_.size() > kDerivedWindowSteps) step_ms_window_.pop_front();
   ++steps_timed_;
   const double slowest = *std::max_element(step_ms_window_.begin(), step_ms_window_.end());
   const PhaseTimeout limit = CollectiveTimeout(recipe_, steps_timed_, slowest);
