@@ -264,7 +264,7 @@ class AgentImpl : public Agent, private SupervisorOutbox {
           lost_since = -1;
           LTRAIN_LOG(kInfo, kLog) << "node " << options_.node_id << " registered with " << options_.coordinator;
         }
-        if (command.has_start() || command.has_stop()) {
+        if (command.has_start() || command.has_stop() || command.has_dump()) {
           std::lock_guard<std::mutex> lock(mu_);
           // The node beats as often as its most demanding job asked (kept until the agent restarts).
           if (command.has_start() && command.start().heartbeat_interval_ms() > 0) {
@@ -441,6 +441,7 @@ class AgentImpl : public Agent, private SupervisorOutbox {
           LTRAIN_LOG(kInfo, kLog) << "stopping " << command.stop().job_id() << ": " << command.stop().reason();
           supervisor.StopJob(command.stop().job_id(), command.stop().generation());
         }
+        if (command.has_dump()) supervisor.DumpCollectives(command.dump().job_id(), command.dump().generation());
       }
       if (orphaned) supervisor.StopAll();
       // A shutdown stops the workers as a job stop does: SIGTERM, SIGKILL after the grace (the

@@ -15,10 +15,6 @@
 
 namespace ltrain::agent {
 
-// The prefix of PyTorch's NCCL flight-recorder dumps in a generation's directory: PyTorch appends the
-// rank (nccl-trace-rank-3).
-constexpr const char* kFlightRecorderPrefix = "nccl-trace-rank-";
-
 // The rank's error file in its generation's directory, beside its log: rank-N-error.json.
 std::string ProgramErrorFileName(int rank);
 

@@ -13,6 +13,7 @@
 #include <limits>
 #include <set>
 
+#include "agent/flight_recorder.h"
 #include "agent/oom.h"
 #include "agent/program_error.h"
 #include "common/files.h"
@@ -74,11 +75,13 @@ std::vector<std::string> TorchrunEnvironment(const v1::StartJobCommand& start, c
       {"TORCH_NCCL_ASYNC_ERROR_HANDLING", "1"},
       {"TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT"},
       // The flight recorder: the last 2,000 collectives of each process group, dumped on a
-      // collective timeout to <dir>/nccl-trace-<rank> (both names PyTorch has read for the path).
+      // collective timeout to <dir>/nccl-trace-rank-<rank> (both names PyTorch has read for the
+      // path), and when the agent writes to <dir>/nccl-trace-rank-<rank>.pipe (DumpCollectives).
       {"TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"},
       {"TORCH_NCCL_DUMP_ON_TIMEOUT", "1"},
       {"TORCH_FR_DUMP_TEMP_FILE", (dir / kFlightRecorderPrefix).string()},
       {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE", (dir / kFlightRecorderPrefix).string()},
+      {"TORCH_NCCL_DEBUG_INFO_PIPE_FILE", (dir / kFlightRecorderPrefix).string()},
   };
   for (const auto& [name, value] : defaults) {
     if (std::getenv(name) == nullptr && !recipe.entrypoint.env.count(name)) env.push_back(std::string(name) + "=" + value);
@@ -450,14 +453,23 @@ int Supervisor::Standbys() const {
   return count;
 }
 
+void Supervisor::Terminate(pid_t pid, Worker& worker) {
+  spawner_.KillGroup(pid, SIGTERM);
+  spawner_.KillGroup(pid, SIGCONT);  // a stopped (hung) worker acts on SIGTERM only once continued
+  worker.kill_at_ms = clock_.SteadyMs() + options_.stop_grace_ms;
+  worker.stop_after_dump = false;
+}
+
 void Supervisor::StopJob(const std::string& job_id, int generation) {
-  int64_t now = clock_.SteadyMs();
   for (auto& [pid, worker] : workers_) {
     if (worker->job_id != job_id || worker->kill_at_ms != 0 || worker->standby) continue;
     if (generation >= 0 && worker->generation > generation) continue;
-    spawner_.KillGroup(pid, SIGTERM);
-    spawner_.KillGroup(pid, SIGCONT);  // a stopped (hung) worker acts on SIGTERM only once continued
-    worker->kill_at_ms = now + options_.stop_grace_ms;
+    // A rank asked for its flight recorder dumps first (SendDumps stops it then).
+    if (DumpAwaited(*worker)) {
+      worker->stop_after_dump = true;
+      continue;
+    }
+    Terminate(pid, *worker);
   }
 }
 
@@ -465,6 +477,114 @@ void Supervisor::StopAll() {
   std::set<std::string> jobs;
   for (auto& [pid, worker] : workers_) jobs.insert(worker->job_id);
   for (const auto& job : jobs) StopJob(job, -1);
+}
+
+namespace {
+
+// A file's modification time in milliseconds; 0 when it is not there.
+int64_t ModifiedMs(const std::string& path) {
+  struct stat info {};
+  if (stat(path.c_str(), &info) != 0) return 0;
+  return static_cast<int64_t>(info.st_mtim.tv_sec) * 1000 + info.st_mtim.tv_nsec / 1'000'000;
+}
+
+// Every flight-recorder dump in a generation's directory (nccl-trace-rank-N), by rank.
+std::vector<v1::FlightRecord> ReadFlightRecorderDumps(const std::string& dir) {
+  std::vector<v1::FlightRecord> records;
+  std::error_code ec;
+  const std::string prefix = kFlightRecorderPrefix;
+  std::vector<int> ranks;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() <= prefix.size() || name.size() > prefix.size() + 9 || name.compare(0, prefix.size(), prefix) != 0) {
+      continue;
+    }
+    const std::string digits = name.substr(prefix.size());
+    if (digits.find_first_not_of("0123456789") != std::string::npos) continue;  // the pipes: nccl-trace-rank-N.pipe
+    ranks.push_back(std::stoi(digits));
+  }
+  std::sort(ranks.begin(), ranks.end());
+  for (int rank : ranks) {
+    StatusOr<v1::FlightRecord> record = ReadFlightRecorderDump(dir, rank);
+    if (record.ok()) records.push_back(std::move(*record));
+  }
+  return records;
+}
+
+}  // namespace
+
+Supervisor::DumpRequest& Supervisor::AskForDumps(const std::string& job_id, int generation) {
+  DumpRequest request;
+  request.job_id = job_id;
+  request.generation = generation;
+  request.dir = (fs::path(options_.work_dir) / "jobs" / job_id / ("gen-" + std::to_string(generation))).string();
+  request.deadline_ms = clock_.SteadyMs() + kDumpWaitMs;
+  for (auto& [pid, worker] : workers_) {
+    if (worker->job_id != job_id || worker->generation != generation || worker->standby || worker->kill_at_ms != 0) {
+      continue;
+    }
+    const int64_t before = ModifiedMs(FlightRecorderDumpPath(request.dir, worker->rank));
+    if (RequestFlightRecorderDump(request.dir, worker->rank)) request.waiting[worker->rank] = before;
+  }
+  if (!request.waiting.empty()) {
+    LTRAIN_LOG(kInfo, kLog) << job_id << " generation " << generation << ": asked " << request.waiting.size()
+                            << " rank(s) here for their NCCL flight recorder";
+  }
+  dump_requests_.push_back(std::move(request));
+  return dump_requests_.back();
+}
+
+void Supervisor::DumpCollectives(const std::string& job_id, int generation) { AskForDumps(job_id, generation); }
+
+bool Supervisor::DumpAwaited(const Worker& worker) const {
+  for (const auto& request : dump_requests_) {
+    if (request.job_id == worker.job_id && request.generation == worker.generation &&
+        request.waiting.count(worker.rank)) {
+      return true;
+    }
+  }
+  return false;
+}
+
+void Supervisor::SendDumps() {
+  const int64_t now = clock_.SteadyMs();
+  for (auto it = dump_requests_.begin(); it != dump_requests_.end();) {
+    DumpRequest& request = *it;
+    // A rank is done once its dump changed and reads whole, or once it is gone.
+    for (auto rank = request.waiting.begin(); rank != request.waiting.end();) {
+      bool alive = false;
+      for (const auto& [pid, worker] : workers_) {
+        alive |= worker->job_id == request.job_id && worker->generation == request.generation && worker->rank == rank->first;
+      }
+      const std::string dump = FlightRecorderDumpPath(request.dir, rank->first);
+      bool written = false;
+      if (const int64_t modified = ModifiedMs(dump); modified != 0 && modified != rank->second) {
+        StatusOr<v1::FlightRecord> record = ReadFlightRecorderDump(request.dir, rank->first);
+        written = record.ok() && record->error().empty();
+      }
+      rank = !alive || written ? request.waiting.erase(rank) : std::next(rank);
+    }
+    if (!request.waiting.empty() && now < request.deadline_ms) {
+      ++it;
+      continue;
+    }
+    v1::WorkerStateReport report;
+    if (request.held) {
+      report = std::move(*request.held);
+    } else {
+      report.set_node_id(options_.node_id);
+      report.set_job_id(request.job_id);
+      report.set_generation(request.generation);
+      report.set_rank(-1);
+      report.set_state("collectives");
+    }
+    for (auto& record : ReadFlightRecorderDumps(request.dir)) *report.add_flight_records() = std::move(record);
+    outbox_.Send(std::move(report));
+    it = dump_requests_.erase(it);
+  }
+  for (auto& [pid, worker] : workers_) {
+    if (worker->stop_after_dump && !DumpAwaited(*worker)) Terminate(pid, *worker);
+  }
 }
 
 void Supervisor::KillAll() {
@@ -476,6 +596,7 @@ void Supervisor::Poll() {
   Batches batches;
   for (auto& [pid, worker] : workers_) Drain(*worker, batches, false);
   while (std::optional<ProcessExit> exit = spawner_.TryReap()) Reap(*exit, batches);
+  if (!dump_requests_.empty()) SendDumps();
   for (auto& [pid, worker] : workers_) {
     if (worker->kill_at_ms != 0 && !worker->kill_sent && now >= worker->kill_at_ms) {
       spawner_.KillGroup(pid, SIGKILL);
@@ -543,19 +664,43 @@ void Supervisor::Reap(const ProcessExit& exit, Batches& batches) {
       LTRAIN_LOG(kWarning, kLog) << worker->job_id << " rank " << worker->rank << ": " << error.status().message();
     }
   }
+  bool failed = exit.signal != 0 || exit.exit_code != 0;
   if (exit.signal == SIGKILL && !stopping) {
     std::optional<int64_t> ooms = options_.read_oom_kill_count();
     if (ooms && worker->oom_kills_at_start && *ooms > *worker->oom_kills_at_start) report.set_oom_killed(true);
   }
   if (options_.complete_exit_report) options_.complete_exit_report(report);
-  outbox_.Send(std::move(report));
+  // The generation's first failed rank here brings the flight-recorder dumps of its ranks (a
+  // program's NCCL timeout has every rank dump): the others are asked for theirs, and the report
+  // waits for them (up to kDumpWaitMs, only for ranks with PyTorch's pipe).
+  bool asked = false;
+  for (const auto& request : dump_requests_) {
+    asked |= request.job_id == worker->job_id && request.generation == worker->generation;
+  }
+  bool held = false;
+  if (failed && !stopping && !asked) {
+    DumpRequest& request = AskForDumps(worker->job_id, worker->generation);
+    if (!request.waiting.empty()) {
+      request.held = std::move(report);
+      held = true;
+    } else {
+      dump_requests_.pop_back();  // no rank to wait for: the report goes now
+    }
+  }
+  if (!held) {
+    if (failed && !stopping && !worker->log_path.empty()) {
+      for (auto& record : ReadFlightRecorderDumps(fs::path(worker->log_path).parent_path().string())) {
+        *report.add_flight_records() = std::move(record);
+      }
+    }
+    outbox_.Send(std::move(report));
+  }
   if (worker->output_fd >= 0) close(worker->output_fd);
   if (options_.revoke_worker_secret && !HasWorkers(worker->job_id, worker->generation)) {
     options_.revoke_worker_secret(worker->job_id, worker->generation);
     std::error_code ec;
     fs::remove(fs::path(worker->log_path).parent_path() / "agent-secret", ec);
   }
-  bool failed = exit.signal != 0 || exit.exit_code != 0;
   // The job's ranks here all succeeded: no restart will need its standbys.
   if (!failed && !stopping && !HasWorkers(worker->job_id)) EndStandbys(worker->job_id);
   if (failed && !stopping && in_place_jobs_.count(worker->job_id) > 0) {

@@ -108,6 +108,13 @@ class Supervisor {
   void StopJob(const std::string& job_id, int generation);
   // The same for every job: the coordinator has been away too long.
   void StopAll();
+  // Asks the job's ranks of `generation` here for PyTorch's NCCL flight-recorder dumps (through the
+  // pipes PyTorch's watchdog reads) and, once each asked rank has written its dump or exited, or
+  // kDumpWaitMs passed, sends every dump of the generation's directory in a report of state
+  // "collectives" (rank -1). Ranks with no pipe (no NCCL group, a program of no PyTorch) are not
+  // waited for: without any, the report goes at the next Poll.
+  void DumpCollectives(const std::string& job_id, int generation);
+  static constexpr int64_t kDumpWaitMs = 4000;
   // SIGKILL to every worker now (shutdown); Poll reaps them, Idle() says when all are gone.
   void KillAll();
 
@@ -144,6 +151,7 @@ class Supervisor {
     int local_rank = -1;
     SpawnSpec runs;    // the worker it can become: binary, arguments, working directory
     int input_fd = -1;  // where its rank's environment goes
+    bool stop_after_dump = false;  // stopped while a dump request waits for it: SIGTERM once it dumped
   };
   struct Batch {
     v1::PushLogsRequest request;
@@ -168,6 +176,25 @@ class Supervisor {
   void EndStandby(Worker& standby);
   // Ends the job's standbys spawned beside generations below `below_generation` (all by default).
   void EndStandbys(const std::string& job_id, int below_generation = std::numeric_limits<int>::max());
+  struct DumpRequest {
+    std::string job_id;
+    int generation = 0;
+    std::string dir;
+    std::map<int, int64_t> waiting;  // rank -> its dump's modification time when asked (0: none)
+    int64_t deadline_ms = 0;
+    // The exit report of the generation's first failed rank here, which goes with the dumps; none:
+    // a report of state "collectives" does.
+    std::optional<v1::WorkerStateReport> held;
+  };
+  // Asks the generation's live ranks here for their dumps; the request, also when none has a pipe.
+  DumpRequest& AskForDumps(const std::string& job_id, int generation);
+  // A dump request waits for this rank of the job.
+  bool DumpAwaited(const Worker& worker) const;
+  // Sends the requests whose dumps are in (or whose time is up), and stops the workers a stop left
+  // running until they dumped.
+  void SendDumps();
+  // SIGTERM and SIGCONT now, SIGKILL after the grace.
+  void Terminate(pid_t pid, Worker& worker);
   bool HasWorkers(const std::string& job_id) const;
   bool HasWorkers(const std::string& job_id, int generation) const;
 
@@ -180,6 +207,7 @@ class Supervisor {
   // worker's peers on this node keep running.
   std::set<std::string> in_place_jobs_;
   std::map<std::string, int64_t> idle_since_ms_;  // jobs with standbys and no worker: since when
+  std::vector<DumpRequest> dump_requests_;
 };
 
 }  // namespace ltrain::agent

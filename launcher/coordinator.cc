@@ -155,6 +155,9 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
   job.generation_nodes = nodes;
   job.ranks_exited_ok.clear();
   job.progress.clear();
+  job.dump_wait_hang.clear();
+  job.dump_nodes_waiting.clear();
+  job.dump_deadline_ms = 0;
   job.stragglers = StragglerTracker();
   job.times.Restart();
   job.generation_started_ms = clock_->SteadyMs();

@@ -191,6 +191,10 @@ class Coordinator {
     v1::RankProgress report;
     int64_t received_ms = 0;       // steady clock
   };
+  // How long a program's hang waits for the agents' flight-recorder dumps before it is told (the
+  // agents wait Supervisor::kDumpWaitMs for their ranks).
+  static constexpr int64_t kDumpWaitMs = 6000;
+
   struct ActiveJob {
     v1::Job job;
     Recipe recipe;                 // as submitted; each generation may run on fewer nodes
@@ -220,6 +224,15 @@ class Coordinator {
     std::vector<v1::Event> events;   // in memory, log lines included
     StragglerTracker stragglers;  // of the current generation (straggler.h)
     RunTimes times;               // the steps' and saves' times the limits are derived from (hang_diagnosis.h)
+    // A program's NCCL flight-recorder dumps (flight_analysis.h) of generation flight_generation, by
+    // rank, as the agents sent them; the analysis last told (in a cause or an event); a hang waiting
+    // for the dumps of the nodes in dump_nodes_waiting until dump_deadline_ms (0: none).
+    int flight_generation = -1;
+    std::map<int, v1::FlightRecord> flight_records;
+    std::string flight_told;
+    std::string dump_wait_hang;
+    std::set<std::string> dump_nodes_waiting;
+    int64_t dump_deadline_ms = 0;
     JobSeries series;
     // In-place recovery (fault.recovery: in_place, coordinator_recovery.cc): the generation's
     // membership epoch (0 as placed, one more per replaced rank), the start command its ranks were
@@ -288,6 +301,17 @@ class Coordinator {
   // <job_files_dir>/<job>/<name>-gen-G.txt (on the state writer's thread) and returns the path; empty
   // without options_.job_files_dir.
   std::string WriteCollectivesLocked(const ActiveJob& job, const std::string& name, const std::string& headline);
+  // Writes `text` to <job_files_dir>/<job>/<name>-gen-G.txt on the state writer's thread; the path,
+  // or empty without options_.job_files_dir.
+  std::string WriteJobFileLocked(const ActiveJob& job, const std::string& name, std::string text);
+  // Keeps the flight-recorder dumps a report carries. Once the generation's failure was told, a
+  // change of the analysis is an event and rewrites the file.
+  void AddFlightRecordsLocked(ActiveJob& job, const v1::WorkerStateReport& report);
+  // The analysis of the generation's dumps with the file that holds them all
+  // (flight-recorder-gen-G.txt), as a clause of a cause; empty without dumps.
+  std::string TellFlightRecordsLocked(ActiveJob& job);
+  // Asks the agents of `nodes` for the job's flight-recorder dumps (DumpCollectivesCommand).
+  void RequestDumpsLocked(ActiveJob& job, const std::vector<std::string>& nodes);
   // Names the ranks whose own work stays above the others' (an event each time one becomes or
   // stops being a straggler), from the ranks' latest compute figures.
   void CheckStragglersLocked(ActiveJob& job);

@@ -13,6 +13,7 @@
 #include "common/strings.h"
 #include "common/worker_exit.h"
 #include "launcher/coordinator.h"
+#include "launcher/flight_analysis.h"
 #include "launcher/hang_diagnosis.h"
 
 namespace ltrain::launcher {
@@ -162,6 +163,10 @@ Status Coordinator::ReportWorkerStateLocked(const v1::WorkerStateReport& report,
                                             std::pair<std::string, std::string>* announce) {
   ActiveJob* job = FindLocked(report.job_id());
   if (job == nullptr) return NotFound("job " + report.job_id() + " is not run by this coordinator");
+  // A program's flight-recorder dumps count also after their generation ended (its ranks dump as
+  // they are stopped).
+  if (report.flight_records_size() > 0 || report.state() == "collectives") AddFlightRecordsLocked(*job, report);
+  if (report.state() == "collectives") return Status::Ok();
   if (report.generation() != job->job.generation()) return Status::Ok();  // a stale generation
   // What the rank reported last comes before its exit: a commit, its last step, a stop after a
   // final checkpoint.
@@ -252,6 +257,16 @@ Status Coordinator::ReportWorkerStateLocked(const v1::WorkerStateReport& report,
       failure = cause("; every rank's recent collectives: " + path);
     }
   }
+  // A program's: the NCCL flight recorder's reading, from the dumps the rank's agent found; the
+  // other nodes are asked for theirs before their ranks stop (an event tells what they add).
+  if (job->recipe.runs_program()) {
+    if (const std::string told = TellFlightRecordsLocked(*job); !told.empty()) failure = cause(told);
+    std::vector<std::string> others;
+    for (const auto& node : job->nodes) {
+      if (node != report.node_id()) others.push_back(node);
+    }
+    if (!refused) RequestDumpsLocked(*job, others);
+  }
   FailGenerationLocked(*job, failure, !refused);
   return Status::Ok();
 }
@@ -332,9 +347,73 @@ void Coordinator::SetLimitsLocked(ActiveJob& job, const PhaseLimits& limits) {
   }
 }
 
+std::string Coordinator::WriteJobFileLocked(const ActiveJob& job, const std::string& name, std::string text) {
+  if (options_.job_files_dir.empty()) return "";
+  const std::filesystem::path dir = std::filesystem::path(options_.job_files_dir) / job.job.id();
+  const std::string path = (dir / (name + "-gen-" + std::to_string(job.job.generation()) + ".txt")).string();
+  writer_.Enqueue(
+      "write " + path,
+      [dir, path, text = std::move(text)](StateStore&) {
+        Status written = CreateDirectories(dir.string());
+        if (written.ok()) written = WriteFileText(path, text);
+        if (!written.ok()) LTRAIN_LOG(kWarning, kLog) << path << " was not written: " << written.message();
+        return Status::Ok();
+      },
+      /*droppable=*/true);
+  return path;
+}
+
+void Coordinator::AddFlightRecordsLocked(ActiveJob& job, const v1::WorkerStateReport& report) {
+  if (report.generation() < job.flight_generation) return;
+  if (report.generation() > job.flight_generation) {
+    job.flight_generation = report.generation();
+    job.flight_records.clear();
+    job.flight_told.clear();
+  }
+  for (const auto& record : report.flight_records()) job.flight_records[record.rank()] = record;
+  if (report.state() == "collectives") job.dump_nodes_waiting.erase(report.node_id());
+  // Told already (the generation failed): what the later dumps add is an event.
+  const bool told = job.job.state() != v1::JOB_STATE_RUNNING || report.generation() != job.job.generation();
+  if (!told || job.flight_records.empty()) return;
+  const std::string before = job.flight_told;
+  const std::string now = TellFlightRecordsLocked(job);
+  if (now != before) {
+    AddEventLocked(job, "flight_recorder", "generation " + std::to_string(report.generation()) + ": " + now.substr(2), -1);
+  }
+}
+
+std::string Coordinator::TellFlightRecordsLocked(ActiveJob& job) {
+  if (job.flight_records.empty() || job.flight_generation != job.job.generation()) return "";
+  const std::string analysis = AnalyzeFlightRecords(job.flight_records, job.job.world_size());
+  std::string text = "; " + analysis;
+  if (job.flight_told == text) return text;
+  job.flight_told = text;
+  const std::string path = WriteJobFileLocked(
+      job, "flight-recorder",
+      analysis + "\n\nEvery rank's NCCL flight-recorder dump (PyTorch's: the last collectives of each group, the "
+                 "workers' clocks, UTC):\n" +
+          DescribeFlightRecords(job.flight_records, job.job.world_size()));
+  if (!path.empty()) {
+    text += " (every rank's dump: " + path + ")";
+    job.flight_told = text;
+  }
+  return text;
+}
+
+void Coordinator::RequestDumpsLocked(ActiveJob& job, const std::vector<std::string>& nodes) {
+  for (const auto& node_id : nodes) {
+    auto node = nodes_.find(node_id);
+    if (node == nodes_.end()) continue;
+    v1::Command command;
+    command.mutable_dump()->set_job_id(job.job.id());
+    command.mutable_dump()->set_generation(job.job.generation());
+    QueueCommandLocked(node->second, command);
+    job.dump_nodes_waiting.insert(node_id);
+  }
+}
+
 std::string Coordinator::WriteCollectivesLocked(const ActiveJob& job, const std::string& name,
                                                const std::string& headline) {
-  if (options_.job_files_dir.empty()) return "";
   const int64_t now = clock_->SteadyMs();
   std::vector<v1::RankProgress> reports;
   for (const auto& [rank, progress] : job.progress) {
@@ -344,20 +423,9 @@ std::string Coordinator::WriteCollectivesLocked(const ActiveJob& job, const std:
     report.set_silent_ms(report.silent_ms() + since);
     reports.push_back(std::move(report));
   }
-  const std::filesystem::path dir = std::filesystem::path(options_.job_files_dir) / job.job.id();
-  const std::string path = (dir / (name + "-gen-" + std::to_string(job.job.generation()) + ".txt")).string();
-  std::string text = headline + "\n\nEvery rank's last report and recent collectives (workers' clocks, UTC):\n" +
-                     DescribeRankCollectives(reports, job.job.world_size());
-  writer_.Enqueue(
-      "write " + path,
-      [dir, path, text = std::move(text)](StateStore&) {
-        Status written = CreateDirectories(dir.string());
-        if (written.ok()) written = WriteFileText(path, text);
-        if (!written.ok()) LTRAIN_LOG(kWarning, kLog) << "every rank's recent collectives were not written: " << written.message();
-        return Status::Ok();
-      },
-      /*droppable=*/true);
-  return path;
+  return WriteJobFileLocked(job, name,
+                            headline + "\n\nEvery rank's last report and recent collectives (workers' clocks, UTC):\n" +
+                                DescribeRankCollectives(reports, job.job.world_size()));
 }
 
 void Coordinator::CheckHangLocked(ActiveJob& job, int64_t now) {
@@ -400,7 +468,25 @@ void Coordinator::CheckHangLocked(ActiveJob& job, int64_t now) {
   const PhaseLimits limits = PhaseLimits::Derive(job.recipe, job.times);
   SetLimitsLocked(job, limits);
   std::optional<std::string> hang = DiagnoseHang(ranks, limits);
-  if (!hang) return;
+  if (!hang) {
+    job.dump_wait_hang.clear();  // it moved again while its dumps were awaited
+    job.dump_deadline_ms = 0;
+    return;
+  }
+  if (job.recipe.runs_program()) {
+    // A program's ranks are asked for PyTorch's flight recorder first; the hang is told (as first
+    // seen) once every node sent its dumps or the wait is over.
+    if (job.dump_deadline_ms == 0) {
+      job.dump_wait_hang = *hang;
+      job.dump_deadline_ms = now + kDumpWaitMs;
+      RequestDumpsLocked(job, job.nodes);
+      return;
+    }
+    if (!job.dump_nodes_waiting.empty() && now < job.dump_deadline_ms) return;
+    const std::string told = TellFlightRecordsLocked(job);
+    FailGenerationLocked(job, job.dump_wait_hang + told);
+    return;
+  }
   if (std::string path = WriteCollectivesLocked(job, "hang", *hang); !path.empty()) {
     *hang += "; every rank's recent collectives: " + path;
   }

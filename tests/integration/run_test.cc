@@ -7,6 +7,10 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <regex>
+#include <sstream>
 #include <string>
 
 #include "tests/support/subprocess.h"
@@ -195,6 +199,111 @@ TEST_F(RunTest, ProgramThatStopsReportingIsNamedHung) {
   EXPECT_EQ(result.exit_code, 1) << result.output;
   EXPECT_NE(result.output.find("hang: rank 1 made no progress for 2s"), std::string::npos) << result.output;
   EXPECT_LT(seconds, 30) << result.output;
+}
+
+// A program's ranks as PyTorch's NCCL flight recorder leaves them, without PyTorch: each makes the
+// pipe PyTorch's watchdog reads (TORCH_NCCL_DEBUG_INFO_PIPE_FILE) and, asked through it, writes its
+// dump in PyTorch's format (a pickle) where TORCH_FR_DUMP_TEMP_FILE says. Rank 0 got to all_reduce #2
+// and waits in it; rank 1 ended #1 and is elsewhere. `timeout`: rank 0's collective times out (it
+// dumps and exits 1, as PyTorch's watchdog). `hang`: rank 1 stops reporting steps.
+constexpr const char* kFlightRecorderScript = R"(import os, pickle, sys, threading, time
+rank = int(os.environ["RANK"])
+prefix = os.environ["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"]
+assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == prefix and os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+
+def entry(record, seq, state):
+    now = time.time_ns()
+    return {"record_id": record, "pg_id": 0, "process_group": ("0", "default_pg"), "collective_seq_id": seq,
+            "p2p_seq_id": 0, "op_id": seq, "profiling_name": "nccl:all_reduce", "time_created_ns": now,
+            "input_sizes": [[1024, 1024]], "input_dtypes": ["Float"], "output_sizes": [[1024, 1024]],
+            "output_dtypes": ["Float"], "state": state, "time_discovered_started_ns": None,
+            "time_discovered_completed_ns": now if state == "completed" else None, "retired": state == "completed",
+            "timeout_ms": 600000, "is_p2p": False, "frames": [{"name": "main", "filename": "fr.py", "line": 1}]}
+
+def dump():
+    entries = [entry(0, 1, "completed")] + ([entry(1, 2, "started")] if rank == 0 else [])
+    data = {"version": "2.10", "pg_config": {"0": {"name": "0", "desc": "default_pg", "ranks": "[0, 1]"}},
+            "pg_status": {}, "entries": entries}
+    with open(prefix + str(rank), "wb") as f:
+        pickle.dump(data, f, protocol=2)
+    print(f"rank {rank} dumped", flush=True)
+
+pipe = prefix + str(rank) + ".pipe"
+os.mkfifo(pipe)
+fd = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)
+def watch():
+    while True:
+        try:
+            if os.read(fd, 1):
+                dump()
+                return
+        except BlockingIOError:
+            pass
+        time.sleep(0.1)
+threading.Thread(target=watch, daemon=True).start()
+
+progress = os.fdopen(int(os.environ["LTRAIN_PROGRESS_FD"]), "w", buffering=1)
+if sys.argv[1] == "timeout":
+    if rank == 0:
+        while not os.path.exists(prefix + "1.pipe"):
+            time.sleep(0.05)
+        dump()
+        print("rank 0: all_reduce #2 timed out", flush=True)
+        sys.exit(1)
+    time.sleep(600)
+else:
+    step = 1
+    while True:
+        progress.write(f"step={step} phase=train\n")
+        if rank == 1:
+            time.sleep(600)
+        step += 1
+        time.sleep(0.2)
+)";
+
+// What the flight recorder's file beside the job holds, from the path a cause names.
+std::string FlightRecorderFile(const std::string& output) {
+  std::smatch match;
+  if (!std::regex_search(output, match, std::regex(R"(every rank's dump: (\S+flight-recorder-gen-0\.txt)\))"))) return "";
+  std::ifstream file(match[1].str());
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+// A rank whose collective timed out fails the job: the cause has every rank's flight recorder, the
+// others' asked for through their pipes before they were stopped.
+TEST_F(RunTest, TimedOutCollectiveIsReadFromEveryRanksFlightRecorder) {
+  dir_.Write("fr.py", kFlightRecorderScript);
+  ProcessResult result = Run({"--name", "frtimeout", "--nproc-per-node", "2"}, {"/usr/bin/python3", "fr.py", "timeout"});
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_NE(result.output.find("rank 0 on local exited with code 1; NCCL flight recorder: all_reduce #2 of default_pg "
+                               "(4.2 MB) is not completed: rank 0 started it; rank 1 never enqueued it, its last "
+                               "collective was all_reduce #1 of default_pg (completed) (every rank's dump: "),
+            std::string::npos)
+      << result.output;
+  const std::string file = FlightRecorderFile(result.output);
+  EXPECT_NE(file.find("rank 0: " + dir_.path()), std::string::npos) << file;
+  const size_t rank1 = file.find("rank 1: ");
+  ASSERT_NE(rank1, std::string::npos) << file;
+  EXPECT_NE(file.find("  all_reduce #2 of default_pg, 4.2 MB, enqueued "), std::string::npos) << file;
+  EXPECT_NE(file.find("  all_reduce #1 of default_pg, 4.2 MB, enqueued ", rank1), std::string::npos) << file;
+}
+
+// A program that stops reporting is named hung with every rank's flight recorder, asked for before
+// the ranks are stopped.
+TEST_F(RunTest, HungProgramIsToldWithEveryRanksFlightRecorder) {
+  dir_.Write("fr.py", kFlightRecorderScript);
+  ProcessResult result =
+      Run({"--name", "frhang", "--nproc-per-node", "2", "--hang-timeout", "2"}, {"/usr/bin/python3", "fr.py", "hang"});
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_NE(result.output.find("hang: rank 1 made no progress for 2s"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("; NCCL flight recorder: all_reduce #2 of default_pg (4.2 MB) is not completed: rank 0 "
+                               "started it; rank 1 never enqueued it, its last collective was all_reduce #1 of "
+                               "default_pg (completed) (every rank's dump: "),
+            std::string::npos)
+      << result.output;
+  EXPECT_NE(FlightRecorderFile(result.output).find("rank 1: "), std::string::npos) << result.output;
 }
 
 TEST_F(RunTest, ProgramThatNeverReportsIsNoHang) {

@@ -1,6 +1,9 @@
 #include "agent/supervisor.h"
 
+#include <fcntl.h>
 #include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
 
 #include <gtest/gtest.h>
 
@@ -212,7 +215,8 @@ TEST_F(SupervisorTest, AProgramRunsUnderExecWithTorchrunsEnvironment) {
                       "TORCH_NCCL_ASYNC_ERROR_HANDLING=1", "TORCHELASTIC_SIGNALS_TO_HANDLE=SIGTERM,SIGINT,SIGHUP,SIGQUIT",
                       // TORCH_NCCL_TRACE_BUFFER_SIZE is the recipe's (exec's --env).
                       "TORCH_NCCL_DUMP_ON_TIMEOUT=1", "TORCH_FR_DUMP_TEMP_FILE=" + dir + "nccl-trace-rank-",
-                      "TORCH_NCCL_DEBUG_INFO_TEMP_FILE=" + dir + "nccl-trace-rank-"}));
+                      "TORCH_NCCL_DEBUG_INFO_TEMP_FILE=" + dir + "nccl-trace-rank-",
+                                       "TORCH_NCCL_DEBUG_INFO_PIPE_FILE=" + dir + "nccl-trace-rank-"}));
   for (const std::string& entry : spec.env) EXPECT_NE(entry, "OMP_NUM_THREADS=1") << "the recipe set 4";
   EXPECT_NE(std::find(spec.env.begin(), spec.env.end(), "LTRAIN_RANK=3"), spec.env.end());
 }
@@ -589,6 +593,78 @@ TEST_F(SupervisorTest, ANewerGenerationKillsLeftoversOfOlderOnes) {
   size_t sent = spawner_.signals().size();
   supervisor().StartJob(Start("j1", 2, 1, /*first_rank=*/1));  // the same generation again: no kill
   EXPECT_EQ(spawner_.signals().size(), sent);
+}
+
+// A program's first failed rank: the others with PyTorch's pipe are asked for their flight recorder
+// and stopped once they dumped; the exit report goes with every dump of the generation.
+TEST_F(SupervisorTest, AFailedRanksReportWaitsForTheOthersFlightRecorder) {
+  supervisor().StartJob(Start("j1", 1, 2));
+  outbox_.Take();
+  pid_t r0 = Pid("j1", 0), r1 = Pid("j1", 1);
+  const std::string dir = work_dir_ + "/jobs/j1/gen-1";
+  const std::string pipe = dir + "/nccl-trace-rank-1.pipe";
+  ASSERT_EQ(mkfifo(pipe.c_str(), 0600), 0);
+  const int reader = open(pipe.c_str(), O_RDONLY | O_NONBLOCK);  // rank 1's watchdog
+  ASSERT_GE(reader, 0);
+  const std::string dump = R"({"version": "2.10", "entries": [{"record_id": 0, "collective_seq_id": 1,
+      "profiling_name": "nccl:all_reduce", "process_group": ["0", "default_pg"], "state": "completed"}]})";
+  std::ofstream(dir + "/nccl-trace-rank-0") << dump;  // rank 0's, written as its collective timed out
+
+  spawner_.Exit(r0, 1);
+  supervisor().Poll();
+  EXPECT_TRUE(outbox_.Take().empty()) << "the report waits for rank 1's dump";
+  EXPECT_TRUE(spawner_.signals().empty()) << "rank 1 is stopped once it dumped";
+  char byte = 0;
+  EXPECT_EQ(read(reader, &byte, 1), 1);
+  close(reader);
+
+  std::ofstream(dir + "/nccl-trace-rank-1") << dump;
+  supervisor().Poll();
+  std::vector<v1::WorkerStateReport> reports = outbox_.Reports();
+  ASSERT_EQ(reports.size(), 1u);
+  EXPECT_EQ(reports[0].rank(), 0);
+  EXPECT_EQ(reports[0].exit_code(), 1);
+  ASSERT_EQ(reports[0].flight_records_size(), 2);
+  EXPECT_EQ(reports[0].flight_records(1).rank(), 1);
+  EXPECT_EQ(reports[0].flight_records(1).collectives(0).op(), "all_reduce");
+  EXPECT_EQ(spawner_.signals(), (std::vector<Signal>{{r1, SIGTERM}, {r1, SIGCONT}}));
+}
+
+// A rank that never dumps holds neither the report nor its stop past the wait.
+TEST_F(SupervisorTest, ARankThatDoesNotDumpIsStoppedAfterTheWait) {
+  supervisor().StartJob(Start("j1", 1, 2));
+  outbox_.Take();
+  pid_t r0 = Pid("j1", 0), r1 = Pid("j1", 1);
+  const std::string pipe = work_dir_ + "/jobs/j1/gen-1/nccl-trace-rank-1.pipe";
+  ASSERT_EQ(mkfifo(pipe.c_str(), 0600), 0);
+  const int reader = open(pipe.c_str(), O_RDONLY | O_NONBLOCK);
+  ASSERT_GE(reader, 0);
+  spawner_.Exit(r0, 1);
+  supervisor().Poll();
+  EXPECT_TRUE(outbox_.Take().empty());
+  clock_.AdvanceMs(Supervisor::kDumpWaitMs);
+  supervisor().Poll();
+  std::vector<v1::WorkerStateReport> reports = outbox_.Reports();
+  ASSERT_EQ(reports.size(), 1u);
+  EXPECT_EQ(reports[0].flight_records_size(), 0);
+  EXPECT_EQ(spawner_.signals(), (std::vector<Signal>{{r1, SIGTERM}, {r1, SIGCONT}}));
+  close(reader);
+}
+
+// The coordinator's request: a report of state "collectives", at once when no rank has a pipe.
+TEST_F(SupervisorTest, DumpCollectivesAnswersWithTheGenerationsDumps) {
+  supervisor().StartJob(Start("j1", 1, 1));
+  outbox_.Take();
+  std::ofstream(work_dir_ + "/jobs/j1/gen-1/nccl-trace-rank-0") << R"({"entries": []})";
+  supervisor().DumpCollectives("j1", 1);
+  supervisor().Poll();
+  std::vector<v1::WorkerStateReport> reports = outbox_.Reports();
+  ASSERT_EQ(reports.size(), 1u);
+  EXPECT_EQ(reports[0].state(), "collectives");
+  EXPECT_EQ(reports[0].rank(), -1);
+  ASSERT_EQ(reports[0].flight_records_size(), 1);
+  EXPECT_EQ(reports[0].flight_records(0).path(), work_dir_ + "/jobs/j1/gen-1/nccl-trace-rank-0");
+  EXPECT_TRUE(spawner_.signals().empty());
 }
 
 TEST_F(SupervisorTest, AFailedSpawnIsReportedAsExitCode127WithTheReason) {
