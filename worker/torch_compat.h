@@ -432,6 +432,7 @@ inline void RecordCurrentStream(const torch::Tensor& t) {
 // Whether this LibTorch has float8 types (2.1 and later), and the cast to them: e4m3fn (no infinity)
 // or e5m2. Without them FP8 products are not built, and the scaling's rounding stands for the cast.
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 1)
+#define LTRAIN_HAVE_FLOAT8 1
 inline constexpr bool kHasFloat8 = true;
 inline torch::Tensor ToFloat8(const torch::Tensor& x, bool e4m3) {
   return x.to(e4m3 ? at::ScalarType::Float8_e4m3fn : at::ScalarType::Float8_e5m2);

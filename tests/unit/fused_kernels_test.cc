@@ -1,6 +1,7 @@
 // The worker's own CUDA kernels against the LibTorch operations they replace. Skips where there is
 // no GPU or the worker was built without CUDA kernels.
 #include <functional>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -105,6 +106,48 @@ std::vector<torch::Tensor> Fp32Reference(const std::vector<torch::Tensor>& input
 
 // grad_in_logits: the logits' gradient is written into the logits' own memory, and is the gradient
 // the kernel writes into a buffer of its own.
+// FP8: our quantization kernels give what the fp32 reference (fp8_scaling.h) gives, and the FP8
+// products what a product of the dequantized operands gives, tensorwise and rowwise.
+TEST(FusedKernelsTest, Fp8QuantizationAndProductsMatchTheirReference) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  if (!Fp8ProductsAvailable()) GTEST_SKIP() << "no FP8 products here (a build without CUDA kernels or float8, or a GPU before 8.9)";
+  torch::manual_seed(11);
+  const auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  // Rows of very different magnitudes: rowwise scaling has something to follow.
+  torch::Tensor x = (torch::randn({256, 512}) * torch::logspace(-2, 2, 256).unsqueeze(1)).to(bf16);
+  torch::Tensor w = (torch::randn({384, 512}) * 0.02).to(bf16);
+  for (Fp8Scaling scaling : {Fp8Scaling::kTensorwise, Fp8Scaling::kRowwise}) {
+    const bool rowwise = scaling == Fp8Scaling::kRowwise;
+    for (Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      torch::Tensor transposed;
+      Fp8Tensor q = Fp8QuantizeOnDevice(x, format, scaling, /*power_of_2=*/rowwise, rowwise ? nullptr : &transposed);
+      Fp8Tensor reference = Fp8Quantize(x.cpu(), format, scaling, /*power_of_2=*/rowwise);
+      EXPECT_TRUE(torch::equal(q.amax.cpu(), reference.amax)) << static_cast<int>(scaling);
+      EXPECT_TRUE(torch::allclose(q.scale_inv.cpu(), reference.scale_inv, 1e-6, 0)) << static_cast<int>(scaling);
+      EXPECT_TRUE(torch::equal(q.data.cpu().to(torch::kFloat), reference.data.to(torch::kFloat)))
+          << "scaling " << static_cast<int>(scaling) << " format " << static_cast<int>(format);
+      if (!rowwise) {
+        EXPECT_TRUE(torch::equal(transposed.cpu().to(torch::kFloat), q.data.cpu().to(torch::kFloat).t()));
+      }
+    }
+    // y = x · wᵀ with e4m3 operands; then a gradient-like product with one e5m2 operand.
+    Fp8Tensor xq = Fp8QuantizeOnDevice(x, Fp8Format::kE4M3, scaling, rowwise);
+    Fp8Tensor wq = Fp8QuantizeOnDevice(w, Fp8Format::kE4M3, scaling, rowwise);
+    for (bool fast_accum : {true, false}) {
+      torch::Tensor y = Fp8Product(xq, wq, fast_accum).to(torch::kFloat);
+      torch::Tensor want = torch::matmul(Fp8Dequantize(xq), Fp8Dequantize(wq).t());
+      EXPECT_LE(RelativeError(y, want), 1e-2) << "scaling " << static_cast<int>(scaling) << " fast " << fast_accum;
+    }
+    Fp8Tensor gq = Fp8QuantizeOnDevice(x, Fp8Format::kE5M2, scaling, rowwise);
+    torch::Tensor dy = Fp8Product(gq, wq, false).to(torch::kFloat);
+    EXPECT_LE(RelativeError(dy, torch::matmul(Fp8Dequantize(gq), Fp8Dequantize(wq).t())), 1e-2);
+  }
+  // An infinity is an overflow the amax says.
+  torch::Tensor bad = x.clone();
+  bad[3][7] = std::numeric_limits<float>::infinity();
+  EXPECT_TRUE(Fp8Overflowed(Fp8QuantizeOnDevice(bad, Fp8Format::kE4M3, Fp8Scaling::kTensorwise, false)));
+}
+
 TEST(FusedKernelsTest, CrossEntropyWritesItsGradientOverTheLogits) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);

@@ -24,6 +24,7 @@
 #include "worker/model/cuda/column_sums.h"
 #include "worker/model/cuda/cross_entropy.h"
 #include "worker/model/cuda/embedding.h"
+#include "worker/model/cuda/fp8_cast.h"
 #include "worker/model/cuda/gemm.h"
 #include "worker/model/cuda/layer_norm.h"
 #include "worker/model/cuda/llama_ops.h"
@@ -1055,6 +1056,85 @@ void FusedAdamW(const torch::Tensor& param, const torch::Tensor& grad, const tor
                   c10::cuda::getCurrentCUDAStream(param.device().index()).stream());
 }
 
+#if defined(LTRAIN_HAVE_FLOAT8)
+
+bool Fp8ProductsAvailable() {
+  int count = 0, device = 0, major = 0, minor = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0 || cudaGetDevice(&device) != cudaSuccess) return false;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  return major * 10 + minor >= 89;
+}
+
+Fp8Tensor Fp8QuantizeOnDevice(const torch::Tensor& x, Fp8Format format, Fp8Scaling scaling, bool power_of_2,
+                              torch::Tensor* transposed) {
+  if (!x.is_cuda() || x.scalar_type() != torch::kBFloat16 || x.dim() != 2 || !x.is_contiguous()) {
+    throw std::invalid_argument("Fp8QuantizeOnDevice takes a contiguous 2-D bf16 CUDA tensor");
+  }
+  const bool rowwise = scaling == Fp8Scaling::kRowwise;
+  if (rowwise && transposed != nullptr) throw std::invalid_argument("a rowwise quantization has no transposed copy");
+  c10::cuda::CUDAGuard guard(x.device());
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const bool e4m3 = format == Fp8Format::kE4M3;
+  const auto fp8 = x.options().dtype(e4m3 ? at::ScalarType::Float8_e4m3fn : at::ScalarType::Float8_e5m2);
+  const auto f32 = x.options().dtype(torch::kFloat);
+  Fp8Tensor q;
+  q.amax = rowwise ? torch::empty({rows, 1}, f32) : torch::zeros({}, f32);
+  q.scale_inv = rowwise ? torch::empty({rows, 1}, f32) : torch::empty({}, f32);
+  q.data = torch::empty({rows, cols}, fp8);
+  if (transposed != nullptr) *transposed = torch::empty({cols, rows}, fp8);
+  cudaStream_t stream = StreamOf(x);
+  cuda::Bf16Amax(x.data_ptr(), rows, cols, rowwise, q.amax.data_ptr<float>(), stream);
+  cuda::Bf16ToFp8(x.data_ptr(), rows, cols, q.amax.data_ptr<float>(), rowwise, e4m3, power_of_2, q.data.data_ptr(),
+                  transposed != nullptr ? transposed->data_ptr() : nullptr, q.scale_inv.data_ptr<float>(), stream);
+  return q;
+}
+
+torch::Tensor Fp8Product(const Fp8Tensor& a, const Fp8Tensor& b, bool fast_accum) {
+  auto type = [](const torch::Tensor& t) {
+    if (t.scalar_type() == at::ScalarType::Float8_e4m3fn) return cuda::GemmType::kE4M3;
+    if (t.scalar_type() == at::ScalarType::Float8_e5m2) return cuda::GemmType::kE5M2;
+    throw std::invalid_argument("Fp8Product takes float8 operands");
+  };
+  const int64_t m = a.data.size(0), n = b.data.size(0), k = a.data.size(1);
+  if (b.data.size(1) != k || !a.data.is_contiguous() || !b.data.is_contiguous()) {
+    throw std::invalid_argument("Fp8Product takes contiguous a [m, k] and b [n, k]");
+  }
+  const bool rowwise = a.scale_inv.dim() > 0;
+  if (rowwise != (b.scale_inv.dim() > 0)) throw std::invalid_argument("Fp8Product takes both operands scaled alike");
+  c10::cuda::CUDAGuard guard(a.data.device());
+  torch::Tensor y = torch::empty({m, n}, a.data.options().dtype(torch::kBFloat16));
+  // cuBLASLt (column-major) computes yᵀ [n, m] = b [n, k] · aᵀ: A is b, transposed; B is a.
+  cuda::GemmArgs g;
+  g.trans_a = true;
+  g.m = n, g.n = m, g.k = k;
+  g.a = b.data.data_ptr(), g.lda = k;
+  g.b = a.data.data_ptr(), g.ldb = k;
+  g.d = y.data_ptr(), g.ldd = n;
+  g.a_type = type(b.data);
+  g.b_type = type(a.data);
+  g.a_scale_inv = b.scale_inv.data_ptr<float>();
+  g.b_scale_inv = a.scale_inv.data_ptr<float>();
+  g.rowwise = rowwise;
+  g.fast_accum = fast_accum;
+  Gemm(g, y, false);
+  return y;
+}
+
+#else
+
+bool Fp8ProductsAvailable() { return false; }
+
+Fp8Tensor Fp8QuantizeOnDevice(const torch::Tensor&, Fp8Format, Fp8Scaling, bool, torch::Tensor*) {
+  throw std::logic_error("Fp8QuantizeOnDevice: this LibTorch has no float8 types");
+}
+
+torch::Tensor Fp8Product(const Fp8Tensor&, const Fp8Tensor&, bool) {
+  throw std::logic_error("Fp8Product: this LibTorch has no float8 types");
+}
+
+#endif  // LTRAIN_HAVE_FLOAT8
+
 #else
 
 SideStreamSum::SideStreamSum(torch::Tensor& t, Communicator* comm) {
@@ -1138,6 +1218,17 @@ void FusedAdamW(const torch::Tensor& /*param*/, const torch::Tensor& /*grad*/, c
                 double /*beta1*/, double /*beta2*/, double /*eps*/, double /*weight_decay*/, int64_t /*step*/,
                 const torch::Tensor& /*grad_divisor*/) {
   throw std::logic_error("FusedAdamW: this worker was built without CUDA kernels");
+}
+
+bool Fp8ProductsAvailable() { return false; }
+
+Fp8Tensor Fp8QuantizeOnDevice(const torch::Tensor& /*x*/, Fp8Format /*format*/, Fp8Scaling /*scaling*/,
+                              bool /*power_of_2*/, torch::Tensor* /*transposed*/) {
+  throw std::logic_error("Fp8QuantizeOnDevice: this worker was built without CUDA kernels");
+}
+
+torch::Tensor Fp8Product(const Fp8Tensor& /*a*/, const Fp8Tensor& /*b*/, bool /*fast_accum*/) {
+  throw std::logic_error("Fp8Product: this worker was built without CUDA kernels");
 }
 
 #endif

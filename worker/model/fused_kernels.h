@@ -8,6 +8,8 @@
 
 #include <torch/types.h>
 
+#include "worker/model/fp8_scaling.h"
+
 namespace ltrain::worker {
 
 class Communicator;
@@ -175,5 +177,20 @@ bool FusedAdamWAvailable(const torch::Tensor& param);
 void FusedAdamW(const torch::Tensor& param, const torch::Tensor& grad, const torch::Tensor& exp_avg,
                 const torch::Tensor& exp_avg_sq, const torch::Tensor& param_bf16, double lr, double beta1, double beta2,
                 double eps, double weight_decay, int64_t step, const torch::Tensor& grad_divisor);
+
+// FP8 products (a CUDA build on a LibTorch with float8 types, a GPU of compute capability 8.9 or
+// newer: Fp8ProductsAvailable).
+bool Fp8ProductsAvailable();
+
+// bf16 x [rows, cols] (contiguous, CUDA) quantized on the device by our kernels: as Fp8Quantize
+// (fp8_scaling.h) gives it, data in float8. With `transposed` (tensorwise only) also the transposed
+// copy [cols, rows] of the data, which shares scale_inv and amax.
+Fp8Tensor Fp8QuantizeOnDevice(const torch::Tensor& x, Fp8Format format, Fp8Scaling scaling, bool power_of_2,
+                              torch::Tensor* transposed = nullptr);
+
+// a [m, k] · b [n, k]ᵀ in bf16 [m, n], each operand taken back by its scale_inv (both tensorwise or
+// both rowwise; not both e5m2), through cuBLASLt. `fast_accum`: Hopper's faster accumulation (the
+// forward products of FP8 training).
+torch::Tensor Fp8Product(const Fp8Tensor& a, const Fp8Tensor& b, bool fast_accum);
 
 }  // namespace ltrain::worker

@@ -7,6 +7,7 @@
 #include <mutex>
 
 #include <cublasLt.h>
+#include <cublas_api.h>
 
 namespace ltrain::worker::cuda {
 namespace {
@@ -55,11 +56,22 @@ cublasLtEpilogue_t LtEpilogue(Epilogue e) {
   return CUBLASLT_EPILOGUE_DEFAULT;
 }
 
+cudaDataType_t LtType(GemmType type) {
+  switch (type) {
+    case GemmType::kBf16: return CUDA_R_16BF;
+    case GemmType::kE4M3: return CUDA_R_8F_E4M3;
+    case GemmType::kE5M2: return CUDA_R_8F_E5M2;
+  }
+  return CUDA_R_16BF;
+}
+
+constexpr size_t kKeySize = 27;
+
 // Handles (one per device) and the algorithm chosen per problem, shared by every thread.
 struct State {
   std::mutex mu;
   std::map<int, cublasLtHandle_t> handles;
-  std::map<std::array<int64_t, 23>, cublasLtMatmulAlgo_t> algos;
+  std::map<std::array<int64_t, kKeySize>, cublasLtMatmulAlgo_t> algos;
 };
 
 State& Shared() {
@@ -69,7 +81,23 @@ State& Shared() {
 
 }  // namespace
 
+bool GemmHasRowwiseFp8() {
+#if CUBLAS_VERSION >= 120900
+  return true;
+#else
+  return false;
+#endif
+}
+
 std::string GemmBf16(const GemmArgs& g, cudaStream_t stream) {
+  const bool fp8 = g.a_type != GemmType::kBf16 || g.b_type != GemmType::kBf16;
+  if (fp8) {
+    if (g.a_type == GemmType::kBf16 || g.b_type == GemmType::kBf16) return "an FP8 product takes both operands in FP8";
+    if (g.a_type == GemmType::kE5M2 && g.b_type == GemmType::kE5M2) return "an FP8 product takes at most one e5m2 operand";
+    if (!g.trans_a || g.trans_b) return "an FP8 product takes A transposed and B not (both contiguous along k)";
+    if (g.a_scale_inv == nullptr || g.b_scale_inv == nullptr) return "an FP8 product needs the scales of both operands";
+    if (g.rowwise && !GemmHasRowwiseFp8()) return "this cuBLASLt has no rowwise FP8 scales (CUDA 12.9 and later have)";
+  }
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return "cudaGetDevice failed";
   State& state = Shared();
@@ -109,6 +137,23 @@ std::string GemmBf16(const GemmArgs& g, cudaStream_t stream) {
   }
   if (bias != nullptr) {
     cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_BIAS_POINTER, &bias, sizeof(bias));
+    if (fp8 && g.fp32_out) {
+      const cudaDataType_t bias_type = CUDA_R_16BF;  // FP8 products add a bf16 bias, also into fp32
+      cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE, &bias_type, sizeof(bias_type));
+    }
+  }
+  if (fp8) {
+    cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, &g.a_scale_inv, sizeof(g.a_scale_inv));
+    cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, &g.b_scale_inv, sizeof(g.b_scale_inv));
+#if CUBLAS_VERSION >= 120900
+    if (g.rowwise) {
+      const cublasLtMatmulMatrixScale_t mode = CUBLASLT_MATMUL_MATRIX_SCALE_OUTER_VEC_32F;
+      cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_A_SCALE_MODE, &mode, sizeof(mode));
+      cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_B_SCALE_MODE, &mode, sizeof(mode));
+    }
+#endif
+    const int8_t fast = g.fast_accum ? 1 : 0;
+    cublasLtMatmulDescSetAttribute(desc.d, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof(fast));
   }
   int32_t sm_target = 0;
   if (g.sm_margin > 0) {
@@ -127,10 +172,10 @@ std::string GemmBf16(const GemmArgs& g, cudaStream_t stream) {
   Layout la, lb, ld, lc;
   const uint64_t a_rows = g.trans_a ? g.k : g.m, a_cols = g.trans_a ? g.m : g.k;
   const uint64_t b_rows = g.trans_b ? g.n : g.k, b_cols = g.trans_b ? g.k : g.n;
-  if (cublasStatus_t s = cublasLtMatrixLayoutCreate(&la.l, CUDA_R_16BF, a_rows, a_cols, g.lda); s != CUBLAS_STATUS_SUCCESS) {
+  if (cublasStatus_t s = cublasLtMatrixLayoutCreate(&la.l, LtType(g.a_type), a_rows, a_cols, g.lda); s != CUBLAS_STATUS_SUCCESS) {
     return Failed("layout of A", s);
   }
-  if (cublasStatus_t s = cublasLtMatrixLayoutCreate(&lb.l, CUDA_R_16BF, b_rows, b_cols, g.ldb); s != CUBLAS_STATUS_SUCCESS) {
+  if (cublasStatus_t s = cublasLtMatrixLayoutCreate(&lb.l, LtType(g.b_type), b_rows, b_cols, g.ldb); s != CUBLAS_STATUS_SUCCESS) {
     return Failed("layout of B", s);
   }
   const cudaDataType_t out_type = g.fp32_out ? CUDA_R_32F : CUDA_R_16BF;
@@ -148,10 +193,12 @@ std::string GemmBf16(const GemmArgs& g, cudaStream_t stream) {
   cublasLtMatrixLayout_t c_layout = own_c ? lc.l : ld.l;
 
   const uint32_t align_a = Alignment(g.a), align_b = Alignment(g.b), align_c = Alignment(c), align_d = Alignment(g.d);
-  const std::array<int64_t, 23> key = {device, sm_target, g.tune, g.trans_a, g.trans_b, g.beta != 0.0f, g.m, g.n, g.k, g.lda, g.ldb, g.ldd,
-                                       own_c ? g.ldc : -1, static_cast<int64_t>(g.epilogue), g.ld_aux, align_a, align_b,
-                                       align_c, align_d, Alignment(bias), uses_aux ? Alignment(g.aux) : 0,
-                                       static_cast<int64_t>(g.workspace_bytes), g.fp32_out};
+  const std::array<int64_t, kKeySize> key = {device, sm_target, g.tune, g.trans_a, g.trans_b, g.beta != 0.0f, g.m, g.n, g.k,
+                                             g.lda, g.ldb, g.ldd, own_c ? g.ldc : -1, static_cast<int64_t>(g.epilogue),
+                                             g.ld_aux, align_a, align_b, align_c, align_d, Alignment(bias),
+                                             uses_aux ? Alignment(g.aux) : 0, static_cast<int64_t>(g.workspace_bytes),
+                                             g.fp32_out, static_cast<int64_t>(g.a_type), static_cast<int64_t>(g.b_type),
+                                             g.rowwise, g.fast_accum};
   cublasLtMatmulAlgo_t algo;
   bool cached = false;
   {
@@ -179,7 +226,8 @@ std::string GemmBf16(const GemmArgs& g, cudaStream_t stream) {
                                                           requested, results.data(), &found);
         s != CUBLAS_STATUS_SUCCESS || found == 0) {
       return "cuBLASLt found no algorithm for a " + std::to_string(g.m) + "x" + std::to_string(g.n) + "x" +
-             std::to_string(g.k) + " bf16 product with epilogue " + std::to_string(static_cast<int>(epilogue)) +
+             std::to_string(g.k) + (fp8 ? " FP8" : " bf16") + " product with epilogue " +
+             std::to_string(static_cast<int>(epilogue)) +
              " (status " + std::to_string(static_cast<int>(s)) + ")";
     }
     algo = results[0].algo;

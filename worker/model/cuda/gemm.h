@@ -24,6 +24,9 @@ enum class Epilogue {
   kBGradB,       // bias_grad[n] = sum of op(B) over k
 };
 
+// The type of A or B: bf16, or FP8 (e4m3 for weights and activations, e5m2 for gradients).
+enum class GemmType { kBf16, kE4M3, kE5M2 };
+
 // The most candidates the tuner times (LTRAIN_GEMM_CANDIDATES), and its default.
 constexpr int kGemmMaxCandidates = 32;
 
@@ -58,6 +61,16 @@ struct GemmArgs {
   int candidates = kGemmMaxCandidates;  // how many of cuBLASLt's candidates `tune` times (1 to kGemmMaxCandidates)
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
+  // FP8 operands (both or neither; not both e5m2). cuBLASLt takes them transposed-A, plain-B only
+  // (trans_a and not trans_b: both contiguous along k). a_scale_inv and b_scale_inv are fp32 device
+  // pointers to the multipliers that take the FP8 values back to theirs: one each, or with `rowwise`
+  // one per row of op(A) (m of them) and one per column of op(B) (n). With fp32_out the bias stays
+  // bf16. fast_accum: Hopper's faster accumulation without periodic promotion (forward products).
+  GemmType a_type = GemmType::kBf16, b_type = GemmType::kBf16;
+  const float* a_scale_inv = nullptr;
+  const float* b_scale_inv = nullptr;
+  bool rowwise = false;
+  bool fast_accum = false;
 };
 
 // The three products of a linear layer over row-major x [rows, in], w [out, in]:
@@ -98,5 +111,8 @@ constexpr size_t kGemmWorkspaceBytes = size_t{32} << 20;
 
 // Queues the product on `stream` (of the current device). Returns "" or what failed.
 std::string GemmBf16(const GemmArgs& args, cudaStream_t stream);
+
+// Whether this cuBLASLt scales FP8 operands per row (CUDA 12.9 and later).
+bool GemmHasRowwiseFp8();
 
 }  // namespace ltrain::worker::cuda

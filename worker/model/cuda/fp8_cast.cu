@@ -1,0 +1,129 @@
+// The amax: a grid-stride pass, each block's maximum by a warp reduction, the blocks' by atomicMax on
+// the float's bits (non-negative floats order as their bits do; a NaN's bits exceed infinity's, so a
+// NaN wins). The cast: tiles of 32 x 32 values, read by rows, written by rows and, through shared
+// memory, by columns for the transposed copy.
+#include "worker/model/cuda/fp8_cast.h"
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+
+namespace ltrain::worker::cuda {
+namespace {
+
+constexpr int kTile = 32;
+constexpr int kTileRows = 8;  // threads per tile column: each thread does kTile / kTileRows rows
+
+__device__ __forceinline__ float WarpMax(float v) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+// |v| with NaN kept (fmaxf would drop it).
+__device__ __forceinline__ float MaxKeepNan(float a, float b) { return (isnan(a) || isnan(b)) ? NAN : fmaxf(a, b); }
+
+__global__ void TensorAmax(const __nv_bfloat16* x, int64_t n, float* amax) {
+  float m = 0.0f;
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    m = MaxKeepNan(m, fabsf(__bfloat162float(x[i])));
+  }
+  const bool nan = __any_sync(0xffffffffu, isnan(m));
+  m = nan ? NAN : WarpMax(m);
+  __shared__ float warps[32];
+  if ((threadIdx.x & 31) == 0) warps[threadIdx.x / 32] = m;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float v = threadIdx.x < blockDim.x / 32 ? warps[threadIdx.x] : 0.0f;
+    const bool any_nan = __any_sync(0xffffffffu, isnan(v));
+    v = any_nan ? NAN : WarpMax(v);
+    if (threadIdx.x == 0) atomicMax(reinterpret_cast<int*>(amax), __float_as_int(v));
+  }
+}
+
+// One warp per row.
+__global__ void RowAmax(const __nv_bfloat16* x, int64_t rows, int64_t cols, float* amax) {
+  const int64_t row = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32;
+  if (row >= rows) return;
+  const int lane = threadIdx.x & 31;
+  float m = 0.0f;
+  for (int64_t c = lane; c < cols; c += 32) m = MaxKeepNan(m, fabsf(__bfloat162float(x[row * cols + c])));
+  const bool nan = __any_sync(0xffffffffu, isnan(m));
+  m = nan ? NAN : WarpMax(m);
+  if (lane == 0) amax[row] = m;
+}
+
+__device__ __forceinline__ float ScaleOf(float amax, float largest, bool power_of_2) {
+  if (isnan(amax) || isinf(amax)) return NAN;  // an overflow: said by the amax, never hidden as 0
+  if (amax < largest * 1e-12f) return 1.0f;
+  float scale = largest / amax;
+  if (power_of_2) scale = exp2f(floorf(log2f(scale)));
+  return scale;
+}
+
+__device__ __forceinline__ unsigned char ToFp8(float v, bool e4m3) {
+  return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, e4m3 ? __NV_E4M3 : __NV_E5M2);
+}
+
+// Block (kTile, kTileRows) per 32 x 32 tile: thread (tx, ty) handles column tx of rows ty, ty + 8, ...
+__global__ void CastTiles(const __nv_bfloat16* x, int64_t rows, int64_t cols, const float* amax, bool rowwise,
+                          bool e4m3, bool power_of_2, unsigned char* out, unsigned char* out_t, float* scale_inv) {
+  __shared__ unsigned char tile[kTile][kTile + 4];
+  const float largest = e4m3 ? 448.0f : 57344.0f;
+  const int64_t col = blockIdx.x * static_cast<int64_t>(kTile) + threadIdx.x;
+  const int64_t row0 = blockIdx.y * static_cast<int64_t>(kTile);
+  const float tensor_scale = rowwise ? 1.0f : ScaleOf(amax[0], largest, power_of_2);
+  if (!rowwise && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0 && threadIdx.y == 0) {
+    *scale_inv = 1.0f / tensor_scale;
+  }
+#pragma unroll
+  for (int i = 0; i < kTile / kTileRows; ++i) {
+    const int r = threadIdx.y + i * kTileRows;
+    const int64_t row = row0 + r;
+    if (row < rows && col < cols) {
+      const float scale = rowwise ? ScaleOf(amax[row], largest, power_of_2) : tensor_scale;
+      if (rowwise && col == 0) scale_inv[row] = 1.0f / scale;
+      const unsigned char q = ToFp8(__bfloat162float(x[row * cols + col]) * scale, e4m3);
+      out[row * cols + col] = q;
+      tile[r][threadIdx.x] = q;
+    }
+  }
+  if (out_t == nullptr) return;
+  __syncthreads();
+  // Transposed: thread (tx, ty) writes row (col0 + ty + 8i) of out_t, column row0 + tx.
+  const int64_t t_row_col = row0 + threadIdx.x;
+#pragma unroll
+  for (int i = 0; i < kTile / kTileRows; ++i) {
+    const int c = threadIdx.y + i * kTileRows;
+    const int64_t t_row = blockIdx.x * static_cast<int64_t>(kTile) + c;
+    if (t_row < cols && t_row_col < rows) out_t[t_row * rows + t_row_col] = tile[threadIdx.x][c];
+  }
+}
+
+}  // namespace
+
+void Bf16Amax(const void* x, int64_t rows, int64_t cols, bool rowwise, float* amax, cudaStream_t stream) {
+  const auto* values = static_cast<const __nv_bfloat16*>(x);
+  if (rowwise) {
+    constexpr int kWarpsPerBlock = 8;
+    const int64_t blocks = (rows + kWarpsPerBlock - 1) / kWarpsPerBlock;
+    RowAmax<<<static_cast<unsigned>(blocks), kWarpsPerBlock * 32, 0, stream>>>(values, rows, cols, amax);
+    return;
+  }
+  const int64_t n = rows * cols;
+  int64_t blocks = (n + 1023) / 1024;
+  if (blocks > 1024) blocks = 1024;
+  if (blocks < 1) blocks = 1;
+  TensorAmax<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(values, n, amax);
+}
+
+void Bf16ToFp8(const void* x, int64_t rows, int64_t cols, const float* amax, bool rowwise, bool e4m3, bool power_of_2,
+               void* out, void* out_t, float* scale_inv, cudaStream_t stream) {
+  const dim3 block(kTile, kTileRows);
+  const dim3 grid(static_cast<unsigned>((cols + kTile - 1) / kTile), static_cast<unsigned>((rows + kTile - 1) / kTile));
+  CastTiles<<<grid, block, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows, cols, amax, rowwise, e4m3,
+                                        power_of_2, static_cast<unsigned char*>(out),
+                                        rowwise ? nullptr : static_cast<unsigned char*>(out_t), scale_inv);
+}
+
+}  // namespace ltrain::worker::cuda
