@@ -109,7 +109,7 @@ std::string FlightRecorderDumpPath(const std::string& dir, int rank) {
 }
 
 std::string FlightRecorderPipePath(const std::string& dir, int rank) {
-  return FlightRecorderDumpPath(dir, rank) + ".pipe";
+  return dir + "/" + kFlightRecorderPipePrefix + std::to_string(rank) + ".pipe";
 }
 
 StatusOr<v1::FlightRecord> ParseFlightRecorderDump(const std::string& data) {

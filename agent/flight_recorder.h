@@ -10,9 +10,11 @@
 
 namespace ltrain::agent {
 
-// The prefix of the dumps in a generation's directory: PyTorch appends the rank (nccl-trace-rank-3);
-// the pipe that asks for one adds ".pipe" (nccl-trace-rank-3.pipe).
+// The prefix of the dumps in a generation's directory: PyTorch appends the rank (nccl-trace-rank-3),
+// as torchfrtrace reads them (`torchfrtrace DIR -p nccl-trace-rank-`). The pipes that ask for one are
+// named apart (nccl-dump-request-rank-3.pipe), since torchfrtrace reads every file of its prefix.
 constexpr const char* kFlightRecorderPrefix = "nccl-trace-rank-";
+constexpr const char* kFlightRecorderPipePrefix = "nccl-dump-request-rank-";
 
 // Of each process group, the last this many collectives go into a FlightRecord.
 constexpr int kFlightRecordsPerGroup = 8;

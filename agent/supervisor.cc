@@ -76,12 +76,12 @@ std::vector<std::string> TorchrunEnvironment(const v1::StartJobCommand& start, c
       {"TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT"},
       // The flight recorder: the last 2,000 collectives of each process group, dumped on a
       // collective timeout to <dir>/nccl-trace-rank-<rank> (both names PyTorch has read for the
-      // path), and when the agent writes to <dir>/nccl-trace-rank-<rank>.pipe (DumpCollectives).
+      // path), and when the agent writes to <dir>/nccl-dump-request-rank-<rank>.pipe (DumpCollectives).
       {"TORCH_NCCL_TRACE_BUFFER_SIZE", "2000"},
       {"TORCH_NCCL_DUMP_ON_TIMEOUT", "1"},
       {"TORCH_FR_DUMP_TEMP_FILE", (dir / kFlightRecorderPrefix).string()},
       {"TORCH_NCCL_DEBUG_INFO_TEMP_FILE", (dir / kFlightRecorderPrefix).string()},
-      {"TORCH_NCCL_DEBUG_INFO_PIPE_FILE", (dir / kFlightRecorderPrefix).string()},
+      {"TORCH_NCCL_DEBUG_INFO_PIPE_FILE", (dir / kFlightRecorderPipePrefix).string()},
   };
   for (const auto& [name, value] : defaults) {
     if (std::getenv(name) == nullptr && !recipe.entrypoint.env.count(name)) env.push_back(std::string(name) + "=" + value);

@@ -114,7 +114,8 @@ class Supervisor {
   // "collectives" (rank -1). Ranks with no pipe (no NCCL group, a program of no PyTorch) are not
   // waited for: without any, the report goes at the next Poll.
   void DumpCollectives(const std::string& job_id, int generation);
-  static constexpr int64_t kDumpWaitMs = 4000;
+  // PyTorch symbolizes the entries' stacks when it dumps: seconds (7 s seen on an H100 for a few entries).
+  static constexpr int64_t kDumpWaitMs = 15000;
   // SIGKILL to every worker now (shutdown); Poll reaps them, Idle() says when all are gone.
   void KillAll();
 

@@ -193,7 +193,7 @@ class Coordinator {
   };
   // How long a program's hang waits for the agents' flight-recorder dumps before it is told (the
   // agents wait Supervisor::kDumpWaitMs for their ranks).
-  static constexpr int64_t kDumpWaitMs = 6000;
+  static constexpr int64_t kDumpWaitMs = 20000;
 
   struct ActiveJob {
     v1::Job job;

@@ -208,8 +208,9 @@ TEST_F(RunTest, ProgramThatStopsReportingIsNamedHung) {
 // dumps and exits 1, as PyTorch's watchdog). `hang`: rank 1 stops reporting steps.
 constexpr const char* kFlightRecorderScript = R"(import os, pickle, sys, threading, time
 rank = int(os.environ["RANK"])
-prefix = os.environ["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"]
-assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == prefix and os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+prefix = os.environ["TORCH_FR_DUMP_TEMP_FILE"]
+pipes = os.environ["TORCH_NCCL_DEBUG_INFO_PIPE_FILE"]
+assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
 
 def entry(record, seq, state):
     now = time.time_ns()
@@ -228,7 +229,7 @@ def dump():
         pickle.dump(data, f, protocol=2)
     print(f"rank {rank} dumped", flush=True)
 
-pipe = prefix + str(rank) + ".pipe"
+pipe = pipes + str(rank) + ".pipe"
 os.mkfifo(pipe)
 fd = os.open(pipe, os.O_RDONLY | os.O_NONBLOCK)
 def watch():
@@ -245,7 +246,7 @@ threading.Thread(target=watch, daemon=True).start()
 progress = os.fdopen(int(os.environ["LTRAIN_PROGRESS_FD"]), "w", buffering=1)
 if sys.argv[1] == "timeout":
     if rank == 0:
-        while not os.path.exists(prefix + "1.pipe"):
+        while not os.path.exists(pipes + "1.pipe"):
             time.sleep(0.05)
         dump()
         print("rank 0: all_reduce #2 timed out", flush=True)

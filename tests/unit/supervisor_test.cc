@@ -216,7 +216,7 @@ TEST_F(SupervisorTest, AProgramRunsUnderExecWithTorchrunsEnvironment) {
                       // TORCH_NCCL_TRACE_BUFFER_SIZE is the recipe's (exec's --env).
                       "TORCH_NCCL_DUMP_ON_TIMEOUT=1", "TORCH_FR_DUMP_TEMP_FILE=" + dir + "nccl-trace-rank-",
                       "TORCH_NCCL_DEBUG_INFO_TEMP_FILE=" + dir + "nccl-trace-rank-",
-                                       "TORCH_NCCL_DEBUG_INFO_PIPE_FILE=" + dir + "nccl-trace-rank-"}));
+                                       "TORCH_NCCL_DEBUG_INFO_PIPE_FILE=" + dir + "nccl-dump-request-rank-"}));
   for (const std::string& entry : spec.env) EXPECT_NE(entry, "OMP_NUM_THREADS=1") << "the recipe set 4";
   EXPECT_NE(std::find(spec.env.begin(), spec.env.end(), "LTRAIN_RANK=3"), spec.env.end());
 }
@@ -602,7 +602,7 @@ TEST_F(SupervisorTest, AFailedRanksReportWaitsForTheOthersFlightRecorder) {
   outbox_.Take();
   pid_t r0 = Pid("j1", 0), r1 = Pid("j1", 1);
   const std::string dir = work_dir_ + "/jobs/j1/gen-1";
-  const std::string pipe = dir + "/nccl-trace-rank-1.pipe";
+  const std::string pipe = dir + "/nccl-dump-request-rank-1.pipe";
   ASSERT_EQ(mkfifo(pipe.c_str(), 0600), 0);
   const int reader = open(pipe.c_str(), O_RDONLY | O_NONBLOCK);  // rank 1's watchdog
   ASSERT_GE(reader, 0);
@@ -635,7 +635,7 @@ TEST_F(SupervisorTest, ARankThatDoesNotDumpIsStoppedAfterTheWait) {
   supervisor().StartJob(Start("j1", 1, 2));
   outbox_.Take();
   pid_t r0 = Pid("j1", 0), r1 = Pid("j1", 1);
-  const std::string pipe = work_dir_ + "/jobs/j1/gen-1/nccl-trace-rank-1.pipe";
+  const std::string pipe = work_dir_ + "/jobs/j1/gen-1/nccl-dump-request-rank-1.pipe";
   ASSERT_EQ(mkfifo(pipe.c_str(), 0600), 0);
   const int reader = open(pipe.c_str(), O_RDONLY | O_NONBLOCK);
   ASSERT_GE(reader, 0);
