@@ -185,25 +185,24 @@ StatusOr<v1::FlightRecord> ReadFlightRecorderDump(const std::string& dir, int ra
     return record;
   }
   struct stat info {};
-  if (fstat(fd, &info) == 0) {
+  const bool stated = fstat(fd, &info) == 0;
+  if (stated) {
     record.set_written_unix_ms(static_cast<int64_t>(info.st_mtim.tv_sec) * 1000 + info.st_mtim.tv_nsec / 1'000'000);
   }
-  std::string data;
-  if (fstat(fd, &info) == 0 && S_ISREG(info.st_mode) && static_cast<size_t>(info.st_size) <= kMaxFlightRecorderDumpBytes) {
-    data.resize(static_cast<size_t>(info.st_size));
-    size_t done = 0;
-    while (done < data.size()) {
-      const ssize_t n = read(fd, data.data() + done, data.size() - done);
-      if (n < 0 && errno == EINTR) continue;
-      if (n <= 0) break;
-      done += static_cast<size_t>(n);
-    }
-    data.resize(done);
-  } else {
+  if (!stated || !S_ISREG(info.st_mode) || static_cast<size_t>(info.st_size) > kMaxFlightRecorderDumpBytes) {
     close(fd);
     record.set_error("it is not a file of at most " + std::to_string(kMaxFlightRecorderDumpBytes >> 20) + " MiB");
     return record;
   }
+  std::string data(static_cast<size_t>(info.st_size), '\0');
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = read(fd, data.data() + done, data.size() - done);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) break;
+    done += static_cast<size_t>(n);
+  }
+  data.resize(done);
   close(fd);
   StatusOr<v1::FlightRecord> parsed = ParseFlightRecorderDump(data);
   if (!parsed.ok()) {
