@@ -77,6 +77,19 @@ struct Bf16Twin {
 std::mutex twin_mu;
 std::map<c10::DeviceIndex, Bf16Twin> bf16_twins;
 
+// FP8 products: a product's output gradient in e5m2 with its transposed copy, which both backward
+// products read (the input gradient's as it is, the weight gradient's transposed). The last one
+// quantized on each device is kept for the other product: the same tensor (held, so that no other
+// takes its memory meanwhile) at the same version. Dropped after backward.
+struct QuantizedGradient {
+  torch::Tensor source;
+  int64_t version = -1;
+  Fp8Tensor q;
+  torch::Tensor transposed;
+};
+std::mutex fp8_mu;
+std::map<c10::DeviceIndex, QuantizedGradient> fp8_gradients;
+
 }  // namespace
 
 void MarkGradientsStale(const std::vector<torch::Tensor>& grads) {
@@ -91,6 +104,8 @@ void ZeroStaleGradients() {
   stale_grads.clear();
   std::lock_guard<std::mutex> twin_lock(twin_mu);
   bf16_twins.clear();
+  std::lock_guard<std::mutex> fp8_lock(fp8_mu);
+  fp8_gradients.clear();
 }
 
 #if defined(LTRAIN_WITH_CUDA_KERNELS)
@@ -146,6 +161,39 @@ void Gemm(cuda::GemmArgs args, const torch::Tensor& like, bool backward) {
   if (std::string error = cuda::GemmBf16(args, StreamOf(like)); !error.empty()) throw std::runtime_error(error);
 }
 
+#if defined(LTRAIN_HAVE_FLOAT8)
+// FP8 products (kernel_options.fp8): both operands quantized at the product, tensorwise, e4m3 for
+// weights and activations, e5m2 for gradients (a wider range); cuBLASLt's FP8 products need sides
+// that are multiples of 16.
+bool Fp8Takes(const torch::Tensor& x, int64_t rows, int64_t in, int64_t out) {
+  return kernel_options.fp8 && x.scalar_type() == torch::kBFloat16 && rows % 16 == 0 && in % 16 == 0 && out % 16 == 0;
+}
+
+Fp8Tensor Quantized(const torch::Tensor& t, Fp8Format format, torch::Tensor* transposed = nullptr) {
+  return Fp8QuantizeOnDevice(t.contiguous(), format, Fp8Scaling::kTensorwise, /*power_of_2=*/false, transposed);
+}
+
+// A product's output gradient in e5m2 with its transposed copy (fp8_gradients).
+QuantizedGradient GradientInFp8(const torch::Tensor& grad) {
+  const int64_t version = static_cast<int64_t>(grad._version());
+  std::lock_guard<std::mutex> lock(fp8_mu);
+  QuantizedGradient& last = fp8_gradients[grad.device().index()];
+  if (!last.source.defined() || last.source.unsafeGetTensorImpl() != grad.unsafeGetTensorImpl() ||
+      last.version != version) {
+    last.q = Quantized(grad, Fp8Format::kE5M2, &last.transposed);
+    last.source = grad;
+    last.version = version;
+  }
+  return last;
+}
+
+cuda::GemmType TypeOf(Fp8Format format) {
+  return format == Fp8Format::kE4M3 ? cuda::GemmType::kE4M3 : cuda::GemmType::kE5M2;
+}
+#else
+bool Fp8Takes(const torch::Tensor&, int64_t, int64_t, int64_t) { return false; }
+#endif
+
 // The three products of a linear layer, on row-major 2-D tensors. y[M, N] = x[M, K] · w[N, K]ᵀ
 // (+ bias[N]; or with kGeluAuxBias y = gelu(aux), aux = x · wᵀ + bias), plus `residual` [M, N] when
 // that is defined (read by the product's epilogue: no separate add); written into `into` when that
@@ -158,10 +206,23 @@ torch::Tensor LinearProduct(const torch::Tensor& x, const torch::Tensor& w, cons
   torch::Tensor y =
       into.defined() ? into : torch::empty({rows, out}, x.options().dtype(fp32_out ? torch::kFloat : x.scalar_type()));
   cuda::GemmArgs g = cuda::LinearForward(x.data_ptr(), w.data_ptr(), y.data_ptr(), rows, in, out);
+  const bool fp8 = Fp8Takes(x, rows, in, out);
+#if defined(LTRAIN_HAVE_FLOAT8)
+  Fp8Tensor xq, wq;  // alive until the product is queued
+  if (fp8) {
+    xq = Quantized(x, Fp8Format::kE4M3);
+    wq = Quantized(w, Fp8Format::kE4M3);
+    g.a = wq.data.data_ptr(), g.b = xq.data.data_ptr();
+    g.a_type = g.b_type = cuda::GemmType::kE4M3;
+    g.a_scale_inv = wq.scale_inv.data_ptr<float>(), g.b_scale_inv = xq.scale_inv.data_ptr<float>();
+    g.fast_accum = true;  // forward: as torchao's and Transformer Engine's recipes
+  }
+#endif
   g.epilogue = epilogue;
   g.fp32_out = fp32_out;
-  // The epilogue's bias is in D's dtype: an fp32 copy of a bf16 bias for an fp32 output.
-  torch::Tensor bias_f = fp32_out && bias.defined() ? bias.to(torch::kFloat) : bias;
+  // The epilogue's bias is in D's dtype: an fp32 copy of a bf16 bias for an fp32 output (an FP8
+  // product adds a bf16 bias to either).
+  torch::Tensor bias_f = fp32_out && bias.defined() && !fp8 ? bias.to(torch::kFloat) : bias;
   if (bias_f.defined()) g.bias = bias_f.data_ptr();
   if (aux.defined()) g.aux = aux.data_ptr(), g.ld_aux = out;
   if (residual.defined()) g.c = residual.data_ptr(), g.ldc = out, g.beta = 1.0f;
@@ -176,6 +237,21 @@ torch::Tensor InputGradProduct(const torch::Tensor& grad, const torch::Tensor& w
   const int64_t rows = grad.size(0), out = grad.size(1), in = w.size(1);
   torch::Tensor dx = into.defined() ? into : torch::empty({rows, in}, grad.options());
   cuda::GemmArgs g = cuda::LinearInputGrad(grad.data_ptr(), w.data_ptr(), dx.data_ptr(), rows, in, out);
+#if defined(LTRAIN_HAVE_FLOAT8)
+  // FP8: cuBLASLt takes A transposed, so A is w's transposed copy [in, out].
+  Fp8Tensor wq;  // alive until the product is queued, as gq
+  torch::Tensor w_t;
+  QuantizedGradient gq;
+  if (Fp8Takes(grad, rows, in, out)) {
+    gq = GradientInFp8(grad);
+    wq = Quantized(w, Fp8Format::kE4M3, &w_t);
+    g.trans_a = true;
+    g.a = w_t.data_ptr(), g.lda = out;
+    g.b = gq.q.data.data_ptr();
+    g.a_type = cuda::GemmType::kE4M3, g.b_type = TypeOf(Fp8Format::kE5M2);
+    g.a_scale_inv = wq.scale_inv.data_ptr<float>(), g.b_scale_inv = gq.q.scale_inv.data_ptr<float>();
+  }
+#endif
   g.epilogue = epilogue;
   if (aux.defined()) g.aux = aux.data_ptr(), g.ld_aux = in;
   if (accumulate) g.beta = 1.0f;
@@ -190,6 +266,21 @@ torch::Tensor WeightGradProduct(const torch::Tensor& grad, const torch::Tensor& 
   const int64_t rows = grad.size(0), out = grad.size(1), in = x.size(1);
   torch::Tensor dw = into.defined() ? into : torch::empty({out, in}, grad.options());
   cuda::GemmArgs g = cuda::LinearWeightGrad(grad.data_ptr(), x.data_ptr(), dw.data_ptr(), rows, in, out);
+#if defined(LTRAIN_HAVE_FLOAT8)
+  // FP8: A transposed and B not, so both from transposed copies: A = xᵀ [in, rows], B = gradᵀ [out, rows].
+  Fp8Tensor xq;  // alive until the product is queued, as gq
+  torch::Tensor x_t;
+  QuantizedGradient gq;
+  if (Fp8Takes(grad, rows, in, out)) {
+    gq = GradientInFp8(grad);
+    xq = Quantized(x, Fp8Format::kE4M3, &x_t);
+    g.trans_a = true, g.trans_b = false;
+    g.a = x_t.data_ptr(), g.lda = rows;
+    g.b = gq.transposed.data_ptr(), g.ldb = rows;
+    g.a_type = cuda::GemmType::kE4M3, g.b_type = TypeOf(Fp8Format::kE5M2);
+    g.a_scale_inv = xq.scale_inv.data_ptr<float>(), g.b_scale_inv = gq.q.scale_inv.data_ptr<float>();
+  }
+#endif
   if (into.defined() && accumulate) g.beta = 1.0f;
   Gemm(g, grad, true);
   return into.defined() ? torch::Tensor() : dw;

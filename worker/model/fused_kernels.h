@@ -30,6 +30,9 @@ struct FusedKernelOptions {
   // FusedLayerNorm's and FusedRmsNorm's rebuild_output: as the caller asks (-1), never (0,
   // LTRAIN_NORM_REBUILD=0) or always (1, LTRAIN_NORM_REBUILD=1: also without selective recompute).
   int norm_rebuild = -1;
+  // The blocks' linear products in FP8 (tensorwise: e4m3 weights and activations, e5m2 gradients),
+  // where Fp8ProductsAvailable and the sides are multiples of 16.
+  bool fp8 = false;
 };
 void SetFusedKernelOptions(const FusedKernelOptions& options);
 

@@ -472,6 +472,7 @@ Status Run(const WorkerEnv& env) {
     return InvalidArgument("LTRAIN_GEMM_CANDIDATES=" + std::to_string(kernels.gemm_candidates) + " is outside 1 to " +
                            std::to_string(kMaxGemmCandidates) + ": how many of cuBLASLt's candidates to time per product");
   }
+  kernels.fp8 = EnvString("LTRAIN_FP8") == "1" && Fp8ProductsAvailable();
   SetFusedKernelOptions(kernels);
   LTRAIN_ASSIGN_OR_RETURN(CheckpointWriteFault fault, CheckpointWriteFault::FromEnv());
   options.checkpoint_write_fault = fault;
