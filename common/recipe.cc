@@ -576,6 +576,11 @@ void CheckAcrossKeys(const Recipe& r, RecipeReader& reader) {
     reader.ErrorOnKey("data.sampling", "data.sampling: torch replays one PyTorch loop over one dataset; a mixture "
                                        "(data.sources) draws by epochs or hash: set data.sampling: epochs");
   }
+  if (r.parallel.precision == Precision::kFp8 && r.parallel.device != Device::kCuda &&
+      !reader.Refused({"parallel.precision", "parallel.device"})) {
+    reader.ErrorOnKey("parallel.precision", "parallel.precision: fp8 needs parallel.device: cuda, on a GPU of compute "
+                                            "capability 8.9 or newer (Hopper, Ada); on CPU use auto or fp32");
+  }
   if (r.training.min_lr > r.training.lr && !reader.Refused({"training.lr", "training.min_lr"})) {
     reader.ErrorOnKey("training.min_lr", "training.min_lr must not exceed training.lr");
   }

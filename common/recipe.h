@@ -28,7 +28,7 @@ enum class RopeScaling { kNone, kLinear, kLlama3 };
 enum class LrScheduleKind { kCosine, kConstant };
 enum class PpSchedule { kGpipe, k1F1B, kInterleaved };
 enum class ActivationCheckpointing { kNone, kFull, kSelective };
-enum class Precision { kAuto, kFp32, kBf16, kBf16Autocast, kBf16Fp32Residual };
+enum class Precision { kAuto, kFp32, kBf16, kBf16Autocast, kBf16Fp32Residual, kFp8 };
 enum class Device { kCpu, kCuda };
 enum class WarmStandby { kAuto, kOff, kGpu };
 enum class Recovery { kRestart, kInPlace };
@@ -92,9 +92,10 @@ struct EnumNames<ActivationCheckpointing> {
 };
 template <>
 struct EnumNames<Precision> {
-  static constexpr std::array<std::pair<Precision, std::string_view>, 5> kNames = {
+  static constexpr std::array<std::pair<Precision, std::string_view>, 6> kNames = {
       {{Precision::kAuto, "auto"}, {Precision::kFp32, "fp32"}, {Precision::kBf16, "bf16"},
-       {Precision::kBf16Autocast, "bf16-autocast"}, {Precision::kBf16Fp32Residual, "bf16-fp32-residual"}}};
+       {Precision::kBf16Autocast, "bf16-autocast"}, {Precision::kBf16Fp32Residual, "bf16-fp32-residual"},
+       {Precision::kFp8, "fp8"}}};
 };
 template <>
 struct EnumNames<Device> {
@@ -230,10 +231,11 @@ struct ParallelSpec {
   Device device = Device::kCpu;  // cpu (Gloo) | cuda (NCCL)
 
   int world_size() const { return nodes * nproc_per_node; }
-  // Whether the model keeps bf16 copies with its residual stream in fp32: bf16-fp32-residual, and
-  // auto on cuda.
+  // Whether the model keeps bf16 copies with its residual stream in fp32: bf16-fp32-residual, fp8
+  // (its products in FP8 on top), and auto on cuda.
   bool fp32_residual_stream() const {
-    return device == Device::kCuda && (precision == Precision::kBf16Fp32Residual || precision == Precision::kAuto);
+    return device == Device::kCuda && (precision == Precision::kBf16Fp32Residual || precision == Precision::kAuto ||
+                                       precision == Precision::kFp8);
   }
   int dp() const { return world_size() / (tp * pp); }
 };

@@ -264,7 +264,9 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
                   .help = "auto: bf16-fp32-residual on cuda, fp32 on cpu; bf16-fp32-residual: bf16 compute "
                           "copies of fp32 masters, the residual stream and the norms' inputs in fp32; bf16: the same "
                           "with the residual stream in bf16 too (faster, learns worse); bf16-autocast: fp32 weights "
-                          "cast per operation, as PyTorch AMP"},
+                          "cast per operation, as PyTorch AMP; fp8: bf16-fp32-residual with the blocks' linear "
+                          "products in FP8 (e4m3 weights and activations, e5m2 gradients; a GPU of compute "
+                          "capability 8.9 or newer), the embedding and the output head in bf16"},
         r.parallel.precision);
   visit(RecipeKey{.section = "parallel", .name = "device", .help = "cpu (Gloo) or cuda (NCCL)"}, r.parallel.device);
 

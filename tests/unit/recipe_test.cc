@@ -443,6 +443,23 @@ TEST(RecipeTest, TheDefaultPrecisionKeepsAnFp32ResidualStreamOnGpus) {
   }
 }
 
+// FP8 runs on GPUs only: a CPU recipe asking for it is refused at the key, with the fix.
+TEST(RecipeTest, Fp8OnACpuJobIsRefusedNamingTheKey) {
+  const std::string cpu = "name: tiny\nmodel: {layers: 2, d_model: 64, heads: 4, seq_len: 32, vocab: 256}\n"
+                          "data: {path: /tmp/data}\ntraining: {steps: 20, micro_batch: 4, global_batch: 8}\n"
+                          "parallel:\n  nproc_per_node: 2\n  precision: fp8\n";
+  RecipeParseResult refused = ParseRecipe(cpu, "fp8.yaml");
+  ASSERT_FALSE(refused.ok());
+  const std::string text = refused.ErrorText();
+  EXPECT_NE(text.find("fp8.yaml:7:"), std::string::npos) << text;
+  EXPECT_NE(text.find("parallel.precision: fp8 needs parallel.device: cuda"), std::string::npos) << text;
+  EXPECT_NE(text.find("on CPU use auto or fp32"), std::string::npos) << text;
+  RecipeParseResult gpu = ParseRecipe(cpu + "  device: cuda\n", "fp8.yaml");
+  ASSERT_TRUE(gpu.ok()) << gpu.ErrorText();
+  EXPECT_EQ(gpu.recipe.parallel.precision, Precision::kFp8);
+  EXPECT_TRUE(gpu.recipe.parallel.fp32_residual_stream());
+}
+
 // What a resume compares: the keys that shape the parameters, with kv_heads and ffn resolved.
 TEST(RecipeTest, ModelShapeDifferencesNameTheKeysThatShapeTheParameters) {
   ModelSpec saved;

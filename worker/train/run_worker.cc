@@ -472,7 +472,12 @@ Status Run(const WorkerEnv& env) {
     return InvalidArgument("LTRAIN_GEMM_CANDIDATES=" + std::to_string(kernels.gemm_candidates) + " is outside 1 to " +
                            std::to_string(kMaxGemmCandidates) + ": how many of cuBLASLt's candidates to time per product");
   }
-  kernels.fp8 = EnvString("LTRAIN_FP8") == "1" && Fp8ProductsAvailable();
+  kernels.fp8 = recipe.parallel.precision == Precision::kFp8;
+  if (kernels.fp8 && recipe.parallel.device == Device::kCuda && !Fp8ProductsAvailable()) {
+    return InvalidArgument("parallel.precision: fp8 needs a GPU of compute capability 8.9 or newer (Hopper, Ada) and a "
+                           "worker built with CUDA kernels on a LibTorch with float8 types (2.1 and later); use "
+                           "bf16-fp32-residual here");
+  }
   SetFusedKernelOptions(kernels);
   LTRAIN_ASSIGN_OR_RETURN(CheckpointWriteFault fault, CheckpointWriteFault::FromEnv());
   options.checkpoint_write_fault = fault;

@@ -186,7 +186,7 @@ Status Trainer::Init() {
   }
   if (recipe_.training.deterministic) compat::UseDeterministicAlgorithms();
   const bool bf16_asked = p.precision == Precision::kBf16 || p.precision == Precision::kBf16Autocast ||
-                          p.precision == Precision::kBf16Fp32Residual;
+                          p.precision == Precision::kBf16Fp32Residual || p.precision == Precision::kFp8;
   if (bf16_asked && !device_.is_cuda()) {
     return InvalidArgument("parallel.precision=" + NameOf(p.precision) +
                            " needs parallel.device=cuda; on CPU use precision auto or fp32");
