@@ -37,10 +37,16 @@ namespace ltrain::worker {
 namespace {
 
 FusedKernelOptions kernel_options;
+thread_local bool bf16_products_only = false;
 
 }  // namespace
 
 void SetFusedKernelOptions(const FusedKernelOptions& options) { kernel_options = options; }
+
+Bf16ProductsScope::Bf16ProductsScope(bool bf16) : was_(bf16_products_only) { bf16_products_only = bf16; }
+Bf16ProductsScope::~Bf16ProductsScope() { bf16_products_only = was_; }
+
+bool Fp8ProductsOn() { return kernel_options.fp8 && !bf16_products_only; }
 
 bool FusedTpOverlap() { return kernel_options.tp_overlap; }
 
@@ -166,7 +172,7 @@ void Gemm(cuda::GemmArgs args, const torch::Tensor& like, bool backward) {
 // weights and activations, e5m2 for gradients (a wider range); cuBLASLt's FP8 products need sides
 // that are multiples of 16.
 bool Fp8Takes(const torch::Tensor& x, int64_t rows, int64_t in, int64_t out) {
-  return kernel_options.fp8 && x.scalar_type() == torch::kBFloat16 && rows % 16 == 0 && in % 16 == 0 && out % 16 == 0;
+  return Fp8ProductsOn() && x.scalar_type() == torch::kBFloat16 && rows % 16 == 0 && in % 16 == 0 && out % 16 == 0;
 }
 
 Fp8Tensor Quantized(const torch::Tensor& t, Fp8Format format, torch::Tensor* transposed = nullptr) {
@@ -373,6 +379,10 @@ torch::Tensor Residual2d(const torch::Tensor& residual, int64_t out) {
   return residual.reshape({-1, out}).contiguous();
 }
 
+// A product's forward notes whether it ran in FP8; its backward runs in the same precision.
+void NoteFp8(AutogradContext* ctx) { ctx->saved_data["fp8"] = Fp8ProductsOn(); }
+Bf16ProductsScope AsForward(AutogradContext* ctx) { return Bf16ProductsScope(!ctx->saved_data["fp8"].toBool()); }
+
 // A high-priority stream per device for the tensor-parallel sums (SideStreamSum): one stream, so
 // that they run in the order they were issued, as the communicator's collectives must.
 c10::cuda::CUDAStream SideStream(c10::DeviceIndex device) {
@@ -506,6 +516,7 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
                                const torch::Tensor& b, const torch::Tensor& residual) {
     c10::cuda::CUDAGuard guard(x.device());
+    NoteFp8(ctx);
     torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
     const bool has_bias = b.numel() > 0;
     torch::Tensor y = LinearProduct(x2, w, has_bias ? b : torch::Tensor(), has_bias ? cuda::Epilogue::kBias : cuda::Epilogue::kNone,
@@ -521,6 +532,7 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
     const torch::Tensor& x2 = saved[0];
     const torch::Tensor &w = saved[1], &b = saved[2];
     c10::cuda::CUDAGuard guard(x2.device());
+    const Bf16ProductsScope precision = AsForward(ctx);
     GradColumnSums sums;
     torch::Tensor g = ProductGrad(grads[0], w, &sums);
     auto [dw, db] = WeightAndBiasGrads(g, x2, w, b, sums);
@@ -539,6 +551,7 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
                                const torch::Tensor& b1, const torch::Tensor& w2, const torch::Tensor& b2,
                                const torch::Tensor& residual, int64_t tp, bool recompute) {
     c10::cuda::CUDAGuard guard(x.device());
+    NoteFp8(ctx);
     ctx->saved_data["comm"] = tp;
     torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
     torch::Tensor pre = torch::empty({x2.size(0), w1.size(0)}, x.options());
@@ -556,6 +569,7 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
     variable_list saved = ctx->get_saved_variables();
     const torch::Tensor &w1 = saved[1], &pre = saved[2], &w2 = saved[4], &b1 = saved[5], &b2 = saved[6];
     c10::cuda::CUDAGuard guard(w1.device());
+    const Bf16ProductsScope precision = AsForward(ctx);
     const torch::Tensor h = saved[3].defined() ? saved[3] : torch::gelu(pre, "tanh");
     GradColumnSums sums;
     torch::Tensor g = ProductGrad(grads[0], w2, &sums);
@@ -581,6 +595,7 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
   static variable_list forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w,
                                const torch::Tensor& b, int64_t heads, int64_t tp) {
     c10::cuda::CUDAGuard guard(x.device());
+    NoteFp8(ctx);
     ctx->saved_data["comm"] = tp;
     torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
     const int64_t rows = x2.size(0), c = w.size(0) / 3;
@@ -602,6 +617,7 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
     variable_list saved = ctx->get_saved_variables();
     const torch::Tensor &w = saved[1], &b = saved[2];
     c10::cuda::CUDAGuard guard(w.device());
+    const Bf16ProductsScope precision = AsForward(ctx);
     const int64_t in = saved[0].size(-1), rows = saved[0].numel() / in, c = w.size(0) / 3;
     const bool has_bias = b.defined();
     torch::Tensor into = AccumulationTarget(w);
@@ -826,6 +842,7 @@ struct ProjectionsFunction : public torch::autograd::Function<ProjectionsFunctio
   static variable_list forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& w0,
                                const torch::Tensor& w1, const torch::Tensor& w2, int64_t tp) {
     c10::cuda::CUDAGuard guard(x.device());
+    NoteFp8(ctx);
     ctx->saved_data["comm"] = tp;
     torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
     variable_list out;
@@ -842,6 +859,7 @@ struct ProjectionsFunction : public torch::autograd::Function<ProjectionsFunctio
     variable_list saved = ctx->get_saved_variables();
     const int64_t in = saved[0].size(-1), rows = saved[0].numel() / in;
     c10::cuda::CUDAGuard guard(saved[1].device());
+    const Bf16ProductsScope precision = AsForward(ctx);
     torch::Tensor dx = torch::empty({rows, in}, saved[1].options());
     std::vector<torch::Tensor> g(grads.size());
     for (size_t i = 0; i < grads.size(); ++i) {
@@ -973,6 +991,7 @@ struct SwiGluLinearFunction : public torch::autograd::Function<SwiGluLinearFunct
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate, const torch::Tensor& up,
                                const torch::Tensor& w, const torch::Tensor& residual) {
     c10::cuda::CUDAGuard guard(gate.device());
+    NoteFp8(ctx);
     torch::Tensor g = gate.reshape({-1, gate.size(-1)}).contiguous(), u = up.reshape({-1, up.size(-1)}).contiguous();
     torch::Tensor h = torch::empty_like(g);
     cuda::SwiGlu(g.data_ptr(), u.data_ptr(), g.numel(), h.data_ptr(), StreamOf(g));
@@ -987,6 +1006,7 @@ struct SwiGluLinearFunction : public torch::autograd::Function<SwiGluLinearFunct
     variable_list saved = ctx->get_saved_variables();
     const torch::Tensor &g = saved[0], &u = saved[1], &w = saved[2];
     c10::cuda::CUDAGuard guard(g.device());
+    const Bf16ProductsScope precision = AsForward(ctx);
     torch::Tensor dy = ProductGrad(grads[0], w);
     torch::Tensor h = torch::empty_like(g);
     cuda::SwiGlu(g.data_ptr(), u.data_ptr(), g.numel(), h.data_ptr(), StreamOf(g));

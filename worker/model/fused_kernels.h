@@ -36,6 +36,23 @@ struct FusedKernelOptions {
 };
 void SetFusedKernelOptions(const FusedKernelOptions& options);
 
+// Under options.fp8, the products made on this thread while one of these lives (with `bf16` true)
+// stay in bf16: the output head's, where FP8 hurts. Backward runs each product in the precision its
+// forward did, whichever thread runs it.
+class Bf16ProductsScope {
+ public:
+  explicit Bf16ProductsScope(bool bf16 = true);
+  ~Bf16ProductsScope();
+  Bf16ProductsScope(const Bf16ProductsScope&) = delete;
+  Bf16ProductsScope& operator=(const Bf16ProductsScope&) = delete;
+
+ private:
+  bool was_;
+};
+
+// Whether the products made on this thread now run in FP8 (options.fp8, outside a Bf16ProductsScope).
+bool Fp8ProductsOn();
+
 // Whether FusedLinear and FusedMlp can take input x with weight w: a CUDA build, bf16 CUDA
 // tensors, a contiguous 2-D weight whose sides are multiples of 8, and options.linear.
 bool FusedLinearAvailable(const torch::Tensor& x, const torch::Tensor& w);

@@ -598,8 +598,12 @@ torch::Tensor ModelShard::HeadLoss(const torch::Tensor& x, const torch::Tensor& 
   torch::Tensor h = FinalNorm(x);
   if (tp > 1) h = spec_.layout.sequence_parallel ? GatherSeq(h, comm) : CopyToTp(h, comm);
   // The head through our product where it takes it: its weight gradient goes straight into the
-  // (tied) table's, beside what the embedding's backward adds there.
-  torch::Tensor logits = NoBiasLinear(h, wte);
+  // (tied) table's, beside what the embedding's backward adds there. In bf16 under FP8.
+  torch::Tensor logits;
+  {
+    const Bf16ProductsScope head_in_bf16;
+    logits = NoBiasLinear(h, wte);
+  }
   logits = logits.view({-1, logits.size(-1)});
   torch::Tensor target = targets.reshape({-1});
   // Masked targets (kIgnoredTarget, -100): the mean over the counted ones, 0 where none counts.
