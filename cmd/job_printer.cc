@@ -244,6 +244,19 @@ std::string FormatJobDetail(const v1::Job& job, int64_t now_unix_ms) {
   }
   if (job.tokens_per_s() > 0) Appendf(&out, "tokens/s:       %.0f\n", job.tokens_per_s());
   if (job.mfu() > 0) Appendf(&out, "mfu:            %.1f%%\n", 100.0 * job.mfu());
+  if (job.has_fp8()) {
+    // parallel.precision fp8: the amax range of each operand kind over rank 0's last step's products.
+    const v1::Fp8Figures& f = job.fp8();
+    Appendf(&out, "fp8 amax:       activations %.3g to %.3g, weights %.3g to %.3g, gradients %.3g to %.3g (%d operands)\n",
+            f.activation_amax_min(), f.activation_amax_max(), f.weight_amax_min(), f.weight_amax_max(),
+            f.gradient_amax_min(), f.gradient_amax_max(), f.products());
+    if (f.overflow_steps() > 0) {
+      Appendf(&out, "fp8 overflows:  %lld steps (the last: step %lld)\n", static_cast<long long>(f.overflow_steps()),
+              static_cast<long long>(f.last_overflow_step()));
+    } else {
+      Appendf(&out, "fp8 overflows:  none\n");
+    }
+  }
   if (job.checkpoint_save_ms() > 0) {
     Appendf(&out, "last save:      %.1f s (%.2f GB)\n", job.checkpoint_save_ms() / 1000.0,
             static_cast<double>(job.checkpoint_save_bytes()) / 1e9);

@@ -113,7 +113,8 @@ void Coordinator::ApplyProgressLocked(ActiveJob& job, const v1::RankProgress& re
       std::max(0.0, static_cast<double>(step.total_steps()) - static_cast<double>(step.step())) * step.step_ms() / 1000.0;
   if (step.step() == job.job.last_step() && step.total_steps() == job.job.total_steps() &&
       step.loss() == job.job.last_loss() && step.tokens_per_s() == job.job.tokens_per_s() &&
-      step.mfu() == job.job.mfu() && eta_s == job.job.eta_s() && !new_eval) {
+      step.mfu() == job.job.mfu() && eta_s == job.job.eta_s() && !new_eval &&
+      step.has_fp8() == job.job.has_fp8()) {
     return;  // nothing new since the last report
   }
   if (step.step() != job.job.last_step()) {
@@ -140,6 +141,11 @@ void Coordinator::ApplyProgressLocked(ActiveJob& job, const v1::RankProgress& re
   job.job.set_tokens_per_s(step.tokens_per_s());
   job.job.set_mfu(step.mfu());
   job.job.set_eta_s(eta_s);
+  if (step.has_fp8()) {
+    *job.job.mutable_fp8() = step.fp8();
+  } else {
+    job.job.clear_fp8();
+  }
   PersistJobLocked(job);
 }
 

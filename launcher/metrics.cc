@@ -157,6 +157,26 @@ std::string PrometheusText(const std::vector<v1::Job>& jobs, const std::vector<v
           "Completed steps trained again after in-place recoveries (going back to older copies of the state).",
           [](const v1::Job& j) { return double(j.lost_steps()); });
   {
+    Family family(out, "ltrain_job_fp8_amax", "gauge",
+                  "parallel.precision fp8: the largest (stat max) and smallest (stat min) amax of the operands rank 0's "
+                  "FP8 products quantized in its last step, by operand (activation, weight, gradient).");
+    for (const v1::Job& job : jobs) {
+      if (!job.has_fp8()) continue;
+      const v1::Fp8Figures& f = job.fp8();
+      const std::pair<const char*, std::pair<double, double>> operands[] = {
+          {"activation", {f.activation_amax_max(), f.activation_amax_min()}},
+          {"weight", {f.weight_amax_max(), f.weight_amax_min()}},
+          {"gradient", {f.gradient_amax_max(), f.gradient_amax_min()}}};
+      for (const auto& [operand, amax] : operands) {
+        family.Sample({"job_id", job.id(), "name", job.name(), "operand", operand, "stat", "max"}, amax.first);
+        family.Sample({"job_id", job.id(), "name", job.name(), "operand", operand, "stat", "min"}, amax.second);
+      }
+    }
+  }
+  per_job("ltrain_job_fp8_overflow_steps_total", "counter",
+          "parallel.precision fp8: steps of rank 0's run whose FP8 operands overflowed (an amax not finite).",
+          [](const v1::Job& j) { return double(j.fp8().overflow_steps()); }, [](const v1::Job& j) { return j.has_fp8(); });
+  {
     Family step(out, "ltrain_rank_step", "gauge", "The step a rank works on.");
     for (const v1::Job& job : jobs) {
       for (const v1::RankInfo& rank : job.ranks()) {

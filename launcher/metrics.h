@@ -9,6 +9,7 @@
 //   ltrain_job_step, _total_steps, _loss, _tokens_per_second, _mfu (GPU jobs), _eta_seconds,
 //   ltrain_job_val_loss, _val_step, _committed_step, _generation, _world_size, _restarts_total,
 //   ltrain_job_checkpoint_save_seconds, _checkpoint_load_seconds (once measured)
+//   ltrain_job_fp8_amax{job_id,name,operand,stat}, ltrain_job_fp8_overflow_steps_total (parallel.precision fp8)
 //   ltrain_jobs{state}                           how many jobs are in each state
 //   ltrain_rank_step{job_id,rank,node}, ltrain_rank_progress_age_seconds, ltrain_rank_phase{...,phase} 1,
 //   ltrain_rank_compute_seconds (where measured), ltrain_rank_memory_bytes (where known), ltrain_rank_straggler (straggler.h)

@@ -42,7 +42,8 @@ CREATE TABLE IF NOT EXISTS jobs (
   last_recovery_ms REAL NOT NULL DEFAULT 0,
   membership_epoch INTEGER NOT NULL DEFAULT 0,
   replacing_rank INTEGER NOT NULL DEFAULT -1,
-  members TEXT NOT NULL DEFAULT ''
+  members TEXT NOT NULL DEFAULT '',
+  fp8 BLOB NOT NULL DEFAULT x''
 );
 CREATE TABLE IF NOT EXISTS checkpoints (
   job_id TEXT NOT NULL,
@@ -122,11 +123,19 @@ class Statement {
     sqlite3_bind_double(stmt_, i, std::isnan(v) ? 0.0 : v);
     return *this;
   }
+  Statement& BindBlob(int i, const std::string& v) {
+    sqlite3_bind_blob(stmt_, i, v.data(), static_cast<int>(v.size()), SQLITE_TRANSIENT);
+    return *this;
+  }
   int Step() { return sqlite3_step(stmt_); }
   sqlite3_stmt* raw() { return stmt_; }
   std::string Text(int i) {
     const unsigned char* t = sqlite3_column_text(stmt_, i);
     return t ? reinterpret_cast<const char*>(t) : "";
+  }
+  std::string Blob(int i) {
+    const void* b = sqlite3_column_blob(stmt_, i);
+    return b ? std::string(static_cast<const char*>(b), static_cast<size_t>(sqlite3_column_bytes(stmt_, i))) : "";
   }
   int64_t Int(int i) { return sqlite3_column_int64(stmt_, i); }
   double Real(int i) { return sqlite3_column_double(stmt_, i); }
@@ -163,7 +172,7 @@ constexpr const char* kJobColumns =
     "id, name, state, recipe, world_size, generation, cause, created_ms, updated_ms, last_step, last_loss, "
     "restarts, last_committed_step, last_committed_path, nodes_now, last_failure, val_step, val_loss, total_steps, "
     "tokens_per_s, mfu, checkpoint_save_ms, checkpoint_save_bytes, checkpoint_load_ms, recoveries, lost_steps, "
-    "last_recovery_ms, membership_epoch, replacing_rank, members";
+    "last_recovery_ms, membership_epoch, replacing_rank, members, fp8";
 
 // Columns added after the first release; a database made before them gets them on open.
 constexpr const char* kAddedJobColumns[] = {
@@ -175,7 +184,7 @@ constexpr const char* kAddedJobColumns[] = {
     "checkpoint_load_ms REAL NOT NULL DEFAULT 0", "recoveries INTEGER NOT NULL DEFAULT 0",
     "lost_steps INTEGER NOT NULL DEFAULT 0", "last_recovery_ms REAL NOT NULL DEFAULT 0",
     "membership_epoch INTEGER NOT NULL DEFAULT 0", "replacing_rank INTEGER NOT NULL DEFAULT -1",
-    "members TEXT NOT NULL DEFAULT ''"};
+    "members TEXT NOT NULL DEFAULT ''", "fp8 BLOB NOT NULL DEFAULT x''"};
 
 v1::Job ReadJob(Statement& s) {
   v1::Job job;
@@ -216,6 +225,8 @@ v1::Job ReadJob(Statement& s) {
     job.add_members(std::atoi(members.substr(begin, end - begin).c_str()));
     begin = end + 1;
   }
+  // parallel.precision fp8: the serialized Fp8Figures of the last step (empty: none).
+  if (const std::string fp8 = s.Blob(30); !fp8.empty()) job.mutable_fp8()->ParseFromString(fp8);
   return job;
 }
 
@@ -370,7 +381,7 @@ Status SqliteStateStore::UpdateJob(const v1::Job& job) {
               "restarts = ?, last_committed_step = ?, last_committed_path = ?, nodes_now = ?, last_failure = ?, "
               "world_size = ?, recipe = ?, val_step = ?, val_loss = ?, total_steps = ?, tokens_per_s = ?, mfu = ?, "
               "checkpoint_save_ms = ?, checkpoint_save_bytes = ?, checkpoint_load_ms = ?, recoveries = ?, lost_steps = ?, "
-              "last_recovery_ms = ?, membership_epoch = ?, replacing_rank = ?, members = ? WHERE id = ?");
+              "last_recovery_ms = ?, membership_epoch = ?, replacing_rank = ?, members = ?, fp8 = ? WHERE id = ?");
   s.Bind(1, int64_t{job.state()}).Bind(2, int64_t{job.generation()}).Bind(3, job.cause());
   s.Bind(4, job.updated_unix_ms()).Bind(5, job.last_step()).Bind(6, job.last_loss());
   s.Bind(7, int64_t{job.restarts()}).Bind(8, job.last_committed_step()).Bind(9, job.last_committed_path());
@@ -381,7 +392,8 @@ Status SqliteStateStore::UpdateJob(const v1::Job& job) {
   s.Bind(23, job.lost_steps()).Bind(24, job.last_recovery_ms()).Bind(25, int64_t{job.membership_epoch()});
   std::string members;
   for (int32_t r : job.members()) members += (members.empty() ? "" : ",") + std::to_string(r);
-  s.Bind(26, int64_t{job.has_replacing_rank() ? job.replacing_rank() : -1}).Bind(27, members).Bind(28, job.id());
+  s.Bind(26, int64_t{job.has_replacing_rank() ? job.replacing_rank() : -1}).Bind(27, members);
+  s.BindBlob(28, job.has_fp8() ? job.fp8().SerializeAsString() : std::string()).Bind(29, job.id());
   if (s.Step() != SQLITE_DONE) return SqlError(db_, "update job " + job.id());
   return Status::Ok();
 }

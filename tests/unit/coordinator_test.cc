@@ -352,6 +352,7 @@ TEST_F(CoordinatorTest, StepFiguresComeFromRankZerosProgressInHeartbeats) {
   ASSERT_EQ(job.ranks_size(), 4);
   EXPECT_EQ(job.ranks(0).last_step(), 4) << "the step rank 0 works on";
   EXPECT_EQ(job.ranks(0).phase(), "forward");
+  EXPECT_FALSE(job.has_fp8()) << "no FP8 figures in the report";
   // Persisted: the stored job has them too.
   coordinator_->FlushState();
   EXPECT_EQ(store_->GetJob(id)->last_step(), 3);
@@ -375,6 +376,15 @@ TEST_F(CoordinatorTest, StepFiguresComeFromRankZerosProgressInHeartbeats) {
   stale.set_generation(1);
   ASSERT_TRUE(coordinator_->Heartbeat(BeatWith("a", stale)).ok());
   EXPECT_EQ(coordinator_->GetJob(id)->last_step(), 4);
+
+  // parallel.precision fp8: rank 0's step's FP8 figures, kept with the job and stored.
+  v1::RankProgress fp8 = Report(id, 0, 101, 5);
+  fp8.mutable_completed()->mutable_fp8()->set_gradient_amax_max(0.25);
+  fp8.mutable_completed()->mutable_fp8()->set_overflow_steps(1);
+  ASSERT_TRUE(coordinator_->Heartbeat(BeatWith("a", fp8)).ok());
+  EXPECT_DOUBLE_EQ(coordinator_->GetJob(id)->fp8().gradient_amax_max(), 0.25);
+  coordinator_->FlushState();
+  EXPECT_EQ(store_->GetJob(id)->fp8().overflow_steps(), 1);
 }
 
 // A rank whose own work stays above the others' for kStragglerConfirmSteps steps is named once, with

@@ -147,6 +147,30 @@ TEST(JobPrinterTest, RunningJobDetailShowsProgressNodesAndRanks) {
             "rank 0: saving checkpoint step-120, 8.0 of 15.8 GB\n");
 }
 
+// parallel.precision fp8: the amax range of each operand kind, and the overflows (none said as none).
+TEST(JobPrinterTest, Fp8FiguresShowTheAmaxRangesAndTheOverflows) {
+  v1::Job job = RunningJob();
+  v1::Fp8Figures* f = job.mutable_fp8();
+  f->set_activation_amax_max(41.5);
+  f->set_activation_amax_min(0.75);
+  f->set_weight_amax_max(0.5);
+  f->set_weight_amax_min(0.0625);
+  f->set_gradient_amax_max(0.00195);
+  f->set_gradient_amax_min(1.5e-05);
+  f->set_products(288);
+  std::string detail = FormatJobDetail(job, kNow);
+  EXPECT_NE(detail.find("fp8 amax:       activations 0.75 to 41.5, weights 0.0625 to 0.5, gradients 1.5e-05 to "
+                        "0.00195 (288 operands)\n"
+                        "fp8 overflows:  none\n"),
+            std::string::npos)
+      << detail;
+  f->set_overflow_steps(3);
+  f->set_last_overflow_step(117);
+  detail = FormatJobDetail(job, kNow);
+  EXPECT_NE(detail.find("fp8 overflows:  3 steps (the last: step 117)\n"), std::string::npos) << detail;
+  EXPECT_EQ(FormatJobDetail(RunningJob(), kNow).find("fp8"), std::string::npos) << "no FP8 lines without FP8";
+}
+
 // `-o json`: an optional field that is not set is null, so that "no rank" never reads as rank 0.
 TEST(JobPrinterTest, JsonWritesAnUnsetOptionalFieldAsNull) {
   v1::Job job = RunningJob();

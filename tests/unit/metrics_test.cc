@@ -126,6 +126,32 @@ TEST(MetricsTest, FiguresAppearOnlyOnceMeasured) {
   EXPECT_EQ(Find(after, "ltrain_job_eta_seconds", {{"job_id", "gpt-7"}}), nullptr);
 }
 
+// parallel.precision fp8: each operand kind's amax range over rank 0's last step, and the steps
+// whose operands overflowed; no series for a job without FP8.
+TEST(MetricsTest, Fp8FiguresAreSeriesByOperand) {
+  std::vector<v1::Job> jobs = TwoJobs();
+  v1::Fp8Figures* f = jobs[0].mutable_fp8();
+  f->set_activation_amax_max(41.5);
+  f->set_activation_amax_min(0.75);
+  f->set_weight_amax_max(0.5);
+  f->set_weight_amax_min(0.0625);
+  f->set_gradient_amax_max(0.001953125);
+  f->set_gradient_amax_min(0.0000152587890625);
+  f->set_products(288);
+  f->set_overflow_steps(2);
+  const std::string text = PrometheusText(jobs, {});
+  const PrometheusParse parse = ParsePrometheusText(text);
+  ASSERT_EQ(parse.error, "") << text;
+  EXPECT_EQ(Find(parse, "ltrain_job_fp8_amax", {{"job_id", "gpt-7"}, {"operand", "activation"}, {"stat", "max"}})->value, 41.5);
+  EXPECT_EQ(Find(parse, "ltrain_job_fp8_amax", {{"job_id", "gpt-7"}, {"operand", "weight"}, {"stat", "min"}})->value, 0.0625);
+  EXPECT_EQ(Find(parse, "ltrain_job_fp8_amax", {{"job_id", "gpt-7"}, {"operand", "gradient"}, {"stat", "max"}})->value,
+            0.001953125);
+  EXPECT_EQ(parse.types.at("ltrain_job_fp8_overflow_steps_total"), "counter");
+  EXPECT_EQ(Find(parse, "ltrain_job_fp8_overflow_steps_total", {{"job_id", "gpt-7"}})->value, 2);
+  EXPECT_EQ(Find(parse, "ltrain_job_fp8_amax", {{"job_id", "llama-2"}}), nullptr);
+  EXPECT_EQ(Find(parse, "ltrain_job_fp8_overflow_steps_total", {{"job_id", "llama-2"}}), nullptr);
+}
+
 // The reader the tests rely on refuses what Prometheus would.
 TEST(MetricsTest, TheReaderRefusesMalformedText) {
   for (const char* bad : {"x 1\n",                                  // no TYPE

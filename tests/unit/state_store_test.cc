@@ -145,6 +145,8 @@ TEST(StateStoreTest, AJobsLastFiguresAreStoredAndAnOlderDatabaseGetsTheirColumns
   job->set_last_recovery_ms(612.5);
   job->set_membership_epoch(4);
   job->set_replacing_rank(0);
+  job->mutable_fp8()->set_activation_amax_max(12.5);
+  job->mutable_fp8()->set_overflow_steps(1);
   ASSERT_TRUE(store->UpdateJob(*job).ok());
   store.reset();
   store = std::move(SqliteStateStore::Open(path)).value();
@@ -162,9 +164,14 @@ TEST(StateStoreTest, AJobsLastFiguresAreStoredAndAnOlderDatabaseGetsTheirColumns
   EXPECT_EQ(read->membership_epoch(), 4);
   ASSERT_TRUE(read->has_replacing_rank()) << "rank 0 is a rank, not none";
   EXPECT_EQ(read->replacing_rank(), 0);
+  ASSERT_TRUE(read->has_fp8());
+  EXPECT_EQ(read->fp8().activation_amax_max(), 12.5);
+  EXPECT_EQ(read->fp8().overflow_steps(), 1);
   read->clear_replacing_rank();
+  read->clear_fp8();
   ASSERT_TRUE(store->UpdateJob(*read).ok());
   EXPECT_FALSE(store->GetJob(job->id())->has_replacing_rank());
+  EXPECT_FALSE(store->GetJob(job->id())->has_fp8()) << "a job without FP8 figures reads back without them";
   store.reset();
   std::filesystem::remove_all(dir);
 }

@@ -102,6 +102,16 @@ void Progress::RecordStep(const StepFigures& figures) {
     if (figures.compute_steps > 0) fields += ", \"compute_ms\": " + JsonNumber(figures.compute_ms);
     if (figures.mfu > 0) fields += ", \"mfu\": " + JsonNumber(figures.mfu);
     if (figures.memory_bytes > 0) fields += ", \"memory_bytes\": " + std::to_string(figures.memory_bytes);
+    if (const auto& f = figures.fp8) {
+      fields += ", \"fp8\": {\"activation_amax_max\": " + JsonNumber(f->activation_amax_max) +
+                ", \"activation_amax_min\": " + JsonNumber(f->activation_amax_min) +
+                ", \"weight_amax_max\": " + JsonNumber(f->weight_amax_max) +
+                ", \"weight_amax_min\": " + JsonNumber(f->weight_amax_min) +
+                ", \"gradient_amax_max\": " + JsonNumber(f->gradient_amax_max) +
+                ", \"gradient_amax_min\": " + JsonNumber(f->gradient_amax_min) +
+                ", \"products\": " + std::to_string(f->products) + ", \"overflowed\": " + std::to_string(f->overflowed) +
+                ", \"overflow_steps\": " + std::to_string(f->overflow_steps) + "}";
+    }
     AppendMetricsLocked(fields);
   }
   if (tensorboard_) {
@@ -112,6 +122,15 @@ void Progress::RecordStep(const StepFigures& figures) {
     if (figures.mfu > 0) tensorboard_->AddScalar("train/mfu", figures.step, 100.0 * figures.mfu);
     if (figures.memory_bytes > 0) {
       tensorboard_->AddScalar("train/memory_gib", figures.step, static_cast<double>(figures.memory_bytes) / (1 << 30));
+    }
+    if (const auto& f = figures.fp8) {
+      tensorboard_->AddScalar("fp8/activation_amax_max", figures.step, f->activation_amax_max);
+      tensorboard_->AddScalar("fp8/activation_amax_min", figures.step, f->activation_amax_min);
+      tensorboard_->AddScalar("fp8/weight_amax_max", figures.step, f->weight_amax_max);
+      tensorboard_->AddScalar("fp8/weight_amax_min", figures.step, f->weight_amax_min);
+      tensorboard_->AddScalar("fp8/gradient_amax_max", figures.step, f->gradient_amax_max);
+      tensorboard_->AddScalar("fp8/gradient_amax_min", figures.step, f->gradient_amax_min);
+      tensorboard_->AddScalar("fp8/overflowed", figures.step, f->overflowed);
     }
   }
 }

@@ -49,6 +49,17 @@ struct StepFigures {
   std::vector<Work> compute_work;  // proto StepFigures.compute_work: the steps on one core; empty: not reported
   double mfu = 0;           // 0 to 1, against the GPU's dense bf16 peak; 0: not on a GPU
   int64_t memory_bytes = 0; // this rank's memory (proto StepFigures.memory_bytes); 0: unknown
+  // parallel.precision fp8: the step's FP8 products (proto Fp8Figures); absent otherwise.
+  struct Fp8 {
+    double activation_amax_max = 0, activation_amax_min = 0;
+    double weight_amax_max = 0, weight_amax_min = 0;
+    double gradient_amax_max = 0, gradient_amax_min = 0;
+    int products = 0;    // operands quantized in the step
+    int overflowed = 0;  // of those, the ones whose amax was not finite
+    int64_t overflow_steps = 0;      // steps of the run so far with one
+    int64_t last_overflow_step = 0;  // the last of them; 0: none
+  };
+  std::optional<Fp8> fp8;
 
   // compute_ms, compute_steps and compute_spread_ms from the own work of the last steps; with
   // `by_core`, compute_work too.

@@ -82,6 +82,19 @@ bool ProgressReporter::Send() {
     }
     completed->set_mfu(snapshot.completed->mfu);
     completed->set_memory_bytes(snapshot.completed->memory_bytes);
+    if (const auto& f = snapshot.completed->fp8) {
+      v1::Fp8Figures* out = completed->mutable_fp8();
+      out->set_activation_amax_max(f->activation_amax_max);
+      out->set_activation_amax_min(f->activation_amax_min);
+      out->set_weight_amax_max(f->weight_amax_max);
+      out->set_weight_amax_min(f->weight_amax_min);
+      out->set_gradient_amax_max(f->gradient_amax_max);
+      out->set_gradient_amax_min(f->gradient_amax_min);
+      out->set_products(f->products);
+      out->set_overflowed(f->overflowed);
+      out->set_overflow_steps(f->overflow_steps);
+      out->set_last_overflow_step(f->last_overflow_step);
+    }
   }
   report.set_save_step(snapshot.save_step);
   report.set_save_ms(snapshot.save_ms);

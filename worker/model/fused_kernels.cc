@@ -1,6 +1,7 @@
 #include "worker/model/fused_kernels.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <map>
 #include <mutex>
@@ -95,6 +96,10 @@ struct QuantizedGradient {
 };
 std::mutex fp8_mu;
 std::map<c10::DeviceIndex, QuantizedGradient> fp8_gradients;
+// The amax of every operand the FP8 products quantized since TakeFp8Figures last ran, by kind
+// (activations, weights, gradients): device scalars, read together once a step.
+enum Fp8Operand { kActivation, kWeight, kGradient, kFp8Operands };
+std::array<std::vector<torch::Tensor>, kFp8Operands> fp8_amaxes;
 
 }  // namespace
 
@@ -175,26 +180,32 @@ bool Fp8Takes(const torch::Tensor& x, int64_t rows, int64_t in, int64_t out) {
   return Fp8ProductsOn() && x.scalar_type() == torch::kBFloat16 && rows % 16 == 0 && in % 16 == 0 && out % 16 == 0;
 }
 
-Fp8Tensor Quantized(const torch::Tensor& t, Fp8Format format, torch::Tensor* transposed = nullptr) {
-  return Fp8QuantizeOnDevice(t.contiguous(), format, Fp8Scaling::kTensorwise, /*power_of_2=*/false, transposed);
+Fp8Tensor Quantized(const torch::Tensor& t, Fp8Operand operand, torch::Tensor* transposed = nullptr) {
+  const Fp8Format format = operand == kGradient ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
+  Fp8Tensor q = Fp8QuantizeOnDevice(t.contiguous(), format, Fp8Scaling::kTensorwise, /*power_of_2=*/false, transposed);
+  std::lock_guard<std::mutex> lock(fp8_mu);
+  fp8_amaxes[operand].push_back(q.amax);
+  return q;
 }
 
 // A product's output gradient in e5m2 with its transposed copy (fp8_gradients).
 QuantizedGradient GradientInFp8(const torch::Tensor& grad) {
   const int64_t version = static_cast<int64_t>(grad._version());
-  std::lock_guard<std::mutex> lock(fp8_mu);
-  QuantizedGradient& last = fp8_gradients[grad.device().index()];
-  if (!last.source.defined() || last.source.unsafeGetTensorImpl() != grad.unsafeGetTensorImpl() ||
-      last.version != version) {
-    last.q = Quantized(grad, Fp8Format::kE5M2, &last.transposed);
-    last.source = grad;
-    last.version = version;
+  {
+    std::lock_guard<std::mutex> lock(fp8_mu);
+    const QuantizedGradient& last = fp8_gradients[grad.device().index()];
+    if (last.source.defined() && last.source.unsafeGetTensorImpl() == grad.unsafeGetTensorImpl() &&
+        last.version == version) {
+      return last;
+    }
   }
-  return last;
-}
-
-cuda::GemmType TypeOf(Fp8Format format) {
-  return format == Fp8Format::kE4M3 ? cuda::GemmType::kE4M3 : cuda::GemmType::kE5M2;
+  QuantizedGradient fresh;
+  fresh.q = Quantized(grad, kGradient, &fresh.transposed);
+  fresh.source = grad;
+  fresh.version = version;
+  std::lock_guard<std::mutex> lock(fp8_mu);
+  fp8_gradients[grad.device().index()] = fresh;
+  return fresh;
 }
 #else
 bool Fp8Takes(const torch::Tensor&, int64_t, int64_t, int64_t) { return false; }
@@ -216,8 +227,8 @@ torch::Tensor LinearProduct(const torch::Tensor& x, const torch::Tensor& w, cons
 #if defined(LTRAIN_HAVE_FLOAT8)
   Fp8Tensor xq, wq;  // alive until the product is queued
   if (fp8) {
-    xq = Quantized(x, Fp8Format::kE4M3);
-    wq = Quantized(w, Fp8Format::kE4M3);
+    xq = Quantized(x, kActivation);
+    wq = Quantized(w, kWeight);
     g.a = wq.data.data_ptr(), g.b = xq.data.data_ptr();
     g.a_type = g.b_type = cuda::GemmType::kE4M3;
     g.a_scale_inv = wq.scale_inv.data_ptr<float>(), g.b_scale_inv = xq.scale_inv.data_ptr<float>();
@@ -250,11 +261,11 @@ torch::Tensor InputGradProduct(const torch::Tensor& grad, const torch::Tensor& w
   QuantizedGradient gq;
   if (Fp8Takes(grad, rows, in, out)) {
     gq = GradientInFp8(grad);
-    wq = Quantized(w, Fp8Format::kE4M3, &w_t);
+    wq = Quantized(w, kWeight, &w_t);
     g.trans_a = true;
     g.a = w_t.data_ptr(), g.lda = out;
     g.b = gq.q.data.data_ptr();
-    g.a_type = cuda::GemmType::kE4M3, g.b_type = TypeOf(Fp8Format::kE5M2);
+    g.a_type = cuda::GemmType::kE4M3, g.b_type = cuda::GemmType::kE5M2;
     g.a_scale_inv = wq.scale_inv.data_ptr<float>(), g.b_scale_inv = gq.q.scale_inv.data_ptr<float>();
   }
 #endif
@@ -279,11 +290,11 @@ torch::Tensor WeightGradProduct(const torch::Tensor& grad, const torch::Tensor& 
   QuantizedGradient gq;
   if (Fp8Takes(grad, rows, in, out)) {
     gq = GradientInFp8(grad);
-    xq = Quantized(x, Fp8Format::kE4M3, &x_t);
+    xq = Quantized(x, kActivation, &x_t);
     g.trans_a = true, g.trans_b = false;
     g.a = x_t.data_ptr(), g.lda = rows;
     g.b = gq.transposed.data_ptr(), g.ldb = rows;
-    g.a_type = cuda::GemmType::kE4M3, g.b_type = TypeOf(Fp8Format::kE5M2);
+    g.a_type = cuda::GemmType::kE4M3, g.b_type = cuda::GemmType::kE5M2;
     g.a_scale_inv = xq.scale_inv.data_ptr<float>(), g.b_scale_inv = gq.q.scale_inv.data_ptr<float>();
   }
 #endif
@@ -1201,6 +1212,38 @@ Fp8Tensor Fp8QuantizeOnDevice(const torch::Tensor& x, Fp8Format format, Fp8Scali
   return q;
 }
 
+torch::Tensor TakeFp8Figures() {
+  std::array<std::vector<torch::Tensor>, kFp8Operands> taken;
+  {
+    std::lock_guard<std::mutex> lock(fp8_mu);
+    taken.swap(fp8_amaxes);
+  }
+  torch::Tensor any;
+  int64_t products = 0;
+  for (const auto& amaxes : taken) {
+    if (!amaxes.empty() && !any.defined()) any = amaxes.front();
+    products += static_cast<int64_t>(amaxes.size());
+  }
+  if (!any.defined()) return {};
+  c10::cuda::CUDAGuard guard(any.device());
+  const auto f32 = any.options().dtype(torch::kFloat);
+  std::vector<torch::Tensor> parts;
+  torch::Tensor overflowed = torch::zeros({}, f32);
+  for (const auto& amaxes : taken) {
+    if (amaxes.empty()) {
+      parts.push_back(torch::zeros({2}, f32));
+      continue;
+    }
+    // A NaN among them shows as the largest and the smallest (max and min propagate it).
+    const torch::Tensor a = torch::stack(amaxes).reshape({-1});
+    parts.push_back(torch::stack({a.max(), a.min()}));
+    overflowed = overflowed + torch::isfinite(a).logical_not().sum().to(torch::kFloat);
+  }
+  parts.push_back(torch::full({1}, static_cast<double>(products), f32));
+  parts.push_back(overflowed.reshape({1}));
+  return torch::cat(parts);
+}
+
 torch::Tensor Fp8Product(const Fp8Tensor& a, const Fp8Tensor& b, bool fast_accum) {
   auto type = [](const torch::Tensor& t) {
     if (t.scalar_type() == at::ScalarType::Float8_e4m3fn) return cuda::GemmType::kE4M3;
@@ -1235,6 +1278,8 @@ torch::Tensor Fp8Product(const Fp8Tensor& a, const Fp8Tensor& b, bool fast_accum
 #else
 
 bool Fp8ProductsAvailable() { return false; }
+
+torch::Tensor TakeFp8Figures() { return {}; }
 
 Fp8Tensor Fp8QuantizeOnDevice(const torch::Tensor&, Fp8Format, Fp8Scaling, bool, torch::Tensor*) {
   throw std::logic_error("Fp8QuantizeOnDevice: this LibTorch has no float8 types");
@@ -1332,6 +1377,8 @@ void FusedAdamW(const torch::Tensor& /*param*/, const torch::Tensor& /*grad*/, c
 }
 
 bool Fp8ProductsAvailable() { return false; }
+
+torch::Tensor TakeFp8Figures() { return {}; }
 
 Fp8Tensor Fp8QuantizeOnDevice(const torch::Tensor& /*x*/, Fp8Format /*format*/, Fp8Scaling /*scaling*/,
                               bool /*power_of_2*/, torch::Tensor* /*transposed*/) {

@@ -198,6 +198,13 @@ void FusedAdamW(const torch::Tensor& param, const torch::Tensor& grad, const tor
                 const torch::Tensor& exp_avg_sq, const torch::Tensor& param_bf16, double lr, double beta1, double beta2,
                 double eps, double weight_decay, int64_t step, const torch::Tensor& grad_divisor);
 
+// parallel.precision fp8: the amax figures of the operands the FP8 products quantized since the last
+// call, on the device, for the trainer to copy with the step's loss (nothing waits for the GPU). fp32
+// [8]: the activations' largest and smallest amax, the weights', the gradients', then how many
+// operands were quantized and how many of those had an amax that was not finite. Undefined where
+// no FP8 product ran.
+torch::Tensor TakeFp8Figures();
+
 // FP8 products (a CUDA build on a LibTorch with float8 types, a GPU of compute capability 8.9 or
 // newer: Fp8ProductsAvailable).
 bool Fp8ProductsAvailable();

@@ -495,6 +495,31 @@ StatusOr<torch::Tensor> Trainer::StepOnDevice(bool check_loss) {
   }
 }
 
+std::optional<StepFigures::Fp8> Trainer::Fp8FiguresOf(const torch::Tensor& figures, int64_t step) {
+  if (!figures.defined()) return std::nullopt;
+  const torch::Tensor host = figures.to(torch::kCPU, torch::kDouble).contiguous();
+  const double* v = host.data_ptr<double>();
+  StepFigures::Fp8 f;
+  f.activation_amax_max = v[0], f.activation_amax_min = v[1];
+  f.weight_amax_max = v[2], f.weight_amax_min = v[3];
+  f.gradient_amax_max = v[4], f.gradient_amax_min = v[5];
+  f.products = static_cast<int>(v[6]);
+  f.overflowed = static_cast<int>(v[7]);
+  if (f.overflowed > 0) {
+    ++fp8_overflow_steps_;
+    fp8_last_overflow_step_ = step;
+    // Said on the rank where it happened: each rank quantizes its own operands.
+    std::printf("rank %d step %lld: FP8 overflow: %d of %d operands had an amax that was not finite (largest amax: "
+                "activations %g, weights %g, gradients %g); %lld such steps so far\n",
+                groups_->rank, static_cast<long long>(step), f.overflowed, f.products, f.activation_amax_max,
+                f.weight_amax_max, f.gradient_amax_max, static_cast<long long>(fp8_overflow_steps_));
+    std::fflush(stdout);
+  }
+  f.overflow_steps = fp8_overflow_steps_;
+  f.last_overflow_step = fp8_last_overflow_step_;
+  return f;
+}
+
 Status Trainer::CheckLoss(double value, int64_t step) const {
   if (std::isfinite(value)) return Status::Ok();
   return Internal("loss became " + std::to_string(value) + " at step " + std::to_string(step) +
@@ -746,14 +771,22 @@ Status Trainer::Run() {
     torch::Tensor loss;
     compat::StreamMarker ready;  // on CUDA: `loss` (a host copy) is written once the GPU has passed it
     bool last = false;  // the run ends after it (a stop with a final checkpoint): always printed
+    torch::Tensor fp8;  // parallel.precision fp8: TakeFp8Figures' (a host copy on CUDA), else undefined
   };
   std::optional<Finished> pending;
   auto settle = [&](const Finished& f) -> Status {
     f.ready.Wait();
     const double value = f.loss.item<double>();
-    LTRAIN_RETURN_IF_ERROR(CheckLoss(value, f.step));
     const int64_t s = f.step;
+    const std::optional<StepFigures::Fp8> fp8 = Fp8FiguresOf(f.fp8, s);
+    if (!std::isfinite(value) && fp8 && fp8->overflowed > 0) {
+      return Internal("loss became " + std::to_string(value) + " at step " + std::to_string(s) + " after " +
+                      std::to_string(fp8->overflowed) + " of the step's FP8 operands overflowed (an amax not finite); "
+                      "lower training.lr, or train in parallel.precision: bf16-fp32-residual");
+    }
+    LTRAIN_RETURN_IF_ERROR(CheckLoss(value, s));
     StepFigures figures;
+    figures.fp8 = fp8;
     figures.step = s;
     figures.total_steps = t.steps;
     figures.loss = value;
@@ -813,8 +846,14 @@ Status Trainer::Run() {
       continue;
     }
     LTRAIN_ASSIGN_OR_RETURN(torch::Tensor loss, std::move(stepped));
+    torch::Tensor fp8 = TakeFp8Figures();
     compat::StreamMarker ready;
     if (lag) {
+      if (fp8.defined()) {
+        torch::Tensor fp8_host = torch::empty(fp8.sizes(), fp8.options().device(torch::kCPU).pinned_memory(true));
+        fp8_host.copy_(fp8, /*non_blocking=*/true);
+        fp8 = fp8_host;
+      }
       // The loss goes to pinned host memory without waiting, and a marker after it: reading it then
       // waits for this step's loss only. A read of the device tensor would wait for everything the
       // stream holds by then (the next step's forward and backward), and the GPU would run dry
@@ -834,7 +873,7 @@ Status Trainer::Run() {
     LTRAIN_ASSIGN_OR_RETURN(bool stop_here, options_.stop_after ? options_.stop_after(s) : StatusOr<bool>(false));
     const bool periodic = recipe_.checkpoint.every > 0 && s % recipe_.checkpoint.every == 0;
     const bool save = periodic || s == t.steps || stop_here;
-    Finished finished{s, lr, MillisSince(start), loss, ready, stop_here};
+    Finished finished{s, lr, MillisSince(start), loss, ready, stop_here, fp8};
     const bool eval = t.eval_every > 0 && (s % t.eval_every == 0 || s == t.steps || stop_here);
     if (!lag || save || eval || s == run_start_step_ + warmup) {
       // The loss is read now: a checkpoint never holds the parameters of a non-finite step.

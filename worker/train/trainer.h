@@ -208,6 +208,9 @@ class Trainer {
   // One step; the global-batch mean loss as a [1] tensor on the device. `check_loss` reads it
   // before the optimizer runs and fails the step if it is not finite.
   StatusOr<torch::Tensor> StepOnDevice(bool check_loss);
+  // StepFigures.fp8 from TakeFp8Figures' figures of `step` (undefined: none), counting and saying an
+  // overflow.
+  std::optional<StepFigures::Fp8> Fp8FiguresOf(const torch::Tensor& figures, int64_t step);
   Status CheckLoss(double value, int64_t step) const;
   // A completed step's time: with options_.derive_collective_timeout, the collective timeout derived
   // from the last steps, set on every group when it moved by more than a fifth.
@@ -305,6 +308,9 @@ class Trainer {
   int64_t run_start_step_ = 0;    // step_ and data_position_ when this process started
   int64_t run_start_position_ = 0;
   bool memory_printed_ = false;
+  // parallel.precision fp8: the steps of this process whose FP8 operands overflowed, and the last.
+  int64_t fp8_overflow_steps_ = 0;
+  int64_t fp8_last_overflow_step_ = 0;
   int64_t heap_base_ = 0;
   int64_t activations_peak_ = 0;
   std::chrono::steady_clock::time_point backward_start_, backward_end_;
