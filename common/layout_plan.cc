@@ -441,6 +441,9 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double
         int64_t transient = r == layout.pp - 1 && s.tp > 1 ? s.b * s.T * s.V / s.tp * 6 : 0;
         if (ac == ActivationCheckpointing::kFull) transient = std::max(transient, layer_none);
         if (zero == 2 && overlap) transient += numel * (e.bf16 ? 2 : 4);
+        // FP8 products quantize at the product: at the widest one in backward, its output gradient
+        // and its input in e4m3/e5m2 with their transposed copies, and its weight's.
+        if (ps.precision == Precision::kFp8) transient += 2 * s.b * s.T * (s.f / s.tp + s.d) + 2 * s.f / s.tp * s.d;
         buffers += transient + (autocast ? numel * 2 : 0);
       }
       st.activations_by_mode[mode] = saved + buffers;

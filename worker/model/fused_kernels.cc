@@ -84,21 +84,22 @@ struct Bf16Twin {
 std::mutex twin_mu;
 std::map<c10::DeviceIndex, Bf16Twin> bf16_twins;
 
-// FP8 products: a product's output gradient in e5m2 with its transposed copy, which both backward
-// products read (the input gradient's as it is, the weight gradient's transposed). The last one
-// quantized on each device is kept for the other product: the same tensor (held, so that no other
-// takes its memory meanwhile) at the same version. Dropped after backward.
-struct QuantizedGradient {
+// FP8 products: each operand quantized once with its transposed copy (cuBLASLt's FP8 products take
+// A transposed and B not, so a product reads one or the other). The last operand of each kind
+// quantized on a device is kept for the next product that reads the same tensor at the same version
+// (held, so that no other takes its memory meanwhile): q, k and v's products read one input, both
+// backward products one output gradient. Dropped after backward.
+enum Fp8Operand { kActivation, kWeight, kGradient, kFp8Operands };
+struct QuantizedOperand {
   torch::Tensor source;
   int64_t version = -1;
   Fp8Tensor q;
   torch::Tensor transposed;
 };
 std::mutex fp8_mu;
-std::map<c10::DeviceIndex, QuantizedGradient> fp8_gradients;
+std::map<c10::DeviceIndex, std::array<QuantizedOperand, kFp8Operands>> fp8_last;
 // The amax of every operand the FP8 products quantized since TakeFp8Figures last ran, by kind
 // (activations, weights, gradients): device scalars, read together once a step.
-enum Fp8Operand { kActivation, kWeight, kGradient, kFp8Operands };
 std::array<std::vector<torch::Tensor>, kFp8Operands> fp8_amaxes;
 
 }  // namespace
@@ -116,7 +117,7 @@ void ZeroStaleGradients() {
   std::lock_guard<std::mutex> twin_lock(twin_mu);
   bf16_twins.clear();
   std::lock_guard<std::mutex> fp8_lock(fp8_mu);
-  fp8_gradients.clear();
+  fp8_last.clear();
 }
 
 #if defined(LTRAIN_WITH_CUDA_KERNELS)
@@ -172,6 +173,25 @@ void Gemm(cuda::GemmArgs args, const torch::Tensor& like, bool backward) {
   if (std::string error = cuda::GemmBf16(args, StreamOf(like)); !error.empty()) throw std::runtime_error(error);
 }
 
+// What an FP8 product's forward made that its backward reads again: the transposed copies of its
+// input and (options.fp8_keep_weights) of its weight, with their dequantization scales. Empty where
+// the product ran in bf16; backward then quantizes what it needs itself.
+struct Fp8Saved {
+  torch::Tensor x_t, x_scale_inv, w_t, w_scale_inv;
+};
+
+// Kept in a product's context under `key`, and read back.
+void SaveFp8(AutogradContext* ctx, const std::string& key, const Fp8Saved& saved) {
+  if (!saved.x_t.defined()) return;
+  ctx->saved_data[key] = std::vector<torch::Tensor>{saved.x_t, saved.x_scale_inv, saved.w_t, saved.w_scale_inv};
+}
+Fp8Saved LoadFp8(AutogradContext* ctx, const std::string& key) {
+  auto it = ctx->saved_data.find(key);
+  if (it == ctx->saved_data.end()) return {};
+  const std::vector<torch::Tensor> t = it->second.toTensorVector();
+  return {t[0], t[1], t[2], t[3]};
+}
+
 #if defined(LTRAIN_HAVE_FLOAT8)
 // FP8 products (kernel_options.fp8): both operands quantized at the product, tensorwise, e4m3 for
 // weights and activations, e5m2 for gradients (a wider range); cuBLASLt's FP8 products need sides
@@ -180,31 +200,27 @@ bool Fp8Takes(const torch::Tensor& x, int64_t rows, int64_t in, int64_t out) {
   return Fp8ProductsOn() && x.scalar_type() == torch::kBFloat16 && rows % 16 == 0 && in % 16 == 0 && out % 16 == 0;
 }
 
-Fp8Tensor Quantized(const torch::Tensor& t, Fp8Operand operand, torch::Tensor* transposed = nullptr) {
-  const Fp8Format format = operand == kGradient ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
-  Fp8Tensor q = Fp8QuantizeOnDevice(t.contiguous(), format, Fp8Scaling::kTensorwise, /*power_of_2=*/false, transposed);
-  std::lock_guard<std::mutex> lock(fp8_mu);
-  fp8_amaxes[operand].push_back(q.amax);
-  return q;
-}
-
-// A product's output gradient in e5m2 with its transposed copy (fp8_gradients).
-QuantizedGradient GradientInFp8(const torch::Tensor& grad) {
-  const int64_t version = static_cast<int64_t>(grad._version());
+// `t` [rows, cols] in FP8 (e5m2 for gradients, e4m3 otherwise) with its transposed copy [cols, rows]:
+// the last one of its kind on the device where that was made from `t` as it is now (fp8_last).
+QuantizedOperand InFp8(const torch::Tensor& t, Fp8Operand operand) {
+  const int64_t version = static_cast<int64_t>(t._version());
   {
     std::lock_guard<std::mutex> lock(fp8_mu);
-    const QuantizedGradient& last = fp8_gradients[grad.device().index()];
-    if (last.source.defined() && last.source.unsafeGetTensorImpl() == grad.unsafeGetTensorImpl() &&
-        last.version == version) {
+    const QuantizedOperand& last = fp8_last[t.device().index()][operand];
+    if (last.source.defined() && last.source.unsafeGetTensorImpl() == t.unsafeGetTensorImpl() &&
+        last.version == version && last.source.data_ptr() == t.data_ptr()) {
       return last;
     }
   }
-  QuantizedGradient fresh;
-  fresh.q = Quantized(grad, kGradient, &fresh.transposed);
-  fresh.source = grad;
+  QuantizedOperand fresh;
+  const Fp8Format format = operand == kGradient ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
+  fresh.q = Fp8QuantizeOnDevice(t.contiguous(), format, Fp8Scaling::kTensorwise, /*power_of_2=*/false,
+                                &fresh.transposed);
+  fresh.source = t;
   fresh.version = version;
   std::lock_guard<std::mutex> lock(fp8_mu);
-  fp8_gradients[grad.device().index()] = fresh;
+  fp8_amaxes[operand].push_back(fresh.q.amax);
+  fp8_last[t.device().index()][operand] = fresh;
   return fresh;
 }
 #else
@@ -217,7 +233,7 @@ bool Fp8Takes(const torch::Tensor&, int64_t, int64_t, int64_t) { return false; }
 // is defined. An fp32 residual (an fp32 residual stream) makes y fp32: the sum is rounded once.
 torch::Tensor LinearProduct(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias,
                             cuda::Epilogue epilogue, const torch::Tensor& aux = {}, const torch::Tensor& residual = {},
-                            const torch::Tensor& into = {}) {
+                            const torch::Tensor& into = {}, Fp8Saved* fp8_saved = nullptr) {
   const int64_t rows = x.size(0), in = x.size(1), out = w.size(0);
   const bool fp32_out = residual.defined() && residual.scalar_type() == torch::kFloat;
   torch::Tensor y =
@@ -225,15 +241,22 @@ torch::Tensor LinearProduct(const torch::Tensor& x, const torch::Tensor& w, cons
   cuda::GemmArgs g = cuda::LinearForward(x.data_ptr(), w.data_ptr(), y.data_ptr(), rows, in, out);
   const bool fp8 = Fp8Takes(x, rows, in, out);
 #if defined(LTRAIN_HAVE_FLOAT8)
-  Fp8Tensor xq, wq;  // alive until the product is queued
+  QuantizedOperand xq, wq;  // alive until the product is queued
   if (fp8) {
-    xq = Quantized(x, kActivation);
-    wq = Quantized(w, kWeight);
-    g.a = wq.data.data_ptr(), g.b = xq.data.data_ptr();
+    xq = InFp8(x, kActivation);
+    wq = InFp8(w, kWeight);
+    g.a = wq.q.data.data_ptr(), g.b = xq.q.data.data_ptr();
     g.a_type = g.b_type = cuda::GemmType::kE4M3;
-    g.a_scale_inv = wq.scale_inv.data_ptr<float>(), g.b_scale_inv = xq.scale_inv.data_ptr<float>();
+    g.a_scale_inv = wq.q.scale_inv.data_ptr<float>(), g.b_scale_inv = xq.q.scale_inv.data_ptr<float>();
     g.fast_accum = true;  // forward: as torchao's and Transformer Engine's recipes
+    if (fp8_saved != nullptr) {
+      // Backward's products read the transposed copies: the input's always, the weight's where it is kept.
+      fp8_saved->x_t = xq.transposed, fp8_saved->x_scale_inv = xq.q.scale_inv;
+      if (kernel_options.fp8_keep_weights) fp8_saved->w_t = wq.transposed, fp8_saved->w_scale_inv = wq.q.scale_inv;
+    }
   }
+#else
+  (void)fp8_saved;
 #endif
   g.epilogue = epilogue;
   g.fp32_out = fp32_out;
@@ -250,24 +273,29 @@ torch::Tensor LinearProduct(const torch::Tensor& x, const torch::Tensor& w, cons
 // dx[M, K] = grad[M, N] · w[N, K]; with kDGelu multiplied by gelu'(aux). Into `into` when that is
 // defined, added to what it holds when `accumulate`.
 torch::Tensor InputGradProduct(const torch::Tensor& grad, const torch::Tensor& w, cuda::Epilogue epilogue = cuda::Epilogue::kNone,
-                               const torch::Tensor& aux = {}, const torch::Tensor& into = {}, bool accumulate = false) {
+                               const torch::Tensor& aux = {}, const torch::Tensor& into = {}, bool accumulate = false,
+                               const Fp8Saved* fp8_saved = nullptr) {
   const int64_t rows = grad.size(0), out = grad.size(1), in = w.size(1);
   torch::Tensor dx = into.defined() ? into : torch::empty({rows, in}, grad.options());
   cuda::GemmArgs g = cuda::LinearInputGrad(grad.data_ptr(), w.data_ptr(), dx.data_ptr(), rows, in, out);
 #if defined(LTRAIN_HAVE_FLOAT8)
-  // FP8: cuBLASLt takes A transposed, so A is w's transposed copy [in, out].
-  Fp8Tensor wq;  // alive until the product is queued, as gq
-  torch::Tensor w_t;
-  QuantizedGradient gq;
+  // FP8: cuBLASLt takes A transposed, so A is w's transposed copy [in, out] (forward's where kept).
+  QuantizedOperand wq, gq;  // alive until the product is queued
   if (Fp8Takes(grad, rows, in, out)) {
-    gq = GradientInFp8(grad);
-    wq = Quantized(w, kWeight, &w_t);
+    gq = InFp8(grad, kGradient);
+    if (fp8_saved != nullptr && fp8_saved->w_t.defined()) {
+      wq.transposed = fp8_saved->w_t, wq.q.scale_inv = fp8_saved->w_scale_inv;
+    } else {
+      wq = InFp8(w, kWeight);
+    }
     g.trans_a = true;
-    g.a = w_t.data_ptr(), g.lda = out;
+    g.a = wq.transposed.data_ptr(), g.lda = out;
     g.b = gq.q.data.data_ptr();
     g.a_type = cuda::GemmType::kE4M3, g.b_type = cuda::GemmType::kE5M2;
-    g.a_scale_inv = wq.scale_inv.data_ptr<float>(), g.b_scale_inv = gq.q.scale_inv.data_ptr<float>();
+    g.a_scale_inv = wq.q.scale_inv.data_ptr<float>(), g.b_scale_inv = gq.q.scale_inv.data_ptr<float>();
   }
+#else
+  (void)fp8_saved;
 #endif
   g.epilogue = epilogue;
   if (aux.defined()) g.aux = aux.data_ptr(), g.ld_aux = in;
@@ -279,25 +307,37 @@ torch::Tensor InputGradProduct(const torch::Tensor& grad, const torch::Tensor& w
 // dw[N, K] = grad[M, N]ᵀ · x[M, K], into `into` when that is defined (then returns undefined), added
 // to what it holds when `accumulate`.
 torch::Tensor WeightGradProduct(const torch::Tensor& grad, const torch::Tensor& x, const torch::Tensor& into,
-                                bool accumulate = true) {
-  const int64_t rows = grad.size(0), out = grad.size(1), in = x.size(1);
+                                bool accumulate = true, const Fp8Saved* fp8_saved = nullptr) {
+  // x is undefined where the forward's FP8 transposed copy stands for it.
+  const bool from_fp8 = !x.defined();
+  if (from_fp8 && (fp8_saved == nullptr || !fp8_saved->x_t.defined())) {
+    throw std::logic_error("WeightGradProduct: no input, and no FP8 copy of it");
+  }
+  const int64_t rows = grad.size(0), out = grad.size(1), in = from_fp8 ? fp8_saved->x_t.size(0) : x.size(1);
   torch::Tensor dw = into.defined() ? into : torch::empty({out, in}, grad.options());
-  cuda::GemmArgs g = cuda::LinearWeightGrad(grad.data_ptr(), x.data_ptr(), dw.data_ptr(), rows, in, out);
+  cuda::GemmArgs g =
+      cuda::LinearWeightGrad(grad.data_ptr(), from_fp8 ? nullptr : x.data_ptr(), dw.data_ptr(), rows, in, out);
 #if defined(LTRAIN_HAVE_FLOAT8)
-  // FP8: A transposed and B not, so both from transposed copies: A = xᵀ [in, rows], B = gradᵀ [out, rows].
-  Fp8Tensor xq;  // alive until the product is queued, as gq
-  torch::Tensor x_t;
-  QuantizedGradient gq;
+  // FP8: A transposed and B not, so both from transposed copies: A = xᵀ [in, rows] (forward's where
+  // kept), B = gradᵀ [out, rows].
+  QuantizedOperand xq, gq;  // alive until the product is queued
   if (Fp8Takes(grad, rows, in, out)) {
-    gq = GradientInFp8(grad);
-    xq = Quantized(x, kActivation, &x_t);
+    gq = InFp8(grad, kGradient);
+    if (from_fp8) {
+      xq.transposed = fp8_saved->x_t, xq.q.scale_inv = fp8_saved->x_scale_inv;
+    } else {
+      xq = InFp8(x, kActivation);
+    }
     g.trans_a = true, g.trans_b = false;
-    g.a = x_t.data_ptr(), g.lda = rows;
+    g.a = xq.transposed.data_ptr(), g.lda = rows;
     g.b = gq.transposed.data_ptr(), g.ldb = rows;
     g.a_type = cuda::GemmType::kE4M3, g.b_type = cuda::GemmType::kE5M2;
-    g.a_scale_inv = xq.scale_inv.data_ptr<float>(), g.b_scale_inv = gq.q.scale_inv.data_ptr<float>();
+    g.a_scale_inv = xq.q.scale_inv.data_ptr<float>(), g.b_scale_inv = gq.q.scale_inv.data_ptr<float>();
   }
+#else
+  (void)fp8_saved;
 #endif
+  if (g.a == nullptr) throw std::logic_error("WeightGradProduct: an FP8 copy of the input, but not an FP8 product");
   if (into.defined() && accumulate) g.beta = 1.0f;
   Gemm(g, grad, true);
   return into.defined() ? torch::Tensor() : dw;
@@ -369,12 +409,19 @@ std::optional<torch::Tensor> BiasGradFromSums(const GradColumnSums& sums, const 
 // tests/bench/gemm_epilogues.cc).
 std::pair<torch::Tensor, torch::Tensor> WeightAndBiasGrads(const torch::Tensor& g, const torch::Tensor& x,
                                                            const torch::Tensor& w, const torch::Tensor& b,
-                                                           const GradColumnSums& sums = {}) {
+                                                           const GradColumnSums& sums = {},
+                                                           const Fp8Saved* fp8_saved = nullptr) {
   torch::Tensor into = AccumulationTarget(w);
-  torch::Tensor dw = WeightGradProduct(g, x, into, /*accumulate=*/!TakeStale(into));
+  torch::Tensor dw = WeightGradProduct(g, x, into, /*accumulate=*/!TakeStale(into), fp8_saved);
   if (!b.defined() || b.numel() == 0) return {dw, torch::Tensor()};
   std::optional<torch::Tensor> db = BiasGradFromSums(sums, b);
   return {dw, db ? *db : BiasGradOf(g, b)};
+}
+
+int64_t NumelOf(const std::vector<int64_t>& sizes) {
+  int64_t n = 1;
+  for (int64_t s : sizes) n *= s;
+  return n;
 }
 
 std::vector<int64_t> WithLast(torch::IntArrayRef sizes, int64_t last) {
@@ -530,9 +577,12 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
     NoteFp8(ctx);
     torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
     const bool has_bias = b.numel() > 0;
+    Fp8Saved fp8;
     torch::Tensor y = LinearProduct(x2, w, has_bias ? b : torch::Tensor(), has_bias ? cuda::Epilogue::kBias : cuda::Epilogue::kNone,
-                                    {}, Residual2d(residual, w.size(0)));
-    ctx->save_for_backward({x2, w, has_bias ? b : torch::Tensor()});
+                                    {}, Residual2d(residual, w.size(0)), {}, &fp8);
+    // Under FP8 the weight gradient reads the input's FP8 copy: the input itself is not kept.
+    SaveFp8(ctx, "fp8", fp8);
+    ctx->save_for_backward({fp8.x_t.defined() ? torch::Tensor() : x2, w, has_bias ? b : torch::Tensor()});
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["has_residual"] = residual.numel() > 0;
     return y.view(WithLast(x.sizes(), w.size(0)));
@@ -542,12 +592,14 @@ struct LinearFunction : public torch::autograd::Function<LinearFunction> {
     variable_list saved = ctx->get_saved_variables();
     const torch::Tensor& x2 = saved[0];
     const torch::Tensor &w = saved[1], &b = saved[2];
-    c10::cuda::CUDAGuard guard(x2.device());
+    c10::cuda::CUDAGuard guard(w.device());
     const Bf16ProductsScope precision = AsForward(ctx);
+    const Fp8Saved fp8 = LoadFp8(ctx, "fp8");
     GradColumnSums sums;
     torch::Tensor g = ProductGrad(grads[0], w, &sums);
-    auto [dw, db] = WeightAndBiasGrads(g, x2, w, b, sums);
-    torch::Tensor dx = InputGradProduct(g, w).view(ctx->saved_data["x_sizes"].toIntVector());
+    auto [dw, db] = WeightAndBiasGrads(g, x2, w, b, sums, &fp8);
+    torch::Tensor dx = InputGradProduct(g, w, cuda::Epilogue::kNone, {}, {}, false, &fp8)
+                           .view(ctx->saved_data["x_sizes"].toIntVector());
     // The residual's gradient is the output's, unchanged.
     return {dx, dw, db, ctx->saved_data["has_residual"].toBool() ? grads[0] : torch::Tensor()};
   }
@@ -566,11 +618,16 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
     ctx->saved_data["comm"] = tp;
     torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
     torch::Tensor pre = torch::empty({x2.size(0), w1.size(0)}, x.options());
-    torch::Tensor h = LinearProduct(x2, w1, b1, cuda::Epilogue::kGeluAuxBias, pre);
+    Fp8Saved fp8_1, fp8_2;
+    torch::Tensor h = LinearProduct(x2, w1, b1, cuda::Epilogue::kGeluAuxBias, pre, {}, {}, &fp8_1);
     const bool has_bias2 = b2.numel() > 0;
     torch::Tensor y = LinearProduct(h, w2, has_bias2 ? b2 : torch::Tensor(), has_bias2 ? cuda::Epilogue::kBias : cuda::Epilogue::kNone,
-                                    {}, Residual2d(residual, w2.size(0)));
-    Save(ctx, {w1, pre, recompute ? torch::Tensor() : h, w2, b1, has_bias2 ? b2 : torch::Tensor()}, SaveInput(x, x2));
+                                    {}, Residual2d(residual, w2.size(0)), {}, &fp8_2);
+    // Under FP8 the weight gradients read the inputs' FP8 copies: neither x nor the GELU's output is kept.
+    SaveFp8(ctx, "fp8_1", fp8_1);
+    SaveFp8(ctx, "fp8_2", fp8_2);
+    Save(ctx, {w1, pre, recompute || fp8_2.x_t.defined() ? torch::Tensor() : h, w2, b1, has_bias2 ? b2 : torch::Tensor()},
+         fp8_1.x_t.defined() ? SavedInput{} : SaveInput(x, x2));
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     ctx->saved_data["has_residual"] = residual.numel() > 0;
     return y.view(WithLast(x.sizes(), w2.size(0)));
@@ -581,15 +638,18 @@ struct MlpFunction : public torch::autograd::Function<MlpFunction> {
     const torch::Tensor &w1 = saved[1], &pre = saved[2], &w2 = saved[4], &b1 = saved[5], &b2 = saved[6];
     c10::cuda::CUDAGuard guard(w1.device());
     const Bf16ProductsScope precision = AsForward(ctx);
-    const torch::Tensor h = saved[3].defined() ? saved[3] : torch::gelu(pre, "tanh");
+    const Fp8Saved fp8_1 = LoadFp8(ctx, "fp8_1"), fp8_2 = LoadFp8(ctx, "fp8_2");
+    const torch::Tensor h =
+        saved[3].defined() || fp8_2.x_t.defined() ? saved[3] : torch::gelu(pre, "tanh");
     GradColumnSums sums;
     torch::Tensor g = ProductGrad(grads[0], w2, &sums);
     // The input gradient first: its tensor-parallel sum runs beside the weight gradients.
-    torch::Tensor gpre = InputGradProduct(g, w2, cuda::Epilogue::kDGelu, pre);
-    torch::Tensor dx = InputGradProduct(gpre, w1);
+    torch::Tensor gpre = InputGradProduct(g, w2, cuda::Epilogue::kDGelu, pre, {}, false, &fp8_2);
+    torch::Tensor dx = InputGradProduct(gpre, w1, cuda::Epilogue::kNone, {}, {}, false, &fp8_1);
     SideStreamSum sum(dx, CommOf(ctx));
-    auto [dw2, db2] = WeightAndBiasGrads(g, h, w2, b2, sums);
-    auto [dw1, db1] = WeightAndBiasGrads(gpre, SavedInputRows(ctx, saved), w1, b1);
+    auto [dw2, db2] = WeightAndBiasGrads(g, h, w2, b2, sums, &fp8_2);
+    auto [dw1, db1] = WeightAndBiasGrads(gpre, fp8_1.x_t.defined() ? torch::Tensor() : SavedInputRows(ctx, saved), w1, b1,
+                                         {}, &fp8_1);
     sum.Finish();
     return {dx.view(ctx->saved_data["x_sizes"].toIntVector()), dw1, db1, dw2, db2,
             ctx->saved_data["has_residual"].toBool() ? grads[0] : torch::Tensor(), torch::Tensor(), torch::Tensor()};
@@ -612,11 +672,16 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
     const int64_t rows = x2.size(0), c = w.size(0) / 3;
     const bool has_bias = b.numel() > 0;
     torch::Tensor planes = torch::empty({3, rows, c}, x.options());
+    bool fp8 = false;
     for (int64_t i = 0; i < 3; ++i) {
+      Fp8Saved saved;
       LinearProduct(x2, w.narrow(0, i * c, c), has_bias ? b.narrow(0, i * c, c) : torch::Tensor(),
-                    has_bias ? cuda::Epilogue::kBias : cuda::Epilogue::kNone, {}, {}, planes[i]);
+                    has_bias ? cuda::Epilogue::kBias : cuda::Epilogue::kNone, {}, {}, planes[i], &saved);
+      SaveFp8(ctx, "fp8_" + std::to_string(i), saved);
+      fp8 = saved.x_t.defined();
     }
-    Save(ctx, {w, has_bias ? b : torch::Tensor()}, SaveInput(x, x2));
+    // Under FP8 the weight gradients read the input's FP8 copy (one for the three): x is not kept.
+    Save(ctx, {w, has_bias ? b : torch::Tensor()}, fp8 ? SavedInput{} : SaveInput(x, x2));
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     const int64_t batch = x.size(0), t = rows / batch;
     variable_list out;
@@ -629,7 +694,9 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
     const torch::Tensor &w = saved[1], &b = saved[2];
     c10::cuda::CUDAGuard guard(w.device());
     const Bf16ProductsScope precision = AsForward(ctx);
-    const int64_t in = saved[0].size(-1), rows = saved[0].numel() / in, c = w.size(0) / 3;
+    const std::vector<int64_t> x_sizes = ctx->saved_data["x_sizes"].toIntVector();
+    const int64_t in = x_sizes.back(), rows = NumelOf(x_sizes) / in, c = w.size(0) / 3;
+    const std::array<Fp8Saved, 3> fp8 = {LoadFp8(ctx, "fp8_0"), LoadFp8(ctx, "fp8_1"), LoadFp8(ctx, "fp8_2")};
     const bool has_bias = b.defined();
     torch::Tensor into = AccumulationTarget(w);
     const bool add = into.defined() && !TakeStale(into);
@@ -648,12 +715,12 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
     bool dx_written = false;
     for (int64_t i = 0; i < 3; ++i) {
       if (!g[i].defined()) continue;
-      InputGradProduct(g[i], w.narrow(0, i * c, c), cuda::Epilogue::kNone, {}, dx, /*accumulate=*/dx_written);
+      InputGradProduct(g[i], w.narrow(0, i * c, c), cuda::Epilogue::kNone, {}, dx, /*accumulate=*/dx_written, &fp8[i]);
       dx_written = true;
     }
     if (!dx_written) dx.zero_();
     SideStreamSum sum(dx, CommOf(ctx));
-    const torch::Tensor x2 = SavedInputRows(ctx, saved);
+    const torch::Tensor x2 = fp8[0].x_t.defined() ? torch::Tensor() : SavedInputRows(ctx, saved);
     for (int64_t i = 0; i < 3; ++i) {
       torch::Tensor dw_i = (into.defined() ? into : dw).narrow(0, i * c, c);
       torch::Tensor db_i = has_bias ? (into_b.defined() ? into_b : db).narrow(0, i * c, c) : torch::Tensor();
@@ -662,11 +729,11 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
         if (has_bias && !add_b) db_i.zero_();
         continue;
       }
-      WeightGradProduct(g[i], x2, dw_i, /*accumulate=*/add);
+      WeightGradProduct(g[i], x2, dw_i, /*accumulate=*/add, &fp8[i]);
       if (has_bias) BiasGrad(g[i], db_i, /*accumulate=*/add_b);
     }
     sum.Finish();
-    return {dx.view(ctx->saved_data["x_sizes"].toIntVector()), dw, db, torch::Tensor(), torch::Tensor()};
+    return {dx.view(x_sizes), dw, db, torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -857,20 +924,29 @@ struct ProjectionsFunction : public torch::autograd::Function<ProjectionsFunctio
     ctx->saved_data["comm"] = tp;
     torch::Tensor x2 = x.reshape({-1, x.size(-1)}).contiguous();
     variable_list out;
+    bool fp8 = false;
     for (const torch::Tensor* w : {&w0, &w1, &w2}) {
       if (w->numel() == 0) continue;
-      out.push_back(LinearProduct(x2, *w, {}, cuda::Epilogue::kNone).view(WithLast(x.sizes(), w->size(0))));
+      Fp8Saved saved;
+      out.push_back(
+          LinearProduct(x2, *w, {}, cuda::Epilogue::kNone, {}, {}, {}, &saved).view(WithLast(x.sizes(), w->size(0))));
+      SaveFp8(ctx, "fp8_" + std::to_string(out.size() - 1), saved);
+      fp8 = saved.x_t.defined();
     }
-    Save(ctx, {w0, w1, w2}, SaveInput(x, x2));
+    // Under FP8 the weight gradients read the input's FP8 copy (one for all): x is not kept.
+    Save(ctx, {w0, w1, w2}, fp8 ? SavedInput{} : SaveInput(x, x2));
     ctx->saved_data["x_sizes"] = x.sizes().vec();
     return out;
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list saved = ctx->get_saved_variables();
-    const int64_t in = saved[0].size(-1), rows = saved[0].numel() / in;
+    const std::vector<int64_t> x_sizes = ctx->saved_data["x_sizes"].toIntVector();
+    const int64_t in = x_sizes.back(), rows = NumelOf(x_sizes) / in;
     c10::cuda::CUDAGuard guard(saved[1].device());
     const Bf16ProductsScope precision = AsForward(ctx);
+    std::vector<Fp8Saved> fp8;
+    for (size_t i = 0; i < grads.size(); ++i) fp8.push_back(LoadFp8(ctx, "fp8_" + std::to_string(i)));
     torch::Tensor dx = torch::empty({rows, in}, saved[1].options());
     std::vector<torch::Tensor> g(grads.size());
     for (size_t i = 0; i < grads.size(); ++i) {
@@ -880,12 +956,12 @@ struct ProjectionsFunction : public torch::autograd::Function<ProjectionsFunctio
     bool dx_written = false;
     for (size_t i = 0; i < g.size(); ++i) {
       if (!g[i].defined()) continue;
-      InputGradProduct(g[i], saved[1 + i], cuda::Epilogue::kNone, {}, dx, /*accumulate=*/dx_written);
+      InputGradProduct(g[i], saved[1 + i], cuda::Epilogue::kNone, {}, dx, /*accumulate=*/dx_written, &fp8[i]);
       dx_written = true;
     }
     if (!dx_written) dx.zero_();
     SideStreamSum sum(dx, CommOf(ctx));
-    const torch::Tensor x2 = SavedInputRows(ctx, saved);
+    const torch::Tensor x2 = !fp8.empty() && fp8[0].x_t.defined() ? torch::Tensor() : SavedInputRows(ctx, saved);
     variable_list result(5);
     for (size_t i = 0; i < g.size(); ++i) {
       torch::Tensor into = AccumulationTarget(saved[1 + i]);
@@ -893,10 +969,10 @@ struct ProjectionsFunction : public torch::autograd::Function<ProjectionsFunctio
         if (TakeStale(into)) into.zero_();
         continue;
       }
-      result[1 + i] = WeightGradProduct(g[i], x2, into, /*accumulate=*/!TakeStale(into));
+      result[1 + i] = WeightGradProduct(g[i], x2, into, /*accumulate=*/!TakeStale(into), &fp8[i]);
     }
     sum.Finish();
-    result[0] = dx.view(ctx->saved_data["x_sizes"].toIntVector());
+    result[0] = dx.view(x_sizes);
     return result;
   }
 };
@@ -1006,7 +1082,9 @@ struct SwiGluLinearFunction : public torch::autograd::Function<SwiGluLinearFunct
     torch::Tensor g = gate.reshape({-1, gate.size(-1)}).contiguous(), u = up.reshape({-1, up.size(-1)}).contiguous();
     torch::Tensor h = torch::empty_like(g);
     cuda::SwiGlu(g.data_ptr(), u.data_ptr(), g.numel(), h.data_ptr(), StreamOf(g));
-    torch::Tensor y = LinearProduct(h, w, {}, cuda::Epilogue::kNone, {}, Residual2d(residual, w.size(0)));
+    Fp8Saved fp8;
+    torch::Tensor y = LinearProduct(h, w, {}, cuda::Epilogue::kNone, {}, Residual2d(residual, w.size(0)), {}, &fp8);
+    SaveFp8(ctx, "fp8", fp8);  // under FP8 the weight gradient reads h's FP8 copy: h is not made again
     ctx->save_for_backward({g, u, w});
     ctx->saved_data["sizes"] = gate.sizes().vec();
     ctx->saved_data["has_residual"] = residual.numel() > 0;
@@ -1018,11 +1096,15 @@ struct SwiGluLinearFunction : public torch::autograd::Function<SwiGluLinearFunct
     const torch::Tensor &g = saved[0], &u = saved[1], &w = saved[2];
     c10::cuda::CUDAGuard guard(g.device());
     const Bf16ProductsScope precision = AsForward(ctx);
+    const Fp8Saved fp8 = LoadFp8(ctx, "fp8");
     torch::Tensor dy = ProductGrad(grads[0], w);
-    torch::Tensor h = torch::empty_like(g);
-    cuda::SwiGlu(g.data_ptr(), u.data_ptr(), g.numel(), h.data_ptr(), StreamOf(g));
-    auto [dw, db] = WeightAndBiasGrads(dy, h, w, /*b=*/{});
-    torch::Tensor dh = InputGradProduct(dy, w);
+    torch::Tensor h;
+    if (!fp8.x_t.defined()) {
+      h = torch::empty_like(g);
+      cuda::SwiGlu(g.data_ptr(), u.data_ptr(), g.numel(), h.data_ptr(), StreamOf(g));
+    }
+    auto [dw, db] = WeightAndBiasGrads(dy, h, w, /*b=*/{}, {}, &fp8);
+    torch::Tensor dh = InputGradProduct(dy, w, cuda::Epilogue::kNone, {}, {}, false, &fp8);
     h = torch::Tensor();
     torch::Tensor dgate = torch::empty_like(g), dup = torch::empty_like(u);
     cuda::SwiGluBackward(g.data_ptr(), u.data_ptr(), dh.data_ptr(), dh.numel(), dgate.data_ptr(), dup.data_ptr(),

@@ -33,6 +33,9 @@ struct FusedKernelOptions {
   // The blocks' linear products in FP8 (tensorwise: e4m3 weights and activations, e5m2 gradients),
   // where Fp8ProductsAvailable and the sides are multiples of 16.
   bool fp8 = false;
+  // Under fp8: a product's forward keeps its weight's FP8 transposed copy for backward (false under
+  // ZeRO-3, whose gathered weights are not held from forward to backward: backward quantizes again).
+  bool fp8_keep_weights = true;
 };
 void SetFusedKernelOptions(const FusedKernelOptions& options);
 

@@ -473,6 +473,7 @@ Status Run(const WorkerEnv& env) {
                            std::to_string(kMaxGemmCandidates) + ": how many of cuBLASLt's candidates to time per product");
   }
   kernels.fp8 = recipe.parallel.precision == Precision::kFp8;
+  kernels.fp8_keep_weights = recipe.parallel.zero < 3;
   if (kernels.fp8 && recipe.parallel.device == Device::kCuda && !Fp8ProductsAvailable()) {
     return InvalidArgument("parallel.precision: fp8 needs a GPU of compute capability 8.9 or newer (Hopper, Ada) and a "
                            "worker built with CUDA kernels on a LibTorch with float8 types (2.1 and later); use "
