@@ -290,6 +290,17 @@ constexpr double kDataParallelRate = 300e9;      // bucketed, overlapped in part
 constexpr double kZero3Rate = 450e9;             // ZeRO-3's prefetched gathers overlap compute
 constexpr double kAutocastOverhead = 0.10;       // bf16-autocast casts the weights every micro-batch
 constexpr double kPipelineRate = 25e9;           // stage-to-stage sends and receives wait for each other
+// parallel.precision fp8: how much faster the blocks' matrix products run, their operands'
+// quantization included (the rest of the step, attention and the head, stays bf16).
+constexpr double kFp8ProductSpeedup = 1.6;
+
+// The blocks' matrices' parameters (every layer's): the products FP8 runs.
+int64_t BlockMatrixParameters(const ModelSpec& m) {
+  const int64_t d = m.d_model, f = FfnWidth(m);
+  if (m.arch == Arch::kGpt2) return m.layers * (4 * d * d + 2 * f * d);
+  const int64_t hd = HeadDim(m), q = hd * m.heads, kv = hd * KvHeads(m);
+  return m.layers * (2 * q * d + 2 * kv * d + 3 * f * d);
+}
 
 // CPU ranks (Gloo over TCP): a rank's arithmetic rate on a core of its own (higher for wider
 // matrices), and what each collective or send costs on the step's path: its latency, in which the
@@ -525,6 +536,10 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double
   }
   if (cuda) {
     double compute = flops / (kGpuPeakFlops * ComputeEfficiency(m.d_model));
+    if (ps.precision == Precision::kFp8) {
+      const double share = 6.0 * static_cast<double>(BlockMatrixParameters(m)) / ModelFlopsPerToken(m);
+      compute *= 1.0 - share + share / kFp8ProductSpeedup;
+    }
     compute *= recompute;
     if (autocast) compute *= 1.0 + kAutocastOverhead;
     const double tp_rate = layout.sequence_parallel ? kSequenceParallelRate : kTensorParallelRate;

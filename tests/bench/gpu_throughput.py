@@ -258,7 +258,7 @@ def main():
     ap.add_argument("--data", help="text file for the learning suite")
     ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--precision", default="auto",
-                    choices=["auto", "bf16", "bf16-autocast", "bf16-fp32-residual", "fp32"],
+                    choices=["auto", "bf16", "bf16-autocast", "bf16-fp32-residual", "fp32", "fp8"],
                     help="the worker's parallel.precision (default auto, the recipe default)")
     ap.add_argument("--layouts", default="tp2,pp2,tp2dp2",
                     help="which of the layouts suite's runs (tp2, pp2 on 2 GPUs; tp2dp2 on 4)")

@@ -104,6 +104,52 @@ std::vector<torch::Tensor> Fp32Reference(const std::vector<torch::Tensor>& input
   return out;
 }
 
+// parallel.precision fp8: the layers' products in FP8 (their backward from the copies forward kept)
+// give outputs and gradients near the bf16 products' (a Bf16ProductsScope); q, k and v's three
+// products read one quantized input.
+TEST(FusedKernelsTest, Fp8LayersFollowTheirBf16Products) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  if (!Fp8ProductsAvailable()) GTEST_SKIP() << "no FP8 products here (a build without CUDA kernels or float8, or a GPU before 8.9)";
+  torch::manual_seed(12);
+  FusedKernelOptions fp8;
+  fp8.fp8 = true;
+  SetFusedKernelOptions(fp8);
+  const auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  const std::vector<torch::Tensor> params = {torch::randn({256, 128}, bf16) * 0.05, torch::randn({256}, bf16) * 0.05,
+                                             torch::randn({128, 256}, bf16) * 0.05, torch::randn({128}, bf16) * 0.05,
+                                             torch::randn({384, 128}, bf16) * 0.05};
+  const torch::Tensor x0 = torch::randn({4, 64, 128}, bf16);
+  // Outputs and gradients of each layer, as one list.
+  auto run = [&](bool in_bf16) {
+    const Bf16ProductsScope scope(in_bf16);
+    EXPECT_EQ(Fp8ProductsOn(), !in_bf16);
+    std::vector<torch::Tensor> p;
+    for (const torch::Tensor& t : params) p.push_back(t.clone().requires_grad_(true));
+    torch::Tensor x = x0.clone().requires_grad_(true);
+    std::vector<torch::Tensor> outputs = {FusedLinear(x, p[0], p[1]), FusedMlp(x, p[0], p[1], p[2], p[3], {}, nullptr, true),
+                                          FusedSwiGluLinear(FusedLinear(x, p[0], p[1]), FusedLinear(x, p[0], {}), p[2])};
+    for (const torch::Tensor& t : FusedQkv(x, p[4], {}, 4)) outputs.push_back(t);
+    torch::Tensor loss = torch::zeros({}, bf16.dtype(torch::kFloat));
+    for (size_t i = 0; i < outputs.size(); ++i) loss = loss + (outputs[i].to(torch::kFloat) * (1.0 + i)).sin().sum();
+    loss.backward();
+    ZeroStaleGradients();
+    std::vector<torch::Tensor> all = outputs;
+    all.push_back(x.grad());
+    for (const torch::Tensor& t : p) all.push_back(t.grad());
+    return all;
+  };
+  const std::vector<torch::Tensor> in_fp8 = run(false), in_bf16 = run(true);
+  SetFusedKernelOptions({});
+  ASSERT_EQ(in_fp8.size(), in_bf16.size());
+  for (size_t i = 0; i < in_fp8.size(); ++i) {
+    ASSERT_TRUE(in_fp8[i].defined() && in_bf16[i].defined()) << i;
+    const torch::Tensor a = in_fp8[i].to(torch::kFloat), b = in_bf16[i].to(torch::kFloat);
+    EXPECT_FALSE(torch::equal(a, b)) << i << ": the FP8 products ran";
+    const double error = ((a - b).norm() / b.norm()).item<double>();
+    EXPECT_LT(error, 0.08) << "output or gradient " << i;
+  }
+}
+
 // grad_in_logits: the logits' gradient is written into the logits' own memory, and is the gradient
 // the kernel writes into a buffer of its own.
 // FP8: our quantization kernels give what the fp32 reference (fp8_scaling.h) gives, and the FP8

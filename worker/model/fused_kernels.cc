@@ -180,16 +180,20 @@ struct Fp8Saved {
   torch::Tensor x_t, x_scale_inv, w_t, w_scale_inv;
 };
 
-// Kept in a product's context under `key`, and read back.
+// Kept in a product's context under "fp8_copies_" + `key`, and read back.
 void SaveFp8(AutogradContext* ctx, const std::string& key, const Fp8Saved& saved) {
   if (!saved.x_t.defined()) return;
-  ctx->saved_data[key] = std::vector<torch::Tensor>{saved.x_t, saved.x_scale_inv, saved.w_t, saved.w_scale_inv};
+  std::vector<torch::Tensor> copies{saved.x_t, saved.x_scale_inv};
+  if (saved.w_t.defined()) copies.insert(copies.end(), {saved.w_t, saved.w_scale_inv});
+  ctx->saved_data["fp8_copies_" + key] = std::move(copies);
 }
 Fp8Saved LoadFp8(AutogradContext* ctx, const std::string& key) {
-  auto it = ctx->saved_data.find(key);
+  auto it = ctx->saved_data.find("fp8_copies_" + key);
   if (it == ctx->saved_data.end()) return {};
   const std::vector<torch::Tensor> t = it->second.toTensorVector();
-  return {t[0], t[1], t[2], t[3]};
+  Fp8Saved saved{t[0], t[1], {}, {}};
+  if (t.size() == 4) saved.w_t = t[2], saved.w_scale_inv = t[3];
+  return saved;
 }
 
 #if defined(LTRAIN_HAVE_FLOAT8)
