@@ -285,7 +285,11 @@ torch::Tensor InputGradProduct(const torch::Tensor& grad, const torch::Tensor& w
 #if defined(LTRAIN_HAVE_FLOAT8)
   // FP8: cuBLASLt takes A transposed, so A is w's transposed copy [in, out] (forward's where kept).
   QuantizedOperand wq, gq;  // alive until the product is queued
+  bool dgelu_apart = false;
   if (Fp8Takes(grad, rows, in, out)) {
+    // cuBLASLt runs an FP8 product's DGELU epilogue as a pass of its own (4x LibTorch's gelu_backward
+    // on an H100): the GELU's gradient is applied after the product instead.
+    dgelu_apart = epilogue == cuda::Epilogue::kDGelu && !into.defined() && !accumulate;
     gq = InFp8(grad, kGradient);
     if (fp8_saved != nullptr && fp8_saved->w_t.defined()) {
       wq.transposed = fp8_saved->w_t, wq.q.scale_inv = fp8_saved->w_scale_inv;
@@ -301,10 +305,14 @@ torch::Tensor InputGradProduct(const torch::Tensor& grad, const torch::Tensor& w
 #else
   (void)fp8_saved;
 #endif
-  g.epilogue = epilogue;
-  if (aux.defined()) g.aux = aux.data_ptr(), g.ld_aux = in;
+#if !defined(LTRAIN_HAVE_FLOAT8)
+  const bool dgelu_apart = false;
+#endif
+  g.epilogue = dgelu_apart ? cuda::Epilogue::kNone : epilogue;
+  if (aux.defined() && !dgelu_apart) g.aux = aux.data_ptr(), g.ld_aux = in;
   if (accumulate) g.beta = 1.0f;
   Gemm(g, grad, true);
+  if (dgelu_apart) return at::gelu_backward(dx, aux, "tanh");
   return dx;
 }
 
