@@ -151,7 +151,9 @@ TEST(FusedKernelsTest, Fp8LayersFollowTheirBf16Products) {
     const torch::Tensor a = in_fp8[i].to(torch::kFloat), b = in_bf16[i].to(torch::kFloat);
     // The outputs (the first 7) differ: the FP8 products ran (the second bias's gradient, a sum of
     // the fixed output gradient, is the same either way).
-    if (i < 7) EXPECT_FALSE(torch::equal(a, b)) << i << ": the FP8 products ran";
+    if (i < 7) {
+      EXPECT_FALSE(torch::equal(a, b)) << i << ": the FP8 products ran";
+    }
     const double error = ((a - b).norm() / b.norm()).item<double>();
     EXPECT_LT(error, 0.08) << "output or gradient " << i;
     std::printf("FP8 against bf16, output or gradient %zu: relative error %.4f\n", i, error);
