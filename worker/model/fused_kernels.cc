@@ -32,22 +32,39 @@
 #include "worker/torch_compat.h"
 #endif
 
+#include "worker/model/fused_internal.h"
+
 #include <cmath>
 
 namespace ltrain::worker {
+
+#if defined(LTRAIN_WITH_CUDA_KERNELS)
+using fused::AccumulationTarget;
+using fused::Aligned16;
+using fused::Bf16Cuda;
+using fused::Gemm;
+using fused::StreamOf;
+using fused::TakeStale;
+#if defined(LTRAIN_HAVE_FLOAT8)
+using fused::Fp8Operand;
+using fused::InFp8;
+using fused::QuantizedOperand;
+using fused::kActivation;
+using fused::kGradient;
+using fused::kWeight;
+#endif
+#endif
+
 namespace {
 
 FusedKernelOptions kernel_options;
-thread_local bool bf16_products_only = false;
 
 }  // namespace
 
 void SetFusedKernelOptions(const FusedKernelOptions& options) { kernel_options = options; }
 
-Bf16ProductsScope::Bf16ProductsScope(bool bf16) : was_(bf16_products_only) { bf16_products_only = bf16; }
-Bf16ProductsScope::~Bf16ProductsScope() { bf16_products_only = was_; }
+const FusedKernelOptions& fused::Options() { return kernel_options; }
 
-bool Fp8ProductsOn() { return kernel_options.fp8 && !bf16_products_only; }
 
 bool FusedTpOverlap() { return kernel_options.tp_overlap; }
 
@@ -56,18 +73,6 @@ namespace {
 std::mutex stale_mu;
 std::vector<torch::Tensor> stale_grads;  // a few hundred at most: searched in order
 
-// Whether `grad` was marked stale (then no longer marked): its next writer overwrites it.
-[[maybe_unused]] bool TakeStale(const torch::Tensor& grad) {
-  if (!grad.defined()) return false;
-  std::lock_guard<std::mutex> lock(stale_mu);
-  for (auto it = stale_grads.begin(); it != stale_grads.end(); ++it) {
-    if (it->data_ptr() == grad.data_ptr() && it->numel() == grad.numel()) {
-      stale_grads.erase(it);
-      return true;
-    }
-  }
-  return false;
-}
 
 // An fp32 residual stream's gradient and the bf16 copy a norm's backward wrote beside it in the same
 // pass: the gradient of the output of the product that the norm read (its only reader). That
@@ -84,23 +89,6 @@ struct Bf16Twin {
 std::mutex twin_mu;
 std::map<c10::DeviceIndex, Bf16Twin> bf16_twins;
 
-// FP8 products: each operand quantized once with its transposed copy (cuBLASLt's FP8 products take
-// A transposed and B not, so a product reads one or the other). The last operand of each kind
-// quantized on a device is kept for the next product that reads the same tensor at the same version
-// (held, so that no other takes its memory meanwhile): q, k and v's products read one input, both
-// backward products one output gradient. Dropped after backward.
-enum Fp8Operand { kActivation, kWeight, kGradient, kFp8Operands };
-struct QuantizedOperand {
-  torch::Tensor source;
-  int64_t version = -1;
-  Fp8Tensor q;
-  torch::Tensor transposed;
-};
-std::mutex fp8_mu;
-std::map<c10::DeviceIndex, std::array<QuantizedOperand, kFp8Operands>> fp8_last;
-// The amax of every operand the FP8 products quantized since TakeFp8Figures last ran, by kind
-// (activations, weights, gradients): device scalars, read together once a step.
-std::array<std::vector<torch::Tensor>, kFp8Operands> fp8_amaxes;
 
 }  // namespace
 
@@ -116,52 +104,29 @@ void ZeroStaleGradients() {
   stale_grads.clear();
   std::lock_guard<std::mutex> twin_lock(twin_mu);
   bf16_twins.clear();
-  std::lock_guard<std::mutex> fp8_lock(fp8_mu);
-  fp8_last.clear();
+  fused::ForgetFp8Operands();
 }
 
 #if defined(LTRAIN_WITH_CUDA_KERNELS)
-namespace {
-
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
-
-struct CrossEntropyFunction : public torch::autograd::Function<CrossEntropyFunction> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits, const torch::Tensor& targets,
-                               bool grad_in_logits) {
-    c10::cuda::CUDAGuard guard(logits.device());
-    torch::Tensor x = logits.contiguous();
-    torch::Tensor t = targets.contiguous().to(torch::kLong);
-    const int64_t rows = x.size(0), vocab = x.size(1);
-    const torch::TensorOptions f32 = x.options().dtype(torch::kFloat);
-    torch::Tensor lse = torch::empty({rows}, f32), losses = torch::empty({rows}, f32);
-    cuda::CrossEntropyForward(x.data_ptr(), t.data_ptr<int64_t>(), rows, vocab, lse.data_ptr<float>(),
-                              losses.data_ptr<float>(), c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
-    ctx->save_for_backward({x, t, lse});
-    ctx->saved_data["grad_in_logits"] = grad_in_logits;
-    return losses.mean();
+// Whether `grad` was marked stale (then no longer marked): its next writer overwrites it.
+bool fused::TakeStale(const torch::Tensor& grad) {
+  if (!grad.defined()) return false;
+  std::lock_guard<std::mutex> lock(stale_mu);
+  for (auto it = stale_grads.begin(); it != stale_grads.end(); ++it) {
+    if (it->data_ptr() == grad.data_ptr() && it->numel() == grad.numel()) {
+      stale_grads.erase(it);
+      return true;
+    }
   }
+  return false;
+}
 
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list saved = ctx->get_saved_variables();
-    const torch::Tensor& x = saved[0];
-    c10::cuda::CUDAGuard guard(x.device());
-    torch::Tensor g = grads[0].to(torch::kFloat).contiguous();
-    // Each value of the gradient is written where its logit was read, by the thread that read it.
-    torch::Tensor out = ctx->saved_data["grad_in_logits"].toBool() ? x : torch::empty_like(x);
-    cuda::CrossEntropyBackward(x.data_ptr(), saved[1].data_ptr<int64_t>(), saved[2].data_ptr<float>(),
-                               g.data_ptr<float>(), x.size(0), x.size(1), out.data_ptr(),
-                               c10::cuda::getCurrentCUDAStream(x.device().index()).stream());
-    return {out, torch::Tensor(), torch::Tensor()};
-  }
-};
-
-cudaStream_t StreamOf(const torch::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
+cudaStream_t fused::StreamOf(const torch::Tensor& t) { return c10::cuda::getCurrentCUDAStream(t.device().index()).stream(); }
 
 // Runs one cuBLASLt product with a workspace from LibTorch's allocator (on the current stream).
 // Backward's products leave options.gemm_sm_margin SMs to the data-parallel reductions that run
 // beside them; forward's take every SM.
-void Gemm(cuda::GemmArgs args, const torch::Tensor& like, bool backward) {
+void fused::Gemm(cuda::GemmArgs args, const torch::Tensor& like, bool backward) {
   torch::Tensor workspace =
       torch::empty({static_cast<int64_t>(cuda::kGemmWorkspaceBytes)}, like.options().dtype(torch::kByte));
   args.workspace = workspace.data_ptr();
@@ -172,6 +137,28 @@ void Gemm(cuda::GemmArgs args, const torch::Tensor& like, bool backward) {
   args.candidates = kernel_options.gemm_candidates;
   if (std::string error = cuda::GemmBf16(args, StreamOf(like)); !error.empty()) throw std::runtime_error(error);
 }
+
+// The tensor a weight gradient of `w` can be added to in place: the leaf's own .grad (a view of the
+// parameter store's flat gradient buffer), when it has one of the right kind.
+torch::Tensor fused::AccumulationTarget(const torch::Tensor& w) {
+  const torch::Tensor& grad = w.grad();
+  if (!grad.defined() || grad.scalar_type() != torch::kBFloat16 || !grad.is_contiguous() || grad.sizes() != w.sizes()) {
+    return {};
+  }
+  return grad;
+}
+
+bool fused::Aligned16(const torch::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+bool fused::Bf16Cuda(const torch::Tensor& t) { return !t.defined() || (t.is_cuda() && t.scalar_type() == torch::kBFloat16); }
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+
+
 
 // What an FP8 product's forward made that its backward reads again: the transposed copies of its
 // input and (options.fp8_keep_weights) of its weight, with their dequantization scales. Empty where
@@ -204,29 +191,6 @@ bool Fp8Takes(const torch::Tensor& x, int64_t rows, int64_t in, int64_t out) {
   return Fp8ProductsOn() && x.scalar_type() == torch::kBFloat16 && rows % 16 == 0 && in % 16 == 0 && out % 16 == 0;
 }
 
-// `t` [rows, cols] in FP8 (e5m2 for gradients, e4m3 otherwise) with its transposed copy [cols, rows]:
-// the last one of its kind on the device where that was made from `t` as it is now (fp8_last).
-QuantizedOperand InFp8(const torch::Tensor& t, Fp8Operand operand) {
-  const int64_t version = static_cast<int64_t>(t._version());
-  {
-    std::lock_guard<std::mutex> lock(fp8_mu);
-    const QuantizedOperand& last = fp8_last[t.device().index()][operand];
-    if (last.source.defined() && last.source.unsafeGetTensorImpl() == t.unsafeGetTensorImpl() &&
-        last.version == version && last.source.data_ptr() == t.data_ptr()) {
-      return last;
-    }
-  }
-  QuantizedOperand fresh;
-  const Fp8Format format = operand == kGradient ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
-  fresh.q = Fp8QuantizeOnDevice(t.contiguous(), format, Fp8Scaling::kTensorwise, /*power_of_2=*/false,
-                                &fresh.transposed);
-  fresh.source = t;
-  fresh.version = version;
-  std::lock_guard<std::mutex> lock(fp8_mu);
-  fp8_amaxes[operand].push_back(fresh.q.amax);
-  fp8_last[t.device().index()][operand] = fresh;
-  return fresh;
-}
 #else
 bool Fp8Takes(const torch::Tensor&, int64_t, int64_t, int64_t) { return false; }
 #endif
@@ -355,17 +319,7 @@ torch::Tensor WeightGradProduct(const torch::Tensor& grad, const torch::Tensor& 
   return into.defined() ? torch::Tensor() : dw;
 }
 
-// The tensor a weight gradient of `w` can be added to in place: the leaf's own .grad (a view of the
-// parameter store's flat gradient buffer), when it has one of the right kind.
-torch::Tensor AccumulationTarget(const torch::Tensor& w) {
-  const torch::Tensor& grad = w.grad();
-  if (!grad.defined() || grad.scalar_type() != torch::kBFloat16 || !grad.is_contiguous() || grad.sizes() != w.sizes()) {
-    return {};
-  }
-  return grad;
-}
 
-bool Aligned16(const torch::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
 // The bias gradient of a product whose output gradient is g [rows, cols] (contiguous): its column
 // sums, from our kernel where the layout allows (one read at the card's bandwidth). Written into
@@ -989,101 +943,8 @@ struct ProjectionsFunction : public torch::autograd::Function<ProjectionsFunctio
   }
 };
 
-// Whether cuda::EmbeddingRowSums takes int64 ids, contiguous gradient rows `g` and the table's
-// gradient `into` (AccumulationTarget's: bf16, contiguous): g bf16, rows a multiple of 8 wide, both
-// 16-byte aligned.
-bool RowSumsTake(const torch::Tensor& ids, const torch::Tensor& g, const torch::Tensor& into) {
-  return ids.scalar_type() == torch::kLong && g.scalar_type() == torch::kBFloat16 && g.size(1) % 8 == 0 &&
-         Aligned16(g) && Aligned16(into);
-}
 
-// The embedding lookup; backward adds the rows' gradients straight into w's .grad where it has one
-// (only the rows the batch used are touched), not through a dense [vocab, d] gradient and an add of
-// the whole table. Each used row's gradients are summed in fp32 first, then added to the bf16
-// gradient once: index_put_ with accumulate adds a row's tokens one by one in bf16 (and serially),
-// and a row used thousands of times a step (a byte vocabulary's space) stops growing once its sum is
-// a few hundred times one token's gradient.
-// Where the table has no more rows than the batch has tokens, the sums are taken over the whole table
-// (a buffer no larger than the gradient that arrives). Else the ids are sorted and our kernels sum
-// each row's run of tokens and add it to the row (cuda::EmbeddingRowSums). Neither waits for the
-// GPU: finding the distinct rows themselves (at::_unique) would, for their count.
-struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& ids, const torch::Tensor& w) {
-    ctx->save_for_backward({ids, w});
-    return at::embedding(w, ids);
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list saved = ctx->get_saved_variables();
-    const torch::Tensor &ids = saved[0], &w = saved[1];
-    c10::cuda::CUDAGuard guard(w.device());
-    if (!grads[0].defined()) return {torch::Tensor(), torch::Tensor()};
-    torch::Tensor into = AccumulationTarget(w);
-    if (!into.defined()) return {torch::Tensor(), at::embedding_backward(grads[0], ids, w.size(0), -1, false, false)};
-    torch::Tensor g = grads[0].reshape({-1, w.size(1)}).contiguous();
-    if (w.size(0) <= ids.numel() || !RowSumsTake(ids, g, into)) {
-      torch::Tensor sums = at::embedding_dense_backward(g, ids.reshape({-1}), w.size(0), /*padding_idx=*/-1,
-                                                        /*scale_grad_by_freq=*/false);
-      if (TakeStale(into)) {
-        into.copy_(sums);
-      } else {
-        into.add_(sums);
-      }
-      return {torch::Tensor(), torch::Tensor()};
-    }
-    // A stable sort: a row's tokens are summed in the batch's order.
-    auto [sorted, order] = ids.reshape({-1}).sort(/*stable=*/true, /*dim=*/0, /*descending=*/false);
-    if (TakeStale(into)) into.zero_();
-    torch::Tensor partial =
-        torch::empty({cuda::EmbeddingRowSumsFloats(sorted.numel(), g.size(1))}, g.options().dtype(torch::kFloat));
-    cuda::EmbeddingRowSums(sorted.data_ptr<int64_t>(), order.data_ptr<int64_t>(), sorted.numel(), g.data_ptr(),
-                           g.size(1), partial.data_ptr<float>(), into.data_ptr(), StreamOf(into));
-    return {torch::Tensor(), torch::Tensor()};
-  }
-};
 
-bool Bf16Cuda(const torch::Tensor& t) { return !t.defined() || (t.is_cuda() && t.scalar_type() == torch::kBFloat16); }
-
-struct RopeFunction : public torch::autograd::Function<RopeFunction> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& cos,
-                               const torch::Tensor& sin) {
-    c10::cuda::CUDAGuard guard(x.device());
-    torch::Tensor in = x.contiguous();
-    torch::Tensor out = torch::empty_like(in);
-    cuda::Rope(in.data_ptr(), cos.data_ptr<float>(), sin.data_ptr<float>(), in.size(0), in.size(1), in.size(2),
-               in.size(3), /*inverse=*/false, out.data_ptr(), StreamOf(in));
-    ctx->save_for_backward({cos, sin});
-    return out;
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list saved = ctx->get_saved_variables();
-    torch::Tensor g = grads[0].contiguous();
-    c10::cuda::CUDAGuard guard(g.device());
-    torch::Tensor dx = torch::empty_like(g);
-    cuda::Rope(g.data_ptr(), saved[0].data_ptr<float>(), saved[1].data_ptr<float>(), g.size(0), g.size(1), g.size(2),
-               g.size(3), /*inverse=*/true, dx.data_ptr(), StreamOf(g));
-    return {dx, torch::Tensor(), torch::Tensor()};
-  }
-};
-
-struct SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
-  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& gate, const torch::Tensor& up) {
-    c10::cuda::CUDAGuard guard(gate.device());
-    torch::Tensor g = gate.contiguous(), u = up.contiguous();
-    torch::Tensor out = torch::empty_like(g);
-    cuda::SwiGlu(g.data_ptr(), u.data_ptr(), g.numel(), out.data_ptr(), StreamOf(g));
-    ctx->save_for_backward({g, u});
-    return out;
-  }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    variable_list saved = ctx->get_saved_variables();
-    torch::Tensor d = grads[0].contiguous();
-    c10::cuda::CUDAGuard guard(d.device());
-    torch::Tensor dgate = torch::empty_like(saved[0]), dup = torch::empty_like(saved[1]);
-    cuda::SwiGluBackward(saved[0].data_ptr(), saved[1].data_ptr(), d.data_ptr(), d.numel(), dgate.data_ptr(),
-                         dup.data_ptr(), StreamOf(d));
-    return {dgate, dup};
-  }
-};
 
 // The down projection of silu(gate) · up, which it makes again in backward instead of keeping.
 struct SwiGluLinearFunction : public torch::autograd::Function<SwiGluLinearFunction> {
@@ -1160,13 +1021,6 @@ void SideStreamSum::Finish() {
   done_ = nullptr;
 }
 
-bool FusedLlamaOpsAvailable(const torch::Tensor& x) { return x.defined() && x.is_cuda() && x.scalar_type() == torch::kBFloat16; }
-
-torch::Tensor FusedRope(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  return RopeFunction::apply(x, cos, sin);
-}
-
-torch::Tensor FusedSwiGlu(const torch::Tensor& gate, const torch::Tensor& up) { return SwiGluFunction::apply(gate, up); }
 
 bool FusedLinearAvailable(const torch::Tensor& x, const torch::Tensor& w) {
   return kernel_options.linear && x.defined() && Bf16Cuda(x) && Bf16Cuda(w) && w.dim() == 2 && w.is_contiguous() && w.size(0) % 8 == 0 &&
@@ -1236,154 +1090,7 @@ std::vector<torch::Tensor> FusedProjections(const torch::Tensor& x, const std::v
                                     weights.size() == 3 ? weights[2] : torch::empty({0}, weights[0].options()), Handle(tp));
 }
 
-torch::Tensor FusedEmbedding(const torch::Tensor& ids, const torch::Tensor& w) { return EmbeddingFunction::apply(ids, w); }
 
-bool FusedCrossEntropyAvailable(const torch::Tensor& logits) {
-  return logits.is_cuda() && logits.scalar_type() == torch::kBFloat16 && logits.dim() == 2;
-}
-
-torch::Tensor FusedCrossEntropy(const torch::Tensor& logits, const torch::Tensor& targets, bool grad_in_logits) {
-  return CrossEntropyFunction::apply(logits, targets, grad_in_logits);
-}
-
-bool FusedAdamWAvailable(const torch::Tensor& param) {
-  return kernel_options.adamw && param.is_cuda() && param.scalar_type() == torch::kFloat;
-}
-
-void FusedAdamW(const torch::Tensor& param, const torch::Tensor& grad, const torch::Tensor& exp_avg,
-                const torch::Tensor& exp_avg_sq, const torch::Tensor& param_bf16, double lr, double beta1, double beta2,
-                double eps, double weight_decay, int64_t step, const torch::Tensor& grad_divisor) {
-  c10::cuda::CUDAGuard guard(param.device());
-  cuda::AdamWArgs args;
-  args.beta1 = static_cast<float>(beta1);
-  args.beta2 = static_cast<float>(beta2);
-  args.eps = static_cast<float>(eps);
-  args.decay_factor = static_cast<float>(1.0 - lr * weight_decay);
-  args.step_size = static_cast<float>(lr / (1.0 - std::pow(beta1, static_cast<double>(step))));
-  args.inv_sqrt_bias2 = static_cast<float>(1.0 / std::sqrt(1.0 - std::pow(beta2, static_cast<double>(step))));
-  torch::Tensor divisor;
-  if (grad_divisor.defined()) {
-    divisor = grad_divisor.to(torch::kFloat).contiguous();
-    args.grad_divisor = divisor.data_ptr<float>();
-  }
-  cuda::AdamWStep(param.data_ptr<float>(), grad.data_ptr(), grad.scalar_type() == torch::kBFloat16,
-                  exp_avg.data_ptr<float>(), exp_avg_sq.data_ptr<float>(),
-                  param_bf16.defined() ? param_bf16.data_ptr() : nullptr, param.numel(), args,
-                  c10::cuda::getCurrentCUDAStream(param.device().index()).stream());
-}
-
-#if defined(LTRAIN_HAVE_FLOAT8)
-
-bool Fp8ProductsAvailable() {
-  int count = 0, device = 0, major = 0, minor = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0 || cudaGetDevice(&device) != cudaSuccess) return false;
-  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
-  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
-  return major * 10 + minor >= 89;
-}
-
-Fp8Tensor Fp8QuantizeOnDevice(const torch::Tensor& x, Fp8Format format, Fp8Scaling scaling, bool power_of_2,
-                              torch::Tensor* transposed) {
-  if (!x.is_cuda() || x.scalar_type() != torch::kBFloat16 || x.dim() != 2 || !x.is_contiguous()) {
-    throw std::invalid_argument("Fp8QuantizeOnDevice takes a contiguous 2-D bf16 CUDA tensor");
-  }
-  const bool rowwise = scaling == Fp8Scaling::kRowwise;
-  if (rowwise && transposed != nullptr) throw std::invalid_argument("a rowwise quantization has no transposed copy");
-  c10::cuda::CUDAGuard guard(x.device());
-  const int64_t rows = x.size(0), cols = x.size(1);
-  const bool e4m3 = format == Fp8Format::kE4M3;
-  const auto fp8 = x.options().dtype(e4m3 ? at::ScalarType::Float8_e4m3fn : at::ScalarType::Float8_e5m2);
-  const auto f32 = x.options().dtype(torch::kFloat);
-  Fp8Tensor q;
-  q.amax = rowwise ? torch::empty({rows, 1}, f32) : torch::zeros({}, f32);
-  q.scale_inv = rowwise ? torch::empty({rows, 1}, f32) : torch::empty({}, f32);
-  q.data = torch::empty({rows, cols}, fp8);
-  if (transposed != nullptr) *transposed = torch::empty({cols, rows}, fp8);
-  cudaStream_t stream = StreamOf(x);
-  cuda::Bf16Amax(x.data_ptr(), rows, cols, rowwise, q.amax.data_ptr<float>(), stream);
-  cuda::Bf16ToFp8(x.data_ptr(), rows, cols, q.amax.data_ptr<float>(), rowwise, e4m3, power_of_2, q.data.data_ptr(),
-                  transposed != nullptr ? transposed->data_ptr() : nullptr, q.scale_inv.data_ptr<float>(), stream);
-  return q;
-}
-
-torch::Tensor TakeFp8Figures() {
-  std::array<std::vector<torch::Tensor>, kFp8Operands> taken;
-  {
-    std::lock_guard<std::mutex> lock(fp8_mu);
-    taken.swap(fp8_amaxes);
-  }
-  torch::Tensor any;
-  int64_t products = 0;
-  for (const auto& amaxes : taken) {
-    if (!amaxes.empty() && !any.defined()) any = amaxes.front();
-    products += static_cast<int64_t>(amaxes.size());
-  }
-  if (!any.defined()) return {};
-  c10::cuda::CUDAGuard guard(any.device());
-  const auto f32 = any.options().dtype(torch::kFloat);
-  std::vector<torch::Tensor> parts;
-  torch::Tensor overflowed = torch::zeros({}, f32);
-  for (const auto& amaxes : taken) {
-    if (amaxes.empty()) {
-      parts.push_back(torch::zeros({2}, f32));
-      continue;
-    }
-    // A NaN among them shows as the largest and the smallest (max and min propagate it).
-    const torch::Tensor a = torch::stack(amaxes).reshape({-1});
-    parts.push_back(torch::stack({a.max(), a.min()}));
-    overflowed = overflowed + torch::isfinite(a).logical_not().sum().to(torch::kFloat);
-  }
-  parts.push_back(torch::full({1}, static_cast<double>(products), f32));
-  parts.push_back(overflowed.reshape({1}));
-  return torch::cat(parts);
-}
-
-torch::Tensor Fp8Product(const Fp8Tensor& a, const Fp8Tensor& b, bool fast_accum) {
-  auto type = [](const torch::Tensor& t) {
-    if (t.scalar_type() == at::ScalarType::Float8_e4m3fn) return cuda::GemmType::kE4M3;
-    if (t.scalar_type() == at::ScalarType::Float8_e5m2) return cuda::GemmType::kE5M2;
-    throw std::invalid_argument("Fp8Product takes float8 operands");
-  };
-  const int64_t m = a.data.size(0), n = b.data.size(0), k = a.data.size(1);
-  if (b.data.size(1) != k || !a.data.is_contiguous() || !b.data.is_contiguous()) {
-    throw std::invalid_argument("Fp8Product takes contiguous a [m, k] and b [n, k]");
-  }
-  const bool rowwise = a.scale_inv.dim() > 0;
-  if (rowwise != (b.scale_inv.dim() > 0)) throw std::invalid_argument("Fp8Product takes both operands scaled alike");
-  c10::cuda::CUDAGuard guard(a.data.device());
-  torch::Tensor y = torch::empty({m, n}, a.data.options().dtype(torch::kBFloat16));
-  // cuBLASLt (column-major) computes yᵀ [n, m] = b [n, k] · aᵀ: A is b, transposed; B is a.
-  cuda::GemmArgs g;
-  g.trans_a = true;
-  g.m = n, g.n = m, g.k = k;
-  g.a = b.data.data_ptr(), g.lda = k;
-  g.b = a.data.data_ptr(), g.ldb = k;
-  g.d = y.data_ptr(), g.ldd = n;
-  g.a_type = type(b.data);
-  g.b_type = type(a.data);
-  g.a_scale_inv = b.scale_inv.data_ptr<float>();
-  g.b_scale_inv = a.scale_inv.data_ptr<float>();
-  g.rowwise = rowwise;
-  g.fast_accum = fast_accum;
-  Gemm(g, y, false);
-  return y;
-}
-
-#else
-
-bool Fp8ProductsAvailable() { return false; }
-
-torch::Tensor TakeFp8Figures() { return {}; }
-
-Fp8Tensor Fp8QuantizeOnDevice(const torch::Tensor&, Fp8Format, Fp8Scaling, bool, torch::Tensor*) {
-  throw std::logic_error("Fp8QuantizeOnDevice: this LibTorch has no float8 types");
-}
-
-torch::Tensor Fp8Product(const Fp8Tensor&, const Fp8Tensor&, bool) {
-  throw std::logic_error("Fp8Product: this LibTorch has no float8 types");
-}
-
-#endif  // LTRAIN_HAVE_FLOAT8
 
 #else
 
@@ -1435,53 +1142,13 @@ std::vector<torch::Tensor> FusedProjections(const torch::Tensor& /*x*/, const st
   throw std::logic_error("FusedProjections: this worker was built without CUDA kernels");
 }
 
-bool FusedLlamaOpsAvailable(const torch::Tensor& /*x*/) { return false; }
-
-torch::Tensor FusedEmbedding(const torch::Tensor& /*ids*/, const torch::Tensor& /*w*/) {
-  throw std::logic_error("FusedEmbedding: this worker was built without CUDA kernels");
-}
-
-torch::Tensor FusedRope(const torch::Tensor& /*x*/, const torch::Tensor& /*cos*/, const torch::Tensor& /*sin*/) {
-  throw std::logic_error("FusedRope: this worker was built without CUDA kernels");
-}
-
-torch::Tensor FusedSwiGlu(const torch::Tensor& /*gate*/, const torch::Tensor& /*up*/) {
-  throw std::logic_error("FusedSwiGlu: this worker was built without CUDA kernels");
-}
 
 torch::Tensor FusedSwiGluLinear(const torch::Tensor& /*gate*/, const torch::Tensor& /*up*/, const torch::Tensor& /*w*/,
                                 const torch::Tensor& /*residual*/) {
   throw std::logic_error("FusedSwiGluLinear: this worker was built without CUDA kernels");
 }
 
-bool FusedCrossEntropyAvailable(const torch::Tensor& /*logits*/) { return false; }
 
-torch::Tensor FusedCrossEntropy(const torch::Tensor& /*logits*/, const torch::Tensor& /*targets*/,
-                                bool /*grad_in_logits*/) {
-  throw std::logic_error("FusedCrossEntropy: this worker was built without CUDA kernels");
-}
-
-bool FusedAdamWAvailable(const torch::Tensor& /*param*/) { return false; }
-
-void FusedAdamW(const torch::Tensor& /*param*/, const torch::Tensor& /*grad*/, const torch::Tensor& /*exp_avg*/,
-                const torch::Tensor& /*exp_avg_sq*/, const torch::Tensor& /*param_bf16*/, double /*lr*/,
-                double /*beta1*/, double /*beta2*/, double /*eps*/, double /*weight_decay*/, int64_t /*step*/,
-                const torch::Tensor& /*grad_divisor*/) {
-  throw std::logic_error("FusedAdamW: this worker was built without CUDA kernels");
-}
-
-bool Fp8ProductsAvailable() { return false; }
-
-torch::Tensor TakeFp8Figures() { return {}; }
-
-Fp8Tensor Fp8QuantizeOnDevice(const torch::Tensor& /*x*/, Fp8Format /*format*/, Fp8Scaling /*scaling*/,
-                              bool /*power_of_2*/, torch::Tensor* /*transposed*/) {
-  throw std::logic_error("Fp8QuantizeOnDevice: this worker was built without CUDA kernels");
-}
-
-torch::Tensor Fp8Product(const Fp8Tensor& /*a*/, const Fp8Tensor& /*b*/, bool /*fast_accum*/) {
-  throw std::logic_error("Fp8Product: this worker was built without CUDA kernels");
-}
 
 #endif
 

@@ -1,0 +1,207 @@
+// FP8 operands: the quantization (our kernels), the operands the linear products share, the figures of
+// a step's operands, FP8 products of quantized tensors, and which products run in FP8.
+#include <array>
+#include <map>
+#include <mutex>
+#include <stdexcept>
+#include <vector>
+
+#include "worker/model/fused_kernels.h"
+
+#if defined(LTRAIN_WITH_CUDA_KERNELS)
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "worker/model/cuda/fp8_cast.h"
+#include "worker/model/cuda/gemm.h"
+#include "worker/torch_compat.h"
+#endif
+
+#include "worker/model/fused_internal.h"
+
+namespace ltrain::worker {
+namespace {
+
+thread_local bool bf16_products_only = false;
+
+}  // namespace
+
+Bf16ProductsScope::Bf16ProductsScope(bool bf16) : was_(bf16_products_only) { bf16_products_only = bf16; }
+Bf16ProductsScope::~Bf16ProductsScope() { bf16_products_only = was_; }
+
+bool Fp8ProductsOn() { return fused::Options().fp8 && !bf16_products_only; }
+
+#if defined(LTRAIN_WITH_CUDA_KERNELS) && defined(LTRAIN_HAVE_FLOAT8)
+namespace {
+
+using fused::Fp8Operand;
+using fused::kFp8Operands;
+using fused::QuantizedOperand;
+
+std::mutex fp8_mu;
+std::map<c10::DeviceIndex, std::array<QuantizedOperand, kFp8Operands>> fp8_last;
+// The amax of every operand the FP8 products quantized since TakeFp8Figures last ran, by kind
+// (activations, weights, gradients): device scalars, read together once a step.
+std::array<std::vector<torch::Tensor>, kFp8Operands> fp8_amaxes;
+
+}  // namespace
+
+void fused::ForgetFp8Operands() {
+  std::lock_guard<std::mutex> lock(fp8_mu);
+  fp8_last.clear();
+}
+
+QuantizedOperand fused::InFp8(const torch::Tensor& t, Fp8Operand operand) {
+  const int64_t version = static_cast<int64_t>(t._version());
+  {
+    std::lock_guard<std::mutex> lock(fp8_mu);
+    const QuantizedOperand& last = fp8_last[t.device().index()][operand];
+    if (last.source.defined() && last.source.unsafeGetTensorImpl() == t.unsafeGetTensorImpl() &&
+        last.version == version && last.source.data_ptr() == t.data_ptr()) {
+      return last;
+    }
+  }
+  QuantizedOperand fresh;
+  const Fp8Format format = operand == kGradient ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
+  fresh.q = Fp8QuantizeOnDevice(t.contiguous(), format, Fp8Scaling::kTensorwise, /*power_of_2=*/false,
+                                &fresh.transposed);
+  fresh.source = t;
+  fresh.version = version;
+  std::lock_guard<std::mutex> lock(fp8_mu);
+  fp8_amaxes[operand].push_back(fresh.q.amax);
+  fp8_last[t.device().index()][operand] = fresh;
+  return fresh;
+}
+
+
+bool Fp8ProductsAvailable() {
+  int count = 0, device = 0, major = 0, minor = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess || count == 0 || cudaGetDevice(&device) != cudaSuccess) return false;
+  cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device);
+  cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device);
+  return major * 10 + minor >= 89;
+}
+
+Fp8Tensor Fp8QuantizeOnDevice(const torch::Tensor& x, Fp8Format format, Fp8Scaling scaling, bool power_of_2,
+                              torch::Tensor* transposed) {
+  if (!x.is_cuda() || x.scalar_type() != torch::kBFloat16 || x.dim() != 2 || !x.is_contiguous()) {
+    throw std::invalid_argument("Fp8QuantizeOnDevice takes a contiguous 2-D bf16 CUDA tensor");
+  }
+  const bool rowwise = scaling == Fp8Scaling::kRowwise;
+  if (rowwise && transposed != nullptr) throw std::invalid_argument("a rowwise quantization has no transposed copy");
+  c10::cuda::CUDAGuard guard(x.device());
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const bool e4m3 = format == Fp8Format::kE4M3;
+  const auto fp8 = x.options().dtype(e4m3 ? at::ScalarType::Float8_e4m3fn : at::ScalarType::Float8_e5m2);
+  const auto f32 = x.options().dtype(torch::kFloat);
+  Fp8Tensor q;
+  q.amax = rowwise ? torch::empty({rows, 1}, f32) : torch::zeros({}, f32);
+  q.scale_inv = rowwise ? torch::empty({rows, 1}, f32) : torch::empty({}, f32);
+  q.data = torch::empty({rows, cols}, fp8);
+  if (transposed != nullptr) *transposed = torch::empty({cols, rows}, fp8);
+  cudaStream_t stream = fused::StreamOf(x);
+  cuda::Bf16Amax(x.data_ptr(), rows, cols, rowwise, q.amax.data_ptr<float>(), stream);
+  cuda::Bf16ToFp8(x.data_ptr(), rows, cols, q.amax.data_ptr<float>(), rowwise, e4m3, power_of_2, q.data.data_ptr(),
+                  transposed != nullptr ? transposed->data_ptr() : nullptr, q.scale_inv.data_ptr<float>(), stream);
+  return q;
+}
+
+torch::Tensor TakeFp8Figures() {
+  std::array<std::vector<torch::Tensor>, kFp8Operands> taken;
+  {
+    std::lock_guard<std::mutex> lock(fp8_mu);
+    taken.swap(fp8_amaxes);
+  }
+  torch::Tensor any;
+  int64_t products = 0;
+  for (const auto& amaxes : taken) {
+    if (!amaxes.empty() && !any.defined()) any = amaxes.front();
+    products += static_cast<int64_t>(amaxes.size());
+  }
+  if (!any.defined()) return {};
+  c10::cuda::CUDAGuard guard(any.device());
+  const auto f32 = any.options().dtype(torch::kFloat);
+  std::vector<torch::Tensor> parts;
+  torch::Tensor overflowed = torch::zeros({}, f32);
+  for (const auto& amaxes : taken) {
+    if (amaxes.empty()) {
+      parts.push_back(torch::zeros({2}, f32));
+      continue;
+    }
+    // A NaN among them shows as the largest and the smallest (max and min propagate it).
+    const torch::Tensor a = torch::stack(amaxes).reshape({-1});
+    parts.push_back(torch::stack({a.max(), a.min()}));
+    overflowed = overflowed + torch::isfinite(a).logical_not().sum().to(torch::kFloat);
+  }
+  parts.push_back(torch::full({1}, static_cast<double>(products), f32));
+  parts.push_back(overflowed.reshape({1}));
+  return torch::cat(parts);
+}
+
+torch::Tensor Fp8Product(const Fp8Tensor& a, const Fp8Tensor& b, bool fast_accum) {
+  auto type = [](const torch::Tensor& t) {
+    if (t.scalar_type() == at::ScalarType::Float8_e4m3fn) return cuda::GemmType::kE4M3;
+    if (t.scalar_type() == at::ScalarType::Float8_e5m2) return cuda::GemmType::kE5M2;
+    throw std::invalid_argument("Fp8Product takes float8 operands");
+  };
+  const int64_t m = a.data.size(0), n = b.data.size(0), k = a.data.size(1);
+  if (b.data.size(1) != k || !a.data.is_contiguous() || !b.data.is_contiguous()) {
+    throw std::invalid_argument("Fp8Product takes contiguous a [m, k] and b [n, k]");
+  }
+  const bool rowwise = a.scale_inv.dim() > 0;
+  if (rowwise != (b.scale_inv.dim() > 0)) throw std::invalid_argument("Fp8Product takes both operands scaled alike");
+  c10::cuda::CUDAGuard guard(a.data.device());
+  torch::Tensor y = torch::empty({m, n}, a.data.options().dtype(torch::kBFloat16));
+  // cuBLASLt (column-major) computes yᵀ [n, m] = b [n, k] · aᵀ: A is b, transposed; B is a.
+  cuda::GemmArgs g;
+  g.trans_a = true;
+  g.m = n, g.n = m, g.k = k;
+  g.a = b.data.data_ptr(), g.lda = k;
+  g.b = a.data.data_ptr(), g.ldb = k;
+  g.d = y.data_ptr(), g.ldd = n;
+  g.a_type = type(b.data);
+  g.b_type = type(a.data);
+  g.a_scale_inv = b.scale_inv.data_ptr<float>();
+  g.b_scale_inv = a.scale_inv.data_ptr<float>();
+  g.rowwise = rowwise;
+  g.fast_accum = fast_accum;
+  fused::Gemm(g, y, false);
+  return y;
+}
+
+
+#elif defined(LTRAIN_WITH_CUDA_KERNELS)
+void fused::ForgetFp8Operands() {}
+
+bool Fp8ProductsAvailable() { return false; }
+
+torch::Tensor TakeFp8Figures() { return {}; }
+
+Fp8Tensor Fp8QuantizeOnDevice(const torch::Tensor&, Fp8Format, Fp8Scaling, bool, torch::Tensor*) {
+  throw std::logic_error("Fp8QuantizeOnDevice: this LibTorch has no float8 types");
+}
+
+torch::Tensor Fp8Product(const Fp8Tensor&, const Fp8Tensor&, bool) {
+  throw std::logic_error("Fp8Product: this LibTorch has no float8 types");
+}
+
+
+#else
+void fused::ForgetFp8Operands() {}
+
+bool Fp8ProductsAvailable() { return false; }
+
+torch::Tensor TakeFp8Figures() { return {}; }
+
+Fp8Tensor Fp8QuantizeOnDevice(const torch::Tensor& /*x*/, Fp8Format /*format*/, Fp8Scaling /*scaling*/,
+                              bool /*power_of_2*/, torch::Tensor* /*transposed*/) {
+  throw std::logic_error("Fp8QuantizeOnDevice: this worker was built without CUDA kernels");
+}
+
+torch::Tensor Fp8Product(const Fp8Tensor& /*a*/, const Fp8Tensor& /*b*/, bool /*fast_accum*/) {
+  throw std::logic_error("Fp8Product: this worker was built without CUDA kernels");
+}
+
+#endif
+
+}  // namespace ltrain::worker

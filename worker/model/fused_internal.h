@@ -1,0 +1,67 @@
+// What the fused kernels' files share (fused_kernels.cc, fused_ops.cc, fp8_products.cc): not an API.
+#pragma once
+
+#include <cstdint>
+
+#include <torch/types.h>
+
+#include "worker/model/fused_kernels.h"
+
+#if defined(LTRAIN_WITH_CUDA_KERNELS)
+#include <cuda_runtime_api.h>
+
+#include "worker/model/cuda/gemm.h"
+#include "worker/torch_compat.h"
+#endif
+
+namespace ltrain::worker::fused {
+
+// The options SetFusedKernelOptions set.
+const FusedKernelOptions& Options();
+
+// Drops the FP8 operands kept for the next product (after backward).
+void ForgetFp8Operands();
+
+#if defined(LTRAIN_WITH_CUDA_KERNELS)
+// The current stream of t's device.
+cudaStream_t StreamOf(const torch::Tensor& t);
+
+// Runs one cuBLASLt product with a workspace from LibTorch's allocator (on the current stream).
+// Backward's products leave options.gemm_sm_margin SMs to the data-parallel reductions that run
+// beside them; forward's take every SM.
+void Gemm(cuda::GemmArgs args, const torch::Tensor& like, bool backward);
+
+// The tensor a weight gradient of `w` can be added to in place (its .grad, where bf16 and
+// contiguous), or undefined.
+torch::Tensor AccumulationTarget(const torch::Tensor& w);
+
+// Whether `grad` was marked stale (MarkGradientsStale; then no longer marked): its next writer
+// overwrites it.
+bool TakeStale(const torch::Tensor& grad);
+
+bool Aligned16(const torch::Tensor& t);
+
+// Undefined, or a bf16 CUDA tensor.
+bool Bf16Cuda(const torch::Tensor& t);
+
+#if defined(LTRAIN_HAVE_FLOAT8)
+// FP8 products: each operand quantized once with its transposed copy (cuBLASLt's FP8 products take
+// A transposed and B not, so a product reads one or the other). The last operand of each kind
+// quantized on a device is kept for the next product that reads the same tensor at the same version
+// (held, so that no other takes its memory meanwhile): q, k and v's products read one input, both
+// backward products one output gradient. Dropped after backward.
+enum Fp8Operand { kActivation, kWeight, kGradient, kFp8Operands };
+struct QuantizedOperand {
+  torch::Tensor source;
+  int64_t version = -1;
+  Fp8Tensor q;
+  torch::Tensor transposed;
+};
+
+// `t` [rows, cols] in FP8 (e5m2 for gradients, e4m3 otherwise) with its transposed copy [cols, rows]:
+// the last one of its kind on the device where that was made from `t` as it is now.
+QuantizedOperand InFp8(const torch::Tensor& t, Fp8Operand operand);
+#endif
+#endif
+
+}  // namespace ltrain::worker::fused
