@@ -4,6 +4,7 @@
 #include <map>
 #include <mutex>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 #include "worker/model/fused_kernels.h"
@@ -72,7 +73,6 @@ QuantizedOperand fused::InFp8(const torch::Tensor& t, Fp8Operand operand) {
   fp8_last[t.device().index()][operand] = fresh;
   return fresh;
 }
-
 
 bool Fp8ProductsAvailable() {
   int count = 0, device = 0, major = 0, minor = 0;
@@ -169,24 +169,18 @@ torch::Tensor Fp8Product(const Fp8Tensor& a, const Fp8Tensor& b, bool fast_accum
   return y;
 }
 
-
-#elif defined(LTRAIN_WITH_CUDA_KERNELS)
-void fused::ForgetFp8Operands() {}
-
-bool Fp8ProductsAvailable() { return false; }
-
-torch::Tensor TakeFp8Figures() { return {}; }
-
-Fp8Tensor Fp8QuantizeOnDevice(const torch::Tensor&, Fp8Format, Fp8Scaling, bool, torch::Tensor*) {
-  throw std::logic_error("Fp8QuantizeOnDevice: this LibTorch has no float8 types");
-}
-
-torch::Tensor Fp8Product(const Fp8Tensor&, const Fp8Tensor&, bool) {
-  throw std::logic_error("Fp8Product: this LibTorch has no float8 types");
-}
-
-
 #else
+namespace {
+
+// Why this build has no FP8 products.
+#if defined(LTRAIN_WITH_CUDA_KERNELS)
+constexpr const char* kNoFp8 = "this LibTorch has no float8 types";
+#else
+constexpr const char* kNoFp8 = "this worker was built without CUDA kernels";
+#endif
+
+}  // namespace
+
 void fused::ForgetFp8Operands() {}
 
 bool Fp8ProductsAvailable() { return false; }
@@ -195,11 +189,11 @@ torch::Tensor TakeFp8Figures() { return {}; }
 
 Fp8Tensor Fp8QuantizeOnDevice(const torch::Tensor& /*x*/, Fp8Format /*format*/, Fp8Scaling /*scaling*/,
                               bool /*power_of_2*/, torch::Tensor* /*transposed*/) {
-  throw std::logic_error("Fp8QuantizeOnDevice: this worker was built without CUDA kernels");
+  throw std::logic_error(std::string("Fp8QuantizeOnDevice: ") + kNoFp8);
 }
 
 torch::Tensor Fp8Product(const Fp8Tensor& /*a*/, const Fp8Tensor& /*b*/, bool /*fast_accum*/) {
-  throw std::logic_error("Fp8Product: this worker was built without CUDA kernels");
+  throw std::logic_error(std::string("Fp8Product: ") + kNoFp8);
 }
 
 #endif

@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include <c10/util/accumulate.h>
 #include <torch/autograd.h>
 
 #include "worker/comm/communicator.h"
@@ -65,14 +66,12 @@ void SetFusedKernelOptions(const FusedKernelOptions& options) { kernel_options =
 
 const FusedKernelOptions& fused::Options() { return kernel_options; }
 
-
 bool FusedTpOverlap() { return kernel_options.tp_overlap; }
 
 namespace {
 
 std::mutex stale_mu;
 std::vector<torch::Tensor> stale_grads;  // a few hundred at most: searched in order
-
 
 // An fp32 residual stream's gradient and the bf16 copy a norm's backward wrote beside it in the same
 // pass: the gradient of the output of the product that the norm read (its only reader). That
@@ -88,7 +87,6 @@ struct Bf16Twin {
 };
 std::mutex twin_mu;
 std::map<c10::DeviceIndex, Bf16Twin> bf16_twins;
-
 
 }  // namespace
 
@@ -156,9 +154,6 @@ namespace {
 
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
-
-
-
 
 // What an FP8 product's forward made that its backward reads again: the transposed copies of its
 // input and (options.fp8_keep_weights) of its weight, with their dequantization scales. Empty where
@@ -268,8 +263,6 @@ torch::Tensor InputGradProduct(const torch::Tensor& grad, const torch::Tensor& w
   }
 #else
   (void)fp8_saved;
-#endif
-#if !defined(LTRAIN_HAVE_FLOAT8)
   const bool dgelu_apart = false;
 #endif
   g.epilogue = dgelu_apart ? cuda::Epilogue::kNone : epilogue;
@@ -318,8 +311,6 @@ torch::Tensor WeightGradProduct(const torch::Tensor& grad, const torch::Tensor& 
   Gemm(g, grad, true);
   return into.defined() ? torch::Tensor() : dw;
 }
-
-
 
 // The bias gradient of a product whose output gradient is g [rows, cols] (contiguous): its column
 // sums, from our kernel where the layout allows (one read at the card's bandwidth). Written into
@@ -382,12 +373,6 @@ std::pair<torch::Tensor, torch::Tensor> WeightAndBiasGrads(const torch::Tensor& 
   if (!b.defined() || b.numel() == 0) return {dw, torch::Tensor()};
   std::optional<torch::Tensor> db = BiasGradFromSums(sums, b);
   return {dw, db ? *db : BiasGradOf(g, b)};
-}
-
-int64_t NumelOf(const std::vector<int64_t>& sizes) {
-  int64_t n = 1;
-  for (int64_t s : sizes) n *= s;
-  return n;
 }
 
 std::vector<int64_t> WithLast(torch::IntArrayRef sizes, int64_t last) {
@@ -661,7 +646,7 @@ struct QkvFunction : public torch::autograd::Function<QkvFunction> {
     c10::cuda::CUDAGuard guard(w.device());
     const Bf16ProductsScope precision = AsForward(ctx);
     const std::vector<int64_t> x_sizes = ctx->saved_data["x_sizes"].toIntVector();
-    const int64_t in = x_sizes.back(), rows = NumelOf(x_sizes) / in, c = w.size(0) / 3;
+    const int64_t in = x_sizes.back(), rows = c10::multiply_integers(x_sizes) / in, c = w.size(0) / 3;
     const std::array<Fp8Saved, 3> fp8 = {LoadFp8(ctx, "fp8_0"), LoadFp8(ctx, "fp8_1"), LoadFp8(ctx, "fp8_2")};
     const bool has_bias = b.defined();
     torch::Tensor into = AccumulationTarget(w);
@@ -908,7 +893,7 @@ struct ProjectionsFunction : public torch::autograd::Function<ProjectionsFunctio
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     variable_list saved = ctx->get_saved_variables();
     const std::vector<int64_t> x_sizes = ctx->saved_data["x_sizes"].toIntVector();
-    const int64_t in = x_sizes.back(), rows = NumelOf(x_sizes) / in;
+    const int64_t in = x_sizes.back(), rows = c10::multiply_integers(x_sizes) / in;
     c10::cuda::CUDAGuard guard(saved[1].device());
     const Bf16ProductsScope precision = AsForward(ctx);
     std::vector<Fp8Saved> fp8;
@@ -942,9 +927,6 @@ struct ProjectionsFunction : public torch::autograd::Function<ProjectionsFunctio
     return result;
   }
 };
-
-
-
 
 // The down projection of silu(gate) · up, which it makes again in backward instead of keeping.
 struct SwiGluLinearFunction : public torch::autograd::Function<SwiGluLinearFunction> {
@@ -1021,7 +1003,6 @@ void SideStreamSum::Finish() {
   done_ = nullptr;
 }
 
-
 bool FusedLinearAvailable(const torch::Tensor& x, const torch::Tensor& w) {
   return kernel_options.linear && x.defined() && Bf16Cuda(x) && Bf16Cuda(w) && w.dim() == 2 && w.is_contiguous() && w.size(0) % 8 == 0 &&
          w.size(1) % 8 == 0;
@@ -1090,8 +1071,6 @@ std::vector<torch::Tensor> FusedProjections(const torch::Tensor& x, const std::v
                                     weights.size() == 3 ? weights[2] : torch::empty({0}, weights[0].options()), Handle(tp));
 }
 
-
-
 #else
 
 SideStreamSum::SideStreamSum(torch::Tensor& t, Communicator* comm) {
@@ -1142,13 +1121,10 @@ std::vector<torch::Tensor> FusedProjections(const torch::Tensor& /*x*/, const st
   throw std::logic_error("FusedProjections: this worker was built without CUDA kernels");
 }
 
-
 torch::Tensor FusedSwiGluLinear(const torch::Tensor& /*gate*/, const torch::Tensor& /*up*/, const torch::Tensor& /*w*/,
                                 const torch::Tensor& /*residual*/) {
   throw std::logic_error("FusedSwiGluLinear: this worker was built without CUDA kernels");
 }
-
-
 
 #endif
 

@@ -116,7 +116,6 @@ struct EmbeddingFunction : public torch::autograd::Function<EmbeddingFunction> {
   }
 };
 
-
 struct RopeFunction : public torch::autograd::Function<RopeFunction> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, const torch::Tensor& cos,
                                const torch::Tensor& sin) {

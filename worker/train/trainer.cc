@@ -520,8 +520,13 @@ std::optional<StepFigures::Fp8> Trainer::Fp8FiguresOf(const torch::Tensor& figur
   return f;
 }
 
-Status Trainer::CheckLoss(double value, int64_t step) const {
+Status Trainer::CheckLoss(double value, int64_t step, int fp8_overflowed) const {
   if (std::isfinite(value)) return Status::Ok();
+  if (fp8_overflowed > 0) {
+    return Internal("loss became " + std::to_string(value) + " at step " + std::to_string(step) + " after " +
+                    std::to_string(fp8_overflowed) + " of the step's FP8 operands overflowed (an amax not finite); "
+                    "lower training.lr, or train in parallel.precision: bf16-fp32-residual");
+  }
   return Internal("loss became " + std::to_string(value) + " at step " + std::to_string(step) +
                   "; lower training.lr or check the data");
 }
@@ -779,12 +784,7 @@ Status Trainer::Run() {
     const double value = f.loss.item<double>();
     const int64_t s = f.step;
     const std::optional<StepFigures::Fp8> fp8 = Fp8FiguresOf(f.fp8, s);
-    if (!std::isfinite(value) && fp8 && fp8->overflowed > 0) {
-      return Internal("loss became " + std::to_string(value) + " at step " + std::to_string(s) + " after " +
-                      std::to_string(fp8->overflowed) + " of the step's FP8 operands overflowed (an amax not finite); "
-                      "lower training.lr, or train in parallel.precision: bf16-fp32-residual");
-    }
-    LTRAIN_RETURN_IF_ERROR(CheckLoss(value, s));
+    LTRAIN_RETURN_IF_ERROR(CheckLoss(value, s, fp8 ? fp8->overflowed : 0));
     StepFigures figures;
     figures.fp8 = fp8;
     figures.step = s;
@@ -849,19 +849,18 @@ Status Trainer::Run() {
     torch::Tensor fp8 = TakeFp8Figures();
     compat::StreamMarker ready;
     if (lag) {
-      if (fp8.defined()) {
-        torch::Tensor fp8_host = torch::empty(fp8.sizes(), fp8.options().device(torch::kCPU).pinned_memory(true));
-        fp8_host.copy_(fp8, /*non_blocking=*/true);
-        fp8 = fp8_host;
-      }
-      // The loss goes to pinned host memory without waiting, and a marker after it: reading it then
-      // waits for this step's loss only. A read of the device tensor would wait for everything the
-      // stream holds by then (the next step's forward and backward), and the GPU would run dry
-      // at the end of every step while the host queued the first kernels of the next.
-      torch::Tensor host = torch::empty(loss.sizes(), loss.options().device(torch::kCPU).pinned_memory(true));
-      host.copy_(loss, /*non_blocking=*/true);
+      // The loss (and the FP8 figures) go to pinned host memory without waiting, and a marker after
+      // them: reading them then waits for this step's only. A read of the device tensor would wait for
+      // everything the stream holds by then (the next step's forward and backward), and the GPU would
+      // run dry at the end of every step while the host queued the first kernels of the next.
+      auto to_host = [](const torch::Tensor& t) {
+        torch::Tensor host = torch::empty(t.sizes(), t.options().device(torch::kCPU).pinned_memory(true));
+        host.copy_(t, /*non_blocking=*/true);
+        return host;
+      };
+      loss = to_host(loss);
+      if (fp8.defined()) fp8 = to_host(fp8);
       ready = compat::StreamMarker::Record(device_);
-      loss = host;
     }
     const int64_t s = step_;
     if (pending) {

@@ -211,7 +211,8 @@ class Trainer {
   // StepFigures.fp8 from TakeFp8Figures' figures of `step` (undefined: none), counting and saying an
   // overflow.
   std::optional<StepFigures::Fp8> Fp8FiguresOf(const torch::Tensor& figures, int64_t step);
-  Status CheckLoss(double value, int64_t step) const;
+  // Ok for a finite loss; else the error, naming the step's overflowed FP8 operands where there were.
+  Status CheckLoss(double value, int64_t step, int fp8_overflowed = 0) const;
   // A completed step's time: with options_.derive_collective_timeout, the collective timeout derived
   // from the last steps, set on every group when it moved by more than a fifth.
   void RetimeCollectives(double step_ms);

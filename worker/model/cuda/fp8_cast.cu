@@ -126,6 +126,14 @@ __global__ void CastTiles(const __nv_bfloat16* x, int64_t rows, int64_t cols, co
   }
 }
 
+// Eight bytes, the first lowest, as one 8-byte word.
+__device__ __forceinline__ uint2 Pack8(const unsigned char (&q)[8]) {
+  uint2 word;
+  word.x = q[0] | (q[1] << 8) | (q[2] << 16) | (static_cast<unsigned>(q[3]) << 24);
+  word.y = q[4] | (q[5] << 8) | (q[6] << 16) | (static_cast<unsigned>(q[7]) << 24);
+  return word;
+}
+
 constexpr int kWideTile = 64;
 constexpr int kWideThreads = 256;     // 8 groups of 8 columns x 32 rows
 constexpr int kWideStride = kWideTile + 4;  // shared memory row: 4-byte aligned, fewer bank conflicts
@@ -155,9 +163,7 @@ __global__ void CastWideTiles(const __nv_bfloat16* x, int64_t rows, int64_t cols
       q[2 * j] = ToFp8(f.x * scale, e4m3);
       q[2 * j + 1] = ToFp8(f.y * scale, e4m3);
     }
-    uint2 word;
-    word.x = q[0] | (q[1] << 8) | (q[2] << 16) | (static_cast<unsigned>(q[3]) << 24);
-    word.y = q[4] | (q[5] << 8) | (q[6] << 16) | (static_cast<unsigned>(q[7]) << 24);
+    const uint2 word = Pack8(q);
     *reinterpret_cast<uint2*>(out + row * cols + col) = word;
     if (out_t != nullptr) {
       *reinterpret_cast<unsigned*>(&tile[tr][group * 8]) = word.x;
@@ -175,9 +181,7 @@ __global__ void CastWideTiles(const __nv_bfloat16* x, int64_t rows, int64_t cols
     unsigned char q[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) q[j] = tile[group * 8 + j][tc];
-    uint2 word;
-    word.x = q[0] | (q[1] << 8) | (q[2] << 16) | (static_cast<unsigned>(q[3]) << 24);
-    word.y = q[4] | (q[5] << 8) | (q[6] << 16) | (static_cast<unsigned>(q[7]) << 24);
+    const uint2 word = Pack8(q);
     *reinterpret_cast<uint2*>(out_t + t_row * rows + t_col) = word;
   }
 }
