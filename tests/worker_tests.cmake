@@ -73,7 +73,7 @@ endif()
 
 # The worker's CUDA kernels against LibTorch; skips without a GPU (run on the GPU host).
 ltrain_add_test(fused_kernels_test unit
-  SOURCES unit/fused_kernels_test.cc
+  SOURCES unit/fused_kernels_test.cc unit/fp8_products_test.cc
   LIBS ltrain::worker)
 target_precompile_headers(fused_kernels_test REUSE_FROM worker_unit_test)
 

@@ -24,6 +24,7 @@
 #include "worker/comm/communicator.h"
 #include "worker/model/fused_kernels.h"
 #include "worker/torch_compat.h"
+#include "tests/unit/tensor_compare.h"
 
 namespace ltrain::worker {
 namespace {
@@ -57,12 +58,6 @@ TEST(FusedKernelsTest, CrossEntropyMatchesLibTorch) {
   CompareCrossEntropy(64, 50304);  // the benchmark vocabulary (vectorized path)
   CompareCrossEntropy(33, 1001);   // a vocabulary that is not a multiple of 8 (scalar path)
   CompareCrossEntropy(5, 256);     // bytes
-}
-
-// Largest |a - b| relative to the largest |b|.
-double RelativeError(const torch::Tensor& a, const torch::Tensor& b) {
-  torch::Tensor x = a.to(torch::kFloat), y = b.to(torch::kFloat);
-  return ((x - y).abs().max() / y.abs().max()).item<double>();
 }
 
 // bf16 CUDA parameters that live at an offset inside one flat buffer, as the parameter store lays
@@ -105,116 +100,8 @@ std::vector<torch::Tensor> Fp32Reference(const std::vector<torch::Tensor>& input
   return out;
 }
 
-// parallel.precision fp8: the layers' products in FP8 (their backward from the copies forward kept)
-// give outputs and gradients near the bf16 products' (a Bf16ProductsScope); q, k and v's three
-// products read one quantized input.
-TEST(FusedKernelsTest, Fp8LayersFollowTheirBf16Products) {
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
-  if (!Fp8ProductsAvailable()) GTEST_SKIP() << "no FP8 products here (a build without CUDA kernels or float8, or a GPU before 8.9)";
-  torch::manual_seed(12);
-  FusedKernelOptions fp8;
-  fp8.fp8 = true;
-  SetFusedKernelOptions(fp8);
-  const auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
-  const std::vector<torch::Tensor> params = {torch::randn({256, 128}, bf16) * 0.05, torch::randn({256}, bf16) * 0.05,
-                                             torch::randn({128, 256}, bf16) * 0.05, torch::randn({128}, bf16) * 0.05,
-                                             torch::randn({384, 128}, bf16) * 0.05};
-  const torch::Tensor x0 = torch::randn({4, 64, 128}, bf16);
-  // Outputs and gradients of each layer, as one list.
-  auto run = [&](bool in_bf16) {
-    const Bf16ProductsScope scope(in_bf16);
-    EXPECT_EQ(Fp8ProductsOn(), !in_bf16);
-    std::vector<torch::Tensor> p;
-    for (const torch::Tensor& t : params) p.push_back(t.clone().requires_grad_(true));
-    torch::Tensor x = x0.clone().requires_grad_(true);
-    std::vector<torch::Tensor> outputs = {FusedLinear(x, p[0], p[1]), FusedMlp(x, p[0], p[1], p[2], p[3], {}, nullptr, true),
-                                          FusedSwiGluLinear(FusedLinear(x, p[0], p[1]), FusedLinear(x, p[0], {}), p[2])};
-    for (const torch::Tensor& t : FusedQkv(x, p[4], {}, 4)) outputs.push_back(t);
-    // Each output's gradient fixed (the same in both runs): the gradients differ by the products alone.
-    torch::Tensor loss = torch::zeros({}, bf16.dtype(torch::kFloat));
-    for (size_t i = 0; i < outputs.size(); ++i) {
-      torch::manual_seed(100 + static_cast<uint64_t>(i));
-      loss = loss + (outputs[i].to(torch::kFloat) * torch::randn(outputs[i].sizes(), bf16.dtype(torch::kFloat))).sum();
-    }
-    loss.backward();
-    ZeroStaleGradients();
-    std::vector<torch::Tensor> all = outputs;
-    all.push_back(x.grad());
-    for (const torch::Tensor& t : p) all.push_back(t.grad());
-    return all;
-  };
-  const std::vector<torch::Tensor> in_fp8 = run(false), in_bf16 = run(true);
-  SetFusedKernelOptions({});
-  ASSERT_EQ(in_fp8.size(), in_bf16.size());
-  for (size_t i = 0; i < in_fp8.size(); ++i) {
-    ASSERT_TRUE(in_fp8[i].defined() && in_bf16[i].defined()) << i;
-    const torch::Tensor a = in_fp8[i].to(torch::kFloat), b = in_bf16[i].to(torch::kFloat);
-    // The outputs (the first 7) differ: the FP8 products ran (the second bias's gradient, a sum of
-    // the fixed output gradient, is the same either way).
-    if (i < 7) {
-      EXPECT_FALSE(torch::equal(a, b)) << i << ": the FP8 products ran";
-    }
-    const double error = ((a - b).norm() / b.norm()).item<double>();
-    EXPECT_LT(error, 0.08) << "output or gradient " << i;
-    std::printf("FP8 against bf16, output or gradient %zu: relative error %.4f\n", i, error);
-  }
-}
-
 // grad_in_logits: the logits' gradient is written into the logits' own memory, and is the gradient
 // the kernel writes into a buffer of its own.
-// FP8: our quantization kernels give what the fp32 reference (fp8_scaling.h) gives, and the FP8
-// products what a product of the dequantized operands gives, tensorwise and rowwise.
-TEST(FusedKernelsTest, Fp8QuantizationAndProductsMatchTheirReference) {
-  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
-  if (!Fp8ProductsAvailable()) GTEST_SKIP() << "no FP8 products here (a build without CUDA kernels or float8, or a GPU before 8.9)";
-  torch::manual_seed(11);
-  const auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
-  // Rows of very different magnitudes: rowwise scaling has something to follow.
-  torch::Tensor x = (torch::randn({256, 512}) * torch::logspace(-2, 2, 256).unsqueeze(1)).to(bf16);
-  torch::Tensor w = (torch::randn({384, 512}) * 0.02).to(bf16);
-  // Sides that are not multiples of the wide kernel's 64 x 64 tiles (its partial tiles), and not of 8
-  // (the narrow kernel's); an odd number of values for the amax.
-  for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{72, 520}, {100, 36}, {13, 24}, {7, 9}}) {
-    torch::Tensor t = (torch::randn({rows, cols}) * 3).to(bf16);
-    torch::Tensor transposed;
-    Fp8Tensor q = Fp8QuantizeOnDevice(t, Fp8Format::kE4M3, Fp8Scaling::kTensorwise, /*power_of_2=*/false, &transposed);
-    Fp8Tensor reference = Fp8Quantize(t.cpu(), Fp8Format::kE4M3, Fp8Scaling::kTensorwise, /*power_of_2=*/false);
-    EXPECT_TRUE(torch::equal(q.amax.cpu(), reference.amax)) << rows << "x" << cols;
-    EXPECT_TRUE(torch::equal(q.data.cpu().to(torch::kFloat), reference.data.to(torch::kFloat))) << rows << "x" << cols;
-    EXPECT_TRUE(torch::equal(transposed.cpu().to(torch::kFloat), q.data.cpu().to(torch::kFloat).t())) << rows << "x" << cols;
-  }
-  for (Fp8Scaling scaling : {Fp8Scaling::kTensorwise, Fp8Scaling::kRowwise}) {
-    const bool rowwise = scaling == Fp8Scaling::kRowwise;
-    for (Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
-      torch::Tensor transposed;
-      Fp8Tensor q = Fp8QuantizeOnDevice(x, format, scaling, /*power_of_2=*/rowwise, rowwise ? nullptr : &transposed);
-      Fp8Tensor reference = Fp8Quantize(x.cpu(), format, scaling, /*power_of_2=*/rowwise);
-      EXPECT_TRUE(torch::equal(q.amax.cpu(), reference.amax)) << static_cast<int>(scaling);
-      EXPECT_TRUE(torch::allclose(q.scale_inv.cpu(), reference.scale_inv, 1e-6, 0)) << static_cast<int>(scaling);
-      EXPECT_TRUE(torch::equal(q.data.cpu().to(torch::kFloat), reference.data.to(torch::kFloat)))
-          << "scaling " << static_cast<int>(scaling) << " format " << static_cast<int>(format);
-      if (!rowwise) {
-        EXPECT_TRUE(torch::equal(transposed.cpu().to(torch::kFloat), q.data.cpu().to(torch::kFloat).t()));
-      }
-    }
-    // y = x · wᵀ with e4m3 operands; then a gradient-like product with one e5m2 operand.
-    Fp8Tensor xq = Fp8QuantizeOnDevice(x, Fp8Format::kE4M3, scaling, rowwise);
-    Fp8Tensor wq = Fp8QuantizeOnDevice(w, Fp8Format::kE4M3, scaling, rowwise);
-    for (bool fast_accum : {true, false}) {
-      torch::Tensor y = Fp8Product(xq, wq, fast_accum).to(torch::kFloat);
-      torch::Tensor want = torch::matmul(Fp8Dequantize(xq), Fp8Dequantize(wq).t());
-      EXPECT_LE(RelativeError(y, want), 1e-2) << "scaling " << static_cast<int>(scaling) << " fast " << fast_accum;
-    }
-    Fp8Tensor gq = Fp8QuantizeOnDevice(x, Fp8Format::kE5M2, scaling, rowwise);
-    torch::Tensor dy = Fp8Product(gq, wq, false).to(torch::kFloat);
-    EXPECT_LE(RelativeError(dy, torch::matmul(Fp8Dequantize(gq), Fp8Dequantize(wq).t())), 1e-2);
-  }
-  // An infinity is an overflow the amax says.
-  torch::Tensor bad = x.clone();
-  bad[3][7] = std::numeric_limits<float>::infinity();
-  EXPECT_TRUE(Fp8Overflowed(Fp8QuantizeOnDevice(bad, Fp8Format::kE4M3, Fp8Scaling::kTensorwise, false)));
-}
-
 TEST(FusedKernelsTest, CrossEntropyWritesItsGradientOverTheLogits) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
