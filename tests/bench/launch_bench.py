@@ -27,6 +27,10 @@ Suites (--suite, repeatable; default: layouts):
   llama    Llama 3 8B's shape, ZeRO-3 over every GPU, micro-batch 1, against FSDP2 with compile
   llama-1b Llama 3.2 1B's shape (recipes/gpu-llama-1b.yaml's model) on one GPU, micro-batch 4, 30 steps,
            against llama_baseline.py (PyTorch eager and compile, one process)
+  llama-3b Llama 3.2 3B's shape (28 layers, d 3072, 24 heads, 8 kv heads, SwiGLU 8192, tied) on one GPU,
+           micro-batch 2, 30 steps, against llama_baseline.py --model llama-3b
+  gpt-1.3b gpt-1.3b on one GPU (micro-batch 8, 40 steps) against gpt_baseline.py (PyTorch eager and
+           compile, one process, 40 steps)
   hub      the same with Llama 3.2 1B's RoPE scaling (llama3), and Qwen2.5 0.5B's and Qwen3 0.6B's shapes
            against transformers' Qwen2ForCausalLM and Qwen3ForCausalLM (hf_baseline.py: bf16 autocast, SDPA,
            fused AdamW), each peer under torch.compile, one GPU, micro-batch 4, 30 steps
@@ -57,6 +61,8 @@ LLAMA_1B = ("model: {arch: llama, layers: 16, d_model: 2048, heads: 32, kv_heads
             "  vocab: 128256, rope_theta: 500000, tie_embeddings: true}\n")
 # The Hub families' shapes as model.init_from derives them from their config.json: Llama 3.2 1B's with
 # its RoPE scaling, Qwen2.5 0.5B's (q, k and v biases), Qwen3 0.6B's (per-head q/k norms, heads of 128).
+LLAMA_3B = ("model: {arch: llama, layers: 28, d_model: 3072, heads: 24, kv_heads: 8, ffn: 8192, seq_len: 2048,\n"
+            "  vocab: 128256, rope_theta: 500000, tie_embeddings: true}\n")
 LLAMA_1B_SCALED = LLAMA_1B.replace("tie_embeddings: true}", "tie_embeddings: true,\n  rope_scaling: llama3, rope_factor: 32, "
                                    "rope_low_freq_factor: 1, rope_high_freq_factor: 4, rope_original_positions: 8192}")
 QWEN25_05B = ("model: {arch: qwen2, layers: 24, d_model: 896, heads: 14, kv_heads: 2, ffn: 4864, seq_len: 2048,\n"
@@ -272,8 +278,26 @@ def suite_llama_1b(b, baselines):
     path = b.recipe("llama-1b", LLAMA_1B, steps=30, micro_batch=4, global_batch=4, world=1)
     ours = b.launch("ltrain llama-1b", path)
     peers = b.single("PyTorch llama-1b", [os.path.join(baselines, "llama_baseline.py"), "--model", "llama-1b",
-                                          "--mode", "both", "--steps", "30"])
+                                          "--mode", b.args.peer_mode, "--steps", "30"])
     b.ratio("llama-1b", ours, peers.values())
+
+
+def suite_llama_3b(b, baselines):
+    print("llama-3b: Llama 3.2 3B's shape on one GPU, micro-batch 2, against PyTorch eager and compile", flush=True)
+    path = b.recipe("llama-3b", LLAMA_3B, steps=30, micro_batch=2, global_batch=2, world=1)
+    ours = b.launch("ltrain llama-3b", path)
+    peers = b.single("PyTorch llama-3b", [os.path.join(baselines, "llama_baseline.py"), "--model", "llama-3b",
+                                          "--mode", b.args.peer_mode, "--steps", "30"])
+    b.ratio("llama-3b", ours, peers.values())
+
+
+def suite_gpt_1_3b(b, baselines):
+    print("gpt-1.3b: one GPU, micro-batch 8, against gpt_baseline.py (PyTorch eager and compile, one process)",
+          flush=True)
+    ours = b.launch("ltrain gpt-1.3b one GPU", gpt_1_3b(b, 1))
+    peers = b.single("PyTorch gpt-1.3b", [os.path.join(baselines, "gpt_baseline.py"), "--model", "gpt-1.3b",
+                                          "--mode", b.args.peer_mode, "--steps", "40"])
+    b.ratio("gpt-1.3b", ours, peers.values())
 
 
 def suite_hub(b, baselines, here):
@@ -444,7 +468,8 @@ def main():
     ap.add_argument("--baselines", help="the folder of gpt_fsdp.py and gpt_model.py (the peers)")
     ap.add_argument("--data", default="/usr/share/common-licenses",
                     help="text file(s) or a folder of them, made into byte tokens with `ltrain data prepare`")
-    ap.add_argument("--suite", action="append", choices=["layouts", "zero3", "tp", "large", "llama", "llama-1b", "hub", "dp", "learning"])
+    ap.add_argument("--suite", action="append", choices=["layouts", "zero3", "tp", "large", "llama", "llama-1b", "llama-3b", "gpt-1.3b", "hub",
+                                                    "dp", "learning"])
     ap.add_argument("--learning-data", help="the learning suite's text (../shared/data/tinyshakespeare.txt)")
     ap.add_argument("--learning-seeds", type=int, default=0,
                     help="the learning suite's seeds (default: one a GPU, up to 4); more than the GPUs run "
@@ -470,6 +495,8 @@ def main():
     ap.add_argument("--ltrain-set", action="append", default=[], metavar="KEY=VALUE",
                     help="a recipe override (`ltrain launch --set`) for every ltrain job of this build "
                          "(repeatable; e.g. parallel.precision=bf16)")
+    ap.add_argument("--peer-mode", default="both", choices=["eager", "compile", "both"],
+                    help="llama-1b, llama-3b and gpt-1.3b: the one-process peers' modes (default both)")
     ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--run-timeout", type=int, default=900, help="seconds one job or peer may take")
     ap.add_argument("--workdir", help="recipes, tokens and logs (default: a new temporary folder)")
@@ -481,8 +508,10 @@ def main():
     if n == 0:
         print("skipped: 1 GPU(s) needed, 0 here", flush=True)
         return 77
-    if any(s in suites for s in ("zero3", "large", "llama", "llama-1b", "hub", "learning")) and not args.baselines:
-        ap.error("--suite zero3, large, llama, llama-1b, hub and learning need --baselines (the folder of the peers)")
+    if any(s in suites for s in ("zero3", "large", "llama", "llama-1b", "llama-3b", "gpt-1.3b", "hub", "learning")) \
+            and not args.baselines:
+        ap.error("--suite zero3, large, llama, llama-1b, llama-3b, gpt-1.3b, hub and learning need --baselines "
+                 "(the folder of the peers)")
     if "learning" in suites and not args.learning_data:
         ap.error("--suite learning needs --learning-data")
     workdir = args.workdir or tempfile.mkdtemp(prefix="ltrain-launch-bench-")
@@ -512,6 +541,10 @@ def main():
             suite_llama(b, n, baselines)
         elif s == "llama-1b":
             suite_llama_1b(b, baselines)
+        elif s == "llama-3b":
+            suite_llama_3b(b, baselines)
+        elif s == "gpt-1.3b":
+            suite_gpt_1_3b(b, baselines)
         elif s == "hub":
             suite_hub(b, baselines, here)
         elif s == "dp" and n >= 2:

@@ -126,5 +126,68 @@ TEST(FusedKernelsTest, Fp8QuantizationAndProductsMatchTheirReference) {
   EXPECT_TRUE(Fp8Overflowed(Fp8QuantizeOnDevice(bad, Fp8Format::kE4M3, Fp8Scaling::kTensorwise, false)));
 }
 
+// The kernels that write a product's input or output gradient (the norms forward and backward,
+// SwiGLU forward and backward, the GELU's gradient) take its amax on the way: the products then read
+// that amax instead of a pass of their own, and give the same bits as with the pass
+// (options.fp8_writer_amax off). A block of each kind: a product into an fp32 residual stream, the
+// layer norm, the GELU MLP, the RMS norm, SwiGLU's two ways.
+TEST(FusedKernelsTest, Fp8ProductsReadTheAmaxTheirWritersTookAndGiveTheSameBits) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  if (!Fp8ProductsAvailable()) GTEST_SKIP() << "no FP8 products here (a build without CUDA kernels or float8, or a GPU before 8.9)";
+  torch::manual_seed(21);
+  const auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  const auto f32 = bf16.dtype(torch::kFloat);
+  const int64_t d = 128, ffn = 256;
+  const std::vector<torch::Tensor> params = {
+      torch::randn({d, d}, bf16) * 0.05,   torch::randn({d}, bf16) * 0.05,       // 0, 1: the first product
+      1 + torch::randn({d}, bf16) * 0.1,   torch::randn({d}, bf16) * 0.1,        // 2, 3: the layer norm
+      torch::randn({ffn, d}, bf16) * 0.05, torch::randn({ffn}, bf16) * 0.05,     // 4, 5: the MLP's
+      torch::randn({d, ffn}, bf16) * 0.05, torch::randn({d}, bf16) * 0.05,       // 6, 7
+      1 + torch::randn({d}, bf16) * 0.1,                                         // 8: the RMS norm
+      torch::randn({ffn, d}, bf16) * 0.05, torch::randn({ffn, d}, bf16) * 0.05,  // 9, 10: gate, up
+      torch::randn({d, ffn}, bf16) * 0.05};                                      // 11: down
+  const torch::Tensor x0 = torch::randn({4, 64, d}, bf16), r0 = torch::randn({4, 64, d}, f32);
+  auto run = [&](bool writer_amax, int64_t* taken) {
+    FusedKernelOptions options;
+    options.fp8 = true;
+    options.fp8_writer_amax = writer_amax;
+    SetFusedKernelOptions(options);
+    const int64_t before = Fp8WriterAmaxesTaken();
+    std::vector<torch::Tensor> p;
+    for (const torch::Tensor& t : params) p.push_back(t.clone().requires_grad_(true));
+    torch::Tensor x = x0.clone().requires_grad_(true), r = r0.clone().requires_grad_(true);
+    const torch::Tensor h = FusedLinear(x, p[0], p[1], r);
+    auto [n1, h_res] = FusedLayerNorm(h, p[2], p[3]);
+    const torch::Tensor m = FusedMlp(n1, p[4], p[5], p[6], p[7], h_res);
+    auto [n2, m_res] = FusedRmsNorm(m, p[8], 1e-5);
+    const torch::Tensor g = FusedLinear(n2, p[9], {}), u = FusedLinear(n2, p[10], {});
+    const torch::Tensor out = FusedLinear(FusedSwiGlu(g, u), p[11], {}, m_res);
+    // The selective path (SwiGLU made again in backward) from products of its own: each gate's and
+    // up's gradient reaches its product alone, not summed with another by autograd first.
+    const torch::Tensor out_selective = FusedSwiGluLinear(FusedLinear(n2, p[9], {}), FusedLinear(n2, p[10], {}), p[11]);
+    torch::manual_seed(5);
+    const torch::Tensor loss = (out * torch::randn(out.sizes(), f32)).sum() +
+                               (out_selective.to(torch::kFloat) * torch::randn(out.sizes(), f32)).sum();
+    loss.backward();
+    ZeroStaleGradients();
+    *taken = Fp8WriterAmaxesTaken() - before;
+    std::vector<torch::Tensor> all = {out, out_selective, x.grad(), r.grad()};
+    for (const torch::Tensor& t : p) all.push_back(t.grad());
+    return all;
+  };
+  int64_t taken_on = 0, taken_off = 0;
+  const std::vector<torch::Tensor> on = run(true, &taken_on), off = run(false, &taken_off);
+  SetFusedKernelOptions({});
+  // Forward: the layer norm's, the RMS norm's and both SwiGLUs' outputs; backward: the GELU's
+  // gradient, both SwiGLU backwards' two gradients, and both norms' input gradients.
+  EXPECT_EQ(taken_on, 11);
+  EXPECT_EQ(taken_off, 0);
+  ASSERT_EQ(on.size(), off.size());
+  for (size_t i = 0; i < on.size(); ++i) {
+    ASSERT_TRUE(on[i].defined() && off[i].defined()) << i;
+    EXPECT_TRUE(torch::equal(on[i], off[i])) << "output or gradient " << i << " differs with the writers' amaxes";
+  }
+}
+
 }  // namespace
 }  // namespace ltrain::worker

@@ -1,6 +1,7 @@
 // FP8 operands: the quantization (our kernels), the operands the linear products share, the figures of
 // a step's operands, FP8 products of quantized tensors, and which products run in FP8.
 #include <array>
+#include <deque>
 #include <map>
 #include <mutex>
 #include <stdexcept>
@@ -45,11 +46,61 @@ std::map<c10::DeviceIndex, std::array<QuantizedOperand, kFp8Operands>> fp8_last;
 // (activations, weights, gradients): device scalars, read together once a step.
 std::array<std::vector<torch::Tensor>, kFp8Operands> fp8_amaxes;
 
+// Amaxes the kernels took of tensors as they wrote them (NoteAmax), the newest last: taken by the
+// quantization of the same elements at the same version. Each holds its tensor, so that no other
+// takes its memory meanwhile; a few a device, the oldest dropped first.
+struct NotedAmax {
+  torch::Tensor t;
+  int64_t version = -1;
+  torch::Tensor amax;
+};
+constexpr size_t kNotedAmaxes = 4;
+std::map<c10::DeviceIndex, std::deque<NotedAmax>> noted_amaxes;
+int64_t writer_amaxes_taken = 0;
+
+// The amax noted for `t` as it is now (then no longer noted), or undefined. Under fp8_mu.
+torch::Tensor TakeNotedAmax(const torch::Tensor& t, int64_t version) {
+  auto it = noted_amaxes.find(t.device().index());
+  if (it == noted_amaxes.end()) return {};
+  std::deque<NotedAmax>& noted = it->second;
+  for (auto n = noted.begin(); n != noted.end(); ++n) {
+    // The same elements: one storage (held, so not another's since), one start, as many, one version.
+    if (n->t.storage().unsafeGetStorageImpl() == t.storage().unsafeGetStorageImpl() &&
+        n->t.data_ptr() == t.data_ptr() && n->t.numel() == t.numel() && n->version == version) {
+      torch::Tensor amax = std::move(n->amax);
+      noted.erase(n);
+      ++writer_amaxes_taken;
+      return amax;
+    }
+  }
+  return {};
+}
+
+// Fp8QuantizeOnDevice, tensorwise, with the amax a kernel took already where `amax` is defined.
+Fp8Tensor QuantizeTensorwise(const torch::Tensor& x, Fp8Format format, torch::Tensor* transposed,
+                             const torch::Tensor& amax);
+
 }  // namespace
 
 void fused::ForgetFp8Operands() {
   std::lock_guard<std::mutex> lock(fp8_mu);
   fp8_last.clear();
+  noted_amaxes.clear();
+}
+
+torch::Tensor fused::AmaxFor(const torch::Tensor& t) {
+  if (!Fp8ProductsOn() || !fused::Options().fp8_writer_amax || !t.is_cuda() || t.scalar_type() != torch::kBFloat16) {
+    return {};
+  }
+  return torch::zeros({}, t.options().dtype(torch::kFloat));
+}
+
+void fused::NoteAmax(const torch::Tensor& t, const torch::Tensor& amax) {
+  if (!amax.defined() || !t.is_contiguous()) return;
+  std::lock_guard<std::mutex> lock(fp8_mu);
+  std::deque<NotedAmax>& noted = noted_amaxes[t.device().index()];
+  noted.push_back({t, static_cast<int64_t>(t._version()), amax});
+  if (noted.size() > kNotedAmaxes) noted.pop_front();
 }
 
 QuantizedOperand fused::InFp8(const torch::Tensor& t, Fp8Operand operand) {
@@ -62,10 +113,14 @@ QuantizedOperand fused::InFp8(const torch::Tensor& t, Fp8Operand operand) {
       return last;
     }
   }
+  torch::Tensor amax;
+  if (t.is_contiguous()) {
+    std::lock_guard<std::mutex> lock(fp8_mu);
+    amax = TakeNotedAmax(t, version);
+  }
   QuantizedOperand fresh;
   const Fp8Format format = operand == kGradient ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
-  fresh.q = Fp8QuantizeOnDevice(t.contiguous(), format, Fp8Scaling::kTensorwise, /*power_of_2=*/false,
-                                &fresh.transposed);
+  fresh.q = QuantizeTensorwise(t.contiguous(), format, &fresh.transposed, amax);
   fresh.source = t;
   fresh.version = version;
   std::lock_guard<std::mutex> lock(fp8_mu);
@@ -82,8 +137,11 @@ bool Fp8ProductsAvailable() {
   return major * 10 + minor >= 89;
 }
 
-Fp8Tensor Fp8QuantizeOnDevice(const torch::Tensor& x, Fp8Format format, Fp8Scaling scaling, bool power_of_2,
-                              torch::Tensor* transposed) {
+namespace {
+
+// Fp8QuantizeOnDevice, with the amax of x given (tensorwise only) or, where undefined, taken here.
+Fp8Tensor Quantize(const torch::Tensor& x, Fp8Format format, Fp8Scaling scaling, bool power_of_2,
+                   torch::Tensor* transposed, const torch::Tensor& amax_given) {
   if (!x.is_cuda() || x.scalar_type() != torch::kBFloat16 || x.dim() != 2 || !x.is_contiguous()) {
     throw std::invalid_argument("Fp8QuantizeOnDevice takes a contiguous 2-D bf16 CUDA tensor");
   }
@@ -95,15 +153,33 @@ Fp8Tensor Fp8QuantizeOnDevice(const torch::Tensor& x, Fp8Format format, Fp8Scali
   const auto fp8 = x.options().dtype(e4m3 ? at::ScalarType::Float8_e4m3fn : at::ScalarType::Float8_e5m2);
   const auto f32 = x.options().dtype(torch::kFloat);
   Fp8Tensor q;
-  q.amax = rowwise ? torch::empty({rows, 1}, f32) : torch::zeros({}, f32);
+  const bool given = amax_given.defined() && !rowwise;
+  q.amax = given ? amax_given : rowwise ? torch::empty({rows, 1}, f32) : torch::zeros({}, f32);
   q.scale_inv = rowwise ? torch::empty({rows, 1}, f32) : torch::empty({}, f32);
   q.data = torch::empty({rows, cols}, fp8);
   if (transposed != nullptr) *transposed = torch::empty({cols, rows}, fp8);
   cudaStream_t stream = fused::StreamOf(x);
-  cuda::Bf16Amax(x.data_ptr(), rows, cols, rowwise, q.amax.data_ptr<float>(), stream);
+  if (!given) cuda::Bf16Amax(x.data_ptr(), rows, cols, rowwise, q.amax.data_ptr<float>(), stream);
   cuda::Bf16ToFp8(x.data_ptr(), rows, cols, q.amax.data_ptr<float>(), rowwise, e4m3, power_of_2, q.data.data_ptr(),
                   transposed != nullptr ? transposed->data_ptr() : nullptr, q.scale_inv.data_ptr<float>(), stream);
   return q;
+}
+
+Fp8Tensor QuantizeTensorwise(const torch::Tensor& x, Fp8Format format, torch::Tensor* transposed,
+                             const torch::Tensor& amax) {
+  return Quantize(x, format, Fp8Scaling::kTensorwise, /*power_of_2=*/false, transposed, amax);
+}
+
+}  // namespace
+
+Fp8Tensor Fp8QuantizeOnDevice(const torch::Tensor& x, Fp8Format format, Fp8Scaling scaling, bool power_of_2,
+                              torch::Tensor* transposed) {
+  return Quantize(x, format, scaling, power_of_2, transposed, {});
+}
+
+int64_t Fp8WriterAmaxesTaken() {
+  std::lock_guard<std::mutex> lock(fp8_mu);
+  return writer_amaxes_taken;
 }
 
 torch::Tensor TakeFp8Figures() {
@@ -183,9 +259,15 @@ constexpr const char* kNoFp8 = "this worker was built without CUDA kernels";
 
 void fused::ForgetFp8Operands() {}
 
+torch::Tensor fused::AmaxFor(const torch::Tensor& /*t*/) { return {}; }
+
+void fused::NoteAmax(const torch::Tensor& /*t*/, const torch::Tensor& /*amax*/) {}
+
 bool Fp8ProductsAvailable() { return false; }
 
 torch::Tensor TakeFp8Figures() { return {}; }
+
+int64_t Fp8WriterAmaxesTaken() { return 0; }
 
 Fp8Tensor Fp8QuantizeOnDevice(const torch::Tensor& /*x*/, Fp8Format /*format*/, Fp8Scaling /*scaling*/,
                               bool /*power_of_2*/, torch::Tensor* /*transposed*/) {

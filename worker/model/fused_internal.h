@@ -19,8 +19,17 @@ namespace ltrain::worker::fused {
 // The options SetFusedKernelOptions set.
 const FusedKernelOptions& Options();
 
-// Drops the FP8 operands kept for the next product (after backward).
+// Drops the FP8 operands kept for the next product, and the amaxes noted (after backward).
 void ForgetFp8Operands();
+
+// The amax of a tensor that an FP8 product will quantize, taken by the kernel that writes it instead
+// of a pass of the quantization's own. AmaxFor: a device fp32 holding 0 for that kernel, where FP8
+// products are on and t (the kernel's output) is bf16 on a GPU, else undefined (the kernel takes
+// none). NoteAmax, after the kernel is queued: the next quantization of t's elements, unchanged since
+// (the same version), reads that amax. Nothing where amax is undefined.
+torch::Tensor AmaxFor(const torch::Tensor& t);
+void NoteAmax(const torch::Tensor& t, const torch::Tensor& amax);
+inline float* AmaxPointer(const torch::Tensor& amax) { return amax.defined() ? amax.data_ptr<float>() : nullptr; }
 
 #if defined(LTRAIN_WITH_CUDA_KERNELS)
 // The current stream of t's device.

@@ -27,6 +27,7 @@
 #include "worker/model/cuda/cross_entropy.h"
 #include "worker/model/cuda/embedding.h"
 #include "worker/model/cuda/fp8_cast.h"
+#include "worker/model/cuda/gelu.h"
 #include "worker/model/cuda/gemm.h"
 #include "worker/model/cuda/layer_norm.h"
 #include "worker/model/cuda/llama_ops.h"
@@ -247,7 +248,8 @@ torch::Tensor InputGradProduct(const torch::Tensor& grad, const torch::Tensor& w
   bool dgelu_apart = false;
   if (Fp8Takes(grad, rows, in, out)) {
     // cuBLASLt runs an FP8 product's DGELU epilogue as a pass of its own (4x LibTorch's gelu_backward
-    // on an H100): the GELU's gradient is applied after the product instead.
+    // on an H100): the GELU's gradient is applied after the product instead, by our kernel, which
+    // takes the amax for the next product's quantization of it on the way.
     dgelu_apart = epilogue == cuda::Epilogue::kDGelu && !into.defined() && !accumulate;
     gq = InFp8(grad, kGradient);
     if (fp8_saved != nullptr && fp8_saved->w_t.defined()) {
@@ -269,7 +271,11 @@ torch::Tensor InputGradProduct(const torch::Tensor& grad, const torch::Tensor& w
   if (aux.defined() && !dgelu_apart) g.aux = aux.data_ptr(), g.ld_aux = in;
   if (accumulate) g.beta = 1.0f;
   Gemm(g, grad, true);
-  if (dgelu_apart) return at::gelu_backward(dx, aux, "tanh");
+  if (dgelu_apart) {
+    const torch::Tensor amax = fused::AmaxFor(dx);
+    cuda::GeluBackward(dx.data_ptr(), aux.data_ptr(), dx.numel(), dx.data_ptr(), StreamOf(dx), fused::AmaxPointer(amax));
+    fused::NoteAmax(dx, amax);
+  }
   return dx;
 }
 
@@ -728,9 +734,11 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
       mean = torch::empty({rows}, f32);
       rstd = torch::empty({rows}, f32);
       if (x_fp32) kept = torch::empty(input.sizes(), input.options().dtype(w.scalar_type()));
+      const torch::Tensor amax = fused::AmaxFor(out);  // the products below quantize out
       cuda::LayerNormForward(input.data_ptr(), x_fp32, w.data_ptr(), b.data_ptr(), static_cast<float>(eps), rows, cols,
                              out.data_ptr(), mean.data_ptr<float>(), rstd.data_ptr<float>(),
-                             x_fp32 ? kept.data_ptr() : nullptr, StreamOf(input));
+                             x_fp32 ? kept.data_ptr() : nullptr, StreamOf(input), fused::AmaxPointer(amax));
+      fused::NoteAmax(out, amax);
     } else if (x_fp32) {
       std::tie(out, mean, rstd) = at::native_layer_norm(input, {input.size(-1)}, w.to(torch::kFloat), b.to(torch::kFloat), eps);
       out = out.to(w.scalar_type());
@@ -779,12 +787,16 @@ struct LayerNormFunction : public torch::autograd::Function<LayerNormFunction> {
     torch::Tensor partial =
         torch::empty({cuda::NormBackwardPartialFloats(rows, cols, fp32_grads)}, x.options().dtype(torch::kFloat));
     int64_t dx_sums = 0;
+    // The product that wrote x reads the bf16 gradient (the copy on an fp32 stream), FP8 quantized.
+    const torch::Tensor& product_grad = fp32_grads ? dx_bf16 : dx;
+    const torch::Tensor amax = fused::AmaxFor(product_grad);
     cuda::LayerNormBackward(dy.data_ptr(), x.data_ptr(), fp32_grads, w.data_ptr(),
                             fp32_grads ? nullptr : mean.data_ptr<float>(), rstd.data_ptr<float>(),
                             dres.defined() ? dres.data_ptr() : nullptr, rows, cols, dx.data_ptr(),
                             fp32_grads ? dx_bf16.data_ptr() : nullptr, partial.data_ptr<float>(), dgamma.data_ptr(),
                             dbeta.data_ptr(), StreamOf(x), /*accumulate_params=*/in_place,
-                            fp32_grads ? &dx_sums : nullptr);
+                            fp32_grads ? &dx_sums : nullptr, fused::AmaxPointer(amax));
+    fused::NoteAmax(product_grad, amax);
     if (fp32_grads) OfferBf16Twin(dx, dx_bf16, partial, dx_sums);
     if (in_place) return {dx, torch::Tensor(), torch::Tensor(), torch::Tensor()};
     return {dx, dgamma, dbeta, torch::Tensor()};
@@ -809,8 +821,10 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
       const int64_t cols = input.size(-1), rows = input.numel() / cols;
       out = torch::empty(input.sizes(), input.options().dtype(w.scalar_type()));
       kept = torch::empty(input.sizes(), input.options().dtype(w.scalar_type()));
+      const torch::Tensor amax = fused::AmaxFor(out);  // the products below quantize out
       cuda::RmsNormForward(input.data_ptr(), /*x_fp32=*/true, w.data_ptr(), static_cast<float>(eps), rows, cols,
-                           out.data_ptr(), kept.data_ptr(), StreamOf(input));
+                           out.data_ptr(), kept.data_ptr(), StreamOf(input), fused::AmaxPointer(amax));
+      fused::NoteAmax(out, amax);
     } else {
       out = compat::RmsNorm(input, w, eps);
     }
@@ -854,10 +868,14 @@ struct RmsNormFunction : public torch::autograd::Function<RmsNormFunction> {
     torch::Tensor into_w = NormParamTargets(w, {}).first;
     torch::Tensor dgamma = into_w.defined() ? into_w : torch::empty({cols}, w.options());
     torch::Tensor partial = torch::empty({cuda::NormBackwardPartialFloats(rows, cols)}, x.options().dtype(torch::kFloat));
+    const torch::Tensor& product_grad = fp32_grads ? dx_bf16 : dx;  // as the layer norm's
+    const torch::Tensor amax = fused::AmaxFor(product_grad);
     cuda::RmsNormBackward(dy.data_ptr(), x.data_ptr(), fp32_grads, w.data_ptr(), static_cast<float>(eps),
                           dres.defined() ? dres.data_ptr() : nullptr, rows, cols, dx.data_ptr(),
                           fp32_grads ? dx_bf16.data_ptr() : nullptr, rstd.data_ptr<float>(), partial.data_ptr<float>(),
-                          dgamma.data_ptr(), StreamOf(x), /*accumulate_params=*/into_w.defined());
+                          dgamma.data_ptr(), StreamOf(x), /*accumulate_params=*/into_w.defined(),
+                          fused::AmaxPointer(amax));
+    fused::NoteAmax(product_grad, amax);
     if (fp32_grads) OfferBf16Twin(dx, dx_bf16);
     return {dx, into_w.defined() ? torch::Tensor() : dgamma, torch::Tensor()};
   }
@@ -936,7 +954,9 @@ struct SwiGluLinearFunction : public torch::autograd::Function<SwiGluLinearFunct
     NoteFp8(ctx);
     torch::Tensor g = gate.reshape({-1, gate.size(-1)}).contiguous(), u = up.reshape({-1, up.size(-1)}).contiguous();
     torch::Tensor h = torch::empty_like(g);
-    cuda::SwiGlu(g.data_ptr(), u.data_ptr(), g.numel(), h.data_ptr(), StreamOf(g));
+    const torch::Tensor amax = fused::AmaxFor(h);
+    cuda::SwiGlu(g.data_ptr(), u.data_ptr(), g.numel(), h.data_ptr(), StreamOf(g), fused::AmaxPointer(amax));
+    fused::NoteAmax(h, amax);
     Fp8Saved fp8;
     torch::Tensor y = LinearProduct(h, w, {}, cuda::Epilogue::kNone, {}, Residual2d(residual, w.size(0)), {}, &fp8);
     SaveFp8(ctx, "fp8", fp8);  // under FP8 the weight gradient reads h's FP8 copy: h is not made again
@@ -962,8 +982,11 @@ struct SwiGluLinearFunction : public torch::autograd::Function<SwiGluLinearFunct
     torch::Tensor dh = InputGradProduct(dy, w, cuda::Epilogue::kNone, {}, {}, false, &fp8);
     h = torch::Tensor();
     torch::Tensor dgate = torch::empty_like(g), dup = torch::empty_like(u);
+    const torch::Tensor dgate_amax = fused::AmaxFor(dgate), dup_amax = fused::AmaxFor(dup);
     cuda::SwiGluBackward(g.data_ptr(), u.data_ptr(), dh.data_ptr(), dh.numel(), dgate.data_ptr(), dup.data_ptr(),
-                         StreamOf(dh));
+                         StreamOf(dh), fused::AmaxPointer(dgate_amax), fused::AmaxPointer(dup_amax));
+    fused::NoteAmax(dgate, dgate_amax);
+    fused::NoteAmax(dup, dup_amax);
     const std::vector<int64_t> sizes = ctx->saved_data["sizes"].toIntVector();
     return {dgate.view(sizes), dup.view(sizes), dw, ctx->saved_data["has_residual"].toBool() ? grads[0] : torch::Tensor()};
   }

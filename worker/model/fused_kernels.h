@@ -36,6 +36,10 @@ struct FusedKernelOptions {
   // Under fp8: a product's forward keeps its weight's FP8 transposed copy for backward (false under
   // ZeRO-3, whose gathered weights are not held from forward to backward: backward quantizes again).
   bool fp8_keep_weights = true;
+  // Under fp8: the kernels that write a product's input or output gradient (the norms, SwiGLU, the
+  // GELU's gradient) take its amax as they write it, and its quantization reads that amax instead of
+  // a pass of its own (LTRAIN_FP8_WRITER_AMAX=0 turns it off: the same values, one more pass each).
+  bool fp8_writer_amax = true;
 };
 void SetFusedKernelOptions(const FusedKernelOptions& options);
 
@@ -207,6 +211,10 @@ void FusedAdamW(const torch::Tensor& param, const torch::Tensor& grad, const tor
 // operands were quantized and how many of those had an amax that was not finite. Undefined where
 // no FP8 product ran.
 torch::Tensor TakeFp8Figures();
+
+// How many FP8 quantizations in this process read the amax that the kernel which wrote their tensor
+// took (options.fp8_writer_amax) instead of taking it in a pass of their own.
+int64_t Fp8WriterAmaxesTaken();
 
 // FP8 products (a CUDA build on a LibTorch with float8 types, a GPU of compute capability 8.9 or
 // newer: Fp8ProductsAvailable).

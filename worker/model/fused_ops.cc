@@ -143,7 +143,9 @@ struct SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
     c10::cuda::CUDAGuard guard(gate.device());
     torch::Tensor g = gate.contiguous(), u = up.contiguous();
     torch::Tensor out = torch::empty_like(g);
-    cuda::SwiGlu(g.data_ptr(), u.data_ptr(), g.numel(), out.data_ptr(), StreamOf(g));
+    const torch::Tensor amax = fused::AmaxFor(out);  // the down projection quantizes out
+    cuda::SwiGlu(g.data_ptr(), u.data_ptr(), g.numel(), out.data_ptr(), StreamOf(g), fused::AmaxPointer(amax));
+    fused::NoteAmax(out, amax);
     ctx->save_for_backward({g, u});
     return out;
   }
@@ -152,8 +154,12 @@ struct SwiGluFunction : public torch::autograd::Function<SwiGluFunction> {
     torch::Tensor d = grads[0].contiguous();
     c10::cuda::CUDAGuard guard(d.device());
     torch::Tensor dgate = torch::empty_like(saved[0]), dup = torch::empty_like(saved[1]);
+    // The gate and up projections' backward quantize dgate and dup.
+    const torch::Tensor dgate_amax = fused::AmaxFor(dgate), dup_amax = fused::AmaxFor(dup);
     cuda::SwiGluBackward(saved[0].data_ptr(), saved[1].data_ptr(), d.data_ptr(), d.numel(), dgate.data_ptr(),
-                         dup.data_ptr(), StreamOf(d));
+                         dup.data_ptr(), StreamOf(d), fused::AmaxPointer(dgate_amax), fused::AmaxPointer(dup_amax));
+    fused::NoteAmax(dgate, dgate_amax);
+    fused::NoteAmax(dup, dup_amax);
     return {dgate, dup};
   }
 };

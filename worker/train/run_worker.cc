@@ -474,6 +474,7 @@ Status Run(const WorkerEnv& env) {
   }
   kernels.fp8 = recipe.parallel.precision == Precision::kFp8;
   kernels.fp8_keep_weights = recipe.parallel.zero < 3;
+  kernels.fp8_writer_amax = EnvString("LTRAIN_FP8_WRITER_AMAX") != "0";
   if (kernels.fp8 && recipe.parallel.device == Device::kCuda && !Fp8ProductsAvailable()) {
     return InvalidArgument("parallel.precision: fp8 needs a GPU of compute capability 8.9 or newer (Hopper, Ada) and a "
                            "worker built with CUDA kernels on a LibTorch with float8 types (2.1 and later); use "
@@ -751,6 +752,9 @@ Profiling:
   LTRAIN_NORM_REBUILD=0|1  0: under activation_checkpointing: selective, keep each block norm's
                            output for the products that read it, instead of making it again in
                            backward; 1: make it again in backward under every recompute mode
+  LTRAIN_FP8_WRITER_AMAX=0 under parallel.precision: fp8, quantize each product's input and output
+                           gradient with an amax pass of its own, instead of the amax the kernel
+                           that wrote it (a norm, SwiGLU, the GELU's gradient) took on the way
   LTRAIN_DP_HIGH_PRIORITY=1  run the data-parallel collectives on a high-priority CUDA stream
   LTRAIN_GEMM_SM_MARGIN=N  plan the cuBLASLt products of backward for N fewer SMs than the GPU has,
                            leaving them to the data-parallel reductions that overlap backward

@@ -59,6 +59,32 @@ struct Vec8<float> {
   }
 };
 
+// An FP8 quantization's amax taken by the kernel that writes the tensor, instead of a pass of its
+// own: the largest |v| kept as the bits of an fp32 (non-negative values order as their bits do, and
+// a NaN's bits exceed infinity's, so a NaN wins), added to a device fp32 holding 0 before by
+// atomicMax on its bits.
+//
+// Of eight bf16 values (a bf16's bits shifted up are the fp32's).
+__device__ __forceinline__ unsigned AbsMaxBits(const Bf16x8& p) {
+  const unsigned* w = reinterpret_cast<const unsigned*>(&p);
+  constexpr unsigned kMagnitudes = 0x7fff7fffu;
+  const unsigned m = __vmaxu2(__vmaxu2(w[0] & kMagnitudes, w[1] & kMagnitudes),
+                              __vmaxu2(w[2] & kMagnitudes, w[3] & kMagnitudes));
+  return max(m & 0xffffu, m >> 16) << 16;
+}
+__device__ __forceinline__ unsigned AbsMaxBits(__nv_bfloat16 v) {
+  return static_cast<unsigned>(__bfloat16_as_ushort(v) & 0x7fffu) << 16;
+}
+
+// Adds the warp's largest `bits` to *amax; every lane of the warp calls it. The value is read first:
+// it only grows, so most warps need no atomic.
+__device__ __forceinline__ void AddWarpAmax(unsigned bits, float* amax) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, offset));
+  unsigned* const held = reinterpret_cast<unsigned*>(amax);
+  if ((threadIdx.x & 31) == 0 && bits > *reinterpret_cast<volatile unsigned*>(held)) atomicMax(held, bits);
+}
+
 // Two adjacent values of T as fp32.
 __device__ __forceinline__ float2 Load2(const __nv_bfloat16* p) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));

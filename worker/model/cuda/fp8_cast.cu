@@ -1,6 +1,5 @@
-// The amax: a grid-stride pass (eight values a 16-byte load where the tensor allows), each block's
-// maximum by a warp reduction, the blocks' by atomicMax on the float's bits (non-negative floats order
-// as their bits do; a NaN's bits exceed infinity's, so a NaN wins). The cast: tiles of 64 x 64
+// The amax: a grid-stride pass (eight values a 16-byte load where the tensor allows), each warp's
+// maximum added by AddWarpAmax (bf16x8.cuh), as the kernels that take an amax while they write do. The cast: tiles of 64 x 64
 // values, eight a 16-byte load and an 8-byte store, written by rows and, through shared memory, by
 // columns for the transposed copy (tiles of 32 x 32 one value at a time where the sides are not
 // multiples of 8 or the tensors not aligned).
@@ -8,6 +7,8 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
+
+#include "worker/model/cuda/bf16x8.cuh"
 
 namespace ltrain::worker::cuda {
 namespace {
@@ -25,46 +26,29 @@ __device__ __forceinline__ float WarpMax(float v) {
 __device__ __forceinline__ float MaxKeepNan(float a, float b) { return (isnan(a) || isnan(b)) ? NAN : fmaxf(a, b); }
 
 __global__ void TensorAmax(const __nv_bfloat16* x, int64_t n, bool vector, float* amax) {
-  float m = 0.0f;
+  unsigned m = 0;
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   if (vector) {
     // n is a multiple of 8 and x 16-byte aligned: four 16-byte loads in flight a thread.
-    const uint4* v = reinterpret_cast<const uint4*>(x);
+    const Bf16x8* v = reinterpret_cast<const Bf16x8*>(x);
     const int64_t vectors = n / 8;
     for (int64_t base = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; base < vectors;
          base += 4 * stride) {
-      uint4 packed[4];
+      Bf16x8 packed[4];
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
         const int64_t i = base + u * stride;
-        packed[u] = i < vectors ? v[i] : make_uint4(0, 0, 0, 0);
+        packed[u] = i < vectors ? v[i] : Bf16x8{};
       }
 #pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed[u]);
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float2 f = __bfloat1622float2(pairs[j]);
-          m = MaxKeepNan(m, MaxKeepNan(fabsf(f.x), fabsf(f.y)));
-        }
-      }
+      for (int u = 0; u < 4; ++u) m = max(m, AbsMaxBits(packed[u]));
     }
   } else {
     for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride) {
-      m = MaxKeepNan(m, fabsf(__bfloat162float(x[i])));
+      m = max(m, AbsMaxBits(x[i]));
     }
   }
-  const bool nan = __any_sync(0xffffffffu, isnan(m));
-  m = nan ? NAN : WarpMax(m);
-  __shared__ float warps[32];
-  if ((threadIdx.x & 31) == 0) warps[threadIdx.x / 32] = m;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    float v = threadIdx.x < blockDim.x / 32 ? warps[threadIdx.x] : 0.0f;
-    const bool any_nan = __any_sync(0xffffffffu, isnan(v));
-    v = any_nan ? NAN : WarpMax(v);
-    if (threadIdx.x == 0) atomicMax(reinterpret_cast<int*>(amax), __float_as_int(v));
-  }
+  AddWarpAmax(m, amax);
 }
 
 // One warp per row.
@@ -149,12 +133,19 @@ __global__ void CastWideTiles(const __nv_bfloat16* x, int64_t rows, int64_t cols
   const int64_t col0 = blockIdx.x * static_cast<int64_t>(kWideTile), row0 = blockIdx.y * static_cast<int64_t>(kWideTile);
   const int group = threadIdx.x % 8, r = threadIdx.x / 8;
   const int64_t col = col0 + group * 8;
+  // Both rows' loads first, so that both are in flight before the first store.
+  uint4 loaded[2];
+#pragma unroll
+  for (int pass = 0; pass < 2; ++pass) {
+    const int64_t row = row0 + r + 32 * pass;
+    loaded[pass] = row < rows && col < cols ? *reinterpret_cast<const uint4*>(x + row * cols + col) : uint4{};
+  }
 #pragma unroll
   for (int pass = 0; pass < 2; ++pass) {
     const int tr = r + 32 * pass;
     const int64_t row = row0 + tr;
     if (row >= rows || col >= cols) continue;
-    const uint4 packed = *reinterpret_cast<const uint4*>(x + row * cols + col);
+    const uint4 packed = loaded[pass];
     const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
     unsigned char q[8];
 #pragma unroll

@@ -130,29 +130,37 @@ __device__ __forceinline__ void RowStatistics(float sum_g, float sum_gx, float s
 }
 
 // Writes eight columns of dx (the residual gradient r added) and, where dx16 is not null, their bf16
-// copy; `out` gets them in fp32.
+// copy; `out` gets them in fp32. Returns the AbsMaxBits of the bf16 gradient a product reads (dx16,
+// or a bf16 dx), 0 where there is none.
 template <typename T>
-__device__ __forceinline__ void WriteInputGrad(const Bf16x8& dy, const Bf16x8& x, const Bf16x8& gamma,
-                                               const float (&r)[8], float m, float s, float mean_g, float mean_gx,
-                                               typename Vec8<T>::Type* dx, Bf16x8* dx16, float (&out)[8]) {
+__device__ __forceinline__ unsigned WriteInputGrad(const Bf16x8& dy, const Bf16x8& x, const Bf16x8& gamma,
+                                                   const float (&r)[8], float m, float s, float mean_g, float mean_gx,
+                                                   typename Vec8<T>::Type* dx, Bf16x8* dx16, float (&out)[8]) {
   float d[8], xv[8], g[8];
   Unpack(dy, d);
   Unpack(x, xv);
   Unpack(gamma, g);
 #pragma unroll
   for (int i = 0; i < 8; ++i) out[i] = (d[i] * g[i] - mean_g - (xv[i] - m) * s * mean_gx) * s + r[i];
-  *dx = Vec8<T>::Store(out);
-  if (dx16 != nullptr) *dx16 = Pack(out);
+  const typename Vec8<T>::Type stored = Vec8<T>::Store(out);
+  *dx = stored;
+  if (dx16 != nullptr) {
+    const Bf16x8 copy = Pack(out);
+    *dx16 = copy;
+    return AbsMaxBits(copy);
+  }
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) return AbsMaxBits(stored);
+  return 0;
 }
 
 // The same with the residual gradient read from dres (null: none).
 template <typename T>
-__device__ __forceinline__ void WriteInputGrad(const Bf16x8& dy, const Bf16x8& x, const Bf16x8& gamma,
+__device__ __forceinline__ unsigned WriteInputGrad(const Bf16x8& dy, const Bf16x8& x, const Bf16x8& gamma,
                                                const typename Vec8<T>::Type* dres, float m, float s, float mean_g,
                                                float mean_gx, typename Vec8<T>::Type* dx, Bf16x8* dx16) {
   float r[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, out[8];
   if (dres != nullptr) Vec8<T>::Load(*dres, r);
-  WriteInputGrad<T>(dy, x, gamma, r, m, s, mean_g, mean_gx, dx, dx16, out);
+  return WriteInputGrad<T>(dy, x, gamma, r, m, s, mean_g, mean_gx, dx, dx16, out);
 }
 
 __device__ __forceinline__ void AddRowSums(const Bf16x8& dy, const Bf16x8& x, const Bf16x8& gamma, float m, float s,
@@ -200,7 +208,7 @@ template <int kVecs, int kLanes, bool kRms, typename T, bool kDxSums = false>
 __global__ void __launch_bounds__(kRowThreads)
     InputGradRows(const Bf16x8* dy, const Bf16x8* x, const Bf16x8* gamma, const float* mean,
                   const float* rstd, float eps, const typename Vec8<T>::Type* dres, int64_t rows, int64_t vecs,
-                  typename Vec8<T>::Type* dx, Bf16x8* dx16, float* rstd_out, float* partial) {
+                  typename Vec8<T>::Type* dx, Bf16x8* dx16, float* rstd_out, float* partial, float* dx_amax) {
   constexpr bool kWarpRow = kLanes == 32;
   constexpr int kRowsAtOnce = kRowThreads / kLanes;
   constexpr int kHeldSums = kWarpRow ? 1 : kVecs;  // a warp per row sums in shared memory instead
@@ -226,6 +234,7 @@ __global__ void __launch_bounds__(kRowThreads)
     __syncthreads();
   }
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kRowsAtOnce;
+  unsigned amax_bits = 0;
   // Every thread of a block per row sees the same rows: its barriers are uniform.
   for (int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsAtOnce + threadIdx.x / kLanes; row < rows;
        row += stride) {
@@ -256,8 +265,9 @@ __global__ void __launch_bounds__(kRowThreads)
       const int64_t v = lane + static_cast<int64_t>(k) * kLanes;
       if (v < vecs) {
         float dxv[8];
-        WriteInputGrad<T>(dyv[k], xv[k], gamma[v], rv[k], m, s, mean_g, mean_gx, dx + row * vecs + v,
-                          dx16 != nullptr ? dx16 + row * vecs + v : nullptr, dxv);
+        amax_bits = max(amax_bits, WriteInputGrad<T>(dyv[k], xv[k], gamma[v], rv[k], m, s, mean_g, mean_gx,
+                                                     dx + row * vecs + v,
+                                                     dx16 != nullptr ? dx16 + row * vecs + v : nullptr, dxv));
         if constexpr (kDxSums) {
 #pragma unroll
           for (int i = 0; i < 8; ++i) {
@@ -287,6 +297,7 @@ __global__ void __launch_bounds__(kRowThreads)
       }
     }
   }
+  if (dx_amax != nullptr) AddWarpAmax(amax_bits, dx_amax);
   if (partial == nullptr) return;
   float* out = partial + static_cast<int64_t>(blockIdx.x) * kSlices * cols;
   if constexpr (kWarpRow) {
@@ -348,7 +359,7 @@ int64_t RowsAtOnce(int64_t vecs) { return vecs <= 128 ? kRowThreads / 32 : 1; }
 template <bool kRms, typename T>
 __global__ void InputGrad(const Bf16x8* dy, const Bf16x8* x, const Bf16x8* gamma, const float* mean,
                           const float* rstd, float eps, const typename Vec8<T>::Type* dres, int64_t vecs,
-                          typename Vec8<T>::Type* dx, Bf16x8* dx16, float* rstd_out) {
+                          typename Vec8<T>::Type* dx, Bf16x8* dx16, float* rstd_out, float* dx_amax) {
   const int64_t row = blockIdx.x;
   const float m = kRms || mean == nullptr ? 0.f : mean[row];
   float s = kRms ? 1.f : rstd[row];
@@ -360,16 +371,20 @@ __global__ void InputGrad(const Bf16x8* dy, const Bf16x8* x, const Bf16x8* gamma
   BlockSum3(sum_g, sum_gx, sum_xx);
   float mean_g, mean_gx;
   RowStatistics<kRms>(sum_g, sum_gx, sum_xx, static_cast<float>(vecs * 8), eps, row, rstd_out, s, mean_g, mean_gx);
+  unsigned amax_bits = 0;
   for (int64_t v = threadIdx.x; v < vecs; v += kRowThreads) {
-    WriteInputGrad<T>(dy[row * vecs + v], x[row * vecs + v], gamma[v], dres != nullptr ? dres + row * vecs + v : nullptr,
-                      m, s, mean_g, mean_gx, dx + row * vecs + v, dx16 != nullptr ? dx16 + row * vecs + v : nullptr);
+    amax_bits = max(amax_bits, WriteInputGrad<T>(dy[row * vecs + v], x[row * vecs + v], gamma[v],
+                                                 dres != nullptr ? dres + row * vecs + v : nullptr, m, s, mean_g,
+                                                 mean_gx, dx + row * vecs + v,
+                                                 dx16 != nullptr ? dx16 + row * vecs + v : nullptr));
   }
+  if (dx_amax != nullptr) AddWarpAmax(amax_bits, dx_amax);
 }
 
 template <bool kRms, typename T>
 void LaunchInputGrad(const void* dy, const void* x, const void* gamma, const float* mean, const float* rstd, float eps,
                      const void* dres, int64_t rows, int64_t cols, void* dx, void* dx_bf16, float* rstd_out,
-                     cudaStream_t stream) {
+                     float* dx_amax, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
   using V = typename Vec8<T>::Type;
   auto* dx16 = static_cast<Bf16x8*>(dx_bf16);
@@ -382,23 +397,24 @@ void LaunchInputGrad(const void* dy, const void* x, const void* gamma, const flo
   const bool held = WithRowShape(vecs, [&](auto held_vecs, auto lanes) {
     const auto blocks = static_cast<unsigned>(CeilDiv(rows, RowsAtOnce(vecs)));
     InputGradRows<decltype(held_vecs)::value, decltype(lanes)::value, kRms, T><<<blocks, kRowThreads, 0, stream>>>(
-        dy_v, x_v, gamma_v, mean, rstd, eps, dres_v, rows, vecs, dx_v, dx16, rstd_out, nullptr);
+        dy_v, x_v, gamma_v, mean, rstd, eps, dres_v, rows, vecs, dx_v, dx16, rstd_out, nullptr, dx_amax);
   });
   if (!held) {
     InputGrad<kRms, T><<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(
-        dy_v, x_v, gamma_v, mean, rstd, eps, dres_v, vecs, dx_v, dx16, rstd_out);
+        dy_v, x_v, gamma_v, mean, rstd, eps, dres_v, vecs, dx_v, dx16, rstd_out, dx_amax);
   }
 }
 
 template <bool kRms>
 void LaunchInputGrad(const void* dy, const void* x, bool fp32_grads, const void* gamma, const float* mean,
                      const float* rstd, float eps, const void* dres, int64_t rows, int64_t cols, void* dx,
-                     void* dx_bf16, float* rstd_out, cudaStream_t stream) {
+                     void* dx_bf16, float* rstd_out, float* dx_amax, cudaStream_t stream) {
   if (fp32_grads) {
-    LaunchInputGrad<kRms, float>(dy, x, gamma, mean, rstd, eps, dres, rows, cols, dx, dx_bf16, rstd_out, stream);
+    LaunchInputGrad<kRms, float>(dy, x, gamma, mean, rstd, eps, dres, rows, cols, dx, dx_bf16, rstd_out, dx_amax,
+                                 stream);
   } else {
     LaunchInputGrad<kRms, __nv_bfloat16>(dy, x, gamma, mean, rstd, eps, dres, rows, cols, dx, nullptr, rstd_out,
-                                         stream);
+                                         dx_amax, stream);
   }
 }
 
@@ -434,7 +450,7 @@ template <bool kRms, typename T>
 bool LaunchFusedBackward(const void* dy, const void* x, const void* gamma, const float* mean, const float* rstd,
                          float eps, const void* dres, int64_t rows, int64_t cols, void* dx, void* dx_bf16,
                          float* partial, void* dgamma, void* dbeta, cudaStream_t stream, bool accumulate,
-                         int64_t* dx_sums = nullptr) {
+                         float* dx_amax, int64_t* dx_sums = nullptr) {
   const int64_t vecs = cols / 8;
   if (vecs > 4 * kRowThreads) return false;
   if (rows <= 0 || cols <= 0) return true;
@@ -456,7 +472,8 @@ bool LaunchFusedBackward(const void* dy, const void* x, const void* gamma, const
       if (smem > 0) cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
       const int64_t blocks = FusedBlocks(kernel, rows, RowsAtOnce(vecs), smem);
       kernel<<<static_cast<unsigned>(blocks), kRowThreads, smem, stream>>>(dy_v, x_v, gamma_v, mean, rstd, eps, dres_v,
-                                                                          rows, vecs, dx_v, dx16, nullptr, partial);
+                                                                          rows, vecs, dx_v, dx16, nullptr, partial,
+                                                                          dx_amax);
       LaunchAddChunkRows(partial, blocks, kSlices * cols, cols, dgamma, dbeta, stream, accumulate);
       if constexpr (kDxSums) *dx_sums = blocks;
     };
@@ -474,7 +491,7 @@ bool LaunchFusedBackward(const void* dy, const void* x, const void* gamma, const
 template <int kVecs, int kLanes, bool kRms, typename T>
 __global__ void __launch_bounds__(kRowThreads)
     ForwardRows(const typename Vec8<T>::Type* x, const Bf16x8* gamma, const Bf16x8* beta, float eps, int64_t rows,
-                int64_t vecs, Bf16x8* y, float* mean_out, float* rstd_out, Bf16x8* saved) {
+                int64_t vecs, Bf16x8* y, float* mean_out, float* rstd_out, Bf16x8* saved, float* amax) {
   const int64_t row = static_cast<int64_t>(blockIdx.x) * (kRowThreads / kLanes) + threadIdx.x / kLanes;
   const int lane = threadIdx.x % kLanes;
   if (row >= rows) return;  // the whole warp, or the whole block
@@ -510,6 +527,7 @@ __global__ void __launch_bounds__(kRowThreads)
     s = rsqrtf(var / cols + eps);
     if (lane == 0) mean_out[row] = m, rstd_out[row] = s;
   }
+  unsigned amax_bits = 0;
 #pragma unroll
   for (int k = 0; k < kVecs; ++k) {
     const int64_t v = lane + static_cast<int64_t>(k) * kLanes;
@@ -519,7 +537,9 @@ __global__ void __launch_bounds__(kRowThreads)
       if (!kRms) Unpack(beta[v], b);
 #pragma unroll
       for (int i = 0; i < 8; ++i) out[i] = (xv[k][i] - m) * s * g[i] + b[i];
-      y[row * vecs + v] = Pack(out);
+      const Bf16x8 yv = Pack(out);
+      y[row * vecs + v] = yv;
+      amax_bits = max(amax_bits, AbsMaxBits(yv));
       if (saved != nullptr) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) out[i] = xv[k][i] - m;
@@ -527,12 +547,13 @@ __global__ void __launch_bounds__(kRowThreads)
       }
     }
   }
+  if (amax != nullptr) AddWarpAmax(amax_bits, amax);
 }
 
 // Wider rows: the same in three passes over the row (the later ones mostly from cache).
 template <bool kRms, typename T>
 __global__ void Forward(const typename Vec8<T>::Type* x, const Bf16x8* gamma, const Bf16x8* beta, float eps,
-                        int64_t vecs, Bf16x8* y, float* mean_out, float* rstd_out, Bf16x8* saved) {
+                        int64_t vecs, Bf16x8* y, float* mean_out, float* rstd_out, Bf16x8* saved, float* amax) {
   const int64_t row = blockIdx.x;
   const float cols = static_cast<float>(vecs * 8);
   float sum = 0.f, unused_a = 0.f, unused_b = 0.f, xv[8];
@@ -558,6 +579,7 @@ __global__ void Forward(const typename Vec8<T>::Type* x, const Bf16x8* gamma, co
     s = rsqrtf(var / cols + eps);
     if (threadIdx.x == 0) mean_out[row] = m, rstd_out[row] = s;
   }
+  unsigned amax_bits = 0;
   for (int64_t v = threadIdx.x; v < vecs; v += kRowThreads) {
     float g[8], b[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f}, out[8];
     Vec8<T>::Load(x[row * vecs + v], xv);
@@ -565,18 +587,21 @@ __global__ void Forward(const typename Vec8<T>::Type* x, const Bf16x8* gamma, co
     if (!kRms) Unpack(beta[v], b);
 #pragma unroll
     for (int i = 0; i < 8; ++i) out[i] = (xv[i] - m) * s * g[i] + b[i];
-    y[row * vecs + v] = Pack(out);
+    const Bf16x8 yv = Pack(out);
+    y[row * vecs + v] = yv;
+    amax_bits = max(amax_bits, AbsMaxBits(yv));
     if (saved != nullptr) {
 #pragma unroll
       for (int i = 0; i < 8; ++i) out[i] = xv[i] - m;
       saved[row * vecs + v] = Pack(out);
     }
   }
+  if (amax != nullptr) AddWarpAmax(amax_bits, amax);
 }
 
 template <bool kRms, typename T>
 void LaunchForward(const void* x, const void* gamma, const void* beta, float eps, int64_t rows, int64_t cols, void* y,
-                   float* mean, float* rstd, void* saved, cudaStream_t stream) {
+                   float* mean, float* rstd, void* saved, float* amax, cudaStream_t stream) {
   if (rows <= 0 || cols <= 0) return;
   using V = typename Vec8<T>::Type;
   const auto* x_v = static_cast<const V*>(x);
@@ -588,45 +613,48 @@ void LaunchForward(const void* x, const void* gamma, const void* beta, float eps
   const bool held = WithRowShape(vecs, [&](auto held_vecs, auto lanes) {
     const auto blocks = static_cast<unsigned>(CeilDiv(rows, RowsAtOnce(vecs)));
     ForwardRows<decltype(held_vecs)::value, decltype(lanes)::value, kRms, T>
-        <<<blocks, kRowThreads, 0, stream>>>(x_v, gamma_v, beta_v, eps, rows, vecs, y_v, mean, rstd, saved_v);
+        <<<blocks, kRowThreads, 0, stream>>>(x_v, gamma_v, beta_v, eps, rows, vecs, y_v, mean, rstd, saved_v, amax);
   });
   if (!held) {
     Forward<kRms, T><<<static_cast<unsigned>(rows), kRowThreads, 0, stream>>>(x_v, gamma_v, beta_v, eps, vecs, y_v,
-                                                                              mean, rstd, saved_v);
+                                                                              mean, rstd, saved_v, amax);
   }
 }
 
 template <bool kRms>
 void LaunchForward(const void* x, bool x_fp32, const void* gamma, const void* beta, float eps, int64_t rows,
-                   int64_t cols, void* y, float* mean, float* rstd, void* saved, cudaStream_t stream) {
+                   int64_t cols, void* y, float* mean, float* rstd, void* saved, float* amax, cudaStream_t stream) {
   if (x_fp32) {
-    LaunchForward<kRms, float>(x, gamma, beta, eps, rows, cols, y, mean, rstd, saved, stream);
+    LaunchForward<kRms, float>(x, gamma, beta, eps, rows, cols, y, mean, rstd, saved, amax, stream);
   } else {
-    LaunchForward<kRms, __nv_bfloat16>(x, gamma, beta, eps, rows, cols, y, mean, rstd, saved, stream);
+    LaunchForward<kRms, __nv_bfloat16>(x, gamma, beta, eps, rows, cols, y, mean, rstd, saved, amax, stream);
   }
 }
 
 }  // namespace
 
 void LayerNormForward(const void* x, bool x_fp32, const void* gamma, const void* beta, float eps, int64_t rows,
-                      int64_t cols, void* y, float* mean, float* rstd, void* saved, cudaStream_t stream) {
-  LaunchForward<false>(x, x_fp32, gamma, beta, eps, rows, cols, y, mean, rstd, saved, stream);
+                      int64_t cols, void* y, float* mean, float* rstd, void* saved, cudaStream_t stream, float* amax) {
+  LaunchForward<false>(x, x_fp32, gamma, beta, eps, rows, cols, y, mean, rstd, saved, amax, stream);
 }
 
 void RmsNormForward(const void* x, bool x_fp32, const void* gamma, float eps, int64_t rows, int64_t cols, void* y,
-                    void* saved, cudaStream_t stream) {
-  LaunchForward<true>(x, x_fp32, gamma, nullptr, eps, rows, cols, y, nullptr, nullptr, saved, stream);
+                    void* saved, cudaStream_t stream, float* amax) {
+  LaunchForward<true>(x, x_fp32, gamma, nullptr, eps, rows, cols, y, nullptr, nullptr, saved, amax, stream);
 }
 
 void LayerNormInputGrad(const void* dy, const void* x, bool fp32_grads, const void* gamma, const float* mean,
                         const float* rstd, const void* dres, int64_t rows, int64_t cols, void* dx, void* dx_bf16,
-                        cudaStream_t stream) {
-  LaunchInputGrad<false>(dy, x, fp32_grads, gamma, mean, rstd, 0.f, dres, rows, cols, dx, dx_bf16, nullptr, stream);
+                        cudaStream_t stream, float* dx_amax) {
+  LaunchInputGrad<false>(dy, x, fp32_grads, gamma, mean, rstd, 0.f, dres, rows, cols, dx, dx_bf16, nullptr, dx_amax,
+                         stream);
 }
 
 void RmsNormInputGrad(const void* dy, const void* x, bool fp32_grads, const void* gamma, float eps, const void* dres,
-                      int64_t rows, int64_t cols, void* dx, void* dx_bf16, float* rstd, cudaStream_t stream) {
-  LaunchInputGrad<true>(dy, x, fp32_grads, gamma, nullptr, nullptr, eps, dres, rows, cols, dx, dx_bf16, rstd, stream);
+                      int64_t rows, int64_t cols, void* dx, void* dx_bf16, float* rstd, cudaStream_t stream,
+                      float* dx_amax) {
+  LaunchInputGrad<true>(dy, x, fp32_grads, gamma, nullptr, nullptr, eps, dres, rows, cols, dx, dx_bf16, rstd, dx_amax,
+                        stream);
 }
 
 int64_t LayerNormRowChunks(int64_t rows, int64_t cols) { return RowChunks(rows, CeilDiv(cols, kColsPerBlock), kWarps); }
@@ -642,28 +670,29 @@ int64_t NormBackwardPartialFloats(int64_t rows, int64_t cols, bool dx_sums) {
 void LayerNormBackward(const void* dy, const void* x, bool fp32_grads, const void* gamma, const float* mean,
                        const float* rstd, const void* dres, int64_t rows, int64_t cols, void* dx, void* dx_bf16,
                        float* partial, void* dgamma, void* dbeta, cudaStream_t stream, bool accumulate_params,
-                       int64_t* dx_sums) {
+                       int64_t* dx_sums, float* dx_amax) {
   if (dx_sums != nullptr) *dx_sums = 0;
   const bool fused =
       fp32_grads ? LaunchFusedBackward<false, float>(dy, x, gamma, mean, rstd, 0.f, dres, rows, cols, dx, dx_bf16, partial,
-                                                     dgamma, dbeta, stream, accumulate_params, dx_sums)
+                                                     dgamma, dbeta, stream, accumulate_params, dx_amax, dx_sums)
                  : LaunchFusedBackward<false, __nv_bfloat16>(dy, x, gamma, mean, rstd, 0.f, dres, rows, cols, dx, nullptr,
-                                                             partial, dgamma, dbeta, stream, accumulate_params);
+                                                             partial, dgamma, dbeta, stream, accumulate_params, dx_amax);
   if (fused) return;
-  LayerNormInputGrad(dy, x, fp32_grads, gamma, mean, rstd, dres, rows, cols, dx, dx_bf16, stream);
+  LayerNormInputGrad(dy, x, fp32_grads, gamma, mean, rstd, dres, rows, cols, dx, dx_bf16, stream, dx_amax);
   LayerNormParamGrads(dy, x, mean, rstd, rows, cols, partial, dgamma, dbeta, stream, accumulate_params);
 }
 
 void RmsNormBackward(const void* dy, const void* x, bool fp32_grads, const void* gamma, float eps, const void* dres,
                      int64_t rows, int64_t cols, void* dx, void* dx_bf16, float* rstd, float* partial, void* dgamma,
-                     cudaStream_t stream, bool accumulate_params) {
+                     cudaStream_t stream, bool accumulate_params, float* dx_amax) {
   const bool fused =
       fp32_grads ? LaunchFusedBackward<true, float>(dy, x, gamma, nullptr, nullptr, eps, dres, rows, cols, dx, dx_bf16,
-                                                    partial, dgamma, nullptr, stream, accumulate_params)
+                                                    partial, dgamma, nullptr, stream, accumulate_params, dx_amax)
                  : LaunchFusedBackward<true, __nv_bfloat16>(dy, x, gamma, nullptr, nullptr, eps, dres, rows, cols, dx,
-                                                            nullptr, partial, dgamma, nullptr, stream, accumulate_params);
+                                                            nullptr, partial, dgamma, nullptr, stream, accumulate_params,
+                                                            dx_amax);
   if (fused) return;
-  RmsNormInputGrad(dy, x, fp32_grads, gamma, eps, dres, rows, cols, dx, dx_bf16, rstd, stream);
+  RmsNormInputGrad(dy, x, fp32_grads, gamma, eps, dres, rows, cols, dx, dx_bf16, rstd, stream, dx_amax);
   RmsNormWeightGrad(dy, x, rstd, rows, cols, partial, dgamma, stream, accumulate_params);
 }
 

@@ -9,6 +9,10 @@
 // bytes an fp32 x would keep for backward. The residual gradient and the input gradient are fp32
 // where fp32_grads (an fp32 stream), else bf16; dy, the weights, their gradients and the forward's
 // output are bf16. Rows are contiguous, cols a multiple of 8, every row 16-byte aligned.
+//
+// `amax` and `dx_amax`, where not null, get the largest magnitude of the bf16 output (the forward's y;
+// backward's bf16 dx, the copy where dx is fp32) for an FP8 quantization of it: a device fp32 that
+// holds 0 (or an amax already) before.
 #pragma once
 
 #include <cstdint>
@@ -20,12 +24,13 @@ namespace ltrain::worker::cuda {
 // y = (x − mean) · rstd · γ + β per row (eps inside the square root), in bf16 computed in fp32;
 // writes mean and rstd (fp32 [rows]) for the backward, and where `saved` is not null, x − mean (bf16).
 void LayerNormForward(const void* x, bool x_fp32, const void* gamma, const void* beta, float eps, int64_t rows,
-                      int64_t cols, void* y, float* mean, float* rstd, void* saved, cudaStream_t stream);
+                      int64_t cols, void* y, float* mean, float* rstd, void* saved, cudaStream_t stream,
+                      float* amax = nullptr);
 
 // y = x · rstd · γ, rstd = 1/sqrt(mean(x²) + eps), in bf16 computed in fp32 (llama_model.RMSNorm);
 // where `saved` is not null, x in bf16.
 void RmsNormForward(const void* x, bool x_fp32, const void* gamma, float eps, int64_t rows, int64_t cols, void* y,
-                    void* saved, cudaStream_t stream);
+                    void* saved, cudaStream_t stream, float* amax = nullptr);
 
 // How many row chunks the first pass splits `rows` into for `cols` columns; the caller allocates
 // LayerNormPartialFloats(rows, cols) floats of workspace.
@@ -45,13 +50,14 @@ void LayerNormParamGrads(const void* dy, const void* x, const float* mean, const
 // gradient.
 void LayerNormInputGrad(const void* dy, const void* x, bool fp32_grads, const void* gamma, const float* mean,
                         const float* rstd, const void* dres, int64_t rows, int64_t cols, void* dx, void* dx_bf16,
-                        cudaStream_t stream);
+                        cudaStream_t stream, float* dx_amax = nullptr);
 
 // The RMS norm's (x̂ = x · rstd, rstd = 1/sqrt(mean(x²) + eps)) input gradient
 // dx = rstd · (dy·γ − x̂ · mean(dy·γ·x̂)) (+ dres), with LayerNormInputGrad's layouts; rstd is computed
 // here from x and written to `rstd` (fp32 [rows]) for RmsNormWeightGrad; dx_bf16 as LayerNormInputGrad's.
 void RmsNormInputGrad(const void* dy, const void* x, bool fp32_grads, const void* gamma, float eps, const void* dres,
-                      int64_t rows, int64_t cols, void* dx, void* dx_bf16, float* rstd, cudaStream_t stream);
+                      int64_t rows, int64_t cols, void* dx, void* dx_bf16, float* rstd, cudaStream_t stream,
+                      float* dx_amax = nullptr);
 
 // dgamma[c] = Σ_r dy · x · rstd (bf16, summed in fp32), with LayerNormPartialFloats(rows, cols) floats of
 // workspace in `partial`.
@@ -73,12 +79,12 @@ int64_t NormBackwardPartialFloats(int64_t rows, int64_t cols, bool dx_sums = fal
 void LayerNormBackward(const void* dy, const void* x, bool fp32_grads, const void* gamma, const float* mean,
                        const float* rstd, const void* dres, int64_t rows, int64_t cols, void* dx, void* dx_bf16,
                        float* partial, void* dgamma, void* dbeta, cudaStream_t stream, bool accumulate_params = false,
-                       int64_t* dx_sums = nullptr);
+                       int64_t* dx_sums = nullptr, float* dx_amax = nullptr);
 // out[c] = Σ of the `chunks` per-block sums of dx that LayerNormBackward left in `partial` (bf16 [cols],
 // summed in fp32; with `accumulate` added to what out holds).
 void AddDxSums(const float* partial, int64_t chunks, int64_t cols, void* out, cudaStream_t stream, bool accumulate);
 void RmsNormBackward(const void* dy, const void* x, bool fp32_grads, const void* gamma, float eps, const void* dres,
                      int64_t rows, int64_t cols, void* dx, void* dx_bf16, float* rstd, float* partial, void* dgamma,
-                     cudaStream_t stream, bool accumulate_params = false);
+                     cudaStream_t stream, bool accumulate_params = false, float* dx_amax = nullptr);
 
 }  // namespace ltrain::worker::cuda

@@ -65,7 +65,8 @@ __global__ void RopeKernel8(const Bf16x8* x, const float* cos, const float* sin,
   }
 }
 
-__global__ void SwiGluKernel8(const Bf16x8* gate, const Bf16x8* up, int64_t groups, Bf16x8* out) {
+__global__ void SwiGluKernel8(const Bf16x8* gate, const Bf16x8* up, int64_t groups, Bf16x8* out, float* amax) {
+  unsigned amax_bits = 0;
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < groups;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float g[8], u[8], o[8];
@@ -73,12 +74,16 @@ __global__ void SwiGluKernel8(const Bf16x8* gate, const Bf16x8* up, int64_t grou
     Unpack(up[k], u);
 #pragma unroll
     for (int i = 0; i < 8; ++i) o[i] = g[i] / (1.f + __expf(-g[i])) * u[i];
-    out[k] = Pack(o);
+    const Bf16x8 packed = Pack(o);
+    out[k] = packed;
+    amax_bits = max(amax_bits, AbsMaxBits(packed));
   }
+  if (amax != nullptr) AddWarpAmax(amax_bits, amax);
 }
 
 __global__ void SwiGluBackwardKernel8(const Bf16x8* gate, const Bf16x8* up, const Bf16x8* grad, int64_t groups,
-                                      Bf16x8* dgate, Bf16x8* dup) {
+                                      Bf16x8* dgate, Bf16x8* dup, float* dgate_amax, float* dup_amax) {
+  unsigned dgate_bits = 0, dup_bits = 0;
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < groups;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float g[8], u[8], d[8], dg[8], du[8];
@@ -91,29 +96,45 @@ __global__ void SwiGluBackwardKernel8(const Bf16x8* gate, const Bf16x8* up, cons
       du[i] = d[i] * g[i] * sig;
       dg[i] = d[i] * u[i] * sig * (1.f + g[i] * (1.f - sig));
     }
-    dgate[k] = Pack(dg);
-    dup[k] = Pack(du);
+    const Bf16x8 dg_packed = Pack(dg), du_packed = Pack(du);
+    dgate[k] = dg_packed;
+    dup[k] = du_packed;
+    dgate_bits = max(dgate_bits, AbsMaxBits(dg_packed));
+    dup_bits = max(dup_bits, AbsMaxBits(du_packed));
   }
+  if (dgate_amax != nullptr) AddWarpAmax(dgate_bits, dgate_amax);
+  if (dup_amax != nullptr) AddWarpAmax(dup_bits, dup_amax);
 }
 
-__global__ void SwiGluKernel(const __nv_bfloat16* gate, const __nv_bfloat16* up, int64_t n, __nv_bfloat16* out) {
+__global__ void SwiGluKernel(const __nv_bfloat16* gate, const __nv_bfloat16* up, int64_t n, __nv_bfloat16* out,
+                             float* amax) {
+  unsigned amax_bits = 0;
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < n;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float g = __bfloat162float(gate[k]);
     out[k] = __float2bfloat16(g / (1.f + __expf(-g)) * __bfloat162float(up[k]));
+    amax_bits = max(amax_bits, AbsMaxBits(out[k]));
   }
+  if (amax != nullptr) AddWarpAmax(amax_bits, amax);
 }
 
 __global__ void SwiGluBackwardKernel(const __nv_bfloat16* gate, const __nv_bfloat16* up, const __nv_bfloat16* grad,
-                                     int64_t n, __nv_bfloat16* dgate, __nv_bfloat16* dup) {
+                                     int64_t n, __nv_bfloat16* dgate, __nv_bfloat16* dup, float* dgate_amax,
+                                     float* dup_amax) {
+  unsigned dgate_bits = 0, dup_bits = 0;
   for (int64_t k = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; k < n;
        k += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float g = __bfloat162float(gate[k]), u = __bfloat162float(up[k]), d = __bfloat162float(grad[k]);
     const float sig = 1.f / (1.f + __expf(-g));
     const float silu = g * sig;
-    dup[k] = __float2bfloat16(d * silu);
-    dgate[k] = __float2bfloat16(d * u * sig * (1.f + g * (1.f - sig)));
+    const __nv_bfloat16 du = __float2bfloat16(d * silu), dg = __float2bfloat16(d * u * sig * (1.f + g * (1.f - sig)));
+    dup[k] = du;
+    dgate[k] = dg;
+    dgate_bits = max(dgate_bits, AbsMaxBits(dg));
+    dup_bits = max(dup_bits, AbsMaxBits(du));
   }
+  if (dgate_amax != nullptr) AddWarpAmax(dgate_bits, dgate_amax);
+  if (dup_amax != nullptr) AddWarpAmax(dup_bits, dup_amax);
 }
 
 }  // namespace
@@ -131,31 +152,32 @@ void Rope(const void* x, const float* cos, const float* sin, int64_t batch, int6
                                                       pairs, inverse ? -1.f : 1.f, static_cast<__nv_bfloat16*>(out));
 }
 
-void SwiGlu(const void* gate, const void* up, int64_t n, void* out, cudaStream_t stream) {
+void SwiGlu(const void* gate, const void* up, int64_t n, void* out, cudaStream_t stream, float* amax) {
   if (n == 0) return;
   if (n % 8 == 0 && Aligned16(gate) && Aligned16(up) && Aligned16(out)) {
     SwiGluKernel8<<<Blocks(n / 8), kThreads, 0, stream>>>(static_cast<const Bf16x8*>(gate),
                                                           static_cast<const Bf16x8*>(up), n / 8,
-                                                          static_cast<Bf16x8*>(out));
+                                                          static_cast<Bf16x8*>(out), amax);
     return;
   }
   SwiGluKernel<<<Blocks(n), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(gate),
                                                     static_cast<const __nv_bfloat16*>(up), n,
-                                                    static_cast<__nv_bfloat16*>(out));
+                                                    static_cast<__nv_bfloat16*>(out), amax);
 }
 
 void SwiGluBackward(const void* gate, const void* up, const void* grad, int64_t n, void* dgate, void* dup,
-                    cudaStream_t stream) {
+                    cudaStream_t stream, float* dgate_amax, float* dup_amax) {
   if (n == 0) return;
   if (n % 8 == 0 && Aligned16(gate) && Aligned16(up) && Aligned16(grad) && Aligned16(dgate) && Aligned16(dup)) {
     SwiGluBackwardKernel8<<<Blocks(n / 8), kThreads, 0, stream>>>(
         static_cast<const Bf16x8*>(gate), static_cast<const Bf16x8*>(up), static_cast<const Bf16x8*>(grad), n / 8,
-        static_cast<Bf16x8*>(dgate), static_cast<Bf16x8*>(dup));
+        static_cast<Bf16x8*>(dgate), static_cast<Bf16x8*>(dup), dgate_amax, dup_amax);
     return;
   }
   SwiGluBackwardKernel<<<Blocks(n), kThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(gate), static_cast<const __nv_bfloat16*>(up),
-      static_cast<const __nv_bfloat16*>(grad), n, static_cast<__nv_bfloat16*>(dgate), static_cast<__nv_bfloat16*>(dup));
+      static_cast<const __nv_bfloat16*>(grad), n, static_cast<__nv_bfloat16*>(dgate), static_cast<__nv_bfloat16*>(dup),
+      dgate_amax, dup_amax);
 }
 
 }  // namespace ltrain::worker::cuda

@@ -15,11 +15,13 @@ namespace ltrain::worker::cuda {
 void Rope(const void* x, const float* cos, const float* sin, int64_t batch, int64_t t, int64_t heads,
           int64_t head_dim, bool inverse, void* out, cudaStream_t stream);
 
-// out = silu(gate) · up over n bf16 elements.
-void SwiGlu(const void* gate, const void* up, int64_t n, void* out, cudaStream_t stream);
+// out = silu(gate) · up over n bf16 elements. `amax`, where not null, gets max |out| for an FP8
+// quantization of it (a device fp32 holding 0 before, as layer_norm.h's).
+void SwiGlu(const void* gate, const void* up, int64_t n, void* out, cudaStream_t stream, float* amax = nullptr);
 
-// The gradients of SwiGlu: dgate = grad · up · silu'(gate), dup = grad · silu(gate).
+// The gradients of SwiGlu: dgate = grad · up · silu'(gate), dup = grad · silu(gate); with their
+// amaxes where dgate_amax and dup_amax are not null.
 void SwiGluBackward(const void* gate, const void* up, const void* grad, int64_t n, void* dgate, void* dup,
-                    cudaStream_t stream);
+                    cudaStream_t stream, float* dgate_amax = nullptr, float* dup_amax = nullptr);
 
 }  // namespace ltrain::worker::cuda
