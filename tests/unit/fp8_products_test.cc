@@ -127,10 +127,10 @@ TEST(FusedKernelsTest, Fp8QuantizationAndProductsMatchTheirReference) {
 }
 
 // The kernels that write a product's input or output gradient (the norms forward and backward,
-// SwiGLU forward and backward, the GELU's gradient) take its amax on the way: the products then read
+// SwiGLU forward and backward, the GELU's gradient, RoPE's backward) take its amax on the way: the products then read
 // that amax instead of a pass of their own, and give the same bits as with the pass
 // (options.fp8_writer_amax off). A block of each kind: a product into an fp32 residual stream, the
-// layer norm, the GELU MLP, the RMS norm, SwiGLU's two ways.
+// layer norm, the GELU MLP, the RMS norm, SwiGLU's two ways, a rotated projection.
 TEST(FusedKernelsTest, Fp8ProductsReadTheAmaxTheirWritersTookAndGiveTheSameBits) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   if (!Fp8ProductsAvailable()) GTEST_SKIP() << "no FP8 products here (a build without CUDA kernels or float8, or a GPU before 8.9)";
@@ -147,6 +147,8 @@ TEST(FusedKernelsTest, Fp8ProductsReadTheAmaxTheirWritersTookAndGiveTheSameBits)
       torch::randn({ffn, d}, bf16) * 0.05, torch::randn({ffn, d}, bf16) * 0.05,  // 9, 10: gate, up
       torch::randn({d, ffn}, bf16) * 0.05};                                      // 11: down
   const torch::Tensor x0 = torch::randn({4, 64, d}, bf16), r0 = torch::randn({4, 64, d}, f32);
+  const torch::Tensor angles = torch::rand({64, d / 8}, f32) * 6.28;
+  const torch::Tensor cos = angles.cos(), sin = angles.sin();
   auto run = [&](bool writer_amax, int64_t* taken) {
     FusedKernelOptions options;
     options.fp8 = true;
@@ -165,9 +167,12 @@ TEST(FusedKernelsTest, Fp8ProductsReadTheAmaxTheirWritersTookAndGiveTheSameBits)
     // The selective path (SwiGLU made again in backward) from products of its own: each gate's and
     // up's gradient reaches its product alone, not summed with another by autograd first.
     const torch::Tensor out_selective = FusedSwiGluLinear(FusedLinear(n2, p[9], {}), FusedLinear(n2, p[10], {}), p[11]);
+    // A rotated projection (q or k): RoPE's backward writes the product's output gradient.
+    const torch::Tensor rotated = FusedRope(FusedLinear(n2, p[0], {}).view({4, 64, 4, d / 4}), cos, sin);
     torch::manual_seed(5);
     const torch::Tensor loss = (out * torch::randn(out.sizes(), f32)).sum() +
-                               (out_selective.to(torch::kFloat) * torch::randn(out.sizes(), f32)).sum();
+                               (out_selective.to(torch::kFloat) * torch::randn(out.sizes(), f32)).sum() +
+                               (rotated.to(torch::kFloat) * torch::randn(rotated.sizes(), f32)).sum();
     loss.backward();
     ZeroStaleGradients();
     *taken = Fp8WriterAmaxesTaken() - before;
@@ -179,8 +184,8 @@ TEST(FusedKernelsTest, Fp8ProductsReadTheAmaxTheirWritersTookAndGiveTheSameBits)
   const std::vector<torch::Tensor> on = run(true, &taken_on), off = run(false, &taken_off);
   SetFusedKernelOptions({});
   // Forward: the layer norm's, the RMS norm's and both SwiGLUs' outputs; backward: the GELU's
-  // gradient, both SwiGLU backwards' two gradients, and both norms' input gradients.
-  EXPECT_EQ(taken_on, 11);
+  // gradient, both SwiGLU backwards' two gradients, RoPE's, and both norms' input gradients.
+  EXPECT_EQ(taken_on, 12);
   EXPECT_EQ(taken_off, 0);
   ASSERT_EQ(on.size(), off.size());
   for (size_t i = 0; i < on.size(); ++i) {

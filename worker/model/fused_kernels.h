@@ -37,7 +37,7 @@ struct FusedKernelOptions {
   // ZeRO-3, whose gathered weights are not held from forward to backward: backward quantizes again).
   bool fp8_keep_weights = true;
   // Under fp8: the kernels that write a product's input or output gradient (the norms, SwiGLU, the
-  // GELU's gradient) take its amax as they write it, and its quantization reads that amax instead of
+  // GELU's gradient, RoPE's backward) take its amax as they write it, and its quantization reads that amax instead of
   // a pass of its own (LTRAIN_FP8_WRITER_AMAX=0 turns it off: the same values, one more pass each).
   bool fp8_writer_amax = true;
 };

@@ -132,8 +132,10 @@ struct RopeFunction : public torch::autograd::Function<RopeFunction> {
     torch::Tensor g = grads[0].contiguous();
     c10::cuda::CUDAGuard guard(g.device());
     torch::Tensor dx = torch::empty_like(g);
+    const torch::Tensor amax = fused::AmaxFor(dx);  // the q or k product's backward quantizes dx
     cuda::Rope(g.data_ptr(), saved[0].data_ptr<float>(), saved[1].data_ptr<float>(), g.size(0), g.size(1), g.size(2),
-               g.size(3), /*inverse=*/true, dx.data_ptr(), StreamOf(g));
+               g.size(3), /*inverse=*/true, dx.data_ptr(), StreamOf(g), fused::AmaxPointer(amax));
+    fused::NoteAmax(dx, amax);
     return {dx, torch::Tensor(), torch::Tensor()};
   }
 };

@@ -20,7 +20,8 @@ int Blocks(int64_t n) {
 }
 
 __global__ void RopeKernel(const __nv_bfloat16* x, const float* cos, const float* sin, int64_t t, int64_t heads,
-                           int64_t half, int64_t pairs, float sign, __nv_bfloat16* out) {
+                           int64_t half, int64_t pairs, float sign, __nv_bfloat16* out, float* amax) {
+  unsigned amax_bits = 0;
   for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < pairs;
        p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t row = p / half, i = p % half;  // row: (batch, position, head)
@@ -28,9 +29,12 @@ __global__ void RopeKernel(const __nv_bfloat16* x, const float* cos, const float
     const float c = cos[pos * half + i], s = sign * sin[pos * half + i];
     const int64_t at = row * 2 * half + i;
     const float a = __bfloat162float(x[at]), b = __bfloat162float(x[at + half]);
-    out[at] = __float2bfloat16(a * c - b * s);
-    out[at + half] = __float2bfloat16(b * c + a * s);
+    const __nv_bfloat16 ra = __float2bfloat16(a * c - b * s), rb = __float2bfloat16(b * c + a * s);
+    out[at] = ra;
+    out[at + half] = rb;
+    amax_bits = max(amax_bits, max(AbsMaxBits(ra), AbsMaxBits(rb)));
   }
+  if (amax != nullptr) AddWarpAmax(amax_bits, amax);
 }
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -44,8 +48,9 @@ __device__ __forceinline__ Bf16x8 Pack(const float (&v)[8]) {
 
 // Eight pairs a thread: half a multiple of 8, rows 16-byte aligned.
 __global__ void RopeKernel8(const Bf16x8* x, const float* cos, const float* sin, int64_t t, int64_t heads,
-                            int64_t half, int64_t groups, float sign, Bf16x8* out) {
+                            int64_t half, int64_t groups, float sign, Bf16x8* out, float* amax) {
   const int64_t per_row = half / 8;  // groups of 8 pairs in a row
+  unsigned amax_bits = 0;
   for (int64_t p = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; p < groups;
        p += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const int64_t row = p / per_row, i = (p % per_row) * 8;
@@ -60,9 +65,12 @@ __global__ void RopeKernel8(const Bf16x8* x, const float* cos, const float* sin,
       ra[k] = a[k] * c - b[k] * s;
       rb[k] = b[k] * c + a[k] * s;
     }
-    out[at] = Pack(ra);
-    out[other] = Pack(rb);
+    const Bf16x8 pa = Pack(ra), pb = Pack(rb);
+    out[at] = pa;
+    out[other] = pb;
+    amax_bits = max(amax_bits, max(AbsMaxBits(pa), AbsMaxBits(pb)));
   }
+  if (amax != nullptr) AddWarpAmax(amax_bits, amax);
 }
 
 __global__ void SwiGluKernel8(const Bf16x8* gate, const Bf16x8* up, int64_t groups, Bf16x8* out, float* amax) {
@@ -140,16 +148,18 @@ __global__ void SwiGluBackwardKernel(const __nv_bfloat16* gate, const __nv_bfloa
 }  // namespace
 
 void Rope(const void* x, const float* cos, const float* sin, int64_t batch, int64_t t, int64_t heads,
-          int64_t head_dim, bool inverse, void* out, cudaStream_t stream) {
+          int64_t head_dim, bool inverse, void* out, cudaStream_t stream, float* amax) {
   const int64_t half = head_dim / 2, pairs = batch * t * heads * half;
   if (pairs == 0) return;
   if (half % 8 == 0 && Aligned16(x) && Aligned16(out)) {
     RopeKernel8<<<Blocks(pairs / 8), kThreads, 0, stream>>>(static_cast<const Bf16x8*>(x), cos, sin, t, heads, half,
-                                                            pairs / 8, inverse ? -1.f : 1.f, static_cast<Bf16x8*>(out));
+                                                            pairs / 8, inverse ? -1.f : 1.f, static_cast<Bf16x8*>(out),
+                                                            amax);
     return;
   }
   RopeKernel<<<Blocks(pairs), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), cos, sin, t, heads, half,
-                                                      pairs, inverse ? -1.f : 1.f, static_cast<__nv_bfloat16*>(out));
+                                                      pairs, inverse ? -1.f : 1.f, static_cast<__nv_bfloat16*>(out),
+                                                      amax);
 }
 
 void SwiGlu(const void* gate, const void* up, int64_t n, void* out, cudaStream_t stream, float* amax) {

@@ -11,9 +11,10 @@ namespace ltrain::worker::cuda {
 
 // x, out: bf16 [batch, t, heads, head_dim] contiguous; cos, sin: fp32 [>= t, head_dim/2] contiguous.
 // Pair i of a head (i, i + head_dim/2) at position p turns by the angle of (p, i) (llama_model's
-// apply_rope), or back by it when `inverse` (the gradient). out may be x.
+// apply_rope), or back by it when `inverse` (the gradient). out may be x. `amax`, where not null,
+// gets max |out| (as SwiGlu's).
 void Rope(const void* x, const float* cos, const float* sin, int64_t batch, int64_t t, int64_t heads,
-          int64_t head_dim, bool inverse, void* out, cudaStream_t stream);
+          int64_t head_dim, bool inverse, void* out, cudaStream_t stream, float* amax = nullptr);
 
 // out = silu(gate) · up over n bf16 elements. `amax`, where not null, gets max |out| for an FP8
 // quantization of it (a device fp32 holding 0 before, as layer_norm.h's).
