@@ -19,6 +19,20 @@ namespace ltrain::worker::fused {
 // The options SetFusedKernelOptions set.
 const FusedKernelOptions& Options();
 
+#if defined(LTRAIN_WITH_CUDA_KERNELS)
+// A norm's backward offers the bf16 copy `bf16` it wrote beside an fp32 residual stream's gradient
+// `fp32` (and the gradient's column sums in `partial`, `chunks` of them) to the backward of the
+// product that wrote the norm's input, which reads it instead of casting (one a device).
+void OfferBf16Twin(const torch::Tensor& fp32, const torch::Tensor& bf16, const torch::Tensor& partial = {},
+                   int64_t chunks = 0);
+
+// After a norm's call: where `asked` (options.norm_rebuild) and autograd records the output,
+// registers the output for the products that read it, to rebuild it in backward from what the
+// norm's forward kept (`kept`, with the norm's weight, bias and eps) instead of keeping it.
+void RegisterNormOutput(const torch::Tensor& output, const torch::Tensor& kept, const torch::Tensor& w,
+                        const torch::Tensor& b, double eps, bool asked);
+#endif
+
 // Drops the FP8 operands kept for the next product, and the amaxes noted (after backward).
 void ForgetFp8Operands();
 
