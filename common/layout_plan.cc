@@ -539,7 +539,11 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double
   if (cuda) {
     double compute = flops / (kGpuPeakFlops * ComputeEfficiency(m.d_model));
     if (ps.precision == Precision::kFp8) {
-      const double share = 6.0 * static_cast<double>(BlockMatrixParameters(m)) / ModelFlopsPerToken(m);
+      // The blocks parallel.fp8_bf16_layers keeps in bf16 run at bf16's rate.
+      const double fp8_blocks = static_cast<double>(m.layers - static_cast<int>(ps.fp8_bf16_layers.size())) /
+                                static_cast<double>(std::max(1, m.layers));
+      const double share =
+          fp8_blocks * 6.0 * static_cast<double>(BlockMatrixParameters(m)) / ModelFlopsPerToken(m);
       compute *= 1.0 - share + share / kFp8ProductSpeedup;
     }
     compute *= recompute;

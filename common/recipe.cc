@@ -581,6 +581,12 @@ void CheckAcrossKeys(const Recipe& r, RecipeReader& reader) {
     reader.ErrorOnKey("parallel.precision", "parallel.precision: fp8 needs parallel.device: cuda, on a GPU of compute "
                                             "capability 8.9 or newer (Hopper, Ada); on CPU use auto or fp32");
   }
+  if (!r.parallel.fp8_bf16_layers.empty() && r.parallel.precision != Precision::kFp8 &&
+      !reader.Refused({"parallel.precision", "parallel.fp8_bf16_layers"})) {
+    reader.ErrorOnKey("parallel.fp8_bf16_layers", "parallel.fp8_bf16_layers names blocks kept in bf16 under "
+                                                  "parallel.precision: fp8; this recipe's precision is " +
+                                                      NameOf(r.parallel.precision) + ": remove the key or set fp8");
+  }
   if (r.training.min_lr > r.training.lr && !reader.Refused({"training.lr", "training.min_lr"})) {
     reader.ErrorOnKey("training.min_lr", "training.min_lr must not exceed training.lr");
   }
@@ -591,6 +597,14 @@ void CheckAcrossKeys(const Recipe& r, RecipeReader& reader) {
                                          "; choose heads so that d_model/heads is a whole number");
   }
   CheckArchKeys(r.model, reader);
+  for (const int layer : r.parallel.fp8_bf16_layers) {
+    if (layer >= r.model.layers && !reader.Refused({"parallel.fp8_bf16_layers"})) {
+      reader.ErrorOnKey("parallel.fp8_bf16_layers", "parallel.fp8_bf16_layers names block " + std::to_string(layer) +
+                                                        " of a model of " + std::to_string(r.model.layers) +
+                                                        " (model.layers); blocks count from 0");
+      break;
+    }
+  }
   if (r.data.tokenizer == Tokenizer::kByte && r.model.vocab < 256 && !reader.Refused({"data.tokenizer"})) {
     reader.ErrorOnKey("model.vocab", "model.vocab=" + std::to_string(r.model.vocab) +
                                          " is smaller than the byte tokenizer's 256 symbols; set model.vocab: 256");

@@ -228,6 +228,7 @@ struct ParallelSpec {
   double bucket_mb = 25.0;       // data-parallel gradient bucket size
   ActivationCheckpointing activation_checkpointing = ActivationCheckpointing::kNone;
   Precision precision = Precision::kAuto;  // auto: bf16-fp32-residual on cuda, fp32 on cpu
+  std::vector<int> fp8_bf16_layers;  // under fp8: the blocks (0-based) whose products stay bf16
   Device device = Device::kCpu;  // cpu (Gloo) | cuda (NCCL)
 
   int world_size() const { return nodes * nproc_per_node; }

@@ -268,6 +268,11 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
                           "products in FP8 (e4m3 weights and activations, e5m2 gradients; a GPU of compute "
                           "capability 8.9 or newer), the embedding and the output head in bf16"},
         r.parallel.precision);
+  visit(RecipeKey{.section = "parallel", .name = "fp8_bf16_layers",
+                  .help = "under precision fp8: the blocks (0-based) whose linear products stay bf16 besides the "
+                          "embedding and the output head, e.g. [0, 23] for a 24-layer model's first and last",
+                  .int_min = 0, .int_max = 1 << 20, .default_text = "none"},
+        r.parallel.fp8_bf16_layers);
   visit(RecipeKey{.section = "parallel", .name = "device", .help = "cpu (Gloo) or cuda (NCCL)"}, r.parallel.device);
 
   visit(RecipeKey{.section = "checkpoint", .name = "dir", .help = "where the job's checkpoints go",

@@ -208,6 +208,24 @@ TEST(LayoutPlanTest, Fp8ShortensTheBlocksProductsAndBuffersTheirFp8Operands) {
   EXPECT_EQ(fp8.stages[0].parts.params, bf16.stages[0].parts.params);
 }
 
+// parallel.fp8_bf16_layers: the blocks kept in bf16 run at bf16's rate, so the step lies between
+// every block in FP8 and none.
+TEST(LayoutPlanTest, Fp8BlocksKeptInBf16RunAtBf16sRate) {
+  Recipe r = Small();
+  r.parallel.device = Device::kCuda;
+  const LayoutEstimate bf16 = Estimate(r, 1);
+  r.parallel.precision = Precision::kFp8;
+  const LayoutEstimate fp8 = Estimate(r, 1);
+  r.parallel.fp8_bf16_layers = {0};
+  const LayoutEstimate first_in_bf16 = Estimate(r, 1);
+  EXPECT_GT(first_in_bf16.step_seconds, fp8.step_seconds);
+  EXPECT_LT(first_in_bf16.step_seconds, bf16.step_seconds);
+  std::vector<int> every;
+  for (int layer = 0; layer < r.model.layers; ++layer) every.push_back(layer);
+  r.parallel.fp8_bf16_layers = every;
+  EXPECT_DOUBLE_EQ(Estimate(r, 1).step_seconds, bf16.step_seconds);
+}
+
 TEST(LayoutPlanTest, RankedLayoutsPutTheFeasibleFirstFastestFirstAndSayWhyTheOthersFail) {
   Recipe r = Small();
   r.model.layers = 32;

@@ -460,6 +460,30 @@ TEST(RecipeTest, Fp8OnACpuJobIsRefusedNamingTheKey) {
   EXPECT_TRUE(gpu.recipe.parallel.fp32_residual_stream());
 }
 
+// parallel.fp8_bf16_layers: read as a list of blocks under fp8; refused naming the key and its line
+// under another precision, and where it names a block the model does not have.
+TEST(RecipeTest, Fp8Bf16LayersAreBlocksOfTheModelUnderFp8) {
+  const std::string base = "name: tiny\nmodel: {layers: 4, d_model: 64, heads: 4, seq_len: 32, vocab: 256}\n"
+                           "data: {path: /tmp/data}\ntraining: {steps: 20, micro_batch: 4, global_batch: 4}\n"
+                           "parallel:\n  device: cuda\n";
+  RecipeParseResult ok = ParseRecipe(base + "  precision: fp8\n  fp8_bf16_layers: [0, 3]\n", "fp8.yaml");
+  ASSERT_TRUE(ok.ok()) << ok.ErrorText();
+  EXPECT_EQ(ok.recipe.parallel.fp8_bf16_layers, (std::vector<int>{0, 3}));
+  RecipeParseResult other = ParseRecipe(base + "  fp8_bf16_layers: [0]\n", "auto.yaml");
+  ASSERT_FALSE(other.ok());
+  std::string text = other.ErrorText();
+  EXPECT_NE(text.find("auto.yaml:7:"), std::string::npos) << text;
+  EXPECT_NE(text.find("parallel.fp8_bf16_layers names blocks kept in bf16 under parallel.precision: fp8; this "
+                      "recipe's precision is auto"), std::string::npos) << text;
+  RecipeParseResult beyond = ParseRecipe(base + "  precision: fp8\n  fp8_bf16_layers: [1, 4]\n", "fp8.yaml");
+  ASSERT_FALSE(beyond.ok());
+  text = beyond.ErrorText();
+  EXPECT_NE(text.find("fp8.yaml:8:"), std::string::npos) << text;
+  EXPECT_NE(text.find("names block 4 of a model of 4 (model.layers); blocks count from 0"), std::string::npos) << text;
+  RecipeParseResult negative = ParseRecipe(base + "  precision: fp8\n  fp8_bf16_layers: [-1]\n", "fp8.yaml");
+  EXPECT_FALSE(negative.ok());
+}
+
 // What a resume compares: the keys that shape the parameters, with kv_heads and ffn resolved.
 TEST(RecipeTest, ModelShapeDifferencesNameTheKeysThatShapeTheParameters) {
   ModelSpec saved;

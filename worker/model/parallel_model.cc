@@ -1,5 +1,6 @@
 #include "worker/model/parallel_model.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -360,7 +361,14 @@ bool ModelShard::GradientFromProductsOnly(size_t i) const {
   return ends(".qkv.weight") || ends(".proj.weight") || ends(".fc.weight") || ends(".fc2.weight");
 }
 
+bool ModelShard::Bf16Layer(int layer) const {
+  return std::find(spec_.bf16_layers.begin(), spec_.bf16_layers.end(), layer) != spec_.bf16_layers.end();
+}
+
 torch::Tensor ModelShard::BlockForward(int layer, const torch::Tensor& x) {
+  // The products' backward runs in the precision their forward noted (under FP8).
+  std::optional<Bf16ProductsScope> bf16;
+  if (Bf16Layer(layer)) bf16.emplace(true);
   return LlamaBlock(spec_.config) ? LlamaBlockForward(layer, x) : GptBlockForward(layer, x);
 }
 
@@ -426,6 +434,8 @@ torch::Tensor ModelShard::TpBlockForward(int layer, const torch::Tensor& x) {
 }
 
 ModelShard::BranchPartial ModelShard::TpBranch(int layer, int branch, const torch::Tensor& x) {
+  std::optional<Bf16ProductsScope> bf16;  // as BlockForward's
+  if (Bf16Layer(layer)) bf16.emplace(true);
   if (LlamaBlock(spec_.config)) {
     if (branch == 0) {
       auto [y, x_res] = LlamaAttention(layer, x);

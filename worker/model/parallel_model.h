@@ -71,6 +71,9 @@ struct ModelShardSpec {
   // all-reduce runs beside the other half's products. Not under ZeRO-3's gathers (the units' output
   // hooks) or full activation checkpointing, where blocks run whole.
   bool tp_split_batch = false;
+  // Under FP8 products (FusedKernelOptions::fp8): the blocks whose products stay bf16
+  // (parallel.fp8_bf16_layers), each forward and the backward of its products.
+  std::vector<int> bf16_layers;
 };
 
 // x + branch in fp32, rounded to x's dtype; to bf16 stochastically: up with the probability of the
@@ -152,6 +155,8 @@ class ModelShard {
 
   // One block's forward (public for the activation-checkpointing function).
   torch::Tensor BlockForward(int layer, const torch::Tensor& x);
+  // Whether `layer`'s products stay bf16 under FP8 (ModelShardSpec::bf16_layers).
+  bool Bf16Layer(int layer) const;
   torch::Tensor GptBlockForward(int layer, const torch::Tensor& x);
   torch::Tensor LlamaBlockForward(int layer, const torch::Tensor& x);
   // A block under tp: each branch's partial sums (TpBranch) summed over tp (RowSum).

@@ -225,6 +225,7 @@ Status Trainer::Init() {
     ml.stochastic_residual = true;
   }
   ml.tp_split_batch = options_.tp_split_batch;
+  ml.bf16_layers = p.fp8_bf16_layers;
   torch::manual_seed(t.seed);
   LTRAIN_ASSIGN_OR_RETURN(model_, ModelShard::Create(ml, groups_->tp));
   for (const ShardParam& sp : model_->params()) tp_partial_grads_ = tp_partial_grads_ || sp.tp_partial;
