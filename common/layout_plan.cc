@@ -193,12 +193,31 @@ int64_t CpuLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointin
 // input in `sb`. Selective recompute without sequence parallelism keeps no norm output: the products
 // that read one make it again in backward from what the norm keeps (a Llama's attention norm's still,
 // where wk and wv are kept whole on every tp rank and LibTorch's product reads it).
-int64_t CudaLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointing ac, int a, int sb) {
+//
+// With `fp8` (FP8 products) each product keeps its input's FP8 transposed copy instead of the bf16
+// input, a byte an element: the norms' outputs, attention's output, and the MLP's activation (the
+// GELU's output, SwiGLU's product), made again in backward by no recompute mode.
+int64_t CudaLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointing ac, int a, int sb, bool fp8) {
   const int64_t b = s.b, T = s.T, Ts = s.Ts, d = s.d, t = s.tp;
   if (ac == ActivationCheckpointing::kFull) return b * Ts * d * sb;
   const bool selective = ac == ActivationCheckpointing::kSelective;
   const bool rebuilt = selective && Ts == T;
   const int64_t stream = 2 * b * Ts * d;
+  if (fp8) {
+    int64_t bf16_elems = 0, fp8_elems = 0;
+    if (m.arch == Arch::kGpt2) {
+      // q k v and the MLP's pre-GELU in bf16; the norms' outputs, attention's output and the GELU's in FP8
+      bf16_elems = 3 * b * T * d / t + b * T * s.f / t;
+      fp8_elems = 2 * b * T * d + b * T * d / t + b * T * s.f / t;
+    } else {
+      const int64_t ql = s.h / t * s.hd, kvl = s.kv_local * s.hd;
+      bf16_elems = b * T * ql + 2 * b * T * kvl + 2 * b * T * s.f / t;
+      fp8_elems = 2 * b * T * d + b * T * ql + b * T * s.f / t;
+      if (m.arch == Arch::kQwen2) bf16_elems += b * T * (ql + 2 * kvl);
+      if (m.arch == Arch::kQwen3) bf16_elems += b * T * (ql + kvl);
+    }
+    return stream * a + bf16_elems * a + fp8_elems + 4 * (4 * b * Ts + b * (s.h / t) * T);
+  }
   int64_t elems = 0;
   if (m.arch == Arch::kGpt2) {
     // norm 1's output (the qkv product's input), q k v, attention's output, norm 2's output, the
@@ -342,6 +361,7 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double
   const bool cuda = ps.device == Device::kCuda;
   const bool cpu = !cuda;
   const bool autocast = cuda && ps.precision == Precision::kBf16Autocast;
+  const bool fp8 = cuda && ps.precision == Precision::kFp8;
   e.bf16 = cuda && ps.precision != Precision::kFp32 && !autocast;
   const int a = cuda && ps.precision != Precision::kFp32 ? 2 : 4;  // activation bytes
   const int sb = ps.fp32_residual_stream() ? 4 : a;                 // the residual stream's
@@ -432,9 +452,9 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double
       for (int c = 0; c < layout.chunks; ++c) {
         const int vs = VirtualStage(layout.pp, r, c);
         const int64_t per_layer =
-            cpu ? CpuLayerBytes(m, s, ac) + CpuLayerOverhead(m, ac) : CudaLayerBytes(m, s, ac, a, sb);
+            cpu ? CpuLayerBytes(m, s, ac) + CpuLayerOverhead(m, ac) : CudaLayerBytes(m, s, ac, a, sb, fp8);
         layer_none = cpu ? CpuLayerBytes(m, s, ActivationCheckpointing::kNone)
-                         : CudaLayerBytes(m, s, ActivationCheckpointing::kNone, a, sb);
+                         : CudaLayerBytes(m, s, ActivationCheckpointing::kNone, a, sb, fp8);
         int64_t bytes = per_layer * layout.stage_layers[vs];
         if (autocast) bytes += int64_t{4} * s.b * s.T * s.d * layout.stage_layers[vs];
         bytes += vs == 0 ? EmbedBytes(s, sb, cpu) + (cpu && s.tp == 1 ? 8 * s.b * s.T : 0) : send;
@@ -456,7 +476,10 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double
         if (zero == 2 && overlap) transient += numel * (e.bf16 ? 2 : 4);
         // FP8 products quantize at the product: at the widest one in backward, its output gradient
         // and its input in e4m3/e5m2 with their transposed copies, and its weight's.
-        if (ps.precision == Precision::kFp8) transient += 2 * s.b * s.T * (s.f / s.tp + s.d) + 2 * s.f / s.tp * s.d;
+        if (fp8) transient += 2 * s.b * s.T * (s.f / s.tp + s.d) + 2 * s.f / s.tp * s.d;
+        // Forward keeps each block weight's FP8 transposed copy for backward (not under ZeRO-3, whose
+        // gathered weights backward quantizes again): a byte a parameter, from forward to backward.
+        if (fp8 && zero < 3) buffers += BlockMatrixParameters(m) / m.layers * layers_here / s.tp;
         buffers += transient + (autocast ? numel * 2 : 0);
       }
       st.activations_by_mode[mode] = saved + buffers;

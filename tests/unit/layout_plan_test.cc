@@ -192,8 +192,10 @@ TEST(LayoutPlanTest, TheDefaultPrecisionKeepsTheResidualStreamInFp32) {
   EXPECT_EQ(pp_fp32, 2 * pp_bf16);
 }
 
-// precision fp8: the blocks' matrix products run faster (the rest of the step as auto's), and the
-// widest product's FP8 operands with their transposed copies are buffers beside the activations.
+// precision fp8: the blocks' matrix products run faster (the rest of the step as auto's); the
+// widest product's FP8 operands with their transposed copies, and every block weight's FP8 transposed
+// copy (kept from forward to backward), are buffers beside the activations; the products keep their
+// inputs' FP8 copies instead of bf16 ones.
 TEST(LayoutPlanTest, Fp8ShortensTheBlocksProductsAndBuffersTheirFp8Operands) {
   Recipe r = Small();
   r.parallel.device = Device::kCuda;
@@ -203,9 +205,20 @@ TEST(LayoutPlanTest, Fp8ShortensTheBlocksProductsAndBuffersTheirFp8Operands) {
   EXPECT_TRUE(fp8.bf16) << "the compute copies stay bf16";
   EXPECT_LT(fp8.step_seconds, bf16.step_seconds);
   EXPECT_GT(fp8.step_seconds, bf16.step_seconds / 1.2) << "no faster than every product 1.2 times faster";
-  const int64_t b = 2, t = 32, d = 64, f = 4 * d;
-  EXPECT_EQ(fp8.stages[0].parts.buffers - bf16.stages[0].parts.buffers, 2 * b * t * (f + d) + 2 * f * d);
+  const int64_t b = 2, t = 32, d = 64, f = 4 * d, layers = 4;
+  EXPECT_EQ(fp8.stages[0].parts.buffers - bf16.stages[0].parts.buffers,
+            2 * b * t * (f + d) + 2 * f * d + layers * (4 * d * d + 2 * f * d));
   EXPECT_EQ(fp8.stages[0].parts.params, bf16.stages[0].parts.params);
+  // Per block: the two norms' outputs, attention's output and the GELU's output a byte an element
+  // instead of two.
+  EXPECT_EQ(bf16.stages[0].parts.activations - fp8.stages[0].parts.activations, layers * b * t * (3 * d + f));
+  // Under ZeRO-3 backward quantizes the gathered weights again: no copies kept.
+  r.parallel.nproc_per_node = 2;
+  r.parallel.zero = 3;
+  const LayoutEstimate zero3 = Estimate(r, 2);
+  r.parallel.precision = Precision::kAuto;
+  const LayoutEstimate zero3_bf16 = Estimate(r, 2);
+  EXPECT_EQ(zero3.stages[0].parts.buffers - zero3_bf16.stages[0].parts.buffers, 2 * b * t * (f + d) + 2 * f * d);
 }
 
 // parallel.fp8_bf16_layers: the blocks kept in bf16 run at bf16's rate, so the step lies between
