@@ -587,6 +587,12 @@ void CheckAcrossKeys(const Recipe& r, RecipeReader& reader) {
                                                   "parallel.precision: fp8; this recipe's precision is " +
                                                       NameOf(r.parallel.precision) + ": remove the key or set fp8");
   }
+  if (r.parallel.fp8_scaling != Fp8ScalingKind::kTensorwise && r.parallel.precision != Precision::kFp8 &&
+      !reader.Refused({"parallel.precision", "parallel.fp8_scaling"})) {
+    reader.ErrorOnKey("parallel.fp8_scaling", "parallel.fp8_scaling chooses the scaling of parallel.precision: fp8; "
+                                              "this recipe's precision is " + NameOf(r.parallel.precision) +
+                                                  ": remove the key or set fp8");
+  }
   if (r.training.min_lr > r.training.lr && !reader.Refused({"training.lr", "training.min_lr"})) {
     reader.ErrorOnKey("training.min_lr", "training.min_lr must not exceed training.lr");
   }

@@ -30,6 +30,7 @@ enum class PpSchedule { kGpipe, k1F1B, kInterleaved };
 enum class ActivationCheckpointing { kNone, kFull, kSelective };
 enum class Precision { kAuto, kFp32, kBf16, kBf16Autocast, kBf16Fp32Residual, kFp8 };
 enum class Device { kCpu, kCuda };
+enum class Fp8ScalingKind { kTensorwise, kRowwise };
 enum class WarmStandby { kAuto, kOff, kGpu };
 enum class Recovery { kRestart, kInPlace };
 
@@ -89,6 +90,11 @@ struct EnumNames<ActivationCheckpointing> {
       {{ActivationCheckpointing::kNone, "none"},
        {ActivationCheckpointing::kFull, "full"},
        {ActivationCheckpointing::kSelective, "selective"}}};
+};
+template <>
+struct EnumNames<Fp8ScalingKind> {
+  static constexpr std::array<std::pair<Fp8ScalingKind, std::string_view>, 2> kNames = {
+      {{Fp8ScalingKind::kTensorwise, "tensorwise"}, {Fp8ScalingKind::kRowwise, "rowwise"}}};
 };
 template <>
 struct EnumNames<Precision> {
@@ -229,6 +235,7 @@ struct ParallelSpec {
   ActivationCheckpointing activation_checkpointing = ActivationCheckpointing::kNone;
   Precision precision = Precision::kAuto;  // auto: bf16-fp32-residual on cuda, fp32 on cpu
   std::vector<int> fp8_bf16_layers;  // under fp8: the blocks (0-based) whose products stay bf16
+  Fp8ScalingKind fp8_scaling = Fp8ScalingKind::kTensorwise;  // under fp8: one scale a tensor, or a row
   Device device = Device::kCpu;  // cpu (Gloo) | cuda (NCCL)
 
   int world_size() const { return nodes * nproc_per_node; }

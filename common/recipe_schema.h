@@ -273,6 +273,12 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
                           "embedding and the output head, e.g. [0, 23] for a 24-layer model's first and last",
                   .int_min = 0, .int_max = 1 << 20, .default_text = "none"},
         r.parallel.fp8_bf16_layers);
+  visit(RecipeKey{.section = "parallel", .name = "fp8_scaling",
+                  .help = "under precision fp8: tensorwise (one scale an operand, from its largest magnitude; the "
+                          "faster) or rowwise (a scale for each row along the products' inner dimension, each "
+                          "operand quantized once for each direction it is read in; finer where magnitudes differ "
+                          "between tokens)"},
+        r.parallel.fp8_scaling);
   visit(RecipeKey{.section = "parallel", .name = "device", .help = "cpu (Gloo) or cuda (NCCL)"}, r.parallel.device);
 
   visit(RecipeKey{.section = "checkpoint", .name = "dir", .help = "where the job's checkpoints go",

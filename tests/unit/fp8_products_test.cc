@@ -18,15 +18,25 @@
 namespace ltrain::worker {
 namespace {
 
+void ExpectFp8LayersFollowTheirBf16Products(bool rowwise);
+
 // parallel.precision fp8: the layers' products in FP8 (their backward from the copies forward kept)
 // give outputs and gradients near the bf16 products' (a Bf16ProductsScope); q, k and v's three
-// products read one quantized input.
+// products read one quantized input. Tensorwise and rowwise scaling.
 TEST(FusedKernelsTest, Fp8LayersFollowTheirBf16Products) {
   if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
   if (!Fp8ProductsAvailable()) GTEST_SKIP() << "no FP8 products here (a build without CUDA kernels or float8, or a GPU before 8.9)";
+  for (const bool rowwise : {false, true}) {
+    SCOPED_TRACE(rowwise ? "rowwise" : "tensorwise");
+    ExpectFp8LayersFollowTheirBf16Products(rowwise);
+  }
+}
+
+void ExpectFp8LayersFollowTheirBf16Products(bool rowwise) {
   torch::manual_seed(12);
   FusedKernelOptions fp8;
   fp8.fp8 = true;
+  fp8.fp8_rowwise = rowwise;
   SetFusedKernelOptions(fp8);
   const auto bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
   const std::vector<torch::Tensor> params = {torch::randn({256, 128}, bf16) * 0.05, torch::randn({256}, bf16) * 0.05,
@@ -69,7 +79,8 @@ TEST(FusedKernelsTest, Fp8LayersFollowTheirBf16Products) {
     }
     const double error = ((a - b).norm() / b.norm()).item<double>();
     EXPECT_LT(error, 0.08) << "output or gradient " << i;
-    std::printf("FP8 against bf16, output or gradient %zu: relative error %.4f\n", i, error);
+    std::printf("FP8 (%s) against bf16, output or gradient %zu: relative error %.4f\n",
+                rowwise ? "rowwise" : "tensorwise", i, error);
   }
 }
 

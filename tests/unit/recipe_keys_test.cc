@@ -33,7 +33,8 @@ training: {steps: 77, micro_batch: 2, global_batch: 32, lr: 0.002, min_lr: 0.000
            deterministic: true, eval_every: 5, eval_batches: 3}
 parallel: {nodes: {min: 1, max: 2}, nproc_per_node: 8, tp: 2, pp: 2, zero: 1, sequence_parallel: true,
            pp_schedule: interleaved, virtual_stages: 2, pp_split: [3, 2, 2, 1], bucket_mb: 50,
-           activation_checkpointing: selective, precision: fp8, fp8_bf16_layers: [0], device: cuda}
+           activation_checkpointing: selective, precision: fp8, fp8_bf16_layers: [0],
+           fp8_scaling: rowwise, device: cuda}
 metrics: {tensorboard: true}
 checkpoint: {dir: /ckpt/every-key, every: 11, keep: 5, resume_from: /ckpt/old/step-3, async: false, enabled: false,
              timeout_s: 240, share_with_group: true}

@@ -484,6 +484,28 @@ TEST(RecipeTest, Fp8Bf16LayersAreBlocksOfTheModelUnderFp8) {
   EXPECT_FALSE(negative.ok());
 }
 
+// parallel.fp8_scaling: tensorwise by default, rowwise on request under fp8; refused naming the key
+// under another precision.
+TEST(RecipeTest, Fp8ScalingIsTensorwiseOrRowwiseUnderFp8) {
+  const std::string base = "name: tiny\nmodel: {layers: 4, d_model: 64, heads: 4, seq_len: 32, vocab: 256}\n"
+                           "data: {path: /tmp/data}\ntraining: {steps: 20, micro_batch: 4, global_batch: 4}\n"
+                           "parallel:\n  device: cuda\n";
+  RecipeParseResult tensorwise = ParseRecipe(base + "  precision: fp8\n", "fp8.yaml");
+  ASSERT_TRUE(tensorwise.ok()) << tensorwise.ErrorText();
+  EXPECT_EQ(tensorwise.recipe.parallel.fp8_scaling, Fp8ScalingKind::kTensorwise);
+  RecipeParseResult rowwise = ParseRecipe(base + "  precision: fp8\n  fp8_scaling: rowwise\n", "fp8.yaml");
+  ASSERT_TRUE(rowwise.ok()) << rowwise.ErrorText();
+  EXPECT_EQ(rowwise.recipe.parallel.fp8_scaling, Fp8ScalingKind::kRowwise);
+  RecipeParseResult other = ParseRecipe(base + "  fp8_scaling: rowwise\n", "auto.yaml");
+  ASSERT_FALSE(other.ok());
+  const std::string text = other.ErrorText();
+  EXPECT_NE(text.find("auto.yaml:7:"), std::string::npos) << text;
+  EXPECT_NE(text.find("parallel.fp8_scaling chooses the scaling of parallel.precision: fp8"), std::string::npos) << text;
+  RecipeParseResult unknown = ParseRecipe(base + "  precision: fp8\n  fp8_scaling: blockwise\n", "fp8.yaml");
+  ASSERT_FALSE(unknown.ok());
+  EXPECT_NE(unknown.ErrorText().find("tensorwise"), std::string::npos) << unknown.ErrorText();
+}
+
 // What a resume compares: the keys that shape the parameters, with kv_heads and ffn resolved.
 TEST(RecipeTest, ModelShapeDifferencesNameTheKeysThatShapeTheParameters) {
   ModelSpec saved;

@@ -89,7 +89,9 @@ void fused::ForgetFp8Operands() {
 }
 
 torch::Tensor fused::AmaxFor(const torch::Tensor& t) {
-  if (!Fp8ProductsOn() || !fused::Options().fp8_writer_amax || !t.is_cuda() || t.scalar_type() != torch::kBFloat16) {
+  // Tensorwise only: a rowwise quantization takes its rows' amaxes itself.
+  if (!Fp8ProductsOn() || !fused::Options().fp8_writer_amax || fused::Options().fp8_rowwise || !t.is_cuda() ||
+      t.scalar_type() != torch::kBFloat16) {
     return {};
   }
   return torch::zeros({}, t.options().dtype(torch::kFloat));
@@ -114,13 +116,25 @@ QuantizedOperand fused::InFp8(const torch::Tensor& t, Fp8Operand operand) {
     }
   }
   torch::Tensor amax;
-  if (t.is_contiguous()) {
+  if (t.is_contiguous() && !fused::Options().fp8_rowwise) {
     std::lock_guard<std::mutex> lock(fp8_mu);
     amax = TakeNotedAmax(t, version);
   }
   QuantizedOperand fresh;
   const Fp8Format format = operand == kGradient ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
-  fresh.q = QuantizeTensorwise(t.contiguous(), format, &fresh.transposed, amax);
+  const torch::Tensor rows = t.contiguous();
+  if (fused::Options().fp8_rowwise) {
+    // Each direction along rows of its own: t's rows for one product, its columns (the rows of a
+    // bf16 transposed copy, quantized as such) for the other.
+    fresh.q = Fp8QuantizeOnDevice(rows, format, Fp8Scaling::kRowwise, /*power_of_2=*/false);
+    const Fp8Tensor columns =
+        Fp8QuantizeOnDevice(rows.t().contiguous(), format, Fp8Scaling::kRowwise, /*power_of_2=*/false);
+    fresh.transposed = columns.data;
+    fresh.transposed_scale_inv = columns.scale_inv;
+  } else {
+    fresh.q = QuantizeTensorwise(rows, format, &fresh.transposed, amax);
+    fresh.transposed_scale_inv = fresh.q.scale_inv;
+  }
   fresh.source = t;
   fresh.version = version;
   std::lock_guard<std::mutex> lock(fp8_mu);
@@ -204,8 +218,12 @@ torch::Tensor TakeFp8Figures() {
       parts.push_back(torch::zeros({2}, f32));
       continue;
     }
-    // A NaN among them shows as the largest and the smallest (max and min propagate it).
-    const torch::Tensor a = torch::stack(amaxes).reshape({-1});
+    // An operand's amax: its rows' largest under rowwise scaling. A NaN among them shows as the
+    // largest and the smallest (max and min propagate it).
+    std::vector<torch::Tensor> each;
+    each.reserve(amaxes.size());
+    for (const torch::Tensor& amax : amaxes) each.push_back(amax.dim() == 0 ? amax : amax.max());
+    const torch::Tensor a = torch::stack(each).reshape({-1});
     parts.push_back(torch::stack({a.max(), a.min()}));
     overflowed = overflowed + torch::isfinite(a).logical_not().sum().to(torch::kFloat);
   }

@@ -79,10 +79,15 @@ struct QuantizedOperand {
   int64_t version = -1;
   Fp8Tensor q;
   torch::Tensor transposed;
+  // The transposed copy's scale_inv: q's under tensorwise scaling; under rowwise one a row of the
+  // copy ([cols, 1]: the copy is quantized along rows of its own).
+  torch::Tensor transposed_scale_inv;
+  bool rowwise() const { return q.scale_inv.dim() > 0; }
 };
 
-// `t` [rows, cols] in FP8 (e5m2 for gradients, e4m3 otherwise) with its transposed copy [cols, rows]:
-// the last one of its kind on the device where that was made from `t` as it is now.
+// `t` [rows, cols] in FP8 (e5m2 for gradients, e4m3 otherwise) with its transposed copy [cols, rows],
+// tensorwise or (options.fp8_rowwise) rowwise: the last one of its kind on the device where that was
+// made from `t` as it is now.
 QuantizedOperand InFp8(const torch::Tensor& t, Fp8Operand operand);
 #endif
 #endif

@@ -212,11 +212,12 @@ torch::Tensor LinearProduct(const torch::Tensor& x, const torch::Tensor& w, cons
     g.a = wq.q.data.data_ptr(), g.b = xq.q.data.data_ptr();
     g.a_type = g.b_type = cuda::GemmType::kE4M3;
     g.a_scale_inv = wq.q.scale_inv.data_ptr<float>(), g.b_scale_inv = xq.q.scale_inv.data_ptr<float>();
+    g.rowwise = xq.rowwise();
     g.fast_accum = true;  // forward: as torchao's and Transformer Engine's recipes
     if (fp8_saved != nullptr) {
       // Backward's products read the transposed copies: the input's always, the weight's where it is kept.
-      fp8_saved->x_t = xq.transposed, fp8_saved->x_scale_inv = xq.q.scale_inv;
-      if (kernel_options.fp8_keep_weights) fp8_saved->w_t = wq.transposed, fp8_saved->w_scale_inv = wq.q.scale_inv;
+      fp8_saved->x_t = xq.transposed, fp8_saved->x_scale_inv = xq.transposed_scale_inv;
+      if (kernel_options.fp8_keep_weights) fp8_saved->w_t = wq.transposed, fp8_saved->w_scale_inv = wq.transposed_scale_inv;
     }
   }
 #else
@@ -253,7 +254,7 @@ torch::Tensor InputGradProduct(const torch::Tensor& grad, const torch::Tensor& w
     dgelu_apart = epilogue == cuda::Epilogue::kDGelu && !into.defined() && !accumulate;
     gq = InFp8(grad, kGradient);
     if (fp8_saved != nullptr && fp8_saved->w_t.defined()) {
-      wq.transposed = fp8_saved->w_t, wq.q.scale_inv = fp8_saved->w_scale_inv;
+      wq.transposed = fp8_saved->w_t, wq.transposed_scale_inv = fp8_saved->w_scale_inv;
     } else {
       wq = InFp8(w, kWeight);
     }
@@ -261,7 +262,8 @@ torch::Tensor InputGradProduct(const torch::Tensor& grad, const torch::Tensor& w
     g.a = wq.transposed.data_ptr(), g.lda = out;
     g.b = gq.q.data.data_ptr();
     g.a_type = cuda::GemmType::kE4M3, g.b_type = cuda::GemmType::kE5M2;
-    g.a_scale_inv = wq.q.scale_inv.data_ptr<float>(), g.b_scale_inv = gq.q.scale_inv.data_ptr<float>();
+    g.a_scale_inv = wq.transposed_scale_inv.data_ptr<float>(), g.b_scale_inv = gq.q.scale_inv.data_ptr<float>();
+    g.rowwise = gq.rowwise();
   }
 #else
   (void)fp8_saved;
@@ -299,7 +301,7 @@ torch::Tensor WeightGradProduct(const torch::Tensor& grad, const torch::Tensor& 
   if (Fp8Takes(grad, rows, in, out)) {
     gq = InFp8(grad, kGradient);
     if (from_fp8) {
-      xq.transposed = fp8_saved->x_t, xq.q.scale_inv = fp8_saved->x_scale_inv;
+      xq.transposed = fp8_saved->x_t, xq.transposed_scale_inv = fp8_saved->x_scale_inv;
     } else {
       xq = InFp8(x, kActivation);
     }
@@ -307,7 +309,8 @@ torch::Tensor WeightGradProduct(const torch::Tensor& grad, const torch::Tensor& 
     g.a = xq.transposed.data_ptr(), g.lda = rows;
     g.b = gq.transposed.data_ptr(), g.ldb = rows;
     g.a_type = cuda::GemmType::kE4M3, g.b_type = cuda::GemmType::kE5M2;
-    g.a_scale_inv = xq.q.scale_inv.data_ptr<float>(), g.b_scale_inv = gq.q.scale_inv.data_ptr<float>();
+    g.a_scale_inv = xq.transposed_scale_inv.data_ptr<float>(), g.b_scale_inv = gq.transposed_scale_inv.data_ptr<float>();
+    g.rowwise = gq.rowwise();
   }
 #else
   (void)fp8_saved;

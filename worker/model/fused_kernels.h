@@ -30,9 +30,13 @@ struct FusedKernelOptions {
   // FusedLayerNorm's and FusedRmsNorm's rebuild_output: as the caller asks (-1), never (0,
   // LTRAIN_NORM_REBUILD=0) or always (1, LTRAIN_NORM_REBUILD=1: also without selective recompute).
   int norm_rebuild = -1;
-  // The blocks' linear products in FP8 (tensorwise: e4m3 weights and activations, e5m2 gradients),
-  // where Fp8ProductsAvailable and the sides are multiples of 16.
+  // The blocks' linear products in FP8 (e4m3 weights and activations, e5m2 gradients), where
+  // Fp8ProductsAvailable and the sides are multiples of 16.
   bool fp8 = false;
+  // Under fp8: a scale for each row along the product's inner dimension (parallel.fp8_scaling:
+  // rowwise), each operand quantized once for each direction its products read it in; false: one
+  // scale an operand (tensorwise).
+  bool fp8_rowwise = false;
   // Under fp8: a product's forward keeps its weight's FP8 transposed copy for backward (false under
   // ZeRO-3, whose gathered weights are not held from forward to backward: backward quantizes again).
   bool fp8_keep_weights = true;

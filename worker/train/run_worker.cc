@@ -474,6 +474,7 @@ Status Run(const WorkerEnv& env) {
   }
   kernels.fp8 = recipe.parallel.precision == Precision::kFp8;
   kernels.fp8_keep_weights = recipe.parallel.zero < 3;
+  kernels.fp8_rowwise = recipe.parallel.fp8_scaling == Fp8ScalingKind::kRowwise;
   kernels.fp8_writer_amax = EnvString("LTRAIN_FP8_WRITER_AMAX") != "0";
   if (kernels.fp8 && recipe.parallel.device == Device::kCuda && !Fp8ProductsAvailable()) {
     return InvalidArgument("parallel.precision: fp8 needs a GPU of compute capability 8.9 or newer (Hopper, Ada) and a "
