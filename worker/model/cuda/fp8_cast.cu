@@ -1,8 +1,8 @@
-// The amax: a grid-stride pass (eight values a 16-byte load where the tensor allows), each block's
-// maximum added by AddBlockAmax (bf16x8.cuh), as the kernels that take an amax while they write do.
-// The cast: tiles of 64 x 64 values, eight a 16-byte load and an 8-byte store, written by rows and,
-// through shared memory, by columns for the transposed copy (tiles of 32 x 32 one value at a time
-// where the sides are not multiples of 8 or the tensors not aligned).
+// The amax: a grid-stride pass (eight values a 16-byte load where the tensor allows), each warp's
+// maximum added by AddWarpAmax (bf16x8.cuh), as the kernels that take an amax while they write do. The cast: tiles of 64 x 64
+// values, eight a 16-byte load and an 8-byte store, written by rows and, through shared memory, by
+// columns for the transposed copy (tiles of 32 x 32 one value at a time where the sides are not
+// multiples of 8 or the tensors not aligned).
 #include "worker/model/cuda/fp8_cast.h"
 
 #include <cuda_bf16.h>
@@ -48,7 +48,7 @@ __global__ void TensorAmax(const __nv_bfloat16* x, int64_t n, bool vector, float
       m = max(m, AbsMaxBits(x[i]));
     }
   }
-  AddBlockAmax(m, amax);
+  AddWarpAmax(m, amax);
 }
 
 // One warp per row.
@@ -190,10 +190,9 @@ void Bf16Amax(const void* x, int64_t rows, int64_t cols, bool rowwise, float* am
     return;
   }
   const int64_t n = rows * cols;
-  // Enough blocks to fill an H100's 132 SMs a few times over (four 16-byte loads a thread in flight);
-  // each thread loops over the rest. Each block adds its amax once.
-  int64_t blocks = (n + 8191) / 8192;
-  if (blocks > 1056) blocks = 1056;
+  // Enough blocks to fill an H100's 132 SMs several times over; each thread loops over the rest.
+  int64_t blocks = (n + 2047) / 2048;
+  if (blocks > 2048) blocks = 2048;
   if (blocks < 1) blocks = 1;
   TensorAmax<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(values, n, n % 8 == 0 && Aligned(x, 16), amax);
 }

@@ -40,7 +40,7 @@ __global__ void GeluBackwardKernel8(const Bf16x8* grad, const Bf16x8* pre, int64
     dx[k] = packed;
     amax_bits = max(amax_bits, AbsMaxBits(packed));
   }
-  if (amax != nullptr) AddBlockAmax(amax_bits, amax);
+  if (amax != nullptr) AddWarpAmax(amax_bits, amax);
 }
 
 __global__ void GeluBackwardKernel(const __nv_bfloat16* grad, const __nv_bfloat16* pre, int64_t n, __nv_bfloat16* dx,
@@ -52,7 +52,7 @@ __global__ void GeluBackwardKernel(const __nv_bfloat16* grad, const __nv_bfloat1
     dx[k] = d;
     amax_bits = max(amax_bits, AbsMaxBits(d));
   }
-  if (amax != nullptr) AddBlockAmax(amax_bits, amax);
+  if (amax != nullptr) AddWarpAmax(amax_bits, amax);
 }
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }

@@ -34,7 +34,7 @@ __global__ void RopeKernel(const __nv_bfloat16* x, const float* cos, const float
     out[at + half] = rb;
     amax_bits = max(amax_bits, max(AbsMaxBits(ra), AbsMaxBits(rb)));
   }
-  if (amax != nullptr) AddBlockAmax(amax_bits, amax);
+  if (amax != nullptr) AddWarpAmax(amax_bits, amax);
 }
 
 bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
@@ -70,7 +70,7 @@ __global__ void RopeKernel8(const Bf16x8* x, const float* cos, const float* sin,
     out[other] = pb;
     amax_bits = max(amax_bits, max(AbsMaxBits(pa), AbsMaxBits(pb)));
   }
-  if (amax != nullptr) AddBlockAmax(amax_bits, amax);
+  if (amax != nullptr) AddWarpAmax(amax_bits, amax);
 }
 
 __global__ void SwiGluKernel8(const Bf16x8* gate, const Bf16x8* up, int64_t groups, Bf16x8* out, float* amax) {
@@ -86,7 +86,7 @@ __global__ void SwiGluKernel8(const Bf16x8* gate, const Bf16x8* up, int64_t grou
     out[k] = packed;
     amax_bits = max(amax_bits, AbsMaxBits(packed));
   }
-  if (amax != nullptr) AddBlockAmax(amax_bits, amax);
+  if (amax != nullptr) AddWarpAmax(amax_bits, amax);
 }
 
 __global__ void SwiGluBackwardKernel8(const Bf16x8* gate, const Bf16x8* up, const Bf16x8* grad, int64_t groups,
@@ -110,8 +110,8 @@ __global__ void SwiGluBackwardKernel8(const Bf16x8* gate, const Bf16x8* up, cons
     dgate_bits = max(dgate_bits, AbsMaxBits(dg_packed));
     dup_bits = max(dup_bits, AbsMaxBits(du_packed));
   }
-  if (dgate_amax != nullptr) AddBlockAmax(dgate_bits, dgate_amax);
-  if (dup_amax != nullptr) AddBlockAmax(dup_bits, dup_amax);
+  if (dgate_amax != nullptr) AddWarpAmax(dgate_bits, dgate_amax);
+  if (dup_amax != nullptr) AddWarpAmax(dup_bits, dup_amax);
 }
 
 __global__ void SwiGluKernel(const __nv_bfloat16* gate, const __nv_bfloat16* up, int64_t n, __nv_bfloat16* out,
@@ -123,7 +123,7 @@ __global__ void SwiGluKernel(const __nv_bfloat16* gate, const __nv_bfloat16* up,
     out[k] = __float2bfloat16(g / (1.f + __expf(-g)) * __bfloat162float(up[k]));
     amax_bits = max(amax_bits, AbsMaxBits(out[k]));
   }
-  if (amax != nullptr) AddBlockAmax(amax_bits, amax);
+  if (amax != nullptr) AddWarpAmax(amax_bits, amax);
 }
 
 __global__ void SwiGluBackwardKernel(const __nv_bfloat16* gate, const __nv_bfloat16* up, const __nv_bfloat16* grad,
@@ -141,8 +141,8 @@ __global__ void SwiGluBackwardKernel(const __nv_bfloat16* gate, const __nv_bfloa
     dgate_bits = max(dgate_bits, AbsMaxBits(dg));
     dup_bits = max(dup_bits, AbsMaxBits(du));
   }
-  if (dgate_amax != nullptr) AddBlockAmax(dgate_bits, dgate_amax);
-  if (dup_amax != nullptr) AddBlockAmax(dup_bits, dup_amax);
+  if (dgate_amax != nullptr) AddWarpAmax(dgate_bits, dgate_amax);
+  if (dup_amax != nullptr) AddWarpAmax(dup_bits, dup_amax);
 }
 
 }  // namespace
