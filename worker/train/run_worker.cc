@@ -755,8 +755,8 @@ Profiling:
                            backward; 1: make it again in backward under every recompute mode
   LTRAIN_FP8_WRITER_AMAX=0 under parallel.precision: fp8, quantize each product's input and output
                            gradient with an amax pass of its own, instead of the amax the kernel
-                           that wrote it (a norm, SwiGLU, the GELU's gradient,
-                           RoPE's backward) took on the way
+                           that wrote it (a norm, SwiGLU, the GELU's gradient, RoPE's backward)
+                           took on the way
   LTRAIN_DP_HIGH_PRIORITY=1  run the data-parallel collectives on a high-priority CUDA stream
   LTRAIN_GEMM_SM_MARGIN=N  plan the cuBLASLt products of backward for N fewer SMs than the GPU has,
                            leaving them to the data-parallel reductions that overlap backward
