@@ -41,7 +41,13 @@ Suites (--suite, repeatable; default: layouts):
            against gpt_baseline.py (PyTorch AMP) with the same seeds: the loss at step 200, each
            curve's worst step against the mean of the 10 before it, and the worst step of ltrain's
            mean over the seeds against AMP's mean at the same step; --learning-control adds AMP under
-           torch.compile against AMP eager, the same measures (the peer's own spread)
+           torch.compile against AMP eager, the same measures (the peer's own spread).
+           --learning-model gpt-350m and --learning-steps N train the larger model longer. With
+           --ltrain-set (e.g. parallel.precision=fp8), --learning-default also runs each seed at the
+           recipe's defaults and compares the two: the mean loss at the end and over the last 20 steps,
+           and the steps above 1.5x the mean of the 10 before them that the default run does not also
+           have. --learning-runs picks which of ltrain, default and amp run here; --learning-curves
+           FILE (an earlier --json) supplies the others' curves
 --reference LTRAIN adds gpt-1.3b (or --reference-model) on one GPU through another build's ltrain (an
 earlier commit built beside this one), interleaved with this build's, twice each (--reference-rounds),
 and prints the ratio. With this build's own ltrain as LTRAIN and --reference-env, it is an A/B of one
@@ -94,12 +100,13 @@ class Bench:
                     f"checkpoint: {{enabled: false}}\n")
         return path
 
-    def launch(self, label, recipe_path, sets=(), env=None, ltrain=None):
-        """One `ltrain launch` job; its throughput line and losses, or None (recorded as a failure)."""
+    def launch(self, label, recipe_path, sets=(), env=None, ltrain=None, defaults=False):
+        """One `ltrain launch` job; its throughput line and losses, or None (recorded as a failure).
+        `defaults`: without --ltrain-set's overrides."""
         self.count += 1
         log = os.path.join(self.workdir, f"{self.count:02d}-{re.sub(r'[^A-Za-z0-9.-]+', '_', label)}.log")
         cmd = [ltrain or self.args.ltrain, "launch", recipe_path]
-        for s in [*(self.args.ltrain_set if ltrain is None else []), *sets]:
+        for s in [*(self.args.ltrain_set if ltrain is None and not defaults else []), *sets]:
             cmd += ["--set", s]
         start = time.time()
         with open(log, "w") as out:
@@ -365,38 +372,105 @@ def suite_reference(b, reference, rounds, model):
                               "value": a["tok_s_gpu"] / r["tok_s_gpu"]})
 
 
+# The learning suite's models: gpt_baseline.py's shapes at its micro-batches, byte vocabulary.
+LEARNING_MODELS = {"gpt-124m": (LEARNING_MODEL, 16),
+                   "gpt-350m": ("model: {layers: 24, d_model: 1024, heads: 16, seq_len: 2048, vocab: 256}\n", 8)}
+
+
+def learning_curves(files):
+    """{label: curve} of the runs in earlier --json files."""
+    curves = {}
+    for path in files:
+        for r in json.load(open(path)):
+            if "label" in r and r.get("curve"):
+                curves[r["label"]] = [tuple(x) for x in r["curve"]]
+    return curves
+
+
 def suite_learning(b, n, baselines, text):
-    seeds = list(range(b.args.learning_seeds or min(n, 4)))
-    print(f"learning: gpt-124m, byte tokens of {text}, 200 steps, seeds {seeds}, against PyTorch AMP", flush=True)
+    a = b.args
+    seeds = list(range(a.learning_seeds or min(n, 4)))
+    name, steps = a.learning_model, a.learning_steps
+    model, micro_batch = LEARNING_MODELS[name]
+    runs = set(a.learning_runs.split(","))
+    sets = " ".join(a.ltrain_set) or "the recipe's defaults"
+    print(f"learning: {name}, byte tokens of {text}, {steps} steps, seeds {seeds}, ltrain with {sets}, "
+          f"against PyTorch AMP" + (" and ltrain at the defaults" if a.learning_default else ""), flush=True)
     tokens = byte_data(os.path.join(b.workdir, "learning-tokens"), text)
-    model = LEARNING_MODEL
-    ours = {}
+    earlier = learning_curves(a.learning_curves or [])
+    ours, plain = {}, {}
     for k in seeds:
         # The batches of gpt_baseline.py's generator (seed 1234 + k) over the same bytes.
-        path = b.recipe(f"learning-seed{k}", model, steps=200, micro_batch=16, global_batch=16, world=1)
-        r = b.launch(f"ltrain learning seed {k}", path, sets=[f"data.path={tokens}", "data.sampling=torch",
-                                                               f"data.seed={1234 + k}", f"training.seed={k}"])
-        if r:
-            ours[k] = r["curve"]
-            print_worst_step(f"ltrain seed {k}", ours[k])
-    # The peers, one seed a GPU at once; a copy of gpt_baseline.py that prints every step's loss.
-    source = peer_source(open(os.path.join(baselines, "gpt_baseline.py")).read(), True, "peer")
-    if source is None:
-        b.failures.append("learning: this gpt_baseline.py prints its loss differently")
-        return
-    copy = os.path.join(b.workdir, "gpt_baseline_every_step.py")
-    with open(copy, "w") as f:
-        f.write(source)
-    theirs = learning_peers(b, n, baselines, copy, text, seeds, "eager")
+        path = b.recipe(f"learning-{name}-seed{k}", model, steps=steps, micro_batch=micro_batch,
+                        global_batch=micro_batch, world=1)
+        keys = [f"data.path={tokens}", "data.sampling=torch", f"data.seed={1234 + k}", f"training.seed={k}"]
+        for side, label, defaults, wanted in ((ours, f"ltrain learning seed {k}", False, "ltrain"),
+                                             (plain, f"ltrain default learning seed {k}", True, "default")):
+            if wanted == "default" and not a.learning_default:
+                continue
+            if wanted in runs:
+                r = b.launch(label, path, sets=keys, defaults=defaults)
+                if r:
+                    side[k] = r["curve"]
+            elif label in earlier:
+                side[k] = earlier[label]
+                print(f"  {label}: the curve of --learning-curves", flush=True)
+            if k in side:
+                print_worst_step(label, side[k])
+    if "amp" in runs:
+        # The peers, one seed a GPU at once; a copy of gpt_baseline.py that prints every step's loss.
+        source = peer_source(open(os.path.join(baselines, "gpt_baseline.py")).read(), True, "peer")
+        if source is None:
+            b.failures.append("learning: this gpt_baseline.py prints its loss differently")
+            return
+        copy = os.path.join(b.workdir, "gpt_baseline_every_step.py")
+        with open(copy, "w") as f:
+            f.write(source)
+        theirs = learning_peers(b, n, baselines, copy, text, seeds, "eager", name, steps)
+    else:
+        theirs = {k: earlier[f"PyTorch AMP learning seed {k}"] for k in seeds
+                  if f"PyTorch AMP learning seed {k}" in earlier}
     compare_learning(b, "ltrain", ours, theirs, seeds, report=True)
-    if b.args.learning_control:
+    if a.learning_default:
+        compare_learning(b, "ltrain at the defaults", plain, theirs, seeds, report=False)
+        compare_with_default(b, ours, plain, seeds)
+    if a.learning_control and "amp" in runs:
         # The peer against itself: the same recipe under torch.compile (other kernels, other roundings).
-        compiled = learning_peers(b, n, baselines, copy, text, seeds, "compile")
+        compiled = learning_peers(b, n, baselines, copy, text, seeds, "compile", name, steps)
         compare_learning(b, "PyTorch AMP compiled", compiled, theirs, seeds, report=False)
     b.dump()
 
 
-def learning_peers(b, n, baselines, copy, text, seeds, mode):
+def spikes(curve, factor=1.5, window=10):
+    """The steps whose loss is above `factor` times the mean of the `window` steps before them."""
+    return {curve[i][0] for i in range(window, len(curve))
+            if curve[i][1] > factor * sum(x for _, x in curve[i - window:i]) / window}
+
+
+def compare_with_default(b, ours, plain, seeds):
+    """The --ltrain-set runs against the default runs of the same seeds: the mean loss at the end and over the
+    last 20 steps, and the spikes the default runs do not also have."""
+    both = [k for k in seeds if k in ours and k in plain]
+    if not both:
+        return
+    for what, take in (("at the last step", lambda c: c[-1][1]),
+                       ("over the last 20 steps", lambda c: sum(x for _, x in c[-20:]) / len(c[-20:]))):
+        mine, theirs = (sum(take(c[k]) for k in both) / len(both) for c in (ours, plain))
+        print(f"  mean loss {what}: ltrain {mine:.4f}, ltrain at the defaults {theirs:.4f} "
+              f"({100 * (mine - theirs) / theirs:+.2f}%)", flush=True)
+        b.results.append({"ratio": f"learning: mean loss {what} against ltrain at the defaults",
+                          "value": mine / theirs})
+    for k in both:
+        own, base = spikes(ours[k]), spikes(plain[k])
+        extra = sorted(own - base)
+        print(f"  seed {k}: steps above 1.5x the mean of the 10 before: ltrain {sorted(own) or 'none'}, at the "
+              f"defaults {sorted(base) or 'none'}; ltrain's alone: {extra or 'none'}", flush=True)
+        b.results.append({"label": f"learning seed {k}: spikes the defaults do not have", "steps": extra})
+        if extra:
+            b.failures.append(f"learning seed {k}: steps {extra} above 1.5x their running mean, not at the defaults")
+
+
+def learning_peers(b, n, baselines, copy, text, seeds, mode, name="gpt-124m", steps=200):
     """{seed: curve} of gpt_baseline.py (PyTorch AMP, `mode` eager or compile), the seeds at once, one a GPU."""
     env = peer_env()
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [baselines, env.get("PYTHONPATH")]))
@@ -404,8 +478,8 @@ def learning_peers(b, n, baselines, copy, text, seeds, mode):
     for k in seeds:
         shift = [] if k == 0 else ["-c", SHIFTED_SEEDS.format(k=k)]
         out = open(os.path.join(b.workdir, f"peer-learning-{mode}-seed{k}.log"), "w+")
-        procs[k] = (subprocess.Popen([sys.executable, *shift, copy, "--model", "gpt-124m", "--data", text, "--steps",
-                                      "200", "--mode", mode], stdout=out, stderr=subprocess.STDOUT,
+        procs[k] = (subprocess.Popen([sys.executable, *shift, copy, "--model", name, "--data", text, "--steps",
+                                      str(steps), "--mode", mode], stdout=out, stderr=subprocess.STDOUT,
                                      env=dict(env, CUDA_VISIBLE_DEVICES=str(k % n)), cwd=baselines), out)
     label = "PyTorch AMP" if mode == "eager" else f"PyTorch AMP {mode}"
     curves = {}
@@ -413,7 +487,7 @@ def learning_peers(b, n, baselines, copy, text, seeds, mode):
         p.wait(timeout=b.args.run_timeout)
         out.seek(0)
         curve = [(int(st) + 1, float(l)) for st, l in re.findall(r"step (\d+) loss ([0-9.]+)", out.read())]
-        if len(curve) < 200:
+        if len(curve) < steps:
             b.failures.append(f"{label} seed {k}: {len(curve)} steps")
             continue
         curves[k] = curve
@@ -423,19 +497,22 @@ def learning_peers(b, n, baselines, copy, text, seeds, mode):
 
 
 def compare_learning(b, name, ours, theirs, seeds, report):
-    """Prints `name`'s curves against PyTorch AMP's (eager): the loss at step 200 and the worst step of the mean
+    """Prints `name`'s curves against PyTorch AMP's (eager): the loss at the last step (and the mean over the last
+    20) and the worst step of the mean
     over the seeds; `report` puts the ratios in the results as the suite's verdict."""
     both = [k for k in seeds if k in ours and k in theirs]
     if not both:
         return
     for k in both:
-        print(f"  seed {k}: loss at step 200 {name} {ours[k][-1][1]:.4f}, PyTorch AMP {theirs[k][-1][1]:.4f}",
+        print(f"  seed {k}: loss at the last step {name} {ours[k][-1][1]:.4f}, PyTorch AMP {theirs[k][-1][1]:.4f}",
               flush=True)
-    mine, amp = (sum(c[k][-1][1] for k in both) / len(both) for c in (ours, theirs))
-    print(f"  mean loss at step 200: {name} {mine:.4f}, PyTorch AMP {amp:.4f} ({100 * (mine - amp) / amp:+.2f}%)",
-          flush=True)
     prefix = "learning" if report else f"learning control ({name})"
-    b.results.append({"ratio": f"{prefix}: mean loss at step 200 against PyTorch AMP", "value": mine / amp})
+    for what, take in (("at the last step", lambda c: c[-1][1]),
+                       ("over the last 20 steps", lambda c: sum(x for _, x in c[-20:]) / len(c[-20:]))):
+        mine, amp = (sum(take(c[k]) for k in both) / len(both) for c in (ours, theirs))
+        print(f"  mean loss {what}: {name} {mine:.4f}, PyTorch AMP {amp:.4f} ({100 * (mine - amp) / amp:+.2f}%)",
+              flush=True)
+        b.results.append({"ratio": f"{prefix}: mean loss {what} against PyTorch AMP", "value": mine / amp})
     # Every step against PyTorch AMP's as it runs: the seeds' mean loss at each step, ours over AMP's
     # (a spike of our own shows here; one that AMP takes at the same step does not).
     worst = against_peer_by_step(ours, theirs, both)
@@ -474,6 +551,17 @@ def main():
     ap.add_argument("--learning-seeds", type=int, default=0,
                     help="the learning suite's seeds (default: one a GPU, up to 4); more than the GPUs run "
                          "their PyTorch peers two or more to a GPU")
+    ap.add_argument("--learning-model", default="gpt-124m", choices=sorted(LEARNING_MODELS),
+                    help="the learning suite's model (default gpt-124m, micro-batch 16; gpt-350m at 8)")
+    ap.add_argument("--learning-steps", type=int, default=200, help="the learning suite's steps (default 200)")
+    ap.add_argument("--learning-default", action="store_true",
+                    help="the learning suite also runs ltrain at the recipe's defaults (without --ltrain-set) "
+                         "and compares the --ltrain-set runs with them")
+    ap.add_argument("--learning-runs", default="ltrain,default,amp",
+                    help="which of the learning suite's runs happen here (comma-separated: ltrain, default, "
+                         "amp); the others' curves come from --learning-curves")
+    ap.add_argument("--learning-curves", action="append", metavar="FILE",
+                    help="an earlier --json of the learning suite: the curves of the runs not made here")
     ap.add_argument("--learning-control", action="store_true",
                     help="the learning suite also runs gpt_baseline.py under torch.compile and prints it against "
                          "the eager runs, as ltrain's are: how far the peer parts from itself with other kernels")
