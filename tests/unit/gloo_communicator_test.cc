@@ -138,6 +138,84 @@ TEST(GlooCommunicatorTest, GroupsSendRecvAndReduceScatter) {
   EXPECT_EQ(received[2], (std::vector<float>{5, 5, 7}));
 }
 
+// Three ranks exchange rows of uneven counts (some none, some to themselves), bf16 rows of two: each
+// receives, in source order, exactly the rows each source addressed to it.
+TEST(GlooCommunicatorTest, ThreeRanksAllToAllUnevenRows) {
+  gloo::rendezvous::HashStore store;
+  const auto count = [](int src, int dst) -> int64_t { return (2 * src + dst) % 4; };
+  // Row j of those src sends dst: {100 src + 10 dst + j, j} (integers below 256: exact in bf16).
+  const auto rows_of = [&](int src, int dst) {
+    std::vector<float> v;
+    for (int64_t j = 0; j < count(src, dst); ++j) v.insert(v.end(), {100.0f * src + 10.0f * dst + j, float(j)});
+    return v;
+  };
+  std::vector<Status> errors(3);
+  std::vector<std::vector<float>> got(3);
+  std::vector<std::string> refused(3);
+  auto rank_main = [&](int rank) {
+    auto comm = GlooCommunicator::Create(store, rank, 3, "127.0.0.1", std::chrono::seconds(20));
+    if (!comm.ok()) {
+      errors[rank] = comm.status();
+      return;
+    }
+    std::vector<float> send;
+    std::vector<int64_t> send_counts, recv_counts;
+    for (int r = 0; r < 3; ++r) {
+      const std::vector<float> rows = rows_of(rank, r);
+      send.insert(send.end(), rows.begin(), rows.end());
+      send_counts.push_back(count(rank, r));
+      recv_counts.push_back(count(r, rank));
+    }
+    const int64_t in_rows = static_cast<int64_t>(send.size()) / 2;
+    torch::Tensor in = torch::tensor(send).reshape({in_rows, 2}).to(torch::kBFloat16);
+    int64_t out_rows = 0;
+    for (int64_t c : recv_counts) out_rows += c;
+    torch::Tensor out = torch::zeros({out_rows, 2}, torch::kBFloat16);
+    // Refused on every rank alike, before anything is sent: one count short.
+    Status bad = (*comm)->AllToAll(in, {send_counts[0], send_counts[1]}, out, recv_counts);
+    refused[rank] = bad.ToString();
+    if (Status s = (*comm)->AllToAll(in, send_counts, out, recv_counts); !s.ok()) errors[rank] = s;
+    torch::Tensor f = out.to(torch::kFloat).contiguous();
+    got[rank] = std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
+  };
+  std::thread r0(rank_main, 0), r1(rank_main, 1), r2(rank_main, 2);
+  r0.join();
+  r1.join();
+  r2.join();
+  for (int r = 0; r < 3; ++r) {
+    ASSERT_TRUE(errors[r].ok()) << "rank " << r << ": " << errors[r].ToString();
+    std::vector<float> want;
+    for (int src = 0; src < 3; ++src) {
+      const std::vector<float> rows = rows_of(src, r);
+      want.insert(want.end(), rows.begin(), rows.end());
+    }
+    EXPECT_EQ(got[r], want) << "rank " << r;
+    EXPECT_NE(refused[r].find("one send and one receive count a rank"), std::string::npos) << refused[r];
+  }
+}
+
+// The checks every backend makes, through the group of one (which copies its rows).
+TEST(GlooCommunicatorTest, AllToAllChecksItsCountsAndShapes) {
+  SelfCommunicator self;
+  torch::Tensor in = torch::arange(6, torch::kFloat).reshape({3, 2});
+  torch::Tensor out = torch::zeros({3, 2});
+  ASSERT_TRUE(self.AllToAll(in, {3}, out, {3}).ok());
+  EXPECT_TRUE(torch::equal(in, out));
+  torch::Tensor wide = torch::zeros({2, 3});
+  EXPECT_NE(self.AllToAll(in, {3}, wide, {2}).ToString().find("rows of 2 elements in, 3 out"), std::string::npos);
+  EXPECT_NE(self.AllToAll(in, {2}, out, {3}).ToString().find("sends 2 of the input's 3 rows"), std::string::npos);
+  EXPECT_NE(self.AllToAll(in, {-1}, out, {3}).ToString().find("negative"), std::string::npos);
+  torch::Tensor ints = torch::zeros({3, 2}, torch::kInt);
+  EXPECT_NE(self.AllToAll(in, {3}, ints, {3}).ToString().find("output is Int, its input Float"), std::string::npos);
+  // The fake rank 0 of 2 gets the rows every rank sends rank 0: the input's first chunk, twice.
+  FakeCommunicator fake;
+  fake.SimulateSize(2);
+  torch::Tensor twice = torch::zeros({2, 2});
+  ASSERT_TRUE(fake.AllToAll(in, {1, 2}, twice, {1, 1}).ok());
+  EXPECT_EQ(twice[1][1].item<float>(), 1.0f);
+  EXPECT_EQ(fake.log().back().op, "all_to_all");
+}
+
 TEST(GlooCommunicatorTest, RejectsBadRank) {
   gloo::rendezvous::HashStore store;
   EXPECT_FALSE(GlooCommunicator::Create(store, 2, 2, "127.0.0.1", std::chrono::seconds(1)).ok());

@@ -122,6 +122,10 @@ class SymmetricGloo : public Communicator {
   Status ReduceScatterSum(const at::Tensor& in, at::Tensor& out) override { return inner_->ReduceScatterSum(in, out); }
   Status ReduceScatterMean(const at::Tensor& in, at::Tensor& out) override { return inner_->ReduceScatterMean(in, out); }
   Status Barrier() override { return inner_->Barrier(); }
+  Status AllToAll(const at::Tensor& in, const std::vector<int64_t>& send, at::Tensor& out,
+                  const std::vector<int64_t>& recv) override {
+    return inner_->AllToAll(in, send, out, recv);
+  }
   Status Send(const at::Tensor& t, int dst, uint32_t tag) override { return inner_->Send(t, dst, tag); }
   Status Recv(at::Tensor& t, int src, uint32_t tag) override { return inner_->Recv(t, src, tag); }
   Status WaitSends() override { return inner_->WaitSends(); }

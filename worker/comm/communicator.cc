@@ -48,6 +48,49 @@ Status SelfCommunicator::ReduceScatterSum(const at::Tensor& input, at::Tensor& o
   return Status::Ok();
 }
 
+Status CheckAllToAll(const at::Tensor& input, const std::vector<int64_t>& send_counts, const at::Tensor& output,
+                     const std::vector<int64_t>& recv_counts, int size) {
+  const auto n = static_cast<size_t>(size);
+  if (send_counts.size() != n || recv_counts.size() != n) {
+    return InvalidArgument("AllToAll takes one send and one receive count a rank: " + std::to_string(size) +
+                           " ranks, " + std::to_string(send_counts.size()) + " and " +
+                           std::to_string(recv_counts.size()) + " counts");
+  }
+  if (input.dim() == 0 || output.dim() == 0) return InvalidArgument("AllToAll moves rows: a 0-d tensor has none");
+  if (input.scalar_type() != output.scalar_type()) {
+    return InvalidArgument(std::string("AllToAll output is ") + c10::toString(output.scalar_type()) + ", its input " +
+                           c10::toString(input.scalar_type()));
+  }
+  if (!output.is_contiguous()) return InvalidArgument("AllToAll needs a contiguous output");
+  const int64_t width = input.size(0) > 0 ? input.numel() / input.size(0) : 0;
+  const int64_t out_width = output.size(0) > 0 ? output.numel() / output.size(0) : 0;
+  if (input.size(0) > 0 && output.size(0) > 0 && width != out_width) {
+    return InvalidArgument("AllToAll rows of " + std::to_string(width) + " elements in, " +
+                           std::to_string(out_width) + " out");
+  }
+  int64_t sent = 0, received = 0;
+  for (size_t r = 0; r < n; ++r) {
+    if (send_counts[r] < 0 || recv_counts[r] < 0) {
+      return InvalidArgument("AllToAll count for rank " + std::to_string(r) + " is negative");
+    }
+    sent += send_counts[r];
+    received += recv_counts[r];
+  }
+  if (sent != input.size(0) || received != output.size(0)) {
+    return InvalidArgument("AllToAll sends " + std::to_string(sent) + " of the input's " +
+                           std::to_string(input.size(0)) + " rows and receives " + std::to_string(received) +
+                           " into the output's " + std::to_string(output.size(0)));
+  }
+  return Status::Ok();
+}
+
+Status SelfCommunicator::AllToAll(const at::Tensor& input, const std::vector<int64_t>& send_counts,
+                                  at::Tensor& output, const std::vector<int64_t>& recv_counts) {
+  LTRAIN_RETURN_IF_ERROR(CheckAllToAll(input, send_counts, output, recv_counts, 1));
+  if (!output.is_same(input) && output.numel() > 0) output.view(-1).copy_(input.reshape(-1));
+  return Status::Ok();
+}
+
 Status SelfCommunicator::Send(const at::Tensor& /*tensor*/, int dst, uint32_t /*tag*/) {
   return InvalidArgument("send to rank " + std::to_string(dst) + " in a group of 1");
 }
@@ -93,6 +136,22 @@ Status FakeCommunicator::ReduceScatterSum(const at::Tensor& input, at::Tensor& o
 }
 
 Status FakeCommunicator::Barrier() { return Next("barrier", 0); }
+
+Status FakeCommunicator::AllToAll(const at::Tensor& input, const std::vector<int64_t>& send_counts,
+                                  at::Tensor& output, const std::vector<int64_t>& recv_counts) {
+  LTRAIN_RETURN_IF_ERROR(Next("all_to_all", output.numel()));
+  LTRAIN_RETURN_IF_ERROR(CheckAllToAll(input, send_counts, output, recv_counts, size_));
+  for (int r = 0; r < size_; ++r) {
+    if (recv_counts[r] != send_counts[0]) {
+      return InvalidArgument("fake AllToAll: every rank sends rank 0 " + std::to_string(send_counts[0]) +
+                             " rows, not " + std::to_string(recv_counts[r]));
+    }
+  }
+  if (send_counts[0] == 0) return Status::Ok();
+  const at::Tensor first = input.narrow(0, 0, send_counts[0]).clone();
+  for (int r = 0; r < size_; ++r) output.narrow(0, r * send_counts[0], send_counts[0]).copy_(first);
+  return Status::Ok();
+}
 
 Status FakeCommunicator::Send(const at::Tensor& tensor, int dst, uint32_t /*tag*/) {
   LTRAIN_RETURN_IF_ERROR(Next("send", tensor.numel()));

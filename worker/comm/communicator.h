@@ -50,6 +50,14 @@ class Communicator {
   // may be this rank's chunk of input itself (in place).
   virtual Status ReduceScatterMean(const at::Tensor& input, at::Tensor& output);
   virtual Status Barrier() = 0;
+  // Each rank sends send_counts[r] rows of `input` (its first dimension; the rows for rank 0 first,
+  // then rank 1's, ...) to rank r, and receives recv_counts[r] rows from rank r into `output`
+  // (contiguous, preallocated, the rows from rank 0 first). The counts are this rank's (host
+  // integers, one a rank); recv_counts[r] here must equal send_counts[this rank] on rank r, and the
+  // row width and dtype are the same on every rank. What an expert-parallel layer exchanges its
+  // tokens with. NCCL queues it on the current stream and returns; the others return when it is done.
+  virtual Status AllToAll(const at::Tensor& input, const std::vector<int64_t>& send_counts, at::Tensor& output,
+                          const std::vector<int64_t>& recv_counts) = 0;
 
   // `bytes` of device memory that every rank of the group can write into directly, at the same
   // offsets on every rank: a collective call (every rank, at the same point, with the same size).
@@ -118,6 +126,10 @@ class ReformableCommunicator final : public Communicator {
     return inner_->ReduceScatterMean(input, output);
   }
   Status Barrier() override { return inner_->Barrier(); }
+  Status AllToAll(const at::Tensor& input, const std::vector<int64_t>& send_counts, at::Tensor& output,
+                  const std::vector<int64_t>& recv_counts) override {
+    return inner_->AllToAll(input, send_counts, output, recv_counts);
+  }
   StatusOr<at::Tensor> AllocateSymmetric(int64_t bytes) override { return inner_->AllocateSymmetric(bytes); }
   Status Send(const at::Tensor& tensor, int dst, uint32_t tag) override { return inner_->Send(tensor, dst, tag); }
   Status Recv(at::Tensor& tensor, int src, uint32_t tag) override { return inner_->Recv(tensor, src, tag); }
@@ -144,6 +156,8 @@ class SelfCommunicator : public Communicator {
   Status AllGather(const at::Tensor& input, at::Tensor& output) override;
   Status ReduceScatterSum(const at::Tensor& input, at::Tensor& output) override;
   Status Barrier() override { return Status::Ok(); }
+  Status AllToAll(const at::Tensor& input, const std::vector<int64_t>& send_counts, at::Tensor& output,
+                  const std::vector<int64_t>& recv_counts) override;
   Status Send(const at::Tensor& tensor, int dst, uint32_t tag) override;
   Status Recv(at::Tensor& tensor, int src, uint32_t tag) override;
   Status WaitSends() override { return Status::Ok(); }
@@ -172,6 +186,10 @@ class FakeCommunicator : public Communicator {
   Status AllGather(const at::Tensor& input, at::Tensor& output) override;
   Status ReduceScatterSum(const at::Tensor& input, at::Tensor& output) override;
   Status Barrier() override;
+  // Every rank holding the same tensor and counts: rank 0 receives the rows each rank sends to rank
+  // 0, so recv_counts[r] must equal send_counts[0] and every chunk is input's first.
+  Status AllToAll(const at::Tensor& input, const std::vector<int64_t>& send_counts, at::Tensor& output,
+                  const std::vector<int64_t>& recv_counts) override;
   Status Send(const at::Tensor& tensor, int dst, uint32_t tag) override;
   Status Recv(at::Tensor& tensor, int src, uint32_t tag) override;
   Status WaitSends() override { return Status::Ok(); }
@@ -192,6 +210,12 @@ class FakeCommunicator : public Communicator {
   Status failure_;
   std::vector<Call> log_;
 };
+
+// What every backend's AllToAll checks first: one count a rank, none negative, the counts summing to
+// input's and output's rows, one dtype, one row width, a contiguous output. OK, or InvalidArgument
+// naming what differs.
+Status CheckAllToAll(const at::Tensor& input, const std::vector<int64_t>& send_counts, const at::Tensor& output,
+                     const std::vector<int64_t>& recv_counts, int size);
 
 // The communicators of one rank: one per group it belongs to. Never null: a group of one is a
 // SelfCommunicator, and `embedding` is a SelfCommunicator on ranks of no embedding group.

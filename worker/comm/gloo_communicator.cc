@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <gloo/allgather.h>
 #include <gloo/allreduce.h>
+#include <gloo/alltoallv.h>
 #include <gloo/barrier.h>
 #include <gloo/broadcast.h>
 #include <gloo/rendezvous/context.h>
@@ -203,6 +204,38 @@ Status GlooCommunicator::ReduceScatterSum(const at::Tensor& input, at::Tensor& o
   at::Tensor sum = input.reshape(-1).clone();
   LTRAIN_RETURN_IF_ERROR(AllReduceSum(sum));
   output.view(-1).copy_(sum.narrow(0, static_cast<int64_t>(rank_) * output.numel(), output.numel()));
+  return Status::Ok();
+}
+
+Status GlooCommunicator::AllToAll(const at::Tensor& input, const std::vector<int64_t>& send_counts,
+                                  at::Tensor& output, const std::vector<int64_t>& recv_counts) {
+  LTRAIN_RETURN_IF_ERROR(CheckAllToAll(input, send_counts, output, recv_counts, size_));
+  const int64_t width = input.size(0) > 0 ? input.numel() / input.size(0) : 0;
+  const int64_t row_bytes = width * static_cast<int64_t>(input.element_size());
+  if (size_ == 1) {
+    if (output.numel() > 0) output.view(-1).copy_(input.reshape(-1));
+    return Status::Ok();
+  }
+  ScopedCollective progress("all_to_all", group_, Bytes(input) + Bytes(output));
+  at::Tensor in = input.to(at::kCPU).contiguous();
+  HostStage stage(output);
+  // Bytes a rank: gloo's element is a byte here, whatever the dtype. A rank that sends nothing gets
+  // zeros in its counts (and a pointer to a byte that is never read).
+  std::vector<int64_t> send_bytes(size_), recv_bytes(size_);
+  for (int r = 0; r < size_; ++r) send_bytes[r] = send_counts[r] * row_bytes, recv_bytes[r] = recv_counts[r] * row_bytes;
+  uint8_t spare_in = 0, spare_out = 0;
+  auto* in_bytes = in.numel() > 0 ? static_cast<uint8_t*>(in.data_ptr()) : &spare_in;
+  auto* out_bytes = stage.host.numel() > 0 ? static_cast<uint8_t*>(stage.host.data_ptr()) : &spare_out;
+  gloo::AlltoallvOptions opts(context_);
+  opts.setTag(next_tag_++);
+  opts.setInput(in_bytes, send_bytes);
+  opts.setOutput(out_bytes, recv_bytes);
+  try {
+    gloo::alltoallv(opts);
+  } catch (const std::exception& e) {
+    return Failed("all_to_all", e);
+  }
+  stage.WriteBack();
   return Status::Ok();
 }
 

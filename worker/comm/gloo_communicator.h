@@ -48,6 +48,8 @@ class GlooCommunicator : public Communicator {
   // sums, twice the traffic of a ring reduce-scatter; NCCL does the real one).
   Status ReduceScatterSum(const at::Tensor& input, at::Tensor& output) override;
   Status Barrier() override;
+  Status AllToAll(const at::Tensor& input, const std::vector<int64_t>& send_counts, at::Tensor& output,
+                  const std::vector<int64_t>& recv_counts) override;
   Status Send(const at::Tensor& tensor, int dst, uint32_t tag) override;
   Status Recv(at::Tensor& tensor, int src, uint32_t tag) override;
   Status WaitSends() override;

@@ -297,6 +297,44 @@ Status NcclCommunicator::AllGather(const at::Tensor& input, at::Tensor& output) 
   return Track("all_gather", stream, output.nbytes());
 }
 
+Status NcclCommunicator::AllToAll(const at::Tensor& input, const std::vector<int64_t>& send_counts,
+                                  at::Tensor& output, const std::vector<int64_t>& recv_counts) {
+  LTRAIN_RETURN_IF_ERROR(CheckAllToAll(input, send_counts, output, recv_counts, size_));
+  if (input.numel() > 0) LTRAIN_RETURN_IF_ERROR(CheckTensor(input));
+  if (output.numel() > 0) LTRAIN_RETURN_IF_ERROR(CheckTensor(output));
+  if (input.numel() == 0 && output.numel() == 0) return Status::Ok();
+  LTRAIN_ASSIGN_OR_RETURN(ncclDataType_t type, NcclType(input.scalar_type()));
+  const at::Tensor& on = input.numel() > 0 ? input : output;
+  const int64_t width = on.size(0) > 0 ? on.numel() / on.size(0) : 0;
+  c10::cuda::CUDAGuard guard(on.device());
+  cudaStream_t stream = c10::cuda::getCurrentCUDAStream(on.device().index()).stream();
+  // One group of a send and a receive for every rank with rows to move (this one included).
+  LTRAIN_RETURN_IF_ERROR(Enqueue("AllToAll", [&](ncclComm_t comm) {
+    ncclResult_t result = ncclGroupStart();
+    if (result != ncclSuccess) return result;
+    ncclResult_t first_failure = ncclSuccess;
+    auto note = [&](ncclResult_t r) {
+      if (first_failure == ncclSuccess && r != ncclSuccess) first_failure = r;
+    };
+    int64_t sent = 0, received = 0;
+    for (int r = 0; r < size_; ++r) {
+      if (send_counts[r] > 0) {
+        note(ncclSend(static_cast<const char*>(input.data_ptr()) + sent * width * input.element_size(),
+                      static_cast<size_t>(send_counts[r] * width), type, r, comm, stream));
+      }
+      if (recv_counts[r] > 0) {
+        note(ncclRecv(static_cast<char*>(output.data_ptr()) + received * width * output.element_size(),
+                      static_cast<size_t>(recv_counts[r] * width), type, r, comm, stream));
+      }
+      sent += send_counts[r];
+      received += recv_counts[r];
+    }
+    result = ncclGroupEnd();
+    return first_failure != ncclSuccess ? first_failure : result;
+  }));
+  return Track("all_to_all", stream, input.nbytes() + output.nbytes());
+}
+
 Status NcclCommunicator::ReduceScatter(const at::Tensor& input, at::Tensor& output, ncclRedOp_t op) {
   LTRAIN_RETURN_IF_ERROR(CheckTensor(input));
   LTRAIN_RETURN_IF_ERROR(CheckTensor(output));

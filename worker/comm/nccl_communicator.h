@@ -62,6 +62,8 @@ class NcclCommunicator : public Communicator {
   Status AllGather(const at::Tensor& input, at::Tensor& output) override;
   Status ReduceScatterSum(const at::Tensor& input, at::Tensor& output) override;
   Status Barrier() override;
+  Status AllToAll(const at::Tensor& input, const std::vector<int64_t>& send_counts, at::Tensor& output,
+                  const std::vector<int64_t>& recv_counts) override;
   // ncclMemAlloc'd and registered as a symmetric window (NCCL_WIN_COLL_SYMMETRIC); the communicator
   // is made with the zero-CTA policy, so that all-gathers within such windows use the copy engines.
   StatusOr<at::Tensor> AllocateSymmetric(int64_t bytes) override;
