@@ -37,10 +37,10 @@ add_dependencies(worker_layout_equivalence_test ltrain-worker)
 target_compile_definitions(worker_layout_equivalence_test PRIVATE
   LTRAIN_WORKER_BIN="$<TARGET_FILE:ltrain-worker>")
 
-# Pure planners of the parallel runtime (topology, pipeline schedules, buckets, the lr schedule);
-# milliseconds, linked without LibTorch.
+# Pure planners of the parallel runtime (topology, pipeline schedules, buckets, the lr schedule, the
+# expert-parallel exchange); milliseconds, linked without LibTorch.
 ltrain_add_test(parallel_planner_test unit
-  SOURCES unit/parallel_planner_test.cc unit/lr_schedule_test.cc
+  SOURCES unit/parallel_planner_test.cc unit/lr_schedule_test.cc unit/expert_splits_test.cc
   LIBS ltrain::worker_plan)
 
 # Every parallel layout against one process, ZeRO memory at dp=4, sharded resume: real
