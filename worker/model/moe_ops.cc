@@ -1,0 +1,95 @@
+#include "worker/model/moe_ops.h"
+
+#include <stdexcept>
+#include <string>
+
+#include <ATen/ATen.h>
+
+namespace ltrain::worker::moe {
+
+Routing Route(const torch::Tensor& logits, const torch::Tensor& bias, const RouterOptions& options) {
+  if (logits.dim() != 2) throw std::invalid_argument("Route takes logits [tokens, experts]");
+  const int64_t experts = logits.size(1);
+  if (options.top_k < 1 || options.top_k > experts) {
+    throw std::invalid_argument("Route: top_k " + std::to_string(options.top_k) + " of " + std::to_string(experts) +
+                                " experts");
+  }
+  Routing r;
+  const torch::Tensor z = logits.to(torch::kFloat);
+  r.scores = options.score == Score::kSoftmax ? z.softmax(-1) : z.sigmoid();
+  // The choice: a stable sort, descending, so equal scores go to the lower index on every rank.
+  torch::Tensor choose = r.scores.detach();
+  if (bias.defined()) choose = choose + bias.to(choose.device()).to(torch::kFloat);
+  const torch::Tensor ranked = std::get<1>(at::sort(choose, /*stable=*/true, /*dim=*/-1, /*descending=*/true));
+  r.experts = ranked.narrow(1, 0, options.top_k).contiguous();
+  r.gates = r.scores.gather(1, r.experts);
+  if (options.norm_topk) r.gates = r.gates / (r.gates.sum(-1, /*keepdim=*/true) + 1e-20);
+  if (options.route_scale != 1.0) r.gates = r.gates * options.route_scale;
+  return r;
+}
+
+Dispatch SortByExpert(const torch::Tensor& experts, int64_t num_experts) {
+  Dispatch d;
+  d.top_k = static_cast<int>(experts.size(1));
+  const torch::Tensor ids = experts.reshape(-1);
+  d.order = std::get<1>(at::sort(ids, /*stable=*/true, /*dim=*/0, /*descending=*/false));
+  const torch::Tensor counts = at::bincount(ids, /*weights=*/{}, num_experts).to(torch::kCPU).to(torch::kLong);
+  d.counts.assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + num_experts);
+  return d;
+}
+
+torch::Tensor Permute(const torch::Tensor& x, const Dispatch& dispatch) {
+  return x.index_select(0, at::div(dispatch.order, dispatch.top_k, "floor"));
+}
+
+torch::Tensor Experts(const torch::Tensor& xs, const std::vector<int64_t>& counts, const torch::Tensor& w1,
+                      const torch::Tensor& w3, const torch::Tensor& w2) {
+  std::vector<torch::Tensor> outs;
+  int64_t at = 0;
+  for (size_t e = 0; e < counts.size(); ++e) {
+    if (counts[e] == 0) continue;
+    const torch::Tensor x = xs.narrow(0, at, counts[e]);
+    const auto i = static_cast<int64_t>(e);
+    const torch::Tensor h = at::silu(x.mm(w1[i].t())) * x.mm(w3[i].t());
+    outs.push_back(h.mm(w2[i].t()));
+    at += counts[e];
+  }
+  if (at != xs.size(0)) {
+    throw std::invalid_argument("Experts: the counts cover " + std::to_string(at) + " of " +
+                                std::to_string(xs.size(0)) + " rows");
+  }
+  if (outs.empty()) return xs.new_zeros({0, w2.size(1)});
+  return torch::cat(outs, 0);
+}
+
+torch::Tensor Combine(const torch::Tensor& ys, const Dispatch& dispatch, const torch::Tensor& gates) {
+  const int64_t assignments = dispatch.order.numel();
+  // Row i of ys is assignment order[i]: back to assignment order by the inverse permutation.
+  torch::Tensor inverse = torch::empty_like(dispatch.order);
+  inverse.index_put_({dispatch.order}, torch::arange(assignments, dispatch.order.options()));
+  const int64_t tokens = assignments / dispatch.top_k;
+  const torch::Tensor per_token = ys.index_select(0, inverse).view({tokens, dispatch.top_k, ys.size(1)});
+  return (per_token.to(torch::kFloat) * gates.unsqueeze(-1)).sum(1).to(ys.scalar_type());
+}
+
+torch::Tensor SequenceBalanceLoss(const Routing& routing, int64_t seq_len, Score score) {
+  const int64_t tokens = routing.scores.size(0), experts = routing.scores.size(1);
+  const int64_t k = routing.experts.size(1);
+  if (seq_len < 1 || tokens % seq_len != 0) {
+    throw std::invalid_argument("SequenceBalanceLoss: " + std::to_string(tokens) + " tokens in sequences of " +
+                                std::to_string(seq_len));
+  }
+  const int64_t sequences = tokens / seq_len;
+  torch::Tensor s = routing.scores;
+  if (score == Score::kSigmoid) s = s / (s.sum(-1, /*keepdim=*/true) + 1e-20);
+  const torch::Tensor p = s.view({sequences, seq_len, experts}).mean(1);  // [sequences, E]
+  torch::Tensor chosen = torch::zeros({sequences, experts}, routing.scores.options());
+  chosen.scatter_add_(1, routing.experts.view({sequences, seq_len * k}),
+                      torch::ones({sequences, seq_len * k}, routing.scores.options()));
+  const torch::Tensor f = chosen * (static_cast<double>(experts) / static_cast<double>(k * seq_len));
+  return (f * p).sum(-1).mean();
+}
+
+torch::Tensor ZLoss(const torch::Tensor& logits) { return logits.to(torch::kFloat).logsumexp(-1).square().mean(); }
+
+}  // namespace ltrain::worker::moe
