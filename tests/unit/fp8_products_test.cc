@@ -94,9 +94,10 @@ TEST(FusedKernelsTest, Fp8QuantizationAndProductsMatchTheirReference) {
   // Rows of very different magnitudes: rowwise scaling has something to follow.
   torch::Tensor x = (torch::randn({256, 512}) * torch::logspace(-2, 2, 256).unsqueeze(1)).to(bf16);
   torch::Tensor w = (torch::randn({384, 512}) * 0.02).to(bf16);
-  // Sides that are not multiples of the wide kernel's 64 x 64 tiles (its partial tiles), and not of 8
-  // (the narrow kernel's); an odd number of values for the amax.
-  for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{{72, 520}, {100, 36}, {13, 24}, {7, 9}}) {
+  // Sides that are not multiples of the wide kernel's 128 x 128 tiles (its partial tiles); rows not of
+  // 16 and sides not of 8 (the narrow kernel's); an odd number of values for the amax.
+  for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
+           {144, 520}, {48, 200}, {72, 520}, {100, 36}, {13, 24}, {7, 9}}) {
     torch::Tensor t = (torch::randn({rows, cols}) * 3).to(bf16);
     torch::Tensor transposed;
     Fp8Tensor q = Fp8QuantizeOnDevice(t, Fp8Format::kE4M3, Fp8Scaling::kTensorwise, /*power_of_2=*/false, &transposed);

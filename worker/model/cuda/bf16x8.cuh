@@ -85,6 +85,34 @@ __device__ __forceinline__ void AddWarpAmax(unsigned bits, float* amax) {
   if ((threadIdx.x & 31) == 0 && bits > *reinterpret_cast<volatile unsigned*>(held)) atomicMax(held, bits);
 }
 
+// The same for the block (1-D, at most 1024 threads): one atomic at most a block, so that blocks that
+// finish together do not queue on the one address. Every thread of the block calls it.
+__device__ __forceinline__ void AddBlockAmax(unsigned bits, float* amax) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, offset));
+  __shared__ unsigned warps[32];
+  if ((threadIdx.x & 31) == 0) warps[threadIdx.x / 32] = bits;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    bits = threadIdx.x < (blockDim.x + 31) / 32 ? warps[threadIdx.x] : 0u;
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, offset));
+    unsigned* const held = reinterpret_cast<unsigned*>(amax);
+    if (threadIdx.x == 0 && bits > *reinterpret_cast<volatile unsigned*>(held)) atomicMax(held, bits);
+  }
+  __syncthreads();  // `warps` is free again for the next call
+}
+
+// The element-wise kernels' grid (their loops stride over it): a thread an item (eight values, or one),
+// kElementwiseThreads a block, at most 65535 · 16 blocks.
+constexpr int kElementwiseThreads = 256;
+inline unsigned ElementwiseBlocks(int64_t items) {
+  const int64_t blocks = (items + kElementwiseThreads - 1) / kElementwiseThreads;
+  return static_cast<unsigned>(blocks < 65535 * 16 ? blocks : 65535 * 16);
+}
+
+inline bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
+
 // Two adjacent values of T as fp32.
 __device__ __forceinline__ float2 Load2(const __nv_bfloat16* p) {
   return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(p));

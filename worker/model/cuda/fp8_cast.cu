@@ -1,8 +1,8 @@
-// The amax: a grid-stride pass (eight values a 16-byte load where the tensor allows), each warp's
-// maximum added by AddWarpAmax (bf16x8.cuh), as the kernels that take an amax while they write do. The cast: tiles of 64 x 64
-// values, eight a 16-byte load and an 8-byte store, written by rows and, through shared memory, by
-// columns for the transposed copy (tiles of 32 x 32 one value at a time where the sides are not
-// multiples of 8 or the tensors not aligned).
+// The amax: a grid-stride pass (eight values a 16-byte load where the tensor allows), each block's
+// maximum added by AddBlockAmax (bf16x8.cuh), as the kernels that take an amax while they write do.
+// The cast: tiles of 128 x 128 values, eight a 16-byte load and an 8-byte store, written by rows and,
+// through shared memory and a transpose in registers, by columns for the transposed copy, 16 bytes a
+// store (tiles of 32 x 32 one value at a time where the sides or the tensors do not allow it).
 #include "worker/model/cuda/fp8_cast.h"
 
 #include <cuda_bf16.h>
@@ -48,7 +48,7 @@ __global__ void TensorAmax(const __nv_bfloat16* x, int64_t n, bool vector, float
       m = max(m, AbsMaxBits(x[i]));
     }
   }
-  AddWarpAmax(m, amax);
+  AddBlockAmax(m, amax);
 }
 
 // One warp per row.
@@ -118,35 +118,42 @@ __device__ __forceinline__ uint2 Pack8(const unsigned char (&q)[8]) {
   return word;
 }
 
-constexpr int kWideTile = 64;
-constexpr int kWideThreads = 256;     // 8 groups of 8 columns x 32 rows
-constexpr int kWideStride = kWideTile + 4;  // shared memory row: 4-byte aligned, fewer bank conflicts
+constexpr int kWideTile = 128;
+constexpr int kWideThreads = 256;
+constexpr int kWideLoads = kWideTile * kWideTile / 8 / kWideThreads;  // 16-byte loads a thread: 8
+constexpr int kWideStride = kWideTile + 4;  // shared memory row in bytes: 4-byte words, banks apart
 
-// Tensorwise, cols and rows multiples of 8, x 16-byte and out/out_t 8-byte aligned: a block per
-// 64 x 64 tile; thread t converts rows t / 8 and t / 8 + 32, columns (t % 8) * 8 to + 7.
-__global__ void CastWideTiles(const __nv_bfloat16* x, int64_t rows, int64_t cols, const float* amax, bool e4m3,
-                              bool power_of_2, unsigned char* out, unsigned char* out_t, float* scale_inv) {
-  __shared__ __align__(8) unsigned char tile[kWideTile][kWideStride];
+// Tensorwise, cols a multiple of 8, rows of 16 (where out_t is written), x 16-byte, out 8-byte and
+// out_t 16-byte aligned: a block per 128 x 128 tile.
+//
+// Rows: thread t converts columns (t % 16) * 8 to + 7 of rows t / 16 + 16 k, k < 8, all eight 16-byte
+// loads in flight before the first conversion; each row's 8 bytes are stored at once, a warp's two
+// rows of 128 bytes each whole lines.
+//
+// Transposed: thread t takes the 4 columns 4 (t / 8) to + 3 of rows 16 (t % 8) to + 15 out of shared
+// memory as 16 words, transposes them four by four in registers, and stores each column's 16 bytes
+// at once: 8 threads write one whole 128-byte row segment of out_t.
+__global__ void __launch_bounds__(kWideThreads)
+    CastWideTiles(const __nv_bfloat16* x, int64_t rows, int64_t cols, const float* amax, bool e4m3, bool power_of_2,
+                  unsigned char* out, unsigned char* out_t, float* scale_inv) {
+  __shared__ __align__(16) unsigned char tile[kWideTile][kWideStride];
   const float largest = e4m3 ? 448.0f : 57344.0f;
   const float scale = ScaleOf(amax[0], largest, power_of_2);
   if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
-  const int64_t col0 = blockIdx.x * static_cast<int64_t>(kWideTile), row0 = blockIdx.y * static_cast<int64_t>(kWideTile);
-  const int group = threadIdx.x % 8, r = threadIdx.x / 8;
+  const int64_t col0 = blockIdx.x * static_cast<int64_t>(kWideTile);
+  const int64_t row0 = blockIdx.y * static_cast<int64_t>(kWideTile);
+  const int group = threadIdx.x % 16, r = threadIdx.x / 16;
   const int64_t col = col0 + group * 8;
-  // Both rows' loads first, so that both are in flight before the first store.
-  uint4 loaded[2];
+  uint4 loaded[kWideLoads];
 #pragma unroll
-  for (int pass = 0; pass < 2; ++pass) {
-    const int64_t row = row0 + r + 32 * pass;
-    loaded[pass] = row < rows && col < cols ? *reinterpret_cast<const uint4*>(x + row * cols + col) : uint4{};
+  for (int k = 0; k < kWideLoads; ++k) {
+    const int64_t row = row0 + r + 16 * k;
+    loaded[k] = row < rows && col < cols ? *reinterpret_cast<const uint4*>(x + row * cols + col) : uint4{};
   }
 #pragma unroll
-  for (int pass = 0; pass < 2; ++pass) {
-    const int tr = r + 32 * pass;
-    const int64_t row = row0 + tr;
-    if (row >= rows || col >= cols) continue;
-    const uint4 packed = loaded[pass];
-    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
+  for (int k = 0; k < kWideLoads; ++k) {
+    const int tr = r + 16 * k;
+    const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&loaded[k]);
     unsigned char q[8];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -155,7 +162,8 @@ __global__ void CastWideTiles(const __nv_bfloat16* x, int64_t rows, int64_t cols
       q[2 * j + 1] = ToFp8(f.y * scale, e4m3);
     }
     const uint2 word = Pack8(q);
-    *reinterpret_cast<uint2*>(out + row * cols + col) = word;
+    const int64_t row = row0 + tr;
+    if (row < rows && col < cols) *reinterpret_cast<uint2*>(out + row * cols + col) = word;
     if (out_t != nullptr) {
       *reinterpret_cast<unsigned*>(&tile[tr][group * 8]) = word.x;
       *reinterpret_cast<unsigned*>(&tile[tr][group * 8 + 4]) = word.y;
@@ -163,17 +171,29 @@ __global__ void CastWideTiles(const __nv_bfloat16* x, int64_t rows, int64_t cols
   }
   if (out_t == nullptr) return;
   __syncthreads();
-  // Transposed: thread t writes 8 bytes of out_t's row col0 + t / 8 (+ 32): columns row0 + (t % 8) * 8 to + 7.
+  const int c4 = (threadIdx.x / 8) * 4, r16 = (threadIdx.x % 8) * 16;
+  if (row0 + r16 >= rows) return;  // rows is a multiple of 16: these 16 rows are all in, or all out
+  // columns[j].{x,y,z,w}: column c4 + j's bytes of rows r16 to + 3, + 4 to + 7, + 8 to + 11, + 12 to + 15.
+  unsigned columns[4][4];
 #pragma unroll
-  for (int pass = 0; pass < 2; ++pass) {
-    const int tc = r + 32 * pass;
-    const int64_t t_row = col0 + tc, t_col = row0 + group * 8;
-    if (t_row >= cols || t_col >= rows) continue;
-    unsigned char q[8];
+  for (int quad = 0; quad < 4; ++quad) {
+    unsigned w[4];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) q[j] = tile[group * 8 + j][tc];
-    const uint2 word = Pack8(q);
-    *reinterpret_cast<uint2*>(out_t + t_row * rows + t_col) = word;
+    for (int i = 0; i < 4; ++i) w[i] = *reinterpret_cast<const unsigned*>(&tile[r16 + 4 * quad + i][c4]);
+    // A 4 x 4 transpose of bytes: __byte_perm picks bytes 0-3 of its first word and 4-7 of its second.
+    const unsigned a = __byte_perm(w[0], w[1], 0x5140), b = __byte_perm(w[2], w[3], 0x5140);
+    const unsigned c = __byte_perm(w[0], w[1], 0x7362), d = __byte_perm(w[2], w[3], 0x7362);
+    columns[0][quad] = __byte_perm(a, b, 0x5410);
+    columns[1][quad] = __byte_perm(a, b, 0x7632);
+    columns[2][quad] = __byte_perm(c, d, 0x5410);
+    columns[3][quad] = __byte_perm(c, d, 0x7632);
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const int64_t t_row = col0 + c4 + j;
+    if (t_row >= cols) break;
+    *reinterpret_cast<uint4*>(out_t + t_row * rows + row0 + r16) =
+        make_uint4(columns[j][0], columns[j][1], columns[j][2], columns[j][3]);
   }
 }
 
@@ -190,17 +210,18 @@ void Bf16Amax(const void* x, int64_t rows, int64_t cols, bool rowwise, float* am
     return;
   }
   const int64_t n = rows * cols;
-  // Enough blocks to fill an H100's 132 SMs several times over; each thread loops over the rest.
-  int64_t blocks = (n + 2047) / 2048;
-  if (blocks > 2048) blocks = 2048;
+  // Enough blocks to fill an H100's 132 SMs a few times over (four 16-byte loads a thread in flight);
+  // each thread loops over the rest. Each block adds its amax once.
+  int64_t blocks = (n + 8191) / 8192;
+  if (blocks > 1056) blocks = 1056;
   if (blocks < 1) blocks = 1;
   TensorAmax<<<static_cast<unsigned>(blocks), 256, 0, stream>>>(values, n, n % 8 == 0 && Aligned(x, 16), amax);
 }
 
 void Bf16ToFp8(const void* x, int64_t rows, int64_t cols, const float* amax, bool rowwise, bool e4m3, bool power_of_2,
                void* out, void* out_t, float* scale_inv, cudaStream_t stream) {
-  if (!rowwise && rows % 8 == 0 && cols % 8 == 0 && Aligned(x, 16) && Aligned(out, 8) &&
-      (out_t == nullptr || Aligned(out_t, 8))) {
+  if (!rowwise && cols % 8 == 0 && Aligned(x, 16) && Aligned(out, 8) &&
+      (out_t == nullptr || (rows % 16 == 0 && Aligned(out_t, 16)))) {
     const dim3 grid(static_cast<unsigned>((cols + kWideTile - 1) / kWideTile),
                     static_cast<unsigned>((rows + kWideTile - 1) / kWideTile));
     CastWideTiles<<<grid, kWideThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows, cols, amax, e4m3,

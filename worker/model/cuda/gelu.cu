@@ -11,13 +11,6 @@
 namespace ltrain::worker::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-
-int Blocks(int64_t n) {
-  const int64_t blocks = (n + kThreads - 1) / kThreads;
-  return static_cast<int>(blocks < 65535 * 16 ? blocks : 65535 * 16);
-}
-
 // d/dx of 0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 x³))).
 __device__ __forceinline__ float GeluGrad(float x) {
   constexpr float kBeta = 0.7978845608028654f;  // √(2/π)
@@ -40,7 +33,7 @@ __global__ void GeluBackwardKernel8(const Bf16x8* grad, const Bf16x8* pre, int64
     dx[k] = packed;
     amax_bits = max(amax_bits, AbsMaxBits(packed));
   }
-  if (amax != nullptr) AddWarpAmax(amax_bits, amax);
+  if (amax != nullptr) AddBlockAmax(amax_bits, amax);
 }
 
 __global__ void GeluBackwardKernel(const __nv_bfloat16* grad, const __nv_bfloat16* pre, int64_t n, __nv_bfloat16* dx,
@@ -52,23 +45,21 @@ __global__ void GeluBackwardKernel(const __nv_bfloat16* grad, const __nv_bfloat1
     dx[k] = d;
     amax_bits = max(amax_bits, AbsMaxBits(d));
   }
-  if (amax != nullptr) AddWarpAmax(amax_bits, amax);
+  if (amax != nullptr) AddBlockAmax(amax_bits, amax);
 }
-
-bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 }  // namespace
 
 void GeluBackward(const void* grad, const void* pre, int64_t n, void* dx, cudaStream_t stream, float* amax) {
   if (n == 0) return;
   if (n % 8 == 0 && Aligned16(grad) && Aligned16(pre) && Aligned16(dx)) {
-    GeluBackwardKernel8<<<Blocks(n / 8), kThreads, 0, stream>>>(
+    GeluBackwardKernel8<<<ElementwiseBlocks(n / 8), kElementwiseThreads, 0, stream>>>(
         static_cast<const Bf16x8*>(grad), static_cast<const Bf16x8*>(pre), n / 8, static_cast<Bf16x8*>(dx), amax);
     return;
   }
-  GeluBackwardKernel<<<Blocks(n), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(grad),
-                                                          static_cast<const __nv_bfloat16*>(pre), n,
-                                                          static_cast<__nv_bfloat16*>(dx), amax);
+  GeluBackwardKernel<<<ElementwiseBlocks(n), kElementwiseThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(grad), static_cast<const __nv_bfloat16*>(pre), n,
+      static_cast<__nv_bfloat16*>(dx), amax);
 }
 
 }  // namespace ltrain::worker::cuda

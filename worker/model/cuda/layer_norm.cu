@@ -297,7 +297,7 @@ __global__ void __launch_bounds__(kRowThreads)
       }
     }
   }
-  if (dx_amax != nullptr) AddWarpAmax(amax_bits, dx_amax);
+  if (dx_amax != nullptr) AddBlockAmax(amax_bits, dx_amax);  // every thread gets here
   if (partial == nullptr) return;
   float* out = partial + static_cast<int64_t>(blockIdx.x) * kSlices * cols;
   if constexpr (kWarpRow) {
@@ -378,7 +378,7 @@ __global__ void InputGrad(const Bf16x8* dy, const Bf16x8* x, const Bf16x8* gamma
                                                  mean_gx, dx + row * vecs + v,
                                                  dx16 != nullptr ? dx16 + row * vecs + v : nullptr));
   }
-  if (dx_amax != nullptr) AddWarpAmax(amax_bits, dx_amax);
+  if (dx_amax != nullptr) AddBlockAmax(amax_bits, dx_amax);
 }
 
 template <bool kRms, typename T>
@@ -547,7 +547,14 @@ __global__ void __launch_bounds__(kRowThreads)
       }
     }
   }
-  if (amax != nullptr) AddWarpAmax(amax_bits, amax);
+  if (amax != nullptr) {
+    // A row a block: its threads all got here (the block's rows end together); a warp a row: not.
+    if constexpr (kLanes == kRowThreads) {
+      AddBlockAmax(amax_bits, amax);
+    } else {
+      AddWarpAmax(amax_bits, amax);
+    }
+  }
 }
 
 // Wider rows: the same in three passes over the row (the later ones mostly from cache).
@@ -596,7 +603,7 @@ __global__ void Forward(const typename Vec8<T>::Type* x, const Bf16x8* gamma, co
       saved[row * vecs + v] = Pack(out);
     }
   }
-  if (amax != nullptr) AddWarpAmax(amax_bits, amax);
+  if (amax != nullptr) AddBlockAmax(amax_bits, amax);
 }
 
 template <bool kRms, typename T>

@@ -12,13 +12,6 @@
 namespace ltrain::worker::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-
-int Blocks(int64_t n) {
-  const int64_t blocks = (n + kThreads - 1) / kThreads;
-  return static_cast<int>(blocks < 65535 * 16 ? blocks : 65535 * 16);
-}
-
 __global__ void RopeKernel(const __nv_bfloat16* x, const float* cos, const float* sin, int64_t t, int64_t heads,
                            int64_t half, int64_t pairs, float sign, __nv_bfloat16* out, float* amax) {
   unsigned amax_bits = 0;
@@ -34,10 +27,8 @@ __global__ void RopeKernel(const __nv_bfloat16* x, const float* cos, const float
     out[at + half] = rb;
     amax_bits = max(amax_bits, max(AbsMaxBits(ra), AbsMaxBits(rb)));
   }
-  if (amax != nullptr) AddWarpAmax(amax_bits, amax);
+  if (amax != nullptr) AddBlockAmax(amax_bits, amax);
 }
-
-bool Aligned16(const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; }
 
 __device__ __forceinline__ Bf16x8 Pack(const float (&v)[8]) {
   Bf16x8 out;
@@ -70,7 +61,7 @@ __global__ void RopeKernel8(const Bf16x8* x, const float* cos, const float* sin,
     out[other] = pb;
     amax_bits = max(amax_bits, max(AbsMaxBits(pa), AbsMaxBits(pb)));
   }
-  if (amax != nullptr) AddWarpAmax(amax_bits, amax);
+  if (amax != nullptr) AddBlockAmax(amax_bits, amax);
 }
 
 __global__ void SwiGluKernel8(const Bf16x8* gate, const Bf16x8* up, int64_t groups, Bf16x8* out, float* amax) {
@@ -86,7 +77,7 @@ __global__ void SwiGluKernel8(const Bf16x8* gate, const Bf16x8* up, int64_t grou
     out[k] = packed;
     amax_bits = max(amax_bits, AbsMaxBits(packed));
   }
-  if (amax != nullptr) AddWarpAmax(amax_bits, amax);
+  if (amax != nullptr) AddBlockAmax(amax_bits, amax);
 }
 
 __global__ void SwiGluBackwardKernel8(const Bf16x8* gate, const Bf16x8* up, const Bf16x8* grad, int64_t groups,
@@ -110,8 +101,8 @@ __global__ void SwiGluBackwardKernel8(const Bf16x8* gate, const Bf16x8* up, cons
     dgate_bits = max(dgate_bits, AbsMaxBits(dg_packed));
     dup_bits = max(dup_bits, AbsMaxBits(du_packed));
   }
-  if (dgate_amax != nullptr) AddWarpAmax(dgate_bits, dgate_amax);
-  if (dup_amax != nullptr) AddWarpAmax(dup_bits, dup_amax);
+  if (dgate_amax != nullptr) AddBlockAmax(dgate_bits, dgate_amax);
+  if (dup_amax != nullptr) AddBlockAmax(dup_bits, dup_amax);
 }
 
 __global__ void SwiGluKernel(const __nv_bfloat16* gate, const __nv_bfloat16* up, int64_t n, __nv_bfloat16* out,
@@ -123,7 +114,7 @@ __global__ void SwiGluKernel(const __nv_bfloat16* gate, const __nv_bfloat16* up,
     out[k] = __float2bfloat16(g / (1.f + __expf(-g)) * __bfloat162float(up[k]));
     amax_bits = max(amax_bits, AbsMaxBits(out[k]));
   }
-  if (amax != nullptr) AddWarpAmax(amax_bits, amax);
+  if (amax != nullptr) AddBlockAmax(amax_bits, amax);
 }
 
 __global__ void SwiGluBackwardKernel(const __nv_bfloat16* gate, const __nv_bfloat16* up, const __nv_bfloat16* grad,
@@ -141,8 +132,8 @@ __global__ void SwiGluBackwardKernel(const __nv_bfloat16* gate, const __nv_bfloa
     dgate_bits = max(dgate_bits, AbsMaxBits(dg));
     dup_bits = max(dup_bits, AbsMaxBits(du));
   }
-  if (dgate_amax != nullptr) AddWarpAmax(dgate_bits, dgate_amax);
-  if (dup_amax != nullptr) AddWarpAmax(dup_bits, dup_amax);
+  if (dgate_amax != nullptr) AddBlockAmax(dgate_bits, dgate_amax);
+  if (dup_amax != nullptr) AddBlockAmax(dup_bits, dup_amax);
 }
 
 }  // namespace
@@ -152,39 +143,38 @@ void Rope(const void* x, const float* cos, const float* sin, int64_t batch, int6
   const int64_t half = head_dim / 2, pairs = batch * t * heads * half;
   if (pairs == 0) return;
   if (half % 8 == 0 && Aligned16(x) && Aligned16(out)) {
-    RopeKernel8<<<Blocks(pairs / 8), kThreads, 0, stream>>>(static_cast<const Bf16x8*>(x), cos, sin, t, heads, half,
-                                                            pairs / 8, inverse ? -1.f : 1.f, static_cast<Bf16x8*>(out),
-                                                            amax);
+    RopeKernel8<<<ElementwiseBlocks(pairs / 8), kElementwiseThreads, 0, stream>>>(
+        static_cast<const Bf16x8*>(x), cos, sin, t, heads, half, pairs / 8, inverse ? -1.f : 1.f,
+        static_cast<Bf16x8*>(out), amax);
     return;
   }
-  RopeKernel<<<Blocks(pairs), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), cos, sin, t, heads, half,
-                                                      pairs, inverse ? -1.f : 1.f, static_cast<__nv_bfloat16*>(out),
-                                                      amax);
+  RopeKernel<<<ElementwiseBlocks(pairs), kElementwiseThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(x), cos, sin, t, heads, half, pairs, inverse ? -1.f : 1.f,
+      static_cast<__nv_bfloat16*>(out), amax);
 }
 
 void SwiGlu(const void* gate, const void* up, int64_t n, void* out, cudaStream_t stream, float* amax) {
   if (n == 0) return;
   if (n % 8 == 0 && Aligned16(gate) && Aligned16(up) && Aligned16(out)) {
-    SwiGluKernel8<<<Blocks(n / 8), kThreads, 0, stream>>>(static_cast<const Bf16x8*>(gate),
-                                                          static_cast<const Bf16x8*>(up), n / 8,
-                                                          static_cast<Bf16x8*>(out), amax);
+    SwiGluKernel8<<<ElementwiseBlocks(n / 8), kElementwiseThreads, 0, stream>>>(
+        static_cast<const Bf16x8*>(gate), static_cast<const Bf16x8*>(up), n / 8, static_cast<Bf16x8*>(out), amax);
     return;
   }
-  SwiGluKernel<<<Blocks(n), kThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(gate),
-                                                    static_cast<const __nv_bfloat16*>(up), n,
-                                                    static_cast<__nv_bfloat16*>(out), amax);
+  SwiGluKernel<<<ElementwiseBlocks(n), kElementwiseThreads, 0, stream>>>(
+      static_cast<const __nv_bfloat16*>(gate), static_cast<const __nv_bfloat16*>(up), n,
+      static_cast<__nv_bfloat16*>(out), amax);
 }
 
 void SwiGluBackward(const void* gate, const void* up, const void* grad, int64_t n, void* dgate, void* dup,
                     cudaStream_t stream, float* dgate_amax, float* dup_amax) {
   if (n == 0) return;
   if (n % 8 == 0 && Aligned16(gate) && Aligned16(up) && Aligned16(grad) && Aligned16(dgate) && Aligned16(dup)) {
-    SwiGluBackwardKernel8<<<Blocks(n / 8), kThreads, 0, stream>>>(
+    SwiGluBackwardKernel8<<<ElementwiseBlocks(n / 8), kElementwiseThreads, 0, stream>>>(
         static_cast<const Bf16x8*>(gate), static_cast<const Bf16x8*>(up), static_cast<const Bf16x8*>(grad), n / 8,
         static_cast<Bf16x8*>(dgate), static_cast<Bf16x8*>(dup), dgate_amax, dup_amax);
     return;
   }
-  SwiGluBackwardKernel<<<Blocks(n), kThreads, 0, stream>>>(
+  SwiGluBackwardKernel<<<ElementwiseBlocks(n), kElementwiseThreads, 0, stream>>>(
       static_cast<const __nv_bfloat16*>(gate), static_cast<const __nv_bfloat16*>(up),
       static_cast<const __nv_bfloat16*>(grad), n, static_cast<__nv_bfloat16*>(dgate), static_cast<__nv_bfloat16*>(dup),
       dgate_amax, dup_amax);
