@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <functional>
 #include <stdexcept>
 #include <string>
 
@@ -47,6 +48,13 @@ TEST(RendezvousStoreTest, DirectoryStoreScopesAndPrefixedViews) {
   RemoveTree(dir);
 }
 
+// Runs rank_main(r) for each of `ranks` ranks, each on a thread of its own, and waits for them all.
+void RunRanks(int ranks, const std::function<void(int)>& rank_main) {
+  std::vector<std::thread> threads;
+  for (int r = 0; r < ranks; ++r) threads.emplace_back(rank_main, r);
+  for (std::thread& t : threads) t.join();
+}
+
 // Two ranks as two threads, connected through real Gloo TCP pairs on loopback.
 TEST(GlooCommunicatorTest, TwoRanksAllReduceBroadcastAllGatherBarrier) {
   gloo::rendezvous::HashStore store;
@@ -77,9 +85,7 @@ TEST(GlooCommunicatorTest, TwoRanksAllReduceBroadcastAllGatherBarrier) {
     if (wide[2].item<int64_t>() != 2) errors[rank] = Internal("int64 all-reduce gave the wrong sum");
     if (Status s = (*comm)->Barrier(); !s.ok()) errors[rank] = s;
   };
-  std::thread r0(rank_main, 0), r1(rank_main, 1);
-  r0.join();
-  r1.join();
+  RunRanks(2, rank_main);
   for (int r = 0; r < 2; ++r) {
     ASSERT_TRUE(errors[r].ok()) << "rank " << r << ": " << errors[r].ToString();
     EXPECT_EQ(reduced[r], (std::vector<float>{0.75f, 3, 3, 3, 3}));
@@ -126,10 +132,7 @@ TEST(GlooCommunicatorTest, GroupsSendRecvAndReduceScatter) {
     if (Status s = (*pair)->AllReduceSum(sum); !s.ok()) errors[rank] = s;
     if (sum.item<float>() != 2.0f) errors[rank] = Internal("group all-reduce summed over the wrong ranks");
   };
-  std::thread r0(rank_main, 0), r1(rank_main, 1), r2(rank_main, 2);
-  r0.join();
-  r1.join();
-  r2.join();
+  RunRanks(3, rank_main);
   for (int r = 0; r < 3; ++r) {
     ASSERT_TRUE(errors[r].ok()) << "rank " << r << ": " << errors[r].ToString();
     // sum over ranks of arange(6)*(r+1) = 6*arange(6); rank r keeps elements [2r, 2r+2).
@@ -139,18 +142,21 @@ TEST(GlooCommunicatorTest, GroupsSendRecvAndReduceScatter) {
 }
 
 // Three ranks exchange rows of uneven counts (some none, some to themselves), bf16 rows of two: each
-// receives, in source order, exactly the rows each source addressed to it.
+// receives, in source order, exactly the rows each source addressed to it. Then again with rank 0
+// sending no row at all (an input of no rows) while it receives some.
 TEST(GlooCommunicatorTest, ThreeRanksAllToAllUnevenRows) {
   gloo::rendezvous::HashStore store;
-  const auto count = [](int src, int dst) -> int64_t { return (2 * src + dst) % 4; };
+  using Counts = std::function<int64_t(int src, int dst)>;
+  const std::vector<Counts> exchanges = {[](int src, int dst) -> int64_t { return (2 * src + dst) % 4; },
+                                         [](int src, int dst) -> int64_t { return src == 0 ? 0 : src + dst; }};
   // Row j of those src sends dst: {100 src + 10 dst + j, j} (integers below 256: exact in bf16).
-  const auto rows_of = [&](int src, int dst) {
+  const auto rows_of = [](const Counts& count, int src, int dst) {
     std::vector<float> v;
     for (int64_t j = 0; j < count(src, dst); ++j) v.insert(v.end(), {100.0f * src + 10.0f * dst + j, float(j)});
     return v;
   };
   std::vector<Status> errors(3);
-  std::vector<std::vector<float>> got(3);
+  std::vector<std::vector<std::vector<float>>> got(3, std::vector<std::vector<float>>(exchanges.size()));
   std::vector<std::string> refused(3);
   auto rank_main = [&](int rank) {
     auto comm = GlooCommunicator::Create(store, rank, 3, "127.0.0.1", std::chrono::seconds(20));
@@ -158,38 +164,40 @@ TEST(GlooCommunicatorTest, ThreeRanksAllToAllUnevenRows) {
       errors[rank] = comm.status();
       return;
     }
-    std::vector<float> send;
-    std::vector<int64_t> send_counts, recv_counts;
-    for (int r = 0; r < 3; ++r) {
-      const std::vector<float> rows = rows_of(rank, r);
-      send.insert(send.end(), rows.begin(), rows.end());
-      send_counts.push_back(count(rank, r));
-      recv_counts.push_back(count(r, rank));
+    for (size_t x = 0; x < exchanges.size(); ++x) {
+      std::vector<float> send;
+      std::vector<int64_t> send_counts, recv_counts;
+      for (int r = 0; r < 3; ++r) {
+        const std::vector<float> rows = rows_of(exchanges[x], rank, r);
+        send.insert(send.end(), rows.begin(), rows.end());
+        send_counts.push_back(exchanges[x](rank, r));
+        recv_counts.push_back(exchanges[x](r, rank));
+      }
+      const int64_t in_rows = static_cast<int64_t>(send.size()) / 2;
+      torch::Tensor in = torch::tensor(send, torch::kFloat).reshape({in_rows, 2}).to(torch::kBFloat16);
+      int64_t out_rows = 0;
+      for (int64_t c : recv_counts) out_rows += c;
+      torch::Tensor out = torch::zeros({out_rows, 2}, torch::kBFloat16);
+      if (x == 0) {
+        // Refused on every rank alike, before anything is sent: one count short.
+        refused[rank] = (*comm)->AllToAll(in, {send_counts[0], send_counts[1]}, out, recv_counts).ToString();
+      }
+      if (Status s = (*comm)->AllToAll(in, send_counts, out, recv_counts); !s.ok()) errors[rank] = s;
+      torch::Tensor f = out.to(torch::kFloat).contiguous();
+      got[rank][x] = std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
     }
-    const int64_t in_rows = static_cast<int64_t>(send.size()) / 2;
-    torch::Tensor in = torch::tensor(send).reshape({in_rows, 2}).to(torch::kBFloat16);
-    int64_t out_rows = 0;
-    for (int64_t c : recv_counts) out_rows += c;
-    torch::Tensor out = torch::zeros({out_rows, 2}, torch::kBFloat16);
-    // Refused on every rank alike, before anything is sent: one count short.
-    Status bad = (*comm)->AllToAll(in, {send_counts[0], send_counts[1]}, out, recv_counts);
-    refused[rank] = bad.ToString();
-    if (Status s = (*comm)->AllToAll(in, send_counts, out, recv_counts); !s.ok()) errors[rank] = s;
-    torch::Tensor f = out.to(torch::kFloat).contiguous();
-    got[rank] = std::vector<float>(f.data_ptr<float>(), f.data_ptr<float>() + f.numel());
   };
-  std::thread r0(rank_main, 0), r1(rank_main, 1), r2(rank_main, 2);
-  r0.join();
-  r1.join();
-  r2.join();
+  RunRanks(3, rank_main);
   for (int r = 0; r < 3; ++r) {
     ASSERT_TRUE(errors[r].ok()) << "rank " << r << ": " << errors[r].ToString();
-    std::vector<float> want;
-    for (int src = 0; src < 3; ++src) {
-      const std::vector<float> rows = rows_of(src, r);
-      want.insert(want.end(), rows.begin(), rows.end());
+    for (size_t x = 0; x < exchanges.size(); ++x) {
+      std::vector<float> want;
+      for (int src = 0; src < 3; ++src) {
+        const std::vector<float> rows = rows_of(exchanges[x], src, r);
+        want.insert(want.end(), rows.begin(), rows.end());
+      }
+      EXPECT_EQ(got[r][x], want) << "rank " << r << ", exchange " << x;
     }
-    EXPECT_EQ(got[r], want) << "rank " << r;
     EXPECT_NE(refused[r].find("one send and one receive count a rank"), std::string::npos) << refused[r];
   }
 }

@@ -62,11 +62,9 @@ Status CheckAllToAll(const at::Tensor& input, const std::vector<int64_t>& send_c
                            c10::toString(input.scalar_type()));
   }
   if (!output.is_contiguous()) return InvalidArgument("AllToAll needs a contiguous output");
-  const int64_t width = input.size(0) > 0 ? input.numel() / input.size(0) : 0;
-  const int64_t out_width = output.size(0) > 0 ? output.numel() / output.size(0) : 0;
-  if (input.size(0) > 0 && output.size(0) > 0 && width != out_width) {
-    return InvalidArgument("AllToAll rows of " + std::to_string(width) + " elements in, " +
-                           std::to_string(out_width) + " out");
+  if (input.size(0) > 0 && output.size(0) > 0 && input.numel() / input.size(0) != output.numel() / output.size(0)) {
+    return InvalidArgument("AllToAll rows of " + std::to_string(input.numel() / input.size(0)) + " elements in, " +
+                           std::to_string(output.numel() / output.size(0)) + " out");
   }
   int64_t sent = 0, received = 0;
   for (size_t r = 0; r < n; ++r) {
@@ -82,6 +80,11 @@ Status CheckAllToAll(const at::Tensor& input, const std::vector<int64_t>& send_c
                            " into the output's " + std::to_string(output.size(0)));
   }
   return Status::Ok();
+}
+
+int64_t AllToAllRowWidth(const at::Tensor& input, const at::Tensor& output) {
+  if (input.dim() > 0 && input.size(0) > 0) return input.numel() / input.size(0);
+  return output.dim() > 0 && output.size(0) > 0 ? output.numel() / output.size(0) : 0;
 }
 
 Status SelfCommunicator::AllToAll(const at::Tensor& input, const std::vector<int64_t>& send_counts,

@@ -216,6 +216,8 @@ class FakeCommunicator : public Communicator {
 // naming what differs.
 Status CheckAllToAll(const at::Tensor& input, const std::vector<int64_t>& send_counts, const at::Tensor& output,
                      const std::vector<int64_t>& recv_counts, int size);
+// The elements of one AllToAll row: of the input's rows, or of the output's where this rank sends none.
+int64_t AllToAllRowWidth(const at::Tensor& input, const at::Tensor& output);
 
 // The communicators of one rank: one per group it belongs to. Never null: a group of one is a
 // SelfCommunicator, and `embedding` is a SelfCommunicator on ranks of no embedding group.

@@ -210,8 +210,7 @@ Status GlooCommunicator::ReduceScatterSum(const at::Tensor& input, at::Tensor& o
 Status GlooCommunicator::AllToAll(const at::Tensor& input, const std::vector<int64_t>& send_counts,
                                   at::Tensor& output, const std::vector<int64_t>& recv_counts) {
   LTRAIN_RETURN_IF_ERROR(CheckAllToAll(input, send_counts, output, recv_counts, size_));
-  const int64_t width = input.size(0) > 0 ? input.numel() / input.size(0) : 0;
-  const int64_t row_bytes = width * static_cast<int64_t>(input.element_size());
+  const int64_t row_bytes = AllToAllRowWidth(input, output) * static_cast<int64_t>(input.element_size());
   if (size_ == 1) {
     if (output.numel() > 0) output.view(-1).copy_(input.reshape(-1));
     return Status::Ok();

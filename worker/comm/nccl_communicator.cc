@@ -305,7 +305,7 @@ Status NcclCommunicator::AllToAll(const at::Tensor& input, const std::vector<int
   if (input.numel() == 0 && output.numel() == 0) return Status::Ok();
   LTRAIN_ASSIGN_OR_RETURN(ncclDataType_t type, NcclType(input.scalar_type()));
   const at::Tensor& on = input.numel() > 0 ? input : output;
-  const int64_t width = on.size(0) > 0 ? on.numel() / on.size(0) : 0;
+  const int64_t width = AllToAllRowWidth(input, output);
   c10::cuda::CUDAGuard guard(on.device());
   cudaStream_t stream = c10::cuda::getCurrentCUDAStream(on.device().index()).stream();
   // One group of a send and a receive for every rank with rows to move (this one included).
