@@ -441,6 +441,11 @@ def suite_learning(b, n, baselines, text):
     b.dump()
 
 
+# How a learning curve ends: (what, the loss it takes of a curve [(step, loss), ...]).
+END_OF_CURVE = (("at the last step", lambda c: c[-1][1]),
+                ("over the last 20 steps", lambda c: sum(x for _, x in c[-20:]) / len(c[-20:])))
+
+
 def spikes(curve, factor=1.5, window=10):
     """The steps whose loss is above `factor` times the mean of the `window` steps before them."""
     return {curve[i][0] for i in range(window, len(curve))
@@ -453,8 +458,7 @@ def compare_with_default(b, ours, plain, seeds):
     both = [k for k in seeds if k in ours and k in plain]
     if not both:
         return
-    for what, take in (("at the last step", lambda c: c[-1][1]),
-                       ("over the last 20 steps", lambda c: sum(x for _, x in c[-20:]) / len(c[-20:]))):
+    for what, take in END_OF_CURVE:
         mine, theirs = (sum(take(c[k]) for k in both) / len(both) for c in (ours, plain))
         print(f"  mean loss {what}: ltrain {mine:.4f}, ltrain at the defaults {theirs:.4f} "
               f"({100 * (mine - theirs) / theirs:+.2f}%)", flush=True)
@@ -507,8 +511,7 @@ def compare_learning(b, name, ours, theirs, seeds, report):
         print(f"  seed {k}: loss at the last step {name} {ours[k][-1][1]:.4f}, PyTorch AMP {theirs[k][-1][1]:.4f}",
               flush=True)
     prefix = "learning" if report else f"learning control ({name})"
-    for what, take in (("at the last step", lambda c: c[-1][1]),
-                       ("over the last 20 steps", lambda c: sum(x for _, x in c[-20:]) / len(c[-20:]))):
+    for what, take in END_OF_CURVE:
         mine, amp = (sum(take(c[k]) for k in both) / len(both) for c in (ours, theirs))
         print(f"  mean loss {what}: {name} {mine:.4f}, PyTorch AMP {amp:.4f} ({100 * (mine - amp) / amp:+.2f}%)",
               flush=True)
