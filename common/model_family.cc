@@ -160,6 +160,15 @@ int FfnWidth(const ModelSpec& m) {
   return static_cast<int>((width + 63) / 64 * 64);
 }
 
+bool IsMoeLayer(const ModelSpec& m, int layer) {
+  const MoeSpec& moe = m.moe;
+  if (moe.experts == 0 || layer < moe.first_dense || layer >= m.layers) return false;
+  if (std::find(moe.dense_layers.begin(), moe.dense_layers.end(), layer) != moe.dense_layers.end()) return false;
+  return (layer - moe.first_dense + 1) % moe.every == 0;
+}
+
+int MoeFfnWidth(const ModelSpec& m) { return m.moe.ffn > 0 ? m.moe.ffn : FfnWidth(m); }
+
 std::string ModelShapeDifferences(const ModelSpec& saved, const ModelSpec& current) {
   std::string differences;
   auto compare = [&](const char* key, const std::string& a, const std::string& b) {

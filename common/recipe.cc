@@ -19,6 +19,7 @@
 #include "common/hf_config.h"
 #include "common/layout.h"
 #include "common/logging.h"
+#include "common/model_family.h"
 #include "common/python_command.h"
 #include "common/recipe_schema.h"
 #include "common/strings.h"
@@ -67,10 +68,31 @@ std::string Join(const std::vector<std::string>& items) {
 std::map<std::string, std::vector<std::string>> KnownKeys() {
   std::map<std::string, std::vector<std::string>> known;
   Recipe defaults;
-  VisitRecipeKeys(defaults, [&](const RecipeKey& key, auto&) { known[std::string(key.section)].push_back(std::string(key.name)); });
+  VisitRecipeKeys(defaults, [&](const RecipeKey& key, auto&) {
+    const std::string section(key.section);
+    std::vector<std::string>& keys = known[section];
+    // A section within a section (model.moe) is a key of its parent.
+    if (keys.empty() && section.find('.') != std::string::npos) {
+      known[section.substr(0, section.rfind('.'))].push_back(section.substr(section.rfind('.') + 1));
+    }
+    known[section].push_back(std::string(key.name));
+  });
   for (std::string_view section : kRecipeSections) known[""].push_back(std::string(section));
   known["parallel.nodes"] = {"min", "max"};
   return known;
+}
+
+// The sections within sections ("model.moe"), from the schema.
+std::vector<std::string> NestedSections() {
+  std::vector<std::string> nested;
+  Recipe defaults;
+  VisitRecipeKeys(defaults, [&](const RecipeKey& key, auto&) {
+    const std::string section(key.section);
+    if (section.find('.') != std::string::npos && (nested.empty() || nested.back() != section)) {
+      nested.push_back(section);
+    }
+  });
+  return nested;
 }
 
 // A YAML location: 1-based line and column.
@@ -118,8 +140,11 @@ class RecipeReader {
   // when the file gives it, else at its section, else at the top.
   void ErrorOnKey(const std::string& path, const std::string& message) {
     if (auto it = marks_.find(path); it != marks_.end()) return Error(path, it->second, message);
-    const std::string section = path.substr(0, path.find('.'));
-    if (auto it = marks_.find(section); it != marks_.end()) return Error(path, it->second, message);
+    // The innermost section the file gives ("model.moe", then "model").
+    for (std::string section = path; section.find('.') != std::string::npos;) {
+      section.resize(section.rfind('.'));
+      if (auto it = marks_.find(section); it != marks_.end()) return Error(path, it->second, message);
+    }
     Error(path, MarkOf(root_), message);
   }
 
@@ -176,14 +201,31 @@ class RecipeReader {
     }
     YAML::Node nodes = Value("parallel", "nodes");
     if (nodes.IsDefined() && nodes.IsMap()) CheckKeys(nodes, "parallel.nodes", known["parallel.nodes"]);
+    for (const std::string& section : NestedSections()) {
+      const std::string parent = section.substr(0, section.rfind('.'));
+      YAML::Node node = Value(parent, section.substr(section.rfind('.') + 1));
+      if (!node.IsDefined() || node.IsNull()) continue;
+      if (!node.IsMap()) {
+        Error(node, section, "'" + section + "' must be a mapping of keys to values");
+        continue;
+      }
+      CheckKeys(node, section, known[section]);
+      for (auto it = node.begin(); it != node.end(); ++it) marks_[section + "." + it->first.Scalar()] = MarkOf(it->second);
+    }
   }
 
-  // The value of `section.name` (or of the top-level `name`); undefined when absent or when its
-  // section is not a mapping.
+  // The value of `section.name` (or of the top-level `name`; a section may be nested: "model.moe");
+  // undefined when absent or when a section on the way is not a mapping.
   YAML::Node Value(std::string_view section, std::string_view name) const {
     if (section.empty()) return root_[std::string(name)];
-    YAML::Node node = root_[std::string(section)];
-    if (!node.IsDefined() || !node.IsMap()) return YAML::Node(YAML::NodeType::Undefined);
+    YAML::Node node = root_;
+    for (size_t start = 0; start <= section.size();) {
+      const size_t dot = std::min(section.find('.', start), section.size());
+      YAML::Node inner = node[std::string(section.substr(start, dot - start))];
+      if (!inner.IsDefined() || !inner.IsMap()) return YAML::Node(YAML::NodeType::Undefined);
+      node.reset(inner);  // rebinds (operator= would write inner's value into root_)
+      start = dot + 1;
+    }
     return node[std::string(name)];
   }
 
@@ -516,7 +558,67 @@ void CheckArchKeys(const ModelSpec& m, RecipeReader& reader) {
   }
 }
 
+// model.moe's rules: a Llama block, experts enough for top_k, at least one MoE block, each
+// balance's coefficient only under that balance.
+void CheckMoeKeys(const ModelSpec& m, RecipeReader& reader) {
+  const MoeSpec& moe = m.moe;
+  if (reader.Refused({"model.moe.", "model.arch", "model.layers"})) return;
+  if (moe.experts == 0) {
+    Recipe defaults;
+    VisitRecipeKeys(defaults, [&](const RecipeKey& key, auto&) {
+      if (key.section == "model.moe" && key.name != "experts" && reader.Value(key.section, key.name).IsDefined()) {
+        reader.ErrorOnKey(key.path(), key.path() + " is a key of a mixture of experts: set model.moe.experts "
+                                      "(the routed experts of each MoE block), or remove it");
+      }
+    });
+    return;
+  }
+  if (!FamilyOf(m.arch).llama_block) {
+    reader.ErrorOnKey("model.moe.experts", "model.moe needs a Llama-block family (llama, mistral, qwen2, qwen3); "
+                                           "GPT-2's blocks are dense: set model.arch, or remove model.moe");
+    return;
+  }
+  if (moe.experts == 1) {
+    reader.ErrorOnKey("model.moe.experts", "model.moe.experts=1 sends every token to one expert, a dense MLP: use "
+                                           "model.ffn, or at least 2 experts");
+    return;
+  }
+  if (moe.top_k > moe.experts) {
+    reader.ErrorOnKey("model.moe.top_k", "model.moe.top_k=" + std::to_string(moe.top_k) + " is more than "
+                                         "model.moe.experts=" + std::to_string(moe.experts) +
+                                         ": each token goes to top_k different experts");
+  }
+  for (int layer : moe.dense_layers) {
+    if (layer >= m.layers) {
+      reader.ErrorOnKey("model.moe.dense_layers", "model.moe.dense_layers names block " + std::to_string(layer) +
+                                                  " of a model of " + std::to_string(m.layers) +
+                                                  " (model.layers); blocks count from 0");
+      return;
+    }
+  }
+  bool any = false;
+  for (int layer = 0; layer < m.layers && !any; ++layer) any = IsMoeLayer(m, layer);
+  if (!any) {
+    reader.ErrorOnKey("model.moe.experts", "model.moe makes no block an MoE block (model.layers=" +
+                                           std::to_string(m.layers) + ", first_dense=" +
+                                           std::to_string(moe.first_dense) + ", every=" + std::to_string(moe.every) +
+                                           ", dense_layers): lower first_dense or every, or list fewer dense layers");
+  }
+  const auto given = [&](const char* name) { return reader.Value("model.moe", name).IsDefined(); };
+  if (moe.balance != MoeBalance::kAuxLoss && given("aux_loss_coef")) {
+    reader.ErrorOnKey("model.moe.aux_loss_coef", "model.moe.aux_loss_coef weighs the loss of balance: aux_loss, and "
+                                                 "this recipe's balance is " + NameOf(moe.balance) +
+                                                 ": remove it, or set model.moe.balance: aux_loss");
+  }
+  if (moe.balance != MoeBalance::kBias && given("bias_update")) {
+    reader.ErrorOnKey("model.moe.bias_update", "model.moe.bias_update moves the bias of balance: bias, and this "
+                                               "recipe's balance is " + NameOf(moe.balance) +
+                                               ": remove it, or set model.moe.balance: bias");
+  }
+}
+
 bool IsTrainerSection(std::string_view section) {
+  section = section.substr(0, section.find('.'));
   return std::find(std::begin(kTrainerSections), std::end(kTrainerSections), section) != std::end(kTrainerSections);
 }
 
@@ -603,6 +705,7 @@ void CheckAcrossKeys(const Recipe& r, RecipeReader& reader) {
                                          "; choose heads so that d_model/heads is a whole number");
   }
   CheckArchKeys(r.model, reader);
+  CheckMoeKeys(r.model, reader);
   for (const int layer : r.parallel.fp8_bf16_layers) {
     if (layer >= r.model.layers && !reader.Refused({"parallel.fp8_bf16_layers"})) {
       reader.ErrorOnKey("parallel.fp8_bf16_layers", "parallel.fp8_bf16_layers names block " + std::to_string(layer) +
@@ -796,20 +899,29 @@ std::string RecipeToYaml(const Recipe& r) {
   const std::map<std::string, std::string>& defaults = DefaultTexts();
   YAML::Emitter out;
   out << YAML::BeginMap;
-  std::string_view open_section;
+  // The sections open now, outermost first ("model", "moe"); a nested section's keys follow its
+  // parent's in the schema.
+  std::vector<std::string> open;
   VisitRecipeKeys(r, [&](const RecipeKey& key, const auto& field) {
     if (key.omit_at_default && ValueText(field) == defaults.at(key.path())) return;
     if (r.runs_program() && IsTrainerSection(key.section)) return;
     if (key.path() == "data.path" && r.data.path.empty() && !r.data.sources.empty()) return;  // a mixture
-    if (key.section != open_section) {
-      if (!open_section.empty()) out << YAML::EndMap;
-      out << YAML::Key << std::string(key.section) << YAML::Value << YAML::BeginMap;
-      open_section = key.section;
+    std::vector<std::string> want;
+    for (size_t start = 0; start < key.section.size();) {
+      const size_t dot = std::min(key.section.find('.', start), key.section.size());
+      want.emplace_back(key.section.substr(start, dot - start));
+      start = dot + 1;
+    }
+    size_t same = 0;
+    while (same < open.size() && same < want.size() && open[same] == want[same]) ++same;
+    for (; open.size() > same; open.pop_back()) out << YAML::EndMap;
+    for (; open.size() < want.size(); open.push_back(want[open.size()])) {
+      out << YAML::Key << want[open.size()] << YAML::Value << YAML::BeginMap;
     }
     out << YAML::Key << std::string(key.name) << YAML::Value;
     EmitValue(out, field);
   });
-  if (!open_section.empty()) out << YAML::EndMap;
+  for (; !open.empty(); open.pop_back()) out << YAML::EndMap;
   out << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
 }

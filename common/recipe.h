@@ -33,6 +33,8 @@ enum class Device { kCpu, kCuda };
 enum class Fp8ScalingKind { kTensorwise, kRowwise };
 enum class WarmStandby { kAuto, kOff, kGpu };
 enum class Recovery { kRestart, kInPlace };
+enum class MoeScore { kSoftmax, kSigmoid };
+enum class MoeBalance { kAuxLoss, kBias, kNone };
 
 template <typename E>
 struct EnumNames;
@@ -104,6 +106,16 @@ struct EnumNames<Precision> {
        {Precision::kFp8, "fp8"}}};
 };
 template <>
+struct EnumNames<MoeScore> {
+  static constexpr std::array<std::pair<MoeScore, std::string_view>, 2> kNames = {
+      {{MoeScore::kSoftmax, "softmax"}, {MoeScore::kSigmoid, "sigmoid"}}};
+};
+template <>
+struct EnumNames<MoeBalance> {
+  static constexpr std::array<std::pair<MoeBalance, std::string_view>, 3> kNames = {
+      {{MoeBalance::kAuxLoss, "aux_loss"}, {MoeBalance::kBias, "bias"}, {MoeBalance::kNone, "none"}}};
+};
+template <>
 struct EnumNames<Device> {
   static constexpr std::array<std::pair<Device, std::string_view>, 2> kNames = {
       {{Device::kCpu, "cpu"}, {Device::kCuda, "cuda"}}};
@@ -134,6 +146,26 @@ std::string EnumNameList() {
   for (const auto& [e, name] : EnumNames<E>::kNames) out += (out.empty() ? "" : ", ") + std::string(name);
   return out;
 }
+
+// A mixture of experts in place of the MLP of some Llama-block layers (model.moe): a router sends each
+// token to top_k of `experts` SwiGLU experts and weighs their outputs by its gates; shared experts
+// see every token. Every routed row is computed (no capacity, nothing dropped).
+struct MoeSpec {
+  int experts = 0;          // routed experts per MoE block; 0: no MoE blocks
+  int top_k = 2;            // experts per token
+  int shared_experts = 0;   // an ungated SwiGLU of width shared_experts * ffn beside them
+  int ffn = 0;              // each expert's SwiGLU width; 0: model.ffn's
+  int every = 1;            // block l is MoE iff l >= first_dense and (l - first_dense + 1) % every == 0
+  int first_dense = 0;      // the first blocks stay dense
+  std::vector<int> dense_layers;  // and these
+  MoeScore score = MoeScore::kSoftmax;
+  bool norm_topk = true;    // a token's gates divided by their sum
+  double route_scale = 1;   // then multiplied by this
+  MoeBalance balance = MoeBalance::kAuxLoss;
+  double aux_loss_coef = 0.001;
+  double bias_update = 0.001;
+  double z_loss_coef = 0;
+};
 
 struct ModelSpec {
   int layers = 2;
@@ -171,6 +203,7 @@ struct ModelSpec {
   // Start from these parameters instead of drawing them: a directory transformers' save_pretrained
   // or `ltrain export` wrote, or a .safetensors file (transformers' names or ours). A resume wins.
   std::string init_from;
+  MoeSpec moe;
 };
 
 // One dataset of a mixture: its directory and its share of the samples (weights need not sum to 1).
@@ -320,6 +353,11 @@ int KvHeads(const ModelSpec& model);
 int HeadDim(const ModelSpec& model);
 // The MLP's hidden width: 4*d_model for gpt2, model.ffn (or its default) for llama.
 int FfnWidth(const ModelSpec& model);
+// Whether block `layer` (0-based) is a mixture of experts: model.moe.experts above 0, the layer not
+// among the first_dense nor in dense_layers, and (layer - first_dense + 1) a multiple of every.
+bool IsMoeLayer(const ModelSpec& model, int layer);
+// Each routed expert's SwiGLU width: model.moe.ffn, or the MLP's.
+int MoeFfnWidth(const ModelSpec& model);
 
 // The rotary inverse frequencies of a Llama's heads (head_dim / 2 of them, pair i first): theta^(-2i/hd)
 // in fp32 as transformers computes it, then model.rope_scaling's rescaling.

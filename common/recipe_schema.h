@@ -149,6 +149,61 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
                           "config.json gives the model's keys, or a .safetensors file, in any layout",
                   .default_text = "none: drawn as model.init says", .type_text = "path", .omit_at_default = true},
         r.model.init_from);
+  // model.moe: a mixture of experts in some blocks' place of the MLP (Llama-block families).
+  visit(RecipeKey{.section = "model.moe", .name = "experts",
+                  .help = "routed experts in each MoE block; 0: none (a dense model)", .int_min = 0, .int_max = 65536,
+                  .omit_at_default = true},
+        r.model.moe.experts);
+  visit(RecipeKey{.section = "model.moe", .name = "top_k", .help = "experts each token is sent to", .int_min = 1,
+                  .int_max = 256, .omit_at_default = true},
+        r.model.moe.top_k);
+  visit(RecipeKey{.section = "model.moe", .name = "shared_experts",
+                  .help = "experts every token goes through besides its routed ones (one SwiGLU of that many "
+                          "times model.moe.ffn)",
+                  .int_min = 0, .int_max = 64, .omit_at_default = true},
+        r.model.moe.shared_experts);
+  visit(RecipeKey{.section = "model.moe", .name = "ffn", .help = "each expert's SwiGLU width (moe_intermediate_size)",
+                  .int_min = 0, .int_max = 1 << 22, .default_text = "model.ffn's", .omit_at_default = true},
+        r.model.moe.ffn);
+  visit(RecipeKey{.section = "model.moe", .name = "every",
+                  .help = "every that many blocks (after model.moe.first_dense) is an MoE block; 1: all of them",
+                  .int_min = 1, .int_max = 1024, .omit_at_default = true},
+        r.model.moe.every);
+  visit(RecipeKey{.section = "model.moe", .name = "first_dense",
+                  .help = "the first that many blocks stay dense", .int_min = 0, .int_max = 1024,
+                  .omit_at_default = true},
+        r.model.moe.first_dense);
+  visit(RecipeKey{.section = "model.moe", .name = "dense_layers",
+                  .help = "more blocks (0-based) that stay dense, e.g. [0, 1]", .int_min = 0, .int_max = 1023,
+                  .default_text = "none", .omit_at_default = true},
+        r.model.moe.dense_layers);
+  visit(RecipeKey{.section = "model.moe", .name = "score",
+                  .help = "the router's scores: softmax over the experts, or a sigmoid each", .omit_at_default = true},
+        r.model.moe.score);
+  visit(RecipeKey{.section = "model.moe", .name = "norm_topk",
+                  .help = "a token's gates divided by their sum", .omit_at_default = true},
+        r.model.moe.norm_topk);
+  visit(RecipeKey{.section = "model.moe", .name = "route_scale",
+                  .help = "the gates multiplied by this (after norm_topk)", .real_min = 1e-6, .real_max = 100,
+                  .omit_at_default = true},
+        r.model.moe.route_scale);
+  visit(RecipeKey{.section = "model.moe", .name = "balance",
+                  .help = "how the load is kept even: aux_loss (a sequence-wise loss), bias (a bias on the choice, "
+                          "moved after each step toward the even load, no loss), none",
+                  .omit_at_default = true},
+        r.model.moe.balance);
+  visit(RecipeKey{.section = "model.moe", .name = "aux_loss_coef",
+                  .help = "balance aux_loss: the loss's weight (it equals this at an even load)", .real_min = 0,
+                  .real_max = 10, .omit_at_default = true},
+        r.model.moe.aux_loss_coef);
+  visit(RecipeKey{.section = "model.moe", .name = "bias_update",
+                  .help = "balance bias: how far each step moves an expert's bias", .real_min = 0, .real_max = 1,
+                  .omit_at_default = true},
+        r.model.moe.bias_update);
+  visit(RecipeKey{.section = "model.moe", .name = "z_loss_coef",
+                  .help = "the router's z-loss weight (keeps its logits small); 0: none", .real_min = 0,
+                  .real_max = 10, .omit_at_default = true},
+        r.model.moe.z_loss_coef);
 
   visit(RecipeKey{.section = "data", .name = "path",
                   .help = "directory written by `ltrain data prepare` (this or data.sources is required; relative "

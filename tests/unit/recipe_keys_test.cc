@@ -26,7 +26,10 @@ model: {arch: llama, layers: 8, d_model: 96, heads: 6, seq_len: 48, vocab: 300, 
         max_positions: 4096, rope_theta: 10000,
         rope_scaling: llama3, rope_factor: 8, rope_low_freq_factor: 2, rope_high_freq_factor: 8,
         rope_original_positions: 4096, norm_eps: 1.0e-6, tie_embeddings: false, init: per_parameter,
-        init_from: /models/base}
+        init_from: /models/base,
+        moe: {experts: 4, top_k: 1, shared_experts: 1, ffn: 64, every: 2, first_dense: 1, dense_layers: [7],
+              score: sigmoid, norm_topk: false, route_scale: 2.5, balance: bias, bias_update: 0.01,
+              z_loss_coef: 0.001}}
 data: {path: /data/every-key, tokenizer: huggingface, sampling: torch, seed: 4321}
 training: {steps: 77, micro_batch: 2, global_batch: 32, lr: 0.002, min_lr: 0.0002, warmup_steps: 7,
            lr_schedule: constant, weight_decay: 0.05, beta1: 0.8, beta2: 0.9, grad_clip: 0.5, seed: 99, log_every: 3,
@@ -46,8 +49,10 @@ fault: {max_restarts: 4, restart_backoff_s: 2.5, restart_backoff_max_s: 45, hear
 // Keys that cannot differ from their default: their type has a single value today.
 const std::set<std::string> kSingleValued = {};
 
-// Keys that replace another (data.sources replaces data.path): AMixtureReachesTheWorker covers them.
-const std::set<std::string> kAlternatives = {"data.sources"};
+// Keys that replace another (data.sources replaces data.path), or that another key's value excludes
+// (model.moe.aux_loss_coef weighs balance aux_loss's loss, and kEveryKey balances by bias):
+// AMixtureReachesTheWorker and TheAuxLossCoefficientReachesTheWorker cover them.
+const std::set<std::string> kAlternatives = {"data.sources", "model.moe.aux_loss_coef"};
 
 // A recipe with entrypoint.command has no model, data or training: ProgramRecipeReachesTheAgent
 // covers these keys.
@@ -125,6 +130,22 @@ TEST(RecipeKeysTest, AMixtureReachesTheWorker) {
   ASSERT_TRUE(received.ok()) << received.ErrorText() << command->start().recipe_yaml();
   EXPECT_EQ(received.recipe.data.sources, user.recipe.data.sources) << command->start().recipe_yaml();
   EXPECT_EQ(DataSources(received.recipe)[1].weight, 0.3);
+}
+
+// model.moe.aux_loss_coef, which kEveryKey's balance (bias) excludes, reaches the worker under
+// balance aux_loss.
+TEST(RecipeKeysTest, TheAuxLossCoefficientReachesTheWorker) {
+  SetLogLevel(LogLevel::kWarning);
+  RecipeParseResult user = ParseRecipe("name: moe\nmodel: {arch: llama, moe: {experts: 4, aux_loss_coef: 0.02}}\n"
+                                       "data: {path: /data/moe}\n",
+                                       "moe.yaml");
+  ASSERT_TRUE(user.ok()) << user.ErrorText();
+  std::optional<v1::Command> command = StartCommandOf(user.recipe, "moe.yaml");
+  ASSERT_TRUE(command && command->has_start());
+  RecipeParseResult received = ParseRecipe(command->start().recipe_yaml(), "received.yaml");
+  ASSERT_TRUE(received.ok()) << received.ErrorText() << command->start().recipe_yaml();
+  EXPECT_EQ(received.recipe.model.moe.aux_loss_coef, 0.02) << command->start().recipe_yaml();
+  EXPECT_EQ(received.recipe.model.moe.experts, 4);
 }
 
 // `ltrain run`'s recipe: the entrypoint keys with other values than their defaults reach the agent

@@ -506,6 +506,68 @@ TEST(RecipeTest, Fp8ScalingIsTensorwiseOrRowwiseUnderFp8) {
   EXPECT_NE(unknown.ErrorText().find("tensorwise"), std::string::npos) << unknown.ErrorText();
 }
 
+// model.moe is a section within model: read, written back nested (and not at all at its defaults),
+// set by --set, its unknown keys and its values' errors located in it.
+TEST(RecipeTest, MoeKeysNestUnderModelAndRoundTrip) {
+  const std::string base = "name: tiny\nmodel:\n  arch: llama\n  layers: 4\n  d_model: 64\n  heads: 4\n"
+                           "  seq_len: 32\n  vocab: 256\n";
+  const std::string tail = "data: {path: /tmp/data}\ntraining: {steps: 20, micro_batch: 4, global_batch: 4}\n";
+  RecipeParseResult moe =
+      ParseRecipe(base + "  moe: {experts: 8, top_k: 2, every: 2, score: sigmoid}\n" + tail, "moe.yaml", {"model.moe.ffn=96"});
+  ASSERT_TRUE(moe.ok()) << moe.ErrorText();
+  EXPECT_EQ(moe.recipe.model.moe.experts, 8);
+  EXPECT_EQ(moe.recipe.model.moe.score, MoeScore::kSigmoid);
+  EXPECT_EQ(moe.recipe.model.moe.ffn, 96);
+  EXPECT_FALSE(IsMoeLayer(moe.recipe.model, 0));
+  EXPECT_TRUE(IsMoeLayer(moe.recipe.model, 1));
+  EXPECT_TRUE(IsMoeLayer(moe.recipe.model, 3));
+  const std::string yaml = RecipeToYaml(moe.recipe);
+  EXPECT_NE(yaml.find("  moe:\n    experts: 8"), std::string::npos) << yaml;
+  RecipeParseResult again = ParseRecipe(yaml, "resolved.yaml");
+  ASSERT_TRUE(again.ok()) << again.ErrorText() << yaml;
+  EXPECT_EQ(RecipeToYaml(again.recipe), yaml);
+  // A dense model writes no moe section at all.
+  EXPECT_EQ(RecipeToYaml(ParseRecipe(base + tail, "dense.yaml").recipe).find("moe"), std::string::npos);
+
+  RecipeParseResult typo = ParseRecipe(base + "  moe:\n    experts: 8\n    topk: 2\n" + tail, "typo.yaml");
+  ASSERT_FALSE(typo.ok());
+  EXPECT_NE(typo.ErrorText().find("typo.yaml:11:5:"), std::string::npos) << typo.ErrorText();
+  EXPECT_NE(typo.ErrorText().find("did you mean 'model.moe.top_k'?"), std::string::npos) << typo.ErrorText();
+  RecipeParseResult scalar = ParseRecipe(base + "  moe: 8\n" + tail, "scalar.yaml");
+  ASSERT_FALSE(scalar.ok());
+  EXPECT_NE(scalar.ErrorText().find("'model.moe' must be a mapping"), std::string::npos) << scalar.ErrorText();
+  RecipeParseResult range = ParseRecipe(base + "  moe:\n    experts: 8\n    top_k: 0\n" + tail, "range.yaml");
+  ASSERT_FALSE(range.ok());
+  EXPECT_NE(range.ErrorText().find("range.yaml:11:12:"), std::string::npos) << range.ErrorText();
+}
+
+// The rules between model.moe's keys, each naming its key and the fix.
+TEST(RecipeTest, MoeRulesNameTheirKeyAndTheFix) {
+  const std::string base = "name: tiny\nmodel:\n  arch: llama\n  layers: 4\n  d_model: 64\n  heads: 4\n"
+                           "  seq_len: 32\n  vocab: 256\n";
+  const std::string tail = "data: {path: /tmp/data}\ntraining: {steps: 20, micro_batch: 4, global_batch: 4}\n";
+  const auto error = [&](const std::string& moe, const std::string& arch = "") {
+    std::string model = base + moe + tail;
+    if (!arch.empty()) model.replace(model.find("arch: llama"), 11, "arch: " + arch);
+    RecipeParseResult r = ParseRecipe(model, "moe.yaml");
+    return r.ok() ? std::string("accepted") : r.ErrorText();
+  };
+  EXPECT_NE(error("  moe: {top_k: 2}\n").find("model.moe.top_k is a key of a mixture of experts: set model.moe.experts"),
+            std::string::npos);
+  EXPECT_NE(error("  moe: {experts: 4}\n", "gpt2").find("model.moe needs a Llama-block family"), std::string::npos);
+  EXPECT_NE(error("  moe: {experts: 1}\n").find("a dense MLP"), std::string::npos);
+  EXPECT_NE(error("  moe: {experts: 4, top_k: 5}\n").find("model.moe.top_k=5 is more than model.moe.experts=4"),
+            std::string::npos);
+  EXPECT_NE(error("  moe: {experts: 4, first_dense: 4}\n").find("makes no block an MoE block"), std::string::npos);
+  EXPECT_NE(error("  moe: {experts: 4, dense_layers: [7]}\n").find("names block 7 of a model of 4"), std::string::npos);
+  EXPECT_NE(error("  moe: {experts: 4, balance: bias, aux_loss_coef: 0.01}\n")
+                .find("model.moe.aux_loss_coef weighs the loss of balance: aux_loss"),
+            std::string::npos);
+  EXPECT_NE(error("  moe: {experts: 4, bias_update: 0.01}\n").find("this recipe's balance is aux_loss"),
+            std::string::npos);
+  EXPECT_EQ(error("  moe: {experts: 4, balance: bias, bias_update: 0.01, dense_layers: [0]}\n"), "accepted");
+}
+
 // What a resume compares: the keys that shape the parameters, with kv_heads and ffn resolved.
 TEST(RecipeTest, ModelShapeDifferencesNameTheKeysThatShapeTheParameters) {
   ModelSpec saved;
