@@ -2,9 +2,11 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <optional>
 
 #include <yaml-cpp/yaml.h>
 
@@ -62,6 +64,30 @@ StatusOr<std::map<std::string, CheckpointFile>> ParseFiles(const YAML::Node& nod
   return files;
 }
 
+// Floats as the hex of their bits (8 digits each, most significant first), and back.
+std::string FloatsHex(const std::vector<float>& values) {
+  std::string out;
+  char digits[9];
+  for (float v : values) {
+    uint32_t bits = 0;
+    std::memcpy(&bits, &v, sizeof(bits));
+    std::snprintf(digits, sizeof(digits), "%08x", bits);
+    out += digits;
+  }
+  return out;
+}
+std::optional<std::vector<float>> FloatsOfHex(const std::string& hex) {
+  if (hex.size() % 8 != 0 || hex.find_first_not_of("0123456789abcdef") != std::string::npos) return std::nullopt;
+  std::vector<float> out;
+  for (size_t i = 0; i < hex.size(); i += 8) {
+    const uint32_t bits = static_cast<uint32_t>(std::stoul(hex.substr(i, 8), nullptr, 16));
+    float v = 0;
+    std::memcpy(&v, &bits, sizeof(v));
+    out.push_back(v);
+  }
+  return out;
+}
+
 }  // namespace
 
 std::string CheckpointMetaYaml(const CheckpointMeta& meta, const std::string& recipe_yaml) {
@@ -82,6 +108,11 @@ std::string CheckpointMetaYaml(const CheckpointMeta& meta, const std::string& re
       << YAML::Key << "zero" << YAML::Value << meta.zero << YAML::Key << "chunks" << YAML::Value << meta.chunks
       << YAML::EndMap;
   out << YAML::Key << "rng_state" << YAML::Value << meta.rng_state;
+  if (!meta.router_bias.empty()) {
+    out << YAML::Key << "router_bias" << YAML::Value << YAML::BeginMap;
+    for (const auto& [layer, bias] : meta.router_bias) out << YAML::Key << layer << YAML::Value << FloatsHex(bias);
+    out << YAML::EndMap;
+  }
   out << YAML::Key << "files" << YAML::Value;
   EmitFiles(out, meta.files);
   if (!recipe_yaml.empty()) out << YAML::Key << "recipe" << YAML::Value << YAML::Load(recipe_yaml);
@@ -151,6 +182,14 @@ StatusOr<CheckpointMeta> ReadCheckpointMeta(const std::string& step_dir) {
       }
     }
     if (root["data_sampling"]) meta.data_sampling = root["data_sampling"].as<std::string>();
+    if (const YAML::Node bias = root["router_bias"]; bias && bias.IsMap()) {
+      for (const auto& item : bias) {
+        std::optional<std::vector<float>> floats = FloatsOfHex(item.second.as<std::string>());
+        if (!floats) return DataLoss(std::string(kCheckpointMetaFile) + ": router_bias of block " +
+                                     item.first.as<std::string>() + " is not hex of floats");
+        meta.router_bias[item.first.as<int>()] = std::move(*floats);
+      }
+    }
     LTRAIN_ASSIGN_OR_RETURN(meta.files, ParseFiles(root["files"], kCheckpointMetaFile));
     if (meta.files.empty()) return DataLoss(std::string(kCheckpointMetaFile) + " lists no files");
   } catch (const std::exception& e) {

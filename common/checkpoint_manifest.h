@@ -46,6 +46,9 @@ struct CheckpointMeta {
   // recipe names none).
   std::string data_sampling;
   int64_t data_seed = -1;
+  // model.moe.balance bias: each MoE block's router bias, by block (meta.yaml: the floats' bits in hex,
+  // so that they come back exact); empty otherwise.
+  std::map<int, std::vector<float>> router_bias;
   std::map<std::string, CheckpointFile> files;
 };
 

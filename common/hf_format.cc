@@ -29,7 +29,9 @@ std::string ShapeText(const std::vector<int64_t>& s) {
 
 std::vector<HfName> HfNames(const ModelSpec& m) {
   std::vector<HfName> out;
-  for (const ModelParameter& p : ModelParameters(m)) out.push_back(HfName{p.name, p.hf_name, p.hf_transposed});
+  for (const ModelParameter& p : ModelParameters(m)) {
+    out.push_back(HfName{p.name, p.hf_name, p.hf_transposed, p.hf_experts});
+  }
   return out;
 }
 
@@ -152,6 +154,26 @@ Status CheckHfTensors(const std::string& path, const ModelSpec& model) {
   std::vector<std::string> missing, shapes, dtypes, extra;
   std::set<std::string> used;
   for (const ModelParameter& p : ModelParameters(model)) {
+    if (p.hf_experts > 0 && !tensor_files.count(p.name)) {
+      // A stack of experts, one tensor an expert in transformers' names.
+      const std::vector<int64_t> expert_shape(p.shape.begin() + 1, p.shape.end());
+      for (int64_t e = 0; e < p.hf_experts; ++e) {
+        const std::string name = HfExpertName(p, e);
+        if (!tensor_files.count(name)) {
+          missing.push_back(name + " is missing");
+          continue;
+        }
+        used.insert(name);
+        LTRAIN_ASSIGN_OR_RETURN(const SafetensorsEntry* x, entry(name));
+        if (x->shape != expert_shape) {
+          shapes.push_back(name + " is " + ShapeText(x->shape) + ", the model needs " + ShapeText(expert_shape));
+        }
+        if (x->dtype != "F32" && x->dtype != "BF16" && x->dtype != "F16") {
+          dtypes.push_back(name + " is " + x->dtype + " (F32, BF16 and F16 are read)");
+        }
+      }
+      continue;
+    }
     const bool hf = tensor_files.count(p.hf_name) > 0;
     if (!hf && !tensor_files.count(p.name)) {
       missing.push_back(p.hf_name + " is missing");

@@ -17,6 +17,9 @@ struct HfName {
   std::string ours;        // "layers.3.wq.weight"
   std::string hf;          // "model.layers.3.self_attn.q_proj.weight"
   bool transposed = false; // GPT-2's Conv1D stores [in, out]: ours transposed
+  // Above 0: ours stacks this many experts' tensors along a first dimension, transformers keeps one
+  // tensor an expert, `hf` with "{e}" for the expert's index (HfExpertName).
+  int64_t experts = 0;
 };
 
 // Every parameter of the model, in our order, with its transformers name (ModelParameters': the

@@ -25,6 +25,11 @@ std::vector<LayoutProblem> CheckLayout(const Recipe& recipe, int world_size) {
     return problems;  // the rules below need the data-parallel degree
   }
   const int dp = world_size / (p.tp * p.pp);
+  if (p.tp > 1 && m.moe.experts > 0) {
+    problem("parallel.tp", "parallel.tp=" + S(p.tp) + " with model.moe: the experts are not split over "
+                           "tensor-parallel ranks yet; set parallel.tp: 1 (data, pipeline and ZeRO layouts train MoE "
+                           "models)");
+  }
   if (p.tp > 1) {
     if (m.heads % p.tp != 0) problem("parallel.tp", "parallel.tp=" + S(p.tp) + " does not divide model.heads=" + S(m.heads));
     if (FfnWidth(m) % p.tp != 0) {
@@ -154,6 +159,9 @@ std::string InPlaceRecoveryProblem(const Recipe& recipe, int world_size) {
   }
   if (layout->dp < 2) return "with one data-parallel rank no peer holds a copy of a rank's part of the state";
   if (layout->pp > 1) return "pipeline stages (parallel.pp above 1) are not re-formed in place yet";
+  if (recipe.model.moe.experts > 0 && recipe.model.moe.balance == MoeBalance::kBias) {
+    return "the router biases of model.moe.balance: bias are not re-formed in place yet";
+  }
   return "";
 }
 

@@ -47,9 +47,19 @@ std::vector<ParamShape> ModelShapes(const ModelSpec& m, int tp) {
       // qwen2's biases and qwen3's per-head norms
       for (const auto& [n, s] : std::vector<std::pair<int64_t, Split>>{
                {d, Split::kWhole}, {q_dim * d, Split::kRows}, {kv_dim * d, kv_split}, {kv_dim * d, kv_split},
-               {d * q_dim, Split::kCols}, {d, Split::kWhole}, {f * d, Split::kRows}, {f * d, Split::kRows},
-               {d * f, Split::kCols}}) {
+               {d * q_dim, Split::kCols}, {d, Split::kWhole}}) {
         out.push_back({n, s, l, false, false});
+      }
+      if (IsMoeLayer(m, l)) {
+        // The router, the stacked experts' w1, w3 and w2, the shared experts' (common/model_family.h).
+        const int64_t experts = m.moe.experts, fe = MoeFfnWidth(m), fs = int64_t{m.moe.shared_experts} * fe;
+        out.push_back({experts * d, Split::kWhole, l, false, false});
+        for (int i = 0; i < 3; ++i) out.push_back({experts * fe * d, Split::kWhole, l, false, false});
+        if (fs > 0) {
+          for (Split s : {Split::kRows, Split::kRows, Split::kCols}) out.push_back({fs * d, s, l, false, false});
+        }
+      } else {
+        for (Split s : {Split::kRows, Split::kRows, Split::kCols}) out.push_back({f * d, s, l, false, false});
       }
       if (m.arch == Arch::kQwen2) {
         out.push_back({q_dim, Split::kRows, l, false, false});
@@ -238,6 +248,23 @@ int64_t CudaLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointi
   return stream * a + elems * a + 4 * (4 * b * Ts + b * (s.h / t) * T);
 }
 
+// An MoE block's router and experts (worker/model/moe_block.cc) against the dense MLP they replace,
+// per micro-batch at even routing (a dropless block's peak moves with the imbalance): bytes to add
+// to CpuLayerBytes' or CudaLayerBytes' (negative where the experts keep less than the MLP). Kept:
+// the router's scores (and its logits under the z-loss), the gates, the tokens' rows in expert order
+// (T*k of them), each expert's w1 and w3 outputs, its activation and their product, the rows'
+// outputs in token order (fp32), the orders' indices; the shared experts as an MLP of their width.
+int64_t MoeLayerExtraBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointing ac, int a, bool cpu) {
+  if (ac == ActivationCheckpointing::kFull) return 0;
+  const int64_t N = s.b * s.T, k = m.moe.top_k, R = N * k, E = m.moe.experts, fe = MoeFfnWidth(m);
+  const int64_t fs = int64_t{m.moe.shared_experts} * fe;
+  const int64_t fp32 = N * E * (m.moe.z_loss_coef > 0 ? 2 : 1) + 2 * N * k + R * s.d;
+  const int64_t in_a = R * s.d + 4 * R * fe + 4 * N * fs;
+  const int64_t ids = 3 * R + N * k;
+  const int64_t dense = cpu ? 4 * N * s.f / s.tp * 4 : (ac == ActivationCheckpointing::kSelective ? 2 : 3) * N * s.f / s.tp * a;
+  return fp32 * 4 + in_a * (cpu ? 4 : a) + ids * 8 - dense;
+}
+
 // The first stage's embedding output and, on the CPU under tensor parallelism, the ids and mask the
 // vocabulary-parallel lookup keeps.
 int64_t EmbedBytes(const Shape& s, int a, bool cpu) {
@@ -293,6 +320,8 @@ int64_t CpuLayerOverhead(const ModelSpec& m, ActivationCheckpointing ac) {
   if (ac == ActivationCheckpointing::kFull) return 8 * 1024;
   return m.arch == Arch::kGpt2 ? 40 * 1024 : 76 * 1024;
 }
+// An MoE block's routing and its experts' products add nodes of their own: per expert.
+constexpr int64_t kCpuOverheadPerExpert = 16 * 1024;
 
 // ---- The estimate ----------------------------------------------------------------------------------
 
@@ -320,7 +349,10 @@ int64_t BlockMatrixParameters(const ModelSpec& m) {
   const int64_t d = m.d_model, f = FfnWidth(m);
   if (m.arch == Arch::kGpt2) return m.layers * (4 * d * d + 2 * f * d);
   const int64_t hd = HeadDim(m), q = hd * m.heads, kv = hd * KvHeads(m);
-  return m.layers * (2 * q * d + 2 * kv * d + 3 * f * d);
+  // An MoE block's experts run LibTorch's bf16 products: only its attention's count.
+  int64_t dense = 0;
+  for (int l = 0; l < m.layers; ++l) dense += IsMoeLayer(m, l) ? 0 : 1;
+  return m.layers * (2 * q * d + 2 * kv * d) + dense * 3 * f * d;
 }
 
 // CPU ranks (Gloo over TCP): a rank's arithmetic rate on a core of its own (higher for wider
@@ -348,7 +380,8 @@ int CpuThreadsPerRank(int ranks_on_node) {
 }
 
 double ModelFlopsPerToken(const ModelSpec& model) {
-  return 6.0 * static_cast<double>(ApproxParameterCount(model)) +
+  // A mixture of experts: the parameters a token runs through.
+  return 6.0 * static_cast<double>(ActiveParameterCount(model)) +
          12.0 * model.layers * model.d_model * model.seq_len;
 }
 
@@ -453,9 +486,19 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double
         const int vs = VirtualStage(layout.pp, r, c);
         const int64_t per_layer =
             cpu ? CpuLayerBytes(m, s, ac) + CpuLayerOverhead(m, ac) : CudaLayerBytes(m, s, ac, a, sb, fp8);
-        layer_none = cpu ? CpuLayerBytes(m, s, ActivationCheckpointing::kNone)
-                         : CudaLayerBytes(m, s, ActivationCheckpointing::kNone, a, sb, fp8);
+        const int64_t dense_none = cpu ? CpuLayerBytes(m, s, ActivationCheckpointing::kNone)
+                                       : CudaLayerBytes(m, s, ActivationCheckpointing::kNone, a, sb, fp8);
+        layer_none = std::max(layer_none, dense_none);
         int64_t bytes = per_layer * layout.stage_layers[vs];
+        // The stage's MoE blocks keep their routing and experts' tensors instead of an MLP's.
+        int first_layer = 0;
+        for (int v = 0; v < vs; ++v) first_layer += layout.stage_layers[v];
+        for (int l = first_layer; l < first_layer + layout.stage_layers[vs]; ++l) {
+          if (!IsMoeLayer(m, l)) continue;
+          bytes += MoeLayerExtraBytes(m, s, ac, a, cpu) +
+                   (cpu && ac != ActivationCheckpointing::kFull ? kCpuOverheadPerExpert * m.moe.experts : 0);
+          layer_none = std::max(layer_none, dense_none + MoeLayerExtraBytes(m, s, ActivationCheckpointing::kNone, a, cpu));
+        }
         if (autocast) bytes += int64_t{4} * s.b * s.T * s.d * layout.stage_layers[vs];
         bytes += vs == 0 ? EmbedBytes(s, sb, cpu) + (cpu && s.tp == 1 ? 8 * s.b * s.T : 0) : send;
         if (vs == stages - 1) bytes += HeadBytes(m, s, a, cpu) + (cpu && s.tp == 1 ? 8 * s.b * s.T : 0);

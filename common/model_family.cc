@@ -22,9 +22,11 @@ struct BlockParam {
   const char* ours;
   const char* hf;
   std::vector<int64_t> shape;
+  int64_t hf_experts = 0;  // ModelParameter's
 };
 
-std::vector<BlockParam> LlamaBlockParams(const ModelSpec& m) {
+// Block `layer`'s (its MLP or its experts).
+std::vector<BlockParam> LlamaBlockParams(const ModelSpec& m, int layer) {
   const ModelFamily& f = FamilyOf(m.arch);
   const int64_t d = m.d_model, ffn = FfnWidth(m), hd = HeadDim(m);
   const int64_t q = hd * m.heads, kv = hd * KvHeads(m);
@@ -41,9 +43,34 @@ std::vector<BlockParam> LlamaBlockParams(const ModelSpec& m) {
   }
   out.push_back({"wo.weight", "self_attn.o_proj.weight", {d, q}});
   out.push_back({"ffn_norm.weight", "post_attention_layernorm.weight", {d}});
-  out.push_back({"w1.weight", "mlp.gate_proj.weight", {ffn, d}});
-  out.push_back({"w3.weight", "mlp.up_proj.weight", {ffn, d}});
-  out.push_back({"w2.weight", "mlp.down_proj.weight", {d, ffn}});
+  if (!IsMoeLayer(m, layer)) {
+    out.push_back({"w1.weight", "mlp.gate_proj.weight", {ffn, d}});
+    out.push_back({"w3.weight", "mlp.up_proj.weight", {ffn, d}});
+    out.push_back({"w2.weight", "mlp.down_proj.weight", {d, ffn}});
+    return out;
+  }
+  // A mixture of experts: the router, each routed expert's SwiGLU stacked along a first dimension of
+  // `experts` (transformers keeps one tensor an expert: {e} in its name), the shared experts' SwiGLU.
+  // Qwen3-MoE's names for the Qwen families, Mixtral's for the Llama and Mistral ones; the shared
+  // experts' as DeepSeek-V3 names them (neither has any).
+  const int64_t experts = m.moe.experts, fe = MoeFfnWidth(m), fs = int64_t{m.moe.shared_experts} * fe;
+  const bool qwen = m.arch == Arch::kQwen2 || m.arch == Arch::kQwen3;
+  if (qwen) {
+    out.push_back({"router.weight", "mlp.gate.weight", {experts, d}});
+    out.push_back({"experts.w1.weight", "mlp.experts.{e}.gate_proj.weight", {experts, fe, d}, experts});
+    out.push_back({"experts.w3.weight", "mlp.experts.{e}.up_proj.weight", {experts, fe, d}, experts});
+    out.push_back({"experts.w2.weight", "mlp.experts.{e}.down_proj.weight", {experts, d, fe}, experts});
+  } else {
+    out.push_back({"router.weight", "block_sparse_moe.gate.weight", {experts, d}});
+    out.push_back({"experts.w1.weight", "block_sparse_moe.experts.{e}.w1.weight", {experts, fe, d}, experts});
+    out.push_back({"experts.w3.weight", "block_sparse_moe.experts.{e}.w3.weight", {experts, fe, d}, experts});
+    out.push_back({"experts.w2.weight", "block_sparse_moe.experts.{e}.w2.weight", {experts, d, fe}, experts});
+  }
+  if (fs > 0) {
+    out.push_back({"shared.w1.weight", "mlp.shared_experts.gate_proj.weight", {fs, d}});
+    out.push_back({"shared.w3.weight", "mlp.shared_experts.up_proj.weight", {fs, d}});
+    out.push_back({"shared.w2.weight", "mlp.shared_experts.down_proj.weight", {d, fs}});
+  }
   return out;
 }
 
@@ -84,10 +111,11 @@ std::vector<ModelParameter> ModelParameters(const ModelSpec& m) {
   const int64_t d = m.d_model;
   if (FamilyOf(m.arch).llama_block) {
     out.push_back({"tok_embeddings.weight", {m.vocab, d}, "model.embed_tokens.weight"});
-    const std::vector<BlockParam> block = LlamaBlockParams(m);
     for (int l = 0; l < m.layers; ++l) {
       const std::string ours = "layers." + std::to_string(l) + ".", hf = "model.layers." + std::to_string(l) + ".";
-      for (const BlockParam& p : block) out.push_back({ours + p.ours, p.shape, hf + p.hf});
+      for (const BlockParam& p : LlamaBlockParams(m, l)) {
+        out.push_back({ours + p.ours, p.shape, hf + p.hf, false, p.hf_experts});
+      }
     }
     out.push_back({"norm.weight", {d}, "model.norm.weight"});
     if (!m.tie_embeddings) out.push_back({"output.weight", {m.vocab, d}, "lm_head.weight"});
@@ -124,12 +152,18 @@ int64_t ModelParameterCount(const ModelSpec& m) {
   return n;
 }
 
-std::vector<std::string> BlockParameterNames(const ModelSpec& m) {
+std::vector<std::string> BlockParameterNames(const ModelSpec& m, int layer) {
   std::vector<std::string> out;
-  for (const BlockParam& p : FamilyOf(m.arch).llama_block ? LlamaBlockParams(m) : GptBlockParams(m)) {
+  for (const BlockParam& p : FamilyOf(m.arch).llama_block ? LlamaBlockParams(m, layer) : GptBlockParams(m)) {
     out.emplace_back(p.ours);
   }
   return out;
+}
+
+std::string HfExpertName(const ModelParameter& p, int64_t expert) {
+  const size_t at = p.hf_name.find("{e}");
+  if (p.hf_experts <= 0 || at == std::string::npos) throw std::logic_error("HfExpertName: " + p.name + " is not stacked");
+  return p.hf_name.substr(0, at) + std::to_string(expert) + p.hf_name.substr(at + 3);
 }
 
 int LayerOf(const std::string& name) {
@@ -191,7 +225,35 @@ std::string ModelShapeDifferences(const ModelSpec& saved, const ModelSpec& curre
   if (saved.arch == Arch::kGpt2 && current.arch == Arch::kGpt2) {
     compare("seq_len", number(saved.seq_len), number(current.seq_len));
   }
+  compare("moe.experts", number(saved.moe.experts), number(current.moe.experts));
+  if (saved.moe.experts > 0 && current.moe.experts > 0) {
+    compare("moe.ffn", number(MoeFfnWidth(saved)), number(MoeFfnWidth(current)));
+    compare("moe.shared_experts", number(saved.moe.shared_experts), number(current.moe.shared_experts));
+    // Which blocks are MoE blocks: the pattern's keys, said as the blocks it gives.
+    auto pattern = [](const ModelSpec& m) {
+      std::string blocks;
+      for (int l = 0; l < m.layers; ++l) {
+        if (IsMoeLayer(m, l)) blocks += (blocks.empty() ? "" : ",") + std::to_string(l);
+      }
+      return "[" + blocks + "]";
+    };
+    if (saved.layers == current.layers) compare("moe blocks", pattern(saved), pattern(current));
+  }
   return differences;
+}
+
+int64_t MlpParameters(const ModelSpec& m, int layer, bool active) {
+  const int64_t d = m.d_model;
+  if (!IsMoeLayer(m, layer)) return 3 * int64_t{FfnWidth(m)} * d;
+  // The router, the routed experts (all, or the top_k a token runs through), the shared experts.
+  const int64_t routed = active ? m.moe.top_k : m.moe.experts;
+  return m.moe.experts * d + 3 * (routed + m.moe.shared_experts) * int64_t{MoeFfnWidth(m)} * d;
+}
+
+int64_t ActiveParameterCount(const ModelSpec& m) {
+  int64_t inactive = 0;
+  for (int l = 0; l < m.layers; ++l) inactive += MlpParameters(m, l, false) - MlpParameters(m, l, true);
+  return ApproxParameterCount(m) - inactive;
 }
 
 int64_t ApproxParameterCount(const ModelSpec& m) {
@@ -201,10 +263,12 @@ int64_t ApproxParameterCount(const ModelSpec& m) {
     const int64_t hd = HeadDim(m), q = hd * m.heads, kv = hd * KvHeads(m);
     // Per block: two RMSNorms, wq and wo (q x d), wk and wv (kv x d), w1, w3 and w2 (f x d); qwen2's
     // q, k and v biases, qwen3's per-head norms of q and k.
-    int64_t block = 2 * d + 2 * q * d + 2 * kv * d + 3 * f * d;
+    int64_t block = 2 * d + 2 * q * d + 2 * kv * d;
     if (m.arch == Arch::kQwen2) block += q + 2 * kv;
     if (m.arch == Arch::kQwen3) block += 2 * hd;
-    return m.vocab * d * (m.tie_embeddings ? 1 : 2) + m.layers * block + d;
+    int64_t mlps = 0;
+    for (int l = 0; l < m.layers; ++l) mlps += MlpParameters(m, l, /*active=*/false);
+    return m.vocab * d * (m.tie_embeddings ? 1 : 2) + m.layers * block + mlps + d;
   }
   // Per block: two layer norms (4d), attention (qkv 3d^2+3d, projection d^2+d), MLP (2fd+f+d).
   const int64_t block = 4 * d + 4 * d * d + 4 * d + 2 * f * d + f + d;

@@ -44,6 +44,9 @@ struct ModelParameter {
   std::vector<int64_t> shape;
   std::string hf_name;         // transformers': "model.layers.3.self_attn.q_proj.weight"
   bool hf_transposed = false;  // GPT-2's Conv1D stores [in, out]: ours transposed
+  // Above 0: a mixture of experts' stacked tensor, ours [experts, ...], transformers' one tensor an
+  // expert, hf_name's "{e}" standing for the expert's index.
+  int64_t hf_experts = 0;
 };
 
 // Every parameter of the full model in the worker's order (the Python models' registration order
@@ -53,8 +56,11 @@ std::vector<ModelParameter> ModelParameters(const ModelSpec& model);
 // The same as {name, shape} pairs.
 std::vector<std::pair<std::string, std::vector<int64_t>>> ModelParameterShapes(const ModelSpec& model);
 int64_t ModelParameterCount(const ModelSpec& model);
-// The names of one block's parameters below "layers.N." (or "blocks.N."), in order.
-std::vector<std::string> BlockParameterNames(const ModelSpec& model);
+// The names of block `layer`'s parameters below "layers.N." (or "blocks.N."), in order: an MoE block
+// (IsMoeLayer) has a router and experts where the others have an MLP.
+std::vector<std::string> BlockParameterNames(const ModelSpec& model, int layer);
+// transformers' name of expert `expert`'s tensor of a stacked parameter (hf_experts > 0).
+std::string HfExpertName(const ModelParameter& parameter, int64_t expert);
 // The block of a parameter's name ("blocks.3.qkv.weight", "layers.3.wq.weight": 3); -1 for others.
 int LayerOf(const std::string& name);
 

@@ -358,6 +358,12 @@ int FfnWidth(const ModelSpec& model);
 bool IsMoeLayer(const ModelSpec& model, int layer);
 // Each routed expert's SwiGLU width: model.moe.ffn, or the MLP's.
 int MoeFfnWidth(const ModelSpec& model);
+// The parameters of block `layer`'s MLP, or of its router and experts: all of them, or (`active`) those
+// one token runs through (top_k routed experts and the shared ones).
+int64_t MlpParameters(const ModelSpec& model, int layer, bool active);
+// ApproxParameterCount less the routed experts a token does not run through: what a token's FLOPs
+// follow. ApproxParameterCount itself for a dense model.
+int64_t ActiveParameterCount(const ModelSpec& model);
 
 // The rotary inverse frequencies of a Llama's heads (head_dim / 2 of them, pair i first): theta^(-2i/hd)
 // in fp32 as transformers computes it, then model.rope_scaling's rescaling.

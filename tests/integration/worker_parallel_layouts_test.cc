@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <map>
 #include <sstream>
 #include <string>
@@ -21,6 +22,7 @@
 
 #include "common/layout.h"
 #include "common/layout_plan.h"
+#include "common/data/token_data.h"
 #include "common/recipe.h"
 #include "tests/support/synthetic_tokens.h"
 
@@ -239,6 +241,104 @@ class Qwen3LayoutsTest : public ParallelLayoutsTest {
             1 + 4 * 11 + 2);
   }
 };
+
+// A mixture of experts (Qwen3's block, model.moe): 4 experts, 2 a token, of width 48, in blocks 1-3
+// (block 0 dense), balanced by the sequence-wise loss. 1 + 11 + 3*12 + 2 parameter tensors.
+class MoeLayoutsTest : public ParallelLayoutsTest {
+ protected:
+  static void SetUpTestSuite() {
+    Prepare("moe_layouts",
+            "{arch: qwen3, layers: 4, d_model: 64, heads: 4, kv_heads: 2, head_dim: 32, ffn: 96, seq_len: 32, "
+            "vocab: 256, rope_theta: 10000, tie_embeddings: false, "
+            "moe: {experts: 4, top_k: 2, ffn: 48, first_dense: 1, z_loss_coef: 0.001}}",
+            1 + 11 + 3 * 12 + 2);
+  }
+};
+
+// The MoE layouts without tensor parallelism (which MoE blocks do not take yet): data parallel and
+// ZeRO, pipelines, full recomputation (whose recomputed blocks count their routes once), micro-batches
+// of one sequence (Dp8Zero3, 4 accumulated), and the router bias (DeepSeek-V3's balance, from counts
+// summed over the data-parallel ranks), against the one-process run with the same balance.
+TEST_F(MoeLayoutsTest, Dp2) { ExpectMatchesReference("dp2", 2, ""); }
+TEST_F(MoeLayoutsTest, Dp2Zero1) { ExpectMatchesReference("dp2_zero1", 2, "--set parallel.zero=1"); }
+TEST_F(MoeLayoutsTest, Dp2Zero3) { ExpectMatchesReference("dp2_zero3", 2, "--set parallel.zero=3"); }
+TEST_F(MoeLayoutsTest, Pp2OneFOneB) { ExpectMatchesReference("pp2_1f1b", 2, "--set parallel.pp=2"); }
+TEST_F(MoeLayoutsTest, Pp2Interleaved) {
+  ExpectMatchesReference("pp2_interleaved", 2,
+                         "--set parallel.pp=2 --set parallel.pp_schedule=interleaved --set parallel.virtual_stages=2");
+}
+TEST_F(MoeLayoutsTest, Dp2Pp2Zero1) {
+  ExpectMatchesReference("dp2_pp2_zero1", 4, "--set parallel.pp=2 --set parallel.zero=1");
+}
+TEST_F(MoeLayoutsTest, Dp8Zero3) {
+  ExpectMatchesReference("dp8_zero3", 8, "--set parallel.zero=3 --set training.micro_batch=1");
+}
+TEST_F(MoeLayoutsTest, Dp2Zero3FullCheckpointing) {
+  ExpectMatchesReference("dp2_zero3_full", 2, "--set parallel.zero=3 --set parallel.activation_checkpointing=full");
+}
+TEST_F(MoeLayoutsTest, Dp2BiasBalance) {
+  const std::string bias = "--set model.moe.balance=bias --set model.moe.bias_update=0.01";
+  ExpectMatchesReference("dp2_bias", 2, bias, bias);
+}
+
+// The router biases (balance: bias) go into the checkpoint and come back exact: 10 steps, then 10
+// more from the checkpoint of step 10, under a pipeline (each stage's blocks' biases), equal the 20
+// uninterrupted steps bit for bit.
+TEST_F(MoeLayoutsTest, RouterBiasesResumeFromACheckpoint) {
+  const std::string layout = "--set parallel.pp=2 --set model.moe.balance=bias --set model.moe.bias_update=0.01 ";
+  const fs::path full = Run("bias_full", 2, layout);
+  const fs::path first = Run("bias_first", 2, layout + "--set checkpoint.every=10 --set checkpoint.keep=5");
+  const fs::path step10 = first / "ck" / "step-10";
+  std::ifstream meta(step10 / "meta.yaml");
+  const std::string text((std::istreambuf_iterator<char>(meta)), std::istreambuf_iterator<char>());
+  EXPECT_NE(text.find("router_bias"), std::string::npos) << text;
+  const fs::path resumed = Run("bias_second", 2, layout + "--set checkpoint.resume_from=" + step10.string());
+  std::vector<double> a = Losses(full / "log0"), b = Losses(resumed / "log0");
+  ASSERT_EQ(b.size(), 10u) << std::ifstream(resumed / "log0").rdbuf();
+  for (size_t i = 0; i < b.size(); ++i) EXPECT_EQ(a[10 + i], b[i]) << "step " << i + 11;
+  auto pa = Params(full / "params.bin"), pb = Params(resumed / "params.bin");
+  ASSERT_EQ(pa.size(), pb.size());
+  for (const auto& [key, values] : pa) EXPECT_EQ(values, pb[key]) << key;
+}
+
+// The balance, on English (the GPL's text as bytes; the suite's synthetic letters carry too little for
+// a router to tell tokens apart): this small model's router soon sends every token to the same two
+// experts (the busiest expert's load at 2, as many assignments as tokens, against an even 1). Without
+// a balance it stays there; the balance loss and the router bias each pull it back.
+TEST_F(MoeLayoutsTest, ACollapsedRouterIsPulledBackByTheLossAndByTheBias) {
+  std::ifstream text("/usr/share/common-licenses/GPL-3", std::ios::binary);
+  ASSERT_TRUE(text) << "/usr/share/common-licenses/GPL-3 (package base-files) is needed";
+  const std::string bytes((std::istreambuf_iterator<char>(text)), std::istreambuf_iterator<char>());
+  const std::vector<uint16_t> tokens(bytes.begin(), bytes.end());
+  const size_t split = tokens.size() * 9 / 10;
+  fs::create_directories(dir_ / "english");
+  ASSERT_TRUE(WriteTokenFile((dir_ / "english" / "train.bin").string(),
+                             std::vector<uint16_t>(tokens.begin(), tokens.begin() + split), 256).ok());
+  ASSERT_TRUE(WriteTokenFile((dir_ / "english" / "val.bin").string(),
+                             std::vector<uint16_t>(tokens.begin() + split, tokens.end()), 256).ok());
+  auto late_load = [](const fs::path& run) {
+    std::ifstream in(run / "log0");
+    std::vector<double> loads;
+    for (std::string line; std::getline(in, line);) {
+      const size_t at = line.find(" moe_load_max ");
+      if (line.rfind("step ", 0) == 0 && at != std::string::npos) loads.push_back(std::stod(line.substr(at + 14)));
+    }
+    EXPECT_EQ(loads.size(), 60u) << run;
+    double sum = 0;
+    for (size_t i = loads.size() >= 10 ? loads.size() - 10 : 0; i < loads.size(); ++i) sum += loads[i];
+    return loads.size() >= 10 ? sum / 10 : 0.0;
+  };
+  const std::string steps =
+      " --set training.steps=60 --set training.eval_every=0 --set data.path=" + (dir_ / "english").string();
+  const double none = late_load(Run("balance_none", 1, "--set model.moe.balance=none" + steps));
+  const double loss = late_load(Run("balance_loss", 1, "--set model.moe.aux_loss_coef=0.05" + steps));
+  const double bias = late_load(Run("balance_bias", 1, "--set model.moe.balance=bias --set model.moe.bias_update=0.01" + steps));
+  std::printf("[balance] busiest expert's load over the last 10 steps: none %.3f, loss %.3f, bias %.3f\n", none, loss,
+              bias);
+  EXPECT_GT(none, 1.9);
+  EXPECT_LT(loss, none - 0.3);
+  EXPECT_LT(bias, none - 0.3);
+}
 
 // Every layout against the suite's one-process run; at 8 ranks the layouts of an 8-GPU node:
 // tensor x interleaved pipeline x data, tensor x data, and ZeRO-3 over all 8.

@@ -2,7 +2,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <filesystem>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -56,8 +58,8 @@ TEST(ModelFamilyTest, EachFamilyAddsItsParametersWithTransformersNames) {
   const std::vector<ModelParameter> mistral = ModelParameters(Small(Arch::kMistral));
   ASSERT_EQ(llama.size(), mistral.size());
   for (size_t i = 0; i < llama.size(); ++i) EXPECT_EQ(llama[i].hf_name, mistral[i].hf_name);
-  EXPECT_EQ(BlockParameterNames(Small(Arch::kQwen2)).size(), 12u);
-  EXPECT_EQ(BlockParameterNames(Small(Arch::kQwen3)).size(), 11u);
+  EXPECT_EQ(BlockParameterNames(Small(Arch::kQwen2), 0).size(), 12u);
+  EXPECT_EQ(BlockParameterNames(Small(Arch::kQwen3), 0).size(), 11u);
 
   for (Arch arch : {Arch::kGpt2, Arch::kLlama, Arch::kMistral, Arch::kQwen2, Arch::kQwen3}) {
     ModelSpec m = Small(arch);
@@ -66,6 +68,62 @@ TEST(ModelFamilyTest, EachFamilyAddsItsParametersWithTransformersNames) {
     EXPECT_EQ(FamilyOfHfArchitecture(FamilyOf(arch).hf_architecture), &FamilyOf(arch));
   }
   EXPECT_EQ(FamilyOfHfArchitecture("GemmaForCausalLM"), nullptr);
+}
+
+// A mixture of experts: its blocks (the pattern's) have a router and stacked experts in place of the
+// MLP, transformers' names one an expert (Qwen3-MoE's for the Qwen families, Mixtral's for the Llama
+// ones); all experts count in the parameters, top_k of them in the active ones.
+TEST(ModelFamilyTest, MoeBlocksHaveARouterAndStackedExperts) {
+  ModelSpec m = Small(Arch::kQwen3);
+  m.layers = 4;
+  m.moe.experts = 8;
+  m.moe.top_k = 2;
+  m.moe.ffn = 32;
+  m.moe.first_dense = 1;
+  m.moe.every = 1;
+  m.moe.dense_layers = {3};
+  m.moe.shared_experts = 1;
+  EXPECT_FALSE(IsMoeLayer(m, 0));
+  EXPECT_TRUE(IsMoeLayer(m, 1));
+  EXPECT_TRUE(IsMoeLayer(m, 2));
+  EXPECT_FALSE(IsMoeLayer(m, 3));
+  const std::vector<std::string> dense = BlockParameterNames(m, 0), moe = BlockParameterNames(m, 1);
+  EXPECT_NE(std::find(dense.begin(), dense.end(), "w1.weight"), dense.end());
+  EXPECT_EQ(std::find(moe.begin(), moe.end(), "w1.weight"), moe.end());
+  EXPECT_EQ(moe.size(), dense.size() - 3 + 4 + 3);
+  std::map<std::string, ModelParameter> params;
+  for (const ModelParameter& p : ModelParameters(m)) params[p.name] = p;
+  ASSERT_TRUE(params.count("layers.1.experts.w1.weight"));
+  EXPECT_EQ(params["layers.1.router.weight"].shape, std::vector<int64_t>({8, 64}));
+  EXPECT_EQ(params["layers.1.router.weight"].hf_name, "model.layers.1.mlp.gate.weight");
+  EXPECT_EQ(params["layers.1.experts.w1.weight"].shape, std::vector<int64_t>({8, 32, 64}));
+  EXPECT_EQ(params["layers.1.experts.w2.weight"].shape, std::vector<int64_t>({8, 64, 32}));
+  EXPECT_EQ(params["layers.1.experts.w2.weight"].hf_experts, 8);
+  EXPECT_EQ(HfExpertName(params["layers.1.experts.w2.weight"], 5), "model.layers.1.mlp.experts.5.down_proj.weight");
+  EXPECT_EQ(params["layers.2.shared.w2.weight"].shape, std::vector<int64_t>({64, 32}));
+  EXPECT_FALSE(params.count("layers.3.router.weight"));
+  EXPECT_TRUE(params.count("layers.3.w1.weight"));
+
+  ModelSpec mixtral = m;
+  mixtral.arch = Arch::kMistral;
+  mixtral.head_dim = 0;
+  for (const ModelParameter& p : ModelParameters(mixtral)) params[p.name] = p;
+  EXPECT_EQ(HfExpertName(params["layers.2.experts.w3.weight"], 0), "model.layers.2.block_sparse_moe.experts.0.w3.weight");
+  EXPECT_EQ(params["layers.2.router.weight"].hf_name, "model.layers.2.block_sparse_moe.gate.weight");
+
+  EXPECT_EQ(ApproxParameterCount(m), ModelParameterCount(m));
+  // Two MoE blocks of which a token runs through 2 of 8 experts: 6 experts' SwiGLUs (3 * 32 * 64) each idle.
+  EXPECT_EQ(ApproxParameterCount(m) - ActiveParameterCount(m), 2 * 6 * 3 * 32 * 64);
+  ModelSpec dense_model = Small(Arch::kQwen3);
+  EXPECT_EQ(ActiveParameterCount(dense_model), ApproxParameterCount(dense_model));
+
+  ModelSpec other = m;
+  other.moe.experts = 4;
+  EXPECT_NE(ModelShapeDifferences(m, other).find("model.moe.experts 8 (this recipe: 4)"), std::string::npos);
+  other = m;
+  other.moe.first_dense = 0;
+  EXPECT_NE(ModelShapeDifferences(m, other).find("model.moe blocks [1,2] (this recipe: [0,1,2])"), std::string::npos);
+  EXPECT_EQ(ModelShapeDifferences(m, m), "");
 }
 
 class HfTensorsTest : public ::testing::Test {

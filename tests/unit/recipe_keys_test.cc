@@ -26,10 +26,7 @@ model: {arch: llama, layers: 8, d_model: 96, heads: 6, seq_len: 48, vocab: 300, 
         max_positions: 4096, rope_theta: 10000,
         rope_scaling: llama3, rope_factor: 8, rope_low_freq_factor: 2, rope_high_freq_factor: 8,
         rope_original_positions: 4096, norm_eps: 1.0e-6, tie_embeddings: false, init: per_parameter,
-        init_from: /models/base,
-        moe: {experts: 4, top_k: 1, shared_experts: 1, ffn: 64, every: 2, first_dense: 1, dense_layers: [7],
-              score: sigmoid, norm_topk: false, route_scale: 2.5, balance: bias, bias_update: 0.01,
-              z_loss_coef: 0.001}}
+        init_from: /models/base}
 data: {path: /data/every-key, tokenizer: huggingface, sampling: torch, seed: 4321}
 training: {steps: 77, micro_batch: 2, global_batch: 32, lr: 0.002, min_lr: 0.0002, warmup_steps: 7,
            lr_schedule: constant, weight_decay: 0.05, beta1: 0.8, beta2: 0.9, grad_clip: 0.5, seed: 99, log_every: 3,
@@ -49,10 +46,11 @@ fault: {max_restarts: 4, restart_backoff_s: 2.5, restart_backoff_max_s: 45, hear
 // Keys that cannot differ from their default: their type has a single value today.
 const std::set<std::string> kSingleValued = {};
 
-// Keys that replace another (data.sources replaces data.path), or that another key's value excludes
-// (model.moe.aux_loss_coef weighs balance aux_loss's loss, and kEveryKey balances by bias):
-// AMixtureReachesTheWorker and TheAuxLossCoefficientReachesTheWorker cover them.
-const std::set<std::string> kAlternatives = {"data.sources", "model.moe.aux_loss_coef"};
+// Keys that replace another (data.sources replaces data.path): AMixtureReachesTheWorker covers them.
+const std::set<std::string> kAlternatives = {"data.sources"};
+// MoE blocks take no tensor parallelism yet, and kEveryKey's layout has it: TheMoeKeysReachTheWorker
+// covers the keys of this section.
+constexpr const char* kMoeSection = "model.moe.";
 
 // A recipe with entrypoint.command has no model, data or training: ProgramRecipeReachesTheAgent
 // covers these keys.
@@ -85,6 +83,7 @@ TEST(RecipeKeysTest, EveryKeyReachesTheWorkerWithANonDefaultValue) {
   const std::map<std::string, std::string> wanted = RecipeKeyValues(user.recipe);
   for (const auto& [key, value] : wanted) {
     if (kSingleValued.count(key) || kProgramKeys.count(key) || kAlternatives.count(key)) continue;
+    if (key.rfind(kMoeSection, 0) == 0) continue;
     EXPECT_NE(value, defaults.at(key)) << key << " is at its default in this test's recipe: give it another value";
   }
 
@@ -134,18 +133,44 @@ TEST(RecipeKeysTest, AMixtureReachesTheWorker) {
 
 // model.moe.aux_loss_coef, which kEveryKey's balance (bias) excludes, reaches the worker under
 // balance aux_loss.
-TEST(RecipeKeysTest, TheAuxLossCoefficientReachesTheWorker) {
+// Every model.moe key at a value other than its default, in two recipes (aux_loss_coef weighs the
+// loss of balance aux_loss, the other balances by bias), from the user's recipe to the worker's loading.
+TEST(RecipeKeysTest, TheMoeKeysReachTheWorker) {
   SetLogLevel(LogLevel::kWarning);
-  RecipeParseResult user = ParseRecipe("name: moe\nmodel: {arch: llama, moe: {experts: 4, aux_loss_coef: 0.02}}\n"
-                                       "data: {path: /data/moe}\n",
-                                       "moe.yaml");
-  ASSERT_TRUE(user.ok()) << user.ErrorText();
-  std::optional<v1::Command> command = StartCommandOf(user.recipe, "moe.yaml");
-  ASSERT_TRUE(command && command->has_start());
-  RecipeParseResult received = ParseRecipe(command->start().recipe_yaml(), "received.yaml");
-  ASSERT_TRUE(received.ok()) << received.ErrorText() << command->start().recipe_yaml();
-  EXPECT_EQ(received.recipe.model.moe.aux_loss_coef, 0.02) << command->start().recipe_yaml();
-  EXPECT_EQ(received.recipe.model.moe.experts, 4);
+  const std::string common = "name: moe\ndata: {path: /data/moe}\nparallel: {nproc_per_node: 2, pp: 2}\n";
+  const std::map<std::string, std::string> defaults = RecipeKeyValues(Recipe{});
+  std::set<std::string> covered;
+  for (const std::string model :
+       {"model: {arch: qwen3, layers: 8, moe: {experts: 4, top_k: 1, shared_experts: 1, ffn: 64, every: 2, "
+        "first_dense: 1, dense_layers: [7], score: sigmoid, norm_topk: false, route_scale: 2.5, balance: bias, "
+        "bias_update: 0.01, z_loss_coef: 0.001}}\n",
+        "model: {arch: llama, moe: {experts: 4, aux_loss_coef: 0.02}}\n"}) {
+    RecipeParseResult user = ParseRecipe(common + model, "moe.yaml");
+    ASSERT_TRUE(user.ok()) << user.ErrorText();
+    std::optional<v1::Command> command = StartCommandOf(user.recipe, "moe.yaml");
+    ASSERT_TRUE(command && command->has_start());
+    const std::filesystem::path dir =
+        std::filesystem::temp_directory_path() / ("ltrain-recipe-keys-moe-" + std::to_string(getpid()));
+    std::filesystem::create_directories(dir);
+    const std::string file = (dir / "recipe.yaml").string();
+    std::ofstream(file) << command->start().recipe_yaml();
+    StatusOr<worker::WorkerEnv> env = worker::ParseWorkerEnv(worker::EnvironmentOf({"LTRAIN_RECIPE_FILE=" + file}), {});
+    ASSERT_TRUE(env.ok()) << env.status().ToString();
+    StatusOr<Recipe> received = worker::LoadWorkerRecipe(*env);
+    std::filesystem::remove_all(dir);
+    ASSERT_TRUE(received.ok()) << received.status().ToString() << "\n" << command->start().recipe_yaml();
+    const std::map<std::string, std::string> wanted = RecipeKeyValues(user.recipe), got = RecipeKeyValues(*received);
+    for (const auto& [key, value] : wanted) {
+      if (key.rfind(kMoeSection, 0) != 0) continue;
+      EXPECT_EQ(got.at(key), value) << key << " did not reach the worker:\n" << command->start().recipe_yaml();
+      if (value != defaults.at(key)) covered.insert(key);
+    }
+  }
+  for (const auto& [key, value] : defaults) {
+    if (key.rfind(kMoeSection, 0) == 0) {
+      EXPECT_TRUE(covered.count(key)) << key << " is at its default in both recipes";
+    }
+  }
 }
 
 // `ltrain run`'s recipe: the entrypoint keys with other values than their defaults reach the agent

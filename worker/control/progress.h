@@ -60,6 +60,16 @@ struct StepFigures {
     int64_t last_overflow_step = 0;  // the last of them; 0: none
   };
   std::optional<Fp8> fp8;
+  // model.moe: how the step's routed assignments fell on the experts, each MoE block's load the
+  // ratio of its busiest expert's count to the mean; the balance and z losses without their
+  // coefficients (averaged over blocks and micro-batches; negative: not computed).
+  struct Moe {
+    double load_max = 0;   // the worst block's
+    int worst_layer = -1;  // which block that is
+    double load_mean = 0;  // over the blocks
+    double aux_loss = -1, z_loss = -1;
+  };
+  std::optional<Moe> moe;
 
   // compute_ms, compute_steps and compute_spread_ms from the own work of the last steps; with
   // `by_core`, compute_work too.

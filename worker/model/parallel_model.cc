@@ -85,7 +85,18 @@ torch::Tensor PerParameterInit(const ModelSpec& c, const std::string& name, cons
   if (init.kind == ParamInit::kZeros) return torch::zeros(shape, options);
   if (init.kind == ParamInit::kOnes) return torch::ones(shape, options);
   at::Generator generator = at::globalContext().defaultGenerator(device).clone();
-  generator.set_current_seed(SplitMix64(seed ^ SplitMix64(static_cast<uint64_t>(index) + 1)));
+  const uint64_t parameter_seed = SplitMix64(seed ^ SplitMix64(static_cast<uint64_t>(index) + 1));
+  if (EndsWith(name, ".weight") && name.find(".experts.") != std::string::npos) {
+    // A stack of experts: each drawn by a generator of its own, so that a rank holding some of them
+    // (expert parallelism) draws only those, and the same numbers.
+    torch::Tensor out = torch::empty(shape, options);
+    for (int64_t e = 0; e < shape[0]; ++e) {
+      generator.set_current_seed(SplitMix64(parameter_seed ^ SplitMix64(static_cast<uint64_t>(e) + 0x5eed)));
+      out[e].normal_(0.0, init.stddev, generator);
+    }
+    return out;
+  }
+  generator.set_current_seed(parameter_seed);
   return torch::empty(shape, options).normal_(0.0, init.stddev, generator);
 }
 
@@ -157,6 +168,10 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelShardSpec& s
   const int tp_size = spec.layout.tp;
   const bool llama = LlamaBlock(c);
   if (tp_size != tp->size()) return InvalidArgument("tp group size differs from parallel.tp");
+  if (c.moe.experts > 0 && tp_size > 1) {
+    return InvalidArgument("model.moe with parallel.tp=" + std::to_string(tp_size) +
+                           ": the experts are not split over tensor-parallel ranks yet; use parallel.tp=1");
+  }
   if (c.heads % tp_size != 0 || c.vocab % tp_size != 0 || FfnWidth(c) % tp_size != 0) {
     return InvalidArgument("parallel.tp=" + std::to_string(tp_size) + " must divide model.heads=" +
                            std::to_string(c.heads) + ", model.vocab=" + std::to_string(c.vocab) +
@@ -216,9 +231,10 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelShardSpec& s
     if (!per_parameter) return built[i];
     return PerParameterInit(c, shapes[i].first, shapes[i].second, spec.seed, i, spec.device);
   };
-  const std::vector<std::string> block_names = BlockParameterNames(c);
-  shard->block_names_ = block_names;
-  shard->block_index_.assign(c.layers, std::vector<int>(block_names.size(), -1));
+  for (int l = 0; l < c.layers; ++l) {
+    shard->block_names_.push_back(BlockParameterNames(c, l));
+    shard->block_index_.emplace_back(shard->block_names_.back().size(), -1);
+  }
   auto add = [&](const std::string& name, const torch::Tensor& t, int unit, bool exported) {
     ShardParam p;
     p.name = name;
@@ -255,8 +271,9 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelShardSpec& s
     } else if (layer >= 0) {
       if (stage_of_layer[layer] % spec.layout.pp != spec.coords.pp) continue;
       const std::string local = name.substr(name.find('.', 7) + 1);
-      for (size_t k = 0; k < block_names.size(); ++k) {
-        if (local == block_names[k]) shard->block_index_[layer][k] = add(name, full_param(i), 1 + layer, true);
+      const std::vector<std::string>& names = shard->block_names_[layer];
+      for (size_t k = 0; k < names.size(); ++k) {
+        if (local == names[k]) shard->block_index_[layer][k] = add(name, full_param(i), 1 + layer, true);
       }
     } else if (name == "lnf.weight" || name == "norm.weight") {
       if (last) shard->norm_w_ = add(name, full_param(i), c.layers + 1, true);
@@ -267,6 +284,14 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelShardSpec& s
     }
   }
   Progress::Global().EndWork(kBuilding);
+  // The MoE blocks of this rank's stages: a router bias and route counts each.
+  for (int l = 0; l < c.layers; ++l) {
+    if (!IsMoeLayer(c, l) || stage_of_layer[l] % spec.layout.pp != spec.coords.pp) continue;
+    const torch::TensorOptions f32 = torch::TensorOptions().dtype(torch::kFloat).device(spec.device);
+    shard->moe_layers_.push_back(l);
+    shard->router_bias_.push_back(torch::zeros({c.moe.experts}, f32));
+    shard->route_counts_.push_back(torch::zeros({c.moe.experts}, f32));
+  }
   // A tied head is the embedding: on a last stage that is not also the first it gets a copy of its
   // own (the two copies' gradients are summed over the embedding group, so they stay equal).
   if (c.tie_embeddings) {
@@ -290,15 +315,14 @@ int ModelShard::PipelineRankOf(const std::string& name) const {
 }
 
 const torch::Tensor& ModelShard::P(int layer, const char* name) const {
-  for (size_t k = 0; k < block_names_.size(); ++k) {
-    if (block_names_[k] == name) return params_[block_index_[layer][k]].value;
-  }
-  throw std::logic_error(std::string("no block parameter ") + name);
+  if (const torch::Tensor* p = Optional(layer, name)) return *p;
+  throw std::logic_error(std::string("no block parameter ") + name + " in block " + std::to_string(layer));
 }
 
 const torch::Tensor* ModelShard::Optional(int layer, const char* name) const {
-  for (size_t k = 0; k < block_names_.size(); ++k) {
-    if (block_names_[k] == name) return &params_[block_index_[layer][k]].value;
+  const std::vector<std::string>& names = block_names_[layer];
+  for (size_t k = 0; k < names.size(); ++k) {
+    if (names[k] == name) return &params_[block_index_[layer][k]].value;
   }
   return nullptr;
 }
@@ -350,6 +374,11 @@ bool ModelShard::GradientFromProductsOnly(size_t i) const {
   if (p.value.dim() != 2 || !FusedLinearTakes(p.value.size(0), p.value.size(1))) return false;
   const std::string& name = p.name;
   auto ends = [&](const char* suffix) { return EndsWith(name, suffix); };
+  // An MoE block's router, experts and shared experts: LibTorch's products.
+  if (name.find(".router.") != std::string::npos || name.find(".experts.") != std::string::npos ||
+      name.find(".shared.") != std::string::npos) {
+    return false;
+  }
   if (LlamaBlock(spec_.config)) {
     // Key and value matrices kept whole on every tp rank are read through views, by LibTorch's product
     // (LlamaBlockForward), which adds to the gradient.
@@ -530,6 +559,10 @@ torch::Tensor ModelShard::LlamaBlockForward(int layer, const torch::Tensor& x) {
   auto [y, x_res] = LlamaAttention(layer, x);
   torch::Tensor r = residual_linear(y, P(layer, "wo.weight"), x_res);
   auto [m_local, r_res] = RmsNorm(r, P(layer, "ffn_norm.weight"), spec_.config.norm_eps, Selective());
+  if (IsMoeLayer(spec_.config, layer)) {
+    const torch::Tensor branch = MoeBranch(layer, m_local);
+    return sr ? StochasticRoundedAdd(r_res, branch) : r_res + branch;
+  }
   auto [g, u] = LlamaGateUp(layer, m_local);
   const torch::Tensor& w2 = P(layer, "w2.weight");
   if (Selective() && FusedLlamaOpsAvailable(g) && FusedLinearAvailable(g, w2)) {

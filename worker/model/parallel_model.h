@@ -175,6 +175,28 @@ class ModelShard {
   // it (its value, or the optimizer's fp32 master of it); every tp rank must call it.
   StatusOr<torch::Tensor> GatherFull(const ShardParam& param, const torch::Tensor& local);
 
+  // ---- Mixtures of experts (model.moe; worker/model/moe_block.cc) ----
+  // The MoE blocks this rank holds, in order.
+  const std::vector<int>& MoeLayers() const { return moe_layers_; }
+  // The gradient the router's balance and z losses get in backward, for a loss of 1 in the LM loss:
+  // 1/(the micro-batches a step accumulates), as the trainer divides the LM loss.
+  void set_aux_scale(double scale) { aux_scale_ = scale; }
+  // The routed assignments each expert of each MoE block got since the last call, counted while
+  // autograd records (the step's training micro-batches; a block recomputed under full activation
+  // checkpointing counts in its recomputation only): [MoeLayers().size(), experts], fp32, on the
+  // device; zeroed by the call. Empty without MoE blocks.
+  torch::Tensor TakeRouteCounts();
+  // DeepSeek-V3's balance without a loss (model.moe.balance: bias), from the step's counts summed
+  // over data parallelism ([MoeLayers().size(), experts]): each block's bias moves by bias_update
+  // towards the experts below the mean load and away from those above it, centred so it stays bounded.
+  void UpdateRouterBias(const torch::Tensor& counts);
+  // Each MoE block's router bias (fp32 [experts]; zero unless balance is bias), in MoeLayers() order:
+  // the checkpoint's.
+  std::vector<torch::Tensor>& router_biases() { return router_bias_; }
+  // The balance and z losses (without their coefficients) of the step's micro-batches since the last
+  // call, averaged over MoE blocks and micro-batches: {aux, z}, each undefined where none was computed.
+  std::pair<torch::Tensor, torch::Tensor> TakeRouterLosses();
+
  private:
   // One residual branch of a block under tp up to its row-parallel product: the residual it adds
   // to, this rank's partial sums of the branch, and the bias added to their sum (a GPT's).
@@ -191,6 +213,11 @@ class ModelShard {
   std::pair<torch::Tensor, torch::Tensor> GptAttention(int layer, const torch::Tensor& x);
   std::pair<torch::Tensor, torch::Tensor> LlamaAttention(int layer, const torch::Tensor& x);
   std::pair<torch::Tensor, torch::Tensor> LlamaGateUp(int layer, const torch::Tensor& m_local);
+  // An MoE block's branch in place of the MLP, from the normed x [b, t, d]: the routed experts'
+  // weighted outputs and the shared experts' (moe_block.cc).
+  torch::Tensor MoeBranch(int layer, const torch::Tensor& m);
+  // The slot of `layer` in MoeLayers(), -1 for a dense block.
+  int MoeSlot(int layer) const;
   // A tp block's input where every tp rank needs it whole: Megatron's f, or the sequence's gather.
   torch::Tensor Enter(const torch::Tensor& x) const;
   const torch::Tensor& P(int layer, const char* name) const;
@@ -209,9 +236,9 @@ class ModelShard {
   Communicator* tp_;
   std::vector<ShardParam> params_;
   std::vector<std::pair<std::string, std::vector<int64_t>>> full_params_;
-  // A block's parameter names (BlockParameterNames), and the index into params_ of each block's
-  // parameters ([layer][name]) and of the others.
-  std::vector<std::string> block_names_;
+  // Each block's parameter names (BlockParameterNames: an MoE block's differ), and the index into
+  // params_ of each block's parameters ([layer][name]) and of the others.
+  std::vector<std::vector<std::string>> block_names_;
   std::vector<std::vector<int>> block_index_;
   std::vector<int> stage_of_layer_;
   int embed_ = -1, wpe_ = -1, norm_w_ = -1, norm_b_ = -1, head_ = -1;
@@ -219,6 +246,12 @@ class ModelShard {
   torch::Tensor rope_cos_, rope_sin_;  // [seq_len, head_dim/2], fp32
   UnitHooks hooks_;
   bool masked_targets_ = false;
+  // MoE blocks here; their router biases, route counts and loss sums (by slot), the aux losses' scale.
+  std::vector<int> moe_layers_;
+  std::vector<torch::Tensor> router_bias_, route_counts_;
+  torch::Tensor aux_sum_, z_sum_;
+  int64_t aux_terms_ = 0, z_terms_ = 0;
+  double aux_scale_ = 1.0;
 };
 
 }  // namespace ltrain::worker

@@ -233,6 +233,12 @@ int Export(const ToolArgs& args) {
     return loaded.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
   }
   const Recipe& r = (*loaded)->recipe;
+  if (r.model.moe.experts > 0) {
+    std::fprintf(stderr, "ltrain export: %s is a mixture of experts (model.moe): transformers' configuration of "
+                         "one (Qwen3-MoE, Mixtral) is not written yet; its checkpoint resumes and generates as it is\n",
+                 args.checkpoint.c_str());
+    return 2;
+  }
   std::map<std::string, torch::Tensor> ours;
   for (auto& [name, t] : (*loaded)->trainer->FullParameters()) ours[name] = t;
   std::vector<std::pair<std::string, torch::Tensor>> tensors;
@@ -244,6 +250,13 @@ int Export(const ToolArgs& args) {
     }
     torch::Tensor t = n.transposed ? it->second.t().contiguous() : it->second.contiguous();
     if (dtype == "bf16") t = t.to(torch::kBFloat16);
+    if (n.experts > 0) {
+      // One tensor an expert, as transformers keeps them.
+      ModelParameter stacked;
+      stacked.name = n.ours, stacked.hf_name = n.hf, stacked.hf_experts = n.experts;
+      for (int64_t e = 0; e < n.experts; ++e) tensors.emplace_back(HfExpertName(stacked, e), t[e].contiguous());
+      continue;
+    }
     tensors.emplace_back(n.hf, t);
   }
   StatusOr<std::unique_ptr<TextTokenizer>> tokenizer = TokenizerOf(r, args.Get("tokenizer"));

@@ -267,6 +267,8 @@ Status Trainer::Init() {
   }
   if (loader_ && loader_->masked()) model_->set_masked_targets(true);
   if (layout_.zero == 3) model_->set_hooks(Zero3GatherHooks(store_.get(), params, units, ml.config.layers));
+  // The router's balance and z losses are divided as the LM loss is (a mean over the micro-batches).
+  model_->set_aux_scale(1.0 / layout_.accumulation);
   if (options_.tp_split_batch && options_.rank == 0) {
     // After ZeRO-3's hooks are set: they keep blocks whole.
     std::printf("%s\n", model_->SplitsBatch(layout_.micro_batch, /*recording=*/true) ? "tp: each micro-batch goes through the blocks in two halves, one half's all-reduce beside "
@@ -496,6 +498,54 @@ StatusOr<torch::Tensor> Trainer::StepOnDevice(bool check_loss) {
   }
 }
 
+Status Trainer::SettleRouting() {
+  if (model_->MoeLayers().empty() && recipe_.model.moe.experts == 0) return Status::Ok();
+  torch::NoGradGuard no_grad;
+  const int layers = recipe_.model.layers;
+  const torch::TensorOptions f32 = torch::TensorOptions().dtype(torch::kFloat).device(device_);
+  // [layers load ratios, aux sum, aux count, z sum, z count]: this stage's blocks, the others' zero.
+  torch::Tensor figures = torch::zeros({layers + 4}, f32);
+  if (!model_->MoeLayers().empty()) {
+    torch::Tensor counts = model_->TakeRouteCounts();
+    LTRAIN_RETURN_IF_ERROR(store_->DpAllReduce(counts));
+    model_->UpdateRouterBias(counts);
+    const torch::Tensor ratios = counts.amax(-1) / counts.mean(-1).clamp_min(1e-20);
+    const std::vector<int>& moe_layers = model_->MoeLayers();
+    const torch::Tensor index = torch::tensor(std::vector<int64_t>(moe_layers.begin(), moe_layers.end()),
+                                              torch::TensorOptions().dtype(torch::kLong)).to(device_);
+    // Each data-parallel rank adds the same ratios: divided by dp below.
+    figures.narrow(0, 0, layers).index_copy_(0, index, ratios.to(torch::kFloat));
+    auto [aux, z] = model_->TakeRouterLosses();
+    if (aux.defined()) figures[layers] = aux.to(torch::kFloat), figures[layers + 1] = 1;
+    if (z.defined()) figures[layers + 2] = z.to(torch::kFloat), figures[layers + 3] = 1;
+  }
+  LTRAIN_RETURN_IF_ERROR(store_->DpAllReduce(figures));
+  figures.narrow(0, 0, layers).div_(layout_.dp);
+  if (layout_.pp > 1) LTRAIN_RETURN_IF_ERROR(groups_->pp->AllReduceSum(figures));
+  moe_figures_ = figures;
+  return Status::Ok();
+}
+
+std::optional<StepFigures::Moe> Trainer::MoeFiguresOf(const torch::Tensor& figures) const {
+  if (!figures.defined()) return std::nullopt;
+  const torch::Tensor host = figures.to(torch::kCPU, torch::kDouble).contiguous();
+  const double* v = host.data_ptr<double>();
+  const int layers = recipe_.model.layers;
+  StepFigures::Moe f;
+  int blocks = 0;
+  double sum = 0;
+  for (int l = 0; l < layers; ++l) {
+    if (!IsMoeLayer(recipe_.model, l)) continue;
+    ++blocks;
+    sum += v[l];
+    if (v[l] > f.load_max) f.load_max = v[l], f.worst_layer = l;
+  }
+  f.load_mean = blocks > 0 ? sum / blocks : 0;
+  if (v[layers + 1] > 0) f.aux_loss = v[layers] / v[layers + 1];
+  if (v[layers + 3] > 0) f.z_loss = v[layers + 2] / v[layers + 3];
+  return f;
+}
+
 std::optional<StepFigures::Fp8> Trainer::Fp8FiguresOf(const torch::Tensor& figures, int64_t step) {
   if (!figures.defined()) return std::nullopt;
   const torch::Tensor host = figures.to(torch::kCPU, torch::kDouble).contiguous();
@@ -654,6 +704,7 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
   if (layout_.pp > 1) {
     LTRAIN_RETURN_IF_ERROR(groups_->pp->Broadcast(loss, layout_.pp - 1));
   }
+  LTRAIN_RETURN_IF_ERROR(SettleRouting());
   // Without the check (Run on CUDA) the loss stays on the device: the host reads it one step later,
   // so that it never waits for the GPU inside a step.
   if (check_loss) {
@@ -778,6 +829,7 @@ Status Trainer::Run() {
     compat::StreamMarker ready;  // on CUDA: `loss` (a host copy) is written once the GPU has passed it
     bool last = false;  // the run ends after it (a stop with a final checkpoint): always printed
     torch::Tensor fp8;  // parallel.precision fp8: TakeFp8Figures' (a host copy on CUDA), else undefined
+    torch::Tensor moe;  // model.moe: SettleRouting's (a host copy on CUDA), else undefined
   };
   std::optional<Finished> pending;
   auto settle = [&](const Finished& f) -> Status {
@@ -788,6 +840,7 @@ Status Trainer::Run() {
     LTRAIN_RETURN_IF_ERROR(CheckLoss(value, s, fp8 ? fp8->overflowed : 0));
     StepFigures figures;
     figures.fp8 = fp8;
+    figures.moe = MoeFiguresOf(f.moe);
     figures.step = s;
     figures.total_steps = t.steps;
     figures.loss = value;
@@ -806,8 +859,14 @@ Status Trainer::Run() {
     RetimeCollectives(f.ms);
     if (printer &&
         (s == 1 || s == run_start_step_ + 1 || (t.log_every > 0 && s % t.log_every == 0) || s == t.steps || f.last)) {
-      std::printf("step %lld/%lld loss %.6f lr %.3e tok/s %.0f step_ms %.1f\n", static_cast<long long>(s),
+      std::printf("step %lld/%lld loss %.6f lr %.3e tok/s %.0f step_ms %.1f", static_cast<long long>(s),
                   static_cast<long long>(t.steps), value, f.lr, tokens_per_step / (f.ms / 1000.0), f.ms);
+      if (figures.moe) {
+        // The busiest expert's share against an even one, in the worst MoE block.
+        std::printf(" moe_load_max %.3f", figures.moe->load_max);
+        if (figures.moe->aux_loss >= 0) std::printf(" moe_aux_loss %.4f", figures.moe->aux_loss);
+      }
+      std::printf("\n");
     }
     return Status::Ok();
   };
@@ -848,6 +907,7 @@ Status Trainer::Run() {
     }
     LTRAIN_ASSIGN_OR_RETURN(torch::Tensor loss, std::move(stepped));
     torch::Tensor fp8 = TakeFp8Figures();
+    torch::Tensor moe = std::move(moe_figures_);
     compat::StreamMarker ready;
     if (lag) {
       // The loss (and the FP8 figures) go to pinned host memory without waiting, and a marker after
@@ -861,6 +921,7 @@ Status Trainer::Run() {
       };
       loss = to_host(loss);
       if (fp8.defined()) fp8 = to_host(fp8);
+      if (moe.defined()) moe = to_host(moe);
       ready = compat::StreamMarker::Record(device_);
     }
     const int64_t s = step_;
@@ -873,7 +934,7 @@ Status Trainer::Run() {
     LTRAIN_ASSIGN_OR_RETURN(bool stop_here, options_.stop_after ? options_.stop_after(s) : StatusOr<bool>(false));
     const bool periodic = recipe_.checkpoint.every > 0 && s % recipe_.checkpoint.every == 0;
     const bool save = periodic || s == t.steps || stop_here;
-    Finished finished{s, lr, MillisSince(start), loss, ready, stop_here, fp8};
+    Finished finished{s, lr, MillisSince(start), loss, ready, stop_here, fp8, moe};
     const bool eval = t.eval_every > 0 && (s % t.eval_every == 0 || s == t.steps || stop_here);
     if (!lag || save || eval || s == run_start_step_ + warmup) {
       // The loss is read now: a checkpoint never holds the parameters of a non-finite step.

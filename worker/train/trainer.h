@@ -211,6 +211,17 @@ class Trainer {
   // StepFigures.fp8 from TakeFp8Figures' figures of `step` (undefined: none), counting and saying an
   // overflow.
   std::optional<StepFigures::Fp8> Fp8FiguresOf(const torch::Tensor& figures, int64_t step);
+  // Mixtures of experts at the step's end: the route counts summed over data parallelism, the router
+  // biases moved by them (balance: bias), and the step's figures into moe_figures_ (every block's load
+  // ratio, then the balance and z losses' sums and counts, known on every rank).
+  Status SettleRouting();
+  // model.moe.balance bias: every MoE block's router bias, by block, for rank 0's checkpoint meta (a
+  // collective over the pipeline stages; empty without them); and this rank's blocks' biases from a
+  // checkpoint's meta (zero, said, where it holds none).
+  StatusOr<std::map<int, std::vector<float>>> GatherRouterBiases();
+  void RestoreRouterBiases(const CheckpointMeta& meta);
+  // StepFigures.moe from SettleRouting's figures (undefined: none).
+  std::optional<StepFigures::Moe> MoeFiguresOf(const torch::Tensor& figures) const;
   // Ok for a finite loss; else the error, naming the step's overflowed FP8 operands where there were.
   Status CheckLoss(double value, int64_t step, int fp8_overflowed = 0) const;
   // A completed step's time: with options_.derive_collective_timeout, the collective timeout derived
@@ -311,6 +322,7 @@ class Trainer {
   bool memory_printed_ = false;
   // parallel.precision fp8: the steps of this process whose FP8 operands overflowed, and the last.
   int64_t fp8_overflow_steps_ = 0;
+  torch::Tensor moe_figures_;  // SettleRouting's, taken by Run with the step's loss
   int64_t fp8_last_overflow_step_ = 0;
   int64_t heap_base_ = 0;
   int64_t activations_peak_ = 0;

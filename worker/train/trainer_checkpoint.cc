@@ -199,6 +199,7 @@ Status Trainer::Resume(const std::string& path) {
     }
   }
   const double seconds = std::chrono::duration<double>(SteadyClock::now() - start).count();
+  RestoreRouterBiases(loaded);
   step_ = loaded.step;
   data_position_ = loaded.data_position;
   // A checkpoint of this run's own directory is its newest commit until the next one.
@@ -538,6 +539,51 @@ std::string Trainer::LayoutKey() const {
          " sp=" + std::to_string(recipe_.parallel.sequence_parallel ? 1 : 0);
 }
 
+StatusOr<std::map<int, std::vector<float>>> Trainer::GatherRouterBiases() {
+  std::map<int, std::vector<float>> out;
+  const ModelSpec& m = recipe_.model;
+  if (m.moe.experts == 0 || m.moe.balance != MoeBalance::kBias) return out;
+  // Each stage's blocks' biases (the same on its every rank), summed over the stages into every
+  // block's row: rank 0 writes them all.
+  torch::NoGradGuard no_grad;
+  torch::Tensor all = torch::zeros({m.layers, m.moe.experts}, torch::TensorOptions().dtype(torch::kFloat).device(device_));
+  const std::vector<int>& layers = model_->MoeLayers();
+  for (size_t i = 0; i < layers.size(); ++i) all[layers[i]].copy_(model_->router_biases()[i]);
+  if (layout_.pp > 1) LTRAIN_RETURN_IF_ERROR(groups_->pp->AllReduceSum(all));
+  all = all.to(torch::kCPU).contiguous();
+  for (int l = 0; l < m.layers; ++l) {
+    if (!IsMoeLayer(m, l)) continue;
+    const float* row = all[l].data_ptr<float>();
+    out[l] = std::vector<float>(row, row + m.moe.experts);
+  }
+  return out;
+}
+
+void Trainer::RestoreRouterBiases(const CheckpointMeta& meta) {
+  const ModelSpec& m = recipe_.model;
+  if (m.moe.experts == 0 || m.moe.balance != MoeBalance::kBias) return;
+  torch::NoGradGuard no_grad;
+  const std::vector<int>& layers = model_->MoeLayers();
+  std::vector<int> missing;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    auto it = meta.router_bias.find(layers[i]);
+    torch::Tensor& bias = model_->router_biases()[i];
+    if (it == meta.router_bias.end() || static_cast<int64_t>(it->second.size()) != bias.numel()) {
+      missing.push_back(layers[i]);
+      bias.zero_();
+      continue;
+    }
+    bias.copy_(torch::tensor(it->second, torch::TensorOptions().dtype(torch::kFloat)));
+  }
+  if (!missing.empty()) {
+    std::string blocks;
+    for (int l : missing) blocks += (blocks.empty() ? "" : ", ") + std::to_string(l);
+    std::printf("rank %d: the checkpoint holds no router bias of MoE block(s) %s (it was not trained with "
+                "model.moe.balance: bias): they start at zero\n", groups_->rank, blocks.c_str());
+    std::fflush(stdout);
+  }
+}
+
 Status Trainer::StartSave() {
   if (!writer_) return Status::Ok();
   LTRAIN_RETURN_IF_ERROR(store_->AwaitUpdates());
@@ -559,7 +605,10 @@ Status Trainer::StartSave() {
   // Every rank saves its share: the ranks of a dp group write disjoint parts (ParamStore::ModelState).
   snapshot.files.emplace_back(ModelShardFile(rank), store_->ModelState(param_names_));
   snapshot.files.emplace_back(OptimizerShardFile(rank), store_->OptimizerState(param_names_));
+  using RouterBiases = std::map<int, std::vector<float>>;
+  LTRAIN_ASSIGN_OR_RETURN(RouterBiases router_bias, GatherRouterBiases());
   if (rank == 0) {
+    snapshot.meta.router_bias = std::move(router_bias);
     CheckpointMeta& meta = snapshot.meta;
     meta.step = step_;
     meta.data_position = data_position_;

@@ -7,6 +7,7 @@
 #include <stdexcept>
 
 #include "common/hf_format.h"
+#include "common/model_family.h"
 #include "common/safetensors.h"
 #include "worker/torch_compat.h"
 #include "worker/train/trainer.h"
@@ -112,7 +113,17 @@ Status Trainer::LoadInitialParameters(const std::string& path) {
     const ShardParam& p = params[i];
     const HfName& n = by_ours.at(p.name);
     torch::Tensor full;
-    if (tensor_files.count(n.hf)) {
+    if (n.experts > 0 && !tensor_files.count(p.name)) {
+      // transformers' experts, one tensor each: stacked as ours.
+      ModelParameter stacked;
+      stacked.name = p.name, stacked.hf_name = n.hf, stacked.hf_experts = n.experts;
+      std::vector<torch::Tensor> experts;
+      for (int64_t e = 0; e < n.experts; ++e) {
+        LTRAIN_ASSIGN_OR_RETURN(torch::Tensor t, read(HfExpertName(stacked, e), false));
+        experts.push_back(std::move(t));
+      }
+      full = torch::stack(experts);
+    } else if (tensor_files.count(n.hf)) {
       LTRAIN_ASSIGN_OR_RETURN(full, read(n.hf, n.transposed));
     } else {
       LTRAIN_ASSIGN_OR_RETURN(full, read(p.name, false));
