@@ -25,10 +25,9 @@ std::vector<LayoutProblem> CheckLayout(const Recipe& recipe, int world_size) {
     return problems;  // the rules below need the data-parallel degree
   }
   const int dp = world_size / (p.tp * p.pp);
-  if (p.tp > 1 && m.moe.experts > 0) {
-    problem("parallel.tp", "parallel.tp=" + S(p.tp) + " with model.moe: the experts are not split over "
-                           "tensor-parallel ranks yet; set parallel.tp: 1 (data, pipeline and ZeRO layouts train MoE "
-                           "models)");
+  if (p.tp > 1 && m.moe.experts > 0 && MoeFfnWidth(m) % p.tp != 0) {
+    problem("parallel.tp", "parallel.tp=" + S(p.tp) + " does not divide the experts' width " + S(MoeFfnWidth(m)) +
+                               " (model.moe.ffn): each expert is split as the MLP is");
   }
   if (p.tp > 1) {
     if (m.heads % p.tp != 0) problem("parallel.tp", "parallel.tp=" + S(p.tp) + " does not divide model.heads=" + S(m.heads));

@@ -54,7 +54,7 @@ std::vector<ParamShape> ModelShapes(const ModelSpec& m, int tp) {
         // The router, the stacked experts' w1, w3 and w2, the shared experts' (common/model_family.h).
         const int64_t experts = m.moe.experts, fe = MoeFfnWidth(m), fs = int64_t{m.moe.shared_experts} * fe;
         out.push_back({experts * d, Split::kWhole, l, false, false});
-        for (int i = 0; i < 3; ++i) out.push_back({experts * fe * d, Split::kWhole, l, false, false});
+        for (Split s : {Split::kRows, Split::kRows, Split::kCols}) out.push_back({experts * fe * d, s, l, false, false});
         if (fs > 0) {
           for (Split s : {Split::kRows, Split::kRows, Split::kCols}) out.push_back({fs * d, s, l, false, false});
         }
@@ -256,7 +256,7 @@ int64_t CudaLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointi
 // outputs in token order (fp32), the orders' indices; the shared experts as an MLP of their width.
 int64_t MoeLayerExtraBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointing ac, int a, bool cpu) {
   if (ac == ActivationCheckpointing::kFull) return 0;
-  const int64_t N = s.b * s.T, k = m.moe.top_k, R = N * k, E = m.moe.experts, fe = MoeFfnWidth(m);
+  const int64_t N = s.b * s.T, k = m.moe.top_k, R = N * k, E = m.moe.experts, fe = MoeFfnWidth(m) / s.tp;
   const int64_t fs = int64_t{m.moe.shared_experts} * fe;
   const int64_t fp32 = N * E * (m.moe.z_loss_coef > 0 ? 2 : 1) + 2 * N * k + R * s.d;
   const int64_t in_a = R * s.d + 4 * R * fe + 4 * N * fs;

@@ -255,10 +255,11 @@ class MoeLayoutsTest : public ParallelLayoutsTest {
   }
 };
 
-// The MoE layouts without tensor parallelism (which MoE blocks do not take yet): data parallel and
-// ZeRO, pipelines, full recomputation (whose recomputed blocks count their routes once), micro-batches
-// of one sequence (Dp8Zero3, 4 accumulated), and the router bias (DeepSeek-V3's balance, from counts
-// summed over the data-parallel ranks), against the one-process run with the same balance.
+// The MoE layouts: data parallel and ZeRO, tensor parallel (each expert split as the MLP is, the
+// router whole with its gradient summed over tp) with and without sequence parallelism, pipelines,
+// full recomputation (whose recomputed blocks count their routes once), micro-batches of one sequence
+// (Dp8Zero3, 4 accumulated), and the router bias (DeepSeek-V3's balance, from counts summed over the
+// data-parallel ranks), against the one-process run with the same balance.
 TEST_F(MoeLayoutsTest, Dp2) { ExpectMatchesReference("dp2", 2, ""); }
 TEST_F(MoeLayoutsTest, Dp2Zero1) { ExpectMatchesReference("dp2_zero1", 2, "--set parallel.zero=1"); }
 TEST_F(MoeLayoutsTest, Dp2Zero3) { ExpectMatchesReference("dp2_zero3", 2, "--set parallel.zero=3"); }
@@ -273,6 +274,12 @@ TEST_F(MoeLayoutsTest, Dp2Pp2Zero1) {
 TEST_F(MoeLayoutsTest, Dp8Zero3) {
   ExpectMatchesReference("dp8_zero3", 8, "--set parallel.zero=3 --set training.micro_batch=1");
 }
+TEST_F(MoeLayoutsTest, Tp2) { ExpectMatchesReference("tp2", 2, "--set parallel.tp=2"); }
+TEST_F(MoeLayoutsTest, Tp2SequenceParallel) {
+  ExpectMatchesReference("tp2_sp", 2, "--set parallel.tp=2 --set parallel.sequence_parallel=true");
+}
+TEST_F(MoeLayoutsTest, Dp2Tp2) { ExpectMatchesReference("dp2_tp2", 4, "--set parallel.tp=2"); }
+TEST_F(MoeLayoutsTest, Tp2Pp2) { ExpectMatchesReference("tp2_pp2", 4, "--set parallel.tp=2 --set parallel.pp=2"); }
 TEST_F(MoeLayoutsTest, Dp2Zero3FullCheckpointing) {
   ExpectMatchesReference("dp2_zero3_full", 2, "--set parallel.zero=3 --set parallel.activation_checkpointing=full");
 }
@@ -299,6 +306,24 @@ TEST_F(MoeLayoutsTest, RouterBiasesResumeFromACheckpoint) {
   auto pa = Params(full / "params.bin"), pb = Params(resumed / "params.bin");
   ASSERT_EQ(pa.size(), pb.size());
   for (const auto& [key, values] : pa) EXPECT_EQ(values, pb[key]) << key;
+}
+
+// A checkpoint of the experts split over tp 2 resumes in one process (the slices put together): the
+// last 10 steps as the one-process run's, within the suite's tolerance.
+TEST_F(MoeLayoutsTest, ACheckpointAtTp2ResumesInOneProcess) {
+  const fs::path ref = Reference("");
+  const fs::path first = Run("tp2_first", 2, "--set parallel.tp=2 --set checkpoint.every=10 --set checkpoint.keep=5");
+  const fs::path resumed = Run("tp1_second", 1, "--set checkpoint.resume_from=" + (first / "ck" / "step-10").string());
+  std::vector<double> a = Losses(ref / "log0"), b = Losses(resumed / "log0");
+  ASSERT_EQ(a.size(), 20u);
+  ASSERT_EQ(b.size(), 10u) << std::ifstream(resumed / "log0").rdbuf();
+  for (size_t i = 0; i < b.size(); ++i) EXPECT_NEAR(a[10 + i], b[i], 1e-4 * a[10 + i]) << "step " << i + 11;
+  auto pa = Params(ref / "params.bin"), pb = Params(resumed / "params.bin");
+  ASSERT_EQ(pa.size(), pb.size());
+  for (const auto& [key, values] : pa) {
+    ASSERT_EQ(values.size(), pb[key].size()) << key;
+    for (size_t i = 0; i < values.size(); ++i) ASSERT_NEAR(values[i], pb[key][i], 1e-4) << key << " " << i;
+  }
 }
 
 // The balance, on English (the GPL's text as bytes; the suite's synthetic letters carry too little for

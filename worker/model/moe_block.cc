@@ -89,7 +89,10 @@ torch::Tensor ModelShard::MoeBranch(int layer, const torch::Tensor& m) {
       ++z_terms_;
       aux_total = aux_total.defined() ? aux_total + z * moe.z_loss_coef : z * moe.z_loss_coef;
     }
-    if (aux_total.defined() && aux_total.requires_grad()) y = AuxLossScaler::apply(y, aux_total, aux_scale_);
+    // Every tp rank routes the same tokens and adds the losses' gradients, which the tp sums then add up.
+    if (aux_total.defined() && aux_total.requires_grad()) {
+      y = AuxLossScaler::apply(y, aux_total, aux_scale_ / spec_.layout.tp);
+    }
   }
   return y.view(m.sizes());
 }

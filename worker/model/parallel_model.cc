@@ -100,13 +100,25 @@ torch::Tensor PerParameterInit(const ModelSpec& c, const std::string& name, cons
   return torch::empty(shape, options).normal_(0.0, init.stddev, generator);
 }
 
+// The dimension a split divides (kQkvRows: the first, by thirds; kReplicated: none, -1).
+int SplitDim(TpSplit split) {
+  switch (split) {
+    case TpSplit::kRows: case TpSplit::kQkvRows: return 0;
+    case TpSplit::kCols: case TpSplit::kExpertRows: return 1;
+    case TpSplit::kExpertCols: return 2;
+    case TpSplit::kReplicated: break;
+  }
+  return -1;
+}
+
 }  // namespace
 
 torch::Tensor Slice(const torch::Tensor& full, TpSplit split, int tp, int r) {
   switch (split) {
     case TpSplit::kReplicated: return full.detach().clone();
     case TpSplit::kRows: return full.detach().chunk(tp, 0)[r].clone();
-    case TpSplit::kCols: return full.detach().chunk(tp, 1)[r].contiguous();
+    case TpSplit::kCols: case TpSplit::kExpertRows: case TpSplit::kExpertCols:
+      return full.detach().chunk(tp, SplitDim(split))[r].contiguous();
     case TpSplit::kQkvRows: {
       std::vector<int64_t> shape = full.sizes().vec();
       const int64_t c = shape[0] / 3;
@@ -125,6 +137,9 @@ TpSplit SplitOf(const ModelSpec& c, const std::string& name, int tp) {
   if (tp <= 1) return TpSplit::kReplicated;
   auto ends = [&](const std::string& suffix) { return EndsWith(name, suffix); };
   if (LlamaBlock(c)) {
+    // An MoE block's experts: each split as the MLP's matrices are (the router stays whole).
+    if (ends(".experts.w1.weight") || ends(".experts.w3.weight")) return TpSplit::kExpertRows;
+    if (ends(".experts.w2.weight")) return TpSplit::kExpertCols;
     if (name == "tok_embeddings.weight" || name == "output.weight" || ends(".wq.weight") || ends(".wq.bias") ||
         ends(".w1.weight") || ends(".w3.weight")) {
       return TpSplit::kRows;
@@ -147,8 +162,10 @@ torch::Tensor Unslice(const std::vector<torch::Tensor>& slices, TpSplit split, c
   int dim = 0;
   switch (split) {
     case TpSplit::kReplicated: return slices[0].reshape(full_shape);
-    case TpSplit::kRows: local[0] /= tp; break;
-    case TpSplit::kCols: local[1] /= tp; dim = 1; break;
+    case TpSplit::kRows: case TpSplit::kCols: case TpSplit::kExpertRows: case TpSplit::kExpertCols:
+      dim = SplitDim(split);
+      local[dim] /= tp;
+      break;
     case TpSplit::kQkvRows: {
       // Each slice holds its share of q, k and v: [3, c/tp, ...] side by side along the second dim.
       local.insert(local.begin(), 3);
@@ -168,9 +185,9 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelShardSpec& s
   const int tp_size = spec.layout.tp;
   const bool llama = LlamaBlock(c);
   if (tp_size != tp->size()) return InvalidArgument("tp group size differs from parallel.tp");
-  if (c.moe.experts > 0 && tp_size > 1) {
-    return InvalidArgument("model.moe with parallel.tp=" + std::to_string(tp_size) +
-                           ": the experts are not split over tensor-parallel ranks yet; use parallel.tp=1");
+  if (c.moe.experts > 0 && MoeFfnWidth(c) % tp_size != 0) {
+    return InvalidArgument("parallel.tp=" + std::to_string(tp_size) + " must divide the experts' width " +
+                           std::to_string(MoeFfnWidth(c)) + " (model.moe.ffn)");
   }
   if (c.heads % tp_size != 0 || c.vocab % tp_size != 0 || FfnWidth(c) % tp_size != 0) {
     return InvalidArgument("parallel.tp=" + std::to_string(tp_size) + " must divide model.heads=" +
@@ -246,7 +263,9 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelShardSpec& s
     // key/value heads than tp), qwen3's per-head norms of q and k.
     const bool per_head = tp_size > 1 && (EndsWith(name, "q_norm.weight") || EndsWith(name, "k_norm.weight"));
     const bool kv_whole = shard->kv_replicated_ && KvParam(name);
-    p.tp_partial = kv_whole || per_head || (spec.layout.sequence_parallel && p.split == TpSplit::kReplicated);
+    // An MoE router's gradient: each tp rank's gates weigh its partial sums of the experts' outputs.
+    const bool router = tp_size > 1 && EndsWith(name, ".router.weight");
+    p.tp_partial = kv_whole || per_head || router || (spec.layout.sequence_parallel && p.split == TpSplit::kReplicated);
     p.counts_for_norm = exported && (p.split != TpSplit::kReplicated || spec.coords.tp == 0);
     p.exported = exported;
     p.unit = unit;
@@ -352,7 +371,8 @@ void ModelShard::Unit(int unit, bool before) {
 bool ModelShard::SplitsBatch(int64_t batch, bool recording) const {
   const Layout& l = spec_.layout;
   const bool full_recompute = l.activation_checkpointing == ActivationCheckpointing::kFull && recording;
-  return spec_.tp_split_batch && l.tp > 1 && !l.sequence_parallel && batch >= 2 && !full_recompute && !hooks_.output;
+  return spec_.tp_split_batch && l.tp > 1 && !l.sequence_parallel && batch >= 2 && !full_recompute && !hooks_.output &&
+         moe_layers_.empty();
 }
 
 bool ModelShard::Selective() const {
@@ -471,6 +491,8 @@ ModelShard::BranchPartial ModelShard::TpBranch(int layer, int branch, const torc
       return {x_res, NoBiasLinear(y, P(layer, "wo.weight")), {}};
     }
     auto [m_local, r_res] = RmsNorm(x, P(layer, "ffn_norm.weight"), spec_.config.norm_eps, Selective());
+    // An MoE block: every tp rank routes the whole sequence alike, its experts' slices give partial sums.
+    if (IsMoeLayer(spec_.config, layer)) return {r_res, MoeBranch(layer, Enter(m_local)), {}};
     auto [g, u] = LlamaGateUp(layer, m_local);
     const torch::Tensor& w2 = P(layer, "w2.weight");
     if (Selective() && FusedLlamaOpsAvailable(g) && FusedLinearAvailable(g, w2)) {
@@ -754,7 +776,15 @@ StatusOr<torch::Tensor> ModelShard::GatherFull(const ShardParam& p, const torch:
   torch::Tensor g = out.view(stacked);  // [n, local...]
   switch (p.split) {
     case TpSplit::kRows: return g.reshape(p.full_shape);
-    case TpSplit::kCols: return g.permute({1, 0, 2}).reshape(p.full_shape);
+    case TpSplit::kCols: case TpSplit::kExpertRows: case TpSplit::kExpertCols: {
+      // [n, local...]: the slices' dimension next to the one they split.
+      const int dim = SplitDim(p.split);
+      std::vector<int64_t> perm;
+      for (int i = 1; i <= dim; ++i) perm.push_back(i);
+      perm.push_back(0);
+      for (int64_t i = dim + 1; i < g.dim(); ++i) perm.push_back(i);
+      return g.permute(perm).reshape(p.full_shape);
+    }
     case TpSplit::kQkvRows: {
       std::vector<int64_t> qkv = {n, 3, shape[0] / 3};
       for (size_t i = 1; i < shape.size(); ++i) qkv.push_back(shape[i]);

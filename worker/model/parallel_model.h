@@ -86,7 +86,10 @@ torch::Tensor StochasticRoundedAdd(const torch::Tensor& x, const torch::Tensor& 
 // LayerOf: common/model_family.h.)
 GptConfig GptConfigOf(const ModelSpec& config);
 
-enum class TpSplit { kReplicated, kRows, kCols, kQkvRows };
+// kRows and kCols split a matrix's first or second dimension; kExpertRows and kExpertCols a stack of
+// experts' matrices [experts, rows, cols] along its second or third (each expert split as an MLP's
+// matrix is).
+enum class TpSplit { kReplicated, kRows, kCols, kQkvRows, kExpertRows, kExpertCols };
 
 // How full-model parameter `name` is split over the ranks of a tp group of `tp` (kReplicated for 1).
 TpSplit SplitOf(const ModelSpec& config, const std::string& name, int tp);
@@ -179,7 +182,8 @@ class ModelShard {
   // The MoE blocks this rank holds, in order.
   const std::vector<int>& MoeLayers() const { return moe_layers_; }
   // The gradient the router's balance and z losses get in backward, for a loss of 1 in the LM loss:
-  // 1/(the micro-batches a step accumulates), as the trainer divides the LM loss.
+  // 1/(the micro-batches a step accumulates), as the trainer divides the LM loss (and by tp here: every
+  // tp rank adds the same gradients).
   void set_aux_scale(double scale) { aux_scale_ = scale; }
   // The routed assignments each expert of each MoE block got since the last call, counted while
   // autograd records (the step's training micro-batches; a block recomputed under full activation
