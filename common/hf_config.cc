@@ -32,7 +32,10 @@ const std::set<std::string> kKnownKeys = {
     "activation_function", "layer_norm_epsilon", "resid_pdrop", "embd_pdrop",     "attn_pdrop",
     "scale_attn_weights", "summary_type", "summary_use_proj",  "summary_activation", "summary_proj_to_labels",
     "summary_first_dropout", "reorder_and_upcast_attn", "scale_attn_by_inverse_layer_idx", "task_specific_params",
-    "layer_types",        "id2label",     "label2id",          "rope_parameters"};
+    "layer_types",        "id2label",     "label2id",          "rope_parameters",
+    // Qwen3-MoE's and Mixtral's (ReadMoe)
+    "num_experts",        "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "decoder_sparse_step",
+    "mlp_only_layers",    "norm_topk_prob", "router_aux_loss_coef", "output_router_logits", "router_jitter_noise"};
 
 // A number of the configuration: InvalidArgument naming the key where it is missing (and required)
 // or not a number.
@@ -247,6 +250,64 @@ StatusOr<HfModelConfig> ReadLlamaBlock(const Json& j, const ConfigReader& c, con
   return out;
 }
 
+// A mixture of experts of the Llama block (Qwen3-MoE, Mixtral): model.moe from its keys, after
+// ReadLlamaBlock has read the rest (Mixtral's intermediate_size is its experts' width; Qwen3-MoE's is
+// its dense blocks').
+StatusOr<HfModelConfig> ReadMoe(const Json& j, const ConfigReader& c, const MoeArchitecture& a, HfModelConfig out) {
+  ModelSpec& m = out.model;
+  MoeSpec& moe = m.moe;
+  const bool qwen = a.arch == Arch::kQwen3;
+  LTRAIN_ASSIGN_OR_RETURN(int64_t experts, c.Int(qwen ? "num_experts" : "num_local_experts"));
+  LTRAIN_ASSIGN_OR_RETURN(int64_t top_k, c.Int("num_experts_per_tok"));
+  if (experts < 2 || top_k < 1 || top_k > experts) {
+    return c.Refuse("num_experts_per_tok", "=" + std::to_string(top_k) + " of " + std::to_string(experts) +
+                                               " experts: ltrain routes each token to 1 to all of at least 2 experts");
+  }
+  moe.experts = static_cast<int>(experts);
+  moe.top_k = static_cast<int>(top_k);
+  // transformers' defaults where the file leaves a key out.
+  LTRAIN_ASSIGN_OR_RETURN(moe.aux_loss_coef, c.Number("router_aux_loss_coef", 0.001));
+  if (qwen) {
+    LTRAIN_ASSIGN_OR_RETURN(int64_t width, c.Int("moe_intermediate_size"));
+    moe.ffn = static_cast<int>(width);
+    int64_t step = 1;
+    if (c.Has("decoder_sparse_step")) {
+      LTRAIN_ASSIGN_OR_RETURN(step, c.Int("decoder_sparse_step"));
+    }
+    if (step < 1) return c.Refuse("decoder_sparse_step", "=" + std::to_string(step) + " must be at least 1");
+    moe.every = static_cast<int>(step);
+    if (c.Has("mlp_only_layers")) {
+      const Json& dense = j.at("mlp_only_layers");
+      if (!dense.is_array()) return c.Refuse("mlp_only_layers", "is " + dense.dump() + ", not a list of layers");
+      for (const Json& layer : dense) {
+        if (!layer.is_number_integer() || layer.get<int64_t>() < 0 || layer.get<int64_t>() >= m.layers) {
+          return c.Refuse("mlp_only_layers", "names " + layer.dump() + ", not a layer of the " +
+                                                 std::to_string(m.layers));
+        }
+        moe.dense_layers.push_back(layer.get<int>());
+      }
+    }
+    LTRAIN_ASSIGN_OR_RETURN(moe.norm_topk, c.Bool("norm_topk_prob", false));
+  } else {
+    // Every block a mixture; the gates always divided by their sum.
+    moe.ffn = m.ffn;
+    moe.norm_topk = true;
+    LTRAIN_ASSIGN_OR_RETURN(double jitter, c.Number("router_jitter_noise", 0));
+    if (jitter != 0) {
+      return c.Refuse("router_jitter_noise", "=" + Shortest(jitter) + " is not supported: ltrain routes without "
+                                             "noise (transformers adds it in training only); set it to 0");
+    }
+  }
+  out.notes.push_back(out.path + ": router_aux_loss_coef=" + Shortest(moe.aux_loss_coef) +
+                      " weighs ltrain's sequence-wise balance loss (DeepSeek-V3's, 1 at an even load), where "
+                      "transformers' load_balancing_loss_func pools the batch: the same aim, other values");
+  for (const char* key : {"model.moe.experts", "model.moe.top_k", "model.moe.ffn", "model.moe.every",
+                          "model.moe.dense_layers", "model.moe.norm_topk", "model.moe.aux_loss_coef"}) {
+    out.keys.push_back(key);
+  }
+  return out;
+}
+
 StatusOr<HfModelConfig> ReadGpt2(const ConfigReader& c, HfModelConfig out) {
   ModelSpec& m = out.model;
   m.arch = Arch::kGpt2;
@@ -318,12 +379,14 @@ StatusOr<HfModelConfig> ReadHfModelConfig(const std::string& dir, int seq_len) {
     return c.Refuse("architectures", "must name one architecture, e.g. [\"LlamaForCausalLM\"]");
   }
   out.architecture = j.at("architectures")[0].get<std::string>();
-  const ModelFamily* family = FamilyOfHfArchitecture(out.architecture);
+  const MoeArchitecture* moe = MoeArchitectureOfHf(out.architecture);
+  const ModelFamily* family = moe != nullptr ? &FamilyOf(moe->arch) : FamilyOfHfArchitecture(out.architecture);
   if (family == nullptr) {
     return c.Refuse("architectures", "names " + out.architecture + ", which ltrain does not build; it builds " +
                                          HfArchitectureList());
   }
   StatusOr<HfModelConfig> read = family->llama_block ? ReadLlamaBlock(j, c, *family, out, seq_len) : ReadGpt2(c, out);
+  if (read.ok() && moe != nullptr) read = ReadMoe(j, c, *moe, std::move(*read));
   if (!read.ok()) return read.status();
   std::string unknown;
   for (const auto& [key, value] : j.items()) {
@@ -360,7 +423,14 @@ RecipeParseResult WithHfModelConfig(RecipeParseResult parsed, const std::string&
       }
       continue;
     }
-    root["model"][key.substr(key.find('.') + 1)] = YAML::Load(want.at(key));
+    // model.KEY, or model.SECTION.KEY (model.moe's).
+    const std::string rest = key.substr(key.find('.') + 1);
+    const size_t dot = rest.find('.');
+    if (dot == std::string::npos) {
+      root["model"][rest] = YAML::Load(want.at(key));
+    } else {
+      root["model"][rest.substr(0, dot)][rest.substr(dot + 1)] = YAML::Load(want.at(key));
+    }
   }
   if (!contradictions.empty()) {
     parsed.errors = contradictions;

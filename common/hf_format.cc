@@ -78,6 +78,33 @@ std::string HfConfigJson(const ModelSpec& m, int64_t bos, int64_t eos) {
     j["tie_word_embeddings"] = m.tie_embeddings;
     j["bos_token_id"] = id(bos);
     j["eos_token_id"] = id(eos);
+    if (const MoeArchitecture* moe = m.moe.experts > 0 ? MoeArchitectureOf(m.arch) : nullptr) {
+      // A mixture of experts (HfExportProblem says which ones transformers builds).
+      j["architectures"] = Json::array({std::string(moe->hf_architecture)});
+      j["model_type"] = std::string(moe->hf_model_type);
+      j["num_experts_per_tok"] = m.moe.top_k;
+      j["router_aux_loss_coef"] = m.moe.aux_loss_coef;
+      j["output_router_logits"] = false;
+      if (moe->arch == Arch::kQwen3) {
+        j["num_experts"] = m.moe.experts;
+        j["moe_intermediate_size"] = MoeFfnWidth(m);
+        j["norm_topk_prob"] = m.moe.norm_topk;
+        j["decoder_sparse_step"] = m.moe.every;
+        // The first dense blocks among the dense ones (first_dense a multiple of every: the same pattern).
+        std::vector<int> dense;
+        for (int l = 0; l < m.layers; ++l) {
+          if (!IsMoeLayer(m, l) && (l + 1) % m.moe.every == 0) dense.push_back(l);
+        }
+        j["mlp_only_layers"] = dense;
+      } else {
+        j["num_local_experts"] = m.moe.experts;
+        j["intermediate_size"] = MoeFfnWidth(m);
+        j["router_jitter_noise"] = 0.0;
+        j["sliding_window"] = nullptr;
+        j.erase("mlp_bias");
+        j.erase("attention_bias");
+      }
+    }
   } else {
     j["architectures"] = Json::array({"GPT2LMHeadModel"});
     j["model_type"] = "gpt2";
@@ -138,6 +165,36 @@ StatusOr<std::map<std::string, std::string>> SafetensorsTensorFiles(const std::s
     for (const SafetensorsEntry& e : f->tensors()) out[e.name] = file;
   }
   return out;
+}
+
+std::string HfExportProblem(const ModelSpec& m) {
+  const MoeSpec& moe = m.moe;
+  if (moe.experts == 0) return "";
+  const MoeArchitecture* target = MoeArchitectureOf(m.arch);
+  if (target == nullptr) {
+    return "transformers has no mixture of experts of " + std::string(NameOf(m.arch)) +
+           "'s block (Qwen2-MoE gates its shared expert): train it as qwen3 (Qwen3-MoE) or llama (Mixtral)";
+  }
+  const std::string name(target->hf_architecture);
+  if (moe.shared_experts > 0) return name + " has no shared experts (model.moe.shared_experts)";
+  if (moe.score != MoeScore::kSoftmax) return name + " scores its router by softmax (model.moe.score is sigmoid)";
+  if (moe.route_scale != 1) return name + " does not scale its gates (model.moe.route_scale)";
+  if (moe.balance == MoeBalance::kBias) {
+    return name + " has no router bias: the exported model would route otherwise; train with model.moe.balance: "
+                  "aux_loss or none";
+  }
+  if (target->arch == Arch::kQwen3) {
+    if (moe.first_dense % moe.every != 0) {
+      return name + " makes block l sparse where (l + 1) is a multiple of decoder_sparse_step: model.moe.first_dense=" +
+             std::to_string(moe.first_dense) + " must be a multiple of model.moe.every=" + std::to_string(moe.every);
+    }
+    return "";
+  }
+  for (int l = 0; l < m.layers; ++l) {
+    if (!IsMoeLayer(m, l)) return name + " makes every block a mixture: block " + std::to_string(l) + " is dense";
+  }
+  if (!moe.norm_topk) return name + " always divides the gates by their sum (model.moe.norm_topk is false)";
+  return "";
 }
 
 Status CheckHfTensors(const std::string& path, const ModelSpec& model) {

@@ -26,7 +26,12 @@ struct HfName {
 // family's own architecture). A tied head has no entry of its own.
 std::vector<HfName> HfNames(const ModelSpec& model);
 
-// config.json for the model; `bos`/`eos` are the tokenizer's ids, -1 for none.
+// Why transformers cannot build the model as ltrain trains it (a mixture of experts with a shared
+// expert, a router bias, sigmoid scores, ...); empty when it can.
+std::string HfExportProblem(const ModelSpec& model);
+
+// config.json for the model (a mixture of experts as its family's: Qwen3-MoE, Mixtral); `bos`/`eos`
+// are the tokenizer's ids, -1 for none.
 std::string HfConfigJson(const ModelSpec& model, int64_t bos, int64_t eos);
 
 // Safetensors files of a directory written by `ltrain export` or transformers' save_pretrained

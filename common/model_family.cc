@@ -93,6 +93,24 @@ const ModelFamily& FamilyOf(Arch arch) {
   throw std::logic_error("FamilyOf: an architecture without a family");
 }
 
+constexpr std::array<MoeArchitecture, 2> kMoeArchitectures = {{
+    {"Qwen3MoeForCausalLM", "qwen3_moe", Arch::kQwen3},
+    {"MixtralForCausalLM", "mixtral", Arch::kMistral},
+}};
+
+const MoeArchitecture* MoeArchitectureOfHf(std::string_view architecture) {
+  for (const MoeArchitecture& a : kMoeArchitectures) {
+    if (a.hf_architecture == architecture) return &a;
+  }
+  return nullptr;
+}
+
+const MoeArchitecture* MoeArchitectureOf(Arch arch) {
+  if (arch == Arch::kQwen3) return &kMoeArchitectures[0];
+  if (arch == Arch::kLlama || arch == Arch::kMistral) return &kMoeArchitectures[1];
+  return nullptr;
+}
+
 const ModelFamily* FamilyOfHfArchitecture(std::string_view architecture) {
   for (const ModelFamily& f : kFamilies) {
     if (f.hf_architecture == architecture) return &f;
@@ -103,6 +121,7 @@ const ModelFamily* FamilyOfHfArchitecture(std::string_view architecture) {
 std::string HfArchitectureList() {
   std::string out;
   for (const ModelFamily& f : kFamilies) out += (out.empty() ? "" : ", ") + std::string(f.hf_architecture);
+  for (const MoeArchitecture& a : kMoeArchitectures) out += ", " + std::string(a.hf_architecture);
   return out;
 }
 

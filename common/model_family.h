@@ -34,6 +34,20 @@ struct ModelFamily {
 };
 
 const ModelFamily& FamilyOf(Arch arch);
+
+// transformers' mixtures of experts of the Llama block, and the family each is a mixture of:
+// Qwen3MoeForCausalLM (qwen3_moe) of qwen3's block, MixtralForCausalLM (mixtral) of a windowless
+// Mistral's (a Llama's). A model with model.moe is exported as its family's (a llama's and a mistral's
+// as Mixtral); qwen2's has none (Qwen2-MoE gates its shared expert).
+struct MoeArchitecture {
+  std::string_view hf_architecture;
+  std::string_view hf_model_type;
+  Arch arch;
+};
+// Null where `architecture` is none of them.
+const MoeArchitecture* MoeArchitectureOfHf(std::string_view architecture);
+// The one `arch` is exported as; null for qwen2 and gpt2.
+const MoeArchitecture* MoeArchitectureOf(Arch arch);
 // The family transformers builds as `architecture` ("Qwen2ForCausalLM"); null where none is.
 const ModelFamily* FamilyOfHfArchitecture(std::string_view architecture);
 // "LlamaForCausalLM, MistralForCausalLM, ...": for errors.

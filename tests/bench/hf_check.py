@@ -10,7 +10,8 @@
              (data.sampling torch, so that the batch is the one torch.randint draws): ltrain's first loss
              against the reference model's on that batch, in float64.
   hub        Hub models' config.json (Llama 3.2 1B's with its RoPE scaling, Qwen2.5 0.5B's, Qwen3 0.6B's,
-             Mistral 7B v0.1's; 2 layers, random weights) built by transformers and saved with
+             Mistral 7B v0.1's, and the mixtures of experts Qwen3-MoE and Mixtral narrowed; 2 layers, random
+             weights) built by transformers and saved with
              save_pretrained, imported with `model.init_from` alone: `ltrain generate --score` against
              transformers' log-probabilities in fp32 and bf16; then trained 50 steps in two layouts,
              exported, loaded by transformers and compared again.
@@ -244,7 +245,27 @@ HUB_CONFIGS = {
         "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
         "num_attention_heads": 32, "num_hidden_layers": 2, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
         "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False, "vocab_size": 32000},
+    # Mixtures of experts: Qwen3-MoE (Qwen3-30B-A3B's block, narrowed) and Mixtral (8x7B's, narrowed).
+    "qwen3-moe": {
+        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+        "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645,
+        "head_dim": 64, "hidden_act": "silu", "hidden_size": 512, "initializer_range": 0.02,
+        "intermediate_size": 1536, "max_position_embeddings": 40960, "max_window_layers": 2, "mlp_only_layers": [],
+        "moe_intermediate_size": 256, "norm_topk_prob": True, "num_attention_heads": 8, "num_experts": 8,
+        "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_key_value_heads": 4, "output_router_logits": False,
+        "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+        "sliding_window": None, "tie_word_embeddings": False, "use_sliding_window": False, "vocab_size": 151936},
+    "mixtral": {
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "attention_dropout": 0.0,
+        "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 512, "initializer_range": 0.02,
+        "intermediate_size": 1024, "max_position_embeddings": 32768, "num_attention_heads": 8,
+        "num_experts_per_tok": 2, "num_hidden_layers": 2, "num_key_value_heads": 4, "num_local_experts": 8,
+        "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.02, "router_jitter_noise": 0.0, "sliding_window": None,
+        "tie_word_embeddings": False, "vocab_size": 32000},
 }
+# The family (model.arch) ltrain derives from a model_type of its own.
+ARCH_OF_MODEL_TYPE = {"qwen3_moe": "qwen3", "mixtral": "mistral"}
 
 # The two layouts each model trains in on one GPU: as it comes, and with full activation checkpointing
 # (every block recomputed in backward). Layouts of several ranks run in the CPU equivalence suite.
@@ -339,7 +360,8 @@ def hub_part(a, work):
         model = model.to(a.device).eval()
         hf16 = AutoModelForCausalLM.from_pretrained(hf_dir, torch_dtype=torch.bfloat16).to(a.device).eval()
         derived = ("rope_scaling: llama3" in validated) == ("rope_scaling" in config and config["rope_scaling"] is not None)
-        derived = derived and f"arch: {saved['model_type']}" in validated if saved["model_type"] != "llama" else derived
+        arch = ARCH_OF_MODEL_TYPE.get(saved["model_type"], saved["model_type"])
+        derived = derived and f"arch: {arch}" in validated if arch != "llama" else derived
         keys = ", ".join(k for k in ("rope_parameters", "rope_scaling") if k in saved)
         compare(f"hub {name} import", ck, model, hf16, prompts)
         if not derived:

@@ -84,6 +84,53 @@ class LlamaTest : public ::testing::Test {
 TempDir* LlamaTest::dir_ = nullptr;
 std::string* LlamaTest::prepare_output_ = nullptr;
 
+// A mixture of experts (Qwen3's block with model.moe) exports as transformers' Qwen3-MoE, one tensor an
+// expert, and comes back through model.init_from (its config.json read into model.moe, the experts
+// stacked again) in another layout: with lr 0, exported again, the same bytes.
+TEST_F(LlamaTest, AMixtureOfExpertsExportsAsQwen3MoeAndImportsBack) {
+  const std::string data = "data.path=" + dir_->Join("bpe");
+  const std::vector<std::string> moe = {data, "model.arch=qwen3", "model.tie_embeddings=false", "model.moe.experts=4",
+                                        "model.moe.top_k=2", "model.moe.ffn=64", "model.moe.every=2"};
+  std::vector<std::string> sets = moe;
+  for (const char* s : {"name=moe-a", "training.steps=10", "training.eval_every=0", "checkpoint.every=10"}) sets.push_back(s);
+  sets.push_back("checkpoint.dir=" + dir_->Join("ck-moe-a"));
+  ProcessResult trained = Launch(Quickstart(), sets);
+  ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  EXPECT_NE(trained.output.find(" moe_load_max "), std::string::npos) << trained.output;
+
+  const std::string step = dir_->Join("ck-moe-a/step-10");
+  ProcessResult exported = RunProcess({LtrainBinary(), "export", step, "--output", dir_->Join("hf-moe-a")}, Env());
+  ASSERT_EQ(exported.exit_code, 0) << exported.output;
+  Json config = Json::parse(ReadFile(dir_->Join("hf-moe-a/config.json")));
+  EXPECT_EQ(config["architectures"][0], "Qwen3MoeForCausalLM");
+  EXPECT_EQ(config["model_type"], "qwen3_moe");
+  EXPECT_EQ(config["num_experts"], 4);
+  EXPECT_EQ(config["moe_intermediate_size"], 64);
+  EXPECT_EQ(config["decoder_sparse_step"], 2);
+  std::map<std::string, std::string> a = Tensors(dir_->Join("hf-moe-a"));
+  // Blocks 1 and 3 of 4 are mixtures: each a router and 4 experts of 3 tensors.
+  EXPECT_TRUE(a.count("model.layers.1.mlp.gate.weight"));
+  EXPECT_TRUE(a.count("model.layers.3.mlp.experts.3.down_proj.weight"));
+  EXPECT_TRUE(a.count("model.layers.0.mlp.gate_proj.weight"));
+  EXPECT_EQ(a["model.layers.1.mlp.experts.0.gate_proj.weight"].size(), 64u * 128 * 4);
+
+  sets = moe;
+  for (const char* s : {"name=moe-b", "training.steps=2", "training.lr=0", "training.min_lr=0",
+                        "training.weight_decay=0", "training.eval_every=0", "parallel.tp=2"}) {
+    sets.push_back(s);
+  }
+  sets.push_back("model.init_from=" + dir_->Join("hf-moe-a"));
+  sets.push_back("checkpoint.dir=" + dir_->Join("ck-moe-b"));
+  ProcessResult imported = Launch(Quickstart(), sets);
+  ASSERT_EQ(imported.exit_code, 0) << imported.output;
+  ProcessResult reexported =
+      RunProcess({LtrainBinary(), "export", dir_->Join("ck-moe-b"), "--output", dir_->Join("hf-moe-b")}, Env());
+  ASSERT_EQ(reexported.exit_code, 0) << reexported.output;
+  std::map<std::string, std::string> b = Tensors(dir_->Join("hf-moe-b"));
+  ASSERT_EQ(b.size(), a.size());
+  for (const auto& [name, bytes] : a) EXPECT_TRUE(b[name] == bytes) << name;
+}
+
 TEST_F(LlamaTest, TrainExportImportAndGenerate) {
   // The data keeps its tokenizer and says so.
   EXPECT_NE(prepare_output_->find("with the huggingface tokenizer tokenizer.json (vocab 2048)"), std::string::npos)

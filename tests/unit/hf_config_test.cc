@@ -309,6 +309,102 @@ TEST_F(HfConfigTest, AnExportedConfigurationReadsBackAsTheSameModel) {
 }
 
 // A .safetensors file, or a directory without config.json: the recipe's model keys as they are.
+// Qwen3-MoE's configuration (as transformers 5 saves Qwen3MoeConfig, the sizes small) and Mixtral's
+// give model.moe; each writes back as the same model; what transformers cannot build is said.
+constexpr const char* kQwen3Moe = R"({
+  "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "bos_token_id": 151643, "decoder_sparse_step": 2, "eos_token_id": 151645, "head_dim": 32, "hidden_act": "silu",
+  "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 96, "max_position_embeddings": 4096,
+  "max_window_layers": 4, "mlp_only_layers": [3], "model_type": "qwen3_moe", "moe_intermediate_size": 48,
+  "norm_topk_prob": true, "num_attention_heads": 4, "num_experts": 8, "num_experts_per_tok": 2,
+  "num_hidden_layers": 4, "num_key_value_heads": 2, "output_router_logits": false, "rms_norm_eps": 1e-06,
+  "rope_scaling": null, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": null,
+  "tie_word_embeddings": false, "use_cache": true, "use_sliding_window": false, "vocab_size": 256})";
+constexpr const char* kMixtral = R"({
+  "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
+  "head_dim": null, "hidden_act": "silu", "hidden_size": 64, "initializer_range": 0.02, "intermediate_size": 112,
+  "max_position_embeddings": 4096, "model_type": "mixtral", "num_attention_heads": 4, "num_experts_per_tok": 2,
+  "num_hidden_layers": 2, "num_key_value_heads": 2, "num_local_experts": 4, "output_router_logits": false,
+  "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02, "router_jitter_noise": 0.0,
+  "sliding_window": null, "tie_word_embeddings": false, "vocab_size": 256})";
+
+TEST_F(HfConfigTest, MixtureOfExpertsConfigurationsGiveModelMoe) {
+  RecipeParseResult qwen = Load(kQwen3Moe, "seq_len: 64");
+  ASSERT_TRUE(qwen.ok()) << qwen.ErrorText();
+  const ModelSpec& q = qwen.recipe.model;
+  EXPECT_EQ(q.arch, Arch::kQwen3);
+  EXPECT_EQ(q.ffn, 96);
+  EXPECT_EQ(q.moe.experts, 8);
+  EXPECT_EQ(q.moe.top_k, 2);
+  EXPECT_EQ(q.moe.ffn, 48);
+  EXPECT_EQ(q.moe.every, 2);
+  EXPECT_EQ(q.moe.dense_layers, std::vector<int>({3}));
+  EXPECT_TRUE(q.moe.norm_topk);
+  // transformers' rule: block l sparse where (l + 1) % decoder_sparse_step == 0, unless in mlp_only_layers.
+  for (int l = 0; l < 4; ++l) EXPECT_EQ(IsMoeLayer(q, l), l == 1) << l;
+  EXPECT_EQ(HfExportProblem(q), "");
+  ASSERT_EQ(qwen.notes.size(), 1u);
+  EXPECT_NE(qwen.notes[0].find("router_aux_loss_coef=0.001 weighs ltrain's sequence-wise balance loss"),
+            std::string::npos);
+
+  RecipeParseResult mixtral = Load(kMixtral, "seq_len: 64");
+  ASSERT_TRUE(mixtral.ok()) << mixtral.ErrorText();
+  const ModelSpec& x = mixtral.recipe.model;
+  EXPECT_EQ(x.arch, Arch::kMistral);
+  EXPECT_EQ(x.moe.experts, 4);
+  EXPECT_EQ(x.moe.ffn, 112);
+  EXPECT_EQ(x.moe.aux_loss_coef, 0.02);
+  EXPECT_TRUE(IsMoeLayer(x, 0) && IsMoeLayer(x, 1));
+
+  // Written back (as `ltrain export` writes config.json) and read again: the same model.
+  for (const ModelSpec& m : {q, x}) {
+    const fs::path again = dir_ / ("again-" + std::string(NameOf(m.arch)));
+    fs::create_directories(again);
+    std::ofstream(again / "config.json") << HfConfigJson(m, 1, 2);
+    StatusOr<HfModelConfig> read = ReadHfModelConfig(again.string(), 64);
+    ASSERT_TRUE(read.ok()) << read.status().ToString();
+    EXPECT_EQ(ModelShapeDifferences(m, read->model), "") << NameOf(m.arch);
+    EXPECT_EQ(read->model.moe.dense_layers, m.moe.dense_layers);
+    EXPECT_EQ(read->model.moe.norm_topk, m.moe.norm_topk);
+    EXPECT_EQ(read->model.moe.every, m.moe.every);
+  }
+
+  // A pattern with the first blocks dense writes its first blocks into mlp_only_layers.
+  ModelSpec first = q;
+  first.moe.first_dense = 2;
+  first.moe.dense_layers = {};
+  std::ofstream(dir_ / "model" / "config.json") << HfConfigJson(first, 1, 2);
+  StatusOr<HfModelConfig> first_read = ReadHfModelConfig((dir_ / "model").string(), 64);
+  ASSERT_TRUE(first_read.ok()) << first_read.status().ToString();
+  EXPECT_EQ(first_read->model.moe.dense_layers, std::vector<int>({1}));
+  for (int l = 0; l < 4; ++l) EXPECT_EQ(IsMoeLayer(first_read->model, l), IsMoeLayer(first, l)) << l;
+
+  // What transformers cannot build, said with the key.
+  ModelSpec shared = q;
+  shared.moe.shared_experts = 1;
+  EXPECT_NE(HfExportProblem(shared).find("model.moe.shared_experts"), std::string::npos);
+  ModelSpec bias = q;
+  bias.moe.balance = MoeBalance::kBias;
+  EXPECT_NE(HfExportProblem(bias).find("no router bias"), std::string::npos);
+  ModelSpec qwen2 = q;
+  qwen2.arch = Arch::kQwen2;
+  EXPECT_NE(HfExportProblem(qwen2).find("Qwen2-MoE gates its shared expert"), std::string::npos);
+  ModelSpec odd = q;
+  odd.moe.first_dense = 1;
+  EXPECT_NE(HfExportProblem(odd).find("must be a multiple of model.moe.every=2"), std::string::npos);
+  ModelSpec partial = x;
+  partial.moe.first_dense = 1;
+  EXPECT_NE(HfExportProblem(partial).find("block 0 is dense"), std::string::npos);
+
+  // Mixtral's router noise is refused, naming the key.
+  std::string noisy = kMixtral;
+  noisy.replace(noisy.find("\"router_jitter_noise\": 0.0"), 26, "\"router_jitter_noise\": 0.01");
+  RecipeParseResult refused = Load(noisy, "seq_len: 64");
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.ErrorText().find("router_jitter_noise=0.01 is not supported"), std::string::npos)
+      << refused.ErrorText();
+}
+
 TEST_F(HfConfigTest, NoConfigurationLeavesTheRecipeAsItIs) {
   const std::string recipe = (dir_ / "r.yaml").string();
   std::ofstream(recipe) << "model: {init_from: " << (dir_ / "model").string() << ", heads: 8}\ndata: {path: /d}\n";

@@ -233,10 +233,9 @@ int Export(const ToolArgs& args) {
     return loaded.status().code() == StatusCode::kInvalidArgument ? 2 : 1;
   }
   const Recipe& r = (*loaded)->recipe;
-  if (r.model.moe.experts > 0) {
-    std::fprintf(stderr, "ltrain export: %s is a mixture of experts (model.moe): transformers' configuration of "
-                         "one (Qwen3-MoE, Mixtral) is not written yet; its checkpoint resumes and generates as it is\n",
-                 args.checkpoint.c_str());
+  if (const std::string problem = HfExportProblem(r.model); !problem.empty()) {
+    std::fprintf(stderr, "ltrain export: %s cannot be written for transformers: %s\n", args.checkpoint.c_str(),
+                 problem.c_str());
     return 2;
   }
   std::map<std::string, torch::Tensor> ours;
