@@ -244,6 +244,15 @@ std::string FormatJobDetail(const v1::Job& job, int64_t now_unix_ms) {
   }
   if (job.tokens_per_s() > 0) Appendf(&out, "tokens/s:       %.0f\n", job.tokens_per_s());
   if (job.mfu() > 0) Appendf(&out, "mfu:            %.1f%%\n", 100.0 * job.mfu());
+  if (job.has_moe()) {
+    // model.moe: how the last step's assignments fell on the experts.
+    const v1::MoeFigures& f = job.moe();
+    Appendf(&out, "moe load:       busiest expert %.2fx an even share (block %d); %.2fx over the %d MoE blocks",
+            f.load_max(), f.worst_layer(), f.load_mean(), f.layers_size());
+    if (f.aux_loss() >= 0) Appendf(&out, "; balance loss %.3g", f.aux_loss());
+    if (f.z_loss() >= 0) Appendf(&out, "; z-loss %.3g", f.z_loss());
+    out += "\n";
+  }
   if (job.has_fp8()) {
     // parallel.precision fp8: the amax range of each operand kind over rank 0's last step's products.
     const v1::Fp8Figures& f = job.fp8();

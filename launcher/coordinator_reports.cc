@@ -114,7 +114,7 @@ void Coordinator::ApplyProgressLocked(ActiveJob& job, const v1::RankProgress& re
   if (step.step() == job.job.last_step() && step.total_steps() == job.job.total_steps() &&
       step.loss() == job.job.last_loss() && step.tokens_per_s() == job.job.tokens_per_s() &&
       step.mfu() == job.job.mfu() && eta_s == job.job.eta_s() && !new_eval &&
-      step.has_fp8() == job.job.has_fp8()) {
+      step.has_fp8() == job.job.has_fp8() && step.has_moe() == job.job.has_moe()) {
     return;  // nothing new since the last report
   }
   if (step.step() != job.job.last_step()) {
@@ -145,6 +145,11 @@ void Coordinator::ApplyProgressLocked(ActiveJob& job, const v1::RankProgress& re
     *job.job.mutable_fp8() = step.fp8();
   } else {
     job.job.clear_fp8();
+  }
+  if (step.has_moe()) {
+    *job.job.mutable_moe() = step.moe();
+  } else {
+    job.job.clear_moe();
   }
   PersistJobLocked(job);
 }

@@ -177,6 +177,31 @@ std::string PrometheusText(const std::vector<v1::Job>& jobs, const std::vector<v
           "parallel.precision fp8: steps of rank 0's run whose FP8 operands overflowed (an amax not finite).",
           [](const v1::Job& j) { return double(j.fp8().overflow_steps()); }, [](const v1::Job& j) { return j.has_fp8(); });
   {
+    Family family(out, "ltrain_job_moe_load_ratio", "gauge",
+                  "model.moe: the last step's load of the MoE blocks, each its busiest expert's assignments over the "
+                  "mean (1: even): the worst block's (stat max) and the blocks' mean (stat mean).");
+    for (const v1::Job& job : jobs) {
+      if (!job.has_moe()) continue;
+      family.Sample({"job_id", job.id(), "name", job.name(), "stat", "max"}, job.moe().load_max());
+      family.Sample({"job_id", job.id(), "name", job.name(), "stat", "mean"}, job.moe().load_mean());
+    }
+  }
+  {
+    Family family(out, "ltrain_job_moe_layer_load_ratio", "gauge",
+                  "model.moe: the last step's load of each MoE block (its busiest expert's assignments over the mean).");
+    for (const v1::Job& job : jobs) {
+      if (!job.has_moe()) continue;
+      for (int i = 0; i < job.moe().layers_size() && i < job.moe().layer_load_size(); ++i) {
+        family.Sample({"job_id", job.id(), "name", job.name(), "layer", std::to_string(job.moe().layers(i))},
+                      job.moe().layer_load(i));
+      }
+    }
+  }
+  per_job("ltrain_job_moe_aux_loss", "gauge",
+          "model.moe balance aux_loss: the last step's balance loss without its coefficient (1 at an even load).",
+          [](const v1::Job& j) { return j.moe().aux_loss(); },
+          [](const v1::Job& j) { return j.has_moe() && j.moe().aux_loss() >= 0; });
+  {
     Family step(out, "ltrain_rank_step", "gauge", "The step a rank works on.");
     for (const v1::Job& job : jobs) {
       for (const v1::RankInfo& rank : job.ranks()) {

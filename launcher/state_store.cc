@@ -43,7 +43,8 @@ CREATE TABLE IF NOT EXISTS jobs (
   membership_epoch INTEGER NOT NULL DEFAULT 0,
   replacing_rank INTEGER NOT NULL DEFAULT -1,
   members TEXT NOT NULL DEFAULT '',
-  fp8 BLOB NOT NULL DEFAULT x''
+  fp8 BLOB NOT NULL DEFAULT x'',
+  moe BLOB NOT NULL DEFAULT x''
 );
 CREATE TABLE IF NOT EXISTS checkpoints (
   job_id TEXT NOT NULL,
@@ -172,7 +173,7 @@ constexpr const char* kJobColumns =
     "id, name, state, recipe, world_size, generation, cause, created_ms, updated_ms, last_step, last_loss, "
     "restarts, last_committed_step, last_committed_path, nodes_now, last_failure, val_step, val_loss, total_steps, "
     "tokens_per_s, mfu, checkpoint_save_ms, checkpoint_save_bytes, checkpoint_load_ms, recoveries, lost_steps, "
-    "last_recovery_ms, membership_epoch, replacing_rank, members, fp8";
+    "last_recovery_ms, membership_epoch, replacing_rank, members, fp8, moe";
 
 // Columns added after the first release; a database made before them gets them on open.
 constexpr const char* kAddedJobColumns[] = {
@@ -184,7 +185,7 @@ constexpr const char* kAddedJobColumns[] = {
     "checkpoint_load_ms REAL NOT NULL DEFAULT 0", "recoveries INTEGER NOT NULL DEFAULT 0",
     "lost_steps INTEGER NOT NULL DEFAULT 0", "last_recovery_ms REAL NOT NULL DEFAULT 0",
     "membership_epoch INTEGER NOT NULL DEFAULT 0", "replacing_rank INTEGER NOT NULL DEFAULT -1",
-    "members TEXT NOT NULL DEFAULT ''", "fp8 BLOB NOT NULL DEFAULT x''"};
+    "members TEXT NOT NULL DEFAULT ''", "fp8 BLOB NOT NULL DEFAULT x''", "moe BLOB NOT NULL DEFAULT x''"};
 
 v1::Job ReadJob(Statement& s) {
   v1::Job job;
@@ -227,6 +228,8 @@ v1::Job ReadJob(Statement& s) {
   }
   // parallel.precision fp8: the serialized Fp8Figures of the last step (empty: none).
   if (const std::string fp8 = s.Blob(30); !fp8.empty()) job.mutable_fp8()->ParseFromString(fp8);
+  // model.moe: the serialized MoeFigures of the last step (empty: none).
+  if (const std::string moe = s.Blob(31); !moe.empty()) job.mutable_moe()->ParseFromString(moe);
   return job;
 }
 
@@ -381,7 +384,7 @@ Status SqliteStateStore::UpdateJob(const v1::Job& job) {
               "restarts = ?, last_committed_step = ?, last_committed_path = ?, nodes_now = ?, last_failure = ?, "
               "world_size = ?, recipe = ?, val_step = ?, val_loss = ?, total_steps = ?, tokens_per_s = ?, mfu = ?, "
               "checkpoint_save_ms = ?, checkpoint_save_bytes = ?, checkpoint_load_ms = ?, recoveries = ?, lost_steps = ?, "
-              "last_recovery_ms = ?, membership_epoch = ?, replacing_rank = ?, members = ?, fp8 = ? WHERE id = ?");
+              "last_recovery_ms = ?, membership_epoch = ?, replacing_rank = ?, members = ?, fp8 = ?, moe = ? WHERE id = ?");
   s.Bind(1, int64_t{job.state()}).Bind(2, int64_t{job.generation()}).Bind(3, job.cause());
   s.Bind(4, job.updated_unix_ms()).Bind(5, job.last_step()).Bind(6, job.last_loss());
   s.Bind(7, int64_t{job.restarts()}).Bind(8, job.last_committed_step()).Bind(9, job.last_committed_path());
@@ -393,7 +396,8 @@ Status SqliteStateStore::UpdateJob(const v1::Job& job) {
   std::string members;
   for (int32_t r : job.members()) members += (members.empty() ? "" : ",") + std::to_string(r);
   s.Bind(26, int64_t{job.has_replacing_rank() ? job.replacing_rank() : -1}).Bind(27, members);
-  s.BindBlob(28, job.has_fp8() ? job.fp8().SerializeAsString() : std::string()).Bind(29, job.id());
+  s.BindBlob(28, job.has_fp8() ? job.fp8().SerializeAsString() : std::string());
+  s.BindBlob(29, job.has_moe() ? job.moe().SerializeAsString() : std::string()).Bind(30, job.id());
   if (s.Step() != SQLITE_DONE) return SqlError(db_, "update job " + job.id());
   return Status::Ok();
 }

@@ -353,6 +353,7 @@ TEST_F(CoordinatorTest, StepFiguresComeFromRankZerosProgressInHeartbeats) {
   EXPECT_EQ(job.ranks(0).last_step(), 4) << "the step rank 0 works on";
   EXPECT_EQ(job.ranks(0).phase(), "forward");
   EXPECT_FALSE(job.has_fp8()) << "no FP8 figures in the report";
+  EXPECT_FALSE(job.has_moe()) << "no MoE figures in the report";
   // Persisted: the stored job has them too.
   coordinator_->FlushState();
   EXPECT_EQ(store_->GetJob(id)->last_step(), 3);
@@ -385,6 +386,15 @@ TEST_F(CoordinatorTest, StepFiguresComeFromRankZerosProgressInHeartbeats) {
   EXPECT_DOUBLE_EQ(coordinator_->GetJob(id)->fp8().gradient_amax_max(), 0.25);
   coordinator_->FlushState();
   EXPECT_EQ(store_->GetJob(id)->fp8().overflow_steps(), 1);
+
+  // model.moe: rank 0's step's routing figures, kept with the job and stored.
+  v1::RankProgress moe = Report(id, 0, 102, 5);
+  moe.mutable_completed()->mutable_moe()->set_load_max(1.5);
+  moe.mutable_completed()->mutable_moe()->set_worst_layer(2);
+  ASSERT_TRUE(coordinator_->Heartbeat(BeatWith("a", moe)).ok());
+  EXPECT_DOUBLE_EQ(coordinator_->GetJob(id)->moe().load_max(), 1.5);
+  coordinator_->FlushState();
+  EXPECT_EQ(store_->GetJob(id)->moe().worst_layer(), 2);
 }
 
 // A rank whose own work stays above the others' for kStragglerConfirmSteps steps is named once, with

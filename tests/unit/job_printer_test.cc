@@ -147,6 +147,24 @@ TEST(JobPrinterTest, RunningJobDetailShowsProgressNodesAndRanks) {
             "rank 0: saving checkpoint step-120, 8.0 of 15.8 GB\n");
 }
 
+// model.moe: the worst block's load, the blocks' mean, the router's losses where computed.
+TEST(JobPrinterTest, MoeFiguresShowTheLoadAndTheRoutersLosses) {
+  v1::Job job = RunningJob();
+  v1::MoeFigures* f = job.mutable_moe();
+  f->set_load_max(1.4244);
+  f->set_worst_layer(11);
+  f->set_load_mean(1.18);
+  f->set_aux_loss(1.034);
+  f->set_z_loss(-1);
+  for (int l : {1, 3, 5, 7, 9, 11}) f->add_layers(l);
+  std::string detail = FormatJobDetail(job, kNow);
+  EXPECT_NE(detail.find("moe load:       busiest expert 1.42x an even share (block 11); 1.18x over the 6 MoE blocks; "
+                        "balance loss 1.03\n"),
+            std::string::npos)
+      << detail;
+  EXPECT_EQ(FormatJobDetail(RunningJob(), kNow).find("moe"), std::string::npos) << "no MoE line without MoE";
+}
+
 // parallel.precision fp8: the amax range of each operand kind, and the overflows (none said as none).
 TEST(JobPrinterTest, Fp8FiguresShowTheAmaxRangesAndTheOverflows) {
   v1::Job job = RunningJob();

@@ -126,6 +126,30 @@ TEST(MetricsTest, FiguresAppearOnlyOnceMeasured) {
   EXPECT_EQ(Find(after, "ltrain_job_eta_seconds", {{"job_id", "gpt-7"}}), nullptr);
 }
 
+// model.moe: the loads (worst and mean, each block's) and the balance loss; none for a job without MoE.
+TEST(MetricsTest, MoeFiguresAreSeriesByStatAndLayer) {
+  std::vector<v1::Job> jobs = TwoJobs();
+  v1::MoeFigures* f = jobs[0].mutable_moe();
+  f->set_load_max(1.5);
+  f->set_worst_layer(3);
+  f->set_load_mean(1.25);
+  f->set_aux_loss(1.0625);
+  f->set_z_loss(-1);
+  f->add_layers(1);
+  f->add_layer_load(1.0);
+  f->add_layers(3);
+  f->add_layer_load(1.5);
+  const std::string text = PrometheusText(jobs, {});
+  const PrometheusParse parse = ParsePrometheusText(text);
+  ASSERT_EQ(parse.error, "") << text;
+  EXPECT_EQ(Find(parse, "ltrain_job_moe_load_ratio", {{"job_id", "gpt-7"}, {"stat", "max"}})->value, 1.5);
+  EXPECT_EQ(Find(parse, "ltrain_job_moe_load_ratio", {{"job_id", "gpt-7"}, {"stat", "mean"}})->value, 1.25);
+  EXPECT_EQ(Find(parse, "ltrain_job_moe_layer_load_ratio", {{"job_id", "gpt-7"}, {"layer", "3"}})->value, 1.5);
+  EXPECT_EQ(Find(parse, "ltrain_job_moe_aux_loss", {{"job_id", "gpt-7"}})->value, 1.0625);
+  EXPECT_EQ(Find(parse, "ltrain_job_moe_load_ratio", {{"job_id", "llama-2"}}), nullptr);
+  EXPECT_EQ(Find(parse, "ltrain_job_moe_aux_loss", {{"job_id", "llama-2"}}), nullptr);
+}
+
 // parallel.precision fp8: each operand kind's amax range over rank 0's last step, and the steps
 // whose operands overflowed; no series for a job without FP8.
 TEST(MetricsTest, Fp8FiguresAreSeriesByOperand) {

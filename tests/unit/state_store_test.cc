@@ -147,6 +147,8 @@ TEST(StateStoreTest, AJobsLastFiguresAreStoredAndAnOlderDatabaseGetsTheirColumns
   job->set_replacing_rank(0);
   job->mutable_fp8()->set_activation_amax_max(12.5);
   job->mutable_fp8()->set_overflow_steps(1);
+  job->mutable_moe()->set_load_max(1.75);
+  job->mutable_moe()->add_layers(3);
   ASSERT_TRUE(store->UpdateJob(*job).ok());
   store.reset();
   store = std::move(SqliteStateStore::Open(path)).value();
@@ -167,11 +169,16 @@ TEST(StateStoreTest, AJobsLastFiguresAreStoredAndAnOlderDatabaseGetsTheirColumns
   ASSERT_TRUE(read->has_fp8());
   EXPECT_EQ(read->fp8().activation_amax_max(), 12.5);
   EXPECT_EQ(read->fp8().overflow_steps(), 1);
+  ASSERT_TRUE(read->has_moe());
+  EXPECT_EQ(read->moe().load_max(), 1.75);
+  EXPECT_EQ(read->moe().layers(0), 3);
   read->clear_replacing_rank();
   read->clear_fp8();
+  read->clear_moe();
   ASSERT_TRUE(store->UpdateJob(*read).ok());
   EXPECT_FALSE(store->GetJob(job->id())->has_replacing_rank());
   EXPECT_FALSE(store->GetJob(job->id())->has_fp8()) << "a job without FP8 figures reads back without them";
+  EXPECT_FALSE(store->GetJob(job->id())->has_moe());
   store.reset();
   std::filesystem::remove_all(dir);
 }

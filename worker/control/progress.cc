@@ -112,6 +112,28 @@ void Progress::RecordStep(const StepFigures& figures) {
                 ", \"products\": " + std::to_string(f->products) + ", \"overflowed\": " + std::to_string(f->overflowed) +
                 ", \"overflow_steps\": " + std::to_string(f->overflow_steps) + "}";
     }
+    if (const auto& f = figures.moe) {
+      std::string loads, counts;
+      for (size_t i = 0; i < f->layers.size(); ++i) {
+        loads += std::string(i ? ", " : "") + "\"" + std::to_string(f->layers[i]) + "\": " + JsonNumber(f->layer_load[i]);
+      }
+      fields += ", \"moe\": {\"load_max\": " + JsonNumber(f->load_max) + ", \"worst_layer\": " +
+                std::to_string(f->worst_layer) + ", \"load_mean\": " + JsonNumber(f->load_mean) +
+                ", \"layer_load\": {" + loads + "}";
+      if (f->aux_loss >= 0) fields += ", \"aux_loss\": " + JsonNumber(f->aux_loss);
+      if (f->z_loss >= 0) fields += ", \"z_loss\": " + JsonNumber(f->z_loss);
+      if (!f->tokens_per_expert.empty()) {
+        for (size_t i = 0; i < f->tokens_per_expert.size() && i < f->layers.size(); ++i) {
+          std::string row;
+          for (size_t e = 0; e < f->tokens_per_expert[i].size(); ++e) {
+            row += std::string(e ? ", " : "") + JsonNumber(f->tokens_per_expert[i][e]);
+          }
+          counts += std::string(i ? ", " : "") + "\"" + std::to_string(f->layers[i]) + "\": [" + row + "]";
+        }
+        fields += ", \"tokens_per_expert\": {" + counts + "}";
+      }
+      fields += "}";
+    }
     AppendMetricsLocked(fields);
   }
   if (tensorboard_) {
@@ -131,6 +153,15 @@ void Progress::RecordStep(const StepFigures& figures) {
       tensorboard_->AddScalar("fp8/gradient_amax_max", figures.step, f->gradient_amax_max);
       tensorboard_->AddScalar("fp8/gradient_amax_min", figures.step, f->gradient_amax_min);
       tensorboard_->AddScalar("fp8/overflowed", figures.step, f->overflowed);
+    }
+    if (const auto& f = figures.moe) {
+      tensorboard_->AddScalar("moe/load_max", figures.step, f->load_max);
+      tensorboard_->AddScalar("moe/load_mean", figures.step, f->load_mean);
+      if (f->aux_loss >= 0) tensorboard_->AddScalar("moe/aux_loss", figures.step, f->aux_loss);
+      if (f->z_loss >= 0) tensorboard_->AddScalar("moe/z_loss", figures.step, f->z_loss);
+      for (size_t i = 0; i < f->layers.size(); ++i) {
+        tensorboard_->AddScalar("moe/layer_" + std::to_string(f->layers[i]) + "/load", figures.step, f->layer_load[i]);
+      }
     }
   }
 }

@@ -95,6 +95,18 @@ bool ProgressReporter::Send() {
       out->set_overflow_steps(f->overflow_steps);
       out->set_last_overflow_step(f->last_overflow_step);
     }
+    if (const auto& f = snapshot.completed->moe) {
+      v1::MoeFigures* out = completed->mutable_moe();
+      out->set_load_max(f->load_max);
+      out->set_worst_layer(f->worst_layer);
+      out->set_load_mean(f->load_mean);
+      out->set_aux_loss(f->aux_loss);
+      out->set_z_loss(f->z_loss);
+      for (size_t i = 0; i < f->layers.size(); ++i) {
+        out->add_layers(f->layers[i]);
+        out->add_layer_load(f->layer_load[i]);
+      }
+    }
   }
   report.set_save_step(snapshot.save_step);
   report.set_save_ms(snapshot.save_ms);

@@ -503,8 +503,10 @@ Status Trainer::SettleRouting() {
   torch::NoGradGuard no_grad;
   const int layers = recipe_.model.layers;
   const torch::TensorOptions f32 = torch::TensorOptions().dtype(torch::kFloat).device(device_);
-  // [layers load ratios, aux sum, aux count, z sum, z count]: this stage's blocks, the others' zero.
-  torch::Tensor figures = torch::zeros({layers + 4}, f32);
+  // [layers load ratios, aux sum, aux count, z sum, z count, layers x experts assignments]: this
+  // stage's blocks, the others' zero.
+  const int64_t experts = recipe_.model.moe.experts;
+  torch::Tensor figures = torch::zeros({layers + 4 + layers * experts}, f32);
   if (!model_->MoeLayers().empty()) {
     torch::Tensor counts = model_->TakeRouteCounts();
     LTRAIN_RETURN_IF_ERROR(store_->DpAllReduce(counts));
@@ -515,18 +517,20 @@ Status Trainer::SettleRouting() {
                                               torch::TensorOptions().dtype(torch::kLong)).to(device_);
     // Each data-parallel rank adds the same ratios: divided by dp below.
     figures.narrow(0, 0, layers).index_copy_(0, index, ratios.to(torch::kFloat));
+    figures.narrow(0, layers + 4, layers * experts).view({layers, experts}).index_copy_(0, index, counts.to(torch::kFloat));
     auto [aux, z] = model_->TakeRouterLosses();
     if (aux.defined()) figures[layers] = aux.to(torch::kFloat), figures[layers + 1] = 1;
     if (z.defined()) figures[layers + 2] = z.to(torch::kFloat), figures[layers + 3] = 1;
   }
   LTRAIN_RETURN_IF_ERROR(store_->DpAllReduce(figures));
   figures.narrow(0, 0, layers).div_(layout_.dp);
+  figures.narrow(0, layers + 4, layers * experts).div_(layout_.dp);
   if (layout_.pp > 1) LTRAIN_RETURN_IF_ERROR(groups_->pp->AllReduceSum(figures));
   moe_figures_ = figures;
   return Status::Ok();
 }
 
-std::optional<StepFigures::Moe> Trainer::MoeFiguresOf(const torch::Tensor& figures) const {
+std::optional<StepFigures::Moe> Trainer::MoeFiguresOf(const torch::Tensor& figures, bool detail) const {
   if (!figures.defined()) return std::nullopt;
   const torch::Tensor host = figures.to(torch::kCPU, torch::kDouble).contiguous();
   const double* v = host.data_ptr<double>();
@@ -534,11 +538,15 @@ std::optional<StepFigures::Moe> Trainer::MoeFiguresOf(const torch::Tensor& figur
   StepFigures::Moe f;
   int blocks = 0;
   double sum = 0;
+  const int64_t experts = recipe_.model.moe.experts;
   for (int l = 0; l < layers; ++l) {
     if (!IsMoeLayer(recipe_.model, l)) continue;
     ++blocks;
     sum += v[l];
     if (v[l] > f.load_max) f.load_max = v[l], f.worst_layer = l;
+    f.layers.push_back(l);
+    f.layer_load.push_back(v[l]);
+    if (detail) f.tokens_per_expert.emplace_back(v + layers + 4 + l * experts, v + layers + 4 + (l + 1) * experts);
   }
   f.load_mean = blocks > 0 ? sum / blocks : 0;
   if (v[layers + 1] > 0) f.aux_loss = v[layers] / v[layers + 1];
@@ -840,7 +848,8 @@ Status Trainer::Run() {
     LTRAIN_RETURN_IF_ERROR(CheckLoss(value, s, fp8 ? fp8->overflowed : 0));
     StepFigures figures;
     figures.fp8 = fp8;
-    figures.moe = MoeFiguresOf(f.moe);
+    // The assignments of every expert in metrics.jsonl at the steps the log prints.
+    figures.moe = MoeFiguresOf(f.moe, t.log_every > 0 && s % t.log_every == 0);
     figures.step = s;
     figures.total_steps = t.steps;
     figures.loss = value;

@@ -220,8 +220,9 @@ class Trainer {
   // checkpoint's meta (zero, said, where it holds none).
   StatusOr<std::map<int, std::vector<float>>> GatherRouterBiases();
   void RestoreRouterBiases(const CheckpointMeta& meta);
-  // StepFigures.moe from SettleRouting's figures (undefined: none).
-  std::optional<StepFigures::Moe> MoeFiguresOf(const torch::Tensor& figures) const;
+  // StepFigures.moe from SettleRouting's figures (undefined: none); with `detail` each expert's
+  // assignments too.
+  std::optional<StepFigures::Moe> MoeFiguresOf(const torch::Tensor& figures, bool detail) const;
   // Ok for a finite loss; else the error, naming the step's overflowed FP8 operands where there were.
   Status CheckLoss(double value, int64_t step, int fp8_overflowed = 0) const;
   // A completed step's time: with options_.derive_collective_timeout, the collective timeout derived
