@@ -17,6 +17,9 @@ namespace ltrain::worker {
 Status Trainer::Recover(Status failure) {
   // The step's collectives that were queued are over (failed); the next ZeroGrads starts it anew.
   store_->ClearFailure();
+  // So are its MoE blocks' route counts and router losses: the step counts them again.
+  (void)model_->TakeRouteCounts();
+  (void)model_->TakeRouterLosses();
   while (true) {
     LTRAIN_RETURN_IF_ERROR(options_.recovery->Reform(failure));
     if (Reshaped()) return Status::Ok();  // the caller goes on in the new membership's layout
