@@ -21,6 +21,10 @@ struct Layout {
   int tp = 1;
   int dp = 1;
   int pp = 1;
+  // Expert parallelism, carved out of dp: each MoE block's experts split over ep data-parallel ranks
+  // next to each other (ep_rank = dp_rank % ep); the ranks holding the same experts (dp / ep of
+  // them, edp_rank = dp_rank / ep) reduce their gradients.
+  int ep = 1;
   int chunks = 1;                 // model chunks per pipeline rank (interleaved 1F1B)
   std::vector<int> stage_layers;  // layers per virtual stage (pp * chunks entries)
   int zero = 0;

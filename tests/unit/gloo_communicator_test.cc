@@ -231,3 +231,42 @@ TEST(GlooCommunicatorTest, RejectsBadRank) {
 
 }  // namespace
 }  // namespace ltrain::worker
+
+namespace ltrain::worker {
+namespace {
+
+// The groups a rank makes, kind by kind in one order on every rank: with expert parallelism its ep
+// and edp groups too; at ep 1 the ep group is one rank (made by nobody) and edp is dp itself.
+TEST(ProcessGroupsTest, ExpertGroupsAreMadeAfterTheOthers) {
+  FakeCommunicator world;
+  world.SimulateSize(8);
+  Layout layout = Layout::Grid(2, 4, 1);
+  layout.ep = 2;
+  std::vector<std::string> made;
+  auto make = [&](const Group& group, int) -> StatusOr<std::unique_ptr<Communicator>> {
+    made.push_back(group.name);
+    auto comm = std::make_unique<FakeCommunicator>();
+    comm->SimulateSize(static_cast<int>(group.ranks.size()));
+    return std::unique_ptr<Communicator>(std::move(comm));
+  };
+  StatusOr<ProcessGroups> groups = BuildProcessGroups(layout, 5, &world, make);
+  ASSERT_TRUE(groups.ok()) << groups.status().ToString();
+  ASSERT_EQ(made.size(), 4u);
+  EXPECT_EQ(made[0].rfind("tp ", 0), 0u);
+  EXPECT_EQ(made[1].rfind("dp ", 0), 0u);
+  EXPECT_EQ(made[2].rfind("ep ", 0), 0u);
+  EXPECT_EQ(made[3].rfind("edp ", 0), 0u);
+  EXPECT_EQ(groups->ep->size(), 2);
+  EXPECT_EQ(groups->edp->size(), 2);
+
+  layout.ep = 1;
+  made.clear();
+  groups = BuildProcessGroups(layout, 5, &world, make);
+  ASSERT_TRUE(groups.ok()) << groups.status().ToString();
+  EXPECT_EQ(made.size(), 2u) << "tp and dp only";
+  EXPECT_EQ(groups->ep->size(), 1);
+  EXPECT_EQ(groups->edp, groups->dp);
+}
+
+}  // namespace
+}  // namespace ltrain::worker

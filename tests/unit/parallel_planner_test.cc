@@ -75,6 +75,58 @@ TEST(TopologyTest, TensorParallelIsInnermost) {
   EXPECT_EQ(GroupOf(*t, GroupKind::kTensor, 5).name, "tp 2");
 }
 
+// Expert parallelism carved out of dp: over tp in {1, 2} x pp in {1, 2} x dp in {2, 4} x ep dividing
+// dp, each ep group is ep neighbouring dp ranks of one tp and pp coordinate, each edp group the dp / ep
+// ranks of one ep rank; together they cover each dp group once, and an ep group and an edp group
+// meet in one rank.
+TEST(TopologyTest, ExpertGroupsSplitEachDataParallelGroup) {
+  for (int tp : {1, 2}) {
+    for (int pp : {1, 2}) {
+      for (int dp : {2, 4}) {
+        for (int ep : {1, 2, 4}) {
+          if (dp % ep != 0) continue;
+          Layout layout = Layout::Grid(tp, dp, pp);
+          layout.ep = ep;
+          const std::vector<Group> eps = GroupsOf(layout, GroupKind::kExpert);
+          const std::vector<Group> edps = GroupsOf(layout, GroupKind::kExpertData);
+          ASSERT_EQ(static_cast<int>(eps.size()), layout.world_size / ep);
+          ASSERT_EQ(static_cast<int>(edps.size()), layout.world_size / (dp / ep));
+          for (const Group& g : eps) {
+            ASSERT_EQ(static_cast<int>(g.ranks.size()), ep);
+            const RankCoords first = CoordsOf(layout, g.ranks[0]);
+            for (size_t i = 0; i < g.ranks.size(); ++i) {
+              const RankCoords c = CoordsOf(layout, g.ranks[i]);
+              EXPECT_TRUE(c.tp == first.tp && c.pp == first.pp && ExpertDataRank(layout, c) == ExpertDataRank(layout, first));
+              EXPECT_EQ(ExpertRank(layout, c), static_cast<int>(i));
+              EXPECT_EQ(c.dp, first.dp + static_cast<int>(i)) << "ep peers are dp neighbours";
+            }
+          }
+          for (const Group& g : edps) {
+            ASSERT_EQ(static_cast<int>(g.ranks.size()), dp / ep);
+            const RankCoords first = CoordsOf(layout, g.ranks[0]);
+            for (size_t i = 0; i < g.ranks.size(); ++i) {
+              const RankCoords c = CoordsOf(layout, g.ranks[i]);
+              EXPECT_TRUE(c.tp == first.tp && c.pp == first.pp && ExpertRank(layout, c) == ExpertRank(layout, first));
+              EXPECT_EQ(ExpertDataRank(layout, c), static_cast<int>(i));
+            }
+          }
+          for (int rank = 0; rank < layout.world_size; ++rank) {
+            const Group e = GroupOf(layout, GroupKind::kExpert, rank), d = GroupOf(layout, GroupKind::kExpertData, rank);
+            int shared = 0;
+            for (int r : e.ranks) shared += d.RankOf(r) >= 0 ? 1 : 0;
+            EXPECT_EQ(shared, 1) << "rank " << rank;
+          }
+        }
+      }
+    }
+  }
+  Layout layout = Layout::Grid(2, 4, 1);
+  layout.ep = 2;
+  EXPECT_EQ(GroupOf(layout, GroupKind::kExpert, 5).ranks, (std::vector<int>{5, 7}));
+  EXPECT_EQ(GroupOf(layout, GroupKind::kExpertData, 5).ranks, (std::vector<int>{1, 5}));
+  EXPECT_EQ(GroupOf(layout, GroupKind::kExpert, 5).name.rfind("ep ", 0), 0u);
+}
+
 TEST(PipelineScheduleTest, EverySchedulePassesTheSimulation) {
   for (const PpSchedule schedule : {PpSchedule::kGpipe, PpSchedule::k1F1B, PpSchedule::kInterleaved}) {
     for (int pp = 1; pp <= 5; ++pp) {

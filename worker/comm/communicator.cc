@@ -192,7 +192,8 @@ ProcessGroups DataParallelGroups(Communicator* world) {
   g.coords = CoordsOf(g.layout, g.rank);
   g.world = world;
   g.dp = world;
-  for (Communicator** slot : {&g.tp, &g.pp, &g.embedding}) {
+  g.edp = world;
+  for (Communicator** slot : {&g.tp, &g.pp, &g.embedding, &g.ep}) {
     g.owned.push_back(std::make_unique<SelfCommunicator>());
     *slot = g.owned.back().get();
   }
@@ -210,11 +211,14 @@ StatusOr<ProcessGroups> BuildProcessGroups(const Layout& layout, int rank, Commu
   g.rank = rank;
   g.coords = CoordsOf(layout, rank);
   g.world = world;
-  const std::pair<GroupKind, Communicator**> kinds[] = {{GroupKind::kTensor, &g.tp},
-                                                        {GroupKind::kData, &g.dp},
-                                                        {GroupKind::kPipeline, &g.pp},
-                                                        {GroupKind::kEmbedding, &g.embedding}};
+  const std::pair<GroupKind, Communicator**> kinds[] = {
+      {GroupKind::kTensor, &g.tp},        {GroupKind::kData, &g.dp},   {GroupKind::kPipeline, &g.pp},
+      {GroupKind::kEmbedding, &g.embedding}, {GroupKind::kExpert, &g.ep}, {GroupKind::kExpertData, &g.edp}};
   for (const auto& [kind, slot] : kinds) {
+    if (kind == GroupKind::kExpertData && layout.ep <= 1) {
+      g.edp = g.dp;  // the same ranks: the same connections
+      continue;
+    }
     Group group = GroupOf(layout, kind, rank);
     const int group_rank = group.RankOf(rank);
     if (kind == GroupKind::kEmbedding) g.in_embedding_group = group_rank >= 0;

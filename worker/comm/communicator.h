@@ -231,6 +231,10 @@ struct ProcessGroups {
   Communicator* pp = nullptr;
   Communicator* embedding = nullptr;
   bool in_embedding_group = false;
+  // Expert parallelism (layout.ep): the ranks that split a block's experts (a SelfCommunicator at ep
+  // 1), and those holding the same experts (dp itself at ep 1).
+  Communicator* ep = nullptr;
+  Communicator* edp = nullptr;
   std::vector<std::unique_ptr<Communicator>> owned;
 };
 
@@ -240,7 +244,8 @@ ProcessGroups DataParallelGroups(Communicator* world);
 
 // Makes the communicator of one group: `group.ranks` are global ranks, `group_rank` this rank's
 // position in them. Called for every group this rank belongs to, in the same order on every rank
-// (kind by kind: tp, dp, pp, embedding), so connecting never waits on a group a peer has not reached.
+// (kind by kind: tp, dp, pp, embedding, ep, edp), so connecting never waits on a group a peer has not
+// reached.
 using GroupFactory = std::function<StatusOr<std::unique_ptr<Communicator>>(const Group& group, int group_rank)>;
 
 // Builds this rank's groups (groups of one become SelfCommunicators without calling `make`).

@@ -11,6 +11,9 @@ RankCoords CoordsOf(const Layout& t, int rank) {
 
 int RankAt(const Layout& t, const RankCoords& c) { return (c.pp * t.dp + c.dp) * t.tp + c.tp; }
 
+int ExpertRank(const Layout& t, const RankCoords& c) { return c.dp % std::max(1, t.ep); }
+int ExpertDataRank(const Layout& t, const RankCoords& c) { return c.dp / std::max(1, t.ep); }
+
 int Group::RankOf(int global_rank) const {
   auto it = std::find(ranks.begin(), ranks.end(), global_rank);
   return it == ranks.end() ? -1 : static_cast<int>(it - ranks.begin());
@@ -24,6 +27,8 @@ const char* KindName(GroupKind kind) {
     case GroupKind::kData: return "dp";
     case GroupKind::kPipeline: return "pp";
     case GroupKind::kEmbedding: return "embedding";
+    case GroupKind::kExpert: return "ep";
+    case GroupKind::kExpertData: return "edp";
   }
   return "?";
 }
@@ -43,6 +48,8 @@ std::vector<Group> GroupsOf(const Layout& t, GroupKind kind) {
       case GroupKind::kEmbedding:
         if (t.pp > 1 && (c.pp == 0 || c.pp == t.pp - 1)) by_key[RankAt(t, {c.tp, c.dp, 0})].push_back(rank);
         break;
+      case GroupKind::kExpert: by_key[RankAt(t, {c.tp, ExpertDataRank(t, c) * t.ep, c.pp})].push_back(rank); break;
+      case GroupKind::kExpertData: by_key[RankAt(t, {c.tp, ExpertRank(t, c), c.pp})].push_back(rank); break;
     }
   }
   std::vector<Group> groups;

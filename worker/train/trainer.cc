@@ -784,7 +784,8 @@ void Trainer::RetimeCollectives(double step_ms) {
   if (timeout * 5 <= now * 6 && timeout * 6 >= now * 5) return;
   options_.collective_timeout = timeout;
   // Every group once (a group of one is its own SelfCommunicator, which has nothing to set).
-  for (Communicator* group : {groups_->world, groups_->tp, groups_->dp, groups_->pp, groups_->embedding}) {
+  for (Communicator* group : {groups_->world, groups_->tp, groups_->dp, groups_->pp, groups_->embedding, groups_->ep,
+                               groups_->edp}) {
     if (group != nullptr) group->SetTimeout(timeout);
   }
   if (options_.rank == 0) std::printf("collective timeout: %s\n", limit.how.c_str());

@@ -126,7 +126,8 @@ Status Trainer::AdoptState(Trainer& from) {
 Status Trainer::CheckGroupsBeforeUpdate() {
   if (!device_.is_cuda()) return Status::Ok();  // Gloo's calls return once done, or with their failure
   compat::Synchronize(device_);
-  for (Communicator* group : {groups_->world, groups_->tp, groups_->dp, groups_->pp, groups_->embedding}) {
+  for (Communicator* group : {groups_->world, groups_->tp, groups_->dp, groups_->pp, groups_->embedding, groups_->ep,
+                               groups_->edp}) {
     LTRAIN_RETURN_IF_ERROR(group->Health());
   }
   return Status::Ok();
