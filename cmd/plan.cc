@@ -169,20 +169,28 @@ int Plan(const PlanArgs& args) {
   nlohmann::json json;
   json["recipe"] = args.recipe;
   json["model_parameters"] = ApproxParameterCount(recipe.model);
+  // A mixture of experts: the parameters a token runs through (what its FLOPs follow).
+  if (recipe.model.moe.experts > 0) json["active_parameters"] = ActiveParameterCount(recipe.model);
   json["ranks"] = options.ranks;
   json["device"] = NameOf(options.device);
   if (options.memory_bytes > 0) json["memory_bytes_per_rank"] = options.memory_bytes;
 
   if (args.output == "text") {
-    const double parameters = static_cast<double>(ApproxParameterCount(recipe.model));
-    char count[32];
-    if (parameters >= 1e9) {
-      std::snprintf(count, sizeof(count), "%.2fB", parameters / 1e9);
-    } else {
-      std::snprintf(count, sizeof(count), "%.2fM", parameters / 1e6);
+    auto counted = [](double parameters) {
+      char count[32];
+      if (parameters >= 1e9) {
+        std::snprintf(count, sizeof(count), "%.2fB", parameters / 1e9);
+      } else {
+        std::snprintf(count, sizeof(count), "%.2fM", parameters / 1e6);
+      }
+      return std::string(count);
+    };
+    std::string count = counted(static_cast<double>(ApproxParameterCount(recipe.model))) + " parameters";
+    if (recipe.model.moe.experts > 0) {
+      count += ", " + counted(static_cast<double>(ActiveParameterCount(recipe.model))) + " active";
     }
-    std::printf("%s: %s, %s parameters, micro-batch %d, global batch %d; %d %s%s", args.recipe.c_str(),
-                NameOf(recipe.model.arch).c_str(), count, recipe.training.micro_batch, recipe.training.global_batch, options.ranks, unit,
+    std::printf("%s: %s, %s, micro-batch %d, global batch %d; %d %s%s", args.recipe.c_str(),
+                NameOf(recipe.model.arch).c_str(), count.c_str(), recipe.training.micro_batch, recipe.training.global_batch, options.ranks, unit,
                 options.ranks == 1 ? "" : "s");
     if (options.device == Device::kCuda) {
       std::printf(" of %.0f GiB", args.gpu_memory_gib);

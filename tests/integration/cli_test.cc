@@ -143,6 +143,17 @@ TEST(CliTest, PlanShowsTheRecipesMemoryAndRanksTheLayouts) {
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
   EXPECT_NE(bad.output.find("model.layer"), std::string::npos) << bad.output;
 
+  // A mixture of experts: its parameters, and those a token runs through (2 of 8 experts in 2 of 4 blocks).
+  ProcessResult moe = RunProcess({LtrainBinary(), "plan", path, "--set", "model.arch=qwen3", "--set",
+                                  "model.moe.experts=8", "--set", "model.moe.every=2", "-o", "json"});
+  ASSERT_EQ(moe.exit_code, 0) << moe.output;
+  google::protobuf::Struct moe_plan;
+  ASSERT_TRUE(google::protobuf::util::JsonStringToMessage(moe.output, &moe_plan).ok()) << moe.output;
+  const double all = moe_plan.fields().at("model_parameters").number_value();
+  const double active = moe_plan.fields().at("active_parameters").number_value();
+  EXPECT_EQ(all - active, 2 * 6 * 3 * 64.0 * 192) << "6 idle experts of 3 matrices 64 x 192 in each of 2 blocks";
+  EXPECT_EQ(plan.fields().count("active_parameters"), 0u) << "a dense model has no active count";
+
   // A program of the user's own has no model to plan: said, instead of planning a default GPT.
   std::string program = dir.Write("ep.yaml", "entrypoint:\n  command: [sleep, \"1\"]\n");
   ProcessResult own = RunProcess({LtrainBinary(), "plan", program});
