@@ -4,10 +4,10 @@
 Every ltrain figure here is the `throughput:` line of an `ltrain launch` job (rank 0's steps after the
 third: tokens/s per GPU, MFU against 989 TFLOP/s, peak memory), a user's command with `--set`
 overrides on one recipe; every peer figure is the line of `gpt_fsdp.py` or `fsdp_accumulate.py` run
-under `torchrun --standalone` on the same GPUs (llama-1b: `llama_baseline.py`, one process on the same GPU). Ratios are ltrain against the better peer.
+under `torchrun --standalone` on the same GPUs (llama-1b: `llama_baseline.py`, moe: `moe_baseline.py`, one process on the same GPU). Ratios are ltrain against the better peer.
 
     tests/bench/launch_bench.py --ltrain build-gpu/cmd/ltrain --baselines DIR --data TEXT \\
-        [--suite layouts] [--suite zero3 --suite tp --suite llama --suite dp] [--suite llama-1b]
+        [--suite layouts] [--suite zero3 --suite tp --suite llama --suite dp] [--suite llama-1b] [--suite moe]
         [--reference OTHER/ltrain]
 
 Suites (--suite, repeatable; default: layouts):
@@ -29,6 +29,10 @@ Suites (--suite, repeatable; default: layouts):
            against llama_baseline.py (PyTorch eager and compile, one process)
   llama-3b Llama 3.2 3B's shape (28 layers, d 3072, 24 heads, 8 kv heads, SwiGLU 8192, tied) on one GPU,
            micro-batch 2, 30 steps, against llama_baseline.py --model llama-3b
+  moe      a Mixtral-style mixture of experts on one GPU (16 layers, d 2048, 32 heads, 8 kv heads, every
+           block 8 experts of SwiGLU 2816, top 2, vocab 32000, untied: 2.5B parameters, 0.85B active; the
+           default balance, aux_loss 0.001), micro-batch 2, 30 steps, against tests/bench/moe_baseline.py
+           --model moe-1b (the same model in PyTorch, experts by torch._grouped_mm, eager and compile)
   gpt-1.3b gpt-1.3b on one GPU (micro-batch 8, 40 steps) against gpt_baseline.py (PyTorch eager and
            compile, one process, 40 steps)
   hub      the same with Llama 3.2 1B's RoPE scaling (llama3), and Qwen2.5 0.5B's and Qwen3 0.6B's shapes
@@ -71,6 +75,10 @@ LLAMA_3B = ("model: {arch: llama, layers: 28, d_model: 3072, heads: 24, kv_heads
             "  vocab: 128256, rope_theta: 500000, tie_embeddings: true}\n")
 LLAMA_1B_SCALED = LLAMA_1B.replace("tie_embeddings: true}", "tie_embeddings: true,\n  rope_scaling: llama3, rope_factor: 32, "
                                    "rope_low_freq_factor: 1, rope_high_freq_factor: 4, rope_original_positions: 8192}")
+# A Mixtral-style mixture of experts (a windowless Mistral is a Llama), every block 8 experts, top 2:
+# tests/bench/moe_baseline.py's moe-1b.
+MOE_1B = ("model: {arch: llama, layers: 16, d_model: 2048, heads: 32, kv_heads: 8, seq_len: 2048, vocab: 32000,\n"
+          "  rope_theta: 1000000, norm_eps: 1.0e-5, tie_embeddings: false, moe: {experts: 8, top_k: 2, ffn: 2816}}\n")
 QWEN25_05B = ("model: {arch: qwen2, layers: 24, d_model: 896, heads: 14, kv_heads: 2, ffn: 4864, seq_len: 2048,\n"
               "  vocab: 151936, rope_theta: 1000000, norm_eps: 1.0e-6, tie_embeddings: true}\n")
 QWEN3_06B = ("model: {arch: qwen3, layers: 28, d_model: 1024, heads: 16, kv_heads: 8, head_dim: 128, ffn: 3072,\n"
@@ -296,6 +304,16 @@ def suite_llama_3b(b, baselines):
     peers = b.single("PyTorch llama-3b", [os.path.join(baselines, "llama_baseline.py"), "--model", "llama-3b",
                                           "--mode", b.args.peer_mode, "--steps", "30"])
     b.ratio("llama-3b", ours, peers.values())
+
+
+def suite_moe(b, baselines, here):
+    print("moe: a mixture of experts (moe-1b: 8 experts, top 2, 0.85B of 2.5B parameters active) on one GPU, "
+          "micro-batch 2, against PyTorch eager and compile (torch._grouped_mm)", flush=True)
+    path = b.recipe("moe-1b", MOE_1B, steps=30, micro_batch=2, global_batch=2, world=1)
+    ours = b.launch("ltrain moe-1b", path)
+    peers = b.single("PyTorch moe-1b", [os.path.join(here, "moe_baseline.py"), "--baselines", baselines, "--model",
+                                        "moe-1b", "--mode", b.args.peer_mode, "--steps", "30", "--micro-batch", "2"])
+    b.ratio("moe-1b", ours, peers.values())
 
 
 def suite_gpt_1_3b(b, baselines):
@@ -548,8 +566,8 @@ def main():
     ap.add_argument("--baselines", help="the folder of gpt_fsdp.py and gpt_model.py (the peers)")
     ap.add_argument("--data", default="/usr/share/common-licenses",
                     help="text file(s) or a folder of them, made into byte tokens with `ltrain data prepare`")
-    ap.add_argument("--suite", action="append", choices=["layouts", "zero3", "tp", "large", "llama", "llama-1b", "llama-3b", "gpt-1.3b", "hub",
-                                                    "dp", "learning"])
+    ap.add_argument("--suite", action="append", choices=["layouts", "zero3", "tp", "large", "llama", "llama-1b", "llama-3b", "moe", "gpt-1.3b",
+                                                    "hub", "dp", "learning"])
     ap.add_argument("--learning-data", help="the learning suite's text (../shared/data/tinyshakespeare.txt)")
     ap.add_argument("--learning-seeds", type=int, default=0,
                     help="the learning suite's seeds (default: one a GPU, up to 4); more than the GPUs run "
@@ -587,7 +605,7 @@ def main():
                     help="a recipe override (`ltrain launch --set`) for every ltrain job of this build "
                          "(repeatable; e.g. parallel.precision=bf16)")
     ap.add_argument("--peer-mode", default="both", choices=["eager", "compile", "both"],
-                    help="llama-1b, llama-3b and gpt-1.3b: the one-process peers' modes (default both)")
+                    help="llama-1b, llama-3b, moe and gpt-1.3b: the one-process peers' modes (default both)")
     ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--run-timeout", type=int, default=900, help="seconds one job or peer may take")
     ap.add_argument("--workdir", help="recipes, tokens and logs (default: a new temporary folder)")
@@ -599,9 +617,9 @@ def main():
     if n == 0:
         print("skipped: 1 GPU(s) needed, 0 here", flush=True)
         return 77
-    if any(s in suites for s in ("zero3", "large", "llama", "llama-1b", "llama-3b", "gpt-1.3b", "hub", "learning")) \
-            and not args.baselines:
-        ap.error("--suite zero3, large, llama, llama-1b, llama-3b, gpt-1.3b, hub and learning need --baselines "
+    if any(s in suites for s in ("zero3", "large", "llama", "llama-1b", "llama-3b", "moe", "gpt-1.3b", "hub",
+                                 "learning")) and not args.baselines:
+        ap.error("--suite zero3, large, llama, llama-1b, llama-3b, moe, gpt-1.3b, hub and learning need --baselines "
                  "(the folder of the peers)")
     if "learning" in suites and not args.learning_data:
         ap.error("--suite learning needs --learning-data")
@@ -634,6 +652,8 @@ def main():
             suite_llama_1b(b, baselines)
         elif s == "llama-3b":
             suite_llama_3b(b, baselines)
+        elif s == "moe":
+            suite_moe(b, baselines, here)
         elif s == "gpt-1.3b":
             suite_gpt_1_3b(b, baselines)
         elif s == "hub":
