@@ -215,7 +215,7 @@ Status CheckHfTensors(const std::string& path, const ModelSpec& model) {
       // A stack of experts, one tensor an expert in transformers' names.
       const std::vector<int64_t> expert_shape(p.shape.begin() + 1, p.shape.end());
       for (int64_t e = 0; e < p.hf_experts; ++e) {
-        const std::string name = HfExpertName(p, e);
+        const std::string name = HfExpertName(p.hf_name, e);
         if (!tensor_files.count(name)) {
           missing.push_back(name + " is missing");
           continue;

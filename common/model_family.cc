@@ -179,10 +179,10 @@ std::vector<std::string> BlockParameterNames(const ModelSpec& m, int layer) {
   return out;
 }
 
-std::string HfExpertName(const ModelParameter& p, int64_t expert) {
-  const size_t at = p.hf_name.find("{e}");
-  if (p.hf_experts <= 0 || at == std::string::npos) throw std::logic_error("HfExpertName: " + p.name + " is not stacked");
-  return p.hf_name.substr(0, at) + std::to_string(expert) + p.hf_name.substr(at + 3);
+std::string HfExpertName(const std::string& hf_name, int64_t expert) {
+  const size_t at = hf_name.find("{e}");
+  if (at == std::string::npos) throw std::logic_error("HfExpertName: " + hf_name + " is not a stack of experts");
+  return hf_name.substr(0, at) + std::to_string(expert) + hf_name.substr(at + 3);
 }
 
 int LayerOf(const std::string& name) {

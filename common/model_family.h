@@ -73,8 +73,9 @@ int64_t ModelParameterCount(const ModelSpec& model);
 // The names of block `layer`'s parameters below "layers.N." (or "blocks.N."), in order: an MoE block
 // (IsMoeLayer) has a router and experts where the others have an MLP.
 std::vector<std::string> BlockParameterNames(const ModelSpec& model, int layer);
-// transformers' name of expert `expert`'s tensor of a stacked parameter (hf_experts > 0).
-std::string HfExpertName(const ModelParameter& parameter, int64_t expert);
+// transformers' name of expert `expert`'s tensor of a stacked parameter: its hf_name (hf_experts > 0)
+// with "{e}" replaced by the index.
+std::string HfExpertName(const std::string& hf_name, int64_t expert);
 // The block of a parameter's name ("blocks.3.qkv.weight", "layers.3.wq.weight": 3); -1 for others.
 int LayerOf(const std::string& name);
 

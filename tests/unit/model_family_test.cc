@@ -99,7 +99,7 @@ TEST(ModelFamilyTest, MoeBlocksHaveARouterAndStackedExperts) {
   EXPECT_EQ(params["layers.1.experts.w1.weight"].shape, std::vector<int64_t>({8, 32, 64}));
   EXPECT_EQ(params["layers.1.experts.w2.weight"].shape, std::vector<int64_t>({8, 64, 32}));
   EXPECT_EQ(params["layers.1.experts.w2.weight"].hf_experts, 8);
-  EXPECT_EQ(HfExpertName(params["layers.1.experts.w2.weight"], 5), "model.layers.1.mlp.experts.5.down_proj.weight");
+  EXPECT_EQ(HfExpertName(params["layers.1.experts.w2.weight"].hf_name, 5), "model.layers.1.mlp.experts.5.down_proj.weight");
   EXPECT_EQ(params["layers.2.shared.w2.weight"].shape, std::vector<int64_t>({64, 32}));
   EXPECT_FALSE(params.count("layers.3.router.weight"));
   EXPECT_TRUE(params.count("layers.3.w1.weight"));
@@ -108,7 +108,7 @@ TEST(ModelFamilyTest, MoeBlocksHaveARouterAndStackedExperts) {
   mixtral.arch = Arch::kMistral;
   mixtral.head_dim = 0;
   for (const ModelParameter& p : ModelParameters(mixtral)) params[p.name] = p;
-  EXPECT_EQ(HfExpertName(params["layers.2.experts.w3.weight"], 0), "model.layers.2.block_sparse_moe.experts.0.w3.weight");
+  EXPECT_EQ(HfExpertName(params["layers.2.experts.w3.weight"].hf_name, 0), "model.layers.2.block_sparse_moe.experts.0.w3.weight");
   EXPECT_EQ(params["layers.2.router.weight"].hf_name, "model.layers.2.block_sparse_moe.gate.weight");
 
   EXPECT_EQ(ApproxParameterCount(m), ModelParameterCount(m));

@@ -75,6 +75,19 @@ std::optional<v1::Command> StartCommandOf(const Recipe& recipe, const std::strin
   return coordinator.WaitCommand("a", 0);
 }
 
+// The recipe a worker loads from `command`'s start: the file the agent writes, read through the
+// worker's environment (LTRAIN_RECIPE_FILE).
+StatusOr<Recipe> WorkerRecipeOf(const v1::Command& command) {
+  const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("ltrain-recipe-keys-" + std::to_string(getpid()));
+  std::filesystem::create_directories(dir);
+  const std::string file = (dir / "recipe.yaml").string();
+  std::ofstream(file) << command.start().recipe_yaml();
+  StatusOr<worker::WorkerEnv> env = worker::ParseWorkerEnv(worker::EnvironmentOf({"LTRAIN_RECIPE_FILE=" + file}), {});
+  StatusOr<Recipe> received = env.ok() ? worker::LoadWorkerRecipe(*env) : StatusOr<Recipe>(env.status());
+  std::filesystem::remove_all(dir);
+  return received;
+}
+
 TEST(RecipeKeysTest, EveryKeyReachesTheWorkerWithANonDefaultValue) {
   SetLogLevel(LogLevel::kWarning);
   RecipeParseResult user = ParseRecipe(kEveryKey, "every-key.yaml");
@@ -92,14 +105,7 @@ TEST(RecipeKeysTest, EveryKeyReachesTheWorkerWithANonDefaultValue) {
   ASSERT_TRUE(command && command->has_start());
 
   // What the agent writes and its worker reads.
-  const std::filesystem::path dir = std::filesystem::temp_directory_path() / ("ltrain-recipe-keys-" + std::to_string(getpid()));
-  std::filesystem::create_directories(dir);
-  const std::string file = (dir / "recipe.yaml").string();
-  std::ofstream(file) << command->start().recipe_yaml();
-  StatusOr<worker::WorkerEnv> env = worker::ParseWorkerEnv(worker::EnvironmentOf({"LTRAIN_RECIPE_FILE=" + file}), {});
-  ASSERT_TRUE(env.ok()) << env.status().ToString();
-  StatusOr<Recipe> received = worker::LoadWorkerRecipe(*env);
-  std::filesystem::remove_all(dir);
+  StatusOr<Recipe> received = WorkerRecipeOf(*command);
   ASSERT_TRUE(received.ok()) << received.status().ToString() << "\n" << command->start().recipe_yaml();
 
   const std::map<std::string, std::string> got = RecipeKeyValues(*received);
@@ -149,15 +155,7 @@ TEST(RecipeKeysTest, TheMoeKeysReachTheWorker) {
     ASSERT_TRUE(user.ok()) << user.ErrorText();
     std::optional<v1::Command> command = StartCommandOf(user.recipe, "moe.yaml");
     ASSERT_TRUE(command && command->has_start());
-    const std::filesystem::path dir =
-        std::filesystem::temp_directory_path() / ("ltrain-recipe-keys-moe-" + std::to_string(getpid()));
-    std::filesystem::create_directories(dir);
-    const std::string file = (dir / "recipe.yaml").string();
-    std::ofstream(file) << command->start().recipe_yaml();
-    StatusOr<worker::WorkerEnv> env = worker::ParseWorkerEnv(worker::EnvironmentOf({"LTRAIN_RECIPE_FILE=" + file}), {});
-    ASSERT_TRUE(env.ok()) << env.status().ToString();
-    StatusOr<Recipe> received = worker::LoadWorkerRecipe(*env);
-    std::filesystem::remove_all(dir);
+    StatusOr<Recipe> received = WorkerRecipeOf(*command);
     ASSERT_TRUE(received.ok()) << received.status().ToString() << "\n" << command->start().recipe_yaml();
     const std::map<std::string, std::string> wanted = RecipeKeyValues(user.recipe), got = RecipeKeyValues(*received);
     for (const auto& [key, value] : wanted) {

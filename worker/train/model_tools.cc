@@ -251,9 +251,7 @@ int Export(const ToolArgs& args) {
     if (dtype == "bf16") t = t.to(torch::kBFloat16);
     if (n.experts > 0) {
       // One tensor an expert, as transformers keeps them.
-      ModelParameter stacked;
-      stacked.name = n.ours, stacked.hf_name = n.hf, stacked.hf_experts = n.experts;
-      for (int64_t e = 0; e < n.experts; ++e) tensors.emplace_back(HfExpertName(stacked, e), t[e].contiguous());
+      for (int64_t e = 0; e < n.experts; ++e) tensors.emplace_back(HfExpertName(n.hf, e), t[e].contiguous());
       continue;
     }
     tensors.emplace_back(n.hf, t);

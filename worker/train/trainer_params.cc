@@ -115,11 +115,9 @@ Status Trainer::LoadInitialParameters(const std::string& path) {
     torch::Tensor full;
     if (n.experts > 0 && !tensor_files.count(p.name)) {
       // transformers' experts, one tensor each: stacked as ours.
-      ModelParameter stacked;
-      stacked.name = p.name, stacked.hf_name = n.hf, stacked.hf_experts = n.experts;
       std::vector<torch::Tensor> experts;
       for (int64_t e = 0; e < n.experts; ++e) {
-        LTRAIN_ASSIGN_OR_RETURN(torch::Tensor t, read(HfExpertName(stacked, e), false));
+        LTRAIN_ASSIGN_OR_RETURN(torch::Tensor t, read(HfExpertName(n.hf, e), false));
         experts.push_back(std::move(t));
       }
       full = torch::stack(experts);
