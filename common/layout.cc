@@ -58,6 +58,21 @@ std::vector<LayoutProblem> CheckLayout(const Recipe& recipe, int world_size) {
     problem("parallel.sequence_parallel", "parallel.sequence_parallel splits the sequence: model.seq_len=" +
                                               S(m.seq_len) + " is not a multiple of tp=" + S(p.tp));
   }
+  if (p.ep > 1) {
+    if (m.moe.experts == 0) {
+      problem("parallel.ep", "parallel.ep=" + S(p.ep) + " splits the experts of a mixture of experts; this model has "
+                                 "none (model.moe): remove parallel.ep");
+    } else if (m.moe.experts % p.ep != 0) {
+      problem("parallel.ep", "parallel.ep=" + S(p.ep) + " does not divide model.moe.experts=" + S(m.moe.experts) +
+                                 ": each expert-parallel rank holds experts/ep of them");
+    }
+    if (dp % p.ep != 0) {
+      problem("parallel.ep", "parallel.ep=" + S(p.ep) + " does not divide the data-parallel degree " + S(dp) +
+                                 " (world size " + S(world_size) + " / (tp*pp=" + S(p.tp * p.pp) +
+                                 ")): expert parallelism splits the data-parallel ranks; use an ep that divides " +
+                                 S(dp) + " or more ranks");
+    }
+  }
   const int stages = p.pp * p.virtual_stages;
   if (p.pp > m.layers) {
     problem("parallel.pp", "parallel.pp=" + S(p.pp) + " is larger than model.layers=" + S(m.layers));
@@ -111,6 +126,7 @@ StatusOr<Layout> PlanLayout(const Recipe& recipe, int world_size) {
   layout.tp = p.tp;
   layout.pp = p.pp;
   layout.dp = world_size / (p.tp * p.pp);
+  layout.ep = p.ep;
   layout.chunks = p.pp > 1 ? p.virtual_stages : 1;
   layout.stage_layers = StageLayers(recipe.model.layers, layout.pp * layout.chunks, p.pp_split);
   layout.zero = p.zero;
@@ -158,6 +174,7 @@ std::string InPlaceRecoveryProblem(const Recipe& recipe, int world_size) {
   }
   if (layout->dp < 2) return "with one data-parallel rank no peer holds a copy of a rank's part of the state";
   if (layout->pp > 1) return "pipeline stages (parallel.pp above 1) are not re-formed in place yet";
+  if (layout->ep > 1) return "the experts split by parallel.ep have no copy on a data-parallel peer of another expert rank yet";
   if (recipe.model.moe.experts > 0 && recipe.model.moe.balance == MoeBalance::kBias) {
     return "the router biases of model.moe.balance: bias are not re-formed in place yet";
   }

@@ -36,7 +36,7 @@ struct Layout {
   int global_batch = 1;
 
   // Plain data parallelism: every rank holds the whole model and the whole optimizer state.
-  bool plain() const { return tp == 1 && pp == 1 && zero == 0; }
+  bool plain() const { return tp == 1 && pp == 1 && zero == 0 && ep == 1; }
   // Only the degrees, for the group arithmetic of plain data parallelism and of tests.
   static Layout Grid(int tp, int dp, int pp) {
     Layout layout;

@@ -23,6 +23,7 @@ struct ParamShape {
   int layer = -1;     // -1: not in a block
   bool embedding = false;
   bool head = false;  // the final norm, llama's untied output
+  bool expert = false;  // an MoE block's stack of routed experts: split over parallel.ep
 };
 
 // The full model's parameters in the worker's order (ModelParameterShapes).
@@ -54,7 +55,9 @@ std::vector<ParamShape> ModelShapes(const ModelSpec& m, int tp) {
         // The router, the stacked experts' w1, w3 and w2, the shared experts' (common/model_family.h).
         const int64_t experts = m.moe.experts, fe = MoeFfnWidth(m), fs = int64_t{m.moe.shared_experts} * fe;
         out.push_back({experts * d, Split::kWhole, l, false, false});
-        for (Split s : {Split::kRows, Split::kRows, Split::kCols}) out.push_back({experts * fe * d, s, l, false, false});
+        for (Split s : {Split::kRows, Split::kRows, Split::kCols}) {
+          out.push_back({experts * fe * d, s, l, false, false, /*expert=*/true});
+        }
         if (fs > 0) {
           for (Split s : {Split::kRows, Split::kRows, Split::kCols}) out.push_back({fs * d, s, l, false, false});
         }
@@ -85,6 +88,7 @@ std::vector<ParamShape> ModelShapes(const ModelSpec& m, int tp) {
 struct RankParam {
   int64_t numel = 0;
   int unit = 0;  // ZeRO-3's structural unit: 0 embedding, 1 + layer, layers + 1 the head
+  bool expert = false;  // this rank's experts/ep of a stack of experts, reduced over dp/ep ranks
 };
 
 // The parameters pipeline rank `pp_rank` holds, each tensor-parallel slice, in the store's order (the
@@ -98,11 +102,13 @@ std::vector<RankParam> RankParams(const ModelSpec& m, const Layout& layout, int 
   const bool first = pp_rank == 0, last = pp_rank == layout.pp - 1;
   std::vector<RankParam> out;
   for (const ParamShape& p : ModelShapes(m, tp)) {
-    const int64_t local = tp > 1 && p.split != Split::kWhole ? p.numel / tp : p.numel;
+    int64_t local = tp > 1 && p.split != Split::kWhole ? p.numel / tp : p.numel;
+    const bool expert = p.expert && layout.ep > 1;
+    if (expert) local /= layout.ep;
     if (p.embedding) {
       if (first) out.push_back({local, 0});
     } else if (p.layer >= 0) {
-      if (stage_of[p.layer] % layout.pp == pp_rank) out.push_back({local, 1 + p.layer});
+      if (stage_of[p.layer] % layout.pp == pp_rank) out.push_back({local, 1 + p.layer, expert});
     } else if (last) {
       out.push_back({local, m.layers + 1});
     }
@@ -112,32 +118,44 @@ std::vector<RankParam> RankParams(const ModelSpec& m, const Layout& layout, int 
   return out;
 }
 
+// A flat unit of the worker: its element count, and whether it holds experts split over ep (reduced
+// and sharded over dp/ep ranks; the worker's SeparateExpertUnits puts them in units of their own).
+struct FlatUnit {
+  int64_t numel = 0;
+  bool expert = false;
+};
+
 // The worker's flat units: buckets of at most bucket_mb MiB of fp32 elements, walked from the last
-// parameter (zero 0-2), or one unit per embedding, block and head (zero 3). Each unit's element count.
-std::vector<int64_t> Units(const std::vector<RankParam>& params, int zero, double bucket_mb) {
-  std::vector<int64_t> units;
+// parameter (zero 0-2), or one unit per embedding, block and head (zero 3); each unit's experts split
+// over ep next to it, in a unit of their own.
+std::vector<FlatUnit> Units(const std::vector<RankParam>& params, int zero, double bucket_mb) {
+  std::vector<FlatUnit> units;
+  auto push = [&units](int64_t dense, int64_t experts) {
+    if (dense > 0) units.push_back({dense, false});
+    if (experts > 0) units.push_back({experts, true});
+  };
   if (zero == 3) {
-    std::map<int, int64_t, std::greater<>> by_unit;
-    for (const RankParam& p : params) by_unit[p.unit] += p.numel;
-    for (const auto& [unit, n] : by_unit) units.push_back(n);
+    std::map<int, std::pair<int64_t, int64_t>, std::greater<>> by_unit;
+    for (const RankParam& p : params) (p.expert ? by_unit[p.unit].second : by_unit[p.unit].first) += p.numel;
+    for (const auto& [unit, n] : by_unit) push(n.first, n.second);
     return units;
   }
   const double cap = bucket_mb * 1024 * 1024;
   double bytes = 0;
-  int64_t current = 0;
+  int64_t dense = 0, experts = 0;
   bool open = false;
   for (auto it = params.rbegin(); it != params.rend(); ++it) {
     const double size = static_cast<double>(it->numel) * 4;
     if (open && bytes + size > cap) {
-      units.push_back(current);
-      current = 0;
+      push(dense, experts);
+      dense = experts = 0;
       bytes = 0;
     }
-    current += it->numel;
+    (it->expert ? experts : dense) += it->numel;
     bytes += size;
     open = true;
   }
-  if (open) units.push_back(current);
+  if (open) push(dense, experts);
   return units;
 }
 
@@ -409,12 +427,13 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double
 
   int64_t dp_bytes = 0, tp_bytes = 0, pp_bytes = 0, embedding_bytes = 0, z3_bytes = 0;
   int64_t tp_exposed_bytes = 0;  // the part of tp_bytes on the critical path
+  int64_t ep_bytes = 0, ep_messages = 0;  // expert parallelism's all-to-alls (the busiest stage's)
   // On CPUs the busiest pipeline rank's data-parallel collectives and bytes a step, and the tensor-
   // and pipeline-parallel messages of a step: each costs its latency there.
   int64_t cpu_dp_messages = 0, cpu_dp_bytes = 0, tp_messages = 0, pp_messages = 0;
   for (int r = 0; r < layout.pp; ++r) {
     const std::vector<RankParam> params = RankParams(m, layout, r);
-    const std::vector<int64_t> units = Units(params, zero, ps.bucket_mb);
+    const std::vector<FlatUnit> units = Units(params, zero, ps.bucket_mb);
     StageMemory st;
     st.pp_rank = r;
     int64_t numel = 0, biggest_unit = 0, second_unit = 0, gathered = 0;
@@ -424,7 +443,9 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double
     int64_t rank_dp_messages = 0;
     const int64_t rank_dp_bytes_before = zero == 3 ? z3_bytes : dp_bytes;
     for (size_t i = 0; i < units.size(); ++i) {
-      const int64_t n = units[i], shard = CeilDiv(n, dp), padded = shard * dp;
+      // A unit of experts split over ep is reduced and sharded over the dp/ep ranks holding them.
+      const int group = units[i].expert ? dp / layout.ep : dp;
+      const int64_t n = units[i].numel, shard = CeilDiv(n, group), padded = shard * group;
       // bf16 copies: of every parameter below ZeRO-3; under it only of the units gathered (below).
       parts.params += (zero == 3 ? shard : padded) * 4 + (e.bf16 && zero < 3 ? padded * 2 : 0);
       parts.grads += (zero >= 2 ? shard : padded) * (e.bf16 && zero < 2 ? 2 : 4);
@@ -442,24 +463,24 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double
         }
       }
       // Data-parallel traffic of this unit per step.
-      if (dp > 1) {
+      if (group > 1) {
         const bool sharded = e.bf16 && (zero == 1 || zero == 2);
         if (zero == 3) {
           // bf16: the copies gathered, the gradients reduce-scattered in bf16.
-          const int64_t one = Ring(padded * (e.bf16 ? 2 : 4), dp, false);
-          z3_bytes += mb * 2 * one + (overlap ? mb : 1) * (cpu ? Ring(padded * 4, dp, true) : one);
+          const int64_t one = Ring(padded * (e.bf16 ? 2 : 4), group, false);
+          z3_bytes += mb * 2 * one + (overlap ? mb : 1) * (cpu ? Ring(padded * 4, group, true) : one);
           rank_dp_messages += mb * 2 + (overlap ? mb : 1);
         } else if (zero == 0) {
-          dp_bytes += Ring(padded * g, dp, true);
+          dp_bytes += Ring(padded * g, group, true);
           rank_dp_messages += 1;
         } else if (zero == 1) {
           rank_dp_messages += 2;
-          dp_bytes += sharded ? Ring(padded * 2, dp, false) + Ring(padded * 2, dp, false)
-                              : Ring(padded * g, dp, true) + Ring(padded * 4, dp, false);
+          dp_bytes += sharded ? Ring(padded * 2, group, false) + Ring(padded * 2, group, false)
+                              : Ring(padded * g, group, true) + Ring(padded * 4, group, false);
         } else {
           // Gloo has no reduce-scatter: it all-reduces and keeps its slice.
-          const int64_t rs = cpu ? Ring(padded * 4, dp, true) : Ring(padded * 4, dp, false);
-          dp_bytes += (overlap ? mb : 1) * rs + Ring(padded * (sharded ? 2 : 4), dp, false);
+          const int64_t rs = cpu ? Ring(padded * 4, group, true) : Ring(padded * 4, group, false);
+          dp_bytes += (overlap ? mb : 1) * rs + Ring(padded * (sharded ? 2 : 4), group, false);
           rank_dp_messages += (overlap ? mb : 1) + 1;
         }
       }
@@ -496,7 +517,7 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double
         for (int l = first_layer; l < first_layer + layout.stage_layers[vs]; ++l) {
           if (!IsMoeLayer(m, l)) continue;
           bytes += MoeLayerExtraBytes(m, s, ac, a, cpu) +
-                   (cpu && ac != ActivationCheckpointing::kFull ? kCpuOverheadPerExpert * m.moe.experts : 0);
+                   (cpu && ac != ActivationCheckpointing::kFull ? kCpuOverheadPerExpert * (m.moe.experts / layout.ep) : 0);
           layer_none = std::max(layer_none, dense_none + MoeLayerExtraBytes(m, s, ActivationCheckpointing::kNone, a, cpu));
         }
         if (autocast) bytes += int64_t{4} * s.b * s.T * s.d * layout.stage_layers[vs];
@@ -546,6 +567,26 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double
       tp_exposed_bytes = mb * (collectives - hidden) * Ring(act, layout.tp, true);
       tp_messages = mb * collectives;
     }
+    // Expert-parallel traffic: each MoE block sends its routed rows (tokens * top_k, even routing) to
+    // their experts' ranks and back, forward and backward (again where full recompute repeats the
+    // forward), and the counts before them: each rank keeps 1/ep of its rows.
+    if (layout.ep > 1) {
+      int moe_here = 0;
+      for (int c = 0; c < layout.chunks; ++c) {
+        const int vs = VirtualStage(layout.pp, r, c);
+        int first_layer = 0;
+        for (int v = 0; v < vs; ++v) first_layer += layout.stage_layers[v];
+        for (int l = first_layer; l < first_layer + layout.stage_layers[vs]; ++l) moe_here += IsMoeLayer(m, l) ? 1 : 0;
+      }
+      const int per_layer = layout.activation_checkpointing == ActivationCheckpointing::kFull ? 6 : 4;
+      const int64_t rows = s.b * s.T * m.moe.top_k;
+      const int64_t one = static_cast<int64_t>(std::llround(static_cast<double>(rows * s.d * a) * (layout.ep - 1) / layout.ep));
+      const int64_t bytes = int64_t{mb} * moe_here * per_layer * one;
+      if (bytes > ep_bytes) {
+        ep_bytes = bytes;
+        ep_messages = int64_t{mb} * moe_here * (per_layer + per_layer / 2);
+      }
+    }
     if (layout.pp > 1 && r == 0) {
       int sends = 0;
       for (int c = 0; c < layout.chunks; ++c) {
@@ -576,6 +617,9 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double
                          layout.sequence_parallel ? "activations all-gathered and reduce-scattered in every layer"
                                                   : "activations all-reduced in every layer"});
   }
+  if (layout.ep > 1) {
+    e.traffic.push_back({"ep", layout.ep, ep_bytes, "each MoE block's routed rows to their experts' ranks and back, by all-to-all"});
+  }
   if (layout.pp > 1) {
     e.traffic.push_back({"pp", layout.pp, pp_bytes, "activations and their gradients between stages"});
     if (embedding_bytes > 0) {
@@ -598,8 +642,8 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double
     const double compute = flops * recompute / (CpuCoreFlops(m.d_model) * std::max(1.0, cpu_cores_per_rank));
     const double embedding_messages = embedding_bytes > 0 ? 1 : 0;
     const double messages =
-        static_cast<double>(cpu_dp_messages + tp_messages + pp_messages) + embedding_messages;
-    const double bytes = static_cast<double>(cpu_dp_bytes + tp_bytes + pp_bytes + embedding_bytes);
+        static_cast<double>(cpu_dp_messages + tp_messages + pp_messages + ep_messages) + embedding_messages;
+    const double bytes = static_cast<double>(cpu_dp_bytes + tp_bytes + pp_bytes + embedding_bytes + ep_bytes);
     e.step_seconds = compute / (1.0 - e.bubble) + messages * kGlooMessageSeconds + bytes / kGlooRate;
   }
   if (cuda) {
@@ -615,7 +659,7 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double
     compute *= recompute;
     if (autocast) compute *= 1.0 + kAutocastOverhead;
     const double tp_rate = layout.sequence_parallel ? kSequenceParallelRate : kTensorParallelRate;
-    const double pipelined = compute + static_cast<double>(tp_exposed_bytes) / tp_rate +
+    const double pipelined = compute + static_cast<double>(tp_exposed_bytes + ep_bytes) / tp_rate +
                              static_cast<double>(pp_bytes) / kPipelineRate;
     e.step_seconds = pipelined / (1.0 - e.bubble) + static_cast<double>(dp_bytes) / kDataParallelRate +
                      static_cast<double>(z3_bytes) / kZero3Rate +
@@ -660,7 +704,7 @@ std::vector<PlanCandidate> RankLayouts(const Recipe& recipe, const PlanOptions& 
   }
   std::vector<PlanCandidate> out;
   auto consider = [&](int tp, int pp, int zero, bool sp, PpSchedule schedule, int chunks,
-                      ActivationCheckpointing ac) {
+                      ActivationCheckpointing ac, int ep) {
     Recipe r = recipe;
     ParallelSpec& p = r.parallel;
     p.nodes = ranks / per_node;
@@ -670,6 +714,7 @@ std::vector<PlanCandidate> RankLayouts(const Recipe& recipe, const PlanOptions& 
     p.tp = tp;
     p.pp = pp;
     p.zero = zero;
+    p.ep = ep;
     p.sequence_parallel = sp;
     p.pp_schedule = schedule;
     p.virtual_stages = chunks;
@@ -682,6 +727,7 @@ std::vector<PlanCandidate> RankLayouts(const Recipe& recipe, const PlanOptions& 
               "parallel.zero=" + std::to_string(zero)};
     // Every key whose value here is not the recipe's, so that the keys applied to the same command line
     // give this layout (a pp schedule or split of the recipe's own left behind would not validate).
+    if (ep != recipe.parallel.ep) c.sets.push_back("parallel.ep=" + std::to_string(ep));
     if (sp != recipe.parallel.sequence_parallel) {
       c.sets.push_back(std::string("parallel.sequence_parallel=") + (sp ? "true" : "false"));
     }
@@ -729,7 +775,11 @@ std::vector<PlanCandidate> RankLayouts(const Recipe& recipe, const PlanOptions& 
           for (const auto& [schedule, chunks] : schedules) {
             for (ActivationCheckpointing ac : {ActivationCheckpointing::kNone, ActivationCheckpointing::kSelective,
                                                ActivationCheckpointing::kFull}) {
-              consider(tp, pp, zero, sp == 1, schedule, chunks, ac);
+              // A mixture of experts: every expert-parallel degree that divides dp and the experts.
+              for (int ep = 1; ep <= dp; ++ep) {
+                if (ep > 1 && (recipe.model.moe.experts == 0 || dp % ep != 0 || recipe.model.moe.experts % ep != 0)) continue;
+                consider(tp, pp, zero, sp == 1, schedule, chunks, ac, ep);
+              }
             }
           }
         }

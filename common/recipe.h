@@ -259,6 +259,7 @@ struct ParallelSpec {
   int nproc_per_node = 1;
   int tp = 1;                    // tensor parallel degree (innermost, within a node)
   int pp = 1;                    // pipeline stages (outermost)
+  int ep = 1;                    // expert parallelism: each MoE block's experts split over ep data-parallel ranks
   int zero = 0;                  // 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded over dp
   bool sequence_parallel = false;
   PpSchedule pp_schedule = PpSchedule::k1F1B;

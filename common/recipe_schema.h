@@ -293,6 +293,12 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
         r.parallel.tp);
   visit(RecipeKey{.section = "parallel", .name = "pp", .help = "pipeline stages", .int_min = 1, .int_max = 1024},
         r.parallel.pp);
+  visit(RecipeKey{.section = "parallel", .name = "ep",
+                  .help = "expert-parallel degree: each MoE block's experts split over this many data-parallel "
+                          "ranks, its tokens sent to their experts' ranks and back by all-to-all (divides the "
+                          "data-parallel degree and model.moe.experts)",
+                  .int_min = 1, .int_max = 1024},
+        r.parallel.ep);
   visit(RecipeKey{.section = "parallel", .name = "zero",
                   .help = "ZeRO stage over data parallel: 1 shards optimizer state, 2 also gradients, 3 also parameters",
                   .int_min = 0, .int_max = 3, .default_text = "1 on cuda with data parallelism, else 0"},

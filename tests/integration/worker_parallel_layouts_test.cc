@@ -16,6 +16,7 @@
 #include <map>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <gtest/gtest.h>
@@ -286,6 +287,53 @@ TEST_F(MoeLayoutsTest, Dp2Zero3FullCheckpointing) {
 TEST_F(MoeLayoutsTest, Dp2BiasBalance) {
   const std::string bias = "--set model.moe.balance=bias --set model.moe.bias_update=0.01";
   ExpectMatchesReference("dp2_bias", 2, bias, bias);
+}
+
+// Expert parallelism: each MoE block's 4 experts split over ep ranks of the data-parallel group,
+// the tokens sent to their experts' ranks and back by all-to-all; the experts' gradients reduced over
+// the dp/ep ranks holding the same experts. With data parallelism beside it (ep2 x dp2: 4 data-
+// parallel ranks, 2 holding each expert), ZeRO over those, tensor parallelism (each expert also split
+// as the MLP is), a pipeline, and the router bias from every rank's counts.
+TEST_F(MoeLayoutsTest, Ep2) { ExpectMatchesReference("ep2", 2, "--set parallel.ep=2"); }
+TEST_F(MoeLayoutsTest, Ep4) { ExpectMatchesReference("ep4", 4, "--set parallel.ep=4"); }
+TEST_F(MoeLayoutsTest, Ep2Dp2) { ExpectMatchesReference("ep2_dp2", 4, "--set parallel.ep=2"); }
+TEST_F(MoeLayoutsTest, Ep2Dp2Zero1) {
+  ExpectMatchesReference("ep2_dp2_zero1", 4, "--set parallel.ep=2 --set parallel.zero=1");
+}
+TEST_F(MoeLayoutsTest, Ep2Dp2Zero3) {
+  ExpectMatchesReference("ep2_dp2_zero3", 4, "--set parallel.ep=2 --set parallel.zero=3");
+}
+TEST_F(MoeLayoutsTest, Ep2Tp2) {
+  ExpectMatchesReference("ep2_tp2", 4, "--set parallel.ep=2 --set parallel.tp=2 --set parallel.sequence_parallel=true");
+}
+TEST_F(MoeLayoutsTest, Ep2Pp2) { ExpectMatchesReference("ep2_pp2", 4, "--set parallel.ep=2 --set parallel.pp=2"); }
+TEST_F(MoeLayoutsTest, Ep2FullCheckpointingBiasBalance) {
+  const std::string bias = "--set model.moe.balance=bias --set model.moe.bias_update=0.01";
+  ExpectMatchesReference("ep2_full_bias", 2, "--set parallel.ep=2 --set parallel.activation_checkpointing=full " + bias,
+                         bias);
+}
+
+// A checkpoint does not depend on ep: saved at ep2 x dp2 under ZeRO-1 (each rank its shard of its
+// experts), it resumes in one process, and at ep 4; both end as the one-process run does.
+TEST_F(MoeLayoutsTest, ACheckpointAtEp2ResumesInOneProcessAndAtEp4) {
+  const fs::path ref = Reference("");
+  const fs::path first = Run("ep2_first", 4, "--set parallel.ep=2 --set parallel.zero=1 --set checkpoint.every=10 "
+                                             "--set checkpoint.keep=5");
+  const std::string from = "--set checkpoint.resume_from=" + (first / "ck" / "step-10").string();
+  for (const auto& [name, world, sets] : {std::tuple<std::string, int, std::string>{"ep1_second", 1, from},
+                                          {"ep4_second", 4, "--set parallel.ep=4 " + from}}) {
+    const fs::path resumed = Run(name, world, sets);
+    std::vector<double> a = Losses(ref / "log0"), b = Losses(resumed / "log0");
+    ASSERT_EQ(a.size(), 20u);
+    ASSERT_EQ(b.size(), 10u) << std::ifstream(resumed / "log0").rdbuf();
+    for (size_t i = 0; i < b.size(); ++i) EXPECT_NEAR(a[10 + i], b[i], 1e-4 * a[10 + i]) << name << " step " << i + 11;
+    auto pa = Params(ref / "params.bin"), pb = Params(resumed / "params.bin");
+    ASSERT_EQ(pa.size(), pb.size());
+    for (const auto& [key, values] : pa) {
+      ASSERT_EQ(values.size(), pb[key].size()) << key;
+      for (size_t i = 0; i < values.size(); ++i) ASSERT_NEAR(values[i], pb[key][i], 1e-4) << name << " " << key << " " << i;
+    }
+  }
 }
 
 // The router biases (balance: bias) go into the checkpoint and come back exact: 10 steps, then 10

@@ -38,6 +38,15 @@ TEST(LayoutTest, PlansTheDegreesAndTheAccumulation) {
   EXPECT_EQ(layout->accumulation, 2);
   EXPECT_EQ(layout->stage_layers, (std::vector<int>{2, 2}));
   EXPECT_FALSE(layout->plain());
+  // Expert parallelism splits the data-parallel ranks: dp stays 4 at ep 2.
+  Recipe moe = Base();
+  moe.model.moe.experts = 4;
+  moe.parallel.ep = 2;
+  StatusOr<Layout> ep = PlanLayout(moe, 4);
+  ASSERT_TRUE(ep.ok()) << ep.status().ToString();
+  EXPECT_EQ(ep->dp, 4);
+  EXPECT_EQ(ep->ep, 2);
+  EXPECT_FALSE(ep->plain());
   StatusOr<Layout> one = PlanLayout(Base(), 1);
   ASSERT_TRUE(one.ok());
   EXPECT_EQ(one->accumulation, 4);
@@ -69,6 +78,19 @@ TEST(LayoutTest, EachBrokenRuleNamesItsKey) {
        "summing to model.layers=4; it has 2 summing to 3"},
       {"pp_split entry", [](Recipe& r) { r.parallel.pp = 2; r.parallel.pp_split = {4, 0}; }, 2, "parallel.pp_split",
        "of at least 1"},
+      {"ep without experts", [](Recipe& r) { r.parallel.ep = 2; }, 2, "parallel.ep", "this model has none (model.moe)"},
+      {"ep and the experts",
+       [](Recipe& r) {
+         r.model.moe.experts = 6;
+         r.parallel.ep = 4;
+       },
+       4, "parallel.ep", "does not divide model.moe.experts=6"},
+      {"ep and dp",
+       [](Recipe& r) {
+         r.model.moe.experts = 8;
+         r.parallel.ep = 4;
+       },
+       2, "parallel.ep", "does not divide the data-parallel degree 2"},
       {"global batch", [](Recipe& r) { r.training.global_batch = 6; }, 2, "training.global_batch",
        "is not a multiple of micro_batch*dp=2*2=4; try 4"},
       {"interleaved micro-batches",
@@ -141,6 +163,11 @@ TEST(LayoutTest, InPlaceRecoveryNeedsADataParallelCopyOfEveryRanksPart) {
   Recipe gpu = r;
   gpu.parallel.device = Device::kCuda;
   EXPECT_EQ(InPlaceRecoveryProblem(gpu, 4), "");  // NCCL groups are aborted and made again as Gloo's
+  Recipe ep = r;
+  ep.model.moe.experts = 4;
+  ep.parallel.ep = 2;
+  EXPECT_EQ(CheckLayout(ep, 4).size(), 0u) << Keys(CheckLayout(ep, 4));
+  EXPECT_NE(InPlaceRecoveryProblem(ep, 4).find("parallel.ep"), std::string::npos);
   Recipe program = r;
   program.entrypoint.command = {"python3", "train.py"};
   EXPECT_NE(InPlaceRecoveryProblem(program, 4).find("entrypoint.command"), std::string::npos);

@@ -48,9 +48,11 @@ const std::set<std::string> kSingleValued = {};
 
 // Keys that replace another (data.sources replaces data.path): AMixtureReachesTheWorker covers them.
 const std::set<std::string> kAlternatives = {"data.sources"};
-// MoE blocks take no tensor parallelism yet, and kEveryKey's layout has it: TheMoeKeysReachTheWorker
-// covers the keys of this section.
+// kEveryKey's model is dense: TheMoeKeysReachTheWorker covers the keys of this section and
+// parallel.ep, which needs a mixture of experts.
 constexpr const char* kMoeSection = "model.moe.";
+constexpr const char* kExpertParallel = "parallel.ep";
+bool MoeKey(const std::string& key) { return key.rfind(kMoeSection, 0) == 0 || key == kExpertParallel; }
 
 // A recipe with entrypoint.command has no model, data or training: ProgramRecipeReachesTheAgent
 // covers these keys.
@@ -96,7 +98,7 @@ TEST(RecipeKeysTest, EveryKeyReachesTheWorkerWithANonDefaultValue) {
   const std::map<std::string, std::string> wanted = RecipeKeyValues(user.recipe);
   for (const auto& [key, value] : wanted) {
     if (kSingleValued.count(key) || kProgramKeys.count(key) || kAlternatives.count(key)) continue;
-    if (key.rfind(kMoeSection, 0) == 0) continue;
+    if (MoeKey(key)) continue;
     EXPECT_NE(value, defaults.at(key)) << key << " is at its default in this test's recipe: give it another value";
   }
 
@@ -143,14 +145,15 @@ TEST(RecipeKeysTest, AMixtureReachesTheWorker) {
 // loss of balance aux_loss, the other balances by bias), from the user's recipe to the worker's loading.
 TEST(RecipeKeysTest, TheMoeKeysReachTheWorker) {
   SetLogLevel(LogLevel::kWarning);
-  const std::string common = "name: moe\ndata: {path: /data/moe}\nparallel: {nproc_per_node: 2, pp: 2}\n";
+  const std::string common = "name: moe\ndata: {path: /data/moe}\n";
   const std::map<std::string, std::string> defaults = RecipeKeyValues(Recipe{});
   std::set<std::string> covered;
   for (const std::string model :
        {"model: {arch: qwen3, layers: 8, moe: {experts: 4, top_k: 1, shared_experts: 1, ffn: 64, every: 2, "
         "first_dense: 1, dense_layers: [7], score: sigmoid, norm_topk: false, route_scale: 2.5, balance: bias, "
-        "bias_update: 0.01, z_loss_coef: 0.001}}\n",
-        "model: {arch: llama, moe: {experts: 4, aux_loss_coef: 0.02}}\n"}) {
+        "bias_update: 0.01, z_loss_coef: 0.001}}\nparallel: {nproc_per_node: 2, pp: 2}\n",
+        "model: {arch: llama, moe: {experts: 4, aux_loss_coef: 0.02}}\nparallel: {nproc_per_node: 4, ep: 2}\n"
+        "training: {micro_batch: 1, global_batch: 8}\n"}) {
     RecipeParseResult user = ParseRecipe(common + model, "moe.yaml");
     ASSERT_TRUE(user.ok()) << user.ErrorText();
     std::optional<v1::Command> command = StartCommandOf(user.recipe, "moe.yaml");
@@ -159,13 +162,13 @@ TEST(RecipeKeysTest, TheMoeKeysReachTheWorker) {
     ASSERT_TRUE(received.ok()) << received.status().ToString() << "\n" << command->start().recipe_yaml();
     const std::map<std::string, std::string> wanted = RecipeKeyValues(user.recipe), got = RecipeKeyValues(*received);
     for (const auto& [key, value] : wanted) {
-      if (key.rfind(kMoeSection, 0) != 0) continue;
+      if (!MoeKey(key)) continue;
       EXPECT_EQ(got.at(key), value) << key << " did not reach the worker:\n" << command->start().recipe_yaml();
       if (value != defaults.at(key)) covered.insert(key);
     }
   }
   for (const auto& [key, value] : defaults) {
-    if (key.rfind(kMoeSection, 0) == 0) {
+    if (MoeKey(key)) {
       EXPECT_TRUE(covered.count(key)) << key << " is at its default in both recipes";
     }
   }

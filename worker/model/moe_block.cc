@@ -2,14 +2,17 @@
 // route counts the balance reads, the router bias DeepSeek-V3 balances by, and the balance and z
 // losses, which enter backward through the branch's output (AuxLossScaler) so that the loss the
 // trainer prints and the pipeline passes stays the language model's.
+#include <algorithm>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include <torch/autograd.h>
 
 #include "common/model_family.h"
 #include "worker/model/moe_ops.h"
 #include "worker/model/parallel_model.h"
+#include "worker/plan/expert_splits.h"
 
 namespace ltrain::worker {
 namespace {
@@ -31,6 +34,56 @@ struct AuxLossScaler : public torch::autograd::Function<AuxLossScaler> {
     return {grads[0], torch::full_like(loss, ctx->saved_data["scale"].toDouble()), torch::Tensor()};
   }
 };
+
+// Rows of `input` [rows, d] sent to the ranks of an expert-parallel group (`send` rows to each, in
+// rank order) and received from them (`recv` from each): the tokens' way to their experts and back.
+// Backward sends each row's gradient the opposite way.
+struct AllToAllRows : public torch::autograd::Function<AllToAllRows> {
+  static torch::Tensor Exchange(Communicator* comm, const torch::Tensor& input, const std::vector<int64_t>& send,
+                                const std::vector<int64_t>& recv) {
+    int64_t rows = 0;
+    for (int64_t n : recv) rows += n;
+    torch::Tensor in = input.contiguous();
+    torch::Tensor out = torch::empty({rows, in.size(1)}, in.options());
+    if (Status s = comm->AllToAll(in, send, out, recv); !s.ok()) {
+      throw std::runtime_error("expert parallelism's all-to-all: " + s.message());
+    }
+    return out;
+  }
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& input, int64_t comm,
+                               const std::vector<int64_t>& send, const std::vector<int64_t>& recv) {
+    ctx->saved_data["comm"] = comm;
+    ctx->saved_data["send"] = send;
+    ctx->saved_data["recv"] = recv;
+    return Exchange(reinterpret_cast<Communicator*>(comm), input, send, recv);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto* comm = reinterpret_cast<Communicator*>(ctx->saved_data["comm"].toInt());
+    const std::vector<int64_t> send = ctx->saved_data["send"].toIntVector();
+    const std::vector<int64_t> recv = ctx->saved_data["recv"].toIntVector();
+    return {Exchange(comm, grads[0], recv, send), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+// The identity forward, the gradient times `scale` backward.
+struct ScaleGrad : public torch::autograd::Function<ScaleGrad> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, double scale) {
+    ctx->saved_data["scale"] = scale;
+    return x.view(x.sizes());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return {grads[0] * ctx->saved_data["scale"].toDouble(), torch::Tensor()};
+  }
+};
+
+// `t`'s rows in chunks of `sizes`, put together in the order `order` lists them.
+torch::Tensor Reorder(const torch::Tensor& t, const std::vector<int64_t>& sizes, const std::vector<int64_t>& order) {
+  const std::vector<torch::Tensor> chunks = t.split_with_sizes(sizes);
+  std::vector<torch::Tensor> ordered;
+  ordered.reserve(order.size());
+  for (int64_t k : order) ordered.push_back(chunks[static_cast<size_t>(k)]);
+  return torch::cat(ordered);
+}
 
 moe::RouterOptions RouterOptionsOf(const MoeSpec& moe) {
   moe::RouterOptions o;
@@ -67,8 +120,7 @@ torch::Tensor ModelShard::MoeBranch(int layer, const torch::Tensor& m) {
     route_counts_[slot] += at::bincount(routing.experts.reshape(-1), {}, moe.experts).to(torch::kFloat);
   }
   const moe::Dispatch dispatch = moe::SortByExpert(routing.experts, moe.experts);
-  const torch::Tensor ys = moe::Experts(moe::Permute(x, dispatch), dispatch.counts, P(layer, "experts.w1.weight"),
-                                        P(layer, "experts.w3.weight"), P(layer, "experts.w2.weight"));
+  const torch::Tensor ys = RoutedExperts(layer, moe::Permute(x, dispatch), dispatch.counts);
   torch::Tensor y = moe::Combine(ys, dispatch, routing.gates);
   if (const torch::Tensor* w1 = Optional(layer, "shared.w1.weight")) {
     y = y + at::linear(at::silu(at::linear(x, *w1)) * at::linear(x, P(layer, "shared.w3.weight")),
@@ -95,6 +147,41 @@ torch::Tensor ModelShard::MoeBranch(int layer, const torch::Tensor& m) {
     }
   }
   return y.view(m.sizes());
+}
+
+torch::Tensor ModelShard::RoutedExperts(int layer, const torch::Tensor& xs, const std::vector<int64_t>& counts) {
+  const torch::Tensor& w1 = P(layer, "experts.w1.weight");
+  const torch::Tensor& w3 = P(layer, "experts.w3.weight");
+  const torch::Tensor& w2 = P(layer, "experts.w2.weight");
+  const int ep = std::max(1, spec_.layout.ep);
+  if (ep == 1) return moe::Experts(xs, counts, w1, w3, w2);
+  if (ep_ == nullptr || ep_->size() != ep) {
+    throw std::logic_error("MoE block " + std::to_string(layer) + ": parallel.ep=" + std::to_string(ep) +
+                           " without its expert-parallel group");
+  }
+  // How many rows each expert gets from each rank: every rank sends each the counts of its experts.
+  const int64_t experts = static_cast<int64_t>(counts.size()), local = experts / ep;
+  const torch::Tensor mine = torch::tensor(counts, torch::TensorOptions().dtype(torch::kLong)).to(xs.device());
+  torch::Tensor theirs = torch::empty({experts}, mine.options());
+  const std::vector<int64_t> per_rank(static_cast<size_t>(ep), local);
+  if (Status s = ep_->AllToAll(mine.view({experts, 1}), per_rank, theirs, per_rank); !s.ok()) {
+    throw std::runtime_error("expert parallelism's exchange of counts: " + s.message());
+  }
+  const torch::Tensor host = theirs.to(torch::kCPU);
+  const std::vector<int64_t> received(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + experts);
+  StatusOr<ExpertExchange> plan = PlanExpertExchange(counts, received, ep);
+  if (!plan.ok()) throw std::runtime_error("MoE block " + std::to_string(layer) + ": " + plan.status().message());
+  const auto comm = reinterpret_cast<int64_t>(ep_);
+  // The rows to the ranks of their experts; there expert-major; the experts; back in the order they came.
+  const torch::Tensor arrived = AllToAllRows::apply(xs, comm, plan->send, plan->recv);
+  const torch::Tensor grouped = Reorder(arrived, plan->received_chunks, plan->regroup);
+  // Each rank's experts see the rows of the ep ranks: their gradients are those ranks' sums, which
+  // the expert-data group's mean then takes over dp / ep ranks; 1/ep makes it the mean over dp.
+  const double scale = 1.0 / ep;
+  const torch::Tensor out = moe::Experts(grouped, plan->expert_rows, ScaleGrad::apply(w1, scale),
+                                         ScaleGrad::apply(w3, scale), ScaleGrad::apply(w2, scale));
+  const torch::Tensor back = Reorder(out, plan->expert_chunks, plan->ungroup);
+  return AllToAllRows::apply(back, comm, plan->recv, plan->send);
 }
 
 torch::Tensor ModelShard::TakeRouteCounts() {

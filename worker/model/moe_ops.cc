@@ -58,7 +58,12 @@ torch::Tensor Experts(const torch::Tensor& xs, const std::vector<int64_t>& count
     throw std::invalid_argument("Experts: the counts cover " + std::to_string(at) + " of " +
                                 std::to_string(xs.size(0)) + " rows");
   }
-  if (outs.empty()) return xs.new_zeros({0, w2.size(1)});
+  if (outs.empty()) {
+    // No rows (an expert-parallel rank whose experts nobody chose): still a product of xs and the
+    // weights, so that backward reaches xs and the exchanges before it on every rank alike.
+    const torch::Tensor x = xs.narrow(0, 0, 0);
+    return (at::silu(x.mm(w1[0].t())) * x.mm(w3[0].t())).mm(w2[0].t());
+  }
   return torch::cat(outs, 0);
 }
 

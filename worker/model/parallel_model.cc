@@ -77,8 +77,10 @@ ParamInit LlamaParamInit(const std::string& name, int64_t dims, int layers) {
 // The full parameter `index` of the per-parameter initialisation: the Python model's distribution
 // (GptParamInit, LlamaParamInit), drawn on `device` by a copy of its default generator seeded for
 // this parameter (a copy: the global generator's state stays as the trainer seeded it).
+// Of a stack of experts, only experts [first_expert, first_expert + shape[0]) are drawn (expert
+// parallelism: this rank's), each with the numbers it has in the whole stack.
 torch::Tensor PerParameterInit(const ModelSpec& c, const std::string& name, const std::vector<int64_t>& shape,
-                               uint64_t seed, size_t index, const torch::Device& device) {
+                               uint64_t seed, size_t index, const torch::Device& device, int64_t first_expert = 0) {
   const torch::TensorOptions options = torch::TensorOptions().dtype(torch::kFloat).device(device);
   const int64_t dims = static_cast<int64_t>(shape.size());
   const ParamInit init = LlamaBlock(c) ? LlamaParamInit(name, dims, c.layers) : GptParamInit(name, dims, c.layers);
@@ -91,7 +93,8 @@ torch::Tensor PerParameterInit(const ModelSpec& c, const std::string& name, cons
     // (expert parallelism) draws only those, and the same numbers.
     torch::Tensor out = torch::empty(shape, options);
     for (int64_t e = 0; e < shape[0]; ++e) {
-      generator.set_current_seed(SplitMix64(parameter_seed ^ SplitMix64(static_cast<uint64_t>(e) + 0x5eed)));
+      const auto expert = static_cast<uint64_t>(first_expert + e);
+      generator.set_current_seed(SplitMix64(parameter_seed ^ SplitMix64(expert + 0x5eed)));
       out[e].normal_(0.0, init.stddev, generator);
     }
     return out;
@@ -244,8 +247,25 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelShardSpec& s
       built.push_back(item.value());
     }
   }
+  // Expert parallelism: this rank's experts of each MoE block, [first_expert, first_expert + local).
+  const int ep = std::max(1, spec.layout.ep);
+  if (ep > 1 && (c.moe.experts == 0 || c.moe.experts % ep != 0 || spec.layout.dp % ep != 0)) {
+    return InvalidArgument("parallel.ep=" + std::to_string(ep) + " must divide model.moe.experts=" +
+                           std::to_string(c.moe.experts) + " and the data-parallel degree " +
+                           std::to_string(spec.layout.dp));
+  }
+  const int64_t local_experts = ep > 1 ? c.moe.experts / ep : c.moe.experts;
+  const int64_t first_expert = ep > 1 ? static_cast<int64_t>(spec.coords.dp % ep) * local_experts : 0;
+  auto split_over_ep = [&](const std::string& name) {
+    return ep > 1 && name.find(".experts.") != std::string::npos && EndsWith(name, ".weight");
+  };
   auto full_param = [&](size_t i) {
     if (!per_parameter) return built[i];
+    if (split_over_ep(shapes[i].first)) {
+      std::vector<int64_t> shape = shapes[i].second;
+      shape[0] = local_experts;
+      return PerParameterInit(c, shapes[i].first, shape, spec.seed, i, spec.device, first_expert);
+    }
     return PerParameterInit(c, shapes[i].first, shapes[i].second, spec.seed, i, spec.device);
   };
   for (int l = 0; l < c.layers; ++l) {
@@ -256,6 +276,11 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelShardSpec& s
     ShardParam p;
     p.name = name;
     p.full_shape = t.sizes().vec();
+    p.expert = split_over_ep(name);
+    if (p.expert) {
+      if (!per_parameter) throw std::logic_error("expert parallelism needs the per-parameter initialisation");
+      p.full_shape[0] = c.moe.experts;  // `t` holds this rank's experts only
+    }
     p.split = SplitOf(c, name, tp_size);
     p.value = Slice(t, p.split, tp_size, spec.coords.tp).requires_grad_(true);
     p.decay = t.dim() >= 2;
@@ -766,6 +791,14 @@ torch::Tensor ModelShard::Forward(int chunk, const torch::Tensor& input, const t
 StatusOr<torch::Tensor> ModelShard::GatherFull(const ShardParam& p, const torch::Tensor& value) {
   torch::NoGradGuard no_grad;
   torch::Tensor local = value.detach().contiguous();
+  if (p.expert && ep_ != nullptr && ep_->size() > 1) {
+    // Every expert rank's experts, in order, first: then the stack is split over tp only.
+    torch::Tensor all = torch::empty({ep_->size() * local.numel()}, local.options());
+    LTRAIN_RETURN_IF_ERROR(ep_->AllGather(local, all));
+    std::vector<int64_t> shape = local.sizes().vec();
+    shape[0] *= ep_->size();
+    local = all.view(shape);
+  }
   if (p.split == TpSplit::kReplicated || spec_.layout.tp == 1) return local.clone();
   const int n = spec_.layout.tp;
   torch::Tensor out = torch::empty({n * local.numel()}, local.options());

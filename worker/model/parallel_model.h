@@ -108,6 +108,10 @@ struct ShardParam {
   bool counts_for_norm = true;      // counted once in the global gradient norm (not a replica)
   bool exported = true;             // false for the last stage's copy of the tied embedding
   int unit = 0;                     // 0 embedding, 1 + layer for a block, layers + 1 the head
+  // An MoE block's routed experts under expert parallelism (layout.ep > 1): `value` holds this
+  // rank's experts/ep of the stack (dim 0, after the tp split), which the ranks of its expert-data
+  // group (ProcessGroups::edp) reduce, not the whole data-parallel group.
+  bool expert = false;
 };
 
 // Called around the use of a unit's parameters in forward (ZeRO-3 gathers and frees them there);
@@ -185,6 +189,9 @@ class ModelShard {
   // 1/(the micro-batches a step accumulates), as the trainer divides the LM loss (and by tp here: every
   // tp rank adds the same gradients).
   void set_aux_scale(double scale) { aux_scale_ = scale; }
+  // Expert parallelism (layout.ep > 1): the group that splits each MoE block's experts and exchanges
+  // its tokens (ProcessGroups::ep); must be set before the first forward, and outlive the shard.
+  void set_expert_group(Communicator* ep) { ep_ = ep; }
   // The routed assignments each expert of each MoE block got since the last call, counted while
   // autograd records (the step's training micro-batches; a block recomputed under full activation
   // checkpointing counts in its recomputation only): [MoeLayers().size(), experts], fp32, on the
@@ -236,8 +243,14 @@ class ModelShard {
   int FirstLayer(int virtual_stage) const;
   void Unit(int unit, bool before);
 
+  // The routed experts' SwiGLU over xs (the rows routed here, sorted by expert; counts[e] for each of
+  // the block's experts): on this rank, or under expert parallelism sent to the ranks holding their
+  // experts and back by all-to-all (moe_block.cc).
+  torch::Tensor RoutedExperts(int layer, const torch::Tensor& xs, const std::vector<int64_t>& counts);
+
   ModelShardSpec spec_;
   Communicator* tp_;
+  Communicator* ep_ = nullptr;
   std::vector<ShardParam> params_;
   std::vector<std::pair<std::string, std::vector<int64_t>>> full_params_;
   // Each block's parameter names (BlockParameterNames: an MoE block's differ), and the index into

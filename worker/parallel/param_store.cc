@@ -29,7 +29,8 @@ ParamStore::~ParamStore() {
 StatusOr<std::unique_ptr<ParamStore>> ParamStore::Create(std::vector<Param> params,
                                                          const std::vector<std::vector<int>>& units, int zero,
                                                          Communicator* dp, AdamWConfig adamw, bool bf16_compute,
-                                                         bool exclusive_collectives, bool inline_on_own_stream) {
+                                                         bool exclusive_collectives, bool inline_on_own_stream,
+                                                         Communicator* expert_dp) {
   if (zero < 0 || zero > 3) return InvalidArgument("parallel.zero=" + std::to_string(zero) + " is not 0, 1, 2 or 3");
   std::unique_ptr<ParamStore> store(new ParamStore(std::move(params), zero, dp, adamw));
   const torch::Device device = store->params_.empty() ? torch::Device(torch::kCPU) : store->params_[0].value->device();
@@ -42,7 +43,18 @@ StatusOr<std::unique_ptr<ParamStore>> ParamStore::Create(std::vector<Param> para
   torch::NoGradGuard no_grad;
   for (const std::vector<int>& members : units) {
     Unit unit;
-    unit.layout = LayoutUnit(members, numels, dp->size());
+    if (members.empty()) return InvalidArgument("a unit of no parameters");
+    const bool expert = store->params_[members.front()].expert;
+    for (int i : members) {
+      if (i < 0 || i >= static_cast<int>(store->params_.size())) return InvalidArgument("no parameter " + std::to_string(i));
+      if (store->params_[i].expert != expert) {
+        return InvalidArgument("unit of parameters " + std::to_string(members.front()) + "..." +
+                               std::to_string(members.back()) + " mixes expert parameters with others");
+      }
+    }
+    unit.comm = expert && expert_dp != nullptr ? expert_dp : dp;
+    store->expert_units_ = store->expert_units_ || unit.comm != dp;
+    unit.layout = LayoutUnit(members, numels, unit.comm->size());
     const torch::Tensor& first = *store->params_[members.front()].value;
     torch::TensorOptions options = first.options().requires_grad(false);
     unit.full = torch::zeros({unit.layout.padded}, options);
@@ -102,7 +114,7 @@ StatusOr<std::unique_ptr<ParamStore>> ParamStore::Create(std::vector<Param> para
 Range ParamStore::Owned(const Unit& unit) const {
   if (zero_ == 0) return Range{0, unit.layout.padded};
   const int64_t s = unit.layout.shard;
-  return Range{s * dp_->rank(), s * (dp_->rank() + 1)};
+  return Range{s * unit.comm->rank(), s * (unit.comm->rank() + 1)};
 }
 
 torch::Tensor ParamStore::OwnedGrad(Unit& unit) {
@@ -125,7 +137,7 @@ Status ParamStore::SyncMasters() {
   torch::NoGradGuard no_grad;
   for (Unit& unit : units_) {
     torch::Tensor mine = OwnedParam(unit).clone(), full = unit.full;
-    Communicator* comm = dp_;
+    Communicator* comm = unit.comm;
     queue_->Enqueue([comm, mine, full]() mutable { return comm->AllGather(mine, full); });
   }
   Status s = queue_->WaitAll();
@@ -143,7 +155,7 @@ Status ParamStore::BroadcastParameters() {
   if (zero_ == 3) return Status::Ok();
   torch::NoGradGuard no_grad;
   for (Unit& unit : units_) {
-    LTRAIN_RETURN_IF_ERROR(dp_->Broadcast(unit.full, 0));
+    LTRAIN_RETURN_IF_ERROR(unit.comm->Broadcast(unit.full, 0));
   }
   RefreshCompute();
   return Status::Ok();
@@ -153,6 +165,9 @@ Status ParamStore::BroadcastState(int root) {
   if (zero_ != 0) {
     return FailedPrecondition("the training state is sharded (ZeRO " + std::to_string(zero_) +
                               "): no rank holds a whole copy to fill a replacement from");
+  }
+  if (expert_units_) {
+    return FailedPrecondition("experts split over expert-parallel ranks have no copy on every data-parallel rank");
   }
   torch::NoGradGuard no_grad;
   LTRAIN_RETURN_IF_ERROR(AwaitUpdates());
@@ -275,8 +290,8 @@ void ParamStore::OnGradReady(int param) {
 void ParamStore::Launch(int u) {
   Unit& unit = units_[u];
   unit.launched = true;
-  const int dp = dp_->size();
-  Communicator* comm = dp_;
+  const int dp = unit.comm->size();
+  Communicator* comm = unit.comm;
   if (zero_ < 2) {
     if (dp == 1) return;
     torch::Tensor grads = unit.grad_full;
@@ -413,16 +428,21 @@ torch::Tensor ParamStore::GradSquareSum() {
   // kernel, as clip_grad_norm_ does), on the CPU from squares in double.
   // Adjacent counted parameters of a unit make one segment (fewer, longer ones for the kernel).
   std::vector<torch::Tensor> sums, segments;
+  std::vector<double> weights;  // of the segments
   for (Unit& unit : units_) {
     torch::Tensor grad = OwnedGrad(unit);
+    // Without ZeRO, with expert units: each rank's share of the elements its group holds alike.
+    const double weight = zero_ == 0 && expert_units_ ? 1.0 / unit.comm->size() : 1.0;
     int64_t run_at = 0, run_n = 0;
     auto flush = [&] {
       if (run_n == 0) return;
       torch::Tensor g = grad.narrow(0, run_at, run_n);
       if (g.is_cuda()) {
         segments.push_back(g);
+        weights.push_back(weight);
       } else {
-        sums.push_back(g.to(torch::kDouble).square().sum());
+        torch::Tensor sum = g.to(torch::kDouble).square().sum();
+        sums.push_back(weight == 1.0 ? sum : sum * weight);
       }
       run_n = 0;
     };
@@ -434,7 +454,13 @@ torch::Tensor ParamStore::GradSquareSum() {
     });
     flush();
   }
-  if (!segments.empty()) sums.push_back(torch::stack(at::_foreach_norm(segments)).to(torch::kDouble).square().sum());
+  if (!segments.empty()) {
+    torch::Tensor squares = torch::stack(at::_foreach_norm(segments)).to(torch::kDouble).square();
+    if (expert_units_ && zero_ == 0) {
+      squares = squares * torch::tensor(weights, torch::TensorOptions().dtype(torch::kDouble)).to(squares.device());
+    }
+    sums.push_back(squares.sum());
+  }
   if (sums.empty()) {
     const torch::Device device = units_.empty() ? torch::Device(torch::kCPU) : units_.front().full.device();
     return torch::zeros({1}, torch::TensorOptions().dtype(torch::kDouble).device(device));
@@ -626,7 +652,7 @@ Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, con
       if (!own_kernel) OwnedCompute(unit).copy_(OwnedParam(unit));
       const Range own = Owned(unit);
       torch::Tensor all = unit.compute;
-      Communicator* comm = dp_;
+      Communicator* comm = unit.comm;
       unit.compute_job = queue_->Enqueue([comm, all, own]() mutable {
         torch::NoGradGuard no_grad;
         return comm->AllGather(all.narrow(0, own.begin, own.size()), all);
@@ -640,7 +666,7 @@ Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, con
   if ((zero_ == 1 || zero_ == 2) && dp_->size() > 1) {
     for (Unit& unit : units_) {
       torch::Tensor mine = OwnedParam(unit).clone(), full = unit.full;
-      Communicator* comm = dp_;
+      Communicator* comm = unit.comm;
       queue_->Enqueue([comm, mine, full]() mutable { return comm->AllGather(mine, full); });
     }
   }
@@ -676,7 +702,7 @@ void ParamStore::Prefetch(int u) {
     unit.gather_job = GatherFp32(unit, update ? [update]() { update(torch::Tensor()); } : std::function<void()>());
     return;
   }
-  Communicator* comm = dp_;
+  Communicator* comm = unit.comm;
   torch::Tensor shard = unit.shard;
   // bf16 copies, gathered in place: this rank's part of the copy is written first (by the pending
   // update's kernel, which reads the fp32 shard anyway, else cast from the shard), then every
@@ -725,6 +751,8 @@ bool ParamStore::UseSymmetricGathers() {
   // NCCL runs a windowed all-gather on the copy engines through cudaMemcpyBatchAsync, which fails
   // on the legacy default stream, the one the collectives run on without a stream of their own.
   if (!queue_->apart()) return false;
+  // One symmetric region a group: the expert units' group is another.
+  if (expert_units_) return false;
   symmetric_gathers_ = zero_ == 3 && dp_->size() > 1 && !units_.empty() && units_.front().compute.defined();
   if (symmetric_gathers_) return true;
   if (!sharded_update()) return false;
@@ -833,7 +861,7 @@ Status ParamStore::GatherMasterUnit(int u) {
 int64_t ParamStore::GatherFp32(Unit& unit, const std::function<void()>& before) {
   torch::Tensor full = unit.full, shard = unit.shard;
   compat::ResizeStorage(full, static_cast<size_t>(unit.layout.padded) * full.element_size());
-  Communicator* comm = dp_;
+  Communicator* comm = unit.comm;
   return queue_->Enqueue([comm, shard, full, before]() mutable {
     torch::NoGradGuard no_grad;
     if (before) before();

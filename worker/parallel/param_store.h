@@ -125,6 +125,13 @@ class ParamStore {
     // first write of a step: ZeroGrads leaves it unzeroed (MarkGradientsStale), FinishBackward
     // zeroes it if no product wrote it.
     bool product_grad = false;
+    // Expert parallelism: one rank's experts of a stack split over the ranks of an expert-parallel
+    // group. Its units are reduced (and sharded) over `expert_dp` (Create), not the whole dp group;
+    // checkpoints place its elements at `saved_offset` of `saved_numel` (the stack of every rank's
+    // experts), so that they do not depend on the expert-parallel degree.
+    bool expert = false;
+    int64_t saved_offset = 0;
+    int64_t saved_numel = 0;  // 0: the parameter's own size
   };
 
   // `units`: a partition of param indices (each ascending), in the order backward completes them.
@@ -138,10 +145,14 @@ class ParamStore {
   // are issued inline, by the thread that asks for them, in its order; on CUDA they still run on a
   // stream of their own beside the computation (`inline_on_own_stream`; false: on the asking
   // thread's stream, LTRAIN_DP_SIDE_STREAM=0).
+  // `expert_dp`: the group over which the units of expert parameters (Param::expert; a unit holds
+  // either only those or none) are reduced and sharded, the ranks holding the same experts (dp
+  // itself where null). It runs its collectives on the same queue, in the same order on every rank.
   static StatusOr<std::unique_ptr<ParamStore>> Create(std::vector<Param> params, const std::vector<std::vector<int>>& units,
                                                       int zero, Communicator* dp, AdamWConfig adamw,
                                                       bool bf16_compute = false, bool exclusive_collectives = false,
-                                                      bool inline_on_own_stream = true);
+                                                      bool inline_on_own_stream = true,
+                                                      Communicator* expert_dp = nullptr);
   ~ParamStore();
 
   // Every dp rank starts from rank 0's parameters (zero < 3; under zero 3 every rank built the
@@ -175,7 +186,11 @@ class ParamStore {
   Status ReduceAll();
 
   // Sum of squares of the gradient elements this rank counts (its shard under zero >= 1).
-  // A [1] double tensor on the gradients' device (no host synchronization).
+  // A [1] double tensor on the gradients' device (no host synchronization). With expert units
+  // (Param::expert) without ZeRO, each unit's sum is divided by the ranks holding the same elements
+  // (dp, or expert_dp's size), so that the sum over dp counts every element once: the caller
+  // all-reduces it over dp whenever zero >= 1 or has_expert_units().
+  bool has_expert_units() const { return expert_units_; }
   torch::Tensor GradSquareSum();
   // AdamW on the owned elements with gradients scaled by grad_scale (clipping); zero 1/2 then
   // all-gather the updated parameters. `step` is 1-based.
@@ -286,6 +301,11 @@ class ParamStore {
   Status LoadParamPart(int param, StatePart part, const RangeValues& t, bool gather_masters = false);
   Status GatherMasters();
   int64_t ParamNumel(int param) const { return params_[param].value->numel(); }
+  // The parameter's size in checkpoints (Param::saved_numel): the ranges SaveRangeOfParam and
+  // LoadRangeOfParam give, and LoadParamPart takes, are within it.
+  int64_t SavedNumel(int param) const {
+    return params_[param].saved_numel > 0 ? params_[param].saved_numel : params_[param].value->numel();
+  }
   // The fp32 value of parameter `param` as the optimizer holds it (zero 0-2: the master; zero 3:
   // valid while GatherMasterUnit holds its unit).
   torch::Tensor MasterValue(int param) const;
@@ -297,6 +317,7 @@ class ParamStore {
 
   struct Unit {
     UnitLayout layout;
+    Communicator* comm = nullptr;  // dp, or expert_dp for a unit of expert parameters
     torch::Tensor full;        // [padded] parameters (zero 3: storage released when not gathered)
     torch::Tensor compute;     // bf16_compute: [padded] bf16 copy of `full`, what the leaves view
     torch::Tensor shard;       // zero 3: [shard] persistent parameters
@@ -364,6 +385,9 @@ class ParamStore {
   Range Owned(const Unit& unit) const;
   // The elements of parameter `param` (relative to the parameter) that Owned() covers.
   Range OwnedOfParam(int param) const;
+  // SaveRangeOfParam and LoadRangeOfParam within the parameter itself (without saved_offset).
+  Range LocalSaveRange(int param) const;
+  Range LocalLoadRange(int param, bool moments, bool gather_masters) const;
   // Where those elements start within the unit's owned range (its shard, moments); 0 when none.
   int64_t OwnedAt(int param) const;
   torch::Tensor OwnedGrad(Unit& unit);
@@ -376,6 +400,7 @@ class ParamStore {
   mutable int64_t snapshot_used_ = 0;
   int zero_;
   Communicator* dp_;
+  bool expert_units_ = false;  // some unit is reduced over expert_dp
   AdamWConfig adamw_;
   bool armed_ = false;
   bool one_backward_ = false;  // ZeroGrads(one_backward) of this step

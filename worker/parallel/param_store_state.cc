@@ -66,17 +66,32 @@ int64_t ParamStore::ReserveSnapshot() {
   return numel * 4;
 }
 
+namespace {
+
+Range Shifted(Range r, int64_t by) { return Range{r.begin + by, r.end + by}; }
+
+}  // namespace
+
 Range ParamStore::SaveRangeOfParam(int param) const {
+  return Shifted(LocalSaveRange(param), params_[param].saved_offset);
+}
+
+Range ParamStore::LoadRangeOfParam(int param, bool moments, bool gather_masters) const {
+  return Shifted(LocalLoadRange(param, moments, gather_masters), params_[param].saved_offset);
+}
+
+Range ParamStore::LocalSaveRange(int param) const {
   // Under ZeRO the rank's shard (the only copy of the moments, and of the parameters at stage 3);
   // without it every rank holds everything, and rank d of the dp group saves the d-th of dp equal
   // parts.
   if (zero_ >= 1) return OwnedOfParam(param);
   const int64_t n = params_[param].value->numel();
-  const int64_t d = dp_->rank(), size = dp_->size();
+  const Communicator* comm = units_[unit_of_[param]].comm;
+  const int64_t d = comm->rank(), size = comm->size();
   return Range{n * d / size, n * (d + 1) / size};
 }
 
-Range ParamStore::LoadRangeOfParam(int param, bool moments, bool gather_masters) const {
+Range ParamStore::LocalLoadRange(int param, bool moments, bool gather_masters) const {
   if (moments ? zero_ >= 1 : zero_ == 3 || (gather_masters && CanGatherMasters())) return OwnedOfParam(param);
   return Range{0, params_[param].value->numel()};
 }
@@ -85,8 +100,8 @@ std::vector<std::pair<std::string, torch::Tensor>> ParamStore::ModelState(const 
   torch::NoGradGuard no_grad;
   std::vector<std::pair<std::string, torch::Tensor>> out;
   for (size_t i = 0; i < params_.size(); ++i) {
-    const Range r = SaveRangeOfParam(static_cast<int>(i));
-    out.emplace_back("range." + names[i], RangeTensor(r));
+    const Range r = LocalSaveRange(static_cast<int>(i));
+    out.emplace_back("range." + names[i], RangeTensor(Shifted(r, params_[i].saved_offset)));
     if (zero_ < 3) {
       out.emplace_back("model." + names[i], HostCopy(MasterValue(static_cast<int>(i)).reshape(-1).narrow(0, r.begin, r.size())));
       continue;
@@ -103,10 +118,10 @@ std::vector<std::pair<std::string, torch::Tensor>> ParamStore::OptimizerState(co
   std::vector<std::pair<std::string, torch::Tensor>> out;
   for (size_t i = 0; i < params_.size(); ++i) {
     const Unit& unit = units_[unit_of_[i]];
-    const Range r = SaveRangeOfParam(static_cast<int>(i));
+    const Range r = LocalSaveRange(static_cast<int>(i));
     // The moments of the parameter's elements this rank holds start at OwnedAt in the unit.
     const int64_t at = OwnedAt(static_cast<int>(i)) + (zero_ >= 1 ? 0 : r.begin);
-    out.emplace_back("range." + names[i], RangeTensor(r));
+    out.emplace_back("range." + names[i], RangeTensor(Shifted(r, params_[i].saved_offset)));
     out.emplace_back("exp_avg." + names[i], HostCopy(unit.exp_avg.narrow(0, at, r.size())));
     out.emplace_back("exp_avg_sq." + names[i], HostCopy(unit.exp_avg_sq.narrow(0, at, r.size())));
   }
@@ -124,14 +139,19 @@ Status ParamStore::LoadParamState(int param, const RangeValues& value, const Ran
 Status ParamStore::LoadParamPart(int param, StatePart part, const RangeValues& t, bool gather_masters) {
   torch::NoGradGuard no_grad;
   gather_masters = gather_masters && CanGatherMasters();
-  const Range need = LoadRangeOfParam(param, part != StatePart::kValue, gather_masters);
-  if (need.size() > 0 && (t.begin > need.begin || t.end() < need.end)) {
+  const Range need = LocalLoadRange(param, part != StatePart::kValue, gather_masters);
+  // `t` is placed within the saved stack (Param::saved_offset); this parameter's elements from 0.
+  const int64_t begin = t.begin - params_[param].saved_offset;
+  const int64_t end = begin + t.values.numel();
+  if (need.size() > 0 && (begin > need.begin || end < need.end)) {
+    const int64_t offset = params_[param].saved_offset;
     return DataLoss("checkpoint state of parameter " + std::to_string(param) + " holds elements [" +
                     std::to_string(t.begin) + ", " + std::to_string(t.end()) + "), this rank needs [" +
-                    std::to_string(need.begin) + ", " + std::to_string(need.end) + ") (was it saved by another model?)");
+                    std::to_string(need.begin + offset) + ", " + std::to_string(need.end + offset) +
+                    ") (was it saved by another model?)");
   }
   // Elements `r` of `t` (covered, as checked above), flattened.
-  auto elements = [&t](Range r) { return t.values.reshape(-1).narrow(0, r.begin - t.begin, r.size()); };
+  auto elements = [&t, begin](Range r) { return t.values.reshape(-1).narrow(0, r.begin - begin, r.size()); };
   Unit& unit = units_[unit_of_[param]];
   const Range r = OwnedOfParam(param);
   const int64_t at = OwnedAt(param);

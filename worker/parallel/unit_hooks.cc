@@ -14,35 +14,50 @@ std::vector<std::vector<int>> StructuralUnits(const std::vector<ShardParam>& par
   return units;
 }
 
+std::vector<std::vector<int>> SeparateExpertUnits(const std::vector<std::vector<int>>& units,
+                                                  const std::vector<ShardParam>& params) {
+  std::vector<std::vector<int>> out;
+  for (const std::vector<int>& unit : units) {
+    std::vector<int> dense, experts;
+    for (int i : unit) (params[i].expert ? experts : dense).push_back(i);
+    if (!dense.empty()) out.push_back(std::move(dense));
+    if (!experts.empty()) out.push_back(std::move(experts));
+  }
+  return out;
+}
+
 UnitHooks Zero3GatherHooks(ParamStore* store, const std::vector<ShardParam>& params,
                            const std::vector<std::vector<int>>& units, int layers) {
-  // Structural unit id -> store unit index.
-  std::map<int, int> unit_index;
-  for (size_t u = 0; u < units.size(); ++u) unit_index[params[units[u].front()].unit] = static_cast<int>(u);
+  // Structural unit id -> its store units.
+  std::map<int, std::vector<int>> unit_index;
+  for (size_t u = 0; u < units.size(); ++u) unit_index[params[units[u].front()].unit].push_back(static_cast<int>(u));
   const int last_unit = layers + 1;
+  auto store_units = [unit_index](int unit) {
+    auto it = unit_index.find(unit);
+    return it == unit_index.end() ? std::vector<int>() : it->second;
+  };
   UnitHooks hooks;
-  hooks.before_forward = [store, unit_index](int unit) {
-    auto it = unit_index.find(unit);
-    if (it == unit_index.end()) return;
-    if (Status s = store->Gather(it->second); !s.ok()) throw std::runtime_error(s.message());
-    auto next = unit_index.find(unit + 1);
-    if (next != unit_index.end()) store->Prefetch(next->second);
-  };
-  hooks.after_forward = [store, unit_index, last_unit](int unit) {
-    auto it = unit_index.find(unit);
-    if (it != unit_index.end() && unit != 0 && unit != last_unit) store->Release(it->second);
-  };
-  hooks.output = [store, unit_index](int unit, torch::Tensor& out) {
-    auto it = unit_index.find(unit);
-    if (it == unit_index.end() || !out.requires_grad() || unit == 0) return;
-    const int u = it->second;
-    auto prev = unit_index.find(unit - 1);
-    const int before = prev == unit_index.end() ? -1 : prev->second;
-    // Runs when backward reaches this block.
-    out.register_hook([store, u, before](const torch::Tensor& grad) {
+  hooks.before_forward = [store, store_units](int unit) {
+    for (int u : store_units(unit)) {
       if (Status s = store->Gather(u); !s.ok()) throw std::runtime_error(s.message());
-      store->PrepareGradients(u);
-      store->Prefetch(before);
+    }
+    for (int u : store_units(unit + 1)) store->Prefetch(u);
+  };
+  hooks.after_forward = [store, store_units, last_unit](int unit) {
+    if (unit == 0 || unit == last_unit) return;
+    for (int u : store_units(unit)) store->Release(u);
+  };
+  hooks.output = [store, store_units](int unit, torch::Tensor& out) {
+    const std::vector<int> mine = store_units(unit);
+    if (mine.empty() || !out.requires_grad() || unit == 0) return;
+    const std::vector<int> before = store_units(unit - 1);
+    // Runs when backward reaches this block.
+    out.register_hook([store, mine, before](const torch::Tensor& grad) {
+      for (int u : mine) {
+        if (Status s = store->Gather(u); !s.ok()) throw std::runtime_error(s.message());
+        store->PrepareGradients(u);
+      }
+      for (int u : before) store->Prefetch(u);
       return grad;
     });
   };

@@ -15,7 +15,13 @@ namespace ltrain::worker {
 // last unit first, as backward reaches them.
 std::vector<std::vector<int>> StructuralUnits(const std::vector<ShardParam>& params);
 
-// ZeRO-3 over store units made by StructuralUnits: a unit's parameters are gathered before its
+// `units` with each unit's expert parameters (ShardParam::expert) moved into a unit of their own,
+// next to it: expert parallelism reduces them over another group (ParamStore::Create's expert_dp).
+std::vector<std::vector<int>> SeparateExpertUnits(const std::vector<std::vector<int>>& units,
+                                                  const std::vector<ShardParam>& params);
+
+// ZeRO-3 over store units made by StructuralUnits (and SeparateExpertUnits: a structural unit may
+// then be two store units, gathered and released together): a unit's parameters are gathered before its
 // forward (the next unit prefetched), a block's are released after its forward (the embedding and
 // the head stay until their gradients are ready), and gathered again when backward reaches the
 // block's output (the block before it prefetched). `store` must outlive the hooks.

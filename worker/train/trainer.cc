@@ -240,8 +240,15 @@ Status Trainer::Init() {
   for (size_t i = 0; i < params.size(); ++i) {
     ShardParam& sp = params[i];
     if (device_.is_cuda()) sp.value = sp.value.detach().to(device_).requires_grad_(true);
-    store_params.push_back(ParamStore::Param{&sp.value, sp.decay, sp.counts_for_norm,
-                                             products_overwrite && model_->GradientFromProductsOnly(i)});
+    ParamStore::Param stored{&sp.value, sp.decay, sp.counts_for_norm,
+                             products_overwrite && model_->GradientFromProductsOnly(i)};
+    if (sp.expert) {
+      // This rank's experts of the stack: checkpoints place them among every expert rank's.
+      stored.expert = true;
+      stored.saved_offset = sp.value.numel() * (groups_->coords.dp % layout_.ep);
+      stored.saved_numel = sp.value.numel() * layout_.ep;
+    }
+    store_params.push_back(stored);
     numels.push_back(sp.value.numel());
     param_names_.push_back(sp.name);
   }
@@ -249,6 +256,8 @@ Status Trainer::Init() {
   // other stages reduce buckets of parallel.bucket_mb.
   std::vector<std::vector<int>> units = layout_.zero == 3 ? StructuralUnits(params)
                                                           : PlanBuckets(numels, 4, p.bucket_mb * 1024.0 * 1024.0);
+  // Expert parallelism: the experts split over ep go to units of their own, reduced over edp.
+  if (layout_.ep > 1) units = SeparateExpertUnits(units, params);
   AdamWConfig adamw;
   adamw.weight_decay = t.weight_decay;
   adamw.beta1 = t.beta1;
@@ -258,8 +267,8 @@ Status Trainer::Init() {
   const int store_zero = layout_.dp == 1 && layout_.zero < 3 ? 0 : layout_.zero;
   StatusOr<std::unique_ptr<ParamStore>> store =
       ParamStore::Create(store_params, units, store_zero, groups_->dp, adamw, bf16_params_,
-                         /*exclusive_collectives=*/device_.is_cuda() && (layout_.tp > 1 || layout_.pp > 1),
-                         /*inline_on_own_stream=*/options_.dp_side_stream);
+                         /*exclusive_collectives=*/device_.is_cuda() && (layout_.tp > 1 || layout_.pp > 1 || layout_.ep > 1),
+                         /*inline_on_own_stream=*/options_.dp_side_stream, groups_->edp);
   if (!store.ok()) return store.status();
   store_ = std::move(store).value();
   if (options_.recovery != nullptr && (store_zero == 1 || store_zero == 2)) {
@@ -267,6 +276,7 @@ Status Trainer::Init() {
   }
   if (loader_ && loader_->masked()) model_->set_masked_targets(true);
   if (layout_.zero == 3) model_->set_hooks(Zero3GatherHooks(store_.get(), params, units, ml.config.layers));
+  if (layout_.ep > 1) model_->set_expert_group(groups_->ep);
   // The router's balance and z losses are divided as the LM loss is (a mean over the micro-batches).
   model_->set_aux_scale(1.0 / layout_.accumulation);
   if (options_.tp_split_batch && options_.rank == 0) {
@@ -634,7 +644,7 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
   if (clip > 0) {
     // Global norm over every shard of every group: each element counted once.
     torch::Tensor sq = store_->GradSquareSum();
-    if (layout_.zero >= 1) {
+    if (layout_.zero >= 1 || store_->has_expert_units()) {
       LTRAIN_RETURN_IF_ERROR(store_->DpAllReduce(sq));
     }
     LTRAIN_RETURN_IF_ERROR(groups_->tp->AllReduceSum(sq));

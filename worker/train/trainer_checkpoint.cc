@@ -471,7 +471,7 @@ Status Trainer::ApplyShards(const std::string& step_dir, const CheckpointMeta& m
   };
   if (SameModelGrid(meta)) {
     for (size_t i = 0; i < param_names_.size(); ++i) {
-      const int64_t n = store_->ParamNumel(static_cast<int>(i));
+      const int64_t n = store_->SavedNumel(static_cast<int>(i));
       const Range value_need = store_->LoadRangeOfParam(static_cast<int>(i), false, shards.gather_masters);
       const Range moments_need = store_->LoadRangeOfParam(static_cast<int>(i), true);
       using Part = ParamStore::StatePart;
@@ -536,7 +536,8 @@ std::string Trainer::LayoutKey() const {
   if (layout_.plain()) return "tp=1 pp=1 zero=0";
   return "tp=" + std::to_string(layout_.tp) + " dp=" + std::to_string(layout_.dp) + " pp=" + std::to_string(layout_.pp) +
          " zero=" + std::to_string(layout_.zero) + " chunks=" + std::to_string(layout_.chunks) +
-         " sp=" + std::to_string(recipe_.parallel.sequence_parallel ? 1 : 0);
+         " sp=" + std::to_string(recipe_.parallel.sequence_parallel ? 1 : 0) +
+         (layout_.ep > 1 ? " ep=" + std::to_string(layout_.ep) : std::string());
 }
 
 StatusOr<std::map<int, std::vector<float>>> Trainer::GatherRouterBiases() {

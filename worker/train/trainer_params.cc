@@ -113,10 +113,16 @@ Status Trainer::LoadInitialParameters(const std::string& path) {
     const ShardParam& p = params[i];
     const HfName& n = by_ours.at(p.name);
     torch::Tensor full;
+    // Under expert parallelism, this rank's experts only: placed where they lie in the stack.
+    int64_t first = 0, count = n.experts;
+    if (p.expert) {
+      count = n.experts / layout_.ep;
+      first = (groups_->coords.dp % layout_.ep) * count;
+    }
     if (n.experts > 0 && !tensor_files.count(p.name)) {
       // transformers' experts, one tensor each: stacked as ours.
       std::vector<torch::Tensor> experts;
-      for (int64_t e = 0; e < n.experts; ++e) {
+      for (int64_t e = first; e < first + count; ++e) {
         LTRAIN_ASSIGN_OR_RETURN(torch::Tensor t, read(HfExpertName(n.hf, e), false));
         experts.push_back(std::move(t));
       }
@@ -126,9 +132,12 @@ Status Trainer::LoadInitialParameters(const std::string& path) {
     } else {
       LTRAIN_ASSIGN_OR_RETURN(full, read(p.name, false));
     }
+    // A stack in one tensor (of our own export): this rank's experts of it.
+    if (p.expert && full.size(0) != count) full = full.narrow(0, first, count);
     torch::Tensor mine = layout_.tp > 1 ? Slice(full, p.split, layout_.tp, groups_->coords.tp) : full;
+    const int64_t at = p.expert ? mine.numel() * (first / count) : 0;
     LTRAIN_RETURN_IF_ERROR(store_->LoadParamPart(static_cast<int>(i), ParamStore::StatePart::kValue,
-                                                 RangeValues(mine.reshape(-1).to(device_))));
+                                                 RangeValues(mine.reshape(-1).to(device_), at)));
   }
   if (options_.print_progress && groups_->rank == 0) {
     std::printf("model: %zu parameter tensors from %s\n", params.size(), path.c_str());
