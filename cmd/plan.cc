@@ -54,7 +54,9 @@ std::string Size(int64_t bytes) {
 // "tp 2 x pp 2 x dp 1, ZeRO 0, interleaved 1F1B (2 chunks), recompute none"
 std::string Describe(const Layout& l) {
   std::string out = "tp " + std::to_string(l.tp) + (l.sequence_parallel ? " (sequence parallel)" : "") + " x pp " +
-                    std::to_string(l.pp) + " x dp " + std::to_string(l.dp) + ", ZeRO " + std::to_string(l.zero);
+                    std::to_string(l.pp) + " x dp " + std::to_string(l.dp) +
+                    (l.ep > 1 ? " (experts over ep " + std::to_string(l.ep) + ")" : "") + ", ZeRO " +
+                    std::to_string(l.zero);
   if (l.pp > 1) {
     out += ", " + NameOf(l.pp_schedule) + (l.chunks > 1 ? " (" + std::to_string(l.chunks) + " chunks)" : "");
   }
@@ -65,7 +67,8 @@ std::string Describe(const Layout& l) {
 // A short name for the ranked table: "tp2 pp2 int2 z0 none".
 std::string Short(const Layout& l) {
   std::string out = "tp" + std::to_string(l.tp) + (l.sequence_parallel ? "+sp" : "") + " pp" + std::to_string(l.pp) +
-                    " dp" + std::to_string(l.dp) + " z" + std::to_string(l.zero);
+                    " dp" + std::to_string(l.dp) + (l.ep > 1 ? " ep" + std::to_string(l.ep) : "") + " z" +
+                    std::to_string(l.zero);
   if (l.pp > 1) {
     out += l.pp_schedule == PpSchedule::kInterleaved ? " interleaved" + std::to_string(l.chunks)
                                                       : " " + NameOf(l.pp_schedule);
@@ -76,7 +79,7 @@ std::string Short(const Layout& l) {
 nlohmann::json EstimateJson(const LayoutEstimate& e) {
   nlohmann::json j;
   const Layout& l = e.layout;
-  j["layout"] = {{"world_size", l.world_size}, {"tp", l.tp}, {"pp", l.pp}, {"dp", l.dp}, {"zero", l.zero},
+  j["layout"] = {{"world_size", l.world_size}, {"tp", l.tp}, {"pp", l.pp}, {"dp", l.dp}, {"ep", l.ep}, {"zero", l.zero},
                  {"sequence_parallel", l.sequence_parallel}, {"pp_schedule", NameOf(l.pp_schedule)},
                  {"virtual_stages", l.chunks}, {"activation_checkpointing", NameOf(l.activation_checkpointing)},
                  {"micro_batch", l.micro_batch}, {"accumulation", l.accumulation}, {"stage_layers", l.stage_layers}};
