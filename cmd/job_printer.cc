@@ -251,6 +251,9 @@ std::string FormatJobDetail(const v1::Job& job, int64_t now_unix_ms) {
             f.load_max(), f.worst_layer(), f.load_mean(), f.layers_size());
     if (f.aux_loss() >= 0) Appendf(&out, "; balance loss %.3g", f.aux_loss());
     if (f.z_loss() >= 0) Appendf(&out, "; z-loss %.3g", f.z_loss());
+    if (f.drop_rate() >= 0) {
+      Appendf(&out, "; %.2f%% of assignments dropped", 100.0 * f.drop_rate());
+    }
     out += "\n";
   }
   if (job.has_fp8()) {

@@ -165,6 +165,10 @@ struct MoeSpec {
   double aux_loss_coef = 0.001;
   double bias_update = 0.001;
   double z_loss_coef = 0;
+  // 0: dropless. Otherwise each expert takes at most ceil(capacity_factor * tokens * top_k / experts)
+  // of a micro-batch's assignments on each rank, the first in token order; the others are dropped
+  // (the token keeps its other experts' outputs and the residual stream).
+  double capacity_factor = 0;
 };
 
 struct ModelSpec {

@@ -204,6 +204,12 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
                   .help = "the router's z-loss weight (keeps its logits small); 0: none", .real_min = 0,
                   .real_max = 10, .omit_at_default = true},
         r.model.moe.z_loss_coef);
+  visit(RecipeKey{.section = "model.moe", .name = "capacity_factor",
+                  .help = "0: dropless (every assignment computed); otherwise each expert computes at most "
+                          "capacity_factor * tokens * top_k / experts of a micro-batch's assignments on a rank, "
+                          "the first in token order, and drops the rest (GShard's and Switch's capacity)",
+                  .real_min = 0, .real_max = 1024, .omit_at_default = true},
+        r.model.moe.capacity_factor);
 
   visit(RecipeKey{.section = "data", .name = "path",
                   .help = "directory written by `ltrain data prepare` (this or data.sources is required; relative "

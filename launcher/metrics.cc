@@ -201,6 +201,11 @@ std::string PrometheusText(const std::vector<v1::Job>& jobs, const std::vector<v
           "model.moe balance aux_loss: the last step's balance loss without its coefficient (1 at an even load).",
           [](const v1::Job& j) { return j.moe().aux_loss(); },
           [](const v1::Job& j) { return j.has_moe() && j.moe().aux_loss() >= 0; });
+  per_job("ltrain_job_moe_drop_rate", "gauge",
+          "model.moe.capacity_factor: the share of the last step's assignments dropped for want of room in their "
+          "expert.",
+          [](const v1::Job& j) { return j.moe().drop_rate(); },
+          [](const v1::Job& j) { return j.has_moe() && j.moe().drop_rate() >= 0; });
   {
     Family step(out, "ltrain_rank_step", "gauge", "The step a rank works on.");
     for (const v1::Job& job : jobs) {

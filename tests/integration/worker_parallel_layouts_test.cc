@@ -313,6 +313,26 @@ TEST_F(MoeLayoutsTest, Ep2FullCheckpointingBiasBalance) {
                          bias);
 }
 
+// With a capacity (model.moe.capacity_factor 1: each expert takes at most its even share of a micro-
+// batch's assignments on a rank), some are dropped, and the layout drops the same ones as one process.
+TEST_F(MoeLayoutsTest, Ep2Dp2WithACapacityDropsAsOneProcess) {
+  const std::string capacity = "--set model.moe.capacity_factor=1.0";
+  ExpectMatchesReference("ep2_dp2_capacity", 4, "--set parallel.ep=2 " + capacity, capacity);
+  std::ifstream in(dir_ / "ep2_dp2_capacity" / "log0");
+  double most = 0;
+  int steps = 0;
+  for (std::string line; std::getline(in, line);) {
+    const size_t at = line.find(" moe_dropped ");
+    if (line.rfind("step ", 0) != 0 || at == std::string::npos) continue;
+    ++steps;
+    most = std::max(most, std::stod(line.substr(at + 13)));
+  }
+  EXPECT_EQ(steps, 20);
+  EXPECT_GT(most, 0.0) << "no assignment was dropped at capacity factor 1";
+  // At most half: every token's two choices on the same two of the four experts, each taking half.
+  EXPECT_LE(most, 0.5);
+}
+
 // A checkpoint does not depend on ep: saved at ep2 x dp2 under ZeRO-1 (each rank its shard of its
 // experts), it resumes in one process, and at ep 4; both end as the one-process run does.
 TEST_F(MoeLayoutsTest, ACheckpointAtEp2ResumesInOneProcessAndAtEp4) {

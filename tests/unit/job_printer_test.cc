@@ -156,12 +156,17 @@ TEST(JobPrinterTest, MoeFiguresShowTheLoadAndTheRoutersLosses) {
   f->set_load_mean(1.18);
   f->set_aux_loss(1.034);
   f->set_z_loss(-1);
+  f->set_drop_rate(-1);
   for (int l : {1, 3, 5, 7, 9, 11}) f->add_layers(l);
   std::string detail = FormatJobDetail(job, kNow);
   EXPECT_NE(detail.find("moe load:       busiest expert 1.42x an even share (block 11); 1.18x over the 6 MoE blocks; "
                         "balance loss 1.03\n"),
             std::string::npos)
       << detail;
+  // model.moe.capacity_factor: the share of the assignments dropped.
+  f->set_drop_rate(0.0125);
+  detail = FormatJobDetail(job, kNow);
+  EXPECT_NE(detail.find("balance loss 1.03; 1.25% of assignments dropped\n"), std::string::npos) << detail;
   EXPECT_EQ(FormatJobDetail(RunningJob(), kNow).find("moe"), std::string::npos) << "no MoE line without MoE";
 }
 

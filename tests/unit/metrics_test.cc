@@ -135,6 +135,7 @@ TEST(MetricsTest, MoeFiguresAreSeriesByStatAndLayer) {
   f->set_load_mean(1.25);
   f->set_aux_loss(1.0625);
   f->set_z_loss(-1);
+  f->set_drop_rate(0.25);
   f->add_layers(1);
   f->add_layer_load(1.0);
   f->add_layers(3);
@@ -148,6 +149,8 @@ TEST(MetricsTest, MoeFiguresAreSeriesByStatAndLayer) {
   EXPECT_EQ(Find(parse, "ltrain_job_moe_aux_loss", {{"job_id", "gpt-7"}})->value, 1.0625);
   EXPECT_EQ(Find(parse, "ltrain_job_moe_load_ratio", {{"job_id", "llama-2"}}), nullptr);
   EXPECT_EQ(Find(parse, "ltrain_job_moe_aux_loss", {{"job_id", "llama-2"}}), nullptr);
+  EXPECT_EQ(Find(parse, "ltrain_job_moe_drop_rate", {{"job_id", "gpt-7"}})->value, 0.25);
+  EXPECT_EQ(Find(parse, "ltrain_job_moe_drop_rate", {{"job_id", "llama-2"}}), nullptr);
 }
 
 // parallel.precision fp8: each operand kind's amax range over rank 0's last step, and the steps

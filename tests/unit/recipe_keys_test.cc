@@ -152,7 +152,7 @@ TEST(RecipeKeysTest, TheMoeKeysReachTheWorker) {
        {"model: {arch: qwen3, layers: 8, moe: {experts: 4, top_k: 1, shared_experts: 1, ffn: 64, every: 2, "
         "first_dense: 1, dense_layers: [7], score: sigmoid, norm_topk: false, route_scale: 2.5, balance: bias, "
         "bias_update: 0.01, z_loss_coef: 0.001}}\nparallel: {nproc_per_node: 2, pp: 2}\n",
-        "model: {arch: llama, moe: {experts: 4, aux_loss_coef: 0.02}}\nparallel: {nproc_per_node: 4, ep: 2}\n"
+        "model: {arch: llama, moe: {experts: 4, aux_loss_coef: 0.02, capacity_factor: 1.25}}\nparallel: {nproc_per_node: 4, ep: 2}\n"
         "training: {micro_batch: 1, global_batch: 8}\n"}) {
     RecipeParseResult user = ParseRecipe(common + model, "moe.yaml");
     ASSERT_TRUE(user.ok()) << user.ErrorText();

@@ -122,6 +122,7 @@ void Progress::RecordStep(const StepFigures& figures) {
                 ", \"layer_load\": {" + loads + "}";
       if (f->aux_loss >= 0) fields += ", \"aux_loss\": " + JsonNumber(f->aux_loss);
       if (f->z_loss >= 0) fields += ", \"z_loss\": " + JsonNumber(f->z_loss);
+      if (f->drop_rate >= 0) fields += ", \"drop_rate\": " + JsonNumber(f->drop_rate);
       if (!f->tokens_per_expert.empty()) {
         for (size_t i = 0; i < f->tokens_per_expert.size() && i < f->layers.size(); ++i) {
           std::string row;
@@ -159,6 +160,7 @@ void Progress::RecordStep(const StepFigures& figures) {
       tensorboard_->AddScalar("moe/load_mean", figures.step, f->load_mean);
       if (f->aux_loss >= 0) tensorboard_->AddScalar("moe/aux_loss", figures.step, f->aux_loss);
       if (f->z_loss >= 0) tensorboard_->AddScalar("moe/z_loss", figures.step, f->z_loss);
+      if (f->drop_rate >= 0) tensorboard_->AddScalar("moe/drop_rate", figures.step, f->drop_rate);
       for (size_t i = 0; i < f->layers.size(); ++i) {
         tensorboard_->AddScalar("moe/layer_" + std::to_string(f->layers[i]) + "/load", figures.step, f->layer_load[i]);
       }

@@ -68,6 +68,8 @@ struct StepFigures {
     int worst_layer = -1;  // which block that is
     double load_mean = 0;  // over the blocks
     double aux_loss = -1, z_loss = -1;
+    // model.moe.capacity_factor: the share of the step's assignments dropped; -1: dropless.
+    double drop_rate = -1;
     std::vector<int> layers;          // the MoE blocks
     std::vector<double> layer_load;   // each one's load
     // [block][expert] the step's assignments (metrics.jsonl only, at log steps: it is long); empty

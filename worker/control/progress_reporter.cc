@@ -102,6 +102,7 @@ bool ProgressReporter::Send() {
       out->set_load_mean(f->load_mean);
       out->set_aux_loss(f->aux_loss);
       out->set_z_loss(f->z_loss);
+      out->set_drop_rate(f->drop_rate);
       for (size_t i = 0; i < f->layers.size(); ++i) {
         out->add_layers(f->layers[i]);
         out->add_layer_load(f->layer_load[i]);

@@ -3,6 +3,7 @@
 // losses, which enter backward through the branch's output (AuxLossScaler) so that the loss the
 // trainer prints and the pipeline passes stays the language model's.
 #include <algorithm>
+#include <cmath>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -120,7 +121,35 @@ torch::Tensor ModelShard::MoeBranch(int layer, const torch::Tensor& m) {
     route_counts_[slot] += at::bincount(routing.experts.reshape(-1), {}, moe.experts).to(torch::kFloat);
   }
   const moe::Dispatch dispatch = moe::SortByExpert(routing.experts, moe.experts);
-  const torch::Tensor ys = RoutedExperts(layer, moe::Permute(x, dispatch), dispatch.counts);
+  torch::Tensor xs = moe::Permute(x, dispatch);
+  torch::Tensor ys;
+  if (moe.capacity_factor > 0) {
+    // Each expert's first `capacity` rows (in token order: its segment's order); the rest dropped,
+    // their outputs zero.
+    const int64_t rows = xs.size(0);
+    const auto capacity = static_cast<int64_t>(
+        std::ceil(moe.capacity_factor * static_cast<double>(rows) / static_cast<double>(moe.experts)));
+    std::vector<int64_t> kept, counts;
+    int64_t at = 0, dropped = 0;
+    for (const int64_t n : dispatch.counts) {
+      const int64_t keep = std::min(n, capacity);
+      for (int64_t i = 0; i < keep; ++i) kept.push_back(at + i);
+      counts.push_back(keep);
+      dropped += n - keep;
+      at += n;
+    }
+    if (recording) dropped_ += static_cast<double>(dropped), routed_ += static_cast<double>(rows);
+    if (dropped == 0) {
+      ys = RoutedExperts(layer, xs, dispatch.counts);
+    } else {
+      const torch::Tensor index =
+          torch::tensor(kept, torch::TensorOptions().dtype(torch::kLong)).to(xs.device());
+      const torch::Tensor computed = RoutedExperts(layer, xs.index_select(0, index), counts);
+      ys = torch::zeros({rows, computed.size(1)}, computed.options()).index_copy(0, index, computed);
+    }
+  } else {
+    ys = RoutedExperts(layer, xs, dispatch.counts);
+  }
   torch::Tensor y = moe::Combine(ys, dispatch, routing.gates);
   if (const torch::Tensor* w1 = Optional(layer, "shared.w1.weight")) {
     y = y + at::linear(at::silu(at::linear(x, *w1)) * at::linear(x, P(layer, "shared.w3.weight")),
@@ -200,6 +229,12 @@ void ModelShard::UpdateRouterBias(const torch::Tensor& counts) {
   torch::Tensor delta = (c.mean(-1, /*keepdim=*/true) - c).sign() * moe.bias_update;
   delta = delta - delta.mean(-1, /*keepdim=*/true);
   for (size_t i = 0; i < router_bias_.size(); ++i) router_bias_[i] += delta[static_cast<int64_t>(i)].to(router_bias_[i].device());
+}
+
+std::pair<double, double> ModelShard::TakeDropCounts() {
+  const std::pair<double, double> out{dropped_, routed_};
+  dropped_ = routed_ = 0;
+  return out;
 }
 
 std::pair<torch::Tensor, torch::Tensor> ModelShard::TakeRouterLosses() {

@@ -207,6 +207,10 @@ class ModelShard {
   // The balance and z losses (without their coefficients) of the step's micro-batches since the last
   // call, averaged over MoE blocks and micro-batches: {aux, z}, each undefined where none was computed.
   std::pair<torch::Tensor, torch::Tensor> TakeRouterLosses();
+  // model.moe.capacity_factor: the assignments dropped for want of room in their expert and all the
+  // assignments routed, over this rank's MoE blocks and training micro-batches since the last call
+  // (as TakeRouteCounts counts); {0, 0} when dropless.
+  std::pair<double, double> TakeDropCounts();
 
  private:
   // One residual branch of a block under tp up to its row-parallel product: the residual it adds
@@ -268,6 +272,7 @@ class ModelShard {
   std::vector<torch::Tensor> router_bias_, route_counts_;
   torch::Tensor aux_sum_, z_sum_;
   int64_t aux_terms_ = 0, z_terms_ = 0;
+  double dropped_ = 0, routed_ = 0;
   double aux_scale_ = 1.0;
 };
 

@@ -774,6 +774,7 @@ Status Trainer::Run() {
         // The busiest expert's share against an even one, in the worst MoE block.
         std::printf(" moe_load_max %.3f", figures.moe->load_max);
         if (figures.moe->aux_loss >= 0) std::printf(" moe_aux_loss %.4f", figures.moe->aux_loss);
+        if (figures.moe->drop_rate >= 0) std::printf(" moe_dropped %.4f", figures.moe->drop_rate);
       }
       std::printf("\n");
     }

@@ -18,10 +18,11 @@ Status Trainer::SettleRouting() {
   torch::NoGradGuard no_grad;
   const int layers = recipe_.model.layers;
   const torch::TensorOptions f32 = torch::TensorOptions().dtype(torch::kFloat).device(device_);
-  // [layers load ratios, aux sum, aux count, z sum, z count, layers x experts assignments]: this
-  // stage's blocks, the others' zero.
+  // [layers load ratios, aux sum, aux count, z sum, z count, layers x experts assignments, dropped,
+  // routed]: this stage's blocks, the others' zero.
   const int64_t experts = recipe_.model.moe.experts;
-  torch::Tensor figures = torch::zeros({layers + 4 + layers * experts}, f32);
+  const int64_t drops = layers + 4 + layers * experts;
+  torch::Tensor figures = torch::zeros({drops + 2}, f32);
   if (!model_->MoeLayers().empty()) {
     torch::Tensor counts = model_->TakeRouteCounts();
     LTRAIN_RETURN_IF_ERROR(store_->DpAllReduce(counts));
@@ -36,6 +37,8 @@ Status Trainer::SettleRouting() {
     auto [aux, z] = model_->TakeRouterLosses();
     if (aux.defined()) figures[layers] = aux.to(torch::kFloat), figures[layers + 1] = 1;
     if (z.defined()) figures[layers + 2] = z.to(torch::kFloat), figures[layers + 3] = 1;
+    const auto [dropped, routed] = model_->TakeDropCounts();
+    figures[drops] = dropped, figures[drops + 1] = routed;
   }
   LTRAIN_RETURN_IF_ERROR(store_->DpAllReduce(figures));
   figures.narrow(0, 0, layers).div_(layout_.dp);
@@ -66,6 +69,8 @@ std::optional<StepFigures::Moe> Trainer::MoeFiguresOf(const torch::Tensor& figur
   f.load_mean = blocks > 0 ? sum / blocks : 0;
   if (v[layers + 1] > 0) f.aux_loss = v[layers] / v[layers + 1];
   if (v[layers + 3] > 0) f.z_loss = v[layers + 2] / v[layers + 3];
+  const int64_t drops = layers + 4 + layers * experts;
+  if (recipe_.model.moe.capacity_factor > 0) f.drop_rate = v[drops + 1] > 0 ? v[drops] / v[drops + 1] : 0;
   return f;
 }
 
