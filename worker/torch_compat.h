@@ -33,6 +33,9 @@
 #if TORCH_VERSION_MAJOR >= 2
 #include <ATen/ops/_fused_adamw.h>
 #endif
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+#include <ATen/ops/_grouped_mm.h>
+#endif
 #if TORCH_VERSION_MAJOR >= 2 && defined(LTRAIN_WITH_NCCL)
 #include <torch/csrc/autograd/profiler_kineto.h>
 #define LTRAIN_HAVE_KINETO 1
@@ -442,11 +445,36 @@ inline constexpr bool kHasFloat8 = false;
 inline torch::Tensor ToFloat8(const torch::Tensor& x, bool) { return x; }
 #endif
 
+// Grouped matrix products (2.8 and later): a [rows, k] times, for each group g of rows (offs: int32
+// cumulative ends on the device), b[g] [k, n], as one launch; with autograd. bf16 on CUDA devices of
+// compute capability 9.0 or newer. Without it (kHasGroupedMm false) callers loop over the groups.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
+inline constexpr bool kHasGroupedMm = true;
+inline torch::Tensor GroupedMm(const torch::Tensor& a, const torch::Tensor& b, const torch::Tensor& offs) {
+  return at::_grouped_mm(a, b, offs);
+}
+#else
+inline constexpr bool kHasGroupedMm = false;
+inline torch::Tensor GroupedMm(const torch::Tensor& a, const torch::Tensor&, const torch::Tensor&) { return a; }
+#endif
+
 // Whether this LibTorch was built with CUDA (the NCCL communicator is compiled only then).
 #if defined(LTRAIN_WITH_NCCL)
 inline constexpr bool kBuiltWithCuda = true;
 #else
 inline constexpr bool kBuiltWithCuda = false;
+#endif
+
+// The compute capability's major number of a CUDA device (9 for Hopper); 0 without CUDA.
+#if defined(LTRAIN_WITH_NCCL)
+inline int DeviceCapabilityMajor(const torch::Device& device) {
+  int major = 0;
+  const int index = device.has_index() ? device.index() : static_cast<int>(c10::cuda::current_device());
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, index) != cudaSuccess) return 0;
+  return major;
+}
+#else
+inline int DeviceCapabilityMajor(const torch::Device&) { return 0; }
 #endif
 
 }  // namespace ltrain::worker::compat

@@ -1,10 +1,12 @@
 #include "worker/model/moe_ops.h"
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
 #include <gtest/gtest.h>
 #include <torch/autograd.h>
+#include <torch/cuda.h>
 #include <torch/types.h>
 
 namespace ltrain::worker::moe {
@@ -87,6 +89,41 @@ TEST(MoeOpsTest, DispatchedExpertsEqualTheLoopOverEachTokensExperts) {
 }
 
 // The balance loss is 1 at an even load and grows with the skew; only the scores' mean carries it.
+// On a GPU with grouped products (compute capability 9.0, LibTorch 2.8 or later), the experts' three
+// grouped products give the loop's outputs and gradients within bf16's rounding, an expert without
+// rows among them.
+TEST(MoeOpsTest, GroupedExpertsEqualTheLoopOnAGpu) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  torch::manual_seed(7);
+  const std::vector<int64_t> counts = {5, 0, 17, 10};
+  const torch::Tensor xs = torch::randn({32, 64}, bf16);
+  if (!GroupedExpertsApply(xs, torch::empty({4, 96, 64}, bf16))) {
+    GTEST_SKIP() << "no grouped products here (LibTorch before 2.8, a GPU before compute capability 9.0, or "
+                    "LTRAIN_MOE_GROUPED_MM=0)";
+  }
+  auto leaves = [&] {
+    torch::manual_seed(11);
+    return std::vector<torch::Tensor>{(torch::randn({32, 64}, bf16)).requires_grad_(true),
+                                      (torch::randn({4, 96, 64}, bf16) * 0.1).requires_grad_(true),
+                                      (torch::randn({4, 96, 64}, bf16) * 0.1).requires_grad_(true),
+                                      (torch::randn({4, 64, 96}, bf16) * 0.1).requires_grad_(true)};
+  };
+  const std::vector<torch::Tensor> a = leaves(), b = leaves();
+  const torch::Tensor ya = Experts(a[0], counts, a[1], a[2], a[3]);
+  const torch::Tensor yb = ExpertsLoop(b[0], counts, b[1], b[2], b[3]);
+  ASSERT_EQ(ya.sizes(), yb.sizes());
+  const torch::Tensor g = torch::randn_like(ya);
+  (ya.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
+  (yb.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
+  auto close = [](const torch::Tensor& x, const torch::Tensor& y) {
+    const double scale = y.to(torch::kFloat).abs().max().item<double>();
+    return (x.to(torch::kFloat) - y.to(torch::kFloat)).abs().max().item<double>() <= 2e-2 * std::max(scale, 1e-3);
+  };
+  EXPECT_TRUE(close(ya, yb));
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(close(a[i].grad(), b[i].grad())) << "gradient " << i;
+}
+
 TEST(MoeOpsTest, SequenceBalanceLossIsOneWhenEvenAndGrowsWithTheSkew) {
   // Two sequences of 4 tokens, 4 experts, top 1: each sequence sends one token to each expert.
   torch::Tensor even = torch::full({8, 4}, -5.0f);

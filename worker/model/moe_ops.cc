@@ -1,9 +1,12 @@
 #include "worker/model/moe_ops.h"
 
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 
 #include <ATen/ATen.h>
+
+#include "worker/torch_compat.h"
 
 namespace ltrain::worker::moe {
 
@@ -42,8 +45,38 @@ torch::Tensor Permute(const torch::Tensor& x, const Dispatch& dispatch) {
   return x.index_select(0, at::div(dispatch.order, dispatch.top_k, "floor"));
 }
 
+bool GroupedExpertsApply(const torch::Tensor& xs, const torch::Tensor& w1) {
+  if (!compat::kHasGroupedMm || !xs.is_cuda() || xs.scalar_type() != torch::kBFloat16 ||
+      w1.scalar_type() != torch::kBFloat16 || xs.size(-1) % 8 != 0 || w1.size(1) % 8 != 0) {
+    return false;
+  }
+  static const bool wanted = [] {
+    const char* v = std::getenv("LTRAIN_MOE_GROUPED_MM");
+    return v == nullptr || std::string(v) != "0";
+  }();
+  return wanted && compat::DeviceCapabilityMajor(xs.device()) >= 9;
+}
+
 torch::Tensor Experts(const torch::Tensor& xs, const std::vector<int64_t>& counts, const torch::Tensor& w1,
                       const torch::Tensor& w3, const torch::Tensor& w2) {
+  if (!GroupedExpertsApply(xs, w1)) return ExpertsLoop(xs, counts, w1, w3, w2);
+  int64_t rows = 0;
+  std::vector<int32_t> ends;
+  for (const int64_t n : counts) ends.push_back(static_cast<int32_t>(rows += n));
+  if (rows != xs.size(0)) {
+    throw std::invalid_argument("Experts: the counts cover " + std::to_string(rows) + " of " +
+                                std::to_string(xs.size(0)) + " rows");
+  }
+  const torch::Tensor offs = torch::tensor(ends, torch::TensorOptions().dtype(torch::kInt)).to(xs.device(), true);
+  // [E, f, d] read as [E, d, f] (a view): each expert's x · w^T.
+  const torch::Tensor x = xs.contiguous();
+  const torch::Tensor h = at::silu(compat::GroupedMm(x, w1.transpose(1, 2), offs)) *
+                          compat::GroupedMm(x, w3.transpose(1, 2), offs);
+  return compat::GroupedMm(h, w2.transpose(1, 2), offs);
+}
+
+torch::Tensor ExpertsLoop(const torch::Tensor& xs, const std::vector<int64_t>& counts, const torch::Tensor& w1,
+                          const torch::Tensor& w3, const torch::Tensor& w2) {
   std::vector<torch::Tensor> outs;
   int64_t at = 0;
   for (size_t e = 0; e < counts.size(); ++e) {

@@ -44,9 +44,17 @@ Dispatch SortByExpert(const torch::Tensor& experts, int64_t num_experts);
 torch::Tensor Permute(const torch::Tensor& x, const Dispatch& dispatch);
 
 // Every expert's SwiGLU, w2 · (silu(w1 · x) ⊙ w3 · x), over its segment of xs (counts[e] rows each,
-// in expert order): w1 and w3 [E, f, d], w2 [E, d, f]; -> [rows, d].
+// in expert order): w1 and w3 [E, f, d], w2 [E, d, f]; -> [rows, d]. On a GPU that has them, in bf16,
+// three grouped products (GroupedExpertsApply), one launch each for all the experts; else one product
+// an expert (ExpertsLoop).
 torch::Tensor Experts(const torch::Tensor& xs, const std::vector<int64_t>& counts, const torch::Tensor& w1,
                       const torch::Tensor& w3, const torch::Tensor& w2);
+torch::Tensor ExpertsLoop(const torch::Tensor& xs, const std::vector<int64_t>& counts, const torch::Tensor& w1,
+                          const torch::Tensor& w3, const torch::Tensor& w2);
+// Whether Experts runs grouped products for these operands: CUDA, bf16, compute capability 9.0 or
+// newer, a LibTorch with compat::GroupedMm, widths multiples of 8 (16-byte rows), and
+// LTRAIN_MOE_GROUPED_MM not 0.
+bool GroupedExpertsApply(const torch::Tensor& xs, const torch::Tensor& w1);
 
 // ys [T·k, d] in dispatch order -> [T, d]: each token's k outputs times their gates, summed in fp32 and
 // rounded once to ys' dtype.
