@@ -26,7 +26,7 @@ endif()
 ltrain_add_test(worker_unit_test unit
   SOURCES unit/gpt_model_test.cc unit/llama_model_test.cc unit/gloo_communicator_test.cc
           unit/trainer_test.cc unit/param_store_test.cc unit/recovery_test.cc unit/fp8_scaling_test.cc
-          unit/moe_ops_test.cc
+          unit/moe_ops_test.cc unit/context_attention_test.cc
   LIBS ltrain::worker)
 target_precompile_headers(worker_unit_test REUSE_FROM ltrain_worker_comm)
 

@@ -1,0 +1,63 @@
+#include "worker/model/context_attention.h"
+
+#include <stdexcept>
+#include <string>
+
+#include <ATen/ATen.h>
+
+namespace ltrain::worker::cp {
+
+Chunks ChunksOf(int64_t seq_len, int cp, int rank) {
+  if (cp < 1 || rank < 0 || rank >= cp || seq_len % (2 * cp) != 0) {
+    throw std::invalid_argument("context chunks: seq_len " + std::to_string(seq_len) + " over " + std::to_string(cp) +
+                                " ranks (rank " + std::to_string(rank) + ") needs seq_len a multiple of 2*cp");
+  }
+  Chunks c;
+  c.size = seq_len / (2 * cp);
+  c.first = rank * c.size;
+  c.second = (2 * cp - 1 - rank) * c.size;
+  return c;
+}
+
+torch::Tensor PositionsOf(int64_t seq_len, int cp, int rank, const torch::Device& device) {
+  const Chunks c = ChunksOf(seq_len, cp, rank);
+  const torch::TensorOptions i64 = torch::TensorOptions().dtype(torch::kLong).device(device);
+  return torch::cat({torch::arange(c.first, c.first + c.size, i64), torch::arange(c.second, c.second + c.size, i64)});
+}
+
+torch::Tensor Take(const torch::Tensor& x, int cp, int rank) {
+  const Chunks c = ChunksOf(x.size(1), cp, rank);
+  return torch::cat({x.narrow(1, c.first, c.size), x.narrow(1, c.second, c.size)}, 1);
+}
+
+// The score of a key a query may not see: so low that exp() of it against any real score is 0, yet
+// finite, so that a row that sees nothing in a block has a finite log-sum-exp (its weight in the
+// merge then 0) and backward stays free of inf - inf.
+constexpr double kHidden = -1e30;
+
+Partial BlockAttention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                       const torch::Tensor& q_pos, const torch::Tensor& k_pos, double scale) {
+  const torch::ScalarType wide = q.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
+  torch::Tensor scores = at::matmul(q, k.transpose(-2, -1)).to(wide) * scale;
+  const torch::Tensor visible = q_pos.unsqueeze(-1) >= k_pos.unsqueeze(0);  // [tq, tk]
+  scores = scores.masked_fill(visible.logical_not(), kHidden);
+  Partial p;
+  p.lse = at::logsumexp(scores, -1);
+  const torch::Tensor probs = at::exp(scores - p.lse.unsqueeze(-1));
+  p.out = at::matmul(probs.to(v.scalar_type()), v);
+  return p;
+}
+
+Partial Merge(const Partial& a, const Partial& b) {
+  const torch::Tensor m = at::maximum(a.lse, b.lse);
+  const torch::Tensor wa = at::exp(a.lse - m), wb = at::exp(b.lse - m);  // the larger 1, the other at most 1
+  const torch::Tensor sum = wa + wb;
+  Partial out;
+  out.lse = m + at::log(sum);
+  const torch::ScalarType wide = sum.scalar_type();
+  out.out = ((a.out.to(wide) * wa.unsqueeze(-1) + b.out.to(wide) * wb.unsqueeze(-1)) / sum.unsqueeze(-1))
+                .to(a.out.scalar_type());
+  return out;
+}
+
+}  // namespace ltrain::worker::cp
