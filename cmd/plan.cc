@@ -55,7 +55,8 @@ std::string Size(int64_t bytes) {
 std::string Describe(const Layout& l) {
   std::string out = "tp " + std::to_string(l.tp) + (l.sequence_parallel ? " (sequence parallel)" : "") + " x pp " +
                     std::to_string(l.pp) + " x dp " + std::to_string(l.dp) +
-                    (l.ep > 1 ? " (experts over ep " + std::to_string(l.ep) + ")" : "") + ", ZeRO " +
+                    (l.ep > 1 ? " (experts over ep " + std::to_string(l.ep) + ")" : "") +
+                    (l.cp > 1 ? " (sequences over cp " + std::to_string(l.cp) + ")" : "") + ", ZeRO " +
                     std::to_string(l.zero);
   if (l.pp > 1) {
     out += ", " + NameOf(l.pp_schedule) + (l.chunks > 1 ? " (" + std::to_string(l.chunks) + " chunks)" : "");
@@ -67,7 +68,8 @@ std::string Describe(const Layout& l) {
 // A short name for the ranked table: "tp2 pp2 int2 z0 none".
 std::string Short(const Layout& l) {
   std::string out = "tp" + std::to_string(l.tp) + (l.sequence_parallel ? "+sp" : "") + " pp" + std::to_string(l.pp) +
-                    " dp" + std::to_string(l.dp) + (l.ep > 1 ? " ep" + std::to_string(l.ep) : "") + " z" +
+                    " dp" + std::to_string(l.dp) + (l.ep > 1 ? " ep" + std::to_string(l.ep) : "") +
+                    (l.cp > 1 ? " cp" + std::to_string(l.cp) : "") + " z" +
                     std::to_string(l.zero);
   if (l.pp > 1) {
     out += l.pp_schedule == PpSchedule::kInterleaved ? " interleaved" + std::to_string(l.chunks)
@@ -79,7 +81,7 @@ std::string Short(const Layout& l) {
 nlohmann::json EstimateJson(const LayoutEstimate& e) {
   nlohmann::json j;
   const Layout& l = e.layout;
-  j["layout"] = {{"world_size", l.world_size}, {"tp", l.tp}, {"pp", l.pp}, {"dp", l.dp}, {"ep", l.ep}, {"zero", l.zero},
+  j["layout"] = {{"world_size", l.world_size}, {"tp", l.tp}, {"pp", l.pp}, {"dp", l.dp}, {"ep", l.ep}, {"cp", l.cp}, {"zero", l.zero},
                  {"sequence_parallel", l.sequence_parallel}, {"pp_schedule", NameOf(l.pp_schedule)},
                  {"virtual_stages", l.chunks}, {"activation_checkpointing", NameOf(l.activation_checkpointing)},
                  {"micro_batch", l.micro_batch}, {"accumulation", l.accumulation}, {"stage_layers", l.stage_layers}};

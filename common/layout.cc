@@ -73,6 +73,27 @@ std::vector<LayoutProblem> CheckLayout(const Recipe& recipe, int world_size) {
                                  S(dp) + " or more ranks");
     }
   }
+  if (p.cp > 1) {
+    if (dp % p.cp != 0) {
+      problem("parallel.cp", "parallel.cp=" + S(p.cp) + " does not divide the data-parallel degree " + S(dp) +
+                                 " (world size " + S(world_size) + " / (tp*pp=" + S(p.tp * p.pp) +
+                                 ")): context parallelism splits the data-parallel ranks; use a cp that divides " +
+                                 S(dp) + " or more ranks");
+    }
+    if (m.seq_len % (2 * p.cp) != 0) {
+      problem("parallel.cp", "parallel.cp=" + S(p.cp) + " splits each sequence into 2*cp=" + S(2 * p.cp) +
+                                 " chunks: model.seq_len=" + S(m.seq_len) + " is not a multiple of " + S(2 * p.cp));
+    } else if (p.sequence_parallel && (m.seq_len / p.cp) % p.tp != 0) {
+      problem("parallel.sequence_parallel", "sequence parallelism splits each rank's seq_len/cp=" +
+                                                S(m.seq_len / p.cp) + " tokens over tp=" + S(p.tp) +
+                                                ": not a multiple");
+    }
+    if (m.moe.experts > 0) {
+      problem("parallel.cp", "parallel.cp with model.moe is not supported yet (the balance is computed per "
+                                 "sequence): remove parallel.cp or model.moe");
+    }
+    if (p.ep > 1) problem("parallel.cp", "parallel.cp and parallel.ep do not combine yet: set one of them to 1");
+  }
   const int stages = p.pp * p.virtual_stages;
   if (p.pp > m.layers) {
     problem("parallel.pp", "parallel.pp=" + S(p.pp) + " is larger than model.layers=" + S(m.layers));
@@ -103,13 +124,16 @@ std::vector<LayoutProblem> CheckLayout(const Recipe& recipe, int world_size) {
                                        " summing to " + S(sum));
     }
   }
-  const int64_t per_step = static_cast<int64_t>(recipe.training.micro_batch) * dp;
+  // The ranks of a context-parallel group read the same sequences.
+  const int replicas = p.cp > 1 && dp % p.cp == 0 ? dp / p.cp : dp;
+  const int64_t per_step = static_cast<int64_t>(recipe.training.micro_batch) * replicas;
   const int64_t global_batch = recipe.training.global_batch;
   if (global_batch % per_step != 0) {
     const int64_t lower = std::max<int64_t>(per_step, global_batch / per_step * per_step);
-    problem("training.global_batch", "training.global_batch=" + S(global_batch) +
-                                         " is not a multiple of micro_batch*dp=" + S(recipe.training.micro_batch) +
-                                         "*" + S(dp) + "=" + S(per_step) + "; try " + S(lower));
+    problem("training.global_batch", "training.global_batch=" + S(global_batch) + " is not a multiple of micro_batch*" +
+                                         (replicas == dp ? std::string("dp=") : "dp/cp=") +
+                                         S(recipe.training.micro_batch) + "*" + S(replicas) + "=" + S(per_step) +
+                                         "; try " + S(lower));
   } else if (interleaved && p.pp > 1 && (global_batch / per_step) % p.pp != 0) {
     problem("training.global_batch", "interleaved 1F1B needs the micro-batches per step (global_batch/(micro_batch*dp)=" +
                                          S(global_batch / per_step) + ") to be a multiple of pp=" + S(p.pp));
@@ -127,6 +151,7 @@ StatusOr<Layout> PlanLayout(const Recipe& recipe, int world_size) {
   layout.pp = p.pp;
   layout.dp = world_size / (p.tp * p.pp);
   layout.ep = p.ep;
+  layout.cp = p.cp;
   layout.chunks = p.pp > 1 ? p.virtual_stages : 1;
   layout.stage_layers = StageLayers(recipe.model.layers, layout.pp * layout.chunks, p.pp_split);
   layout.zero = p.zero;
@@ -135,7 +160,7 @@ StatusOr<Layout> PlanLayout(const Recipe& recipe, int world_size) {
   layout.pp_schedule = p.pp_schedule;
   layout.micro_batch = recipe.training.micro_batch;
   layout.global_batch = recipe.training.global_batch;
-  layout.accumulation = layout.global_batch / (layout.micro_batch * layout.dp);
+  layout.accumulation = layout.global_batch / (layout.micro_batch * layout.batch_replicas());
   return layout;
 }
 
@@ -174,6 +199,7 @@ std::string InPlaceRecoveryProblem(const Recipe& recipe, int world_size) {
   }
   if (layout->dp < 2) return "with one data-parallel rank no peer holds a copy of a rank's part of the state";
   if (layout->pp > 1) return "pipeline stages (parallel.pp above 1) are not re-formed in place yet";
+  if (layout->cp > 1) return "the ranks of a context-parallel group hold different tokens: not re-formed in place yet";
   if (layout->ep > 1) return "the experts split by parallel.ep have no copy on a data-parallel peer of another expert rank yet";
   if (recipe.model.moe.experts > 0 && recipe.model.moe.balance == MoeBalance::kBias) {
     return "the router biases of model.moe.balance: bias are not re-formed in place yet";

@@ -25,6 +25,10 @@ struct Layout {
   // next to each other (ep_rank = dp_rank % ep); the ranks holding the same experts (dp / ep of
   // them, edp_rank = dp_rank / ep) reduce their gradients.
   int ep = 1;
+  // Context parallelism, carved out of dp too: each sequence split over cp data-parallel ranks next
+  // to each other (cp_rank = dp_rank % cp), which read the same sequences (batch replica dp_rank /
+  // cp, of dp / cp) and take two chunks of each; gradients are reduced over all of dp as before.
+  int cp = 1;
   int chunks = 1;                 // model chunks per pipeline rank (interleaved 1F1B)
   std::vector<int> stage_layers;  // layers per virtual stage (pp * chunks entries)
   int zero = 0;
@@ -36,7 +40,9 @@ struct Layout {
   int global_batch = 1;
 
   // Plain data parallelism: every rank holds the whole model and the whole optimizer state.
-  bool plain() const { return tp == 1 && pp == 1 && zero == 0 && ep == 1; }
+  bool plain() const { return tp == 1 && pp == 1 && zero == 0 && ep == 1 && cp == 1; }
+  // The data-parallel ranks that read distinct batches: dp / cp.
+  int batch_replicas() const { return dp / (cp > 0 ? cp : 1); }
   // Only the degrees, for the group arithmetic of plain data parallelism and of tests.
   static Layout Grid(int tp, int dp, int pp) {
     Layout layout;

@@ -166,12 +166,18 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 struct Shape {
   int64_t b, T, Ts, d, f, h, hd, V, kv_local;
   int tp;
+  // Context parallelism: T is a rank's tokens of a sequence (seq_len / cp), Tk the keys its queries
+  // meet (the whole sequence's, a block from each rank of the ring).
+  int64_t Tk = 0;
+  int cp = 1;
 };
 
 Shape ShapeOf(const ModelSpec& m, const Layout& layout) {
   Shape s;
   s.b = layout.micro_batch;
-  s.T = m.seq_len;
+  s.cp = std::max(1, layout.cp);
+  s.T = m.seq_len / s.cp;
+  s.Tk = m.seq_len;
   s.tp = layout.tp;
   s.Ts = layout.sequence_parallel ? s.T / layout.tp : s.T;
   s.d = m.d_model;
@@ -194,22 +200,31 @@ int64_t CpuLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointin
   if (m.arch == Arch::kGpt2) {
     floats = 2 * b * Ts * d + 4 * b * Ts + 2 * b * T * d + 3 * b * T * dl + b * T * dl + 2 * b * T * fl;
     if (ac == ActivationCheckpointing::kNone) {
-      floats += b * hl * T * T;
-      mask = T * T;
+      floats += b * hl * T * s.Tk;
+      mask = T * s.Tk;
     }
   } else {
     // Attention's tensors are heads * head_dim wide (Qwen3's wider than d_model).
     const int64_t ql = hl * s.hd, kvl = s.kv_local * s.hd;
     floats = 2 * b * Ts * d + 2 * (2 * b * Ts * d + b * Ts) + 2 * b * T * d + b * T * ql + 4 * b * T * fl;
     if (ac == ActivationCheckpointing::kNone) {
-      floats += 3 * b * T * ql + b * hl * T * T;
-      mask = T * T;
+      floats += 3 * b * T * ql + b * hl * T * s.Tk;
+      mask = T * s.Tk;
     } else {
       floats += b * T * ql + 2 * b * T * kvl;
     }
     // Qwen3's per-head norms of q and k: each keeps its input, its output and a statistic per head, and
     // the rotation of q its own copy (fitted to the layouts suite's Qwen3).
     if (m.arch == Arch::kQwen3) floats += 2 * b * T * (ql + kvl) + b * T * (hl + s.kv_local) + 2 * b * T * ql;
+  }
+  // Context parallelism's ring (worker/model/context_attention.cc), not recomputed by selective: each
+  // block keeps its scores (for the log-sum-exp) and its probabilities, each merge the running output
+  // and the block's, and each step the keys and values it received (repeated for grouped heads).
+  if (s.cp > 1 && ac != ActivationCheckpointing::kFull) {
+    const int64_t kvl = m.arch == Arch::kGpt2 ? hl : s.kv_local;
+    floats += (ac == ActivationCheckpointing::kSelective ? 2 : 1) * b * hl * T * s.Tk + 3 * s.cp * b * hl * T * s.hd +
+              2 * (s.cp - 1) * b * kvl * T * s.hd + (kvl < hl ? 2 * s.cp * b * hl * T * s.hd : 0);
+    if (ac == ActivationCheckpointing::kSelective) mask = T * s.Tk;
   }
   return floats * 4 + mask;
 }
@@ -225,6 +240,15 @@ int64_t CpuLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointin
 // With `fp8` (FP8 products) each product keeps its input's FP8 transposed copy instead of the bf16
 // input, a byte an element: the norms' outputs, attention's output, and the MLP's activation (the
 // GELU's output, SwiGLU's product), made again in backward by no recompute mode.
+// Context parallelism's ring on GPUs (written-out blocks, not flash attention's): each block's fp32
+// scores and its probabilities in `a`, the received keys and values, the merges' outputs in fp32.
+int64_t CudaRingBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointing ac, int a) {
+  if (s.cp <= 1 || ac == ActivationCheckpointing::kFull) return 0;
+  const int64_t hl = s.h / s.tp, kvl = m.arch == Arch::kGpt2 ? hl : s.kv_local;
+  return s.b * hl * s.T * s.Tk * (4 + a) + 3 * s.cp * s.b * hl * s.T * s.hd * 4 +
+         2 * (s.cp - 1) * s.b * kvl * s.T * s.hd * a;
+}
+
 int64_t CudaLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointing ac, int a, int sb, bool fp8) {
   const int64_t b = s.b, T = s.T, Ts = s.Ts, d = s.d, t = s.tp;
   if (ac == ActivationCheckpointing::kFull) return b * Ts * d * sb;
@@ -340,6 +364,13 @@ int64_t CpuLayerOverhead(const ModelSpec& m, ActivationCheckpointing ac) {
 }
 // An MoE block's routing and its experts' products add nodes of their own: per expert.
 constexpr int64_t kCpuOverheadPerExpert = 16 * 1024;
+// Context parallelism's ring adds small tensors and nodes per block and merge, each with a cost that
+// does not scale with the tokens (more where tp's gathers and sums go with each), per layer and
+// micro-batch: fitted to the layouts suite's cp2, cp4 and cp2 x tp2 runs.
+int64_t CpuRingOverhead(const Shape& s, ActivationCheckpointing ac) {
+  if (s.cp <= 1 || ac == ActivationCheckpointing::kFull) return 0;
+  return int64_t{8 * 1024} * s.cp * (s.cp - 1) + (s.tp > 1 ? int64_t{20 * 1024} * (s.cp - 1) : 0);
+}
 
 // ---- The estimate ----------------------------------------------------------------------------------
 
@@ -505,8 +536,8 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double
       int64_t layer_none = 0;
       for (int c = 0; c < layout.chunks; ++c) {
         const int vs = VirtualStage(layout.pp, r, c);
-        const int64_t per_layer =
-            cpu ? CpuLayerBytes(m, s, ac) + CpuLayerOverhead(m, ac) : CudaLayerBytes(m, s, ac, a, sb, fp8);
+        const int64_t per_layer = cpu ? CpuLayerBytes(m, s, ac) + CpuLayerOverhead(m, ac) + CpuRingOverhead(s, ac)
+                                      : CudaLayerBytes(m, s, ac, a, sb, fp8) + CudaRingBytes(m, s, ac, a);
         const int64_t dense_none = cpu ? CpuLayerBytes(m, s, ActivationCheckpointing::kNone)
                                        : CudaLayerBytes(m, s, ActivationCheckpointing::kNone, a, sb, fp8);
         layer_none = std::max(layer_none, dense_none);

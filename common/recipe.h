@@ -264,6 +264,7 @@ struct ParallelSpec {
   int tp = 1;                    // tensor parallel degree (innermost, within a node)
   int pp = 1;                    // pipeline stages (outermost)
   int ep = 1;                    // expert parallelism: each MoE block's experts split over ep data-parallel ranks
+  int cp = 1;                    // context parallelism: each sequence split over cp data-parallel ranks
   int zero = 0;                  // 0 none, 1 optimizer state, 2 + gradients, 3 + parameters sharded over dp
   bool sequence_parallel = false;
   PpSchedule pp_schedule = PpSchedule::k1F1B;

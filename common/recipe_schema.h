@@ -305,6 +305,13 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
                           "data-parallel degree and model.moe.experts)",
                   .int_min = 1, .int_max = 1024},
         r.parallel.ep);
+  visit(RecipeKey{.section = "parallel", .name = "cp",
+                  .help = "context-parallel degree: each sequence split over this many data-parallel ranks (two "
+                          "chunks each, one from the front and its mirror from the back), attention passing the "
+                          "keys and values around them as a ring; divides the data-parallel degree, and "
+                          "model.seq_len is a multiple of 2*cp",
+                  .int_min = 1, .int_max = 1024},
+        r.parallel.cp);
   visit(RecipeKey{.section = "parallel", .name = "zero",
                   .help = "ZeRO stage over data parallel: 1 shards optimizer state, 2 also gradients, 3 also parameters",
                   .int_min = 0, .int_max = 3, .default_text = "1 on cuda with data parallelism, else 0"},

@@ -482,6 +482,21 @@ TEST_F(MoeLayoutsTest, ACollapsedRouterIsPulledBackByTheLossAndByTheBias) {
                            "--set parallel.activation_checkpointing=full"); \
   }
 
+// Context parallelism: each sequence split over cp ranks (two chunks each), attention over the ring;
+// beside data parallelism (cp2 x dp2: 4 data-parallel ranks reading 2 batches), ZeRO-3, tensor
+// parallelism with sequence parallelism, and a pipeline.
+#define LTRAIN_CONTEXT_PARALLEL_TESTS(Suite) \
+  TEST_F(Suite, Cp2) { ExpectMatchesReference("cp2", 2, "--set parallel.cp=2"); } \
+  TEST_F(Suite, Cp4) { ExpectMatchesReference("cp4", 4, "--set parallel.cp=4"); } \
+  TEST_F(Suite, Cp2Dp2Zero3) { ExpectMatchesReference("cp2_dp2_zero3", 4, "--set parallel.cp=2 --set parallel.zero=3"); } \
+  TEST_F(Suite, Cp2Tp2SequenceParallel) { \
+    ExpectMatchesReference("cp2_tp2_sp", 4, "--set parallel.cp=2 --set parallel.tp=2 --set parallel.sequence_parallel=true"); \
+  } \
+  TEST_F(Suite, Cp2Pp2) { ExpectMatchesReference("cp2_pp2", 4, "--set parallel.cp=2 --set parallel.pp=2"); }
+
+LTRAIN_CONTEXT_PARALLEL_TESTS(ParallelLayoutsTest)
+LTRAIN_CONTEXT_PARALLEL_TESTS(LlamaLayoutsTest)
+
 LTRAIN_LAYOUT_TESTS(ParallelLayoutsTest)
 LTRAIN_LAYOUT_TESTS(LlamaLayoutsTest)
 LTRAIN_LAYOUT_TESTS(Qwen2LayoutsTest)

@@ -38,6 +38,16 @@ TEST(LayoutTest, PlansTheDegreesAndTheAccumulation) {
   EXPECT_EQ(layout->accumulation, 2);
   EXPECT_EQ(layout->stage_layers, (std::vector<int>{2, 2}));
   EXPECT_FALSE(layout->plain());
+  // Context parallelism splits the data-parallel ranks too: its ranks read the same sequences, so
+  // dp 4 at cp 2 reads 2 micro-batches a step (the accumulation doubles).
+  Recipe context = Base();
+  context.parallel.cp = 2;
+  StatusOr<Layout> cp = PlanLayout(context, 4);
+  ASSERT_TRUE(cp.ok()) << cp.status().ToString();
+  EXPECT_EQ(cp->dp, 4);
+  EXPECT_EQ(cp->batch_replicas(), 2);
+  EXPECT_EQ(cp->accumulation, 2);
+  EXPECT_FALSE(cp->plain());
   // Expert parallelism splits the data-parallel ranks: dp stays 4 at ep 2.
   Recipe moe = Base();
   moe.model.moe.experts = 4;
@@ -91,6 +101,15 @@ TEST(LayoutTest, EachBrokenRuleNamesItsKey) {
          r.parallel.ep = 4;
        },
        2, "parallel.ep", "does not divide the data-parallel degree 2"},
+      {"cp and dp", [](Recipe& r) { r.parallel.cp = 4; }, 2, "parallel.cp", "does not divide the data-parallel degree 2"},
+      {"cp and the sequence", [](Recipe& r) { r.parallel.cp = 3; r.training.global_batch = 6; }, 3, "parallel.cp",
+       "model.seq_len=32 is not a multiple of 6"},
+      {"cp with experts",
+       [](Recipe& r) {
+         r.parallel.cp = 2;
+         r.model.moe.experts = 4;
+       },
+       2, "parallel.cp", "with model.moe is not supported yet"},
       {"global batch", [](Recipe& r) { r.training.global_batch = 6; }, 2, "training.global_batch",
        "is not a multiple of micro_batch*dp=2*2=4; try 4"},
       {"interleaved micro-batches",

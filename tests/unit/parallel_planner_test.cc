@@ -79,6 +79,33 @@ TEST(TopologyTest, TensorParallelIsInnermost) {
 // dp, each ep group is ep neighbouring dp ranks of one tp and pp coordinate, each edp group the dp / ep
 // ranks of one ep rank; together they cover each dp group once, and an ep group and an edp group
 // meet in one rank.
+// A context-parallel group: cp data-parallel neighbours of one tp and pp coordinate, which read the
+// same batch replica.
+TEST(TopologyTest, ContextGroupsAreDataParallelNeighboursReadingOneBatch) {
+  for (int tp : {1, 2}) {
+    for (int dp : {2, 4}) {
+      for (int cp : {1, 2, 4}) {
+        if (dp % cp != 0) continue;
+        Layout layout = Layout::Grid(tp, dp, 2);
+        layout.cp = cp;
+        const std::vector<Group> groups = GroupsOf(layout, GroupKind::kContext);
+        ASSERT_EQ(static_cast<int>(groups.size()), layout.world_size / cp);
+        for (const Group& g : groups) {
+          ASSERT_EQ(static_cast<int>(g.ranks.size()), cp);
+          const RankCoords first = CoordsOf(layout, g.ranks[0]);
+          for (size_t i = 0; i < g.ranks.size(); ++i) {
+            const RankCoords c = CoordsOf(layout, g.ranks[i]);
+            EXPECT_TRUE(c.tp == first.tp && c.pp == first.pp);
+            EXPECT_EQ(ContextRank(layout, c), static_cast<int>(i));
+            EXPECT_EQ(BatchReplica(layout, c), BatchReplica(layout, first));
+            EXPECT_EQ(c.dp, first.dp + static_cast<int>(i)) << "cp peers are dp neighbours";
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(TopologyTest, ExpertGroupsSplitEachDataParallelGroup) {
   for (int tp : {1, 2}) {
     for (int pp : {1, 2}) {

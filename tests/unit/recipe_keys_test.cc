@@ -31,7 +31,7 @@ data: {path: /data/every-key, tokenizer: huggingface, sampling: torch, seed: 432
 training: {steps: 77, micro_batch: 2, global_batch: 32, lr: 0.002, min_lr: 0.0002, warmup_steps: 7,
            lr_schedule: constant, weight_decay: 0.05, beta1: 0.8, beta2: 0.9, grad_clip: 0.5, seed: 99, log_every: 3,
            deterministic: true, eval_every: 5, eval_batches: 3}
-parallel: {nodes: {min: 1, max: 2}, nproc_per_node: 8, tp: 2, pp: 2, zero: 1, sequence_parallel: true,
+parallel: {nodes: {min: 1, max: 2}, nproc_per_node: 8, tp: 2, pp: 2, cp: 2, zero: 1, sequence_parallel: true,
            pp_schedule: interleaved, virtual_stages: 2, pp_split: [3, 2, 2, 1], bucket_mb: 50,
            activation_checkpointing: selective, precision: fp8, fp8_bf16_layers: [0],
            fp8_scaling: rowwise, device: cuda}

@@ -193,7 +193,7 @@ ProcessGroups DataParallelGroups(Communicator* world) {
   g.world = world;
   g.dp = world;
   g.edp = world;
-  for (Communicator** slot : {&g.tp, &g.pp, &g.embedding, &g.ep}) {
+  for (Communicator** slot : {&g.tp, &g.pp, &g.embedding, &g.ep, &g.cp}) {
     g.owned.push_back(std::make_unique<SelfCommunicator>());
     *slot = g.owned.back().get();
   }
@@ -213,7 +213,8 @@ StatusOr<ProcessGroups> BuildProcessGroups(const Layout& layout, int rank, Commu
   g.world = world;
   const std::pair<GroupKind, Communicator**> kinds[] = {
       {GroupKind::kTensor, &g.tp},        {GroupKind::kData, &g.dp},   {GroupKind::kPipeline, &g.pp},
-      {GroupKind::kEmbedding, &g.embedding}, {GroupKind::kExpert, &g.ep}, {GroupKind::kExpertData, &g.edp}};
+      {GroupKind::kEmbedding, &g.embedding}, {GroupKind::kExpert, &g.ep}, {GroupKind::kExpertData, &g.edp},
+      {GroupKind::kContext, &g.cp}};
   for (const auto& [kind, slot] : kinds) {
     if (kind == GroupKind::kExpertData && layout.ep <= 1) {
       g.edp = g.dp;  // the same ranks: the same connections

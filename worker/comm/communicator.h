@@ -235,6 +235,8 @@ struct ProcessGroups {
   // 1), and those holding the same experts (dp itself at ep 1).
   Communicator* ep = nullptr;
   Communicator* edp = nullptr;
+  // Context parallelism (layout.cp): the ranks that split each sequence (a SelfCommunicator at cp 1).
+  Communicator* cp = nullptr;
   std::vector<std::unique_ptr<Communicator>> owned;
 };
 
@@ -244,7 +246,7 @@ ProcessGroups DataParallelGroups(Communicator* world);
 
 // Makes the communicator of one group: `group.ranks` are global ranks, `group_rank` this rank's
 // position in them. Called for every group this rank belongs to, in the same order on every rank
-// (kind by kind: tp, dp, pp, embedding, ep, edp), so connecting never waits on a group a peer has not
+// (kind by kind: tp, dp, pp, embedding, ep, edp, cp), so connecting never waits on a group a peer has not
 // reached.
 using GroupFactory = std::function<StatusOr<std::unique_ptr<Communicator>>(const Group& group, int group_rank)>;
 

@@ -1,9 +1,13 @@
 #include "worker/model/context_attention.h"
 
+#include <cmath>
 #include <stdexcept>
 #include <string>
 
 #include <ATen/ATen.h>
+#include <torch/autograd.h>
+
+#include "worker/comm/communicator.h"
 
 namespace ltrain::worker::cp {
 
@@ -58,6 +62,54 @@ Partial Merge(const Partial& a, const Partial& b) {
   out.out = ((a.out.to(wide) * wa.unsqueeze(-1) + b.out.to(wide) * wb.unsqueeze(-1)) / sum.unsqueeze(-1))
                 .to(a.out.scalar_type());
   return out;
+}
+
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+constexpr uint32_t kRingTag = 0x6370;
+
+// x to the ring's next rank, the previous rank's x back; backward the other way round.
+struct RingShift : public torch::autograd::Function<RingShift> {
+  static torch::Tensor Shift(Communicator* ring, const torch::Tensor& x, int forward) {
+    const int n = ring->size(), r = ring->rank();
+    const int to = (r + forward + n) % n, from = (r - forward + n) % n;
+    torch::Tensor in = x.contiguous();
+    torch::Tensor out = torch::empty_like(in);
+    if (Status s = ring->SendRecv(in, to, out, from, kRingTag); !s.ok()) {
+      throw std::runtime_error("context parallelism's ring: " + s.message());
+    }
+    return out;
+  }
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t ring) {
+    ctx->saved_data["ring"] = ring;
+    return Shift(reinterpret_cast<Communicator*>(ring), x, 1);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    auto* ring = reinterpret_cast<Communicator*>(ctx->saved_data["ring"].toInt());
+    return {Shift(ring, grads[0], -1), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor RingAttention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, Communicator* ring,
+                            int64_t seq_len) {
+  const int n = ring->size(), r = ring->rank();
+  const int64_t groups = q.size(1) / k.size(1);
+  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  auto expand = [groups](const torch::Tensor& t) { return groups == 1 ? t : t.repeat_interleave(groups, 1); };
+  const torch::Tensor q_pos = PositionsOf(seq_len, n, r, q.device());
+  Partial acc = BlockAttention(q, expand(k), expand(v), q_pos, q_pos, scale);
+  torch::Tensor kv = torch::stack({k, v});
+  for (int step = 1; step < n; ++step) {
+    kv = RingShift::apply(kv, reinterpret_cast<int64_t>(ring));
+    const torch::Tensor k_pos = PositionsOf(seq_len, n, (r - step + n) % n, q.device());
+    acc = Merge(acc, BlockAttention(q, expand(kv[0]), expand(kv[1]), q_pos, k_pos, scale));
+  }
+  return acc.out.to(q.scalar_type());
 }
 
 }  // namespace ltrain::worker::cp

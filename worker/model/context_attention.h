@@ -10,6 +10,10 @@
 
 #include <torch/types.h>
 
+namespace ltrain::worker {
+class Communicator;
+}  // namespace ltrain::worker
+
 namespace ltrain::worker::cp {
 
 // Rank `rank`'s chunks of a sequence of `seq_len` split into 2*cp chunks of seq_len / (2*cp) each:
@@ -43,5 +47,13 @@ Partial BlockAttention(const torch::Tensor& q, const torch::Tensor& k, const tor
 
 // Two partial results of the same queries over disjoint keys, as one softmax over both.
 Partial Merge(const Partial& a, const Partial& b);
+
+// Causal attention of this rank's queries over the whole sequence of `seq_len`, its keys and values
+// passed around the ring of `ring`'s ranks (to the next, from the previous: each step one block, its
+// own first), each block merged in: q [b, heads, t, hd], k and v [b, kv_heads, t, hd] of this rank's
+// tokens (ChunksOf's order, t = seq_len / ring size). Backward passes the keys' and values'
+// gradients back around the ring. Every rank of the ring calls it, in the same order.
+torch::Tensor RingAttention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, Communicator* ring,
+                            int64_t seq_len);
 
 }  // namespace ltrain::worker::cp

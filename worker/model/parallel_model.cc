@@ -15,6 +15,7 @@
 #include "common/model_family.h"
 #include "worker/control/progress.h"
 #include "worker/model/comm_handle.h"
+#include "worker/model/context_attention.h"
 #include "worker/model/fused_kernels.h"
 #include "worker/model/shard_ops.h"
 #include "worker/torch_compat.h"
@@ -218,6 +219,13 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelShardSpec& s
   shard->stage_of_layer_ = stage_of_layer;
   shard->kv_replicated_ = llama && kv < tp_size;
   const bool first = spec.coords.pp == 0, last = spec.coords.pp == spec.layout.pp - 1;
+  if (spec.layout.cp > 1) {
+    if (c.seq_len % (2 * spec.layout.cp) != 0 || spec.layout.dp % spec.layout.cp != 0) {
+      return InvalidArgument("parallel.cp=" + std::to_string(spec.layout.cp) + " needs model.seq_len a multiple of " +
+                             std::to_string(2 * spec.layout.cp) + " and to divide the data-parallel degree");
+    }
+    shard->positions_ = cp::PositionsOf(c.seq_len, spec.layout.cp, spec.coords.dp % spec.layout.cp, spec.device);
+  }
   if (llama) {
     // llama_model.rope_tables: pair i of a head turns by position * theta^(-2i/head_dim).
     const int64_t hd = HeadDim(c);
@@ -228,7 +236,10 @@ StatusOr<std::unique_ptr<ModelShard>> ModelShard::Create(const ModelShardSpec& s
       const std::vector<float> scaled = RopeInverseFrequencies(c);
       inv = torch::tensor(scaled, torch::TensorOptions().dtype(torch::kFloat)).to(spec.device);
     }
-    torch::Tensor angles = torch::outer(torch::arange(c.seq_len, f32), inv);
+    torch::Tensor positions = torch::arange(c.seq_len, f32);
+    // Under cp each rank's tokens sit at its chunks' positions: the tables in its order.
+    if (spec.layout.cp > 1) positions = cp::PositionsOf(c.seq_len, spec.layout.cp, spec.coords.dp % spec.layout.cp).to(f32);
+    torch::Tensor angles = torch::outer(positions, inv);
     shard->rope_cos_ = angles.cos();
     shard->rope_sin_ = angles.sin();
   }
@@ -384,7 +395,8 @@ bool ModelShard::LastStage(int chunk) const {
 }
 
 std::vector<int64_t> ModelShard::ActivationShape(int micro_batch) const {
-  const int64_t t = spec_.layout.sequence_parallel ? spec_.config.seq_len / spec_.layout.tp : spec_.config.seq_len;
+  const int64_t local = spec_.config.seq_len / std::max(1, spec_.layout.cp);
+  const int64_t t = spec_.layout.sequence_parallel ? local / spec_.layout.tp : local;
   return {micro_batch, t, spec_.config.d_model};
 }
 
@@ -405,6 +417,10 @@ bool ModelShard::Selective() const {
 }
 
 torch::Tensor ModelShard::Attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  if (spec_.layout.cp > 1) {
+    if (cp_ == nullptr) throw std::logic_error("parallel.cp without its context-parallel group");
+    return cp::RingAttention(q, k, v, cp_, spec_.config.seq_len);
+  }
   // On GPUs flash attention keeps only q, k, v, its output (which the next product keeps anyway) and
   // a row statistic: nothing for selective recompute to drop.
   if (Selective() && !q.is_cuda()) {
@@ -658,7 +674,10 @@ torch::Tensor ModelShard::Embed(const torch::Tensor& ids) {
   // Learned positions from..from+n (gpt2; a llama has none).
   auto positioned = [&](const torch::Tensor& e, int64_t from, int64_t n) {
     if (wpe_ < 0) return widen(e);
-    const torch::Tensor pos = params_[wpe_].value.narrow(0, from, n);
+    // Under cp the rank's tokens sit at positions_ of the sequence.
+    const torch::Tensor pos = positions_.defined()
+                                  ? params_[wpe_].value.index_select(0, positions_.narrow(0, from, n).to(e.device()))
+                                  : params_[wpe_].value.narrow(0, from, n);
     return spec_.stochastic_residual ? StochasticRoundedAdd(e, pos) : widen(e) + pos;  // the sum in the stream's dtype
   };
   if (tp == 1) {
@@ -739,12 +758,16 @@ torch::Tensor ModelShard::Logits(const torch::Tensor& ids) {
   return at::linear(h, params_[head_].value.to(torch::kFloat));
 }
 
-torch::Tensor ModelShard::Forward(int chunk, const torch::Tensor& input, const torch::Tensor& targets) {
+torch::Tensor ModelShard::Forward(int chunk, const torch::Tensor& input, const torch::Tensor& targets_given) {
   const int vs = chunk * spec_.layout.pp + spec_.coords.pp;
+  const int cp = spec_.layout.cp;
+  const int cp_rank = spec_.coords.dp % std::max(1, cp);
+  // Under cp the ids and targets come whole: this rank's chunks of them.
+  const torch::Tensor targets = cp > 1 && targets_given.defined() ? cp::Take(targets_given, cp, cp_rank) : targets_given;
   torch::Tensor x;
   if (FirstStage(chunk)) {
     Unit(0, true);
-    x = Embed(input);
+    x = Embed(cp > 1 ? cp::Take(input, cp, cp_rank) : input);
     if (hooks_.output) hooks_.output(0, x);
   } else {
     x = input;

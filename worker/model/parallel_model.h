@@ -192,6 +192,10 @@ class ModelShard {
   // Expert parallelism (layout.ep > 1): the group that splits each MoE block's experts and exchanges
   // its tokens (ProcessGroups::ep); must be set before the first forward, and outlive the shard.
   void set_expert_group(Communicator* ep) { ep_ = ep; }
+  // Context parallelism (layout.cp > 1): the ring of ranks that split each sequence
+  // (ProcessGroups::cp); must be set before the first forward, and outlive the shard. Forward then
+  // takes this rank's chunks of the token ids and targets it is given whole (context_attention.h).
+  void set_context_group(Communicator* cp) { cp_ = cp; }
   // The routed assignments each expert of each MoE block got since the last call, counted while
   // autograd records (the step's training micro-batches; a block recomputed under full activation
   // checkpointing counts in its recomputation only): [MoeLayers().size(), experts], fp32, on the
@@ -255,6 +259,8 @@ class ModelShard {
   ModelShardSpec spec_;
   Communicator* tp_;
   Communicator* ep_ = nullptr;
+  Communicator* cp_ = nullptr;
+  torch::Tensor positions_;  // under cp: the sequence positions of this rank's tokens, in its order
   std::vector<ShardParam> params_;
   std::vector<std::pair<std::string, std::vector<int64_t>>> full_params_;
   // Each block's parameter names (BlockParameterNames: an MoE block's differ), and the index into

@@ -13,6 +13,8 @@ int RankAt(const Layout& t, const RankCoords& c) { return (c.pp * t.dp + c.dp) *
 
 int ExpertRank(const Layout& t, const RankCoords& c) { return c.dp % std::max(1, t.ep); }
 int ExpertDataRank(const Layout& t, const RankCoords& c) { return c.dp / std::max(1, t.ep); }
+int ContextRank(const Layout& t, const RankCoords& c) { return c.dp % std::max(1, t.cp); }
+int BatchReplica(const Layout& t, const RankCoords& c) { return c.dp / std::max(1, t.cp); }
 
 int Group::RankOf(int global_rank) const {
   auto it = std::find(ranks.begin(), ranks.end(), global_rank);
@@ -29,6 +31,7 @@ const char* KindName(GroupKind kind) {
     case GroupKind::kEmbedding: return "embedding";
     case GroupKind::kExpert: return "ep";
     case GroupKind::kExpertData: return "edp";
+    case GroupKind::kContext: return "cp";
   }
   return "?";
 }
@@ -50,6 +53,7 @@ std::vector<Group> GroupsOf(const Layout& t, GroupKind kind) {
         break;
       case GroupKind::kExpert: by_key[RankAt(t, {c.tp, ExpertDataRank(t, c) * t.ep, c.pp})].push_back(rank); break;
       case GroupKind::kExpertData: by_key[RankAt(t, {c.tp, ExpertRank(t, c), c.pp})].push_back(rank); break;
+      case GroupKind::kContext: by_key[RankAt(t, {c.tp, BatchReplica(t, c) * t.cp, c.pp})].push_back(rank); break;
     }
   }
   std::vector<Group> groups;

@@ -27,15 +27,19 @@ enum class GroupKind {
   kEmbedding,  // first and last pipeline stage of one pipeline (tied embedding/head); pp > 1 only
   kExpert,     // same tp, pp and dp / ep: the ep ranks that split a block's experts and exchange tokens
   kExpertData, // same tp, pp and dp % ep: the ranks holding the same experts, that reduce their gradients
+  kContext,    // same tp, pp and dp / cp: the cp ranks that split each sequence and pass keys and values
 };
 
 // This rank's place among the expert-parallel ranks (dp % ep) and among those holding the same
 // experts (dp / ep); layout.ep divides layout.dp.
 int ExpertRank(const Layout& layout, const RankCoords& coords);
 int ExpertDataRank(const Layout& layout, const RankCoords& coords);
+// This rank's place in its context-parallel group (dp % cp), and the batch replica it reads (dp / cp).
+int ContextRank(const Layout& layout, const RankCoords& coords);
+int BatchReplica(const Layout& layout, const RankCoords& coords);
 
 // A process group: its members (global ranks, in group-rank order) and its name for logs and
-// rendezvous keys ("tp 0", "dp 1", "pp 0", "embedding 0", "ep 0", "edp 0"; the number is the group's index among the
+// rendezvous keys ("tp 0", "dp 1", "pp 0", "embedding 0", "ep 0", "edp 0", "cp 0"; the number is the group's index among the
 // groups of its kind, ordered by lowest member).
 struct Group {
   std::string name;

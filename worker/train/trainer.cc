@@ -277,6 +277,7 @@ Status Trainer::Init() {
   if (loader_ && loader_->masked()) model_->set_masked_targets(true);
   if (layout_.zero == 3) model_->set_hooks(Zero3GatherHooks(store_.get(), params, units, ml.config.layers));
   if (layout_.ep > 1) model_->set_expert_group(groups_->ep);
+  if (layout_.cp > 1) model_->set_context_group(groups_->cp);
   // The router's balance and z losses are divided as the LM loss is (a mean over the micro-batches).
   model_->set_aux_scale(1.0 / layout_.accumulation);
   if (options_.tp_split_batch && options_.rank == 0) {

@@ -89,8 +89,9 @@ BatchSlice Trainer::SliceOf(int64_t position0, int64_t step, int micro_step) con
   slice.position0 = position0;
   slice.step = step;
   slice.global_batch = layout_.global_batch;
-  slice.dp_rank = groups_->coords.dp;
-  slice.dp = layout_.dp;
+  // The ranks of a context-parallel group read the same sequences (each takes its chunks of them).
+  slice.dp_rank = BatchReplica(layout_, groups_->coords);
+  slice.dp = layout_.batch_replicas();
   slice.micro_step = micro_step;
   slice.micro_batch = layout_.micro_batch;
   return slice;
