@@ -497,6 +497,29 @@ TEST_F(MoeLayoutsTest, ACollapsedRouterIsPulledBackByTheLossAndByTheBias) {
 LTRAIN_CONTEXT_PARALLEL_TESTS(ParallelLayoutsTest)
 LTRAIN_CONTEXT_PARALLEL_TESTS(LlamaLayoutsTest)
 
+// A checkpoint does not depend on cp: saved at cp2 x dp2 under ZeRO-1, it resumes in one process and
+// at cp4; both end as the one-process run does.
+TEST_F(LlamaLayoutsTest, ACheckpointAtCp2ResumesInOneProcessAndAtCp4) {
+  const fs::path ref = Reference("");
+  const fs::path first = Run("cp2_first", 4, "--set parallel.cp=2 --set parallel.zero=1 --set checkpoint.every=10 "
+                                             "--set checkpoint.keep=5");
+  const std::string from = "--set checkpoint.resume_from=" + (first / "ck" / "step-10").string();
+  for (const auto& [name, world, sets] : {std::tuple<std::string, int, std::string>{"cp1_second", 1, from},
+                                          {"cp4_second", 4, "--set parallel.cp=4 " + from}}) {
+    const fs::path resumed = Run(name, world, sets);
+    std::vector<double> a = Losses(ref / "log0"), b = Losses(resumed / "log0");
+    ASSERT_EQ(a.size(), 20u);
+    ASSERT_EQ(b.size(), 10u) << std::ifstream(resumed / "log0").rdbuf();
+    for (size_t i = 0; i < b.size(); ++i) EXPECT_NEAR(a[10 + i], b[i], 1e-4 * a[10 + i]) << name << " step " << i + 11;
+    auto pa = Params(ref / "params.bin"), pb = Params(resumed / "params.bin");
+    ASSERT_EQ(pa.size(), pb.size());
+    for (const auto& [key, values] : pa) {
+      ASSERT_EQ(values.size(), pb[key].size()) << key;
+      for (size_t i = 0; i < values.size(); ++i) ASSERT_NEAR(values[i], pb[key][i], 1e-4) << name << " " << key << " " << i;
+    }
+  }
+}
+
 LTRAIN_LAYOUT_TESTS(ParallelLayoutsTest)
 LTRAIN_LAYOUT_TESTS(LlamaLayoutsTest)
 LTRAIN_LAYOUT_TESTS(Qwen2LayoutsTest)
