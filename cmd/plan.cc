@@ -27,7 +27,46 @@ struct PlanArgs {
   double gpu_memory_gib = 80;
   int top = 10;
   std::string output = "text";
+  bool longest_seq = false;
 };
+
+// The longest model.seq_len (a multiple of `step`, at most `cap`) whose peak fits `limit` bytes a rank,
+// with `recipe`'s model on cp ranks splitting each sequence (tp and pp 1, one micro-batch of the
+// recipe's size a step); 0 when not even `step` fits. Its peak in *peak.
+int64_t LongestSeqLen(const Recipe& recipe, Device device, int cp, double limit, int64_t step, int64_t cap,
+                      int64_t* peak) {
+  auto estimate = [&](int64_t seq_len) -> int64_t {
+    Recipe r = recipe;
+    ParallelSpec& p = r.parallel;
+    p.device = device;
+    p.nodes = p.nodes_min = p.nodes_max = 1;
+    p.nproc_per_node = cp;
+    p.tp = p.pp = p.virtual_stages = 1;
+    p.pp_split.clear();
+    p.sequence_parallel = false;
+    p.pp_schedule = PpSchedule::k1F1B;
+    p.ep = 1;
+    p.cp = cp;
+    if (cp == 1 && p.zero > 0) p.zero = 0;
+    r.model.seq_len = static_cast<int>(seq_len);
+    r.training.global_batch = r.training.micro_batch;
+    StatusOr<Layout> layout = PlanLayout(r, cp);
+    if (!layout.ok()) return -1;
+    return EstimateLayout(r, *layout).peak_bytes;
+  };
+  int64_t lo = 0, hi = cap / step;  // in steps: lo fits (0: nothing yet), hi + 1 does not
+  while (lo < hi) {
+    const int64_t mid = (lo + hi + 1) / 2;
+    const int64_t bytes = estimate(mid * step);
+    if (bytes >= 0 && static_cast<double>(bytes) <= limit) {
+      lo = mid;
+      *peak = bytes;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return lo * step;
+}
 
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
@@ -236,6 +275,33 @@ int Plan(const PlanArgs& args) {
     }
   }
 
+  if (args.longest_seq) {
+    // How long a sequence fits, on one rank and split over 2, 4, 8 ... with context parallelism.
+    const double limit = options.device == Device::kCuda ? options.memory_bytes * kGpuMemoryUsable : options.memory_bytes;
+    nlohmann::json rows = nlohmann::json::array();
+    if (args.output == "text") {
+      std::printf("the longest model.seq_len that fits (micro-batch %d, recompute %s, %s a %s):\n",
+                  recipe.training.micro_batch, NameOf(recipe.parallel.activation_checkpointing).c_str(),
+                  (Gib(static_cast<int64_t>(limit)) + " GiB").c_str(), unit);
+      std::printf("  %4s  %12s  %10s\n", "cp", "seq_len", "peak");
+    }
+    for (int cp = 1; cp <= 64; cp *= 2) {
+      int64_t peak = 0;
+      const int64_t step = int64_t{2} * cp * 64;
+      const int64_t longest = LongestSeqLen(recipe, options.device, cp, limit, step, int64_t{1} << 24, &peak);
+      rows.push_back({{"cp", cp}, {"seq_len", longest}, {"peak_bytes", peak}});
+      if (args.output == "text") {
+        if (longest == 0) {
+          std::printf("  %4d  %12s  %10s\n", cp, "none", "-");
+        } else {
+          std::printf("  %4d  %12lld  %7s GiB\n", cp, static_cast<long long>(longest), Gib(peak).c_str());
+        }
+      }
+    }
+    json["longest_seq_len"] = rows;
+    if (args.output == "text") std::printf("\n");
+  }
+
   const std::vector<PlanCandidate> candidates = RankLayouts(recipe, options);
   int feasible = 0;
   for (const PlanCandidate& c : candidates) feasible += c.feasible ? 1 : 0;
@@ -326,6 +392,10 @@ void AddPlanCommand(CLI::App& app, CommandContext& ctx) {
       ->check(CLI::PositiveNumber);
   cmd->add_option("--top", args->top, "Rows of the ranked table and reasons shown (default 10)")
       ->check(CLI::PositiveNumber);
+  cmd->add_flag("--longest-seq", args->longest_seq,
+                "Also the longest model.seq_len that fits a rank's memory, on one rank and with each sequence "
+                "split over 2, 4, ... 64 ranks by context parallelism (parallel.cp; tp and pp 1, one "
+                "micro-batch a step)");
   cmd->add_option("-o,--output", args->output, "text or json (every layout, feasible or not)")
       ->check(CLI::IsMember({"text", "json"}));
   ctx.Bind(cmd, [args] { return Plan(*args); });
