@@ -218,11 +218,12 @@ int64_t CpuLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointin
     if (m.arch == Arch::kQwen3) floats += 2 * b * T * (ql + kvl) + b * T * (hl + s.kv_local) + 2 * b * T * ql;
   }
   // Context parallelism's ring (worker/model/context_attention.cc), not recomputed by selective: each
-  // block keeps its scores (for the log-sum-exp) and its probabilities, each merge the running output
-  // and the block's, and each step the keys and values it received (repeated for grouped heads).
+  // block keeps its exponentiated scores (in place of the softmax's probabilities), each merge the
+  // running output and the block's, and each step the keys and values it received (repeated for
+  // grouped heads).
   if (s.cp > 1 && ac != ActivationCheckpointing::kFull) {
     const int64_t kvl = m.arch == Arch::kGpt2 ? hl : s.kv_local;
-    floats += (ac == ActivationCheckpointing::kSelective ? 2 : 1) * b * hl * T * s.Tk + 3 * s.cp * b * hl * T * s.hd +
+    floats += (ac == ActivationCheckpointing::kSelective ? 1 : 0) * b * hl * T * s.Tk + 3 * s.cp * b * hl * T * s.hd +
               2 * (s.cp - 1) * b * kvl * T * s.hd + (kvl < hl ? 2 * s.cp * b * hl * T * s.hd : 0);
     if (ac == ActivationCheckpointing::kSelective) mask = T * s.Tk;
   }
@@ -369,7 +370,7 @@ constexpr int64_t kCpuOverheadPerExpert = 16 * 1024;
 // micro-batch: fitted to the layouts suite's cp2, cp4 and cp2 x tp2 runs.
 int64_t CpuRingOverhead(const Shape& s, ActivationCheckpointing ac) {
   if (s.cp <= 1 || ac == ActivationCheckpointing::kFull) return 0;
-  return int64_t{8 * 1024} * s.cp * (s.cp - 1) + (s.tp > 1 ? int64_t{20 * 1024} * (s.cp - 1) : 0);
+  return int64_t{12 * 1024} * s.cp * (s.cp - 1) + (s.tp > 1 ? int64_t{20 * 1024} * (s.cp - 1) : 0);
 }
 
 // ---- The estimate ----------------------------------------------------------------------------------

@@ -156,8 +156,7 @@ TEST(CliTest, PlanShowsTheRecipesMemoryAndRanksTheLayouts) {
 
   // --longest-seq: the longest sequence that fits a CPU rank, on one rank and split over more by
   // context parallelism (the CPU's written-out attention: each rank's share of the T x T scores
-  // shrinks with cp, so the longest grows; at cp 2 the ring's blocks keep their scores beside their
-  // probabilities, twice what one rank's softmax keeps, so it first grows at cp 4).
+  // shrinks with cp, so the longest grows).
   ProcessResult longest = RunProcess({LtrainBinary(), "plan", path, "--longest-seq", "-o", "json"});
   ASSERT_EQ(longest.exit_code, 0) << longest.output;
   google::protobuf::Struct longest_plan;
@@ -165,9 +164,11 @@ TEST(CliTest, PlanShowsTheRecipesMemoryAndRanksTheLayouts) {
   const auto& rows = longest_plan.fields().at("longest_seq_len").list_value();
   ASSERT_EQ(rows.values_size(), 7);  // cp 1, 2, 4, ... 64
   const double one = rows.values(0).struct_value().fields().at("seq_len").number_value();
+  const double two = rows.values(1).struct_value().fields().at("seq_len").number_value();
   const double four = rows.values(2).struct_value().fields().at("seq_len").number_value();
   EXPECT_GT(one, 0);
-  EXPECT_GT(four, one) << longest.output;
+  EXPECT_GT(two, one) << longest.output;
+  EXPECT_GT(four, two) << longest.output;
   EXPECT_EQ(static_cast<int64_t>(four) % 512, 0) << "a multiple of 2 * cp chunks of 64";
 
   // A program of the user's own has no model to plan: said, instead of planning a default GPT.

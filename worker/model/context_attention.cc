@@ -45,10 +45,14 @@ Partial BlockAttention(const torch::Tensor& q, const torch::Tensor& k, const tor
   torch::Tensor scores = at::matmul(q, k.transpose(-2, -1)).to(wide) * scale;
   const torch::Tensor visible = q_pos.unsqueeze(-1) >= k_pos.unsqueeze(0);  // [tq, tk]
   scores = scores.masked_fill(visible.logical_not(), kHidden);
+  // exp(scores - max) is the one [tq, tk] tensor backward keeps (the max is a shift the result does
+  // not depend on, so it takes no gradient); the sum, the log-sum-exp and the output follow from it.
+  const torch::Tensor max = std::get<0>(scores.max(-1, /*keepdim=*/true)).detach();
+  const torch::Tensor e = at::exp(scores - max);
+  const torch::Tensor sum = e.sum(-1, /*keepdim=*/true);
   Partial p;
-  p.lse = at::logsumexp(scores, -1);
-  const torch::Tensor probs = at::exp(scores - p.lse.unsqueeze(-1));
-  p.out = at::matmul(probs.to(v.scalar_type()), v);
+  p.lse = (max + at::log(sum)).squeeze(-1);
+  p.out = at::matmul(e.to(v.scalar_type()), v) / sum.to(v.scalar_type());
   return p;
 }
 
