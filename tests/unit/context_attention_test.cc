@@ -5,12 +5,16 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <stdexcept>
 #include <vector>
 
 #include <gtest/gtest.h>
 #include <torch/autograd.h>
+#include <torch/cuda.h>
 #include <torch/types.h>
+
+#include "worker/torch_compat.h"
 
 namespace ltrain::worker::cp {
 namespace {
@@ -80,6 +84,49 @@ TEST(ContextAttentionTest, RingBlocksMergedEqualWholeSequenceAttentionAndItsGrad
     EXPECT_LT((vc.grad() - v.grad()).abs().max().item<double>(), 1e-12) << "cp " << cp;
     EXPECT_FALSE(torch::isnan(kc.grad()).any().item<bool>()) << "cp " << cp;
   }
+}
+
+// On a GPU, in bf16: every rank's blocks of a cp-4 ring, computed on one device, merged, against
+// whole-sequence attention by LibTorch's fused kernel (flash attention where the GPU has it), within
+// bf16's rounding; the gradients too.
+TEST(ContextAttentionTest, RingBlocksOnAGpuEqualFusedWholeSequenceAttention) {
+  if (!torch::cuda::is_available()) GTEST_SKIP() << "no CUDA device";
+  const int64_t b = 2, h = 8, T = 1024, hd = 64;
+  const int cp = 4;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(hd));
+  torch::manual_seed(5);
+  const torch::TensorOptions bf16 = torch::TensorOptions().dtype(torch::kBFloat16).device(torch::kCUDA);
+  const torch::Tensor q0 = torch::randn({b, h, T, hd}, bf16), k0 = torch::randn({b, h, T, hd}, bf16);
+  const torch::Tensor v0 = torch::randn({b, h, T, hd}, bf16), g = torch::randn({b, h, T, hd}, bf16);
+  torch::Tensor q = q0.clone().requires_grad_(true), k = k0.clone().requires_grad_(true);
+  torch::Tensor v = v0.clone().requires_grad_(true);
+  const torch::Tensor whole = compat::CausalAttention(q, k, v);
+  (whole.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
+
+  torch::Tensor qc = q0.clone().requires_grad_(true), kc = k0.clone().requires_grad_(true);
+  torch::Tensor vc = v0.clone().requires_grad_(true);
+  torch::Tensor out = torch::zeros_like(q0);
+  for (int r = 0; r < cp; ++r) {
+    const torch::Tensor pos = PositionsOf(T, cp, r, torch::kCUDA);
+    const torch::Tensor qr = qc.index_select(2, pos);
+    Partial acc;
+    for (int step = 0; step < cp; ++step) {
+      const torch::Tensor kpos = PositionsOf(T, cp, (r - step + cp) % cp, torch::kCUDA);
+      const Partial block = BlockAttention(qr, kc.index_select(2, kpos), vc.index_select(2, kpos), pos, kpos, scale);
+      acc = step == 0 ? block : Merge(acc, block);
+    }
+    out = out.index_copy(2, pos, acc.out.to(out.scalar_type()));
+  }
+  (out.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
+  auto worst = [](const torch::Tensor& x, const torch::Tensor& y) {
+    return ((x.to(torch::kFloat) - y.to(torch::kFloat)).abs().max() / y.to(torch::kFloat).abs().max()).item<double>();
+  };
+  EXPECT_LT(worst(out, whole), 2e-2);
+  EXPECT_LT(worst(qc.grad(), q.grad()), 3e-2);
+  EXPECT_LT(worst(kc.grad(), k.grad()), 3e-2);
+  EXPECT_LT(worst(vc.grad(), v.grad()), 3e-2);
+  std::printf("[ring on GPU] worst relative difference: out %.3g, dq %.3g, dk %.3g, dv %.3g\n", worst(out, whole),
+              worst(qc.grad(), q.grad()), worst(kc.grad(), k.grad()), worst(vc.grad(), v.grad()));
 }
 
 }  // namespace
