@@ -257,7 +257,9 @@ StatusOr<HfModelConfig> ReadMoe(const Json& j, const ConfigReader& c, const MoeA
   ModelSpec& m = out.model;
   MoeSpec& moe = m.moe;
   const bool qwen = a.arch == Arch::kQwen3;
-  LTRAIN_ASSIGN_OR_RETURN(int64_t experts, c.Int(qwen ? "num_experts" : "num_local_experts"));
+  // transformers 5 writes Qwen3-MoE's count as num_local_experts too (4.x: num_experts).
+  const char* count_key = qwen && c.Has("num_experts") ? "num_experts" : "num_local_experts";
+  LTRAIN_ASSIGN_OR_RETURN(int64_t experts, c.Int(count_key));
   LTRAIN_ASSIGN_OR_RETURN(int64_t top_k, c.Int("num_experts_per_tok"));
   if (experts < 2 || top_k < 1 || top_k > experts) {
     return c.Refuse("num_experts_per_tok", "=" + std::to_string(top_k) + " of " + std::to_string(experts) +

@@ -347,6 +347,13 @@ TEST_F(HfConfigTest, MixtureOfExpertsConfigurationsGiveModelMoe) {
   EXPECT_NE(qwen.notes[0].find("router_aux_loss_coef=0.001 weighs ltrain's sequence-wise balance loss"),
             std::string::npos);
 
+  // transformers 5.17 writes Qwen3-MoE's count as num_local_experts (Mixtral's name): the same model.
+  std::string renamed = kQwen3Moe;
+  renamed.replace(renamed.find("\"num_experts\""), std::string("\"num_experts\"").size(), "\"num_local_experts\"");
+  RecipeParseResult qwen5 = Load(renamed, "seq_len: 64");
+  ASSERT_TRUE(qwen5.ok()) << qwen5.ErrorText();
+  EXPECT_EQ(qwen5.recipe.model.moe.experts, 8);
+
   RecipeParseResult mixtral = Load(kMixtral, "seq_len: 64");
   ASSERT_TRUE(mixtral.ok()) << mixtral.ErrorText();
   const ModelSpec& x = mixtral.recipe.model;
