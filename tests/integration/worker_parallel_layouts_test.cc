@@ -200,6 +200,29 @@ class ParallelLayoutsTest : public ::testing::Test {
                 max_abs);
   }
 
+  // Each of `runs` (name, world, sets) resumes from `first`'s checkpoint of step 10: its 10 steps
+  // and its final parameters are the one-process run's, within the suite's tolerance.
+  static void ExpectResumesAsTheReference(const fs::path& first,
+                                          const std::vector<std::tuple<std::string, int, std::string>>& runs) {
+    const fs::path ref = Reference("");
+    const std::string from = "--set checkpoint.resume_from=" + (first / "ck" / "step-10").string();
+    for (const auto& [name, world, sets] : runs) {
+      const fs::path resumed = Run(name, world, sets + " " + from);
+      std::vector<double> a = Losses(ref / "log0"), b = Losses(resumed / "log0");
+      ASSERT_EQ(a.size(), 20u);
+      ASSERT_EQ(b.size(), 10u) << std::ifstream(resumed / "log0").rdbuf();
+      for (size_t i = 0; i < b.size(); ++i) EXPECT_NEAR(a[10 + i], b[i], 1e-4 * a[10 + i]) << name << " step " << i + 11;
+      auto pa = Params(ref / "params.bin"), pb = Params(resumed / "params.bin");
+      ASSERT_EQ(pa.size(), pb.size());
+      for (const auto& [key, values] : pa) {
+        ASSERT_EQ(values.size(), pb[key].size()) << key;
+        for (size_t i = 0; i < values.size(); ++i) {
+          ASSERT_NEAR(values[i], pb[key][i], 1e-4) << name << " " << key << " " << i;
+        }
+      }
+    }
+  }
+
   static fs::path dir_;
   static size_t params_;
 };
@@ -336,24 +359,9 @@ TEST_F(MoeLayoutsTest, Ep2Dp2WithACapacityDropsAsOneProcess) {
 // A checkpoint does not depend on ep: saved at ep2 x dp2 under ZeRO-1 (each rank its shard of its
 // experts), it resumes in one process, and at ep 4; both end as the one-process run does.
 TEST_F(MoeLayoutsTest, ACheckpointAtEp2ResumesInOneProcessAndAtEp4) {
-  const fs::path ref = Reference("");
   const fs::path first = Run("ep2_first", 4, "--set parallel.ep=2 --set parallel.zero=1 --set checkpoint.every=10 "
                                              "--set checkpoint.keep=5");
-  const std::string from = "--set checkpoint.resume_from=" + (first / "ck" / "step-10").string();
-  for (const auto& [name, world, sets] : {std::tuple<std::string, int, std::string>{"ep1_second", 1, from},
-                                          {"ep4_second", 4, "--set parallel.ep=4 " + from}}) {
-    const fs::path resumed = Run(name, world, sets);
-    std::vector<double> a = Losses(ref / "log0"), b = Losses(resumed / "log0");
-    ASSERT_EQ(a.size(), 20u);
-    ASSERT_EQ(b.size(), 10u) << std::ifstream(resumed / "log0").rdbuf();
-    for (size_t i = 0; i < b.size(); ++i) EXPECT_NEAR(a[10 + i], b[i], 1e-4 * a[10 + i]) << name << " step " << i + 11;
-    auto pa = Params(ref / "params.bin"), pb = Params(resumed / "params.bin");
-    ASSERT_EQ(pa.size(), pb.size());
-    for (const auto& [key, values] : pa) {
-      ASSERT_EQ(values.size(), pb[key].size()) << key;
-      for (size_t i = 0; i < values.size(); ++i) ASSERT_NEAR(values[i], pb[key][i], 1e-4) << name << " " << key << " " << i;
-    }
-  }
+  ExpectResumesAsTheReference(first, {{"ep1_second", 1, ""}, {"ep4_second", 4, "--set parallel.ep=4"}});
 }
 
 // The router biases (balance: bias) go into the checkpoint and come back exact: 10 steps, then 10
@@ -379,19 +387,8 @@ TEST_F(MoeLayoutsTest, RouterBiasesResumeFromACheckpoint) {
 // A checkpoint of the experts split over tp 2 resumes in one process (the slices put together): the
 // last 10 steps as the one-process run's, within the suite's tolerance.
 TEST_F(MoeLayoutsTest, ACheckpointAtTp2ResumesInOneProcess) {
-  const fs::path ref = Reference("");
   const fs::path first = Run("tp2_first", 2, "--set parallel.tp=2 --set checkpoint.every=10 --set checkpoint.keep=5");
-  const fs::path resumed = Run("tp1_second", 1, "--set checkpoint.resume_from=" + (first / "ck" / "step-10").string());
-  std::vector<double> a = Losses(ref / "log0"), b = Losses(resumed / "log0");
-  ASSERT_EQ(a.size(), 20u);
-  ASSERT_EQ(b.size(), 10u) << std::ifstream(resumed / "log0").rdbuf();
-  for (size_t i = 0; i < b.size(); ++i) EXPECT_NEAR(a[10 + i], b[i], 1e-4 * a[10 + i]) << "step " << i + 11;
-  auto pa = Params(ref / "params.bin"), pb = Params(resumed / "params.bin");
-  ASSERT_EQ(pa.size(), pb.size());
-  for (const auto& [key, values] : pa) {
-    ASSERT_EQ(values.size(), pb[key].size()) << key;
-    for (size_t i = 0; i < values.size(); ++i) ASSERT_NEAR(values[i], pb[key][i], 1e-4) << key << " " << i;
-  }
+  ExpectResumesAsTheReference(first, {{"tp1_second", 1, ""}});
 }
 
 // The balance, on English (the GPL's text as bytes; the suite's synthetic letters carry too little for
@@ -500,24 +497,9 @@ LTRAIN_CONTEXT_PARALLEL_TESTS(LlamaLayoutsTest)
 // A checkpoint does not depend on cp: saved at cp2 x dp2 under ZeRO-1, it resumes in one process and
 // at cp4; both end as the one-process run does.
 TEST_F(LlamaLayoutsTest, ACheckpointAtCp2ResumesInOneProcessAndAtCp4) {
-  const fs::path ref = Reference("");
   const fs::path first = Run("cp2_first", 4, "--set parallel.cp=2 --set parallel.zero=1 --set checkpoint.every=10 "
                                              "--set checkpoint.keep=5");
-  const std::string from = "--set checkpoint.resume_from=" + (first / "ck" / "step-10").string();
-  for (const auto& [name, world, sets] : {std::tuple<std::string, int, std::string>{"cp1_second", 1, from},
-                                          {"cp4_second", 4, "--set parallel.cp=4 " + from}}) {
-    const fs::path resumed = Run(name, world, sets);
-    std::vector<double> a = Losses(ref / "log0"), b = Losses(resumed / "log0");
-    ASSERT_EQ(a.size(), 20u);
-    ASSERT_EQ(b.size(), 10u) << std::ifstream(resumed / "log0").rdbuf();
-    for (size_t i = 0; i < b.size(); ++i) EXPECT_NEAR(a[10 + i], b[i], 1e-4 * a[10 + i]) << name << " step " << i + 11;
-    auto pa = Params(ref / "params.bin"), pb = Params(resumed / "params.bin");
-    ASSERT_EQ(pa.size(), pb.size());
-    for (const auto& [key, values] : pa) {
-      ASSERT_EQ(values.size(), pb[key].size()) << key;
-      for (size_t i = 0; i < values.size(); ++i) ASSERT_NEAR(values[i], pb[key][i], 1e-4) << name << " " << key << " " << i;
-    }
-  }
+  ExpectResumesAsTheReference(first, {{"cp1_second", 1, ""}, {"cp4_second", 4, "--set parallel.cp=4"}});
 }
 
 LTRAIN_LAYOUT_TESTS(ParallelLayoutsTest)
