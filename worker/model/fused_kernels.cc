@@ -203,7 +203,7 @@ torch::Tensor LinearProduct(const torch::Tensor& x, const torch::Tensor& w, cons
   torch::Tensor y =
       into.defined() ? into : torch::empty({rows, out}, x.options().dtype(fp32_out ? torch::kFloat : x.scalar_type()));
   cuda::GemmArgs g = cuda::LinearForward(x.data_ptr(), w.data_ptr(), y.data_ptr(), rows, in, out);
-  const bool fp8 = Fp8Takes(x, rows, in, out);
+  const bool fp8 = kernel_options.fp8_forward && Fp8Takes(x, rows, in, out);
 #if defined(LTRAIN_HAVE_FLOAT8)
   QuantizedOperand xq, wq;  // alive until the product is queued
   if (fp8) {
@@ -213,11 +213,13 @@ torch::Tensor LinearProduct(const torch::Tensor& x, const torch::Tensor& w, cons
     g.a_type = g.b_type = cuda::GemmType::kE4M3;
     g.a_scale_inv = wq.q.scale_inv.data_ptr<float>(), g.b_scale_inv = xq.q.scale_inv.data_ptr<float>();
     g.rowwise = xq.rowwise();
-    g.fast_accum = true;  // forward: as torchao's and Transformer Engine's recipes
+    g.fast_accum = kernel_options.fp8_fast_accum;  // forward: as torchao's and Transformer Engine's recipes
     if (fp8_saved != nullptr) {
-      // Backward's products read the transposed copies: the input's always, the weight's where it is kept.
-      fp8_saved->x_t = xq.transposed, fp8_saved->x_scale_inv = xq.transposed_scale_inv;
-      if (kernel_options.fp8_keep_weights) fp8_saved->w_t = wq.transposed, fp8_saved->w_scale_inv = wq.transposed_scale_inv;
+      // Backward's FP8 products read the transposed copies: the input's, the weight's where it is kept.
+      if (kernel_options.fp8_weight_grad) fp8_saved->x_t = xq.transposed, fp8_saved->x_scale_inv = xq.transposed_scale_inv;
+      if (kernel_options.fp8_keep_weights && kernel_options.fp8_input_grad) {
+        fp8_saved->w_t = wq.transposed, fp8_saved->w_scale_inv = wq.transposed_scale_inv;
+      }
     }
   }
 #else
@@ -247,7 +249,7 @@ torch::Tensor InputGradProduct(const torch::Tensor& grad, const torch::Tensor& w
   // FP8: cuBLASLt takes A transposed, so A is w's transposed copy [in, out] (forward's where kept).
   QuantizedOperand wq, gq;  // alive until the product is queued
   bool dgelu_apart = false;
-  if (Fp8Takes(grad, rows, in, out)) {
+  if (kernel_options.fp8_input_grad && Fp8Takes(grad, rows, in, out)) {
     // cuBLASLt runs an FP8 product's DGELU epilogue as a pass of its own (4x LibTorch's gelu_backward
     // on an H100): the GELU's gradient is applied after the product instead, by our kernel, which
     // takes the amax for the next product's quantization of it on the way.
@@ -298,7 +300,7 @@ torch::Tensor WeightGradProduct(const torch::Tensor& grad, const torch::Tensor& 
   // FP8: A transposed and B not, so both from transposed copies: A = xᵀ [in, rows] (forward's where
   // kept), B = gradᵀ [out, rows].
   QuantizedOperand xq, gq;  // alive until the product is queued
-  if (Fp8Takes(grad, rows, in, out)) {
+  if ((from_fp8 || kernel_options.fp8_weight_grad) && Fp8Takes(grad, rows, in, out)) {
     gq = InFp8(grad, kGradient);
     if (from_fp8) {
       xq.transposed = fp8_saved->x_t, xq.transposed_scale_inv = fp8_saved->x_scale_inv;

@@ -44,6 +44,14 @@ struct FusedKernelOptions {
   // GELU's gradient, RoPE's backward) take its amax as they write it, and its quantization reads that amax instead of
   // a pass of its own (LTRAIN_FP8_WRITER_AMAX=0 turns it off: the same values, one more pass each).
   bool fp8_writer_amax = true;
+  // Under fp8: which of a layer's three products run in FP8 (LTRAIN_FP8_PRODUCTS, letters f, d, w):
+  // the forward, the input gradient, the weight gradient; the others stay in bf16.
+  bool fp8_forward = true;
+  bool fp8_input_grad = true;
+  bool fp8_weight_grad = true;
+  // Under fp8: the forward products accumulate with Hopper's fast accumulation (LTRAIN_FP8_FAST_ACCUM=0:
+  // with its periodic promotion, as backward's).
+  bool fp8_fast_accum = true;
 };
 void SetFusedKernelOptions(const FusedKernelOptions& options);
 

@@ -476,6 +476,16 @@ Status Run(const WorkerEnv& env) {
   kernels.fp8_keep_weights = recipe.parallel.zero < 3;
   kernels.fp8_rowwise = recipe.parallel.fp8_scaling == Fp8ScalingKind::kRowwise;
   kernels.fp8_writer_amax = EnvString("LTRAIN_FP8_WRITER_AMAX") != "0";
+  kernels.fp8_fast_accum = EnvString("LTRAIN_FP8_FAST_ACCUM") != "0";
+  if (const std::string products = EnvString("LTRAIN_FP8_PRODUCTS"); !products.empty()) {
+    if (products.find_first_not_of("fdw") != std::string::npos) {
+      return InvalidArgument("LTRAIN_FP8_PRODUCTS=" + products + ": say which products run in FP8 by the letters f "
+                             "(forward), d (input gradient) and w (weight gradient), for example fdw");
+    }
+    kernels.fp8_forward = products.find('f') != std::string::npos;
+    kernels.fp8_input_grad = products.find('d') != std::string::npos;
+    kernels.fp8_weight_grad = products.find('w') != std::string::npos;
+  }
   if (kernels.fp8 && recipe.parallel.device == Device::kCuda && !Fp8ProductsAvailable()) {
     return InvalidArgument("parallel.precision: fp8 needs a GPU of compute capability 8.9 or newer (Hopper, Ada) and a "
                            "worker built with CUDA kernels on a LibTorch with float8 types (2.1 and later); use "
@@ -757,6 +767,10 @@ Profiling:
                            gradient with an amax pass of its own, instead of the amax the kernel
                            that wrote it (a norm, SwiGLU, the GELU's gradient, RoPE's backward)
                            took on the way
+  LTRAIN_FP8_PRODUCTS=fdw  under parallel.precision: fp8, which products run in FP8: f the forward,
+                           d the input gradient, w the weight gradient (the others in bf16)
+  LTRAIN_FP8_FAST_ACCUM=0  under parallel.precision: fp8, the forward products without Hopper's
+                           fast accumulation (with its periodic promotion, as backward's)
   LTRAIN_DP_HIGH_PRIORITY=1  run the data-parallel collectives on a high-priority CUDA stream
   LTRAIN_GEMM_SM_MARGIN=N  plan the cuBLASLt products of backward for N fewer SMs than the GPU has,
                            leaving them to the data-parallel reductions that overlap backward
