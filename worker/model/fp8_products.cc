@@ -121,7 +121,8 @@ QuantizedOperand fused::InFp8(const torch::Tensor& t, Fp8Operand operand) {
     amax = TakeNotedAmax(t, version);
   }
   QuantizedOperand fresh;
-  const Fp8Format format = operand == kGradient ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
+  const Fp8Format format =
+      operand == kGradient && !fused::Options().fp8_gradients_e4m3 ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
   const torch::Tensor rows = t.contiguous();
   if (fused::Options().fp8_rowwise) {
     // Each direction along rows of its own: t's rows for one product, its columns (the rows of a

@@ -187,6 +187,11 @@ bool Fp8Takes(const torch::Tensor& x, int64_t rows, int64_t in, int64_t out) {
   return Fp8ProductsOn() && x.scalar_type() == torch::kBFloat16 && rows % 16 == 0 && in % 16 == 0 && out % 16 == 0;
 }
 
+// The FP8 type of a product's output gradient (options.fp8_gradients_e4m3).
+cuda::GemmType GradientGemmType() {
+  return kernel_options.fp8_gradients_e4m3 ? cuda::GemmType::kE4M3 : cuda::GemmType::kE5M2;
+}
+
 #else
 bool Fp8Takes(const torch::Tensor&, int64_t, int64_t, int64_t) { return false; }
 #endif
@@ -263,7 +268,7 @@ torch::Tensor InputGradProduct(const torch::Tensor& grad, const torch::Tensor& w
     g.trans_a = true;
     g.a = wq.transposed.data_ptr(), g.lda = out;
     g.b = gq.q.data.data_ptr();
-    g.a_type = cuda::GemmType::kE4M3, g.b_type = cuda::GemmType::kE5M2;
+    g.a_type = cuda::GemmType::kE4M3, g.b_type = GradientGemmType();
     g.a_scale_inv = wq.transposed_scale_inv.data_ptr<float>(), g.b_scale_inv = gq.q.scale_inv.data_ptr<float>();
     g.rowwise = gq.rowwise();
   }
@@ -310,7 +315,7 @@ torch::Tensor WeightGradProduct(const torch::Tensor& grad, const torch::Tensor& 
     g.trans_a = true, g.trans_b = false;
     g.a = xq.transposed.data_ptr(), g.lda = rows;
     g.b = gq.transposed.data_ptr(), g.ldb = rows;
-    g.a_type = cuda::GemmType::kE4M3, g.b_type = cuda::GemmType::kE5M2;
+    g.a_type = cuda::GemmType::kE4M3, g.b_type = GradientGemmType();
     g.a_scale_inv = xq.transposed_scale_inv.data_ptr<float>(), g.b_scale_inv = gq.transposed_scale_inv.data_ptr<float>();
     g.rowwise = gq.rowwise();
   }

@@ -52,6 +52,9 @@ struct FusedKernelOptions {
   // Under fp8: the forward products accumulate with Hopper's fast accumulation (LTRAIN_FP8_FAST_ACCUM=0:
   // with its periodic promotion, as backward's).
   bool fp8_fast_accum = true;
+  // Under fp8: the gradients in e4m3 as the weights and activations are (LTRAIN_FP8_GRADIENTS=e4m3),
+  // instead of e5m2's wider range.
+  bool fp8_gradients_e4m3 = false;
 };
 void SetFusedKernelOptions(const FusedKernelOptions& options);
 
