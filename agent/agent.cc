@@ -80,7 +80,9 @@ class RendezvousProxy final : public v1::RendezvousService::Service {
     for (const std::string& key : request->keys()) {
       if (key.rfind(grant.rendezvous_scope, 0) != 0) return OutsideScope(grant, key);
     }
-    const auto deadline = Deadline(request->timeout_ms() / 1000.0 + 5);
+    // While its generation lives the coordinator answers when it can: no deadline here either.
+    const auto deadline = request->while_generation_lives() ? std::chrono::system_clock::time_point::max()
+                                                            : Deadline(request->timeout_ms() / 1000.0 + 5);
     return Retried(deadline, [&](grpc::ClientContext& context) { return stub_->Get(&context, *request, reply); });
   }
 

@@ -3,6 +3,7 @@
 
 #include <condition_variable>
 #include <cstdio>
+#include <cstdlib>
 #include <mutex>
 #include <thread>
 #include <filesystem>
@@ -131,6 +132,18 @@ int RunCoordinator(const CoordinatorArgs& args, const SecurityMaterial& given) {
   options.listen_address = args.listen;
   options.state_dir = state_dir;
   options.node_timeout_ms = static_cast<int64_t>(args.node_timeout_s * 1000);
+  // A fault for tests: the rendezvous answered as late as an overloaded coordinator would.
+  if (const char* delay = std::getenv("LTRAIN_FAULT_RENDEZVOUS_DELAY"); delay != nullptr && *delay != '\0') {
+    char* end = nullptr;
+    const long long ms = std::strtoll(delay, &end, 10);
+    if (*end != '\0' || ms < 0) {
+      std::fprintf(stderr, "ltrain coordinator: LTRAIN_FAULT_RENDEZVOUS_DELAY=%s: give milliseconds, 0 or more\n", delay);
+      return kExitInvalid;
+    }
+    options.rendezvous_answer_delay_ms = ms;
+    LTRAIN_LOG(kWarning, "coordinator") << "LTRAIN_FAULT_RENDEZVOUS_DELAY: every rendezvous Get is answered " << ms
+                                        << " ms late at the earliest";
+  }
   options.retain_ms = static_cast<int64_t>(args.retain_days * 24 * 3600 * 1000);
   options.state_max_bytes = static_cast<int64_t>(args.state_max_mb * 1024 * 1024);
   options.security = security;

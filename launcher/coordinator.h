@@ -92,6 +92,9 @@ struct CoordinatorOptions {
   // event shown). Off, they get it at once, even while the state cannot be written.
   bool show_events_once_stored = false;
   std::string state_name;  // the state as errors name it; empty: state_dir/state.db
+  // A fault for tests (LTRAIN_FAULT_RENDEZVOUS_DELAY): each rendezvous Get is answered no sooner than
+  // this long after it came, as an overloaded coordinator would answer it.
+  int64_t rendezvous_answer_delay_ms = 0;
 };
 
 class Coordinator {
@@ -154,10 +157,14 @@ class Coordinator {
   static constexpr int64_t kMaxKvJobBytes = 64LL << 20;
   Status KvSet(const std::string& key, const std::string& value);
   // KvGet without a waiting thread: `done` gets the values once every key is set (at once when they
-  // are), or nullopt after `timeout_ms` (bounded as KvGet's) or at shutdown; it runs without the
-  // coordinator's lock, on the thread that set the last key, ticked, or called.
-  using KvDone = std::function<void(std::optional<std::vector<std::string>>)>;
-  void KvGetAsync(std::vector<std::string> keys, int64_t timeout_ms, KvDone done);
+  // are), or an error: kDeadlineExceeded after `timeout_ms` (bounded as KvGet's), kFailedPrecondition
+  // at a tick once the keys' generation has ended (a newer one started, the job ended), kUnavailable
+  // at shutdown. With `while_generation_lives` the keys must be of the job's running generation
+  // (else kFailedPrecondition at once) and the timeout does not apply: the Get waits while the
+  // generation runs. `done` runs without the coordinator's lock, on the thread that set the last
+  // key, ticked, or called.
+  using KvDone = std::function<void(StatusOr<std::vector<std::string>>)>;
+  void KvGetAsync(std::vector<std::string> keys, int64_t timeout_ms, KvDone done, bool while_generation_lives = false);
   std::optional<std::vector<std::string>> KvGet(const std::vector<std::string>& keys, int64_t timeout_ms);
   // Keys held: a job's are freed when it ends, an older generation's when a newer one starts.
   size_t KvSize() const;
@@ -360,9 +367,14 @@ class Coordinator {
   // KvGetAsync's waiters, each under the first of its keys not yet set.
   struct KvWaiter {
     std::vector<std::string> keys;
-    int64_t deadline_ms = 0;  // steady clock
+    int64_t timeout_ms = 0;
+    int64_t deadline_ms = 0;  // steady clock; INT64_MAX: while its generation lives
+    int64_t answer_at_ms = 0;  // options.rendezvous_answer_delay_ms: not answered before (steady clock)
+    std::string ended;  // its generation ended: why (answered at the next tick)
     KvDone done;
   };
+  // Waiters whose keys are all set, held until their answer_at_ms (options.rendezvous_answer_delay_ms).
+  std::vector<std::pair<std::shared_ptr<KvWaiter>, std::vector<std::string>>> kv_delayed_;
   std::multimap<std::string, std::shared_ptr<KvWaiter>> kv_waiters_;
   // The waiters of `key` that KvSet completed (values filled) or moved under their next missing key.
   void ExpireKvWaiters();  // the waiters past their deadline (all at shutdown) get nullopt

@@ -310,18 +310,17 @@ class RendezvousServiceImpl final : public v1::RendezvousService::CallbackServic
       reactor->Finish(denied);
       return reactor;
     }
-    const int64_t timeout_ms = request->timeout_ms();
-    coordinator_->KvGetAsync({request->keys().begin(), request->keys().end()}, timeout_ms,
-                             [reactor, reply, timeout_ms](std::optional<std::vector<std::string>> values) {
-                               if (!values) {
-                                 SetStatus(reply->mutable_status(),
-                                           Status(StatusCode::kDeadlineExceeded, "rendezvous keys not published within " +
-                                                                                     std::to_string(timeout_ms) + " ms"));
-                               } else {
-                                 for (auto& value : *values) reply->add_values(std::move(value));
-                               }
-                               reactor->Finish(grpc::Status::OK);
-                             });
+    coordinator_->KvGetAsync(
+        {request->keys().begin(), request->keys().end()}, request->timeout_ms(),
+        [reactor, reply](StatusOr<std::vector<std::string>> values) {
+          if (!values.ok()) {
+            SetStatus(reply->mutable_status(), values.status());
+          } else {
+            for (auto& value : *values) reply->add_values(std::move(value));
+          }
+          reactor->Finish(grpc::Status::OK);
+        },
+        request->while_generation_lives());
     return reactor;
   }
 
@@ -425,6 +424,7 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const Coor
   coordinator_options.job_files_dir = (std::filesystem::path(options.state_dir) / "jobs").string();
   coordinator_options.node_timeout_ms = options.node_timeout_ms;
   coordinator_options.recovery_grace_ms = options.recovery_grace_ms;
+  coordinator_options.rendezvous_answer_delay_ms = options.rendezvous_answer_delay_ms;
   coordinator_options.retain_ms = options.retain_ms;
   coordinator_options.show_events_once_stored = options.show_events_once_stored;
   coordinator_options.state_name = options.state_name;

@@ -25,6 +25,7 @@ struct CoordinatorServerOptions {
   std::string state_dir;                        // holds state.db and default checkpoints
   int64_t node_timeout_ms = 3000;
   int64_t recovery_grace_ms = 15000;
+  int64_t rendezvous_answer_delay_ms = 0;  // see CoordinatorOptions::rendezvous_answer_delay_ms
   int64_t retain_ms = 30LL * 24 * 3600 * 1000;  // see CoordinatorOptions::retain_ms
   int64_t state_max_bytes = 0;                  // a cap on state.db; 0: none
   // Take back the unfinished jobs found in the state directory. A standalone launch does not: the

@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <sstream>
@@ -28,18 +29,19 @@
 
 #include "common/transport_security.h"
 #include "ltrain/v1/ltrain.grpc.pb.h"
+#include "tests/support/simulated_agent.h"
 #include "tests/support/subprocess.h"
 
 namespace ltrain::bench {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+using testing::Agent;
+using testing::MsSince;
+using testing::NewChannel;
 using testing::Subprocess;
 using testing::TempDir;
 
-double MsSince(Clock::time_point start) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - start).count();
-}
 
 // /proc/PID figures of the coordinator.
 struct ProcessFigures {
@@ -100,122 +102,57 @@ double Percentile(const std::vector<double>& sorted, double p) {
   return sorted[std::min(sorted.size() - 1, static_cast<size_t>(p * static_cast<double>(sorted.size())))];
 }
 
-// One simulated agent: its channel, its command stream and its heartbeats.
-class Agent : public grpc::ClientReadReactor<v1::Command> {
+// How late this process's threads wake: a thread asks for 10 ms sleeps and records how much longer
+// each took. The simulated agents share the cores with the coordinator; when this process lags, its
+// figures are bounded by its own clients, not by the coordinator.
+class LagProbe {
  public:
-  Agent(std::string node_id, std::shared_ptr<grpc::Channel> channel)
-      : node_id_(std::move(node_id)),
-        stub_(v1::AgentService::NewStub(channel)),
-        rendezvous_(v1::RendezvousService::NewStub(channel)) {}
-
-  // Called with every start command (on a gRPC thread).
-  void OnStart(std::function<void(Agent*, const v1::StartJobCommand&)> on_start) { on_start_ = std::move(on_start); }
-
-  // The NCCL-style rendezvous of one rank through the coordinator's key-value store: global rank 0
-  // publishes the communicator's id, every rank waits for it. `done` gets the latency or -1.
-  void Rendezvous(const std::string& scope, int rank, std::function<void(double)> done) {
-    struct Call {
-      grpc::ClientContext set_context, get_context;
-      v1::KvSetRequest set;
-      v1::KvSetReply set_reply;
-      v1::KvGetRequest get;
-      v1::KvGetReply get_reply;
-      Clock::time_point start = Clock::now();
-    };
-    auto call = std::make_shared<Call>();
-    if (rank == 0) {
-      call->set.set_key(scope + "nccl_id");
-      call->set.set_value(std::string(128, 'x'));
-      rendezvous_->async()->Set(&call->set_context, &call->set, &call->set_reply, [call](grpc::Status) {});
-    }
-    call->get.add_keys(scope + "nccl_id");
-    call->get.set_timeout_ms(60000);
-    call->get_context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(90));
-    rendezvous_->async()->Get(&call->get_context, &call->get, &call->get_reply,
-                              [call, done = std::move(done)](grpc::Status status) {
-                                const bool ok = status.ok() && call->get_reply.status().code() == 0 &&
-                                                call->get_reply.values_size() == 1;
-                                done(ok ? MsSince(call->start) : -1.0);
-                              });
+  LagProbe() : thread_([this] { Run(); }) {}
+  ~LagProbe() {
+    stop_ = true;
+    thread_.join();
   }
-
-  void Register(std::function<void(Agent*)> on_registered) {
-    on_registered_ = std::move(on_registered);
-    request_.set_node_id(node_id_);
-    request_.mutable_facts()->set_hostname(node_id_);
-    request_.mutable_facts()->set_address("127.0.0.1");
-    request_.mutable_facts()->set_gpus(8);
-    request_.mutable_facts()->set_cpus(96);
-    started_ = Clock::now();
-    stub_->async()->Connect(&context_, &request_, this);
-    StartRead(&command_);
-    AddHold();
-    StartCall();
-  }
-
-  void OnReadDone(bool ok) override {
-    if (!ok) {
-      RemoveHold();
-      return;
-    }
-    if (!registered_.exchange(true)) {
-      registration_ms_ = MsSince(started_);
-      if (on_registered_) on_registered_(this);
-    }
-    if (command_.has_start() && on_start_) on_start_(this, command_.start());
-    StartRead(&command_);
-  }
-  void OnDone(const grpc::Status& status) override {
+  void Reset() {
     std::lock_guard<std::mutex> lock(mu_);
-    done_ = true;
-    final_status_ = status;
-    cv_.notify_all();
+    late_ms_.clear();
+    since_ = Clock::now();
   }
-
-  // One heartbeat; `done` gets its latency in ms, or -1 when it failed.
-  void Heartbeat(std::function<void(double)> done) {
-    struct Call {
-      grpc::ClientContext context;
-      v1::HeartbeatRequest request;
-      v1::HeartbeatReply reply;
-      Clock::time_point start = Clock::now();
-    };
-    auto call = std::make_shared<Call>();
-    call->request.set_node_id(node_id_);
-    call->context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
-    stub_->async()->Heartbeat(&call->context, &call->request, &call->reply,
-                              [call, done = std::move(done)](grpc::Status status) {
-                                const bool ok = status.ok() && call->reply.status().code() == 0;
-                                done(ok ? MsSince(call->start) : -1.0);
-                              });
+  // "p50 X ms, p99 Y ms, max Z ms late per 10 ms sleep; W ms late a second in all"
+  std::string Describe() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<double> sorted = late_ms_;
+    std::sort(sorted.begin(), sorted.end());
+    double sum = 0;
+    for (double v : sorted) sum += v;
+    const double seconds = std::max(1e-3, MsSince(since_) / 1000.0);
+    char text[256];
+    std::snprintf(text, sizeof(text), "a 10 ms sleep woke late by p50 %.2f ms, p99 %.2f ms, max %.1f ms; %.0f ms late a second%s",
+                  Percentile(sorted, 0.5), Percentile(sorted, 0.99), sorted.empty() ? 0.0 : sorted.back(), sum / seconds,
+                  Percentile(sorted, 0.99) > 20 ? " (the bench's clients are a bottleneck: its figures bound the coordinator's from above)" : "");
+    return text;
   }
-
-  void Close() {
-    context_.TryCancel();
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_for(lock, std::chrono::seconds(10), [&] { return done_; });
+  double P99() {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<double> sorted = late_ms_;
+    std::sort(sorted.begin(), sorted.end());
+    return Percentile(sorted, 0.99);
   }
-
-  const std::string& node_id() const { return node_id_; }
-  bool registered() const { return registered_; }
-  double registration_ms() const { return registration_ms_; }
 
  private:
-  std::string node_id_;
-  std::unique_ptr<v1::AgentService::Stub> stub_;
-  std::unique_ptr<v1::RendezvousService::Stub> rendezvous_;
-  std::function<void(Agent*, const v1::StartJobCommand&)> on_start_;
-  grpc::ClientContext context_;
-  v1::RegisterRequest request_;
-  v1::Command command_;
-  std::function<void(Agent*)> on_registered_;
-  Clock::time_point started_;
-  std::atomic<bool> registered_{false};
-  double registration_ms_ = 0;
+  void Run() {
+    while (!stop_) {
+      const auto start = Clock::now();
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      const double late = std::max(0.0, MsSince(start) - 10.0);
+      std::lock_guard<std::mutex> lock(mu_);
+      late_ms_.push_back(late);
+    }
+  }
   std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;
-  grpc::Status final_status_;
+  std::vector<double> late_ms_;
+  Clock::time_point since_ = Clock::now();
+  std::atomic<bool> stop_{false};
+  std::thread thread_;
 };
 
 struct Options {
@@ -231,13 +168,6 @@ struct Options {
   // instead of in SQLite.
   std::string state;
 };
-
-// With the token every call of the coordinator requires.
-std::shared_ptr<grpc::Channel> NewChannel(const std::string& address, const SecurityMaterial& security) {
-  grpc::ChannelArguments args;
-  args.SetInt(GRPC_ARG_USE_LOCAL_SUBCHANNEL_POOL, 1);  // a connection of its own, as separate hosts have
-  return MakeChannel(address, security, args);          // no BDP probes, as the agent's channel
-}
 
 int RunOne(const Options& o, int n) {
   TempDir dir;
@@ -261,6 +191,7 @@ int RunOne(const Options& o, int n) {
   }
   const std::string address = "127.0.0.1:" + std::to_string(port);
   const ProcessFigures idle = ReadProcess(coordinator.pid());
+  LagProbe lag;
 
   // Registration: every agent connects at once, as after a cluster-wide restart, and heartbeats from
   // the moment it is registered: each every heartbeat_ms, spread evenly over the interval.
@@ -325,6 +256,7 @@ int RunOne(const Options& o, int n) {
   std::this_thread::sleep_for(std::chrono::milliseconds(o.heartbeat_ms));  // one round at full rate
   const ProcessFigures before = ReadProcess(coordinator.pid());
   const auto start = Clock::now();
+  lag.Reset();
   measuring = true;
   // Lost node: agent 0 goes quiet at a third of the window; ListNodes says when it is lost.
   std::this_thread::sleep_for(window / 3);
@@ -347,9 +279,6 @@ int RunOne(const Options& o, int n) {
   while (Clock::now() - start < window) std::this_thread::sleep_for(std::chrono::milliseconds(20));
   measuring = false;
   const double window_s = MsSince(start) / 1000.0;
-  stop = true;
-  ticker.join();
-  for (int i = 0; i < 400 && in_flight > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   const ProcessFigures after = ReadProcess(coordinator.pid());
   const std::vector<double> sorted = latencies.Sorted();
   std::printf("agents %d: heartbeats %zu answered of %lld sent in %.1f s (%.0f/s), failed %lld; latency p50 %.2f ms, "
@@ -361,6 +290,7 @@ int RunOne(const Options& o, int n) {
               "threads %d\n",
               n, 100.0 * (after.cpu_s - before.cpu_s) / window_s, static_cast<double>(after.rss_kb) / 1024.0,
               static_cast<double>(idle.rss_kb) / 1024.0, after.threads);
+  std::printf("agents %d: the bench's own lag while heartbeating: %s\n", n, lag.Describe().c_str());
   std::printf("agents %d: a node whose heartbeats stopped was lost after %.2f s (node timeout %.1f s)\n", n,
               lost_ms / 1000.0, o.node_timeout_s);
   std::fflush(stdout);
@@ -373,18 +303,27 @@ int RunOne(const Options& o, int n) {
     int started = 0, met = 0, rdzv_failed = 0;
     Clock::time_point all_started;
     Latencies rdzv;
+    std::map<std::string, int> failures;  // why a rank's rendezvous failed: how many
+    std::map<int, int> starts_by_generation;
+    double last_failure_ms = -1;
     const int nodes = n - 1;
     const auto submitted = Clock::now();
+    lag.Reset();
     for (auto& a : agents) {
       a->OnStart([&](Agent* agent, const v1::StartJobCommand& start) {
         {
           std::lock_guard<std::mutex> lock(job_mu);
+          ++starts_by_generation[start.generation()];
           if (++started == nodes) all_started = Clock::now();
         }
         for (const v1::WorkerAssignment& w : start.workers()) {
-          agent->Rendezvous(start.rendezvous_scope(), w.rank(), [&](double ms) {
+          agent->Rendezvous(start.rendezvous_scope(), w.rank(), [&](double ms, const std::string& why) {
             std::lock_guard<std::mutex> lock(job_mu);
-            if (ms < 0) ++rdzv_failed;
+            if (ms < 0) {
+              ++rdzv_failed;
+              ++failures[why.substr(0, 160)];
+              last_failure_ms = MsSince(submitted);
+            }
             if (ms >= 0) rdzv.Add(ms);
             ++met;
             job_cv.notify_all();
@@ -416,11 +355,31 @@ int RunOne(const Options& o, int n) {
                   started == nodes ? std::chrono::duration<double, std::milli>(all_started - submitted).count() : -1.0,
                   rendezvous_ms, all ? "" : " (not all: timed out)", Percentile(sorted_rdzv, 0.5),
                   Percentile(sorted_rdzv, 0.99), rdzv_failed);
+      std::printf("agents %d: the bench's own lag during the job: %s\n", n, lag.Describe().c_str());
+      for (const auto& [generation, count] : starts_by_generation) {
+        std::printf("agents %d: start commands of generation %d: %d\n", n, generation, count);
+      }
+      for (const auto& [why, count] : failures) std::printf("agents %d: %d ranks failed: %s\n", n, count, why.c_str());
+      if (rdzv_failed > 0) std::printf("agents %d: the last failure came %.0f ms after the submission\n", n, last_failure_ms);
+      lock.unlock();
+      grpc::ClientContext job_context;
+      v1::GetJobRequest job_request;
+      job_request.set_job_id(reply.job().id());
+      v1::GetJobReply job_reply;
+      if (jobs->GetJob(&job_context, job_request, &job_reply).ok() && job_reply.status().code() == 0) {
+        std::printf("agents %d: the job afterwards: state %s, generation %d%s%s\n", n,
+                    v1::JobState_Name(job_reply.job().state()).c_str(), job_reply.job().generation(),
+                    job_reply.job().cause().empty() ? "" : ", cause: ", job_reply.job().cause().c_str());
+      }
     }
     std::fflush(stdout);
     for (auto& a : agents) a->OnStart(nullptr);
   }
 
+  // The agents heartbeat through the job, as real ones do: a node that stops is lost, and its job with it.
+  stop = true;
+  ticker.join();
+  for (int i = 0; i < 400 && in_flight > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
   for (auto& a : agents) a->Close();
   agents.clear();
   std::this_thread::sleep_for(std::chrono::seconds(12));  // the coordinator trims its heap every 10 s

@@ -161,29 +161,70 @@ TEST_F(CoordinatorTest, ManyNodesSilentAtOnceGetThreeTimeoutsAFewGetOne) {
 }
 
 // A rendezvous Get that waits holds no thread: it is answered when its last key is set, or with
-// nothing once its timeout has passed at a tick.
+// an error once its timeout has passed at a tick.
 TEST_F(CoordinatorTest, AsyncKeyValueGetIsAnsweredWhenItsKeysAreSetOrItsTimeoutPasses) {
   const std::string s = coordinator_->Submit(kRecipe, "unit.yaml")->id() + "/0/";
-  std::vector<std::optional<std::vector<std::string>>> answers;
-  auto record = [&](std::optional<std::vector<std::string>> values) { answers.push_back(std::move(values)); };
+  std::vector<StatusOr<std::vector<std::string>>> answers;
+  auto record = [&](StatusOr<std::vector<std::string>> values) { answers.push_back(std::move(values)); };
   coordinator_->KvGetAsync({s + "a", s + "b"}, 10000, record);
   EXPECT_TRUE(answers.empty());
   ASSERT_TRUE(coordinator_->KvSet(s + "b", "2").ok());
   EXPECT_TRUE(answers.empty());
   ASSERT_TRUE(coordinator_->KvSet(s + "a", "1").ok());
   ASSERT_EQ(answers.size(), 1u);
-  ASSERT_TRUE(answers[0].has_value());
+  ASSERT_TRUE(answers[0].ok());
   EXPECT_EQ(*answers[0], (std::vector<std::string>{"1", "2"}));
   coordinator_->KvGetAsync({s + "a"}, 10000, record);  // already there: at once
   ASSERT_EQ(answers.size(), 2u);
-  EXPECT_TRUE(answers[1].has_value());
+  EXPECT_TRUE(answers[1].ok());
   coordinator_->KvGetAsync({s + "never"}, 1000, record);
   coordinator_->Tick();
   EXPECT_EQ(answers.size(), 2u);
   clock_.AdvanceMs(1500);
   coordinator_->Tick();
   ASSERT_EQ(answers.size(), 3u);
-  EXPECT_FALSE(answers[2].has_value());
+  ASSERT_FALSE(answers[2].ok());
+  EXPECT_EQ(answers[2].status().code(), StatusCode::kDeadlineExceeded);
+}
+
+// A Get made while_generation_lives outlasts its timeout while the generation runs, and is answered
+// with why at the first tick after the generation ends; one for a generation that does not run is
+// refused at once.
+TEST_F(CoordinatorTest, AGetWhileItsGenerationLivesWaitsPastItsTimeoutAndEndsWithTheGeneration) {
+  Connect("a");
+  Connect("b");
+  const std::string id = coordinator_->Submit(kRecipe, "unit.yaml")->id();
+  ASSERT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_RUNNING);
+  const std::string s = id + "/0/";
+  std::vector<StatusOr<std::vector<std::string>>> answers;
+  auto record = [&](StatusOr<std::vector<std::string>> values) { answers.push_back(std::move(values)); };
+  coordinator_->KvGetAsync({s + "late"}, 1000, record, /*while_generation_lives=*/true);
+  coordinator_->KvGetAsync({s + "never"}, 1000, record, /*while_generation_lives=*/true);
+  for (int i = 0; i < 30; ++i) {  // a minute, the nodes heartbeating
+    clock_.AdvanceMs(2000);
+    ASSERT_TRUE(coordinator_->Heartbeat(Beat("a")).ok());
+    ASSERT_TRUE(coordinator_->Heartbeat(Beat("b")).ok());
+    coordinator_->Tick();
+  }
+  ASSERT_EQ(coordinator_->GetJob(id)->state(), v1::JOB_STATE_RUNNING);
+  EXPECT_TRUE(answers.empty()) << "a minute past its timeout, the generation still running";
+  ASSERT_TRUE(coordinator_->KvSet(s + "late", "v").ok());
+  ASSERT_EQ(answers.size(), 1u);
+  ASSERT_TRUE(answers[0].ok());
+  EXPECT_EQ(*answers[0], std::vector<std::string>{"v"});
+  ASSERT_TRUE(coordinator_->Stop(id, "unit").ok());
+  EXPECT_EQ(answers.size(), 1u) << "answered at a tick, not under the coordinator's lock";
+  coordinator_->Tick();
+  ASSERT_EQ(answers.size(), 2u);
+  ASSERT_FALSE(answers[1].ok());
+  EXPECT_EQ(answers[1].status().code(), StatusCode::kFailedPrecondition);
+  EXPECT_NE(answers[1].status().message().find("ended"), std::string::npos) << answers[1].status().message();
+  coordinator_->KvGetAsync({s + "late"}, 1000, record, /*while_generation_lives=*/true);  // the job is over
+  ASSERT_EQ(answers.size(), 3u);
+  EXPECT_EQ(answers[2].status().code(), StatusCode::kFailedPrecondition);
+  coordinator_->KvGetAsync({id + "/7/x"}, 1000, record, /*while_generation_lives=*/true);  // no such generation
+  ASSERT_EQ(answers.size(), 4u);
+  EXPECT_EQ(answers[3].status().code(), StatusCode::kFailedPrecondition);
 }
 
 // Nodes that come and go do not add up: an hour after it was lost, a node with nothing left to wait
