@@ -441,6 +441,7 @@ std::string Coordinator::WriteCollectivesLocked(const ActiveJob& job, const std:
 
 void Coordinator::CheckHangLocked(ActiveJob& job, int64_t now) {
   std::vector<RankActivity> ranks;
+  ranks.reserve(static_cast<size_t>(job.job.world_size()));
   for (int rank = 0; rank < job.job.world_size(); ++rank) {
     if (job.ranks_exited_ok.count(rank)) continue;
     RankActivity activity;
@@ -474,7 +475,7 @@ void Coordinator::CheckHangLocked(ActiveJob& job, int64_t now) {
       }
       activity.work = report.work();
     }
-    ranks.push_back(activity);
+    ranks.push_back(std::move(activity));
   }
   const PhaseLimits limits = PhaseLimits::Derive(job.recipe, job.times);
   SetLimitsLocked(job, limits);

@@ -108,7 +108,18 @@ INSERT OR IGNORE INTO job_numbers (name, last)
 class Statement {
  public:
   Statement(sqlite3* db, const char* sql) { rc_ = sqlite3_prepare_v2(db, sql, -1, &stmt_, nullptr); }
-  ~Statement() { sqlite3_finalize(stmt_); }
+  // A statement the store keeps (SqliteStateStore::Prepared): reset and unbound after use, not finalized.
+  explicit Statement(sqlite3_stmt* kept) : stmt_(kept), rc_(kept != nullptr ? SQLITE_OK : SQLITE_ERROR), kept_(true) {}
+  ~Statement() {
+    if (!kept_) {
+      sqlite3_finalize(stmt_);
+    } else if (stmt_ != nullptr) {
+      sqlite3_reset(stmt_);
+      sqlite3_clear_bindings(stmt_);
+    }
+  }
+  Statement(const Statement&) = delete;
+  Statement& operator=(const Statement&) = delete;
   bool ok() const { return rc_ == SQLITE_OK; }
   Statement& Bind(int i, const std::string& v) {
     sqlite3_bind_text(stmt_, i, v.c_str(), static_cast<int>(v.size()), SQLITE_TRANSIENT);
@@ -144,6 +155,7 @@ class Statement {
  private:
   sqlite3_stmt* stmt_ = nullptr;
   int rc_;
+  bool kept_ = false;
 };
 
 // A full disk, an I/O error, a lock held too long by another process or a read-only file may pass:
@@ -273,7 +285,22 @@ StatusOr<std::unique_ptr<SqliteStateStore>> SqliteStateStore::Open(const std::st
   return store;
 }
 
-SqliteStateStore::~SqliteStateStore() { sqlite3_close(db_); }
+SqliteStateStore::~SqliteStateStore() {
+  for (auto& [sql, stmt] : prepared_) sqlite3_finalize(stmt);
+  sqlite3_close(db_);
+}
+
+sqlite3_stmt* SqliteStateStore::Prepared(const char* sql) {
+  auto it = prepared_.find(sql);
+  if (it != prepared_.end()) return it->second;
+  sqlite3_stmt* stmt = nullptr;
+  if (sqlite3_prepare_v3(db_, sql, -1, SQLITE_PREPARE_PERSISTENT, &stmt, nullptr) != SQLITE_OK) {
+    sqlite3_finalize(stmt);
+    return nullptr;  // Step fails, and its error names the statement
+  }
+  prepared_.emplace(sql, stmt);
+  return stmt;
+}
 
 Status SqliteStateStore::Exec(const std::string& sql) {
   char* error = nullptr;
@@ -438,9 +465,10 @@ StatusOr<std::vector<v1::Job>> SqliteStateStore::ListJobs(int limit) {
 
 Status SqliteStateStore::UpsertRank(const std::string& job_id, const v1::RankInfo& rank) {
   std::lock_guard<std::mutex> lock(mu_);
-  Statement s(db_,
-              "INSERT OR REPLACE INTO ranks (job_id, rank, node_id, local_rank, pid, state, exit_code, signal, log_path, "
-              "last_step) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)");
+  static constexpr const char* kUpsert =
+      "INSERT OR REPLACE INTO ranks (job_id, rank, node_id, local_rank, pid, state, exit_code, signal, log_path, "
+      "last_step) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
+  Statement s(Prepared(kUpsert));
   s.Bind(1, job_id).Bind(2, int64_t{rank.rank()}).Bind(3, rank.node_id()).Bind(4, int64_t{rank.local_rank()});
   s.Bind(5, rank.pid()).Bind(6, rank.state()).Bind(7, int64_t{rank.exit_code()}).Bind(8, int64_t{rank.signal()});
   s.Bind(9, rank.log_path()).Bind(10, rank.last_step());

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <memory>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -12,6 +13,7 @@
 #include "ltrain/v1/ltrain.pb.h"
 
 struct sqlite3;
+struct sqlite3_stmt;
 
 namespace ltrain::launcher {
 
@@ -85,9 +87,13 @@ class SqliteStateStore : public StateStore {
  private:
   explicit SqliteStateStore(sqlite3* db) : db_(db) {}
   Status Exec(const std::string& sql);
+  // The statement of `sql` prepared once and kept (the writes made per rank and per node: a job of
+  // 80,000 ranks records each). Under mu_; `sql` a literal, its address the key.
+  sqlite3_stmt* Prepared(const char* sql);
 
   std::mutex mu_;
   sqlite3* db_;
+  std::map<const char*, sqlite3_stmt*> prepared_;
 };
 
 const char* JobStateName(v1::JobState state);  // "RUNNING", ...
