@@ -80,13 +80,55 @@ class RendezvousProxy final : public v1::RendezvousService::Service {
     for (const std::string& key : request->keys()) {
       if (key.rfind(grant.rendezvous_scope, 0) != 0) return OutsideScope(grant, key);
     }
+    // The node's ranks ask for the same keys at once (every rank waits for rank 0's NCCL id): one
+    // call to the coordinator answers all of them, so that its load is per node, not per rank.
+    const std::string flight_key = request->SerializeAsString();
+    std::shared_ptr<Flight> flight;
+    bool leader = false;
+    {
+      std::lock_guard<std::mutex> lock(flights_mu_);
+      auto [it, inserted] = flights_.try_emplace(flight_key);
+      if (inserted) it->second = std::make_shared<Flight>();
+      flight = it->second;
+      leader = inserted;
+    }
+    if (!leader) {
+      std::unique_lock<std::mutex> lock(flight->mu);
+      flight->cv.wait(lock, [&] { return flight->done; });
+      *reply = flight->reply;
+      return flight->status;
+    }
     // While its generation lives the coordinator answers when it can: no deadline here either.
     const auto deadline = request->while_generation_lives() ? std::chrono::system_clock::time_point::max()
                                                             : Deadline(request->timeout_ms() / 1000.0 + 5);
-    return Retried(deadline, [&](grpc::ClientContext& context) { return stub_->Get(&context, *request, reply); });
+    grpc::Status status =
+        Retried(deadline, [&](grpc::ClientContext& context) { return stub_->Get(&context, *request, reply); });
+    {
+      std::lock_guard<std::mutex> lock(flights_mu_);
+      flights_.erase(flight_key);  // a Get after this one asks the coordinator again
+    }
+    {
+      std::lock_guard<std::mutex> lock(flight->mu);
+      flight->status = status;
+      flight->reply = *reply;
+      flight->done = true;
+    }
+    flight->cv.notify_all();
+    return status;
   }
 
  private:
+  // One coordinator call that identical Gets of this node's workers wait on.
+  struct Flight {
+    std::mutex mu;
+    std::condition_variable cv;
+    bool done = false;
+    grpc::Status status;
+    v1::KvGetReply reply;
+  };
+  std::mutex flights_mu_;
+  std::map<std::string, std::shared_ptr<Flight>> flights_;
+
   // A call the coordinator could not answer (it went away, or a standby is taking the lead) is made
   // again until its deadline: a rendezvous in progress (a recovery in place) survives a takeover.
   template <typename Call>

@@ -167,6 +167,9 @@ struct Options {
   // etcd://HOST:PORT,...: the coordinator keeps its state there (each run under a prefix of its own)
   // instead of in SQLite.
   std::string state;
+  // Each simulated rank asks the coordinator itself (--get-per-rank), instead of its agent asking once
+  // for all of the node's ranks, as the real agent does.
+  bool get_per_rank = false;
 };
 
 int RunOne(const Options& o, int n) {
@@ -316,18 +319,30 @@ int RunOne(const Options& o, int n) {
           ++starts_by_generation[start.generation()];
           if (++started == nodes) all_started = Clock::now();
         }
+        // Each rank's answer: -1 and why where it failed.
+        auto record = [&](int ranks, double ms, const std::string& why) {
+          std::lock_guard<std::mutex> lock(job_mu);
+          if (ms < 0) {
+            rdzv_failed += ranks;
+            failures[why.substr(0, 160)] += ranks;
+            last_failure_ms = MsSince(submitted);
+          }
+          for (int i = 0; ms >= 0 && i < ranks; ++i) rdzv.Add(ms);
+          met += ranks;
+          job_cv.notify_all();
+        };
+        if (!o.get_per_rank) {
+          // As the agent does: its ranks' identical Gets go to the coordinator as one.
+          int first = start.workers(0).rank();
+          for (const v1::WorkerAssignment& w : start.workers()) first = std::min(first, w.rank());
+          const int ranks = start.workers_size();
+          agent->Rendezvous(start.rendezvous_scope(), first,
+                            [record, ranks](double ms, const std::string& why) { record(ranks, ms, why); });
+          return;
+        }
         for (const v1::WorkerAssignment& w : start.workers()) {
-          agent->Rendezvous(start.rendezvous_scope(), w.rank(), [&](double ms, const std::string& why) {
-            std::lock_guard<std::mutex> lock(job_mu);
-            if (ms < 0) {
-              ++rdzv_failed;
-              ++failures[why.substr(0, 160)];
-              last_failure_ms = MsSince(submitted);
-            }
-            if (ms >= 0) rdzv.Add(ms);
-            ++met;
-            job_cv.notify_all();
-          });
+          agent->Rendezvous(start.rendezvous_scope(), w.rank(),
+                            [record](double ms, const std::string& why) { record(1, ms, why); });
         }
       });
     }
@@ -415,6 +430,8 @@ int main(int argc, char** argv) {
       o.node_timeout_s = std::stod(value);
     } else if (flag == "--state") {
       o.state = value;
+    } else if (flag == "--get-per-rank") {
+      o.get_per_rank = value == "1" || value == "true";
     } else {
       std::fprintf(stderr, "unknown flag %s\n", flag.c_str());
       return 2;
@@ -423,7 +440,7 @@ int main(int argc, char** argv) {
   if (o.ltrain.empty()) {
     std::fprintf(stderr,
                  "usage: scale_bench --ltrain PATH [--agents N[,N...]] [--seconds S] [--heartbeat-ms MS] "
-                 "[--node-timeout S] [--agents-per-connection K] [--state etcd://HOST:PORT,...]\n");
+                 "[--node-timeout S] [--agents-per-connection K] [--state etcd://HOST:PORT,...] [--get-per-rank 1]\n");
     return 2;
   }
   // Every agent holds a connection, and so does the coordinator: raise the open-file limit to the hard one.
