@@ -180,6 +180,8 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
   const v1::StartJobCommand base = GenerationCommand(job, recipe, generation);
   FreeKeysLocked(job.job.id(), base.rendezvous_scope());  // older generations' addresses and ids
   std::string placement;
+  std::vector<v1::RankInfo> placed_ranks;  // recorded in one write: a job of 80,000 ranks is one transaction
+  placed_ranks.reserve(static_cast<size_t>(count) * static_cast<size_t>(nproc));
   for (int i = 0; i < count; ++i) {
     NodeState& node = nodes_[nodes[i]];
     node.jobs.insert(job.job.id());
@@ -197,8 +199,7 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
       rank.set_local_rank(local);
       rank.set_state("starting");
       job.ranks[rank.rank()] = rank;
-      writer_.Enqueue("record rank " + std::to_string(rank.rank()) + " of " + job.job.id(),
-                      [id = job.job.id(), rank](StateStore& store) { return store.UpsertRank(id, rank); });
+      placed_ranks.push_back(std::move(rank));
     }
     if (i == 0) {
       job.placed = *start;
@@ -208,6 +209,8 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
     placement += (placement.empty() ? "" : ", ") + RankRange(i * nproc, i * nproc + nproc - 1) + " on " + nodes[i] +
                  " (" + node.facts.hostname() + ")";
   }
+  writer_.Enqueue("record the " + std::to_string(placed_ranks.size()) + " ranks of " + job.job.id(),
+                  [id = job.job.id(), ranks = std::move(placed_ranks)](StateStore& store) { return store.UpsertRanks(id, ranks); });
   job.job.set_state(v1::JOB_STATE_RUNNING);
   PersistJobLocked(job);
   std::string resume = generation > 0 && job.job.last_committed_step() > 0

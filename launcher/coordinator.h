@@ -35,6 +35,7 @@
 #include "common/recipe.h"
 #include "common/status.h"
 #include "launcher/state_store.h"
+#include "launcher/rpc_figures.h"
 #include "launcher/state_writer.h"
 #include "launcher/hang_diagnosis.h"
 #include "launcher/straggler.h"
@@ -168,6 +169,9 @@ class Coordinator {
   std::optional<std::vector<std::string>> KvGet(const std::vector<std::string>& keys, int64_t timeout_ms);
   // Keys held: a job's are freed when it ends, an older generation's when a newer one starts.
   size_t KvSize() const;
+  // The coordinator's own time by RPC kind (its services add to it) and its state writer's.
+  RpcFigures& rpc_figures() { return rpc_figures_; }
+  StateWriterFigures writer_figures() const { return writer_.Figures(); }
 
   // Every timed transition; idempotent, cheap, called every ~200 ms by the server.
   void Tick();
@@ -388,6 +392,7 @@ class Coordinator {
   // Last: its destructor applies the writes still queued, which need nothing else of this class
   // but mu_, cv_ and stored_seq_ (MarkStored).
   mutable StateWriter writer_;
+  RpcFigures rpc_figures_;
 };
 
 }  // namespace ltrain::launcher

@@ -239,38 +239,40 @@ class AgentServiceImpl final : public v1::AgentService::CallbackService {
     if (coordinator_->shutting_down()) {
       return new Refusal(grpc::Status(grpc::StatusCode::UNAVAILABLE, "coordinator is shutting down"));
     }
+    const RpcTimer timer(&coordinator_->rpc_figures(), RpcKind::kConnect);
     return new CommandStream(coordinator_, *request);
   }
 
   grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* context, const v1::HeartbeatRequest* request,
                                       v1::HeartbeatReply* reply) override {
-    return Answer(context, [&] { SetStatus(reply->mutable_status(), coordinator_->Heartbeat(*request)); });
+    return Answer(context, RpcKind::kHeartbeat, [&] { SetStatus(reply->mutable_status(), coordinator_->Heartbeat(*request)); });
   }
 
   grpc::ServerUnaryReactor* ReportWorkerState(grpc::CallbackServerContext* context, const v1::WorkerStateReport* request,
                                               v1::WorkerStateReply* reply) override {
-    return Answer(context, [&] { SetStatus(reply->mutable_status(), coordinator_->ReportWorkerState(*request)); });
+    return Answer(context, RpcKind::kReportWorkerState, [&] { SetStatus(reply->mutable_status(), coordinator_->ReportWorkerState(*request)); });
   }
 
   grpc::ServerUnaryReactor* ReportProgress(grpc::CallbackServerContext* context, const v1::ProgressReport* request,
                                            v1::ProgressReply* reply) override {
-    return Answer(context, [&] { SetStatus(reply->mutable_status(), coordinator_->ReportProgress(*request)); });
+    return Answer(context, RpcKind::kReportProgress, [&] { SetStatus(reply->mutable_status(), coordinator_->ReportProgress(*request)); });
   }
 
   grpc::ServerUnaryReactor* Leave(grpc::CallbackServerContext* context, const v1::LeaveRequest* request,
                                   v1::LeaveReply*) override {
-    return Answer(context, [&] { coordinator_->NodeLeaving(request->node_id(), request->reason()); });
+    return Answer(context, RpcKind::kLeave, [&] { coordinator_->NodeLeaving(request->node_id(), request->reason()); });
   }
 
   grpc::ServerUnaryReactor* PushLogs(grpc::CallbackServerContext* context, const v1::PushLogsRequest* request,
                                      v1::PushLogsReply*) override {
-    return Answer(context, [&] { coordinator_->PushLogs(*request); });
+    return Answer(context, RpcKind::kPushLogs, [&] { coordinator_->PushLogs(*request); });
   }
 
  private:
   // A unary call answered at once on gRPC's callback threads: the token checked, then `handle`.
   template <typename Handle>
-  grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, Handle handle) {
+  grpc::ServerUnaryReactor* Answer(grpc::CallbackServerContext* context, RpcKind kind, Handle handle) {
+    const RpcTimer timer(&coordinator_->rpc_figures(), kind);
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
     if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) {
       reactor->Finish(denied);
@@ -293,6 +295,7 @@ class RendezvousServiceImpl final : public v1::RendezvousService::CallbackServic
 
   grpc::ServerUnaryReactor* Set(grpc::CallbackServerContext* context, const v1::KvSetRequest* request,
                                 v1::KvSetReply* reply) override {
+    const RpcTimer timer(&coordinator_->rpc_figures(), RpcKind::kKvSet);
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
     if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) {
       reactor->Finish(denied);
@@ -305,6 +308,8 @@ class RendezvousServiceImpl final : public v1::RendezvousService::CallbackServic
 
   grpc::ServerUnaryReactor* Get(grpc::CallbackServerContext* context, const v1::KvGetRequest* request,
                                 v1::KvGetReply* reply) override {
+    const RpcTimer timer(&coordinator_->rpc_figures(), RpcKind::kKvGet);
+    const auto start = std::chrono::steady_clock::now();
     grpc::ServerUnaryReactor* reactor = context->DefaultReactor();
     if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) {
       reactor->Finish(denied);
@@ -312,7 +317,10 @@ class RendezvousServiceImpl final : public v1::RendezvousService::CallbackServic
     }
     coordinator_->KvGetAsync(
         {request->keys().begin(), request->keys().end()}, request->timeout_ms(),
-        [reactor, reply](StatusOr<std::vector<std::string>> values) {
+        [reactor, reply, start, figures = &coordinator_->rpc_figures()](StatusOr<std::vector<std::string>> values) {
+          figures->Add(RpcKind::kKvGetAnswered, std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                                    std::chrono::steady_clock::now() - start)
+                                                    .count());
           if (!values.ok()) {
             SetStatus(reply->mutable_status(), values.status());
           } else {

@@ -125,7 +125,8 @@ std::string MetricsPage(Coordinator& coordinator) {
       jobs.push_back(std::move(job));
     }
   }
-  return PrometheusText(jobs, coordinator.ListNodes());
+  return PrometheusText(jobs, coordinator.ListNodes()) +
+         ServerFiguresText(coordinator.rpc_figures(), coordinator.writer_figures());
 }
 
 namespace {

@@ -285,4 +285,31 @@ std::string PrometheusText(const std::vector<v1::Job>& jobs, const std::vector<v
   return out;
 }
 
+std::string ServerFiguresText(const RpcFigures& rpc, const StateWriterFigures& writer) {
+  std::string out;
+  constexpr int kKinds = static_cast<int>(RpcKind::kCount);
+  {
+    Family calls(out, "ltrain_coordinator_rpc_calls_total", "counter", "Calls the coordinator handled, by RPC kind.");
+    for (int k = 0; k < kKinds; ++k) calls.Sample({"rpc", RpcKindName(RpcKind(k))}, double(rpc.Get(RpcKind(k)).calls));
+  }
+  {
+    Family seconds(out, "ltrain_coordinator_rpc_seconds_total", "counter",
+                   "Seconds the coordinator's handlers ran, by RPC kind (KvGetAnswered: until the answer).");
+    for (int k = 0; k < kKinds; ++k) seconds.Sample({"rpc", RpcKindName(RpcKind(k))}, rpc.Get(RpcKind(k)).nanos / 1e9);
+  }
+  {
+    Family longest(out, "ltrain_coordinator_rpc_seconds_max", "gauge", "The longest call since the start, by RPC kind.");
+    for (int k = 0; k < kKinds; ++k) longest.Sample({"rpc", RpcKindName(RpcKind(k))}, rpc.Get(RpcKind(k)).max_nanos / 1e9);
+  }
+  Family(out, "ltrain_coordinator_state_writes_total", "counter", "Writes the state writer applied.")
+      .Sample({}, double(writer.writes));
+  Family(out, "ltrain_coordinator_state_write_batches_total", "counter", "The transactions they went in.")
+      .Sample({}, double(writer.batches));
+  Family(out, "ltrain_coordinator_state_write_seconds_total", "counter", "Seconds the state writer spent applying them.")
+      .Sample({}, writer.nanos / 1e9);
+  Family(out, "ltrain_coordinator_state_writes_queued", "gauge", "Writes waiting for the state writer.")
+      .Sample({}, double(writer.queued));
+  return out;
+}
+
 }  // namespace ltrain::launcher

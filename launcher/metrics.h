@@ -21,11 +21,20 @@
 #include <string>
 #include <vector>
 
+#include "launcher/rpc_figures.h"
 #include "ltrain/v1/ltrain.pb.h"
 
 namespace ltrain::launcher {
 
 std::string PrometheusText(const std::vector<v1::Job>& jobs, const std::vector<v1::NodeStatus>& nodes);
+
+// The coordinator's own time (rpc_figures.h), counters all:
+//   ltrain_coordinator_rpc_calls_total{rpc}, ltrain_coordinator_rpc_seconds_total{rpc} (the handlers'
+//   time; for KvGetAnswered until the answer), ltrain_coordinator_rpc_seconds_max{rpc} (a gauge: the
+//   longest call since the start), ltrain_coordinator_state_writes_total,
+//   ltrain_coordinator_state_write_batches_total, ltrain_coordinator_state_write_seconds_total, and
+//   the gauge ltrain_coordinator_state_writes_queued.
+std::string ServerFiguresText(const RpcFigures& rpc, const StateWriterFigures& writer);
 
 // A label value as the format wants it: backslash, double quote and line feed escaped.
 std::string EscapeLabelValue(const std::string& value);

@@ -463,16 +463,42 @@ StatusOr<std::vector<v1::Job>> SqliteStateStore::ListJobs(int limit) {
   return jobs;
 }
 
-Status SqliteStateStore::UpsertRank(const std::string& job_id, const v1::RankInfo& rank) {
-  std::lock_guard<std::mutex> lock(mu_);
-  static constexpr const char* kUpsert =
-      "INSERT OR REPLACE INTO ranks (job_id, rank, node_id, local_rank, pid, state, exit_code, signal, log_path, "
-      "last_step) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
-  Statement s(Prepared(kUpsert));
+namespace {
+
+constexpr const char* kUpsertRank =
+    "INSERT OR REPLACE INTO ranks (job_id, rank, node_id, local_rank, pid, state, exit_code, signal, log_path, "
+    "last_step) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)";
+
+}  // namespace
+
+Status SqliteStateStore::UpsertRankLocked(const std::string& job_id, const v1::RankInfo& rank) {
+  Statement s(Prepared(kUpsertRank));
   s.Bind(1, job_id).Bind(2, int64_t{rank.rank()}).Bind(3, rank.node_id()).Bind(4, int64_t{rank.local_rank()});
   s.Bind(5, rank.pid()).Bind(6, rank.state()).Bind(7, int64_t{rank.exit_code()}).Bind(8, int64_t{rank.signal()});
   s.Bind(9, rank.log_path()).Bind(10, rank.last_step());
   if (s.Step() != SQLITE_DONE) return SqlError(db_, "record rank");
+  return Status::Ok();
+}
+
+Status SqliteStateStore::UpsertRank(const std::string& job_id, const v1::RankInfo& rank) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return UpsertRankLocked(job_id, rank);
+}
+
+Status SqliteStateStore::UpsertRanks(const std::string& job_id, const std::vector<v1::RankInfo>& ranks) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (sqlite3_exec(db_, "BEGIN IMMEDIATE", nullptr, nullptr, nullptr) != SQLITE_OK) return SqlError(db_, "record ranks");
+  for (const v1::RankInfo& rank : ranks) {
+    if (Status written = UpsertRankLocked(job_id, rank); !written.ok()) {
+      sqlite3_exec(db_, "ROLLBACK", nullptr, nullptr, nullptr);
+      return written;
+    }
+  }
+  if (sqlite3_exec(db_, "COMMIT", nullptr, nullptr, nullptr) != SQLITE_OK) {
+    Status error = SqlError(db_, "record ranks");
+    sqlite3_exec(db_, "ROLLBACK", nullptr, nullptr, nullptr);
+    return error;
+  }
   return Status::Ok();
 }
 

@@ -37,6 +37,12 @@ class StateStore {
   virtual StatusOr<v1::Job> GetJob(const std::string& job_id) = 0;  // with its ranks
   virtual StatusOr<std::vector<v1::Job>> ListJobs(int limit) = 0;   // newest first, without ranks
   virtual Status UpsertRank(const std::string& job_id, const v1::RankInfo& rank) = 0;
+  // Every rank of a placement at once: all or none (SQLite: one transaction; by default one
+  // UpsertRank each, which a batching store applies together).
+  virtual Status UpsertRanks(const std::string& job_id, const std::vector<v1::RankInfo>& ranks) {
+    for (const v1::RankInfo& rank : ranks) LTRAIN_RETURN_IF_ERROR(UpsertRank(job_id, rank));
+    return Status::Ok();
+  }
   virtual Status ClearRanks(const std::string& job_id) = 0;  // a new generation starts
   // The checkpoint ledger: every commit a job reported.
   virtual Status RecordCheckpoint(const std::string& job_id, int64_t step, int generation, const std::string& path,
@@ -72,6 +78,7 @@ class SqliteStateStore : public StateStore {
   StatusOr<v1::Job> GetJob(const std::string& job_id) override;
   StatusOr<std::vector<v1::Job>> ListJobs(int limit) override;
   Status UpsertRank(const std::string& job_id, const v1::RankInfo& rank) override;
+  Status UpsertRanks(const std::string& job_id, const std::vector<v1::RankInfo>& ranks) override;
   Status ClearRanks(const std::string& job_id) override;
   Status RecordCheckpoint(const std::string& job_id, int64_t step, int generation, const std::string& path,
                           int64_t now_ms) override;
@@ -90,6 +97,7 @@ class SqliteStateStore : public StateStore {
   // The statement of `sql` prepared once and kept (the writes made per rank and per node: a job of
   // 80,000 ranks records each). Under mu_; `sql` a literal, its address the key.
   sqlite3_stmt* Prepared(const char* sql);
+  Status UpsertRankLocked(const std::string& job_id, const v1::RankInfo& rank);  // under mu_
 
   std::mutex mu_;
   sqlite3* db_;

@@ -1,5 +1,6 @@
 #include "launcher/state_writer.h"
 
+#include <chrono>
 #include <cstdio>
 #include <ctime>
 #include <vector>
@@ -61,6 +62,11 @@ std::optional<std::string> StateWriter::Failure() const {
          " write(s) waiting)";
 }
 
+StateWriterFigures StateWriter::Figures() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return {writes_done_, batches_done_, write_nanos_, static_cast<int64_t>(queue_.size())};
+}
+
 size_t StateWriter::Queued() const {
   std::lock_guard<std::mutex> lock(mu_);
   return queue_.size();
@@ -79,6 +85,7 @@ void StateWriter::Run() {
     for (size_t i = 0; i < count; ++i) batch.push_back(&queue_[i]);
     attempting_ = true;
     lock.unlock();
+    const auto applying = std::chrono::steady_clock::now();
     Status status;
     if (!batches) {
       status = batch[0]->write(*store_);
@@ -93,6 +100,10 @@ void StateWriter::Run() {
     }
     lock.lock();
     attempting_ = false;
+    writes_done_ += static_cast<int64_t>(count);
+    ++batches_done_;
+    write_nanos_ +=
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - applying).count();
     if (status.ok() || status.code() != StatusCode::kUnavailable) {
       if (!status.ok()) {
         LTRAIN_LOG(kError, kLog) << "the state database refused " << (count == 1 ? "a write" : std::to_string(count) + " writes")

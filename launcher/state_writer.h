@@ -21,6 +21,7 @@
 
 #include "common/clock.h"
 #include "common/status.h"
+#include "launcher/rpc_figures.h"
 #include "launcher/state_store.h"
 
 namespace ltrain::launcher {
@@ -49,6 +50,7 @@ class StateWriter {
   // Why writes fail, since when; empty while they work.
   std::optional<std::string> Failure() const;
   size_t Queued() const;
+  StateWriterFigures Figures() const;
 
  private:
   struct Item {
@@ -73,6 +75,7 @@ class StateWriter {
   uint64_t finished_ = 0;             // items applied or dropped so far, in order
   bool retry_ = false;
   bool attempting_ = false;           // a write is being applied
+  int64_t writes_done_ = 0, batches_done_ = 0, write_nanos_ = 0;  // Figures(), under mu_
   bool stop_ = false;
   bool failing_ = false;
   int64_t failing_since_ms_ = 0;

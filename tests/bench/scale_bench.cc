@@ -7,10 +7,12 @@
 //
 //   scale_bench --ltrain build/cmd/ltrain --agents 100,1000,10000 --seconds 20 [--state etcd://127.0.0.1:2379]
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -29,6 +31,8 @@
 
 #include "common/transport_security.h"
 #include "ltrain/v1/ltrain.grpc.pb.h"
+#include "tests/support/http_get.h"
+#include "tests/support/prometheus_text.h"
 #include "tests/support/simulated_agent.h"
 #include "tests/support/subprocess.h"
 
@@ -172,13 +176,68 @@ struct Options {
   bool get_per_rank = false;
 };
 
+constexpr const char* kMetricsToken = "scale-bench-metrics-token";
+
+// The coordinator's own figures from its /metrics (rpc_figures.h): by RPC kind, calls, seconds in
+// its handlers and the longest; and its state writer's.
+struct CoordinatorTime {
+  std::map<std::string, std::array<double, 3>> rpc;  // kind -> calls, seconds, longest
+  double writes = 0, write_batches = 0, write_seconds = 0, queued = 0;
+  bool read = false;
+};
+
+CoordinatorTime ScrapeCoordinator(int http_port) {
+  CoordinatorTime t;
+  const auto [code, body] = testing::HttpGet(http_port, "/metrics", kMetricsToken);
+  if (code != 200) return t;
+  const testing::PrometheusParse parse = testing::ParsePrometheusText(body);
+  for (const testing::PrometheusSample& sample : parse.samples) {
+    const auto kind = sample.labels.find("rpc");
+    if (sample.name == "ltrain_coordinator_rpc_calls_total" && kind != sample.labels.end()) t.rpc[kind->second][0] = sample.value;
+    if (sample.name == "ltrain_coordinator_rpc_seconds_total" && kind != sample.labels.end()) t.rpc[kind->second][1] = sample.value;
+    if (sample.name == "ltrain_coordinator_rpc_seconds_max" && kind != sample.labels.end()) t.rpc[kind->second][2] = sample.value;
+    if (sample.name == "ltrain_coordinator_state_writes_total") t.writes = sample.value;
+    if (sample.name == "ltrain_coordinator_state_write_batches_total") t.write_batches = sample.value;
+    if (sample.name == "ltrain_coordinator_state_write_seconds_total") t.write_seconds = sample.value;
+    if (sample.name == "ltrain_coordinator_state_writes_queued") t.queued = sample.value;
+  }
+  t.read = true;
+  return t;
+}
+
+// What the coordinator's own time was between two scrapes, over `seconds`: per RPC kind with calls,
+// the calls a second, the mean handling time and the longest call so far; the state writer's.
+void PrintCoordinatorTime(int n, const char* when, const CoordinatorTime& a, const CoordinatorTime& b, double seconds) {
+  if (!a.read || !b.read) {
+    std::printf("agents %d: %s: the coordinator's /metrics could not be read\n", n, when);
+    return;
+  }
+  double busy = 0;
+  for (const auto& [kind, figures] : b.rpc) {
+    const auto before = a.rpc.count(kind) ? a.rpc.at(kind) : std::array<double, 3>{0, 0, 0};
+    const double calls = figures[0] - before[0], spent = figures[1] - before[1];
+    if (calls <= 0) continue;
+    if (kind != "KvGetAnswered") busy += spent;
+    std::printf("agents %d: %s: coordinator %-17s %9.0f calls (%7.0f/s), handler mean %.3f ms, longest so far %.1f ms\n", n,
+                when, kind.c_str(), calls, calls / seconds, 1000.0 * spent / calls, 1000.0 * figures[2]);
+  }
+  std::printf("agents %d: %s: coordinator handlers busy %.0f%% of a core; state writer %.0f writes in %.0f transactions, "
+              "%.2f s (%.0f%% of a core), %.0f queued\n",
+              n, when, 100.0 * busy / seconds, b.writes - a.writes, b.write_batches - a.write_batches,
+              b.write_seconds - a.write_seconds, 100.0 * (b.write_seconds - a.write_seconds) / seconds, b.queued);
+}
+
 int RunOne(const Options& o, int n) {
   TempDir dir;
   SecurityMaterial security;
   security.token = NewToken();
   std::vector<std::string> argv = {o.ltrain, "coordinator", "--listen", "127.0.0.1:0", "--port-file", dir.Join("port"),
                                    "--state-dir", dir.Join("state"), "--node-timeout", std::to_string(o.node_timeout_s),
-                                   "--token-file", dir.Write("token", security.token + "\n"), "--log-level", "warning"};
+                                   "--token-file", dir.Write("token", security.token + "\n"), "--log-level", "warning",
+                                   "--http-listen", "127.0.0.1:0", "--http-port-file", dir.Join("http-port"),
+                                   "--metrics-token-file", dir.Join("metrics-token")};
+  dir.Write("metrics-token", kMetricsToken + std::string("\n"));
+  ::chmod(dir.Join("metrics-token").c_str(), 0600);  // as a token file must be
   if (!o.state.empty()) {
     argv[3] = "127.0.0.1:" + std::to_string(testing::FreePort());
     const std::string prefix = "scale-bench-" + std::to_string(n) + "-" + std::to_string(::getpid()) + "-" +
@@ -193,6 +252,7 @@ int RunOne(const Options& o, int n) {
     return 1;
   }
   const std::string address = "127.0.0.1:" + std::to_string(port);
+  const int http_port = testing::WaitForPortFile(dir.Join("http-port"), std::chrono::seconds(20));
   const ProcessFigures idle = ReadProcess(coordinator.pid());
   LagProbe lag;
 
@@ -258,6 +318,7 @@ int RunOne(const Options& o, int n) {
   const auto window = std::chrono::milliseconds(static_cast<int64_t>(o.seconds * 1000));
   std::this_thread::sleep_for(std::chrono::milliseconds(o.heartbeat_ms));  // one round at full rate
   const ProcessFigures before = ReadProcess(coordinator.pid());
+  const CoordinatorTime time_before = ScrapeCoordinator(http_port);
   const auto start = Clock::now();
   lag.Reset();
   measuring = true;
@@ -283,6 +344,7 @@ int RunOne(const Options& o, int n) {
   measuring = false;
   const double window_s = MsSince(start) / 1000.0;
   const ProcessFigures after = ReadProcess(coordinator.pid());
+  const CoordinatorTime time_after = ScrapeCoordinator(http_port);
   const std::vector<double> sorted = latencies.Sorted();
   std::printf("agents %d: heartbeats %zu answered of %lld sent in %.1f s (%.0f/s), failed %lld; latency p50 %.2f ms, "
               "p99 %.2f ms, max %.1f ms\n",
@@ -294,6 +356,7 @@ int RunOne(const Options& o, int n) {
               n, 100.0 * (after.cpu_s - before.cpu_s) / window_s, static_cast<double>(after.rss_kb) / 1024.0,
               static_cast<double>(idle.rss_kb) / 1024.0, after.threads);
   std::printf("agents %d: the bench's own lag while heartbeating: %s\n", n, lag.Describe().c_str());
+  PrintCoordinatorTime(n, "heartbeating", time_before, time_after, window_s);
   std::printf("agents %d: a node whose heartbeats stopped was lost after %.2f s (node timeout %.1f s)\n", n,
               lost_ms / 1000.0, o.node_timeout_s);
   std::fflush(stdout);
@@ -310,6 +373,7 @@ int RunOne(const Options& o, int n) {
     std::map<int, int> starts_by_generation;
     double last_failure_ms = -1;
     const int nodes = n - 1;
+    const CoordinatorTime job_before = ScrapeCoordinator(http_port);
     const auto submitted = Clock::now();
     lag.Reset();
     for (auto& a : agents) {
@@ -371,6 +435,9 @@ int RunOne(const Options& o, int n) {
                   rendezvous_ms, all ? "" : " (not all: timed out)", Percentile(sorted_rdzv, 0.5),
                   Percentile(sorted_rdzv, 0.99), rdzv_failed);
       std::printf("agents %d: the bench's own lag during the job: %s\n", n, lag.Describe().c_str());
+      lock.unlock();
+      PrintCoordinatorTime(n, "the job", job_before, ScrapeCoordinator(http_port), rendezvous_ms / 1000.0);
+      lock.lock();
       for (const auto& [generation, count] : starts_by_generation) {
         std::printf("agents %d: start commands of generation %d: %d\n", n, generation, count);
       }

@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "ltrain/v1/ltrain.pb.h"
+#include "tests/support/http_get.h"
 #include "tests/support/job_status.h"
 #include "tests/support/prometheus_text.h"
 #include "tests/support/subprocess.h"
@@ -26,40 +27,6 @@ namespace ltrain::testing {
 namespace {
 
 namespace fs = std::filesystem;
-
-// GET `path` from 127.0.0.1:`port` over HTTP/1.0: the status code and the body ("" and 0 when the
-// server cannot be reached).
-// GET over loopback: the status and the body; the response's header lines into `headers` when given.
-// `extra`: header lines to send ("Cookie: a=b\r\n").
-std::pair<int, std::string> HttpGet(int port, const std::string& path, const std::string& token = "",
-                                    std::string* headers = nullptr, const std::string& extra = "") {
-  const int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  sockaddr_in address{};
-  address.sin_family = AF_INET;
-  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  address.sin_port = htons(static_cast<uint16_t>(port));
-  timeval ten{10, 0};
-  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &ten, sizeof(ten));
-  if (connect(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) != 0) {
-    close(fd);
-    return {0, ""};
-  }
-  std::string request = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n";
-  if (!token.empty()) request += "Authorization: Bearer " + token + "\r\n";
-  request += extra + "\r\n";
-  if (write(fd, request.data(), request.size()) != static_cast<ssize_t>(request.size())) {
-    close(fd);
-    return {0, ""};
-  }
-  std::string response;
-  char chunk[65536];
-  for (ssize_t n; (n = read(fd, chunk, sizeof(chunk))) > 0;) response.append(chunk, static_cast<size_t>(n));
-  close(fd);
-  const size_t body = response.find("\r\n\r\n");
-  if (response.rfind("HTTP/1.", 0) != 0 || body == std::string::npos) return {0, response};
-  if (headers != nullptr) *headers = response.substr(0, body);
-  return {std::atoi(response.c_str() + 9), response.substr(body + 4)};
-}
 
 const PrometheusSample* FindSample(const PrometheusParse& parse, const std::string& name, const std::string& job) {
   for (const PrometheusSample& sample : parse.samples) {

@@ -195,3 +195,41 @@ TEST(MetricsTest, TheReaderRefusesMalformedText) {
 
 }  // namespace
 }  // namespace ltrain::launcher
+
+namespace ltrain::launcher {
+namespace {
+
+// The coordinator's own time by RPC kind and its state writer's: valid text, each kind its calls,
+// seconds and longest call; the page's job and node series and these parse as one page.
+TEST(MetricsTest, TheCoordinatorsOwnTimeIsSeriesByRpcKind) {
+  RpcFigures rpc;
+  rpc.Add(RpcKind::kHeartbeat, 2'000'000);
+  rpc.Add(RpcKind::kHeartbeat, 6'000'000);
+  rpc.Add(RpcKind::kKvGetAnswered, 1'500'000'000);
+  StateWriterFigures writer{80000, 313, 2'500'000'000, 17};
+  const std::string text = PrometheusText({}, {}) + ServerFiguresText(rpc, writer);
+  const ltrain::testing::PrometheusParse parse = ltrain::testing::ParsePrometheusText(text);
+  ASSERT_TRUE(parse.error.empty()) << parse.error << "\n" << text;
+  auto value = [&](const std::string& name, const std::string& kind) {
+    for (const auto& sample : parse.samples) {
+      if (sample.name == name && (kind.empty() ? sample.labels.empty() : sample.labels.count("rpc") && sample.labels.at("rpc") == kind)) {
+        return sample.value;
+      }
+    }
+    ADD_FAILURE() << "no " << name << " " << kind;
+    return -1.0;
+  };
+  EXPECT_EQ(value("ltrain_coordinator_rpc_calls_total", "Heartbeat"), 2);
+  EXPECT_DOUBLE_EQ(value("ltrain_coordinator_rpc_seconds_total", "Heartbeat"), 0.008);
+  EXPECT_DOUBLE_EQ(value("ltrain_coordinator_rpc_seconds_max", "Heartbeat"), 0.006);
+  EXPECT_EQ(value("ltrain_coordinator_rpc_calls_total", "KvSet"), 0);
+  EXPECT_DOUBLE_EQ(value("ltrain_coordinator_rpc_seconds_max", "KvGetAnswered"), 1.5);
+  EXPECT_EQ(value("ltrain_coordinator_state_writes_total", ""), 80000);
+  EXPECT_EQ(value("ltrain_coordinator_state_write_batches_total", ""), 313);
+  EXPECT_DOUBLE_EQ(value("ltrain_coordinator_state_write_seconds_total", ""), 2.5);
+  EXPECT_EQ(value("ltrain_coordinator_state_writes_queued", ""), 17);
+  EXPECT_EQ(parse.types.at("ltrain_coordinator_rpc_calls_total"), "counter");
+}
+
+}  // namespace
+}  // namespace ltrain::launcher
