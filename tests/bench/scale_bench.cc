@@ -361,6 +361,7 @@ int RunOne(const Options& o, int n) {
               lost_ms / 1000.0, o.node_timeout_s);
   std::fflush(stdout);
 
+  std::string job_id;
   // A job of N x 8 ranks: submitted, placed (every agent has its start command), and every rank
   // through the rendezvous. Agent 0 is lost by now; the job runs on the others.
   {
@@ -420,6 +421,7 @@ int RunOne(const Options& o, int n) {
                             "parallel: {nodes: " + std::to_string(nodes) + ", nproc_per_node: 8}\n"
                             "checkpoint: {enabled: false}\n");
     const grpc::Status submit = jobs->SubmitJob(&context, request, &reply);
+    if (submit.ok() && reply.status().code() == 0) job_id = reply.job().id();
     if (!submit.ok() || reply.status().code() != 0) {
       std::printf("agents %d: the job was not submitted: %s %s\n", n, submit.error_message().c_str(),
                   reply.status().message().c_str());
@@ -462,11 +464,39 @@ int RunOne(const Options& o, int n) {
   stop = true;
   ticker.join();
   for (int i = 0; i < 400 && in_flight > 0; ++i) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // The job ends and the agents leave, as when a cluster's jobs are done and its agents stopped.
+  if (!job_id.empty()) {
+    grpc::ClientContext context;
+    v1::StopJobRequest request;
+    request.set_job_id(job_id);
+    v1::StopJobReply reply;
+    const grpc::Status stopped = jobs->StopJob(&context, request, &reply);
+    if (!stopped.ok() || reply.status().code() != 0) {
+      std::printf("agents %d: the job could not be stopped: %s %s\n", n, stopped.error_message().c_str(),
+                  reply.status().message().c_str());
+    }
+  }
+  {
+    std::mutex leave_mu;
+    std::condition_variable leave_cv;
+    int answered = 0, refused = 0;
+    for (auto& a : agents) {
+      a->Leave("the bench ends", [&](bool ok) {
+        std::lock_guard<std::mutex> lock(leave_mu);
+        ++answered;
+        refused += ok ? 0 : 1;
+        leave_cv.notify_all();
+      });
+    }
+    std::unique_lock<std::mutex> lock(leave_mu);
+    leave_cv.wait_for(lock, std::chrono::seconds(120), [&] { return answered == n; });
+    if (refused > 0 || answered < n) std::printf("agents %d: %d Leave calls failed, %d unanswered\n", n, refused, n - answered);
+  }
   for (auto& a : agents) a->Close();
   agents.clear();
   std::this_thread::sleep_for(std::chrono::seconds(12));  // the coordinator trims its heap every 10 s
   const ProcessFigures left = ReadProcess(coordinator.pid());
-  std::printf("agents %d: after they left, coordinator memory %.1f MB, threads %d\n", n,
+  std::printf("agents %d: after the job stopped and they left, coordinator memory %.1f MB, threads %d\n", n,
               static_cast<double>(left.rss_kb) / 1024.0, left.threads);
   std::fflush(stdout);
   coordinator.Signal(SIGTERM);

@@ -127,6 +127,22 @@ class Agent : public grpc::ClientReadReactor<v1::Command> {
                               });
   }
 
+  // Says it is leaving on purpose (as `ltrain agent` does when stopped); `done` gets whether the
+  // coordinator took it.
+  void Leave(const std::string& reason, std::function<void(bool)> done) {
+    struct Call {
+      grpc::ClientContext context;
+      v1::LeaveRequest request;
+      v1::LeaveReply reply;
+    };
+    auto call = std::make_shared<Call>();
+    call->request.set_node_id(node_id_);
+    call->request.set_reason(reason);
+    call->context.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(60));
+    stub_->async()->Leave(&call->context, &call->request, &call->reply,
+                          [call, done = std::move(done)](grpc::Status status) { done(status.ok()); });
+  }
+
   void Close() {
     context_.TryCancel();
     std::unique_lock<std::mutex> lock(mu_);
