@@ -377,6 +377,8 @@ class Coordinator {
     std::string ended;  // its generation ended: why (answered at the next tick)
     KvDone done;
   };
+  // Ok where every key is of a job's running generation (or there are none); else why not.
+  Status RunningGenerationKeysLocked(const std::vector<std::string>& keys);
   // Waiters whose keys are all set, held until their answer_at_ms (options.rendezvous_answer_delay_ms).
   std::vector<std::pair<std::shared_ptr<KvWaiter>, std::vector<std::string>>> kv_delayed_;
   std::multimap<std::string, std::shared_ptr<KvWaiter>> kv_waiters_;

@@ -9,12 +9,25 @@
 namespace ltrain::launcher {
 namespace {
 
-// "job J generation G" of a key JOB/GENERATION/NAME (the key itself where it has no such parts).
-std::string ScopeOf(const std::string& key) {
+// A rendezvous key's parts: JOB/GENERATION/NAME.
+struct KeyParts {
+  std::string job_id;
+  std::string generation;
+  std::string scope;  // "JOB/GENERATION/", the prefix every key of that generation has
+};
+
+std::optional<KeyParts> PartsOf(const std::string& key) {
   const size_t slash = key.find('/');
   const size_t second = slash == std::string::npos ? std::string::npos : key.find('/', slash + 1);
-  if (second == std::string::npos) return "key " + key.substr(0, 200);
-  return "job " + key.substr(0, slash) + " generation " + key.substr(slash + 1, second - slash - 1);
+  if (second == std::string::npos) return std::nullopt;
+  return KeyParts{key.substr(0, slash), key.substr(slash + 1, second - slash - 1), key.substr(0, second + 1)};
+}
+
+// "job J generation G" of a key (the key itself where it has no such parts).
+std::string ScopeOf(const std::string& key) {
+  const std::optional<KeyParts> parts = PartsOf(key);
+  if (!parts) return "key " + key.substr(0, 200);
+  return "job " + parts->job_id + " generation " + parts->generation;
 }
 
 }  // namespace
@@ -63,10 +76,9 @@ Status Coordinator::KvSet(const std::string& key, const std::string& value) {
     return InvalidArgument("the value of rendezvous key " + key.substr(0, 200) + " has " + std::to_string(value.size()) +
                            " bytes, over the bound of " + std::to_string(kMaxKvValueBytes));
   }
-  const size_t slash = key.find('/');
-  const size_t second = slash == std::string::npos ? std::string::npos : key.find('/', slash + 1);
-  if (second == std::string::npos) return InvalidArgument("a rendezvous key is JOB/GENERATION/NAME");
-  const std::string job_id = key.substr(0, slash);
+  const std::optional<KeyParts> parts = PartsOf(key);
+  if (!parts) return InvalidArgument("a rendezvous key is JOB/GENERATION/NAME");
+  const std::string& job_id = parts->job_id;
   std::vector<std::pair<std::shared_ptr<KvWaiter>, std::vector<std::string>>> ready;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -75,7 +87,7 @@ Status Coordinator::KvSet(const std::string& key, const std::string& value) {
       return InvalidArgument("rendezvous key " + key.substr(0, 200) + ": job " + job_id.substr(0, 200) +
                              " is not running on this coordinator");
     }
-    if (key.compare(slash + 1, second - slash - 1, std::to_string(job->second.job.generation())) != 0) {
+    if (parts->generation != std::to_string(job->second.job.generation())) {
       return InvalidArgument("rendezvous key " + key.substr(0, 200) + ": not of generation " +
                              std::to_string(job->second.job.generation()) + ", the job's newest");
     }
@@ -120,61 +132,63 @@ void Coordinator::WakeKvWaitersLocked(
   }
 }
 
+Status Coordinator::RunningGenerationKeysLocked(const std::vector<std::string>& keys) {
+  if (keys.empty()) return Status::Ok();
+  const std::string& first = keys.front();
+  const std::optional<KeyParts> parts = PartsOf(first);
+  const ActiveJob* job = parts ? FindLocked(parts->job_id) : nullptr;
+  const bool running =
+      job != nullptr && job->job.state() == v1::JOB_STATE_RUNNING &&
+      parts->generation == std::to_string(job->job.generation()) &&
+      std::all_of(keys.begin(), keys.end(), [&](const std::string& k) { return k.rfind(parts->scope, 0) == 0; });
+  if (running) return Status::Ok();
+  return Status(StatusCode::kFailedPrecondition,
+                "rendezvous keys " + first.substr(0, 200) + (keys.size() > 1 ? ", ..." : "") + ": " +
+                    (job == nullptr ? "no such job runs on this coordinator"
+                                    : "not all of the job's running generation (" +
+                                          std::string(JobStateName(job->job.state())) + ", generation " +
+                                          std::to_string(job->job.generation()) + ")"));
+}
+
 void Coordinator::KvGetAsync(std::vector<std::string> keys, int64_t timeout_ms, KvDone done,
                              bool while_generation_lives) {
-  StatusOr<std::vector<std::string>> now = Status(StatusCode::kUnavailable, "the coordinator is shutting down");
+  StatusOr<std::vector<std::string>> answer = Status(StatusCode::kUnavailable, "the coordinator is shutting down");
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!shutting_down_ && keys.empty()) {
-      now = std::vector<std::string>();
-    } else if (!shutting_down_) {
-      if (while_generation_lives) {
-        // Every key of the job's running generation.
-        const std::string& first = keys.front();
-        const size_t slash = first.find('/');
-        const size_t second = slash == std::string::npos ? std::string::npos : first.find('/', slash + 1);
-        const ActiveJob* job = second == std::string::npos ? nullptr : FindLocked(first.substr(0, slash));
-        const std::string scope = second == std::string::npos ? "" : first.substr(0, second + 1);
-        const bool running = job != nullptr && job->job.state() == v1::JOB_STATE_RUNNING &&
-                             scope == job->job.id() + "/" + std::to_string(job->job.generation()) + "/" &&
-                             std::all_of(keys.begin(), keys.end(), [&](const std::string& k) { return k.rfind(scope, 0) == 0; });
-        if (!running) {
-          now = Status(StatusCode::kFailedPrecondition,
-                       "rendezvous keys " + first.substr(0, 200) + (keys.size() > 1 ? ", ..." : "") + ": " +
-                           (job == nullptr ? "no such job runs on this coordinator"
-                                           : "not all of the job's running generation (" +
-                                                 std::string(JobStateName(job->job.state())) + ", generation " +
-                                                 std::to_string(job->job.generation()) + ")"));
-        }
-      }
-      if (now.status().code() == StatusCode::kUnavailable) {  // not answered yet
-        auto missing = std::find_if(keys.begin(), keys.end(), [&](const std::string& k) { return kv_.count(k) == 0; });
-        const int64_t steady = clock_->SteadyMs();
-        const int64_t answer_at = steady + options_.rendezvous_answer_delay_ms;
-        if (missing != keys.end() || options_.rendezvous_answer_delay_ms > 0) {
-          auto waiter = std::make_shared<KvWaiter>();
-          waiter->timeout_ms = BoundedWaitMs(timeout_ms);
-          waiter->deadline_ms = while_generation_lives ? std::numeric_limits<int64_t>::max() : steady + waiter->timeout_ms;
-          waiter->answer_at_ms = answer_at;
-          waiter->done = std::move(done);
-          waiter->keys = std::move(keys);
-          if (missing != waiter->keys.end()) {
-            const std::string first = *missing;
-            kv_waiters_.emplace(first, std::move(waiter));
-          } else {
-            std::vector<std::string> values;
-            for (const auto& k : waiter->keys) values.push_back(kv_[k]);
-            kv_delayed_.emplace_back(std::move(waiter), std::move(values));
-          }
-          return;
-        }
-        std::vector<std::string> values;
+    if (shutting_down_) {
+      // answered below
+    } else if (Status refused = while_generation_lives ? RunningGenerationKeysLocked(keys) : Status::Ok();
+               !refused.ok()) {
+      answer = std::move(refused);
+    } else {
+      auto missing = std::find_if(keys.begin(), keys.end(), [&](const std::string& k) { return kv_.count(k) == 0; });
+      std::vector<std::string> values;
+      if (missing == keys.end()) {
         for (const auto& k : keys) values.push_back(kv_[k]);
-        now = std::move(values);
+      }
+      if (missing == keys.end() && options_.rendezvous_answer_delay_ms <= 0) {
+        answer = std::move(values);
+      } else {
+        // A waiter: under its first missing key, or (every key set, the answer held back) among the delayed.
+        const int64_t steady = clock_->SteadyMs();
+        auto waiter = std::make_shared<KvWaiter>();
+        waiter->timeout_ms = BoundedWaitMs(timeout_ms);
+        waiter->deadline_ms = while_generation_lives ? std::numeric_limits<int64_t>::max() : steady + waiter->timeout_ms;
+        waiter->answer_at_ms = steady + options_.rendezvous_answer_delay_ms;
+        waiter->done = std::move(done);
+        if (missing != keys.end()) {
+          const std::string first = *missing;
+          waiter->keys = std::move(keys);
+          kv_waiters_.emplace(first, std::move(waiter));
+        } else {
+          waiter->keys = std::move(keys);
+          kv_delayed_.emplace_back(std::move(waiter), std::move(values));
+        }
+        return;
       }
     }
   }
-  done(std::move(now));
+  done(std::move(answer));
 }
 
 std::optional<std::vector<std::string>> Coordinator::KvGet(const std::vector<std::string>& keys, int64_t timeout_ms) {

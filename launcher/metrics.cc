@@ -305,7 +305,7 @@ std::string ServerFiguresText(const RpcFigures& rpc, const StateWriterFigures& w
       .Sample({}, double(writer.writes));
   Family(out, "ltrain_coordinator_state_write_batches_total", "counter", "The transactions they went in.")
       .Sample({}, double(writer.batches));
-  Family(out, "ltrain_coordinator_state_write_seconds_total", "counter", "Seconds the state writer spent applying them.")
+  Family(out, "ltrain_coordinator_state_write_seconds_total", "counter", "Seconds the state writer spent writing, failed attempts included.")
       .Sample({}, writer.nanos / 1e9);
   Family(out, "ltrain_coordinator_state_writes_queued", "gauge", "Writes waiting for the state writer.")
       .Sample({}, double(writer.queued));

@@ -78,8 +78,8 @@ class RpcTimer {
   std::chrono::steady_clock::time_point start_;
 };
 
-// The state writer's: writes applied, the batches they went in, the time spent applying them, and
-// how many wait now.
+// The state writer's: writes applied, the batches they went in, the time spent writing (failed
+// attempts included), and how many wait now.
 struct StateWriterFigures {
   int64_t writes = 0;
   int64_t batches = 0;

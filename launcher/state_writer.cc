@@ -100,8 +100,10 @@ void StateWriter::Run() {
     }
     lock.lock();
     attempting_ = false;
-    writes_done_ += static_cast<int64_t>(count);
-    ++batches_done_;
+    if (status.ok()) {
+      writes_done_ += static_cast<int64_t>(count);
+      ++batches_done_;
+    }
     write_nanos_ +=
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - applying).count();
     if (status.ok() || status.code() != StatusCode::kUnavailable) {

@@ -75,7 +75,7 @@ class StateWriter {
   uint64_t finished_ = 0;             // items applied or dropped so far, in order
   bool retry_ = false;
   bool attempting_ = false;           // a write is being applied
-  int64_t writes_done_ = 0, batches_done_ = 0, write_nanos_ = 0;  // Figures(), under mu_
+  int64_t writes_done_ = 0, batches_done_ = 0, write_nanos_ = 0;  // Figures() (applied; time of every attempt), under mu_
   bool stop_ = false;
   bool failing_ = false;
   int64_t failing_since_ms_ = 0;
