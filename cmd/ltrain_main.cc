@@ -9,12 +9,14 @@
 #include "cmd/cli_support.h"
 #include "cmd/commands.h"
 #include "common/files.h"
+#include "common/mutex_tracking.h"
 
 int main(int argc, char** argv) {
   using namespace ltrain::cli;
   // A launch whose output is piped into head or a tee that ends keeps its job running: writes to the
   // closed pipe fail instead of killing the process (children get the default back).
   ::signal(SIGPIPE, SIG_IGN);
+  ltrain::StopMutexOrderTracking();
   CLI::App app{
       "ltrain: launch and keep alive distributed LLM training jobs.\n\n"
       "Standalone: `ltrain launch RECIPE` starts a coordinator and an agent on loopback itself.\n"

@@ -10,6 +10,7 @@
 #include <string_view>
 #include <vector>
 
+#include "common/mutex_tracking.h"
 #include "common/worker_exit.h"
 #include "worker/train/run_worker.h"
 
@@ -46,5 +47,6 @@ int main(int argc, char** argv) {
   action.sa_sigaction = OnFatalSignal;
   action.sa_flags = SA_SIGINFO;
   for (int signal : {SIGSEGV, SIGBUS, SIGFPE, SIGILL, SIGABRT}) sigaction(signal, &action, nullptr);
+  ltrain::StopMutexOrderTracking();
   return ltrain::worker::RunWorker(argc, argv);
 }
