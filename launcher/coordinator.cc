@@ -4,6 +4,10 @@
 #include <cstdio>
 #include <filesystem>
 
+#include <google/protobuf/io/coded_stream.h>
+#include <google/protobuf/io/zero_copy_stream_impl_lite.h>
+#include <google/protobuf/wire_format_lite.h>
+
 #include "common/layout.h"
 #include "common/layout_plan.h"
 #include "common/logging.h"
@@ -176,6 +180,7 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
   writer_.Enqueue("clear the ranks of " + job.job.id(),
                   [id = job.job.id()](StateStore& store) { return store.ClearRanks(id); });
   job.ranks.clear();
+  std::string().swap(job.folded_ranks);
   int nproc = recipe.parallel.nproc_per_node;
   const v1::StartJobCommand base = GenerationCommand(job, recipe, generation);
   FreeKeysLocked(job.job.id(), base.rendezvous_scope());  // older generations' addresses and ids
@@ -383,21 +388,10 @@ StatusOr<v1::Job> Coordinator::GetJob(const std::string& job_id) {
       v1::Job job = active->job;
       job.clear_ranks();
       job.clear_nodes();
-      for (const auto& [index, rank] : active->ranks) *job.add_ranks() = rank;
       job.set_mfu(IsFinal(active->job.state()) ? 0 : active->job.mfu());
       job.set_eta_s(IsFinal(active->job.state()) ? 0 : active->job.eta_s());
-      int64_t now = clock_->SteadyMs();
-      for (auto& rank : *job.mutable_ranks()) {
-        auto progress = active->progress.find(rank.rank());
-        if (progress == active->progress.end()) continue;
-        rank.set_last_step(progress->second.report.step());
-        rank.set_phase(progress->second.report.phase());
-        rank.set_progress_age_ms(progress->second.report.idle_ms() + now - progress->second.received_ms);
-        rank.set_work(DescribeWork(progress->second.report.work()));
-        rank.set_compute_ms(progress->second.report.completed().compute_ms());
-        rank.set_memory_bytes(progress->second.report.completed().memory_bytes());
-        rank.set_straggler(active->stragglers.named().count(rank.rank()) > 0);
-      }
+      const int64_t now = clock_->SteadyMs();
+      ShownRanksLocked(*active, now, job.mutable_ranks());
       for (const auto& node_id : active->nodes) {
         auto node = nodes_.find(node_id);
         if (node == nodes_.end()) continue;
@@ -409,6 +403,89 @@ StatusOr<v1::Job> Coordinator::GetJob(const std::string& job_id) {
   // A job of an earlier coordinator, or one that ended a while ago: its stored record.
   writer_.Flush();
   return store_->GetJob(job_id);
+}
+
+void Coordinator::ShowProgressLocked(const ActiveJob& job, int64_t now, v1::RankInfo* rank) const {
+  auto progress = job.progress.find(rank->rank());
+  if (progress == job.progress.end()) return;
+  rank->set_last_step(progress->second.report.step());
+  rank->set_phase(progress->second.report.phase());
+  rank->set_progress_age_ms(progress->second.report.idle_ms() + now - progress->second.received_ms);
+  rank->set_work(DescribeWork(progress->second.report.work()));
+  rank->set_compute_ms(progress->second.report.completed().compute_ms());
+  rank->set_memory_bytes(progress->second.report.completed().memory_bytes());
+  rank->set_straggler(job.stragglers.named().count(rank->rank()) > 0);
+}
+
+void Coordinator::ShownRanksLocked(const ActiveJob& job, int64_t now,
+                                   google::protobuf::RepeatedPtrField<v1::RankInfo>* out) const {
+  if (!job.folded_ranks.empty()) {
+    v1::Job folded;
+    folded.ParseFromString(job.folded_ranks);
+    out->Swap(folded.mutable_ranks());
+    for (auto& rank : *out) {
+      if (!rank.phase().empty()) rank.set_progress_age_ms(rank.progress_age_ms() + now - job.folded_ms);
+    }
+    return;
+  }
+  out->Reserve(static_cast<int>(job.ranks.size()));
+  for (const auto& [index, rank] : job.ranks) {
+    v1::RankInfo* shown = out->Add();
+    *shown = rank;
+    ShowProgressLocked(job, now, shown);
+  }
+}
+
+void Coordinator::FoldRanksLocked(ActiveJob& job) {
+  if (!job.folded_ranks.empty() || (job.ranks.empty() && job.progress.empty())) return;
+  const int64_t now = clock_->SteadyMs();
+  // Written rank by rank as a v1::Job's `ranks` field, one record at a time: tens of thousands of
+  // records made at once only to be serialized would stay as free memory in this thread's arena.
+  {
+    google::protobuf::io::StringOutputStream stream(&job.folded_ranks);
+    google::protobuf::io::CodedOutputStream out(&stream);
+    v1::RankInfo shown;
+    for (const auto& [index, rank] : job.ranks) {
+      shown = rank;
+      ShowProgressLocked(job, now, &shown);
+      out.WriteTag(google::protobuf::internal::WireFormatLite::MakeTag(
+          v1::Job::kRanksFieldNumber, google::protobuf::internal::WireFormatLite::WIRETYPE_LENGTH_DELIMITED));
+      out.WriteVarint32(static_cast<uint32_t>(shown.ByteSizeLong()));
+      shown.SerializeWithCachedSizes(&out);
+    }
+  }
+  job.folded_ranks.shrink_to_fit();
+  job.folded_ms = now;
+  // Swapped out, so that their memory goes.
+  std::map<int, v1::RankInfo>().swap(job.ranks);
+  std::map<int, Progress>().swap(job.progress);
+  job.stragglers = StragglerTracker();
+}
+
+HeldFigures Coordinator::held_figures() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  HeldFigures held;
+  held.jobs = static_cast<int64_t>(jobs_.size());
+  for (const auto& [id, job] : jobs_) {
+    held.rank_records += static_cast<int64_t>(job.ranks.size() + job.progress.size());
+    held.folded_rank_bytes += static_cast<int64_t>(job.folded_ranks.size());
+  }
+  held.nodes = static_cast<int64_t>(nodes_.size());
+  held.rendezvous_keys = static_cast<int64_t>(kv_.size());
+  return held;
+}
+
+void Coordinator::UnfoldRanksLocked(ActiveJob& job) {
+  if (job.folded_ranks.empty()) return;
+  v1::Job folded;
+  folded.ParseFromString(job.folded_ranks);
+  std::string().swap(job.folded_ranks);
+  const int64_t folded_for = clock_->SteadyMs() - job.folded_ms;
+  for (v1::RankInfo& rank : *folded.mutable_ranks()) {
+    if (!rank.phase().empty()) rank.set_progress_age_ms(rank.progress_age_ms() + folded_for);
+    const int index = rank.rank();
+    job.ranks[index] = std::move(rank);
+  }
 }
 
 StatusOr<std::vector<v1::Job>> Coordinator::ListJobs(int limit) {
@@ -658,6 +735,14 @@ void Coordinator::Tick() {
   }
 
   for (auto& [id, job] : jobs_) {
+    if (IsFinal(job.job.state()) && job.folded_ranks.empty() && (!job.ranks.empty() || !job.progress.empty()) &&
+        now - job.ranks_changed_ms >= kFoldQuietMs) {
+      // Once none of its ranks runs, or a while after the end whatever they last said (a rank that
+      // reports later unfolds them).
+      const bool running = std::any_of(job.ranks.begin(), job.ranks.end(),
+                                       [](const auto& rank) { return rank.second.state() == "running"; });
+      if (!running || clock_->UnixMs() - job.job.updated_unix_ms() >= kFoldRanksAfterMs) FoldRanksLocked(job);
+    }
     if (job.job.state() == v1::JOB_STATE_RUNNING) {
       CheckHangLocked(job, now);
       CheckStragglersLocked(job);
@@ -698,8 +783,6 @@ void Coordinator::Tick() {
 
 void Coordinator::SweepLocked() {
   const int64_t now = clock_->UnixMs();
-  if (now < next_sweep_unix_ms_) return;
-  next_sweep_unix_ms_ = now + 3600 * 1000;
   for (auto it = jobs_.begin(); it != jobs_.end();) {
     const v1::Job& job = it->second.job;
     if (IsFinal(job.state()) && now - job.updated_unix_ms() >= options_.keep_finished_in_memory_ms) {
@@ -708,6 +791,8 @@ void Coordinator::SweepLocked() {
       ++it;
     }
   }
+  if (now < next_sweep_unix_ms_) return;
+  next_sweep_unix_ms_ = now + 3600 * 1000;
   if (options_.retain_ms <= 0) return;
   const int64_t cutoff = now - options_.retain_ms;
   const int64_t days = options_.retain_ms / (24 * 3600 * 1000);

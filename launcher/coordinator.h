@@ -85,8 +85,9 @@ struct CoordinatorOptions {
   int64_t retain_ms = 30LL * 24 * 3600 * 1000;
   // A job that ended is dropped from memory this long after (its record stays in the state).
   int64_t keep_finished_in_memory_ms = 10 * 60 * 1000;
-  // A node lost or gone this long, with nothing of it left to wait for, leaves `ltrain nodes` and
-  // memory (its record stays in the state), so that nodes that come and go do not add up.
+  // A node lost this long, with nothing of it left to wait for, leaves `ltrain nodes` and memory (its
+  // record stays in the state), so that nodes that come and go do not add up. One that left (Leave)
+  // is forgotten at once.
   int64_t forget_lost_nodes_ms = 3600 * 1000;
   // Followers get an event only once the state has it, so that whatever anyone saw survives this
   // coordinator (on for a state several coordinators share: a standby that takes over has every
@@ -172,6 +173,7 @@ class Coordinator {
   // The coordinator's own time by RPC kind (its services add to it) and its state writer's.
   RpcFigures& rpc_figures() { return rpc_figures_; }
   StateWriterFigures writer_figures() const { return writer_.Figures(); }
+  HeldFigures held_figures() const;
 
   // Every timed transition; idempotent, cheap, called every ~200 ms by the server.
   void Tick();
@@ -215,6 +217,11 @@ class Coordinator {
     std::set<int> ranks_exited_ok;
     std::map<int, Progress> progress;
     std::map<int, v1::RankInfo> ranks;  // as recorded in the state: GetJob answers without it
+    // A job that ended keeps its ranks, with what their progress said last, as one serialized list
+    // (FoldRanksLocked) once none runs: 80,000 ranks take a few MB so, against tens as records.
+    std::string folded_ranks;
+    int64_t folded_ms = 0;  // steady clock: when they were folded
+    int64_t ranks_changed_ms = 0;  // steady clock: a rank's latest report of its state
     int64_t generation_started_ms = 0;
     int64_t committed_at_start = 0;  // last committed step when the generation started
     bool resume_compared = false;    // rank 0's load of this generation held against committed_at_start
@@ -330,6 +337,13 @@ class Coordinator {
   // last applied for its rank is kept for hang detection and status, and gives the job rank 0's
   // step figures, the commit and the stop after a final checkpoint.
   void ApplyProgressLocked(ActiveJob& job, const v1::RankProgress& report);
+  // The job's ranks as GetJob shows them: each as recorded, with what its latest progress says.
+  void ShowProgressLocked(const ActiveJob& job, int64_t now, v1::RankInfo* rank) const;
+  void ShownRanksLocked(const ActiveJob& job, int64_t now, google::protobuf::RepeatedPtrField<v1::RankInfo>* out) const;
+  // A job that ended: its ranks and their progress into folded_ranks, and the records out of memory.
+  // UnfoldRanksLocked brings them back (a rank's report after the end).
+  void FoldRanksLocked(ActiveJob& job);
+  void UnfoldRanksLocked(ActiveJob& job);
   void RecordCommitLocked(ActiveJob& job, int64_t step, const std::string& path, int rank);
   void AddEventLocked(ActiveJob& job, const std::string& kind, const std::string& message, int rank);
   void FinishLocked(ActiveJob& job, v1::JobState state, const std::string& cause);
@@ -340,8 +354,8 @@ class Coordinator {
   void PersistJobLocked(ActiveJob& job);
   // Refuses new work while the state cannot be written.
   Status CheckStateWritable() const;
-  // Retention: removes old records (off the lock, on the writer's thread) and drops jobs that
-  // ended a while ago from memory.
+  // Drops jobs that ended keep_finished_in_memory_ms ago from memory (each tick) and, hourly,
+  // removes the records past the retention (off the lock, on the writer's thread).
   void SweepLocked();
   // Connected nodes running no job that can run `recipe`'s ranks: a cuda job needs a node with a GPU.
   std::vector<std::string> FreeNodesLocked(const Recipe& recipe) const;
@@ -355,6 +369,10 @@ class Coordinator {
 
   // Tick's rule for heartbeats that stop on many nodes at once (coordinator.cc).
   static constexpr int kMassSilenceNodes = 3;
+  // A job that ended has its ranks folded (FoldRanksLocked) once none runs, or kFoldRanksAfterMs
+  // after the end, and kFoldQuietMs after a rank's latest report.
+  static constexpr int64_t kFoldRanksAfterMs = 30000;
+  static constexpr int64_t kFoldQuietMs = 2000;
   static constexpr double kMassSilenceFactor = 3.0;
   bool mass_silence_reported_ = false;
   mutable std::mutex mu_;

@@ -150,6 +150,9 @@ void Coordinator::NodeLeaving(const std::string& node_id, const std::string& rea
     FinishLocked(*job, v1::JOB_STATE_STOPPED, "node " + node_id + " left: " + reason);
   }
   LoseNodeLocked(node_id, "it left: " + reason, /*expected=*/true);
+  // A node that said goodbye leaves `ltrain nodes` and memory at once (its record stays in the
+  // state, its jobs were told): only lost nodes are kept on show, for forget_lost_nodes_ms.
+  nodes_.erase(node_id);
 }
 
 void Coordinator::NodeDisconnected(const std::string& node_id, int64_t token) {

@@ -57,6 +57,7 @@ void Coordinator::ApplyProgressLocked(ActiveJob& job, const v1::RankProgress& re
   // with a rank's newest commit can come before the ordered reports of the commits made meanwhile:
   // those still reach the ledger.
   RecordCommitLocked(job, report.committed_step(), report.committed_path(), report.rank());
+  if (!job.folded_ranks.empty()) return;  // the job ended: its ranks' last progress is folded
   auto [found, added] = job.progress.try_emplace(report.rank());
   Progress& progress = found->second;
   // Otherwise an older report than one already applied (its news is in the newer one) changes nothing.
@@ -193,6 +194,8 @@ Status Coordinator::ReportWorkerStateLocked(const v1::WorkerStateReport& report,
   rank.set_log_path(report.log_path());
   // The step it was in when it exited stays with the rank after the job (and the coordinator) ended.
   if (report.has_progress()) rank.set_last_step(report.progress().step());
+  UnfoldRanksLocked(*job);  // a report after the end
+  job->ranks_changed_ms = clock_->SteadyMs();
   job->ranks[rank.rank()] = rank;
   writer_.Enqueue("record rank " + std::to_string(rank.rank()) + " of " + job->job.id(),
                   [id = job->job.id(), rank](StateStore& store) { return store.UpsertRank(id, rank); });

@@ -421,6 +421,11 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const Coor
   if (options.security.token.empty()) {
     return InvalidArgument("a coordinator always requires a bearer token (SecurityMaterial::token is empty)");
   }
+  // Fixed thresholds: glibc otherwise raises them as large blocks come and go (up to 32 MB for
+  // mmap, twice that for trimming), and each arena then keeps that much free memory after
+  // thousands of agents' connections are gone.
+  ::mallopt(M_MMAP_THRESHOLD, 256 * 1024);
+  ::mallopt(M_TRIM_THRESHOLD, 128 * 1024);
   std::unique_ptr<CoordinatorServer> server(new CoordinatorServer());
   if (store) {
     server->store_ = std::move(store);

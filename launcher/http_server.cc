@@ -126,7 +126,7 @@ std::string MetricsPage(Coordinator& coordinator) {
     }
   }
   return PrometheusText(jobs, coordinator.ListNodes()) +
-         ServerFiguresText(coordinator.rpc_figures(), coordinator.writer_figures());
+         ServerFiguresText(coordinator.rpc_figures(), coordinator.writer_figures(), coordinator.held_figures());
 }
 
 namespace {

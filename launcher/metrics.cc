@@ -285,7 +285,7 @@ std::string PrometheusText(const std::vector<v1::Job>& jobs, const std::vector<v
   return out;
 }
 
-std::string ServerFiguresText(const RpcFigures& rpc, const StateWriterFigures& writer) {
+std::string ServerFiguresText(const RpcFigures& rpc, const StateWriterFigures& writer, const HeldFigures& held) {
   std::string out;
   constexpr int kKinds = static_cast<int>(RpcKind::kCount);
   {
@@ -309,6 +309,17 @@ std::string ServerFiguresText(const RpcFigures& rpc, const StateWriterFigures& w
       .Sample({}, writer.nanos / 1e9);
   Family(out, "ltrain_coordinator_state_writes_queued", "gauge", "Writes waiting for the state writer.")
       .Sample({}, double(writer.queued));
+  Family(out, "ltrain_coordinator_jobs_held", "gauge", "Jobs in the coordinator's memory: running, and those that ended lately.")
+      .Sample({}, double(held.jobs));
+  Family(out, "ltrain_coordinator_rank_records_held", "gauge",
+         "Ranks' records and progress entries in memory (a job that ended has them folded).")
+      .Sample({}, double(held.rank_records));
+  Family(out, "ltrain_coordinator_folded_rank_bytes", "gauge", "Bytes of the folded ranks of jobs that ended.")
+      .Sample({}, double(held.folded_rank_bytes));
+  Family(out, "ltrain_coordinator_nodes_held", "gauge", "Nodes in memory: connected, and lost ones kept a while.")
+      .Sample({}, double(held.nodes));
+  Family(out, "ltrain_coordinator_rendezvous_keys", "gauge", "Rendezvous keys held.")
+      .Sample({}, double(held.rendezvous_keys));
   return out;
 }
 

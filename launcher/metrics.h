@@ -34,7 +34,7 @@ std::string PrometheusText(const std::vector<v1::Job>& jobs, const std::vector<v
 //   longest call since the start), ltrain_coordinator_state_writes_total,
 //   ltrain_coordinator_state_write_batches_total, ltrain_coordinator_state_write_seconds_total, and
 //   the gauge ltrain_coordinator_state_writes_queued.
-std::string ServerFiguresText(const RpcFigures& rpc, const StateWriterFigures& writer);
+std::string ServerFiguresText(const RpcFigures& rpc, const StateWriterFigures& writer, const HeldFigures& held);
 
 // A label value as the format wants it: backslash, double quote and line feed escaped.
 std::string EscapeLabelValue(const std::string& value);

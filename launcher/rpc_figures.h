@@ -87,4 +87,15 @@ struct StateWriterFigures {
   int64_t queued = 0;
 };
 
+// What the coordinator holds in memory: the jobs (running, and those that ended in the last
+// keep_finished_in_memory_ms), their ranks' records and progress entries (those of a job that ended
+// are folded into bytes), the nodes (lost ones kept a while) and the rendezvous keys.
+struct HeldFigures {
+  int64_t jobs = 0;
+  int64_t rank_records = 0;
+  int64_t folded_rank_bytes = 0;
+  int64_t nodes = 0;
+  int64_t rendezvous_keys = 0;
+};
+
 }  // namespace ltrain::launcher

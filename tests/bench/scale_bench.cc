@@ -29,6 +29,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "common/mutex_tracking.h"
 #include "common/transport_security.h"
 #include "ltrain/v1/ltrain.grpc.pb.h"
 #include "tests/support/http_get.h"
@@ -183,6 +184,8 @@ constexpr const char* kMetricsToken = "scale-bench-metrics-token";
 struct CoordinatorTime {
   std::map<std::string, std::array<double, 3>> rpc;  // kind -> calls, seconds, longest
   double writes = 0, write_batches = 0, write_seconds = 0, queued = 0;
+  // What it holds in memory (HeldFigures).
+  double jobs_held = 0, rank_records = 0, folded_rank_bytes = 0, nodes_held = 0, rendezvous_keys = 0;
   bool read = false;
 };
 
@@ -200,6 +203,11 @@ CoordinatorTime ScrapeCoordinator(int http_port) {
     if (sample.name == "ltrain_coordinator_state_write_batches_total") t.write_batches = sample.value;
     if (sample.name == "ltrain_coordinator_state_write_seconds_total") t.write_seconds = sample.value;
     if (sample.name == "ltrain_coordinator_state_writes_queued") t.queued = sample.value;
+    if (sample.name == "ltrain_coordinator_jobs_held") t.jobs_held = sample.value;
+    if (sample.name == "ltrain_coordinator_rank_records_held") t.rank_records = sample.value;
+    if (sample.name == "ltrain_coordinator_folded_rank_bytes") t.folded_rank_bytes = sample.value;
+    if (sample.name == "ltrain_coordinator_nodes_held") t.nodes_held = sample.value;
+    if (sample.name == "ltrain_coordinator_rendezvous_keys") t.rendezvous_keys = sample.value;
   }
   t.read = true;
   return t;
@@ -498,6 +506,11 @@ int RunOne(const Options& o, int n) {
   const ProcessFigures left = ReadProcess(coordinator.pid());
   std::printf("agents %d: after the job stopped and they left, coordinator memory %.1f MB, threads %d\n", n,
               static_cast<double>(left.rss_kb) / 1024.0, left.threads);
+  if (const CoordinatorTime held = ScrapeCoordinator(http_port); held.read) {
+    std::printf("agents %d: the coordinator then holds %.0f job(s), %.0f rank records, %.2f MB of folded ranks, "
+                "%.0f node(s), %.0f rendezvous key(s)\n",
+                n, held.jobs_held, held.rank_records, held.folded_rank_bytes / 1e6, held.nodes_held, held.rendezvous_keys);
+  }
   std::fflush(stdout);
   coordinator.Signal(SIGTERM);
   coordinator.Wait(std::chrono::seconds(20));
@@ -508,6 +521,7 @@ int RunOne(const Options& o, int n) {
 }  // namespace ltrain::bench
 
 int main(int argc, char** argv) {
+  ltrain::StopMutexOrderTracking();  // as the agents do (ltrain's main)
   ltrain::bench::Options o;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string flag = argv[i], value = argv[i + 1];

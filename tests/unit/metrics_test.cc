@@ -199,15 +199,16 @@ TEST(MetricsTest, TheReaderRefusesMalformedText) {
 namespace ltrain::launcher {
 namespace {
 
-// The coordinator's own time by RPC kind and its state writer's: valid text, each kind its calls,
-// seconds and longest call; the page's job and node series and these parse as one page.
+// The coordinator's own time by RPC kind, its state writer's and what it holds: valid text, each kind
+// its calls, seconds and longest call; the page's job and node series and these parse as one page.
 TEST(MetricsTest, TheCoordinatorsOwnTimeIsSeriesByRpcKind) {
   RpcFigures rpc;
   rpc.Add(RpcKind::kHeartbeat, 2'000'000);
   rpc.Add(RpcKind::kHeartbeat, 6'000'000);
   rpc.Add(RpcKind::kKvGetAnswered, 1'500'000'000);
   StateWriterFigures writer{80000, 313, 2'500'000'000, 17};
-  const std::string text = PrometheusText({}, {}) + ServerFiguresText(rpc, writer);
+  HeldFigures held{1, 0, 2'400'000, 3, 0};
+  const std::string text = PrometheusText({}, {}) + ServerFiguresText(rpc, writer, held);
   const ltrain::testing::PrometheusParse parse = ltrain::testing::ParsePrometheusText(text);
   ASSERT_TRUE(parse.error.empty()) << parse.error << "\n" << text;
   auto value = [&](const std::string& name, const std::string& kind) {
@@ -228,6 +229,11 @@ TEST(MetricsTest, TheCoordinatorsOwnTimeIsSeriesByRpcKind) {
   EXPECT_EQ(value("ltrain_coordinator_state_write_batches_total", ""), 313);
   EXPECT_DOUBLE_EQ(value("ltrain_coordinator_state_write_seconds_total", ""), 2.5);
   EXPECT_EQ(value("ltrain_coordinator_state_writes_queued", ""), 17);
+  EXPECT_EQ(value("ltrain_coordinator_jobs_held", ""), 1);
+  EXPECT_EQ(value("ltrain_coordinator_rank_records_held", ""), 0);
+  EXPECT_EQ(value("ltrain_coordinator_folded_rank_bytes", ""), 2400000);
+  EXPECT_EQ(value("ltrain_coordinator_nodes_held", ""), 3);
+  EXPECT_EQ(value("ltrain_coordinator_rendezvous_keys", ""), 0);
   EXPECT_EQ(parse.types.at("ltrain_coordinator_rpc_calls_total"), "counter");
 }
 
