@@ -210,7 +210,7 @@ bool Coordinator::StartGenerationLocked(ActiveJob& job, std::vector<std::string>
       job.placed = *start;
       job.placed.clear_workers();
     }
-    QueueCommandLocked(node, command);
+    QueueCommandLocked(node, std::move(command));
     placement += (placement.empty() ? "" : ", ") + RankRange(i * nproc, i * nproc + nproc - 1) + " on " + nodes[i] +
                  " (" + node.facts.hostname() + ")";
   }
@@ -629,7 +629,7 @@ StatusOr<std::vector<v1::Event>> Coordinator::WaitEvents(const std::string& job_
 
 void Coordinator::QueueCommandLocked(NodeState& node, v1::Command command) {
   if (node.deliver) {
-    node.deliver(command);
+    node.deliver(std::move(command));
   } else {
     node.commands.push_back(std::move(command));
   }

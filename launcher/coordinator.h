@@ -131,7 +131,7 @@ class Coordinator {
   // the node's commands go to it as they are queued (the queue so far first), called with the
   // coordinator's lock held: it must not call back into the coordinator. Without it they wait for
   // WaitCommand.
-  using CommandSink = std::function<void(const v1::Command&)>;
+  using CommandSink = std::function<void(v1::Command)>;
   int64_t NodeConnected(const std::string& node_id, const v1::NodeFacts& facts,
                         const std::vector<v1::RunningWorker>& running = {}, CommandSink deliver = nullptr);
   void NodeDisconnected(const std::string& node_id, int64_t token);

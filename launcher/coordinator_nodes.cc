@@ -28,7 +28,7 @@ int64_t Coordinator::NodeConnected(const std::string& node_id, const v1::NodeFac
   node.deliver = std::move(deliver);
   if (node.deliver) {
     while (!node.commands.empty()) {
-      node.deliver(node.commands.front());
+      node.deliver(std::move(node.commands.front()));
       node.commands.pop_front();
     }
   }

@@ -3,11 +3,13 @@
 #include <malloc.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <deque>
 #include <functional>
 #include <filesystem>
 #include <memory>
 #include <mutex>
+#include <thread>
 
 #include "common/files.h"
 #include "common/logging.h"
@@ -141,20 +143,73 @@ class JobServiceImpl final : public v1::JobService::Service {
   LinkMaker link_;
 };
 
+}  // namespace
+
+// Runs tasks in order on a thread of its own: the command streams' first writes after a quiet
+// spell. Starting a gRPC write costs about 30 µs (it may write to the socket at once), and the
+// coordinator hands commands over under its lock: a placement on 10,000 nodes held it 0.3 s.
+class WriteStarter {
+ public:
+  WriteStarter() : thread_([this] { Run(); }) {}
+  ~WriteStarter() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stop_ = true;
+    }
+    cv_.notify_one();
+    thread_.join();
+  }
+  WriteStarter(const WriteStarter&) = delete;
+  WriteStarter& operator=(const WriteStarter&) = delete;
+
+  void Post(std::function<void()> task) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      tasks_.push_back(std::move(task));
+    }
+    cv_.notify_one();
+  }
+
+ private:
+  void Run() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock, [&] { return stop_ || !tasks_.empty(); });
+      if (tasks_.empty()) return;  // stopping, with every task run
+      std::deque<std::function<void()>> batch;
+      batch.swap(tasks_);
+      lock.unlock();
+      for (auto& task : batch) task();
+      lock.lock();
+    }
+  }
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<std::function<void()>> tasks_;
+  bool stop_ = false;
+  std::thread thread_;
+};
+
+namespace {
+
 // One agent's command stream on gRPC's callback API: no thread waits for an agent. The coordinator
 // hands each command to the stream as it queues it (Deliver, under the coordinator's lock, so it
-// only queues here), and each finished write starts the next.
+// only queues here and leaves the write's start to the WriteStarter), and each finished write
+// starts the next.
 class CommandStream final : public grpc::ServerWriteReactor<v1::Command> {
  public:
-  CommandStream(Coordinator* coordinator, const v1::RegisterRequest& request)
+  CommandStream(Coordinator* coordinator, WriteStarter* starter, const v1::RegisterRequest& request)
       : coordinator_(coordinator), node_id_(request.node_id()), state_(std::make_shared<State>()) {
     state_->stream = this;
+    state_->starter = starter;
+    state_->self = state_;
     // An empty first message tells the agent it is registered.
     state_->pending.emplace_back();
     std::weak_ptr<State> weak = state_;
     token_ = coordinator_->NodeConnected(node_id_, request.facts(), {request.running().begin(), request.running().end()},
-                                         [weak](const v1::Command& command) {
-                                           if (std::shared_ptr<State> state = weak.lock()) state->Deliver(command);
+                                         [weak](v1::Command command) {
+                                           if (std::shared_ptr<State> state = weak.lock()) state->Deliver(std::move(command));
                                          });
     std::lock_guard<std::mutex> lock(state_->mu);
     state_->WriteNextLocked();
@@ -189,15 +244,26 @@ class CommandStream final : public grpc::ServerWriteReactor<v1::Command> {
   struct State {
     std::mutex mu;
     CommandStream* stream = nullptr;  // null once the call is done
+    WriteStarter* starter = nullptr;
+    std::weak_ptr<State> self;
     std::deque<v1::Command> pending;  // the front is being written while `writing`
     bool writing = false;
+    bool start_posted = false;        // a WriteStarter task will start the next write
     bool finished = false;
 
-    void Deliver(const v1::Command& command) {
+    void Deliver(v1::Command command) {
       std::lock_guard<std::mutex> lock(mu);
       if (stream == nullptr || finished) return;
-      pending.push_back(command);
-      WriteNextLocked();
+      pending.push_back(std::move(command));
+      if (writing || start_posted) return;  // OnWriteDone or the posted task takes it
+      start_posted = true;
+      starter->Post([weak = self] {
+        if (std::shared_ptr<State> state = weak.lock()) {
+          std::lock_guard<std::mutex> lock(state->mu);
+          state->start_posted = false;
+          state->WriteNextLocked();
+        }
+      });
     }
     void WriteNextLocked() {
       if (writing || finished || pending.empty() || stream == nullptr) return;
@@ -228,7 +294,8 @@ class Refusal final : public grpc::ServerWriteReactor<v1::Command> {
 // Every agent call on gRPC's callback API: a node costs no thread, however many there are.
 class AgentServiceImpl final : public v1::AgentService::CallbackService {
  public:
-  AgentServiceImpl(Coordinator* coordinator, std::string token) : coordinator_(coordinator), token_(std::move(token)) {}
+  AgentServiceImpl(Coordinator* coordinator, WriteStarter* starter, std::string token)
+      : coordinator_(coordinator), starter_(starter), token_(std::move(token)) {}
 
   grpc::ServerWriteReactor<v1::Command>* Connect(grpc::CallbackServerContext* context,
                                                  const v1::RegisterRequest* request) override {
@@ -240,7 +307,7 @@ class AgentServiceImpl final : public v1::AgentService::CallbackService {
       return new Refusal(grpc::Status(grpc::StatusCode::UNAVAILABLE, "coordinator is shutting down"));
     }
     const RpcTimer timer(&coordinator_->rpc_figures(), RpcKind::kConnect);
-    return new CommandStream(coordinator_, *request);
+    return new CommandStream(coordinator_, starter_, *request);
   }
 
   grpc::ServerUnaryReactor* Heartbeat(grpc::CallbackServerContext* context, const v1::HeartbeatRequest* request,
@@ -284,6 +351,7 @@ class AgentServiceImpl final : public v1::AgentService::CallbackService {
   }
 
   Coordinator* coordinator_;
+  WriteStarter* starter_;
   std::string token_;
 };
 
@@ -450,7 +518,8 @@ StatusOr<std::unique_ptr<CoordinatorServer>> CoordinatorServer::Start(const Coor
   server->job_service_ = std::make_unique<JobServiceImpl>(
       server->coordinator_.get(), token, options.warning,
       [self](const std::string& job_id) { return self->DashboardLink(job_id); });
-  server->agent_service_ = std::make_unique<AgentServiceImpl>(server->coordinator_.get(), token);
+  server->write_starter_ = std::make_unique<WriteStarter>();
+  server->agent_service_ = std::make_unique<AgentServiceImpl>(server->coordinator_.get(), server->write_starter_.get(), token);
   server->rendezvous_service_ = std::make_unique<RendezvousServiceImpl>(server->coordinator_.get(), token);
 
   server->health_service_ = std::make_unique<HealthServiceImpl>(server->coordinator_.get(), token);

@@ -41,6 +41,8 @@ struct CoordinatorServerOptions {
   std::string warning;
 };
 
+class WriteStarter;
+
 class CoordinatorServer {
  public:
   // With `store`, the state is kept there (an etcd cluster's); without, in SQLite under state_dir.
@@ -65,6 +67,8 @@ class CoordinatorServer {
   RealClock clock_;
   std::unique_ptr<StateStore> store_;
   std::unique_ptr<Coordinator> coordinator_;
+  // The command streams' write starts (coordinator_server.cc); it outlives the services and server.
+  std::unique_ptr<WriteStarter> write_starter_;
   std::unique_ptr<grpc::Service> job_service_, agent_service_, rendezvous_service_, health_service_;
   std::unique_ptr<grpc::Server> server_;
   std::mutex http_mu_;  // DashboardLink (RPC threads) against Shutdown's reset of http_
