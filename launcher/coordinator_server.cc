@@ -44,6 +44,7 @@ class JobServiceImpl final : public v1::JobService::Service {
 
   grpc::Status SubmitJob(grpc::ServerContext* context, const v1::SubmitJobRequest* request, v1::SubmitJobReply* reply) override {
     if (grpc::Status denied = CheckBearerToken(*context, token_); !denied.ok()) return denied;
+    const RpcTimer timer(&coordinator_->rpc_figures(), RpcKind::kSubmitJob);
     StatusOr<v1::Job> job = coordinator_->Submit(request->recipe_yaml(), request->source_name());
     SetStatus(reply->mutable_status(), job.status());
     if (job.ok()) *reply->mutable_job() = *job;

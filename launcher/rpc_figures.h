@@ -22,13 +22,14 @@ enum class RpcKind {
   kKvSet,
   kKvGet,          // the handler: the keys looked up, a waiter registered
   kKvGetAnswered,  // from the handler's start to the answer (the wait for the keys included)
+  kSubmitJob,      // the job recorded and, where nodes are free, placed
   kCount,
 };
 
 // The label a kind goes by in /metrics.
 inline const char* RpcKindName(RpcKind kind) {
   static constexpr const char* kNames[] = {"Connect", "Heartbeat", "ReportWorkerState", "ReportProgress", "Leave",
-                                           "PushLogs", "KvSet", "KvGet", "KvGetAnswered"};
+                                           "PushLogs", "KvSet", "KvGet", "KvGetAnswered", "SubmitJob"};
   return kNames[static_cast<int>(kind)];
 }
 
