@@ -195,6 +195,19 @@ Status Coordinator::ReportWorkerStateLocked(const v1::WorkerStateReport& report,
   // The step it was in when it exited stays with the rank after the job (and the coordinator) ended.
   if (report.has_progress()) rank.set_last_step(report.progress().step());
   UnfoldRanksLocked(*job);  // a report after the end
+  // A record that was folded has the rank's last progress in it (a phase; the progress entry went
+  // with the fold): kept.
+  if (auto folded = job->ranks.find(rank.rank());
+      folded != job->ranks.end() && !folded->second.phase().empty() && job->progress.count(rank.rank()) == 0) {
+    const v1::RankInfo& before = folded->second;
+    if (!report.has_progress()) rank.set_last_step(before.last_step());
+    rank.set_phase(before.phase());
+    rank.set_progress_age_ms(before.progress_age_ms());
+    rank.set_work(before.work());
+    rank.set_compute_ms(before.compute_ms());
+    rank.set_memory_bytes(before.memory_bytes());
+    rank.set_straggler(before.straggler());
+  }
   job->ranks_changed_ms = clock_->SteadyMs();
   job->ranks[rank.rank()] = rank;
   writer_.Enqueue("record rank " + std::to_string(rank.rank()) + " of " + job->job.id(),

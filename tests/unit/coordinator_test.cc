@@ -310,9 +310,16 @@ TEST_F(CoordinatorTest, AFinishedJobsRanksAreFoldedWithNothingLost) {
   EXPECT_EQ(unfolded.ranks(0).signal(), 6);
   EXPECT_EQ(unfolded.ranks(1).last_step(), 3);
   EXPECT_EQ(coordinator_->held_figures().folded_rank_bytes, 0);
+  // A late report of the rank whose progress was folded keeps it.
+  ASSERT_TRUE(coordinator_->ReportWorkerState(Exit(id, 1, 0, 6)).ok());
+  const v1::RankInfo rank1 = coordinator_->GetJob(id)->ranks(1);
+  EXPECT_EQ(rank1.signal(), 6);
+  EXPECT_EQ(rank1.last_step(), 3);
+  EXPECT_EQ(rank1.phase(), "forward");
   clock_.AdvanceMs(2000);
   tick();
   EXPECT_EQ(coordinator_->GetJob(id)->ranks(0).signal(), 6);
+  EXPECT_EQ(coordinator_->GetJob(id)->ranks(1).last_step(), 3);
   EXPECT_GT(coordinator_->held_figures().folded_rank_bytes, 0);
 }
 
