@@ -477,12 +477,10 @@ HeldFigures Coordinator::held_figures() const {
 
 void Coordinator::UnfoldRanksLocked(ActiveJob& job) {
   if (job.folded_ranks.empty()) return;
-  v1::Job folded;
-  folded.ParseFromString(job.folded_ranks);
+  google::protobuf::RepeatedPtrField<v1::RankInfo> shown;
+  ShownRanksLocked(job, clock_->SteadyMs(), &shown);
   std::string().swap(job.folded_ranks);
-  const int64_t folded_for = clock_->SteadyMs() - job.folded_ms;
-  for (v1::RankInfo& rank : *folded.mutable_ranks()) {
-    if (!rank.phase().empty()) rank.set_progress_age_ms(rank.progress_age_ms() + folded_for);
+  for (v1::RankInfo& rank : shown) {
     const int index = rank.rank();
     job.ranks[index] = std::move(rank);
   }
@@ -735,8 +733,7 @@ void Coordinator::Tick() {
   }
 
   for (auto& [id, job] : jobs_) {
-    if (IsFinal(job.job.state()) && job.folded_ranks.empty() && (!job.ranks.empty() || !job.progress.empty()) &&
-        now - job.ranks_changed_ms >= kFoldQuietMs) {
+    if (IsFinal(job.job.state()) && now - job.ranks_changed_ms >= kFoldQuietMs) {
       // Once none of its ranks runs, or a while after the end whatever they last said (a rank that
       // reports later unfolds them).
       const bool running = std::any_of(job.ranks.begin(), job.ranks.end(),

@@ -204,7 +204,6 @@ class CommandStream final : public grpc::ServerWriteReactor<v1::Command> {
       : coordinator_(coordinator), node_id_(request.node_id()), state_(std::make_shared<State>()) {
     state_->stream = this;
     state_->starter = starter;
-    state_->self = state_;
     // An empty first message tells the agent it is registered.
     state_->pending.emplace_back();
     std::weak_ptr<State> weak = state_;
@@ -242,11 +241,10 @@ class CommandStream final : public grpc::ServerWriteReactor<v1::Command> {
   }
 
  private:
-  struct State {
+  struct State : std::enable_shared_from_this<State> {
     std::mutex mu;
     CommandStream* stream = nullptr;  // null once the call is done
     WriteStarter* starter = nullptr;
-    std::weak_ptr<State> self;
     std::deque<v1::Command> pending;  // the front is being written while `writing`
     bool writing = false;
     bool start_posted = false;        // a WriteStarter task will start the next write
@@ -258,7 +256,7 @@ class CommandStream final : public grpc::ServerWriteReactor<v1::Command> {
       pending.push_back(std::move(command));
       if (writing || start_posted) return;  // OnWriteDone or the posted task takes it
       start_posted = true;
-      starter->Post([weak = self] {
+      starter->Post([weak = weak_from_this()] {
         if (std::shared_ptr<State> state = weak.lock()) {
           std::lock_guard<std::mutex> lock(state->mu);
           state->start_posted = false;
