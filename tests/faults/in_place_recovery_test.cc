@@ -95,12 +95,12 @@ std::string InPlaceRecoveryTest::RunKilled(int tp, const std::string& kill, int 
   const std::string plain_dir = dir_.Join("ck-plain"), killed_dir = dir_.Join("ck-killed");
   ProcessResult plain =
       RunProcess({LtrainBinary(), "launch", Recipe("plain", plain_dir, tp, zero)}, Env(), std::chrono::seconds(300));
-  EXPECT_EQ(plain.exit_code, 0) << plain.output;
+  EXPECT_EQ(plain.exit_code, 0) << WithoutStepLines(plain.output);
   std::map<std::string, std::string> env = Env();
   env["LTRAIN_FAULT_KILL"] = kill;
   ProcessResult run =
       RunProcess({LtrainBinary(), "launch", Recipe("killed", killed_dir, tp, zero)}, env, std::chrono::seconds(300));
-  EXPECT_EQ(run.exit_code, 0) << run.output;
+  EXPECT_EQ(run.exit_code, 0) << WithoutStepLines(run.output);
   const std::string& out = run.output;
 
   // The same generation: no restart of the job, and no rank read a checkpoint.
@@ -114,14 +114,14 @@ std::string InPlaceRecoveryTest::RunKilled(int tp, const std::string& kill, int 
   EXPECT_EQ(job.recoveries(), 1);
   EXPECT_EQ(job.lost_steps(), lost);
   EXPECT_NE(run.output.find("; work lost: " + std::to_string(lost) + (lost == 1 ? " step" : " steps")), std::string::npos)
-      << run.output;
-  EXPECT_EQ(out.find("generation 1"), std::string::npos) << out;
-  EXPECT_EQ(out.find("resumed from"), std::string::npos) << out;
+      << WithoutStepLines(run.output);
+  EXPECT_EQ(out.find("generation 1"), std::string::npos) << WithoutStepLines(out);
+  EXPECT_EQ(out.find("resumed from"), std::string::npos) << WithoutStepLines(out);
 
   // Steps trained = steps asked, each once, and every loss after the kill is the uninterrupted run's.
   std::map<int, std::string> a = LossLines(plain.output), b = LossLines(out);
-  EXPECT_EQ(a.size(), static_cast<size_t>(kSteps)) << plain.output;
-  EXPECT_EQ(b.size(), static_cast<size_t>(kSteps)) << out;
+  EXPECT_EQ(a.size(), static_cast<size_t>(kSteps)) << WithoutStepLines(plain.output);
+  EXPECT_EQ(b.size(), static_cast<size_t>(kSteps)) << WithoutStepLines(out);
   for (int s = 1; s <= kSteps; ++s) EXPECT_EQ(a[s], b[s]) << "step " << s;
   // And so are the parameters and moments the final checkpoint holds, byte for byte.
   std::map<std::string, std::string> fa = FinalFiles(plain_dir), fb = FinalFiles(killed_dir);
@@ -135,24 +135,24 @@ std::string InPlaceRecoveryTest::RunKilled(int tp, const std::string& kill, int 
 void InPlaceRecoveryTest::KillAndCompare(int tp, int killed, int source) {
   const std::string k = std::to_string(killed);
   const std::string out = RunKilled(tp, std::to_string(kKillStep) + ":" + k, 1);
-  EXPECT_NE(out.find("[rank " + k + "] rank " + k + ": killing itself after step 50 at "), std::string::npos) << out;
+  EXPECT_NE(out.find("[rank " + k + "] rank " + k + ": killing itself after step 50 at "), std::string::npos) << WithoutStepLines(out);
   // The survivors kept their processes: each started once; the killed rank twice, the second time as
   // the replacement that received the state of step 50 from a peer of its data-parallel group.
   std::map<int, std::vector<std::string>> pids = Pids(out);
   for (int rank = 0; rank < 4; ++rank) {
     if (rank == killed) continue;
-    EXPECT_EQ(pids[rank].size(), 1u) << "rank " << rank << "\n" << out;
+    EXPECT_EQ(pids[rank].size(), 1u) << "rank " << rank << "\n" << WithoutStepLines(out);
     EXPECT_NE(out.find("[rank " + std::to_string(rank) + "] rank " + std::to_string(rank) + ": joined membership 1"),
               std::string::npos)
-        << out;
+        << WithoutStepLines(out);
   }
-  ASSERT_EQ(pids[killed].size(), 2u) << out;
+  ASSERT_EQ(pids[killed].size(), 2u) << WithoutStepLines(out);
   EXPECT_NE(pids[killed][0], pids[killed][1]);
   EXPECT_NE(out.find("[rank " + k + "] rank " + k + ": received the state of step 50 from rank " + std::to_string(source)),
             std::string::npos)
-      << out;
-  EXPECT_NE(out.find("replacing rank " + k + " in place"), std::string::npos) << out;
-  EXPECT_NE(out.find("rank " + k + " is back"), std::string::npos) << out;
+      << WithoutStepLines(out);
+  EXPECT_NE(out.find("replacing rank " + k + " in place"), std::string::npos) << WithoutStepLines(out);
+  EXPECT_NE(out.find("rank " + k + " is back"), std::string::npos) << WithoutStepLines(out);
 }
 
 TEST_F(InPlaceRecoveryTest, AKilledRankOfDp4IsReplacedInPlaceAndTheRunEqualsAnUninterruptedOne) {
@@ -169,20 +169,20 @@ TEST_F(InPlaceRecoveryTest, AKilledRankOfDp2Tp2IsFilledByItsDataParallelPeer) {
 // take their state from a survivor.
 TEST_F(InPlaceRecoveryTest, ASecondKillWhileTheFirstRecoveryRunsIsReplacedToo) {
   const std::string out = RunKilled(/*tp=*/1, "50:2,recovery:3", 2);
-  EXPECT_NE(out.find("[rank 3] rank 3: killing itself as it begins to recover"), std::string::npos) << out;
+  EXPECT_NE(out.find("[rank 3] rank 3: killing itself as it begins to recover"), std::string::npos) << WithoutStepLines(out);
   std::map<int, std::vector<std::string>> pids = Pids(out);
   for (int rank : {0, 1}) {
-    EXPECT_EQ(pids[rank].size(), 1u) << "rank " << rank << "\n" << out;
+    EXPECT_EQ(pids[rank].size(), 1u) << "rank " << rank << "\n" << WithoutStepLines(out);
     EXPECT_NE(out.find("[rank " + std::to_string(rank) + "] rank " + std::to_string(rank) + ": joined membership 2"),
               std::string::npos)
-        << out;
+        << WithoutStepLines(out);
   }
   for (int rank : {2, 3}) {
-    EXPECT_EQ(pids[rank].size(), 2u) << "rank " << rank << "\n" << out;
+    EXPECT_EQ(pids[rank].size(), 2u) << "rank " << rank << "\n" << WithoutStepLines(out);
     EXPECT_NE(out.find("[rank " + std::to_string(rank) + "] rank " + std::to_string(rank) +
                        ": received the state of step 50 from rank 0"),
               std::string::npos)
-        << out;
+        << WithoutStepLines(out);
   }
 }
 
@@ -194,18 +194,18 @@ TEST_F(InPlaceRecoveryTest, AKilledRankOfDp4UnderZero1IsFilledFromTheCopyOfItsSh
   const std::string out = RunKilled(/*tp=*/1, "50:2", 1, /*zero=*/1);
   std::map<int, std::vector<std::string>> pids = Pids(out);
   for (int rank : {0, 1, 3}) {
-    EXPECT_EQ(pids[rank].size(), 1u) << "rank " << rank << "\n" << out;
+    EXPECT_EQ(pids[rank].size(), 1u) << "rank " << rank << "\n" << WithoutStepLines(out);
     EXPECT_NE(out.find("[rank " + std::to_string(rank) + "] rank " + std::to_string(rank) +
                        ": went back to its copy of step 49 (1 completed step(s) to train again)"),
               std::string::npos)
-        << out;
+        << WithoutStepLines(out);
   }
-  EXPECT_EQ(pids[2].size(), 2u) << out;
-  EXPECT_NE(out.find("[rank 2] rank 2: received its shard of step 49 from rank 3's memory"), std::string::npos) << out;
+  EXPECT_EQ(pids[2].size(), 2u) << WithoutStepLines(out);
+  EXPECT_NE(out.find("[rank 2] rank 2: received its shard of step 49 from rank 3's memory"), std::string::npos) << WithoutStepLines(out);
   EXPECT_NE(out.find("[rank 3] rank 3: went back to its copy of step 49 (1 completed step(s) to train again); sent "
                      "the copy it held to rank(s) 2"),
             std::string::npos)
-      << out;
+      << WithoutStepLines(out);
 }
 
 // Rank 2 dies, then rank 3, which held the only copy of rank 2's shard, as it begins to recover: no
@@ -215,19 +215,20 @@ TEST_F(InPlaceRecoveryTest, UnderZero1AKillOfTheRankHoldingTheCopyFallsBackToThe
   const std::string plain_dir = dir_.Join("ck-plain"), killed_dir = dir_.Join("ck-killed");
   ProcessResult plain = RunProcess({LtrainBinary(), "launch", Recipe("plain", plain_dir, 1, 1, 20, 3)}, Env(),
                                    std::chrono::seconds(300));
-  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  ASSERT_EQ(plain.exit_code, 0) << WithoutStepLines(plain.output);
   std::map<std::string, std::string> env = Env();
   env["LTRAIN_FAULT_KILL"] = "50:2,recovery:3";
   ProcessResult run = RunProcess({LtrainBinary(), "launch", Recipe("killed", killed_dir, 1, 1, 20, 3)}, env,
                                  std::chrono::seconds(300));
-  ASSERT_EQ(run.exit_code, 0) << run.output;
+  ASSERT_EQ(run.exit_code, 0) << WithoutStepLines(run.output);
   const std::string& out = run.output;
-  EXPECT_NE(out.find("no copy of rank 2's shard (its copy was on rank 3)"), std::string::npos) << out;
-  EXPECT_NE(out.find("restarts from its last checkpoint"), std::string::npos) << out;
   v1::Job job = JobStatus("killed-1", Env());
+  const std::string shown = WithoutStepLines(out) + "\nthe job's last failure: " + job.last_failure();
+  EXPECT_NE(out.find("no copy of rank 2's shard (its copy was on rank 3)"), std::string::npos) << shown;
+  EXPECT_NE(out.find("restarts from its last checkpoint"), std::string::npos) << shown;
   EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.cause();
-  EXPECT_EQ(job.generation(), 1) << "one restart of the whole job, after the two replacements";
-  EXPECT_NE(out.find("resumed from"), std::string::npos) << out;
+  EXPECT_EQ(job.generation(), 1) << "one restart of the whole job, after the two replacements\n" << shown;
+  EXPECT_NE(out.find("resumed from"), std::string::npos) << WithoutStepLines(out);
   std::map<int, std::string> a = LossLines(plain.output), b = LossLines(out);
   for (int s = 1; s <= kSteps; ++s) EXPECT_EQ(a[s], b[s]) << "step " << s;
 }
@@ -263,7 +264,7 @@ TEST_F(InPlaceRecoveryTest, ANodeLostWithNoReplacementLeavesTheOthersTrainingThe
   };
   ProcessResult plain = RunProcess({LtrainBinary(), "launch", "--coordinator", address, recipe("plain")}, env,
                                    std::chrono::seconds(300));
-  ASSERT_EQ(plain.exit_code, 0) << plain.output;
+  ASSERT_EQ(plain.exit_code, 0) << WithoutStepLines(plain.output);
 
   Subprocess launch({LtrainBinary(), "launch", "--coordinator", address, recipe("lost")}, env);
   ASSERT_TRUE(launch.WaitForOutput("[rank 0] step " + std::to_string(kKillStep) + "/", std::chrono::seconds(120)))
@@ -271,12 +272,12 @@ TEST_F(InPlaceRecoveryTest, ANodeLostWithNoReplacementLeavesTheOthersTrainingThe
   n2->Signal(SIGKILL);
   ProcessResult run = launch.Wait(std::chrono::seconds(300));
   const std::string& out = run.output;
-  ASSERT_EQ(run.exit_code, 0) << out;
+  ASSERT_EQ(run.exit_code, 0) << WithoutStepLines(out);
   EXPECT_NE(out.find("ranks 2,3 leave the job, with no node to replace them on; ranks 0,1 go on in place "
                      "(membership epoch 1) with 2 micro-batch(es) each a step instead of 1"),
             std::string::npos)
-      << out;
-  EXPECT_NE(out.find("ranks 0,1 went on without the ranks that left (membership epoch 1)"), std::string::npos) << out;
+      << WithoutStepLines(out);
+  EXPECT_NE(out.find("ranks 0,1 went on without the ranks that left (membership epoch 1)"), std::string::npos) << WithoutStepLines(out);
   v1::Job job = JobStatus("lost-1", env, {"--coordinator", address});
   EXPECT_EQ(job.state(), v1::JOB_STATE_SUCCEEDED) << job.cause();
   EXPECT_EQ(job.generation(), 0) << "no restart of the job";
@@ -287,13 +288,13 @@ TEST_F(InPlaceRecoveryTest, ANodeLostWithNoReplacementLeavesTheOthersTrainingThe
   EXPECT_EQ(job.ranks(3).state(), "left");
   // The survivors kept their processes; nothing was read from a checkpoint.
   std::map<int, std::vector<std::string>> pids = Pids(out);
-  EXPECT_EQ(pids[0].size(), 1u) << out;
-  EXPECT_EQ(pids[1].size(), 1u) << out;
-  EXPECT_EQ(out.find("resumed from"), std::string::npos) << out;
+  EXPECT_EQ(pids[0].size(), 1u) << WithoutStepLines(out);
+  EXPECT_EQ(pids[1].size(), 1u) << WithoutStepLines(out);
+  EXPECT_EQ(out.find("resumed from"), std::string::npos) << WithoutStepLines(out);
   // Every step trained once, each loss within 1e-6 of the uninterrupted run's.
   std::map<int, std::string> a = LossLines(plain.output), b = LossLines(out);
-  ASSERT_EQ(a.size(), static_cast<size_t>(kSteps)) << plain.output;
-  ASSERT_EQ(b.size(), static_cast<size_t>(kSteps)) << out;
+  ASSERT_EQ(a.size(), static_cast<size_t>(kSteps)) << WithoutStepLines(plain.output);
+  ASSERT_EQ(b.size(), static_cast<size_t>(kSteps)) << WithoutStepLines(out);
   double worst = 0;
   for (int s = 1; s <= kSteps; ++s) {
     const double x = std::stod(a[s]), y = std::stod(b[s]);

@@ -218,4 +218,18 @@ std::vector<double> ParseLosses(const std::string& output) {
   return losses;
 }
 
+std::string WithoutStepLines(const std::string& output) {
+  static const std::regex kLine(R"(^\[rank \d+\] (step \d+/\d+ |memory rank ))");
+  std::string kept;
+  size_t at = 0;
+  while (at < output.size()) {
+    size_t end = output.find('\n', at);
+    end = end == std::string::npos ? output.size() : end + 1;
+    const std::string line = output.substr(at, end - at);
+    if (!std::regex_search(line, kLine)) kept += line;
+    at = end;
+  }
+  return kept;
+}
+
 }  // namespace ltrain::testing

@@ -83,5 +83,8 @@ int WaitForPortFile(const std::string& path, std::chrono::milliseconds timeout =
 int FreePort();
 // The numbers after "loss " in lines that start with "[rank 0] step ".
 std::vector<double> ParseLosses(const std::string& output);
+// `output` without the ranks' per-step lines ("[rank R] step S/N ...", "[rank R] memory rank ..."): what a
+// failed check prints, so that the events of a run stay within what a test log keeps.
+std::string WithoutStepLines(const std::string& output);
 
 }  // namespace ltrain::testing
