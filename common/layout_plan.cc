@@ -166,9 +166,7 @@ int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 struct Shape {
   int64_t b, T, Ts, d, f, h, hd, V, kv_local;
   int tp;
-  // Context parallelism: T is a rank's tokens of a sequence (seq_len / cp), Tk the keys its queries
-  // meet (the whole sequence's, a block from each rank of the ring).
-  int64_t Tk = 0;
+  // Context parallelism: T is a rank's tokens of a sequence (seq_len / cp).
   int cp = 1;
 };
 
@@ -177,7 +175,6 @@ Shape ShapeOf(const ModelSpec& m, const Layout& layout) {
   s.b = layout.micro_batch;
   s.cp = std::max(1, layout.cp);
   s.T = m.seq_len / s.cp;
-  s.Tk = m.seq_len;
   s.tp = layout.tp;
   s.Ts = layout.sequence_parallel ? s.T / layout.tp : s.T;
   s.d = m.d_model;
@@ -196,36 +193,31 @@ Shape ShapeOf(const ModelSpec& m, const Layout& layout) {
 int64_t CpuLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointing ac) {
   const int64_t b = s.b, T = s.T, Ts = s.Ts, d = s.d, t = s.tp, dl = s.d / t, fl = s.f / t, hl = s.h / t;
   if (ac == ActivationCheckpointing::kFull) return b * Ts * d * 4;
+  // Whole-sequence attention keeps its probabilities and the causal mask; context parallelism's ring
+  // (worker/model/context_attention.cc) keeps its queries' log-sum-exp instead (q, k, v and the
+  // output, which it keeps too, are kept for the products beside it either way).
+  const int64_t probs = s.cp > 1 ? 0 : b * hl * T * T, probs_mask = s.cp > 1 ? 0 : T * T;
+  const int64_t ring = s.cp > 1 ? b * hl * T : 0;
   int64_t floats = 0, mask = 0;
   if (m.arch == Arch::kGpt2) {
-    floats = 2 * b * Ts * d + 4 * b * Ts + 2 * b * T * d + 3 * b * T * dl + b * T * dl + 2 * b * T * fl;
+    floats = 2 * b * Ts * d + 4 * b * Ts + 2 * b * T * d + 3 * b * T * dl + b * T * dl + 2 * b * T * fl + ring;
     if (ac == ActivationCheckpointing::kNone) {
-      floats += b * hl * T * s.Tk;
-      mask = T * s.Tk;
+      floats += probs;
+      mask = probs_mask;
     }
   } else {
     // Attention's tensors are heads * head_dim wide (Qwen3's wider than d_model).
     const int64_t ql = hl * s.hd, kvl = s.kv_local * s.hd;
-    floats = 2 * b * Ts * d + 2 * (2 * b * Ts * d + b * Ts) + 2 * b * T * d + b * T * ql + 4 * b * T * fl;
+    floats = 2 * b * Ts * d + 2 * (2 * b * Ts * d + b * Ts) + 2 * b * T * d + b * T * ql + 4 * b * T * fl + ring;
     if (ac == ActivationCheckpointing::kNone) {
-      floats += 3 * b * T * ql + b * hl * T * s.Tk;
-      mask = T * s.Tk;
+      floats += 3 * b * T * ql + probs;
+      mask = probs_mask;
     } else {
       floats += b * T * ql + 2 * b * T * kvl;
     }
     // Qwen3's per-head norms of q and k: each keeps its input, its output and a statistic per head, and
     // the rotation of q its own copy (fitted to the layouts suite's Qwen3).
     if (m.arch == Arch::kQwen3) floats += 2 * b * T * (ql + kvl) + b * T * (hl + s.kv_local) + 2 * b * T * ql;
-  }
-  // Context parallelism's ring (worker/model/context_attention.cc), not recomputed by selective: each
-  // block keeps its exponentiated scores (in place of the softmax's probabilities), each merge the
-  // running output and the block's, and each step the keys and values it received (repeated for
-  // grouped heads).
-  if (s.cp > 1 && ac != ActivationCheckpointing::kFull) {
-    const int64_t kvl = m.arch == Arch::kGpt2 ? hl : s.kv_local;
-    floats += (ac == ActivationCheckpointing::kSelective ? 1 : 0) * b * hl * T * s.Tk + 3 * s.cp * b * hl * T * s.hd +
-              2 * (s.cp - 1) * b * kvl * T * s.hd + (kvl < hl ? 2 * s.cp * b * hl * T * s.hd : 0);
-    if (ac == ActivationCheckpointing::kSelective) mask = T * s.Tk;
   }
   return floats * 4 + mask;
 }
@@ -241,13 +233,16 @@ int64_t CpuLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointin
 // With `fp8` (FP8 products) each product keeps its input's FP8 transposed copy instead of the bf16
 // input, a byte an element: the norms' outputs, attention's output, and the MLP's activation (the
 // GELU's output, SwiGLU's product), made again in backward by no recompute mode.
-// Context parallelism's ring on GPUs (written-out blocks, not flash attention's): each block's fp32
-// scores and its probabilities in `a`, the received keys and values, the merges' outputs in fp32.
-int64_t CudaRingBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointing ac, int a) {
-  if (s.cp <= 1 || ac == ActivationCheckpointing::kFull) return 0;
+// Context parallelism's ring in backward on GPUs, beside what the layers keep (the ring itself keeps
+// what flash attention keeps: q, k, v, the output and its log-sum-exp): the keys and values in flight
+// and received, their gradients gathered so far (fp32, sent, received and this step's), the queries'
+// gradient (fp32), the key and value heads repeated for grouped heads, and a block's gradients from
+// the kernel. (On CPUs the layouts suite's peaks come before the ring's backward: none is counted.)
+int64_t CudaRingTransientBytes(const ModelSpec& m, const Shape& s, int a) {
+  if (s.cp <= 1) return 0;
   const int64_t hl = s.h / s.tp, kvl = m.arch == Arch::kGpt2 ? hl : s.kv_local;
-  return s.b * hl * s.T * s.Tk * (4 + a) + 3 * s.cp * s.b * hl * s.T * s.hd * 4 +
-         2 * (s.cp - 1) * s.b * kvl * s.T * s.hd * a;
+  const int64_t q = s.b * hl * s.T * s.hd, kv = 2 * s.b * kvl * s.T * s.hd;
+  return q * 4 + 3 * kv * 4 + 2 * kv * a + (kvl < hl ? 2 * q * a : 0) + 3 * q * a;
 }
 
 int64_t CudaLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointing ac, int a, int sb, bool fp8) {
@@ -365,14 +360,6 @@ int64_t CpuLayerOverhead(const ModelSpec& m, ActivationCheckpointing ac) {
 }
 // An MoE block's routing and its experts' products add nodes of their own: per expert.
 constexpr int64_t kCpuOverheadPerExpert = 16 * 1024;
-// Context parallelism's ring adds small tensors and nodes per block and merge, each with a cost that
-// does not scale with the tokens (more where tp's gathers and sums go with each), per layer and
-// micro-batch: fitted to the layouts suite's cp2, cp4 and cp2 x tp2 runs.
-int64_t CpuRingOverhead(const Shape& s, ActivationCheckpointing ac) {
-  if (s.cp <= 1 || ac == ActivationCheckpointing::kFull) return 0;
-  return int64_t{12 * 1024} * s.cp * (s.cp - 1) + (s.tp > 1 ? int64_t{20 * 1024} * (s.cp - 1) : 0);
-}
-
 // ---- The estimate ----------------------------------------------------------------------------------
 
 // Cost model constants, from `ltrain launch` runs of gpt-1.3b and gpt-7b layouts on a host of four
@@ -537,8 +524,8 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double
       int64_t layer_none = 0;
       for (int c = 0; c < layout.chunks; ++c) {
         const int vs = VirtualStage(layout.pp, r, c);
-        const int64_t per_layer = cpu ? CpuLayerBytes(m, s, ac) + CpuLayerOverhead(m, ac) + CpuRingOverhead(s, ac)
-                                      : CudaLayerBytes(m, s, ac, a, sb, fp8) + CudaRingBytes(m, s, ac, a);
+        const int64_t per_layer =
+            cpu ? CpuLayerBytes(m, s, ac) + CpuLayerOverhead(m, ac) : CudaLayerBytes(m, s, ac, a, sb, fp8);
         const int64_t dense_none = cpu ? CpuLayerBytes(m, s, ActivationCheckpointing::kNone)
                                        : CudaLayerBytes(m, s, ActivationCheckpointing::kNone, a, sb, fp8);
         layer_none = std::max(layer_none, dense_none);
@@ -573,6 +560,7 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double
         // FP8 products quantize at the product: at the widest one in backward, its output gradient
         // and its input in e4m3/e5m2 with their transposed copies, and its weight's.
         if (fp8) transient += 2 * s.b * s.T * (s.f / s.tp + s.d) + 2 * s.f / s.tp * s.d;
+        transient += CudaRingTransientBytes(m, s, a);
         // Forward keeps each block weight's FP8 transposed copy for backward (not under ZeRO-3, whose
         // gathered weights backward quantizes again): a byte a parameter, from forward to backward.
         if (fp8 && zero < 3) buffers += BlockMatrixParameters(m) / m.layers * layers_here / s.tp;

@@ -9,7 +9,10 @@
 #include <memory>
 #include <optional>
 #include <set>
+#include <stdexcept>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include <ATen/Context.h>
@@ -35,6 +38,10 @@
 #endif
 #if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 8)
 #include <ATen/ops/_grouped_mm.h>
+#endif
+#if defined(LTRAIN_WITH_NCCL) && (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4))
+#include <ATen/ops/_scaled_dot_product_flash_attention.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_backward.h>
 #endif
 #if TORCH_VERSION_MAJOR >= 2 && defined(LTRAIN_WITH_NCCL)
 #include <torch/csrc/autograd/profiler_kineto.h>
@@ -399,6 +406,28 @@ class SideStream {
     return false;
 #endif
   }
+  // The side stream waits for the work queued so far on the device's current stream (the inputs of
+  // what it is about to run); then the current stream for the side stream's work (its outputs).
+  void WaitForCurrent(const torch::Device& device) const {
+#if defined(LTRAIN_WITH_NCCL)
+    if (!stream_) return;
+    at::cuda::CUDAEvent ready;
+    ready.record(c10::cuda::getCurrentCUDAStream(device.index()));
+    ready.block(*stream_);
+#else
+    (void)device;
+#endif
+  }
+  void CurrentWaitsForIt(const torch::Device& device) const {
+#if defined(LTRAIN_WITH_NCCL)
+    if (!stream_) return;
+    at::cuda::CUDAEvent done;
+    done.record(*stream_);
+    done.block(c10::cuda::getCurrentCUDAStream(device.index()));
+#else
+    (void)device;
+#endif
+  }
   class Scope {
    public:
     explicit Scope(const SideStream& side) {
@@ -431,6 +460,52 @@ inline void RecordCurrentStream(const torch::Tensor& t) {
   (void)t;
 #endif
 }
+
+// Flash attention's kernels themselves, forward and backward, for attention computed a block at a
+// time (context parallelism's ring): the forward's log-sum-exp of each query's scaled scores comes
+// back with its output, and the backward takes the output and log-sum-exp of the whole row (every
+// block merged), as the ring's backward needs. 2.4 and later on CUDA, for bf16 or fp16 inputs whose
+// head size flash attention takes (a multiple of 8, at most 256), with as many key and value heads as
+// query heads; elsewhere FlashBlocksAvailable is false and the callers write the block out.
+#if defined(LTRAIN_WITH_NCCL) && (TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 4))
+#define LTRAIN_HAVE_FLASH_BLOCKS 1
+inline bool FlashBlocksAvailable(const torch::Tensor& q) {
+  const int64_t hd = q.size(-1);
+  return q.is_cuda() && (q.scalar_type() == torch::kBFloat16 || q.scalar_type() == torch::kHalf) && hd % 8 == 0 &&
+         hd <= 256;
+}
+// q [b, h, tq, hd], k and v [b, h, tk, hd]; causal: a query i sees keys 0..i (tq == tk). The output
+// [b, h, tq, hd] in q's type and the log-sum-exp [b, h, tq] in fp32.
+inline std::pair<torch::Tensor, torch::Tensor> FlashBlockForward(const torch::Tensor& q, const torch::Tensor& k,
+                                                                 const torch::Tensor& v, bool causal, double scale) {
+  auto result = at::_scaled_dot_product_flash_attention(q, k, v, /*dropout_p=*/0.0, causal,
+                                                        /*return_debug_mask=*/false, scale);
+  torch::Tensor lse = std::get<1>(result);
+  if (lse.size(-1) != q.size(2)) lse = lse.narrow(-1, 0, q.size(2));
+  return {std::get<0>(result), lse.contiguous()};
+}
+// The gradients of q, k and v of one block, given the whole row's output and log-sum-exp. Without
+// dropout the kernel's random state is unread; it gets the empty scalars its forward gives then.
+inline std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> FlashBlockBackward(
+    const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+    const torch::Tensor& out, const torch::Tensor& lse, bool causal, double scale) {
+  const torch::Tensor none;
+  const torch::Tensor seed = at::empty({}, at::dtype(at::kLong)), offset = at::empty({}, at::dtype(at::kLong));
+  return at::_scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, none, none, q.size(2), k.size(2),
+                                                           /*dropout_p=*/0.0, causal, seed, offset, scale);
+}
+#else
+inline bool FlashBlocksAvailable(const torch::Tensor&) { return false; }
+inline std::pair<torch::Tensor, torch::Tensor> FlashBlockForward(const torch::Tensor&, const torch::Tensor&,
+                                                                 const torch::Tensor&, bool, double) {
+  throw std::logic_error("flash attention's blocks are not built into this LibTorch");
+}
+inline std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> FlashBlockBackward(
+    const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&, const torch::Tensor&,
+    const torch::Tensor&, bool, double) {
+  throw std::logic_error("flash attention's blocks are not built into this LibTorch");
+}
+#endif
 
 // Whether this LibTorch has float8 types (2.1 and later), and the cast to them: e4m3fn (no infinity)
 // or e5m2. Without them FP8 products are not built, and the scaling's rounding stands for the cast.

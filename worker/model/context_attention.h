@@ -2,8 +2,7 @@
 // every sequence (load-balanced for the causal mask: chunk r from the front and its mirror 2cp-1-r
 // from the back), and its queries meet every rank's keys and values one block at a time, each block
 // a softmax of its own (its output and log-sum-exp) merged into the running result as online softmax
-// does. Written from LibTorch operations, so autograd gives the backward; positions are the whole
-// sequence's, so the causal mask and RoPE are those of one process.
+// does; positions are the whole sequence's, so the causal mask and RoPE are those of one process.
 #pragma once
 
 #include <cstdint>
@@ -31,29 +30,39 @@ torch::Tensor PositionsOf(int64_t seq_len, int cp, int rank, const torch::Device
 // The tokens of x [b, seq_len, ...] that rank `rank` holds, in its order: [b, seq_len / cp, ...].
 torch::Tensor Take(const torch::Tensor& x, int cp, int rank);
 
-// Attention of queries at positions q_pos against one block of keys and values at positions k_pos,
-// causal by position (a query sees the keys at its position and before): q [b, h, tq, hd], k and v
-// [b, h, tk, hd] (key/value heads already repeated for the query heads). The output normalized
-// within the block, and the block's log-sum-exp of the scaled scores per query: about -1e30 where it
-// has no key a query may see (its weight in a merge is then 0). Products in q's dtype; the softmax in
-// fp32 (fp64 for fp64 inputs). A query's result is whole once the block holding its own position is
-// merged in: start each query's merges from that block.
+// One step of the ring on rank `rank` of `cp`: its queries q [b, heads, t, hd] against the keys and
+// values k, v [b, kv_heads, t, hd] of rank `src` (t = 2 chunks, ChunksOf's order). By the chunks'
+// order only three blocks occur, and none needs a mask of positions:
+//   - src == rank: its own tokens, causal (positions rise along the rank's order);
+//   - src < rank: every query sees src's front chunk, none its back chunk;
+//   - src > rank: the back chunk's queries see both of src's chunks, the front chunk's none.
+// Flash attention's kernels compute the block on GPUs (bf16, fp16); elsewhere it is written out
+// (products in q's type, the softmax in fp32, fp64 for fp64 inputs).
+//
+// The running result of a rank's queries: the output and the log-sum-exp of each query's scaled
+// scores, in fp32 (fp64 for fp64 inputs). The first step (the rank's own block) sets it; each later
+// step merges its block in, as online softmax does.
 struct Partial {
-  torch::Tensor out;  // [b, h, tq, hd]
-  torch::Tensor lse;  // [b, h, tq]
+  torch::Tensor out;  // [b, h, t, hd]
+  torch::Tensor lse;  // [b, h, t]
 };
-Partial BlockAttention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
-                       const torch::Tensor& q_pos, const torch::Tensor& k_pos, double scale);
+void AttendStep(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int cp, int rank, int src,
+                Partial* acc);
 
-// Two partial results of the same queries over disjoint keys, as one softmax over both.
-Partial Merge(const Partial& a, const Partial& b);
+// The step's share of the gradients, given the whole row's result (out in q's type, lse as
+// AttendStep left it) and dout, the output's gradient: added to dq (this rank's queries) and to dk and
+// dv (src's keys and values), all three in fp32 (fp64 for fp64 inputs) and shaped as q, k and v.
+void AttendStepBackward(const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
+                        const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse, int cp, int rank,
+                        int src, torch::Tensor& dq, torch::Tensor& dk, torch::Tensor& dv);
 
-// Causal attention of this rank's queries over the whole sequence of `seq_len`, its keys and values
-// passed around the ring of `ring`'s ranks (to the next, from the previous: each step one block, its
-// own first), each block merged in: q [b, heads, t, hd], k and v [b, kv_heads, t, hd] of this rank's
-// tokens (ChunksOf's order, t = seq_len / ring size). Backward passes the keys' and values'
-// gradients back around the ring. Every rank of the ring calls it, in the same order.
-torch::Tensor RingAttention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, Communicator* ring,
-                            int64_t seq_len);
+// Causal attention of this rank's queries over the whole sequence, its keys and values passed around
+// the ring of `ring`'s ranks (to the next, from the previous): q [b, heads, t, hd], k and v
+// [b, kv_heads, t, hd] of this rank's tokens (ChunksOf's order, t = seq_len / ring size). Each pass
+// runs while the step before it computes (on GPUs on a stream of its own, on CPUs on a thread).
+// Backward goes round the ring again, the keys' and values' gradients travelling with them, each
+// block's gradients from the whole row's output and log-sum-exp; it keeps q, k, v, the output and
+// the log-sum-exp, not the blocks. Every rank of the ring calls it, in the same order.
+torch::Tensor RingAttention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, Communicator* ring);
 
 }  // namespace ltrain::worker::cp

@@ -419,7 +419,7 @@ bool ModelShard::Selective() const {
 torch::Tensor ModelShard::Attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
   if (spec_.layout.cp > 1) {
     if (cp_ == nullptr) throw std::logic_error("parallel.cp without its context-parallel group");
-    return cp::RingAttention(q, k, v, cp_, spec_.config.seq_len);
+    return cp::RingAttention(q, k, v, cp_);
   }
   // On GPUs flash attention keeps only q, k, v, its output (which the next product keeps anyway) and
   // a row statistic: nothing for selective recompute to drop.
