@@ -549,6 +549,11 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double
       int64_t buffers = z3_buffers + (layout.pp == 1 && mb > 1 ? unsharded_grads : 0);
       if (cpu) {
         saved += kCpuOverheadPerRank;
+        // Under full recompute the little kept leaves the peak to the recomputed layer's ring in
+        // backward: its own block's probabilities and their gradient, written out, and the mask.
+        if (ac == ActivationCheckpointing::kFull && s.cp > 1) {
+          buffers += 2 * s.b * (s.h / s.tp) * s.T * s.T * 4 + s.T * s.T;
+        }
       } else {
         // Backward's transients: vocabulary-parallel cross entropy's gradient over the vocabulary
         // and the fp32 pieces of the logits it keeps until backward (without tp our cross entropy

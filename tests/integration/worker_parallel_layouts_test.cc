@@ -485,6 +485,9 @@ TEST_F(MoeLayoutsTest, ACollapsedRouterIsPulledBackByTheLossAndByTheBias) {
 #define LTRAIN_CONTEXT_PARALLEL_TESTS(Suite) \
   TEST_F(Suite, Cp2) { ExpectMatchesReference("cp2", 2, "--set parallel.cp=2"); } \
   TEST_F(Suite, Cp4) { ExpectMatchesReference("cp4", 4, "--set parallel.cp=4"); } \
+  TEST_F(Suite, Cp2FullRecompute) { \
+    ExpectMatchesReference("cp2_ac_full", 2, "--set parallel.cp=2 --set parallel.activation_checkpointing=full"); \
+  } \
   TEST_F(Suite, Cp2Dp2Zero3) { ExpectMatchesReference("cp2_dp2_zero3", 4, "--set parallel.cp=2 --set parallel.zero=3"); } \
   TEST_F(Suite, Cp2Tp2SequenceParallel) { \
     ExpectMatchesReference("cp2_tp2_sp", 4, "--set parallel.cp=2 --set parallel.tp=2 --set parallel.sequence_parallel=true"); \

@@ -83,7 +83,7 @@ std::pair<torch::Tensor, torch::Tensor> WrittenForward(const torch::Tensor& q, c
     scores.masked_fill_(future, -INFINITY);  // every query sees its own key: no row is empty
   }
   torch::Tensor lse = at::logsumexp(scores, -1);
-  torch::Tensor p = at::exp(scores - lse.unsqueeze(-1));
+  const torch::Tensor& p = scores.sub_(lse.unsqueeze(-1)).exp_();  // the probabilities, in place
   return {at::matmul(p.to(v.scalar_type()), v), lse};
 }
 
@@ -94,18 +94,19 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> WrittenBackward(const to
                                                                         bool causal, double scale) {
   const torch::ScalarType wide = WideOf(q);
   const torch::Tensor qw = q.to(wide), kw = k.to(wide), vw = v.to(wide), dow = dout.to(wide);
-  torch::Tensor scores = at::matmul(qw, kw.transpose(-2, -1)) * scale;
+  // Two [tq, tk] tensors at a time, each made in place: the probabilities, then the scores' gradient.
+  torch::Tensor p = at::matmul(qw, kw.transpose(-2, -1)).mul_(scale);
   if (causal) {
     const torch::Tensor future =
         torch::ones({q.size(2), k.size(2)}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
-    scores.masked_fill_(future, -INFINITY);
+    p.masked_fill_(future, -INFINITY);
   }
-  const torch::Tensor p = at::exp(scores - lse.to(wide).unsqueeze(-1));
+  p.sub_(lse.to(wide).unsqueeze(-1)).exp_();
   const torch::Tensor dv = at::matmul(p.transpose(-2, -1), dow);
-  const torch::Tensor dp = at::matmul(dow, vw.transpose(-2, -1));
   const torch::Tensor d = (dow * out.to(wide)).sum(-1, /*keepdim=*/true);
-  const torch::Tensor ds = p * (dp - d);
-  return {at::matmul(ds, kw) * scale, at::matmul(ds.transpose(-2, -1), qw) * scale, dv};
+  torch::Tensor ds = at::matmul(dow, vw.transpose(-2, -1));
+  ds.sub_(d).mul_(p);
+  return {at::matmul(ds, kw).mul_(scale), at::matmul(ds.transpose(-2, -1), qw).mul_(scale), dv};
 }
 
 // Flash attention's kernels take tensors whose last dimension is contiguous.
