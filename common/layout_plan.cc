@@ -290,14 +290,16 @@ int64_t CudaLayerBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointi
 // per micro-batch at even routing (a dropless block's peak moves with the imbalance): bytes to add
 // to CpuLayerBytes' or CudaLayerBytes' (negative where the experts keep less than the MLP). Kept:
 // the router's scores (and its logits under the z-loss), the gates, the tokens' rows in expert order
-// (T*k of them), each expert's w1 and w3 outputs, its activation and their product, the rows'
-// outputs in token order (fp32), the orders' indices; the shared experts as an MLP of their width.
+// (T*k of them), each expert's w1 and w3 outputs, its activation (not on GPUs in bf16, whose fused
+// SwiGLU makes it again in backward) and their product, the experts' output rows, the orders'
+// indices; the shared experts as an MLP of their width.
 int64_t MoeLayerExtraBytes(const ModelSpec& m, const Shape& s, ActivationCheckpointing ac, int a, bool cpu) {
   if (ac == ActivationCheckpointing::kFull) return 0;
   const int64_t N = s.b * s.T, k = m.moe.top_k, R = N * k, E = m.moe.experts, fe = MoeFfnWidth(m) / s.tp;
   const int64_t fs = int64_t{m.moe.shared_experts} * fe;
-  const int64_t fp32 = N * E * (m.moe.z_loss_coef > 0 ? 2 : 1) + 2 * N * k + R * s.d;
-  const int64_t in_a = R * s.d + 4 * R * fe + 4 * N * fs;
+  const int64_t swiglu = !cpu && a == 2 ? 3 : 4;
+  const int64_t fp32 = N * E * (m.moe.z_loss_coef > 0 ? 2 : 1) + 2 * N * k;
+  const int64_t in_a = 2 * R * s.d + swiglu * R * fe + swiglu * N * fs;
   const int64_t ids = 3 * R + N * k;
   const int64_t dense = cpu ? 4 * N * s.f / s.tp * 4 : (ac == ActivationCheckpointing::kSelective ? 2 : 3) * N * s.f / s.tp * a;
   return fp32 * 4 + in_a * (cpu ? 4 : a) + ids * 8 - dense;

@@ -11,6 +11,7 @@
 #include <torch/autograd.h>
 
 #include "common/model_family.h"
+#include "worker/model/fused_kernels.h"
 #include "worker/model/moe_ops.h"
 #include "worker/model/parallel_model.h"
 #include "worker/plan/expert_splits.h"
@@ -152,8 +153,8 @@ torch::Tensor ModelShard::MoeBranch(int layer, const torch::Tensor& m) {
   }
   torch::Tensor y = moe::Combine(ys, dispatch, routing.gates);
   if (const torch::Tensor* w1 = Optional(layer, "shared.w1.weight")) {
-    y = y + at::linear(at::silu(at::linear(x, *w1)) * at::linear(x, P(layer, "shared.w3.weight")),
-                       P(layer, "shared.w2.weight"));
+    const torch::Tensor g = at::linear(x, *w1), u = at::linear(x, P(layer, "shared.w3.weight"));
+    y = y + at::linear(FusedLlamaOpsAvailable(g) ? FusedSwiGlu(g, u) : at::silu(g) * u, P(layer, "shared.w2.weight"));
   }
   if (recording) {
     // The balance and z losses: into backward through y, and kept (detached) for the step's figures.

@@ -6,9 +6,54 @@
 
 #include <ATen/ATen.h>
 
+#include <torch/autograd.h>
+
+#include "worker/model/fused_kernels.h"
 #include "worker/torch_compat.h"
 
 namespace ltrain::worker::moe {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// silu(g) · u: on GPUs in bf16 one kernel each way that keeps g and u only (FusedSwiGlu), not also
+// silu(g), which the composite keeps for the product's backward.
+torch::Tensor SwiGlu(const torch::Tensor& g, const torch::Tensor& u) {
+  return FusedLlamaOpsAvailable(g) ? FusedSwiGlu(g, u) : at::silu(g) * u;
+}
+
+// Combine's arithmetic as one autograd function: it keeps ys in their own type and the gates, and
+// gathers each token's rows again in backward, where autograd's composite keeps the gathered rows in
+// fp32 (twice the bytes of bf16 rows).
+struct WeightedCombine : public torch::autograd::Function<WeightedCombine> {
+  static torch::Tensor Gathered(const torch::Tensor& ys, const torch::Tensor& inverse, int64_t top_k) {
+    return ys.index_select(0, inverse).view({inverse.size(0) / top_k, top_k, ys.size(1)});
+  }
+  // fp32 arithmetic (fp64 for fp64 rows).
+  static torch::ScalarType Wide(const torch::Tensor& ys) {
+    return ys.scalar_type() == torch::kDouble ? torch::kDouble : torch::kFloat;
+  }
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& ys, const torch::Tensor& inverse,
+                               const torch::Tensor& gates) {
+    const int64_t top_k = gates.size(1);
+    ctx->save_for_backward({ys, inverse, gates});
+    return (Gathered(ys, inverse, top_k).to(Wide(ys)) * gates.unsqueeze(-1)).sum(1).to(ys.scalar_type());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const torch::Tensor &ys = saved[0], &inverse = saved[1], &gates = saved[2];
+    const torch::Tensor dout = grads[0].to(Wide(ys)).unsqueeze(1);  // [T, 1, d]
+    const torch::Tensor dgates = (Gathered(ys, inverse, gates.size(1)).to(Wide(ys)) * dout).sum(-1);
+    const torch::Tensor drows = (gates.unsqueeze(-1) * dout).to(ys.scalar_type()).view({-1, ys.size(1)});
+    // inverse is a permutation: row i of ys took assignment inverse[i]'s gradient.
+    torch::Tensor dys = torch::empty_like(ys);
+    dys.index_copy_(0, inverse, drows);
+    return {dys, torch::Tensor(), dgates.to(gates.scalar_type())};
+  }
+};
+
+}  // namespace
 
 Routing Route(const torch::Tensor& logits, const torch::Tensor& bias, const RouterOptions& options) {
   if (logits.dim() != 2) throw std::invalid_argument("Route takes logits [tokens, experts]");
@@ -70,8 +115,7 @@ torch::Tensor Experts(const torch::Tensor& xs, const std::vector<int64_t>& count
   const torch::Tensor offs = torch::tensor(ends, torch::TensorOptions().dtype(torch::kInt)).to(xs.device(), true);
   // [E, f, d] read as [E, d, f] (a view): each expert's x · w^T.
   const torch::Tensor x = xs.contiguous();
-  const torch::Tensor h = at::silu(compat::GroupedMm(x, w1.transpose(1, 2), offs)) *
-                          compat::GroupedMm(x, w3.transpose(1, 2), offs);
+  const torch::Tensor h = SwiGlu(compat::GroupedMm(x, w1.transpose(1, 2), offs), compat::GroupedMm(x, w3.transpose(1, 2), offs));
   return compat::GroupedMm(h, w2.transpose(1, 2), offs);
 }
 
@@ -83,7 +127,7 @@ torch::Tensor ExpertsLoop(const torch::Tensor& xs, const std::vector<int64_t>& c
     if (counts[e] == 0) continue;
     const torch::Tensor x = xs.narrow(0, at, counts[e]);
     const auto i = static_cast<int64_t>(e);
-    const torch::Tensor h = at::silu(x.mm(w1[i].t())) * x.mm(w3[i].t());
+    const torch::Tensor h = SwiGlu(x.mm(w1[i].t()), x.mm(w3[i].t()));
     outs.push_back(h.mm(w2[i].t()));
     at += counts[e];
   }
@@ -105,9 +149,12 @@ torch::Tensor Combine(const torch::Tensor& ys, const Dispatch& dispatch, const t
   // Row i of ys is assignment order[i]: back to assignment order by the inverse permutation.
   torch::Tensor inverse = torch::empty_like(dispatch.order);
   inverse.index_put_({dispatch.order}, torch::arange(assignments, dispatch.order.options()));
-  const int64_t tokens = assignments / dispatch.top_k;
-  const torch::Tensor per_token = ys.index_select(0, inverse).view({tokens, dispatch.top_k, ys.size(1)});
-  return (per_token.to(torch::kFloat) * gates.unsqueeze(-1)).sum(1).to(ys.scalar_type());
+  if (gates.size(1) != dispatch.top_k || gates.size(0) * dispatch.top_k != assignments) {
+    throw std::invalid_argument("Combine: gates [" + std::to_string(gates.size(0)) + ", " + std::to_string(gates.size(1)) +
+                                "] for " + std::to_string(assignments) + " assignments of top " +
+                                std::to_string(dispatch.top_k));
+  }
+  return WeightedCombine::apply(ys, inverse, gates);
 }
 
 torch::Tensor SequenceBalanceLoss(const Routing& routing, int64_t seq_len, Score score) {

@@ -46,7 +46,8 @@ torch::Tensor Permute(const torch::Tensor& x, const Dispatch& dispatch);
 // Every expert's SwiGLU, w2 · (silu(w1 · x) ⊙ w3 · x), over its segment of xs (counts[e] rows each,
 // in expert order): w1 and w3 [E, f, d], w2 [E, d, f]; -> [rows, d]. On a GPU that has them, in bf16,
 // three grouped products (GroupedExpertsApply), one launch each for all the experts; else one product
-// an expert (ExpertsLoop).
+// an expert (ExpertsLoop). In bf16 on GPUs the SwiGLU is one kernel that keeps w1's and w3's outputs
+// only (FusedSwiGlu).
 torch::Tensor Experts(const torch::Tensor& xs, const std::vector<int64_t>& counts, const torch::Tensor& w1,
                       const torch::Tensor& w3, const torch::Tensor& w2);
 torch::Tensor ExpertsLoop(const torch::Tensor& xs, const std::vector<int64_t>& counts, const torch::Tensor& w1,
@@ -57,7 +58,7 @@ torch::Tensor ExpertsLoop(const torch::Tensor& xs, const std::vector<int64_t>& c
 bool GroupedExpertsApply(const torch::Tensor& xs, const torch::Tensor& w1);
 
 // ys [T·k, d] in dispatch order -> [T, d]: each token's k outputs times their gates, summed in fp32 and
-// rounded once to ys' dtype.
+// rounded once to ys' dtype. Keeps ys and the gates for backward (not the gathered rows in fp32).
 torch::Tensor Combine(const torch::Tensor& ys, const Dispatch& dispatch, const torch::Tensor& gates);
 
 // DeepSeek-V3's sequence-wise balance loss without its coefficient: for each sequence of seq_len
