@@ -73,15 +73,18 @@ Block BlockOf(int rank, int src) {
   return b;
 }
 
+// A causal block's scores [.., tq, tk] (tq == tk) with each query's later keys at -inf, in place:
+// every query sees its own key, so no row is empty.
+void HideFuture(torch::Tensor& scores) {
+  const int64_t t = scores.size(-1);
+  scores.masked_fill_(torch::ones({t, t}, scores.options().dtype(torch::kBool)).triu(1), -INFINITY);
+}
+
 // The written-out block: the output in q's type, the log-sum-exp in the wide type.
 std::pair<torch::Tensor, torch::Tensor> WrittenForward(const torch::Tensor& q, const torch::Tensor& k,
                                                        const torch::Tensor& v, bool causal, double scale) {
   torch::Tensor scores = at::matmul(q, k.transpose(-2, -1)).to(WideOf(q)) * scale;
-  if (causal) {
-    const torch::Tensor future =
-        torch::ones({q.size(2), k.size(2)}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
-    scores.masked_fill_(future, -INFINITY);  // every query sees its own key: no row is empty
-  }
+  if (causal) HideFuture(scores);
   torch::Tensor lse = at::logsumexp(scores, -1);
   const torch::Tensor& p = scores.sub_(lse.unsqueeze(-1)).exp_();  // the probabilities, in place
   return {at::matmul(p.to(v.scalar_type()), v), lse};
@@ -96,11 +99,7 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> WrittenBackward(const to
   const torch::Tensor qw = q.to(wide), kw = k.to(wide), vw = v.to(wide), dow = dout.to(wide);
   // Two [tq, tk] tensors at a time, each made in place: the probabilities, then the scores' gradient.
   torch::Tensor p = at::matmul(qw, kw.transpose(-2, -1)).mul_(scale);
-  if (causal) {
-    const torch::Tensor future =
-        torch::ones({q.size(2), k.size(2)}, torch::TensorOptions().dtype(torch::kBool).device(q.device())).triu(1);
-    p.masked_fill_(future, -INFINITY);
-  }
+  if (causal) HideFuture(p);
   p.sub_(lse.to(wide).unsqueeze(-1)).exp_();
   const torch::Tensor dv = at::matmul(p.transpose(-2, -1), dow);
   const torch::Tensor d = (dow * out.to(wide)).sum(-1, /*keepdim=*/true);
@@ -112,28 +111,50 @@ std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> WrittenBackward(const to
 // Flash attention's kernels take tensors whose last dimension is contiguous.
 torch::Tensor Dense(const torch::Tensor& t) { return t.stride(-1) == 1 ? t : t.contiguous(); }
 
+// What a step of rank `rank` against src's keys and values computes, forward and backward alike: the
+// block's shape, the chunk size c (half the rank's tokens), the scale, the key and value heads
+// repeated for the query heads (groups of them each) and cut to the keys the block sees.
+struct Step {
+  Block block;
+  int64_t groups = 1, c = 0;
+  double scale = 1.0;
+  torch::Tensor k, v;
+  // q's rows (or any [b, h, t, ...] tensor's) that the block's queries are.
+  torch::Tensor Rows(const torch::Tensor& t) const { return block.back_queries ? t.narrow(2, c, c) : t; }
+  // A [b, kv_heads, t, hd] gradient's part that the block's keys are.
+  torch::Tensor Keys(const torch::Tensor& t) const { return block.front_keys ? t.narrow(2, 0, c) : t; }
+};
+Step StepOf(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int cp, int rank, int src) {
+  if (src < 0 || src >= cp || rank < 0 || rank >= cp) {
+    throw std::invalid_argument("context parallelism's ring: rank " + std::to_string(rank) + " or source " +
+                                std::to_string(src) + " is not of a ring of " + std::to_string(cp));
+  }
+  Step s;
+  s.block = BlockOf(rank, src);
+  s.groups = q.size(1) / k.size(1);
+  s.c = q.size(2) / 2;
+  s.scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
+  s.k = s.Keys(Expand(k, s.groups));
+  s.v = s.Keys(Expand(v, s.groups));
+  return s;
+}
+
 }  // namespace
 
 void AttendStep(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v, int cp, int rank, int src,
                 Partial* acc) {
-  if (src < 0 || src >= cp || rank < 0 || rank >= cp) throw std::invalid_argument("AttendStep: rank or src out of the ring");
-  const int64_t groups = q.size(1) / k.size(1), c = q.size(2) / 2;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-  const Block block = BlockOf(rank, src);
-  torch::Tensor qb = block.back_queries ? q.narrow(2, c, c) : q;
-  torch::Tensor kb = Expand(k, groups), vb = Expand(v, groups);
-  if (block.front_keys) kb = kb.narrow(2, 0, c), vb = vb.narrow(2, 0, c);
+  const Step step = StepOf(q, k, v, cp, rank, src);
+  const torch::Tensor qb = step.Rows(q);
   auto [out, lse] = compat::FlashBlocksAvailable(q)
-                        ? compat::FlashBlockForward(Dense(qb), Dense(kb), Dense(vb), block.causal, scale)
-                        : WrittenForward(qb, kb, vb, block.causal, scale);
+                        ? compat::FlashBlockForward(Dense(qb), Dense(step.k), Dense(step.v), step.block.causal, step.scale)
+                        : WrittenForward(qb, step.k, step.v, step.block.causal, step.scale);
   const torch::ScalarType wide = WideOf(q);
-  if (block.causal) {  // the first step: the rank's own block
+  if (step.block.causal) {  // the first step: the rank's own block
     acc->out = out.to(wide);
     acc->lse = lse.to(wide);
     return;
   }
-  torch::Tensor ao = block.back_queries ? acc->out.narrow(2, c, c) : acc->out;
-  torch::Tensor al = block.back_queries ? acc->lse.narrow(2, c, c) : acc->lse;
+  torch::Tensor ao = step.Rows(acc->out), al = step.Rows(acc->lse);
   const torch::Tensor lw = lse.to(wide);
   const torch::Tensor m = at::maximum(al, lw);
   const torch::Tensor wa = at::exp(al - m), wb = at::exp(lw - m);  // the larger 1, the other at most 1
@@ -145,28 +166,19 @@ void AttendStep(const torch::Tensor& q, const torch::Tensor& k, const torch::Ten
 void AttendStepBackward(const torch::Tensor& dout, const torch::Tensor& q, const torch::Tensor& k,
                         const torch::Tensor& v, const torch::Tensor& out, const torch::Tensor& lse, int cp, int rank,
                         int src, torch::Tensor& dq, torch::Tensor& dk, torch::Tensor& dv) {
-  if (src < 0 || src >= cp || rank < 0 || rank >= cp) {
-    throw std::invalid_argument("AttendStepBackward: rank or src out of the ring");
-  }
-  const int64_t groups = q.size(1) / k.size(1), c = q.size(2) / 2;
-  const double scale = 1.0 / std::sqrt(static_cast<double>(q.size(-1)));
-  const Block block = BlockOf(rank, src);
-  auto rows = [&](const torch::Tensor& t) { return block.back_queries ? t.narrow(2, c, c) : t; };
-  torch::Tensor kb = Expand(k, groups), vb = Expand(v, groups);
-  if (block.front_keys) kb = kb.narrow(2, 0, c), vb = vb.narrow(2, 0, c);
+  const Step step = StepOf(q, k, v, cp, rank, src);
   torch::Tensor gq, gk, gv;
   if (compat::FlashBlocksAvailable(q)) {
-    std::tie(gq, gk, gv) = compat::FlashBlockBackward(Dense(rows(dout)), Dense(rows(q)), Dense(kb), Dense(vb),
-                                                      Dense(rows(out)), rows(lse).to(torch::kFloat).contiguous(),
-                                                      block.causal, scale);
+    std::tie(gq, gk, gv) = compat::FlashBlockBackward(
+        Dense(step.Rows(dout)), Dense(step.Rows(q)), Dense(step.k), Dense(step.v), Dense(step.Rows(out)),
+        step.Rows(lse).to(torch::kFloat).contiguous(), step.block.causal, step.scale);
   } else {
-    std::tie(gq, gk, gv) = WrittenBackward(rows(dout), rows(q), kb, vb, rows(out), rows(lse), block.causal, scale);
+    std::tie(gq, gk, gv) = WrittenBackward(step.Rows(dout), step.Rows(q), step.k, step.v, step.Rows(out),
+                                           step.Rows(lse), step.block.causal, step.scale);
   }
-  rows(dq).add_(gq.to(dq.scalar_type()));
-  torch::Tensor dk_at = block.front_keys ? dk.narrow(2, 0, c) : dk;
-  torch::Tensor dv_at = block.front_keys ? dv.narrow(2, 0, c) : dv;
-  dk_at.add_(Fold(gk.to(dk.scalar_type()), groups));
-  dv_at.add_(Fold(gv.to(dv.scalar_type()), groups));
+  step.Rows(dq).add_(gq.to(dq.scalar_type()));
+  step.Keys(dk).add_(Fold(gk.to(dk.scalar_type()), step.groups));
+  step.Keys(dv).add_(Fold(gv.to(dv.scalar_type()), step.groups));
 }
 
 namespace {
@@ -271,11 +283,12 @@ struct Ring : public torch::autograd::Function<Ring> {
       std::vector<torch::Tensor> send;
       if (step + 1 < n) send.push_back(kv);
       if (step > 0) send.push_back(dkv);
-      if (!send.empty()) pass.Start(std::move(send));
+      const bool passing = !send.empty();
+      if (passing) pass.Start(std::move(send));
       torch::Tensor part = torch::zeros(kv.sizes(), kv.options().dtype(wide));
       torch::Tensor dk = part[0], dv = part[1];
       AttendStepBackward(dout, q, kv[0], kv[1], out, lse, n, r, (r - step + n) % n, dq, dk, dv);
-      if (step + 1 < n || step > 0) {
+      if (passing) {
         std::vector<torch::Tensor> got = pass.Finish();
         if (step > 0) part.add_(got.back());
         if (step + 1 < n) kv = got.front();
