@@ -188,6 +188,9 @@ torch::Tensor FusedEmbedding(const torch::Tensor& ids, const torch::Tensor& w);
 
 // silu(gate) · up in one kernel, both gradients in one kernel.
 torch::Tensor FusedSwiGlu(const torch::Tensor& gate, const torch::Tensor& up);
+// silu(gate) · up: FusedSwiGlu where FusedLlamaOpsAvailable(gate) (it keeps gate and up only), else
+// LibTorch's composite.
+torch::Tensor SwiGlu(const torch::Tensor& gate, const torch::Tensor& up);
 
 // residual + linear(silu(gate) · up, w) (residual may be undefined), the SwiGLU MLP's down projection
 // under selective recompute: the product's input silu(gate) · up is not kept for backward but made

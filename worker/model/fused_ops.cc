@@ -245,4 +245,8 @@ void FusedAdamW(const torch::Tensor& /*param*/, const torch::Tensor& /*grad*/, c
 
 #endif
 
+torch::Tensor SwiGlu(const torch::Tensor& gate, const torch::Tensor& up) {
+  return FusedLlamaOpsAvailable(gate) ? FusedSwiGlu(gate, up) : at::silu(gate) * up;
+}
+
 }  // namespace ltrain::worker

@@ -154,7 +154,7 @@ torch::Tensor ModelShard::MoeBranch(int layer, const torch::Tensor& m) {
   torch::Tensor y = moe::Combine(ys, dispatch, routing.gates);
   if (const torch::Tensor* w1 = Optional(layer, "shared.w1.weight")) {
     const torch::Tensor g = at::linear(x, *w1), u = at::linear(x, P(layer, "shared.w3.weight"));
-    y = y + at::linear(FusedLlamaOpsAvailable(g) ? FusedSwiGlu(g, u) : at::silu(g) * u, P(layer, "shared.w2.weight"));
+    y = y + at::linear(SwiGlu(g, u), P(layer, "shared.w2.weight"));
   }
   if (recording) {
     // The balance and z losses: into backward through y, and kept (detached) for the step's figures.

@@ -17,12 +17,6 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// silu(g) · u: on GPUs in bf16 one kernel each way that keeps g and u only (FusedSwiGlu), not also
-// silu(g), which the composite keeps for the product's backward.
-torch::Tensor SwiGlu(const torch::Tensor& g, const torch::Tensor& u) {
-  return FusedLlamaOpsAvailable(g) ? FusedSwiGlu(g, u) : at::silu(g) * u;
-}
-
 // Combine's arithmetic as one autograd function: it keeps ys in their own type and the gates, and
 // gathers each token's rows again in backward, where autograd's composite keeps the gathered rows in
 // fp32 (twice the bytes of bf16 rows).

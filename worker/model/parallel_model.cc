@@ -539,7 +539,7 @@ ModelShard::BranchPartial ModelShard::TpBranch(int layer, int branch, const torc
     if (Selective() && FusedLlamaOpsAvailable(g) && FusedLinearAvailable(g, w2)) {
       return {r_res, FusedSwiGluLinear(g, u, w2), {}};  // the product's input made again in backward
     }
-    torch::Tensor gate = FusedLlamaOpsAvailable(g) ? FusedSwiGlu(g, u) : torch::silu(g) * u;
+    torch::Tensor gate = SwiGlu(g, u);
     return {r_res, NoBiasLinear(gate, w2), {}};
   }
   if (branch == 0) {
@@ -633,7 +633,7 @@ torch::Tensor ModelShard::LlamaBlockForward(int layer, const torch::Tensor& x) {
     if (sr) return StochasticRoundedAdd(r_res, FusedSwiGluLinear(g, u, w2));
     if (FusableResidual(r_res, g, OutputSizes(g, w2))) return FusedSwiGluLinear(g, u, w2, r_res);
   }
-  torch::Tensor gate = FusedLlamaOpsAvailable(g) ? FusedSwiGlu(g, u) : torch::silu(g) * u;
+  torch::Tensor gate = SwiGlu(g, u);
   return residual_linear(gate, w2, r_res);
 }
 
