@@ -350,8 +350,8 @@ void VisitRecipeKeys(R& r, Visitor&& visit) {
   visit(RecipeKey{.section = "parallel", .name = "fp8_scaling",
                   .help = "under precision fp8: tensorwise (one scale an operand, from its largest magnitude; the "
                           "faster) or rowwise (a scale for each row along the products' inner dimension, each "
-                          "operand quantized once for each direction it is read in; finer where magnitudes differ "
-                          "between tokens)"},
+                          "operand quantized once for each direction it is read in, the gradients in e4m3; finer where "
+                          "magnitudes differ between tokens or features)"},
         r.parallel.fp8_scaling);
   visit(RecipeKey{.section = "parallel", .name = "device", .help = "cpu (Gloo) or cuda (NCCL)"}, r.parallel.device);
 

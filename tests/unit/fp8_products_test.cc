@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <limits>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -131,6 +132,31 @@ TEST(FusedKernelsTest, Fp8QuantizationAndProductsMatchTheirReference) {
     Fp8Tensor gq = Fp8QuantizeOnDevice(x, Fp8Format::kE5M2, scaling, rowwise);
     torch::Tensor dy = Fp8Product(gq, wq, false).to(torch::kFloat);
     EXPECT_LE(RelativeError(dy, torch::matmul(Fp8Dequantize(gq), Fp8Dequantize(wq).t())), 1e-2);
+  }
+  // Rowwise both ways (the rows and the transposed copy's rows, x's columns, each scaled by its own
+  // amax) against the reference of each way; rows and columns of very different magnitudes, whole and
+  // partial tiles, and sides the tiles do not take (each way on its own then).
+  for (const auto& [rows, cols] : std::vector<std::pair<int64_t, int64_t>>{
+           {256, 512}, {144, 520}, {48, 200}, {100, 36}, {13, 24}}) {
+    const torch::Tensor t = (torch::randn({rows, cols}) * torch::logspace(-2, 2, rows).unsqueeze(1) *
+                             torch::logspace(1, -1, cols).unsqueeze(0))
+                                .to(bf16);
+    for (Fp8Format format : {Fp8Format::kE4M3, Fp8Format::kE5M2}) {
+      const auto [by_rows, by_columns] = Fp8QuantizeBothWaysOnDevice(t, format, /*power_of_2=*/false);
+      const Fp8Tensor want_rows = Fp8Quantize(t.cpu(), format, Fp8Scaling::kRowwise, false);
+      const Fp8Tensor want_columns = Fp8Quantize(t.cpu().t().contiguous(), format, Fp8Scaling::kRowwise, false);
+      const std::string where = std::to_string(rows) + "x" + std::to_string(cols) + " format " +
+                                std::to_string(static_cast<int>(format));
+      EXPECT_TRUE(torch::equal(by_rows.amax.cpu().reshape({-1}), want_rows.amax.reshape({-1}))) << where;
+      EXPECT_TRUE(torch::equal(by_columns.amax.cpu().reshape({-1}), want_columns.amax.reshape({-1}))) << where;
+      EXPECT_TRUE(torch::allclose(by_rows.scale_inv.cpu().reshape({-1}), want_rows.scale_inv.reshape({-1}), 1e-6, 0))
+          << where;
+      EXPECT_TRUE(
+          torch::allclose(by_columns.scale_inv.cpu().reshape({-1}), want_columns.scale_inv.reshape({-1}), 1e-6, 0))
+          << where;
+      EXPECT_TRUE(torch::equal(by_rows.data.cpu().to(torch::kFloat), want_rows.data.to(torch::kFloat))) << where;
+      EXPECT_TRUE(torch::equal(by_columns.data.cpu().to(torch::kFloat), want_columns.data.to(torch::kFloat))) << where;
+    }
   }
   // An infinity is an overflow the amax says.
   torch::Tensor bad = x.clone();

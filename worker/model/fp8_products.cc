@@ -6,6 +6,7 @@
 #include <mutex>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "worker/model/fused_kernels.h"
@@ -125,13 +126,11 @@ QuantizedOperand fused::InFp8(const torch::Tensor& t, Fp8Operand operand) {
       operand == kGradient && !fused::Options().fp8_gradients_e4m3 ? Fp8Format::kE5M2 : Fp8Format::kE4M3;
   const torch::Tensor rows = t.contiguous();
   if (fused::Options().fp8_rowwise) {
-    // Each direction along rows of its own: t's rows for one product, its columns (the rows of a
-    // bf16 transposed copy, quantized as such) for the other.
-    fresh.q = Fp8QuantizeOnDevice(rows, format, Fp8Scaling::kRowwise, /*power_of_2=*/false);
-    const Fp8Tensor columns =
-        Fp8QuantizeOnDevice(rows.t().contiguous(), format, Fp8Scaling::kRowwise, /*power_of_2=*/false);
-    fresh.transposed = columns.data;
-    fresh.transposed_scale_inv = columns.scale_inv;
+    // Each direction along rows of its own: t's rows for one product, its columns for the other.
+    const std::pair<Fp8Tensor, Fp8Tensor> both = Fp8QuantizeBothWaysOnDevice(rows, format, /*power_of_2=*/false);
+    fresh.q = both.first;
+    fresh.transposed = both.second.data;
+    fresh.transposed_scale_inv = both.second.scale_inv;
   } else {
     fresh.q = QuantizeTensorwise(rows, format, &fresh.transposed, amax);
     fresh.transposed_scale_inv = fresh.q.scale_inv;
@@ -190,6 +189,34 @@ Fp8Tensor QuantizeTensorwise(const torch::Tensor& x, Fp8Format format, torch::Te
 Fp8Tensor Fp8QuantizeOnDevice(const torch::Tensor& x, Fp8Format format, Fp8Scaling scaling, bool power_of_2,
                               torch::Tensor* transposed) {
   return Quantize(x, format, scaling, power_of_2, transposed, {});
+}
+
+std::pair<Fp8Tensor, Fp8Tensor> Fp8QuantizeBothWaysOnDevice(const torch::Tensor& x, Fp8Format format, bool power_of_2) {
+  if (!x.is_cuda() || x.scalar_type() != torch::kBFloat16 || x.dim() != 2 || !x.is_contiguous()) {
+    throw std::invalid_argument("Fp8QuantizeBothWaysOnDevice takes a contiguous 2-D bf16 CUDA tensor");
+  }
+  const int64_t rows = x.size(0), cols = x.size(1);
+  if (!cuda::Fp8BothWaysTakes(x.data_ptr(), rows, cols)) {
+    // Sides the tiles do not take: each way on its own, the columns from a bf16 transposed copy.
+    return {Fp8QuantizeOnDevice(x, format, Fp8Scaling::kRowwise, power_of_2),
+            Fp8QuantizeOnDevice(x.t().contiguous(), format, Fp8Scaling::kRowwise, power_of_2)};
+  }
+  c10::cuda::CUDAGuard guard(x.device());
+  const bool e4m3 = format == Fp8Format::kE4M3;
+  const auto fp8 = x.options().dtype(e4m3 ? at::ScalarType::Float8_e4m3fn : at::ScalarType::Float8_e5m2);
+  const auto f32 = x.options().dtype(torch::kFloat);
+  Fp8Tensor by_rows, by_columns;
+  by_rows.amax = torch::zeros({rows, 1}, f32);
+  by_columns.amax = torch::zeros({cols, 1}, f32);
+  by_rows.scale_inv = torch::empty({rows, 1}, f32);
+  by_columns.scale_inv = torch::empty({cols, 1}, f32);
+  by_rows.data = torch::empty({rows, cols}, fp8);
+  by_columns.data = torch::empty({cols, rows}, fp8);
+  cuda::Bf16ToFp8BothWays(x.data_ptr(), rows, cols, by_rows.amax.data_ptr<float>(), by_columns.amax.data_ptr<float>(),
+                          e4m3, power_of_2, by_rows.data.data_ptr(), by_columns.data.data_ptr(),
+                          by_rows.scale_inv.data_ptr<float>(), by_columns.scale_inv.data_ptr<float>(),
+                          fused::StreamOf(x));
+  return {by_rows, by_columns};
 }
 
 int64_t Fp8WriterAmaxesTaken() {
@@ -291,6 +318,11 @@ int64_t Fp8WriterAmaxesTaken() { return 0; }
 Fp8Tensor Fp8QuantizeOnDevice(const torch::Tensor& /*x*/, Fp8Format /*format*/, Fp8Scaling /*scaling*/,
                               bool /*power_of_2*/, torch::Tensor* /*transposed*/) {
   throw std::logic_error(std::string("Fp8QuantizeOnDevice: ") + kNoFp8);
+}
+
+std::pair<Fp8Tensor, Fp8Tensor> Fp8QuantizeBothWaysOnDevice(const torch::Tensor& /*x*/, Fp8Format /*format*/,
+                                                            bool /*power_of_2*/) {
+  throw std::logic_error(std::string("Fp8QuantizeBothWaysOnDevice: ") + kNoFp8);
 }
 
 torch::Tensor Fp8Product(const Fp8Tensor& /*a*/, const Fp8Tensor& /*b*/, bool /*fast_accum*/) {

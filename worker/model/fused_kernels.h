@@ -52,8 +52,8 @@ struct FusedKernelOptions {
   // Under fp8: the forward products accumulate with Hopper's fast accumulation (LTRAIN_FP8_FAST_ACCUM=0:
   // with its periodic promotion, as backward's).
   bool fp8_fast_accum = true;
-  // Under fp8: the gradients in e4m3 as the weights and activations are (LTRAIN_FP8_GRADIENTS=e4m3),
-  // instead of e5m2's wider range.
+  // Under fp8: the gradients in e4m3 as the weights and activations are, instead of e5m2's wider range
+  // (the worker sets it under rowwise scaling, as torchao's recipe has it; LTRAIN_FP8_GRADIENTS).
   bool fp8_gradients_e4m3 = false;
 };
 void SetFusedKernelOptions(const FusedKernelOptions& options);
@@ -243,6 +243,12 @@ bool Fp8ProductsAvailable();
 // copy [cols, rows] of the data, which shares scale_inv and amax.
 Fp8Tensor Fp8QuantizeOnDevice(const torch::Tensor& x, Fp8Format format, Fp8Scaling scaling, bool power_of_2,
                               torch::Tensor* transposed = nullptr);
+
+// bf16 x [rows, cols] (contiguous, CUDA) quantized rowwise both ways, as a product along x's rows and
+// one along its columns read it: first x's rows scaled each by its own amax (as Fp8QuantizeOnDevice
+// rowwise), second the transposed copy [cols, rows] scaled by each of its rows (x's columns). One read
+// of x for the amaxes and one for both casts where the sides allow (rows of 16, cols of 8).
+std::pair<Fp8Tensor, Fp8Tensor> Fp8QuantizeBothWaysOnDevice(const torch::Tensor& x, Fp8Format format, bool power_of_2);
 
 // a [m, k] · b [n, k]ᵀ in bf16 [m, n], each operand taken back by its scale_inv (both tensorwise or
 // both rowwise; not both e5m2), through cuBLASLt. `fast_accum`: Hopper's faster accumulation (the

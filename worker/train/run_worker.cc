@@ -477,9 +477,14 @@ Status Run(const WorkerEnv& env) {
   kernels.fp8_rowwise = recipe.parallel.fp8_scaling == Fp8ScalingKind::kRowwise;
   kernels.fp8_writer_amax = EnvString("LTRAIN_FP8_WRITER_AMAX") != "0";
   kernels.fp8_fast_accum = EnvString("LTRAIN_FP8_FAST_ACCUM") != "0";
+  // The gradients in e5m2 under tensorwise scaling (its range), in e4m3 under rowwise (the rows'
+  // scales give the range, e4m3 the extra bit), as torchao's recipes have them.
+  kernels.fp8_gradients_e4m3 = kernels.fp8_rowwise;
   if (const std::string gradients = EnvString("LTRAIN_FP8_GRADIENTS"); !gradients.empty()) {
     if (gradients != "e4m3" && gradients != "e5m2") {
-      return InvalidArgument("LTRAIN_FP8_GRADIENTS=" + gradients + ": the gradients' FP8 format is e5m2 (the default) or e4m3");
+      return InvalidArgument("LTRAIN_FP8_GRADIENTS=" + gradients +
+                             ": the gradients' FP8 format is e5m2 or e4m3 (by default e5m2 under tensorwise scaling, "
+                             "e4m3 under rowwise)");
     }
     kernels.fp8_gradients_e4m3 = gradients == "e4m3";
   }
@@ -777,8 +782,9 @@ Profiling:
                            d the input gradient, w the weight gradient (the others in bf16)
   LTRAIN_FP8_FAST_ACCUM=0  under parallel.precision: fp8, the forward products without Hopper's
                            fast accumulation (with its periodic promotion, as backward's)
-  LTRAIN_FP8_GRADIENTS=e4m3  under parallel.precision: fp8, quantize the output gradients in e4m3
-                           (3 mantissa bits) instead of e5m2 (a wider range)
+  LTRAIN_FP8_GRADIENTS=F   under parallel.precision: fp8, quantize the output gradients in F: e4m3
+                           (3 mantissa bits) or e5m2 (a wider range); by default e5m2 under
+                           tensorwise scaling, e4m3 under rowwise
   LTRAIN_DP_HIGH_PRIORITY=1  run the data-parallel collectives on a high-priority CUDA stream
   LTRAIN_GEMM_SM_MARGIN=N  plan the cuBLASLt products of backward for N fewer SMs than the GPU has,
                            leaving them to the data-parallel reductions that overlap backward

@@ -123,8 +123,10 @@ constexpr int kWideThreads = 256;
 constexpr int kWideLoads = kWideTile * kWideTile / 8 / kWideThreads;  // 16-byte loads a thread: 8
 constexpr int kWideStride = kWideTile + 4;  // shared memory row in bytes: 4-byte words, banks apart
 
-// Tensorwise, cols a multiple of 8, rows of 16 (where out_t is written), x 16-byte, out 8-byte and
-// out_t 16-byte aligned: a block per 128 x 128 tile.
+// Cols a multiple of 8, rows of 16 (where out_t is written), x 16-byte, out 8-byte and out_t 16-byte
+// aligned: a block per 128 x 128 tile. Tensorwise (kBothWays false): one scale, from amax[0], for out
+// and out_t. Both ways: out scaled by its rows (row_amax, row_scale_inv) and out_t by its own rows, x's
+// columns (col_amax, col_scale_inv): each value converted twice, once for each.
 //
 // Rows: thread t converts columns (t % 16) * 8 to + 7 of rows t / 16 + 16 k, k < 8, all eight 16-byte
 // loads in flight before the first conversion; each row's 8 bytes are stored at once, a warp's two
@@ -133,17 +135,26 @@ constexpr int kWideStride = kWideTile + 4;  // shared memory row in bytes: 4-byt
 // Transposed: thread t takes the 4 columns 4 (t / 8) to + 3 of rows 16 (t % 8) to + 15 out of shared
 // memory as 16 words, transposes them four by four in registers, and stores each column's 16 bytes
 // at once: 8 threads write one whole 128-byte row segment of out_t.
+template <bool kBothWays>
 __global__ void __launch_bounds__(kWideThreads)
-    CastWideTiles(const __nv_bfloat16* x, int64_t rows, int64_t cols, const float* amax, bool e4m3, bool power_of_2,
-                  unsigned char* out, unsigned char* out_t, float* scale_inv) {
+    CastWideTiles(const __nv_bfloat16* x, int64_t rows, int64_t cols, const float* amax, const float* col_amax,
+                  bool e4m3, bool power_of_2, unsigned char* out, unsigned char* out_t, float* scale_inv,
+                  float* col_scale_inv) {
   __shared__ __align__(16) unsigned char tile[kWideTile][kWideStride];
   const float largest = e4m3 ? 448.0f : 57344.0f;
-  const float scale = ScaleOf(amax[0], largest, power_of_2);
-  if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *scale_inv = 1.0f / scale;
+  const float tensor_scale = kBothWays ? 1.0f : ScaleOf(amax[0], largest, power_of_2);
+  if (!kBothWays && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0) *scale_inv = 1.0f / tensor_scale;
   const int64_t col0 = blockIdx.x * static_cast<int64_t>(kWideTile);
   const int64_t row0 = blockIdx.y * static_cast<int64_t>(kWideTile);
   const int group = threadIdx.x % 16, r = threadIdx.x / 16;
   const int64_t col = col0 + group * 8;
+  // The transposed copy's scales: this thread's eight columns' (cols is a multiple of 8: all in or out).
+  float column_scale[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    column_scale[j] = kBothWays && col < cols ? ScaleOf(col_amax[col + j], largest, power_of_2) : tensor_scale;
+    if (kBothWays && col < cols && blockIdx.y == 0 && r == 0) col_scale_inv[col + j] = 1.0f / column_scale[j];
+  }
   uint4 loaded[kWideLoads];
 #pragma unroll
   for (int k = 0; k < kWideLoads; ++k) {
@@ -153,20 +164,30 @@ __global__ void __launch_bounds__(kWideThreads)
 #pragma unroll
   for (int k = 0; k < kWideLoads; ++k) {
     const int tr = r + 16 * k;
+    const int64_t row = row0 + tr;
+    float scale = tensor_scale;
+    if (kBothWays && row < rows) {
+      scale = ScaleOf(amax[row], largest, power_of_2);
+      if (blockIdx.x == 0 && group == 0) scale_inv[row] = 1.0f / scale;
+    }
     const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&loaded[k]);
-    unsigned char q[8];
+    unsigned char q[8], qt[8];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
       const float2 f = __bfloat1622float2(pairs[j]);
       q[2 * j] = ToFp8(f.x * scale, e4m3);
       q[2 * j + 1] = ToFp8(f.y * scale, e4m3);
+      if (kBothWays) {
+        qt[2 * j] = ToFp8(f.x * column_scale[2 * j], e4m3);
+        qt[2 * j + 1] = ToFp8(f.y * column_scale[2 * j + 1], e4m3);
+      }
     }
     const uint2 word = Pack8(q);
-    const int64_t row = row0 + tr;
     if (row < rows && col < cols) *reinterpret_cast<uint2*>(out + row * cols + col) = word;
     if (out_t != nullptr) {
-      *reinterpret_cast<unsigned*>(&tile[tr][group * 8]) = word.x;
-      *reinterpret_cast<unsigned*>(&tile[tr][group * 8 + 4]) = word.y;
+      const uint2 word_t = kBothWays ? Pack8(qt) : word;
+      *reinterpret_cast<unsigned*>(&tile[tr][group * 8]) = word_t.x;
+      *reinterpret_cast<unsigned*>(&tile[tr][group * 8 + 4]) = word_t.y;
     }
   }
   if (out_t == nullptr) return;
@@ -197,6 +218,63 @@ __global__ void __launch_bounds__(kWideThreads)
   }
 }
 
+// Each row's and each column's amax of x (the layout CastWideTiles takes), a block per 128 x 128
+// tile: row_amax and col_amax hold 0 before; each tile adds its rows' and its columns' largest
+// magnitudes by atomicMax on their bits (read first: most need none). Thread t reads as the cast
+// does; a row's 16 threads are half a warp, a column's 16 threads meet in shared memory.
+__global__ void __launch_bounds__(kWideThreads)
+    RowColAmax(const __nv_bfloat16* x, int64_t rows, int64_t cols, float* row_amax, float* col_amax) {
+  __shared__ unsigned warp_columns[kWideThreads / 32][16][4];
+  constexpr unsigned kMagnitudes = 0x7fff7fffu;
+  const int64_t col0 = blockIdx.x * static_cast<int64_t>(kWideTile);
+  const int64_t row0 = blockIdx.y * static_cast<int64_t>(kWideTile);
+  const int group = threadIdx.x % 16, r = threadIdx.x / 16;
+  const int64_t col = col0 + group * 8;
+  uint4 loaded[kWideLoads];
+#pragma unroll
+  for (int k = 0; k < kWideLoads; ++k) {
+    const int64_t row = row0 + r + 16 * k;
+    loaded[k] = row < rows && col < cols ? *reinterpret_cast<const uint4*>(x + row * cols + col) : uint4{};
+  }
+  // Column pairs' magnitudes, two bf16s a word, over this thread's rows.
+  unsigned column_pairs[4] = {0, 0, 0, 0};
+#pragma unroll
+  for (int k = 0; k < kWideLoads; ++k) {
+    const unsigned w[4] = {loaded[k].x & kMagnitudes, loaded[k].y & kMagnitudes, loaded[k].z & kMagnitudes,
+                           loaded[k].w & kMagnitudes};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) column_pairs[i] = __vmaxu2(column_pairs[i], w[i]);
+    const unsigned m = __vmaxu2(__vmaxu2(w[0], w[1]), __vmaxu2(w[2], w[3]));
+    unsigned bits = max(m & 0xffffu, m >> 16) << 16;
+#pragma unroll
+    for (int offset = 8; offset > 0; offset /= 2) bits = max(bits, __shfl_xor_sync(0xffffffffu, bits, offset));
+    const int64_t row = row0 + r + 16 * k;
+    unsigned* const held = reinterpret_cast<unsigned*>(row_amax + row);
+    if (group == 0 && row < rows && bits > *reinterpret_cast<volatile unsigned*>(held)) atomicMax(held, bits);
+  }
+  // The warp's two rows of threads (lanes 0-15 and 16-31 share columns), then the block's eight warps.
+#pragma unroll
+  for (int i = 0; i < 4; ++i) column_pairs[i] = __vmaxu2(column_pairs[i], __shfl_xor_sync(0xffffffffu, column_pairs[i], 16));
+  if ((threadIdx.x & 31) < 16) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) warp_columns[threadIdx.x / 32][group][i] = column_pairs[i];
+  }
+  __syncthreads();
+  if (threadIdx.x < 64) {
+    const int g = threadIdx.x / 4, i = threadIdx.x % 4;
+    unsigned pair = 0;
+#pragma unroll
+    for (int w = 0; w < kWideThreads / 32; ++w) pair = __vmaxu2(pair, warp_columns[w][g][i]);
+    const int64_t c = col0 + g * 8 + 2 * i;
+    if (c < cols) {
+      const unsigned lo = (pair & 0xffffu) << 16, hi = (pair >> 16) << 16;
+      unsigned* const held = reinterpret_cast<unsigned*>(col_amax + c);
+      if (lo > *reinterpret_cast<volatile unsigned*>(held)) atomicMax(held, lo);
+      if (hi > *reinterpret_cast<volatile unsigned*>(held + 1)) atomicMax(held + 1, hi);
+    }
+  }
+}
+
 bool Aligned(const void* p, uintptr_t bytes) { return reinterpret_cast<uintptr_t>(p) % bytes == 0; }
 
 }  // namespace
@@ -224,9 +302,9 @@ void Bf16ToFp8(const void* x, int64_t rows, int64_t cols, const float* amax, boo
       (out_t == nullptr || (rows % 16 == 0 && Aligned(out_t, 16)))) {
     const dim3 grid(static_cast<unsigned>((cols + kWideTile - 1) / kWideTile),
                     static_cast<unsigned>((rows + kWideTile - 1) / kWideTile));
-    CastWideTiles<<<grid, kWideThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows, cols, amax, e4m3,
-                                                    power_of_2, static_cast<unsigned char*>(out),
-                                                    static_cast<unsigned char*>(out_t), scale_inv);
+    CastWideTiles<false><<<grid, kWideThreads, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows, cols, amax,
+                                                           nullptr, e4m3, power_of_2, static_cast<unsigned char*>(out),
+                                                           static_cast<unsigned char*>(out_t), scale_inv, nullptr);
     return;
   }
   const dim3 block(kTile, kTileRows);
@@ -234,6 +312,23 @@ void Bf16ToFp8(const void* x, int64_t rows, int64_t cols, const float* amax, boo
   CastTiles<<<grid, block, 0, stream>>>(static_cast<const __nv_bfloat16*>(x), rows, cols, amax, rowwise, e4m3,
                                         power_of_2, static_cast<unsigned char*>(out),
                                         rowwise ? nullptr : static_cast<unsigned char*>(out_t), scale_inv);
+}
+
+bool Fp8BothWaysTakes(const void* x, int64_t rows, int64_t cols) {
+  return rows > 0 && cols > 0 && rows % 16 == 0 && cols % 8 == 0 && Aligned(x, 16);
+}
+
+void Bf16ToFp8BothWays(const void* x, int64_t rows, int64_t cols, float* row_amax, float* col_amax, bool e4m3,
+                       bool power_of_2, void* out, void* out_t, float* row_scale_inv, float* col_scale_inv,
+                       cudaStream_t stream) {
+  const dim3 grid(static_cast<unsigned>((cols + kWideTile - 1) / kWideTile),
+                  static_cast<unsigned>((rows + kWideTile - 1) / kWideTile));
+  const auto* values = static_cast<const __nv_bfloat16*>(x);
+  RowColAmax<<<grid, kWideThreads, 0, stream>>>(values, rows, cols, row_amax, col_amax);
+  CastWideTiles<true><<<grid, kWideThreads, 0, stream>>>(values, rows, cols, row_amax, col_amax, e4m3, power_of_2,
+                                                         static_cast<unsigned char*>(out),
+                                                         static_cast<unsigned char*>(out_t), row_scale_inv,
+                                                         col_scale_inv);
 }
 
 }  // namespace ltrain::worker::cuda

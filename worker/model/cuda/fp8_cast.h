@@ -23,4 +23,13 @@ void Bf16Amax(const void* x, int64_t rows, int64_t cols, bool rowwise, float* am
 void Bf16ToFp8(const void* x, int64_t rows, int64_t cols, const float* amax, bool rowwise, bool e4m3, bool power_of_2,
                void* out, void* out_t, float* scale_inv, cudaStream_t stream);
 
+// Rowwise both ways: out [rows, cols] scaled by each of x's rows and out_t [cols, rows] by each of its
+// own rows (x's columns), from one read of x for the amaxes and one for the casts (row_amax [rows] and
+// col_amax [cols] hold 0 before and get each row's and column's amax; row_scale_inv and col_scale_inv
+// get 1 / scale). Where Fp8BothWaysTakes: rows a multiple of 16, cols of 8, x 16-byte aligned.
+bool Fp8BothWaysTakes(const void* x, int64_t rows, int64_t cols);
+void Bf16ToFp8BothWays(const void* x, int64_t rows, int64_t cols, float* row_amax, float* col_amax, bool e4m3,
+                       bool power_of_2, void* out, void* out_t, float* row_scale_inv, float* col_scale_inv,
+                       cudaStream_t stream);
+
 }  // namespace ltrain::worker::cuda
