@@ -109,19 +109,27 @@ TEST(MoeOpsTest, GroupedExpertsEqualTheLoopOnAGpu) {
                                       (torch::randn({4, 96, 64}, bf16) * 0.1).requires_grad_(true),
                                       (torch::randn({4, 64, 96}, bf16) * 0.1).requires_grad_(true)};
   };
-  const std::vector<torch::Tensor> a = leaves(), b = leaves();
+  const std::vector<torch::Tensor> a = leaves(), b = leaves(), c = leaves();
   const torch::Tensor ya = Experts(a[0], counts, a[1], a[2], a[3]);
   const torch::Tensor yb = ExpertsLoop(b[0], counts, b[1], b[2], b[3]);
+  // The counts on the device (no copy to the host): the same products, the same bits.
+  const torch::Tensor yc =
+      GroupedExperts(c[0], torch::tensor(counts, torch::TensorOptions().dtype(torch::kLong)).cuda(), c[1], c[2], c[3]);
   ASSERT_EQ(ya.sizes(), yb.sizes());
   const torch::Tensor g = torch::randn_like(ya);
   (ya.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
   (yb.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
+  (yc.to(torch::kFloat) * g.to(torch::kFloat)).sum().backward();
   auto close = [](const torch::Tensor& x, const torch::Tensor& y) {
     const double scale = y.to(torch::kFloat).abs().max().item<double>();
     return (x.to(torch::kFloat) - y.to(torch::kFloat)).abs().max().item<double>() <= 2e-2 * std::max(scale, 1e-3);
   };
   EXPECT_TRUE(close(ya, yb));
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(close(a[i].grad(), b[i].grad())) << "gradient " << i;
+  EXPECT_TRUE(torch::equal(yc, ya));
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_TRUE(close(a[i].grad(), b[i].grad())) << "gradient " << i;
+    EXPECT_TRUE(torch::equal(c[i].grad(), a[i].grad())) << "gradient " << i;
+  }
 }
 
 TEST(MoeOpsTest, SequenceBalanceLossIsOneWhenEvenAndGrowsWithTheSkew) {

@@ -118,13 +118,17 @@ torch::Tensor ModelShard::MoeBranch(int layer, const torch::Tensor& m) {
   const moe::RouterOptions options = RouterOptionsOf(moe);
   const moe::Routing routing = moe::Route(logits, bias_balance ? router_bias_[slot] : torch::Tensor(), options);
   const bool recording = torch::GradMode::is_enabled();
-  if (recording) {
-    route_counts_[slot] += at::bincount(routing.experts.reshape(-1), {}, moe.experts).to(torch::kFloat);
-  }
-  const moe::Dispatch dispatch = moe::SortByExpert(routing.experts, moe.experts);
+  // Dropless on one rank's experts by grouped products: the counts stay on the device.
+  const bool on_device = moe.capacity_factor <= 0 && std::max(1, spec_.layout.ep) == 1 &&
+                         moe::GroupedExpertsApply(x, P(layer, "experts.w1.weight"));
+  const moe::Dispatch dispatch = moe::SortByExpert(routing.experts, moe.experts, /*host_counts=*/!on_device);
+  if (recording) route_counts_[slot] += dispatch.rows.to(torch::kFloat);
   torch::Tensor xs = moe::Permute(x, dispatch);
   torch::Tensor ys;
-  if (moe.capacity_factor > 0) {
+  if (on_device) {
+    ys = moe::GroupedExperts(xs, dispatch.rows, P(layer, "experts.w1.weight"), P(layer, "experts.w3.weight"),
+                             P(layer, "experts.w2.weight"));
+  } else if (moe.capacity_factor > 0) {
     // Each expert's first `capacity` rows (in token order: its segment's order); the rest dropped,
     // their outputs zero.
     const int64_t rows = xs.size(0);

@@ -47,6 +47,15 @@ struct WeightedCombine : public torch::autograd::Function<WeightedCombine> {
   }
 };
 
+// The experts' SwiGLU as three grouped products over segments ending at `ends` [E] (int32, on xs'
+// device). [E, f, d] read as [E, d, f] (a view): each expert's x · w^T.
+torch::Tensor GroupedProducts(const torch::Tensor& xs, const torch::Tensor& ends, const torch::Tensor& w1,
+                              const torch::Tensor& w3, const torch::Tensor& w2) {
+  const torch::Tensor x = xs.contiguous();
+  const torch::Tensor h = SwiGlu(compat::GroupedMm(x, w1.transpose(1, 2), ends), compat::GroupedMm(x, w3.transpose(1, 2), ends));
+  return compat::GroupedMm(h, w2.transpose(1, 2), ends);
+}
+
 }  // namespace
 
 Routing Route(const torch::Tensor& logits, const torch::Tensor& bias, const RouterOptions& options) {
@@ -70,13 +79,17 @@ Routing Route(const torch::Tensor& logits, const torch::Tensor& bias, const Rout
   return r;
 }
 
-Dispatch SortByExpert(const torch::Tensor& experts, int64_t num_experts) {
+Dispatch SortByExpert(const torch::Tensor& experts, int64_t num_experts, bool host_counts) {
   Dispatch d;
   d.top_k = static_cast<int>(experts.size(1));
   const torch::Tensor ids = experts.reshape(-1);
   d.order = std::get<1>(at::sort(ids, /*stable=*/true, /*dim=*/0, /*descending=*/false));
-  const torch::Tensor counts = at::bincount(ids, /*weights=*/{}, num_experts).to(torch::kCPU).to(torch::kLong);
-  d.counts.assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + num_experts);
+  // Counted by a scatter, not bincount: bincount on a GPU reads the ids' largest on the host first.
+  d.rows = torch::zeros({num_experts}, ids.options().dtype(torch::kLong)).scatter_add_(0, ids, torch::ones_like(ids));
+  if (host_counts) {
+    const torch::Tensor counts = d.rows.to(torch::kCPU);
+    d.counts.assign(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + num_experts);
+  }
   return d;
 }
 
@@ -106,11 +119,14 @@ torch::Tensor Experts(const torch::Tensor& xs, const std::vector<int64_t>& count
     throw std::invalid_argument("Experts: the counts cover " + std::to_string(rows) + " of " +
                                 std::to_string(xs.size(0)) + " rows");
   }
-  const torch::Tensor offs = torch::tensor(ends, torch::TensorOptions().dtype(torch::kInt)).to(xs.device(), true);
-  // [E, f, d] read as [E, d, f] (a view): each expert's x · w^T.
-  const torch::Tensor x = xs.contiguous();
-  const torch::Tensor h = SwiGlu(compat::GroupedMm(x, w1.transpose(1, 2), offs), compat::GroupedMm(x, w3.transpose(1, 2), offs));
-  return compat::GroupedMm(h, w2.transpose(1, 2), offs);
+  return GroupedProducts(xs, torch::tensor(ends, torch::TensorOptions().dtype(torch::kInt)).to(xs.device(), true), w1,
+                         w3, w2);
+}
+
+torch::Tensor GroupedExperts(const torch::Tensor& xs, const torch::Tensor& rows, const torch::Tensor& w1,
+                             const torch::Tensor& w3, const torch::Tensor& w2) {
+  if (!GroupedExpertsApply(xs, w1)) throw std::logic_error("GroupedExperts: no grouped products for these operands");
+  return GroupedProducts(xs, rows.cumsum(0).to(torch::kInt), w1, w3, w2);
 }
 
 torch::Tensor ExpertsLoop(const torch::Tensor& xs, const std::vector<int64_t>& counts, const torch::Tensor& w1,

@@ -35,10 +35,13 @@ Routing Route(const torch::Tensor& logits, const torch::Tensor& bias, const Rout
 // token, then by slot.
 struct Dispatch {
   torch::Tensor order;          // [T·k] int64: the assignments, expert by expert
-  std::vector<int64_t> counts;  // [E]: rows each expert gets (on the host: one copy from the device)
+  torch::Tensor rows;           // [E] int64 on the assignments' device: rows each expert gets
+  std::vector<int64_t> counts;  // the same on the host (one copy from the device), where asked for
   int top_k = 1;
 };
-Dispatch SortByExpert(const torch::Tensor& experts, int64_t num_experts);
+// With `host_counts` false, `counts` stays empty and nothing waits for the device (the grouped
+// products read `rows` there).
+Dispatch SortByExpert(const torch::Tensor& experts, int64_t num_experts, bool host_counts = true);
 
 // x [T, d] -> [T·k, d]: each assignment's token row, in dispatch order.
 torch::Tensor Permute(const torch::Tensor& x, const Dispatch& dispatch);
@@ -50,6 +53,10 @@ torch::Tensor Permute(const torch::Tensor& x, const Dispatch& dispatch);
 // only (FusedSwiGlu).
 torch::Tensor Experts(const torch::Tensor& xs, const std::vector<int64_t>& counts, const torch::Tensor& w1,
                       const torch::Tensor& w3, const torch::Tensor& w2);
+// Experts by grouped products only (GroupedExpertsApply must hold), each expert's rows counted by
+// `rows` [E] on the device: no copy to the host.
+torch::Tensor GroupedExperts(const torch::Tensor& xs, const torch::Tensor& rows, const torch::Tensor& w1,
+                             const torch::Tensor& w3, const torch::Tensor& w2);
 torch::Tensor ExpertsLoop(const torch::Tensor& xs, const std::vector<int64_t>& counts, const torch::Tensor& w1,
                           const torch::Tensor& w3, const torch::Tensor& w2);
 // Whether Experts runs grouped products for these operands: CUDA, bf16, compute capability 9.0 or
