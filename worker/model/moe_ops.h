@@ -2,7 +2,8 @@
 // dispatch of each token's k assignments sorted by expert, the experts' SwiGLU over their segments,
 // the weighted combine back to the tokens, and the router's balance and z losses. Written from
 // LibTorch operations, so autograd gives every backward; deterministic (a stable sort, a gather and a
-// sum, no atomics), so every layout that computes the same rows gets the same bits.
+// sum; the only atomics add integer counts), so every layout that computes the same rows gets the
+// same bits.
 #pragma once
 
 #include <cstdint>
