@@ -60,6 +60,12 @@ TEST(MoeOpsTest, DispatchedExpertsEqualTheLoopOverEachTokensExperts) {
   int64_t total = 0;
   for (int64_t c : dispatch.counts) total += c;
   EXPECT_EQ(total, tokens * options.top_k);
+  // The device's counts are the host's; without host_counts only those, and the same order.
+  EXPECT_TRUE(torch::equal(dispatch.rows, torch::tensor(dispatch.counts, torch::TensorOptions().dtype(torch::kLong))));
+  const Dispatch on_device = SortByExpert(r.experts, experts, /*host_counts=*/false);
+  EXPECT_TRUE(on_device.counts.empty());
+  EXPECT_TRUE(torch::equal(on_device.rows, dispatch.rows));
+  EXPECT_TRUE(torch::equal(on_device.order, dispatch.order));
   const torch::Tensor ys = Experts(Permute(x, dispatch), dispatch.counts, w1, w3, w2);
   const torch::Tensor y = Combine(ys, dispatch, r.gates.to(torch::kDouble));
   const torch::Tensor upstream = torch::randn({tokens, d}, f64);
