@@ -123,6 +123,17 @@ constexpr int kWideThreads = 256;
 constexpr int kWideLoads = kWideTile * kWideTile / 8 / kWideThreads;  // 16-byte loads a thread: 8
 constexpr int kWideStride = kWideTile + 4;  // shared memory row in bytes: 4-byte words, banks apart
 
+// A thread's part of a 128 x 128 tile, as the wide kernels read it: columns col to + 7 of rows row,
+// row + 16, ..., all eight 16-byte loads in flight; zeros outside the tensor.
+__device__ __forceinline__ void LoadWideTile(const __nv_bfloat16* x, int64_t rows, int64_t cols, int64_t row,
+                                             int64_t col, uint4 (&loaded)[kWideLoads]) {
+#pragma unroll
+  for (int k = 0; k < kWideLoads; ++k) {
+    const int64_t at = row + 16 * k;
+    loaded[k] = at < rows && col < cols ? *reinterpret_cast<const uint4*>(x + at * cols + col) : uint4{};
+  }
+}
+
 // Cols a multiple of 8, rows of 16 (where out_t is written), x 16-byte, out 8-byte and out_t 16-byte
 // aligned: a block per 128 x 128 tile. Tensorwise (kBothWays false): one scale, from amax[0], for out
 // and out_t. Both ways: out scaled by its rows (row_amax, row_scale_inv) and out_t by its own rows, x's
@@ -156,11 +167,7 @@ __global__ void __launch_bounds__(kWideThreads)
     if (kBothWays && col < cols && blockIdx.y == 0 && r == 0) col_scale_inv[col + j] = 1.0f / column_scale[j];
   }
   uint4 loaded[kWideLoads];
-#pragma unroll
-  for (int k = 0; k < kWideLoads; ++k) {
-    const int64_t row = row0 + r + 16 * k;
-    loaded[k] = row < rows && col < cols ? *reinterpret_cast<const uint4*>(x + row * cols + col) : uint4{};
-  }
+  LoadWideTile(x, rows, cols, row0 + r, col, loaded);
 #pragma unroll
   for (int k = 0; k < kWideLoads; ++k) {
     const int tr = r + 16 * k;
@@ -231,11 +238,7 @@ __global__ void __launch_bounds__(kWideThreads)
   const int group = threadIdx.x % 16, r = threadIdx.x / 16;
   const int64_t col = col0 + group * 8;
   uint4 loaded[kWideLoads];
-#pragma unroll
-  for (int k = 0; k < kWideLoads; ++k) {
-    const int64_t row = row0 + r + 16 * k;
-    loaded[k] = row < rows && col < cols ? *reinterpret_cast<const uint4*>(x + row * cols + col) : uint4{};
-  }
+  LoadWideTile(x, rows, cols, row0 + r, col, loaded);
   // Column pairs' magnitudes, two bf16s a word, over this thread's rows.
   unsigned column_pairs[4] = {0, 0, 0, 0};
 #pragma unroll
