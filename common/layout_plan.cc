@@ -628,6 +628,16 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double
     // On CUDA the gradient shards of ZeRO-2/3 are made by the step's first reduction, in backward, as
     // activations are freed: without accumulation none is held at the forward's peak.
     if (cuda && zero >= 2 && mb == 1 && layout.pp == 1) parts.grads = 0;
+    // On one data-parallel rank below ZeRO-3 each block's gradients are made when backward reaches
+    // it and released after its update (the worker's transient gradients): at forward's peak none,
+    // in backward the block's beside the activations freed so far. One block's is counted.
+    if (cuda && zero < 3 && dp == 1 && mb == 1 && layout.pp == 1) {
+      std::map<int, int64_t> by_unit;
+      for (const RankParam& p : params) by_unit[p.unit] += p.numel;
+      int64_t biggest = 0;
+      for (const auto& [unit, n] : by_unit) biggest = std::max(biggest, n);
+      parts.grads = biggest * (e.bf16 ? 2 : 4);
+    }
     e.stages.push_back(st);
     e.peak_bytes = std::max(e.peak_bytes, parts.total());
   }

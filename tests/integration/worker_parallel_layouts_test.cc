@@ -200,6 +200,16 @@ class ParallelLayoutsTest : public ::testing::Test {
                 max_abs);
   }
 
+  // Gradients made block by block in backward and released after each update (the default on GPUs),
+  // on one data-parallel rank with `sets` (tp ranks as sets give), against the one-process run.
+  void ExpectTransientGradientsMatch(const std::string& name, const std::string& sets) {
+    const int tp = sets.find("parallel.tp=2") != std::string::npos ? 2 : 1;
+    ExpectMatchesReference(name, tp, sets, "", "LTRAIN_TRANSIENT_GRADIENTS=1");
+    std::stringstream log;
+    log << std::ifstream(dir_ / name / "log0").rdbuf();
+    EXPECT_NE(log.str().find("gradients: each block's made when backward reaches it"), std::string::npos) << log.str();
+  }
+
   // Each of `runs` (name, world, sets) resumes from `first`'s checkpoint of step 10: its 10 steps
   // and its final parameters are the one-process run's, within the suite's tolerance.
   static void ExpectResumesAsTheReference(const fs::path& first,
@@ -299,6 +309,7 @@ TEST_F(MoeLayoutsTest, Dp8Zero3) {
   ExpectMatchesReference("dp8_zero3", 8, "--set parallel.zero=3 --set training.micro_batch=1");
 }
 TEST_F(MoeLayoutsTest, Tp2) { ExpectMatchesReference("tp2", 2, "--set parallel.tp=2"); }
+TEST_F(MoeLayoutsTest, TransientGradients) { ExpectTransientGradientsMatch("transient", ""); }
 TEST_F(MoeLayoutsTest, Tp2SequenceParallel) {
   ExpectMatchesReference("tp2_sp", 2, "--set parallel.tp=2 --set parallel.sequence_parallel=true");
 }
@@ -438,6 +449,7 @@ TEST_F(MoeLayoutsTest, ACollapsedRouterIsPulledBackByTheLossAndByTheBias) {
   TEST_F(Suite, Dp2Zero2) { ExpectMatchesReference("dp2_zero2", 2, "--set parallel.zero=2"); } \
   TEST_F(Suite, Dp2Zero3) { ExpectMatchesReference("dp2_zero3", 2, "--set parallel.zero=3"); } \
   TEST_F(Suite, Tp2) { ExpectMatchesReference("tp2", 2, "--set parallel.tp=2"); } \
+  TEST_F(Suite, TransientGradients) { ExpectTransientGradientsMatch("transient", ""); } \
   TEST_F(Suite, Tp2SplitBatch) { \
     ExpectMatchesReference("tp2_split_batch", 2, "--set parallel.tp=2", "", "LTRAIN_TP_SPLIT_BATCH=1"); \
     std::stringstream log; \
@@ -506,6 +518,14 @@ TEST_F(LlamaLayoutsTest, ACheckpointAtCp2ResumesInOneProcessAndAtCp4) {
 }
 
 LTRAIN_LAYOUT_TESTS(ParallelLayoutsTest)
+// Transient gradients over accumulated micro-batches, and with partial gradients summed over tp.
+TEST_F(ParallelLayoutsTest, TransientGradientsAccumulated) {
+  ExpectTransientGradientsMatch("transient_accumulated", "--set training.micro_batch=1");
+}
+TEST_F(LlamaLayoutsTest, TransientGradientsTp2SequenceParallelFullCheckpointing) {
+  ExpectTransientGradientsMatch("transient_tp2_sp_ac_full", "--set parallel.tp=2 --set parallel.sequence_parallel=true "
+                                                            "--set parallel.activation_checkpointing=full");
+}
 LTRAIN_LAYOUT_TESTS(LlamaLayoutsTest)
 LTRAIN_LAYOUT_TESTS(Qwen2LayoutsTest)
 LTRAIN_LAYOUT_TESTS(Qwen3LayoutsTest)

@@ -257,6 +257,10 @@ void ParamStore::ZeroGrads(bool one_backward) {
       // On the CPU it stays (the memory plan counts it apart from the step's heap), unzeroed: the
       // step's first reduction overwrites it, queued after the gather that runs a pending update
       // reading it.
+    } else if (transient_) {
+      // Left by a step without an update (a drill's, a failed one): made again in backward. A
+      // deferred update still reading them holds them itself.
+      DropGradients(unit);
     } else {
       ZeroUnitGrads(unit, /*zero=*/!unit.grads_zeroed, &stale);
       unit.grads_zeroed = false;
@@ -385,6 +389,7 @@ void ParamStore::Launch(int u) {
 }
 
 Status ParamStore::FinishBackward() {
+  MakeAllGradients();
   ZeroStaleGradients();
   if (armed_) {
     for (int u = 0; u < units(); ++u) {
@@ -427,6 +432,7 @@ torch::Tensor ParamStore::GradSquareSum() {
   // Summed on the device, one value brought back: on CUDA from fp32 norms of every segment (one
   // kernel, as clip_grad_norm_ does), on the CPU from squares in double.
   // Adjacent counted parameters of a unit make one segment (fewer, longer ones for the kernel).
+  MakeAllGradients();
   std::vector<torch::Tensor> sums, segments;
   std::vector<double> weights;  // of the segments
   for (Unit& unit : units_) {
@@ -602,6 +608,7 @@ Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, con
   // bf16 compute copies on CUDA: our kernel, one pass per segment that also writes the bf16 copy of
   // the owned elements (zero 0: all of them; a sharded update then all-gathers the copies).
   if (units_.empty()) return Status::Ok();
+  MakeAllGradients();
   const bool own_kernel = units_.front().compute.defined() && FusedAdamWAvailable(units_.front().full);
   const bool sharded = sharded_update();
   // For the fused kernels: clipping as one device scalar the gradients are divided by (undefined:
@@ -623,14 +630,26 @@ Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, con
     // backward): the next forward waits for a unit's job just before using it (AwaitCompute).
     if (!update_queue_) update_queue_ = std::make_unique<ReductionQueue>(/*threaded=*/true, units_.front().full.device(), /*own_stream=*/true);
     update_divisor_ = divisor;
+    const bool transient = transient_;
     for (auto it = units_.rbegin(); it != units_.rend(); ++it) {
       Unit* unit = &*it;
       const AdamWConfig adamw = adamw_;
-      unit->grads_zeroed = true;
-      unit->update_job = update_queue_->Enqueue([this, unit, adamw, divisor, lr, b1, b2, step]() {
+      // Transient gradients: the job alone holds the unit's; they are freed when it ends, and the
+      // allocator gives their memory out again once the update's stream has read them.
+      torch::Tensor grad = OwnedGrad(*unit);
+      if (transient) {
+        DropGradients(*unit);
+      } else {
+        unit->grads_zeroed = true;
+      }
+      unit->update_job = update_queue_->Enqueue([this, unit, grad, transient, adamw, divisor, lr, b1, b2, step]() {
         torch::NoGradGuard no_grad;
-        UpdateUnit(*unit, OwnedGrad(*unit), adamw, lr, b1, b2, step, divisor);
-        ZeroUnitGrads(*unit, /*zero=*/true, nullptr);
+        UpdateUnit(*unit, grad, adamw, lr, b1, b2, step, divisor);
+        if (transient) {
+          compat::RecordCurrentStream(grad);
+        } else {
+          ZeroUnitGrads(*unit, /*zero=*/true, nullptr);
+        }
         return Status::Ok();
       });
     }
@@ -642,6 +661,10 @@ Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, con
     std::vector<std::pair<Unit*, torch::Tensor>> all;
     for (Unit& unit : units_) all.emplace_back(&unit, OwnedGrad(unit));
     UpdateComposite(all, DeferredUpdate{lr, grad_scale, step, grad_divisor, divisor, false});
+  }
+  // Read by the update, queued on this stream: the allocator reuses their memory after it.
+  if (transient_) {
+    for (Unit& unit : units_) DropGradients(unit);
   }
   if (sharded) {
     // The owned part of the copies from the updated masters (our kernel wrote it already), then
@@ -836,8 +859,61 @@ torch::Tensor ParamStore::MakeSymmetric(int64_t bytes) {
   return memory;
 }
 
+bool ParamStore::UseTransientGradients() {
+  if (zero_ != 0 || units_.empty()) return false;
+  for (const Unit& unit : units_) {
+    if (unit.comm->size() > 1) return false;
+  }
+  transient_ = true;
+  for (Unit& unit : units_) DropGradients(unit);
+  return true;
+}
+
+void ParamStore::DropGradients(Unit& unit) {
+  unit.grad_full = torch::Tensor();
+  for (int i : unit.layout.params) params_[i].value->mutable_grad() = torch::Tensor();
+}
+
+void ParamStore::MakeAllGradients() {
+  if (!transient_) return;
+  for (Unit& unit : units_) MakeGradients(unit, /*in_backward=*/false);
+}
+
+void ParamStore::MakeGradients(Unit& unit, bool in_backward) {
+  if (unit.grad_full.defined()) return;
+  torch::NoGradGuard no_grad;
+  // In the leaves' dtype (bf16 with bf16 copies), as Create makes it.
+  unit.grad_full = torch::empty({unit.layout.padded}, (unit.compute.defined() ? unit.compute : unit.full).options());
+  std::vector<torch::Tensor> stale;
+  // Runs of elements to zero: every one but the copied gradients and the stale ones.
+  int64_t run_at = 0;
+  auto zero_to = [&](int64_t end) {
+    if (end > run_at) unit.grad_full.narrow(0, run_at, end - run_at).zero_();
+  };
+  for (size_t k = 0; k < unit.layout.params.size(); ++k) {
+    const Param& p = params_[unit.layout.params[k]];
+    torch::Tensor& value = *p.value;
+    const int64_t at = unit.layout.offsets[k], n = value.numel();
+    torch::Tensor view = unit.grad_full.narrow(0, at, n).view(value.sizes());
+    if (value.grad().defined()) {
+      zero_to(at);
+      view.copy_(value.grad());
+      run_at = at + n;
+    } else if (in_backward && p.product_grad) {
+      zero_to(at);
+      stale.push_back(view);
+      run_at = at + n;
+    }
+    value.mutable_grad() = view;
+  }
+  zero_to(unit.layout.padded);
+  MarkGradientsStale(stale);
+}
+
 void ParamStore::PrepareGradients(int u) {
-  if (zero_ != 3 || !armed_ || u < 0 || u >= units()) return;
+  if (u < 0 || u >= units()) return;
+  if (transient_) return MakeGradients(units_[u], /*in_backward=*/true);
+  if (zero_ != 3 || !armed_) return;
   Unit& unit = units_[u];
   if (unit.grad_flat.defined() || unit.launched) return;
   torch::NoGradGuard no_grad;

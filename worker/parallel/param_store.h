@@ -237,7 +237,18 @@ class ParamStore {
   // leaves' dtype (the products add into it), reduce-scattered as it is, without a copy into a
   // buffer of its own first; with bf16 copies in bf16, like the other stages' bf16 gradients. A
   // no-op otherwise. Units whose backward it does not precede are copied into an fp32 buffer.
+  // With transient gradients (UseTransientGradients), the unit's buffer is made if it has none: the
+  // gradients autograd already gave its leaves copied in, those only the products write left to
+  // their first write (MarkGradientsStale), the rest zeroed.
   void PrepareGradients(int u);
+  // zero 0 with every unit over one rank (nothing to reduce): each unit's gradient buffer is made
+  // when backward reaches the unit (PrepareGradients, from the model's hooks; for a unit no hook
+  // prepared, by FinishBackward from what autograd left in its leaves) and released once the
+  // optimizer has read it (by a deferred update on its stream, after the update), so that forward
+  // runs without the model's gradients, as PyTorch's after zero_grad(set_to_none=True). Returns
+  // whether it applies. Call it once, after Create.
+  bool UseTransientGradients();
+  bool transient_gradients() const { return transient_; }
   // zero 3: unit `u`'s fp32 values, all-gathered (MasterValue reads them) until ReleaseMasterUnit.
   // With bf16 copies these are apart from the copies Gather makes; without, the same as Gather.
   Status GatherMasterUnit(int u);
@@ -374,6 +385,13 @@ class ParamStore {
   // zero < 2: zeroes the unit's gradients (`zero`) except those only the products write, which go to
   // `stale` (when not null) for MarkGradientsStale.
   void ZeroUnitGrads(Unit& unit, bool zero, std::vector<torch::Tensor>* stale);
+  // Transient gradients: makes the unit's buffer (PrepareGradients) unless it has one; `in_backward`
+  // false (after backward) zeroes the product-only gradients autograd did not give, as no product
+  // will write them now.
+  void MakeGradients(Unit& unit, bool in_backward);
+  void MakeAllGradients();
+  // Transient gradients: the unit and its leaves let go of the buffer.
+  void DropGradients(Unit& unit);
   torch::Tensor OwnedCompute(Unit& unit);
   int64_t OffsetInUnit(int param) const;
   // zero 3: allocates the unit's fp32 values and queues their all-gather from the shards; the job.
@@ -405,6 +423,7 @@ class ParamStore {
   bool armed_ = false;
   bool one_backward_ = false;  // ZeroGrads(one_backward) of this step
   bool masters_stale_ = false;  // ShardedUpdate: the masters outside the owned shard lag behind
+  bool transient_ = false;      // UseTransientGradients
   std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;  // keeps the hooks alive
   // UseSymmetricGathers: points unit `u`'s bf16 copy at a free slot of `bytes` or more, making one
   // where none fits. A no-op otherwise, and where no slot can be made (gathers then stop using them).

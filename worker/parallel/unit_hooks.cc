@@ -64,6 +64,23 @@ UnitHooks Zero3GatherHooks(ParamStore* store, const std::vector<ShardParam>& par
   return hooks;
 }
 
+UnitHooks PrepareGradientsHooks(ParamStore* store, const std::vector<ShardParam>& params,
+                                const std::vector<std::vector<int>>& units, UnitHooks hooks) {
+  std::map<int, std::vector<int>> unit_index;
+  for (size_t u = 0; u < units.size(); ++u) unit_index[params[units[u].front()].unit].push_back(static_cast<int>(u));
+  hooks.output = [store, unit_index](int unit, torch::Tensor& out) {
+    auto it = unit_index.find(unit);
+    if (it == unit_index.end() || !out.requires_grad()) return;
+    const std::vector<int> mine = it->second;
+    // Runs when backward reaches this unit.
+    out.register_hook([store, mine](const torch::Tensor& grad) {
+      for (int u : mine) store->PrepareGradients(u);
+      return grad;
+    });
+  };
+  return hooks;
+}
+
 UnitHooks AwaitComputeCopiesHooks(ParamStore* store, const std::vector<ShardParam>& params) {
   std::map<int, std::set<int>> store_units;
   for (size_t i = 0; i < params.size(); ++i) store_units[params[i].unit].insert(store->unit_of(static_cast<int>(i)));

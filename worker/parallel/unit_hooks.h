@@ -28,6 +28,13 @@ std::vector<std::vector<int>> SeparateExpertUnits(const std::vector<std::vector<
 UnitHooks Zero3GatherHooks(ParamStore* store, const std::vector<ShardParam>& params,
                            const std::vector<std::vector<int>>& units, int layers);
 
+// Transient gradients (ParamStore::UseTransientGradients) over store units made by StructuralUnits:
+// when backward reaches the output of the embedding or of a block, that unit's gradient buffer is
+// made (the head's, whose backward comes first, the trainer prepares before backward). Returns
+// `hooks` with this output hook added (it has none). `store` must outlive the hooks.
+UnitHooks PrepareGradientsHooks(ParamStore* store, const std::vector<ShardParam>& params,
+                                const std::vector<std::vector<int>>& units, UnitHooks hooks = {});
+
 // A sharded update's bf16 copies are all-gathered during the next forward: each structural unit
 // waits, before its forward, for the store units that hold its parameters. `store` must outlive
 // the hooks.

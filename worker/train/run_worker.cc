@@ -440,6 +440,9 @@ Status Run(const WorkerEnv& env) {
   options.derive_collective_timeout = recipe.fault.collective_timeout_s <= 0 && CollectiveTimeoutOverride() == 0;
   options.dp_overlap = EnvString("LTRAIN_DP_OVERLAP") != "0";
   options.overlap_update = EnvString("LTRAIN_OVERLAP_UPDATE") != "0";
+  if (const std::string transient = EnvString("LTRAIN_TRANSIENT_GRADIENTS"); !transient.empty()) {
+    options.transient_gradients = transient == "0" ? 0 : 1;
+  }
   options.copy_engine_gathers = EnvString("LTRAIN_COPY_ENGINE_GATHERS") != "0";
   options.dp_side_stream = EnvString("LTRAIN_DP_SIDE_STREAM") != "0";
   options.stochastic_residual = EnvString("LTRAIN_STOCHASTIC_RESIDUAL") == "1";
@@ -756,6 +759,11 @@ Profiling:
   LTRAIN_OVERLAP_UPDATE=0  run the optimizer's update inline after backward, not unit by unit on a
                            stream of its own beside the next forward (zero 0, bf16 on CUDA) or
                            in each unit's gather for the next forward (zero 3)
+  LTRAIN_TRANSIENT_GRADIENTS=0
+                           keep the gradients' buffers from step to step (zero 0-2 on one
+                           data-parallel rank, no pipeline), instead of making each block's when
+                           backward reaches it and releasing it after its update (=1 does so on
+                           CPUs too; by default on CUDA only)
   LTRAIN_COPY_ENGINE_GATHERS=0
                            gather the bf16 weights (zero 3 before use, zero 1/2 after each
                            update) with NCCL's kernels, not on the copy engines within memory the

@@ -252,19 +252,24 @@ Status Trainer::Init() {
     numels.push_back(sp.value.numel());
     param_names_.push_back(sp.name);
   }
-  // ZeRO-3 gathers parameters block by block: its units are the model's structural units. The
-  // other stages reduce buckets of parallel.bucket_mb.
-  std::vector<std::vector<int>> units = layout_.zero == 3 ? StructuralUnits(params)
-                                                          : PlanBuckets(numels, 4, p.bucket_mb * 1024.0 * 1024.0);
+  // ZeRO-1 or 2 over one data-parallel rank shards nothing: the store runs as zero 0 (on CUDA its
+  // update then runs beside the next forward, and writes the bf16 copies in the same pass).
+  const int store_zero = layout_.dp == 1 && layout_.zero < 3 ? 0 : layout_.zero;
+  // Gradients made block by block in backward and released after the update: where nothing is
+  // reduced, no pipeline holds them across micro-batches, and no hook would stop LTRAIN_TP_SPLIT_BATCH.
+  const bool transient = store_zero == 0 && layout_.dp == 1 && layout_.pp == 1 && !options_.tp_split_batch &&
+                         (options_.transient_gradients == 1 || (options_.transient_gradients == -1 && device_.is_cuda()));
+  // ZeRO-3 gathers parameters block by block, and transient gradients are made so: their units are
+  // the model's structural units. The other stages reduce buckets of parallel.bucket_mb.
+  std::vector<std::vector<int>> units = layout_.zero == 3 || transient
+                                            ? StructuralUnits(params)
+                                            : PlanBuckets(numels, 4, p.bucket_mb * 1024.0 * 1024.0);
   // Expert parallelism: the experts split over ep go to units of their own, reduced over edp.
   if (layout_.ep > 1) units = SeparateExpertUnits(units, params);
   AdamWConfig adamw;
   adamw.weight_decay = t.weight_decay;
   adamw.beta1 = t.beta1;
   adamw.beta2 = t.beta2;
-  // ZeRO-1 or 2 over one data-parallel rank shards nothing: the store runs as zero 0 (on CUDA its
-  // update then runs beside the next forward, and writes the bf16 copies in the same pass).
-  const int store_zero = layout_.dp == 1 && layout_.zero < 3 ? 0 : layout_.zero;
   StatusOr<std::unique_ptr<ParamStore>> store =
       ParamStore::Create(store_params, units, store_zero, groups_->dp, adamw, bf16_params_,
                          /*exclusive_collectives=*/device_.is_cuda() && (layout_.tp > 1 || layout_.pp > 1 || layout_.ep > 1),
@@ -276,6 +281,14 @@ Status Trainer::Init() {
   }
   if (loader_ && loader_->masked()) model_->set_masked_targets(true);
   if (layout_.zero == 3) model_->set_hooks(Zero3GatherHooks(store_.get(), params, units, ml.config.layers));
+  transient_gradients_ = transient && store_->UseTransientGradients();
+  if (transient_gradients_) {
+    model_->set_hooks(PrepareGradientsHooks(store_.get(), params, units));
+    if (options_.rank == 0 && options_.print_progress) {
+      std::printf("gradients: each block's made when backward reaches it, released after its update "
+                  "(LTRAIN_TRANSIENT_GRADIENTS=0 keeps them)\n");
+    }
+  }
   if (layout_.ep > 1) model_->set_expert_group(groups_->ep);
   if (layout_.cp > 1) model_->set_context_group(groups_->cp);
   // The router's balance and z losses are divided as the LM loss is (a mean over the micro-batches).
@@ -290,7 +303,9 @@ Status Trainer::Init() {
   }
   if (options_.copy_engine_gathers) store_->UseSymmetricGathers();
   if (store_->sharded_update() || (options_.overlap_update && layout_.pp == 1 && store_->can_defer_update())) {
-    model_->set_hooks(AwaitComputeCopiesHooks(store_.get(), params));
+    UnitHooks hooks = AwaitComputeCopiesHooks(store_.get(), params);
+    if (transient_gradients_) hooks = PrepareGradientsHooks(store_.get(), params, units, std::move(hooks));
+    model_->set_hooks(std::move(hooks));
     defer_compute_ = true;
   }
   // ZeRO-3: each unit's update is left to its gather in the next forward (the gather hooks above).
@@ -543,6 +558,8 @@ StatusOr<torch::Tensor> Trainer::StepImpl(bool check_loss) {
       if (!cuda) NoteCore(&step_cpu);
       Progress::Global().SetPhase(step + 1, "backward");
       backward_start_ = SteadyClock::now();
+      // The head's gradients (its backward comes first; store unit 0, StructuralUnits' order).
+      if (transient_gradients_) store_->PrepareGradients(0);
       (loss / m).backward();
       backward_end_ = SteadyClock::now();
       if (!cuda) NoteCore(&step_cpu);

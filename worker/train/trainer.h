@@ -94,6 +94,11 @@ struct TrainerOptions {
   // the next forward, which waits for it just before the unit; zero 3: each unit's update runs in
   // its gather before the next forward uses it (LTRAIN_OVERLAP_UPDATE=0: inline).
   bool overlap_update = true;
+  // zero 0 (or 1, 2) on one data-parallel rank without a pipeline: the gradients are made unit by unit
+  // as backward reaches each and released after the update (ParamStore::UseTransientGradients), so
+  // that forward's peak holds none. -1: on CUDA; 0: never; 1: on CPUs too
+  // (LTRAIN_TRANSIENT_GRADIENTS=0 or 1).
+  int transient_gradients = -1;
   // bf16 copies over NCCL, zero 1-3: the all-gathers of the copies within symmetric memory, on the
   // copy engines (ParamStore::UseSymmetricGathers; LTRAIN_COPY_ENGINE_GATHERS=0: NCCL's kernels).
   bool copy_engine_gathers = true;
@@ -308,6 +313,7 @@ class Trainer {
   bool bf16_params_ = false;                       // bf16 copies of fp32 masters (no autocast)
   bool fp32_residual_ = false;                     // bf16_params_ with the residual stream in fp32
   bool defer_compute_ = false;                     // the store's bf16 copies gathered during the next forward
+  bool transient_gradients_ = false;               // ParamStore::UseTransientGradients
   torch::ScalarType activation_dtype_ = torch::kFloat;  // what pipeline stages send each other
   bool overlap_ = true;          // reduce buckets from backward hooks (pp == 1, no partial tp gradients)
   bool tp_partial_grads_ = false;  // some gradients are partial sums over tp (ShardParam::tp_partial)
