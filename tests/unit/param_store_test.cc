@@ -104,6 +104,60 @@ TEST(ParamStoreTest, Bf16CopiesFollowFp32MastersThatLearnAsAnFp32Store) {
   }
 }
 
+// Transient gradients (one data-parallel rank, zero 0): no gradients between steps; a unit's buffer
+// made before backward (PrepareGradients), after it from what autograd gave the leaves
+// (FinishBackward), or between two backwards of one step (the first's gradients copied in); the
+// store trains exactly as one that keeps its buffers.
+TEST(ParamStoreTest, TransientGradientsTrainAsKeptOnes) {
+  FakeCommunicator dp_kept, dp_transient;
+  Leaves kept = MakeLeaves(), transient = MakeLeaves();
+  std::unique_ptr<ParamStore> reference = MakeStore(kept, 0, &dp_kept, /*bf16=*/true);
+  std::unique_ptr<ParamStore> store = MakeStore(transient, 0, &dp_transient, /*bf16=*/true);
+  ASSERT_TRUE(store->UseTransientGradients());
+  EXPECT_TRUE(store->transient_gradients());
+  EXPECT_FALSE(transient.w.grad().defined());
+  const torch::Tensor cw = torch::randn({4, 3}), cb = torch::randn({3});
+  auto backward = [&](Leaves& leaves, int64_t step) {
+    ((leaves.w.to(torch::kFloat) * cw * static_cast<double>(step)).sum() + (leaves.b.to(torch::kFloat) * cb).square().sum())
+        .backward();
+  };
+  for (int64_t step = 1; step <= 3; ++step) {
+    reference->ZeroGrads();
+    store->ZeroGrads();
+    if (step == 1) store->PrepareGradients(0);
+    backward(kept, step);
+    backward(transient, step);
+    if (step == 3) {
+      store->PrepareGradients(0);
+      backward(kept, step);
+      backward(transient, step);
+    }
+    ASSERT_TRUE(reference->FinishBackward().ok());
+    ASSERT_TRUE(store->FinishBackward().ok());
+    EXPECT_TRUE(torch::equal(transient.w.grad(), kept.w.grad())) << "step " << step;
+    EXPECT_TRUE(torch::equal(transient.b.grad(), kept.b.grad())) << "step " << step;
+    EXPECT_TRUE(torch::equal(store->GradSquareSum(), reference->GradSquareSum())) << "step " << step;
+    ASSERT_TRUE(reference->OptimizerStep(1e-2, 1.0, step).ok());
+    ASSERT_TRUE(store->OptimizerStep(1e-2, 1.0, step).ok());
+    EXPECT_FALSE(transient.w.grad().defined()) << "released after the update, step " << step;
+    EXPECT_FALSE(transient.b.grad().defined()) << "released after the update, step " << step;
+    EXPECT_TRUE(kept.w.grad().defined());
+    EXPECT_TRUE(torch::equal(store->MasterValue(0), reference->MasterValue(0))) << "step " << step;
+    EXPECT_TRUE(torch::equal(store->MasterValue(1), reference->MasterValue(1))) << "step " << step;
+  }
+  // Gradients are counted as held: backward holds them all by its end.
+  EXPECT_EQ(store->Memory().grads, reference->Memory().grads);
+
+  // Where gradients are reduced (two data-parallel ranks) or sharded, they stay.
+  for (const auto& [zero, ranks] : {std::pair{0, 2}, std::pair{3, 1}}) {
+    FakeCommunicator dp;
+    dp.SimulateSize(ranks);
+    Leaves leaves = MakeLeaves();
+    std::unique_ptr<ParamStore> other = MakeStore(leaves, zero, &dp, /*bf16=*/true);
+    EXPECT_FALSE(other->UseTransientGradients()) << "zero " << zero << " over " << ranks;
+  }
+}
+
 // Two real ranks (threads over Gloo): zero 1 with bf16 copies reduce-scatters the gradients, updates
 // its shard of the masters and all-gathers the bf16 copies; it must train exactly as zero 0 does
 // (all-reduce, full update), its masters must match once synchronized, and so must a checkpoint.
