@@ -165,6 +165,20 @@ TEST(LayoutPlanTest, OnCudaTheComputeCopiesAreBf16AndTheStepHasAnEstimate) {
   EXPECT_GT(e.mfu, 0);
 }
 
+// On one GPU without accumulation each block's gradients exist only from its backward to its update
+// (the worker's transient gradients): one block's are counted. Accumulated micro-batches and data
+// parallelism keep them all.
+TEST(LayoutPlanTest, OnOneGpuWithoutAccumulationOneBlocksGradientsAreCounted) {
+  Recipe r = Small();
+  r.parallel.device = Device::kCuda;
+  r.training.global_batch = 2;
+  const int64_t block = 2 * 64 + (64 * 192 + 192) + (64 * 64 + 64) + 2 * 64 + (64 * 256 + 256) + (256 * 64 + 64);
+  EXPECT_EQ(Estimate(r, 1).stages[0].parts.grads, block * 2);
+  r.training.global_batch = 4;
+  EXPECT_EQ(Estimate(r, 1).stages[0].parts.grads, 218496 * 2);
+  EXPECT_EQ(Estimate(r, 2).stages[0].parts.grads, 218496 * 2);
+}
+
 // precision auto on CUDA keeps the residual stream in fp32: the embedding's output and the
 // pipeline's sends take four bytes instead of bf16's two. The norms keep each layer's input and
 // mid-block residual (2 · b · T · d elements) and the final norm's input for backward in bf16 either way.
