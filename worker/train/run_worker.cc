@@ -741,7 +741,8 @@ Profiling:
                            to LAST in one trace, with nothing waited for between them (the gaps
                            between steps show). {rank} in PATH: every rank records, each into its
                            own file; without PATH (LTRAIN_PROFILE=STEP or FIRST-LAST) every rank
-                           writes profile-rank-N.json in the job's directory
+                           writes profile-rank-N.json in the job's directory; the throughput
+                           line leaves the profiled steps and the writing of their trace out
   LTRAIN_PROFILE_RANKS=all|0,4-7
                            which ranks record the window (default: every rank where PATH names
                            {rank} or is absent, else rank 0)

@@ -800,13 +800,19 @@ Status Trainer::Run() {
   };
   // Steady-state throughput: the steps after the first few of this process (allocator and
   // autotuning warm-up), timed from a synchronized start to the last step's loss, less the time
-  // the training thread spent in checkpoint saves.
+  // the training thread spent in checkpoint saves, and less the profiled steps with the writing of
+  // their trace (LTRAIN_PROFILE), which the profiler slows.
   const int64_t warmup = std::min<int64_t>(3, (t.steps - run_start_step_) / 2);
   SteadyClock::time_point window_start = SteadyClock::now();
   double window_ms = 0, blocked_at_start = checkpoint_blocked_ms_, eval_at_start = eval_ms_;
   int64_t window_first = run_start_step_ + 1;
   compat::StepProfiler profiler;
   const int64_t profile_last = std::max(options_.profile_step, options_.profile_last);
+  // The profiled steps and their time from the profiler's start to its trace written; at the
+  // window's start.
+  SteadyClock::time_point profile_start;
+  double profile_ms = 0, profile_at_start = 0;
+  int64_t profiled_steps = 0, profiled_at_start = 0;
   auto stop_profiler = [&](int64_t last) {
     compat::Synchronize(device_);
     profiler.Stop(options_.profile_path);
@@ -821,8 +827,12 @@ Status Trainer::Run() {
   while (step_ < t.steps) {
     const double lr = LearningRate(schedule_, step_);
     if (options_.profile_step == step_ + 1) {
+      // From an idle GPU: the time left out of the throughput is the profiled steps' alone.
+      compat::Synchronize(device_);
+      profile_start = SteadyClock::now();
       if (std::string why = profiler.Start(); !why.empty()) std::printf("profile: not recorded: %s\n", why.c_str());
     }
+    const bool profiling = profiler.running();
     // The window's last step (or the run's, where the run ends first) stops the profiler.
     const bool profile_stop = profiler.running() && (step_ + 1 == profile_last || step_ + 1 == t.steps);
     const auto start = SteadyClock::now();
@@ -857,7 +867,11 @@ Status Trainer::Run() {
       LTRAIN_RETURN_IF_ERROR(settle(*pending));
       pending.reset();
     }
-    if (profile_stop) stop_profiler(s);
+    if (profiling) ++profiled_steps;
+    if (profile_stop) {
+      stop_profiler(s);
+      profile_ms += MillisSince(profile_start);
+    }
     // A stop with a final checkpoint (TrainerOptions::stop_after) saves this step and ends the run.
     LTRAIN_ASSIGN_OR_RETURN(bool stop_here, options_.stop_after ? options_.stop_after(s) : StatusOr<bool>(false));
     const bool periodic = recipe_.checkpoint.every > 0 && s % recipe_.checkpoint.every == 0;
@@ -887,10 +901,15 @@ Status Trainer::Run() {
       blocked_at_start = checkpoint_blocked_ms_;
       eval_at_start = eval_ms_;
       window_first = s + 1;
+      profile_at_start = profile_ms;
+      profiled_at_start = profiled_steps;
+      // A profile running on into the window counts from here.
+      if (profiler.running()) profile_start = window_start;
     }
     if (s == t.steps) {
       compat::Synchronize(device_);  // the window holds the last step's update too
-      window_ms = MillisSince(window_start) - (checkpoint_blocked_ms_ - blocked_at_start) - (eval_ms_ - eval_at_start);
+      window_ms = MillisSince(window_start) - (checkpoint_blocked_ms_ - blocked_at_start) - (eval_ms_ - eval_at_start) -
+                  (profile_ms - profile_at_start);
     }
     if (!memory_printed_ && options_.print_progress) {
       // Bytes this rank holds for each; activations_peak is the largest growth of the heap over
@@ -926,7 +945,10 @@ Status Trainer::Run() {
   if (profiler.running()) stop_profiler(step_);  // a stop ended the run inside the profiled window
   // The last update's bf16 copies, where their gathers were left to the next forward.
   LTRAIN_RETURN_IF_ERROR(store_->AwaitUpdates());
-  if (printer && t.steps >= window_first && window_ms > 0) PrintThroughput(window_first, t.steps - window_first + 1, window_ms);
+  const int64_t profiled_in_window = profiled_steps - profiled_at_start;
+  if (printer && t.steps - window_first + 1 > profiled_in_window && window_ms > 0) {
+    PrintThroughput(window_first, t.steps - window_first + 1, window_ms, profiled_in_window);
+  }
   if (printer && copies_ && copies_->noted_steps_ms() > 0) {
     // What the copies cost this rank: their time beside the steps' own (they run between steps).
     std::printf("memory copies: %d taken (%.1f MB each, every %d step(s) at the end), %.0f ms in all: %+.2f%% on the %.1f s "

@@ -258,7 +258,8 @@ class Trainer {
   // Peak device memory on CUDA: the caching allocator's, plus the store's symmetric memory.
   int64_t PeakDeviceBytes() const;
   // Rank 0's summary of the timed steps: tokens/s, per device, TFLOP/s, MFU and peak memory on CUDA.
-  void PrintThroughput(int64_t first_step, int64_t steps, double total_ms) const;
+  // `left_out` of the `steps` from `first_step` on (profiled) are not in `total_ms`.
+  void PrintThroughput(int64_t first_step, int64_t steps, double total_ms, int64_t left_out = 0) const;
   // Snapshots this step and starts its save (async) or writes and commits it (sync). A failed save
   // is reported, not returned: only errors that break the job (a failed collective) are.
   Status StartSave();

@@ -110,10 +110,10 @@ Status Trainer::CheckLoss(double value, int64_t step, int fp8_overflowed) const 
                   "; lower training.lr or check the data");
 }
 
-void Trainer::PrintThroughput(int64_t first_step, int64_t steps, double total_ms) const {
+void Trainer::PrintThroughput(int64_t first_step, int64_t steps, double total_ms, int64_t left_out) const {
   const ModelSpec& m = recipe_.model;
   const double flops_per_token = ModelFlopsPerToken(recipe_.model);
-  const double step_ms = total_ms / static_cast<double>(steps);
+  const double step_ms = total_ms / static_cast<double>(steps - left_out);
   const double tokens = static_cast<double>(layout_.global_batch) * m.seq_len / (step_ms / 1000.0);
   const double per_device = tokens / layout_.world_size;
   const double tflops = per_device * flops_per_token / 1e12;
@@ -126,6 +126,10 @@ void Trainer::PrintThroughput(int64_t first_step, int64_t steps, double total_ms
                 static_cast<double>(PeakDeviceBytes()) / (1024.0 * 1024.0 * 1024.0));
   }
   std::printf("\n");
+  if (left_out > 0) {
+    std::printf("throughput: without the %lld profiled step(s) and the writing of their trace\n",
+                static_cast<long long>(left_out));
+  }
   std::fflush(stdout);
 }
 
