@@ -632,10 +632,8 @@ LayoutEstimate EstimateLayout(const Recipe& recipe, const Layout& layout, double
     // it and released after its update (the worker's transient gradients): at forward's peak none,
     // in backward the block's beside the activations freed so far. One block's is counted.
     if (cuda && zero < 3 && dp == 1 && mb == 1 && layout.pp == 1) {
-      std::map<int, int64_t> by_unit;
-      for (const RankParam& p : params) by_unit[p.unit] += p.numel;
       int64_t biggest = 0;
-      for (const auto& [unit, n] : by_unit) biggest = std::max(biggest, n);
+      for (const FlatUnit& block : Units(params, /*zero=*/3, ps.bucket_mb)) biggest = std::max(biggest, block.numel);
       parts.grads = biggest * (e.bf16 ? 2 : 4);
     }
     e.stages.push_back(st);

@@ -432,7 +432,6 @@ torch::Tensor ParamStore::GradSquareSum() {
   // Summed on the device, one value brought back: on CUDA from fp32 norms of every segment (one
   // kernel, as clip_grad_norm_ does), on the CPU from squares in double.
   // Adjacent counted parameters of a unit make one segment (fewer, longer ones for the kernel).
-  MakeAllGradients();
   std::vector<torch::Tensor> sums, segments;
   std::vector<double> weights;  // of the segments
   for (Unit& unit : units_) {
@@ -608,7 +607,6 @@ Status ParamStore::OptimizerStep(double lr, double grad_scale, int64_t step, con
   // bf16 compute copies on CUDA: our kernel, one pass per segment that also writes the bf16 copy of
   // the owned elements (zero 0: all of them; a sharded update then all-gathers the copies).
   if (units_.empty()) return Status::Ok();
-  MakeAllGradients();
   const bool own_kernel = units_.front().compute.defined() && FusedAdamWAvailable(units_.front().full);
   const bool sharded = sharded_update();
   // For the fused kernels: clipping as one device scalar the gradients are divided by (undefined:

@@ -5,6 +5,17 @@
 #include <stdexcept>
 
 namespace ltrain::worker {
+namespace {
+
+// Structural unit id -> the store units that hold its parameters.
+std::map<int, std::vector<int>> StoreUnitsByStructuralUnit(const std::vector<ShardParam>& params,
+                                                           const std::vector<std::vector<int>>& units) {
+  std::map<int, std::vector<int>> index;
+  for (size_t u = 0; u < units.size(); ++u) index[params[units[u].front()].unit].push_back(static_cast<int>(u));
+  return index;
+}
+
+}  // namespace
 
 std::vector<std::vector<int>> StructuralUnits(const std::vector<ShardParam>& params) {
   std::map<int, std::vector<int>> by_unit;
@@ -28,9 +39,7 @@ std::vector<std::vector<int>> SeparateExpertUnits(const std::vector<std::vector<
 
 UnitHooks Zero3GatherHooks(ParamStore* store, const std::vector<ShardParam>& params,
                            const std::vector<std::vector<int>>& units, int layers) {
-  // Structural unit id -> its store units.
-  std::map<int, std::vector<int>> unit_index;
-  for (size_t u = 0; u < units.size(); ++u) unit_index[params[units[u].front()].unit].push_back(static_cast<int>(u));
+  const std::map<int, std::vector<int>> unit_index = StoreUnitsByStructuralUnit(params, units);
   const int last_unit = layers + 1;
   auto store_units = [unit_index](int unit) {
     auto it = unit_index.find(unit);
@@ -66,9 +75,7 @@ UnitHooks Zero3GatherHooks(ParamStore* store, const std::vector<ShardParam>& par
 
 UnitHooks PrepareGradientsHooks(ParamStore* store, const std::vector<ShardParam>& params,
                                 const std::vector<std::vector<int>>& units, UnitHooks hooks) {
-  std::map<int, std::vector<int>> unit_index;
-  for (size_t u = 0; u < units.size(); ++u) unit_index[params[units[u].front()].unit].push_back(static_cast<int>(u));
-  hooks.output = [store, unit_index](int unit, torch::Tensor& out) {
+  hooks.output = [store, unit_index = StoreUnitsByStructuralUnit(params, units)](int unit, torch::Tensor& out) {
     auto it = unit_index.find(unit);
     if (it == unit_index.end() || !out.requires_grad()) return;
     const std::vector<int> mine = it->second;

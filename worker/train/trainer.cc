@@ -834,7 +834,7 @@ Status Trainer::Run() {
     }
     const bool profiling = profiler.running();
     // The window's last step (or the run's, where the run ends first) stops the profiler.
-    const bool profile_stop = profiler.running() && (step_ + 1 == profile_last || step_ + 1 == t.steps);
+    const bool profile_stop = profiling && (step_ + 1 == profile_last || step_ + 1 == t.steps);
     const auto start = SteadyClock::now();
     StatusOr<torch::Tensor> stepped = StepOnDevice(/*check_loss=*/!lag);
     if (!stepped.ok() && options_.recovery != nullptr && Recovery::Recoverable(stepped.status())) {
